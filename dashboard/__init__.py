@@ -1,0 +1,1 @@
+"""Dash dashboard: mismatch heatmaps, timelines and the remediation toggle."""

@@ -1,0 +1,98 @@
+"""The store on SQLite and PostgreSQL: round trips, idempotent re-ingest, all-or-nothing batches."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from pydantic import ValidationError
+from sqlalchemy import func, select
+
+from audit.models import ManifestRow, RunRow, SampleRow
+from audit.records import RuntimeFacts
+from audit.store import ForbiddenRun, Store
+from tests import factories
+
+
+def count(store: Store, model) -> int:
+    with store.sessions() as session:
+        return session.scalar(select(func.count()).select_from(model))
+
+
+def test_every_record_type_round_trips(store: Store):
+    run = factories.run(config={"lr": 1e-6, "algo": "grpo"})
+    manifest = factories.manifest(
+        "rollout", "engine_decode", runtime=RuntimeFacts(framework="vllm", dtype="bfloat16", prefix_caching=True),
+        regions=["embed", "logits"], unobserved={"layers.0.attn": "fused kernel"}, weight_version="7",
+    )
+    topk_ids = np.arange(12, dtype=np.int32).reshape(6, 2)
+    trainer = factories.sample("trainer", weight_version=7, temperature=0.7, top_k=50, top_p=0.9,
+                               topk_ids=topk_ids, topk_logprobs=-np.ones((6, 2), np.float32))
+    rollout = factories.sample("rollout", semantics="raw")
+    prints = factories.fingerprints(trainer, "layers.0.mlp")
+    result = store.ingest([run, manifest, trainer, rollout, prints])
+    assert dict(result.stored) == {"run": 1, "manifest": 1, "sample": 2, "fingerprints": 1}
+
+    [summary] = store.list_runs()
+    assert (summary.run_id, summary.name, summary.config, summary.n_steps) == ("run-1", "test run", run.config, 1)
+    got_trainer, got_rollout = store.sample_pair("run-1", 0, trainer.sample_key)
+    for got, want in ((got_trainer, trainer), (got_rollout, rollout)):
+        assert got.model_dump(mode="json") == want.model_dump(mode="json")
+    [got_prints] = store.fingerprints("run-1", 0, [trainer.sample_key])
+    assert got_prints.model_dump(mode="json") == prints.model_dump(mode="json")
+    [got_manifest] = store.manifests("run-1")
+    assert got_manifest.model_dump(mode="json") == manifest.model_dump(mode="json")
+    assert [s.step for s in store.steps("run-1")] == [0]
+
+
+def test_reingest_is_idempotent(store: Store):
+    records = [factories.run(), factories.manifest(), factories.sample("trainer"), factories.sample("rollout")]
+    records.append(factories.fingerprints(records[2]))
+    store.ingest(records)
+    again = store.ingest([r.model_copy(deep=True) for r in records])
+    assert sum(again.stored.values()) == 0
+    assert dict(again.duplicates) == {"run": 1, "manifest": 1, "sample": 2, "fingerprints": 1}
+    assert count(store, SampleRow) == 2 and count(store, ManifestRow) == 1 and count(store, RunRow) == 1
+
+
+def test_a_batch_with_one_malformed_record_stores_nothing(store: Store):
+    good = factories.sample("trainer").model_dump(mode="json")
+    bad = factories.sample("rollout").model_dump(mode="json")
+    bad["logprobs"] = factories.sample(n_completion=3).model_dump(mode="json")["logprobs"]
+    with pytest.raises(ValidationError) as exc:
+        store.ingest([factories.run().model_dump(mode="json"), good, bad])
+    assert "logprobs" in str(exc.value)
+    assert count(store, SampleRow) == 0 and count(store, RunRow) == 0
+
+
+def test_a_refused_batch_rolls_back_whole(store: Store):
+    store.ingest([factories.run("theirs")], project="other")
+    mine = factories.sample("trainer", run_id="mine")
+    theirs = factories.sample("trainer", run_id="theirs")
+    with pytest.raises(ForbiddenRun, match="theirs"):
+        store.ingest([mine, theirs], project="default")
+    assert count(store, SampleRow) == 0 and store.run_project("mine") is None
+
+
+def test_records_before_their_run_register_it(store: Store):
+    store.ingest([factories.sample("rollout", run_id="implicit")])
+    assert store.run_project("implicit") == "default"
+    store.ingest([factories.run("implicit", name="named later")])
+    assert store.get_run("implicit").name == "named later"
+
+
+def test_logprobs_are_one_row_per_sample_not_per_token(store: Store):
+    store.ingest([factories.sample("trainer", n_completion=2000), factories.sample("rollout", n_completion=2000)])
+    assert count(store, SampleRow) == 2
+
+
+def test_pending_lists_only_samples_with_both_sides(store: Store):
+    trainer = factories.sample("trainer", seed=1)
+    only_trainer = factories.sample("trainer", seed=2)
+    store.ingest([trainer, only_trainer])
+    assert store.pending() == []
+    store.ingest([factories.sample("rollout", seed=1)])
+    assert store.pending() == [("run-1", 0, trainer.sample_key)]
+    store.save_comparison([], [], store.pending())
+    assert store.pending() == []
+    store.ingest([factories.sample("rollout", seed=1)])  # a duplicate queues nothing
+    assert store.pending() == []

@@ -1,0 +1,46 @@
+"""Shared fixtures: a fresh store on SQLite and, when ISOAUDIT_TEST_POSTGRES_URL is set, on PostgreSQL."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+
+import pytest
+from sqlalchemy import create_engine, text
+
+from audit.store import Store
+
+POSTGRES_URL = os.environ.get("ISOAUDIT_TEST_POSTGRES_URL")
+
+
+def postgres_schema_url() -> Iterator[str]:
+    """A URL whose connections live in a schema of their own, dropped afterwards, so concurrent test
+    runs against the one server never see each other's tables."""
+    if not POSTGRES_URL:
+        pytest.skip("ISOAUDIT_TEST_POSTGRES_URL is not set (make test sets it)")
+    schema = f"isoaudit_test_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(POSTGRES_URL)
+    with admin.begin() as connection:
+        connection.execute(text(f'CREATE SCHEMA "{schema}"'))
+    try:
+        yield f"{POSTGRES_URL}?options=-csearch_path%3D{schema}"
+    finally:
+        with admin.begin() as connection:
+            connection.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
+        admin.dispose()
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def database_url(request: pytest.FixtureRequest, tmp_path) -> Iterator[str]:
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'isoaudit.db'}"
+    else:
+        yield from postgres_schema_url()
+
+
+@pytest.fixture
+def store(database_url: str) -> Iterator[Store]:
+    store = Store(database_url)
+    yield store
+    store.dispose()
