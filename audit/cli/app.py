@@ -1,4 +1,5 @@
-"""The ``isoaudit`` command line. Each group of commands is one concern: the database, runs, comparison."""
+"""The root ``isoaudit`` command, with the database and runs groups. Other groups live in their own
+modules of this package and register themselves on ``app`` (see the imports at the bottom)."""
 
 from __future__ import annotations
 
@@ -80,5 +81,6 @@ def _redact(url: str) -> str:
     return make_url(url).render_as_string(hide_password=True)
 
 
-if __name__ == "__main__":
-    app()
+
+# Command groups defined in sibling modules register themselves on `app` when imported.
+# (one import line per module; keep them at the bottom, after `app` exists)
