@@ -1,0 +1,127 @@
+"""Ingest one synthetic RL step (1,024 samples x 2,048 tokens on both sides, ~4M token logprobs) into
+SQLite and PostgreSQL through ``Store.ingest``, against a plain ``executemany`` of the same bytes into
+a bare table in the same run. Target: the whole step in under 5 s on SQLite.
+
+    python bench/ingest.py [--samples 1024] [--tokens 2048] [--postgres URL]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sqlite3
+import tempfile
+import time
+import uuid
+
+import numpy as np
+from sqlalchemy import create_engine, text
+from tqdm import tqdm
+
+from audit.records import SampleLogprobs
+from audit.store import Store
+
+
+def synthetic_step(n_samples: int, n_tokens: int, prompt_len: int = 256) -> list[SampleLogprobs]:
+    rng = np.random.default_rng(0)
+    records = []
+    for i in tqdm(range(n_samples), desc="building records", leave=False):
+        tokens = rng.integers(0, 150_000, n_tokens, dtype=np.int32)
+        tokens[0] = i  # distinct samples
+        lp = -rng.exponential(1.0, n_tokens - prompt_len).astype(np.float32)
+        for side, noise in (("trainer", 0.0), ("rollout", 1e-3)):
+            records.append(
+                SampleLogprobs(
+                    run_id="bench", step=0, side=side, prompt_len=prompt_len, token_ids=tokens,
+                    logprobs=np.minimum(lp + noise * rng.standard_normal(lp.size).astype(np.float32), 0),
+                )
+            )
+    return records
+
+
+def plain_rows(records: list[SampleLogprobs]) -> list[tuple]:
+    return [(r.run_id, r.step, r.side, r.sample_key, r.token_ids.tobytes(), r.logprobs.tobytes()) for r in records]
+
+
+BARE_TABLE = "CREATE TABLE bare (run_id TEXT, step BIGINT, side TEXT, sample_key TEXT, token_ids {blob}, logprobs {blob})"
+
+
+def time_sqlite(records: list[SampleLogprobs], directory: str) -> tuple[float, float]:
+    store = Store(f"sqlite:///{directory}/store.db")
+    start = time.perf_counter()
+    store.ingest(records)
+    ours = time.perf_counter() - start
+    store.dispose()
+
+    connection = sqlite3.connect(f"{directory}/bare.db")
+    connection.execute("PRAGMA journal_mode=WAL")
+    connection.execute("PRAGMA synchronous=NORMAL")
+    connection.execute(BARE_TABLE.format(blob="BLOB"))
+    start = time.perf_counter()
+    rows = plain_rows(records)
+    with connection:
+        connection.executemany("INSERT INTO bare VALUES (?, ?, ?, ?, ?, ?)", rows)
+    baseline = time.perf_counter() - start
+    connection.close()
+    return ours, baseline
+
+
+def time_postgres(records: list[SampleLogprobs], url: str) -> tuple[float, float]:
+    schema = f"isoaudit_bench_{uuid.uuid4().hex[:8]}"
+    admin = create_engine(url)
+    with admin.begin() as connection:
+        connection.execute(text(f'CREATE SCHEMA "{schema}"'))
+    scoped = f"{url}?options=-csearch_path%3D{schema}"
+    try:
+        store = Store(scoped)
+        start = time.perf_counter()
+        store.ingest(records)
+        ours = time.perf_counter() - start
+        store.dispose()
+
+        engine = create_engine(scoped)
+        with engine.begin() as connection:
+            connection.execute(text(BARE_TABLE.format(blob="BYTEA")))
+        raw = engine.raw_connection()
+        start = time.perf_counter()
+        rows = plain_rows(records)
+        with raw.cursor() as cursor:
+            cursor.executemany("INSERT INTO bare VALUES (%s, %s, %s, %s, %s, %s)", rows)
+        raw.commit()
+        baseline = time.perf_counter() - start
+        raw.close()
+        engine.dispose()
+    finally:
+        with admin.begin() as connection:
+            connection.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
+        admin.dispose()
+    return ours, baseline
+
+
+def report(name: str, n_logprobs: int, ours: float, baseline: float) -> None:
+    print(
+        f"{name:10s} Store.ingest {ours:6.2f} s ({n_logprobs / ours / 1e6:6.2f} M token logprobs/s)   "
+        f"plain executemany {baseline:6.2f} s ({n_logprobs / baseline / 1e6:6.2f} M/s)   ratio {ours / baseline:5.2f}x"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--samples", type=int, default=1024)
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--postgres", default=os.environ.get("ISOAUDIT_TEST_POSTGRES_URL"))
+    args = parser.parse_args()
+
+    records = synthetic_step(args.samples, args.tokens)
+    n_logprobs = sum(r.logprobs.size for r in records)
+    print(f"one step: {len(records)} records, {n_logprobs / 1e6:.2f} M token logprobs")
+    with tempfile.TemporaryDirectory() as directory:
+        ours, baseline = time_sqlite(records, directory)
+    report("sqlite", n_logprobs, ours, baseline)
+    print(f"sqlite target (< 5 s for the step): {'met' if ours < 5 else 'MISSED'}")
+    if args.postgres:
+        report("postgresql", n_logprobs, *time_postgres(records, args.postgres))
+
+
+if __name__ == "__main__":
+    main()
