@@ -1,0 +1,48 @@
+"""Optional Triton import and the rule that picks a backend.
+
+The package must import where Triton is missing (CPU-only CI without the `test` extra): every
+kernel module defines its Triton kernel only when ``HAVE_TRITON`` is true, and the exact torch
+reference serves otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:  # pragma: no cover - depends on the environment
+    import triton
+    import triton.language as tl
+
+    HAVE_TRITON = True
+except Exception:  # ImportError, or a broken install on an odd platform
+    triton = None
+    tl = None
+    HAVE_TRITON = False
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels on the CPU through its interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """Whether the Triton kernel can run on this tensor (CUDA, or the CPU under the interpreter)."""
+    return HAVE_TRITON and (t.is_cuda or (interpreting() and t.device.type == "cpu"))
+
+
+def resolve(impl: str | None, t: torch.Tensor) -> str:
+    """Pick ``"triton"`` or ``"torch"``; an explicit ``impl`` wins, else the best available."""
+    if impl is None:
+        return "triton" if use_triton(t) else "torch"
+    if impl not in ("triton", "torch"):
+        raise ValueError(f"impl must be 'triton' or 'torch', not {impl!r}")
+    if impl == "triton" and not use_triton(t):
+        raise RuntimeError("the Triton kernel needs CUDA, or TRITON_INTERPRET=1 for CPU tensors")
+    return impl
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 operands use exact fp32 products ("ieee"), never tf32: the bits must not depend on a flag."""
+    return "ieee" if dtype == torch.float32 else "tf32"

@@ -1,0 +1,165 @@
+"""Route HF transformers models (Llama, Qwen2, Qwen3, Mistral) through :mod:`kernels.routing`.
+
+Two pieces: ``patch()``/``unpatch()`` swap, process-wide, ``nn.Linear.forward``, the HF RMSNorm
+classes' forward and HF's "sdpa"/"eager" attention entries for routed versions (so an unmodified
+HF model run as a trainer uses the invariant kernels); :class:`HFCausalLM` runs the same HF modules
+as a rollout engine's model (packed tokens, our KV cache) with exactly the same per-token arithmetic.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from . import routing
+
+_FAMILIES = [("llama", "Llama"), ("qwen2", "Qwen2"), ("qwen3", "Qwen3"), ("mistral", "Mistral"),
+             ("qwen3_moe", "Qwen3Moe")]
+_saved: dict[str, Any] = {}
+
+
+def _linear_forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
+    return routing.linear(input, self.weight, self.bias)
+
+
+def _rmsnorm_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    return routing.rms_norm(hidden_states, self.weight, self.variance_epsilon)
+
+
+def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                 **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """HF attention-interface entry: (B, H, Lq, D) queries against (B, Hkv, Lk, D) keys, causal,
+    the queries being the last Lq positions. Padding must be on the right (the mask is not read)."""
+    b, hq, lq, d = query.shape
+    lk = key.shape[2]
+    q = query.transpose(1, 2).reshape(b * lq, hq, d)
+    dev = query.device
+    cu = torch.arange(b + 1, device=dev, dtype=torch.int32) * lq
+    pos0 = torch.full((b,), lk - lq, device=dev, dtype=torch.int32)
+    kv_len = torch.full((b,), lk, device=dev, dtype=torch.int32)
+    out = routing.attention(q, key.transpose(1, 2), value.transpose(1, 2), cu, pos0, kv_len, None, scaling)
+    return out.reshape(b, lq, hq, d), None
+
+
+def _rmsnorm_classes() -> list[type]:
+    out = []
+    for mod, prefix in _FAMILIES:
+        try:
+            m = importlib.import_module(f"transformers.models.{mod}.modeling_{mod}")
+        except Exception:
+            continue
+        cls = getattr(m, f"{prefix}RMSNorm", None)
+        if cls is not None:
+            out.append(cls)
+    return out
+
+
+def patch() -> None:
+    """Install the routed forwards (idempotent)."""
+    if _saved:
+        return
+    _saved["linear"] = nn.Linear.forward
+    nn.Linear.forward = _linear_forward  # type: ignore[method-assign]
+    _saved["norms"] = [(cls, cls.forward) for cls in _rmsnorm_classes()]
+    for cls, _ in _saved["norms"]:
+        cls.forward = _rmsnorm_forward
+    try:
+        from transformers.modeling_utils import AttentionInterface
+    except Exception:
+        AttentionInterface = None  # noqa: N806
+    if AttentionInterface is not None:
+        gm = AttentionInterface._global_mapping
+        _saved["attn"] = {key: gm.get(key) for key in ("sdpa", "eager")}
+        gm["sdpa"] = hf_attention
+        gm["eager"] = hf_attention
+
+
+def unpatch() -> None:
+    """Restore what :func:`patch` replaced."""
+    if not _saved:
+        return
+    nn.Linear.forward = _saved.pop("linear")  # type: ignore[method-assign]
+    for cls, fwd in _saved.pop("norms"):
+        cls.forward = fwd
+    attn = _saved.pop("attn", None)
+    if attn is not None:
+        from transformers.modeling_utils import AttentionInterface
+
+        gm = AttentionInterface._global_mapping
+        for key, fn in attn.items():
+            if fn is None:
+                gm.pop(key, None)
+            else:
+                gm[key] = fn
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+class HFCausalLM:
+    """An HF Llama/Qwen3 decoder run as a rollout engine's model: packed tokens of many sequences,
+    a KV cache per layer of shape (slots, max_len, Hkv, D). Uses the model's own modules, so with
+    the kernels enabled every op is the one the patched trainer runs."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.inner = model.model
+        cfg = model.config
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.kv_heads = cfg.num_key_value_heads
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.lm_head.weight
+
+    def new_cache(self, slots: int, max_len: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        w = self.lm_head_weight
+        shape = (slots, max_len, self.kv_heads, self.head_dim)
+        return [(torch.zeros(shape, dtype=w.dtype, device=w.device), torch.zeros(shape, dtype=w.dtype, device=w.device))
+                for _ in self.inner.layers]
+
+    @torch.no_grad()
+    def step(self, ids: torch.Tensor, positions: torch.Tensor, cu: torch.Tensor, slots: list[int],
+             cache: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Run new tokens (packed; ``cu`` B+1 offsets; ``positions`` absolute) and return the final
+        normed hidden states (T, hidden)."""
+        t = ids.shape[0]
+        d = self.head_dim
+        dev = ids.device
+        lens = (cu[1:] - cu[:-1]).tolist()
+        slot_of_tok = torch.repeat_interleave(torch.tensor(slots, device=dev), torch.tensor(lens, device=dev))
+        q_pos0 = torch.stack([positions[int(s)] for s in cu[:-1]]) if t else positions[:0]
+        kv_len = q_pos0 + (cu[1:] - cu[:-1]).to(q_pos0.dtype)
+        slots_t = torch.tensor(slots, device=dev)
+        x = self.inner.embed_tokens(ids)
+        cos, sin = self.inner.rotary_emb(x[None], positions[None])
+        cos, sin = cos[0][:, None, :], sin[0][:, None, :]
+        for li, layer in enumerate(self.inner.layers):
+            attn = layer.self_attn
+            res = x
+            h = layer.input_layernorm(x)
+            q = attn.q_proj(h).view(t, -1, d)
+            k = attn.k_proj(h).view(t, -1, d)
+            v = attn.v_proj(h).view(t, -1, d)
+            if hasattr(attn, "q_norm"):
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q = (q * cos) + (_rotate_half(q) * sin)
+            k = (k * cos) + (_rotate_half(k) * sin)
+            kc, vc = cache[li]
+            kc[slot_of_tok, positions] = k
+            vc[slot_of_tok, positions] = v
+            o = routing.attention(q, kc, vc, cu, q_pos0, kv_len, slots_t, attn.scaling)
+            x = res + attn.o_proj(o.reshape(t, -1))
+            res = x
+            x = res + layer.mlp(layer.post_attention_layernorm(x))
+        return self.inner.norm(x)
+
+    def full_hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The trainer's path: the HF model's own forward over whole (right-padded) sequences."""
+        return self.inner(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state

@@ -1,0 +1,128 @@
+"""The switch every model call goes through: invariant kernels when enabled, native torch otherwise.
+
+Models (our own, the HF adapters, the rollout engine) call these functions instead of torch's, so
+one process-wide flag moves the whole forward pass onto the invariant kernels. When enabled, each
+op uses its Triton kernel where it can run (CUDA, or the CPU under TRITON_INTERPRET=1) and its exact
+torch reference elsewhere. When disabled, each op is what a stock stack would do (cuBLAS/bf16
+lm_head/SDPA/the usual chunk and recurrent GDN forms), which is what isoaudit's comparator measures
+as the native mismatch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from . import attention as _attn
+from . import gdn as _gdn
+from . import gemm as _gemm
+from . import logprobs as _lp
+from . import rmsnorm as _rms
+
+_ENABLED = False
+
+
+def is_enabled() -> bool:
+    """Whether this process currently routes through the invariant kernels."""
+    return _ENABLED
+
+
+def set_enabled(flag: bool) -> bool:
+    """Set the flag; returns the previous value."""
+    global _ENABLED
+    prev, _ENABLED = _ENABLED, bool(flag)
+    return prev
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` or the batch-invariant GEMM."""
+    if _ENABLED:
+        return _gemm.linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """HF-style RMSNorm (fp32 statistics, weight applied in the model dtype) or the invariant one."""
+    if _ENABLED:
+        if torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)):
+            return _rms.rms_norm_autograd(x, weight, eps)
+        return _rms.rms_norm(x, weight, eps)  # type: ignore[return-value]
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return h.to(dtype) if weight is None else weight * h.to(dtype)
+
+
+def l2_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Normalise the last dim to unit L2 norm (GDN q/k)."""
+    if _ENABLED:
+        if torch.is_grad_enabled() and x.requires_grad:
+            return _rms.rms_norm_autograd(x, None, eps, l2=True)
+        return _rms.rms_norm(x, None, eps, l2=True)  # type: ignore[return-value]
+    h = x.float()
+    return (h * torch.rsqrt(h.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_q: torch.Tensor,
+    q_pos0: torch.Tensor, kv_len: torch.Tensor, slots: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Causal attention of packed queries against a KV cache (layout in :mod:`kernels.attention`)."""
+    if slots is None:
+        slots = torch.arange(cu_q.numel() - 1, device=q.device)
+    if _ENABLED:
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_cache, v_cache)):
+            return _attn.attention_autograd(q, k_cache, v_cache, cu_q, q_pos0, kv_len, slots, scale)
+        return _attn.attention(q, k_cache, v_cache, cu_q, q_pos0, kv_len, slots, scale)
+    scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    g = q.shape[1] // k_cache.shape[2]
+    outs = []
+    for b in range(cu_q.numel() - 1):
+        s0, s1 = int(cu_q[b]), int(cu_q[b + 1])
+        p0, n, slot = int(q_pos0[b]), int(kv_len[b]), int(slots[b])
+        qb = q[s0:s1].transpose(0, 1)[None]
+        kb = k_cache[slot, :n].repeat_interleave(g, dim=1).transpose(0, 1)[None]
+        vb = v_cache[slot, :n].repeat_interleave(g, dim=1).transpose(0, 1)[None]
+        if s1 - s0 == 1:
+            mask = None
+        else:
+            pos = torch.arange(p0, p0 + s1 - s0, device=q.device)
+            mask = torch.arange(n, device=q.device)[None, :] <= pos[:, None]
+        outs.append(F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale)[0].transpose(0, 1))
+    return torch.cat(outs)
+
+
+def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log p(token | row) for each row of hidden: fp32 invariant path, or the stock bf16 lm_head."""
+    if _ENABLED:
+        if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+            return _lp.token_logprobs_autograd(hidden, weight, tokens)
+        return _lp.token_logprobs(hidden, weight, tokens)
+    logits = F.linear(hidden.reshape(-1, hidden.shape[-1]), weight).float()
+    return torch.log_softmax(logits, -1).gather(1, tokens.reshape(-1, 1).long())[:, 0]
+
+
+def logits_fp32(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Full fp32 logits (for sampling)."""
+    if _ENABLED:
+        return _lp.lm_head_logits(hidden, weight)
+    return F.linear(hidden, weight).float()
+
+
+def gdn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+        cu_seqlens: torch.Tensor, chunk: int = _gdn.CHUNK) -> torch.Tensor:
+    """Gated DeltaNet over whole sequences from a zero state (the trainer's path)."""
+    if _ENABLED:
+        return _gdn.gdn_chunk_autograd(q, k, v, g, beta, cu_seqlens, chunk)
+    return _gdn.gdn_chunk_reference(q, k, v, g, beta, cu_seqlens, None, chunk,
+                                    solve="triangular", state_at="end")[0]
+
+
+def gdn_incremental(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                    beta: torch.Tensor, cu_seqlens: torch.Tensor, slots: list[int],
+                    cache: _gdn.GDNCache, chunk: int = _gdn.CHUNK) -> torch.Tensor:
+    """Gated DeltaNet continuing cached states (the engine's path)."""
+    return _gdn.gdn_incremental(q, k, v, g, beta, cu_seqlens, slots, cache, invariant=_ENABLED, chunk=chunk)
