@@ -173,3 +173,5 @@ class StepResultRow(Base):
     metrics: Mapped[dict[str, Any]] = mapped_column()
     diagnoses: Mapped[dict[str, Any]] = mapped_column(default=dict)
     computed_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+from audit import service_models as _service_models  # noqa: E402,F401

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 from pydantic import TypeAdapter
-from sqlalchemy import Engine, create_engine, delete, event, func, select, tuple_
+from sqlalchemy import Engine, create_engine, delete, event, func, select, tuple_, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -40,6 +40,7 @@ from audit.records import (
     Side,
     utcnow,
 )
+from audit.service_models import REMEDIATION_MODES, ControlState, RunControlRow, StaleControlVersion
 
 _records_adapter: TypeAdapter[list[AnyRecord]] = TypeAdapter(list[AnyRecord])
 
@@ -463,3 +464,47 @@ class Store:
                     select(SampleResultRow.sample_key).where(SampleResultRow.run_id == run_id, SampleResultRow.step == step)
                 )
             )
+
+    # ------------------------------------------------------------------ remediation control (issue 6)
+
+    def get_control(self, run_id: str) -> ControlState:
+        """The run's desired remediation mode (``native`` at version 0 until someone sets it)."""
+        with self.sessions() as session:
+            row = session.get(RunControlRow, run_id)
+        if row is None:
+            return ControlState(run_id=run_id, mode="native", version=0)
+        return ControlState(row.run_id, row.mode, row.version, row.updated_at, row.updated_by)
+
+    def set_control(self, run_id: str, mode: str, version: int, *, updated_by: str = "") -> ControlState:
+        """Set the desired mode if ``version`` is the current one (optimistic concurrency), bumping it;
+        raise :class:`StaleControlVersion` otherwise. The run must exist."""
+        if mode not in REMEDIATION_MODES:
+            raise ValueError(f"mode: {mode!r} is not one of {', '.join(REMEDIATION_MODES)}")
+        now = utcnow()
+        values = {"mode": mode, "version": version + 1, "updated_at": now, "updated_by": updated_by}
+        with self.sessions.begin() as session:
+            if version == 0:
+                stmt = self._insert(RunControlRow.__table__).on_conflict_do_nothing()
+                changed = session.execute(stmt, [{"run_id": run_id, **values}]).rowcount
+            else:
+                stmt = (
+                    update(RunControlRow)
+                    .where(RunControlRow.run_id == run_id, RunControlRow.version == version)
+                    .values(**values)
+                )
+                changed = session.execute(stmt).rowcount
+        if changed != 1:
+            raise StaleControlVersion(self.get_control(run_id))
+        return ControlState(run_id, mode, version + 1, now, updated_by)
+
+    def run_summary(self, run_id: str) -> RunSummary | None:
+        """One run's summary, without aggregating every other run (``get_run`` lists them all)."""
+        steps = select(func.count(func.distinct(SampleRow.step)), func.max(SampleRow.step)).where(
+            SampleRow.run_id == run_id
+        )
+        with self.sessions() as session:
+            row = session.get(RunRow, run_id)
+            if row is None:
+                return None
+            n, last = session.execute(steps).one()
+        return RunSummary(row.run_id, row.project, row.name, row.started_at, row.config, n or 0, last)

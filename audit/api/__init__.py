@@ -1,0 +1,9 @@
+"""The isoaudit HTTP service (FastAPI): ingest, queries, remediation control, alerts and /metrics.
+
+``create_app(store, settings)`` builds it; ``isoaudit serve`` runs it under uvicorn.
+"""
+
+from audit.api.app import create_app
+from audit.api.settings import ApiSettings
+
+__all__ = ["ApiSettings", "create_app"]

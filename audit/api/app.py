@@ -1,0 +1,82 @@
+"""The application factory: the store, authentication, routers, ``/metrics``, and in the background
+the comparison worker with the alert engine as its per-step callback."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from prometheus_client import CollectorRegistry
+
+from audit import __version__
+from audit.api.errors import install_error_handlers
+from audit.api.limits import BodySizeLimit
+from audit.api.routers import control, health, ingest, runs
+from audit.api.settings import ApiSettings
+from audit.api.telemetry import Telemetry
+from audit.store import Store
+
+log = logging.getLogger("isoaudit.api")
+
+
+def create_app(store: Store | None = None, settings: ApiSettings | None = None) -> FastAPI:
+    """A ready app. Pass a ``store`` to share one (tests); otherwise one is opened (and migrated) from
+    ``settings.database_url`` and closed on shutdown."""
+    settings = settings or ApiSettings.from_env()
+    owns_store = store is None
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        worker = None
+        if settings.run_worker:
+            from audit.worker import ComparisonWorker
+
+            worker = ComparisonWorker(app.state.store, interval=settings.worker_interval_s).start()
+        app.state.worker = worker
+        try:
+            yield
+        finally:
+            if worker is not None:
+                worker.stop()
+            if owns_store:
+                app.state.store.dispose()
+
+    app = FastAPI(
+        title="isoaudit",
+        version=__version__,
+        summary="Ingest, query and control API of isoaudit: train-rollout numerical mismatch of RL on LLMs.",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.store = store or Store(settings.database_url)
+    app.state.registry = CollectorRegistry()
+    app.state.telemetry = Telemetry(app.state.registry)
+    app.state.worker = None
+    install_error_handlers(app)
+    for router in (health.router, ingest.router, runs.router, control.router):
+        app.include_router(router)
+    app.add_middleware(BodySizeLimit, max_body_bytes=settings.max_body_bytes)
+    _document_batch(app)
+    return app
+
+
+def _document_batch(app: FastAPI) -> None:
+    """``POST /v1/ingest`` reads its body by hand (one fast JSON parse of a large batch); put the Batch
+    schema into the OpenAPI document so clients and schemathesis see it."""
+    from fastapi.openapi.utils import get_openapi
+
+    from audit.records import Batch
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
+            batch = Batch.model_json_schema(ref_template="#/components/schemas/{model}")
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            components.update(batch.pop("$defs", {}))
+            components["Batch"] = batch
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

@@ -1,0 +1,30 @@
+"""What every router needs from the application: the store, the settings and the alert engine."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from fastapi import Request
+
+from audit.api.settings import ApiSettings
+from audit.store import Store
+
+if TYPE_CHECKING:
+    from audit.alerts import AlertEngine
+    from audit.api.telemetry import Telemetry
+
+
+def get_store(request: Request) -> Store:
+    return request.app.state.store
+
+
+def get_settings(request: Request) -> ApiSettings:
+    return request.app.state.settings
+
+
+def get_alert_engine(request: Request) -> AlertEngine:
+    return request.app.state.alert_engine
+
+
+def get_telemetry(request: Request) -> Telemetry:
+    return request.app.state.telemetry

@@ -1,0 +1,1 @@
+"""One router per concern; ``audit.api.app`` mounts them."""

@@ -1,0 +1,59 @@
+"""``GET/PUT /v1/runs/{run_id}/control``: the remediation mode a run's collectors should apply."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, HTTPException, Path, status
+
+from audit.api.auth import ReadableRun, Writer, can_see
+from audit.api.deps import get_store
+from audit.api.routers.ingest import control_of
+from audit.api.schemas import Control, ControlUpdate
+from audit.records import RunId
+from audit.service_models import StaleControlVersion
+from audit.store import Store
+
+router = APIRouter(prefix="/v1/runs", tags=["control"])
+
+
+@router.get("/{run_id}/control", response_model=Control, summary="The run's desired remediation mode")
+def get_control(run_id: ReadableRun, store: Annotated[Store, Depends(get_store)]) -> Control:
+    return control_of(store, run_id)
+
+
+@router.put(
+    "/{run_id}/control",
+    response_model=Control,
+    summary="Set the run's desired remediation mode",
+    responses={
+        409: {"description": "version is not the current one; the body's detail has the current state"}
+    },
+)
+def put_control(
+    run_id: Annotated[RunId, Path(description="the client-chosen run id")],
+    update: ControlUpdate,
+    principal: Writer,
+    store: Annotated[Store, Depends(get_store)],
+) -> Control:
+    """Give the version you read: it is bumped on success; a stale one gets 409 and changes nothing.
+    Collectors switch at their next step boundary (DESIGN.md, "Remediation")."""
+    project = store.run_project(run_id)
+    if project is None or not can_see(principal, project):
+        raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"run_id: no run {run_id!r}")
+    try:
+        state = store.set_control(
+            run_id, update.mode, update.version, updated_by=f"token:{principal.token_id}"
+        )
+    except StaleControlVersion as exc:
+        current = exc.current
+        raise HTTPException(
+            status.HTTP_409_CONFLICT,
+            detail={
+                "msg": f"version: {update.version} is stale; the current version is {current.version}",
+                "current": {"mode": current.mode, "version": current.version},
+            },
+        ) from exc
+    return Control(
+        mode=state.mode, version=state.version, updated_at=state.updated_at, updated_by=state.updated_by
+    )

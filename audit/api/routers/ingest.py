@@ -1,0 +1,140 @@
+"""``POST /v1/ingest`` and ``POST /v1/runs``: records in, all-or-nothing and idempotent."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from typing import Annotated, Any, TypeVar
+
+from fastapi import APIRouter, Depends, HTTPException, Request, status
+from fastapi.concurrency import run_in_threadpool
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
+from sqlalchemy.exc import IntegrityError, OperationalError
+
+from audit.api.auth import Writer
+from audit.api.deps import get_settings, get_store, get_telemetry
+from audit.api.errors import request_validation_error
+from audit.api.schemas import Control, IngestResponse, RunOut
+from audit.api.settings import ApiSettings
+from audit.api.telemetry import Telemetry
+from audit.records import Batch, Record, Run
+from audit.store import ForbiddenRun, IngestResult, Store
+
+router = APIRouter(prefix="/v1", tags=["ingest"])
+log = logging.getLogger("isoaudit.api")
+T = TypeVar("T")
+
+
+def control_of(store: Store, run_id: str) -> Control:
+    state = store.get_control(run_id)
+    return Control(
+        mode=state.mode, version=state.version, updated_at=state.updated_at, updated_by=state.updated_by
+    )
+
+
+def _with_retries(attempts: int, action: Callable[[], T]) -> T:
+    """Run a transaction again when it lost a race with a concurrent writer (two clients creating the
+    same run, SQLite's single writer, a PostgreSQL deadlock). Safe because ingest is idempotent and
+    each attempt is one transaction that either committed or left nothing behind."""
+    for attempt in range(attempts):
+        try:
+            return action()
+        except (IntegrityError, OperationalError) as exc:
+            if attempt == attempts - 1:
+                raise
+            log.debug(
+                "ingest attempt %d lost a write race (%s); retrying", attempt + 1, type(exc.orig).__name__
+            )
+            time.sleep(min(0.01 * 2**attempt, 0.5))
+    raise AssertionError("unreachable")
+
+
+def store_records(
+    store: Store, settings: ApiSettings, records: Iterable[Record], project: str
+) -> tuple[IngestResult, dict[str, Control]]:
+    """Store records for ``project`` and read back the desired mode of each run they name."""
+    records = list(records)
+    try:
+        result = _with_retries(settings.ingest_retries, lambda: store.ingest(records, project=project))
+    except ForbiddenRun as exc:
+        raise HTTPException(status.HTTP_403_FORBIDDEN, detail=str(exc)) from exc
+    run_ids = sorted({r.run_id for r in records if hasattr(r, "run_id")})
+    return result, {run_id: control_of(store, run_id) for run_id in run_ids}
+
+
+_BATCH_BODY: dict[str, Any] = {
+    "requestBody": {
+        "required": True,
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Batch"}}},
+    }
+}
+
+
+@router.post(
+    "/ingest",
+    response_model=IngestResponse,
+    openapi_extra=_BATCH_BODY,
+    summary="Store a batch of records of any kind",
+    responses={
+        401: {"description": "no or wrong token"},
+        403: {"description": "a run of another project"},
+        413: {"description": "body over the size limit"},
+        422: {"description": "invalid record; loc names the field"},
+    },
+)
+async def ingest(
+    request: Request,
+    principal: Writer,
+    store: Annotated[Store, Depends(get_store)],
+    settings: Annotated[ApiSettings, Depends(get_settings)],
+    telemetry: Annotated[Telemetry, Depends(get_telemetry)],
+) -> IngestResponse:
+    """Validate the whole batch, then store it in one transaction: a bad record rejects the batch with
+    422 before anything is written, and records already stored (a retried batch) are counted as
+    duplicates, never stored twice. The reply carries each run's desired remediation mode."""
+    started = time.perf_counter()
+    body = await request.body()
+
+    def work() -> IngestResponse:
+        try:
+            batch = Batch.model_validate_json(body)
+        except ValidationError as exc:
+            raise request_validation_error(exc) from exc
+        result, controls = store_records(store, settings, batch.records, principal.project)
+        telemetry.record_ingest(result, time.perf_counter() - started)
+        return IngestResponse(
+            **result.as_dict(),
+            control=next(iter(controls.values())) if len(controls) == 1 else None,
+            controls=controls,
+        )
+
+    try:
+        return await run_in_threadpool(work)
+    except HTTPException as exc:
+        telemetry.record_rejected(exc.status_code)
+        raise
+    except RequestValidationError:
+        telemetry.record_rejected(status.HTTP_422_UNPROCESSABLE_CONTENT)
+        raise
+
+
+@router.post(
+    "/runs",
+    response_model=RunOut,
+    status_code=status.HTTP_201_CREATED,
+    summary="Register a run (or update its name and config)",
+    responses={401: {"description": "no or wrong token"}, 403: {"description": "a run of another project"}},
+)
+def create_run(
+    run: Run,
+    principal: Writer,
+    store: Annotated[Store, Depends(get_store)],
+    settings: Annotated[ApiSettings, Depends(get_settings)],
+) -> RunOut:
+    """Idempotent: posting the same run again changes nothing."""
+    _, controls = store_records(store, settings, [run], principal.project)
+    summary = store.run_summary(run.run_id)
+    assert summary is not None
+    return RunOut(**summary.__dict__, control=controls[run.run_id])

@@ -1,0 +1,133 @@
+"""Read endpoints of runs and their comparison results: steps, per-step metrics, samples, divergences."""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, HTTPException, Query, status
+
+from audit.api.auth import ReadableRun, Reader
+from audit.api.deps import get_store
+from audit.api.routers.ingest import control_of
+from audit.api.schemas import DivergenceOut, RunOut, SampleResultOut, StepMetricsOut, StepOut
+from audit.records import Step
+from audit.store import Store
+
+router = APIRouter(prefix="/v1/runs", tags=["runs"])
+
+
+def finite_or_none(metrics: dict[str, Any]) -> dict[str, float | None]:
+    """Metric values for JSON: NaN ("no data") and infinities become null, non-numbers are dropped."""
+    out: dict[str, float | None] = {}
+    for name, value in metrics.items():
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            continue
+        out[name] = float(value) if math.isfinite(value) else None
+    return out
+
+
+@router.get("", response_model=list[RunOut], summary="Runs visible to the caller, newest first")
+def list_runs(principal: Reader, store: Annotated[Store, Depends(get_store)]) -> list[RunOut]:
+    project = principal.project if principal is not None else None
+    return [RunOut(**run.__dict__) for run in store.list_runs(project)]
+
+
+@router.get("/{run_id}", response_model=RunOut, summary="One run, with its desired remediation mode")
+def get_run(run_id: ReadableRun, store: Annotated[Store, Depends(get_store)]) -> RunOut:
+    summary = store.run_summary(run_id)
+    if summary is None:  # deleted between the check and here
+        raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"run_id: no run {run_id!r}")
+    return RunOut(**summary.__dict__, control=control_of(store, run_id))
+
+
+@router.get("/{run_id}/steps", response_model=list[StepOut], summary="Samples stored and compared per step")
+def list_steps(run_id: ReadableRun, store: Annotated[Store, Depends(get_store)]) -> list[StepOut]:
+    return [StepOut(**step.__dict__) for step in store.steps(run_id)]
+
+
+@router.get(
+    "/{run_id}/metrics", response_model=list[StepMetricsOut], summary="Mismatch metrics per compared step"
+)
+def step_metrics(
+    run_id: ReadableRun,
+    store: Annotated[Store, Depends(get_store)],
+    names: Annotated[list[str] | None, Query(description="only these metrics (e.g. kl_k3)")] = None,
+    from_step: Annotated[Step | None, Query(description="first step (inclusive)")] = None,
+    to_step: Annotated[Step | None, Query(description="last step (inclusive)")] = None,
+) -> list[StepMetricsOut]:
+    out = []
+    for row in store.step_results(run_id):
+        if (from_step is not None and row.step < from_step) or (to_step is not None and row.step > to_step):
+            continue
+        metrics = finite_or_none(row.metrics)
+        if names:
+            metrics = {name: metrics[name] for name in names if name in metrics}
+        out.append(
+            StepMetricsOut(
+                step=row.step,
+                n_samples=row.n_samples,
+                metrics=metrics,
+                diagnoses=row.diagnoses,
+                computed_at=row.computed_at,
+            )
+        )
+    return out
+
+
+@router.get(
+    "/{run_id}/steps/{step}/samples",
+    response_model=list[SampleResultOut],
+    summary="The comparator's verdict on each compared sample of a step",
+)
+def step_samples(
+    run_id: ReadableRun,
+    step: Step,
+    store: Annotated[Store, Depends(get_store)],
+    include_grid: Annotated[bool, Query(description="include the region x position grid (large)")] = False,
+    diagnosis: Annotated[
+        str | None, Query(max_length=32, description="only samples with this diagnosis")
+    ] = None,
+) -> list[SampleResultOut]:
+    return [
+        SampleResultOut(
+            step=row.step,
+            sample_key=row.sample_key,
+            n_tokens=row.n_tokens,
+            metrics=finite_or_none(row.metrics),
+            diagnosis=row.diagnosis,
+            diagnosis_detail=row.diagnosis_detail,
+            first_divergence_region=row.first_divergence_region,
+            first_divergence_position=row.first_divergence_position,
+            grid=row.grid if include_grid else None,
+            computed_at=row.computed_at,
+        )
+        for row in store.sample_results(run_id, step)
+        if diagnosis is None or row.diagnosis == diagnosis
+    ]
+
+
+@router.get(
+    "/{run_id}/divergences",
+    response_model=list[DivergenceOut],
+    summary="Samples whose sides diverge: where first, and the diagnosis",
+)
+def divergences(
+    run_id: ReadableRun,
+    store: Annotated[Store, Depends(get_store)],
+    step: Annotated[Step | None, Query(description="only this step")] = None,
+) -> list[DivergenceOut]:
+    """A sample diverges when the comparator found a first divergence or diagnosed anything but
+    ``clean``."""
+    return [
+        DivergenceOut(
+            step=row.step,
+            sample_key=row.sample_key,
+            region=row.first_divergence_region,
+            position=row.first_divergence_position,
+            diagnosis=row.diagnosis,
+            diagnosis_detail=row.diagnosis_detail,
+        )
+        for row in store.sample_results(run_id, step)
+        if row.first_divergence_region is not None or row.diagnosis != "clean"
+    ]

@@ -1,0 +1,94 @@
+"""Response and request bodies of the API that are not records (those are ``audit.records``)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Mode = Literal["native", "invariant"]
+
+
+class Control(BaseModel):
+    """A run's desired remediation mode and its version (0 = never set; ``native``)."""
+
+    mode: Mode
+    version: int = Field(ge=0)
+    updated_at: datetime | None = None
+    updated_by: str = ""
+
+
+class ControlUpdate(BaseModel):
+    """Set the mode; ``version`` must be the current one (optimistic concurrency), else 409."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mode: Mode
+    version: int = Field(ge=0, le=2**31 - 1)
+
+
+class IngestResponse(BaseModel):
+    stored: dict[str, int]
+    duplicates: dict[str, int]
+    pending: int = Field(description="samples queued for comparison by this batch")
+    control: Control | None = Field(
+        description="the desired mode of the batch's run (null when it names several)"
+    )
+    controls: dict[str, Control] = Field(description="run_id -> desired mode, for every run the batch names")
+
+
+class Health(BaseModel):
+    status: Literal["ok"]
+    database: str
+    schema_revision: str | None
+
+
+class RunOut(BaseModel):
+    run_id: str
+    project: str
+    name: str
+    started_at: datetime
+    config: dict[str, Any]
+    n_steps: int
+    last_step: int | None
+    control: Control | None = None
+
+
+class StepOut(BaseModel):
+    step: int
+    trainer_samples: int
+    rollout_samples: int
+    compared_samples: int
+
+
+class StepMetricsOut(BaseModel):
+    step: int
+    n_samples: int
+    metrics: dict[str, float | None]
+    diagnoses: dict[str, Any]
+    computed_at: datetime
+
+
+class SampleResultOut(BaseModel):
+    step: int
+    sample_key: str
+    n_tokens: int
+    metrics: dict[str, float | None]
+    diagnosis: str
+    diagnosis_detail: dict[str, Any]
+    first_divergence_region: str | None
+    first_divergence_position: int | None
+    grid: dict[str, Any] | None = Field(
+        default=None, description="region x position grid (include_grid=true)"
+    )
+    computed_at: datetime
+
+
+class DivergenceOut(BaseModel):
+    step: int
+    sample_key: str
+    region: str | None
+    position: int | None
+    diagnosis: str
+    diagnosis_detail: dict[str, Any]

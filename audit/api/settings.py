@@ -1,0 +1,66 @@
+"""The service's settings: explicit values in code and tests, ``ISOAUDIT_*`` variables for ``serve``."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+
+def _env_bool(value: str) -> bool:
+    if value.strip().lower() in {"1", "true", "yes", "on"}:
+        return True
+    if value.strip().lower() in {"0", "false", "no", "off", ""}:
+        return False
+    raise ValueError(f"not a boolean: {value!r}")
+
+
+#: The environment variable behind each setting.
+_ENV: dict[str, str] = {
+    "database_url": "ISOAUDIT_DATABASE_URL",
+    "require_token_for_reads": "ISOAUDIT_REQUIRE_TOKEN_FOR_READS",
+    "max_body_bytes": "ISOAUDIT_MAX_BODY_BYTES",
+    "run_worker": "ISOAUDIT_RUN_WORKER",
+    "worker_interval_s": "ISOAUDIT_WORKER_INTERVAL_S",
+    "alert_rules_file": "ISOAUDIT_ALERT_RULES",
+    "default_alert_rules": "ISOAUDIT_DEFAULT_ALERT_RULES",
+    "webhook_url": "ISOAUDIT_ALERT_WEBHOOK_URL",
+    "dashboard_url": "ISOAUDIT_DASHBOARD_URL",
+}
+
+
+class ApiSettings(BaseModel):
+    """Everything ``create_app`` can be told. Defaults are safe: reads need a token too."""
+
+    database_url: str | None = Field(
+        default=None, description="SQLAlchemy URL; None = ISOAUDIT_DATABASE_URL or SQLite"
+    )
+    require_token_for_reads: bool = Field(
+        default=True, description="GET endpoints need a bearer token as well"
+    )
+    max_body_bytes: int = Field(default=256 << 20, gt=0, description="larger request bodies get 413")
+    run_worker: bool = Field(
+        default=True, description="run the comparison worker (and alerts) in the background"
+    )
+    worker_interval_s: float = Field(
+        default=0.5, gt=0, description="how often the worker looks for pending samples"
+    )
+    alert_rules_file: str | None = Field(default=None, description="YAML rules loaded at start-up")
+    default_alert_rules: bool = Field(default=True, description="install the default kl_k3 rules at start-up")
+    webhook_url: str | None = Field(default=None, description="Slack-compatible webhook for alert notices")
+    dashboard_url: str = Field(default="http://localhost:8050", description="base URL the notices link to")
+    ingest_retries: int = Field(default=8, ge=1, description="attempts of a batch that lost a write race")
+
+    @classmethod
+    def from_env(cls, **overrides: Any) -> ApiSettings:
+        """Settings from ``ISOAUDIT_*`` environment variables; ``overrides`` (not None) win."""
+        values: dict[str, Any] = {}
+        for field_name, variable in _ENV.items():
+            raw = os.environ.get(variable)
+            if raw is None:
+                continue
+            annotation = cls.model_fields[field_name].annotation
+            values[field_name] = _env_bool(raw) if annotation is bool else raw
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls.model_validate(values)

@@ -1,0 +1,91 @@
+"""Bearer tokens per project: created once (the secret is shown only then), stored hashed, checked in
+constant time. No web framework here, so the CLI and tests can create tokens without the API.
+
+A token reads ``iso_<token_id>_<secret>``. ``token_id`` is public and finds the row; the secret is
+compared by SHA-256 with :func:`hmac.compare_digest`, so a wrong token takes the same time whatever
+prefix of it is right, and the database never holds anything that would let someone authenticate.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+import secrets
+from dataclasses import dataclass
+
+from sqlalchemy import select
+
+from audit.records import utcnow
+from audit.service_models import ApiTokenRow
+from audit.store import Store
+
+TOKEN_PREFIX = "iso_"
+_TOKEN_RE = re.compile(r"^iso_([0-9a-f]{16})_([A-Za-z0-9_-]{20,128})$")
+_PROJECT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+
+#: Compared against when the token id is unknown, so an unknown id costs the same as a wrong secret.
+_DUMMY_SHA256 = hashlib.sha256(b"isoaudit: no such token").hexdigest()
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who a verified token speaks for."""
+
+    project: str
+    token_id: str
+
+
+def _sha256(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def check_project_name(project: str) -> str:
+    """The project name, or ``ValueError`` naming what is wrong with it."""
+    if not _PROJECT_RE.match(project):
+        raise ValueError(f"project: {project!r} must be 1-128 of A-Z a-z 0-9 . _ : - (starting alphanumeric)")
+    return project
+
+
+def create_token(store: Store, project: str, name: str = "") -> str:
+    """Create a token for ``project`` and return it; only its hash is stored, so this is the one
+    chance to see it."""
+    check_project_name(project)
+    token_id = secrets.token_hex(8)
+    secret = secrets.token_urlsafe(32)
+    with store.sessions.begin() as session:
+        session.add(ApiTokenRow(token_id=token_id, project=project, name=name, secret_sha256=_sha256(secret)))
+    return f"{TOKEN_PREFIX}{token_id}_{secret}"
+
+
+def verify_token(store: Store, token: str) -> Principal | None:
+    """The project ``token`` belongs to, or ``None`` for a malformed, unknown, wrong or revoked one."""
+    match = _TOKEN_RE.match(token.strip())
+    token_id, secret = match.groups() if match else ("", token)
+    row = None
+    if match:
+        with store.sessions() as session:
+            row = session.get(ApiTokenRow, token_id)
+    expected = row.secret_sha256 if row is not None else _DUMMY_SHA256
+    if not hmac.compare_digest(_sha256(secret), expected) or row is None or row.revoked_at is not None:
+        return None
+    return Principal(project=row.project, token_id=row.token_id)
+
+
+def revoke_token(store: Store, token_id: str) -> bool:
+    """Revoke a token by its public id; ``False`` if there is no such live token."""
+    with store.sessions.begin() as session:
+        row = session.get(ApiTokenRow, token_id)
+        if row is None or row.revoked_at is not None:
+            return False
+        row.revoked_at = utcnow()
+        return True
+
+
+def list_tokens(store: Store, project: str | None = None) -> list[ApiTokenRow]:
+    """Tokens (ids, projects, names, dates; never secrets), newest first."""
+    query = select(ApiTokenRow).order_by(ApiTokenRow.created_at.desc())
+    if project is not None:
+        query = query.where(ApiTokenRow.project == project)
+    with store.sessions() as session:
+        return list(session.scalars(query))

@@ -1,0 +1,105 @@
+"""``isoaudit serve`` (the HTTP API), ``isoaudit tokens ...`` (project bearer tokens) and
+``isoaudit alerts ...`` (rules and alerts)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from audit.cli.app import DatabaseOption, app, console
+
+tokens_app = typer.Typer(help="Bearer tokens of the API, one or more per project.", no_args_is_help=True)
+app.add_typer(tokens_app, name="tokens")
+
+
+@app.command("serve")
+def serve(
+    database: DatabaseOption = None,
+    host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
+    open_reads: Annotated[
+        bool,
+        typer.Option(
+            "--open-reads", help="Let GET endpoints answer without a token (ingest always needs one)."
+        ),
+    ] = False,
+    rules: Annotated[
+        str | None, typer.Option("--rules", envvar="ISOAUDIT_ALERT_RULES", help="YAML file of alert rules.")
+    ] = None,
+    webhook: Annotated[
+        str | None,
+        typer.Option(
+            "--webhook", envvar="ISOAUDIT_ALERT_WEBHOOK_URL", help="Slack-compatible webhook for alerts."
+        ),
+    ] = None,
+    no_worker: Annotated[
+        bool, typer.Option("--no-worker", help="Do not run the comparison worker here.")
+    ] = False,
+    log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
+) -> None:
+    """Run the ingest, query and control API (FastAPI under uvicorn)."""
+    import uvicorn
+
+    from audit.api import ApiSettings, create_app
+
+    overrides: dict[str, object] = {
+        "database_url": database,
+        "alert_rules_file": rules,
+        "webhook_url": webhook,
+    }
+    if open_reads:
+        overrides["require_token_for_reads"] = False
+    if no_worker:
+        overrides["run_worker"] = False
+    settings = ApiSettings.from_env(**overrides)
+    uvicorn.run(create_app(settings=settings), host=host, port=port, log_level=log_level)
+
+
+@tokens_app.command("create")
+def tokens_create(
+    project: Annotated[str, typer.Option("--project", help="The project the token may read and write.")],
+    name: Annotated[str, typer.Option(help="A note saying who or what uses it.")] = "",
+    database: DatabaseOption = None,
+) -> None:
+    """Create a token and print it (only once: just its hash is stored)."""
+    from audit.auth import create_token
+    from audit.store import Store
+
+    try:
+        token = create_token(Store(database), project, name)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--project") from exc
+    typer.echo(token)
+
+
+@tokens_app.command("list")
+def tokens_list(
+    project: Annotated[str | None, typer.Option(help="Only this project's tokens.")] = None,
+    database: DatabaseOption = None,
+) -> None:
+    """List tokens by id (secrets are never stored, so never shown)."""
+    from audit.auth import list_tokens
+    from audit.store import Store
+
+    table = Table("token id", "project", "name", "created", "revoked")
+    for row in list_tokens(Store(database), project):
+        revoked = row.revoked_at.strftime("%Y-%m-%d %H:%M") if row.revoked_at else ""
+        table.add_row(row.token_id, row.project, row.name, row.created_at.strftime("%Y-%m-%d %H:%M"), revoked)
+    console.print(table)
+
+
+@tokens_app.command("revoke")
+def tokens_revoke(
+    token_id: Annotated[str, typer.Argument(help="The id shown by `tokens list` (iso_<id>_...).")],
+    database: DatabaseOption = None,
+) -> None:
+    """Revoke a token: requests with it get 401 from now on."""
+    from audit.auth import revoke_token
+    from audit.store import Store
+
+    if not revoke_token(Store(database), token_id):
+        console.print(f"no live token {token_id!r}")
+        raise typer.Exit(1)
+    console.print(f"revoked {token_id}")
