@@ -48,7 +48,9 @@ def _coerce(value: Any, dtype: np.dtype, ndim: int) -> np.ndarray:
         except (binascii.Error, ValueError) as exc:
             raise ValueError("not valid base64") from exc
         if len(raw) % dtype.itemsize:
-            raise ValueError(f"{len(raw)} bytes is not a whole number of {dtype.itemsize}-byte {dtype.name} values")
+            raise ValueError(
+                f"{len(raw)} bytes is not a whole number of {dtype.itemsize}-byte {dtype.name} values"
+            )
         array = np.frombuffer(raw, dtype=dtype.newbyteorder("<")).astype(dtype, copy=False)
     else:
         try:

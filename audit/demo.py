@@ -19,7 +19,9 @@ def main() -> None:
     upgrade(url)
     console.print(f"[bold]isoaudit[/bold] store ready at {url} (revision {current_revision(url)})")
     runs = Store(url, upgrade=False).list_runs()
-    console.print(f"{len(runs)} run(s) recorded" + "".join(f"\n  {r.run_id}: {r.n_steps} step(s)" for r in runs))
+    console.print(
+        f"{len(runs)} run(s) recorded" + "".join(f"\n  {r.run_id}: {r.n_steps} step(s)" for r in runs)
+    )
 
 
 if __name__ == "__main__":

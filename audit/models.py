@@ -103,7 +103,14 @@ class FingerprintRow(Base):
     __tablename__ = "fingerprints"
     __table_args__ = (
         UniqueConstraint(
-            "run_id", "step", "sample_key", "side", "case", "region", "forward_index", name="uq_fingerprints_identity"
+            "run_id",
+            "step",
+            "sample_key",
+            "side",
+            "case",
+            "region",
+            "forward_index",
+            name="uq_fingerprints_identity",
         ),
     )
 
@@ -173,5 +180,6 @@ class StepResultRow(Base):
     metrics: Mapped[dict[str, Any]] = mapped_column()
     diagnoses: Mapped[dict[str, Any]] = mapped_column(default=dict)
     computed_at: Mapped[datetime] = mapped_column(default=utcnow)
+
 
 from audit import service_models as _service_models  # noqa: E402,F401

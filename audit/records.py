@@ -24,7 +24,9 @@ Case = Literal["trainer_fwd", "trainer_recompute", "engine_prefill", "engine_dec
 LogprobSemantics = Literal["raw", "processed"]
 
 RunId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")]
-SampleKey = Annotated[str, Field(pattern=r"^[0-9a-f]{32}$", description="16 bytes as 32 lowercase hex digits")]
+SampleKey = Annotated[
+    str, Field(pattern=r"^[0-9a-f]{32}$", description="16 bytes as 32 lowercase hex digits")
+]
 Step = Annotated[int, Field(ge=0, le=2**62)]
 
 
@@ -153,7 +155,9 @@ class SampleLogprobs(Record):
     def _check_shapes(self) -> SampleLogprobs:
         n_tokens = self.token_ids.size
         if self.prompt_len > n_tokens:
-            raise ValueError(f"prompt_len: {self.prompt_len} is past the end of token_ids ({n_tokens} tokens)")
+            raise ValueError(
+                f"prompt_len: {self.prompt_len} is past the end of token_ids ({n_tokens} tokens)"
+            )
         n_completion = n_tokens - self.prompt_len
         if self.logprobs.size != n_completion:
             raise ValueError(
@@ -161,9 +165,13 @@ class SampleLogprobs(Record):
                 f"(token_ids has {n_tokens}, prompt_len is {self.prompt_len})"
             )
         if np.isnan(self.logprobs).any():
-            raise ValueError(f"logprobs: NaN at completion index {int(np.flatnonzero(np.isnan(self.logprobs))[0])}")
+            raise ValueError(
+                f"logprobs: NaN at completion index {int(np.flatnonzero(np.isnan(self.logprobs))[0])}"
+            )
         if (self.logprobs > 0).any():
-            raise ValueError(f"logprobs: positive value at completion index {int(np.flatnonzero(self.logprobs > 0)[0])}")
+            raise ValueError(
+                f"logprobs: positive value at completion index {int(np.flatnonzero(self.logprobs > 0)[0])}"
+            )
         if (self.token_ids < 0).any():
             raise ValueError("token_ids: negative token id")
         if (self.topk_ids is None) != (self.topk_logprobs is None):
@@ -213,7 +221,9 @@ class RegionFingerprints(Record):
             if getattr(self, name).shape[0] != rows and rows:
                 raise ValueError(f"{name}: {getattr(self, name).shape[0]} rows for {rows} positions")
         if rows and self.ladder.shape[1] != len(self.ladder_bits):
-            raise ValueError(f"ladder: {self.ladder.shape[1]} rungs but ladder_bits names {len(self.ladder_bits)}")
+            raise ValueError(
+                f"ladder: {self.ladder.shape[1]} rungs but ladder_bits names {len(self.ladder_bits)}"
+            )
         if (self.positions < 0).any():
             raise ValueError("positions: negative position")
         if rows > 1 and np.unique(self.positions).size != rows:

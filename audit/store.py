@@ -245,7 +245,9 @@ class Store:
                 self._insert_new(session, ManifestRow, rows, "manifest", result, returning=("id",))
             touched: set[tuple[str, int, str]] = set()
             if samples:
-                touched |= self._insert_new(session, SampleRow, [_sample_row(s) for s in samples], "sample", result)
+                touched |= self._insert_new(
+                    session, SampleRow, [_sample_row(s) for s in samples], "sample", result
+                )
             if prints:
                 touched |= self._insert_new(
                     session, FingerprintRow, [_fingerprint_row(p) for p in prints], "fingerprints", result
@@ -253,10 +255,13 @@ class Store:
             if touched:
                 stmt = self._insert(PendingComparisonRow.__table__)
                 stmt = stmt.on_conflict_do_update(
-                    index_elements=["run_id", "step", "sample_key"], set_={"queued_at": stmt.excluded.queued_at}
+                    index_elements=["run_id", "step", "sample_key"],
+                    set_={"queued_at": stmt.excluded.queued_at},
                 )
                 now = utcnow()
-                session.execute(stmt, [{"run_id": r, "step": s, "sample_key": k, "queued_at": now} for r, s, k in touched])
+                session.execute(
+                    stmt, [{"run_id": r, "step": s, "sample_key": k, "queued_at": now} for r, s, k in touched]
+                )
                 result.pending = len(touched)
         return result
 
@@ -309,7 +314,11 @@ class Store:
 
     def list_runs(self, project: str | None = None) -> list[RunSummary]:
         steps = (
-            select(SampleRow.run_id, func.count(func.distinct(SampleRow.step)).label("n"), func.max(SampleRow.step).label("last"))
+            select(
+                SampleRow.run_id,
+                func.count(func.distinct(SampleRow.step)).label("n"),
+                func.max(SampleRow.step).label("last"),
+            )
             .group_by(SampleRow.run_id)
             .subquery()
         )
@@ -340,7 +349,9 @@ class Store:
             .group_by(SampleRow.step, SampleRow.side)
         )
         compared = (
-            select(SampleResultRow.step, func.count()).where(SampleResultRow.run_id == run_id).group_by(SampleResultRow.step)
+            select(SampleResultRow.step, func.count())
+            .where(SampleResultRow.run_id == run_id)
+            .group_by(SampleResultRow.step)
         )
         with self.sessions() as session:
             by_step: dict[int, dict[str, int]] = {}
@@ -366,9 +377,14 @@ class Store:
         if sample_keys is not None:
             query = query.where(SampleRow.sample_key.in_(list(sample_keys)))
         with self.sessions() as session:
-            return [_sample_record(row) for row in session.scalars(query.order_by(SampleRow.sample_key, SampleRow.side))]
+            return [
+                _sample_record(row)
+                for row in session.scalars(query.order_by(SampleRow.sample_key, SampleRow.side))
+            ]
 
-    def sample_pair(self, run_id: str, step: int, sample_key: str) -> tuple[SampleLogprobs | None, SampleLogprobs | None]:
+    def sample_pair(
+        self, run_id: str, step: int, sample_key: str
+    ) -> tuple[SampleLogprobs | None, SampleLogprobs | None]:
         """(trainer, rollout) records of one sample; ``None`` for a side not yet stored."""
         found = {s.side: s for s in self.samples(run_id, step, sample_keys=[sample_key])}
         return found.get("trainer"), found.get("rollout")
@@ -434,13 +450,17 @@ class Store:
                 if not rows:
                     continue
                 columns = [getattr(model, k) for k in keys]
-                session.execute(delete(model).where(tuple_(*columns).in_([tuple(r[k] for k in keys) for r in rows])))
+                session.execute(
+                    delete(model).where(tuple_(*columns).in_([tuple(r[k] for k in keys) for r in rows]))
+                )
                 session.execute(self._insert(model.__table__), [{**r, "computed_at": utcnow()} for r in rows])
             if done:
                 cleared = delete(PendingComparisonRow).where(
-                    tuple_(PendingComparisonRow.run_id, PendingComparisonRow.step, PendingComparisonRow.sample_key).in_(
-                        list(done)
-                    )
+                    tuple_(
+                        PendingComparisonRow.run_id,
+                        PendingComparisonRow.step,
+                        PendingComparisonRow.sample_key,
+                    ).in_(list(done))
                 )
                 if queued_before is not None:
                     cleared = cleared.where(PendingComparisonRow.queued_at <= queued_before)
@@ -455,13 +475,19 @@ class Store:
 
     def step_results(self, run_id: str) -> list[StepResultRow]:
         with self.sessions() as session:
-            return list(session.scalars(select(StepResultRow).where(StepResultRow.run_id == run_id).order_by(StepResultRow.step)))
+            return list(
+                session.scalars(
+                    select(StepResultRow).where(StepResultRow.run_id == run_id).order_by(StepResultRow.step)
+                )
+            )
 
     def compared_keys(self, run_id: str, step: int) -> list[str]:
         with self.sessions() as session:
             return list(
                 session.scalars(
-                    select(SampleResultRow.sample_key).where(SampleResultRow.run_id == run_id, SampleResultRow.step == step)
+                    select(SampleResultRow.sample_key).where(
+                        SampleResultRow.run_id == run_id, SampleResultRow.step == step
+                    )
                 )
             )
 

@@ -32,7 +32,11 @@ def synthetic_step(n_samples: int, n_tokens: int, prompt_len: int = 256) -> list
         for side, noise in (("trainer", 0.0), ("rollout", 1e-3)):
             records.append(
                 SampleLogprobs(
-                    run_id="bench", step=0, side=side, prompt_len=prompt_len, token_ids=tokens,
+                    run_id="bench",
+                    step=0,
+                    side=side,
+                    prompt_len=prompt_len,
+                    token_ids=tokens,
                     logprobs=np.minimum(lp + noise * rng.standard_normal(lp.size).astype(np.float32), 0),
                 )
             )
@@ -40,7 +44,9 @@ def synthetic_step(n_samples: int, n_tokens: int, prompt_len: int = 256) -> list
 
 
 def plain_rows(records: list[SampleLogprobs]) -> list[tuple]:
-    return [(r.run_id, r.step, r.side, r.sample_key, r.token_ids.tobytes(), r.logprobs.tobytes()) for r in records]
+    return [
+        (r.run_id, r.step, r.side, r.sample_key, r.token_ids.tobytes(), r.logprobs.tobytes()) for r in records
+    ]
 
 
 BARE_TABLE = "CREATE TABLE bare (run_id TEXT, step BIGINT, side TEXT, sample_key TEXT, token_ids {blob}, logprobs {blob})"

@@ -34,7 +34,9 @@ def run_migrations_online() -> None:
 
 def _run(connection) -> None:
     # render_as_batch lets later revisions alter tables on SQLite, which lacks most ALTER TABLE forms.
-    context.configure(connection=connection, target_metadata=target_metadata, render_as_batch=True, compare_type=True)
+    context.configure(
+        connection=connection, target_metadata=target_metadata, render_as_batch=True, compare_type=True
+    )
     with context.begin_transaction():
         context.run_migrations()
 

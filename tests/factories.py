@@ -23,12 +23,23 @@ def sample(
     if logprobs is None:
         logprobs = -rng.random(n_completion).astype(np.float32)
     return SampleLogprobs(
-        run_id=run_id, step=step, side=side, prompt_len=prompt_len, token_ids=tokens, logprobs=logprobs, **fields
+        run_id=run_id,
+        step=step,
+        side=side,
+        prompt_len=prompt_len,
+        token_ids=tokens,
+        logprobs=logprobs,
+        **fields,
     )
 
 
 def fingerprints(
-    record: SampleLogprobs, region: str = "embed", case: str = "trainer_fwd", *, seed: int = 0, rows: int | None = None
+    record: SampleLogprobs,
+    region: str = "embed",
+    case: str = "trainer_fwd",
+    *,
+    seed: int = 0,
+    rows: int | None = None,
 ) -> RegionFingerprints:
     rng = np.random.default_rng(seed)
     n = record.token_ids.size if rows is None else rows

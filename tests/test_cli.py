@@ -36,7 +36,9 @@ def test_db_upgrade_then_runs_list(database_url: str):
     from audit.store import Store
 
     store = Store(database_url)
-    store.ingest([factories.run("grpo-42", name="qwen3 grpo"), factories.sample("trainer", run_id="grpo-42", step=3)])
+    store.ingest(
+        [factories.run("grpo-42", name="qwen3 grpo"), factories.sample("trainer", run_id="grpo-42", step=3)]
+    )
     store.dispose()
     result = runner.invoke(app, ["runs", "list", "--database-url", database_url])
     assert result.exit_code == 0 and "grpo-42" in result.output and "qwen3 grpo" in result.output

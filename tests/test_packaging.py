@@ -22,8 +22,14 @@ def test_core_imports_without_vllm_or_dash():
     assert result.returncode == 0, result.stderr
 
 
-@pytest.mark.skipif(shutil.which("docker-compose") is None and shutil.which("docker") is None, reason="no compose")
+@pytest.mark.skipif(
+    shutil.which("docker-compose") is None and shutil.which("docker") is None, reason="no compose"
+)
 def test_docker_compose_config_is_valid():
-    command = ["docker-compose", "config", "-q"] if shutil.which("docker-compose") else ["docker", "compose", "config", "-q"]
+    command = (
+        ["docker-compose", "config", "-q"]
+        if shutil.which("docker-compose")
+        else ["docker", "compose", "config", "-q"]
+    )
     result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 0, result.stderr

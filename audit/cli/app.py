@@ -3,6 +3,7 @@ modules of this package and register themselves on ``app`` (see the imports at t
 
 from __future__ import annotations
 
+import sys
 from typing import Annotated
 
 import typer
@@ -12,16 +13,21 @@ from rich.table import Table
 from audit import __version__
 from audit.config import database_url
 
-app = typer.Typer(help="isoaudit: find where a trainer and a rollout engine stop computing the same numbers.",
-                  no_args_is_help=True, add_completion=False)
+app = typer.Typer(
+    help="isoaudit: find where a trainer and a rollout engine stop computing the same numbers.",
+    no_args_is_help=True,
+    add_completion=False,
+)
 db_app = typer.Typer(help="The store's schema.", no_args_is_help=True)
 runs_app = typer.Typer(help="Runs recorded in the store.", no_args_is_help=True)
 app.add_typer(db_app, name="db")
 app.add_typer(runs_app, name="runs")
 
-console = Console()
+# Piped output (CI logs, scripts) gets wide tables instead of rich's 80-column default.
+console = Console(width=None if sys.stdout.isatty() else 160)
 DatabaseOption = Annotated[
-    str | None, typer.Option("--database-url", envvar="ISOAUDIT_DATABASE_URL", help="SQLAlchemy URL of the store.")
+    str | None,
+    typer.Option("--database-url", envvar="ISOAUDIT_DATABASE_URL", help="SQLAlchemy URL of the store."),
 ]
 
 
@@ -81,7 +87,7 @@ def _redact(url: str) -> str:
     return make_url(url).render_as_string(hide_password=True)
 
 
-
 # Command groups defined in sibling modules register themselves on `app` when imported.
 # (one import line per module; keep them at the bottom, after `app` exists)
+from audit.cli import compare as _compare  # noqa: E402,F401
 from audit.cli import service as _service  # noqa: E402,F401

@@ -78,7 +78,9 @@ def test_unknown_case_is_rejected():
 def test_oversize_array_is_rejected():
     tokens = np.zeros(MAX_ARRAY_ELEMENTS + 1, np.int32)
     with pytest.raises(ValidationError) as exc:
-        SampleLogprobs(run_id="r", step=0, side="trainer", prompt_len=0, token_ids=tokens, logprobs=np.zeros(1))
+        SampleLogprobs(
+            run_id="r", step=0, side="trainer", prompt_len=0, token_ids=tokens, logprobs=np.zeros(1)
+        )
     assert "token_ids" in error_text(exc) and "exceed" in error_text(exc)
 
 
@@ -101,8 +103,13 @@ def test_fingerprints_round_trip_matrices():
 def test_batch_is_discriminated_by_kind():
     s = factories.sample()
     batch = Batch.model_validate(
-        {"records": [factories.run().model_dump(mode="json"), s.model_dump(mode="json"),
-                     factories.fingerprints(s).model_dump(mode="json")]}
+        {
+            "records": [
+                factories.run().model_dump(mode="json"),
+                s.model_dump(mode="json"),
+                factories.fingerprints(s).model_dump(mode="json"),
+            ]
+        }
     )
     assert [r.kind for r in batch.records] == ["run", "sample", "fingerprints"]
     with pytest.raises(ValidationError) as exc:

@@ -21,19 +21,35 @@ def count(store: Store, model) -> int:
 def test_every_record_type_round_trips(store: Store):
     run = factories.run(config={"lr": 1e-6, "algo": "grpo"})
     manifest = factories.manifest(
-        "rollout", "engine_decode", runtime=RuntimeFacts(framework="vllm", dtype="bfloat16", prefix_caching=True),
-        regions=["embed", "logits"], unobserved={"layers.0.attn": "fused kernel"}, weight_version="7",
+        "rollout",
+        "engine_decode",
+        runtime=RuntimeFacts(framework="vllm", dtype="bfloat16", prefix_caching=True),
+        regions=["embed", "logits"],
+        unobserved={"layers.0.attn": "fused kernel"},
+        weight_version="7",
     )
     topk_ids = np.arange(12, dtype=np.int32).reshape(6, 2)
-    trainer = factories.sample("trainer", weight_version=7, temperature=0.7, top_k=50, top_p=0.9,
-                               topk_ids=topk_ids, topk_logprobs=-np.ones((6, 2), np.float32))
+    trainer = factories.sample(
+        "trainer",
+        weight_version=7,
+        temperature=0.7,
+        top_k=50,
+        top_p=0.9,
+        topk_ids=topk_ids,
+        topk_logprobs=-np.ones((6, 2), np.float32),
+    )
     rollout = factories.sample("rollout", semantics="raw")
     prints = factories.fingerprints(trainer, "layers.0.mlp")
     result = store.ingest([run, manifest, trainer, rollout, prints])
     assert dict(result.stored) == {"run": 1, "manifest": 1, "sample": 2, "fingerprints": 1}
 
     [summary] = store.list_runs()
-    assert (summary.run_id, summary.name, summary.config, summary.n_steps) == ("run-1", "test run", run.config, 1)
+    assert (summary.run_id, summary.name, summary.config, summary.n_steps) == (
+        "run-1",
+        "test run",
+        run.config,
+        1,
+    )
     got_trainer, got_rollout = store.sample_pair("run-1", 0, trainer.sample_key)
     for got, want in ((got_trainer, trainer), (got_rollout, rollout)):
         assert got.model_dump(mode="json") == want.model_dump(mode="json")
@@ -45,7 +61,12 @@ def test_every_record_type_round_trips(store: Store):
 
 
 def test_reingest_is_idempotent(store: Store):
-    records = [factories.run(), factories.manifest(), factories.sample("trainer"), factories.sample("rollout")]
+    records = [
+        factories.run(),
+        factories.manifest(),
+        factories.sample("trainer"),
+        factories.sample("rollout"),
+    ]
     records.append(factories.fingerprints(records[2]))
     store.ingest(records)
     again = store.ingest([r.model_copy(deep=True) for r in records])
@@ -81,7 +102,9 @@ def test_records_before_their_run_register_it(store: Store):
 
 
 def test_logprobs_are_one_row_per_sample_not_per_token(store: Store):
-    store.ingest([factories.sample("trainer", n_completion=2000), factories.sample("rollout", n_completion=2000)])
+    store.ingest(
+        [factories.sample("trainer", n_completion=2000), factories.sample("rollout", n_completion=2000)]
+    )
     assert count(store, SampleRow) == 2
 
 

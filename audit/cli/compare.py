@@ -1,0 +1,151 @@
+"""``isoaudit compare RUN``: the per-step table, each sample's first divergence and its diagnosis.
+
+Exit codes, for scripts and CI gates: 0 clean, 2 divergence, 3 inconclusive, 1 bad input.
+"""
+
+from __future__ import annotations
+
+import json
+from enum import IntEnum
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from audit.cli.app import DatabaseOption, app, console
+
+SHOWN_METRICS = ("kl_k3", "kl_k1", "logprob_abs_diff_mean", "logprob_abs_diff_max", "exact_match_fraction")
+DIVERGENT = {"contract", "weights", "semantics", "inference_path", "numerical"}
+
+
+class ExitCode(IntEnum):
+    CLEAN = 0
+    BAD_INPUT = 1
+    DIVERGENCE = 2
+    INCONCLUSIVE = 3
+
+
+def verdict(kinds: list[str]) -> ExitCode:
+    """Divergence wins over inconclusive; no compared sample at all is inconclusive."""
+    if any(kind in DIVERGENT for kind in kinds):
+        return ExitCode.DIVERGENCE
+    if not kinds or "inconclusive" in kinds:
+        return ExitCode.INCONCLUSIVE
+    return ExitCode.CLEAN
+
+
+def _fail(message: str) -> typer.Exit:
+    console.print(f"[red]error:[/red] {message}")
+    return typer.Exit(ExitCode.BAD_INPUT)
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    return str(value)
+
+
+@app.command("compare")
+def compare(
+    run_id: Annotated[str, typer.Argument(metavar="RUN", help="Run id (see `isoaudit runs list`).")],
+    step: Annotated[int | None, typer.Option(help="Only this step.", min=0)] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
+    database: DatabaseOption = None,
+) -> None:
+    """Compare the trainer and rollout sides of a run and say where and why they diverge."""
+    from audit.store import Store
+    from audit.worker import ComparisonWorker
+
+    store = Store(database)
+    if store.get_run(run_id) is None:
+        raise _fail(f"RUN: no run {run_id!r} in the store (`isoaudit runs list` shows the recorded ones)")
+    stored_steps = [s.step for s in store.steps(run_id)]
+    if step is not None and step not in stored_steps:
+        raise _fail(f"--step: run {run_id!r} has no step {step} (steps: {_span(stored_steps)})")
+
+    with console.status("comparing queued samples…", spinner="dots"):
+        ComparisonWorker(store).run_once(run_id)
+
+    steps = [s for s in store.step_results(run_id) if step is None or s.step == step]
+    samples = [r for r in store.sample_results(run_id, step)]
+    code = verdict([r.diagnosis for r in samples])
+    if as_json:
+        print(json.dumps(_as_json(run_id, steps, samples, code), indent=2, default=str))
+        raise typer.Exit(code)
+
+    table = Table("step", "samples", *SHOWN_METRICS, "diagnoses", "first divergence", title=f"run {run_id}")
+    for row in steps:
+        first = row.diagnoses.get("first_divergence")
+        counts = ", ".join(f"{k} {v}" for k, v in row.diagnoses.get("counts", {}).items())
+        where = f"{first['region']} @ {first['position']}" if first else "—"
+        table.add_row(
+            str(row.step),
+            str(row.n_samples),
+            *(_fmt(row.metrics.get(m)) for m in SHOWN_METRICS),
+            counts,
+            where,
+        )
+    console.print(table)
+    detail = Table("step", "sample", "diagnosis", "first divergence", "mean |Δ|", "why", title="samples")
+    for row in samples:
+        where = (
+            f"{row.first_divergence_region} @ {row.first_divergence_position}"
+            if row.first_divergence_region
+            else "—"
+        )
+        detail.add_row(
+            str(row.step),
+            row.sample_key[:12],
+            row.diagnosis,
+            where,
+            _fmt(row.metrics.get("logprob_abs_diff_mean")),
+            row.diagnosis_detail.get("sentence", ""),
+        )
+    console.print(detail)
+    missing = [s for s in store.steps(run_id) if (step is None or s.step == step) and s.compared_samples == 0]
+    for s in missing:
+        console.print(
+            f"step {s.step}: nothing to compare yet (trainer {s.trainer_samples}, rollout {s.rollout_samples} samples)"
+        )
+    console.print(f"verdict: [bold]{code.name.lower()}[/bold] (exit {int(code)})")
+    raise typer.Exit(code)
+
+
+def _span(steps: list[int]) -> str:
+    return f"{steps[0]}..{steps[-1]}" if steps else "none"
+
+
+def _as_json(run_id: str, steps: list[Any], samples: list[Any], code: ExitCode) -> dict[str, Any]:
+    by_step: dict[int, list[dict[str, Any]]] = {}
+    for row in samples:
+        by_step.setdefault(row.step, []).append(
+            {
+                "sample_key": row.sample_key,
+                "diagnosis": row.diagnosis,
+                "sentence": row.diagnosis_detail.get("sentence"),
+                "evidence": row.diagnosis_detail.get("evidence"),
+                "first_divergence": (
+                    {"region": row.first_divergence_region, "position": row.first_divergence_position}
+                    if row.first_divergence_region
+                    else None
+                ),
+                "metrics": row.metrics,
+            }
+        )
+    return {
+        "run_id": run_id,
+        "verdict": code.name.lower(),
+        "exit_code": int(code),
+        "steps": [
+            {
+                "step": s.step,
+                "n_samples": s.n_samples,
+                "metrics": s.metrics,
+                "diagnoses": s.diagnoses,
+                "samples": by_step.get(s.step, []),
+            }
+            for s in steps
+        ],
+    }

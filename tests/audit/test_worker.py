@@ -1,0 +1,115 @@
+"""The comparison worker against a real store: automatic, idempotent, persisted for the dashboard."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+from typer.testing import CliRunner
+
+from audit.cli import app
+from audit.compare import RegionGrid
+from audit.store import Store
+from audit.worker import ComparisonWorker
+from tests import factories
+from tests.audit.causal_stack import run_stack
+
+runner = CliRunner()
+
+
+def ingest_step(
+    store: Store, step: int = 0, *, n: int = 3, perturb: bool = True, rollout: bool = True
+) -> list[str]:
+    keys = []
+    for i in range(n):
+        trainer = factories.sample("trainer", step=step, seed=i, n_completion=12)
+        noise = np.float32(1.001) if perturb and i == 0 else np.float32(1.0)
+        records = [trainer, *run_stack(trainer, "trainer", num_layers=2)]
+        if rollout:
+            other = factories.sample(
+                "rollout", step=step, seed=i, n_completion=12, logprobs=trainer.logprobs * noise
+            )
+            records += [
+                other,
+                *run_stack(
+                    other,
+                    "rollout",
+                    num_layers=2,
+                    perturb=("layers.1.mlp", 7) if perturb and i == 0 else None,
+                ),
+            ]
+        store.ingest(records)
+        keys.append(trainer.sample_key)
+    return keys
+
+
+def test_worker_compares_pending_samples_once(store: Store):
+    keys = ingest_step(store)
+    steps = []
+    worker = ComparisonWorker(
+        store, on_step=lambda run, step, metrics: steps.append((run, step, metrics["kl_k3"]))
+    )
+    assert worker.run_once() == 3
+    results = {r.sample_key: r for r in store.sample_results("run-1", 0)}
+    assert set(results) == set(keys)
+    assert results[keys[0]].diagnosis == "numerical"
+    assert (results[keys[0]].first_divergence_region, results[keys[0]].first_divergence_position) == (
+        "layers.1.mlp",
+        7,
+    )
+    assert results[keys[1]].diagnosis == "clean" and results[keys[1]].first_divergence_region is None
+    grid = RegionGrid.from_json(results[keys[0]].grid)
+    assert grid.first_divergence == ("layers.1.mlp", 7)
+    [step] = store.step_results("run-1")
+    assert step.n_samples == 3 and step.diagnoses["counts"] == {"clean": 2, "numerical": 1}
+    assert step.metrics["kl_k3"] > 0 and steps == [("run-1", 0, step.metrics["kl_k3"])]
+    # Nothing is pending any more; a second pass compares nothing and changes nothing.
+    assert worker.run_once() == 0 and store.pending() == []
+    # Re-sending the same records queues nothing; new records re-queue only their sample.
+    ingest_step(store)
+    assert store.pending() == []
+
+
+def test_one_sided_samples_wait_for_their_other_side(store: Store):
+    ingest_step(store, rollout=False)
+    assert ComparisonWorker(store).run_once() == 0
+    assert store.sample_results("run-1") == []
+
+
+def test_background_worker_picks_up_new_steps(store: Store):
+    with ComparisonWorker(store, interval=0.05) as worker:
+        ingest_step(store, step=5, perturb=False)
+        deadline = time.monotonic() + 20
+        while not store.step_results("run-1") and time.monotonic() < deadline:
+            time.sleep(0.05)
+    [step] = store.step_results("run-1")
+    assert step.step == 5 and step.metrics["kl_k3"] == 0.0 and worker.failures == 0
+
+
+def test_cli_compare_exit_codes_and_json(database_url: str):
+    store = Store(database_url)
+    ingest_step(store, step=0, perturb=False)
+    ingest_step(store, step=1, perturb=True)
+    store.ingest([factories.sample("trainer", run_id="lonely")])
+    store.dispose()
+    args = ["--database-url", database_url]
+
+    clean = runner.invoke(app, ["compare", "run-1", "--step", "0", *args])
+    assert clean.exit_code == 0, clean.output
+    assert "clean" in clean.output
+
+    divergent = runner.invoke(app, ["compare", "run-1", *args])
+    assert divergent.exit_code == 2, divergent.output
+    assert "layers.1.mlp @ 7" in divergent.output
+
+    body = runner.invoke(app, ["compare", "run-1", "--json", *args])
+    parsed = json.loads(body.stdout)
+    assert parsed["exit_code"] == 2 and [s["step"] for s in parsed["steps"]] == [0, 1]
+    firsts = [s["first_divergence"] for s in parsed["steps"][1]["samples"] if s["first_divergence"]]
+    assert firsts == [{"region": "layers.1.mlp", "position": 7}]
+
+    assert runner.invoke(app, ["compare", "lonely", *args]).exit_code == 3
+    missing = runner.invoke(app, ["compare", "nope", *args])
+    assert missing.exit_code == 1 and "nope" in missing.output
+    assert runner.invoke(app, ["compare", "run-1", "--step", "9", *args]).exit_code == 1
