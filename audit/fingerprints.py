@@ -68,7 +68,9 @@ def _format(dtype: torch.dtype) -> _Format:
     try:
         return FORMATS[dtype]
     except KeyError:
-        raise TypeError(f"x: unsupported dtype {dtype}; expected one of {sorted(map(str, FORMATS))}") from None
+        raise TypeError(
+            f"x: unsupported dtype {dtype}; expected one of {sorted(map(str, FORMATS))}"
+        ) from None
 
 
 def _splitmix64(x: np.ndarray) -> np.ndarray:
@@ -122,7 +124,11 @@ class RowFingerprints:
     def select(self, index: Any) -> RowFingerprints:
         """A subset of rows (a slice, an index tensor or a mask), e.g. one sample's tokens."""
         return RowFingerprints(
-            self.digest[index], self.ladder[index], self.sketch[index], self.l2[index], self.maxabs[index],
+            self.digest[index],
+            self.ladder[index],
+            self.sketch[index],
+            self.l2[index],
+            self.maxabs[index],
             self.ladder_bits,
         )
 
@@ -131,7 +137,11 @@ class RowFingerprints:
         return {
             "digest": self.digest.detach().cpu().numpy().view(np.uint64),
             "ladder_bits": list(self.ladder_bits),
-            "ladder": self.ladder.detach().cpu().numpy().view(np.uint64).reshape(len(self), len(self.ladder_bits)),
+            "ladder": self.ladder.detach()
+            .cpu()
+            .numpy()
+            .view(np.uint64)
+            .reshape(len(self), len(self.ladder_bits)),
             "sketch": self.sketch.detach().cpu().numpy().astype(np.float32, copy=False),
             "l2": self.l2.detach().cpu().numpy().astype(np.float32, copy=False),
             "maxabs": self.maxabs.detach().cpu().numpy().astype(np.float32, copy=False),
@@ -143,7 +153,9 @@ def _check_ladder(ladder_bits: Sequence[int] | None, fmt: _Format) -> tuple[int,
         return fmt.ladder_bits
     bits = tuple(int(b) for b in ladder_bits)
     if any(b < 0 or b > fmt.mantissa_bits for b in bits):
-        raise ValueError(f"ladder_bits: each rung keeps 0..{fmt.mantissa_bits} mantissa bits, got {list(bits)}")
+        raise ValueError(
+            f"ladder_bits: each rung keeps 0..{fmt.mantissa_bits} mantissa bits, got {list(bits)}"
+        )
     if any(a <= b for a, b in zip(bits, bits[1:], strict=False)):
         raise ValueError(f"ladder_bits: must be strictly decreasing (finest rung first), got {list(bits)}")
     return bits
@@ -185,8 +197,14 @@ def fingerprint_rows(x: torch.Tensor, ladder_bits: Sequence[int] | None = None) 
         for start in range(0, n, step):
             stop = min(start + step, n)
             chunk = rows[start:stop]
-            wide, scratch, values = wide_buf[: stop - start], scratch_buf[: stop - start], values_buf[: stop - start]
-            wide.copy_(chunk.view(fmt.int_dtype) if chunk.is_contiguous() else chunk.contiguous().view(fmt.int_dtype))
+            wide, scratch, values = (
+                wide_buf[: stop - start],
+                scratch_buf[: stop - start],
+                values_buf[: stop - start],
+            )
+            wide.copy_(
+                chunk.view(fmt.int_dtype) if chunk.is_contiguous() else chunk.contiguous().view(fmt.int_dtype)
+            )
             torch.mul(wide, weights, out=scratch)
             torch.sum(scratch, dim=-1, out=digest[start:stop])
             for j, mask in enumerate(masks):
@@ -214,7 +232,9 @@ def rows_equal(digest_a: np.ndarray | torch.Tensor, digest_b: np.ndarray | torch
     return a == b
 
 
-def first_agreeing_rung(ladder_a: np.ndarray | torch.Tensor, ladder_b: np.ndarray | torch.Tensor) -> np.ndarray:
+def first_agreeing_rung(
+    ladder_a: np.ndarray | torch.Tensor, ladder_b: np.ndarray | torch.Tensor
+) -> np.ndarray:
     """Per row: index of the finest ladder rung on which the rows agree, or -1 if none does.
 
     Truncations nest, so agreeing on a rung implies agreeing on every coarser one; with
@@ -223,7 +243,9 @@ def first_agreeing_rung(ladder_a: np.ndarray | torch.Tensor, ladder_b: np.ndarra
     """
     a, b = _as_u64(ladder_a, "ladder_a"), _as_u64(ladder_b, "ladder_b")
     if a.ndim != 2 or a.shape != b.shape:
-        raise ValueError(f"ladder_b: shape {list(b.shape)} must equal ladder_a {list(a.shape)}, both [rows, rungs]")
+        raise ValueError(
+            f"ladder_b: shape {list(b.shape)} must equal ladder_a {list(a.shape)}, both [rows, rungs]"
+        )
     agree = a == b
     return np.where(agree.any(axis=1), agree.argmax(axis=1), -1).astype(np.int64)
 
@@ -249,7 +271,9 @@ def estimate_relative_l2(
     sa = np.asarray(sketch_a, dtype=np.float64)
     sb = np.asarray(sketch_b, dtype=np.float64)
     if sa.shape != sb.shape or sa.ndim != 2:
-        raise ValueError(f"sketch_b: shape {list(sb.shape)} must equal sketch_a {list(sa.shape)}, both [rows, 16]")
+        raise ValueError(
+            f"sketch_b: shape {list(sb.shape)} must equal sketch_a {list(sa.shape)}, both [rows, 16]"
+        )
     la, lb = np.asarray(l2_a, dtype=np.float64), np.asarray(l2_b, dtype=np.float64)
     if la.shape != (sa.shape[0],) or lb.shape != (sa.shape[0],):
         raise ValueError(f"l2_a/l2_b: expected {sa.shape[0]} rows, got {list(la.shape)} and {list(lb.shape)}")

@@ -142,7 +142,9 @@ _MAX_FIELDS = {"max_dp", "max_absd", "max_rho"}
 _MIN_FIELDS = {"min_rho"}
 
 
-def _check_inputs(trainer_lp: np.ndarray, rollout_lp: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, ...]:
+def _check_inputs(
+    trainer_lp: np.ndarray, rollout_lp: np.ndarray, offsets: np.ndarray
+) -> tuple[np.ndarray, ...]:
     t = np.asarray(trainer_lp)
     r = np.asarray(rollout_lp)
     o = np.asarray(offsets)
@@ -308,7 +310,9 @@ def _derive(s: _Stats) -> dict[str, np.ndarray]:
             "n_finite": nf,
             "n_nonfinite": nt - nf,
             "bitwise_mismatch_count": s.n_mismatch.astype(np.float64),
-            "exact_match_fraction": np.where(has_tokens, 1.0 - s.n_mismatch / np.where(has_tokens, nt, 1.0), nan),
+            "exact_match_fraction": np.where(
+                has_tokens, 1.0 - s.n_mismatch / np.where(has_tokens, nt, 1.0), nan
+            ),
             "first_diverging_position": s.first_div.astype(np.float64),
             "rollout_probs_diff_max": extreme(s.max_dp),
             "rollout_probs_diff_mean": mean(s.sum_dp),
@@ -379,7 +383,9 @@ def step_metrics(
         values = {
             "n_samples": n_samples,
             **{k: float(v[0]) for k, v in derived.items()},
-            "diverged_sample_fraction": float(pooled.n_diverged[0] / n_samples) if n_samples else float("nan"),
+            "diverged_sample_fraction": float(pooled.n_diverged[0] / n_samples)
+            if n_samples
+            else float("nan"),
         }
         for name in STEP_METRICS:
             out[name + suffix] = values[name]

@@ -107,7 +107,9 @@ def test_signed_zero_and_nan_payloads_are_bitwise() -> None:
 def test_first_agreeing_rung_brackets_the_max_relative_error(dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(3)
     n, h = 400, 32
-    a = (torch.rand(n, h, generator=gen) + 0.5) * torch.where(torch.rand(n, h, generator=gen) < 0.5, -1.0, 1.0)
+    a = (torch.rand(n, h, generator=gen) + 0.5) * torch.where(
+        torch.rand(n, h, generator=gen) < 0.5, -1.0, 1.0
+    )
     a = a.to(dtype)
     # per-row relative perturbation sizes from 2**-(mantissa+1) to 2**-1, on a few elements per row
     scale = torch.exp2(-torch.randint(1, MANTISSA[dtype] + 2, (n, 1), generator=gen).float())
@@ -116,7 +118,9 @@ def test_first_agreeing_rung_brackets_the_max_relative_error(dtype: torch.dtype)
     fa, fb = fingerprint_rows(a), fingerprint_rows(b)
     rung = first_agreeing_rung(fa.ladder, fb.ladder)
     bits = np.asarray(fa.ladder_bits)
-    rel = ((a.double() - b.double()).abs() / torch.minimum(a.double().abs(), b.double().abs())).amax(-1).numpy()
+    rel = (
+        ((a.double() - b.double()).abs() / torch.minimum(a.double().abs(), b.double().abs())).amax(-1).numpy()
+    )
     ia = a.view(INT_OF[dtype]).numpy().astype(np.int64)
     ib = b.view(INT_OF[dtype]).numpy().astype(np.int64)
     seen = set()
@@ -156,7 +160,9 @@ def test_sketch_estimates_relative_l2_within_2x(dtype: torch.dtype) -> None:
     size = torch.exp2(-torch.rand(n, 1, generator=gen, dtype=torch.float64) * 12)  # 2**-12 .. 1
     b = a + torch.randn(n, h, generator=gen, dtype=torch.float64) * a.abs().mean(-1, keepdim=True) * size
     a, b = a.to(dtype), b.to(dtype)
-    truth = ((a.double() - b.double()).norm(dim=-1) / torch.maximum(a.double().norm(dim=-1), b.double().norm(dim=-1)))
+    truth = (a.double() - b.double()).norm(dim=-1) / torch.maximum(
+        a.double().norm(dim=-1), b.double().norm(dim=-1)
+    )
     fa, fb = fingerprint_rows(a), fingerprint_rows(b)
     est = estimate_relative_l2(fa.sketch.numpy(), fb.sketch.numpy(), fa.l2.numpy(), fb.l2.numpy())
     ratio = est / truth.numpy()
@@ -179,8 +185,14 @@ def test_to_numpy_builds_a_record() -> None:
     assert arrays["digest"].dtype == np.uint64 and arrays["ladder"].shape == (6, 4)
     assert arrays["sketch"].dtype == np.float32 and arrays["sketch"].shape == (6, 16)
     record = RegionFingerprints(
-        run_id="r", step=0, side="trainer", case="trainer_fwd", sample_key="0" * 32, region="layers.0.mlp",
-        positions=np.arange(6, dtype=np.int32), **arrays,
+        run_id="r",
+        step=0,
+        side="trainer",
+        case="trainer_fwd",
+        sample_key="0" * 32,
+        region="layers.0.mlp",
+        positions=np.arange(6, dtype=np.int32),
+        **arrays,
     )
     again = RegionFingerprints.model_validate_json(record.model_dump_json())
     assert np.array_equal(again.digest, arrays["digest"]) and np.array_equal(again.ladder, arrays["ladder"])

@@ -80,15 +80,35 @@ def test_columns_and_descriptions() -> None:
             assert f"{name}/{bucket}" in step
     assert all(isinstance(v, float) for v in step.values())
     assert all(d and "\n" not in d for d in METRIC_DESCRIPTIONS.values())
-    for name in ("rollout_probs_diff_max", "rollout_probs_diff_mean", "rollout_probs_diff_std",
-                 "rollout_actor_probs_pearson_corr", "kl_k1", "kl_k3", "log_ppl_diff", "ppl_ratio",
-                 "chi2_token", "is_mean", "is_std", "is_min", "is_max", "effective_sample_size",
-                 "logprob_abs_diff_mean", "logprob_abs_diff_max", "bitwise_mismatch_count",
-                 "exact_match_fraction", "first_diverging_position", "n_samples", "n_tokens"):
+    for name in (
+        "rollout_probs_diff_max",
+        "rollout_probs_diff_mean",
+        "rollout_probs_diff_std",
+        "rollout_actor_probs_pearson_corr",
+        "kl_k1",
+        "kl_k3",
+        "log_ppl_diff",
+        "ppl_ratio",
+        "chi2_token",
+        "is_mean",
+        "is_std",
+        "is_min",
+        "is_max",
+        "effective_sample_size",
+        "logprob_abs_diff_mean",
+        "logprob_abs_diff_max",
+        "bitwise_mismatch_count",
+        "exact_match_fraction",
+        "first_diverging_position",
+        "n_samples",
+        "n_tokens",
+    ):
         assert name in step
 
 
-def random_step(seed: int, lengths: list[int], noise: float = 1e-2) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def random_step(
+    seed: int, lengths: list[int], noise: float = 1e-2
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     rng = np.random.default_rng(seed)
     n = sum(lengths)
     rollout = np.log(rng.uniform(0.05, 1.0, n)).astype(F32)
@@ -112,7 +132,9 @@ def test_step_is_token_weighted_and_ppl_is_sample_averaged() -> None:
     t, r, o = random_step(2, lengths)
     step = step_metrics(t, r, o)
     pooled = sample_metrics(t, r, offsets_of(len(t))).iloc[0]
-    token_weighted = [n for n in SAMPLE_METRICS if n not in ("log_ppl_diff", "ppl_ratio", "first_diverging_position")]
+    token_weighted = [
+        n for n in SAMPLE_METRICS if n not in ("log_ppl_diff", "ppl_ratio", "first_diverging_position")
+    ]
     for name in token_weighted:
         assert step[name] == pytest.approx(pooled[name], rel=1e-9, abs=1e-12), name
     frame = sample_metrics(t, r, o)
@@ -148,12 +170,30 @@ def test_identical_sides_are_exactly_zero() -> None:
     step = step_metrics(t, t.copy(), o)
     frame = sample_metrics(t, t.copy(), o)
     for values in [step, *(frame.iloc[i] for i in range(3))]:
-        for name in ("kl_k1", "kl_k3", "chi2_token", "logprob_abs_diff_mean", "logprob_abs_diff_max",
-                     "rollout_probs_diff_max", "rollout_probs_diff_mean", "rollout_probs_diff_std",
-                     "log_ppl_diff", "is_std", "bitwise_mismatch_count", "is_clipfrac"):
+        for name in (
+            "kl_k1",
+            "kl_k3",
+            "chi2_token",
+            "logprob_abs_diff_mean",
+            "logprob_abs_diff_max",
+            "rollout_probs_diff_max",
+            "rollout_probs_diff_mean",
+            "rollout_probs_diff_std",
+            "log_ppl_diff",
+            "is_std",
+            "bitwise_mismatch_count",
+            "is_clipfrac",
+        ):
             assert values[name] == 0.0 and math.copysign(1.0, values[name]) == 1.0, name
-        for name in ("exact_match_fraction", "is_mean", "is_min", "is_max", "ppl_ratio",
-                     "rollout_actor_probs_pearson_corr", "effective_sample_size_fraction"):
+        for name in (
+            "exact_match_fraction",
+            "is_mean",
+            "is_min",
+            "is_max",
+            "ppl_ratio",
+            "rollout_actor_probs_pearson_corr",
+            "effective_sample_size_fraction",
+        ):
             assert values[name] == 1.0, name
         assert values["first_diverging_position"] == -1
     assert step["n_nonfinite"] == 1.0
@@ -168,9 +208,20 @@ def test_empty_step_and_empty_sample() -> None:
     assert math.isnan(step["kl_k3"]) and math.isnan(step["exact_match_fraction"])
     assert step["first_diverging_position"] == -1.0
     row = sample_metrics(empty, empty, np.array([0, 0])).iloc[0]
-    assert row["n_tokens"] == 0 and row["bitwise_mismatch_count"] == 0 and row["first_diverging_position"] == -1
-    for name in ("kl_k1", "kl_k3", "rollout_probs_diff_mean", "is_mean", "log_ppl_diff", "ppl_ratio",
-                 "effective_sample_size", "rollout_actor_probs_pearson_corr", "exact_match_fraction"):
+    assert (
+        row["n_tokens"] == 0 and row["bitwise_mismatch_count"] == 0 and row["first_diverging_position"] == -1
+    )
+    for name in (
+        "kl_k1",
+        "kl_k3",
+        "rollout_probs_diff_mean",
+        "is_mean",
+        "log_ppl_diff",
+        "ppl_ratio",
+        "effective_sample_size",
+        "rollout_actor_probs_pearson_corr",
+        "exact_match_fraction",
+    ):
         assert math.isnan(row[name]), name
 
 
@@ -192,9 +243,21 @@ def test_neg_inf_on_one_side_is_a_mismatch_excluded_from_statistics() -> None:
     assert row["n_nonfinite"] == 1 and row["n_finite"] == 3
     assert row["bitwise_mismatch_count"] == 3
     assert row["exact_match_fraction"] == pytest.approx(1 / 4)
-    for name in ("kl_k1", "kl_k3", "chi2_token", "is_mean", "is_max", "is_min", "rollout_probs_diff_max",
-                 "rollout_probs_diff_mean", "logprob_abs_diff_max", "log_ppl_diff",
-                 "rollout_actor_probs_pearson_corr", "effective_sample_size", "is_clipfrac"):
+    for name in (
+        "kl_k1",
+        "kl_k3",
+        "chi2_token",
+        "is_mean",
+        "is_max",
+        "is_min",
+        "rollout_probs_diff_max",
+        "rollout_probs_diff_mean",
+        "logprob_abs_diff_max",
+        "log_ppl_diff",
+        "rollout_actor_probs_pearson_corr",
+        "effective_sample_size",
+        "is_clipfrac",
+    ):
         assert row[name] == without[name], name
     only_inf = sample_metrics(arr(-np.inf), arr(-1.0), offsets_of(1)).iloc[0]
     assert only_inf["bitwise_mismatch_count"] == 1 and only_inf["first_diverging_position"] == 0
@@ -224,8 +287,14 @@ def test_extreme_ratios_stay_finite() -> None:
     [
         ({"trainer_lp": arr(-1.0), "rollout_lp": arr(-1.0, -2.0), "offsets": offsets_of(1)}, "rollout_lp"),
         ({"trainer_lp": arr(-1.0, -2.0), "rollout_lp": arr(-1.0, -2.0), "offsets": offsets_of(1)}, "offsets"),
-        ({"trainer_lp": arr(-1.0, -2.0), "rollout_lp": arr(-1.0, -2.0), "offsets": np.array([0, 2, 1, 2])}, "offsets"),
-        ({"trainer_lp": np.zeros((2, 2), F32), "rollout_lp": arr(-1.0), "offsets": offsets_of(1)}, "trainer_lp"),
+        (
+            {"trainer_lp": arr(-1.0, -2.0), "rollout_lp": arr(-1.0, -2.0), "offsets": np.array([0, 2, 1, 2])},
+            "offsets",
+        ),
+        (
+            {"trainer_lp": np.zeros((2, 2), F32), "rollout_lp": arr(-1.0), "offsets": offsets_of(1)},
+            "trainer_lp",
+        ),
     ],
 )
 def test_bad_inputs_name_the_argument(kwargs: dict, field: str) -> None:
