@@ -48,7 +48,10 @@ class _SideRows:
     @classmethod
     def merge(cls, records: Sequence[RegionFingerprints]) -> _SideRows:
         positions = np.concatenate([r.positions for r in records])
-        order = np.argsort(positions, kind="stable")
+        # One record with ascending positions (the usual case) needs no reordering.
+        order = (
+            slice(None) if np.all(positions[1:] > positions[:-1]) else np.argsort(positions, kind="stable")
+        )
         rungs = max((len(r.ladder_bits) for r in records), default=0)
         return cls(
             positions=positions[order],
@@ -76,6 +79,9 @@ class RegionGrid:
     @property
     def first_divergence(self) -> Cell | None:
         return self.origins[0] if self.origins else None
+
+    def has_differences(self) -> bool:
+        return bool((self.state == DIFFERS).any())
 
     def differing_cells(self) -> list[Cell]:
         rows, cols = np.nonzero(self.state == DIFFERS)

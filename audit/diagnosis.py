@@ -178,7 +178,7 @@ def diagnose(
 ) -> Diagnosis:
     """The first class of DESIGN.md's order that explains this sample's mismatch."""
     logprobs_differ = int(metrics.get("bitwise_mismatch_count", 0)) > 0
-    cells_differ = grid is not None and bool(grid.differing_cells())
+    cells_differ = grid is not None and grid.has_differences()
     if not logprobs_differ and not cells_differ:
         observed = (
             "every fingerprinted region and every token" if grid is not None else "every token's logprob"
