@@ -1,0 +1,123 @@
+"""From host arrays of one forward to wire records: one SampleLogprobs per sample and one
+RegionFingerprints per (sample, region), each with the sample's absolute positions.
+
+Shared by both collectors: whatever the engine, a collector ends up with flat per-row arrays and a
+layout (:class:`collectors.layout.StepBatch`), and this module cuts them per sample.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from audit.records import Case, RegionFingerprints, SampleLogprobs, Side, sample_key
+from collectors.layout import StepBatch
+
+
+@dataclass(frozen=True)
+class HostPrints:
+    """One region's fingerprints of every flattened row of a forward, on the host."""
+
+    digest: np.ndarray  # uint64 [rows]
+    ladder: np.ndarray  # uint64 [rows, rungs]
+    ladder_bits: tuple[int, ...]
+    sketch: np.ndarray  # float32 [rows, 16]
+    l2: np.ndarray  # float32 [rows]
+    maxabs: np.ndarray  # float32 [rows]
+
+    def __len__(self) -> int:
+        return int(self.digest.shape[0])
+
+
+def sequence_tokens(batch: StepBatch, host_ids: np.ndarray) -> list[np.ndarray]:
+    """Each sample's whole sequence (prompt ‖ completion) as int32."""
+    flat = host_ids.reshape(-1)
+    return [
+        flat[batch.flat_start(i) : batch.flat_start(i) + span.length].astype(np.int32)
+        for i, span in enumerate(batch.spans)
+    ]
+
+
+def keys_for(batch: StepBatch, tokens: Sequence[np.ndarray]) -> list[str]:
+    """The caller's sample keys, or the ones both sides derive from the tokens."""
+    return list(batch.sample_keys) if batch.sample_keys is not None else [sample_key(t) for t in tokens]
+
+
+def sample_records(
+    *,
+    run_id: str,
+    step: int,
+    side: Side,
+    batch: StepBatch,
+    tokens: Sequence[np.ndarray],
+    keys: Sequence[str],
+    logprobs: Sequence[np.ndarray],
+    weight_version: str | None = None,
+    validate: bool = True,
+) -> list[SampleLogprobs]:
+    """One record per sample; ``validate=False`` skips pydantic checks (inputs built here are valid
+    by construction and the service validates again)."""
+    temps = batch.temperature if batch.temperature is not None else np.ones(batch.num_samples)
+    records = []
+    for i, span in enumerate(batch.spans):
+        lp = np.asarray(logprobs[i], dtype=np.float32)
+        if lp.size != span.completion_len:
+            raise ValueError(f"logprobs: sample {i} has {lp.size} values for {span.completion_len} completion tokens")
+        # A log-softmax can round to a hair above 0 for a near-certain token; the wire format refuses > 0.
+        lp = np.minimum(lp, np.float32(0.0))
+        fields = {
+            "run_id": run_id,
+            "step": step,
+            "side": side,
+            "sample_key": keys[i],
+            "weight_version": weight_version,
+            "prompt_len": span.prompt_len,
+            "token_ids": tokens[i],
+            "logprobs": lp,
+            "temperature": float(temps[i]),
+            "semantics": "processed",
+        }
+        records.append(SampleLogprobs(**fields) if validate else SampleLogprobs.model_construct(**fields))
+    return records
+
+
+def fingerprint_records(
+    *,
+    run_id: str,
+    step: int,
+    side: Side,
+    case: Case,
+    batch: StepBatch,
+    keys: Sequence[str],
+    prints: Mapping[tuple[str, int], HostPrints],
+    validate: bool = True,
+) -> list[RegionFingerprints]:
+    """One record per (sample, region call), rows cut from the forward's flattened rows."""
+    rows, cols = batch.shape
+    records = []
+    for (region, forward_index), host in prints.items():
+        if len(host) != rows * cols:
+            raise ValueError(f"prints[{region!r}]: {len(host)} rows for a forward of {rows}x{cols} tokens")
+        for i, span in enumerate(batch.spans):
+            a = batch.flat_start(i)
+            b = a + span.length
+            fields = {
+                "run_id": run_id,
+                "step": step,
+                "side": side,
+                "case": case,
+                "sample_key": keys[i],
+                "region": region,
+                "forward_index": forward_index,
+                "positions": np.arange(span.length, dtype=np.int32),
+                "digest": host.digest[a:b],
+                "ladder_bits": list(host.ladder_bits),
+                "ladder": host.ladder[a:b],
+                "sketch": host.sketch[a:b],
+                "l2": host.l2[a:b],
+                "maxabs": host.maxabs[a:b],
+            }
+            records.append(RegionFingerprints(**fields) if validate else RegionFingerprints.model_construct(**fields))
+    return records

@@ -1,0 +1,157 @@
+"""Forward hooks that fingerprint region outputs on the model's device during a forward.
+
+One :class:`ForwardCapture` owns every hook it registers. A root pre-hook opens a *capture* for each
+top-level forward and a root post-hook closes it, keeping a reference to the logits; region hooks
+only act while a capture is open, so activation-checkpointing recomputation during backward (which
+re-runs layers outside the root forward) is ignored. Hooks never modify outputs and never raise: a
+failure is counted and logged once, and the forward goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from audit.fingerprints import RowFingerprints, fingerprint_rows
+from collectors.regions import RegionSpec, Tap, read_tap
+
+log = logging.getLogger(__name__)
+
+Fingerprinter = Callable[[torch.Tensor], RowFingerprints]
+
+
+@dataclass
+class Capture:
+    """What one top-level forward left behind: its inputs, logits and per-region row fingerprints."""
+
+    input_ids: torch.Tensor | None
+    fingerprinting: bool
+    prints: dict[tuple[str, int], RowFingerprints] = field(default_factory=dict)
+    logits: torch.Tensor | None = None
+    complete: bool = False
+
+    def matches(self, input_ids: torch.Tensor) -> bool:
+        """Was this forward run over exactly ``input_ids``? (Same tensor, or equal shape and values.)"""
+        mine = self.input_ids
+        if mine is None or mine.shape != input_ids.reshape(mine.shape[0], -1).shape:
+            return False
+        if mine is input_ids or (mine.data_ptr() == input_ids.data_ptr() and mine.device == input_ids.device):
+            return True
+        return bool(torch.equal(mine, input_ids.to(mine.device).reshape(mine.shape)))
+
+
+def _first_tensor(args: Sequence[Any], kwargs: dict[str, Any], name: str) -> torch.Tensor | None:
+    value = kwargs.get(name)
+    if value is None and args and isinstance(args[0], torch.Tensor):
+        value = args[0]
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _logits_of(output: Any) -> torch.Tensor | None:
+    logits = getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    return read_tap(output, Tap.FIRST)
+
+
+class ForwardCapture:
+    """Registers the hooks; ``last`` is the most recent completed capture."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        specs: Sequence[RegionSpec],
+        *,
+        fingerprinter: Fingerprinter = fingerprint_rows,
+        should_fingerprint: Callable[[], bool] = lambda: True,
+    ) -> None:
+        self.model = model
+        self.specs = list(specs)
+        self.fingerprinter = fingerprinter
+        self.should_fingerprint = should_fingerprint
+        self.force: bool | None = None  # overrides should_fingerprint (the collector's own forwards)
+        self.current: Capture | None = None
+        self.last: Capture | None = None
+        self.errors = 0
+        self._depth = 0
+        self._handles: list[RemovableHandle] = []
+        self._logged: set[str] = set()
+        self._handles.append(model.register_forward_pre_hook(self._open, with_kwargs=True))
+        self._handles.append(model.register_forward_hook(self._close, always_call=True))
+        for spec in self.specs:
+            module = model.get_submodule(spec.module)
+            self._handles.append(module.register_forward_hook(self._region_hook(spec)))
+
+    # ---------------------------------------------------------------- hooks
+
+    def _open(self, _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self._depth += 1
+        if self._depth > 1:  # a nested call of the root (rare) belongs to the outer capture
+            return
+        try:
+            fingerprinting = self.force if self.force is not None else bool(self.should_fingerprint())
+            self.current = Capture(_first_tensor(args, kwargs, "input_ids"), fingerprinting and bool(self.specs))
+        except Exception as exc:  # never break the forward
+            self._fail("open", exc)
+            self.current = None
+
+    def _close(self, _module: nn.Module, _args: tuple[Any, ...], output: Any) -> None:
+        self._depth = max(0, self._depth - 1)
+        if self._depth or self.current is None:
+            return
+        try:
+            self.current.logits = _logits_of(output)
+            self.current.complete = True
+            self.last = self.current
+        except Exception as exc:
+            self._fail("close", exc)
+        finally:
+            self.current = None
+
+    def _region_hook(self, spec: RegionSpec) -> Callable[[nn.Module, Any, Any], None]:
+        def hook(_module: nn.Module, _inputs: Any, output: Any) -> None:
+            capture = self.current
+            if capture is None or not capture.fingerprinting:
+                return
+            try:
+                tensor = read_tap(output, spec.tap)
+                if tensor is None:
+                    return
+                index = 0
+                while (spec.name, index) in capture.prints:
+                    index += 1
+                capture.prints[(spec.name, index)] = self.fingerprinter(tensor)
+            except Exception as exc:
+                self._fail(spec.name, exc)
+
+        return hook
+
+    def _fail(self, where: str, exc: BaseException) -> None:
+        self.errors += 1
+        if where not in self._logged:
+            self._logged.add(where)
+            log.warning("isoaudit collector: hook %s failed (%s: %s); counted, the forward goes on", where, type(exc).__name__, exc)
+
+    # ---------------------------------------------------------------- control
+
+    def take(self) -> Capture | None:
+        """Hand over the last capture (and forget it, so its tensors can be freed)."""
+        capture, self.last = self.last, None
+        return capture
+
+    def remove(self) -> None:
+        """Remove every hook this capture registered."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self.current = self.last = None
+
+    @property
+    def attached(self) -> bool:
+        return bool(self._handles)

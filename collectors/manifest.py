@@ -1,0 +1,157 @@
+"""The trainer's manifest (DESIGN.md, "Records"): runtime facts its numerics depend on, the regions
+it hooks, and the execution contract's identities. Sent on attach and again whenever any of it
+changes (a dtype cast, a remediation switch, a new contract), so every record can be read against
+the conditions it was computed under.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+from collections.abc import Mapping
+from functools import lru_cache
+from typing import Any
+
+import torch
+from torch import nn
+
+from audit.records import Case, ContractIdentities, Manifest, RuntimeFacts, Side
+
+
+def process_name() -> str:
+    """``host:pid`` and, under torch.distributed, ``/rank``: tells a job's processes apart."""
+    name = f"{socket.gethostname()}:{os.getpid()}"
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        name += f"/{torch.distributed.get_rank()}"
+    return name
+
+
+@lru_cache(maxsize=1)
+def _transformers_version() -> str | None:
+    try:
+        import transformers
+    except ImportError:
+        return None
+    return str(transformers.__version__)
+
+
+def _dtype_name(dtype: torch.dtype | None) -> str | None:
+    return str(dtype).removeprefix("torch.") if dtype is not None else None
+
+
+def _arch(device: torch.device) -> str:
+    if device.type == "cuda" and torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"sm_{major}{minor} {torch.cuda.get_device_name(device)}"
+    return f"{platform.machine()} {platform.processor() or ''}".strip()
+
+
+def _lm_head(model: nn.Module) -> nn.Module | None:
+    getter = getattr(model, "get_output_embeddings", None)
+    if callable(getter):
+        try:
+            return getter()
+        except (NotImplementedError, AttributeError):
+            return None
+    return None
+
+
+def trainer_runtime(
+    model: nn.Module, *, remediation: str = "native", logprobs_mode: str = "processed"
+) -> RuntimeFacts:
+    """What this process's numerics depend on, read from the model and torch's global switches."""
+    param = next(model.parameters(), None)
+    device = param.device if param is not None else torch.device("cpu")
+    head = _lm_head(model)
+    head_weight = getattr(head, "weight", None)
+    config = getattr(model, "config", None)
+    is_hf = config is not None and _transformers_version() is not None
+    facts: dict[str, Any] = {
+        "framework": "transformers" if is_hf else "torch",
+        "framework_version": _transformers_version() if is_hf else torch.__version__,
+        "torch_version": torch.__version__,
+        "device": str(device),
+        "arch": _arch(device),
+        "dtype": _dtype_name(param.dtype if param is not None else None),
+        "lm_head_dtype": _dtype_name(head_weight.dtype if isinstance(head_weight, torch.Tensor) else None),
+        "logprobs_mode": logprobs_mode,
+        "attention_backend": getattr(config, "_attn_implementation", None) if config is not None else None,
+        "remediation": remediation,
+        # torch switches that change matmul/conv numerics (extra fields, allowed by RuntimeFacts)
+        "matmul_allow_tf32": bool(torch.backends.cuda.matmul.allow_tf32),
+        "matmul_allow_bf16_reduced_precision": bool(torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction),
+        "matmul_allow_fp16_reduced_precision": bool(torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction),
+        "cudnn_allow_tf32": bool(torch.backends.cudnn.allow_tf32),
+        "deterministic_algorithms": bool(torch.are_deterministic_algorithms_enabled()),
+        "training": bool(model.training),
+    }
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        facts["world_size"] = torch.distributed.get_world_size()
+    return RuntimeFacts(**facts)
+
+
+def contract_fields(contract: Any) -> tuple[ContractIdentities, dict[str, Any]]:
+    """Identities and numerical-policy fields of ``contract``: an ``audit.contract.Contract``, its
+    identities (``ContractIdentities`` or a mapping of them), or ``None``."""
+    if contract is None:
+        return ContractIdentities(), {}
+    if isinstance(contract, ContractIdentities):
+        return contract, {}
+    if isinstance(contract, Mapping):
+        try:
+            return ContractIdentities(**contract), {}
+        except Exception as exc:
+            raise ValueError(f"contract: a mapping must hold semantic/numerical_policy/deployment identities ({exc})") from exc
+    from audit.contract import Contract, identities, numerical_policy_fields
+
+    if not isinstance(contract, Contract):
+        raise TypeError(f"contract: expected an audit.contract.Contract or its identities, got {type(contract).__name__}")
+    return identities(contract), numerical_policy_fields(contract)
+
+
+class ManifestTracker:
+    """Builds the manifest and says when it changed since the last one sent."""
+
+    def __init__(
+        self,
+        *,
+        run_id: str,
+        side: Side,
+        case: Case,
+        regions: list[str],
+        unobserved: dict[str, str],
+        contract: Any = None,
+    ) -> None:
+        self.run_id, self.side, self.case = run_id, side, case
+        self.regions, self.unobserved = regions, unobserved
+        self.identities, self.policy = contract_fields(contract)
+        self.process = process_name()
+        self.current: Manifest | None = None
+        self._sent_hash: str | None = None
+
+    def set_contract(self, contract: Any) -> None:
+        self.identities, self.policy = contract_fields(contract)
+
+    def build(self, runtime: RuntimeFacts, weight_version: str | None = None) -> Manifest:
+        return Manifest(
+            run_id=self.run_id,
+            side=self.side,
+            case=self.case,
+            process=self.process,
+            runtime=runtime,
+            regions=self.regions,
+            unobserved=self.unobserved,
+            contract=self.identities,
+            numerical_policy=self.policy,
+            weight_version=weight_version,
+        )
+
+    def changed(self, manifest: Manifest) -> Manifest | None:
+        """``manifest`` if it differs from the last one returned here (then it counts as sent)."""
+        digest = manifest.content_hash()
+        if digest == self._sent_hash:
+            return None
+        self._sent_hash = digest
+        self.current = manifest
+        return manifest

@@ -1,0 +1,200 @@
+"""Canonical regions (DESIGN.md, "Canonical regions") mapped onto a model's module names.
+
+A region is a module whose output we fingerprint, plus a *tap* that says how to read the canonical
+tensor out of whatever the module returns. The taps exist because the two sides package the same
+quantity differently: HF decoder layers return a tensor (or a tuple led by it), vLLM's return
+``(hidden, residual)`` whose sum is the residual stream, and ``logits`` is compared in float32. The
+trainer collector uses the HF family maps here; the vLLM collector declares its own maps with the same
+:class:`RegionSpec` and :class:`Tap`, so both sides emit the same canonical names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import torch
+from torch import nn
+
+from audit.regions import LAYER_REGIONS, canonical_regions, is_canonical, region_order
+
+#: Per-layer regions in forward order (DESIGN.md), as ``audit.regions`` defines them.
+LAYER_PARTS: tuple[str, ...] = LAYER_REGIONS
+
+
+class Tap(str, Enum):
+    """How to read a region's tensor out of its module's output."""
+
+    FIRST = "first"  # the tensor itself, or the first tensor of a tuple / ModelOutput
+    SUM = "sum"  # first + second tensor: the residual stream of a layer returning (hidden, residual)
+    FP32 = "fp32"  # the first tensor, cast to float32 (the canonical dtype of ``logits``)
+
+
+def _tensors(output: Any) -> list[torch.Tensor]:
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, Mapping):  # ModelOutput is an OrderedDict
+        return [v for v in output.values() if isinstance(v, torch.Tensor)]
+    if isinstance(output, list | tuple):
+        return [v for v in output if isinstance(v, torch.Tensor)]
+    return []
+
+
+def read_tap(output: Any, tap: Tap) -> torch.Tensor | None:
+    """The canonical tensor of a module output, or ``None`` when the output has no tensor to read."""
+    found = _tensors(output)
+    if not found:
+        return None
+    if tap is Tap.SUM:
+        return found[0] + found[1] if len(found) > 1 else found[0]
+    if tap is Tap.FP32:
+        return found[0].float()
+    return found[0]
+
+
+@dataclass(frozen=True)
+class RegionSpec:
+    """One canonical region bound to a module name of a concrete model."""
+
+    name: str
+    module: str
+    tap: Tap = Tap.FIRST
+
+
+@dataclass(frozen=True)
+class FamilyMap:
+    """Module-name templates of one model family; ``{i}`` stands for the layer index."""
+
+    family: str
+    layers: str  # the ModuleList of decoder layers (its length is the layer count)
+    embed: str
+    final_norm: str
+    logits: str
+    layer: Mapping[str, str]
+    taps: Mapping[str, Tap] = field(default_factory=dict)  # keyed by "embed", "logits", a layer part, ...
+
+    def specs(self, num_layers: int) -> list[RegionSpec]:
+        """The region specs of a model with ``num_layers`` layers, in forward order."""
+        specs = [RegionSpec("embed", self.embed, self.taps.get("embed", Tap.FIRST))]
+        for i in range(num_layers):
+            for part in LAYER_PARTS:
+                specs.append(RegionSpec(f"layers.{i}.{part}", self.layer[part].format(i=i), self.taps.get(part, Tap.FIRST)))
+        specs.append(RegionSpec("final_norm", self.final_norm, self.taps.get("final_norm", Tap.FIRST)))
+        specs.append(RegionSpec("logits", self.logits, self.taps.get("logits", Tap.FP32)))
+        return specs
+
+
+def _hf_decoder(family: str) -> FamilyMap:
+    # HF's Llama-style decoders: attention output is o_proj's (self_attn returns (out, weights)),
+    # and a decoder layer's output is the residual stream after it.
+    return FamilyMap(
+        family=family,
+        layers="model.layers",
+        embed="model.embed_tokens",
+        final_norm="model.norm",
+        logits="lm_head",
+        layer={
+            "input_norm": "model.layers.{i}.input_layernorm",
+            "attn": "model.layers.{i}.self_attn.o_proj",
+            "post_attn_norm": "model.layers.{i}.post_attention_layernorm",
+            "mlp": "model.layers.{i}.mlp",
+            "out": "model.layers.{i}",
+        },
+    )
+
+
+#: HF transformers families, keyed by ``config.model_type``.
+HF_FAMILIES: dict[str, FamilyMap] = {name: _hf_decoder(name) for name in ("llama", "qwen2", "qwen3", "mistral")}
+
+
+def _has(model: nn.Module, name: str) -> bool:
+    try:
+        model.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
+
+
+def _num_layers(model: nn.Module, family: FamilyMap) -> int:
+    layers = model.get_submodule(family.layers)
+    return len(layers)  # type: ignore[arg-type]
+
+
+def _auto_family(model: nn.Module) -> FamilyMap:
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type in HF_FAMILIES:
+        return HF_FAMILIES[model_type]
+    # An unregistered HF model laid out like Llama (many are) gets the same map, checked module by module.
+    generic = _hf_decoder(str(model_type or "unknown"))
+    if _has(model, generic.layers) and all(_has(model, spec.module) for spec in generic.specs(1)):
+        return generic
+    raise ValueError(
+        f"regions: no built-in map for model type {model_type!r} (known: {sorted(HF_FAMILIES)}); "
+        "pass regions={canonical name: module name}"
+    )
+
+
+RegionsArg = str | Mapping[str, str] | Sequence[str] | None
+
+
+@dataclass(frozen=True)
+class ResolvedRegions:
+    """What a collector hooks, and what it cannot observe (for the manifest)."""
+
+    specs: list[RegionSpec]
+    unobserved: dict[str, str]
+    family: str | None = None
+
+    @property
+    def names(self) -> list[str]:
+        return [spec.name for spec in self.specs]
+
+
+def resolve_regions(model: nn.Module, regions: RegionsArg = "auto") -> ResolvedRegions:
+    """Bind ``regions`` to ``model``'s modules.
+
+    ``"auto"``: every canonical region, from the family map of ``model.config.model_type``.
+    A sequence of canonical names: that subset of the auto map. A mapping: canonical name → module
+    name (any model). ``None`` or empty: no regions (logprobs only).
+    """
+    if regions is None or (not isinstance(regions, str) and len(regions) == 0):
+        return ResolvedRegions([], {"*": "no regions requested"})
+    if isinstance(regions, Mapping):
+        specs = []
+        for name, module in regions.items():
+            if not is_canonical(name):
+                raise ValueError(f"regions: {name!r} is not a canonical region name (e.g. embed, layers.0.mlp, logits)")
+            if not _has(model, module):
+                raise ValueError(f"regions: module {module!r} (for {name!r}) is not in the model")
+            specs.append(RegionSpec(name, module, Tap.FP32 if name == "logits" else Tap.FIRST))
+        specs.sort(key=lambda s: region_order(s.name))
+        return ResolvedRegions(specs, _missing(specs, _layer_count(specs)))
+    if isinstance(regions, str) and regions != "auto":
+        raise ValueError(f"regions: expected 'auto', a list of canonical names or a mapping, got {regions!r}")
+    family = _auto_family(model)
+    specs = family.specs(_num_layers(model, family))
+    for spec in specs:
+        if not _has(model, spec.module):
+            raise ValueError(f"regions: the {family.family} map names {spec.module!r} for {spec.name!r}, not in the model")
+    if not isinstance(regions, str):
+        wanted = list(regions)
+        known = {s.name for s in specs}
+        unknown = [name for name in wanted if name not in known]
+        if unknown:
+            raise ValueError(f"regions: {unknown} are not regions of this model (it has {len(specs)} regions)")
+        specs = [s for s in specs if s.name in set(wanted)]
+        unobserved = {name: "not requested" for name in known - set(wanted)}
+        return ResolvedRegions(specs, unobserved, family.family)
+    return ResolvedRegions(specs, {}, family.family)
+
+
+def _layer_count(specs: Sequence[RegionSpec]) -> int:
+    layers = [region_order(s.name)[1] for s in specs if region_order(s.name)[0] == 1]
+    return max(layers) + 1 if layers else 0
+
+
+def _missing(specs: Sequence[RegionSpec], num_layers: int) -> dict[str, str]:
+    have = {s.name for s in specs}
+    return {name: "not in the region map" for name in canonical_regions(num_layers) if name not in have}

@@ -1,0 +1,31 @@
+"""Applying the remediation mode the service asks for (DESIGN.md, "Remediation").
+
+The dashboard sets a run's desired mode; the sink learns it from ingest replies; the collector calls
+a :data:`RemediationHook` at its next step boundary, then reports the applied mode in a new manifest.
+The default hook switches this process onto (or off) the invariant kernels of :mod:`kernels`; a
+trainer with its own way (e.g. a different kernel library, or a restart) passes its own hook.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import nn
+
+#: Modes the service may ask for.
+MODES = ("native", "invariant")
+
+#: ``hook(model, mode)``: make ``model``'s next forward run in ``mode``; raise if it cannot.
+RemediationHook = Callable[[nn.Module, str], None]
+
+
+def apply_kernels_mode(model: nn.Module, mode: str) -> None:
+    """Route the process through :mod:`kernels` (``invariant``) or back to native ops."""
+    if mode not in MODES:
+        raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+    import kernels
+
+    if mode == "invariant":
+        kernels.enable()
+    else:
+        kernels.disable()

@@ -1,0 +1,350 @@
+"""What every sink shares: a bounded queue drained by one background thread, retries with
+exponential backoff, an optional disk spool while the destination is down, and counters.
+
+The training loop only ever calls :meth:`Sink.send`, which puts records on the queue and returns:
+it never blocks on I/O and never raises. A full queue drops the records (counted, logged once)
+rather than stall the step. The worker delivers batches in order; after a failed delivery it spools
+new batches to disk instead of retrying them in line, and replays the spool first-in first-out
+once the destination answers again. Destinations are idempotent (a retried batch stores nothing
+twice), so "at least once" here means "exactly once" in the store.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import random
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import TypeAdapter
+
+from audit.records import AnyRecord, Batch, Record
+from collectors.sinks.spool import Spool
+
+log = logging.getLogger(__name__)
+
+_records_adapter: TypeAdapter[list[AnyRecord]] = TypeAdapter(list[AnyRecord])
+
+
+def encode_batch(records: Sequence[Record]) -> bytes:
+    """The JSON body of ``POST /v1/ingest`` (an :class:`audit.records.Batch`)."""
+    return b'{"records":' + _records_adapter.dump_json(list(records)) + b"}"  # type: ignore[arg-type]
+
+
+def decode_batch(payload: bytes) -> list[Record]:
+    return list(Batch.model_validate_json(payload).records)
+
+
+class DeliveryError(Exception):
+    """A failed delivery. ``retry``: worth trying again later (destination down, timeout, 5xx);
+    otherwise the destination refused the batch as such and it is dropped. ``too_large``: split it."""
+
+    def __init__(self, message: str, *, retry: bool, too_large: bool = False) -> None:
+        super().__init__(message)
+        self.retry = retry
+        self.too_large = too_large
+
+
+@dataclass(frozen=True)
+class Control:
+    """The remediation mode the service wants this run's collectors to apply."""
+
+    mode: str
+    version: int
+
+
+@dataclass
+class SinkCounters:
+    """Record counts (not batches). ``sent`` includes ``replayed`` (sent from the spool)."""
+
+    queued: int = 0
+    sent: int = 0
+    dropped: int = 0
+    spooled: int = 0
+    replayed: int = 0
+    duplicates: int = 0
+    failed_attempts: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+class _Item:
+    """One batch on its way: records, serialized lazily (and only once) when a sink needs bytes."""
+
+    __slots__ = ("_records", "_payload", "n")
+
+    def __init__(self, records: list[Record] | None = None, payload: bytes | None = None, n: int = 0) -> None:
+        self._records = records
+        self._payload = payload
+        self.n = len(records) if records is not None else n
+
+    @property
+    def records(self) -> list[Record]:
+        if self._records is None:
+            assert self._payload is not None
+            self._records = decode_batch(self._payload)
+        return self._records
+
+    @property
+    def payload(self) -> bytes:
+        if self._payload is None:
+            self._payload = encode_batch(self.records)
+        return self._payload
+
+    def halves(self) -> list[_Item]:
+        records = self.records
+        mid = len(records) // 2
+        return [_Item(records[:mid]), _Item(records[mid:])]
+
+
+_STOP = object()
+
+
+class Sink(ABC):
+    """The interface the collectors use. Subclasses implement :meth:`_deliver`."""
+
+    def __init__(
+        self,
+        *,
+        queue_size: int = 256,
+        max_batch_records: int = 4096,
+        spool_dir: str | Path | None = None,
+        spool_max_bytes: int = 1 << 30,
+        attempts: int = 3,
+        backoff_initial: float = 0.2,
+        backoff_max: float = 10.0,
+        name: str = "sink",
+    ) -> None:
+        if queue_size < 1:
+            raise ValueError(f"queue_size: must be >= 1, got {queue_size}")
+        if max_batch_records < 1:
+            raise ValueError(f"max_batch_records: must be >= 1, got {max_batch_records}")
+        if attempts < 1:
+            raise ValueError(f"attempts: must be >= 1, got {attempts}")
+        if not 0 < backoff_initial <= backoff_max:
+            raise ValueError(f"backoff_initial: must be in (0, backoff_max={backoff_max}], got {backoff_initial}")
+        self.counters = SinkCounters()
+        self.control: Control | None = None
+        self.spool = Spool(spool_dir, spool_max_bytes) if spool_dir is not None else None
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=queue_size)
+        self._max_batch = max_batch_records
+        self._attempts = attempts
+        self._backoff_initial = backoff_initial
+        self._backoff_max = backoff_max
+        self._backoff = 0.0  # current delay; 0 while the destination answers
+        self._retry_at = 0.0  # monotonic time before which the destination is considered down
+        self._outstanding = 0  # records queued or in flight
+        self._cond = threading.Condition()
+        self._count_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._warned: set[str] = set()
+        self._name = name
+        self._thread = threading.Thread(target=self._run, name=f"isoaudit-{name}", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ training-loop side
+
+    def send(self, records: Sequence[Record]) -> None:
+        """Queue records for delivery. Never blocks, never raises; a full queue drops them (counted)."""
+        try:
+            records = list(records)
+            for start in range(0, len(records), self._max_batch):
+                chunk = records[start : start + self._max_batch]
+                if self._stop.is_set():
+                    self._drop(len(chunk), "closed", "isoaudit %s is closed: records dropped")
+                    continue
+                with self._cond:
+                    self._outstanding += len(chunk)
+                try:
+                    self._queue.put_nowait(_Item(chunk))
+                    self._add("queued", len(chunk))
+                except queue.Full:
+                    with self._cond:
+                        self._outstanding -= len(chunk)
+                        self._cond.notify_all()
+                    self._drop(len(chunk), "full", "isoaudit %s queue is full: dropping records (see counters.dropped)")
+        except Exception as exc:  # a collector must never raise into the training loop
+            self._warn_once("send", "isoaudit %s: send failed (%s)", exc)
+
+    def flush(self, timeout: float | None = 30.0) -> bool:
+        """Wait until everything queued was delivered and the spool is empty; ``False`` on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._outstanding > 0 or (self.spool is not None and len(self.spool) > 0):
+                if not self._thread.is_alive():
+                    return False
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self._cond.wait(0.05 if remaining is None else min(0.05, remaining))
+        return True
+
+    def close(self, timeout: float | None = 30.0) -> bool:
+        """Flush (up to ``timeout``), then stop the worker. What could not be delivered stays in the
+        spool for the next process over the same directory (or is counted dropped without one)."""
+        delivered = self.flush(timeout)
+        self._stop.set()
+        self._queue.put(_STOP)
+        self._thread.join(timeout=max(5.0, timeout or 0.0))
+        self._close_destination()
+        return delivered
+
+    def stats(self) -> dict[str, Any]:
+        """Counters plus the current backlog, for logs and dashboards."""
+        return {
+            **self.counters.as_dict(),
+            "outstanding": self._outstanding,
+            "spool_batches": len(self.spool) if self.spool is not None else 0,
+            "spool_records": self.spool.n_records if self.spool is not None else 0,
+        }
+
+    # ------------------------------------------------------------ destination
+
+    @abstractmethod
+    def _deliver(self, item: _Item) -> None:
+        """Deliver one batch or raise :class:`DeliveryError`."""
+
+    def _close_destination(self) -> None:
+        """Release connections (worker stopped)."""
+
+    # ------------------------------------------------------------ worker
+
+    def _run(self) -> None:
+        while True:
+            try:
+                if self._stop.is_set() and self._queue.empty():
+                    return
+                entry = self.spool.peek() if self.spool is not None else None
+                if entry is not None and time.monotonic() >= self._retry_at and not self._stop.is_set():
+                    self._replay(entry)
+                    continue
+                wait = 0.5 if entry is None else max(0.01, min(0.5, self._retry_at - time.monotonic()))
+                try:
+                    item = self._queue.get(timeout=wait)
+                except queue.Empty:
+                    continue
+                if item is _STOP:
+                    continue
+                try:
+                    self._live(item)
+                finally:
+                    with self._cond:
+                        self._outstanding -= item.n
+                        self._cond.notify_all()
+            except Exception as exc:  # the worker must outlive any bug in one batch
+                self._warn_once("worker", "isoaudit %s: worker error (%s); continuing", exc)
+                time.sleep(0.1)
+
+    def _destination_down(self) -> bool:
+        return time.monotonic() < self._retry_at
+
+    def _live(self, item: _Item) -> None:
+        backlog = self.spool is not None and len(self.spool) > 0
+        if self._stop.is_set() or backlog or self._destination_down():
+            # Keep order behind the backlog; don't wait on a destination known to be down.
+            if self.spool is not None:
+                self._to_spool(item)
+                return
+            if self._stop.is_set():
+                self._drop(item.n, "closed", "isoaudit %s closed with undelivered records and no spool: dropped")
+                return
+        for attempt in range(self._attempts):
+            try:
+                self._deliver(item)
+                self._delivered(item.n, replayed=False)
+                return
+            except DeliveryError as exc:
+                if exc.too_large and item.n > 1:
+                    for half in item.halves():
+                        self._live(half)
+                    return
+                self._add("failed_attempts", 1)
+                if not exc.retry:
+                    self._drop(item.n, "refused", "isoaudit %s: destination refused a batch (%s); dropped", exc)
+                    return
+                self._warn_once("down", "isoaudit %s: destination unavailable (%s); retrying, then spooling", exc)
+                if attempt + 1 < self._attempts and self._stop.wait(self._backoff_initial * 2**attempt):
+                    break
+        self._mark_down()
+        if self.spool is not None:
+            self._to_spool(item)
+        else:
+            self._drop(item.n, "lost", "isoaudit %s: destination down and no spool: records dropped")
+
+    def _replay(self, entry: Any) -> None:
+        assert self.spool is not None
+        try:
+            payload = entry.read()
+        except OSError as exc:
+            self._warn_once("spool-read", "isoaudit %s: unreadable spool file dropped (%s)", exc)
+            self.spool.remove(entry)
+            self._drop(entry.n_records, "spool-read", None)
+            return
+        item = _Item(payload=payload, n=entry.n_records)
+        try:
+            self._deliver(item)
+        except DeliveryError as exc:
+            self._add("failed_attempts", 1)
+            if exc.retry:
+                self._mark_down()
+                return
+            if exc.too_large and item.n > 1:
+                self.spool.remove(entry)
+                self._add("spooled", -item.n)  # re-spooled below as two halves
+                for half in item.halves():
+                    self._to_spool(half)
+                return
+            self.spool.remove(entry)
+            self._drop(item.n, "refused", "isoaudit %s: destination refused a spooled batch (%s); dropped", exc)
+            return
+        self.spool.remove(entry)
+        self._delivered(item.n, replayed=True)
+        with self._cond:
+            self._cond.notify_all()
+
+    def _delivered(self, n: int, *, replayed: bool) -> None:
+        self._add("sent", n)
+        if replayed:
+            self._add("replayed", n)
+        if self._backoff:
+            log.info("isoaudit %s: destination is back", self._name)
+            self._warned.discard("down")
+        self._backoff = 0.0
+        self._retry_at = 0.0
+
+    def _mark_down(self) -> None:
+        self._backoff = min(self._backoff_max, max(self._backoff_initial, self._backoff * 2))
+        self._retry_at = time.monotonic() + self._backoff * (0.75 + 0.5 * random.random())
+
+    def _to_spool(self, item: _Item) -> None:
+        assert self.spool is not None
+        if self.spool.put(item.payload, item.n):
+            self._add("spooled", item.n)
+        else:
+            self._drop(item.n, "spool-full", "isoaudit %s: spool full or unwritable: records dropped")
+
+    def _add(self, counter: str, n: int) -> None:
+        with self._count_lock:
+            setattr(self.counters, counter, getattr(self.counters, counter) + n)
+
+    def _drop(self, n: int, key: str, message: str | None, exc: BaseException | None = None) -> None:
+        self._add("dropped", n)
+        if message is not None:
+            self._warn_once(key, message, exc)
+
+    def _warn_once(self, key: str, message: str, exc: BaseException | None) -> None:
+        """Log ``message`` (``%s`` placeholders: the sink's name, then ``exc``) the first time ``key`` occurs."""
+        if key in self._warned:
+            return
+        self._warned.add(key)
+        text = message.replace("%s", self._name, 1)
+        if exc is not None:
+            text = text.replace("%s", f"{type(exc).__name__}: {exc}", 1)
+        log.warning("%s", text)

@@ -1,0 +1,72 @@
+"""Records to the isoaudit service: ``POST {url}/v1/ingest`` with a bearer token.
+
+The reply carries the run's desired remediation mode (``control``), kept on :attr:`Sink.control`
+for the collector to apply at its next step boundary.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from collectors.sinks.base import Control, DeliveryError, Sink, _Item
+
+#: Statuses worth retrying: the request may succeed later unchanged.
+_RETRY_STATUSES = {408, 425, 429, 500, 502, 503, 504}
+
+
+def ingest_url(url: str) -> str:
+    """The ingest endpoint of a service base URL (given with or without ``/v1/ingest``)."""
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"url: expected http(s)://host[:port], got {url!r}")
+    url = url.rstrip("/")
+    return url if url.endswith("/v1/ingest") else f"{url}/v1/ingest"
+
+
+class HttpSink(Sink):
+    """Posts batches from a background thread; spools to ``spool_dir`` while the service is down.
+
+    ``spool_dir=None`` turns the spool off (records are then dropped, counted, after the retries).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        token: str,
+        *,
+        spool_dir: str | Path | None = "./isoaudit-spool",
+        timeout: float = 10.0,
+        **options: Any,
+    ) -> None:
+        if not token:
+            raise ValueError("token: empty; create one with `isoaudit token create`")
+        self.url = ingest_url(url)
+        self._headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+        self._client = httpx.Client(timeout=timeout)
+        super().__init__(spool_dir=spool_dir, name=options.pop("name", "http-sink"), **options)
+
+    def _deliver(self, item: _Item) -> None:
+        try:
+            response = self._client.post(self.url, content=item.payload, headers=self._headers)
+        except httpx.HTTPError as exc:  # connection refused, reset, timeout, ...
+            raise DeliveryError(f"{type(exc).__name__}: {exc}", retry=True) from exc
+        if response.status_code == 413:
+            raise DeliveryError("413: batch over the service's body limit", retry=False, too_large=True)
+        if response.status_code in _RETRY_STATUSES:
+            raise DeliveryError(f"{response.status_code}: {response.text[:200]}", retry=True)
+        if response.status_code >= 400:
+            raise DeliveryError(f"{response.status_code}: {response.text[:500]}", retry=False)
+        try:
+            body = response.json()
+        except json.JSONDecodeError:
+            return
+        self._add("duplicates", sum((body.get("duplicates") or {}).values()))
+        control = body.get("control")
+        if isinstance(control, dict) and "mode" in control:
+            self.control = Control(str(control["mode"]), int(control.get("version", 0)))
+
+    def _close_destination(self) -> None:
+        self._client.close()

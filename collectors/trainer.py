@@ -1,0 +1,404 @@
+"""The trainer collector: ``attach(model, run=..., sink=...)`` and one ``record_step`` per forward.
+
+Usage in a training loop::
+
+    handle = collectors.trainer.attach(model, run="rl-run-7", sink=HttpSink(url, token), sample_every=10)
+    for step, batch in enumerate(loader):
+        handle.begin_step(step)                       # optional: gates fingerprinting precisely
+        out = model(**batch.model_inputs())           # hooks fingerprint regions on the device
+        logprobs = compute_logprobs(out.logits, ...)  # the trainer's own
+        handle.record_step(step, batch, logprobs=logprobs)   # or no logprobs: computed from logits
+        ...
+    handle.detach()
+
+``record_step`` uses the forward the hooks just saw when it ran over the same ``input_ids``; when
+there was none (or fingerprints are due and the forward was not fingerprinted) it runs its own
+``no_grad`` forward. Everything that leaves the device per step goes in one transfer; records are
+handed to the sink's queue, never written in the training thread. Errors are counted and logged
+once, never raised (unless ``strict=True``, for tests).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from torch import nn
+
+from audit.records import Case, Record, Run
+from collectors.assemble import HostPrints, fingerprint_records, keys_for, sample_records, sequence_tokens
+from collectors.hooks import Capture, ForwardCapture
+from collectors.layout import StepBatch
+from collectors.logprobs import processed_logprobs
+from collectors.manifest import ManifestTracker, trainer_runtime
+from collectors.regions import RegionsArg, resolve_regions
+from collectors.remediation import MODES, RemediationHook, apply_kernels_mode
+from collectors.sinks.base import Sink
+from collectors.transfer import to_host
+
+log = logging.getLogger(__name__)
+
+LogprobsLayout = Literal["auto", "tokens", "shifted", "completion"]
+LogprobsArg = torch.Tensor | np.ndarray | Sequence[Any] | None
+
+
+@dataclass
+class CollectorCounters:
+    steps: int = 0
+    samples: int = 0
+    fingerprint_records: int = 0
+    manifests: int = 0
+    own_forwards: int = 0
+    errors: int = 0
+    mode_switches: int = 0
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What one ``record_step`` produced (``records`` only with ``keep_records=True``)."""
+
+    step: int
+    sample_keys: list[str]
+    n_fingerprint_records: int
+    own_forward: bool
+    records: list[Record] = field(default_factory=list)
+
+
+class TrainerCollector:
+    """The handle :func:`attach` returns."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        run: str | Run,
+        sink: Sink,
+        regions: RegionsArg = "auto",
+        sample_every: int = 1,
+        case: Case = "trainer_fwd",
+        contract: Any = None,
+        remediation_hook: RemediationHook | None = apply_kernels_mode,
+        mode: str = "native",
+        validate: bool = False,
+        strict: bool = False,
+        keep_records: bool = False,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+        if not isinstance(sample_every, int) or sample_every < 1:
+            raise ValueError(f"sample_every: must be an integer >= 1, got {sample_every!r}")
+        if case not in ("trainer_fwd", "trainer_recompute"):
+            raise ValueError(f"case: a trainer records 'trainer_fwd' or 'trainer_recompute', got {case!r}")
+        if mode not in MODES:
+            raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+        if not isinstance(sink, Sink):
+            raise TypeError(f"sink: expected a collectors.sinks.Sink, got {type(sink).__name__}")
+        self.run = run if isinstance(run, Run) else Run(run_id=run, name=run)
+        self.model = model
+        self.sink = sink
+        self.sample_every = sample_every
+        self.case: Case = case
+        self.mode = mode
+        self.validate = validate
+        self.strict = strict
+        self.keep_records = keep_records
+        self.remediation_hook = remediation_hook
+        self.counters = CollectorCounters()
+        self.resolved = resolve_regions(model, regions)
+        self._next_step: int | None = None
+        self._control_version: int | None = None
+        self._logged: set[str] = set()
+        self._manifests = ManifestTracker(
+            run_id=self.run.run_id,
+            side="trainer",
+            case=case,
+            regions=self.resolved.names,
+            unobserved=self.resolved.unobserved,
+            contract=contract,
+        )
+        self._capture = ForwardCapture(model, self.resolved.specs, should_fingerprint=self._fingerprint_due)
+        initial: list[Record] = [self.run]
+        self._refresh_manifest(initial, None)
+        self.sink.send(initial)
+
+    # ------------------------------------------------------------------ public
+
+    @property
+    def regions(self) -> list[str]:
+        """Canonical regions hooked, in forward order."""
+        return self.resolved.names
+
+    @property
+    def manifest(self) -> Any:
+        return self._manifests.current
+
+    @property
+    def attached(self) -> bool:
+        return self._capture.attached
+
+    def begin_step(self, step: int) -> None:
+        """Say which step the next forwards belong to, so hooks fingerprint only on sampled steps.
+        Without it the collector assumes the step after the last recorded one."""
+        self._next_step = step
+
+    def record_step(
+        self,
+        step: int,
+        batch: StepBatch | Mapping[str, Any],
+        *,
+        logprobs: LogprobsArg = None,
+        logprobs_layout: LogprobsLayout = "auto",
+        weight_version: str | int | None = None,
+    ) -> StepReport | None:
+        """Record one forward's samples: their logprobs (given, or computed from the logits with the
+        sampling temperature) and, on sampled steps, every hooked region's fingerprints.
+
+        ``logprobs``: one 1-D array per sample (its completion tokens), or a tensor laid out like
+        ``input_ids`` (``tokens``: value at each token's own position), shifted by one
+        (``shifted``: ``[rows, cols-1]``, position t holds token t+1's), or ``[samples, max
+        completion]`` (``completion``); ``auto`` tells them apart by shape.
+        """
+        try:
+            return self._record(step, batch, logprobs, logprobs_layout, weight_version)
+        except Exception as exc:
+            self.counters.errors += 1
+            if self.strict:
+                raise
+            self._log_once("record", f"isoaudit collector: record_step failed ({type(exc).__name__}: {exc}); counted")
+            return None
+        finally:
+            if isinstance(step, int | np.integer):
+                self._next_step = int(step) + 1
+
+    def set_mode(self, mode: str) -> None:
+        """Apply a remediation mode now (what a control message from the service does)."""
+        if mode not in MODES:
+            raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+        if mode == self.mode:
+            return
+        if self.remediation_hook is not None:
+            self.remediation_hook(self.model, mode)
+        self.mode = mode
+        self.counters.mode_switches += 1
+
+    def stats(self) -> dict[str, Any]:
+        """Collector counters, hook errors and the sink's counters."""
+        return {**asdict(self.counters), "hook_errors": self._capture.errors, "sink": self.sink.stats()}
+
+    def flush(self, timeout: float | None = 30.0) -> bool:
+        return self.sink.flush(timeout)
+
+    def detach(self) -> None:
+        """Remove every hook; the model is then exactly as it was before :func:`attach`."""
+        self._capture.remove()
+
+    # ------------------------------------------------------------------ internals
+
+    def _fingerprint_due(self) -> bool:
+        return self._next_step is None or self._next_step % self.sample_every == 0
+
+    def _log_once(self, key: str, message: str) -> None:
+        if key not in self._logged:
+            self._logged.add(key)
+            log.warning("%s", message)
+
+    def _refresh_manifest(self, out: list[Record], weight_version: str | None) -> None:
+        runtime = trainer_runtime(self.model, remediation=self.mode)
+        manifest = self._manifests.changed(self._manifests.build(runtime, weight_version))
+        if manifest is not None:
+            out.append(manifest)
+            self.counters.manifests += 1
+
+    def _record(
+        self,
+        step: int,
+        batch_arg: StepBatch | Mapping[str, Any],
+        logprobs: LogprobsArg,
+        layout: LogprobsLayout,
+        weight_version: str | int | None,
+    ) -> StepReport:
+        if not isinstance(step, int | np.integer) or step < 0:
+            raise ValueError(f"step: must be an integer >= 0, got {step!r}")
+        step = int(step)
+        batch = StepBatch.coerce(batch_arg)
+        version = str(weight_version) if weight_version is not None else None
+        records: list[Record] = []
+        self._refresh_manifest(records, version)
+
+        fingerprint_now = bool(self.resolved.specs) and step % self.sample_every == 0
+        need_logits = logprobs is None
+        capture = self._capture.take()
+        if capture is not None and not capture.matches(batch.input_ids):
+            capture = None
+        own = (fingerprint_now and (capture is None or not capture.fingerprinting)) or (
+            need_logits and (capture is None or capture.logits is None)
+        )
+        if own:
+            capture = self._own_forward(batch, fingerprint_now)
+
+        tensors: dict[str, torch.Tensor] = {"ids": batch.input_ids}
+        predict, target = batch.completion_rows()
+        if need_logits:
+            assert capture is not None and capture.logits is not None
+            sample_of = np.repeat(np.arange(batch.num_samples), [s.completion_len for s in batch.spans])
+            tensors["lp"] = processed_logprobs(
+                capture.logits.detach(), batch.input_ids, predict, target, batch.temperature, sample_of  # type: ignore[arg-type]
+            )
+        else:
+            tensors.update(_given_logprobs(logprobs, batch, target, layout))
+        prints = self._prints_of(capture, batch) if fingerprint_now and capture is not None else {}
+        for i, (_, fp) in enumerate(prints.items()):
+            tensors[f"p{i}.d"], tensors[f"p{i}.l"] = fp.digest, fp.ladder
+            tensors[f"p{i}.s"], tensors[f"p{i}.n"], tensors[f"p{i}.m"] = fp.sketch, fp.l2, fp.maxabs
+        host = to_host(tensors)  # the step's one device-to-host transfer
+
+        tokens = sequence_tokens(batch, host["ids"])
+        keys = keys_for(batch, tokens)
+        lengths = [s.completion_len for s in batch.spans]
+        if "lp" in host:
+            flat = host["lp"].astype(np.float32, copy=False)
+            per_sample = np.split(flat, np.cumsum(lengths)[:-1])
+        else:
+            per_sample = [host[f"lp{i}"].astype(np.float32, copy=False).reshape(-1) for i in range(batch.num_samples)]
+        records += sample_records(
+            run_id=self.run.run_id, step=step, side="trainer", batch=batch, tokens=tokens, keys=keys,
+            logprobs=per_sample, weight_version=version, validate=self.validate,
+        )
+        host_prints = {
+            key: HostPrints(
+                digest=host[f"p{i}.d"].view(np.uint64),
+                ladder=host[f"p{i}.l"].view(np.uint64),
+                ladder_bits=fp.ladder_bits,
+                sketch=host[f"p{i}.s"],
+                l2=host[f"p{i}.n"],
+                maxabs=host[f"p{i}.m"],
+            )
+            for i, (key, fp) in enumerate(prints.items())
+        }
+        fp_records = fingerprint_records(
+            run_id=self.run.run_id, step=step, side="trainer", case=self.case, batch=batch, keys=keys,
+            prints=host_prints, validate=self.validate,
+        )
+        records += fp_records
+        self.sink.send(records)
+        self.counters.steps += 1
+        self.counters.samples += batch.num_samples
+        self.counters.fingerprint_records += len(fp_records)
+        if own:
+            self.counters.own_forwards += 1
+        self._apply_control()
+        return StepReport(step, keys, len(fp_records), own, records if self.keep_records else [])
+
+    def _prints_of(self, capture: Capture, batch: StepBatch) -> dict[tuple[str, int], Any]:
+        rows, cols = batch.shape
+        out = {}
+        for key, fp in capture.prints.items():
+            if len(fp) != rows * cols:
+                self._log_once(f"rows:{key[0]}", f"isoaudit collector: region {key[0]} has {len(fp)} rows for "
+                               f"{rows}x{cols} tokens; not recorded")
+                continue
+            out[key] = fp
+        return out
+
+    def _own_forward(self, batch: StepBatch, fingerprint: bool) -> Capture:
+        param = next(self.model.parameters(), None)
+        device = param.device if param is not None else batch.input_ids.device
+        inputs = {k: v.to(device) for k, v in batch.model_inputs().items()}
+        if getattr(getattr(self.model, "config", None), "use_cache", False):
+            inputs["use_cache"] = False  # type: ignore[assignment]
+        self._capture.force = fingerprint
+        try:
+            with torch.no_grad():
+                self.model(**inputs)
+        finally:
+            self._capture.force = None
+        capture = self._capture.take()
+        if capture is None:
+            raise RuntimeError("model: the collector's own forward left no capture (hooks removed?)")
+        return capture
+
+    def _apply_control(self) -> None:
+        control = self.sink.control
+        if control is None or control.version == self._control_version:
+            return
+        self._control_version = control.version
+        if control.mode == self.mode:
+            return
+        try:
+            self.set_mode(control.mode)
+            log.info("isoaudit collector: remediation mode %s applied (control version %d)", control.mode, control.version)
+        except Exception as exc:
+            self.counters.errors += 1
+            self._log_once(f"mode:{control.mode}", f"isoaudit collector: cannot apply mode {control.mode!r} ({exc}); staying {self.mode}")
+
+
+def _given_logprobs(
+    logprobs: Any, batch: StepBatch, target: np.ndarray, layout: LogprobsLayout
+) -> dict[str, torch.Tensor]:
+    """The caller's logprobs as tensors to transfer: ``lp`` (flat, sample order) or ``lp{i}``."""
+    rows, cols = batch.shape
+    lengths = [s.completion_len for s in batch.spans]
+    if isinstance(logprobs, np.ndarray):
+        logprobs = torch.from_numpy(logprobs)
+    if isinstance(logprobs, torch.Tensor):
+        lp = logprobs.detach()
+        shape = tuple(lp.shape)
+        if layout == "auto":
+            if shape == (rows, cols):
+                layout = "tokens"
+            elif shape == (rows, cols - 1):
+                layout = "shifted"
+            elif len(shape) == 2 and shape[0] == batch.num_samples and shape[1] >= max(lengths):
+                layout = "completion"
+            else:
+                raise ValueError(
+                    f"logprobs: shape {list(shape)} fits no layout of input_ids [{rows}, {cols}] "
+                    "(tokens [rows, cols], shifted [rows, cols-1], completion [samples, max completion])"
+                )
+        if layout == "tokens":
+            index = target
+            lp = lp.reshape(-1)
+        elif layout == "shifted":
+            row, col = np.divmod(target, cols)
+            index = row * (cols - 1) + col - 1
+            lp = lp.reshape(-1)
+        elif layout == "completion":
+            width = shape[1]
+            index = np.concatenate([i * width + np.arange(n) for i, n in enumerate(lengths)]) if lengths else target
+            lp = lp.reshape(-1)
+        else:
+            raise ValueError(f"logprobs_layout: expected auto, tokens, shifted or completion, got {layout!r}")
+        return {"lp": lp.index_select(0, torch.from_numpy(index.astype(np.int64)).to(lp.device)).float()}
+    if isinstance(logprobs, Sequence):
+        if len(logprobs) != batch.num_samples:
+            raise ValueError(f"logprobs: {len(logprobs)} arrays for {batch.num_samples} samples")
+        out = {}
+        for i, values in enumerate(logprobs):
+            tensor = values.detach() if isinstance(values, torch.Tensor) else torch.as_tensor(np.asarray(values))
+            if tensor.numel() != lengths[i]:
+                raise ValueError(f"logprobs[{i}]: {tensor.numel()} values for {lengths[i]} completion tokens")
+            out[f"lp{i}"] = tensor.reshape(-1).float()
+        return out
+    raise TypeError(f"logprobs: expected a tensor, an array or one array per sample, got {type(logprobs).__name__}")
+
+
+def attach(
+    model: nn.Module,
+    run: str | Run,
+    sink: Sink,
+    regions: RegionsArg = "auto",
+    sample_every: int = 1,
+    **options: Any,
+) -> TrainerCollector:
+    """Hook ``model`` and send the run and the trainer's manifest to ``sink``.
+
+    ``regions``: ``"auto"`` (HF Llama/Qwen2/Qwen3/Mistral), canonical names (a subset), a mapping
+    canonical name → module name (any model), or ``None`` (logprobs only). ``sample_every``:
+    fingerprint every N-th step (logprobs are recorded every step). Further options:
+    :class:`TrainerCollector` (``case``, ``contract``, ``remediation_hook``, ``strict``, ...).
+    """
+    return TrainerCollector(model, run=run, sink=sink, regions=regions, sample_every=sample_every, **options)
