@@ -11,9 +11,18 @@ from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
 from audit import __version__
+from audit.alerts import (
+    AlertEngine,
+    DatabaseChannel,
+    LogChannel,
+    WebhookChannel,
+    default_rules,
+    install_rules,
+    load_rules,
+)
 from audit.api.errors import install_error_handlers
 from audit.api.limits import BodySizeLimit
-from audit.api.routers import control, health, ingest, runs
+from audit.api.routers import alerts, control, health, ingest, metrics, runs
 from audit.api.settings import ApiSettings
 from audit.api.telemetry import Telemetry
 from audit.store import Store
@@ -21,19 +30,46 @@ from audit.store import Store
 log = logging.getLogger("isoaudit.api")
 
 
-def create_app(store: Store | None = None, settings: ApiSettings | None = None) -> FastAPI:
+def default_alert_engine(store: Store, settings: ApiSettings) -> AlertEngine:
+    """Log and database channels, plus the webhook when one is configured."""
+    channels = [LogChannel(), DatabaseChannel()]
+    if settings.webhook_url:
+        channels.append(WebhookChannel(settings.webhook_url))
+    return AlertEngine(store, channels, dashboard_url=settings.dashboard_url)
+
+
+def install_configured_rules(store: Store, settings: ApiSettings) -> None:
+    """Defaults where no rule of their name exists; the YAML file's rules replace those of their name."""
+    if settings.default_alert_rules:
+        install_rules(store, default_rules(), "default", replace=False)
+    if settings.alert_rules_file:
+        install_rules(store, load_rules(settings.alert_rules_file), "yaml", replace=True)
+
+
+def create_app(
+    store: Store | None = None,
+    settings: ApiSettings | None = None,
+    *,
+    alert_engine: AlertEngine | None = None,
+) -> FastAPI:
     """A ready app. Pass a ``store`` to share one (tests); otherwise one is opened (and migrated) from
-    ``settings.database_url`` and closed on shutdown."""
+    ``settings.database_url`` and closed on shutdown. On start-up it installs the alert rules and starts
+    the comparison worker with ``alert_engine.evaluate`` as its per-step callback."""
     settings = settings or ApiSettings.from_env()
     owns_store = store is None
+    store = store or Store(settings.database_url)
+    alert_engine = alert_engine or default_alert_engine(store, settings)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        install_configured_rules(app.state.store, settings)
         worker = None
         if settings.run_worker:
             from audit.worker import ComparisonWorker
 
-            worker = ComparisonWorker(app.state.store, interval=settings.worker_interval_s).start()
+            worker = ComparisonWorker(
+                app.state.store, on_step=alert_engine.evaluate, interval=settings.worker_interval_s
+            ).start()
         app.state.worker = worker
         try:
             yield
@@ -50,12 +86,13 @@ def create_app(store: Store | None = None, settings: ApiSettings | None = None) 
         lifespan=lifespan,
     )
     app.state.settings = settings
-    app.state.store = store or Store(settings.database_url)
+    app.state.store = store
+    app.state.alert_engine = alert_engine
     app.state.registry = CollectorRegistry()
     app.state.telemetry = Telemetry(app.state.registry)
     app.state.worker = None
     install_error_handlers(app)
-    for router in (health.router, ingest.router, runs.router, control.router):
+    for router in (health.router, metrics.router, ingest.router, runs.router, control.router, alerts.router):
         app.include_router(router)
     app.add_middleware(BodySizeLimit, max_body_bytes=settings.max_body_bytes)
     _document_batch(app)

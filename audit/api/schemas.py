@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
-from datetime import datetime
-from typing import Any, Literal
+from datetime import UTC, datetime
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 Mode = Literal["native", "invariant"]
+
+#: A timestamp as UTC with its zone: SQLite hands back naive datetimes of what were UTC ones.
+UtcDatetime = Annotated[
+    datetime, AfterValidator(lambda d: d if d.tzinfo is not None else d.replace(tzinfo=UTC))
+]
 
 
 class Control(BaseModel):
@@ -15,7 +20,7 @@ class Control(BaseModel):
 
     mode: Mode
     version: int = Field(ge=0)
-    updated_at: datetime | None = None
+    updated_at: UtcDatetime | None = None
     updated_by: str = ""
 
 
@@ -48,7 +53,7 @@ class RunOut(BaseModel):
     run_id: str
     project: str
     name: str
-    started_at: datetime
+    started_at: UtcDatetime
     config: dict[str, Any]
     n_steps: int
     last_step: int | None
@@ -67,7 +72,7 @@ class StepMetricsOut(BaseModel):
     n_samples: int
     metrics: dict[str, float | None]
     diagnoses: dict[str, Any]
-    computed_at: datetime
+    computed_at: UtcDatetime
 
 
 class SampleResultOut(BaseModel):
@@ -82,7 +87,7 @@ class SampleResultOut(BaseModel):
     grid: dict[str, Any] | None = Field(
         default=None, description="region x position grid (include_grid=true)"
     )
-    computed_at: datetime
+    computed_at: UtcDatetime
 
 
 class DivergenceOut(BaseModel):

@@ -1,0 +1,59 @@
+"""Alerts on the train-rollout mismatch (DESIGN.md, "Alerts"): rules from YAML or the API, a state
+machine evaluated after each compared step, silences, and notices to the log, a webhook and the
+database.
+
+    engine = AlertEngine(store, channels=[LogChannel(), DatabaseChannel(), WebhookChannel(url)])
+    ComparisonWorker(store, on_step=engine.evaluate).start()
+"""
+
+from audit.alerts.channels import (
+    Channel,
+    DatabaseChannel,
+    Delivery,
+    LogChannel,
+    Notice,
+    WebhookChannel,
+    slack_payload,
+)
+from audit.alerts.engine import AlertEngine, Transition
+from audit.alerts.evaluator import Evaluation, evaluate_series, next_state
+from audit.alerts.rules import (
+    DEFAULT_RULES_YAML,
+    AlertRule,
+    RulesFileError,
+    default_rules,
+    delete_rule,
+    install_rules,
+    load_rules,
+    parse_rules,
+    save_rule,
+)
+from audit.alerts.silences import SilenceSpec, create_silence, expire_silence, list_silences
+
+__all__ = [
+    "DEFAULT_RULES_YAML",
+    "AlertEngine",
+    "AlertRule",
+    "Channel",
+    "DatabaseChannel",
+    "Delivery",
+    "Evaluation",
+    "LogChannel",
+    "Notice",
+    "RulesFileError",
+    "SilenceSpec",
+    "Transition",
+    "WebhookChannel",
+    "create_silence",
+    "default_rules",
+    "delete_rule",
+    "evaluate_series",
+    "expire_silence",
+    "install_rules",
+    "list_silences",
+    "load_rules",
+    "next_state",
+    "parse_rules",
+    "save_rule",
+    "slack_payload",
+]

@@ -1,0 +1,274 @@
+"""The alert engine: after each step's comparison, move each applicable rule's alert on that run
+through its states (``audit.alerts.evaluator``), store it, and tell the channels about firing and
+resolved alerts unless a silence mutes them.
+
+Plugs into the comparison worker as its step callback: ``ComparisonWorker(store, on_step=engine.evaluate)``.
+State is derived from the stored step results, so evaluating the same step twice (a re-comparison,
+a retry, a second worker) changes nothing and sends nothing twice: each notice is claimed by a
+conditional UPDATE before it is sent.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+from urllib.parse import quote
+
+from sqlalchemy import select, update
+from sqlalchemy.exc import IntegrityError
+
+from audit.alerts.channels import Channel, DatabaseChannel, Delivery, Event, LogChannel, Notice
+from audit.alerts.evaluator import Evaluation, State, evaluate_series, next_state, steps_needed
+from audit.alerts.rules import AlertRule, list_rule_rows, rule_from_row
+from audit.alerts.silences import list_silences, matches
+from audit.models import StepResultRow
+from audit.records import utcnow
+from audit.service_models import OPEN_STATES, AlertRow, NotificationRow, SilenceRow
+from audit.store import Store
+
+log = logging.getLogger("isoaudit.alerts")
+
+
+@dataclass(frozen=True)
+class Transition:
+    rule: str
+    run_id: str
+    alert_id: int
+    old: State
+    new: State
+    step: int
+    value: float | None
+
+
+def alert_labels(rule: AlertRule) -> dict[str, str]:
+    return {**rule.labels, "alertname": rule.name, "severity": rule.severity, "metric": rule.metric}
+
+
+class AlertEngine:
+    """Evaluates rules for a run after each compared step and dispatches notices."""
+
+    def __init__(
+        self,
+        store: Store,
+        channels: Sequence[Channel] | None = None,
+        *,
+        dashboard_url: str = "http://localhost:8050",
+        now: Callable[[], datetime] = utcnow,
+    ) -> None:
+        self.store = store
+        self.channels: list[Channel] = (
+            list(channels) if channels is not None else [LogChannel(), DatabaseChannel()]
+        )
+        self.dashboard_url = dashboard_url.rstrip("/")
+        self.now = now
+
+    def step_url(self, run_id: str, step: int) -> str:
+        """The dashboard page of one step of a run."""
+        return f"{self.dashboard_url}/runs/{quote(run_id, safe='')}?step={step}"
+
+    # ------------------------------------------------------------------ evaluation
+
+    def evaluate(self, run_id: str, step: int, metrics: Mapping[str, Any] | None = None) -> list[Transition]:
+        """Bring every applicable rule's alert on ``run_id`` up to date with the latest compared step
+        (``step``'s ``metrics`` as just computed). Returns the state changes made; never raises for a
+        channel's failure."""
+        project = self.store.run_project(run_id)
+        if project is None:
+            return []
+        rules = [(row, rule_from_row(row)) for row in list_rule_rows(self.store, project) if row.enabled]
+        if not rules:
+            return []
+        series = self._series(run_id, step, metrics, max(steps_needed(rule) for _, rule in rules))
+        now = self.now()
+        silences = list_silences(self.store, project, active_at=now)
+        transitions: list[Transition] = []
+        for row, rule in rules:
+            evaluation = evaluate_series(rule, series[-steps_needed(rule) :])
+            if evaluation is None:
+                continue
+            transition = self._advance(row.id, rule, run_id, evaluation, now)
+            if transition is not None:
+                transitions.append(transition)
+                log.debug(
+                    "alert %s on %s: %s -> %s at step %s",
+                    rule.name,
+                    run_id,
+                    transition.old,
+                    transition.new,
+                    transition.step,
+                )
+            self._notify(row.id, rule, run_id, project, evaluation, transition, silences, now)
+        return transitions
+
+    def _series(
+        self, run_id: str, step: int, metrics: Mapping[str, Any] | None, limit: int
+    ) -> list[tuple[int, Mapping[str, Any]]]:
+        """The run's latest ``limit`` compared steps, oldest first, with ``step``'s fresh metrics."""
+        query = (
+            select(StepResultRow.step, StepResultRow.metrics)
+            .where(StepResultRow.run_id == run_id)
+            .order_by(StepResultRow.step.desc())
+            .limit(limit)
+        )
+        with self.store.sessions() as session:
+            by_step: dict[int, Mapping[str, Any]] = {s: m for s, m in session.execute(query)}
+        if metrics is not None:
+            by_step[step] = metrics
+        return sorted(by_step.items())[-limit:]
+
+    def _advance(
+        self, rule_id: int, rule: AlertRule, run_id: str, evaluation: Evaluation, now: datetime
+    ) -> Transition | None:
+        """Apply the state machine to the open alert of (rule, run), in one transaction."""
+        try:
+            with self.store.sessions.begin() as session:
+                query = select(AlertRow).where(
+                    AlertRow.rule_id == rule_id, AlertRow.run_id == run_id, AlertRow.state.in_(OPEN_STATES)
+                )
+                if self.store.dialect == "postgresql":
+                    query = query.with_for_update()
+                alert = session.scalar(query)
+                if alert is not None and evaluation.step < alert.last_step:
+                    return None  # an older step than this alert has seen; the newer one decided already
+                current: State = alert.state if alert is not None else "inactive"  # type: ignore[assignment]
+                new = next_state(rule, current, evaluation)
+                if alert is None:
+                    if new not in OPEN_STATES:
+                        return None
+                    first = evaluation.step  # the first breaching step is at most this far back
+                    alert = AlertRow(
+                        rule_id=rule_id,
+                        run_id=run_id,
+                        state=new,
+                        severity=rule.severity,
+                        labels=alert_labels(rule),
+                        value=evaluation.value,
+                        started_step=first,
+                        last_step=evaluation.step,
+                        started_at=now,
+                        fired_step=evaluation.step if new == "firing" else None,
+                        fired_at=now if new == "firing" else None,
+                    )
+                    session.add(alert)
+                    session.flush()
+                else:
+                    alert.value = evaluation.value
+                    alert.last_step = evaluation.step
+                    alert.severity = rule.severity
+                    alert.labels = alert_labels(rule)
+                    if new == current:
+                        return None
+                    alert.state = new
+                    if new == "firing":
+                        alert.fired_step, alert.fired_at = evaluation.step, now
+                    else:  # resolved, or back to inactive from pending
+                        alert.resolved_step, alert.resolved_at = evaluation.step, now
+                return Transition(
+                    rule.name, run_id, alert.id, current, new, evaluation.step, evaluation.value
+                )
+        except IntegrityError:
+            # Another evaluator opened this alert at the same moment: its transition stands.
+            return None
+
+    # ------------------------------------------------------------------ notification
+
+    def _notify(
+        self,
+        rule_id: int,
+        rule: AlertRule,
+        run_id: str,
+        project: str,
+        evaluation: Evaluation,
+        transition: Transition | None,
+        silences: Sequence[SilenceRow],
+        now: datetime,
+    ) -> None:
+        """Announce a firing alert not yet announced, or a resolution of one that was; record muted
+        transitions as silenced. Each announcement is claimed first, so it goes out once."""
+        labels = alert_labels(rule)
+        silenced = any(
+            matches(s, project=project, rule=rule.name, run_id=run_id, labels=labels, at=now)
+            for s in silences
+        )
+        if transition is not None and transition.new == "resolved":
+            event: Event = "resolved"
+            alert_id = transition.alert_id
+            claim = (AlertRow.resolved_notified.is_(False), AlertRow.firing_notified.is_(True))
+            column = "resolved_notified"
+        else:
+            with self.store.sessions() as session:
+                alert_id = session.scalar(
+                    select(AlertRow.id).where(
+                        AlertRow.rule_id == rule_id,
+                        AlertRow.run_id == run_id,
+                        AlertRow.state == "firing",
+                        AlertRow.firing_notified.is_(False),
+                    )
+                )
+            if alert_id is None:
+                return
+            event = "firing"
+            claim = (AlertRow.firing_notified.is_(False),)
+            column = "firing_notified"
+        notice = Notice(
+            event=event,
+            alert_id=alert_id,
+            rule=rule.name,
+            run_id=run_id,
+            project=project,
+            step=evaluation.step,
+            value=evaluation.value,
+            condition=rule.condition(),
+            severity=rule.severity,
+            labels=labels,
+            url=self.step_url(run_id, evaluation.step),
+            description=rule.description,
+        )
+        if silenced:
+            if transition is not None and transition.new in ("firing", "resolved"):
+                self._record(
+                    notice,
+                    [Delivery("*", "stored", attempts=0, error="silenced", payload=notice.as_dict())],
+                    "silenced",
+                )
+            return
+        with self.store.sessions.begin() as session:
+            claimed = session.execute(
+                update(AlertRow).where(AlertRow.id == alert_id, *claim).values({column: True})
+            )
+            if claimed.rowcount != 1:
+                return  # announced already (by another evaluation), or never announced as firing
+        deliveries = []
+        for channel in self.channels:
+            try:
+                deliveries.append(channel.send(notice))
+            except Exception as exc:  # a channel that breaks its promise not to raise
+                log.exception("alert channel %s failed", getattr(channel, "name", channel))
+                deliveries.append(
+                    Delivery(getattr(channel, "name", "?"), "failed", error=f"{type(exc).__name__}: {exc}")
+                )
+        self._record(notice, deliveries)
+
+    def _record(self, notice: Notice, deliveries: Sequence[Delivery], status: str | None = None) -> None:
+        with self.store.sessions.begin() as session:
+            session.add_all(
+                NotificationRow(
+                    alert_id=notice.alert_id,
+                    event=notice.event,
+                    channel=delivery.channel,
+                    status=status or delivery.status,
+                    attempts=delivery.attempts,
+                    error=delivery.error,
+                    payload=delivery.payload,
+                    created_at=self.now(),
+                )
+                for delivery in deliveries
+            )
+
+
+def rules_for(store: Store, project: str | None = None) -> list[AlertRule]:
+    """The rules (as models) that apply to ``project``'s runs."""
+    return [rule_from_row(row) for row in list_rule_rows(store, project)]

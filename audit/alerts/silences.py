@@ -1,0 +1,118 @@
+"""Silences: mute notifications of matching alerts for a while. Alerts still change state and are
+stored; only the log and webhook stay quiet. A firing alert whose notice was silenced is announced
+once the silence expires, if it is still firing then."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import datetime, timedelta
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from sqlalchemy import or_, select
+
+from audit.records import RunId, utcnow
+from audit.service_models import SilenceRow
+from audit.store import Store
+
+
+class SilenceSpec(BaseModel):
+    """What to silence and until when. Unset matchers match anything; ``labels`` must all be on the
+    alert (its rule's labels plus ``alertname``, ``severity``, ``metric``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rule: str | None = Field(default=None, max_length=128, description="rule name")
+    run_id: RunId | None = None
+    labels: dict[str, str] = Field(default_factory=dict)
+    starts_at: datetime | None = Field(default=None, description="default: now")
+    ends_at: datetime | None = Field(default=None, description="give ends_at or duration_s")
+    duration_s: float | None = Field(
+        default=None, gt=0, le=10 * 365 * 86400, description="seconds from starts_at"
+    )
+    comment: str = Field(default="", max_length=2000)
+
+    @model_validator(mode="after")
+    def _one_end(self) -> SilenceSpec:
+        if (self.ends_at is None) == (self.duration_s is None):
+            raise ValueError("ends_at or duration_s: give exactly one")
+        for name in ("starts_at", "ends_at"):
+            value = getattr(self, name)
+            if value is not None and value.tzinfo is None:
+                raise ValueError(f"{name}: needs a time zone (e.g. 2026-01-01T00:00:00Z)")
+        return self
+
+    def window(self, now: datetime) -> tuple[datetime, datetime]:
+        starts = self.starts_at or now
+        ends = self.ends_at if self.ends_at is not None else starts + timedelta(seconds=self.duration_s or 0)
+        if ends <= starts:
+            raise ValueError("ends_at: must be after starts_at")
+        return starts, ends
+
+
+def create_silence(
+    store: Store, spec: SilenceSpec, *, project: str | None, created_by: str = "", now: datetime | None = None
+) -> SilenceRow:
+    starts, ends = spec.window(now or utcnow())
+    row = SilenceRow(
+        project=project,
+        rule_name=spec.rule,
+        run_id=spec.run_id,
+        labels=dict(spec.labels),
+        starts_at=starts,
+        ends_at=ends,
+        created_by=created_by,
+        comment=spec.comment,
+    )
+    with store.sessions.begin() as session:
+        session.add(row)
+    return row
+
+
+def list_silences(
+    store: Store, project: str | None = None, *, active_at: datetime | None = None
+) -> list[SilenceRow]:
+    """Silences of ``project`` (and global ones; all when None), optionally only those active at a time."""
+    query = select(SilenceRow).order_by(SilenceRow.ends_at.desc(), SilenceRow.id)
+    if project is not None:
+        query = query.where(or_(SilenceRow.project == project, SilenceRow.project.is_(None)))
+    if active_at is not None:
+        query = query.where(SilenceRow.starts_at <= active_at, SilenceRow.ends_at > active_at)
+    with store.sessions() as session:
+        return list(session.scalars(query))
+
+
+def get_silence(store: Store, silence_id: int) -> SilenceRow | None:
+    with store.sessions() as session:
+        return session.get(SilenceRow, silence_id)
+
+
+def expire_silence(store: Store, silence_id: int, now: datetime | None = None) -> bool:
+    """End a silence now (kept for the record). False if there is no such silence."""
+    now = now or utcnow()
+    with store.sessions.begin() as session:
+        row = session.get(SilenceRow, silence_id)
+        if row is None:
+            return False
+        if _aware(row.ends_at) > now:
+            row.ends_at = max(now, _aware(row.starts_at))
+        return True
+
+
+def _aware(value: datetime) -> datetime:
+    """SQLite hands back naive datetimes of what were UTC ones."""
+    return value if value.tzinfo is not None else value.replace(tzinfo=utcnow().tzinfo)
+
+
+def matches(
+    silence: SilenceRow, *, project: str, rule: str, run_id: str, labels: Mapping[str, str], at: datetime
+) -> bool:
+    """Whether ``silence`` mutes an alert of ``rule`` on ``run_id`` with ``labels`` at time ``at``."""
+    if not (_aware(silence.starts_at) <= at < _aware(silence.ends_at)):
+        return False
+    if silence.project is not None and silence.project != project:
+        return False
+    if silence.rule_name is not None and silence.rule_name != rule:
+        return False
+    if silence.run_id is not None and silence.run_id != run_id:
+        return False
+    return all(labels.get(key) == value for key, value in silence.labels.items())

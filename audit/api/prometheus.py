@@ -1,0 +1,118 @@
+"""``/metrics`` content: the latest mismatch metrics of each run, open alerts and the pending
+comparison queue, read from the store at scrape time (so every replica reports the same figures),
+plus the process's own ingest counters (``audit.api.telemetry``).
+
+Metric names follow ``audit.metrics``: ``kl_k3`` is exported as ``isoaudit_kl_k3{run_id, project,
+length="all"}``, and its length-bucketed variant ``kl_k3/len_0_256`` as the same family with
+``length="0_256"``. Open alerts appear as ``isoaudit_alerts{alertname, run_id, project, severity,
+state}`` = 1, in the manner of Prometheus's own ``ALERTS``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from sqlalchemy import func, select
+
+from audit.metrics import METRIC_DESCRIPTIONS
+from audit.models import PendingComparisonRow, RunRow, StepResultRow
+from audit.service_models import OPEN_STATES, AlertRow, AlertRuleRow
+from audit.store import Store
+
+_INVALID = re.compile(r"[^a-zA-Z0-9_]")
+
+
+def family_name(metric: str) -> tuple[str, str]:
+    """(Prometheus family name, length label) of an ``audit.metrics`` name."""
+    base, _, bucket = metric.partition("/len_")
+    return "isoaudit_" + _INVALID.sub("_", base), bucket or "all"
+
+
+class StoreCollector(Collector):
+    """Reads the store on each scrape; ``project`` limits it to one project's runs."""
+
+    def __init__(self, store: Store, project: str | None = None) -> None:
+        self.store = store
+        self.project = project
+
+    def collect(self) -> Iterator[Metric]:
+        latest = select(StepResultRow.run_id, func.max(StepResultRow.step).label("step")).group_by(
+            StepResultRow.run_id
+        )
+        if self.project is not None:
+            latest = latest.join(RunRow, RunRow.run_id == StepResultRow.run_id).where(
+                RunRow.project == self.project
+            )
+        latest_sq = latest.subquery()
+        steps = (
+            select(StepResultRow.run_id, RunRow.project, StepResultRow.step, StepResultRow.metrics)
+            .join(
+                latest_sq,
+                (latest_sq.c.run_id == StepResultRow.run_id) & (latest_sq.c.step == StepResultRow.step),
+            )
+            .join(RunRow, RunRow.run_id == StepResultRow.run_id)
+        )
+        alerts = (
+            select(AlertRuleRow.name, AlertRow.run_id, RunRow.project, AlertRow.severity, AlertRow.state)
+            .join(AlertRuleRow, AlertRuleRow.id == AlertRow.rule_id)
+            .join(RunRow, RunRow.run_id == AlertRow.run_id)
+            .where(AlertRow.state.in_(OPEN_STATES))
+        )
+        queue = select(func.count()).select_from(PendingComparisonRow)
+        if self.project is not None:
+            alerts = alerts.where(RunRow.project == self.project)
+            queue = queue.join(RunRow, RunRow.run_id == PendingComparisonRow.run_id).where(
+                RunRow.project == self.project
+            )
+        with self.store.sessions() as session:
+            step_rows = session.execute(steps).all()
+            alert_rows = session.execute(alerts).all()
+            queued = session.scalar(queue) or 0
+
+        last_step = GaugeMetricFamily(
+            "isoaudit_last_compared_step",
+            "The latest compared step of each run.",
+            labels=["run_id", "project"],
+        )
+        families: dict[str, GaugeMetricFamily] = {}
+        for run_id, project, step, metrics in step_rows:
+            last_step.add_metric([run_id, project], float(step))
+            for name, value in sorted(_numbers(metrics).items()):
+                family, length = family_name(name)
+                if family not in families:
+                    base = name.partition("/len_")[0]
+                    help_text = METRIC_DESCRIPTIONS.get(base, base)
+                    families[family] = GaugeMetricFamily(
+                        family,
+                        f"{help_text} (latest compared step)",
+                        labels=["run_id", "project", "length"],
+                    )
+                families[family].add_metric([run_id, project, length], value)
+        yield last_step
+        yield from families.values()
+
+        open_alerts = GaugeMetricFamily(
+            "isoaudit_alerts",
+            "Open alerts (1 per pending or firing alert).",
+            labels=["alertname", "run_id", "project", "severity", "state"],
+        )
+        for name, run_id, project, severity, state in alert_rows:
+            open_alerts.add_metric([name, run_id, project, severity, state], 1.0)
+        yield open_alerts
+        yield GaugeMetricFamily(
+            "isoaudit_pending_comparisons", "Samples queued for comparison.", value=float(queued)
+        )
+
+
+def _numbers(metrics: dict[str, Any]) -> dict[str, float]:
+    """Numeric values only; NaN (no data) is left out rather than exported."""
+    out = {}
+    for name, value in (metrics or {}).items():
+        if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
+            continue
+        out[name] = float(value)
+    return out
