@@ -1,0 +1,39 @@
+"""Kernel tests run twice over: on the CPU in fp32 under Triton's interpreter (structure), and on
+CUDA in bf16 with the shapes the claims name (bits, `gpu`-marked)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Kernels are built at first launch (kernels._triton.jit), so this takes effect even if another
+    # test module imported `kernels` first.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from kernels._triton import HAVE_TRITON  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
+
+
+def gpu(fn):
+    """Mark a test `gpu` and skip it cleanly where CUDA is absent."""
+    return pytest.mark.gpu(pytest.mark.skipif(not CUDA, reason="needs CUDA")(fn))
+
+
+@pytest.fixture
+def dev() -> str:
+    """Where the structural tests run: CUDA if present, else the CPU under the interpreter."""
+    return "cuda" if CUDA else "cpu"
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (NaN-safe, and -0.0 != +0.0)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    ia = a.contiguous().view(torch.int16 if a.element_size() == 2 else torch.int32)
+    ib = b.contiguous().view(torch.int16 if b.element_size() == 2 else torch.int32)
+    return torch.equal(ia, ib)

@@ -1,0 +1,57 @@
+"""Batch-invariant GEMM: f(A[:m]) == f(A)[:m] bitwise, and under row permutations."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.gemm import gemm, gemm_reference, linear
+
+from .conftest import bits_equal, gpu, needs_triton
+
+pytestmark = needs_triton
+
+
+def _check_invariance(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, ms: list[int]) -> None:
+    full = gemm(a, w, bias, impl="triton")
+    for m in ms:
+        assert bits_equal(gemm(a[:m], w, bias, impl="triton"), full[:m]), f"m={m}"
+    perm = torch.randperm(a.shape[0], device=a.device)
+    assert bits_equal(gemm(a[perm], w, bias, impl="triton"), full[perm])
+
+
+def test_matches_reference(dev: str) -> None:
+    a, w, b = torch.randn(37, 80, device=dev), torch.randn(72, 80, device=dev), torch.randn(72, device=dev)
+    torch.testing.assert_close(gemm(a, w, b, impl="triton"), gemm_reference(a, w, b), rtol=1e-5, atol=1e-5)
+
+
+def test_batch_invariant_fp32(dev: str) -> None:
+    torch.manual_seed(0)
+    a, w = torch.randn(130, 96, device=dev), torch.randn(70, 96, device=dev)
+    _check_invariance(a, w, torch.randn(70, device=dev), [1, 3, 16, 63, 64, 65, 129])
+
+
+def test_linear_autograd(dev: str) -> None:
+    x = torch.randn(5, 3, 32, device=dev, requires_grad=True)
+    w = torch.randn(48, 32, device=dev, requires_grad=True)
+    y = linear(x, w)
+    y.square().sum().backward()
+    x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    F.linear(x2, w2).square().sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(w.grad, w2.grad, rtol=1e-4, atol=1e-4)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("nk", [(4096, 4096), (1024, 3000)])
+def test_batch_invariant_gpu(dtype: torch.dtype, nk: tuple[int, int]) -> None:
+    torch.manual_seed(0)
+    n, k = nk
+    a = torch.randn(2048, k, device="cuda").to(dtype)
+    w = (torch.randn(n, k, device="cuda") / k ** 0.5).to(dtype)
+    _check_invariance(a, w, torch.randn(n, device="cuda").to(dtype), [1, 3, 16, 255, 256, 257, 2048])
+    ref = F.linear(a.float(), w.float())
+    got = gemm(a, w).float()
+    assert ((got - ref).norm() / ref.norm()).item() < (1e-2 if dtype == torch.bfloat16 else 1e-5)
