@@ -510,16 +510,16 @@ class Store:
         values = {"mode": mode, "version": version + 1, "updated_at": now, "updated_by": updated_by}
         with self.sessions.begin() as session:
             if version == 0:
-                stmt = self._insert(RunControlRow.__table__).on_conflict_do_nothing()
-                changed = session.execute(stmt, [{"run_id": run_id, **values}]).rowcount
+                stmt = self._insert(RunControlRow.__table__).values(run_id=run_id, **values).on_conflict_do_nothing()
             else:
                 stmt = (
-                    update(RunControlRow)
+                    update(RunControlRow.__table__)
                     .where(RunControlRow.run_id == run_id, RunControlRow.version == version)
                     .values(**values)
                 )
-                changed = session.execute(stmt).rowcount
-        if changed != 1:
+            # RETURNING, not rowcount: drivers disagree on the rowcount of an INSERT .. ON CONFLICT.
+            changed = session.execute(stmt.returning(RunControlRow.__table__.c.run_id)).first() is not None
+        if not changed:
             raise StaleControlVersion(self.get_control(run_id))
         return ControlState(run_id, mode, version + 1, now, updated_by)
 

@@ -236,10 +236,9 @@ class AlertEngine:
                 )
             return
         with self.store.sessions.begin() as session:
-            claimed = session.execute(
-                update(AlertRow).where(AlertRow.id == alert_id, *claim).values({column: True})
-            )
-            if claimed.rowcount != 1:
+            table = AlertRow.__table__
+            claim_stmt = update(table).where(table.c.id == alert_id, *claim).values({column: True})
+            if session.execute(claim_stmt.returning(table.c.id)).first() is None:
                 return  # announced already (by another evaluation), or never announced as firing
         deliveries = []
         for channel in self.channels:

@@ -21,6 +21,9 @@ def finite_or_none(metrics: dict[str, Any]) -> dict[str, float | None]:
     """Metric values for JSON: NaN ("no data") and infinities become null, non-numbers are dropped."""
     out: dict[str, float | None] = {}
     for name, value in metrics.items():
+        if value is None:
+            out[name] = None
+            continue
         if isinstance(value, bool) or not isinstance(value, int | float):
             continue
         out[name] = float(value) if math.isfinite(value) else None
