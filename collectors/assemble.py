@@ -64,7 +64,9 @@ def sample_records(
     for i, span in enumerate(batch.spans):
         lp = np.asarray(logprobs[i], dtype=np.float32)
         if lp.size != span.completion_len:
-            raise ValueError(f"logprobs: sample {i} has {lp.size} values for {span.completion_len} completion tokens")
+            raise ValueError(
+                f"logprobs: sample {i} has {lp.size} values for {span.completion_len} completion tokens"
+            )
         # A log-softmax can round to a hair above 0 for a near-certain token; the wire format refuses > 0.
         lp = np.minimum(lp, np.float32(0.0))
         fields = {
@@ -119,5 +121,7 @@ def fingerprint_records(
                 "l2": host.l2[a:b],
                 "maxabs": host.maxabs[a:b],
             }
-            records.append(RegionFingerprints(**fields) if validate else RegionFingerprints.model_construct(**fields))
+            records.append(
+                RegionFingerprints(**fields) if validate else RegionFingerprints.model_construct(**fields)
+            )
     return records

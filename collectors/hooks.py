@@ -96,7 +96,9 @@ class ForwardCapture:
             return
         try:
             fingerprinting = self.force if self.force is not None else bool(self.should_fingerprint())
-            self.current = Capture(_first_tensor(args, kwargs, "input_ids"), fingerprinting and bool(self.specs))
+            self.current = Capture(
+                _first_tensor(args, kwargs, "input_ids"), fingerprinting and bool(self.specs)
+            )
         except Exception as exc:  # never break the forward
             self._fail("open", exc)
             self.current = None
@@ -136,7 +138,12 @@ class ForwardCapture:
         self.errors += 1
         if where not in self._logged:
             self._logged.add(where)
-            log.warning("isoaudit collector: hook %s failed (%s: %s); counted, the forward goes on", where, type(exc).__name__, exc)
+            log.warning(
+                "isoaudit collector: hook %s failed (%s: %s); counted, the forward goes on",
+                where,
+                type(exc).__name__,
+                exc,
+            )
 
     # ---------------------------------------------------------------- control
 

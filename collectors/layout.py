@@ -41,7 +41,11 @@ def _as_lists(seqs: Sequence[Any], name: str) -> list[list[int]]:
 
 
 def _temperatures(temperature: float | Sequence[float], n: int) -> np.ndarray:
-    temps = np.full(n, float(temperature)) if np.isscalar(temperature) else np.asarray(temperature, dtype=np.float64)
+    temps = (
+        np.full(n, float(temperature))
+        if np.isscalar(temperature)
+        else np.asarray(temperature, dtype=np.float64)
+    )
     if temps.shape != (n,):
         raise ValueError(f"temperature: expected a number or {n} values, got shape {list(temps.shape)}")
     if (temps < 0).any() or not np.isfinite(temps).all():
@@ -78,7 +82,9 @@ class StepBatch:
                     f"prompt_lens[{i}]: {span.prompt_len} must be in 1..{span.length} (the sample's length); "
                     "the first token has no logprob, so a sample needs at least one prompt token"
                 )
-        self.temperature = _temperatures(1.0 if self.temperature is None else self.temperature, len(self.spans))  # type: ignore[arg-type]
+        self.temperature = _temperatures(
+            1.0 if self.temperature is None else self.temperature, len(self.spans)
+        )  # type: ignore[arg-type]
         if self.sample_keys is not None and len(self.sample_keys) != len(self.spans):
             raise ValueError(f"sample_keys: {len(self.sample_keys)} keys for {len(self.spans)} samples")
 
@@ -152,13 +158,17 @@ class StepBatch:
         ids = input_ids if input_ids.dim() == 2 else input_ids.reshape(1, -1)
         rows, cols = ids.shape
         if seq_lens is not None:
-            per_row = [list(seq_lens)] if seq_lens and np.isscalar(seq_lens[0]) else [list(r) for r in seq_lens]  # type: ignore[arg-type]
+            per_row = (
+                [list(seq_lens)] if seq_lens and np.isscalar(seq_lens[0]) else [list(r) for r in seq_lens]
+            )  # type: ignore[arg-type]
             if len(per_row) != rows:
                 raise ValueError(f"seq_lens: {len(per_row)} rows of lengths for {rows} rows of input_ids")
             bounds = []
             for row, lengths in enumerate(per_row):
                 if sum(lengths) > cols:
-                    raise ValueError(f"seq_lens: row {row} sums to {sum(lengths)} tokens, more than its {cols} columns")
+                    raise ValueError(
+                        f"seq_lens: row {row} sums to {sum(lengths)} tokens, more than its {cols} columns"
+                    )
                 start = 0
                 for length in lengths:
                     bounds.append((row, start, int(length)))
@@ -180,7 +190,9 @@ class StepBatch:
                 if on.size == 0:
                     raise ValueError(f"attention_mask: row {row} has no tokens")
                 if on[-1] - on[0] + 1 != on.size:
-                    raise ValueError(f"attention_mask: row {row} has a gap; a padded row must be contiguous (use seq_lens to pack)")
+                    raise ValueError(
+                        f"attention_mask: row {row} has a gap; a padded row must be contiguous (use seq_lens to pack)"
+                    )
                 bounds.append((row, int(on[0]), int(on.size)))
         else:
             bounds = [(row, 0, cols) for row in range(rows)]
@@ -188,7 +200,11 @@ class StepBatch:
             raise ValueError(f"prompt_lens: {len(prompt_lens)} values for {len(bounds)} samples in the batch")
         spans = [Span(r, s, n, int(p)) for (r, s, n), p in zip(bounds, prompt_lens, strict=True)]
         return cls(
-            ids, spans, attention_mask, position_ids, temperature,  # type: ignore[arg-type]
+            ids,
+            spans,
+            attention_mask,
+            position_ids,
+            temperature,  # type: ignore[arg-type]
             list(sample_keys) if sample_keys is not None else None,
         )
 

@@ -80,8 +80,12 @@ def trainer_runtime(
         "remediation": remediation,
         # torch switches that change matmul/conv numerics (extra fields, allowed by RuntimeFacts)
         "matmul_allow_tf32": bool(torch.backends.cuda.matmul.allow_tf32),
-        "matmul_allow_bf16_reduced_precision": bool(torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction),
-        "matmul_allow_fp16_reduced_precision": bool(torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction),
+        "matmul_allow_bf16_reduced_precision": bool(
+            torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
+        ),
+        "matmul_allow_fp16_reduced_precision": bool(
+            torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction
+        ),
         "cudnn_allow_tf32": bool(torch.backends.cudnn.allow_tf32),
         "deterministic_algorithms": bool(torch.are_deterministic_algorithms_enabled()),
         "training": bool(model.training),
@@ -102,11 +106,15 @@ def contract_fields(contract: Any) -> tuple[ContractIdentities, dict[str, Any]]:
         try:
             return ContractIdentities(**contract), {}
         except Exception as exc:
-            raise ValueError(f"contract: a mapping must hold semantic/numerical_policy/deployment identities ({exc})") from exc
+            raise ValueError(
+                f"contract: a mapping must hold semantic/numerical_policy/deployment identities ({exc})"
+            ) from exc
     from audit.contract import Contract, identities, numerical_policy_fields
 
     if not isinstance(contract, Contract):
-        raise TypeError(f"contract: expected an audit.contract.Contract or its identities, got {type(contract).__name__}")
+        raise TypeError(
+            f"contract: expected an audit.contract.Contract or its identities, got {type(contract).__name__}"
+        )
     return identities(contract), numerical_policy_fields(contract)
 
 

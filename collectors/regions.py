@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 import torch
@@ -24,7 +24,7 @@ from audit.regions import LAYER_REGIONS, canonical_regions, is_canonical, region
 LAYER_PARTS: tuple[str, ...] = LAYER_REGIONS
 
 
-class Tap(str, Enum):
+class Tap(StrEnum):
     """How to read a region's tensor out of its module's output."""
 
     FIRST = "first"  # the tensor itself, or the first tensor of a tuple / ModelOutput
@@ -80,7 +80,11 @@ class FamilyMap:
         specs = [RegionSpec("embed", self.embed, self.taps.get("embed", Tap.FIRST))]
         for i in range(num_layers):
             for part in LAYER_PARTS:
-                specs.append(RegionSpec(f"layers.{i}.{part}", self.layer[part].format(i=i), self.taps.get(part, Tap.FIRST)))
+                specs.append(
+                    RegionSpec(
+                        f"layers.{i}.{part}", self.layer[part].format(i=i), self.taps.get(part, Tap.FIRST)
+                    )
+                )
         specs.append(RegionSpec("final_norm", self.final_norm, self.taps.get("final_norm", Tap.FIRST)))
         specs.append(RegionSpec("logits", self.logits, self.taps.get("logits", Tap.FP32)))
         return specs
@@ -106,7 +110,9 @@ def _hf_decoder(family: str) -> FamilyMap:
 
 
 #: HF transformers families, keyed by ``config.model_type``.
-HF_FAMILIES: dict[str, FamilyMap] = {name: _hf_decoder(name) for name in ("llama", "qwen2", "qwen3", "mistral")}
+HF_FAMILIES: dict[str, FamilyMap] = {
+    name: _hf_decoder(name) for name in ("llama", "qwen2", "qwen3", "mistral")
+}
 
 
 def _has(model: nn.Module, name: str) -> bool:
@@ -165,7 +171,9 @@ def resolve_regions(model: nn.Module, regions: RegionsArg = "auto") -> ResolvedR
         specs = []
         for name, module in regions.items():
             if not is_canonical(name):
-                raise ValueError(f"regions: {name!r} is not a canonical region name (e.g. embed, layers.0.mlp, logits)")
+                raise ValueError(
+                    f"regions: {name!r} is not a canonical region name (e.g. embed, layers.0.mlp, logits)"
+                )
             if not _has(model, module):
                 raise ValueError(f"regions: module {module!r} (for {name!r}) is not in the model")
             specs.append(RegionSpec(name, module, Tap.FP32 if name == "logits" else Tap.FIRST))
@@ -177,13 +185,17 @@ def resolve_regions(model: nn.Module, regions: RegionsArg = "auto") -> ResolvedR
     specs = family.specs(_num_layers(model, family))
     for spec in specs:
         if not _has(model, spec.module):
-            raise ValueError(f"regions: the {family.family} map names {spec.module!r} for {spec.name!r}, not in the model")
+            raise ValueError(
+                f"regions: the {family.family} map names {spec.module!r} for {spec.name!r}, not in the model"
+            )
     if not isinstance(regions, str):
         wanted = list(regions)
         known = {s.name for s in specs}
         unknown = [name for name in wanted if name not in known]
         if unknown:
-            raise ValueError(f"regions: {unknown} are not regions of this model (it has {len(specs)} regions)")
+            raise ValueError(
+                f"regions: {unknown} are not regions of this model (it has {len(specs)} regions)"
+            )
         specs = [s for s in specs if s.name in set(wanted)]
         unobserved = {name: "not requested" for name in known - set(wanted)}
         return ResolvedRegions(specs, unobserved, family.family)

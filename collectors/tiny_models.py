@@ -47,7 +47,9 @@ def train_tokenizer(vocab_size: int = 512, seed: int = 0) -> Any:
 
     specials = list(SPECIAL_TOKENS.values())
     if vocab_size < 256 + len(specials):
-        raise ValueError(f"vocab_size: a byte-level BPE needs at least {256 + len(specials)} tokens, got {vocab_size}")
+        raise ValueError(
+            f"vocab_size: a byte-level BPE needs at least {256 + len(specials)} tokens, got {vocab_size}"
+        )
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -139,7 +141,9 @@ def make_tiny_model(
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer(vocab, seed=seed)
-    cfg = tiny_config(family, num_layers=num_layers, hidden=hidden, vocab=vocab, dtype=dtype, tokenizer=tokenizer, **config)
+    cfg = tiny_config(
+        family, num_layers=num_layers, hidden=hidden, vocab=vocab, dtype=dtype, tokenizer=tokenizer, **config
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
@@ -149,7 +153,9 @@ def make_tiny_model(
     return out
 
 
-def load_tiny_model(path: str | Path, *, dtype: torch.dtype | None = None, attn_implementation: str = "sdpa") -> tuple[Any, Any]:
+def load_tiny_model(
+    path: str | Path, *, dtype: torch.dtype | None = None, attn_implementation: str = "sdpa"
+) -> tuple[Any, Any]:
     """(model in eval mode, tokenizer) from a directory made by :func:`make_tiny_model`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

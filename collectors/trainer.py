@@ -168,7 +168,9 @@ class TrainerCollector:
             self.counters.errors += 1
             if self.strict:
                 raise
-            self._log_once("record", f"isoaudit collector: record_step failed ({type(exc).__name__}: {exc}); counted")
+            self._log_once(
+                "record", f"isoaudit collector: record_step failed ({type(exc).__name__}: {exc}); counted"
+            )
             return None
         finally:
             if isinstance(step, int | np.integer):
@@ -246,7 +248,12 @@ class TrainerCollector:
             assert capture is not None and capture.logits is not None
             sample_of = np.repeat(np.arange(batch.num_samples), [s.completion_len for s in batch.spans])
             tensors["lp"] = processed_logprobs(
-                capture.logits.detach(), batch.input_ids, predict, target, batch.temperature, sample_of  # type: ignore[arg-type]
+                capture.logits.detach(),
+                batch.input_ids,
+                predict,
+                target,
+                batch.temperature,
+                sample_of,  # type: ignore[arg-type]
             )
         else:
             tensors.update(_given_logprobs(logprobs, batch, target, layout))
@@ -263,10 +270,19 @@ class TrainerCollector:
             flat = host["lp"].astype(np.float32, copy=False)
             per_sample = np.split(flat, np.cumsum(lengths)[:-1])
         else:
-            per_sample = [host[f"lp{i}"].astype(np.float32, copy=False).reshape(-1) for i in range(batch.num_samples)]
+            per_sample = [
+                host[f"lp{i}"].astype(np.float32, copy=False).reshape(-1) for i in range(batch.num_samples)
+            ]
         records += sample_records(
-            run_id=self.run.run_id, step=step, side="trainer", batch=batch, tokens=tokens, keys=keys,
-            logprobs=per_sample, weight_version=version, validate=self.validate,
+            run_id=self.run.run_id,
+            step=step,
+            side="trainer",
+            batch=batch,
+            tokens=tokens,
+            keys=keys,
+            logprobs=per_sample,
+            weight_version=version,
+            validate=self.validate,
         )
         host_prints = {
             key: HostPrints(
@@ -280,8 +296,14 @@ class TrainerCollector:
             for i, (key, fp) in enumerate(prints.items())
         }
         fp_records = fingerprint_records(
-            run_id=self.run.run_id, step=step, side="trainer", case=self.case, batch=batch, keys=keys,
-            prints=host_prints, validate=self.validate,
+            run_id=self.run.run_id,
+            step=step,
+            side="trainer",
+            case=self.case,
+            batch=batch,
+            keys=keys,
+            prints=host_prints,
+            validate=self.validate,
         )
         records += fp_records
         self.sink.send(records)
@@ -298,8 +320,11 @@ class TrainerCollector:
         out = {}
         for key, fp in capture.prints.items():
             if len(fp) != rows * cols:
-                self._log_once(f"rows:{key[0]}", f"isoaudit collector: region {key[0]} has {len(fp)} rows for "
-                               f"{rows}x{cols} tokens; not recorded")
+                self._log_once(
+                    f"rows:{key[0]}",
+                    f"isoaudit collector: region {key[0]} has {len(fp)} rows for "
+                    f"{rows}x{cols} tokens; not recorded",
+                )
                 continue
             out[key] = fp
         return out
@@ -330,10 +355,17 @@ class TrainerCollector:
             return
         try:
             self.set_mode(control.mode)
-            log.info("isoaudit collector: remediation mode %s applied (control version %d)", control.mode, control.version)
+            log.info(
+                "isoaudit collector: remediation mode %s applied (control version %d)",
+                control.mode,
+                control.version,
+            )
         except Exception as exc:
             self.counters.errors += 1
-            self._log_once(f"mode:{control.mode}", f"isoaudit collector: cannot apply mode {control.mode!r} ({exc}); staying {self.mode}")
+            self._log_once(
+                f"mode:{control.mode}",
+                f"isoaudit collector: cannot apply mode {control.mode!r} ({exc}); staying {self.mode}",
+            )
 
 
 def _given_logprobs(
@@ -368,7 +400,11 @@ def _given_logprobs(
             lp = lp.reshape(-1)
         elif layout == "completion":
             width = shape[1]
-            index = np.concatenate([i * width + np.arange(n) for i, n in enumerate(lengths)]) if lengths else target
+            index = (
+                np.concatenate([i * width + np.arange(n) for i, n in enumerate(lengths)])
+                if lengths
+                else target
+            )
             lp = lp.reshape(-1)
         else:
             raise ValueError(f"logprobs_layout: expected auto, tokens, shifted or completion, got {layout!r}")
@@ -378,12 +414,16 @@ def _given_logprobs(
             raise ValueError(f"logprobs: {len(logprobs)} arrays for {batch.num_samples} samples")
         out = {}
         for i, values in enumerate(logprobs):
-            tensor = values.detach() if isinstance(values, torch.Tensor) else torch.as_tensor(np.asarray(values))
+            tensor = (
+                values.detach() if isinstance(values, torch.Tensor) else torch.as_tensor(np.asarray(values))
+            )
             if tensor.numel() != lengths[i]:
                 raise ValueError(f"logprobs[{i}]: {tensor.numel()} values for {lengths[i]} completion tokens")
             out[f"lp{i}"] = tensor.reshape(-1).float()
         return out
-    raise TypeError(f"logprobs: expected a tensor, an array or one array per sample, got {type(logprobs).__name__}")
+    raise TypeError(
+        f"logprobs: expected a tensor, an array or one array per sample, got {type(logprobs).__name__}"
+    )
 
 
 def attach(

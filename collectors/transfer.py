@@ -29,7 +29,9 @@ def to_host(tensors: Mapping[str, torch.Tensor]) -> dict[str, np.ndarray]:
     by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
     for name, tensor in tensors.items():
         if tensor.dtype not in _NUMPY:
-            raise TypeError(f"tensors[{name!r}]: dtype {tensor.dtype} cannot travel (expected one of {list(_NUMPY)})")
+            raise TypeError(
+                f"tensors[{name!r}]: dtype {tensor.dtype} cannot travel (expected one of {list(_NUMPY)})"
+            )
         by_device.setdefault(tensor.device, []).append((name, tensor.detach()))
     for device, items in by_device.items():
         if device.type == "cpu":

@@ -7,4 +7,13 @@ from collectors.sinks.http import HttpSink
 from collectors.sinks.memory import MemorySink
 from collectors.sinks.spool import Spool
 
-__all__ = ["Control", "DeliveryError", "DirectSink", "HttpSink", "MemorySink", "Sink", "SinkCounters", "Spool"]
+__all__ = [
+    "Control",
+    "DeliveryError",
+    "DirectSink",
+    "HttpSink",
+    "MemorySink",
+    "Sink",
+    "SinkCounters",
+    "Spool",
+]

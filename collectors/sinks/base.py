@@ -129,7 +129,9 @@ class Sink(ABC):
         if attempts < 1:
             raise ValueError(f"attempts: must be >= 1, got {attempts}")
         if not 0 < backoff_initial <= backoff_max:
-            raise ValueError(f"backoff_initial: must be in (0, backoff_max={backoff_max}], got {backoff_initial}")
+            raise ValueError(
+                f"backoff_initial: must be in (0, backoff_max={backoff_max}], got {backoff_initial}"
+            )
         self.counters = SinkCounters()
         self.control: Control | None = None
         self.spool = Spool(spool_dir, spool_max_bytes) if spool_dir is not None else None
@@ -169,7 +171,11 @@ class Sink(ABC):
                     with self._cond:
                         self._outstanding -= len(chunk)
                         self._cond.notify_all()
-                    self._drop(len(chunk), "full", "isoaudit %s queue is full: dropping records (see counters.dropped)")
+                    self._drop(
+                        len(chunk),
+                        "full",
+                        "isoaudit %s queue is full: dropping records (see counters.dropped)",
+                    )
         except Exception as exc:  # a collector must never raise into the training loop
             self._warn_once("send", "isoaudit %s: send failed (%s)", exc)
 
@@ -212,7 +218,8 @@ class Sink(ABC):
         """Deliver one batch or raise :class:`DeliveryError`."""
 
     def _close_destination(self) -> None:
-        """Release connections (worker stopped)."""
+        """Release connections (worker stopped). Nothing to release by default."""
+        return None
 
     # ------------------------------------------------------------ worker
 
@@ -253,7 +260,9 @@ class Sink(ABC):
                 self._to_spool(item)
                 return
             if self._stop.is_set():
-                self._drop(item.n, "closed", "isoaudit %s closed with undelivered records and no spool: dropped")
+                self._drop(
+                    item.n, "closed", "isoaudit %s closed with undelivered records and no spool: dropped"
+                )
                 return
         for attempt in range(self._attempts):
             try:
@@ -267,9 +276,13 @@ class Sink(ABC):
                     return
                 self._add("failed_attempts", 1)
                 if not exc.retry:
-                    self._drop(item.n, "refused", "isoaudit %s: destination refused a batch (%s); dropped", exc)
+                    self._drop(
+                        item.n, "refused", "isoaudit %s: destination refused a batch (%s); dropped", exc
+                    )
                     return
-                self._warn_once("down", "isoaudit %s: destination unavailable (%s); retrying, then spooling", exc)
+                self._warn_once(
+                    "down", "isoaudit %s: destination unavailable (%s); retrying, then spooling", exc
+                )
                 if attempt + 1 < self._attempts and self._stop.wait(self._backoff_initial * 2**attempt):
                     break
         self._mark_down()
@@ -302,7 +315,9 @@ class Sink(ABC):
                     self._to_spool(half)
                 return
             self.spool.remove(entry)
-            self._drop(item.n, "refused", "isoaudit %s: destination refused a spooled batch (%s); dropped", exc)
+            self._drop(
+                item.n, "refused", "isoaudit %s: destination refused a spooled batch (%s); dropped", exc
+            )
             return
         self.spool.remove(entry)
         self._delivered(item.n, replayed=True)

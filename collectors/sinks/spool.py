@@ -47,7 +47,11 @@ class Spool:
         self._bytes = sum(e.path.stat().st_size for e in self._entries)
         self._next = (self._entries[-1].seq + 1) if self._entries else 0
         if self._entries:
-            log.info("isoaudit spool %s: %d batches left by an earlier run will be replayed", directory, len(self._entries))
+            log.info(
+                "isoaudit spool %s: %d batches left by an earlier run will be replayed",
+                directory,
+                len(self._entries),
+            )
 
     def _scan(self) -> list[SpoolEntry]:
         entries = []

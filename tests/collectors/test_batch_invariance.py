@@ -13,10 +13,10 @@ import torch
 
 from audit.compare import DIFFERS, EQUAL, compare_sample
 from audit.records import RegionFingerprints, SampleLogprobs
+from audit.regions import canonical_regions
 from collectors.layout import StepBatch
 from collectors.sinks import MemorySink
 from collectors.trainer import attach
-from audit.regions import canonical_regions
 from tests.collectors.conftest import NUM_LAYERS, random_samples
 from tests.collectors.test_trainer import HF_MODULES
 
@@ -105,7 +105,9 @@ def test_one_flipped_bit_is_located(load) -> None:
     def flip(_m, _i, out):
         out = out.clone()
         bits = out[0, position, 5].view(torch.int32)
-        out[0, position, 5] = (bits ^ (1 << 20)).view(torch.float32)  # a mantissa bit that survives the residual add
+        out[0, position, 5] = (bits ^ (1 << 20)).view(
+            torch.float32
+        )  # a mantissa bit that survives the residual add
         return out
 
     alone, raw_alone = run_and_capture(model, StepBatch.padded(prompts, completions), 0)

@@ -36,11 +36,19 @@ def test_outage_mid_run_spools_and_everything_arrives_once(load, store: Store, t
     token = create_token(store, "proj")
     server = LiveServer(create_app(store, ApiSettings(run_worker=False, default_alert_rules=False)))
     url = server.start()
-    sink = HttpSink(url, token, spool_dir=tmp_path / "spool", timeout=2.0, backoff_initial=0.05, backoff_max=0.3)
+    sink = HttpSink(
+        url, token, spool_dir=tmp_path / "spool", timeout=2.0, backoff_initial=0.05, backoff_max=0.3
+    )
     modes: list[str] = []
     model = load("qwen3")
-    handle = attach(model, run=RUN, sink=sink, strict=True, keep_records=True,
-                    remediation_hook=lambda _m, mode: modes.append(mode))
+    handle = attach(
+        model,
+        run=RUN,
+        sink=sink,
+        strict=True,
+        keep_records=True,
+        remediation_hook=lambda _m, mode: modes.append(mode),
+    )
     prompts, completions = random_samples(4, seed=2)
     batch = StepBatch.padded(prompts, completions, temperature=0.9)
     produced, step_times = 2, []

@@ -35,7 +35,9 @@ def make_batch(layout: str, n: int = 5, seed: int = 0) -> StepBatch:
     prompts, completions = random_samples(n, seed)
     if layout == "packed":
         return StepBatch.packed(prompts, completions, temperature=TEMPERATURE)
-    return StepBatch.padded(prompts, completions, padding_side=layout, pad_token_id=3, temperature=TEMPERATURE)
+    return StepBatch.padded(
+        prompts, completions, padding_side=layout, pad_token_id=3, temperature=TEMPERATURE
+    )
 
 
 def raw_activations(model: nn.Module, batch: StepBatch) -> dict[str, torch.Tensor]:
@@ -90,7 +92,8 @@ def test_logprobs_and_every_region_line_up(load, family: str, layout: str) -> No
         np.testing.assert_array_equal(record.token_ids, tokens)
         assert record.prompt_len == span.prompt_len and record.temperature == pytest.approx(TEMPERATURE)
         expected = np.array(
-            [flat_ref[start + p - 1, tokens[p]].item() for p in range(span.prompt_len, span.length)], np.float32
+            [flat_ref[start + p - 1, tokens[p]].item() for p in range(span.prompt_len, span.length)],
+            np.float32,
         )
         np.testing.assert_array_equal(record.logprobs, np.minimum(expected, 0))  # bit for bit
 
@@ -218,7 +221,11 @@ def test_explicit_region_map_on_any_module() -> None:
     model = ToyLM()
     sink = MemorySink()
     handle = attach(
-        model, run="toy", sink=sink, regions={"embed": "emb", "layers.0.mlp": "block", "logits": "head"}, strict=True,
+        model,
+        run="toy",
+        sink=sink,
+        regions={"embed": "emb", "layers.0.mlp": "block", "logits": "head"},
+        strict=True,
         keep_records=True,
     )
     assert handle.regions == ["embed", "layers.0.mlp", "logits"]
@@ -268,8 +275,13 @@ def test_manifest_on_attach_on_change_and_remediation_control(load) -> None:
     sink = MemorySink()
     applied: list[str] = []
     handle = attach(
-        model, run="r", sink=sink, regions=["embed"], strict=True,
-        contract={"numerical_policy": "a" * 64}, remediation_hook=lambda _m, mode: applied.append(mode),
+        model,
+        run="r",
+        sink=sink,
+        regions=["embed"],
+        strict=True,
+        contract={"numerical_policy": "a" * 64},
+        remediation_hook=lambda _m, mode: applied.append(mode),
     )
     batch = make_batch("packed", n=2)
     handle.record_step(0, batch)
@@ -292,7 +304,9 @@ def test_manifest_on_attach_on_change_and_remediation_control(load) -> None:
     sink.flush()
     manifests = sink.of_kind("manifest")
     assert [(m.runtime.remediation, m.runtime.dtype) for m in manifests] == [
-        ("native", "float32"), ("invariant", "float32"), ("invariant", "bfloat16"),
+        ("native", "float32"),
+        ("invariant", "float32"),
+        ("invariant", "bfloat16"),
     ]
     assert applied == ["invariant"]  # the same control version is applied once
     handle.detach()
