@@ -46,3 +46,27 @@ def resolve(impl: str | None, t: torch.Tensor) -> str:
 def dot_precision(dtype: torch.dtype) -> str:
     """fp32 operands use exact fp32 products ("ieee"), never tf32: the bits must not depend on a flag."""
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+class _LazyKernel:
+    """A Triton kernel compiled (or interpreted) on first launch, not at import.
+
+    ``triton.jit`` decides interpreter-or-compiler when it decorates; deciding at the first launch
+    instead lets a test session turn TRITON_INTERPRET on after this package was imported.
+    """
+
+    def __init__(self, fn, kwargs: dict) -> None:
+        self.fn, self.kwargs = fn, kwargs
+        self._built: dict[bool, object] = {}
+
+    def __getitem__(self, grid):
+        mode = interpreting()
+        k = self._built.get(mode)
+        if k is None:
+            k = self._built[mode] = triton.jit(**self.kwargs)(self.fn)
+        return k[grid]
+
+
+def jit(**kwargs):
+    """Drop-in for ``triton.jit(...)`` with the interpreter choice made at first launch."""
+    return lambda fn: _LazyKernel(fn, kwargs)

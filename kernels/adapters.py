@@ -1,7 +1,7 @@
 """Route HF transformers models (Llama, Qwen2, Qwen3, Mistral) through :mod:`kernels.routing`.
 
 Two pieces: ``patch()``/``unpatch()`` swap, process-wide, ``nn.Linear.forward``, the HF RMSNorm
-classes' forward and HF's "sdpa"/"eager" attention entries for routed versions (so an unmodified
+classes' forward and HF's "sdpa"/"eager" attention entries and SiLU for routed versions (so an unmodified
 HF model run as a trainer uses the invariant kernels); :class:`HFCausalLM` runs the same HF modules
 as a rollout engine's model (packed tokens, our KV cache) with exactly the same per-token arithmetic.
 """
@@ -45,6 +45,21 @@ def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     return out.reshape(b, lq, hq, d), None
 
 
+def _silu_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
+    return routing.silu(input)
+
+
+def _silu_classes() -> list[type]:
+    out: list[type] = [nn.SiLU]
+    try:
+        from transformers.activations import SiLUActivation
+
+        out.append(SiLUActivation)
+    except Exception:
+        pass
+    return out
+
+
 def _rmsnorm_classes() -> list[type]:
     out = []
     for mod, prefix in _FAMILIES:
@@ -67,6 +82,9 @@ def patch() -> None:
     _saved["norms"] = [(cls, cls.forward) for cls in _rmsnorm_classes()]
     for cls, _ in _saved["norms"]:
         cls.forward = _rmsnorm_forward
+    _saved["acts"] = [(cls, cls.forward) for cls in _silu_classes()]
+    for cls, _ in _saved["acts"]:
+        cls.forward = _silu_forward
     try:
         from transformers.modeling_utils import AttentionInterface
     except Exception:
@@ -83,7 +101,7 @@ def unpatch() -> None:
     if not _saved:
         return
     nn.Linear.forward = _saved.pop("linear")  # type: ignore[method-assign]
-    for cls, fwd in _saved.pop("norms"):
+    for cls, fwd in _saved.pop("norms") + _saved.pop("acts"):
         cls.forward = fwd
     attn = _saved.pop("attn", None)
     if attn is not None:

@@ -20,14 +20,14 @@ import math
 
 import torch
 
-from ._triton import HAVE_TRITON, resolve, tl, triton
+from ._triton import HAVE_TRITON, jit, resolve, tl, triton
 
 BLOCK_M = 64
 BLOCK_N = 64
 
 if HAVE_TRITON:
 
-    @triton.jit
+    @jit()
     def _attn_kernel(
         q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, qpos0_ptr, kvlen_ptr, slot_ptr,
         qk_scale, HKV,

@@ -28,13 +28,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ._triton import HAVE_TRITON, resolve, tl, triton
+from ._triton import HAVE_TRITON, jit, resolve, tl, triton
 
 CHUNK = 64
 
 if HAVE_TRITON:
 
-    @triton.jit
+    @jit()
     def _gdn_chunk_kernel(
         q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, h0_ptr, o_ptr, ht_ptr, start_ptr, len_ptr,
         H, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,

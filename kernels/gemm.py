@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._triton import HAVE_TRITON, dot_precision, resolve, tl, triton
+from ._triton import HAVE_TRITON, dot_precision, jit, resolve, tl, triton
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ def gemm_config(n: int, k: int, dtype: torch.dtype) -> GemmConfig:
 
 if HAVE_TRITON:
 
-    @triton.jit(do_not_specialize=["M"])
+    @jit(do_not_specialize=["M"])
     def _gemm_kernel(
         a_ptr, b_ptr, c_ptr, bias_ptr,
         M, N, K,

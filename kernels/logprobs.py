@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import HAVE_TRITON, resolve, tl, triton
+from ._triton import HAVE_TRITON, jit, resolve, tl, triton
 from .gemm import gemm, linear
 
 BLOCK_V = 1024
 
 if HAVE_TRITON:
 
-    @triton.jit(do_not_specialize=["n_rows"])
+    @jit(do_not_specialize=["n_rows"])
     def _lse_kernel(z_ptr, tok_ptr, lse_ptr, out_ptr, n_rows, V, stride_z,
                     HAS_TOK: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0)

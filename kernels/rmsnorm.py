@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import HAVE_TRITON, resolve, tl, triton
+from ._triton import HAVE_TRITON, jit, resolve, tl, triton
 
 if HAVE_TRITON:
 
-    @triton.jit(do_not_specialize=["n_rows"])
+    @jit(do_not_specialize=["n_rows"])
     def _rmsnorm_kernel(
         x_ptr, r_ptr, w_ptr, y_ptr, ro_ptr, n_rows, D, eps,
         stride_x, stride_r, stride_y, stride_ro,

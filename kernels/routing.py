@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from . import attention as _attn
+from . import elementwise as _ew
 from . import gdn as _gdn
 from . import gemm as _gemm
 from . import logprobs as _lp
@@ -53,6 +54,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return h.to(dtype) if weight is None else weight * h.to(dtype)
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """SiLU; the invariant one is row-wise (torch's CPU kernels are not batch-invariant)."""
+    if _ENABLED:
+        return _ew.silu_autograd(x) if torch.is_grad_enabled() and x.requires_grad else _ew.silu(x)
+    return F.silu(x)
+
+
+def gdn_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
+              dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(g, beta) of Gated DeltaNet from its (T, H) projections, fp32."""
+    if _ENABLED:
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (a, b, a_log, dt_bias)):
+            return _ew.gdn_gates_autograd(a, b, a_log, dt_bias)
+        return _ew.gdn_gates(a, b, a_log, dt_bias)
+    return _ew.gdn_gates(a, b, a_log, dt_bias, impl="torch")
 
 
 def l2_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._triton import HAVE_TRITON, dot_precision, resolve, tl, triton
+from ._triton import HAVE_TRITON, dot_precision, jit, resolve, tl, triton
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ def tree_plan(k: int, leaf: int = 256, tp: int = 1) -> TreePlan:
 
 if HAVE_TRITON:
 
-    @triton.jit(do_not_specialize=["M"])
+    @jit(do_not_specialize=["M"])
     def _leaf_kernel(
         a_ptr, b_ptr, c_ptr, M, N, K, LEAF,
         stride_am, stride_ak, stride_bn, stride_bk, stride_cl, stride_cm, stride_cn,

@@ -52,17 +52,31 @@ class MLP(nn.Module):
         self.gate, self.up, self.down = _lin(cfg.hidden, cfg.mlp), _lin(cfg.hidden, cfg.mlp), _lin(cfg.mlp, cfg.hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        a = F.silu(routing.linear(x, self.gate.weight)) * routing.linear(x, self.up.weight)
+        a = routing.silu(routing.linear(x, self.gate.weight)) * routing.linear(x, self.up.weight)
         return routing.linear(a, self.down.weight)
+
+
+_ROPE: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+_ROPE_LEN = 8192
+
+
+def _rope_table(d: int, theta: float, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin for positions [0, 8192), computed once: indexing a fixed table keeps every
+    position's values independent of the batch (a CPU cos over a batch-shaped tensor is not)."""
+    key = (d, theta, dtype, str(device))
+    if key not in _ROPE:
+        inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d))
+        f = torch.arange(_ROPE_LEN, device=device, dtype=torch.float32)[:, None] * inv[None, :]
+        emb = torch.cat((f, f), -1)
+        _ROPE[key] = (emb.cos().to(dtype), emb.sin().to(dtype))
+    return _ROPE[key]
 
 
 def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     """Rotary embedding on (T, H, D) at absolute positions; elementwise, hence invariant."""
     d = x.shape[-1]
-    inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
-    f = positions.float()[:, None] * inv[None, :]
-    emb = torch.cat((f, f), -1)
-    cos, sin = emb.cos().to(x.dtype)[:, None, :], emb.sin().to(x.dtype)[:, None, :]
+    cos_t, sin_t = _rope_table(d, theta, x.dtype, x.device)
+    cos, sin = cos_t[positions][:, None, :], sin_t[positions][:, None, :]
     h = d // 2
     rot = torch.cat((-x[..., h:], x[..., :h]), -1)
     return (x * cos) + (rot * sin)
@@ -123,8 +137,8 @@ class GatedDeltaNet(nn.Module):
         q = routing.l2_norm(routing.linear(x, self.q.weight).view(t, -1, d)) * (d ** -0.5)
         k = routing.l2_norm(routing.linear(x, self.k.weight).view(t, -1, d))
         v = routing.linear(x, self.v.weight).view(t, -1, d)
-        beta = torch.sigmoid(routing.linear(x, self.b.weight).float())
-        g = -torch.exp(self.A_log.float()) * F.softplus(routing.linear(x, self.a.weight).float() + self.dt_bias.float())
+        g, beta = routing.gdn_gates(routing.linear(x, self.a.weight), routing.linear(x, self.b.weight),
+                                    self.A_log, self.dt_bias)
         return q, k, v, g, beta
 
     def forward(self, x: torch.Tensor, cu: torch.Tensor, slots: list[int] | None, cache: GDNCache | None) -> torch.Tensor:
