@@ -24,7 +24,7 @@ exact fp32 products (no tf32).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -36,7 +36,7 @@ if HAVE_TRITON:
 
     @jit()
     def _gdn_chunk_kernel(
-        q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, h0_ptr, o_ptr, ht_ptr, start_ptr, len_ptr,
+        q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, h0_ptr, o_ptr, ht_ptr, start_ptr, len_ptr, slot_ptr,
         H, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
         stride_gt, stride_bt, stride_ot, stride_oh,
         DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
@@ -52,7 +52,8 @@ if HAVE_TRITON:
         vv = iv * BV + tl.arange(0, BV)
         kok = kk < DK
         vok = vv < DV
-        hbase = (b * H + h).to(tl.int64) * DK * DV
+        slot = tl.load(slot_ptr + b)
+        hbase = (slot * H + h).to(tl.int64) * DK * DV
         hmask = kok[:, None] & vok[None, :]
         state = tl.load(h0_ptr + hbase + kk[:, None] * DV + vv[None, :], mask=hmask, other=0.0)
         strict = c[:, None] > c[None, :]
@@ -192,6 +193,41 @@ def gdn_recurrent(
     return o, torch.stack(states) if states else h
 
 
+def _launch(q, k, v, g, beta, starts, lens, state_slots, h_in, h_out, chunk) -> torch.Tensor:
+    """Run the kernel over sequences given by token ``starts``/``lens`` (device int32), reading
+    the state of sequence b from ``h_in[state_slots[b]]`` and writing ``h_out[state_slots[b]]``
+    (the same tensor is allowed: each program reads its block before it writes it)."""
+    t, hh, dk = q.shape
+    dv = v.shape[2]
+    o = torch.empty(t, hh, dv, dtype=torch.float32, device=q.device)
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    g, beta = g.contiguous(), beta.contiguous()
+    assert h_in.is_contiguous() and h_out.is_contiguous() and h_in.dtype == torch.float32
+    bk = max(16, triton.next_power_of_2(dk))
+    bv = min(64, max(16, triton.next_power_of_2(dv)))
+    nb = starts.numel()
+    if nb:
+        grid = (nb * hh, triton.cdiv(dv, bv))
+        _gdn_chunk_kernel[grid](
+            q, k, v, g, beta, h_in, o, h_out, starts, lens, state_slots, hh,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            g.stride(0), beta.stride(0), o.stride(0), o.stride(1),
+            DK=dk, DV=dv, BK=bk, BV=bv, C=chunk, num_warps=4, num_stages=1,
+        )
+    return o
+
+
+def gdn_recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                       h: torch.Tensor) -> torch.Tensor:
+    """One token for each of B sequences (q, k (B, H, dk) ...), updating ``h`` (B, H, dk, dv) in
+    place: the native recurrent-form decode step. Returns o (B, H, dv) fp32."""
+    h.mul_(torch.exp(g.float())[..., None, None])
+    kf = k.float()
+    pred = torch.einsum("bhk,bhkv->bhv", kf, h)
+    h.add_((beta.float()[..., None] * (v.float() - pred))[:, :, None, :] * kf[..., None])
+    return torch.einsum("bhk,bhkv->bhv", q.float(), h)
+
+
 def gdn_chunk(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     cu_seqlens: torch.Tensor, h0: torch.Tensor | None = None, chunk: int = CHUNK,
@@ -201,34 +237,21 @@ def gdn_chunk(
     Returns (o (T, H, dv) fp32, the state at each sequence's last chunk boundary (B, H, dk, dv))."""
     if resolve(impl, q) == "torch":
         return gdn_chunk_reference(q, k, v, g, beta, cu_seqlens, h0, chunk)
-    t, hh, dk = q.shape
-    dv = v.shape[2]
+    hh, dk, dv = q.shape[1], q.shape[2], v.shape[2]
     cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
     nb = cu.numel() - 1
     starts, lens = cu[:-1].contiguous(), (cu[1:] - cu[:-1]).contiguous()
     if h0 is None:
         h0 = torch.zeros(nb, hh, dk, dv, dtype=torch.float32, device=q.device)
     h0 = h0.float().contiguous()
-    o = torch.empty(t, hh, dv, dtype=torch.float32, device=q.device)
     ht = torch.empty_like(h0)
-    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-    g, beta = g.contiguous(), beta.contiguous()
-    bk = max(16, triton.next_power_of_2(dk))
-    bv = min(64, max(16, triton.next_power_of_2(dv)))
-    if nb:
-        grid = (nb * hh, triton.cdiv(dv, bv))
-        _gdn_chunk_kernel[grid](
-            q, k, v, g, beta, h0, o, ht, starts, lens, hh,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            g.stride(0), beta.stride(0), o.stride(0), o.stride(1),
-            DK=dk, DV=dv, BK=bk, BV=bv, C=chunk, num_warps=4, num_stages=1,
-        )
-    return o, ht
+    slots = torch.arange(nb, device=q.device, dtype=torch.int32)
+    return _launch(q, k, v, g, beta, starts, lens, slots, h0, ht, chunk), ht
 
 
 class _GDN(torch.autograd.Function):
-    """Forward through the kernel; backward by differentiating the torch chunk form (same
-    arithmetic, fp32), recomputed from the saved inputs."""
+    """Forward through the kernel; backward by differentiating the torch chunk form in fp32,
+    recomputed from the saved inputs."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, cu_seqlens, chunk):  # type: ignore[override]
@@ -241,7 +264,9 @@ class _GDN(torch.autograd.Function):
         q, k, v, g, beta, cu = ctx.saved_tensors
         with torch.enable_grad():
             ins = [t.detach().requires_grad_(True) for t in (q, k, v, g, beta)]
-            o, _ = gdn_chunk_reference(*ins, cu, None, ctx.chunk)
+            # The gradient is not part of the bitwise contract: differentiate the same chunk form
+            # with a library triangular solve (fast); accuracy is checked against fp64.
+            o, _ = gdn_chunk_reference(*ins, cu, None, ctx.chunk, solve="triangular")
             grads = torch.autograd.grad(o, ins, grad.float())
         return (*(gr.to(t.dtype) for gr, t in zip(grads, (q, k, v, g, beta), strict=True)), None, None)
 
@@ -257,19 +282,41 @@ def gdn_chunk_autograd(
 @dataclass
 class GDNCache:
     """Per-slot decode state. Invariant mode keeps the state at the last chunk boundary plus the
-    open chunk's inputs; native mode keeps the running state only (``buf_len`` stays 0)."""
+    open chunk's inputs (``buf``, ``buf_len`` tokens); native mode keeps the running state only."""
 
     h: torch.Tensor                      # (S, H, dk, dv) fp32
     buf: list[torch.Tensor]              # q, k (S, C, H, dk); v (S, C, H, dv); g, beta (S, C, H)
-    buf_len: list[int] = field(default_factory=list)
+    buf_len: torch.Tensor                # (S,) int32, on the device
 
     @classmethod
     def empty(cls, slots: int, heads: int, dk: int, dv: int, dtype: torch.dtype, device: torch.device,
               chunk: int = CHUNK) -> GDNCache:
-        z = lambda *s, dt=dtype: torch.zeros(*s, dtype=dt, device=device)  # noqa: E731
+        def z(*shape: int, dt: torch.dtype = dtype) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=dt, device=device)
+
         buf = [z(slots, chunk, heads, dk), z(slots, chunk, heads, dk), z(slots, chunk, heads, dv),
                z(slots, chunk, heads, dt=torch.float32), z(slots, chunk, heads, dt=torch.float32)]
-        return cls(h=z(slots, heads, dk, dv, dt=torch.float32), buf=buf, buf_len=[0] * slots)
+        return cls(h=z(slots, heads, dk, dv, dt=torch.float32), buf=buf,
+                   buf_len=torch.zeros(slots, dtype=torch.int32, device=device))
+
+
+def gdn_decode_step(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    slots: torch.Tensor, cache: GDNCache, chunk: int = CHUNK,
+) -> torch.Tensor:
+    """One new token for each of B sequences (q (B, H, dk) ...), invariant mode, no host sync:
+    append to each open chunk, re-run the chunk kernel on it from the boundary state, and when a
+    chunk fills the kernel has already written the re-synchronised state."""
+    slots = slots.to(torch.long)
+    n0 = cache.buf_len[slots].long()
+    for buf, x in zip(cache.buf, (q, k, v, g, beta), strict=True):
+        buf[slots, n0] = x.to(buf.dtype)
+    flat = [b.view(b.shape[0] * chunk, *b.shape[2:]) for b in cache.buf]
+    starts = (slots * chunk).to(torch.int32)
+    lens = (n0 + 1).to(torch.int32)
+    o = _launch(*flat, starts, lens, slots.to(torch.int32), cache.h, cache.h, chunk)
+    cache.buf_len[slots] = torch.where(lens == chunk, 0, lens).to(torch.int32)
+    return o[slots * chunk + n0]
 
 
 def gdn_incremental(
@@ -279,38 +326,41 @@ def gdn_incremental(
 ) -> torch.Tensor:
     """The engine's path: new tokens of several sequences (packed) continue their cached state.
     Invariant mode re-runs each open chunk with the kernel (same bits as the trainer); native
-    mode is the usual one: chunk form for a prefill, the recurrence for a single token."""
+    mode is the usual one: chunk form for a prefill, the recurrence for single tokens."""
     starts, lens = _seqs(cu_seqlens)
     new = (q, k, v, g, beta)
+    sl = torch.tensor(slots, device=q.device)
+    decode = bool(lens) and max(lens) == 1 and min(lens) == 1
     if not invariant:
-        sl = torch.tensor(slots, device=q.device)
-        if max(lens) == 1 and min(lens) == 1:
-            o, h = gdn_recurrent(*new, cu_seqlens, cache.h[sl])
+        if decode:
+            h = cache.h[sl]
+            o = gdn_recurrent_step(q, k, v, g, beta, h)
         else:
             o, h = gdn_chunk_reference(*new, cu_seqlens, cache.h[sl], chunk, solve="triangular", state_at="end")
         cache.h[sl] = h
         return o
+    if decode and resolve(impl, q) == "triton":
+        return gdn_decode_step(q, k, v, g, beta, sl, cache, chunk)
+    n0s = cache.buf_len.tolist()
     parts: list[list[torch.Tensor]] = [[] for _ in new]
     cu2 = [0]
     for s, n, slot in zip(starts, lens, slots, strict=True):
-        n0 = cache.buf_len[slot]
+        n0 = n0s[slot]
         for j, x in enumerate(new):
             parts[j].append(torch.cat([cache.buf[j][slot, :n0], x[s:s + n].to(cache.buf[j].dtype)]))
         cu2.append(cu2[-1] + n0 + n)
     packed = [torch.cat(p) for p in parts]
     cu_t = torch.tensor(cu2, device=q.device, dtype=torch.int32)
-    sl = torch.tensor(slots, device=q.device)
     o_all, h = gdn_chunk(*packed, cu_t, cache.h[sl], chunk, impl)
     cache.h[sl] = h
     outs = []
     for i, (n, slot) in enumerate(zip(lens, slots, strict=True)):
-        n0 = cache.buf_len[slot]
+        n0 = n0s[slot]
         total = n0 + n
         outs.append(o_all[cu2[i] + n0:cu2[i + 1]])
         rem = total % chunk
         for j in range(len(new)):
-            seq = packed[j][cu2[i]:cu2[i + 1]]
             if rem:
-                cache.buf[j][slot, :rem] = seq[total - rem:]
+                cache.buf[j][slot, :rem] = packed[j][cu2[i + 1] - rem:cu2[i + 1]]
         cache.buf_len[slot] = rem
     return torch.cat(outs)
