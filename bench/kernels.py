@@ -1,0 +1,184 @@
+"""Benchmark of the invariant kernels against the native baseline measured in the same run.
+
+    python bench/kernels.py [--quick] [--json out.json]
+
+Each line: case, shape, native ms, invariant ms, ratio (invariant / native). Needs CUDA.
+Medians of CUDA-event timings (triton.testing.do_bench), inputs random, bf16 unless noted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kernels import gdn as G  # noqa: E402
+from kernels.attention import attention  # noqa: E402
+from kernels.gemm import gemm  # noqa: E402
+from kernels.rmsnorm import rms_norm  # noqa: E402
+
+ROWS: list[dict] = []
+
+
+def bench(fn, reps_ms: int = 200) -> float:
+    import triton
+
+    return float(triton.testing.do_bench(fn, warmup=50, rep=reps_ms, return_mode="median"))
+
+
+def record(case: str, shape: str, native_ms: float, ours_ms: float, target: float | None = None) -> None:
+    ratio = ours_ms / native_ms
+    row = dict(case=case, shape=shape, native_ms=native_ms, invariant_ms=ours_ms, ratio=ratio, target=target)
+    ROWS.append(row)
+    tgt = f"  (target <= {target:.2f}x: {'met' if ratio <= target else 'MISSED'})" if target else ""
+    print(f"{case:<28} {shape:<34} native {native_ms:9.4f} ms   invariant {ours_ms:9.4f} ms   {ratio:5.2f}x{tgt}",
+          flush=True)
+
+
+def bench_gemm() -> None:
+    n = k = 4096
+    w = torch.randn(n, k, device="cuda").bfloat16()
+    for m in (1, 64, 2048, 8192):
+        a = torch.randn(m, k, device="cuda").bfloat16()
+        wt = w.T
+        record("gemm", f"M={m} N={n} K={k}", bench(lambda: torch.mm(a, wt)), bench(lambda: gemm(a, w)),
+               1.25 if m >= 2048 else None)
+
+
+def bench_rmsnorm() -> None:
+    d = 4096
+    w = torch.randn(d, device="cuda").bfloat16()
+    for t in (1, 256, 4096, 16384):
+        x = torch.randn(t, d, device="cuda").bfloat16()
+        r = torch.randn(t, d, device="cuda").bfloat16()
+
+        def native() -> torch.Tensor:
+            h = x.float()
+            return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+        record("rmsnorm (HF torch)", f"T={t} D={d}", bench(native), bench(lambda: rms_norm(x, w)))
+        record("rmsnorm (F.rms_norm)", f"T={t} D={d}", bench(lambda: F.rms_norm(x, (d,), w, 1e-6)),
+               bench(lambda: rms_norm(x, w)))
+
+        def native_fused() -> torch.Tensor:
+            s = x + r
+            h = s.float()
+            return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+        record("rmsnorm+residual (HF)", f"T={t} D={d}", bench(native_fused), bench(lambda: rms_norm(x, w, residual=r)))
+
+
+def bench_attention() -> None:
+    hq, hkv, d = 32, 8, 128
+    i32 = dict(device="cuda", dtype=torch.int32)
+    for b, n in ((1, 8192), (4, 4096), (16, 1024)):
+        q = torch.randn(b, n, hq, d, device="cuda").bfloat16()
+        k = torch.randn(b, n, hkv, d, device="cuda").bfloat16()
+        v = torch.randn(b, n, hkv, d, device="cuda").bfloat16()
+        qs, ks, vs = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        qp = q.reshape(b * n, hq, d)
+        cu = torch.arange(b + 1, **i32) * n
+        pos0, kvl = torch.zeros(b, **i32), torch.full((b,), n, **i32)
+
+        def sdpa() -> torch.Tensor:
+            return F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+
+        record("attention prefill", f"B={b} L={n} H={hq}/{hkv} D={d}", bench(sdpa),
+               bench(lambda: attention(qp, k, v, cu, pos0, kvl)), 1.5)
+    for b, n in ((8, 4096), (32, 4096), (64, 2048)):
+        q = torch.randn(b, 1, hq, d, device="cuda").bfloat16()
+        k = torch.randn(b, n, hkv, d, device="cuda").bfloat16()
+        v = torch.randn(b, n, hkv, d, device="cuda").bfloat16()
+        qs, ks, vs = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        qp = q.reshape(b, hq, d)
+        cu = torch.arange(b + 1, **i32)
+        pos0, kvl = torch.full((b,), n - 1, **i32), torch.full((b,), n, **i32)
+
+        def sdpa_dec() -> torch.Tensor:
+            return F.scaled_dot_product_attention(qs, ks, vs, enable_gqa=True)
+
+        record("attention decode", f"B={b} ctx={n} H={hq}/{hkv} D={d}", bench(sdpa_dec),
+               bench(lambda: attention(qp, k, v, cu, pos0, kvl)), 1.5)
+
+
+def _gdn_inputs(b: int, n: int, h: int, d: int, grad: bool = False):
+    t = b * n
+    q = F.normalize(torch.randn(t, h, d, device="cuda"), dim=-1).bfloat16() * d ** -0.5
+    k = F.normalize(torch.randn(t, h, d, device="cuda"), dim=-1).bfloat16()
+    v = torch.randn(t, h, d, device="cuda").bfloat16()
+    g = -torch.rand(t, h, device="cuda") * 0.1
+    beta = torch.rand(t, h, device="cuda")
+    xs = [x.requires_grad_(grad) for x in (q, k, v, g, beta)]
+    cu = torch.arange(b + 1, device="cuda", dtype=torch.int32) * n
+    return xs, cu
+
+
+def bench_gdn() -> None:
+    h, d = 16, 128
+    for b, n in ((4, 2048), (1, 8192)):
+        xs, cu = _gdn_inputs(b, n, h, d, grad=True)
+        gout = torch.randn(b * n, h, d, device="cuda")
+
+        def native_fb() -> None:
+            o, _ = G.gdn_chunk_reference(*xs, cu, None, G.CHUNK, solve="triangular", state_at="end")
+            torch.autograd.grad(o, xs, gout)
+
+        def ours_fb() -> None:
+            o = G.gdn_chunk_autograd(*xs, cu)
+            torch.autograd.grad(o, xs, gout)
+
+        shape = f"B={b} T={n} H={h} dk=dv={d}"
+        record("cpr-gdn trainer fwd+bwd", shape, bench(native_fb, 500), bench(ours_fb, 500), 1.4)
+        with torch.no_grad():
+            ys = [x.detach() for x in xs]
+            record("cpr-gdn prefill", shape,
+                   bench(lambda: G.gdn_chunk_reference(*ys, cu, None, G.CHUNK, solve="triangular", state_at="end")),
+                   bench(lambda: G.gdn_chunk(*ys, cu)), 1.6)
+    with torch.no_grad():
+        for b in (1, 16, 64):
+            steps = 2 * G.CHUNK
+            xs, _ = _gdn_inputs(b, steps, h, d)
+            xs = [x.view(b, steps, *x.shape[1:]) for x in xs]
+            slots = torch.arange(b, device="cuda")
+            href = torch.zeros(b, h, d, d, device="cuda")
+            cache = G.GDNCache.empty(b, h, d, d, torch.bfloat16, torch.device("cuda"))
+
+            def native_dec() -> None:
+                for s in range(steps):
+                    G.gdn_recurrent_step(*(x[:, s] for x in xs), href)
+
+            def ours_dec() -> None:
+                for s in range(steps):
+                    G.gdn_decode_step(*(x[:, s] for x in xs), slots, cache)
+
+            record("cpr-gdn decode (per token)", f"B={b} H={h} dk=dv={d}", bench(native_dec) / steps,
+                   bench(ours_dec) / steps, 1.3)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", default="gemm,rmsnorm,attention,gdn")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench/kernels.py needs CUDA")
+    torch.manual_seed(0)
+    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
+    for name in args.only.split(","):
+        globals()[f"bench_{name}"]()
+    if args.json:
+        Path(args.json).write_text(json.dumps(ROWS, indent=1))
+    worst = {r["case"]: r["ratio"] for r in ROWS}
+    print("\nsummary (ratio invariant/native):", json.dumps({k: round(v, 3) for k, v in worst.items()}))
+    _ = math
+
+
+if __name__ == "__main__":
+    main()
