@@ -58,7 +58,10 @@ class AlertRule(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
     name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")
-    metric: str = Field(description="a step metric of audit.metrics, e.g. kl_k3 or kl_k3/len_0_256")
+    metric: str = Field(
+        description="a step metric of audit.metrics, e.g. kl_k3 or kl_k3/len_0_256",
+        json_schema_extra={"enum": list(METRIC_DESCRIPTIONS)},
+    )
     comparison: Comparison = ">"
     threshold: float = Field(allow_inf_nan=False)
     window: int = Field(default=1, ge=1, le=1000, description="compared steps the metric is aggregated over")
