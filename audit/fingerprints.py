@@ -25,6 +25,8 @@ with integer arithmetic on the CPU, so every device uses the same ones.
 
 from __future__ import annotations
 
+import os
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -168,6 +170,76 @@ def _chunk_rows(hidden: int, device: torch.device) -> int:
     return max(1, budget // max(hidden, 1))
 
 
+def _integer_sums_chunked(
+    rows: torch.Tensor,
+    int_dtype: torch.dtype,
+    weights: torch.Tensor,
+    masks: list[int],
+    digest: torch.Tensor,
+    ladder: torch.Tensor,
+    step: int,
+) -> None:
+    """Digest and ladder in eager torch, a chunk of rows at a time, into ``digest``/``ladder``."""
+    n, hidden = rows.shape
+    # Scratch buffers allocated once per call: fresh allocations per chunk would page-fault.
+    wide_buf = torch.empty(step, hidden, dtype=torch.int64, device=rows.device)
+    scratch_buf = torch.empty_like(wide_buf)
+    for start in range(0, n, step):
+        stop = min(start + step, n)
+        chunk = rows[start:stop]
+        wide, scratch = wide_buf[: stop - start], scratch_buf[: stop - start]
+        wide.copy_(chunk.view(int_dtype) if chunk.is_contiguous() else chunk.contiguous().view(int_dtype))
+        torch.mul(wide, weights, out=scratch)
+        torch.sum(scratch, dim=-1, out=digest[start:stop])
+        for j, mask in enumerate(masks):
+            torch.bitwise_and(wide, mask, out=scratch)
+            scratch.mul_(weights)
+            ladder[start:stop, j] = scratch.sum(dim=-1)
+
+
+def _integer_sums(
+    as_int: torch.Tensor, weights: torch.Tensor, masks: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Digest and ladder in one expression, for the compiler to fuse into one pass over the rows
+    (eagerly it would materialise [rows, rungs, hidden] int64)."""
+    wide = as_int.to(torch.int64)
+    digest = (wide * weights).sum(-1)
+    ladder = ((wide.unsqueeze(1) & masks.unsqueeze(-1)) * weights).sum(-1)
+    return digest, ladder
+
+
+_FUSED: Any = None
+
+
+def _fused_integer_sums() -> Any:
+    """The compiled :func:`_integer_sums` on CUDA, or None to use the eager chunked path.
+
+    Eager torch spends most of the time writing int64 temporaries; the fused kernel reads each
+    activation once. ``ISOAUDIT_FINGERPRINT_COMPILE=0`` turns it off; a failed compile falls back.
+    """
+    global _FUSED
+    if _FUSED is None:
+        _FUSED = False
+        if os.environ.get("ISOAUDIT_FINGERPRINT_COMPILE", "1") != "0":
+            try:
+                compiled = torch.compile(_integer_sums, dynamic=True, fullgraph=True)
+                probe = torch.arange(-300, 300, dtype=torch.int16, device="cuda").reshape(2, 300)
+                w = torch.arange(1, 601, 2, dtype=torch.int64, device="cuda") * 0x9E3779B97F4A7C1
+                m = torch.tensor([-4, -1], dtype=torch.int64, device="cuda")
+                got, want = compiled(probe, w, m), _integer_sums(probe, w, m)
+                if torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]):
+                    _FUSED = compiled
+                else:
+                    warnings.warn(
+                        "fingerprints: compiled digest disagrees with eager; using eager", stacklevel=2
+                    )
+            except Exception as exc:  # noqa: BLE001 - any compiler failure means: use the eager path
+                warnings.warn(
+                    f"fingerprints: torch.compile unavailable ({exc!r:.200}); using eager", stacklevel=2
+                )
+    return _FUSED or None
+
+
 def fingerprint_rows(x: torch.Tensor, ladder_bits: Sequence[int] | None = None) -> RowFingerprints:
     """Fingerprint every row of ``x`` ([..., hidden]; rows = leading dims flattened) on x's device."""
     fmt = _format(x.dtype)
@@ -187,32 +259,21 @@ def fingerprint_rows(x: torch.Tensor, ladder_bits: Sequence[int] | None = None) 
     proj = _device_sketch(hidden, device, torch.float64 if wide else torch.float32)
     # Clearing the low (mantissa - k) bits; as a negative int64 it also keeps the sign extension.
     masks = [-(1 << (fmt.mantissa_bits - k)) for k in bits]
-    split_tf32 = device.type == "cuda" and x.dtype == torch.float32
-    step = min(_chunk_rows(hidden, device), n)
-    # Scratch buffers allocated once per call: fresh allocations per chunk would page-fault.
-    wide_buf = torch.empty(step, hidden, dtype=torch.int64, device=device)
-    scratch_buf = torch.empty_like(wide_buf)
-    values_buf = torch.empty(step, hidden, dtype=proj.dtype, device=device)
+    fused = _fused_integer_sums() if device.type == "cuda" else None
+    step = n if fused is not None else min(_chunk_rows(hidden, device), n)
     with torch.no_grad():
+        if fused is not None:
+            as_int = rows.contiguous().view(fmt.int_dtype)
+            digest, ladder = fused(as_int, weights, torch.tensor(masks, dtype=torch.int64, device=device))
+        else:
+            _integer_sums_chunked(rows, fmt.int_dtype, weights, masks, digest, ladder, step)
+        # a copy, reused across chunks: the activation itself must never be written to
+        values_buf = torch.empty(step, hidden, dtype=proj.dtype, device=device)
         for start in range(0, n, step):
             stop = min(start + step, n)
-            chunk = rows[start:stop]
-            wide, scratch, values = (
-                wide_buf[: stop - start],
-                scratch_buf[: stop - start],
-                values_buf[: stop - start],
-            )
-            wide.copy_(
-                chunk.view(fmt.int_dtype) if chunk.is_contiguous() else chunk.contiguous().view(fmt.int_dtype)
-            )
-            torch.mul(wide, weights, out=scratch)
-            torch.sum(scratch, dim=-1, out=digest[start:stop])
-            for j, mask in enumerate(masks):
-                torch.bitwise_and(wide, mask, out=scratch)
-                scratch.mul_(weights)
-                ladder[start:stop, j] = scratch.sum(dim=-1)
-            values.copy_(chunk)
-            if split_tf32:
+            values = values_buf[: stop - start]
+            values.copy_(rows[start:stop])
+            if device.type == "cuda" and x.dtype == torch.float32:
                 # TF32 matmuls would round fp32 inputs to 10 mantissa bits; bf16 parts are exact in
                 # TF32, so sketch the exact high part and the small remainder separately.
                 high = values.to(torch.bfloat16).float()

@@ -97,6 +97,14 @@ def test_one_ulp_change_of_any_element_changes_the_digest(dtype: torch.dtype) ->
     assert np.unique(digests).size == digests.size
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_activation_is_left_untouched(dtype: torch.dtype) -> None:
+    x = torch.randn(5, 64).to(dtype)
+    before = x.clone()
+    fingerprint_rows(x)
+    assert torch.equal(x.view(INT_OF[dtype]), before.view(INT_OF[dtype]))
+
+
 def test_signed_zero_and_nan_payloads_are_bitwise() -> None:
     a = torch.tensor([[0.0, 1.0]], dtype=torch.bfloat16)
     b = torch.tensor([[-0.0, 1.0]], dtype=torch.bfloat16)
@@ -219,12 +227,18 @@ def test_empty_rows_and_bad_arguments() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_cuda_matches_cpu(dtype: torch.dtype) -> None:
+def test_cuda_matches_cpu(dtype: torch.dtype, monkeypatch) -> None:
+    torch.backends.cuda.matmul.allow_tf32 = True  # the sketch must not depend on it
     x = torch.randn(3, 700, 4096).to(dtype)
     cpu, gpu = fingerprint_rows(x), fingerprint_rows(x.cuda())
     assert gpu.digest.is_cuda
     assert np.array_equal(u64(cpu.digest), u64(gpu.digest.cpu()))
     assert np.array_equal(u64(cpu.ladder), u64(gpu.ladder.cpu()))
+    monkeypatch.setattr(fp, "_FUSED", False)  # the eager, chunked CUDA path too
+    monkeypatch.setattr(fp, "_chunk_rows", lambda hidden, device: 100)
+    eager = fingerprint_rows(x.cuda())
+    assert np.array_equal(u64(cpu.digest), u64(eager.digest.cpu()))
+    assert np.array_equal(u64(cpu.ladder), u64(eager.ladder.cpu()))
     torch.testing.assert_close(gpu.sketch.cpu(), cpu.sketch, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(gpu.l2.cpu(), cpu.l2, rtol=1e-5, atol=0)
     assert torch.equal(gpu.maxabs.cpu(), cpu.maxabs)
