@@ -358,11 +358,23 @@ def sample_metrics(
     sample ``i`` is ``[offsets[i], offsets[i+1])``.
     """
     t, r, o = _check_inputs(trainer_lp, rollout_lp, offsets)
-    derived = _derive(_per_sample_stats(t, r, o, _check_eps(clip_eps)))
-    frame = pd.DataFrame(derived, columns=list(SAMPLE_METRICS))
+    return _sample_frame(_per_sample_stats(t, r, o, _check_eps(clip_eps)))
+
+
+def sample_and_step_metrics(
+    trainer_lp: np.ndarray, rollout_lp: np.ndarray, offsets: np.ndarray, *, clip_eps: float = 0.2
+) -> tuple[pd.DataFrame, dict[str, float]]:
+    """:func:`sample_metrics` and :func:`step_metrics` of the same step from one pass over the tokens."""
+    t, r, o = _check_inputs(trainer_lp, rollout_lp, offsets)
+    stats = _per_sample_stats(t, r, o, _check_eps(clip_eps))
+    return _sample_frame(stats), _step_dict(stats)
+
+
+def _sample_frame(stats: _Stats) -> pd.DataFrame:
+    frame = pd.DataFrame(_derive(stats), columns=list(SAMPLE_METRICS))
     for name in ("n_tokens", "n_finite", "n_nonfinite", "bitwise_mismatch_count", "first_diverging_position"):
         frame[name] = frame[name].astype(np.int64)
-    frame["length_bucket"] = np.asarray(LENGTH_BUCKETS, dtype=object)[length_bucket_of(np.diff(o))]
+    frame["length_bucket"] = np.asarray(LENGTH_BUCKETS, dtype=object)[length_bucket_of(stats.n_tokens)]
     frame.index.name = "sample"
     return frame
 
@@ -373,7 +385,10 @@ def step_metrics(
     """Token-weighted metrics of a whole step (keys :data:`STEP_METRICS`), then every one of them
     again per completion-length bucket as ``name/len_lo_hi`` (always all buckets; NaN when empty)."""
     t, r, o = _check_inputs(trainer_lp, rollout_lp, offsets)
-    per_sample = _per_sample_stats(t, r, o, _check_eps(clip_eps))
+    return _step_dict(_per_sample_stats(t, r, o, _check_eps(clip_eps)))
+
+
+def _step_dict(per_sample: _Stats) -> dict[str, float]:
     buckets = length_bucket_of(per_sample.n_tokens)
     out: dict[str, float] = {}
     for suffix, mask in [("", None), *((f"/{b}", buckets == i) for i, b in enumerate(LENGTH_BUCKETS))]:

@@ -13,6 +13,7 @@ from audit.metrics import (
     METRIC_DESCRIPTIONS,
     SAMPLE_METRICS,
     STEP_METRICS,
+    sample_and_step_metrics,
     sample_metrics,
     step_metrics,
 )
@@ -145,6 +146,15 @@ def test_step_is_token_weighted_and_ppl_is_sample_averaged() -> None:
     firsts = frame["first_diverging_position"]
     assert step["first_diverging_position"] == float(firsts[firsts >= 0].min())
     assert step["diverged_sample_fraction"] == pytest.approx((frame["bitwise_mismatch_count"] > 0).mean())
+
+
+def test_one_pass_equals_the_two_functions() -> None:
+    t, r, o = random_step(6, [3, 0, 400, 2100])
+    frame, step = sample_and_step_metrics(t, r, o)
+    assert frame.equals(sample_metrics(t, r, o))
+    expected = step_metrics(t, r, o)
+    assert step.keys() == expected.keys()
+    assert all(step[k] == expected[k] or (math.isnan(step[k]) and math.isnan(expected[k])) for k in step)
 
 
 def test_length_buckets_equal_the_subset() -> None:
@@ -316,3 +326,6 @@ def test_a_full_step_is_fast() -> None:
     sample_metrics(t, r, o)
     step_metrics(t, r, o)
     assert time.perf_counter() - start < 1.0
+    start = time.perf_counter()
+    sample_and_step_metrics(t, r, o)
+    assert time.perf_counter() - start < 0.5
