@@ -614,10 +614,18 @@ def handshake(trainer: Manifest, engine: Manifest) -> HandshakeResult:
     differing: list[str] = []
     tp, ep = trainer.contract.numerical_policy, engine.contract.numerical_policy
     if tp and ep and tp != ep:
-        differing = diff_policy(trainer.numerical_policy, engine.numerical_policy)
         if trainer.contract.semantic != engine.contract.semantic:
             reasons.append("contract.semantic: the sides compute different functions")
-        if differing:
+        silent = [label for label, m in (("trainer", trainer), ("engine", engine)) if not m.numerical_policy]
+        if not silent:
+            differing = diff_policy(trainer.numerical_policy, engine.numerical_policy)
+        if silent:
+            reasons.append(
+                f"contract.numerical_policy: {tp[:12]}… != {ep[:12]}…; {' and '.join(silent)} "
+                f"{'carries' if len(silent) == 1 else 'carry'} no numerical_policy fields, "
+                "so the differing fields cannot be named"
+            )
+        elif differing:
             shown = differing[:20]
             reasons.extend(
                 f"numerical_policy.{name}: trainer {trainer.numerical_policy.get(name, '<absent>')!r} "

@@ -109,6 +109,11 @@ def _device_sketch(hidden: int, device: torch.device, dtype: torch.dtype) -> tor
     return torch.from_numpy(sketch_matrix(hidden)).to(device=device, dtype=dtype)
 
 
+@lru_cache(maxsize=64)
+def _device_masks(masks: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    return torch.tensor(masks, dtype=torch.int64, device=device)
+
+
 @dataclass(frozen=True)
 class RowFingerprints:
     """Fingerprints of ``n`` rows, as torch tensors on the activation's device."""
@@ -260,11 +265,11 @@ def fingerprint_rows(x: torch.Tensor, ladder_bits: Sequence[int] | None = None) 
     # Clearing the low (mantissa - k) bits; as a negative int64 it also keeps the sign extension.
     masks = [-(1 << (fmt.mantissa_bits - k)) for k in bits]
     fused = _fused_integer_sums() if device.type == "cuda" else None
-    step = n if fused is not None else min(_chunk_rows(hidden, device), n)
+    step = min(_chunk_rows(hidden, device), n)
     with torch.no_grad():
         if fused is not None:
             as_int = rows.contiguous().view(fmt.int_dtype)
-            digest, ladder = fused(as_int, weights, torch.tensor(masks, dtype=torch.int64, device=device))
+            digest, ladder = fused(as_int, weights, _device_masks(tuple(masks), device))
         else:
             _integer_sums_chunked(rows, fmt.int_dtype, weights, masks, digest, ladder, step)
         # a copy, reused across chunks: the activation itself must never be written to

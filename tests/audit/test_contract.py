@@ -356,6 +356,15 @@ def test_handshake_refuses_missing_tampered_and_misplaced_manifests() -> None:
     assert not result.ok and any(
         r.startswith("trainer.numerical_policy: fields do not hash") for r in result.reasons
     )
+    no_fields = Manifest(
+        run_id="run-1",
+        side="trainer",
+        case="trainer_fwd",
+        contract=identities(build_tiny_qwen3().model_copy(update={"cases": ["trainer_fwd"]})),
+    )
+    result = handshake(no_fields, good)
+    assert not result.ok and any("trainer carries no numerical_policy fields" in r for r in result.reasons)
+    assert result.differing_fields == []
     result = handshake(good, manifest("trainer", "trainer_fwd", base))
     assert any(r.startswith("trainer.side") for r in result.reasons)
     assert any(r.startswith("engine.side") for r in result.reasons)
