@@ -1,0 +1,28 @@
+"""The rollout side: a collector inside a vLLM engine (DESIGN.md, "Data flow").
+
+``attach(llm, run=..., sink=...)`` hooks an offline ``vllm.LLM`` whose engine runs in this process,
+or one created with ``worker_extension_cls=collectors.vllm.EXTENSION`` (workers in other processes,
+reached through ``LLM.collective_rpc``). ``load_weights(llm, named_tensors, version)`` performs an
+in-flight weight update and records the new weight version and digest.
+
+Importing this package does not import vLLM: vLLM stays an optional dependency, imported only by the
+functions that talk to an engine.
+"""
+
+from collectors.vllm.collector import StepReport, VllmCollector, attach, attached
+from collectors.vllm.selection import Selection, parse_selection
+from collectors.vllm.weights import load_weights, weight_digest
+from collectors.vllm.worker import EXTENSION, IsoauditWorkerExtension
+
+__all__ = [
+    "EXTENSION",
+    "IsoauditWorkerExtension",
+    "Selection",
+    "StepReport",
+    "VllmCollector",
+    "attach",
+    "attached",
+    "load_weights",
+    "parse_selection",
+    "weight_digest",
+]
