@@ -498,3 +498,23 @@ def test_prometheus_metrics(api, store, server, other_token):
         scoped = {f.name: f for f in text_string_to_metric_families(beta.get("/metrics").text)}
         assert "isoaudit_kl_k3" not in scoped
         assert scoped["isoaudit_alerts"].samples == []
+
+
+def test_concurrent_clients_creating_the_same_run_store_everything_once(server, token, store):
+    """Trainer and rollout collectors of one job race to create its run implicitly; the loser's
+    transaction is retried, and every record is stored exactly once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    bodies = [batch_json(*step_records(run_id="shared", step=step, n=2)) for step in range(8)]
+    bodies += bodies[:4]  # replays racing with the originals
+
+    def post(body: str) -> httpx.Response:
+        with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {token}"}, timeout=60) as client:
+            return client.post("/v1/ingest", content=body)
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        replies = list(pool.map(post, bodies))
+    assert [r.status_code for r in replies] == [200] * len(bodies), [r.text for r in replies if r.status_code != 200]
+    assert sum(r.json()["stored"].get("sample", 0) for r in replies) == 8 * 4
+    assert sum(r.json()["duplicates"].get("sample", 0) for r in replies) == 4 * 4
+    assert count(store) == 32 and count(store, RunRow) == 1

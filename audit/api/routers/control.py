@@ -8,13 +8,23 @@ from fastapi import APIRouter, Depends, HTTPException, Path, status
 
 from audit.api.auth import ReadableRun, Writer, can_see
 from audit.api.deps import get_store
-from audit.api.routers.ingest import control_of
 from audit.api.schemas import Control, ControlUpdate
 from audit.records import RunId
-from audit.service_models import StaleControlVersion
+from audit.service_models import ControlState, StaleControlVersion
 from audit.store import Store
 
 router = APIRouter(prefix="/v1/runs", tags=["control"])
+
+
+def as_control(state: ControlState) -> Control:
+    return Control(
+        mode=state.mode, version=state.version, updated_at=state.updated_at, updated_by=state.updated_by
+    )
+
+
+def control_of(store: Store, run_id: str) -> Control:
+    """The run's desired mode as the API shows it (here and in every ingest reply)."""
+    return as_control(store.get_control(run_id))
 
 
 @router.get("/{run_id}/control", response_model=Control, summary="The run's desired remediation mode")
@@ -54,6 +64,4 @@ def put_control(
                 "current": {"mode": current.mode, "version": current.version},
             },
         ) from exc
-    return Control(
-        mode=state.mode, version=state.version, updated_at=state.updated_at, updated_by=state.updated_by
-    )
+    return as_control(state)

@@ -16,6 +16,7 @@ from sqlalchemy.exc import IntegrityError, OperationalError
 from audit.api.auth import Writer
 from audit.api.deps import get_settings, get_store, get_telemetry
 from audit.api.errors import request_validation_error
+from audit.api.routers.control import control_of
 from audit.api.schemas import Control, IngestResponse, RunOut
 from audit.api.settings import ApiSettings
 from audit.api.telemetry import Telemetry
@@ -25,13 +26,6 @@ from audit.store import ForbiddenRun, IngestResult, Store
 router = APIRouter(prefix="/v1", tags=["ingest"])
 log = logging.getLogger("isoaudit.api")
 T = TypeVar("T")
-
-
-def control_of(store: Store, run_id: str) -> Control:
-    state = store.get_control(run_id)
-    return Control(
-        mode=state.mode, version=state.version, updated_at=state.updated_at, updated_by=state.updated_by
-    )
 
 
 def _with_retries(attempts: int, action: Callable[[], T]) -> T:
@@ -60,7 +54,7 @@ def store_records(
         result = _with_retries(settings.ingest_retries, lambda: store.ingest(records, project=project))
     except ForbiddenRun as exc:
         raise HTTPException(status.HTTP_403_FORBIDDEN, detail=str(exc)) from exc
-    run_ids = sorted({r.run_id for r in records if hasattr(r, "run_id")})
+    run_ids = sorted({r.run_id for r in records})
     return result, {run_id: control_of(store, run_id) for run_id in run_ids}
 
 

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Depends, HTTPException, Query, status
 
 from audit.api.auth import ReadableRun, Reader
 from audit.api.deps import get_store
-from audit.api.routers.ingest import control_of
+from audit.api.routers.control import control_of
 from audit.api.schemas import DivergenceOut, RunOut, SampleResultOut, StepMetricsOut, StepOut
 from audit.records import Step
 from audit.store import Store
