@@ -31,6 +31,9 @@ from audit.store import Store
 
 log = logging.getLogger("isoaudit.alerts")
 
+#: Where the dashboard shows one step of a run, below its base URL.
+DEFAULT_STEP_PATH = "/runs/{run_id}?step={step}"
+
 
 @dataclass(frozen=True)
 class Transition:
@@ -56,6 +59,7 @@ class AlertEngine:
         channels: Sequence[Channel] | None = None,
         *,
         dashboard_url: str = "http://localhost:8050",
+        step_path: str = DEFAULT_STEP_PATH,
         now: Callable[[], datetime] = utcnow,
     ) -> None:
         self.store = store
@@ -63,11 +67,12 @@ class AlertEngine:
             list(channels) if channels is not None else [LogChannel(), DatabaseChannel()]
         )
         self.dashboard_url = dashboard_url.rstrip("/")
+        self.step_path = step_path
         self.now = now
 
     def step_url(self, run_id: str, step: int) -> str:
         """The dashboard page of one step of a run."""
-        return f"{self.dashboard_url}/runs/{quote(run_id, safe='')}?step={step}"
+        return self.dashboard_url + self.step_path.format(run_id=quote(run_id, safe=""), step=step)
 
     # ------------------------------------------------------------------ evaluation
 

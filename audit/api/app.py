@@ -35,7 +35,9 @@ def default_alert_engine(store: Store, settings: ApiSettings) -> AlertEngine:
     channels = [LogChannel(), DatabaseChannel()]
     if settings.webhook_url:
         channels.append(WebhookChannel(settings.webhook_url))
-    return AlertEngine(store, channels, dashboard_url=settings.dashboard_url)
+    return AlertEngine(
+        store, channels, dashboard_url=settings.dashboard_url, step_path=settings.dashboard_step_path
+    )
 
 
 def install_configured_rules(store: Store, settings: ApiSettings) -> None:

@@ -27,6 +27,7 @@ _ENV: dict[str, str] = {
     "default_alert_rules": "ISOAUDIT_DEFAULT_ALERT_RULES",
     "webhook_url": "ISOAUDIT_ALERT_WEBHOOK_URL",
     "dashboard_url": "ISOAUDIT_DASHBOARD_URL",
+    "dashboard_step_path": "ISOAUDIT_DASHBOARD_STEP_PATH",
 }
 
 
@@ -50,6 +51,9 @@ class ApiSettings(BaseModel):
     default_alert_rules: bool = Field(default=True, description="install the default kl_k3 rules at start-up")
     webhook_url: str | None = Field(default=None, description="Slack-compatible webhook for alert notices")
     dashboard_url: str = Field(default="http://localhost:8050", description="base URL the notices link to")
+    dashboard_step_path: str = Field(
+        default="/runs/{run_id}?step={step}", description="path of a step's page below dashboard_url"
+    )
     ingest_retries: int = Field(default=8, ge=1, description="attempts of a batch that lost a write race")
 
     @classmethod
@@ -61,6 +65,9 @@ class ApiSettings(BaseModel):
             if raw is None:
                 continue
             annotation = cls.model_fields[field_name].annotation
-            values[field_name] = _env_bool(raw) if annotation is bool else raw
+            try:
+                values[field_name] = _env_bool(raw) if annotation is bool else raw
+            except ValueError as exc:
+                raise ValueError(f"{variable}: {exc}") from exc
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls.model_validate(values)

@@ -509,12 +509,16 @@ def test_concurrent_clients_creating_the_same_run_store_everything_once(server, 
     bodies += bodies[:4]  # replays racing with the originals
 
     def post(body: str) -> httpx.Response:
-        with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {token}"}, timeout=60) as client:
+        with httpx.Client(
+            base_url=server.url, headers={"Authorization": f"Bearer {token}"}, timeout=60
+        ) as client:
             return client.post("/v1/ingest", content=body)
 
     with ThreadPoolExecutor(max_workers=8) as pool:
         replies = list(pool.map(post, bodies))
-    assert [r.status_code for r in replies] == [200] * len(bodies), [r.text for r in replies if r.status_code != 200]
+    assert [r.status_code for r in replies] == [200] * len(bodies), [
+        r.text for r in replies if r.status_code != 200
+    ]
     assert sum(r.json()["stored"].get("sample", 0) for r in replies) == 8 * 4
     assert sum(r.json()["duplicates"].get("sample", 0) for r in replies) == 4 * 4
     assert count(store) == 32 and count(store, RunRow) == 1
