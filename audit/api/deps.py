@@ -1,4 +1,4 @@
-"""What every router needs from the application: the store, the settings and the alert engine."""
+"""What the routers take from the application: the store, the settings and the ingest counters."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from audit.api.settings import ApiSettings
 from audit.store import Store
 
 if TYPE_CHECKING:
-    from audit.alerts import AlertEngine
     from audit.api.telemetry import Telemetry
 
 
@@ -20,10 +19,6 @@ def get_store(request: Request) -> Store:
 
 def get_settings(request: Request) -> ApiSettings:
     return request.app.state.settings
-
-
-def get_alert_engine(request: Request) -> AlertEngine:
-    return request.app.state.alert_engine
 
 
 def get_telemetry(request: Request) -> Telemetry:
