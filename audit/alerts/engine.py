@@ -143,7 +143,8 @@ class AlertEngine:
                 if alert is None:
                     if new not in OPEN_STATES:
                         return None
-                    first = evaluation.step  # the first breaching step is at most this far back
+                    first = evaluation.first_breaching_step
+                    first = evaluation.step if first is None else first
                     alert = AlertRow(
                         rule_id=rule_id,
                         run_id=run_id,

@@ -24,6 +24,7 @@ class Evaluation:
     value: float | None
     breaching_steps: int
     clear_steps: int
+    first_breaching_step: int | None = None
 
     @property
     def breaching(self) -> bool:
@@ -59,6 +60,7 @@ def evaluate_series(rule: AlertRule, series: Sequence[tuple[int, Mapping[str, An
         value=window_values[-1],
         breaching_steps=run if latest else 0,
         clear_steps=0 if latest else run,
+        first_breaching_step=series[-run][0] if latest else None,
     )
 
 

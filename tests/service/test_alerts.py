@@ -411,6 +411,15 @@ def test_rules_apply_to_their_project_only_and_disabled_rules_not_at_all(alert_s
     assert rules_on == {("kl_warn", "run-1"), ("kl_warn", "run-b"), ("beta_only", "run-b")}
 
 
+def test_a_rule_added_to_a_run_already_breaching_fires_at_once_from_the_first_breach(alert_store: Store):
+    engine = AlertEngine(alert_store, [])
+    run_steps(alert_store, engine, [0.0, 0.5, 0.5, 0.5, 0.5])
+    save_rule(alert_store, AlertRule(name="late", metric="kl_k3", threshold=0.1, for_steps=3))
+    engine.evaluate("run-1", 4, None)
+    [late] = [a for a in list_alerts(alert_store) if a.rule == "late"]
+    assert (late.state, late.started_step, late.fired_step) == ("firing", 1, 4)
+
+
 def test_installing_rules_keeps_edits_unless_replacing(store: Store):
     assert install_rules(store, default_rules(), "default", replace=False) == 2
     save_rule(store, default_rules()[0].model_copy(update={"threshold": 5e-3}), "api")

@@ -231,7 +231,10 @@ def test_bodies_over_the_limit_get_413(api, store):
             yield b"x" * (1 << 20)
         yield b'"}}'
 
-    assert api.post("/v1/runs", content=big_run(), headers={"Content-Type": "application/json"}).status_code == 413
+    assert (
+        api.post("/v1/runs", content=big_run(), headers={"Content-Type": "application/json"}).status_code
+        == 413
+    )
     assert count(store, RunRow) == 0
 
 
