@@ -3,7 +3,6 @@ the comparison worker with the alert engine as its per-step callback."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -26,8 +25,6 @@ from audit.api.routers import alerts, control, health, ingest, metrics, runs
 from audit.api.settings import ApiSettings
 from audit.api.telemetry import Telemetry
 from audit.store import Store
-
-log = logging.getLogger("isoaudit.api")
 
 
 def default_alert_engine(store: Store, settings: ApiSettings) -> AlertEngine:
