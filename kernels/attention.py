@@ -20,10 +20,12 @@ import math
 
 import torch
 
-from ._triton import HAVE_TRITON, jit, resolve, tl, triton
+from ._triton import HAVE_TRITON, dot_precision, jit, resolve, tl, triton
 
 BLOCK_M = 64
 BLOCK_N = 64
+NUM_WARPS = 4
+NUM_STAGES = 2
 
 if HAVE_TRITON:
 
@@ -34,7 +36,7 @@ if HAVE_TRITON:
         stride_qt, stride_qh, stride_ks, stride_kt, stride_kh,
         stride_vs, stride_vt, stride_vh, stride_ot, stride_oh,
         G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
     ):
         qb = tl.program_id(0)
         bh = tl.program_id(1)
@@ -68,7 +70,7 @@ if HAVE_TRITON:
                 cok = cols < kv_len
                 k = tl.load(k_base + cols[:, None].to(tl.int64) * stride_kt + d[None, :],
                             mask=cok[:, None] & dok[None, :], other=0.0)
-                s = tl.dot(q, tl.trans(k)) * qk_scale
+                s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
                 s = tl.where(cols[None, :] <= pos[:, None], s, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s, 1))
                 alpha = tl.exp2(m_i - m_new)
@@ -76,7 +78,7 @@ if HAVE_TRITON:
                 l_i = l_i * alpha + tl.sum(p, 1)
                 v = tl.load(v_base + cols[:, None].to(tl.int64) * stride_vt + d[None, :],
                             mask=cok[:, None] & dok[None, :], other=0.0)
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
                 m_i = m_new
             out = acc / l_i[:, None]
             tl.store(o_ptr + (q_start + tok)[:, None].to(tl.int64) * stride_ot + hq[:, None] * stride_oh
@@ -135,8 +137,11 @@ def attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_q: torch.Tensor,
     q_pos0: torch.Tensor, kv_len: torch.Tensor, slots: torch.Tensor | None = None,
     scale: float | None = None, impl: str | None = None,
+    config: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
-    """Invariant causal attention for packed queries against a KV cache (see the module doc)."""
+    """Invariant causal attention for packed queries against a KV cache (see the module doc).
+    ``config`` = (BLOCK_M, BLOCK_N, warps, stages) overrides the fixed tiles (for tuning only:
+    prefill and decode must use the same one)."""
     b = cu_q.numel() - 1
     if slots is None:
         slots = torch.arange(b, device=q.device, dtype=torch.int32)
@@ -154,7 +159,8 @@ def attention(
     max_len = int(lens.max()) if b else 0
     if max_len == 0:
         return out
-    tok = BLOCK_M // g
+    bm, bn, warps, stages = config or (BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES)
+    tok = bm // g
     hkv = k_cache.shape[2]
     grid = (triton.cdiv(max_len, tok), b * hkv)
     _attn_kernel[grid](
@@ -163,8 +169,8 @@ def attention(
         scale * 1.4426950408889634, hkv,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
-        G=g, D=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        num_warps=4, num_stages=2,
+        G=g, D=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_M=bm, BLOCK_N=bn,
+        PRECISION=dot_precision(q.dtype), num_warps=warps, num_stages=stages,
     )
     return out
 

@@ -8,7 +8,8 @@ The recurrence (state ``H`` of shape (dk, dv), per head; ``a_t = exp(g_t)``, ``g
 is the defining function (:func:`gdn_recurrent`, run in fp64 it is the accuracy reference). It is
 *evaluated* in chunks of C tokens aligned to each sequence's first token. Within a chunk, with
 ``G = cumsum(g)``, ``A = tril(b_i (k_i.k_j) e^{G_i-G_j}, -1)`` and ``T = (I + A)^{-1}`` (forward
-substitution, row by row)::
+substitution ``T_i = e_i - sum_j A_ij T_j``, evaluated as Jacobi sweeps ``T <- I - A T``, each row
+final once the rows above it are)::
 
     W = T (b e^G k),   U = T (b v),   U' = U - W H_0
     O = (e^G q) H_0 + tril(q k^T e^{G_i-G_j}) U'
@@ -75,12 +76,12 @@ if HAVE_TRITON:
             decay = tl.exp(tl.where(causal, gdiff, 0.0))
             kkt = tl.dot(kc, tl.trans(kc), input_precision="ieee")
             A = tl.where(strict, (bc[:, None] * kkt) * decay, 0.0)
-            # T = (I + A)^-1 by forward substitution: T_i = e_i - sum_j A_ij T_j.
+            # T = (I + A)^-1 as the fixed point of T <- I - A T (Jacobi sweeps of forward
+            # substitution): after sweep m rows <= m are final and later sweeps recompute them to
+            # the same bits, so n_valid - 1 sweeps suffice and give the bits of C - 1 sweeps.
             T = eye
-            for i in range(1, C):
-                a_i = tl.sum(tl.where(c[:, None] == i, A, 0.0), 0)
-                r = tl.where(c == i, 1.0, 0.0) - tl.sum(a_i[:, None] * T, 0)
-                T = tl.where(c[:, None] == i, r[None, :], T)
+            for _ in range(1, tl.minimum(n - t0, C)):
+                T = eye - tl.dot(A, T, input_precision="ieee")
             eg = tl.exp(G)
             W = tl.dot(T, kc * (bc * eg)[:, None], input_precision="ieee")
             U = tl.dot(T, vc * bc[:, None], input_precision="ieee")
@@ -123,7 +124,7 @@ def gdn_chunk_reference(
     solve: str = "substitution", state_at: str = "boundary",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The chunk form in torch (differentiable). ``solve="substitution"`` is the kernel's
-    arithmetic (row-by-row forward substitution); ``"triangular"`` (a library triangular solve) and
+    arithmetic (forward substitution as Jacobi sweeps); ``"triangular"`` (a library triangular solve) and
     ``state_at="end"`` (the state after the last, possibly partial, chunk) make it the native
     chunk-form baseline. Returns (o (T, H, dv) fp32, state (B, H, dk, dv) fp32)."""
     starts, lens = _seqs(cu_seqlens)
@@ -143,9 +144,8 @@ def gdn_chunk_reference(
         T = torch.linalg.solve_triangular(eye + A, eye, upper=False, unitriangular=True)
     else:
         T = eye
-        for i in range(1, chunk):
-            r = eye[..., i:i + 1, :] - A[..., i:i + 1, :] @ T
-            T = torch.where((idx == i)[:, None], r, T)
+        for _ in range(1, chunk):
+            T = eye - A @ T
     eg = torch.exp(G)
     W = T @ (kc * (bc * eg)[..., None])
     U = T @ (vc * bc[..., None])

@@ -96,9 +96,10 @@ def gemm_reference(
 
 def gemm(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-    out_dtype: torch.dtype | None = None, impl: str | None = None,
+    out_dtype: torch.dtype | None = None, impl: str | None = None, config: GemmConfig | None = None,
 ) -> torch.Tensor:
-    """Batch-invariant ``x @ weight.T + bias`` for x of shape (..., K) and weight (N, K)."""
+    """Batch-invariant ``x @ weight.T + bias`` for x of shape (..., K) and weight (N, K).
+    ``config`` overrides the tile choice (for tuning; both sides must use the same one)."""
     if resolve(impl, x) == "torch":
         return gemm_reference(x, weight, bias, out_dtype)
     n, k = weight.shape
@@ -108,7 +109,7 @@ def gemm(
     m = a.shape[0]
     out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     if m > 0:
-        cfg = gemm_config(n, k, weight.dtype)
+        cfg = config or gemm_config(n, k, weight.dtype)
         grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
         _gemm_kernel[grid](
             a, weight, out, bias if bias is not None else weight,

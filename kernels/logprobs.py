@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import HAVE_TRITON, jit, resolve, tl, triton
+from ._triton import HAVE_TRITON, jit, resolve, tl
 from .gemm import gemm, linear
 
 BLOCK_V = 1024

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from .. import routing
 from ..gdn import CHUNK, GDNCache
