@@ -26,6 +26,7 @@ class HostPrints:
     sketch: np.ndarray  # float32 [rows, 16]
     l2: np.ndarray  # float32 [rows]
     maxabs: np.ndarray  # float32 [rows]
+    row_index: np.ndarray | None = None  # flat row of each fingerprinted row (None: every row, in order)
 
     def __len__(self) -> int:
         return int(self.digest.shape[0])
@@ -98,12 +99,20 @@ def fingerprint_records(
 ) -> list[RegionFingerprints]:
     """One record per (sample, region call), rows cut from the forward's flattened rows."""
     rows, cols = batch.shape
+    positions = [np.arange(span.length, dtype=np.int32) for span in batch.spans]
+    starts: dict[int, list[int]] = {}  # per distinct row_index (all regions of a forward share one)
     records = []
     for (region, forward_index), host in prints.items():
-        if len(host) != rows * cols:
-            raise ValueError(f"prints[{region!r}]: {len(host)} rows for a forward of {rows}x{cols} tokens")
+        expected = rows * cols if host.row_index is None else host.row_index.size
+        if len(host) != expected:
+            raise ValueError(f"prints[{region!r}]: {len(host)} rows where the forward fingerprinted {expected}")
+        key = id(host.row_index)
+        if key not in starts:
+            starts[key] = [
+                _first_row(host.row_index, batch.flat_start(i), span.length, region) for i, span in enumerate(batch.spans)
+            ]
         for i, span in enumerate(batch.spans):
-            a = batch.flat_start(i)
+            a = starts[key][i]
             b = a + span.length
             fields = {
                 "run_id": run_id,
@@ -113,7 +122,7 @@ def fingerprint_records(
                 "sample_key": keys[i],
                 "region": region,
                 "forward_index": forward_index,
-                "positions": np.arange(span.length, dtype=np.int32),
+                "positions": positions[i],
                 "digest": host.digest[a:b],
                 "ladder_bits": list(host.ladder_bits),
                 "ladder": host.ladder[a:b],
@@ -121,7 +130,16 @@ def fingerprint_records(
                 "l2": host.l2[a:b],
                 "maxabs": host.maxabs[a:b],
             }
-            records.append(
-                RegionFingerprints(**fields) if validate else RegionFingerprints.model_construct(**fields)
-            )
+            records.append(RegionFingerprints(**fields) if validate else RegionFingerprints.model_construct(**fields))
     return records
+
+
+def _first_row(row_index: np.ndarray | None, flat_start: int, length: int, region: str) -> int:
+    """Where a sample's rows start among the fingerprinted rows (they are contiguous there too)."""
+    if row_index is None:
+        return flat_start
+    at = int(np.searchsorted(row_index, flat_start))
+    stop = at + length
+    if stop > row_index.size or row_index[at] != flat_start or row_index[stop - 1] != flat_start + length - 1:
+        raise ValueError(f"prints[{region!r}]: the sample at flat row {flat_start} was not fingerprinted whole")
+    return at

@@ -32,6 +32,7 @@ class Capture:
 
     input_ids: torch.Tensor | None
     fingerprinting: bool
+    rows: torch.Tensor | None = None  # flat indices of the rows fingerprinted (None: every row)
     prints: dict[tuple[str, int], RowFingerprints] = field(default_factory=dict)
     logits: torch.Tensor | None = None
     complete: bool = False
@@ -76,6 +77,7 @@ class ForwardCapture:
         self.fingerprinter = fingerprinter
         self.should_fingerprint = should_fingerprint
         self.force: bool | None = None  # overrides should_fingerprint (the collector's own forwards)
+        self.row_hint: tuple[tuple[int, ...], torch.Tensor] | None = None  # (input shape, rows) announced ahead
         self.current: Capture | None = None
         self.last: Capture | None = None
         self.errors = 0
@@ -96,12 +98,26 @@ class ForwardCapture:
             return
         try:
             fingerprinting = self.force if self.force is not None else bool(self.should_fingerprint())
-            self.current = Capture(
-                _first_tensor(args, kwargs, "input_ids"), fingerprinting and bool(self.specs)
-            )
+            input_ids = _first_tensor(args, kwargs, "input_ids")
+            rows = self._rows(input_ids, kwargs.get("attention_mask")) if fingerprinting else None
+            self.current = Capture(input_ids, fingerprinting and bool(self.specs), rows)
         except Exception as exc:  # never break the forward
             self._fail("open", exc)
             self.current = None
+
+    def _rows(self, input_ids: torch.Tensor | None, mask: Any) -> torch.Tensor | None:
+        """Rows worth fingerprinting: the real tokens, when that is known without a device sync
+        (a mask on the CPU, or rows announced by ``begin_step``); otherwise every row."""
+        if input_ids is None:
+            return None
+        if self.row_hint is not None and self.row_hint[0] == tuple(input_ids.shape):
+            return self.row_hint[1].to(input_ids.device, non_blocking=True)
+        if isinstance(mask, torch.Tensor) and mask.device.type == "cpu" and mask.dim() == 2:
+            flat = mask.reshape(-1)
+            if bool(flat.all()):
+                return None
+            return torch.nonzero(flat).squeeze(1).to(input_ids.device)
+        return None
 
     def _close(self, _module: nn.Module, _args: tuple[Any, ...], output: Any) -> None:
         self._depth = max(0, self._depth - 1)
@@ -122,13 +138,16 @@ class ForwardCapture:
             if capture is None or not capture.fingerprinting:
                 return
             try:
-                tensor = read_tap(output, spec.tap)
-                if tensor is None:
-                    return
-                index = 0
-                while (spec.name, index) in capture.prints:
-                    index += 1
-                capture.prints[(spec.name, index)] = self.fingerprinter(tensor)
+                # no_grad: nothing here may join the autograd graph (activation checkpointing counts
+                # the tensors a forward saves, and recomputation runs without these hooks).
+                with torch.no_grad():
+                    tensor = read_tap(output, spec.tap, capture.rows)
+                    if tensor is None:
+                        return
+                    index = 0
+                    while (spec.name, index) in capture.prints:
+                        index += 1
+                    capture.prints[(spec.name, index)] = self.fingerprinter(tensor.detach())
             except Exception as exc:
                 self._fail(spec.name, exc)
 

@@ -88,11 +88,31 @@ def trainer_runtime(
         ),
         "cudnn_allow_tf32": bool(torch.backends.cudnn.allow_tf32),
         "deterministic_algorithms": bool(torch.are_deterministic_algorithms_enabled()),
-        "training": bool(model.training),
     }
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         facts["world_size"] = torch.distributed.get_world_size()
     return RuntimeFacts(**facts)
+
+
+def runtime_signature(model: nn.Module) -> tuple[Any, ...]:
+    """A cheap key of what :func:`trainer_runtime` reads that can change during a run (dtype, device,
+    attention backend, torch's numerics switches): checked every step, the manifest rebuilt only
+    when it changes."""
+    param = next(model.parameters(), None)
+    head_weight = getattr(_lm_head(model), "weight", None)
+    config = getattr(model, "config", None)
+    return (
+        param.dtype if param is not None else None,
+        param.device if param is not None else None,
+        head_weight.dtype if isinstance(head_weight, torch.Tensor) else None,
+        getattr(config, "_attn_implementation", None),
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
+        torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction,
+        torch.backends.cudnn.allow_tf32,
+        torch.are_deterministic_algorithms_enabled(),
+        torch.distributed.is_available() and torch.distributed.is_initialized(),
+    )
 
 
 def contract_fields(contract: Any) -> tuple[ContractIdentities, dict[str, Any]]:

@@ -42,16 +42,17 @@ def _tensors(output: Any) -> list[torch.Tensor]:
     return []
 
 
-def read_tap(output: Any, tap: Tap) -> torch.Tensor | None:
-    """The canonical tensor of a module output, or ``None`` when the output has no tensor to read."""
+def read_tap(output: Any, tap: Tap, rows: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The canonical tensor of a module output as ``[rows, hidden]``, or ``None`` when the output has
+    no tensor to read. ``rows`` (flat row indices) selects rows *before* any cast, so padding costs
+    nothing and a float32 copy of the logits is made only of the rows kept."""
     found = _tensors(output)
     if not found:
         return None
-    if tap is Tap.SUM:
-        return found[0] + found[1] if len(found) > 1 else found[0]
-    if tap is Tap.FP32:
-        return found[0].float()
-    return found[0]
+    tensor = found[0] + found[1] if tap is Tap.SUM and len(found) > 1 else found[0]
+    if rows is not None:
+        tensor = tensor.reshape(-1, tensor.shape[-1]).index_select(0, rows)
+    return tensor.float() if tap is Tap.FP32 else tensor
 
 
 @dataclass(frozen=True)

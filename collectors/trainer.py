@@ -34,7 +34,7 @@ from collectors.assemble import HostPrints, fingerprint_records, keys_for, sampl
 from collectors.hooks import Capture, ForwardCapture
 from collectors.layout import StepBatch
 from collectors.logprobs import processed_logprobs
-from collectors.manifest import ManifestTracker, trainer_runtime
+from collectors.manifest import ManifestTracker, runtime_signature, trainer_runtime
 from collectors.regions import RegionsArg, resolve_regions
 from collectors.remediation import MODES, RemediationHook, apply_kernels_mode
 from collectors.sinks.base import Sink
@@ -111,6 +111,7 @@ class TrainerCollector:
         self.resolved = resolve_regions(model, regions)
         self._next_step: int | None = None
         self._control_version: int | None = None
+        self._manifest_key: tuple[Any, ...] | None = None
         self._logged: set[str] = set()
         self._manifests = ManifestTracker(
             run_id=self.run.run_id,
@@ -140,10 +141,12 @@ class TrainerCollector:
     def attached(self) -> bool:
         return self._capture.attached
 
-    def begin_step(self, step: int) -> None:
-        """Say which step the next forwards belong to, so hooks fingerprint only on sampled steps.
-        Without it the collector assumes the step after the last recorded one."""
+    def begin_step(self, step: int, batch: StepBatch | Mapping[str, Any] | None = None) -> None:
+        """Say which step the next forwards belong to, so hooks fingerprint only on sampled steps
+        (without it the collector assumes the step after the last recorded one). With ``batch``,
+        padding rows are skipped on any device (otherwise only when the mask is on the CPU)."""
         self._next_step = step
+        self._capture.row_hint = _row_hint(StepBatch.coerce(batch)) if batch is not None else None
 
     def record_step(
         self,
@@ -173,6 +176,7 @@ class TrainerCollector:
             )
             return None
         finally:
+            self._capture.row_hint = None
             if isinstance(step, int | np.integer):
                 self._next_step = int(step) + 1
 
@@ -209,6 +213,10 @@ class TrainerCollector:
             log.warning("%s", message)
 
     def _refresh_manifest(self, out: list[Record], weight_version: str | None) -> None:
+        key = (runtime_signature(self.model), self.mode, weight_version, self._manifests.identities)
+        if key == self._manifest_key:
+            return
+        self._manifest_key = key
         runtime = trainer_runtime(self.model, remediation=self.mode)
         manifest = self._manifests.changed(self._manifests.build(runtime, weight_version))
         if manifest is not None:
@@ -258,6 +266,8 @@ class TrainerCollector:
         else:
             tensors.update(_given_logprobs(logprobs, batch, target, layout))
         prints = self._prints_of(capture, batch) if fingerprint_now and capture is not None else {}
+        if prints and capture is not None and capture.rows is not None:
+            tensors["rows"] = capture.rows
         for i, (_, fp) in enumerate(prints.items()):
             tensors[f"p{i}.d"], tensors[f"p{i}.l"] = fp.digest, fp.ladder
             tensors[f"p{i}.s"], tensors[f"p{i}.n"], tensors[f"p{i}.m"] = fp.sketch, fp.l2, fp.maxabs
@@ -284,6 +294,9 @@ class TrainerCollector:
             weight_version=version,
             validate=self.validate,
         )
+        row_index = (
+            host["rows"].astype(np.int64) if capture is not None and capture.rows is not None and prints else None
+        )
         host_prints = {
             key: HostPrints(
                 digest=host[f"p{i}.d"].view(np.uint64),
@@ -292,6 +305,7 @@ class TrainerCollector:
                 sketch=host[f"p{i}.s"],
                 l2=host[f"p{i}.n"],
                 maxabs=host[f"p{i}.m"],
+                row_index=row_index,
             )
             for i, (key, fp) in enumerate(prints.items())
         }
@@ -317,9 +331,10 @@ class TrainerCollector:
 
     def _prints_of(self, capture: Capture, batch: StepBatch) -> dict[tuple[str, int], Any]:
         rows, cols = batch.shape
+        expected = rows * cols if capture.rows is None else int(capture.rows.numel())
         out = {}
         for key, fp in capture.prints.items():
-            if len(fp) != rows * cols:
+            if len(fp) != expected:
                 self._log_once(
                     f"rows:{key[0]}",
                     f"isoaudit collector: region {key[0]} has {len(fp)} rows for "
@@ -336,6 +351,7 @@ class TrainerCollector:
         if getattr(getattr(self.model, "config", None), "use_cache", False):
             inputs["use_cache"] = False  # type: ignore[assignment]
         self._capture.force = fingerprint
+        self._capture.row_hint = _row_hint(batch)
         try:
             with torch.no_grad():
                 self.model(**inputs)
@@ -366,6 +382,12 @@ class TrainerCollector:
                 f"mode:{control.mode}",
                 f"isoaudit collector: cannot apply mode {control.mode!r} ({exc}); staying {self.mode}",
             )
+
+
+def _row_hint(batch: StepBatch) -> tuple[tuple[int, ...], torch.Tensor]:
+    """(input shape, flat rows of real tokens): what the hooks fingerprint for this batch."""
+    rows = np.concatenate([batch.flat_start(i) + np.arange(s.length) for i, s in enumerate(batch.spans)])
+    return tuple(batch.input_ids.shape), torch.from_numpy(np.sort(rows))
 
 
 def _given_logprobs(
