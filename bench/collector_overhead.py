@@ -42,14 +42,27 @@ def build_model(size: str, device: str, dtype: torch.dtype, hidden: int = 256) -
 
     if size == "tiny":  # a few million parameters: 4 layers, MLP 3x hidden, 1k vocab
         config = Qwen3Config(
-            vocab_size=1024, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=4,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, max_position_embeddings=1024,
+            vocab_size=1024,
+            hidden_size=hidden,
+            intermediate_size=3 * hidden,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=hidden // 4,
+            max_position_embeddings=1024,
             tie_word_embeddings=False,
         )
     elif size == "0.5b":  # the shape of Qwen2.5-0.5B in the Qwen3 architecture: ~0.49B parameters
         config = Qwen3Config(
-            vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-            num_key_value_heads=2, head_dim=64, max_position_embeddings=4096, tie_word_embeddings=True,
+            vocab_size=151936,
+            hidden_size=896,
+            intermediate_size=4864,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            head_dim=64,
+            max_position_embeddings=4096,
+            tie_word_embeddings=True,
         )
     else:
         raise ValueError(f"--model: expected tiny or 0.5b, got {size!r}")
@@ -69,7 +82,9 @@ def make_batch(args: argparse.Namespace, vocab: int, device: str) -> StepBatch:
     return StepBatch.padded(prompts, completions, temperature=TEMPERATURE, device=device)
 
 
-def train_step(model, optimizer, batch: StepBatch, mask: torch.Tensor, collector, step: int, pass_logprobs: bool):
+def train_step(
+    model, optimizer, batch: StepBatch, mask: torch.Tensor, collector, step: int, pass_logprobs: bool
+):
     if collector is not None:
         collector.begin_step(step, batch)  # with the batch: padding rows are skipped on any device
     logits = model(**batch.model_inputs()).logits
@@ -104,7 +119,7 @@ def check_logprobs(model: torch.nn.Module, batch: StepBatch) -> dict[str, Any]:
     reference = torch.log_softmax(logits.float() / TEMPERATURE, dim=-1)
     equal, worst = 0, 0.0
     samples = [r for r in report.records if r.kind == "sample"]
-    for i, (span, record) in enumerate(zip(batch.spans, samples, strict=True)):
+    for span, record in zip(batch.spans, samples, strict=True):
         rows = reference[span.row, span.start + span.prompt_len - 1 : span.start + span.length - 1]
         tokens = batch.input_ids[span.row, span.start + span.prompt_len : span.start + span.length]
         want = rows.gather(-1, tokens[:, None]).squeeze(-1).clamp(max=0).cpu().numpy()
@@ -186,13 +201,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "steps_per_config": len(times["baseline"]),
         "checks": checks,
         "median_ms": {name: 1e3 * statistics.median(t) for name, t in times.items()},
-        "overhead_pct": {name: 100 * (statistics.median(t) / base - 1) for name, t in times.items() if name != "baseline"},
+        "overhead_pct": {
+            name: 100 * (statistics.median(t) / base - 1) for name, t in times.items() if name != "baseline"
+        },
     }
     return result
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--model", default="tiny", choices=["tiny", "0.5b"])
     parser.add_argument("--hidden", type=int, default=256, help="hidden size of the tiny model")

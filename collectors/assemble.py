@@ -105,11 +105,14 @@ def fingerprint_records(
     for (region, forward_index), host in prints.items():
         expected = rows * cols if host.row_index is None else host.row_index.size
         if len(host) != expected:
-            raise ValueError(f"prints[{region!r}]: {len(host)} rows where the forward fingerprinted {expected}")
+            raise ValueError(
+                f"prints[{region!r}]: {len(host)} rows where the forward fingerprinted {expected}"
+            )
         key = id(host.row_index)
         if key not in starts:
             starts[key] = [
-                _first_row(host.row_index, batch.flat_start(i), span.length, region) for i, span in enumerate(batch.spans)
+                _first_row(host.row_index, batch.flat_start(i), span.length, region)
+                for i, span in enumerate(batch.spans)
             ]
         for i, span in enumerate(batch.spans):
             a = starts[key][i]
@@ -130,7 +133,9 @@ def fingerprint_records(
                 "l2": host.l2[a:b],
                 "maxabs": host.maxabs[a:b],
             }
-            records.append(RegionFingerprints(**fields) if validate else RegionFingerprints.model_construct(**fields))
+            records.append(
+                RegionFingerprints(**fields) if validate else RegionFingerprints.model_construct(**fields)
+            )
     return records
 
 
@@ -141,5 +146,7 @@ def _first_row(row_index: np.ndarray | None, flat_start: int, length: int, regio
     at = int(np.searchsorted(row_index, flat_start))
     stop = at + length
     if stop > row_index.size or row_index[at] != flat_start or row_index[stop - 1] != flat_start + length - 1:
-        raise ValueError(f"prints[{region!r}]: the sample at flat row {flat_start} was not fingerprinted whole")
+        raise ValueError(
+            f"prints[{region!r}]: the sample at flat row {flat_start} was not fingerprinted whole"
+        )
     return at

@@ -77,7 +77,9 @@ class ForwardCapture:
         self.fingerprinter = fingerprinter
         self.should_fingerprint = should_fingerprint
         self.force: bool | None = None  # overrides should_fingerprint (the collector's own forwards)
-        self.row_hint: tuple[tuple[int, ...], torch.Tensor] | None = None  # (input shape, rows) announced ahead
+        self.row_hint: tuple[tuple[int, ...], torch.Tensor] | None = (
+            None  # (input shape, rows) announced ahead
+        )
         self.current: Capture | None = None
         self.last: Capture | None = None
         self.errors = 0

@@ -295,7 +295,9 @@ class TrainerCollector:
             validate=self.validate,
         )
         row_index = (
-            host["rows"].astype(np.int64) if capture is not None and capture.rows is not None and prints else None
+            host["rows"].astype(np.int64)
+            if capture is not None and capture.rows is not None and prints
+            else None
         )
         host_prints = {
             key: HostPrints(

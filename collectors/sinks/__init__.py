@@ -27,7 +27,16 @@ _WHERE = {
     "Spool": "spool",
 }
 
-__all__ = sorted(_WHERE)
+__all__ = [
+    "Control",
+    "DeliveryError",
+    "DirectSink",
+    "HttpSink",
+    "MemorySink",
+    "Sink",
+    "SinkCounters",
+    "Spool",
+]
 
 
 def __getattr__(name: str) -> Any:
