@@ -36,58 +36,95 @@ CHUNK = 64
 if HAVE_TRITON:
 
     @jit()
-    def _gdn_chunk_kernel(
-        q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, h0_ptr, o_ptr, ht_ptr, start_ptr, len_ptr, slot_ptr,
-        H, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-        stride_gt, stride_bt, stride_ot, stride_oh,
+    def _gdn_prep_kernel(
+        q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, w_ptr, u_ptr, p_ptr, gc_ptr, start_ptr, len_ptr, coff_ptr,
+        H, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt,
+        DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BDV: tl.constexpr, C: tl.constexpr,
+    ):
+        """Intra-chunk quantities of one (sequence, chunk, head), all chunks in parallel:
+        G = cumsum(g), T = (I + A)^-1, W = T (b e^G k), U = T (b v), P = tril(q k^T e^{G_i-G_j})."""
+        ic = tl.program_id(0)
+        bh = tl.program_id(1)
+        b = bh // H
+        h = bh % H
+        n = tl.load(len_ptr + b)
+        t0 = ic * C
+        if t0 < n:
+            start = tl.load(start_ptr + b)
+            ws = ((tl.load(coff_ptr + b) + ic) * H + h).to(tl.int64)
+            c = tl.arange(0, C)
+            kk = tl.arange(0, BK)
+            vv = tl.arange(0, BDV)
+            kok = kk < DK
+            vok = vv < DV
+            ok = (t0 + c) < n
+            row = (start + t0 + c).to(tl.int64)
+            kc = tl.load(k_ptr + row[:, None] * stride_kt + h * stride_kh + kk[None, :],
+                         mask=ok[:, None] & kok[None, :], other=0.0).to(tl.float32)
+            gc = tl.load(g_ptr + row * stride_gt + h, mask=ok, other=0.0).to(tl.float32)
+            bc = tl.load(b_ptr + row * stride_bt + h, mask=ok, other=0.0).to(tl.float32)
+            G = tl.cumsum(gc, 0)
+            causal = c[:, None] >= c[None, :]
+            decay = tl.exp(tl.where(causal, G[:, None] - G[None, :], 0.0))
+            kkt = tl.dot(kc, tl.trans(kc), input_precision="ieee")
+            A = tl.where(c[:, None] > c[None, :], (bc[:, None] * kkt) * decay, 0.0)
+            # T = (I + A)^-1 as the fixed point of T <- I - A T (Jacobi sweeps of forward
+            # substitution): after sweep m rows <= m are final and later sweeps recompute them to
+            # the same bits, so n_valid - 1 sweeps give the bits of C - 1 sweeps.
+            eye = tl.where(c[:, None] == c[None, :], 1.0, 0.0)
+            T = eye
+            for _ in range(1, tl.minimum(n - t0, C)):
+                T = eye - tl.dot(A, T, input_precision="ieee")
+            W = tl.dot(T, kc * (bc * tl.exp(G))[:, None], input_precision="ieee")
+            tl.store(w_ptr + ws * C * DK + c[:, None] * DK + kk[None, :], W, mask=kok[None, :])
+            vc = tl.load(v_ptr + row[:, None] * stride_vt + h * stride_vh + vv[None, :],
+                         mask=ok[:, None] & vok[None, :], other=0.0).to(tl.float32)
+            U = tl.dot(T, vc * bc[:, None], input_precision="ieee")
+            tl.store(u_ptr + ws * C * DV + c[:, None] * DV + vv[None, :], U, mask=vok[None, :])
+            qc = tl.load(q_ptr + row[:, None] * stride_qt + h * stride_qh + kk[None, :],
+                         mask=ok[:, None] & kok[None, :], other=0.0).to(tl.float32)
+            P = tl.where(causal, tl.dot(qc, tl.trans(kc), input_precision="ieee") * decay, 0.0)
+            tl.store(p_ptr + ws * C * C + c[:, None] * C + c[None, :], P)
+            tl.store(gc_ptr + ws * C + c, G)
+
+    @jit()
+    def _gdn_state_kernel(
+        q_ptr, k_ptr, w_ptr, u_ptr, p_ptr, gc_ptr, h0_ptr, o_ptr, ht_ptr, start_ptr, len_ptr, slot_ptr,
+        coff_ptr, H, stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh,
         DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
     ):
+        """The chunk-to-chunk recurrence of one (sequence, head, dv block), in order:
+        U' = U - W H, O = (e^G q) H + P U', H <- e^{G_C} H + (e^{G_C - G} k)^T U' (full chunks)."""
         bh = tl.program_id(0)
         iv = tl.program_id(1)
         b = bh // H
         h = bh % H
         start = tl.load(start_ptr + b)
         n = tl.load(len_ptr + b)
+        coff = tl.load(coff_ptr + b)
+        slot = tl.load(slot_ptr + b)
         c = tl.arange(0, C)
         kk = tl.arange(0, BK)
         vv = iv * BV + tl.arange(0, BV)
         kok = kk < DK
         vok = vv < DV
-        slot = tl.load(slot_ptr + b)
         hbase = (slot * H + h).to(tl.int64) * DK * DV
         hmask = kok[:, None] & vok[None, :]
         state = tl.load(h0_ptr + hbase + kk[:, None] * DV + vv[None, :], mask=hmask, other=0.0)
-        strict = c[:, None] > c[None, :]
-        causal = c[:, None] >= c[None, :]
-        eye = tl.where(c[:, None] == c[None, :], 1.0, 0.0)
         for t0 in range(0, n, C):
+            ws = ((coff + t0 // C) * H + h).to(tl.int64)
             ok = (t0 + c) < n
             row = (start + t0 + c).to(tl.int64)
             qc = tl.load(q_ptr + row[:, None] * stride_qt + h * stride_qh + kk[None, :],
                          mask=ok[:, None] & kok[None, :], other=0.0).to(tl.float32)
             kc = tl.load(k_ptr + row[:, None] * stride_kt + h * stride_kh + kk[None, :],
                          mask=ok[:, None] & kok[None, :], other=0.0).to(tl.float32)
-            vc = tl.load(v_ptr + row[:, None] * stride_vt + h * stride_vh + vv[None, :],
-                         mask=ok[:, None] & vok[None, :], other=0.0).to(tl.float32)
-            gc = tl.load(g_ptr + row * stride_gt + h, mask=ok, other=0.0).to(tl.float32)
-            bc = tl.load(b_ptr + row * stride_bt + h, mask=ok, other=0.0).to(tl.float32)
-            G = tl.cumsum(gc, 0)
-            gdiff = G[:, None] - G[None, :]
-            decay = tl.exp(tl.where(causal, gdiff, 0.0))
-            kkt = tl.dot(kc, tl.trans(kc), input_precision="ieee")
-            A = tl.where(strict, (bc[:, None] * kkt) * decay, 0.0)
-            # T = (I + A)^-1 as the fixed point of T <- I - A T (Jacobi sweeps of forward
-            # substitution): after sweep m rows <= m are final and later sweeps recompute them to
-            # the same bits, so n_valid - 1 sweeps suffice and give the bits of C - 1 sweeps.
-            T = eye
-            for _ in range(1, tl.minimum(n - t0, C)):
-                T = eye - tl.dot(A, T, input_precision="ieee")
-            eg = tl.exp(G)
-            W = tl.dot(T, kc * (bc * eg)[:, None], input_precision="ieee")
-            U = tl.dot(T, vc * bc[:, None], input_precision="ieee")
+            W = tl.load(w_ptr + ws * C * DK + c[:, None] * DK + kk[None, :], mask=ok[:, None] & kok[None, :], other=0.0)
+            U = tl.load(u_ptr + ws * C * DV + c[:, None] * DV + vv[None, :], mask=ok[:, None] & vok[None, :], other=0.0)
+            P = tl.load(p_ptr + ws * C * C + c[:, None] * C + c[None, :])
+            G = tl.load(gc_ptr + ws * C + c)
             Up = U - tl.dot(W, state, input_precision="ieee")
-            P = tl.where(causal, tl.dot(qc, tl.trans(kc), input_precision="ieee") * decay, 0.0)
-            o = tl.dot(qc * eg[:, None], state, input_precision="ieee") + tl.dot(P, Up, input_precision="ieee")
+            o = tl.dot(qc * tl.exp(G)[:, None], state, input_precision="ieee") + tl.dot(P, Up, input_precision="ieee")
             tl.store(o_ptr + row[:, None] * stride_ot + h * stride_oh + vv[None, :], o,
                      mask=ok[:, None] & vok[None, :])
             gl = tl.sum(tl.where(c == C - 1, G, 0.0), 0)
@@ -193,27 +230,49 @@ def gdn_recurrent(
     return o, torch.stack(states) if states else h
 
 
-def _launch(q, k, v, g, beta, starts, lens, state_slots, h_in, h_out, chunk) -> torch.Tensor:
-    """Run the kernel over sequences given by token ``starts``/``lens`` (device int32), reading
-    the state of sequence b from ``h_in[state_slots[b]]`` and writing ``h_out[state_slots[b]]``
-    (the same tensor is allowed: each program reads its block before it writes it)."""
+def _launch(q, k, v, g, beta, starts, lens, state_slots, h_in, h_out, chunk,
+            chunk_off: torch.Tensor | None = None, max_chunks: int | None = None) -> torch.Tensor:
+    """Run the two kernels over sequences given by token ``starts``/``lens`` (device int32),
+    reading the state of sequence b from ``h_in[state_slots[b]]`` and writing
+    ``h_out[state_slots[b]]`` (the same tensor is allowed: each program reads its block before it
+    writes it). ``chunk_off``/``max_chunks`` (the workspace index of each sequence's first chunk)
+    are computed here unless given, which costs one host sync."""
     t, hh, dk = q.shape
     dv = v.shape[2]
     o = torch.empty(t, hh, dv, dtype=torch.float32, device=q.device)
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     g, beta = g.contiguous(), beta.contiguous()
     assert h_in.is_contiguous() and h_out.is_contiguous() and h_in.dtype == torch.float32
-    bk = max(16, triton.next_power_of_2(dk))
-    bv = min(64, max(16, triton.next_power_of_2(dv)))
     nb = starts.numel()
-    if nb:
-        grid = (nb * hh, triton.cdiv(dv, bv))
-        _gdn_chunk_kernel[grid](
-            q, k, v, g, beta, h_in, o, h_out, starts, lens, state_slots, hh,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            g.stride(0), beta.stride(0), o.stride(0), o.stride(1),
-            DK=dk, DV=dv, BK=bk, BV=bv, C=chunk, num_warps=4, num_stages=1,
-        )
+    if not nb:
+        return o
+    if chunk_off is None:
+        n_ch = [-(-int(n) // chunk) for n in lens.tolist()]
+        max_chunks = max(n_ch + [1])
+        offs = [0]
+        for x in n_ch[:-1]:
+            offs.append(offs[-1] + x)
+        chunk_off = torch.tensor(offs, device=q.device, dtype=torch.int32)
+        total = sum(n_ch)
+    else:
+        total = nb * (max_chunks or 1)
+    bk = max(16, triton.next_power_of_2(dk))
+    bdv = max(16, triton.next_power_of_2(dv))
+    bv = min(64, bdv)
+    ws_w = torch.empty(max(total, 1), hh, chunk, dk, dtype=torch.float32, device=q.device)
+    ws_u = torch.empty(max(total, 1), hh, chunk, dv, dtype=torch.float32, device=q.device)
+    ws_p = torch.empty(max(total, 1), hh, chunk, chunk, dtype=torch.float32, device=q.device)
+    ws_g = torch.empty(max(total, 1), hh, chunk, dtype=torch.float32, device=q.device)
+    _gdn_prep_kernel[(max_chunks or 1, nb * hh)](
+        q, k, v, g, beta, ws_w, ws_u, ws_p, ws_g, starts, lens, chunk_off, hh,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
+        DK=dk, DV=dv, BK=bk, BDV=bdv, C=chunk, num_warps=8, num_stages=1,
+    )
+    _gdn_state_kernel[(nb * hh, triton.cdiv(dv, bv))](
+        q, k, ws_w, ws_u, ws_p, ws_g, h_in, o, h_out, starts, lens, state_slots, chunk_off, hh,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), o.stride(0), o.stride(1),
+        DK=dk, DV=dv, BK=bk, BV=bv, C=chunk, num_warps=8, num_stages=1,
+    )
     return o
 
 
@@ -314,7 +373,8 @@ def gdn_decode_step(
     flat = [b.view(b.shape[0] * chunk, *b.shape[2:]) for b in cache.buf]
     starts = (slots * chunk).to(torch.int32)
     lens = (n0 + 1).to(torch.int32)
-    o = _launch(*flat, starts, lens, slots.to(torch.int32), cache.h, cache.h, chunk)
+    o = _launch(*flat, starts, lens, slots.to(torch.int32), cache.h, cache.h, chunk,
+                chunk_off=torch.arange(slots.numel(), device=q.device, dtype=torch.int32), max_chunks=1)
     cache.buf_len[slots] = torch.where(lens == chunk, 0, lens).to(torch.int32)
     return o[slots * chunk + n0]
 
