@@ -5,11 +5,15 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import pytest
-from sqlalchemy import create_engine, text
 
-from audit.store import Store
+if TYPE_CHECKING:
+    from audit.store import Store
+
+# The store's imports (SQLAlchemy, pydantic) are deferred to the fixtures that need them, so suites
+# such as tests/kernels run on a GPU machine that has torch and triton but not the service stack.
 
 POSTGRES_URL = os.environ.get("ISOAUDIT_TEST_POSTGRES_URL")
 
@@ -19,6 +23,8 @@ def postgres_schema_url() -> Iterator[str]:
     runs against the one server never see each other's tables."""
     if not POSTGRES_URL:
         pytest.skip("ISOAUDIT_TEST_POSTGRES_URL is not set (make test sets it)")
+    from sqlalchemy import create_engine, text
+
     schema = f"isoaudit_test_{uuid.uuid4().hex[:12]}"
     admin = create_engine(POSTGRES_URL)
     with admin.begin() as connection:
@@ -41,6 +47,8 @@ def database_url(request: pytest.FixtureRequest, tmp_path) -> Iterator[str]:
 
 @pytest.fixture
 def store(database_url: str) -> Iterator[Store]:
+    from audit.store import Store
+
     store = Store(database_url)
     yield store
     store.dispose()
