@@ -3,9 +3,11 @@
 One :class:`EngineCapture` lives in each worker. It wraps the model runner's ``execute_model`` (to
 know a real step from a warm-up or dummy forward, and to see which requests finished), reads each
 forward's layout (:mod:`collectors.vllm.rows`) in a pre-hook on the model, and in the region hooks
-copies only the rows of the requests chosen for fingerprinting. After the step it fingerprints all
-of them at once (one :func:`~audit.fingerprints.fingerprint_rows` call per row width, one transfer)
-and files the results under each request, until the driver drains them.
+copies only the rows of the requests chosen for fingerprinting. Those copies wait, and are
+fingerprinted many steps at a time (one :func:`~audit.fingerprints.fingerprint_rows` call per row
+width, one device-to-host transfer) when they exceed ``flush_bytes`` or when the driver drains:
+per-call overhead then hardly counts, and a GPU is not synchronised every step. The results are
+filed under each request until the driver drains them.
 
 It never raises into the engine: errors are counted and logged once. Its buffers are bounded
 (requests and fingerprint rows); past a bound it evicts finished, never-drained requests first,
@@ -58,8 +60,34 @@ class CaptureCounters:
     dropped_rows: int = 0
     evicted_requests: int = 0
     recomputed_rows: int = 0
-    skipped_logits: int = 0
+    unmappable: int = 0
     errors: int = 0
+
+
+@dataclass
+class _Block:
+    """Host fingerprints of one flush's rows of one (dtype, width) group."""
+
+    digest: np.ndarray  # uint64 [n]
+    ladder: np.ndarray  # uint64 [n, rungs]
+    sketch: np.ndarray  # float32 [n, 16]
+    l2: np.ndarray
+    maxabs: np.ndarray
+    bits: tuple[int, ...]
+
+
+@dataclass
+class _Piece:
+    """One request's rows of one forward within a :class:`_Block`: region ``regions[k]``'s rows are
+    ``offsets[k] + start + arange(count)``."""
+
+    block: _Block
+    regions: tuple[int, ...]
+    offsets: np.ndarray  # int64 [len(regions)]
+    start: int
+    count: int
+    positions: np.ndarray  # int64 [count]
+    decode: bool
 
 
 @dataclass
@@ -75,19 +103,30 @@ class RequestTrace:
     selected: bool
     first_version: str | None
     last_version: str | None
-    # (region index, case, positions int64 [n], {field: array [n, ...]}) per forward
-    chunks: list[tuple[int, str, np.ndarray, dict[str, np.ndarray]]] = field(default_factory=list)
-    rows: int = 0
+    pieces: list[_Piece] = field(default_factory=list)
+    rows: int = 0  # fingerprint rows reserved for this request (filed or still pending)
     finished: bool = False
     truncated: bool = False
 
 
 @dataclass
+class _Member:
+    """A selected request in one forward: its rows ``[first, first + count)`` of the selection."""
+
+    trace: RequestTrace
+    index: int  # position in the batch (its logits row)
+    first: int
+    count: int
+    decode: bool
+    positions: np.ndarray | None  # None: read from the forward's positions at the flush
+
+
+@dataclass
 class _Forward:
-    """The selected rows of the forward in flight."""
+    """The selected rows of the forward in flight, and later of a step waiting to be fingerprinted."""
 
     layout: ForwardRows
-    members: list[tuple[RequestTrace, int, str]]  # (trace, batch index, case), selected only
+    members: list[_Member]
     index: torch.Tensor | None  # flat rows of the selected requests, concatenated in batch order
     logits_index: torch.Tensor | None  # their batch indices (logits rows)
     positions: torch.Tensor | None  # the forward's own positions of those rows
@@ -103,6 +142,45 @@ def _sampling(params: Any) -> tuple[float, int | None, float | None]:
     top_p = getattr(params, "top_p", None)
     top_p = float(top_p) if top_p is not None else None
     return temperature, top_k, top_p
+
+
+class _Unmappable(Exception):
+    """A region's rows do not correspond to the forward's layout."""
+
+
+def _selected_rows(output: Any, tap: Tap, index: torch.Tensor, rows: int, exact: bool) -> torch.Tensor | None:
+    """The tap's tensor at the selected rows only, as a copy (vLLM's fused norms later overwrite
+    the module outputs in place). Rows are selected *before* the tap's arithmetic: a decoder
+    layer's hidden + residual is then added on a few rows, not on the whole batch; elementwise, the
+    bits are the same. ``rows``: how many rows the output must have (at least, or ``exact``ly)."""
+
+    def check(tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.reshape(-1, tensor.shape[-1])
+        if tensor.shape[0] < rows or (exact and tensor.shape[0] != rows):
+            raise _Unmappable
+        return tensor
+
+    if tap is Tap.SUM:
+        parts = [
+            t
+            for t in (output if isinstance(output, tuple | list) else (output,))
+            if isinstance(t, torch.Tensor)
+        ]
+        if not parts:
+            return None
+        picked = [check(p) for p in parts[:2]]
+        index = index.to(picked[0].device)
+        return (
+            picked[0].index_select(0, index) + picked[1].index_select(0, index)
+            if len(picked) > 1
+            else picked[0].index_select(0, index)
+        )
+    tensor = read_tap(output, Tap.FIRST)
+    if tensor is None:
+        return None
+    tensor = check(tensor)
+    selected = tensor.index_select(0, index.to(tensor.device))
+    return selected.float() if tap is Tap.FP32 else selected
 
 
 def _positions_arg(args: Sequence[Any], kwargs: dict[str, Any]) -> torch.Tensor | None:
@@ -125,10 +203,13 @@ class EngineCapture:
         refusal: str | None = None,
         max_requests: int = 65536,
         max_rows: int = 1 << 20,
+        flush_bytes: int = 64 << 20,
         fingerprinter: Callable[[torch.Tensor], RowFingerprints] = fingerprint_rows,
     ) -> None:
-        if max_requests < 1 or max_rows < 0:
-            raise ValueError(f"max_requests/max_rows: must be >= 1 / >= 0, got {max_requests}/{max_rows}")
+        if max_requests < 1 or max_rows < 0 or flush_bytes < 0:
+            raise ValueError(
+                f"max_requests/max_rows/flush_bytes: must be >= 1 / >= 0 / >= 0, got {max_requests}/{max_rows}/{flush_bytes}"
+            )
         self.runner = runner
         self.model = model
         self.specs = list(specs)
@@ -136,6 +217,7 @@ class EngineCapture:
         self.refusal = refusal
         self.max_requests = max_requests
         self.max_rows = max_rows
+        self.flush_bytes = flush_bytes
         self.fingerprinter = fingerprinter
         self.version: str | None = None
         self.counters = CaptureCounters()
@@ -145,6 +227,8 @@ class EngineCapture:
         self._ordinal = 0
         self._in_step = False
         self._fwd: _Forward | None = None
+        self._unprinted: list[_Forward] = []
+        self._unprinted_bytes = 0
         self._logged: set[str] = set()
         self._handles: list[RemovableHandle] = []
         self._original_execute: Callable[..., Any] | None = None
@@ -179,6 +263,8 @@ class EngineCapture:
             del self.runner.execute_model
         self._original_execute = None
         self._fwd = None
+        self._unprinted.clear()
+        self._unprinted_bytes = 0
 
     @property
     def attached(self) -> bool:
@@ -199,14 +285,39 @@ class EngineCapture:
             self._fail("step", exc)
 
     def _end_step(self) -> None:
+        """Keep the step's selected rows for a later, batched fingerprint pass: one pass over many
+        steps costs far less than one per step (and, on a GPU, does not synchronise every step)."""
         self._in_step = False
         fwd, self._fwd = self._fwd, None
         if fwd is None or not fwd.pending:
             return
         try:
-            self._file(fwd)
+            hidden = sum(1 for i, _ in fwd.pending if self.specs[i].name != "logits")
+            logits = len(fwd.pending) - hidden
+            kept = []
+            for member in fwd.members:
+                needed = member.count * hidden + logits
+                if self._room_for(needed):
+                    member.trace.rows += needed
+                    self._buffered_rows += needed
+                    kept.append(member)
+                else:
+                    member.trace.truncated = True
+                    self.counters.dropped_rows += needed
+            if not kept:
+                return
+            fwd.members = kept
+            if fwd.positions is not None and fwd.positions.device.type == "cpu":
+                host = fwd.positions.numpy()
+                for member in kept:
+                    member.positions = host[member.first : member.first + member.count].astype(np.int64)
+                fwd.positions = None
+            self._unprinted.append(fwd)
+            self._unprinted_bytes += sum(t.numel() * t.element_size() for _, t in fwd.pending)
+            if self._unprinted_bytes >= self.flush_bytes:
+                self.flush()
         except Exception as exc:
-            self._fail("fingerprint", exc)
+            self._fail("step rows", exc)
 
     # ------------------------------------------------------------ hooks
 
@@ -216,51 +327,60 @@ class EngineCapture:
         try:
             self.counters.forwards += 1
             layout = read_forward_rows(self.runner)
-            members: list[tuple[RequestTrace, int, str]] = []
+            members: list[_Member] = []
+            first = 0
             for i, req_id in enumerate(layout.req_ids):
                 trace = self.traces.get(req_id) or self._register(req_id)
                 trace.last_version = self.version
                 if trace.selected and self.refusal is None:
-                    members.append((trace, i, layout.case(i, trace.prompt_len)))
-            if not members:
+                    a, b = layout.rows(i)
+                    decode = layout.case(i, trace.prompt_len) == "engine_decode"
+                    members.append(_Member(trace, i, first, b - a, decode, None))
+                    first += b - a
+            if not members or not self.specs:
                 self._fwd = _Forward(layout, [], None, None, None)
                 return
-            rows = np.concatenate([np.arange(*layout.rows(i)) for _, i, _ in members])
+            rows = np.concatenate([np.arange(*layout.rows(m.index)) for m in members])
             positions = _positions_arg(args, kwargs)
+            if positions is not None and positions.numel() < layout.num_tokens:
+                positions = None
             device = positions.device if positions is not None else torch.device("cpu")
             index = torch.from_numpy(rows).to(device)
+            if positions is None:
+                for m in members:
+                    m.positions = layout.positions(m.index)
             self._fwd = _Forward(
                 layout,
                 members,
                 index,
-                torch.tensor([i for _, i, _ in members], dtype=torch.long, device=device),
-                positions.index_select(0, index) if positions is not None and positions.numel() >= layout.num_tokens else None,
+                torch.tensor([m.index for m in members], dtype=torch.long, device=device),
+                positions.index_select(0, index) if positions is not None else None,
             )
         except Exception as exc:
             self._fail("layout", exc)
             self._fwd = None
 
     def _region_hook(self, i: int, spec: RegionSpec) -> Callable[[nn.Module, Any, Any], None]:
-        logits = spec.tap is Tap.FP32 and spec.name == "logits"
+        logits = spec.name == "logits"
 
         def hook(_module: nn.Module, _inputs: Any, output: Any) -> None:
             fwd = self._fwd
             if fwd is None or fwd.index is None:
                 return
             try:
-                tensor = read_tap(output, spec.tap)
-                if tensor is None:
-                    return
-                tensor = tensor.reshape(-1, tensor.shape[-1])
-                if logits:
-                    if tensor.shape[0] != len(fwd.layout.req_ids):
-                        self.counters.skipped_logits += 1  # not one logits row per request: cannot map
-                        return
-                    rows = tensor.index_select(0, fwd.logits_index.to(tensor.device))  # type: ignore[union-attr]
+                if logits:  # one logits row per request, in batch order (no speculative decoding)
+                    rows = _selected_rows(output, spec.tap, fwd.logits_index, len(fwd.layout.req_ids), True)  # type: ignore[arg-type]
                 else:
-                    rows = tensor.index_select(0, fwd.index.to(tensor.device))  # type: ignore[union-attr]
-                # index_select copies: vLLM's fused norms later overwrite these tensors in place.
-                fwd.pending.append((i, rows))
+                    rows = _selected_rows(output, spec.tap, fwd.index, fwd.layout.num_tokens, False)  # type: ignore[arg-type]
+                if rows is not None:
+                    fwd.pending.append((i, rows))
+            except _Unmappable:
+                self.counters.unmappable += 1
+                self._log_once(
+                    f"unmappable:{spec.name}",
+                    f"isoaudit vllm collector: {spec.name} rows do not fit the "
+                    "batch layout; not recorded (counted)",
+                )
             except Exception as exc:
                 self._fail(spec.name, exc)
 
@@ -276,95 +396,133 @@ class EngineCapture:
         ext = external_id(req_id)
         selected = self.selection.chooses(self._ordinal, ext)
         self._ordinal += 1
-        trace = RequestTrace(req_id, ext, prompt_len, temperature, top_k, top_p, selected, self.version, self.version)
+        trace = RequestTrace(
+            req_id, ext, prompt_len, temperature, top_k, top_p, selected, self.version, self.version
+        )
         self.traces[req_id] = trace
         self._by_ext.setdefault(ext, []).append(req_id)
         self.counters.requests_seen += 1
         self.counters.requests_selected += int(selected)
         while len(self.traces) > self.max_requests:
-            self._evict()
+            victim = next((t for t in self.traces.values() if t.finished), None) or next(
+                iter(self.traces.values())
+            )
+            self._forget(victim)
+            self.counters.evicted_requests += 1
+            self._log_once(
+                "evict", "isoaudit vllm collector: request buffer full; evicted undrained requests (counted)"
+            )
         return trace
-
-    def _evict(self) -> None:
-        victim = next((t for t in self.traces.values() if t.finished), None) or next(iter(self.traces.values()))
-        self._forget(victim)
-        self.counters.evicted_requests += 1
-        self._log_once("evict", "isoaudit vllm collector: request buffer full; evicted undrained requests (counted)")
 
     def _forget(self, trace: RequestTrace) -> None:
         self.traces.pop(trace.req_id, None)
         self._buffered_rows -= trace.rows
+        trace.rows = 0
+        trace.pieces.clear()
         siblings = self._by_ext.get(trace.ext_id, [])
         if trace.req_id in siblings:
             siblings.remove(trace.req_id)
         if not siblings:
             self._by_ext.pop(trace.ext_id, None)
 
-    def _file(self, fwd: _Forward) -> None:
-        """Fingerprint the step's pending rows (grouped by width and dtype) and file them per request."""
-        groups: dict[tuple[torch.dtype, int], list[tuple[int, torch.Tensor]]] = {}
-        for i, rows in fwd.pending:
-            groups.setdefault((rows.dtype, int(rows.shape[-1])), []).append((i, rows))
-        tensors: dict[str, torch.Tensor] = {}
-        layout: list[tuple[int, int, int, tuple[int, ...]]] = []  # (region, group, offset, ladder bits)
-        for g, items in enumerate(groups.values()):
-            prints = self.fingerprinter(torch.cat([rows for _, rows in items]) if len(items) > 1 else items[0][1])
-            tensors.update({f"{g}.d": prints.digest, f"{g}.l": prints.ladder, f"{g}.s": prints.sketch,
-                            f"{g}.n": prints.l2, f"{g}.m": prints.maxabs})
-            offset = 0
-            for i, rows in items:
-                layout.append((i, g, offset, prints.ladder_bits))
-                offset += int(rows.shape[0])
-        if fwd.positions is not None:
-            tensors["pos"] = fwd.positions
-        host = to_host(tensors)
-        self.counters.fingerprinted_forwards += 1
-
-        # Each selected request's rows within the concatenated selection, and its positions.
-        spans, start = [], 0
-        for trace, i, case in fwd.members:
-            a, b = fwd.layout.rows(i)
-            positions = host["pos"][start : start + b - a].astype(np.int64) if "pos" in host else fwd.layout.positions(i)
-            spans.append((trace, case, start, b - a, positions))
-            start += b - a
-        for j, (trace, case, first, count, positions) in enumerate(spans):
-            needed = sum(1 if self.specs[r].name == "logits" else count for r, *_ in layout)
-            if not self._room_for(needed):
-                trace.truncated = True
-                self.counters.dropped_rows += needed
-                continue
-            for region, g, offset, bits in layout:
-                logits = self.specs[region].name == "logits"
-                sl = slice(offset + j, offset + j + 1) if logits else slice(offset + first, offset + first + count)
-                arrays = {
-                    "digest": host[f"{g}.d"][sl].view(np.uint64),
-                    "ladder": host[f"{g}.l"][sl].view(np.uint64),
-                    "sketch": host[f"{g}.s"][sl],
-                    "l2": host[f"{g}.n"][sl],
-                    "maxabs": host[f"{g}.m"][sl],
-                    "bits": np.asarray(bits, dtype=np.int64),
-                }
-                pos = positions[-1:] if logits else positions
-                trace.chunks.append((region, case, pos, arrays))
-                trace.rows += int(pos.size)
-                self._buffered_rows += int(pos.size)
-                self.counters.rows += int(pos.size)
-
     def _room_for(self, rows: int) -> bool:
         while self._buffered_rows + rows > self.max_rows:
             finished = next((t for t in self.traces.values() if t.finished and t.rows), None)
             if finished is None:
-                self._log_once("rows", "isoaudit vllm collector: fingerprint buffer full; dropping rows (counted)")
+                self._log_once(
+                    "rows", "isoaudit vllm collector: fingerprint buffer full; dropping rows (counted)"
+                )
                 return False
             self._forget(finished)
             self.counters.evicted_requests += 1
         return True
+
+    def _live(self, trace: RequestTrace) -> bool:
+        return self.traces.get(trace.req_id) is trace
+
+    def flush(self) -> None:
+        """Fingerprint every step kept since the last flush, in one pass per (dtype, width) group with
+        one device-to-host transfer, and file the results under each request."""
+        steps, self._unprinted, self._unprinted_bytes = self._unprinted, [], 0
+        steps = [s for s in steps if any(self._live(m.trace) for m in s.members)]
+        if not steps:
+            return
+        groups: dict[tuple[torch.dtype, int, bool], list[tuple[int, int, torch.Tensor]]] = {}
+        for k, step in enumerate(steps):
+            for region, rows in step.pending:
+                key = (rows.dtype, int(rows.shape[-1]), self.specs[region].name == "logits")
+                groups.setdefault(key, []).append((k, region, rows))
+        tensors: dict[str, torch.Tensor] = {}
+        # per step: per group: (regions, offsets)
+        where: list[dict[int, tuple[list[int], list[int]]]] = [{} for _ in steps]
+        bits: list[tuple[int, ...]] = []
+        for g, items in enumerate(groups.values()):
+            stacked = torch.cat([rows for _, _, rows in items]) if len(items) > 1 else items[0][2]
+            prints = self.fingerprinter(stacked)
+            bits.append(prints.ladder_bits)
+            tensors.update(
+                {
+                    f"{g}.d": prints.digest,
+                    f"{g}.l": prints.ladder,
+                    f"{g}.s": prints.sketch,
+                    f"{g}.n": prints.l2,
+                    f"{g}.m": prints.maxabs,
+                }
+            )
+            offset = 0
+            for k, region, rows in items:
+                regions, offsets = where[k].setdefault(g, ([], []))
+                regions.append(region)
+                offsets.append(offset)
+                offset += int(rows.shape[0])
+        for k, step in enumerate(steps):
+            if step.positions is not None:
+                tensors[f"pos{k}"] = step.positions
+        host = to_host(tensors)
+        blocks = [
+            _Block(
+                host[f"{g}.d"].view(np.uint64),
+                host[f"{g}.l"].view(np.uint64),
+                host[f"{g}.s"],
+                host[f"{g}.n"],
+                host[f"{g}.m"],
+                bits[g],
+            )
+            for g in range(len(groups))
+        ]
+        logits_group = [key[2] for key in groups]
+        self.counters.fingerprinted_forwards += len(steps)
+        for k, step in enumerate(steps):
+            for j, member in enumerate(step.members):
+                if not self._live(member.trace):
+                    continue
+                positions = member.positions
+                if positions is None:
+                    positions = host[f"pos{k}"][member.first : member.first + member.count].astype(np.int64)
+                for g, (regions, offsets) in where[k].items():
+                    logits = logits_group[g]
+                    member.trace.pieces.append(
+                        _Piece(
+                            blocks[g],
+                            tuple(regions),
+                            np.asarray(offsets, dtype=np.int64),
+                            j if logits else member.first,
+                            1 if logits else member.count,
+                            positions[-1:] if logits else positions,
+                            member.decode,
+                        )
+                    )
+                    self.counters.rows += (1 if logits else member.count) * len(regions)
 
     # ------------------------------------------------------------ driver side
 
     def drain(self, ext_ids: Iterable[str]) -> dict[str, Any]:
         """Hand over (and forget) what the engine recorded for these requests, keyed by their
         external ids; the payload is plain data (bytes, numbers, strings) for ``collective_rpc``."""
+        try:
+            self.flush()
+        except Exception as exc:
+            self._fail("flush", exc)
         out: dict[str, Any] = {}
         missing: list[str] = []
         for ext in ext_ids:
@@ -373,35 +531,63 @@ class EngineCapture:
                 missing.append(ext)
                 continue
             trace = self.traces[ids[-1]]  # the latest request with that id
-            out[ext] = self._payload(trace)
+            try:
+                out[ext] = self._payload(trace)
+            except Exception as exc:
+                self._fail("payload", exc)
             self._forget(trace)
         return {"requests": out, "missing": missing, "counters": asdict(self.counters)}
 
     def _payload(self, trace: RequestTrace) -> dict[str, Any]:
-        by_region: dict[int, list[tuple[str, np.ndarray, dict[str, np.ndarray]]]] = {}
-        for region, case, positions, arrays in trace.chunks:
-            by_region.setdefault(region, []).append((case, positions, arrays))
+        # Gather each (block, regions) group of pieces with one fancy index per field.
+        grouped: dict[tuple[int, tuple[int, ...]], list[_Piece]] = {}
+        for piece in trace.pieces:
+            grouped.setdefault((id(piece.block), piece.regions), []).append(piece)
+        per_region: dict[
+            int, list[tuple[np.ndarray, np.ndarray, dict[str, np.ndarray], tuple[int, ...]]]
+        ] = {}
+        for pieces in grouped.values():
+            block, regions = pieces[0].block, pieces[0].regions
+            rows = np.concatenate(
+                [
+                    p.offsets[:, None] + (p.start + np.arange(p.count, dtype=np.int64))[None, :]
+                    for p in pieces
+                ],
+                axis=1,
+            )  # [regions, total]
+            positions = np.concatenate([p.positions for p in pieces])
+            decode = np.concatenate([np.full(p.count, p.decode) for p in pieces])
+            arrays = {name: getattr(block, name)[rows] for name in _FIELDS}
+            for k, region in enumerate(regions):
+                per_region.setdefault(region, []).append(
+                    (positions, decode, {name: a[k] for name, a in arrays.items()}, block.bits)
+                )
         prints = []
-        for region, chunks in by_region.items():
-            positions = np.concatenate([c[1] for c in chunks])
-            cases = np.concatenate([np.full(c[1].size, c[0] == "engine_decode") for c in chunks])
-            arrays = {name: np.concatenate([c[2][name] for c in chunks]) for name in _FIELDS}
+        for region, parts in per_region.items():
+            positions = np.concatenate([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]
+            decode = np.concatenate([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
+            arrays = {
+                name: np.concatenate([p[2][name] for p in parts]) if len(parts) > 1 else parts[0][2][name]
+                for name in _FIELDS
+            }
             # A preempted request recomputes positions it already had: keep the latest computation
-            # of each position (np.unique on the reversed order finds last occurrences, by position).
+            # of each (np.unique over the reversed order finds last occurrences, sorted by position).
             _, first_in_reversed = np.unique(positions[::-1], return_index=True)
             keep = positions.size - 1 - first_in_reversed
             self.counters.recomputed_rows += int(positions.size - keep.size)
-            for decode in (False, True):
-                rows = keep[cases[keep] == decode]
+            for case_decode in (False, True):
+                rows = keep[decode[keep] == case_decode]
                 if rows.size == 0:
                     continue
-                prints.append({
-                    "region": self.specs[region].name,
-                    "case": "engine_decode" if decode else "engine_prefill",
-                    "ladder_bits": [int(b) for b in chunks[0][2]["bits"]],
-                    "positions": positions[rows].astype("<i4").tobytes(),
-                    **{name: np.ascontiguousarray(arrays[name][rows]).tobytes() for name in _FIELDS},
-                })
+                prints.append(
+                    {
+                        "region": self.specs[region].name,
+                        "case": "engine_decode" if case_decode else "engine_prefill",
+                        "ladder_bits": [int(b) for b in parts[0][3]],
+                        "positions": positions[rows].astype("<i4").tobytes(),
+                        **{name: np.ascontiguousarray(arrays[name][rows]).tobytes() for name in _FIELDS},
+                    }
+                )
         return {
             "req_id": trace.req_id,
             "prompt_len": trace.prompt_len,

@@ -29,7 +29,16 @@ from typing import Any
 
 import numpy as np
 
-from audit.records import Case, Manifest, Record, RegionFingerprints, Run, RuntimeFacts, SampleLogprobs, sample_key
+from audit.records import (
+    Case,
+    Manifest,
+    Record,
+    RegionFingerprints,
+    Run,
+    RuntimeFacts,
+    SampleLogprobs,
+    sample_key,
+)
 from collectors.manifest import ManifestTracker
 from collectors.sinks.base import Sink
 from collectors.vllm.link import EngineLink
@@ -69,7 +78,9 @@ class StepReport:
     records: list[Record] = field(default_factory=list)
 
 
-def _merge_ranks(results: Sequence[Mapping[str, Any]]) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
+def _merge_ranks(
+    results: Sequence[Mapping[str, Any]],
+) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
     """One entry per request across workers: metadata from the first that has it, prints from all
     (each pipeline stage sees its own layers; only TP rank 0 of a stage records)."""
     merged: dict[str, dict[str, Any]] = {}
@@ -110,7 +121,9 @@ def _prints_records(
         }
         if not keep.any():
             continue
-        records.append(RegionFingerprints(**fields) if validate else RegionFingerprints.model_construct(**fields))
+        records.append(
+            RegionFingerprints(**fields) if validate else RegionFingerprints.model_construct(**fields)
+        )
     return records
 
 
@@ -159,7 +172,9 @@ class VllmCollector:
         infos = self.link.call(
             "start",
             {
-                "regions": regions if regions is None or isinstance(regions, str | Mapping) else list(regions),
+                "regions": regions
+                if regions is None or isinstance(regions, str | Mapping)
+                else list(regions),
                 "selection": selection.to_wire(),
                 "max_requests": max_requests,
                 "max_rows": max_rows,
@@ -179,8 +194,12 @@ class VllmCollector:
         self.weight_digest: str | None = lead["weight_digest"]
         self._trackers = {
             case: ManifestTracker(
-                run_id=self.run.run_id, side="rollout", case=case, regions=self.regions,
-                unobserved=unobserved, contract=contract,
+                run_id=self.run.run_id,
+                side="rollout",
+                case=case,
+                regions=self.regions,
+                unobserved=unobserved,
+                contract=contract,
             )
             for case in CASES
         }
@@ -212,7 +231,10 @@ class VllmCollector:
             self.counters.errors += 1
             if self.strict:
                 raise
-            self._log_once("record", f"isoaudit vllm collector: record_step failed ({type(exc).__name__}: {exc}); counted")
+            self._log_once(
+                "record",
+                f"isoaudit vllm collector: record_step failed ({type(exc).__name__}: {exc}); counted",
+            )
             return None
 
     def select(self, fingerprint: SelectionArg) -> None:
@@ -240,7 +262,9 @@ class VllmCollector:
 
     def _refresh_manifests(self, out: list[Record]) -> None:
         for tracker in self._trackers.values():
-            built = tracker.build(self.facts, self.weight_version).model_copy(update={"weight_digest": self.weight_digest})
+            built = tracker.build(self.facts, self.weight_version).model_copy(
+                update={"weight_digest": self.weight_digest}
+            )
             manifest = tracker.changed(built)
             if manifest is not None:
                 out.append(manifest)
@@ -284,13 +308,19 @@ class VllmCollector:
     ) -> tuple[SampleLogprobs, list[RegionFingerprints]] | None:
         if completion.logprobs is None:
             self.counters.missing_logprobs += 1
-            self._log_once("logprobs", "isoaudit vllm collector: a request returned no logprobs; ask for them "
-                           "with SamplingParams(logprobs=0) (its samples are not recorded; counted)")
+            self._log_once(
+                "logprobs",
+                "isoaudit vllm collector: a request returned no logprobs; ask for them "
+                "with SamplingParams(logprobs=0) (its samples are not recorded; counted)",
+            )
             return None
         if engine is None:
             self.counters.missing_engine_info += 1
-            self._log_once("engine", "isoaudit vllm collector: the engine has no record of a request (run before "
-                           "attach, drained already, or evicted); its sample is not recorded (counted)")
+            self._log_once(
+                "engine",
+                "isoaudit vllm collector: the engine has no record of a request (run before "
+                "attach, drained already, or evicted); its sample is not recorded (counted)",
+            )
             return None
         tokens = np.concatenate([completion.prompt_ids, completion.completion_ids]).astype(np.int32)
         key = sample_key(tokens)
@@ -317,7 +347,12 @@ class VllmCollector:
         if engine["truncated"]:
             self.counters.truncated_samples += 1
         prints = _prints_records(
-            run_id=self.run.run_id, step=step, key=key, n_tokens=tokens.size, prints=engine["prints"], validate=self.validate
+            run_id=self.run.run_id,
+            step=step,
+            key=key,
+            n_tokens=tokens.size,
+            prints=engine["prints"],
+            validate=self.validate,
         )
         return sample, prints
 

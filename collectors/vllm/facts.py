@@ -44,9 +44,13 @@ def capture_refusal(vllm_config: Any) -> str | None:
         )
     cudagraph = getattr(compilation, "cudagraph_mode", None)
     if not _enum_is_none(cudagraph) and not vllm_config.model_config.enforce_eager:
-        reasons.append(f"forwards replay CUDA graphs (cudagraph_mode {_name(cudagraph)}): hooks do not run on replay")
+        reasons.append(
+            f"forwards replay CUDA graphs (cudagraph_mode {_name(cudagraph)}): hooks do not run on replay"
+        )
     if getattr(vllm_config, "speculative_config", None) is not None:
-        reasons.append("speculative decoding verifies draft tokens: rows and logits do not map one-to-one to positions")
+        reasons.append(
+            "speculative decoding verifies draft tokens: rows and logits do not map one-to-one to positions"
+        )
     if reasons:
         return "regions not captured: " + "; ".join(reasons) + " (start the engine with enforce_eager=True)"
     return None
@@ -100,7 +104,9 @@ def engine_facts(vllm_config: Any, runner: Any, model: Any) -> dict[str, Any]:
         "prefix_caching": bool(cache.enable_prefix_caching),
         "async_scheduling": bool(scheduler.async_scheduling),
         "chunked_prefill": bool(scheduler.enable_chunked_prefill),
-        "cuda_graphs": bool(not model_config.enforce_eager and not _enum_is_none(cudagraph) and device.type == "cuda"),
+        "cuda_graphs": bool(
+            not model_config.enforce_eager and not _enum_is_none(cudagraph) and device.type == "cuda"
+        ),
         "batch_invariant": bool(envs.VLLM_BATCH_INVARIANT),
         "attention_backend": _attention_backend(runner),
         "tp_size": int(parallel.tensor_parallel_size),

@@ -36,11 +36,14 @@ def _in_process(llm: Any) -> bool:
 class EngineLink:
     """Calls into every worker of one ``vllm.LLM``; results come back one per worker."""
 
-    def __init__(self, llm: Any) -> None:
+    def __init__(self, llm: Any, *, timeout: float | None = 120.0) -> None:
         engine = getattr(llm, "llm_engine", None)
         if engine is None or not hasattr(llm, "collective_rpc"):
             raise TypeError(f"llm: expected a vllm.LLM, got {type(llm).__name__}")
         self.llm = llm
+        # A bounded wait: if a worker never answers, the driver gets a TimeoutError (counted by the
+        # collector) instead of hanging the RL loop.
+        self.timeout = timeout
         self.by_name = _uses_extension(llm)
         self.in_process = _in_process(llm)
         if not self.by_name and not self.in_process:
@@ -56,6 +59,7 @@ class EngineLink:
 
     def call(self, name: str, *args: Any, timeout: float | None = None) -> list[Any]:
         """Run the worker-side function ``name`` on every worker."""
+        timeout = self.timeout if timeout is None else timeout
         if self.by_name:
             return list(self.llm.collective_rpc(f"isoaudit_{name}", timeout=timeout, args=args))
         return list(self.llm.collective_rpc(getattr(worker_side, name), timeout=timeout, args=args))

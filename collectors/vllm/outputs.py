@@ -44,18 +44,22 @@ def read_completions(outputs: Iterable[Any]) -> list[Completion]:
     for j, output in enumerate(outputs):
         prompt = getattr(output, "prompt_token_ids", None)
         if prompt is None or not hasattr(output, "outputs"):
-            raise TypeError(f"outputs[{j}]: expected a vllm.RequestOutput with prompt_token_ids, got {type(output).__name__}")
+            raise TypeError(
+                f"outputs[{j}]: expected a vllm.RequestOutput with prompt_token_ids, got {type(output).__name__}"
+            )
         prompt_ids = np.asarray(prompt, dtype=np.int32)
         many = len(output.outputs) > 1
         for completion in output.outputs:
             tokens = np.asarray(completion.token_ids, dtype=np.int32)
             index = int(getattr(completion, "index", 0))
-            found.append(Completion(
-                engine_id=f"{index}_{output.request_id}" if many else str(output.request_id),
-                request_id=str(output.request_id),
-                index=index,
-                prompt_ids=prompt_ids,
-                completion_ids=tokens,
-                logprobs=_sampled_logprobs(completion.logprobs, tokens),
-            ))
+            found.append(
+                Completion(
+                    engine_id=f"{index}_{output.request_id}" if many else str(output.request_id),
+                    request_id=str(output.request_id),
+                    index=index,
+                    prompt_ids=prompt_ids,
+                    completion_ids=tokens,
+                    logprobs=_sampled_logprobs(completion.logprobs, tokens),
+                )
+            )
     return found

@@ -14,8 +14,8 @@ from collections.abc import Mapping, Sequence
 
 from torch import nn
 
-from collectors.regions import FamilyMap, RegionSpec, ResolvedRegions, Tap
 from audit.regions import canonical_regions, is_canonical, region_order
+from collectors.regions import FamilyMap, RegionSpec, ResolvedRegions, Tap
 
 
 def _vllm_decoder(family: str) -> FamilyMap:
@@ -37,7 +37,9 @@ def _vllm_decoder(family: str) -> FamilyMap:
 
 
 #: vLLM families, keyed by the HF ``model_type`` of the checkpoint the engine serves.
-VLLM_FAMILIES: dict[str, FamilyMap] = {name: _vllm_decoder(name) for name in ("llama", "mistral", "qwen2", "qwen3")}
+VLLM_FAMILIES: dict[str, FamilyMap] = {
+    name: _vllm_decoder(name) for name in ("llama", "mistral", "qwen2", "qwen3")
+}
 
 
 def _has(model: nn.Module, name: str) -> bool:
@@ -76,7 +78,9 @@ def resolve_engine_regions(
         specs = []
         for name, module in regions.items():
             if not is_canonical(name):
-                raise ValueError(f"regions: {name!r} is not a canonical region name (e.g. embed, layers.0.mlp, logits)")
+                raise ValueError(
+                    f"regions: {name!r} is not a canonical region name (e.g. embed, layers.0.mlp, logits)"
+                )
             if not _has(model, module):
                 raise ValueError(f"regions: module {module!r} (for {name!r}) is not in the engine's model")
             tap = Tap.FP32 if name == "logits" else Tap.SUM if name.endswith(".out") else Tap.FIRST
@@ -84,7 +88,11 @@ def resolve_engine_regions(
         specs.sort(key=lambda s: region_order(s.name))
         layers = [region_order(s.name)[1] for s in specs if region_order(s.name)[0] == 1]
         have = {s.name for s in specs}
-        missing = {n: "not in the region map" for n in canonical_regions(max(layers) + 1 if layers else 0) if n not in have}
+        missing = {
+            n: "not in the region map"
+            for n in canonical_regions(max(layers) + 1 if layers else 0)
+            if n not in have
+        }
         return ResolvedRegions(specs, missing)
     if isinstance(regions, str) and regions != "auto":
         raise ValueError(f"regions: expected 'auto', a list of canonical names or a mapping, got {regions!r}")
@@ -92,7 +100,9 @@ def resolve_engine_regions(
     specs = family.specs(len(model.get_submodule(family.layers)))  # type: ignore[arg-type]
     for spec in specs:
         if not _has(model, spec.module):
-            raise ValueError(f"regions: the vLLM {family.family} map names {spec.module!r} for {spec.name!r}, not in the model")
+            raise ValueError(
+                f"regions: the vLLM {family.family} map names {spec.module!r} for {spec.name!r}, not in the model"
+            )
     if isinstance(regions, str):
         return ResolvedRegions(specs, {}, family.family)
     wanted = set(regions)

@@ -52,7 +52,9 @@ def parse_selection(fingerprint: SelectionArg) -> Selection:
             f"fingerprint: expected 'all', an integer N (one in N), a list of request ids or None, got {fingerprint!r}"
         )
     if isinstance(fingerprint, bool):
-        raise ValueError("fingerprint: expected 'all', an integer N, a list of request ids or None, got a bool")
+        raise ValueError(
+            "fingerprint: expected 'all', an integer N, a list of request ids or None, got a bool"
+        )
     if isinstance(fingerprint, int):
         if fingerprint < 1:
             raise ValueError(f"fingerprint: one in N needs N >= 1, got {fingerprint}")

@@ -44,7 +44,9 @@ def named_list(named_tensors: NamedTensors) -> list[tuple[str, torch.Tensor]]:
             raise ValueError(f"named_tensors[{i}]: expected a (name, tensor) pair, got {type(item).__name__}")
         name, tensor = item
         if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
-            raise ValueError(f"named_tensors[{i}]: expected (str, torch.Tensor), got ({type(name).__name__}, {type(tensor).__name__})")
+            raise ValueError(
+                f"named_tensors[{i}]: expected (str, torch.Tensor), got ({type(name).__name__}, {type(tensor).__name__})"
+            )
         out.append((name, tensor))
     if not out:
         raise ValueError("named_tensors: empty; nothing to load")
@@ -69,9 +71,36 @@ def weight_digest(named_tensors: NamedTensors) -> str:
     return digest.hexdigest()
 
 
-def apply_weights(runner: Any, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-    """Load checkpoint-named tensors into the runner's model in place; returns how many were given."""
-    items = [(str(name), tensor) for name, tensor in named_tensors]
+def pack_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[list[Any]]:
+    """Tensors as ``[name, dtype, shape, bytes]``: what crosses process boundaries intact (vLLM's RPC
+    decodes tensors onto message buffers that its worker hop cannot pickle)."""
+    return [
+        [name, str(t.dtype).removeprefix("torch."), list(t.shape), _tensor_bytes(t)]
+        for name, t in named_tensors
+    ]
+
+
+def unpack_tensors(packed: Iterable[Any]) -> list[tuple[str, torch.Tensor]]:
+    """The inverse of :func:`pack_tensors`; (name, tensor) pairs pass through unchanged."""
+    out = []
+    for item in packed:
+        if len(item) == 2:
+            out.append((str(item[0]), item[1]))
+            continue
+        name, dtype, shape, data = item
+        flat = (
+            torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            if len(data)
+            else torch.empty(0, dtype=torch.uint8)
+        )
+        out.append((str(name), flat.view(getattr(torch, dtype)).reshape(shape)))
+    return out
+
+
+def apply_weights(runner: Any, named_tensors: Iterable[Any]) -> int:
+    """Load checkpoint-named tensors (or :func:`pack_tensors` rows) into the runner's model in
+    place; returns how many were given."""
+    items = unpack_tensors(named_tensors)
     reload = getattr(runner, "reload_weights", None)
     if callable(reload):
         reload(weights_iterator=iter(items), is_checkpoint_format=True)
@@ -80,7 +109,9 @@ def apply_weights(runner: Any, named_tensors: Iterable[tuple[str, torch.Tensor]]
     return len(items)
 
 
-def load_weights(llm: Any, named_tensors: NamedTensors, version: str | int, *, digest: bool = True) -> str | None:
+def load_weights(
+    llm: Any, named_tensors: NamedTensors, version: str | int, *, digest: bool = True
+) -> str | None:
     """Load the trainer's weights into ``llm``'s running engine in place and make ``version`` the
     weight version of everything it computes from now on; returns the weight digest (``None`` with
     ``digest=False``, for very large models).
@@ -98,7 +129,8 @@ def load_weights(llm: Any, named_tensors: NamedTensors, version: str | int, *, d
     items = named_list(named_tensors)
     value = weight_digest(items) if digest else None
     link = EngineLink(llm)
-    link.call("load_weights", items, str(version), value)
+    payload = pack_tensors(items) if link.by_name else items  # in-process: no copy
+    link.call("load_weights", payload, str(version), value)
     collector = attached(llm)
     if collector is not None:
         collector.weights_changed(str(version), value)

@@ -17,6 +17,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict
 from typing import Any
 
+import numpy as np
 import torch
 
 from collectors.vllm.capture import EngineCapture
@@ -35,6 +36,34 @@ def _worker(obj: Any) -> Any:
     """The real worker behind vLLM's ``WorkerWrapperBase`` (which in-process callables receive)."""
     inner = obj.__dict__.get("worker") if hasattr(obj, "__dict__") else None
     return inner if inner is not None else obj
+
+
+def plain(value: Any) -> Any:
+    """``value`` as exactly the builtin types ``collective_rpc`` can carry between processes.
+
+    vLLM's msgpack channel refuses anything else (a ``TorchVersion``, a numpy scalar, an enum), and a
+    refused result kills the engine's output thread: the driver would then wait forever. So every
+    result of this module passes through here.
+    """
+    if value is None or type(value) in (bool, int, float, bytes):
+        return value
+    if isinstance(value, bool | np.bool_):
+        return bool(value)
+    if isinstance(value, int | np.integer):
+        return int(value)
+    if isinstance(value, float | np.floating):
+        return float(value)
+    if isinstance(value, str):
+        return str(value)
+    if isinstance(value, bytes | bytearray | memoryview):
+        return bytes(value)
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple | set | frozenset):
+        return [plain(v) for v in value]
+    if isinstance(value, np.ndarray):
+        return value.tobytes()
+    return str(value)
 
 
 def _ranks() -> tuple[int, int]:
@@ -68,7 +97,9 @@ def start(obj: Any, options: dict[str, Any]) -> dict[str, Any]:
     config = worker.vllm_config
     tp_rank, pp_rank = _ranks()
     refusal = capture_refusal(config)
-    resolved = resolve_engine_regions(model, getattr(config.model_config.hf_config, "model_type", None), options.get("regions", "auto"))
+    resolved = resolve_engine_regions(
+        model, getattr(config.model_config.hf_config, "model_type", None), options.get("regions", "auto")
+    )
     weights = _weights(worker)
     if options.get("version") is not None and weights.version is None:
         weights.version = str(options["version"])
@@ -86,25 +117,27 @@ def start(obj: Any, options: dict[str, Any]) -> dict[str, Any]:
     unobserved = dict(resolved.unobserved)
     if refusal is not None:
         unobserved = {"*": refusal}
-    return {
-        "facts": engine_facts(config, runner, model),
-        "regions": [] if refusal is not None else resolved.names,
-        "unobserved": unobserved,
-        "refusal": refusal,
-        "family": resolved.family,
-        "tp_rank": tp_rank,
-        "pp_rank": pp_rank,
-        "weight_version": weights.version,
-        "weight_digest": weights.digest,
-    }
+    return plain(
+        {
+            "facts": engine_facts(config, runner, model),
+            "regions": [] if refusal is not None else resolved.names,
+            "unobserved": unobserved,
+            "refusal": refusal,
+            "family": resolved.family,
+            "tp_rank": tp_rank,
+            "pp_rank": pp_rank,
+            "weight_version": weights.version,
+            "weight_digest": weights.digest,
+        }
+    )
 
 
 def drain(obj: Any, request_ids: Sequence[str]) -> dict[str, Any]:
     """What this worker recorded for ``request_ids`` (external ids), handed over and forgotten."""
     capture = _capture(_worker(obj))
     if capture is None:
-        return {"requests": {}, "missing": list(request_ids), "counters": {}}
-    return capture.drain(request_ids)
+        return {"requests": {}, "missing": plain(list(request_ids)), "counters": {}}
+    return plain(capture.drain(request_ids))
 
 
 def select(obj: Any, selection: dict[str, Any]) -> None:
@@ -116,7 +149,7 @@ def select(obj: Any, selection: dict[str, Any]) -> None:
 
 def counters(obj: Any) -> dict[str, Any]:
     capture = _capture(_worker(obj))
-    return asdict(capture.counters) if capture is not None else {}
+    return plain(asdict(capture.counters)) if capture is not None else {}
 
 
 def stop(obj: Any) -> dict[str, Any]:
@@ -127,10 +160,12 @@ def stop(obj: Any) -> dict[str, Any]:
         return {}
     capture.remove()
     worker._isoaudit_capture = None
-    return asdict(capture.counters)
+    return plain(asdict(capture.counters))
 
 
-def load_weights(obj: Any, named_tensors: Iterable[tuple[str, torch.Tensor]], version: str, digest: str | None) -> dict[str, Any]:
+def load_weights(
+    obj: Any, named_tensors: Iterable[tuple[str, torch.Tensor]], version: str, digest: str | None
+) -> dict[str, Any]:
     """Load ``named_tensors`` (checkpoint names) in place, keep the KV/prefix caches and every
     running request, and make ``version`` the weight version of what is computed from now on."""
     worker = _worker(obj)
@@ -140,7 +175,7 @@ def load_weights(obj: Any, named_tensors: Iterable[tuple[str, torch.Tensor]], ve
     capture = _capture(worker)
     if capture is not None:
         capture.version = state.version
-    return {"loaded": loaded, "weight_version": state.version, "weight_digest": state.digest}
+    return plain({"loaded": loaded, "weight_version": state.version, "weight_digest": state.digest})
 
 
 class IsoauditWorkerExtension:

@@ -1,0 +1,127 @@
+"""Generation throughput of a real vLLM engine with the rollout collector, against none, in one run.
+
+Three configurations on the same in-process engine, interleaved over several rounds (so drift in
+machine load hits them alike), median tokens/s of each:
+
+* ``none``: no collector attached (the requests still ask for ``logprobs=0``: an RL job always does);
+* ``logprobs``: the collector records every sample's logprobs, no fingerprints (``fingerprint=None``);
+* ``fp1in8``: the same plus per-region fingerprints of one request in 8 (``fingerprint=8``).
+
+``record_step`` runs inside the timed region: the collector's whole cost is measured. Targets:
+logprobs-only at most 3% slower, one-in-8 fingerprints at most 20%.
+
+    python bench/vllm_overhead.py [--rounds 5] [--prompts 32] [--max-tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+TARGETS = {"logprobs": 0.03, "fp1in8": 0.20}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=256)
+    args = parser.parse_args()
+
+    try:
+        from vllm import LLM, SamplingParams
+    except ImportError:
+        print("vllm is not installed: skipped (pip install 'isoaudit[vllm]')")
+        return 0
+    import numpy as np
+
+    import collectors.vllm as cv
+    from collectors.sinks import MemorySink
+    from collectors.tiny_models import make_tiny_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = make_tiny_model(
+            "qwen3",
+            Path(tmp) / "model",
+            num_layers=args.layers,
+            hidden=args.hidden,
+            heads=args.hidden // 32,
+            kv_heads=max(1, args.hidden // 64),
+            vocab=1024,
+            seed=0,
+            dtype="bfloat16",
+        )
+        llm = LLM(
+            model=str(path),
+            dtype="bfloat16",
+            max_model_len=512,
+            enforce_eager=True,
+            seed=0,
+            kv_cache_memory_bytes=128 << 20,
+            logprobs_mode="processed_logprobs",
+            enable_prefix_caching=False,
+        )
+        rng = np.random.default_rng(0)
+        prompts = [
+            {"prompt_token_ids": rng.integers(3, 1000, int(rng.integers(16, 96))).tolist()}
+            for _ in range(args.prompts)
+        ]
+        params = SamplingParams(
+            temperature=0.7, max_tokens=args.max_tokens, min_tokens=args.max_tokens, logprobs=0, seed=1
+        )
+        llm.generate(prompts, params, use_tqdm=False)  # warm-up
+
+        def timed(fingerprint: object | None, attach: bool, step: int) -> float:
+            handle = (
+                cv.attach(llm, run="bench", sink=MemorySink(keep=False), fingerprint=fingerprint)
+                if attach
+                else None
+            )
+            start = time.perf_counter()
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            if handle is not None:
+                handle.record_step(step, outputs)
+            elapsed = time.perf_counter() - start
+            if handle is not None:
+                stats = handle.stats()
+                if stats["errors"] or stats["missing_logprobs"] or stats["missing_engine_info"]:
+                    raise RuntimeError(f"collector problems during the bench: {stats}")
+                handle.detach()
+                handle.sink.close()
+            return sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed
+
+        configs = {"none": (None, False), "logprobs": (None, True), "fp1in8": (8, True)}
+        rates: dict[str, list[float]] = {name: [] for name in configs}
+        for r in range(args.rounds):
+            order = list(configs) if r % 2 == 0 else list(reversed(configs))
+            for name in order:
+                rates[name].append(timed(*configs[name], step=r))
+        base = statistics.median(rates["none"])
+        print(
+            f"vLLM {llm.llm_engine.vllm_config.model_config.model.split('/')[-1]}: {args.prompts} requests x "
+            f"{args.max_tokens} tokens, qwen3 {args.layers} layers hidden {args.hidden}, {args.rounds} rounds"
+        )
+        failed = False
+        for name in configs:
+            rate = statistics.median(rates[name])
+            overhead = 1.0 - rate / base
+            target = TARGETS.get(name)
+            verdict = (
+                "" if target is None else ("  ok" if overhead <= target else f"  OVER target {target:.0%}")
+            )
+            failed |= target is not None and overhead > target
+            print(f"  {name:9s} {rate:9.0f} tokens/s  overhead {overhead:+6.1%}{verdict}")
+        return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
