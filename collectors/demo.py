@@ -1,0 +1,223 @@
+"""``make demo``: one small RL-style job, end to end, on the embedded SQLite store.
+
+A tiny Qwen3 (random weights, a locally trained tokenizer) plays both parts of on-policy RL:
+
+* the **rollout engine** (isoaudit's reference engine: batched requests of different lengths, prefill,
+  then incremental decode with a KV cache) samples completions and their logprobs, with its regions
+  fingerprinted inside the engine;
+* the **trainer** recomputes the same tokens as whole sequences through the trainer collector.
+
+Both send records over real HTTP to the isoaudit service, started in this process. The service's
+worker compares each step; an alert rule fires while any token mismatches. Half way through, the
+demo sets the run's remediation mode to ``invariant`` through the control API, as the dashboard's
+toggle does; both sides learn it from their next ingest reply, switch onto :mod:`kernels`, and the
+mismatch vanishes: mean |Δ logprob| exactly 0, the alert resolves.
+
+The model runs in float32 on the CPU, where the invariant kernels run under Triton's interpreter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import httpx
+import numpy as np
+import torch
+from rich.console import Console
+from rich.table import Table
+
+# The invariant kernels run on the CPU only under Triton's interpreter; set it before any kernel launches.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from audit.api import ApiSettings, create_app  # noqa: E402
+from audit.api.live import LiveServer  # noqa: E402
+from audit.auth import create_token  # noqa: E402
+from audit.config import database_url  # noqa: E402
+from audit.records import Manifest, Run, RuntimeFacts, SampleLogprobs  # noqa: E402
+from audit.store import Store  # noqa: E402
+from collectors import trainer  # noqa: E402
+from collectors.engine_capture import EngineFingerprints  # noqa: E402
+from collectors.layout import StepBatch  # noqa: E402
+from collectors.remediation import apply_kernels_mode  # noqa: E402
+from collectors.sinks import HttpSink  # noqa: E402
+from collectors.tiny_models import load_tiny_model, make_tiny_model, tiny_corpus  # noqa: E402
+
+console = Console()
+
+#: Fires while any sampled token's logprob differs between the sides; resolves after one clean step.
+MISMATCH_RULE = {
+    "name": "demo_any_mismatch",
+    "metric": "exact_match_fraction",
+    "comparison": "<",
+    "threshold": 1.0,
+    "for": 2,
+    "keep_firing_for": 1,
+    "severity": "warning",
+    "labels": {"demo": "true"},
+}
+
+
+def prepare_model(directory: Path) -> tuple[torch.nn.Module, object]:
+    if not (directory / "config.json").exists():
+        make_tiny_model("qwen3", directory, num_layers=2, hidden=64, vocab=512, seed=0, dtype="float32")
+    model, tokenizer = load_tiny_model(directory, dtype=torch.float32)
+    return model, tokenizer
+
+
+def rollout_manifest(run_id: str, mode: str, capture: EngineFingerprints) -> Manifest:
+    return Manifest(
+        run_id=run_id,
+        side="rollout",
+        case="engine_decode",
+        process=f"demo-engine:{os.getpid()}",
+        runtime=RuntimeFacts(
+            framework="isoaudit.kernels.engine",
+            torch_version=torch.__version__,
+            device="cpu",
+            dtype="float32",
+            lm_head_dtype="float32",
+            logprobs_mode="raw_logprobs",
+            prefix_caching=False,
+            chunked_prefill=False,
+            remediation=mode,
+        ),
+        regions=[spec.name for spec in capture.specs if spec.name not in capture.unobserved],
+        unobserved=capture.unobserved,
+        weight_version="0",
+    )
+
+
+def wait_for_step(client: httpx.Client, run_id: str, step: int, timeout: float = 60.0) -> dict:
+    """Poll the API until the service's worker has compared ``step``; return its metrics row."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        rows = client.get(f"/v1/runs/{run_id}/metrics", params={"from_step": step, "to_step": step}).json()
+        if rows:
+            return rows[0]
+        time.sleep(0.1)
+    raise TimeoutError(f"step {step} of run {run_id} was not compared within {timeout}s")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="isoaudit demo: a tiny RL job, audited end to end.")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--switch-at", type=int, default=3, help="step at which remediation is switched on")
+    parser.add_argument("--samples", type=int, default=6)
+    parser.add_argument("--database-url", default=None)
+    parser.add_argument("--model-dir", default=".isoaudit/demo-model")
+    args = parser.parse_args(argv)
+
+    url = database_url(args.database_url)
+    store = Store(url)
+    model, tokenizer = prepare_model(Path(args.model_dir))
+    from kernels.adapters import HFCausalLM
+    from kernels.engine import RolloutEngine
+
+    settings = ApiSettings(database_url=url, worker_interval_s=0.05, default_alert_rules=True)
+    server = LiveServer(create_app(store, settings))
+    base = server.start()
+    token = create_token(store, "demo", name="make demo")
+    client = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {token}"}, timeout=30)
+    client.post("/v1/alert-rules", json=MISMATCH_RULE)  # 409 on a second demo: the rule is already there
+
+    run_id = "demo-" + datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
+    run = Run(
+        run_id=run_id, name="demo: tiny Qwen3, reference engine vs HF trainer", config={"dtype": "float32"}
+    )
+    spool = Path(tempfile.mkdtemp(prefix="isoaudit-demo-spool-"))
+    trainer_sink = HttpSink(base, token, spool_dir=spool / "trainer")
+    rollout_sink = HttpSink(base, token, spool_dir=spool / "rollout")
+    handle = trainer.attach(model, run=run, sink=trainer_sink, sample_every=1)
+    adapter = HFCausalLM(model)
+    capture = EngineFingerprints(adapter)
+    engine = RolloutEngine(adapter, max_len=256)
+
+    lines = tiny_corpus(n_lines=args.samples, seed=1)
+    prompts = [tokenizer(line)["input_ids"][:24] for line in lines]
+    rng = np.random.default_rng(0)
+    console.print(f"[bold]isoaudit demo[/bold]: run [cyan]{run_id}[/cyan], service at {base}, store {url}")
+    table = Table(
+        "step", "mode", "kl_k3", "mean |Δ logprob|", "exact tokens", "first divergence", "diagnoses"
+    )
+    rollout_mode, manifest_mode = "native", None
+    try:
+        for step in range(args.steps):
+            if step == args.switch_at:
+                current = client.get(f"/v1/runs/{run_id}/control").json()
+                client.put(
+                    f"/v1/runs/{run_id}/control", json={"mode": "invariant", "version": current["version"]}
+                )
+                console.print(
+                    f"step {step}: remediation set to [bold]invariant[/bold] through the control API"
+                )
+            # The rollout side applies the mode its last ingest reply carried, at this step boundary.
+            control = rollout_sink.control
+            if control is not None and control.mode != rollout_mode:
+                apply_kernels_mode(model, control.mode)
+                rollout_mode = control.mode
+            if manifest_mode != rollout_mode:
+                rollout_sink.send([rollout_manifest(run_id, rollout_mode, capture)])
+                manifest_mode = rollout_mode
+            max_new = rng.integers(8, 20, len(prompts)).tolist()
+            completions = engine.generate(prompts, max_new, seed=step)
+            tokens = [c.tokens for c in completions]
+            samples = [
+                SampleLogprobs(
+                    run_id=run_id,
+                    step=step,
+                    side="rollout",
+                    weight_version="0",
+                    prompt_len=len(p),
+                    token_ids=np.asarray(p + t, np.int32),
+                    logprobs=np.asarray(c.logprobs, np.float32),
+                )
+                for p, t, c in zip(prompts, tokens, completions, strict=True)
+            ]
+            rollout_sink.send([*samples, *capture.records(run_id, step, prompts, tokens)])
+            with torch.no_grad():
+                handle.record_step(step, StepBatch.padded(prompts, tokens), weight_version="0")
+            trainer_sink.flush()
+            rollout_sink.flush()
+            row = wait_for_step(client, run_id, step)
+            metrics = row["metrics"]
+            steps = client.get(f"/v1/runs/{run_id}/steps/{step}/samples").json()
+            firsts = sorted({s["first_divergence_region"] for s in steps if s.get("first_divergence_region")})
+            kinds = sorted({s["diagnosis"] for s in steps})
+            table.add_row(
+                str(step),
+                handle.mode,
+                f"{metrics['kl_k3']:.3g}",
+                f"{metrics['logprob_abs_diff_mean']:.3g}",
+                f"{metrics['exact_match_fraction']:.1%}",
+                ", ".join(firsts) or "—",
+                ", ".join(kinds),
+            )
+        console.print(table)
+        alerts = client.get(f"/v1/runs/{run_id}/alerts").json()
+        for alert in alerts:
+            console.print(
+                f"alert [bold]{alert['rule']}[/bold] ({alert['severity']}): {alert['state']}, "
+                f"fired at step {alert['fired_step']}, resolved at step {alert['resolved_step']}"
+            )
+        console.print(
+            f"\nExplore: [bold]isoaudit compare {run_id}[/bold]   "
+            f"(store: {url}; serve it with `isoaudit serve`)"
+        )
+    finally:
+        handle.detach()
+        capture.detach()
+        trainer_sink.close()
+        rollout_sink.close()
+        apply_kernels_mode(model, "native")
+        client.close()
+        server.stop()
+        store.dispose()
+
+
+if __name__ == "__main__":
+    main()
