@@ -110,7 +110,9 @@ def check_logprobs(model: torch.nn.Module, batch: StepBatch) -> dict[str, Any]:
     """The collector's own logprobs against the trainer's ``log_softmax(logits / T)`` on this device,
     and every region fingerprinted for every sample."""
     sink = MemorySink()
-    collector = attach(model, run="bench-check", sink=sink, keep_records=True, strict=True)
+    collector = attach(
+        model, run="bench-check", sink=sink, keep_records=True, strict=True, async_transfer=False
+    )
     with torch.no_grad():
         logits = model(**batch.model_inputs()).logits
         report = collector.record_step(0, batch)

@@ -61,6 +61,27 @@ def _logits_of(output: Any) -> torch.Tensor | None:
     return read_tap(output, Tap.FIRST)
 
 
+class _Staging:
+    """Rows of several regions of one width and dtype, copied into one buffer and fingerprinted in a
+    single call: a large model has hundreds of regions, and one call per region would spend the
+    forward on kernel launches and Python. The buffer is bounded (``group_bytes``), reused, and
+    flushed when full and at the end of the forward, so it never holds more than that."""
+
+    def __init__(self, rows: int, hidden: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.buffer = torch.empty(rows, hidden, dtype=dtype, device=device)
+        self.used = 0
+        self.parts: list[tuple[tuple[str, int], int, int]] = []
+
+    def fits(self, n: int) -> bool:
+        return self.used + n <= self.buffer.shape[0]
+
+    def add(self, key: tuple[str, int], rows: torch.Tensor) -> None:
+        n = rows.shape[0]
+        self.buffer[self.used : self.used + n].copy_(rows)
+        self.parts.append((key, self.used, n))
+        self.used += n
+
+
 class ForwardCapture:
     """Registers the hooks; ``last`` is the most recent completed capture."""
 
@@ -71,8 +92,15 @@ class ForwardCapture:
         *,
         fingerprinter: Fingerprinter = fingerprint_rows,
         should_fingerprint: Callable[[], bool] = lambda: True,
+        group_bytes: int = 64 << 20,
     ) -> None:
+        if group_bytes < 0:
+            raise ValueError(
+                f"group_bytes: must be >= 0 (0 fingerprints each region alone), got {group_bytes}"
+            )
         self.model = model
+        self.group_bytes = group_bytes
+        self._staging: dict[tuple[int, torch.dtype, torch.device], _Staging] = {}
         self.specs = list(specs)
         self.fingerprinter = fingerprinter
         self.should_fingerprint = should_fingerprint
@@ -126,6 +154,13 @@ class ForwardCapture:
         if self._depth or self.current is None:
             return
         try:
+            if self.current.fingerprinting:
+                with torch.no_grad():
+                    self._flush_all(self.current)
+        except Exception as exc:
+            self._fail("flush", exc)
+            self._flush_all_quietly(self.current)
+        try:
             self.current.logits = _logits_of(output)
             self.current.complete = True
             self.last = self.current
@@ -149,11 +184,53 @@ class ForwardCapture:
                     index = 0
                     while (spec.name, index) in capture.prints:
                         index += 1
-                    capture.prints[(spec.name, index)] = self.fingerprinter(tensor.detach())
+                    self._fingerprint(capture, (spec.name, index), tensor.detach(), spec.tap is Tap.FP32)
             except Exception as exc:
                 self._fail(spec.name, exc)
 
         return hook
+
+    def _fingerprint(self, capture: Capture, key: tuple[str, int], tensor: torch.Tensor, alone: bool) -> None:
+        """Fingerprint now (``alone``: logits, whose width is the vocabulary) or stage for a group."""
+        rows = tensor.reshape(-1, tensor.shape[-1]) if tensor.dim() else tensor.reshape(1, 1)
+        row_bytes = rows.shape[1] * rows.element_size()
+        if alone or self.group_bytes == 0 or rows.shape[0] * row_bytes > self.group_bytes:
+            capture.prints[key] = self.fingerprinter(rows)
+            return
+        slot = (rows.shape[1], rows.dtype, rows.device)
+        staging = self._staging.get(slot)
+        if staging is None:
+            staging = self._staging[slot] = _Staging(
+                self.group_bytes // row_bytes, rows.shape[1], rows.dtype, rows.device
+            )
+        if not staging.fits(rows.shape[0]):
+            self._flush(capture, staging)
+        capture.prints[key] = None  # type: ignore[assignment]  # keeps forward order; filled by _flush
+        staging.add(key, rows)
+
+    def _flush(self, capture: Capture, staging: _Staging) -> None:
+        if not staging.parts:
+            return
+        try:
+            prints = self.fingerprinter(staging.buffer[: staging.used])
+            for key, start, n in staging.parts:
+                capture.prints[key] = prints.select(slice(start, start + n))
+        finally:
+            staging.used = 0
+            staging.parts.clear()
+
+    def _flush_all(self, capture: Capture) -> None:
+        for staging in self._staging.values():
+            self._flush(capture, staging)
+        for key in [k for k, v in capture.prints.items() if v is None]:
+            del capture.prints[key]  # a failed flush: those regions are simply not recorded
+
+    def _flush_all_quietly(self, capture: Capture) -> None:
+        for staging in self._staging.values():
+            staging.used = 0
+            staging.parts.clear()
+        for key in [k for k, v in capture.prints.items() if v is None]:
+            del capture.prints[key]
 
     def _fail(self, where: str, exc: BaseException) -> None:
         self.errors += 1
@@ -178,6 +255,7 @@ class ForwardCapture:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._staging.clear()
         self.current = self.last = None
 
     @property

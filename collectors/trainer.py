@@ -21,6 +21,7 @@ once, never raised (unless ``strict=True``, for tests).
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
@@ -38,7 +39,7 @@ from collectors.manifest import ManifestTracker, runtime_signature, trainer_runt
 from collectors.regions import RegionsArg, resolve_regions
 from collectors.remediation import MODES, RemediationHook, apply_kernels_mode
 from collectors.sinks.base import Sink
-from collectors.transfer import to_host
+from collectors.transfer import HostCopy
 
 log = logging.getLogger(__name__)
 
@@ -66,10 +67,30 @@ class StepReport:
     n_fingerprint_records: int
     own_forward: bool
     records: list[Record] = field(default_factory=list)
+    deferred: bool = False  # the device copy is still under way: keys and records follow later
+
+
+@dataclass
+class _PendingStep:
+    """A recorded step whose arrays are still travelling to the host."""
+
+    step: int
+    batch: StepBatch
+    copy: HostCopy
+    version: str | None
+    ladder_bits: list[tuple[int, ...]]
+    keys: list[tuple[str, int]]
+    compacted: bool
+    head: list[Record]
 
 
 class TrainerCollector:
-    """The handle :func:`attach` returns."""
+    """The handle :func:`attach` returns.
+
+    ``async_transfer``: on CUDA, let each step's arrays travel to the host while the training step
+    goes on; their records are built at a later ``record_step`` (at most ``max_inflight`` steps
+    behind), or at ``flush``/``detach``. Off, ``record_step`` waits for the copy.
+    """
 
     def __init__(
         self,
@@ -86,6 +107,8 @@ class TrainerCollector:
         validate: bool = False,
         strict: bool = False,
         keep_records: bool = False,
+        async_transfer: bool = True,
+        max_inflight: int = 2,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
@@ -106,6 +129,11 @@ class TrainerCollector:
         self.validate = validate
         self.strict = strict
         self.keep_records = keep_records
+        if max_inflight < 0:
+            raise ValueError(f"max_inflight: must be >= 0, got {max_inflight}")
+        self.async_transfer = async_transfer
+        self.max_inflight = max_inflight
+        self._inflight: deque[_PendingStep] = deque()
         self.remediation_hook = remediation_hook
         self.counters = CollectorCounters()
         self.resolved = resolve_regions(model, regions)
@@ -196,11 +224,17 @@ class TrainerCollector:
         return {**asdict(self.counters), "hook_errors": self._capture.errors, "sink": self.sink.stats()}
 
     def flush(self, timeout: float | None = 30.0) -> bool:
+        """Finish the steps still in flight, then wait for the sink to deliver everything."""
+        self._drain(block_beyond=0)
         return self.sink.flush(timeout)
 
     def detach(self) -> None:
-        """Remove every hook; the model is then exactly as it was before :func:`attach`."""
-        self._capture.remove()
+        """Finish the steps in flight and remove every hook; the model is then exactly as it was
+        before :func:`attach`."""
+        try:
+            self._drain(block_beyond=0)
+        finally:
+            self._capture.remove()
 
     # ------------------------------------------------------------------ internals
 
@@ -271,8 +305,52 @@ class TrainerCollector:
         for i, (_, fp) in enumerate(prints.items()):
             tensors[f"p{i}.d"], tensors[f"p{i}.l"] = fp.digest, fp.ladder
             tensors[f"p{i}.s"], tensors[f"p{i}.n"], tensors[f"p{i}.m"] = fp.sketch, fp.l2, fp.maxabs
-        host = to_host(tensors)  # the step's one device-to-host transfer
+        self.counters.steps += 1
+        if own:
+            self.counters.own_forwards += 1
+        pending = _PendingStep(
+            step=step,
+            batch=batch,
+            copy=HostCopy(tensors, asynchronous=self.async_transfer),  # the step's one transfer
+            version=version,
+            ladder_bits=[fp.ladder_bits for fp in prints.values()],
+            keys=list(prints),
+            compacted=bool(prints) and capture is not None and capture.rows is not None,
+            head=records,
+        )
+        self._inflight.append(pending)
+        done = self._drain(block_beyond=self.max_inflight)
+        self._apply_control()
+        mine = done.get(id(pending))
+        if mine is not None:
+            return StepReport(step, mine[0], mine[1], own, mine[2] if self.keep_records else [])
+        return StepReport(step, [], -1, own, [], deferred=True)
 
+    def _drain(self, block_beyond: int) -> dict[int, tuple[list[str], int, list[Record]]]:
+        """Turn landed copies into records and send them, oldest first; wait for the oldest while
+        more than ``block_beyond`` are in flight. Returns what was finished, by id of the step."""
+        done: dict[int, tuple[list[str], int, list[Record]]] = {}
+        while self._inflight:
+            oldest = self._inflight[0]
+            if not oldest.copy.ready() and len(self._inflight) <= block_beyond:
+                break
+            self._inflight.popleft()
+            try:
+                done[id(oldest)] = self._finish(oldest)
+            except Exception as exc:
+                self.counters.errors += 1
+                if self.strict:
+                    raise
+                self._log_once(
+                    "finish",
+                    f"isoaudit collector: building records failed ({type(exc).__name__}: {exc}); counted",
+                )
+        return done
+
+    def _finish(self, pending: _PendingStep) -> tuple[list[str], int, list[Record]]:
+        host = pending.copy.result()
+        batch, step, version = pending.batch, pending.step, pending.version
+        records = pending.head
         tokens = sequence_tokens(batch, host["ids"])
         keys = keys_for(batch, tokens)
         lengths = [s.completion_len for s in batch.spans]
@@ -294,22 +372,18 @@ class TrainerCollector:
             weight_version=version,
             validate=self.validate,
         )
-        row_index = (
-            host["rows"].astype(np.int64)
-            if capture is not None and capture.rows is not None and prints
-            else None
-        )
+        row_index = host["rows"].astype(np.int64) if pending.compacted else None
         host_prints = {
             key: HostPrints(
                 digest=host[f"p{i}.d"].view(np.uint64),
                 ladder=host[f"p{i}.l"].view(np.uint64),
-                ladder_bits=fp.ladder_bits,
+                ladder_bits=pending.ladder_bits[i],
                 sketch=host[f"p{i}.s"],
                 l2=host[f"p{i}.n"],
                 maxabs=host[f"p{i}.m"],
                 row_index=row_index,
             )
-            for i, (key, fp) in enumerate(prints.items())
+            for i, key in enumerate(pending.keys)
         }
         fp_records = fingerprint_records(
             run_id=self.run.run_id,
@@ -323,13 +397,9 @@ class TrainerCollector:
         )
         records += fp_records
         self.sink.send(records)
-        self.counters.steps += 1
         self.counters.samples += batch.num_samples
         self.counters.fingerprint_records += len(fp_records)
-        if own:
-            self.counters.own_forwards += 1
-        self._apply_control()
-        return StepReport(step, keys, len(fp_records), own, records if self.keep_records else [])
+        return keys, len(fp_records), records
 
     def _prints_of(self, capture: Capture, batch: StepBatch) -> dict[tuple[str, int], Any]:
         rows, cols = batch.shape

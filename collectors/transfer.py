@@ -1,13 +1,17 @@
-"""One device-to-host copy per step for everything a collector keeps.
+"""One device-to-host copy per step for everything a collector keeps, without stalling the step.
 
 Each ``.cpu()`` of a CUDA tensor is a synchronisation and a small transfer; a step with every region
 fingerprinted has hundreds of small tensors. Packing them as bytes into one buffer makes that one
-copy, then numpy views split it back on the host without further copies.
+copy, then numpy views split it back on the host without further copies. On CUDA the copy goes to
+pinned memory asynchronously (:class:`HostCopy`): the training loop keeps queueing its backward
+while the bytes travel, and the collector reads them a step later (or when asked to flush).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -21,6 +25,74 @@ _NUMPY = {
     torch.uint8: np.uint8,
     torch.bool: np.bool_,
 }
+
+
+_fallback_logged = False
+
+
+def _warn_sync_fallback(exc: BaseException) -> None:
+    global _fallback_logged
+    if not _fallback_logged:
+        _fallback_logged = True
+        logging.getLogger(__name__).warning(
+            "isoaudit collector: asynchronous host copy unavailable (%s); copying synchronously", exc
+        )
+
+
+class HostCopy:
+    """``tensors`` on their way to the host: CPU ones copied at once, CUDA ones packed into one
+    buffer and copied asynchronously into pinned memory behind an event."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], *, asynchronous: bool = True) -> None:
+        self._done: dict[str, np.ndarray] = {}
+        self._items: list[tuple[str, torch.Tensor]] = []
+        self._host: torch.Tensor | None = None
+        self._device: torch.Tensor | None = None  # kept alive until the copy is done
+        self._event: Any = None
+        on_device = {k: t for k, t in tensors.items() if t.device.type == "cuda"}
+        rest = {k: t for k, t in tensors.items() if k not in on_device}
+        self._done.update(to_host(rest))
+        if not on_device:
+            return
+        if not asynchronous:
+            self._done.update(to_host(on_device))
+            return
+        for name, tensor in on_device.items():
+            if tensor.dtype not in _NUMPY:
+                raise TypeError(f"tensors[{name!r}]: dtype {tensor.dtype} cannot travel")
+            self._items.append((name, tensor.detach()))
+        try:
+            parts = [t.contiguous().reshape(-1).view(torch.uint8) for _, t in self._items]
+            self._device = torch.cat(parts)
+            self._host = torch.empty(self._device.numel(), dtype=torch.uint8, pin_memory=True)
+            self._host.copy_(self._device, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record(torch.cuda.current_stream(self._device.device))
+        except RuntimeError as exc:  # no pinned memory, say: the plain synchronous copy still works
+            _warn_sync_fallback(exc)
+            self._items, self._event, self._device = [], None, None
+            self._done.update(to_host(on_device))
+
+    def ready(self) -> bool:
+        """Has the copy landed (never blocks)?"""
+        return self._event is None or bool(self._event.query())
+
+    def result(self) -> dict[str, np.ndarray]:
+        """The numpy arrays, waiting for the copy if it is still under way."""
+        if self._event is not None:
+            self._event.synchronize()
+            assert self._host is not None
+            host = self._host.numpy()
+            offset = 0
+            for name, tensor in self._items:
+                size = tensor.numel() * tensor.element_size()
+                self._done[name] = (
+                    host[offset : offset + size].view(_NUMPY[tensor.dtype]).reshape(tuple(tensor.shape))
+                )
+                offset += size
+            self._event = self._device = None
+            self._items = []
+        return self._done
 
 
 def to_host(tensors: Mapping[str, torch.Tensor]) -> dict[str, np.ndarray]:

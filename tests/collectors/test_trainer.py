@@ -310,3 +310,34 @@ def test_manifest_on_attach_on_change_and_remediation_control(load) -> None:
     ]
     assert applied == ["invariant"]  # the same control version is applied once
     handle.detach()
+
+
+def test_steps_whose_copy_is_still_travelling_are_finished_later_in_order(load, monkeypatch) -> None:
+    """The CUDA path lets a step's arrays travel while training goes on: simulate copies that land
+    only after a few polls, and check records arrive complete, in step order, by flush at the latest."""
+    import collectors.trainer as trainer_module
+    from collectors.transfer import HostCopy
+
+    class SlowCopy(HostCopy):
+        def __init__(self, tensors, **kwargs) -> None:
+            super().__init__(tensors, **kwargs)
+            self.polls = 0
+
+        def ready(self) -> bool:
+            self.polls += 1
+            return self.polls > 3
+
+    monkeypatch.setattr(trainer_module, "HostCopy", SlowCopy)
+    model = load("qwen3")
+    sink = MemorySink()
+    handle = attach(model, run="r", sink=sink, regions=["embed"], strict=True, max_inflight=2)
+    batch = make_batch("packed", n=2)
+    reports = [handle.record_step(step, batch) for step in range(5)]
+    assert all(r.deferred for r in reports)
+    assert handle.flush(10)
+    steps = [r.step for r in sink.of_kind("sample")]
+    assert steps == sorted(steps) and steps == [s for s in range(5) for _ in range(2)]
+    assert len(sink.of_kind("fingerprints")) == 5 * 2 and handle.counters.samples == 10
+    handle.record_step(5, batch)
+    handle.detach()  # finishes what is in flight
+    assert handle.sink.flush(10) and len(sink.of_kind("sample")) == 12
