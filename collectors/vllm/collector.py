@@ -153,6 +153,8 @@ class VllmCollector:
         if not isinstance(max_rows, int) or max_rows < 0:
             raise ValueError(f"max_rows: must be an integer >= 0, got {max_rows!r}")
         selection = parse_selection(fingerprint)
+        if attached(llm) is not None:
+            raise ValueError("llm: a collector is already attached to this engine; detach() it first")
         self.link = EngineLink(llm)
         mode = str(llm.llm_engine.vllm_config.model_config.logprobs_mode)
         if mode not in SEMANTICS:
