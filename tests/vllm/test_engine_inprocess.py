@@ -58,7 +58,9 @@ def llm(tiny_qwen3: Path) -> Iterator[Any]:
 @pytest.fixture(scope="module")
 def collected(llm: Any, tiny_qwen3: Path) -> Iterator[Collected]:
     sink = MemorySink()
-    handle = cv.attach(llm, run=RUN, sink=sink, fingerprint="all", contract=IDENTITIES, strict=True, validate=True)
+    handle = cv.attach(
+        llm, run=RUN, sink=sink, fingerprint="all", contract=IDENTITIES, strict=True, validate=True
+    )
     outputs = generate(llm, prompts_of([5, 9, 17, 40]))
     handle.record_step(0, outputs)
     assert sink.flush(30)
@@ -82,8 +84,10 @@ def test_every_sample_pairs_and_the_real_mismatch_is_reported(collected: Collect
         assert comparison.diagnosis.kind == "numerical", comparison.diagnosis.sentence
         assert comparison.first_divergence is not None
         assert comparison.first_divergence[0] == comparison.diagnosis.evidence["first_divergence"]["region"]
-    print(f"\nbf16 vLLM-CPU vs HF trainer: mean |delta logprob| per sample {[f'{m:.2e}' for m in means]}, "
-          f"first divergences {sorted({c.first_divergence for c in collected.comparisons.values()})}")
+    print(
+        f"\nbf16 vLLM-CPU vs HF trainer: mean |delta logprob| per sample {[f'{m:.2e}' for m in means]}, "
+        f"first divergences {sorted({c.first_divergence for c in collected.comparisons.values()})}"
+    )
 
 
 def test_processed_logprobs_are_not_a_semantics_problem(collected: Collected) -> None:
@@ -104,7 +108,10 @@ def test_rows_map_to_their_request_and_position(collected: Collected) -> None:
         assert sorted(rows_of(r_prints[key], "embed", "engine_prefill")) == list(range(p))
         assert sorted(rows_of(r_prints[key], "embed", "engine_decode")) == list(range(p, n - 1))
         assert sorted(rows_of(r_prints[key], "logits")) == list(range(p - 1, n - 1))
-        trainer = {region: rows_of(t_prints[key], region) for region in ("embed", "layers.0.input_norm", "layers.0.attn")}
+        trainer = {
+            region: rows_of(t_prints[key], region)
+            for region in ("embed", "layers.0.input_norm", "layers.0.attn")
+        }
         # Same arithmetic on both sides (a table lookup; vLLM's native RMSNorm is HF's formula): bitwise equal
         # at every position, in prefill and in decode.
         for region in ("embed", "layers.0.input_norm"):
@@ -163,7 +170,9 @@ def test_selection_one_in_n_by_id_or_none(collected: Collected) -> None:
         handle.select(0)
 
 
-def test_refuses_to_capture_where_hooks_would_be_silently_wrong(collected: Collected, tiny_qwen3: Path) -> None:
+def test_refuses_to_capture_where_hooks_would_be_silently_wrong(
+    collected: Collected, tiny_qwen3: Path
+) -> None:
     from vllm.config import CompilationMode
 
     llm = collected.llm
@@ -219,8 +228,14 @@ def test_in_flight_weight_update(collected: Collected, tiny_qwen3: Path) -> None
     latest = max(sink.of_kind("manifest"), key=lambda m: m.created_at)
     assert (latest.weight_version, latest.weight_digest) == ("2", digest) and digest == cv.weight_digest(new)
 
-    stale = compare(trainer_side(tiny_qwen3, outputs, step=21, version="1", contract=IDENTITIES), sink, step=21)
-    fresh = compare(trainer_side(tiny_qwen3, outputs, step=21, weights=new, version="2", contract=IDENTITIES), sink, step=21)
+    stale = compare(
+        trainer_side(tiny_qwen3, outputs, step=21, version="1", contract=IDENTITIES), sink, step=21
+    )
+    fresh = compare(
+        trainer_side(tiny_qwen3, outputs, step=21, weights=new, version="2", contract=IDENTITIES),
+        sink,
+        step=21,
+    )
     assert {c.diagnosis.kind for c in stale.values()} == {"weights"}
     assert {c.diagnosis.kind for c in fresh.values()} == {"numerical"}
     # The engine really computes with the new weights (on CPU they are repacked for its GEMM kernels).
