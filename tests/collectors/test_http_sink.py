@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from audit.api.app import create_app
+from audit.api.live import LiveServer
 from audit.api.settings import ApiSettings
 from audit.auth import create_token
 from audit.store import Store
@@ -20,7 +21,6 @@ from collectors.layout import StepBatch
 from collectors.sinks import HttpSink
 from collectors.trainer import attach
 from tests.collectors.conftest import random_samples
-from tests.service.server import LiveServer
 
 RUN = "http-run"
 
