@@ -63,6 +63,9 @@ def engine(path: Path, *, processes: bool = False, **overrides: Any) -> Iterator
     from collectors.vllm import EXTENSION
 
     previous = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    # An in-process engine changes process-wide state the rest of the suite must not inherit: its CPU
+    # worker pins torch to fewer threads (and replaces torch.set_num_threads), its core freezes the GC.
+    set_threads, threads = torch.set_num_threads, torch.get_num_threads()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if processes else "0"
     envs.disable_envs_cache()  # an earlier engine froze vLLM's view of the environment
     kwargs = {**ENGINE_DEFAULTS, **overrides}
@@ -82,6 +85,9 @@ def engine(path: Path, *, processes: bool = False, **overrides: Any) -> Iterator
             else:
                 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = previous
             envs.disable_envs_cache()
+            torch.set_num_threads = set_threads
+            torch.set_num_threads(threads)
+            gc.unfreeze()
 
 
 def prompts_of(lengths: Sequence[int], seed: int = 0) -> list[list[int]]:

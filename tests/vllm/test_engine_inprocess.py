@@ -90,6 +90,22 @@ def test_every_sample_pairs_and_the_real_mismatch_is_reported(collected: Collect
     )
 
 
+def test_the_store_and_comparison_worker_pair_every_sample(collected: Collected, store: Any) -> None:
+    """The production path: both sides' records ingested (SQLite and PostgreSQL), compared by the worker."""
+    from audit.worker import ComparisonWorker
+
+    for sink in (collected.rollout, collected.trainer):
+        store.ingest([r for r in sink.records if getattr(r, "step", 0) == 0])
+    ComparisonWorker(store).run_once(RUN)
+    results = store.sample_results(RUN, 0)
+    assert {r.sample_key for r in results} == set(collected.comparisons)
+    for row in results:
+        assert row.diagnosis == "numerical" and row.first_divergence_region is not None
+        assert row.metrics["logprob_abs_diff_mean"] == pytest.approx(
+            collected.comparisons[row.sample_key].metrics["logprob_abs_diff_mean"]
+        )
+
+
 def test_processed_logprobs_are_not_a_semantics_problem(collected: Collected) -> None:
     for comparison in collected.comparisons.values():
         assert comparison.diagnosis.kind != "semantics"

@@ -370,3 +370,25 @@ def test_vllm_stays_optional() -> None:
     code = "import sys; sys.modules['vllm'] = None; import audit, collectors, collectors.vllm; print('ok')"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def test_worker_processes_need_the_extension() -> None:
+    from collectors.vllm.link import EngineLink
+
+    class SyncMPClient:  # what vLLM's multiprocess engine client is called
+        pass
+
+    def fake(extension: str, client: object) -> Any:
+        config = SimpleNamespace(parallel_config=SimpleNamespace(worker_extension_cls=extension))
+        return SimpleNamespace(
+            llm_engine=SimpleNamespace(vllm_config=config, engine_core=client), collective_rpc=None
+        )
+
+    with pytest.raises(ValueError, match="worker_extension_cls"):
+        EngineLink(fake("", SyncMPClient()))
+    assert (
+        EngineLink(fake("collectors.vllm.worker.IsoauditWorkerExtension", SyncMPClient())).mode
+        == "worker_extension"
+    )
+    with pytest.raises(TypeError, match="vllm.LLM"):
+        EngineLink(object())
