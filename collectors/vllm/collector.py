@@ -189,9 +189,7 @@ class VllmCollector:
         self.refusal: str | None = lead["refusal"]
         self.regions = sorted({name for info in infos for name in info["regions"]}, key=_order)
         hooked = set(self.regions)
-        unobserved = {k: v for info in infos for k, v in info["unobserved"].items() if k not in hooked}
-        if selection.mode == "none":
-            unobserved = {"*": "fingerprints not requested (fingerprint=None)"}
+        self._unobserved = {k: v for info in infos for k, v in info["unobserved"].items() if k not in hooked}
         self.weight_version: str | None = lead["weight_version"]
         self.weight_digest: str | None = lead["weight_digest"]
         self._trackers = {
@@ -200,7 +198,7 @@ class VllmCollector:
                 side="rollout",
                 case=case,
                 regions=self.regions,
-                unobserved=unobserved,
+                unobserved=self._unobserved_for(selection.mode),
                 contract=contract,
             )
             for case in CASES
@@ -240,8 +238,20 @@ class VllmCollector:
             return None
 
     def select(self, fingerprint: SelectionArg) -> None:
-        """Change which requests are fingerprinted from the next request the engine sees."""
-        self.link.call("select", parse_selection(fingerprint).to_wire())
+        """Change which requests are fingerprinted from the next request the engine sees (the
+        manifest follows: with ``None`` it says no region is observed, and why)."""
+        selection = parse_selection(fingerprint)
+        self.link.call("select", selection.to_wire())
+        for tracker in self._trackers.values():
+            tracker.unobserved = self._unobserved_for(selection.mode)
+        records: list[Record] = []
+        self._refresh_manifests(records)
+        self.sink.send(records)
+
+    def _unobserved_for(self, mode: str) -> dict[str, str]:
+        if mode == "none" and self.refusal is None:
+            return {"*": "fingerprints not requested (fingerprint=None)"}
+        return dict(self._unobserved)
 
     def stats(self) -> dict[str, Any]:
         """Collector counters, the engine-side counters of the last drain, and the sink's counters."""

@@ -181,6 +181,8 @@ def test_selection_one_in_n_by_id_or_none(collected: Collected) -> None:
     assert fingerprinted(11, generate(llm, prompts_of([6, 7, 8], seed=2))) == [False, True, False]
     handle.select(None)
     assert fingerprinted(12, generate(llm, prompts_of([6, 7], seed=3))) == [False, False]
+    latest = max(sink.of_kind("manifest"), key=lambda m: m.created_at)
+    assert "not requested" in latest.unobserved["*"]  # the manifest says why nothing is observed
     handle.select("all")
     with pytest.raises(ValueError, match="fingerprint"):
         handle.select(0)
