@@ -197,7 +197,10 @@ class Sink(ABC):
         spool for the next process over the same directory (or is counted dropped without one)."""
         delivered = self.flush(timeout)
         self._stop.set()
-        self._queue.put(_STOP)
+        try:
+            self._queue.put_nowait(_STOP)  # only wakes the worker; it also polls the stop flag
+        except queue.Full:
+            pass
         self._thread.join(timeout=max(5.0, timeout or 0.0))
         self._close_destination()
         return delivered
