@@ -115,6 +115,7 @@ class _Member:
 
     trace: RequestTrace
     index: int  # position in the batch (its logits row)
+    row: int  # position among the forward's selected requests (its row of the selected logits)
     first: int
     count: int
     decode: bool
@@ -130,7 +131,15 @@ class _Forward:
     index: torch.Tensor | None  # flat rows of the selected requests, concatenated in batch order
     logits_index: torch.Tensor | None  # their batch indices (logits rows)
     positions: torch.Tensor | None  # the forward's own positions of those rows
-    pending: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    # Hidden-state regions write their selected rows straight into one staging tensor
+    # [slots, selected rows, width] (no small allocations, one tensor per step to concatenate).
+    stage: torch.Tensor | None = None
+    filled: list[int] = field(default_factory=list)  # regions written into the stage
+    pending: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # logits, and odd shapes
+
+    @property
+    def selected_rows(self) -> int:
+        return int(self.index.numel()) if self.index is not None else 0
 
 
 def _sampling(params: Any) -> tuple[float, int | None, float | None]:
@@ -148,39 +157,40 @@ class _Unmappable(Exception):
     """A region's rows do not correspond to the forward's layout."""
 
 
-def _selected_rows(output: Any, tap: Tap, index: torch.Tensor, rows: int, exact: bool) -> torch.Tensor | None:
-    """The tap's tensor at the selected rows only, as a copy (vLLM's fused norms later overwrite
-    the module outputs in place). Rows are selected *before* the tap's arithmetic: a decoder
-    layer's hidden + residual is then added on a few rows, not on the whole batch; elementwise, the
-    bits are the same. ``rows``: how many rows the output must have (at least, or ``exact``ly)."""
-
-    def check(tensor: torch.Tensor) -> torch.Tensor:
-        tensor = tensor.reshape(-1, tensor.shape[-1])
-        if tensor.shape[0] < rows or (exact and tensor.shape[0] != rows):
-            raise _Unmappable
-        return tensor
-
+def _tap_parts(output: Any, tap: Tap, rows: int, exact: bool) -> list[torch.Tensor]:
+    """The tensors a tap reads, as [rows, width]: the first, or the first two for a SUM tap.
+    ``rows``: how many rows the output must have (at least, or ``exact``ly)."""
     if tap is Tap.SUM:
-        parts = [
+        found = [
             t
             for t in (output if isinstance(output, tuple | list) else (output,))
             if isinstance(t, torch.Tensor)
         ]
-        if not parts:
-            return None
-        picked = [check(p) for p in parts[:2]]
-        index = index.to(picked[0].device)
-        return (
-            picked[0].index_select(0, index) + picked[1].index_select(0, index)
-            if len(picked) > 1
-            else picked[0].index_select(0, index)
-        )
-    tensor = read_tap(output, Tap.FIRST)
-    if tensor is None:
-        return None
-    tensor = check(tensor)
-    selected = tensor.index_select(0, index.to(tensor.device))
-    return selected.float() if tap is Tap.FP32 else selected
+        parts = found[:2]
+    else:
+        first = read_tap(output, Tap.FIRST)
+        parts = [first] if first is not None else []
+    parts = [p.reshape(-1, p.shape[-1]) for p in parts]
+    for part in parts:
+        if part.shape[0] < rows or (exact and part.shape[0] != rows):
+            raise _Unmappable
+    return parts
+
+
+def _select(
+    parts: Sequence[torch.Tensor], index: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The tap's value at the selected rows only, as a copy (vLLM's fused norms later overwrite the
+    module outputs in place). Rows are selected *before* a SUM tap adds hidden + residual: the add
+    then runs on a few rows, not the whole batch; elementwise, the bits are the same."""
+    index = index.to(parts[0].device)
+    if out is None:
+        out = parts[0].index_select(0, index)
+    else:
+        torch.index_select(parts[0], 0, index, out=out)
+    if len(parts) > 1:
+        out.add_(parts[1].index_select(0, index))
+    return out
 
 
 def _positions_arg(args: Sequence[Any], kwargs: dict[str, Any]) -> torch.Tensor | None:
@@ -219,6 +229,9 @@ class EngineCapture:
         self.max_rows = max_rows
         self.flush_bytes = flush_bytes
         self.fingerprinter = fingerprinter
+        hidden = [i for i, spec in enumerate(self.specs) if spec.name != "logits"]
+        self._slots = {region: slot for slot, region in enumerate(hidden)}
+        self._slots_count = max(1, len(hidden))
         self.version: str | None = None
         self.counters = CaptureCounters()
         self.traces: OrderedDict[str, RequestTrace] = OrderedDict()
@@ -289,11 +302,11 @@ class EngineCapture:
         steps costs far less than one per step (and, on a GPU, does not synchronise every step)."""
         self._in_step = False
         fwd, self._fwd = self._fwd, None
-        if fwd is None or not fwd.pending:
+        if fwd is None or not (fwd.pending or fwd.filled):
             return
         try:
-            hidden = sum(1 for i, _ in fwd.pending if self.specs[i].name != "logits")
-            logits = len(fwd.pending) - hidden
+            logits = sum(1 for i, _ in fwd.pending if self.specs[i].name == "logits")
+            hidden = len(fwd.filled) + len(fwd.pending) - logits
             kept = []
             for member in fwd.members:
                 needed = member.count * hidden + logits
@@ -313,7 +326,10 @@ class EngineCapture:
                     member.positions = host[member.first : member.first + member.count].astype(np.int64)
                 fwd.positions = None
             self._unprinted.append(fwd)
-            self._unprinted_bytes += sum(t.numel() * t.element_size() for _, t in fwd.pending)
+            staged = [fwd.stage] if fwd.stage is not None else []
+            self._unprinted_bytes += sum(
+                t.numel() * t.element_size() for t in staged + [t for _, t in fwd.pending]
+            )
             if self._unprinted_bytes >= self.flush_bytes:
                 self.flush()
         except Exception as exc:
@@ -335,7 +351,7 @@ class EngineCapture:
                 if trace.selected and self.refusal is None:
                     a, b = layout.rows(i)
                     decode = layout.case(i, trace.prompt_len) == "engine_decode"
-                    members.append(_Member(trace, i, first, b - a, decode, None))
+                    members.append(_Member(trace, i, len(members), first, b - a, decode, None))
                     first += b - a
             if not members or not self.specs:
                 self._fwd = _Forward(layout, [], None, None, None)
@@ -369,11 +385,27 @@ class EngineCapture:
                 return
             try:
                 if logits:  # one logits row per request, in batch order (no speculative decoding)
-                    rows = _selected_rows(output, spec.tap, fwd.logits_index, len(fwd.layout.req_ids), True)  # type: ignore[arg-type]
+                    parts = _tap_parts(output, spec.tap, len(fwd.layout.req_ids), True)
+                    if parts:
+                        fwd.pending.append((i, _select(parts, fwd.logits_index).float()))  # type: ignore[arg-type]
+                    return
+                parts = _tap_parts(output, spec.tap, fwd.layout.num_tokens, False)
+                if not parts:
+                    return
+                first = parts[0]
+                if fwd.stage is None:
+                    shape = (self._slots_count, fwd.selected_rows, first.shape[-1])
+                    fwd.stage = torch.empty(shape, dtype=first.dtype, device=first.device)
+                stage = fwd.stage
+                if (stage.dtype, stage.shape[-1], stage.device) == (
+                    first.dtype,
+                    first.shape[-1],
+                    first.device,
+                ):
+                    _select(parts, fwd.index, out=stage[self._slots[i]])  # type: ignore[arg-type]
+                    fwd.filled.append(i)
                 else:
-                    rows = _selected_rows(output, spec.tap, fwd.index, fwd.layout.num_tokens, False)  # type: ignore[arg-type]
-                if rows is not None:
-                    fwd.pending.append((i, rows))
+                    fwd.pending.append((i, _select(parts, fwd.index)))  # type: ignore[arg-type]
             except _Unmappable:
                 self.counters.unmappable += 1
                 self._log_once(
@@ -447,17 +479,25 @@ class EngineCapture:
         steps = [s for s in steps if any(self._live(m.trace) for m in s.members)]
         if not steps:
             return
-        groups: dict[tuple[torch.dtype, int, bool], list[tuple[int, int, torch.Tensor]]] = {}
+        # Chunks to fingerprint, grouped by (dtype, width, logits?): (step, tensor, [(region, row offset)]).
+        groups: dict[
+            tuple[torch.dtype, int, bool], list[tuple[int, torch.Tensor, list[tuple[int, int]]]]
+        ] = {}
         for k, step in enumerate(steps):
+            if step.stage is not None and step.filled:
+                n = step.selected_rows
+                stage = step.stage.reshape(-1, step.stage.shape[-1])
+                entries = [(region, self._slots[region] * n) for region in step.filled]
+                groups.setdefault((stage.dtype, int(stage.shape[-1]), False), []).append((k, stage, entries))
             for region, rows in step.pending:
                 key = (rows.dtype, int(rows.shape[-1]), self.specs[region].name == "logits")
-                groups.setdefault(key, []).append((k, region, rows))
+                groups.setdefault(key, []).append((k, rows, [(region, 0)]))
         tensors: dict[str, torch.Tensor] = {}
-        # per step: per group: (regions, offsets)
+        # per step: per group: (regions, row offsets in the group's concatenation)
         where: list[dict[int, tuple[list[int], list[int]]]] = [{} for _ in steps]
         bits: list[tuple[int, ...]] = []
         for g, items in enumerate(groups.values()):
-            stacked = torch.cat([rows for _, _, rows in items]) if len(items) > 1 else items[0][2]
+            stacked = torch.cat([rows for _, rows, _ in items]) if len(items) > 1 else items[0][1]
             prints = self.fingerprinter(stacked)
             bits.append(prints.ladder_bits)
             tensors.update(
@@ -469,12 +509,13 @@ class EngineCapture:
                     f"{g}.m": prints.maxabs,
                 }
             )
-            offset = 0
-            for k, region, rows in items:
+            base = 0
+            for k, rows, entries in items:
                 regions, offsets = where[k].setdefault(g, ([], []))
-                regions.append(region)
-                offsets.append(offset)
-                offset += int(rows.shape[0])
+                for region, offset in entries:
+                    regions.append(region)
+                    offsets.append(base + offset)
+                base += int(rows.shape[0])
         for k, step in enumerate(steps):
             if step.positions is not None:
                 tensors[f"pos{k}"] = step.positions
@@ -493,20 +534,24 @@ class EngineCapture:
         logits_group = [key[2] for key in groups]
         self.counters.fingerprinted_forwards += len(steps)
         for k, step in enumerate(steps):
-            for j, member in enumerate(step.members):
+            filed = [
+                (g, tuple(regions), np.asarray(offsets, dtype=np.int64))
+                for g, (regions, offsets) in where[k].items()
+            ]
+            for member in step.members:
                 if not self._live(member.trace):
                     continue
                 positions = member.positions
                 if positions is None:
                     positions = host[f"pos{k}"][member.first : member.first + member.count].astype(np.int64)
-                for g, (regions, offsets) in where[k].items():
+                for g, regions, offsets in filed:
                     logits = logits_group[g]
                     member.trace.pieces.append(
                         _Piece(
                             blocks[g],
-                            tuple(regions),
-                            np.asarray(offsets, dtype=np.int64),
-                            j if logits else member.first,
+                            regions,
+                            offsets,
+                            member.row if logits else member.first,
                             1 if logits else member.count,
                             positions[-1:] if logits else positions,
                             member.decode,

@@ -192,7 +192,7 @@ def test_capture_maps_prefill_chunks_and_decode_rows_to_positions() -> None:
     drive = Driver(runner, capture)
     drive.step({"a-0123abcd": (0, 3), "b-89abcdef": (0, 3)})  # a: first chunk; b: whole prompt
     drive.step({"b-89abcdef": (3, 1), "a-0123abcd": (3, 2)})  # b decodes while a finishes its prompt
-    drive.step({"a-0123abcd": (5, 1), "b-89abcdef": (4, 1)})
+    last = drive.step({"b-89abcdef": (4, 1), "a-0123abcd": (5, 1)})  # logits rows in batch order: b, a
     out = capture.drain(["a", "b", "zz"])
     assert out["missing"] == ["zz"] and out["counters"]["errors"] == 0
     a, b = out["requests"]["a"], out["requests"]["b"]
@@ -201,6 +201,7 @@ def test_capture_maps_prefill_chunks_and_decode_rows_to_positions() -> None:
     assert sorted(_rows(a, "embed", "engine_decode")) == [5]
     assert sorted(_rows(b, "embed", "engine_decode")) == [3, 4]
     assert sorted(_rows(a, "logits")) == [2, 4, 5]  # the last row of each forward: chunk ends and decode
+    assert _rows(b, "logits")[4] == fingerprint_rows(last[0:1].float()).digest.numpy().view(np.uint64)[0]
     # Each row is the one of its own token: the embedding digest of token t at position p.
     embed = runner.model.model.embed_tokens.weight.detach()
     for req, payload in (("a-0123abcd", a), ("b-89abcdef", b)):
@@ -242,6 +243,16 @@ def test_buffers_are_bounded_and_drops_counted() -> None:
     drive.step({"x-00000000": (0, 4)})  # 4 rows x 7 regions + 1 logits row > 20
     out = tight.drain(["x"])["requests"]["x"]
     assert out["truncated"] and out["prints"] == [] and tight.counters.dropped_rows == 29
+    # Room for the first of two requests only: the second is dropped, the first keeps the right rows.
+    pair = FakeRunner()
+    pair.add("y-00000000", [1, 2])
+    pair.add("z-00000001", [3, 4])
+    room = _capture(pair, max_rows=2 * 7 + 1)
+    logits = Driver(pair, room).step({"y-00000000": (0, 2), "z-00000001": (0, 2)})
+    out = room.drain(["y", "z"])["requests"]
+    assert out["z"]["truncated"] and out["z"]["prints"] == [] and not out["y"]["truncated"]
+    want = fingerprint_rows(logits[0:1].float()).digest.numpy().view(np.uint64).tolist()
+    assert _rows(out["y"], "logits") == {1: want[0]}
 
 
 def test_recomputed_positions_keep_the_latest_rows() -> None:
