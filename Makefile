@@ -14,7 +14,7 @@ $(VENV)/.base: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[hf,dashboard,postgres]'
+	$(PIP) install -q -e '.[hf,dashboard,postgres,kernels]'
 	touch $@
 
 # The test environment adds the real vLLM (CPU build), whose dependencies drag in PyPI builds of
@@ -33,7 +33,7 @@ system-deps:
 	fi
 
 demo: $(VENV)/.base
-	$(PY) -m audit.demo
+	$(PY) -m collectors.demo
 
 test: $(VENV)/.test
 	ISOAUDIT_TEST_POSTGRES_URL=$(PG_URL) $(PY) -m pytest -q

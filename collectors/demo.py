@@ -19,6 +19,7 @@ The model runs in float32 on the CPU, where the invariant kernels run under Trit
 from __future__ import annotations
 
 import argparse
+import sys
 import os
 import tempfile
 import time
@@ -47,7 +48,7 @@ from collectors.remediation import apply_kernels_mode  # noqa: E402
 from collectors.sinks import HttpSink  # noqa: E402
 from collectors.tiny_models import load_tiny_model, make_tiny_model, tiny_corpus  # noqa: E402
 
-console = Console()
+console = Console(width=None if sys.stdout.isatty() else 140)
 
 #: Fires while any sampled token's logprob differs between the sides; resolves after one clean step.
 MISMATCH_RULE = {
@@ -103,7 +104,8 @@ def wait_for_step(client: httpx.Client, run_id: str, step: int, timeout: float =
     raise TimeoutError(f"step {step} of run {run_id} was not compared within {timeout}s")
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> list[dict]:
+    """Run the demo; return one row per step (mode, step metrics, diagnoses, first divergences)."""
     parser = argparse.ArgumentParser(description="isoaudit demo: a tiny RL job, audited end to end.")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--switch-at", type=int, default=3, help="step at which remediation is switched on")
@@ -145,6 +147,7 @@ def main(argv: list[str] | None = None) -> None:
         "step", "mode", "kl_k3", "mean |Δ logprob|", "exact tokens", "first divergence", "diagnoses"
     )
     rollout_mode, manifest_mode = "native", None
+    results: list[dict] = []
     try:
         for step in range(args.steps):
             if step == args.switch_at:
@@ -188,6 +191,9 @@ def main(argv: list[str] | None = None) -> None:
             steps = client.get(f"/v1/runs/{run_id}/steps/{step}/samples").json()
             firsts = sorted({s["first_divergence_region"] for s in steps if s.get("first_divergence_region")})
             kinds = sorted({s["diagnosis"] for s in steps})
+            results.append(
+                {"step": step, "mode": handle.mode, "metrics": metrics, "diagnoses": kinds, "first": firsts}
+            )
             table.add_row(
                 str(step),
                 handle.mode,
@@ -208,6 +214,7 @@ def main(argv: list[str] | None = None) -> None:
             f"\nExplore: [bold]isoaudit compare {run_id}[/bold]   "
             f"(store: {url}; serve it with `isoaudit serve`)"
         )
+        return results
     finally:
         handle.detach()
         capture.detach()

@@ -4,6 +4,9 @@ Only the rows that predict a completion token are gathered before the softmax, s
 costs nothing here. When every sample shares one temperature the division is by that Python float,
 exactly the ``log_softmax(logits / T)`` a trainer writes (on CUDA, dividing by a scalar and by a
 tensor of the same value can round differently).
+
+While the invariant kernels are on (remediation mode ``invariant``), the log-softmax is theirs, so the
+trainer's logprobs are the same arithmetic as an engine running :func:`kernels.routing.token_logprobs`.
 """
 
 from __future__ import annotations
@@ -41,4 +44,10 @@ def processed_logprobs(
     else:
         per_token = torch.from_numpy(temps[sample_of_token].astype(np.float32)).to(device)
         scaled = rows / per_token[:, None]
-    return torch.log_softmax(scaled, dim=-1).gather(1, targets[:, None]).squeeze(1)
+    return _log_softmax(scaled).gather(1, targets[:, None]).squeeze(1)
+
+
+def _log_softmax(rows: torch.Tensor) -> torch.Tensor:
+    from kernels import logprobs as invariant, routing
+
+    return invariant.log_softmax(rows) if routing.is_enabled() else torch.log_softmax(rows, dim=-1)

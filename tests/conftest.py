@@ -9,6 +9,11 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+# Without CUDA the invariant kernels run under Triton's interpreter, which only works when the variable
+# is set before anything imports triton (vLLM and transformers may): hence here, first of all.
+if not os.environ.get("CUDA_VISIBLE_DEVICES") and not os.path.exists("/dev/nvidia0"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 if TYPE_CHECKING:
     from audit.store import Store
 
