@@ -19,8 +19,8 @@ The model runs in float32 on the CPU, where the invariant kernels run under Trit
 from __future__ import annotations
 
 import argparse
-import sys
 import os
+import sys
 import tempfile
 import time
 from datetime import UTC, datetime

@@ -48,6 +48,7 @@ def processed_logprobs(
 
 
 def _log_softmax(rows: torch.Tensor) -> torch.Tensor:
-    from kernels import logprobs as invariant, routing
+    from kernels import logprobs as invariant
+    from kernels import routing
 
     return invariant.log_softmax(rows) if routing.is_enabled() else torch.log_softmax(rows, dim=-1)
