@@ -223,7 +223,7 @@ class EngineCapture:
         self.runner = runner
         self.model = model
         self.specs = list(specs)
-        self.selection = selection
+        self._selection = selection
         self.refusal = refusal
         self.max_requests = max_requests
         self.max_rows = max_rows
@@ -244,6 +244,7 @@ class EngineCapture:
         self._unprinted_bytes = 0
         self._logged: set[str] = set()
         self._handles: list[RemovableHandle] = []
+        self._region_handles: list[RemovableHandle] = []
         self._original_execute: Callable[..., Any] | None = None
         self._install()
 
@@ -262,16 +263,45 @@ class EngineCapture:
 
         self.runner.execute_model = execute_model  # an instance attribute: removed on detach
         self._handles.append(self.model.register_forward_pre_hook(self._open, with_kwargs=True))
-        if self.refusal is None:
+        self._sync_region_hooks()
+
+    def _sync_region_hooks(self) -> None:
+        """Region hooks exist only while some request can be selected: logprobs-only collection then
+        costs the engine one pre-hook per forward and nothing per region."""
+        wanted = (
+            self.refusal is None
+            and bool(self.specs)
+            and (
+                self._selection.mode != "none"
+                or any(t.selected and not t.finished for t in self.traces.values())  # they keep their choice
+            )
+        )
+        if wanted and not self._region_handles:
             for i, spec in enumerate(self.specs):
                 module = self.model.get_submodule(spec.module)
-                self._handles.append(module.register_forward_hook(self._region_hook(i, spec)))
+                self._region_handles.append(module.register_forward_hook(self._region_hook(i, spec)))
+        elif not wanted:
+            for handle in self._region_handles:
+                handle.remove()
+            self._region_handles.clear()
+
+    @property
+    def selection(self) -> Selection:
+        return self._selection
+
+    @selection.setter
+    def selection(self, selection: Selection) -> None:
+        """Applies to requests the engine has not seen yet (a request keeps its first choice)."""
+        self._selection = selection
+        if self._original_execute is not None:
+            self._sync_region_hooks()
 
     def remove(self) -> None:
         """Remove every hook and restore ``execute_model``."""
-        for handle in self._handles:
+        for handle in self._handles + self._region_handles:
             handle.remove()
         self._handles.clear()
+        self._region_handles.clear()
         if self._original_execute is not None and "execute_model" in vars(self.runner):
             del self.runner.execute_model
         self._original_execute = None
@@ -290,6 +320,8 @@ class EngineCapture:
         self._fwd = None
         try:
             self.counters.steps += 1
+            if self._region_handles and self._selection.mode == "none":
+                self._sync_region_hooks()
             for req_id in getattr(scheduler_output, "finished_req_ids", ()) or ():
                 trace = self.traces.get(req_id)
                 if trace is not None:

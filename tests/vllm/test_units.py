@@ -221,6 +221,10 @@ def test_selected_requests_only_and_hooks_removed() -> None:
     out = capture.drain(["r0", "r1", "r2"])["requests"]
     assert [bool(out[r]["prints"]) for r in ("r0", "r1", "r2")] == [True, False, True]
     assert [out[r]["selected"] for r in ("r0", "r1", "r2")] == [True, False, True]
+    capture.selection = parse_selection(None)  # logprobs only: no region hooks at all
+    assert not any(m._forward_hooks for m in runner.model.modules())
+    capture.selection = parse_selection("all")
+    assert runner.model.model.embed_tokens._forward_hooks
     capture.remove()
     assert "execute_model" not in vars(runner)
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in runner.model.modules())
