@@ -73,7 +73,9 @@ def test_outage_mid_run_spools_and_everything_arrives_once(load, store: Store, t
             step(i)
         assert not sink.flush(1.0)  # nothing can arrive now
         assert sink.counters.spooled > 0 and sink.counters.dropped == 0
-        assert max(step_times[3:]) < healthy + 0.5  # the loop kept its pace
+        assert (
+            max(step_times[3:]) < healthy + 1.5
+        )  # the loop kept its pace (a stall would be the 2 s timeout, retried)
 
         server.start()
         assert sink.flush(30), sink.stats()

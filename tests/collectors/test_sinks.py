@@ -65,7 +65,7 @@ def test_send_never_blocks_and_counts_what_a_full_queue_drops() -> None:
     records = [factories.sample(seed=i) for i in range(10)]
     started = time.perf_counter()
     sink.send(records)  # one in flight (blocked), two queued, the rest dropped
-    assert time.perf_counter() - started < 0.5
+    assert time.perf_counter() - started < 1.0  # never waits for the blocked delivery
     time.sleep(0.1)
     sink.send(records[:1])
     sink.gate.set()
