@@ -142,6 +142,10 @@ class _Forward:
         return int(self.index.numel()) if self.index is not None else 0
 
 
+#: The forward in flight when nothing of it is recorded (hooks return at once on it).
+_IDLE = _Forward(ForwardRows((), np.zeros(1, np.int64), np.zeros(0, np.int64)), [], None, None, None)
+
+
 def _sampling(params: Any) -> tuple[float, int | None, float | None]:
     if params is None:
         return 1.0, None, None
@@ -240,6 +244,9 @@ class EngineCapture:
         self._ordinal = 0
         self._in_step = False
         self._fwd: _Forward | None = None
+        self._last_ids: list[str] = []
+        self._last_version: str | None = None
+        self._last_selected = False
         self._unprinted: list[_Forward] = []
         self._unprinted_bytes = 0
         self._logged: set[str] = set()
@@ -334,7 +341,7 @@ class EngineCapture:
         steps costs far less than one per step (and, on a GPU, does not synchronise every step)."""
         self._in_step = False
         fwd, self._fwd = self._fwd, None
-        if fwd is None or not (fwd.pending or fwd.filled):
+        if fwd is None or fwd is _IDLE or not (fwd.pending or fwd.filled):
             return
         try:
             logits = sum(1 for i, _ in fwd.pending if self.specs[i].name == "logits")
@@ -374,19 +381,30 @@ class EngineCapture:
             return  # a warm-up/dummy forward, or a nested call of the root
         try:
             self.counters.forwards += 1
+            batch = self.runner.input_batch
+            ids = batch.req_ids[: int(batch.num_reqs)]
+            # Decode steps repeat the same batch: bookkeeping only when it (or the weights) changed.
+            if ids != self._last_ids or self.version != self._last_version:
+                self._last_ids, self._last_version, self._last_selected = list(ids), self.version, False
+                for req_id in ids:
+                    trace = self.traces.get(req_id) or self._register(req_id)
+                    trace.last_version = self.version
+                    self._last_selected |= trace.selected
+            if not (self._last_selected and self._region_handles):
+                self._fwd = _IDLE
+                return
             layout = read_forward_rows(self.runner)
             members: list[_Member] = []
             first = 0
             for i, req_id in enumerate(layout.req_ids):
                 trace = self.traces.get(req_id) or self._register(req_id)
-                trace.last_version = self.version
-                if trace.selected and self.refusal is None:
+                if trace.selected:
                     a, b = layout.rows(i)
                     decode = layout.case(i, trace.prompt_len) == "engine_decode"
                     members.append(_Member(trace, i, len(members), first, b - a, decode, None))
                     first += b - a
-            if not members or not self.specs:
-                self._fwd = _Forward(layout, [], None, None, None)
+            if not members:
+                self._fwd = _IDLE
                 return
             rows = np.concatenate([np.arange(*layout.rows(m.index)) for m in members])
             positions = _positions_arg(args, kwargs)
