@@ -510,7 +510,11 @@ class Store:
         values = {"mode": mode, "version": version + 1, "updated_at": now, "updated_by": updated_by}
         with self.sessions.begin() as session:
             if version == 0:
-                stmt = self._insert(RunControlRow.__table__).values(run_id=run_id, **values).on_conflict_do_nothing()
+                stmt = (
+                    self._insert(RunControlRow.__table__)
+                    .values(run_id=run_id, **values)
+                    .on_conflict_do_nothing()
+                )
             else:
                 stmt = (
                     update(RunControlRow.__table__)

@@ -38,8 +38,10 @@ def record(case: str, shape: str, native_ms: float, ours_ms: float, target: floa
     row = dict(case=case, shape=shape, native_ms=native_ms, invariant_ms=ours_ms, ratio=ratio, target=target)
     ROWS.append(row)
     tgt = f"  (target <= {target:.2f}x: {'met' if ratio <= target else 'MISSED'})" if target else ""
-    print(f"{case:<28} {shape:<34} native {native_ms:9.4f} ms   invariant {ours_ms:9.4f} ms   {ratio:5.2f}x{tgt}",
-          flush=True)
+    print(
+        f"{case:<28} {shape:<34} native {native_ms:9.4f} ms   invariant {ours_ms:9.4f} ms   {ratio:5.2f}x{tgt}",
+        flush=True,
+    )
 
 
 def bench_gemm() -> None:
@@ -48,8 +50,13 @@ def bench_gemm() -> None:
     for m in (1, 64, 2048, 8192):
         a = torch.randn(m, k, device="cuda").bfloat16()
         wt = w.T
-        record("gemm", f"M={m} N={n} K={k}", bench(lambda: torch.mm(a, wt)), bench(lambda: gemm(a, w)),
-               1.25 if m >= 2048 else None)
+        record(
+            "gemm",
+            f"M={m} N={n} K={k}",
+            bench(lambda: torch.mm(a, wt)),
+            bench(lambda: gemm(a, w)),
+            1.25 if m >= 2048 else None,
+        )
 
 
 def bench_tune() -> None:
@@ -61,8 +68,16 @@ def bench_tune() -> None:
     for m in (2048, 8192):
         a = torch.randn(m, k, device="cuda").bfloat16()
         base = bench(lambda: torch.mm(a, w.T))
-        for c in [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 128, 64, 4, 4), (128, 128, 64, 8, 4),
-                  (256, 128, 64, 8, 3), (128, 256, 32, 8, 4), (128, 128, 128, 8, 3), (64, 256, 64, 4, 4)]:
+        for c in [
+            (128, 256, 64, 8, 3),
+            (128, 256, 64, 8, 4),
+            (128, 128, 64, 4, 4),
+            (128, 128, 64, 8, 4),
+            (256, 128, 64, 8, 3),
+            (128, 256, 32, 8, 4),
+            (128, 128, 128, 8, 3),
+            (64, 256, 64, 4, 4),
+        ]:
             cfg = GemmConfig(*c)
             try:
                 t = bench(lambda: gemm(a, w, config=cfg))
@@ -80,9 +95,21 @@ def bench_tune() -> None:
     qd = torch.randn(bd, hq, d, device="cuda").bfloat16()
     kd = torch.randn(bd, 4096, hkv, d, device="cuda").bfloat16()
     vd = torch.randn(bd, 4096, hkv, d, device="cuda").bfloat16()
-    cud, p0d, kld = torch.arange(bd + 1, **i32), torch.full((bd,), 4095, **i32), torch.full((bd,), 4096, **i32)
-    for c in [(64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 128, 8, 3),
-              (128, 64, 4, 3), (64, 64, 8, 3)]:
+    cud, p0d, kld = (
+        torch.arange(bd + 1, **i32),
+        torch.full((bd,), 4095, **i32),
+        torch.full((bd,), 4096, **i32),
+    )
+    for c in [
+        (64, 64, 4, 2),
+        (64, 64, 4, 3),
+        (64, 128, 4, 3),
+        (128, 64, 8, 3),
+        (128, 128, 8, 3),
+        (64, 128, 8, 3),
+        (128, 64, 4, 3),
+        (64, 64, 8, 3),
+    ]:
         try:
             tp = bench(lambda: attention(q, kk, vv, cu, p0, kl, config=c))
             td = bench(lambda: attention(qd, kd, vd, cud, p0d, kld, config=c))
@@ -103,15 +130,24 @@ def bench_rmsnorm() -> None:
             return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
 
         record("rmsnorm (HF torch)", f"T={t} D={d}", bench(native), bench(lambda: rms_norm(x, w)))
-        record("rmsnorm (F.rms_norm)", f"T={t} D={d}", bench(lambda: F.rms_norm(x, (d,), w, 1e-6)),
-               bench(lambda: rms_norm(x, w)))
+        record(
+            "rmsnorm (F.rms_norm)",
+            f"T={t} D={d}",
+            bench(lambda: F.rms_norm(x, (d,), w, 1e-6)),
+            bench(lambda: rms_norm(x, w)),
+        )
 
         def native_fused() -> torch.Tensor:
             s = x + r
             h = s.float()
             return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
 
-        record("rmsnorm+residual (HF)", f"T={t} D={d}", bench(native_fused), bench(lambda: rms_norm(x, w, residual=r)))
+        record(
+            "rmsnorm+residual (HF)",
+            f"T={t} D={d}",
+            bench(native_fused),
+            bench(lambda: rms_norm(x, w, residual=r)),
+        )
 
 
 def bench_attention() -> None:
@@ -129,8 +165,13 @@ def bench_attention() -> None:
         def sdpa() -> torch.Tensor:
             return F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
 
-        record("attention prefill", f"B={b} L={n} H={hq}/{hkv} D={d}", bench(sdpa),
-               bench(lambda: attention(qp, k, v, cu, pos0, kvl)), 1.5)
+        record(
+            "attention prefill",
+            f"B={b} L={n} H={hq}/{hkv} D={d}",
+            bench(sdpa),
+            bench(lambda: attention(qp, k, v, cu, pos0, kvl)),
+            1.5,
+        )
     for b, n in ((8, 4096), (32, 4096), (64, 2048)):
         q = torch.randn(b, 1, hq, d, device="cuda").bfloat16()
         k = torch.randn(b, n, hkv, d, device="cuda").bfloat16()
@@ -143,13 +184,18 @@ def bench_attention() -> None:
         def sdpa_dec() -> torch.Tensor:
             return F.scaled_dot_product_attention(qs, ks, vs, enable_gqa=True)
 
-        record("attention decode", f"B={b} ctx={n} H={hq}/{hkv} D={d}", bench(sdpa_dec),
-               bench(lambda: attention(qp, k, v, cu, pos0, kvl)), 1.5)
+        record(
+            "attention decode",
+            f"B={b} ctx={n} H={hq}/{hkv} D={d}",
+            bench(sdpa_dec),
+            bench(lambda: attention(qp, k, v, cu, pos0, kvl)),
+            1.5,
+        )
 
 
 def _gdn_inputs(b: int, n: int, h: int, d: int, grad: bool = False):
     t = b * n
-    q = F.normalize(torch.randn(t, h, d, device="cuda"), dim=-1).bfloat16() * d ** -0.5
+    q = F.normalize(torch.randn(t, h, d, device="cuda"), dim=-1).bfloat16() * d**-0.5
     k = F.normalize(torch.randn(t, h, d, device="cuda"), dim=-1).bfloat16()
     v = torch.randn(t, h, d, device="cuda").bfloat16()
     g = -torch.rand(t, h, device="cuda") * 0.1
@@ -177,9 +223,15 @@ def bench_gdn() -> None:
         record("cpr-gdn trainer fwd+bwd", shape, bench(native_fb, 500), bench(ours_fb, 500), 1.4)
         with torch.no_grad():
             ys = [x.detach() for x in xs]
-            record("cpr-gdn prefill", shape,
-                   bench(lambda: G.gdn_chunk_reference(*ys, cu, None, G.CHUNK, solve="triangular", state_at="end")),
-                   bench(lambda: G.gdn_chunk(*ys, cu)), 1.6)
+            record(
+                "cpr-gdn prefill",
+                shape,
+                bench(
+                    lambda: G.gdn_chunk_reference(*ys, cu, None, G.CHUNK, solve="triangular", state_at="end")
+                ),
+                bench(lambda: G.gdn_chunk(*ys, cu)),
+                1.6,
+            )
     with torch.no_grad():
         for b in (1, 16, 64):
             steps = 2 * G.CHUNK
@@ -197,8 +249,13 @@ def bench_gdn() -> None:
                 for s in range(steps):
                     G.gdn_decode_step(*(x[:, s] for x in xs), slots, cache)
 
-            record("cpr-gdn decode (per token)", f"B={b} H={h} dk=dv={d}", bench(native_dec) / steps,
-                   bench(ours_dec) / steps, 1.3)
+            record(
+                "cpr-gdn decode (per token)",
+                f"B={b} H={h} dk=dv={d}",
+                bench(native_dec) / steps,
+                bench(ours_dec) / steps,
+                1.3,
+            )
 
 
 def main() -> None:

@@ -21,8 +21,20 @@ from .routing import is_enabled
 from .tree_gemm import tree_gemm, tree_plan
 
 __all__ = [
-    "HAVE_TRITON", "attention", "disable", "enable", "gdn_chunk", "gdn_recurrent", "gemm", "is_enabled",
-    "linear", "log_softmax", "rms_norm", "token_logprobs", "tree_gemm", "tree_plan",
+    "HAVE_TRITON",
+    "attention",
+    "disable",
+    "enable",
+    "gdn_chunk",
+    "gdn_recurrent",
+    "gemm",
+    "is_enabled",
+    "linear",
+    "log_softmax",
+    "rms_norm",
+    "token_logprobs",
+    "tree_gemm",
+    "tree_plan",
 ]
 
 
@@ -36,8 +48,9 @@ class _Switch:
     def __enter__(self) -> _Switch:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         routing.set_enabled(self._prev)
         _apply_patches(self._prev)
 

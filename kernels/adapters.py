@@ -16,8 +16,13 @@ import torch.nn as nn
 
 from . import routing
 
-_FAMILIES = [("llama", "Llama"), ("qwen2", "Qwen2"), ("qwen3", "Qwen3"), ("mistral", "Mistral"),
-             ("qwen3_moe", "Qwen3Moe")]
+_FAMILIES = [
+    ("llama", "Llama"),
+    ("qwen2", "Qwen2"),
+    ("qwen3", "Qwen3"),
+    ("mistral", "Mistral"),
+    ("qwen3_moe", "Qwen3Moe"),
+]
 _saved: dict[str, Any] = {}
 
 
@@ -29,9 +34,16 @@ def _rmsnorm_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tens
     return routing.rms_norm(hidden_states, self.weight, self.variance_epsilon)
 
 
-def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                 **kwargs: Any) -> tuple[torch.Tensor, None]:
+def hf_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     """HF attention-interface entry: (B, H, Lq, D) queries against (B, Hkv, Lk, D) keys, causal,
     the queries being the last Lq positions. Padding must be on the right (the mask is not read)."""
     b, hq, lq, d = query.shape
@@ -139,12 +151,23 @@ class HFCausalLM:
     def new_cache(self, slots: int, max_len: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         w = self.lm_head_weight
         shape = (slots, max_len, self.kv_heads, self.head_dim)
-        return [(torch.zeros(shape, dtype=w.dtype, device=w.device), torch.zeros(shape, dtype=w.dtype, device=w.device))
-                for _ in self.inner.layers]
+        return [
+            (
+                torch.zeros(shape, dtype=w.dtype, device=w.device),
+                torch.zeros(shape, dtype=w.dtype, device=w.device),
+            )
+            for _ in self.inner.layers
+        ]
 
     @torch.no_grad()
-    def step(self, ids: torch.Tensor, positions: torch.Tensor, cu: torch.Tensor, slots: list[int],
-             cache: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    def step(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        cu: torch.Tensor,
+        slots: list[int],
+        cache: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
         """Run new tokens (packed; ``cu`` B+1 offsets; ``positions`` absolute) and return the final
         normed hidden states (T, hidden)."""
         t = ids.shape[0]
@@ -178,6 +201,8 @@ class HFCausalLM:
             x = res + layer.mlp(layer.post_attention_layernorm(x))
         return self.inner.norm(x)
 
-    def full_hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def full_hidden(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The trainer's path: the HF model's own forward over whole (right-padded) sequences."""
         return self.inner(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state

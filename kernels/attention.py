@@ -31,12 +31,32 @@ if HAVE_TRITON:
 
     @jit()
     def _attn_kernel(
-        q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, qpos0_ptr, kvlen_ptr, slot_ptr,
-        qk_scale, HKV,
-        stride_qt, stride_qh, stride_ks, stride_kt, stride_kh,
-        stride_vs, stride_vt, stride_vh, stride_ot, stride_oh,
-        G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        o_ptr,
+        cu_q_ptr,
+        qpos0_ptr,
+        kvlen_ptr,
+        slot_ptr,
+        qk_scale,
+        HKV,
+        stride_qt,
+        stride_qh,
+        stride_ks,
+        stride_kt,
+        stride_kh,
+        stride_vs,
+        stride_vt,
+        stride_vh,
+        stride_ot,
+        stride_oh,
+        G: tl.constexpr,
+        D: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        PRECISION: tl.constexpr,
     ):
         qb = tl.program_id(0)
         bh = tl.program_id(1)
@@ -57,8 +77,14 @@ if HAVE_TRITON:
             slot = tl.load(slot_ptr + b).to(tl.int64)
             d = tl.arange(0, BLOCK_D)
             dok = d < D
-            q = tl.load(q_ptr + (q_start + tok)[:, None].to(tl.int64) * stride_qt + hq[:, None] * stride_qh
-                        + d[None, :], mask=valid[:, None] & dok[None, :], other=0.0)
+            q = tl.load(
+                q_ptr
+                + (q_start + tok)[:, None].to(tl.int64) * stride_qt
+                + hq[:, None] * stride_qh
+                + d[None, :],
+                mask=valid[:, None] & dok[None, :],
+                other=0.0,
+            )
             n_end = pos0 + tl.minimum(qb * TOK + TOK, q_len)
             m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
             l_i = tl.zeros((BLOCK_M,), tl.float32)
@@ -68,21 +94,33 @@ if HAVE_TRITON:
             for n0 in range(0, n_end, BLOCK_N):
                 cols = n0 + tl.arange(0, BLOCK_N)
                 cok = cols < kv_len
-                k = tl.load(k_base + cols[:, None].to(tl.int64) * stride_kt + d[None, :],
-                            mask=cok[:, None] & dok[None, :], other=0.0)
+                k = tl.load(
+                    k_base + cols[:, None].to(tl.int64) * stride_kt + d[None, :],
+                    mask=cok[:, None] & dok[None, :],
+                    other=0.0,
+                )
                 s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
                 s = tl.where(cols[None, :] <= pos[:, None], s, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s, 1))
                 alpha = tl.exp2(m_i - m_new)
                 p = tl.exp2(s - m_new[:, None])
                 l_i = l_i * alpha + tl.sum(p, 1)
-                v = tl.load(v_base + cols[:, None].to(tl.int64) * stride_vt + d[None, :],
-                            mask=cok[:, None] & dok[None, :], other=0.0)
+                v = tl.load(
+                    v_base + cols[:, None].to(tl.int64) * stride_vt + d[None, :],
+                    mask=cok[:, None] & dok[None, :],
+                    other=0.0,
+                )
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
                 m_i = m_new
             out = acc / l_i[:, None]
-            tl.store(o_ptr + (q_start + tok)[:, None].to(tl.int64) * stride_ot + hq[:, None] * stride_oh
-                     + d[None, :], out.to(o_ptr.dtype.element_ty), mask=valid[:, None] & dok[None, :])
+            tl.store(
+                o_ptr
+                + (q_start + tok)[:, None].to(tl.int64) * stride_ot
+                + hq[:, None] * stride_oh
+                + d[None, :],
+                out.to(o_ptr.dtype.element_ty),
+                mask=valid[:, None] & dok[None, :],
+            )
 
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor) -> int:
@@ -94,8 +132,14 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor) -> int:
 
 
 def attention_reference(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_q: torch.Tensor,
-    q_pos0: torch.Tensor, kv_len: torch.Tensor, slots: torch.Tensor, scale: float | None = None,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_q: torch.Tensor,
+    q_pos0: torch.Tensor,
+    kv_len: torch.Tensor,
+    slots: torch.Tensor,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """The kernel's arithmetic in torch: per sequence, fp32 scores per BLOCK_N key tile in
     ascending absolute position, base-2 online softmax, probabilities rounded to the value dtype
@@ -110,16 +154,16 @@ def attention_reference(
         if s1 == s0:
             continue
         p0, n_kv, slot = int(q_pos0[b]), int(kv_len[b]), int(slots[b])
-        qb = q[s0:s1].float()                                   # (Lq, Hq, D)
+        qb = q[s0:s1].float()  # (Lq, Hq, D)
         pos = torch.arange(p0, p0 + s1 - s0, device=q.device)
-        k = k_cache[slot, :n_kv].repeat_interleave(g, dim=1)    # (Lk, Hq, D)
+        k = k_cache[slot, :n_kv].repeat_interleave(g, dim=1)  # (Lk, Hq, D)
         v = v_cache[slot, :n_kv].repeat_interleave(g, dim=1)
         m = torch.full((q.shape[1], s1 - s0), float("-inf"), device=q.device)
         den = torch.zeros_like(m)
         acc = torch.zeros(q.shape[1], s1 - s0, d, device=q.device)
         for n0 in range(0, int(pos[-1]) + 1, BLOCK_N):
-            kt = k[n0:n0 + BLOCK_N].float().transpose(0, 1)     # (Hq, n, D)
-            vt = v[n0:n0 + BLOCK_N].transpose(0, 1)
+            kt = k[n0 : n0 + BLOCK_N].float().transpose(0, 1)  # (Hq, n, D)
+            vt = v[n0 : n0 + BLOCK_N].transpose(0, 1)
             cols = torch.arange(n0, n0 + kt.shape[1], device=q.device)
             s = (qb.transpose(0, 1) @ kt.transpose(1, 2)) * qk_scale
             s = torch.where(cols[None, None, :] <= pos[None, :, None], s, float("-inf"))
@@ -134,9 +178,15 @@ def attention_reference(
 
 
 def attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_q: torch.Tensor,
-    q_pos0: torch.Tensor, kv_len: torch.Tensor, slots: torch.Tensor | None = None,
-    scale: float | None = None, impl: str | None = None,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_q: torch.Tensor,
+    q_pos0: torch.Tensor,
+    kv_len: torch.Tensor,
+    slots: torch.Tensor | None = None,
+    scale: float | None = None,
+    impl: str | None = None,
     config: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """Invariant causal attention for packed queries against a KV cache (see the module doc).
@@ -164,13 +214,34 @@ def attention(
     hkv = k_cache.shape[2]
     grid = (triton.cdiv(max_len, tok), b * hkv)
     _attn_kernel[grid](
-        q, k_cache, v_cache, out, cu, q_pos0.to(device=q.device, dtype=torch.int32),
-        kv_len.to(device=q.device, dtype=torch.int32), slots.to(device=q.device, dtype=torch.int32),
-        scale * 1.4426950408889634, hkv,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
-        G=g, D=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_M=bm, BLOCK_N=bn,
-        PRECISION=dot_precision(q.dtype), num_warps=warps, num_stages=stages,
+        q,
+        k_cache,
+        v_cache,
+        out,
+        cu,
+        q_pos0.to(device=q.device, dtype=torch.int32),
+        kv_len.to(device=q.device, dtype=torch.int32),
+        slots.to(device=q.device, dtype=torch.int32),
+        scale * 1.4426950408889634,
+        hkv,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        out.stride(0),
+        out.stride(1),
+        G=g,
+        D=d,
+        BLOCK_D=max(16, triton.next_power_of_2(d)),
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        PRECISION=dot_precision(q.dtype),
+        num_warps=warps,
+        num_stages=stages,
     )
     return out
 
@@ -211,8 +282,14 @@ class _Attention(torch.autograd.Function):
 
 
 def attention_autograd(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, q_pos0: torch.Tensor,
-    kv_len: torch.Tensor, slots: torch.Tensor | None = None, scale: float | None = None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_q: torch.Tensor,
+    q_pos0: torch.Tensor,
+    kv_len: torch.Tensor,
+    slots: torch.Tensor | None = None,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """Autograd-aware :func:`attention` (same forward bits; backward recomputes in fp32 torch)."""
     if slots is None:

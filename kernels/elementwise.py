@@ -52,8 +52,9 @@ def silu(x: torch.Tensor, impl: str | None = None) -> torch.Tensor:
     return y
 
 
-def gdn_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
-              impl: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def gdn_gates(
+    a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, impl: str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """GDN decay and write strength from the (T, H) projections: ``g = -exp(A_log) * softplus(a +
     dt_bias)`` (log-space decay, <= 0) and ``beta = sigmoid(b)``, both fp32."""
     if resolve(impl, a) == "torch":
@@ -64,8 +65,18 @@ def gdn_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: to
     g = torch.empty(t, h, dtype=torch.float32, device=a.device)
     beta = torch.empty_like(g)
     if t:
-        _gates_kernel[(t,)](ac, bc, a_log.contiguous(), dt_bias.contiguous(), g, beta, t, h,
-                            BLOCK=max(16, triton.next_power_of_2(h)), num_warps=1)
+        _gates_kernel[(t,)](
+            ac,
+            bc,
+            a_log.contiguous(),
+            dt_bias.contiguous(),
+            g,
+            beta,
+            t,
+            h,
+            BLOCK=max(16, triton.next_power_of_2(h)),
+            num_warps=1,
+        )
     return g, beta
 
 
@@ -95,13 +106,16 @@ class _Gates(torch.autograd.Function):
             ins = [t.detach().requires_grad_(True) for t in (a, b, a_log, dt_bias)]
             outs = gdn_gates(*ins, impl="torch")
             grads = torch.autograd.grad(outs, ins, (gg, gbeta), allow_unused=True)
-        return tuple(None if g is None else g.to(t.dtype) for g, t in zip(grads, (a, b, a_log, dt_bias), strict=True))
+        return tuple(
+            None if g is None else g.to(t.dtype) for g, t in zip(grads, (a, b, a_log, dt_bias), strict=True)
+        )
 
 
 def silu_autograd(x: torch.Tensor) -> torch.Tensor:
     return _Silu.apply(x)
 
 
-def gdn_gates_autograd(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
-                       dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def gdn_gates_autograd(
+    a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     return _Gates.apply(a, b, a_log, dt_bias)

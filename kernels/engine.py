@@ -22,8 +22,9 @@ class EngineModel(Protocol):
 
     def new_cache(self, slots: int, max_len: int) -> Any: ...
 
-    def step(self, ids: torch.Tensor, positions: torch.Tensor, cu: torch.Tensor, slots: list[int],
-             cache: Any) -> torch.Tensor: ...
+    def step(
+        self, ids: torch.Tensor, positions: torch.Tensor, cu: torch.Tensor, slots: list[int], cache: Any
+    ) -> torch.Tensor: ...
 
 
 @dataclass
@@ -44,15 +45,16 @@ class RolloutEngine:
         self.prefill_chunk = prefill_chunk
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], max_new: list[int], seed: int = 0,
-                 temperature: float = 1.0) -> list[Completion]:
+    def generate(
+        self, prompts: list[list[int]], max_new: list[int], seed: int = 0, temperature: float = 1.0
+    ) -> list[Completion]:
         """Sample ``max_new[i]`` tokens after ``prompts[i]`` for all requests at once."""
         w = self.model.lm_head_weight
         dev = w.device
         gen = torch.Generator(device=dev).manual_seed(seed)
         cache = self.model.new_cache(len(prompts), self.max_len)
         outs = [Completion(list(p)) for p in prompts]
-        done_prefill = [0] * len(prompts)       # prompt tokens already in the cache
+        done_prefill = [0] * len(prompts)  # prompt tokens already in the cache
         pending: list[list[int]] = [list(p) for p in prompts]
         while True:
             live = [i for i in range(len(prompts)) if len(outs[i].tokens) < max_new[i]]
@@ -68,8 +70,13 @@ class RolloutEngine:
                 pos += list(range(start, start + n))
                 cu.append(cu[-1] + n)
                 slots.append(i)
-            hidden = self.model.step(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev),
-                                     torch.tensor(cu, device=dev, dtype=torch.int32), slots, cache)
+            hidden = self.model.step(
+                torch.tensor(ids, device=dev),
+                torch.tensor(pos, device=dev),
+                torch.tensor(cu, device=dev, dtype=torch.int32),
+                slots,
+                cache,
+            )
             last_rows, finishing = [], []
             for j, i in enumerate(live):
                 n = cu[j + 1] - cu[j]

@@ -37,9 +37,32 @@ if HAVE_TRITON:
 
     @jit()
     def _gdn_prep_kernel(
-        q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, w_ptr, u_ptr, p_ptr, gc_ptr, start_ptr, len_ptr, coff_ptr,
-        H, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt,
-        DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BDV: tl.constexpr, C: tl.constexpr,
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        g_ptr,
+        b_ptr,
+        w_ptr,
+        u_ptr,
+        p_ptr,
+        gc_ptr,
+        start_ptr,
+        len_ptr,
+        coff_ptr,
+        H,
+        stride_qt,
+        stride_qh,
+        stride_kt,
+        stride_kh,
+        stride_vt,
+        stride_vh,
+        stride_gt,
+        stride_bt,
+        DK: tl.constexpr,
+        DV: tl.constexpr,
+        BK: tl.constexpr,
+        BDV: tl.constexpr,
+        C: tl.constexpr,
     ):
         """Intra-chunk quantities of one (sequence, chunk, head), all chunks in parallel:
         G = cumsum(g), T = (I + A)^-1, W = T (b e^G k), U = T (b v), P = tril(q k^T e^{G_i-G_j})."""
@@ -59,8 +82,11 @@ if HAVE_TRITON:
             vok = vv < DV
             ok = (t0 + c) < n
             row = (start + t0 + c).to(tl.int64)
-            kc = tl.load(k_ptr + row[:, None] * stride_kt + h * stride_kh + kk[None, :],
-                         mask=ok[:, None] & kok[None, :], other=0.0).to(tl.float32)
+            kc = tl.load(
+                k_ptr + row[:, None] * stride_kt + h * stride_kh + kk[None, :],
+                mask=ok[:, None] & kok[None, :],
+                other=0.0,
+            ).to(tl.float32)
             gc = tl.load(g_ptr + row * stride_gt + h, mask=ok, other=0.0).to(tl.float32)
             bc = tl.load(b_ptr + row * stride_bt + h, mask=ok, other=0.0).to(tl.float32)
             G = tl.cumsum(gc, 0)
@@ -77,21 +103,49 @@ if HAVE_TRITON:
                 T = eye - tl.dot(A, T, input_precision="ieee")
             W = tl.dot(T, kc * (bc * tl.exp(G))[:, None], input_precision="ieee")
             tl.store(w_ptr + ws * C * DK + c[:, None] * DK + kk[None, :], W, mask=kok[None, :])
-            vc = tl.load(v_ptr + row[:, None] * stride_vt + h * stride_vh + vv[None, :],
-                         mask=ok[:, None] & vok[None, :], other=0.0).to(tl.float32)
+            vc = tl.load(
+                v_ptr + row[:, None] * stride_vt + h * stride_vh + vv[None, :],
+                mask=ok[:, None] & vok[None, :],
+                other=0.0,
+            ).to(tl.float32)
             U = tl.dot(T, vc * bc[:, None], input_precision="ieee")
             tl.store(u_ptr + ws * C * DV + c[:, None] * DV + vv[None, :], U, mask=vok[None, :])
-            qc = tl.load(q_ptr + row[:, None] * stride_qt + h * stride_qh + kk[None, :],
-                         mask=ok[:, None] & kok[None, :], other=0.0).to(tl.float32)
+            qc = tl.load(
+                q_ptr + row[:, None] * stride_qt + h * stride_qh + kk[None, :],
+                mask=ok[:, None] & kok[None, :],
+                other=0.0,
+            ).to(tl.float32)
             P = tl.where(causal, tl.dot(qc, tl.trans(kc), input_precision="ieee") * decay, 0.0)
             tl.store(p_ptr + ws * C * C + c[:, None] * C + c[None, :], P)
             tl.store(gc_ptr + ws * C + c, G)
 
     @jit()
     def _gdn_state_kernel(
-        q_ptr, k_ptr, w_ptr, u_ptr, p_ptr, gc_ptr, h0_ptr, o_ptr, ht_ptr, start_ptr, len_ptr, slot_ptr,
-        coff_ptr, H, stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh,
-        DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+        q_ptr,
+        k_ptr,
+        w_ptr,
+        u_ptr,
+        p_ptr,
+        gc_ptr,
+        h0_ptr,
+        o_ptr,
+        ht_ptr,
+        start_ptr,
+        len_ptr,
+        slot_ptr,
+        coff_ptr,
+        H,
+        stride_qt,
+        stride_qh,
+        stride_kt,
+        stride_kh,
+        stride_ot,
+        stride_oh,
+        DK: tl.constexpr,
+        DV: tl.constexpr,
+        BK: tl.constexpr,
+        BV: tl.constexpr,
+        C: tl.constexpr,
     ):
         """The chunk-to-chunk recurrence of one (sequence, head, dv block), in order:
         U' = U - W H, O = (e^G q) H + P U', H <- e^{G_C} H + (e^{G_C - G} k)^T U' (full chunks)."""
@@ -115,18 +169,37 @@ if HAVE_TRITON:
             ws = ((coff + t0 // C) * H + h).to(tl.int64)
             ok = (t0 + c) < n
             row = (start + t0 + c).to(tl.int64)
-            qc = tl.load(q_ptr + row[:, None] * stride_qt + h * stride_qh + kk[None, :],
-                         mask=ok[:, None] & kok[None, :], other=0.0).to(tl.float32)
-            kc = tl.load(k_ptr + row[:, None] * stride_kt + h * stride_kh + kk[None, :],
-                         mask=ok[:, None] & kok[None, :], other=0.0).to(tl.float32)
-            W = tl.load(w_ptr + ws * C * DK + c[:, None] * DK + kk[None, :], mask=ok[:, None] & kok[None, :], other=0.0)
-            U = tl.load(u_ptr + ws * C * DV + c[:, None] * DV + vv[None, :], mask=ok[:, None] & vok[None, :], other=0.0)
+            qc = tl.load(
+                q_ptr + row[:, None] * stride_qt + h * stride_qh + kk[None, :],
+                mask=ok[:, None] & kok[None, :],
+                other=0.0,
+            ).to(tl.float32)
+            kc = tl.load(
+                k_ptr + row[:, None] * stride_kt + h * stride_kh + kk[None, :],
+                mask=ok[:, None] & kok[None, :],
+                other=0.0,
+            ).to(tl.float32)
+            W = tl.load(
+                w_ptr + ws * C * DK + c[:, None] * DK + kk[None, :],
+                mask=ok[:, None] & kok[None, :],
+                other=0.0,
+            )
+            U = tl.load(
+                u_ptr + ws * C * DV + c[:, None] * DV + vv[None, :],
+                mask=ok[:, None] & vok[None, :],
+                other=0.0,
+            )
             P = tl.load(p_ptr + ws * C * C + c[:, None] * C + c[None, :])
             G = tl.load(gc_ptr + ws * C + c)
             Up = U - tl.dot(W, state, input_precision="ieee")
-            o = tl.dot(qc * tl.exp(G)[:, None], state, input_precision="ieee") + tl.dot(P, Up, input_precision="ieee")
-            tl.store(o_ptr + row[:, None] * stride_ot + h * stride_oh + vv[None, :], o,
-                     mask=ok[:, None] & vok[None, :])
+            o = tl.dot(qc * tl.exp(G)[:, None], state, input_precision="ieee") + tl.dot(
+                P, Up, input_precision="ieee"
+            )
+            tl.store(
+                o_ptr + row[:, None] * stride_ot + h * stride_oh + vv[None, :],
+                o,
+                mask=ok[:, None] & vok[None, :],
+            )
             gl = tl.sum(tl.where(c == C - 1, G, 0.0), 0)
             kd = kc * tl.exp(gl - G)[:, None]
             new_state = state * tl.exp(gl) + tl.dot(tl.trans(kd), Up, input_precision="ieee")
@@ -139,7 +212,7 @@ def _chunkify(x: torch.Tensor, starts: list[int], lens: list[int], nc: int, c: i
     b = len(starts)
     out = x.new_zeros((b, nc * c) + tuple(x.shape[1:]))
     for i, (s, n) in enumerate(zip(starts, lens, strict=True)):
-        out[i, :n] = x[s:s + n]
+        out[i, :n] = x[s : s + n]
     out = out.reshape((b, nc, c) + tuple(x.shape[1:]))
     return out.transpose(2, 3)
 
@@ -147,7 +220,9 @@ def _chunkify(x: torch.Tensor, starts: list[int], lens: list[int], nc: int, c: i
 def _unchunkify(y: torch.Tensor, starts: list[int], lens: list[int], total: int) -> torch.Tensor:
     b, nc, h, c = y.shape[:4]
     flat = y.transpose(2, 3).reshape((b, nc * c, h) + tuple(y.shape[4:]))
-    return torch.cat([flat[i, :n] for i, n in enumerate(lens)]) if b else flat.new_zeros((0,) + flat.shape[2:])
+    return (
+        torch.cat([flat[i, :n] for i, n in enumerate(lens)]) if b else flat.new_zeros((0,) + flat.shape[2:])
+    )
 
 
 def _seqs(cu_seqlens: torch.Tensor) -> tuple[list[int], list[int]]:
@@ -156,9 +231,16 @@ def _seqs(cu_seqlens: torch.Tensor) -> tuple[list[int], list[int]]:
 
 
 def gdn_chunk_reference(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    cu_seqlens: torch.Tensor, h0: torch.Tensor | None = None, chunk: int = CHUNK,
-    solve: str = "substitution", state_at: str = "boundary",
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    h0: torch.Tensor | None = None,
+    chunk: int = CHUNK,
+    solve: str = "substitution",
+    state_at: str = "boundary",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The chunk form in torch (differentiable). ``solve="substitution"`` is the kernel's
     arithmetic (forward substitution as Jacobi sweeps); ``"triangular"`` (a library triangular solve) and
@@ -207,8 +289,14 @@ def gdn_chunk_reference(
 
 
 def gdn_recurrent(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    cu_seqlens: torch.Tensor, h0: torch.Tensor | None = None, dtype: torch.dtype = torch.float32,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    h0: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The defining recurrence, token by token (fp64 with ``dtype=torch.float64``: the accuracy
     reference; fp32: the native recurrent-form baseline). Returns (o, final state)."""
@@ -230,8 +318,21 @@ def gdn_recurrent(
     return o, torch.stack(states) if states else h
 
 
-def _launch(q, k, v, g, beta, starts, lens, state_slots, h_in, h_out, chunk,
-            chunk_off: torch.Tensor | None = None, max_chunks: int | None = None) -> torch.Tensor:
+def _launch(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    starts,
+    lens,
+    state_slots,
+    h_in,
+    h_out,
+    chunk,
+    chunk_off: torch.Tensor | None = None,
+    max_chunks: int | None = None,
+) -> torch.Tensor:
     """Run the two kernels over sequences given by token ``starts``/``lens`` (device int32),
     reading the state of sequence b from ``h_in[state_slots[b]]`` and writing
     ``h_out[state_slots[b]]`` (the same tensor is allowed: each program reads its block before it
@@ -264,20 +365,70 @@ def _launch(q, k, v, g, beta, starts, lens, state_slots, h_in, h_out, chunk,
     ws_p = torch.empty(max(total, 1), hh, chunk, chunk, dtype=torch.float32, device=q.device)
     ws_g = torch.empty(max(total, 1), hh, chunk, dtype=torch.float32, device=q.device)
     _gdn_prep_kernel[(max_chunks or 1, nb * hh)](
-        q, k, v, g, beta, ws_w, ws_u, ws_p, ws_g, starts, lens, chunk_off, hh,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
-        DK=dk, DV=dv, BK=bk, BDV=bdv, C=chunk, num_warps=8, num_stages=1,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        ws_w,
+        ws_u,
+        ws_p,
+        ws_g,
+        starts,
+        lens,
+        chunk_off,
+        hh,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        g.stride(0),
+        beta.stride(0),
+        DK=dk,
+        DV=dv,
+        BK=bk,
+        BDV=bdv,
+        C=chunk,
+        num_warps=8,
+        num_stages=1,
     )
     _gdn_state_kernel[(nb * hh, triton.cdiv(dv, bv))](
-        q, k, ws_w, ws_u, ws_p, ws_g, h_in, o, h_out, starts, lens, state_slots, chunk_off, hh,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), o.stride(0), o.stride(1),
-        DK=dk, DV=dv, BK=bk, BV=bv, C=chunk, num_warps=8, num_stages=1,
+        q,
+        k,
+        ws_w,
+        ws_u,
+        ws_p,
+        ws_g,
+        h_in,
+        o,
+        h_out,
+        starts,
+        lens,
+        state_slots,
+        chunk_off,
+        hh,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        o.stride(0),
+        o.stride(1),
+        DK=dk,
+        DV=dv,
+        BK=bk,
+        BV=bv,
+        C=chunk,
+        num_warps=8,
+        num_stages=1,
     )
     return o
 
 
-def gdn_recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                       h: torch.Tensor) -> torch.Tensor:
+def gdn_recurrent_step(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, h: torch.Tensor
+) -> torch.Tensor:
     """One token for each of B sequences (q, k (B, H, dk) ...), updating ``h`` (B, H, dk, dv) in
     place: the native recurrent-form decode step. Returns o (B, H, dv) fp32."""
     h.mul_(torch.exp(g.float())[..., None, None])
@@ -288,8 +439,14 @@ def gdn_recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
 
 
 def gdn_chunk(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    cu_seqlens: torch.Tensor, h0: torch.Tensor | None = None, chunk: int = CHUNK,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    h0: torch.Tensor | None = None,
+    chunk: int = CHUNK,
     impl: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The invariant chunk form over packed sequences (q, k (T, H, dk); v (T, H, dv); g, beta (T, H)).
@@ -331,8 +488,13 @@ class _GDN(torch.autograd.Function):
 
 
 def gdn_chunk_autograd(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    cu_seqlens: torch.Tensor, chunk: int = CHUNK,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    chunk: int = CHUNK,
 ) -> torch.Tensor:
     """The trainer's path: invariant forward from a zero state, with a backward for training."""
     return _GDN.apply(q, k, v, g, beta, cu_seqlens, chunk)
@@ -343,25 +505,47 @@ class GDNCache:
     """Per-slot decode state. Invariant mode keeps the state at the last chunk boundary plus the
     open chunk's inputs (``buf``, ``buf_len`` tokens); native mode keeps the running state only."""
 
-    h: torch.Tensor                      # (S, H, dk, dv) fp32
-    buf: list[torch.Tensor]              # q, k (S, C, H, dk); v (S, C, H, dv); g, beta (S, C, H)
-    buf_len: torch.Tensor                # (S,) int32, on the device
+    h: torch.Tensor  # (S, H, dk, dv) fp32
+    buf: list[torch.Tensor]  # q, k (S, C, H, dk); v (S, C, H, dv); g, beta (S, C, H)
+    buf_len: torch.Tensor  # (S,) int32, on the device
 
     @classmethod
-    def empty(cls, slots: int, heads: int, dk: int, dv: int, dtype: torch.dtype, device: torch.device,
-              chunk: int = CHUNK) -> GDNCache:
+    def empty(
+        cls,
+        slots: int,
+        heads: int,
+        dk: int,
+        dv: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        chunk: int = CHUNK,
+    ) -> GDNCache:
         def z(*shape: int, dt: torch.dtype = dtype) -> torch.Tensor:
             return torch.zeros(*shape, dtype=dt, device=device)
 
-        buf = [z(slots, chunk, heads, dk), z(slots, chunk, heads, dk), z(slots, chunk, heads, dv),
-               z(slots, chunk, heads, dt=torch.float32), z(slots, chunk, heads, dt=torch.float32)]
-        return cls(h=z(slots, heads, dk, dv, dt=torch.float32), buf=buf,
-                   buf_len=torch.zeros(slots, dtype=torch.int32, device=device))
+        buf = [
+            z(slots, chunk, heads, dk),
+            z(slots, chunk, heads, dk),
+            z(slots, chunk, heads, dv),
+            z(slots, chunk, heads, dt=torch.float32),
+            z(slots, chunk, heads, dt=torch.float32),
+        ]
+        return cls(
+            h=z(slots, heads, dk, dv, dt=torch.float32),
+            buf=buf,
+            buf_len=torch.zeros(slots, dtype=torch.int32, device=device),
+        )
 
 
 def gdn_decode_step(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    slots: torch.Tensor, cache: GDNCache, chunk: int = CHUNK,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    slots: torch.Tensor,
+    cache: GDNCache,
+    chunk: int = CHUNK,
 ) -> torch.Tensor:
     """One new token for each of B sequences (q (B, H, dk) ...), invariant mode, no host sync:
     append to each open chunk, re-run the chunk kernel on it from the boundary state, and when a
@@ -373,16 +557,33 @@ def gdn_decode_step(
     flat = [b.view(b.shape[0] * chunk, *b.shape[2:]) for b in cache.buf]
     starts = (slots * chunk).to(torch.int32)
     lens = (n0 + 1).to(torch.int32)
-    o = _launch(*flat, starts, lens, slots.to(torch.int32), cache.h, cache.h, chunk,
-                chunk_off=torch.arange(slots.numel(), device=q.device, dtype=torch.int32), max_chunks=1)
+    o = _launch(
+        *flat,
+        starts,
+        lens,
+        slots.to(torch.int32),
+        cache.h,
+        cache.h,
+        chunk,
+        chunk_off=torch.arange(slots.numel(), device=q.device, dtype=torch.int32),
+        max_chunks=1,
+    )
     cache.buf_len[slots] = torch.where(lens == chunk, 0, lens).to(torch.int32)
     return o[slots * chunk + n0]
 
 
 def gdn_incremental(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    cu_seqlens: torch.Tensor, slots: list[int], cache: GDNCache, invariant: bool,
-    chunk: int = CHUNK, impl: str | None = None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    slots: list[int],
+    cache: GDNCache,
+    invariant: bool,
+    chunk: int = CHUNK,
+    impl: str | None = None,
 ) -> torch.Tensor:
     """The engine's path: new tokens of several sequences (packed) continue their cached state.
     Invariant mode re-runs each open chunk with the kernel (same bits as the trainer); native
@@ -396,7 +597,9 @@ def gdn_incremental(
             h = cache.h[sl]
             o = gdn_recurrent_step(q, k, v, g, beta, h)
         else:
-            o, h = gdn_chunk_reference(*new, cu_seqlens, cache.h[sl], chunk, solve="triangular", state_at="end")
+            o, h = gdn_chunk_reference(
+                *new, cu_seqlens, cache.h[sl], chunk, solve="triangular", state_at="end"
+            )
         cache.h[sl] = h
         return o
     if decode and resolve(impl, q) == "triton":
@@ -407,7 +610,7 @@ def gdn_incremental(
     for s, n, slot in zip(starts, lens, slots, strict=True):
         n0 = n0s[slot]
         for j, x in enumerate(new):
-            parts[j].append(torch.cat([cache.buf[j][slot, :n0], x[s:s + n].to(cache.buf[j].dtype)]))
+            parts[j].append(torch.cat([cache.buf[j][slot, :n0], x[s : s + n].to(cache.buf[j].dtype)]))
         cu2.append(cu2[-1] + n0 + n)
     packed = [torch.cat(p) for p in parts]
     cu_t = torch.tensor(cu2, device=q.device, dtype=torch.int32)
@@ -417,10 +620,10 @@ def gdn_incremental(
     for i, (n, slot) in enumerate(zip(lens, slots, strict=True)):
         n0 = n0s[slot]
         total = n0 + n
-        outs.append(o_all[cu2[i] + n0:cu2[i + 1]])
+        outs.append(o_all[cu2[i] + n0 : cu2[i + 1]])
         rem = total % chunk
         for j in range(len(new)):
             if rem:
-                cache.buf[j][slot, :rem] = packed[j][cu2[i + 1] - rem:cu2[i + 1]]
+                cache.buf[j][slot, :rem] = packed[j][cu2[i + 1] - rem : cu2[i + 1]]
         cache.buf_len[slot] = rem
     return torch.cat(outs)

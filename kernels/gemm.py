@@ -32,7 +32,7 @@ def gemm_config(n: int, k: int, dtype: torch.dtype) -> GemmConfig:
     if dtype == torch.float32:
         return GemmConfig(64, 64, 32, 4, 2)
     if n >= 256 and k >= 64:
-        return GemmConfig(256, 128, 64, 8, 3)   # best of 8 candidates on an H200 (bench_tune)
+        return GemmConfig(256, 128, 64, 8, 3)  # best of 8 candidates on an H200 (bench_tune)
     return GemmConfig(64, 64, 64, 4, 3)
 
 
@@ -40,11 +40,25 @@ if HAVE_TRITON:
 
     @jit(do_not_specialize=["M"])
     def _gemm_kernel(
-        a_ptr, b_ptr, c_ptr, bias_ptr,
-        M, N, K,
-        stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
-        HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+        a_ptr,
+        b_ptr,
+        c_ptr,
+        bias_ptr,
+        M,
+        N,
+        K,
+        stride_am,
+        stride_ak,
+        stride_bn,
+        stride_bk,
+        stride_cm,
+        stride_cn,
+        HAS_BIAS: tl.constexpr,
+        PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        GROUP_M: tl.constexpr,
     ):
         pid = tl.program_id(0)
         num_m = tl.cdiv(M, BLOCK_M)
@@ -76,8 +90,11 @@ if HAVE_TRITON:
 
 
 def gemm_reference(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-    out_dtype: torch.dtype | None = None, block_k: int | None = None,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    block_k: int | None = None,
 ) -> torch.Tensor:
     """The arithmetic the kernel defines: fp32 products, fp32 partial sums per BLOCK_K slab, the
     slabs added in ascending k, bias added in fp32, one rounding to ``out_dtype`` at the end.
@@ -88,15 +105,19 @@ def gemm_reference(
     wf = weight.float()
     acc = torch.zeros(xf.shape[0], n, dtype=torch.float32, device=x.device)
     for k0 in range(0, k, bk):
-        acc = acc + xf[:, k0:k0 + bk] @ wf[:, k0:k0 + bk].T
+        acc = acc + xf[:, k0 : k0 + bk] @ wf[:, k0 : k0 + bk].T
     if bias is not None:
         acc = acc + bias.float()
     return acc.to(out_dtype or x.dtype).reshape(*x.shape[:-1], n)
 
 
 def gemm(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-    out_dtype: torch.dtype | None = None, impl: str | None = None, config: GemmConfig | None = None,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    impl: str | None = None,
+    config: GemmConfig | None = None,
 ) -> torch.Tensor:
     """Batch-invariant ``x @ weight.T + bias`` for x of shape (..., K) and weight (N, K).
     ``config`` overrides the tile choice (for tuning; both sides must use the same one)."""
@@ -112,12 +133,27 @@ def gemm(
         cfg = config or gemm_config(n, k, weight.dtype)
         grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
         _gemm_kernel[grid](
-            a, weight, out, bias if bias is not None else weight,
-            m, n, k,
-            a.stride(0), a.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
-            HAS_BIAS=bias is not None, PRECISION=dot_precision(weight.dtype),
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=8,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            a,
+            weight,
+            out,
+            bias if bias is not None else weight,
+            m,
+            n,
+            k,
+            a.stride(0),
+            a.stride(1),
+            weight.stride(0),
+            weight.stride(1),
+            out.stride(0),
+            out.stride(1),
+            HAS_BIAS=bias is not None,
+            PRECISION=dot_precision(weight.dtype),
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k,
+            GROUP_M=8,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
         )
     return out.reshape(*x.shape[:-1], n)
 
@@ -145,7 +181,9 @@ class _Linear(torch.autograd.Function):
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Autograd-aware batch-invariant linear layer (``F.linear`` semantics)."""

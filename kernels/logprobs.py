@@ -18,8 +18,9 @@ BLOCK_V = 1024
 if HAVE_TRITON:
 
     @jit(do_not_specialize=["n_rows"])
-    def _lse_kernel(z_ptr, tok_ptr, lse_ptr, out_ptr, n_rows, V, stride_z,
-                    HAS_TOK: tl.constexpr, BLOCK: tl.constexpr):
+    def _lse_kernel(
+        z_ptr, tok_ptr, lse_ptr, out_ptr, n_rows, V, stride_z, HAS_TOK: tl.constexpr, BLOCK: tl.constexpr
+    ):
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         m = tl.full((BLOCK,), float("-inf"), tl.float32)
@@ -49,7 +50,7 @@ def _lse_reference(z: torch.Tensor, block: int = BLOCK_V) -> torch.Tensor:
     for v0 in range(0, v, block):
         zz = torch.full((t, block), float("-inf"), device=z.device)
         w = min(block, v - v0)
-        zz[:, :w] = z[:, v0:v0 + w]
+        zz[:, :w] = z[:, v0 : v0 + w]
         m_new = torch.maximum(m, zz)
         safe = torch.where(m_new == float("-inf"), torch.zeros_like(m_new), m_new)
         s = s * torch.exp(m - safe) + torch.exp(zz - safe)
@@ -82,15 +83,18 @@ def lm_head_logits(hidden: torch.Tensor, weight: torch.Tensor, impl: str | None 
     return gemm(hidden, weight, out_dtype=torch.float32, impl=impl)
 
 
-def token_logprobs_reference(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+def token_logprobs_reference(
+    hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor
+) -> torch.Tensor:
     """Same arithmetic as :func:`token_logprobs`, all in torch."""
     z = lm_head_logits(hidden.reshape(-1, hidden.shape[-1]), weight, impl="torch")
     lse = _lse_reference(z)
     return z.gather(1, tokens.reshape(-1, 1).long())[:, 0] - lse
 
 
-def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor,
-                   impl: str | None = None) -> torch.Tensor:
+def token_logprobs(
+    hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, impl: str | None = None
+) -> torch.Tensor:
     """log p(token) per row of ``hidden`` (T, H): fp32 lm_head, log_softmax, gather; no autograd."""
     h = hidden.reshape(-1, hidden.shape[-1])
     if resolve(impl, h) == "torch":
@@ -129,5 +133,12 @@ def token_logprobs_autograd(hidden: torch.Tensor, weight: torch.Tensor, tokens: 
     return _TokenLogprobs.apply(hidden, weight, tokens)
 
 
-__all__ = ["log_softmax", "lm_head_logits", "logsumexp_rows", "token_logprobs", "token_logprobs_autograd",
-           "token_logprobs_reference", "linear"]
+__all__ = [
+    "log_softmax",
+    "lm_head_logits",
+    "logsumexp_rows",
+    "token_logprobs",
+    "token_logprobs_autograd",
+    "token_logprobs_reference",
+    "linear",
+]

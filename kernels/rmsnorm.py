@@ -17,9 +17,22 @@ if HAVE_TRITON:
 
     @jit(do_not_specialize=["n_rows"])
     def _rmsnorm_kernel(
-        x_ptr, r_ptr, w_ptr, y_ptr, ro_ptr, n_rows, D, eps,
-        stride_x, stride_r, stride_y, stride_ro,
-        HAS_RES: tl.constexpr, HAS_W: tl.constexpr, L2: tl.constexpr, BLOCK: tl.constexpr,
+        x_ptr,
+        r_ptr,
+        w_ptr,
+        y_ptr,
+        ro_ptr,
+        n_rows,
+        D,
+        eps,
+        stride_x,
+        stride_r,
+        stride_y,
+        stride_ro,
+        HAS_RES: tl.constexpr,
+        HAS_W: tl.constexpr,
+        L2: tl.constexpr,
+        BLOCK: tl.constexpr,
     ):
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
@@ -53,8 +66,11 @@ def _reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float, l2: boo
 
 
 def rms_norm_reference(
-    x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6,
-    residual: torch.Tensor | None = None, l2: bool = False,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float = 1e-6,
+    residual: torch.Tensor | None = None,
+    l2: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The arithmetic the kernel defines: optional ``x + residual`` rounded to x's dtype, fp32
     sum of squares, ``1/sqrt(mean + eps)``, round to x's dtype, times the weight in fp32, round."""
@@ -65,8 +81,12 @@ def rms_norm_reference(
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6,
-    residual: torch.Tensor | None = None, l2: bool = False, impl: str | None = None,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float = 1e-6,
+    residual: torch.Tensor | None = None,
+    l2: bool = False,
+    impl: str | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Batch-invariant RMSNorm over the last dim; with ``residual``, returns (normed, new residual)."""
     if resolve(impl, x) == "torch":
@@ -83,9 +103,22 @@ def rms_norm(
     if n:
         block = triton.next_power_of_2(d)
         _rmsnorm_kernel[(n,)](
-            x2, r2, weight if weight is not None else x2, y, ro, n, d, eps,
-            x2.stride(0), r2.stride(0), y.stride(0), ro.stride(0),
-            HAS_RES=residual is not None, HAS_W=weight is not None, L2=l2, BLOCK=block,
+            x2,
+            r2,
+            weight if weight is not None else x2,
+            y,
+            ro,
+            n,
+            d,
+            eps,
+            x2.stride(0),
+            r2.stride(0),
+            y.stride(0),
+            ro.stride(0),
+            HAS_RES=residual is not None,
+            HAS_W=weight is not None,
+            L2=l2,
+            BLOCK=block,
             num_warps=4 if block <= 2048 else 8,
         )
     y = y.reshape(x.shape)
@@ -123,7 +156,8 @@ class _RMSNorm(torch.autograd.Function):
         return gx, gw, None, None
 
 
-def rms_norm_autograd(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6,
-                      l2: bool = False) -> torch.Tensor:
+def rms_norm_autograd(
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6, l2: bool = False
+) -> torch.Tensor:
     """Autograd-aware invariant RMSNorm (no fused residual: autograd sees the add separately)."""
     return _RMSNorm.apply(x, weight, eps, l2)

@@ -63,8 +63,9 @@ def silu(x: torch.Tensor) -> torch.Tensor:
     return F.silu(x)
 
 
-def gdn_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
-              dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def gdn_gates(
+    a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(g, beta) of Gated DeltaNet from its (T, H) projections, fp32."""
     if _ENABLED:
         if torch.is_grad_enabled() and any(t.requires_grad for t in (a, b, a_log, dt_bias)):
@@ -84,8 +85,13 @@ def l2_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_q: torch.Tensor,
-    q_pos0: torch.Tensor, kv_len: torch.Tensor, slots: torch.Tensor | None = None,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_q: torch.Tensor,
+    q_pos0: torch.Tensor,
+    kv_len: torch.Tensor,
+    slots: torch.Tensor | None = None,
     scale: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed queries against a KV cache (layout in :mod:`kernels.attention`)."""
@@ -109,7 +115,9 @@ def attention(
         else:
             pos = torch.arange(p0, p0 + s1 - s0, device=q.device)
             mask = torch.arange(n, device=q.device)[None, :] <= pos[:, None]
-        outs.append(F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale)[0].transpose(0, 1))
+        outs.append(
+            F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale)[0].transpose(0, 1)
+        )
     return torch.cat(outs)
 
 
@@ -130,17 +138,33 @@ def logits_fp32(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(hidden, weight).float()
 
 
-def gdn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-        cu_seqlens: torch.Tensor, chunk: int = _gdn.CHUNK) -> torch.Tensor:
+def gdn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    chunk: int = _gdn.CHUNK,
+) -> torch.Tensor:
     """Gated DeltaNet over whole sequences from a zero state (the trainer's path)."""
     if _ENABLED:
         return _gdn.gdn_chunk_autograd(q, k, v, g, beta, cu_seqlens, chunk)
-    return _gdn.gdn_chunk_reference(q, k, v, g, beta, cu_seqlens, None, chunk,
-                                    solve="triangular", state_at="end")[0]
+    return _gdn.gdn_chunk_reference(
+        q, k, v, g, beta, cu_seqlens, None, chunk, solve="triangular", state_at="end"
+    )[0]
 
 
-def gdn_incremental(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                    beta: torch.Tensor, cu_seqlens: torch.Tensor, slots: list[int],
-                    cache: _gdn.GDNCache, chunk: int = _gdn.CHUNK) -> torch.Tensor:
+def gdn_incremental(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    slots: list[int],
+    cache: _gdn.GDNCache,
+    chunk: int = _gdn.CHUNK,
+) -> torch.Tensor:
     """Gated DeltaNet continuing cached states (the engine's path)."""
     return _gdn.gdn_incremental(q, k, v, g, beta, cu_seqlens, slots, cache, invariant=_ENABLED, chunk=chunk)

@@ -59,9 +59,24 @@ if HAVE_TRITON:
 
     @jit(do_not_specialize=["M"])
     def _leaf_kernel(
-        a_ptr, b_ptr, c_ptr, M, N, K, LEAF,
-        stride_am, stride_ak, stride_bn, stride_bk, stride_cl, stride_cm, stride_cn,
-        PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        a_ptr,
+        b_ptr,
+        c_ptr,
+        M,
+        N,
+        K,
+        LEAF,
+        stride_am,
+        stride_ak,
+        stride_bn,
+        stride_bk,
+        stride_cl,
+        stride_cm,
+        stride_cn,
+        PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
     ):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
@@ -74,13 +89,22 @@ if HAVE_TRITON:
         for kk in range(0, LEAF, BLOCK_K):
             ks = k_lo + kk + offs_k
             k_ok = ks < K
-            a = tl.load(a_ptr + offs_m[:, None] * stride_am + ks[None, :] * stride_ak,
-                        mask=(offs_m[:, None] < M) & k_ok[None, :], other=0.0)
-            b = tl.load(b_ptr + ks[:, None] * stride_bk + offs_n[None, :] * stride_bn,
-                        mask=k_ok[:, None] & (offs_n[None, :] < N), other=0.0)
+            a = tl.load(
+                a_ptr + offs_m[:, None] * stride_am + ks[None, :] * stride_ak,
+                mask=(offs_m[:, None] < M) & k_ok[None, :],
+                other=0.0,
+            )
+            b = tl.load(
+                b_ptr + ks[:, None] * stride_bk + offs_n[None, :] * stride_bn,
+                mask=k_ok[:, None] & (offs_n[None, :] < N),
+                other=0.0,
+            )
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
-        tl.store(c_ptr + leaf * stride_cl + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn,
-                 acc, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+        tl.store(
+            c_ptr + leaf * stride_cl + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn,
+            acc,
+            mask=(offs_m[:, None] < M) & (offs_n[None, :] < N),
+        )
 
 
 def _block_k(dtype: torch.dtype) -> int:
@@ -99,7 +123,7 @@ def leaf_partials(x: torch.Tensor, weight: torch.Tensor, leaf: int, impl: str | 
         for i in range(n_leaves):
             acc = torch.zeros(m, n, dtype=torch.float32, device=x.device)
             for k0 in range(i * leaf, min((i + 1) * leaf, k), bk):
-                acc = acc + xf[:, k0:k0 + bk] @ wf[:, k0:k0 + bk].T
+                acc = acc + xf[:, k0 : k0 + bk] @ wf[:, k0 : k0 + bk].T
             parts.append(acc)
         return torch.stack(parts) if parts else torch.zeros(0, m, n, device=x.device)
     bk = _block_k(weight.dtype)
@@ -109,11 +133,26 @@ def leaf_partials(x: torch.Tensor, weight: torch.Tensor, leaf: int, impl: str | 
         bm, bn = 64, 64
         grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), n_leaves)
         _leaf_kernel[grid](
-            x, weight, out, m, n, k, leaf,
-            x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
-            out.stride(0), out.stride(1), out.stride(2),
-            PRECISION=dot_precision(weight.dtype), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-            num_warps=4, num_stages=3,
+            x,
+            weight,
+            out,
+            m,
+            n,
+            k,
+            leaf,
+            x.stride(0),
+            x.stride(1),
+            weight.stride(0),
+            weight.stride(1),
+            out.stride(0),
+            out.stride(1),
+            out.stride(2),
+            PRECISION=dot_precision(weight.dtype),
+            BLOCK_M=bm,
+            BLOCK_N=bn,
+            BLOCK_K=bk,
+            num_warps=4,
+            num_stages=3,
         )
     return out
 
@@ -126,8 +165,9 @@ def tree_reduce(slots: torch.Tensor) -> torch.Tensor:
     return s[0]
 
 
-def subtree_root(x_local: torch.Tensor, w_local: torch.Tensor, plan: TreePlan, rank: int,
-                 impl: str | None = None) -> torch.Tensor:
+def subtree_root(
+    x_local: torch.Tensor, w_local: torch.Tensor, plan: TreePlan, rank: int, impl: str | None = None
+) -> torch.Tensor:
     """What one rank computes: the fp32 root of its subtree, from its own K columns only."""
     lo, hi = plan.k_range(rank)
     assert x_local.shape[1] == hi - lo and w_local.shape[1] == hi - lo, "shard does not match the plan"
@@ -140,8 +180,12 @@ def subtree_root(x_local: torch.Tensor, w_local: torch.Tensor, plan: TreePlan, r
 
 
 def tree_gemm(
-    x: torch.Tensor, weight: torch.Tensor, leaf: int = 256, tp: int = 1,
-    out_dtype: torch.dtype | None = None, impl: str | None = None,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    leaf: int = 256,
+    tp: int = 1,
+    out_dtype: torch.dtype | None = None,
+    impl: str | None = None,
 ) -> torch.Tensor:
     """``x @ weight.T`` reduced over the fixed tree, the ``tp`` ranks simulated on this device."""
     plan = tree_plan(x.shape[-1], leaf, tp)
@@ -155,8 +199,14 @@ def tree_gemm(
 
 
 def tree_gemm_distributed(
-    x_local: torch.Tensor, w_local: torch.Tensor, k: int, leaf: int, tp: int, rank: int,
-    all_gather: Callable[[torch.Tensor], torch.Tensor], out_dtype: torch.dtype | None = None,
+    x_local: torch.Tensor,
+    w_local: torch.Tensor,
+    k: int,
+    leaf: int,
+    tp: int,
+    rank: int,
+    all_gather: Callable[[torch.Tensor], torch.Tensor],
+    out_dtype: torch.dtype | None = None,
     impl: str | None = None,
 ) -> torch.Tensor:
     """One rank of a real TP group: its subtree root, gathered with the others (``all_gather``

@@ -48,7 +48,11 @@ def _lin(i: int, o: int) -> nn.Linear:
 class MLP(nn.Module):
     def __init__(self, cfg: GDNLMConfig) -> None:
         super().__init__()
-        self.gate, self.up, self.down = _lin(cfg.hidden, cfg.mlp), _lin(cfg.hidden, cfg.mlp), _lin(cfg.mlp, cfg.hidden)
+        self.gate, self.up, self.down = (
+            _lin(cfg.hidden, cfg.mlp),
+            _lin(cfg.hidden, cfg.mlp),
+            _lin(cfg.mlp, cfg.hidden),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a = routing.silu(routing.linear(x, self.gate.weight)) * routing.linear(x, self.up.weight)
@@ -59,7 +63,9 @@ _ROPE: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 _ROPE_LEN = 8192
 
 
-def _rope_table(d: int, theta: float, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _rope_table(
+    d: int, theta: float, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin for positions [0, 8192), computed once: indexing a fixed table keeps every
     position's values independent of the batch (a CPU cos over a batch-shaped tensor is not)."""
     key = (d, theta, dtype, str(device))
@@ -97,17 +103,23 @@ class Attention(nn.Module):
         v = routing.linear(x, self.v.weight).view(t, -1, d)
         return _rope(q, positions, self.cfg.rope_theta), _rope(k, positions, self.cfg.rope_theta), v
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, cu: torch.Tensor, slots: list[int] | None,
-                cache: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        cu: torch.Tensor,
+        slots: list[int] | None,
+        cache: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> torch.Tensor:
         q, k, v = self.qkv(x, positions)
         t, dev = x.shape[0], x.device
         lens = cu[1:] - cu[:-1]
-        if cache is None:   # trainer: B equal-length (right-padded) sequences, keys in place
+        if cache is None:  # trainer: B equal-length (right-padded) sequences, keys in place
             b = cu.numel() - 1
             n = t // b
             kc, vc = k.view(b, n, *k.shape[1:]), v.view(b, n, *v.shape[1:])
             pos0 = torch.zeros(b, device=dev, dtype=torch.int32)
-            o = routing.attention(q, kc, vc, cu, pos0, lens, None, self.cfg.head_dim ** -0.5)
+            o = routing.attention(q, kc, vc, cu, pos0, lens, None, self.cfg.head_dim**-0.5)
         else:
             kc, vc = cache
             sl = torch.tensor(slots, device=dev)
@@ -115,7 +127,7 @@ class Attention(nn.Module):
             kc[slot_of_tok, positions] = k
             vc[slot_of_tok, positions] = v
             pos0 = positions[cu[:-1].long()]
-            o = routing.attention(q, kc, vc, cu, pos0, pos0 + lens, sl, self.cfg.head_dim ** -0.5)
+            o = routing.attention(q, kc, vc, cu, pos0, pos0 + lens, sl, self.cfg.head_dim**-0.5)
         return routing.linear(o.reshape(t, -1), self.o.weight)
 
 
@@ -133,14 +145,17 @@ class GatedDeltaNet(nn.Module):
 
     def inputs(self, x: torch.Tensor):
         t, d = x.shape[0], self.cfg.gdn_head_dim
-        q = routing.l2_norm(routing.linear(x, self.q.weight).view(t, -1, d)) * (d ** -0.5)
+        q = routing.l2_norm(routing.linear(x, self.q.weight).view(t, -1, d)) * (d**-0.5)
         k = routing.l2_norm(routing.linear(x, self.k.weight).view(t, -1, d))
         v = routing.linear(x, self.v.weight).view(t, -1, d)
-        g, beta = routing.gdn_gates(routing.linear(x, self.a.weight), routing.linear(x, self.b.weight),
-                                    self.A_log, self.dt_bias)
+        g, beta = routing.gdn_gates(
+            routing.linear(x, self.a.weight), routing.linear(x, self.b.weight), self.A_log, self.dt_bias
+        )
         return q, k, v, g, beta
 
-    def forward(self, x: torch.Tensor, cu: torch.Tensor, slots: list[int] | None, cache: GDNCache | None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cu: torch.Tensor, slots: list[int] | None, cache: GDNCache | None
+    ) -> torch.Tensor:
         q, k, v, g, beta = self.inputs(x)
         if cache is None:
             o = routing.gdn(q, k, v, g, beta, cu, self.cfg.chunk)
@@ -194,7 +209,9 @@ class GDNLM(nn.Module):
             x = blk(x, positions, cu, None, None)
         return self.norm(x).view(b, n, -1)
 
-    def full_hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def full_hidden(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         return self(input_ids)
 
     def new_cache(self, slots: int, max_len: int) -> list:
@@ -202,17 +219,25 @@ class GDNLM(nn.Module):
         caches: list = []
         for kind in cfg.layers:
             if kind == "gdn":
-                caches.append(GDNCache.empty(slots, cfg.gdn_heads, cfg.gdn_head_dim, cfg.gdn_head_dim,
-                                             w.dtype, w.device, cfg.chunk))
+                caches.append(
+                    GDNCache.empty(
+                        slots, cfg.gdn_heads, cfg.gdn_head_dim, cfg.gdn_head_dim, w.dtype, w.device, cfg.chunk
+                    )
+                )
             else:
                 shape = (slots, max_len, cfg.kv_heads, cfg.head_dim)
-                caches.append((torch.zeros(shape, dtype=w.dtype, device=w.device),
-                               torch.zeros(shape, dtype=w.dtype, device=w.device)))
+                caches.append(
+                    (
+                        torch.zeros(shape, dtype=w.dtype, device=w.device),
+                        torch.zeros(shape, dtype=w.dtype, device=w.device),
+                    )
+                )
         return caches
 
     @torch.no_grad()
-    def step(self, ids: torch.Tensor, positions: torch.Tensor, cu: torch.Tensor, slots: list[int],
-             cache: list) -> torch.Tensor:
+    def step(
+        self, ids: torch.Tensor, positions: torch.Tensor, cu: torch.Tensor, slots: list[int], cache: list
+    ) -> torch.Tensor:
         """Engine: packed new tokens of several sequences continue their caches."""
         x = self.embed(ids)
         for blk, c in zip(self.blocks, cache, strict=True):

@@ -19,8 +19,17 @@ def _modes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunks: list[int])
     full = attention(q, k, v, torch.tensor([0, n], **i32), torch.tensor([0], **i32), torch.tensor([n], **i32))
     outs = [full]
     for c in chunks:
-        parts = [attention(q[s:s + c], k, v, torch.tensor([0, min(c, n - s)], **i32), torch.tensor([s], **i32),
-                           torch.tensor([min(s + c, n)], **i32)) for s in range(0, n, c)]
+        parts = [
+            attention(
+                q[s : s + c],
+                k,
+                v,
+                torch.tensor([0, min(c, n - s)], **i32),
+                torch.tensor([s], **i32),
+                torch.tensor([min(s + c, n)], **i32),
+            )
+            for s in range(0, n, c)
+        ]
         outs.append(torch.cat(parts))
     # Several sequences of different lengths packed with it, decoding position p of ours.
     other = torch.randn(3, *q.shape[1:], device=dev, dtype=q.dtype)
@@ -28,9 +37,16 @@ def _modes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunks: list[int])
     vv = torch.stack([v[0], torch.randn_like(v[0])])
     rows = []
     for p in range(n):
-        qq = torch.cat([other, q[p:p + 1]])
-        o = attention(qq, kk, vv, torch.tensor([0, 3, 4], **i32), torch.tensor([p % 7, p], **i32),
-                      torch.tensor([p % 7 + 3, p + 1], **i32), torch.tensor([1, 0], **i32))
+        qq = torch.cat([other, q[p : p + 1]])
+        o = attention(
+            qq,
+            kk,
+            vv,
+            torch.tensor([0, 3, 4], **i32),
+            torch.tensor([p % 7, p], **i32),
+            torch.tensor([p % 7 + 3, p + 1], **i32),
+            torch.tensor([1, 0], **i32),
+        )
         rows.append(o[3:])
     outs.append(torch.cat(rows))
     return outs
@@ -48,7 +64,9 @@ def test_same_bits_cpu(dev: str) -> None:
     args = (q, k, v, torch.tensor([0, n], **i32), torch.tensor([0], **i32), torch.tensor([n], **i32))
     ref = attention_reference(*args, torch.tensor([0], **i32))
     torch.testing.assert_close(outs[0], ref, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(outs[0], _math_attention(*args, torch.tensor([0], **i32), d ** -0.5), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        outs[0], _math_attention(*args, torch.tensor([0], **i32), d**-0.5), rtol=1e-4, atol=1e-4
+    )
 
 
 @gpu
@@ -62,6 +80,14 @@ def test_same_bits_gpu() -> None:
     for i, o in enumerate(outs[1:]):
         assert bits_equal(o, outs[0]), i
     i32 = dict(device="cuda", dtype=torch.int32)
-    ref = _math_attention(q, k, v, torch.tensor([0, n], **i32), torch.tensor([0], **i32), torch.tensor([n], **i32),
-                          torch.tensor([0], **i32), d ** -0.5)
+    ref = _math_attention(
+        q,
+        k,
+        v,
+        torch.tensor([0, n], **i32),
+        torch.tensor([0], **i32),
+        torch.tensor([n], **i32),
+        torch.tensor([0], **i32),
+        d**-0.5,
+    )
     assert ((outs[0].float() - ref).norm() / ref.norm()).item() < 1e-2

@@ -25,16 +25,24 @@ def _hf(family: str, layers: int, hidden: int, head_dim: int, vocab: int, dtype:
     transformers = pytest.importorskip("transformers")
     from kernels.adapters import HFCausalLM
 
-    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                  num_attention_heads=hidden // head_dim, num_key_value_heads=max(1, hidden // head_dim // 2),
-                  head_dim=head_dim, max_position_embeddings=1024, rms_norm_eps=1e-6)
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // head_dim,
+        num_key_value_heads=max(1, hidden // head_dim // 2),
+        head_dim=head_dim,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-6,
+    )
     torch.manual_seed(0)
     if family == "qwen3":
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, attn_implementation="sdpa"))
     else:
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, attn_implementation="sdpa"))
     with torch.no_grad():
-        for p in model.parameters():   # random init with some spread in the norms, as trained models have
+        for p in model.parameters():  # random init with some spread in the norms, as trained models have
             if p.ndim == 1:
                 p.uniform_(0.5, 1.5)
     return HFCausalLM(model.to(dev, dtype).eval())
@@ -43,8 +51,18 @@ def _hf(family: str, layers: int, hidden: int, head_dim: int, vocab: int, dtype:
 def _gdn(layers: int, hidden: int, chunk: int, vocab: int, dtype: torch.dtype, dev: str) -> GDNLM:
     torch.manual_seed(0)
     kinds = tuple("gdn" if i % 2 == 0 else "attn" for i in range(layers))
-    cfg = GDNLMConfig(vocab=vocab, hidden=hidden, layers=kinds, heads=hidden // 64 or 1, kv_heads=max(1, hidden // 128),
-                      head_dim=64, gdn_heads=hidden // 64 or 1, gdn_head_dim=64, mlp=2 * hidden, chunk=chunk)
+    cfg = GDNLMConfig(
+        vocab=vocab,
+        hidden=hidden,
+        layers=kinds,
+        heads=hidden // 64 or 1,
+        kv_heads=max(1, hidden // 128),
+        head_dim=64,
+        gdn_heads=hidden // 64 or 1,
+        gdn_head_dim=64,
+        mlp=2 * hidden,
+        chunk=chunk,
+    )
     model = GDNLM(cfg)
     with torch.no_grad():
         for p in model.parameters():
@@ -53,11 +71,14 @@ def _gdn(layers: int, hidden: int, chunk: int, vocab: int, dtype: torch.dtype, d
     return model.to(dev, dtype).eval()
 
 
-def run_pair(model, enabled: bool, prompts: list[list[int]], max_new: list[int],
-             prefill_chunk: int | None = None) -> dict:
+def run_pair(
+    model, enabled: bool, prompts: list[list[int]], max_new: list[int], prefill_chunk: int | None = None
+) -> dict:
     """Roll out with the engine, recompute with the trainer, compare sampled-token logprobs."""
     with kernels.enable() if enabled else kernels.disable():
-        eng = RolloutEngine(model, max_len=max(len(p) for p in prompts) + max(max_new) + 8, prefill_chunk=prefill_chunk)
+        eng = RolloutEngine(
+            model, max_len=max(len(p) for p in prompts) + max(max_new) + 8, prefill_chunk=prefill_chunk
+        )
         comps = eng.generate(prompts, max_new, seed=1)
         dev = model.lm_head_weight.device
         seqs = [c.prompt + c.tokens for c in comps]
@@ -66,8 +87,8 @@ def run_pair(model, enabled: bool, prompts: list[list[int]], max_new: list[int],
         mask = torch.zeros_like(ids)
         bi, pi, tgt = [], [], []
         for i, (s, c) in enumerate(zip(seqs, comps, strict=True)):
-            ids[i, :len(s)] = torch.tensor(s)
-            mask[i, :len(s)] = 1
+            ids[i, : len(s)] = torch.tensor(s)
+            mask[i, : len(s)] = 1
             for j, t in enumerate(c.tokens):
                 bi.append(i)
                 pi.append(len(c.prompt) + j - 1)
@@ -76,12 +97,17 @@ def run_pair(model, enabled: bool, prompts: list[list[int]], max_new: list[int],
             hidden = model.full_hidden(ids, mask)
             h = hidden[torch.tensor(bi, device=dev), torch.tensor(pi, device=dev)]
             lp = routing.token_logprobs(h, model.lm_head_weight, torch.tensor(tgt, device=dev))
-            lp.sum().backward()       # the trainer's path is differentiable
+            lp.sum().backward()  # the trainer's path is differentiable
     trainer = lp.detach().float().cpu()
     rollout = torch.tensor([x for c in comps for x in c.logprobs], dtype=torch.float32)
     delta = (trainer - rollout).abs()
-    return {"enabled": enabled, "tokens": int(delta.numel()), "mean_abs_delta": float(delta.mean()),
-            "max_abs_delta": float(delta.max()), "exact_fraction": float((delta == 0).float().mean())}
+    return {
+        "enabled": enabled,
+        "tokens": int(delta.numel()),
+        "mean_abs_delta": float(delta.mean()),
+        "max_abs_delta": float(delta.max()),
+        "exact_fraction": float((delta == 0).float().mean()),
+    }
 
 
 def _report(name: str, res: dict) -> None:

@@ -20,7 +20,7 @@ BWD_RTOL = 1e-4
 
 def _inputs(t: int, h: int, dk: int, dv: int, dev: str, dtype: torch.dtype, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
-    q = F.normalize(torch.randn(t, h, dk, generator=gen), dim=-1) * dk ** -0.5
+    q = F.normalize(torch.randn(t, h, dk, generator=gen), dim=-1) * dk**-0.5
     k = F.normalize(torch.randn(t, h, dk, generator=gen), dim=-1)
     v = torch.randn(t, h, dv, generator=gen)
     g = -torch.rand(t, h, generator=gen) * 0.3
@@ -28,7 +28,9 @@ def _inputs(t: int, h: int, dk: int, dv: int, dev: str, dtype: torch.dtype, seed
     return [x.to(dev) for x in (q.to(dtype), k.to(dtype), v.to(dtype), g, beta)]
 
 
-def _decode(x: list[torch.Tensor], lens: list[int], split: int, dev: str, packed: bool, chunk: int) -> torch.Tensor:
+def _decode(
+    x: list[torch.Tensor], lens: list[int], split: int, dev: str, packed: bool, chunk: int
+) -> torch.Tensor:
     """Prefill `split` tokens of every sequence, then decode the rest one token at a time (all
     sequences in one packed step if `packed`, else one sequence per call)."""
     h, dk, dv = x[0].shape[1], x[0].shape[2], x[2].shape[2]
@@ -41,23 +43,37 @@ def _decode(x: list[torch.Tensor], lens: list[int], split: int, dev: str, packed
         groups = [live] if packed else [[i] for i in live]
         for grp in groups:
             take = {i: (min(split, lens[i]) if pos[i] == 0 and split > 0 else 1) for i in grp}
-            rows = torch.cat([torch.arange(starts[i] + pos[i], starts[i] + pos[i] + take[i]) for i in grp]).to(dev)
-            cu = torch.tensor([0] + [sum(take[i] for i in grp[:j + 1]) for j in range(len(grp))], dtype=torch.int32)
+            rows = torch.cat(
+                [torch.arange(starts[i] + pos[i], starts[i] + pos[i] + take[i]) for i in grp]
+            ).to(dev)
+            cu = torch.tensor(
+                [0] + [sum(take[i] for i in grp[: j + 1]) for j in range(len(grp))], dtype=torch.int32
+            )
             o = gdn_incremental(*(t[rows] for t in x), cu.to(dev), grp, cache, invariant=True, chunk=chunk)
             for j, i in enumerate(grp):
-                out[i][pos[i]:pos[i] + take[i]] = o[int(cu[j]):int(cu[j + 1])]
+                out[i][pos[i] : pos[i] + take[i]] = o[int(cu[j]) : int(cu[j + 1])]
                 pos[i] += take[i]
     return torch.cat(out)
 
 
-def _check_splits(dev: str, dtype: torch.dtype, h: int, dk: int, dv: int, chunk: int, splits: list[int],
-                  lens: list[int]) -> None:
+def _check_splits(
+    dev: str, dtype: torch.dtype, h: int, dk: int, dv: int, chunk: int, splits: list[int], lens: list[int]
+) -> None:
     x = _inputs(sum(lens), h, dk, dv, dev, dtype)
     cu = torch.tensor([0, lens[0], sum(lens)], dtype=torch.int32, device=dev)
     trainer, _ = gdn_chunk(*x, cu, chunk=chunk, impl="triton")
     # Unpacked trainer (each sequence alone) must equal the packed one.
-    alone = torch.cat([gdn_chunk(*(t[s:s + n] for t in x), torch.tensor([0, n], dtype=torch.int32, device=dev),
-                                 chunk=chunk, impl="triton")[0] for s, n in ((0, lens[0]), (lens[0], lens[1]))])
+    alone = torch.cat(
+        [
+            gdn_chunk(
+                *(t[s : s + n] for t in x),
+                torch.tensor([0, n], dtype=torch.int32, device=dev),
+                chunk=chunk,
+                impl="triton",
+            )[0]
+            for s, n in ((0, lens[0]), (lens[0], lens[1]))
+        ]
+    )
     assert bits_equal(alone, trainer)
     for split in splits:
         for packed in (True, False):
@@ -66,7 +82,9 @@ def _check_splits(dev: str, dtype: torch.dtype, h: int, dk: int, dv: int, chunk:
 
 def test_splits_cpu(dev: str) -> None:
     """The same structure at C=16 (the interpreter is slow): splits 0, 1, C-1, C, C+1, 2C+2."""
-    _check_splits(dev, torch.float32, h=1, dk=16, dv=16, chunk=16, splits=[0, 1, 15, 16, 17, 34], lens=[40, 19])
+    _check_splits(
+        dev, torch.float32, h=1, dk=16, dv=16, chunk=16, splits=[0, 1, 15, 16, 17, 34], lens=[40, 19]
+    )
 
 
 def test_matches_fp64_recurrence(dev: str) -> None:

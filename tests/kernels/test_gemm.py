@@ -50,7 +50,7 @@ def test_batch_invariant_gpu(dtype: torch.dtype, nk: tuple[int, int]) -> None:
     torch.manual_seed(0)
     n, k = nk
     a = torch.randn(2048, k, device="cuda").to(dtype)
-    w = (torch.randn(n, k, device="cuda") / k ** 0.5).to(dtype)
+    w = (torch.randn(n, k, device="cuda") / k**0.5).to(dtype)
     _check_invariance(a, w, torch.randn(n, device="cuda").to(dtype), [1, 3, 16, 255, 256, 257, 2048])
     ref = F.linear(a.float(), w.float())
     got = gemm(a, w).float()

@@ -21,7 +21,9 @@ def test_invariant_cpu(dev: str) -> None:
     ref = torch.log_softmax(h @ w.T, -1).gather(1, tok[:, None])[:, 0]
     torch.testing.assert_close(full, ref, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(full, token_logprobs_reference(h, w, tok), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(log_softmax(h @ w.T, impl="triton"), torch.log_softmax(h @ w.T, -1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        log_softmax(h @ w.T, impl="triton"), torch.log_softmax(h @ w.T, -1), rtol=1e-5, atol=1e-5
+    )
 
 
 def test_autograd(dev: str) -> None:

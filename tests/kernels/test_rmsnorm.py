@@ -30,8 +30,12 @@ def test_invariant_cpu(dev: str) -> None:
     y, res = rms_norm(x, w, 1e-6, residual=r, impl="triton")
     torch.testing.assert_close(y, ref_y, rtol=1e-5, atol=1e-5)
     assert bits_equal(res, ref_r)
-    torch.testing.assert_close(rms_norm(x, None, 1e-6, l2=True, impl="triton"),
-                               torch.nn.functional.normalize(x, dim=-1), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        rms_norm(x, None, 1e-6, l2=True, impl="triton"),
+        torch.nn.functional.normalize(x, dim=-1),
+        rtol=1e-5,
+        atol=1e-6,
+    )
 
 
 def test_autograd(dev: str) -> None:

@@ -37,7 +37,7 @@ def test_tp_invariant_cpu(dev: str, k: int) -> None:
 def test_tp_invariant_gpu(k: int) -> None:
     torch.manual_seed(0)
     x = torch.randn(300, k, device="cuda").bfloat16()
-    w = (torch.randn(512, k, device="cuda") / k ** 0.5).bfloat16()
+    w = (torch.randn(512, k, device="cuda") / k**0.5).bfloat16()
     ref = tree_gemm(x, w, leaf=256, tp=1)
     for tp in (2, 4, 8):
         assert bits_equal(tree_gemm(x, w, leaf=256, tp=tp), ref), f"tp={tp}"
@@ -52,7 +52,7 @@ def _nccl_worker(rank: int, world: int, k: int, leaf: int, path: str) -> None:
     dist.init_process_group("nccl", init_method=f"file://{path}.rdv", rank=rank, world_size=world)
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(96, k, generator=gen).bfloat16().cuda()
-    w = (torch.randn(256, k, generator=gen) / k ** 0.5).bfloat16().cuda()
+    w = (torch.randn(256, k, generator=gen) / k**0.5).bfloat16().cuda()
     plan = tree_plan(k, leaf, world)
     lo, hi = plan.k_range(rank)
 
@@ -61,7 +61,9 @@ def _nccl_worker(rank: int, world: int, k: int, leaf: int, path: str) -> None:
         dist.all_gather(parts, t.contiguous())
         return torch.stack(parts)
 
-    y = tree_gemm_distributed(x[:, lo:hi].contiguous(), w[:, lo:hi].contiguous(), k, leaf, world, rank, all_gather)
+    y = tree_gemm_distributed(
+        x[:, lo:hi].contiguous(), w[:, lo:hi].contiguous(), k, leaf, world, rank, all_gather
+    )
     ref = tree_gemm(x, w, leaf=leaf, tp=1)
     nccl_sum = x[:, lo:hi].float() @ w[:, lo:hi].float().T
     dist.all_reduce(nccl_sum)
@@ -79,6 +81,10 @@ def test_tp2_real_nccl() -> None:
         path = os.path.join(d, "tp")
         mp.spawn(_nccl_worker, args=(2, 4096, 256, path), nprocs=2, join=True)
         results = [open(f"{path}.{r}").read().split() for r in range(2)]
-    print("nccl all-gather tree == tp1:", [r[0] for r in results], "plain all-reduce mismatch fraction:",
-          [r[1] for r in results])
+    print(
+        "nccl all-gather tree == tp1:",
+        [r[0] for r in results],
+        "plain all-reduce mismatch fraction:",
+        [r[1] for r in results],
+    )
     assert all(r[0] == "1" for r in results)
