@@ -261,9 +261,16 @@ class VllmCollector:
         return self.sink.flush(timeout)
 
     def detach(self) -> None:
-        """Remove every hook inside the engine; it then runs exactly as before :func:`attach`."""
-        self.engine_counters = self.link.call("stop")
+        """Remove every hook inside the engine; it then runs exactly as before :func:`attach`.
+        Never raises (an engine already shut down has no hooks left to remove)."""
         _ATTACHED.pop(self.link.llm, None)
+        try:
+            self.engine_counters = self.link.call("stop")
+        except Exception as exc:
+            self.counters.errors += 1
+            self._log_once(
+                "detach", f"isoaudit vllm collector: detach could not reach the engine ({exc}); counted"
+            )
 
     # ------------------------------------------------------------------ internals
 
