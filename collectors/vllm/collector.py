@@ -128,7 +128,16 @@ def _prints_records(
 
 
 class VllmCollector:
-    """The handle :func:`attach` returns."""
+    """The handle :func:`attach` returns.
+
+    ``contract``: the execution contract (or its identities) the engine runs under, for the
+    manifest. ``weight_version``: the version of the weights the engine starts with (later ones come
+    from :func:`collectors.vllm.load_weights`). ``max_requests``/``max_rows``: the engine-side
+    buffers' bounds (requests tracked, fingerprint rows kept until drained). ``flush_bytes``: how
+    many bytes of selected activations wait on the device before a batched fingerprint pass.
+    ``validate``: build records through pydantic validation (tests); ``strict``: raise instead of
+    counting errors (tests); ``keep_records``: return each step's records in its report.
+    """
 
     def __init__(
         self,
@@ -142,6 +151,7 @@ class VllmCollector:
         weight_version: str | int | None = None,
         max_requests: int = 65536,
         max_rows: int = 1 << 20,
+        flush_bytes: int = 64 << 20,
         validate: bool = False,
         strict: bool = False,
         keep_records: bool = False,
@@ -152,6 +162,8 @@ class VllmCollector:
             raise ValueError(f"max_requests: must be an integer >= 1, got {max_requests!r}")
         if not isinstance(max_rows, int) or max_rows < 0:
             raise ValueError(f"max_rows: must be an integer >= 0, got {max_rows!r}")
+        if not isinstance(flush_bytes, int) or flush_bytes < 0:
+            raise ValueError(f"flush_bytes: must be an integer >= 0, got {flush_bytes!r}")
         selection = parse_selection(fingerprint)
         if attached(llm) is not None:
             raise ValueError("llm: a collector is already attached to this engine; detach() it first")
@@ -180,6 +192,7 @@ class VllmCollector:
                 "selection": selection.to_wire(),
                 "max_requests": max_requests,
                 "max_rows": max_rows,
+                "flush_bytes": flush_bytes,
                 "version": str(weight_version) if weight_version is not None else None,
             },
         )

@@ -111,6 +111,7 @@ def start(obj: Any, options: dict[str, Any]) -> dict[str, Any]:
         refusal=refusal,
         max_requests=int(options.get("max_requests", 65536)),
         max_rows=int(options.get("max_rows", 1 << 20)),
+        flush_bytes=int(options.get("flush_bytes", 64 << 20)),
     )
     capture.version = weights.version
     worker._isoaudit_capture = capture
