@@ -13,12 +13,13 @@ import torch
 from torch import nn
 
 from audit.fingerprints import fingerprint_rows
-from collectors.vllm.capture import EngineCapture, external_id
+from collectors.vllm.capture import EngineCapture
 from collectors.vllm.facts import capture_refusal
 from collectors.vllm.outputs import read_completions
 from collectors.vllm.regions import resolve_engine_regions
 from collectors.vllm.rows import ForwardRows
 from collectors.vllm.selection import Selection, parse_selection
+from collectors.vllm.traces import external_id
 from collectors.vllm.weights import pack_tensors, unpack_tensors, weight_digest
 from collectors.vllm.worker import plain
 
