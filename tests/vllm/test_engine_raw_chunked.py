@@ -1,9 +1,11 @@
-"""An engine that returns *raw* logprobs (vLLM's default) and splits long prompts into chunks.
+"""An engine that returns *raw* logprobs (vLLM's default), splits long prompts into chunks and
+caches prefixes.
 
 Raw logprobs under temperature 0.7 measure a different distribution from the trainer's processed
 ones: the diagnosis must say ``semantics``. A 32-token budget per step makes vLLM prefill the long
 prompts in several chunks, mixed with other requests' decode steps: rows must still land on their
-request and absolute position.
+request and absolute position. A prompt whose first KV block comes from the prefix cache is not
+computed there, so those positions must show as not observed, and the rest still map right.
 """
 
 from __future__ import annotations
@@ -33,20 +35,35 @@ def collected(tiny_qwen3: Path) -> Iterator[dict[str, Any]]:
         enable_chunked_prefill=True,
         max_num_batched_tokens=BUDGET,
         max_num_seqs=4,
+        enable_prefix_caching=True,
     ) as llm:
         sink = MemorySink()
         handle = cv.attach(llm, run=RUN, sink=sink, strict=True, validate=True)
         outputs = generate(llm, prompts_of([5, 70, 100], seed=21), max_tokens=10, seed=None)
         handle.record_step(0, outputs)
+        # Step 1: a prompt sharing a 140-token prefix with one already run; its first full KV block
+        # comes from the prefix cache, so the engine computes (and fingerprints) only what follows.
+        shared = prompts_of([140], seed=22)[0]
+        generate(llm, [shared + [7, 8]], max_tokens=2, seed=None)
+        cached = generate(llm, [shared + [9, 10, 11]], max_tokens=4, seed=None)
+        assert cached[0].num_cached_tokens == llm.llm_engine.vllm_config.cache_config.block_size
+        handle.record_step(1, cached)
         assert sink.flush(30)
         stats = handle.stats()
+        block = llm.llm_engine.vllm_config.cache_config.block_size
         handle.detach()
     trainer = trainer_side(tiny_qwen3, outputs)
-    yield {"rollout": sink, "trainer": trainer, "stats": stats, "comparisons": compare(trainer, sink)}
+    yield {
+        "rollout": sink,
+        "trainer": trainer,
+        "stats": stats,
+        "comparisons": compare(trainer, sink),
+        "cached": (cached, trainer_side(tiny_qwen3, cached, step=1), block),
+    }
 
 
 def test_raw_logprobs_under_temperature_are_a_semantics_problem(collected: dict[str, Any]) -> None:
-    samples = collected["rollout"].of_kind("sample")
+    samples = [s for s in collected["rollout"].of_kind("sample") if s.step == 0]
     assert {s.semantics for s in samples} == {"raw"} and len(samples) == 3
     assert collected["rollout"].of_kind("manifest")[0].runtime.logprobs_mode == "raw_logprobs"
     kinds = {key: c.diagnosis.kind for key, c in collected["comparisons"].items()}
@@ -56,7 +73,7 @@ def test_raw_logprobs_under_temperature_are_a_semantics_problem(collected: dict[
 
 
 def test_chunked_prefill_rows_map_to_their_positions(collected: dict[str, Any]) -> None:
-    samples = {s.sample_key: s for s in collected["rollout"].of_kind("sample")}
+    samples = {s.sample_key: s for s in collected["rollout"].of_kind("sample") if s.step == 0}
     t_prints, r_prints = (
         by_key(collected["trainer"], "fingerprints"),
         by_key(collected["rollout"], "fingerprints"),
@@ -75,3 +92,24 @@ def test_chunked_prefill_rows_map_to_their_positions(collected: dict[str, Any]) 
         logits = sorted(rows_of(r_prints[key], "logits", "engine_prefill"))
         assert logits[-1] == p - 1 and (len(logits) > 1) == (p > BUDGET)
     assert collected["stats"]["engine"][0]["errors"] == 0
+
+
+def test_prefix_cached_positions_are_not_observed_the_rest_map_right(collected: dict[str, Any]) -> None:
+    outputs, trainer, block = collected["cached"]
+    rollout = collected["rollout"]
+    [sample] = [s for s in rollout.of_kind("sample") if s.step == 1]
+    n, p = sample.token_ids.size, sample.prompt_len
+    prints = by_key(rollout, "fingerprints", 1)[sample.sample_key]
+    computed = sorted(rows_of(prints, "embed", "engine_prefill"))
+    assert computed == list(range(block, p)), f"{computed[:3]}... (block size {block}, prompt {p})"
+    assert rows_of(prints, "embed") == {
+        pos: d
+        for pos, d in rows_of(by_key(trainer, "fingerprints", 1)[sample.sample_key], "embed").items()
+        if block <= pos < n - 1
+    }
+    manifest = rollout.of_kind("manifest")[0]
+    assert manifest.runtime.prefix_caching is True
+    comparison = compare(trainer, rollout, step=1)[sample.sample_key]
+    assert (
+        comparison.grid is not None and comparison.grid.has_unobserved()
+    )  # the cached prefix: not observed, never "equal"
