@@ -8,7 +8,7 @@ evidence it rests on, so a user can check it without reading code.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -23,9 +23,17 @@ DiagnosisKind = Literal[
     "clean", "contract", "weights", "semantics", "inference_path", "numerical", "inconclusive"
 ]
 
-#: Runtime facts that change the inference path (not the arithmetic of a kernel): recorded as on for
-#: one side only, they explain a mismatch before any kernel is blamed.
+#: Runtime facts that change the inference path (not the arithmetic of a kernel): taken by one side
+#: only, they explain a mismatch before any kernel is blamed.
 PATH_FACTS = ("prefix_caching", "async_scheduling", "chunked_prefill")
+
+#: Per-sample evidence of whether a path fact was actually taken (``SampleLogprobs.path``). Where a
+#: sample carries it, it overrides its side's manifest: an engine with prefix caching on that found
+#: nothing cached for this sample computed it the ordinary way.
+TAKEN_WHEN: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    "prefix_caching": ("prefix_cached_tokens", lambda tokens: int(tokens) > 0),
+    "chunked_prefill": ("prefill_chunks", lambda chunks: int(chunks) > 1),
+}
 
 #: A systematic logprob offset is "semantic" when it is this many standard errors from zero and
 #: larger than SEMANTIC_OFFSET_MIN. Sampling from the processed distribution makes E[Δ] = ±KL(processed ‖ raw),
@@ -131,12 +139,23 @@ def _semantics(trainer: SampleLogprobs, rollout: SampleLogprobs) -> Diagnosis | 
     return None
 
 
-def _inference_path(tm: Manifest | None, rm: Manifest | None) -> Diagnosis | None:
-    if tm is None or rm is None:
+def _taken(name: str, sample: SampleLogprobs, manifest: Manifest | None) -> Any:
+    """Whether this side took path ``name`` for this sample: the sample's own evidence if it has
+    some, else its manifest's setting (None: unknown, counted as not taken)."""
+    evidence = TAKEN_WHEN.get(name)
+    if evidence is not None and evidence[0] in sample.path:
+        return evidence[1](sample.path[evidence[0]])
+    return getattr(manifest.runtime, name) if manifest is not None else None
+
+
+def _inference_path(
+    trainer: SampleLogprobs, rollout: SampleLogprobs, tm: Manifest | None, rm: Manifest | None
+) -> Diagnosis | None:
+    if (tm is None or rm is None) and not (trainer.path or rollout.path):
         return None
     differing = {}
     for name in PATH_FACTS:
-        t, r = getattr(tm.runtime, name), getattr(rm.runtime, name)
+        t, r = _taken(name, trainer, tm), _taken(name, rollout, rm)
         if bool(t) != bool(r):
             differing[name] = {"trainer": t, "rollout": r}
     if not differing:
@@ -148,7 +167,7 @@ def _inference_path(tm: Manifest | None, rm: Manifest | None) -> Diagnosis | Non
         "inference_path",
         f"The two sides took different inference paths ({described}); the mismatch can come from the path "
         "rather than a kernel.",
-        {"differing": differing},
+        {"differing": differing, "trainer_path": dict(trainer.path), "rollout_path": dict(rollout.path)},
     )
 
 
@@ -192,7 +211,7 @@ def diagnose(
         _contract(tm, rm),
         _weights(trainer, rollout, tm, rm),
         _semantics(trainer, rollout),
-        _inference_path(tm, rm),
+        _inference_path(trainer, rollout, tm, rm),
     ):
         if found is not None:
             found.evidence.setdefault("logprob_abs_diff_mean", metrics.get("logprob_abs_diff_mean"))

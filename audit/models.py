@@ -96,6 +96,7 @@ class SampleRow(Base):
     topk: Mapped[int | None] = mapped_column(Integer)
     topk_ids: Mapped[bytes | None] = mapped_column(LargeBinary)
     topk_logprobs: Mapped[bytes | None] = mapped_column(LargeBinary)
+    path: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 

@@ -143,6 +143,11 @@ class SampleLogprobs(Record):
     semantics: LogprobSemantics = "processed"
     topk_ids: Int32Matrix | None = None
     topk_logprobs: Float32Matrix | None = None
+    path: dict[str, int | float | bool | str] = Field(
+        default_factory=dict,
+        description="how this side computed this sample where the runtime may take another path, e.g. "
+        "prefix_cached_tokens (prompt tokens served from a prefix cache), prefill_chunks",
+    )
 
     @model_validator(mode="before")
     @classmethod

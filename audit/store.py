@@ -119,6 +119,7 @@ def _sample_row(record: SampleLogprobs) -> dict[str, Any]:
         "topk": int(record.topk_ids.shape[1]) if has_topk else None,
         "topk_ids": to_bytes(record.topk_ids) if has_topk else None,
         "topk_logprobs": to_bytes(record.topk_logprobs) if has_topk else None,
+        "path": dict(record.path) or None,
         "created_at": utcnow(),
     }
 
@@ -147,6 +148,7 @@ def _sample_record(row: SampleRow) -> SampleLogprobs:
         semantics=row.semantics,
         topk_ids=topk[0] if topk else None,
         topk_logprobs=topk[1] if topk else None,
+        path=row.path or {},
     )
 
 

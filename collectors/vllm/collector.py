@@ -374,6 +374,7 @@ class VllmCollector:
             "top_k": engine["top_k"],
             "top_p": engine["top_p"],
             "semantics": self.semantics,
+            "path": _path_facts(completion.cached_tokens, engine.get("prefill_forwards")),
         }
         sample = SampleLogprobs(**fields) if self.validate else SampleLogprobs.model_construct(**fields)
         if engine["truncated"]:
@@ -387,6 +388,13 @@ class VllmCollector:
             validate=self.validate,
         )
         return sample, prints
+
+
+def _path_facts(cached_tokens: int | None, prefill_forwards: int | None) -> dict[str, int]:
+    """The inference path this sample actually took (``SampleLogprobs.path``), as far as it is known:
+    the diagnosis blames prefix caching or chunked prefill only when they were taken, not merely on."""
+    facts = {"prefix_cached_tokens": cached_tokens, "prefill_chunks": prefill_forwards}
+    return {name: int(value) for name, value in facts.items() if value is not None}
 
 
 def _order(name: str) -> tuple[int, int, int, str]:

@@ -22,6 +22,7 @@ class Completion:
     prompt_ids: np.ndarray  # int32
     completion_ids: np.ndarray  # int32
     logprobs: np.ndarray | None  # float32, one per completion token; None when not requested
+    cached_tokens: int | None = None  # prompt tokens served from the prefix cache, when vLLM says
 
 
 def _sampled_logprobs(entries: Any, tokens: np.ndarray) -> np.ndarray | None:
@@ -60,6 +61,11 @@ def read_completions(outputs: Iterable[Any]) -> list[Completion]:
                     prompt_ids=prompt_ids,
                     completion_ids=tokens,
                     logprobs=_sampled_logprobs(completion.logprobs, tokens),
+                    cached_tokens=_optional_int(getattr(output, "num_cached_tokens", None)),
                 )
             )
     return found
+
+
+def _optional_int(value: Any) -> int | None:
+    return None if value is None else int(value)

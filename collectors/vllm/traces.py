@@ -131,6 +131,13 @@ def payload(trace: RequestTrace, region_names: Sequence[str]) -> tuple[dict[str,
         "top_p": trace.top_p,
         "selected": trace.selected,
         "truncated": trace.truncated,
+        # Forwards that computed prompt positions (known for fingerprinted requests): more than one
+        # means a chunked prefill, an inference path the trainer never takes.
+        # (A forward files a piece per row-width group, logits holding only its last row: so count
+        # distinct last positions.)
+        "prefill_forwards": len({int(p.positions[-1]) for p in trace.pieces if not p.decode and p.count})
+        if trace.selected
+        else None,
         "first_version": trace.first_version,
         "last_version": trace.last_version,
         "prints": prints,

@@ -198,3 +198,39 @@ def test_pairs_with_different_tokens_are_refused():
     a, b = factories.sample("trainer", seed=1), factories.sample("rollout", seed=2)
     with pytest.raises(ValueError, match="sample_key"):
         compare_sample(a, b)
+
+
+@pytest.mark.parametrize(
+    ("path", "expected"),
+    [
+        (
+            {"prefix_cached_tokens": 0, "prefill_chunks": 1},
+            "inconclusive",
+        ),  # on, but not taken for this sample
+        ({"prefix_cached_tokens": 16}, "inference_path"),
+        ({"prefix_cached_tokens": 0, "prefill_chunks": 3}, "inference_path"),
+    ],
+)
+def test_inference_path_blames_only_paths_the_sample_took(path, expected):
+    tokens, _, processed = sampled_pair()
+    engine = factories.manifest(
+        "rollout",
+        "engine_prefill",
+        runtime=RuntimeFacts(framework="vllm", prefix_caching=True, chunked_prefill=True),
+    )
+    result = compare_sample(
+        record("trainer", tokens, processed),
+        record("rollout", tokens, processed * 1.001, path=path),
+        trainer_manifests=[factories.manifest("trainer", runtime=RuntimeFacts(framework="torch"))],
+        rollout_manifests=[engine],
+    )
+    assert result.diagnosis.kind == expected
+    if expected == "inference_path":
+        assert result.diagnosis.evidence["rollout_path"] == path
+
+
+def test_sample_path_round_trips_through_the_store(store):
+    sample = factories.sample("rollout", path={"prefix_cached_tokens": 7, "prefill_chunks": 2})
+    store.ingest([sample])
+    [got] = store.samples("run-1", 0)
+    assert got.path == {"prefix_cached_tokens": 7, "prefill_chunks": 2}

@@ -91,6 +91,8 @@ def test_chunked_prefill_rows_map_to_their_positions(collected: dict[str, Any]) 
         # Each chunk's last row yields logits (discarded by vLLM for a partial prompt, still computed).
         logits = sorted(rows_of(r_prints[key], "logits", "engine_prefill"))
         assert logits[-1] == p - 1 and (len(logits) > 1) == (p > BUDGET)
+        # The path each sample took is on the sample: the diagnosis blames chunking only where it happened.
+        assert (sample.path["prefill_chunks"] > 1) == (p > BUDGET), sample.path
     assert collected["stats"]["engine"][0]["errors"] == 0
 
 
@@ -109,6 +111,9 @@ def test_prefix_cached_positions_are_not_observed_the_rest_map_right(collected: 
     }
     manifest = rollout.of_kind("manifest")[0]
     assert manifest.runtime.prefix_caching is True
+    assert sample.path["prefix_cached_tokens"] == block
+    # Samples of step 0 ran with caching on but found nothing cached: their path is the ordinary one.
+    assert all(s.path["prefix_cached_tokens"] == 0 for s in rollout.of_kind("sample") if s.step == 0)
     comparison = compare(trainer, rollout, step=1)[sample.sample_key]
     assert (
         comparison.grid is not None and comparison.grid.has_unobserved()
