@@ -10,7 +10,7 @@ trainer collector uses the HF family maps here; the vLLM collector declares its 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -91,15 +91,18 @@ class FamilyMap:
         return specs
 
 
-def _hf_decoder(family: str) -> FamilyMap:
-    # HF's Llama-style decoders: attention output is o_proj's (self_attn returns (out, weights)),
-    # and a decoder layer's output is the residual stream after it.
+def llama_style_map(
+    family: str, *, logits: str = "lm_head", taps: Mapping[str, Tap] | None = None
+) -> FamilyMap:
+    """The module names Llama-style decoders share, in HF and in vLLM alike: the attention output is
+    ``o_proj``'s and a decoder layer's output is the residual stream after it. The two differ only in
+    where the logits come from and in how some outputs are packaged (``taps``)."""
     return FamilyMap(
         family=family,
         layers="model.layers",
         embed="model.embed_tokens",
         final_norm="model.norm",
-        logits="lm_head",
+        logits=logits,
         layer={
             "input_norm": "model.layers.{i}.input_layernorm",
             "attn": "model.layers.{i}.self_attn.o_proj",
@@ -107,16 +110,11 @@ def _hf_decoder(family: str) -> FamilyMap:
             "mlp": "model.layers.{i}.mlp",
             "out": "model.layers.{i}",
         },
+        taps=dict(taps or {}),
     )
 
 
-#: HF transformers families, keyed by ``config.model_type``.
-HF_FAMILIES: dict[str, FamilyMap] = {
-    name: _hf_decoder(name) for name in ("llama", "qwen2", "qwen3", "mistral")
-}
-
-
-def _has(model: nn.Module, name: str) -> bool:
+def has_module(model: nn.Module, name: str) -> bool:
     try:
         model.get_submodule(name)
     except AttributeError:
@@ -124,23 +122,37 @@ def _has(model: nn.Module, name: str) -> bool:
     return True
 
 
-def _num_layers(model: nn.Module, family: FamilyMap) -> int:
-    layers = model.get_submodule(family.layers)
-    return len(layers)  # type: ignore[arg-type]
+@dataclass(frozen=True)
+class Catalog:
+    """One side's knowledge of model families: its maps by ``model_type``, the map it tries on a model
+    it does not know, and how a module named in an explicit map is read."""
+
+    side: str  # for messages: "trainer" or "vLLM"
+    families: Mapping[str, FamilyMap]
+    generic: Callable[[str], FamilyMap]
+    tap_for: Callable[[str], Tap]
+    model_noun: str = "model"  # for messages: what the hooked model is called on this side
+
+    def family_of(self, model: nn.Module, model_type: str | None) -> FamilyMap:
+        if model_type in self.families:
+            return self.families[model_type]
+        # An unregistered model laid out like Llama (many are) gets the same map, checked module by module.
+        generic = self.generic(str(model_type or "unknown"))
+        if has_module(model, generic.layers) and all(has_module(model, s.module) for s in generic.specs(1)):
+            return generic
+        raise ValueError(
+            f"regions: no {self.side} map for model type {model_type!r} (known: {sorted(self.families)}); "
+            "pass regions={canonical name: module name}"
+        )
 
 
-def _auto_family(model: nn.Module) -> FamilyMap:
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type in HF_FAMILIES:
-        return HF_FAMILIES[model_type]
-    # An unregistered HF model laid out like Llama (many are) gets the same map, checked module by module.
-    generic = _hf_decoder(str(model_type or "unknown"))
-    if _has(model, generic.layers) and all(_has(model, spec.module) for spec in generic.specs(1)):
-        return generic
-    raise ValueError(
-        f"regions: no built-in map for model type {model_type!r} (known: {sorted(HF_FAMILIES)}); "
-        "pass regions={canonical name: module name}"
-    )
+#: The trainer side: HF transformers families, keyed by ``config.model_type``.
+HF_CATALOG = Catalog(
+    side="trainer",
+    families={name: llama_style_map(name) for name in ("llama", "qwen2", "qwen3", "mistral")},
+    generic=llama_style_map,
+    tap_for=lambda name: Tap.FP32 if name == "logits" else Tap.FIRST,
+)
 
 
 RegionsArg = str | Mapping[str, str] | Sequence[str] | None
@@ -159,12 +171,18 @@ class ResolvedRegions:
         return [spec.name for spec in self.specs]
 
 
-def resolve_regions(model: nn.Module, regions: RegionsArg = "auto") -> ResolvedRegions:
+def resolve_regions(
+    model: nn.Module,
+    regions: RegionsArg = "auto",
+    *,
+    model_type: str | None = None,
+    catalog: Catalog = HF_CATALOG,
+) -> ResolvedRegions:
     """Bind ``regions`` to ``model``'s modules.
 
-    ``"auto"``: every canonical region, from the family map of ``model.config.model_type``.
-    A sequence of canonical names: that subset of the auto map. A mapping: canonical name → module
-    name (any model). ``None`` or empty: no regions (logprobs only).
+    ``"auto"``: every canonical region, from the ``catalog``'s map of ``model_type`` (by default
+    ``model.config.model_type``). A sequence of canonical names: that subset of the auto map. A
+    mapping: canonical name → module name (any model). ``None`` or empty: no regions (logprobs only).
     """
     if regions is None or (not isinstance(regions, str) and len(regions) == 0):
         return ResolvedRegions([], {"*": "no regions requested"})
@@ -175,17 +193,21 @@ def resolve_regions(model: nn.Module, regions: RegionsArg = "auto") -> ResolvedR
                 raise ValueError(
                     f"regions: {name!r} is not a canonical region name (e.g. embed, layers.0.mlp, logits)"
                 )
-            if not _has(model, module):
-                raise ValueError(f"regions: module {module!r} (for {name!r}) is not in the model")
-            specs.append(RegionSpec(name, module, Tap.FP32 if name == "logits" else Tap.FIRST))
+            if not has_module(model, module):
+                raise ValueError(
+                    f"regions: module {module!r} (for {name!r}) is not in the {catalog.model_noun}"
+                )
+            specs.append(RegionSpec(name, module, catalog.tap_for(name)))
         specs.sort(key=lambda s: region_order(s.name))
         return ResolvedRegions(specs, _missing(specs, _layer_count(specs)))
     if isinstance(regions, str) and regions != "auto":
         raise ValueError(f"regions: expected 'auto', a list of canonical names or a mapping, got {regions!r}")
-    family = _auto_family(model)
-    specs = family.specs(_num_layers(model, family))
+    if model_type is None:
+        model_type = getattr(getattr(model, "config", None), "model_type", None)
+    family = catalog.family_of(model, model_type)
+    specs = family.specs(len(model.get_submodule(family.layers)))  # type: ignore[arg-type]
     for spec in specs:
-        if not _has(model, spec.module):
+        if not has_module(model, spec.module):
             raise ValueError(
                 f"regions: the {family.family} map names {spec.module!r} for {spec.name!r}, not in the model"
             )
