@@ -35,3 +35,12 @@ def current_revision(engine: Engine | str | None = None) -> str | None:
     engine = engine if isinstance(engine, Engine) else make_engine(engine)
     with engine.connect() as connection:
         return MigrationContext.configure(connection).get_current_revision()
+
+
+def head_revision() -> str:
+    """The newest revision in ``migrations/versions`` (what ``upgrade`` brings a database to)."""
+    from alembic.script import ScriptDirectory
+
+    head = ScriptDirectory.from_config(alembic_config()).get_current_head()
+    assert head is not None
+    return head

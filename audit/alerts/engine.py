@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -61,14 +62,25 @@ class AlertEngine:
         dashboard_url: str = "http://localhost:8050",
         step_path: str = DEFAULT_STEP_PATH,
         now: Callable[[], datetime] = utcnow,
+        deliver_in_background: bool = False,
     ) -> None:
+        """``deliver_in_background``: send notices from one thread of the engine's own, in order, so a
+        slow or dead webhook (retries, timeouts) never holds up the comparison worker that evaluates."""
         self.store = store
+        self.deliver_in_background = deliver_in_background
+        self._delivery: ThreadPoolExecutor | None = None  # started by the first background notice
         self.channels: list[Channel] = (
             list(channels) if channels is not None else [LogChannel(), DatabaseChannel()]
         )
         self.dashboard_url = dashboard_url.rstrip("/")
         self.step_path = step_path
         self.now = now
+
+    def close(self) -> None:
+        """Wait for notices still being delivered (background delivery only)."""
+        if self._delivery is not None:
+            self._delivery.shutdown(wait=True)
+            self._delivery = None
 
     def step_url(self, run_id: str, step: int) -> str:
         """The dashboard page of one step of a run."""
@@ -246,6 +258,14 @@ class AlertEngine:
             claim_stmt = update(table).where(table.c.id == alert_id, *claim).values({column: True})
             if session.execute(claim_stmt.returning(table.c.id)).first() is None:
                 return  # announced already (by another evaluation), or never announced as firing
+        if self.deliver_in_background:
+            if self._delivery is None:
+                self._delivery = ThreadPoolExecutor(max_workers=1, thread_name_prefix="isoaudit-alerts")
+            self._delivery.submit(self._deliver, notice)
+        else:
+            self._deliver(notice)
+
+    def _deliver(self, notice: Notice) -> None:
         deliveries = []
         for channel in self.channels:
             try:

@@ -33,7 +33,11 @@ def default_alert_engine(store: Store, settings: ApiSettings) -> AlertEngine:
     if settings.webhook_url:
         channels.append(WebhookChannel(settings.webhook_url))
     return AlertEngine(
-        store, channels, dashboard_url=settings.dashboard_url, step_path=settings.dashboard_step_path
+        store,
+        channels,
+        dashboard_url=settings.dashboard_url,
+        step_path=settings.dashboard_step_path,
+        deliver_in_background=True,
     )
 
 
@@ -75,6 +79,7 @@ def create_app(
         finally:
             if worker is not None:
                 worker.stop()
+            alert_engine.close()
             if owns_store:
                 app.state.store.dispose()
 

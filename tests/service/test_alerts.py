@@ -431,3 +431,41 @@ def test_installing_rules_keeps_edits_unless_replacing(store: Store):
     assert install_rules(store, default_rules(), "yaml", replace=True) == 2
     run_steps(store, engine, [4e-3], start=3)
     assert open_state(store, "kl_k3_warning") == "firing"
+
+
+from audit.alerts.channels import Delivery  # noqa: E402
+
+
+class SlowChannel:
+    """A channel that takes its time, like a webhook retrying a dead receiver."""
+
+    name = "slow"
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds, self.sent = seconds, []
+
+    def send(self, notice):
+        import time
+
+        time.sleep(self.seconds)
+        self.sent.append((notice.event, notice.step))
+        return Delivery(self.name, "sent", payload=notice.as_dict())
+
+
+def test_background_delivery_never_holds_up_evaluation(alert_store: Store):
+    import time
+
+    slow = SlowChannel(1.5)
+    engine = AlertEngine(alert_store, [slow, DatabaseChannel()], deliver_in_background=True)
+    started = time.monotonic()
+    run_steps(alert_store, engine, [2e-3, 2e-3, 2e-3, 2e-3, 1e-5, 1e-5, 1e-5, 1e-5])
+    assert time.monotonic() - started < 1.5  # the worker's callback returned while the channel slept
+    engine.close()  # waits for what is in flight, in order
+    assert slow.sent == [("firing", 2), ("resolved", 6)]
+    [alert] = list_alerts(alert_store, run_id="run-1")
+    assert [(n.event, n.channel, n.status) for n in notifications(alert_store, alert.id)] == [
+        ("firing", "slow", "sent"),
+        ("firing", "database", "stored"),
+        ("resolved", "slow", "sent"),
+        ("resolved", "database", "stored"),
+    ]

@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 
 from audit.auth import verify_token
 from audit.cli import app
+from audit.migrate import head_revision
 from audit.store import Store
 from tests import factories
 from tests.service.server import free_port
@@ -101,7 +102,7 @@ def test_serve_runs_the_api(tmp_path):
                 assert process.poll() is None, process.stdout.read().decode()
                 assert time.monotonic() < deadline
                 time.sleep(0.1)
-        assert health.json()["schema_revision"] == "0002"
+        assert health.json()["schema_revision"] == head_revision()
         assert httpx.get(f"http://127.0.0.1:{port}/v1/runs").status_code == 401
         rules = httpx.get(f"http://127.0.0.1:{port}/openapi.json").json()
         assert "/v1/ingest" in rules["paths"]
