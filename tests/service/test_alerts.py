@@ -28,6 +28,7 @@ from audit.alerts import (
     parse_rules,
     save_rule,
 )
+from audit.alerts.channels import Delivery
 from audit.alerts.history import list_alerts, notifications
 from audit.records import utcnow
 from audit.service_models import AlertRow
@@ -431,9 +432,6 @@ def test_installing_rules_keeps_edits_unless_replacing(store: Store):
     assert install_rules(store, default_rules(), "yaml", replace=True) == 2
     run_steps(store, engine, [4e-3], start=3)
     assert open_state(store, "kl_k3_warning") == "firing"
-
-
-from audit.alerts.channels import Delivery  # noqa: E402
 
 
 class SlowChannel:
