@@ -338,7 +338,16 @@ class Store:
             ]
 
     def get_run(self, run_id: str) -> RunSummary | None:
-        return next((r for r in self.list_runs() if r.run_id == run_id), None)
+        """One run's summary (None if unknown)."""
+        steps = select(func.count(func.distinct(SampleRow.step)), func.max(SampleRow.step)).where(
+            SampleRow.run_id == run_id
+        )
+        with self.sessions() as session:
+            row = session.get(RunRow, run_id)
+            if row is None:
+                return None
+            n, last = session.execute(steps).one()
+        return RunSummary(row.run_id, row.project, row.name, row.started_at, row.config, n or 0, last)
 
     def run_project(self, run_id: str) -> str | None:
         with self.sessions() as session:
@@ -528,15 +537,3 @@ class Store:
         if not changed:
             raise StaleControlVersion(self.get_control(run_id))
         return ControlState(run_id, mode, version + 1, now, updated_by)
-
-    def run_summary(self, run_id: str) -> RunSummary | None:
-        """One run's summary, without aggregating every other run (``get_run`` lists them all)."""
-        steps = select(func.count(func.distinct(SampleRow.step)), func.max(SampleRow.step)).where(
-            SampleRow.run_id == run_id
-        )
-        with self.sessions() as session:
-            row = session.get(RunRow, run_id)
-            if row is None:
-                return None
-            n, last = session.execute(steps).one()
-        return RunSummary(row.run_id, row.project, row.name, row.started_at, row.config, n or 0, last)

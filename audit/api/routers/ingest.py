@@ -129,6 +129,6 @@ def create_run(
 ) -> RunOut:
     """Idempotent: posting the same run again changes nothing."""
     _, controls = store_records(store, settings, [run], principal.project)
-    summary = store.run_summary(run.run_id)
+    summary = store.get_run(run.run_id)
     assert summary is not None
     return RunOut(**summary.__dict__, control=controls[run.run_id])

@@ -38,7 +38,7 @@ def list_runs(principal: Reader, store: Annotated[Store, Depends(get_store)]) ->
 
 @router.get("/{run_id}", response_model=RunOut, summary="One run, with its desired remediation mode")
 def get_run(run_id: ReadableRun, store: Annotated[Store, Depends(get_store)]) -> RunOut:
-    summary = store.run_summary(run_id)
+    summary = store.get_run(run_id)
     if summary is None:  # deleted between the check and here
         raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"run_id: no run {run_id!r}")
     return RunOut(**summary.__dict__, control=control_of(store, run_id))
