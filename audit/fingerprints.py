@@ -114,6 +114,10 @@ def _device_masks(masks: tuple[int, ...], device: torch.device) -> torch.Tensor:
     return torch.tensor(masks, dtype=torch.int64, device=device)
 
 
+#: The per-row fields of :class:`RowFingerprints`, named as :class:`audit.records.RegionFingerprints` names them.
+ROW_FIELDS: tuple[str, ...] = ("digest", "ladder", "sketch", "l2", "maxabs")
+
+
 @dataclass(frozen=True)
 class RowFingerprints:
     """Fingerprints of ``n`` rows, as torch tensors on the activation's device."""

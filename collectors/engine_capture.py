@@ -18,11 +18,9 @@ import numpy as np
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from audit.fingerprints import fingerprint_rows
+from audit.fingerprints import ROW_FIELDS, fingerprint_rows
 from audit.records import RegionFingerprints, sample_key
 from collectors.regions import RegionsArg, read_tap, resolve_regions
-
-_FIELDS = ("digest", "ladder", "sketch", "l2", "maxabs")
 
 
 class EngineFingerprints:
@@ -87,7 +85,7 @@ class EngineFingerprints:
         for region, chunks in self._rows.items():
             slots = np.concatenate([c[0] for c in chunks])
             positions = np.concatenate([c[1] for c in chunks])
-            fields = {name: np.concatenate([c[2][name] for c in chunks]) for name in _FIELDS}
+            fields = {name: np.concatenate([c[2][name] for c in chunks]) for name in ROW_FIELDS}
             for slot, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
                 mine = slots == slot
                 key = sample_key(prompt, completion)

@@ -16,8 +16,7 @@ from typing import Any
 
 import numpy as np
 
-#: Per-row fingerprint fields, as :class:`audit.records.RegionFingerprints` names them.
-_FIELDS = ("digest", "ladder", "sketch", "l2", "maxabs")
+from audit.fingerprints import ROW_FIELDS
 
 #: vLLM makes request ids unique by appending "-" and 8 hex digits to the caller's id.
 _SUFFIX = re.compile(r"^(?P<ext>.+)-[0-9a-f]{8}$")
@@ -92,7 +91,7 @@ def payload(trace: RequestTrace, region_names: Sequence[str]) -> tuple[dict[str,
         )  # [regions, total]
         positions = np.concatenate([p.positions for p in pieces])
         decode = np.concatenate([np.full(p.count, p.decode) for p in pieces])
-        arrays = {name: getattr(block, name)[rows] for name in _FIELDS}
+        arrays = {name: getattr(block, name)[rows] for name in ROW_FIELDS}
         for k, region in enumerate(regions):
             per_region.setdefault(region, []).append(
                 (positions, decode, {name: a[k] for name, a in arrays.items()}, block.bits)
@@ -103,7 +102,7 @@ def payload(trace: RequestTrace, region_names: Sequence[str]) -> tuple[dict[str,
         decode = np.concatenate([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
         arrays = {
             name: np.concatenate([p[2][name] for p in parts]) if len(parts) > 1 else parts[0][2][name]
-            for name in _FIELDS
+            for name in ROW_FIELDS
         }
         # A preempted request recomputes positions it already had: keep the latest computation
         # of each (np.unique over the reversed order finds last occurrences, sorted by position).
@@ -120,7 +119,7 @@ def payload(trace: RequestTrace, region_names: Sequence[str]) -> tuple[dict[str,
                     "case": "engine_decode" if case_decode else "engine_prefill",
                     "ladder_bits": [int(b) for b in parts[0][3]],
                     "positions": positions[rows].astype("<i4").tobytes(),
-                    **{name: np.ascontiguousarray(arrays[name][rows]).tobytes() for name in _FIELDS},
+                    **{name: np.ascontiguousarray(arrays[name][rows]).tobytes() for name in ROW_FIELDS},
                 }
             )
     body = {

@@ -8,9 +8,9 @@ import httpx
 import pytest
 
 from audit.api import ApiSettings, create_app
+from audit.api.live import LiveServer
 from audit.auth import create_token
 from audit.store import Store
-from tests.service.server import LiveServer
 
 
 @pytest.fixture

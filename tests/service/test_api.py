@@ -13,12 +13,12 @@ from sqlalchemy import func, select
 
 from audit.alerts import AlertEngine, DatabaseChannel
 from audit.api import ApiSettings, create_app
+from audit.api.live import LiveServer
 from audit.migrate import head_revision
 from audit.models import RunRow, SampleRow
 from audit.records import Batch
 from audit.store import Store
 from tests import factories
-from tests.service.server import LiveServer
 
 
 def batch_json(*records) -> str:

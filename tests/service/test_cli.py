@@ -9,12 +9,12 @@ import time
 import httpx
 from typer.testing import CliRunner
 
+from audit.api.live import free_port
 from audit.auth import verify_token
 from audit.cli import app
 from audit.migrate import head_revision
 from audit.store import Store
 from tests import factories
-from tests.service.server import free_port
 
 runner = CliRunner()
 

@@ -15,12 +15,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import func, select
 
 from audit.api import ApiSettings, create_app
+from audit.api.live import LiveServer
 from audit.auth import create_token
 from audit.models import SampleRow
 from audit.store import Store
 from tests import factories
 from tests.service.receiver import Receiver
-from tests.service.server import LiveServer
 
 HttpSink = pytest.importorskip("collectors.sinks").HttpSink
 
