@@ -1,16 +1,22 @@
 """TP-invariant tree GEMM: the K reduction has one fixed shape however K is sharded.
 
-The tree, exactly:
+The tree, exactly (``max_tp`` = the largest TP degree the plan serves, 8 by default):
   * K is cut into ``n = ceil(K / leaf)`` leaves of ``leaf`` columns (the last may be short).
   * Leaf ``i`` is ``x[:, i*leaf:(i+1)*leaf] @ w[:, i*leaf:(i+1)*leaf].T`` accumulated in fp32 from
     zero, in ascending k, in BLOCK_K steps (BLOCK_K divides ``leaf``).
-  * The leaves fill ``P = next_pow2(max(n, tp))`` slots; slots ``>= n`` hold exact zeros.
+  * The leaves are dealt into ``max_tp`` groups of ``L = ceil(n / max_tp)`` consecutive leaves;
+    each group has ``next_pow2(L)`` slots, its leaves first and exact zeros after them. The groups
+    sit side by side, so the tree has ``P = max_tp * next_pow2(L)`` slots.
   * Level by level, slot pairs ``(2j, 2j+1)`` are added in fp32 (left + right) until one remains;
     that root is rounded once to the output dtype.
-  * With tensor parallelism ``tp`` (a power of two), rank ``r`` owns slots ``[r*P/tp, (r+1)*P/tp)``,
-    i.e. one complete subtree, and the K columns of its leaves. It reduces its subtree locally;
-    the ``tp`` roots are all-gathered (never all-reduced: NCCL's summation order is not ours) and
-    combined by the same pairwise rule. Every add is the same add as at tp=1, so the bits are too.
+  * With tensor parallelism ``tp`` (a power of two <= max_tp), rank ``r`` owns groups
+    ``[r*max_tp/tp, (r+1)*max_tp/tp)``, i.e. one complete subtree and one contiguous, balanced
+    range of K columns (ranks get equal shares whenever ``max_tp`` divides ``n``). It reduces its
+    subtree locally; the ``tp`` roots are all-gathered (never all-reduced: NCCL's summation order
+    is not ours) and combined by the same pairwise rule. Every add is the add TP=1 performs.
+
+On CUDA one kernel computes each group's root in registers (leaves and the pairwise adds inside
+the group), so memory holds one fp32 partial per group, never one per leaf.
 """
 
 from __future__ import annotations
@@ -22,6 +28,18 @@ import torch
 
 from ._triton import HAVE_TRITON, dot_precision, jit, resolve, tl, triton
 
+MAX_TP = 8
+# The fused kernel unrolls a group's pairwise tree; groups wider than this fall back to per-leaf
+# partials reduced in torch (same adds, more memory).
+MAX_FUSED_GROUP = 16
+
+
+def _next_pow2(x: int) -> int:
+    p = 1
+    while p < x:
+        p *= 2
+    return p
+
 
 @dataclass(frozen=True)
 class TreePlan:
@@ -30,65 +48,78 @@ class TreePlan:
     k: int
     leaf: int
     tp: int
+    max_tp: int
     n_leaves: int
-    slots: int
+    group_leaves: int  # L: leaves per group (the last groups may hold fewer, or none)
+
+    @property
+    def group_slots(self) -> int:
+        """Slots per group: L rounded up to a power of two."""
+        return _next_pow2(self.group_leaves)
+
+    @property
+    def slots(self) -> int:
+        return self.max_tp * self.group_slots
+
+    @property
+    def groups_per_rank(self) -> int:
+        return self.max_tp // self.tp
 
     @property
     def slots_per_rank(self) -> int:
-        return self.slots // self.tp
+        return self.groups_per_rank * self.group_slots
 
     def k_range(self, rank: int) -> tuple[int, int]:
         """The K columns rank ``rank`` owns (possibly empty: its subtree is then all zeros)."""
-        lo = min(rank * self.slots_per_rank * self.leaf, self.k)
-        hi = min((rank + 1) * self.slots_per_rank * self.leaf, self.k)
-        return lo, hi
+        per_rank = self.groups_per_rank * self.group_leaves * self.leaf
+        return min(rank * per_rank, self.k), min((rank + 1) * per_rank, self.k)
 
 
-def tree_plan(k: int, leaf: int = 256, tp: int = 1) -> TreePlan:
+def tree_plan(k: int, leaf: int = 256, tp: int = 1, max_tp: int = MAX_TP) -> TreePlan:
     """The tree for a reduction of length ``k`` with leaves of ``leaf`` columns over ``tp`` ranks."""
-    if tp < 1 or tp & (tp - 1):
-        raise ValueError("tp must be a power of two")
+    for name, v in (("tp", tp), ("max_tp", max_tp)):
+        if v < 1 or v & (v - 1):
+            raise ValueError(f"{name} must be a power of two, not {v}")
+    if tp > max_tp:
+        raise ValueError(f"tp={tp} exceeds the plan's max_tp={max_tp}")
+    if k < 1 or leaf < 1:
+        raise ValueError(f"k and leaf must be positive (k={k}, leaf={leaf})")
     n = -(-k // leaf)
-    slots = 1
-    while slots < max(n, tp):
-        slots *= 2
-    return TreePlan(k=k, leaf=leaf, tp=tp, n_leaves=n, slots=slots)
+    return TreePlan(k=k, leaf=leaf, tp=tp, max_tp=max_tp, n_leaves=n, group_leaves=-(-n // max_tp))
+
+
+def _block_k(dtype: torch.dtype) -> int:
+    return 32 if dtype == torch.float32 else 64
 
 
 if HAVE_TRITON:
 
-    @jit(do_not_specialize=["M"])
-    def _leaf_kernel(
+    @triton.jit
+    def _leaf_sum(
         a_ptr,
         b_ptr,
-        c_ptr,
+        offs_m,
+        offs_n,
         M,
         N,
-        K,
-        LEAF,
+        k_lo,
+        k_hi,
         stride_am,
         stride_ak,
         stride_bn,
         stride_bk,
-        stride_cl,
-        stride_cm,
-        stride_cn,
         PRECISION: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
     ):
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        leaf = tl.program_id(2)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        """One leaf: fp32 from zero over columns [k_lo, k_hi) in ascending BLOCK_K steps (an empty
+        range is an exact zero, which is what a padding slot holds)."""
         offs_k = tl.arange(0, BLOCK_K)
-        k_lo = leaf * LEAF
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kk in range(0, LEAF, BLOCK_K):
-            ks = k_lo + kk + offs_k
-            k_ok = ks < K
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            ks = k0 + offs_k
+            k_ok = ks < k_hi
             a = tl.load(
                 a_ptr + offs_m[:, None] * stride_am + ks[None, :] * stride_ak,
                 mask=(offs_m[:, None] < M) & k_ok[None, :],
@@ -100,61 +131,384 @@ if HAVE_TRITON:
                 other=0.0,
             )
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        return acc
+
+    @triton.jit
+    def _slot(
+        a_ptr,
+        b_ptr,
+        offs_m,
+        offs_n,
+        M,
+        N,
+        K,
+        LEAF,
+        first_leaf,
+        real_leaves,
+        stride_am,
+        stride_ak,
+        stride_bn,
+        stride_bk,
+        SLOT: tl.constexpr,
+        PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        """Slot SLOT of a group: its leaf, or an exact zero past the group's real leaves."""
+        k_lo = (first_leaf + SLOT) * LEAF
+        k_hi = tl.where(SLOT < real_leaves, tl.minimum(k_lo + LEAF, K), k_lo)
+        return _leaf_sum(
+            a_ptr,
+            b_ptr,
+            offs_m,
+            offs_n,
+            M,
+            N,
+            k_lo,
+            k_hi,
+            stride_am,
+            stride_ak,
+            stride_bn,
+            stride_bk,
+            PRECISION,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+        )
+
+    @triton.jit
+    def _pair(
+        a_ptr,
+        b_ptr,
+        offs_m,
+        offs_n,
+        M,
+        N,
+        K,
+        LEAF,
+        first,
+        real,
+        sam,
+        sak,
+        sbn,
+        sbk,
+        SLOT: tl.constexpr,
+        PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        left = _slot(
+            a_ptr,
+            b_ptr,
+            offs_m,
+            offs_n,
+            M,
+            N,
+            K,
+            LEAF,
+            first,
+            real,
+            sam,
+            sak,
+            sbn,
+            sbk,
+            SLOT,
+            PRECISION,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+        )
+        right = _slot(
+            a_ptr,
+            b_ptr,
+            offs_m,
+            offs_n,
+            M,
+            N,
+            K,
+            LEAF,
+            first,
+            real,
+            sam,
+            sak,
+            sbn,
+            sbk,
+            SLOT + 1,
+            PRECISION,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+        )
+        return left + right
+
+    @triton.jit
+    def _quad(
+        a_ptr,
+        b_ptr,
+        offs_m,
+        offs_n,
+        M,
+        N,
+        K,
+        LEAF,
+        first,
+        real,
+        sam,
+        sak,
+        sbn,
+        sbk,
+        SLOT: tl.constexpr,
+        PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        left = _pair(
+            a_ptr,
+            b_ptr,
+            offs_m,
+            offs_n,
+            M,
+            N,
+            K,
+            LEAF,
+            first,
+            real,
+            sam,
+            sak,
+            sbn,
+            sbk,
+            SLOT,
+            PRECISION,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+        )
+        right = _pair(
+            a_ptr,
+            b_ptr,
+            offs_m,
+            offs_n,
+            M,
+            N,
+            K,
+            LEAF,
+            first,
+            real,
+            sam,
+            sak,
+            sbn,
+            sbk,
+            SLOT + 2,
+            PRECISION,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+        )
+        return left + right
+
+    @triton.jit
+    def _oct(
+        a_ptr,
+        b_ptr,
+        offs_m,
+        offs_n,
+        M,
+        N,
+        K,
+        LEAF,
+        first,
+        real,
+        sam,
+        sak,
+        sbn,
+        sbk,
+        SLOT: tl.constexpr,
+        PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        left = _quad(
+            a_ptr,
+            b_ptr,
+            offs_m,
+            offs_n,
+            M,
+            N,
+            K,
+            LEAF,
+            first,
+            real,
+            sam,
+            sak,
+            sbn,
+            sbk,
+            SLOT,
+            PRECISION,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+        )
+        right = _quad(
+            a_ptr,
+            b_ptr,
+            offs_m,
+            offs_n,
+            M,
+            N,
+            K,
+            LEAF,
+            first,
+            real,
+            sam,
+            sak,
+            sbn,
+            sbk,
+            SLOT + 4,
+            PRECISION,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+        )
+        return left + right
+
+    @triton.jit
+    def _hex(
+        a_ptr,
+        b_ptr,
+        offs_m,
+        offs_n,
+        M,
+        N,
+        K,
+        LEAF,
+        first,
+        real,
+        sam,
+        sak,
+        sbn,
+        sbk,
+        SLOT: tl.constexpr,
+        PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        left = _oct(
+            a_ptr,
+            b_ptr,
+            offs_m,
+            offs_n,
+            M,
+            N,
+            K,
+            LEAF,
+            first,
+            real,
+            sam,
+            sak,
+            sbn,
+            sbk,
+            SLOT,
+            PRECISION,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+        )
+        right = _oct(
+            a_ptr,
+            b_ptr,
+            offs_m,
+            offs_n,
+            M,
+            N,
+            K,
+            LEAF,
+            first,
+            real,
+            sam,
+            sak,
+            sbn,
+            sbk,
+            SLOT + 8,
+            PRECISION,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+        )
+        return left + right
+
+    @jit(do_not_specialize=["M"])
+    def _group_root_kernel(
+        a_ptr,
+        b_ptr,
+        c_ptr,
+        M,
+        N,
+        K,
+        LEAF,
+        GROUP_LEAVES,
+        stride_am,
+        stride_ak,
+        stride_bn,
+        stride_bk,
+        stride_cg,
+        stride_cm,
+        stride_cn,
+        GROUP_SLOTS: tl.constexpr,
+        PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        """Program (m tile, n tile, group): the group's root, its leaves and adds in registers."""
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        grp = tl.program_id(2)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        first = grp * GROUP_LEAVES
+        n_leaves = tl.cdiv(K, LEAF)
+        real = tl.maximum(tl.minimum(GROUP_LEAVES, n_leaves - first), 0)
+        args = (
+            a_ptr,
+            b_ptr,
+            offs_m,
+            offs_n,
+            M,
+            N,
+            K,
+            LEAF,
+            first,
+            real,
+            stride_am,
+            stride_ak,
+            stride_bn,
+            stride_bk,
+            0,
+            PRECISION,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+        )
+        if GROUP_SLOTS == 1:
+            root = _slot(*args)
+        elif GROUP_SLOTS == 2:
+            root = _pair(*args)
+        elif GROUP_SLOTS == 4:
+            root = _quad(*args)
+        elif GROUP_SLOTS == 8:
+            root = _oct(*args)
+        else:
+            root = _hex(*args)
         tl.store(
-            c_ptr + leaf * stride_cl + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn,
-            acc,
+            c_ptr + grp * stride_cg + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn,
+            root,
             mask=(offs_m[:, None] < M) & (offs_n[None, :] < N),
         )
-
-
-def _block_k(dtype: torch.dtype) -> int:
-    return 32 if dtype == torch.float32 else 64
-
-
-def leaf_partials(x: torch.Tensor, weight: torch.Tensor, leaf: int, impl: str | None = None) -> torch.Tensor:
-    """fp32 partial products of each ``leaf``-column slab of K: shape (n_leaves, M, N)."""
-    m, k = x.shape
-    n = weight.shape[0]
-    n_leaves = -(-k // leaf)
-    if resolve(impl, x) == "torch":
-        xf, wf = x.float(), weight.float()
-        bk = _block_k(weight.dtype)
-        parts = []
-        for i in range(n_leaves):
-            acc = torch.zeros(m, n, dtype=torch.float32, device=x.device)
-            for k0 in range(i * leaf, min((i + 1) * leaf, k), bk):
-                acc = acc + xf[:, k0 : k0 + bk] @ wf[:, k0 : k0 + bk].T
-            parts.append(acc)
-        return torch.stack(parts) if parts else torch.zeros(0, m, n, device=x.device)
-    bk = _block_k(weight.dtype)
-    assert leaf % bk == 0, "BLOCK_K must divide the leaf width"
-    out = torch.empty(n_leaves, m, n, dtype=torch.float32, device=x.device)
-    if n_leaves and m:
-        bm, bn = 64, 64
-        grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), n_leaves)
-        _leaf_kernel[grid](
-            x,
-            weight,
-            out,
-            m,
-            n,
-            k,
-            leaf,
-            x.stride(0),
-            x.stride(1),
-            weight.stride(0),
-            weight.stride(1),
-            out.stride(0),
-            out.stride(1),
-            out.stride(2),
-            PRECISION=dot_precision(weight.dtype),
-            BLOCK_M=bm,
-            BLOCK_N=bn,
-            BLOCK_K=bk,
-            num_warps=4,
-            num_stages=3,
-        )
-    return out
 
 
 def tree_reduce(slots: torch.Tensor) -> torch.Tensor:
@@ -165,18 +519,79 @@ def tree_reduce(slots: torch.Tensor) -> torch.Tensor:
     return s[0]
 
 
+def _leaf_torch(x: torch.Tensor, w: torch.Tensor, bk: int) -> torch.Tensor:
+    acc = torch.zeros(x.shape[0], w.shape[0], dtype=torch.float32, device=x.device)
+    for k0 in range(0, x.shape[1], bk):
+        acc = acc + x[:, k0 : k0 + bk].float() @ w[:, k0 : k0 + bk].float().T
+    return acc
+
+
+def group_roots(
+    x_local: torch.Tensor, w_local: torch.Tensor, plan: TreePlan, impl: str | None = None
+) -> torch.Tensor:
+    """fp32 roots of a rank's groups, in order: shape (groups_per_rank, M, N). ``x_local`` and
+    ``w_local`` hold exactly the rank's K columns (``plan.k_range(rank)``)."""
+    m, k = x_local.shape
+    n = w_local.shape[0]
+    bk = _block_k(w_local.dtype)
+    if plan.leaf % bk:
+        raise ValueError(f"leaf={plan.leaf} must be a multiple of BLOCK_K={bk}")
+    gs, gl = plan.group_slots, plan.group_leaves
+    if resolve(impl, x_local) == "torch":
+        roots = []
+        for g in range(plan.groups_per_rank):
+            slots = []
+            for s in range(gs):
+                lo = min((g * gl + s) * plan.leaf, k) if s < gl else k
+                slots.append(
+                    _leaf_torch(
+                        x_local[:, lo : min(lo + plan.leaf, k)], w_local[:, lo : min(lo + plan.leaf, k)], bk
+                    )
+                )
+            roots.append(tree_reduce(torch.stack(slots)))
+        return torch.stack(roots)
+    if gs > MAX_FUSED_GROUP:
+        raise ValueError(
+            f"a group of {gs} leaves exceeds {MAX_FUSED_GROUP}: use a wider leaf (leaf={plan.leaf}, k={plan.k})"
+        )
+    out = torch.empty(plan.groups_per_rank, m, n, dtype=torch.float32, device=x_local.device)
+    if m and n:
+        bm, bn = 64, 64
+        _group_root_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), plan.groups_per_rank)](
+            x_local,
+            w_local,
+            out,
+            m,
+            n,
+            k,
+            plan.leaf,
+            gl,
+            x_local.stride(0),
+            x_local.stride(1),
+            w_local.stride(0),
+            w_local.stride(1),
+            out.stride(0),
+            out.stride(1),
+            out.stride(2),
+            GROUP_SLOTS=gs,
+            PRECISION=dot_precision(w_local.dtype),
+            BLOCK_M=bm,
+            BLOCK_N=bn,
+            BLOCK_K=bk,
+            num_warps=4,
+            num_stages=3,
+        )
+    return out
+
+
 def subtree_root(
     x_local: torch.Tensor, w_local: torch.Tensor, plan: TreePlan, rank: int, impl: str | None = None
 ) -> torch.Tensor:
     """What one rank computes: the fp32 root of its subtree, from its own K columns only."""
     lo, hi = plan.k_range(rank)
-    assert x_local.shape[1] == hi - lo and w_local.shape[1] == hi - lo, "shard does not match the plan"
-    m, n = x_local.shape[0], w_local.shape[0]
-    parts = leaf_partials(x_local, w_local, plan.leaf, impl)
-    pad = plan.slots_per_rank - parts.shape[0]
-    if pad:
-        parts = torch.cat([parts, torch.zeros(pad, m, n, dtype=torch.float32, device=x_local.device)])
-    return tree_reduce(parts)
+    if x_local.shape[1] != hi - lo or w_local.shape[1] != hi - lo:
+        raise ValueError(f"rank {rank} must hold K columns [{lo}, {hi}) of the plan, got {x_local.shape[1]}")
+    return tree_reduce(group_roots(x_local, w_local, plan, impl))
 
 
 def tree_gemm(
@@ -213,5 +628,4 @@ def tree_gemm_distributed(
     returns every rank's root stacked in rank order), combined by the same tree."""
     plan = tree_plan(k, leaf, tp)
     root = subtree_root(x_local, w_local, plan, rank, impl)
-    roots = all_gather(root)
-    return tree_reduce(roots).to(out_dtype or x_local.dtype)
+    return tree_reduce(all_gather(root)).to(out_dtype or x_local.dtype)

@@ -17,11 +17,22 @@ pytestmark = needs_triton
 
 def test_plan_is_exact() -> None:
     p = tree_plan(k=11008, leaf=256, tp=8)
-    assert (p.n_leaves, p.slots, p.slots_per_rank) == (43, 64, 8)
-    assert [p.k_range(r) for r in range(8)][5:] == [(10240, 11008), (11008, 11008), (11008, 11008)]
+    assert (p.n_leaves, p.group_leaves, p.slots, p.slots_per_rank) == (43, 6, 64, 8)
+    # Balanced: every rank but the last owns 6 leaves (1,536 columns); the last owns the 1 left.
+    assert [p.k_range(r) for r in range(8)][5:] == [(7680, 9216), (9216, 10752), (10752, 11008)]
+    # The 8B-class row-parallel shapes split evenly over 8 ranks.
+    for k in (4096, 12288, 14336):
+        assert {hi - lo for lo, hi in (tree_plan(k, 256, 8).k_range(r) for r in range(8))} == {k // 8}
 
 
-@pytest.mark.parametrize("k", [256, 200, 96])
+def test_plan_rejects_bad_degrees() -> None:
+    with pytest.raises(ValueError, match="tp must be a power of two"):
+        tree_plan(4096, 256, 3)
+    with pytest.raises(ValueError, match="exceeds the plan's max_tp"):
+        tree_plan(4096, 256, 16)
+
+
+@pytest.mark.parametrize("k", [256, 200, 96, 640, 2000, 4000])  # groups of 1, 4, 8, 16 slots
 def test_tp_invariant_cpu(dev: str, k: int) -> None:
     torch.manual_seed(0)
     x, w = torch.randn(20, k, device=dev), torch.randn(24, k, device=dev)
