@@ -1,15 +1,21 @@
 """Batch-invariant GEMM: ``y = x @ w.T (+ bias)`` whose every row is independent of the batch.
 
-Why it is invariant: the tile shape (BLOCK_M, BLOCK_N, BLOCK_K), warps and pipeline depth are a
-function of the weight shape and dtype only, never of M; there is no split-K and no atomics; each
-output element is accumulated in fp32 over K in ascending BLOCK_K steps. So a row's bits do not
-depend on how many other rows are in the batch or where it sits (M is also excluded from Triton's
-integer specialisation, so M=1 compiles to the same code as M=2048).
+Why it is invariant: the tile shape (BLOCK_M, BLOCK_N, BLOCK_K), warps, pipeline depth and the
+load path (TMA descriptors or pointers) are a function of the weight shape, dtype and device
+capability only, never of M; there is no split-K and no atomics; each output element is
+accumulated in fp32 over K in ascending BLOCK_K steps. So a row's bits do not depend on how many
+other rows are in the batch or where it sits (M and the program count are also excluded from
+Triton's integer specialisation, so M=1 compiles to the same code as M=2048).
+
+On Hopper (capability >= 9.0) bf16/fp16 weights take a persistent kernel: one program per SM
+walks the output tiles in a fixed grouped order, loading through TMA descriptors. The grid size
+depends on M, but that only changes which program computes a tile, not the tile's sums.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 
@@ -18,31 +24,37 @@ from ._triton import HAVE_TRITON, dot_precision, jit, resolve, tl, triton
 
 @dataclass(frozen=True)
 class GemmConfig:
-    """Tile shape for one weight shape; fixed for every M."""
+    """Tile shape and load path for one weight shape; fixed for every M."""
 
     block_m: int
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
+    tma: bool = False  # TMA descriptor loads + persistent grid (Hopper, 16-byte aligned rows)
+    split_epilogue: bool = False  # store the tile as two halves (less shared memory, more stages)
+    warp_specialize: bool = False
 
 
-def gemm_config(n: int, k: int, dtype: torch.dtype) -> GemmConfig:
-    """The one tile configuration for a weight of shape (n, k): depends on (n, k, dtype), never on M."""
+def gemm_config(n: int, k: int, dtype: torch.dtype, capability: tuple[int, int] | None = None) -> GemmConfig:
+    """The one tile configuration for a weight of shape (n, k) on a device of ``capability``
+    (None: no GPU, e.g. the interpreter): depends on (n, k, dtype, capability), never on M."""
     if dtype == torch.float32:
         return GemmConfig(64, 64, 32, 4, 2)
     if n >= 256 and k >= 64:
-        return GemmConfig(256, 128, 64, 8, 3)  # best of 8 candidates on an H200 (bench_tune)
+        if capability is not None and capability >= (9, 0) and n % 8 == 0 and k % 8 == 0:
+            return GemmConfig(128, 256, 64, 8, 3, tma=True)  # best of the H200 sweep (bench_tune)
+        return GemmConfig(256, 128, 64, 8, 3)
     return GemmConfig(64, 64, 64, 4, 3)
 
 
 if HAVE_TRITON:
 
-    @jit(do_not_specialize=["M"])
+    @jit(do_not_specialize=["M", "num_programs"])
     def _gemm_kernel(
-        a_ptr,
-        b_ptr,
-        c_ptr,
+        a,
+        b,
+        c,
         bias_ptr,
         M,
         N,
@@ -53,40 +65,68 @@ if HAVE_TRITON:
         stride_bk,
         stride_cm,
         stride_cn,
+        num_programs,
         HAS_BIAS: tl.constexpr,
         PRECISION: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         GROUP_M: tl.constexpr,
+        TMA: tl.constexpr,
+        SPLIT_EPILOGUE: tl.constexpr,
+        WARP_SPECIALIZE: tl.constexpr,
     ):
-        pid = tl.program_id(0)
+        # With TMA, a/b/c are tensor descriptors (out-of-bounds reads are zeros, writes dropped);
+        # otherwise they are pointers with explicit masks. Same tile walk and K order either way.
         num_m = tl.cdiv(M, BLOCK_M)
         num_n = tl.cdiv(N, BLOCK_N)
-        # Grouped launch order for L2 reuse; it changes which program runs a tile, not the tile's sums.
         group = GROUP_M * num_n
-        first_m = (pid // group) * GROUP_M
-        size_m = tl.minimum(num_m - first_m, GROUP_M)
-        pid_m = first_m + ((pid % group) % size_m)
-        pid_n = (pid % group) // size_m
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
-        a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
-        b_ptrs = b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k_ok = (k0 + offs_k) < K
-            a = tl.load(a_ptrs, mask=(offs_m[:, None] < M) & k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok[:, None] & (offs_n[None, :] < N), other=0.0)
-            acc = tl.dot(a, b, acc, input_precision=PRECISION)
-            a_ptrs += BLOCK_K * stride_ak
-            b_ptrs += BLOCK_K * stride_bk
-        if HAS_BIAS:
-            bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
-            acc = acc + bias[None, :]
-        c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
-        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+        for tile in tl.range(
+            tl.program_id(0), num_m * num_n, num_programs, flatten=TMA, warp_specialize=WARP_SPECIALIZE
+        ):
+            # Grouped order for L2 reuse; it changes which program runs a tile, not the tile's sums.
+            first_m = (tile // group) * GROUP_M
+            size_m = tl.minimum(num_m - first_m, GROUP_M)
+            pid_m = first_m + ((tile % group) % size_m)
+            pid_n = (tile % group) // size_m
+            offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                if TMA:
+                    x = a.load([pid_m * BLOCK_M, k0])
+                    w = b.load([pid_n * BLOCK_N, k0])
+                    acc = tl.dot(x, w.T, acc, input_precision=PRECISION)
+                else:
+                    k_ok = (k0 + offs_k) < K
+                    x = tl.load(
+                        a + offs_m[:, None] * stride_am + (k0 + offs_k)[None, :] * stride_ak,
+                        mask=(offs_m[:, None] < M) & k_ok[None, :],
+                        other=0.0,
+                    )
+                    w = tl.load(
+                        b + (k0 + offs_k)[:, None] * stride_bk + offs_n[None, :] * stride_bn,
+                        mask=k_ok[:, None] & (offs_n[None, :] < N),
+                        other=0.0,
+                    )
+                    acc = tl.dot(x, w, acc, input_precision=PRECISION)
+            if HAS_BIAS:
+                bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+                acc = acc + bias[None, :]
+            if TMA:
+                if SPLIT_EPILOGUE:
+                    lo, hi = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+                    c.store([pid_m * BLOCK_M, pid_n * BLOCK_N], lo.to(c.dtype))
+                    c.store([pid_m * BLOCK_M, pid_n * BLOCK_N + BLOCK_N // 2], hi.to(c.dtype))
+                else:
+                    c.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(c.dtype))
+            else:
+                tl.store(
+                    c + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn,
+                    acc.to(c.dtype.element_ty),
+                    mask=(offs_m[:, None] < M) & (offs_n[None, :] < N),
+                )
 
 
 def gemm_reference(
@@ -111,6 +151,32 @@ def gemm_reference(
     return acc.to(out_dtype or x.dtype).reshape(*x.shape[:-1], n)
 
 
+@cache
+def _device_traits(device: torch.device) -> tuple[tuple[int, int] | None, int]:
+    """(capability, persistent program count) of a device; the interpreter gets (None, 2) so its
+    tests still see programs that walk more than one tile."""
+    if device.type != "cuda":
+        return None, 2
+    return torch.cuda.get_device_capability(device), torch.cuda.get_device_properties(
+        device
+    ).multi_processor_count
+
+
+def _tma_operand(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself if TMA can read it (unit inner stride, 16-byte aligned base and rows), else a
+    contiguous copy: the same values, so the same kernel and the same bits."""
+    row_bytes = t.stride(0) * t.element_size()
+    if t.stride(1) == 1 and row_bytes % 16 == 0 and t.data_ptr() % 16 == 0:
+        return t
+    return t.contiguous() if not t.is_contiguous() else t.clone()
+
+
+def _descriptor(t: torch.Tensor, block: list[int]):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block)
+
+
 def gemm(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -129,32 +195,50 @@ def gemm(
     a = x.reshape(-1, k)
     m = a.shape[0]
     out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
-    if m > 0:
-        cfg = config or gemm_config(n, k, weight.dtype)
-        grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
-        _gemm_kernel[grid](
-            a,
-            weight,
-            out,
-            bias if bias is not None else weight,
-            m,
-            n,
-            k,
-            a.stride(0),
-            a.stride(1),
-            weight.stride(0),
-            weight.stride(1),
-            out.stride(0),
-            out.stride(1),
-            HAS_BIAS=bias is not None,
-            PRECISION=dot_precision(weight.dtype),
-            BLOCK_M=cfg.block_m,
-            BLOCK_N=cfg.block_n,
-            BLOCK_K=cfg.block_k,
-            GROUP_M=8,
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
-        )
+    if m == 0:
+        return out.reshape(*x.shape[:-1], n)
+    capability, sms = _device_traits(x.device)
+    cfg = config or gemm_config(n, k, weight.dtype, capability)
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    programs = min(tiles, sms) if cfg.tma else tiles
+    # A 4-byte output tile is twice the shared memory: store it in halves (the store order does
+    # not touch the sums, and the output dtype is fixed by the call site, never by M).
+    split = cfg.split_epilogue or out.element_size() > 2
+    if cfg.tma:
+        a, w = _tma_operand(a), _tma_operand(weight)
+        a_arg = _descriptor(a, [cfg.block_m, cfg.block_k])
+        b_arg = _descriptor(w, [cfg.block_n, cfg.block_k])
+        c_arg = _descriptor(out, [cfg.block_m, cfg.block_n // (2 if split else 1)])
+    else:
+        w = weight
+        a_arg, b_arg, c_arg = a, w, out
+    _gemm_kernel[(programs,)](
+        a_arg,
+        b_arg,
+        c_arg,
+        bias if bias is not None else w,
+        m,
+        n,
+        k,
+        a.stride(0),
+        a.stride(1),
+        w.stride(0),
+        w.stride(1),
+        out.stride(0),
+        out.stride(1),
+        programs,
+        HAS_BIAS=bias is not None,
+        PRECISION=dot_precision(weight.dtype),
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        GROUP_M=8,
+        TMA=cfg.tma,
+        SPLIT_EPILOGUE=split,
+        WARP_SPECIALIZE=cfg.warp_specialize,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
     return out.reshape(*x.shape[:-1], n)
 
 
