@@ -133,314 +133,6 @@ if HAVE_TRITON:
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
         return acc
 
-    @triton.jit
-    def _slot(
-        a_ptr,
-        b_ptr,
-        offs_m,
-        offs_n,
-        M,
-        N,
-        K,
-        LEAF,
-        first_leaf,
-        real_leaves,
-        stride_am,
-        stride_ak,
-        stride_bn,
-        stride_bk,
-        SLOT: tl.constexpr,
-        PRECISION: tl.constexpr,
-        BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-    ):
-        """Slot SLOT of a group: its leaf, or an exact zero past the group's real leaves."""
-        k_lo = (first_leaf + SLOT) * LEAF
-        k_hi = tl.where(SLOT < real_leaves, tl.minimum(k_lo + LEAF, K), k_lo)
-        return _leaf_sum(
-            a_ptr,
-            b_ptr,
-            offs_m,
-            offs_n,
-            M,
-            N,
-            k_lo,
-            k_hi,
-            stride_am,
-            stride_ak,
-            stride_bn,
-            stride_bk,
-            PRECISION,
-            BLOCK_M,
-            BLOCK_N,
-            BLOCK_K,
-        )
-
-    @triton.jit
-    def _pair(
-        a_ptr,
-        b_ptr,
-        offs_m,
-        offs_n,
-        M,
-        N,
-        K,
-        LEAF,
-        first,
-        real,
-        sam,
-        sak,
-        sbn,
-        sbk,
-        SLOT: tl.constexpr,
-        PRECISION: tl.constexpr,
-        BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-    ):
-        left = _slot(
-            a_ptr,
-            b_ptr,
-            offs_m,
-            offs_n,
-            M,
-            N,
-            K,
-            LEAF,
-            first,
-            real,
-            sam,
-            sak,
-            sbn,
-            sbk,
-            SLOT,
-            PRECISION,
-            BLOCK_M,
-            BLOCK_N,
-            BLOCK_K,
-        )
-        right = _slot(
-            a_ptr,
-            b_ptr,
-            offs_m,
-            offs_n,
-            M,
-            N,
-            K,
-            LEAF,
-            first,
-            real,
-            sam,
-            sak,
-            sbn,
-            sbk,
-            SLOT + 1,
-            PRECISION,
-            BLOCK_M,
-            BLOCK_N,
-            BLOCK_K,
-        )
-        return left + right
-
-    @triton.jit
-    def _quad(
-        a_ptr,
-        b_ptr,
-        offs_m,
-        offs_n,
-        M,
-        N,
-        K,
-        LEAF,
-        first,
-        real,
-        sam,
-        sak,
-        sbn,
-        sbk,
-        SLOT: tl.constexpr,
-        PRECISION: tl.constexpr,
-        BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-    ):
-        left = _pair(
-            a_ptr,
-            b_ptr,
-            offs_m,
-            offs_n,
-            M,
-            N,
-            K,
-            LEAF,
-            first,
-            real,
-            sam,
-            sak,
-            sbn,
-            sbk,
-            SLOT,
-            PRECISION,
-            BLOCK_M,
-            BLOCK_N,
-            BLOCK_K,
-        )
-        right = _pair(
-            a_ptr,
-            b_ptr,
-            offs_m,
-            offs_n,
-            M,
-            N,
-            K,
-            LEAF,
-            first,
-            real,
-            sam,
-            sak,
-            sbn,
-            sbk,
-            SLOT + 2,
-            PRECISION,
-            BLOCK_M,
-            BLOCK_N,
-            BLOCK_K,
-        )
-        return left + right
-
-    @triton.jit
-    def _oct(
-        a_ptr,
-        b_ptr,
-        offs_m,
-        offs_n,
-        M,
-        N,
-        K,
-        LEAF,
-        first,
-        real,
-        sam,
-        sak,
-        sbn,
-        sbk,
-        SLOT: tl.constexpr,
-        PRECISION: tl.constexpr,
-        BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-    ):
-        left = _quad(
-            a_ptr,
-            b_ptr,
-            offs_m,
-            offs_n,
-            M,
-            N,
-            K,
-            LEAF,
-            first,
-            real,
-            sam,
-            sak,
-            sbn,
-            sbk,
-            SLOT,
-            PRECISION,
-            BLOCK_M,
-            BLOCK_N,
-            BLOCK_K,
-        )
-        right = _quad(
-            a_ptr,
-            b_ptr,
-            offs_m,
-            offs_n,
-            M,
-            N,
-            K,
-            LEAF,
-            first,
-            real,
-            sam,
-            sak,
-            sbn,
-            sbk,
-            SLOT + 4,
-            PRECISION,
-            BLOCK_M,
-            BLOCK_N,
-            BLOCK_K,
-        )
-        return left + right
-
-    @triton.jit
-    def _hex(
-        a_ptr,
-        b_ptr,
-        offs_m,
-        offs_n,
-        M,
-        N,
-        K,
-        LEAF,
-        first,
-        real,
-        sam,
-        sak,
-        sbn,
-        sbk,
-        SLOT: tl.constexpr,
-        PRECISION: tl.constexpr,
-        BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-    ):
-        left = _oct(
-            a_ptr,
-            b_ptr,
-            offs_m,
-            offs_n,
-            M,
-            N,
-            K,
-            LEAF,
-            first,
-            real,
-            sam,
-            sak,
-            sbn,
-            sbk,
-            SLOT,
-            PRECISION,
-            BLOCK_M,
-            BLOCK_N,
-            BLOCK_K,
-        )
-        right = _oct(
-            a_ptr,
-            b_ptr,
-            offs_m,
-            offs_n,
-            M,
-            N,
-            K,
-            LEAF,
-            first,
-            real,
-            sam,
-            sak,
-            sbn,
-            sbk,
-            SLOT + 8,
-            PRECISION,
-            BLOCK_M,
-            BLOCK_N,
-            BLOCK_K,
-        )
-        return left + right
-
     @jit(do_not_specialize=["M"])
     def _group_root_kernel(
         a_ptr,
@@ -464,49 +156,64 @@ if HAVE_TRITON:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
     ):
-        """Program (m tile, n tile, group): the group's root, its leaves and adds in registers."""
+        """Program (m tile, n tile, group): the group's root, its leaves and adds in registers.
+
+        The pairwise tree is walked as a binary counter over the slots (unrolled at compile time):
+        slot s's leaf is added, right operand, to the pending left subtree of each level whose bit
+        of s is 1, and parked as that level's left subtree at the first 0 bit. After the last slot
+        the value carried is the root; every add is the (left + right) of the tree."""
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         grp = tl.program_id(2)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         first = grp * GROUP_LEAVES
-        n_leaves = tl.cdiv(K, LEAF)
-        real = tl.maximum(tl.minimum(GROUP_LEAVES, n_leaves - first), 0)
-        args = (
-            a_ptr,
-            b_ptr,
-            offs_m,
-            offs_n,
-            M,
-            N,
-            K,
-            LEAF,
-            first,
-            real,
-            stride_am,
-            stride_ak,
-            stride_bn,
-            stride_bk,
-            0,
-            PRECISION,
-            BLOCK_M,
-            BLOCK_N,
-            BLOCK_K,
-        )
-        if GROUP_SLOTS == 1:
-            root = _slot(*args)
-        elif GROUP_SLOTS == 2:
-            root = _pair(*args)
-        elif GROUP_SLOTS == 4:
-            root = _quad(*args)
-        elif GROUP_SLOTS == 8:
-            root = _oct(*args)
-        else:
-            root = _hex(*args)
+        real = tl.maximum(tl.minimum(GROUP_LEAVES, tl.cdiv(K, LEAF) - first), 0)
+        left1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        left2 = left1
+        left4 = left1
+        left8 = left1
+        v = left1
+        for s in tl.static_range(GROUP_SLOTS):
+            k_lo = (first + s) * LEAF
+            k_hi = tl.where(s < real, tl.minimum(k_lo + LEAF, K), k_lo)  # padding slot: exact zero
+            v = _leaf_sum(
+                a_ptr,
+                b_ptr,
+                offs_m,
+                offs_n,
+                M,
+                N,
+                k_lo,
+                k_hi,
+                stride_am,
+                stride_ak,
+                stride_bn,
+                stride_bk,
+                PRECISION,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_K,
+            )
+            if s % 2 == 0:
+                left1 = v
+            else:
+                v = left1 + v
+                if s % 4 == 1:
+                    left2 = v
+                else:
+                    v = left2 + v
+                    if s % 8 == 3:
+                        left4 = v
+                    else:
+                        v = left4 + v
+                        if s % 16 == 7:
+                            left8 = v
+                        else:
+                            v = left8 + v
         tl.store(
             c_ptr + grp * stride_cg + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn,
-            root,
+            v,
             mask=(offs_m[:, None] < M) & (offs_n[None, :] < N),
         )
 
