@@ -1,134 +1,305 @@
 """Causal attention with the same bits for prefill, chunked prefill and decode.
 
-Why it is invariant: a query row at absolute position ``p`` always walks the keys in tiles of
-BLOCK_N at absolute positions ``[0, BLOCK_N), [BLOCK_N, 2*BLOCK_N), ...`` in ascending order with
-the same online-softmax update, whether it arrives in a 4,096-token prefill, a chunk, or alone in
-a decode step; there is no split-KV. Tiles past a row's position that a block still visits are
-exact no-ops for that row (scores -inf, rescale factor exactly 1, added products exactly 0), and
-keys beyond a sequence's cached length are loaded as zeros, never as stale memory. The tile shape
-and warps depend on (head_dim, GQA group, dtype) only.
+The arithmetic of one query row at absolute position ``p``: the keys ``[0, p]`` are cut into
+splits of a fixed SPLIT keys at absolute positions ``[0, SPLIT), [SPLIT, 2*SPLIT), ...``. Within a
+split, a fresh base-2 online softmax walks BLOCK_N key tiles in ascending order, giving fp32
+``(m_s, l_s, acc_s)``; the splits are then merged in ascending order by one formula (running max,
+rescale, add) and divided once at the end. SPLIT and BLOCK_N are fixed constants, never chosen
+from the batch, so the row gets the same bits in a 4,096-token prefill, in any chunk, or alone in
+a decode step.
+
+Two launch paths compute exactly that: prefill walks and merges the splits in registers inside one
+program; decode (few queries per sequence, long context) launches one program per (query block,
+KV head, split) writing fp32 partials, and a combine kernel merges them. The tile step, the merge
+and the final division are written once (``_tile``, ``_merge``, ``_store_rows``) and used by both,
+with ``tl.fma`` pinning every multiply-add so no kernel can contract it differently. Tiles past a
+row's position are exact no-ops (scores -inf, rescale 1, added products 0); a split that starts
+after a row's position is skipped for that row by a select; keys beyond a sequence's cached length
+load as zeros, never as stale memory. The two paths may use different BLOCK_M and warps because the
+per-row bits do not depend on them on the GPU (same wgmma instruction per 64-row warpgroup, the
+whole tile row inside one warp); ``tests/kernels/test_attention.py`` checks this bitwise.
 
 Layout: queries are packed ``(T, Hq, D)`` with ``cu_q`` (B+1 offsets); keys/values live in a cache
 ``(S, L, Hkv, D)`` addressed by ``slots`` (B), with the absolute position of each sequence's first
 query ``q_pos0`` (B) and its cached length ``kv_len`` (B). GQA heads of one KV head are packed into
-the rows of a block (row = token * G + head-in-group).
+the rows of a block (row = token * G + head-in-group). A query's position must be below the cache
+length L (its own key is cached).
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
 from ._triton import HAVE_TRITON, dot_precision, jit, resolve, tl, triton
 
-BLOCK_M = 64
-BLOCK_N = 64
-NUM_WARPS = 4
-NUM_STAGES = 2
+LOG2E = 1.4426950408889634
+
+
+class AttnConfig(NamedTuple):
+    """Launch shape. ``split`` and ``block_n`` define the arithmetic and are fixed; the rest only
+    decide how the work is laid on the GPU (prefill: block_m/warps/stages; decode: dec_*)."""
+
+    block_m: int = 128
+    block_n: int = 64
+    warps: int = 8
+    stages: int = 3
+    split: int = 1024
+    dec_block_m: int = 64
+    dec_warps: int = 4
+    dec_stages: int = 3
+
+
+CONFIG = AttnConfig()
+# The split-KV path's fp32 partials are bounded to this many elements (else prefill's path serves).
+MAX_PARTIAL_ELEMS = 1 << 25
 
 if HAVE_TRITON:
 
+    @triton.jit
+    def _locate(cu_ptr, j, B, TOK: tl.constexpr, BLOCK_B: tl.constexpr):
+        """Program ``j`` of the flat list of (sequence, query block) pairs, heaviest block of each
+        sequence first; returns (sequence, block, first query row, query count); past the end the
+        block is negative."""
+        i = tl.arange(0, BLOCK_B)
+        lo = tl.load(cu_ptr + i, mask=i < B, other=0)
+        hi = tl.load(cu_ptr + i + 1, mask=i < B, other=0)
+        nb = (hi - lo + TOK - 1) // TOK
+        end = tl.cumsum(nb, 0)
+        b = tl.sum((end <= j).to(tl.int32), 0)
+        sel = i == b
+        qb = tl.sum(tl.where(sel, end - 1, 0), 0) - j
+        return b, qb, tl.sum(tl.where(sel, lo, 0), 0), tl.sum(tl.where(sel, hi - lo, 0), 0)
+
+    @triton.jit
+    def _tile(
+        q, k_base, v_base, stride_kt, stride_vt, n0, d, dok, pos, kv_len, m_i, l_i, acc, c,
+        BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        """One online-softmax step over keys [n0, n0 + BLOCK_N); scores stay unscaled (``c`` folds
+        the softmax scale and log2 e into the exponent's fma)."""
+        cols = n0 + tl.arange(0, BLOCK_N)
+        if MASKED:
+            kmask = (cols < kv_len)[:, None] & dok[None, :]
+        else:
+            kmask = dok[None, :]
+        k = tl.load(k_base + cols[:, None].to(tl.int64) * stride_kt + d[None, :], mask=kmask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        if MASKED:
+            s = tl.where(cols[None, :] <= pos[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2((m_i - m_new) * c)
+        p = tl.exp2(tl.fma(s, c, -(m_new * c)[:, None]))
+        l_i = tl.fma(l_i, alpha, tl.sum(p, 1))
+        v = tl.load(v_base + cols[:, None].to(tl.int64) * stride_vt + d[None, :], mask=kmask, other=0.0)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+        return m_new, l_i, acc
+
+    @triton.jit
+    def _split(
+        q, k_base, v_base, stride_kt, stride_vt, lo, hi, full, d, dok, pos, kv_len, c,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        """Fresh online softmax over the tiles of [lo, hi); tiles below ``full`` are visible to
+        every row and cached, so they skip the masks (a mask that selects everything is exact)."""
+        m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        den = tl.zeros((BLOCK_M,), tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+        mid = lo + (tl.maximum(tl.minimum(full, hi) - lo, 0) // BLOCK_N) * BLOCK_N
+        for n0 in range(lo, mid, BLOCK_N):
+            m, den, acc = _tile(
+                q, k_base, v_base, stride_kt, stride_vt, n0, d, dok, pos, kv_len, m, den, acc, c,
+                BLOCK_N, False, PRECISION,
+            )  # fmt: skip
+        for n0 in range(mid, hi, BLOCK_N):
+            m, den, acc = _tile(
+                q, k_base, v_base, stride_kt, stride_vt, n0, d, dok, pos, kv_len, m, den, acc, c,
+                BLOCK_N, True, PRECISION,
+            )  # fmt: skip
+        return m, den, acc
+
+    @triton.jit
+    def _merge(m_run, l_run, acc_run, m, den, acc, take, c):
+        """Fold one split's (m, den, acc) into the running state, for rows where ``take``."""
+        m_new = tl.maximum(m_run, m)
+        a = tl.exp2((m_run - m_new) * c)
+        b = tl.exp2((m - m_new) * c)
+        l_out = tl.where(take, tl.fma(l_run, a, den * b), l_run)
+        acc_out = tl.where(take[:, None], tl.fma(acc_run, a[:, None], acc * b[:, None]), acc_run)
+        return tl.where(take, m_new, m_run), l_out, acc_out
+
+    @triton.jit
+    def _store_rows(o_ptr, acc, den, rows_t, hq, d, row_ok, stride_ot, stride_oh):
+        """The one division, then the rows' store."""
+        out = acc / den[:, None]
+        ptrs = o_ptr + rows_t[:, None].to(tl.int64) * stride_ot + hq[:, None] * stride_oh + d[None, :]
+        tl.store(ptrs, out.to(o_ptr.dtype.element_ty), mask=row_ok)
+
     @jit()
-    def _attn_kernel(
-        q_ptr,
-        k_ptr,
-        v_ptr,
-        o_ptr,
-        cu_q_ptr,
-        qpos0_ptr,
-        kvlen_ptr,
-        slot_ptr,
-        qk_scale,
-        HKV,
-        stride_qt,
-        stride_qh,
-        stride_ks,
-        stride_kt,
-        stride_kh,
-        stride_vs,
-        stride_vt,
-        stride_vh,
-        stride_ot,
-        stride_oh,
-        G: tl.constexpr,
-        D: tl.constexpr,
-        BLOCK_D: tl.constexpr,
-        BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
+    def _attn_fwd(
+        q_ptr, k_ptr, v_ptr, o_ptr, pacc_ptr, pml_ptr, cu_ptr, qpos0_ptr, kvlen_ptr, slot_ptr,
+        c, B, NSPLIT, HQ,
+        stride_qt, stride_qh, stride_ks, stride_kt, stride_kh, stride_vs, stride_vt, stride_vh,
+        stride_ot, stride_oh,
+        G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, BLOCK_B: tl.constexpr, SPLIT_KV: tl.constexpr,
         PRECISION: tl.constexpr,
-    ):
-        qb = tl.program_id(0)
-        bh = tl.program_id(1)
-        b = bh // HKV
-        hk = bh % HKV
-        q_start = tl.load(cu_q_ptr + b)
-        q_len = tl.load(cu_q_ptr + b + 1) - q_start
+    ):  # fmt: skip
+        """Prefill (SPLIT_KV=False): all splits, merged in registers, output stored. Split-KV:
+        only split ``program_id(2)``, its fp32 partials stored for ``_attn_combine``."""
+        hk = tl.program_id(0)
         TOK: tl.constexpr = BLOCK_M // G
-        if qb * TOK < q_len:
+        b, qb, q_start, q_len = _locate(cu_ptr, tl.program_id(1), B, TOK, BLOCK_B)
+        lo = tl.program_id(2) * SPLIT
+        pos0 = tl.load(qpos0_ptr + b, mask=b < B, other=0)
+        pmax = pos0 + tl.minimum(qb * TOK + TOK, q_len) - 1
+        if (qb >= 0) & (qb * TOK < q_len) & (lo <= pmax):
             rows = tl.arange(0, BLOCK_M)
             tok = qb * TOK + rows // G
             hq = hk * G + rows % G
             valid = tok < q_len
-            pos0 = tl.load(qpos0_ptr + b)
-            # Padding rows look at key 0 only, so they never produce NaN.
-            pos = tl.where(valid, pos0 + tok, 0)
+            pos = pos0 + tok
             kv_len = tl.load(kvlen_ptr + b)
             slot = tl.load(slot_ptr + b).to(tl.int64)
             d = tl.arange(0, BLOCK_D)
             dok = d < D
+            row_ok = valid[:, None] & dok[None, :]
             q = tl.load(
                 q_ptr
                 + (q_start + tok)[:, None].to(tl.int64) * stride_qt
                 + hq[:, None] * stride_qh
                 + d[None, :],
-                mask=valid[:, None] & dok[None, :],
+                mask=row_ok,
                 other=0.0,
             )
-            n_end = pos0 + tl.minimum(qb * TOK + TOK, q_len)
-            m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-            l_i = tl.zeros((BLOCK_M,), tl.float32)
-            acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+            full = tl.minimum(pos0 + qb * TOK + 1, kv_len)
             k_base = k_ptr + slot * stride_ks + hk * stride_kh
             v_base = v_ptr + slot * stride_vs + hk * stride_vh
-            for n0 in range(0, n_end, BLOCK_N):
-                cols = n0 + tl.arange(0, BLOCK_N)
-                cok = cols < kv_len
-                k = tl.load(
-                    k_base + cols[:, None].to(tl.int64) * stride_kt + d[None, :],
-                    mask=cok[:, None] & dok[None, :],
-                    other=0.0,
+            if SPLIT_KV:
+                m, den, acc = _split(
+                    q, k_base, v_base, stride_kt, stride_vt, lo, tl.minimum(lo + SPLIT, pmax + 1), full,
+                    d, dok, pos, kv_len, c, BLOCK_M, BLOCK_N, BLOCK_D, PRECISION,
+                )  # fmt: skip
+                prow = ((q_start + tok) * HQ + hq).to(tl.int64) * NSPLIT + tl.program_id(2)
+                tl.store(pml_ptr + 2 * prow, m, mask=valid)
+                tl.store(pml_ptr + 2 * prow + 1, den, mask=valid)
+                tl.store(pacc_ptr + prow[:, None] * BLOCK_D + d[None, :], acc, mask=row_ok)
+            else:
+                m_run = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+                l_run = tl.zeros((BLOCK_M,), tl.float32)
+                acc_run = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+                for s0 in range(0, pmax + 1, SPLIT):
+                    m, den, acc = _split(
+                        q, k_base, v_base, stride_kt, stride_vt, s0, tl.minimum(s0 + SPLIT, pmax + 1), full,
+                        d, dok, pos, kv_len, c, BLOCK_M, BLOCK_N, BLOCK_D, PRECISION,
+                    )  # fmt: skip
+                    m_run, l_run, acc_run = _merge(m_run, l_run, acc_run, m, den, acc, pos >= s0, c)
+                _store_rows(o_ptr, acc_run, l_run, q_start + tok, hq, d, row_ok, stride_ot, stride_oh)
+
+    @jit()
+    def _attn_combine(
+        o_ptr, pacc_ptr, pml_ptr, cu_ptr, qpos0_ptr, c, B, NSPLIT, HQ, stride_ot, stride_oh,
+        G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+        SPLIT: tl.constexpr, BLOCK_B: tl.constexpr,
+    ):  # fmt: skip
+        """Merge the split-KV partials of one query block in ascending split order (``_merge``,
+        the formula prefill uses in registers), then the one division."""
+        hk = tl.program_id(0)
+        TOK: tl.constexpr = BLOCK_M // G
+        b, qb, q_start, q_len = _locate(cu_ptr, tl.program_id(1), B, TOK, BLOCK_B)
+        if (qb >= 0) & (qb * TOK < q_len):
+            rows = tl.arange(0, BLOCK_M)
+            tok = qb * TOK + rows // G
+            hq = hk * G + rows % G
+            valid = tok < q_len
+            pos0 = tl.load(qpos0_ptr + b)
+            pos = pos0 + tok
+            pmax = pos0 + tl.minimum(qb * TOK + TOK, q_len) - 1
+            d = tl.arange(0, BLOCK_D)
+            row_ok = valid[:, None] & (d < D)[None, :]
+            prow = ((q_start + tok) * HQ + hq).to(tl.int64) * NSPLIT
+            m_run = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+            l_run = tl.zeros((BLOCK_M,), tl.float32)
+            acc_run = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+            for sp in range(0, tl.minimum(pmax // SPLIT + 1, NSPLIT)):
+                take = valid & (pos >= sp * SPLIT)
+                m = tl.load(pml_ptr + 2 * (prow + sp), mask=take, other=float("-inf"))
+                den = tl.load(pml_ptr + 2 * (prow + sp) + 1, mask=take, other=0.0)
+                acc = tl.load(
+                    pacc_ptr + (prow + sp)[:, None] * BLOCK_D + d[None, :], mask=take[:, None], other=0.0
                 )
-                s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-                s = tl.where(cols[None, :] <= pos[:, None], s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                alpha = tl.exp2(m_i - m_new)
-                p = tl.exp2(s - m_new[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
-                v = tl.load(
-                    v_base + cols[:, None].to(tl.int64) * stride_vt + d[None, :],
-                    mask=cok[:, None] & dok[None, :],
-                    other=0.0,
-                )
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-                m_i = m_new
-            out = acc / l_i[:, None]
-            tl.store(
-                o_ptr
-                + (q_start + tok)[:, None].to(tl.int64) * stride_ot
-                + hq[:, None] * stride_oh
-                + d[None, :],
-                out.to(o_ptr.dtype.element_ty),
-                mask=valid[:, None] & dok[None, :],
-            )
+                m_run, l_run, acc_run = _merge(m_run, l_run, acc_run, m, den, acc, take, c)
+            _store_rows(o_ptr, acc_run, l_run, q_start + tok, hq, d, row_ok, stride_ot, stride_oh)
 
 
-def _check(q: torch.Tensor, k_cache: torch.Tensor) -> int:
+def _check(q: torch.Tensor, k_cache: torch.Tensor, cfg: AttnConfig) -> int:
     hq, hkv = q.shape[1], k_cache.shape[2]
     g = hq // hkv
-    if hq % hkv or g & (g - 1) or g > BLOCK_M:
-        raise ValueError(f"GQA group {hq}/{hkv} must be a power of two <= {BLOCK_M}")
+    smallest = min(cfg.block_m, cfg.dec_block_m)
+    if hq % hkv or g & (g - 1) or g > smallest:
+        raise ValueError(f"GQA group {hq}/{hkv} must be a power of two <= {smallest}")
+    if cfg.split % cfg.block_n:
+        raise ValueError(f"split {cfg.split} must be a multiple of block_n {cfg.block_n}")
     return g
+
+
+def _reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_q: torch.Tensor,
+    q_pos0: torch.Tensor,
+    kv_len: torch.Tensor,
+    slots: torch.Tensor,
+    scale: float | None,
+    cfg: AttnConfig,
+) -> torch.Tensor:
+    """:func:`attention_reference` for any (split, block_n)."""
+    g = _check(q, k_cache, cfg)
+    d = q.shape[-1]
+    c = (scale if scale is not None else 1.0 / math.sqrt(d)) * LOG2E
+    out = torch.empty_like(q)
+    for b in range(cu_q.numel() - 1):
+        s0, s1 = int(cu_q[b]), int(cu_q[b + 1])
+        if s1 == s0:
+            continue
+        p0, n_kv, slot = int(q_pos0[b]), int(kv_len[b]), int(slots[b])
+        qb = q[s0:s1].float().transpose(0, 1)  # (Hq, Lq, D)
+        pos = torch.arange(p0, p0 + s1 - s0, device=q.device)
+        last = int(pos[-1]) + 1
+        k = torch.zeros(last, *k_cache.shape[2:], dtype=k_cache.dtype, device=q.device)
+        v = torch.zeros_like(k)
+        k[: min(n_kv, last)] = k_cache[slot, : min(n_kv, last)]  # past kv_len: zeros
+        v[: min(n_kv, last)] = v_cache[slot, : min(n_kv, last)]
+        k = k.repeat_interleave(g, dim=1).transpose(0, 1)  # (Hq, Lk, D)
+        v = v.repeat_interleave(g, dim=1).transpose(0, 1)
+        shape = (q.shape[1], s1 - s0)
+        m_run, l_run = torch.full(shape, float("-inf"), device=q.device), torch.zeros(shape, device=q.device)
+        acc_run = torch.zeros(*shape, d, device=q.device)
+        for lo in range(0, last, cfg.split):
+            m, den = torch.full(shape, float("-inf"), device=q.device), torch.zeros(shape, device=q.device)
+            acc = torch.zeros(*shape, d, device=q.device)
+            for n0 in range(lo, min(lo + cfg.split, last), cfg.block_n):
+                kt, vt = k[:, n0 : n0 + cfg.block_n], v[:, n0 : n0 + cfg.block_n]
+                cols = torch.arange(n0, n0 + kt.shape[1], device=q.device)
+                s = qb @ kt.float().transpose(1, 2)
+                s = torch.where(cols[None, None, :] <= pos[None, :, None], s, float("-inf"))
+                m_new = torch.maximum(m, s.max(-1).values)
+                alpha = torch.exp2((m - m_new) * c)
+                p = torch.exp2(s * c - (m_new * c)[..., None])
+                den = den * alpha + p.sum(-1)
+                acc = acc * alpha[..., None] + p.to(vt.dtype).float() @ vt.float()
+                m = m_new
+            take = pos[None, :] >= lo
+            m_new = torch.maximum(m_run, m)
+            a, bb = torch.exp2((m_run - m_new) * c), torch.exp2((m - m_new) * c)
+            l_run = torch.where(take, l_run * a + den * bb, l_run)
+            acc_run = torch.where(take[..., None], acc_run * a[..., None] + acc * bb[..., None], acc_run)
+            m_run = torch.where(take, m_new, m_run)
+        out[s0:s1] = (acc_run / l_run[..., None]).transpose(0, 1).to(q.dtype)
+    return out
 
 
 def attention_reference(
@@ -141,40 +312,10 @@ def attention_reference(
     slots: torch.Tensor,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """The kernel's arithmetic in torch: per sequence, fp32 scores per BLOCK_N key tile in
-    ascending absolute position, base-2 online softmax, probabilities rounded to the value dtype
-    before the PV product, one division at the end."""
-    g = _check(q, k_cache)
-    d = q.shape[-1]
-    scale = scale if scale is not None else 1.0 / math.sqrt(d)
-    qk_scale = scale * 1.4426950408889634
-    out = torch.empty_like(q)
-    for b in range(cu_q.numel() - 1):
-        s0, s1 = int(cu_q[b]), int(cu_q[b + 1])
-        if s1 == s0:
-            continue
-        p0, n_kv, slot = int(q_pos0[b]), int(kv_len[b]), int(slots[b])
-        qb = q[s0:s1].float()  # (Lq, Hq, D)
-        pos = torch.arange(p0, p0 + s1 - s0, device=q.device)
-        k = k_cache[slot, :n_kv].repeat_interleave(g, dim=1)  # (Lk, Hq, D)
-        v = v_cache[slot, :n_kv].repeat_interleave(g, dim=1)
-        m = torch.full((q.shape[1], s1 - s0), float("-inf"), device=q.device)
-        den = torch.zeros_like(m)
-        acc = torch.zeros(q.shape[1], s1 - s0, d, device=q.device)
-        for n0 in range(0, int(pos[-1]) + 1, BLOCK_N):
-            kt = k[n0 : n0 + BLOCK_N].float().transpose(0, 1)  # (Hq, n, D)
-            vt = v[n0 : n0 + BLOCK_N].transpose(0, 1)
-            cols = torch.arange(n0, n0 + kt.shape[1], device=q.device)
-            s = (qb.transpose(0, 1) @ kt.transpose(1, 2)) * qk_scale
-            s = torch.where(cols[None, None, :] <= pos[None, :, None], s, float("-inf"))
-            m_new = torch.maximum(m, s.max(-1).values)
-            alpha = torch.exp2(m - m_new)
-            p = torch.exp2(s - m_new[..., None])
-            den = den * alpha + p.sum(-1)
-            acc = acc * alpha[..., None] + p.to(vt.dtype).float() @ vt.float()
-            m = m_new
-        out[s0:s1] = (acc / den[..., None]).transpose(0, 1).to(q.dtype)
-    return out
+    """The kernel's arithmetic in torch: per row, fixed splits of absolute key positions, each a
+    fresh fp32 base-2 online softmax over BLOCK_N tiles in ascending order (probabilities rounded
+    to the value dtype before the PV product), splits merged in ascending order, one division."""
+    return _reference(q, k_cache, v_cache, cu_q, q_pos0, kv_len, slots, scale, CONFIG)
 
 
 def attention(
@@ -187,62 +328,60 @@ def attention(
     slots: torch.Tensor | None = None,
     scale: float | None = None,
     impl: str | None = None,
-    config: tuple[int, int, int, int] | None = None,
+    config: AttnConfig | tuple[int, ...] | None = None,
 ) -> torch.Tensor:
     """Invariant causal attention for packed queries against a KV cache (see the module doc).
-    ``config`` = (BLOCK_M, BLOCK_N, warps, stages) overrides the fixed tiles (for tuning only:
-    prefill and decode must use the same one)."""
+    ``config`` overrides :data:`CONFIG` (tuning and tests only: every call that must agree in
+    bits must use the same ``split`` and ``block_n``). No host synchronisation: the grid is sized
+    from tensor shapes and each program finds its sequence on the device."""
+    cfg = AttnConfig(*config) if config is not None else CONFIG
     b = cu_q.numel() - 1
     if slots is None:
         slots = torch.arange(b, device=q.device, dtype=torch.int32)
     if resolve(impl, q) == "torch":
-        return attention_reference(q, k_cache, v_cache, cu_q, q_pos0, kv_len, slots, scale)
-    g = _check(q, k_cache)
-    d = q.shape[-1]
-    scale = scale if scale is not None else 1.0 / math.sqrt(d)
+        return _reference(q, k_cache, v_cache, cu_q, q_pos0, kv_len, slots, scale, cfg)
+    g = _check(q, k_cache, cfg)
+    t, hq, d = q.shape
+    c = (scale if scale is not None else 1.0 / math.sqrt(d)) * LOG2E
     if q.stride(-1) != 1:
         q = q.contiguous()
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     out = torch.empty_like(q)
-    cu = cu_q.to(device=q.device, dtype=torch.int32)
-    lens = cu[1:] - cu[:-1]
-    max_len = int(lens.max()) if b else 0
-    if max_len == 0:
+    if b == 0 or t == 0:
         return out
-    bm, bn, warps, stages = config or (BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES)
-    tok = bm // g
     hkv = k_cache.shape[2]
-    grid = (triton.cdiv(max_len, tok), b * hkv)
-    _attn_kernel[grid](
-        q,
-        k_cache,
-        v_cache,
-        out,
-        cu,
-        q_pos0.to(device=q.device, dtype=torch.int32),
-        kv_len.to(device=q.device, dtype=torch.int32),
-        slots.to(device=q.device, dtype=torch.int32),
-        scale * 1.4426950408889634,
-        hkv,
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
-        out.stride(0),
-        out.stride(1),
-        G=g,
-        D=d,
-        BLOCK_D=max(16, triton.next_power_of_2(d)),
-        BLOCK_M=bm,
-        BLOCK_N=bn,
-        PRECISION=dot_precision(q.dtype),
-        num_warps=warps,
-        num_stages=stages,
+    block_d = max(16, triton.next_power_of_2(d))
+    nsplit = triton.cdiv(k_cache.shape[1], cfg.split)
+    dec_tok = cfg.dec_block_m // g
+    split_kv = t <= b * dec_tok and t * hq * nsplit * (block_d + 2) <= MAX_PARTIAL_ELEMS
+    bm, warps, stages = (
+        (cfg.dec_block_m, cfg.dec_warps, cfg.dec_stages) if split_kv else (cfg.block_m, cfg.warps, cfg.stages)
     )
+    tok = bm // g
+    blocks = triton.cdiv(t, tok) + b  # >= the sum over sequences of their query blocks
+    cu = cu_q.to(device=q.device, dtype=torch.int32)
+    pos0 = q_pos0.to(device=q.device, dtype=torch.int32)
+    common = dict(
+        G=g, D=d, BLOCK_D=block_d, BLOCK_M=bm, SPLIT=cfg.split, BLOCK_B=triton.next_power_of_2(b + 1)
+    )
+    if split_kv:
+        pacc = torch.empty(t * hq * nsplit * block_d, device=q.device, dtype=torch.float32)
+        pml = torch.empty(t * hq * nsplit * 2, device=q.device, dtype=torch.float32)
+    else:
+        pacc = pml = out
+    _attn_fwd[(hkv, blocks, nsplit if split_kv else 1)](
+        q, k_cache, v_cache, out, pacc, pml, cu, pos0,
+        kv_len.to(device=q.device, dtype=torch.int32), slots.to(device=q.device, dtype=torch.int32),
+        c, b, nsplit, hq,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
+        BLOCK_N=cfg.block_n, SPLIT_KV=split_kv, PRECISION=dot_precision(q.dtype),
+        num_warps=warps, num_stages=stages, **common,
+    )  # fmt: skip
+    if split_kv:
+        _attn_combine[(hkv, blocks)](
+            out, pacc, pml, cu, pos0, c, b, nsplit, hq, out.stride(0), out.stride(1), num_warps=4, **common
+        )
     return out
 
 

@@ -2,25 +2,42 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from kernels.attention import _math_attention, attention, attention_reference
+from kernels.attention import CONFIG, AttnConfig, _math_attention, _reference, attention
 
 from .conftest import bits_equal, gpu, needs_triton
 
 pytestmark = needs_triton
 
+# Small tiles and splits so the CPU interpreter crosses several splits, and both launch paths run:
+# chunks of <= 8 tokens per sequence take split-KV + combine, longer ones the prefill path.
+CPU_CONFIG = AttnConfig(
+    block_m=32, block_n=16, warps=4, stages=1, split=32, dec_block_m=16, dec_warps=4, dec_stages=1
+)
 
-def _modes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunks: list[int]) -> list[torch.Tensor]:
-    """One sequence (slot 0) as full prefill, as chunked prefill for each chunk size, and decoded
-    token by token; plus a batch where it rides along with other sequences."""
+
+def _modes(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    chunks: list[int],
+    cfg: AttnConfig,
+    decode_at: list[int],
+) -> list[torch.Tensor]:
+    """One sequence (slot 0) as full prefill, as chunked prefill for each chunk size, and decoded at
+    the positions ``decode_at`` in a batch where it rides along with other sequences; each result
+    restricted to the rows ``decode_at``."""
+    attn = functools.partial(attention, config=cfg)
     n, dev = q.shape[0], q.device
     i32 = dict(device=dev, dtype=torch.int32)
-    full = attention(q, k, v, torch.tensor([0, n], **i32), torch.tensor([0], **i32), torch.tensor([n], **i32))
+    full = attn(q, k, v, torch.tensor([0, n], **i32), torch.tensor([0], **i32), torch.tensor([n], **i32))
     outs = [full]
     for c in chunks:
         parts = [
-            attention(
+            attn(
                 q[s : s + c],
                 k,
                 v,
@@ -36,9 +53,9 @@ def _modes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunks: list[int])
     kk = torch.stack([k[0], torch.randn_like(k[0])])
     vv = torch.stack([v[0], torch.randn_like(v[0])])
     rows = []
-    for p in range(n):
+    for p in decode_at:
         qq = torch.cat([other, q[p : p + 1]])
-        o = attention(
+        o = attn(
             qq,
             kk,
             vv,
@@ -48,8 +65,7 @@ def _modes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunks: list[int])
             torch.tensor([1, 0], **i32),
         )
         rows.append(o[3:])
-    outs.append(torch.cat(rows))
-    return outs
+    return [o[decode_at] for o in outs] + [torch.cat(rows)]
 
 
 def test_same_bits_cpu(dev: str) -> None:
@@ -57,26 +73,46 @@ def test_same_bits_cpu(dev: str) -> None:
     n, hq, hkv, d = 70, 4, 2, 32
     q = torch.randn(n, hq, d, device=dev)
     k, v = torch.randn(1, 80, hkv, d, device=dev), torch.randn(1, 80, hkv, d, device=dev)
-    outs = _modes(q, k, v, [1, 13, 64])
+    # Decode steps at every split and tile boundary and a few between (the interpreter is slow).
+    at = [0, 1, 15, 16, 17, 31, 32, 33, 47, 50, 63, 64, 65, 69]
+    outs = _modes(q, k, v, [7, 13, 64], CPU_CONFIG, at)
     for o in outs[1:]:
         assert bits_equal(o, outs[0])
     i32 = dict(device=dev, dtype=torch.int32)
     args = (q, k, v, torch.tensor([0, n], **i32), torch.tensor([0], **i32), torch.tensor([n], **i32))
-    ref = attention_reference(*args, torch.tensor([0], **i32))
-    torch.testing.assert_close(outs[0], ref, rtol=1e-5, atol=1e-5)
+    ref = _reference(*args, torch.tensor([0], **i32), None, CPU_CONFIG)
+    full = attention(*args, config=CPU_CONFIG)
+    torch.testing.assert_close(full, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(
-        outs[0], _math_attention(*args, torch.tensor([0], **i32), d**-0.5), rtol=1e-4, atol=1e-4
+        full, _math_attention(*args, torch.tensor([0], **i32), d**-0.5), rtol=1e-4, atol=1e-4
     )
+
+
+def test_short_cache_cpu(dev: str) -> None:
+    """Keys past a sequence's cached length count as zeros (not stale memory), in both paths."""
+    torch.manual_seed(1)
+    hq, hkv, d = 4, 2, 32
+    k, v = torch.randn(2, 80, hkv, d, device=dev), torch.randn(2, 80, hkv, d, device=dev)
+    i32 = dict(device=dev, dtype=torch.int32)
+    for n in (3, 40):  # split-KV path, prefill path
+        q = torch.randn(2 * n, hq, d, device=dev)
+        args = (q, k, v, torch.tensor([0, n, 2 * n], **i32), torch.tensor([30, 50], **i32))
+        kv_len, slots = torch.tensor([20, 45], **i32), torch.tensor([1, 0], **i32)
+        out = attention(*args, kv_len, slots, config=CPU_CONFIG)
+        ref = _reference(*args, kv_len, slots, None, CPU_CONFIG)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
 @gpu
 def test_same_bits_gpu() -> None:
+    """The shipped tiles: prefill and decode use different BLOCK_M and warps, and the sequence
+    crosses two split boundaries, so this also proves the per-row bits of the two shapes equal."""
     torch.manual_seed(0)
-    n, hq, hkv, d = 600, 16, 4, 128
+    n, hq, hkv, d = 2 * CONFIG.split + 100, 16, 4, 128
     q = torch.randn(n, hq, d, device="cuda").bfloat16()
-    k = torch.randn(1, 1024, hkv, d, device="cuda").bfloat16()
-    v = torch.randn(1, 1024, hkv, d, device="cuda").bfloat16()
-    outs = _modes(q, k, v, [1, 63, 64, 65, 256])
+    k = torch.randn(1, n + 64, hkv, d, device="cuda").bfloat16()
+    v = torch.randn(1, n + 64, hkv, d, device="cuda").bfloat16()
+    outs = _modes(q, k, v, [1, 63, 64, 65, 256], CONFIG, list(range(n)))
     for i, o in enumerate(outs[1:]):
         assert bits_equal(o, outs[0]), i
     i32 = dict(device="cuda", dtype=torch.int32)
