@@ -50,6 +50,7 @@ class AttnConfig(NamedTuple):
     dec_block_m: int = 64
     dec_warps: int = 4
     dec_stages: int = 3
+    flat: bool = True  # prefill walks all tiles in one loop, merging at split ends (else a loop per split)
 
 
 CONFIG = AttnConfig()
@@ -74,18 +75,33 @@ if HAVE_TRITON:
         return b, qb, tl.sum(tl.where(sel, lo, 0), 0), tl.sum(tl.where(sel, hi - lo, 0), 0)
 
     @triton.jit
+    def _fresh(BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+        """An empty softmax state: max -inf, denominator 0, accumulator 0."""
+        m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        return m, tl.zeros((BLOCK_M,), tl.float32), tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+
+    @triton.jit
+    def _load_tile(base, off, cols, kv_len, dok, MASKED: tl.constexpr, EVEN_D: tl.constexpr):
+        """A K or V tile (``off``: the in-tile offsets, hoisted out of the loop); rows at or past
+        ``kv_len`` load as zeros. Fully cached tiles of a power-of-two head load without masks."""
+        if MASKED:
+            x = tl.load(base + off, mask=(cols < kv_len)[:, None] & dok[None, :], other=0.0)
+        elif EVEN_D:
+            x = tl.load(base + off)
+        else:
+            x = tl.load(base + off, mask=dok[None, :], other=0.0)
+        return x
+
+    @triton.jit
     def _tile(
-        q, k_base, v_base, stride_kt, stride_vt, n0, d, dok, pos, kv_len, m_i, l_i, acc, c,
-        BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr,
+        q, k_base, v_base, k_off, v_off, stride_kt, stride_vt, n0, dok, pos, kv_len, m_i, l_i, acc, c,
+        BLOCK_N: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
         """One online-softmax step over keys [n0, n0 + BLOCK_N); scores stay unscaled (``c`` folds
         the softmax scale and log2 e into the exponent's fma)."""
         cols = n0 + tl.arange(0, BLOCK_N)
-        if MASKED:
-            kmask = (cols < kv_len)[:, None] & dok[None, :]
-        else:
-            kmask = dok[None, :]
-        k = tl.load(k_base + cols[:, None].to(tl.int64) * stride_kt + d[None, :], mask=kmask, other=0.0)
+        n0_64 = tl.cast(n0, tl.int64)
+        k = _load_tile(k_base + n0_64 * stride_kt, k_off, cols, kv_len, dok, MASKED, EVEN_D)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         if MASKED:
             s = tl.where(cols[None, :] <= pos[:, None], s, float("-inf"))
@@ -93,30 +109,29 @@ if HAVE_TRITON:
         alpha = tl.exp2((m_i - m_new) * c)
         p = tl.exp2(tl.fma(s, c, -(m_new * c)[:, None]))
         l_i = tl.fma(l_i, alpha, tl.sum(p, 1))
-        v = tl.load(v_base + cols[:, None].to(tl.int64) * stride_vt + d[None, :], mask=kmask, other=0.0)
+        v = _load_tile(v_base + n0_64 * stride_vt, v_off, cols, kv_len, dok, MASKED, EVEN_D)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
         return m_new, l_i, acc
 
     @triton.jit
     def _split(
-        q, k_base, v_base, stride_kt, stride_vt, lo, hi, full, d, dok, pos, kv_len, c,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+        q, k_base, v_base, k_off, v_off, stride_kt, stride_vt, lo, hi, full, dok, pos, kv_len, c,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+        PRECISION: tl.constexpr,
     ):  # fmt: skip
         """Fresh online softmax over the tiles of [lo, hi); tiles below ``full`` are visible to
         every row and cached, so they skip the masks (a mask that selects everything is exact)."""
-        m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-        den = tl.zeros((BLOCK_M,), tl.float32)
-        acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+        m, den, acc = _fresh(BLOCK_M, BLOCK_D)
         mid = lo + (tl.maximum(tl.minimum(full, hi) - lo, 0) // BLOCK_N) * BLOCK_N
         for n0 in range(lo, mid, BLOCK_N):
             m, den, acc = _tile(
-                q, k_base, v_base, stride_kt, stride_vt, n0, d, dok, pos, kv_len, m, den, acc, c,
-                BLOCK_N, False, PRECISION,
+                q, k_base, v_base, k_off, v_off, stride_kt, stride_vt, n0, dok, pos, kv_len, m, den, acc, c,
+                BLOCK_N, False, EVEN_D, PRECISION,
             )  # fmt: skip
         for n0 in range(mid, hi, BLOCK_N):
             m, den, acc = _tile(
-                q, k_base, v_base, stride_kt, stride_vt, n0, d, dok, pos, kv_len, m, den, acc, c,
-                BLOCK_N, True, PRECISION,
+                q, k_base, v_base, k_off, v_off, stride_kt, stride_vt, n0, dok, pos, kv_len, m, den, acc, c,
+                BLOCK_N, True, EVEN_D, PRECISION,
             )  # fmt: skip
         return m, den, acc
 
@@ -145,12 +160,13 @@ if HAVE_TRITON:
         stride_ot, stride_oh,
         G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, BLOCK_B: tl.constexpr, SPLIT_KV: tl.constexpr,
-        PRECISION: tl.constexpr,
+        HAS_SLOTS: tl.constexpr, FLAT: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
         """Prefill (SPLIT_KV=False): all splits, merged in registers, output stored. Split-KV:
         only split ``program_id(2)``, its fp32 partials stored for ``_attn_combine``."""
         hk = tl.program_id(0)
         TOK: tl.constexpr = BLOCK_M // G
+        EVEN_D: tl.constexpr = BLOCK_D == D
         b, qb, q_start, q_len = _locate(cu_ptr, tl.program_id(1), B, TOK, BLOCK_B)
         lo = tl.program_id(2) * SPLIT
         pos0 = tl.load(qpos0_ptr + b, mask=b < B, other=0)
@@ -162,7 +178,10 @@ if HAVE_TRITON:
             valid = tok < q_len
             pos = pos0 + tok
             kv_len = tl.load(kvlen_ptr + b)
-            slot = tl.load(slot_ptr + b).to(tl.int64)
+            if HAS_SLOTS:
+                slot = tl.load(slot_ptr + b).to(tl.int64)
+            else:
+                slot = b.to(tl.int64)
             d = tl.arange(0, BLOCK_D)
             dok = d < D
             row_ok = valid[:, None] & dok[None, :]
@@ -177,23 +196,51 @@ if HAVE_TRITON:
             full = tl.minimum(pos0 + qb * TOK + 1, kv_len)
             k_base = k_ptr + slot * stride_ks + hk * stride_kh
             v_base = v_ptr + slot * stride_vs + hk * stride_vh
+            k_off = tl.arange(0, BLOCK_N)[:, None] * stride_kt + d[None, :]
+            v_off = tl.arange(0, BLOCK_N)[:, None] * stride_vt + d[None, :]
             if SPLIT_KV:
                 m, den, acc = _split(
-                    q, k_base, v_base, stride_kt, stride_vt, lo, tl.minimum(lo + SPLIT, pmax + 1), full,
-                    d, dok, pos, kv_len, c, BLOCK_M, BLOCK_N, BLOCK_D, PRECISION,
+                    q, k_base, v_base, k_off, v_off, stride_kt, stride_vt, lo, tl.minimum(lo + SPLIT, pmax + 1),
+                    full, dok, pos, kv_len, c, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_D, PRECISION,
                 )  # fmt: skip
                 prow = ((q_start + tok) * HQ + hq).to(tl.int64) * NSPLIT + tl.program_id(2)
                 tl.store(pml_ptr + 2 * prow, m, mask=valid)
                 tl.store(pml_ptr + 2 * prow + 1, den, mask=valid)
                 tl.store(pacc_ptr + prow[:, None] * BLOCK_D + d[None, :], acc, mask=row_ok)
+            elif FLAT:
+                # One pipelined walk over all tiles; the state is merged and reset at each split end.
+                m_run, l_run, acc_run = _fresh(BLOCK_M, BLOCK_D)
+                m, den, acc = _fresh(BLOCK_M, BLOCK_D)
+                mid = (full // BLOCK_N) * BLOCK_N
+                for n0 in range(0, mid, BLOCK_N):
+                    m, den, acc = _tile(
+                        q, k_base, v_base, k_off, v_off, stride_kt, stride_vt, n0, dok, pos, kv_len, m, den, acc,
+                        c, BLOCK_N, False, EVEN_D, PRECISION,
+                    )  # fmt: skip
+                    if (n0 + BLOCK_N) % SPLIT == 0:
+                        s0 = n0 + BLOCK_N - SPLIT
+                        m_run, l_run, acc_run = _merge(m_run, l_run, acc_run, m, den, acc, pos >= s0, c)
+                        m, den, acc = _fresh(BLOCK_M, BLOCK_D)
+                for n0 in range(mid, pmax + 1, BLOCK_N):
+                    m, den, acc = _tile(
+                        q, k_base, v_base, k_off, v_off, stride_kt, stride_vt, n0, dok, pos, kv_len, m, den, acc,
+                        c, BLOCK_N, True, EVEN_D, PRECISION,
+                    )  # fmt: skip
+                    if (n0 + BLOCK_N) % SPLIT == 0:
+                        s0 = n0 + BLOCK_N - SPLIT
+                        m_run, l_run, acc_run = _merge(m_run, l_run, acc_run, m, den, acc, pos >= s0, c)
+                        m, den, acc = _fresh(BLOCK_M, BLOCK_D)
+                end = tl.cdiv(pmax + 1, BLOCK_N) * BLOCK_N
+                if end % SPLIT != 0:
+                    s0 = end - end % SPLIT
+                    m_run, l_run, acc_run = _merge(m_run, l_run, acc_run, m, den, acc, pos >= s0, c)
+                _store_rows(o_ptr, acc_run, l_run, q_start + tok, hq, d, row_ok, stride_ot, stride_oh)
             else:
-                m_run = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-                l_run = tl.zeros((BLOCK_M,), tl.float32)
-                acc_run = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+                m_run, l_run, acc_run = _fresh(BLOCK_M, BLOCK_D)
                 for s0 in range(0, pmax + 1, SPLIT):
                     m, den, acc = _split(
-                        q, k_base, v_base, stride_kt, stride_vt, s0, tl.minimum(s0 + SPLIT, pmax + 1), full,
-                        d, dok, pos, kv_len, c, BLOCK_M, BLOCK_N, BLOCK_D, PRECISION,
+                        q, k_base, v_base, k_off, v_off, stride_kt, stride_vt, s0, tl.minimum(s0 + SPLIT, pmax + 1),
+                        full, dok, pos, kv_len, c, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_D, PRECISION,
                     )  # fmt: skip
                     m_run, l_run, acc_run = _merge(m_run, l_run, acc_run, m, den, acc, pos >= s0, c)
                 _store_rows(o_ptr, acc_run, l_run, q_start + tok, hq, d, row_ok, stride_ot, stride_oh)
@@ -220,9 +267,7 @@ if HAVE_TRITON:
             d = tl.arange(0, BLOCK_D)
             row_ok = valid[:, None] & (d < D)[None, :]
             prow = ((q_start + tok) * HQ + hq).to(tl.int64) * NSPLIT
-            m_run = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-            l_run = tl.zeros((BLOCK_M,), tl.float32)
-            acc_run = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+            m_run, l_run, acc_run = _fresh(BLOCK_M, BLOCK_D)
             for sp in range(0, tl.minimum(pmax // SPLIT + 1, NSPLIT)):
                 take = valid & (pos >= sp * SPLIT)
                 m = tl.load(pml_ptr + 2 * (prow + sp), mask=take, other=float("-inf"))
@@ -336,9 +381,9 @@ def attention(
     from tensor shapes and each program finds its sequence on the device."""
     cfg = AttnConfig(*config) if config is not None else CONFIG
     b = cu_q.numel() - 1
-    if slots is None:
-        slots = torch.arange(b, device=q.device, dtype=torch.int32)
     if resolve(impl, q) == "torch":
+        if slots is None:
+            slots = torch.arange(b, device=q.device, dtype=torch.int32)
         return _reference(q, k_cache, v_cache, cu_q, q_pos0, kv_len, slots, scale, cfg)
     g = _check(q, k_cache, cfg)
     t, hq, d = q.shape
@@ -371,11 +416,12 @@ def attention(
         pacc = pml = out
     _attn_fwd[(hkv, blocks, nsplit if split_kv else 1)](
         q, k_cache, v_cache, out, pacc, pml, cu, pos0,
-        kv_len.to(device=q.device, dtype=torch.int32), slots.to(device=q.device, dtype=torch.int32),
+        kv_len.to(device=q.device, dtype=torch.int32), cu if slots is None else slots.to(q.device, torch.int32),
         c, b, nsplit, hq,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
-        BLOCK_N=cfg.block_n, SPLIT_KV=split_kv, PRECISION=dot_precision(q.dtype),
+        BLOCK_N=cfg.block_n, SPLIT_KV=split_kv, HAS_SLOTS=slots is not None, FLAT=cfg.flat,
+        PRECISION=dot_precision(q.dtype),
         num_warps=warps, num_stages=stages, **common,
     )  # fmt: skip
     if split_kv:
