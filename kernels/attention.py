@@ -8,16 +8,18 @@ rescale, add) and divided once at the end. SPLIT and BLOCK_N are fixed constants
 from the batch, so the row gets the same bits in a 4,096-token prefill, in any chunk, or alone in
 a decode step.
 
-Two launch paths compute exactly that: prefill walks and merges the splits in registers inside one
-program; decode (few queries per sequence, long context) launches one program per (query block,
-KV head, split) writing fp32 partials, and a combine kernel merges them. The tile step, the merge
-and the final division are written once (``_tile``, ``_merge``, ``_store_rows``) and used by both,
-with ``tl.fma`` pinning every multiply-add so no kernel can contract it differently. Tiles past a
-row's position are exact no-ops (scores -inf, rescale 1, added products 0); a split that starts
-after a row's position is skipped for that row by a select; keys beyond a sequence's cached length
-load as zeros, never as stale memory. The two paths may use different BLOCK_M and warps because the
-per-row bits do not depend on them on the GPU (same wgmma instruction per 64-row warpgroup, the
-whole tile row inside one warp); ``tests/kernels/test_attention.py`` checks this bitwise.
+Two launch paths compute exactly that: prefill walks all its tiles in one pipelined loop and, at
+each split end, merges the split's state in registers and starts afresh; decode (few queries per
+sequence, long context) launches one program per (query block, KV head, split) writing fp32
+partials, and a combine kernel merges them. The tile step, the merge and the final division are
+written once (``_tile``, ``_merge``, ``_store_rows``) and used by both, with ``tl.fma`` pinning
+every multiply-add so no kernel can contract it differently. Tiles past a row's position are
+exact no-ops (scores -inf, rescale 1, added products 0); a split that starts after a row's position
+is skipped for that row by a select; keys beyond a sequence's cached length load as zeros, never as
+stale memory. The two paths may use different BLOCK_M and warps: a row's bits do not depend on
+them as long as each warp holds whole tile rows (measured on the H200: 128 rows / 8 warps, 64 / 4
+and 16 / 1 agree bitwise; 16 rows over 4 warps, which splits a row's sum across warps, does not).
+``tests/kernels/test_attention.py`` checks the shipped pair bitwise.
 
 Layout: queries are packed ``(T, Hq, D)`` with ``cu_q`` (B+1 offsets); keys/values live in a cache
 ``(S, L, Hkv, D)`` addressed by ``slots`` (B), with the absolute position of each sequence's first
@@ -43,14 +45,13 @@ class AttnConfig(NamedTuple):
     decide how the work is laid on the GPU (prefill: block_m/warps/stages; decode: dec_*)."""
 
     block_m: int = 128
-    block_n: int = 64
+    block_n: int = 128
     warps: int = 8
-    stages: int = 3
+    stages: int = 2
     split: int = 1024
     dec_block_m: int = 64
     dec_warps: int = 4
     dec_stages: int = 3
-    flat: bool = True  # prefill walks all tiles in one loop, merging at split ends (else a loop per split)
 
 
 CONFIG = AttnConfig()
@@ -146,6 +147,18 @@ if HAVE_TRITON:
         return tl.where(take, m_new, m_run), l_out, acc_out
 
     @triton.jit
+    def _after_tile(
+        m_run, l_run, acc_run, m, den, acc, end, pos, c,
+        SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):  # fmt: skip
+        """Prefill's walk after the tile ending at key ``end``: at a split end, merge the split's
+        state into the running one and start the next split afresh."""
+        if end % SPLIT == 0:
+            m_run, l_run, acc_run = _merge(m_run, l_run, acc_run, m, den, acc, pos >= end - SPLIT, c)
+            m, den, acc = _fresh(BLOCK_M, BLOCK_D)
+        return m_run, l_run, acc_run, m, den, acc
+
+    @triton.jit
     def _store_rows(o_ptr, acc, den, rows_t, hq, d, row_ok, stride_ot, stride_oh):
         """The one division, then the rows' store."""
         out = acc / den[:, None]
@@ -160,7 +173,7 @@ if HAVE_TRITON:
         stride_ot, stride_oh,
         G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, BLOCK_B: tl.constexpr, SPLIT_KV: tl.constexpr,
-        HAS_SLOTS: tl.constexpr, FLAT: tl.constexpr, PRECISION: tl.constexpr,
+        HAS_SLOTS: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
         """Prefill (SPLIT_KV=False): all splits, merged in registers, output stored. Split-KV:
         only split ``program_id(2)``, its fp32 partials stored for ``_attn_combine``."""
@@ -207,8 +220,9 @@ if HAVE_TRITON:
                 tl.store(pml_ptr + 2 * prow, m, mask=valid)
                 tl.store(pml_ptr + 2 * prow + 1, den, mask=valid)
                 tl.store(pacc_ptr + prow[:, None] * BLOCK_D + d[None, :], acc, mask=row_ok)
-            elif FLAT:
-                # One pipelined walk over all tiles; the state is merged and reset at each split end.
+            else:
+                # One pipelined walk over all tiles, the split state merged and reset at each split
+                # end (a loop per split restarts the pipeline: 10% slower on the H200).
                 m_run, l_run, acc_run = _fresh(BLOCK_M, BLOCK_D)
                 m, den, acc = _fresh(BLOCK_M, BLOCK_D)
                 mid = (full // BLOCK_N) * BLOCK_N
@@ -217,31 +231,20 @@ if HAVE_TRITON:
                         q, k_base, v_base, k_off, v_off, stride_kt, stride_vt, n0, dok, pos, kv_len, m, den, acc,
                         c, BLOCK_N, False, EVEN_D, PRECISION,
                     )  # fmt: skip
-                    if (n0 + BLOCK_N) % SPLIT == 0:
-                        s0 = n0 + BLOCK_N - SPLIT
-                        m_run, l_run, acc_run = _merge(m_run, l_run, acc_run, m, den, acc, pos >= s0, c)
-                        m, den, acc = _fresh(BLOCK_M, BLOCK_D)
+                    m_run, l_run, acc_run, m, den, acc = _after_tile(
+                        m_run, l_run, acc_run, m, den, acc, n0 + BLOCK_N, pos, c, SPLIT, BLOCK_M, BLOCK_D
+                    )
                 for n0 in range(mid, pmax + 1, BLOCK_N):
                     m, den, acc = _tile(
                         q, k_base, v_base, k_off, v_off, stride_kt, stride_vt, n0, dok, pos, kv_len, m, den, acc,
                         c, BLOCK_N, True, EVEN_D, PRECISION,
                     )  # fmt: skip
-                    if (n0 + BLOCK_N) % SPLIT == 0:
-                        s0 = n0 + BLOCK_N - SPLIT
-                        m_run, l_run, acc_run = _merge(m_run, l_run, acc_run, m, den, acc, pos >= s0, c)
-                        m, den, acc = _fresh(BLOCK_M, BLOCK_D)
+                    m_run, l_run, acc_run, m, den, acc = _after_tile(
+                        m_run, l_run, acc_run, m, den, acc, n0 + BLOCK_N, pos, c, SPLIT, BLOCK_M, BLOCK_D
+                    )
                 end = tl.cdiv(pmax + 1, BLOCK_N) * BLOCK_N
                 if end % SPLIT != 0:
                     s0 = end - end % SPLIT
-                    m_run, l_run, acc_run = _merge(m_run, l_run, acc_run, m, den, acc, pos >= s0, c)
-                _store_rows(o_ptr, acc_run, l_run, q_start + tok, hq, d, row_ok, stride_ot, stride_oh)
-            else:
-                m_run, l_run, acc_run = _fresh(BLOCK_M, BLOCK_D)
-                for s0 in range(0, pmax + 1, SPLIT):
-                    m, den, acc = _split(
-                        q, k_base, v_base, k_off, v_off, stride_kt, stride_vt, s0, tl.minimum(s0 + SPLIT, pmax + 1),
-                        full, dok, pos, kv_len, c, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_D, PRECISION,
-                    )  # fmt: skip
                     m_run, l_run, acc_run = _merge(m_run, l_run, acc_run, m, den, acc, pos >= s0, c)
                 _store_rows(o_ptr, acc_run, l_run, q_start + tok, hq, d, row_ok, stride_ot, stride_oh)
 
@@ -420,7 +423,7 @@ def attention(
         c, b, nsplit, hq,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
-        BLOCK_N=cfg.block_n, SPLIT_KV=split_kv, HAS_SLOTS=slots is not None, FLAT=cfg.flat,
+        BLOCK_N=cfg.block_n, SPLIT_KV=split_kv, HAS_SLOTS=slots is not None,
         PRECISION=dot_precision(q.dtype),
         num_warps=warps, num_stages=stages, **common,
     )  # fmt: skip
