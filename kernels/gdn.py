@@ -7,33 +7,83 @@ The recurrence (state ``H`` of shape (dk, dv), per head; ``a_t = exp(g_t)``, ``g
 
 is the defining function (:func:`gdn_recurrent`, run in fp64 it is the accuracy reference). It is
 *evaluated* in chunks of C tokens aligned to each sequence's first token. Within a chunk, with
-``G = cumsum(g)``, ``A = tril(b_i (k_i.k_j) e^{G_i-G_j}, -1)`` and ``T = (I + A)^{-1}`` (forward
-substitution ``T_i = e_i - sum_j A_ij T_j``, evaluated as Jacobi sweeps ``T <- I - A T``, each row
-final once the rows above it are)::
+``G = cumsum(g)``, ``A = tril(b_i (k_i.k_j) e^{G_i-G_j}, -1)`` and ``T = (I + A)^{-1}``::
 
     W = T (b e^G k),   U = T (b v),   U' = U - W H_0
     O = (e^G q) H_0 + tril(q k^T e^{G_i-G_j}) U'
     H_C = e^{G_C} H_0 + (e^{G_C - G} k)^T U'
 
-Every row ``i`` of every quantity depends on rows ``<= i`` only (later rows enter as exact zeros),
-so a chunk that holds only the first ``n`` tokens yields the same first ``n`` output rows, bit for
-bit, as the full chunk. That is how decode matches the trainer: the engine keeps the state at the
-last chunk boundary plus the tokens since (at most C-1), recomputes the open chunk with the same
-kernel at each step, and re-synchronises the state when the chunk fills. Everything is fp32 with
-exact fp32 products (no tf32).
+Every sum is one fp32 FMA chain in ascending index, so each element has a single op sequence
+whatever the tiling, the warps or the number of rows computed:
+
+* ``G_i = (...(g_0 + g_1) + ...) + g_i``: the chain of a lower-triangular-ones dot;
+* ``k_i.k_j``, ``q_i.k_j`` over d; ``T_i = e_i - sum_j A_ij T_j`` (forward substitution, evaluated
+  as Jacobi sweeps ``T <- I - A T``: after sweep m rows <= m are final and later sweeps recompute
+  them to the same bits); ``W_i, U_i = sum_j T_ij (...)_j``: fp32 ``ieee`` dots, which Triton
+  lowers to exactly these chains (row-major operands, no tl.trans, so the interpreter's BLAS
+  agrees); the d-sums run as KS-wide dots continuing one accumulator;
+* ``U' = U - (W H_0)``, ``O = (P U' continuing (e^G q) H_0)``, ``H_C = ((e^{G_C-G} k)^T U'
+  continuing e^{G_C} H_0)``: explicit outer-product ``tl.fma`` loops over d or j (the state
+  kernel keeps H in memory, so nothing large stays live and nothing spills);
+* a term with a zero coefficient (``A_ij``, ``T_ij``, ``P_ij`` for later j) is an exact no-op, so
+  later rows, or stale finite values in their place, never touch row ``i``.
+
+Hence a chunk holding its first ``n`` tokens yields the trainer's first ``n`` rows bit for bit, and
+so does computing row ``i`` alone from the final rows above it. Decode does exactly that in
+O(one row): the engine keeps per slot the boundary state, the open chunk's inputs and its final
+``T`` and ``U'`` rows; each step (:func:`gdn_decode_step`: one kernel plus a one-word bump, no host
+sync) appends the token, computes row ``i`` by the same chains (``tl.fma`` loops), caches its ``T``
+and ``U'`` rows, and when the chunk fills writes the re-synchronised state. Everything is fp32
+with exact fp32 products (no tf32).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
-from ._triton import HAVE_TRITON, jit, resolve, tl, triton
+from ._triton import HAVE_TRITON, interpreting, jit, resolve, tl, triton
 
 CHUNK = 64
 
+
+@dataclass(frozen=True)
+class GDNConfig:
+    """Launch parameters. None of them changes a bit (every element is one FMA chain whatever the
+    tiling or the number of warps); they only keep the kernels free of register spills."""
+
+    prep_warps: int = 8
+    prep_ks: int = 32  # d-slice of the q.k / k.k dots (one slice under the interpreter: its dot
+    # adds the accumulator after rounding instead of continuing the chain)
+    prep_nb: int = 32  # column block of W and U
+    state_warps: int = 4
+    state_bv: int = 16  # dv block of the state kernel (one program per sequence, head and block)
+    decode_warps: int = 4
+
+
+CONFIG = GDNConfig()
+
 if HAVE_TRITON:
+
+    @triton.jit
+    def _cumsum_chain(x, C: tl.constexpr):
+        """Inclusive prefix sum in ascending order: the FMA chain of a lower-triangular-ones dot
+        (a scan's tree, and so its bits, would depend on the layout)."""
+        c = tl.arange(0, C)
+        lower = tl.where(c[:, None] >= c[None, :], 1.0, 0.0)
+        cols = x[:, None] + tl.zeros((C, 16), tl.float32)
+        return tl.max(tl.dot(lower, cols, input_precision="ieee"), axis=1)
+
+    @triton.jit
+    def _pick(x, i, c):
+        """``x[i]`` of a vector indexed by ``c``, exactly (one term plus zeros)."""
+        return tl.sum(tl.where(c == i, x, 0.0), axis=0)
+
+    @triton.jit
+    def _decay(g_rows, g_cols, rows, cols):
+        return tl.exp(tl.where(rows[:, None] >= cols[None, :], g_rows[:, None] - g_cols[None, :], 0.0))
 
     @jit()
     def _gdn_prep_kernel(
@@ -46,6 +96,7 @@ if HAVE_TRITON:
         u_ptr,
         p_ptr,
         gc_ptr,
+        t_ptr,
         start_ptr,
         len_ptr,
         coff_ptr,
@@ -60,12 +111,16 @@ if HAVE_TRITON:
         stride_bt,
         DK: tl.constexpr,
         DV: tl.constexpr,
-        BK: tl.constexpr,
-        BDV: tl.constexpr,
         C: tl.constexpr,
+        KS: tl.constexpr,
+        NB: tl.constexpr,
     ):
         """Intra-chunk quantities of one (sequence, chunk, head), all chunks in parallel:
-        G = cumsum(g), T = (I + A)^-1, W = T (b e^G k), U = T (b v), P = tril(q k^T e^{G_i-G_j})."""
+        G = cumsum(g), P (stored transposed), A, T = (I + A)^-1 by Jacobi sweeps ``T <- I - A T``
+        (after sweep m rows <= m are final and stay so; T is stored for the engine's cache),
+        W = T (b e^G k) (stored transposed), U = T (b v). Every element is one ascending FMA chain:
+        the d-sums run in KS-wide dots continuing one accumulator, W and U in NB-wide column
+        blocks; operands are row-major loads (no tl.trans)."""
         ic = tl.program_id(0)
         bh = tl.program_id(1)
         b = bh // H
@@ -76,48 +131,46 @@ if HAVE_TRITON:
             start = tl.load(start_ptr + b)
             ws = ((tl.load(coff_ptr + b) + ic) * H + h).to(tl.int64)
             c = tl.arange(0, C)
-            kk = tl.arange(0, BK)
-            vv = tl.arange(0, BDV)
-            kok = kk < DK
-            vok = vv < DV
             ok = (t0 + c) < n
             row = (start + t0 + c).to(tl.int64)
-            kc = tl.load(
-                k_ptr + row[:, None] * stride_kt + h * stride_kh + kk[None, :],
-                mask=ok[:, None] & kok[None, :],
-                other=0.0,
-            ).to(tl.float32)
+            q_at = q_ptr + row * stride_qt + h * stride_qh
+            k_at = k_ptr + row * stride_kt + h * stride_kh
+            v_at = v_ptr + row * stride_vt + h * stride_vh
             gc = tl.load(g_ptr + row * stride_gt + h, mask=ok, other=0.0).to(tl.float32)
             bc = tl.load(b_ptr + row * stride_bt + h, mask=ok, other=0.0).to(tl.float32)
-            G = tl.cumsum(gc, 0)
-            causal = c[:, None] >= c[None, :]
-            decay = tl.exp(tl.where(causal, G[:, None] - G[None, :], 0.0))
-            kkt = tl.dot(kc, tl.trans(kc), input_precision="ieee")
-            A = tl.where(c[:, None] > c[None, :], (bc[:, None] * kkt) * decay, 0.0)
-            # T = (I + A)^-1 as the fixed point of T <- I - A T (Jacobi sweeps of forward
-            # substitution): after sweep m rows <= m are final and later sweeps recompute them to
-            # the same bits, so n_valid - 1 sweeps give the bits of C - 1 sweeps.
+            G = _cumsum_chain(gc, C)
+            tl.store(gc_ptr + ws * C + c, G)
+            qk = tl.zeros((C, C), tl.float32)
+            kk = tl.zeros((C, C), tl.float32)
+            for d0 in range(0, DK, KS):
+                d = d0 + tl.arange(0, KS)
+                dm = ok[:, None] & (d < DK)[None, :]
+                kt = tl.load(k_at[None, :] + d[:, None], mask=tl.trans(dm), other=0.0).to(tl.float32)
+                q_s = tl.load(q_at[:, None] + d[None, :], mask=dm, other=0.0).to(tl.float32)
+                k_s = tl.load(k_at[:, None] + d[None, :], mask=dm, other=0.0).to(tl.float32)
+                qk = tl.dot(q_s, kt, qk, input_precision="ieee")
+                kk = tl.dot(k_s, kt, kk, input_precision="ieee")
+            decay = _decay(G, G, c, c)
+            P = tl.where(c[:, None] >= c[None, :], qk * decay, 0.0)
+            tl.store(p_ptr + ws * C * C + c[None, :] * C + c[:, None], P)
+            A = tl.where(c[:, None] > c[None, :], (bc[:, None] * kk) * decay, 0.0)
             eye = tl.where(c[:, None] == c[None, :], 1.0, 0.0)
             T = eye
             for _ in range(1, tl.minimum(n - t0, C)):
                 T = eye - tl.dot(A, T, input_precision="ieee")
-            W = tl.dot(T, kc * (bc * tl.exp(G))[:, None], input_precision="ieee")
-            tl.store(w_ptr + ws * C * DK + c[:, None] * DK + kk[None, :], W, mask=kok[None, :])
-            vc = tl.load(
-                v_ptr + row[:, None] * stride_vt + h * stride_vh + vv[None, :],
-                mask=ok[:, None] & vok[None, :],
-                other=0.0,
-            ).to(tl.float32)
-            U = tl.dot(T, vc * bc[:, None], input_precision="ieee")
-            tl.store(u_ptr + ws * C * DV + c[:, None] * DV + vv[None, :], U, mask=vok[None, :])
-            qc = tl.load(
-                q_ptr + row[:, None] * stride_qt + h * stride_qh + kk[None, :],
-                mask=ok[:, None] & kok[None, :],
-                other=0.0,
-            ).to(tl.float32)
-            P = tl.where(causal, tl.dot(qc, tl.trans(kc), input_precision="ieee") * decay, 0.0)
-            tl.store(p_ptr + ws * C * C + c[:, None] * C + c[None, :], P)
-            tl.store(gc_ptr + ws * C + c, G)
+            tl.store(t_ptr + ws * C * C + c[:, None] * C + c[None, :], T)
+            for d0 in range(0, DK, NB):
+                d = d0 + tl.arange(0, NB)
+                dm = ok[:, None] & (d < DK)[None, :]
+                k_s = tl.load(k_at[:, None] + d[None, :], mask=dm, other=0.0).to(tl.float32)
+                W = tl.dot(T, k_s * (bc * tl.exp(G))[:, None], input_precision="ieee")
+                tl.store(w_ptr + ws * C * DK + d[None, :] * C + c[:, None], W, mask=(d < DK)[None, :])
+            for v0 in range(0, DV, NB):
+                vv = v0 + tl.arange(0, NB)
+                vm = ok[:, None] & (vv < DV)[None, :]
+                v_s = tl.load(v_at[:, None] + vv[None, :], mask=vm, other=0.0).to(tl.float32)
+                U = tl.dot(T, v_s * bc[:, None], input_precision="ieee")
+                tl.store(u_ptr + ws * C * DV + c[:, None] * DV + vv[None, :], U, mask=(vv < DV)[None, :])
 
     @jit()
     def _gdn_state_kernel(
@@ -147,8 +200,11 @@ if HAVE_TRITON:
         BV: tl.constexpr,
         C: tl.constexpr,
     ):
-        """The chunk-to-chunk recurrence of one (sequence, head, dv block), in order:
-        U' = U - W H, O = (e^G q) H + P U', H <- e^{G_C} H + (e^{G_C - G} k)^T U' (full chunks)."""
+        """The chunk-to-chunk recurrence of one (sequence, head, dv block), in order, as explicit
+        outer-product FMA chains (ascending d or j; a row of any of them is what decode computes):
+        U' = U - (W H), O = (P U' continuing (e^G q) H), H <- (e^{G_C - G} k)^T U' continuing
+        e^{G_C} H (full chunks). The state lives in ``ht`` (rows are read back after a barrier);
+        U' overwrites U (the engine caches an open chunk's rows)."""
         bh = tl.program_id(0)
         iv = tl.program_id(1)
         b = bh // H
@@ -162,49 +218,193 @@ if HAVE_TRITON:
         vv = iv * BV + tl.arange(0, BV)
         kok = kk < DK
         vok = vv < DV
-        hbase = (slot * H + h).to(tl.int64) * DK * DV
         hmask = kok[:, None] & vok[None, :]
-        state = tl.load(h0_ptr + hbase + kk[:, None] * DV + vv[None, :], mask=hmask, other=0.0)
+        hs = (slot * H + h).to(tl.int64) * DK * DV
+        h_at = ht_ptr + hs + kk[:, None] * DV + vv[None, :]
+        tl.store(
+            h_at, tl.load(h0_ptr + hs + kk[:, None] * DV + vv[None, :], mask=hmask, other=0.0), mask=hmask
+        )
+        tl.debug_barrier()
         for t0 in range(0, n, C):
             ws = ((coff + t0 // C) * H + h).to(tl.int64)
             ok = (t0 + c) < n
             row = (start + t0 + c).to(tl.int64)
-            qc = tl.load(
-                q_ptr + row[:, None] * stride_qt + h * stride_qh + kk[None, :],
-                mask=ok[:, None] & kok[None, :],
-                other=0.0,
-            ).to(tl.float32)
-            kc = tl.load(
-                k_ptr + row[:, None] * stride_kt + h * stride_kh + kk[None, :],
-                mask=ok[:, None] & kok[None, :],
-                other=0.0,
-            ).to(tl.float32)
-            W = tl.load(
-                w_ptr + ws * C * DK + c[:, None] * DK + kk[None, :],
-                mask=ok[:, None] & kok[None, :],
-                other=0.0,
-            )
-            U = tl.load(
-                u_ptr + ws * C * DV + c[:, None] * DV + vv[None, :],
-                mask=ok[:, None] & vok[None, :],
-                other=0.0,
-            )
-            P = tl.load(p_ptr + ws * C * C + c[:, None] * C + c[None, :])
             G = tl.load(gc_ptr + ws * C + c)
-            Up = U - tl.dot(W, state, input_precision="ieee")
-            o = tl.dot(qc * tl.exp(G)[:, None], state, input_precision="ieee") + tl.dot(
-                P, Up, input_precision="ieee"
-            )
+            eg = tl.exp(G)
+            wh = tl.zeros((C, BV), tl.float32)
+            qh = tl.zeros((C, BV), tl.float32)
+            for d in range(DK):
+                s_row = tl.load(ht_ptr + hs + d * DV + vv, mask=vok, other=0.0)
+                w_col = tl.load(w_ptr + ws * C * DK + d * C + c)
+                q_col = tl.load(q_ptr + row * stride_qt + h * stride_qh + d, mask=ok, other=0.0)
+                wh = tl.fma(w_col[:, None], s_row[None, :], wh)
+                qh = tl.fma((q_col.to(tl.float32) * eg)[:, None], s_row[None, :], qh)
+            u_at = u_ptr + ws * C * DV + c[:, None] * DV + vv[None, :]
+            up = tl.load(u_at, mask=ok[:, None] & vok[None, :], other=0.0) - wh
+            tl.store(u_at, up, mask=vok[None, :])
+            tl.debug_barrier()
+            o = qh
+            for j in range(0, tl.minimum(n - t0, C)):  # later rows have P = 0 for the valid rows
+                p_col = tl.load(p_ptr + ws * C * C + j * C + c)
+                up_row = tl.load(u_ptr + ws * C * DV + j * DV + vv, mask=vok, other=0.0)
+                o = tl.fma(p_col[:, None], up_row[None, :], o)
             tl.store(
                 o_ptr + row[:, None] * stride_ot + h * stride_oh + vv[None, :],
                 o,
                 mask=ok[:, None] & vok[None, :],
             )
-            gl = tl.sum(tl.where(c == C - 1, G, 0.0), 0)
-            kd = kc * tl.exp(gl - G)[:, None]
-            new_state = state * tl.exp(gl) + tl.dot(tl.trans(kd), Up, input_precision="ieee")
-            state = tl.where(t0 + C <= n, new_state, state)
-        tl.store(ht_ptr + hbase + kk[:, None] * DV + vv[None, :], state, mask=hmask)
+            if t0 + C <= n:
+                gl = _pick(G, C - 1, c)
+                s = tl.load(h_at, mask=hmask, other=0.0) * tl.exp(gl)
+                for j in range(C):
+                    g_j = tl.load(gc_ptr + ws * C + j)
+                    kd = tl.load(
+                        k_ptr + (start + t0 + j).to(tl.int64) * stride_kt + h * stride_kh + kk,
+                        mask=kok,
+                        other=0.0,
+                    )
+                    up_row = tl.load(u_ptr + ws * C * DV + j * DV + vv, mask=vok, other=0.0)
+                    s = tl.fma((kd.to(tl.float32) * tl.exp(gl - g_j))[:, None], up_row[None, :], s)
+                tl.debug_barrier()
+                tl.store(h_at, s, mask=hmask)
+                tl.debug_barrier()
+
+    @jit()
+    def _gdn_decode_kernel(
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        g_ptr,
+        b_ptr,
+        slot_ptr,
+        len_ptr,
+        qb_ptr,
+        kb_ptr,
+        vb_ptr,
+        gb_ptr,
+        bb_ptr,
+        h_ptr,
+        t_ptr,
+        up_ptr,
+        scr_ptr,
+        o_ptr,
+        H,
+        stride_qb,
+        stride_qh,
+        stride_kb,
+        stride_kh,
+        stride_vb,
+        stride_vh,
+        stride_gb,
+        stride_bb,
+        DK: tl.constexpr,
+        DV: tl.constexpr,
+        BK: tl.constexpr,
+        BDV: tl.constexpr,
+        FV: tl.constexpr,
+        C: tl.constexpr,
+    ):
+        """One new token of one (sequence, head): row i = buf_len of the open chunk, computed from
+        its inputs and the cached final T / U' rows above it by the same FMA chains the chunk
+        kernels perform for that row (O(one row)). Caches row i's T and U' and the token; at the
+        chunk's last row writes the state. ``scr`` holds this row's A, P, G and W for the scalar
+        reads of the chains (after a barrier). buf_len is bumped by a second launch."""
+        bh = tl.program_id(0)
+        bi = bh // H
+        h = bh % H
+        slot = tl.load(slot_ptr + bi).to(tl.int64)
+        i = tl.load(len_ptr + slot)
+        sh = slot * H + h
+        c = tl.arange(0, C)
+        kk = tl.arange(0, BK)
+        vv = tl.arange(0, BDV)
+        kok = kk < DK
+        vok = vv < DV
+        # Append the token first (the store rounds it to the buffers' dtype, as the trainer's inputs
+        # are); every read below then comes from the buffers. Rows after i would enter the chains
+        # only with exact-zero coefficients (A, P, T are causal), so the loops stop at row i and
+        # stale cache rows (another request's, say) never reach this row.
+        crow = (slot * C + c) * H + h
+        irow = (slot * C + i) * H + h
+        qi, ki, vi = qb_ptr + irow * DK, kb_ptr + irow * DK, vb_ptr + irow * DV
+        tl.store(qi + kk, tl.load(q_ptr + bi * stride_qb + h * stride_qh + kk, mask=kok), mask=kok)
+        tl.store(ki + kk, tl.load(k_ptr + bi * stride_kb + h * stride_kh + kk, mask=kok), mask=kok)
+        tl.store(vi + vv, tl.load(v_ptr + bi * stride_vb + h * stride_vh + vv, mask=vok), mask=vok)
+        tl.store(gb_ptr + irow, tl.load(g_ptr + bi * stride_gb + h))
+        tl.store(bb_ptr + irow, tl.load(b_ptr + bi * stride_bb + h))
+        tl.debug_barrier()
+        G = _cumsum_chain(tl.load(gb_ptr + crow, mask=c <= i, other=0.0).to(tl.float32), C)
+        g_i = _pick(G, i, c)
+        b_i = tl.load(bb_ptr + irow).to(tl.float32)
+        # kk_ij = k_i.k_j and qk_ij = q_i.k_j, chains over d.
+        kk_i = tl.zeros((C,), tl.float32)
+        qk_i = tl.zeros((C,), tl.float32)
+        for d in range(DK):
+            k_col = tl.load(kb_ptr + crow * DK + d, mask=c <= i, other=0.0).to(tl.float32)
+            kk_i = tl.fma(tl.load(ki + d).to(tl.float32), k_col, kk_i)
+            qk_i = tl.fma(tl.load(qi + d).to(tl.float32), k_col, qk_i)
+        decay = tl.exp(tl.where(i >= c, g_i - G, 0.0))
+        scr = scr_ptr + bh.to(tl.int64) * (3 * C + BK)
+        tl.store(scr + c, tl.where(i > c, (b_i * kk_i) * decay, 0.0))  # A_i
+        tl.store(scr + C + c, tl.where(i >= c, qk_i * decay, 0.0))  # P_i
+        tl.store(scr + 2 * C + c, G)
+        tl.debug_barrier()
+        # T_i = e_i - sum_j A_ij T_j over the cached final rows.
+        t_base = t_ptr + sh * C * C
+        acc = tl.zeros((C,), tl.float32)
+        for j in range(0, i):
+            acc = tl.fma(tl.load(scr + j), tl.load(t_base + j * C + c), acc)
+        tl.store(t_base + i * C + c, tl.where(c == i, 1.0, 0.0) - acc)
+        tl.debug_barrier()
+        # W_i = sum_j T_ij (b_j e^{G_j} k_j), U_i = sum_j T_ij (b_j v_j).
+        w_i = tl.zeros((BK,), tl.float32)
+        u_i = tl.zeros((BDV,), tl.float32)
+        for j in range(0, i + 1):
+            jrow = (slot * C + j) * H + h
+            t_ij = tl.load(t_base + i * C + j)
+            b_j = tl.load(bb_ptr + jrow).to(tl.float32)
+            k_j = tl.load(kb_ptr + jrow * DK + kk, mask=kok, other=0.0).to(tl.float32)
+            v_j = tl.load(vb_ptr + jrow * DV + vv, mask=vok, other=0.0).to(tl.float32)
+            w_i = tl.fma(t_ij, k_j * (b_j * tl.exp(tl.load(scr + 2 * C + j))), w_i)
+            u_i = tl.fma(t_ij, v_j * b_j, u_i)
+        tl.store(scr + 3 * C + kk, w_i)
+        tl.debug_barrier()
+        # U'_i = U_i - W_i H and (e^{G_i} q_i) H, chains over d.
+        h_base = h_ptr + sh * DK * DV
+        wh = tl.zeros((BDV,), tl.float32)
+        qh = tl.zeros((BDV,), tl.float32)
+        eg_i = tl.exp(g_i)
+        for d in range(DK):
+            s_row = tl.load(h_base + d * DV + vv, mask=vok, other=0.0)
+            wh = tl.fma(tl.load(scr + 3 * C + d), s_row, wh)
+            qh = tl.fma(tl.load(qi + d).to(tl.float32) * eg_i, s_row, qh)
+        up_base = up_ptr + sh * C * DV
+        tl.store(up_base + i * DV + vv, u_i - wh, mask=vok)
+        tl.debug_barrier()
+        # o_i = sum_j P_ij U'_j continuing (e^{G_i} q_i) H.
+        o = qh
+        for j in range(0, i + 1):
+            o = tl.fma(tl.load(scr + C + j), tl.load(up_base + j * DV + vv, mask=vok, other=0.0), o)
+        tl.store(o_ptr + bh.to(tl.int64) * DV + vv, o, mask=vok)
+        if i == C - 1:  # the chunk is full: H <- e^{G_C} H + (e^{G_C - G} k)^T U'
+            for f in range(BDV // FV):
+                fv = f * FV + tl.arange(0, FV)
+                fmask = kok[:, None] & (fv < DV)[None, :]
+                s = tl.load(h_base + kk[:, None] * DV + fv[None, :], mask=fmask, other=0.0) * tl.exp(g_i)
+                for j in range(C):
+                    jrow = (slot * C + j) * H + h
+                    k_j = tl.load(kb_ptr + jrow * DK + kk, mask=kok, other=0.0).to(tl.float32)
+                    kd = k_j * tl.exp(g_i - tl.load(scr + 2 * C + j))
+                    up_row = tl.load(up_base + j * DV + fv, mask=fv < DV, other=0.0)
+                    s = tl.fma(kd[:, None], up_row[None, :], s)
+                tl.store(h_base + kk[:, None] * DV + fv[None, :], s, mask=fmask)
+
+    @jit()
+    def _gdn_bump_kernel(slot_ptr, len_ptr, C: tl.constexpr):
+        """buf_len[slot] += 1, wrapping to 0 when the chunk is full (after every decode program read it)."""
+        slot = tl.load(slot_ptr + tl.program_id(0))
+        n = tl.load(len_ptr + slot) + 1
+        tl.store(len_ptr + slot, tl.where(n == C, 0, n))
 
 
 def _chunkify(x: torch.Tensor, starts: list[int], lens: list[int], nc: int, c: int) -> torch.Tensor:
@@ -242,8 +442,8 @@ def gdn_chunk_reference(
     solve: str = "substitution",
     state_at: str = "boundary",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The chunk form in torch (differentiable). ``solve="substitution"`` is the kernel's
-    arithmetic (forward substitution as Jacobi sweeps); ``"triangular"`` (a library triangular solve) and
+    """The chunk form in torch (differentiable). ``solve="substitution"`` is the kernels' algorithm
+    (forward substitution as Jacobi sweeps; torch's summation order, not their bits); ``"triangular"`` (a library triangular solve) and
     ``state_at="end"`` (the state after the last, possibly partial, chunk) make it the native
     chunk-form baseline. Returns (o (T, H, dv) fp32, state (B, H, dk, dv) fp32)."""
     starts, lens = _seqs(cu_seqlens)
@@ -319,52 +519,48 @@ def gdn_recurrent(
 
 
 def _launch(
-    q,
-    k,
-    v,
-    g,
-    beta,
-    starts,
-    lens,
-    state_slots,
-    h_in,
-    h_out,
-    chunk,
-    chunk_off: torch.Tensor | None = None,
-    max_chunks: int | None = None,
-) -> torch.Tensor:
-    """Run the two kernels over sequences given by token ``starts``/``lens`` (device int32),
-    reading the state of sequence b from ``h_in[state_slots[b]]`` and writing
-    ``h_out[state_slots[b]]`` (the same tensor is allowed: each program reads its block before it
-    writes it). ``chunk_off``/``max_chunks`` (the workspace index of each sequence's first chunk)
-    are computed here unless given, which costs one host sync."""
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    starts: list[int],
+    lens: list[int],
+    slots: torch.Tensor,
+    h_in: torch.Tensor,
+    h_out: torch.Tensor,
+    chunk: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+    """Run the two chunk kernels over the sequences ``starts``/``lens``, reading the state of
+    sequence b from ``h_in[slots[b]]`` and writing ``h_out[slots[b]]`` (the same tensor is allowed:
+    each program reads its block before it writes it). Returns (o, the T workspace, the U/U'
+    workspace, each sequence's first chunk index in them)."""
     t, hh, dk = q.shape
     dv = v.shape[2]
     o = torch.empty(t, hh, dv, dtype=torch.float32, device=q.device)
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     g, beta = g.contiguous(), beta.contiguous()
     assert h_in.is_contiguous() and h_out.is_contiguous() and h_in.dtype == torch.float32
-    nb = starts.numel()
+    assert chunk >= 16 and chunk & (chunk - 1) == 0, "chunk must be a power of two >= 16"
+    n_ch = [-(-n // chunk) for n in lens]
+    offs = [0, *accumulate(n_ch)][:-1]
+    total = max(sum(n_ch), 1)
+    ws_w = torch.empty(total, hh, chunk, dk, dtype=torch.float32, device=q.device)
+    ws_u = torch.empty(total, hh, chunk, dv, dtype=torch.float32, device=q.device)
+    ws_p = torch.empty(total, hh, chunk, chunk, dtype=torch.float32, device=q.device)
+    ws_t = torch.empty(total, hh, chunk, chunk, dtype=torch.float32, device=q.device)
+    ws_g = torch.empty(total, hh, chunk, dtype=torch.float32, device=q.device)
+    nb = len(lens)
     if not nb:
-        return o
-    if chunk_off is None:
-        n_ch = [-(-int(n) // chunk) for n in lens.tolist()]
-        max_chunks = max(n_ch + [1])
-        offs = [0]
-        for x in n_ch[:-1]:
-            offs.append(offs[-1] + x)
-        chunk_off = torch.tensor(offs, device=q.device, dtype=torch.int32)
-        total = sum(n_ch)
-    else:
-        total = nb * (max_chunks or 1)
+        return o, ws_t, ws_u, offs
+    dev_i32 = dict(device=q.device, dtype=torch.int32)
+    starts_t, lens_t = torch.tensor(starts, **dev_i32), torch.tensor(lens, **dev_i32)
+    coff = torch.tensor(offs, **dev_i32)
     bk = max(16, triton.next_power_of_2(dk))
     bdv = max(16, triton.next_power_of_2(dv))
-    bv = min(64, bdv)
-    ws_w = torch.empty(max(total, 1), hh, chunk, dk, dtype=torch.float32, device=q.device)
-    ws_u = torch.empty(max(total, 1), hh, chunk, dv, dtype=torch.float32, device=q.device)
-    ws_p = torch.empty(max(total, 1), hh, chunk, chunk, dtype=torch.float32, device=q.device)
-    ws_g = torch.empty(max(total, 1), hh, chunk, dtype=torch.float32, device=q.device)
-    _gdn_prep_kernel[(max_chunks or 1, nb * hh)](
+    bv = min(CONFIG.state_bv, bdv)
+    cfg = CONFIG
+    _gdn_prep_kernel[(max(n_ch + [1]), nb * hh)](
         q,
         k,
         v,
@@ -374,9 +570,10 @@ def _launch(
         ws_u,
         ws_p,
         ws_g,
-        starts,
-        lens,
-        chunk_off,
+        ws_t,
+        starts_t,
+        lens_t,
+        coff,
         hh,
         q.stride(0),
         q.stride(1),
@@ -388,10 +585,11 @@ def _launch(
         beta.stride(0),
         DK=dk,
         DV=dv,
-        BK=bk,
-        BDV=bdv,
         C=chunk,
-        num_warps=8,
+        KS=bk if interpreting() else min(bk, cfg.prep_ks),
+        NB=min(max(bk, bdv), cfg.prep_nb),
+        num_warps=cfg.prep_warps,
+        enable_fp_fusion=True,  # the dots' multiply-adds must lower to fma, as tl.fma does
         num_stages=1,
     )
     _gdn_state_kernel[(nb * hh, triton.cdiv(dv, bv))](
@@ -404,10 +602,10 @@ def _launch(
         h_in,
         o,
         h_out,
-        starts,
-        lens,
-        state_slots,
-        chunk_off,
+        starts_t,
+        lens_t,
+        slots,
+        coff,
         hh,
         q.stride(0),
         q.stride(1),
@@ -420,10 +618,10 @@ def _launch(
         BK=bk,
         BV=bv,
         C=chunk,
-        num_warps=8,
+        num_warps=cfg.state_warps,
         num_stages=1,
     )
-    return o
+    return o, ws_t, ws_u, offs
 
 
 def gdn_recurrent_step(
@@ -454,15 +652,14 @@ def gdn_chunk(
     if resolve(impl, q) == "torch":
         return gdn_chunk_reference(q, k, v, g, beta, cu_seqlens, h0, chunk)
     hh, dk, dv = q.shape[1], q.shape[2], v.shape[2]
-    cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
-    nb = cu.numel() - 1
-    starts, lens = cu[:-1].contiguous(), (cu[1:] - cu[:-1]).contiguous()
+    starts, lens = _seqs(cu_seqlens)
+    nb = len(lens)
     if h0 is None:
         h0 = torch.zeros(nb, hh, dk, dv, dtype=torch.float32, device=q.device)
     h0 = h0.float().contiguous()
     ht = torch.empty_like(h0)
     slots = torch.arange(nb, device=q.device, dtype=torch.int32)
-    return _launch(q, k, v, g, beta, starts, lens, slots, h0, ht, chunk), ht
+    return _launch(q, k, v, g, beta, starts, lens, slots, h0, ht, chunk)[0], ht
 
 
 class _GDN(torch.autograd.Function):
@@ -502,12 +699,15 @@ def gdn_chunk_autograd(
 
 @dataclass
 class GDNCache:
-    """Per-slot decode state. Invariant mode keeps the state at the last chunk boundary plus the
-    open chunk's inputs (``buf``, ``buf_len`` tokens); native mode keeps the running state only."""
+    """Per-slot decode state. Invariant mode keeps the state at the last chunk boundary, the open
+    chunk's inputs (``buf``, ``buf_len`` tokens) and that chunk's final rows of T and U' (so a decode
+    step computes one new row); native mode keeps the running state only."""
 
     h: torch.Tensor  # (S, H, dk, dv) fp32
     buf: list[torch.Tensor]  # q, k (S, C, H, dk); v (S, C, H, dv); g, beta (S, C, H)
     buf_len: torch.Tensor  # (S,) int32, on the device
+    t: torch.Tensor  # (S, H, C, C) fp32: rows < buf_len of the open chunk's T
+    up: torch.Tensor  # (S, H, C, dv) fp32: rows < buf_len of the open chunk's U' = U - W H
 
     @classmethod
     def empty(
@@ -523,17 +723,20 @@ class GDNCache:
         def z(*shape: int, dt: torch.dtype = dtype) -> torch.Tensor:
             return torch.zeros(*shape, dtype=dt, device=device)
 
+        f32 = torch.float32
         buf = [
             z(slots, chunk, heads, dk),
             z(slots, chunk, heads, dk),
             z(slots, chunk, heads, dv),
-            z(slots, chunk, heads, dt=torch.float32),
-            z(slots, chunk, heads, dt=torch.float32),
+            z(slots, chunk, heads, dt=f32),
+            z(slots, chunk, heads, dt=f32),
         ]
         return cls(
-            h=z(slots, heads, dk, dv, dt=torch.float32),
+            h=z(slots, heads, dk, dv, dt=f32),
             buf=buf,
             buf_len=torch.zeros(slots, dtype=torch.int32, device=device),
+            t=z(slots, heads, chunk, chunk, dt=f32),
+            up=z(slots, heads, chunk, dv, dt=f32),
         )
 
 
@@ -547,29 +750,52 @@ def gdn_decode_step(
     cache: GDNCache,
     chunk: int = CHUNK,
 ) -> torch.Tensor:
-    """One new token for each of B sequences (q (B, H, dk) ...), invariant mode, no host sync:
-    append to each open chunk, re-run the chunk kernel on it from the boundary state, and when a
-    chunk fills the kernel has already written the re-synchronised state."""
-    slots = slots.to(torch.long)
-    n0 = cache.buf_len[slots].long()
-    for buf, x in zip(cache.buf, (q, k, v, g, beta), strict=True):
-        buf[slots, n0] = x.to(buf.dtype)
-    flat = [b.view(b.shape[0] * chunk, *b.shape[2:]) for b in cache.buf]
-    starts = (slots * chunk).to(torch.int32)
-    lens = (n0 + 1).to(torch.int32)
-    o = _launch(
-        *flat,
-        starts,
-        lens,
-        slots.to(torch.int32),
+    """One new token for each of B sequences (q (B, H, dk) ...; ``slots`` (B,) int on the device),
+    invariant mode, no host sync: two launches (the row kernel, then the buf_len bump).
+    Returns o (B, H, dv) fp32."""
+    nb, hh, dk = q.shape
+    dv = v.shape[2]
+    o = torch.empty(nb, hh, dv, dtype=torch.float32, device=q.device)
+    if not nb:
+        return o
+    assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and g.stride(-1) == beta.stride(-1) == 1
+    bk = max(16, triton.next_power_of_2(dk))
+    bdv = max(16, triton.next_power_of_2(dv))
+    scratch = torch.empty(nb * hh, 3 * chunk + bk, dtype=torch.float32, device=q.device)
+    _gdn_decode_kernel[(nb * hh,)](
+        q,
+        k,
+        v,
+        g,
+        beta,
+        slots,
+        cache.buf_len,
+        *cache.buf,
         cache.h,
-        cache.h,
-        chunk,
-        chunk_off=torch.arange(slots.numel(), device=q.device, dtype=torch.int32),
-        max_chunks=1,
+        cache.t,
+        cache.up,
+        scratch,
+        o,
+        hh,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        g.stride(0),
+        beta.stride(0),
+        DK=dk,
+        DV=dv,
+        BK=bk,
+        BDV=bdv,
+        FV=min(64, bdv),
+        C=chunk,
+        num_warps=CONFIG.decode_warps,
+        num_stages=1,
     )
-    cache.buf_len[slots] = torch.where(lens == chunk, 0, lens).to(torch.int32)
-    return o[slots * chunk + n0]
+    _gdn_bump_kernel[(nb,)](slots, cache.buf_len, C=chunk)
+    return o
 
 
 def gdn_incremental(
@@ -586,8 +812,10 @@ def gdn_incremental(
     impl: str | None = None,
 ) -> torch.Tensor:
     """The engine's path: new tokens of several sequences (packed) continue their cached state.
-    Invariant mode re-runs each open chunk with the kernel (same bits as the trainer); native
-    mode is the usual one: chunk form for a prefill, the recurrence for single tokens."""
+    Invariant mode: single tokens take :func:`gdn_decode_step`; otherwise each open chunk is re-run
+    with the new tokens by the chunk kernels (same bits as the trainer) and its final T / U' rows
+    are cached. Native mode is the usual one: chunk form for a prefill, the recurrence for single
+    tokens."""
     starts, lens = _seqs(cu_seqlens)
     new = (q, k, v, g, beta)
     sl = torch.tensor(slots, device=q.device)
@@ -602,7 +830,8 @@ def gdn_incremental(
             )
         cache.h[sl] = h
         return o
-    if decode and resolve(impl, q) == "triton":
+    kernel = resolve(impl, q) == "triton"
+    if decode and kernel:
         return gdn_decode_step(q, k, v, g, beta, sl, cache, chunk)
     n0s = cache.buf_len.tolist()
     parts: list[list[torch.Tensor]] = [[] for _ in new]
@@ -613,17 +842,27 @@ def gdn_incremental(
             parts[j].append(torch.cat([cache.buf[j][slot, :n0], x[s : s + n].to(cache.buf[j].dtype)]))
         cu2.append(cu2[-1] + n0 + n)
     packed = [torch.cat(p) for p in parts]
-    cu_t = torch.tensor(cu2, device=q.device, dtype=torch.int32)
-    o_all, h = gdn_chunk(*packed, cu_t, cache.h[sl], chunk, impl)
-    cache.h[sl] = h
+    if kernel:
+        h_all = cache.h  # the kernels read and write the slots' states in place
+        lens2 = [b - a for a, b in zip(cu2[:-1], cu2[1:], strict=True)]
+        sl32 = sl.to(torch.int32)
+        o_all, ws_t, ws_up, offs = _launch(*packed, cu2[:-1], lens2, sl32, h_all, h_all, chunk)
+    else:
+        cu_t = torch.tensor(cu2, device=q.device, dtype=torch.int32)
+        o_all, h = gdn_chunk(*packed, cu_t, cache.h[sl], chunk, impl)
+        cache.h[sl] = h
     outs = []
     for i, (n, slot) in enumerate(zip(lens, slots, strict=True)):
         n0 = n0s[slot]
         total = n0 + n
         outs.append(o_all[cu2[i] + n0 : cu2[i + 1]])
         rem = total % chunk
-        for j in range(len(new)):
-            if rem:
+        if rem:
+            for j in range(len(new)):
                 cache.buf[j][slot, :rem] = packed[j][cu2[i + 1] - rem : cu2[i + 1]]
+            if kernel:
+                last = offs[i] + total // chunk
+                cache.t[slot, :, :rem] = ws_t[last, :, :rem]
+                cache.up[slot, :, :rem] = ws_up[last, :, :rem]
         cache.buf_len[slot] = rem
     return torch.cat(outs)

@@ -1,6 +1,6 @@
 """CPR Gated DeltaNet: trainer (whole sequence) and decode (token by token) give the same bits for
-prefill/decode split points {0, 1, 63, 64, 65, 130}, packed and unpacked; the backward matches
-an fp64 recurrence within a stated tolerance."""
+prefill/decode split points {0, 1, 63, 64, 65, 130}, packed and unpacked, whatever the launch
+parameters; the backward matches an fp64 recurrence within a stated tolerance."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.gdn import GDNCache, gdn_chunk, gdn_chunk_autograd, gdn_incremental, gdn_recurrent
+from kernels import gdn as gdn_mod
+from kernels.gdn import GDNCache, GDNConfig, gdn_chunk, gdn_chunk_autograd, gdn_incremental, gdn_recurrent
 
 from .conftest import bits_equal, gpu, needs_triton
 
@@ -112,3 +113,16 @@ def test_backward_vs_fp64(dev: str, t: int) -> None:
 @gpu
 def test_splits_gpu() -> None:
     _check_splits("cuda", torch.bfloat16, h=4, dk=128, dv=128, chunk=64, splits=SPLITS, lens=[140, 67])
+
+
+@gpu
+def test_launch_config_changes_no_bit_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Other warps, dot slices, column blocks and dv blocks: the same trainer and decode bits."""
+    lens = [140, 67]
+    x = _inputs(sum(lens), 4, 128, 128, "cuda", torch.bfloat16)
+    cu = torch.tensor([0, lens[0], sum(lens)], dtype=torch.int32, device="cuda")
+    base, _ = gdn_chunk(*x, cu, impl="triton")
+    other = GDNConfig(prep_warps=4, prep_ks=16, prep_nb=64, state_warps=8, state_bv=32, decode_warps=8)
+    monkeypatch.setattr(gdn_mod, "CONFIG", other)
+    assert bits_equal(gdn_chunk(*x, cu, impl="triton")[0], base)
+    assert bits_equal(_decode(x, lens, 65, "cuda", True, 64), base)
