@@ -425,6 +425,15 @@ def _unchunkify(y: torch.Tensor, starts: list[int], lens: list[int], total: int)
     )
 
 
+def _device_ints(values: list[int], device: torch.device, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    """A small host list on ``device`` without a stream sync (a pageable copy would wait for every
+    kernel queued before it; a pinned one is queued behind them)."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def _seqs(cu_seqlens: torch.Tensor) -> tuple[list[int], list[int]]:
     cu = [int(x) for x in cu_seqlens.tolist()]
     return cu[:-1], [cu[i + 1] - cu[i] for i in range(len(cu) - 1)]
@@ -441,12 +450,13 @@ def gdn_chunk_reference(
     chunk: int = CHUNK,
     solve: str = "substitution",
     state_at: str = "boundary",
+    seqs: tuple[list[int], list[int]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The chunk form in torch (differentiable). ``solve="substitution"`` is the kernels' algorithm
     (forward substitution as Jacobi sweeps; torch's summation order, not their bits); ``"triangular"`` (a library triangular solve) and
     ``state_at="end"`` (the state after the last, possibly partial, chunk) make it the native
     chunk-form baseline. Returns (o (T, H, dv) fp32, state (B, H, dk, dv) fp32)."""
-    starts, lens = _seqs(cu_seqlens)
+    starts, lens = seqs or _seqs(cu_seqlens)
     nb, hh, dk, dv = len(starts), q.shape[1], q.shape[2], v.shape[2]
     nc = max([-(-n // chunk) for n in lens] + [1])
     qc, kc, vc = (_chunkify(t.float(), starts, lens, nc, chunk) for t in (q, k, v))
@@ -473,7 +483,7 @@ def gdn_chunk_reference(
     gl = G[..., -1]
     kd = kc * torch.exp(gl[..., None] - G)[..., None]
     h = h0.float() if h0 is not None else q.new_zeros(nb, hh, dk, dv, dtype=torch.float32)
-    lens_t = torch.tensor(lens, device=q.device)
+    lens_t = _device_ints(lens, q.device, torch.int64)
     outs = []
     for ci in range(nc):
         up = U[:, ci] - W[:, ci] @ h
@@ -553,9 +563,7 @@ def _launch(
     nb = len(lens)
     if not nb:
         return o, ws_t, ws_u, offs
-    dev_i32 = dict(device=q.device, dtype=torch.int32)
-    starts_t, lens_t = torch.tensor(starts, **dev_i32), torch.tensor(lens, **dev_i32)
-    coff = torch.tensor(offs, **dev_i32)
+    starts_t, lens_t, coff = (_device_ints(x, q.device) for x in (starts, lens, offs))
     bk = max(16, triton.next_power_of_2(dk))
     bdv = max(16, triton.next_power_of_2(dv))
     bv = min(CONFIG.state_bv, bdv)
@@ -646,13 +654,15 @@ def gdn_chunk(
     h0: torch.Tensor | None = None,
     chunk: int = CHUNK,
     impl: str | None = None,
+    seqs: tuple[list[int], list[int]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The invariant chunk form over packed sequences (q, k (T, H, dk); v (T, H, dv); g, beta (T, H)).
-    Returns (o (T, H, dv) fp32, the state at each sequence's last chunk boundary (B, H, dk, dv))."""
+    Returns (o (T, H, dv) fp32, the state at each sequence's last chunk boundary (B, H, dk, dv)).
+    ``seqs`` (starts, lengths as lists), when the caller has them, saves reading ``cu_seqlens`` back."""
     if resolve(impl, q) == "torch":
-        return gdn_chunk_reference(q, k, v, g, beta, cu_seqlens, h0, chunk)
+        return gdn_chunk_reference(q, k, v, g, beta, cu_seqlens, h0, chunk, seqs=seqs)
     hh, dk, dv = q.shape[1], q.shape[2], v.shape[2]
-    starts, lens = _seqs(cu_seqlens)
+    starts, lens = seqs or _seqs(cu_seqlens)
     nb = len(lens)
     if h0 is None:
         h0 = torch.zeros(nb, hh, dk, dv, dtype=torch.float32, device=q.device)
@@ -669,8 +679,10 @@ class _GDN(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, cu_seqlens, chunk):  # type: ignore[override]
         ctx.save_for_backward(q, k, v, g, beta, cu_seqlens)
-        ctx.chunk = chunk
-        return gdn_chunk(q, k, v, g, beta, cu_seqlens, None, chunk)[0]
+        # Read the sequence bounds back once: a second read in backward would be a host sync
+        # that stalls the backward's launches behind this forward's kernels.
+        ctx.chunk, ctx.seqs = chunk, _seqs(cu_seqlens)
+        return gdn_chunk(q, k, v, g, beta, cu_seqlens, None, chunk, seqs=ctx.seqs)[0]
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
@@ -679,7 +691,7 @@ class _GDN(torch.autograd.Function):
             ins = [t.detach().requires_grad_(True) for t in (q, k, v, g, beta)]
             # The gradient is not part of the bitwise contract: differentiate the same chunk form
             # with a library triangular solve (fast); accuracy is checked against fp64.
-            o, _ = gdn_chunk_reference(*ins, cu, None, ctx.chunk, solve="triangular")
+            o, _ = gdn_chunk_reference(*ins, cu, None, ctx.chunk, solve="triangular", seqs=ctx.seqs)
             grads = torch.autograd.grad(o, ins, grad.float())
         return (*(gr.to(t.dtype) for gr, t in zip(grads, (q, k, v, g, beta), strict=True)), None, None)
 
