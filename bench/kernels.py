@@ -1,10 +1,15 @@
 # ruff: noqa: B023  (benchmarked closures run inside their loop iteration)
 """Benchmark of the invariant kernels against the native baseline measured in the same run.
 
-    python bench/kernels.py [--quick] [--json out.json]
+    python bench/kernels.py [--only gemm,attention] [--timing eager,graph] [--json out.json]
 
 Each line: case, shape, native ms, invariant ms, ratio (invariant / native). Needs CUDA.
-Medians of CUDA-event timings (triton.testing.do_bench), inputs random, bf16 unless noted.
+Inputs random, bf16 unless noted. Two timings, each applied to both sides alike:
+  * eager: medians of CUDA-event timings of Python calls (triton.testing.do_bench); includes
+    launch cost whenever the host is slower than the kernel (small shapes, slow hosts);
+  * graph: the same calls replayed from a CUDA graph (triton.testing.do_bench_cudagraph): device
+    time only, as a rollout engine that captures its decode step sees it. Calls that cannot be
+    captured (they sync with the host) print n/a.
 """
 
 from __future__ import annotations
@@ -25,21 +30,43 @@ from kernels.gemm import gemm  # noqa: E402
 from kernels.rmsnorm import rms_norm  # noqa: E402
 
 ROWS: list[dict] = []
+TIMING = "eager"  # set by main() for each pass
 
 
 def bench(fn, reps_ms: int = 200) -> float:
+    """Median ms of ``fn`` under the current timing mode (NaN where a graph cannot capture it)."""
     import triton
 
-    return float(triton.testing.do_bench(fn, warmup=50, rep=reps_ms, return_mode="median"))
+    if TIMING == "eager":
+        return float(triton.testing.do_bench(fn, warmup=50, rep=reps_ms, return_mode="median"))
+    try:
+        fn()  # compile and allocate outside the capture
+        torch.cuda.synchronize()
+        return float(triton.testing.do_bench_cudagraph(fn, rep=min(reps_ms, 100), return_mode="median"))
+    except Exception:  # noqa: BLE001 - a host sync inside fn: not capturable
+        torch.cuda.synchronize()
+        return float("nan")
 
 
 def record(case: str, shape: str, native_ms: float, ours_ms: float, target: float | None = None) -> None:
     ratio = ours_ms / native_ms
-    row = dict(case=case, shape=shape, native_ms=native_ms, invariant_ms=ours_ms, ratio=ratio, target=target)
+    row = dict(
+        timing=TIMING,
+        case=case,
+        shape=shape,
+        native_ms=native_ms,
+        invariant_ms=ours_ms,
+        ratio=ratio,
+        target=target,
+    )
     ROWS.append(row)
+    if ratio != ratio:  # NaN: not capturable
+        print(f"[{TIMING}] {case:<28} {shape:<34} n/a (needs a host sync)", flush=True)
+        return
     tgt = f"  (target <= {target:.2f}x: {'met' if ratio <= target else 'MISSED'})" if target else ""
     print(
-        f"{case:<28} {shape:<34} native {native_ms:9.4f} ms   invariant {ours_ms:9.4f} ms   {ratio:5.2f}x{tgt}",
+        f"[{TIMING}] {case:<28} {shape:<34} native {native_ms:9.4f} ms   invariant {ours_ms:9.4f} ms   "
+        f"{ratio:5.2f}x{tgt}",
         flush=True,
     )
 
@@ -69,14 +96,14 @@ def bench_tune() -> None:
         a = torch.randn(m, k, device="cuda").bfloat16()
         base = bench(lambda: torch.mm(a, w.T))
         for c in [
-            (128, 256, 64, 8, 3),
-            (128, 256, 64, 8, 4),
-            (128, 128, 64, 4, 4),
-            (128, 128, 64, 8, 4),
-            (256, 128, 64, 8, 3),
-            (128, 256, 32, 8, 4),
-            (128, 128, 128, 8, 3),
-            (64, 256, 64, 4, 4),
+            (256, 128, 64, 8, 3),  # pointer loads, one program per tile
+            (128, 256, 64, 8, 3, True),  # TMA + persistent (Hopper)
+            (128, 256, 64, 8, 4, True, True),
+            (128, 256, 64, 8, 3, True, False, True),  # + warp specialisation
+            (128, 256, 64, 8, 3, True, True),
+            (128, 128, 64, 8, 4, True),
+            (256, 128, 64, 8, 3, True),
+            (64, 256, 64, 4, 4, True),
         ]:
             cfg = GemmConfig(*c)
             try:
@@ -100,22 +127,23 @@ def bench_tune() -> None:
         torch.full((bd,), 4095, **i32),
         torch.full((bd,), 4096, **i32),
     )
+    from kernels.attention import AttnConfig
+
+    # (block_m, block_n, warps, stages, split, dec_block_m, dec_warps, dec_stages): split and
+    # block_n define the arithmetic; the rest is launch shape (bits across shapes: tests/kernels).
     for c in [
-        (64, 64, 4, 2),
-        (64, 64, 4, 3),
-        (64, 128, 4, 3),
-        (128, 64, 8, 3),
-        (128, 128, 8, 3),
-        (64, 128, 8, 3),
-        (128, 64, 4, 3),
-        (64, 64, 8, 3),
+        AttnConfig(128, 128, 8, 2, 512, 64, 4, 2),
+        AttnConfig(128, 128, 8, 2, 1024, 64, 4, 2),
+        AttnConfig(128, 128, 8, 2, 2048, 64, 4, 3),
+        AttnConfig(128, 64, 8, 3, 512, 64, 4, 3),
+        AttnConfig(128, 64, 8, 3, 1024, 16, 1, 3),
     ]:
         try:
             tp = bench(lambda: attention(q, kk, vv, cu, p0, kl, config=c))
             td = bench(lambda: attention(qd, kd, vd, cud, p0d, kld, config=c))
-            print(f"tune attention {c}: prefill {tp:.4f} ms decode {td:.4f} ms", flush=True)
+            print(f"tune attention {tuple(c)}: prefill {tp:.4f} ms decode {td:.4f} ms", flush=True)
         except Exception as e:  # noqa: BLE001
-            print(f"tune attention {c}: failed {type(e).__name__}", flush=True)
+            print(f"tune attention {tuple(c)}: failed {type(e).__name__}", flush=True)
 
 
 def bench_rmsnorm() -> None:
@@ -261,19 +289,24 @@ def bench_gdn() -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="gemm,rmsnorm,attention,gdn")
+    ap.add_argument("--timing", default="eager", help="eager, graph, or eager,graph")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    global TIMING
     if not torch.cuda.is_available():
         sys.exit("bench/kernels.py needs CUDA")
     torch.manual_seed(0)
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
-    for name in args.only.split(","):
-        globals()[f"bench_{name}"]()
+    for TIMING in args.timing.split(","):
+        if TIMING not in ("eager", "graph"):
+            sys.exit(f"--timing: eager or graph, not {TIMING!r}")
+        for name in args.only.split(","):
+            globals()[f"bench_{name}"]()
     if args.json:
         Path(args.json).write_text(json.dumps(ROWS, indent=1))
     print("\nsummary (invariant/native):")
     for r in ROWS:
-        print(f"  {r['case']:<28} {r['shape']:<34} {r['ratio']:.3f}x")
+        print(f"  [{r['timing']}] {r['case']:<28} {r['shape']:<34} {r['ratio']:.3f}x")
 
 
 if __name__ == "__main__":
