@@ -92,6 +92,7 @@ def main() -> None:
                 )
     if rank == 0 and args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
+    dist.barrier()  # nobody tears the group down while a peer still writes (gloo aborts then)
     dist.destroy_process_group()
 
 

@@ -148,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(result, f)
+    dist.barrier()  # nobody tears the group down while a peer still writes (gloo aborts then)
     dist.destroy_process_group()
     return 0 if result["ok"] else 1
 
