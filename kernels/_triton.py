@@ -51,8 +51,9 @@ def dot_precision(dtype: torch.dtype) -> str:
 class _LazyKernel:
     """A Triton kernel compiled (or interpreted) on first launch, not at import.
 
-    ``triton.jit`` decides interpreter-or-compiler when it decorates; deciding at the first launch
-    instead lets a test session turn TRITON_INTERPRET on after this package was imported.
+    ``triton.jit`` decides interpreter-or-compiler when it decorates; the launched kernels decide
+    at their first launch instead. The ``@triton.jit`` helper functions they call are decorated at
+    import, though, so TRITON_INTERPRET must be set before this package is imported.
     """
 
     def __init__(self, fn, kwargs: dict) -> None:

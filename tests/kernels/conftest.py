@@ -9,8 +9,8 @@ import pytest
 import torch
 
 if not torch.cuda.is_available():
-    # Kernels are built at first launch (kernels._triton.jit), so this takes effect even if another
-    # test module imported `kernels` first.
+    # Must precede the first import of `kernels`: its @triton.jit helper functions pick interpreter
+    # or compiler when they are decorated (the root tests/conftest.py sets it first already).
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from kernels._triton import HAVE_TRITON  # noqa: E402
