@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -24,7 +23,12 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels.tensor_parallel import process_group_all_gather, process_group_all_reduce  # noqa: E402
+from kernels.tensor_parallel import (  # noqa: E402
+    join_torchrun_group,
+    leave_group,
+    process_group_all_gather,
+    process_group_all_reduce,
+)
 from kernels.tree_gemm import tree_gemm_distributed, tree_plan  # noqa: E402
 
 K_SHAPES = (4096, 12288, 14336)
@@ -60,16 +64,8 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    if torch.cuda.is_available():
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local)
-        dist.init_process_group("nccl")
-        dev, dtype = torch.device("cuda", local), torch.bfloat16
-    else:
-        dist.init_process_group("gloo")
-        dev, dtype = torch.device("cpu"), torch.float32
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world, dev = join_torchrun_group()
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     gather, reduce = process_group_all_gather(), process_group_all_reduce()
     rows = []
     for m in (int(t) for t in args.tokens.split(",")):
@@ -92,8 +88,7 @@ def main() -> None:
                 )
     if rank == 0 and args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
-    dist.barrier()  # nobody tears the group down while a peer still writes (gloo aborts then)
-    dist.destroy_process_group()
+    leave_group()
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ depends on M, but that only changes which program computes a tile, not the tile'
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import cache
 
@@ -147,7 +148,7 @@ def gemm_reference(
     (Inside one slab the hardware's dot order applies, so kernel and reference agree to rounding.)"""
     n, k = weight.shape
     bk = block_k or gemm_config(n, k, weight.dtype).block_k
-    xf = x.reshape(-1, k).float()
+    xf = x.reshape(math.prod(x.shape[:-1]), k).float()  # not (-1, k): K may be 0 (an empty leaf)
     wf = weight.float()
     acc = torch.zeros(xf.shape[0], n, dtype=torch.float32, device=x.device)
     for k0 in range(0, k, bk):

@@ -14,6 +14,7 @@ baseline that shows the mismatch and the time the invariant layer costs.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable
 from typing import Literal
 
@@ -25,6 +26,32 @@ from .tree_gemm import tree_gemm_distributed, tree_plan
 AllGather = Callable[[torch.Tensor], torch.Tensor]
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
 Mode = Literal["tree", "native"]
+
+
+def join_torchrun_group() -> tuple[int, int, torch.device]:
+    """Join the process group torchrun describes: NCCL with one GPU per rank (LOCAL_RANK), else
+    gloo on the CPU. Returns (rank, world size, this rank's device)."""
+    import torch.distributed as dist
+
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast on these machines
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        dist.init_process_group("nccl")
+        device = torch.device("cuda", local)
+    else:
+        dist.init_process_group("gloo")
+        device = torch.device("cpu")
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def leave_group() -> None:
+    """Tear the default group down once every rank is done (gloo aborts a rank whose peers have
+    already left while it still talks to them)."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def single_rank_all_gather(t: torch.Tensor) -> torch.Tensor:

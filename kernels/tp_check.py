@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from typing import Any
 
@@ -29,6 +28,8 @@ import torch.distributed as dist
 
 from . import enable
 from .tensor_parallel import (
+    join_torchrun_group,
+    leave_group,
     process_group_all_gather,
     process_group_all_reduce,
     shard_row_parallel,
@@ -46,18 +47,6 @@ def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
         and a.dtype == b.dtype
         and bool(torch.equal(a.view(torch.uint8), b.view(torch.uint8)))
     )
-
-
-def _init() -> tuple[int, int, torch.device]:
-    """Join the group torchrun describes; NCCL with one GPU per rank, else gloo on the CPU."""
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast on these machines
-    if torch.cuda.is_available():
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local)
-        dist.init_process_group("nccl")
-        return dist.get_rank(), dist.get_world_size(), torch.device("cuda", local)
-    dist.init_process_group("gloo")
-    return dist.get_rank(), dist.get_world_size(), torch.device("cpu")
 
 
 def check_gemms(
@@ -133,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--small", action="store_true", help="few tokens and a narrow N (CPU, CI)")
     ap.add_argument("--json", default=None, help="rank 0 writes the result here too")
     args = ap.parse_args(argv)
-    rank, world, dev = _init()
+    rank, world, dev = join_torchrun_group()
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     tokens, n = (4, 64) if args.small else (256, HIDDEN)
     result: dict[str, Any] = {"world": world, "device": str(dev), "dtype": str(dtype)}
@@ -148,8 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(result, f)
-    dist.barrier()  # nobody tears the group down while a peer still writes (gloo aborts then)
-    dist.destroy_process_group()
+    leave_group()
     return 0 if result["ok"] else 1
 
 

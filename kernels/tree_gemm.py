@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from ._triton import HAVE_TRITON, dot_precision, jit, resolve, tl, triton
+from .gemm import gemm_reference
 
 MAX_TP = 8
 # The fused kernel unrolls a group's pairwise tree; groups wider than this fall back to per-leaf
@@ -226,13 +227,6 @@ def tree_reduce(slots: torch.Tensor) -> torch.Tensor:
     return s[0]
 
 
-def _leaf_torch(x: torch.Tensor, w: torch.Tensor, bk: int) -> torch.Tensor:
-    acc = torch.zeros(x.shape[0], w.shape[0], dtype=torch.float32, device=x.device)
-    for k0 in range(0, x.shape[1], bk):
-        acc = acc + x[:, k0 : k0 + bk].float() @ w[:, k0 : k0 + bk].float().T
-    return acc
-
-
 def group_roots(
     x_local: torch.Tensor, w_local: torch.Tensor, plan: TreePlan, impl: str | None = None
 ) -> torch.Tensor:
@@ -249,12 +243,11 @@ def group_roots(
         for g in range(plan.groups_per_rank):
             slots = []
             for s in range(gs):
+                # A padding slot (s >= gl), or one past the rank's last column, is an empty leaf: 0.
                 lo = min((g * gl + s) * plan.leaf, k) if s < gl else k
-                slots.append(
-                    _leaf_torch(
-                        x_local[:, lo : min(lo + plan.leaf, k)], w_local[:, lo : min(lo + plan.leaf, k)], bk
-                    )
-                )
+                hi = min(lo + plan.leaf, k)
+                leaf = gemm_reference(x_local[:, lo:hi], w_local[:, lo:hi], None, torch.float32, bk)
+                slots.append(leaf)
             roots.append(tree_reduce(torch.stack(slots)))
         return torch.stack(roots)
     if gs > MAX_FUSED_GROUP:
