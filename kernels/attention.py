@@ -173,10 +173,11 @@ if HAVE_TRITON:
         stride_ot, stride_oh,
         G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, BLOCK_B: tl.constexpr, SPLIT_KV: tl.constexpr,
-        HAS_SLOTS: tl.constexpr, PRECISION: tl.constexpr,
+        HAS_SLOTS: tl.constexpr, ONE_SPLIT: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
-        """Prefill (SPLIT_KV=False): all splits, merged in registers, output stored. Split-KV:
-        only split ``program_id(2)``, its fp32 partials stored for ``_attn_combine``."""
+        """Prefill (SPLIT_KV=False): all splits, merged in registers, output stored (ONE_SPLIT: the
+        cache holds at most one split). Split-KV: only split ``program_id(2)``, its fp32 partials
+        stored for ``_attn_combine``."""
         hk = tl.program_id(0)
         TOK: tl.constexpr = BLOCK_M // G
         EVEN_D: tl.constexpr = BLOCK_D == D
@@ -220,6 +221,15 @@ if HAVE_TRITON:
                 tl.store(pml_ptr + 2 * prow, m, mask=valid)
                 tl.store(pml_ptr + 2 * prow + 1, den, mask=valid)
                 tl.store(pacc_ptr + prow[:, None] * BLOCK_D + d[None, :], acc, mask=row_ok)
+            elif ONE_SPLIT:
+                # Every key is in split 0: merging one split into the fresh running state is exact
+                # (scale 1, added 0), so the split's own state is the result, and no running state
+                # needs registers.
+                m, den, acc = _split(
+                    q, k_base, v_base, k_off, v_off, stride_kt, stride_vt, 0, pmax + 1,
+                    full, dok, pos, kv_len, c, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_D, PRECISION,
+                )  # fmt: skip
+                _store_rows(o_ptr, acc, den, q_start + tok, hq, d, row_ok, stride_ot, stride_oh)
             else:
                 # One pipelined walk over all tiles, the split state merged and reset at each split
                 # end (a loop per split restarts the pipeline: 10% slower on the H200).
@@ -401,9 +411,10 @@ def attention(
     block_d = max(16, triton.next_power_of_2(d))
     nsplit = triton.cdiv(k_cache.shape[1], cfg.split)
     dec_tok = cfg.dec_block_m // g
-    split_kv = t <= b * dec_tok and t * hq * nsplit * (block_d + 2) <= MAX_PARTIAL_ELEMS
+    decode_shaped = t <= b * dec_tok and t * hq * nsplit * (block_d + 2) <= MAX_PARTIAL_ELEMS
+    split_kv = decode_shaped and nsplit > 1  # one split needs no partials: its state is the result
     bm, warps, stages = (
-        (cfg.dec_block_m, cfg.dec_warps, cfg.dec_stages) if split_kv else (cfg.block_m, cfg.warps, cfg.stages)
+        (cfg.dec_block_m, cfg.dec_warps, cfg.dec_stages) if decode_shaped else (cfg.block_m, cfg.warps, cfg.stages)
     )
     tok = bm // g
     blocks = triton.cdiv(t, tok) + b  # >= the sum over sequences of their query blocks
@@ -423,7 +434,7 @@ def attention(
         c, b, nsplit, hq,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
-        BLOCK_N=cfg.block_n, SPLIT_KV=split_kv, HAS_SLOTS=slots is not None,
+        BLOCK_N=cfg.block_n, SPLIT_KV=split_kv, HAS_SLOTS=slots is not None, ONE_SPLIT=nsplit == 1,
         PRECISION=dot_precision(q.dtype),
         num_warps=warps, num_stages=stages, **common,
     )  # fmt: skip

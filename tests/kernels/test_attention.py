@@ -103,6 +103,30 @@ def test_short_cache_cpu(dev: str) -> None:
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+def _one_split_matches_longer_cache(dev: str, dtype: torch.dtype, cfg: AttnConfig, at: list[int]) -> None:
+    """A cache of at most one split takes the single-split launch (no running state, no partials);
+    the same keys in a longer cache take the general ones. Every mode gives the same bits in both."""
+    torch.manual_seed(2)
+    n, hq, hkv, d = cfg.split - 3, 8, 2, 32 if dev == "cpu" else 128
+    q = torch.randn(n, hq, d, device=dev).to(dtype)
+    k, v = (torch.randn(1, cfg.split, hkv, d, device=dev).to(dtype) for _ in range(2))
+    longer = [torch.cat([x, torch.randn_like(x)], 1) for x in (k, v)]
+    short = _modes(q, k, v, [5], cfg, at)
+    long = _modes(q, *longer, [5], cfg, at)
+    for a, b in zip(short, long, strict=True):
+        assert bits_equal(a, b)
+        assert bits_equal(a, short[0])
+
+
+def test_one_split_cache_cpu(dev: str) -> None:
+    _one_split_matches_longer_cache(dev, torch.float32, CPU_CONFIG, [0, 15, 16, 28])
+
+
+@gpu
+def test_one_split_cache_gpu() -> None:
+    _one_split_matches_longer_cache("cuda", torch.bfloat16, CONFIG, list(range(0, CONFIG.split - 3, 7)))
+
+
 @gpu
 def test_same_bits_gpu() -> None:
     """The shipped tiles: prefill and decode use different BLOCK_M and warps, and the sequence
