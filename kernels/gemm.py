@@ -20,7 +20,7 @@ from functools import cache
 
 import torch
 
-from ._triton import HAVE_TRITON, dot_precision, jit, resolve, tl
+from ._triton import HAVE_TRITON, dot_precision, jit, resolve, tl, triton
 
 if HAVE_TRITON:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -38,6 +38,7 @@ class GemmConfig:
     tma: bool = False  # TMA descriptor loads + persistent grid (Hopper, 16-byte aligned rows)
     split_epilogue: bool = False  # store the tile as two halves (less shared memory, more stages)
     warp_specialize: bool = False  # TMA producer warps (works on Hopper in Triton 3.6; no gain measured)
+    device_descriptors: bool = True  # TMA descriptors built by the kernel (host-built ones cost a launch ~100 us)
 
 
 @cache
@@ -82,9 +83,17 @@ if HAVE_TRITON:
         TMA: tl.constexpr,
         SPLIT_EPILOGUE: tl.constexpr,
         WARP_SPECIALIZE: tl.constexpr,
+        DEVICE_DESC: tl.constexpr,
     ):
-        # With TMA, a/b/c are tensor descriptors (out-of-bounds reads are zeros, writes dropped);
-        # otherwise they are pointers with explicit masks. Same tile walk and K order either way.
+        # With TMA, a/b/c are tensor descriptors (out-of-bounds reads are zeros, writes dropped),
+        # passed in or (DEVICE_DESC) built here from pointers; otherwise they are pointers with
+        # explicit masks. Same tile walk and K order either way.
+        if TMA:
+            if DEVICE_DESC:
+                C_BLOCK_N: tl.constexpr = BLOCK_N // 2 if SPLIT_EPILOGUE else BLOCK_N
+                a = tl.make_tensor_descriptor(a, [M, K], [stride_am, 1], [BLOCK_M, BLOCK_K])
+                b = tl.make_tensor_descriptor(b, [N, K], [stride_bn, 1], [BLOCK_N, BLOCK_K])
+                c = tl.make_tensor_descriptor(c, [M, N], [stride_cm, 1], [BLOCK_M, C_BLOCK_N])
         num_m = tl.cdiv(M, BLOCK_M)
         num_n = tl.cdiv(N, BLOCK_N)
         group = GROUP_M * num_n
@@ -178,6 +187,20 @@ def _tma_operand(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous() if not t.is_contiguous() else t.clone()
 
 
+def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    """Global scratch Triton asks for at launch (the kernel-built TMA descriptors live there)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _ensure_allocator() -> None:
+    """Give Triton a scratch allocator unless the process (e.g. the engine) already set one. The
+    setting is a context variable, so each thread that launches checks for itself."""
+    from triton.runtime import _allocation
+
+    if _allocation._allocator.get() is _allocation._NULL_ALLOCATOR:
+        triton.set_allocator(_scratch)
+
+
 def _descriptor(t: torch.Tensor, block: list[int]):
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block)
 
@@ -211,9 +234,13 @@ def gemm(
     split = cfg.tma and (cfg.split_epilogue or out.element_size() > 2)
     if cfg.tma:
         a, w = _tma_operand(a), _tma_operand(weight)
-        a_arg = _descriptor(a, [cfg.block_m, cfg.block_k])
-        b_arg = _descriptor(w, [cfg.block_n, cfg.block_k])
-        c_arg = _descriptor(out, [cfg.block_m, cfg.block_n // (2 if split else 1)])
+        if cfg.device_descriptors:
+            _ensure_allocator()
+            a_arg, b_arg, c_arg = a, w, out
+        else:
+            a_arg = _descriptor(a, [cfg.block_m, cfg.block_k])
+            b_arg = _descriptor(w, [cfg.block_n, cfg.block_k])
+            c_arg = _descriptor(out, [cfg.block_m, cfg.block_n // (2 if split else 1)])
     else:
         w = weight
         a_arg, b_arg, c_arg = a, w, out
@@ -241,6 +268,7 @@ def gemm(
         TMA=cfg.tma,
         SPLIT_EPILOGUE=split,
         WARP_SPECIALIZE=cfg.warp_specialize,
+        DEVICE_DESC=cfg.device_descriptors,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.gemm import GemmConfig, gemm, gemm_reference, linear
+from kernels.gemm import GemmConfig, gemm, gemm_config, gemm_reference, linear
 
 from .conftest import bits_equal, gpu, needs_triton
 
@@ -33,13 +35,14 @@ def test_batch_invariant_fp32(dev: str) -> None:
 
 
 def test_tma_path_fp32(dev: str) -> None:
-    """The Hopper path (descriptor loads, persistent tile walk, split epilogue) as a structure test:
+    """The Hopper path (descriptor loads, host- or kernel-built descriptors, persistent tile walk,
+    split epilogue) as a structure test:
     fp32 under the interpreter, where the program count (2) makes programs walk several tiles.
     K = 88 is not a multiple of BLOCK_K, so the last slab reads TMA's zero padding."""
     torch.manual_seed(0)
     a, w, b = torch.randn(150, 88, device=dev), torch.randn(72, 88, device=dev), torch.randn(72, device=dev)
-    for split in (False, True):
-        cfg = GemmConfig(32, 32, 16, 4, 2, tma=True, split_epilogue=split)
+    for split, device_desc in ((False, False), (True, False), (False, True), (True, True)):
+        cfg = GemmConfig(32, 32, 16, 4, 2, tma=True, split_epilogue=split, device_descriptors=device_desc)
         full = gemm(a, w, b, impl="triton", config=cfg)
         torch.testing.assert_close(full, gemm_reference(a, w, b, block_k=16), rtol=1e-5, atol=1e-5)
         for m in (1, 3, 33, 149):
@@ -86,3 +89,18 @@ def test_batch_invariant_gpu_fp32_out() -> None:
         assert bits_equal(gemm(a[:m], w, out_dtype=torch.float32), full[:m]), f"m={m}"
     ref = F.linear(a.float(), w.float())
     assert ((full - ref).norm() / ref.norm()).item() < 5e-5
+
+
+@gpu
+def test_kernel_built_descriptors_same_bits_gpu() -> None:
+    """Descriptors built by the kernel (the default: a cheaper launch) load the same tiles as
+    host-built ones: the same bits, for bf16 and fp32 (split epilogue) outputs."""
+    torch.manual_seed(0)
+    a = torch.randn(300, 4096, device="cuda").bfloat16()
+    w = (torch.randn(4096, 4096, device="cuda") / 64).bfloat16()
+    cfg = gemm_config(4096, 4096, torch.bfloat16, torch.cuda.get_device_capability())
+    if not cfg.tma:
+        pytest.skip("no TMA on this GPU")
+    host = dataclasses.replace(cfg, device_descriptors=False)
+    for out_dtype in (torch.bfloat16, torch.float32):
+        assert bits_equal(gemm(a, w, out_dtype=out_dtype, config=cfg), gemm(a, w, out_dtype=out_dtype, config=host))
