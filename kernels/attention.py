@@ -35,7 +35,7 @@ from typing import NamedTuple
 
 import torch
 
-from ._triton import HAVE_TRITON, dot_precision, jit, resolve, tl, triton
+from ._triton import HAVE_TRITON, cdiv, dot_precision, jit, next_power_of_2, resolve, tl, triton
 
 LOG2E = 1.4426950408889634
 
@@ -408,21 +408,21 @@ def attention(
     if b == 0 or t == 0:
         return out
     hkv = k_cache.shape[2]
-    block_d = max(16, triton.next_power_of_2(d))
-    nsplit = triton.cdiv(k_cache.shape[1], cfg.split)
+    block_d = max(16, next_power_of_2(d))
+    nsplit = cdiv(k_cache.shape[1], cfg.split)
     dec_tok = cfg.dec_block_m // g
     decode_shaped = t <= b * dec_tok and t * hq * nsplit * (block_d + 2) <= MAX_PARTIAL_ELEMS
     split_kv = decode_shaped and nsplit > 1  # one split needs no partials: its state is the result
     bm, warps, stages = (
-        (cfg.dec_block_m, cfg.dec_warps, cfg.dec_stages) if decode_shaped else (cfg.block_m, cfg.warps, cfg.stages)
+        (cfg.dec_block_m, cfg.dec_warps, cfg.dec_stages)
+        if decode_shaped
+        else (cfg.block_m, cfg.warps, cfg.stages)
     )
     tok = bm // g
-    blocks = triton.cdiv(t, tok) + b  # >= the sum over sequences of their query blocks
+    blocks = cdiv(t, tok) + b  # >= the sum over sequences of their query blocks
     cu = cu_q.to(device=q.device, dtype=torch.int32)
     pos0 = q_pos0.to(device=q.device, dtype=torch.int32)
-    common = dict(
-        G=g, D=d, BLOCK_D=block_d, BLOCK_M=bm, SPLIT=cfg.split, BLOCK_B=triton.next_power_of_2(b + 1)
-    )
+    common = dict(G=g, D=d, BLOCK_D=block_d, BLOCK_M=bm, SPLIT=cfg.split, BLOCK_B=next_power_of_2(b + 1))
     if split_kv:
         pacc = torch.empty(t * hq * nsplit * block_d, device=q.device, dtype=torch.float32)
         pml = torch.empty(t * hq * nsplit * 2, device=q.device, dtype=torch.float32)

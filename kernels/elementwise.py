@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._triton import HAVE_TRITON, jit, resolve, tl, triton
+from ._triton import HAVE_TRITON, jit, next_power_of_2, resolve, tl
 
 if HAVE_TRITON:
 
@@ -48,7 +48,7 @@ def silu(x: torch.Tensor, impl: str | None = None) -> torch.Tensor:
     y = torch.empty_like(xc)
     n = xc.numel() // d if d else 0
     if n:
-        _silu_kernel[(n,)](xc, y, n, d, BLOCK=triton.next_power_of_2(d), num_warps=4)
+        _silu_kernel[(n,)](xc, y, n, d, BLOCK=next_power_of_2(d), num_warps=4)
     return y
 
 
@@ -74,7 +74,7 @@ def gdn_gates(
             beta,
             t,
             h,
-            BLOCK=max(16, triton.next_power_of_2(h)),
+            BLOCK=max(16, next_power_of_2(h)),
             num_warps=1,
         )
     return g, beta

@@ -45,7 +45,7 @@ from typing import NamedTuple
 
 import torch
 
-from ._triton import HAVE_TRITON, interpreting, jit, resolve, tl, triton
+from ._triton import HAVE_TRITON, cdiv, interpreting, jit, next_power_of_2, resolve, tl, triton
 
 CHUNK = 64
 
@@ -643,8 +643,8 @@ def _launch(
     if not nb:
         return o, ws_t, ws_u, offs
     starts_t, lens_t, coff = (_device_ints(x, q.device) for x in (starts, lens, offs))
-    bk = max(16, triton.next_power_of_2(dk))
-    bdv = max(16, triton.next_power_of_2(dv))
+    bk = max(16, next_power_of_2(dk))
+    bdv = max(16, next_power_of_2(dv))
     bv = min(CONFIG.state_bv, bdv)
     cfg = CONFIG
     _gdn_prep_kernel[(max(n_ch + [1]), nb * hh)](
@@ -679,7 +679,7 @@ def _launch(
         enable_fp_fusion=True,  # the dots' multiply-adds must lower to fma, as tl.fma does
         num_stages=1,
     )
-    _gdn_state_kernel[(nb * hh, triton.cdiv(dv, bv))](
+    _gdn_state_kernel[(nb * hh, cdiv(dv, bv))](
         q,
         k,
         ws_w,
@@ -771,7 +771,10 @@ class _GDN(torch.autograd.Function):
         ins = [t.detach().requires_grad_(True) for t in (q, k, v, g, beta)]
         grads = _chunk_backward(ins, grad, ctx.seqs, ctx.chunk)
         return (
-            *(None if gr is None else gr.to(t.dtype) for gr, t in zip(grads, (q, k, v, g, beta), strict=True)),
+            *(
+                None if gr is None else gr.to(t.dtype)
+                for gr, t in zip(grads, (q, k, v, g, beta), strict=True)
+            ),
             None,
             None,
         )
@@ -852,8 +855,8 @@ def gdn_decode_step(
     if not nb:
         return o
     assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and g.stride(-1) == beta.stride(-1) == 1
-    bk = max(16, triton.next_power_of_2(dk))
-    bdv = max(16, triton.next_power_of_2(dv))
+    bk = max(16, next_power_of_2(dk))
+    bdv = max(16, next_power_of_2(dv))
     scratch = torch.empty(nb * hh, 3 * chunk + bk, dtype=torch.float32, device=q.device)
     _gdn_decode_kernel[(nb * hh,)](
         q,

@@ -20,7 +20,7 @@ from functools import cache
 
 import torch
 
-from ._triton import HAVE_TRITON, dot_precision, jit, resolve, tl, triton
+from ._triton import HAVE_TRITON, cdiv, dot_precision, jit, resolve, tl, triton
 
 if HAVE_TRITON:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -38,7 +38,9 @@ class GemmConfig:
     tma: bool = False  # TMA descriptor loads + persistent grid (Hopper, 16-byte aligned rows)
     split_epilogue: bool = False  # store the tile as two halves (less shared memory, more stages)
     warp_specialize: bool = False  # TMA producer warps (works on Hopper in Triton 3.6; no gain measured)
-    device_descriptors: bool = True  # TMA descriptors built by the kernel (host-built ones cost a launch ~100 us)
+    device_descriptors: bool = (
+        True  # TMA descriptors built by the kernel (host-built ones cost a launch ~100 us)
+    )
 
 
 @cache
@@ -227,7 +229,7 @@ def gemm(
         return out.reshape(*x.shape[:-1], n)
     capability, sms = _device_traits(x.device)
     cfg = config or gemm_config(n, k, weight.dtype, capability)
-    tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)  # host-side cdiv (triton.cdiv is a slow jit call)
+    tiles = cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n)
     programs = min(tiles, sms) if cfg.tma else tiles
     # A 4-byte output tile is twice the shared memory: store it in halves (the store order does
     # not touch the sums, and the output dtype is fixed by the call site, never by M).

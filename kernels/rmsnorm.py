@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import HAVE_TRITON, jit, resolve, tl, triton
+from ._triton import HAVE_TRITON, jit, next_power_of_2, resolve, tl
 
 if HAVE_TRITON:
 
@@ -101,7 +101,7 @@ def rms_norm(
     ro = torch.empty_like(x2) if residual is not None else x2
     n = x2.shape[0]
     if n:
-        block = triton.next_power_of_2(d)
+        block = next_power_of_2(d)
         _rmsnorm_kernel[(n,)](
             x2,
             r2,

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._triton import HAVE_TRITON, dot_precision, jit, resolve, tl, triton
+from ._triton import HAVE_TRITON, cdiv, dot_precision, jit, resolve, tl, triton
 from .gemm import gemm_reference
 
 MAX_TP = 8
@@ -257,7 +257,7 @@ def group_roots(
     out = torch.empty(plan.groups_per_rank, m, n, dtype=torch.float32, device=x_local.device)
     if m and n:
         bm, bn = 64, 64
-        _group_root_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), plan.groups_per_rank)](
+        _group_root_kernel[(cdiv(m, bm), cdiv(n, bn), plan.groups_per_rank)](
             x_local,
             w_local,
             out,

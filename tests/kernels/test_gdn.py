@@ -120,7 +120,9 @@ def test_hand_backward_matches_autograd() -> None:
     a = [y.clone().requires_grad_(True) for y in x]
     o, _ = gdn_mod.gdn_chunk_reference(*a, cu, None, chunk, solve="triangular")
     want = torch.autograd.grad(o, a, gout)
-    got = gdn_mod._chunk_backward([y.clone().requires_grad_(True) for y in x], gout, ([0, 150, 183], lens), chunk)
+    got = gdn_mod._chunk_backward(
+        [y.clone().requires_grad_(True) for y in x], gout, ([0, 150, 183], lens), chunk
+    )
     for name, ga, gb in zip("q k v g beta".split(), got, want, strict=True):
         assert ((ga - gb).abs().max() / gb.abs().max()).item() < 1e-5, name
 

@@ -103,4 +103,6 @@ def test_kernel_built_descriptors_same_bits_gpu() -> None:
         pytest.skip("no TMA on this GPU")
     host = dataclasses.replace(cfg, device_descriptors=False)
     for out_dtype in (torch.bfloat16, torch.float32):
-        assert bits_equal(gemm(a, w, out_dtype=out_dtype, config=cfg), gemm(a, w, out_dtype=out_dtype, config=host))
+        assert bits_equal(
+            gemm(a, w, out_dtype=out_dtype, config=cfg), gemm(a, w, out_dtype=out_dtype, config=host)
+        )
