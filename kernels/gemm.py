@@ -8,14 +8,16 @@ other rows are in the batch or where it sits (M and the program count are also e
 Triton's integer specialisation, so M=1 compiles to the same code as M=2048).
 
 On Hopper (capability >= 9.0) bf16/fp16 weights take a persistent kernel: one program per SM
-walks the output tiles in a fixed grouped order, loading through TMA descriptors. The grid size
-depends on M, but that only changes which program computes a tile, not the tile's sums.
+walks the output tiles in a fixed grouped order, loading through TMA descriptors the kernel builds.
+The grid size depends on M, but that only changes which program computes a tile, not the tile's
+sums. On the H200 (9.0) only, a small-M call narrows its tile to fill the SMs: BLOCK_K, the K order
+and the instruction stay fixed, which measured bit-identical (see :func:`launch_config`).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 
 import torch
@@ -38,24 +40,49 @@ class GemmConfig:
     tma: bool = False  # TMA descriptor loads + persistent grid (Hopper, 16-byte aligned rows)
     split_epilogue: bool = False  # store the tile as two halves (less shared memory, more stages)
     warp_specialize: bool = False  # TMA producer warps (works on Hopper in Triton 3.6; no gain measured)
-    device_descriptors: bool = (
-        True  # TMA descriptors built by the kernel (host-built ones cost a launch ~100 us)
-    )
+    # TMA descriptors built by the kernel (three host-built ones add ~25 us to every launch).
+    device_descriptors: bool = True
+    # Small M on Hopper: narrower tiles (same BLOCK_K and instruction family) when the full tile
+    # would leave most SMs idle; see :func:`launch_config`.
+    shrink_small_m: bool = False
 
 
 @cache
 def gemm_config(n: int, k: int, dtype: torch.dtype, capability: tuple[int, int] | None = None) -> GemmConfig:
-    """The one tile configuration for a weight of shape (n, k) on a device of ``capability``
-    (None: no GPU, e.g. the interpreter): depends on (n, k, dtype, capability), never on M."""
+    """The tile configuration for a weight of shape (n, k) on a device of ``capability`` (None: no
+    GPU, e.g. the interpreter): depends on (n, k, dtype, capability), never on M (but see
+    :func:`launch_config` for the measured-safe narrowing at small M on Hopper)."""
     if dtype == torch.float32:
         return GemmConfig(64, 64, 32, 4, 2)
     if n >= 256 and k >= 64:
         if capability is not None and capability >= (9, 0) and n % 8 == 0 and k % 8 == 0:
             # Best of 14 on an H200 (bench_tune): 1.03x cuBLAS at M=2048 and 8192. Warp specialisation
             # and 4 stages measured no better; 3 stages leave room for a 4-byte output tile.
-            return GemmConfig(128, 256, 64, 8, 3, tma=True)
+            return GemmConfig(128, 256, 64, 8, 3, tma=True, shrink_small_m=capability == (9, 0))
         return GemmConfig(256, 128, 64, 8, 3)
     return GemmConfig(64, 64, 64, 4, 3)
+
+
+@cache
+def _narrowed(cfg: GemmConfig, block_n: int) -> GemmConfig:
+    return replace(cfg, block_m=64, block_n=block_n, num_warps=4, num_stages=3 if block_n == 256 else 4)
+
+
+def launch_config(cfg: GemmConfig, m: int, n: int, sms: int) -> GemmConfig:
+    """The tile one call runs. Normally ``cfg`` for every M; with ``cfg.shrink_small_m`` (Hopper),
+    a call whose full tiles would fill fewer than half the SMs runs 64-row tiles, 256 or 128 wide.
+
+    Why that keeps the bits: BLOCK_K, the K order and the instruction (wgmma, k16 steps, fp32
+    accumulator) are unchanged; only how many rows and columns one program covers changes. Measured
+    on an H200: 128x256, 64x256, 128x128, 64x128, 64x64, 64x32 and 64x16 tiles give identical bits
+    for N x K in {4096x4096, 1024x3000, 14336x4096, 4096x14336}, bf16 and fp32 outputs, M from 1 to
+    2048; ``test_batch_invariant_gpu`` crosses the switch. It halves the M <= 64 decode GEMM."""
+    if not cfg.shrink_small_m:
+        return cfg
+    half = sms // 2
+    if cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n) >= half:
+        return cfg
+    return _narrowed(cfg, 256 if cdiv(m, 64) * cdiv(n, 256) >= half else 128)
 
 
 if HAVE_TRITON:
@@ -228,7 +255,7 @@ def gemm(
     if m == 0:
         return out.reshape(*x.shape[:-1], n)
     capability, sms = _device_traits(x.device)
-    cfg = config or gemm_config(n, k, weight.dtype, capability)
+    cfg = launch_config(config or gemm_config(n, k, weight.dtype, capability), m, n, sms)
     tiles = cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n)
     programs = min(tiles, sms) if cfg.tma else tiles
     # A 4-byte output tile is twice the shared memory: store it in halves (the store order does

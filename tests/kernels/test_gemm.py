@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.gemm import GemmConfig, gemm, gemm_config, gemm_reference, linear
+from kernels.gemm import GemmConfig, gemm, gemm_config, gemm_reference, launch_config, linear
 
 from .conftest import bits_equal, gpu, needs_triton
 
@@ -72,7 +72,7 @@ def test_batch_invariant_gpu(dtype: torch.dtype, nk: tuple[int, int]) -> None:
     n, k = nk
     a = torch.randn(2048, k, device="cuda").to(dtype)
     w = (torch.randn(n, k, device="cuda") / k**0.5).to(dtype)
-    _check_invariance(a, w, torch.randn(n, device="cuda").to(dtype), [1, 3, 16, 255, 256, 257, 2048])
+    _check_invariance(a, w, torch.randn(n, device="cuda").to(dtype), [1, 3, 16, 255, 256, 257, 512, 2048])
     ref = F.linear(a.float(), w.float())
     got = gemm(a, w).float()
     assert ((got - ref).norm() / ref.norm()).item() < (1e-2 if dtype == torch.bfloat16 else 1e-5)
@@ -106,3 +106,18 @@ def test_kernel_built_descriptors_same_bits_gpu() -> None:
         assert bits_equal(
             gemm(a, w, out_dtype=out_dtype, config=cfg), gemm(a, w, out_dtype=out_dtype, config=host)
         )
+
+
+def test_launch_config_narrows_only_underfilled_hopper_calls() -> None:
+    """The tile choice itself (the bits across the switch are checked on the GPU): full tiles
+    whenever they fill half the SMs, 64-row tiles below that, and never without the flag."""
+    hopper = gemm_config(4096, 4096, torch.bfloat16, (9, 0))
+    assert hopper.shrink_small_m and not gemm_config(4096, 4096, torch.bfloat16, (10, 0)).shrink_small_m
+    assert launch_config(hopper, 2048, 4096, 132) is hopper
+    assert launch_config(hopper, 256, 14336, 132) is hopper  # 112 full tiles
+    small = launch_config(hopper, 1, 4096, 132)
+    assert (small.block_m, small.block_n, small.block_k) == (64, 128, hopper.block_k)
+    mid = launch_config(hopper, 512, 4096, 132)  # 64 full tiles; 128 of 64x256
+    assert (mid.block_m, mid.block_n, mid.block_k) == (64, 256, hopper.block_k)
+    plain = GemmConfig(32, 32, 16, 4, 2, tma=True)
+    assert launch_config(plain, 1, 4096, 132) is plain
