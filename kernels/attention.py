@@ -11,7 +11,7 @@ a decode step.
 Two launch paths compute exactly that: prefill walks all its tiles in one pipelined loop and, at
 each split end, merges the split's state in registers and starts afresh; decode (few queries per
 sequence, long context) launches one program per (query block, KV head, split) writing fp32
-partials, and a combine kernel merges them. The tile step, the merge and the final division are
+partials, and the last of a block's splits to finish merges them, in ascending split order. The tile step, the merge and the final division are
 written once (``_tile``, ``_merge``, ``_store_rows``) and used by both, with ``tl.fma`` pinning
 every multiply-add so no kernel can contract it differently. Tiles past a row's position are
 exact no-ops (scores -inf, rescale 1, added products 0); a split that starts after a row's position
@@ -165,9 +165,31 @@ if HAVE_TRITON:
         ptrs = o_ptr + rows_t[:, None].to(tl.int64) * stride_ot + hq[:, None] * stride_oh + d[None, :]
         tl.store(ptrs, out.to(o_ptr.dtype.element_ty), mask=row_ok)
 
+    @triton.jit
+    def _combine(
+        o_ptr, pacc_ptr, pml_ptr, prow0, nsp, pos, valid, row_ok, d, rows_t, hq, c, stride_ot, stride_oh,
+        SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):  # fmt: skip
+        """Merge a block's first ``nsp`` split partials in ascending split order (``_merge``, the
+        formula prefill uses in registers), then the one division and the store. The partials
+        were written by other programs: read them from L2 (``.cg``), never a stale L1 line."""
+        m_run, l_run, acc_run = _fresh(BLOCK_M, BLOCK_D)
+        for sp in range(0, nsp):
+            take = valid & (pos >= sp * SPLIT)
+            m = tl.load(pml_ptr + 2 * (prow0 + sp), mask=take, other=float("-inf"), cache_modifier=".cg")
+            den = tl.load(pml_ptr + 2 * (prow0 + sp) + 1, mask=take, other=0.0, cache_modifier=".cg")
+            acc = tl.load(
+                pacc_ptr + (prow0 + sp)[:, None] * BLOCK_D + d[None, :],
+                mask=take[:, None],
+                other=0.0,
+                cache_modifier=".cg",
+            )
+            m_run, l_run, acc_run = _merge(m_run, l_run, acc_run, m, den, acc, take, c)
+        _store_rows(o_ptr, acc_run, l_run, rows_t, hq, d, row_ok, stride_ot, stride_oh)
+
     @jit()
     def _attn_fwd(
-        q_ptr, k_ptr, v_ptr, o_ptr, pacc_ptr, pml_ptr, cu_ptr, qpos0_ptr, kvlen_ptr, slot_ptr,
+        q_ptr, k_ptr, v_ptr, o_ptr, pacc_ptr, pml_ptr, cnt_base, cu_ptr, qpos0_ptr, kvlen_ptr, slot_ptr,
         c, B, NSPLIT, HQ,
         stride_qt, stride_qh, stride_ks, stride_kt, stride_kh, stride_vs, stride_vt, stride_vh,
         stride_ot, stride_oh,
@@ -177,7 +199,7 @@ if HAVE_TRITON:
     ):  # fmt: skip
         """Prefill (SPLIT_KV=False): all splits, merged in registers, output stored (ONE_SPLIT: the
         cache holds at most one split). Split-KV: only split ``program_id(2)``, its fp32 partials
-        stored for ``_attn_combine``."""
+        stored; the block's last split to finish merges them (``_combine``)."""
         hk = tl.program_id(0)
         TOK: tl.constexpr = BLOCK_M // G
         EVEN_D: tl.constexpr = BLOCK_D == D
@@ -217,10 +239,23 @@ if HAVE_TRITON:
                     q, k_base, v_base, k_off, v_off, stride_kt, stride_vt, lo, tl.minimum(lo + SPLIT, pmax + 1),
                     full, dok, pos, kv_len, c, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_D, PRECISION,
                 )  # fmt: skip
-                prow = ((q_start + tok) * HQ + hq).to(tl.int64) * NSPLIT + tl.program_id(2)
+                prow0 = ((q_start + tok) * HQ + hq).to(tl.int64) * NSPLIT
+                prow = prow0 + tl.program_id(2)
                 tl.store(pml_ptr + 2 * prow, m, mask=valid)
                 tl.store(pml_ptr + 2 * prow + 1, den, mask=valid)
                 tl.store(pacc_ptr + prow[:, None] * BLOCK_D + d[None, :], acc, mask=row_ok)
+                # The last of the block's splits to finish merges them all (ascending, whatever the
+                # arrival order) and re-arms the counter: no second launch.
+                tl.debug_barrier()  # every thread's partials are stored before the count
+                cnt_ptr = cnt_base + hk * tl.num_programs(1) + tl.program_id(1)
+                nsp = tl.minimum(pmax // SPLIT + 1, NSPLIT)
+                if tl.atomic_add(cnt_ptr, 1, sem="acq_rel") == nsp - 1:
+                    tl.debug_barrier()
+                    _combine(
+                        o_ptr, pacc_ptr, pml_ptr, prow0, nsp, pos, valid, row_ok, d, q_start + tok, hq, c,
+                        stride_ot, stride_oh, SPLIT, BLOCK_M, BLOCK_D,
+                    )  # fmt: skip
+                    tl.store(cnt_ptr, 0)
             elif ONE_SPLIT:
                 # Every key is in split 0: merging one split into the fresh running state is exact
                 # (scale 1, added 0), so the split's own state is the result, and no running state
@@ -258,38 +293,18 @@ if HAVE_TRITON:
                     m_run, l_run, acc_run = _merge(m_run, l_run, acc_run, m, den, acc, pos >= s0, c)
                 _store_rows(o_ptr, acc_run, l_run, q_start + tok, hq, d, row_ok, stride_ot, stride_oh)
 
-    @jit()
-    def _attn_combine(
-        o_ptr, pacc_ptr, pml_ptr, cu_ptr, qpos0_ptr, c, B, NSPLIT, HQ, stride_ot, stride_oh,
-        G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-        SPLIT: tl.constexpr, BLOCK_B: tl.constexpr,
-    ):  # fmt: skip
-        """Merge the split-KV partials of one query block in ascending split order (``_merge``,
-        the formula prefill uses in registers), then the one division."""
-        hk = tl.program_id(0)
-        TOK: tl.constexpr = BLOCK_M // G
-        b, qb, q_start, q_len = _locate(cu_ptr, tl.program_id(1), B, TOK, BLOCK_B)
-        if (qb >= 0) & (qb * TOK < q_len):
-            rows = tl.arange(0, BLOCK_M)
-            tok = qb * TOK + rows // G
-            hq = hk * G + rows % G
-            valid = tok < q_len
-            pos0 = tl.load(qpos0_ptr + b)
-            pos = pos0 + tok
-            pmax = pos0 + tl.minimum(qb * TOK + TOK, q_len) - 1
-            d = tl.arange(0, BLOCK_D)
-            row_ok = valid[:, None] & (d < D)[None, :]
-            prow = ((q_start + tok) * HQ + hq).to(tl.int64) * NSPLIT
-            m_run, l_run, acc_run = _fresh(BLOCK_M, BLOCK_D)
-            for sp in range(0, tl.minimum(pmax // SPLIT + 1, NSPLIT)):
-                take = valid & (pos >= sp * SPLIT)
-                m = tl.load(pml_ptr + 2 * (prow + sp), mask=take, other=float("-inf"))
-                den = tl.load(pml_ptr + 2 * (prow + sp) + 1, mask=take, other=0.0)
-                acc = tl.load(
-                    pacc_ptr + (prow + sp)[:, None] * BLOCK_D + d[None, :], mask=take[:, None], other=0.0
-                )
-                m_run, l_run, acc_run = _merge(m_run, l_run, acc_run, m, den, acc, take, c)
-            _store_rows(o_ptr, acc_run, l_run, q_start + tok, hq, d, row_ok, stride_ot, stride_oh)
+
+_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
+    """At least ``n`` zeroed int32 split-arrival counters, one per (KV head, query block); the
+    kernel re-arms each to zero after use. One set per stream: calls on a stream run in order."""
+    key = (device, torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        buf = _COUNTERS[key] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    return buf
 
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, cfg: AttnConfig) -> int:
@@ -428,8 +443,9 @@ def attention(
         pml = torch.empty(t * hq * nsplit * 2, device=q.device, dtype=torch.float32)
     else:
         pacc = pml = out
+    counters = _arrival_counters(q.device, hkv * blocks) if split_kv else cu
     _attn_fwd[(hkv, blocks, nsplit if split_kv else 1)](
-        q, k_cache, v_cache, out, pacc, pml, cu, pos0,
+        q, k_cache, v_cache, out, pacc, pml, counters, cu, pos0,
         kv_len.to(device=q.device, dtype=torch.int32), cu if slots is None else slots.to(q.device, torch.int32),
         c, b, nsplit, hq,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -438,10 +454,6 @@ def attention(
         PRECISION=dot_precision(q.dtype),
         num_warps=warps, num_stages=stages, **common,
     )  # fmt: skip
-    if split_kv:
-        _attn_combine[(hkv, blocks)](
-            out, pacc, pml, cu, pos0, c, b, nsplit, hq, out.stride(0), out.stride(1), num_warps=4, **common
-        )
     return out
 
 
