@@ -195,11 +195,13 @@ if HAVE_TRITON:
         stride_ot, stride_oh,
         G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, BLOCK_B: tl.constexpr, SPLIT_KV: tl.constexpr,
-        HAS_SLOTS: tl.constexpr, ONE_SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+        HAS_SLOTS: tl.constexpr, ONE_SPLIT: tl.constexpr, FUSED_COMBINE: tl.constexpr,
+        PRECISION: tl.constexpr,
     ):  # fmt: skip
         """Prefill (SPLIT_KV=False): all splits, merged in registers, output stored (ONE_SPLIT: the
         cache holds at most one split). Split-KV: only split ``program_id(2)``, its fp32 partials
-        stored; the block's last split to finish merges them (``_combine``)."""
+        stored; with FUSED_COMBINE the block's last split to finish merges them (``_combine``),
+        else ``_attn_combine`` does, launched after."""
         hk = tl.program_id(0)
         TOK: tl.constexpr = BLOCK_M // G
         EVEN_D: tl.constexpr = BLOCK_D == D
@@ -244,18 +246,19 @@ if HAVE_TRITON:
                 tl.store(pml_ptr + 2 * prow, m, mask=valid)
                 tl.store(pml_ptr + 2 * prow + 1, den, mask=valid)
                 tl.store(pacc_ptr + prow[:, None] * BLOCK_D + d[None, :], acc, mask=row_ok)
-                # The last of the block's splits to finish merges them all (ascending, whatever the
-                # arrival order) and re-arms the counter: no second launch.
-                tl.debug_barrier()  # every thread's partials are stored before the count
-                cnt_ptr = cnt_base + hk * tl.num_programs(1) + tl.program_id(1)
-                nsp = tl.minimum(pmax // SPLIT + 1, NSPLIT)
-                if tl.atomic_add(cnt_ptr, 1, sem="acq_rel") == nsp - 1:
-                    tl.debug_barrier()
-                    _combine(
-                        o_ptr, pacc_ptr, pml_ptr, prow0, nsp, pos, valid, row_ok, d, q_start + tok, hq, c,
-                        stride_ot, stride_oh, SPLIT, BLOCK_M, BLOCK_D,
-                    )  # fmt: skip
-                    tl.store(cnt_ptr, 0)
+                if FUSED_COMBINE:
+                    # The last of the block's splits to finish merges them all (ascending, whatever
+                    # the arrival order) and re-arms the counter: no second launch.
+                    tl.debug_barrier()  # every thread's partials are stored before the count
+                    cnt_ptr = cnt_base + hk * tl.num_programs(1) + tl.program_id(1)
+                    nsp = tl.minimum(pmax // SPLIT + 1, NSPLIT)
+                    if tl.atomic_add(cnt_ptr, 1, sem="acq_rel") == nsp - 1:
+                        tl.debug_barrier()
+                        _combine(
+                            o_ptr, pacc_ptr, pml_ptr, prow0, nsp, pos, valid, row_ok, d, q_start + tok, hq, c,
+                            stride_ot, stride_oh, SPLIT, BLOCK_M, BLOCK_D,
+                        )  # fmt: skip
+                        tl.store(cnt_ptr, 0)
             elif ONE_SPLIT:
                 # Every key is in split 0: merging one split into the fresh running state is exact
                 # (scale 1, added 0), so the split's own state is the result, and no running state
@@ -293,6 +296,30 @@ if HAVE_TRITON:
                     m_run, l_run, acc_run = _merge(m_run, l_run, acc_run, m, den, acc, pos >= s0, c)
                 _store_rows(o_ptr, acc_run, l_run, q_start + tok, hq, d, row_ok, stride_ot, stride_oh)
 
+    @jit()
+    def _attn_combine(
+        o_ptr, pacc_ptr, pml_ptr, cu_ptr, qpos0_ptr, c, B, NSPLIT, HQ, stride_ot, stride_oh,
+        G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+        SPLIT: tl.constexpr, BLOCK_B: tl.constexpr,
+    ):  # fmt: skip
+        """The split-KV merge as its own launch, one program per (KV head, query block)."""
+        hk = tl.program_id(0)
+        TOK: tl.constexpr = BLOCK_M // G
+        b, qb, q_start, q_len = _locate(cu_ptr, tl.program_id(1), B, TOK, BLOCK_B)
+        if (qb >= 0) & (qb * TOK < q_len):
+            rows = tl.arange(0, BLOCK_M)
+            tok = qb * TOK + rows // G
+            hq = hk * G + rows % G
+            valid = tok < q_len
+            pos0 = tl.load(qpos0_ptr + b)
+            pmax = pos0 + tl.minimum(qb * TOK + TOK, q_len) - 1
+            d = tl.arange(0, BLOCK_D)
+            _combine(
+                o_ptr, pacc_ptr, pml_ptr, ((q_start + tok) * HQ + hq).to(tl.int64) * NSPLIT,
+                tl.minimum(pmax // SPLIT + 1, NSPLIT), pos0 + tok, valid, valid[:, None] & (d < D)[None, :], d,
+                q_start + tok, hq, c, stride_ot, stride_oh, SPLIT, BLOCK_M, BLOCK_D,
+            )  # fmt: skip
+
 
 _COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
 
@@ -305,6 +332,13 @@ def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
     if buf is None or buf.numel() < n:
         buf = _COUNTERS[key] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
     return buf
+
+
+def _fuse_combine(q: torch.Tensor) -> bool:
+    """Merge split-KV partials inside the split launch when running eagerly: one launch instead
+    of two saves ~35 us of host time, which bounds small decode steps. Under CUDA-graph capture
+    the host cost is gone and the separate merge is ~7% less device time (no arrival fences)."""
+    return not (q.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, cfg: AttnConfig) -> int:
@@ -443,7 +477,8 @@ def attention(
         pml = torch.empty(t * hq * nsplit * 2, device=q.device, dtype=torch.float32)
     else:
         pacc = pml = out
-    counters = _arrival_counters(q.device, hkv * blocks) if split_kv else cu
+    fused = split_kv and _fuse_combine(q)
+    counters = _arrival_counters(q.device, hkv * blocks) if fused else cu
     _attn_fwd[(hkv, blocks, nsplit if split_kv else 1)](
         q, k_cache, v_cache, out, pacc, pml, counters, cu, pos0,
         kv_len.to(device=q.device, dtype=torch.int32), cu if slots is None else slots.to(q.device, torch.int32),
@@ -451,9 +486,14 @@ def attention(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
         BLOCK_N=cfg.block_n, SPLIT_KV=split_kv, HAS_SLOTS=slots is not None, ONE_SPLIT=nsplit == 1,
+        FUSED_COMBINE=fused,
         PRECISION=dot_precision(q.dtype),
         num_warps=warps, num_stages=stages, **common,
     )  # fmt: skip
+    if split_kv and not fused:
+        _attn_combine[(hkv, blocks)](
+            out, pacc, pml, cu, pos0, c, b, nsplit, hq, out.stride(0), out.stride(1), num_warps=4, **common
+        )
     return out
 
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
+import importlib
 
+import pytest
 import torch
 
 from kernels.attention import CONFIG, AttnConfig, _math_attention, _reference, attention
@@ -11,6 +13,7 @@ from kernels.attention import CONFIG, AttnConfig, _math_attention, _reference, a
 from .conftest import bits_equal, gpu, needs_triton
 
 pytestmark = needs_triton
+attention_mod = importlib.import_module("kernels.attention")  # the package exports a function of that name
 
 # Small tiles and splits so the CPU interpreter crosses several splits, and both launch paths run:
 # chunks of <= 8 tokens per sequence take split-KV + combine, longer ones the prefill path.
@@ -68,7 +71,14 @@ def _modes(
     return [o[decode_at] for o in outs] + [torch.cat(rows)]
 
 
-def test_same_bits_cpu(dev: str) -> None:
+@pytest.fixture(params=[True, False], ids=["fused-merge", "merge-launch"])
+def merge_in_split_launch(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Split-KV partials merged by the last split program (eager) or by a second launch (graphs)."""
+    monkeypatch.setattr(attention_mod, "_fuse_combine", lambda q: request.param)
+    return request.param
+
+
+def test_same_bits_cpu(dev: str, merge_in_split_launch: bool) -> None:
     torch.manual_seed(0)
     n, hq, hkv, d = 70, 4, 2, 32
     q = torch.randn(n, hq, d, device=dev)
@@ -128,7 +138,7 @@ def test_one_split_cache_gpu() -> None:
 
 
 @gpu
-def test_same_bits_gpu() -> None:
+def test_same_bits_gpu(merge_in_split_launch: bool) -> None:
     """The shipped tiles: prefill and decode use different BLOCK_M and warps, and the sequence
     crosses two split boundaries, so this also proves the per-row bits of the two shapes equal."""
     torch.manual_seed(0)
