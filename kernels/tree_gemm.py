@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from ._triton import HAVE_TRITON, cdiv, dot_precision, jit, resolve, tl, triton
-from .gemm import gemm_reference
+from .gemm import _device_traits, _ensure_allocator, _tma_operand, gemm_reference
 
 MAX_TP = 8
 # The fused kernel unrolls a group's pairwise tree; groups wider than this fall back to per-leaf
@@ -96,127 +96,117 @@ def _block_k(dtype: torch.dtype) -> int:
 if HAVE_TRITON:
 
     @triton.jit
-    def _leaf_sum(
-        a_ptr,
-        b_ptr,
-        offs_m,
-        offs_n,
-        M,
-        N,
-        k_lo,
-        k_hi,
-        stride_am,
-        stride_ak,
-        stride_bn,
-        stride_bk,
-        PRECISION: tl.constexpr,
-        BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-    ):
-        """One leaf: fp32 from zero over columns [k_lo, k_hi) in ascending BLOCK_K steps (an empty
-        range is an exact zero, which is what a padding slot holds)."""
-        offs_k = tl.arange(0, BLOCK_K)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            ks = k0 + offs_k
-            k_ok = ks < k_hi
-            a = tl.load(
-                a_ptr + offs_m[:, None] * stride_am + ks[None, :] * stride_ak,
-                mask=(offs_m[:, None] < M) & k_ok[None, :],
-                other=0.0,
-            )
-            b = tl.load(
-                b_ptr + ks[:, None] * stride_bk + offs_n[None, :] * stride_bn,
-                mask=k_ok[:, None] & (offs_n[None, :] < N),
-                other=0.0,
-            )
-            acc = tl.dot(a, b, acc, input_precision=PRECISION)
-        return acc
+    def _push_leaf(leaf, s, left1, left2, left4, left8, GROUP_SLOTS: tl.constexpr):
+        """Slot ``s``'s leaf into the group's pairwise tree, kept as a binary counter: the leaf is
+        added, right operand, to the pending left subtree of each level whose bit of ``s`` is 1,
+        and parked as that level's left subtree at the first 0 bit. Returns (carry, lefts); after
+        the last slot the carry is the root, and every add was a (left + right) of the tree."""
+        v = leaf
+        if s % 2 == 0:
+            left1 = v
+        else:
+            v = left1 + v
+            if GROUP_SLOTS > 2:
+                if s % 4 == 1:
+                    left2 = v
+                else:
+                    v = left2 + v
+                    if GROUP_SLOTS > 4:
+                        if s % 8 == 3:
+                            left4 = v
+                        else:
+                            v = left4 + v
+                            if GROUP_SLOTS > 8:
+                                if s % 16 == 7:
+                                    left8 = v
+                                else:
+                                    v = left8 + v
+        return v, left1, left2, left4, left8
 
     @jit(do_not_specialize=["M"])
     def _group_root_kernel(
-        a_ptr,
-        b_ptr,
+        a,
+        b,
         c_ptr,
         M,
         N,
         K,
-        LEAF,
         GROUP_LEAVES,
         stride_am,
-        stride_ak,
         stride_bn,
-        stride_bk,
         stride_cg,
         stride_cm,
         stride_cn,
+        LEAF: tl.constexpr,
         GROUP_SLOTS: tl.constexpr,
         PRECISION: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        TMA: tl.constexpr,
     ):
         """Program (m tile, n tile, group): the group's root, its leaves and adds in registers.
 
-        The pairwise tree is walked as a binary counter over the slots (unrolled at compile time):
-        slot s's leaf is added, right operand, to the pending left subtree of each level whose bit
-        of s is 1, and parked as that level's left subtree at the first 0 bit. After the last slot
-        the value carried is the root; every add is the (left + right) of the tree."""
+        One pipelined loop walks the group's real leaves in BLOCK_K steps (a leaf's accumulator
+        starts from zero, ascending k; steps past K read zeros, exact no-ops); at each leaf end the
+        leaf enters the tree (``_push_leaf``). The padding slots then enter as exact zeros. With
+        TMA, ``a`` and ``b`` are pointers the kernel wraps in tensor descriptors."""
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         grp = tl.program_id(2)
+        if TMA:
+            a = tl.make_tensor_descriptor(a, [M, K], [stride_am, 1], [BLOCK_M, BLOCK_K])
+            b = tl.make_tensor_descriptor(b, [N, K], [stride_bn, 1], [BLOCK_N, BLOCK_K])
+        STEPS: tl.constexpr = LEAF // BLOCK_K
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
         first = grp * GROUP_LEAVES
         real = tl.maximum(tl.minimum(GROUP_LEAVES, tl.cdiv(K, LEAF) - first), 0)
-        left1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        left2 = left1
-        left4 = left1
-        left8 = left1
-        v = left1
-        for s in tl.static_range(GROUP_SLOTS):
-            k_lo = (first + s) * LEAF
-            k_hi = tl.where(s < real, tl.minimum(k_lo + LEAF, K), k_lo)  # padding slot: exact zero
-            v = _leaf_sum(
-                a_ptr,
-                b_ptr,
-                offs_m,
-                offs_n,
-                M,
-                N,
-                k_lo,
-                k_hi,
-                stride_am,
-                stride_ak,
-                stride_bn,
-                stride_bk,
-                PRECISION,
-                BLOCK_M,
-                BLOCK_N,
-                BLOCK_K,
-            )
-            if s % 2 == 0:
-                left1 = v
+        zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = zero
+        root = zero
+        left1 = zero
+        left2 = zero
+        left4 = zero
+        left8 = zero
+        for step in range(0, real * STEPS):
+            k0 = first * LEAF + step * BLOCK_K
+            if TMA:
+                x = a.load([pid_m * BLOCK_M, k0])
+                w = b.load([pid_n * BLOCK_N, k0])
+                acc = tl.dot(x, w.T, acc, input_precision=PRECISION)
             else:
-                v = left1 + v
-                if s % 4 == 1:
-                    left2 = v
-                else:
-                    v = left2 + v
-                    if s % 8 == 3:
-                        left4 = v
-                    else:
-                        v = left4 + v
-                        if s % 16 == 7:
-                            left8 = v
-                        else:
-                            v = left8 + v
+                ks = k0 + offs_k
+                x = tl.load(
+                    a + offs_m[:, None] * stride_am + ks[None, :],
+                    mask=(offs_m[:, None] < M) & (ks < K)[None, :],
+                    other=0.0,
+                )
+                w = tl.load(
+                    b + ks[:, None] + offs_n[None, :] * stride_bn,
+                    mask=(ks < K)[:, None] & (offs_n[None, :] < N),
+                    other=0.0,
+                )
+                acc = tl.dot(x, w, acc, input_precision=PRECISION)
+            if step % STEPS == STEPS - 1:
+                root, left1, left2, left4, left8 = _push_leaf(
+                    acc, step // STEPS, left1, left2, left4, left8, GROUP_SLOTS
+                )
+                acc = zero
+        for s in range(real, GROUP_SLOTS):  # padding slots: exact zeros
+            root, left1, left2, left4, left8 = _push_leaf(zero, s, left1, left2, left4, left8, GROUP_SLOTS)
         tl.store(
             c_ptr + grp * stride_cg + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn,
-            v,
+            root,
             mask=(offs_m[:, None] < M) & (offs_n[None, :] < N),
         )
+
+
+def _use_tma(w: torch.Tensor) -> bool:
+    """TMA loads for 2-byte weights on Hopper and later."""
+    capability, _ = _device_traits(w.device)
+    return capability is not None and capability >= (9, 0) and w.element_size() == 2
 
 
 def tree_reduce(slots: torch.Tensor) -> torch.Tensor:
@@ -256,7 +246,14 @@ def group_roots(
         )
     out = torch.empty(plan.groups_per_rank, m, n, dtype=torch.float32, device=x_local.device)
     if m and n:
-        bm, bn = 64, 64
+        tma = _use_tma(w_local)
+        if tma:
+            x_local, w_local = _tma_operand(x_local), _tma_operand(w_local)
+            _ensure_allocator()
+        elif x_local.stride(1) != 1 or w_local.stride(1) != 1:
+            x_local, w_local = x_local.contiguous(), w_local.contiguous()
+        # Launch shape only (no bit depends on it): wide tiles while few lefts are live.
+        bm, bn = (128, 128) if tma and gs <= 2 else (128, 64) if tma else (64, 64)
         _group_root_kernel[(cdiv(m, bm), cdiv(n, bn), plan.groups_per_rank)](
             x_local,
             w_local,
@@ -264,21 +261,20 @@ def group_roots(
             m,
             n,
             k,
-            plan.leaf,
             gl,
             x_local.stride(0),
-            x_local.stride(1),
             w_local.stride(0),
-            w_local.stride(1),
             out.stride(0),
             out.stride(1),
             out.stride(2),
+            LEAF=plan.leaf,
             GROUP_SLOTS=gs,
             PRECISION=dot_precision(w_local.dtype),
             BLOCK_M=bm,
             BLOCK_N=bn,
             BLOCK_K=bk,
-            num_warps=4,
+            TMA=tma,
+            num_warps=8 if tma else 4,
             num_stages=3,
         )
     return out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import tempfile
 
@@ -13,6 +14,7 @@ from kernels.tree_gemm import tree_gemm, tree_gemm_distributed, tree_plan
 from .conftest import CUDA, bits_equal, gpu, needs_triton
 
 pytestmark = needs_triton
+tree_gemm_mod = importlib.import_module("kernels.tree_gemm")  # the package exports a function of that name
 
 
 def test_plan_is_exact() -> None:
@@ -32,14 +34,17 @@ def test_plan_rejects_bad_degrees() -> None:
         tree_plan(4096, 256, 16)
 
 
+@pytest.mark.parametrize("tma", [False, True], ids=["pointer-loads", "tma-loads"])
 @pytest.mark.parametrize("k", [256, 200, 96, 640, 2000, 4000])  # groups of 1, 4, 8, 16 slots
-def test_tp_invariant_cpu(dev: str, k: int) -> None:
+def test_tp_invariant_cpu(dev: str, k: int, tma: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tree_gemm_mod, "_use_tma", lambda w: tma)
     torch.manual_seed(0)
     x, w = torch.randn(20, k, device=dev), torch.randn(24, k, device=dev)
-    ref = tree_gemm(x, w, leaf=32, tp=1, impl="triton")
+    leaf = 64 if tma else 32  # two BLOCK_K steps per leaf, or one
+    ref = tree_gemm(x, w, leaf=leaf, tp=1, impl="triton")
     for tp in (2, 4, 8):
-        assert bits_equal(tree_gemm(x, w, leaf=32, tp=tp, impl="triton"), ref), f"tp={tp}"
-    torch.testing.assert_close(ref, tree_gemm(x, w, leaf=32, tp=1, impl="torch"), rtol=1e-5, atol=1e-5)
+        assert bits_equal(tree_gemm(x, w, leaf=leaf, tp=tp, impl="triton"), ref), f"tp={tp}"
+    torch.testing.assert_close(ref, tree_gemm(x, w, leaf=leaf, tp=1, impl="torch"), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ref, x @ w.T, rtol=1e-4, atol=1e-4)
 
 
