@@ -15,8 +15,9 @@ The tree, exactly (``max_tp`` = the largest TP degree the plan serves, 8 by defa
     subtree locally; the ``tp`` roots are all-gathered (never all-reduced: NCCL's summation order
     is not ours) and combined by the same pairwise rule. Every add is the add TP=1 performs.
 
-On CUDA one kernel computes each group's root in registers (leaves and the pairwise adds inside
-the group), so memory holds one fp32 partial per group, never one per leaf.
+On CUDA one kernel computes the root of a rank's subtree in registers (leaves and pairwise adds),
+or, when the subtree is wider than MAX_PROGRAM_SLOTS slots, the roots of its equal complete
+subtrees of that width; memory never holds one partial per leaf.
 """
 
 from __future__ import annotations
@@ -30,9 +31,9 @@ from ._triton import HAVE_TRITON, cdiv, dot_precision, jit, resolve, tl, triton
 from .gemm import _device_traits, _ensure_allocator, _tma_operand, gemm_reference
 
 MAX_TP = 8
-# The fused kernel unrolls a group's pairwise tree; groups wider than this fall back to per-leaf
-# partials reduced in torch (same adds, more memory).
-MAX_FUSED_GROUP = 16
+# Slots one program carries in registers (2 + log2 of it live fp32 tiles); a rank's subtree wider
+# than this is computed as equal complete subtrees, their roots added by the same tree in torch.
+MAX_PROGRAM_SLOTS = 32
 
 
 def _next_pow2(x: int) -> int:
@@ -96,9 +97,9 @@ def _block_k(dtype: torch.dtype) -> int:
 if HAVE_TRITON:
 
     @triton.jit
-    def _push_leaf(leaf, s, left1, left2, left4, left8, GROUP_SLOTS: tl.constexpr):
-        """Slot ``s``'s leaf into the group's pairwise tree, kept as a binary counter: the leaf is
-        added, right operand, to the pending left subtree of each level whose bit of ``s`` is 1,
+    def _push_leaf(leaf, s, left1, left2, left4, left8, left16, SLOTS: tl.constexpr):
+        """Slot ``s``'s leaf into a pairwise tree of SLOTS slots kept as a binary counter: the leaf
+        is added, right operand, to the pending left subtree of each level whose bit of ``s`` is 1,
         and parked as that level's left subtree at the first 0 bit. Returns (carry, lefts); after
         the last slot the carry is the root, and every add was a (left + right) of the tree."""
         v = leaf
@@ -106,25 +107,30 @@ if HAVE_TRITON:
             left1 = v
         else:
             v = left1 + v
-            if GROUP_SLOTS > 2:
+            if SLOTS > 2:
                 if s % 4 == 1:
                     left2 = v
                 else:
                     v = left2 + v
-                    if GROUP_SLOTS > 4:
+                    if SLOTS > 4:
                         if s % 8 == 3:
                             left4 = v
                         else:
                             v = left4 + v
-                            if GROUP_SLOTS > 8:
+                            if SLOTS > 8:
                                 if s % 16 == 7:
                                     left8 = v
                                 else:
                                     v = left8 + v
-        return v, left1, left2, left4, left8
+                                    if SLOTS > 16:
+                                        if s % 32 == 15:
+                                            left16 = v
+                                        else:
+                                            v = left16 + v
+        return v, left1, left2, left4, left8, left16
 
     @jit(do_not_specialize=["M"])
-    def _group_root_kernel(
+    def _subtree_kernel(
         a,
         b,
         c_ptr,
@@ -139,30 +145,32 @@ if HAVE_TRITON:
         stride_cn,
         LEAF: tl.constexpr,
         GROUP_SLOTS: tl.constexpr,
+        GROUPS: tl.constexpr,
         PRECISION: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         TMA: tl.constexpr,
     ):
-        """Program (m tile, n tile, group): the group's root, its leaves and adds in registers.
+        """Program (m tile, n tile, part): the root of GROUPS consecutive groups (a complete
+        subtree of GROUPS * GROUP_SLOTS slots), every leaf and add in registers.
 
-        One pipelined loop walks the group's real leaves in BLOCK_K steps (a leaf's accumulator
-        starts from zero, ascending k; steps past K read zeros, exact no-ops); at each leaf end the
-        leaf enters the tree (``_push_leaf``). The padding slots then enter as exact zeros. With
-        TMA, ``a`` and ``b`` are pointers the kernel wraps in tensor descriptors."""
+        Per group, one pipelined loop walks its real leaves in BLOCK_K steps (a leaf's accumulator
+        starts from zero, ascending k; steps past K read zeros, exact no-ops) and at each leaf end
+        the leaf enters the tree (``_push_leaf``); the group's padding slots then enter as exact
+        zeros. With TMA, ``a`` and ``b`` are pointers the kernel wraps in tensor descriptors."""
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
-        grp = tl.program_id(2)
+        part = tl.program_id(2)
         if TMA:
             a = tl.make_tensor_descriptor(a, [M, K], [stride_am, 1], [BLOCK_M, BLOCK_K])
             b = tl.make_tensor_descriptor(b, [N, K], [stride_bn, 1], [BLOCK_N, BLOCK_K])
         STEPS: tl.constexpr = LEAF // BLOCK_K
+        SLOTS: tl.constexpr = GROUPS * GROUP_SLOTS
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
-        first = grp * GROUP_LEAVES
-        real = tl.maximum(tl.minimum(GROUP_LEAVES, tl.cdiv(K, LEAF) - first), 0)
+        n_leaves = tl.cdiv(K, LEAF)
         zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc = zero
         root = zero
@@ -170,34 +178,40 @@ if HAVE_TRITON:
         left2 = zero
         left4 = zero
         left8 = zero
-        for step in range(0, real * STEPS):
-            k0 = first * LEAF + step * BLOCK_K
-            if TMA:
-                x = a.load([pid_m * BLOCK_M, k0])
-                w = b.load([pid_n * BLOCK_N, k0])
-                acc = tl.dot(x, w.T, acc, input_precision=PRECISION)
-            else:
-                ks = k0 + offs_k
-                x = tl.load(
-                    a + offs_m[:, None] * stride_am + ks[None, :],
-                    mask=(offs_m[:, None] < M) & (ks < K)[None, :],
-                    other=0.0,
+        left16 = zero
+        for g in range(0, GROUPS):
+            first = (part * GROUPS + g) * GROUP_LEAVES
+            real = tl.maximum(tl.minimum(GROUP_LEAVES, n_leaves - first), 0)
+            for step in range(0, real * STEPS):
+                k0 = first * LEAF + step * BLOCK_K
+                if TMA:
+                    x = a.load([pid_m * BLOCK_M, k0])
+                    w = b.load([pid_n * BLOCK_N, k0])
+                    acc = tl.dot(x, w.T, acc, input_precision=PRECISION)
+                else:
+                    ks = k0 + offs_k
+                    x = tl.load(
+                        a + offs_m[:, None] * stride_am + ks[None, :],
+                        mask=(offs_m[:, None] < M) & (ks < K)[None, :],
+                        other=0.0,
+                    )
+                    w = tl.load(
+                        b + ks[:, None] + offs_n[None, :] * stride_bn,
+                        mask=(ks < K)[:, None] & (offs_n[None, :] < N),
+                        other=0.0,
+                    )
+                    acc = tl.dot(x, w, acc, input_precision=PRECISION)
+                if step % STEPS == STEPS - 1:
+                    root, left1, left2, left4, left8, left16 = _push_leaf(
+                        acc, g * GROUP_SLOTS + step // STEPS, left1, left2, left4, left8, left16, SLOTS
+                    )
+                    acc = zero
+            for j in range(real, GROUP_SLOTS):  # padding slots: exact zeros
+                root, left1, left2, left4, left8, left16 = _push_leaf(
+                    zero, g * GROUP_SLOTS + j, left1, left2, left4, left8, left16, SLOTS
                 )
-                w = tl.load(
-                    b + ks[:, None] + offs_n[None, :] * stride_bn,
-                    mask=(ks < K)[:, None] & (offs_n[None, :] < N),
-                    other=0.0,
-                )
-                acc = tl.dot(x, w, acc, input_precision=PRECISION)
-            if step % STEPS == STEPS - 1:
-                root, left1, left2, left4, left8 = _push_leaf(
-                    acc, step // STEPS, left1, left2, left4, left8, GROUP_SLOTS
-                )
-                acc = zero
-        for s in range(real, GROUP_SLOTS):  # padding slots: exact zeros
-            root, left1, left2, left4, left8 = _push_leaf(zero, s, left1, left2, left4, left8, GROUP_SLOTS)
         tl.store(
-            c_ptr + grp * stride_cg + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn,
+            c_ptr + part * stride_cg + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn,
             root,
             mask=(offs_m[:, None] < M) & (offs_n[None, :] < N),
         )
@@ -217,11 +231,23 @@ def tree_reduce(slots: torch.Tensor) -> torch.Tensor:
     return s[0]
 
 
-def group_roots(
+def _tile(live: int, tma: bool) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, warps) for a program keeping ``live`` fp32 tiles in registers (launch
+    shape only: no bit depends on it)."""
+    if not tma:
+        return 64, 64, 4
+    if live <= 3:
+        return 128, 128, 8
+    return (128, 64, 8) if live <= 5 else (64, 64, 8)
+
+
+def partial_roots(
     x_local: torch.Tensor, w_local: torch.Tensor, plan: TreePlan, impl: str | None = None
 ) -> torch.Tensor:
-    """fp32 roots of a rank's groups, in order: shape (groups_per_rank, M, N). ``x_local`` and
-    ``w_local`` hold exactly the rank's K columns (``plan.k_range(rank)``)."""
+    """fp32 roots of consecutive, equal, complete subtrees of a rank's tree, in order (the
+    :func:`tree_reduce` of them is the rank's root): shape (parts, M, N). On CUDA a program holds
+    up to MAX_PROGRAM_SLOTS slots in registers; the torch path returns one root per group.
+    ``x_local`` and ``w_local`` hold exactly the rank's K columns (``plan.k_range(rank)``)."""
     m, k = x_local.shape
     n = w_local.shape[0]
     bk = _block_k(w_local.dtype)
@@ -240,11 +266,15 @@ def group_roots(
                 slots.append(leaf)
             roots.append(tree_reduce(torch.stack(slots)))
         return torch.stack(roots)
-    if gs > MAX_FUSED_GROUP:
+    if gs > MAX_PROGRAM_SLOTS:
         raise ValueError(
-            f"a group of {gs} leaves exceeds {MAX_FUSED_GROUP}: use a wider leaf (leaf={plan.leaf}, k={plan.k})"
+            f"a group of {gs} leaves exceeds {MAX_PROGRAM_SLOTS}: use a wider leaf (leaf={plan.leaf}, k={plan.k})"
         )
-    out = torch.empty(plan.groups_per_rank, m, n, dtype=torch.float32, device=x_local.device)
+    groups = plan.groups_per_rank  # per program: the most whose slots fit (both powers of two)
+    while groups * gs > MAX_PROGRAM_SLOTS:
+        groups //= 2
+    parts = plan.groups_per_rank // groups
+    out = torch.empty(parts, m, n, dtype=torch.float32, device=x_local.device)
     if m and n:
         tma = _use_tma(w_local)
         if tma:
@@ -252,9 +282,8 @@ def group_roots(
             _ensure_allocator()
         elif x_local.stride(1) != 1 or w_local.stride(1) != 1:
             x_local, w_local = x_local.contiguous(), w_local.contiguous()
-        # Launch shape only (no bit depends on it): wide tiles while few lefts are live.
-        bm, bn = (128, 128) if tma and gs <= 2 else (128, 64) if tma else (64, 64)
-        _group_root_kernel[(cdiv(m, bm), cdiv(n, bn), plan.groups_per_rank)](
+        bm, bn, warps = _tile(2 + (groups * gs).bit_length() - 1, tma)
+        _subtree_kernel[(cdiv(m, bm), cdiv(n, bn), parts)](
             x_local,
             w_local,
             out,
@@ -269,12 +298,13 @@ def group_roots(
             out.stride(2),
             LEAF=plan.leaf,
             GROUP_SLOTS=gs,
+            GROUPS=groups,
             PRECISION=dot_precision(w_local.dtype),
             BLOCK_M=bm,
             BLOCK_N=bn,
             BLOCK_K=bk,
             TMA=tma,
-            num_warps=8 if tma else 4,
+            num_warps=warps,
             num_stages=3,
         )
     return out
@@ -287,7 +317,7 @@ def subtree_root(
     lo, hi = plan.k_range(rank)
     if x_local.shape[1] != hi - lo or w_local.shape[1] != hi - lo:
         raise ValueError(f"rank {rank} must hold K columns [{lo}, {hi}) of the plan, got {x_local.shape[1]}")
-    return tree_reduce(group_roots(x_local, w_local, plan, impl))
+    return tree_reduce(partial_roots(x_local, w_local, plan, impl))
 
 
 def tree_gemm(

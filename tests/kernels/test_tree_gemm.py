@@ -45,12 +45,15 @@ def test_tp_invariant_cpu(dev: str, k: int, tma: bool, monkeypatch: pytest.Monke
     for tp in (2, 4, 8):
         assert bits_equal(tree_gemm(x, w, leaf=leaf, tp=tp, impl="triton"), ref), f"tp={tp}"
     torch.testing.assert_close(ref, tree_gemm(x, w, leaf=leaf, tp=1, impl="torch"), rtol=1e-5, atol=1e-5)
+    # One group per program (its roots then added in torch) is the same tree: the same bits.
+    monkeypatch.setattr(tree_gemm_mod, "MAX_PROGRAM_SLOTS", tree_plan(k, leaf).group_slots)
+    assert bits_equal(tree_gemm(x, w, leaf=leaf, tp=1, impl="triton"), ref)
     torch.testing.assert_close(ref, x @ w.T, rtol=1e-4, atol=1e-4)
 
 
 @gpu
-@pytest.mark.parametrize("k", [4096, 11008])
-def test_tp_invariant_gpu(k: int) -> None:
+@pytest.mark.parametrize("k", [4096, 11008, 14336])
+def test_tp_invariant_gpu(k: int, monkeypatch: pytest.MonkeyPatch) -> None:
     torch.manual_seed(0)
     x = torch.randn(300, k, device="cuda").bfloat16()
     w = (torch.randn(512, k, device="cuda") / k**0.5).bfloat16()
@@ -58,6 +61,8 @@ def test_tp_invariant_gpu(k: int) -> None:
     for tp in (2, 4, 8):
         assert bits_equal(tree_gemm(x, w, leaf=256, tp=tp), ref), f"tp={tp}"
     assert bits_equal(tree_gemm(x[:7], w, leaf=256, tp=4), ref[:7])
+    monkeypatch.setattr(tree_gemm_mod, "MAX_PROGRAM_SLOTS", tree_plan(k, 256).group_slots)
+    assert bits_equal(tree_gemm(x, w, leaf=256, tp=1), ref)  # one group per program: same tree
 
 
 def _nccl_worker(rank: int, world: int, k: int, leaf: int, path: str) -> None:
