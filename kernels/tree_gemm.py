@@ -15,9 +15,9 @@ The tree, exactly (``max_tp`` = the largest TP degree the plan serves, 8 by defa
     subtree locally; the ``tp`` roots are all-gathered (never all-reduced: NCCL's summation order
     is not ours) and combined by the same pairwise rule. Every add is the add TP=1 performs.
 
-On CUDA one kernel computes the root of a rank's subtree in registers (leaves and pairwise adds),
-or, when the subtree is wider than MAX_PROGRAM_SLOTS slots, the roots of its equal complete
-subtrees of that width; memory never holds one partial per leaf.
+On CUDA one kernel computes the roots of a rank's subtree in registers (leaves and pairwise adds),
+a program carrying MAX_PROGRAM_SLOTS slots (or one whole group); memory never holds one partial
+per leaf.
 """
 
 from __future__ import annotations
@@ -33,7 +33,11 @@ from .gemm import _device_traits, _ensure_allocator, _tma_operand, gemm_referenc
 MAX_TP = 8
 # Slots one program carries in registers (2 + log2 of it live fp32 tiles); a rank's subtree wider
 # than this is computed as equal complete subtrees, their roots added by the same tree in torch.
-MAX_PROGRAM_SLOTS = 32
+# 8 measured fastest on the H200 at K = 4096, 12288, 14336 (16 or 32 need narrower tiles: 1.3-1.5x
+# slower; one group per program writes more partials: 1.25x slower at K=4096). A group may still
+# hold up to 32 slots.
+MAX_PROGRAM_SLOTS = 8
+MAX_GROUP_SLOTS = 32
 
 
 def _next_pow2(x: int) -> int:
@@ -246,7 +250,8 @@ def partial_roots(
 ) -> torch.Tensor:
     """fp32 roots of consecutive, equal, complete subtrees of a rank's tree, in order (the
     :func:`tree_reduce` of them is the rank's root): shape (parts, M, N). On CUDA a program holds
-    up to MAX_PROGRAM_SLOTS slots in registers; the torch path returns one root per group.
+    up to MAX_PROGRAM_SLOTS slots (at least one group) in registers; the torch path returns one
+    root per group.
     ``x_local`` and ``w_local`` hold exactly the rank's K columns (``plan.k_range(rank)``)."""
     m, k = x_local.shape
     n = w_local.shape[0]
@@ -266,12 +271,12 @@ def partial_roots(
                 slots.append(leaf)
             roots.append(tree_reduce(torch.stack(slots)))
         return torch.stack(roots)
-    if gs > MAX_PROGRAM_SLOTS:
+    if gs > MAX_GROUP_SLOTS:
         raise ValueError(
-            f"a group of {gs} leaves exceeds {MAX_PROGRAM_SLOTS}: use a wider leaf (leaf={plan.leaf}, k={plan.k})"
+            f"a group of {gs} leaves exceeds {MAX_GROUP_SLOTS}: use a wider leaf (leaf={plan.leaf}, k={plan.k})"
         )
     groups = plan.groups_per_rank  # per program: the most whose slots fit (both powers of two)
-    while groups * gs > MAX_PROGRAM_SLOTS:
+    while groups > 1 and groups * gs > MAX_PROGRAM_SLOTS:
         groups //= 2
     parts = plan.groups_per_rank // groups
     out = torch.empty(parts, m, n, dtype=torch.float32, device=x_local.device)
