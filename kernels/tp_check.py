@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from . import enable
+from .bits import bits_equal
 from .tensor_parallel import (
     join_torchrun_group,
     leave_group,
@@ -39,14 +40,6 @@ from .tree_gemm import tree_gemm, tree_gemm_distributed, tree_plan
 
 ROW_PARALLEL_K = (4096, 12288, 14336)
 HIDDEN = 4096
-
-
-def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (
-        a.shape == b.shape
-        and a.dtype == b.dtype
-        and bool(torch.equal(a.view(torch.uint8), b.view(torch.uint8)))
-    )
 
 
 def check_gemms(
@@ -67,7 +60,7 @@ def check_gemms(
         rows.append(
             {
                 "k": k,
-                "tree_equals_tp1": _bits_equal(ours, tp1),
+                "tree_equals_tp1": bits_equal(ours, tp1),
                 "native_mismatch_fraction": float((native != native_tp1).float().mean()),
             }
         )
@@ -112,7 +105,7 @@ def check_model(rank: int, world: int, dev: torch.device, dtype: torch.dtype) ->
     native_mismatch = (native_model(ids).logits != native_tp1(ids).logits).float().mean()
     return {
         "sharded_layers": sharded,
-        "logits_equal_tp1": _bits_equal(ours, ref),
+        "logits_equal_tp1": bits_equal(ours, ref),
         "native_logits_mismatch_fraction": float(native_mismatch),
     }
 

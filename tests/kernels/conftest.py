@@ -14,6 +14,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from kernels._triton import HAVE_TRITON  # noqa: E402
+from kernels.bits import bits_equal  # noqa: E402, F401  (the tests import it from here)
 
 CUDA = torch.cuda.is_available()
 needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
@@ -28,12 +29,3 @@ def gpu(fn):
 def dev() -> str:
     """Where the structural tests run: CUDA if present, else the CPU under the interpreter."""
     return "cuda" if CUDA else "cpu"
-
-
-def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bitwise equality (NaN-safe, and -0.0 != +0.0)."""
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    ia = a.contiguous().view(torch.int16 if a.element_size() == 2 else torch.int32)
-    ib = b.contiguous().view(torch.int16 if b.element_size() == 2 else torch.int32)
-    return torch.equal(ia, ib)

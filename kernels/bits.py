@@ -1,0 +1,12 @@
+"""Bitwise equality of tensors: the only comparison the invariance claims accept."""
+
+from __future__ import annotations
+
+import torch
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same shape, dtype and bytes (so NaN equals an identical NaN, and -0.0 differs from +0.0)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return bool(torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)))
