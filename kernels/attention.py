@@ -352,7 +352,7 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, cfg: AttnConfig) -> int:
     return g
 
 
-def _reference(
+def attention_reference(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -360,10 +360,14 @@ def _reference(
     q_pos0: torch.Tensor,
     kv_len: torch.Tensor,
     slots: torch.Tensor,
-    scale: float | None,
-    cfg: AttnConfig,
+    scale: float | None = None,
+    config: AttnConfig | None = None,
 ) -> torch.Tensor:
-    """:func:`attention_reference` for any (split, block_n)."""
+    """The kernel's arithmetic in torch: per row, fixed splits of absolute key positions, each a
+    fresh fp32 base-2 online softmax over BLOCK_N tiles in ascending order (probabilities rounded
+    to the value dtype before the PV product), splits merged in ascending order, one division.
+    ``config`` gives (split, block_n) other than :data:`CONFIG`'s."""
+    cfg = config or CONFIG
     g = _check(q, k_cache, cfg)
     d = q.shape[-1]
     c = (scale if scale is not None else 1.0 / math.sqrt(d)) * LOG2E
@@ -409,22 +413,6 @@ def _reference(
     return out
 
 
-def attention_reference(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    cu_q: torch.Tensor,
-    q_pos0: torch.Tensor,
-    kv_len: torch.Tensor,
-    slots: torch.Tensor,
-    scale: float | None = None,
-) -> torch.Tensor:
-    """The kernel's arithmetic in torch: per row, fixed splits of absolute key positions, each a
-    fresh fp32 base-2 online softmax over BLOCK_N tiles in ascending order (probabilities rounded
-    to the value dtype before the PV product), splits merged in ascending order, one division."""
-    return _reference(q, k_cache, v_cache, cu_q, q_pos0, kv_len, slots, scale, CONFIG)
-
-
 def attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -446,7 +434,7 @@ def attention(
     if resolve(impl, q) == "torch":
         if slots is None:
             slots = torch.arange(b, device=q.device, dtype=torch.int32)
-        return _reference(q, k_cache, v_cache, cu_q, q_pos0, kv_len, slots, scale, cfg)
+        return attention_reference(q, k_cache, v_cache, cu_q, q_pos0, kv_len, slots, scale, cfg)
     g = _check(q, k_cache, cfg)
     t, hq, d = q.shape
     c = (scale if scale is not None else 1.0 / math.sqrt(d)) * LOG2E

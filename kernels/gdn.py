@@ -607,6 +607,25 @@ def gdn_recurrent(
     return o, torch.stack(states) if states else h
 
 
+def _input_strides(q, k, v, g, beta) -> tuple[int, ...]:
+    """The token and head strides of the kernels' inputs (g and beta: the token stride only)."""
+    return (
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        g.stride(0),
+        beta.stride(0),
+    )
+
+
+def _tile_widths(dk: int, dv: int) -> tuple[int, int]:
+    """Power-of-two register widths (at least 16, the dot's minimum) for dk and dv."""
+    return max(16, next_power_of_2(dk)), max(16, next_power_of_2(dv))
+
+
 def _launch(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -643,8 +662,7 @@ def _launch(
     if not nb:
         return o, ws_t, ws_u, offs
     starts_t, lens_t, coff = (_device_ints(x, q.device) for x in (starts, lens, offs))
-    bk = max(16, next_power_of_2(dk))
-    bdv = max(16, next_power_of_2(dv))
+    bk, bdv = _tile_widths(dk, dv)
     bv = min(CONFIG.state_bv, bdv)
     cfg = CONFIG
     _gdn_prep_kernel[(max(n_ch + [1]), nb * hh)](
@@ -662,14 +680,7 @@ def _launch(
         lens_t,
         coff,
         hh,
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        g.stride(0),
-        beta.stride(0),
+        *_input_strides(q, k, v, g, beta),
         DK=dk,
         DV=dv,
         C=chunk,
@@ -855,8 +866,7 @@ def gdn_decode_step(
     if not nb:
         return o
     assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and g.stride(-1) == beta.stride(-1) == 1
-    bk = max(16, next_power_of_2(dk))
-    bdv = max(16, next_power_of_2(dv))
+    bk, bdv = _tile_widths(dk, dv)
     scratch = torch.empty(nb * hh, 3 * chunk + bk, dtype=torch.float32, device=q.device)
     _gdn_decode_kernel[(nb * hh,)](
         q,
@@ -873,14 +883,7 @@ def gdn_decode_step(
         scratch,
         o,
         hh,
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        g.stride(0),
-        beta.stride(0),
+        *_input_strides(q, k, v, g, beta),
         DK=dk,
         DV=dv,
         BK=bk,

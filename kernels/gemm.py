@@ -25,6 +25,7 @@ import torch
 from ._triton import HAVE_TRITON, cdiv, dot_precision, jit, resolve, tl, triton
 
 if HAVE_TRITON:
+    from triton.runtime import _allocation
     from triton.tools.tensor_descriptor import TensorDescriptor
 
 
@@ -224,8 +225,6 @@ def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
 def _ensure_allocator() -> None:
     """Give Triton a scratch allocator unless the process (e.g. the engine) already set one. The
     setting is a context variable, so each thread that launches checks for itself."""
-    from triton.runtime import _allocation
-
     if _allocation._allocator.get() is _allocation._NULL_ALLOCATOR:
         triton.set_allocator(_scratch)
 

@@ -101,36 +101,29 @@ def _block_k(dtype: torch.dtype) -> int:
 if HAVE_TRITON:
 
     @triton.jit
+    def _tree_level(left, v, s, W: tl.constexpr):
+        """Level W (1, 2, 4, ...) of the pairwise tree kept as a binary counter. Slot ``s``'s carry
+        reaches it when the bits of ``s`` below W are all ones; there it is parked as the level's
+        left subtree if bit W is 0, else added to it as the right operand (left + right)."""
+        if s % (2 * W) == W - 1:
+            left = v
+        elif s % (2 * W) == 2 * W - 1:
+            v = left + v
+        return left, v
+
+    @triton.jit
     def _push_leaf(leaf, s, left1, left2, left4, left8, left16, SLOTS: tl.constexpr):
-        """Slot ``s``'s leaf into a pairwise tree of SLOTS slots kept as a binary counter: the leaf
-        is added, right operand, to the pending left subtree of each level whose bit of ``s`` is 1,
-        and parked as that level's left subtree at the first 0 bit. Returns (carry, lefts); after
-        the last slot the carry is the root, and every add was a (left + right) of the tree."""
-        v = leaf
-        if s % 2 == 0:
-            left1 = v
-        else:
-            v = left1 + v
-            if SLOTS > 2:
-                if s % 4 == 1:
-                    left2 = v
-                else:
-                    v = left2 + v
-                    if SLOTS > 4:
-                        if s % 8 == 3:
-                            left4 = v
-                        else:
-                            v = left4 + v
-                            if SLOTS > 8:
-                                if s % 16 == 7:
-                                    left8 = v
-                                else:
-                                    v = left8 + v
-                                    if SLOTS > 16:
-                                        if s % 32 == 15:
-                                            left16 = v
-                                        else:
-                                            v = left16 + v
+        """Slot ``s``'s leaf into a tree of SLOTS slots. Returns (carry, lefts); after the last
+        slot the carry is the root, and every add was a (left + right) of the tree."""
+        left1, v = _tree_level(left1, leaf, s, 1)
+        if SLOTS > 2:
+            left2, v = _tree_level(left2, v, s, 2)
+        if SLOTS > 4:
+            left4, v = _tree_level(left4, v, s, 4)
+        if SLOTS > 8:
+            left8, v = _tree_level(left8, v, s, 8)
+        if SLOTS > 16:
+            left16, v = _tree_level(left16, v, s, 16)
         return v, left1, left2, left4, left8, left16
 
     @jit(do_not_specialize=["M"])

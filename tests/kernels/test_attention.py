@@ -8,7 +8,7 @@ import importlib
 import pytest
 import torch
 
-from kernels.attention import CONFIG, AttnConfig, _math_attention, _reference, attention
+from kernels.attention import CONFIG, AttnConfig, _math_attention, attention, attention_reference
 
 from .conftest import bits_equal, gpu, needs_triton
 
@@ -90,7 +90,7 @@ def test_same_bits_cpu(dev: str, merge_in_split_launch: bool) -> None:
         assert bits_equal(o, outs[0])
     i32 = dict(device=dev, dtype=torch.int32)
     args = (q, k, v, torch.tensor([0, n], **i32), torch.tensor([0], **i32), torch.tensor([n], **i32))
-    ref = _reference(*args, torch.tensor([0], **i32), None, CPU_CONFIG)
+    ref = attention_reference(*args, torch.tensor([0], **i32), None, CPU_CONFIG)
     full = attention(*args, config=CPU_CONFIG)
     torch.testing.assert_close(full, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(
@@ -109,7 +109,7 @@ def test_short_cache_cpu(dev: str) -> None:
         args = (q, k, v, torch.tensor([0, n, 2 * n], **i32), torch.tensor([30, 50], **i32))
         kv_len, slots = torch.tensor([20, 45], **i32), torch.tensor([1, 0], **i32)
         out = attention(*args, kv_len, slots, config=CPU_CONFIG)
-        ref = _reference(*args, kv_len, slots, None, CPU_CONFIG)
+        ref = attention_reference(*args, kv_len, slots, None, CPU_CONFIG)
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
