@@ -183,4 +183,29 @@ class StepResultRow(Base):
     computed_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
+class StepSummaryRow(Base):
+    """What the dashboard draws of one compared step, computed once by the comparison worker
+    (``audit.summaries``) so no page ever reads token arrays: |Δ logprob| per response-position bin
+    (fixed edges, so steps line up), where first divergences fall, and the diagnosis counts."""
+
+    __tablename__ = "step_summaries"
+
+    run_id: Mapped[str] = mapped_column(
+        String(128), ForeignKey("runs.run_id", ondelete="CASCADE"), primary_key=True
+    )
+    step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    n_samples: Mapped[int] = mapped_column(Integer)
+    n_tokens: Mapped[int] = mapped_column(BigInteger)
+    #: {"count": [...], "mean": [...], "max": [...], "max_key": [...]} per bin of ``audit.summaries.POSITION_BIN_EDGES``.
+    position_bins: Mapped[dict[str, Any]] = mapped_column()
+    #: {region label: {"count": n, "example": sample_key}} over samples whose first divergence is there.
+    first_divergence: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    n_fingerprinted: Mapped[int] = mapped_column(Integer, default=0)
+    #: {diagnosis kind: number of samples}.
+    diagnoses: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    #: When the step's latest sample record was stored (maps manifest changes onto steps).
+    ingested_at: Mapped[datetime | None] = mapped_column()
+    computed_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
 from audit import service_models as _service_models  # noqa: E402,F401
