@@ -14,6 +14,7 @@ from typing import Any
 from audit.compare import compare_samples, step_summary
 from audit.records import SampleLogprobs, utcnow
 from audit.store import Store
+from audit.summaries import SampleOutcome, save_summary, summarize_step
 
 log = logging.getLogger(__name__)
 
@@ -78,13 +79,20 @@ class ComparisonWorker:
         comparisons = compare_samples(todo, dict(prints), manifests, clip_eps=self.clip_eps)
 
         # The step's figures cover every compared sample of the step, old and new.
-        fresh = {c.sample_key for c in comparisons}
-        kinds = [c.diagnosis.kind for c in comparisons] + [
-            row.diagnosis for row in self.store.sample_results(run, step) if row.sample_key not in fresh
+        fresh = [
+            SampleOutcome(
+                c.sample_key, c.diagnosis.kind, c.first_divergence[0] if c.first_divergence else None
+            )
+            for c in comparisons
         ]
         all_pairs = [pairs[k] for k in sorted(pairs)]
         summary = step_summary(all_pairs, comparisons, clip_eps=self.clip_eps)
-        summary["diagnoses"]["counts"] = {kind: kinds.count(kind) for kind in sorted(set(kinds))}
+        # The dashboard's aggregates go first: a crash before the results are saved leaves the step
+        # queued, and comparing it again rewrites both.
+        with self.store.sessions.begin() as session:
+            aggregates = summarize_step(session, run, step, all_pairs, fresh)
+            save_summary(session, aggregates)
+        summary["diagnoses"]["counts"] = aggregates["diagnoses"]
         self.store.save_comparison(
             [c.result_row() for c in comparisons],
             [{"run_id": run, "step": step, **summary}],

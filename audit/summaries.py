@@ -1,0 +1,157 @@
+"""Per-step aggregates for the dashboard, computed once when the worker compares a step.
+
+A page must never scan token arrays: a run of 1,000 steps x 256 samples x 1,024 tokens holds half a
+billion logprobs. What the run page draws is therefore reduced here, at comparison time, to a few
+hundred numbers per step and stored in ``step_summaries``:
+
+* |Δ logprob| per **response-position bin**, mean and max, and the sample holding each bin's max (so
+  a click on a heatmap cell opens that sample). The bin edges are fixed (:data:`POSITION_BIN_EDGES`)
+  so every step's bins line up whatever its lengths: 16 tokens wide up to 256, then coarser.
+* how many samples first diverge in each **region**, with one example sample per region;
+* the **diagnosis** counts of the step's compared samples;
+* when the step's latest record arrived (to place manifest changes, e.g. a remediation switch, on
+  the step axis).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from sqlalchemy import delete, func, select
+from sqlalchemy.orm import Session
+
+from audit.models import FingerprintRow, SampleResultRow, SampleRow, StepSummaryRow
+from audit.records import SampleLogprobs, utcnow
+
+
+def _edges() -> np.ndarray:
+    """Bin starts: width 16 to 256, 64 to 1,024, 256 to 4,096, 1,024 to 16,384, 4,096 to 65,536,
+    then one open-ended bin."""
+    parts = [np.arange(0, 256, 16)]
+    for start, stop, width in ((256, 1024, 64), (1024, 4096, 256), (4096, 16384, 1024), (16384, 65536, 4096)):
+        parts.append(np.arange(start, stop, width))
+    parts.append(np.array([65536]))
+    return np.concatenate(parts).astype(np.int64)
+
+
+#: Start (inclusive) of each response-position bin; bin i covers [edges[i], edges[i + 1]).
+POSITION_BIN_EDGES: np.ndarray = _edges()
+
+
+def bin_label(index: int) -> str:
+    """``"0–15"``, ``"256–319"``, ``"65536+"``: the positions bin ``index`` covers."""
+    start = int(POSITION_BIN_EDGES[index])
+    if index + 1 >= POSITION_BIN_EDGES.size:
+        return f"{start}+"
+    return f"{start}–{int(POSITION_BIN_EDGES[index + 1]) - 1}"
+
+
+@dataclass(frozen=True)
+class SampleOutcome:
+    """What the step summary needs of one compared sample."""
+
+    sample_key: str
+    diagnosis: str
+    first_region: str | None
+
+
+def position_bins(pairs: Sequence[tuple[SampleLogprobs, SampleLogprobs]]) -> dict[str, list[Any]]:
+    """|Δ logprob| per response-position bin over all tokens of ``pairs``: ``count`` (finite tokens),
+    ``mean``, ``max`` and ``max_key`` (the sample holding the max) per bin, up to the last bin any
+    sample reaches. Non-finite Δ (a -inf logprob) is left out; an empty bin has ``None``."""
+    lengths = np.array([t.logprobs.size for t, _ in pairs], dtype=np.int64)
+    total = int(lengths.sum())
+    if total == 0:
+        return {"count": [], "mean": [], "max": [], "max_key": []}
+    trainer = np.concatenate([t.logprobs for t, _ in pairs]).astype(np.float64)
+    rollout = np.concatenate([r.logprobs for _, r in pairs]).astype(np.float64)
+    with np.errstate(invalid="ignore"):
+        delta = np.abs(trainer - rollout)
+    starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
+    positions = np.arange(total, dtype=np.int64) - starts
+    owner = np.repeat(np.arange(lengths.size), lengths)
+    bins = np.searchsorted(POSITION_BIN_EDGES, positions, side="right") - 1
+    n_bins = int(bins.max()) + 1
+    finite = np.isfinite(delta)
+    bins, delta, owner = bins[finite], delta[finite], owner[finite]
+    count = np.bincount(bins, minlength=n_bins)
+    sums = np.bincount(bins, weights=delta, minlength=n_bins)
+    maxima: list[float | None] = [None] * n_bins
+    max_key: list[str | None] = [None] * n_bins
+    if bins.size:
+        order = np.lexsort((delta, bins))
+        sorted_bins = bins[order]
+        last = np.flatnonzero(np.r_[sorted_bins[1:] != sorted_bins[:-1], True])
+        keys = [t.sample_key for t, _ in pairs]
+        for index in order[last]:
+            b = int(bins[index])
+            maxima[b] = float(delta[index])
+            max_key[b] = keys[int(owner[index])]
+    means = [float(s / c) if c else None for s, c in zip(sums, count, strict=True)]
+    return {"count": count.tolist(), "mean": means, "max": maxima, "max_key": max_key}
+
+
+def first_divergence_counts(outcomes: Sequence[SampleOutcome]) -> dict[str, dict[str, Any]]:
+    """{region: {"count", "example"}} over the samples whose first divergence lies in that region."""
+    found: dict[str, dict[str, Any]] = {}
+    for outcome in sorted(outcomes, key=lambda o: o.sample_key):
+        if outcome.first_region is None:
+            continue
+        entry = found.setdefault(outcome.first_region, {"count": 0, "example": outcome.sample_key})
+        entry["count"] += 1
+    return found
+
+
+def step_outcomes(session: Session, run_id: str, step: int) -> list[SampleOutcome]:
+    """The stored verdicts of a step's compared samples (no grids, no arrays)."""
+    query = select(
+        SampleResultRow.sample_key, SampleResultRow.diagnosis, SampleResultRow.first_divergence_region
+    ).where(SampleResultRow.run_id == run_id, SampleResultRow.step == step)
+    return [SampleOutcome(*row) for row in session.execute(query)]
+
+
+def summarize_step(
+    session: Session,
+    run_id: str,
+    step: int,
+    pairs: Sequence[tuple[SampleLogprobs, SampleLogprobs]],
+    fresh: Sequence[SampleOutcome],
+) -> dict[str, Any]:
+    """The ``step_summaries`` row of a step: ``pairs`` are all its samples stored on both sides,
+    ``fresh`` the outcomes just computed (they replace any stored ones of the same keys)."""
+    new = {o.sample_key for o in fresh}
+    outcomes = list(fresh) + [o for o in step_outcomes(session, run_id, step) if o.sample_key not in new]
+    fingerprinted = session.scalar(
+        select(func.count(func.distinct(FingerprintRow.sample_key))).where(
+            FingerprintRow.run_id == run_id, FingerprintRow.step == step
+        )
+    )
+    ingested_at = session.scalar(
+        select(func.max(SampleRow.created_at)).where(SampleRow.run_id == run_id, SampleRow.step == step)
+    )
+    return {
+        "run_id": run_id,
+        "step": step,
+        "n_samples": len(pairs),
+        "n_tokens": int(sum(t.logprobs.size for t, _ in pairs)),
+        "position_bins": position_bins(pairs),
+        "first_divergence": first_divergence_counts(outcomes),
+        "n_fingerprinted": int(fingerprinted or 0),
+        "diagnoses": dict(sorted(Counter(o.diagnosis for o in outcomes).items())),
+        "ingested_at": ingested_at,
+        "computed_at": utcnow(),
+    }
+
+
+def save_summary(session: Session, row: dict[str, Any]) -> None:
+    """Replace the step's summary (idempotent: comparing a step again rewrites the same row)."""
+    session.execute(
+        delete(StepSummaryRow).where(
+            StepSummaryRow.run_id == row["run_id"], StepSummaryRow.step == row["step"]
+        )
+    )
+    session.add(StepSummaryRow(**row))
