@@ -1,0 +1,136 @@
+"""GRPO's arithmetic, written out so a reader can check each line against the paper.
+
+Each prompt is sampled ``group`` times; a completion's advantage is its reward minus its group's
+mean, over the group's standard deviation. The policy loss is PPO's clipped surrogate on the
+per-token ratio between the policy being updated and the one that produced the old logprobs: here
+the trainer's own recompute before the update (as verl and TRL do), not the rollout engine's
+logprobs, whose difference from that recompute is exactly what isoaudit audits.
+
+Logprobs come from an fp32 lm_head and log-softmax over the model's final hidden states
+(:func:`kernels.routing.token_logprobs`), the same arithmetic the rollout engine uses, so with the
+invariant kernels on both sides agree bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kernels import routing
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """Prompt + completion token ids, right-padded into one ``[rows, cols]`` tensor.
+
+    ``rows``/``cols`` index the hidden state that predicts each completion token (position t
+    predicts token t+1), ``targets`` are those tokens, ``sample`` says which row each belongs to.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    rows: torch.Tensor
+    cols: torch.Tensor
+    targets: torch.Tensor
+    sample: torch.Tensor
+    prompt_lens: tuple[int, ...]
+    completion_lens: tuple[int, ...]
+
+
+def pack(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], pad_id: int) -> PackedBatch:
+    """Lay ``prompts[i] + completions[i]`` out as rows of one right-padded batch."""
+    if len(prompts) != len(completions):
+        raise ValueError(f"completions: {len(completions)} given for {len(prompts)} prompts")
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("prompts: every prompt needs at least one token")
+    seqs = [list(p) + list(c) for p, c in zip(prompts, completions, strict=True)]
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    rows, cols, targets, sample = [], [], [], []
+    for i, (p, c, s) in enumerate(zip(prompts, completions, seqs, strict=True)):
+        ids[i, : len(s)] = torch.tensor(s)
+        mask[i, : len(s)] = 1
+        for j, token in enumerate(c):
+            rows.append(i)
+            cols.append(len(p) + j - 1)
+            targets.append(int(token))
+            sample.append(i)
+    as_long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
+    return PackedBatch(
+        input_ids=ids,
+        attention_mask=mask,
+        rows=as_long(rows),
+        cols=as_long(cols),
+        targets=as_long(targets),
+        sample=as_long(sample),
+        prompt_lens=tuple(len(p) for p in prompts),
+        completion_lens=tuple(len(c) for c in completions),
+    )
+
+
+@dataclass(frozen=True)
+class PolicyOutput:
+    """The completion tokens' logprobs (differentiable), their entropies, and the raw HF output."""
+
+    logprobs: torch.Tensor
+    entropy: torch.Tensor
+    logits: torch.Tensor
+
+
+def policy_logprobs(model: nn.Module, batch: PackedBatch) -> PolicyOutput:
+    """One full forward of an HF causal LM; logprobs of the completion tokens through an fp32 head.
+
+    The whole model runs (``lm_head`` included) so a collector hooked on it sees every region.
+    """
+    device = model.lm_head.weight.device
+    out = model(
+        input_ids=batch.input_ids.to(device),
+        attention_mask=batch.attention_mask.to(device),
+        output_hidden_states=True,
+    )
+    final = out.hidden_states[-1]  # after the final norm: what lm_head reads
+    hidden = final[batch.rows.to(device), batch.cols.to(device)]
+    weight = model.lm_head.weight
+    logprobs = routing.token_logprobs(hidden, weight, batch.targets.to(device))
+    with torch.no_grad():
+        log_p = torch.log_softmax(routing.logits_fp32(hidden.detach(), weight.detach()), dim=-1)
+        entropy = -(log_p.exp() * log_p).sum(-1)
+    return PolicyOutput(logprobs=logprobs, entropy=entropy, logits=out.logits)
+
+
+def group_advantages(rewards: torch.Tensor, group: int, eps: float = 1e-6) -> torch.Tensor:
+    """(reward − group mean) / (group std + eps), for rewards laid out group after group."""
+    if group < 1 or rewards.numel() % group:
+        raise ValueError(f"group: {rewards.numel()} rewards do not split into groups of {group}")
+    r = rewards.float().view(-1, group)
+    std = r.std(dim=1, unbiased=False, keepdim=True)
+    return ((r - r.mean(dim=1, keepdim=True)) / (std + eps)).reshape(-1)
+
+
+@dataclass(frozen=True)
+class LossOutput:
+    """The scalar to backpropagate and the fraction of tokens where the clip was active."""
+
+    loss: torch.Tensor
+    clip_fraction: float
+
+
+def clipped_loss(
+    new_logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    token_advantages: torch.Tensor,
+    clip_eps: float = 0.2,
+) -> LossOutput:
+    """PPO's clipped surrogate, averaged over tokens: −mean(min(ρA, clip(ρ, 1−ε, 1+ε)A))."""
+    if not 0 < clip_eps < 1:
+        raise ValueError(f"clip_eps: expected 0 < eps < 1, got {clip_eps}")
+    ratio = torch.exp(new_logprobs - old_logprobs.detach())
+    unclipped = ratio * token_advantages
+    clipped = ratio.clamp(1 - clip_eps, 1 + clip_eps) * token_advantages
+    per_token = -torch.minimum(unclipped, clipped)
+    active = (clipped < unclipped).float().mean() if per_token.numel() else torch.tensor(0.0)
+    return LossOutput(loss=per_token.mean(), clip_fraction=float(active))
