@@ -6,9 +6,10 @@ per-token ratio between the policy being updated and the one that produced the o
 the trainer's own recompute before the update (as verl and TRL do), not the rollout engine's
 logprobs, whose difference from that recompute is exactly what isoaudit audits.
 
-Logprobs come from an fp32 lm_head and log-softmax over the model's final hidden states
-(:func:`kernels.routing.token_logprobs`), the same arithmetic the rollout engine uses, so with the
-invariant kernels on both sides agree bit for bit.
+Logprobs come from the model's final hidden states through :func:`kernels.routing.token_logprobs`,
+the same call the rollout engine makes: natively the stock lm_head (in the model's dtype) and a
+log-softmax, with the invariant kernels on an fp32 lm_head and a batch-invariant log-softmax, so
+then both sides agree bit for bit.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ class PolicyOutput:
 
 
 def policy_logprobs(model: nn.Module, batch: PackedBatch) -> PolicyOutput:
-    """One full forward of an HF causal LM; logprobs of the completion tokens through an fp32 head.
+    """One full forward of an HF causal LM; the completion tokens' logprobs through the routed head.
 
     The whole model runs (``lm_head`` included) so a collector hooked on it sees every region.
     """
