@@ -11,12 +11,19 @@ import platform
 import socket
 from collections.abc import Mapping
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any, Union
 
 import torch
 from torch import nn
 
 from audit.records import Case, ContractIdentities, Manifest, RuntimeFacts, Side
+
+if TYPE_CHECKING:
+    from audit.contract import Contract
+
+#: An execution contract for the manifest: an ``audit.contract.Contract``, its identities (or a
+#: mapping of them), or ``None``.
+ContractArg = Union["Contract", ContractIdentities, Mapping[str, str], None]  # noqa: UP007
 
 
 def process_name() -> str:
@@ -115,7 +122,7 @@ def runtime_signature(model: nn.Module) -> tuple[Any, ...]:
     )
 
 
-def contract_fields(contract: Any) -> tuple[ContractIdentities, dict[str, Any]]:
+def contract_fields(contract: ContractArg) -> tuple[ContractIdentities, dict[str, Any]]:
     """Identities and numerical-policy fields of ``contract``: an ``audit.contract.Contract``, its
     identities (``ContractIdentities`` or a mapping of them), or ``None``."""
     if contract is None:
@@ -149,7 +156,7 @@ class ManifestTracker:
         case: Case,
         regions: list[str],
         unobserved: dict[str, str],
-        contract: Any = None,
+        contract: ContractArg = None,
     ) -> None:
         self.run_id, self.side, self.case = run_id, side, case
         self.regions, self.unobserved = regions, unobserved
@@ -158,7 +165,7 @@ class ManifestTracker:
         self.current: Manifest | None = None
         self._sent_hash: str | None = None
 
-    def set_contract(self, contract: Any) -> None:
+    def set_contract(self, contract: ContractArg) -> None:
         self.identities, self.policy = contract_fields(contract)
 
     def build(self, runtime: RuntimeFacts, weight_version: str | None = None) -> Manifest:

@@ -1,7 +1,8 @@
 """Applying the remediation mode the service asks for (DESIGN.md, "Remediation").
 
-The dashboard sets a run's desired mode; the sink learns it from ingest replies; the collector calls
-a :data:`RemediationHook` at its next step boundary, then reports the applied mode in a new manifest.
+The dashboard sets a run's desired mode; the collector's control channel (:mod:`collectors.control`)
+learns it; the collector calls a :data:`RemediationHook` at its next step boundary, then reports the
+applied mode in a new manifest.
 The default hook switches this process onto (or off) the invariant kernels of :mod:`kernels`; a
 trainer with its own way (e.g. a different kernel library, or a restart) passes its own hook.
 """
@@ -12,8 +13,7 @@ from collections.abc import Callable
 
 from torch import nn
 
-#: Modes the service may ask for.
-MODES = ("native", "invariant")
+from collectors.control import MODES
 
 #: ``hook(model, mode)``: make ``model``'s next forward run in ``mode``; raise if it cannot.
 RemediationHook = Callable[[nn.Module, str], None]

@@ -1,15 +1,16 @@
-"""The trainer collector: ``attach(model, run=..., sink=...)`` and one ``record_step`` per forward.
+"""The trainer collector: ``Session.watch_trainer(model)`` (or :func:`attach`) and one
+``record_step`` per forward.
 
 Usage in a training loop::
 
-    handle = collectors.trainer.attach(model, run="rl-run-7", sink=HttpSink(url, token), sample_every=10)
+    handle = audit.watch_trainer(model, sample_every=10)   # audit: a collectors.session(...)
     for step, batch in enumerate(loader):
         handle.begin_step(step)                       # optional: gates fingerprinting precisely
         out = model(**batch.model_inputs())           # hooks fingerprint regions on the device
         logprobs = compute_logprobs(out.logits, ...)  # the trainer's own
         handle.record_step(step, batch, logprobs=logprobs)   # or no logprobs: computed from logits
         ...
-    handle.detach()
+    audit.close()                                     # or leave the session's ``with`` block
 
 ``record_step`` uses the forward the hooks just saw when it ran over the same ``input_ids``; when
 there was none (or fingerprints are due and the forward was not fingerprinted) it runs its own
@@ -23,21 +24,23 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
 import torch
 from torch import nn
 
-from audit.records import Case, Record, Run
+from audit.records import Case, Record, Run, RuntimeFacts
 from collectors.assemble import HostPrints, fingerprint_records, keys_for, sample_records, sequence_tokens
+from collectors.base import Collector, CollectorCounters, ModeReport
+from collectors.control import ControlChannel
 from collectors.hooks import Capture, ForwardCapture
 from collectors.layout import StepBatch
 from collectors.logprobs import processed_logprobs
-from collectors.manifest import ManifestTracker, runtime_signature, trainer_runtime
+from collectors.manifest import ContractArg, runtime_signature, trainer_runtime
 from collectors.regions import RegionsArg, resolve_regions
-from collectors.remediation import MODES, RemediationHook, apply_kernels_mode
+from collectors.remediation import RemediationHook, apply_kernels_mode
 from collectors.sinks.base import Sink
 from collectors.transfer import HostCopy
 
@@ -47,15 +50,8 @@ LogprobsLayout = Literal["auto", "tokens", "shifted", "completion"]
 LogprobsArg = torch.Tensor | np.ndarray | Sequence[Any] | None
 
 
-@dataclass
-class CollectorCounters:
-    steps: int = 0
-    samples: int = 0
-    fingerprint_records: int = 0
-    manifests: int = 0
-    own_forwards: int = 0
-    errors: int = 0
-    mode_switches: int = 0
+class TrainerCounters(CollectorCounters):
+    NAMES = (*CollectorCounters.NAMES, "own_forwards")
 
 
 @dataclass(frozen=True)
@@ -84,13 +80,26 @@ class _PendingStep:
     head: list[Record]
 
 
-class TrainerCollector:
-    """The handle :func:`attach` returns.
+class TrainerCollector(Collector):
+    """The handle :func:`attach` (or ``Session.watch_trainer``) returns.
 
-    ``async_transfer``: on CUDA, let each step's arrays travel to the host while the training step
-    goes on; their records are built at a later ``record_step`` (at most ``max_inflight`` steps
-    behind), or at ``flush``/``detach``. Off, ``record_step`` waits for the copy.
+    ``regions``: ``"auto"`` (HF Llama/Qwen2/Qwen3/Mistral), canonical names (a subset), a mapping
+    canonical name → module name (any model), or ``None`` (logprobs only). ``sample_every``:
+    fingerprint every N-th step (logprobs are recorded every step). ``case``: ``trainer_fwd`` or
+    ``trainer_recompute``. ``contract``: the execution contract (or its identities) for the
+    manifest. ``control``: where the desired remediation mode comes from (``None``: never
+    switches by itself). ``remediation_hook(model, mode)``: how this process switches modes
+    (default: :mod:`kernels` on/off). ``mode``: the mode the model runs in now.
+    ``validate``: build records through pydantic (tests; the store validates anyway);
+    ``strict``: raise instead of counting errors (tests); ``keep_records``: return each step's
+    records in its report. ``async_transfer``: on CUDA, let each step's arrays travel to the host
+    while the training step goes on; their records are built at a later ``record_step`` (at most
+    ``max_inflight`` steps behind), or at ``flush``/``detach``. Off, ``record_step`` waits for
+    the copy.
     """
+
+    side = "trainer"
+    COUNTERS = TrainerCounters
 
     def __init__(
         self,
@@ -101,7 +110,8 @@ class TrainerCollector:
         regions: RegionsArg = "auto",
         sample_every: int = 1,
         case: Case = "trainer_fwd",
-        contract: Any = None,
+        contract: ContractArg = None,
+        control: ControlChannel | None = None,
         remediation_hook: RemediationHook | None = apply_kernels_mode,
         mode: str = "native",
         validate: bool = False,
@@ -116,43 +126,24 @@ class TrainerCollector:
             raise ValueError(f"sample_every: must be an integer >= 1, got {sample_every!r}")
         if case not in ("trainer_fwd", "trainer_recompute"):
             raise ValueError(f"case: a trainer records 'trainer_fwd' or 'trainer_recompute', got {case!r}")
-        if mode not in MODES:
-            raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
-        if not isinstance(sink, Sink):
-            raise TypeError(f"sink: expected a collectors.sinks.Sink, got {type(sink).__name__}")
-        self.run = run if isinstance(run, Run) else Run(run_id=run, name=run)
-        self.model = model
-        self.sink = sink
-        self.sample_every = sample_every
-        self.case: Case = case
-        self.mode = mode
-        self.validate = validate
-        self.strict = strict
-        self.keep_records = keep_records
         if max_inflight < 0:
             raise ValueError(f"max_inflight: must be >= 0, got {max_inflight}")
+        super().__init__(
+            run=run, sink=sink, cases=(case,), contract=contract, control=control, strict=strict, mode=mode
+        )
+        self.model = model
+        self.sample_every = sample_every
+        self.case: Case = case
+        self.validate = validate
+        self.keep_records = keep_records
         self.async_transfer = async_transfer
         self.max_inflight = max_inflight
         self._inflight: deque[_PendingStep] = deque()
         self.remediation_hook = remediation_hook
-        self.counters = CollectorCounters()
         self.resolved = resolve_regions(model, regions)
         self._next_step: int | None = None
-        self._control_version: int | None = None
-        self._manifest_key: tuple[Any, ...] | None = None
-        self._logged: set[str] = set()
-        self._manifests = ManifestTracker(
-            run_id=self.run.run_id,
-            side="trainer",
-            case=case,
-            regions=self.resolved.names,
-            unobserved=self.resolved.unobserved,
-            contract=contract,
-        )
         self._capture = ForwardCapture(model, self.resolved.specs, should_fingerprint=self._fingerprint_due)
-        initial: list[Record] = [self.run]
-        self._refresh_manifest(initial, None)
-        self.sink.send(initial)
+        self._begin(self.resolved.names, self.resolved.unobserved)
 
     # ------------------------------------------------------------------ public
 
@@ -160,10 +151,6 @@ class TrainerCollector:
     def regions(self) -> list[str]:
         """Canonical regions hooked, in forward order."""
         return self.resolved.names
-
-    @property
-    def manifest(self) -> Any:
-        return self._manifests.current
 
     @property
     def attached(self) -> bool:
@@ -194,68 +181,42 @@ class TrainerCollector:
         completion]`` (``completion``); ``auto`` tells them apart by shape.
         """
         try:
-            return self._record(step, batch, logprobs, logprobs_layout, weight_version)
-        except Exception as exc:
-            self.counters.errors += 1
-            if self.strict:
-                raise
-            self._log_once(
-                "record", f"isoaudit collector: record_step failed ({type(exc).__name__}: {exc}); counted"
+            return self.guarded(
+                "record_step", self._record, step, batch, logprobs, logprobs_layout, weight_version
             )
-            return None
         finally:
             self._capture.row_hint = None
             if isinstance(step, int | np.integer):
                 self._next_step = int(step) + 1
 
-    def set_mode(self, mode: str) -> None:
-        """Apply a remediation mode now (what a control message from the service does)."""
-        if mode not in MODES:
-            raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
-        if mode == self.mode:
-            return
-        if self.remediation_hook is not None:
-            self.remediation_hook(self.model, mode)
-        self.mode = mode
-        self.counters.mode_switches += 1
-
     def stats(self) -> dict[str, Any]:
-        """Collector counters, hook errors and the sink's counters."""
-        return {**asdict(self.counters), "hook_errors": self._capture.errors, "sink": self.sink.stats()}
-
-    def flush(self, timeout: float | None = 30.0) -> bool:
-        """Finish the steps still in flight, then wait for the sink to deliver everything."""
-        self._drain(block_beyond=0)
-        return self.sink.flush(timeout)
-
-    def detach(self) -> None:
-        """Finish the steps in flight and remove every hook; the model is then exactly as it was
-        before :func:`attach`."""
-        try:
-            self._drain(block_beyond=0)
-        finally:
-            self._capture.remove()
+        """Collector counters, hook errors, the applied mode and the sink's counters."""
+        return {**super().stats(), "hook_errors": self._capture.errors}
 
     # ------------------------------------------------------------------ internals
 
     def _fingerprint_due(self) -> bool:
         return self._next_step is None or self._next_step % self.sample_every == 0
 
-    def _log_once(self, key: str, message: str) -> None:
-        if key not in self._logged:
-            self._logged.add(key)
-            log.warning("%s", message)
+    def _runtime(self) -> RuntimeFacts:
+        return trainer_runtime(self.model)
 
-    def _refresh_manifest(self, out: list[Record], weight_version: str | None) -> None:
-        key = (runtime_signature(self.model), self.mode, weight_version, self._manifests.identities)
-        if key == self._manifest_key:
-            return
-        self._manifest_key = key
-        runtime = trainer_runtime(self.model, remediation=self.mode)
-        manifest = self._manifests.changed(self._manifests.build(runtime, weight_version))
-        if manifest is not None:
-            out.append(manifest)
-            self.counters.manifests += 1
+    def _signature(self) -> tuple[Any, ...]:
+        return runtime_signature(self.model)
+
+    def _apply_mode(self, mode: str) -> ModeReport:
+        if self.remediation_hook is None:
+            if mode == "native":
+                return ModeReport(mode, mode)
+            return ModeReport(mode, "native", "no remediation_hook: this trainer cannot switch modes")
+        self.remediation_hook(self.model, mode)
+        return ModeReport(mode, mode)
+
+    def _finish_pending(self) -> None:
+        self._drain(block_beyond=0)
+
+    def _remove_hooks(self) -> None:
+        self._capture.remove()
 
     def _record(
         self,
@@ -269,9 +230,11 @@ class TrainerCollector:
             raise ValueError(f"step: must be an integer >= 0, got {step!r}")
         step = int(step)
         batch = StepBatch.coerce(batch_arg)
-        version = str(weight_version) if weight_version is not None else None
+        if weight_version is not None and str(weight_version) != self.weight_version:
+            self.weight_version = str(weight_version)
+        version = self.weight_version
         records: list[Record] = []
-        self._refresh_manifest(records, version)
+        self._manifests(records)
 
         fingerprint_now = bool(self.resolved.specs) and step % self.sample_every == 0
         need_logits = logprobs is None
@@ -320,7 +283,7 @@ class TrainerCollector:
         )
         self._inflight.append(pending)
         done = self._drain(block_beyond=self.max_inflight)
-        self._apply_control()
+        self._step_boundary()
         mine = done.get(id(pending))
         if mine is not None:
             return StepReport(step, mine[0], mine[1], own, mine[2] if self.keep_records else [])
@@ -335,16 +298,9 @@ class TrainerCollector:
             if not oldest.copy.ready() and len(self._inflight) <= block_beyond:
                 break
             self._inflight.popleft()
-            try:
-                done[id(oldest)] = self._finish(oldest)
-            except Exception as exc:
-                self.counters.errors += 1
-                if self.strict:
-                    raise
-                self._log_once(
-                    "finish",
-                    f"isoaudit collector: building records failed ({type(exc).__name__}: {exc}); counted",
-                )
+            finished = self.guarded("building records", self._finish, oldest)
+            if finished is not None:
+                done[id(oldest)] = finished
         return done
 
     def _finish(self, pending: _PendingStep) -> tuple[list[str], int, list[Record]]:
@@ -434,27 +390,6 @@ class TrainerCollector:
             raise RuntimeError("model: the collector's own forward left no capture (hooks removed?)")
         return capture
 
-    def _apply_control(self) -> None:
-        control = self.sink.control
-        if control is None or control.version == self._control_version:
-            return
-        self._control_version = control.version
-        if control.mode == self.mode:
-            return
-        try:
-            self.set_mode(control.mode)
-            log.info(
-                "isoaudit collector: remediation mode %s applied (control version %d)",
-                control.mode,
-                control.version,
-            )
-        except Exception as exc:
-            self.counters.errors += 1
-            self._log_once(
-                f"mode:{control.mode}",
-                f"isoaudit collector: cannot apply mode {control.mode!r} ({exc}); staying {self.mode}",
-            )
-
 
 def _row_hint(batch: StepBatch) -> tuple[tuple[int, ...], torch.Tensor]:
     """(input shape, flat rows of real tokens): what the hooks fingerprint for this batch."""
@@ -526,13 +461,34 @@ def attach(
     sink: Sink,
     regions: RegionsArg = "auto",
     sample_every: int = 1,
-    **options: Any,
+    *,
+    case: Case = "trainer_fwd",
+    contract: ContractArg = None,
+    control: ControlChannel | None = None,
+    remediation_hook: RemediationHook | None = apply_kernels_mode,
+    mode: str = "native",
+    validate: bool = False,
+    strict: bool = False,
+    keep_records: bool = False,
+    async_transfer: bool = True,
+    max_inflight: int = 2,
 ) -> TrainerCollector:
-    """Hook ``model`` and send the run and the trainer's manifest to ``sink``.
-
-    ``regions``: ``"auto"`` (HF Llama/Qwen2/Qwen3/Mistral), canonical names (a subset), a mapping
-    canonical name → module name (any model), or ``None`` (logprobs only). ``sample_every``:
-    fingerprint every N-th step (logprobs are recorded every step). Further options:
-    :class:`TrainerCollector` (``case``, ``contract``, ``remediation_hook``, ``strict``, ...).
-    """
-    return TrainerCollector(model, run=run, sink=sink, regions=regions, sample_every=sample_every, **options)
+    """Hook ``model`` and send the run and the trainer's manifest to ``sink`` (the session does
+    this for you: ``Session.watch_trainer``). Arguments: :class:`TrainerCollector`."""
+    return TrainerCollector(
+        model,
+        run=run,
+        sink=sink,
+        regions=regions,
+        sample_every=sample_every,
+        case=case,
+        contract=contract,
+        control=control,
+        remediation_hook=remediation_hook,
+        mode=mode,
+        validate=validate,
+        strict=strict,
+        keep_records=keep_records,
+        async_transfer=async_transfer,
+        max_inflight=max_inflight,
+    )

@@ -10,14 +10,15 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from collectors.sinks.base import Control, DeliveryError, Sink, SinkCounters
-    from collectors.sinks.direct import DirectSink
+    from collectors.sinks.base import DeliveryError, Sink, SinkCounters, SinkOptions
+    from collectors.sinks.direct import DirectSink, SharedStore
     from collectors.sinks.http import HttpSink
     from collectors.sinks.memory import MemorySink
     from collectors.sinks.spool import Spool
 
 _WHERE = {
-    "Control": "base",
+    "SinkOptions": "base",
+    "SharedStore": "direct",
     "DeliveryError": "base",
     "Sink": "base",
     "SinkCounters": "base",
@@ -28,13 +29,14 @@ _WHERE = {
 }
 
 __all__ = [
-    "Control",
     "DeliveryError",
     "DirectSink",
     "HttpSink",
     "MemorySink",
+    "SharedStore",
     "Sink",
     "SinkCounters",
+    "SinkOptions",
     "Spool",
 ]
 

@@ -17,14 +17,15 @@ import random
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from pydantic import TypeAdapter
 
 from audit.records import AnyRecord, Batch, Record
+from collectors.control import Control
+from collectors.counting import Counters, LogOnce
 from collectors.sinks.spool import Spool
 
 log = logging.getLogger(__name__)
@@ -51,28 +52,11 @@ class DeliveryError(Exception):
         self.too_large = too_large
 
 
-@dataclass(frozen=True)
-class Control:
-    """The remediation mode the service wants this run's collectors to apply."""
+class SinkCounters(Counters):
+    """Record counts (not batches). ``sent`` includes ``replayed`` (sent from the spool);
+    ``rejected``: records the destination refused one by one (invalid), the rest of their batch stored."""
 
-    mode: str
-    version: int
-
-
-@dataclass
-class SinkCounters:
-    """Record counts (not batches). ``sent`` includes ``replayed`` (sent from the spool)."""
-
-    queued: int = 0
-    sent: int = 0
-    dropped: int = 0
-    spooled: int = 0
-    replayed: int = 0
-    duplicates: int = 0
-    failed_attempts: int = 0
-
-    def as_dict(self) -> dict[str, int]:
-        return asdict(self)
+    NAMES = ("queued", "sent", "dropped", "spooled", "replayed", "duplicates", "rejected", "failed_attempts")
 
 
 class _Item:
@@ -107,6 +91,21 @@ class _Item:
 _STOP = object()
 
 
+class SinkOptions(TypedDict, total=False):
+    """The delivery options every sink takes (see :class:`Sink`): ``queue_size``,
+    ``max_batch_records``, ``spool_max_bytes``, ``attempts``, ``backoff_initial``, ``backoff_max``,
+    ``name``, ``on_control``."""
+
+    queue_size: int
+    max_batch_records: int
+    spool_max_bytes: int
+    attempts: int
+    backoff_initial: float
+    backoff_max: float
+    name: str
+    on_control: Callable[[Control], None] | None
+
+
 class Sink(ABC):
     """The interface the collectors use. Subclasses implement :meth:`_deliver`."""
 
@@ -121,7 +120,14 @@ class Sink(ABC):
         backoff_initial: float = 0.2,
         backoff_max: float = 10.0,
         name: str = "sink",
+        on_control: Callable[[Control], None] | None = None,
     ) -> None:
+        """``queue_size``: batches waiting for the worker before ``send`` drops (counted);
+        ``max_batch_records``: records per delivered batch; ``spool_dir``: where batches wait while
+        the destination is down (``None``: no spool, they are dropped after the retries);
+        ``spool_max_bytes``: the spool's bound; ``attempts``/``backoff_initial``/``backoff_max``:
+        retries of one batch and the wait between them (seconds); ``name``: in logs and threads;
+        ``on_control``: called with the run's control when a destination reply carries it."""
         if queue_size < 1:
             raise ValueError(f"queue_size: must be >= 1, got {queue_size}")
         if max_batch_records < 1:
@@ -133,7 +139,7 @@ class Sink(ABC):
                 f"backoff_initial: must be in (0, backoff_max={backoff_max}], got {backoff_initial}"
             )
         self.counters = SinkCounters()
-        self.control: Control | None = None
+        self.on_control = on_control
         self.spool = Spool(spool_dir, spool_max_bytes) if spool_dir is not None else None
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=queue_size)
         self._max_batch = max_batch_records
@@ -144,9 +150,8 @@ class Sink(ABC):
         self._retry_at = 0.0  # monotonic time before which the destination is considered down
         self._outstanding = 0  # records queued or in flight
         self._cond = threading.Condition()
-        self._count_lock = threading.Lock()
         self._stop = threading.Event()
-        self._warned: set[str] = set()
+        self._warned = LogOnce(log)
         self._name = name
         self._thread = threading.Thread(target=self._run, name=f"isoaudit-{name}", daemon=True)
         self._thread.start()
@@ -322,8 +327,8 @@ class Sink(ABC):
                 item.n, "refused", "isoaudit %s: destination refused a spooled batch (%s); dropped", exc
             )
             return
+        self._delivered(item.n, replayed=True)  # counted before the spool looks empty to flush()
         self.spool.remove(entry)
-        self._delivered(item.n, replayed=True)
         with self._cond:
             self._cond.notify_all()
 
@@ -333,7 +338,7 @@ class Sink(ABC):
             self._add("replayed", n)
         if self._backoff:
             log.info("isoaudit %s: destination is back", self._name)
-            self._warned.discard("down")
+            self._warned.forget("down")
         self._backoff = 0.0
         self._retry_at = 0.0
 
@@ -349,8 +354,24 @@ class Sink(ABC):
             self._drop(item.n, "spool-full", "isoaudit %s: spool full or unwritable: records dropped")
 
     def _add(self, counter: str, n: int) -> None:
-        with self._count_lock:
-            setattr(self.counters, counter, getattr(self.counters, counter) + n)
+        self.counters.add(counter, n)
+
+    def _rejected(self, rejections: Sequence[Any]) -> None:
+        """Count records the destination refused one by one (the rest of their batch was stored) and
+        warn once per field, naming it: a collector bug, or data the job should look at."""
+        if not rejections:
+            return
+        self._add("rejected", len(rejections))
+        for rejection in rejections:
+            field = _get(rejection, "field") or "record"
+            message = _get(rejection, "message") or "invalid"
+            self._warn_once(
+                f"rejected:{field}", f"isoaudit %s: destination rejected a record: {message} (counted)", None
+            )
+
+    def _control(self, control: Control) -> None:
+        if self.on_control is not None:
+            self.on_control(control)
 
     def _drop(self, n: int, key: str, message: str | None, exc: BaseException | None = None) -> None:
         self._add("dropped", n)
@@ -361,8 +382,13 @@ class Sink(ABC):
         """Log ``message`` (``%s`` placeholders: the sink's name, then ``exc``) the first time ``key`` occurs."""
         if key in self._warned:
             return
-        self._warned.add(key)
         text = message.replace("%s", self._name, 1)
         if exc is not None:
             text = text.replace("%s", f"{type(exc).__name__}: {exc}", 1)
-        log.warning("%s", text)
+        self._warned.warn(key, text)
+
+
+def _get(item: Any, name: str) -> str | None:
+    """A field of a rejection, whether a dataclass/model or the JSON dict of an HTTP reply."""
+    value = item.get(name) if isinstance(item, dict) else getattr(item, name, None)
+    return None if value is None else str(value)

@@ -3,56 +3,81 @@ one process, or a few writers on PostgreSQL."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
-from typing import Any
+from typing import Unpack
 
 from pydantic import ValidationError
 from sqlalchemy.exc import DBAPIError, OperationalError
 
 from audit.store import Store, StoreError
-from collectors.sinks.base import DeliveryError, Sink, _Item
+from collectors.sinks.base import DeliveryError, Sink, SinkOptions, _Item
+
+
+class SharedStore:
+    """One lazily opened :class:`Store` for everything of a job that talks to one database (its
+    sinks' worker threads, the control channel): opened on first use, so a database that is down
+    when the job starts is just a destination that is down; :meth:`reset` after a lost connection."""
+
+    def __init__(self, url: str) -> None:
+        if not url:
+            raise ValueError("db_url: empty; give a SQLAlchemy URL such as sqlite:///./isoaudit.db")
+        self.url = url
+        self._store: Store | None = None
+        self._lock = threading.Lock()
+
+    def get(self) -> Store:
+        with self._lock:
+            if self._store is None:
+                self._store = Store(self.url)
+            return self._store
+
+    def reset(self) -> None:
+        with self._lock:
+            store, self._store = self._store, None
+        if store is not None:
+            store.dispose()
 
 
 class DirectSink(Sink):
     """Writes each batch with ``Store.ingest`` from the sink's worker thread.
 
-    The store is opened (and migrated) lazily in that thread, so a database that is down at attach
-    time is just a destination that is down: records spool (with ``spool_dir``) and arrive later.
+    ``db_url``: a SQLAlchemy URL, or a :class:`SharedStore` shared with other sinks of the job.
+    ``project``: the project the run belongs to. The store validates every record: a bad one is
+    refused (counted ``rejected``, logged once naming its field), the rest of its batch stored.
     """
 
     def __init__(
-        self, db_url: str, *, project: str = "default", spool_dir: str | Path | None = None, **options: Any
+        self,
+        db_url: str | SharedStore,
+        *,
+        project: str = "default",
+        spool_dir: str | Path | None = None,
+        **options: Unpack[SinkOptions],
     ) -> None:
-        if not db_url:
-            raise ValueError("db_url: empty; give a SQLAlchemy URL such as sqlite:///./isoaudit.db")
-        self.db_url = db_url
+        self.shared = db_url if isinstance(db_url, SharedStore) else SharedStore(db_url)
+        self._owns_store = not isinstance(db_url, SharedStore)
+        self.db_url = self.shared.url
         self.project = project
-        self._store: Store | None = None
-        super().__init__(spool_dir=spool_dir, name=options.pop("name", "direct-sink"), **options)
+        options.setdefault("name", "direct-sink")
+        super().__init__(spool_dir=spool_dir, **options)
 
     def _deliver(self, item: _Item) -> None:
         try:
-            if self._store is None:
-                self._store = Store(self.db_url)
-            result = self._store.ingest(item.records, project=self.project)
+            result = self.shared.get().ingest(item.records, project=self.project)
         except (OperationalError, OSError) as exc:
-            self._reset()
+            self.shared.reset()
             raise DeliveryError(str(exc).splitlines()[0], retry=True) from exc
         except DBAPIError as exc:
             retry = bool(exc.connection_invalidated)
             if retry:
-                self._reset()
+                self.shared.reset()
             raise DeliveryError(str(exc).splitlines()[0], retry=retry) from exc
         except (StoreError, ValidationError, ValueError) as exc:
             raise DeliveryError(str(exc), retry=False) from exc
         self._add("duplicates", sum(result.duplicates.values()))
-
-    def _reset(self) -> None:
-        if self._store is not None:
-            try:
-                self._store.dispose()
-            finally:
-                self._store = None
+        self._rejected(getattr(result, "rejected", ()))
 
     def _close_destination(self) -> None:
-        self._reset()
+        if self._owns_store:
+            self.shared.reset()

@@ -1,18 +1,20 @@
 """Records to the isoaudit service: ``POST {url}/v1/ingest`` with a bearer token.
 
-The reply carries the run's desired remediation mode (``control``), kept on :attr:`Sink.control`
-for the collector to apply at its next step boundary.
+The reply carries the run's desired remediation mode (``control``), handed to ``on_control`` (the
+session's :class:`collectors.control.ServiceControl`), and the records it refused one by one
+(``rejected``), counted here.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Unpack
 
 import httpx
 
-from collectors.sinks.base import Control, DeliveryError, Sink, _Item
+from collectors.control import Control, service_base
+from collectors.sinks.base import DeliveryError, Sink, SinkOptions, _Item
 
 #: Statuses worth retrying: the request may succeed later unchanged.
 _RETRY_STATUSES = {408, 425, 429, 500, 502, 503, 504}
@@ -20,16 +22,15 @@ _RETRY_STATUSES = {408, 425, 429, 500, 502, 503, 504}
 
 def ingest_url(url: str) -> str:
     """The ingest endpoint of a service base URL (given with or without ``/v1/ingest``)."""
-    if not url.startswith(("http://", "https://")):
-        raise ValueError(f"url: expected http(s)://host[:port], got {url!r}")
-    url = url.rstrip("/")
-    return url if url.endswith("/v1/ingest") else f"{url}/v1/ingest"
+    return f"{service_base(url)}/v1/ingest"
 
 
 class HttpSink(Sink):
     """Posts batches from a background thread; spools to ``spool_dir`` while the service is down.
 
-    ``spool_dir=None`` turns the spool off (records are then dropped, counted, after the retries).
+    ``token``: a bearer token (``isoaudit tokens create --project NAME``). ``spool_dir=None`` turns
+    the spool off (records are then dropped, counted, after the retries). ``timeout``: seconds per
+    request.
     """
 
     def __init__(
@@ -39,14 +40,15 @@ class HttpSink(Sink):
         *,
         spool_dir: str | Path | None = "./isoaudit-spool",
         timeout: float = 10.0,
-        **options: Any,
+        **options: Unpack[SinkOptions],
     ) -> None:
         if not token:
-            raise ValueError("token: empty; create one with `isoaudit token create`")
+            raise ValueError("token: empty; create one with `isoaudit tokens create --project NAME`")
         self.url = ingest_url(url)
         self._headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
         self._client = httpx.Client(timeout=timeout)
-        super().__init__(spool_dir=spool_dir, name=options.pop("name", "http-sink"), **options)
+        options.setdefault("name", "http-sink")
+        super().__init__(spool_dir=spool_dir, **options)
 
     def _deliver(self, item: _Item) -> None:
         try:
@@ -64,9 +66,10 @@ class HttpSink(Sink):
         except json.JSONDecodeError:
             return
         self._add("duplicates", sum((body.get("duplicates") or {}).values()))
+        self._rejected(body.get("rejected") or ())
         control = body.get("control")
         if isinstance(control, dict) and "mode" in control:
-            self.control = Control(str(control["mode"]), int(control.get("version", 0)))
+            self._control(Control(str(control["mode"]), int(control.get("version", 0))))
 
     def _close_destination(self) -> None:
         self._client.close()

@@ -3,20 +3,21 @@
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, Unpack
 
 from audit.records import Record
-from collectors.sinks.base import Sink, _Item
+from collectors.sinks.base import Sink, SinkOptions, _Item
 
 
 class MemorySink(Sink):
     """Delivered records accumulate in :attr:`records` (``keep=False`` only counts them)."""
 
-    def __init__(self, *, keep: bool = True, **options: Any) -> None:
+    def __init__(self, *, keep: bool = True, **options: Unpack[SinkOptions]) -> None:
         self.keep = keep
         self.records: list[Record] = []
         self._lock = threading.Lock()
-        super().__init__(name=options.pop("name", "memory-sink"), **options)
+        options.setdefault("name", "memory-sink")
+        super().__init__(**options)
 
     def _deliver(self, item: _Item) -> None:
         if self.keep:

@@ -17,6 +17,7 @@ from audit.api.live import LiveServer
 from audit.api.settings import ApiSettings
 from audit.auth import create_token
 from audit.store import Store
+from collectors.control import ServiceControl
 from collectors.layout import StepBatch
 from collectors.sinks import HttpSink
 from collectors.trainer import attach
@@ -36,8 +37,15 @@ def test_outage_mid_run_spools_and_everything_arrives_once(load, store: Store, t
     token = create_token(store, "proj")
     server = LiveServer(create_app(store, ApiSettings(run_worker=False, default_alert_rules=False)))
     url = server.start()
+    control = ServiceControl(RUN, url, token, interval=60.0)  # replies only: no poll in this test
     sink = HttpSink(
-        url, token, spool_dir=tmp_path / "spool", timeout=2.0, backoff_initial=0.05, backoff_max=0.3
+        url,
+        token,
+        spool_dir=tmp_path / "spool",
+        timeout=2.0,
+        backoff_initial=0.05,
+        backoff_max=0.3,
+        on_control=control.offer,
     )
     modes: list[str] = []
     model = load("qwen3")
@@ -45,6 +53,7 @@ def test_outage_mid_run_spools_and_everything_arrives_once(load, store: Store, t
         model,
         run=RUN,
         sink=sink,
+        control=control,
         strict=True,
         keep_records=True,
         remediation_hook=lambda _m, mode: modes.append(mode),

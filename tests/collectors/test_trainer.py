@@ -12,8 +12,9 @@ from torch import nn
 from audit.fingerprints import fingerprint_rows
 from audit.records import RegionFingerprints, SampleLogprobs, sample_key
 from audit.regions import canonical_regions
+from collectors.control import FixedControl
 from collectors.layout import StepBatch
-from collectors.sinks import Control, MemorySink
+from collectors.sinks import MemorySink
 from collectors.trainer import attach
 from tests.collectors.conftest import NUM_LAYERS, random_samples
 
@@ -274,10 +275,12 @@ def test_manifest_on_attach_on_change_and_remediation_control(load) -> None:
     model = load("qwen3")
     sink = MemorySink()
     applied: list[str] = []
+    control = FixedControl("r")
     handle = attach(
         model,
         run="r",
         sink=sink,
+        control=control,
         regions=["embed"],
         strict=True,
         contract={"numerical_policy": "a" * 64},
@@ -294,7 +297,7 @@ def test_manifest_on_attach_on_change_and_remediation_control(load) -> None:
     assert first.runtime.dtype == "float32" and first.runtime.remediation == "native"
     assert first.runtime.framework == "transformers" and first.contract.numerical_policy == "a" * 64
 
-    sink.control = Control("invariant", 3)  # what an ingest reply would set
+    control.set("invariant")  # what the dashboard's toggle does
     handle.record_step(2, batch)
     assert applied == ["invariant"] and handle.mode == "invariant"
     handle.record_step(3, batch)  # the next step reports the applied mode

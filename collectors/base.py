@@ -1,0 +1,295 @@
+"""The collector base: what the trainer, the reference-engine and the vLLM collectors share.
+
+* **guarded recording**: :meth:`Collector.guarded` runs a hook or a step and never lets an error
+  reach the job (unless ``strict=True``, for tests): it is counted and logged once;
+* **counters** (:class:`CollectorCounters`, extended per side) and log-once warnings;
+* **manifests** and their changes: one per case the side records, rebuilt when the runtime, the
+  weights or the remediation mode change, sent only when their content changed;
+* the **weight version and digest**: :meth:`Collector.weights_changed` is public, for jobs that
+  sync weights their own way (verl and OpenRLHF broadcast over NCCL);
+* **remediation at a step boundary**: each side calls :meth:`Collector._step_boundary` where a new
+  mode can safely take effect; it asks the :class:`~collectors.control.ControlChannel`, applies a
+  new desired mode (:meth:`Collector._apply_mode`, per side) and publishes the manifest with the
+  mode it actually applied. A side that cannot apply a mode says so (``ModeReport.reason``).
+* **detach**: idempotent, like ``torch.utils.hooks.RemovableHandle.remove``; a collector is also a
+  context manager that detaches on exit.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar, TypeVar
+
+from audit.records import Case, Manifest, Record, Run, RuntimeFacts, Side
+from collectors.control import MODES, ControlChannel
+from collectors.counting import Counters, LogOnce
+from collectors.manifest import ContractArg, ManifestTracker
+from collectors.sinks.base import Sink
+
+log = logging.getLogger("collectors")
+
+T = TypeVar("T")
+
+
+class CollectorCounters(Counters):
+    """What every side counts; a side adds its own names."""
+
+    NAMES = ("steps", "samples", "fingerprint_records", "manifests", "errors", "mode_switches")
+
+
+@dataclass(frozen=True)
+class ModeReport:
+    """What a side did with a remediation mode: asked ``requested``, runs ``applied``; ``reason``
+    says what stayed native and why (``None`` when ``applied == requested``); ``version``: the
+    control version it answers (``None``: set directly, not through control)."""
+
+    requested: str
+    applied: str
+    reason: str | None = None
+    version: int | None = None
+
+    def facts(self) -> dict[str, Any]:
+        """The manifest's runtime fields for this report (``remediation`` is the applied mode)."""
+        return {
+            "remediation": self.applied,
+            "remediation_requested": self.requested,
+            "remediation_native": self.reason,
+            "control_version": self.version,
+        }
+
+
+def run_record(run: str | Run) -> Run:
+    """``run`` as a :class:`Run` record (a bare id names the run after itself)."""
+    return run if isinstance(run, Run) else Run(run_id=run, name=run)
+
+
+class Collector(ABC):
+    """Base of every collector. Subclasses set ``side`` and ``COUNTERS``, implement
+    :meth:`_runtime`, :meth:`_apply_mode` and :meth:`_remove_hooks`, and call :meth:`_begin`
+    once their hooks are in place."""
+
+    side: ClassVar[Side]
+    COUNTERS: ClassVar[type[CollectorCounters]] = CollectorCounters
+
+    def __init__(
+        self,
+        *,
+        run: str | Run,
+        sink: Sink,
+        cases: Sequence[Case],
+        contract: ContractArg = None,
+        control: ControlChannel | None = None,
+        strict: bool = False,
+        weight_version: str | int | None = None,
+        weight_digest: str | None = None,
+        mode: str = "native",
+    ) -> None:
+        if not isinstance(sink, Sink):
+            raise TypeError(f"sink: expected a collectors.sinks.Sink, got {type(sink).__name__}")
+        if mode not in MODES:
+            raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+        if control is not None and not isinstance(control, ControlChannel):
+            raise TypeError(
+                f"control: expected a collectors.control.ControlChannel, got {type(control).__name__}"
+            )
+        self.run = run_record(run)
+        self.sink = sink
+        self.control = control
+        self.strict = strict
+        self.counters = self.COUNTERS()
+        self.weight_version: str | None = str(weight_version) if weight_version is not None else None
+        self.weight_digest = weight_digest
+        self.mode_report = ModeReport(mode, mode)
+        self._warn = LogOnce(log)
+        self._contract = contract
+        self._cases = tuple(cases)
+        self._trackers: dict[Case, ManifestTracker] = {}
+        self._manifest_key: tuple[Any, ...] | None = None
+        self._control_version: int | None = None
+        self._detached = False
+
+    def _begin(self, regions: list[str], unobserved: dict[str, str]) -> None:
+        """Hooks are in place: send the run and the first manifests."""
+        self._trackers = {
+            case: ManifestTracker(
+                run_id=self.run.run_id,
+                side=self.side,
+                case=case,
+                regions=regions,
+                unobserved=unobserved,
+                contract=self._contract,
+            )
+            for case in self._cases
+        }
+        out: list[Record] = [self.run]
+        self._manifests(out)
+        self.sink.send(out)
+
+    # ------------------------------------------------------------------ public
+
+    @property
+    def mode(self) -> str:
+        """The remediation mode this side runs in now (as applied, not as asked)."""
+        return self.mode_report.applied
+
+    @property
+    def manifest(self) -> Manifest | None:
+        """The latest manifest sent (of the first case)."""
+        return self._trackers[self._cases[0]].current if self._trackers else None
+
+    @property
+    def attached(self) -> bool:
+        return not self._detached
+
+    def guarded(self, where: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T | None:
+        """``fn(*args, **kwargs)``, or ``None`` if it raised: counted, logged once per ``where``,
+        re-raised only with ``strict=True``."""
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:
+            self.counters.errors += 1
+            if self.strict:
+                raise
+            self._warn.warn(
+                where,
+                f"isoaudit {self.side} collector: {where} failed ({type(exc).__name__}: {exc}); counted",
+            )
+            return None
+
+    def weights_changed(self, version: str | int, digest: str | None = None) -> None:
+        """Say the weights this side computes with are now ``version`` (with their digest, when
+        known: :func:`collectors.vllm.weight_digest` over the trainer's named tensors). Later
+        records and a new manifest carry it. For jobs that sync weights their own way."""
+        if version is None or (isinstance(version, str) and not version):
+            raise ValueError("version: give the new weights a version (e.g. the trainer step they come from)")
+        self.weight_version, self.weight_digest = str(version), digest
+        self._weights_moved()
+        self.guarded("weights manifest", self.publish)
+
+    def set_mode(self, mode: str, version: int | None = None) -> ModeReport:
+        """Apply remediation ``mode`` now (what the control channel does at a step boundary) and
+        return what was applied; raises if the mode is unknown or the switch failed."""
+        if mode not in MODES:
+            raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+        report = self._apply_mode(mode)
+        report = replace(report, version=version)
+        if report.applied != self.mode_report.applied:
+            self.counters.mode_switches += 1
+        self.mode_report = report
+        if report.reason:
+            self._warn.warn(
+                f"mode:{mode}:{report.applied}",
+                f"isoaudit {self.side} collector: asked for mode {mode!r}, runs {report.applied!r}: {report.reason}",
+            )
+        return report
+
+    def publish(self) -> None:
+        """Send the manifests if anything in them changed."""
+        out: list[Record] = []
+        self._manifests(out)
+        if out:
+            self.sink.send(out)
+
+    def stats(self) -> dict[str, Any]:
+        """Collector counters, the applied mode, and the sink's counters."""
+        return {**self.counters.as_dict(), "mode": self.mode, "sink": self.sink.stats()}
+
+    def flush(self, timeout: float | None = 30.0) -> bool:
+        """Finish what is in flight, then wait for the sink to deliver everything."""
+        self.guarded("flush", self._finish_pending)
+        return self.sink.flush(timeout)
+
+    def detach(self) -> None:
+        """Finish what is in flight and remove every hook: the model or engine then runs exactly as
+        before. Idempotent; never raises (unless ``strict``)."""
+        if self._detached:
+            return
+        self._detached = True
+        try:
+            self.guarded("finish", self._finish_pending)
+        finally:
+            self.guarded("detach", self._remove_hooks)
+
+    def __enter__(self) -> Collector:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.detach()
+
+    # ------------------------------------------------------------------ for subclasses
+
+    @abstractmethod
+    def _runtime(self) -> RuntimeFacts:
+        """This side's runtime facts (the remediation fields are filled in here)."""
+
+    @abstractmethod
+    def _apply_mode(self, mode: str) -> ModeReport:
+        """Switch this side to ``mode`` now; return what it runs (raise if it cannot switch at all)."""
+
+    @abstractmethod
+    def _remove_hooks(self) -> None:
+        """Remove every hook this collector installed."""
+
+    def _finish_pending(self) -> None:
+        """Turn whatever is still in flight into records (nothing by default)."""
+        return None
+
+    def _weights_moved(self) -> None:
+        """The weight version changed (a side with engine state passes it on)."""
+        return None
+
+    def _signature(self) -> tuple[Any, ...] | None:
+        """A cheap key of what :meth:`_runtime` reads, checked every step; ``None``: rebuild always
+        (the manifest's content hash still keeps unchanged ones from being sent)."""
+        return None
+
+    def _log_once(self, key: str, message: str) -> None:
+        self._warn.warn(key, message)
+
+    def _set_observed(
+        self, regions: list[str] | None = None, unobserved: dict[str, str] | None = None
+    ) -> None:
+        for tracker in self._trackers.values():
+            if regions is not None:
+                tracker.regions = regions
+            if unobserved is not None:
+                tracker.unobserved = unobserved
+        self._manifest_key = None
+
+    def _manifests(self, out: list[Record]) -> None:
+        """Append the manifests whose content changed since the last ones sent."""
+        signature = self._signature()
+        key = (signature, self.mode_report, self.weight_version, self.weight_digest)
+        if signature is not None and key == self._manifest_key:
+            return
+        self._manifest_key = key
+        runtime = self._runtime().model_copy(update=self.mode_report.facts())
+        for tracker in self._trackers.values():
+            built = tracker.build(runtime, self.weight_version).model_copy(
+                update={"weight_digest": self.weight_digest}
+            )
+            manifest = tracker.changed(built)
+            if manifest is not None:
+                out.append(manifest)
+                self.counters.manifests += 1
+
+    def _step_boundary(self) -> None:
+        """Where a new mode may take effect: apply the control channel's desired mode if it is new,
+        then publish the manifests if anything changed. Never raises (unless ``strict``)."""
+        control = self.guarded("control", self.control.desired) if self.control is not None else None
+        if control is not None and control.version != self._control_version:
+            self._control_version = control.version
+            if control.mode != self.mode_report.requested:
+                report = self.guarded("mode switch", self.set_mode, control.mode, control.version)
+                if report is not None:
+                    log.info(
+                        "isoaudit %s collector: mode %s requested (control version %d), %s applied",
+                        self.side,
+                        control.mode,
+                        control.version,
+                        report.applied,
+                    )
+        self.guarded("manifest", self.publish)
