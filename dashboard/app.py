@@ -1,0 +1,59 @@
+"""The app factory: one Dash app over one store, with the pages of ``dashboard.pages``."""
+
+from __future__ import annotations
+
+import dash
+import dash_bootstrap_components as dbc
+from dash import dcc, html
+
+from audit.store import Store
+from dashboard import context
+from dashboard.pages import PAGES
+
+NAV = (("Runs", "/"), ("Alerts", "/alerts"))
+
+
+def _shell() -> html.Div:
+    brand = dbc.NavbarBrand("isoaudit", href="/")
+    links = [dbc.NavItem(dbc.NavLink(label, href=href, active="exact")) for label, href in NAV]
+    return html.Div(
+        [
+            dbc.Navbar(
+                dbc.Container([brand, dbc.Nav(links, navbar=True)], fluid=True), color="dark", dark=True
+            ),
+            dbc.Container(dash.page_container, fluid=True, className="py-3"),
+            dcc.Location(id="shell-location", refresh="callback-nav"),
+        ]
+    )
+
+
+def create_app(
+    store_or_url: Store | str | None = None,
+    *,
+    auth: tuple[str, str] | None = None,
+    live_interval_ms: int = 5000,
+    requests_pathname_prefix: str | None = None,
+) -> dash.Dash:
+    """The dashboard over ``store_or_url`` (a :class:`Store`, a database URL, or None for
+    ``ISOAUDIT_DATABASE_URL`` / the SQLite default). ``auth`` = (user, password) puts every route
+    behind HTTP basic auth; live pages poll every ``live_interval_ms`` while their run is live."""
+    store = store_or_url if isinstance(store_or_url, Store) else Store(store_or_url)
+    app = dash.Dash(
+        __name__,
+        use_pages=True,
+        pages_folder="",
+        external_stylesheets=[dbc.themes.BOOTSTRAP],
+        suppress_callback_exceptions=True,
+        title="isoaudit",
+        requests_pathname_prefix=requests_pathname_prefix,
+    )
+    app.server.config[context.STORE_KEY] = store
+    app.server.config[context.INTERVAL_KEY] = live_interval_ms
+    for page in PAGES:
+        page.register(app)
+    app.layout = _shell
+    if auth is not None:
+        import dash_auth
+
+        dash_auth.BasicAuth(app, {auth[0]: auth[1]})
+    return app

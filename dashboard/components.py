@@ -1,0 +1,85 @@
+"""Small layout pieces shared by the pages. Every value is placed as a text child, never as markup."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from datetime import datetime
+from typing import Any
+
+import dash_bootstrap_components as dbc
+import pandas as pd
+from dash import dcc, html
+
+from audit.records import utcnow
+
+STATUS_COLOURS = {"live": "success", "idle": "secondary"}
+STATE_COLOURS = {"firing": "danger", "pending": "warning", "resolved": "success", "inactive": "secondary"}
+
+
+def text(value: Any) -> str:
+    """A cell's text: numbers to 4 significant digits, times in UTC, None as a dash."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "—"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, datetime | pd.Timestamp):
+        return value.strftime("%Y-%m-%d %H:%M:%S")
+    return str(value)
+
+
+def ago(value: datetime | None, now: datetime | None = None) -> str:
+    """``12 s ago``, ``3 min ago``..."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "never"
+    seconds = max(0.0, ((now or utcnow()) - value).total_seconds())
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f} {unit} ago"
+    return f"{seconds:.0f} s ago"
+
+
+def badge(label: str, colours: Mapping[str, str], **kwargs: Any) -> dbc.Badge:
+    return dbc.Badge(label, color=colours.get(label, "secondary"), className="me-1", **kwargs)
+
+
+def frame_table(
+    frame: pd.DataFrame,
+    *,
+    links: Mapping[str, Callable[[pd.Series], str | None]] | None = None,
+    row_class: Callable[[pd.Series], str | None] | None = None,
+    cell: Mapping[str, Callable[[pd.Series], Any]] | None = None,
+    headers: Mapping[str, str] | None = None,
+    table_id: str | None = None,
+) -> dbc.Table:
+    """A frame as a bootstrap table: ``links`` make a column's text a link (href from the row),
+    ``cell`` replaces a column's content by a component, ``row_class`` styles rows."""
+    links, cell, headers = links or {}, cell or {}, headers or {}
+    head = html.Thead(html.Tr([html.Th(headers.get(c, c)) for c in frame.columns]))
+    body = []
+    for _, row in frame.iterrows():
+        tds = []
+        for column in frame.columns:
+            if column in cell:
+                content: Any = cell[column](row)
+            else:
+                content = text(row[column])
+                href = links[column](row) if column in links else None
+                if href:
+                    content = dcc.Link(content, href=href)
+            tds.append(html.Td(content))
+        body.append(html.Tr(tds, className=row_class(row) if row_class else None))
+    kwargs = {"id": table_id} if table_id else {}
+    return dbc.Table(
+        [head, html.Tbody(body)], bordered=False, hover=True, size="sm", responsive=True, **kwargs
+    )
+
+
+def graph(graph_id: Any, figure: Any, **kwargs: Any) -> dcc.Graph:
+    return dcc.Graph(id=graph_id, figure=figure, config={"displaylogo": False}, **kwargs)
+
+
+def not_found(message: str) -> dbc.Alert:
+    return dbc.Alert(message, color="warning")

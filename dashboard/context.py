@@ -1,0 +1,26 @@
+"""What a callback needs of the request it serves: the app's store and who is asking."""
+
+from __future__ import annotations
+
+import flask
+
+from audit.store import Store
+
+STORE_KEY = "ISOAUDIT_STORE"
+INTERVAL_KEY = "ISOAUDIT_LIVE_INTERVAL_MS"
+
+
+def store() -> Store:
+    """The store of the app serving this request (each app keeps its own, in its Flask config)."""
+    return flask.current_app.config[STORE_KEY]
+
+
+def live_interval_ms() -> int:
+    return int(flask.current_app.config.get(INTERVAL_KEY, 5000))
+
+
+def user() -> str:
+    """Who makes a change: the basic-auth user when the dashboard has credentials, else ``dashboard``."""
+    auth = flask.request.authorization if flask.has_request_context() else None
+    name = auth.username if auth is not None and auth.username else None
+    return f"dashboard:{name}" if name else "dashboard"

@@ -1,0 +1,406 @@
+"""The data layer: ``audit.queries`` results as pandas frames, shaped for ``dashboard.figures``.
+
+No Dash here, and no SQL: every read goes through :mod:`audit.queries`, so the pages are thin and the
+frames can be built (and tested) without a browser.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from audit import queries
+from audit.alerts.history import AlertView
+from audit.alerts.rules import AlertRule
+from audit.compare import DIFFERS, EQUAL, NOT_OBSERVED
+from audit.regions import region_order
+from audit.summaries import bin_label
+
+#: The step metrics the run page draws, in panels; ``log`` panels use a log axis.
+TIMELINE_PANELS: tuple[tuple[str, tuple[str, ...], bool], ...] = (
+    ("mismatch KL", ("kl_k3", "kl_k1"), True),
+    ("|Δ logprob|", ("logprob_abs_diff_mean", "logprob_abs_diff_max"), True),
+    ("|Δ prob|", ("rollout_probs_diff_mean", "rollout_probs_diff_max", "rollout_probs_diff_std"), True),
+    ("Pearson corr.", ("rollout_actor_probs_pearson_corr",), False),
+    ("clip fraction", ("is_clipfrac",), False),
+    ("exact-match fraction", ("exact_match_fraction",), False),
+)
+TIMELINE_METRICS: tuple[str, ...] = tuple(m for _, names, _ in TIMELINE_PANELS for m in names)
+
+#: Diagnosis kinds in DESIGN.md's order, so the stacked bars keep one order across steps.
+DIAGNOSIS_ORDER = ("clean", "contract", "weights", "semantics", "inference_path", "numerical", "inconclusive")
+
+
+def _base_region(label: str) -> str:
+    return label.split("#")[0]
+
+
+def region_sort(labels: Sequence[str]) -> list[str]:
+    """Region labels (``layers.2.mlp#1``) in forward order."""
+    return sorted(labels, key=lambda r: (region_order(_base_region(r)), r))
+
+
+# ---------------------------------------------------------------------- runs page
+
+
+def runs_frame(runs: Sequence[queries.RunOverview]) -> pd.DataFrame:
+    """One row per run with what the runs table shows."""
+    rows = [
+        {
+            "run_id": r.run_id,
+            "name": r.name,
+            "project": r.project,
+            "status": r.status,
+            "last_step": r.last_step,
+            "last_ingest_at": r.last_ingest_at,
+            "kl_k3": r.kl_k3,
+            "exact_match_fraction": r.exact_match_fraction,
+            "open_alerts": r.open_alerts,
+            "desired_mode": r.control.mode,
+            "control_version": r.control.version,
+            "applied_trainer": r.applied["trainer"].mode,
+            "applied_rollout": r.applied["rollout"].mode,
+            "spark_steps": [s for s, _ in r.sparkline],
+            "spark_kl_k3": [v for _, v in r.sparkline],
+        }
+        for r in runs
+    ]
+    columns = [
+        "run_id", "name", "project", "status", "last_step", "last_ingest_at", "kl_k3",
+        "exact_match_fraction", "open_alerts", "desired_mode", "control_version",
+        "applied_trainer", "applied_rollout", "spark_steps", "spark_kl_k3",
+    ]  # fmt: skip
+    return pd.DataFrame(rows, columns=columns)
+
+
+# ---------------------------------------------------------------------- run page
+
+
+def timeline_frame(points: Sequence[queries.StepPoint]) -> pd.DataFrame:
+    """Steps as rows (index ``step``), the timeline metrics as float columns (NaN where missing)."""
+    data = {m: [_num(p.metrics.get(m)) for p in points] for m in TIMELINE_METRICS}
+    return pd.DataFrame(data, index=pd.Index([p.step for p in points], name="step"), dtype=float)
+
+
+def _num(value: Any) -> float:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else np.nan
+
+
+def position_frame(
+    points: Sequence[queries.StepPoint], stat: str = "mean", n_bins: int | None = None
+) -> pd.DataFrame:
+    """|Δ logprob| per response-position bin: steps as rows, bin labels as columns (``stat`` is
+    ``mean`` or ``max``); ``n_bins`` pads or cuts to a given width (for appending to a figure)."""
+    if stat not in ("mean", "max"):
+        raise ValueError(f"stat: {stat!r} is not 'mean' or 'max'")
+    width = (
+        n_bins if n_bins is not None else max((len(p.position_bins.get(stat, [])) for p in points), default=0)
+    )
+    rows = []
+    for p in points:
+        values = [_num(v) for v in p.position_bins.get(stat, [])][:width]
+        rows.append(values + [np.nan] * (width - len(values)))
+    return pd.DataFrame(
+        rows,
+        index=pd.Index([p.step for p in points], name="step"),
+        columns=[bin_label(i) for i in range(width)],
+        dtype=float,
+    )
+
+
+def bin_sample(point: queries.StepPoint, bin_index: int) -> str | None:
+    """The sample holding bin ``bin_index``'s largest |Δ| at this step (where a heatmap click goes)."""
+    keys = point.position_bins.get("max_key", [])
+    return keys[bin_index] if 0 <= bin_index < len(keys) else None
+
+
+def divergence_frame(
+    points: Sequence[queries.StepPoint], regions: Sequence[str] | None = None
+) -> pd.DataFrame:
+    """Samples whose first divergence is in each region: steps as rows, regions (forward order) as
+    columns, 0 where none."""
+    names = (
+        list(regions) if regions is not None else region_sort({r for p in points for r in p.first_divergence})
+    )
+    rows = [[int(p.first_divergence.get(r, {}).get("count", 0)) for r in names] for p in points]
+    return pd.DataFrame(rows, index=pd.Index([p.step for p in points], name="step"), columns=names, dtype=int)
+
+
+def diagnosis_frame(points: Sequence[queries.StepPoint], kinds: Sequence[str] | None = None) -> pd.DataFrame:
+    """Samples per diagnosis kind: steps as rows, kinds (DESIGN.md's order) as columns."""
+    seen = {k for p in points for k in p.diagnoses}
+    names = (
+        list(kinds)
+        if kinds is not None
+        else [k for k in DIAGNOSIS_ORDER if k in seen] + sorted(seen - set(DIAGNOSIS_ORDER))
+    )
+    rows = [[int(p.diagnoses.get(k, 0)) for k in names] for p in points]
+    return pd.DataFrame(rows, index=pd.Index([p.step for p in points], name="step"), columns=names, dtype=int)
+
+
+def thresholds_frame(rules: Sequence[AlertRule]) -> pd.DataFrame:
+    """One row per enabled rule on a timeline metric: where to draw its threshold."""
+    rows = [
+        {
+            "rule": r.name,
+            "metric": r.metric,
+            "comparison": r.comparison,
+            "threshold": r.threshold,
+            "severity": r.severity,
+        }
+        for r in rules
+        if r.enabled and r.metric in TIMELINE_METRICS
+    ]
+    return pd.DataFrame(rows, columns=["rule", "metric", "comparison", "threshold", "severity"])
+
+
+def alert_intervals_frame(
+    alerts: Sequence[AlertView], rules: Sequence[AlertRule], last_step: int | None
+) -> pd.DataFrame:
+    """The step ranges during which each alert was firing (still-firing ones end at ``last_step``)."""
+    metric_of = {r.name: r.metric for r in rules}
+    rows = []
+    for a in alerts:
+        if a.fired_step is None:
+            continue
+        end = (
+            a.resolved_step
+            if a.resolved_step is not None
+            else (last_step if last_step is not None else a.last_step)
+        )
+        rows.append(
+            {
+                "alert_id": a.id,
+                "rule": a.rule,
+                "metric": metric_of.get(a.rule),
+                "severity": a.severity,
+                "state": a.state,
+                "start": a.fired_step,
+                "end": end,
+            }  # fmt: skip
+        )
+    return pd.DataFrame(rows, columns=["alert_id", "rule", "metric", "severity", "state", "start", "end"])
+
+
+def mode_changes_frame(changes: Sequence[queries.ModeChange]) -> pd.DataFrame:
+    rows = [{"side": c.side, "mode": c.mode, "at": c.at, "step": c.step} for c in changes]
+    return pd.DataFrame(rows, columns=["side", "mode", "at", "step"])
+
+
+def samples_frame(verdicts: Sequence[queries.SampleVerdict]) -> pd.DataFrame:
+    """A step's sample table."""
+    rows = [
+        {
+            "sample_key": v.sample_key,
+            "n_tokens": v.n_tokens,
+            "abs_diff_mean": v.abs_diff_mean,
+            "abs_diff_max": v.abs_diff_max,
+            "kl_k3": v.kl_k3,
+            "exact_match_fraction": v.exact_match_fraction,
+            "first_divergence": (
+                f"{v.first_divergence_region} @ {v.first_divergence_position}"
+                if v.first_divergence_region
+                else ""
+            ),
+            "diagnosis": v.diagnosis,
+        }
+        for v in verdicts
+    ]
+    columns = ["sample_key", "n_tokens", "abs_diff_mean", "abs_diff_max", "kl_k3", "exact_match_fraction",
+               "first_divergence", "diagnosis"]  # fmt: skip
+    return pd.DataFrame(rows, columns=columns)
+
+
+# ---------------------------------------------------------------------- sample page
+
+
+@lru_cache(maxsize=8)
+def load_tokenizer(name: str) -> Any | None:
+    """A tokenizer the machine can load without the network (None otherwise: show token ids)."""
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(name, local_files_only=True)
+    except Exception:
+        return None
+
+
+def tokenizer_of(config: dict[str, Any]) -> Any | None:
+    """The tokenizer a run's config names (``tokenizer``, else ``model``), if it loads here."""
+    for key in ("tokenizer", "tokenizer_path", "model", "model_path"):
+        name = config.get(key)
+        if isinstance(name, str) and name:
+            found = load_tokenizer(name)
+            if found is not None:
+                return found
+    return None
+
+
+def delta_frame(detail: queries.SampleDetail, tokenizer: Any | None = None) -> pd.DataFrame:
+    """One row per completion token: position, id, text (decoded when a tokenizer is given, else the
+    id), both sides' logprobs and Δ = trainer − rollout."""
+    ids = detail.completion_ids.astype(np.int64)
+    if tokenizer is not None:
+        texts = [tokenizer.decode([int(t)]) for t in ids]
+    else:
+        texts = [str(int(t)) for t in ids]
+    return pd.DataFrame(
+        {
+            "position": np.arange(ids.size),
+            "absolute_position": np.arange(ids.size) + detail.prompt_len,
+            "token_id": ids,
+            "text": texts,
+            "trainer": detail.trainer_logprobs.astype(float),
+            "rollout": detail.rollout_logprobs.astype(float),
+            "delta": detail.delta,
+        }
+    )
+
+
+STATE_NAMES = {NOT_OBSERVED: "not observed", EQUAL: "equal", DIFFERS: "differs"}
+
+
+def grid_frame(detail: queries.SampleDetail) -> pd.DataFrame:
+    """The fingerprint grid in long form: one row per (region, position) with its state, sketch
+    relative L2, agreeing ladder bits, and whether it is an origin / the first divergence."""
+    columns = ["region", "position", "state", "rel_l2", "agreeing_bits", "origin", "first"]
+    grid = detail.grid
+    if grid is None or not grid.regions:
+        return pd.DataFrame(columns=columns)
+    n_regions, n_positions = grid.state.shape
+    origins = set(grid.origins)
+    first = grid.first_divergence
+    regions = np.repeat(np.asarray(grid.regions, dtype=object), n_positions)
+    positions = np.tile(grid.positions.astype(np.int64), n_regions)
+    frame = pd.DataFrame(
+        {
+            "region": regions,
+            "position": positions,
+            "state": [STATE_NAMES[int(s)] for s in grid.state.ravel()],
+            "rel_l2": grid.rel_l2.astype(float).ravel(),
+            "agreeing_bits": grid.agreeing_bits.astype(int).ravel(),
+        }
+    )
+    cells = list(zip(frame["region"], frame["position"], strict=True))
+    frame["origin"] = [c in origins for c in cells]
+    frame["first"] = [c == first for c in cells]
+    return frame
+
+
+def evidence_items(evidence: dict[str, Any]) -> list[tuple[str, str]]:
+    """The diagnosis evidence as (name, value-as-text) pairs, for a definition list."""
+    items = []
+    for key, value in evidence.items():
+        text = value if isinstance(value, str) else json.dumps(value, default=str, sort_keys=True)
+        items.append((str(key), text))
+    return items
+
+
+# ---------------------------------------------------------------------- contract page
+
+
+def contract_frame(view: queries.ContractView) -> pd.DataFrame:
+    """The two latest manifests side by side, differing fields first."""
+    rows = [
+        {"field": f.name, "trainer": _text(f.trainer), "rollout": _text(f.rollout), "differs": f.differs}
+        for f in view.fields
+    ]
+    frame = pd.DataFrame(rows, columns=["field", "trainer", "rollout", "differs"])
+    return frame.sort_values(["differs", "field"], ascending=[False, True], kind="stable").reset_index(
+        drop=True
+    )
+
+
+def history_frame(history: Sequence[queries.ManifestEntry]) -> pd.DataFrame:
+    rows = [
+        {
+            "recorded": e.created_at,
+            "side": e.side,
+            "case": e.case,
+            "process": e.process,
+            "remediation": e.manifest.runtime.remediation,
+            "numerical_policy": (e.manifest.contract.numerical_policy or "")[:12],
+            "changed": ", ".join(e.changed) or "—",
+        }
+        for e in reversed(history)
+    ]
+    return pd.DataFrame(
+        rows, columns=["recorded", "side", "case", "process", "remediation", "numerical_policy", "changed"]
+    )
+
+
+def _text(value: Any) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, str):
+        return value
+    return json.dumps(value, default=str)
+
+
+# ---------------------------------------------------------------------- alerts page
+
+
+def alerts_frame(alerts: Sequence[AlertView]) -> pd.DataFrame:
+    rows = [
+        {
+            "id": a.id,
+            "rule": a.rule,
+            "run_id": a.run_id,
+            "state": a.state,
+            "severity": a.severity,
+            "value": a.value,
+            "started_step": a.started_step,
+            "fired_step": a.fired_step,
+            "resolved_step": a.resolved_step,
+            "last_step": a.last_step,
+            "link_step": a.fired_step if a.fired_step is not None else a.started_step,
+        }  # fmt: skip
+        for a in alerts
+    ]
+    columns = ["id", "rule", "run_id", "state", "severity", "value", "started_step", "fired_step",
+               "resolved_step", "last_step", "link_step"]  # fmt: skip
+    return pd.DataFrame(rows, columns=columns)
+
+
+def rules_frame(rules: Sequence[AlertRule]) -> pd.DataFrame:
+    rows = [
+        {
+            "name": r.name,
+            "condition": r.condition(),
+            "for": r.for_steps,
+            "keep_firing_for": r.keep_firing_for,
+            "severity": r.severity,
+            "project": r.project or "(all)",
+            "enabled": r.enabled,
+        }  # fmt: skip
+        for r in rules
+    ]
+    return pd.DataFrame(
+        rows, columns=["name", "condition", "for", "keep_firing_for", "severity", "project", "enabled"]
+    )
+
+
+def silences_frame(silences: Sequence[Any], now: Any) -> pd.DataFrame:
+    rows = []
+    for s in silences:
+        ends = queries.aware(s.ends_at)
+        rows.append(
+            {
+                "id": s.id,
+                "rule": s.rule_name or "(any)",
+                "run_id": s.run_id or "(any)",
+                "labels": json.dumps(dict(s.labels), sort_keys=True) if s.labels else "",
+                "starts_at": queries.aware(s.starts_at),
+                "ends_at": ends,
+                "active": ends is not None and ends > now and queries.aware(s.starts_at) <= now,
+                "created_by": s.created_by,
+                "comment": s.comment,
+            }
+        )
+    columns = ["id", "rule", "run_id", "labels", "starts_at", "ends_at", "active", "created_by", "comment"]
+    return pd.DataFrame(rows, columns=columns)

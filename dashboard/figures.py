@@ -1,0 +1,362 @@
+"""The figures layer: pure functions from the frames of ``dashboard.data`` to plotly figures.
+
+No Dash and no store here, so every figure is unit-tested on hand-built frames. Text that comes from
+users or records (rule names, region names, token text) is HTML-escaped before it reaches plotly,
+whose labels understand a few HTML tags: it shows as the characters typed, never as markup.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from dashboard.data import TIMELINE_PANELS
+
+#: log10 floor of |Δ| and relative L2 in colour scales (exact zeros are drawn at the floor).
+LOG_FLOOR = -8.0
+
+DIAGNOSIS_COLOURS = {
+    "clean": "#2ca02c",
+    "contract": "#d62728",
+    "weights": "#9467bd",
+    "semantics": "#e377c2",
+    "inference_path": "#ff7f0e",
+    "numerical": "#1f77b4",
+    "inconclusive": "#7f7f7f",
+}
+SEVERITY_COLOURS = {"info": "#1f77b4", "warning": "#ff7f0e", "critical": "#d62728"}
+SIDE_COLOURS = {"trainer": "#1f77b4", "rollout": "#9467bd"}
+
+
+def safe(text: object) -> str:
+    """Text for a plotly label: escaped, so ``<b>`` shows as typed."""
+    return html.escape(str(text), quote=False)
+
+
+def _base(fig: go.Figure, height: int) -> go.Figure:
+    fig.update_layout(
+        height=height,
+        margin={"l": 60, "r": 20, "t": 30, "b": 40},
+        template="plotly_white",
+        legend={"orientation": "h", "y": -0.12},
+    )
+    return fig
+
+
+def empty_figure(message: str, height: int = 240) -> go.Figure:
+    """A placeholder that says why there is nothing to draw."""
+    fig = go.Figure()
+    fig.add_annotation(text=safe(message), showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper")
+    fig.update_xaxes(visible=False)
+    fig.update_yaxes(visible=False)
+    return _base(fig, height)
+
+
+def log_value(value: float) -> float:
+    """log10 of a non-negative figure, with exact zeros at :data:`LOG_FLOOR` (NaN stays NaN)."""
+    if value is None or not math.isfinite(value):
+        return float("nan")
+    return max(math.log10(value), LOG_FLOOR) if value > 0 else LOG_FLOOR
+
+
+# ---------------------------------------------------------------------- runs page
+
+
+def sparkline(steps: Sequence[int], values: Sequence[float | None]) -> go.Figure:
+    """A tiny kl_k3 line for the runs table."""
+    fig = go.Figure(
+        go.Scatter(
+            x=list(steps), y=[np.nan if v is None else v for v in values], mode="lines", line={"width": 1.5}
+        )
+    )
+    fig.update_layout(
+        height=40, width=160, margin={"l": 0, "r": 0, "t": 0, "b": 0}, showlegend=False,
+        plot_bgcolor="rgba(0,0,0,0)", paper_bgcolor="rgba(0,0,0,0)",
+    )  # fmt: skip
+    fig.update_xaxes(visible=False)
+    fig.update_yaxes(visible=False)
+    return fig
+
+
+# ---------------------------------------------------------------------- run page
+
+
+def _wants_log(values: np.ndarray) -> bool:
+    finite = values[np.isfinite(values)]
+    return bool(finite.size) and bool((finite > 0).all()) and finite.max() / finite.min() > 100
+
+
+def timelines(
+    frame: pd.DataFrame,
+    thresholds: pd.DataFrame | None = None,
+    intervals: pd.DataFrame | None = None,
+    changes: pd.DataFrame | None = None,
+) -> go.Figure:
+    """One panel per metric group (``data.TIMELINE_PANELS``), steps on a shared x axis; each alert
+    rule's threshold as a dashed line on its metric's panel, firing intervals shaded, remediation
+    switches as vertical lines. Traces follow ``TIMELINE_METRICS`` order (live updates append to them)."""
+    titles = [title for title, _, _ in TIMELINE_PANELS]
+    fig = make_subplots(
+        rows=len(TIMELINE_PANELS), cols=1, shared_xaxes=True, vertical_spacing=0.035, subplot_titles=titles
+    )
+    steps = frame.index.to_list()
+    panel_of: dict[str, int] = {}
+    for row, (_, metrics, log) in enumerate(TIMELINE_PANELS, start=1):
+        for metric in metrics:
+            panel_of[metric] = row
+            values = frame[metric].to_numpy(float) if metric in frame else np.full(len(steps), np.nan)
+            fig.add_trace(
+                go.Scatter(
+                    x=steps, y=values, mode="lines+markers", name=metric, meta=metric, marker={"size": 4}
+                ),
+                row=row,
+                col=1,
+            )
+        panel = np.concatenate([frame[m].to_numpy(float) for m in metrics if m in frame] or [np.zeros(0)])
+        if log and _wants_log(panel):
+            fig.update_yaxes(type="log", row=row, col=1)
+    if thresholds is not None:
+        for t in thresholds.itertuples():
+            row = panel_of.get(t.metric)
+            if row is None:
+                continue
+            colour = SEVERITY_COLOURS.get(t.severity, "#444")
+            fig.add_hline(
+                y=t.threshold, row=row, col=1, line={"dash": "dash", "color": colour, "width": 1},
+                annotation_text=safe(f"{t.rule} ({t.comparison} {t.threshold:g})"),
+                annotation_position="top left", annotation_font={"size": 10, "color": colour},
+                name=f"threshold:{t.rule}",
+            )  # fmt: skip
+    for shape in interval_shapes(intervals):
+        fig.add_shape(shape)
+    if changes is not None:
+        for c in changes.itertuples():
+            if c.step is None or (isinstance(c.step, float) and math.isnan(c.step)):
+                continue
+            fig.add_vline(
+                x=int(c.step), line={"dash": "dot", "color": SIDE_COLOURS.get(c.side, "#2ca02c"), "width": 1.5},
+                annotation_text=safe(f"{c.side} → {c.mode}"), annotation_position="top right",
+                annotation_font={"size": 10}, name=f"mode:{c.side}",
+            )  # fmt: skip
+    fig.update_xaxes(title_text="step", row=len(TIMELINE_PANELS), col=1)
+    return _base(fig, 170 * len(TIMELINE_PANELS))
+
+
+def interval_shapes(intervals: pd.DataFrame | None) -> list[dict]:
+    """Shaded step ranges (all panels) during which an alert was firing."""
+    if intervals is None:
+        return []
+    return [
+        {
+            "type": "rect",
+            "xref": "x",
+            "yref": "paper",
+            "x0": float(i.start) - 0.5,
+            "x1": float(i.end) + 0.5,
+            "y0": 0,
+            "y1": 1,
+            "fillcolor": SEVERITY_COLOURS.get(i.severity, "#d62728"),
+            "opacity": 0.12,
+            "line": {"width": 0},
+            "layer": "below",
+            "name": f"firing:{i.rule}",
+        }  # fmt: skip
+        for i in intervals.itertuples()
+    ]
+
+
+def heatmap_column(values: Sequence[float], log: bool = True) -> tuple[list[float], list[str]]:
+    """One step's column of a heatmap: colour values and hover text (shared by full draws and live
+    appends, so both show the same thing)."""
+    z = [log_value(v) if log else (float("nan") if v is None else float(v)) for v in values]
+    text = ["—" if v is None or not math.isfinite(v) else f"{v:.3g}" for v in values]
+    return z, text
+
+
+def position_heatmap(frame: pd.DataFrame, stat: str = "mean") -> go.Figure:
+    """Step x response-position |Δ logprob| (``frame``: steps as rows, position bins as columns),
+    coloured by log10; hover shows the value. A click names (step, bin) for the page to open."""
+    if frame.empty or frame.shape[1] == 0:
+        return empty_figure("no compared steps yet")
+    columns = [heatmap_column(list(frame.iloc[i].to_numpy(float))) for i in range(len(frame))]
+    z = np.array([c[0] for c in columns], dtype=float).T
+    text = np.array([c[1] for c in columns], dtype=object).T
+    fig = go.Figure(
+        go.Heatmap(
+            z=z, x=frame.index.to_list(), y=list(frame.columns), text=text,
+            hovertemplate="step %{x}<br>positions %{y}<br>" + stat + " |Δ logprob| %{text}<extra></extra>",
+            colorscale="Viridis", zmin=LOG_FLOOR, zmax=1.0,
+            colorbar={"title": {"text": f"log10 {stat} |Δ|"}},
+        )
+    )  # fmt: skip
+    fig.update_xaxes(title_text="step")
+    fig.update_yaxes(title_text="response position", type="category")
+    return _base(fig, 380)
+
+
+def divergence_heatmap(frame: pd.DataFrame) -> go.Figure:
+    """Region (forward order, top to bottom) x step: how many samples first diverge there."""
+    if frame.empty or frame.shape[1] == 0:
+        return empty_figure("no first divergences located (no fingerprints, or none differ)")
+    z = np.array(frame.to_numpy(float).T)
+    z[z == 0] = np.nan
+    fig = go.Figure(
+        go.Heatmap(
+            z=z, x=frame.index.to_list(), y=[safe(r) for r in frame.columns],
+            hovertemplate="step %{x}<br>%{y}<br>%{z} samples first diverge here<extra></extra>",
+            colorscale="OrRd", zmin=0, colorbar={"title": {"text": "samples"}}, xgap=1, ygap=1,
+        )
+    )  # fmt: skip
+    fig.update_xaxes(title_text="step")
+    fig.update_yaxes(title_text="first divergence", type="category", autorange="reversed")
+    return _base(fig, max(260, 22 * frame.shape[1] + 100))
+
+
+def diagnosis_bars(frame: pd.DataFrame) -> go.Figure:
+    """Samples per diagnosis kind, stacked per step (one trace per kind, in ``frame``'s column order)."""
+    if frame.empty or frame.shape[1] == 0:
+        return empty_figure("no compared samples yet")
+    fig = go.Figure(
+        [
+            go.Bar(
+                x=frame.index.to_list(),
+                y=frame[kind].to_list(),
+                name=kind,
+                meta=kind,
+                marker_color=DIAGNOSIS_COLOURS.get(kind, "#bcbd22"),
+            )  # fmt: skip
+            for kind in frame.columns
+        ]
+    )
+    fig.update_layout(barmode="stack")
+    fig.update_xaxes(title_text="step")
+    fig.update_yaxes(title_text="samples")
+    return _base(fig, 280)
+
+
+# ---------------------------------------------------------------------- sample page
+
+
+def delta_strip(frame: pd.DataFrame, show_text_up_to: int = 160) -> go.Figure:
+    """Δ logprob (trainer − rollout) per completion token as one coloured strip, centred on zero;
+    each cell shows its token (text when decoded, else the id) when the completion is short enough."""
+    if frame.empty:
+        return empty_figure("no completion tokens")
+    hover = [
+        f"position {p}<br>token {safe(repr(t))} (id {i})<br>trainer {a:.6g}<br>rollout {b:.6g}<br>Δ {d:+.3g}"
+        for p, t, i, a, b, d in zip(
+            frame["position"], frame["text"], frame["token_id"], frame["trainer"], frame["rollout"], frame["delta"],
+            strict=True,
+        )
+    ]  # fmt: skip
+    delta = frame["delta"].to_numpy(float)
+    finite = np.abs(delta[np.isfinite(delta)])
+    bound = float(finite.max()) if finite.size and finite.max() > 0 else 1.0
+    heat = go.Heatmap(
+        z=[delta.tolist()], x=frame["position"].to_list(), y=["Δ"], zmid=0, zmin=-bound, zmax=bound,
+        colorscale="RdBu", hovertext=[hover], hoverinfo="text", colorbar={"title": {"text": "Δ"}},
+        xgap=1,
+    )  # fmt: skip
+    if len(frame) <= show_text_up_to:
+        heat.update(text=[[safe(t) for t in frame["text"]]], texttemplate="%{text}", textfont={"size": 9})
+    fig = go.Figure(heat)
+    fig.update_xaxes(title_text="completion position")
+    fig.update_yaxes(visible=False)
+    return _base(fig, 170)
+
+
+def grid_values(frame: pd.DataFrame) -> np.ndarray:
+    """Colour value of each grid cell: equal at the floor - 1, differs at log10 relative L2 (unknown
+    size at the top), not observed NaN (the plot background)."""
+    rel = frame["rel_l2"].to_numpy(float)
+    state = frame["state"].to_numpy(object)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        size = np.clip(np.log10(rel), LOG_FLOOR, 1.0)
+    size = np.where(np.isfinite(size), size, 1.0)
+    return np.where(state == "equal", LOG_FLOOR - 1, np.where(state == "differs", size, np.nan))
+
+
+def _cell_detail(state: str, rel: float, bits: int) -> str:
+    if state != "differs":
+        return state
+    size = f"rel L2 ≈ {rel:.2g}" if math.isfinite(rel) else "size unknown"
+    rung = f"agrees to {bits} mantissa bits" if bits >= 0 else "no ladder rung agrees"
+    return f"differs; {size}; {rung}"
+
+
+def fingerprint_grid(frame: pd.DataFrame, prompt_len: int | None = None) -> go.Figure:
+    """Region x position fingerprint grid: green equal, yellow→red differing (by sketch relative L2),
+    grey not observed; origins marked ×, the first divergence ★ and named. Hover: state, ladder rung
+    (agreeing mantissa bits) and relative L2."""
+    if frame.empty:
+        return empty_figure("no fingerprints for this sample")
+    regions = list(dict.fromkeys(frame["region"]))
+    positions = sorted(set(frame["position"]))
+    values = grid_values(frame)
+    rows = pd.Categorical(frame["region"], categories=regions).codes
+    cols = np.searchsorted(np.asarray(positions), frame["position"].to_numpy())
+    z = np.full((len(regions), len(positions)), np.nan)
+    z[rows, cols] = values
+    text = np.full((len(regions), len(positions)), "", dtype=object)
+    text[rows, cols] = [
+        f"{safe(r)} @ {p}: {_cell_detail(s, rel, int(bits))}"
+        for r, p, s, rel, bits in zip(
+            frame["region"],
+            frame["position"],
+            frame["state"],
+            frame["rel_l2"],
+            frame["agreeing_bits"],
+            strict=True,
+        )
+    ]
+    low = (0.0, "#b7e4c7")
+    scale = [low, (0.099, "#b7e4c7"), (0.1, "#ffffb2"), (0.55, "#fd8d3c"), (1.0, "#bd0026")]
+    fig = go.Figure(
+        go.Heatmap(
+            z=z, x=positions, y=[safe(r) for r in regions], text=text, hoverinfo="text", colorscale=scale,
+            zmin=LOG_FLOOR - 1, zmax=1.0, xgap=1, ygap=1, name="grid",
+            colorbar={"title": {"text": "log10 rel L2"}, "tickvals": [LOG_FLOOR - 1, LOG_FLOOR, -4, 0],
+                      "ticktext": ["equal", f"1e{int(LOG_FLOOR)}", "1e-4", "1"]},
+        )
+    )  # fmt: skip
+    origins = frame[frame["origin"] & ~frame["first"]]
+    if len(origins):
+        fig.add_trace(
+            go.Scatter(
+                x=origins["position"].to_list(), y=[safe(r) for r in origins["region"]], mode="markers",
+                marker={"symbol": "x-thin", "size": 9, "line": {"width": 2, "color": "black"}}, name="origin",
+                hoverinfo="skip",
+            )
+        )  # fmt: skip
+    first = frame[frame["first"]]
+    if len(first):
+        r, p = first["region"].iloc[0], int(first["position"].iloc[0])
+        fig.add_trace(
+            go.Scatter(
+                x=[p], y=[safe(r)], mode="markers", name="first divergence", hoverinfo="skip",
+                marker={"symbol": "star", "size": 16, "color": "black", "line": {"width": 1, "color": "white"}},
+            )
+        )  # fmt: skip
+        fig.add_annotation(
+            x=p,
+            y=safe(r),
+            text=safe(f"first divergence: {r} @ {p}"),
+            showarrow=True,
+            arrowhead=2,
+            ax=60,
+            ay=-30,
+        )
+    if prompt_len is not None and positions and positions[0] < prompt_len <= positions[-1]:
+        fig.add_vline(
+            x=prompt_len - 0.5, line={"dash": "dot", "color": "#555"}, annotation_text="completion →"
+        )
+    fig.update_layout(plot_bgcolor="#d9d9d9")
+    fig.update_xaxes(title_text="position (prompt ‖ completion)", showgrid=False)
+    fig.update_yaxes(type="category", autorange="reversed", showgrid=False)
+    return _base(fig, max(280, 18 * len(regions) + 120))

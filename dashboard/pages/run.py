@@ -1,0 +1,450 @@
+"""``/runs/<run_id>?step=N``: one run's timelines, heatmaps, diagnoses, a step's samples, and the
+remediation toggle. Live while the run is being written: each tick appends the new steps only."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote
+
+import dash
+import dash_bootstrap_components as dbc
+import plotly.graph_objects as go
+from dash import Input, Output, State, dash_table, dcc, html, no_update
+
+from audit import queries
+from audit.service_models import REMEDIATION_MODES, StaleControlVersion
+from audit.summaries import bin_label
+from dashboard import context, data, figures
+from dashboard.components import STATUS_COLOURS, ago, badge, graph, not_found, text
+from dashboard.live import LiveState, diagnosis_patch, divergence_patch, position_patch, timelines_patch
+
+PATH = "/runs/<run_id>"
+
+
+def sample_href(run_id: str, step: int, sample_key: str) -> str:
+    return f"/runs/{quote(run_id, safe='')}/steps/{int(step)}/samples/{sample_key}"
+
+
+@dataclass
+class RunFigures:
+    timelines: go.Figure
+    position: go.Figure
+    divergence: go.Figure
+    diagnoses: go.Figure
+    state: LiveState
+
+
+def _annotations(store: Any, run_id: str, points: list[queries.StepPoint]) -> tuple[Any, Any, Any, str]:
+    """Thresholds, firing intervals and remediation switches for the timelines, and their signature."""
+    rules = queries.run_rules(store, run_id)
+    alerts = queries.alerts_view(store, run_id=run_id)
+    last = points[-1].step if points else None
+    intervals = data.alert_intervals_frame(alerts.open + alerts.resolved, rules, last)
+    # A still-firing interval grows every step: its end is not part of the signature.
+    firing = data.alert_intervals_frame(alerts.open + alerts.resolved, rules, None)
+    changes = data.mode_changes_frame(queries.mode_changes(queries.manifest_history(store, run_id), points))
+    signature = json.dumps(
+        [
+            firing[["alert_id", "start", "state"]].to_dict("records"),
+            changes[["side", "mode", "step"]].to_dict("records"),
+        ],
+        default=str,
+    )
+    return data.thresholds_frame(rules), intervals, changes, hashlib.sha1(signature.encode()).hexdigest()
+
+
+def draw(store: Any, run_id: str, stat: str = "mean") -> RunFigures:
+    """Every figure of the run page, drawn in full."""
+    points = queries.step_series(store, run_id)
+    thresholds, intervals, changes, signature = _annotations(store, run_id, points)
+    positions = data.position_frame(points, stat)
+    divergence = data.divergence_frame(points)
+    diagnoses = data.diagnosis_frame(points)
+    state = LiveState(
+        run_id=run_id,
+        last_step=points[-1].step if points else None,
+        stat=stat,
+        n_bins=positions.shape[1],
+        regions=list(divergence.columns),
+        kinds=list(diagnoses.columns),
+        alerts=signature,
+    )
+    return RunFigures(
+        figures.timelines(data.timeline_frame(points), thresholds, intervals, changes),
+        figures.position_heatmap(positions, stat),
+        figures.divergence_heatmap(divergence),
+        figures.diagnosis_bars(diagnoses),
+        state,
+    )
+
+
+# ---------------------------------------------------------------------- pieces
+
+
+def applied_view(overview: queries.RunOverview) -> html.Div:
+    """Desired mode (version, who, when) and what each side last reported applying."""
+    control = overview.control
+    by = f" by {control.updated_by}" if control.updated_by else ""
+    when = f", {ago(queries.aware(control.updated_at))}" if control.updated_at else ""
+    rows = [
+        html.Div(
+            [
+                html.Strong("desired: "),
+                html.Span(control.mode, id="run-desired-mode"),
+                f" (version {control.version}{by}{when})",
+            ]
+        )
+    ]
+    for side in queries.SIDES:
+        applied = overview.applied[side]
+        matches = applied.mode == control.mode
+        rows.append(
+            html.Div(
+                [
+                    html.Strong(f"{side}: "),
+                    html.Span(text(applied.mode), id=f"run-applied-{side}"),
+                    f" (reported {ago(applied.at)})" if applied.at else " (no manifest yet)",
+                    " ✓" if matches else " … waiting for its next step" if applied.at else "",
+                ]
+            )
+        )
+    return html.Div(rows)
+
+
+def sample_table(run_id: str, step: int | None) -> list[dict[str, Any]]:
+    if step is None:
+        return []
+    frame = data.samples_frame(queries.step_samples(context.store(), run_id, step))
+    records = frame.to_dict("records")
+    for record in records:
+        record["open"] = f"[open]({sample_href(run_id, step, record['sample_key'])})"
+    return records
+
+
+SAMPLE_COLUMNS = [
+    {"id": "open", "name": "", "presentation": "markdown"},
+    {"id": "sample_key", "name": "sample"},
+    {"id": "n_tokens", "name": "tokens", "type": "numeric"},
+    {"id": "abs_diff_mean", "name": "mean |Δ|", "type": "numeric", "format": {"specifier": ".3g"}},
+    {"id": "abs_diff_max", "name": "max |Δ|", "type": "numeric", "format": {"specifier": ".3g"}},
+    {"id": "kl_k3", "name": "kl_k3", "type": "numeric", "format": {"specifier": ".3g"}},
+    {"id": "exact_match_fraction", "name": "exact", "type": "numeric", "format": {"specifier": ".1%"}},
+    {"id": "first_divergence", "name": "first divergence"},
+    {"id": "diagnosis", "name": "diagnosis"},
+]
+
+
+def layout(run_id: str | None = None, step: str | None = None, **_: Any) -> html.Div:
+    store = context.store()
+    overview = queries.run_overview(store, run_id) if run_id else None
+    if overview is None:
+        return not_found(f"No run {run_id!r} in this store.")
+    drawn = draw(store, overview.run_id)
+    try:
+        selected = int(step) if step is not None else drawn.state.last_step
+    except ValueError:
+        selected = drawn.state.last_step
+    run_path = f"/runs/{quote(overview.run_id, safe='')}"
+    return html.Div(
+        [
+            dcc.Store(id="run-state", data=drawn.state.to_json()),
+            dcc.Store(
+                id="run-control", data={"mode": overview.control.mode, "version": overview.control.version}
+            ),
+            dcc.Location(id="run-nav", refresh="callback-nav"),
+            dcc.Interval(
+                id="run-interval", interval=context.live_interval_ms(), disabled=overview.status != "live"
+            ),
+            html.Div(
+                [
+                    html.H3(overview.name or overview.run_id, id="run-title", className="d-inline me-2"),
+                    badge(overview.status, STATUS_COLOURS, id="run-status"),
+                    html.Div(
+                        [
+                            html.Span(f"run {overview.run_id} · project {overview.project} · "),
+                            dcc.Link("contract", href=f"{run_path}/contract"),
+                            " · ",
+                            dcc.Link("alerts", href="/alerts"),
+                        ],
+                        className="text-muted small",
+                    ),
+                ],
+                className="mb-3",
+            ),
+            dbc.Card(
+                dbc.CardBody(
+                    [
+                        html.H5("Remediation", className="card-title"),
+                        dbc.RadioItems(
+                            id="run-mode",
+                            options=[{"label": m, "value": m} for m in REMEDIATION_MODES],
+                            value=overview.control.mode,
+                            inline=True,
+                        ),
+                        html.Div(id="run-control-message", className="small mt-1"),
+                        html.Div(applied_view(overview), id="run-applied", className="small mt-2"),
+                    ]
+                ),
+                className="mb-3",
+            ),
+            html.H5("Step metrics"),
+            graph("run-timelines", drawn.timelines),
+            dbc.Row(
+                [
+                    dbc.Col(
+                        [
+                            html.H5("|Δ logprob| by response position", className="d-inline me-3"),
+                            dbc.RadioItems(
+                                id="run-position-stat",
+                                options=[
+                                    {"label": "mean", "value": "mean"},
+                                    {"label": "max", "value": "max"},
+                                ],
+                                value="mean",
+                                inline=True,
+                                className="d-inline",
+                            ),
+                            graph("run-position", drawn.position),
+                        ],
+                        lg=6,
+                    ),
+                    dbc.Col(
+                        [html.H5("First divergence by region"), graph("run-divergence", drawn.divergence)],
+                        lg=6,
+                    ),
+                ]
+            ),
+            html.H5("Diagnoses per step"),
+            graph("run-diagnoses", drawn.diagnoses),
+            html.Div(
+                [
+                    html.H5("Samples of step ", className="d-inline"),
+                    dcc.Input(
+                        id="run-step",
+                        type="number",
+                        value=selected,
+                        min=0,
+                        debounce=True,
+                        style={"width": "8em"},
+                    ),
+                ],
+                className="mt-3 mb-2",
+            ),
+            dash_table.DataTable(
+                id="run-samples",
+                columns=SAMPLE_COLUMNS,
+                data=sample_table(overview.run_id, selected),
+                sort_action="native",
+                page_size=25,
+                markdown_options={"html": False},
+                style_table={"overflowX": "auto"},
+                style_cell={"fontFamily": "monospace", "fontSize": 12},
+            ),
+        ]
+    )
+
+
+# ---------------------------------------------------------------------- callbacks
+
+
+def tick(_n: int | None, state_json: dict[str, Any]) -> tuple[Any, ...]:
+    """Append the steps compared since the last tick; stop polling once the run is idle."""
+    store = context.store()
+    state = LiveState.from_json(state_json)
+    overview = queries.run_overview(store, state.run_id)
+    if overview is None:
+        return (no_update,) * 5 + (no_update, True, no_update, no_update)
+    points = queries.step_series(store, state.run_id, after_step=state.last_step)
+    outputs: list[Any] = [no_update] * 4
+    if points:
+        _, _, _, signature = _annotations(store, state.run_id, points)
+        patches = [
+            timelines_patch(points) if signature == state.alerts else None,
+            position_patch(points, state),
+            divergence_patch(points, state),
+            diagnosis_patch(points, state),
+        ]
+        if any(p is None for p in patches):
+            full = draw(store, state.run_id, state.stat)
+            drawn = [full.timelines, full.position, full.divergence, full.diagnoses]
+            outputs = [p if p is not None else drawn[i] for i, p in enumerate(patches)]
+            state = full.state
+        else:
+            outputs = patches
+            state.last_step = points[-1].step
+    idle = overview.status != "live"
+    return (
+        *outputs,
+        state.to_json(),
+        idle,
+        overview.status,
+        applied_view(overview),
+    )
+
+
+def set_mode(mode: str, control: dict[str, Any], state_json: dict[str, Any]) -> tuple[Any, ...]:
+    """Write the desired mode with the version this page last saw; a change made meanwhile by
+    someone else is shown, not overwritten."""
+    if mode is None or mode == control.get("mode"):
+        return no_update, no_update, no_update, no_update
+    store = context.store()
+    run_id = state_json["run_id"]
+    try:
+        updated = store.set_control(run_id, mode, int(control["version"]), updated_by=context.user())
+    except StaleControlVersion as exc:
+        current = exc.current
+        message = dbc.Alert(
+            f"Not changed: the mode was set to {current.mode} (version {current.version}) by "
+            f"{current.updated_by or 'someone'} since this page read it. Choose again to override.",
+            color="warning",
+            className="py-1 mb-0",
+            id="run-control-conflict",
+        )
+        return current.mode, {"mode": current.mode, "version": current.version}, message, False
+    message = html.Span(
+        f"Desired mode set to {updated.mode} (version {updated.version}); each side switches at its next step.",
+        id="run-control-ok",
+        className="text-success",
+    )
+    return updated.mode, {"mode": updated.mode, "version": updated.version}, message, False
+
+
+def redraw_position(stat: str, state_json: dict[str, Any]) -> tuple[Any, Any]:
+    state = LiveState.from_json(state_json)
+    points = queries.step_series(context.store(), state.run_id)
+    frame = data.position_frame(points, stat)
+    state.stat, state.n_bins = stat, frame.shape[1]
+    state.last_step = points[-1].step if points else None
+    return figures.position_heatmap(frame, stat), state.to_json()
+
+
+def _clicked(click: dict[str, Any] | None) -> dict[str, Any] | None:
+    points = (click or {}).get("points") or []
+    return points[0] if points else None
+
+
+def _row_of(point: dict[str, Any], labels: list[str]) -> int | None:
+    """The heatmap row a click fell in: plotly gives [row, column] as ``pointNumber``."""
+    number = point.get("pointNumber")
+    if isinstance(number, list) and number:
+        return int(number[0])
+    return labels.index(point["y"]) if point.get("y") in labels else None
+
+
+def position_click(click: dict[str, Any] | None, state_json: dict[str, Any]) -> Any:
+    """A cell of the position heatmap opens the sample holding that bin's largest |Δ| at that step."""
+    point = _clicked(click)
+    if point is None:
+        return no_update
+    run_id = state_json["run_id"]
+    found = queries.step_point(context.store(), run_id, int(point["x"]))
+    if found is None:
+        return no_update
+    labels = [bin_label(i) for i in range(len(found.position_bins.get("max_key", [])))]
+    row = _row_of(point, labels)
+    key = data.bin_sample(found, row) if row is not None else None
+    return sample_href(run_id, found.step, key) if key else no_update
+
+
+def divergence_click(click: dict[str, Any] | None, state_json: dict[str, Any]) -> Any:
+    """A cell of the region heatmap opens a sample whose first divergence is there."""
+    point = _clicked(click)
+    if point is None:
+        return no_update
+    state = LiveState.from_json(state_json)
+    row = _row_of(point, [figures.safe(r) for r in state.regions])
+    found = queries.step_point(context.store(), state.run_id, int(point["x"]))
+    if row is None or found is None or not 0 <= row < len(state.regions):
+        return no_update
+    entry = found.first_divergence.get(state.regions[row])
+    return sample_href(state.run_id, found.step, entry["example"]) if entry else no_update
+
+
+def select_step(timeline: dict | None, bars: dict | None) -> Any:
+    point = _clicked(dash.ctx.triggered[0]["value"] if dash.ctx.triggered else None)
+    return int(point["x"]) if point is not None and point.get("x") is not None else no_update
+
+
+def step_rows(step: int | None, state_json: dict[str, Any]) -> list[dict[str, Any]]:
+    return sample_table(state_json["run_id"], int(step) if step is not None else None)
+
+
+def table_click(
+    active: dict[str, Any] | None, rows: list[dict[str, Any]], step: int | None, state_json: dict
+) -> Any:
+    """Clicking a table row's cell opens that sample."""
+    if not active or step is None:
+        return no_update
+    index = active.get("row")
+    if index is None or index >= len(rows):
+        return no_update
+    return sample_href(state_json["run_id"], int(step), rows[index]["sample_key"])
+
+
+def register(app: dash.Dash) -> None:
+    dash.register_page(__name__, path_template=PATH, name="Run", title="isoaudit: run", layout=layout)
+    app.callback(
+        Output("run-timelines", "figure"),
+        Output("run-position", "figure"),
+        Output("run-divergence", "figure"),
+        Output("run-diagnoses", "figure"),
+        Output("run-state", "data"),
+        Output("run-interval", "disabled"),
+        Output("run-status", "children"),
+        Output("run-applied", "children"),
+        Input("run-interval", "n_intervals"),
+        State("run-state", "data"),
+        prevent_initial_call=True,
+    )(tick)
+    app.callback(
+        Output("run-mode", "value"),
+        Output("run-control", "data"),
+        Output("run-control-message", "children"),
+        Output("run-interval", "disabled", allow_duplicate=True),
+        Input("run-mode", "value"),
+        State("run-control", "data"),
+        State("run-state", "data"),
+        prevent_initial_call=True,
+    )(set_mode)
+    app.callback(
+        Output("run-position", "figure", allow_duplicate=True),
+        Output("run-state", "data", allow_duplicate=True),
+        Input("run-position-stat", "value"),
+        State("run-state", "data"),
+        prevent_initial_call=True,
+    )(redraw_position)
+    app.callback(
+        Output("run-nav", "href"),
+        Input("run-position", "clickData"),
+        State("run-state", "data"),
+        prevent_initial_call=True,
+    )(position_click)
+    app.callback(
+        Output("run-nav", "href", allow_duplicate=True),
+        Input("run-divergence", "clickData"),
+        State("run-state", "data"),
+        prevent_initial_call=True,
+    )(divergence_click)
+    app.callback(
+        Output("run-step", "value"),
+        Input("run-timelines", "clickData"),
+        Input("run-diagnoses", "clickData"),
+        prevent_initial_call=True,
+    )(select_step)
+    app.callback(
+        Output("run-samples", "data"),
+        Input("run-step", "value"),
+        State("run-state", "data"),
+        prevent_initial_call=True,
+    )(step_rows)
+    app.callback(
+        Output("run-nav", "href", allow_duplicate=True),
+        Input("run-samples", "active_cell"),
+        State("run-samples", "derived_viewport_data"),
+        State("run-step", "value"),
+        State("run-state", "data"),
+        prevent_initial_call=True,
+    )(table_click)

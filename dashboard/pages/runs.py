@@ -1,0 +1,92 @@
+"""``/``: every run with its status, latest mismatch, open alerts and remediation modes."""
+
+from __future__ import annotations
+
+from urllib.parse import quote
+
+import dash
+import pandas as pd
+from dash import Input, Output, dcc, html
+
+from audit import queries
+from audit.records import utcnow
+from dashboard import context, data, figures
+from dashboard.components import STATUS_COLOURS, ago, badge, frame_table, text
+
+PATH = "/"
+
+
+def run_href(run_id: str) -> str:
+    return f"/runs/{quote(run_id, safe='')}"
+
+
+def runs_table(frame: pd.DataFrame) -> html.Div:
+    """The runs table (name and id as text, links to each run)."""
+    if frame.empty:
+        return html.P("No runs recorded yet.", className="text-muted")
+    now = utcnow()
+    shown = pd.DataFrame(
+        {
+            "run": frame["name"],
+            "run_id": frame["run_id"],
+            "status": frame["status"],
+            "last step": frame["last_step"],
+            "last record": frame["last_ingest_at"],
+            "kl_k3": frame["kl_k3"],
+            "kl_k3 trend": frame["run_id"],
+            "exact match": frame["exact_match_fraction"],
+            "open alerts": frame["open_alerts"],
+            "desired mode": frame["desired_mode"],
+            "trainer applied": frame["applied_trainer"],
+            "rollout applied": frame["applied_rollout"],
+        }
+    )
+    by_id = frame.set_index("run_id")
+
+    def spark(row: pd.Series) -> dcc.Graph:
+        source = by_id.loc[row["run_id"]]
+        return dcc.Graph(
+            figure=figures.sparkline(source["spark_steps"], source["spark_kl_k3"]),
+            config={"staticPlot": True},
+            style={"height": "40px", "width": "160px"},
+        )
+
+    return frame_table(
+        shown,
+        links={"run": lambda r: run_href(r["run_id"])},
+        cell={
+            "status": lambda r: badge(r["status"], STATUS_COLOURS),
+            "last record": lambda r: ago(r["last record"], now),
+            "kl_k3 trend": spark,
+            "open alerts": lambda r: (
+                dcc.Link(text(r["open alerts"]), href="/alerts") if r["open alerts"] else "0"
+            ),
+            "desired mode": lambda r: f"{r['desired mode']} (v{by_id.loc[r['run_id'], 'control_version']})",
+        },
+        table_id="runs-table-body",
+    )
+
+
+def render() -> html.Div:
+    return runs_table(data.runs_frame(queries.runs_overview(context.store())))
+
+
+def layout(**_: object) -> html.Div:
+    return html.Div(
+        [
+            html.H3("Runs"),
+            html.Div(render(), id="runs-table"),
+            dcc.Interval(id="runs-interval", interval=context.live_interval_ms() * 2),
+        ]
+    )
+
+
+def refresh(_n: int | None) -> html.Div:
+    return render()
+
+
+def register(app: dash.Dash) -> None:
+    dash.register_page(__name__, path=PATH, name="Runs", title="isoaudit: runs", layout=layout)
+    app.callback(
+        Output("runs-table", "children"), Input("runs-interval", "n_intervals"), prevent_initial_call=True
+    )(refresh)

@@ -1,0 +1,115 @@
+"""``/runs/<run_id>/steps/<step>/samples/<sample_key>``: one sample's Δ strip, its fingerprint grid
+with origins and the first divergence, and the diagnosis with its evidence."""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import quote
+
+import dash
+import dash_bootstrap_components as dbc
+from dash import dcc, html
+
+from audit import queries
+from dashboard import context, data, figures
+from dashboard.components import graph, not_found, text
+
+PATH = "/runs/<run_id>/steps/<step>/samples/<sample_key>"
+
+
+def first_divergence_line(detail: queries.SampleDetail) -> html.Div:
+    if detail.first_divergence is None:
+        reason = "no fingerprints" if detail.grid is None else "no region differs with agreeing inputs"
+        return html.Div(
+            ["First divergence: ", html.Strong("none located", id="sample-first-divergence"), f" ({reason})."]
+        )
+    region, position = detail.first_divergence
+    return html.Div(
+        [
+            "First divergence: ",
+            html.Strong(f"{region}", id="sample-first-divergence"),
+            f" at position {position}",
+            f" (completion token {position - detail.prompt_len})"
+            if position >= detail.prompt_len
+            else " (prompt)",
+            ".",
+        ]
+    )
+
+
+def diagnosis_card(detail: queries.SampleDetail) -> dbc.Card:
+    items: list[Any] = []
+    for name, value in data.evidence_items(detail.evidence):
+        items += [
+            html.Dt(name, className="col-sm-3"),
+            html.Dd(value, className="col-sm-9 font-monospace small"),
+        ]
+    return dbc.Card(
+        dbc.CardBody(
+            [
+                html.H5(
+                    ["Diagnosis: ", html.Span(detail.diagnosis, id="sample-diagnosis")],
+                    className="card-title",
+                ),
+                html.P(detail.sentence, id="sample-sentence"),
+                html.Dl(items, className="row mb-0"),
+            ]
+        ),
+        className="mb-3",
+    )
+
+
+def layout(
+    run_id: str | None = None, step: str | None = None, sample_key: str | None = None, **_: Any
+) -> html.Div:
+    store = context.store()
+    try:
+        number = int(step) if step is not None else None
+    except ValueError:
+        number = None
+    detail = (
+        queries.sample_detail(store, run_id, number, sample_key)
+        if run_id and number is not None and sample_key
+        else None
+    )
+    if detail is None:
+        return not_found(f"No compared sample {sample_key!r} at step {step!r} of run {run_id!r}.")
+    run = store.get_run(detail.run_id)
+    tokenizer = data.tokenizer_of(run.config if run else {})
+    tokens = data.delta_frame(detail, tokenizer)
+    metrics = detail.metrics
+    run_path = f"/runs/{quote(detail.run_id, safe='')}"
+    return html.Div(
+        [
+            html.Div(
+                [
+                    dcc.Link("← run", href=f"{run_path}?step={detail.step}"),
+                    html.H3(f"Sample {detail.sample_key}", className="mt-2"),
+                    html.Div(
+                        f"run {detail.run_id} · step {detail.step} · {tokens.shape[0]} completion tokens after a "
+                        f"{detail.prompt_len}-token prompt · mean |Δ| {text(metrics.get('logprob_abs_diff_mean'))} · "
+                        f"max |Δ| {text(metrics.get('logprob_abs_diff_max'))} · kl_k3 {text(metrics.get('kl_k3'))} · "
+                        f"exact {text(metrics.get('exact_match_fraction'))}",
+                        className="text-muted small",
+                    ),
+                ],
+                className="mb-3",
+            ),
+            diagnosis_card(detail),
+            html.H5("Δ logprob per completion token"),
+            html.Div(
+                "tokens decoded with the run's tokenizer"
+                if tokenizer is not None
+                else "token ids (no loadable tokenizer named in the run config)",
+                className="text-muted small",
+            ),
+            graph("sample-delta", figures.delta_strip(tokens)),
+            html.H5("Fingerprint grid", className="mt-3"),
+            first_divergence_line(detail),
+            graph("sample-grid", figures.fingerprint_grid(data.grid_frame(detail), detail.prompt_len)),
+        ]
+    )
+
+
+def register(app: dash.Dash) -> None:
+    dash.register_page(__name__, path_template=PATH, name="Sample", title="isoaudit: sample", layout=layout)
