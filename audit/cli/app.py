@@ -90,4 +90,5 @@ def _redact(url: str) -> str:
 # Command groups defined in sibling modules register themselves on `app` when imported.
 # (one import line per module; keep them at the bottom, after `app` exists)
 from audit.cli import compare as _compare  # noqa: E402,F401
+from audit.cli import dashboard as _dashboard  # noqa: E402,F401
 from audit.cli import service as _service  # noqa: E402,F401
