@@ -13,7 +13,7 @@ from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from audit.arrays import Float32Array, Float32Matrix, Int32Array, Int32Matrix, UInt64Array, UInt64Matrix
 
@@ -58,6 +58,16 @@ class Run(Record):
     started_at: datetime = Field(default_factory=utcnow)
     config: dict[str, Any] = Field(default_factory=dict)
 
+    @model_validator(mode="after")
+    def _check_off_policy(self) -> Run:
+        try:
+            off_policy_of(self.config)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(part) for part in first["loc"])
+            raise ValueError(f"config.off_policy{'.' + where if where else ''}: {first['msg']}") from None
+        return self
+
 
 class RuntimeFacts(BaseModel):
     """What one side's numerics depend on. ``None`` means "not known", never "off"."""
@@ -97,6 +107,12 @@ class ContractIdentities(BaseModel):
 class Manifest(Record):
     """One per side per process per change of anything numerics depend on."""
 
+    weight_tensor_digests: dict[str, str] = Field(
+        default_factory=dict,
+        description="tensor name -> digest of the weights this side actually holds (after a sync, not what "
+        "was sent), taken at each weight version change",
+    )
+
     kind: Literal["manifest"] = "manifest"
     run_id: RunId
     side: Side
@@ -121,6 +137,65 @@ class Manifest(Record):
         return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
+class WeightSpan(BaseModel):
+    """Completion tokens ``[start, next span's start)`` were sampled with weight ``version``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    start: int = Field(ge=0, le=2**31 - 1, description="completion index of the span's first token")
+    version: str = Field(min_length=1, max_length=128)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _coerce_version(cls, data: Any) -> Any:
+        if (
+            isinstance(data, dict)
+            and isinstance(data.get("version"), int)
+            and not isinstance(data["version"], bool)
+        ):
+            data = {**data, "version": str(data["version"])}
+        return data
+
+
+def check_weight_spans(spans: list[WeightSpan], n_completion: int) -> None:
+    """Spans start at completion index 0, strictly increase, and start inside the completion."""
+    if not spans:
+        raise ValueError("weight_spans: give at least one span, or leave it out")
+    starts = [span.start for span in spans]
+    if starts[0] != 0:
+        raise ValueError(f"weight_spans: the first span must start at completion index 0, not {starts[0]}")
+    for i in range(1, len(starts)):
+        if starts[i] <= starts[i - 1]:
+            raise ValueError(f"weight_spans: span {i} starts at {starts[i]}, not after {starts[i - 1]}")
+    if starts[-1] >= max(n_completion, 1):
+        raise ValueError(
+            f"weight_spans: span {len(starts) - 1} starts at {starts[-1]}, past the {n_completion} completion tokens"
+        )
+
+
+class OffPolicy(BaseModel):
+    """A run's declared off-policy design, ``Run.config["off_policy"]``: what asynchronous RL does on
+    purpose (PipelineRL, one-step-off-policy trainers, AReaL), so the audit can tell it from a bug."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_staleness: int = Field(
+        ge=0,
+        le=2**31 - 1,
+        description="largest policy lag (trainer version - sampling version) the objective corrects",
+    )
+    in_flight_updates: bool = Field(
+        default=False,
+        description="weights may change while a sequence is generated: one sample may span versions",
+    )
+
+
+def off_policy_of(config: dict[str, Any]) -> OffPolicy | None:
+    """The off-policy declaration in a run's config, or None when the run declares none."""
+    body = config.get("off_policy") if isinstance(config, dict) else None
+    return None if body is None else OffPolicy.model_validate(body)
+
+
 class SampleLogprobs(Record):
     """The sampled tokens of one sample and the logprob one side assigned to each.
 
@@ -140,6 +215,21 @@ class SampleLogprobs(Record):
     temperature: float = Field(default=1.0, ge=0.0, allow_inf_nan=False)
     top_k: int | None = Field(default=None, ge=-1)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    min_p: float | None = Field(
+        default=None, ge=0.0, le=1.0, description="min-p: the engine's sampler, or what the trainer applied"
+    )
+    weight_spans: list[WeightSpan] | None = Field(
+        default=None,
+        description="the weight version of each span of completion tokens, in order from index 0 "
+        "(asynchronous RL with in-flight weight updates); absent: every token is weight_version's",
+    )
+
+    @model_validator(mode="after")
+    def _check_weight_spans(self) -> SampleLogprobs:
+        if self.weight_spans is not None:
+            check_weight_spans(self.weight_spans, int(self.token_ids.size) - int(self.prompt_len))
+        return self
+
     semantics: LogprobSemantics = "processed"
     topk_ids: Int32Matrix | None = None
     topk_logprobs: Float32Matrix | None = None
