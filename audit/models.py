@@ -97,6 +97,9 @@ class SampleRow(Base):
     topk_ids: Mapped[bytes | None] = mapped_column(LargeBinary)
     topk_logprobs: Mapped[bytes | None] = mapped_column(LargeBinary)
     path: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    min_p: Mapped[float | None] = mapped_column(Float)
+    #: [{"start": completion index, "version": weight version}, ...] (SampleLogprobs.weight_spans)
+    weight_spans: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
