@@ -20,8 +20,10 @@ import numpy as np
 
 from audit.diagnosis import Diagnosis, diagnose
 from audit.fingerprints import estimate_relative_l2, first_agreeing_rung
-from audit.metrics import sample_metrics, step_metrics
-from audit.records import Manifest, RegionFingerprints, SampleLogprobs
+from audit.metric_names import required_variants
+from audit.metrics import UNKNOWN_LAG, lag_metrics, sample_metrics, step_metrics, topk_entropy
+from audit.policy_lag import token_lags
+from audit.records import Manifest, OffPolicy, RegionFingerprints, SampleLogprobs
 from audit.regions import region_order
 
 NOT_OBSERVED, EQUAL, DIFFERS = -1, 0, 1
@@ -249,15 +251,29 @@ def check_pair(trainer: SampleLogprobs, rollout: SampleLogprobs) -> None:
         raise ValueError(f"token_ids: the two sides of sample {trainer.sample_key} hold different tokens")
 
 
+def _entropies(samples: list[SampleLogprobs]) -> np.ndarray | None:
+    """Per-token top-k entropy of one side's samples, NaN where a sample recorded no top-k."""
+    if all(s.topk_logprobs is None for s in samples):
+        return None
+    return np.concatenate(
+        [
+            topk_entropy(s.topk_logprobs) if s.topk_logprobs is not None else np.full(s.logprobs.size, np.nan)
+            for s in samples
+        ]
+    )
+
+
 def compare_samples(
     pairs: Sequence[tuple[SampleLogprobs, SampleLogprobs]],
     fingerprints: dict[str, tuple[Sequence[RegionFingerprints], Sequence[RegionFingerprints]]] | None = None,
     manifests: tuple[Sequence[Manifest], Sequence[Manifest]] = ((), ()),
     *,
     clip_eps: float = 0.2,
+    policy: OffPolicy | None = None,
 ) -> list[SampleComparison]:
     """Compare many (trainer, rollout) pairs at once: token metrics vectorised over all of them, grids
-    for the samples that have fingerprints (keyed by sample_key), then a diagnosis of each."""
+    for the samples that have fingerprints (keyed by sample_key), then a diagnosis of each. ``policy``
+    is the run's declared off-policy design (``off_policy_of(run.config)``)."""
     if not pairs:
         return []
     for trainer, rollout in pairs:
@@ -268,14 +284,21 @@ def compare_samples(
         np.concatenate([r.logprobs for _, r in pairs]),
         offsets,
         clip_eps=clip_eps,
+        entropies=(_entropies([t for t, _ in pairs]), _entropies([r for _, r in pairs])),
     )
     rows = frame.to_dict("records")
     fingerprints = fingerprints or {}
     results = []
     for (trainer, rollout), metrics in zip(pairs, rows, strict=True):
+        lags = token_lags(trainer, rollout)
+        known = lags[lags != UNKNOWN_LAG]
+        if known.size:
+            metrics["policy_lag_max"], metrics["policy_lag_min"] = int(known.max()), int(known.min())
         prints = fingerprints.get(trainer.sample_key, ((), ()))
         grid = compare_fingerprints(*prints)
-        diagnosis = diagnose(trainer, rollout, metrics, grid, manifests[0], manifests[1], prints)
+        diagnosis = diagnose(
+            trainer, rollout, metrics, grid, manifests[0], manifests[1], prints, policy=policy
+        )
         results.append(
             SampleComparison(trainer.run_id, trainer.step, trainer.sample_key, metrics, grid, diagnosis)
         )
@@ -308,14 +331,22 @@ def step_summary(
     *,
     clip_eps: float = 0.2,
 ) -> dict[str, Any]:
-    """The ``step_results`` fields of one step: token-weighted metrics and a count of each diagnosis."""
+    """The ``step_results`` fields of one step: its metrics (every definition of audit.metrics, the
+    threshold variants framework aliases read, policy lag and lag slices) and a count of each diagnosis."""
     offsets = _offsets([t.logprobs.size for t, _ in pairs])
+    trainer_lp = np.concatenate([t.logprobs for t, _ in pairs]) if pairs else np.zeros(0, np.float32)
+    rollout_lp = np.concatenate([r.logprobs for _, r in pairs]) if pairs else np.zeros(0, np.float32)
     metrics = step_metrics(
-        np.concatenate([t.logprobs for t, _ in pairs]) if pairs else np.zeros(0, np.float32),
-        np.concatenate([r.logprobs for _, r in pairs]) if pairs else np.zeros(0, np.float32),
+        trainer_lp,
+        rollout_lp,
         offsets,
         clip_eps=clip_eps,
+        entropies=(_entropies([t for t, _ in pairs]), _entropies([r for _, r in pairs])),
+        variants=required_variants(),
     )
+    if pairs:
+        lags = np.concatenate([token_lags(t, r) for t, r in pairs])
+        metrics.update(lag_metrics(trainer_lp, rollout_lp, offsets, lags))
     counts: dict[str, int] = defaultdict(int)
     for comparison in comparisons:
         counts[comparison.diagnosis.kind] += 1

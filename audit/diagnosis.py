@@ -1,8 +1,13 @@
 """Why a sample's two sides disagree: the ordered classes of DESIGN.md, cheapest explanation first.
 
-``contract`` → ``weights`` → ``semantics`` → ``inference_path`` → ``numerical`` → ``inconclusive``,
-plus ``clean`` when the two sides agree bit for bit. Each verdict carries one plain sentence and the
-evidence it rests on, so a user can check it without reading code.
+``contract`` → ``weights`` / ``off_policy`` → ``semantics`` → ``inference_path`` → ``numerical`` →
+``inconclusive``, plus ``clean`` when the two sides agree bit for bit. Each verdict carries one plain
+sentence and the evidence it rests on (``evidence["cause"]`` names the case in a word), so a user can
+check it without reading code.
+
+``off_policy`` is a weight-version gap the run declared (``Run.config["off_policy"]``: asynchronous
+RL samples with older weights on purpose and its objective corrects for it); an undeclared or
+out-of-bound gap, and weights that differ under the same claimed version, stay ``weights``.
 """
 
 from __future__ import annotations
@@ -14,13 +19,15 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from audit.records import Manifest, RegionFingerprints, SampleLogprobs
+from audit.metrics import UNKNOWN_LAG
+from audit.policy_lag import sampling_versions, token_lags
+from audit.records import Manifest, OffPolicy, RegionFingerprints, SampleLogprobs
 
 if TYPE_CHECKING:
     from audit.compare import RegionGrid
 
 DiagnosisKind = Literal[
-    "clean", "contract", "weights", "semantics", "inference_path", "numerical", "inconclusive"
+    "clean", "contract", "weights", "off_policy", "semantics", "inference_path", "numerical", "inconclusive"
 ]
 
 #: Runtime facts that change the inference path (not the arithmetic of a kernel): taken by one side
@@ -41,6 +48,35 @@ TAKEN_WHEN: dict[str, tuple[str, Callable[[Any], bool]]] = {
 SEMANTIC_OFFSET_SIGMAS = 4.0
 SEMANTIC_OFFSET_MIN = 1e-2
 
+#: The path fact the vLLM collector sets (``SampleLogprobs.path``): prompt tokens served from prefix
+#: cache blocks that were computed under an earlier weight version than the one sampling the request
+#: (the cache was not invalidated at the weight sync). ``PREFIX_CACHE_STALE_VERSION`` optionally
+#: names the version those blocks were computed with.
+PREFIX_CACHE_STALE = "prefix_cache_stale_tokens"
+PREFIX_CACHE_STALE_VERSION = "prefix_cache_weight_version"
+
+#: Region whose output is a pure table lookup: where it differs, the weights differ.
+EMBEDDING_REGION = "embed"
+
+#: Precision facts of a side's manifest that change the arithmetic, most specific first.
+PRECISION_FACTS = ("lm_head_dtype", "dtype")
+
+#: Floating-point formats by precision (higher is more precise), to name the less precise side.
+_PRECISION_RANK = {
+    "float64": 6,
+    "fp64": 6,
+    "float32": 5,
+    "fp32": 5,
+    "tf32": 4,
+    "bfloat16": 3,
+    "bf16": 3,
+    "float16": 3,
+    "fp16": 3,
+    "half": 3,
+    "float8_e4m3fn": 1,
+    "fp8": 1,
+}
+
 
 @dataclass
 class Diagnosis:
@@ -56,6 +92,12 @@ def _latest(manifests: Sequence[Manifest]) -> Manifest | None:
     return max(manifests, key=lambda m: m.created_at) if manifests else None
 
 
+def _for_version(manifests: Sequence[Manifest], version: str | None) -> Manifest | None:
+    """The latest manifest that describes weight ``version`` (what the side held then), else the latest."""
+    matching = [m for m in manifests if version is not None and m.weight_version == version]
+    return _latest(matching) or _latest(manifests)
+
+
 def _sampling_transforms(sample: SampleLogprobs) -> list[str]:
     """The ways the sampler reshaped the distribution (what makes raw and processed logprobs differ)."""
     found = []
@@ -65,7 +107,20 @@ def _sampling_transforms(sample: SampleLogprobs) -> list[str]:
         found.append(f"top_k={sample.top_k}")
     if sample.top_p is not None and sample.top_p < 1.0:
         found.append(f"top_p={sample.top_p:g}")
+    if sample.min_p is not None and sample.min_p > 0.0:
+        found.append(f"min_p={sample.min_p:g}")
     return found
+
+
+def sampling_parameters(sample: SampleLogprobs) -> dict[str, float | int | None]:
+    """The sampler's transforms with "off" spelled one way (None): temperature 1, top_k <= 0,
+    top_p 1 and min_p 0 all mean "not applied"."""
+    return {
+        "temperature": None if sample.temperature in (0.0, 1.0) else sample.temperature,
+        "top_k": sample.top_k if sample.top_k is not None and sample.top_k > 0 else None,
+        "top_p": sample.top_p if sample.top_p is not None and sample.top_p < 1.0 else None,
+        "min_p": sample.min_p if sample.min_p is not None and sample.min_p > 0.0 else None,
+    }
 
 
 def _contract(trainer: Manifest | None, rollout: Manifest | None) -> Diagnosis | None:
@@ -87,24 +142,148 @@ def _contract(trainer: Manifest | None, rollout: Manifest | None) -> Diagnosis |
     )
 
 
-def _weights(
-    trainer: SampleLogprobs, rollout: SampleLogprobs, tm: Manifest | None, rm: Manifest | None
+def _version_gap(
+    trainer: SampleLogprobs, rollout: SampleLogprobs, policy: OffPolicy | None
 ) -> Diagnosis | None:
-    tv, rv = trainer.weight_version, rollout.weight_version
-    if tv is not None and rv is not None and tv != rv:
+    """Claimed versions that differ: ``off_policy`` when the run declared the lag, else ``weights``."""
+    spans = sampling_versions(rollout)
+    sampled = sorted({v for _, _, v in spans if v is not None})
+    tv = trainer.weight_version
+    if tv is None or not sampled or sampled == [tv]:
+        return None
+    lags = token_lags(trainer, rollout)
+    known = lags[lags != UNKNOWN_LAG]
+    versions = ", ".join(sampled)
+    evidence: dict[str, Any] = {
+        "trainer_weight_version": tv,
+        "rollout_weight_version": rollout.weight_version,
+        "sampling_versions": sampled,
+        "policy_lag_max": int(known.max()) if known.size else None,
+        "policy_lag_min": int(known.min()) if known.size else None,
+        "declared": policy.model_dump() if policy is not None else None,
+    }
+    if not known.size or known.size < lags.size:
         return Diagnosis(
             "weights",
-            f"The rollout sampled with weight version {rv} but the trainer scored version {tv}: "
-            "stale weights after an in-flight update.",
-            {"trainer_weight_version": tv, "rollout_weight_version": rv},
+            f"The rollout sampled with weight version {versions} but the trainer scored version {tv}: "
+            "stale weights after an in-flight update (versions are not steps, so the lag is unknown).",
+            {**evidence, "cause": "version_mismatch"},
         )
-    td, rd = (tm.weight_digest if tm else None), (rm.weight_digest if rm else None)
+    lag_max, lag_min = int(known.max()), int(known.min())
+    lag = f"{lag_min}" if lag_min == lag_max else f"{lag_min}..{lag_max}"
+    spans_versions = len(sampled) > 1
+    reason = None
+    if policy is None:
+        reason = "the run declares no off-policy design (Run.config['off_policy'])"
+    elif lag_min < 0:
+        reason = "the rollout's weights are newer than the trainer's"
+    elif lag_max > policy.max_staleness:
+        reason = f"a lag of {lag_max} exceeds the run's declared max staleness {policy.max_staleness}"
+    elif spans_versions and not policy.in_flight_updates:
+        reason = "the sample spans several weight versions but the run declares no in-flight updates"
+    if reason is None:
+        return Diagnosis(
+            "off_policy",
+            f"Sampled with weights {lag} version(s) behind the trainer (rollout {versions}, trainer {tv}), "
+            f"within the run's declared max staleness {policy.max_staleness}: off-policy by design; the "
+            "objective's importance correction is for it.",
+            {**evidence, "cause": "declared_lag"},
+        )
+    return Diagnosis(
+        "weights",
+        f"The rollout sampled with weight version {versions} but the trainer scored version {tv} "
+        f"(lag {lag}) and {reason}: stale weights after an in-flight update.",
+        {**evidence, "cause": "undeclared_lag" if policy is None else "lag_out_of_bounds"},
+    )
+
+
+def _held_weights(tm: Manifest | None, rm: Manifest | None) -> Diagnosis | None:
+    """Same claimed version, different weights actually held: name the tensors that differ."""
+    if tm is None or rm is None:
+        return None
+    a, b = tm.weight_tensor_digests, rm.weight_tensor_digests
+    common = sorted(set(a) & set(b))
+    differing = [name for name in common if a[name] != b[name]]
+    version = tm.weight_version if tm.weight_version == rm.weight_version else None
+    claim = f"both claim weight version {version}" if version is not None else "their claimed versions agree"
+    if differing:
+        shown = ", ".join(differing[:5]) + (f" and {len(differing) - 5} more" if len(differing) > 5 else "")
+        return Diagnosis(
+            "weights",
+            f"The two sides hold different weights though {claim}: {len(differing)} of {len(common)} "
+            f"tensors differ ({shown}); the engine's weights were not (all) synced.",
+            {
+                "cause": "held_weights_differ",
+                "differing_tensors": differing,
+                "tensors_compared": len(common),
+                "weight_version": version,
+            },
+        )
+    td, rd = tm.weight_digest, rm.weight_digest
     if td is not None and rd is not None and td != rd:
         return Diagnosis(
             "weights",
-            "The two sides hold different weights (their weight digests differ).",
-            {"trainer_weight_digest": td, "rollout_weight_digest": rd},
+            f"The two sides hold different weights though {claim} (their weight digests differ).",
+            {"cause": "weight_digest_differs", "trainer_weight_digest": td, "rollout_weight_digest": rd},
         )
+    return None
+
+
+def _embedding(grid: RegionGrid | None, tm: Manifest | None, rm: Manifest | None) -> Diagnosis | None:
+    """The embedding is a table lookup with no arithmetic: if it differs anywhere (at the same
+    precision), the two sides hold different embedding weights."""
+    if grid is None or EMBEDDING_REGION not in grid.regions:
+        return None
+    td = tm.runtime.dtype if tm is not None else None
+    rd = rm.runtime.dtype if rm is not None else None
+    if td is not None and rd is not None and td != rd:
+        return None  # a different precision changes the looked-up values without different weights
+    row = grid.state[grid.regions.index(EMBEDDING_REGION)]
+    cols = np.flatnonzero(row == 1)
+    if not cols.size:
+        return None
+    positions = [int(p) for p in grid.positions[cols]]
+    return Diagnosis(
+        "weights",
+        f"The embedding (a pure table lookup) differs at position {positions[0]}"
+        f"{f' and {len(positions) - 1} more' if len(positions) > 1 else ''}: the two sides hold different "
+        "embedding weights.",
+        {"cause": "embedding_differs", "positions": positions[:64], "n_positions": len(positions)},
+    )
+
+
+def _weights(
+    trainer: SampleLogprobs,
+    rollout: SampleLogprobs,
+    tm: Manifest | None,
+    rm: Manifest | None,
+    grid: RegionGrid | None = None,
+    policy: OffPolicy | None = None,
+) -> Diagnosis | None:
+    return _version_gap(trainer, rollout, policy) or _held_weights(tm, rm) or _embedding(grid, tm, rm)
+
+
+def _stale_prefix(trainer: SampleLogprobs, rollout: SampleLogprobs) -> Diagnosis | None:
+    """A prefix-cache hit on KV blocks computed before a weight sync: the cached prompt positions
+    come from the old weights while the rest of the sample uses the new ones."""
+    for side, sample in (("rollout", rollout), ("trainer", trainer)):
+        stale = sample.path.get(PREFIX_CACHE_STALE)
+        if isinstance(stale, int | float) and not isinstance(stale, bool) and stale > 0:
+            old = sample.path.get(PREFIX_CACHE_STALE_VERSION)
+            computed = f" computed under weight version {old}" if old is not None else ""
+            return Diagnosis(
+                "inference_path",
+                f"Prefix cache crossed a weight update: the {side} served {int(stale)} prompt tokens from "
+                f"cache blocks{computed} before the sync to version {sample.weight_version}; reset the prefix "
+                "cache at every weight sync.",
+                {
+                    "cause": "prefix_cache_crossed_weight_update",
+                    "side": side,
+                    "stale_tokens": int(stale),
+                    "cached_weight_version": old,
+                    "weight_version": sample.weight_version,
+                },
+            )
     return None
 
 
@@ -114,16 +293,37 @@ def _semantics(trainer: SampleLogprobs, rollout: SampleLogprobs) -> Diagnosis | 
         return None
     if trainer.semantics != rollout.semantics:
         raw_side = "rollout" if rollout.semantics == "raw" else "trainer"
-        return Diagnosis(
+        return Diagnosis(  # raw against processed: a different distribution, not a truncation detail
             "semantics",
             f"The {raw_side} returned raw logprobs while sampling applied {', '.join(transforms)}; "
             "the other side's are processed, so the two measure different distributions.",
             {
+                "cause": "raw_vs_processed",
+                "raw_side": raw_side,
                 "trainer_semantics": trainer.semantics,
                 "rollout_semantics": rollout.semantics,
                 "sampling": transforms,
             },
         )
+    if trainer.semantics == rollout.semantics == "processed":
+        engine, applied = sampling_parameters(rollout), sampling_parameters(trainer)
+        differing = {
+            k: {"rollout": engine[k], "trainer": applied[k]} for k in engine if engine[k] != applied[k]
+        }
+        if differing:
+            what = ", ".join(
+                f"{k}={v['rollout']}" if v["rollout"] is not None else f"no {k}" for k, v in differing.items()
+            )
+            did = ", ".join(f"{k}={v}" for k, v in applied.items() if v is not None) or "no transform"
+            truncation = [k for k in differing if k != "temperature"]
+            cause = "truncation_mismatch" if truncation else "temperature_mismatch"
+            return Diagnosis(
+                "semantics",
+                f"{'Truncation' if truncation else 'Temperature'} mismatch in the processed logprobs: the engine "
+                f"sampled with {what} (renormalised over the kept set) but the trainer applied {did}; "
+                f"parameter at fault: {', '.join(differing)}.",
+                {"cause": cause, "parameters": differing, "sampling": transforms},
+            )
     delta = trainer.logprobs.astype(np.float64) - rollout.logprobs.astype(np.float64)
     delta = delta[np.isfinite(delta)]
     if delta.size < 8:
@@ -134,7 +334,7 @@ def _semantics(trainer: SampleLogprobs, rollout: SampleLogprobs) -> Diagnosis | 
             "semantics",
             f"Logprobs differ by a systematic offset (mean Δ {mean:+.3g}, {abs(mean) / max(sem, 1e-12):.0f} standard "
             f"errors) under {', '.join(transforms)}: one side likely reports logprobs before the sampler's transforms.",
-            {"mean_delta": mean, "standard_error": sem, "sampling": transforms},
+            {"cause": "systematic_offset", "mean_delta": mean, "standard_error": sem, "sampling": transforms},
         )
     return None
 
@@ -167,7 +367,39 @@ def _inference_path(
         "inference_path",
         f"The two sides took different inference paths ({described}); the mismatch can come from the path "
         "rather than a kernel.",
-        {"differing": differing, "trainer_path": dict(trainer.path), "rollout_path": dict(rollout.path)},
+        {
+            "cause": "path_differs",
+            "differing": differing,
+            "trainer_path": dict(trainer.path),
+            "rollout_path": dict(rollout.path),
+        },
+    )
+
+
+def precision_difference(tm: Manifest | None, rm: Manifest | None) -> dict[str, Any] | None:
+    """The first precision fact the two sides' manifests state differently, with the less precise
+    side named: ``{"field": "runtime.lm_head_dtype", "trainer": ..., "rollout": ..., "side": ...}``."""
+    if tm is None or rm is None:
+        return None
+    for name in PRECISION_FACTS:
+        a, b = getattr(tm.runtime, name), getattr(rm.runtime, name)
+        if a is not None and b is not None and str(a).replace("torch.", "") != str(b).replace("torch.", ""):
+            ra = _PRECISION_RANK.get(str(a).replace("torch.", "").lower(), 0)
+            rb = _PRECISION_RANK.get(str(b).replace("torch.", "").lower(), 0)
+            side = "rollout" if rb < ra else "trainer" if ra < rb else None
+            return {"field": f"runtime.{name}", "trainer": a, "rollout": b, "side": side}
+    return None
+
+
+def _precision_sentence(found: dict[str, Any]) -> str:
+    what = "the lm_head/logits" if found["field"] == "runtime.lm_head_dtype" else "the model"
+    side = found["side"]
+    if side is None:
+        return f"The two sides compute {what} in different precisions ({found['field']}: trainer {found['trainer']}, rollout {found['rollout']})"
+    other = "trainer" if side == "rollout" else "rollout"
+    return (
+        f"The {side} computes {what} in {found[side]} while the {other} uses {found[other]} "
+        f"({found['field']})"
     )
 
 
@@ -194,8 +426,11 @@ def diagnose(
     trainer_manifests: Sequence[Manifest] = (),
     rollout_manifests: Sequence[Manifest] = (),
     prints: tuple[Sequence[RegionFingerprints], Sequence[RegionFingerprints]] = ((), ()),
+    *,
+    policy: OffPolicy | None = None,
 ) -> Diagnosis:
-    """The first class of DESIGN.md's order that explains this sample's mismatch."""
+    """The first class of DESIGN.md's order that explains this sample's mismatch. ``policy`` is the
+    run's declared off-policy design, if any."""
     logprobs_differ = int(metrics.get("bitwise_mismatch_count", 0)) > 0
     cells_differ = grid is not None and grid.has_differences()
     if not logprobs_differ and not cells_differ:
@@ -207,15 +442,20 @@ def diagnose(
         )
 
     tm, rm = _latest(trainer_manifests), _latest(rollout_manifests)
-    for found in (
-        _contract(tm, rm),
-        _weights(trainer, rollout, tm, rm),
-        _semantics(trainer, rollout),
-        _inference_path(trainer, rollout, tm, rm),
+    held_t = _for_version(trainer_manifests, trainer.weight_version)
+    held_r = _for_version(rollout_manifests, rollout.weight_version)
+    for check in (
+        lambda: _contract(tm, rm),
+        lambda: _weights(trainer, rollout, held_t, held_r, grid, policy),
+        lambda: _stale_prefix(trainer, rollout),
+        lambda: _semantics(trainer, rollout),
+        lambda: _inference_path(trainer, rollout, tm, rm),
     ):
+        found = check()
         if found is not None:
             found.evidence.setdefault("logprob_abs_diff_mean", metrics.get("logprob_abs_diff_mean"))
             return found
+    precision = precision_difference(tm, rm)
 
     magnitude = {
         "logprob_abs_diff_mean": metrics.get("logprob_abs_diff_mean"),
@@ -223,6 +463,13 @@ def diagnose(
         "bitwise_mismatch_count": metrics.get("bitwise_mismatch_count"),
     }
     missing = _unobserved_sides(prints, tm, rm)
+    first_cell = grid.first_divergence if grid is not None else None
+    if precision is not None and first_cell is None:
+        return Diagnosis(
+            "numerical",
+            f"{_precision_sentence(precision)}: the mismatch comes from that precision difference.",
+            {"cause": "precision", "precision": precision, **magnitude},
+        )
     if grid is None or missing:
         sides = (
             "; ".join(f"the {side}: {why}" for side, why in missing.items())
@@ -254,11 +501,17 @@ def diagnose(
     agree = f", agreeing to {bits} mantissa bits" if bits >= 0 else ""
     earlier_unobserved = [r for r in grid.not_observed_regions() if grid.regions.index(r) < row]
     caveat = f" (not observed before it: {', '.join(earlier_unobserved)})" if earlier_unobserved else ""
+    lead = (
+        f"{_precision_sentence(precision)}; the"
+        if precision is not None
+        else "Same inputs, different arithmetic: the"
+    )
     return Diagnosis(
         "numerical",
-        f"Same inputs, different arithmetic: the first divergence is {region} at position {position} "
-        f"({size}{agree}){caveat}.",
+        f"{lead} first divergence is {region} at position {position} ({size}{agree}){caveat}.",
         {
+            "cause": "precision" if precision is not None else "arithmetic",
+            "precision": precision,
             "first_divergence": {"region": region, "position": position},
             "rel_l2": rel if math.isfinite(rel) else None,
             "agreeing_mantissa_bits": bits if bits >= 0 else None,

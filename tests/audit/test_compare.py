@@ -76,11 +76,10 @@ def test_different_weight_versions_is_weights():
         record("rollout", tokens, processed * 1.01, weight_version=7),
     )
     assert result.diagnosis.kind == "weights"
-    assert result.diagnosis.evidence == {
-        "trainer_weight_version": "8",
-        "rollout_weight_version": "7",
-        "logprob_abs_diff_mean": result.metrics["logprob_abs_diff_mean"],
-    }
+    evidence = result.diagnosis.evidence
+    assert evidence["trainer_weight_version"] == "8" and evidence["rollout_weight_version"] == "7"
+    assert evidence["policy_lag_max"] == 1 and evidence["cause"] == "undeclared_lag"
+    assert evidence["logprob_abs_diff_mean"] == result.metrics["logprob_abs_diff_mean"]
 
 
 def test_prefix_caching_on_one_side_is_inference_path():
