@@ -27,6 +27,10 @@ def _shell() -> html.Div:
     )
 
 
+#: Bootstrap's CSS ships in ``dashboard/assets`` (Dash serves that folder): the dashboard must work
+#: on a machine without internet access, so nothing is fetched from a CDN.
+
+
 def create_app(
     store_or_url: Store | str | None = None,
     *,
@@ -42,7 +46,6 @@ def create_app(
         __name__,
         use_pages=True,
         pages_folder="",
-        external_stylesheets=[dbc.themes.BOOTSTRAP],
         suppress_callback_exceptions=True,
         title="isoaudit",
         requests_pathname_prefix=requests_pathname_prefix,
