@@ -2,8 +2,9 @@
 
 Models (our own, the HF adapters, the rollout engine) call these functions instead of torch's, so
 one process-wide flag moves the whole forward pass onto the invariant kernels. When enabled, each
-op uses its Triton kernel where it can run (CUDA, or the CPU under TRITON_INTERPRET=1) and its exact
-torch reference elsewhere. When disabled, each op is what a stock stack would do (cuBLAS/bf16
+op uses its Triton kernel on CUDA; a CPU tensor takes :mod:`kernels.cpu` (invariant by construction,
+in bf16 and fp32), unless :func:`set_cpu_impl` asks for the Triton kernels there too (interpreter
+under TRITON_INTERPRET=1, else the torch references). When disabled, each op is what a stock stack would do (cuBLAS/bf16
 lm_head/SDPA/the usual chunk and recurrent GDN forms), which is what isoaudit's comparator measures
 as the native mismatch.
 """
@@ -11,11 +12,13 @@ as the native mismatch.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.nn.functional as F
 
 from . import attention as _attn
+from . import cpu as _cpu
 from . import elementwise as _ew
 from . import gdn as _gdn
 from . import gemm as _gemm
@@ -23,6 +26,7 @@ from . import logprobs as _lp
 from . import rmsnorm as _rms
 
 _ENABLED = False
+_CPU_IMPL = os.environ.get("ISOAUDIT_KERNELS_CPU", "cpu")
 
 
 def is_enabled() -> bool:
@@ -37,9 +41,26 @@ def set_enabled(flag: bool) -> bool:
     return prev
 
 
+def set_cpu_impl(impl: str) -> str:
+    """What CPU tensors run when enabled: ``"cpu"`` (:mod:`kernels.cpu`, the default) or
+    ``"triton"`` (the Triton modules: their interpreter under TRITON_INTERPRET=1, else their torch
+    references). Also set by ``ISOAUDIT_KERNELS_CPU``. Returns the previous value."""
+    global _CPU_IMPL
+    if impl not in ("cpu", "triton"):
+        raise ValueError(f"impl must be 'cpu' or 'triton', not {impl!r}")
+    prev, _CPU_IMPL = _CPU_IMPL, impl
+    return prev
+
+
+def _on_cpu(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and _CPU_IMPL == "cpu"
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` or the batch-invariant GEMM."""
     if _ENABLED:
+        if _on_cpu(x):
+            return _cpu.linear(x, weight, bias)
         return _gemm.linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
@@ -47,6 +68,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """HF-style RMSNorm (fp32 statistics, weight applied in the model dtype) or the invariant one."""
     if _ENABLED:
+        if _on_cpu(x):
+            return _cpu.rms_norm(x, weight, eps)
         if torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)):
             return _rms.rms_norm_autograd(x, weight, eps)
         return _rms.rms_norm(x, weight, eps)  # type: ignore[return-value]
@@ -59,6 +82,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
 def silu(x: torch.Tensor) -> torch.Tensor:
     """SiLU; the invariant one is row-wise (torch's CPU kernels are not batch-invariant)."""
     if _ENABLED:
+        if _on_cpu(x):
+            return _cpu.silu(x)
         return _ew.silu_autograd(x) if torch.is_grad_enabled() and x.requires_grad else _ew.silu(x)
     return F.silu(x)
 
@@ -68,6 +93,8 @@ def gdn_gates(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(g, beta) of Gated DeltaNet from its (T, H) projections, fp32."""
     if _ENABLED:
+        if _on_cpu(a):
+            return _cpu.gdn_gates(a, b, a_log, dt_bias)
         if torch.is_grad_enabled() and any(t.requires_grad for t in (a, b, a_log, dt_bias)):
             return _ew.gdn_gates_autograd(a, b, a_log, dt_bias)
         return _ew.gdn_gates(a, b, a_log, dt_bias)
@@ -77,6 +104,8 @@ def gdn_gates(
 def l2_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """Normalise the last dim to unit L2 norm (GDN q/k)."""
     if _ENABLED:
+        if _on_cpu(x):
+            return _cpu.l2_norm(x, eps)
         if torch.is_grad_enabled() and x.requires_grad:
             return _rms.rms_norm_autograd(x, None, eps, l2=True)
         return _rms.rms_norm(x, None, eps, l2=True)  # type: ignore[return-value]
@@ -98,6 +127,8 @@ def attention(
     if slots is None:
         slots = torch.arange(cu_q.numel() - 1, device=q.device)
     if _ENABLED:
+        if _on_cpu(q):
+            return _cpu.attention(q, k_cache, v_cache, cu_q, q_pos0, kv_len, slots, scale)
         if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_cache, v_cache)):
             return _attn.attention_autograd(q, k_cache, v_cache, cu_q, q_pos0, kv_len, slots, scale)
         return _attn.attention(q, k_cache, v_cache, cu_q, q_pos0, kv_len, slots, scale)
@@ -124,6 +155,8 @@ def attention(
 def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """log p(token | row) for each row of hidden: fp32 invariant path, or the stock bf16 lm_head."""
     if _ENABLED:
+        if _on_cpu(hidden):
+            return _cpu.token_logprobs(hidden, weight, tokens)
         if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
             return _lp.token_logprobs_autograd(hidden, weight, tokens)
         return _lp.token_logprobs(hidden, weight, tokens)
@@ -134,8 +167,19 @@ def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Ten
 def logits_fp32(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Full fp32 logits (for sampling)."""
     if _ENABLED:
+        if _on_cpu(hidden):
+            return _cpu.lm_head_logits(hidden, weight)
         return _lp.lm_head_logits(hidden, weight)
     return F.linear(hidden, weight).float()
+
+
+def log_softmax(logits: torch.Tensor) -> torch.Tensor:
+    """fp32 log-softmax over the last dim: the invariant one, or ``torch.log_softmax``."""
+    if _ENABLED:
+        if _on_cpu(logits):
+            return _cpu.log_softmax(logits)
+        return _lp.log_softmax(logits)
+    return torch.log_softmax(logits.float(), dim=-1)
 
 
 def gdn(

@@ -1,0 +1,501 @@
+"""Batch-invariant kernels for CPU tensors, in bf16, fp16 and fp32, without Triton.
+
+Torch's CPU ops do not promise batch invariance: BLAS picks its kernel and blocking from M, SDPA
+tiles by the query count, and elementwise kernels evaluate a vector body and a scalar tail with
+different code. Everything here is built from three pieces whose bits are fixed *by construction*,
+whatever the shape, the thread count or how torch vectorises a call:
+
+1. **Exact products through fp64 BLAS** (:func:`exact_matmul`). Each row of an operand is scaled by
+   a power of two and rounded to integers of ``bits`` bits (two slices for fp32 inputs), with
+   ``bits`` chosen from K so that every partial sum of K products stays below 2^53. Every sum is
+   then exact in fp64, so any BLAS, in any order, blocking or thread split, returns the same
+   integers; they are scaled back (exactly) and rounded once. A row's result depends on that row
+   of each operand and on K only. (16-bit inputs with an exponent within ``bits - 8`` of their
+   row's maximum are represented exactly; smaller ones are rounded to that row's grid.)
+2. **Fixed pairwise trees** (:func:`tree_sum`): sums over a model dimension (hidden size, vocab)
+   as ``log2 n`` elementwise adds of fixed pairs, so the order depends on ``n`` only.
+3. **Transcendentals from IEEE ops** (:func:`exp`, :func:`exp2`, :func:`log`): range reduction
+   and a polynomial written as separate torch multiplies and adds, and powers of two built from
+   their bits. IEEE +, -, *, / and sqrt are correctly rounded, so every element has the same bits
+   wherever it sits in a tensor.
+
+Attention follows the same rules per query row (see :func:`attention`): scores as exact integer
+dot products, a softmax over the keys up to the row's position, its weights quantised to a fixed
+grid and summed exactly, the values summed exactly in fixed 256-key tiles at absolute positions,
+the tiles added in ascending order, one division. Prefill, chunked prefill and decode give the same
+bits. Gradients (the trainer backprops) reuse the backward passes of the Triton modules: correct,
+not invariant (the contract is the forward's bits).
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections import OrderedDict
+
+import torch
+
+# Named imports: the package rebinds ``kernels.gemm`` and ``kernels.attention`` to functions.
+from .attention import CONFIG as _ATTN_CONFIG
+from .attention import LOG2E, _check_heads
+from .attention import _Attention as _AttentionBackward
+from .elementwise import _Gates as _GatesBackward
+from .elementwise import _Silu as _SiluBackward
+from .gemm import _Linear as _LinearBackward
+from .logprobs import _TokenLogprobs as _TokenLogprobsBackward
+from .rmsnorm import _RMSNorm as _RMSNormBackward
+
+__all__ = [
+    "attention",
+    "exact_matmul",
+    "exp",
+    "exp2",
+    "gdn_gates",
+    "gemm",
+    "l2_norm",
+    "linear",
+    "lm_head_logits",
+    "log",
+    "log_softmax",
+    "logsumexp_rows",
+    "rms_norm",
+    "silu",
+    "token_logprobs",
+    "tree_sum",
+]
+
+MANTISSA = 53  # fp64 represents every integer of magnitude <= 2^53 exactly
+KEY_TILE = 256  # attention: values summed exactly per tile of absolute key positions
+PROB_BITS = 23  # attention weights on a 2^-23 grid; PROB_BITS + VALUE_BITS + log2(KEY_TILE) <= 53
+VALUE_BITS = 22
+QUERY_BLOCK_ELEMS = 1 << 22  # attention score elements per query block (bounds memory)
+WEIGHT_CACHE_BYTES = 1 << 30  # integer forms of weights kept between calls
+
+
+# ---------------------------------------------------------------------------------------------
+# Building blocks
+
+
+def _grad(*ts: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ts)
+
+
+def pow2_f64(e: torch.Tensor) -> torch.Tensor:
+    """2^e as float64 from the exponent bits (exact; e clamped to the normal range)."""
+    return ((e.to(torch.int64) + 1023).clamp(1, 2046) << 52).view(torch.float64)
+
+
+def _pow2_f32(n: torch.Tensor) -> torch.Tensor:
+    return ((n.to(torch.int32) + 127).clamp(1, 254) << 23).view(torch.float32)
+
+
+def _times_pow2(p: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """p 2^n for integer-valued n in [-252, 254], as two exact multiplies (2^128 is not an fp32)."""
+    half = torch.floor(n * 0.5)
+    return p * _pow2_f32(half) * _pow2_f32(n - half)
+
+
+def sum_bits(k: int) -> int:
+    """Bits per integer slice such that k products of two slices sum exactly in fp64."""
+    return (MANTISSA - (max(k, 1) - 1).bit_length()) // 2
+
+
+def slices_for(*dtypes: torch.dtype) -> int:
+    """One slice carries a 16-bit float exactly (near its row's maximum); fp32 needs two."""
+    return 2 if any(d.itemsize >= 4 for d in dtypes) else 1
+
+
+def row_exponent(x: torch.Tensor) -> torch.Tensor:
+    """e per row (last dim) with max |x| < 2^e (frexp is exact, so this is too); -1000 for a zero
+    row (its scale then never wins a maximum)."""
+    top = x.abs().amax(-1).float()
+    return torch.where(top == 0, -1000, torch.frexp(top)[1])
+
+
+def split_rows(x: torch.Tensor, bits: int, slices: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Integer slices (float64) and row exponents e with x ~= 2^(e-bits) (X_0 + X_1 2^-bits)."""
+    e = row_exponent(x)
+    t = x.to(torch.float64) * pow2_f64(bits - e)[..., None]  # |t| < 2^bits, exact
+    hi = torch.round(t)
+    parts = [hi]
+    if slices == 2:
+        parts.append(torch.round((t - hi) * 2.0**bits))
+    return parts, e
+
+
+def exact_matmul(a: list[torch.Tensor], b: list[torch.Tensor], bits: int) -> torch.Tensor:
+    """``sum_k A[..., m, k] B[..., n, k]`` of integer slices (fp64), every partial sum exact, so the
+    result does not depend on how the BLAS orders, blocks or threads it. Two slices: the lo x lo
+    term (2^-2bits of the result) is dropped; hi x hi and the cross terms are each exact."""
+    g = a[0] @ b[0].transpose(-1, -2)
+    if len(a) == 2:
+        cross = torch.cat(a, -1) @ torch.cat([b[1], b[0]], -1).transpose(-1, -2)
+        g = g + cross * 2.0**-bits
+    return g
+
+
+def tree_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dim by a fixed pairwise tree (pairs (2j, 2j+1) per level, an odd last
+    element carried up): elementwise adds only, so the order depends on the dim's size alone."""
+    if x.shape[-1] == 0:
+        return x.new_zeros(x.shape[:-1])
+    while x.shape[-1] > 1:
+        n = x.shape[-1]
+        h = n // 2
+        pair = x[..., 0 : 2 * h : 2] + x[..., 1 : 2 * h : 2]
+        x = torch.cat([pair, x[..., 2 * h :]], -1) if n % 2 else pair
+    return x[..., 0]
+
+
+def _horner(r: torch.Tensor, coeffs: tuple[float, ...]) -> torch.Tensor:
+    p = torch.full_like(r, coeffs[0])
+    for c in coeffs[1:]:
+        p = p.mul_(r).add_(c)  # one rounding each: never contracted into an FMA
+    return p
+
+
+_EXP = tuple(1.0 / math.factorial(k) for k in range(8, -1, -1))  # e^r, |r| <= ln2/2
+_EXP2 = tuple(math.log(2.0) ** k / math.factorial(k) for k in range(8, -1, -1))  # 2^f, |f| <= 1/2
+_LN2_HI, _LN2_LO = 0.693359375, -2.12194440e-4  # Cody-Waite split: n * _LN2_HI is exact in fp32
+
+
+def exp2(x: torch.Tensor) -> torch.Tensor:
+    """2^x in fp32 (about 1 ulp): 2^round(x) from its bits times a polynomial in the exact
+    remainder. Underflows to 0 below 2^-126 (and -inf gives 0)."""
+    x = x.float().clamp(-150.0, 128.0)
+    n = torch.round(x)
+    p = _times_pow2(_horner(x - n, _EXP2), n)
+    return torch.where(x < -126.0, 0.0, p)
+
+
+def exp(x: torch.Tensor) -> torch.Tensor:
+    """e^x in fp32 (about 1 ulp): Cody-Waite reduction by ln 2, a degree-8 polynomial, 2^n."""
+    x = x.float().clamp(-104.0, 88.5)
+    n = torch.round(x * 1.4426950408889634)
+    r = (x - n * _LN2_HI) - n * _LN2_LO
+    p = _times_pow2(_horner(r, _EXP), n)
+    return torch.where(x < -87.3, 0.0, torch.where(x > 88.72, float("inf"), p))
+
+
+_LOG_TERMS = tuple(1.0 / (2 * k + 1) for k in range(11, -1, -1))
+
+
+def log(x: torch.Tensor) -> torch.Tensor:
+    """Natural log in fp64 (to ~1e-16) of positive x: exact frexp, then 2 atanh((m-1)/(m+1))."""
+    m, e = torch.frexp(x.to(torch.float64))
+    small = m < 0.7071067811865476
+    m = torch.where(small, m * 2.0, m)
+    e = e - small.to(e.dtype)
+    u = (m - 1.0) / (m + 1.0)
+    return e.to(torch.float64) * math.log(2.0) + 2.0 * u * _horner(u * u, _LOG_TERMS)
+
+
+# ---------------------------------------------------------------------------------------------
+# GEMM
+
+_WEIGHTS: OrderedDict[tuple[int, int, int], tuple] = OrderedDict()
+_weights_bytes = 0
+
+
+def _forget(key: tuple[int, int, int]) -> None:
+    global _weights_bytes
+    hit = _WEIGHTS.pop(key, None)
+    if hit is not None:
+        _weights_bytes -= hit[-1]
+
+
+def _weight_parts(w: torch.Tensor, bits: int, slices: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """A weight's integer slices, kept (LRU, bounded bytes) until it changes: the decode step's
+    small-M GEMMs would otherwise spend most of their time converting the weight."""
+    global _weights_bytes
+    if w.is_inference() or w.requires_grad and torch.is_grad_enabled():
+        return split_rows(w.detach(), bits, slices)
+    key = (id(w), bits, slices)
+    hit = _WEIGHTS.get(key)
+    if hit is not None:
+        ref, version, ptr, parts, e, size = hit
+        if ref() is w and version == w._version and ptr == w.data_ptr():
+            _WEIGHTS.move_to_end(key)
+            return parts, e
+        _forget(key)
+    parts, e = split_rows(w.detach(), bits, slices)
+    size = sum(p.numel() * 8 for p in parts)
+    if size <= WEIGHT_CACHE_BYTES:
+        while _WEIGHTS and _weights_bytes + size > WEIGHT_CACHE_BYTES:
+            _forget(next(iter(_WEIGHTS)))
+        ref = weakref.ref(w, lambda _, key=key: _forget(key))
+        _WEIGHTS[key] = (ref, w._version, w.data_ptr(), parts, e, size)
+        _weights_bytes += size
+    return parts, e
+
+
+def gemm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """``x @ weight.T + bias`` for x (..., K), weight (N, K): exact integer products (fp32
+    inputs: two slices), scaled back and rounded once to fp32, bias added in fp32, rounded to
+    ``out_dtype`` (default x's). Each output depends on its row of x, its row of weight and K."""
+    n, k = weight.shape
+    a = x.reshape(math.prod(x.shape[:-1]), k)
+    if k == 0 or a.shape[0] == 0:
+        y = torch.zeros(a.shape[0], n, dtype=torch.float32)
+    else:
+        slices = slices_for(x.dtype, weight.dtype)
+        bits = sum_bits(k)
+        wp, we = _weight_parts(weight, bits, slices)
+        ap, ae = split_rows(a.detach(), bits, slices)
+        g = exact_matmul(ap, wp, bits)
+        y = (g * pow2_f64(ae - bits)[:, None] * pow2_f64(we - bits)[None, :]).float()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype or x.dtype).reshape(*x.shape[:-1], n)
+
+
+class _Linear(_LinearBackward):
+    @staticmethod
+    def forward(ctx, x, weight, bias, out_dtype):  # type: ignore[override]
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return gemm(x, weight, bias, out_dtype)
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """``F.linear`` semantics on the invariant GEMM; differentiable (backward in torch)."""
+    if _grad(x, weight, bias):
+        return _Linear.apply(x, weight, bias, out_dtype)
+    return gemm(x, weight, bias, out_dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Norms and elementwise
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor | None, eps: float, l2: bool) -> torch.Tensor:
+    xf = x.float()
+    ss = tree_sum(xf * xf)[..., None]
+    inv = 1.0 / torch.sqrt(ss + eps) if l2 else 1.0 / torch.sqrt(ss / x.shape[-1] + eps)
+    y = (xf * inv).to(x.dtype)
+    if weight is not None:
+        y = (y.float() * weight.float()).to(torch.promote_types(x.dtype, weight.dtype))
+    return y
+
+
+class _RMSNorm(_RMSNormBackward):
+    @staticmethod
+    def forward(ctx, x, weight, eps, l2):  # type: ignore[override]
+        ctx.save_for_backward(x, weight)
+        ctx.eps, ctx.l2 = eps, l2
+        return _rms(x, weight, eps, l2)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6, l2: bool = False
+) -> torch.Tensor:
+    """RMSNorm with the kernel's arithmetic (fp32 sum of squares, ``1/sqrt(mean + eps)``, round,
+    times the weight in fp32, round); the sum is a fixed tree over the hidden size."""
+    if _grad(x, weight):
+        return _RMSNorm.apply(x, weight, eps, l2)
+    return _rms(x, weight, eps, l2)
+
+
+def l2_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Unit L2 norm over the last dim (GDN q/k), same construction."""
+    return rms_norm(x, None, eps, l2=True)
+
+
+def _silu(x: torch.Tensor) -> torch.Tensor:
+    xf = x.float()
+    return (xf / (1.0 + exp(-xf))).to(x.dtype)
+
+
+class _Silu(_SiluBackward):
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[override]
+        ctx.save_for_backward(x)
+        return _silu(x)
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """``x / (1 + e^-x)`` in fp32, rounded once to x's dtype."""
+    return _Silu.apply(x) if _grad(x) else _silu(x)
+
+
+def _gates(
+    a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    z = a.float() + dt_bias.float()
+    softplus = torch.where(z > 20.0, z, log(1.0 + exp(torch.clamp(z, max=20.0))).float())
+    return -exp(a_log.float()) * softplus, 1.0 / (1.0 + exp(-b.float()))
+
+
+class _Gates(_GatesBackward):
+    @staticmethod
+    def forward(ctx, a, b, a_log, dt_bias):  # type: ignore[override]
+        ctx.save_for_backward(a, b, a_log, dt_bias)
+        return _gates(a, b, a_log, dt_bias)
+
+
+def gdn_gates(
+    a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GDN ``g = -exp(A_log) softplus(a + dt_bias)`` and ``beta = sigmoid(b)``, fp32."""
+    if _grad(a, b, a_log, dt_bias):
+        return _Gates.apply(a, b, a_log, dt_bias)
+    return _gates(a, b, a_log, dt_bias)
+
+
+# ---------------------------------------------------------------------------------------------
+# fp32 lm_head, log-softmax, token logprobs
+
+
+def lm_head_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """fp32 logits from the invariant GEMM."""
+    return gemm(hidden, weight, out_dtype=torch.float32)
+
+
+def logsumexp_rows(z: torch.Tensor) -> torch.Tensor:
+    """Per-row ``max + log(sum exp(z - max))`` of fp32 logits (T, V): exact max, the invariant
+    exp, a fixed tree over V, the log in fp64, rounded once to fp32."""
+    z = z.float()
+    m = z.amax(-1)
+    s = tree_sum(exp(z - m[:, None]))
+    return (m.double() + log(s)).float()
+
+
+def log_softmax(logits: torch.Tensor) -> torch.Tensor:
+    """Invariant fp32 log-softmax over the last dim."""
+    z = logits.float().reshape(-1, logits.shape[-1])
+    return (z - logsumexp_rows(z)[:, None]).reshape(logits.shape)
+
+
+def _token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    z = lm_head_logits(hidden.reshape(-1, hidden.shape[-1]), weight)
+    return z.gather(1, tokens.reshape(-1, 1).long())[:, 0] - logsumexp_rows(z)
+
+
+class _TokenLogprobs(_TokenLogprobsBackward):
+    @staticmethod
+    def forward(ctx, hidden, weight, tokens):  # type: ignore[override]
+        ctx.save_for_backward(hidden, weight, tokens)
+        return _token_logprobs(hidden, weight, tokens)
+
+
+def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log p(token | row) per row of ``hidden``: fp32 lm_head, log-softmax, gather."""
+    if _grad(hidden, weight):
+        return _TokenLogprobs.apply(hidden, weight, tokens)
+    return _token_logprobs(hidden, weight, tokens)
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, c: float) -> torch.Tensor:
+    """One query block: q (B, Hkv, R, D) rows at absolute positions ``pos`` (B, 1, R), keys and
+    values (B, Hkv, L, D) at positions 0..L-1 (zeros past each cache's length). Returns fp64."""
+    d, lk = q.shape[-1], k.shape[2]
+    bqk, slices = sum_bits(d), slices_for(q.dtype, k.dtype)
+    qp, qe = split_rows(q, bqk, slices)
+    kp, ke = split_rows(k, bqk, slices)
+    s = exact_matmul(qp, kp, bqk) * pow2_f64(qe - bqk)[..., None] * pow2_f64(ke - bqk)[..., None, :]
+    s = s.float()
+    cols = torch.arange(lk)
+    s = s.masked_fill(cols > pos[..., None], float("-inf"))
+    m = s.amax(-1, keepdim=True)  # finite: every row sees its own key
+    p = exp2((s - m) * c)  # in [0, 1], exactly 1 at the max, 0 where masked
+    den = torch.round(p.double() * 2.0**PROB_BITS).sum(-1)  # integers: exact in any order
+    # Values: each key's row on a VALUE_BITS grid of its own scale; the weights carry the key's
+    # scale relative to the largest over the keys this row sees (a cummax: causal by position).
+    vp, ve = split_rows(v, VALUE_BITS, 1)
+    top = torch.cummax(ve, -1).values.gather(-1, pos.expand(*ve.shape[:2], -1))  # (B, Hkv, R)
+    w = torch.round(p.double() * pow2_f64(PROB_BITS + ve[..., None, :] - top[..., None]))
+    acc = torch.zeros(*q.shape[:-1], d, dtype=torch.float64)
+    for t0 in range(0, lk, KEY_TILE):  # each tile exact; tiles added in ascending order
+        acc = acc + w[..., t0 : t0 + KEY_TILE] @ vp[0][:, :, t0 : t0 + KEY_TILE]
+    return acc * pow2_f64(top - VALUE_BITS)[..., None] / den[..., None]
+
+
+def _attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_q: torch.Tensor,
+    q_pos0: torch.Tensor,
+    kv_len: torch.Tensor,
+    slots: torch.Tensor,
+    scale: float | None,
+) -> torch.Tensor:
+    t, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    g = _check_heads(hq, hkv, _ATTN_CONFIG)
+    out = torch.empty_like(q)
+    nb = cu_q.numel() - 1
+    if nb == 0 or t == 0:
+        return out
+    c = (scale if scale is not None else 1.0 / math.sqrt(d)) * LOG2E
+    cu, lens = cu_q.long(), (cu_q[1:] - cu_q[:-1]).long()
+    lq = int(lens.max())
+    lk = int((q_pos0.long() + lens).max())  # keys any row can see
+    i = torch.arange(lq)
+    valid = i[None, :] < lens[:, None]  # (B, lq)
+    tok = torch.where(valid, cu[:-1, None] + i[None, :], 0)
+    pos = torch.where(valid, q_pos0.long()[:, None] + i[None, :], 0)
+    sl = slots.long()
+    live = torch.arange(lk)[None, :] < kv_len.long()[:, None]  # past a cache's length: zeros
+    k = torch.where(live[..., None, None], k_cache[sl, :lk], 0).permute(0, 2, 1, 3)  # (B, Hkv, lk, D)
+    v = torch.where(live[..., None, None], v_cache[sl, :lk], 0).permute(0, 2, 1, 3)
+    qq = q[tok].view(nb, lq, hkv, g, d).permute(0, 2, 1, 3, 4)  # (B, Hkv, lq, G, D)
+    step = max(1, QUERY_BLOCK_ELEMS // max(1, nb * hq * lk))
+    res = torch.empty(nb, hkv, lq, g, d, dtype=torch.float64)
+    for i0 in range(0, lq, step):  # rows are independent: blocking changes no bit
+        i1 = min(lq, i0 + step)
+        rows = qq[:, :, i0:i1].reshape(nb, hkv, (i1 - i0) * g, d)
+        rpos = pos[:, None, i0:i1, None].expand(-1, -1, -1, g).reshape(nb, 1, (i1 - i0) * g)
+        res[:, :, i0:i1] = _attend(rows, k, v, rpos, c).view(nb, hkv, i1 - i0, g, d)
+    o = res.permute(0, 2, 1, 3, 4).reshape(nb, lq, hq, d).to(q.dtype)
+    out[tok[valid]] = o[valid]
+    return out
+
+
+class _Attention(_AttentionBackward):
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, q_pos0, kv_len, slots, scale):  # type: ignore[override]
+        ctx.save_for_backward(q, k, v, cu_q, q_pos0, kv_len, slots)
+        ctx.scale = scale
+        return _attention(q, k, v, cu_q, q_pos0, kv_len, slots, scale)
+
+
+def attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_q: torch.Tensor,
+    q_pos0: torch.Tensor,
+    kv_len: torch.Tensor,
+    slots: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Causal attention of packed queries against a KV cache, layout as :mod:`kernels.attention`.
+
+    Per query row at absolute position p (keys 0..p; cached keys past ``kv_len`` count as zeros):
+    scores ``q.k`` as exact integer dot products rounded once to fp32; ``w_j = 2^((s_j - max) c)``
+    by :func:`exp2` (c = scale log2 e); the denominator ``sum_j round(w_j 2^23)`` exact; the
+    numerator ``sum_j round(w_j 2^(23 + e_j - E)) V_j`` with V_j key j's values on a 2^22 grid of
+    their own scale e_j (E: the largest e_j over keys 0..p), exact within each 256-key tile at
+    absolute positions, the tiles added in ascending order in fp64; one division, one rounding.
+    Nothing depends on which other rows, keys past p, or sequences are in the call."""
+    if slots is None:
+        slots = torch.arange(cu_q.numel() - 1, dtype=torch.int32)
+    if _grad(q, k_cache, v_cache):
+        s = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        return _Attention.apply(q, k_cache, v_cache, cu_q, q_pos0, kv_len, slots, s)
+    return _attention(q, k_cache, v_cache, cu_q, q_pos0, kv_len, slots, scale)
