@@ -8,28 +8,12 @@ layout (:class:`collectors.layout.StepBatch`), and this module cuts them per sam
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
-from audit.records import Case, RegionFingerprints, SampleLogprobs, Side, sample_key
+from audit.records import Case, LogprobSemantics, RegionFingerprints, SampleLogprobs, Side, sample_key
+from collectors.fingerprints import HostRows
 from collectors.layout import StepBatch
-
-
-@dataclass(frozen=True)
-class HostPrints:
-    """One region's fingerprints of every flattened row of a forward, on the host."""
-
-    digest: np.ndarray  # uint64 [rows]
-    ladder: np.ndarray  # uint64 [rows, rungs]
-    ladder_bits: tuple[int, ...]
-    sketch: np.ndarray  # float32 [rows, 16]
-    l2: np.ndarray  # float32 [rows]
-    maxabs: np.ndarray  # float32 [rows]
-    row_index: np.ndarray | None = None  # flat row of each fingerprinted row (None: every row, in order)
-
-    def __len__(self) -> int:
-        return int(self.digest.shape[0])
 
 
 def sequence_tokens(batch: StepBatch, host_ids: np.ndarray) -> list[np.ndarray]:
@@ -56,10 +40,11 @@ def sample_records(
     keys: Sequence[str],
     logprobs: Sequence[np.ndarray],
     weight_version: str | None = None,
+    semantics: LogprobSemantics = "processed",
     validate: bool = True,
 ) -> list[SampleLogprobs]:
     """One record per sample; ``validate=False`` skips pydantic checks (inputs built here are valid
-    by construction and the service validates again)."""
+    by construction and the store validates again)."""
     temps = batch.temperature if batch.temperature is not None else np.ones(batch.num_samples)
     records = []
     for i, span in enumerate(batch.spans):
@@ -80,7 +65,7 @@ def sample_records(
             "token_ids": tokens[i],
             "logprobs": lp,
             "temperature": float(temps[i]),
-            "semantics": "processed",
+            "semantics": semantics,
         }
         records.append(SampleLogprobs(**fields) if validate else SampleLogprobs.model_construct(**fields))
     return records
@@ -94,7 +79,7 @@ def fingerprint_records(
     case: Case,
     batch: StepBatch,
     keys: Sequence[str],
-    prints: Mapping[tuple[str, int], HostPrints],
+    prints: Mapping[tuple[str, int], HostRows],
     validate: bool = True,
 ) -> list[RegionFingerprints]:
     """One record per (sample, region call), rows cut from the forward's flattened rows."""

@@ -165,26 +165,39 @@ class Collector(ABC):
         records and a new manifest carry it. For jobs that sync weights their own way."""
         if version is None or (isinstance(version, str) and not version):
             raise ValueError("version: give the new weights a version (e.g. the trainer step they come from)")
-        self.weight_version, self.weight_digest = str(version), digest
-        self._weights_moved()
+        self._weights_moved(str(version), digest)
+        self._weights_now(str(version), digest)
+
+    def _weights_now(self, version: str, digest: str | None) -> None:
+        """Record the weights this side computes with now and publish the manifest."""
+        self.weight_version, self.weight_digest = version, digest
         self.guarded("weights manifest", self.publish)
 
     def set_mode(self, mode: str, version: int | None = None) -> ModeReport:
-        """Apply remediation ``mode`` now (what the control channel does at a step boundary) and
-        return what was applied; raises if the mode is unknown or the switch failed."""
+        """Apply remediation ``mode`` (what the control channel does at a step boundary) and return
+        what this side runs now; raises if the mode is unknown or the switch failed. A side whose
+        switch happens elsewhere (inside vLLM's workers, at their next step) reports it later."""
         if mode not in MODES:
             raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
-        report = self._apply_mode(mode)
-        report = replace(report, version=version)
+        report = self._apply_mode(mode, version)
+        if report is not None:
+            self._mode_reported(report if report.version is not None else replace(report, version=version))
+        return self.mode_report
+
+    def _mode_reported(self, report: ModeReport) -> None:
+        """This side now runs ``report`` (counted when the applied mode changed; what stays native
+        is logged once)."""
+        if report == self.mode_report:
+            return
         if report.applied != self.mode_report.applied:
             self.counters.mode_switches += 1
         self.mode_report = report
         if report.reason:
             self._warn.warn(
-                f"mode:{mode}:{report.applied}",
-                f"isoaudit {self.side} collector: asked for mode {mode!r}, runs {report.applied!r}: {report.reason}",
+                f"mode:{report.requested}:{report.applied}",
+                f"isoaudit {self.side} collector: asked for mode {report.requested!r}, runs "
+                f"{report.applied!r}: {report.reason}",
             )
-        return report
 
     def publish(self) -> None:
         """Send the manifests if anything in them changed."""
@@ -226,8 +239,9 @@ class Collector(ABC):
         """This side's runtime facts (the remediation fields are filled in here)."""
 
     @abstractmethod
-    def _apply_mode(self, mode: str) -> ModeReport:
-        """Switch this side to ``mode`` now; return what it runs (raise if it cannot switch at all)."""
+    def _apply_mode(self, mode: str, version: int | None) -> ModeReport | None:
+        """Switch this side to ``mode``; return what it runs, or ``None`` when the switch completes
+        later (then :meth:`_mode_reported` says so). Raise if it cannot switch at all."""
 
     @abstractmethod
     def _remove_hooks(self) -> None:
@@ -237,8 +251,9 @@ class Collector(ABC):
         """Turn whatever is still in flight into records (nothing by default)."""
         return None
 
-    def _weights_moved(self) -> None:
-        """The weight version changed (a side with engine state passes it on)."""
+    def _weights_moved(self, version: str, digest: str | None) -> None:
+        """The job changed the weights itself: pass the new version on to engine state (nothing
+        by default)."""
         return None
 
     def _signature(self) -> tuple[Any, ...] | None:
@@ -286,7 +301,7 @@ class Collector(ABC):
                 report = self.guarded("mode switch", self.set_mode, control.mode, control.version)
                 if report is not None:
                     log.info(
-                        "isoaudit %s collector: mode %s requested (control version %d), %s applied",
+                        "isoaudit %s collector: mode %s requested (control version %d); runs %s",
                         self.side,
                         control.mode,
                         control.version,

@@ -1,5 +1,11 @@
-"""Fingerprints inside isoaudit's reference rollout engine (:class:`kernels.engine.RolloutEngine` driving
-:class:`kernels.adapters.HFCausalLM`): the rollout side of the demo and of the kernels' end-to-end story.
+"""The reference-engine collector: isoaudit's own rollout engine (:class:`kernels.engine.RolloutEngine`
+driving :class:`kernels.adapters.HFCausalLM`) watched as the rollout side, as the demo and the
+kernels' end-to-end story use it (``Session.watch_engine(engine)``).
+
+:class:`EngineCollector` records each step's sampled tokens and the engine's logprobs, and the
+fingerprints of every region inside the engine; it applies a new remediation mode at the start of
+each ``generate`` (the engine's step boundary), through the same hook as the trainer (:mod:`kernels`
+on or off), and reports it in its manifest.
 
 The engine packs the new tokens of every live request into one flat batch per step and calls the HF
 model's own submodules. Forward hooks on those modules (the trainer's region map) see packed rows;
@@ -10,17 +16,27 @@ as a whole, ``lm_head``) are reported as unobserved, never as equal.
 
 from __future__ import annotations
 
+import os
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from audit.fingerprints import ROW_FIELDS, fingerprint_rows
-from audit.records import RegionFingerprints, sample_key
+from audit.fingerprints import ROW_FIELDS
+from audit.records import Record, RegionFingerprints, Run, RuntimeFacts, sample_key
+from collectors.assemble import keys_for, sample_records
+from collectors.base import Collector, CollectorCounters, ModeReport
+from collectors.control import ControlChannel
+from collectors.fingerprints import fingerprint_rows
+from collectors.layout import StepBatch
+from collectors.manifest import ContractArg
 from collectors.regions import RegionsArg, read_tap, resolve_regions
+from collectors.remediation import RemediationHook, apply_kernels_mode, switch_with
+from collectors.sinks.base import Sink
 
 
 class EngineFingerprints:
@@ -60,10 +76,10 @@ class EngineFingerprints:
             tensor = read_tap(output, tap)
             if tensor is None:
                 return
-            prints = fingerprint_rows(tensor.detach().reshape(-1, tensor.shape[-1])).to_numpy()
-            self._ladder_bits[region] = prints.pop("ladder_bits")
+            host = fingerprint_rows(tensor.detach().reshape(-1, tensor.shape[-1])).to_host()
+            self._ladder_bits[region] = list(host.ladder_bits)
             slots, positions = self._layout
-            self._rows[region].append((slots, positions, prints))
+            self._rows[region].append((slots, positions, host.fields()))
 
         return hook
 
@@ -117,3 +133,155 @@ class EngineFingerprints:
             handle.remove()
         self._handles.clear()
         self.adapter.step = self._original_step
+
+
+@dataclass(frozen=True)
+class EngineStep:
+    """What one ``EngineCollector.record_step`` produced (``records`` only with ``keep_records``)."""
+
+    step: int
+    sample_keys: list[str]
+    n_fingerprint_records: int
+    records: list[Record] = field(default_factory=list)
+
+
+class EngineCollector(Collector):
+    """The handle ``Session.watch_engine(engine)`` returns: call :meth:`record_step` with what each
+    ``engine.generate`` returned.
+
+    ``regions``: as for the trainer (``None``: logprobs only). ``contract``: the execution contract
+    for the manifest; ``control``: where the desired mode comes from; ``remediation_hook(model,
+    mode)``: how the engine switches (default :mod:`kernels` on/off); ``weight_version``: the
+    version of the weights it starts with; ``validate``/``strict``/``keep_records``: as for the
+    trainer.
+    """
+
+    side = "rollout"
+    COUNTERS = CollectorCounters
+
+    def __init__(
+        self,
+        engine: Any,
+        *,
+        run: str | Run,
+        sink: Sink,
+        regions: RegionsArg = "auto",
+        contract: ContractArg = None,
+        control: ControlChannel | None = None,
+        remediation_hook: RemediationHook | None = apply_kernels_mode,
+        weight_version: str | int | None = None,
+        validate: bool = False,
+        strict: bool = False,
+        keep_records: bool = False,
+    ) -> None:
+        adapter = getattr(engine, "model", None)
+        if not callable(getattr(engine, "generate", None)) or not hasattr(adapter, "step"):
+            raise TypeError(
+                f"engine: expected a kernels.engine.RolloutEngine over an HFCausalLM, got {type(engine).__name__}"
+            )
+        if not isinstance(getattr(adapter, "model", None), torch.nn.Module):
+            raise TypeError("engine: its model must wrap a torch.nn.Module (kernels.adapters.HFCausalLM)")
+        super().__init__(
+            run=run,
+            sink=sink,
+            cases=("engine_prefill", "engine_decode"),
+            contract=contract,
+            control=control,
+            strict=strict,
+            weight_version=weight_version,
+        )
+        self.engine = engine
+        self.model: torch.nn.Module = adapter.model
+        self.remediation_hook = remediation_hook
+        self.validate = validate
+        self.keep_records = keep_records
+        self.temperature = 1.0
+        self.prints = EngineFingerprints(adapter, regions) if regions is not None else None
+        self._original_generate: Callable[..., Any] = engine.generate
+        engine.generate = self._generate  # an instance attribute: removed on detach
+        self._observed: list[str] = []
+        self._begin([], self._unobserved())
+
+    def record_step(self, step: int, completions: Sequence[Any]) -> EngineStep | None:
+        """Record what ``engine.generate`` returned (``kernels.engine.Completion`` objects) as step
+        ``step``: each sample's tokens and logprobs, and the fingerprints the engine computed."""
+        return self.guarded("record_step", self._record, step, completions)
+
+    # ------------------------------------------------------------------ internals
+
+    def _generate(self, prompts: Any, max_new: Any, *args: Any, **kwargs: Any) -> Any:
+        """The engine's step boundary: a new mode takes effect before the step's first forward."""
+        self._step_boundary()
+        temperature = kwargs.get("temperature", args[1] if len(args) > 1 else 1.0)
+        self.temperature = float(temperature)
+        return self._original_generate(prompts, max_new, *args, **kwargs)
+
+    def _unobserved(self) -> dict[str, str]:
+        if self.prints is None:
+            return {"*": "fingerprints not requested (regions=None)"}
+        return self.prints.unobserved
+
+    def _record(self, step: int, completions: Sequence[Any]) -> EngineStep:
+        if not isinstance(step, int | np.integer) or step < 0:
+            raise ValueError(f"step: must be an integer >= 0, got {step!r}")
+        step = int(step)
+        prompts = [list(c.prompt) for c in completions]
+        tokens = [list(c.tokens) for c in completions]
+        if self.prints is not None:
+            seen = [spec.name for spec in self.prints.specs if spec.name not in self.prints.unobserved]
+            if seen != self._observed:  # the regions the engine has run through so far
+                self._observed = seen
+                self._set_observed(seen, self._unobserved())
+        records: list[Record] = []
+        self._manifests(records)
+        batch = StepBatch.padded(prompts, tokens, temperature=self.temperature)
+        sequences = [np.asarray(p + t, dtype=np.int32) for p, t in zip(prompts, tokens, strict=True)]
+        samples = sample_records(
+            run_id=self.run.run_id,
+            step=step,
+            side="rollout",
+            batch=batch,
+            tokens=sequences,
+            keys=keys_for(batch, sequences),
+            logprobs=[np.asarray(c.logprobs, dtype=np.float32) for c in completions],
+            weight_version=self.weight_version,
+            semantics="raw",  # the engine's logprobs are log_softmax of the raw logits
+            validate=self.validate,
+        )
+        prints = self.prints.records(self.run.run_id, step, prompts, tokens) if self.prints else []
+        records += samples
+        records += prints
+        self.sink.send(records)
+        self.counters.steps += 1
+        self.counters.samples += len(samples)
+        self.counters.fingerprint_records += len(prints)
+        keys = [str(s.sample_key) for s in samples]
+        return EngineStep(step, keys, len(prints), records if self.keep_records else [])
+
+    def _runtime(self) -> RuntimeFacts:
+        param = next(self.model.parameters(), None)
+        dtype = str(param.dtype).removeprefix("torch.") if param is not None else None
+        return RuntimeFacts(
+            framework="isoaudit.kernels.engine",
+            torch_version=torch.__version__,
+            device=str(param.device) if param is not None else None,
+            dtype=dtype,
+            lm_head_dtype="float32",  # kernels.routing.logits_fp32
+            logprobs_mode="raw_logprobs",
+            prefix_caching=False,
+            chunked_prefill=getattr(self.engine, "prefill_chunk", None) is not None,
+            process_pid=os.getpid(),
+        )
+
+    def _signature(self) -> tuple[Any, ...]:
+        param = next(self.model.parameters(), None)
+        return (param.dtype, param.device) if param is not None else ()
+
+    def _apply_mode(self, mode: str, version: int | None) -> ModeReport:
+        return switch_with(self.remediation_hook, self.model, mode, "engine")
+
+    def _remove_hooks(self) -> None:
+        if self.prints is not None:
+            self.prints.detach()
+        if vars(self.engine).get("generate") == self._generate:
+            del self.engine.generate

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from audit.fingerprints import RowFingerprints, fingerprint_rows
+from collectors.fingerprints import RowFingerprints, fingerprint_rows
 from collectors.regions import RegionSpec, Tap, read_tap
 
 log = logging.getLogger(__name__)

@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 from torch import nn
 
+from collectors.base import ModeReport
 from collectors.control import MODES
 
 #: ``hook(model, mode)``: make ``model``'s next forward run in ``mode``; raise if it cannot.
@@ -29,3 +30,14 @@ def apply_kernels_mode(model: nn.Module, mode: str) -> None:
         kernels.enable()
     else:
         kernels.disable()
+
+
+def switch_with(hook: RemediationHook | None, model: nn.Module, mode: str, what: str) -> ModeReport:
+    """Switch ``model`` (the ``what`` of a collector: "trainer", "engine") to ``mode`` through
+    ``hook``; without a hook only ``native`` can be honoured, and the report says why."""
+    if hook is None:
+        if mode == "native":
+            return ModeReport(mode, mode)
+        return ModeReport(mode, "native", f"no remediation_hook: this {what} cannot switch modes")
+    hook(model, mode)
+    return ModeReport(mode, mode)

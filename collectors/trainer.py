@@ -32,15 +32,16 @@ import torch
 from torch import nn
 
 from audit.records import Case, Record, Run, RuntimeFacts
-from collectors.assemble import HostPrints, fingerprint_records, keys_for, sample_records, sequence_tokens
+from collectors.assemble import fingerprint_records, keys_for, sample_records, sequence_tokens
 from collectors.base import Collector, CollectorCounters, ModeReport
 from collectors.control import ControlChannel
+from collectors.fingerprints import device_tensors, host_rows
 from collectors.hooks import Capture, ForwardCapture
 from collectors.layout import StepBatch
 from collectors.logprobs import processed_logprobs
 from collectors.manifest import ContractArg, runtime_signature, trainer_runtime
 from collectors.regions import RegionsArg, resolve_regions
-from collectors.remediation import RemediationHook, apply_kernels_mode
+from collectors.remediation import RemediationHook, apply_kernels_mode, switch_with
 from collectors.sinks.base import Sink
 from collectors.transfer import HostCopy
 
@@ -204,13 +205,8 @@ class TrainerCollector(Collector):
     def _signature(self) -> tuple[Any, ...]:
         return runtime_signature(self.model)
 
-    def _apply_mode(self, mode: str) -> ModeReport:
-        if self.remediation_hook is None:
-            if mode == "native":
-                return ModeReport(mode, mode)
-            return ModeReport(mode, "native", "no remediation_hook: this trainer cannot switch modes")
-        self.remediation_hook(self.model, mode)
-        return ModeReport(mode, mode)
+    def _apply_mode(self, mode: str, version: int | None) -> ModeReport:
+        return switch_with(self.remediation_hook, self.model, mode, "trainer")
 
     def _finish_pending(self) -> None:
         self._drain(block_beyond=0)
@@ -265,9 +261,7 @@ class TrainerCollector(Collector):
         prints = self._prints_of(capture, batch) if fingerprint_now and capture is not None else {}
         if prints and capture is not None and capture.rows is not None:
             tensors["rows"] = capture.rows
-        for i, (_, fp) in enumerate(prints.items()):
-            tensors[f"p{i}.d"], tensors[f"p{i}.l"] = fp.digest, fp.ladder
-            tensors[f"p{i}.s"], tensors[f"p{i}.n"], tensors[f"p{i}.m"] = fp.sketch, fp.l2, fp.maxabs
+        tensors.update(device_tensors(list(prints.values()), prefix="p"))
         self.counters.steps += 1
         if own:
             self.counters.own_forwards += 1
@@ -329,18 +323,9 @@ class TrainerCollector(Collector):
             validate=self.validate,
         )
         row_index = host["rows"].astype(np.int64) if pending.compacted else None
-        host_prints = {
-            key: HostPrints(
-                digest=host[f"p{i}.d"].view(np.uint64),
-                ladder=host[f"p{i}.l"].view(np.uint64),
-                ladder_bits=pending.ladder_bits[i],
-                sketch=host[f"p{i}.s"],
-                l2=host[f"p{i}.n"],
-                maxabs=host[f"p{i}.m"],
-                row_index=row_index,
-            )
-            for i, key in enumerate(pending.keys)
-        }
+        host_prints = dict(
+            zip(pending.keys, host_rows(host, pending.ladder_bits, "p", row_index), strict=True)
+        )
         fp_records = fingerprint_records(
             run_id=self.run.run_id,
             step=step,

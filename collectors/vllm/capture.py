@@ -4,7 +4,7 @@ One :class:`EngineCapture` lives in each worker. It wraps the model runner's ``e
 know a real step from a warm-up or dummy forward, and to see which requests finished), reads each
 forward's layout (:mod:`collectors.vllm.rows`) in a pre-hook on the model, and in the region hooks
 copies only the rows of the requests chosen for fingerprinting. Those copies wait, and are
-fingerprinted many steps at a time (one :func:`~audit.fingerprints.fingerprint_rows` call per row
+fingerprinted many steps at a time (one :func:`~collectors.fingerprints.fingerprint_rows` call per row
 width, one device-to-host transfer) when they exceed ``flush_bytes`` or when the driver drains:
 per-call overhead then hardly counts, and a GPU is not synchronised every step. The results are
 filed under each request until the driver drains them.
@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -27,29 +27,35 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from audit.fingerprints import RowFingerprints, fingerprint_rows
+from collectors.counting import Counters, LogOnce
+from collectors.fingerprints import RowFingerprints, device_tensors, fingerprint_rows, host_rows
 from collectors.regions import RegionSpec, Tap, read_tap
 from collectors.transfer import to_host
+from collectors.vllm.messages import Drained, ModeState, Selection, SetMode
 from collectors.vllm.rows import ForwardRows, read_forward_rows
-from collectors.vllm.selection import Selection
-from collectors.vllm.traces import Block, Piece, RequestTrace, external_id, payload
+from collectors.vllm.traces import Piece, RequestTrace, external_id, payload
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class CaptureCounters:
-    steps: int = 0
-    forwards: int = 0
-    fingerprinted_forwards: int = 0
-    requests_seen: int = 0
-    requests_selected: int = 0
-    rows: int = 0
-    dropped_rows: int = 0
-    evicted_requests: int = 0
-    recomputed_rows: int = 0
-    unmappable: int = 0
-    errors: int = 0
+class CaptureCounters(Counters):
+    NAMES = (
+        "steps",
+        "forwards",
+        "fingerprinted_forwards",
+        "requests_seen",
+        "requests_selected",
+        "rows",
+        "dropped_rows",
+        "evicted_requests",
+        "recomputed_rows",
+        "unmappable",
+        "errors",
+    )
+
+
+#: ``switch(mode) -> (applied, reason)``: how a worker switches its engine's remediation mode.
+ModeSwitch = Callable[[str], tuple[str, str | None]]
 
 
 @dataclass
@@ -162,6 +168,7 @@ class EngineCapture:
         max_rows: int = 1 << 20,
         flush_bytes: int = 64 << 20,
         fingerprinter: Callable[[torch.Tensor], RowFingerprints] = fingerprint_rows,
+        mode_switch: ModeSwitch | None = None,
     ) -> None:
         if max_requests < 1 or max_rows < 0 or flush_bytes < 0:
             raise ValueError(
@@ -192,7 +199,10 @@ class EngineCapture:
         self._last_selected = False
         self._unprinted: list[_Forward] = []
         self._unprinted_bytes = 0
-        self._logged: set[str] = set()
+        self._warn = LogOnce(log)
+        self.mode_switch = mode_switch
+        self.mode = ModeState()
+        self._pending_mode: SetMode | None = None
         self._handles: list[RemovableHandle] = []
         self._region_handles: list[RemovableHandle] = []
         self._original_execute: Callable[..., Any] | None = None
@@ -265,10 +275,36 @@ class EngineCapture:
 
     # ------------------------------------------------------------ step
 
+    def request_mode(self, request: SetMode) -> None:
+        """Switch to ``request.mode`` at the next step boundary (the next ``execute_model``)."""
+        self._pending_mode = request
+
+    def _switch_mode(self) -> None:
+        request, self._pending_mode = self._pending_mode, None
+        if request is None:
+            return
+        try:
+            if self.mode_switch is None:
+                applied, reason = "native", "this worker has no way to switch modes"
+            else:
+                applied, reason = self.mode_switch(request.mode)
+        except Exception as exc:  # the engine goes on in the mode it had
+            self._fail("mode switch", exc)
+            applied, reason = self.mode.applied, f"switching failed ({type(exc).__name__}: {exc})"
+        self.mode = ModeState(
+            requested=request.mode,
+            applied=applied,
+            reason=reason,
+            version=request.version,
+            step=self.counters.steps,
+        )
+
     def _begin_step(self, scheduler_output: Any) -> None:
         self._in_step = True
         self._fwd = None
         try:
+            if self._pending_mode is not None:
+                self._switch_mode()
             self.counters.steps += 1
             if self._region_handles and self._selection.mode == "none":
                 self._sync_region_hooks()
@@ -493,15 +529,7 @@ class EngineCapture:
             stacked = torch.cat([rows for _, rows, _ in items]) if len(items) > 1 else items[0][1]
             prints = self.fingerprinter(stacked)
             bits.append(prints.ladder_bits)
-            tensors.update(
-                {
-                    f"{g}.d": prints.digest,
-                    f"{g}.l": prints.ladder,
-                    f"{g}.s": prints.sketch,
-                    f"{g}.n": prints.l2,
-                    f"{g}.m": prints.maxabs,
-                }
-            )
+            tensors.update(device_tensors([prints], prefix=f"g{g}."))
             base = 0
             for k, rows, entries in items:
                 regions, offsets = where[k].setdefault(g, ([], []))
@@ -512,18 +540,8 @@ class EngineCapture:
         for k, step in enumerate(steps):
             if step.positions is not None:
                 tensors[f"pos{k}"] = step.positions
-        host = to_host(tensors)
-        blocks = [
-            Block(
-                host[f"{g}.d"].view(np.uint64),
-                host[f"{g}.l"].view(np.uint64),
-                host[f"{g}.s"],
-                host[f"{g}.n"],
-                host[f"{g}.m"],
-                bits[g],
-            )
-            for g in range(len(groups))
-        ]
+        host = to_host(tensors)  # the flush's one device-to-host transfer
+        blocks = [host_rows(host, [bits[g]], prefix=f"g{g}.")[0] for g in range(len(groups))]
         logits_group = [key[2] for key in groups]
         self.counters.fingerprinted_forwards += len(steps)
         for k, step in enumerate(steps):
@@ -554,14 +572,14 @@ class EngineCapture:
 
     # ------------------------------------------------------------ driver side
 
-    def drain(self, ext_ids: Iterable[str]) -> dict[str, Any]:
+    def drain(self, ext_ids: Iterable[str]) -> Drained:
         """Hand over (and forget) what the engine recorded for these requests, keyed by their
-        external ids; the payload is plain data (bytes, numbers, strings) for ``collective_rpc``."""
+        external ids, with the worker's counters and the mode it runs."""
         try:
             self.flush()
         except Exception as exc:
             self._fail("flush", exc)
-        out: dict[str, Any] = {}
+        out = {}
         missing: list[str] = []
         for ext in ext_ids:
             ids = self._by_ext.get(ext) or ([ext] if ext in self.traces else [])
@@ -575,18 +593,16 @@ class EngineCapture:
             except Exception as exc:
                 self._fail("payload", exc)
             self._forget(trace)
-        return {"requests": out, "missing": missing, "counters": asdict(self.counters)}
+        return Drained(requests=out, missing=missing, counters=self.counters.as_dict(), mode=self.mode)
 
     # ------------------------------------------------------------ errors
 
     def _fail(self, where: str, exc: BaseException) -> None:
         self.counters.errors += 1
-        self._log_once(
+        self._warn.warn(
             f"fail:{where}",
             f"isoaudit vllm collector: {where} failed ({type(exc).__name__}: {exc}); counted, the engine goes on",
         )
 
     def _log_once(self, key: str, message: str) -> None:
-        if key not in self._logged:
-            self._logged.add(key)
-            log.warning("%s", message)
+        self._warn.warn(key, message)

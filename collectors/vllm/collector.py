@@ -3,7 +3,7 @@
 Usage in an RL loop::
 
     llm = LLM(model, enforce_eager=True, logprobs_mode="processed_logprobs")   # or worker_extension_cls=EXTENSION
-    handle = collectors.vllm.attach(llm, run="rl-run-7", sink=HttpSink(url, token), fingerprint=8)
+    handle = audit.watch_vllm(llm, fingerprint=8)      # audit: a collectors.session(...)
     for step in range(steps):
         outputs = llm.generate(prompts, SamplingParams(temperature=0.7, logprobs=0))
         handle.record_step(step, outputs)          # logprobs + fingerprints of 1 request in 8
@@ -16,7 +16,9 @@ top-k and top-p as the engine applied them, the weight version, and the ``sample
 the tokens exactly as the trainer derives it. For the requests chosen for fingerprinting, the
 engine's per-region fingerprints at every position it computed, as ``engine_prefill`` or
 ``engine_decode``. ``record_step`` never raises (unless ``strict=True``); records go to the sink's
-queue.
+queue. At the end of each ``record_step`` the collector asks its control channel for the desired
+remediation mode; a new one goes to every worker, which switches at its next step and reports the
+mode it runs with the next drain; the manifest then says what was applied (and what stays native).
 """
 
 from __future__ import annotations
@@ -24,24 +26,31 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from audit.records import (
-    Case,
-    Manifest,
-    Record,
-    RegionFingerprints,
-    Run,
-    RuntimeFacts,
-    SampleLogprobs,
-    sample_key,
-)
-from collectors.manifest import ManifestTracker
+from audit.records import Case, Record, RegionFingerprints, Run, RuntimeFacts, SampleLogprobs, sample_key
+from collectors.base import Collector, CollectorCounters, ModeReport
+from collectors.control import ControlChannel
+from collectors.manifest import ContractArg
 from collectors.sinks.base import Sink
 from collectors.vllm.link import EngineLink
+from collectors.vllm.messages import (
+    Drain,
+    Drained,
+    LoadWeights,
+    ModeState,
+    RegionPrints,
+    RequestRecord,
+    SetMode,
+    Start,
+    Started,
+    Stopped,
+    from_wire,
+    to_wire,
+)
 from collectors.vllm.outputs import Completion, read_completions
 from collectors.vllm.selection import SelectionArg, parse_selection
 
@@ -52,20 +61,19 @@ SEMANTICS = {"raw_logprobs": "raw", "processed_logprobs": "processed"}
 
 CASES: tuple[Case, ...] = ("engine_prefill", "engine_decode")
 
+RegionsArg = str | Sequence[str] | Mapping[str, str] | None
+
 _ATTACHED: weakref.WeakKeyDictionary[Any, VllmCollector] = weakref.WeakKeyDictionary()
 
 
-@dataclass
-class RolloutCounters:
-    steps: int = 0
-    samples: int = 0
-    fingerprint_records: int = 0
-    manifests: int = 0
-    missing_logprobs: int = 0
-    missing_engine_info: int = 0
-    truncated_samples: int = 0
-    mixed_weight_versions: int = 0
-    errors: int = 0
+class RolloutCounters(CollectorCounters):
+    NAMES = (
+        *CollectorCounters.NAMES,
+        "missing_logprobs",
+        "missing_engine_info",
+        "truncated_samples",
+        "mixed_weight_versions",
+    )
 
 
 @dataclass(frozen=True)
@@ -78,66 +86,70 @@ class StepReport:
     records: list[Record] = field(default_factory=list)
 
 
-def _merge_ranks(
-    results: Sequence[Mapping[str, Any]],
-) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
+def _merge_ranks(results: Sequence[Drained]) -> tuple[dict[str, RequestRecord], list[dict[str, int]]]:
     """One entry per request across workers: metadata from the first that has it, prints from all
     (each pipeline stage sees its own layers; only TP rank 0 of a stage records)."""
-    merged: dict[str, dict[str, Any]] = {}
+    merged: dict[str, RequestRecord] = {}
     for result in results:
-        for ext, body in result.get("requests", {}).items():
+        for ext, body in result.requests.items():
             if ext not in merged:
-                merged[ext] = {**body, "prints": list(body["prints"])}
+                merged[ext] = body
             else:
-                merged[ext]["prints"].extend(body["prints"])
-                merged[ext]["truncated"] = merged[ext]["truncated"] or body["truncated"]
-    return merged, [dict(r.get("counters", {})) for r in results]
+                first = merged[ext]
+                first.prints = [*first.prints, *body.prints]
+                first.truncated = first.truncated or body.truncated
+    return merged, [dict(r.counters) for r in results]
 
 
 def _prints_records(
-    *, run_id: str, step: int, key: str, n_tokens: int, prints: Sequence[Mapping[str, Any]], validate: bool
+    *, run_id: str, step: int, key: str, n_tokens: int, prints: Sequence[RegionPrints], validate: bool
 ) -> list[RegionFingerprints]:
     records = []
     for body in prints:
-        positions = np.frombuffer(body["positions"], dtype="<i4")
-        keep = positions < n_tokens
-        rungs = len(body["ladder_bits"])
-        n = positions.size
+        arrays = body.arrays()
+        keep = arrays["positions"] < n_tokens
+        if not keep.any():
+            continue
         fields = {
             "run_id": run_id,
             "step": step,
             "side": "rollout",
-            "case": body["case"],
+            "case": body.case,
             "sample_key": key,
-            "region": body["region"],
+            "region": body.region,
             "forward_index": 0,
-            "positions": positions[keep].astype(np.int32),
-            "digest": np.frombuffer(body["digest"], dtype=np.uint64)[keep],
-            "ladder_bits": list(body["ladder_bits"]),
-            "ladder": np.frombuffer(body["ladder"], dtype=np.uint64).reshape(n, rungs)[keep],
-            "sketch": np.frombuffer(body["sketch"], dtype=np.float32).reshape(n, -1)[keep],
-            "l2": np.frombuffer(body["l2"], dtype=np.float32)[keep],
-            "maxabs": np.frombuffer(body["maxabs"], dtype=np.float32)[keep],
+            "ladder_bits": list(body.ladder_bits),
+            **{name: values[keep] for name, values in arrays.items()},
         }
-        if not keep.any():
-            continue
+        fields["positions"] = fields["positions"].astype(np.int32)
         records.append(
             RegionFingerprints(**fields) if validate else RegionFingerprints.model_construct(**fields)
         )
     return records
 
 
-class VllmCollector:
-    """The handle :func:`attach` returns.
+class VllmCollector(Collector):
+    """The handle :func:`attach` (or ``Session.watch_vllm``) returns.
 
+    ``regions``: ``"auto"`` (vLLM Llama/Mistral/Qwen2/Qwen3), canonical names (a subset), a mapping
+    canonical name → module name, or ``None`` (logprobs only). ``fingerprint``: which requests to
+    fingerprint: ``"all"``, an integer N (one in N), a list of request ids, or ``None``.
     ``contract``: the execution contract (or its identities) the engine runs under, for the
-    manifest. ``weight_version``: the version of the weights the engine starts with (later ones come
-    from :func:`collectors.vllm.load_weights`). ``max_requests``/``max_rows``: the engine-side
-    buffers' bounds (requests tracked, fingerprint rows kept until drained). ``flush_bytes``: how
-    many bytes of selected activations wait on the device before a batched fingerprint pass.
-    ``validate``: build records through pydantic validation (tests); ``strict``: raise instead of
-    counting errors (tests); ``keep_records``: return each step's records in its report.
+    manifest. ``control``: where the desired remediation mode comes from. ``weight_version``: the
+    version of the weights the engine starts with (later ones come from
+    :func:`collectors.vllm.load_weights` or :meth:`weights_changed`). ``max_requests``/``max_rows``:
+    the engine-side buffers' bounds (requests tracked, fingerprint rows kept until drained).
+    ``flush_bytes``: how many bytes of selected activations wait on the device before a batched
+    fingerprint pass. ``validate``: build records through pydantic validation (tests; the store
+    validates anyway); ``strict``: raise instead of counting errors (tests); ``keep_records``:
+    return each step's records in its report.
+
+    The engine must run in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) or have been created
+    with ``worker_extension_cls=collectors.vllm.EXTENSION``.
     """
+
+    side = "rollout"
+    COUNTERS = RolloutCounters
 
     def __init__(
         self,
@@ -145,9 +157,10 @@ class VllmCollector:
         *,
         run: str | Run,
         sink: Sink,
-        regions: str | Sequence[str] | Mapping[str, str] | None = "auto",
+        regions: RegionsArg = "auto",
         fingerprint: SelectionArg = "all",
-        contract: Any = None,
+        contract: ContractArg = None,
+        control: ControlChannel | None = None,
         weight_version: str | int | None = None,
         max_requests: int = 65536,
         max_rows: int = 1 << 20,
@@ -156,8 +169,6 @@ class VllmCollector:
         strict: bool = False,
         keep_records: bool = False,
     ) -> None:
-        if not isinstance(sink, Sink):
-            raise TypeError(f"sink: expected a collectors.sinks.Sink, got {type(sink).__name__}")
         if not isinstance(max_requests, int) or max_requests < 1:
             raise ValueError(f"max_requests: must be an integer >= 1, got {max_requests!r}")
         if not isinstance(max_rows, int) or max_rows < 0:
@@ -167,58 +178,48 @@ class VllmCollector:
         selection = parse_selection(fingerprint)
         if attached(llm) is not None:
             raise ValueError("llm: a collector is already attached to this engine; detach() it first")
+        super().__init__(
+            run=run,
+            sink=sink,
+            cases=CASES,
+            contract=contract,
+            control=control,
+            strict=strict,
+            weight_version=weight_version,
+        )
         self.link = EngineLink(llm)
-        mode = str(llm.llm_engine.vllm_config.model_config.logprobs_mode)
-        if mode not in SEMANTICS:
+        logprobs_mode = str(llm.llm_engine.vllm_config.model_config.logprobs_mode)
+        if logprobs_mode not in SEMANTICS:
             raise ValueError(
-                f"llm: logprobs_mode {mode!r} returns logits, not logprobs; start the engine with "
+                f"llm: logprobs_mode {logprobs_mode!r} returns logits, not logprobs; start the engine with "
                 "logprobs_mode='processed_logprobs' (or 'raw_logprobs')"
             )
-        self.semantics = SEMANTICS[mode]
-        self.run = run if isinstance(run, Run) else Run(run_id=run, name=run)
-        self.sink = sink
+        self.semantics = SEMANTICS[logprobs_mode]
         self.validate = validate
-        self.strict = strict
         self.keep_records = keep_records
-        self.counters = RolloutCounters()
-        self.engine_counters: list[dict[str, Any]] = []
-        self._logged: set[str] = set()
-        infos = self.link.call(
-            "start",
-            {
-                "regions": regions
-                if regions is None or isinstance(regions, str | Mapping)
-                else list(regions),
-                "selection": selection.to_wire(),
-                "max_requests": max_requests,
-                "max_rows": max_rows,
-                "flush_bytes": flush_bytes,
-                "version": str(weight_version) if weight_version is not None else None,
-            },
+        self.engine_counters: list[dict[str, int]] = []
+        start = Start(
+            regions=regions if regions is None or isinstance(regions, str | Mapping) else list(regions),
+            selection=selection,
+            max_requests=max_requests,
+            max_rows=max_rows,
+            flush_bytes=flush_bytes,
+            version=self.weight_version,
         )
-        self.infos = infos
-        lead = infos[0]
-        self.facts = RuntimeFacts(**lead["facts"])
-        self.refusal: str | None = lead["refusal"]
-        self.regions = sorted({name for info in infos for name in info["regions"]}, key=_order)
+        if isinstance(start.regions, Mapping):
+            start.regions = dict(start.regions)
+        self.infos = [from_wire(r, Started) for r in self.link.call("start", to_wire(start))]
+        lead = self.infos[0]
+        self.facts = RuntimeFacts(**lead.facts)
+        self.refusal: str | None = lead.refusal
+        self.regions = sorted({name for info in self.infos for name in info.regions}, key=_order)
         hooked = set(self.regions)
-        self._unobserved = {k: v for info in infos for k, v in info["unobserved"].items() if k not in hooked}
-        self.weight_version: str | None = lead["weight_version"]
-        self.weight_digest: str | None = lead["weight_digest"]
-        self._trackers = {
-            case: ManifestTracker(
-                run_id=self.run.run_id,
-                side="rollout",
-                case=case,
-                regions=self.regions,
-                unobserved=self._unobserved_for(selection.mode),
-                contract=contract,
-            )
-            for case in CASES
+        self._unobserved = {
+            k: v for info in self.infos for k, v in info.unobserved.items() if k not in hooked
         }
-        initial: list[Record] = [self.run]
-        self._refresh_manifests(initial)
-        self.sink.send(initial)
+        self.weight_version = lead.weight_version
+        self.weight_digest = lead.weight_digest
+        self._begin(self.regions, self._unobserved_for(selection.mode))
         _ATTACHED[llm] = self
         if self.refusal:
             log.warning("isoaudit vllm collector: %s", self.refusal)
@@ -226,102 +227,90 @@ class VllmCollector:
     # ------------------------------------------------------------------ public
 
     @property
-    def manifest(self) -> Manifest | None:
-        """The latest manifest sent (the ``engine_prefill`` one; ``engine_decode`` differs only in case)."""
-        return self._trackers["engine_prefill"].current
-
-    @property
-    def mode(self) -> str:
+    def link_mode(self) -> str:
         """How the collector reaches the workers: ``in_process`` or ``worker_extension``."""
         return self.link.mode
 
     def record_step(self, step: int, outputs: Iterable[Any]) -> StepReport | None:
         """Record the sampled sequences of ``outputs`` (what ``LLM.generate`` returned) as step ``step``:
-        their logprobs and, for the requests chosen for fingerprinting, the engine's region fingerprints."""
-        try:
-            return self._record(step, outputs)
-        except Exception as exc:
-            self.counters.errors += 1
-            if self.strict:
-                raise
-            self._log_once(
-                "record",
-                f"isoaudit vllm collector: record_step failed ({type(exc).__name__}: {exc}); counted",
-            )
-            return None
+        their logprobs and, for the requests chosen for fingerprinting, the engine's region fingerprints;
+        then apply a new desired remediation mode (the workers switch at their next step)."""
+        report = self.guarded("record_step", self._record, step, outputs)
+        self._step_boundary()
+        return report
 
     def select(self, fingerprint: SelectionArg) -> None:
         """Change which requests are fingerprinted from the next request the engine sees (the
         manifest follows: with ``None`` it says no region is observed, and why)."""
         selection = parse_selection(fingerprint)
-        self.link.call("select", selection.to_wire())
-        for tracker in self._trackers.values():
-            tracker.unobserved = self._unobserved_for(selection.mode)
-        records: list[Record] = []
-        self._refresh_manifests(records)
-        self.sink.send(records)
+        self.link.call("select", to_wire(selection))
+        self._set_observed(unobserved=self._unobserved_for(selection.mode))
+        self.publish()
+
+    def stats(self) -> dict[str, Any]:
+        """Collector counters, the engine-side counters of the last drain, and the sink's counters."""
+        return {**super().stats(), "engine": self.engine_counters}
+
+    # ------------------------------------------------------------------ internals
 
     def _unobserved_for(self, mode: str) -> dict[str, str]:
         if mode == "none" and self.refusal is None:
             return {"*": "fingerprints not requested (fingerprint=None)"}
         return dict(self._unobserved)
 
-    def stats(self) -> dict[str, Any]:
-        """Collector counters, the engine-side counters of the last drain, and the sink's counters."""
-        return {**asdict(self.counters), "engine": self.engine_counters, "sink": self.sink.stats()}
+    def _runtime(self) -> RuntimeFacts:
+        return self.facts
 
-    def flush(self, timeout: float | None = 30.0) -> bool:
-        return self.sink.flush(timeout)
+    def _signature(self) -> tuple[Any, ...]:
+        return ()  # the facts are read once, at attach: only mode and weights change them
 
-    def detach(self) -> None:
-        """Remove every hook inside the engine; it then runs exactly as before :func:`attach`.
-        Never raises (an engine already shut down has no hooks left to remove)."""
+    def _apply_mode(self, mode: str, version: int | None) -> ModeReport | None:
+        self.link.call("set_mode", to_wire(SetMode(mode=mode, version=version)))
+        return None  # the workers switch at their next step; the next drain reports it
+
+    def _workers_mode(self, states: Sequence[ModeState | None]) -> None:
+        """The mode the workers report (the first rank's; a rank that differs is named)."""
+        known = [s for s in states if s is not None]
+        if not known or known[0].step == 0 and known[0].version is None:
+            return
+        lead = known[0]
+        reason = lead.reason
+        if any((s.applied, s.requested) != (lead.applied, lead.requested) for s in known[1:]):
+            reason = f"{reason or ''}; workers disagree: {[s.applied for s in known]}".lstrip("; ")
+        self._mode_reported(ModeReport(lead.requested, lead.applied, reason, lead.version))
+
+    def _weights_moved(self, version: str, digest: str | None) -> None:
+        """Tell the workers: what they compute from now on has this weight version."""
+        self.link.call("load_weights", to_wire(LoadWeights(version=version, digest=digest)))
+
+    def _remove_hooks(self) -> None:
+        """Remove every hook inside the engine; it then runs exactly as before. Never raises (an
+        engine already shut down has no hooks left to remove)."""
         _ATTACHED.pop(self.link.llm, None)
         try:
-            self.engine_counters = self.link.call("stop")
+            self.engine_counters = [from_wire(r, Stopped).counters for r in self.link.call("stop")]
         except Exception as exc:
             self.counters.errors += 1
             self._log_once(
                 "detach", f"isoaudit vllm collector: detach could not reach the engine ({exc}); counted"
             )
 
-    # ------------------------------------------------------------------ internals
-
-    def _log_once(self, key: str, message: str) -> None:
-        if key not in self._logged:
-            self._logged.add(key)
-            log.warning("%s", message)
-
-    def _refresh_manifests(self, out: list[Record]) -> None:
-        for tracker in self._trackers.values():
-            built = tracker.build(self.facts, self.weight_version).model_copy(
-                update={"weight_digest": self.weight_digest}
-            )
-            manifest = tracker.changed(built)
-            if manifest is not None:
-                out.append(manifest)
-                self.counters.manifests += 1
-
-    def weights_changed(self, version: str, digest: str | None) -> None:
-        """Called by :func:`collectors.vllm.load_weights`: later manifests carry the new weights."""
-        self.weight_version, self.weight_digest = version, digest
-        records: list[Record] = []
-        self._refresh_manifests(records)
-        self.sink.send(records)
-
     def _record(self, step: int, outputs: Iterable[Any]) -> StepReport:
         if not isinstance(step, int | np.integer) or step < 0:
             raise ValueError(f"step: must be an integer >= 0, got {step!r}")
         step = int(step)
         completions = read_completions(outputs)
-        merged, engine_counters = _merge_ranks(self.link.call("drain", [c.engine_id for c in completions]))
-        self.engine_counters = engine_counters
+        drained = [
+            from_wire(r, Drained)
+            for r in self.link.call("drain", to_wire(Drain(request_ids=[c.engine_id for c in completions])))
+        ]
+        merged, self.engine_counters = _merge_ranks(drained)
+        self._workers_mode([d.mode for d in drained])
         records: list[Record] = []
-        self._refresh_manifests(records)
+        self._manifests(records)
         keys, n_prints = [], 0
         for completion in completions:
-            engine = merged.get(completion.engine_id)
-            built = self._sample(step, completion, engine)
+            built = self._sample(step, completion, merged.get(completion.engine_id))
             if built is None:
                 continue
             sample, prints = built
@@ -336,7 +325,7 @@ class VllmCollector:
         return StepReport(step, keys, n_prints, records if self.keep_records else [])
 
     def _sample(
-        self, step: int, completion: Completion, engine: Mapping[str, Any] | None
+        self, step: int, completion: Completion, engine: RequestRecord | None
     ) -> tuple[SampleLogprobs, list[RegionFingerprints]] | None:
         if completion.logprobs is None:
             self.counters.missing_logprobs += 1
@@ -357,9 +346,9 @@ class VllmCollector:
         tokens = np.concatenate([completion.prompt_ids, completion.completion_ids]).astype(np.int32)
         key = sample_key(tokens)
         prompt_len = int(completion.prompt_ids.size)
-        if engine["first_version"] != engine["last_version"]:
+        if engine.first_version != engine.last_version:
             self.counters.mixed_weight_versions += 1
-        version = engine["last_version"] if engine["last_version"] is not None else self.weight_version
+        version = engine.last_version if engine.last_version is not None else self.weight_version
         fields = {
             "run_id": self.run.run_id,
             "step": step,
@@ -370,21 +359,21 @@ class VllmCollector:
             "token_ids": tokens,
             # A log-softmax can round to a hair above 0 for a near-certain token; the wire refuses > 0.
             "logprobs": np.minimum(completion.logprobs, np.float32(0.0)),
-            "temperature": float(engine["temperature"]),
-            "top_k": engine["top_k"],
-            "top_p": engine["top_p"],
+            "temperature": float(engine.temperature),
+            "top_k": engine.top_k,
+            "top_p": engine.top_p,
             "semantics": self.semantics,
-            "path": _path_facts(completion.cached_tokens, engine.get("prefill_forwards")),
+            "path": _path_facts(completion.cached_tokens, engine.prefill_forwards),
         }
         sample = SampleLogprobs(**fields) if self.validate else SampleLogprobs.model_construct(**fields)
-        if engine["truncated"]:
+        if engine.truncated:
             self.counters.truncated_samples += 1
         prints = _prints_records(
             run_id=self.run.run_id,
             step=step,
             key=key,
             n_tokens=tokens.size,
-            prints=engine["prints"],
+            prints=engine.prints,
             validate=self.validate,
         )
         return sample, prints
@@ -407,21 +396,37 @@ def attach(
     llm: Any,
     run: str | Run,
     sink: Sink,
-    regions: str | Sequence[str] | Mapping[str, str] | None = "auto",
+    regions: RegionsArg = "auto",
     fingerprint: SelectionArg = "all",
-    **options: Any,
+    *,
+    contract: ContractArg = None,
+    control: ControlChannel | None = None,
+    weight_version: str | int | None = None,
+    max_requests: int = 65536,
+    max_rows: int = 1 << 20,
+    flush_bytes: int = 64 << 20,
+    validate: bool = False,
+    strict: bool = False,
+    keep_records: bool = False,
 ) -> VllmCollector:
-    """Hook the engine of ``llm`` (a ``vllm.LLM``) and send the run and the engine's manifests to ``sink``.
-
-    ``regions``: ``"auto"`` (vLLM Llama/Mistral/Qwen2/Qwen3), canonical names (a subset), a mapping
-    canonical name → module name, or ``None`` (logprobs only). ``fingerprint``: which requests to
-    fingerprint: ``"all"``, an integer N (one in N), a list of request ids, or ``None``. Further
-    options: :class:`VllmCollector` (``contract``, ``weight_version``, ``max_rows``, ``strict``, ...).
-
-    The engine must run in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) or have been created
-    with ``worker_extension_cls=collectors.vllm.EXTENSION``.
-    """
-    return VllmCollector(llm, run=run, sink=sink, regions=regions, fingerprint=fingerprint, **options)
+    """Hook the engine of ``llm`` (a ``vllm.LLM``) and send the run and the engine's manifests to
+    ``sink`` (the session does this for you: ``Session.watch_vllm``). Arguments: :class:`VllmCollector`."""
+    return VllmCollector(
+        llm,
+        run=run,
+        sink=sink,
+        regions=regions,
+        fingerprint=fingerprint,
+        contract=contract,
+        control=control,
+        weight_version=weight_version,
+        max_requests=max_requests,
+        max_rows=max_rows,
+        flush_bytes=flush_bytes,
+        validate=validate,
+        strict=strict,
+        keep_records=keep_records,
+    )
 
 
 def attached(llm: Any) -> VllmCollector | None:

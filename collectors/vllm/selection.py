@@ -8,46 +8,24 @@ them; every tensor-parallel rank sees the same order, so all ranks agree.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from collections.abc import Iterable
+from typing import Literal
+
+from collectors.vllm.messages import Selection
 
 SelectionArg = Literal["all"] | int | Iterable[str] | None
 
-
-@dataclass(frozen=True)
-class Selection:
-    mode: Literal["all", "every", "ids", "none"] = "all"
-    every: int = 1
-    ids: frozenset[str] = field(default_factory=frozenset)
-
-    def chooses(self, ordinal: int, request_id: str) -> bool:
-        """Is the ``ordinal``-th request the engine sees (0-based), with this external id, selected?"""
-        if self.mode == "all":
-            return True
-        if self.mode == "every":
-            return ordinal % self.every == 0
-        if self.mode == "ids":
-            return request_id in self.ids
-        return False
-
-    def to_wire(self) -> dict[str, Any]:
-        """A plain dict that crosses ``collective_rpc`` in any engine mode."""
-        return {"mode": self.mode, "every": self.every, "ids": sorted(self.ids)}
-
-    @classmethod
-    def from_wire(cls, body: Mapping[str, Any]) -> Selection:
-        return cls(body["mode"], int(body["every"]), frozenset(body["ids"]))
+__all__ = ["Selection", "SelectionArg", "parse_selection"]
 
 
 def parse_selection(fingerprint: SelectionArg) -> Selection:
     """``"all"``, an integer N (one request in N; 1 means all), an iterable of request ids (as
     ``RequestOutput.request_id`` shows them), or ``None`` (logprobs only)."""
     if fingerprint is None:
-        return Selection("none")
+        return Selection(mode="none")
     if isinstance(fingerprint, str):
         if fingerprint == "all":
-            return Selection("all")
+            return Selection(mode="all")
         raise ValueError(
             f"fingerprint: expected 'all', an integer N (one in N), a list of request ids or None, got {fingerprint!r}"
         )
@@ -58,6 +36,6 @@ def parse_selection(fingerprint: SelectionArg) -> Selection:
     if isinstance(fingerprint, int):
         if fingerprint < 1:
             raise ValueError(f"fingerprint: one in N needs N >= 1, got {fingerprint}")
-        return Selection("all") if fingerprint == 1 else Selection("every", fingerprint)
+        return Selection(mode="all") if fingerprint == 1 else Selection(mode="every", every=fingerprint)
     ids = [str(i) for i in fingerprint]
-    return Selection("ids", ids=frozenset(ids))
+    return Selection(mode="ids", ids=frozenset(ids))

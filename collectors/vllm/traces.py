@@ -1,10 +1,10 @@
-"""What the engine keeps of each request until the driver drains it, and the plain-data form it is
-handed over in.
+"""What the engine keeps of each request until the driver drains it, and the message it is handed
+over in (:class:`collectors.vllm.messages.RequestRecord`).
 
-Fingerprints are filed in blocks (:class:`Block`: one batched fingerprint pass over many steps) and
-a request points into them with pieces (:class:`Piece`), so filing costs one small object per
-request and step; :func:`payload` gathers a request's rows with one fancy index per field when it
-is drained.
+Fingerprints are filed in blocks (:class:`~collectors.fingerprints.HostRows`: one batched
+fingerprint pass over many steps, on the host) and a request points into them with pieces
+(:class:`Piece`), so filing costs one small object per request and step; :func:`payload` gathers a
+request's rows with one fancy index per field when it is drained.
 """
 
 from __future__ import annotations
@@ -12,11 +12,12 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
 from audit.fingerprints import ROW_FIELDS
+from collectors.fingerprints import HostRows
+from collectors.vllm.messages import RegionPrints, RequestRecord
 
 #: vLLM makes request ids unique by appending "-" and 8 hex digits to the caller's id.
 _SUFFIX = re.compile(r"^(?P<ext>.+)-[0-9a-f]{8}$")
@@ -29,23 +30,11 @@ def external_id(req_id: str) -> str:
 
 
 @dataclass
-class Block:
-    """Host fingerprints of one flush's rows of one (dtype, width) group."""
-
-    digest: np.ndarray  # uint64 [n]
-    ladder: np.ndarray  # uint64 [n, rungs]
-    sketch: np.ndarray  # float32 [n, 16]
-    l2: np.ndarray
-    maxabs: np.ndarray
-    bits: tuple[int, ...]
-
-
-@dataclass
 class Piece:
-    """One request's rows of one forward within a :class:`Block`: region ``regions[k]``'s rows are
+    """One request's rows of one forward within a block: region ``regions[k]``'s rows are
     ``offsets[k] + start + arange(count)``."""
 
-    block: Block
+    block: HostRows
     regions: tuple[int, ...]
     offsets: np.ndarray  # int64 [len(regions)]
     start: int
@@ -73,10 +62,10 @@ class RequestTrace:
     truncated: bool = False
 
 
-def payload(trace: RequestTrace, region_names: Sequence[str]) -> tuple[dict[str, Any], int]:
-    """One request's record as plain data (bytes, numbers, strings) for ``collective_rpc``, and how
-    many recomputed rows it dropped: per region and case, positions sorted, arrays as little-endian
-    bytes; each piece group gathered with one fancy index per field."""
+def payload(trace: RequestTrace, region_names: Sequence[str]) -> tuple[RequestRecord, int]:
+    """One request's record for the driver, and how many recomputed rows it dropped: per region and
+    case, positions sorted, arrays as little-endian bytes; each piece group gathered with one fancy
+    index per field."""
     recomputed = 0
     # Gather each (block, regions) group of pieces with one fancy index per field.
     grouped: dict[tuple[int, tuple[int, ...]], list[Piece]] = {}
@@ -94,7 +83,7 @@ def payload(trace: RequestTrace, region_names: Sequence[str]) -> tuple[dict[str,
         arrays = {name: getattr(block, name)[rows] for name in ROW_FIELDS}
         for k, region in enumerate(regions):
             per_region.setdefault(region, []).append(
-                (positions, decode, {name: a[k] for name, a in arrays.items()}, block.bits)
+                (positions, decode, {name: a[k] for name, a in arrays.items()}, block.ladder_bits)
             )
     prints = []
     for region, parts in per_region.items():
@@ -114,31 +103,29 @@ def payload(trace: RequestTrace, region_names: Sequence[str]) -> tuple[dict[str,
             if rows.size == 0:
                 continue
             prints.append(
-                {
-                    "region": region_names[region],
-                    "case": "engine_decode" if case_decode else "engine_prefill",
-                    "ladder_bits": [int(b) for b in parts[0][3]],
-                    "positions": positions[rows].astype("<i4").tobytes(),
+                RegionPrints(
+                    region=region_names[region],
+                    case="engine_decode" if case_decode else "engine_prefill",
+                    ladder_bits=[int(b) for b in parts[0][3]],
+                    positions=positions[rows].astype("<i4").tobytes(),
                     **{name: np.ascontiguousarray(arrays[name][rows]).tobytes() for name in ROW_FIELDS},
-                }
+                )
             )
-    body = {
-        "req_id": trace.req_id,
-        "prompt_len": trace.prompt_len,
-        "temperature": trace.temperature,
-        "top_k": trace.top_k,
-        "top_p": trace.top_p,
-        "selected": trace.selected,
-        "truncated": trace.truncated,
-        # Forwards that computed prompt positions (known for fingerprinted requests): more than one
-        # means a chunked prefill, an inference path the trainer never takes.
-        # (A forward files a piece per row-width group, logits holding only its last row: so count
-        # distinct last positions.)
-        "prefill_forwards": len({int(p.positions[-1]) for p in trace.pieces if not p.decode and p.count})
+    body = RequestRecord(
+        req_id=trace.req_id,
+        prompt_len=trace.prompt_len,
+        temperature=trace.temperature,
+        top_k=trace.top_k,
+        top_p=trace.top_p,
+        selected=trace.selected,
+        truncated=trace.truncated,
+        # A forward files a piece per row-width group, logits holding only its last row: so count
+        # distinct last positions.
+        prefill_forwards=len({int(p.positions[-1]) for p in trace.pieces if not p.decode and p.count})
         if trace.selected
         else None,
-        "first_version": trace.first_version,
-        "last_version": trace.last_version,
-        "prints": prints,
-    }
+        first_version=trace.first_version,
+        last_version=trace.last_version,
+        prints=prints,
+    )
     return body, recomputed

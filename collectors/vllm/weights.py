@@ -24,6 +24,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from collectors.vllm.messages import PackedTensor
+
 NamedTensors = Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
 
 
@@ -71,36 +73,32 @@ def weight_digest(named_tensors: NamedTensors) -> str:
     return digest.hexdigest()
 
 
-def pack_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[list[Any]]:
-    """Tensors as ``[name, dtype, shape, bytes]``: what crosses process boundaries intact (vLLM's RPC
-    decodes tensors onto message buffers that its worker hop cannot pickle)."""
+def pack_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[PackedTensor]:
+    """Tensors as :class:`PackedTensor` messages: what crosses process boundaries intact."""
     return [
-        [name, str(t.dtype).removeprefix("torch."), list(t.shape), _tensor_bytes(t)]
+        PackedTensor(
+            name=name, dtype=str(t.dtype).removeprefix("torch."), shape=list(t.shape), data=_tensor_bytes(t)
+        )
         for name, t in named_tensors
     ]
 
 
-def unpack_tensors(packed: Iterable[Any]) -> list[tuple[str, torch.Tensor]]:
-    """The inverse of :func:`pack_tensors`; (name, tensor) pairs pass through unchanged."""
+def unpack_tensors(packed: Iterable[PackedTensor]) -> list[tuple[str, torch.Tensor]]:
+    """The inverse of :func:`pack_tensors`."""
     out = []
     for item in packed:
-        if len(item) == 2:
-            out.append((str(item[0]), item[1]))
-            continue
-        name, dtype, shape, data = item
         flat = (
-            torch.frombuffer(bytearray(data), dtype=torch.uint8)
-            if len(data)
+            torch.frombuffer(bytearray(item.data), dtype=torch.uint8)
+            if len(item.data)
             else torch.empty(0, dtype=torch.uint8)
         )
-        out.append((str(name), flat.view(getattr(torch, dtype)).reshape(shape)))
+        out.append((item.name, flat.view(getattr(torch, item.dtype)).reshape(item.shape)))
     return out
 
 
-def apply_weights(runner: Any, named_tensors: Iterable[Any]) -> int:
-    """Load checkpoint-named tensors (or :func:`pack_tensors` rows) into the runner's model in
-    place; returns how many were given."""
-    items = unpack_tensors(named_tensors)
+def apply_weights(runner: Any, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+    """Load checkpoint-named tensors into the runner's model in place; returns how many were given."""
+    items = list(named_tensors)
     reload = getattr(runner, "reload_weights", None)
     if callable(reload):
         reload(weights_iterator=iter(items), is_checkpoint_format=True)
@@ -123,15 +121,21 @@ def load_weights(
     """
     from collectors.vllm.collector import attached
     from collectors.vllm.link import EngineLink
+    from collectors.vllm.messages import LoadWeights, to_wire
 
     if version is None or (isinstance(version, str) and not version):
         raise ValueError("version: give the new weights a version (e.g. the trainer step they come from)")
     items = named_list(named_tensors)
     value = weight_digest(items) if digest else None
     link = EngineLink(llm)
-    payload = pack_tensors(items) if link.by_name else items  # in-process: no copy
-    link.call("load_weights", payload, str(version), value)
+    if link.by_name:  # worker processes: the tensors travel as bytes in the message
+        link.call(
+            "load_weights",
+            to_wire(LoadWeights(version=str(version), digest=value, packed=pack_tensors(items))),
+        )
+    else:  # in-process: the tensors themselves, no copy
+        link.call("load_weights", to_wire(LoadWeights(version=str(version), digest=value)), items)
     collector = attached(llm)
     if collector is not None:
-        collector.weights_changed(str(version), value)
+        collector._weights_now(str(version), value)  # the workers know already
     return value

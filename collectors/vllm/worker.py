@@ -3,8 +3,12 @@
 The functions here take the worker as their first argument, so the driver can run them in two ways
 with the same code: as callables through ``LLM.collective_rpc`` when the engine is in-process, or as
 the methods of :class:`IsoauditWorkerExtension` (``worker_extension_cls``) when the workers are other
-processes. Arguments and results are plain data (dicts, lists, strings, numbers, bytes, tensors for
-weights), which ``collective_rpc`` carries in either mode.
+processes. Arguments and results are the typed messages of :mod:`collectors.vllm.messages` in their
+wire form (msgpack-native data), which ``collective_rpc`` carries in either mode.
+
+Remediation: :func:`set_mode` asks the worker's capture to switch at its next step boundary (the
+next ``execute_model``); the mode it then runs, and why part of it stays native, comes back with
+the next drain (:class:`~collectors.vllm.messages.ModeState`).
 
 Only tensor-parallel rank 0 of each pipeline stage captures: every TP rank sees the same full
 hidden states after the all-reduce, and each pipeline stage sees its own layers.
@@ -13,57 +17,54 @@ hidden states after the all-reduce, and each pipeline stage sees its own layers.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
-from dataclasses import asdict
+from collections.abc import Iterable
 from typing import Any
 
-import numpy as np
 import torch
 
 from collectors.vllm.capture import EngineCapture
 from collectors.vllm.facts import capture_refusal, engine_facts
+from collectors.vllm.messages import (
+    Drain,
+    Drained,
+    LoadWeights,
+    ModeState,
+    Selection,
+    SetMode,
+    Start,
+    Started,
+    Stopped,
+    WeightsLoaded,
+    from_wire,
+    to_wire,
+)
 from collectors.vllm.regions import resolve_engine_regions
-from collectors.vllm.selection import Selection
-from collectors.vllm.weights import WeightState, apply_weights
+from collectors.vllm.weights import WeightState, apply_weights, unpack_tensors
 
 log = logging.getLogger(__name__)
 
 #: The ``worker_extension_cls`` to start a multiprocess engine with.
 EXTENSION = "collectors.vllm.worker.IsoauditWorkerExtension"
 
+#: Why a vLLM engine stays native when asked for the invariant mode (routing vLLM's layers through
+#: :mod:`kernels` is the main-job issue's work).
+NATIVE_IN_VLLM = (
+    "vLLM's layers are not routed through isoaudit's invariant kernels yet: matmuls, attention, "
+    "norms and sampling stay vLLM's own"
+)
+
+
+def switch_engine_mode(mode: str) -> tuple[str, str | None]:
+    """What this worker runs when asked for ``mode``: (applied mode, what stays native and why)."""
+    if mode == "native":
+        return "native", None
+    return "native", NATIVE_IN_VLLM
+
 
 def _worker(obj: Any) -> Any:
     """The real worker behind vLLM's ``WorkerWrapperBase`` (which in-process callables receive)."""
     inner = obj.__dict__.get("worker") if hasattr(obj, "__dict__") else None
     return inner if inner is not None else obj
-
-
-def plain(value: Any) -> Any:
-    """``value`` as exactly the builtin types ``collective_rpc`` can carry between processes.
-
-    vLLM's msgpack channel refuses anything else (a ``TorchVersion``, a numpy scalar, an enum), and a
-    refused result kills the engine's output thread: the driver would then wait forever. So every
-    result of this module passes through here.
-    """
-    if value is None or type(value) in (bool, int, float, bytes):
-        return value
-    if isinstance(value, bool | np.bool_):
-        return bool(value)
-    if isinstance(value, int | np.integer):
-        return int(value)
-    if isinstance(value, float | np.floating):
-        return float(value)
-    if isinstance(value, str):
-        return str(value)
-    if isinstance(value, bytes | bytearray | memoryview):
-        return bytes(value)
-    if isinstance(value, dict):
-        return {str(k): plain(v) for k, v in value.items()}
-    if isinstance(value, list | tuple | set | frozenset):
-        return [plain(v) for v in value]
-    if isinstance(value, np.ndarray):
-        return value.tobytes()
-    return str(value)
 
 
 def _ranks() -> tuple[int, int]:
@@ -87,9 +88,10 @@ def _weights(worker: Any) -> WeightState:
     return state
 
 
-def start(obj: Any, options: dict[str, Any]) -> dict[str, Any]:
-    """Hook this worker's model (replacing an earlier capture) and return the engine's facts, the
-    regions hooked, what cannot be observed and why."""
+def start(obj: Any, message: Any) -> Any:
+    """Hook this worker's model (replacing an earlier capture); answers :class:`Started`: the
+    engine's facts, the regions hooked, what cannot be observed and why."""
+    request = from_wire(message, Start)
     worker = _worker(obj)
     stop(worker)
     runner = worker.model_runner
@@ -98,107 +100,114 @@ def start(obj: Any, options: dict[str, Any]) -> dict[str, Any]:
     tp_rank, pp_rank = _ranks()
     refusal = capture_refusal(config)
     resolved = resolve_engine_regions(
-        model, getattr(config.model_config.hf_config, "model_type", None), options.get("regions", "auto")
+        model, getattr(config.model_config.hf_config, "model_type", None), request.regions
     )
     weights = _weights(worker)
-    if options.get("version") is not None and weights.version is None:
-        weights.version = str(options["version"])
+    if request.version is not None and weights.version is None:
+        weights.version = request.version
     capture = EngineCapture(
         runner,
         model,
         resolved.specs if tp_rank == 0 else [],
-        Selection.from_wire(options["selection"]),
+        request.selection,
         refusal=refusal,
-        max_requests=int(options.get("max_requests", 65536)),
-        max_rows=int(options.get("max_rows", 1 << 20)),
-        flush_bytes=int(options.get("flush_bytes", 64 << 20)),
+        max_requests=request.max_requests,
+        max_rows=request.max_rows,
+        flush_bytes=request.flush_bytes,
+        mode_switch=switch_engine_mode,
     )
     capture.version = weights.version
     worker._isoaudit_capture = capture
     unobserved = dict(resolved.unobserved)
     if refusal is not None:
         unobserved = {"*": refusal}
-    return plain(
-        {
-            "facts": engine_facts(config, runner, model),
-            "regions": [] if refusal is not None else resolved.names,
-            "unobserved": unobserved,
-            "refusal": refusal,
-            "family": resolved.family,
-            "tp_rank": tp_rank,
-            "pp_rank": pp_rank,
-            "weight_version": weights.version,
-            "weight_digest": weights.digest,
-        }
+    return to_wire(
+        Started(
+            facts=engine_facts(config, runner, model),
+            regions=[] if refusal is not None else resolved.names,
+            unobserved=unobserved,
+            refusal=refusal,
+            family=resolved.family,
+            tp_rank=tp_rank,
+            pp_rank=pp_rank,
+            weight_version=weights.version,
+            weight_digest=weights.digest,
+            mode=capture.mode,
+        )
     )
 
 
-def drain(obj: Any, request_ids: Sequence[str]) -> dict[str, Any]:
-    """What this worker recorded for ``request_ids`` (external ids), handed over and forgotten."""
+def drain(obj: Any, message: Any) -> Any:
+    """What this worker recorded for the requested ids (external ids), handed over and forgotten
+    (:class:`Drained`)."""
+    request = from_wire(message, Drain)
     capture = _capture(_worker(obj))
     if capture is None:
-        return {"requests": {}, "missing": plain(list(request_ids)), "counters": {}}
-    return plain(capture.drain(request_ids))
+        return to_wire(Drained(missing=list(request.request_ids)))
+    return to_wire(capture.drain(request.request_ids))
 
 
-def select(obj: Any, selection: dict[str, Any]) -> None:
+def select(obj: Any, message: Any) -> None:
     """Change which requests are fingerprinted from now on (requests already seen keep their choice)."""
     capture = _capture(_worker(obj))
     if capture is not None:
-        capture.selection = Selection.from_wire(selection)
+        capture.selection = from_wire(message, Selection)
 
 
-def counters(obj: Any) -> dict[str, Any]:
+def set_mode(obj: Any, message: Any) -> Any:
+    """Switch to the requested mode at the next step boundary; answers the mode run until then."""
     capture = _capture(_worker(obj))
-    return plain(asdict(capture.counters)) if capture is not None else {}
+    if capture is None:
+        return to_wire(ModeState())
+    capture.request_mode(from_wire(message, SetMode))
+    return to_wire(capture.mode)
 
 
-def stop(obj: Any) -> dict[str, Any]:
-    """Remove the hooks; the engine is then exactly as before :func:`start`."""
+def stop(obj: Any) -> Any:
+    """Remove the hooks; the engine is then exactly as before :func:`start` (:class:`Stopped`)."""
     worker = _worker(obj)
     capture = _capture(worker)
     if capture is None:
-        return {}
+        return to_wire(Stopped())
     capture.remove()
     worker._isoaudit_capture = None
-    return plain(asdict(capture.counters))
+    return to_wire(Stopped(counters=capture.counters.as_dict()))
 
 
-def load_weights(
-    obj: Any, named_tensors: Iterable[tuple[str, torch.Tensor]], version: str, digest: str | None
-) -> dict[str, Any]:
-    """Load ``named_tensors`` (checkpoint names) in place, keep the KV/prefix caches and every
-    running request, and make ``version`` the weight version of what is computed from now on."""
+def load_weights(obj: Any, message: Any, local: Iterable[tuple[str, torch.Tensor]] | None = None) -> Any:
+    """Load the message's tensors (checkpoint names; an in-process engine passes them as ``local``,
+    uncopied) in place, keep the KV/prefix caches and every running request, and make the
+    message's version the weight version of what is computed from now on (:class:`WeightsLoaded`)."""
+    request = from_wire(message, LoadWeights)
     worker = _worker(obj)
-    loaded = apply_weights(worker.model_runner, named_tensors)
+    items = list(local) if local is not None else unpack_tensors(request.packed)
+    loaded = apply_weights(worker.model_runner, items) if items else 0  # none: a version only
     state = _weights(worker)
-    state.version, state.digest = str(version), digest
+    state.version, state.digest = request.version, request.digest
     capture = _capture(worker)
     if capture is not None:
         capture.version = state.version
-    return plain({"loaded": loaded, "weight_version": state.version, "weight_digest": state.digest})
+    return to_wire(WeightsLoaded(loaded=loaded, weight_version=state.version, weight_digest=state.digest))
 
 
 class IsoauditWorkerExtension:
     """Mixed into vLLM's worker by ``worker_extension_cls=collectors.vllm.worker.EXTENSION``; the
-    driver calls these through ``LLM.collective_rpc`` by name."""
+    driver calls these through ``LLM.collective_rpc`` by name, with wire-form messages."""
 
-    def isoaudit_start(self, options: dict[str, Any]) -> dict[str, Any]:
-        return start(self, options)
+    def isoaudit_start(self, message: Any) -> Any:
+        return start(self, message)
 
-    def isoaudit_drain(self, request_ids: Sequence[str]) -> dict[str, Any]:
-        return drain(self, request_ids)
+    def isoaudit_drain(self, message: Any) -> Any:
+        return drain(self, message)
 
-    def isoaudit_select(self, selection: dict[str, Any]) -> None:
-        select(self, selection)
+    def isoaudit_select(self, message: Any) -> None:
+        select(self, message)
 
-    def isoaudit_counters(self) -> dict[str, Any]:
-        return counters(self)
+    def isoaudit_set_mode(self, message: Any) -> Any:
+        return set_mode(self, message)
 
-    def isoaudit_stop(self) -> dict[str, Any]:
+    def isoaudit_stop(self) -> Any:
         return stop(self)
 
-    def isoaudit_load_weights(
-        self, named_tensors: Sequence[tuple[str, torch.Tensor]], version: str, digest: str | None
-    ) -> dict[str, Any]:
-        return load_weights(self, named_tensors, version, digest)
+    def isoaudit_load_weights(self, message: Any) -> Any:
+        return load_weights(self, message)

@@ -10,9 +10,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from audit.fingerprints import fingerprint_rows
 from audit.records import RegionFingerprints, SampleLogprobs
 from audit.regions import canonical_regions
+from collectors.fingerprints import fingerprint_rows
 
 
 def run_stack(
@@ -42,7 +42,7 @@ def run_stack(
             x[perturb[1], 0] = x[perturb[1], 0] + 0.25
         if region in skip_regions:
             continue
-        rows = fingerprint_rows(x).to_numpy()
+        rows = fingerprint_rows(x).to_host()
         records.append(
             RegionFingerprints(
                 run_id=sample.run_id,
@@ -52,12 +52,8 @@ def run_stack(
                 sample_key=sample.sample_key,
                 region=region,
                 positions=positions,
-                digest=rows["digest"],
-                ladder_bits=list(rows["ladder_bits"]),
-                ladder=rows["ladder"],
-                sketch=rows["sketch"],
-                l2=rows["l2"],
-                maxabs=rows["maxabs"],
+                ladder_bits=list(rows.ladder_bits),
+                **rows.fields(),
             )
         )
     return records

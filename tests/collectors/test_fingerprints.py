@@ -1,4 +1,5 @@
-"""audit.fingerprints: order/chunk/batch invariance, one-ulp sensitivity, ladder brackets, sketch size."""
+"""Fingerprints: computed with torch (collectors.fingerprints), compared with numpy (audit.fingerprints):
+order/chunk/batch invariance, one-ulp sensitivity, ladder brackets, sketch size."""
 
 from __future__ import annotations
 
@@ -6,17 +7,16 @@ import numpy as np
 import pytest
 import torch
 
-import audit.fingerprints as fp
+import collectors.fingerprints as fp
 from audit.fingerprints import (
-    default_ladder_bits,
     digest_weights,
     estimate_relative_l2,
-    fingerprint_rows,
     first_agreeing_rung,
     relative_error_bound,
     rows_equal,
 )
 from audit.records import RegionFingerprints
+from collectors.fingerprints import default_ladder_bits, fingerprint_rows
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 INT_OF = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
@@ -186,10 +186,11 @@ def test_sketch_estimates_relative_l2_within_2x(dtype: torch.dtype) -> None:
     assert (same == 0.0).all()
 
 
-def test_to_numpy_builds_a_record() -> None:
+def test_to_host_builds_a_record() -> None:
     x = torch.randn(2, 3, 64).to(torch.bfloat16)
     f = fingerprint_rows(x)
-    arrays = f.to_numpy()
+    host = f.to_host()
+    arrays = host.fields()
     assert arrays["digest"].dtype == np.uint64 and arrays["ladder"].shape == (6, 4)
     assert arrays["sketch"].dtype == np.float32 and arrays["sketch"].shape == (6, 16)
     record = RegionFingerprints(
@@ -200,6 +201,7 @@ def test_to_numpy_builds_a_record() -> None:
         sample_key="0" * 32,
         region="layers.0.mlp",
         positions=np.arange(6, dtype=np.int32),
+        ladder_bits=list(host.ladder_bits),
         **arrays,
     )
     again = RegionFingerprints.model_validate_json(record.model_dump_json())

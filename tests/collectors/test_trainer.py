@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-from audit.fingerprints import fingerprint_rows
 from audit.records import RegionFingerprints, SampleLogprobs, sample_key
 from audit.regions import canonical_regions
 from collectors.control import FixedControl
+from collectors.fingerprints import fingerprint_rows
 from collectors.layout import StepBatch
 from collectors.sinks import MemorySink
 from collectors.trainer import attach
@@ -102,10 +102,10 @@ def test_logprobs_and_every_region_line_up(load, family: str, layout: str) -> No
         assert sorted(mine) == sorted(canonical_regions(NUM_LAYERS))
         for region, fp in mine.items():
             np.testing.assert_array_equal(fp.positions, np.arange(span.length))
-            want = rows_of[region].select(slice(start, start + span.length)).to_numpy()
-            np.testing.assert_array_equal(fp.digest, want["digest"], err_msg=region)
-            np.testing.assert_array_equal(fp.ladder, want["ladder"], err_msg=region)
-            np.testing.assert_array_equal(fp.sketch, want["sketch"], err_msg=region)
+            want = rows_of[region].select(slice(start, start + span.length)).to_host()
+            np.testing.assert_array_equal(fp.digest, want.digest, err_msg=region)
+            np.testing.assert_array_equal(fp.ladder, want.ladder, err_msg=region)
+            np.testing.assert_array_equal(fp.sketch, want.sketch, err_msg=region)
             assert fp.case == "trainer_fwd" and fp.side == "trainer"
     handle.detach()
 

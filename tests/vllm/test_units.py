@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from audit.fingerprints import fingerprint_rows
+from collectors.fingerprints import fingerprint_rows
 from collectors.vllm.capture import EngineCapture
 from collectors.vllm.facts import capture_refusal
 from collectors.vllm.outputs import read_completions

@@ -1,0 +1,324 @@
+"""Per-token-row activation fingerprints computed on the activation's own device (DESIGN.md,
+"Fingerprints"): the torch half of :mod:`audit.fingerprints`, which keeps the digest weights, the
+sketch projection and the comparisons (numpy only, so the service never loads torch).
+
+:func:`fingerprint_rows` gives digest, ladder, sketch, l2 and maxabs of every row as tensors on the
+device; :func:`rows_to_host` brings any number of them (and a few other tensors) to the host in one
+transfer, as :class:`HostRows`. On CUDA the digest and ladder come from a fused pass:
+``kernels.fingerprint`` (a Triton kernel, bitwise equal to the torch path) when it is installed and
+imports, else a ``torch.compile``'d expression, else eager torch.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+import torch
+
+from audit.fingerprints import ROW_FIELDS, SKETCH_DIM, digest_weights, sketch_matrix
+from collectors.transfer import to_host
+
+
+@dataclass(frozen=True)
+class _Format:
+    int_dtype: torch.dtype
+    mantissa_bits: int
+    ladder_bits: tuple[int, ...]
+
+
+#: Per float dtype: the same-width integer view, the stored mantissa bits and the default ladder.
+#: bf16 keeps 7 mantissa bits, so (6, 4, 2, 0) brackets 2**-6 .. 1; fp32's rung at 7 bits asks
+#: "equal at bf16 precision?", the question a bf16 trainer against an fp32 engine raises.
+FORMATS: dict[torch.dtype, _Format] = {
+    torch.bfloat16: _Format(torch.int16, 7, (6, 4, 2, 0)),
+    torch.float16: _Format(torch.int16, 10, (8, 6, 4, 2, 0)),
+    torch.float32: _Format(torch.int32, 23, (16, 10, 7, 4, 0)),
+    torch.float64: _Format(torch.int64, 52, (40, 23, 10, 7, 0)),
+}
+
+
+def default_ladder_bits(dtype: torch.dtype) -> tuple[int, ...]:
+    """The ladder used when none is given: mantissa bits kept per rung, finest first."""
+    return _format(dtype).ladder_bits
+
+
+def _format(dtype: torch.dtype) -> _Format:
+    try:
+        return FORMATS[dtype]
+    except KeyError:
+        raise TypeError(
+            f"x: unsupported dtype {dtype}; expected one of {sorted(map(str, FORMATS))}"
+        ) from None
+
+
+@lru_cache(maxsize=64)
+def _device_weights(hidden: int, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(digest_weights(hidden).view(np.int64)).to(device)
+
+
+@lru_cache(maxsize=64)
+def _device_sketch(hidden: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    return torch.from_numpy(sketch_matrix(hidden)).to(device=device, dtype=dtype)
+
+
+@lru_cache(maxsize=64)
+def _device_masks(masks: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    return torch.tensor(masks, dtype=torch.int64, device=device)
+
+
+@dataclass(frozen=True)
+class RowFingerprints:
+    """Fingerprints of ``n`` rows, as torch tensors on the activation's device."""
+
+    digest: torch.Tensor  # int64 [n], read as uint64
+    ladder: torch.Tensor  # int64 [n, R], read as uint64
+    sketch: torch.Tensor  # float32 [n, 16]
+    l2: torch.Tensor  # float32 [n]
+    maxabs: torch.Tensor  # float32 [n]
+    ladder_bits: tuple[int, ...]
+
+    def __len__(self) -> int:
+        return int(self.digest.shape[0])
+
+    def select(self, index: Any) -> RowFingerprints:
+        """A subset of rows (a slice, an index tensor or a mask), e.g. one sample's tokens."""
+        return RowFingerprints(
+            self.digest[index],
+            self.ladder[index],
+            self.sketch[index],
+            self.l2[index],
+            self.maxabs[index],
+            self.ladder_bits,
+        )
+
+    def to_host(self) -> HostRows:
+        """These rows on the host (one transfer), typed as the records store them."""
+        return rows_to_host([self])[0]
+
+
+def _check_ladder(ladder_bits: Sequence[int] | None, fmt: _Format) -> tuple[int, ...]:
+    if ladder_bits is None:
+        return fmt.ladder_bits
+    bits = tuple(int(b) for b in ladder_bits)
+    if any(b < 0 or b > fmt.mantissa_bits for b in bits):
+        raise ValueError(
+            f"ladder_bits: each rung keeps 0..{fmt.mantissa_bits} mantissa bits, got {list(bits)}"
+        )
+    if any(a <= b for a, b in zip(bits, bits[1:], strict=False)):
+        raise ValueError(f"ladder_bits: must be strictly decreasing (finest rung first), got {list(bits)}")
+    return bits
+
+
+def _chunk_rows(hidden: int, device: torch.device) -> int:
+    # CPU: keep each chunk's int64 temporaries in cache (2**18 elements = 2 MiB), which makes the
+    # passes over it several times faster than over one big tensor. GPU: large chunks, few launches.
+    budget = 1 << 18 if device.type == "cpu" else 1 << 24
+    return max(1, budget // max(hidden, 1))
+
+
+def _integer_sums_chunked(
+    rows: torch.Tensor,
+    int_dtype: torch.dtype,
+    weights: torch.Tensor,
+    masks: list[int],
+    digest: torch.Tensor,
+    ladder: torch.Tensor,
+    step: int,
+) -> None:
+    """Digest and ladder in eager torch, a chunk of rows at a time, into ``digest``/``ladder``."""
+    n, hidden = rows.shape
+    # Scratch buffers allocated once per call: fresh allocations per chunk would page-fault.
+    wide_buf = torch.empty(step, hidden, dtype=torch.int64, device=rows.device)
+    scratch_buf = torch.empty_like(wide_buf)
+    for start in range(0, n, step):
+        stop = min(start + step, n)
+        chunk = rows[start:stop]
+        wide, scratch = wide_buf[: stop - start], scratch_buf[: stop - start]
+        wide.copy_(chunk.view(int_dtype) if chunk.is_contiguous() else chunk.contiguous().view(int_dtype))
+        torch.mul(wide, weights, out=scratch)
+        torch.sum(scratch, dim=-1, out=digest[start:stop])
+        for j, mask in enumerate(masks):
+            torch.bitwise_and(wide, mask, out=scratch)
+            scratch.mul_(weights)
+            ladder[start:stop, j] = scratch.sum(dim=-1)
+
+
+def _integer_sums(
+    as_int: torch.Tensor, weights: torch.Tensor, masks: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Digest and ladder in one expression, for the compiler to fuse into one pass over the rows
+    (eagerly it would materialise [rows, rungs, hidden] int64)."""
+    wide = as_int.to(torch.int64)
+    digest = (wide * weights).sum(-1)
+    ladder = ((wide.unsqueeze(1) & masks.unsqueeze(-1)) * weights).sum(-1)
+    return digest, ladder
+
+
+_FUSED: Any = None
+
+
+def _fused_integer_sums() -> Any:
+    """The compiled :func:`_integer_sums` on CUDA, or None to use the eager chunked path.
+
+    Eager torch spends most of the time writing int64 temporaries; the fused kernel reads each
+    activation once. ``ISOAUDIT_FINGERPRINT_COMPILE=0`` turns it off; a failed compile falls back.
+    """
+    global _FUSED
+    if _FUSED is None:
+        _FUSED = False
+        if os.environ.get("ISOAUDIT_FINGERPRINT_COMPILE", "1") != "0":
+            try:
+                compiled = torch.compile(_integer_sums, dynamic=True, fullgraph=True)
+                probe = torch.arange(-300, 300, dtype=torch.int16, device="cuda").reshape(2, 300)
+                w = torch.arange(1, 601, 2, dtype=torch.int64, device="cuda") * 0x9E3779B97F4A7C1
+                m = torch.tensor([-4, -1], dtype=torch.int64, device="cuda")
+                got, want = compiled(probe, w, m), _integer_sums(probe, w, m)
+                if torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]):
+                    _FUSED = compiled
+                else:
+                    warnings.warn(
+                        "fingerprints: compiled digest disagrees with eager; using eager", stacklevel=2
+                    )
+            except Exception as exc:  # noqa: BLE001 - any compiler failure means: use the eager path
+                warnings.warn(
+                    f"fingerprints: torch.compile unavailable ({exc!r:.200}); using eager", stacklevel=2
+                )
+    return _FUSED or None
+
+
+_TRITON: Any = None
+
+
+def _triton_pass() -> Any:
+    """``kernels.fingerprint`` (one fused Triton pass computing every field; digest, ladder and
+    max-abs bit-identical to this module's, sketch and L2 to fp32 rounding) when it imports, else
+    None. ``ISOAUDIT_FINGERPRINT_TRITON=0`` turns it off."""
+    global _TRITON
+    if _TRITON is None:
+        _TRITON = False
+        if os.environ.get("ISOAUDIT_FINGERPRINT_TRITON", "1") != "0":
+            try:
+                from kernels import fingerprint as fused
+
+                if getattr(fused, "HAVE_TRITON", True) and callable(fused.fingerprint_rows):
+                    _TRITON = fused
+            except Exception:  # noqa: BLE001 - not installed, no Triton, ...: the torch path
+                _TRITON = False
+    return _TRITON or None
+
+
+def fingerprint_rows(x: torch.Tensor, ladder_bits: Sequence[int] | None = None) -> RowFingerprints:
+    """Fingerprint every row of ``x`` ([..., hidden]; rows = leading dims flattened) on x's device."""
+    fmt = _format(x.dtype)
+    bits = _check_ladder(ladder_bits, fmt)
+    hidden = int(x.shape[-1]) if x.dim() else 1
+    rows = x.detach().reshape(-1, hidden)
+    n, device = rows.shape[0], rows.device
+    digest = torch.empty(n, dtype=torch.int64, device=device)
+    ladder = torch.empty(n, len(bits), dtype=torch.int64, device=device)
+    sketch = torch.empty(n, SKETCH_DIM, dtype=torch.float32, device=device)
+    l2 = torch.empty(n, dtype=torch.float32, device=device)
+    maxabs = torch.empty(n, dtype=torch.float32, device=device)
+    if n == 0:
+        return RowFingerprints(digest, ladder, sketch, l2, maxabs, bits)
+    weights = _device_weights(hidden, device)
+    wide = x.dtype == torch.float64
+    proj = _device_sketch(hidden, device, torch.float64 if wide else torch.float32)
+    # Clearing the low (mantissa - k) bits; as a negative int64 it also keeps the sign extension.
+    masks = [-(1 << (fmt.mantissa_bits - k)) for k in bits]
+    if device.type == "cuda":
+        triton_pass = _triton_pass()
+        if triton_pass is not None and triton_pass.supported(rows):
+            masks_t = _device_masks(tuple(masks), device)
+            sketch_t = _device_sketch(hidden, device, torch.float32)
+            got = triton_pass.fingerprint_rows(rows, weights, sketch_t, masks_t)
+            return RowFingerprints(got.digest, got.ladder, got.sketch, got.l2, got.maxabs, bits)
+    fused = _fused_integer_sums() if device.type == "cuda" else None
+    step = min(_chunk_rows(hidden, device), n)
+    with torch.no_grad():
+        if fused is not None:
+            as_int = rows.contiguous().view(fmt.int_dtype)
+            digest, ladder = fused(as_int, weights, _device_masks(tuple(masks), device))
+        else:
+            _integer_sums_chunked(rows, fmt.int_dtype, weights, masks, digest, ladder, step)
+        # a copy, reused across chunks: the activation itself must never be written to
+        values_buf = torch.empty(step, hidden, dtype=proj.dtype, device=device)
+        for start in range(0, n, step):
+            stop = min(start + step, n)
+            values = values_buf[: stop - start]
+            values.copy_(rows[start:stop])
+            if device.type == "cuda" and x.dtype == torch.float32:
+                # TF32 matmuls would round fp32 inputs to 10 mantissa bits; bf16 parts are exact in
+                # TF32, so sketch the exact high part and the small remainder separately.
+                high = values.to(torch.bfloat16).float()
+                sketch[start:stop] = high @ proj + (values - high) @ proj
+            else:
+                sketch[start:stop] = (values @ proj).float()
+            l2[start:stop] = torch.linalg.vector_norm(values, dim=-1).float()
+            maxabs[start:stop] = values.abs_().amax(dim=-1).float()
+    return RowFingerprints(digest, ladder, sketch, l2, maxabs, bits)
+
+
+@dataclass(frozen=True)
+class HostRows:
+    """:class:`RowFingerprints` on the host, typed as the records store them: ``digest`` uint64
+    [n], ``ladder`` uint64 [n, rungs], ``sketch`` float32 [n, 16], ``l2``/``maxabs`` float32 [n];
+    ``row_index``: the flat row of each (``None``: every row of the forward, in order)."""
+
+    digest: np.ndarray
+    ladder: np.ndarray
+    sketch: np.ndarray
+    l2: np.ndarray
+    maxabs: np.ndarray
+    ladder_bits: tuple[int, ...]
+    row_index: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return int(self.digest.shape[0])
+
+    def fields(self) -> dict[str, np.ndarray]:
+        """The per-row arrays by their record names (:data:`audit.fingerprints.ROW_FIELDS`)."""
+        return {name: getattr(self, name) for name in ROW_FIELDS}
+
+
+def device_tensors(prints: Sequence[RowFingerprints], prefix: str = "") -> dict[str, torch.Tensor]:
+    """The tensors of ``prints`` keyed for one transfer (see :func:`host_rows`)."""
+    out: dict[str, torch.Tensor] = {}
+    for i, fp in enumerate(prints):
+        for name in ROW_FIELDS:
+            out[f"{prefix}{i}.{name}"] = getattr(fp, name)
+    return out
+
+
+def host_rows(
+    host: dict[str, np.ndarray],
+    ladder_bits: Sequence[tuple[int, ...]],
+    prefix: str = "",
+    row_index: np.ndarray | None = None,
+) -> list[HostRows]:
+    """The :class:`HostRows` of :func:`device_tensors` ``(prints, prefix)`` once they landed
+    (``ladder_bits``: of each of those prints, in order)."""
+    return [
+        HostRows(
+            digest=host[f"{prefix}{i}.digest"].view(np.uint64),
+            ladder=host[f"{prefix}{i}.ladder"].view(np.uint64),
+            sketch=host[f"{prefix}{i}.sketch"],
+            l2=host[f"{prefix}{i}.l2"],
+            maxabs=host[f"{prefix}{i}.maxabs"],
+            ladder_bits=tuple(bits),
+            row_index=row_index,
+        )
+        for i, bits in enumerate(ladder_bits)
+    ]
+
+
+def rows_to_host(prints: Sequence[RowFingerprints]) -> list[HostRows]:
+    """``prints`` on the host, with one device-to-host transfer for all of them."""
+    host = to_host(device_tensors(prints))
+    return host_rows(host, [fp.ladder_bits for fp in prints])

@@ -1,0 +1,469 @@
+"""The one call a job makes: ``with collectors.session(run="grpo-7") as audit:``.
+
+A :class:`Session` owns where records go (a :class:`Destination`), the run's control channel, one
+sink per side and every collector it attached. Where records go comes from the arguments or the
+environment, so a job moves from a laptop to a shared service without a code change:
+
+* ``url``/``token`` or ``ISOAUDIT_URL`` + ``ISOAUDIT_TOKEN``: the isoaudit service over HTTP
+  (records spool to disk while it is down; control comes with every ingest reply);
+* ``database_url`` or ``ISOAUDIT_DATABASE_URL``: straight into that database (control read from it);
+* otherwise the embedded SQLite store ``./isoaudit.db``.
+
+Used as a context manager it starts on entry and closes on exit; without ``with`` (a framework
+callback: ``on_train_begin`` / ``on_train_end``) call :meth:`Session.start` and
+:meth:`Session.close`. Closing flushes, detaches every hook (idempotent, like a
+``RemovableHandle``), closes the sinks and returns (and prints) what each side sent, spooled,
+dropped and had rejected.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from audit.config import database_url as resolve_database_url
+from audit.records import Case, Run
+from collectors.base import Collector, run_record
+from collectors.control import ControlChannel, FixedControl, ServiceControl, StoreControl
+from collectors.manifest import ContractArg
+from collectors.regions import RegionsArg
+from collectors.remediation import RemediationHook, apply_kernels_mode
+from collectors.sinks.base import Sink
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from collectors.engine_capture import EngineCollector
+    from collectors.sinks.direct import SharedStore
+    from collectors.trainer import TrainerCollector
+    from collectors.vllm.collector import VllmCollector
+    from collectors.vllm.selection import SelectionArg
+
+log = logging.getLogger(__name__)
+
+#: The sides a session keeps one sink for.
+SIDES: tuple[str, ...] = ("trainer", "rollout")
+
+
+# ---------------------------------------------------------------- destinations
+
+
+class Destination(ABC):
+    """Where a session's records go and where its control comes from."""
+
+    @abstractmethod
+    def sink(self, side: str) -> Sink:
+        """A new sink for ``side``'s records."""
+
+    @abstractmethod
+    def control(self, run_id: str) -> ControlChannel:
+        """The run's control channel (one per session)."""
+
+    def close(self) -> None:
+        """Release what the destination holds once its sinks are closed."""
+        return None
+
+
+class ServiceDestination(Destination):
+    """The isoaudit service at ``url`` with a bearer ``token``. ``spool_dir``: where each side's
+    batches wait while the service is down (``None``: no spool); ``timeout``: seconds per request;
+    ``control_interval``: seconds between control polls when no ingest reply brought it."""
+
+    def __init__(
+        self,
+        url: str,
+        token: str,
+        *,
+        spool_dir: str | Path | None = "./isoaudit-spool",
+        timeout: float = 10.0,
+        control_interval: float = 2.0,
+    ) -> None:
+        if not token:
+            raise ValueError(
+                "token: the service needs a bearer token (ISOAUDIT_TOKEN); create one with "
+                "`isoaudit tokens create --project NAME`"
+            )
+        self.url, self.token = url, token
+        self.spool_dir = Path(spool_dir) if spool_dir is not None else None
+        self.timeout = timeout
+        self.control_interval = control_interval
+        self._control: ServiceControl | None = None
+
+    def sink(self, side: str) -> Sink:
+        from collectors.sinks.http import HttpSink
+
+        return HttpSink(
+            self.url,
+            self.token,
+            spool_dir=self.spool_dir / side if self.spool_dir is not None else None,
+            timeout=self.timeout,
+            name=f"{side}-http-sink",
+            on_control=self._control.offer if self._control is not None else None,
+        )
+
+    def control(self, run_id: str) -> ControlChannel:
+        self._control = ServiceControl(run_id, self.url, self.token, interval=self.control_interval)
+        return self._control
+
+    def close(self) -> None:
+        if self._control is not None:
+            self._control.close()
+
+
+class DatabaseDestination(Destination):
+    """Direct writes to the store at ``url`` (any SQLAlchemy URL; ``postgresql://`` works as is).
+    ``project``: the project runs belong to; ``spool_dir``: where batches wait while the database
+    is down (``None``: no spool); ``control_interval``: seconds between reads of the control record."""
+
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        project: str = "default",
+        spool_dir: str | Path | None = None,
+        control_interval: float = 1.0,
+    ) -> None:
+        from collectors.sinks.direct import SharedStore
+
+        self.url = resolve_database_url(url)
+        self.project = project
+        self.spool_dir = Path(spool_dir) if spool_dir is not None else None
+        self.control_interval = control_interval
+        self.shared: SharedStore = SharedStore(self.url)
+
+    def sink(self, side: str) -> Sink:
+        from collectors.sinks.direct import DirectSink
+
+        return DirectSink(
+            self.shared,
+            project=self.project,
+            spool_dir=self.spool_dir / side if self.spool_dir is not None else None,
+            name=f"{side}-direct-sink",
+        )
+
+    def control(self, run_id: str) -> ControlChannel:
+        return StoreControl(run_id, self.shared, interval=self.control_interval)
+
+    def close(self) -> None:
+        self.shared.reset()
+
+
+class MemoryDestination(Destination):
+    """Records kept in memory (notebooks, tests): ``sinks[side].records``; control set by hand
+    through ``session.control.set(mode)``."""
+
+    def __init__(self) -> None:
+        from collectors.sinks.memory import MemorySink
+
+        self._make = MemorySink
+        self.sinks: dict[str, Any] = {}
+
+    def sink(self, side: str) -> Sink:
+        self.sinks[side] = self._make(name=f"{side}-memory-sink")
+        return self.sinks[side]  # type: ignore[no-any-return]
+
+    def control(self, run_id: str) -> ControlChannel:
+        return FixedControl(run_id)
+
+
+def destination_from(
+    *,
+    url: str | None = None,
+    token: str | None = None,
+    database_url: str | None = None,
+    project: str = "default",
+    spool_dir: str | Path | None = None,
+    control_interval: float | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> Destination:
+    """The destination the arguments name, else the environment's, else the SQLite default (see
+    the module docstring). An explicit ``database_url`` wins over ``ISOAUDIT_URL``."""
+    env = os.environ if environ is None else environ
+    if database_url is None:
+        url = url or env.get("ISOAUDIT_URL") or None
+    if url:
+        return ServiceDestination(
+            url,
+            token or env.get("ISOAUDIT_TOKEN", ""),
+            spool_dir=spool_dir if spool_dir is not None else "./isoaudit-spool",
+            control_interval=2.0 if control_interval is None else control_interval,
+        )
+    return DatabaseDestination(
+        database_url or env.get("ISOAUDIT_DATABASE_URL") or None,
+        project=project,
+        spool_dir=spool_dir,
+        control_interval=1.0 if control_interval is None else control_interval,
+    )
+
+
+# ---------------------------------------------------------------- summary
+
+
+@dataclass(frozen=True)
+class SideSummary:
+    """Records of one side: ``sent`` (stored or accepted), ``spooled`` (waiting on disk at some
+    point), ``dropped`` (lost: queue full, spool full, refused batch), ``rejected`` (invalid, refused
+    one by one), and the collectors' own ``errors``."""
+
+    sent: int = 0
+    spooled: int = 0
+    dropped: int = 0
+    rejected: int = 0
+    errors: int = 0
+
+
+@dataclass(frozen=True)
+class Summary:
+    """What a session delivered, per side."""
+
+    run_id: str
+    sides: dict[str, SideSummary]
+
+    def __str__(self) -> str:
+        parts = [
+            f"{side} sent {s.sent}, spooled {s.spooled}, dropped {s.dropped}, rejected {s.rejected}"
+            + (f", errors {s.errors}" if s.errors else "")
+            for side, s in self.sides.items()
+        ]
+        return f"isoaudit run {self.run_id}: " + ("; ".join(parts) or "nothing recorded")
+
+
+# ---------------------------------------------------------------- session
+
+
+class Session:
+    """One job's connection to isoaudit: collectors per side, their sinks and the control channel.
+    Build it with :func:`session`."""
+
+    def __init__(
+        self, run: str | Run, destination: Destination, *, strict: bool = False, report: bool = True
+    ) -> None:
+        self.run = run_record(run)
+        self.destination = destination
+        self.strict = strict
+        self.report = report
+        self.collectors: list[Collector] = []
+        self._sinks: dict[str, Sink] = {}
+        self._control: ControlChannel | None = None
+        self._closed: Summary | None = None
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def start(self) -> Session:
+        """Open the control channel (idempotent; ``watch_*`` start the session too)."""
+        if self._closed is not None:
+            raise RuntimeError("session: closed; start a new one")
+        if self._control is None:
+            self._control = self.destination.control(self.run.run_id)
+        return self
+
+    def __enter__(self) -> Session:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def control(self) -> ControlChannel:
+        """The run's control channel (what every collector of this session asks)."""
+        return self.start()._control  # type: ignore[return-value]
+
+    def flush(self, timeout: float | None = 30.0) -> bool:
+        """Finish what the collectors have in flight and wait until every sink delivered it."""
+        done = True
+        for collector in self.collectors:
+            done = collector.flush(timeout) and done
+        for sink in self._sinks.values():
+            done = sink.flush(timeout) and done
+        return done
+
+    def close(self, timeout: float | None = 30.0) -> Summary:
+        """Detach every collector, flush and close the sinks (up to ``timeout`` seconds each),
+        release the destination; returns (and with ``report=True`` prints) the summary. Idempotent."""
+        if self._closed is not None:
+            return self._closed
+        for collector in self.collectors:
+            collector.detach()
+        for sink in self._sinks.values():
+            sink.close(timeout)
+        if self._control is not None:
+            self._control.close()
+        self.destination.close()
+        self._closed = self.summary()
+        if self.report:
+            print(self._closed, file=sys.stderr)
+        return self._closed
+
+    def summary(self) -> Summary:
+        """What each side has sent, spooled, dropped and had rejected so far."""
+        sides = {}
+        for side, sink in self._sinks.items():
+            c = sink.counters
+            errors = sum(x.counters.errors for x in self.collectors if x.sink is sink)
+            sides[side] = SideSummary(c.sent, c.spooled, c.dropped, c.rejected, errors)
+        return Summary(self.run.run_id, sides)
+
+    # ---------------------------------------------------------------- sides
+
+    def watch_trainer(
+        self,
+        model: nn.Module,
+        *,
+        regions: RegionsArg = "auto",
+        sample_every: int = 1,
+        case: Case = "trainer_fwd",
+        contract: ContractArg = None,
+        remediation_hook: RemediationHook | None = apply_kernels_mode,
+        async_transfer: bool = True,
+        max_inflight: int = 2,
+        keep_records: bool = False,
+    ) -> TrainerCollector:
+        """Hook the policy ``model``; call ``record_step(step, batch, logprobs=...)`` on the handle
+        per training forward. ``regions``: ``"auto"`` (HF Llama/Qwen2/Qwen3/Mistral), canonical
+        names, a canonical → module map, or ``None`` (logprobs only); ``sample_every``: fingerprint
+        every N-th step; the rest: :class:`collectors.trainer.TrainerCollector`."""
+        from collectors.trainer import TrainerCollector
+
+        return self._add(
+            TrainerCollector(
+                model,
+                run=self.run,
+                sink=self._sink("trainer"),
+                regions=regions,
+                sample_every=sample_every,
+                case=case,
+                contract=contract,
+                control=self.control,
+                remediation_hook=remediation_hook,
+                strict=self.strict,
+                keep_records=keep_records,
+                async_transfer=async_transfer,
+                max_inflight=max_inflight,
+            )
+        )
+
+    def watch_vllm(
+        self,
+        llm: Any,
+        *,
+        regions: str | Sequence[str] | Mapping[str, str] | None = "auto",
+        fingerprint: SelectionArg = "all",
+        contract: ContractArg = None,
+        weight_version: str | int | None = None,
+        max_requests: int = 65536,
+        max_rows: int = 1 << 20,
+        flush_bytes: int = 64 << 20,
+        keep_records: bool = False,
+    ) -> VllmCollector:
+        """Hook the engine of ``llm`` (a ``vllm.LLM`` in this process, or started with
+        ``worker_extension_cls=collectors.vllm.EXTENSION``); call ``record_step(step, outputs)``
+        on the handle after each ``generate``. ``fingerprint``: ``"all"``, one in N, a list of
+        request ids, or ``None``; the rest: :class:`collectors.vllm.VllmCollector`."""
+        from collectors.vllm.collector import VllmCollector
+
+        return self._add(
+            VllmCollector(
+                llm,
+                run=self.run,
+                sink=self._sink("rollout"),
+                regions=regions,
+                fingerprint=fingerprint,
+                contract=contract,
+                control=self.control,
+                weight_version=weight_version,
+                max_requests=max_requests,
+                max_rows=max_rows,
+                flush_bytes=flush_bytes,
+                strict=self.strict,
+                keep_records=keep_records,
+            )
+        )
+
+    def watch_engine(
+        self,
+        engine: Any,
+        *,
+        regions: RegionsArg = "auto",
+        contract: ContractArg = None,
+        remediation_hook: RemediationHook | None = apply_kernels_mode,
+        weight_version: str | int | None = None,
+        keep_records: bool = False,
+    ) -> EngineCollector:
+        """Hook isoaudit's reference engine (``kernels.engine.RolloutEngine`` over an
+        ``HFCausalLM``); call ``record_step(step, completions)`` on the handle after each
+        ``generate``. Arguments: :class:`collectors.engine_capture.EngineCollector`."""
+        from collectors.engine_capture import EngineCollector
+
+        return self._add(
+            EngineCollector(
+                engine,
+                run=self.run,
+                sink=self._sink("rollout"),
+                regions=regions,
+                contract=contract,
+                control=self.control,
+                remediation_hook=remediation_hook,
+                weight_version=weight_version,
+                strict=self.strict,
+                keep_records=keep_records,
+            )
+        )
+
+    def weights_changed(self, version: str | int, digest: str | None = None) -> None:
+        """Every side now computes with weights ``version`` (and ``digest``, when known): for jobs
+        that sync weights their own way (verl, OpenRLHF broadcast over NCCL)."""
+        for collector in self.collectors:
+            collector.weights_changed(version, digest)
+
+    # ---------------------------------------------------------------- internals
+
+    def _sink(self, side: str) -> Sink:
+        self.start()
+        if side not in self._sinks:
+            self._sinks[side] = self.destination.sink(side)
+        return self._sinks[side]
+
+    def _add(self, collector: Any) -> Any:
+        self.collectors.append(collector)
+        return collector
+
+
+def session(
+    run: str | Run,
+    *,
+    url: str | None = None,
+    token: str | None = None,
+    database_url: str | None = None,
+    project: str = "default",
+    spool_dir: str | Path | None = None,
+    control_interval: float | None = None,
+    destination: Destination | None = None,
+    strict: bool = False,
+    report: bool = True,
+) -> Session:
+    """A session for run ``run`` (an id, or a :class:`audit.records.Run` with a name and config).
+
+    ``url``/``token``: the service (default ``ISOAUDIT_URL``/``ISOAUDIT_TOKEN``);
+    ``database_url``: direct writes (default ``ISOAUDIT_DATABASE_URL``, else ``./isoaudit.db``);
+    ``project``: the project of direct writes; ``spool_dir``: where records wait while the
+    destination is down (service default ``./isoaudit-spool``); ``control_interval``: seconds
+    between control reads (service 2, database 1); ``destination``: any :class:`Destination`
+    instead (e.g. :class:`MemoryDestination`); ``strict``: collectors raise instead of counting
+    errors (tests); ``report``: print the summary on close.
+    """
+    if destination is None:
+        destination = destination_from(
+            url=url,
+            token=token,
+            database_url=database_url,
+            project=project,
+            spool_dir=spool_dir,
+            control_interval=control_interval,
+        )
+    return Session(run, destination, strict=strict, report=report)
