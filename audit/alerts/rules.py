@@ -2,7 +2,9 @@
 the store.
 
 A rule compares one step metric, aggregated over the last ``window`` compared steps, with a
-threshold. Durations count compared steps (not wall time): ``for`` is how many consecutive breaching
+threshold. The metric may be named as any framework names it (``verl:rollout_corr/k3_kl``,
+``kl_sample_train_v1``; see :mod:`audit.metric_names`): the rule keeps the stored key it resolves to
+and labels itself ``metric_alias`` with the name as written, so notices speak the user's language. Durations count compared steps (not wall time): ``for`` is how many consecutive breaching
 steps it takes to fire (0 or 1: the first), ``keep_firing_for`` how many consecutive clear steps a
 firing alert stays firing before it resolves (0: it resolves at the first clear step).
 
@@ -27,10 +29,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from sqlalchemy import or_, select
 
-from audit.metrics import METRIC_DESCRIPTIONS
+from audit.metric_names import UnknownMetric, accepted_names, resolve
 from audit.records import utcnow
 from audit.service_models import AlertRuleRow
 from audit.store import Store
@@ -59,8 +61,9 @@ class AlertRule(BaseModel):
 
     name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")
     metric: str = Field(
-        description="a step metric of audit.metrics, e.g. kl_k3 or kl_k3/len_0_256",
-        json_schema_extra={"enum": list(METRIC_DESCRIPTIONS)},
+        description="a step metric of audit.metrics (kl_k3, kl_k3/len_0_256, kl_k3/lag_1, tis_mean[cap=3]) "
+        "or a framework's name for one (verl:rollout_corr/k3_kl, kl_sample_train_v1)",
+        json_schema_extra={"enum": accepted_names()},
     )
     comparison: Comparison = ">"
     threshold: float = Field(allow_inf_nan=False)
@@ -76,14 +79,29 @@ class AlertRule(BaseModel):
     enabled: bool = True
     project: str | None = Field(default=None, max_length=128)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _resolve_alias(cls, data: Any) -> Any:
+        """A framework name becomes the stored key; the name as written is kept as a label."""
+        if isinstance(data, dict) and isinstance(data.get("metric"), str):
+            try:
+                key = resolve(data["metric"])
+            except UnknownMetric:
+                return data  # the field validator reports it, naming the field
+            if key != data["metric"]:
+                labels = data.get("labels")
+                labels = dict(labels) if isinstance(labels, dict) else {}
+                labels.setdefault("metric_alias", data["metric"])
+                data = {**data, "metric": key, "labels": labels}
+        return data
+
     @field_validator("metric")
     @classmethod
     def _known_metric(cls, value: str) -> str:
-        if value not in METRIC_DESCRIPTIONS:
-            raise ValueError(
-                f"{value!r} is not a step metric of audit.metrics (e.g. kl_k3, kl_k1, logprob_abs_diff_mean)"
-            )
-        return value
+        try:
+            return resolve(value)
+        except UnknownMetric as exc:
+            raise ValueError(str(exc).removeprefix("metric: ")) from None
 
     @field_validator("labels")
     @classmethod
@@ -118,7 +136,8 @@ class AlertRule(BaseModel):
         return f"{subject} {self.comparison} {self.threshold:g}"
 
 
-#: DESIGN.md's defaults: a sustained small mismatch warns, a large one pages at once.
+#: DESIGN.md's defaults (a sustained small mismatch warns, a large one pages at once), with the
+#: thresholds the field uses, each citing where it comes from.
 DEFAULT_RULES_YAML = """
 rules:
   - name: kl_k3_warning
@@ -127,13 +146,31 @@ rules:
     threshold: 1.0e-3
     for: 3
     severity: warning
-    description: Train-rollout mismatch KL (k3) above 1e-3 for 3 compared steps.
+    description: >-
+      Train-rollout mismatch KL (k3) above 1e-3 for 3 compared steps. Source: the SGLang RL team's
+      training-inference mismatch study (slime/Miles), where dense models run at k3 KL 1e-5 to 1e-3.
   - name: kl_k3_critical
     metric: kl_k3
     comparison: ">"
     threshold: 1.0e-2
     severity: critical
     description: Train-rollout mismatch KL (k3) above 1e-2.
+  - name: token_mult_prob_error_warning
+    metric: nemo-rl:token_mult_prob_error
+    comparison: ">"
+    threshold: 1.05
+    severity: warning
+    description: >-
+      Mean multiplicative probability error exp|Δ| above 1.05. Source: NeMo-RL's GRPO nightly tests,
+      which require max(train/token_mult_prob_error) < 1.05.
+  - name: kl_sample_train_v1_warning
+    metric: tinker:kl_sample_train_v1
+    comparison: ">"
+    threshold: 1.0e-2
+    severity: warning
+    description: >-
+      Sampler-trainer KL (k1, Tinker's kl_sample_train_v1) above 0.01. Source: the Tinker cookbook's RL
+      hyperparameter guide: stable training keeps kl_sample_train_v1 below 0.01.
 """
 
 

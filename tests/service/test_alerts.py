@@ -49,7 +49,7 @@ def series(*values):
 
 
 def test_default_rules_are_those_of_the_design():
-    warning, critical = default_rules()
+    warning, critical, mult, tinker = default_rules()
     assert (warning.metric, warning.comparison, warning.threshold, warning.for_steps, warning.severity) == (
         "kl_k3",
         ">",
@@ -70,6 +70,28 @@ def test_default_rules_are_those_of_the_design():
         0,
         "critical",
     )
+    # defaults from the field, each naming its source; aliases resolve to the stored key
+    assert (mult.metric, mult.threshold) == ("token_mult_prob_error", 1.05) and "NeMo-RL" in mult.description
+    assert (tinker.metric, tinker.threshold) == ("kl_k1", 0.01) and "Tinker" in tinker.description
+    assert tinker.labels["metric_alias"] == "tinker:kl_sample_train_v1"
+    assert "Source" in warning.description
+
+
+@pytest.mark.parametrize(
+    ("written", "key"),
+    [
+        ("verl:rollout_corr/k3_kl", "kl_k3"),
+        ("kl_sample_train_v1", "kl_k1"),
+        ("sampling/importance_sampling_ratio/max", "tis_max[cap=3]"),
+        ("kl_k3/lag_1", "kl_k3/lag_1"),
+    ],
+)
+def test_a_rule_on_a_framework_name_evaluates_the_stored_key(written, key):
+    rule = AlertRule(name="alias", metric=written, threshold=0.5)
+    assert rule.metric == key
+    assert rule.labels.get("metric_alias", key) == written
+    assert evaluate_series(rule, [(0, {key: 0.75})]).breaching
+    assert AlertRule.model_validate(rule.model_dump(by_alias=True)) == rule  # stored and read back alike
 
 
 def test_rules_load_from_yaml(tmp_path):
@@ -422,14 +444,14 @@ def test_a_rule_added_to_a_run_already_breaching_fires_at_once_from_the_first_br
 
 
 def test_installing_rules_keeps_edits_unless_replacing(store: Store):
-    assert install_rules(store, default_rules(), "default", replace=False) == 2
+    assert install_rules(store, default_rules(), "default", replace=False) == len(default_rules())
     save_rule(store, default_rules()[0].model_copy(update={"threshold": 5e-3}), "api")
     assert install_rules(store, default_rules(), "default", replace=False) == 0
     engine = AlertEngine(store, [])
     store.ingest([factories.run()], project="alpha")
     run_steps(store, engine, [4e-3, 4e-3, 4e-3])
     assert open_state(store, "kl_k3_warning") == "inactive"  # the edited threshold (5e-3) holds
-    assert install_rules(store, default_rules(), "yaml", replace=True) == 2
+    assert install_rules(store, default_rules(), "yaml", replace=True) == len(default_rules())
     run_steps(store, engine, [4e-3], start=3)
     assert open_state(store, "kl_k3_warning") == "firing"
 
