@@ -86,6 +86,198 @@ def bench_gemm() -> None:
         )
 
 
+#: Decode projections of 0.5B-8B models (N, K): Qwen2.5-0.5B (896 hidden, 4864 MLP), Llama-3-8B /
+#: Qwen3-8B (4096 hidden; 1024 KV; 14336 / 12288 MLP).
+SMALL_M_SHAPES = [
+    (896, 896),
+    (4864, 896),
+    (896, 4864),
+    (4096, 4096),
+    (1024, 4096),
+    (14336, 4096),
+    (4096, 14336),
+    (12288, 4096),
+]
+SMALL_MS = (1, 8, 16, 64, 256)
+
+
+def _weight_copies(n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> list[torch.Tensor]:
+    """Enough copies of an (n, k) weight to exceed the L2 cache (60 MB on the H200) when cycled,
+    as a decode step's layers do: a graph of repeated calls on one weight would time L2, not HBM."""
+    copies = max(2, min(64, -(-256 * 2**20 // (n * k * dtype.itemsize))))
+    return [(torch.randn(n, k, device="cuda") / k**0.5).to(dtype) for _ in range(copies)]
+
+
+def bench_calls(fns: list) -> float:
+    """Median ms per call of a list of calls run in turn (eager: Python calls; graph: the list
+    captured once in a CUDA graph and replayed)."""
+    import triton
+
+    if TIMING == "eager":
+
+        def all_calls() -> None:
+            for f in fns:
+                f()
+
+        return float(triton.testing.do_bench(all_calls, warmup=20, rep=100, return_mode="median")) / len(fns)
+    for f in fns:
+        f()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(side)
+    reps = max(1, 64 // len(fns))
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            for f in fns:
+                f()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(15):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        graph.replay()
+        e1.record()
+        torch.cuda.synchronize()
+        times.append(e0.elapsed_time(e1) / (reps * len(fns)))
+    return sorted(times)[len(times) // 2]
+
+
+def bench_gemm_small() -> None:
+    """Decode-sized GEMMs on the 0.5B-8B projections, weights cycled through HBM like a model's."""
+    for n, k in SMALL_M_SHAPES:
+        ws = _weight_copies(n, k)
+        a_full = torch.randn(max(SMALL_MS), k, device="cuda").bfloat16()
+        for m in SMALL_MS:
+            a = a_full[:m]
+            native = [lambda w=w: torch.mm(a, w.T) for w in ws]
+            ours = [lambda w=w: gemm(a, w) for w in ws]
+            record("gemm small-M", f"M={m} N={n} K={k}", bench_calls(native), bench_calls(ours), 1.3)
+
+
+def bench_tune_small() -> None:
+    """Narrow-tile candidates at small M: bits against the full tile's, and graph time (tuning)."""
+    from kernels.bits import bits_equal
+    from kernels.gemm import GemmConfig
+
+    global TIMING
+    saved, TIMING = TIMING, "graph"
+    from kernels.gemm import NARROW_TILES
+
+    cands = list(NARROW_TILES) + [(128, 64, 6), (64, 64, 8), (64, 128, 4), (32, 128, 4)]
+    best: dict = {}
+    for n, k in SMALL_M_SHAPES:
+        ws = _weight_copies(n, k)
+        a_full = torch.randn(2048, k, device="cuda").bfloat16()
+        want = gemm(a_full, ws[0])
+        for m in (1, 16, 64, 256):
+            a = a_full[:m]
+            base = bench_calls([lambda w=w: torch.mm(a, w.T) for w in ws])
+            dflt = bench_calls([lambda w=w: gemm(a, w) for w in ws])
+            line = [f"tune-small N={n} K={k} M={m}: cublas {base * 1e3:.1f} us, shipped {dflt / base:.2f}x"]
+            for bn, bk, st in cands:
+                cfg = GemmConfig(64, bn, bk, 4, st, tma=True)
+                try:
+                    same = bits_equal(gemm(a, ws[0], config=cfg), want[:m])
+                    t = bench_calls([lambda w=w: gemm(a, w, config=cfg) for w in ws])
+                except Exception as e:  # noqa: BLE001 - out of shared memory etc.
+                    line.append(f"{bn}/{bk}/{st}: {type(e).__name__}")
+                    continue
+                line.append(f"{bn}/{bk}/{st}: {t / base:.2f}x{'' if same else ' BITS-DIFFER'}")
+                if same and t < best.get((n, k, m), (9e9,))[0]:
+                    best[(n, k, m)] = (t, (bn, bk, st), t / base)
+            print("  ".join(line), flush=True)
+    for key, (_t, c, r) in best.items():
+        print(f"tune-small best {key}: {c} {r:.2f}x", flush=True)
+    TIMING = saved
+
+
+def bench_launch() -> None:
+    """Host time per call without a sync (what bounds an eager decode step): the calls are queued
+    faster than the GPU runs them only if the host is the bottleneck, so time the Python loop."""
+    import time
+
+    from kernels import _triton
+
+    if TIMING != "eager":
+        return
+
+    def host_us(fn, calls: int = 300) -> float:
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        best = float("inf")
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            best = min(best, (time.perf_counter() - t0) / calls * 1e6)
+            torch.cuda.synchronize()
+        return best
+
+    k = 4096
+    w = torch.randn(k, k, device="cuda").bfloat16()
+    a = torch.randn(1, k, device="cuda").bfloat16()
+    hq, hkv, d, b, n = 32, 8, 128, 8, 4096
+    i32 = dict(device="cuda", dtype=torch.int32)
+    q = torch.randn(b, 1, hq, d, device="cuda").bfloat16()
+    kc = torch.randn(b, n, hkv, d, device="cuda").bfloat16()
+    vc = torch.randn(b, n, hkv, d, device="cuda").bfloat16()
+    qs, ks, vs = q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2)
+    qp, cu = q.reshape(b, hq, d), torch.arange(b + 1, **i32)
+    p0, kl = torch.full((b,), n - 1, **i32), torch.full((b,), n, **i32)
+    cases = [
+        ("host us/call gemm", f"M=1 N=K={k}", lambda: torch.mm(a, w.T), lambda: gemm(a, w)),
+        (
+            "host us/call attn decode",
+            f"B={b} ctx={n} H={hq}/{hkv}",
+            lambda: F.scaled_dot_product_attention(qs, ks, vs, enable_gqa=True),
+            lambda: attention(qp, kc, vc, cu, p0, kl),
+        ),
+    ]
+    for case, shape, native, ours in cases:
+        nat = host_us(native)
+        _triton.CachedLauncher.enabled = False
+        jit = host_us(ours)
+        _triton.CachedLauncher.enabled = True
+        cached = host_us(ours)
+        print(
+            f"[host] {case:<26} {shape:<22} native {nat:6.1f} us  Triton launch {jit:6.1f} us  cached {cached:6.1f} us",
+            flush=True,
+        )
+        record(case, shape, nat / 1e3, cached / 1e3, 25.0 / nat)
+
+
+def bench_fingerprint() -> None:
+    """The fused fingerprint pass against a plain ``x.float().sum(-1)`` over the same tensor (and
+    the torch path it replaces, where importable)."""
+    from kernels.fingerprint import fingerprint_rows
+
+    for rows, hidden in ((16384, 4096), (1024, 896)):
+        x = torch.randn(rows, hidden, device="cuda").bfloat16()
+        w = torch.randint(-(2**62), 2**62, (hidden,), device="cuda", dtype=torch.int64) * 2 + 1
+        s = torch.where(torch.rand(hidden, 16, device="cuda") < 0.5, 0.25, -0.25)
+        masks = torch.tensor([-(1 << (7 - r)) for r in (6, 4, 2, 0)], device="cuda")
+        shape = f"rows={rows} hidden={hidden} bf16"
+        base = bench(lambda: x.float().sum(-1))
+        record(
+            "fingerprint (fused) vs sum", shape, base, bench(lambda: fingerprint_rows(x, w, s, masks)), 1.5
+        )
+        try:
+            from collectors.fingerprints import fingerprint_rows as torch_path
+        except ImportError:
+            try:
+                from audit.fingerprints import fingerprint_rows as torch_path
+            except ImportError:
+                continue
+        record("fingerprint (torch) vs sum", shape, base, bench(lambda: torch_path(x)))
+
+
 def bench_tune() -> None:
     """Candidate tile configurations (each is invariant on its own; one is fixed per shape)."""
     from kernels.gemm import GemmConfig
@@ -288,7 +480,7 @@ def bench_gdn() -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", default="gemm,rmsnorm,attention,gdn")
+    ap.add_argument("--only", default="launch,gemm,gemm_small,rmsnorm,attention,gdn,fingerprint")
     ap.add_argument("--timing", default="eager", help="eager, graph, or eager,graph")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()

@@ -8,6 +8,7 @@ reference serves otherwise.
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 
@@ -71,13 +72,77 @@ class _LazyKernel:
         self._built: dict[bool, object] = {}
 
     def __getitem__(self, grid):
+        return self.built()[grid]
+
+    def built(self):
+        """The ``triton.jit`` function for the current mode (interpreter or compiler)."""
         mode = interpreting()
         k = self._built.get(mode)
         if k is None:
             k = self._built[mode] = triton.jit(**self.kwargs)(self.fn)
-        return k[grid]
+        return k
 
 
 def jit(**kwargs):
     """Drop-in for ``triton.jit(...)`` with the interpreter choice made at first launch."""
     return lambda fn: _LazyKernel(fn, kwargs)
+
+
+class CachedLauncher:
+    """Launch a compiled kernel without Triton's per-call Python work.
+
+    ``kernel[grid](...)`` binds every argument, recomputes the specialisation key and looks the
+    compiled kernel up on every call (~30-40 us of host time on the H200's host). A call site that
+    knows what its kernel specialises on (argument dtypes, which integers are 1 or multiples of 16,
+    which pointers are 16-byte aligned) passes that as ``key``: the first call with a key launches
+    through Triton and keeps the compiled kernel and the constexpr tail; later calls hand the
+    runtime arguments straight to the compiled kernel's launcher. Same compiled code, same bits.
+
+    The key must determine Triton's specialisation of the runtime arguments, or a call could run
+    code compiled for another alignment. Under the interpreter (or where Triton returns no
+    compiled kernel) every call takes the ordinary path. Launch hooks (profilers) see only the
+    first call of a key.
+    """
+
+    enabled = True  # False: every call through Triton's own launch (the bench's "before")
+
+    def __init__(self, kernel: _LazyKernel, max_entries: int = 4096) -> None:
+        self.kernel = kernel
+        self.max_entries = max_entries
+        self._cache: dict = {}
+
+    def __call__(self, key, grid: tuple[int, ...], args: tuple, constexprs: dict, **options) -> None:
+        hit = self._cache.get(key) if self.enabled else None
+        if hit is not None:
+            run, function, packed, tail = hit
+            stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
+            try:
+                run(*grid, stream, function, packed, None, None, None, *args, *tail)
+                return
+            except (TypeError, ValueError, RuntimeError) as exc:  # a launcher of another Triton version
+                warnings.warn(f"kernels: cached launch failed ({exc!r:.200}); using Triton's", stacklevel=2)
+                CachedLauncher.enabled = False
+        compiled = self.kernel[grid](*args, **constexprs, **options)
+        if interpreting() or not hasattr(compiled, "packed_metadata") or len(grid) != 3:
+            return
+        jit_fn = self.kernel.built()
+        names = jit_fn.arg_names[len(args) :]
+        if set(names) != set(constexprs):
+            return  # defaults in the signature: keep the ordinary path
+        if len(self._cache) >= self.max_entries:
+            self._cache.clear()
+        self._cache[key] = (
+            compiled.run,
+            compiled.function,
+            compiled.packed_metadata,
+            tuple(constexprs[n] for n in names),
+        )
+
+
+def aligned(*tensors: torch.Tensor) -> int:
+    """Bit i set when tensor i's data is 16-byte aligned (what Triton specialises pointers on)."""
+    bits = 0
+    for i, t in enumerate(tensors):
+        if t.data_ptr() % 16 == 0:
+            bits |= 1 << i
+    return bits

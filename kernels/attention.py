@@ -31,11 +31,24 @@ length L (its own key is cached).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from functools import lru_cache
 from typing import NamedTuple
 
 import torch
 
-from ._triton import HAVE_TRITON, cdiv, dot_precision, jit, next_power_of_2, resolve, tl, triton
+from ._triton import (
+    HAVE_TRITON,
+    CachedLauncher,
+    aligned,
+    cdiv,
+    dot_precision,
+    jit,
+    next_power_of_2,
+    resolve,
+    tl,
+    triton,
+)
 
 LOG2E = 1.4426950408889634
 
@@ -213,7 +226,7 @@ if HAVE_TRITON:
             rows = tl.arange(0, BLOCK_M)
             tok = qb * TOK + rows // G
             hq = hk * G + rows % G
-            valid = tok < q_len
+            valid = (tok < q_len) & (rows < TOK * G)  # a group that does not divide BLOCK_M idles the tail
             pos = pos0 + tok
             kv_len = tl.load(kvlen_ptr + b)
             if HAS_SLOTS:
@@ -310,7 +323,7 @@ if HAVE_TRITON:
             rows = tl.arange(0, BLOCK_M)
             tok = qb * TOK + rows // G
             hq = hk * G + rows % G
-            valid = tok < q_len
+            valid = (tok < q_len) & (rows < TOK * G)
             pos0 = tl.load(qpos0_ptr + b)
             pmax = pos0 + tl.minimum(qb * TOK + TOK, q_len) - 1
             d = tl.arange(0, BLOCK_D)
@@ -320,6 +333,9 @@ if HAVE_TRITON:
                 q_start + tok, hq, c, stride_ot, stride_oh, SPLIT, BLOCK_M, BLOCK_D,
             )  # fmt: skip
 
+    _LAUNCH_FWD = CachedLauncher(_attn_fwd)
+    _LAUNCH_COMBINE = CachedLauncher(_attn_combine)
+
 
 _COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
 
@@ -327,29 +343,56 @@ _COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
 def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
     """At least ``n`` zeroed int32 split-arrival counters, one per (KV head, query block); the
     kernel re-arms each to zero after use. One set per stream: calls on a stream run in order."""
-    key = (device, torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0)
+    key = (device, torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0)
     buf = _COUNTERS.get(key)
     if buf is None or buf.numel() < n:
         buf = _COUNTERS[key] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
     return buf
 
 
+_PARTIALS: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _partials(device: torch.device, n_acc: int, n_ml: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 split partials (accumulators; max and denominator). Written and read by one call's
+    launches, so eager calls on a stream, which run in order, share one pair (two allocations
+    per call were ~4 us of host time); a call being captured into a CUDA graph gets its own."""
+    if device.type != "cuda" or torch._C._cuda_isCurrentStreamCapturing():
+        return torch.empty(n_acc, device=device), torch.empty(n_ml, device=device)
+    key = (device, torch._C._cuda_getCurrentRawStream(device.index))
+    bufs = _PARTIALS.get(key)
+    if bufs is None or bufs[0].numel() < n_acc or bufs[1].numel() < n_ml:
+        old = bufs or (torch.empty(0), torch.empty(0))
+        bufs = _PARTIALS[key] = (
+            torch.empty(max(n_acc, old[0].numel()), device=device),
+            torch.empty(max(n_ml, old[1].numel()), device=device),
+        )
+    return bufs
+
+
 def _fuse_combine(q: torch.Tensor) -> bool:
     """Merge split-KV partials inside the split launch when running eagerly: one launch instead
     of two saves ~35 us of host time, which bounds small decode steps. Under CUDA-graph capture
     the host cost is gone and the separate merge is ~7% less device time (no arrival fences)."""
-    return not (q.is_cuda and torch.cuda.is_current_stream_capturing())
+    return not (q.is_cuda and torch._C._cuda_isCurrentStreamCapturing())
+
+
+def _check_heads(hq: int, hkv: int, cfg: AttnConfig) -> int:
+    """The GQA group (query heads per KV head): any size that fits a query block. A block holds
+    ``BLOCK_M // G`` whole tokens (its last ``BLOCK_M % G`` rows idle), so a row's arithmetic is
+    the same whatever the group."""
+    smallest = min(cfg.block_m, cfg.dec_block_m)
+    if hkv < 1 or hq % hkv or hq // hkv > smallest:
+        raise ValueError(
+            f"GQA group {hq}/{hkv}: query heads must be a multiple of KV heads, at most {smallest} per KV head"
+        )
+    if cfg.split % cfg.block_n:
+        raise ValueError(f"split {cfg.split} must be a multiple of block_n {cfg.block_n}")
+    return hq // hkv
 
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, cfg: AttnConfig) -> int:
-    hq, hkv = q.shape[1], k_cache.shape[2]
-    g = hq // hkv
-    smallest = min(cfg.block_m, cfg.dec_block_m)
-    if hq % hkv or g & (g - 1) or g > smallest:
-        raise ValueError(f"GQA group {hq}/{hkv} must be a power of two <= {smallest}")
-    if cfg.split % cfg.block_n:
-        raise ValueError(f"split {cfg.split} must be a multiple of block_n {cfg.block_n}")
-    return g
+    return _check_heads(q.shape[1], k_cache.shape[2], cfg)
 
 
 def attention_reference(
@@ -435,18 +478,71 @@ def attention(
         if slots is None:
             slots = torch.arange(b, device=q.device, dtype=torch.int32)
         return attention_reference(q, k_cache, v_cache, cu_q, q_pos0, kv_len, slots, scale, cfg)
-    g = _check(q, k_cache, cfg)
     t, hq, d = q.shape
-    c = (scale if scale is not None else 1.0 / math.sqrt(d)) * LOG2E
     if q.stride(-1) != 1:
         q = q.contiguous()
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     out = torch.empty_like(q)
     if b == 0 or t == 0:
+        _check(q, k_cache, cfg)
         return out
-    hkv = k_cache.shape[2]
+    plan = _plan(t, b, hq, k_cache.shape[2], d, k_cache.shape[1], q.dtype, cfg, _fuse_combine(q))
+    c = (scale if scale is not None else 1.0 / math.sqrt(d)) * LOG2E
+    dev = q.device
+    if plan.split_kv:
+        pacc, pml = _partials(dev, plan.pacc_elems, plan.pml_elems)
+    else:
+        pacc = pml = out
+    cu, pos0, kvl = _i32(cu_q, dev), _i32(q_pos0, dev), _i32(kv_len, dev)
+    sl = cu if slots is None else _i32(slots, dev)
+    counters = _arrival_counters(dev, plan.counters) if plan.fused else cu
+    args = (
+        q, k_cache, v_cache, out, pacc, pml, counters, cu, pos0, kvl, sl,
+        c, b, plan.nsplit, hq, *q.stride()[:2], *k_cache.stride()[:3], *v_cache.stride()[:3], *out.stride()[:2],
+    )  # fmt: skip
+    # Triton specialises on the integers (all fixed by the plan and the strides in the key) and
+    # on the pointers' alignment; the fresh buffers (out, partials, counters) are always aligned.
+    key = (plan, slots is None, q.stride(), k_cache.stride(), v_cache.stride(),
+           aligned(q, k_cache, v_cache, cu, pos0, kvl, sl), dev)  # fmt: skip
+    _LAUNCH_FWD(key, plan.grid, args, plan.fwd_constexprs[slots is not None], **plan.fwd_options)
+    if plan.split_kv and not plan.fused:
+        cargs = (out, pacc, pml, cu, pos0, c, b, plan.nsplit, hq, *out.stride()[:2])
+        _LAUNCH_COMBINE(key, plan.grid[:2] + (1,), cargs, plan.common, num_warps=4)
+    return out
+
+
+def _i32(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` as int32 on ``device`` (itself when it already is: a ``.to`` call costs ~1 us)."""
+    if t.dtype == torch.int32 and t.device == device:
+        return t
+    return t.to(device=device, dtype=torch.int32)
+
+
+@dataclass(frozen=True, eq=False)
+class _Plan:
+    """What a call's shapes fix: the launch path, grid, buffer sizes, constexprs and options
+    (one object per shape, so launches key on its identity)."""
+
+    split_kv: bool
+    fused: bool
+    nsplit: int
+    grid: tuple[int, int, int]
+    counters: int
+    pacc_elems: int
+    pml_elems: int
+    common: dict
+    fwd_options: dict
+    fwd_constexprs: tuple[dict, dict]  # without, with slots
+
+
+@lru_cache(maxsize=4096)
+def _plan(
+    t: int, b: int, hq: int, hkv: int, d: int, cache_len: int, dtype: torch.dtype, cfg: AttnConfig, fuse: bool
+) -> _Plan:
+    g = hq // hkv
+    _check_heads(hq, hkv, cfg)
     block_d = max(16, next_power_of_2(d))
-    nsplit = cdiv(k_cache.shape[1], cfg.split)
+    nsplit = cdiv(cache_len, cfg.split)
     dec_tok = cfg.dec_block_m // g
     decode_shaped = t <= b * dec_tok and t * hq * nsplit * (block_d + 2) <= MAX_PARTIAL_ELEMS
     split_kv = decode_shaped and nsplit > 1  # one split needs no partials: its state is the result
@@ -455,34 +551,22 @@ def attention(
         if decode_shaped
         else (cfg.block_m, cfg.warps, cfg.stages)
     )
-    tok = bm // g
-    blocks = cdiv(t, tok) + b  # >= the sum over sequences of their query blocks
-    cu = cu_q.to(device=q.device, dtype=torch.int32)
-    pos0 = q_pos0.to(device=q.device, dtype=torch.int32)
+    blocks = cdiv(t, bm // g) + b  # >= the sum over sequences of their query blocks
+    fused = split_kv and fuse
     common = dict(G=g, D=d, BLOCK_D=block_d, BLOCK_M=bm, SPLIT=cfg.split, BLOCK_B=next_power_of_2(b + 1))
-    if split_kv:
-        pacc = torch.empty(t * hq * nsplit * block_d, device=q.device, dtype=torch.float32)
-        pml = torch.empty(t * hq * nsplit * 2, device=q.device, dtype=torch.float32)
-    else:
-        pacc = pml = out
-    fused = split_kv and _fuse_combine(q)
-    counters = _arrival_counters(q.device, hkv * blocks) if fused else cu
-    _attn_fwd[(hkv, blocks, nsplit if split_kv else 1)](
-        q, k_cache, v_cache, out, pacc, pml, counters, cu, pos0,
-        kv_len.to(device=q.device, dtype=torch.int32), cu if slots is None else slots.to(q.device, torch.int32),
-        c, b, nsplit, hq,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
-        BLOCK_N=cfg.block_n, SPLIT_KV=split_kv, HAS_SLOTS=slots is not None, ONE_SPLIT=nsplit == 1,
+    fwd = dict(
+        common,
+        PRECISION=dot_precision(dtype),
+        BLOCK_N=cfg.block_n,
+        SPLIT_KV=split_kv,
+        ONE_SPLIT=nsplit == 1,
         FUSED_COMBINE=fused,
-        PRECISION=dot_precision(q.dtype),
-        num_warps=warps, num_stages=stages, **common,
+    )
+    return _Plan(
+        split_kv, fused, nsplit, (hkv, blocks, nsplit if split_kv else 1), hkv * blocks,
+        t * hq * nsplit * block_d, t * hq * nsplit * 2, common, dict(num_warps=warps, num_stages=stages),
+        (dict(fwd, HAS_SLOTS=False), dict(fwd, HAS_SLOTS=True)),
     )  # fmt: skip
-    if split_kv and not fused:
-        _attn_combine[(hkv, blocks)](
-            out, pacc, pml, cu, pos0, c, b, nsplit, hq, out.stride(0), out.stride(1), num_warps=4, **common
-        )
-    return out
 
 
 def _math_attention(q, k, v, cu_q, q_pos0, kv_len, slots, scale):

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from functools import cache
+from functools import cache, lru_cache
 
 import torch
 
-from ._triton import HAVE_TRITON, cdiv, dot_precision, jit, resolve, tl, triton
+from ._triton import HAVE_TRITON, CachedLauncher, aligned, cdiv, dot_precision, jit, resolve, tl, triton
 
 if HAVE_TRITON:
     from triton.runtime import _allocation
@@ -64,26 +64,47 @@ def gemm_config(n: int, k: int, dtype: torch.dtype, capability: tuple[int, int] 
     return GemmConfig(64, 64, 64, 4, 3)
 
 
+#: Narrow tiles a small-M call may take on the H200, widest first: (BLOCK_N, BLOCK_K, stages).
+#: Launch shape only: measured on the H200, each gives the full tile's bits (BLOCK_K 128 is two of
+#: the full tile's 64-wide steps back to back: the same k16 MMA chain on one accumulator).
+#: Narrow tiles hold fewer bytes per stage, so they take deeper K steps and more stages.
+NARROW_TILES: tuple[tuple[int, int, int], ...] = (
+    (256, 64, 4),
+    (128, 64, 8),
+    (64, 128, 5),
+    (32, 128, 5),
+    (16, 128, 5),
+)
+
+
 @cache
-def _narrowed(cfg: GemmConfig, block_n: int) -> GemmConfig:
-    return replace(cfg, block_m=64, block_n=block_n, num_warps=4, num_stages=3 if block_n == 256 else 4)
+def _narrowed(cfg: GemmConfig, tile: tuple[int, int, int]) -> GemmConfig:
+    block_n, block_k, stages = tile
+    return replace(cfg, block_m=64, block_n=block_n, block_k=block_k, num_warps=4, num_stages=stages)
 
 
 def launch_config(cfg: GemmConfig, m: int, n: int, sms: int) -> GemmConfig:
     """The tile one call runs. Normally ``cfg`` for every M; with ``cfg.shrink_small_m`` (Hopper),
-    a call whose full tiles would fill fewer than half the SMs runs 64-row tiles, 256 or 128 wide.
+    a call whose full tiles would fill fewer than half the SMs runs the widest 64-row tile of
+    :data:`NARROW_TILES` that fills half of them (the narrowest when none does). Chosen from a
+    sweep of 27 tiles over the 0.5B-8B decode projections at M = 1, 64, 256 (bench_tune_small).
 
-    Why that keeps the bits: BLOCK_K, the K order and the instruction (wgmma, k16 steps, fp32
-    accumulator) are unchanged; only how many rows and columns one program covers changes. Measured
-    on an H200: 128x256, 64x256, 128x128, 64x128, 64x64, 64x32 and 64x16 tiles give identical bits
-    for N x K in {4096x4096, 1024x3000, 14336x4096, 4096x14336}, bf16 and fp32 outputs, M from 1 to
-    2048; ``test_batch_invariant_gpu`` crosses the switch. It halves the M <= 64 decode GEMM."""
+    Why that keeps the bits: the K order and the instruction (wgmma, k16 steps, fp32 accumulator)
+    are unchanged; only how many rows and columns one program covers, and how many k16 steps one
+    loop iteration issues, change. Measured on an H200: 128x256, 64x256, 128x128, 64x128, 64x64,
+    64x32 and 64x16 tiles at BLOCK_K 64 and 128 give identical bits for the 0.5B-8B projections
+    and N x K in {4096x4096, 1024x3000}, bf16 and fp32 outputs, M from 1 to 2048;
+    ``test_batch_invariant_gpu`` and ``test_small_m_shapes_gpu`` cross every switch."""
     if not cfg.shrink_small_m:
         return cfg
     half = sms // 2
     if cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n) >= half:
         return cfg
-    return _narrowed(cfg, 256 if cdiv(m, 64) * cdiv(n, 256) >= half else 128)
+    m_tiles = cdiv(m, 64)
+    for tile in NARROW_TILES:
+        if m_tiles * cdiv(n, tile[0]) >= half:
+            return _narrowed(cfg, tile)
+    return _narrowed(cfg, NARROW_TILES[-1])
 
 
 if HAVE_TRITON:
@@ -114,16 +135,20 @@ if HAVE_TRITON:
         SPLIT_EPILOGUE: tl.constexpr,
         WARP_SPECIALIZE: tl.constexpr,
         DEVICE_DESC: tl.constexpr,
+        A_PTR: tl.constexpr,
     ):
         # With TMA, a/b/c are tensor descriptors (out-of-bounds reads are zeros, writes dropped),
         # passed in or (DEVICE_DESC) built here from pointers; otherwise they are pointers with
-        # explicit masks. Same tile walk and K order either way.
+        # explicit masks. A_PTR (TMA, fewer rows than one tile): a and c stay pointers, since a
+        # descriptor box mostly past M measured twice as slow; the weight still streams by TMA.
+        # Same tile walk, K order and instruction either way.
         if TMA:
             if DEVICE_DESC:
                 C_BLOCK_N: tl.constexpr = BLOCK_N // 2 if SPLIT_EPILOGUE else BLOCK_N
-                a = tl.make_tensor_descriptor(a, [M, K], [stride_am, 1], [BLOCK_M, BLOCK_K])
+                if not A_PTR:
+                    a = tl.make_tensor_descriptor(a, [M, K], [stride_am, 1], [BLOCK_M, BLOCK_K])
+                    c = tl.make_tensor_descriptor(c, [M, N], [stride_cm, 1], [BLOCK_M, C_BLOCK_N])
                 b = tl.make_tensor_descriptor(b, [N, K], [stride_bn, 1], [BLOCK_N, BLOCK_K])
-                c = tl.make_tensor_descriptor(c, [M, N], [stride_cm, 1], [BLOCK_M, C_BLOCK_N])
         num_m = tl.cdiv(M, BLOCK_M)
         num_n = tl.cdiv(N, BLOCK_N)
         group = GROUP_M * num_n
@@ -141,7 +166,14 @@ if HAVE_TRITON:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
                 if TMA:
-                    x = a.load([pid_m * BLOCK_M, k0])
+                    if A_PTR:
+                        x = tl.load(
+                            a + offs_m[:, None] * stride_am + (k0 + offs_k)[None, :] * stride_ak,
+                            mask=(offs_m[:, None] < M) & ((k0 + offs_k) < K)[None, :],
+                            other=0.0,
+                        )
+                    else:
+                        x = a.load([pid_m * BLOCK_M, k0])
                     w = b.load([pid_n * BLOCK_N, k0])
                     acc = tl.dot(x, w.T, acc, input_precision=PRECISION)
                 else:
@@ -160,7 +192,7 @@ if HAVE_TRITON:
             if HAS_BIAS:
                 bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
                 acc = acc + bias[None, :]
-            if TMA:
+            if TMA and not A_PTR:
                 if SPLIT_EPILOGUE:
                     lo, hi = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
                     c.store([pid_m * BLOCK_M, pid_n * BLOCK_N], lo.to(c.dtype))
@@ -173,6 +205,8 @@ if HAVE_TRITON:
                     acc.to(c.dtype.element_ty),
                     mask=(offs_m[:, None] < M) & (offs_n[None, :] < N),
                 )
+
+    _LAUNCH = CachedLauncher(_gemm_kernel)
 
 
 def gemm_reference(
@@ -217,9 +251,22 @@ def _tma_operand(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous() if not t.is_contiguous() else t.clone()
 
 
+_SCRATCH: dict[tuple[int, int | None], torch.Tensor] = {}
+
+
 def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
-    """Global scratch Triton asks for at launch (the kernel-built TMA descriptors live there)."""
-    return torch.empty(size, dtype=torch.int8, device="cuda")
+    """Global scratch Triton asks for at launch (the kernel-built TMA descriptors live there).
+
+    Eager launches on one stream run in order, so they share one buffer per (device, stream)
+    (an allocation per call was ~3 us of host time); a launch being captured into a CUDA graph
+    gets its own, since the graph may later replay beside eager work on that stream."""
+    if torch._C._cuda_isCurrentStreamCapturing():
+        return torch.empty(size, dtype=torch.int8, device="cuda")
+    key = (torch._C._cuda_getDevice(), stream)
+    buf = _SCRATCH.get(key)
+    if buf is None or buf.numel() < size:
+        buf = _SCRATCH[key] = torch.empty(max(size, 1 << 16), dtype=torch.int8, device="cuda")
+    return buf
 
 
 def _ensure_allocator() -> None:
@@ -231,6 +278,42 @@ def _ensure_allocator() -> None:
 
 def _descriptor(t: torch.Tensor, block: list[int]):
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block)
+
+
+@lru_cache(maxsize=8192)
+def _plan(
+    m: int,
+    n: int,
+    k: int,
+    dtype: torch.dtype,
+    out_dtype: torch.dtype,
+    has_bias: bool,
+    device: torch.device,
+    config: GemmConfig | None,
+) -> tuple[GemmConfig, int, dict, dict]:
+    """Everything about one call that its shapes fix: the tile, the program count, the constexprs
+    and launch options (computed once per shape, not per call)."""
+    capability, sms = _device_traits(device)
+    cfg = launch_config(config or gemm_config(n, k, dtype, capability), m, n, sms)
+    tiles = cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n)
+    programs = min(tiles, sms) if cfg.tma else tiles
+    # A 4-byte output tile is twice the shared memory: store it in halves (the store order does
+    # not touch the sums, and the output dtype is fixed by the call site, never by M).
+    split = cfg.tma and (cfg.split_epilogue or out_dtype.itemsize > 2)
+    constexprs = dict(
+        HAS_BIAS=has_bias,
+        PRECISION=dot_precision(dtype),
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        GROUP_M=8,
+        TMA=cfg.tma,
+        SPLIT_EPILOGUE=split,
+        WARP_SPECIALIZE=cfg.warp_specialize,
+        DEVICE_DESC=cfg.device_descriptors,
+        A_PTR=cfg.tma and m < cfg.block_m,
+    )
+    return cfg, programs, constexprs, dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def gemm(
@@ -250,56 +333,41 @@ def gemm(
         x = x.to(weight.dtype)
     a = x.reshape(-1, k)
     m = a.shape[0]
-    out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
+    odt = out_dtype or x.dtype
+    out = torch.empty(m, n, dtype=odt, device=x.device)
     if m == 0:
         return out.reshape(*x.shape[:-1], n)
-    capability, sms = _device_traits(x.device)
-    cfg = launch_config(config or gemm_config(n, k, weight.dtype, capability), m, n, sms)
-    tiles = cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n)
-    programs = min(tiles, sms) if cfg.tma else tiles
-    # A 4-byte output tile is twice the shared memory: store it in halves (the store order does
-    # not touch the sums, and the output dtype is fixed by the call site, never by M).
-    split = cfg.tma and (cfg.split_epilogue or out.element_size() > 2)
+    cfg, programs, constexprs, options = _plan(m, n, k, weight.dtype, odt, bias is not None, x.device, config)
     if cfg.tma:
-        a, w = _tma_operand(a), _tma_operand(weight)
+        w = _tma_operand(weight)
+        if not constexprs["A_PTR"]:
+            a = _tma_operand(a)
         if cfg.device_descriptors:
             _ensure_allocator()
             a_arg, b_arg, c_arg = a, w, out
         else:
-            a_arg = _descriptor(a, [cfg.block_m, cfg.block_k])
             b_arg = _descriptor(w, [cfg.block_n, cfg.block_k])
-            c_arg = _descriptor(out, [cfg.block_m, cfg.block_n // (2 if split else 1)])
+            if constexprs["A_PTR"]:
+                a_arg, c_arg = a, out
+            else:
+                a_arg = _descriptor(a, [cfg.block_m, cfg.block_k])
+                c_arg = _descriptor(
+                    out, [cfg.block_m, cfg.block_n // (2 if constexprs["SPLIT_EPILOGUE"] else 1)]
+                )
     else:
         w = weight
         a_arg, b_arg, c_arg = a, w, out
-    _gemm_kernel[(programs,)](
-        a_arg,
-        b_arg,
-        c_arg,
-        bias if bias is not None else w,
-        m,
-        n,
-        k,
-        a.stride(0),
-        a.stride(1),
-        w.stride(0),
-        w.stride(1),
-        out.stride(0),
-        out.stride(1),
-        programs,
-        HAS_BIAS=bias is not None,
-        PRECISION=dot_precision(weight.dtype),
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        GROUP_M=8,
-        TMA=cfg.tma,
-        SPLIT_EPILOGUE=split,
-        WARP_SPECIALIZE=cfg.warp_specialize,
-        DEVICE_DESC=cfg.device_descriptors,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
+    bias_arg = bias if bias is not None else w
+    args = (a_arg, b_arg, c_arg, bias_arg, m, n, k, *a.stride(), *w.stride(), *out.stride(), programs)
+    if cfg.tma and not cfg.device_descriptors:  # host descriptors: Triton binds them itself
+        _gemm_kernel[(programs,)](*args, **constexprs, **options)
+    else:
+        # What Triton specialises the runtime arguments on: the plan fixes n, k and the output;
+        # the strides of a and w and the alignment of the pointers complete it (m and the
+        # program count are not specialised).
+        key = (cfg, programs, constexprs["SPLIT_EPILOGUE"], bias is not None, n, k, odt, weight.dtype,
+               x.device, *a.stride(), *w.stride(), aligned(a, w, bias_arg))  # fmt: skip
+        _LAUNCH(key, (programs, 1, 1), args, constexprs, **options)
     return out.reshape(*x.shape[:-1], n)
 
 

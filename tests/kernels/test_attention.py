@@ -161,3 +161,55 @@ def test_same_bits_gpu(merge_in_split_launch: bool) -> None:
         d**-0.5,
     )
     assert ((outs[0].float() - ref).norm() / ref.norm()).item() < 1e-2
+
+
+@pytest.mark.parametrize("hq_hkv", [(7, 1), (6, 2)])  # Qwen2.5-0.5B/7B's group of 7, 1.5B's of 6
+def test_any_gqa_group_cpu(dev: str, hq_hkv: tuple[int, int]) -> None:
+    """A group that does not divide the block: whole tokens per block, the tail rows idle; every
+    mode gives the same bits, and the reference's values."""
+    torch.manual_seed(3)
+    hq, hkv = hq_hkv
+    n, d = 40, 16
+    q = torch.randn(n, hq, d, device=dev)
+    k, v = torch.randn(1, 48, hkv, d, device=dev), torch.randn(1, 48, hkv, d, device=dev)
+    outs = _modes(q, k, v, [3, 17], CPU_CONFIG, [0, 5, 31, 32, 33, 39])
+    for o in outs[1:]:
+        assert bits_equal(o, outs[0])
+    i32 = dict(device=dev, dtype=torch.int32)
+    args = (q, k, v, torch.tensor([0, n], **i32), torch.tensor([0], **i32), torch.tensor([n], **i32))
+    ref = attention_reference(*args, torch.tensor([0], **i32), None, CPU_CONFIG)
+    torch.testing.assert_close(attention(*args, config=CPU_CONFIG), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_gqa_group_too_large_is_refused(dev: str) -> None:
+    q, k = torch.randn(2, 64, 16, device=dev), torch.randn(1, 8, 1, 16, device=dev)
+    i32 = dict(device=dev, dtype=torch.int32)
+    with pytest.raises(ValueError, match="GQA group 64/1"):
+        attention(
+            q,
+            k,
+            k,
+            torch.tensor([0, 2], **i32),
+            torch.tensor([0], **i32),
+            torch.tensor([2], **i32),
+            config=CPU_CONFIG,
+        )
+
+
+@gpu
+@pytest.mark.parametrize("hq_hkv", [(28, 4), (12, 2), (14, 2)])
+def test_any_gqa_group_gpu(hq_hkv: tuple[int, int]) -> None:
+    """Groups of 7 and 6 (Qwen2.5-7B, -1.5B, -0.5B) on the shipped tiles, across a split boundary."""
+    torch.manual_seed(0)
+    hq, hkv = hq_hkv
+    n, d = CONFIG.split + 100, 128 if hq != 14 else 64
+    q = torch.randn(n, hq, d, device="cuda").bfloat16()
+    k = torch.randn(1, n + 64, hkv, d, device="cuda").bfloat16()
+    v = torch.randn(1, n + 64, hkv, d, device="cuda").bfloat16()
+    outs = _modes(q, k, v, [1, 63, 200], CONFIG, list(range(0, n, 3)))
+    for i, o in enumerate(outs[1:]):
+        assert bits_equal(o, outs[0]), i
+    i32 = dict(device="cuda", dtype=torch.int32)
+    one = (torch.tensor([0, n], **i32), torch.tensor([0], **i32), torch.tensor([n], **i32))
+    ref = _math_attention(q, k, v, *one, torch.tensor([0], **i32), d**-0.5)
+    assert ((attention(q, k, v, *one).float() - ref).norm() / ref.norm()).item() < 1e-2

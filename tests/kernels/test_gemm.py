@@ -115,9 +115,57 @@ def test_launch_config_narrows_only_underfilled_hopper_calls() -> None:
     assert hopper.shrink_small_m and not gemm_config(4096, 4096, torch.bfloat16, (10, 0)).shrink_small_m
     assert launch_config(hopper, 2048, 4096, 132) is hopper
     assert launch_config(hopper, 256, 14336, 132) is hopper  # 112 full tiles
-    small = launch_config(hopper, 1, 4096, 132)
-    assert (small.block_m, small.block_n, small.block_k) == (64, 128, hopper.block_k)
+    small = launch_config(hopper, 1, 4096, 132)  # 128 tiles of 64x32
+    assert (small.block_m, small.block_n, small.block_k) == (64, 32, 128)
+    assert launch_config(hopper, 1, 896, 132).block_n == 16  # none fills half: the narrowest
+    assert launch_config(hopper, 1, 14336, 132).block_n == 128
     mid = launch_config(hopper, 512, 4096, 132)  # 64 full tiles; 128 of 64x256
     assert (mid.block_m, mid.block_n, mid.block_k) == (64, 256, hopper.block_k)
     plain = GemmConfig(32, 32, 16, 4, 2, tma=True)
     assert launch_config(plain, 1, 4096, 132) is plain
+
+
+@gpu
+@pytest.mark.parametrize(
+    "nk", [(896, 896), (4864, 896), (896, 4864), (1024, 4096), (14336, 4096), (4096, 14336)]
+)
+def test_small_m_shapes_gpu(nk: tuple[int, int]) -> None:
+    """The 0.5B-8B decode projections at every M that picks another narrow tile, against the
+    full-tile rows of a 2048-row batch; with a bias, and through the cached launch and Triton's."""
+    from kernels import _triton
+
+    torch.manual_seed(0)
+    n, k = nk
+    a = torch.randn(2048, k, device="cuda").bfloat16()
+    w = (torch.randn(n, k, device="cuda") / k**0.5).bfloat16()
+    bias = torch.randn(n, device="cuda").bfloat16()
+    _check_invariance(a, w, bias, [1, 2, 8, 16, 17, 64, 65, 128, 200, 256, 257, 512, 1000])
+    full = gemm(a, w, bias)
+    try:
+        _triton.CachedLauncher.enabled = False
+        for m in (1, 64, 256):
+            assert bits_equal(gemm(a[:m], w, bias), full[:m]), m
+    finally:
+        _triton.CachedLauncher.enabled = True
+
+
+@gpu
+def test_cached_launch_respects_alignment_gpu() -> None:
+    """A cached launch keyed on alignment: a 2-byte-offset view of A (not 16-byte aligned; TMA
+    copies it) and an fp32 pointer-path call on an odd view give the Triton launch's results."""
+    from kernels import _triton
+
+    torch.manual_seed(0)
+    base = torch.randn(300, 4104, device="cuda").bfloat16()
+    w = (torch.randn(4096, 4096, device="cuda") / 64).bfloat16()
+    for view in (base[:, :4096], base[:, 1:4097], base[:, 8:4104]):
+        want = gemm(view.contiguous(), w)
+        assert bits_equal(gemm(view, w), want)
+        assert bits_equal(gemm(view, w), want)  # the second call hits the cache
+    a32 = torch.randn(64, 1001, device="cuda")
+    w32 = torch.randn(200, 1000, device="cuda")
+    for view in (a32[:, :1000], a32[:, 1:]):
+        _triton.CachedLauncher.enabled = False
+        want = gemm(view, w32)
+        _triton.CachedLauncher.enabled = True
+        assert bits_equal(gemm(view, w32), want) and bits_equal(gemm(view, w32), want)

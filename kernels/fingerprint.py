@@ -1,0 +1,182 @@
+"""One fused pass over an activation computing every per-row fingerprint field.
+
+The fields (defined by the collector, DESIGN.md "Fingerprints"): the *digest*, the wrapping int64
+sum over columns of ``bits(x_j) * w_j`` where ``bits`` is the element's bit pattern sign-extended
+from its width and ``w_j`` an odd 64-bit weight; the *ladder*, the same sum after clearing low
+mantissa bits (``bits & mask_r``, one rung per mask); the *sketch*, ``x @ P`` for a [hidden, 16]
+fp32 projection; the row's *L2* norm and its *max-abs*.
+
+The torch path reads the activation about ten times (an int64 copy, one product per rung, a
+float copy, a matmul, a norm, an abs). :func:`fingerprint_rows` reads it once: one program per
+``BLOCK_R`` rows walks the columns in ``BLOCK_H`` slabs and keeps all seven accumulators in
+registers.
+
+Which bits are promised: digest, ladder and max-abs are exact (integer sums wrap modulo 2**64 in
+any order; the max of absolute values is taken on their bit patterns, which order non-negative
+floats as their values do), so they equal the torch path's bit for bit on every device. Sketch and
+L2 are fp32 sums whose order this kernel fixes (slabs ascending, a fixed tree inside a slab, exact
+fp32 products, never tf32): a row gets the same bits whatever the row count or its position, but
+they may differ from cuBLAS's sums in the last bits (relative 1e-6), as two BLAS libraries do.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import NamedTuple
+
+import torch
+
+from ._triton import HAVE_TRITON, CachedLauncher, aligned, cdiv, jit, resolve, tl
+
+SKETCH_DIM = 16
+
+# dtype -> (integer view, stored mantissa bits). The launch shape is fixed (never from the row
+# count), so a row's float sums have one order.
+_INT_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+BLOCK_R, BLOCK_H, WARPS = 16, 128, 4
+
+
+class Fingerprints(NamedTuple):
+    """Per-row fields, torch tensors on the activation's device."""
+
+    digest: torch.Tensor  # int64 [n] (read as uint64)
+    ladder: torch.Tensor  # int64 [n, R]
+    sketch: torch.Tensor  # float32 [n, 16]
+    l2: torch.Tensor  # float32 [n]
+    maxabs: torch.Tensor  # float32 [n]
+
+
+def supported(x: torch.Tensor) -> bool:
+    """Whether :func:`fingerprint_rows` takes this dtype (fp64 is left to the torch path)."""
+    return x.dtype in _INT_VIEW
+
+
+if HAVE_TRITON:
+
+    @jit(do_not_specialize=["n_rows"])
+    def _fingerprint_kernel(
+        x_ptr, w_ptr, p_ptr, m_ptr, int_ptr, flt_ptr, n_rows, hidden, stride_x,
+        R: tl.constexpr, KIND: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, SK: tl.constexpr,
+    ):  # fmt: skip
+        """KIND 0: bf16 (int16 view), 1: fp16 (int16 view), 2: fp32 (int32 view). Output rows:
+        int64 (digest, R rungs); float32 (16 sketch values, L2, max-abs)."""
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        row_ok = rows < n_rows
+        base = x_ptr + rows.to(tl.int64)[:, None] * stride_x
+        sk_cols = tl.arange(0, SK)
+        digest = tl.zeros((BLOCK_R,), tl.int64)
+        r_idx = tl.arange(0, R)
+        ladder = tl.zeros((BLOCK_R, R), tl.int64)
+        sq = tl.zeros((BLOCK_R,), tl.float32)
+        sketch = tl.zeros((BLOCK_R, SK), tl.float32)
+        amax = tl.zeros((BLOCK_R,), tl.int32)  # the largest |x| as a bit pattern
+        for h0 in range(0, hidden, BLOCK_H):
+            cols = h0 + tl.arange(0, BLOCK_H)
+            col_ok = cols < hidden
+            ok = row_ok[:, None] & col_ok[None, :]
+            xi = tl.load(base + cols[None, :], mask=ok, other=0)
+            w = tl.load(w_ptr + cols, mask=col_ok, other=0)
+            wide = xi.to(tl.int64)  # sign-extends the bit pattern
+            digest += tl.sum(wide * w[None, :], 1)
+            for r in tl.static_range(R):
+                m = tl.load(m_ptr + r)
+                rung = tl.sum((wide & m) * w[None, :], 1)
+                ladder += tl.where(r_idx[None, :] == r, rung[:, None], 0)
+            if KIND == 0:
+                xf = (xi.to(tl.int32) << 16).to(tl.float32, bitcast=True)  # bf16 -> fp32 exactly
+                amax = tl.maximum(amax, tl.max(xi.to(tl.int32) & 0x7FFF, 1))
+            elif KIND == 1:
+                xf = xi.to(tl.float16, bitcast=True).to(tl.float32)
+                amax = tl.maximum(amax, tl.max(xi.to(tl.int32) & 0x7FFF, 1))
+            else:
+                xf = xi.to(tl.float32, bitcast=True)
+                amax = tl.maximum(amax, tl.max(xi & 0x7FFFFFFF, 1))
+            sq += tl.sum(xf * xf, 1)
+            p = tl.load(p_ptr + cols[:, None] * SK + sk_cols[None, :], mask=col_ok[:, None], other=0.0)
+            sketch = tl.dot(xf, p, sketch, input_precision="ieee")
+        if KIND == 0:
+            maxabs = (amax << 16).to(tl.float32, bitcast=True)
+        elif KIND == 1:
+            maxabs = amax.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        else:
+            maxabs = amax.to(tl.float32, bitcast=True)
+        int_row = int_ptr + rows.to(tl.int64) * (1 + R)
+        tl.store(int_row, digest, mask=row_ok)
+        tl.store(int_row[:, None] + 1 + r_idx[None, :], ladder, mask=row_ok[:, None])
+        flt_row = flt_ptr + rows.to(tl.int64) * (SK + 2)
+        tl.store(flt_row[:, None] + sk_cols[None, :], sketch, mask=row_ok[:, None])
+        tl.store(flt_row + SK, tl.sqrt_rn(sq), mask=row_ok)
+        tl.store(flt_row + SK + 1, maxabs, mask=row_ok)
+
+    _LAUNCH = CachedLauncher(_fingerprint_kernel)
+
+
+def fingerprint_reference(
+    x: torch.Tensor, weights: torch.Tensor, sketch: torch.Tensor, masks: torch.Tensor
+) -> Fingerprints:
+    """The fields in plain torch (the definition; the kernel's digest, ladder and max-abs equal
+    it bitwise, its sketch and L2 to fp32 rounding)."""
+    rows = x.detach().reshape(-1, x.shape[-1])
+    wide = rows.contiguous().view(_INT_VIEW[x.dtype]).to(torch.int64)
+    digest = (wide * weights).sum(-1)
+    ladder = ((wide.unsqueeze(1) & masks.reshape(1, -1, 1)) * weights).sum(-1)
+    values = rows.float()
+    sk = (values.double() @ sketch.double()).float()
+    return Fingerprints(digest, ladder, sk, torch.linalg.vector_norm(values, dim=-1), values.abs().amax(-1))
+
+
+@lru_cache(maxsize=256)
+def _pow2_at_least(r: int) -> int:
+    return 1 << max(r - 1, 0).bit_length()
+
+
+def fingerprint_rows(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    sketch: torch.Tensor,
+    masks: torch.Tensor,
+    impl: str | None = None,
+) -> Fingerprints:
+    """Fingerprint every row of ``x`` ([..., hidden], bf16/fp16/fp32; rows = leading dims
+    flattened) in one pass on x's device.
+
+    ``weights``: int64 [hidden], the odd digest weights (uint64 bit patterns); ``sketch``: float32
+    [hidden, 16], the projection; ``masks``: int64 [R], one bit mask per ladder rung (``-(1 << (m -
+    k))`` keeps k of m mantissa bits and the sign extension). All on x's device. ``impl`` forces
+    "triton" or "torch" (default: the kernel where it runs)."""
+    if not supported(x):
+        raise TypeError(f"x: dtype {x.dtype} is not fused; expected one of {sorted(map(str, _INT_VIEW))}")
+    hidden = x.shape[-1]
+    if weights.shape != (hidden,) or weights.dtype != torch.int64:
+        raise ValueError(f"weights: expected int64 [{hidden}], got {weights.dtype} {list(weights.shape)}")
+    if sketch.shape != (hidden, SKETCH_DIM) or sketch.dtype != torch.float32:
+        raise ValueError(
+            f"sketch: expected float32 [{hidden}, {SKETCH_DIM}], got {sketch.dtype} {list(sketch.shape)}"
+        )
+    if masks.dim() != 1 or masks.dtype != torch.int64:
+        raise ValueError(f"masks: expected int64 [R], got {masks.dtype} {list(masks.shape)}")
+    if resolve(impl, x) == "torch":
+        return fingerprint_reference(x, weights, sketch, masks)
+    rows = x.detach().reshape(-1, hidden)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    n, r, dev = rows.shape[0], masks.shape[0], x.device
+    r_pad = _pow2_at_least(max(r, 1))
+    # Two allocations, viewed as the five fields (five allocations cost more host time than a
+    # small region's whole pass): int64 [n, 1 + R] and float32 [n, 18].
+    ints = torch.empty(n, 1 + r_pad, dtype=torch.int64, device=dev)
+    floats = torch.empty(n, SKETCH_DIM + 2, dtype=torch.float32, device=dev)
+    out = Fingerprints(
+        ints[:, 0], ints[:, 1 : 1 + r], floats[:, :SKETCH_DIM], floats[:, SKETCH_DIM], floats[:, -1]
+    )
+    if n:
+        if r_pad != r:  # tl.arange needs a power of two: extra rungs keep every bit, sliced off
+            masks = torch.cat([masks, masks.new_full((r_pad - r,), -1)])
+        xi = rows.view(_INT_VIEW[x.dtype])
+        kind = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}[x.dtype]
+        proj, masks = sketch.contiguous(), masks.contiguous()
+        args = (xi, weights, proj, masks, ints, floats, n, hidden, xi.stride(0))
+        cx = dict(R=r_pad, KIND=kind, BLOCK_R=BLOCK_R, BLOCK_H=BLOCK_H, SK=SKETCH_DIM)
+        key = (kind, r_pad, hidden, xi.stride(0), aligned(xi, weights, proj, masks), dev)
+        _LAUNCH(key, (cdiv(n, BLOCK_R), 1, 1), args, cx, num_warps=WARPS)
+    return out
