@@ -4,8 +4,12 @@ plus the process's own ingest counters (``audit.api.telemetry``).
 
 Metric names follow ``audit.metrics``: ``kl_k3`` is exported as ``isoaudit_kl_k3{run_id, project,
 length="all"}``, and its length-bucketed variant ``kl_k3/len_0_256`` as the same family with
-``length="0_256"``. Open alerts appear as ``isoaudit_alerts{alertname, run_id, project, severity,
-state}`` = 1, in the manner of Prometheus's own ``ALERTS``.
+``length="0_256"``; a lag slice ``kl_k3/lag_1`` as ``isoaudit_kl_k3_by_lag{lag="1"}``; a threshold
+figure ``tis_mean[cap=3]`` as ``isoaudit_tis_mean{params="cap=3"}`` (its defaults spelled out too).
+Asked for a framework (``/metrics?framework=verl``), the same values are exported again under that
+framework's own names (``verl_rollout_corr_k3_kl``), so its dashboards and alerts keep working. Open
+alerts appear as ``isoaudit_alerts{alertname, run_id, project, severity, state}`` = 1, in the manner
+of Prometheus's own ``ALERTS``.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from sqlalchemy import func, select
 
-from audit.metrics import METRIC_DESCRIPTIONS
+from audit.metric_names import Alias, definition, framework_aliases
+from audit.metrics import PARAMETRIC, parse_lag_key, parse_variant
 from audit.models import PendingComparisonRow, RunRow, StepResultRow
 from audit.service_models import OPEN_STATES, AlertRow, AlertRuleRow
 from audit.store import Store
@@ -32,12 +37,39 @@ def family_name(metric: str) -> tuple[str, str]:
     return "isoaudit_" + _INVALID.sub("_", base), bucket or "all"
 
 
-class StoreCollector(Collector):
-    """Reads the store on each scrape; ``project`` limits it to one project's runs."""
+def _sanitize(name: str) -> str:
+    return _INVALID.sub("_", name)
 
-    def __init__(self, store: Store, project: str | None = None) -> None:
+
+def _series(name: str) -> tuple[str, str, str, str] | None:
+    """(family, help text, extra label name, its value) of a stored metric key."""
+    lag = parse_lag_key(name)
+    if lag is not None:
+        return f"isoaudit_{lag[0]}_by_lag", definition(lag[0]) + " (per policy lag)", "lag", str(lag[1])
+    if "[" in name or name in PARAMETRIC:
+        try:
+            base, params = parse_variant(name)
+        except ValueError:
+            return None
+        shown = ",".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items())
+        return f"isoaudit_{base}", PARAMETRIC[base].description, "params", shown
+    family, length = family_name(name)
+    base = name.partition("/len_")[0]
+    try:
+        help_text = definition(base)
+    except ValueError:
+        help_text = base
+    return family, help_text, "length", length
+
+
+class StoreCollector(Collector):
+    """Reads the store on each scrape; ``project`` limits it to one project's runs; ``frameworks``
+    adds each framework's names for the same figures."""
+
+    def __init__(self, store: Store, project: str | None = None, frameworks: tuple[str, ...] = ()) -> None:
         self.store = store
         self.project = project
+        self.aliases: list[Alias] = [a for f in frameworks for a in framework_aliases(f)]
 
     def collect(self) -> Iterator[Metric]:
         latest = select(StepResultRow.run_id, func.max(StepResultRow.step).label("step")).group_by(
@@ -81,17 +113,28 @@ class StoreCollector(Collector):
         families: dict[str, GaugeMetricFamily] = {}
         for run_id, project, step, metrics in step_rows:
             last_step.add_metric([run_id, project], float(step))
-            for name, value in sorted(_numbers(metrics).items()):
-                family, length = family_name(name)
+            numbers = _numbers(metrics)
+            for name, value in sorted(numbers.items()):
+                series = _series(name)
+                if series is None:
+                    continue
+                family, help_text, label, label_value = series
                 if family not in families:
-                    base = name.partition("/len_")[0]
-                    help_text = METRIC_DESCRIPTIONS.get(base, base)
+                    families[family] = GaugeMetricFamily(
+                        family, f"{help_text} (latest compared step)", labels=["run_id", "project", label]
+                    )
+                families[family].add_metric([run_id, project, label_value], value)
+            for alias in self.aliases:
+                if alias.key not in numbers:
+                    continue
+                family = _sanitize(f"{alias.framework}_{alias.name}")
+                if family not in families:
                     families[family] = GaugeMetricFamily(
                         family,
-                        f"{help_text} (latest compared step)",
-                        labels=["run_id", "project", "length"],
+                        f"{alias.framework}'s {alias.name} = isoaudit {alias.key}: {definition(alias.key)}",
+                        labels=["run_id", "project"],
                     )
-                families[family].add_metric([run_id, project, length], value)
+                families[family].add_metric([run_id, project], numbers[alias.key])
         yield last_step
         yield from families.values()
 
