@@ -29,7 +29,7 @@ def _frameworks(framework: list[str] | None) -> tuple[str, ...]:
     unknown = [f for f in framework or [] if f not in FRAMEWORKS]
     if unknown:
         raise HTTPException(
-            status.HTTP_422_UNPROCESSABLE_ENTITY,
+            status.HTTP_422_UNPROCESSABLE_CONTENT,
             detail=f"framework: {unknown[0]!r} is not one of {', '.join(FRAMEWORKS)}",
         )
     return tuple(dict.fromkeys(framework or []))
