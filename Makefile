@@ -50,6 +50,7 @@ bench: $(VENV)/.test
 lint: $(VENV)/.test
 	$(VENV)/bin/ruff check audit collectors kernels dashboard migrations tests bench
 	$(VENV)/bin/ruff format --check audit collectors kernels dashboard migrations tests bench
+	$(VENV)/bin/lint-imports --no-cache
 
 clean-venv:
 	rm -rf $(VENV)

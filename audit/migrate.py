@@ -1,12 +1,15 @@
-"""Apply and inspect the Alembic revisions in ``migrations/`` from code and from the CLI."""
+"""Apply and inspect the Alembic revisions in ``migrations/`` from code and from the CLI, and decide
+whether a store may open a database (:func:`ensure_schema`)."""
 
 from __future__ import annotations
+
+from functools import cache
 
 from alembic import command
 from alembic.config import Config
 from sqlalchemy import Engine
 
-from audit.store import make_engine
+from audit.store import StoreError, make_engine
 
 
 def alembic_config(url: str | None = None) -> Config:
@@ -37,6 +40,7 @@ def current_revision(engine: Engine | str | None = None) -> str | None:
         return MigrationContext.configure(connection).get_current_revision()
 
 
+@cache
 def head_revision() -> str:
     """The newest revision in ``migrations/versions`` (what ``upgrade`` brings a database to)."""
     from alembic.script import ScriptDirectory
@@ -44,3 +48,39 @@ def head_revision() -> str:
     head = ScriptDirectory.from_config(alembic_config()).get_current_head()
     assert head is not None
     return head
+
+
+@cache
+def known_revisions() -> frozenset[str]:
+    """Every revision this version of isoaudit ships."""
+    from alembic.script import ScriptDirectory
+
+    return frozenset(
+        script.revision for script in ScriptDirectory.from_config(alembic_config()).walk_revisions()
+    )
+
+
+def ensure_schema(engine: Engine, *, may_upgrade: bool) -> None:
+    """Return if the database is at the head revision; else upgrade it when ``may_upgrade``, or raise
+    :class:`StoreError` saying what to run. A schema newer than this isoaudit knows is always refused
+    (an older client must not write into tables it does not understand)."""
+    current, head = current_revision(engine), head_revision()
+    if current == head:
+        return
+    if current is not None and current not in known_revisions():
+        raise StoreError(
+            f"database: schema revision {current!r} is newer than this isoaudit knows (its newest is "
+            f"{head!r}); upgrade isoaudit"
+        )
+    if not may_upgrade:
+        at = f"revision {current!r}" if current else "no schema (an empty database)"
+        raise StoreError(
+            f"database: at {at}, but this isoaudit needs revision {head!r}: run `isoaudit db upgrade` "
+            "(with the same ISOAUDIT_DATABASE_URL or --database-url)"
+        )
+    try:
+        upgrade(engine)
+    except Exception:
+        # Another process may have upgraded the same database at the same moment: fine if it is done.
+        if current_revision(engine) != head:
+            raise

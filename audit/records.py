@@ -3,19 +3,35 @@
 Four record kinds, each a pydantic model with a ``kind`` tag so a batch can mix them. Validation is
 strict where a wrong value would silently corrupt a comparison (lengths, signs, NaNs, enumerations)
 and every error names the field it is about.
+
+The same checks run at the store's boundary (:func:`validate_record`) on every record, however it
+was built: collectors build records with ``model_construct`` to skip pydantic's cost, so the array
+kinds carry a :meth:`~SampleLogprobs.check` of their own: vectorised numpy reductions over the
+arrays plus type checks of the scalars, a few microseconds a record (``bench/ingest.py``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
+import re
+from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
-from audit.arrays import Float32Array, Float32Matrix, Int32Array, Int32Matrix, UInt64Array, UInt64Matrix
+from audit.arrays import (
+    MAX_ARRAY_ELEMENTS,
+    Float32Array,
+    Float32Matrix,
+    Int32Array,
+    Int32Matrix,
+    UInt64Array,
+    UInt64Matrix,
+)
 
 SCHEMA_VERSION = 1
 
@@ -23,11 +39,18 @@ Side = Literal["trainer", "rollout"]
 Case = Literal["trainer_fwd", "trainer_recompute", "engine_prefill", "engine_decode"]
 LogprobSemantics = Literal["raw", "processed"]
 
-RunId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")]
+RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]*$"
+SAMPLE_KEY_PATTERN = r"^[0-9a-f]{32}$"
+#: The largest step (and other 64-bit counters) a record may carry; the columns are BIGINT.
+MAX_STEP = 2**62
+#: 32-bit INTEGER columns (prompt_len, top_k, forward_index) refuse anything larger.
+MAX_INT32 = 2**31 - 1
+
+RunId = Annotated[str, Field(min_length=1, max_length=128, pattern=RUN_ID_PATTERN)]
 SampleKey = Annotated[
-    str, Field(pattern=r"^[0-9a-f]{32}$", description="16 bytes as 32 lowercase hex digits")
+    str, Field(pattern=SAMPLE_KEY_PATTERN, description="16 bytes as 32 lowercase hex digits")
 ]
-Step = Annotated[int, Field(ge=0, le=2**62)]
+Step = Annotated[int, Field(ge=0, le=MAX_STEP)]
 
 
 def sample_key(prompt_ids: Any, completion_ids: Any = ()) -> str:
@@ -43,12 +66,185 @@ def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
+# ---------------------------------------------------------------------- boundary checks
+
+
+class RecordError(ValueError):
+    """A record refused at the boundary. ``field`` names what is wrong and the message starts with it
+    (``"logprobs: NaN at completion index 3"``)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """One record of a batch that was not stored, and why: ``index`` in the batch, its ``kind``
+    (``"unknown"`` when it has none we know), the ``field`` at fault and a ``message`` starting with it."""
+
+    index: int
+    kind: str
+    field: str
+    message: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+_RUN_ID_RE = re.compile(RUN_ID_PATTERN)
+_SAMPLE_KEY_RE = re.compile(SAMPLE_KEY_PATTERN)
+_SIDES = frozenset(get_args(Side))
+_CASES = frozenset(get_args(Case))
+_SEMANTICS = frozenset(get_args(LogprobSemantics))
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+#: How deeply free-form JSON (a run's config, a manifest's facts) may nest.
+MAX_JSON_DEPTH = 32
+
+
+def check_text(value: str, field: str) -> str:
+    """Refuse text a database cannot keep: NUL (PostgreSQL refuses it) and lone surrogates (not UTF-8)."""
+    if "\x00" in value:
+        raise RecordError(field, "contains a NUL character")
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise RecordError(field, "contains a lone surrogate (not valid Unicode text)") from None
+    return value
+
+
+def _text(value: Any, field: str, *, max_length: int, min_length: int = 0) -> str:
+    if type(value) is not str:
+        raise RecordError(field, f"expected a string, got {type(value).__name__}")
+    if not min_length <= len(value) <= max_length:
+        raise RecordError(field, f"length {len(value)} is outside {min_length}..{max_length}")
+    return check_text(value, field)
+
+
+def _int(value: Any, field: str, low: int, high: int) -> int:
+    if type(value) is not int and not isinstance(value, np.integer):
+        raise RecordError(field, f"expected an integer, got {type(value).__name__}")
+    if not low <= value <= high:
+        raise RecordError(field, f"{int(value)} is outside {low}..{high}")
+    return int(value)
+
+
+def _member(value: Any, field: str, allowed: frozenset[str]) -> None:
+    if type(value) is not str or value not in allowed:
+        raise RecordError(field, f"{value!r} is not one of {', '.join(sorted(allowed))}")
+
+
+def _run_id(value: Any) -> None:
+    # The pattern admits ASCII letters, digits and ._:- only, so no NUL or surrogate gets past it.
+    if type(value) is not str or not 1 <= len(value) <= 128 or not _RUN_ID_RE.match(value):
+        raise RecordError("run_id", f"{value!r} must be 1-128 of A-Z a-z 0-9 . _ : - (starting alphanumeric)")
+
+
+def _sample_key(value: Any) -> None:
+    if type(value) is not str or not _SAMPLE_KEY_RE.match(value):
+        raise RecordError("sample_key", "must be 32 lowercase hex digits")
+
+
+#: The dtype each array kind must have: (numpy kind letter, item size, name for messages).
+_DTYPES = {"i": ("i", 4, "int32"), "f": ("f", 4, "float32"), "u": ("u", 8, "uint64")}
+
+
+def _array(value: Any, field: str, kind: str, ndim: int) -> np.ndarray:
+    """``value`` if it is a numpy array of ``kind`` (``i`` int32, ``f`` float32, ``u`` uint64) with
+    ``ndim`` dimensions and at most MAX_ARRAY_ELEMENTS elements (byte order free: stored little-endian)."""
+    if not isinstance(value, np.ndarray):
+        raise RecordError(field, f"expected a numpy array, got {type(value).__name__}")
+    dtype = value.dtype
+    letter, itemsize, name = _DTYPES[kind]
+    if dtype.kind != letter or dtype.itemsize != itemsize:
+        raise RecordError(field, f"expected {name}, got {dtype}")
+    if value.ndim != ndim:
+        raise RecordError(field, f"expected a {ndim}-D array, got shape {list(value.shape)}")
+    if value.size > MAX_ARRAY_ELEMENTS:
+        raise RecordError(field, f"{value.size} elements exceed the limit of {MAX_ARRAY_ELEMENTS}")
+    return value
+
+
+_min = np.minimum.reduce
+_max = np.maximum.reduce
+
+
+def _non_negative(array: np.ndarray, field: str, what: str) -> None:
+    if array.size and _min(array, axis=None) < 0:
+        raise RecordError(field, f"negative {what} at index {int(np.flatnonzero(array.ravel() < 0)[0])}")
+
+
+def _logprobs(array: np.ndarray, field: str, *, allow_neg_inf: bool) -> None:
+    """Every value ≤ 0 and not NaN (and finite unless ``allow_neg_inf``), in two reductions."""
+    if not array.size:
+        return
+    if _max(array, axis=None) <= 0 and (allow_neg_inf or _min(array, axis=None) >= -_FLOAT32_MAX):
+        return  # NaN propagates through both reductions, so it fails the comparisons
+    flat = array.ravel()
+    for problem, mask in (
+        ("NaN", np.isnan(flat)),
+        ("positive value", flat > 0),
+        ("-inf", np.isneginf(flat) if not allow_neg_inf else np.zeros(flat.shape, bool)),
+    ):
+        if mask.any():
+            raise RecordError(field, f"{problem} at {_where(field)} index {int(np.flatnonzero(mask)[0])}")
+
+
+def _where(field: str) -> str:
+    return "completion" if field == "logprobs" else "flat"
+
+
+def check_json(value: Any, field: str, depth: int = 0) -> None:
+    """Free-form JSON a database keeps as such: str keys, finite numbers, clean text, bounded depth."""
+    if depth > MAX_JSON_DEPTH:
+        raise RecordError(field, f"nested deeper than {MAX_JSON_DEPTH} levels")
+    if value is None or isinstance(value, bool | int):
+        return
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise RecordError(field, f"{value} is not a finite number (JSON has no NaN or infinity)")
+    elif isinstance(value, str):
+        check_text(value, field)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise RecordError(field, f"key {key!r} is not a string")
+            check_text(key, field)
+            check_json(item, f"{field}.{key}", depth + 1)
+    elif isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            check_json(item, f"{field}.{i}", depth + 1)
+    else:
+        raise RecordError(field, f"{type(value).__name__} is not JSON (use str, number, bool, list, dict)")
+
+
+# ---------------------------------------------------------------------- records
+
+
 class Record(BaseModel):
     """Shared configuration: arrays allowed, unknown fields rejected (a typo must not vanish)."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid", frozen=False)
 
     schema_version: Literal[1] = SCHEMA_VERSION
+
+    def checked(self) -> Record:
+        """This record, verified however it was built (validated, ``model_construct``'ed or changed
+        since); raises :class:`RecordError`. Kinds without a fast check of their own (runs and
+        manifests: one per process, not per token) are validated again in full and the new copy
+        returned."""
+        try:
+            return type(self).model_validate(self.model_dump(warnings=False))
+        except ValidationError as exc:
+            raise record_error(exc) from None
+
+
+def _schema_version(record: Record) -> None:
+    if getattr(record, "schema_version", None) != SCHEMA_VERSION:
+        raise RecordError(
+            "schema_version", f"{getattr(record, 'schema_version', None)!r} is not {SCHEMA_VERSION}"
+        )
 
 
 class Run(Record):
@@ -66,6 +262,12 @@ class Run(Record):
             first = exc.errors()[0]
             where = ".".join(str(part) for part in first["loc"])
             raise ValueError(f"config.off_policy{'.' + where if where else ''}: {first['msg']}") from None
+        return self
+
+    @model_validator(mode="after")
+    def _check_text(self) -> Run:
+        check_text(self.name, "name")
+        check_json(self.config, "config")
         return self
 
 
@@ -128,13 +330,33 @@ class Manifest(Record):
     numerical_policy: dict[str, Any] = Field(
         default_factory=dict, description="the contract's numerical-policy fields, to name differences"
     )
-    weight_version: str | None = None
-    weight_digest: str | None = None
+    weight_version: str | None = Field(default=None, max_length=128)
+    weight_digest: str | None = Field(default=None, max_length=256)
+
+    @model_validator(mode="after")
+    def _check_text(self) -> Manifest:
+        check_text(self.process, "process")
+        for name in ("runtime", "contract"):
+            check_json(getattr(self, name).model_dump(), name)
+        for name in ("regions", "unobserved", "numerical_policy"):
+            check_json(getattr(self, name), name)
+        for name in ("weight_version", "weight_digest"):
+            if getattr(self, name) is not None:
+                check_text(getattr(self, name), name)
+        return self
 
     def content_hash(self) -> str:
         """Identity for idempotent ingest: everything but the timestamp."""
         body = self.model_dump(mode="json", exclude={"created_at"})
         return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _weight_version(value: Any) -> Any:
+    """A weight version may be given as an integer; it is kept as text."""
+    return str(value) if isinstance(value, int | np.integer) and not isinstance(value, bool) else value
+
+
+PathValue = int | float | bool | str
 
 
 class WeightSpan(BaseModel):
@@ -200,7 +422,7 @@ class SampleLogprobs(Record):
     """The sampled tokens of one sample and the logprob one side assigned to each.
 
     ``token_ids`` is the whole sequence (prompt ‖ completion); ``logprobs`` has one value per
-    completion token, i.e. ``len(token_ids) - prompt_len`` values.
+    completion token, i.e. ``len(token_ids) - prompt_len`` values, each finite and ≤ 0.
     """
 
     kind: Literal["sample"] = "sample"
@@ -208,12 +430,12 @@ class SampleLogprobs(Record):
     step: Step
     side: Side
     sample_key: SampleKey | None = Field(default=None, description="derived from the tokens when omitted")
-    weight_version: str | None = None
-    prompt_len: int = Field(ge=0)
+    weight_version: str | None = Field(default=None, max_length=128)
+    prompt_len: int = Field(ge=0, le=MAX_INT32)
     token_ids: Int32Array
     logprobs: Float32Array
     temperature: float = Field(default=1.0, ge=0.0, allow_inf_nan=False)
-    top_k: int | None = Field(default=None, ge=-1)
+    top_k: int | None = Field(default=None, ge=-1, le=MAX_INT32)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     min_p: float | None = Field(
         default=None, ge=0.0, le=1.0, description="min-p: the engine's sampler, or what the trainer applied"
@@ -233,7 +455,7 @@ class SampleLogprobs(Record):
     semantics: LogprobSemantics = "processed"
     topk_ids: Int32Matrix | None = None
     topk_logprobs: Float32Matrix | None = None
-    path: dict[str, int | float | bool | str] = Field(
+    path: dict[str, PathValue] = Field(
         default_factory=dict,
         description="how this side computed this sample where the runtime may take another path, e.g. "
         "prefix_cached_tokens (prompt tokens served from a prefix cache), prefill_chunks",
@@ -242,45 +464,90 @@ class SampleLogprobs(Record):
     @model_validator(mode="before")
     @classmethod
     def _coerce_weight_version(cls, data: Any) -> Any:
-        if isinstance(data, dict) and isinstance(data.get("weight_version"), int):
-            data = {**data, "weight_version": str(data["weight_version"])}
+        if isinstance(data, dict) and "weight_version" in data:
+            data = {**data, "weight_version": _weight_version(data["weight_version"])}
         return data
 
     @model_validator(mode="after")
-    def _check_shapes(self) -> SampleLogprobs:
-        n_tokens = self.token_ids.size
-        if self.prompt_len > n_tokens:
-            raise ValueError(
-                f"prompt_len: {self.prompt_len} is past the end of token_ids ({n_tokens} tokens)"
+    def _check(self) -> SampleLogprobs:
+        return self.checked()
+
+    def checked(self) -> SampleLogprobs:
+        """Every field's type and bounds, and the arrays' dtypes, lengths, signs and finiteness, in
+        vectorised reductions; derives ``sample_key`` from the tokens when it is unset."""
+        _schema_version(self)
+        _run_id(self.run_id)
+        _int(self.step, "step", 0, MAX_STEP)
+        _member(self.side, "side", _SIDES)
+        tokens = _array(self.token_ids, "token_ids", "i", 1)
+        logprobs = _array(self.logprobs, "logprobs", "f", 1)
+        n_tokens = tokens.size
+        prompt_len = _int(self.prompt_len, "prompt_len", 0, MAX_INT32)
+        if prompt_len > n_tokens:
+            raise RecordError("prompt_len", f"{prompt_len} is past the end of token_ids ({n_tokens} tokens)")
+        n_completion = n_tokens - prompt_len
+        if logprobs.size != n_completion:
+            raise RecordError(
+                "logprobs",
+                f"{logprobs.size} values for {n_completion} completion tokens "
+                f"(token_ids has {n_tokens}, prompt_len is {prompt_len})",
             )
-        n_completion = n_tokens - self.prompt_len
-        if self.logprobs.size != n_completion:
-            raise ValueError(
-                f"logprobs: {self.logprobs.size} values for {n_completion} completion tokens "
-                f"(token_ids has {n_tokens}, prompt_len is {self.prompt_len})"
-            )
-        if np.isnan(self.logprobs).any():
-            raise ValueError(
-                f"logprobs: NaN at completion index {int(np.flatnonzero(np.isnan(self.logprobs))[0])}"
-            )
-        if (self.logprobs > 0).any():
-            raise ValueError(
-                f"logprobs: positive value at completion index {int(np.flatnonzero(self.logprobs > 0)[0])}"
-            )
-        if (self.token_ids < 0).any():
-            raise ValueError("token_ids: negative token id")
-        if (self.topk_ids is None) != (self.topk_logprobs is None):
-            raise ValueError("topk_ids and topk_logprobs: give both or neither")
-        if self.topk_ids is not None and self.topk_logprobs is not None:
-            if self.topk_ids.shape != self.topk_logprobs.shape or self.topk_ids.shape[0] != n_completion:
-                raise ValueError(
-                    f"topk_logprobs: shape {list(self.topk_logprobs.shape)} and topk_ids {list(self.topk_ids.shape)} "
-                    f"must both be [{n_completion}, k]"
-                )
-        derived = sample_key(self.token_ids)
+        _logprobs(logprobs, "logprobs", allow_neg_inf=False)
+        _non_negative(tokens, "token_ids", "token id")
+        self._check_scalars()
+        self._check_topk(n_completion)
         if self.sample_key is None:
-            self.sample_key = derived
+            self.sample_key = sample_key(tokens)
+        else:
+            _sample_key(self.sample_key)
         return self
+
+    def _check_scalars(self) -> None:
+        self.weight_version = _weight_version(self.weight_version)
+        if self.weight_version is not None:
+            _text(self.weight_version, "weight_version", max_length=128)
+        temperature = self.temperature
+        if type(temperature) is not float and (
+            isinstance(temperature, bool) or not isinstance(temperature, int | float | np.floating)
+        ):
+            raise RecordError("temperature", f"expected a number, got {type(temperature).__name__}")
+        if not 0 <= temperature < math.inf:  # NaN fails too
+            raise RecordError("temperature", f"{temperature} is not a finite number ≥ 0")
+        if self.top_k is not None:
+            _int(self.top_k, "top_k", -1, MAX_INT32)
+        top_p = self.top_p
+        if top_p is not None and (
+            isinstance(top_p, bool) or not isinstance(top_p, float | int) or not 0 < top_p <= 1
+        ):
+            raise RecordError("top_p", f"{top_p!r} is not a number in (0, 1]")
+        _member(self.semantics, "semantics", _SEMANTICS)
+        path = self.path
+        if type(path) is not dict:
+            raise RecordError("path", f"expected a dict, got {type(path).__name__}")
+        if path:
+            for name, value in path.items():
+                if type(name) is not str or not isinstance(value, PathValue):
+                    raise RecordError(
+                        "path", f"{name!r}: expected a str key and an int, float, bool or str value"
+                    )
+            check_json(path, "path")
+
+    def _check_topk(self, n_completion: int) -> None:
+        ids, logprobs = self.topk_ids, self.topk_logprobs
+        if (ids is None) != (logprobs is None):
+            raise RecordError("topk_logprobs", "topk_ids and topk_logprobs: give both or neither")
+        if ids is None or logprobs is None:
+            return
+        _array(ids, "topk_ids", "i", 2)
+        _array(logprobs, "topk_logprobs", "f", 2)
+        if ids.shape != logprobs.shape or ids.shape[0] != n_completion:
+            raise RecordError(
+                "topk_logprobs",
+                f"shape {list(logprobs.shape)} and topk_ids {list(ids.shape)} must both be [{n_completion}, k]",
+            )
+        _non_negative(ids, "topk_ids", "token id")
+        # -inf is a real answer here: a token outside the kept top-k/top-p set has probability 0.
+        _logprobs(logprobs, "topk_logprobs", allow_neg_inf=True)
 
     @property
     def completion_ids(self) -> np.ndarray:
@@ -288,7 +555,11 @@ class SampleLogprobs(Record):
 
 
 class RegionFingerprints(Record):
-    """Per-token-row fingerprints of one region's output for one sample (``audit.fingerprints``)."""
+    """Per-token-row fingerprints of one region's output for one sample (``audit.fingerprints``).
+
+    Float fields (``sketch``, ``l2``, ``maxabs``) may hold NaN or infinities: they describe what a side
+    computed, and an overflowing activation is exactly what a diagnosis needs to see.
+    """
 
     kind: Literal["fingerprints"] = "fingerprints"
     run_id: RunId
@@ -297,7 +568,9 @@ class RegionFingerprints(Record):
     case: Case
     sample_key: SampleKey
     region: str = Field(min_length=1, max_length=128, description="canonical region name, e.g. layers.2.mlp")
-    forward_index: int = Field(default=0, ge=0, description="which call of the region, when it runs twice")
+    forward_index: int = Field(
+        default=0, ge=0, le=MAX_INT32, description="which call of the region, when it runs twice"
+    )
     positions: Int32Array
     digest: UInt64Array
     ladder_bits: list[int] = Field(default_factory=list, description="mantissa bits kept at each ladder rung")
@@ -307,31 +580,95 @@ class RegionFingerprints(Record):
     maxabs: Float32Array
 
     @model_validator(mode="after")
-    def _check_rows(self) -> RegionFingerprints:
-        rows = self.positions.size
-        for name in ("digest", "l2", "maxabs"):
-            if getattr(self, name).shape[0] != rows:
-                raise ValueError(f"{name}: {getattr(self, name).shape[0]} rows for {rows} positions")
-        for name in ("ladder", "sketch"):
-            if getattr(self, name).shape[0] != rows and rows:
-                raise ValueError(f"{name}: {getattr(self, name).shape[0]} rows for {rows} positions")
-        if rows and self.ladder.shape[1] != len(self.ladder_bits):
-            raise ValueError(
-                f"ladder: {self.ladder.shape[1]} rungs but ladder_bits names {len(self.ladder_bits)}"
-            )
-        if (self.positions < 0).any():
-            raise ValueError("positions: negative position")
-        if rows > 1 and np.unique(self.positions).size != rows:
-            raise ValueError("positions: repeated position")
+    def _check(self) -> RegionFingerprints:
+        return self.checked()
+
+    def checked(self) -> RegionFingerprints:
+        """Types and bounds of the scalars; every row array aligned with ``positions``; positions
+        distinct and non-negative (one comparison pass when they are sorted, as collectors send them)."""
+        _schema_version(self)
+        _run_id(self.run_id)
+        _int(self.step, "step", 0, MAX_STEP)
+        _member(self.side, "side", _SIDES)
+        _member(self.case, "case", _CASES)
+        _sample_key(self.sample_key)
+        _text(self.region, "region", min_length=1, max_length=128)
+        _int(self.forward_index, "forward_index", 0, MAX_INT32)
+        positions = _array(self.positions, "positions", "i", 1)
+        rows = positions.size
+        for name, kind in (("digest", "u"), ("l2", "f"), ("maxabs", "f")):
+            array = _array(getattr(self, name), name, kind, 1)
+            if array.shape[0] != rows:
+                raise RecordError(name, f"{array.shape[0]} rows for {rows} positions")
+        for name, kind in (("ladder", "u"), ("sketch", "f")):
+            array = _array(getattr(self, name), name, kind, 2)
+            if array.shape[0] != rows and rows:
+                raise RecordError(name, f"{array.shape[0]} rows for {rows} positions")
+        bits = self.ladder_bits
+        if type(bits) is not list or not all(type(b) is int and 0 <= b <= 64 for b in bits):
+            raise RecordError("ladder_bits", "expected a list of integers in 0..64")
+        if rows and self.ladder.shape[1] != len(bits):
+            raise RecordError("ladder", f"{self.ladder.shape[1]} rungs but ladder_bits names {len(bits)}")
+        _non_negative(positions, "positions", "position")
+        if rows > 1 and not (positions[1:] > positions[:-1]).all() and np.unique(positions).size != rows:
+            raise RecordError("positions", "repeated position")
         return self
 
 
 AnyRecord = Annotated[Run | Manifest | SampleLogprobs | RegionFingerprints, Field(discriminator="kind")]
+RECORD_KINDS = ("run", "manifest", "sample", "fingerprints")
+
+_record_adapter: TypeAdapter[Run | Manifest | SampleLogprobs | RegionFingerprints] = TypeAdapter(AnyRecord)
+
+
+def record_error(exc: ValidationError, *, tagged: bool = False) -> RecordError:
+    """The first error of a failed validation as a :class:`RecordError` naming its field (the kind tag
+    of a discriminated union, ``tagged``, is dropped from the location)."""
+    errors = exc.errors(include_input=False, include_url=False)
+    first = errors[0]
+    cause = (first.get("ctx") or {}).get("error")
+    if isinstance(cause, RecordError):
+        return cause
+    loc = list(first.get("loc", ()))
+    if tagged and loc and loc[0] in RECORD_KINDS:
+        loc = loc[1:]
+    if first.get("type") in ("union_tag_invalid", "union_tag_not_found"):
+        loc = ["kind"]
+    field = ".".join(str(part) for part in loc) or "record"
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    return RecordError(field, f"{first.get('msg', 'invalid')}{more}")
+
+
+def record_kind(item: Any) -> str:
+    """The kind tag of a record or of its dict, ``"unknown"`` when there is no kind we know."""
+    kind = item.get("kind") if isinstance(item, dict) else getattr(item, "kind", None)
+    return kind if isinstance(kind, str) and kind in RECORD_KINDS else "unknown"
+
+
+def validate_record(item: Any) -> Run | Manifest | SampleLogprobs | RegionFingerprints:
+    """The store's boundary: a record (however built) or its dict, verified; raises RecordError."""
+    if isinstance(item, Record):
+        return item.checked()  # type: ignore[return-value]
+    if not isinstance(item, dict):
+        raise RecordError("record", f"expected a record object, got {type(item).__name__}")
+    try:
+        return _record_adapter.validate_python(item)
+    except ValidationError as exc:
+        raise record_error(exc, tagged=True) from None
 
 
 class Batch(BaseModel):
-    """What a sink sends in one request; stored all-or-nothing."""
+    """What a sink sends in one request. The store keeps its valid records in one transaction and
+    refuses each invalid one by name (:class:`Rejection`)."""
 
     model_config = ConfigDict(extra="forbid")
 
     records: list[AnyRecord] = Field(max_length=100_000)
+
+
+class BatchShape(BaseModel):
+    """A body that is a batch at all: an object with a list of records (each checked on its own)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    records: list[Any] = Field(max_length=100_000)

@@ -14,7 +14,6 @@ from datetime import datetime
 from typing import Any
 
 import numpy as np
-from pydantic import TypeAdapter
 from sqlalchemy import Engine, create_engine, delete, event, func, select, tuple_, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, sessionmaker
@@ -31,18 +30,21 @@ from audit.models import (
     StepResultRow,
 )
 from audit.records import (
-    AnyRecord,
     Manifest,
     Record,
+    RecordError,
     RegionFingerprints,
+    Rejection,
     Run,
     SampleLogprobs,
     Side,
+    record_kind,
     utcnow,
+    validate_record,
 )
 from audit.service_models import REMEDIATION_MODES, ControlState, RunControlRow, StaleControlVersion
 
-_records_adapter: TypeAdapter[list[AnyRecord]] = TypeAdapter(list[AnyRecord])
+__all__ = ["ForbiddenRun", "IngestResult", "Rejection", "RunSummary", "StepSummary", "Store", "StoreError"]
 
 
 class StoreError(Exception):
@@ -55,12 +57,24 @@ class ForbiddenRun(StoreError):
 
 @dataclass
 class IngestResult:
+    """What one batch did, per record kind: stored, already there (``duplicates``), and refused
+    (``rejected``, one :class:`Rejection` per record, naming its index in the batch and the field)."""
+
     stored: Counter[str] = field(default_factory=Counter)
     duplicates: Counter[str] = field(default_factory=Counter)
     pending: int = 0
+    rejected: list[Rejection] = field(default_factory=list)
+    runs: list[str] = field(default_factory=list)
+    """The runs the stored records name (sorted); not in :meth:`as_dict`, the API answers with their
+    control state instead."""
 
     def as_dict(self) -> dict[str, Any]:
-        return {"stored": dict(self.stored), "duplicates": dict(self.duplicates), "pending": self.pending}
+        return {
+            "stored": dict(self.stored),
+            "duplicates": dict(self.duplicates),
+            "pending": self.pending,
+            "rejected": [r.as_dict() for r in self.rejected],
+        }
 
 
 @dataclass(frozen=True)
@@ -198,12 +212,20 @@ def _fingerprint_record(row: FingerprintRow) -> RegionFingerprints:
 class Store:
     """All reads and writes of isoaudit's database go through here."""
 
-    def __init__(self, url: str | None = None, *, upgrade: bool = True, engine: Engine | None = None) -> None:
-        self.engine = engine or make_engine(url)
-        if upgrade:
-            from audit.migrate import upgrade as migrate_upgrade
+    def __init__(
+        self, url: str | None = None, *, upgrade: bool | None = None, engine: Engine | None = None
+    ) -> None:
+        """Open the store at ``url`` (``ISOAUDIT_DATABASE_URL``, else the embedded SQLite file).
 
-            migrate_upgrade(self.engine)
+        ``upgrade=None``: an SQLite database brings its own schema up to date (the embedded default
+        needs no set-up step); any other database is left alone, and one whose schema is behind is
+        refused with :class:`StoreError` saying to run ``isoaudit db upgrade`` (a shared server is
+        migrated once, on purpose, not by whichever client connects first). ``True`` upgrades any
+        database; ``False`` upgrades none."""
+        from audit.migrate import ensure_schema
+
+        self.engine = engine or make_engine(url)
+        ensure_schema(self.engine, may_upgrade=self.dialect == "sqlite" if upgrade is None else upgrade)
         self.sessions = sessionmaker(self.engine, expire_on_commit=False)
 
     @property
@@ -219,16 +241,25 @@ class Store:
         return (postgresql.insert if self.dialect == "postgresql" else sqlite.insert)(table)
 
     def ingest(self, records: Iterable[Record | dict[str, Any]], *, project: str = "default") -> IngestResult:
-        """Store a batch all-or-nothing. Records already stored are skipped, so a retried batch stores
-        nothing twice. Dicts are validated first: one bad record rejects the batch before any write."""
-        batch = list(records)
-        if any(isinstance(r, dict) for r in batch):
-            batch = _records_adapter.validate_python(batch)
+        """Validate every record, however it was built (dicts, validated models, ``model_construct``'ed
+        ones), then store the valid ones in one transaction. An invalid record is refused by name
+        (``result.rejected``) and the rest of its batch is still stored. Records already stored are
+        skipped, so a retried batch stores nothing twice. A record naming another project's run
+        refuses the whole batch (:class:`ForbiddenRun`): that is a caller's mistake, not bad data."""
+        result = IngestResult()
+        batch: list[Run | Manifest | SampleLogprobs | RegionFingerprints] = []
+        for index, item in enumerate(records):
+            try:
+                batch.append(validate_record(item))
+            except RecordError as exc:
+                result.rejected.append(Rejection(index, record_kind(item), exc.field, str(exc)))
+        if not batch:
+            return result
+        result.runs = sorted({r.run_id for r in batch})
         runs = [r for r in batch if isinstance(r, Run)]
         manifests = [r for r in batch if isinstance(r, Manifest)]
         samples = [r for r in batch if isinstance(r, SampleLogprobs)]
         prints = [r for r in batch if isinstance(r, RegionFingerprints)]
-        result = IngestResult()
         with self.sessions.begin() as session:
             self._ensure_runs(session, runs, {r.run_id for r in batch}, project, result)
             if manifests:

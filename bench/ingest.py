@@ -2,6 +2,10 @@
 SQLite and PostgreSQL through ``Store.ingest``, against a plain ``executemany`` of the same bytes into
 a bare table in the same run. Target: the whole step in under 5 s on SQLite.
 
+Also the store boundary's per-record check (``audit.records.validate_record`` on ``model_construct``'ed
+records, as collectors build them) against pydantic's ``model_validate`` of the same fields and against
+the plain insert's cost per record, all measured in this run. Target: a few microseconds a record.
+
     python bench/ingest.py [--samples 1024] [--tokens 2048] [--postgres URL]
 """
 
@@ -18,7 +22,7 @@ import numpy as np
 from sqlalchemy import create_engine, text
 from tqdm import tqdm
 
-from audit.records import SampleLogprobs
+from audit.records import RegionFingerprints, SampleLogprobs, validate_record
 from audit.store import Store
 
 
@@ -79,7 +83,7 @@ def time_postgres(records: list[SampleLogprobs], url: str) -> tuple[float, float
         connection.execute(text(f'CREATE SCHEMA "{schema}"'))
     scoped = f"{url}?options=-csearch_path%3D{schema}"
     try:
-        store = Store(scoped)
+        store = Store(scoped, upgrade=True)
         start = time.perf_counter()
         store.ingest(records)
         ours = time.perf_counter() - start
@@ -104,6 +108,56 @@ def time_postgres(records: list[SampleLogprobs], url: str) -> tuple[float, float
     return ours, baseline
 
 
+def fingerprint_records(samples: list[SampleLogprobs], rows: int = 256) -> list[RegionFingerprints]:
+    """One region's fingerprints per sample: ``rows`` positions, 4 ladder rungs, a 16-wide sketch."""
+    rng = np.random.default_rng(1)
+    return [
+        RegionFingerprints(
+            run_id=s.run_id,
+            step=s.step,
+            side=s.side,
+            case="trainer_fwd",
+            sample_key=s.sample_key,
+            region="layers.0.mlp",
+            positions=np.arange(rows, dtype=np.int32),
+            digest=rng.integers(0, 2**63, rows, dtype=np.uint64),
+            ladder_bits=[6, 4, 2, 0],
+            ladder=rng.integers(0, 2**63, (rows, 4), dtype=np.uint64),
+            sketch=rng.standard_normal((rows, 16)).astype(np.float32),
+            l2=rng.random(rows).astype(np.float32),
+            maxabs=rng.random(rows).astype(np.float32),
+        )
+        for s in samples
+    ]
+
+
+def per_record_us(action, items: list) -> float:
+    """Best of three passes of ``action`` over ``items``, in microseconds a record."""
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        for item in items:
+            action(item)
+        best = min(best, time.perf_counter() - start)
+    return best / len(items) * 1e6
+
+
+def time_validation(records: list[SampleLogprobs], insert_s: float) -> None:
+    """The boundary check against pydantic validation and against a plain insert, per record."""
+    insert_us = insert_s / len(records) * 1e6
+    for name, items in (("sample", records), ("fingerprints", fingerprint_records(records[:512]))):
+        model = type(items[0])
+        constructed = [model.model_construct(**dict(r)) for r in items]
+        fields = [dict(r) for r in items]
+        check = per_record_us(validate_record, constructed)
+        pydantic = per_record_us(model.model_validate, fields)
+        print(
+            f"boundary check ({name:12s}) {check:6.2f} us/record   pydantic model_validate {pydantic:6.2f} us "
+            f"(ratio {check / pydantic:4.2f}x)   plain sqlite insert of a sample {insert_us:6.2f} us "
+            f"(ratio {check / insert_us:4.2f}x)"
+        )
+
+
 def report(name: str, n_logprobs: int, ours: float, baseline: float) -> None:
     print(
         f"{name:10s} Store.ingest {ours:6.2f} s ({n_logprobs / ours / 1e6:6.2f} M token logprobs/s)   "
@@ -124,6 +178,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as directory:
         ours, baseline = time_sqlite(records, directory)
     report("sqlite", n_logprobs, ours, baseline)
+    time_validation(records, baseline)
     print(f"sqlite target (< 5 s for the step): {'met' if ours < 5 else 'MISSED'}")
     if args.postgres:
         report("postgresql", n_logprobs, *time_postgres(records, args.postgres))

@@ -43,11 +43,23 @@ def postgres_schema_url() -> Iterator[str]:
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
-def database_url(request: pytest.FixtureRequest, tmp_path) -> Iterator[str]:
+def blank_database_url(request: pytest.FixtureRequest, tmp_path) -> Iterator[str]:
+    """An empty database: no schema at all."""
     if request.param == "sqlite":
         yield f"sqlite:///{tmp_path / 'isoaudit.db'}"
     else:
         yield from postgres_schema_url()
+
+
+@pytest.fixture
+def database_url(blank_database_url: str) -> str:
+    """A database a store can open, as a deployment has it: PostgreSQL upgraded explicitly (as
+    `isoaudit db upgrade` does); SQLite left empty, since the embedded store upgrades itself."""
+    if not blank_database_url.startswith("sqlite"):
+        from audit.migrate import upgrade
+
+        upgrade(blank_database_url)
+    return blank_database_url
 
 
 @pytest.fixture

@@ -33,10 +33,22 @@ class ControlUpdate(BaseModel):
     version: int = Field(ge=0, le=2**31 - 1)
 
 
+class RejectedRecord(BaseModel):
+    """A record of the batch that was not stored: where it was, what kind, which field, why."""
+
+    index: int = Field(description="position in the batch's records")
+    kind: str = Field(description="its kind tag, or 'unknown'")
+    field: str = Field(description="the field at fault, dotted for nested ones")
+    message: str = Field(description="starts with the field's name")
+
+
 class IngestResponse(BaseModel):
     stored: dict[str, int]
     duplicates: dict[str, int]
     pending: int = Field(description="samples queued for comparison by this batch")
+    rejected: list[RejectedRecord] = Field(
+        default_factory=list, description="records refused (nothing of them stored); the others were stored"
+    )
     control: Control | None = Field(
         description="the desired mode of the batch's run (null when it names several)"
     )

@@ -17,7 +17,7 @@ class Telemetry:
         )
         self.records = Counter(
             "isoaudit_ingest_records",
-            "Records received by ingest, by kind and outcome (stored or duplicate).",
+            "Records received by ingest, by kind and outcome (stored, duplicate or rejected).",
             ["kind", "outcome"],
             registry=registry,
         )
@@ -34,6 +34,8 @@ class Telemetry:
             self.records.labels(kind=kind, outcome="stored").inc(n)
         for kind, n in result.duplicates.items():
             self.records.labels(kind=kind, outcome="duplicate").inc(n)
+        for rejection in result.rejected:
+            self.records.labels(kind=rejection.kind, outcome="rejected").inc()
         self.latency.observe(seconds)
 
     def record_rejected(self, status: int) -> None:

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
+from sqlalchemy import text
 
-from audit.migrate import current_revision, upgrade
+from audit.migrate import current_revision, head_revision, upgrade
 from audit.models import Base
-from audit.store import make_engine
+from audit.store import Store, StoreError, make_engine
+from tests import factories
 
 
-def test_migrated_schema_matches_the_orm(database_url: str):
-    engine = make_engine(database_url)
+def test_migrated_schema_matches_the_orm(blank_database_url: str):
+    engine = make_engine(blank_database_url)
     upgrade(engine)
     upgrade(engine)  # a second upgrade is a no-op
     with engine.connect() as connection:
@@ -20,3 +23,35 @@ def test_migrated_schema_matches_the_orm(database_url: str):
     assert differences == []
     assert current_revision(engine) is not None
     engine.dispose()
+
+
+def test_only_sqlite_upgrades_itself(blank_database_url: str):
+    """The embedded SQLite default needs no set-up; any other database is migrated on purpose, by
+    `isoaudit db upgrade`, and a store refuses one whose schema is behind, saying so."""
+    if blank_database_url.startswith("sqlite"):
+        with pytest.raises(StoreError, match="isoaudit db upgrade"):
+            Store(blank_database_url, upgrade=False)
+        Store(blank_database_url).dispose()
+        assert current_revision(blank_database_url) == head_revision()
+        return
+    with pytest.raises(StoreError, match=r"no schema .* run `isoaudit db upgrade`"):
+        Store(blank_database_url)
+    assert current_revision(blank_database_url) is None  # nothing was created
+    upgrade(blank_database_url, "0002")
+    with pytest.raises(StoreError, match=r"revision '0002'.*run `isoaudit db upgrade`"):
+        Store(blank_database_url)
+    upgrade(blank_database_url)
+    store = Store(blank_database_url)
+    assert store.ingest([factories.run()]).stored["run"] == 1
+    store.dispose()
+
+
+def test_a_schema_newer_than_this_isoaudit_is_refused(database_url: str):
+    Store(database_url).dispose()
+    engine = make_engine(database_url)
+    with engine.begin() as connection:
+        connection.execute(text("UPDATE alembic_version SET version_num = '9999'"))
+    engine.dispose()
+    for upgrade_flag in (None, True):
+        with pytest.raises(StoreError, match="newer than this isoaudit knows"):
+            Store(database_url, upgrade=upgrade_flag)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from pydantic import ValidationError
 from sqlalchemy import func, select
 
 from audit.models import ManifestRow, RunRow, SampleRow
@@ -75,14 +74,70 @@ def test_reingest_is_idempotent(store: Store):
     assert count(store, SampleRow) == 2 and count(store, ManifestRow) == 1 and count(store, RunRow) == 1
 
 
-def test_a_batch_with_one_malformed_record_stores_nothing(store: Store):
+def test_a_malformed_record_is_refused_by_name_and_the_rest_is_stored(store: Store):
     good = factories.sample("trainer").model_dump(mode="json")
     bad = factories.sample("rollout").model_dump(mode="json")
     bad["logprobs"] = factories.sample(n_completion=3).model_dump(mode="json")["logprobs"]
-    with pytest.raises(ValidationError) as exc:
-        store.ingest([factories.run().model_dump(mode="json"), good, bad])
-    assert "logprobs" in str(exc.value)
-    assert count(store, SampleRow) == 0 and count(store, RunRow) == 0
+    result = store.ingest([factories.run().model_dump(mode="json"), good, bad, "not a record"])
+    assert dict(result.stored) == {"run": 1, "sample": 1}
+    assert [(r.index, r.kind, r.field) for r in result.rejected] == [
+        (2, "sample", "logprobs"),
+        (3, "unknown", "record"),
+    ]
+    assert result.rejected[0].message.startswith("logprobs: 3 values for 6 completion tokens")
+    assert result.as_dict()["rejected"][0] == {
+        "index": 2,
+        "kind": "sample",
+        "field": "logprobs",
+        "message": result.rejected[0].message,
+    }
+    assert count(store, SampleRow) == 1 and count(store, RunRow) == 1
+
+
+def constructed(record, **changes):
+    """The record rebuilt with ``model_construct`` (no validation), as collectors build them."""
+    return type(record).model_construct(**{**dict(record), **changes})
+
+
+def test_constructed_records_are_checked_like_validated_ones(store: Store):
+    """Collectors skip pydantic (``model_construct``); the store's boundary still refuses bad values."""
+    trainer = factories.sample("trainer")
+    lp = trainer.logprobs
+    bad = [
+        (
+            constructed(trainer, logprobs=np.where(np.arange(lp.size) == 2, np.nan, lp).astype(np.float32)),
+            "logprobs",
+            "NaN at completion index 2",
+        ),
+        (constructed(trainer, logprobs=np.abs(lp)), "logprobs", "positive value"),
+        (constructed(trainer, logprobs=np.full(lp.size, -np.inf, np.float32)), "logprobs", "-inf"),
+        (constructed(trainer, prompt_len=99), "prompt_len", "past the end"),
+        (constructed(trainer, token_ids=trainer.token_ids.astype(np.int64)), "token_ids", "int32"),
+        (constructed(trainer, logprobs=lp.astype(np.float64)), "logprobs", "float32"),
+        (constructed(trainer, step=-1), "step", "outside"),
+        (constructed(trainer, side="critic"), "side", "critic"),
+        (constructed(trainer, run_id="bad id"), "run_id", "bad id"),
+    ]
+    prints = factories.fingerprints(trainer)
+    bad.append((constructed(prints, l2=prints.l2[:3]), "l2", "3 rows for 10 positions"))
+    bad.append((constructed(prints, positions=np.zeros(10, np.int32)), "positions", "repeated"))
+    mutated = factories.sample("rollout")
+    mutated.logprobs[0] = np.float32(0.5)  # validated once, changed afterwards
+    bad.append((mutated, "logprobs", "positive value"))
+
+    result = store.ingest([factories.run(), *[record for record, _, _ in bad], constructed(trainer)])
+    assert dict(result.stored) == {"run": 1, "sample": 1}
+    assert [r.index for r in result.rejected] == list(range(1, len(bad) + 1))
+    for rejection, (_, field, words) in zip(result.rejected, bad, strict=True):
+        assert rejection.field == field and rejection.message.startswith(f"{field}: ")
+        assert words in rejection.message, rejection
+    assert count(store, SampleRow) == 1
+
+
+def test_a_batch_of_only_bad_records_writes_nothing(store: Store):
+    result = store.ingest([constructed(factories.sample(), prompt_len=99)])
+    assert [r.field for r in result.rejected] == ["prompt_len"] and not result.stored
+    assert count(store, RunRow) == 0
 
 
 def test_a_refused_batch_rolls_back_whole(store: Store):

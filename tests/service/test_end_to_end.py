@@ -58,7 +58,8 @@ def test_http_sink_worker_alerts_metrics_and_control(store: Store, tmp_path):
             LiveServer(create_app(store, settings)) as server,
             httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {token}"}) as api,
         ):
-            sink = HttpSink(server.url, token, spool_dir=tmp_path / "spool")
+            controls = []  # what the sink hands to the session's control channel
+            sink = HttpSink(server.url, token, spool_dir=tmp_path / "spool", on_control=controls.append)
             sink.send([factories.run()])
             deltas = [
                 0.0,
@@ -109,7 +110,7 @@ def test_http_sink_worker_alerts_metrics_and_control(store: Store, tmp_path):
             )
             sink.send(step_records(5, 0.0, n=1))
             assert sink.flush(30)
-            assert (sink.control.mode, sink.control.version) == ("invariant", 1)
+            assert (controls[-1].mode, controls[-1].version) == ("invariant", 1)
             sink.close()
 
 

@@ -1,4 +1,5 @@
-"""``POST /v1/ingest`` and ``POST /v1/runs``: records in, all-or-nothing and idempotent."""
+"""``POST /v1/ingest`` and ``POST /v1/runs``: records in, each checked, the valid ones stored in one
+transaction, idempotent."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from audit.api.routers.control import control_of
 from audit.api.schemas import Control, IngestResponse, RunOut
 from audit.api.settings import ApiSettings
 from audit.api.telemetry import Telemetry
-from audit.records import Batch, Record, Run
+from audit.records import Batch, BatchShape, Run
 from audit.store import ForbiddenRun, IngestResult, Store
 
 router = APIRouter(prefix="/v1", tags=["ingest"])
@@ -46,16 +47,44 @@ def _with_retries(attempts: int, action: Callable[[], T]) -> T:
 
 
 def store_records(
-    store: Store, settings: ApiSettings, records: Iterable[Record], project: str
+    store: Store, settings: ApiSettings, records: Iterable[Any], project: str
 ) -> tuple[IngestResult, dict[str, Control]]:
-    """Store records for ``project`` and read back the desired mode of each run they name."""
+    """Store records for ``project`` (each checked; the invalid ones come back in ``rejected``) and
+    read back the desired mode of each run the stored records name. A database that stays
+    unavailable through the retries answers 503: the client keeps the batch and sends it again."""
     records = list(records)
     try:
         result = _with_retries(settings.ingest_retries, lambda: store.ingest(records, project=project))
     except ForbiddenRun as exc:
         raise HTTPException(status.HTTP_403_FORBIDDEN, detail=str(exc)) from exc
-    run_ids = sorted({r.run_id for r in records})
-    return result, {run_id: control_of(store, run_id) for run_id in run_ids}
+    except OperationalError as exc:
+        raise database_unavailable(exc) from exc
+    return result, {run_id: control_of(store, run_id) for run_id in result.runs}
+
+
+def database_unavailable(exc: Exception) -> HTTPException:
+    """503 with Retry-After: the database did not answer (locked, restarting, connection cut)."""
+    log.warning("ingest: the database is unavailable (%s)", type(exc).__name__)
+    return HTTPException(
+        status.HTTP_503_SERVICE_UNAVAILABLE,
+        detail="database: unavailable, nothing of this batch was stored; retry",
+        headers={"Retry-After": "1"},
+    )
+
+
+def batch_records(body: bytes) -> list[Any]:
+    """The records of a request body. A valid batch is parsed in one pass; if any record in it is
+    invalid, the body only has to be a batch at all (an object with a list ``records``) and the
+    records go to the store raw, to be checked one by one (so the valid ones are still stored).
+    A body that is not a batch raises FastAPI's 422 naming the field."""
+    try:
+        return list(Batch.model_validate_json(body).records)
+    except ValidationError:
+        pass
+    try:
+        return BatchShape.model_validate_json(body).records
+    except ValidationError as exc:
+        raise request_validation_error(exc) from exc
 
 
 _BATCH_BODY: dict[str, Any] = {
@@ -75,7 +104,8 @@ _BATCH_BODY: dict[str, Any] = {
         401: {"description": "no or wrong token"},
         403: {"description": "a run of another project"},
         413: {"description": "body over the size limit"},
-        422: {"description": "invalid record; loc names the field"},
+        422: {"description": "the body is not a batch; loc names the field (invalid records: see rejected)"},
+        503: {"description": "the database is unavailable; nothing was stored, retry"},
     },
 )
 async def ingest(
@@ -85,19 +115,25 @@ async def ingest(
     settings: Annotated[ApiSettings, Depends(get_settings)],
     telemetry: Annotated[Telemetry, Depends(get_telemetry)],
 ) -> IngestResponse:
-    """Validate the whole batch, then store it in one transaction: a bad record rejects the batch with
-    422 before anything is written, and records already stored (a retried batch) are counted as
-    duplicates, never stored twice. The reply carries each run's desired remediation mode."""
+    """Check every record and store the valid ones in one transaction; each invalid record is named
+    in ``rejected`` (index, kind, field, message) and nothing of it is stored. Records already stored
+    (a retried batch) are counted as duplicates, never stored twice. A body that is not a batch at
+    all gets 422 naming the field. The reply carries each run's desired remediation mode."""
     started = time.perf_counter()
     body = await request.body()
 
     def work() -> IngestResponse:
-        try:
-            batch = Batch.model_validate_json(body)
-        except ValidationError as exc:
-            raise request_validation_error(exc) from exc
-        result, controls = store_records(store, settings, batch.records, principal.project)
+        result, controls = store_records(store, settings, batch_records(body), principal.project)
         telemetry.record_ingest(result, time.perf_counter() - started)
+        if result.rejected:
+            first = result.rejected[0]
+            log.info(
+                "ingest: %d record(s) of project %s refused; first: #%d %s",
+                len(result.rejected),
+                principal.project,
+                first.index,
+                first.message,
+            )
         return IngestResponse(
             **result.as_dict(),
             control=next(iter(controls.values())) if len(controls) == 1 else None,
@@ -128,7 +164,14 @@ def create_run(
     settings: Annotated[ApiSettings, Depends(get_settings)],
 ) -> RunOut:
     """Idempotent: posting the same run again changes nothing."""
-    _, controls = store_records(store, settings, [run], principal.project)
+    result, controls = store_records(store, settings, [run], principal.project)
+    if result.rejected:
+        raise HTTPException(
+            status.HTTP_422_UNPROCESSABLE_CONTENT,
+            detail=[
+                {"loc": ["body", r.field], "msg": r.message, "type": "value_error"} for r in result.rejected
+            ],
+        )
     summary = store.get_run(run.run_id)
     assert summary is not None
     return RunOut(**summary.__dict__, control=controls[run.run_id])
