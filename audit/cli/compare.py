@@ -1,6 +1,9 @@
 """``isoaudit compare RUN``: the per-step table, each sample's first divergence and its diagnosis.
 
-Exit codes, for scripts and CI gates: 0 clean, 2 divergence, 3 inconclusive, 1 bad input.
+Exit codes, for scripts and CI gates: 0 clean, 2 divergence, 3 inconclusive, 1 bad input. A sample
+diagnosed ``off_policy`` (a weight lag the run declared) is expected, not a divergence. ``--names
+verl`` adds a table of the run's figures under that framework's names. For bounds on figures, see
+``isoaudit gate``.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from enum import IntEnum
 from typing import Annotated, Any
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from audit.cli.app import DatabaseOption, app, console
@@ -52,12 +56,23 @@ def compare(
     run_id: Annotated[str, typer.Argument(metavar="RUN", help="Run id (see `isoaudit runs list`).")],
     step: Annotated[int | None, typer.Option(help="Only this step.", min=0)] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
+    names: Annotated[
+        str | None,
+        typer.Option(
+            "--names",
+            help="Also show the figures under this framework's names "
+            "(verl, slime, skyrl, trl, openrlhf, nemo-rl, tinker, prime-rl).",
+        ),
+    ] = None,
     database: DatabaseOption = None,
 ) -> None:
     """Compare the trainer and rollout sides of a run and say where and why they diverge."""
+    from audit.metric_names import FRAMEWORKS
     from audit.store import Store
     from audit.worker import ComparisonWorker
 
+    if names is not None and names not in FRAMEWORKS:
+        raise _fail(f"--names: {names!r} is not one of {', '.join(FRAMEWORKS)}")
     store = Store(database)
     if store.get_run(run_id) is None:
         raise _fail(f"RUN: no run {run_id!r} in the store (`isoaudit runs list` shows the recorded ones)")
@@ -72,7 +87,7 @@ def compare(
     samples = [r for r in store.sample_results(run_id, step)]
     code = verdict([r.diagnosis for r in samples])
     if as_json:
-        print(json.dumps(_as_json(run_id, steps, samples, code), indent=2, default=str))
+        print(json.dumps(_as_json(run_id, steps, samples, code, names), indent=2, default=str))
         raise typer.Exit(code)
 
     table = Table("step", "samples", *SHOWN_METRICS, "diagnoses", "first divergence", title=f"run {run_id}")
@@ -104,6 +119,8 @@ def compare(
             row.diagnosis_detail.get("sentence", ""),
         )
     console.print(detail)
+    if names is not None:
+        console.print(framework_table(run_id, steps, names))
     missing = [s for s in store.steps(run_id) if (step is None or s.step == step) and s.compared_samples == 0]
     for s in missing:
         console.print(
@@ -117,7 +134,32 @@ def _span(steps: list[int]) -> str:
     return f"{steps[0]}..{steps[-1]}" if steps else "none"
 
 
-def _as_json(run_id: str, steps: list[Any], samples: list[Any], code: ExitCode) -> dict[str, Any]:
+#: At most this many steps (the latest) are columns of the --names table.
+NAMED_STEPS_SHOWN = 6
+
+
+def framework_table(run_id: str, steps: list[Any], framework: str) -> Table:
+    """The run's figures as ``framework`` logs them: one row per name, one column per step (latest)."""
+    from audit.metric_names import framework_aliases
+
+    shown = steps[-NAMED_STEPS_SHOWN:]
+    more = f" (latest {len(shown)} of {len(steps)} steps)" if len(shown) < len(steps) else ""
+    table = Table(
+        f"{framework} name",
+        "isoaudit",
+        *(f"step {s.step}" for s in shown),
+        title=f"run {run_id} in {framework}'s names{more}",
+    )
+    for alias in framework_aliases(framework):
+        table.add_row(alias.name, escape(alias.key), *(_fmt(s.metrics.get(alias.key)) for s in shown))
+    return table
+
+
+def _as_json(
+    run_id: str, steps: list[Any], samples: list[Any], code: ExitCode, framework: str | None = None
+) -> dict[str, Any]:
+    from audit.metric_names import as_framework
+
     by_step: dict[int, list[dict[str, Any]]] = {}
     for row in samples:
         by_step.setdefault(row.step, []).append(
@@ -143,6 +185,7 @@ def _as_json(run_id: str, steps: list[Any], samples: list[Any], code: ExitCode) 
                 "step": s.step,
                 "n_samples": s.n_samples,
                 "metrics": s.metrics,
+                **({"as": {framework: as_framework(s.metrics, framework)}} if framework else {}),
                 "diagnoses": s.diagnoses,
                 "samples": by_step.get(s.step, []),
             }

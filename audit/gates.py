@@ -1,0 +1,190 @@
+"""Regression gates: pin backend parity in CI, as slime and SkyRL do by hand.
+
+A gate is a bound on a step metric (``kl_k3 <= 1e-3``, ``train_rollout_logprob_abs_diff <= 1e-6``),
+named as any framework names it (:mod:`audit.metric_names`). Every compared step of the run (or of
+``steps``) must satisfy every bound; a missing value fails too, since a gate that cannot be checked
+is not a pass. ``isoaudit gate`` is the command; :func:`assert_parity` the pytest helper::
+
+    from audit.gates import assert_parity
+    assert_parity(store, "ci-run", max={"kl_k3": 1e-3, "slime:train_rollout_logprob_abs_diff": 1e-6})
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+from audit.metric_names import UnknownMetric, resolve
+from audit.store import Store
+
+Direction = Literal["max", "min"]
+
+
+class GateError(ValueError):
+    """Input a gate cannot be checked with; the message names the option or value at fault."""
+
+
+@dataclass(frozen=True)
+class Bound:
+    name: str  #: as the user wrote it
+    key: str  #: the stored key it resolves to
+    direction: Direction
+    limit: float
+
+    def holds(self, value: float) -> bool:
+        return value <= self.limit if self.direction == "max" else value >= self.limit
+
+    def describe(self) -> str:
+        return f"{'<=' if self.direction == 'max' else '>='} {self.limit:g}"
+
+
+@dataclass(frozen=True)
+class GateFailure:
+    step: int
+    bound: Bound
+    value: float | None  #: None: the step has no value for it
+
+    @property
+    def reason(self) -> str:
+        if self.value is None:
+            return "no value at this step (not computed, or no data)"
+        return f"{self.value:.6g} is not {self.bound.describe()}"
+
+
+@dataclass
+class GateResult:
+    run_id: str
+    bounds: list[Bound]
+    steps: list[int]
+    failures: list[GateFailure] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+    def text(self) -> str:
+        """A plain table of the failures (what pytest shows)."""
+        if self.passed:
+            return f"run {self.run_id}: {len(self.bounds)} gates pass on {len(self.steps)} steps"
+        lines = [f"run {self.run_id}: {len(self.failures)} gate failures"]
+        lines += [
+            f"  step {f.step}: {f.bound.name}"
+            + (f" ({f.bound.key})" if f.bound.key != f.bound.name else "")
+            + f" {f.bound.describe()}: {f.reason}"
+            for f in self.failures
+        ]
+        return "\n".join(lines)
+
+
+def parse_assignment(text: str, option: str) -> tuple[str, float]:
+    """``"kl_k3=1e-3"`` -> ("kl_k3", 0.001); the last ``=`` splits (metric keys have none)."""
+    name, sep, number = text.rpartition("=")
+    if not sep or not name:
+        raise GateError(f"{option} {text}: expected METRIC=NUMBER, e.g. kl_k3=1e-3")
+    try:
+        limit = float(number)
+    except ValueError:
+        raise GateError(f"{option} {text}: {number!r} is not a number") from None
+    if not math.isfinite(limit):
+        raise GateError(f"{option} {text}: the bound must be finite")
+    return name, limit
+
+
+def bounds_of(max: Mapping[str, float] | None = None, min: Mapping[str, float] | None = None) -> list[Bound]:
+    """Bounds from {metric name: limit}; every name is resolved now, so a typo fails before any check."""
+    out = []
+    for direction, given in (("max", max or {}), ("min", min or {})):
+        for name, limit in given.items():
+            try:
+                key = resolve(name)
+            except UnknownMetric as exc:
+                raise GateError(f"--{direction} {name}: {str(exc).removeprefix('metric: ')}") from None
+            if not isinstance(limit, int | float) or isinstance(limit, bool) or not math.isfinite(limit):
+                raise GateError(f"--{direction} {name}: the bound must be a finite number, got {limit!r}")
+            out.append(Bound(name, key, direction, float(limit)))  # type: ignore[arg-type]
+    if not out:
+        raise GateError("gates: give at least one --max or --min")
+    return out
+
+
+_STEPS = re.compile(r"^\s*(\d+)?\s*(\.\.)?\s*(\d+)?\s*$")
+
+
+def parse_steps(text: str) -> set[int] | tuple[int | None, int | None]:
+    """``"3"``, ``"1,4,9"`` (a set) or ``"2..8"``, ``"5.."``, ``"..3"`` (an inclusive range)."""
+    if "," in text:
+        try:
+            return {int(part) for part in text.split(",") if part.strip()}
+        except ValueError:
+            raise GateError(f"--steps {text}: expected N, N,M,... or A..B") from None
+    match = _STEPS.match(text)
+    if match is None or (match[1] is None and match[3] is None):
+        raise GateError(f"--steps {text}: expected N, N,M,... or A..B")
+    lo = int(match[1]) if match[1] is not None else None
+    hi = int(match[3]) if match[3] is not None else None
+    if match[2] is None:
+        return {lo if lo is not None else hi}  # type: ignore[arg-type]
+    if lo is not None and hi is not None and lo > hi:
+        raise GateError(f"--steps {text}: the range is empty ({lo} > {hi})")
+    return (lo, hi)
+
+
+def _selected(step: int, steps: set[int] | tuple[int | None, int | None] | None) -> bool:
+    if steps is None:
+        return True
+    if isinstance(steps, set):
+        return step in steps
+    lo, hi = steps
+    return (lo is None or step >= lo) and (hi is None or step <= hi)
+
+
+def check(
+    store: Store,
+    run_id: str,
+    bounds: Iterable[Bound],
+    steps: set[int] | tuple[int | None, int | None] | None = None,
+    *,
+    compare: bool = True,
+) -> GateResult:
+    """Check ``bounds`` on every compared step of ``run_id`` (comparing queued samples first)."""
+    bounds = list(bounds)
+    if store.get_run(run_id) is None:
+        raise GateError(f"RUN: no run {run_id!r} in the store (`isoaudit runs list` shows the recorded ones)")
+    if compare:
+        from audit.worker import ComparisonWorker
+
+        ComparisonWorker(store).run_once(run_id)
+    rows = [row for row in store.step_results(run_id) if _selected(row.step, steps)]
+    if not rows:
+        raise GateError(
+            f"--steps: run {run_id!r} has no compared step to check" + (" in that range" if steps else "")
+        )
+    result = GateResult(run_id, bounds, [row.step for row in rows])
+    for row in rows:
+        for bound in bounds:
+            value = row.metrics.get(bound.key)
+            number = float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+            if number is None or not math.isfinite(number):
+                result.failures.append(GateFailure(row.step, bound, None))
+            elif not bound.holds(number):
+                result.failures.append(GateFailure(row.step, bound, number))
+    return result
+
+
+def assert_parity(
+    store: Store,
+    run_id: str,
+    *,
+    max: Mapping[str, float] | None = None,
+    min: Mapping[str, float] | None = None,
+    steps: set[int] | tuple[int | None, int | None] | str | None = None,
+) -> GateResult:
+    """The pytest helper: raise AssertionError with the failure table unless every gate holds."""
+    chosen = parse_steps(steps) if isinstance(steps, str) else steps
+    result = check(store, run_id, bounds_of(max, min), chosen)
+    if not result.passed:
+        raise AssertionError(result.text())
+    return result
