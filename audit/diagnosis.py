@@ -320,7 +320,7 @@ def _semantics(trainer: SampleLogprobs, rollout: SampleLogprobs) -> Diagnosis | 
             return Diagnosis(
                 "semantics",
                 f"{'Truncation' if truncation else 'Temperature'} mismatch in the processed logprobs: the engine "
-                f"sampled with {what} (renormalised over the kept set) but the trainer applied {did}; "
+                f"sampled with {what} (renormalised over the kept set) but the trainer applied only {did}; "
                 f"parameter at fault: {', '.join(differing)}.",
                 {"cause": cause, "parameters": differing, "sampling": transforms},
             )
