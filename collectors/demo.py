@@ -7,11 +7,12 @@ A tiny Qwen3 (random weights, a locally trained tokenizer) plays both parts of o
   fingerprinted inside the engine;
 * the **trainer** recomputes the same tokens as whole sequences through the trainer collector.
 
-Both send records over real HTTP to the isoaudit service, started in this process. The service's
-worker compares each step; an alert rule fires while any token mismatches. Half way through, the
-demo sets the run's remediation mode to ``invariant`` through the control API, as the dashboard's
-toggle does; both sides learn it from their next ingest reply, switch onto :mod:`kernels`, and the
-mismatch vanishes: mean |Δ logprob| exactly 0, the alert resolves.
+Both are attached through one ``collectors.session`` and send records over real HTTP to the isoaudit
+service, started in this process. The service's worker compares each step; an alert rule fires
+while any token mismatches. Half way through, the demo sets the run's remediation mode to
+``invariant`` through the control API, as the dashboard's toggle does; both sides learn it through
+the session's control channel at their next step boundary, switch onto :mod:`kernels`, say so in
+their manifests, and the mismatch vanishes: mean |Δ logprob| exactly 0, the alert resolves.
 
 The model runs in float32 on the CPU, where the invariant kernels run under Triton's interpreter.
 """
@@ -39,17 +40,14 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # the kernels' masks, but numpy warns about them. They say nothing about the demo's results.
 warnings.filterwarnings("ignore", category=RuntimeWarning, module="triton.runtime.interpreter")
 
+import collectors  # noqa: E402
 from audit.api import ApiSettings, create_app  # noqa: E402
 from audit.api.live import LiveServer  # noqa: E402
 from audit.auth import create_token  # noqa: E402
 from audit.config import database_url  # noqa: E402
-from audit.records import Manifest, Run, RuntimeFacts, SampleLogprobs  # noqa: E402
+from audit.records import Run  # noqa: E402
 from audit.store import Store  # noqa: E402
-from collectors import trainer  # noqa: E402
-from collectors.engine_capture import EngineFingerprints  # noqa: E402
-from collectors.layout import StepBatch  # noqa: E402
-from collectors.remediation import apply_kernels_mode  # noqa: E402
-from collectors.sinks import HttpSink  # noqa: E402
+from collectors import StepBatch  # noqa: E402
 from collectors.tiny_models import load_tiny_model, make_tiny_model, tiny_corpus  # noqa: E402
 
 console = Console(width=None if sys.stdout.isatty() else 140)
@@ -72,29 +70,6 @@ def prepare_model(directory: Path) -> tuple[torch.nn.Module, object]:
         make_tiny_model("qwen3", directory, num_layers=2, hidden=64, vocab=512, seed=0, dtype="float32")
     model, tokenizer = load_tiny_model(directory, dtype=torch.float32)
     return model, tokenizer
-
-
-def rollout_manifest(run_id: str, mode: str, capture: EngineFingerprints) -> Manifest:
-    return Manifest(
-        run_id=run_id,
-        side="rollout",
-        case="engine_decode",
-        process=f"demo-engine:{os.getpid()}",
-        runtime=RuntimeFacts(
-            framework="isoaudit.kernels.engine",
-            torch_version=torch.__version__,
-            device="cpu",
-            dtype="float32",
-            lm_head_dtype="float32",
-            logprobs_mode="raw_logprobs",
-            prefix_caching=False,
-            chunked_prefill=False,
-            remediation=mode,
-        ),
-        regions=[spec.name for spec in capture.specs if spec.name not in capture.unobserved],
-        unobserved=capture.unobserved,
-        weight_version="0",
-    )
 
 
 def wait_for_step(client: httpx.Client, run_id: str, step: int, timeout: float = 60.0) -> dict:
@@ -136,13 +111,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         run_id=run_id, name="demo: tiny Qwen3, reference engine vs HF trainer", config={"dtype": "float32"}
     )
     spool = Path(tempfile.mkdtemp(prefix="isoaudit-demo-spool-"))
-    trainer_sink = HttpSink(base, token, spool_dir=spool / "trainer")
-    rollout_sink = HttpSink(base, token, spool_dir=spool / "rollout")
-    handle = trainer.attach(model, run=run, sink=trainer_sink, sample_every=1)
-    adapter = HFCausalLM(model)
-    capture = EngineFingerprints(adapter)
-    engine = RolloutEngine(adapter, max_len=256)
-
+    engine = RolloutEngine(HFCausalLM(model), max_len=256)
     lines = tiny_corpus(n_lines=args.samples, seed=1)
     prompts = [tokenizer(line)["input_ids"][:24] for line in lines]
     rng = np.random.default_rng(0)
@@ -150,9 +119,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     table = Table(
         "step", "mode", "kl_k3", "mean |Δ logprob|", "exact tokens", "first divergence", "diagnoses"
     )
-    rollout_mode, manifest_mode = "native", None
     results: list[dict] = []
+    # control_interval=0: ask the service at every step boundary (it is local; a real job keeps the
+    # default and mostly learns the mode from ingest replies).
+    audit = collectors.session(run, url=base, token=token, spool_dir=spool, control_interval=0.0)
     try:
+        trainer = audit.watch_trainer(model, sample_every=1)
+        rollout = audit.watch_engine(engine)
+        audit.weights_changed(0)  # both sides start from the same checkpoint
         for step in range(args.steps):
             if step == args.switch_at:
                 current = client.get(f"/v1/runs/{run_id}/control").json()
@@ -162,45 +136,26 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 console.print(
                     f"step {step}: remediation set to [bold]invariant[/bold] through the control API"
                 )
-            # The rollout side applies the mode its last ingest reply carried, at this step boundary.
-            control = rollout_sink.control
-            if control is not None and control.mode != rollout_mode:
-                apply_kernels_mode(model, control.mode)
-                rollout_mode = control.mode
-            if manifest_mode != rollout_mode:
-                rollout_sink.send([rollout_manifest(run_id, rollout_mode, capture)])
-                manifest_mode = rollout_mode
+            trainer.begin_step(step)  # a step boundary: the trainer switches here
             max_new = rng.integers(8, 20, len(prompts)).tolist()
-            completions = engine.generate(prompts, max_new, seed=step)
-            tokens = [c.tokens for c in completions]
-            samples = [
-                SampleLogprobs(
-                    run_id=run_id,
-                    step=step,
-                    side="rollout",
-                    weight_version="0",
-                    prompt_len=len(p),
-                    token_ids=np.asarray(p + t, np.int32),
-                    logprobs=np.asarray(c.logprobs, np.float32),
-                )
-                for p, t, c in zip(prompts, tokens, completions, strict=True)
-            ]
-            rollout_sink.send([*samples, *capture.records(run_id, step, prompts, tokens)])
+            completions = engine.generate(prompts, max_new, seed=step)  # the engine switches here
+            rollout.record_step(step, completions)
+            batch = StepBatch.padded(prompts, [c.tokens for c in completions])
             with torch.no_grad():
-                handle.record_step(step, StepBatch.padded(prompts, tokens), weight_version="0")
-            trainer_sink.flush()
-            rollout_sink.flush()
+                trainer.record_step(step, batch)
+            audit.flush()
             row = wait_for_step(client, run_id, step)
             metrics = row["metrics"]
             steps = client.get(f"/v1/runs/{run_id}/steps/{step}/samples").json()
             firsts = sorted({s["first_divergence_region"] for s in steps if s.get("first_divergence_region")})
             kinds = sorted({s["diagnosis"] for s in steps})
+            mode = f"{trainer.mode}/{rollout.mode}"
             results.append(
-                {"step": step, "mode": handle.mode, "metrics": metrics, "diagnoses": kinds, "first": firsts}
+                {"step": step, "mode": trainer.mode, "metrics": metrics, "diagnoses": kinds, "first": firsts}
             )
             table.add_row(
                 str(step),
-                handle.mode,
+                mode,
                 f"{metrics['kl_k3']:.3g}",
                 f"{metrics['logprob_abs_diff_mean']:.3g}",
                 f"{metrics['exact_match_fraction']:.1%}",
@@ -220,11 +175,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         )
         return results
     finally:
-        handle.detach()
-        capture.detach()
-        trainer_sink.close()
-        rollout_sink.close()
-        apply_kernels_mode(model, "native")
+        audit.close()  # detaches both sides, flushes, prints what was sent
+        import kernels
+
+        kernels.disable()
         client.close()
         server.stop()
         store.dispose()

@@ -160,9 +160,12 @@ class TrainerCollector(Collector):
     def begin_step(self, step: int, batch: StepBatch | Mapping[str, Any] | None = None) -> None:
         """Say which step the next forwards belong to, so hooks fingerprint only on sampled steps
         (without it the collector assumes the step after the last recorded one). With ``batch``,
-        padding rows are skipped on any device (otherwise only when the mask is on the CPU)."""
+        padding rows are skipped on any device (otherwise only when the mask is on the CPU). It is
+        also a step boundary: a new desired remediation mode is applied here (else at the end of
+        the previous ``record_step``)."""
         self._next_step = step
         self._capture.row_hint = _row_hint(StepBatch.coerce(batch)) if batch is not None else None
+        self._step_boundary()  # a new remediation mode takes effect before this step's forward
 
     def record_step(
         self,

@@ -53,8 +53,8 @@ class DeliveryError(Exception):
 
 
 class SinkCounters(Counters):
-    """Record counts (not batches). ``sent`` includes ``replayed`` (sent from the spool);
-    ``rejected``: records the destination refused one by one (invalid), the rest of their batch stored."""
+    """Record counts (not batches). ``sent``: delivered and accepted, including ``replayed`` (sent
+    from the spool); ``rejected``: refused one by one as invalid (the rest of their batch stored)."""
 
     NAMES = ("queued", "sent", "dropped", "spooled", "replayed", "duplicates", "rejected", "failed_attempts")
 
@@ -222,8 +222,9 @@ class Sink(ABC):
     # ------------------------------------------------------------ destination
 
     @abstractmethod
-    def _deliver(self, item: _Item) -> None:
-        """Deliver one batch or raise :class:`DeliveryError`."""
+    def _deliver(self, item: _Item) -> int | None:
+        """Deliver one batch or raise :class:`DeliveryError`; returns how many of its records the
+        destination refused one by one (after counting them with :meth:`_rejected`)."""
 
     def _close_destination(self) -> None:
         """Release connections (worker stopped). Nothing to release by default."""
@@ -274,8 +275,8 @@ class Sink(ABC):
                 return
         for attempt in range(self._attempts):
             try:
-                self._deliver(item)
-                self._delivered(item.n, replayed=False)
+                refused = self._deliver(item) or 0
+                self._delivered(item.n - refused, replayed=False)
                 return
             except DeliveryError as exc:
                 if exc.too_large and item.n > 1:
@@ -310,7 +311,7 @@ class Sink(ABC):
             return
         item = _Item(payload=payload, n=entry.n_records)
         try:
-            self._deliver(item)
+            refused = self._deliver(item) or 0
         except DeliveryError as exc:
             self._add("failed_attempts", 1)
             if exc.retry:
@@ -327,7 +328,7 @@ class Sink(ABC):
                 item.n, "refused", "isoaudit %s: destination refused a spooled batch (%s); dropped", exc
             )
             return
-        self._delivered(item.n, replayed=True)  # counted before the spool looks empty to flush()
+        self._delivered(item.n - refused, replayed=True)  # counted before the spool looks empty to flush()
         self.spool.remove(entry)
         with self._cond:
             self._cond.notify_all()
@@ -356,11 +357,12 @@ class Sink(ABC):
     def _add(self, counter: str, n: int) -> None:
         self.counters.add(counter, n)
 
-    def _rejected(self, rejections: Sequence[Any]) -> None:
+    def _rejected(self, rejections: Sequence[Any]) -> int:
         """Count records the destination refused one by one (the rest of their batch was stored) and
-        warn once per field, naming it: a collector bug, or data the job should look at."""
+        warn once per field, naming it: a collector bug, or data the job should look at. Returns
+        how many."""
         if not rejections:
-            return
+            return 0
         self._add("rejected", len(rejections))
         for rejection in rejections:
             field = _get(rejection, "field") or "record"
@@ -368,6 +370,7 @@ class Sink(ABC):
             self._warn_once(
                 f"rejected:{field}", f"isoaudit %s: destination rejected a record: {message} (counted)", None
             )
+        return len(rejections)
 
     def _control(self, control: Control) -> None:
         if self.on_control is not None:

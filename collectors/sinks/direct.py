@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Unpack
 
 from pydantic import ValidationError
-from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 
 from audit.store import Store, StoreError
 from collectors.sinks.base import DeliveryError, Sink, SinkOptions, _Item
@@ -62,9 +62,14 @@ class DirectSink(Sink):
         options.setdefault("name", "direct-sink")
         super().__init__(spool_dir=spool_dir, **options)
 
-    def _deliver(self, item: _Item) -> None:
+    def _deliver(self, item: _Item) -> int:
         try:
-            result = self.shared.get().ingest(item.records, project=self.project)
+            try:
+                result = self.shared.get().ingest(item.records, project=self.project)
+            except IntegrityError:
+                # Another writer (the other side of the job) stored one of these rows between our
+                # check and our insert; the batch is idempotent, so once more skips it as a duplicate.
+                result = self.shared.get().ingest(item.records, project=self.project)
         except (OperationalError, OSError) as exc:
             self.shared.reset()
             raise DeliveryError(str(exc).splitlines()[0], retry=True) from exc
@@ -76,7 +81,7 @@ class DirectSink(Sink):
         except (StoreError, ValidationError, ValueError) as exc:
             raise DeliveryError(str(exc), retry=False) from exc
         self._add("duplicates", sum(result.duplicates.values()))
-        self._rejected(getattr(result, "rejected", ()))
+        return self._rejected(result.rejected)
 
     def _close_destination(self) -> None:
         if self._owns_store:

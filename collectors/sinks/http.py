@@ -50,7 +50,7 @@ class HttpSink(Sink):
         options.setdefault("name", "http-sink")
         super().__init__(spool_dir=spool_dir, **options)
 
-    def _deliver(self, item: _Item) -> None:
+    def _deliver(self, item: _Item) -> int:
         try:
             response = self._client.post(self.url, content=item.payload, headers=self._headers)
         except httpx.HTTPError as exc:  # connection refused, reset, timeout, ...
@@ -64,12 +64,12 @@ class HttpSink(Sink):
         try:
             body = response.json()
         except json.JSONDecodeError:
-            return
+            return 0
         self._add("duplicates", sum((body.get("duplicates") or {}).values()))
-        self._rejected(body.get("rejected") or ())
         control = body.get("control")
         if isinstance(control, dict) and "mode" in control:
             self._control(Control(str(control["mode"]), int(control.get("version", 0))))
+        return self._rejected(body.get("rejected") or ())
 
     def _close_destination(self) -> None:
         self._client.close()

@@ -1,28 +1,44 @@
-"""A sink that keeps records in memory: tests, benchmarks, and notebooks that compare in-process."""
+"""A sink that keeps records in memory: tests, benchmarks, and notebooks that compare in-process.
+
+It checks every record as the store would (:func:`audit.records.validate_record`): an invalid one
+is refused and counted, the rest of its batch kept, so what a test sees here is what would be stored.
+"""
 
 from __future__ import annotations
 
 import threading
 from typing import Any, Unpack
 
-from audit.records import Record
+from audit.records import Record, RecordError, Rejection, record_kind, validate_record
 from collectors.sinks.base import Sink, SinkOptions, _Item
 
 
 class MemorySink(Sink):
-    """Delivered records accumulate in :attr:`records` (``keep=False`` only counts them)."""
+    """Delivered records accumulate in :attr:`records` (``keep=False`` only counts them);
+    ``validate=False`` skips the store's checks (benchmarks of the collectors alone)."""
 
-    def __init__(self, *, keep: bool = True, **options: Unpack[SinkOptions]) -> None:
+    def __init__(self, *, keep: bool = True, validate: bool = True, **options: Unpack[SinkOptions]) -> None:
         self.keep = keep
+        self.validate = validate
         self.records: list[Record] = []
         self._lock = threading.Lock()
         options.setdefault("name", "memory-sink")
         super().__init__(**options)
 
-    def _deliver(self, item: _Item) -> None:
+    def _deliver(self, item: _Item) -> int:
+        records, rejected = item.records, []
+        if self.validate:
+            kept = []
+            for index, record in enumerate(records):
+                try:
+                    kept.append(validate_record(record))
+                except RecordError as exc:
+                    rejected.append(Rejection(index, record_kind(record), exc.field, str(exc)))
+            records = kept
         if self.keep:
             with self._lock:
-                self.records.extend(item.records)
+                self.records.extend(records)
+        return self._rejected(rejected)
 
     def of_kind(self, kind: str) -> list[Any]:
         with self._lock:

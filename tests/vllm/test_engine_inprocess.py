@@ -160,7 +160,7 @@ def test_manifest_names_the_engine(collected: Collected) -> None:
     assert facts.attention_backend
     assert manifests[0].regions == canonical_regions(NUM_LAYERS) and manifests[0].unobserved == {}
     assert manifests[0].contract.numerical_policy == IDENTITIES["numerical_policy"]
-    assert collected.handle.mode == "in_process"
+    assert collected.handle.link_mode == "in_process"
 
 
 def test_selection_one_in_n_by_id_or_none(collected: Collected) -> None:

@@ -15,13 +15,14 @@ from torch import nn
 from collectors.fingerprints import fingerprint_rows
 from collectors.vllm.capture import EngineCapture
 from collectors.vllm.facts import capture_refusal
+from collectors.vllm.messages import Drained, ModeState, RequestRecord, SetMode, Started, from_wire, to_wire
 from collectors.vllm.outputs import read_completions
 from collectors.vllm.regions import resolve_engine_regions
 from collectors.vllm.rows import ForwardRows
 from collectors.vllm.selection import Selection, parse_selection
 from collectors.vllm.traces import external_id
 from collectors.vllm.weights import pack_tensors, unpack_tensors, weight_digest
-from collectors.vllm.worker import plain
+from collectors.vllm.worker import NATIVE_IN_VLLM, switch_engine_mode
 
 pytestmark = pytest.mark.vllm
 
@@ -132,17 +133,19 @@ class FakeRunner:
             return self.model.logits_processor(self.model.lm_head, hidden[torch.tensor(starts[1:]) - 1])
 
 
-def _capture(runner: FakeRunner, selection: Selection = Selection("all"), **options: Any) -> EngineCapture:
+def _capture(
+    runner: FakeRunner, selection: Selection = Selection(mode="all"), **options: Any
+) -> EngineCapture:
     specs = resolve_engine_regions(runner.model, "qwen3", "auto").specs
     return EngineCapture(runner, runner.model, specs, selection, **options)
 
 
-def _rows(payload: dict[str, Any], region: str, case: str | None = None) -> dict[int, int]:
+def _rows(payload: RequestRecord, region: str, case: str | None = None) -> dict[int, int]:
     out: dict[int, int] = {}
-    for body in payload["prints"]:
-        if body["region"] == region and (case is None or body["case"] == case):
-            positions = np.frombuffer(body["positions"], "<i4").tolist()
-            out.update(zip(positions, np.frombuffer(body["digest"], np.uint64).tolist(), strict=True))
+    for body in payload.prints:
+        if body.region == region and (case is None or body.case == case):
+            arrays = body.arrays()
+            out.update(zip(arrays["positions"].tolist(), arrays["digest"].tolist(), strict=True))
     return out
 
 
@@ -174,7 +177,7 @@ def test_selection_and_external_ids() -> None:
     assert [parse_selection(4).chooses(i, "x") for i in range(5)] == [True, False, False, False, True]
     assert parse_selection(["7"]).chooses(0, "7") and not parse_selection(["7"]).chooses(0, "8")
     assert not parse_selection(None).chooses(0, "x") and parse_selection(1).mode == "all"
-    assert Selection.from_wire(parse_selection(["a", "b"]).to_wire()) == parse_selection(["b", "a"])
+    assert from_wire(to_wire(parse_selection(["a", "b"])), Selection) == parse_selection(["b", "a"])
     for bad in (0, True, "some"):
         with pytest.raises(ValueError, match="fingerprint"):
             parse_selection(bad)  # type: ignore[arg-type]
@@ -195,9 +198,9 @@ def test_capture_maps_prefill_chunks_and_decode_rows_to_positions() -> None:
     drive.step({"b-89abcdef": (3, 1), "a-0123abcd": (3, 2)})  # b decodes while a finishes its prompt
     last = drive.step({"b-89abcdef": (4, 1), "a-0123abcd": (5, 1)})  # logits rows in batch order: b, a
     out = capture.drain(["a", "b", "zz"])
-    assert out["missing"] == ["zz"] and out["counters"]["errors"] == 0
-    a, b = out["requests"]["a"], out["requests"]["b"]
-    assert (a["prompt_len"], a["temperature"], a["top_k"], a["top_p"]) == (5, 0.7, None, 0.9)
+    assert out.missing == ["zz"] and out.counters["errors"] == 0
+    a, b = out.requests["a"], out.requests["b"]
+    assert (a.prompt_len, a.temperature, a.top_k, a.top_p) == (5, 0.7, None, 0.9)
     assert sorted(_rows(a, "embed", "engine_prefill")) == [0, 1, 2, 3, 4]
     assert sorted(_rows(a, "embed", "engine_decode")) == [5]
     assert sorted(_rows(b, "embed", "engine_decode")) == [3, 4]
@@ -219,9 +222,9 @@ def test_selected_requests_only_and_hooks_removed() -> None:
         runner.add(r, [1, 2, 3])
     capture = _capture(runner, parse_selection(2))
     Driver(runner, capture).step({r: (0, 3) for r in runner.requests})
-    out = capture.drain(["r0", "r1", "r2"])["requests"]
-    assert [bool(out[r]["prints"]) for r in ("r0", "r1", "r2")] == [True, False, True]
-    assert [out[r]["selected"] for r in ("r0", "r1", "r2")] == [True, False, True]
+    out = capture.drain(["r0", "r1", "r2"]).requests
+    assert [bool(out[r].prints) for r in ("r0", "r1", "r2")] == [True, False, True]
+    assert [out[r].selected for r in ("r0", "r1", "r2")] == [True, False, True]
     capture.selection = parse_selection(None)  # logprobs only: no region hooks at all
     assert not any(m._forward_hooks for m in runner.model.modules())
     capture.selection = parse_selection("all")
@@ -246,16 +249,16 @@ def test_buffers_are_bounded_and_drops_counted() -> None:
     tight = _capture(small, max_rows=20)
     drive = Driver(small, tight)
     drive.step({"x-00000000": (0, 4)})  # 4 rows x 7 regions + 1 logits row > 20
-    out = tight.drain(["x"])["requests"]["x"]
-    assert out["truncated"] and out["prints"] == [] and tight.counters.dropped_rows == 29
+    out = tight.drain(["x"]).requests["x"]
+    assert out.truncated and out.prints == [] and tight.counters.dropped_rows == 29
     # Room for the first of two requests only: the second is dropped, the first keeps the right rows.
     pair = FakeRunner()
     pair.add("y-00000000", [1, 2])
     pair.add("z-00000001", [3, 4])
     room = _capture(pair, max_rows=2 * 7 + 1)
     logits = Driver(pair, room).step({"y-00000000": (0, 2), "z-00000001": (0, 2)})
-    out = room.drain(["y", "z"])["requests"]
-    assert out["z"]["truncated"] and out["z"]["prints"] == [] and not out["y"]["truncated"]
+    out = room.drain(["y", "z"]).requests
+    assert out["z"].truncated and out["z"].prints == [] and not out["y"].truncated
     want = fingerprint_rows(logits[0:1].float()).digest.numpy().view(np.uint64).tolist()
     assert _rows(out["y"], "logits") == {1: want[0]}
 
@@ -268,7 +271,7 @@ def test_recomputed_positions_keep_the_latest_rows() -> None:
     drive.step({"p-00000000": (0, 4)})
     drive.step({"p-00000000": (4, 1)})
     drive.step({"p-00000000": (0, 5)})  # preempted and recomputed: prompt and generated token again
-    out = capture.drain(["p"])["requests"]["p"]
+    out = capture.drain(["p"]).requests["p"]
     embed = _rows(out, "embed")
     assert sorted(embed) == [0, 1, 2, 3, 4] and capture.counters.recomputed_rows > 0
     assert sorted(_rows(out, "embed", "engine_prefill")) == [0, 1, 2, 3, 4]  # the latest: the recompute
@@ -279,8 +282,8 @@ def test_refused_capture_keeps_metadata_and_failures_never_reach_the_engine() ->
     runner.add("q-00000000", [1, 2, 3])
     refused = _capture(runner, refusal="regions not captured: test")
     Driver(runner, refused).step({"q-00000000": (0, 3)})
-    out = refused.drain(["q"])["requests"]["q"]
-    assert out["prints"] == [] and out["prompt_len"] == 3
+    out = refused.drain(["q"]).requests["q"]
+    assert out.prints == [] and out.prompt_len == 3
     refused.remove()
 
     def broken(_x: torch.Tensor) -> Any:
@@ -291,21 +294,53 @@ def test_refused_capture_keeps_metadata_and_failures_never_reach_the_engine() ->
     logits = Driver(runner, failing).step({"s-00000000": (0, 3)})
     assert logits.shape == (1, VOCAB)
     out = failing.drain(["s"])
-    assert out["counters"]["errors"] >= 1 and out["requests"]["s"]["prints"] == []
+    assert out.counters["errors"] >= 1 and out.requests["s"].prints == []
 
 
-def test_plain_payloads_cross_processes() -> None:
-    body = {
-        "v": torch.__version__,
-        "n": np.int64(3),
-        "f": np.float32(0.5),
-        "t": (1, "a"),
-        "b": b"x",
-        "none": None,
-    }
-    out = plain(body)
-    assert out == {"v": str(torch.__version__), "n": 3, "f": 0.5, "t": [1, "a"], "b": b"x", "none": None}
-    assert type(out["v"]) is str and type(out["n"]) is int and type(out["f"]) is float
+def test_messages_cross_processes_as_msgpack() -> None:
+    """What a worker answers survives msgpack (what collective_rpc uses between processes) and comes
+    back as the same typed message; odd scalars (a TorchVersion, numpy numbers) become plain ones."""
+    import msgspec
+
+    runner = FakeRunner()
+    runner.add("m-00000000", [1, 2, 3])
+    capture = _capture(runner)
+    Driver(runner, capture).step({"m-00000000": (0, 3)})
+    drained = capture.drain(["m"])
+    wire = msgspec.msgpack.decode(msgspec.msgpack.encode(to_wire(drained)))
+    again = from_wire(wire, Drained)
+    assert again == drained and _rows(again.requests["m"], "embed") == _rows(drained.requests["m"], "embed")
+    started = Started(
+        facts={"torch_version": torch.__version__, "n": np.int64(3), "f": np.float32(0.5)},
+        regions=["embed"],
+        unobserved={},
+        refusal=None,
+        family="qwen3",
+        tp_rank=0,
+        pp_rank=0,
+        weight_version=None,
+        weight_digest=None,
+        mode=ModeState(),
+    )
+    facts = from_wire(msgspec.msgpack.decode(msgspec.msgpack.encode(to_wire(started))), Started).facts
+    assert facts == {"torch_version": str(torch.__version__), "n": 3, "f": 0.5}
+    with pytest.raises(msgspec.ValidationError, match="unknown field"):
+        from_wire({"mode": "native", "extra": 1}, SetMode)
+
+
+def test_a_requested_mode_is_applied_at_the_next_step_and_reported() -> None:
+    runner = FakeRunner()
+    runner.add("w-00000000", [1, 2, 3])
+    capture = _capture(runner, mode_switch=switch_engine_mode)
+    drive = Driver(runner, capture)
+    drive.step({"w-00000000": (0, 3)})
+    capture.request_mode(SetMode(mode="invariant", version=4))
+    assert capture.drain([]).mode == ModeState()  # not before the engine's next step
+    drive.step({"w-00000000": (3, 1)})
+    state = capture.drain(["w"]).mode
+    assert (state.requested, state.applied, state.version, state.step) == ("invariant", "native", 4, 1)
+    assert state.reason == NATIVE_IN_VLLM  # vLLM's own kernels stay: said, not hidden
+    assert switch_engine_mode("native") == ("native", None)
 
 
 def test_weight_digest_and_packing() -> None:
