@@ -14,63 +14,13 @@ then both sides agree bit for bit.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from collectors.layout import StepBatch
 from kernels import routing
-
-
-@dataclass(frozen=True)
-class PackedBatch:
-    """Prompt + completion token ids, right-padded into one ``[rows, cols]`` tensor.
-
-    ``rows``/``cols`` index the hidden state that predicts each completion token (position t
-    predicts token t+1), ``targets`` are those tokens, ``sample`` says which row each belongs to.
-    """
-
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    rows: torch.Tensor
-    cols: torch.Tensor
-    targets: torch.Tensor
-    sample: torch.Tensor
-    prompt_lens: tuple[int, ...]
-    completion_lens: tuple[int, ...]
-
-
-def pack(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], pad_id: int) -> PackedBatch:
-    """Lay ``prompts[i] + completions[i]`` out as rows of one right-padded batch."""
-    if len(prompts) != len(completions):
-        raise ValueError(f"completions: {len(completions)} given for {len(prompts)} prompts")
-    if any(len(p) == 0 for p in prompts):
-        raise ValueError("prompts: every prompt needs at least one token")
-    seqs = [list(p) + list(c) for p, c in zip(prompts, completions, strict=True)]
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    rows, cols, targets, sample = [], [], [], []
-    for i, (p, c, s) in enumerate(zip(prompts, completions, seqs, strict=True)):
-        ids[i, : len(s)] = torch.tensor(s)
-        mask[i, : len(s)] = 1
-        for j, token in enumerate(c):
-            rows.append(i)
-            cols.append(len(p) + j - 1)
-            targets.append(int(token))
-            sample.append(i)
-    as_long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
-    return PackedBatch(
-        input_ids=ids,
-        attention_mask=mask,
-        rows=as_long(rows),
-        cols=as_long(cols),
-        targets=as_long(targets),
-        sample=as_long(sample),
-        prompt_lens=tuple(len(p) for p in prompts),
-        completion_lens=tuple(len(c) for c in completions),
-    )
 
 
 @dataclass(frozen=True)
@@ -82,21 +32,21 @@ class PolicyOutput:
     logits: torch.Tensor
 
 
-def policy_logprobs(model: nn.Module, batch: PackedBatch) -> PolicyOutput:
-    """One full forward of an HF causal LM; the completion tokens' logprobs through the routed head.
+def policy_logprobs(model: nn.Module, batch: StepBatch) -> PolicyOutput:
+    """One full forward of an HF causal LM over ``batch``; the completion tokens' logprobs (in
+    sample order, as :meth:`StepBatch.completion_rows` lists them) through the routed head.
 
-    The whole model runs (``lm_head`` included) so a collector hooked on it sees every region.
+    The whole model runs (``lm_head`` included) so a collector hooked on it sees every region, and
+    the forward's inputs are the batch's own, so the trainer collector reuses this forward.
     """
-    device = model.lm_head.weight.device
-    out = model(
-        input_ids=batch.input_ids.to(device),
-        attention_mask=batch.attention_mask.to(device),
-        output_hidden_states=True,
-    )
+    out = model(**batch.model_inputs(), output_hidden_states=True)
     final = out.hidden_states[-1]  # after the final norm: what lm_head reads
-    hidden = final[batch.rows.to(device), batch.cols.to(device)]
+    predict, target = batch.completion_rows()
+    device = final.device
+    hidden = final.reshape(-1, final.shape[-1])[torch.as_tensor(predict, device=device)]
+    tokens = batch.input_ids.reshape(-1).to(device)[torch.as_tensor(target, device=device)]
     weight = model.lm_head.weight
-    logprobs = routing.token_logprobs(hidden, weight, batch.targets.to(device))
+    logprobs = routing.token_logprobs(hidden, weight, tokens)
     with torch.no_grad():
         log_p = torch.log_softmax(routing.logits_fp32(hidden.detach(), weight.detach()), dim=-1)
         entropy = -(log_p.exp() * log_p).sum(-1)

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from collectors.layout import StepBatch
 from collectors.rl import grpo
 from collectors.rl.task import Problem, copy_problems, reward, rewards
 
@@ -49,30 +50,17 @@ def test_clipped_loss_by_hand() -> None:
     assert math.isclose(out.clip_fraction, 2 / 3, rel_tol=1e-6)
 
 
-def test_pack_lays_out_completion_positions() -> None:
-    batch = grpo.pack([[5, 6], [7]], [[8, 9], [10, 11, 12]], pad_id=0)
-    assert batch.input_ids.tolist() == [[5, 6, 8, 9], [7, 10, 11, 12]]
-    assert batch.attention_mask.tolist() == [[1, 1, 1, 1], [1, 1, 1, 1]]
-    assert list(zip(batch.rows.tolist(), batch.cols.tolist(), batch.targets.tolist(), strict=True)) == [
-        (0, 1, 8),
-        (0, 2, 9),
-        (1, 0, 10),
-        (1, 1, 11),
-        (1, 2, 12),
-    ]
-    with pytest.raises(ValueError, match="prompts"):
-        grpo.pack([[]], [[1]], pad_id=0)
-
-
 def test_policy_logprobs_match_the_models_own_logits(tmp_path) -> None:
     """Through the fp32 head the logprobs equal a log-softmax of fp32 logits, and they backprop."""
     from collectors.tiny_models import load_tiny_model, make_tiny_model
 
     model, _ = load_tiny_model(make_tiny_model("qwen3", tmp_path / "m", num_layers=1, hidden=32))
-    batch = grpo.pack([[1, 2, 3], [4, 5]], [[6, 7], [8, 9, 10]], pad_id=0)
+    batch = StepBatch.padded([[1, 2, 3], [4, 5]], [[6, 7], [8, 9, 10]])
     out = grpo.policy_logprobs(model, batch)
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits.float()
-    expected = torch.log_softmax(logits, -1)[batch.rows, batch.cols, batch.targets]
+    logits = model(**batch.model_inputs()).logits.float()
+    # by hand: row 0 predicts 6, 7 from positions 2, 3; row 1 predicts 8, 9, 10 from positions 1, 2, 3
+    rows, cols, tokens = [0, 0, 1, 1, 1], [2, 3, 1, 2, 3], [6, 7, 8, 9, 10]
+    expected = torch.log_softmax(logits, -1)[rows, cols, tokens]
     assert torch.allclose(out.logprobs.detach(), expected, atol=1e-5)
     assert out.entropy.shape == out.logprobs.shape and bool((out.entropy > 0).all())
     out.logprobs.sum().backward()
