@@ -42,9 +42,9 @@ def safe(text: object) -> str:
 def _base(fig: go.Figure, height: int) -> go.Figure:
     fig.update_layout(
         height=height,
-        margin={"l": 60, "r": 20, "t": 30, "b": 40},
+        margin={"l": 60, "r": 20, "t": 40, "b": 40},
         template="plotly_white",
-        legend={"orientation": "h", "y": -0.12},
+        legend={"orientation": "h", "y": 1.0, "yanchor": "bottom", "x": 1.0, "xanchor": "right"},
     )
     return fig
 
@@ -145,7 +145,9 @@ def timelines(
                 annotation_font={"size": 10}, name=f"mode:{c.side}",
             )  # fmt: skip
     fig.update_xaxes(title_text="step", row=len(TIMELINE_PANELS), col=1)
-    return _base(fig, 170 * len(TIMELINE_PANELS))
+    _base(fig, 170 * len(TIMELINE_PANELS))
+    fig.update_layout(legend={"orientation": "v", "y": 1.0, "yanchor": "top", "x": 1.01, "xanchor": "left"})
+    return fig
 
 
 def interval_shapes(intervals: pd.DataFrame | None) -> list[dict]:

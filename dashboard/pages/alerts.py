@@ -129,11 +129,14 @@ def create(
     ), content()
 
 
-def expire(_clicks: list[int | None]) -> Any:
-    trigger = dash.ctx.triggered_id
-    if not isinstance(trigger, dict) or not any(_clicks or []):
+def expire(clicks: list[int | None], ids: list[dict[str, Any]]) -> Any:
+    """End the silence whose button was clicked (the table is redrawn after each click, so only that
+    button has clicks)."""
+    chosen = [i["id"] for i, n in zip(ids, clicks or [], strict=False) if n]
+    if not chosen:
         return no_update
-    expire_silence(context.store(), int(trigger["id"]))
+    for silence_id in chosen:
+        expire_silence(context.store(), int(silence_id))
     return content()
 
 
@@ -142,7 +145,9 @@ def refresh(_n: int | None) -> Any:
 
 
 def register(app: dash.Dash) -> None:
-    dash.register_page(__name__, path="/alerts", name="Alerts", title="isoaudit: alerts", layout=layout)
+    dash.register_page(
+        __name__, path="/alerts", name="Alerts", title="isoaudit: alerts", layout=layout, order=4
+    )
     app.callback(
         Output("silence-message", "children"),
         Output("alerts-content", "children"),
@@ -156,6 +161,7 @@ def register(app: dash.Dash) -> None:
     app.callback(
         Output("alerts-content", "children", allow_duplicate=True),
         Input({"type": "silence-expire", "id": ALL}, "n_clicks"),
+        State({"type": "silence-expire", "id": ALL}, "id"),
         prevent_initial_call=True,
     )(expire)
     app.callback(

@@ -67,4 +67,5 @@ def register(app: dash.Dash) -> None:
         name="Contract",
         title="isoaudit: contract",
         layout=layout,
+        order=2,
     )

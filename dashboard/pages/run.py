@@ -385,7 +385,9 @@ def table_click(
 
 
 def register(app: dash.Dash) -> None:
-    dash.register_page(__name__, path_template=PATH, name="Run", title="isoaudit: run", layout=layout)
+    dash.register_page(
+        __name__, path_template=PATH, name="Run", title="isoaudit: run", layout=layout, order=3
+    )
     app.callback(
         Output("run-timelines", "figure"),
         Output("run-position", "figure"),

@@ -86,7 +86,7 @@ def refresh(_n: int | None) -> html.Div:
 
 
 def register(app: dash.Dash) -> None:
-    dash.register_page(__name__, path=PATH, name="Runs", title="isoaudit: runs", layout=layout)
+    dash.register_page(__name__, path=PATH, name="Runs", title="isoaudit: runs", layout=layout, order=0)
     app.callback(
         Output("runs-table", "children"), Input("runs-interval", "n_intervals"), prevent_initial_call=True
     )(refresh)

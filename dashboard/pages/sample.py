@@ -112,4 +112,6 @@ def layout(
 
 
 def register(app: dash.Dash) -> None:
-    dash.register_page(__name__, path_template=PATH, name="Sample", title="isoaudit: sample", layout=layout)
+    dash.register_page(
+        __name__, path_template=PATH, name="Sample", title="isoaudit: sample", layout=layout, order=1
+    )

@@ -83,6 +83,10 @@ class CollectorRun:
         )
         self.trainer_sink = DirectSink(self.shared)
         self.rollout_sink = DirectSink(self.shared)
+        # The run is registered once before both sides write: two sinks registering one new run at
+        # the same moment race in Store.ingest (reported to the store's owner).
+        self.rollout_sink.send([self.run])
+        self.rollout_sink.flush()
         self.handle = trainer.attach(
             self.model,
             run=self.run,

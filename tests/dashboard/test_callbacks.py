@@ -1,0 +1,163 @@
+"""The pages' callbacks called directly (inside a request of the app, as Dash calls them)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from dash import Patch, no_update
+from typer.testing import CliRunner
+
+from audit import queries
+from audit.alerts import install_rules, parse_rules
+from audit.worker import ComparisonWorker
+from dashboard import create_app
+from dashboard.live import LiveState
+from dashboard.pages import alerts, contract, run, runs, sample
+from tests import factories as f
+from tests.dashboard.records import DIVERGING, fill, step_records
+
+RULES = parse_rules(
+    "rules:\n  - {name: mismatch, metric: exact_match_fraction, comparison: '<', threshold: 1.0}\n"
+)
+
+
+@pytest.fixture
+def app(store) -> Iterator:
+    install_rules(store, RULES, "yaml", replace=True)
+    fill(store, steps=3, samples=3, name="<img src=x onerror=alert(1)>")
+    dash_app = create_app(store, live_interval_ms=1000)
+    with dash_app.server.test_request_context("/"):
+        yield dash_app
+
+
+def _find(component, component_id):
+    """The component of a layout with this id (depth first)."""
+    if getattr(component, "id", None) == component_id:
+        return component
+    children = getattr(component, "children", None)
+    for child in children if isinstance(children, list) else [children] if children is not None else []:
+        found = _find(child, component_id)
+        if found is not None:
+            return found
+    return None
+
+
+def _text(component) -> str:
+    """All text of a layout, as it would render."""
+    if isinstance(component, str | int | float):
+        return str(component)
+    children = getattr(component, "children", None)
+    if children is None:
+        return ""
+    return " ".join(_text(c) for c in (children if isinstance(children, list) else [children]))
+
+
+def test_pages_lay_out(app, store):
+    assert "<img src=x onerror=alert(1)>" in _text(runs.layout())
+    page = run.layout(run_id="run-1", step="1")
+    assert _find(page, "run-title").children == "<img src=x onerror=alert(1)>"
+    assert _find(page, "run-interval").disabled is False  # just written: live
+    assert len(_find(page, "run-samples").data) == 3 and _find(page, "run-step").value == 1
+    state = LiveState.from_json(_find(page, "run-state").data)
+    assert state.last_step == 2 and state.regions == [DIVERGING] and state.n_bins == 2
+    assert "No run" in _text(run.layout(run_id="nope"))
+    key = next(r.sample_key for r in queries.step_samples(store, "run-1", 1) if r.first_divergence_region)
+    page = sample.layout(run_id="run-1", step="1", sample_key=key)
+    assert _find(page, "sample-first-divergence").children == DIVERGING
+    assert "No compared sample" in _text(sample.layout(run_id="run-1", step="x", sample_key=key))
+    page = contract.layout(run_id="run-1")
+    assert "runtime.dtype" in _text(_find(page, "contract-fields")) and "Handshake" in _text(page)
+    assert "mismatch" in _text(alerts.layout())
+
+
+def test_tick_appends_only_new_steps(app, store):
+    state = LiveState.from_json(_find(run.layout(run_id="run-1"), "run-state").data)
+    out = run.tick(1, state.to_json())
+    assert out[:4] == (no_update,) * 4 and out[4]["last_step"] == 2 and out[5] is False
+    store.ingest(step_records("run-1", 3))
+    ComparisonWorker(store).run_once()
+    timelines, position, divergence, diagnoses, new_state, disabled, status, applied = run.tick(
+        2, state.to_json()
+    )
+    assert all(isinstance(p, Patch) for p in (timelines, position, divergence, diagnoses))
+    assert new_state["last_step"] == 3 and disabled is False and status == "live"
+    ops = timelines.to_plotly_json()["operations"]
+    assert {op["operation"] for op in ops} == {"Extend"} and ops[0]["params"]["value"] == [3]
+    # A step reaching a wider position range than drawn redraws that figure in full.
+    wide = [r for r in step_records("run-1", 4, samples=5)]
+    store.ingest(wide)
+    ComparisonWorker(store).run_once()
+    out = run.tick(3, new_state)
+    assert not isinstance(out[1], Patch) and out[1]["data"][0]["x"][-1] == 4 and out[4]["n_bins"] == 3
+
+
+def test_the_toggle_writes_with_the_version_it_read_and_shows_a_conflict(app, store):
+    state = {"run_id": "run-1"}
+    mode, control, message, disabled = run.set_mode("invariant", {"mode": "native", "version": 0}, state)
+    assert mode == "invariant" and control == {"mode": "invariant", "version": 1} and disabled is False
+    assert store.get_control("run-1").updated_by == "dashboard" and message.id == "run-control-ok"
+    store.set_control("run-1", "native", 1, updated_by="someone-else")
+    mode, control, message, _ = run.set_mode("native", {"mode": "invariant", "version": 1}, state)
+    assert mode == "native" and control["version"] == 2 and message.id == "run-control-conflict"
+    assert "someone-else" in _text(message) and store.get_control("run-1").version == 2
+    assert run.set_mode("native", {"mode": "native", "version": 2}, state) == (no_update,) * 4
+
+
+def test_the_toggle_records_the_basic_auth_user(store):
+    fill(store, steps=1)
+    dash_app = create_app(store, auth=("alice", "secret"))
+    with dash_app.server.test_request_context("/", headers={"Authorization": "Basic YWxpY2U6c2VjcmV0"}):
+        run.set_mode("invariant", {"mode": "native", "version": 0}, {"run_id": "run-1"})
+    assert store.get_control("run-1").updated_by == "dashboard:alice"
+    client = dash_app.server.test_client()
+    assert client.get("/").status_code == 401
+    assert client.get("/", headers={"Authorization": "Basic YWxpY2U6c2VjcmV0"}).status_code == 200
+
+
+def test_heatmap_and_table_clicks_open_a_sample(app, store):
+    state = _find(run.layout(run_id="run-1"), "run-state").data
+    href = run.position_click({"points": [{"x": 1, "y": "0–15", "pointNumber": [0, 1]}]}, state)
+    point = queries.step_point(store, "run-1", 1)
+    assert href == f"/runs/run-1/steps/1/samples/{point.position_bins['max_key'][0]}"
+    href = run.divergence_click({"points": [{"x": 2, "y": DIVERGING, "pointNumber": [0, 2]}]}, state)
+    example = queries.step_point(store, "run-1", 2).first_divergence[DIVERGING]["example"]
+    assert href == f"/runs/run-1/steps/2/samples/{example}"
+    assert run.position_click(None, state) is no_update
+    rows = run.step_rows(1, state)
+    assert run.table_click({"row": 1, "column": 0}, rows, 1, state).endswith(rows[1]["sample_key"])
+    assert rows[0]["open"].startswith("[open](/runs/run-1/steps/1/samples/")
+    figure, new_state = run.redraw_position("max", state)
+    assert new_state["stat"] == "max" and "max" in figure.data[0].hovertemplate
+
+
+def test_silence_create_and_expire(app, store):
+    message, _ = alerts.create(1, "mismatch", "run-1", "1 hour", "maintenance")
+    assert "created" in _text(message)
+    [silence] = queries.alerts_view(store).silences
+    assert silence.created_by == "dashboard" and silence.run_id == "run-1"
+    bad, content = alerts.create(1, None, "not a run id!", "1 hour", None)
+    assert "run_id" in _text(bad) and content is no_update
+    assert alerts.expire([None], [{"type": "silence-expire", "id": silence.id}]) is no_update
+    alerts.expire([1], [{"type": "silence-expire", "id": silence.id}])
+    assert queries.aware(queries.alerts_view(store).silences[0].ends_at) < queries.aware(silence.ends_at)
+
+
+def test_cli_refuses_a_public_bind_without_credentials(tmp_path):
+    from audit.cli import app as cli
+
+    result = CliRunner().invoke(
+        cli, ["dashboard", "--host", "0.0.0.0", "--database-url", f"sqlite:///{tmp_path}/x.db"]
+    )
+    assert result.exit_code == 2 and "without credentials" in result.output
+    result = CliRunner().invoke(cli, ["dashboard", "--host", "0.0.0.0", "--auth", "nopassword"])
+    assert result.exit_code != 0 and "user:password" in result.output
+
+
+def test_cli_parses_auth():
+    from audit.cli.dashboard import is_loopback, parse_auth
+
+    assert parse_auth("a:b:c") == ("a", "b:c") and parse_auth(None) is None and parse_auth("") is None
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("example.org")
+    assert f.run().run_id == "run-1"
