@@ -1,0 +1,147 @@
+"""The loop itself: sample, reward, recompute, update, sync — with both sides audited.
+
+One step of synchronous GRPO, in the order a real job runs it:
+
+1. the rollout engine samples ``group`` completions for each prompt (its collector records the
+   tokens, logprobs and fingerprints);
+2. each completion is rewarded exactly (:mod:`.task`);
+3. the trainer recomputes the completions' logprobs (its collector records them: the audited
+   mismatch is this recompute against the engine's logprobs);
+4. ``updates`` passes of the clipped GRPO loss update the policy;
+5. the new weights go to the engine as weight version ``step + 1``, and the session is told.
+
+The remediation mode the dashboard asks for is applied by each collector at its next step
+boundary (the engine's ``generate``, the trainer's ``begin_step``); the loop does nothing for it.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from collectors.layout import StepBatch
+from collectors.rl import grpo
+from collectors.rl.rollout import Rollout
+from collectors.rl.task import Problem, copy_problems, rewards
+from collectors.sessions import Session
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """The loop's knobs; the defaults run in a few seconds a step on two CPU cores."""
+
+    steps: int = 20
+    prompts: int = 8
+    group: int = 4
+    max_new: int = 6
+    temperature: float = 1.0
+    learning_rate: float = 3e-3
+    clip_eps: float = 0.2
+    updates: int = 2
+    sample_every: int = 1
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "prompts", "group", "max_new", "updates", "sample_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be at least 1, got {getattr(self, name)}")
+        if self.group < 2:
+            raise ValueError(f"group: GRPO compares completions within a group; need >= 2, got {self.group}")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature: must be > 0, got {self.temperature}")
+
+
+@dataclass(frozen=True)
+class StepFigures:
+    """The loop's own figures for one step, as the dashboard sets them beside the mismatch."""
+
+    step: int
+    reward_mean: float
+    reward_std: float
+    entropy: float
+    clip_fraction: float
+    generation_s: float
+    training_s: float
+    weight_version: int
+    mode: str
+
+
+def run_job(
+    audit: Session,
+    policy: nn.Module,
+    tokenizer: object,
+    rollout: Rollout,
+    config: JobConfig = JobConfig(),
+    *,
+    on_step: Callable[[StepFigures], None] | None = None,
+) -> list[StepFigures]:
+    """Train ``policy`` for ``config.steps`` GRPO steps against ``rollout``, audited by ``audit``."""
+    torch.manual_seed(config.seed)
+    trainer = audit.watch_trainer(policy, sample_every=config.sample_every, case="trainer_recompute")
+    rollout.watch(audit)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=config.learning_rate)
+    problems = copy_problems(1024, seed=config.seed)
+    rng = random.Random(config.seed)
+    pad = int(getattr(tokenizer, "pad_token_id", 0) or 0)
+    figures: list[StepFigures] = []
+    for step in range(config.steps):
+        chosen = [p for p in rng.sample(problems, config.prompts) for _ in range(config.group)]
+        prompts = [list(tokenizer(p.prompt)["input_ids"]) for p in chosen]  # type: ignore[operator]
+
+        started = time.perf_counter()
+        sampled = rollout.generate(step, prompts, config.max_new, config.temperature, seed=config.seed + step)
+        generation_s = time.perf_counter() - started
+
+        started = time.perf_counter()
+        completions = [s.tokens for s in sampled]
+        texts = tokenizer.batch_decode(completions, skip_special_tokens=True)  # type: ignore[attr-defined]
+        reward = torch.tensor(rewards(texts, chosen))
+        batch = StepBatch.padded(prompts, completions, pad_token_id=pad, temperature=config.temperature)
+        trainer.begin_step(step, batch)  # a step boundary: a new remediation mode applies here
+        policy.train()
+        with torch.no_grad():
+            old = grpo.policy_logprobs(policy, batch)
+        lengths = [len(c) for c in completions]
+        trainer.record_step(step, batch, logprobs=list(torch.split(old.logprobs.float(), lengths)))
+        token_advantages = grpo.group_advantages(reward, config.group).repeat_interleave(
+            torch.tensor(lengths)
+        )
+        clip = []
+        for _ in range(config.updates):
+            new = grpo.policy_logprobs(policy, batch)
+            loss = grpo.clipped_loss(
+                new.logprobs.float(), old.logprobs.float(), token_advantages, config.clip_eps
+            )
+            optimizer.zero_grad(set_to_none=True)
+            loss.loss.backward()
+            optimizer.step()
+            clip.append(loss.clip_fraction)
+        version = step + 1
+        rollout.sync(policy, version)
+        audit.weights_changed(version)
+        training_s = time.perf_counter() - started
+
+        row = StepFigures(
+            step=step,
+            reward_mean=float(reward.mean()),
+            reward_std=float(reward.std(unbiased=False)),
+            entropy=float(old.entropy.mean()),
+            clip_fraction=float(np.mean(clip)),
+            generation_s=generation_s,
+            training_s=training_s,
+            weight_version=version,
+            mode=trainer.mode,
+        )
+        figures.append(row)
+        if on_step is not None:
+            on_step(row)
+    return figures
+
+
+__all__ = ["JobConfig", "Problem", "StepFigures", "run_job"]

@@ -1,0 +1,156 @@
+"""The two rollout engines the recipe can drive, behind one small interface.
+
+Each holds its *own* copy of the policy's weights, as a real rollout engine does, so the weight
+sync after an update is a real transfer with a version, not a shared tensor:
+
+* :class:`VllmRollout`: the real vLLM engine (``vllm.LLM``; the CPU build in tests), weights
+  pushed with :func:`collectors.vllm.load_weights` between two ``generate`` calls (the synchronous
+  ``LLM``'s equivalent of pause → update → resume);
+* :class:`ReferenceRollout`: isoaudit's reference engine (:class:`kernels.engine.RolloutEngine`:
+  batched prefill, then incremental decode with a KV cache) over a deep copy of the policy.
+"""
+
+from __future__ import annotations
+
+import copy
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from collectors.base import Collector
+from collectors.sessions import Session
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """One completion: its tokens and the engine's logprob of each."""
+
+    tokens: list[int]
+    logprobs: list[float]
+
+
+class Rollout(ABC):
+    """A rollout engine the loop samples from and pushes weights into."""
+
+    name: str
+    collector: Collector | None = None
+
+    @abstractmethod
+    def watch(self, audit: Session) -> Collector:
+        """Attach this engine's collector to ``audit``."""
+
+    @abstractmethod
+    def generate(
+        self, step: int, prompts: list[list[int]], max_new: int, temperature: float, seed: int
+    ) -> list[Sampled]:
+        """Sample one completion per prompt and record the step through the collector."""
+
+    @abstractmethod
+    def sync(self, policy: nn.Module, version: int) -> None:
+        """Load ``policy``'s current weights as weight version ``version``."""
+
+    def close(self) -> None:  # noqa: B027 - most engines need nothing released
+        """Release the engine."""
+
+
+class ReferenceRollout(Rollout):
+    """isoaudit's reference engine over its own copy of the policy."""
+
+    name = "reference"
+
+    def __init__(self, policy: nn.Module, *, max_len: int = 256) -> None:
+        from kernels.adapters import HFCausalLM
+        from kernels.engine import RolloutEngine
+
+        self.model = copy.deepcopy(policy).eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self.engine = RolloutEngine(HFCausalLM(self.model), max_len=max_len)
+
+    def watch(self, audit: Session) -> Collector:
+        self.collector = audit.watch_engine(self.engine, weight_version=0)
+        return self.collector
+
+    def generate(
+        self, step: int, prompts: list[list[int]], max_new: int, temperature: float, seed: int
+    ) -> list[Sampled]:
+        completions = self.engine.generate(
+            prompts, [max_new] * len(prompts), seed=seed, temperature=temperature
+        )
+        if self.collector is not None:
+            self.collector.record_step(step, completions)
+        return [Sampled(list(c.tokens), list(c.logprobs)) for c in completions]
+
+    @torch.no_grad()
+    def sync(self, policy: nn.Module, version: int) -> None:
+        held = dict(self.model.named_parameters())
+        for name, tensor in policy.named_parameters():
+            held[name].copy_(tensor.detach())
+
+
+class VllmRollout(Rollout):
+    """The real vLLM engine, started from the policy's saved directory."""
+
+    name = "vllm"
+
+    def __init__(
+        self, model_dir: Path, *, dtype: str = "bfloat16", seed: int = 0, max_model_len: int = 512
+    ) -> None:
+        from vllm import LLM
+
+        self.llm = LLM(
+            model=str(model_dir),
+            dtype=dtype,
+            seed=seed,
+            enforce_eager=True,  # module hooks see every region (no torch.compile, no CUDA graphs)
+            gpu_memory_utilization=0.3,
+            max_model_len=max_model_len,
+            logprobs_mode="processed_logprobs",
+            enable_prefix_caching=False,
+        )
+
+    def watch(self, audit: Session) -> Collector:
+        self.collector = audit.watch_vllm(self.llm, weight_version=0)
+        return self.collector
+
+    def generate(
+        self, step: int, prompts: list[list[int]], max_new: int, temperature: float, seed: int
+    ) -> list[Sampled]:
+        from vllm import SamplingParams
+
+        params = [
+            SamplingParams(max_tokens=max_new, temperature=temperature, logprobs=0, seed=seed * 100_003 + i)
+            for i in range(len(prompts))
+        ]
+        requests: list[Any] = [{"prompt_token_ids": p} for p in prompts]
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        if self.collector is not None:
+            self.collector.record_step(step, outputs)
+        sampled = []
+        for out in outputs:
+            completion = out.outputs[0]
+            tokens = list(completion.token_ids)
+            logprobs = [float(entry[t].logprob) for t, entry in zip(tokens, completion.logprobs, strict=True)]
+            sampled.append(Sampled(tokens, logprobs))
+        return sampled
+
+    def sync(self, policy: nn.Module, version: int) -> None:
+        from collectors.vllm import load_weights
+
+        load_weights(self.llm, [(n, p.detach()) for n, p in policy.named_parameters()], version)
+
+    def close(self) -> None:
+        del self.llm
+
+
+def vllm_available() -> bool:
+    """Whether the real vLLM engine can be imported here."""
+    try:
+        import vllm  # noqa: F401
+    except Exception:
+        return False
+    return True
