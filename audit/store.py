@@ -96,22 +96,38 @@ class StepSummary:
     compared_samples: int
 
 
-def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
-    cursor = dbapi_connection.cursor()
-    cursor.execute("PRAGMA journal_mode=WAL")
-    cursor.execute("PRAGMA synchronous=NORMAL")
-    cursor.execute("PRAGMA foreign_keys=ON")
-    cursor.execute("PRAGMA busy_timeout=30000")
-    cursor.close()
+#: How long a statement waits for the database by default: SQLite's busy timeout (another writer
+#: holds the lock) and PostgreSQL's connect timeout. The API passes its own, shorter one.
+DEFAULT_TIMEOUT_S = 30.0
 
 
-def make_engine(url: str | None = None, **kwargs: Any) -> Engine:
-    """An engine for ``url`` with the settings the store relies on (WAL and foreign keys on SQLite)."""
+def _sqlite_pragmas(timeout_s: float) -> Any:
+    def connect(dbapi_connection: Any, _record: Any) -> None:
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA synchronous=NORMAL")
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.execute(f"PRAGMA busy_timeout={int(timeout_s * 1000)}")
+        cursor.close()
+
+    return connect
+
+
+def make_engine(url: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S, **kwargs: Any) -> Engine:
+    """An engine for ``url`` with the settings the store relies on: WAL, foreign keys and a busy
+    timeout of ``timeout_s`` on SQLite; on a server, a connect timeout of ``timeout_s`` and a ping
+    before a pooled connection is reused (a connection cut or a restarted server costs one failed
+    request, then the pool heals by itself)."""
     url = database_url(url)
-    engine = create_engine(url, **kwargs)
-    if engine.dialect.name == "sqlite":
-        event.listen(engine, "connect", _sqlite_pragmas)
-    return engine
+    if url.startswith("sqlite"):
+        engine = create_engine(url, **kwargs)
+        event.listen(engine, "connect", _sqlite_pragmas(timeout_s))
+        return engine
+    connect_args = kwargs.pop("connect_args", {})
+    if url.startswith("postgresql"):
+        connect_args.setdefault("connect_timeout", max(1, round(timeout_s)))
+    kwargs.setdefault("pool_pre_ping", True)
+    return create_engine(url, connect_args=connect_args, **kwargs)
 
 
 def _sample_row(record: SampleLogprobs) -> dict[str, Any]:
@@ -213,7 +229,12 @@ class Store:
     """All reads and writes of isoaudit's database go through here."""
 
     def __init__(
-        self, url: str | None = None, *, upgrade: bool | None = None, engine: Engine | None = None
+        self,
+        url: str | None = None,
+        *,
+        upgrade: bool | None = None,
+        engine: Engine | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> None:
         """Open the store at ``url`` (``ISOAUDIT_DATABASE_URL``, else the embedded SQLite file).
 
@@ -221,10 +242,11 @@ class Store:
         needs no set-up step); any other database is left alone, and one whose schema is behind is
         refused with :class:`StoreError` saying to run ``isoaudit db upgrade`` (a shared server is
         migrated once, on purpose, not by whichever client connects first). ``True`` upgrades any
-        database; ``False`` upgrades none."""
+        database; ``False`` upgrades none. ``timeout_s``: how long a statement waits for a locked
+        SQLite file or a PostgreSQL connection before failing (see :func:`make_engine`)."""
         from audit.migrate import ensure_schema
 
-        self.engine = engine or make_engine(url)
+        self.engine = engine or make_engine(url, timeout_s=timeout_s)
         ensure_schema(self.engine, may_upgrade=self.dialect == "sqlite" if upgrade is None else upgrade)
         self.sessions = sessionmaker(self.engine, expire_on_commit=False)
 

@@ -55,12 +55,13 @@ def create_app(
     *,
     alert_engine: AlertEngine | None = None,
 ) -> FastAPI:
-    """A ready app. Pass a ``store`` to share one (tests); otherwise one is opened (and migrated) from
-    ``settings.database_url`` and closed on shutdown. On start-up it installs the alert rules and starts
+    """A ready app. Pass a ``store`` to share one (tests); otherwise one is opened from
+    ``settings.database_url`` (SQLite migrates itself; a server database must have been upgraded with
+    ``isoaudit db upgrade``) and closed on shutdown. On start-up it installs the alert rules and starts
     the comparison worker with ``alert_engine.evaluate`` as its per-step callback."""
     settings = settings or ApiSettings.from_env()
     owns_store = store is None
-    store = store or Store(settings.database_url)
+    store = store or Store(settings.database_url, timeout_s=settings.database_timeout_s)
     alert_engine = alert_engine or default_alert_engine(store, settings)
 
     @asynccontextmanager

@@ -1,8 +1,9 @@
 """Error responses that say which field is wrong and never echo the request back (a rejected batch
-can be megabytes of base64)."""
+can be megabytes of base64), and 503 for any request the database could not answer in time."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -10,6 +11,13 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
+from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
+
+log = logging.getLogger("isoaudit.api")
+
+#: What a client should do on 503: wait this long and send the same request again.
+RETRY_AFTER_S = 1
 
 
 def field_errors(errors: Sequence[Any], prefix: tuple[str | int, ...] = ()) -> list[dict[str, Any]]:
@@ -35,5 +43,22 @@ async def _validation_handler(_request: Request, exc: RequestValidationError) ->
     return JSONResponse({"detail": field_errors(exc.errors())}, status_code=422)
 
 
+def database_unavailable_response() -> JSONResponse:
+    return JSONResponse(
+        {"detail": "database: unavailable (locked, restarting or unreachable); nothing was changed, retry"},
+        status_code=503,
+        headers={"Retry-After": str(RETRY_AFTER_S)},
+    )
+
+
+async def _database_handler(_request: Request, exc: Exception) -> JSONResponse:
+    # The database did not answer (SQLite locked past its busy timeout, a connection cut, a server
+    # restarting, the pool exhausted): the transaction rolled back, so the request changed nothing.
+    log.warning("database unavailable: %s", type(getattr(exc, "orig", None) or exc).__name__)
+    return database_unavailable_response()
+
+
 def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, _validation_handler)
+    app.add_exception_handler(OperationalError, _database_handler)
+    app.add_exception_handler(PoolTimeout, _database_handler)

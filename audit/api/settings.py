@@ -19,6 +19,7 @@ def _env_bool(value: str) -> bool:
 #: The environment variable behind each setting.
 _ENV: dict[str, str] = {
     "database_url": "ISOAUDIT_DATABASE_URL",
+    "database_timeout_s": "ISOAUDIT_DATABASE_TIMEOUT_S",
     "require_token_for_reads": "ISOAUDIT_REQUIRE_TOKEN_FOR_READS",
     "max_body_bytes": "ISOAUDIT_MAX_BODY_BYTES",
     "run_worker": "ISOAUDIT_RUN_WORKER",
@@ -36,6 +37,12 @@ class ApiSettings(BaseModel):
 
     database_url: str | None = Field(
         default=None, description="SQLAlchemy URL; None = ISOAUDIT_DATABASE_URL or SQLite"
+    )
+    database_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="how long a request waits for the database (a locked SQLite file, a PostgreSQL "
+        "connection) before answering 503; ingest retries within this time",
     )
     require_token_for_reads: bool = Field(
         default=True, description="GET endpoints need a bearer token as well"

@@ -29,20 +29,22 @@ log = logging.getLogger("isoaudit.api")
 T = TypeVar("T")
 
 
-def _with_retries(attempts: int, action: Callable[[], T]) -> T:
+def _with_retries(deadline_s: float, attempts: int, action: Callable[[], T]) -> T:
     """Run a transaction again when it lost a race with a concurrent writer (two clients creating the
-    same run, SQLite's single writer, a PostgreSQL deadlock). Safe because ingest is idempotent and
-    each attempt is one transaction that either committed or left nothing behind."""
+    same run, SQLite's single writer, a PostgreSQL deadlock) or the database did not answer (locked,
+    a connection cut: the pool replaces it), for up to ``attempts`` tries within ``deadline_s``
+    seconds; the last error propagates (an OperationalError becomes 503). Safe because ingest is
+    idempotent and each attempt is one transaction that either committed or left nothing behind."""
+    deadline = time.monotonic() + deadline_s
     for attempt in range(attempts):
         try:
             return action()
         except (IntegrityError, OperationalError) as exc:
-            if attempt == attempts - 1:
+            delay = min(0.01 * 2**attempt, 0.5)
+            if attempt == attempts - 1 or time.monotonic() + delay > deadline:
                 raise
-            log.debug(
-                "ingest attempt %d lost a write race (%s); retrying", attempt + 1, type(exc.orig).__name__
-            )
-            time.sleep(min(0.01 * 2**attempt, 0.5))
+            log.debug("ingest attempt %d failed (%s); retrying", attempt + 1, type(exc.orig).__name__)
+            time.sleep(delay)
     raise AssertionError("unreachable")
 
 
@@ -51,25 +53,18 @@ def store_records(
 ) -> tuple[IngestResult, dict[str, Control]]:
     """Store records for ``project`` (each checked; the invalid ones come back in ``rejected``) and
     read back the desired mode of each run the stored records name. A database that stays
-    unavailable through the retries answers 503: the client keeps the batch and sends it again."""
+    unavailable through the retries raises OperationalError, which the app answers with 503
+    (``audit.api.errors``): the client keeps the batch and sends it again."""
     records = list(records)
     try:
-        result = _with_retries(settings.ingest_retries, lambda: store.ingest(records, project=project))
+        result = _with_retries(
+            settings.database_timeout_s,
+            settings.ingest_retries,
+            lambda: store.ingest(records, project=project),
+        )
     except ForbiddenRun as exc:
         raise HTTPException(status.HTTP_403_FORBIDDEN, detail=str(exc)) from exc
-    except OperationalError as exc:
-        raise database_unavailable(exc) from exc
     return result, {run_id: control_of(store, run_id) for run_id in result.runs}
-
-
-def database_unavailable(exc: Exception) -> HTTPException:
-    """503 with Retry-After: the database did not answer (locked, restarting, connection cut)."""
-    log.warning("ingest: the database is unavailable (%s)", type(exc).__name__)
-    return HTTPException(
-        status.HTTP_503_SERVICE_UNAVAILABLE,
-        detail="database: unavailable, nothing of this batch was stored; retry",
-        headers={"Retry-After": "1"},
-    )
 
 
 def batch_records(body: bytes) -> list[Any]:
@@ -147,6 +142,9 @@ async def ingest(
         raise
     except RequestValidationError:
         telemetry.record_rejected(status.HTTP_422_UNPROCESSABLE_CONTENT)
+        raise
+    except OperationalError:
+        telemetry.record_rejected(status.HTTP_503_SERVICE_UNAVAILABLE)
         raise
 
 
