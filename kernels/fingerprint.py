@@ -64,9 +64,14 @@ if HAVE_TRITON:
         row_ok = rows < n_rows
         base = x_ptr + rows.to(tl.int64)[:, None] * stride_x
         sk_cols = tl.arange(0, SK)
-        digest = tl.zeros((BLOCK_R,), tl.int64)
+        # Each 64-bit weight w = (hi + b) * 2**32 + lo_s, lo_s its low word read as signed: then
+        # x * w = x * lo_s + 2**32 * (x * (hi + b)) mod 2**64, one widening 32-bit product and one
+        # wrapping 32-bit product instead of a 64-bit one; the sums wrap the same way.
+        dig_lo = tl.zeros((BLOCK_R,), tl.int64)
+        dig_hi = tl.zeros((BLOCK_R,), tl.int32)
         r_idx = tl.arange(0, R)
-        ladder = tl.zeros((BLOCK_R, R), tl.int64)
+        lad_lo = tl.zeros((BLOCK_R, R), tl.int64)
+        lad_hi = tl.zeros((BLOCK_R, R), tl.int32)
         sq = tl.zeros((BLOCK_R,), tl.float32)
         sketch = tl.zeros((BLOCK_R, SK), tl.float32)
         amax = tl.zeros((BLOCK_R,), tl.int32)  # the largest |x| as a bit pattern
@@ -76,12 +81,18 @@ if HAVE_TRITON:
             ok = row_ok[:, None] & col_ok[None, :]
             xi = tl.load(base + cols[None, :], mask=ok, other=0)
             w = tl.load(w_ptr + cols, mask=col_ok, other=0)
-            wide = xi.to(tl.int64)  # sign-extends the bit pattern
-            digest += tl.sum(wide * w[None, :], 1)
+            w_lo = w.to(tl.int32)  # truncates: the low word, as signed
+            w_hi = ((w - w_lo.to(tl.int64)) >> 32).to(tl.int32)
+            x32 = xi.to(tl.int32)  # sign-extends the bit pattern
+            dig_lo += tl.sum(x32.to(tl.int64) * w_lo.to(tl.int64)[None, :], 1)
+            dig_hi += tl.sum(x32 * w_hi[None, :], 1)
             for r in tl.static_range(R):
-                m = tl.load(m_ptr + r)
-                rung = tl.sum((wide & m) * w[None, :], 1)
-                ladder += tl.where(r_idx[None, :] == r, rung[:, None], 0)
+                m = tl.load(m_ptr + r).to(tl.int32)  # all high bits set: its low word keeps the sign
+                xm = x32 & m
+                lo = tl.sum(xm.to(tl.int64) * w_lo.to(tl.int64)[None, :], 1)
+                hi = tl.sum(xm * w_hi[None, :], 1)
+                lad_lo += tl.where(r_idx[None, :] == r, lo[:, None], 0)
+                lad_hi += tl.where(r_idx[None, :] == r, hi[:, None], 0)
             if KIND == 0:
                 xf = (xi.to(tl.int32) << 16).to(tl.float32, bitcast=True)  # bf16 -> fp32 exactly
                 amax = tl.maximum(amax, tl.max(xi.to(tl.int32) & 0x7FFF, 1))
@@ -100,6 +111,8 @@ if HAVE_TRITON:
             maxabs = amax.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
         else:
             maxabs = amax.to(tl.float32, bitcast=True)
+        digest = dig_lo + (dig_hi.to(tl.int64) << 32)
+        ladder = lad_lo + (lad_hi.to(tl.int64) << 32)
         int_row = int_ptr + rows.to(tl.int64) * (1 + R)
         tl.store(int_row, digest, mask=row_ok)
         tl.store(int_row[:, None] + 1 + r_idx[None, :], ladder, mask=row_ok[:, None])

@@ -290,7 +290,7 @@ def _plan(
     has_bias: bool,
     device: torch.device,
     config: GemmConfig | None,
-) -> tuple[GemmConfig, int, dict, dict]:
+) -> _GemmPlan:
     """Everything about one call that its shapes fix: the tile, the program count, the constexprs
     and launch options (computed once per shape, not per call)."""
     capability, sms = _device_traits(device)
@@ -313,7 +313,21 @@ def _plan(
         DEVICE_DESC=cfg.device_descriptors,
         A_PTR=cfg.tma and m < cfg.block_m,
     )
-    return cfg, programs, constexprs, dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return _GemmPlan(cfg, programs, constexprs, dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+
+
+class _GemmPlan(tuple):
+    """(config, programs, constexprs, options), hashed by identity: the launch key holds the plan
+    itself (one object per shape, kept alive by the key), so hashing it costs nothing per call."""
+
+    __slots__ = ()
+    __hash__ = object.__hash__
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+    def __new__(cls, *fields):
+        return super().__new__(cls, fields)
 
 
 def gemm(
@@ -337,7 +351,8 @@ def gemm(
     out = torch.empty(m, n, dtype=odt, device=x.device)
     if m == 0:
         return out.reshape(*x.shape[:-1], n)
-    cfg, programs, constexprs, options = _plan(m, n, k, weight.dtype, odt, bias is not None, x.device, config)
+    plan = _plan(m, n, k, weight.dtype, odt, bias is not None, x.device, config)
+    cfg, programs, constexprs, options = plan
     if cfg.tma:
         w = _tma_operand(weight)
         if not constexprs["A_PTR"]:
@@ -362,11 +377,10 @@ def gemm(
     if cfg.tma and not cfg.device_descriptors:  # host descriptors: Triton binds them itself
         _gemm_kernel[(programs,)](*args, **constexprs, **options)
     else:
-        # What Triton specialises the runtime arguments on: the plan fixes n, k and the output;
-        # the strides of a and w and the alignment of the pointers complete it (m and the
-        # program count are not specialised).
-        key = (cfg, programs, constexprs["SPLIT_EPILOGUE"], bias is not None, n, k, odt, weight.dtype,
-               x.device, *a.stride(), *w.stride(), aligned(a, w, bias_arg))  # fmt: skip
+        # What Triton specialises the runtime arguments on: the plan fixes n, k, the dtypes and
+        # the output; the strides of a and w (args[7:11]) and the pointers' alignment complete it
+        # (m and the program count are not specialised).
+        key = (plan, *args[7:11], aligned(a, w, bias_arg))
         _LAUNCH(key, (programs, 1, 1), args, constexprs, **options)
     return out.reshape(*x.shape[:-1], n)
 

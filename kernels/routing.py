@@ -133,6 +133,8 @@ def attention(
             return _attn.attention_autograd(q, k_cache, v_cache, cu_q, q_pos0, kv_len, slots, scale)
         return _attn.attention(q, k_cache, v_cache, cu_q, q_pos0, kv_len, slots, scale)
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    if q.shape[0] == cu_q.numel() - 1:
+        return _native_decode(q, k_cache, v_cache, kv_len, slots, scale)
     g = q.shape[1] // k_cache.shape[2]
     outs = []
     for b in range(cu_q.numel() - 1):
@@ -150,6 +152,26 @@ def attention(
             F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale)[0].transpose(0, 1)
         )
     return torch.cat(outs)
+
+
+def _native_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    kv_len: torch.Tensor,
+    slots: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """A decode step as an engine runs it: one query per sequence, one batched SDPA over the
+    sequences' cache rows with a length mask; no host synchronisation, so it can be captured in a
+    CUDA graph (the per-sequence loop synchronised per sequence and layer)."""
+    idx = slots.to(device=q.device, dtype=torch.long)
+    k = k_cache.index_select(0, idx).transpose(1, 2)  # (B, Hkv, L, D)
+    v = v_cache.index_select(0, idx).transpose(1, 2)
+    keys = torch.arange(k_cache.shape[1], device=q.device)
+    mask = (keys[None, :] < kv_len.to(q.device)[:, None])[:, None, None, :]
+    out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out[:, :, 0, :]
 
 
 def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
