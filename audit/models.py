@@ -211,4 +211,18 @@ class StepSummaryRow(Base):
     computed_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
+class StepStatsRow(Base):
+    """The RL loop's own figures of one step (:class:`audit.records.StepStats`), by name."""
+
+    __tablename__ = "step_stats"
+
+    run_id: Mapped[str] = mapped_column(
+        String(128), ForeignKey("runs.run_id", ondelete="CASCADE"), primary_key=True
+    )
+    step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    #: {figure name: value}: reward_mean, reward_std, entropy, clip_fraction, generation_s, training_s, extras.
+    figures: Mapped[dict[str, Any]] = mapped_column()
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
 from audit import service_models as _service_models  # noqa: E402,F401

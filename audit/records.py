@@ -615,10 +615,55 @@ class RegionFingerprints(Record):
         return self
 
 
-AnyRecord = Annotated[Run | Manifest | SampleLogprobs | RegionFingerprints, Field(discriminator="kind")]
-RECORD_KINDS = ("run", "manifest", "sample", "fingerprints")
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+Seconds = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 
-_record_adapter: TypeAdapter[Run | Manifest | SampleLogprobs | RegionFingerprints] = TypeAdapter(AnyRecord)
+
+class StepStats(Record):
+    """The RL loop's own figures for one step (reward, entropy, clip fraction, phase times), so the
+    dashboard can set the mismatch beside what the job optimises. One per (run, step); a second
+    one for the same step replaces nothing (the first stored wins, as for every record)."""
+
+    kind: Literal["step_stats"] = "step_stats"
+    run_id: RunId
+    step: Step
+    reward_mean: FiniteFloat | None = None
+    reward_std: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
+    entropy: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
+    clip_fraction: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] | None = None
+    generation_s: Seconds | None = None
+    training_s: Seconds | None = None
+    extras: dict[str, FiniteFloat] = Field(
+        default_factory=dict, max_length=64, description="any other per-step figure, by name"
+    )
+    created_at: datetime = Field(default_factory=utcnow)
+
+    @model_validator(mode="after")
+    def _check_names(self) -> StepStats:
+        for name in self.extras:
+            check_text(name, f"extras.{name}")
+            if not 0 < len(name) <= 128:
+                raise ValueError(f"extras: a figure name must be 1..128 characters, got {len(name)}")
+        return self
+
+    def figures(self) -> dict[str, float]:
+        """Every figure that was given, by name (extras included)."""
+        named = {
+            k: getattr(self, k)
+            for k in ("reward_mean", "reward_std", "entropy", "clip_fraction", "generation_s", "training_s")
+            if getattr(self, k) is not None
+        }
+        return {**named, **self.extras}
+
+
+AnyRecord = Annotated[
+    Run | Manifest | SampleLogprobs | RegionFingerprints | StepStats, Field(discriminator="kind")
+]
+RECORD_KINDS = ("run", "manifest", "sample", "fingerprints", "step_stats")
+
+_record_adapter: TypeAdapter[Run | Manifest | SampleLogprobs | RegionFingerprints | StepStats] = TypeAdapter(
+    AnyRecord
+)
 
 
 def record_error(exc: ValidationError, *, tagged: bool = False) -> RecordError:
@@ -645,7 +690,7 @@ def record_kind(item: Any) -> str:
     return kind if isinstance(kind, str) and kind in RECORD_KINDS else "unknown"
 
 
-def validate_record(item: Any) -> Run | Manifest | SampleLogprobs | RegionFingerprints:
+def validate_record(item: Any) -> Run | Manifest | SampleLogprobs | RegionFingerprints | StepStats:
     """The store's boundary: a record (however built) or its dict, verified; raises RecordError."""
     if isinstance(item, Record):
         return item.checked()  # type: ignore[return-value]

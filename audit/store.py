@@ -28,6 +28,7 @@ from audit.models import (
     SampleResultRow,
     SampleRow,
     StepResultRow,
+    StepStatsRow,
 )
 from audit.records import (
     Manifest,
@@ -38,6 +39,7 @@ from audit.records import (
     Run,
     SampleLogprobs,
     Side,
+    StepStats,
     record_kind,
     utcnow,
     validate_record,
@@ -269,7 +271,7 @@ class Store:
         skipped, so a retried batch stores nothing twice. A record naming another project's run
         refuses the whole batch (:class:`ForbiddenRun`): that is a caller's mistake, not bad data."""
         result = IngestResult()
-        batch: list[Run | Manifest | SampleLogprobs | RegionFingerprints] = []
+        batch: list[Run | Manifest | SampleLogprobs | RegionFingerprints | StepStats] = []
         for index, item in enumerate(records):
             try:
                 batch.append(validate_record(item))
@@ -282,6 +284,7 @@ class Store:
         manifests = [r for r in batch if isinstance(r, Manifest)]
         samples = [r for r in batch if isinstance(r, SampleLogprobs)]
         prints = [r for r in batch if isinstance(r, RegionFingerprints)]
+        stats = [r for r in batch if isinstance(r, StepStats)]
         with self.sessions.begin() as session:
             self._ensure_runs(session, runs, {r.run_id for r in batch}, project, result)
             if manifests:
@@ -298,6 +301,14 @@ class Store:
                     for m in manifests
                 ]
                 self._insert_new(session, ManifestRow, rows, "manifest", result, returning=("id",))
+            if stats:
+                rows = [
+                    {"run_id": r.run_id, "step": r.step, "figures": r.figures(), "created_at": r.created_at}
+                    for r in stats
+                ]
+                self._insert_new(
+                    session, StepStatsRow, rows, "step_stats", result, returning=("run_id", "step")
+                )
             touched: set[tuple[str, int, str]] = set()
             if samples:
                 touched |= self._insert_new(
@@ -556,6 +567,25 @@ class Store:
             )
 
     # ------------------------------------------------------------------ remediation control (issue 6)
+
+    def step_stats(self, run_id: str, from_step: int = 0, to_step: int | None = None) -> list[StepStats]:
+        """The RL loop's own figures per step (``StepStats`` records), in step order."""
+        query = select(StepStatsRow).where(StepStatsRow.run_id == run_id, StepStatsRow.step >= from_step)
+        if to_step is not None:
+            query = query.where(StepStatsRow.step <= to_step)
+        with self.sessions() as session:
+            rows = session.scalars(query.order_by(StepStatsRow.step)).all()
+        named = ("reward_mean", "reward_std", "entropy", "clip_fraction", "generation_s", "training_s")
+        out = []
+        for row in rows:
+            figures = dict(row.figures)
+            given = {k: figures.pop(k) for k in named if k in figures}
+            out.append(
+                StepStats(
+                    run_id=row.run_id, step=row.step, extras=figures, created_at=row.created_at, **given
+                )
+            )
+        return out
 
     def get_control(self, run_id: str) -> ControlState:
         """The run's desired remediation mode (``native`` at version 0 until someone sets it)."""

@@ -87,6 +87,14 @@ class StepMetricsOut(BaseModel):
     computed_at: UtcDatetime
 
 
+class StepStatsOut(BaseModel):
+    """The RL loop's own figures of one step, by name (reward_mean, entropy, clip_fraction, ...)."""
+
+    step: int
+    figures: dict[str, float]
+    created_at: UtcDatetime
+
+
 class SampleResultOut(BaseModel):
     step: int
     sample_key: str

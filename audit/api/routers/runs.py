@@ -10,7 +10,7 @@ from fastapi import APIRouter, Depends, HTTPException, Query, status
 from audit.api.auth import ReadableRun, Reader
 from audit.api.deps import get_store
 from audit.api.routers.control import control_of
-from audit.api.schemas import DivergenceOut, RunOut, SampleResultOut, StepMetricsOut, StepOut
+from audit.api.schemas import DivergenceOut, RunOut, SampleResultOut, StepMetricsOut, StepOut, StepStatsOut
 from audit.records import Step
 from audit.store import Store
 
@@ -47,6 +47,23 @@ def get_run(run_id: ReadableRun, store: Annotated[Store, Depends(get_store)]) ->
 @router.get("/{run_id}/steps", response_model=list[StepOut], summary="Samples stored and compared per step")
 def list_steps(run_id: ReadableRun, store: Annotated[Store, Depends(get_store)]) -> list[StepOut]:
     return [StepOut(**step.__dict__) for step in store.steps(run_id)]
+
+
+@router.get(
+    "/{run_id}/step-stats",
+    response_model=list[StepStatsOut],
+    summary="The RL loop's own figures per step (reward, entropy, clip fraction, phase times)",
+)
+def step_stats(
+    run_id: ReadableRun,
+    store: Annotated[Store, Depends(get_store)],
+    from_step: Annotated[Step, Query(description="first step (inclusive)")] = 0,
+    to_step: Annotated[Step | None, Query(description="last step (inclusive)")] = None,
+) -> list[StepStatsOut]:
+    return [
+        StepStatsOut(step=s.step, figures=s.figures(), created_at=s.created_at)
+        for s in store.step_stats(run_id, from_step, to_step)
+    ]
 
 
 @router.get(
