@@ -8,8 +8,9 @@ use, so ``import collectors`` stays cheap.
 
 from __future__ import annotations
 
-from importlib import import_module
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from collectors.lazy import lazy_attributes
 
 if TYPE_CHECKING:
     from collectors.control import Control, ControlChannel, FixedControl
@@ -56,7 +57,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _WHERE:
-        raise AttributeError(f"module 'collectors' has no attribute {name!r}")
-    return getattr(import_module(f"collectors.{_WHERE[name]}"), name)
+__getattr__ = lazy_attributes(__name__, _WHERE)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, TypeVar
 
 from audit.records import Case, Manifest, Record, Run, RuntimeFacts, Side
@@ -59,6 +59,17 @@ class ModeReport:
             "remediation_native": self.reason,
             "control_version": self.version,
         }
+
+
+@dataclass(frozen=True)
+class RolloutStep:
+    """What one rollout ``record_step`` produced: the samples' keys, how many fingerprint records,
+    and (only with ``keep_records=True``) the records themselves."""
+
+    step: int
+    sample_keys: list[str]
+    n_fingerprint_records: int
+    records: list[Record] = field(default_factory=list)
 
 
 def run_record(run: str | Run) -> Run:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -29,7 +28,7 @@ from torch.utils.hooks import RemovableHandle
 from audit.fingerprints import ROW_FIELDS
 from audit.records import Record, RegionFingerprints, Run, RuntimeFacts, sample_key
 from collectors.assemble import keys_for, sample_records
-from collectors.base import Collector, CollectorCounters, ModeReport
+from collectors.base import Collector, CollectorCounters, ModeReport, RolloutStep
 from collectors.control import ControlChannel
 from collectors.fingerprints import fingerprint_rows
 from collectors.layout import StepBatch
@@ -135,16 +134,6 @@ class EngineFingerprints:
         self.adapter.step = self._original_step
 
 
-@dataclass(frozen=True)
-class EngineStep:
-    """What one ``EngineCollector.record_step`` produced (``records`` only with ``keep_records``)."""
-
-    step: int
-    sample_keys: list[str]
-    n_fingerprint_records: int
-    records: list[Record] = field(default_factory=list)
-
-
 class EngineCollector(Collector):
     """The handle ``Session.watch_engine(engine)`` returns: call :meth:`record_step` with what each
     ``engine.generate`` returned.
@@ -202,7 +191,7 @@ class EngineCollector(Collector):
         self._observed: list[str] = []
         self._begin([], self._unobserved())
 
-    def record_step(self, step: int, completions: Sequence[Any]) -> EngineStep | None:
+    def record_step(self, step: int, completions: Sequence[Any]) -> RolloutStep | None:
         """Record what ``engine.generate`` returned (``kernels.engine.Completion`` objects) as step
         ``step``: each sample's tokens and logprobs, and the fingerprints the engine computed."""
         return self.guarded("record_step", self._record, step, completions)
@@ -221,7 +210,7 @@ class EngineCollector(Collector):
             return {"*": "fingerprints not requested (regions=None)"}
         return self.prints.unobserved
 
-    def _record(self, step: int, completions: Sequence[Any]) -> EngineStep:
+    def _record(self, step: int, completions: Sequence[Any]) -> RolloutStep:
         if not isinstance(step, int | np.integer) or step < 0:
             raise ValueError(f"step: must be an integer >= 0, got {step!r}")
         step = int(step)
@@ -256,7 +245,7 @@ class EngineCollector(Collector):
         self.counters.samples += len(samples)
         self.counters.fingerprint_records += len(prints)
         keys = [str(s.sample_key) for s in samples]
-        return EngineStep(step, keys, len(prints), records if self.keep_records else [])
+        return RolloutStep(step, keys, len(prints), records if self.keep_records else [])
 
     def _runtime(self) -> RuntimeFacts:
         param = next(self.model.parameters(), None)

@@ -48,7 +48,6 @@ def processed_logprobs(
 
 
 def _log_softmax(rows: torch.Tensor) -> torch.Tensor:
-    from kernels import logprobs as invariant
     from kernels import routing
 
-    return invariant.log_softmax(rows) if routing.is_enabled() else torch.log_softmax(rows, dim=-1)
+    return routing.log_softmax(rows)  # the invariant one while kernels are on (CPU or Triton), else torch's

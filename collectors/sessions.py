@@ -333,15 +333,12 @@ class Session:
         return self._add(
             TrainerCollector(
                 model,
-                run=self.run,
-                sink=self._sink("trainer"),
+                **self._common("trainer"),
                 regions=regions,
                 sample_every=sample_every,
                 case=case,
                 contract=contract,
-                control=self.control,
                 remediation_hook=remediation_hook,
-                strict=self.strict,
                 keep_records=keep_records,
                 async_transfer=async_transfer,
                 max_inflight=max_inflight,
@@ -370,17 +367,14 @@ class Session:
         return self._add(
             VllmCollector(
                 llm,
-                run=self.run,
-                sink=self._sink("rollout"),
+                **self._common("rollout"),
                 regions=regions,
                 fingerprint=fingerprint,
                 contract=contract,
-                control=self.control,
                 weight_version=weight_version,
                 max_requests=max_requests,
                 max_rows=max_rows,
                 flush_bytes=flush_bytes,
-                strict=self.strict,
                 keep_records=keep_records,
             )
         )
@@ -403,14 +397,11 @@ class Session:
         return self._add(
             EngineCollector(
                 engine,
-                run=self.run,
-                sink=self._sink("rollout"),
+                **self._common("rollout"),
                 regions=regions,
                 contract=contract,
-                control=self.control,
                 remediation_hook=remediation_hook,
                 weight_version=weight_version,
-                strict=self.strict,
                 keep_records=keep_records,
             )
         )
@@ -422,6 +413,11 @@ class Session:
             collector.weights_changed(version, digest)
 
     # ---------------------------------------------------------------- internals
+
+    def _common(self, side: str) -> dict[str, Any]:
+        """What every collector of this session shares: the run, its side's sink, the control
+        channel and strictness."""
+        return {"run": self.run, "sink": self._sink(side), "control": self.control, "strict": self.strict}
 
     def _sink(self, side: str) -> Sink:
         self.start()

@@ -443,40 +443,6 @@ def _given_logprobs(
     )
 
 
-def attach(
-    model: nn.Module,
-    run: str | Run,
-    sink: Sink,
-    regions: RegionsArg = "auto",
-    sample_every: int = 1,
-    *,
-    case: Case = "trainer_fwd",
-    contract: ContractArg = None,
-    control: ControlChannel | None = None,
-    remediation_hook: RemediationHook | None = apply_kernels_mode,
-    mode: str = "native",
-    validate: bool = False,
-    strict: bool = False,
-    keep_records: bool = False,
-    async_transfer: bool = True,
-    max_inflight: int = 2,
-) -> TrainerCollector:
-    """Hook ``model`` and send the run and the trainer's manifest to ``sink`` (the session does
-    this for you: ``Session.watch_trainer``). Arguments: :class:`TrainerCollector`."""
-    return TrainerCollector(
-        model,
-        run=run,
-        sink=sink,
-        regions=regions,
-        sample_every=sample_every,
-        case=case,
-        contract=contract,
-        control=control,
-        remediation_hook=remediation_hook,
-        mode=mode,
-        validate=validate,
-        strict=strict,
-        keep_records=keep_records,
-        async_transfer=async_transfer,
-        max_inflight=max_inflight,
-    )
+#: ``attach(model, run=..., sink=..., ...)``: hook ``model`` and send the run and the trainer's
+#: manifest to ``sink`` (the session does this for you: ``Session.watch_trainer``).
+attach = TrainerCollector

@@ -6,8 +6,9 @@ Imported lazily: a process that only posts over HTTP (a vLLM worker, say) never 
 
 from __future__ import annotations
 
-from importlib import import_module
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from collectors.lazy import lazy_attributes
 
 if TYPE_CHECKING:
     from collectors.sinks.base import DeliveryError, Sink, SinkCounters, SinkOptions
@@ -41,7 +42,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _WHERE:
-        raise AttributeError(f"module 'collectors.sinks' has no attribute {name!r}")
-    return getattr(import_module(f"collectors.sinks.{_WHERE[name]}"), name)
+__getattr__ = lazy_attributes(__name__, _WHERE)

@@ -26,13 +26,12 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from audit.records import Case, Record, RegionFingerprints, Run, RuntimeFacts, SampleLogprobs, sample_key
-from collectors.base import Collector, CollectorCounters, ModeReport
+from collectors.base import Collector, CollectorCounters, ModeReport, RolloutStep
 from collectors.control import ControlChannel
 from collectors.manifest import ContractArg
 from collectors.sinks.base import Sink
@@ -76,14 +75,8 @@ class RolloutCounters(CollectorCounters):
     )
 
 
-@dataclass(frozen=True)
-class StepReport:
-    """What one ``record_step`` produced (``records`` only with ``keep_records=True``)."""
-
-    step: int
-    sample_keys: list[str]
-    n_fingerprint_records: int
-    records: list[Record] = field(default_factory=list)
+#: What one ``record_step`` produced.
+StepReport = RolloutStep
 
 
 def _merge_ranks(results: Sequence[Drained]) -> tuple[dict[str, RequestRecord], list[dict[str, int]]]:
@@ -392,41 +385,9 @@ def _order(name: str) -> tuple[int, int, int, str]:
     return region_order(name)
 
 
-def attach(
-    llm: Any,
-    run: str | Run,
-    sink: Sink,
-    regions: RegionsArg = "auto",
-    fingerprint: SelectionArg = "all",
-    *,
-    contract: ContractArg = None,
-    control: ControlChannel | None = None,
-    weight_version: str | int | None = None,
-    max_requests: int = 65536,
-    max_rows: int = 1 << 20,
-    flush_bytes: int = 64 << 20,
-    validate: bool = False,
-    strict: bool = False,
-    keep_records: bool = False,
-) -> VllmCollector:
-    """Hook the engine of ``llm`` (a ``vllm.LLM``) and send the run and the engine's manifests to
-    ``sink`` (the session does this for you: ``Session.watch_vllm``). Arguments: :class:`VllmCollector`."""
-    return VllmCollector(
-        llm,
-        run=run,
-        sink=sink,
-        regions=regions,
-        fingerprint=fingerprint,
-        contract=contract,
-        control=control,
-        weight_version=weight_version,
-        max_requests=max_requests,
-        max_rows=max_rows,
-        flush_bytes=flush_bytes,
-        validate=validate,
-        strict=strict,
-        keep_records=keep_records,
-    )
+#: ``attach(llm, run=..., sink=..., ...)``: hook the engine of ``llm`` (a ``vllm.LLM``) and send the
+#: run and the engine's manifests to ``sink`` (the session does this: ``Session.watch_vllm``).
+attach = VllmCollector
 
 
 def attached(llm: Any) -> VllmCollector | None:
