@@ -41,23 +41,24 @@ def current_revision(engine: Engine | str | None = None) -> str | None:
 
 
 @cache
+def _revisions() -> tuple[str, frozenset[str]]:
+    """The head revision and every revision this version of isoaudit ships, read together once."""
+    from alembic.script import ScriptDirectory
+
+    scripts = ScriptDirectory.from_config(alembic_config())
+    head = scripts.get_current_head()
+    assert head is not None
+    return head, frozenset(script.revision for script in scripts.walk_revisions())
+
+
 def head_revision() -> str:
     """The newest revision in ``migrations/versions`` (what ``upgrade`` brings a database to)."""
-    from alembic.script import ScriptDirectory
-
-    head = ScriptDirectory.from_config(alembic_config()).get_current_head()
-    assert head is not None
-    return head
+    return _revisions()[0]
 
 
-@cache
 def known_revisions() -> frozenset[str]:
     """Every revision this version of isoaudit ships."""
-    from alembic.script import ScriptDirectory
-
-    return frozenset(
-        script.revision for script in ScriptDirectory.from_config(alembic_config()).walk_revisions()
-    )
+    return _revisions()[1]
 
 
 def ensure_schema(engine: Engine, *, may_upgrade: bool) -> None:

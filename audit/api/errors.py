@@ -10,9 +10,11 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
+
+from audit.records import RecordError, check_json
 
 log = logging.getLogger("isoaudit.api")
 
@@ -21,15 +23,29 @@ RETRY_AFTER_S = 1
 
 
 def field_errors(errors: Sequence[Any], prefix: tuple[str | int, ...] = ()) -> list[dict[str, Any]]:
-    """``{"loc", "msg", "type"}`` per error, ``loc`` prefixed (e.g. with ``"body"``)."""
-    return [
-        {
-            "loc": [*prefix, *error.get("loc", ())],
-            "msg": str(error.get("msg", "")),
-            "type": str(error.get("type", "")),
-        }
-        for error in errors
-    ]
+    """``{"loc", "msg", "type"}`` per error, ``loc`` prefixed (e.g. with ``"body"``). A model-level
+    check that names its field (:class:`audit.records.RecordError`) gets that field in ``loc``."""
+    out = []
+    for error in errors:
+        loc = [*prefix, *error.get("loc", ())]
+        cause = (error.get("ctx") or {}).get("error")
+        if isinstance(cause, RecordError):
+            loc += cause.field.split(".")
+        out.append({"loc": loc, "msg": str(error.get("msg", "")), "type": str(error.get("type", ""))})
+    return out
+
+
+def storable_body(body: BaseModel) -> None:
+    """Refuse, as a 422 naming the field, a body whose text a database cannot keep (NUL, lone
+    surrogates): PostgreSQL would otherwise answer 500. (Dumped as JSON: datetimes become text.)"""
+    try:
+        check_json(body.model_dump(mode="json"), "")
+    except RecordError as exc:
+        field = [part for part in exc.field.split(".") if part]
+        message = str(exc).split(": ", 1)[-1]
+        raise RequestValidationError(
+            [{"loc": ["body", *field], "msg": message, "type": "value_error"}]
+        ) from None
 
 
 def request_validation_error(

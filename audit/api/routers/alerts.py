@@ -24,6 +24,7 @@ from audit.alerts.rules import (
 from audit.alerts.silences import SilenceSpec, create_silence, expire_silence, get_silence, list_silences
 from audit.api.auth import ReadableRun, Reader, Writer, can_see
 from audit.api.deps import get_store
+from audit.api.errors import storable_body
 from audit.api.schemas import UtcDatetime
 from audit.service_models import AlertRuleRow, SilenceRow
 from audit.store import Store
@@ -149,6 +150,7 @@ def _check_rule_owner(store: Store, name: str, principal_project: str) -> None:
     responses={409: {"description": "a rule of that name exists"}},
 )
 def create_rule(rule: AlertRule, principal: Writer, store: StoreDep) -> RuleOut:
+    storable_body(rule)
     if rule.project is not None and rule.project != principal.project:
         raise HTTPException(
             status.HTTP_403_FORBIDDEN, detail="project: a token can only make rules of its own project"
@@ -167,6 +169,7 @@ def create_rule(rule: AlertRule, principal: Writer, store: StoreDep) -> RuleOut:
     responses={403: {"description": "a global rule"}, 422: {"description": "invalid rule, or name differs"}},
 )
 def put_rule(name: RuleName, rule: AlertRule, principal: Writer, store: StoreDep) -> RuleOut:
+    storable_body(rule)
     if rule.name != name:
         raise HTTPException(
             status.HTTP_422_UNPROCESSABLE_CONTENT,
@@ -289,6 +292,7 @@ SilenceId = Annotated[int, Path(ge=1, le=2**62)]
     summary="Mute notifications of matching alerts of the caller's project until it ends",
 )
 def add_silence(spec: SilenceSpec, principal: Writer, store: StoreDep) -> SilenceOut:
+    storable_body(spec)
     try:
         row = create_silence(store, spec, project=principal.project, created_by=f"token:{principal.token_id}")
     except ValueError as exc:
