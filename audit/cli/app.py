@@ -91,6 +91,7 @@ def _redact(url: str) -> str:
 # (one import line per module; keep them at the bottom, after `app` exists)
 from audit.cli import compare as _compare  # noqa: E402,F401
 from audit.cli import dashboard as _dashboard  # noqa: E402,F401
+from audit.cli import demo as _demo  # noqa: E402,F401
 from audit.cli import gate as _gate  # noqa: E402,F401
 from audit.cli import metrics as _metrics  # noqa: E402,F401
 from audit.cli import service as _service  # noqa: E402,F401
