@@ -449,10 +449,22 @@ class ModeChange:
     step: int | None
 
 
-def mode_changes(history: Sequence[ManifestEntry], points: Sequence[StepPoint]) -> list[ModeChange]:
+def mode_changes(
+    store: Store, run_id: str, history: Sequence[ManifestEntry] | None = None
+) -> list[ModeChange]:
     """Where each side's reported remediation mode changed (its first manifest counts only if it
-    is not ``native``), mapped to the first step whose records arrived after the manifest."""
-    stamps = [(p.ingested_at, p.step) for p in points if p.ingested_at is not None]
+    is not ``native``), placed on the first step whose records arrived after the manifest (None
+    while no such step is compared yet). Reads two columns of the step summaries, no arrays."""
+    history = manifest_history(store, run_id) if history is None else history
+    with store.sessions() as session:
+        stamps = [
+            (aware(at), step)
+            for step, at in session.execute(
+                select(StepSummaryRow.step, StepSummaryRow.ingested_at)
+                .where(StepSummaryRow.run_id == run_id, StepSummaryRow.ingested_at.is_not(None))
+                .order_by(StepSummaryRow.step)
+            )
+        ]
     changes = []
     current: dict[str, str | None] = {}
     for entry in history:
@@ -461,7 +473,7 @@ def mode_changes(history: Sequence[ManifestEntry], points: Sequence[StepPoint]) 
         current[entry.side] = mode
         if mode == before:
             continue
-        step = next((s for at, s in stamps if at >= entry.created_at), None)
+        step = next((s for at, s in stamps if at is not None and at >= entry.created_at), None)
         changes.append(ModeChange(entry.side, mode, entry.created_at, step))
     return changes
 

@@ -23,7 +23,8 @@ from audit.summaries import bin_label
 
 #: The step metrics the run page draws, in panels; ``log`` panels use a log axis.
 TIMELINE_PANELS: tuple[tuple[str, tuple[str, ...], bool], ...] = (
-    ("mismatch KL", ("kl_k3", "kl_k1"), True),
+    ("mismatch KL (k3)", ("kl_k3",), True),
+    ("kl_k1 (mean −Δ)", ("kl_k1",), False),
     ("|Δ logprob|", ("logprob_abs_diff_mean", "logprob_abs_diff_max"), True),
     ("|Δ prob|", ("rollout_probs_diff_mean", "rollout_probs_diff_max", "rollout_probs_diff_std"), True),
     ("Pearson corr.", ("rollout_actor_probs_pearson_corr",), False),

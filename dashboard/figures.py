@@ -87,9 +87,19 @@ def sparkline(steps: Sequence[int], values: Sequence[float | None]) -> go.Figure
 # ---------------------------------------------------------------------- run page
 
 
+def plain(values: np.ndarray) -> list:
+    """An array as nested lists with None for NaN. Plotly sends numpy arrays as base64 typed arrays,
+    which ``dash.Patch`` cannot extend in the browser: traces that live updates append to hold lists."""
+    return (
+        [plain(row) for row in values]
+        if values.ndim > 1
+        else [None if v != v else v for v in values.tolist()]
+    )
+
+
 def _wants_log(values: np.ndarray) -> bool:
     finite = values[np.isfinite(values)]
-    return bool(finite.size) and bool((finite > 0).all()) and finite.max() / finite.min() > 100
+    return bool(finite.size) and bool((finite > 0).all())
 
 
 def timelines(
@@ -191,7 +201,7 @@ def position_heatmap(frame: pd.DataFrame, stat: str = "mean") -> go.Figure:
     text = np.array([c[1] for c in columns], dtype=object).T
     fig = go.Figure(
         go.Heatmap(
-            z=z, x=frame.index.to_list(), y=list(frame.columns), text=text,
+            z=plain(z), x=frame.index.to_list(), y=list(frame.columns), text=text.tolist(),
             hovertemplate="step %{x}<br>positions %{y}<br>" + stat + " |Δ logprob| %{text}<extra></extra>",
             colorscale="Viridis", zmin=LOG_FLOOR, zmax=1.0,
             colorbar={"title": {"text": f"log10 {stat} |Δ|"}},
@@ -210,7 +220,7 @@ def divergence_heatmap(frame: pd.DataFrame) -> go.Figure:
     z[z == 0] = np.nan
     fig = go.Figure(
         go.Heatmap(
-            z=z, x=frame.index.to_list(), y=[safe(r) for r in frame.columns],
+            z=plain(z), x=frame.index.to_list(), y=[safe(r) for r in frame.columns],
             hovertemplate="step %{x}<br>%{y}<br>%{z} samples first diverge here<extra></extra>",
             colorscale="OrRd", zmin=0, colorbar={"title": {"text": "samples"}}, xgap=1, ygap=1,
         )

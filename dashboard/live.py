@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import plotly.graph_objects as go
 from dash import Patch
 
 from audit import queries
@@ -28,7 +29,6 @@ class LiveState:
     n_bins: int = 0
     regions: list[str] = field(default_factory=list)
     kinds: list[str] = field(default_factory=list)
-    alerts: str = ""  # signature of the alert intervals and mode changes drawn on the timelines
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -43,10 +43,15 @@ def _json(values: Sequence[float]) -> list[float | None]:
     return [None if v is None or (isinstance(v, float) and math.isnan(v)) else v for v in values]
 
 
-def timelines_patch(points: Sequence[queries.StepPoint]) -> Patch:
-    """Append ``points`` to every timeline trace (traces are in ``data.TIMELINE_METRICS`` order)."""
+def timelines_patch(points: Sequence[queries.StepPoint], annotations: go.Figure | None = None) -> Patch:
+    """Append ``points`` to every timeline trace (traces are in ``data.TIMELINE_METRICS`` order);
+    with ``annotations`` (a timelines figure drawn without points), replace the thresholds, firing
+    intervals and mode switches by its own (a firing interval grows with every step)."""
     frame = data.timeline_frame(points)
     patch = Patch()
+    if annotations is not None:
+        patch["layout"]["shapes"] = [shape.to_plotly_json() for shape in annotations.layout.shapes]
+        patch["layout"]["annotations"] = [a.to_plotly_json() for a in annotations.layout.annotations]
     steps = frame.index.to_list()
     for i, metric in enumerate(data.TIMELINE_METRICS):
         patch["data"][i]["x"].extend(steps)

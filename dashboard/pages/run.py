@@ -3,8 +3,6 @@ remediation toggle. Live while the run is being written: each tick appends the n
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
@@ -37,43 +35,33 @@ class RunFigures:
     state: LiveState
 
 
-def _annotations(store: Any, run_id: str, points: list[queries.StepPoint]) -> tuple[Any, Any, Any, str]:
-    """Thresholds, firing intervals and remediation switches for the timelines, and their signature."""
+def annotations(store: Any, run_id: str, last_step: int | None) -> tuple[Any, Any, Any]:
+    """The timelines' thresholds (rules), firing intervals (alerts, open ones up to ``last_step``)
+    and remediation switches (manifests) as frames."""
     rules = queries.run_rules(store, run_id)
     alerts = queries.alerts_view(store, run_id=run_id)
-    last = points[-1].step if points else None
-    intervals = data.alert_intervals_frame(alerts.open + alerts.resolved, rules, last)
-    # A still-firing interval grows every step: its end is not part of the signature.
-    firing = data.alert_intervals_frame(alerts.open + alerts.resolved, rules, None)
-    changes = data.mode_changes_frame(queries.mode_changes(queries.manifest_history(store, run_id), points))
-    signature = json.dumps(
-        [
-            firing[["alert_id", "start", "state"]].to_dict("records"),
-            changes[["side", "mode", "step"]].to_dict("records"),
-        ],
-        default=str,
-    )
-    return data.thresholds_frame(rules), intervals, changes, hashlib.sha1(signature.encode()).hexdigest()
+    intervals = data.alert_intervals_frame(alerts.open + alerts.resolved, rules, last_step)
+    changes = data.mode_changes_frame(queries.mode_changes(store, run_id))
+    return data.thresholds_frame(rules), intervals, changes
 
 
 def draw(store: Any, run_id: str, stat: str = "mean") -> RunFigures:
     """Every figure of the run page, drawn in full."""
     points = queries.step_series(store, run_id)
-    thresholds, intervals, changes, signature = _annotations(store, run_id, points)
+    last = points[-1].step if points else None
     positions = data.position_frame(points, stat)
     divergence = data.divergence_frame(points)
     diagnoses = data.diagnosis_frame(points)
     state = LiveState(
         run_id=run_id,
-        last_step=points[-1].step if points else None,
+        last_step=last,
         stat=stat,
         n_bins=positions.shape[1],
         regions=list(divergence.columns),
         kinds=list(diagnoses.columns),
-        alerts=signature,
     )
     return RunFigures(
-        figures.timelines(data.timeline_frame(points), thresholds, intervals, changes),
+        figures.timelines(data.timeline_frame(points), *annotations(store, run_id, last)),
         figures.position_heatmap(positions, stat),
         figures.divergence_heatmap(divergence),
         figures.diagnosis_bars(diagnoses),
@@ -251,38 +239,34 @@ def layout(run_id: str | None = None, step: str | None = None, **_: Any) -> html
 
 
 def tick(_n: int | None, state_json: dict[str, Any]) -> tuple[Any, ...]:
-    """Append the steps compared since the last tick; stop polling once the run is idle."""
+    """Append the steps compared since the last tick to the figures (a figure whose shape changed,
+    such as a new region or a wider position range, is redrawn)."""
     store = context.store()
     state = LiveState.from_json(state_json)
-    overview = queries.run_overview(store, state.run_id)
-    if overview is None:
-        return (no_update,) * 5 + (no_update, True, no_update, no_update)
     points = queries.step_series(store, state.run_id, after_step=state.last_step)
-    outputs: list[Any] = [no_update] * 4
-    if points:
-        _, _, _, signature = _annotations(store, state.run_id, points)
-        patches = [
-            timelines_patch(points) if signature == state.alerts else None,
-            position_patch(points, state),
-            divergence_patch(points, state),
-            diagnosis_patch(points, state),
-        ]
-        if any(p is None for p in patches):
-            full = draw(store, state.run_id, state.stat)
-            drawn = [full.timelines, full.position, full.divergence, full.diagnoses]
-            outputs = [p if p is not None else drawn[i] for i, p in enumerate(patches)]
-            state = full.state
-        else:
-            outputs = patches
-            state.last_step = points[-1].step
-    idle = overview.status != "live"
-    return (
-        *outputs,
-        state.to_json(),
-        idle,
-        overview.status,
-        applied_view(overview),
-    )
+    if not points:
+        return (no_update,) * 5
+    skeleton = figures.timelines(data.timeline_frame([]), *annotations(store, state.run_id, points[-1].step))
+    patches = [
+        timelines_patch(points, skeleton),
+        position_patch(points, state),
+        divergence_patch(points, state),
+        diagnosis_patch(points, state),
+    ]
+    if any(p is None for p in patches):
+        full = draw(store, state.run_id, state.stat)
+        drawn = [full.timelines, full.position, full.divergence, full.diagnoses]
+        return (*[p if p is not None else drawn[i] for i, p in enumerate(patches)], full.state.to_json())
+    state.last_step = points[-1].step
+    return (*patches, state.to_json())
+
+
+def tick_status(_n: int | None, state_json: dict[str, Any]) -> tuple[Any, Any, Any]:
+    """The run's status and each side's applied mode; polling stops once the run is idle."""
+    overview = queries.run_overview(context.store(), state_json["run_id"])
+    if overview is None:
+        return True, no_update, no_update
+    return overview.status != "live", overview.status, applied_view(overview)
 
 
 def set_mode(mode: str, control: dict[str, Any], state_json: dict[str, Any]) -> tuple[Any, ...]:
@@ -394,13 +378,18 @@ def register(app: dash.Dash) -> None:
         Output("run-divergence", "figure"),
         Output("run-diagnoses", "figure"),
         Output("run-state", "data"),
+        Input("run-interval", "n_intervals"),
+        State("run-state", "data"),
+        prevent_initial_call=True,
+    )(tick)
+    app.callback(
         Output("run-interval", "disabled"),
         Output("run-status", "children"),
         Output("run-applied", "children"),
         Input("run-interval", "n_intervals"),
         State("run-state", "data"),
         prevent_initial_call=True,
-    )(tick)
+    )(tick_status)
     app.callback(
         Output("run-mode", "value"),
         Output("run-control", "data"),

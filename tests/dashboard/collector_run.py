@@ -47,7 +47,7 @@ class CollectorRun:
     url: str
     model_dir: Path
     run_id: str = "dash-e2e"
-    samples: int = 4
+    samples: int = 3
     pause_s: float = 0.5
     steps_done: int = 0
     errors: list[BaseException] = field(default_factory=list)
@@ -161,14 +161,16 @@ class CollectorRun:
 
         control = self.rollout_control.desired()
         mode = control.mode if control is not None else "native"
-        if mode != self.rollout_mode:
+        changed = mode != self.rollout_mode
+        if changed:
             apply_kernels_mode(self.model, mode)
             self.rollout_mode = mode
-            self.rollout_sink.send([self._rollout_manifest(mode)])
         rng = np.random.default_rng(step)
         completions = self.engine.generate(
             self.prompts, rng.integers(6, 14, len(self.prompts)).tolist(), seed=step
         )
+        if changed:  # after the forward: the capture knows then which regions the engine calls
+            self.rollout_sink.send([self._rollout_manifest(mode)])
         tokens = [c.tokens for c in completions]
         samples = [
             SampleLogprobs(

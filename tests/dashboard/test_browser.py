@@ -24,7 +24,7 @@ pytest.importorskip("selenium")
 pytest.importorskip("triton", reason="the collector run's invariant mode needs triton (the kernels extra)")
 
 from selenium import webdriver  # noqa: E402
-from selenium.common.exceptions import NoAlertPresentException  # noqa: E402
+from selenium.common.exceptions import NoAlertPresentException, StaleElementReferenceException  # noqa: E402
 from selenium.webdriver.chrome.service import Service  # noqa: E402
 from selenium.webdriver.common.action_chains import ActionChains  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
@@ -103,6 +103,18 @@ def _no_dialog(driver: webdriver.Chrome) -> None:
     pytest.fail(f"a dialog opened: {text!r}")
 
 
+def _click(driver: webdriver.Chrome, css: str, timeout: float = 30) -> None:
+    """Click the element once it is there; live pages redraw, so a stale element is looked up again."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            _wait(driver, timeout).until(EC.element_to_be_clickable((By.CSS_SELECTOR, css))).click()
+            return
+        except StaleElementReferenceException:
+            if time.monotonic() > deadline:
+                raise
+
+
 def _severe(driver: webdriver.Chrome) -> list[dict]:
     return [entry for entry in driver.get_log("browser") if entry["level"] == "SEVERE"]
 
@@ -120,6 +132,9 @@ def test_every_page_against_a_live_collector_run(
     assert XSS_NAME in table.text
     assert not driver.find_elements(By.CSS_SELECTOR, "img[src='x']")
     _no_dialog(driver)
+    _wait(driver).until(
+        EC.presence_of_element_located((By.CSS_SELECTOR, "#runs-table-body .main-svg"))
+    )  # sparkline
     _screenshot(driver, "runs")
 
     # ---------------------------------------------------------------- run page

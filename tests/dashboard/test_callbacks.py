@@ -9,9 +9,9 @@ from dash import Patch, no_update
 from typer.testing import CliRunner
 
 from audit import queries
-from audit.alerts import install_rules, parse_rules
+from audit.alerts import AlertEngine, DatabaseChannel, install_rules, parse_rules
 from audit.worker import ComparisonWorker
-from dashboard import create_app
+from dashboard import create_app, data
 from dashboard.live import LiveState
 from dashboard.pages import alerts, contract, run, runs, sample
 from tests import factories as f
@@ -26,6 +26,7 @@ RULES = parse_rules(
 def app(store) -> Iterator:
     install_rules(store, RULES, "yaml", replace=True)
     fill(store, steps=3, samples=3, name="<img src=x onerror=alert(1)>")
+    AlertEngine(store, channels=[DatabaseChannel()]).evaluate("run-1", 2)
     dash_app = create_app(store, live_interval_ms=1000)
     with dash_app.server.test_request_context("/"):
         yield dash_app
@@ -73,23 +74,30 @@ def test_pages_lay_out(app, store):
 
 def test_tick_appends_only_new_steps(app, store):
     state = LiveState.from_json(_find(run.layout(run_id="run-1"), "run-state").data)
-    out = run.tick(1, state.to_json())
-    assert out[:4] == (no_update,) * 4 and out[4]["last_step"] == 2 and out[5] is False
+    assert run.tick(1, state.to_json()) == (no_update,) * 5
+    assert run.tick_status(1, state.to_json())[:2] == (False, "live")
     store.ingest(step_records("run-1", 3))
-    ComparisonWorker(store).run_once()
-    timelines, position, divergence, diagnoses, new_state, disabled, status, applied = run.tick(
-        2, state.to_json()
-    )
+    ComparisonWorker(store, on_step=AlertEngine(store, channels=[DatabaseChannel()]).evaluate).run_once()
+    timelines, position, divergence, diagnoses, new_state = run.tick(2, state.to_json())
     assert all(isinstance(p, Patch) for p in (timelines, position, divergence, diagnoses))
-    assert new_state["last_step"] == 3 and disabled is False and status == "live"
+    assert new_state["last_step"] == 3
     ops = timelines.to_plotly_json()["operations"]
-    assert {op["operation"] for op in ops} == {"Extend"} and ops[0]["params"]["value"] == [3]
+    extends = [op for op in ops if op["operation"] == "Extend"]
+    assert len(extends) == 2 * len(data.TIMELINE_METRICS) and extends[0]["params"]["value"] == [3]
+    # The firing interval grows to the new step: the shapes are replaced.
+    shapes = next(op for op in ops if op["operation"] == "Assign" and op["location"] == ["layout", "shapes"])
+    assert any(s["type"] == "rect" and s["x1"] == 3.5 for s in shapes["params"]["value"])
     # A step reaching a wider position range than drawn redraws that figure in full.
     wide = [r for r in step_records("run-1", 4, samples=5)]
     store.ingest(wide)
     ComparisonWorker(store).run_once()
     out = run.tick(3, new_state)
-    assert not isinstance(out[1], Patch) and out[1]["data"][0]["x"][-1] == 4 and out[4]["n_bins"] == 3
+    assert (
+        isinstance(out[0], Patch)
+        and not isinstance(out[1], Patch)
+        and out[1]["data"][0]["x"][-1] == 4
+        and out[4]["n_bins"] == 3
+    )
 
 
 def test_the_toggle_writes_with_the_version_it_read_and_shows_a_conflict(app, store):

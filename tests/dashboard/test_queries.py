@@ -104,7 +104,7 @@ def test_contract_view_and_mode_changes(filled):
     ComparisonWorker(filled).run_once()
     history = queries.manifest_history(filled, "run-1")
     assert history[-1].changed == ["runtime.remediation"] and history[0].changed == []
-    changes = queries.mode_changes(history, queries.step_series(filled, "run-1"))
+    changes = queries.mode_changes(filled, "run-1")
     assert [(c.side, c.mode, c.step) for c in changes] == [("rollout", "invariant", 3)]
     assert queries.applied_modes(filled.manifests("run-1"))["rollout"].mode == "invariant"
     frame = data.contract_frame(queries.contract_view(filled, "run-1"))
