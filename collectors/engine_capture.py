@@ -50,6 +50,7 @@ class EngineFingerprints:
         self._ladder_bits: dict[str, list[int]] = {}
         self._handles: list[RemovableHandle] = []
         self._original_step = adapter.step
+        self._own_step = vars(adapter).get("step")  # an instance attribute to put back, if any
         adapter.step = self._step
         for spec in self.specs:
             module = adapter.model.get_submodule(spec.module)
@@ -131,7 +132,10 @@ class EngineFingerprints:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        self.adapter.step = self._original_step
+        if self._own_step is not None:
+            self.adapter.step = self._own_step
+        else:
+            vars(self.adapter).pop("step", None)  # the class's method again
 
 
 class EngineCollector(Collector):
