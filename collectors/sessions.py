@@ -25,7 +25,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from audit.config import database_url as resolve_database_url
 from audit.records import Case, Run
@@ -38,14 +38,18 @@ from collectors.sinks.base import Sink
 
 if TYPE_CHECKING:
     from torch import nn
+    from vllm import LLM
 
     from collectors.engine_capture import EngineCollector
     from collectors.sinks.direct import SharedStore
     from collectors.trainer import TrainerCollector
     from collectors.vllm.collector import VllmCollector
     from collectors.vllm.selection import SelectionArg
+    from kernels.engine import RolloutEngine
 
 log = logging.getLogger(__name__)
+
+C = TypeVar("C", bound=Collector)
 
 #: The sides a session keeps one sink for.
 SIDES: tuple[str, ...] = ("trainer", "rollout")
@@ -347,7 +351,7 @@ class Session:
 
     def watch_vllm(
         self,
-        llm: Any,
+        llm: LLM,
         *,
         regions: str | Sequence[str] | Mapping[str, str] | None = "auto",
         fingerprint: SelectionArg = "all",
@@ -381,7 +385,7 @@ class Session:
 
     def watch_engine(
         self,
-        engine: Any,
+        engine: RolloutEngine,
         *,
         regions: RegionsArg = "auto",
         contract: ContractArg = None,
@@ -425,7 +429,7 @@ class Session:
             self._sinks[side] = self.destination.sink(side)
         return self._sinks[side]
 
-    def _add(self, collector: Any) -> Any:
+    def _add(self, collector: C) -> C:
         self.collectors.append(collector)
         return collector
 
