@@ -240,9 +240,11 @@ def _per_sample_stats(
     starts = offsets[:-1][nonempty]
 
     def seg(ufunc: np.ufunc, values: np.ndarray, fill: float | int) -> np.ndarray:
-        out = np.full(n, fill, dtype=values.dtype)
+        # booleans are counted (int64) without first copying them to integers
+        dtype = np.int64 if values.dtype == np.bool_ else values.dtype
+        out = np.full(n, fill, dtype=dtype)
         if starts.size:
-            out[nonempty] = ufunc.reduceat(values, starts)
+            out[nonempty] = ufunc.reduceat(values, starts, dtype=dtype)
         return out
 
     mismatch = t32.view(np.uint32) != r32.view(np.uint32)
@@ -256,20 +258,19 @@ def _per_sample_stats(
             d = np.where(finite, d, 0.0)
             t = np.where(finite, t, 0.0)
             r = np.where(finite, r, 0.0)
-        pt = np.exp(t)
-        pr = np.exp(r)
-        dp = np.abs(pt - pr)
         absd = np.abs(d)
         em1p, em1n = np.expm1(d), np.expm1(-d)  # e^Δ - 1, e^-Δ - 1: exact near Δ = 0
+        pt = np.exp(t)
+        pr = pt * (1.0 + em1n)  # = e^r; exactly pt where the sides agree
+        dp = np.abs(pt - pr)
         inside = absd <= LOG_RATIO_BOUND
         rho = 1.0 + em1p if inside.all() else np.exp(np.clip(d, -LOG_RATIO_BOUND, LOG_RATIO_BOUND))
         k3 = em1p - d
         k3rev = em1n + d
-        # JS against the mixture m = (p_t + p_r)/2: lp_t - lp_m = -log1p((e^-Δ - 1)/2), likewise for r,
-        # so k3(lp_t - lp_m) = log1p(em1n/2) - em1n/(2 + em1n) without forming lp_m.
-        js = 0.5 * (np.log1p(0.5 * em1n) - em1n / (2.0 + em1n)) + 0.5 * (
-            np.log1p(0.5 * em1p) - em1p / (2.0 + em1p)
-        )
+        # JS against the mixture m = (p_t + p_r)/2: since e^(lp_t - lp_m) + e^(lp_r - lp_m) = 2, the two
+        # halves k3(lp_t - lp_m)/2 + k3(lp_r - lp_m)/2 sum to lp_m - (lp_t + lp_r)/2 = log cosh(Δ/2),
+        # computed as log1p((e^Δ - 1)/2) - Δ/2.
+        js = np.log1p(0.5 * em1p) - 0.5 * d
         expabs = 1.0 + np.maximum(em1p, em1n)
     clip = np.abs(rho - 1.0) > clip_eps
     if not all_finite:  # excluded tokens must not touch sums, maxima or counts
@@ -280,8 +281,8 @@ def _per_sample_stats(
     rho_sum_src = rho if all_finite else np.where(finite, rho, 0.0)
     expabs_src = expabs if all_finite else np.where(finite, expabs, 0.0)
 
-    n_finite = seg(np.add, finite.astype(np.int64), 0)
-    n_mismatch = seg(np.add, mismatch.astype(np.int64), 0)
+    n_finite = seg(np.add, finite, 0)
+    n_mismatch = seg(np.add, mismatch, 0)
     first_div = np.full(n, -1, dtype=np.int64)
     where = np.flatnonzero(mismatch)
     if where.size:
@@ -321,7 +322,7 @@ def _per_sample_stats(
         n_tokens=lengths,
         n_finite=n_finite,
         n_mismatch=n_mismatch,
-        n_clip=seg(np.add, clip.astype(np.int64), 0),
+        n_clip=seg(np.add, clip, 0),
         first_div=first_div,
         sum_dp=seg(np.add, dp, 0.0),
         sum_dp2=seg(np.add, dp * dp, 0.0),
@@ -371,7 +372,7 @@ def _entropy_sums(
     if entropy is None:
         return np.zeros(n), np.zeros(n, dtype=np.int64)
     known = finite & np.isfinite(entropy)
-    return seg(np.add, np.where(known, entropy, 0.0), 0.0), seg(np.add, known.astype(np.int64), 0)
+    return seg(np.add, np.where(known, entropy, 0.0), 0.0), seg(np.add, known, 0)
 
 
 def _combine(stats: _Stats, mask: np.ndarray | None = None) -> _Stats:
