@@ -311,7 +311,9 @@ def _plan(
         SPLIT_EPILOGUE=split,
         WARP_SPECIALIZE=cfg.warp_specialize,
         DEVICE_DESC=cfg.device_descriptors,
-        A_PTR=cfg.tma and m < cfg.block_m,
+        # Pointer loads and stores for A and C below one 64-row tile with a 2-byte output: the
+        # pointer store stages the tile in shared memory, which a 4-byte or 128-row tile overflows.
+        A_PTR=cfg.tma and m < cfg.block_m == 64 and not split,
     )
     return _GemmPlan(cfg, programs, constexprs, dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
 
