@@ -1,10 +1,11 @@
 # ruff: noqa: B023  (benchmarked closures run inside their loop iteration)
 """Cost of the CPU invariant kernels (:mod:`kernels.cpu`) against the native CPU ops, same run.
 
-    python bench/cpu_kernels.py [--only gemm,attention] [--quick] [--json out.json]
+    python bench/cpu_kernels.py [--only gemm,attention] [--threads 1] [--quick] [--json out.json]
 
 Each line: case, shape, dtype, native ms, invariant ms, ratio (invariant / native). Medians of
-``torch.utils.benchmark`` timings of the same inputs, on the threads torch uses by default.
+``torch.utils.benchmark`` timings of the same inputs, both sides on the same intra-op threads
+(torch's default unless ``--threads``).
 Baselines are what a stock CPU stack runs: ``F.linear``, ``F.rms_norm``, ``F.silu``,
 ``F.scaled_dot_product_attention`` (causal prefill; batched decode), ``log_softmax`` + gather.
 """
@@ -132,17 +133,62 @@ def bench_attention(dtypes: list[torch.dtype], quick: bool, t: float) -> None:
                    lambda: cpu.attention(q, k, v, cu, p0, kl), t)  # fmt: skip
 
 
-CASES = {"gemm": bench_gemm, "norm": bench_norm_act, "logprobs": bench_logprobs, "attention": bench_attention}
+def bench_e2e(dtypes: list[torch.dtype], quick: bool, t: float) -> None:
+    """The demo's shape of work: a tiny Qwen3 (2 layers, hidden 64, vocab 512) rolls out 16
+    requests with the rollout engine (prefill, decode) and the trainer recomputes their logprobs
+    with autograd; native ops against ``kernels.enable()``."""
+    import transformers
+
+    import kernels
+    from kernels import routing
+    from kernels.adapters import HFCausalLM
+    from kernels.engine import RolloutEngine
+
+    cfg = transformers.Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16)  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 512, (int(n),), generator=gen).tolist() for n in torch.randint(4, 24, (16,))]
+    new = [8 if quick else 32] * len(prompts)
+    for dt in dtypes:
+        model = HFCausalLM(transformers.Qwen3ForCausalLM(cfg).to(dt).eval())
+
+        def step(enabled: bool) -> None:
+            with kernels.enable() if enabled else kernels.disable():
+                outs = RolloutEngine(model, max_len=64).generate(prompts, new, seed=1)
+                seqs = [o.prompt + o.tokens for o in outs]
+                ids = torch.zeros(len(seqs), max(map(len, seqs)), dtype=torch.long)
+                for i, s_ in enumerate(seqs):
+                    ids[i, : len(s_)] = torch.tensor(s_)
+                hidden = model.full_hidden(ids)
+                lp = routing.token_logprobs(
+                    hidden[:, :-1].reshape(-1, 64), model.lm_head_weight, ids[:, 1:].reshape(-1)
+                )
+                lp.sum().backward()
+
+        record("e2e rollout+recompute", f"qwen3 2L h64, 16 req x {new[0]}", dt,
+               lambda: step(False), lambda: step(True), t)  # fmt: skip
+
+
+CASES = {
+    "gemm": bench_gemm,
+    "norm": bench_norm_act,
+    "logprobs": bench_logprobs,
+    "attention": bench_attention,
+    "e2e": bench_e2e,
+}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default=",".join(CASES), help=f"comma-separated subset of {list(CASES)}")
     ap.add_argument("--dtypes", default="bfloat16,float32")
+    ap.add_argument("--threads", type=int, help="intra-op threads for both sides (default: torch's)")
     ap.add_argument("--quick", action="store_true", help="small shapes, short timings (a smoke run)")
     ap.add_argument("--json", type=Path, help="also write the rows here")
     args = ap.parse_args()
     dtypes = [getattr(torch, name) for name in args.dtypes.split(",")]
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     print(f"{'case':<22} {'shape':<28} {'dtype':<9} {'native ms':>10} {'invar. ms':>10} {'ratio':>9}")
