@@ -22,7 +22,18 @@ from functools import cache, lru_cache
 
 import torch
 
-from ._triton import HAVE_TRITON, CachedLauncher, aligned, cdiv, dot_precision, jit, resolve, tl, triton
+from ._triton import (
+    HAVE_TRITON,
+    CachedLauncher,
+    aligned,
+    cdiv,
+    dot_precision,
+    interpreting,
+    jit,
+    resolve,
+    tl,
+    triton,
+)
 
 if HAVE_TRITON:
     from triton.runtime import _allocation
@@ -312,8 +323,9 @@ def _plan(
         WARP_SPECIALIZE=cfg.warp_specialize,
         DEVICE_DESC=cfg.device_descriptors,
         # Pointer loads and stores for A and C below one 64-row tile with a 2-byte output: the
-        # pointer store stages the tile in shared memory, which a 4-byte or 128-row tile overflows.
-        A_PTR=cfg.tma and m < cfg.block_m == 64 and not split,
+        # pointer store stages the tile in shared memory, which a 4-byte or 128-row tile overflows
+        # (the interpreter has no such limit: there it serves every partial tile, as a structure test).
+        A_PTR=cfg.tma and m < cfg.block_m and (interpreting() or (cfg.block_m == 64 and not split)),
     )
     return _GemmPlan(cfg, programs, constexprs, dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
 
