@@ -17,23 +17,29 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-from rich.console import Console
-from rich.table import Table
-from sqlalchemy import create_engine, text
-from tqdm import tqdm
+# Run as a script, this file's folder comes first on sys.path and its name would hide the
+# `dashboard` package: put the repository root first instead.
+_HERE = str(Path(__file__).resolve().parent)
+sys.path[:] = [str(Path(__file__).resolve().parents[1])] + [p for p in sys.path if p not in (_HERE, "")]
 
-from audit import queries
-from audit.alerts import AlertEngine, DatabaseChannel, default_rules, install_rules
-from audit.records import Manifest, RegionFingerprints, Run, RuntimeFacts, SampleLogprobs
-from audit.regions import canonical_regions
-from audit.store import Store
-from audit.worker import ComparisonWorker
+import numpy as np  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+from sqlalchemy import create_engine, text  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from audit import queries  # noqa: E402
+from audit.alerts import AlertEngine, DatabaseChannel, default_rules, install_rules  # noqa: E402
+from audit.records import Manifest, RegionFingerprints, Run, RuntimeFacts, SampleLogprobs  # noqa: E402
+from audit.regions import canonical_regions  # noqa: E402
+from audit.store import Store  # noqa: E402
+from audit.worker import ComparisonWorker  # noqa: E402
 
 RUN_ID = "bench-dashboard"
 PROMPT = 16

@@ -10,6 +10,7 @@ from __future__ import annotations
 import html
 import math
 from collections.abc import Sequence
+from functools import lru_cache
 
 import numpy as np
 import pandas as pd
@@ -40,10 +41,11 @@ def safe(text: object) -> str:
 
 
 def _base(fig: go.Figure, height: int) -> go.Figure:
+    # plotly.js's own defaults (template "none"): a styled template costs tens of milliseconds a figure.
     fig.update_layout(
         height=height,
         margin={"l": 60, "r": 20, "t": 40, "b": 40},
-        template="plotly_white",
+        template="none",
         legend={"orientation": "h", "y": 1.0, "yanchor": "bottom", "x": 1.0, "xanchor": "right"},
     )
     return fig
@@ -102,58 +104,115 @@ def _wants_log(values: np.ndarray) -> bool:
     return bool(finite.size) and bool((finite > 0).all())
 
 
+def _axis(row: int) -> str:
+    """Plotly's axis suffix of subplot row ``row`` ("" for the first, then "2", "3", ...)."""
+    return "" if row == 1 else str(row)
+
+
+def log_panels(frame: pd.DataFrame) -> list[int]:
+    """The timeline rows drawn on a log axis: log panels whose values are all positive."""
+    rows = []
+    for row, (_, metrics, log) in enumerate(TIMELINE_PANELS, start=1):
+        panel = np.concatenate([frame[m].to_numpy(float) for m in metrics if m in frame] or [np.zeros(0)])
+        if log and _wants_log(panel):
+            rows.append(row)
+    return rows
+
+
+def timeline_decorations(
+    thresholds: pd.DataFrame | None,
+    intervals: pd.DataFrame | None,
+    changes: pd.DataFrame | None,
+    log_rows: Sequence[int] = (),
+) -> tuple[list[dict], list[dict]]:
+    """Shapes and annotations of the timelines: each rule's threshold as a dashed line on its
+    metric's panel, firing intervals shaded across all panels, remediation switches as dotted lines.
+    Plain dicts, so a live update can replace them without drawing a figure."""
+    panel_of = {m: row for row, (_, metrics, _) in enumerate(TIMELINE_PANELS, start=1) for m in metrics}
+    shapes: list[dict] = []
+    notes: list[dict] = []
+    for t in thresholds.itertuples() if thresholds is not None else ():
+        row = panel_of.get(t.metric)
+        if row is None:
+            continue
+        ax, colour = _axis(row), SEVERITY_COLOURS.get(t.severity, "#444")
+        shapes.append(
+            {"type": "line", "xref": f"x{ax} domain", "x0": 0, "x1": 1, "yref": f"y{ax}", "y0": t.threshold,
+             "y1": t.threshold, "line": {"dash": "dash", "color": colour, "width": 1}, "name": f"threshold:{t.rule}"}
+        )  # fmt: skip
+        # Annotations on a log axis are placed by log10 of the value (shapes take the value itself).
+        y = math.log10(t.threshold) if row in log_rows and t.threshold > 0 else t.threshold
+        notes.append(
+            {"text": safe(f"{t.rule} ({t.comparison} {t.threshold:g})"), "xref": f"x{ax} domain", "x": 0,
+             "xanchor": "left", "yref": f"y{ax}", "y": y, "yanchor": "bottom", "showarrow": False,
+             "font": {"size": 10, "color": colour}}
+        )  # fmt: skip
+    shapes += interval_shapes(intervals)
+    for c in changes.itertuples() if changes is not None else ():
+        if c.step is None or (isinstance(c.step, float) and math.isnan(c.step)):
+            continue
+        colour = SIDE_COLOURS.get(c.side, "#2ca02c")
+        for row in range(1, len(TIMELINE_PANELS) + 1):
+            ax = _axis(row)
+            shapes.append(
+                {"type": "line", "xref": f"x{ax}", "x0": int(c.step), "x1": int(c.step), "yref": f"y{ax} domain",
+                 "y0": 0, "y1": 1, "line": {"dash": "dot", "color": colour, "width": 1.5}, "name": f"mode:{c.side}"}
+            )  # fmt: skip
+        notes.append(
+            {"text": safe(f"{c.side} → {c.mode}"), "xref": "x", "x": int(c.step), "xanchor": "left",
+             "yref": "paper", "y": 1.0, "yanchor": "bottom", "showarrow": False,
+             "font": {"size": 10, "color": colour}}
+        )  # fmt: skip
+    return shapes, notes
+
+
+def _subplots() -> go.Figure:
+    titles = [title for title, _, _ in TIMELINE_PANELS]
+    return make_subplots(
+        rows=len(TIMELINE_PANELS), cols=1, shared_xaxes=True, vertical_spacing=0.035, subplot_titles=titles
+    )
+
+
+@lru_cache(maxsize=1)
+def _title_annotations() -> tuple[dict, ...]:
+    return tuple(a.to_plotly_json() for a in _subplots().layout.annotations)
+
+
+def timeline_titles() -> list[dict]:
+    """The panels' titles (annotations of their own, kept when a live update replaces the others)."""
+    return [dict(a) for a in _title_annotations()]
+
+
 def timelines(
     frame: pd.DataFrame,
     thresholds: pd.DataFrame | None = None,
     intervals: pd.DataFrame | None = None,
     changes: pd.DataFrame | None = None,
 ) -> go.Figure:
-    """One panel per metric group (``data.TIMELINE_PANELS``), steps on a shared x axis; each alert
-    rule's threshold as a dashed line on its metric's panel, firing intervals shaded, remediation
-    switches as vertical lines. Traces follow ``TIMELINE_METRICS`` order (live updates append to them)."""
-    titles = [title for title, _, _ in TIMELINE_PANELS]
-    fig = make_subplots(
-        rows=len(TIMELINE_PANELS), cols=1, shared_xaxes=True, vertical_spacing=0.035, subplot_titles=titles
-    )
+    """One panel per metric group (``data.TIMELINE_PANELS``), steps on a shared x axis, with
+    :func:`timeline_decorations`. Traces follow ``TIMELINE_METRICS`` order (live updates append to them)."""
+    fig = _subplots()
     steps = frame.index.to_list()
-    panel_of: dict[str, int] = {}
-    for row, (_, metrics, log) in enumerate(TIMELINE_PANELS, start=1):
+    for row, (_, metrics, _) in enumerate(TIMELINE_PANELS, start=1):
         for metric in metrics:
-            panel_of[metric] = row
             values = frame[metric].to_numpy(float) if metric in frame else np.full(len(steps), np.nan)
             fig.add_trace(
                 go.Scatter(
-                    x=steps, y=values, mode="lines+markers", name=metric, meta=metric, marker={"size": 4}
+                    x=steps,
+                    y=plain(values),
+                    mode="lines+markers",
+                    name=metric,
+                    meta=metric,
+                    marker={"size": 4},
                 ),
                 row=row,
                 col=1,
             )
-        panel = np.concatenate([frame[m].to_numpy(float) for m in metrics if m in frame] or [np.zeros(0)])
-        if log and _wants_log(panel):
-            fig.update_yaxes(type="log", row=row, col=1)
-    if thresholds is not None:
-        for t in thresholds.itertuples():
-            row = panel_of.get(t.metric)
-            if row is None:
-                continue
-            colour = SEVERITY_COLOURS.get(t.severity, "#444")
-            fig.add_hline(
-                y=t.threshold, row=row, col=1, line={"dash": "dash", "color": colour, "width": 1},
-                annotation_text=safe(f"{t.rule} ({t.comparison} {t.threshold:g})"),
-                annotation_position="top left", annotation_font={"size": 10, "color": colour},
-                name=f"threshold:{t.rule}",
-            )  # fmt: skip
-    for shape in interval_shapes(intervals):
-        fig.add_shape(shape)
-    if changes is not None:
-        for c in changes.itertuples():
-            if c.step is None or (isinstance(c.step, float) and math.isnan(c.step)):
-                continue
-            fig.add_vline(
-                x=int(c.step), line={"dash": "dot", "color": SIDE_COLOURS.get(c.side, "#2ca02c"), "width": 1.5},
-                annotation_text=safe(f"{c.side} → {c.mode}"), annotation_position="top right",
-                annotation_font={"size": 10}, name=f"mode:{c.side}",
-            )  # fmt: skip
+    logs = log_panels(frame)
+    for row in logs:
+        fig.update_yaxes(type="log", row=row, col=1)
+    shapes, notes = timeline_decorations(thresholds, intervals, changes, logs)
+    fig.update_layout(shapes=shapes, annotations=timeline_titles() + notes)
     fig.update_xaxes(title_text="step", row=len(TIMELINE_PANELS), col=1)
     _base(fig, 170 * len(TIMELINE_PANELS))
     fig.update_layout(legend={"orientation": "v", "y": 1.0, "yanchor": "top", "x": 1.01, "xanchor": "left"})

@@ -12,7 +12,6 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import plotly.graph_objects as go
 from dash import Patch
 
 from audit import queries
@@ -29,6 +28,7 @@ class LiveState:
     n_bins: int = 0
     regions: list[str] = field(default_factory=list)
     kinds: list[str] = field(default_factory=list)
+    log_rows: list[int] = field(default_factory=list)  # timeline panels drawn on a log axis
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -43,15 +43,18 @@ def _json(values: Sequence[float]) -> list[float | None]:
     return [None if v is None or (isinstance(v, float) and math.isnan(v)) else v for v in values]
 
 
-def timelines_patch(points: Sequence[queries.StepPoint], annotations: go.Figure | None = None) -> Patch:
+def timelines_patch(
+    points: Sequence[queries.StepPoint], decorations: tuple[list[dict], list[dict]] | None = None
+) -> Patch:
     """Append ``points`` to every timeline trace (traces are in ``data.TIMELINE_METRICS`` order);
-    with ``annotations`` (a timelines figure drawn without points), replace the thresholds, firing
-    intervals and mode switches by its own (a firing interval grows with every step)."""
+    with ``decorations`` (``figures.timeline_decorations``), replace the thresholds, firing intervals
+    and mode switches (a firing interval grows with every step)."""
     frame = data.timeline_frame(points)
     patch = Patch()
-    if annotations is not None:
-        patch["layout"]["shapes"] = [shape.to_plotly_json() for shape in annotations.layout.shapes]
-        patch["layout"]["annotations"] = [a.to_plotly_json() for a in annotations.layout.annotations]
+    if decorations is not None:
+        shapes, notes = decorations
+        patch["layout"]["shapes"] = shapes
+        patch["layout"]["annotations"] = figures.timeline_titles() + notes
     steps = frame.index.to_list()
     for i, metric in enumerate(data.TIMELINE_METRICS):
         patch["data"][i]["x"].extend(steps)

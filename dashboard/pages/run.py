@@ -52,16 +52,18 @@ def draw(store: Any, run_id: str, stat: str = "mean") -> RunFigures:
     positions = data.position_frame(points, stat)
     divergence = data.divergence_frame(points)
     diagnoses = data.diagnosis_frame(points)
+    timeline = data.timeline_frame(points)
     state = LiveState(
         run_id=run_id,
         last_step=last,
+        log_rows=figures.log_panels(timeline),
         stat=stat,
         n_bins=positions.shape[1],
         regions=list(divergence.columns),
         kinds=list(diagnoses.columns),
     )
     return RunFigures(
-        figures.timelines(data.timeline_frame(points), *annotations(store, run_id, last)),
+        figures.timelines(timeline, *annotations(store, run_id, last)),
         figures.position_heatmap(positions, stat),
         figures.divergence_heatmap(divergence),
         figures.diagnosis_bars(diagnoses),
@@ -246,9 +248,11 @@ def tick(_n: int | None, state_json: dict[str, Any]) -> tuple[Any, ...]:
     points = queries.step_series(store, state.run_id, after_step=state.last_step)
     if not points:
         return (no_update,) * 5
-    skeleton = figures.timelines(data.timeline_frame([]), *annotations(store, state.run_id, points[-1].step))
+    decorations = figures.timeline_decorations(
+        *annotations(store, state.run_id, points[-1].step), state.log_rows
+    )
     patches = [
-        timelines_patch(points, skeleton),
+        timelines_patch(points, decorations),
         position_patch(points, state),
         divergence_patch(points, state),
         diagnosis_patch(points, state),

@@ -196,11 +196,9 @@ def test_every_page_against_a_live_collector_run(
     driver.find_element(By.ID, "silence-run").send_keys(run_id)
     driver.find_element(By.ID, "silence-create").click()
     _wait(driver).until(EC.text_to_be_present_in_element((By.ID, "silence-message"), "created"))
-    expire = _wait(driver).until(
-        EC.element_to_be_clickable((By.CSS_SELECTOR, "#alerts-silences-table button"))
-    )
+    _wait(driver).until(EC.presence_of_element_located((By.CSS_SELECTOR, "#alerts-silences-table button")))
     _screenshot(driver, "alerts")
-    expire.click()
+    _click(driver, "#alerts-silences-table button")
     _wait(driver).until(EC.text_to_be_present_in_element((By.ID, "alerts-silences-table"), "expired"))
 
     _no_dialog(driver)
