@@ -165,9 +165,7 @@ def _skyrl() -> list[Alias]:
     ]
 
 
-_TRL_CAP = (
-    "vllm_importance_sampling_mode=token_truncate, vllm_importance_sampling_cap=3.0 (2.0 in older TRL releases)"
-)
+_TRL_CAP = "vllm_importance_sampling_mode=token_truncate, vllm_importance_sampling_cap=3.0 (2.0 in older TRL releases)"
 
 
 def _trl() -> list[Alias]:
