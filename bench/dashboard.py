@@ -233,6 +233,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cache-dir", default=".isoaudit")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--build-only", action="store_true", help="build (or finish building) and exit")
+    parser.add_argument(
+        "--no-build", action="store_true", help="measure the steps built so far (of a build still under way)"
+    )
     args = parser.parse_args(argv)
     backends = ["sqlite", "postgres"] if args.backend == "both" else [args.backend]
     if "postgres" in backends and not args.postgres_url:
@@ -240,9 +243,11 @@ def main(argv: list[str] | None = None) -> None:
     for backend in backends:
         store = open_store(backend, args)
         try:
-            build(store, args, args.steps)
+            if not args.no_build:
+                build(store, args, args.steps)
             if not args.build_only:
-                report(backend, measure(store, args.repeat), args)
+                built = (queries.last_compared_step(store, RUN_ID) or 0) + 1
+                report(f"{backend} ({built} of {args.steps} steps built)", measure(store, args.repeat), args)
         finally:
             store.dispose()
 
