@@ -587,6 +587,88 @@ def _math_attention(q, k, v, cu_q, q_pos0, kv_len, slots, scale):
     return torch.cat(outs)
 
 
+#: Bound on the fp32 score blocks the batched backward holds at once (bytes); sequences beyond it
+#: are processed in groups, in order.
+BACKWARD_BYTES = 1 << 31
+
+
+def _uniform_batch_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    grad: torch.Tensor,
+    cu_q: torch.Tensor,
+    q_pos0: torch.Tensor,
+    kv_len: torch.Tensor,
+    slots: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Gradients of :func:`_math_attention` for the trainer's batch, all sequences at once.
+
+    A trainer's batch is uniform: every sequence has the same query count, first position and key
+    count, each in its own slot. Then the fp32 math (scores, masked softmax, probabilities times
+    values) is one batched matmul chain per group of sequences, and its gradients are the textbook
+    formulas (dV = P^T dO, dS = P * (dO V^T - rowsum(dO * O)), dQ = dS K, dK = dS^T Q), summed over
+    each KV head's query heads in a fixed order: no atomics, one host read of the metadata instead
+    of several per sequence. Returns None for any other batch (the per-sequence path serves)."""
+    b = cu_q.numel() - 1
+    if b == 0:
+        return None
+    meta = torch.cat(
+        [
+            cu_q.reshape(-1).long(),
+            q_pos0.reshape(-1).long(),
+            kv_len.reshape(-1).long(),
+            slots.reshape(-1).long(),
+        ]
+    )
+    cu, p0, nk, sl = (lambda x: (x[: b + 1], x[b + 1 : 2 * b + 1], x[2 * b + 1 : 3 * b + 1], x[3 * b + 1 :]))(
+        meta.tolist()
+    )
+    lq = cu[1] - cu[0]
+    if (
+        lq <= 0
+        or any(cu[i + 1] - cu[i] != lq for i in range(b))
+        or len(set(p0)) != 1
+        or len(set(nk)) != 1
+        or len(set(sl)) != b
+    ):
+        return None
+    p0_, n_kv = p0[0], nk[0]
+    hq, hkv, d = q.shape[1], k.shape[2], q.shape[2]
+    g = hq // hkv
+    dev = q.device
+    pos = torch.arange(p0_, p0_ + lq, device=dev)
+    masked = torch.arange(n_kv, device=dev)[None, :] > pos[:, None]  # (lq, n_kv)
+    gq = torch.empty(q.shape, dtype=torch.float32, device=dev)
+    gk = torch.zeros(k.shape, dtype=torch.float32, device=dev)
+    gv = torch.zeros(v.shape, dtype=torch.float32, device=dev)
+    per_seq = hq * lq * n_kv * 4 * 3  # scores, probabilities, their gradient
+    step = max(1, BACKWARD_BYTES // max(per_seq, 1))
+    slot_t = torch.tensor(sl, device=dev)
+    for s0 in range(0, b, step):
+        s1 = min(s0 + step, b)
+        nb = s1 - s0
+        rows = slice(cu[s0], cu[s1])
+        idx = slot_t[s0:s1]
+        qb = q[rows].float().view(nb, lq, hkv, g, d).permute(0, 2, 3, 1, 4)  # (nb, Hkv, G, lq, D)
+        kb = k.index_select(0, idx)[:, :n_kv].float().permute(0, 2, 1, 3)[:, :, None]  # (nb, Hkv, 1, n, D)
+        vb = v.index_select(0, idx)[:, :n_kv].float().permute(0, 2, 1, 3)[:, :, None]
+        do = grad[rows].float().view(nb, lq, hkv, g, d).permute(0, 2, 3, 1, 4)
+        sc = (qb @ kb.transpose(-1, -2)) * scale
+        p = torch.softmax(sc.masked_fill(masked, float("-inf")), -1)
+        o = p @ vb
+        dv = (p.transpose(-1, -2) @ do).sum(2)  # (nb, Hkv, n, D), the group's heads summed
+        dp = do @ vb.transpose(-1, -2)
+        ds = p * (dp - (do * o).sum(-1, keepdim=True))
+        dq = (ds @ kb) * scale
+        dk = ((ds.transpose(-1, -2) @ qb) * scale).sum(2)
+        gq[rows] = dq.permute(0, 3, 1, 2, 4).reshape(nb * lq, hq, d)
+        gk[idx, :n_kv] = dk.permute(0, 2, 1, 3)
+        gv[idx, :n_kv] = dv.permute(0, 2, 1, 3)
+    return gq, gk, gv
+
+
 class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu_q, q_pos0, kv_len, slots, scale):  # type: ignore[override]
@@ -597,6 +679,10 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         q, k, v, cu_q, q_pos0, kv_len, slots = ctx.saved_tensors
+        fast = _uniform_batch_backward(q, k, v, grad, cu_q, q_pos0, kv_len, slots, ctx.scale)
+        if fast is not None:
+            gq, gk, gv = fast
+            return gq.to(q.dtype), gk.to(k.dtype), gv.to(v.dtype), None, None, None, None, None
         with torch.enable_grad():
             qd, kd, vd = (t.detach().requires_grad_(True) for t in (q, k, v))
             out = _math_attention(qd, kd, vd, cu_q, q_pos0, kv_len, slots, ctx.scale)
