@@ -32,6 +32,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -523,7 +524,7 @@ def sample_and_step_metrics(
     """:func:`sample_metrics` and :func:`step_metrics` of the same step from one pass over the tokens."""
     t, r, o = _check_inputs(trainer_lp, rollout_lp, offsets)
     stats = _per_sample_stats(t, r, o, _check_eps(clip_eps))
-    return _sample_frame(stats), {**_step_dict(stats), **_parametric_dict(_TokenView.of(t, r, o), ())}
+    return _sample_frame(stats), {**_step_dict(stats), **_parametric_dict(_TokenView(t, r, o), ())}
 
 
 def _sample_frame(stats: _Stats) -> pd.DataFrame:
@@ -550,7 +551,7 @@ def step_metrics(
     ``variants`` (keys of :func:`variant_key`, e.g. ``tis_mean[cap=3]``)."""
     t, r, o = _check_inputs(trainer_lp, rollout_lp, offsets)
     stats = _per_sample_stats(t, r, o, _check_eps(clip_eps), _check_entropies(entropies, t))
-    return {**_step_dict(stats), **_parametric_dict(_TokenView.of(t, r, o), variants)}
+    return {**_step_dict(stats), **_parametric_dict(_TokenView(t, r, o), variants)}
 
 
 def _check_entropies(
@@ -622,16 +623,12 @@ class _TokenView:
         self._starts = (
             np.flatnonzero(np.r_[True, self.sample[1:] != self.sample[:-1]]) if self.d.size else None
         )
-        self.cache: dict[tuple[object, ...], np.ndarray] = {}
-
-    @classmethod
-    def of(cls, t32: np.ndarray, r32: np.ndarray, offsets: np.ndarray) -> _TokenView:
-        return cls(t32, r32, offsets)
+        self.cache: dict[tuple[object, ...], Any] = {}
 
     def memo(self, key: tuple[object, ...], make: Callable[[], np.ndarray]) -> np.ndarray:
         if key not in self.cache:
             self.cache[key] = make()
-        return self.cache[key]
+        return self.cache[key]  # type: ignore[no-any-return]
 
     def per_sample(self, values: np.ndarray, how: str = "sum") -> np.ndarray:
         """Per-sample sum / mean / max of token values, for the samples that have tokens (in order)."""
@@ -704,19 +701,11 @@ RS_OPTIONS: tuple[str, ...] = (
 
 def _rs_keep(view: _TokenView, option: str, lower: float, upper: float) -> tuple[np.ndarray, np.ndarray]:
     """(kept per token, kept per sample) under one rejection option; k1 bounds are ratio bounds
-    compared in log space, k2/k3 an upper bound on the divergence."""
-    token_ok = view.memo(
-        ("rs_token", option, lower, upper), lambda: _rs_keep_uncached(view, option, lower, upper)[0]
-    )
-    return token_ok, view.cache[("rs_sample", option, lower, upper)]
-
-
-def _rs_keep_uncached(
-    view: _TokenView, option: str, lower: float, upper: float
-) -> tuple[np.ndarray, np.ndarray]:
-    token_ok, sample_ok = _rs_keep_compute(view, option, lower, upper)
-    view.cache[("rs_sample", option, lower, upper)] = sample_ok
-    return token_ok, sample_ok
+    compared in log space, k2/k3 an upper bound on the divergence. Shared by its two fractions."""
+    key = ("rs_keep", option, lower, upper)
+    if key not in view.cache:
+        view.cache[key] = _rs_keep_compute(view, option, lower, upper)
+    return view.cache[key]
 
 
 def _rs_keep_compute(
