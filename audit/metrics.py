@@ -519,12 +519,18 @@ def sample_metrics(
 
 
 def sample_and_step_metrics(
-    trainer_lp: np.ndarray, rollout_lp: np.ndarray, offsets: np.ndarray, *, clip_eps: float = 0.2
+    trainer_lp: np.ndarray,
+    rollout_lp: np.ndarray,
+    offsets: np.ndarray,
+    *,
+    clip_eps: float = 0.2,
+    entropies: tuple[np.ndarray | None, np.ndarray | None] = (None, None),
+    variants: Iterable[str] = (),
 ) -> tuple[pd.DataFrame, dict[str, float]]:
     """:func:`sample_metrics` and :func:`step_metrics` of the same step from one pass over the tokens."""
     t, r, o = _check_inputs(trainer_lp, rollout_lp, offsets)
-    stats = _per_sample_stats(t, r, o, _check_eps(clip_eps))
-    return _sample_frame(stats), {**_step_dict(stats), **_parametric_dict(_TokenView(t, r, o), ())}
+    stats = _per_sample_stats(t, r, o, _check_eps(clip_eps), _check_entropies(entropies, t))
+    return _sample_frame(stats), {**_step_dict(stats), **_parametric_dict(_TokenView(t, r, o), variants)}
 
 
 def _sample_frame(stats: _Stats) -> pd.DataFrame:
