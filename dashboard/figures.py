@@ -48,6 +48,8 @@ def _base(fig: go.Figure, height: int) -> go.Figure:
         template="none",
         legend={"orientation": "h", "y": 1.0, "yanchor": "bottom", "x": 1.0, "xanchor": "right"},
     )
+    fig.update_xaxes(zeroline=False)
+    fig.update_yaxes(zeroline=False, automargin=True)
     return fig
 
 
@@ -424,9 +426,7 @@ def fingerprint_grid(frame: pd.DataFrame, prompt_len: int | None = None) -> go.F
             ay=-30,
         )
     if prompt_len is not None and positions and positions[0] < prompt_len <= positions[-1]:
-        fig.add_vline(
-            x=prompt_len - 0.5, line={"dash": "dot", "color": "#555"}, annotation_text="completion →"
-        )
+        fig.add_vline(x=prompt_len - 0.5, line={"dash": "dot", "color": "#555"})
     fig.update_layout(plot_bgcolor="#d9d9d9")
     fig.update_xaxes(title_text="position (prompt ‖ completion)", showgrid=False)
     fig.update_yaxes(type="category", autorange="reversed", showgrid=False)

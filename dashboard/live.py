@@ -44,12 +44,18 @@ def _json(values: Sequence[float]) -> list[float | None]:
 
 
 def timelines_patch(
-    points: Sequence[queries.StepPoint], decorations: tuple[list[dict], list[dict]] | None = None
-) -> Patch:
+    points: Sequence[queries.StepPoint],
+    decorations: tuple[list[dict], list[dict]] | None = None,
+    log_rows: Sequence[int] = (),
+) -> Patch | None:
     """Append ``points`` to every timeline trace (traces are in ``data.TIMELINE_METRICS`` order);
     with ``decorations`` (``figures.timeline_decorations``), replace the thresholds, firing intervals
-    and mode switches (a firing interval grows with every step)."""
+    and mode switches (a firing interval grows with every step). None when a value of a panel
+    drawn on a log axis is 0 or less (remediation reaches exact zeros): redraw it on a linear one."""
     frame = data.timeline_frame(points)
+    log_metrics = [m for row in log_rows for m in data.TIMELINE_PANELS[row - 1][1]]
+    if any((frame[m] <= 0).any() for m in log_metrics):
+        return None
     patch = Patch()
     if decorations is not None:
         shapes, notes = decorations

@@ -252,7 +252,7 @@ def tick(_n: int | None, state_json: dict[str, Any]) -> tuple[Any, ...]:
         *annotations(store, state.run_id, points[-1].step), state.log_rows
     )
     patches = [
-        timelines_patch(points, decorations),
+        timelines_patch(points, decorations, state.log_rows),
         position_patch(points, state),
         divergence_patch(points, state),
         diagnosis_patch(points, state),
