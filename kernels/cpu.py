@@ -34,6 +34,7 @@ import weakref
 from collections import OrderedDict
 
 import torch
+import torch.nn.functional as F
 
 # Named imports: the package rebinds ``kernels.gemm`` and ``kernels.attention`` to functions.
 from .attention import CONFIG as _ATTN_CONFIG
@@ -104,45 +105,56 @@ def slices_for(*dtypes: torch.dtype) -> int:
     return 2 if any(d.itemsize >= 4 for d in dtypes) else 1
 
 
+MIN_EXPONENT = -100  # rows whose maximum is below 2^-100 (zero rows included) use this scale
+
+
 def row_exponent(x: torch.Tensor) -> torch.Tensor:
-    """e per row (last dim) with max |x| < 2^e (frexp is exact, so this is too); -1000 for a zero
-    row (its scale then never wins a maximum)."""
+    """e per row (last dim) with max |x| < 2^e (frexp is exact, so this is too), at least
+    MIN_EXPONENT, so every scale 2^(bits - e) is a normal fp32 and scaling by it is exact."""
     top = x.abs().amax(-1).float()
-    return torch.where(top == 0, -1000, torch.frexp(top)[1])
+    return torch.where(top == 0, MIN_EXPONENT, torch.frexp(top)[1]).clamp_(min=MIN_EXPONENT)
 
 
-def split_rows(x: torch.Tensor, bits: int, slices: int) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Integer slices (float64) and row exponents e with x ~= 2^(e-bits) (X_0 + X_1 2^-bits)."""
+def split_rows(
+    x: torch.Tensor, bits: int, slices: int, right: bool = False
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Row exponents e and integer slices (float64) with x ~= 2^(e-bits) (X_0 + X_1 2^-bits), as
+    the operands of :func:`exact_matmul`: ``[X_0]``, or for two slices ``[X_0, cat(X_0, X_1)]``
+    (``right``: ``[X_0, cat(X_1, X_0)]``), so one product of the second operands is both cross
+    terms."""
     e = row_exponent(x)
-    t = x.to(torch.float64) * pow2_f64(bits - e)[..., None]  # |t| < 2^bits, exact
+    t = x.float() * _pow2_f32(bits - e)[..., None]  # |t| < 2^bits <= 2^24: exact in fp32
     hi = torch.round(t)
-    parts = [hi]
-    if slices == 2:
-        parts.append(torch.round((t - hi) * 2.0**bits))
-    return parts, e
+    if slices == 1:
+        return [hi.double()], e
+    lo = torch.round((t - hi) * 2.0**bits)  # t - hi is exact (|t - hi| <= 1/2)
+    return [hi.double(), torch.cat([lo, hi] if right else [hi, lo], -1).double()], e
 
 
 def exact_matmul(a: list[torch.Tensor], b: list[torch.Tensor], bits: int) -> torch.Tensor:
-    """``sum_k A[..., m, k] B[..., n, k]`` of integer slices (fp64), every partial sum exact, so the
-    result does not depend on how the BLAS orders, blocks or threads it. Two slices: the lo x lo
-    term (2^-2bits of the result) is dropped; hi x hi and the cross terms are each exact."""
+    """``sum_k A[..., m, k] B[..., n, k]`` of integer slices (fp64) from :func:`split_rows` (b with
+    ``right``), every partial sum exact, so the result does not depend on how the BLAS orders,
+    blocks or threads it. Two slices: hi x hi, then both cross terms in one product (each exact);
+    the lo x lo term (2^-2bits of the result) is dropped."""
     g = a[0] @ b[0].transpose(-1, -2)
     if len(a) == 2:
-        cross = torch.cat(a, -1) @ torch.cat([b[1], b[0]], -1).transpose(-1, -2)
-        g = g + cross * 2.0**-bits
+        g = g + (a[1] @ b[1].transpose(-1, -2)) * 2.0**-bits
     return g
 
 
 def tree_sum(x: torch.Tensor) -> torch.Tensor:
-    """Sum over the last dim by a fixed pairwise tree (pairs (2j, 2j+1) per level, an odd last
-    element carried up): elementwise adds only, so the order depends on the dim's size alone."""
-    if x.shape[-1] == 0:
+    """Sum over the last dim by a fixed tree: zero-padded to a power of two p (adding 0 is exact),
+    then each level adds the upper half to the lower (element j + p/2 onto j). Elementwise adds of
+    contiguous halves only, so the order depends on the dim's size alone."""
+    n = x.shape[-1]
+    if n == 0:
         return x.new_zeros(x.shape[:-1])
-    while x.shape[-1] > 1:
-        n = x.shape[-1]
-        h = n // 2
-        pair = x[..., 0 : 2 * h : 2] + x[..., 1 : 2 * h : 2]
-        x = torch.cat([pair, x[..., 2 * h :]], -1) if n % 2 else pair
+    p = 1 << (n - 1).bit_length()
+    if p != n:
+        x = F.pad(x, (0, p - n))
+    while p > 1:
+        p //= 2
+        x = x[..., :p] + x[..., p:]
     return x[..., 0]
 
 
@@ -217,7 +229,7 @@ def _weight_parts(w: torch.Tensor, bits: int, slices: int) -> tuple[list[torch.T
     small-M GEMMs would otherwise spend most of their time converting the weight."""
     global _weights_bytes
     if w.is_inference() or w.requires_grad and torch.is_grad_enabled():
-        return split_rows(w.detach(), bits, slices)
+        return split_rows(w.detach(), bits, slices, right=True)
     key = (id(w), bits, slices)
     hit = _WEIGHTS.get(key)
     if hit is not None:
@@ -226,7 +238,7 @@ def _weight_parts(w: torch.Tensor, bits: int, slices: int) -> tuple[list[torch.T
             _WEIGHTS.move_to_end(key)
             return parts, e
         _forget(key)
-    parts, e = split_rows(w.detach(), bits, slices)
+    parts, e = split_rows(w.detach(), bits, slices, right=True)
     size = sum(p.numel() * 8 for p in parts)
     if size <= WEIGHT_CACHE_BYTES:
         while _WEIGHTS and _weights_bytes + size > WEIGHT_CACHE_BYTES:
@@ -427,28 +439,41 @@ def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Ten
 # Attention
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, c: float) -> torch.Tensor:
-    """One query block: q (B, Hkv, R, D) rows at absolute positions ``pos`` (B, 1, R), keys and
-    values (B, Hkv, L, D) at positions 0..L-1 (zeros past each cache's length). Returns fp64."""
-    d, lk = q.shape[-1], k.shape[2]
-    bqk, slices = sum_bits(d), slices_for(q.dtype, k.dtype)
-    qp, qe = split_rows(q, bqk, slices)
-    kp, ke = split_rows(k, bqk, slices)
-    s = exact_matmul(qp, kp, bqk) * pow2_f64(qe - bqk)[..., None] * pow2_f64(ke - bqk)[..., None, :]
-    s = s.float()
-    cols = torch.arange(lk)
-    s = s.masked_fill(cols > pos[..., None], float("-inf"))
+class _Keys:
+    """A call's keys and values, (B, Hkv, L, D), split once for all its query blocks."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, q_dtype: torch.dtype) -> None:
+        d = k.shape[-1]
+        self.bits, self.slices = sum_bits(d), slices_for(q_dtype, k.dtype)
+        kp, ke = split_rows(k, self.bits, self.slices, right=True)
+        self.k = [t.permute(0, 2, 1, 3).contiguous() for t in kp]
+        self.k_scale = _pow2_f32(ke - self.bits).permute(0, 2, 1)  # (B, Hkv, L)
+        vp, ve = split_rows(v, VALUE_BITS, 1)
+        self.v = vp[0].permute(0, 2, 1, 3).contiguous()
+        ve = ve.permute(0, 2, 1)
+        self.v_scale = _pow2_f32(ve)  # key j's values are 2^(e_j - VALUE_BITS) V_j
+        self.v_top = torch.cummax(ve, -1).values  # E for a row at position p: v_top[..., p]
+
+
+def _attend(q: torch.Tensor, keys: _Keys, pos: torch.Tensor, c: float) -> torch.Tensor:
+    """One query block: q (B, Hkv, R, D) rows at absolute positions ``pos`` (B, 1, R) against the
+    keys up to the block's last position (any further key is masked for every row). fp64 out."""
+    lk = int(pos.max()) + 1
+    qp, qe = split_rows(q, keys.bits, keys.slices)
+    g = exact_matmul(qp, [t[:, :, :lk] for t in keys.k], keys.bits)
+    # Rounding to fp32 commutes with the exact power-of-two scales that follow.
+    s = g.float() * _pow2_f32(qe - keys.bits)[..., None] * keys.k_scale[..., None, :lk]
+    s = s.masked_fill_(torch.arange(lk) > pos[..., None], float("-inf"))
     m = s.amax(-1, keepdim=True)  # finite: every row sees its own key
     p = exp2((s - m) * c)  # in [0, 1], exactly 1 at the max, 0 where masked
-    den = torch.round(p.double() * 2.0**PROB_BITS).sum(-1)  # integers: exact in any order
-    # Values: each key's row on a VALUE_BITS grid of its own scale; the weights carry the key's
-    # scale relative to the largest over the keys this row sees (a cummax: causal by position).
-    vp, ve = split_rows(v, VALUE_BITS, 1)
-    top = torch.cummax(ve, -1).values.gather(-1, pos.expand(*ve.shape[:2], -1))  # (B, Hkv, R)
-    w = torch.round(p.double() * pow2_f64(PROB_BITS + ve[..., None, :] - top[..., None]))
-    acc = torch.zeros(*q.shape[:-1], d, dtype=torch.float64)
+    den = torch.round(p * 2.0**PROB_BITS).sum(-1, dtype=torch.float64)  # integers: exact
+    # The weights carry key j's value scale relative to the largest over the keys this row sees
+    # (E, a cummax: causal by position); each is an integer of at most PROB_BITS bits.
+    top = keys.v_top.gather(-1, pos.expand(*keys.v_top.shape[:2], -1))  # (B, Hkv, R)
+    w = torch.round(p * _pow2_f32(PROB_BITS - top)[..., None] * keys.v_scale[..., None, :lk]).double()
+    acc = torch.zeros(*q.shape[:-1], q.shape[-1], dtype=torch.float64)
     for t0 in range(0, lk, KEY_TILE):  # each tile exact; tiles added in ascending order
-        acc = acc + w[..., t0 : t0 + KEY_TILE] @ vp[0][:, :, t0 : t0 + KEY_TILE]
+        acc = acc + w[..., t0 : t0 + KEY_TILE] @ keys.v[:, :, t0 : min(lk, t0 + KEY_TILE)]
     return acc * pow2_f64(top - VALUE_BITS)[..., None] / den[..., None]
 
 
@@ -478,9 +503,11 @@ def _attention(
     tok = torch.where(valid, cu[:-1, None] + i[None, :], 0)
     pos = torch.where(valid, q_pos0.long()[:, None] + i[None, :], 0)
     sl = slots.long()
-    live = torch.arange(lk)[None, :] < kv_len.long()[:, None]  # past a cache's length: zeros
-    k = torch.where(live[..., None, None], k_cache[sl, :lk], 0).permute(0, 2, 1, 3)  # (B, Hkv, lk, D)
-    v = torch.where(live[..., None, None], v_cache[sl, :lk], 0).permute(0, 2, 1, 3)
+    k, v = k_cache[sl, :lk], v_cache[sl, :lk]  # (B, lk, Hkv, D)
+    if bool((kv_len < lk).any()):  # past a cache's length: zeros
+        live = (torch.arange(lk)[None, :] < kv_len.long()[:, None])[..., None, None]
+        k, v = torch.where(live, k, 0), torch.where(live, v, 0)
+    keys = _Keys(k, v, q.dtype)
     qq = q[tok].view(nb, lq, hkv, g, d).permute(0, 2, 1, 3, 4)  # (B, Hkv, lq, G, D)
     step = max(1, QUERY_BLOCK_ELEMS // max(1, nb * hq * lk))
     res = torch.empty(nb, hkv, lq, g, d, dtype=torch.float64)
@@ -488,7 +515,7 @@ def _attention(
         i1 = min(lq, i0 + step)
         rows = qq[:, :, i0:i1].reshape(nb, hkv, (i1 - i0) * g, d)
         rpos = pos[:, None, i0:i1, None].expand(-1, -1, -1, g).reshape(nb, 1, (i1 - i0) * g)
-        res[:, :, i0:i1] = _attend(rows, k, v, rpos, c).view(nb, hkv, i1 - i0, g, d)
+        res[:, :, i0:i1] = _attend(rows, keys, rpos, c).view(nb, hkv, i1 - i0, g, d)
     o = res.permute(0, 2, 1, 3, 4).reshape(nb, lq, hq, d).to(q.dtype)
     out[tok[valid]] = o[valid]
     return out
