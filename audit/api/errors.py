@@ -8,11 +8,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from audit.records import RecordError, check_json
 
@@ -74,7 +76,27 @@ async def _database_handler(_request: Request, exc: Exception) -> JSONResponse:
     return database_unavailable_response()
 
 
+async def _http_handler(request: Request, exc: Exception) -> Response:
+    """FastAPI's own answer, except that 405 names what is wrong (the method), as every 4xx here does."""
+    assert isinstance(exc, StarletteHTTPException)
+    if exc.status_code == 405:
+        allowed = (exc.headers or {}).get("Allow", "")
+        return JSONResponse(
+            {"detail": f"method: {request.method} is not allowed here (allowed: {allowed})"},
+            status_code=405,
+            headers=exc.headers,
+        )
+    if exc.status_code == 400 and exc.detail == "There was an error parsing the body":
+        # FastAPI's message for a body it could not parse (not JSON, or a broken form): name the field.
+        return JSONResponse(
+            {"detail": "body: could not be parsed (send JSON with Content-Type: application/json)"},
+            status_code=400,
+        )
+    return await http_exception_handler(request, exc)
+
+
 def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(StarletteHTTPException, _http_handler)
     app.add_exception_handler(RequestValidationError, _validation_handler)
     app.add_exception_handler(OperationalError, _database_handler)
     app.add_exception_handler(PoolTimeout, _database_handler)

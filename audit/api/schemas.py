@@ -30,7 +30,8 @@ class ControlUpdate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     mode: Mode
-    version: int = Field(ge=0, le=2**31 - 1)
+    # The stored version is a 32-bit INTEGER and a successful update writes version + 1.
+    version: int = Field(ge=0, le=2**31 - 2)
 
 
 class RejectedRecord(BaseModel):
