@@ -496,6 +496,15 @@ class SampleLogprobs(Record):
         _non_negative(tokens, "token_ids", "token id")
         self._check_scalars()
         self._check_topk(n_completion)
+        if self.weight_spans is not None:
+            if not isinstance(self.weight_spans, list) or not all(
+                isinstance(span, WeightSpan) for span in self.weight_spans
+            ):
+                raise RecordError("weight_spans", "expected a list of WeightSpan(start, version)")
+            try:
+                check_weight_spans(self.weight_spans, n_completion)
+            except ValueError as exc:
+                raise RecordError("weight_spans", str(exc).removeprefix("weight_spans: ")) from None
         if self.sample_key is None:
             self.sample_key = sample_key(tokens)
         else:
@@ -520,6 +529,11 @@ class SampleLogprobs(Record):
             isinstance(top_p, bool) or not isinstance(top_p, float | int) or not 0 < top_p <= 1
         ):
             raise RecordError("top_p", f"{top_p!r} is not a number in (0, 1]")
+        min_p = self.min_p
+        if min_p is not None and (
+            isinstance(min_p, bool) or not isinstance(min_p, float | int) or not 0 <= min_p <= 1
+        ):
+            raise RecordError("min_p", f"{min_p!r} is not a number in [0, 1]")
         _member(self.semantics, "semantics", _SEMANTICS)
         path = self.path
         if type(path) is not dict:

@@ -40,6 +40,7 @@ from audit.records import (
     SampleLogprobs,
     Side,
     StepStats,
+    WeightSpan,
     record_kind,
     utcnow,
     validate_record,
@@ -145,6 +146,8 @@ def _sample_row(record: SampleLogprobs) -> dict[str, Any]:
         "temperature": record.temperature,
         "top_k": record.top_k,
         "top_p": record.top_p,
+        "min_p": record.min_p,
+        "weight_spans": [span.model_dump() for span in record.weight_spans] if record.weight_spans else None,
         "semantics": record.semantics,
         "token_ids": to_bytes(record.token_ids.astype(np.int32, copy=False)),
         "logprobs": to_bytes(record.logprobs.astype(np.float32, copy=False)),
@@ -177,6 +180,10 @@ def _sample_record(row: SampleRow) -> SampleLogprobs:
         temperature=row.temperature,
         top_k=row.top_k,
         top_p=row.top_p,
+        min_p=row.min_p,
+        weight_spans=[WeightSpan.model_construct(**span) for span in row.weight_spans]
+        if row.weight_spans
+        else None,
         semantics=row.semantics,
         topk_ids=topk[0] if topk else None,
         topk_logprobs=topk[1] if topk else None,

@@ -27,7 +27,12 @@ def test_ingest_and_read_back(store: Store) -> None:
     assert again.stored["step_stats"] == 0 and again.duplicates["step_stats"] == 1
     rows = store.step_stats("loop")
     assert [r.step for r in rows] == [0, 1]
-    assert rows[0].figures() == {"reward_mean": 0.25, "reward_std": 0.1, "entropy": 5.5, "clip_fraction": 0.05}
+    assert rows[0].figures() == {
+        "reward_mean": 0.25,
+        "reward_std": 0.1,
+        "entropy": 5.5,
+        "clip_fraction": 0.05,
+    }
     assert rows[1].figures() == {"reward_mean": 0.5, "generation_s": 1.5, "kl_penalty": 0.01}
     assert [r.step for r in store.step_stats("loop", from_step=1)] == [1]
 
@@ -67,3 +72,31 @@ def test_served_by_the_api(api: httpx.Client, other_token: str, server) -> None:
         f"{server.url}/v1/runs/served/step-stats", headers={"Authorization": f"Bearer {other_token}"}
     )
     assert foreign.status_code in (403, 404)
+
+
+def test_sampling_params_and_weight_spans_survive_the_store(store: Store) -> None:
+    """min-p and per-span weight versions go in and come back out (issue 16's off-policy lag)."""
+    import numpy as np
+
+    from audit.records import SampleLogprobs, WeightSpan
+
+    tokens = np.arange(1, 9, dtype=np.int32)
+    record = SampleLogprobs(
+        run_id="spans",
+        step=0,
+        side="rollout",
+        weight_version="3",
+        prompt_len=3,
+        token_ids=tokens,
+        logprobs=np.full(5, -0.5, np.float32),
+        min_p=0.05,
+        weight_spans=[WeightSpan(start=0, version="3"), WeightSpan(start=2, version="4")],
+    )
+    bad = SampleLogprobs.model_construct(
+        **{**dict(record), "weight_spans": [WeightSpan(start=9, version="4")]}
+    )
+    result = store.ingest([record, bad])
+    assert result.stored["sample"] == 1 and [r.field for r in result.rejected] == ["weight_spans"]
+    (back,) = store.samples("spans", 0)
+    assert back.min_p == 0.05
+    assert [(s.start, s.version) for s in back.weight_spans] == [(0, "3"), (2, "4")]
