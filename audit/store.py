@@ -424,6 +424,11 @@ class Store:
         with self.sessions() as session:
             return session.scalar(select(RunRow.project).where(RunRow.run_id == run_id))
 
+    def run_config(self, run_id: str) -> dict[str, Any] | None:
+        """The run's free-form config (one row, no counts: cheap enough for every compared step)."""
+        with self.sessions() as session:
+            return session.scalar(select(RunRow.config).where(RunRow.run_id == run_id))
+
     def steps(self, run_id: str) -> list[StepSummary]:
         counts = (
             select(SampleRow.step, SampleRow.side, func.count())

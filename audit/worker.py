@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from audit.compare import compare_samples, step_summary
-from audit.records import SampleLogprobs, utcnow
+from audit.records import SampleLogprobs, off_policy_of, utcnow
 from audit.store import Store
 from audit.summaries import SampleOutcome, save_summary, summarize_step
 
@@ -76,7 +76,8 @@ class ComparisonWorker:
         for record in self.store.fingerprints(run, step, keys):
             prints[record.sample_key][0 if record.side == "trainer" else 1].append(record)
         manifests = (self.store.manifests(run, "trainer"), self.store.manifests(run, "rollout"))
-        comparisons = compare_samples(todo, dict(prints), manifests, clip_eps=self.clip_eps)
+        policy = off_policy_of(self.store.run_config(run) or {})  # a declared lag is off_policy, not weights
+        comparisons = compare_samples(todo, dict(prints), manifests, clip_eps=self.clip_eps, policy=policy)
 
         # The step's figures cover every compared sample of the step, old and new.
         fresh = [

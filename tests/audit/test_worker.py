@@ -113,3 +113,16 @@ def test_cli_compare_exit_codes_and_json(database_url: str):
     missing = runner.invoke(app, ["compare", "nope", *args])
     assert missing.exit_code == 1 and "nope" in missing.output
     assert runner.invoke(app, ["compare", "run-1", "--step", "9", *args]).exit_code == 1
+
+
+def test_worker_reads_the_runs_off_policy_declaration(store: Store) -> None:
+    """A one-step lag the run declares is off_policy; the same lag in an undeclared run is weights."""
+    for run_id, config in (("declared", {"off_policy": {"max_staleness": 1}}), ("undeclared", {})):
+        trainer = factories.sample("trainer", run_id=run_id, weight_version="5", n_completion=8)
+        rollout = factories.sample(
+            "rollout", run_id=run_id, weight_version="4", n_completion=8, logprobs=trainer.logprobs * 1.01
+        )
+        store.ingest([factories.run(run_id, config=config), trainer, rollout])
+    ComparisonWorker(store).run_once()
+    kinds = {run_id: store.sample_results(run_id)[0].diagnosis for run_id in ("declared", "undeclared")}
+    assert kinds == {"declared": "off_policy", "undeclared": "weights"}
