@@ -64,12 +64,18 @@ class DirectSink(Sink):
 
     def _deliver(self, item: _Item) -> int:
         try:
+            store = self.shared.get()
+        except StoreError as exc:  # e.g. a schema behind head: records wait until `isoaudit db upgrade`
+            raise DeliveryError(str(exc), retry=True) from exc
+        except (OperationalError, OSError) as exc:
+            raise DeliveryError(str(exc).splitlines()[0], retry=True) from exc
+        try:
             try:
-                result = self.shared.get().ingest(item.records, project=self.project)
+                result = store.ingest(item.records, project=self.project)
             except IntegrityError:
                 # Another writer (the other side of the job) stored one of these rows between our
                 # check and our insert; the batch is idempotent, so once more skips it as a duplicate.
-                result = self.shared.get().ingest(item.records, project=self.project)
+                result = store.ingest(item.records, project=self.project)
         except (OperationalError, OSError) as exc:
             self.shared.reset()
             raise DeliveryError(str(exc).splitlines()[0], retry=True) from exc

@@ -244,3 +244,26 @@ def test_cuda_matches_cpu(dtype: torch.dtype, monkeypatch) -> None:
     torch.testing.assert_close(gpu.sketch.cpu(), cpu.sketch, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(gpu.l2.cpu(), cpu.l2, rtol=1e-5, atol=0)
     assert torch.equal(gpu.maxabs.cpu(), cpu.maxabs)
+
+
+def test_the_fused_kernel_gets_the_arguments_this_module_uses() -> None:
+    """On CUDA :func:`fingerprint_rows` hands rows to ``kernels.fingerprint`` with its own digest
+    weights, sketch and rung masks; the kernel's exact torch reference (which runs here) must then
+    give the same integer fields bit for bit."""
+    kernel = pytest.importorskip("kernels.fingerprint")
+    x = torch.randn(37, 96).to(torch.bfloat16)
+    want = fingerprint_rows(x)
+    fmt = fp._format(x.dtype)
+    masks = fp._device_masks(tuple(-(1 << (fmt.mantissa_bits - k)) for k in want.ladder_bits), x.device)
+    got = kernel.fingerprint_rows(
+        x,
+        fp._device_weights(96, x.device),
+        fp._device_sketch(96, x.device, torch.float32),
+        masks,
+        impl="torch",
+    )
+    assert np.array_equal(u64(got.digest), u64(want.digest)) and np.array_equal(
+        u64(got.ladder), u64(want.ladder)
+    )
+    assert torch.equal(got.maxabs, want.maxabs)
+    torch.testing.assert_close(got.l2, want.l2, rtol=1e-5, atol=0)

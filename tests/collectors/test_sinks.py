@@ -188,3 +188,19 @@ def test_memory_sink_keeps_records() -> None:
 def test_sink_options_are_checked_and_named(bad: dict) -> None:
     with pytest.raises(ValueError, match=next(iter(bad))):
         MemorySink(**bad)
+
+
+def test_direct_sink_spools_until_the_database_is_upgraded(blank_database_url: str, tmp_path: Path) -> None:
+    """A PostgreSQL store behind the schema refuses to open ("run `isoaudit db upgrade`"): records
+    wait in the spool instead of being lost, and arrive once someone upgrades it."""
+    if blank_database_url.startswith("sqlite"):
+        pytest.skip("the embedded SQLite store upgrades itself")
+    from audit.migrate import upgrade
+
+    sink = DirectSink(blank_database_url, spool_dir=tmp_path / "spool", backoff_initial=0.02, backoff_max=0.1)
+    sink.send([factories.run(), factories.sample()])
+    assert not sink.flush(1.0)
+    assert sink.counters.spooled == 2 and sink.counters.dropped == 0 and sink.counters.sent == 0
+    upgrade(blank_database_url)
+    assert sink.flush(30) and sink.counters.replayed == 2 and sink.counters.dropped == 0
+    sink.close()
