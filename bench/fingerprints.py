@@ -2,8 +2,9 @@
 
     python bench/fingerprints.py [--rows 16384] [--hidden 4096] [--dtype bfloat16] [--device cpu]
 
-Prints the time of ``fingerprint_rows(x)`` (digest + ladder + sketch + l2 + maxabs) and of a plain
-``x.float().sum(-1)`` over the same tensor, and their ratio.
+Prints the time of the collector's ``fingerprint_rows(x)`` (digest + ladder + sketch + l2 + maxabs;
+on CUDA the fused pass of ``kernels.fingerprint``, ``ISOAUDIT_FINGERPRINT_TRITON=0`` for the torch
+path) and of a plain ``x.float().sum(-1)`` over the same tensor, and their ratio.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from audit.fingerprints import fingerprint_rows  # noqa: E402
+from collectors.fingerprints import fingerprint_rows  # noqa: E402  (the fused kernel on CUDA, torch elsewhere)
 
 
 def timed(fn: Callable[[], object], device: torch.device, repeats: int) -> float:

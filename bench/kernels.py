@@ -269,13 +269,15 @@ def bench_fingerprint() -> None:
             "fingerprint (fused) vs sum", shape, base, bench(lambda: fingerprint_rows(x, w, s, masks)), 1.5
         )
         try:
-            from collectors.fingerprints import fingerprint_rows as torch_path
+            import collectors.fingerprints as coll
         except ImportError:
-            try:
-                from audit.fingerprints import fingerprint_rows as torch_path
-            except ImportError:
-                continue
-        record("fingerprint (torch) vs sum", shape, base, bench(lambda: torch_path(x)))
+            continue
+        saved = coll._TRITON
+        coll._TRITON = False  # the collector's torch path (it calls the fused pass on CUDA otherwise)
+        try:
+            record("fingerprint (torch) vs sum", shape, base, bench(lambda: coll.fingerprint_rows(x)))
+        finally:
+            coll._TRITON = saved
 
 
 def bench_trainer() -> None:
