@@ -225,26 +225,27 @@ def _forget(key: tuple[int, int, int]) -> None:
 
 
 def _weight_parts(w: torch.Tensor, bits: int, slices: int) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """A weight's integer slices, kept (LRU, bounded bytes) until it changes: the decode step's
-    small-M GEMMs would otherwise spend most of their time converting the weight."""
+    """A weight's integer slices, kept (LRU, bounded bytes) while the weight holds the same values:
+    the decode step's small-M GEMMs would otherwise spend most of their time converting it. The
+    check compares the values with a kept copy (``param.data.copy_`` bumps no version counter)."""
     global _weights_bytes
     if w.is_inference() or w.requires_grad and torch.is_grad_enabled():
         return split_rows(w.detach(), bits, slices, right=True)
     key = (id(w), bits, slices)
     hit = _WEIGHTS.get(key)
     if hit is not None:
-        ref, version, ptr, parts, e, size = hit
-        if ref() is w and version == w._version and ptr == w.data_ptr():
+        ref, seen, parts, e, size = hit
+        if ref() is w and w.shape == seen.shape and torch.equal(w, seen):
             _WEIGHTS.move_to_end(key)
             return parts, e
         _forget(key)
     parts, e = split_rows(w.detach(), bits, slices, right=True)
-    size = sum(p.numel() * 8 for p in parts)
+    size = sum(p.numel() * 8 for p in parts) + w.numel() * w.element_size()
     if size <= WEIGHT_CACHE_BYTES:
         while _WEIGHTS and _weights_bytes + size > WEIGHT_CACHE_BYTES:
             _forget(next(iter(_WEIGHTS)))
         ref = weakref.ref(w, lambda _, key=key: _forget(key))
-        _WEIGHTS[key] = (ref, w._version, w.data_ptr(), parts, e, size)
+        _WEIGHTS[key] = (ref, w.detach().clone(), parts, e, size)
         _weights_bytes += size
     return parts, e
 
