@@ -125,3 +125,23 @@ def test_direct_writes_by_default_read_control_from_the_store(load, tmp_path: Pa
     assert store.manifests("s-3", side="trainer")[-1].runtime.remediation == "invariant"
     assert len(store.samples("s-3", 0)) == 1
     store.dispose()
+
+
+def test_control_never_raises_and_backs_off_while_the_service_is_down(caplog) -> None:
+    import socket
+    import time
+
+    from collectors.control import Control, ServiceControl
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    channel = ServiceControl("r", f"http://127.0.0.1:{port}", "iso_x", interval=0.0, timeout=0.5)
+    started = time.perf_counter()
+    assert channel.desired() is None and channel.desired() is None  # the second is inside the backoff
+    assert time.perf_counter() - started < 2.0
+    assert sum("cannot read run 'r'" in r.getMessage() for r in caplog.records) == 1
+    channel.offer(Control("invariant", 3))  # an ingest reply still gets through
+    channel.offer(Control("native", 2))  # an older version never wins
+    assert channel.desired() == Control("invariant", 3)
+    channel.close()
