@@ -1,8 +1,8 @@
 """How the driver reaches the workers: ``LLM.collective_rpc``, by method name when the engine was
 started with the isoaudit worker extension (the only way into worker processes), or with the
 worker-side functions themselves when the engine runs in this process. Either way the same
-functions of :mod:`collectors.vllm.worker` run on the same plain data, so both modes produce the
-same records.
+functions of :mod:`collectors.vllm.worker` run on the same wire-form messages
+(:mod:`collectors.vllm.messages`), so both modes produce the same records.
 """
 
 from __future__ import annotations
