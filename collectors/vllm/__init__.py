@@ -1,8 +1,9 @@
 """The rollout side: a collector inside a vLLM engine (DESIGN.md, "Data flow").
 
-``attach(llm, run=..., sink=...)`` hooks an offline ``vllm.LLM`` whose engine runs in this process,
-or one created with ``worker_extension_cls=collectors.vllm.EXTENSION`` (workers in other processes,
-reached through ``LLM.collective_rpc``). ``load_weights(llm, named_tensors, version)`` performs an
+``Session.watch_vllm(llm)`` (or ``attach(llm, run=..., sink=...)``) hooks an offline ``vllm.LLM``
+whose engine runs in this process, or one created with
+``worker_extension_cls=collectors.vllm.EXTENSION`` (workers in other processes, reached through
+``LLM.collective_rpc`` with the typed messages of :mod:`collectors.vllm.messages`). ``load_weights(llm, named_tensors, version)`` performs an
 in-flight weight update and records the new weight version and digest.
 
 Importing this package does not import vLLM: vLLM stays an optional dependency, imported only by the
