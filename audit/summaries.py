@@ -24,7 +24,7 @@ import numpy as np
 from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session
 
-from audit.models import FingerprintRow, SampleResultRow, SampleRow, StepSummaryRow
+from audit.models import FingerprintRow, SampleResultRow, SampleRow, StepResultRow, StepSummaryRow
 from audit.records import SampleLogprobs, utcnow
 
 
@@ -155,3 +155,18 @@ def save_summary(session: Session, row: dict[str, Any]) -> None:
         )
     )
     session.add(StepSummaryRow(**row))
+
+
+def missing_summaries(session: Session, limit: int) -> list[tuple[str, int]]:
+    """Compared steps without a summary (compared before migration 0004 added them), oldest first."""
+    query = (
+        select(StepResultRow.run_id, StepResultRow.step)
+        .outerjoin(
+            StepSummaryRow,
+            (StepSummaryRow.run_id == StepResultRow.run_id) & (StepSummaryRow.step == StepResultRow.step),
+        )
+        .where(StepSummaryRow.step.is_(None))
+        .order_by(StepResultRow.run_id, StepResultRow.step)
+        .limit(limit)
+    )
+    return [(run_id, step) for run_id, step in session.execute(query)]

@@ -14,7 +14,7 @@ from typing import Any
 from audit.compare import compare_samples, step_summary
 from audit.records import SampleLogprobs, off_policy_of, utcnow
 from audit.store import Store
-from audit.summaries import SampleOutcome, save_summary, summarize_step
+from audit.summaries import SampleOutcome, missing_summaries, save_summary, summarize_step
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +107,20 @@ class ComparisonWorker:
                 log.exception("step callback failed for run %s step %s", run, step)
         return len(comparisons)
 
+    def backfill(self, limit: int = 1) -> int:
+        """Write the dashboard's summaries of up to ``limit`` steps compared before they existed (a
+        database from before migration 0004), from the stored samples and verdicts. The background
+        thread does one step per idle pass, so old runs fill in without holding up new records."""
+        with self.store.sessions() as session:
+            todo = missing_summaries(session, limit)
+        for run, step in todo:
+            pairs = pair_by_key(self.store.samples(run, step))
+            with self.store.sessions.begin() as session:
+                save_summary(
+                    session, summarize_step(session, run, step, [pairs[k] for k in sorted(pairs)], [])
+                )
+        return len(todo)
+
     # ------------------------------------------------------------------ background thread
 
     def start(self) -> ComparisonWorker:
@@ -124,7 +138,7 @@ class ComparisonWorker:
     def _loop(self) -> None:
         while not self._stop.is_set():
             try:
-                busy = self.run_once() > 0
+                busy = self.run_once() > 0 or self.backfill() > 0
             except Exception:
                 log.exception("comparison pass failed")
                 busy = False

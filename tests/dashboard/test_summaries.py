@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
-from sqlalchemy import select
+from sqlalchemy import delete, select
 
 from audit.models import StepSummaryRow
 from audit.summaries import (
@@ -87,3 +87,15 @@ def test_the_worker_stores_one_summary_per_compared_step(store):
         again = session.get(StepSummaryRow, ("run-1", 0))
     assert again.n_samples == 4 and sum(again.diagnoses.values()) == 4
     assert again.first_divergence[DIVERGING]["count"] == 2
+
+
+def test_steps_compared_before_summaries_existed_are_backfilled(store):
+    fill(store, steps=2, samples=3)
+    with store.sessions.begin() as session:
+        expected = session.get(StepSummaryRow, ("run-1", 1)).first_divergence
+        session.execute(delete(StepSummaryRow))
+    worker = ComparisonWorker(store)
+    assert worker.backfill(limit=1) == 1 and worker.backfill(limit=5) == 1 and worker.backfill() == 0
+    with store.sessions() as session:
+        row = session.get(StepSummaryRow, ("run-1", 1))
+    assert row.first_divergence == expected and row.n_samples == 3 and sum(row.diagnoses.values()) == 3
