@@ -62,6 +62,7 @@ def _coerce(value: Any, dtype: np.dtype, ndim: int) -> np.ndarray:
         if array.dtype != dtype:
             if dtype.kind in "iu" and array.size and array.dtype.kind == "f":
                 raise ValueError(f"expected integers for a {dtype.name} array, got floats")
+            _check_range(array, dtype)
             array = array.astype(dtype)
     if array.ndim == 1 and ndim == 2 and array.size == 0:
         array = array.reshape(0, 0)
@@ -70,6 +71,22 @@ def _coerce(value: Any, dtype: np.dtype, ndim: int) -> np.ndarray:
     if array.size > MAX_ARRAY_ELEMENTS:
         raise ValueError(f"{array.size} elements exceed the limit of {MAX_ARRAY_ELEMENTS}")
     return array
+
+
+def _check_range(array: np.ndarray, dtype: np.dtype) -> None:
+    """Refuse values a cast to ``dtype`` would wrap (integers) or turn into infinities (floats)."""
+    if not array.size:
+        return
+    if dtype.kind in "iu" and array.dtype.kind in "iub":
+        info = np.iinfo(dtype)
+        low, high = int(array.min()), int(array.max())
+        if low < info.min or high > info.max:
+            raise ValueError(f"values {low}..{high} do not fit {dtype.name} ({info.min}..{info.max})")
+    elif dtype.kind == "f" and array.dtype.kind == "f":
+        finite = array[np.isfinite(array)]
+        limit = float(np.finfo(dtype).max)
+        if finite.size and float(np.abs(finite).max()) > limit:
+            raise ValueError(f"a value of magnitude {float(np.abs(finite).max()):.3g} overflows {dtype.name}")
 
 
 def _serialize(array: np.ndarray) -> str | dict[str, Any]:

@@ -347,7 +347,8 @@ class Store:
         foreign = sorted(rid for rid, owner in existing.items() if owner != project)
         if foreign:
             raise ForbiddenRun(f"run_id: {', '.join(foreign)} belongs to another project")
-        explicit = {r.run_id: r for r in runs}
+        explicit = {r.run_id: r for r in runs}  # the last of a run's records in the batch wins
+        result.duplicates["run"] += len(runs) - len(explicit)
         for run in explicit.values():
             values = {"name": run.name, "started_at": run.started_at, "config": run.config}
             if run.run_id in existing:
