@@ -482,11 +482,43 @@ def mode_changes(
 
 
 @dataclass(frozen=True)
+class SilenceView:
+    """One silence: what it matches (None: anything) and when it holds."""
+
+    id: int
+    project: str | None
+    rule: str | None
+    run_id: str | None
+    labels: dict[str, Any]
+    starts_at: datetime
+    ends_at: datetime
+    created_by: str
+    comment: str
+
+    def active(self, now: datetime) -> bool:
+        return self.starts_at <= now < self.ends_at
+
+    @classmethod
+    def of(cls, row: SilenceRow) -> SilenceView:
+        return cls(
+            row.id,
+            row.project,
+            row.rule_name,
+            row.run_id,
+            dict(row.labels),
+            aware(row.starts_at) or row.starts_at,
+            aware(row.ends_at) or row.ends_at,
+            row.created_by,
+            row.comment,
+        )
+
+
+@dataclass(frozen=True)
 class AlertsView:
     open: list[AlertView]
     resolved: list[AlertView]
     rules: list[AlertRule]
-    silences: list[SilenceRow]
+    silences: list[SilenceView]
 
 
 def alerts_view(store: Store, *, run_id: str | None = None, limit: int = 500) -> AlertsView:
@@ -498,7 +530,7 @@ def alerts_view(store: Store, *, run_id: str | None = None, limit: int = 500) ->
         open=[a for a in alerts if a.state in OPEN_STATES],
         resolved=[a for a in alerts if a.state not in OPEN_STATES],
         rules=rules,
-        silences=list_silences(store, project),
+        silences=[SilenceView.of(row) for row in list_silences(store, project)],
     )
 
 

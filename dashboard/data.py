@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from datetime import datetime
 from functools import lru_cache
 from typing import Any
 
@@ -386,22 +387,20 @@ def rules_frame(rules: Sequence[AlertRule]) -> pd.DataFrame:
     )
 
 
-def silences_frame(silences: Sequence[Any], now: Any) -> pd.DataFrame:
-    rows = []
-    for s in silences:
-        ends = queries.aware(s.ends_at)
-        rows.append(
-            {
-                "id": s.id,
-                "rule": s.rule_name or "(any)",
-                "run_id": s.run_id or "(any)",
-                "labels": json.dumps(dict(s.labels), sort_keys=True) if s.labels else "",
-                "starts_at": queries.aware(s.starts_at),
-                "ends_at": ends,
-                "active": ends is not None and ends > now and queries.aware(s.starts_at) <= now,
-                "created_by": s.created_by,
-                "comment": s.comment,
-            }
-        )
+def silences_frame(silences: Sequence[queries.SilenceView], now: datetime) -> pd.DataFrame:
+    rows = [
+        {
+            "id": s.id,
+            "rule": s.rule or "(any)",
+            "run_id": s.run_id or "(any)",
+            "labels": json.dumps(s.labels, sort_keys=True) if s.labels else "",
+            "starts_at": s.starts_at,
+            "ends_at": s.ends_at,
+            "active": s.active(now),
+            "created_by": s.created_by,
+            "comment": s.comment,
+        }
+        for s in silences
+    ]
     columns = ["id", "rule", "run_id", "labels", "starts_at", "ends_at", "active", "created_by", "comment"]
     return pd.DataFrame(rows, columns=columns)
