@@ -87,7 +87,8 @@ def pow2_f64(e: torch.Tensor) -> torch.Tensor:
 
 
 def _pow2_f32(n: torch.Tensor) -> torch.Tensor:
-    return ((n.to(torch.int32) + 127).clamp(1, 254) << 23).view(torch.float32)
+    """2^n as float32 from the exponent bits, for int32 n in [-126, 127] (the callers' ranges)."""
+    return ((n + 127) << 23).view(torch.float32)
 
 
 def _times_pow2(p: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
@@ -109,10 +110,10 @@ MIN_EXPONENT = -100  # rows whose maximum is below 2^-100 (zero rows included) u
 
 
 def row_exponent(x: torch.Tensor) -> torch.Tensor:
-    """e per row (last dim) with max |x| < 2^e (frexp is exact, so this is too), at least
-    MIN_EXPONENT, so every scale 2^(bits - e) is a normal fp32 and scaling by it is exact."""
-    top = x.abs().amax(-1).float()
-    return torch.where(top == 0, MIN_EXPONENT, torch.frexp(top)[1]).clamp_(min=MIN_EXPONENT)
+    """e (int32) per row (last dim) with max |x| < 2^e (frexp is exact, so this is too), at least
+    MIN_EXPONENT (a zero row gets 0), so every scale 2^(bits - e) is a normal fp32 and scaling by
+    it is exact."""
+    return torch.frexp(x.abs().amax(-1).float())[1].clamp_(min=MIN_EXPONENT)
 
 
 def split_rows(
@@ -224,13 +225,19 @@ def _forget(key: tuple[int, int, int]) -> None:
         _weights_bytes -= hit[-1]
 
 
+def _split_weight(w: torch.Tensor, bits: int, slices: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    parts, e = split_rows(w.detach(), bits, slices, right=True)
+    return parts, _pow2_f32(e - bits)
+
+
 def _weight_parts(w: torch.Tensor, bits: int, slices: int) -> tuple[list[torch.Tensor], torch.Tensor]:
     """A weight's integer slices, kept (LRU, bounded bytes) while the weight holds the same values:
     the decode step's small-M GEMMs would otherwise spend most of their time converting it. The
-    check compares the values with a kept copy (``param.data.copy_`` bumps no version counter)."""
+    check compares the values with a kept copy (``param.data.copy_`` bumps no version counter).
+    Returns the operands and the rows' scales 2^(e - bits)."""
     global _weights_bytes
     if w.is_inference() or w.requires_grad and torch.is_grad_enabled():
-        return split_rows(w.detach(), bits, slices, right=True)
+        return _split_weight(w, bits, slices)
     key = (id(w), bits, slices)
     hit = _WEIGHTS.get(key)
     if hit is not None:
@@ -239,7 +246,7 @@ def _weight_parts(w: torch.Tensor, bits: int, slices: int) -> tuple[list[torch.T
             _WEIGHTS.move_to_end(key)
             return parts, e
         _forget(key)
-    parts, e = split_rows(w.detach(), bits, slices, right=True)
+    parts, e = _split_weight(w, bits, slices)
     size = sum(p.numel() * 8 for p in parts) + w.numel() * w.element_size()
     if size <= WEIGHT_CACHE_BYTES:
         while _WEIGHTS and _weights_bytes + size > WEIGHT_CACHE_BYTES:
@@ -266,10 +273,10 @@ def gemm(
     else:
         slices = slices_for(x.dtype, weight.dtype)
         bits = sum_bits(k)
-        wp, we = _weight_parts(weight, bits, slices)
+        wp, w_scale = _weight_parts(weight, bits, slices)
         ap, ae = split_rows(a.detach(), bits, slices)
-        g = exact_matmul(ap, wp, bits)
-        y = (g * pow2_f64(ae - bits)[:, None] * pow2_f64(we - bits)[None, :]).float()
+        # Rounding to fp32 commutes with the exact power-of-two scales that follow.
+        y = exact_matmul(ap, wp, bits).float() * _pow2_f32(ae - bits)[:, None] * w_scale
     if bias is not None:
         y = y + bias.float()
     return y.to(out_dtype or x.dtype).reshape(*x.shape[:-1], n)
@@ -452,7 +459,7 @@ class _Keys:
         vp, ve = split_rows(v, VALUE_BITS, 1)
         self.v = vp[0].permute(0, 2, 1, 3).contiguous()
         ve = ve.permute(0, 2, 1)
-        self.v_scale = _pow2_f32(ve)  # key j's values are 2^(e_j - VALUE_BITS) V_j
+        self.v_scale = _pow2_f32(ve.clamp(max=127))  # key j's values are 2^(e_j - VALUE_BITS) V_j
         self.v_top = torch.cummax(ve, -1).values  # E for a row at position p: v_top[..., p]
 
 
