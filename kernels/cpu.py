@@ -29,6 +29,7 @@ not invariant (the contract is the forward's bits).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
 from collections import OrderedDict
@@ -243,7 +244,8 @@ def _weight_parts(w: torch.Tensor, bits: int, slices: int) -> tuple[list[torch.T
     if hit is not None:
         ref, seen, parts, e, size = hit
         if ref() is w and w.shape == seen.shape and torch.equal(w, seen):
-            _WEIGHTS.move_to_end(key)
+            with contextlib.suppress(KeyError):  # another thread may have evicted it meanwhile
+                _WEIGHTS.move_to_end(key)
             return parts, e
         _forget(key)
     parts, e = _split_weight(w, bits, slices)
