@@ -12,8 +12,8 @@ whatever the shape, the thread count or how torch vectorises a call:
    integers; they are scaled back (exactly) and rounded once. A row's result depends on that row
    of each operand and on K only. (16-bit inputs with an exponent within ``bits - 8`` of their
    row's maximum are represented exactly; smaller ones are rounded to that row's grid.)
-2. **Fixed pairwise trees** (:func:`tree_sum`): sums over a model dimension (hidden size, vocab)
-   as ``log2 n`` elementwise adds of fixed pairs, so the order depends on ``n`` only.
+2. **Fixed trees** (:func:`tree_sum`): sums over a model dimension (hidden size, vocab) as
+   ``log2 n`` elementwise adds of fixed halves, so the order depends on ``n`` only.
 3. **Transcendentals from IEEE ops** (:func:`exp`, :func:`exp2`, :func:`log`): range reduction
    and a polynomial written as separate torch multiplies and adds, and powers of two built from
    their bits. IEEE +, -, *, / and sqrt are correctly rounded, so every element has the same bits
