@@ -400,7 +400,8 @@ def compare_manifests(trainer: Manifest | None, rollout: Manifest | None) -> lis
 
 
 def manifest_history(store: Store, run_id: str) -> list[ManifestEntry]:
-    """Every manifest of the run, oldest first, each with what changed since its side's previous one."""
+    """Every manifest of the run, oldest first, each with what changed since the previous one of the
+    same side, case and process."""
     query = (
         select(ManifestRow)
         .where(ManifestRow.run_id == run_id)
@@ -408,18 +409,18 @@ def manifest_history(store: Store, run_id: str) -> list[ManifestEntry]:
     )
     with store.sessions() as session:
         rows = list(session.scalars(query))
-    previous: dict[tuple[str, str], dict[str, Any]] = {}
+    previous: dict[tuple[str, str, str], dict[str, Any]] = {}
     entries = []
     for row in rows:
         manifest = Manifest.model_validate(row.body)
         now = manifest_fields(manifest)
-        before = previous.get((row.side, row.process))
+        before = previous.get((row.side, row.case, row.process))
         changed = (
             []
             if before is None
             else sorted(k for k in now.keys() | before.keys() if now.get(k) != before.get(k))
         )
-        previous[(row.side, row.process)] = now
+        previous[(row.side, row.case, row.process)] = now
         entries.append(
             ManifestEntry(
                 row.id, row.side, row.case, row.process, aware(row.created_at) or utcnow(), manifest, changed

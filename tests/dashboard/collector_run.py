@@ -2,13 +2,12 @@
 
 As ``collectors/demo.py`` does: a tiny Qwen3 plays both sides; the rollout side is isoaudit's
 reference engine (batched prefill + decode with a KV cache, regions fingerprinted inside it), the
-trainer side recomputes the same tokens through the trainer collector. Both write through the public
-collectors API (direct sinks into the store) and read the run's control record at each step
-boundary, so flipping the dashboard's toggle reaches a collector that is still running. A
-comparison worker (with the alert engine) runs beside them, as the service would.
+trainer side recomputes the same tokens through the trainer collector. Both are attached through the
+public session API (``collectors.session`` with direct writes into the store) and read the run's
+control record at each step boundary, so flipping the dashboard's toggle reaches a collector that
+is still running. A comparison worker (with the alert engine) runs beside them, as the service would.
 
-This module is the one place the browser suite gets data from: switch it to the session API
-(``collectors.session``) when that lands.
+This module is the one place the browser suite gets its data from.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ import numpy as np
 import torch
 
 from audit.alerts import AlertEngine, AlertRule, DatabaseChannel, default_rules, install_rules
-from audit.records import Manifest, Run, RuntimeFacts, SampleLogprobs
+from audit.records import Run
 from audit.store import Store
 from audit.worker import ComparisonWorker
 
@@ -59,10 +58,7 @@ class CollectorRun:
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> CollectorRun:
-        from collectors import trainer
-        from collectors.control import StoreControl
-        from collectors.engine_capture import EngineFingerprints
-        from collectors.sinks.direct import DirectSink, SharedStore
+        import collectors
         from collectors.tiny_models import load_tiny_model, make_tiny_model, tiny_corpus
         from kernels.adapters import HFCausalLM
         from kernels.engine import RolloutEngine
@@ -77,47 +73,31 @@ class CollectorRun:
         self.worker = ComparisonWorker(
             self.store, on_step=AlertEngine(self.store, channels=[DatabaseChannel()]).evaluate, interval=0.1
         ).start()
-        self.shared = SharedStore(self.url)
-        self.run = Run(
+        run = Run(
             run_id=self.run_id, name=XSS_NAME, config={"tokenizer": str(self.model_dir), "dtype": "float32"}
         )
-        self.trainer_sink = DirectSink(self.shared)
-        self.rollout_sink = DirectSink(self.shared)
-        # The run is registered once before both sides write: two sinks registering one new run at
-        # the same moment race in Store.ingest (reported to the store's owner).
-        self.rollout_sink.send([self.run])
-        self.rollout_sink.flush()
-        self.handle = trainer.attach(
-            self.model,
-            run=self.run,
-            sink=self.trainer_sink,
-            sample_every=1,
-            control=StoreControl(self.run_id, self.shared, interval=0.2),
-        )
-        self.rollout_control = StoreControl(self.run_id, self.shared, interval=0.2)
-        adapter = HFCausalLM(self.model)
-        self.capture = EngineFingerprints(adapter)
-        self.engine = RolloutEngine(adapter, max_len=256)
-        lines = tiny_corpus(n_lines=self.samples, seed=1)
-        self.prompts = [tokenizer(line)["input_ids"][:16] for line in lines]
-        self.rollout_mode: str | None = None
+        self.engine = RolloutEngine(HFCausalLM(self.model), max_len=256)
+        # Direct writes; the control record is read at every step boundary, at most every 0.2 s.
+        self.audit = collectors.session(run, database_url=self.url, control_interval=0.2, report=False)
+        self.trainer = self.audit.watch_trainer(self.model, sample_every=1)
+        self.rollout = self.audit.watch_engine(self.engine)
+        self.audit.weights_changed(0)  # both sides start from the same checkpoint
+        self.prompts = [
+            tokenizer(line)["input_ids"][:16] for line in tiny_corpus(n_lines=self.samples, seed=1)
+        ]
         self._thread = threading.Thread(target=self._loop, name="collector-run", daemon=True)
         self._thread.start()
         return self
 
     def stop(self) -> None:
-        from collectors.remediation import apply_kernels_mode
+        import kernels
 
         self._stop.set()
         if self._thread is not None:
             self._thread.join(600)
-        self.handle.detach()
-        self.capture.detach()
-        self.trainer_sink.close()
-        self.rollout_sink.close()
-        apply_kernels_mode(self.model, "native")
+        self.audit.close()
+        kernels.disable()
         self.worker.stop()
-        self.shared.reset()
         self.store.dispose()
 
     def wait_for_steps(self, n: int, timeout: float = 300.0) -> None:
@@ -133,62 +113,17 @@ class CollectorRun:
 
     # ------------------------------------------------------------------ one step
 
-    def _rollout_manifest(self, mode: str) -> Manifest:
-        return Manifest(
-            run_id=self.run_id,
-            side="rollout",
-            case="engine_decode",
-            process=f"reference-engine:{os.getpid()}",
-            runtime=RuntimeFacts(
-                framework="isoaudit.kernels.engine",
-                torch_version=torch.__version__,
-                device="cpu",
-                dtype="float32",
-                lm_head_dtype="float32",
-                logprobs_mode="raw_logprobs",
-                prefix_caching=False,
-                chunked_prefill=False,
-                remediation=mode,
-            ),
-            regions=[s.name for s in self.capture.specs if s.name not in self.capture.unobserved],
-            unobserved=self.capture.unobserved,
-            weight_version="0",
-        )
-
     def _step(self, step: int) -> None:
         from collectors.layout import StepBatch
-        from collectors.remediation import apply_kernels_mode
 
-        control = self.rollout_control.desired()
-        mode = control.mode if control is not None else "native"
-        changed = mode != self.rollout_mode
-        if changed:
-            apply_kernels_mode(self.model, mode)
-            self.rollout_mode = mode
+        self.trainer.begin_step(step)  # a step boundary: the trainer applies the desired mode here
         rng = np.random.default_rng(step)
-        completions = self.engine.generate(
-            self.prompts, rng.integers(6, 14, len(self.prompts)).tolist(), seed=step
-        )
-        if changed:  # after the forward: the capture knows then which regions the engine calls
-            self.rollout_sink.send([self._rollout_manifest(mode)])
-        tokens = [c.tokens for c in completions]
-        samples = [
-            SampleLogprobs(
-                run_id=self.run_id,
-                step=step,
-                side="rollout",
-                weight_version="0",
-                prompt_len=len(p),
-                token_ids=np.asarray(p + t, np.int32),
-                logprobs=np.asarray(c.logprobs, np.float32),
-            )
-            for p, t, c in zip(self.prompts, tokens, completions, strict=True)
-        ]
-        self.rollout_sink.send([*samples, *self.capture.records(self.run_id, step, self.prompts, tokens)])
+        max_new = rng.integers(6, 14, len(self.prompts)).tolist()
+        completions = self.engine.generate(self.prompts, max_new, seed=step)  # the engine switches here
+        self.rollout.record_step(step, completions)
         with torch.no_grad():
-            self.handle.record_step(step, StepBatch.padded(self.prompts, tokens), weight_version="0")
-        self.trainer_sink.flush()
-        self.rollout_sink.flush()
+            self.trainer.record_step(step, StepBatch.padded(self.prompts, [c.tokens for c in completions]))
+        self.audit.flush()
 
     def _loop(self) -> None:
         step = 0

@@ -103,12 +103,12 @@ def _no_dialog(driver: webdriver.Chrome) -> None:
     pytest.fail(f"a dialog opened: {text!r}")
 
 
-def _click(driver: webdriver.Chrome, css: str, timeout: float = 30) -> None:
+def _click(driver: webdriver.Chrome, locator: tuple[str, str], timeout: float = 30) -> None:
     """Click the element once it is there; live pages redraw, so a stale element is looked up again."""
     deadline = time.monotonic() + timeout
     while True:
         try:
-            _wait(driver, timeout).until(EC.element_to_be_clickable((By.CSS_SELECTOR, css))).click()
+            _wait(driver, timeout).until(EC.element_to_be_clickable(locator)).click()
             return
         except StaleElementReferenceException:
             if time.monotonic() > deadline:
@@ -138,7 +138,7 @@ def test_every_page_against_a_live_collector_run(
     _screenshot(driver, "runs")
 
     # ---------------------------------------------------------------- run page
-    driver.find_element(By.LINK_TEXT, XSS_NAME).click()
+    _click(driver, (By.LINK_TEXT, XSS_NAME))
     _wait(driver).until(EC.presence_of_element_located((By.CSS_SELECTOR, "#run-position .nsewdrag")))
     assert driver.find_element(By.ID, "run-title").text == XSS_NAME
     assert not driver.find_elements(By.CSS_SELECTOR, "img[src='x']")
@@ -198,7 +198,7 @@ def test_every_page_against_a_live_collector_run(
     _wait(driver).until(EC.text_to_be_present_in_element((By.ID, "silence-message"), "created"))
     _wait(driver).until(EC.presence_of_element_located((By.CSS_SELECTOR, "#alerts-silences-table button")))
     _screenshot(driver, "alerts")
-    _click(driver, "#alerts-silences-table button")
+    _click(driver, (By.CSS_SELECTOR, "#alerts-silences-table button"))
     _wait(driver).until(EC.text_to_be_present_in_element((By.ID, "alerts-silences-table"), "expired"))
 
     _no_dialog(driver)
