@@ -1,0 +1,427 @@
+"""TRL's ``GRPOTrainer`` with both isoaudit collectors attached in one call.
+
+Usage::
+
+    from collectors.integrations.trl import IsoauditCallback
+
+    args = GRPOConfig(..., use_vllm=True, vllm_mode="colocate")
+    trainer = GRPOTrainer(model=..., args=args, reward_funcs=..., train_dataset=...,
+                          callbacks=[IsoauditCallback(run="grpo-7")])   # or trainer.add_callback(...)
+    trainer.train()        # the summary is in callback.summary afterwards
+
+Where records go comes from the session arguments (``url=``/``token=``, ``database_url=``) or the
+environment, as for :func:`collectors.session`.
+
+What the callback does, and why it has to reach past the callback API: transformers hands a
+callback the model, never the batch, and TRL keeps the engine's outputs inside its generation
+method. So on ``on_train_begin`` (once, lazily, on every rank or only world process zero) it opens
+a session, hooks the policy model (``watch_trainer``) and, when TRL generates with vLLM in
+colocate mode, the engine ``trainer.vllm_generation.llm`` (``watch_vllm``); then it wraps three
+methods *of this trainer instance* (never the classes), all put back on ``on_train_end``:
+
+* ``trainer._generate_and_score_completions``: after TRL built a generation batch, its samples are
+  recorded as step ``state.global_step`` on both sides: the trainer side with TRL's own
+  ``old_per_token_logps`` (the no-grad recompute before the update; the collector's own forward
+  when TRL skipped it), the rollout side with what vLLM returned (the logprobs TRL keeps as
+  ``sampling_per_token_logps``) plus the engine's fingerprints;
+* ``llm.generate``: keeps this generation's ``RequestOutput`` objects for the rollout side;
+* ``vllm_generation.sync_weights``: both sides get weight version ``state.global_step`` after each
+  sync (``weight_sync="trl"``: TRL's own copy, then ``weights_changed``), or the sync goes through
+  :func:`collectors.vllm.load_weights` (``weight_sync="isoaudit"``: vLLM's in-place reload, which
+  also re-runs post-load processing; TRL's per-parameter ``load_weights`` fails on the CPU build of
+  vLLM, whose linear weights are repacked after loading). ``"auto"`` picks ``isoaudit`` on the CPU
+  platform, TRL's own elsewhere.
+
+TRL's logged figures (reward, entropy, clip ratios, its own ``sampling/*`` mismatch figures) go to
+the store as :class:`audit.records.StepStats` from world process zero, so the dashboard sets them
+beside isoaudit's (``isoaudit metrics list --framework trl`` names TRL's aliases).
+
+Without an engine in this process (TRL's transformers-generate path, or ``vllm_mode="server"``)
+only the trainer side is recorded, and a warning says so once.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+
+import collectors
+from audit.records import StepStats
+from collectors.counting import LogOnce
+from collectors.layout import StepBatch
+
+if TYPE_CHECKING:
+    from collectors.engine_capture import EngineCollector
+    from collectors.sessions import Session, Summary
+    from collectors.trainer import TrainerCollector
+    from collectors.vllm.collector import VllmCollector
+    from collectors.vllm.selection import SelectionArg
+
+log = logging.getLogger(__name__)
+
+WeightSync = Literal["auto", "trl", "isoaudit"]
+Ranks = Literal["all", "zero"]
+
+#: TRL's logged names that fill StepStats' own fields; every other finite figure goes to extras.
+STAT_FIELDS: dict[str, str] = {
+    "reward": "reward_mean",
+    "reward_std": "reward_std",
+    "entropy": "entropy",
+    "clip_ratio/region_mean": "clip_fraction",
+}
+MAX_EXTRAS = 64
+
+
+class InstancePatch:
+    """``setattr(obj, name, value)`` on one instance, undone by :meth:`restore` (an attribute the
+    instance did not hold itself is deleted again, so the class's method shows through)."""
+
+    def __init__(self, obj: Any, name: str, value: Any) -> None:
+        self.obj, self.name = obj, name
+        self._had = name in vars(obj)
+        self._old = vars(obj).get(name)
+        setattr(obj, name, value)
+
+    def restore(self) -> None:
+        if self._had:
+            setattr(self.obj, self.name, self._old)
+        else:
+            vars(self.obj).pop(self.name, None)
+
+
+class IsoauditCallback(TrainerCallback):
+    """Records both sides of every GRPO generation batch of the ``GRPOTrainer`` it is added to.
+
+    ``run``: the isoaudit run (an id or :class:`audit.records.Run`). ``trainer``: the trainer, when
+    known at construction (else found when training starts). ``sample_every``: fingerprint the
+    trainer side every N-th step; ``regions``: the trainer's regions (see ``watch_trainer``);
+    ``fingerprint``: which vLLM requests to fingerprint (see ``watch_vllm``). ``weight_sync``: see
+    the module docstring; ``weight_digest``: also take the SHA-256 of the weights at each sync (one
+    pass over every tensor). ``ranks``: ``"all"`` (each process records its own samples) or
+    ``"zero"`` (world process zero only). ``step_stats``: send TRL's logged figures.
+    ``**session_args``: :func:`collectors.session`'s (``url``, ``token``, ``database_url``, …).
+    """
+
+    def __init__(
+        self,
+        trainer: Trainer | None = None,
+        *,
+        run: str | Any,
+        sample_every: int = 1,
+        regions: Any = "auto",
+        fingerprint: SelectionArg = "all",
+        weight_sync: WeightSync = "auto",
+        weight_digest: bool = False,
+        ranks: Ranks = "all",
+        step_stats: bool = True,
+        **session_args: Any,
+    ) -> None:
+        if weight_sync not in ("auto", "trl", "isoaudit"):
+            raise ValueError(f"weight_sync: expected 'auto', 'trl' or 'isoaudit', got {weight_sync!r}")
+        if ranks not in ("all", "zero"):
+            raise ValueError(f"ranks: expected 'all' or 'zero', got {ranks!r}")
+        if not isinstance(sample_every, int) or sample_every < 1:
+            raise ValueError(f"sample_every: must be an integer >= 1, got {sample_every!r}")
+        self.trainer = trainer
+        self.run = run
+        self.sample_every = sample_every
+        self.regions = regions
+        self.fingerprint = fingerprint
+        self.weight_sync = weight_sync
+        self.weight_digest = weight_digest
+        self.ranks = ranks
+        self.step_stats = step_stats
+        self.session_args = session_args
+        self.session: Session | None = None
+        self.trainer_side: TrainerCollector | None = None
+        self.rollout_side: VllmCollector | EngineCollector | None = None
+        self.summary: Summary | None = None
+        self.errors = 0
+        self.steps_recorded: list[int] = []
+        self._patches: list[InstancePatch] = []
+        self._outputs: list[Any] = []
+        self._started = False
+        self._warn = LogOnce(log)
+
+    # ------------------------------------------------------------------ TrainerCallback
+
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        if self._started:
+            return
+        self._started = True
+        if self.ranks == "zero" and not state.is_world_process_zero:
+            return
+        try:
+            self._setup(self.trainer or find_trainer(self))
+        except Exception as exc:
+            if self.session_args.get("strict"):
+                raise
+            self._failed("setup", exc)
+            self.close()
+
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if not (self.step_stats and logs and state.is_world_process_zero and self.trainer_side):
+            return
+        if "reward" not in logs:  # the end-of-training summary, or an eval log
+            return
+        step = self.steps_recorded[-1] if self.steps_recorded else state.global_step
+        self._guard(
+            "step stats", lambda: self.trainer_side.sink.send([step_stats_of(self._run_id, step, logs)])
+        )
+
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ public
+
+    def close(self) -> Summary | None:
+        """Put the trainer's methods back, detach every hook, flush and close the session (what
+        ``on_train_end`` does; call it yourself when training raised). Idempotent."""
+        while self._patches:
+            self._patches.pop().restore()
+        if self.session is not None and self.summary is None:
+            self.summary = self.session.close()
+        return self.summary
+
+    # ------------------------------------------------------------------ setup
+
+    @property
+    def _run_id(self) -> str:
+        assert self.session is not None
+        return self.session.run.run_id
+
+    def _setup(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+        session = collectors.session(self.run, **self.session_args)
+        self.session = session.start()
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        self.trainer_side = session.watch_trainer(
+            model, regions=self.regions, sample_every=self.sample_every, case="trainer_recompute"
+        )
+        llm = engine_of(trainer)
+        if llm is not None:
+            self.rollout_side = session.watch_vllm(llm, fingerprint=self.fingerprint)
+            self._patch(llm, "generate", self._capturing(llm.generate))
+            sync = (
+                self._sync_with_isoaudit
+                if self._isoaudit_sync()
+                else self._after_sync(trainer.vllm_generation.sync_weights)
+            )
+            self._patch(trainer.vllm_generation, "sync_weights", sync)
+        else:
+            how = "vLLM server mode" if getattr(trainer, "use_vllm", False) else "transformers generate"
+            self._warn.warn(
+                "no-engine",
+                f"isoaudit TRL callback: TRL generates with {how}, which runs no engine in this process; "
+                "only the trainer side is recorded (use_vllm=True, vllm_mode='colocate' records both)",
+            )
+        self._patch(
+            trainer,
+            "_generate_and_score_completions",
+            self._recording(trainer._generate_and_score_completions),
+        )
+
+    def _patch(self, obj: Any, name: str, value: Any) -> None:
+        self._patches.append(InstancePatch(obj, name, value))
+
+    def _isoaudit_sync(self) -> bool:
+        if self.weight_sync != "auto":
+            return self.weight_sync == "isoaudit"
+        try:
+            from vllm.platforms import current_platform
+
+            return bool(current_platform.is_cpu())
+        except Exception:
+            return False
+
+    # ------------------------------------------------------------------ wrappers
+
+    def _capturing(self, generate: Callable[..., Any]) -> Callable[..., Any]:
+        def generate_and_keep(*args: Any, **kwargs: Any) -> Any:
+            outputs = generate(*args, **kwargs)
+            self._outputs.extend(outputs)
+            return outputs
+
+        return generate_and_keep
+
+    def _recording(self, original: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
+        def generate_score_and_record(*args: Any, **kwargs: Any) -> dict[str, Any]:
+            trainer = self.trainer
+            assert trainer is not None
+            training = bool(trainer.model.training)
+            step = int(trainer.state.global_step)
+            if training and self.trainer_side is not None:
+                self._guard("begin_step", self.trainer_side.begin_step, step)
+            self._outputs = []
+            out = original(*args, **kwargs)
+            if training:
+                self._guard("record_step", self._record, step, out)
+            self._outputs = []
+            return out
+
+        return generate_score_and_record
+
+    def _after_sync(self, sync: Callable[[], None]) -> Callable[[], None]:
+        def sync_and_tell() -> None:
+            sync()
+            assert self.trainer is not None and self.session is not None
+            digest = self._digest() if self.weight_digest else None
+            self._guard(
+                "weights_changed", self.session.weights_changed, int(self.trainer.state.global_step), digest
+            )
+
+        return sync_and_tell
+
+    def _sync_with_isoaudit(self) -> None:
+        """TRL's colocate sync through vLLM's in-place reload (the tensors TRL would send, by its
+        own names); both sides then carry the new version."""
+        from collectors.vllm.weights import load_weights
+
+        trainer = self.trainer
+        assert trainer is not None
+        generation = trainer.vllm_generation
+        if getattr(generation, "enable_sleep_mode", False):
+            generation.llm.wake_up(tags=["weights"])
+            generation._llm_weights_sleeping = False
+        version = int(trainer.state.global_step)
+        items = [(name, param.detach()) for name, param in generation._iter_named_params()]
+        digest = load_weights(generation.llm, items, version, digest=self.weight_digest)
+        generation.llm.reset_prefix_cache()
+        if self.trainer_side is not None:
+            self._guard("weights_changed", self.trainer_side.weights_changed, version, digest)
+
+    def _digest(self) -> str:
+        from collectors.vllm.weights import weight_digest
+
+        assert self.trainer is not None
+        return weight_digest(list(self.trainer.vllm_generation._iter_named_params()))
+
+    # ------------------------------------------------------------------ recording
+
+    def _record(self, step: int, out: Mapping[str, Any]) -> None:
+        trainer = self.trainer
+        assert trainer is not None and self.trainer_side is not None
+        pad = (
+            trainer.processing_class.pad_token_id
+            if hasattr(trainer.processing_class, "pad_token_id")
+            else None
+        )
+        batch = batch_of(out, temperature=float(trainer.temperature), pad_token_id=pad)
+        logprobs = out.get("old_per_token_logps")
+        self.trainer_side.record_step(
+            step, batch, logprobs=logprobs, logprobs_layout="completion" if logprobs is not None else "auto"
+        )
+        if self.rollout_side is not None and self._outputs:
+            self.rollout_side.record_step(step, local_outputs(trainer, self._outputs, batch.num_samples))
+        self.steps_recorded.append(step)
+
+    def _guard(self, where: str, fn: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except Exception as exc:
+            if self.session_args.get("strict"):
+                raise
+            self._failed(where, exc)
+            return None
+
+    def _failed(self, where: str, exc: Exception) -> None:
+        self.errors += 1
+        self._warn.warn(
+            where, f"isoaudit TRL callback: {where} failed ({type(exc).__name__}: {exc}); counted"
+        )
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def find_trainer(callback: TrainerCallback) -> Trainer:
+    """The ``Trainer`` whose callback handler holds ``callback``, found in the calling frames
+    (transformers passes callbacks the model, not the trainer; ``on_train_begin`` runs inside
+    ``Trainer.train``)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, Trainer) and callback in owner.callback_handler.callbacks:
+            return owner
+        frame = frame.f_back  # type: ignore[assignment]
+    raise RuntimeError("trainer: not found from the callback; pass it: IsoauditCallback(trainer, run=...)")
+
+
+def engine_of(trainer: Trainer) -> Any | None:
+    """The ``vllm.LLM`` TRL generates with in this process (colocate mode), else ``None``."""
+    if not getattr(trainer, "use_vllm", False) or getattr(trainer, "vllm_mode", None) != "colocate":
+        return None
+    generation = getattr(trainer, "vllm_generation", None)
+    return getattr(generation, "llm", None)
+
+
+def local_outputs(trainer: Trainer, outputs: Sequence[Any], n_local: int) -> list[Any]:
+    """This rank's share of the engine's outputs: with ``vllm_tensor_parallel_size > 1`` every rank
+    of a TP group generates the group's prompts and keeps its own slice (as TRL does)."""
+    generation = trainer.vllm_generation
+    if getattr(generation, "tensor_parallel_size", 1) > 1:
+        rank = torch.distributed.get_rank(group=generation.tp_group)
+        return list(outputs[rank * n_local : (rank + 1) * n_local])
+    return list(outputs)
+
+
+def batch_of(out: Mapping[str, Any], *, temperature: float, pad_token_id: int | None) -> StepBatch:
+    """A :class:`StepBatch` over exactly the tensors TRL's recompute forward ran on (left-padded
+    prompts ‖ right-padded completions), so the trainer collector can reuse that forward."""
+    prompt_ids, prompt_mask = out["prompt_ids"], out["prompt_mask"]
+    completion_ids, completion_mask = out["completion_ids"], out["completion_mask"]
+    lengths = completion_mask.sum(1)
+    empty = lengths == 0  # mask_truncated_completions zeroes a truncated row: its tokens stay
+    if bool(empty.any()):
+        real = (
+            completion_ids != pad_token_id
+            if pad_token_id is not None
+            else torch.ones_like(completion_ids, dtype=torch.bool)
+        )
+        width = completion_ids.shape[1]
+        last = width - real.flip(1).int().argmax(1)
+        lengths = torch.where(empty, torch.where(real.any(1), last, torch.zeros_like(last)), lengths)
+    columns = torch.arange(completion_ids.shape[1], device=completion_ids.device)
+    mask = torch.cat([prompt_mask, (columns < lengths.unsqueeze(1)).to(prompt_mask.dtype)], dim=1)
+    return StepBatch.from_tensors(
+        torch.cat([prompt_ids, completion_ids], dim=1),
+        prompt_mask.sum(1).tolist(),
+        attention_mask=mask,
+        temperature=temperature,
+    )
+
+
+def step_stats_of(run_id: str, step: int, logs: Mapping[str, Any]) -> StepStats:
+    """TRL's logged figures as one :class:`StepStats` (named fields where they fit, the rest as
+    extras under TRL's own names; non-numbers and non-finite values are left out)."""
+    named: dict[str, float] = {}
+    extras: dict[str, float] = {}
+    for name, value in logs.items():
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            continue
+        if name in STAT_FIELDS:
+            named[STAT_FIELDS[name]] = float(value)
+        elif len(extras) < MAX_EXTRAS and 0 < len(name) <= 128:
+            extras[name] = float(value)
+    if named.get("reward_std", 0.0) < 0 or named.get("entropy", 0.0) < 0:
+        named = {k: v for k, v in named.items() if k not in ("reward_std", "entropy") or v >= 0}
+    if not 0 <= named.get("clip_fraction", 0.0) <= 1:
+        named.pop("clip_fraction")
+    return StepStats(run_id=run_id, step=step, extras=extras, **named)
