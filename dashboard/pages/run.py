@@ -9,11 +9,13 @@ from urllib.parse import quote
 
 import dash
 import dash_bootstrap_components as dbc
+import pandas as pd
 import plotly.graph_objects as go
 from dash import Input, Output, State, dash_table, dcc, html, no_update
 
 from audit import queries
 from audit.service_models import REMEDIATION_MODES, StaleControlVersion
+from audit.store import Store
 from audit.summaries import bin_label
 from dashboard import context, data, figures
 from dashboard.components import STATUS_COLOURS, ago, badge, graph, not_found, text
@@ -35,7 +37,9 @@ class RunFigures:
     state: LiveState
 
 
-def annotations(store: Any, run_id: str, last_step: int | None) -> tuple[Any, Any, Any]:
+def annotations(
+    store: Store, run_id: str, last_step: int | None
+) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
     """The timelines' thresholds (rules), firing intervals (alerts, open ones up to ``last_step``)
     and remediation switches (manifests) as frames."""
     rules = queries.run_rules(store, run_id)
@@ -45,7 +49,7 @@ def annotations(store: Any, run_id: str, last_step: int | None) -> tuple[Any, An
     return data.thresholds_frame(rules), intervals, changes
 
 
-def draw(store: Any, run_id: str, stat: str = "mean") -> RunFigures:
+def draw(store: Store, run_id: str, stat: str = "mean") -> RunFigures:
     """Every figure of the run page, drawn in full."""
     points = queries.step_series(store, run_id)
     last = points[-1].step if points else None
