@@ -9,7 +9,7 @@ PIP := PYTHONWARNINGS=ignore $(PY) -m pip --disable-pip-version-check
 QUIET := 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }; test $${PIPESTATUS[0]} -eq 0
 PG_URL ?= postgresql+psycopg://postgres@127.0.0.1:5432/test
 
-.PHONY: demo test test-fast bench lint clean-venv system-deps
+.PHONY: demo test test-fast soak bench lint clean-venv system-deps
 
 # torch first, pinned: a bare range would make pip fetch a multi-GB CUDA build; 2.13.0 is the local
 # CPU wheel (GPU users keep their own torch: the package itself asks only for a range).
@@ -43,6 +43,12 @@ test: $(VENV)/.test
 
 test-fast: $(VENV)/.test
 	ISOAUDIT_TEST_POSTGRES_URL=$(PG_URL) $(PY) -m pytest -q -m "not slow and not vllm and not browser"
+
+# The long reliability runs (not in CI): 5 minutes of load with the worker on (16 collectors on
+# PostgreSQL, 4 on SQLite), the fault tests, and the API fuzzed with 100 examples per operation.
+soak: $(VENV)/.test
+	ISOAUDIT_TEST_POSTGRES_URL=$(PG_URL) ISOAUDIT_SOAK_SECONDS=300 ISOAUDIT_FUZZ_EXAMPLES=100 \
+		$(PY) -m pytest -q -s --timeout 1800 tests/service/test_load.py tests/service/test_faults.py tests/service/test_schemathesis.py
 
 bench: $(VENV)/.test
 	for b in bench/*.py; do echo "== $$b"; ISOAUDIT_TEST_POSTGRES_URL=$(PG_URL) $(PY) $$b || exit 1; done

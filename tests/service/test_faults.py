@@ -7,11 +7,8 @@ Figures each test measured are printed (``-s``) and written down in docs/reliabi
 
 from __future__ import annotations
 
-import os
 import signal
 import sqlite3
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -26,6 +23,7 @@ from audit.auth import create_token
 from audit.records import Batch
 from audit.store import Store
 from tests import factories
+from tests.service.processes import serve
 from tests.service.proxy import TcpProxy
 from tests.service.workload import reconcile, step_records
 
@@ -137,27 +135,6 @@ def test_postgres_connection_cut_mid_batch_answers_503_and_heals(database_url: s
     print(
         f"\npostgres cut mid-batch: 503 after {waited:.2f} s; healed {healed:.2f} s after restore; {counts}"
     )
-
-
-def serve(url: str, port: int) -> subprocess.Popen[bytes]:
-    """`isoaudit serve` as its own process (no worker: this test is about ingest)."""
-    process = subprocess.Popen(
-        [sys.executable, "-m", "audit.cli", "serve", "--database-url", url, "--port", str(port)]
-        + ["--no-worker", "--log-level", "warning"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env={**os.environ, "ISOAUDIT_DEFAULT_ALERT_RULES": "0"},
-    )
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
-                return process
-        except httpx.TransportError:
-            pass
-        assert process.poll() is None, "isoaudit serve exited during start-up"
-        time.sleep(0.1)
-    raise AssertionError("isoaudit serve did not answer /healthz within 60 s")
 
 
 @pytest.mark.slow

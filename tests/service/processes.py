@@ -1,0 +1,44 @@
+"""`isoaudit serve` as its own process, as a deployment runs it, for the fault and load tests."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+def serve(
+    url: str, port: int, *, worker: bool = False, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    """Start `isoaudit serve` on ``url`` and return once ``/healthz`` answers (``worker``: run the
+    comparison worker and alert evaluation in it too)."""
+    command = [sys.executable, "-m", "audit.cli", "serve", "--database-url", url, "--port", str(port)]
+    command += ["--log-level", "warning"] + ([] if worker else ["--no-worker"])
+    process = subprocess.Popen(
+        command,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "ISOAUDIT_DEFAULT_ALERT_RULES": "1" if worker else "0", **(env or {})},
+    )
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
+                return process
+        except httpx.TransportError:
+            pass
+        assert process.poll() is None, "isoaudit serve exited during start-up"
+        time.sleep(0.1)
+    raise AssertionError("isoaudit serve did not answer /healthz within 60 s")
+
+
+def rss_mib(pid: int) -> float:
+    """Resident memory of a process (Linux /proc), in MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")

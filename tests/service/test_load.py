@@ -1,0 +1,141 @@
+"""Load: concurrent collectors (real HttpSinks, one run each) against `isoaudit serve` in its own
+process with the comparison worker and alert evaluation on, on SQLite and PostgreSQL. Reports
+throughput, ingest latency (p50/p99 from the service's own histogram), the comparison lag, and the
+memory growth of the API process and of the collectors' process; then reconciles every record.
+
+`make test` runs a short pass (ISOAUDIT_SOAK_SECONDS, 10 s per database, 4 collectors); `make soak`
+runs 5 minutes with 16 collectors on PostgreSQL and 4 on SQLite."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from audit.api.live import free_port
+from audit.auth import create_token
+from audit.records import Run
+from audit.store import Store
+from tests.service.processes import rss_mib, serve
+from tests.service.workload import reconcile, step_records
+
+HttpSink = pytest.importorskip("collectors.sinks").HttpSink
+
+SECONDS = float(os.environ.get("ISOAUDIT_SOAK_SECONDS", "10"))
+SOAK = SECONDS >= 120
+CLIENTS = {"sqlite": 4, "postgres": 16 if SOAK else 4}
+STEP_EVERY_S = 0.25  # each collector: one step (8 samples x 2 sides x 512 tokens) every 250 ms
+
+
+def quantile(histogram: list[tuple[float, float]], q: float) -> float:
+    """Upper bound of the bucket holding the q-quantile of a cumulative Prometheus histogram."""
+    total = histogram[-1][1]
+    return next(bound for bound, count in histogram if count >= q * total)
+
+
+def ingest_latency(url: str, token: str) -> tuple[float, float, float]:
+    text = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {token}"}, timeout=30).text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    buckets = sorted(
+        (float(s.labels["le"]), s.value)
+        for s in families["isoaudit_ingest_duration_seconds"].samples
+        if s.name.endswith("_bucket")
+    )
+    return quantile(buckets, 0.5), quantile(buckets, 0.99), buckets[-1][1]
+
+
+@pytest.mark.slow
+def test_concurrent_collectors_with_the_worker_on(database_url: str, tmp_path: Path):
+    kind = "sqlite" if database_url.startswith("sqlite") else "postgres"
+    clients = CLIENTS[kind]
+    store = Store(database_url)
+    token = create_token(store, "load")
+    port = free_port()
+    api = serve(database_url, port, worker=True, env={"ISOAUDIT_WORKER_INTERVAL_S": "0.2"})
+    url = f"http://127.0.0.1:{port}"
+    sent: list = []
+    sent_lock = threading.Lock()
+    last_sent: dict[str, float] = {}
+    stop = threading.Event()
+    sinks = [
+        HttpSink(url, token, spool_dir=tmp_path / f"spool-{i}", backoff_initial=0.05, backoff_max=1.0)
+        for i in range(clients)
+    ]
+
+    def collector(i: int) -> None:
+        run_id = f"load-{i}"
+        sinks[i].send([Run(run_id=run_id, name=f"load {i}")])
+        step = 0
+        while not stop.is_set():
+            batch = step_records(step, 0.01 * (step % 3), run_id=run_id, n=8, n_completion=384)
+            with sent_lock:
+                sent.extend(batch)
+            sinks[i].send(batch)
+            last_sent[run_id] = time.monotonic()
+            step += 1
+            stop.wait(STEP_EVERY_S)
+
+    try:
+        time.sleep(2.0)  # the API process warms up (imports, first queries) before its memory is read
+        api_rss_start, own_rss_start = rss_mib(api.pid), rss_mib(os.getpid())
+        threads = [threading.Thread(target=collector, args=(i,)) for i in range(clients)]
+        started = time.monotonic()
+        for thread in threads:
+            thread.start()
+        backlog = 0
+        with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=30) as http:
+            while time.monotonic() - started < SECONDS:
+                time.sleep(min(2.0, SECONDS / 4))
+                sent_steps = {r.run_id: r.step for r in list(sent)}
+                for run_id, last in sent_steps.items():
+                    steps = http.get(f"/v1/runs/{run_id}/steps").json()
+                    compared = [s["step"] for s in steps if s["compared_samples"] == 8]
+                    backlog = max(backlog, last - (max(compared) if compared else -1))
+            stop.set()
+            for thread in threads:
+                thread.join(30)
+            elapsed = time.monotonic() - started
+            for sink in sinks:
+                assert sink.flush(120)
+            flushed = time.monotonic()
+            expected: dict[str, int] = {}
+            for record in sent:
+                expected[record.run_id] = max(expected.get(record.run_id, 0), record.step)
+
+            def all_compared() -> bool:
+                for run_id, last in expected.items():
+                    steps = http.get(f"/v1/runs/{run_id}/steps").json()
+                    if len(steps) != last + 1 or any(s["compared_samples"] != 8 for s in steps):
+                        return False
+                return True
+
+            while not all_compared():
+                assert time.monotonic() - flushed < 120 + SECONDS, "the worker did not catch up"
+                time.sleep(0.25)
+            drain_lag = time.monotonic() - max(last_sent.values())
+            p50, p99, requests = ingest_latency(url, token)
+        api_rss_end, own_rss_end = rss_mib(api.pid), rss_mib(os.getpid())
+        stats = [sink.stats() for sink in sinks]
+    finally:
+        stop.set()
+        for sink in sinks:
+            sink.close(10)
+        api.terminate()
+        api.wait(30)
+    counts = reconcile(store, sent)
+    store.dispose()
+    assert (counts["lost"], counts["extra"], counts["doubled"]) == (0, 0, 0), counts
+    assert sum(s["dropped"] for s in stats) == 0 and sum(s["rejected"] for s in stats) == 0, stats
+    print(
+        f"\nload {kind}: {clients} collectors for {elapsed:.0f} s: {counts['stored'] / elapsed:.0f} samples/s "
+        f"({counts['stored']} stored, 0 lost, 0 doubled); ingest p50 <= {p50 * 1000:.0f} ms, p99 <= "
+        f"{p99 * 1000:.0f} ms over {requests:.0f} requests; comparison backlog <= {backlog} steps, all "
+        f"compared {drain_lag:.1f} s after the last send; API RSS {api_rss_start:.0f} -> {api_rss_end:.0f} MiB, "
+        f"collectors' process RSS {own_rss_start:.0f} -> {own_rss_end:.0f} MiB"
+    )
+    assert api_rss_end - api_rss_start < 400, "the API process grew by more than 400 MiB"
