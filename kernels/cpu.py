@@ -34,6 +34,7 @@ import math
 import weakref
 from collections import OrderedDict
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -226,6 +227,16 @@ def _forget(key: tuple[int, int, int]) -> None:
         _weights_bytes -= hit[-1]
 
 
+def _same_values(w: torch.Tensor, seen: torch.Tensor) -> bool:
+    """Bitwise equality, fast: numpy compares the bytes as int64 words (torch.equal is ~5x slower)."""
+    if w.shape != seen.shape or w.dtype != seen.dtype:
+        return False
+    if not w.is_contiguous() or (w.numel() * w.element_size()) % 8 or w.data_ptr() % 8:
+        return torch.equal(w, seen)
+    words = (t.reshape(-1).view(torch.uint8).view(torch.int64).numpy() for t in (w.detach(), seen))
+    return bool(np.array_equal(*words))
+
+
 def _split_weight(w: torch.Tensor, bits: int, slices: int) -> tuple[list[torch.Tensor], torch.Tensor]:
     parts, e = split_rows(w.detach(), bits, slices, right=True)
     return parts, _pow2_f32(e - bits)
@@ -243,7 +254,7 @@ def _weight_parts(w: torch.Tensor, bits: int, slices: int) -> tuple[list[torch.T
     hit = _WEIGHTS.get(key)
     if hit is not None:
         ref, seen, parts, e, size = hit
-        if ref() is w and w.shape == seen.shape and torch.equal(w, seen):
+        if ref() is w and _same_values(w, seen):
             with contextlib.suppress(KeyError):  # another thread may have evicted it meanwhile
                 _WEIGHTS.move_to_end(key)
             return parts, e
