@@ -281,3 +281,13 @@ def test_e2e_trainer_equals_engine(tiny_model) -> None:
         res = run_pair(model, True, prompts, new, chunk)
         _report(f"{family}-cpu-{dt} kernels.cpu chunk={chunk}", res)
         assert res["mean_abs_delta"] == 0.0 and res["exact_fraction"] == 1.0
+
+
+def test_e2e_across_key_tiles() -> None:
+    """Sequences whose prefill and decode cross the 256-key tile boundary, chunked at 64."""
+    model = _hf("qwen3", 2, 64, 16, 256, torch.bfloat16, "cpu")
+    prompts, new = _requests(256, [250, 262, 30], [12, 6, 20])
+    for chunk in (None, 64):
+        res = run_pair(model, True, prompts, new, chunk)
+        _report(f"qwen3-cpu-bf16 kernels.cpu across tiles chunk={chunk}", res)
+        assert res["mean_abs_delta"] == 0.0 and res["exact_fraction"] == 1.0
