@@ -8,6 +8,7 @@ whose labels understand a few HTML tags: it shows as the characters typed, never
 from __future__ import annotations
 
 import html
+import json
 import math
 from collections.abc import Sequence
 from functools import lru_cache
@@ -51,6 +52,13 @@ def _base(fig: go.Figure, height: int) -> go.Figure:
     fig.update_xaxes(zeroline=False)
     fig.update_yaxes(zeroline=False, automargin=True)
     return fig
+
+
+def figure(data: list[dict], layout: dict | None = None) -> go.Figure:
+    """A figure from trace dicts, without plotly's per-element validation (it costs seconds for the
+    tens of thousands of cells of a 1,000-step heatmap); the builders here set only known properties,
+    and the tests read them back."""
+    return go.Figure(data=data, layout=layout or {}, _validate=False)
 
 
 def empty_figure(message: str, height: int = 240) -> go.Figure:
@@ -168,21 +176,19 @@ def timeline_decorations(
     return shapes, notes
 
 
-def _subplots() -> go.Figure:
+@lru_cache(maxsize=1)
+def _subplots_layout() -> str:
+    """The timelines' subplot grid (axes, domains, panel titles) as JSON, built once."""
     titles = [title for title, _, _ in TIMELINE_PANELS]
-    return make_subplots(
+    grid = make_subplots(
         rows=len(TIMELINE_PANELS), cols=1, shared_xaxes=True, vertical_spacing=0.035, subplot_titles=titles
     )
-
-
-@lru_cache(maxsize=1)
-def _title_annotations() -> tuple[dict, ...]:
-    return tuple(a.to_plotly_json() for a in _subplots().layout.annotations)
+    return json.dumps(grid.layout.to_plotly_json())
 
 
 def timeline_titles() -> list[dict]:
     """The panels' titles (annotations of their own, kept when a live update replaces the others)."""
-    return [dict(a) for a in _title_annotations()]
+    return list(json.loads(_subplots_layout()).get("annotations", []))
 
 
 def timelines(
@@ -193,30 +199,25 @@ def timelines(
 ) -> go.Figure:
     """One panel per metric group (``data.TIMELINE_PANELS``), steps on a shared x axis, with
     :func:`timeline_decorations`. Traces follow ``TIMELINE_METRICS`` order (live updates append to them)."""
-    fig = _subplots()
+    layout = json.loads(_subplots_layout())
     steps = frame.index.to_list()
+    traces = []
     for row, (_, metrics, _) in enumerate(TIMELINE_PANELS, start=1):
+        ax = _axis(row)
         for metric in metrics:
             values = frame[metric].to_numpy(float) if metric in frame else np.full(len(steps), np.nan)
-            fig.add_trace(
-                go.Scatter(
-                    x=steps,
-                    y=plain(values),
-                    mode="lines+markers",
-                    name=metric,
-                    meta=metric,
-                    marker={"size": 4},
-                ),
-                row=row,
-                col=1,
-            )
+            traces.append(
+                {"type": "scatter", "x": steps, "y": plain(values), "mode": "lines+markers", "name": metric,
+                 "meta": metric, "marker": {"size": 4}, "xaxis": f"x{ax}", "yaxis": f"y{ax}"}
+            )  # fmt: skip
     logs = log_panels(frame)
     for row in logs:
-        fig.update_yaxes(type="log", row=row, col=1)
+        layout[f"yaxis{_axis(row)}"]["type"] = "log"
     shapes, notes = timeline_decorations(thresholds, intervals, changes, logs)
-    fig.update_layout(shapes=shapes, annotations=timeline_titles() + notes)
-    fig.update_xaxes(title_text="step", row=len(TIMELINE_PANELS), col=1)
-    _base(fig, 170 * len(TIMELINE_PANELS))
+    layout["shapes"] = shapes
+    layout["annotations"] = timeline_titles() + notes
+    layout[f"xaxis{_axis(len(TIMELINE_PANELS))}"]["title"] = {"text": "step"}
+    fig = _base(figure(traces, layout), 170 * len(TIMELINE_PANELS))
     fig.update_layout(legend={"orientation": "v", "y": 1.0, "yanchor": "top", "x": 1.01, "xanchor": "left"})
     return fig
 
@@ -244,12 +245,21 @@ def interval_shapes(intervals: pd.DataFrame | None) -> list[dict]:
     ]
 
 
-def heatmap_column(values: Sequence[float], log: bool = True) -> tuple[list[float], list[str]]:
-    """One step's column of a heatmap: colour values and hover text (shared by full draws and live
-    appends, so both show the same thing)."""
-    z = [log_value(v) if log else (float("nan") if v is None else float(v)) for v in values]
-    text = ["—" if v is None or not math.isfinite(v) else f"{v:.3g}" for v in values]
+def heatmap_columns(values: np.ndarray) -> tuple[np.ndarray, list[list[str]]]:
+    """Colour values (log10, exact zeros at the floor, NaN kept) and hover text of a heatmap's
+    cells, shared by full draws and live appends so both show the same thing."""
+    values = np.asarray(values, dtype=float)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        z = np.maximum(np.where(values > 0, np.log10(values), LOG_FLOOR), LOG_FLOOR)
+    z[~np.isfinite(values)] = np.nan
+    text = [["—" if v != v else f"{v:.3g}" for v in row] for row in np.atleast_2d(values).tolist()]
     return z, text
+
+
+def heatmap_column(values: Sequence[float]) -> tuple[list[float | None], list[str]]:
+    """One step's column of the position heatmap (see :func:`heatmap_columns`)."""
+    z, text = heatmap_columns(np.array([np.nan if v is None else v for v in values], dtype=float))
+    return plain(z), text[0]
 
 
 def position_heatmap(frame: pd.DataFrame, stat: str = "mean") -> go.Figure:
@@ -257,20 +267,17 @@ def position_heatmap(frame: pd.DataFrame, stat: str = "mean") -> go.Figure:
     coloured by log10; hover shows the value. A click names (step, bin) for the page to open."""
     if frame.empty or frame.shape[1] == 0:
         return empty_figure("no compared steps yet")
-    columns = [heatmap_column(list(frame.iloc[i].to_numpy(float))) for i in range(len(frame))]
-    z = np.array([c[0] for c in columns], dtype=float).T
-    text = np.array([c[1] for c in columns], dtype=object).T
-    fig = go.Figure(
-        go.Heatmap(
-            z=plain(z), x=frame.index.to_list(), y=list(frame.columns), text=text.tolist(),
-            hovertemplate="step %{x}<br>positions %{y}<br>" + stat + " |Δ logprob| %{text}<extra></extra>",
-            colorscale="Viridis", zmin=LOG_FLOOR, zmax=1.0,
-            colorbar={"title": {"text": f"log10 {stat} |Δ|"}},
-        )
-    )  # fmt: skip
-    fig.update_xaxes(title_text="step")
-    fig.update_yaxes(title_text="response position", type="category")
-    return _base(fig, 380)
+    z, text = heatmap_columns(frame.to_numpy(float).T)
+    trace = {
+        "type": "heatmap", "z": plain(z), "x": frame.index.to_list(), "y": list(frame.columns), "text": text,
+        "hovertemplate": "step %{x}<br>positions %{y}<br>" + stat + " |Δ logprob| %{text}<extra></extra>",
+        "colorscale": "Viridis", "zmin": LOG_FLOOR, "zmax": 1.0, "colorbar": {"title": {"text": f"log10 {stat} |Δ|"}},
+    }  # fmt: skip
+    layout = {
+        "xaxis": {"title": {"text": "step"}},
+        "yaxis": {"title": {"text": "response position"}, "type": "category"},
+    }
+    return _base(figure([trace], layout), 380)
 
 
 def divergence_heatmap(frame: pd.DataFrame) -> go.Figure:
@@ -279,34 +286,28 @@ def divergence_heatmap(frame: pd.DataFrame) -> go.Figure:
         return empty_figure("no first divergences located (no fingerprints, or none differ)")
     z = np.array(frame.to_numpy(float).T)
     z[z == 0] = np.nan
-    fig = go.Figure(
-        go.Heatmap(
-            z=plain(z), x=frame.index.to_list(), y=[safe(r) for r in frame.columns],
-            hovertemplate="step %{x}<br>%{y}<br>%{z} samples first diverge here<extra></extra>",
-            colorscale="OrRd", zmin=0, colorbar={"title": {"text": "samples"}}, xgap=1, ygap=1,
-        )
-    )  # fmt: skip
-    fig.update_xaxes(title_text="step")
-    fig.update_yaxes(title_text="first divergence", type="category", autorange="reversed")
-    return _base(fig, max(260, 22 * frame.shape[1] + 100))
+    trace = {
+        "type": "heatmap", "z": plain(z), "x": frame.index.to_list(), "y": [safe(r) for r in frame.columns],
+        "hovertemplate": "step %{x}<br>%{y}<br>%{z} samples first diverge here<extra></extra>",
+        "colorscale": "OrRd", "zmin": 0, "colorbar": {"title": {"text": "samples"}}, "xgap": 1, "ygap": 1,
+    }  # fmt: skip
+    layout = {
+        "xaxis": {"title": {"text": "step"}},
+        "yaxis": {"title": {"text": "first divergence"}, "type": "category", "autorange": "reversed"},
+    }
+    return _base(figure([trace], layout), max(260, 22 * frame.shape[1] + 100))
 
 
 def diagnosis_bars(frame: pd.DataFrame) -> go.Figure:
     """Samples per diagnosis kind, stacked per step (one trace per kind, in ``frame``'s column order)."""
     if frame.empty or frame.shape[1] == 0:
         return empty_figure("no compared samples yet")
-    fig = go.Figure(
-        [
-            go.Bar(
-                x=frame.index.to_list(),
-                y=frame[kind].to_list(),
-                name=kind,
-                meta=kind,
-                marker_color=DIAGNOSIS_COLOURS.get(kind, "#bcbd22"),
-            )  # fmt: skip
-            for kind in frame.columns
-        ]
-    )
+    traces = [
+        {"type": "bar", "x": frame.index.to_list(), "y": frame[kind].to_list(), "name": kind, "meta": kind,
+         "marker": {"color": DIAGNOSIS_COLOURS.get(kind, "#bcbd22")}}
+        for kind in frame.columns
+    ]  # fmt: skip
+    fig = figure(traces)
     fig.update_layout(barmode="stack")
     fig.update_xaxes(title_text="step")
     fig.update_yaxes(title_text="samples")
@@ -390,13 +391,14 @@ def fingerprint_grid(frame: pd.DataFrame, prompt_len: int | None = None) -> go.F
     ]
     low = (0.0, "#b7e4c7")
     scale = [low, (0.099, "#b7e4c7"), (0.1, "#ffffb2"), (0.55, "#fd8d3c"), (1.0, "#bd0026")]
-    fig = go.Figure(
-        go.Heatmap(
-            z=z, x=positions, y=[safe(r) for r in regions], text=text, hoverinfo="text", colorscale=scale,
-            zmin=LOG_FLOOR - 1, zmax=1.0, xgap=1, ygap=1, name="grid",
-            colorbar={"title": {"text": "log10 rel L2"}, "tickvals": [LOG_FLOOR - 1, LOG_FLOOR, -4, 0],
-                      "ticktext": ["equal", f"1e{int(LOG_FLOOR)}", "1e-4", "1"]},
-        )
+    fig = figure(
+        [
+            {"type": "heatmap", "z": z, "x": positions, "y": [safe(r) for r in regions], "text": text.tolist(),
+             "hoverinfo": "text", "colorscale": scale, "zmin": LOG_FLOOR - 1, "zmax": 1.0, "xgap": 1, "ygap": 1,
+             "name": "grid",
+             "colorbar": {"title": {"text": "log10 rel L2"}, "tickvals": [LOG_FLOOR - 1, LOG_FLOOR, -4, 0],
+                          "ticktext": ["equal", f"1e{int(LOG_FLOOR)}", "1e-4", "1"]}}
+        ]
     )  # fmt: skip
     origins = frame[frame["origin"] & ~frame["first"]]
     if len(origins):
