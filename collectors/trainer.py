@@ -230,7 +230,8 @@ class TrainerCollector(Collector):
         step = int(step)
         batch = StepBatch.coerce(batch_arg)
         if weight_version is not None and str(weight_version) != self.weight_version:
-            self.weight_version = str(weight_version)
+            # a version given here has no known digest (weights_changed(version, digest) gives one)
+            self.weight_version, self.weight_digest = str(weight_version), None
         version = self.weight_version
         records: list[Record] = []
         self._manifests(records)
