@@ -36,8 +36,10 @@ TRL's logged figures (reward, entropy, clip ratios, its own ``sampling/*`` misma
 the store as :class:`audit.records.StepStats` from world process zero, so the dashboard sets them
 beside isoaudit's (``isoaudit metrics list --framework trl`` names TRL's aliases).
 
-Without an engine in this process (TRL's transformers-generate path, or ``vllm_mode="server"``)
-only the trainer side is recorded, and a warning says so once.
+With ``vllm_mode="server"`` the engine runs in ``trl vllm-serve``, out of reach: the rollout side is
+recorded from TRL's ``sampling_per_token_logps`` (:mod:`collectors.integrations.given`, no engine
+fingerprints). TRL's transformers-generate path keeps no sampling logprobs: only the trainer side
+is recorded. A warning says which, once.
 """
 
 from __future__ import annotations
@@ -54,10 +56,10 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState,
 import collectors
 from audit.records import StepStats
 from collectors.counting import LogOnce
+from collectors.integrations.given import GivenLogprobs, watch_given
 from collectors.layout import StepBatch
 
 if TYPE_CHECKING:
-    from collectors.engine_capture import EngineCollector
     from collectors.sessions import Session, Summary
     from collectors.trainer import TrainerCollector
     from collectors.vllm.collector import VllmCollector
@@ -140,7 +142,7 @@ class IsoauditCallback(TrainerCallback):
         self.session_args = session_args
         self.session: Session | None = None
         self.trainer_side: TrainerCollector | None = None
-        self.rollout_side: VllmCollector | EngineCollector | None = None
+        self.rollout_side: VllmCollector | GivenLogprobs | None = None
         self.summary: Summary | None = None
         self.errors = 0
         self.steps_recorded: list[int] = []
@@ -225,11 +227,19 @@ class IsoauditCallback(TrainerCallback):
                 else self._after_sync(trainer.vllm_generation.sync_weights)
             )
             self._patch(trainer.vllm_generation, "sync_weights", sync)
+        elif getattr(
+            trainer, "use_vllm", False
+        ):  # server mode: the rollout side from TRL's sampling logprobs
+            self.rollout_side = watch_given(session, "rollout", framework="trl+vllm-server")
+            self._warn.warn(
+                "server",
+                "isoaudit TRL callback: vLLM runs in `trl vllm-serve`, out of reach: the rollout side is "
+                "recorded from TRL's sampling logprobs, without engine fingerprints",
+            )
         else:
-            how = "vLLM server mode" if getattr(trainer, "use_vllm", False) else "transformers generate"
             self._warn.warn(
                 "no-engine",
-                f"isoaudit TRL callback: TRL generates with {how}, which runs no engine in this process; "
+                "isoaudit TRL callback: TRL generates with transformers, which keeps no sampling logprobs; "
                 "only the trainer side is recorded (use_vllm=True, vllm_mode='colocate' records both)",
             )
         self._patch(
@@ -328,7 +338,11 @@ class IsoauditCallback(TrainerCallback):
         self.trainer_side.record_step(
             step, batch, logprobs=logprobs, logprobs_layout="completion" if logprobs is not None else "auto"
         )
-        if self.rollout_side is not None and self._outputs:
+        if isinstance(self.rollout_side, GivenLogprobs):
+            sampled = out.get("sampling_per_token_logps")
+            if sampled is not None:
+                self.rollout_side.record_step(step, batch, sampled, logprobs_layout="completion")
+        elif self.rollout_side is not None and self._outputs:
             self.rollout_side.record_step(step, local_outputs(trainer, self._outputs, batch.num_samples))
         self.steps_recorded.append(step)
 
