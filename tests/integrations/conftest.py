@@ -7,28 +7,11 @@ import gc
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
-import pytest
 import torch
 
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 2-layer bf16 Qwen3 (head_dim 32: vLLM's CPU attention needs a multiple of 32)."""
-    from collectors.tiny_models import make_tiny_model
-
-    return make_tiny_model(
-        "qwen3",
-        tmp_path_factory.mktemp("integrations") / "qwen3",
-        num_layers=2,
-        hidden=128,
-        heads=4,
-        kv_heads=2,
-        vocab=512,
-        seed=7,
-        dtype="bfloat16",
-    )
+# The vLLM tests' tiny bf16 Qwen3 (head_dim 32, as vLLM's CPU attention needs), one per session for both suites.
+from tests.vllm.conftest import tiny_qwen3  # noqa: F401
 
 
 @contextmanager

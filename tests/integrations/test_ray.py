@@ -25,7 +25,7 @@ def free_port() -> int:
 
 
 @pytest.mark.slow
-def test_actors_send_to_one_service_and_both_sides_are_compared(tiny_model: Path, tmp_path: Path) -> None:
+def test_actors_send_to_one_service_and_both_sides_are_compared(tiny_qwen3: Path, tmp_path: Path) -> None:
     import ray
 
     from audit.auth import create_token
@@ -40,7 +40,7 @@ def test_actors_send_to_one_service_and_both_sides_are_compared(tiny_model: Path
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         result = run_ray_job(
-            tiny_model,
+            tiny_qwen3,
             run=RUN,
             steps=STEPS,
             prompts=PROMPTS,
