@@ -227,9 +227,8 @@ class IsoauditCallback(TrainerCallback):
                 else self._after_sync(trainer.vllm_generation.sync_weights)
             )
             self._patch(trainer.vllm_generation, "sync_weights", sync)
-        elif getattr(
-            trainer, "use_vllm", False
-        ):  # server mode: the rollout side from TRL's sampling logprobs
+        elif getattr(trainer, "use_vllm", False):
+            # server mode: the rollout side from TRL's sampling logprobs
             self.rollout_side = watch_given(session, "rollout", framework="trl+vllm-server")
             self._warn.warn(
                 "server",
