@@ -299,20 +299,11 @@ class IsoauditCallback(TrainerCallback):
         return sync_and_tell
 
     def _sync_with_isoaudit(self) -> None:
-        """TRL's colocate sync through vLLM's in-place reload (the tensors TRL would send, by its
-        own names); both sides then carry the new version."""
-        from collectors.vllm.weights import load_weights
-
+        """TRL's colocate sync through vLLM's in-place reload; both sides then carry the version."""
         trainer = self.trainer
         assert trainer is not None
-        generation = trainer.vllm_generation
-        if getattr(generation, "enable_sleep_mode", False):
-            generation.llm.wake_up(tags=["weights"])
-            generation._llm_weights_sleeping = False
         version = int(trainer.state.global_step)
-        items = [(name, param.detach()) for name, param in generation._iter_named_params()]
-        digest = load_weights(generation.llm, items, version, digest=self.weight_digest)
-        generation.llm.reset_prefix_cache()
+        digest = reload_sync(trainer.vllm_generation, version, digest=self.weight_digest)
         if self.trainer_side is not None:
             self._guard("weights_changed", self.trainer_side.weights_changed, version, digest)
 
@@ -362,6 +353,22 @@ class IsoauditCallback(TrainerCallback):
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+def reload_sync(generation: Any, version: int, *, digest: bool = False) -> str | None:
+    """What TRL's colocate ``VLLMGeneration.sync_weights`` does, through vLLM's in-place reload
+    (:func:`collectors.vllm.load_weights`) instead of per-parameter ``load_weights``, which the CPU
+    build of vLLM cannot take: the tensors TRL would send, by TRL's own names, as weight
+    ``version``. Unsharded parameters only (no FSDP/ZeRO-3 gather). Returns the digest, if asked."""
+    from collectors.vllm.weights import load_weights
+
+    if getattr(generation, "enable_sleep_mode", False):
+        generation.llm.wake_up(tags=["weights"])
+        generation._llm_weights_sleeping = False
+    items = [(name, param.detach()) for name, param in generation._iter_named_params()]
+    value = load_weights(generation.llm, items, version, digest=digest)
+    generation.llm.reset_prefix_cache()
+    return value
 
 
 def find_trainer(callback: TrainerCallback) -> Trainer:
