@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import sys
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import pytest
@@ -69,3 +71,21 @@ def store(database_url: str) -> Iterator[Store]:
     store = Store(database_url)
     yield store
     store.dispose()
+
+
+@contextmanager
+def flask_proxies_bound() -> Iterator[None]:
+    """Start a vLLM engine here even when Dash (so Flask) is imported in this process.
+
+    vLLM's CPU platform scans every module's attributes with ``hasattr(value, "__dict__")`` when an
+    engine starts (``vllm/triton_utils/dispatcher.py``, ``_rebind_kernels``); Flask's context-local
+    proxies (``current_app``, ``request``, ``g``, ``session``) raise RuntimeError there outside a
+    context, so the engine fails to start once the dashboard tests have imported Dash. Binding the
+    proxies to a throwaway app while the engine starts is enough (its workers fork inside it)."""
+    if "flask" not in sys.modules:
+        yield
+        return
+    import flask
+
+    with flask.Flask("isoaudit-vllm-start").test_request_context():
+        yield

@@ -14,6 +14,7 @@ import torch
 pytest.importorskip("trl")
 
 from collectors.integrations.trl import IsoauditCallback, batch_of, step_stats_of  # noqa: E402
+from tests.conftest import flask_proxies_bound  # noqa: E402
 from tests.integrations.conftest import process_state  # noqa: E402
 
 RUN = "trl-grpo"
@@ -60,7 +61,8 @@ def vllm_run(tiny_qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
     with process_state():
         monkey = pytest.MonkeyPatch()
         monkey.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        trainer = grpo(tiny_qwen3, tmp / "out", use_vllm=True, steps=STEPS)
+        with flask_proxies_bound():  # TRL starts vLLM here; the dashboard tests import Dash
+            trainer = grpo(tiny_qwen3, tmp / "out", use_vllm=True, steps=STEPS)
         callback = IsoauditCallback(run=RUN, database_url=url, strict=True, report=False)
         trainer.add_callback(callback)
         try:

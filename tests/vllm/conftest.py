@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from collectors.sinks import MemorySink
+from tests.conftest import flask_proxies_bound
 
 #: The tiny model: 2 layers, hidden 128, 4 heads of 32 (vLLM's CPU attention needs head_dim % 32 == 0).
 NUM_LAYERS = 2
@@ -71,7 +72,8 @@ def engine(path: Path, *, processes: bool = False, **overrides: Any) -> Iterator
     kwargs = {**ENGINE_DEFAULTS, **overrides}
     if processes:
         kwargs["worker_extension_cls"] = EXTENSION
-    llm = LLM(model=str(path), **kwargs)
+    with flask_proxies_bound():  # the dashboard tests import Dash in this process
+        llm = LLM(model=str(path), **kwargs)
     try:
         yield llm
     finally:
