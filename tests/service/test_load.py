@@ -27,7 +27,9 @@ from tests.service.workload import reconcile, step_records
 HttpSink = pytest.importorskip("collectors.sinks").HttpSink
 
 SECONDS = float(os.environ.get("ISOAUDIT_SOAK_SECONDS", "10"))
-SOAK = SECONDS >= 120
+SOAK = SECONDS >= 60
+#: How long the comparison worker gets to catch up after the last send (asserted only in the short pass).
+DRAIN_LIMIT_S = 120.0
 CLIENTS = {"sqlite": 4, "postgres": 16 if SOAK else 4}
 STEP_EVERY_S = 0.25  # each collector: one step (8 samples x 2 sides x 512 tokens) every 250 ms
 
@@ -107,17 +109,20 @@ def test_concurrent_collectors_with_the_worker_on(database_url: str, tmp_path: P
             for record in sent:
                 expected[record.run_id] = max(expected.get(record.run_id, 0), record.step)
 
-            def all_compared() -> bool:
+            def uncompared() -> int:
+                """Samples stored but not yet compared (or steps not yet seen), over every run."""
+                missing = 0
                 for run_id, last in expected.items():
-                    steps = http.get(f"/v1/runs/{run_id}/steps").json()
-                    if len(steps) != last + 1 or any(s["compared_samples"] != 8 for s in steps):
-                        return False
-                return True
+                    steps = {s["step"]: s for s in http.get(f"/v1/runs/{run_id}/steps").json()}
+                    for step in range(last + 1):
+                        missing += 8 - (steps[step]["compared_samples"] if step in steps else 0)
+                return missing
 
-            while not all_compared():
-                assert time.monotonic() - flushed < 120 + SECONDS, "the worker did not catch up"
-                time.sleep(0.25)
-            drain_lag = time.monotonic() - max(last_sent.values())
+            while (left := uncompared()) and time.monotonic() - flushed < DRAIN_LIMIT_S:
+                time.sleep(0.5)
+            drain_lag = time.monotonic() - max(last_sent.values()) if not left else None
+            pairs = len(sent) // 2  # samples per side
+            compare_rate = (pairs - left) / (time.monotonic() - started)
             p50, p99, requests = ingest_latency(url, token)
         api_rss_end, own_rss_end = rss_mib(api.pid), rss_mib(os.getpid())
         stats = [sink.stats() for sink in sinks]
@@ -131,11 +136,18 @@ def test_concurrent_collectors_with_the_worker_on(database_url: str, tmp_path: P
     store.dispose()
     assert (counts["lost"], counts["extra"], counts["doubled"]) == (0, 0, 0), counts
     assert sum(s["dropped"] for s in stats) == 0 and sum(s["rejected"] for s in stats) == 0, stats
+    drained = (
+        f"all compared {drain_lag:.1f} s after the last send"
+        if drain_lag is not None
+        else f"{left} sample pairs still uncompared {DRAIN_LIMIT_S:.0f} s after the flush"
+    )
     print(
         f"\nload {kind}: {clients} collectors for {elapsed:.0f} s: {counts['stored'] / elapsed:.0f} samples/s "
         f"({counts['stored']} stored, 0 lost, 0 doubled); ingest p50 <= {p50 * 1000:.0f} ms, p99 <= "
-        f"{p99 * 1000:.0f} ms over {requests:.0f} requests; comparison backlog <= {backlog} steps, all "
-        f"compared {drain_lag:.1f} s after the last send; API RSS {api_rss_start:.0f} -> {api_rss_end:.0f} MiB, "
+        f"{p99 * 1000:.0f} ms over {requests:.0f} requests; worker compared {compare_rate:.0f} pairs/s, "
+        f"backlog <= {backlog} steps, {drained}; API RSS {api_rss_start:.0f} -> {api_rss_end:.0f} MiB, "
         f"collectors' process RSS {own_rss_start:.0f} -> {own_rss_end:.0f} MiB"
     )
+    if not SOAK:  # the short pass must catch up; a soak reports how far behind the worker is
+        assert drain_lag is not None, drained
     assert api_rss_end - api_rss_start < 400, "the API process grew by more than 400 MiB"
