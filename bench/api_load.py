@@ -123,7 +123,7 @@ def serve(database_url: str, port: int) -> subprocess.Popen:
 
 
 def run_load(name: str, database_url: str, args: argparse.Namespace) -> dict:
-    store = Store(database_url)
+    store = Store(database_url, upgrade=True)  # the bench's own scratch database
     token = create_token(store, "bench")
     templates = [
         {

@@ -4,7 +4,7 @@ modules of this package and register themselves on ``app`` (see the imports at t
 from __future__ import annotations
 
 import sys
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
@@ -12,6 +12,9 @@ from rich.table import Table
 
 from audit import __version__
 from audit.config import database_url
+
+if TYPE_CHECKING:
+    from audit.store import Store
 
 app = typer.Typer(
     help="isoaudit: find where a trainer and a rollout engine stop computing the same numbers.",
@@ -29,6 +32,24 @@ DatabaseOption = Annotated[
     str | None,
     typer.Option("--database-url", envvar="ISOAUDIT_DATABASE_URL", help="SQLAlchemy URL of the store."),
 ]
+
+
+def open_store(database: str | None) -> Store:
+    """The store at ``database`` (or the configured default); a store that cannot be opened (schema
+    behind this isoaudit, a newer schema, an unreachable server) exits 1 with the reason, no traceback."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from audit.store import Store, StoreError
+
+    try:
+        return Store(database)
+    except StoreError as exc:
+        console.print(f"[red]{exc}[/red]")
+    except SQLAlchemyError as exc:
+        console.print(
+            f"[red]database: cannot open {_redact(database_url(database))}: {exc.__class__.__name__}: {exc.orig if hasattr(exc, 'orig') else exc}[/red]"
+        )
+    raise typer.Exit(1)
 
 
 def _version(value: bool) -> None:
@@ -65,9 +86,7 @@ def runs_list(
     project: Annotated[str | None, typer.Option(help="Only this project's runs.")] = None,
 ) -> None:
     """List runs, newest first."""
-    from audit.store import Store
-
-    store = Store(database)
+    store = open_store(database)
     runs = store.list_runs(project)
     if not runs:
         console.print("no runs recorded yet")

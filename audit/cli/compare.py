@@ -16,7 +16,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from audit.cli.app import DatabaseOption, app, console
+from audit.cli.app import DatabaseOption, app, console, open_store
 
 SHOWN_METRICS = ("kl_k3", "kl_k1", "logprob_abs_diff_mean", "logprob_abs_diff_max", "exact_match_fraction")
 DIVERGENT = {"contract", "weights", "semantics", "inference_path", "numerical"}
@@ -68,12 +68,11 @@ def compare(
 ) -> None:
     """Compare the trainer and rollout sides of a run and say where and why they diverge."""
     from audit.metric_names import FRAMEWORKS
-    from audit.store import Store
     from audit.worker import ComparisonWorker
 
     if names is not None and names not in FRAMEWORKS:
         raise _fail(f"--names: {names!r} is not one of {', '.join(FRAMEWORKS)}")
-    store = Store(database)
+    store = open_store(database)
     if store.get_run(run_id) is None:
         raise _fail(f"RUN: no run {run_id!r} in the store (`isoaudit runs list` shows the recorded ones)")
     stored_steps = [s.step for s in store.steps(run_id)]

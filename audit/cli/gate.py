@@ -12,7 +12,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from audit.cli.app import DatabaseOption, app, console
+from audit.cli.app import DatabaseOption, app, console, open_store
 
 MaxOption = Annotated[
     list[str] | None,
@@ -40,7 +40,6 @@ def gate(
 ) -> None:
     """Fail (exit 2) when any compared step of RUN breaks a bound; a table names each failure."""
     from audit.gates import GateError, bounds_of, check, parse_assignment, parse_steps
-    from audit.store import Store
 
     try:
         bounds = bounds_of(
@@ -49,7 +48,7 @@ def gate(
         )
         chosen = parse_steps(steps) if steps is not None else None
         with console.status("comparing queued samples…", spinner="dots"):
-            result = check(Store(database), run_id, bounds, chosen)
+            result = check(open_store(database), run_id, bounds, chosen)
     except GateError as exc:
         console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(1) from None

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from audit.cli.app import DatabaseOption, app, console
+from audit.cli.app import DatabaseOption, app, console, open_store
 
 tokens_app = typer.Typer(help="Bearer tokens of the API, one or more per project.", no_args_is_help=True)
 app.add_typer(tokens_app, name="tokens")
@@ -65,10 +65,9 @@ def tokens_create(
 ) -> None:
     """Create a token and print it (only once: just its hash is stored)."""
     from audit.auth import create_token
-    from audit.store import Store
 
     try:
-        token = create_token(Store(database), project, name)
+        token = create_token(open_store(database), project, name)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--project") from exc
     typer.echo(token)
@@ -81,10 +80,9 @@ def tokens_list(
 ) -> None:
     """List tokens by id (secrets are never stored, so never shown)."""
     from audit.auth import list_tokens
-    from audit.store import Store
 
     table = Table("token id", "project", "name", "created", "revoked")
-    for row in list_tokens(Store(database), project):
+    for row in list_tokens(open_store(database), project):
         revoked = row.revoked_at.strftime("%Y-%m-%d %H:%M") if row.revoked_at else ""
         table.add_row(row.token_id, row.project, row.name, row.created_at.strftime("%Y-%m-%d %H:%M"), revoked)
     console.print(table)
@@ -97,9 +95,8 @@ def tokens_revoke(
 ) -> None:
     """Revoke a token: requests with it get 401 from now on."""
     from audit.auth import revoke_token
-    from audit.store import Store
 
-    if not revoke_token(Store(database), token_id):
+    if not revoke_token(open_store(database), token_id):
         console.print(f"no live token {token_id!r}")
         raise typer.Exit(1)
     console.print(f"revoked {token_id}")
@@ -131,24 +128,22 @@ def alerts_load(
 ) -> None:
     """Install the file's rules (replacing rules of the same names), as `serve --rules` does."""
     from audit.alerts import RulesFileError, install_rules, load_rules
-    from audit.store import Store
 
     try:
         rules = load_rules(path)
     except (RulesFileError, OSError) as exc:
         console.print(f"[red]{exc}[/red]")
         raise typer.Exit(1) from exc
-    console.print(f"installed {install_rules(Store(database), rules, 'yaml', replace=True)} rules")
+    console.print(f"installed {install_rules(open_store(database), rules, 'yaml', replace=True)} rules")
 
 
 @alerts_app.command("rules")
 def alerts_rules(database: DatabaseOption = None) -> None:
     """List the rules in the store."""
     from audit.alerts.rules import list_rule_rows, rule_from_row
-    from audit.store import Store
 
     table = Table("rule", "condition", "for", "keep firing", "severity", "project", "source", "enabled")
-    for row in list_rule_rows(Store(database)):
+    for row in list_rule_rows(open_store(database)):
         rule = rule_from_row(row)
         table.add_row(
             rule.name,
@@ -171,11 +166,10 @@ def alerts_list(
 ) -> None:
     """List alerts, newest first."""
     from audit.alerts.history import list_alerts
-    from audit.store import Store
 
     states = ["pending", "firing"] if open_only else None
     table = Table("id", "rule", "run", "state", "severity", "value", "started", "fired", "resolved")
-    for alert in list_alerts(Store(database), run_id=run_id, states=states):
+    for alert in list_alerts(open_store(database), run_id=run_id, states=states):
         value = "" if alert.value is None else f"{alert.value:.4g}"
         steps = [alert.started_step, alert.fired_step, alert.resolved_step]
         table.add_row(
