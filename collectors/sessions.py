@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from audit.config import database_url as resolve_database_url
-from audit.records import Case, Run
+from audit.records import Case, Run, StepStats
 from collectors.base import Collector, run_record
 from collectors.control import ControlChannel, FixedControl, ServiceControl, StoreControl
 from collectors.manifest import ContractArg
@@ -256,6 +256,7 @@ class Session:
         self._sinks: dict[str, Sink] = {}
         self._control: ControlChannel | None = None
         self._closed: Summary | None = None
+        self._stats_refused = 0  # StepStats the session could not build (bad figures), counted
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -415,6 +416,43 @@ class Session:
         that sync weights their own way (verl, OpenRLHF broadcast over NCCL)."""
         for collector in self.collectors:
             collector.weights_changed(version, digest)
+
+    def record_stats(
+        self,
+        step: int,
+        *,
+        reward_mean: float | None = None,
+        reward_std: float | None = None,
+        entropy: float | None = None,
+        clip_fraction: float | None = None,
+        generation_s: float | None = None,
+        training_s: float | None = None,
+        extras: Mapping[str, float] | None = None,
+    ) -> None:
+        """The RL loop's own figures for ``step`` (reward, entropy, clip fraction, phase times, any
+        ``extras`` by name), stored beside the mismatch so the dashboard draws one against the other.
+        Sent with the trainer's records; never raises into the job (a bad figure is refused by the
+        store and counted as rejected), unless the session is ``strict``."""
+        try:
+            record = StepStats(
+                run_id=self.run.run_id,
+                step=step,
+                reward_mean=reward_mean,
+                reward_std=reward_std,
+                entropy=entropy,
+                clip_fraction=clip_fraction,
+                generation_s=generation_s,
+                training_s=training_s,
+                extras=dict(extras or {}),
+            )
+        except ValueError as exc:
+            if self.strict:
+                raise
+            if not self._stats_refused:
+                log.warning("isoaudit: step %s's loop figures were not recorded (said once): %s", step, exc)
+            self._stats_refused += 1
+            return
+        self._sink("trainer").send([record])
 
     # ---------------------------------------------------------------- internals
 

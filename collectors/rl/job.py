@@ -138,6 +138,15 @@ def run_job(
             weight_version=version,
             mode=trainer.mode,
         )
+        audit.record_stats(
+            step,
+            reward_mean=row.reward_mean,
+            reward_std=row.reward_std,
+            entropy=row.entropy,
+            clip_fraction=row.clip_fraction,
+            generation_s=row.generation_s,
+            training_s=row.training_s,
+        )
         figures.append(row)
         if on_step is not None:
             on_step(row)
