@@ -35,8 +35,9 @@ system-deps:
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver docker-compose >/dev/null; \
 	fi
 
+# The GRPO demo job on the reference engine, then the dashboard over what it wrote (Ctrl-C stops it).
 demo: $(VENV)/.base
-	$(PY) -m collectors.demo
+	$(VENV)/bin/isoaudit demo
 
 test: $(VENV)/.test
 	ISOAUDIT_TEST_POSTGRES_URL=$(PG_URL) $(PY) -m pytest -q

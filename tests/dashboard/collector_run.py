@@ -1,6 +1,6 @@
 """A real collector run that fills the dashboard's database (the browser suite's data).
 
-As ``collectors/demo.py`` does: a tiny Qwen3 plays both sides; the rollout side is isoaudit's
+As the GRPO demo does (``collectors/rl``): a tiny Qwen3 plays both sides; the rollout side is isoaudit's
 reference engine (batched prefill + decode with a KV cache, regions fingerprinted inside it), the
 trainer side recomputes the same tokens through the trainer collector. Both are attached through the
 public session API (``collectors.session`` with direct writes into the store) and read the run's
