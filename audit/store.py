@@ -349,22 +349,43 @@ class Store:
             raise ForbiddenRun(f"run_id: {', '.join(foreign)} belongs to another project")
         explicit = {r.run_id: r for r in runs}  # the last of a run's records in the batch wins
         result.duplicates["run"] += len(runs) - len(explicit)
+        # New runs go in with "do nothing on conflict": a trainer and an engine in two processes often
+        # register the same run at the same moment, and the one that loses must not fail its batch.
+        new = [
+            {"run_id": rid, "project": project, "name": rid, "config": {}}
+            if rid not in explicit
+            else {
+                "run_id": rid,
+                "project": project,
+                "name": explicit[rid].name,
+                "started_at": explicit[rid].started_at,
+                "config": explicit[rid].config,
+            }
+            for rid in sorted(run_ids - set(existing))
+        ]
+        inserted: set[str] = set()
+        if new:
+            table = RunRow.__table__
+            stmt = self._insert(table).on_conflict_do_nothing().returning(table.c.run_id)
+            inserted = {row[0] for row in session.execute(stmt, new)}
+        raced = {row["run_id"] for row in new} - inserted  # another writer created them just now
+        if raced:
+            owners = session.execute(select(RunRow.run_id, RunRow.project).where(RunRow.run_id.in_(raced)))
+            foreign = sorted(rid for rid, owner in owners if owner != project)
+            if foreign:
+                raise ForbiddenRun(f"run_id: {', '.join(foreign)} belongs to another project")
+        if inserted & set(explicit):
+            result.stored["run"] += len(inserted & set(explicit))
         for run in explicit.values():
-            values = {"name": run.name, "started_at": run.started_at, "config": run.config}
-            if run.run_id in existing:
-                row = session.get(RunRow, run.run_id)
-                assert row is not None
-                if (row.name, row.config) == (run.name, run.config):
-                    result.duplicates["run"] += 1
-                    continue
-                for key, value in values.items():
-                    setattr(row, key, value)
-            else:
-                session.add(RunRow(run_id=run.run_id, project=project, **values))
+            if run.run_id in inserted:
+                continue
+            row = session.get(RunRow, run.run_id)
+            assert row is not None
+            if (row.name, row.config) == (run.name, run.config):
+                result.duplicates["run"] += 1
+                continue
+            row.name, row.started_at, row.config = run.name, run.started_at, run.config
             result.stored["run"] += 1
-        for run_id in sorted(run_ids - set(existing) - set(explicit)):
-            # Records may arrive before their Run record (or without one): register the run implicitly.
-            session.add(RunRow(run_id=run_id, project=project, name=run_id, config={}))
         session.flush()
 
     def _insert_new(

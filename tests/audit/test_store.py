@@ -174,3 +174,37 @@ def test_pending_lists_only_samples_with_both_sides(store: Store):
     assert store.pending() == []
     store.ingest([factories.sample("rollout", seed=1)])  # a duplicate queues nothing
     assert store.pending() == []
+
+
+def test_two_writers_registering_one_run_at_once_both_store(database_url: str) -> None:
+    """A trainer and an engine in two processes often register the same new run at the same
+    moment: the one that loses the race stores its batch all the same."""
+    import threading
+
+    from audit.store import Store
+    from tests import factories
+
+    stores = [Store(database_url) for _ in range(4)]
+    barrier = threading.Barrier(len(stores))
+    results, errors = [], []
+
+    def write(i: int, store: Store) -> None:
+        barrier.wait()
+        try:
+            results.append(
+                store.ingest(
+                    [factories.sample("trainer" if i % 2 else "rollout", run_id="raced", seed=i, step=i)]
+                )
+            )
+        except Exception as exc:  # pragma: no cover - the failure this test exists for
+            errors.append(exc)
+
+    threads = [threading.Thread(target=write, args=(i, s)) for i, s in enumerate(stores)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and sum(r.stored["sample"] for r in results) == 4
+    assert [r.run_id for r in stores[0].list_runs()] == ["raced"]
+    for store in stores:
+        store.dispose()
