@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import ipaddress
 from typing import Annotated
 
@@ -55,9 +54,8 @@ def dashboard(
             "run's remediation mode. Give --auth user:password (or ISOAUDIT_DASHBOARD_AUTH), or bind to 127.0.0.1."
         )
         raise typer.Exit(2)
-    # The CLI is the one place in audit that starts the dashboard; audit never imports it statically
-    # (the dashboard depends on audit, not the other way round).
-    factory = importlib.import_module("dashboard").create_app
-    dash_app = factory(database, auth=credentials, live_interval_ms=live_interval_ms)
+    from dashboard import create_app  # the CLI is the composition root (see the import contract)
+
+    dash_app = create_app(database, auth=credentials, live_interval_ms=live_interval_ms)
     console.print(f"isoaudit dashboard on http://{host}:{port}" + (" (basic auth)" if credentials else ""))
     dash_app.run(host=host, port=port, debug=False)
