@@ -19,6 +19,7 @@ from audit import queries
 from audit.alerts.history import AlertView
 from audit.alerts.rules import AlertRule
 from audit.compare import DIFFERS, EQUAL, NOT_OBSERVED
+from audit.records import StepStats
 from audit.regions import region_order
 from audit.summaries import bin_label
 
@@ -87,6 +88,17 @@ def timeline_frame(points: Sequence[queries.StepPoint]) -> pd.DataFrame:
     """Steps as rows (index ``step``), the timeline metrics as float columns (NaN where missing)."""
     data = {m: [_num(p.metrics.get(m)) for p in points] for m in TIMELINE_METRICS}
     return pd.DataFrame(data, index=pd.Index([p.step for p in points], name="step"), dtype=float)
+
+
+#: The RL loop's own figures (``StepStats``) the run page draws beside the mismatch.
+LOOP_FIGURES = ("reward_mean", "reward_std", "entropy", "clip_fraction", "generation_s", "training_s")
+
+
+def loop_frame(stats: Sequence[StepStats]) -> pd.DataFrame:
+    """Steps as rows (index ``step``), the loop's named figures as float columns (NaN where a step
+    did not report one)."""
+    data = {name: [_num(getattr(s, name)) for s in stats] for name in LOOP_FIGURES}
+    return pd.DataFrame(data, index=pd.Index([s.step for s in stats], name="step"), dtype=float)
 
 
 def _num(value: Any) -> float:

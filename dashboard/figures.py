@@ -99,6 +99,47 @@ def sparkline(steps: Sequence[int], values: Sequence[float | None]) -> go.Figure
 # ---------------------------------------------------------------------- run page
 
 
+def loop_figures(loop: pd.DataFrame, mismatch: pd.Series | None = None) -> go.Figure:
+    """The RL loop's reward (mean, ±1 std band) against the mismatch (``mismatch``: kl_k3 by step,
+    right axis, log), so a user sees whether the drift tracks what the job optimises."""
+    if loop.empty or loop["reward_mean"].isna().all():
+        return empty_figure("no loop figures recorded (the job calls Session.record_stats per step)")
+    steps = plain(loop.index.to_numpy())
+    mean = loop["reward_mean"].to_numpy(dtype=float)
+    std = np.nan_to_num(loop["reward_std"].to_numpy(dtype=float))
+    hover = [
+        f"step {s}<br>reward {m:.4g} ± {d:.3g}<br>entropy {e:.4g}<br>clip fraction {c:.3g}"
+        f"<br>generation {g:.3g} s, training {t:.3g} s"
+        for s, m, d, e, c, g, t in zip(
+            steps,
+            mean,
+            std,
+            *(
+                loop[k].to_numpy(dtype=float)
+                for k in ("entropy", "clip_fraction", "generation_s", "training_s")
+            ),
+            strict=True,
+        )
+    ]
+    data: list[dict] = [
+        {"type": "scatter", "x": steps + steps[::-1], "y": plain(np.concatenate([mean + std, (mean - std)[::-1]])),
+         "mode": "lines", "fill": "toself", "fillcolor": "rgba(44,160,44,0.15)", "line": {"width": 0},
+         "hoverinfo": "skip",
+         "name": "reward ± std", "showlegend": False},
+        {"type": "scatter", "x": steps, "y": plain(mean), "mode": "lines+markers", "name": "reward (mean)",
+         "line": {"color": "#2ca02c"}, "text": hover, "hoverinfo": "text"},
+    ]  # fmt: skip
+    layout: dict = {"yaxis": {"title": {"text": "reward"}}, "xaxis": {"title": {"text": "step"}}}
+    if mismatch is not None and not mismatch.dropna().empty:
+        values = mismatch.reindex(loop.index).to_numpy(dtype=float)
+        data.append(
+            {"type": "scatter", "x": steps, "y": plain(np.array([log_value(v) for v in values])), "mode": "lines", "yaxis": "y2",
+             "name": "kl_k3 (log10)", "line": {"color": "#1f77b4", "dash": "dot"}}
+        )  # fmt: skip
+        layout["yaxis2"] = {"title": {"text": "log10 kl_k3"}, "overlaying": "y", "side": "right"}
+    return _base(figure(data, layout), 280)
+
+
 def plain(values: np.ndarray) -> list:
     """An array as nested lists with None for NaN. Plotly sends numpy arrays as base64 typed arrays,
     which ``dash.Patch`` cannot extend in the browser: traces that live updates append to hold lists."""

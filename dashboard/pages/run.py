@@ -14,6 +14,7 @@ import plotly.graph_objects as go
 from dash import Input, Output, State, dash_table, dcc, html, no_update
 
 from audit import queries
+from audit.records import StepStats
 from audit.service_models import REMEDIATION_MODES, StaleControlVersion
 from audit.store import Store
 from audit.summaries import bin_label
@@ -137,6 +138,7 @@ def layout(run_id: str | None = None, step: str | None = None, **_: Any) -> html
     if overview is None:
         return not_found(f"No run {run_id!r} in this store.")
     drawn = draw(store, overview.run_id)
+    loop_stats = store.step_stats(overview.run_id)
     try:
         selected = int(step) if step is not None else drawn.state.last_step
     except ValueError:
@@ -213,6 +215,9 @@ def layout(run_id: str | None = None, step: str | None = None, **_: Any) -> html
             ),
             html.H5("Diagnoses per step"),
             graph("run-diagnoses", drawn.diagnoses),
+            html.H5("The loop's own figures: reward against the mismatch", className="mt-3"),
+            dcc.Store(id="run-loop-steps", data=len(loop_stats)),
+            graph("run-loop", loop_figure(store, overview.run_id, loop_stats)),
             html.Div(
                 [
                     html.H5("Samples of step ", className="d-inline"),
@@ -267,6 +272,22 @@ def tick(_n: int | None, state_json: dict[str, Any]) -> tuple[Any, ...]:
         return (*[p if p is not None else drawn[i] for i, p in enumerate(patches)], full.state.to_json())
     state.last_step = points[-1].step
     return (*patches, state.to_json())
+
+
+def loop_figure(store: Store, run_id: str, stats: list[StepStats]) -> go.Figure:
+    """The loop's reward (``stats``) against the run's kl_k3 by step."""
+    mismatch = data.timeline_frame(queries.step_series(store, run_id))["kl_k3"]
+    return figures.loop_figures(data.loop_frame(stats), mismatch)
+
+
+def tick_loop(_n: int | None, state_json: dict[str, Any], drawn_steps: int | None) -> tuple[Any, Any]:
+    """Redraw the loop figure when more steps reported their figures (one small line per step)."""
+    store = context.store()
+    run_id = LiveState.from_json(state_json).run_id
+    stats = store.step_stats(run_id)
+    if len(stats) == (drawn_steps or 0):
+        return no_update, no_update
+    return loop_figure(store, run_id, stats), len(stats)
 
 
 def tick_status(_n: int | None, state_json: dict[str, Any]) -> tuple[Any, Any, Any]:
@@ -390,6 +411,14 @@ def register(app: dash.Dash) -> None:
         State("run-state", "data"),
         prevent_initial_call=True,
     )(tick)
+    app.callback(
+        Output("run-loop", "figure"),
+        Output("run-loop-steps", "data"),
+        Input("run-interval", "n_intervals"),
+        State("run-state", "data"),
+        State("run-loop-steps", "data"),
+        prevent_initial_call=True,
+    )(tick_loop)
     app.callback(
         Output("run-interval", "disabled"),
         Output("run-status", "children"),

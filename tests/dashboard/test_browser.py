@@ -144,6 +144,9 @@ def test_every_page_against_a_live_collector_run(
     assert not driver.find_elements(By.CSS_SELECTOR, "img[src='x']")
     _no_dialog(driver)
     _wait(driver).until(lambda d: d.find_elements(By.CSS_SELECTOR, "#run-samples td"))
+    # The loop's own figures (Session.record_stats) are drawn beside the mismatch.
+    _wait(driver).until(lambda d: d.find_elements(By.CSS_SELECTOR, "#run-loop .scatterlayer .trace"))
+    assert "reward (mean)" in driver.find_element(By.ID, "run-loop").text
     _screenshot(driver, "run")
 
     # A cell of the step x position heatmap opens the sample holding that cell's largest |Δ|.

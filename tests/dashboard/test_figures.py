@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pandas as pd
+import pytest
 
 from dashboard import data, figures
 
@@ -155,3 +156,30 @@ def test_fingerprint_grid_marks_origins_and_the_first_divergence():
 def test_sparkline_has_no_axes():
     fig = figures.sparkline([0, 1], [0.1, None])
     assert fig.layout.xaxis.visible is False and np.isnan(fig.data[0].y[1])
+
+
+def test_loop_figures_draw_reward_against_the_mismatch() -> None:
+    from audit.records import StepStats
+    from dashboard import data, figures
+
+    stats = [
+        StepStats(run_id="r", step=0, reward_mean=0.1, reward_std=0.05, entropy=5.0, clip_fraction=0.0),
+        StepStats(run_id="r", step=1, reward_mean=0.3, reward_std=0.1, generation_s=1.0, training_s=2.0),
+    ]
+    loop = data.loop_frame(stats)
+    assert (
+        list(loop.index) == [0, 1]
+        and loop.loc[1, "training_s"] == 2.0
+        and np.isnan(loop.loc[0, "training_s"])
+    )
+    mismatch = pd.Series([1e-7, 0.0], index=pd.Index([0, 1], name="step"))
+    fig = figures.loop_figures(loop, mismatch)
+    names = [t.name for t in fig.data]
+    assert "reward (mean)" in names and "kl_k3 (log10)" in names
+    reward = next(t for t in fig.data if t.name == "reward (mean)")
+    assert list(reward.y) == [0.1, 0.3]
+    kl = next(t for t in fig.data if t.name == "kl_k3 (log10)")
+    assert kl.y[0] == pytest.approx(-7.0) and kl.y[1] == figures.LOG_FLOOR  # exact zero at the floor
+    assert fig.layout.yaxis2.overlaying == "y"
+    empty = figures.loop_figures(data.loop_frame([]))
+    assert "record_stats" in empty.layout.annotations[0].text
