@@ -25,8 +25,12 @@ def demo(
         ),
     ] = None,
     engine: Annotated[
-        str, typer.Option(help="Rollout engine: auto (vLLM if it imports), vllm or reference.")
-    ] = "auto",
+        str,
+        typer.Option(
+            help="Rollout engine: reference (isoaudit's; remediates fully), vllm (its remediation is not "
+            "built yet: the manifest says so) or auto (vLLM if it imports)."
+        ),
+    ] = "reference",
     prompts: Annotated[int, typer.Option(min=1, help="Prompts per step.")] = 8,
     group: Annotated[int, typer.Option(min=2, help="Completions per prompt (GRPO's group).")] = 4,
     max_new: Annotated[int, typer.Option(min=1, help="Tokens per completion.")] = 6,

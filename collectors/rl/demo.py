@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from rich.console import Console
+from rich.console import Console, Group
 from rich.live import Live
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 import collectors
@@ -73,9 +74,24 @@ class DemoResult:
 
 
 def prepare_model(directory: Path) -> tuple[torch.nn.Module, Any]:
-    """The demo's policy: a 2-layer Qwen3 in bf16 with a locally trained tokenizer (made once)."""
+    """The demo's policy: a 2-layer Qwen3 in bf16 (hidden 64, head_dim 32) with a locally trained
+    tokenizer (made once)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # the demo's own progress is the table below
     if not (directory / "config.json").exists():
-        make_tiny_model("qwen3", directory, num_layers=2, hidden=64, vocab=512, seed=0, dtype="bfloat16")
+        # head_dim 32: vLLM's CPU attention refuses 16 ("Unsupported CPU attention configuration")
+        make_tiny_model(
+            "qwen3",
+            directory,
+            num_layers=2,
+            hidden=64,
+            heads=2,
+            kv_heads=1,
+            vocab=512,
+            seed=0,
+            dtype="bfloat16",
+        )
     return load_tiny_model(directory, dtype=torch.bfloat16)
 
 
@@ -145,6 +161,11 @@ def run_demo(
         "step", "mode", "reward", "kl_k3", "mean |Δ logprob|", "exact", "first divergence", "alert", "s/step"
     )
 
+    progress = Progress(
+        TextColumn("GRPO steps"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
+    )
+    task = progress.add_task("steps", total=steps)
+
     def on_step(figures: StepFigures) -> None:
         if remediate_at is not None and figures.step + 1 == remediate_at:
             current = store.get_control(run_id)
@@ -168,12 +189,14 @@ def run_demo(
             alert,
             f"{figures.generation_s + figures.training_s:.1f}",
         )
+        progress.advance(task)
 
     try:
-        with Live(table, console=console, refresh_per_second=4, transient=False):
+        with Live(Group(table, progress), console=console, refresh_per_second=4, transient=False):
             with collectors.session(run=run, database_url=url, control_interval=0.0, report=False) as audit:
                 run_job(audit, policy, tokenizer, rollout, config, on_step=on_step)
         worker.run_once(run_id)
+        console.print()
         for alert in list_alerts(store, run_id=run_id):
             result.alerts.append(asdict(alert))
             console.print(
