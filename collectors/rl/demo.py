@@ -158,7 +158,15 @@ def run_demo(
         + (f"; remediation switched on at step {remediate_at}" if remediate_at is not None else "")
     )
     table = Table(
-        "step", "mode", "reward", "kl_k3", "mean |Δ logprob|", "exact", "first divergence", "alert", "s/step"
+        "step",
+        "mode (trainer / rollout)",
+        "reward",
+        "kl_k3",
+        "mean |Δ logprob|",
+        "exact",
+        "first divergence",
+        "alert",
+        "s/step",
     )
 
     progress = Progress(
@@ -180,7 +188,7 @@ def run_demo(
         result.steps.append(DemoStep(figures, metrics, counts, first, alert))
         table.add_row(
             str(figures.step),
-            figures.mode,
+            f"{figures.mode} / {rollout.collector.mode if rollout.collector is not None else '?'}",
             f"{figures.reward_mean:.3f}",
             f"{metrics.get('kl_k3', float('nan')):.3g}",
             f"{metrics.get('logprob_abs_diff_mean', float('nan')):.3g}",
