@@ -216,7 +216,7 @@ def layout(run_id: str | None = None, step: str | None = None, **_: Any) -> html
             html.H5("Diagnoses per step"),
             graph("run-diagnoses", drawn.diagnoses),
             html.H5("The loop's own figures: reward against the mismatch", className="mt-3"),
-            dcc.Store(id="run-loop-steps", data=len(loop_stats)),
+            dcc.Store(id="run-loop-steps", data=loop_stats[-1].step if loop_stats else None),
             graph("run-loop", loop_figure(store, overview.run_id, loop_stats)),
             html.Div(
                 [
@@ -280,14 +280,15 @@ def loop_figure(store: Store, run_id: str, stats: list[StepStats]) -> go.Figure:
     return figures.loop_figures(data.loop_frame(stats), mismatch)
 
 
-def tick_loop(_n: int | None, state_json: dict[str, Any], drawn_steps: int | None) -> tuple[Any, Any]:
-    """Redraw the loop figure when more steps reported their figures (one small line per step)."""
+def tick_loop(_n: int | None, state_json: dict[str, Any], drawn_last: int | None) -> tuple[Any, Any]:
+    """Redraw the loop figure only when steps after the last drawn one reported their figures (the
+    check reads just those rows, so an idle tick costs one small query)."""
     store = context.store()
     run_id = LiveState.from_json(state_json).run_id
-    stats = store.step_stats(run_id)
-    if len(stats) == (drawn_steps or 0):
+    if not store.step_stats(run_id, from_step=0 if drawn_last is None else drawn_last + 1):
         return no_update, no_update
-    return loop_figure(store, run_id, stats), len(stats)
+    stats = store.step_stats(run_id)
+    return loop_figure(store, run_id, stats), stats[-1].step
 
 
 def tick_status(_n: int | None, state_json: dict[str, Any]) -> tuple[Any, Any, Any]:

@@ -169,3 +169,19 @@ def test_cli_parses_auth():
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
     assert not is_loopback("0.0.0.0") and not is_loopback("example.org")
     assert f.run().run_id == "run-1"
+
+
+def test_loop_tick_redraws_only_when_new_steps_report(app, store):
+    from audit.records import StepStats
+
+    page = run.layout(run_id="run-1")
+    state = _find(page, "run-state").data
+    drawn_last = _find(page, "run-loop-steps").data
+    assert drawn_last is None and run.tick_loop(1, state, drawn_last) == (no_update, no_update)
+    store.ingest([StepStats(run_id="run-1", step=s, reward_mean=0.1 * s) for s in (0, 1)])
+    fig, drawn_last = run.tick_loop(2, state, drawn_last)
+    assert drawn_last == 1
+    assert [t.name for t in fig.data if t.name == "reward (mean)"] == ["reward (mean)"]
+    assert run.tick_loop(3, state, drawn_last) == (no_update, no_update)
+    store.ingest([StepStats(run_id="run-1", step=2, reward_mean=0.3)])
+    assert run.tick_loop(4, state, drawn_last)[1] == 2
