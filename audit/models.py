@@ -101,6 +101,8 @@ class SampleRow(Base):
     #: [{"start": completion index, "version": weight version}, ...] (SampleLogprobs.weight_spans)
     weight_spans: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    #: The sender's rank (torch.distributed or the engine worker's), None for a single-process job.
+    rank: Mapped[int | None] = mapped_column(Integer)
 
 
 class FingerprintRow(Base):
@@ -184,6 +186,26 @@ class StepResultRow(Base):
     metrics: Mapped[dict[str, Any]] = mapped_column()
     diagnoses: Mapped[dict[str, Any]] = mapped_column(default=dict)
     computed_at: Mapped[datetime] = mapped_column(default=utcnow)
+    #: How many times the step was compared (1 unless records of it arrived after it was compared).
+    revision: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
+    #: The comparison worker that compared it last (``host:pid:nonce``).
+    compared_by: Mapped[str | None] = mapped_column(String(128))
+
+
+class ComparisonClaimRow(Base):
+    """A step a comparison worker is comparing now, leased until ``leased_until``: another worker
+    skips it until the lease runs out, so a killed worker's step is retaken, and the claim's owner
+    alone may save the step's results (``audit.store.Store.save_comparisons``)."""
+
+    __tablename__ = "comparison_claims"
+
+    run_id: Mapped[str] = mapped_column(
+        String(128), ForeignKey("runs.run_id", ondelete="CASCADE"), primary_key=True
+    )
+    step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    worker: Mapped[str] = mapped_column(String(128))
+    claimed_at: Mapped[datetime] = mapped_column(default=utcnow)
+    leased_until: Mapped[datetime] = mapped_column()
 
 
 class StepSummaryRow(Base):

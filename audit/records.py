@@ -445,6 +445,13 @@ class SampleLogprobs(Record):
         description="the weight version of each span of completion tokens, in order from index 0 "
         "(asynchronous RL with in-flight weight updates); absent: every token is weight_version's",
     )
+    rank: int | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_INT32,
+        description="the rank that recorded this side of the sample (a torch.distributed trainer rank, "
+        "an engine worker's data-parallel rank); absent for a single-process job",
+    )
 
     @model_validator(mode="after")
     def _check_weight_spans(self) -> SampleLogprobs:
@@ -535,6 +542,8 @@ class SampleLogprobs(Record):
         ):
             raise RecordError("min_p", f"{min_p!r} is not a number in [0, 1]")
         _member(self.semantics, "semantics", _SEMANTICS)
+        if self.rank is not None:
+            _int(self.rank, "rank", 0, MAX_INT32)
         path = self.path
         if type(path) is not dict:
             raise RecordError("path", f"expected a dict, got {type(path).__name__}")

@@ -155,6 +155,7 @@ def _sample_row(record: SampleLogprobs) -> dict[str, Any]:
         "topk_ids": to_bytes(record.topk_ids) if has_topk else None,
         "topk_logprobs": to_bytes(record.topk_logprobs) if has_topk else None,
         "path": dict(record.path) or None,
+        "rank": record.rank,
         "created_at": utcnow(),
     }
 
@@ -188,6 +189,7 @@ def _sample_record(row: SampleRow) -> SampleLogprobs:
         topk_ids=topk[0] if topk else None,
         topk_logprobs=topk[1] if topk else None,
         path=row.path or {},
+        rank=row.rank,
     )
 
 
