@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 import numpy as np
@@ -21,6 +21,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from audit.arrays import from_bytes, to_bytes
 from audit.config import database_url
 from audit.models import (
+    ComparisonClaimRow,
     FingerprintRow,
     ManifestRow,
     PendingComparisonRow,
@@ -47,7 +48,16 @@ from audit.records import (
 )
 from audit.service_models import REMEDIATION_MODES, ControlState, RunControlRow, StaleControlVersion
 
-__all__ = ["ForbiddenRun", "IngestResult", "Rejection", "RunSummary", "StepSummary", "Store", "StoreError"]
+__all__ = [
+    "ForbiddenRun",
+    "IngestResult",
+    "Rejection",
+    "RunSummary",
+    "StepClaim",
+    "StepSummary",
+    "Store",
+    "StoreError",
+]
 
 
 class StoreError(Exception):
@@ -89,6 +99,17 @@ class RunSummary:
     config: dict[str, Any]
     n_steps: int
     last_step: int | None
+
+
+@dataclass(frozen=True)
+class StepClaim:
+    """A step a comparison worker holds (``Store.claim_steps``): the samples of it ready to compare,
+    and when they were read (samples queued again after that stay queued)."""
+
+    run_id: str
+    step: int
+    sample_keys: list[str]
+    read_at: datetime
 
 
 @dataclass(frozen=True)
@@ -522,27 +543,213 @@ class Store:
 
     # ------------------------------------------------------------------ comparison queue and results
 
+    def _ready(self, *where: Any) -> Any:
+        """Queued samples whose two sides are both stored: a join from the queue into the samples'
+        (run, step, key) index, so its cost follows the queue, not the size of the store."""
+        return (
+            select(
+                PendingComparisonRow.run_id,
+                PendingComparisonRow.step,
+                PendingComparisonRow.sample_key,
+                PendingComparisonRow.queued_at,
+            )
+            .join(
+                SampleRow,
+                (SampleRow.run_id == PendingComparisonRow.run_id)
+                & (SampleRow.step == PendingComparisonRow.step)
+                & (SampleRow.sample_key == PendingComparisonRow.sample_key),
+            )
+            .where(*where)
+            .group_by(
+                PendingComparisonRow.run_id,
+                PendingComparisonRow.step,
+                PendingComparisonRow.sample_key,
+                PendingComparisonRow.queued_at,
+            )
+            .having(func.count(func.distinct(SampleRow.side)) == 2)
+        )
+
     def pending(self, limit: int = 10_000) -> list[tuple[str, int, str]]:
         """Samples queued for comparison whose two sides are both stored, oldest first."""
-        both = (
-            select(SampleRow.run_id, SampleRow.step, SampleRow.sample_key)
-            .group_by(SampleRow.run_id, SampleRow.step, SampleRow.sample_key)
-            .having(func.count(func.distinct(SampleRow.side)) == 2)
-            .subquery()
-        )
+        ready = self._ready().subquery()
         query = (
-            select(PendingComparisonRow.run_id, PendingComparisonRow.step, PendingComparisonRow.sample_key)
-            .join(
-                both,
-                (both.c.run_id == PendingComparisonRow.run_id)
-                & (both.c.step == PendingComparisonRow.step)
-                & (both.c.sample_key == PendingComparisonRow.sample_key),
-            )
-            .order_by(PendingComparisonRow.queued_at)
-            .limit(limit)
+            select(ready.c.run_id, ready.c.step, ready.c.sample_key).order_by(ready.c.queued_at).limit(limit)
         )
         with self.sessions() as session:
             return [tuple(row) for row in session.execute(query)]
+
+    def claim_steps(
+        self, worker: str, *, lease_s: float, max_pairs: int = 1024, run_id: str | None = None
+    ) -> list[StepClaim]:
+        """Claim the oldest queued steps that have samples ready on both sides and that no other
+        worker holds: up to ``max_pairs`` queued samples in all (at least one step), each leased to
+        ``worker`` for ``lease_s`` seconds. A step whose lease ran out (its worker died) is claimed
+        again. Each claim lists every ready sample of its step and the time they were read, so what
+        arrives later stays queued. Claims are taken by an upsert that only replaces an expired
+        lease, so two workers racing for one step cannot both get it, on PostgreSQL or SQLite."""
+        now = utcnow()
+        held = select(ComparisonClaimRow.run_id).where(
+            ComparisonClaimRow.run_id == PendingComparisonRow.run_id,
+            ComparisonClaimRow.step == PendingComparisonRow.step,
+            ComparisonClaimRow.leased_until > now,
+        )
+        where = [~held.exists()]
+        if run_id is not None:
+            where.append(PendingComparisonRow.run_id == run_id)
+        ready = self._ready(*where).subquery()
+        candidates = (
+            select(ready.c.run_id, ready.c.step, func.count())
+            .group_by(ready.c.run_id, ready.c.step)
+            .order_by(func.min(ready.c.queued_at), ready.c.run_id, ready.c.step)
+            .limit(4096)
+        )
+        with self.sessions.begin() as session:
+            wanted, total = [], 0
+            for run, step, n in session.execute(candidates):
+                if wanted and total + n > max_pairs:
+                    break
+                wanted.append({"run_id": run, "step": step})
+                total += n
+            if not wanted:
+                return []
+            wanted.sort(key=lambda w: (w["run_id"], w["step"]))  # one lock order for every worker
+            table = ComparisonClaimRow.__table__
+            lease = {"worker": worker, "claimed_at": now, "leased_until": now + timedelta(seconds=lease_s)}
+            stmt = self._insert(table)
+            stmt = stmt.on_conflict_do_update(
+                index_elements=["run_id", "step"],
+                set_={c: stmt.excluded[c] for c in lease},
+                where=table.c.leased_until <= stmt.excluded.claimed_at,
+            ).returning(table.c.run_id, table.c.step)
+            claimed = {tuple(row) for row in session.execute(stmt, [{**w, **lease} for w in wanted])}
+        if not claimed:
+            return []
+        read_at = utcnow()
+        keys: dict[tuple[str, int], list[str]] = {step: [] for step in claimed}
+        query = self._ready(
+            tuple_(PendingComparisonRow.run_id, PendingComparisonRow.step).in_(sorted(claimed))
+        ).order_by(PendingComparisonRow.run_id, PendingComparisonRow.step, PendingComparisonRow.sample_key)
+        with self.sessions() as session:
+            for run, step, key, _ in session.execute(query):
+                keys[(run, step)].append(key)
+        return [StepClaim(run, step, keys[(run, step)], read_at) for run, step in sorted(claimed)]
+
+    def release_claims(self, worker: str, claims: Sequence[StepClaim]) -> None:
+        """Give claims back without results (the worker is stopping, or a step had nothing ready)."""
+        if not claims:
+            return
+        with self.sessions.begin() as session:
+            self._release(session, worker, [(c.run_id, c.step) for c in claims])
+
+    def _release(
+        self, session: Session, worker: str, steps: Sequence[tuple[str, int]]
+    ) -> set[tuple[str, int]]:
+        table = ComparisonClaimRow.__table__
+        stmt = (
+            delete(table)
+            .where(table.c.worker == worker, tuple_(table.c.run_id, table.c.step).in_(list(steps)))
+            .returning(table.c.run_id, table.c.step)
+        )
+        return {tuple(row) for row in session.execute(stmt)}  # type: ignore[misc]
+
+    def samples_of_steps(
+        self, steps: Sequence[tuple[str, int]]
+    ) -> dict[tuple[str, int], list[SampleLogprobs]]:
+        """Every stored sample of the given (run, step)s, in one query."""
+        out: dict[tuple[str, int], list[SampleLogprobs]] = {tuple(s): [] for s in steps}  # type: ignore[misc]
+        if not steps:
+            return out
+        query = (
+            select(SampleRow)
+            .where(tuple_(SampleRow.run_id, SampleRow.step).in_(list(steps)))
+            .order_by(SampleRow.run_id, SampleRow.step, SampleRow.sample_key, SampleRow.side)
+        )
+        with self.sessions() as session:
+            for row in session.scalars(query):
+                out[(row.run_id, row.step)].append(_sample_record(row))
+        return out
+
+    def fingerprints_of_steps(
+        self, steps: Sequence[tuple[str, int]]
+    ) -> dict[tuple[str, int], list[RegionFingerprints]]:
+        """Every stored fingerprint record of the given (run, step)s, in one query (recorded order)."""
+        out: dict[tuple[str, int], list[RegionFingerprints]] = {tuple(s): [] for s in steps}  # type: ignore[misc]
+        if not steps:
+            return out
+        query = (
+            select(FingerprintRow)
+            .where(tuple_(FingerprintRow.run_id, FingerprintRow.step).in_(list(steps)))
+            .order_by(FingerprintRow.id)
+        )
+        with self.sessions() as session:
+            for row in session.scalars(query):
+                out[(row.run_id, row.step)].append(_fingerprint_record(row))
+        return out
+
+    def save_claimed(
+        self,
+        session: Session,
+        worker: str,
+        claims: Sequence[StepClaim],
+        sample_results: Sequence[dict[str, Any]],
+        step_results: Sequence[dict[str, Any]],
+    ) -> set[tuple[str, int]]:
+        """Within the caller's transaction: release ``worker``'s claims and, for the steps it still
+        held (a claim retaken after its lease ran out belongs to the other worker now), replace their
+        results, count the step's revision, and clear the samples compared from the queue (those
+        re-queued after the claim read them stay). Returns the steps saved; the caller writes
+        nothing else for the others."""
+        held = self._release(session, worker, [(c.run_id, c.step) for c in claims])
+        if not held:
+            return held
+        mine = [c for c in claims if (c.run_id, c.step) in held]
+        samples = [r for r in sample_results if (r["run_id"], r["step"]) in held]
+        steps = [r for r in step_results if (r["run_id"], r["step"]) in held]
+        step_key = tuple_(StepResultRow.run_id, StepResultRow.step)
+        revisions = dict(
+            ((run, step), revision)
+            for run, step, revision in session.execute(
+                select(StepResultRow.run_id, StepResultRow.step, StepResultRow.revision).where(
+                    step_key.in_(sorted(held))
+                )
+            )
+        )
+        now = utcnow()
+        if samples:
+            key = tuple_(SampleResultRow.run_id, SampleResultRow.step, SampleResultRow.sample_key)
+            session.execute(
+                delete(SampleResultRow).where(
+                    key.in_([(r["run_id"], r["step"], r["sample_key"]) for r in samples])
+                )
+            )
+            session.execute(
+                self._insert(SampleResultRow.__table__), [{**r, "computed_at": now} for r in samples]
+            )
+        if steps:
+            session.execute(
+                delete(StepResultRow).where(step_key.in_([(r["run_id"], r["step"]) for r in steps]))
+            )
+            rows = [
+                {
+                    **r,
+                    "computed_at": now,
+                    "compared_by": worker,
+                    "revision": revisions.get((r["run_id"], r["step"]), 0) + 1,
+                }
+                for r in steps
+            ]
+            session.execute(self._insert(StepResultRow.__table__), rows)
+        for claim in mine:  # one statement per step: each has its own cut-off time
+            if claim.sample_keys:
+                session.execute(
+                    delete(PendingComparisonRow).where(
+                        PendingComparisonRow.run_id == claim.run_id,
+                        PendingComparisonRow.step == claim.step,
+                        PendingComparisonRow.sample_key.in_(claim.sample_keys),
+                        PendingComparisonRow.queued_at <= claim.read_at,
+                    )
+                )
+        return held
 
     def save_comparison(
         self,

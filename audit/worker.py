@@ -1,19 +1,25 @@
 """The comparison worker: compares every sample whose two sides are stored, in the background of the
-ingest path, and saves per-sample and per-step results. Idempotent: comparing again replaces the
-results with identical ones, so a crash or a second worker costs time, never correctness.
+ingest path, and saves per-sample and per-step results. Workers sharing a database claim whole
+steps under a lease (``Store.claim_steps``), so each step is compared by one of them, and a crashed
+worker's steps are retaken when its lease runs out; comparing again replaces results with identical
+ones, so even a retaken step costs time, never correctness.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import secrets
+import socket
 import threading
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from audit.compare import compare_samples, step_summary
-from audit.records import SampleLogprobs, off_policy_of, utcnow
-from audit.store import Store
+from audit.compare import SampleComparison, compare_samples, step_summary
+from audit.records import Manifest, OffPolicy, RegionFingerprints, SampleLogprobs, off_policy_of
+from audit.store import StepClaim, Store
 from audit.summaries import SampleOutcome, missing_summaries, save_summary, summarize_step
 
 log = logging.getLogger(__name__)
@@ -31,8 +37,40 @@ def pair_by_key(samples: list[SampleLogprobs]) -> dict[str, tuple[SampleLogprobs
     return {key: (s["trainer"], s["rollout"]) for key, s in sides.items() if len(s) == 2}
 
 
+@dataclass
+class _Compared:
+    """One claimed step, compared, not yet saved."""
+
+    claim: StepClaim
+    pairs: list[tuple[SampleLogprobs, SampleLogprobs]]
+    comparisons: list[SampleComparison]
+    summary: dict[str, Any]
+
+    def outcomes(self) -> list[SampleOutcome]:
+        return [
+            SampleOutcome(
+                c.sample_key, c.diagnosis.kind, c.first_divergence[0] if c.first_divergence else None
+            )
+            for c in self.comparisons
+        ]
+
+
+def worker_name() -> str:
+    """``host:pid:nonce``: tells the comparison workers sharing one database apart."""
+    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+
+
 class ComparisonWorker:
-    """Drains the store's comparison queue; ``run_once`` for a synchronous pass, ``start`` for a thread."""
+    """Drains the store's comparison queue; ``run_once`` for a synchronous pass, ``start`` for a thread.
+
+    Several workers (in several ``isoaudit serve`` replicas) may share one database: each pass
+    claims a batch of whole steps (``Store.claim_steps``: a lease of ``lease_s`` seconds per step,
+    retaken once it runs out, so a killed worker's steps are compared by another), reads the batch's
+    samples, fingerprints, manifests and run configs in a few queries, compares it, and saves every
+    result of the batch in one transaction that first gives the claims back: a worker whose lease
+    was retaken saves nothing, so each step's results are written once (``StepResultRow.revision``
+    counts the times a step was compared; it grows only when records of it arrive afterwards).
+    ``max_pairs`` bounds a batch (memory, and the time it must fit into the lease)."""
 
     def __init__(
         self,
@@ -41,71 +79,148 @@ class ComparisonWorker:
         on_step: StepCallback | None = None,
         interval: float = 0.5,
         clip_eps: float = 0.2,
+        lease_s: float = 60.0,
+        max_pairs: int = 1024,
+        name: str | None = None,
     ) -> None:
         self.store = store
         self.on_step = on_step
         self.interval = interval
         self.clip_eps = clip_eps
+        self.lease_s = lease_s
+        self.max_pairs = max_pairs
+        self.name = name or worker_name()
         self.compared = 0
+        self.steps_compared = 0
         self.failures = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def run_once(self, run_id: str | None = None) -> int:
-        """Compare everything queued now (only ``run_id``'s samples if given); return how many samples."""
-        queued_before = utcnow()
-        by_step: dict[tuple[str, int], list[str]] = defaultdict(list)
-        for run, step, key in self.store.pending():
-            if run_id is None or run == run_id:
-                by_step[(run, step)].append(key)
+        """Compare everything ready now that no other worker holds (only ``run_id``'s samples if
+        given), batch after batch; return how many samples. A step that fails keeps its claim until
+        the lease runs out, then is tried again (by any worker); one bad step never stops the others."""
         done = 0
-        for (run, step), keys in sorted(by_step.items()):
+        while not self._stop.is_set():
+            claims = self.store.claim_steps(
+                self.name, lease_s=self.lease_s, max_pairs=self.max_pairs, run_id=run_id
+            )
+            if not claims:
+                break
             try:
-                done += self._compare_step(run, step, keys, queued_before)
-            except Exception:  # one bad step must not stop the others; it stays queued for a later pass
+                done += self._compare_batch(claims)
+            except Exception:  # the save failed (database trouble): give the steps back, retry later
                 self.failures += 1
-                log.exception("comparison of run %s step %s failed", run, step)
+                log.exception("saving a comparison batch of %d steps failed", len(claims))
+                try:
+                    self.store.release_claims(self.name, claims)
+                except Exception:
+                    log.exception("releasing the claims failed; they lapse after %.0f s", self.lease_s)
+                break
         self.compared += done
         return done
 
-    def _compare_step(self, run: str, step: int, keys: list[str], queued_before: Any) -> int:
-        step_samples = self.store.samples(run, step)
-        pairs = pair_by_key(step_samples)
-        todo = [pairs[k] for k in keys if k in pairs]
-        prints: dict[str, tuple[list, list]] = defaultdict(lambda: ([], []))
-        for record in self.store.fingerprints(run, step, keys):
-            prints[record.sample_key][0 if record.side == "trainer" else 1].append(record)
-        manifests = (self.store.manifests(run, "trainer"), self.store.manifests(run, "rollout"))
-        policy = off_policy_of(self.store.run_config(run) or {})  # a declared lag is off_policy, not weights
-        comparisons = compare_samples(todo, dict(prints), manifests, clip_eps=self.clip_eps, policy=policy)
+    def _compare_batch(self, claims: list[StepClaim]) -> int:
+        empty = [c for c in claims if not c.sample_keys]  # another worker finished them just now
+        self.store.release_claims(self.name, empty)
+        claims = [c for c in claims if c.sample_keys]
+        steps = [(c.run_id, c.step) for c in claims]
+        samples = self.store.samples_of_steps(steps)
+        prints = self.store.fingerprints_of_steps(steps)
+        runs = sorted({c.run_id for c in claims})
+        manifests = {
+            r: (self.store.manifests(r, "trainer"), self.store.manifests(r, "rollout")) for r in runs
+        }
+        # A declared lag is off_policy, not weights.
+        policies = {r: off_policy_of(self.store.run_config(r) or {}) for r in runs}
+        computed: list[_Compared] = []
+        for run in runs:
+            mine = [c for c in claims if c.run_id == run]
+            try:  # one comparison over the run's whole batch: the per-sample metrics are vectorised
+                computed += self._compare_steps(mine, samples, prints, manifests[run], policies[run])
+            except Exception:  # find the bad step: compare them one by one
+                for claim in mine:
+                    try:
+                        computed += self._compare_steps(
+                            [claim], samples, prints, manifests[run], policies[run]
+                        )
+                    except Exception:  # stays claimed until the lease runs out, then is tried again
+                        self.failures += 1
+                        log.exception("comparison of run %s step %s failed", claim.run_id, claim.step)
 
-        # The step's figures cover every compared sample of the step, old and new.
-        fresh = [
-            SampleOutcome(
-                c.sample_key, c.diagnosis.kind, c.first_divergence[0] if c.first_divergence else None
-            )
-            for c in comparisons
-        ]
-        all_pairs = [pairs[k] for k in sorted(pairs)]
-        summary = step_summary(all_pairs, comparisons, clip_eps=self.clip_eps)
-        # The dashboard's aggregates go first: a crash before the results are saved leaves the step
-        # queued, and comparing it again rewrites both.
         with self.store.sessions.begin() as session:
-            aggregates = summarize_step(session, run, step, all_pairs, fresh)
-            save_summary(session, aggregates)
-        summary["diagnoses"]["counts"] = aggregates["diagnoses"]
-        self.store.save_comparison(
-            [c.result_row() for c in comparisons],
-            [{"run_id": run, "step": step, **summary}],
-            [(run, step, k) for k in keys],
-            queued_before=queued_before,
-        )
-        if self.on_step is not None:
-            try:
-                self.on_step(run, step, summary["metrics"])
-            except Exception:  # alerting must never stop comparison
-                log.exception("step callback failed for run %s step %s", run, step)
-        return len(comparisons)
+            # The dashboard's aggregates, the results and the claims' release commit together.
+            aggregates = [
+                summarize_step(session, c.claim.run_id, c.claim.step, c.pairs, c.outcomes()) for c in computed
+            ]
+            for c, a in zip(computed, aggregates, strict=True):
+                c.summary["diagnoses"]["counts"] = a["diagnoses"]
+            saved = self.store.save_claimed(
+                session,
+                self.name,
+                [c.claim for c in computed],
+                [row.result_row() for c in computed for row in c.comparisons],
+                [{"run_id": c.claim.run_id, "step": c.claim.step, **c.summary} for c in computed],
+            )
+            for c, a in zip(computed, aggregates, strict=True):
+                if (c.claim.run_id, c.claim.step) in saved:
+                    save_summary(session, a)
+        n = 0
+        for c in computed:
+            run, step = c.claim.run_id, c.claim.step
+            if (run, step) not in saved:
+                log.warning(
+                    "run %s step %s: its lease went to another worker, whose results stand", run, step
+                )
+                continue
+            n += len(c.comparisons)
+            self.steps_compared += 1
+            if self.on_step is not None:
+                try:
+                    self.on_step(run, step, c.summary["metrics"])
+                except Exception:  # alerting must never stop comparison
+                    log.exception("step callback failed for run %s step %s", run, step)
+        return n
+
+    def _compare_steps(
+        self,
+        claims: list[StepClaim],
+        samples: dict[tuple[str, int], list[SampleLogprobs]],
+        prints: dict[tuple[str, int], list[RegionFingerprints]],
+        manifests: tuple[list[Manifest], list[Manifest]],
+        policy: OffPolicy | None,
+    ) -> list[_Compared]:
+        """Compare the claimed samples of some steps of one run in one call, then sum up each step."""
+        pairs = {(c.run_id, c.step): pair_by_key(samples[(c.run_id, c.step)]) for c in claims}
+        todo = [
+            pairs[(c.run_id, c.step)][k]
+            for c in claims
+            for k in c.sample_keys
+            if k in pairs[(c.run_id, c.step)]
+        ]
+        wanted = {(c.run_id, c.step, k) for c in claims for k in c.sample_keys}
+        if len(claims) > 1 and len({k for _, _, k in wanted}) < len(wanted):
+            # One sequence sampled at two steps: fingerprints are matched by key, so step by step.
+            return [x for c in claims for x in self._compare_steps([c], samples, prints, manifests, policy)]
+        by_key: dict[str, tuple[list, list]] = defaultdict(lambda: ([], []))
+        for claim in claims:
+            for record in prints[(claim.run_id, claim.step)]:
+                if (record.run_id, record.step, record.sample_key) in wanted:
+                    by_key[record.sample_key][0 if record.side == "trainer" else 1].append(record)
+        comparisons = compare_samples(todo, dict(by_key), manifests, clip_eps=self.clip_eps, policy=policy)
+        per_step: dict[tuple[str, int], list[SampleComparison]] = defaultdict(list)
+        for comparison in comparisons:
+            per_step[(comparison.run_id, comparison.step)].append(comparison)
+        out = []
+        for claim in claims:
+            step_pairs = pairs[(claim.run_id, claim.step)]
+            # The step's figures cover every compared sample of the step, old and new.
+            all_pairs = [step_pairs[k] for k in sorted(step_pairs)]
+            mine = per_step[(claim.run_id, claim.step)]
+            out.append(
+                _Compared(claim, all_pairs, mine, step_summary(all_pairs, mine, clip_eps=self.clip_eps))
+            )
+        return out
 
     def backfill(self, limit: int = 1) -> int:
         """Write the dashboard's summaries of up to ``limit`` steps compared before they existed (a

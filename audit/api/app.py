@@ -72,7 +72,10 @@ def create_app(
             from audit.worker import ComparisonWorker
 
             worker = ComparisonWorker(
-                app.state.store, on_step=alert_engine.evaluate, interval=settings.worker_interval_s
+                app.state.store,
+                on_step=alert_engine.evaluate,
+                interval=settings.worker_interval_s,
+                lease_s=settings.worker_lease_s,
             ).start()
         app.state.worker = worker
         try:

@@ -24,6 +24,7 @@ _ENV: dict[str, str] = {
     "max_body_bytes": "ISOAUDIT_MAX_BODY_BYTES",
     "run_worker": "ISOAUDIT_RUN_WORKER",
     "worker_interval_s": "ISOAUDIT_WORKER_INTERVAL_S",
+    "worker_lease_s": "ISOAUDIT_WORKER_LEASE_S",
     "alert_rules_file": "ISOAUDIT_ALERT_RULES",
     "default_alert_rules": "ISOAUDIT_DEFAULT_ALERT_RULES",
     "webhook_url": "ISOAUDIT_ALERT_WEBHOOK_URL",
@@ -53,6 +54,12 @@ class ApiSettings(BaseModel):
     )
     worker_interval_s: float = Field(
         default=0.5, gt=0, description="how often the worker looks for pending samples"
+    )
+    worker_lease_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="how long a comparison worker holds the steps it claimed: another replica's "
+        "worker retakes them after this if it died",
     )
     alert_rules_file: str | None = Field(default=None, description="YAML rules loaded at start-up")
     default_alert_rules: bool = Field(default=True, description="install the default kl_k3 rules at start-up")

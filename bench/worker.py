@@ -1,0 +1,184 @@
+"""Comparison-worker throughput: pairs compared per second from a filled queue, on SQLite and on
+PostgreSQL, this checkout against a baseline revision of the code measured in the same run.
+
+The queue holds what the soak's collectors send: ``--runs`` runs of ``--steps`` steps, each step 8
+samples x 2 sides x 384 completion tokens with a manifest per side. The baseline is the worker of
+``--baseline-rev`` (``git archive`` of that revision's ``audit`` and ``migrations``, run in a child
+process on a database of its own), so both figures come from the same machine at the same moment.
+
+    python bench/worker.py [--runs 4] [--steps 40] [--baseline-rev f2e813a] [--databases sqlite,postgres]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import uuid
+from io import BytesIO
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if os.environ.get("ISOAUDIT_BENCH_CODE"):  # the baseline: that revision's code, not the editable install
+    sys.meta_path = [f for f in sys.meta_path if "__editable__" not in getattr(f, "__module__", "")]
+    sys.path.insert(0, os.environ["ISOAUDIT_BENCH_CODE"])
+
+import numpy as np  # noqa: E402
+
+PG_URL = os.environ.get("ISOAUDIT_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+
+
+def records(run_id: str, step: int, n: int, n_completion: int, prompt_len: int = 64) -> list:
+    from audit.records import SampleLogprobs
+
+    rng = np.random.default_rng(step * 7919 + hash(run_id) % 1000)
+    out = []
+    for i in range(n):
+        tokens = rng.integers(0, 150_000, prompt_len + n_completion, dtype=np.int32)
+        rollout = -rng.exponential(1.0, n_completion).astype(np.float32)
+        trainer = np.minimum(rollout + rng.normal(0, 1e-3, n_completion).astype(np.float32), 0)
+        for side, lp in (("trainer", trainer), ("rollout", rollout)):
+            out.append(
+                SampleLogprobs(
+                    run_id=run_id, step=step, side=side, prompt_len=prompt_len, token_ids=tokens, logprobs=lp
+                )
+            )
+        del i
+    return out
+
+
+def fill(store, runs: int, steps: range, n: int, n_completion: int) -> int:
+    from audit.records import Manifest, Run
+
+    pairs = 0
+    for r in range(runs):
+        run_id = f"bench-{r}"
+        head = [Run(run_id=run_id, name=run_id)]
+        head += [Manifest(run_id=run_id, side="trainer", case="trainer_fwd")]
+        head += [Manifest(run_id=run_id, side="rollout", case="engine_decode")]
+        store.ingest(head, project="bench")
+        for step in steps:
+            store.ingest(records(run_id, step, n, n_completion), project="bench")
+            pairs += n
+    return pairs
+
+
+def measure(url: str, runs: int, steps: int, n: int, n_completion: int, history: int) -> dict:
+    """Fill a fresh database at ``url`` with ``history`` compared steps per run, then ``steps`` more
+    queued, and time the worker draining the queue."""
+    from audit.store import Store
+    from audit.worker import ComparisonWorker
+
+    if not url.startswith("sqlite"):
+        from audit.migrate import upgrade
+
+        upgrade(url)
+    store = Store(url)
+    worker = ComparisonWorker(store)
+    if history:
+        fill(store, runs, range(history), n, n_completion)
+        while worker.run_once():
+            pass
+    pairs = fill(store, runs, range(history, history + steps), n, n_completion)
+    started = time.perf_counter()
+    done = 0
+    while True:
+        got = worker.run_once()
+        if not got:
+            break
+        done += got
+    elapsed = time.perf_counter() - started
+    compared = sum(len(store.step_results(f"bench-{r}")) for r in range(runs)) - runs * history
+    store.dispose()
+    return {
+        "pairs": pairs,
+        "compared": done,
+        "steps": compared,
+        "seconds": elapsed,
+        "pairs_per_s": done / elapsed,
+    }
+
+
+def pg_schema_url() -> tuple[str, object]:
+    from sqlalchemy import create_engine, text
+
+    schema = f"isoaudit_bench_{uuid.uuid4().hex[:10]}"
+    admin = create_engine(PG_URL)
+    with admin.begin() as connection:
+        connection.execute(text(f'CREATE SCHEMA "{schema}"'))
+
+    def drop() -> None:
+        with admin.begin() as connection:
+            connection.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
+        admin.dispose()
+
+    return f"{PG_URL}?options=-csearch_path%3D{schema}", drop
+
+
+def run_here(database: str, args: argparse.Namespace) -> dict:
+    if database == "sqlite":
+        with tempfile.TemporaryDirectory() as tmp:
+            return measure(
+                f"sqlite:///{tmp}/bench.db", args.runs, args.steps, args.samples, args.tokens, args.history
+            )
+    url, drop = pg_schema_url()
+    try:
+        return measure(url, args.runs, args.steps, args.samples, args.tokens, args.history)
+    finally:
+        drop()  # type: ignore[operator]
+
+
+def run_baseline(rev: str, database: str, argv: list[str]) -> dict:
+    """This script, run against revision ``rev``'s ``audit`` and ``migrations`` in a child process."""
+    archive = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", rev, "audit", "migrations"], check=True, capture_output=True
+    ).stdout
+    with tempfile.TemporaryDirectory() as code:
+        tarfile.open(fileobj=BytesIO(archive)).extractall(code, filter="data")
+        out = subprocess.run(
+            [sys.executable, __file__, *argv, "--databases", database, "--baseline-rev", "", "--json"],
+            check=True,
+            capture_output=True,
+            text=True,
+            env={**os.environ, "ISOAUDIT_BENCH_CODE": code, "PYTHONPATH": code},
+        )
+    return json.loads(out.stdout.strip().splitlines()[-1])[database]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--history", type=int, default=0, help="steps per run compared before timing")
+    parser.add_argument("--samples", type=int, default=8, help="samples per step")
+    parser.add_argument("--tokens", type=int, default=384, help="completion tokens per sample")
+    parser.add_argument("--databases", default="sqlite,postgres")
+    parser.add_argument("--baseline-rev", default="f2e813a", help="'' to skip the baseline")
+    parser.add_argument("--json", action="store_true", help="print one JSON line (used for the baseline)")
+    args = parser.parse_args()
+    shape = ["--runs", str(args.runs), "--steps", str(args.steps), "--history", str(args.history)]
+    shape += ["--samples", str(args.samples), "--tokens", str(args.tokens)]
+    results = {}
+    for database in args.databases.split(","):
+        current = run_here(database, args)
+        results[database] = current
+        if args.baseline_rev:
+            base = run_baseline(args.baseline_rev, database, shape)
+            print(
+                f"{database:8s} {current['pairs']} pairs: now {current['pairs_per_s']:.0f} pairs/s "
+                f"({current['seconds']:.2f} s), {args.baseline_rev} {base['pairs_per_s']:.0f} pairs/s "
+                f"({base['seconds']:.2f} s): x{current['pairs_per_s'] / base['pairs_per_s']:.2f}"
+            )
+        elif not args.json:
+            print(f"{database:8s} {current['pairs']} pairs: {current['pairs_per_s']:.0f} pairs/s")
+    if args.json:
+        print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
