@@ -103,6 +103,10 @@ class SampleRow(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     #: The sender's rank (torch.distributed or the engine worker's), None for a single-process job.
     rank: Mapped[int | None] = mapped_column(Integer)
+    #: MoE routing (SampleLogprobs.routes): {"layers", "top_k", "num_experts", "dtype", "n_positions",
+    #: "replayed"}; its arrays are in ``routes_data`` (audit.routing.routes_columns).
+    routes: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    routes_data: Mapped[bytes | None] = mapped_column(LargeBinary)
 
 
 class FingerprintRow(Base):
@@ -230,6 +234,8 @@ class StepSummaryRow(Base):
     diagnoses: Mapped[dict[str, Any]] = mapped_column(default=dict)
     #: When the step's latest sample record was stored (maps manifest changes onto steps).
     ingested_at: Mapped[datetime | None] = mapped_column()
+    #: MoE routing agreement per layer (audit.routing.step_routing), None for a dense model.
+    routing: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     computed_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
