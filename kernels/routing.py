@@ -65,6 +65,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+def linear_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """fp32 ``x W^T`` (MoE router logits): the invariant GEMM's fp32 output (differentiable), or
+    natively the model-dtype ``F.linear`` cast to fp32, as HF's MoE routers compute it."""
+    if _ENABLED:
+        if _on_cpu(x):
+            return _cpu.linear(x, weight, None, torch.float32)
+        return _gemm.linear(x, weight, None, torch.float32)
+    return F.linear(x, weight).float()
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """HF-style RMSNorm (fp32 statistics, weight applied in the model dtype) or the invariant one."""
     if _ENABLED:
