@@ -1,0 +1,422 @@
+"""Mixture-of-experts layers whose bits do not depend on the batch, the expert placement, the
+number of expert-parallel ranks or the expert buffers' capacity.
+
+An MoE layer is three regions (the collectors' ``layers.i.router``, ``layers.i.experts`` and
+``layers.i.combine``), each with one fixed arithmetic when :func:`kernels.enable` is on:
+
+* **router**: fp32 logits ``x W_g^T`` from the batch-invariant GEMM (:func:`routing.linear_fp32`,
+  the same call on the trainer and the engine); the top-k by logit with the tie rule
+  :data:`TIE_RULE` (unique integer keys, so no sort's stability is relied on); the selected weights
+  ``e^(l_j - l_max) / den`` with the invariant ``exp`` of :mod:`kernels.cpu` (IEEE operations only,
+  the same bits on any device and at any tensor position), ``den`` summed over the k slots left to
+  right (``norm_topk_prob``) or over all experts by a fixed tree.
+* **experts**: each expert's rows through the batch-invariant GEMM and SiLU, so a (token, slot)
+  output depends on that token's row and that expert's weights only, not on which other tokens
+  went to the expert, on which rank the expert lives or on padding rows in its buffer.
+* **combine**: every (token, slot) output is put back at its place in the routing order
+  (token-major, then top-k slot order), never in rank or arrival order, and a token's output is
+  ``sum_s w_s y_s`` in fp32 over slots 0..k-1 in that order, rounded once to the model dtype.
+
+Kernels off, the layer is what HF's eager MoE does: router logits in the model dtype, softmax in
+fp32, ``torch.topk``, experts looped in expert (or arrival) order with ``index_add_`` in the
+model dtype: the native mismatch the audit measures.
+
+Routing is recorded, on both sides and in both modes, by :func:`trace_routing`: the selected
+experts per token and MoE layer, keyed by (sequence, position) when the model tags its tokens
+(:func:`tokens`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from . import cpu as _cpu
+from . import routing
+
+__all__ = [
+    "TIE_RULE",
+    "ExpertParallel",
+    "RouteCall",
+    "Routing",
+    "RoutingTrace",
+    "agreement",
+    "combine",
+    "expert_outputs",
+    "expert_outputs_distributed",
+    "expert_rows",
+    "moe_layer",
+    "route",
+    "stable_topk",
+    "tokens",
+    "trace_routing",
+]
+
+TIE_RULE = (
+    "experts ranked by fp32 router logit, descending; equal logits (+0 equals -0) rank the lower "
+    "expert index first; NaN ranks as -inf"
+)
+MAX_EXPERTS = 1 << 16
+
+
+# ---------------------------------------------------------------------------------------------
+# Router
+
+
+def _order_key(z: torch.Tensor) -> torch.Tensor:
+    """int64 keys ordered as the fp32 values (NaN as -inf, -0 as +0), then by lower index: unique
+    per row, so ``topk`` over them has one answer on every backend."""
+    z = torch.nan_to_num(z.float() + 0.0, nan=float("-inf"))  # -0 + 0 = +0
+    b = z.view(torch.int32).to(torch.int64)
+    ordered = torch.where(b >= 0, b, -(b & 0x7FFFFFFF) - 1)  # monotone in the float value
+    idx = torch.arange(z.shape[-1], device=z.device, dtype=torch.int64)
+    return ordered * MAX_EXPERTS + (MAX_EXPERTS - 1 - idx)
+
+
+def stable_topk(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """The k selected experts per row of (T, E) logits, best first, under :data:`TIE_RULE`."""
+    e = logits.shape[-1]
+    if not 1 <= k <= e:
+        raise ValueError(f"top_k must be in [1, {e}] (the number of experts), not {k}")
+    if e > MAX_EXPERTS:
+        raise ValueError(f"at most {MAX_EXPERTS} experts, not {e}")
+    return torch.topk(_order_key(logits.detach()), k, dim=-1, sorted=True).indices
+
+
+class _Exp(torch.autograd.Function):
+    """:func:`kernels.cpu.exp` (IEEE ops only: the same bits wherever an element sits and on any
+    device) with its derivative."""
+
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[override]
+        y = _cpu.exp(x)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        (y,) = ctx.saved_tensors
+        return g * y
+
+
+def _exp(x: torch.Tensor) -> torch.Tensor:
+    return _Exp.apply(x) if torch.is_grad_enabled() and x.requires_grad else _cpu.exp(x)
+
+
+def _slot_sum(p: torch.Tensor) -> torch.Tensor:
+    """Sum over the last (slot) dim left to right: slot 0 + slot 1 + ..."""
+    acc = p[..., 0]
+    for s in range(1, p.shape[-1]):
+        acc = acc + p[..., s]
+    return acc
+
+
+@dataclass(frozen=True)
+class Routing:
+    """One layer's routing of T tokens: ``experts`` (T, k) int64 in slot order (best first),
+    ``weights`` (T, k) fp32, ``logits`` (T, E) fp32."""
+
+    experts: torch.Tensor
+    weights: torch.Tensor
+    logits: torch.Tensor
+
+
+def route(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, norm_topk_prob: bool = True) -> Routing:
+    """Router of (T, H) hidden states with gate weight (E, H): invariant when the kernels are on,
+    HF's native router (model-dtype logits, fp32 softmax, ``torch.topk``) when off."""
+    logits = routing.linear_fp32(x, gate_weight)
+    if not routing.is_enabled():
+        probs = torch.softmax(logits, dim=-1)
+        w, idx = torch.topk(probs, top_k, dim=-1)
+        if norm_topk_prob:
+            w = w / w.sum(dim=-1, keepdim=True)
+        return Routing(idx, w, logits)
+    idx = stable_topk(logits, top_k)
+    sel = logits.gather(1, idx)
+    m = sel[:, :1].detach()  # the best logit: every exponent <= 0
+    p = _exp(sel - m)
+    den = _slot_sum(p) if norm_topk_prob else _cpu.tree_sum(_exp(logits - m))
+    return Routing(idx, p / den[:, None], logits)
+
+
+# ---------------------------------------------------------------------------------------------
+# Experts and combine
+
+
+@dataclass(frozen=True)
+class ExpertParallel:
+    """Where experts live and how their buffers are shaped (on one device: simulated ranks).
+
+    ``placement[e]`` is expert e's rank (None: contiguous blocks of E / ranks experts); each rank
+    runs its experts in that order. ``capacity`` is the rows of one expert buffer: an expert's rows
+    are cut into buffers of ``capacity`` rows, the last zero-padded (dropless: a full buffer opens
+    another; None: one buffer of exactly the routed rows)."""
+
+    ranks: int = 1
+    placement: tuple[int, ...] | None = None
+    capacity: int | None = None
+
+    def owners(self, n_experts: int) -> list[int]:
+        """Expert -> rank."""
+        if self.placement is None:
+            per = -(-n_experts // self.ranks)
+            return [e // per for e in range(n_experts)]
+        if len(self.placement) != n_experts or not all(0 <= r < self.ranks for r in self.placement):
+            raise ValueError(
+                f"placement must give each of the {n_experts} experts a rank in [0, {self.ranks})"
+            )
+        return list(self.placement)
+
+    def arrival_order(self, n_experts: int) -> list[int]:
+        """The order results reach a token's rank: rank-major, then each rank's experts."""
+        owners = self.owners(n_experts)
+        return [e for r in range(self.ranks) for e in range(n_experts) if owners[e] == r]
+
+
+SINGLE = ExpertParallel()
+
+
+def expert_ffn(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """One expert's SwiGLU on its rows: ``down(silu(gate x) * up x)`` with ``gate_up`` (2I, H) the
+    gate rows then the up rows (HF's concatenated layout) and ``down`` (H, I)."""
+    g, u = routing.linear(x, gate_up).chunk(2, dim=-1)
+    return routing.linear(routing.silu(g) * u, down)
+
+
+def expert_rows(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, capacity: int | None = None
+) -> torch.Tensor:
+    """One expert on its rows (R, H), in buffers of ``capacity`` rows, the last zero-padded (a
+    static-shape dispatch buffer; dropless: a full buffer opens another). The padding rows are
+    computed and dropped; the batch-invariant GEMM keeps them out of the real rows' bits."""
+    if capacity is None or x.shape[0] == 0:
+        return expert_ffn(x, gate_up, down)
+    if capacity < 1:
+        raise ValueError(f"capacity must be a positive number of rows, not {capacity}")
+    outs = []
+    for buf in x.split(capacity):
+        pad = capacity - buf.shape[0]
+        xin = torch.cat([buf, buf.new_zeros(pad, buf.shape[1])]) if pad else buf
+        outs.append(expert_ffn(xin, gate_up, down)[: buf.shape[0]])
+    return torch.cat(outs)
+
+
+def _place(rows: torch.Tensor, values: torch.Tensor, n: int) -> torch.Tensor:
+    """``out[rows[i]] = values[i]`` for a permutation ``rows`` of range(n), as a gather (autograd)."""
+    inv = torch.empty_like(rows)
+    inv[rows] = torch.arange(rows.numel(), device=rows.device)
+    return values[inv]
+
+
+def expert_outputs(
+    x: torch.Tensor,
+    experts: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    ep: ExpertParallel = SINGLE,
+) -> torch.Tensor:
+    """(T, k, H): the output of token t's slot-s expert at [t, s], in the model dtype.
+
+    Each rank (in turn, on this device) runs its experts on the rows routed to them, taken in
+    routing order (token-major, slot order), in buffers of ``ep.capacity`` rows; every output
+    then goes back to its (token, slot) place by index, whatever rank or buffer computed it."""
+    t, k = experts.shape
+    flat = experts.reshape(-1)
+    done, outs = [], []
+    for e in ep.arrival_order(gate_up.shape[0]):
+        rows = (flat == e).nonzero()[:, 0]  # ascending: token-major, then slot order
+        if rows.numel():
+            outs.append(expert_rows(x[rows // k], gate_up[e], down[e], ep.capacity))
+            done.append(rows)
+    if not outs:
+        return x.new_zeros(t, k, down.shape[1])
+    return _place(torch.cat(done), torch.cat(outs), t * k).view(t, k, -1)
+
+
+def _all_to_all(t: torch.Tensor, send: list[int], recv: list[int], group: object | None) -> torch.Tensor:
+    """Rows of ``t`` sent ``send[d]`` to rank d, ``recv[s]`` received from rank s (stacked in rank
+    order); 2-byte floats travel as int16 (bits, whatever the backend's dtype support)."""
+    import torch.distributed as dist
+
+    wire = t.view(torch.int16) if t.dtype.itemsize == 2 and t.is_floating_point() else t
+    out = wire.new_empty(sum(recv), *wire.shape[1:])
+    dist.all_to_all_single(out, wire.contiguous(), recv, send, group=group)
+    return out.view(t.dtype) if wire is not t else out
+
+
+def expert_outputs_distributed(
+    x: torch.Tensor,
+    experts: torch.Tensor,
+    local: Mapping[int, tuple[torch.Tensor, torch.Tensor]],
+    owners: Sequence[int],
+    capacity: int | None = None,
+    group: object | None = None,
+) -> torch.Tensor:
+    """:func:`expert_outputs` for this rank's tokens in a real expert-parallel group: ``local``
+    holds this rank's experts (id -> (gate_up, down)), ``owners[e]`` expert e's rank. Rows go to
+    their experts' ranks and back by two all-to-alls; each comes back to its (token, slot) place by
+    index, so the result is the single-device one bit for bit. Forward only."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    t, k = experts.shape
+    flat = experts.reshape(-1)
+    dest = torch.tensor(owners, device=flat.device)[flat]
+    rows = [(dest == d).nonzero()[:, 0] for d in range(world)]  # per rank, routing order
+    sent = torch.cat(rows)
+    send = [int(r.numel()) for r in rows]
+    recv = _all_to_all(torch.tensor(send, dtype=torch.int64), [1] * world, [1] * world, group).tolist()
+    rx = _all_to_all(x[sent // k], send, recv, group)
+    re = _all_to_all(flat[sent], send, recv, group)
+    ry = rx.new_empty(rx.shape)  # expert outputs have the hidden width
+    for e, (gate_up, down) in sorted(local.items()):
+        mine = (re == e).nonzero()[:, 0]
+        if mine.numel():
+            ry[mine] = expert_rows(rx[mine], gate_up, down, capacity)
+    back = _all_to_all(ry, recv, send, group)
+    return _place(sent, back, t * k).view(t, k, -1)
+
+
+def combine(y: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``sum_s w[t, s] y[t, s]`` in fp32 over slots 0..k-1 in that order, rounded once to ``dtype``."""
+    acc = weights[:, 0, None] * y[:, 0].float()
+    for s in range(1, y.shape[1]):
+        acc = acc + weights[:, s, None] * y[:, s].float()
+    return acc.to(dtype)
+
+
+def _native_experts(
+    x: torch.Tensor, r: Routing, gate_up: torch.Tensor, down: torch.Tensor, ep: ExpertParallel
+) -> torch.Tensor:
+    """HF's eager experts: each expert's rows weighted in the model dtype and ``index_add_``-ed
+    into the output in arrival order (expert order on one rank)."""
+    out = torch.zeros_like(x)
+    w = r.weights.to(x.dtype)
+    for e in ep.arrival_order(gate_up.shape[0]):
+        tok, slot = (r.experts == e).nonzero(as_tuple=True)
+        if tok.numel():
+            y = expert_ffn(x[tok], gate_up[e], down[e]) * w[tok, slot, None]
+            out = out.index_add(0, tok, y.to(x.dtype))
+    return out
+
+
+def moe_layer(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    top_k: int,
+    norm_topk_prob: bool = True,
+    layer: int | None = None,
+    ep: ExpertParallel = SINGLE,
+) -> torch.Tensor:
+    """A sparse MoE block on (T, H) hidden states: router (E, H), experts ``gate_up`` (E, 2I, H)
+    and ``down`` (E, H, I). Records its routing as ``layer`` in any active :func:`trace_routing`."""
+    r = route(x, gate_weight, top_k, norm_topk_prob)
+    record(layer, r.experts)
+    if not routing.is_enabled():
+        return _native_experts(x, r, gate_up, down, ep)
+    return combine(expert_outputs(x, r.experts, gate_up, down, ep), r.weights, x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Routing traces (what the collectors record)
+
+
+@dataclass(frozen=True)
+class RouteCall:
+    """One MoE layer call: ``experts`` (T, k) on the CPU in slot order (uint8 when E <= 256, else
+    int16: a few bytes a token); ``seq``/``pos`` (T,) int64 the tokens' sequence key and absolute
+    position when the model tagged them (:func:`tokens`), else None."""
+
+    layer: int
+    experts: torch.Tensor
+    seq: torch.Tensor | None
+    pos: torch.Tensor | None
+
+
+class RoutingTrace:
+    """The routing of every MoE layer call made while it was active, in call order."""
+
+    def __init__(self) -> None:
+        self.calls: list[RouteCall] = []
+
+    def layers(self) -> list[int]:
+        return sorted({c.layer for c in self.calls})
+
+    def table(self, layer: int) -> dict[tuple[int, int], tuple[int, ...]]:
+        """(sequence, position) -> selected experts in slot order, for one layer. A token computed
+        twice keeps its first routing (an engine may re-run a finished request's last position
+        with filler tokens, as kernels.engine's batched decode does). Needs tagged calls."""
+        out: dict[tuple[int, int], tuple[int, ...]] = {}
+        for c in self.calls:
+            if c.layer != layer:
+                continue
+            if c.seq is None or c.pos is None:
+                raise ValueError(f"layer {layer} was called without token tags (kernels.moe.tokens)")
+            for s, p, ex in zip(c.seq.tolist(), c.pos.tolist(), c.experts.tolist(), strict=True):
+                out.setdefault((s, p), tuple(ex))
+        return out
+
+
+_TRACES: contextvars.ContextVar[tuple[RoutingTrace, ...]] = contextvars.ContextVar("moe_traces", default=())
+_TOKENS: contextvars.ContextVar[tuple[torch.Tensor, torch.Tensor] | None] = contextvars.ContextVar(
+    "moe_tokens", default=None
+)
+
+
+@contextlib.contextmanager
+def trace_routing() -> Iterator[RoutingTrace]:
+    """Record the routing of every MoE layer run inside the block (both modes, any model routed
+    through :func:`moe_layer` or the HF MoE adapters)."""
+    trace = RoutingTrace()
+    reset = _TRACES.set((*_TRACES.get(), trace))
+    try:
+        yield trace
+    finally:
+        _TRACES.reset(reset)
+
+
+@contextlib.contextmanager
+def tokens(seq: torch.Tensor, pos: torch.Tensor) -> Iterator[None]:
+    """Tag the rows of the MoE calls inside the block: row i is token ``(seq[i], pos[i])``.
+    Models call this around a forward (trainer: batch row and position; engine: slot and
+    position), so traces of the two sides line up token by token."""
+    reset = _TOKENS.set((seq.reshape(-1), pos.reshape(-1)))
+    try:
+        yield
+    finally:
+        _TOKENS.reset(reset)
+
+
+def record(layer: int | None, experts: torch.Tensor) -> None:
+    """Add one call's selected experts (T, k) to the active traces (no-op when none is active)."""
+    traces = _TRACES.get()
+    if not traces:
+        return
+    if layer is None:
+        raise ValueError("an MoE layer traced for routing needs its layer index (layer=)")
+    top = int(experts.max()) if experts.numel() else 0
+    small = experts.detach().to("cpu", torch.int16 if top > 255 else torch.uint8)
+    tags = _TOKENS.get()
+    seq = pos = None
+    if tags is not None and tags[0].numel() == experts.shape[0]:
+        seq, pos = (t.detach().to("cpu", torch.int64, copy=True) for t in tags)  # callers reuse buffers
+    call = RouteCall(int(layer), small, seq, pos)
+    for tr in traces:
+        tr.calls.append(call)
+
+
+def agreement(a: RoutingTrace, b: RoutingTrace, layers: Sequence[int] | None = None) -> dict[int, float]:
+    """Per layer, the fraction of the tokens both traces routed whose top-k *set* is the same."""
+    out = {}
+    for layer in layers if layers is not None else sorted(set(a.layers()) & set(b.layers())):
+        ta, tb = a.table(layer), b.table(layer)
+        common = ta.keys() & tb.keys()
+        if common:
+            out[layer] = sum(set(ta[key]) == set(tb[key]) for key in common) / len(common)
+    return out
