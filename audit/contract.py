@@ -29,7 +29,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, ValidationError
@@ -574,11 +574,26 @@ def _loc(loc: tuple[Any, ...]) -> str:
 
 @dataclass(frozen=True)
 class HandshakeResult:
-    """Whether a trainer and an engine may be compared as one policy, and if not, why."""
+    """Whether a trainer and an engine may be compared as one policy, and if not, why;
+    ``differing_regions``: the canonical regions whose entries or claims differ, in forward order."""
 
     ok: bool
     reasons: list[str] = field(default_factory=list)
     differing_fields: list[str] = field(default_factory=list)
+    differing_regions: list[str] = field(default_factory=list)
+
+
+_CASE_NAMES = "|".join(get_args(Case))
+_REGION_FIELD = re.compile(
+    rf"^(?:composition|claims\.topology|claims\.tolerance)\.(.+)\.(?:{_CASE_NAMES})(?:\.|$)"
+)
+
+
+def policy_regions(fields: Iterable[str]) -> list[str]:
+    """The regions that numerical-policy field names are about, in forward order (fields of the
+    model, the cases or state claims name no region)."""
+    found = {m.group(1) for name in fields if (m := _REGION_FIELD.match(name))}
+    return sorted(found, key=region_order)
 
 
 def diff_policy(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
@@ -626,6 +641,9 @@ def handshake(trainer: Manifest, engine: Manifest) -> HandshakeResult:
                 "so the differing fields cannot be named"
             )
         elif differing:
+            regions = policy_regions(differing)
+            if regions:
+                reasons.append(f"regions computed differently: {', '.join(regions)}")
             shown = differing[:20]
             reasons.extend(
                 f"numerical_policy.{name}: trainer {trainer.numerical_policy.get(name, '<absent>')!r} "
@@ -638,4 +656,9 @@ def handshake(trainer: Manifest, engine: Manifest) -> HandshakeResult:
             reasons.append(
                 f"contract.numerical_policy: {tp[:12]}… != {ep[:12]}… and the manifests carry no fields that differ"
             )
-    return HandshakeResult(ok=not reasons, reasons=reasons, differing_fields=differing)
+    return HandshakeResult(
+        ok=not reasons,
+        reasons=reasons,
+        differing_fields=differing,
+        differing_regions=policy_regions(differing),
+    )

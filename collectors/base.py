@@ -131,7 +131,7 @@ class Collector(ABC):
                 case=case,
                 regions=regions,
                 unobserved=unobserved,
-                contract=self._contract,
+                contract=self._contract_now(),
             )
             for case in self._cases
         }
@@ -275,6 +275,12 @@ class Collector(ABC):
     def _log_once(self, key: str, message: str) -> None:
         self._warn.warn(key, message)
 
+    def _contract_now(self) -> ContractArg:
+        """The contract this side runs under now: the one given, or, for a callable
+        (``contract(mode)``, e.g. :func:`collectors.policy.hf_contracts`), the applied mode's."""
+        contract = self._contract
+        return contract(self.mode_report.applied) if callable(contract) else contract
+
     def _set_observed(
         self, regions: list[str] | None = None, unobserved: dict[str, str] | None = None
     ) -> None:
@@ -293,7 +299,9 @@ class Collector(ABC):
             return
         self._manifest_key = key
         runtime = self._runtime().model_copy(update=self.mode_report.facts())
+        contract = self._contract_now()
         for tracker in self._trackers.values():
+            tracker.set_contract(contract)
             built = tracker.build(runtime, self.weight_version).model_copy(
                 update={"weight_digest": self.weight_digest}
             )

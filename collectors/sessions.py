@@ -246,9 +246,18 @@ class Session:
     Build it with :func:`session`."""
 
     def __init__(
-        self, run: str | Run, destination: Destination, *, strict: bool = False, report: bool = True
+        self,
+        run: str | Run,
+        destination: Destination,
+        *,
+        strict: bool = False,
+        report: bool = True,
+        contracts: bool = False,
+        rank: int | None = None,
     ) -> None:
         self.run = run_record(run)
+        self.rank = rank  # None: detected when the first sink opens (collectors.integrations.ranks)
+        self.contracts = contracts
         self.destination = destination
         self.strict = strict
         self.report = report
@@ -342,7 +351,9 @@ class Session:
                 regions=regions,
                 sample_every=sample_every,
                 case=case,
-                contract=contract,
+                contract=self._auto_trainer_contract(model)
+                if contract is None and self.contracts
+                else contract,
                 remediation_hook=remediation_hook,
                 keep_records=keep_records,
                 async_transfer=async_transfer,
@@ -375,7 +386,7 @@ class Session:
                 **self._common("rollout"),
                 regions=regions,
                 fingerprint=fingerprint,
-                contract=contract,
+                contract="auto" if contract is None and self.contracts else contract,
                 weight_version=weight_version,
                 max_requests=max_requests,
                 max_rows=max_rows,
@@ -404,7 +415,7 @@ class Session:
                 engine,
                 **self._common("rollout"),
                 regions=regions,
-                contract=contract,
+                contract="auto" if contract is None and self.contracts else contract,
                 remediation_hook=remediation_hook,
                 weight_version=weight_version,
                 keep_records=keep_records,
@@ -461,10 +472,22 @@ class Session:
         channel and strictness."""
         return {"run": self.run, "sink": self._sink(side), "control": self.control, "strict": self.strict}
 
+    @staticmethod
+    def _auto_trainer_contract(model: Any) -> Any:
+        """The trainer's contract per mode, built from what the model runs (:mod:`collectors.policy`)."""
+        from collectors.policy import hf_contracts
+
+        return hf_contracts(model)
+
     def _sink(self, side: str) -> Sink:
         self.start()
         if side not in self._sinks:
-            self._sinks[side] = self.destination.sink(side)
+            from collectors.integrations.ranks import detect_rank, stamp_rank
+
+            sink = self.destination.sink(side)
+            if self.rank is None:
+                self.rank = detect_rank()
+            self._sinks[side] = stamp_rank(sink, self.rank) if self.rank is not None else sink
         return self._sinks[side]
 
     def _add(self, collector: C) -> C:
@@ -484,6 +507,8 @@ def session(
     destination: Destination | None = None,
     strict: bool = False,
     report: bool = True,
+    contracts: bool = False,
+    rank: int | None = None,
 ) -> Session:
     """A session for run ``run`` (an id, or a :class:`audit.records.Run` with a name and config).
 
@@ -493,7 +518,12 @@ def session(
     destination is down (service default ``./isoaudit-spool``); ``control_interval``: seconds
     between control reads (service 2, database 1); ``destination``: any :class:`Destination`
     instead (e.g. :class:`MemoryDestination`); ``strict``: collectors raise instead of counting
-    errors (tests); ``report``: print the summary on close.
+    errors (tests); ``report``: print the summary on close; ``contracts``: every side a ``watch_*``
+    call gives no contract gets one built per remediation mode from what it runs
+    (:mod:`collectors.policy`), so the manifests' ``numerical_policy`` says which kernels compute
+    each region and the handshake names the regions where the sides differ; ``rank``: the rank
+    stamped on this session's samples (default: ``torch.distributed``'s, else the launcher's
+    ``RANK``, else none).
     """
     if destination is None:
         destination = destination_from(
@@ -504,4 +534,4 @@ def session(
             spool_dir=spool_dir,
             control_interval=control_interval,
         )
-    return Session(run, destination, strict=strict, report=report)
+    return Session(run, destination, strict=strict, report=report, contracts=contracts, rank=rank)
