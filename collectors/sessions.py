@@ -253,10 +253,8 @@ class Session:
         strict: bool = False,
         report: bool = True,
         contracts: bool = False,
-        rank: int | None = None,
     ) -> None:
         self.run = run_record(run)
-        self.rank = rank  # None: detected when the first sink opens (collectors.integrations.ranks)
         self.contracts = contracts
         self.destination = destination
         self.strict = strict
@@ -482,12 +480,7 @@ class Session:
     def _sink(self, side: str) -> Sink:
         self.start()
         if side not in self._sinks:
-            from collectors.integrations.ranks import detect_rank, stamp_rank
-
-            sink = self.destination.sink(side)
-            if self.rank is None:
-                self.rank = detect_rank()
-            self._sinks[side] = stamp_rank(sink, self.rank) if self.rank is not None else sink
+            self._sinks[side] = self.destination.sink(side)
         return self._sinks[side]
 
     def _add(self, collector: C) -> C:
@@ -508,7 +501,6 @@ def session(
     strict: bool = False,
     report: bool = True,
     contracts: bool = False,
-    rank: int | None = None,
 ) -> Session:
     """A session for run ``run`` (an id, or a :class:`audit.records.Run` with a name and config).
 
@@ -521,9 +513,7 @@ def session(
     errors (tests); ``report``: print the summary on close; ``contracts``: every side a ``watch_*``
     call gives no contract gets one built per remediation mode from what it runs
     (:mod:`collectors.policy`), so the manifests' ``numerical_policy`` says which kernels compute
-    each region and the handshake names the regions where the sides differ; ``rank``: the rank
-    stamped on this session's samples (default: ``torch.distributed``'s, else the launcher's
-    ``RANK``, else none).
+    each region and the handshake names the regions where the sides differ.
     """
     if destination is None:
         destination = destination_from(
@@ -534,4 +524,4 @@ def session(
             spool_dir=spool_dir,
             control_interval=control_interval,
         )
-    return Session(run, destination, strict=strict, report=report, contracts=contracts, rank=rank)
+    return Session(run, destination, strict=strict, report=report, contracts=contracts)
