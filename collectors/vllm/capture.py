@@ -169,6 +169,7 @@ class EngineCapture:
         flush_bytes: int = 64 << 20,
         fingerprinter: Callable[[torch.Tensor], RowFingerprints] = fingerprint_rows,
         mode_switch: ModeSwitch | None = None,
+        mode_ops: Callable[[], dict[str, str]] | None = None,
     ) -> None:
         if max_requests < 1 or max_rows < 0 or flush_bytes < 0:
             raise ValueError(
@@ -201,7 +202,8 @@ class EngineCapture:
         self._unprinted_bytes = 0
         self._warn = LogOnce(log)
         self.mode_switch = mode_switch
-        self.mode = ModeState()
+        self.mode_ops = mode_ops
+        self.mode = ModeState(ops=self._ops())
         self._pending_mode: SetMode | None = None
         self._handles: list[RemovableHandle] = []
         self._region_handles: list[RemovableHandle] = []
@@ -297,7 +299,18 @@ class EngineCapture:
             reason=reason,
             version=request.version,
             step=self.counters.steps,
+            ops=self._ops(),
         )
+
+    def _ops(self) -> dict[str, str]:
+        """What runs each op now, as the worker's remediation says (empty when it cannot)."""
+        if self.mode_ops is None:
+            return {}
+        try:
+            return dict(self.mode_ops())
+        except Exception as exc:
+            self._fail("mode ops", exc)
+            return {}
 
     def _begin_step(self, scheduler_output: Any) -> None:
         self._in_step = True

@@ -201,8 +201,11 @@ class VllmCollector(Collector):
         )
         if isinstance(start.regions, Mapping):
             start.regions = dict(start.regions)
+        self._model_config = llm.llm_engine.vllm_config.model_config
+        self._contracts: dict[tuple[Any, ...], Any] = {}
         self.infos = [from_wire(r, Started) for r in self.link.call("start", to_wire(start))]
         lead = self.infos[0]
+        self.ops: dict[str, str] = dict(lead.mode.ops)
         self.facts = RuntimeFacts(**lead.facts)
         self.refusal: str | None = lead.refusal
         self.regions = sorted({name for info in self.infos for name in info.regions}, key=_order)
@@ -232,6 +235,12 @@ class VllmCollector(Collector):
         self._step_boundary()
         return report
 
+    def begin_step(self, step: int | None = None) -> None:
+        """A step boundary before ``generate``: a new desired remediation mode goes to the workers
+        now, so they run this step's first forward in it (``record_step`` is the boundary
+        otherwise, and the mode then applies from the next step)."""
+        self._step_boundary()
+
     def select(self, fingerprint: SelectionArg) -> None:
         """Change which requests are fingerprinted from the next request the engine sees (the
         manifest follows: with ``None`` it says no region is observed, and why)."""
@@ -252,10 +261,43 @@ class VllmCollector(Collector):
         return dict(self._unobserved)
 
     def _runtime(self) -> RuntimeFacts:
-        return self.facts
+        if self.mode_report.applied != "invariant" or not self.ops:
+            return self.facts
+        contract = self._auto_contract()
+        head = "float32" if self.ops.get("lm_head", "").startswith("kernels.") else self.facts.lm_head_dtype
+        update: dict[str, Any] = {"lm_head_dtype": head}
+        if contract is not None:
+            from collectors.policy import native_regions
+
+            update["remediation_native_regions"] = native_regions(contract)
+        return self.facts.model_copy(update=update)
 
     def _signature(self) -> tuple[Any, ...]:
-        return ()  # the facts are read once, at attach: only mode and weights change them
+        # the facts are read once, at attach: only the mode, the ops the workers run and the weights change them
+        return tuple(sorted(self.ops.items()))
+
+    def _contract_now(self) -> Any:
+        """``contract="auto"``: the contract of what the workers report they run (rebuilt when that
+        changes); anything else as given."""
+        if isinstance(self._contract, str) and self._contract == "auto":
+            return self._auto_contract()
+        return super()._contract_now()
+
+    def _auto_contract(self) -> Any:
+        if not self.ops:
+            return None
+        key = tuple(sorted(self.ops.items()))
+        if key not in self._contracts:
+            from collectors.policy import QK_NORM_FAMILIES, build_contract, model_spec
+
+            dtype = str(self.facts.dtype or "bfloat16")
+            head = "float32" if self.ops.get("lm_head", "").startswith("kernels.") else dtype
+            hf = self._model_config.hf_config
+            spec = model_spec(hf, dtype=dtype, lm_head_dtype=head)
+            family = getattr(hf, "model_type", None)
+            self._contracts[key] = build_contract(spec, self.ops, qk_norm=family in QK_NORM_FAMILIES)
+        return self._contracts[key]
+
 
     def _apply_mode(self, mode: str, version: int | None) -> ModeReport | None:
         self.link.call("set_mode", to_wire(SetMode(mode=mode, version=version)))
@@ -267,6 +309,8 @@ class VllmCollector(Collector):
         if not known or known[0].step == 0 and known[0].version is None:
             return
         lead = known[0]
+        if lead.ops:
+            self.ops = dict(lead.ops)
         reason = lead.reason
         if any((s.applied, s.requested) != (lead.applied, lead.requested) for s in known[1:]):
             reason = f"{reason or ''}; workers disagree: {[s.applied for s in known]}".lstrip("; ")

@@ -118,13 +118,16 @@ class LoadWeights(Message):
 
 class ModeState(Message):
     """What a worker runs: ``applied`` for ``requested``; ``reason`` names what stays native;
-    ``step``: the worker's step counter when it switched (0: never switched)."""
+    ``version``: the control version answered; ``step``: the worker's step counter when it switched
+    (0: never switched); ``ops``: each op of the decoder → the ``id@version`` running it now
+    (:mod:`collectors.policy`'s vocabulary; empty when the worker cannot say)."""
 
     requested: str = "native"
     applied: str = "native"
     reason: str | None = None
     version: int | None = None
     step: int = 0
+    ops: dict[str, str] = {}
 
 
 class Started(Message):

@@ -7,8 +7,11 @@ processes. Arguments and results are the typed messages of :mod:`collectors.vllm
 wire form (msgpack-native data), which ``collective_rpc`` carries in either mode.
 
 Remediation: :func:`set_mode` asks the worker's capture to switch at its next step boundary (the
-next ``execute_model``); the mode it then runs, and why part of it stays native, comes back with
-the next drain (:class:`~collectors.vllm.messages.ModeState`).
+next ``execute_model``), where :mod:`collectors.vllm.remediation` moves the worker's layers onto
+isoaudit's invariant kernels (or back); the mode it then runs, what stays native and why, and the
+implementation of each op come back with the next drain (:class:`~collectors.vllm.messages.ModeState`).
+Importing this module once vLLM is imported (as a worker process does when it resolves the
+extension) makes linear layers keep their raw weights at load, which the invariant GEMM needs.
 
 Only tensor-parallel rank 0 of each pipeline stage captures: every TP rank sees the same full
 hidden states after the all-reduce, and each pipeline stage sees its own layers.
@@ -17,6 +20,8 @@ hidden states after the all-reduce, and each pipeline stage sees its own layers.
 from __future__ import annotations
 
 import logging
+import os
+import sys
 from collections.abc import Iterable
 from typing import Any
 
@@ -39,6 +44,7 @@ from collectors.vllm.messages import (
     to_wire,
 )
 from collectors.vllm.regions import resolve_engine_regions
+from collectors.vllm.remediation import keep_raw_weights, remediation_of
 from collectors.vllm.weights import WeightState, apply_weights, unpack_tensors
 
 log = logging.getLogger(__name__)
@@ -46,19 +52,22 @@ log = logging.getLogger(__name__)
 #: The ``worker_extension_cls`` to start a multiprocess engine with.
 EXTENSION = "collectors.vllm.worker.IsoauditWorkerExtension"
 
-#: Why a vLLM engine stays native when asked for the invariant mode (routing vLLM's layers through
-#: :mod:`kernels` is the main-job issue's work).
+#: Why a worker whose model cannot be switched (no vLLM layers found) stays native.
 NATIVE_IN_VLLM = (
-    "vLLM's layers are not routed through isoaudit's invariant kernels yet: matmuls, attention, "
+    "this worker's layers cannot be routed through isoaudit's invariant kernels: matmuls, attention, "
     "norms and sampling stay vLLM's own"
 )
 
 
 def switch_engine_mode(mode: str) -> tuple[str, str | None]:
-    """What this worker runs when asked for ``mode``: (applied mode, what stays native and why)."""
+    """The switch of a worker without a switchable model: native whatever is asked, and why."""
     if mode == "native":
         return "native", None
     return "native", NATIVE_IN_VLLM
+
+
+if "vllm" in sys.modules and os.environ.get("ISOAUDIT_VLLM_KEEP_WEIGHTS", "1") != "0":
+    keep_raw_weights()  # a worker resolving the extension: before it loads the model
 
 
 def _worker(obj: Any) -> Any:
@@ -105,6 +114,7 @@ def start(obj: Any, message: Any) -> Any:
     weights = _weights(worker)
     if request.version is not None and weights.version is None:
         weights.version = request.version
+    remediation = remediation_of(worker)
     capture = EngineCapture(
         runner,
         model,
@@ -114,7 +124,8 @@ def start(obj: Any, message: Any) -> Any:
         max_requests=request.max_requests,
         max_rows=request.max_rows,
         flush_bytes=request.flush_bytes,
-        mode_switch=switch_engine_mode,
+        mode_switch=remediation.apply,
+        mode_ops=remediation.ops,
     )
     capture.version = weights.version
     worker._isoaudit_capture = capture
@@ -171,6 +182,9 @@ def stop(obj: Any) -> Any:
         return to_wire(Stopped())
     capture.remove()
     worker._isoaudit_capture = None
+    remediation = getattr(worker, "_isoaudit_remediation", None)
+    if remediation is not None:
+        remediation.restore()  # vLLM's own ops again: the engine runs exactly as before start
     return to_wire(Stopped(counters=capture.counters.as_dict()))
 
 
