@@ -138,12 +138,25 @@ class EngineFingerprints:
             vars(self.adapter).pop("step", None)  # the class's method again
 
 
+def _head_dtype(model: torch.nn.Module) -> str | None:
+    """The dtype the engine's head computes in: fp32 while :mod:`kernels` routes
+    (:func:`kernels.routing.logits_fp32`), otherwise the weight's own (a stock bf16 lm_head)."""
+    from kernels import routing
+
+    if routing.is_enabled():
+        return "float32"
+    head = getattr(model, "lm_head", None)
+    weight = getattr(head, "weight", None)
+    return str(weight.dtype).removeprefix("torch.") if isinstance(weight, torch.Tensor) else None
+
+
 class EngineCollector(Collector):
     """The handle ``Session.watch_engine(engine)`` returns: call :meth:`record_step` with what each
     ``engine.generate`` returned.
 
     ``regions``: as for the trainer (``None``: logprobs only). ``contract``: the execution contract
-    for the manifest; ``control``: where the desired mode comes from; ``remediation_hook(model,
+    for the manifest (``"auto"``: built per mode from what the engine runs,
+    :func:`collectors.policy.hf_contracts`); ``control``: where the desired mode comes from; ``remediation_hook(model,
     mode)``: how the engine switches (default :mod:`kernels` on/off); ``weight_version``: the
     version of the weights it starts with; ``validate``/``strict``/``keep_records``: as for the
     trainer.
@@ -174,6 +187,10 @@ class EngineCollector(Collector):
             )
         if not isinstance(getattr(adapter, "model", None), torch.nn.Module):
             raise TypeError("engine: its model must wrap a torch.nn.Module (kernels.adapters.HFCausalLM)")
+        if isinstance(contract, str) and contract == "auto":
+            from collectors.policy import hf_contracts, torch_op
+
+            contract = hf_contracts(adapter.model, native_attention=torch_op("sdpa"))  # type: ignore[assignment]
         super().__init__(
             run=run,
             sink=sink,
@@ -259,7 +276,7 @@ class EngineCollector(Collector):
             torch_version=torch.__version__,
             device=str(param.device) if param is not None else None,
             dtype=dtype,
-            lm_head_dtype="float32",  # kernels.routing.logits_fp32
+            lm_head_dtype=_head_dtype(self.model),
             logprobs_mode="raw_logprobs",
             prefix_caching=False,
             chunked_prefill=getattr(self.engine, "prefill_chunk", None) is not None,
@@ -268,7 +285,7 @@ class EngineCollector(Collector):
 
     def _signature(self) -> tuple[Any, ...]:
         param = next(self.model.parameters(), None)
-        return (param.dtype, param.device) if param is not None else ()
+        return (param.dtype, param.device, _head_dtype(self.model)) if param is not None else ()
 
     def _apply_mode(self, mode: str, version: int | None) -> ModeReport:
         return switch_with(self.remediation_hook, self.model, mode, "engine")

