@@ -123,3 +123,55 @@ UInt64Array = _array_type("uint64", 1)
 Int32Matrix = _array_type("int32", 2)
 Float32Matrix = _array_type("float32", 2)
 UInt64Matrix = _array_type("uint64", 2)
+UInt8Array = _array_type("uint8", 1)
+
+
+def _expert_ids(value: Any) -> np.ndarray:
+    """A matrix of expert ids kept in the narrowest of uint8/uint16 that it came in: a model with at
+    most 256 experts routes in one byte per choice. On the wire the shape tells the two apart (the
+    payload holds one or two bytes per element)."""
+    if isinstance(value, np.ndarray):
+        if value.dtype.kind == "u" and value.dtype.itemsize in (1, 2):
+            array = value
+        else:
+            array = _coerce(value, np.dtype(np.uint16), 2)
+    elif isinstance(value, dict):
+        try:
+            shape = tuple(int(s) for s in value["shape"])
+            raw = base64.b64decode(value["data"], validate=True)
+        except (KeyError, TypeError, ValueError, binascii.Error) as exc:
+            raise ValueError('expert ids must be {"shape": [rows, cols], "data": "<base64>"}') from exc
+        n = int(np.prod(shape))
+        if len(raw) == n:
+            array = np.frombuffer(raw, dtype=np.uint8).reshape(shape)
+        elif len(raw) == 2 * n:
+            array = np.frombuffer(raw, dtype="<u2").astype(np.uint16, copy=False).reshape(shape)
+        else:
+            raise ValueError(f"{len(raw)} bytes fit neither uint8 nor uint16 for shape {list(shape)}")
+    else:
+        wide = _coerce(value, np.dtype(np.uint16), 2)
+        array = wide.astype(np.uint8) if not wide.size or int(wide.max()) < 256 else wide
+    if array.ndim != 2:
+        raise ValueError(f"expected a 2-D array, got shape {list(array.shape)}")
+    if array.size > MAX_ARRAY_ELEMENTS:
+        raise ValueError(f"{array.size} elements exceed the limit of {MAX_ARRAY_ELEMENTS}")
+    return array
+
+
+#: Expert ids ``[tokens, layers x top_k]`` as uint8 (at most 256 experts) or uint16.
+ExpertIdMatrix = Annotated[
+    np.ndarray,
+    BeforeValidator(_expert_ids),
+    PlainSerializer(_serialize, when_used="json"),
+    WithJsonSchema(
+        {
+            "type": "object",
+            "required": ["shape", "data"],
+            "properties": {
+                "shape": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+                "data": {"type": "string", "format": "byte"},
+            },
+            "description": "row-major uint8 (1 byte per element) or little-endian uint16 (2 bytes) matrix",
+        }
+    ),
+]

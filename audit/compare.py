@@ -25,6 +25,13 @@ from audit.metrics import UNKNOWN_LAG, lag_metrics, sample_metrics, step_metrics
 from audit.policy_lag import token_lags
 from audit.records import Manifest, OffPolicy, RegionFingerprints, SampleLogprobs
 from audit.regions import region_order
+from audit.routing import (
+    RoutingComparison,
+    compare_sample_routes,
+    explain,
+    step_routing,
+    step_routing_metrics,
+)
 
 NOT_OBSERVED, EQUAL, DIFFERS = -1, 0, 1
 
@@ -205,6 +212,7 @@ class SampleComparison:
     metrics: dict[str, Any]
     grid: RegionGrid | None
     diagnosis: Diagnosis
+    routing: RoutingComparison | None = None
 
     @property
     def first_divergence(self) -> Cell | None:
@@ -299,8 +307,15 @@ def compare_samples(
         diagnosis = diagnose(
             trainer, rollout, metrics, grid, manifests[0], manifests[1], prints, policy=policy
         )
+        # MoE: routing agreement, and whether a routing flip explains the gap (audit.routing).
+        routing = compare_sample_routes(trainer, rollout)
+        if routing is not None:
+            metrics.update(routing.metrics())
+            diagnosis = explain(diagnosis, routing, trainer, rollout)
         results.append(
-            SampleComparison(trainer.run_id, trainer.step, trainer.sample_key, metrics, grid, diagnosis)
+            SampleComparison(
+                trainer.run_id, trainer.step, trainer.sample_key, metrics, grid, diagnosis, routing
+            )
         )
     return results
 
@@ -347,6 +362,7 @@ def step_summary(
     if pairs:
         lags = np.concatenate([token_lags(t, r) for t, r in pairs])
         metrics.update(lag_metrics(trainer_lp, rollout_lp, offsets, lags))
+        metrics.update(step_routing_metrics(step_routing(pairs)))
     counts: dict[str, int] = defaultdict(int)
     for comparison in comparisons:
         counts[comparison.diagnosis.kind] += 1

@@ -25,10 +25,12 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError,
 
 from audit.arrays import (
     MAX_ARRAY_ELEMENTS,
+    ExpertIdMatrix,
     Float32Array,
     Float32Matrix,
     Int32Array,
     Int32Matrix,
+    UInt8Array,
     UInt64Array,
     UInt64Matrix,
 )
@@ -147,7 +149,12 @@ def _sample_key(value: Any) -> None:
 
 
 #: The dtype each array kind must have: (numpy kind letter, item size, name for messages).
-_DTYPES = {"i": ("i", 4, "int32"), "f": ("f", 4, "float32"), "u": ("u", 8, "uint64")}
+_DTYPES = {
+    "i": ("i", 4, "int32"),
+    "f": ("f", 4, "float32"),
+    "u": ("u", 8, "uint64"),
+    "b": ("u", 1, "uint8"),
+}
 
 
 def _array(value: Any, field: str, kind: str, ndim: int) -> np.ndarray:
@@ -294,6 +301,11 @@ class RuntimeFacts(BaseModel):
     pp_size: int | None = Field(default=None, ge=1)
     ep_size: int | None = Field(default=None, ge=1)
     remediation: str | None = None
+    router_replay: str | None = Field(
+        default=None,
+        description="MoE routing replay (R3) on this side: 'off', or how the rollout's routes are replayed "
+        "('verl_router_replay', 'vllm_routed_experts', ...); None: not known",
+    )
 
 
 class ContractIdentities(BaseModel):
@@ -418,6 +430,83 @@ def off_policy_of(config: dict[str, Any]) -> OffPolicy | None:
     return None if body is None else OffPolicy.model_validate(body)
 
 
+#: Bounds of a routing record: MoE layers, experts chosen per token, experts per layer.
+MAX_MOE_LAYERS = 1024
+MAX_TOP_K = 64
+MAX_EXPERTS = 65535
+
+
+class Routes(BaseModel):
+    """The experts each MoE layer chose for each token of one sample on one side (issue 19).
+
+    ``experts[j, l * top_k + s]`` is the expert that layer ``layers[l]`` put in slot ``s`` for the
+    token at absolute position ``positions[j]``: slot order as the router produced it (the combine
+    order), one byte per choice for up to 256 experts. ``replayed[j]`` (trainer side, routing replay
+    R3) is 1 where the route was taken from the rollout instead of computed by the router.
+    """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")
+
+    layers: list[int] = Field(description="decoder layer index of each MoE layer recorded, ascending")
+    top_k: int = Field(ge=1, le=MAX_TOP_K)
+    num_experts: int = Field(ge=1, le=MAX_EXPERTS)
+    positions: Int32Array
+    experts: ExpertIdMatrix
+    replayed: UInt8Array | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> Routes:
+        self.check(None)
+        return self
+
+    def check(self, n_tokens: int | None) -> None:
+        """Shapes, bounds and distinctness, in vectorised reductions; ``n_tokens``: the sample's
+        sequence length (positions must fall inside it). Raises RecordError naming ``routes.<field>``."""
+        layers = self.layers
+        if type(layers) is not list or not all(type(i) is int and 0 <= i <= MAX_MOE_LAYERS for i in layers):
+            raise RecordError("routes.layers", f"expected a list of layer indices in 0..{MAX_MOE_LAYERS}")
+        if not layers or any(b <= a for a, b in zip(layers, layers[1:], strict=False)):
+            raise RecordError("routes.layers", "expected at least one layer, strictly ascending")
+        top_k = _int(self.top_k, "routes.top_k", 1, MAX_TOP_K)
+        num_experts = _int(self.num_experts, "routes.num_experts", 1, MAX_EXPERTS)
+        if top_k > num_experts:
+            raise RecordError("routes.top_k", f"{top_k} exceeds num_experts {num_experts}")
+        positions = _array(self.positions, "routes.positions", "i", 1)
+        experts = self.experts
+        if not isinstance(experts, np.ndarray) or experts.dtype.kind != "u" or experts.dtype.itemsize > 2:
+            raise RecordError("routes.experts", "expected a uint8 or uint16 numpy array")
+        width = len(layers) * top_k
+        if experts.ndim != 2 or experts.shape != (positions.size, width):
+            raise RecordError(
+                "routes.experts",
+                f"shape {list(experts.shape)} must be [{positions.size} positions, {len(layers)} layers x {top_k}]",
+            )
+        if experts.size and int(_max(experts, axis=None)) >= num_experts:
+            raise RecordError("routes.experts", f"an expert id is not below num_experts {num_experts}")
+        if positions.size:
+            _non_negative(positions, "routes.positions", "position")
+            if positions.size > 1 and not (positions[1:] > positions[:-1]).all():
+                raise RecordError("routes.positions", "must be strictly ascending")
+            if n_tokens is not None and int(positions[-1]) >= n_tokens:
+                raise RecordError(
+                    "routes.positions", f"{int(positions[-1])} is past the sample's {n_tokens} tokens"
+                )
+            if top_k > 1:
+                ordered = np.sort(experts.reshape(positions.size, len(layers), top_k), axis=-1)
+                if (ordered[..., 1:] == ordered[..., :-1]).any():
+                    raise RecordError("routes.experts", "one layer chose the same expert twice for a token")
+        if self.replayed is not None:
+            replayed = _array(self.replayed, "routes.replayed", "b", 1)
+            if replayed.size != positions.size:
+                raise RecordError("routes.replayed", f"{replayed.size} values for {positions.size} positions")
+            if replayed.size and int(_max(replayed, axis=None)) > 1:
+                raise RecordError("routes.replayed", "values must be 0 (computed) or 1 (replayed)")
+
+    def layer_experts(self) -> np.ndarray:
+        """``experts`` as ``[positions, layers, top_k]``."""
+        return self.experts.reshape(self.positions.size, len(self.layers), self.top_k)
+
+
 class SampleLogprobs(Record):
     """The sampled tokens of one sample and the logprob one side assigned to each.
 
@@ -460,6 +549,9 @@ class SampleLogprobs(Record):
         return self
 
     semantics: LogprobSemantics = "processed"
+    routes: Routes | None = Field(
+        default=None, description="MoE routing: the experts each layer chose per token (issue 19)"
+    )
     topk_ids: Int32Matrix | None = None
     topk_logprobs: Float32Matrix | None = None
     path: dict[str, PathValue] = Field(
@@ -503,6 +595,10 @@ class SampleLogprobs(Record):
         _non_negative(tokens, "token_ids", "token id")
         self._check_scalars()
         self._check_topk(n_completion)
+        if self.routes is not None:
+            if not isinstance(self.routes, Routes):
+                raise RecordError("routes", "expected a Routes record")
+            self.routes.check(n_tokens)
         if self.weight_spans is not None:
             if not isinstance(self.weight_spans, list) or not all(
                 isinstance(span, WeightSpan) for span in self.weight_spans

@@ -46,6 +46,7 @@ from audit.records import (
     utcnow,
     validate_record,
 )
+from audit.routing import routes_columns, routes_from_columns
 from audit.service_models import REMEDIATION_MODES, ControlState, RunControlRow, StaleControlVersion
 
 __all__ = [
@@ -177,6 +178,7 @@ def _sample_row(record: SampleLogprobs) -> dict[str, Any]:
         "topk_logprobs": to_bytes(record.topk_logprobs) if has_topk else None,
         "path": dict(record.path) or None,
         "rank": record.rank,
+        **routes_columns(record.routes),
         "created_at": utcnow(),
     }
 
@@ -211,6 +213,7 @@ def _sample_record(row: SampleRow) -> SampleLogprobs:
         topk_logprobs=topk[1] if topk else None,
         path=row.path or {},
         rank=row.rank,
+        routes=routes_from_columns(row.routes, row.routes_data),
     )
 
 

@@ -1,0 +1,415 @@
+"""MoE routing agreement (issue 19): which experts each side chose per token and layer, and whether
+a routing flip explains a sample's logprob gap.
+
+Published MoE RL runs show about 10% of router decisions differing between rollout and training and
+most tokens differing in at least one layer; no framework logs it. Both sides record the experts of
+every MoE layer per token (``SampleLogprobs.routes``, a few bytes a token); here they are compared at
+the positions both sides routed:
+
+* **set agreement**: the fraction of (token, layer) cells whose top-k *sets* are equal;
+* **flip rate**: the fraction of router decisions (token, layer, slot) whose expert the other side
+  did not choose, i.e. ``1 - |A ∩ B| / k`` averaged over cells;
+* **Jaccard**: ``|A ∩ B| / |A ∪ B|`` averaged over cells;
+* **token flip fraction**: the fraction of tokens whose routing differs in at least one layer;
+* **first flip**: per token, the first MoE layer whose set differs.
+
+A flip at position p changes the hidden state at p from that layer on, so the logprob of the token
+at p + 1 (predicted from p) is the first it can move. :func:`explain` turns a ``numerical`` (or
+locatable ``inconclusive``) verdict into the ``routing`` sub-cause when the flips account for the
+gap. With routing replay (R3) the trainer reuses the rollout's routes; the audit then reports the
+replayed fraction and the tokens whose routes were missing (computed afresh instead).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from audit.arrays import from_bytes, to_bytes
+from audit.records import Manifest, Routes, SampleLogprobs
+
+if TYPE_CHECKING:
+    from audit.diagnosis import Diagnosis
+
+#: The step metrics this module defines (also each sample's), for the API, /metrics and alert rules.
+ROUTING_METRICS: dict[str, str] = {
+    "routing_set_agreement": "fraction of (token, MoE layer) cells whose top-k expert sets agree",
+    "routing_flip_rate": "fraction of router decisions (token, layer, slot) the other side did not make",
+    "routing_jaccard_mean": "mean Jaccard index |A∩B|/|A∪B| of the two sides' expert sets per (token, layer)",
+    "routing_token_flip_fraction": "fraction of tokens whose routing differs in at least one MoE layer",
+    "routing_flipped_tokens": "tokens whose routing differs in at least one MoE layer",
+    "routing_tokens": "tokens routed on both sides",
+    "routing_first_flip_layer": "the first MoE layer where any token's routing flips (NaN: none)",
+    "routing_replayed_fraction": "fraction of the trainer's routed tokens whose routes were replayed from the rollout",
+    "routing_missing_routes": "tokens the trainer had to route itself although routing replay was on",
+}
+
+#: A flip explains a sample's gap when the token right after a flip holds the sample's largest |Δ|,
+#: or the tokens right after flips carry at least this share of the summed |Δ|.
+EXPLAINED_SHARE = 0.5
+
+
+# ---------------------------------------------------------------------- storage
+
+
+def routes_columns(routes: Routes | None) -> dict[str, Any]:
+    """The ``samples`` columns of a record's routes: metadata as JSON, arrays in one blob
+    (positions int32 ‖ experts uint8/uint16 ‖ replayed uint8)."""
+    if routes is None:
+        return {"routes": None, "routes_data": None}
+    parts = [to_bytes(routes.positions.astype(np.int32, copy=False)), to_bytes(routes.experts)]
+    if routes.replayed is not None:
+        parts.append(to_bytes(routes.replayed.astype(np.uint8, copy=False)))
+    meta = {
+        "layers": list(routes.layers),
+        "top_k": int(routes.top_k),
+        "num_experts": int(routes.num_experts),
+        "dtype": "uint8" if routes.experts.dtype.itemsize == 1 else "uint16",
+        "n_positions": int(routes.positions.size),
+        "replayed": routes.replayed is not None,
+    }
+    return {"routes": meta, "routes_data": b"".join(parts)}
+
+
+def routes_from_columns(meta: dict[str, Any] | None, data: bytes | None) -> Routes | None:
+    """Inverse of :func:`routes_columns` (stored rows were validated on the way in: not again)."""
+    if not meta or data is None:
+        return None
+    n, width = int(meta["n_positions"]), len(meta["layers"]) * int(meta["top_k"])
+    dtype = np.dtype("<u2") if meta["dtype"] == "uint16" else np.dtype(np.uint8)
+    cut = 4 * n
+    end = cut + n * width * dtype.itemsize
+    experts = np.frombuffer(data[cut:end], dtype=dtype).reshape(n, width)
+    return Routes.model_construct(
+        layers=list(meta["layers"]),
+        top_k=int(meta["top_k"]),
+        num_experts=int(meta["num_experts"]),
+        positions=from_bytes(data[:cut], "<i4"),
+        experts=experts.astype(np.uint16, copy=False) if dtype.itemsize == 2 else experts,
+        replayed=np.frombuffer(data[end : end + n], dtype=np.uint8) if meta.get("replayed") else None,
+    )
+
+
+# ---------------------------------------------------------------------- comparison
+
+
+@dataclass
+class RoutingComparison:
+    """Both sides' routes of one sample at the positions and layers both recorded.
+
+    ``overlap[j, l]`` is ``|A ∩ B|`` at ``positions[j]`` in MoE layer ``layers[l]``; ``top_k`` the
+    experts per token (the larger, if the sides differ)."""
+
+    layers: list[int]
+    positions: np.ndarray
+    overlap: np.ndarray
+    top_k: int
+    trainer: np.ndarray  # [positions, layers, k] expert ids
+    rollout: np.ndarray
+    trainer_positions: int = 0  # tokens the trainer routed that need a route (compared or not)
+    trainer_replayed: int | None = None  # of those, replayed from the rollout (None: no replay)
+    missing: np.ndarray | None = None  # trainer positions routed afresh although replay was on
+
+    @property
+    def agree(self) -> np.ndarray:
+        """[positions, layers]: the two sets are equal."""
+        return self.overlap == self.top_k
+
+    def flipped_tokens(self) -> np.ndarray:
+        """Positions whose routing differs in at least one layer."""
+        return self.positions[~self.agree.all(axis=1)] if self.positions.size else self.positions
+
+    def first_flip_layers(self) -> np.ndarray:
+        """Per position: the first MoE layer (its decoder index) whose set differs, -1 where none."""
+        flips = ~self.agree
+        first = np.argmax(flips, axis=1)
+        layers = np.asarray(self.layers, dtype=np.int64)
+        return np.where(flips.any(axis=1), layers[first] if layers.size else -1, -1)
+
+    def first_flip(self) -> tuple[int, int] | None:
+        """(layer, position) of the earliest flip in forward order: lowest layer, then position."""
+        flips = ~self.agree
+        if not flips.any():
+            return None
+        rows, cols = np.nonzero(flips)
+        best = np.lexsort((rows, cols))[0]
+        return int(self.layers[cols[best]]), int(self.positions[rows[best]])
+
+    def layer_counts(self) -> dict[int, dict[str, float]]:
+        """Per MoE layer: tokens, tokens whose set agrees, flipped decisions, summed Jaccard, and
+        tokens whose *first* flip is in this layer (where routing first breaks)."""
+        k = self.top_k
+        agree = self.agree
+        jaccard = self.overlap / np.maximum(2 * k - self.overlap, 1)
+        first = self.first_flip_layers()
+        return {
+            layer: {
+                "tokens": int(self.positions.size),
+                "decisions": int(self.positions.size) * k,
+                "agree": int(agree[:, i].sum()),
+                "flipped_decisions": int((k - self.overlap[:, i]).sum()),
+                "jaccard_sum": float(jaccard[:, i].sum()),
+                "first_flips": int((first == layer).sum()),
+            }
+            for i, layer in enumerate(self.layers)
+        }
+
+    def metrics(self) -> dict[str, float | int]:
+        """This sample's ``routing_*`` figures."""
+        return routing_metrics(self.layer_counts(), *self.token_counts())
+
+    def token_counts(self) -> tuple[int, int, int, int | None, int]:
+        """(tokens, flipped tokens, trainer routed tokens, replayed tokens or None, missing routes)."""
+        return (
+            int(self.positions.size),
+            int(self.flipped_tokens().size),
+            self.trainer_positions,
+            self.trainer_replayed,
+            int(self.missing_routes().size),
+        )
+
+    def missing_routes(self) -> np.ndarray:
+        """Trainer positions not replayed although replay was on (their route was missing, so the
+        trainer's router chose afresh)."""
+        return self.missing if self.missing is not None else np.zeros(0, np.int64)
+
+
+def routing_metrics(
+    layers: dict[int, dict[str, float]],
+    tokens: int,
+    flipped: int,
+    trainer_positions: int = 0,
+    replayed: int | None = None,
+    missing: int = 0,
+) -> dict[str, float | int]:
+    """The ``routing_*`` figures from per-layer counts (:meth:`RoutingComparison.layer_counts`,
+    summed over samples) and token counts. A figure over zero cells is NaN, never 0."""
+    cells = sum(c["tokens"] for c in layers.values())
+    nan = float("nan")
+    out: dict[str, float | int] = {
+        "routing_tokens": tokens,
+        "routing_flipped_tokens": flipped,
+        "routing_set_agreement": sum(c["agree"] for c in layers.values()) / cells if cells else nan,
+        "routing_jaccard_mean": sum(c["jaccard_sum"] for c in layers.values()) / cells if cells else nan,
+        "routing_token_flip_fraction": flipped / tokens if tokens else nan,
+        "routing_first_flip_layer": min(
+            (layer for layer, c in layers.items() if c["first_flips"]), default=nan
+        ),
+    }
+    decisions = sum(c.get("decisions", 0) for c in layers.values())
+    flipped_decisions = sum(c["flipped_decisions"] for c in layers.values())
+    out["routing_flip_rate"] = flipped_decisions / decisions if decisions else nan
+    if replayed is not None:
+        out["routing_replayed_fraction"] = replayed / trainer_positions if trainer_positions else nan
+        out["routing_missing_routes"] = missing
+    return out
+
+
+def _common_layers(a: Routes, b: Routes) -> tuple[list[int], list[int], list[int]]:
+    common = sorted(set(a.layers) & set(b.layers))
+    return common, [a.layers.index(i) for i in common], [b.layers.index(i) for i in common]
+
+
+def compare_routes(
+    trainer: Routes | None, rollout: Routes | None, *, n_tokens: int | None = None
+) -> RoutingComparison | None:
+    """The two sides' routes at the positions and MoE layers both recorded; ``None`` when either
+    side sent none. Where the trainer marks replayed routes (R3), every trainer token not marked
+    counts as a missing route, except the sequence's last (``n_tokens - 1``), whose output predicts
+    nothing and which the engine never runs."""
+    if trainer is None or rollout is None:
+        return None
+    layers, ia, ib = _common_layers(trainer, rollout)
+    common, ja, jb = np.intersect1d(
+        trainer.positions, rollout.positions, assume_unique=True, return_indices=True
+    )
+    a = trainer.layer_experts()[ja][:, ia]
+    b = rollout.layer_experts()[jb][:, ib]
+    k = max(trainer.top_k, rollout.top_k)
+    if trainer.top_k == rollout.top_k:
+        overlap = (a[..., :, None] == b[..., None, :]).any(-1).sum(-1)
+    else:  # sets of different sizes never agree; the overlap still counts shared experts
+        overlap = np.minimum((a[..., :, None] == b[..., None, :]).any(-1).sum(-1), k - 1)
+    result = RoutingComparison(
+        layers=layers,
+        positions=common.astype(np.int64),
+        overlap=overlap.astype(np.int64),
+        top_k=k,
+        trainer=a,
+        rollout=b,
+        # Tokens that need a route: all but the sequence's last, whose output predicts nothing.
+        trainer_positions=int((trainer.positions < n_tokens - 1).sum())
+        if n_tokens is not None
+        else int(trainer.positions.size),
+    )
+    if trainer.replayed is not None:
+        # Replay on: every trainer token not marked replayed had no route to replay.
+        marks = trainer.replayed
+        needed = trainer.positions < n_tokens - 1 if n_tokens is not None else np.ones(marks.size, bool)
+        result.trainer_replayed = int(marks[needed].sum())
+        unreplayed = trainer.positions[marks == 0].astype(np.int64)
+        result.missing = unreplayed[unreplayed < n_tokens - 1] if n_tokens is not None else unreplayed
+    return result
+
+
+def compare_sample_routes(trainer: SampleLogprobs, rollout: SampleLogprobs) -> RoutingComparison | None:
+    """:func:`compare_routes` of a (trainer, rollout) pair of one sample."""
+    return compare_routes(trainer.routes, rollout.routes, n_tokens=int(trainer.token_ids.size))
+
+
+def replay_on(manifests: Sequence[Manifest]) -> bool:
+    """Whether the latest of a side's manifests declares routing replay (R3)."""
+    if not manifests:
+        return False
+    latest = max(manifests, key=lambda m: m.created_at)
+    mode = latest.runtime.router_replay
+    return mode not in (None, "", "off", "none")
+
+
+# ---------------------------------------------------------------------- step aggregates
+
+
+def step_routing(pairs: Sequence[tuple[SampleLogprobs, SampleLogprobs]]) -> dict[str, Any] | None:
+    """What the run page and the step metrics need of a step's routing: per MoE layer the summed
+    counts (tokens, agreeing sets, flipped decisions, Jaccard sum, first flips) and the sample with
+    the most flips there, and the token counts; ``None`` when no sample has routes on both sides."""
+    layers: dict[int, dict[str, Any]] = {}
+    totals = {"tokens": 0, "flipped": 0, "trainer_positions": 0, "replayed": None, "missing": 0}
+    missing_examples: list[dict[str, Any]] = []
+    found = False
+    for trainer, rollout in pairs:
+        comparison = compare_sample_routes(trainer, rollout)
+        if comparison is None:
+            continue
+        found = True
+        for layer, counts in comparison.layer_counts().items():
+            entry = layers.setdefault(
+                layer,
+                {
+                    "tokens": 0,
+                    "agree": 0,
+                    "flipped_decisions": 0,
+                    "jaccard_sum": 0.0,
+                    "first_flips": 0,
+                    "decisions": 0,
+                    "example": None,
+                    "example_flips": 0,
+                },
+            )
+            for name in ("tokens", "agree", "flipped_decisions", "jaccard_sum", "first_flips", "decisions"):
+                entry[name] += counts[name]
+            flips = counts["tokens"] - counts["agree"]
+            if flips > entry["example_flips"]:
+                entry["example"], entry["example_flips"] = trainer.sample_key, flips
+        tokens, flipped, trained, replayed, missing = comparison.token_counts()
+        totals["tokens"] += tokens
+        totals["flipped"] += flipped
+        totals["trainer_positions"] += trained
+        totals["missing"] += missing
+        if replayed is not None:
+            totals["replayed"] = (totals["replayed"] or 0) + replayed
+        if missing and len(missing_examples) < 16:
+            missing_examples.append(
+                {"sample_key": trainer.sample_key, "positions": comparison.missing_routes()[:32].tolist()}
+            )
+    if not found:
+        return None
+    return {
+        "layers": {str(layer): layers[layer] for layer in sorted(layers)},
+        **totals,
+        "missing_examples": missing_examples,
+    }
+
+
+def step_routing_metrics(summary: dict[str, Any] | None) -> dict[str, float | int]:
+    """The step's ``routing_*`` figures from :func:`step_routing` (empty for a dense model)."""
+    if summary is None:
+        return {}
+    layers = {int(k): v for k, v in summary["layers"].items()}
+    return routing_metrics(
+        layers,
+        summary["tokens"],
+        summary["flipped"],
+        summary["trainer_positions"],
+        summary["replayed"],
+        summary["missing"],
+    )
+
+
+# ---------------------------------------------------------------------- diagnosis
+
+
+def _directly_affected(comparison: RoutingComparison, sample: SampleLogprobs) -> np.ndarray:
+    """Completion-token mask: the token is predicted from a position whose routing flipped."""
+    flipped = comparison.flipped_tokens()
+    n_completion = sample.logprobs.size
+    predicted_from = sample.prompt_len + np.arange(n_completion) - 1
+    return np.isin(predicted_from, flipped)
+
+
+def explain(
+    diagnosis: Diagnosis,
+    comparison: RoutingComparison | None,
+    trainer: SampleLogprobs,
+    rollout: SampleLogprobs,
+) -> Diagnosis:
+    """``diagnosis`` refined to the ``routing`` sub-cause of ``numerical`` when an upstream numerical
+    difference flipped a routing decision and the flip explains the logprob gap: the token right after
+    a flip holds the largest |Δ|, or the tokens right after flips carry at least half of the summed
+    |Δ|. Verdicts that explain the gap before any kernel (contract, weights, semantics, path) stand."""
+    if comparison is None or diagnosis.kind not in ("numerical", "inconclusive"):
+        return diagnosis
+    first = comparison.first_flip()
+    if first is None:
+        return diagnosis
+    delta = np.abs(trainer.logprobs.astype(np.float64) - rollout.logprobs.astype(np.float64))
+    delta = np.where(np.isfinite(delta), delta, 0.0)
+    affected = _directly_affected(comparison, trainer)
+    total = float(delta.sum())
+    share = float(delta[affected].sum()) / total if total > 0 else 0.0
+    worst = int(np.argmax(delta)) if delta.size else -1
+    worst_after_flip = worst >= 0 and bool(affected[worst]) and delta[worst] > 0
+    if not (worst_after_flip or share >= EXPLAINED_SHARE):
+        return diagnosis
+    from audit.diagnosis import Diagnosis as _Diagnosis
+
+    layer, position = first
+    row = int(np.searchsorted(comparison.positions, position))
+    col = comparison.layers.index(layer)
+    trainer_set = sorted(int(e) for e in comparison.trainer[row, col])
+    rollout_set = sorted(int(e) for e in comparison.rollout[row, col])
+    upstream = diagnosis.evidence.get("first_divergence")
+    where = (
+        f"first divergence {upstream['region']} at position {upstream['position']}"
+        if isinstance(upstream, dict)
+        else "not located: no fingerprints"
+    )
+    token = position + 1 - trainer.prompt_len
+    metrics = comparison.metrics()
+    sentence = (
+        f"A numerical difference upstream ({where}) flipped the routing of MoE layer {layer} at position "
+        f"{position}: the trainer chose experts {trainer_set}, the rollout {rollout_set}. The flip explains "
+        f"the logprob gap: {share:.0%} of the summed |Δ| is on tokens right after a flip"
+        + (f", including the largest (completion token {worst})" if worst_after_flip else "")
+        + f"; {comparison.flipped_tokens().size} of {comparison.positions.size} tokens flip in some layer."
+    )
+    evidence = {
+        **diagnosis.evidence,
+        "cause": "routing",
+        "upstream_cause": diagnosis.evidence.get("cause"),
+        "routing": {
+            "layer": layer,
+            "position": position,
+            "completion_token": token if token >= 0 else None,
+            "trainer_experts": trainer_set,
+            "rollout_experts": rollout_set,
+            "share_after_flip": share,
+            "largest_gap_after_flip": worst_after_flip,
+            "flipped_tokens": int(comparison.flipped_tokens().size),
+            "set_agreement": metrics["routing_set_agreement"],
+        },
+    }
+    return _Diagnosis("numerical", sentence, evidence)
