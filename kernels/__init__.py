@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from types import TracebackType
 
-from . import adapters, routing
+from . import adapters, adapters_moe, routing
 from ._triton import HAVE_TRITON
 from .attention import attention
 from .gdn import gdn_chunk, gdn_recurrent
@@ -58,8 +58,10 @@ class _Switch:
 def _apply_patches(flag: bool) -> None:
     if flag:
         adapters.patch()
+        adapters_moe.patch()
     else:
         adapters.unpatch()
+        adapters_moe.unpatch()
 
 
 def enable() -> _Switch:
