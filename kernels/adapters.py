@@ -143,6 +143,7 @@ class HFCausalLM:
         cfg = model.config
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.kv_heads = cfg.num_key_value_heads
+        self._consts: dict[tuple, torch.Tensor] = {}
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -169,15 +170,58 @@ class HFCausalLM:
         cache: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
         """Run new tokens (packed; ``cu`` B+1 offsets; ``positions`` absolute) and return the final
-        normed hidden states (T, hidden)."""
+        normed hidden states (T, hidden). The batch's layout is computed on the device; the host
+        reads at most the longest query count, once (the native prefill pads to it)."""
+        t = ids.shape[0]
+        dev = ids.device
+        cu = cu.to(dev)
+        lens = cu[1:] - cu[:-1]
+        slots_t = torch.tensor(slots, device=dev)
+        slot_of_tok = torch.repeat_interleave(slots_t, lens, output_size=t)
+        q_pos0 = positions[cu[:-1].long().clamp(max=max(t - 1, 0))] if t else positions[:0]
+        kv_len = q_pos0 + lens.to(q_pos0.dtype)
+        max_q = None if routing.is_enabled() or t == len(slots) else int(lens.max())
+        return self._layers(ids, positions, slot_of_tok, cu, q_pos0, kv_len, slots_t, max_q, cache)
+
+    @torch.no_grad()
+    def decode(
+        self, ids: torch.Tensor, positions: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> torch.Tensor:
+        """One token per cache slot (row i continues slot i at ``positions[i]``): the engine's
+        decode step, free of host reads so it can be captured in a CUDA graph. Per token it is
+        exactly :meth:`step`'s arithmetic."""
+        b = ids.shape[0]
+        rows = self._rows(b, ids.device)
+        return self._layers(
+            ids, positions, rows, self._offsets(b, ids.device), positions, positions + 1, None, None, cache
+        )
+
+    def _rows(self, b: int, dev: torch.device) -> torch.Tensor:
+        key = ("rows", b, dev)
+        if key not in self._consts:
+            self._consts[key] = torch.arange(b, device=dev)
+        return self._consts[key]
+
+    def _offsets(self, b: int, dev: torch.device) -> torch.Tensor:
+        key = ("cu", b, dev)
+        if key not in self._consts:
+            self._consts[key] = torch.arange(b + 1, device=dev, dtype=torch.int32)
+        return self._consts[key]
+
+    def _layers(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_of_tok: torch.Tensor,
+        cu: torch.Tensor,
+        q_pos0: torch.Tensor,
+        kv_len: torch.Tensor,
+        slots: torch.Tensor | None,
+        max_q: int | None,
+        cache: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
         t = ids.shape[0]
         d = self.head_dim
-        dev = ids.device
-        lens = (cu[1:] - cu[:-1]).tolist()
-        slot_of_tok = torch.repeat_interleave(torch.tensor(slots, device=dev), torch.tensor(lens, device=dev))
-        q_pos0 = torch.stack([positions[int(s)] for s in cu[:-1]]) if t else positions[:0]
-        kv_len = q_pos0 + (cu[1:] - cu[:-1]).to(q_pos0.dtype)
-        slots_t = torch.tensor(slots, device=dev)
         x = self.inner.embed_tokens(ids)
         cos, sin = self.inner.rotary_emb(x[None], positions[None])
         cos, sin = cos[0][:, None, :], sin[0][:, None, :]
@@ -195,7 +239,7 @@ class HFCausalLM:
             kc, vc = cache[li]
             kc[slot_of_tok, positions] = k
             vc[slot_of_tok, positions] = v
-            o = routing.attention(q, kc, vc, cu, q_pos0, kv_len, slots_t, attn.scaling)
+            o = routing.attention(q, kc, vc, cu, q_pos0, kv_len, slots, attn.scaling, max_q=max_q)
             x = res + attn.o_proj(o.reshape(t, -1))
             res = x
             x = res + layer.mlp(layer.post_attention_layernorm(x))

@@ -5,10 +5,28 @@ It exists to prove the kernels end to end without vLLM: the same model run as a 
 sequences, autograd) and through this engine must give bitwise-equal sampled-token logprobs when
 :func:`kernels.enable` is on. Any model with ``new_cache``/``step``/``lm_head_weight`` works
 (:class:`kernels.adapters.HFCausalLM`, :class:`kernels.models.gdn_lm.GDNLM`).
+
+It runs as an engine does, on both sides alike (kernels on or off), so a generation time measured
+against it means something:
+
+* while some prompt is still being prefilled, each step packs every live request's pending tokens
+  (prompt chunks and single decode tokens) into one flat batch;
+* on CUDA with a model that has ``decode`` (:class:`~kernels.adapters.HFCausalLM`), once every
+  prompt is in the cache, all requests decode together, one row per cache slot, the batch padded
+  to a size bucket, the step (the whole model, fp32 logits, log-softmax and the sampling
+  distribution) replayed from a CUDA graph captured once per bucket and mode (elsewhere, or with
+  ``cuda_graphs=False``, the packed steps go on with the live requests);
+* sampled tokens and logprobs stay on the device; the host reads them once, at the end.
+
+With the kernels on, the graph computes the same bits as the eager step (the kernels are
+batch-invariant, so neither the padding rows nor the launch path change a row). When a collector
+has wrapped the model's ``step`` (fingerprints: module hooks would not fire on replay), every step
+runs eagerly through ``step``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -36,63 +54,243 @@ class Completion:
     logprobs: list[float] = field(default_factory=list)
 
 
-class RolloutEngine:
-    """Continuous-batching-lite: every step packs the pending tokens of all live requests."""
+#: Decode batch sizes a CUDA graph is captured for (a batch runs in the smallest that holds it).
+BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 
-    def __init__(self, model: EngineModel, max_len: int = 512, prefill_chunk: int | None = None) -> None:
+
+def bucket(n: int, buckets: tuple[int, ...] = BUCKETS) -> int:
+    """The smallest bucket that holds ``n`` rows (``n`` itself beyond the largest)."""
+    for b in buckets:
+        if b >= n:
+            return b
+    return n
+
+
+class _DecodeGraph:
+    """One decode step of ``slots`` rows (row i is cache slot i) captured in a CUDA graph: inputs
+    are the static ``ids``/``pos`` buffers, outputs the static ``logp``/``probs``."""
+
+    def __init__(self, run: Callable[..., Any], slots: int, park: int, dev: torch.device) -> None:
+        self.ids = torch.zeros(slots, dtype=torch.long, device=dev)
+        # Warm-up and capture write K/V at ``park`` (the last cache position, which no real token
+        # reaches: prompt + max_new <= max_len), so capturing never disturbs a cached sequence.
+        self.pos = torch.full((slots,), park, dtype=torch.long, device=dev)
+        self.inv_t = torch.ones((), dtype=torch.float32, device=dev)
+        self._run = run
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            for _ in range(2):  # compile, autotune and allocate outside the capture
+                self._call()
+        torch.cuda.current_stream(dev).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+            self.logp, self.probs = self._call()
+
+    def _call(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._run(self.ids, self.pos, self.inv_t)
+
+    def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        self.graph.replay()
+        return self.logp, self.probs
+
+
+class RolloutEngine:
+    """Continuous-batching-lite: packed prefill steps, then all requests decode together.
+
+    ``cuda_graphs``: capture the decode step per batch-size bucket (CUDA, models with ``decode``);
+    ``False`` runs the same step eagerly. ``buckets``: the decode batch sizes graphs are made for.
+    """
+
+    def __init__(
+        self,
+        model: EngineModel,
+        max_len: int = 512,
+        prefill_chunk: int | None = None,
+        *,
+        cuda_graphs: bool = True,
+        buckets: tuple[int, ...] = BUCKETS,
+    ) -> None:
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk: at least 1 token, got {prefill_chunk}")
         self.model = model
         self.max_len = max_len
         self.prefill_chunk = prefill_chunk
+        self.cuda_graphs = cuda_graphs
+        self.buckets = tuple(sorted(buckets))
+        self._caches: dict[int, Any] = {}
+        self._graphs: dict[tuple[int, bool], _DecodeGraph] = {}
+
+    def graphed(self) -> bool:
+        """Whether decode steps replay CUDA graphs (else they run eagerly)."""
+        m = self.model
+        return (
+            self.cuda_graphs
+            and self.model.lm_head_weight.is_cuda
+            and callable(getattr(m, "decode", None))
+            and "step" not in vars(m)  # a collector's wrapper must see every step
+        )
+
+    def clear_graphs(self) -> None:
+        """Drop the captured graphs and their caches (they hold device memory)."""
+        self._graphs.clear()
+        self._caches.clear()
 
     @torch.no_grad()
     def generate(
         self, prompts: list[list[int]], max_new: list[int], seed: int = 0, temperature: float = 1.0
     ) -> list[Completion]:
         """Sample ``max_new[i]`` tokens after ``prompts[i]`` for all requests at once."""
+        n = len(prompts)
+        if len(max_new) != n:
+            raise ValueError(f"max_new: {len(max_new)} counts for {n} prompts")
+        if not temperature > 0:
+            raise ValueError(f"temperature: must be > 0, got {temperature}")
+        for i, (p, m) in enumerate(zip(prompts, max_new, strict=True)):
+            if not p or m < 0 or len(p) + m > self.max_len:
+                raise ValueError(
+                    f"prompts[{i}]: {len(p)} prompt tokens + max_new {m} must be >= 1 and fit max_len {self.max_len}"
+                )
+        if n == 0:
+            return []
         w = self.model.lm_head_weight
         dev = w.device
         gen = torch.Generator(device=dev).manual_seed(seed)
-        cache = self.model.new_cache(len(prompts), self.max_len)
-        outs = [Completion(list(p)) for p in prompts]
-        done_prefill = [0] * len(prompts)  # prompt tokens already in the cache
-        pending: list[list[int]] = [list(p) for p in prompts]
+        graphed = self.graphed()
+        slots = bucket(n, self.buckets) if graphed else n
+        cache = self._cache(slots) if graphed else self.model.new_cache(n, self.max_len)
+        inv_t = torch.full((), 1.0 / temperature, dtype=torch.float32, device=dev)
+        state = _State(n, max(max_new), dev)
+
+        # Packed steps: every live request's pending tokens (prompt chunks, single decode tokens)
+        # in one flat batch; with graphs, only while some prompt is still being prefilled.
+        filled = [0] * n
         while True:
-            live = [i for i in range(len(prompts)) if len(outs[i].tokens) < max_new[i]]
-            if not live:
-                return outs
-            ids, pos, cu, slots = [], [], [0], []
+            live = [i for i in range(n) if state.count[i] < max_new[i]]
+            if not live or (graphed and all(filled[i] == len(prompts[i]) for i in live)):
+                break
+            host_ids: list[int] = []
+            from_last: list[int] = []
+            pos: list[int] = []
+            cu = [0]
+            sampled: list[int] = []  # requests whose last packed row is sampled this step
             for i in live:
-                n = len(pending[i])
-                if self.prefill_chunk is not None:
-                    n = min(n, self.prefill_chunk)
-                start = done_prefill[i]
-                ids += pending[i][:n]
-                pos += list(range(start, start + n))
-                cu.append(cu[-1] + n)
-                slots.append(i)
-            hidden = self.model.step(
-                torch.tensor(ids, device=dev),
-                torch.tensor(pos, device=dev),
-                torch.tensor(cu, device=dev, dtype=torch.int32),
-                slots,
-                cache,
-            )
-            last_rows, finishing = [], []
-            for j, i in enumerate(live):
-                n = cu[j + 1] - cu[j]
-                done_prefill[i] += n
-                pending[i] = pending[i][n:]
-                if not pending[i]:
-                    last_rows.append(cu[j + 1] - 1)
-                    finishing.append(i)
-            if not finishing:
+                p = prompts[i]
+                if filled[i] < len(p):
+                    m = len(p) - filled[i]
+                    if self.prefill_chunk is not None:
+                        m = min(m, self.prefill_chunk)
+                    host_ids += p[filled[i] : filled[i] + m]
+                    from_last += [-1] * m
+                    pos += range(filled[i], filled[i] + m)
+                    filled[i] += m
+                    if filled[i] == len(p):
+                        sampled.append(len(cu) - 1)
+                else:
+                    m = 1
+                    host_ids.append(0)
+                    from_last.append(i)
+                    pos.append(len(p) + state.count[i] - 1)
+                    sampled.append(len(cu) - 1)
+                cu.append(cu[-1] + m)
+            src = torch.tensor(from_last, device=dev)
+            ids = torch.where(src >= 0, state.last[src.clamp(min=0)], torch.tensor(host_ids, device=dev))
+            cu_t = torch.tensor(cu, device=dev, dtype=torch.int32)
+            hidden = self.model.step(ids, torch.tensor(pos, device=dev), cu_t, live, cache)
+            if not sampled:
                 continue
-            h = hidden[torch.tensor(last_rows, device=dev)]
-            logits = routing.logits_fp32(h, w)
-            probs = torch.softmax(logits / temperature, -1)
-            tok = torch.multinomial(probs, 1, generator=gen)[:, 0]
-            lp = routing.token_logprobs(h, w, tok)
-            for j, i in enumerate(finishing):
-                outs[i].tokens.append(int(tok[j]))
-                outs[i].logprobs.append(float(lp[j]))
-                pending[i] = [int(tok[j])]
+            rows = torch.tensor([cu[j + 1] - 1 for j in sampled], device=dev)
+            logp, probs = _head(hidden[rows], w, inv_t)
+            reqs = [live[j] for j in sampled]
+            state.take(reqs, [state.count[i] for i in reqs], logp, probs, gen)
+
+        # Graphed decode: every request together, one row per slot, padded to the bucket.
+        left = [max(max_new[i] - state.count[i], 0) for i in range(n)]
+        steps = max(left)
+        if steps:
+            base = torch.tensor([len(prompts[i]) + state.count[i] - 1 for i in range(n)], device=dev)
+            last_step = torch.tensor([max(x - 1, 0) for x in left], device=dev)
+            cols = torch.tensor(state.count, device=dev)
+            state.widen(max(state.count) + steps)
+            rows_all = torch.arange(n, device=dev)
+            g = self._graph(slots, cache)
+            g.inv_t.copy_(inv_t)
+            g.pos.fill_(self.max_len - 1)
+            g.ids[:n] = state.last
+            for s in range(steps):
+                # A request that is done repeats its last position (harmless: its slot is its own).
+                g.pos[:n] = base + last_step.clamp(max=s)
+                logp, probs = g()
+                tok = torch.multinomial(probs[:n], 1, generator=gen)[:, 0]
+                state.tokens[rows_all, cols + s] = tok
+                state.logprobs[rows_all, cols + s] = logp[:n].gather(1, tok[:, None])[:, 0]
+                g.ids[:n] = tok
+
+        tokens, logprobs = state.tokens.tolist(), state.logprobs.tolist()  # the one host read
+        return [
+            Completion(list(prompts[i]), tokens[i][: max_new[i]], logprobs[i][: max_new[i]]) for i in range(n)
+        ]
+
+    # ------------------------------------------------------------------ internals
+
+    def _cache(self, slots: int) -> Any:
+        """A persistent cache per slot count (the graphs are captured over its buffers)."""
+        if slots not in self._caches:
+            self._caches[slots] = self.model.new_cache(slots, self.max_len)
+        return self._caches[slots]
+
+    def _graph(self, slots: int, cache: Any) -> _DecodeGraph:
+        key = (slots, routing.is_enabled())
+        if key not in self._graphs:
+            dev = self.model.lm_head_weight.device
+            self._graphs[key] = _DecodeGraph(self._decode_fn(cache), slots, self.max_len - 1, dev)
+        return self._graphs[key]
+
+    def _decode_fn(self, cache: Any) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+        """One decode step over every slot (row i = slot i) to (log-softmax, sampling probs)."""
+        decode, w = self.model.decode, self.model.lm_head_weight  # type: ignore[attr-defined]
+
+        def run(
+            ids: torch.Tensor, pos: torch.Tensor, inv_t: torch.Tensor
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            return _head(decode(ids, pos, cache), w, inv_t)
+
+        return run
+
+
+def _head(h: torch.Tensor, w: torch.Tensor, inv_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 logits once: their log-softmax (the recorded logprobs: the same bits as
+    ``routing.token_logprobs``, which is ``z[token] - logsumexp(z)`` too) and the sampling
+    distribution at the temperature."""
+    z = routing.logits_fp32(h, w)
+    return routing.log_softmax(z), torch.softmax(z * inv_t, -1)
+
+
+class _State:
+    """Sampled tokens and logprobs on the device, plus each request's count on the host."""
+
+    def __init__(self, n: int, width: int, dev: torch.device) -> None:
+        self.count = [0] * n
+        self.last = torch.zeros(n, dtype=torch.long, device=dev)
+        self.tokens = torch.zeros(n, max(width, 1), dtype=torch.long, device=dev)
+        self.logprobs = torch.zeros(n, max(width, 1), dtype=torch.float32, device=dev)
+
+    def widen(self, width: int) -> None:
+        if width > self.tokens.shape[1]:
+            extra = width - self.tokens.shape[1]
+            self.tokens = torch.nn.functional.pad(self.tokens, (0, extra))
+            self.logprobs = torch.nn.functional.pad(self.logprobs, (0, extra))
+
+    def take(
+        self, reqs: list[int], cols: list[int], logp: torch.Tensor, probs: torch.Tensor, gen: torch.Generator
+    ) -> None:
+        """Sample one token for each of ``reqs`` from its row of ``probs``."""
+        dev = logp.device
+        tok = torch.multinomial(probs, 1, generator=gen)[:, 0]
+        lp = logp.gather(1, tok[:, None])[:, 0]
+        r, c = torch.tensor(reqs, device=dev), torch.tensor(cols, device=dev)
+        self.tokens[r, c] = tok
+        self.logprobs[r, c] = lp
+        self.last[r] = tok
+        for i in reqs:
+            self.count[i] += 1

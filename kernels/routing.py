@@ -132,11 +132,15 @@ def attention(
     kv_len: torch.Tensor,
     slots: torch.Tensor | None = None,
     scale: float | None = None,
+    *,
+    max_q: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention of packed queries against a KV cache (layout in :mod:`kernels.attention`)."""
-    if slots is None:
-        slots = torch.arange(cu_q.numel() - 1, device=q.device)
+    """Causal attention of packed queries against a KV cache (layout in :mod:`kernels.attention`).
+    ``slots=None``: sequence b lives in cache slot b. ``max_q``: the longest query count, if the
+    caller knows it (the native prefill pads to it; else it reads it from the device once)."""
     if _ENABLED:
+        if slots is None:
+            slots = torch.arange(cu_q.numel() - 1, device=q.device)
         if _on_cpu(q):
             return _cpu.attention(q, k_cache, v_cache, cu_q, q_pos0, kv_len, slots, scale)
         if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_cache, v_cache)):
@@ -145,23 +149,52 @@ def attention(
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if q.shape[0] == cu_q.numel() - 1:
         return _native_decode(q, k_cache, v_cache, kv_len, slots, scale)
-    g = q.shape[1] // k_cache.shape[2]
-    outs = []
-    for b in range(cu_q.numel() - 1):
-        s0, s1 = int(cu_q[b]), int(cu_q[b + 1])
-        p0, n, slot = int(q_pos0[b]), int(kv_len[b]), int(slots[b])
-        qb = q[s0:s1].transpose(0, 1)[None]
-        kb = k_cache[slot, :n].repeat_interleave(g, dim=1).transpose(0, 1)[None]
-        vb = v_cache[slot, :n].repeat_interleave(g, dim=1).transpose(0, 1)[None]
-        if s1 - s0 == 1:
-            mask = None
-        else:
-            pos = torch.arange(p0, p0 + s1 - s0, device=q.device)
-            mask = torch.arange(n, device=q.device)[None, :] <= pos[:, None]
-        outs.append(
-            F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale)[0].transpose(0, 1)
-        )
-    return torch.cat(outs)
+    return _native_prefill(q, k_cache, v_cache, cu_q, q_pos0, kv_len, slots, scale, max_q)
+
+
+def _cache_rows(cache: torch.Tensor, slots: torch.Tensor | None, b: int) -> torch.Tensor:
+    """The batch's cache rows, (B, Hkv, L, D): a view when sequence b is slot b."""
+    rows = (
+        cache[:b] if slots is None else cache.index_select(0, slots.to(device=cache.device, dtype=torch.long))
+    )
+    return rows.transpose(1, 2)
+
+
+def _native_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_q: torch.Tensor,
+    q_pos0: torch.Tensor,
+    kv_len: torch.Tensor,
+    slots: torch.Tensor | None,
+    scale: float,
+    max_q: int | None,
+) -> torch.Tensor:
+    """Packed prefill as an engine batches it: the sequences' queries padded to the longest, one
+    SDPA over their cache rows with a causal-and-length mask (padded query rows see their
+    sequence's first keys and are dropped). No loop over sequences; one host read of the
+    longest query count unless ``max_q`` is given."""
+    dev = q.device
+    b, t = cu_q.numel() - 1, q.shape[0]
+    cu = cu_q.to(device=dev, dtype=torch.long)
+    lens = cu[1:] - cu[:-1]
+    if max_q is None:
+        max_q = int(lens.max())
+    seq = torch.repeat_interleave(torch.arange(b, device=dev), lens, output_size=t)
+    row = torch.arange(t, device=dev) - cu[seq]
+    qp = q.new_zeros(b, max_q, *q.shape[1:])
+    qp[seq, row] = q
+    k, v = _cache_rows(k_cache, slots, b), _cache_rows(v_cache, slots, b)
+    keys = torch.arange(k_cache.shape[1], device=dev)
+    pos = q_pos0.to(device=dev, dtype=torch.long)[:, None] + torch.arange(max_q, device=dev)[None, :]
+    mask = (keys[None, None, :] <= pos[:, :, None]) & (
+        keys[None, None, :] < kv_len.to(device=dev, dtype=torch.long)[:, None, None]
+    )
+    out = F.scaled_dot_product_attention(
+        qp.transpose(1, 2), k, v, attn_mask=mask[:, None], scale=scale, enable_gqa=True
+    )
+    return out.transpose(1, 2)[seq, row]
 
 
 def _native_decode(
@@ -169,15 +202,14 @@ def _native_decode(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     kv_len: torch.Tensor,
-    slots: torch.Tensor,
+    slots: torch.Tensor | None,
     scale: float,
 ) -> torch.Tensor:
     """A decode step as an engine runs it: one query per sequence, one batched SDPA over the
     sequences' cache rows with a length mask; no host synchronisation, so it can be captured in a
     CUDA graph (the per-sequence loop synchronised per sequence and layer)."""
-    idx = slots.to(device=q.device, dtype=torch.long)
-    k = k_cache.index_select(0, idx).transpose(1, 2)  # (B, Hkv, L, D)
-    v = v_cache.index_select(0, idx).transpose(1, 2)
+    b = q.shape[0]
+    k, v = _cache_rows(k_cache, slots, b), _cache_rows(v_cache, slots, b)  # (B, Hkv, L, D)
     keys = torch.arange(k_cache.shape[1], device=q.device)
     mask = (keys[None, :] < kv_len.to(q.device)[:, None])[:, None, None, :]
     out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask, scale=scale, enable_gqa=True)
