@@ -445,8 +445,10 @@ def _token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Te
 class _TokenLogprobs(_TokenLogprobsBackward):
     @staticmethod
     def forward(ctx, hidden, weight, tokens):  # type: ignore[override]
-        ctx.save_for_backward(hidden, weight, tokens)
-        return _token_logprobs(hidden, weight, tokens)
+        z = lm_head_logits(hidden.reshape(-1, hidden.shape[-1]), weight)
+        lse = logsumexp_rows(z)
+        ctx.save_for_backward(hidden, weight, tokens, z, lse)  # the backward reads the logits
+        return z.gather(1, tokens.reshape(-1, 1).long())[:, 0] - lse
 
 
 def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

@@ -109,23 +109,73 @@ def token_logprobs(
     return out
 
 
+#: Rows of the logits' gradient built at once in the backward (each chunk is one fp32 block of
+#: ``rows x V`` and one GEMM per weight; bounded so no operand exceeds 2**31 elements).
+BACKWARD_ROWS = 8192
+
+
+def _forward_with_lse(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor):
+    """:func:`token_logprobs`'s bits, also returning the fp32 logits and their row log-sum-exp."""
+    h = hidden.reshape(-1, hidden.shape[-1])
+    if resolve(None, h) == "torch":
+        z = lm_head_logits(h, weight, impl="torch")
+        lse = _lse_reference(z)
+        return z.gather(1, tokens.reshape(-1, 1).long())[:, 0] - lse, z, lse
+    z = lm_head_logits(h, weight)
+    t, v = z.shape
+    lse = torch.empty(t, dtype=torch.float32, device=z.device)
+    out = torch.empty(t, dtype=torch.float32, device=z.device)
+    if t:
+        tok = tokens.reshape(-1).to(torch.int64).contiguous()
+        _lse_kernel[(t,)](z, tok, lse, out, t, v, z.stride(0), HAS_TOK=True, BLOCK=BLOCK_V, num_warps=4)
+    return out, z, lse
+
+
+def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` of two model-dtype operands accumulated and returned in fp32."""
+    try:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    except (TypeError, RuntimeError):  # torch without out_dtype, or a device without it
+        return torch.mm(a, b).float()
+
+
 class _TokenLogprobs(torch.autograd.Function):
+    """The forward is the invariant fp32 head; the backward is what a native trainer's is (the
+    forward's bits are what must match the rollout, not the gradient's): softmax from the saved
+    fp32 logits, the logits' gradient rounded to the model dtype, and model-dtype GEMMs, in row
+    chunks (a single 16k x 152k block overflows cuBLAS's 32-bit sizes)."""
+
     @staticmethod
     def forward(ctx, hidden, weight, tokens):  # type: ignore[override]
-        ctx.save_for_backward(hidden, weight, tokens)
-        return token_logprobs(hidden, weight, tokens)
+        out, z, lse = _forward_with_lse(hidden, weight, tokens)
+        ctx.save_for_backward(hidden, weight, tokens, z, lse)
+        return out
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        hidden, weight, tokens = ctx.saved_tensors
-        h = hidden.reshape(-1, hidden.shape[-1]).float()
-        z = h @ weight.float().T
-        p = torch.softmax(z, -1)
-        gz = -p * grad.reshape(-1, 1)
-        gz.scatter_add_(1, tokens.reshape(-1, 1).long(), grad.reshape(-1, 1).float())
-        gh = (gz @ weight.float()).to(hidden.dtype).reshape(hidden.shape) if ctx.needs_input_grad[0] else None
-        gw = (gz.T @ h).to(weight.dtype) if ctx.needs_input_grad[1] else None
-        return gh, gw, None
+        hidden, weight, tokens, z, lse = ctx.saved_tensors
+        h = hidden.reshape(-1, hidden.shape[-1])
+        g = grad.reshape(-1).float()
+        tok = tokens.reshape(-1).long()
+        dt = weight.dtype
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        gh = torch.empty(h.shape, dtype=hidden.dtype, device=h.device) if need_h else None
+        gw = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if need_w else None
+        for r0 in range(0, h.shape[0], BACKWARD_ROWS):
+            r1 = min(r0 + BACKWARD_ROWS, h.shape[0])
+            gc = g[r0:r1, None]
+            gz = torch.exp(z[r0:r1] - lse[r0:r1, None]).mul_(-gc)  # d logp[tok] / dz = onehot - softmax
+            gz.scatter_add_(1, tok[r0:r1, None], gc)
+            gz = gz.to(dt)
+            if gh is not None:
+                gh[r0:r1] = torch.mm(gz, weight).to(hidden.dtype)
+            if gw is not None:
+                gw += _mm_fp32(gz.T, h[r0:r1].to(dt))
+        return (
+            gh.reshape(hidden.shape) if gh is not None else None,
+            gw.to(weight.dtype) if gw is not None else None,
+            None,
+        )
 
 
 def token_logprobs_autograd(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
