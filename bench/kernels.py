@@ -280,38 +280,39 @@ def bench_fingerprint() -> None:
             coll._TRITON = saved
 
 
-def bench_trainer() -> None:
-    """The trainer's forward+backward on a ~0.5B Qwen3-shaped bf16 model (24 layers, hidden 896,
-    14/2 heads of 64, MLP 4864, vocab 151,936) over 64 x 256 tokens: the loss is the sum of the
-    sampled tokens' logprobs, as an RL trainer's. Wall time per step with a sync (eager only: the
-    backward reads the batch's lengths once). "before": the per-sequence autograd backward."""
-    import importlib
-    import time
-
+def _qwen3_05b(layers: int = 24):
+    """A random Qwen3-shaped ~0.5B bf16 model (24 layers, hidden 896, 14/2 heads of 64, MLP 4864,
+    vocab 151,936, tied embeddings)."""
     import transformers
+
+    cfg = transformers.Qwen3Config(
+        vocab_size=151_936, hidden_size=896, intermediate_size=4864, num_hidden_layers=layers,
+        num_attention_heads=14, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048,
+        tie_word_embeddings=True, attn_implementation="sdpa",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.Qwen3ForCausalLM(cfg).to("cuda", torch.bfloat16)
+
+
+def bench_trainer() -> None:
+    """The trainer's forward+backward on the ~0.5B Qwen3-shaped bf16 model over 64 x 256 tokens:
+    the loss is the sum of the sampled tokens' logprobs, as an RL trainer's. Wall time per step
+    with a sync (eager only: the backward reads the batch's lengths once)."""
+    import time
 
     import kernels
     from kernels import routing
 
-    attn_mod = importlib.import_module("kernels.attention")  # the package exports a function of that name
-
     if TIMING != "eager":
         return
-    cfg = transformers.Qwen3Config(
-        vocab_size=151_936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-        num_attention_heads=14, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
-        tie_word_embeddings=True, attn_implementation="sdpa",
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = transformers.Qwen3ForCausalLM(cfg).to("cuda", torch.bfloat16)
-    ids = torch.randint(
-        0, cfg.vocab_size, (32, 256), device="cuda"
-    )  # 64 x 256: the fp32 logit grad (2.5e9 elements) fails in cuBLAS
+    model = _qwen3_05b()
+    hidden = model.config.hidden_size
+    ids = torch.randint(0, model.config.vocab_size, (64, 256), device="cuda")
 
     def step() -> None:
         h = model.model(input_ids=ids).last_hidden_state
         lp = routing.token_logprobs(
-            h[:, :-1].reshape(-1, cfg.hidden_size), model.lm_head.weight, ids[:, 1:].reshape(-1)
+            h[:, :-1].reshape(-1, hidden), model.lm_head.weight, ids[:, 1:].reshape(-1)
         )
         lp.sum().backward()
         model.zero_grad(set_to_none=True)
@@ -331,20 +332,121 @@ def bench_trainer() -> None:
         native = timed(3)
     with kernels.enable():
         ours = timed(3)
-        print(f"[eager] trainer fwd+bwd: native {native:.1f} ms, invariant {ours:.1f} ms", flush=True)
-        saved = attn_mod._uniform_batch_backward
-        attn_mod._uniform_batch_backward = lambda *a: None
-        try:
-            before = timed(1)
-        finally:
-            attn_mod._uniform_batch_backward = saved
-    shape = "Qwen3 24L h896 32x256 tok"
-    print(
-        f"[eager] trainer fwd+bwd {shape}: native {native:.1f} ms, invariant {ours:.1f} ms, before {before:.1f} ms",
-        flush=True,
-    )
-    record("trainer fwd+bwd (before)", shape, native, before)
-    record("trainer fwd+bwd", shape, native, ours, 1.25)
+        if PROFILE:
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                step()
+                torch.cuda.synchronize()
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25), flush=True)
+    record("trainer fwd+bwd", "Qwen3 24L h896 64x256 tok", native, ours, 1.25)
+
+
+PROFILE = False
+
+
+def bench_engine() -> None:
+    """End to end through the reference engine on the ~0.5B model, both sides alike (batched
+    attention over the cache, decode replayed from a CUDA graph per batch bucket): decode
+    throughput at batch 1/16/64/256 (32-token prompts, 128 new tokens; the decode time is a whole
+    generation's minus a prefill-and-one-token generation's) and prefill (16 x 512 tokens). Wall
+    time with the sync of the engine's one host read. Also the eager (ungraphed) engine at B=64."""
+    import time
+
+    import kernels
+    from kernels.adapters import HFCausalLM
+    from kernels.engine import RolloutEngine
+
+    if TIMING != "eager":
+        return
+    hf = _qwen3_05b()
+    model = HFCausalLM(hf)
+    vocab = hf.config.vocab_size
+
+    def wall(eng: RolloutEngine, prompts: list[list[int]], new: int, reps: int = 3) -> float:
+        eng.generate(prompts, [new] * len(prompts), seed=0)  # compile, capture
+        times = []
+        for r in range(reps):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            eng.generate(prompts, [new] * len(prompts), seed=r)
+            times.append(time.perf_counter() - t0)
+        return sorted(times)[len(times) // 2]
+
+    new, plen = 128, 32
+    for b in (1, 16, 64, 256):
+        prompts = torch.randint(0, vocab, (b, plen)).tolist()
+        per_token = {}
+        for mode in ("native", "invariant"):
+            with kernels.enable() if mode == "invariant" else kernels.disable():
+                eng = RolloutEngine(model, max_len=plen + new + 8)
+                full, first = wall(eng, prompts, new), wall(eng, prompts, 1)
+                per_token[mode] = (full - first) / (new - 1) * 1e3  # ms per decode step of b tokens
+                print(
+                    f"[engine] {mode:<9} B={b:<3}: generate {full * 1e3:8.1f} ms, prefill+1 {first * 1e3:7.1f} ms, "
+                    f"decode {b / per_token[mode] * 1e3:9.0f} tok/s",
+                    flush=True,
+                )
+                eng.clear_graphs()
+        record(
+            "e2e decode, graphs (ms/step)",
+            f"0.5B B={b} ctx {plen}+{new}",
+            per_token["native"],
+            per_token["invariant"],
+            1.25,
+        )
+    prompts = torch.randint(0, vocab, (16, 512)).tolist()
+    pre = {}
+    for mode in ("native", "invariant"):
+        with kernels.enable() if mode == "invariant" else kernels.disable():
+            pre[mode] = wall(RolloutEngine(model, max_len=520), prompts, 1) * 1e3
+    record("e2e prefill (+1 token)", "0.5B B=16 L=512", pre["native"], pre["invariant"], 1.25)
+    b = 64
+    prompts = torch.randint(0, vocab, (b, plen)).tolist()
+    eager = {}
+    for mode in ("native", "invariant"):
+        with kernels.enable() if mode == "invariant" else kernels.disable():
+            eng = RolloutEngine(model, max_len=plen + new + 8, cuda_graphs=False)
+            eager[mode] = (wall(eng, prompts, new, 1) - wall(eng, prompts, 1, 1)) / (new - 1) * 1e3
+    record("e2e decode, eager (ms/step)", f"0.5B B={b} ctx {plen}+{new}", eager["native"], eager["invariant"])
+
+
+def bench_native_attn() -> None:
+    """Native decode attention variants over a padded cache (B=64, cache 512, 14/2 heads of 64,
+    half the cache filled): the engine's native path is SDPA with a length mask; this checks it
+    against expanding the KV heads and against plain batched matmuls (graph timing)."""
+    if TIMING != "graph":
+        return
+    b, n, hq, hkv, d = 64, 512, 14, 2, 64
+    g = hq // hkv
+    q = torch.randn(b, hq, d, device="cuda").bfloat16()
+    k = torch.randn(b, n, hkv, d, device="cuda").bfloat16()
+    v = torch.randn(b, n, hkv, d, device="cuda").bfloat16()
+    kvl = torch.full((b,), n // 2, device="cuda")
+    keys = torch.arange(n, device="cuda")
+    scale = d**-0.5
+
+    def sdpa_gqa() -> torch.Tensor:
+        mask = (keys[None, :] < kvl[:, None])[:, None, None, :]
+        return F.scaled_dot_product_attention(
+            q[:, :, None], k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale, enable_gqa=True
+        )
+
+    def sdpa_expand() -> torch.Tensor:
+        mask = (keys[None, :] < kvl[:, None])[:, None, None, :]
+        ke = k.transpose(1, 2).repeat_interleave(g, dim=1)
+        ve = v.transpose(1, 2).repeat_interleave(g, dim=1)
+        return F.scaled_dot_product_attention(q[:, :, None], ke, ve, attn_mask=mask, scale=scale)
+
+    def matmuls() -> torch.Tensor:
+        qg = q.view(b, hkv, g, d)
+        s = (qg @ k.permute(0, 2, 3, 1)).float() * scale
+        s = s.masked_fill((keys[None, :] >= kvl[:, None])[:, None, None, :], float("-inf"))
+        return torch.softmax(s, -1).to(v.dtype) @ v.transpose(1, 2)
+
+    base = bench(sdpa_gqa)
+    record("native decode attn: expand", f"B={b} cache={n} H={hq}/{hkv}", base, bench(sdpa_expand))
+    record("native decode attn: matmuls", f"B={b} cache={n} H={hq}/{hkv}", base, bench(matmuls))
 
 
 def bench_tune() -> None:
@@ -552,8 +654,10 @@ def main() -> None:
     ap.add_argument("--only", default="launch,gemm,gemm_small,rmsnorm,attention,gdn,fingerprint")
     ap.add_argument("--timing", default="eager", help="eager, graph, or eager,graph")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--profile", action="store_true", help="profile the invariant trainer step")
     args = ap.parse_args()
-    global TIMING
+    global TIMING, PROFILE
+    PROFILE = args.profile
     if not torch.cuda.is_available():
         sys.exit("bench/kernels.py needs CUDA")
     torch.manual_seed(0)

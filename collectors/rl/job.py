@@ -46,6 +46,8 @@ class JobConfig:
     updates: int = 2
     sample_every: int = 1
     seed: int = 0
+    #: The trainer collector's fingerprinted regions ("auto": every region; None: logprobs only).
+    trainer_regions: str | None = "auto"
 
     def __post_init__(self) -> None:
         for name in ("steps", "prompts", "group", "max_new", "updates", "sample_every"):
@@ -70,6 +72,10 @@ class StepFigures:
     training_s: float
     weight_version: int
     mode: str
+    #: The step's train-rollout mismatch as the loop sees it (the trainer's recompute against the
+    #: engine's logprobs, before the update): mean |delta| and the fraction of tokens exactly equal.
+    mismatch_mean_abs: float = float("nan")
+    exact_fraction: float = float("nan")
 
 
 def run_job(
@@ -83,12 +89,15 @@ def run_job(
 ) -> list[StepFigures]:
     """Train ``policy`` for ``config.steps`` GRPO steps against ``rollout``, audited by ``audit``."""
     torch.manual_seed(config.seed)
-    trainer = audit.watch_trainer(policy, sample_every=config.sample_every, case="trainer_recompute")
+    trainer = audit.watch_trainer(
+        policy, regions=config.trainer_regions, sample_every=config.sample_every, case="trainer_recompute"
+    )
     rollout.watch(audit)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=config.learning_rate)
     problems = copy_problems(1024, seed=config.seed)
     rng = random.Random(config.seed)
     pad = int(getattr(tokenizer, "pad_token_id", 0) or 0)
+    device = next(policy.parameters()).device
     figures: list[StepFigures] = []
     for step in range(config.steps):
         chosen = [p for p in rng.sample(problems, config.prompts) for _ in range(config.group)]
@@ -96,21 +105,27 @@ def run_job(
 
         started = time.perf_counter()
         sampled = rollout.generate(step, prompts, config.max_new, config.temperature, seed=config.seed + step)
+        _settle(device)
         generation_s = time.perf_counter() - started
 
         started = time.perf_counter()
         completions = [s.tokens for s in sampled]
         texts = tokenizer.batch_decode(completions, skip_special_tokens=True)  # type: ignore[attr-defined]
         reward = torch.tensor(rewards(texts, chosen))
-        batch = StepBatch.padded(prompts, completions, pad_token_id=pad, temperature=config.temperature)
+        batch = StepBatch.padded(
+            prompts, completions, pad_token_id=pad, temperature=config.temperature, device=device
+        )
         trainer.begin_step(step, batch)  # a step boundary: a new remediation mode applies here
         policy.train()
         with torch.no_grad():
             old = grpo.policy_logprobs(policy, batch)
         lengths = [len(c) for c in completions]
         trainer.record_step(step, batch, logprobs=list(torch.split(old.logprobs.float(), lengths)))
-        token_advantages = grpo.group_advantages(reward, config.group).repeat_interleave(
-            torch.tensor(lengths)
+        delta = (
+            old.logprobs.detach().float().cpu() - torch.tensor([x for s in sampled for x in s.logprobs])
+        ).abs()
+        token_advantages = (
+            grpo.group_advantages(reward, config.group).repeat_interleave(torch.tensor(lengths)).to(device)
         )
         clip = []
         for _ in range(config.updates):
@@ -125,6 +140,7 @@ def run_job(
         version = step + 1
         rollout.sync(policy, version)
         audit.weights_changed(version)
+        _settle(device)
         training_s = time.perf_counter() - started
 
         row = StepFigures(
@@ -137,6 +153,8 @@ def run_job(
             training_s=training_s,
             weight_version=version,
             mode=trainer.mode,
+            mismatch_mean_abs=float(delta.mean()) if delta.numel() else 0.0,
+            exact_fraction=float((delta == 0).float().mean()) if delta.numel() else 1.0,
         )
         audit.record_stats(
             step,
@@ -151,6 +169,12 @@ def run_job(
         if on_step is not None:
             on_step(row)
     return figures
+
+
+def _settle(device: torch.device) -> None:
+    """Wait for the device's queued work, so a phase's time is the phase's (CUDA is asynchronous)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 __all__ = ["JobConfig", "Problem", "StepFigures", "run_job"]
