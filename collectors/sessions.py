@@ -253,8 +253,10 @@ class Session:
         strict: bool = False,
         report: bool = True,
         contracts: bool = False,
+        rank: int | None = None,
     ) -> None:
         self.run = run_record(run)
+        self.rank = rank  # None: detected when the first sink opens (collectors.integrations.ranks)
         self.contracts = contracts
         self.destination = destination
         self.strict = strict
@@ -480,7 +482,12 @@ class Session:
     def _sink(self, side: str) -> Sink:
         self.start()
         if side not in self._sinks:
-            self._sinks[side] = self.destination.sink(side)
+            from collectors.integrations.ranks import detect_rank, stamp_rank
+
+            sink = self.destination.sink(side)
+            if self.rank is None:
+                self.rank = detect_rank()
+            self._sinks[side] = stamp_rank(sink, self.rank) if self.rank is not None else sink
         return self._sinks[side]
 
     def _add(self, collector: C) -> C:
@@ -501,6 +508,7 @@ def session(
     strict: bool = False,
     report: bool = True,
     contracts: bool = False,
+    rank: int | None = None,
 ) -> Session:
     """A session for run ``run`` (an id, or a :class:`audit.records.Run` with a name and config).
 
@@ -513,7 +521,9 @@ def session(
     errors (tests); ``report``: print the summary on close; ``contracts``: every side a ``watch_*``
     call gives no contract gets one built per remediation mode from what it runs
     (:mod:`collectors.policy`), so the manifests' ``numerical_policy`` says which kernels compute
-    each region and the handshake names the regions where the sides differ.
+    each region and the handshake names the regions where the sides differ; ``rank``: the rank
+    stamped on this session's samples (default: ``torch.distributed``'s, else the launcher's
+    ``RANK``, else none).
     """
     if destination is None:
         destination = destination_from(
@@ -524,4 +534,4 @@ def session(
             spool_dir=spool_dir,
             control_interval=control_interval,
         )
-    return Session(run, destination, strict=strict, report=report, contracts=contracts)
+    return Session(run, destination, strict=strict, report=report, contracts=contracts, rank=rank)

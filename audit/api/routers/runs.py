@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import math
+from dataclasses import asdict
+from datetime import datetime
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, HTTPException, Query, status
+from pydantic import BaseModel, Field
 
 from audit.api.auth import ReadableRun, Reader
 from audit.api.deps import get_store
 from audit.api.routers.control import control_of
 from audit.api.schemas import DivergenceOut, RunOut, SampleResultOut, StepMetricsOut, StepOut, StepStatsOut
+from audit.queries import STOPPED_AFTER_STEPS, rank_activity
 from audit.records import Step
 from audit.store import Store
 
@@ -151,3 +155,27 @@ def divergences(
         for row in store.sample_results(run_id, step)
         if row.first_divergence_region is not None or row.diagnosis != "clean"
     ]
+
+
+class RankOut(BaseModel):
+    """What one rank of one side sent (``rank`` null: samples sent without a rank)."""
+
+    side: str
+    rank: int | None
+    samples: int = Field(description="samples this rank sent for the run")
+    steps: int = Field(description="distinct steps it sent samples for")
+    first_step: int
+    last_step: int
+    last_seen: datetime | None = Field(description="when its newest sample was stored")
+    steps_behind: int = Field(description="the side's newest step minus this rank's")
+    stopped: bool = Field(description=f"{STOPPED_AFTER_STEPS} or more steps behind: it stopped sending")
+    processes: list[str] = Field(description="host:pid/rank of the processes its manifests name")
+
+
+@router.get(
+    "/{run_id}/ranks",
+    response_model=list[RankOut],
+    summary="Per-rank counters of each side: samples, steps, newest step, and whether a rank stopped sending",
+)
+def ranks(run_id: ReadableRun, store: Annotated[Store, Depends(get_store)]) -> list[RankOut]:
+    return [RankOut(**asdict(r), stopped=r.stopped) for r in rank_activity(store, run_id)]
