@@ -197,13 +197,26 @@ def _version_gap(
     )
 
 
+def digest_parts(value: str) -> tuple[str | None, str]:
+    """``"dtype[shape]:hex"`` (``collectors.held_weights``) as (what it is of, the digest); a bare
+    digest has no label."""
+    what, sep, digest = value.rpartition(":")
+    return (what, digest) if sep else (None, value)
+
+
 def _held_weights(tm: Manifest | None, rm: Manifest | None) -> Diagnosis | None:
-    """Same claimed version, different weights actually held: name the tensors that differ."""
+    """Same claimed version, different weights actually held: name the tensors that differ. Tensors
+    held in different dtypes or shapes are not compared (a precision difference is not a stale sync)."""
     if tm is None or rm is None:
         return None
     a, b = tm.weight_tensor_digests, rm.weight_tensor_digests
-    common = sorted(set(a) & set(b))
-    differing = [name for name in common if a[name] != b[name]]
+    common, not_comparable = [], []
+    for name in sorted(set(a) & set(b)):
+        (what_a, _), (what_b, _) = digest_parts(a[name]), digest_parts(b[name])
+        (not_comparable if what_a is not None and what_b is not None and what_a != what_b else common).append(
+            name
+        )
+    differing = [name for name in common if digest_parts(a[name])[1] != digest_parts(b[name])[1]]
     version = tm.weight_version if tm.weight_version == rm.weight_version else None
     claim = f"both claim weight version {version}" if version is not None else "their claimed versions agree"
     if differing:
@@ -216,6 +229,7 @@ def _held_weights(tm: Manifest | None, rm: Manifest | None) -> Diagnosis | None:
                 "cause": "held_weights_differ",
                 "differing_tensors": differing,
                 "tensors_compared": len(common),
+                "not_comparable": not_comparable,
                 "weight_version": version,
             },
         )

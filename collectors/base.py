@@ -113,6 +113,8 @@ class Collector(ABC):
         self.counters = self.COUNTERS()
         self.weight_version: str | None = str(weight_version) if weight_version is not None else None
         self.weight_digest = weight_digest
+        #: tensor name -> digest of the weights this side holds now (``collectors.held_weights``)
+        self.weight_tensor_digests: dict[str, str] = {}
         self.mode_report = ModeReport(mode, mode)
         self._warn = LogOnce(log)
         self._contract = contract
@@ -294,7 +296,13 @@ class Collector(ABC):
     def _manifests(self, out: list[Record]) -> None:
         """Append the manifests whose content changed since the last ones sent."""
         signature = self._signature()
-        key = (signature, self.mode_report, self.weight_version, self.weight_digest)
+        key = (
+            signature,
+            self.mode_report,
+            self.weight_version,
+            self.weight_digest,
+            hash(frozenset(self.weight_tensor_digests.items())),
+        )
         if signature is not None and key == self._manifest_key:
             return
         self._manifest_key = key
@@ -303,7 +311,10 @@ class Collector(ABC):
         for tracker in self._trackers.values():
             tracker.set_contract(contract)
             built = tracker.build(runtime, self.weight_version).model_copy(
-                update={"weight_digest": self.weight_digest}
+                update={
+                    "weight_digest": self.weight_digest,
+                    "weight_tensor_digests": self.weight_tensor_digests,
+                }
             )
             manifest = tracker.changed(built)
             if manifest is not None:
