@@ -36,9 +36,10 @@ from collectors.assemble import fingerprint_records, keys_for, sample_records, s
 from collectors.base import Collector, CollectorCounters, ModeReport
 from collectors.control import ControlChannel
 from collectors.fingerprints import device_tensors, host_rows
+from collectors.held_weights import module_digests
 from collectors.hooks import Capture, ForwardCapture
 from collectors.layout import StepBatch
-from collectors.logprobs import processed_logprobs
+from collectors.logprobs import SamplingArg, applied_transforms, processed_logprobs, sampling_values
 from collectors.manifest import ContractArg, runtime_signature, trainer_runtime
 from collectors.regions import RegionsArg, resolve_regions
 from collectors.remediation import RemediationHook, apply_kernels_mode, switch_with
@@ -79,6 +80,7 @@ class _PendingStep:
     keys: list[tuple[str, int]]
     compacted: bool
     head: list[Record]
+    sampling: dict[str, np.ndarray | None] = field(default_factory=dict)
 
 
 class TrainerCollector(Collector):
@@ -96,7 +98,9 @@ class TrainerCollector(Collector):
     records in its report. ``async_transfer``: on CUDA, let each step's arrays travel to the host
     while the training step goes on; their records are built at a later ``record_step`` (at most
     ``max_inflight`` steps behind), or at ``flush``/``detach``. Off, ``record_step`` waits for
-    the copy.
+    the copy. ``weight_digests``: digest every parameter on its device at attach and at each
+    weight version change (``Manifest.weight_tensor_digests``), so weights that differ under one
+    claimed version are named.
     """
 
     side = "trainer"
@@ -120,6 +124,7 @@ class TrainerCollector(Collector):
         keep_records: bool = False,
         async_transfer: bool = True,
         max_inflight: int = 2,
+        weight_digests: bool = True,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
@@ -144,6 +149,9 @@ class TrainerCollector(Collector):
         self.resolved = resolve_regions(model, regions)
         self._next_step: int | None = None
         self._capture = ForwardCapture(model, self.resolved.specs, should_fingerprint=self._fingerprint_due)
+        self.weight_digests = weight_digests
+        self._applied: tuple[str, ...] = ("temperature",)
+        self._held_now()
         self._begin(self.resolved.names, self.resolved.unobserved)
 
     # ------------------------------------------------------------------ public
@@ -175,9 +183,17 @@ class TrainerCollector(Collector):
         logprobs: LogprobsArg = None,
         logprobs_layout: LogprobsLayout = "auto",
         weight_version: str | int | None = None,
+        top_k: SamplingArg = None,
+        top_p: SamplingArg = None,
+        min_p: SamplingArg = None,
     ) -> StepReport | None:
         """Record one forward's samples: their logprobs (given, or computed from the logits with the
-        sampling temperature) and, on sampled steps, every hooked region's fingerprints.
+        sampler's transforms) and, on sampled steps, every hooked region's fingerprints.
+
+        ``top_k``/``top_p``/``min_p`` (one value, or one per sample; ``None``: not applied): computed
+        logprobs apply them exactly as vLLM's processed mode does (temperature, min-p, top-k, top-p,
+        then a log-softmax renormalised over the kept set); with given ``logprobs`` they state what
+        the caller applied. Either way each record and the manifest (``logprobs_applied``) say so.
 
         ``logprobs``: one 1-D array per sample (its completion tokens), or a tensor laid out like
         ``input_ids`` (``tokens``: value at each token's own position), shifted by one
@@ -186,7 +202,14 @@ class TrainerCollector(Collector):
         """
         try:
             return self.guarded(
-                "record_step", self._record, step, batch, logprobs, logprobs_layout, weight_version
+                "record_step",
+                self._record,
+                step,
+                batch,
+                logprobs,
+                logprobs_layout,
+                weight_version,
+                {"top_k": top_k, "top_p": top_p, "min_p": min_p},
             )
         finally:
             self._capture.row_hint = None
@@ -203,10 +226,19 @@ class TrainerCollector(Collector):
         return self._next_step is None or self._next_step % self.sample_every == 0
 
     def _runtime(self) -> RuntimeFacts:
-        return trainer_runtime(self.model)
+        return trainer_runtime(self.model).model_copy(update={"logprobs_applied": ",".join(self._applied)})
 
     def _signature(self) -> tuple[Any, ...]:
-        return runtime_signature(self.model)
+        return (*runtime_signature(self.model), self._applied)
+
+    def _held_now(self) -> None:
+        """Digest the parameters this process holds now (at attach and at each version change)."""
+        if self.weight_digests:
+            digests = self.guarded("weight digests", module_digests, self.model)
+            self.weight_tensor_digests = digests if digests is not None else {}
+
+    def _weights_moved(self, version: str, digest: str | None) -> None:
+        self._held_now()
 
     def _apply_mode(self, mode: str, version: int | None) -> ModeReport:
         return switch_with(self.remediation_hook, self.model, mode, "trainer")
@@ -224,6 +256,7 @@ class TrainerCollector(Collector):
         logprobs: LogprobsArg,
         layout: LogprobsLayout,
         weight_version: str | int | None,
+        sampling: dict[str, SamplingArg],
     ) -> StepReport:
         if not isinstance(step, int | np.integer) or step < 0:
             raise ValueError(f"step: must be an integer >= 0, got {step!r}")
@@ -232,7 +265,13 @@ class TrainerCollector(Collector):
         if weight_version is not None and str(weight_version) != self.weight_version:
             # a version given here has no known digest (weights_changed(version, digest) gives one)
             self.weight_version, self.weight_digest = str(weight_version), None
+            self._held_now()
         version = self.weight_version
+        transforms = {
+            name: sampling_values(value, batch.num_samples, name) for name, value in sampling.items()
+        }
+        given = logprobs is not None
+        self._applied = applied_transforms(batch.temperature, transforms, given=given)
         records: list[Record] = []
         self._manifests(records)
 
@@ -259,6 +298,7 @@ class TrainerCollector(Collector):
                 target,
                 batch.temperature,
                 sample_of,  # type: ignore[arg-type]
+                **transforms,
             )
         else:
             tensors.update(_given_logprobs(logprobs, batch, target, layout))
@@ -278,6 +318,7 @@ class TrainerCollector(Collector):
             keys=list(prints),
             compacted=bool(prints) and capture is not None and capture.rows is not None,
             head=records,
+            sampling=transforms,
         )
         self._inflight.append(pending)
         done = self._drain(block_beyond=self.max_inflight)
@@ -315,7 +356,7 @@ class TrainerCollector(Collector):
             per_sample = [
                 host[f"lp{i}"].astype(np.float32, copy=False).reshape(-1) for i in range(batch.num_samples)
             ]
-        records += sample_records(
+        samples = sample_records(
             run_id=self.run.run_id,
             step=step,
             side="trainer",
@@ -326,6 +367,13 @@ class TrainerCollector(Collector):
             weight_version=version,
             validate=self.validate,
         )
+        for name, values in pending.sampling.items():  # what this side applied, per sample
+            if values is not None:
+                for i, sample in enumerate(samples):
+                    value = float(values[i])
+                    if value == value:  # NaN: not applied to this sample
+                        setattr(sample, name, int(value) if name == "top_k" else value)
+        records += samples
         row_index = host["rows"].astype(np.int64) if pending.compacted else None
         host_prints = dict(
             zip(pending.keys, host_rows(host, pending.ladder_bits, "p", row_index), strict=True)
