@@ -204,6 +204,41 @@ def load_weights(obj: Any, message: Any, local: Iterable[tuple[str, torch.Tensor
     return to_wire(WeightsLoaded(loaded=loaded, weight_version=state.version, weight_digest=state.digest))
 
 
+# ------------------------------------------------- issue 16: held weights and per-request facts
+
+
+def weight_digests(obj: Any) -> Any:
+    """Digests of the weights this worker holds now, per trainer-named tensor (installs the
+    post-load hooks on first use): ``{"digests", "unavailable", "errors"}``."""
+    from collectors.vllm.weights import held_digests_reply
+
+    return held_digests_reply(_worker(obj), _ranks()[0])
+
+
+def track_requests(obj: Any) -> None:
+    """Start keeping per-request facts (prefix-cache staleness, weight spans, min-p)."""
+    from collectors.vllm.engine_state import worker_state
+
+    worker_state(_worker(obj))
+
+
+def request_facts(obj: Any, ext_ids: list[str]) -> Any:
+    """The per-request facts of these requests, handed over and forgotten."""
+    from collectors.vllm.engine_state import worker_state
+
+    return worker_state(_worker(obj)).drain(ext_ids)
+
+
+def release_facts(obj: Any) -> None:
+    """Remove the held-weight and request-facts hooks."""
+    from collectors.vllm.engine_state import release_state
+    from collectors.vllm.weights import release_held
+
+    worker = _worker(obj)
+    release_held(worker)
+    release_state(worker)
+
+
 class IsoauditWorkerExtension:
     """Mixed into vLLM's worker by ``worker_extension_cls=collectors.vllm.worker.EXTENSION``; the
     driver calls these through ``LLM.collective_rpc`` by name, with wire-form messages."""
@@ -225,3 +260,15 @@ class IsoauditWorkerExtension:
 
     def isoaudit_load_weights(self, message: Any) -> Any:
         return load_weights(self, message)
+
+    def isoaudit_weight_digests(self) -> Any:
+        return weight_digests(self)
+
+    def isoaudit_track_requests(self) -> None:
+        track_requests(self)
+
+    def isoaudit_request_facts(self, ext_ids: list[str]) -> Any:
+        return request_facts(self, ext_ids)
+
+    def isoaudit_release_facts(self) -> None:
+        release_facts(self)
