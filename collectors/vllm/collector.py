@@ -35,6 +35,7 @@ from collectors.base import Collector, CollectorCounters, ModeReport, RolloutSte
 from collectors.control import ControlChannel
 from collectors.manifest import ContractArg
 from collectors.sinks.base import Sink
+from collectors.vllm.engine_state import drain_facts, sample_fields
 from collectors.vllm.link import EngineLink
 from collectors.vllm.messages import (
     Drain,
@@ -52,6 +53,7 @@ from collectors.vllm.messages import (
 )
 from collectors.vllm.outputs import Completion, read_completions
 from collectors.vllm.selection import SelectionArg, parse_selection
+from collectors.vllm.weights import refresh_held
 
 log = logging.getLogger(__name__)
 
@@ -215,6 +217,8 @@ class VllmCollector(Collector):
         }
         self.weight_version = lead.weight_version
         self.weight_digest = lead.weight_digest
+        self.guarded("request facts", self.link.call, "track_requests")  # stale prefix, spans, min-p
+        refresh_held(self)  # what the workers hold, per tensor, for the first manifest
         self._begin(self.regions, self._unobserved_for(selection.mode))
         _ATTACHED[llm] = self
         if self.refusal:
@@ -318,12 +322,14 @@ class VllmCollector(Collector):
 
     def _weights_moved(self, version: str, digest: str | None) -> None:
         """Tell the workers: what they compute from now on has this weight version."""
+        refresh_held(self)
         self.link.call("load_weights", to_wire(LoadWeights(version=version, digest=digest)))
 
     def _remove_hooks(self) -> None:
         """Remove every hook inside the engine; it then runs exactly as before. Never raises (an
         engine already shut down has no hooks left to remove)."""
         _ATTACHED.pop(self.link.llm, None)
+            self.link.call("release_facts")
         try:
             self.engine_counters = [from_wire(r, Stopped).counters for r in self.link.call("stop")]
         except Exception as exc:
@@ -341,13 +347,18 @@ class VllmCollector(Collector):
             from_wire(r, Drained)
             for r in self.link.call("drain", to_wire(Drain(request_ids=[c.engine_id for c in completions])))
         ]
+        facts = (
+            self.guarded("request facts", drain_facts, self.link, [c.engine_id for c in completions]) or {}
+        )
         merged, self.engine_counters = _merge_ranks(drained)
         self._workers_mode([d.mode for d in drained])
         records: list[Record] = []
         self._manifests(records)
         keys, n_prints = [], 0
         for completion in completions:
-            built = self._sample(step, completion, merged.get(completion.engine_id))
+            built = self._sample(
+                step, completion, merged.get(completion.engine_id), facts.get(completion.engine_id)
+            )
             if built is None:
                 continue
             sample, prints = built
@@ -362,7 +373,11 @@ class VllmCollector(Collector):
         return StepReport(step, keys, n_prints, records if self.keep_records else [])
 
     def _sample(
-        self, step: int, completion: Completion, engine: RequestRecord | None
+        self,
+        step: int,
+        completion: Completion,
+        engine: RequestRecord | None,
+        facts: dict[str, Any] | None = None,
     ) -> tuple[SampleLogprobs, list[RegionFingerprints]] | None:
         if completion.logprobs is None:
             self.counters.missing_logprobs += 1
@@ -401,6 +416,12 @@ class VllmCollector(Collector):
             "top_p": engine.top_p,
             "semantics": self.semantics,
             "path": _path_facts(completion.cached_tokens, engine.prefill_forwards),
+        extra = sample_fields(
+            facts,
+            n_completion=int(completion.completion_ids.size),
+            prefix_caching=bool(self.facts.prefix_caching),
+        )
+        fields.update({**extra, "path": {**fields["path"], **extra.get("path", {})}})
         }
         sample = SampleLogprobs(**fields) if self.validate else SampleLogprobs.model_construct(**fields)
         if engine.truncated:
