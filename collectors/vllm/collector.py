@@ -302,7 +302,6 @@ class VllmCollector(Collector):
             self._contracts[key] = build_contract(spec, self.ops, qk_norm=family in QK_NORM_FAMILIES)
         return self._contracts[key]
 
-
     def _apply_mode(self, mode: str, version: int | None) -> ModeReport | None:
         self.link.call("set_mode", to_wire(SetMode(mode=mode, version=version)))
         return None  # the workers switch at their next step; the next drain reports it
@@ -322,15 +321,15 @@ class VllmCollector(Collector):
 
     def _weights_moved(self, version: str, digest: str | None) -> None:
         """Tell the workers: what they compute from now on has this weight version."""
-        refresh_held(self)
         self.link.call("load_weights", to_wire(LoadWeights(version=version, digest=digest)))
+        refresh_held(self)
 
     def _remove_hooks(self) -> None:
         """Remove every hook inside the engine; it then runs exactly as before. Never raises (an
         engine already shut down has no hooks left to remove)."""
         _ATTACHED.pop(self.link.llm, None)
-            self.link.call("release_facts")
         try:
+            self.link.call("release_facts")
             self.engine_counters = [from_wire(r, Stopped).counters for r in self.link.call("stop")]
         except Exception as exc:
             self.counters.errors += 1
@@ -347,10 +346,10 @@ class VllmCollector(Collector):
             from_wire(r, Drained)
             for r in self.link.call("drain", to_wire(Drain(request_ids=[c.engine_id for c in completions])))
         ]
+        merged, self.engine_counters = _merge_ranks(drained)
         facts = (
             self.guarded("request facts", drain_facts, self.link, [c.engine_id for c in completions]) or {}
         )
-        merged, self.engine_counters = _merge_ranks(drained)
         self._workers_mode([d.mode for d in drained])
         records: list[Record] = []
         self._manifests(records)
@@ -416,13 +415,13 @@ class VllmCollector(Collector):
             "top_p": engine.top_p,
             "semantics": self.semantics,
             "path": _path_facts(completion.cached_tokens, engine.prefill_forwards),
+        }
         extra = sample_fields(
             facts,
             n_completion=int(completion.completion_ids.size),
             prefix_caching=bool(self.facts.prefix_caching),
         )
         fields.update({**extra, "path": {**fields["path"], **extra.get("path", {})}})
-        }
         sample = SampleLogprobs(**fields) if self.validate else SampleLogprobs.model_construct(**fields)
         if engine.truncated:
             self.counters.truncated_samples += 1
