@@ -416,3 +416,51 @@ def silences_frame(silences: Sequence[queries.SilenceView], now: datetime) -> pd
     ]
     columns = ["id", "rule", "run_id", "labels", "starts_at", "ends_at", "active", "created_by", "comment"]
     return pd.DataFrame(rows, columns=columns)
+
+
+# ---------------------------------------------------------------------- ranks
+
+#: The run page's per-rank table, in column order.
+RANK_COLUMNS = (
+    "side",
+    "rank",
+    "status",
+    "samples",
+    "steps",
+    "last_step",
+    "steps_behind",
+    "last_seen",
+    "processes",
+)
+
+
+def rank_rows(activity: Sequence[queries.RankActivity]) -> list[dict[str, Any]]:
+    """One table row per (side, rank); ``status`` is ``stopped`` for a rank that stopped sending."""
+    return [
+        {
+            "side": a.side,
+            "rank": "—" if a.rank is None else a.rank,
+            "status": "stopped" if a.stopped else "sending",
+            "samples": a.samples,
+            "steps": a.steps,
+            "last_step": a.last_step,
+            "steps_behind": a.steps_behind,
+            "last_seen": a.last_seen.strftime("%Y-%m-%d %H:%M:%S") if a.last_seen else "",
+            "processes": ", ".join(a.processes),
+        }
+        for a in activity
+    ]
+
+
+def rank_frame(series: Sequence[tuple[int, str, int | None, int]]) -> pd.DataFrame:
+    """Samples each rank sent per step: steps as rows, ``side/rank`` columns (0 where it sent none)."""
+    if not series:
+        return pd.DataFrame(index=pd.Index([], name="step"))
+    frame = pd.DataFrame(series, columns=["step", "side", "rank", "samples"])
+    frame["sender"] = [
+        f"{side}/{'-' if rank is None else rank}"
+        for side, rank in zip(frame["side"], frame["rank"], strict=True)
+    ]
+    table = frame.pivot_table(index="step", columns="sender", values="samples", aggfunc="sum", fill_value=0)
+    steps = range(int(table.index.min()), int(table.index.max()) + 1)
+    return table.reindex(steps, fill_value=0).rename_axis("step").astype(int)

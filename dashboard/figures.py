@@ -474,3 +474,21 @@ def fingerprint_grid(frame: pd.DataFrame, prompt_len: int | None = None) -> go.F
     fig.update_xaxes(title_text="position (prompt ‖ completion)", showgrid=False)
     fig.update_yaxes(type="category", autorange="reversed", showgrid=False)
     return _base(fig, max(280, 18 * len(regions) + 120))
+
+
+def rank_figure(frame: pd.DataFrame) -> go.Figure:
+    """Samples each rank sent per step (``dashboard.data.rank_frame``), one line per side/rank: a
+    rank that stopped sending is the line that drops to zero."""
+    if frame.empty:
+        return empty_figure("no samples recorded yet")
+    steps = plain(frame.index.to_numpy())
+    data = [
+        {"type": "scatter", "x": steps, "y": plain(frame[column].to_numpy()), "mode": "lines+markers",
+         "name": safe(column), "line": {"dash": "solid" if column.startswith("trainer") else "dot"}}
+        for column in frame.columns
+    ]  # fmt: skip
+    layout = {
+        "yaxis": {"title": {"text": "samples sent"}, "rangemode": "tozero"},
+        "xaxis": {"title": {"text": "step"}},
+    }
+    return _base(figure(data, layout), 260)

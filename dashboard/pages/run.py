@@ -218,6 +218,8 @@ def layout(run_id: str | None = None, step: str | None = None, **_: Any) -> html
             html.H5("The loop's own figures: reward against the mismatch", className="mt-3"),
             dcc.Store(id="run-loop-steps", data=loop_stats[-1].step if loop_stats else None),
             graph("run-loop", loop_figure(store, overview.run_id, loop_stats)),
+            html.H5("Ranks: what each rank sent", className="mt-3"),
+            *rank_panel(store, overview.run_id),
             html.Div(
                 [
                     html.H5("Samples of step ", className="d-inline"),
@@ -289,6 +291,40 @@ def tick_loop(_n: int | None, state_json: dict[str, Any], drawn_last: int | None
         return no_update, no_update
     stats = store.step_stats(run_id)
     return loop_figure(store, run_id, stats), stats[-1].step
+
+
+#: The per-rank figure covers this many of the run's latest steps (its query groups their samples).
+RANK_WINDOW = 200
+
+
+def rank_view(store: Store, run_id: str) -> tuple[list[dict[str, Any]], go.Figure]:
+    """The per-rank table rows and the samples-per-step figure of the latest :data:`RANK_WINDOW` steps."""
+    activity = queries.rank_activity(store, run_id)
+    last = max((a.last_step for a in activity), default=0)
+    series = queries.rank_series(store, run_id, from_step=max(0, last - RANK_WINDOW + 1))
+    return data.rank_rows(activity), figures.rank_figure(data.rank_frame(series))
+
+
+def rank_panel(store: Store, run_id: str) -> list[Any]:
+    rows, figure = rank_view(store, run_id)
+    table = dash_table.DataTable(
+        id="run-ranks",
+        columns=[{"name": name.replace("_", " "), "id": name} for name in data.RANK_COLUMNS],
+        data=rows,
+        sort_action="native",
+        page_size=16,
+        style_table={"overflowX": "auto"},
+        style_cell={"fontFamily": "monospace", "fontSize": 12},
+        style_data_conditional=[
+            {"if": {"filter_query": '{status} = "stopped"'}, "backgroundColor": "#f8d7da", "color": "#842029"}
+        ],
+    )
+    return [table, graph("run-rank-figure", figure)]
+
+
+def tick_ranks(_n: int | None, state_json: dict[str, Any]) -> tuple[Any, Any]:
+    """Re-read the per-rank counters (one grouped query each for the table and the figure)."""
+    return rank_view(context.store(), LiveState.from_json(state_json).run_id)
 
 
 def tick_status(_n: int | None, state_json: dict[str, Any]) -> tuple[Any, Any, Any]:
@@ -420,6 +456,13 @@ def register(app: dash.Dash) -> None:
         State("run-loop-steps", "data"),
         prevent_initial_call=True,
     )(tick_loop)
+    app.callback(
+        Output("run-ranks", "data"),
+        Output("run-rank-figure", "figure"),
+        Input("run-interval", "n_intervals"),
+        State("run-state", "data"),
+        prevent_initial_call=True,
+    )(tick_ranks)
     app.callback(
         Output("run-interval", "disabled"),
         Output("run-status", "children"),

@@ -94,6 +94,19 @@ def test_ranks_send_to_one_service_pair_across_ranks_and_a_stopped_rank_shows(
             )
             assert r["stopped"] is (rank == STOP_RANK) and r["steps_behind"] == STEPS - 1 - last
             assert r["processes"] and all(p.endswith(f"/{rank}") for p in r["processes"]), r["processes"]
+        # The dashboard's run page: the table marks rank 2 stopped, its lines drop to zero.
+        from dashboard.pages.run import rank_view
+
+        rows, figure = rank_view(store, RUN)
+        assert {(row["side"], row["rank"]): row["status"] for row in rows} == {
+            (side, rank): "stopped" if rank == STOP_RANK else "sending"
+            for side in ("rollout", "trainer")
+            for rank in range(WORLD)
+        }
+        lines = {trace.name: list(trace.y) for trace in figure.data}
+        for side in ("rollout", "trainer"):
+            assert lines[f"{side}/{STOP_RANK}"] == [GROUP] * (STOP_AFTER + 1) + [0] * (STEPS - 1 - STOP_AFTER)
+            assert lines[f"{side}/0"] == [GROUP] * STEPS
     finally:
         server.terminate()
         server.wait(30)
