@@ -13,8 +13,8 @@ against it means something:
   (prompt chunks and single decode tokens) into one flat batch;
 * on CUDA with a model that has ``decode`` (:class:`~kernels.adapters.HFCausalLM`), once every
   prompt is in the cache, all requests decode together, one row per cache slot, the batch padded
-  to a size bucket, the step (the whole model, fp32 logits, log-softmax and the sampling
-  distribution) replayed from a CUDA graph captured once per bucket and mode (elsewhere, or with
+  to a size bucket, the step (the whole model, fp32 logits, log-softmax and the logits at the
+  temperature) replayed from a CUDA graph captured once per bucket and mode (elsewhere, or with
   ``cuda_graphs=False``, the packed steps go on with the live requests);
 * sampled tokens and logprobs stay on the device; the host reads them once, at the end.
 
@@ -68,7 +68,7 @@ def bucket(n: int, buckets: tuple[int, ...] = BUCKETS) -> int:
 
 class _DecodeGraph:
     """One decode step of ``slots`` rows (row i is cache slot i) captured in a CUDA graph: inputs
-    are the static ``ids``/``pos`` buffers, outputs the static ``logp``/``probs``."""
+    are the static ``ids``/``pos`` buffers, outputs the static ``logp`` and ``scaled`` logits."""
 
     def __init__(self, run: Callable[..., Any], slots: int, park: int, dev: torch.device) -> None:
         self.ids = torch.zeros(slots, dtype=torch.long, device=dev)
@@ -85,14 +85,14 @@ class _DecodeGraph:
         torch.cuda.current_stream(dev).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
-            self.logp, self.probs = self._call()
+            self.logp, self.scaled = self._call()
 
     def _call(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self._run(self.ids, self.pos, self.inv_t)
 
     def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
         self.graph.replay()
-        return self.logp, self.probs
+        return self.logp, self.scaled
 
 
 class RolloutEngine:
@@ -200,9 +200,9 @@ class RolloutEngine:
             if not sampled:
                 continue
             rows = torch.tensor([cu[j + 1] - 1 for j in sampled], device=dev)
-            logp, probs = _head(hidden[rows], w, inv_t)
+            logp, scaled = _head(hidden[rows], w, inv_t)
             reqs = [live[j] for j in sampled]
-            state.take(reqs, [state.count[i] for i in reqs], logp, probs, gen)
+            state.take(reqs, [state.count[i] for i in reqs], logp, scaled, gen)
 
         # Graphed decode: every request together, one row per slot, padded to the bucket.
         left = [max(max_new[i] - state.count[i], 0) for i in range(n)]
@@ -220,8 +220,8 @@ class RolloutEngine:
             for s in range(steps):
                 # A request that is done repeats its last position (harmless: its slot is its own).
                 g.pos[:n] = base + last_step.clamp(max=s)
-                logp, probs = g()
-                tok = torch.multinomial(probs[:n], 1, generator=gen)[:, 0]
+                logp, scaled = g()
+                tok = _sample(scaled[:n], None, n, gen)
                 state.tokens[rows_all, cols + s] = tok
                 state.logprobs[rows_all, cols + s] = logp[:n].gather(1, tok[:, None])[:, 0]
                 g.ids[:n] = tok
@@ -247,7 +247,7 @@ class RolloutEngine:
         return self._graphs[key]
 
     def _decode_fn(self, cache: Any) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-        """One decode step over every slot (row i = slot i) to (log-softmax, sampling probs)."""
+        """One decode step over every slot (row i = slot i) to (log-softmax, logits / T)."""
         decode, w = self.model.decode, self.model.lm_head_weight  # type: ignore[attr-defined]
 
         def run(
@@ -260,10 +260,24 @@ class RolloutEngine:
 
 def _head(h: torch.Tensor, w: torch.Tensor, inv_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 logits once: their log-softmax (the recorded logprobs: the same bits as
-    ``routing.token_logprobs``, which is ``z[token] - logsumexp(z)`` too) and the sampling
-    distribution at the temperature."""
+    ``routing.token_logprobs``, which is ``z[token] - logsumexp(z)`` too) and the logits at the
+    temperature (what :func:`_sample` draws from)."""
     z = routing.logits_fp32(h, w)
-    return routing.log_softmax(z), torch.softmax(z * inv_t, -1)
+    return routing.log_softmax(z), z * inv_t
+
+
+def _sample(scaled: torch.Tensor, rows: torch.Tensor | None, n: int, gen: torch.Generator) -> torch.Tensor:
+    """One token per row of ``scaled`` (logits over the temperature), drawn from their softmax by
+    the exponential race (``argmax(z/T - log E)``, E ~ Exp(1), is a draw from softmax(z/T)). The
+    noise is drawn for all ``n`` requests every time and row r takes request ``rows[r]``'s, so a
+    request's draw does not depend on which others share its step: the graphed decode (every
+    request, every step) and the packed eager steps (live requests only) sample the same tokens."""
+    noise = torch.empty(n, scaled.shape[-1], dtype=torch.float32, device=scaled.device).exponential_(
+        generator=gen
+    )
+    if rows is not None:
+        noise = noise[rows]
+    return (scaled - noise.log_()).argmax(-1)
 
 
 class _State:
@@ -282,13 +296,13 @@ class _State:
             self.logprobs = torch.nn.functional.pad(self.logprobs, (0, extra))
 
     def take(
-        self, reqs: list[int], cols: list[int], logp: torch.Tensor, probs: torch.Tensor, gen: torch.Generator
+        self, reqs: list[int], cols: list[int], logp: torch.Tensor, scaled: torch.Tensor, gen: torch.Generator
     ) -> None:
-        """Sample one token for each of ``reqs`` from its row of ``probs``."""
+        """Sample one token for each of ``reqs`` from its row of ``scaled``."""
         dev = logp.device
-        tok = torch.multinomial(probs, 1, generator=gen)[:, 0]
-        lp = logp.gather(1, tok[:, None])[:, 0]
         r, c = torch.tensor(reqs, device=dev), torch.tensor(cols, device=dev)
+        tok = _sample(scaled, r, len(self.count), gen)
+        lp = logp.gather(1, tok[:, None])[:, 0]
         self.tokens[r, c] = tok
         self.logprobs[r, c] = lp
         self.last[r] = tok

@@ -21,7 +21,7 @@ if HAVE_TRITON:
     def _lse_kernel(
         z_ptr, tok_ptr, lse_ptr, out_ptr, n_rows, V, stride_z, HAS_TOK: tl.constexpr, BLOCK: tl.constexpr
     ):
-        row = tl.program_id(0)
+        row = tl.program_id(0).to(tl.int64)  # row * stride passes 2**31 at ~14k rows of a 152k vocabulary
         cols = tl.arange(0, BLOCK)
         m = tl.full((BLOCK,), float("-inf"), tl.float32)
         s = tl.zeros((BLOCK,), tl.float32)
