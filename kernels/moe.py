@@ -239,12 +239,12 @@ def expert_outputs(
 
 def _all_to_all(t: torch.Tensor, send: list[int], recv: list[int], group: object | None) -> torch.Tensor:
     """Rows of ``t`` sent ``send[d]`` to rank d, ``recv[s]`` received from rank s (stacked in rank
-    order); 2-byte floats travel as int16 (bits, whatever the backend's dtype support)."""
+    order). Rows travel as bytes: the bits, whatever dtypes the backend supports (gloo: no bf16)."""
     import torch.distributed as dist
 
-    wire = t.view(torch.int16) if t.dtype.itemsize == 2 and t.is_floating_point() else t
+    wire = t.contiguous().view(torch.uint8) if t.ndim > 1 else t
     out = wire.new_empty(sum(recv), *wire.shape[1:])
-    dist.all_to_all_single(out, wire.contiguous(), recv, send, group=group)
+    dist.all_to_all_single(out, wire, recv, send, group=group)
     return out.view(t.dtype) if wire is not t else out
 
 
