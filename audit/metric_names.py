@@ -30,6 +30,7 @@ from audit.metrics import (
     parse_variant,
     variant_key,
 )
+from audit.routing import ROUTING_METRICS
 
 FRAMEWORKS: tuple[str, ...] = ("verl", "slime", "skyrl", "trl", "openrlhf", "nemo-rl", "tinker", "prime-rl")
 
@@ -39,6 +40,7 @@ EXTRA_DESCRIPTIONS: dict[str, str] = {
     "policy_lag_max": "max policy lag over tokens",
     "policy_lag_min": "min policy lag over tokens",
     "off_policy_token_fraction": "fraction of tokens sampled with weights older than the trainer's (lag > 0)",
+    **ROUTING_METRICS,  # MoE routing agreement (audit.routing)
 }
 
 

@@ -371,7 +371,7 @@ def explain(
     total = float(delta.sum())
     share = float(delta[affected].sum()) / total if total > 0 else 0.0
     worst = int(np.argmax(delta)) if delta.size else -1
-    worst_after_flip = worst >= 0 and bool(affected[worst]) and delta[worst] > 0
+    worst_after_flip = bool(worst >= 0 and affected[worst] and delta[worst] > 0)
     if not (worst_after_flip or share >= EXPLAINED_SHARE):
         return diagnosis
     from audit.diagnosis import Diagnosis as _Diagnosis

@@ -1,0 +1,141 @@
+"""MoE routing end to end: a tiny HF Qwen3-MoE (and Mixtral) run as the trainer and inside the
+reference engine through ``collectors.session``, stored, compared by the worker.
+
+Kernels off (bf16): the two sides' native arithmetic differs and some routing decisions flip; the
+routing figures, the first flip and the ``routing`` sub-cause are reported. Kernels on: the
+invariant router and combine make both sides route every token identically (exactly 0 flips) and
+every logprob bitwise equal. Routing replay (R3): the trainer takes the rollout's routes, the
+manifest says so, and the audit reports the replayed fraction and the missing routes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import collectors
+import collectors.trainer
+import kernels
+from audit.records import Manifest, SampleLogprobs
+from audit.store import Store
+from audit.worker import ComparisonWorker
+from collectors.layout import StepBatch
+from collectors.rl.grpo import policy_logprobs
+from collectors.routing import TrainerRoutes, watch_routing
+from collectors.routing_tiny import make_tiny_moe
+from collectors.sinks import MemorySink
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [[5, 17, 42, 9, 100, 7], [3, 8, 250, 11], [60, 61, 62, 63, 64, 65, 66, 67], [400, 12, 5]]
+MAX_NEW = [24, 30, 20, 28]
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_moe("qwen3_moe", tmp_path_factory.mktemp("moe") / "qwen3_moe", seed=3, dtype="bfloat16")
+
+
+def _load(path: Path, attention: str = "sdpa") -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.bfloat16, attn_implementation=attention
+    ).eval()
+
+
+def _run(path: Path, url: str, run_id: str, *, steps: int = 2, enabled: bool = False) -> Store:
+    """Both sides of ``steps`` rollout steps of a tiny MoE, recorded through one session into ``url``."""
+    from kernels.adapters_moe import HFMoECausalLM
+    from kernels.engine import RolloutEngine
+
+    # The trainer's native attention is HF's eager one (bf16 probabilities times V), the engine's its
+    # own: the kind of kernel difference that flips close routing calls downstream.
+    trainer_model, engine_model = _load(path, "eager"), _load(path)
+    with kernels.enable() if enabled else kernels.disable():
+        engine = RolloutEngine(HFMoECausalLM(engine_model), max_len=64, cuda_graphs=False)
+        with collectors.session(run_id, database_url=url, strict=True, report=False) as audit:
+            rollout = audit.watch_engine(engine, remediation_hook=None)
+            trainer = audit.watch_trainer(trainer_model, remediation_hook=None, async_transfer=False)
+            assert watch_routing(rollout) is not None and watch_routing(trainer) is not None
+            for step in range(steps):
+                completions = engine.generate(PROMPTS, MAX_NEW, seed=step)
+                rollout.record_step(step, completions)
+                batch = StepBatch.padded([c.prompt for c in completions], [c.tokens for c in completions])
+                with torch.no_grad():  # the job's own forward and head (the collector reuses it)
+                    logprobs = policy_logprobs(trainer_model, batch).logprobs.float()
+                trainer.record_step(step, batch, logprobs=list(torch.split(logprobs, MAX_NEW)))
+    store = Store(url)
+    ComparisonWorker(store).run_once(run_id)
+    return store
+
+
+def _step_metrics(store: Store, run_id: str) -> list[dict[str, Any]]:
+    return [row.metrics for row in store.step_results(run_id)]
+
+
+def test_kernels_off_some_routing_flips_and_the_audit_reports_them(qwen3_moe: Path, tmp_path: Path) -> None:
+    store = _run(qwen3_moe, f"sqlite:///{tmp_path / 'off.db'}", "moe-off", steps=2)
+    metrics = _step_metrics(store, "moe-off")
+    assert len(metrics) == 2
+    for m in metrics:
+        assert m["routing_tokens"] == sum(len(p) + n - 1 for p, n in zip(PROMPTS, MAX_NEW, strict=True))
+        assert 0.0 < m["routing_set_agreement"] <= 1.0
+        assert 0.0 <= m["routing_flip_rate"] < 0.5
+    flips = sum(m["routing_flipped_tokens"] for m in metrics)
+    assert flips > 0, "bf16 native arithmetic on the two sides should flip some routing decisions"
+    routed = [s for s in store.samples("moe-off", 0) if s.routes is not None]
+    assert {s.side for s in routed} == {"trainer", "rollout"}
+    trainer = next(s for s in routed if s.side == "trainer")
+    assert trainer.routes.experts.dtype == np.uint8  # type: ignore[union-attr]
+    assert trainer.routes.layers == [0, 1]  # type: ignore[union-attr]
+    causes = [r.diagnosis_detail["evidence"].get("cause") for r in store.sample_results("moe-off")]
+    assert "routing" in causes, causes
+    manifests = store.manifests("moe-off", "trainer")
+    assert manifests[-1].runtime.router_replay == "off"
+
+
+def test_kernels_on_zero_flips_and_bitwise_equal_logprobs(qwen3_moe: Path, tmp_path: Path) -> None:
+    store = _run(qwen3_moe, f"sqlite:///{tmp_path / 'on.db'}", "moe-on", steps=1, enabled=True)
+    [m] = _step_metrics(store, "moe-on")
+    assert m["routing_flipped_tokens"] == 0
+    assert m["routing_set_agreement"] == 1.0 and m["routing_flip_rate"] == 0.0
+    assert m["bitwise_mismatch_count"] == 0
+
+
+def test_routing_replay_reports_replayed_fraction_and_missing_routes(qwen3_moe: Path) -> None:
+    """R3: the trainer replays the rollout's routes on all but one token of a sequence; that token
+    is reported as a missing route, the rest as replayed, and the manifest names the replay."""
+    model = _load(qwen3_moe)
+    sink = MemorySink()
+    handle = collectors.trainer.attach(
+        model, run="r3", sink=sink, regions=None, strict=True, async_transfer=False
+    )
+    recorder = watch_routing(handle)
+    assert isinstance(recorder, TrainerRoutes)
+    batch = StepBatch.padded([[5, 17, 42, 9]], [[100, 7, 8]])
+    with torch.no_grad():
+        model(**batch.model_inputs())
+    native = recorder.recent[-1].experts
+    rows = batch.input_ids.numel()
+    replayed = {layer: torch.from_numpy((native[layer].astype(np.int64) + 1) % 8) for layer in native}
+    mask = torch.ones(rows, dtype=torch.bool)
+    mask[2] = False  # no route for position 2
+    with recorder.replay(replayed, mask, source="verl_router_replay"):
+        handle.begin_step(0)
+        with torch.no_grad():
+            model(**batch.model_inputs())
+        handle.record_step(0, batch)
+    handle.flush()
+    [sample] = [r for r in sink.records if isinstance(r, SampleLogprobs)]
+    assert sample.routes is not None and sample.routes.replayed is not None
+    assert sample.routes.replayed.tolist() == [1, 1, 0, 1, 1, 1, 1]
+    experts = sample.routes.layer_experts()
+    assert np.array_equal(experts[0, 0], replayed[0][0].numpy())  # position 0 took the replayed route
+    manifests = [r for r in sink.records if isinstance(r, Manifest)]
+    assert manifests[-1].runtime.router_replay == "verl_router_replay"
+    handle.detach()
