@@ -1,0 +1,70 @@
+"""Issue 16's acceptance for names: every figure the issue lists, under its framework's own name, is
+shown by ``isoaudit metrics list``, exported by ``/metrics?framework=`` (the scrape collector over
+a real store) with the stored key's value, and accepted by an alert rule."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from audit.alerts.rules import AlertRule
+from audit.api.prometheus import StoreCollector, _sanitize
+from audit.cli import app
+from audit.metric_names import FRAMEWORKS, resolve
+from audit.store import Store
+from audit.worker import ComparisonWorker
+from tests import factories
+from tests.audit.test_metric_names import LISTED
+
+LISTED_NAMES = [(framework, alias) for framework, aliases in LISTED.items() for alias in aliases]
+
+
+def test_every_listed_framework_has_its_names() -> None:
+    assert set(LISTED) == set(FRAMEWORKS)
+
+
+def test_metrics_list_shows_every_listed_alias() -> None:
+    shown = CliRunner().invoke(app, ["metrics", "list"])
+    assert shown.exit_code == 0
+    missing = [f"{fw}:{alias}" for fw, alias in LISTED_NAMES if f"{fw}:{alias}" not in shown.output]
+    assert not missing
+
+
+@pytest.mark.parametrize(("framework", "alias"), LISTED_NAMES, ids=[f"{f}:{a}" for f, a in LISTED_NAMES])
+def test_an_alert_rule_accepts_the_alias(framework: str, alias: str) -> None:
+    rule = AlertRule(name="parity", metric=f"{framework}:{alias}", threshold=1.0)
+    assert rule.metric == resolve(f"{framework}:{alias}")
+
+
+@pytest.fixture(scope="module")
+def compared(tmp_path_factory: pytest.TempPathFactory) -> tuple[Store, dict[str, float]]:
+    store = Store(f"sqlite:///{tmp_path_factory.mktemp('aliases') / 'a.db'}")
+    records = [factories.run()]
+    for seed in range(3):
+        trainer = factories.sample("trainer", seed=seed, weight_version=5)
+        shifted = np.minimum(trainer.logprobs + np.float32(0.03 * (seed + 1)), 0).astype(np.float32)
+        records += [trainer, factories.sample("rollout", seed=seed, logprobs=shifted, weight_version=5)]
+    store.ingest(records)
+    ComparisonWorker(store).run_once("run-1")
+    [row] = store.step_results("run-1")
+    return store, row.metrics
+
+
+def test_metrics_export_carries_every_listed_alias(compared: tuple[Store, dict[str, float]]) -> None:
+    store, metrics = compared
+    families = {f.name: f for f in StoreCollector(store, frameworks=tuple(FRAMEWORKS)).collect()}
+    skipped: list[str] = []
+    for framework, alias in LISTED_NAMES:
+        key = resolve(f"{framework}:{alias}")
+        family = families.get(_sanitize(f"{framework}_{alias}"))
+        stored = metrics.get(key)
+        if stored is None or not np.isfinite(stored):
+            assert family is None  # a figure over zero tokens (NaN) is exported under no name
+            skipped.append(key)
+            continue
+        assert family is not None, (framework, alias, key)
+        [sample] = family.samples
+        assert sample.value == pytest.approx(metrics[key]), (framework, alias)
+    # only the top-k figures, which these samples (no top-k logprobs recorded) cannot have
+    assert set(skipped) <= {"kl_ent_ratio"}, skipped
