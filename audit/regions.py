@@ -11,6 +11,15 @@ import re
 #: Sub-regions of one decoder layer, in forward order.
 LAYER_REGIONS: tuple[str, ...] = ("input_norm", "attn", "post_attn_norm", "mlp", "out")
 
+#: What an MoE layer adds inside its ``mlp`` (issue 19): the fp32 router logits (the experts each
+#: token chose travel on the sample records, ``SampleLogprobs.routes``), the chosen experts' outputs
+#: per token in slot order, and their weighted combine (before any shared expert is added).
+MOE_REGIONS: tuple[str, ...] = ("router", "experts", "combine")
+
+#: Every sub-region of a layer in forward order: the MoE ones run after the post-attention norm,
+#: before the ``mlp`` block's output.
+_LAYER_ORDER: tuple[str, ...] = ("input_norm", "attn", "post_attn_norm", *MOE_REGIONS, "mlp", "out")
+
 _LAYER = re.compile(r"^layers\.(0|[1-9][0-9]*)\.([a-z_]+)$")
 _HEAD = {"embed": 0}
 _TAIL = {"final_norm": 2, "logits": 3}
@@ -22,6 +31,11 @@ def canonical_regions(num_layers: int) -> list[str]:
         raise ValueError(f"num_layers: must be >= 0, got {num_layers}")
     layers = [f"layers.{i}.{sub}" for i in range(num_layers) for sub in LAYER_REGIONS]
     return ["embed", *layers, "final_norm", "logits"]
+
+
+def moe_regions(layers: list[int] | range) -> list[str]:
+    """The MoE regions of the given (MoE) layers, in forward order."""
+    return [f"layers.{i}.{sub}" for i in layers for sub in MOE_REGIONS]
 
 
 def region_order(name: str) -> tuple[int, int, int, str]:
@@ -38,9 +52,9 @@ def region_order(name: str) -> tuple[int, int, int, str]:
     match = _LAYER.match(name)
     if match:
         sub = match.group(2)
-        if sub in LAYER_REGIONS:
-            return (1, int(match.group(1)), LAYER_REGIONS.index(sub), "")
-        return (1, int(match.group(1)), len(LAYER_REGIONS), sub)
+        if sub in _LAYER_ORDER:
+            return (1, int(match.group(1)), _LAYER_ORDER.index(sub), "")
+        return (1, int(match.group(1)), len(_LAYER_ORDER), sub)
     return (len(_HEAD) + len(_TAIL) + 1, 0, 0, name)
 
 

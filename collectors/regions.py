@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from audit.regions import LAYER_REGIONS, canonical_regions, is_canonical, region_order
+from audit.regions import LAYER_REGIONS, MOE_REGIONS, canonical_regions, is_canonical, region_order
 
 #: Per-layer regions in forward order (DESIGN.md), as ``audit.regions`` defines them.
 LAYER_PARTS: tuple[str, ...] = LAYER_REGIONS
@@ -75,12 +75,25 @@ class FamilyMap:
     logits: str
     layer: Mapping[str, str]
     taps: Mapping[str, Tap] = field(default_factory=dict)  # keyed by "embed", "logits", a layer part, ...
+    #: MoE families: templates of the MoE regions (``router``, ``experts``, ``combine``) a sparse
+    #: layer has, and why this side cannot observe the others (issue 19). A dense layer of the same
+    #: model simply lacks the modules; :func:`resolve_regions` leaves them out there.
+    moe: Mapping[str, str] = field(default_factory=dict)
+    moe_unobserved: Mapping[str, str] = field(default_factory=dict)
 
     def specs(self, num_layers: int) -> list[RegionSpec]:
         """The region specs of a model with ``num_layers`` layers, in forward order."""
         specs = [RegionSpec("embed", self.embed, self.taps.get("embed", Tap.FIRST))]
         for i in range(num_layers):
             for part in LAYER_PARTS:
+                if part == "mlp":  # the MoE regions run inside the mlp block, before its output
+                    specs += [
+                        RegionSpec(
+                            f"layers.{i}.{sub}", self.moe[sub].format(i=i), self.taps.get(sub, Tap.FIRST)
+                        )
+                        for sub in MOE_REGIONS
+                        if sub in self.moe
+                    ]
                 specs.append(
                     RegionSpec(
                         f"layers.{i}.{part}", self.layer[part].format(i=i), self.taps.get(part, Tap.FIRST)
@@ -146,10 +159,33 @@ class Catalog:
         )
 
 
+def hf_moe_map(family: str) -> FamilyMap:
+    """HF's Qwen3-MoE / Mixtral layout: ``mlp`` is the sparse block, ``mlp.gate`` its router (its
+    logits, read in fp32) and ``mlp.experts`` the fused experts, whose output is already the
+    weighted combine (the per-slot expert outputs never leave it)."""
+    dense = llama_style_map(family, taps={"router": Tap.FP32})
+    return FamilyMap(
+        family=dense.family,
+        layers=dense.layers,
+        embed=dense.embed,
+        final_norm=dense.final_norm,
+        logits=dense.logits,
+        layer=dense.layer,
+        taps=dense.taps,
+        moe={"router": "model.layers.{i}.mlp.gate", "combine": "model.layers.{i}.mlp.experts"},
+        moe_unobserved={
+            "experts": "HF's fused experts module returns only the weighted combine (per-slot expert outputs stay inside it)"
+        },
+    )
+
+
 #: The trainer side: HF transformers families, keyed by ``config.model_type``.
 HF_CATALOG = Catalog(
     side="trainer",
-    families={name: llama_style_map(name) for name in ("llama", "qwen2", "qwen3", "mistral")},
+    families={
+        **{name: llama_style_map(name) for name in ("llama", "qwen2", "qwen3", "mistral")},
+        **{name: hf_moe_map(name) for name in ("qwen3_moe", "mixtral")},
+    },
     generic=llama_style_map,
     tap_for=lambda name: Tap.FP32 if name == "logits" else Tap.FIRST,
 )
@@ -206,6 +242,14 @@ def resolve_regions(
         model_type = getattr(getattr(model, "config", None), "model_type", None)
     family = catalog.family_of(model, model_type)
     specs = family.specs(len(model.get_submodule(family.layers)))  # type: ignore[arg-type]
+    moe_unobserved: dict[str, str] = {}
+    if family.moe:  # MoE regions exist only in the sparse layers
+        sparse = [s for s in specs if s.name.rsplit(".", 1)[-1] in MOE_REGIONS]
+        specs = [s for s in specs if s not in sparse or has_module(model, s.module)]
+        moe_layers = sorted({region_order(s.name)[1] for s in specs if s.name.endswith(".router")})
+        moe_unobserved = {
+            f"layers.{i}.{sub}": why for i in moe_layers for sub, why in family.moe_unobserved.items()
+        }
     for spec in specs:
         if not has_module(model, spec.module):
             raise ValueError(
@@ -221,8 +265,8 @@ def resolve_regions(
             )
         specs = [s for s in specs if s.name in set(wanted)]
         unobserved = {name: "not requested" for name in known - set(wanted)}
-        return ResolvedRegions(specs, unobserved, family.family)
-    return ResolvedRegions(specs, {}, family.family)
+        return ResolvedRegions(specs, {**moe_unobserved, **unobserved}, family.family)
+    return ResolvedRegions(specs, moe_unobserved, family.family)
 
 
 def _layer_count(specs: Sequence[RegionSpec]) -> int:

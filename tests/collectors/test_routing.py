@@ -93,8 +93,16 @@ def test_kernels_off_some_routing_flips_and_the_audit_reports_them(qwen3_moe: Pa
     trainer = next(s for s in routed if s.side == "trainer")
     assert trainer.routes.experts.dtype == np.uint8  # type: ignore[union-attr]
     assert trainer.routes.layers == [0, 1]  # type: ignore[union-attr]
-    causes = [r.diagnosis_detail["evidence"].get("cause") for r in store.sample_results("moe-off")]
+    results = store.sample_results("moe-off")
+    causes = [r.diagnosis_detail["evidence"].get("cause") for r in results]
     assert "routing" in causes, causes
+    # The router's fp32 logits and the combine are fingerprinted regions of their own on both sides.
+    regions = results[0].grid["regions"]
+    assert {"layers.0.router", "layers.0.combine", "layers.1.router"} <= set(regions)
+    routed = next(r for r in results if r.diagnosis_detail["evidence"].get("cause") == "routing")
+    flip = routed.diagnosis_detail["evidence"]["routing"]
+    assert flip["trainer_experts"] != flip["rollout_experts"]
+    assert "flipped the routing of MoE layer" in routed.diagnosis_detail["sentence"]
     manifests = store.manifests("moe-off", "trainer")
     assert manifests[-1].runtime.router_replay == "off"
 
