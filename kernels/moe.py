@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -37,6 +38,8 @@ import torch
 
 from . import cpu as _cpu
 from . import routing
+from ._triton import HAVE_TRITON, interpreting
+from .moe_grouped import grouped_linear
 
 __all__ = [
     "TIE_RULE",
@@ -48,7 +51,8 @@ __all__ = [
     "combine",
     "expert_outputs",
     "expert_outputs_distributed",
-    "expert_rows",
+    "grouped_ffn",
+    "run_experts",
     "moe_layer",
     "route",
     "stable_topk",
@@ -187,22 +191,60 @@ def expert_ffn(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> to
     return routing.linear(routing.silu(g) * u, down)
 
 
-def expert_rows(
-    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, capacity: int | None = None
+def _use_grouped(x: torch.Tensor) -> bool:
+    """The grouped kernel where the kernels run Triton: CUDA, or CPU tensors sent to the Triton
+    modules under the interpreter (``routing.set_cpu_impl("triton")``, TRITON_INTERPRET=1);
+    ``ISOAUDIT_MOE_GROUPED=0`` turns it off."""
+    if not (routing.is_enabled() and HAVE_TRITON) or os.environ.get("ISOAUDIT_MOE_GROUPED", "1") == "0":
+        return False
+    return x.is_cuda or (interpreting() and not routing._on_cpu(x))
+
+
+def grouped_ffn(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, experts: list[int], offsets: list[int]
 ) -> torch.Tensor:
-    """One expert on its rows (R, H), in buffers of ``capacity`` rows, the last zero-padded (a
-    static-shape dispatch buffer; dropless: a full buffer opens another). The padding rows are
-    computed and dropped; the batch-invariant GEMM keeps them out of the real rows' bits."""
-    if capacity is None or x.shape[0] == 0:
-        return expert_ffn(x, gate_up, down)
-    if capacity < 1:
+    """SwiGLU experts on grouped rows: rows ``offsets[g]:offsets[g+1]`` through expert
+    ``experts[g]``. On CUDA with the kernels on, one grouped-GEMM launch per projection
+    (:mod:`kernels.moe_grouped`); else each group through :func:`expert_ffn`. Either way a row's
+    bits depend on the row and its expert only."""
+    if _use_grouped(x):
+        g, u = grouped_linear(x, gate_up, experts, offsets).chunk(2, dim=-1)
+        return grouped_linear(routing.silu(g) * u, down, experts, offsets)
+    outs = [
+        expert_ffn(x[lo:hi], gate_up[e], down[e])
+        for e, lo, hi in zip(experts, offsets[:-1], offsets[1:], strict=True)
+        if hi > lo
+    ]
+    return torch.cat(outs) if outs else x.new_zeros(0, down.shape[1])
+
+
+def run_experts(
+    work: list[tuple[int, torch.Tensor]], gate_up: torch.Tensor, down: torch.Tensor, capacity: int | None = None
+) -> list[torch.Tensor]:
+    """One rank's experts: ``work`` is (expert, its rows (R, H)); returns each entry's outputs.
+    With ``capacity``, an expert's rows go in buffers of that many rows, the last zero-padded (a
+    static-shape dispatch buffer; dropless: a full buffer opens another); padding rows are
+    computed and dropped, and the batch-invariant GEMM keeps them out of the real rows' bits."""
+    if capacity is not None and capacity < 1:
         raise ValueError(f"capacity must be a positive number of rows, not {capacity}")
-    outs = []
-    for buf in x.split(capacity):
-        pad = capacity - buf.shape[0]
-        xin = torch.cat([buf, buf.new_zeros(pad, buf.shape[1])]) if pad else buf
-        outs.append(expert_ffn(xin, gate_up, down)[: buf.shape[0]])
-    return torch.cat(outs)
+    bufs, experts, offsets, real = [], [], [0], []
+    for e, xr in work:
+        for buf in xr.split(capacity) if capacity is not None and xr.shape[0] else [xr]:
+            pad = 0 if capacity is None else capacity - buf.shape[0]
+            bufs.append(torch.cat([buf, buf.new_zeros(pad, buf.shape[1])]) if pad else buf)
+            experts.append(e)
+            offsets.append(offsets[-1] + bufs[-1].shape[0])
+            real.append(buf.shape[0])
+    if not bufs:
+        return []
+    y = grouped_ffn(torch.cat(bufs), gate_up, down, experts, offsets)
+    per_buf = [y[lo : lo + n] for lo, n in zip(offsets[:-1], real, strict=True)]
+    outs, i = [], 0
+    for _, xr in work:
+        n_bufs = max(1, -(-xr.shape[0] // capacity)) if capacity is not None else 1
+        outs.append(torch.cat(per_buf[i : i + n_bufs]))
+        i += n_bufs
+    return outs
 
 
 def _place(rows: torch.Tensor, values: torch.Tensor, n: int) -> torch.Tensor:
@@ -226,12 +268,16 @@ def expert_outputs(
     then goes back to its (token, slot) place by index, whatever rank or buffer computed it."""
     t, k = experts.shape
     flat = experts.reshape(-1)
+    owners = ep.owners(gate_up.shape[0])
     done, outs = [], []
-    for e in ep.arrival_order(gate_up.shape[0]):
-        rows = (flat == e).nonzero()[:, 0]  # ascending: token-major, then slot order
-        if rows.numel():
-            outs.append(expert_rows(x[rows // k], gate_up[e], down[e], ep.capacity))
-            done.append(rows)
+    for r in range(ep.ranks):
+        work = []
+        for e in range(gate_up.shape[0]):
+            rows = (flat == e).nonzero()[:, 0] if owners[e] == r else flat[:0]
+            if rows.numel():  # ascending: token-major, then slot order
+                work.append((e, x[rows // k]))
+                done.append(rows)
+        outs += run_experts(work, gate_up, down, ep.capacity)
     if not outs:
         return x.new_zeros(t, k, down.shape[1])
     return _place(torch.cat(done), torch.cat(outs), t * k).view(t, k, -1)
@@ -273,10 +319,18 @@ def expert_outputs_distributed(
     rx = _all_to_all(x[sent // k], send, recv, group)
     re = _all_to_all(flat[sent], send, recv, group)
     ry = rx.new_empty(rx.shape)  # expert outputs have the hidden width
-    for e, (gate_up, down) in sorted(local.items()):
+    ids = sorted(local)
+    work, where = [], []
+    for j, e in enumerate(ids):  # j: the expert's index among this rank's
         mine = (re == e).nonzero()[:, 0]
         if mine.numel():
-            ry[mine] = expert_rows(rx[mine], gate_up, down, capacity)
+            work.append((j, rx[mine]))
+            where.append(mine)
+    if work:
+        gate_up = torch.stack([local[e][0] for e in ids])
+        down = torch.stack([local[e][1] for e in ids])
+        for mine, y in zip(where, run_experts(work, gate_up, down, capacity), strict=True):
+            ry[mine] = y
     back = _all_to_all(ry, recv, send, group)
     return _place(sent, back, t * k).view(t, k, -1)
 

@@ -11,7 +11,7 @@ import torch
 import kernels
 from kernels import moe
 
-from .conftest import bits_equal, gpu
+from .conftest import bits_equal, gpu, needs_triton
 
 E, K4 = 8, 4
 
@@ -152,3 +152,46 @@ def test_trace_routing_records_tagged_tokens() -> None:
 @pytest.mark.parametrize("t", [1, 7, 300])
 def test_layer_invariance_gpu(t: int) -> None:
     _invariance(torch.bfloat16, "cuda", t, 512, 256)
+
+
+@needs_triton
+def test_grouped_gemm_rows_independent_of_grouping(dev: str) -> None:
+    """The grouped kernel (CUDA path of the experts; here the interpreter on the CPU): one launch
+    over every group equals each group alone and a regrouped launch, and the reference product."""
+    from kernels.moe_grouped import grouped_gemm
+
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(4, 96, 80, generator=g).to(dev, dtype)
+    sizes, experts = [0, 70, 1, 3, 65], [2, 0, 3, 1, 0]
+    offsets = [0]
+    for n in sizes:
+        offsets.append(offsets[-1] + n)
+    x = torch.randn(offsets[-1], 80, generator=g).to(dev, dtype)
+    whole = grouped_gemm(x, w, experts, offsets)
+    for e, lo, hi in zip(experts, offsets[:-1], offsets[1:], strict=True):
+        assert bits_equal(grouped_gemm(x[lo:hi], w, [e], [0, hi - lo]), whole[lo:hi])
+        torch.testing.assert_close(whole[lo:hi].float(), x[lo:hi].float() @ w[e].float().T, rtol=2e-2, atol=2e-2)
+    split = [0, 30, 70, 71, 74, 120, 139]  # groups 1 and 4 each cut in two
+    regrouped = grouped_gemm(x, w, [0, 0, 3, 1, 0, 0], split)
+    assert bits_equal(regrouped, whole)
+
+
+@needs_triton
+def test_layer_invariance_triton_path(dev: str) -> None:
+    """The CUDA path (grouped kernel, Triton GEMM/SiLU) as a structure test: on the CPU under the
+    interpreter via routing.set_cpu_impl("triton"); on CUDA it is the default path."""
+    from kernels import routing
+
+    prev = routing.set_cpu_impl("triton")
+    try:
+        gate, gate_up, down = _layer(64, 32, E, torch.float32, dev)
+        x = _x(21, 64, torch.float32, dev)
+        with kernels.enable():
+            assert moe._use_grouped(x)
+            ref = moe.moe_layer(x, gate, gate_up, down, K4)
+            for ep in PLACEMENTS:
+                assert bits_equal(moe.moe_layer(x, gate, gate_up, down, K4, ep=ep), ref), ep
+            assert bits_equal(moe.moe_layer(x[3:8], gate, gate_up, down, K4), ref[3:8])
+    finally:
+        routing.set_cpu_impl(prev)
