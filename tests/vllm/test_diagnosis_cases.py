@@ -325,3 +325,39 @@ def test_fp32_lm_head_against_bf16_names_the_field_and_the_side(eng: Engine) -> 
         assert precision["field"] == "runtime.lm_head_dtype" and precision["side"] == "rollout"
         assert precision["trainer"] == "float32" and precision["rollout"] == "bfloat16"
     assert "lm_head" in found[0].sentence
+
+
+# ---------------------------------------------------------------- in-flight weight updates
+
+
+@pytest.mark.parametrize(
+    ("in_flight", "expected"), [(True, "off_policy"), (False, "weights")], ids=["declared", "undeclared"]
+)
+def test_an_in_flight_update_splits_a_sample_into_weight_spans(
+    eng: Engine, in_flight: bool, expected: str
+) -> None:
+    """PipelineRL-style: the weights change while the sequences are generated (between engine steps);
+    each sample then carries the version of each span of its tokens."""
+    from vllm import SamplingParams
+
+    config = {"off_policy": {"max_staleness": 1, "in_flight_updates": in_flight}}
+    core = eng.llm.llm_engine
+    with sides(eng, f"in-flight-{in_flight}", config=config) as (rollout, trainer, case):
+        set_weights(eng, rollout, trainer, engine_w=eng.base, engine_v="0", trainer_w=eng.next, trainer_v="1")
+        for i, prompt in enumerate(fresh(30 + in_flight)):
+            params = SamplingParams(temperature=TEMPERATURE, max_tokens=12, min_tokens=12, logprobs=0, seed=i)
+            core.add_request(f"in-flight-{in_flight}-{i}", {"prompt_token_ids": prompt}, params)
+        finished, steps = [], 0
+        while core.has_unfinished_requests():
+            finished += [out for out in core.step() if out.finished]
+            steps += 1
+            if steps == 4:  # four tokens sampled under version 0
+                cv.load_weights(eng.llm, eng.next, "1")
+        rollout.record_step(0, finished)
+        trainer_step(trainer, 0, finished)
+    for sample in case.rollout_samples(0):
+        assert [(s.start, s.version) for s in sample.weight_spans] == [(0, "0"), (4, "1")]
+        assert sample.weight_version == "1"
+    found = case.diagnoses()
+    assert kinds(found) == [expected] * SAMPLES, [d.sentence for d in found]
+    assert all(d.evidence["policy_lag_max"] == 1 and d.evidence["policy_lag_min"] == 0 for d in found)
