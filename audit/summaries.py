@@ -10,7 +10,9 @@ hundred numbers per step and stored in ``step_summaries``:
 * how many samples first diverge in each **region**, with one example sample per region;
 * the **diagnosis** counts of the step's compared samples;
 * when the step's latest record arrived (to place manifest changes, e.g. a remediation switch, on
-  the step axis).
+  the step axis);
+* for an MoE model, the **routing** agreement per layer (:func:`audit.routing.step_routing`): the
+  run page's layer x step heatmap of routing flips.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from sqlalchemy.orm import Session
 
 from audit.models import FingerprintRow, SampleResultRow, SampleRow, StepResultRow, StepSummaryRow
 from audit.records import SampleLogprobs, utcnow
+from audit.routing import step_routing
 
 
 def _edges() -> np.ndarray:
@@ -143,6 +146,7 @@ def summarize_step(
         "n_fingerprinted": int(fingerprinted or 0),
         "diagnoses": dict(sorted(Counter(o.diagnosis for o in outcomes).items())),
         "ingested_at": ingested_at,
+        "routing": step_routing(pairs),
         "computed_at": utcnow(),
     }
 

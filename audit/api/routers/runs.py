@@ -7,7 +7,7 @@ from dataclasses import asdict
 from datetime import datetime
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, HTTPException, Query, status
+from fastapi import APIRouter, Depends, HTTPException, Path, Query, status
 from pydantic import BaseModel, Field
 
 from audit.api.auth import ReadableRun, Reader
@@ -179,3 +179,93 @@ class RankOut(BaseModel):
 )
 def ranks(run_id: ReadableRun, store: Annotated[Store, Depends(get_store)]) -> list[RankOut]:
     return [RankOut(**asdict(r), stopped=r.stopped) for r in rank_activity(store, run_id)]
+
+
+# ---------------------------------------------------------------------- MoE routing (issue 19)
+
+
+class RoutingLayerOut(BaseModel):
+    layer: int = Field(description="decoder layer index of the MoE layer")
+    tokens: int = Field(description="tokens routed on both sides")
+    set_agreement: float | None = Field(description="fraction of tokens whose top-k expert sets agree")
+    flip_rate: float | None = Field(description="fraction of router decisions the other side did not make")
+    jaccard_mean: float | None = Field(description="mean Jaccard index of the two expert sets")
+    flipped_tokens: int
+    first_flips: int = Field(description="tokens whose routing first flips in this layer")
+    example: str | None = Field(description="the sample with the most flips in this layer")
+
+
+class RoutingStepOut(BaseModel):
+    step: int
+    metrics: dict[str, float | None] = Field(description="the step's routing_* metrics")
+    layers: list[RoutingLayerOut]
+    replayed: int | None = Field(description="tokens whose routes the trainer replayed (R3); null: no replay")
+    missing_routes: int = Field(description="tokens the trainer routed itself although replay was on")
+    missing_examples: list[dict[str, Any]] = Field(description="samples with missing routes, and where")
+
+
+@router.get(
+    "/{run_id}/routing",
+    response_model=list[RoutingStepOut],
+    summary="MoE routing agreement per compared step and layer (flips, Jaccard, first flips, replay)",
+)
+def routing(
+    run_id: ReadableRun,
+    store: Annotated[Store, Depends(get_store)],
+    after_step: Annotated[Step | None, Query(description="only steps after this one")] = None,
+) -> list[RoutingStepOut]:
+    from audit.queries import routing_series
+
+    return [
+        RoutingStepOut(
+            step=point.step,
+            metrics=finite_or_none(point.metrics),
+            layers=[RoutingLayerOut(**asdict(layer)) for layer in point.layers],
+            replayed=point.replayed,
+            missing_routes=point.missing,
+            missing_examples=point.missing_examples,
+        )
+        for point in routing_series(store, run_id, after_step=after_step)
+    ]
+
+
+class SampleRoutingOut(BaseModel):
+    layers: list[int] = Field(description="MoE layers routed on both sides")
+    positions: list[int] = Field(description="absolute positions routed on both sides")
+    prompt_len: int
+    trainer: list[list[list[int]]] = Field(description="[position][layer][slot] experts the trainer chose")
+    rollout: list[list[list[int]]] = Field(description="[position][layer][slot] experts the rollout chose")
+    first_flip_layer: list[int] = Field(
+        description="per position, the first MoE layer whose set differs (-1: none)"
+    )
+    replayed: list[int] | None = Field(description="per position, 1 where the trainer replayed the route")
+
+
+@router.get(
+    "/{run_id}/steps/{step}/samples/{sample_key}/routing",
+    response_model=SampleRoutingOut,
+    summary="One sample's routing on both sides, per token and MoE layer",
+)
+def sample_routing(
+    run_id: ReadableRun,
+    step: Step,
+    sample_key: Annotated[str, Path(pattern=r"^[0-9a-f]{32}$")],
+    store: Annotated[Store, Depends(get_store)],
+) -> SampleRoutingOut:
+    from audit.queries import sample_routing as read
+
+    found = read(store, run_id, step, sample_key)
+    if found is None:
+        raise HTTPException(
+            status.HTTP_404_NOT_FOUND,
+            detail=f"sample_key: no routes on both sides for sample {sample_key} at step {step} of run {run_id!r}",
+        )
+    return SampleRoutingOut(
+        layers=found.layers,
+        positions=found.positions.tolist(),
+        prompt_len=found.prompt_len,
+        trainer=found.trainer.tolist(),
+        rollout=found.rollout.tolist(),
+        first_flip_layer=found.first_flip.tolist(),
+        replayed=found.replayed.tolist() if found.replayed is not None else None,
+    )
