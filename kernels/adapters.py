@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from . import routing
 
@@ -127,6 +128,16 @@ def unpatch() -> None:
                 gm[key] = fn
 
 
+def _norm(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """An HF RMSNorm as the engine runs it: the module itself when the kernels are on (patched to
+    the invariant kernel, the trainer's op); natively the fused ``F.rms_norm``, as a rollout
+    engine's fused norm kernel is (HF's module is seven separate ops); a module a collector hooked
+    runs itself, so its hooks see it."""
+    if routing.is_enabled() or module._forward_hooks or module._forward_pre_hooks:
+        return module(x)  # type: ignore[no-any-return]
+    return F.rms_norm(x, (x.shape[-1],), module.weight, module.variance_epsilon)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     h = x.shape[-1] // 2
     return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
@@ -228,12 +239,12 @@ class HFCausalLM:
         for li, layer in enumerate(self.inner.layers):
             attn = layer.self_attn
             res = x
-            h = layer.input_layernorm(x)
+            h = _norm(layer.input_layernorm, x)
             q = attn.q_proj(h).view(t, -1, d)
             k = attn.k_proj(h).view(t, -1, d)
             v = attn.v_proj(h).view(t, -1, d)
             if hasattr(attn, "q_norm"):
-                q, k = attn.q_norm(q), attn.k_norm(k)
+                q, k = _norm(attn.q_norm, q), _norm(attn.k_norm, k)
             q = (q * cos) + (_rotate_half(q) * sin)
             k = (k * cos) + (_rotate_half(k) * sin)
             kc, vc = cache[li]
@@ -242,8 +253,8 @@ class HFCausalLM:
             o = routing.attention(q, kc, vc, cu, q_pos0, kv_len, slots, attn.scaling, max_q=max_q)
             x = res + attn.o_proj(o.reshape(t, -1))
             res = x
-            x = res + layer.mlp(layer.post_attention_layernorm(x))
-        return self.inner.norm(x)
+            x = res + layer.mlp(_norm(layer.post_attention_layernorm, x))
+        return _norm(self.inner.norm, x)
 
     def full_hidden(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None

@@ -54,6 +54,44 @@ if HAVE_TRITON:
             y = (y.to(tl.float32) * w.to(tl.float32)).to(y_ptr.dtype.element_ty)
         tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=ok)
 
+    @jit(do_not_specialize=["n_rows"])
+    def _rmsnorm_bwd_kernel(
+        x_ptr, w_ptr, g_ptr, gx_ptr, gw_ptr, n_rows, D, eps, stride_x, stride_g, stride_gx,
+        HAS_W: tl.constexpr, L2: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+    ):  # fmt: skip
+        """``ROWS`` rows per program, in order: the input gradient of each row, and (with a
+        weight) the program's partial weight gradient, summed over its rows in order."""
+        pid = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        ok = cols < D
+        if HAS_W:
+            w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+        acc = tl.zeros((BLOCK,), tl.float32)
+        for i in range(ROWS):
+            row = (pid * ROWS + i).to(tl.int64)
+            m = ok & ((tl.zeros((BLOCK,), tl.int64) + row) < n_rows)
+            x = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
+            g = tl.load(g_ptr + row * stride_g + cols, mask=m, other=0.0).to(tl.float32)
+            ss = tl.sum(x * x, axis=0)
+            if L2:
+                inv = 1.0 / tl.sqrt(ss + eps)
+            else:
+                inv = 1.0 / tl.sqrt(ss / D + eps)
+            xhat = x * inv
+            if HAS_W:
+                gy = g * w
+                acc += g * xhat
+            else:
+                gy = g
+            dot = tl.sum(gy * xhat, axis=0)
+            if L2:
+                gx = inv * (gy - xhat * dot)
+            else:
+                gx = inv * (gy - xhat * (dot / D))
+            tl.store(gx_ptr + row * stride_gx + cols, gx.to(gx_ptr.dtype.element_ty), mask=m)
+        if HAS_W:
+            tl.store(gw_ptr + pid * BLOCK + cols, acc, mask=ok)
+
 
 def _reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float, l2: bool) -> torch.Tensor:
     xf = x.float()
@@ -128,7 +166,8 @@ def rms_norm(
 
 
 class _RMSNorm(torch.autograd.Function):
-    """Forward through the invariant kernel, backward by differentiating the torch reference."""
+    """Forward through the invariant kernel; backward by :func:`rms_norm_backward` (Triton) on
+    CUDA, elsewhere by differentiating the torch reference."""
 
     @staticmethod
     def forward(ctx, x, weight, eps, l2):  # type: ignore[override]
@@ -139,21 +178,66 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         x, weight = ctx.saved_tensors
-        with torch.enable_grad():
-            xd = x.detach().requires_grad_(ctx.needs_input_grad[0])
-            wd = weight.detach().requires_grad_(ctx.needs_input_grad[1]) if weight is not None else None
-            xf = xd.float()
-            ss = (xf * xf).sum(-1, keepdim=True)
-            inv = torch.rsqrt(ss + ctx.eps) if ctx.l2 else torch.rsqrt(ss / x.shape[-1] + ctx.eps)
-            y = xf * inv
-            if wd is not None:
-                y = y * wd.float()
-            inputs = [t for t in (xd, wd) if t is not None and t.requires_grad]
-            grads = torch.autograd.grad(y, inputs, grad.float()) if inputs else ()
-        it = iter(grads)
-        gx = next(it).to(x.dtype) if ctx.needs_input_grad[0] else None
-        gw = next(it).to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
-        return gx, gw, None, None
+        if x.is_cuda and resolve(None, x) == "triton":
+            gx, gw = rms_norm_backward(x, weight, grad, ctx.eps, ctx.l2)
+        else:
+            gx, gw = _backward_reference(x, weight, grad, ctx.eps, ctx.l2)
+        return (
+            gx if ctx.needs_input_grad[0] else None,
+            gw if weight is not None and ctx.needs_input_grad[1] else None,
+            None,
+            None,
+        )
+
+
+#: Rows one backward program walks (its partial weight gradient covers them).
+BACKWARD_ROWS = 16
+
+
+def rms_norm_backward(
+    x: torch.Tensor, weight: torch.Tensor | None, grad: torch.Tensor, eps: float, l2: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Gradients of the fp32 RMSNorm (``x * inv * w``, the forward's roundings not
+    differentiated) in one pass: ``gx = inv * (gw - xhat * mean(gw * xhat))`` per row (sum for
+    ``l2``), and the weight's gradient as per-program partials summed in a fixed order."""
+    d = x.shape[-1]
+    x2 = x.reshape(-1, d).contiguous()
+    g2 = grad.reshape(-1, d).contiguous()
+    n = x2.shape[0]
+    gx = torch.empty_like(x2)
+    block = next_power_of_2(d)
+    programs = max(1, -(-n // BACKWARD_ROWS))
+    partial = torch.empty(programs, block, dtype=torch.float32, device=x.device) if weight is not None else gx
+    if n:
+        _rmsnorm_bwd_kernel[(programs,)](
+            x2, weight if weight is not None else x2, g2, gx, partial, n, d, eps,
+            x2.stride(0), g2.stride(0), gx.stride(0),
+            HAS_W=weight is not None, L2=l2, BLOCK=block, ROWS=BACKWARD_ROWS,
+            num_warps=4 if block <= 2048 else 8,
+        )  # fmt: skip
+    gw = None
+    if weight is not None:
+        gw = (partial[:, :d].sum(0) if n else torch.zeros(d, device=x.device)).to(weight.dtype)
+    return gx.reshape(x.shape), gw
+
+
+def _backward_reference(
+    x: torch.Tensor, weight: torch.Tensor | None, grad: torch.Tensor, eps: float, l2: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The same gradients by autograd through the fp32 torch reference."""
+    with torch.enable_grad():
+        xd = x.detach().requires_grad_(True)
+        wd = weight.detach().requires_grad_(True) if weight is not None else None
+        xf = xd.float()
+        ss = (xf * xf).sum(-1, keepdim=True)
+        inv = torch.rsqrt(ss + eps) if l2 else torch.rsqrt(ss / x.shape[-1] + eps)
+        y = xf * inv
+        if wd is not None:
+            y = y * wd.float()
+        inputs = [t for t in (xd, wd) if t is not None]
+        grads = torch.autograd.grad(y, inputs, grad.float())
+    gw = grads[1].to(weight.dtype) if weight is not None else None
+    return grads[0].to(x.dtype), gw
 
 
 def rms_norm_autograd(
