@@ -266,9 +266,13 @@ class Sink(ABC):
         if self._stop.is_set() or backlog or self._destination_down():
             # Keep order behind the backlog; don't wait on a destination known to be down.
             if self.spool is not None:
-                self._to_spool(item)
-                return
-            if self._stop.is_set():
+                if self._to_spool(item):
+                    return
+                if self._stop.is_set() or self._destination_down():
+                    self._drop_unspooled(item)  # never wait for room: the job goes on
+                    return
+                # The spool is full but the destination may be back: try it rather than drop.
+            elif self._stop.is_set():
                 self._drop(
                     item.n, "closed", "isoaudit %s closed with undelivered records and no spool: dropped"
                 )
@@ -295,10 +299,10 @@ class Sink(ABC):
                 if attempt + 1 < self._attempts and self._stop.wait(self._backoff_initial * 2**attempt):
                     break
         self._mark_down()
-        if self.spool is not None:
-            self._to_spool(item)
-        else:
+        if self.spool is None:
             self._drop(item.n, "lost", "isoaudit %s: destination down and no spool: records dropped")
+        elif not self._to_spool(item):
+            self._drop_unspooled(item)
 
     def _replay(self, entry: Any) -> None:
         assert self.spool is not None
@@ -321,7 +325,8 @@ class Sink(ABC):
                 self.spool.remove(entry)
                 self._add("spooled", -item.n)  # re-spooled below as two halves
                 for half in item.halves():
-                    self._to_spool(half)
+                    if not self._to_spool(half):
+                        self._drop_unspooled(half)
                 return
             self.spool.remove(entry)
             self._drop(
@@ -347,12 +352,24 @@ class Sink(ABC):
         self._backoff = min(self._backoff_max, max(self._backoff_initial, self._backoff * 2))
         self._retry_at = time.monotonic() + self._backoff * (0.75 + 0.5 * random.random())
 
-    def _to_spool(self, item: _Item) -> None:
+    def _to_spool(self, item: _Item) -> bool:
+        """Spool ``item``; ``False`` (nothing written) when the spool refuses it (full, disk full)."""
         assert self.spool is not None
         if self.spool.put(item.payload, item.n):
             self._add("spooled", item.n)
-        else:
-            self._drop(item.n, "spool-full", "isoaudit %s: spool full or unwritable: records dropped")
+            return True
+        return False
+
+    def _drop_unspooled(self, item: _Item) -> None:
+        """Drop a batch the spool refused: counted per record, said once for the sink's life."""
+        assert self.spool is not None
+        why = self.spool.refusal or "refused"
+        self._drop(
+            item.n,
+            "spool-full",
+            f"isoaudit %s: the spool refused a batch ({why}): records are dropped, and counted in "
+            "`dropped`, while it has no room (said once)",
+        )
 
     def _add(self, counter: str, n: int) -> None:
         self.counters.add(counter, n)

@@ -3,7 +3,9 @@
 Each batch is one file, written to a temporary name and renamed, so a crash leaves either a whole
 batch or none. File names start with a sequence number, so replay is first-in first-out, also
 across processes: a new sink over the same directory continues where the last one stopped. The
-spool is bounded in bytes; a batch that would overflow it is refused (the caller counts it dropped).
+spool is bounded in bytes; a batch that would overflow it, or that the disk refuses (full, read-only),
+is refused: nothing of it stays on disk, :attr:`Spool.refusal` says why, and the caller counts it
+dropped and says so once (the spool itself logs nothing per batch).
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ class Spool:
         self._entries = sorted(self._scan(), key=lambda e: e.seq)
         self._bytes = sum(e.path.stat().st_size for e in self._entries)
         self._next = (self._entries[-1].seq + 1) if self._entries else 0
+        #: why the last refused batch was refused (``None`` until one is)
+        self.refusal: str | None = None
         if self._entries:
             log.info(
                 "isoaudit spool %s: %d batches left by an earlier run will be replayed",
@@ -66,6 +70,7 @@ class Spool:
         disk refuses it."""
         with self._lock:
             if self._bytes + len(payload) > self.max_bytes:
+                self.refusal = f"over its bound of {self.max_bytes} bytes"
                 return False
             seq = self._next
             self._next += 1
@@ -77,9 +82,9 @@ class Spool:
                 handle.flush()
                 os.fsync(handle.fileno())
             os.replace(tmp, self.directory / name)
-        except OSError as exc:
+        except OSError as exc:  # disk full, quota, read-only: the caller counts and says so, once
             tmp.unlink(missing_ok=True)
-            log.warning("isoaudit spool %s: cannot write a batch (%s)", self.directory, exc)
+            self.refusal = f"cannot write to {self.directory}: {exc.strerror or exc}"
             return False
         with self._lock:
             self._entries.append(SpoolEntry(self.directory / name, seq, n_records))
