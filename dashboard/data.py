@@ -464,3 +464,56 @@ def rank_frame(series: Sequence[tuple[int, str, int | None, int]]) -> pd.DataFra
     table = frame.pivot_table(index="step", columns="sender", values="samples", aggfunc="sum", fill_value=0)
     steps = range(int(table.index.min()), int(table.index.max()) + 1)
     return table.reindex(steps, fill_value=0).rename_axis("step").astype(int)
+
+
+# ---------------------------------------------------------------------- MoE routing (issue 19)
+
+#: What the run page's routing heatmap can show per (layer, step).
+ROUTING_VALUES = {
+    "flipped_tokens": "tokens whose expert set differs",
+    "first_flips": "tokens whose routing first flips here",
+    "flip_rate": "fraction of router decisions that flip",
+}
+
+
+def routing_frame(points: Sequence[queries.RoutingStep], value: str = "flipped_tokens") -> pd.DataFrame:
+    """Step (index) x MoE layer (columns, ``layer i``): ``value`` per cell (:data:`ROUTING_VALUES`),
+    NaN where the layer routed no token that step."""
+    if value not in ROUTING_VALUES:
+        raise ValueError(f"value: expected one of {', '.join(ROUTING_VALUES)}, got {value!r}")
+    rows = {
+        p.step: {f"layer {layer.layer}": _num(getattr(layer, value)) for layer in p.layers if layer.tokens}
+        for p in points
+    }
+    frame = pd.DataFrame.from_dict(rows, orient="index")
+    if frame.empty:
+        return frame
+    columns = sorted(frame.columns, key=lambda c: int(c.split()[1]))
+    return frame[columns].sort_index()
+
+
+def routing_example(point: queries.RoutingStep, layer: int) -> str | None:
+    """The sample of ``point``'s step with the most flips in MoE layer ``layer``."""
+    return next((entry.example for entry in point.layers if entry.layer == layer), None)
+
+
+def sample_routing_frame(routing: queries.SampleRouting) -> pd.DataFrame:
+    """One row per (position, MoE layer): both sides' experts (slot order), whether the sets agree,
+    and whether this layer is where the token's routing first flips."""
+    rows = []
+    for j, position in enumerate(routing.positions.tolist()):
+        for i, layer in enumerate(routing.layers):
+            rows.append(
+                {
+                    "position": int(position),
+                    "layer": int(layer),
+                    "trainer": [int(e) for e in routing.trainer[j, i]],
+                    "rollout": [int(e) for e in routing.rollout[j, i]],
+                    "agree": bool(routing.agree[j, i]),
+                    "first_flip": int(routing.first_flip[j]) == int(layer),
+                    "replayed": None if routing.replayed is None else bool(routing.replayed[j]),
+                }
+            )
+    return pd.DataFrame(
+        rows, columns=["position", "layer", "trainer", "rollout", "agree", "first_flip", "replayed"]
+    )

@@ -492,3 +492,60 @@ def rank_figure(frame: pd.DataFrame) -> go.Figure:
         "xaxis": {"title": {"text": "step"}},
     }
     return _base(figure(data, layout), 260)
+
+
+# ---------------------------------------------------------------------- MoE routing (issue 19)
+
+
+def routing_heatmap(frame: pd.DataFrame, what: str = "tokens whose expert set differs") -> go.Figure:
+    """MoE layer (top to bottom) x step: routing flips per cell (``what`` they count); cells with
+    no flip are left blank, so the first layer where routing breaks stands out."""
+    if frame.empty or frame.shape[1] == 0:
+        return empty_figure("no MoE routing recorded on both sides")
+    z = np.array(frame.to_numpy(float).T)
+    z[z == 0] = np.nan
+    trace = {
+        "type": "heatmap", "z": plain(z), "x": frame.index.to_list(), "y": [safe(c) for c in frame.columns],
+        "hovertemplate": f"step %{{x}}<br>%{{y}}<br>%{{z}} {safe(what)}<extra></extra>",
+        "colorscale": "Reds", "zmin": 0, "colorbar": {"title": {"text": "flips"}}, "xgap": 1, "ygap": 1,
+    }  # fmt: skip
+    layout = {
+        "xaxis": {"title": {"text": "step"}},
+        "yaxis": {"title": {"text": "MoE layer"}, "type": "category", "autorange": "reversed"},
+    }
+    return _base(figure([trace], layout), max(240, 24 * frame.shape[1] + 110))
+
+
+def sample_routing_grid(frame: pd.DataFrame, prompt_len: int | None = None) -> go.Figure:
+    """MoE layer x position of one sample: agreeing sets light, flips dark, each token's first
+    flip darkest; the hover names both sides' experts in slot order."""
+    if frame.empty:
+        return empty_figure("no routing on both sides for this sample")
+    positions = sorted(frame["position"].unique().tolist())
+    layers = sorted(frame["layer"].unique().tolist())
+    col = {p: i for i, p in enumerate(positions)}
+    row = {layer: i for i, layer in enumerate(layers)}
+    z = np.zeros((len(layers), len(positions)))
+    hover = [["" for _ in positions] for _ in layers]
+    for r in frame.itertuples(index=False):
+        i, j = row[r.layer], col[r.position]
+        z[i, j] = 0 if r.agree else (2 if r.first_flip else 1)
+        state = "agree" if r.agree else ("first flip" if r.first_flip else "flip")
+        replay = "" if r.replayed is None else (" (replayed)" if r.replayed else " (routed by the trainer)")
+        hover[i][j] = f"trainer {list(r.trainer)} · rollout {list(r.rollout)}: {state}{replay}"
+    trace = {
+        "type": "heatmap", "z": plain(z), "x": positions, "y": [f"layer {layer}" for layer in layers],
+        "customdata": hover, "hovertemplate": "position %{x}<br>%{y}<br>%{customdata}<extra></extra>",
+        "colorscale": [[0, "#e8f4ea"], [0.5, "#f4a582"], [1, "#b2182b"]], "zmin": 0, "zmax": 2,
+        "showscale": False, "xgap": 1, "ygap": 1,
+    }  # fmt: skip
+    layout: dict = {
+        "xaxis": {"title": {"text": "position"}},
+        "yaxis": {"title": {"text": "MoE layer"}, "type": "category", "autorange": "reversed"},
+    }
+    if prompt_len is not None and positions and positions[0] < prompt_len <= positions[-1]:
+        layout["shapes"] = [
+            {"type": "line", "x0": prompt_len - 0.5, "x1": prompt_len - 0.5, "y0": 0, "y1": 1, "yref": "paper",
+             "line": {"dash": "dot", "color": "#555"}}
+        ]  # fmt: skip
+    return _base(figure([trace], layout), max(200, 26 * len(layers) + 110))

@@ -215,6 +215,7 @@ def layout(run_id: str | None = None, step: str | None = None, **_: Any) -> html
             ),
             html.H5("Diagnoses per step"),
             graph("run-diagnoses", drawn.diagnoses),
+            routing_section(store, overview.run_id),
             html.H5("The loop's own figures: reward against the mismatch", className="mt-3"),
             dcc.Store(id="run-loop-steps", data=loop_stats[-1].step if loop_stats else None),
             graph("run-loop", loop_figure(store, overview.run_id, loop_stats)),
@@ -246,6 +247,68 @@ def layout(run_id: str | None = None, step: str | None = None, **_: Any) -> html
             ),
         ]
     )
+
+
+def routing_figure(store: Store, run_id: str, value: str = "flipped_tokens") -> tuple[go.Figure, int | None]:
+    """The layer x step heatmap of routing flips, and the last step it draws."""
+    points = queries.routing_series(store, run_id)
+    frame = data.routing_frame(points, value)
+    return figures.routing_heatmap(frame, data.ROUTING_VALUES[value]), points[-1].step if points else None
+
+
+def routing_section(store: Store, run_id: str) -> html.Div:
+    """MoE runs: where routing flips, layer by step (hidden for a dense model until routes arrive)."""
+    drawn, last = routing_figure(store, run_id)
+    return html.Div(
+        [
+            html.H5("MoE routing flips by layer", className="d-inline me-3 mt-3"),
+            dbc.RadioItems(
+                id="run-routing-value",
+                options=[{"label": label, "value": key} for key, label in data.ROUTING_VALUES.items()],
+                value="flipped_tokens",
+                inline=True,
+                className="d-inline small",
+            ),
+            dcc.Store(id="run-routing-steps", data=last),
+            graph("run-routing", drawn),
+        ],
+        id="run-routing-section",
+        style={} if last is not None else {"display": "none"},
+    )
+
+
+def redraw_routing(
+    value: str | None, state_json: dict[str, Any], drawn_last: int | None, *, changed: bool = False
+) -> tuple[Any, Any, Any]:
+    """The routing heatmap again when steps after the last drawn one carry routes, or when the
+    value shown ``changed`` (the check reads only the new steps' rows); the section shows once
+    there are routes."""
+    store = context.store()
+    run_id = LiveState.from_json(state_json).run_id
+    if not changed and not queries.routing_series(store, run_id, after_step=drawn_last):
+        return no_update, no_update, no_update
+    drawn, last = routing_figure(store, run_id, value or "flipped_tokens")
+    return drawn, last, {} if last is not None else {"display": "none"}
+
+
+def tick_routing(
+    _n: int | None, value: str | None, state_json: dict[str, Any], drawn_last: int | None
+) -> tuple[Any, Any, Any]:
+    return redraw_routing(value, state_json, drawn_last, changed=dash.ctx.triggered_id == "run-routing-value")
+
+
+def routing_click(click: dict[str, Any] | None, state_json: dict[str, Any]) -> Any:
+    """A cell of the routing heatmap opens the sample with the most flips in that layer and step."""
+    point = _clicked(click)
+    if point is None or not str(point.get("y", "")).startswith("layer "):
+        return no_update
+    run_id = state_json["run_id"]
+    step = int(point["x"])
+    found = queries.routing_series(context.store(), run_id, after_step=step - 1)
+    if not found or found[0].step != step:
+        return no_update
+    key = data.routing_example(found[0], int(str(point["y"]).split()[1]))
+    return sample_href(run_id, step, key) if key else no_update
 
 
 # ---------------------------------------------------------------------- callbacks
@@ -471,6 +534,22 @@ def register(app: dash.Dash) -> None:
         State("run-state", "data"),
         prevent_initial_call=True,
     )(tick_status)
+    app.callback(
+        Output("run-routing", "figure"),
+        Output("run-routing-steps", "data"),
+        Output("run-routing-section", "style"),
+        Input("run-interval", "n_intervals"),
+        Input("run-routing-value", "value"),
+        State("run-state", "data"),
+        State("run-routing-steps", "data"),
+        prevent_initial_call=True,
+    )(tick_routing)
+    app.callback(
+        Output("run-nav", "href", allow_duplicate=True),
+        Input("run-routing", "clickData"),
+        State("run-state", "data"),
+        prevent_initial_call=True,
+    )(routing_click)
     app.callback(
         Output("run-mode", "value"),
         Output("run-control", "data"),

@@ -59,6 +59,39 @@ def diagnosis_card(detail: queries.SampleDetail) -> dbc.Card:
     )
 
 
+def routing_view(store: Any, detail: queries.SampleDetail) -> html.Div:
+    """MoE samples: both sides' experts per token and layer, and where the routing first flips."""
+    routing = queries.sample_routing(store, detail.run_id, detail.step, detail.sample_key)
+    if routing is None:
+        return html.Div(id="sample-routing")
+    frame = data.sample_routing_frame(routing)
+    flips = frame[~frame["agree"]]
+    tokens = int(len(set(flips["position"]))) if not flips.empty else 0
+    if flips.empty:
+        summary: list[Any] = ["Both sides chose the same experts for every token in every MoE layer."]
+    else:
+        first = flips.sort_values(["layer", "position"]).iloc[0]
+        summary = [
+            f"{tokens} of {routing.positions.size} tokens route differently in some MoE layer. First flip: ",
+            html.Strong(f"layer {int(first['layer'])}", id="sample-routing-first"),
+            f" at position {int(first['position'])} (trainer experts {list(first['trainer'])}, rollout "
+            f"{list(first['rollout'])}).",
+        ]
+    if routing.replayed is not None:
+        replayed = int(routing.replayed.sum())
+        summary.append(
+            f" Routing replay: {replayed} of {routing.replayed.size} tokens replayed from the rollout."
+        )
+    return html.Div(
+        [
+            html.H5("MoE routing, both sides", className="mt-3"),
+            html.Div(summary, id="sample-routing-summary", className="small"),
+            graph("sample-routing-grid", figures.sample_routing_grid(frame, detail.prompt_len)),
+        ],
+        id="sample-routing",
+    )
+
+
 def layout(
     run_id: str | None = None, step: str | None = None, sample_key: str | None = None, **_: Any
 ) -> html.Div:
@@ -107,6 +140,7 @@ def layout(
             html.H5("Fingerprint grid", className="mt-3"),
             first_divergence_line(detail),
             graph("sample-grid", figures.fingerprint_grid(data.grid_frame(detail), detail.prompt_len)),
+            routing_view(store, detail),
         ]
     )
 
