@@ -48,6 +48,7 @@ from ._triton import (
     resolve,
     tl,
     triton,
+    use_triton,
 )
 
 LOG2E = 1.4426950408889634
@@ -587,6 +588,170 @@ def _math_attention(q, k, v, cu_q, q_pos0, kv_len, slots, scale):
     return torch.cat(outs)
 
 
+if HAVE_TRITON:
+
+    @jit()
+    def _bwd_dq_kernel(
+        q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, dq_ptr, lse_ptr, delta_ptr, slot_ptr,
+        c, scale, lq, p0, n_kv, HQ,
+        stride_qt, stride_qh, stride_ks, stride_kt, stride_kh, stride_vs, stride_vt, stride_vh,
+        G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        """One (query block, sequence x query head): the rows' base-2 log-sum-exp over their keys
+        (a fresh online pass), then dQ = scale * sum_n dS K over the key tiles in ascending order;
+        also stores the rows' lse and delta = rowsum(dO * O) for the dK/dV kernel."""
+        m0 = tl.program_id(0) * BLOCK_M
+        bh = tl.program_id(1)
+        bi = bh // HQ
+        hq = bh % HQ
+        hk = hq // G
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        d = tl.arange(0, BLOCK_D)
+        qmask = offs_m < lq
+        row_ok = qmask[:, None] & (d < D)[None, :]
+        rows = (bi * lq + offs_m).to(tl.int64)
+        qo = rows[:, None] * stride_qt + hq * stride_qh + d[None, :]
+        q = tl.load(q_ptr + qo, mask=row_ok, other=0.0)
+        do = tl.load(do_ptr + qo, mask=row_ok, other=0.0)
+        o = tl.load(o_ptr + qo, mask=row_ok, other=0.0)
+        delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+        pos = p0 + offs_m
+        slot = tl.load(slot_ptr + bi).to(tl.int64)
+        k_base = k_ptr + slot * stride_ks + hk * stride_kh
+        v_base = v_ptr + slot * stride_vs + hk * stride_vh
+        hi = tl.minimum(n_kv, p0 + tl.minimum(m0 + BLOCK_M, lq))
+        m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        l_i = tl.zeros((BLOCK_M,), tl.float32)
+        for n0 in range(0, hi, BLOCK_N):
+            cols = n0 + tl.arange(0, BLOCK_N)
+            kv_ok = (cols < n_kv)[:, None] & (d < D)[None, :]
+            k = tl.load(k_base + cols[:, None].to(tl.int64) * stride_kt + d[None, :], mask=kv_ok, other=0.0)
+            sc = tl.dot(q, tl.trans(k), input_precision=PRECISION) * c
+            sc = tl.where((cols[None, :] <= pos[:, None]) & (cols < n_kv)[None, :], sc, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(sc, 1))
+            l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(sc - m_new[:, None]), 1)
+            m_i = m_new
+        lse = m_i + tl.log2(l_i)
+        dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+        for n0 in range(0, hi, BLOCK_N):
+            cols = n0 + tl.arange(0, BLOCK_N)
+            kv_ok = (cols < n_kv)[:, None] & (d < D)[None, :]
+            k = tl.load(k_base + cols[:, None].to(tl.int64) * stride_kt + d[None, :], mask=kv_ok, other=0.0)
+            v = tl.load(v_base + cols[:, None].to(tl.int64) * stride_vt + d[None, :], mask=kv_ok, other=0.0)
+            sc = tl.dot(q, tl.trans(k), input_precision=PRECISION) * c
+            vis = (cols[None, :] <= pos[:, None]) & (cols < n_kv)[None, :]
+            p = tl.where(vis, tl.exp2(sc - lse[:, None]), 0.0)
+            dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+            ds = p * (dp - delta[:, None])
+            dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
+        tl.store(dq_ptr + qo, (dq * scale).to(dq_ptr.dtype.element_ty), mask=row_ok)
+        ml = (bi * HQ + hq).to(tl.int64) * lq + offs_m
+        tl.store(lse_ptr + ml, lse, mask=qmask)
+        tl.store(delta_ptr + ml, delta, mask=qmask)
+
+    @jit()
+    def _bwd_dkv_kernel(
+        q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, lse_ptr, delta_ptr, slot_ptr,
+        c, scale, lq, p0, n_kv, HQ, HKV,
+        stride_qt, stride_qh, stride_ks, stride_kt, stride_kh, stride_vs, stride_vt, stride_vh,
+        G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        """One (key block, sequence x KV head): dV = sum P^T dO and dK = scale * sum dS^T Q over
+        the group's query heads in order, each over its query tiles in ascending order."""
+        n0 = tl.program_id(0) * BLOCK_N
+        bh = tl.program_id(1)
+        bi = bh // HKV
+        hk = bh % HKV
+        cols = n0 + tl.arange(0, BLOCK_N)
+        d = tl.arange(0, BLOCK_D)
+        kv_ok = (cols < n_kv)[:, None] & (d < D)[None, :]
+        slot = tl.load(slot_ptr + bi).to(tl.int64)
+        ko = slot * stride_ks + cols[:, None].to(tl.int64) * stride_kt + hk * stride_kh + d[None, :]
+        vo = slot * stride_vs + cols[:, None].to(tl.int64) * stride_vt + hk * stride_vh + d[None, :]
+        k = tl.load(k_ptr + ko, mask=kv_ok, other=0.0)
+        v = tl.load(v_ptr + vo, mask=kv_ok, other=0.0)
+        dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
+        dv = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
+        m_lo = (tl.maximum(n0 - p0, 0) // BLOCK_M) * BLOCK_M  # earlier queries see none of these keys
+        for g in range(G):
+            hq = hk * G + g
+            for m0 in range(m_lo, lq, BLOCK_M):
+                offs_m = m0 + tl.arange(0, BLOCK_M)
+                qmask = offs_m < lq
+                row_ok = qmask[:, None] & (d < D)[None, :]
+                qo = (bi * lq + offs_m).to(tl.int64)[:, None] * stride_qt + hq * stride_qh + d[None, :]
+                q = tl.load(q_ptr + qo, mask=row_ok, other=0.0)
+                do = tl.load(do_ptr + qo, mask=row_ok, other=0.0)
+                ml = (bi * HQ + hq).to(tl.int64) * lq + offs_m
+                lse = tl.load(lse_ptr + ml, mask=qmask, other=0.0)
+                delta = tl.load(delta_ptr + ml, mask=qmask, other=0.0)
+                pos = p0 + offs_m
+                sc = tl.dot(q, tl.trans(k), input_precision=PRECISION) * c
+                vis = (cols[None, :] <= pos[:, None]) & (cols < n_kv)[None, :] & qmask[:, None]
+                p = tl.where(vis, tl.exp2(sc - lse[:, None]), 0.0)
+                dv = tl.dot(tl.trans(p.to(do.dtype)), do, dv, input_precision=PRECISION)
+                dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+                ds = p * (dp - delta[:, None])
+                dk = tl.dot(tl.trans(ds.to(q.dtype)), q, dk, input_precision=PRECISION)
+        tl.store(dk_ptr + ko, (dk * scale).to(dk_ptr.dtype.element_ty), mask=kv_ok)
+        tl.store(dv_ptr + vo, dv.to(dv_ptr.dtype.element_ty), mask=kv_ok)
+
+
+def _triton_uniform_backward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, grad: torch.Tensor,
+    lq: int, p0: int, n_kv: int, slots: torch.Tensor, scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The uniform batch's gradients by two Triton kernels with a fixed order of accumulation (no
+    atomics: each gradient element is one program's): dQ per query block, then dK/dV per key
+    block. Probabilities are recomputed from the scores and the rows' log-sum-exp; products take
+    the model dtype's tensor cores with fp32 accumulation, as flash attention's backward does."""
+    b = slots.numel()
+    hq, hkv, d = q.shape[1], k.shape[2], q.shape[2]
+    g = hq // hkv
+    q, grad, out = q.contiguous(), grad.contiguous().to(q.dtype), out.contiguous()
+    assert k.stride(-1) == 1 and v.stride(-1) == 1
+    dev = q.device
+    bm = 64 if q.is_cuda else 16
+    block_d = max(16, next_power_of_2(d))
+    c = scale * LOG2E
+    dq = torch.empty_like(q)
+    dk = torch.zeros_like(k)
+    dv = torch.zeros_like(v)
+    lse = torch.empty(b * hq * lq, dtype=torch.float32, device=dev)
+    delta = torch.empty_like(lse)
+    sl = slots.to(device=dev, dtype=torch.int32)
+    common = dict(G=g, D=d, BLOCK_D=block_d, BLOCK_M=bm, BLOCK_N=bm, PRECISION=dot_precision(q.dtype))
+    warps = 4
+    strides = (*q.stride()[:2], *k.stride()[:3], *v.stride()[:3])
+    _bwd_dq_kernel[(cdiv(lq, bm), b * hq)](
+        q,
+        k,
+        v,
+        out,
+        grad,
+        dq,
+        lse,
+        delta,
+        sl,
+        c,
+        scale,
+        lq,
+        p0,
+        n_kv,
+        hq,
+        *strides,
+        **common,
+        num_warps=warps,
+    )
+    _bwd_dkv_kernel[(cdiv(n_kv, bm), b * hkv)](
+        q, k, v, grad, dk, dv, lse, delta, sl, c, scale, lq, p0, n_kv, hq, hkv, *strides, **common,
+        num_warps=warps,
+    )  # fmt: skip
+    return dq, dk, dv
+
+
 #: Bound on the fp32 score blocks the batched backward holds at once (bytes); sequences beyond it
 #: are processed in groups, in order.
 BACKWARD_BYTES = 1 << 31
@@ -602,6 +767,7 @@ def _uniform_batch_backward(
     kv_len: torch.Tensor,
     slots: torch.Tensor,
     scale: float,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """Gradients of :func:`_math_attention` for the trainer's batch, all sequences at once.
 
@@ -610,7 +776,8 @@ def _uniform_batch_backward(
     values) is one batched matmul chain per group of sequences, and its gradients are the textbook
     formulas (dV = P^T dO, dS = P * (dO V^T - rowsum(dO * O)), dQ = dS K, dK = dS^T Q), summed over
     each KV head's query heads in a fixed order: no atomics, one host read of the metadata instead
-    of several per sequence. Returns None for any other batch (the per-sequence path serves)."""
+    of several per sequence. Returns None for any other batch (the per-sequence path serves).
+    With the forward's output and Triton, the two kernels of :func:`_triton_uniform_backward`."""
     b = cu_q.numel() - 1
     if b == 0:
         return None
@@ -635,6 +802,8 @@ def _uniform_batch_backward(
     ):
         return None
     p0_, n_kv = p0[0], nk[0]
+    if out is not None and use_triton(q) and cu[0] == 0:
+        return _triton_uniform_backward(q, k, v, out, grad, lq, p0_, n_kv, torch.tensor(sl), scale)
     hq, hkv, d = q.shape[1], k.shape[2], q.shape[2]
     g = hq // hkv
     dev = q.device
@@ -672,14 +841,15 @@ def _uniform_batch_backward(
 class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu_q, q_pos0, kv_len, slots, scale):  # type: ignore[override]
-        ctx.save_for_backward(q, k, v, cu_q, q_pos0, kv_len, slots)
+        out = attention(q, k, v, cu_q, q_pos0, kv_len, slots, scale)
+        ctx.save_for_backward(q, k, v, cu_q, q_pos0, kv_len, slots, out)
         ctx.scale = scale
-        return attention(q, k, v, cu_q, q_pos0, kv_len, slots, scale)
+        return out
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        q, k, v, cu_q, q_pos0, kv_len, slots = ctx.saved_tensors
-        fast = _uniform_batch_backward(q, k, v, grad, cu_q, q_pos0, kv_len, slots, ctx.scale)
+        q, k, v, cu_q, q_pos0, kv_len, slots, out = ctx.saved_tensors
+        fast = _uniform_batch_backward(q, k, v, grad, cu_q, q_pos0, kv_len, slots, ctx.scale, out)
         if fast is not None:
             gq, gk, gv = fast
             return gq.to(q.dtype), gk.to(k.dtype), gv.to(v.dtype), None, None, None, None, None

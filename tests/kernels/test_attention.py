@@ -238,3 +238,69 @@ def test_backward_matches_autograd(dev: str, uniform: bool) -> None:
     want = torch.autograd.grad(_math_attention(q, k, v, cu, p0, kl, slots, d**-0.5), (q, k, v), go)
     for a, w in zip(got, want, strict=True):
         torch.testing.assert_close(a, w, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("lq,lk,hq,hkv", [(40, 50, 6, 2), (33, 33, 7, 1)])
+def test_triton_backward_kernels(dev: str, lq: int, lk: int, hq: int, hkv: int) -> None:
+    """The two backward kernels (dQ per query block, dK/dV per key block, fixed order) across
+    several tiles, queries after a cached prefix, a group of 7, against autograd through the math;
+    the trainer's backward takes them for a uniform batch."""
+    from kernels.attention import _triton_uniform_backward, attention_autograd
+
+    torch.manual_seed(5)
+    b, d = 2, 16
+    q = torch.randn(b * lq, hq, d, device=dev, requires_grad=True)
+    k = torch.randn(b + 1, lk, hkv, d, device=dev, requires_grad=True)
+    v = torch.randn(b + 1, lk, hkv, d, device=dev, requires_grad=True)
+    i32 = dict(device=dev, dtype=torch.int32)
+    cu, p0, kl = (
+        torch.arange(b + 1, **i32) * lq,
+        torch.full((b,), lk - lq, **i32),
+        torch.full((b,), lk, **i32),
+    )
+    slots = torch.tensor([2, 0], **i32)
+    go = torch.randn(b * lq, hq, d, device=dev)
+    want = torch.autograd.grad(_math_attention(q, k, v, cu, p0, kl, slots, d**-0.5), (q, k, v), go)
+    out = attention(q.detach(), k.detach(), v.detach(), cu, p0, kl, slots, d**-0.5)
+    got = _triton_uniform_backward(
+        q.detach(), k.detach(), v.detach(), out, go, lq, lk - lq, lk, slots, d**-0.5
+    )
+    for a, w in zip(got, want, strict=True):
+        torch.testing.assert_close(a, w, rtol=1e-4, atol=1e-4)
+    calls = []
+    real = attention_mod._triton_uniform_backward
+    attention_mod._triton_uniform_backward = lambda *a: calls.append(1) or real(*a)
+    try:
+        via = torch.autograd.grad(attention_autograd(q, k, v, cu, p0, kl, slots, d**-0.5), (q, k, v), go)
+    finally:
+        attention_mod._triton_uniform_backward = real
+    assert calls == [1]
+    for a, w in zip(via, got, strict=True):
+        assert bits_equal(a, w)
+
+
+@gpu
+def test_triton_backward_gpu() -> None:
+    """bf16 trainer shapes (64 x 256 tokens, 14/2 heads of 64): the kernels' gradients against
+    autograd through the fp32 math, and run to run bitwise equal (no atomics)."""
+    from kernels.attention import _triton_uniform_backward
+
+    torch.manual_seed(0)
+    b, lq, hq, hkv, d = 16, 256, 14, 2, 64
+    q = torch.randn(b * lq, hq, d, device="cuda").bfloat16()
+    k = torch.randn(b, lq, hkv, d, device="cuda").bfloat16()
+    v = torch.randn(b, lq, hkv, d, device="cuda").bfloat16()
+    i32 = dict(device="cuda", dtype=torch.int32)
+    cu, p0, kl = torch.arange(b + 1, **i32) * lq, torch.zeros(b, **i32), torch.full((b,), lq, **i32)
+    slots = torch.arange(b, **i32)
+    go = torch.randn(b * lq, hq, d, device="cuda").bfloat16()
+    out = attention(q, k, v, cu, p0, kl, slots, d**-0.5)
+    got = _triton_uniform_backward(q, k, v, out, go, lq, 0, lq, slots, d**-0.5)
+    again = _triton_uniform_backward(q, k, v, out, go, lq, 0, lq, slots, d**-0.5)
+    qf, kf, vf = (t.float().requires_grad_() for t in (q, k, v))
+    want = torch.autograd.grad(
+        _math_attention(qf, kf, vf, cu, p0, kl, slots, d**-0.5), (qf, kf, vf), go.float()
+    )
+    for a, a2, w in zip(got, again, want, strict=True):
+        assert bits_equal(a, a2)
+        assert ((a.float() - w).norm() / w.norm()) < 2e-2
