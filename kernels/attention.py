@@ -31,6 +31,7 @@ length L (its own key is cached).
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import NamedTuple
@@ -752,6 +753,18 @@ def _triton_uniform_backward(
     return dq, dk, dv
 
 
+_TRITON_BACKWARD_FAILED = False
+
+
+def _backward_failed(exc: Exception) -> None:
+    """Remember (and say once) that the Triton backward could not run here."""
+    global _TRITON_BACKWARD_FAILED
+    _TRITON_BACKWARD_FAILED = True
+    warnings.warn(
+        f"kernels.attention: the Triton backward failed ({exc!r}); using the torch chain", stacklevel=3
+    )
+
+
 #: Bound on the fp32 score blocks the batched backward holds at once (bytes); sequences beyond it
 #: are processed in groups, in order.
 BACKWARD_BYTES = 1 << 31
@@ -802,8 +815,11 @@ def _uniform_batch_backward(
     ):
         return None
     p0_, n_kv = p0[0], nk[0]
-    if out is not None and use_triton(q) and cu[0] == 0:
-        return _triton_uniform_backward(q, k, v, out, grad, lq, p0_, n_kv, torch.tensor(sl), scale)
+    if out is not None and use_triton(q) and cu[0] == 0 and not _TRITON_BACKWARD_FAILED:
+        try:
+            return _triton_uniform_backward(q, k, v, out, grad, lq, p0_, n_kv, torch.tensor(sl), scale)
+        except Exception as exc:  # noqa: BLE001 - a kernel that does not build here: the torch chain serves
+            _backward_failed(exc)
     hq, hkv, d = q.shape[1], k.shape[2], q.shape[2]
     g = hq // hkv
     dev = q.device

@@ -9,6 +9,8 @@ serves the q/k normalisation of Gated DeltaNet.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from ._triton import HAVE_TRITON, jit, next_power_of_2, resolve, tl
@@ -178,9 +180,13 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         x, weight = ctx.saved_tensors
-        if x.is_cuda and resolve(None, x) == "triton":
-            gx, gw = rms_norm_backward(x, weight, grad, ctx.eps, ctx.l2)
-        else:
+        gx = gw = None
+        if x.is_cuda and resolve(None, x) == "triton" and not _FAILED:
+            try:
+                gx, gw = rms_norm_backward(x, weight, grad, ctx.eps, ctx.l2)
+            except Exception as exc:  # noqa: BLE001 - a kernel that does not build here: the reference serves
+                _backward_failed(exc)
+        if gx is None:
             gx, gw = _backward_reference(x, weight, grad, ctx.eps, ctx.l2)
         return (
             gx if ctx.needs_input_grad[0] else None,
@@ -188,6 +194,16 @@ class _RMSNorm(torch.autograd.Function):
             None,
             None,
         )
+
+
+_FAILED = False
+
+
+def _backward_failed(exc: Exception) -> None:
+    """Remember (and say once) that the Triton backward could not run here."""
+    global _FAILED
+    _FAILED = True
+    warnings.warn(f"kernels.rmsnorm: the Triton backward failed ({exc!r}); using the reference", stacklevel=3)
 
 
 #: Rows one backward program walks (its partial weight gradient covers them).
