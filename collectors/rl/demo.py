@@ -225,6 +225,13 @@ def run_demo(
                 f"alert [bold]{alert.rule}[/bold]: {alert.state}, fired at step {alert.fired_step}, "
                 f"resolved at step {alert.resolved_step}"
             )
+        report = rollout.collector.mode_report if rollout.collector is not None else None
+        if report is not None and report.applied == "invariant" and report.reason:
+            console.print(
+                f"[yellow]{rollout.name}[/yellow]: remediated except what {report.reason}: the mismatch "
+                "left after the switch comes from there (the first divergence column), so the KL alert "
+                "may keep firing; --engine reference remediates every op (exact zero)."
+            )
         return result
     finally:
         worker.stop()
