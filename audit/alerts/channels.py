@@ -1,8 +1,9 @@
 """Where alert notices go: the log, a Slack-compatible webhook, and the database.
 
 A channel never raises: it returns a :class:`Delivery` saying what happened (sent, or failed with the
-error after its retries), and the engine records that in ``alert_notifications``. Alerting must not
-break comparison, and a dead webhook must not stop the other channels.
+error after its retries, and every attempt it made), and the engine records that in
+``alert_notifications``. Alerting must not break comparison, and a dead webhook must not stop the
+other channels.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any, Literal, Protocol
 
 import httpx
@@ -60,11 +62,26 @@ class Notice:
 
 @dataclass
 class Delivery:
+    """What a channel did with one notice. ``payload``: what was sent, and (a webhook) under
+    ``delivery_attempts`` each attempt: when, how long it took, what came back, how long it then
+    waited (:func:`attempts_of` reads it back)."""
+
     channel: str
     status: Literal["sent", "failed", "stored"]
     attempts: int = 1
     error: str | None = None
     payload: dict[str, Any] = field(default_factory=dict)
+
+
+#: The key of a stored notification's payload that lists each delivery attempt.
+ATTEMPTS_KEY = "delivery_attempts"
+
+
+def attempts_of(payload: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each attempt a channel made, oldest first: ``attempt``, ``at`` (UTC, ISO 8601), ``took_s``,
+    ``outcome`` (``sent``, ``HTTP 503: ...``, ``ReadTimeout: ...``) and ``wait_s`` (the backoff that
+    followed; absent after the last)."""
+    return list(payload.get(ATTEMPTS_KEY) or [])
 
 
 class Channel(Protocol):
@@ -134,30 +151,51 @@ def slack_payload(notice: Notice) -> dict[str, Any]:
 
 
 class WebhookChannel:
-    """POSTs :func:`slack_payload` to ``url``; retries transport errors, 429 and 5xx with exponential
-    backoff (``backoff_s``, doubled per attempt, at most ``attempts`` tries); never raises."""
+    """POSTs :func:`slack_payload` to ``url``. Transport errors (refused, reset, timed out after
+    ``timeout_s``), 429 and 5xx are retried with exponential backoff: ``backoff_s``, doubled per
+    attempt up to ``backoff_max_s``, at most ``attempts`` tries, so one notice gives up after at
+    most :attr:`give_up_after_s`. Other 4xx are not retried (the receiver refuses the message).
+    Every attempt is recorded in the delivery; never raises. Run it off the comparison worker
+    (``AlertEngine(deliver_in_background=True)``, as the service does): it sleeps between attempts.
+    """
 
     def __init__(
         self,
         url: str,
         *,
-        attempts: int = 4,
+        attempts: int = 8,
         backoff_s: float = 0.5,
+        backoff_max_s: float = 30.0,
         timeout_s: float = 5.0,
         name: str = "webhook",
         client: httpx.Client | None = None,
     ) -> None:
+        if backoff_s < 0 or backoff_max_s < backoff_s:
+            raise ValueError(f"backoff_s: must be in [0, backoff_max_s={backoff_max_s}], got {backoff_s}")
         self.url = url
         self.attempts = max(1, attempts)
         self.backoff_s = backoff_s
+        self.backoff_max_s = backoff_max_s
         self.timeout_s = timeout_s
         self.name = name
         self._client = client
 
+    def wait_s(self, attempt: int) -> float:
+        """The backoff after failed attempt number ``attempt`` (1-based)."""
+        return min(self.backoff_max_s, self.backoff_s * 2 ** (attempt - 1))
+
+    @property
+    def give_up_after_s(self) -> float:
+        """The bound on one notice's delivery: every attempt timing out, every backoff waited."""
+        return self.attempts * self.timeout_s + sum(self.wait_s(a) for a in range(1, self.attempts))
+
     def send(self, notice: Notice) -> Delivery:
         payload = slack_payload(notice)
+        record: list[dict[str, Any]] = []
         error = "not attempted"
         for attempt in range(1, self.attempts + 1):
+            at, started = datetime.now(UTC), time.monotonic()
+            retry = True
             try:
                 client = self._client or httpx.Client(timeout=self.timeout_s)
                 try:
@@ -166,13 +204,32 @@ class WebhookChannel:
                     if self._client is None:
                         client.close()
                 if response.is_success:
-                    return Delivery(self.name, "sent", attempts=attempt, payload=payload)
+                    record.append(_attempt(attempt, at, started, "sent"))
+                    return Delivery(self.name, "sent", attempt, None, {**payload, ATTEMPTS_KEY: record})
                 error = f"HTTP {response.status_code}: {response.text[:200]}"
-                if response.status_code != 429 and response.status_code < 500:
-                    break  # the receiver refuses this message; repeating it will not help
+                retry = response.status_code == 429 or response.status_code >= 500
             except Exception as exc:  # transport errors, bad URLs: recorded, never raised
                 error = f"{type(exc).__name__}: {exc}"
-            if attempt < self.attempts:
-                time.sleep(self.backoff_s * 2 ** (attempt - 1))
-        log.error("webhook %s failed for alert %s (%s): %s", self.name, notice.alert_id, notice.event, error)
-        return Delivery(self.name, "failed", attempts=attempt, error=error, payload=payload)
+            record.append(_attempt(attempt, at, started, error))
+            if not retry or attempt == self.attempts:
+                break  # refused as such (repeating will not help), or out of attempts
+            record[-1]["wait_s"] = self.wait_s(attempt)
+            time.sleep(record[-1]["wait_s"])
+        log.error(
+            "webhook %s gave up on alert %s (%s) after %d attempts: %s",
+            self.name,
+            notice.alert_id,
+            notice.event,
+            attempt,
+            error,
+        )
+        return Delivery(self.name, "failed", attempt, error, {**payload, ATTEMPTS_KEY: record})
+
+
+def _attempt(attempt: int, at: datetime, started: float, outcome: str) -> dict[str, Any]:
+    return {
+        "attempt": attempt,
+        "at": at.isoformat(),
+        "took_s": round(time.monotonic() - started, 4),
+        "outcome": outcome,
+    }

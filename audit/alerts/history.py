@@ -9,6 +9,7 @@ from typing import Any
 
 from sqlalchemy import select
 
+from audit.alerts.channels import attempts_of
 from audit.models import RunRow
 from audit.service_models import AlertRow, AlertRuleRow, NotificationRow
 from audit.store import Store
@@ -96,3 +97,9 @@ def notifications(store: Store, alert_id: int) -> list[NotificationRow]:
     query = select(NotificationRow).where(NotificationRow.alert_id == alert_id).order_by(NotificationRow.id)
     with store.sessions() as session:
         return list(session.scalars(query))
+
+
+def delivery_attempts(notification: NotificationRow) -> list[dict[str, Any]]:
+    """Each attempt the channel made for one notification, oldest first (a webhook records when,
+    how long, what came back and the backoff that followed; other channels record none)."""
+    return attempts_of(notification.payload or {})
