@@ -412,3 +412,59 @@ def watch_routing(collector: Any) -> _Recorder | None:
 
     collector._remove_hooks = _remove_hooks
     return recorder
+
+
+# ---------------------------------------------------------------------- routing replay inputs (R3)
+
+
+def replay_tensors(
+    batch: Any, routes: Sequence[Routes | None]
+) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+    """What :meth:`TrainerRoutes.replay` takes for a :class:`~collectors.layout.StepBatch` whose
+    sample ``i`` the rollout routed as ``routes[i]`` (e.g. the rollout's sample records, or
+    :func:`routes_from_vllm`): per MoE layer the experts of every flat row of the batch, and the
+    mask of rows that have a route (the rest, such as the last sampled token or a sample the
+    rollout sent no routes for, route themselves and are reported as missing where needed)."""
+    rows, cols = batch.shape
+    layers = sorted({layer for r in routes if r is not None for layer in r.layers})
+    if not layers:
+        raise ValueError("routes: no sample has routes to replay")
+    k = next(r.top_k for r in routes if r is not None)
+    out = {layer: torch.zeros(rows * cols, k, dtype=torch.long) for layer in layers}
+    mask = torch.zeros(rows * cols, dtype=torch.bool)
+    for i, found in enumerate(routes):
+        if found is None:
+            continue
+        if found.top_k != k:
+            raise ValueError(f"routes[{i}]: top_k {found.top_k} differs from the others' {k}")
+        flat = torch.from_numpy(batch.flat_start(i) + found.positions.astype(np.int64))
+        experts = torch.from_numpy(found.layer_experts().astype(np.int64))
+        for j, layer in enumerate(found.layers):
+            out[layer][flat] = experts[:, j]
+        mask[flat] = True
+    return out, mask
+
+
+def routes_from_vllm(
+    routed_experts: np.ndarray, layers: Sequence[int] | None = None, *, num_experts: int
+) -> Routes:
+    """A rollout sample's routes from vLLM's routed-experts output (``CompletionOutput.routed_experts``,
+    ``[positions, layers, top_k]`` from position 0, with ``enable_return_routed_experts``; vLLM
+    returns it with its model runner V2 only, which the CPU build lacks). ``layers``: the decoder
+    index of each of its layers (default 0..L-1)."""
+    array = np.asarray(routed_experts)
+    if array.ndim != 3:
+        raise ValueError(
+            f"routed_experts: expected [positions, layers, top_k], got shape {list(array.shape)}"
+        )
+    n, n_layers, k = array.shape
+    chosen = list(range(n_layers)) if layers is None else [int(i) for i in layers]
+    if len(chosen) != n_layers:
+        raise ValueError(f"layers: {len(chosen)} indices for {n_layers} layers of routed_experts")
+    return Routes(
+        layers=chosen,
+        top_k=k,
+        num_experts=num_experts,
+        positions=np.arange(n, dtype=np.int32),
+        experts=array.reshape(n, n_layers * k).astype(_expert_dtype(num_experts)),
+    )

@@ -20,12 +20,13 @@ import torch
 import collectors
 import collectors.trainer
 import kernels
-from audit.records import Manifest, SampleLogprobs
+from audit.queries import routing_series
+from audit.records import Manifest, SampleLogprobs, sample_key
 from audit.store import Store
 from audit.worker import ComparisonWorker
 from collectors.layout import StepBatch
 from collectors.rl.grpo import policy_logprobs
-from collectors.routing import TrainerRoutes, watch_routing
+from collectors.routing import TrainerRoutes, replay_tensors, routes_from_vllm, watch_routing
 from collectors.routing_tiny import make_tiny_moe
 from collectors.sinks import MemorySink
 
@@ -147,3 +148,61 @@ def test_routing_replay_reports_replayed_fraction_and_missing_routes(qwen3_moe: 
     manifests = [r for r in sink.records if isinstance(r, Manifest)]
     assert manifests[-1].runtime.router_replay == "verl_router_replay"
     handle.detach()
+
+
+def test_replaying_the_rollouts_routes_end_to_end(qwen3_moe: Path, tmp_path: Path) -> None:
+    """R3 with the reference engine as the rollout: the trainer replays each sample's rollout routes
+    (one sample's are missing), through collectors.session into a store. Replayed samples agree on
+    every token; the replayed fraction and the missing routes are reported; the manifest says so."""
+    from kernels.adapters_moe import HFMoECausalLM
+    from kernels.engine import RolloutEngine
+
+    url = f"sqlite:///{tmp_path / 'r3.db'}"
+    trainer_model, engine_model = _load(qwen3_moe, "eager"), _load(qwen3_moe)
+    with kernels.disable():
+        engine = RolloutEngine(HFMoECausalLM(engine_model), max_len=64, cuda_graphs=False)
+        with collectors.session("moe-r3", database_url=url, strict=True, report=False) as audit:
+            rollout = audit.watch_engine(engine, remediation_hook=None)
+            trainer = audit.watch_trainer(trainer_model, remediation_hook=None, async_transfer=False)
+            engine_routes, trainer_routes = watch_routing(rollout), watch_routing(trainer)
+            assert isinstance(trainer_routes, TrainerRoutes) and engine_routes is not None
+            completions = engine.generate(PROMPTS, MAX_NEW, seed=0)
+            rollout.record_step(0, completions)
+            sequences = [np.asarray(c.prompt + c.tokens, dtype=np.int32) for c in completions]
+            given = [engine_routes.routes_for(s) for s in sequences]  # what the job got from its rollout
+            given[1] = None  # the rollout sent no routes for sample 1
+            batch = StepBatch.padded([c.prompt for c in completions], [c.tokens for c in completions])
+            with trainer_routes.replay(*replay_tensors(batch, given), source="vllm_routed_experts"):
+                trainer.begin_step(0)
+                with torch.no_grad():
+                    logprobs = policy_logprobs(trainer_model, batch).logprobs.float()
+                trainer.record_step(0, batch, logprobs=list(torch.split(logprobs, MAX_NEW)))
+    store = Store(url)
+    ComparisonWorker(store).run_once("moe-r3")
+    [m] = _step_metrics(store, "moe-r3")
+    needed = [len(p) + n - 1 for p, n in zip(PROMPTS, MAX_NEW, strict=True)]
+    assert m["routing_missing_routes"] == needed[1]
+    assert m["routing_replayed_fraction"] == pytest.approx(1 - needed[1] / sum(needed))
+    results = {r.sample_key: r for r in store.sample_results("moe-r3")}
+    for i, sequence in enumerate(sequences):
+        metrics = results[sample_key(sequence)].metrics
+        if i != 1:
+            assert metrics["routing_set_agreement"] == 1.0 and metrics["routing_missing_routes"] == 0
+        else:
+            assert metrics["routing_replayed_fraction"] == 0.0
+            assert metrics["routing_missing_routes"] == needed[1]
+    [latest] = [x for x in store.manifests("moe-r3", "trainer")][-1:]
+    assert latest.runtime.router_replay == "vllm_routed_experts"
+    series = routing_series(store, "moe-r3")
+    assert series[0].missing == needed[1] and series[0].missing_examples[0]["positions"][:3] == [0, 1, 2]
+
+
+def test_routes_from_vllms_routed_experts_output() -> None:
+    """vLLM's routed-experts array ([positions, layers, top_k]; returned by its model runner V2, not
+    on the CPU build) becomes a sample's routes, one byte a choice."""
+    routed = np.asarray([[[3, 1], [0, 2]], [[4, 5], [6, 7]], [[1, 0], [2, 3]]], dtype=np.int32)
+    routes = routes_from_vllm(routed, [1, 3], num_experts=8)
+    assert routes.layers == [1, 3] and routes.positions.tolist() == [0, 1, 2]
+    assert routes.experts.dtype == np.uint8 and routes.layer_experts()[1, 1].tolist() == [6, 7]
+    with pytest.raises(ValueError, match="layers: 1 indices for 2 layers"):
+        routes_from_vllm(routed, [0], num_experts=8)
