@@ -219,7 +219,10 @@ def grouped_ffn(
 
 
 def run_experts(
-    work: list[tuple[int, torch.Tensor]], gate_up: torch.Tensor, down: torch.Tensor, capacity: int | None = None
+    work: list[tuple[int, torch.Tensor]],
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    capacity: int | None = None,
 ) -> list[torch.Tensor]:
     """One rank's experts: ``work`` is (expert, its rows (R, H)); returns each entry's outputs.
     With ``capacity``, an expert's rows go in buffers of that many rows, the last zero-padded (a
@@ -267,20 +270,35 @@ def expert_outputs(
     routing order (token-major, slot order), in buffers of ``ep.capacity`` rows; every output
     then goes back to its (token, slot) place by index, whatever rank or buffer computed it."""
     t, k = experts.shape
+    n_experts = gate_up.shape[0]
     flat = experts.reshape(-1)
-    owners = ep.owners(gate_up.shape[0])
-    done, outs = [], []
+    owners = ep.owners(n_experts)
+    # Rows sorted rank-major, then by expert; a stable sort keeps each expert's rows in routing
+    # order (token-major, then slot order). One host read: the rows per expert.
+    rank_of = torch.tensor(owners, device=flat.device)
+    perm = torch.sort(rank_of[flat] * n_experts + flat, stable=True).indices
+    counts = torch.bincount(flat, minlength=n_experts).tolist()
+    xs = x[perm // k]
+    outs, lo = [], 0
     for r in range(ep.ranks):
-        work = []
-        for e in range(gate_up.shape[0]):
-            rows = (flat == e).nonzero()[:, 0] if owners[e] == r else flat[:0]
-            if rows.numel():  # ascending: token-major, then slot order
-                work.append((e, x[rows // k]))
-                done.append(rows)
-        outs += run_experts(work, gate_up, down, ep.capacity)
+        mine = [e for e in range(n_experts) if owners[e] == r and counts[e]]
+        hi = lo + sum(counts[e] for e in mine)
+        if ep.capacity is None:  # the rank's rows are one slab: one grouped call
+            offsets = [0]
+            for e in mine:
+                offsets.append(offsets[-1] + counts[e])
+            if mine:
+                outs.append(grouped_ffn(xs[lo:hi], gate_up, down, mine, offsets))
+        else:
+            work, at = [], lo
+            for e in mine:
+                work.append((e, xs[at : at + counts[e]]))
+                at += counts[e]
+            outs += run_experts(work, gate_up, down, ep.capacity)
+        lo = hi
     if not outs:
         return x.new_zeros(t, k, down.shape[1])
-    return _place(torch.cat(done), torch.cat(outs), t * k).view(t, k, -1)
+    return _place(perm, torch.cat(outs), t * k).view(t, k, -1)
 
 
 def _all_to_all(t: torch.Tensor, send: list[int], recv: list[int], group: object | None) -> torch.Tensor:
