@@ -61,6 +61,7 @@ class EngineState:
         self.block_size = int(getattr(getattr(runner, "cache_config", None), "block_size", 0) or 0)
         self.blocks: dict[int, Any] = {}  # block id -> weight version of its first written token
         self.requests: OrderedDict[str, RequestFacts] = OrderedDict()
+        self._by_ext: dict[str, list[str]] = {}  # the caller's id -> engine request ids
         self.errors = 0
         self._warn = LogOnce(log)
         self._original = runner._update_states
@@ -80,6 +81,7 @@ class EngineState:
         if "_update_states" in vars(self.runner):
             del self.runner._update_states
         self.requests.clear()
+        self._by_ext.clear()
         self.blocks.clear()
 
     def _observe(self, out: Any) -> None:
@@ -97,8 +99,7 @@ class EngineState:
                     if written is not _UNKNOWN and written != version:
                         facts.stale_tokens += size
                         facts.stale_version = facts.stale_version or written
-            self.requests[new.req_id] = facts
-            self.requests.move_to_end(new.req_id)
+            self._track(new.req_id, facts)
         states = getattr(self.runner, "requests", {})
         for req_id, count in (getattr(out, "num_scheduled_tokens", None) or {}).items():
             state = states.get(req_id)
@@ -106,7 +107,7 @@ class EngineState:
             if state is None:
                 continue
             if facts is None:  # running before tracking began
-                facts = self.requests[req_id] = RequestFacts()
+                facts = self._track(req_id, RequestFacts())
             if not facts.spans or facts.spans[-1][1] != version:
                 facts.spans.append((len(state.output_token_ids), version))
             if size and state.block_ids:
@@ -115,15 +116,37 @@ class EngineState:
                 for j in range(first // size, (first + int(count) - 1) // size + 1):
                     if j < len(blocks) and j * size >= first:  # this step writes the block's first token
                         self.blocks[blocks[j]] = version
-        while len(self.requests) > self.max_requests:
-            self.requests.popitem(last=False)
+        while len(self.requests) > self.max_requests:  # finished requests nobody drained go first
+            self._forget(next(iter(self.requests)))
+
+    def _track(self, req_id: str, facts: RequestFacts) -> RequestFacts:
+        if req_id not in self.requests:
+            self._by_ext.setdefault(external_id(req_id), []).append(req_id)
+        self.requests[req_id] = facts
+        self.requests.move_to_end(req_id)
+        return facts
+
+    def _forget(self, req_id: str) -> RequestFacts | None:
+        facts = self.requests.pop(req_id, None)
+        ext = external_id(req_id)
+        siblings = self._by_ext.get(ext, [])
+        if req_id in siblings:
+            siblings.remove(req_id)
+        if not siblings:
+            self._by_ext.pop(ext, None)
+        return facts
 
     def drain(self, ext_ids: Iterable[str]) -> dict[str, dict[str, Any]]:
-        """The facts of these requests (by the caller's ids), handed over and forgotten."""
-        wanted = set(ext_ids)
+        """The facts of these requests (by the caller's ids; the latest request of an id), handed
+        over and forgotten."""
         out = {}
-        for req_id in [r for r in self.requests if external_id(r) in wanted]:
-            out[external_id(req_id)] = self.requests.pop(req_id).as_wire()
+        for ext in ext_ids:
+            ids = list(self._by_ext.get(ext, ()))
+            if ids:
+                latest = self.requests[ids[-1]]
+                for req_id in ids:
+                    self._forget(req_id)
+                out[ext] = latest.as_wire()
         return out
 
 
