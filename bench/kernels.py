@@ -667,7 +667,7 @@ def bench_fla() -> None:
         g4, beta4 = xs[3].view(b, n, h), xs[4].view(b, n, h)
         shape = f"B={b} T={n} H={h} dk=dv={d}"
         with torch.no_grad():
-            ours = G.gdn_chunk(*(x.detach() for x in xs), cu)
+            ours = G.gdn_chunk(*(x.detach() for x in xs), cu)[0]  # (output, end states)
             theirs = chunk_gated_delta_rule(
                 q4.detach(), k4.detach(), v4.detach(), g4.detach(), beta4.detach(), scale=1.0
             )[0].reshape(ours.shape)
