@@ -206,3 +206,16 @@ def test_routes_from_vllms_routed_experts_output() -> None:
     assert routes.experts.dtype == np.uint8 and routes.layer_experts()[1, 1].tolist() == [6, 7]
     with pytest.raises(ValueError, match="layers: 1 indices for 2 layers"):
         routes_from_vllm(routed, [0], num_experts=8)
+
+
+@pytest.mark.parametrize("enabled", [False, True], ids=["kernels-off", "kernels-on"])
+def test_mixtral_routes_on_both_sides(tmp_path: Path, enabled: bool) -> None:
+    """HF's Mixtral family through the same path: routes on both sides; kernels on, 0 flips."""
+    path = make_tiny_moe("mixtral", tmp_path / "mixtral", seed=5, dtype="bfloat16")
+    store = _run(path, f"sqlite:///{tmp_path / 'mixtral.db'}", "mixtral", steps=1, enabled=enabled)
+    [m] = _step_metrics(store, "mixtral")
+    assert m["routing_tokens"] == sum(len(p) + n - 1 for p, n in zip(PROMPTS, MAX_NEW, strict=True))
+    if enabled:
+        assert m["routing_flipped_tokens"] == 0 and m["bitwise_mismatch_count"] == 0
+    routed = [s for s in store.samples("mixtral", 0) if s.routes is not None]
+    assert len(routed) == 2 * len(PROMPTS)
