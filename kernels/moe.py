@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -200,6 +201,23 @@ def _use_grouped(x: torch.Tensor) -> bool:
     return x.is_cuda or (interpreting() and not routing._on_cpu(x))
 
 
+_VIEWS: dict[int, tuple[weakref.ref, list[torch.Tensor]]] = {}
+
+
+def _expert_views(w: torch.Tensor) -> Sequence[torch.Tensor]:
+    """``w[e]`` for every expert, the same view objects call after call outside autograd, so
+    :mod:`kernels.cpu`'s weight cache (keyed by the tensor, checked against its values) hits in
+    the engine's steps; with gradients on, fresh views (they must carry the graph)."""
+    if torch.is_grad_enabled():
+        return w.unbind(0)
+    hit = _VIEWS.get(id(w))
+    if hit is not None and hit[0]() is w and hit[1][0].data_ptr() == w.data_ptr():
+        return hit[1]
+    views = list(w.detach().unbind(0))  # same storage: they see in-place weight updates
+    _VIEWS[id(w)] = (weakref.ref(w, lambda _, key=id(w): _VIEWS.pop(key, None)), views)
+    return views
+
+
 def grouped_ffn(
     x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, experts: list[int], offsets: list[int]
 ) -> torch.Tensor:
@@ -210,8 +228,9 @@ def grouped_ffn(
     if _use_grouped(x):
         g, u = grouped_linear(x, gate_up, experts, offsets).chunk(2, dim=-1)
         return grouped_linear(routing.silu(g) * u, down, experts, offsets)
+    gu, dn = _expert_views(gate_up), _expert_views(down)
     outs = [
-        expert_ffn(x[lo:hi], gate_up[e], down[e])
+        expert_ffn(x[lo:hi], gu[e], dn[e])
         for e, lo, hi in zip(experts, offsets[:-1], offsets[1:], strict=True)
         if hi > lo
     ]
