@@ -1,0 +1,65 @@
+"""The routing views in a real headless Chromium (the browser suite's driver and helpers): the run
+page's layer x step heatmap of routing flips draws, a click on a cell opens the sample with the
+most flips there, and that sample's page names where its routing first flips."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.dashboard.test_browser import (  # the suite's skips, driver fixture and helpers
+    EC,
+    ActionChains,
+    By,
+    _no_dialog,
+    _screenshot,
+    _severe,
+    _wait,
+    browser,  # noqa: F401  (a fixture)
+)
+
+pytestmark = [pytest.mark.browser, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def routed_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict[int, str]]]:
+    from werkzeug.serving import make_server
+
+    from audit.store import Store
+    from dashboard import create_app
+    from tests.audit.routing_records import routed_run
+
+    path: Path = tmp_path_factory.mktemp("routing-browser") / "isoaudit.db"
+    store = Store(f"sqlite:///{path}")
+    keys = routed_run(store)
+    app = create_app(store, live_interval_ms=1000)
+    http = make_server("127.0.0.1", 0, app.server, threaded=True)
+    thread = threading.Thread(target=http.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{http.server_port}", keys
+    finally:
+        http.shutdown()
+        store.dispose()
+
+
+def test_routing_heatmap_click_opens_the_sample_and_its_routing(routed_server, browser) -> None:  # noqa: F811
+    url, keys = routed_server
+    driver = browser
+    driver.get(f"{url}/runs/moe-run")
+    layer = _wait(driver).until(EC.presence_of_element_located((By.CSS_SELECTOR, "#run-routing .nsewdrag")))
+    _no_dialog(driver)
+    # Three steps (x) by two MoE layers (y, layer 0 on top): the cell of step 2, layer 2.
+    size = layer.size
+    ActionChains(driver).move_to_element_with_offset(
+        layer, int(size["width"] * (5 / 6 - 0.5)), int(size["height"] * (3 / 4 - 0.5))
+    ).click().perform()
+    _wait(driver).until(EC.url_contains(f"/steps/2/samples/{keys[2]}"))
+    first = _wait(driver).until(EC.presence_of_element_located((By.ID, "sample-routing-first")))
+    assert first.text == "layer 0"
+    _wait(driver).until(EC.presence_of_element_located((By.CSS_SELECTOR, "#sample-routing-grid .nsewdrag")))
+    _screenshot(driver, "sample-routing")
+    assert not _severe(driver)
