@@ -352,7 +352,8 @@ def expert_outputs_distributed(
     rows = [(dest == d).nonzero()[:, 0] for d in range(world)]  # per rank, routing order
     sent = torch.cat(rows)
     send = [int(r.numel()) for r in rows]
-    recv = _all_to_all(torch.tensor(send, dtype=torch.int64), [1] * world, [1] * world, group).tolist()
+    counts = torch.tensor(send, dtype=torch.int64, device=x.device)  # NCCL: on the device
+    recv = _all_to_all(counts, [1] * world, [1] * world, group).tolist()
     rx = _all_to_all(x[sent // k], send, recv, group)
     re = _all_to_all(flat[sent], send, recv, group)
     ry = rx.new_empty(rx.shape)  # expert outputs have the hidden width
