@@ -432,27 +432,41 @@ class RouteCall:
 
 
 class RoutingTrace:
-    """The routing of every MoE layer call made while it was active, in call order."""
+    """The routing of every MoE layer call made while it was active, in call order.
+    ``unlabelled`` counts calls of MoE blocks that had no layer index (an HF model not passed to
+    :func:`kernels.adapters_moe.instrument`): they are not recorded."""
 
     def __init__(self) -> None:
         self.calls: list[RouteCall] = []
+        self.unlabelled = 0
 
     def layers(self) -> list[int]:
         return sorted({c.layer for c in self.calls})
 
-    def table(self, layer: int) -> dict[tuple[int, int], tuple[int, ...]]:
-        """(sequence, position) -> selected experts in slot order, for one layer. A token computed
-        twice keeps its first routing (an engine may re-run a finished request's last position
-        with filler tokens, as kernels.engine's batched decode does). Needs tagged calls."""
-        out: dict[tuple[int, int], tuple[int, ...]] = {}
-        for c in self.calls:
-            if c.layer != layer:
-                continue
+    def arrays(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's tokens as ``keys`` (N, 2) int64 (sequence, position), sorted, and their
+        ``experts`` (N, k) in slot order. A token computed twice keeps its first routing (an engine
+        may re-run a finished request's last position with filler tokens, as kernels.engine's
+        batched decode does). Needs tagged calls."""
+        calls = [c for c in self.calls if c.layer == layer]
+        for c in calls:
             if c.seq is None or c.pos is None:
                 raise ValueError(f"layer {layer} was called without token tags (kernels.moe.tokens)")
-            for s, p, ex in zip(c.seq.tolist(), c.pos.tolist(), c.experts.tolist(), strict=True):
-                out.setdefault((s, p), tuple(ex))
-        return out
+        if not calls:
+            return torch.zeros(0, 2, dtype=torch.int64), torch.zeros(0, 0, dtype=torch.uint8)
+        seq = torch.cat([c.seq for c in calls])  # type: ignore[misc]
+        pos = torch.cat([c.pos for c in calls])  # type: ignore[misc]
+        experts = torch.cat([c.experts.to(torch.int16) for c in calls])
+        order = torch.sort(seq * (1 << 32) + pos, stable=True).indices  # call order within a key
+        seq, pos, experts = seq[order], pos[order], experts[order]
+        first = torch.ones(seq.numel(), dtype=torch.bool)
+        first[1:] = (seq[1:] != seq[:-1]) | (pos[1:] != pos[:-1])
+        return torch.stack([seq[first], pos[first]], 1), experts[first].to(calls[0].experts.dtype)
+
+    def table(self, layer: int) -> dict[tuple[int, int], tuple[int, ...]]:
+        """(sequence, position) -> selected experts in slot order, for one layer (see :meth:`arrays`)."""
+        keys, experts = self.arrays(layer)
+        return {(s, p): tuple(e) for (s, p), e in zip(keys.tolist(), experts.tolist(), strict=True)}
 
 
 _TRACES: contextvars.ContextVar[tuple[RoutingTrace, ...]] = contextvars.ContextVar("moe_traces", default=())
@@ -490,8 +504,10 @@ def record(layer: int | None, experts: torch.Tensor) -> None:
     traces = _TRACES.get()
     if not traces:
         return
-    if layer is None:
-        raise ValueError("an MoE layer traced for routing needs its layer index (layer=)")
+    if layer is None:  # never fail the traced job: count it, the collector can say so
+        for tr in traces:
+            tr.unlabelled += 1
+        return
     top = int(experts.max()) if experts.numel() else 0
     small = experts.detach().to("cpu", torch.int16 if top > 255 else torch.uint8)
     tags = _TOKENS.get()
@@ -507,8 +523,11 @@ def agreement(a: RoutingTrace, b: RoutingTrace, layers: Sequence[int] | None = N
     """Per layer, the fraction of the tokens both traces routed whose top-k *set* is the same."""
     out = {}
     for layer in layers if layers is not None else sorted(set(a.layers()) & set(b.layers())):
-        ta, tb = a.table(layer), b.table(layer)
-        common = ta.keys() & tb.keys()
-        if common:
-            out[layer] = sum(set(ta[key]) == set(tb[key]) for key in common) / len(common)
+        (ka, ea), (kb, eb) = a.arrays(layer), b.arrays(layer)
+        fa, fb = ka[:, 0] * (1 << 32) + ka[:, 1], kb[:, 0] * (1 << 32) + kb[:, 1]  # sorted, unique
+        ia = torch.isin(fa, fb).nonzero()[:, 0]
+        if ia.numel():
+            ib = torch.searchsorted(fb, fa[ia])
+            same = (ea[ia].sort(-1).values == eb[ib].sort(-1).values).all(-1)
+            out[layer] = float(same.double().mean())
     return out

@@ -137,6 +137,9 @@ def test_trace_routing_records_tagged_tokens() -> None:
     assert call.experts.dtype == torch.uint8 and call.experts.shape == (6, K4)
     assert b.table(3) == {(1, p): tuple(r.experts[p].tolist()) for p in range(3)}
     assert moe.agreement(a, b) == {3: 1.0}
+    keys, ex = a.arrays(3)  # sorted, one row per token (the nested call's repeat of seq 1 folded)
+    assert keys.tolist() == [[s, p] for s in (0, 1) for p in range(3)] and ex.shape == (6, K4)
+    assert torch.equal(ex, call.experts)
     assert outside.calls == []
     # a different routing of one of the three common tokens: 2/3 agree
     others = sorted(set(range(E)) - set(b.table(3)[(1, 1)]))
@@ -146,6 +149,9 @@ def test_trace_routing_records_tagged_tokens() -> None:
         moe.moe_layer(x, gate, gate_up, down, K4, layer=0)  # untagged
     with pytest.raises(ValueError, match="without token tags"):
         c.table(0)
+    with moe.trace_routing() as d:  # a block without a layer index: counted, never a failure
+        moe.moe_layer(x, gate, gate_up, down, K4)
+    assert d.calls == [] and d.unlabelled == 1
 
 
 @gpu
@@ -171,7 +177,9 @@ def test_grouped_gemm_rows_independent_of_grouping(dev: str) -> None:
     whole = grouped_gemm(x, w, experts, offsets)
     for e, lo, hi in zip(experts, offsets[:-1], offsets[1:], strict=True):
         assert bits_equal(grouped_gemm(x[lo:hi], w, [e], [0, hi - lo]), whole[lo:hi])
-        torch.testing.assert_close(whole[lo:hi].float(), x[lo:hi].float() @ w[e].float().T, rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(
+            whole[lo:hi].float(), x[lo:hi].float() @ w[e].float().T, rtol=2e-2, atol=2e-2
+        )
     split = [0, 30, 70, 71, 74, 120, 139]  # groups 1 and 4 each cut in two
     regrouped = grouped_gemm(x, w, [0, 0, 3, 1, 0, 0], split)
     assert bits_equal(regrouped, whole)
