@@ -217,6 +217,42 @@ def test_same_claimed_version_with_different_held_weights_names_the_tensors() ->
     assert control.kind != "weights"
 
 
+def test_held_digests_of_another_dtype_are_a_precision_difference_not_stale_weights() -> None:
+    """An fp32 lm_head against a bf16 one: their digests differ because the dtypes do; only tensors
+    held alike are compared (and a differing one of those still names the tensor)."""
+    tokens, _, temp_only, _ = sampled()
+    trainer = record("trainer", tokens, temp_only, temperature=0.7, weight_version=7)
+    rollout = record("rollout", tokens, noisy(temp_only, 1e-2), temperature=0.7, weight_version=7)
+    held = {"model.embed_tokens.weight": "bfloat16[512,128]:00000000000000aa"}
+    tm = factories.manifest(
+        "trainer",
+        weight_version="7",
+        weight_tensor_digests={**held, "lm_head.weight": "float32[512,128]:1111111111111111"},
+        runtime={"lm_head_dtype": "float32", "dtype": "bfloat16"},
+    )
+    rm = factories.manifest(
+        "rollout",
+        "engine_prefill",
+        weight_version="7",
+        weight_tensor_digests={**held, "lm_head.weight": "bfloat16[512,128]:2222222222222222"},
+        runtime={"lm_head_dtype": "bfloat16", "dtype": "bfloat16"},
+    )
+    got = compare_sample(trainer, rollout, trainer_manifests=[tm], rollout_manifests=[rm]).diagnosis
+    assert got.kind != "weights"
+    assert got.evidence.get("precision", {}).get("field") == "runtime.lm_head_dtype"
+    stale = rm.model_copy(
+        update={
+            "weight_tensor_digests": {
+                **rm.weight_tensor_digests,
+                "model.embed_tokens.weight": "bfloat16[512,128]:bb",
+            }
+        }
+    )
+    got = compare_sample(trainer, rollout, trainer_manifests=[tm], rollout_manifests=[stale]).diagnosis
+    assert got.kind == "weights" and got.evidence["differing_tensors"] == ["model.embed_tokens.weight"]
+    assert got.evidence["not_comparable"] == ["lm_head.weight"]
+
+
 def test_an_embedding_that_differs_means_the_weights_differ() -> None:
     tokens, _, temp_only, _ = sampled()
     trainer = record("trainer", tokens, temp_only, temperature=0.7, weight_version=7)
