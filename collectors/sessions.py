@@ -337,11 +337,14 @@ class Session:
         async_transfer: bool = True,
         max_inflight: int = 2,
         keep_records: bool = False,
+        weight_digests: bool = True,
     ) -> TrainerCollector:
         """Hook the policy ``model``; call ``record_step(step, batch, logprobs=...)`` on the handle
         per training forward. ``regions``: ``"auto"`` (HF Llama/Qwen2/Qwen3/Mistral), canonical
         names, a canonical → module map, or ``None`` (logprobs only); ``sample_every``: fingerprint
-        every N-th step; the rest: :class:`collectors.trainer.TrainerCollector`."""
+        every N-th step; ``weight_digests``: digest the parameters held at each weight version
+        change (off for a model too large to read once per sync); the rest:
+        :class:`collectors.trainer.TrainerCollector`."""
         from collectors.trainer import TrainerCollector
 
         return self._add(
@@ -358,6 +361,7 @@ class Session:
                 keep_records=keep_records,
                 async_transfer=async_transfer,
                 max_inflight=max_inflight,
+                weight_digests=weight_digests,
             )
         )
 
