@@ -190,6 +190,7 @@ class HeldWeights:
         self.loaded: dict[str, dict[str, list[Any]]] = {}  # module -> param -> digests at its last load
         self.errors = 0
         self._wrapped: list[Any] = []
+        self._names = {id(module): name for name, module in model.named_modules()}
         for name, module in model.named_modules():
             method = getattr(module, "quant_method", None)
             if callable(getattr(method, "process_weights_after_loading", None)) and (
@@ -200,8 +201,9 @@ class HeldWeights:
 
     def _wrap(self, name: str, method: Any) -> Any:
         def process_weights_after_loading(layer: Any, *args: Any, **kwargs: Any) -> Any:
-            try:
-                self.loaded[name] = self._pending(name, layer)
+            try:  # by the layer given: one quant method object may serve several layers
+                at = self._names.get(id(layer), name)
+                self.loaded[at] = self._pending(at, layer)
             except Exception:  # never break the engine's load
                 self.errors += 1
             # the class's method as it is now: a wrapper installed there later still runs
