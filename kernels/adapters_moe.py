@@ -45,6 +45,10 @@ def _block_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor
     act = getattr(getattr(self.experts, "config", None), "hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"config.hidden_act: the invariant experts implement SwiGLU ('silu'), not {act!r}")
+    if self.training and getattr(self, "jitter_noise", 0) > 0:
+        raise ValueError(
+            "config.router_jitter_noise: the invariant MoE layer has no router jitter; set it to 0"
+        )
     gate = self.gate
     x = hidden_states.reshape(-1, hidden_states.shape[-1])
     out = moe.moe_layer(
