@@ -362,7 +362,8 @@ def step_summary(
     if pairs:
         lags = np.concatenate([token_lags(t, r) for t, r in pairs])
         metrics.update(lag_metrics(trainer_lp, rollout_lp, offsets, lags))
-        metrics.update(step_routing_metrics(step_routing(pairs)))
+        compared = {c.sample_key: c.routing for c in comparisons if c.routing is not None}
+        metrics.update(step_routing_metrics(step_routing(pairs, compared)))
     counts: dict[str, int] = defaultdict(int)
     for comparison in comparisons:
         counts[comparison.diagnosis.kind] += 1

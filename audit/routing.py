@@ -22,7 +22,7 @@ replayed fraction and the tokens whose routes were missing (computed afresh inst
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -132,27 +132,32 @@ class RoutingComparison:
     def first_flip(self) -> tuple[int, int] | None:
         """(layer, position) of the earliest flip in forward order: lowest layer, then position."""
         flips = ~self.agree
-        if not flips.any():
+        layers_hit = flips.any(axis=0)
+        if not layers_hit.any():
             return None
-        rows, cols = np.nonzero(flips)
-        best = np.lexsort((rows, cols))[0]
-        return int(self.layers[cols[best]]), int(self.positions[rows[best]])
+        col = int(np.argmax(layers_hit))
+        row = int(np.argmax(flips[:, col]))
+        return int(self.layers[col]), int(self.positions[row])
 
     def layer_counts(self) -> dict[int, dict[str, float]]:
         """Per MoE layer: tokens, tokens whose set agrees, flipped decisions, summed Jaccard, and
         tokens whose *first* flip is in this layer (where routing first breaks)."""
-        k = self.top_k
-        agree = self.agree
-        jaccard = self.overlap / np.maximum(2 * k - self.overlap, 1)
-        first = self.first_flip_layers()
+        k, n = self.top_k, int(self.positions.size)
+        overlap = self.overlap
+        agree = (overlap == k).sum(axis=0)
+        overlapping = overlap.sum(axis=0)
+        jaccard = (overlap / np.maximum(2 * k - overlap, 1)).sum(axis=0)
+        flips = overlap != k
+        first_col = np.argmax(flips, axis=1)[flips.any(axis=1)]
+        firsts = np.bincount(first_col, minlength=len(self.layers))
         return {
             layer: {
-                "tokens": int(self.positions.size),
-                "decisions": int(self.positions.size) * k,
-                "agree": int(agree[:, i].sum()),
-                "flipped_decisions": int((k - self.overlap[:, i]).sum()),
-                "jaccard_sum": float(jaccard[:, i].sum()),
-                "first_flips": int((first == layer).sum()),
+                "tokens": n,
+                "decisions": n * k,
+                "agree": int(agree[i]),
+                "flipped_decisions": n * k - int(overlapping[i]),
+                "jaccard_sum": float(jaccard[i]),
+                "first_flips": int(firsts[i]),
             }
             for i, layer in enumerate(self.layers)
         }
@@ -213,6 +218,21 @@ def _common_layers(a: Routes, b: Routes) -> tuple[list[int], list[int], list[int
     return common, [a.layers.index(i) for i in common], [b.layers.index(i) for i in common]
 
 
+def set_overlap(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``|A ∩ B|`` per cell of two ``[..., k]`` arrays of distinct expert ids (k_a and k_b may
+    differ): one elementwise comparison per pair of slots over contiguous cell-major planes, far
+    faster than broadcasting to ``[..., k, k]`` and reducing the small axes."""
+    planes_a = np.ascontiguousarray(np.moveaxis(a, -1, 0))
+    planes_b = np.ascontiguousarray(np.moveaxis(b, -1, 0))
+    overlap = np.zeros(a.shape[:-1], dtype=np.uint8)  # k <= 64: a count fits a byte
+    hit = np.empty(a.shape[:-1], dtype=bool)
+    for x in planes_a:
+        for y in planes_b:
+            np.equal(x, y, out=hit)
+            overlap += hit
+    return overlap.astype(np.int64)
+
+
 def compare_routes(
     trainer: Routes | None, rollout: Routes | None, *, n_tokens: int | None = None
 ) -> RoutingComparison | None:
@@ -229,10 +249,9 @@ def compare_routes(
     a = trainer.layer_experts()[ja][:, ia]
     b = rollout.layer_experts()[jb][:, ib]
     k = max(trainer.top_k, rollout.top_k)
-    if trainer.top_k == rollout.top_k:
-        overlap = (a[..., :, None] == b[..., None, :]).any(-1).sum(-1)
-    else:  # sets of different sizes never agree; the overlap still counts shared experts
-        overlap = np.minimum((a[..., :, None] == b[..., None, :]).any(-1).sum(-1), k - 1)
+    overlap = set_overlap(a, b)
+    if trainer.top_k != rollout.top_k:  # sets of different sizes never agree; shared experts still count
+        overlap = np.minimum(overlap, k - 1)
     result = RoutingComparison(
         layers=layers,
         positions=common.astype(np.int64),
@@ -272,16 +291,22 @@ def replay_on(manifests: Sequence[Manifest]) -> bool:
 # ---------------------------------------------------------------------- step aggregates
 
 
-def step_routing(pairs: Sequence[tuple[SampleLogprobs, SampleLogprobs]]) -> dict[str, Any] | None:
+def step_routing(
+    pairs: Sequence[tuple[SampleLogprobs, SampleLogprobs]],
+    known: Mapping[str, RoutingComparison] | None = None,
+) -> dict[str, Any] | None:
     """What the run page and the step metrics need of a step's routing: per MoE layer the summed
     counts (tokens, agreeing sets, flipped decisions, Jaccard sum, first flips) and the sample with
-    the most flips there, and the token counts; ``None`` when no sample has routes on both sides."""
+    the most flips there, and the token counts; ``None`` when no sample has routes on both sides.
+    ``known``: comparisons already made, by sample key (not made again)."""
     layers: dict[int, dict[str, Any]] = {}
     totals = {"tokens": 0, "flipped": 0, "trainer_positions": 0, "replayed": None, "missing": 0}
     missing_examples: list[dict[str, Any]] = []
     found = False
     for trainer, rollout in pairs:
-        comparison = compare_sample_routes(trainer, rollout)
+        key = trainer.sample_key
+        comparison = known.get(key) if known and key is not None else None
+        comparison = comparison or compare_sample_routes(trainer, rollout)
         if comparison is None:
             continue
         found = True
