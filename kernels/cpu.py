@@ -547,9 +547,10 @@ def _attention(
 class _Attention(_AttentionBackward):
     @staticmethod
     def forward(ctx, q, k, v, cu_q, q_pos0, kv_len, slots, scale):  # type: ignore[override]
-        ctx.save_for_backward(q, k, v, cu_q, q_pos0, kv_len, slots)
+        out = _attention(q, k, v, cu_q, q_pos0, kv_len, slots, scale)
+        ctx.save_for_backward(q, k, v, cu_q, q_pos0, kv_len, slots, out)
         ctx.scale = scale
-        return _attention(q, k, v, cu_q, q_pos0, kv_len, slots, scale)
+        return out
 
 
 def attention(
