@@ -74,6 +74,31 @@ class _Forward:
     replayed: np.ndarray | None = None  # per flat row: 1 where the route was replayed (R3)
 
 
+def before_send(collector: Any, attach: Callable[[Sequence[Record]], None]) -> Callable[[], None]:
+    """Run ``attach`` on every batch of records ``collector``'s sink is given, before it queues
+    them; returns what undoes it."""
+    sink = collector.sink
+    original = sink.send
+
+    def send(records: Sequence[Record]) -> None:
+        attach(records)
+        original(records)
+
+    sink.send = send  # an instance attribute: the class's method again once removed
+    return lambda: vars(sink).pop("send", None)
+
+
+def on_detach(collector: Any, fn: Callable[[], None]) -> None:
+    """Run ``fn`` when ``collector`` detaches (before its own hooks go)."""
+    remove = collector._remove_hooks
+
+    def _remove_hooks() -> None:
+        fn()
+        remove()
+
+    collector._remove_hooks = _remove_hooks
+
+
 class _Recorder:
     """What both sides share: the MoE layout of the model, the recent forwards, the sink wrapper."""
 
@@ -151,15 +176,7 @@ class _Recorder:
 
     def wrap_sink(self, collector: Any) -> None:
         """Attach routes in ``collector``'s sink, just before records are queued."""
-        sink = collector.sink
-        original = sink.send
-
-        def send(records: Sequence[Record]) -> None:
-            self.attach(records)
-            original(records)
-
-        sink.send = send  # an instance attribute: removed on detach
-        self._undo.append(lambda: vars(sink).pop("send", None))
+        self._undo.append(before_send(collector, self.attach))
 
     #: Runtime facts this side adds to its collector's manifest (see :meth:`declare`).
     _facts: dict[str, Any] = {}
@@ -395,7 +412,7 @@ class EngineRoutes(_Recorder):
 
 def watch_routing(collector: Any) -> _Recorder | None:
     """Record MoE routing beside ``collector`` (a trainer collector or the reference-engine
-    collector): routes go on its sample records and its manifest lists the router regions. Returns
+    collector): routes go on its sample records and the trainer's manifest says ``router_replay``. Returns
     the recorder, or ``None`` for a dense model (nothing to record). Detached with the collector."""
     engine = getattr(collector, "engine", None)
     try:
@@ -404,13 +421,7 @@ def watch_routing(collector: Any) -> _Recorder | None:
         return None
     recorder.wrap_sink(collector)
     recorder.declare(collector)
-    remove = collector._remove_hooks
-
-    def _remove_hooks() -> None:
-        recorder.detach()
-        remove()
-
-    collector._remove_hooks = _remove_hooks
+    on_detach(collector, recorder.detach)
     return recorder
 
 

@@ -28,6 +28,7 @@ from torch import nn
 
 from audit.records import Record, Routes, SampleLogprobs, sample_key
 from collectors.counting import Counters, LogOnce
+from collectors.routing import before_send, on_detach
 from collectors.vllm.rows import ForwardRows, read_forward_rows
 
 log = logging.getLogger(__name__)
@@ -197,22 +198,8 @@ class VllmRoutes:
         self.collector = collector
         self.workers: list[WorkerRoutes] = list(link.llm.collective_rpc(_install))
         self.counters = VllmRoutingCounters()
-        sink = collector.sink
-        original = sink.send
-
-        def send(records: Sequence[Record]) -> None:
-            self.attach(records)
-            original(records)
-
-        sink.send = send
-        self._sink = sink
-        remove = collector._remove_hooks
-
-        def _remove_hooks() -> None:
-            self.detach()
-            remove()
-
-        collector._remove_hooks = _remove_hooks
+        self._undo = before_send(collector, self.attach)
+        on_detach(collector, self.detach)
 
     @property
     def layers(self) -> list[int]:
@@ -243,7 +230,7 @@ class VllmRoutes:
     def detach(self) -> None:
         for worker in self.workers:
             worker.remove()
-        vars(self._sink).pop("send", None)
+        self._undo()
 
     def stats(self) -> dict[str, Any]:
         return {**self.counters.as_dict(), "workers": [w.counters.as_dict() for w in self.workers]}
