@@ -289,7 +289,7 @@ class WorkerRemediation:
             f"vLLM's paged-KV attention kernel ({', '.join(_attention_backends(self.runner))}): no "
             "extension point reaches inside it"
         )
-        native["rotary"] = "vLLM's rotary embedding, fused with the attention's inputs"
+        native["rotary"] = "vLLM's rotary embedding over its cos/sin cache, feeding only the attention"
         return native
 
     # ------------------------------------------------------------ reporting

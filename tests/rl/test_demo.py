@@ -85,3 +85,20 @@ def test_loop_figures_are_stored_per_step(demo_run: tuple[Store, str, str]) -> N
     assert [s.step for s in stats] == list(range(6))
     assert all(s.reward_mean is not None and 0 <= s.reward_mean <= 1 for s in stats)
     assert all(s.generation_s and s.generation_s > 0 and s.training_s and s.training_s > 0 for s in stats)
+
+
+def test_auto_takes_vllm_only_where_it_is_installed(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """``make demo`` installs the base extras only: ``auto`` must then take the reference engine,
+    without importing anything of vLLM."""
+    import importlib.util
+
+    import torch
+
+    from collectors.rl import demo, rollout
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else object())
+    assert not rollout.vllm_available()
+    monkeypatch.setattr(demo, "vllm_available", rollout.vllm_available)
+    policy = torch.nn.Linear(2, 2)
+    monkeypatch.setattr(rollout.ReferenceRollout, "__init__", lambda self, p: setattr(self, "model", p))
+    assert isinstance(demo.pick_rollout("auto", policy, tmp_path), rollout.ReferenceRollout)
