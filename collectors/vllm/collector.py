@@ -16,9 +16,11 @@ top-k and top-p as the engine applied them, the weight version, and the ``sample
 the tokens exactly as the trainer derives it. For the requests chosen for fingerprinting, the
 engine's per-region fingerprints at every position it computed, as ``engine_prefill`` or
 ``engine_decode``. ``record_step`` never raises (unless ``strict=True``); records go to the sink's
-queue. At the end of each ``record_step`` the collector asks its control channel for the desired
-remediation mode; a new one goes to every worker, which switches at its next step and reports the
-mode it runs with the next drain; the manifest then says what was applied (and what stays native).
+queue. At the end of each ``record_step`` (or at ``begin_step``, called before ``generate``) the collector
+asks its control channel for the desired remediation mode; a new one goes to every worker, which
+switches its layers at its next step (:mod:`collectors.vllm.remediation`) and reports the mode it
+runs, and each op's implementation, with the next drain; the manifest then says what was applied
+and which regions stay native.
 """
 
 from __future__ import annotations
@@ -130,7 +132,8 @@ class VllmCollector(Collector):
     canonical name → module name, or ``None`` (logprobs only). ``fingerprint``: which requests to
     fingerprint: ``"all"``, an integer N (one in N), a list of request ids, or ``None``.
     ``contract``: the execution contract (or its identities) the engine runs under, for the
-    manifest. ``control``: where the desired remediation mode comes from. ``weight_version``: the
+    manifest; ``"auto"``: built from what the workers report running in each mode
+    (:mod:`collectors.policy`), so the handshake names the regions remediation cannot replace. ``control``: where the desired remediation mode comes from. ``weight_version``: the
     version of the weights the engine starts with (later ones come from
     :func:`collectors.vllm.load_weights` or :meth:`weights_changed`). ``max_requests``/``max_rows``:
     the engine-side buffers' bounds (requests tracked, fingerprint rows kept until drained).
