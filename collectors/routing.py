@@ -410,10 +410,17 @@ class EngineRoutes(_Recorder):
         return forward
 
 
-def watch_routing(collector: Any) -> _Recorder | None:
-    """Record MoE routing beside ``collector`` (a trainer collector or the reference-engine
-    collector): routes go on its sample records and the trainer's manifest says ``router_replay``. Returns
+def watch_routing(collector: Any) -> Any:
+    """Record MoE routing beside ``collector`` (a trainer collector, the reference-engine collector
+    or an in-process vLLM collector: :class:`collectors.routing_vllm.VllmRoutes`): routes go on its sample records and the trainer's manifest says ``router_replay``. Returns
     the recorder, or ``None`` for a dense model (nothing to record). Detached with the collector."""
+    if hasattr(collector, "link"):  # the vLLM collector
+        from collectors.routing_vllm import VllmRoutes
+
+        try:
+            return VllmRoutes(collector)
+        except LookupError:  # a dense model: no router to capture
+            return None
     engine = getattr(collector, "engine", None)
     try:
         recorder: _Recorder = EngineRoutes(engine) if engine is not None else TrainerRoutes(collector.model)

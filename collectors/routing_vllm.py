@@ -69,7 +69,7 @@ class WorkerRoutes:
     def __init__(self, runner: Any, model: nn.Module, *, max_requests: int = 65536) -> None:
         routers = moe_routers(model)
         if not routers:
-            raise ValueError("model: no vLLM fused-MoE layer with a router to capture")
+            raise LookupError("model: no vLLM fused-MoE layer with a router to capture")
         self.runner = runner
         self.layers = [i for i, _ in routers]
         self.top_k = int(routers[0][1].top_k)

@@ -432,6 +432,14 @@ class Session:
         for collector in self.collectors:
             collector.weights_changed(version, digest)
 
+    def watch_routing(self, handle: Collector) -> Any:
+        """MoE models: also record, per token and MoE layer, the experts ``handle`` (a trainer,
+        reference-engine or in-process vLLM collector of this session) saw chosen, on its sample
+        records (:func:`collectors.routing.watch_routing`); ``None`` for a dense model."""
+        from collectors.routing import watch_routing
+
+        return watch_routing(handle)
+
     def record_stats(
         self,
         step: int,

@@ -62,7 +62,7 @@ def _run(path: Path, url: str, run_id: str, *, steps: int = 2, enabled: bool = F
         with collectors.session(run_id, database_url=url, strict=True, report=False) as audit:
             rollout = audit.watch_engine(engine, remediation_hook=None)
             trainer = audit.watch_trainer(trainer_model, remediation_hook=None, async_transfer=False)
-            assert watch_routing(rollout) is not None and watch_routing(trainer) is not None
+            assert audit.watch_routing(rollout) is not None and audit.watch_routing(trainer) is not None
             for step in range(steps):
                 completions = engine.generate(PROMPTS, MAX_NEW, seed=step)
                 rollout.record_step(step, completions)
@@ -219,3 +219,12 @@ def test_mixtral_routes_on_both_sides(tmp_path: Path, enabled: bool) -> None:
         assert m["routing_flipped_tokens"] == 0 and m["bitwise_mismatch_count"] == 0
     routed = [s for s in store.samples("mixtral", 0) if s.routes is not None]
     assert len(routed) == 2 * len(PROMPTS)
+
+
+def test_a_dense_model_has_no_routing_to_record(tmp_path: Path) -> None:
+    from collectors.tiny_models import load_tiny_model, make_tiny_model
+
+    model, _ = load_tiny_model(make_tiny_model("qwen3", tmp_path / "dense"))
+    handle = collectors.trainer.attach(model, run="dense", sink=MemorySink(), regions=None)
+    assert watch_routing(handle) is None
+    handle.detach()

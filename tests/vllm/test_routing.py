@@ -19,7 +19,6 @@ from audit.records import SampleLogprobs  # noqa: E402
 from audit.store import Store  # noqa: E402
 from audit.worker import ComparisonWorker  # noqa: E402
 from collectors.layout import StepBatch  # noqa: E402
-from collectors.routing import watch_routing  # noqa: E402
 from collectors.routing_tiny import make_tiny_moe  # noqa: E402
 from collectors.routing_vllm import VllmRoutes, moe_routers  # noqa: E402
 from tests.vllm.conftest import engine, generate, prompts_of  # noqa: E402
@@ -51,9 +50,10 @@ def recorded(llm: Any, tiny_moe: Path, tmp_path_factory: pytest.TempPathFactory)
     model, _ = load_tiny_model(tiny_moe, dtype=torch.bfloat16)
     with collectors.session("vllm-moe", database_url=url, strict=True, report=False) as audit:
         rollout = audit.watch_vllm(llm, fingerprint="all")
-        routes = VllmRoutes(rollout)
+        routes = audit.watch_routing(rollout)
+        assert isinstance(routes, VllmRoutes)
         trainer = audit.watch_trainer(model, async_transfer=False)
-        assert watch_routing(trainer) is not None
+        assert audit.watch_routing(trainer) is not None
         outputs = generate(llm, prompts_of(LENGTHS), max_tokens=MAX_TOKENS)
         rollout.record_step(0, outputs)
         prompts = [list(o.prompt_token_ids) for o in outputs]
