@@ -591,28 +591,56 @@ class Store:
         arrives later stays queued. Claims are taken by an upsert that only replaces an expired
         lease, so two workers racing for one step cannot both get it, on PostgreSQL or SQLite."""
         now = utcnow()
+        window = 4 * max_pairs
+        pending = PendingComparisonRow
         held = select(ComparisonClaimRow.run_id).where(
-            ComparisonClaimRow.run_id == PendingComparisonRow.run_id,
-            ComparisonClaimRow.step == PendingComparisonRow.step,
+            ComparisonClaimRow.run_id == pending.run_id,
+            ComparisonClaimRow.step == pending.step,
             ComparisonClaimRow.leased_until > now,
         )
-        where = [~held.exists()]
-        if run_id is not None:
-            where.append(PendingComparisonRow.run_id == run_id)
-        ready = self._ready(*where).subquery()
-        candidates = (
-            select(ready.c.run_id, ready.c.step, func.count())
-            .group_by(ready.c.run_id, ready.c.step)
-            .order_by(func.min(ready.c.queued_at), ready.c.run_id, ready.c.step)
-            .limit(4096)
+        # Only the head of the queue is checked for both sides (a narrow scan of the queue, then
+        # index lookups of its rows), so a claim costs the same however long the backlog grows.
+        head = (
+            select(pending.run_id, pending.step, pending.sample_key, pending.queued_at)
+            .where(~held.exists(), *([pending.run_id == run_id] if run_id is not None else []))
+            .order_by(pending.queued_at)
+            .limit(window)
+            .subquery()
+        )
+        sides = (
+            select(head, func.count(func.distinct(SampleRow.side)).label("sides"))
+            .join(
+                SampleRow,
+                (SampleRow.run_id == head.c.run_id)
+                & (SampleRow.step == head.c.step)
+                & (SampleRow.sample_key == head.c.sample_key),
+                isouter=True,
+            )
+            .group_by(head.c.run_id, head.c.step, head.c.sample_key, head.c.queued_at)
         )
         with self.sessions.begin() as session:
+            rows = session.execute(sides).all()
+            by_step: dict[tuple[str, int], list[Any]] = {}
+            waiting = []
+            for run, step, key, queued_at, n_sides in rows:
+                if n_sides == 2:
+                    by_step.setdefault((run, step), []).append(queued_at)
+                else:
+                    waiting.append((run, step, key))
+            if len(rows) == window and waiting:
+                # A full head holding samples whose other side has not come: send them to the back,
+                # or a run that never sends one side would block the queue behind it.
+                session.execute(
+                    update(pending)
+                    .where(tuple_(pending.run_id, pending.step, pending.sample_key).in_(waiting))
+                    .values(queued_at=now)
+                )
             wanted, total = [], 0
-            for run, step, n in session.execute(candidates):
-                if wanted and total + n > max_pairs:
+            for (run, step), times in sorted(by_step.items(), key=lambda item: (min(item[1]), item[0])):
+                if wanted and total + len(times) > max_pairs:
                     break
                 wanted.append({"run_id": run, "step": step})
-                total += n
+                total += len(times)
             if not wanted:
                 return []
             wanted.sort(key=lambda w: (w["run_id"], w["step"]))  # one lock order for every worker

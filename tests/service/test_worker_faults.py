@@ -99,3 +99,19 @@ def test_a_lapsed_lease_goes_to_another_worker_and_the_late_save_is_refused(stor
     assert fast.run_once() == 2
     assert results(store) == [(0, 2, "fast")]
     assert count(store, SampleResultRow) == 6 and count(store, ComparisonClaimRow) == 0
+
+
+def test_samples_still_waiting_for_their_other_side_do_not_block_the_queue(store: Store):
+    """The claim checks only the head of the queue (4 x max_pairs rows): a head full of samples whose
+    other side never comes is sent to the back, so a ready pair behind it is still reached."""
+    store.ingest([factories.run()])
+    for step in range(6):  # six trainer-only samples, queued first
+        store.ingest([factories.sample("trainer", step=step, seed=step)])
+    store.ingest(step_records(9, n=1))
+    claims = []
+    for _ in range(4):
+        claims = store.claim_steps("w", lease_s=30, max_pairs=1)
+        if claims:
+            break
+    assert [(c.step, len(c.sample_keys)) for c in claims] == [(9, 1)]
+    assert count(store, PendingComparisonRow) == 7  # nothing waiting was dropped
