@@ -23,10 +23,31 @@ def vllm_map(family: str) -> FamilyMap:
     return llama_style_map(family, logits="logits_processor", taps={"out": Tap.SUM, "logits": Tap.FP32})
 
 
+def vllm_moe_map(family: str) -> FamilyMap:
+    """vLLM's Qwen3-MoE layout (issue 19): ``mlp`` is the sparse block, ``mlp.gate`` the router
+    (its logits, read in fp32), ``mlp.experts`` the fused-MoE runner, whose output is the weighted
+    combine; the per-slot expert outputs stay inside its fused kernel."""
+    dense = vllm_map(family)
+    return FamilyMap(
+        family=dense.family,
+        layers=dense.layers,
+        embed=dense.embed,
+        final_norm=dense.final_norm,
+        logits=dense.logits,
+        layer=dense.layer,
+        taps={**dense.taps, "router": Tap.FP32},
+        moe={"router": "model.layers.{i}.mlp.gate", "combine": "model.layers.{i}.mlp.experts"},
+        moe_unobserved={"experts": "vLLM's fused-MoE kernel returns only the weighted combine"},
+    )
+
+
 #: The rollout side: vLLM families, keyed by the HF ``model_type`` of the checkpoint the engine serves.
 VLLM_CATALOG = Catalog(
     side="vLLM",
-    families={name: vllm_map(name) for name in ("llama", "mistral", "qwen2", "qwen3")},
+    families={
+        **{name: vllm_map(name) for name in ("llama", "mistral", "qwen2", "qwen3")},
+        "qwen3_moe": vllm_moe_map("qwen3_moe"),
+    },
     generic=vllm_map,
     tap_for=lambda name: Tap.FP32 if name == "logits" else Tap.SUM if name.endswith(".out") else Tap.FIRST,
     model_noun="engine's model",

@@ -78,6 +78,9 @@ def test_vllm_records_the_experts_of_every_token_and_moe_layer(recorded: dict[st
         assert sample.routes.layers == [0, 1] and sample.routes.top_k == 2
         assert sample.routes.experts.dtype == np.uint8 and int(sample.routes.experts.max()) < 8
     assert recorded["stats"]["attached"] == len(LENGTHS) and recorded["stats"]["unmatched"] == 0
+    # The router's fp32 logits and the combine are fingerprinted inside vLLM too.
+    regions = {p.region for p in store.fingerprints("vllm-moe", 0) if p.side == "rollout"}
+    assert {"layers.0.router", "layers.0.combine", "layers.1.router"} <= regions
 
 
 def test_routing_agreement_between_vllm_and_the_hf_trainer(recorded: dict[str, Any]) -> None:
@@ -89,6 +92,14 @@ def test_routing_agreement_between_vllm_and_the_hf_trainer(recorded: dict[str, A
     # agrees; where a near tie flips, the audit counts it.
     assert 0.5 < m["routing_set_agreement"] <= 1.0
     assert 0.0 <= m["routing_flip_rate"] <= 1.0 - m["routing_set_agreement"] + 1e-12
+    results = store.sample_results("vllm-moe", 0)
+    causes = sorted(str(r.diagnosis_detail["evidence"].get("cause")) for r in results)
+    assert all(r.diagnosis in ("numerical", "clean") for r in results), causes
+    if m["routing_flipped_tokens"]:
+        # Where vLLM and HF route a token differently, the router logits differ first (fingerprinted
+        # on both sides), upstream of or at the router.
+        assert any(r.first_divergence_region is not None for r in results)
+    print(f"diagnosis causes: {causes}")
     print(
         f"vLLM vs HF Qwen3-MoE: set agreement {m['routing_set_agreement']:.4f}, flip rate "
         f"{m['routing_flip_rate']:.4f}, tokens flipped {m['routing_flipped_tokens']} of {m['routing_tokens']}"
