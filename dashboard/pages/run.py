@@ -256,9 +256,31 @@ def routing_figure(store: Store, run_id: str, value: str = "flipped_tokens") -> 
     return figures.routing_heatmap(frame, data.ROUTING_VALUES[value]), points[-1].step if points else None
 
 
+def routing_line(point: queries.RoutingStep | None) -> str:
+    """The latest routed step's figures in words, replay (R3) included."""
+    if point is None:
+        return ""
+    m = point.metrics
+    words = (
+        f"step {point.step}: expert sets agree on {text(m.get('routing_set_agreement'))} of (token, layer) "
+        f"cells, flip rate {text(m.get('routing_flip_rate'))}, {text(m.get('routing_flipped_tokens'))} of "
+        f"{text(m.get('routing_tokens'))} tokens flip in some layer"
+    )
+    if point.replayed is not None:
+        words += (
+            f"; routing replay: {text(m.get('routing_replayed_fraction'))} of the trainer's tokens replayed"
+        )
+        words += f", {point.missing} with missing routes"
+        if point.missing_examples:
+            first = point.missing_examples[0]
+            words += f" (e.g. sample {first['sample_key']} at positions {first['positions'][:8]})"
+    return words + "."
+
+
 def routing_section(store: Store, run_id: str) -> html.Div:
     """MoE runs: where routing flips, layer by step (hidden for a dense model until routes arrive)."""
     drawn, last = routing_figure(store, run_id)
+    latest = queries.routing_series(store, run_id, after_step=last - 1) if last is not None else []
     return html.Div(
         [
             html.H5("MoE routing flips by layer", className="d-inline me-3 mt-3"),
@@ -270,6 +292,7 @@ def routing_section(store: Store, run_id: str) -> html.Div:
                 className="d-inline small",
             ),
             dcc.Store(id="run-routing-steps", data=last),
+            html.Div(routing_line(latest[-1] if latest else None), id="run-routing-line", className="small"),
             graph("run-routing", drawn),
         ],
         id="run-routing-section",
@@ -279,21 +302,23 @@ def routing_section(store: Store, run_id: str) -> html.Div:
 
 def redraw_routing(
     value: str | None, state_json: dict[str, Any], drawn_last: int | None, *, changed: bool = False
-) -> tuple[Any, Any, Any]:
+) -> tuple[Any, Any, Any, Any]:
     """The routing heatmap again when steps after the last drawn one carry routes, or when the
     value shown ``changed`` (the check reads only the new steps' rows); the section shows once
     there are routes."""
     store = context.store()
     run_id = LiveState.from_json(state_json).run_id
-    if not changed and not queries.routing_series(store, run_id, after_step=drawn_last):
-        return no_update, no_update, no_update
+    new = queries.routing_series(store, run_id, after_step=drawn_last)
+    if not changed and not new:
+        return no_update, no_update, no_update, no_update
     drawn, last = routing_figure(store, run_id, value or "flipped_tokens")
-    return drawn, last, {} if last is not None else {"display": "none"}
+    line = routing_line(new[-1]) if new else no_update
+    return drawn, last, {} if last is not None else {"display": "none"}, line
 
 
 def tick_routing(
     _n: int | None, value: str | None, state_json: dict[str, Any], drawn_last: int | None
-) -> tuple[Any, Any, Any]:
+) -> tuple[Any, Any, Any, Any]:
     return redraw_routing(value, state_json, drawn_last, changed=dash.ctx.triggered_id == "run-routing-value")
 
 
@@ -538,6 +563,7 @@ def register(app: dash.Dash) -> None:
         Output("run-routing", "figure"),
         Output("run-routing-steps", "data"),
         Output("run-routing-section", "style"),
+        Output("run-routing-line", "children"),
         Input("run-interval", "n_intervals"),
         Input("run-routing-value", "value"),
         State("run-state", "data"),

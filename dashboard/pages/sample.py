@@ -8,7 +8,7 @@ from urllib.parse import quote
 
 import dash
 import dash_bootstrap_components as dbc
-from dash import dcc, html
+from dash import dash_table, dcc, html
 
 from audit import queries
 from dashboard import context, data, figures
@@ -59,6 +59,29 @@ def diagnosis_card(detail: queries.SampleDetail) -> dbc.Card:
     )
 
 
+def flips_table(flips: Any, limit: int = 200) -> Any:
+    """Every (token, MoE layer) whose expert sets differ, with both sides' experts in slot order."""
+    if flips.empty:
+        return html.Div(id="sample-routing-flips")
+    rows = [
+        {
+            "position": int(r.position),
+            "layer": int(r.layer),
+            "trainer": str(list(r.trainer)),
+            "rollout": str(list(r.rollout)),
+            "first": "first flip" if r.first_flip else "",
+        }
+        for r in flips.sort_values(["position", "layer"]).head(limit).itertuples(index=False)
+    ]
+    return dash_table.DataTable(
+        id="sample-routing-flips",
+        columns=[{"id": c, "name": c} for c in ("position", "layer", "trainer", "rollout", "first")],
+        data=rows,
+        page_size=20,
+        style_cell={"fontFamily": "monospace", "fontSize": 12},
+    )
+
+
 def routing_view(store: Any, detail: queries.SampleDetail) -> html.Div:
     """MoE samples: both sides' experts per token and layer, and where the routing first flips."""
     routing = queries.sample_routing(store, detail.run_id, detail.step, detail.sample_key)
@@ -87,6 +110,7 @@ def routing_view(store: Any, detail: queries.SampleDetail) -> html.Div:
             html.H5("MoE routing, both sides", className="mt-3"),
             html.Div(summary, id="sample-routing-summary", className="small"),
             graph("sample-routing-grid", figures.sample_routing_grid(frame, detail.prompt_len)),
+            flips_table(flips),
         ],
         id="sample-routing",
     )

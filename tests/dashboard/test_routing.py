@@ -48,11 +48,13 @@ def test_run_page_heatmap_of_routing_flips_by_layer_and_step(app, store):
     # Live: nothing new, nothing drawn; a new step with routes redraws; another value redraws.
     last = _find(page, "run-routing-steps").data
     assert last == 2
-    assert run.redraw_routing("flipped_tokens", state, last) == (no_update, no_update, no_update)
+    assert run.redraw_routing("flipped_tokens", state, last) == (no_update,) * 4
+    assert "step 2: expert sets agree on 0.8333" in _find(page, "run-routing-line").children
     routed_run(store, steps=4)  # steps 0-2 again (duplicates) and step 3, agreeing everywhere
-    drawn, new_last, style = run.redraw_routing("flipped_tokens", state, last)
+    drawn, new_last, style, line = run.redraw_routing("flipped_tokens", state, last)
     assert new_last == 3 and list(drawn.data[0].x) == [0, 1, 2, 3] and style == {}
-    drawn, _, _ = run.redraw_routing("first_flips", state, new_last, changed=True)
+    assert line.startswith("step 3: expert sets agree on 1 ")
+    drawn, _, _, _ = run.redraw_routing("first_flips", state, new_last, changed=True)
     firsts = _z(drawn)
     assert (firsts[0, 2], firsts[1, 2]) == (1, 1)  # token 3 first flips in layer 0, token 7 in 2
     assert "first flips" in drawn.data[0].hovertemplate
@@ -75,7 +77,31 @@ def test_sample_page_shows_a_tokens_routing_on_both_sides(app, store):
     assert z.shape == (2, 9)
     assert (z[0, 3], z[1, 3], z[1, 7]) == (2, 1, 2)  # first flips darkest, a later layer's flip lighter
     assert (z == 0).sum() == 18 - 3
+    flips = _find(page, "sample-routing-flips").data
+    assert [(r["position"], r["layer"], r["first"]) for r in flips] == [
+        (3, 0, "first flip"),
+        (3, 2, ""),
+        (7, 2, "first flip"),
+    ]
     hover = grid.data[0].customdata[0][3]
     assert hover.startswith("trainer [") and "rollout [" in hover and hover.endswith("first flip")
     agreeing = sample.layout(run_id="moe-run", step="0", sample_key=keys[0])
     assert "same experts for every token" in _text(_find(agreeing, "sample-routing-summary"))
+
+
+def test_the_routing_line_reports_replay_and_missing_routes():
+    from audit.queries import RoutingStep
+
+    point = RoutingStep(
+        step=4,
+        metrics={"routing_set_agreement": 1.0, "routing_flip_rate": 0.0, "routing_flipped_tokens": 0,
+                 "routing_tokens": 40, "routing_replayed_fraction": 0.75},
+        layers=[],
+        replayed=30,
+        missing=10,
+        missing_examples=[{"sample_key": "ab" * 16, "positions": list(range(12))}],
+    )  # fmt: skip
+    line = run.routing_line(point)
+    assert "routing replay: 0.75 of the trainer's tokens replayed, 10 with missing routes" in line
+    assert f"sample {'ab' * 16} at positions [0, 1, 2, 3, 4, 5, 6, 7]" in line
+    assert run.routing_line(None) == ""
