@@ -154,7 +154,7 @@ class WebhookChannel:
     """POSTs :func:`slack_payload` to ``url``. Transport errors (refused, reset, timed out after
     ``timeout_s``), 429 and 5xx are retried with exponential backoff: ``backoff_s``, doubled per
     attempt up to ``backoff_max_s``, at most ``attempts`` tries, so one notice gives up after at
-    most :attr:`give_up_after_s`. Other 4xx are not retried (the receiver refuses the message).
+    most :attr:`give_up_after_s`. Other 4xx and unusable URLs are not retried (repeating cannot help).
     Every attempt is recorded in the delivery; never raises. Run it off the comparison worker
     (``AlertEngine(deliver_in_background=True)``, as the service does): it sleeps between attempts.
     """
@@ -210,6 +210,10 @@ class WebhookChannel:
                 retry = response.status_code == 429 or response.status_code >= 500
             except Exception as exc:  # transport errors, bad URLs: recorded, never raised
                 error = f"{type(exc).__name__}: {exc}"
+                # Refused, reset, timed out: may pass. A URL httpx cannot use never will.
+                retry = isinstance(exc, httpx.TransportError) and not isinstance(
+                    exc, httpx.UnsupportedProtocol
+                )
             record.append(_attempt(attempt, at, started, error))
             if not retry or attempt == self.attempts:
                 break  # refused as such (repeating will not help), or out of attempts

@@ -70,7 +70,7 @@ def test_a_webhook_that_never_answers_gives_up_within_its_bound_recording_every_
     assert WebhookChannel("u").give_up_after_s == pytest.approx(8 * 5 + 61.5)  # the service's bound
 
 
-def test_a_refusing_webhook_is_not_retried_and_a_5xx_one_is(tmp_path: Path):
+def test_a_refusing_webhook_or_a_bad_url_is_not_retried_and_a_5xx_one_is():
     with Receiver(statuses=[400]) as refusing:
         delivery = WebhookChannel(refusing.url, attempts=4, backoff_s=0.01).send(notice())
     assert (delivery.status, delivery.attempts) == ("failed", 1)
@@ -80,6 +80,8 @@ def test_a_refusing_webhook_is_not_retried_and_a_5xx_one_is(tmp_path: Path):
         assert len(flaky.messages) == 1
     outcomes = [t["outcome"] for t in attempts_of(delivery.payload)]
     assert (delivery.status, outcomes) == ("sent", ["HTTP 503: ok", "HTTP 500: ok", "sent"])
+    delivery = WebhookChannel("ftp://127.0.0.1/hook", attempts=4, backoff_s=0.01).send(notice())
+    assert (delivery.status, delivery.attempts) == ("failed", 1) and "UnsupportedProtocol" in delivery.error
 
 
 def ingest(api: httpx.Client, records: list) -> None:
@@ -167,4 +169,6 @@ def test_webhook_slow_then_down_is_retried_recorded_and_never_holds_up_compariso
         f"{len(tries)} attempts ({', '.join(outcomes)}), delivered {delivered:.2f} s after the endpoint "
         f"came back (second hang seen after {hung_for:.1f} s); 2 notices, each received once; {counts}"
     )
-    assert hanging <= 2 * healthy + 1.0, (healthy, hanging)  # comparison never waits on the webhook
+    # Comparison never waits on the webhook: had it waited, the burst would have taken at least one
+    # webhook timeout (5 s) on top of its own time. The ratio is noisy on a loaded 2-core machine.
+    assert hanging < WebhookChannel("u").timeout_s and hanging <= 4 * healthy + 2.0, (healthy, hanging)
