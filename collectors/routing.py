@@ -296,7 +296,7 @@ class TrainerRoutes(_Recorder):
     @contextlib.contextmanager
     def replay(
         self,
-        routes: Mapping[int, torch.Tensor],
+        routes: Mapping[int, torch.Tensor] | None,
         mask: torch.Tensor | None = None,
         *,
         source: str = "isoaudit",
@@ -304,19 +304,21 @@ class TrainerRoutes(_Recorder):
         """Inside the block, the trainer's HF routers take ``routes[layer]`` (flat rows × k, the
         rollout's experts) where ``mask`` (flat rows, bool; default all) is set, their weights
         recomputed from the trainer's own router logits; other rows route themselves (a missing
-        route). The forwards' records mark each token replayed or not; the manifest says
-        ``router_replay=source`` from the next step on."""
+        route). ``routes=None``: the job's framework replays by itself (verl's ``router_replay``);
+        only ``mask`` (then required) says which rows it replayed. Either way the forwards'
+        records mark each token replayed or not, and the manifest says ``router_replay=source``
+        from the next step on."""
+        if routes is None and mask is None:
+            raise ValueError("mask: say which rows the framework replayed (routes=None replays nothing here)")
         handles = []
-        host_mask = None
-        for i, block in instrument(self.model):
+        for i, block in instrument(self.model) if routes is not None else []:
             if i in routes:
                 # Before kernels.adapters_moe's recording hook, so traces see the replayed routes.
                 handles.append(block.gate.register_forward_hook(_replaying(routes[i], mask), prepend=True))
         if mask is not None:
             host_mask = mask.detach().reshape(-1).cpu().numpy().astype(np.uint8)
         else:
-            first = next(iter(routes.values()))
-            host_mask = np.ones(first.shape[0], np.uint8)
+            host_mask = np.ones(next(iter(routes.values())).shape[0], np.uint8)  # type: ignore[union-attr]
         self._replay_mask, self._facts = host_mask, {"router_replay": source}
         try:
             yield

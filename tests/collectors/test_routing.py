@@ -228,3 +228,29 @@ def test_a_dense_model_has_no_routing_to_record(tmp_path: Path) -> None:
     handle = collectors.trainer.attach(model, run="dense", sink=MemorySink(), regions=None)
     assert watch_routing(handle) is None
     handle.detach()
+
+
+def test_a_framework_that_replays_by_itself_only_marks_the_rows(qwen3_moe: Path) -> None:
+    """verl's router_replay swaps routes inside its own MoE layers: the recorder only marks which
+    rows were replayed (and the manifest names the source); the routes recorded are the ones used."""
+    model = _load(qwen3_moe)
+    sink = MemorySink()
+    handle = collectors.trainer.attach(
+        model, run="verl", sink=sink, regions=None, strict=True, async_transfer=False
+    )
+    recorder = watch_routing(handle)
+    assert isinstance(recorder, TrainerRoutes)
+    batch = StepBatch.padded([[5, 17, 42, 9]], [[100, 7, 8]])
+    mask = torch.tensor([True, True, True, True, True, True, False])
+    with recorder.replay(None, mask, source="verl_router_replay"):
+        handle.begin_step(0)
+        handle.record_step(0, batch)
+    handle.flush()
+    [sample] = [r for r in sink.records if isinstance(r, SampleLogprobs)]
+    assert sample.routes is not None and sample.routes.replayed.tolist() == mask.int().tolist()  # type: ignore[union-attr]
+    assert [r for r in sink.records if isinstance(r, Manifest)][
+        -1
+    ].runtime.router_replay == "verl_router_replay"
+    with pytest.raises(ValueError, match="mask: say which rows"), recorder.replay(None):
+        pass
+    handle.detach()
