@@ -5,6 +5,11 @@
 sentence and the evidence it rests on (``evidence["cause"]`` names the case in a word), so a user can
 check it without reading code.
 
+``numerical`` names its sub-cause in ``evidence["cause"]``: ``arithmetic`` or ``precision`` here, and
+for MoE models ``routing`` (:func:`audit.routing.explain`, applied by the comparator after this
+module's verdict): an upstream numerical difference flipped a routing decision and the flip explains
+the logprob gap, with the layer, the token and both sides' experts.
+
 ``off_policy`` is a weight-version gap the run declared (``Run.config["off_policy"]``: asynchronous
 RL samples with older weights on purpose and its objective corrects for it); an undeclared or
 out-of-bound gap, and weights that differ under the same claimed version, stay ``weights``.
