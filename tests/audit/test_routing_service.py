@@ -79,3 +79,32 @@ def test_metrics_export_and_an_alert_rule_on_routing_flips(api: httpx.Client, st
         engine.evaluate("moe-run", row.step, row.metrics)
     [alert] = [a for a in list_alerts(store, run_id="moe-run") if a.rule == "routing_flips"]
     assert alert.state == "firing" and alert.fired_step == 2
+
+
+def test_routes_travel_over_http_ingest_and_come_back_equal(api: httpx.Client, store: Store) -> None:
+    import numpy as np
+
+    from audit.records import Routes
+    from collectors.sinks.base import encode_batch
+    from tests import factories
+
+    sample = factories.sample("trainer", run_id="wire", prompt_len=3, n_completion=2)
+    sample.routes = Routes(
+        layers=[1, 4],
+        top_k=2,
+        num_experts=300,  # past one byte: uint16 on the wire
+        positions=np.arange(5, dtype=np.int32),
+        experts=np.asarray([[299, 0, 5, 6]] * 5, dtype=np.uint16),
+        replayed=np.asarray([1, 1, 1, 0, 0], dtype=np.uint8),
+    )
+    body = encode_batch([factories.run("wire"), sample])
+    response = api.post("/v1/ingest", content=body, headers={"Content-Type": "application/json"})
+    assert response.status_code == 200, response.text
+    [stored] = store.samples("wire", 0)
+    assert stored.routes is not None and stored.routes.layers == [1, 4]
+    assert stored.routes.experts.dtype == np.uint16
+    assert np.array_equal(stored.routes.experts, sample.routes.experts)
+    assert stored.routes.replayed.tolist() == [1, 1, 1, 0, 0]  # type: ignore[union-attr]
+    bad = body.replace(b'"num_experts":300', b'"num_experts":8')
+    refused = api.post("/v1/ingest", content=bad, headers={"Content-Type": "application/json"})
+    assert "routes.experts" in refused.text
