@@ -123,6 +123,13 @@ def torch_op(name: str) -> Impl:
     return Impl(f"torch.{name}", _torch_version())
 
 
+def rope_op() -> Impl:
+    """HF's default RoPE arithmetic in torch ops (fp32 cos/sin of inv_freq x position, cast to the
+    model dtype, ``q * cos + rotate_half(q) * sin``): what HF models run, and what
+    :mod:`collectors.vllm.remediation` runs in vLLM."""
+    return Impl("torch.rope_hf", _torch_version())
+
+
 def transformers_op(name: str) -> Impl:
     return Impl(f"transformers.{name}", _transformers_version())
 
@@ -178,7 +185,7 @@ def hf_ops(model: Any, mode: str, *, attention: str | None = None) -> dict[str, 
         "linear": torch_op("linear"),
         "norm": transformers_op("rms_norm"),
         "qk_norm": transformers_op("rms_norm"),
-        "rotary": transformers_op("rotary"),
+        "rotary": rope_op(),
         "attention": transformers_op(f"attention.{backend}"),
         "silu": torch_op("silu"),
         "lm_head": torch_op("linear"),
@@ -284,6 +291,17 @@ def native_regions(contract: Contract) -> list[str]:
         r for c in contract.claims if isinstance(c, ToleranceClaim) and c.max_ulps == 0 for r in c.regions
     }
     return _unique([e.region for e in contract.composition if e.route == "native" and e.region not in exact])
+
+
+def regions_running(ops: Ops, num_layers: int, *, qk_norm: bool, prefix: str) -> list[str]:
+    """The regions, in forward order, with an op whose implementation id starts with ``prefix``
+    (e.g. ``"vllm."``: what a remediated engine still runs of its own)."""
+    text = {op: value if isinstance(value, str) else value.text for op, value in ops.items()}
+    return [
+        region
+        for region, names in region_ops(num_layers, qk_norm=qk_norm).items()
+        if any(text.get(name, "").startswith(prefix) for name in names)
+    ]
 
 
 def hf_contracts(model: Any, *, native_attention: Impl | None = None) -> Callable[[str], Contract]:

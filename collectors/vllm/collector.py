@@ -270,14 +270,17 @@ class VllmCollector(Collector):
     def _runtime(self) -> RuntimeFacts:
         if self.mode_report.applied != "invariant" or not self.ops:
             return self.facts
-        contract = self._auto_contract()
-        head = "float32" if self.ops.get("lm_head", "").startswith("kernels.") else self.facts.lm_head_dtype
-        update: dict[str, Any] = {"lm_head_dtype": head}
-        if contract is not None:
-            from collectors.policy import native_regions
+        from collectors.policy import QK_NORM_FAMILIES, regions_running
 
-            update["remediation_native_regions"] = native_regions(contract)
-        return self.facts.model_copy(update=update)
+        hf = self._model_config.hf_config
+        head = "float32" if self.ops.get("lm_head", "").startswith("kernels.") else self.facts.lm_head_dtype
+        still = regions_running(
+            self.ops,
+            int(hf.num_hidden_layers),
+            qk_norm=getattr(hf, "model_type", None) in QK_NORM_FAMILIES,
+            prefix="vllm.",
+        )
+        return self.facts.model_copy(update={"lm_head_dtype": head, "remediation_native_regions": still})
 
     def _signature(self) -> tuple[Any, ...]:
         # the facts are read once, at attach: only the mode, the ops the workers run and the weights change them

@@ -13,14 +13,24 @@ vLLM lets a worker replace, per layer instance and between two steps:
   dtype, then the norm, as HF computes it);
 * the **head**: ``LogitsProcessor._get_logits`` computes fp32 logits
   (:func:`kernels.routing.logits_fp32`), and the sampler's log-softmax (``compute_logprobs`` and the
-  top-k/top-p sampler's processed logprobs) is :func:`kernels.routing.log_softmax`.
+  top-k/top-p sampler's processed logprobs) is :func:`kernels.routing.log_softmax`;
+* the **rotary embedding**: ``RotaryEmbedding._forward_method`` runs HF's default RoPE arithmetic
+  (what the trainer runs) instead of vLLM's cos/sin cache;
+* the **attention** (vLLM-CPU's ``CPU_ATTN`` backend): each layer's ``impl.forward`` writes the
+  step's keys and values into a shadow store per cache block (vLLM's own cache keeps its kernel's
+  layout, which is not read here) and runs :func:`kernels.routing.attention` over each request's keys
+  in position order. A step that needs keys written before the switch (a request in flight across
+  it) runs vLLM's kernel instead, counted. The store holds a second copy of the KV rows written while
+  invariant (dropped when switching back).
 
-What a worker cannot replace stays vLLM's own and is named: the attention (its paged-KV kernel:
-``CPU_ATTN`` on the CPU, FlashAttention/FlashInfer/Triton on GPUs) and the rotary embedding that
-feeds it, and any layer whose weights were not kept or that is quantized. The replacements call
-the kernels with routing forced on for that call only, so an in-process trainer that shares this
-process keeps its own mode. They need an eager engine (``enforce_eager=True``): a compiled decoder
-or a replayed CUDA graph never calls the Python forwards replaced here.
+What a worker cannot replace stays vLLM's own and is named: attention backends other than
+``CPU_ATTN`` (the GPU ones read their paged cache inside their kernels), attention with prefix
+caching (cached blocks hold keys this path did not write), ALiBi, sliding windows, soft caps, sinks
+or an fp8 cache, a RoPE other than the default full-width NeoX one, and any layer whose weights
+were not kept or that is quantized. The replacements call the kernels with routing forced on for
+that call only, so an in-process trainer that shares this process keeps its own mode. They need an
+eager engine (``enforce_eager=True``): a compiled decoder or a replayed CUDA graph never calls the
+Python forwards replaced here.
 """
 
 from __future__ import annotations
@@ -167,6 +177,136 @@ def _processed_logprobs(sampler: nn.Module, original: Callable[..., Any]) -> Cal
     return forward
 
 
+def _rotary_forward(module: nn.Module) -> Callable[..., Any]:
+    """HF's default RoPE arithmetic (what the trainer and the reference engine run): fp32 tables of
+    inv_freq x position from a K=1 batched matmul, cos/sin, cast to the model dtype, then
+    ``q * cos + rotate_half(q) * sin`` in the model dtype."""
+    dim = int(module.rotary_dim)
+    inv_freq = 1.0 / (float(module.base) ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+
+    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.view(cos.shape[0], -1, dim)
+        half = dim // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return ((x * cos) + (rotated * sin)).reshape(shape)
+
+    def forward(
+        positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        flat = positions.flatten()
+        freqs = (inv_freq[None, :, None].to(flat.device) @ flat[None, None, :].float()).transpose(1, 2)
+        emb = torch.cat((freqs, freqs), dim=-1)[0]
+        cos, sin = emb.cos().to(query.dtype)[:, None, :], emb.sin().to(query.dtype)[:, None, :]
+        return rotate(query, cos, sin), rotate(key, cos, sin) if key is not None else None
+
+    return forward
+
+
+class _ShadowKV:
+    """The K/V rows this layer wrote while invariant, per cache block (vLLM's own cache keeps its
+    kernel's layout), so the invariant attention can read a request's keys 0..n in order."""
+
+    def __init__(self) -> None:
+        self.block_size = 0  # vLLM's kernel block size, read from the cache's shape at first use
+        self.rows: dict[int, int] = {}
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def _row(self, block: int, like: torch.Tensor) -> int:
+        row = self.rows.get(block)
+        if row is None:
+            row = self.rows[block] = len(self.rows)
+            if self.k is None or row >= self.k.shape[0]:
+                size = max(16, 2 * row)
+                shape = (size, self.block_size, *like.shape[1:])
+                k = torch.zeros(shape, dtype=like.dtype, device=like.device)
+                v = torch.zeros_like(k)
+                if self.k is not None and self.v is not None:
+                    k[: self.k.shape[0]] = self.k
+                    v[: self.v.shape[0]] = self.v
+                self.k, self.v = k, v
+        return row
+
+    def write(self, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
+        slots = slots.long()
+        blocks = (slots // self.block_size).tolist()
+        rows = torch.tensor([self._row(b, key) for b in blocks], dtype=torch.long, device=key.device)
+        offsets = slots % self.block_size
+        assert self.k is not None and self.v is not None
+        self.k[rows, offsets] = key
+        self.v[rows, offsets] = value
+
+    def gather(self, block_row: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        count = -(-n // self.block_size)
+        rows = [self.rows.get(b) for b in block_row[:count].tolist()]
+        if self.k is None or self.v is None or any(r is None for r in rows):
+            return None  # written before the switch (native): not held here
+        index = torch.tensor(rows, dtype=torch.long, device=self.k.device)
+        k = self.k.index_select(0, index).reshape(-1, *self.k.shape[2:])[:n]
+        v = self.v.index_select(0, index).reshape(-1, *self.v.shape[2:])[:n]
+        return k, v
+
+
+def _attention_forward(impl: Any, original: Callable[..., Any], counts: dict[str, int]) -> Any:
+    """The layer's attention through :func:`kernels.routing.attention` over the keys it wrote since
+    the switch; a step that needs keys written before it runs vLLM's kernel instead (counted)."""
+    from kernels import routing
+
+    shadow = _ShadowKV()
+
+    def forward(
+        layer: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: Any,
+        output: torch.Tensor,
+        *args: Any,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        if attn_metadata is None:  # warm-up
+            return output
+        n = int(attn_metadata.num_actual_tokens)
+        shadow.block_size = shadow.block_size or int(kv_cache.shape[2])  # [blocks, kv heads, block, 2 x head]
+        shadow.write(key[:n], value[:n], attn_metadata.slot_mapping[:n])
+        starts = attn_metadata.query_start_loc.long()
+        lengths = attn_metadata.seq_lens.long()
+        batch = int(lengths.numel())
+        held = [shadow.gather(attn_metadata.block_table[b], int(lengths[b])) for b in range(batch)]
+        if any(h is None for h in held) or not bool(attn_metadata.causal):
+            counts["native_fallbacks"] = counts.get("native_fallbacks", 0) + 1
+            if counts["native_fallbacks"] == 1:
+                log.warning(
+                    "isoaudit vllm remediation: a request started before the switch to the invariant "
+                    "mode; its steps run vLLM's attention until it finishes (counted, said once)"
+                )
+            return original(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+        longest = int(lengths.max())
+        k_cache = key.new_zeros((batch, longest, *key.shape[1:]))
+        v_cache = value.new_zeros((batch, longest, *value.shape[1:]))
+        for b, (k, v) in enumerate(held):  # type: ignore[misc]
+            k_cache[b, : k.shape[0]] = k
+            v_cache[b, : v.shape[0]] = v
+        q_lens = starts[1:] - starts[:-1]
+        with _routed():
+            out = routing.attention(
+                query[:n],
+                k_cache,
+                v_cache,
+                starts,
+                lengths - q_lens,
+                lengths,
+                torch.arange(batch, device=query.device),
+                impl.scale,
+            )
+        output[:n].copy_(out.reshape(output[:n].shape))
+        return output
+
+    return forward
+
+
 # ----------------------------------------------------------------------------- the worker's switch
 
 
@@ -174,6 +314,26 @@ def _version() -> str:
     import vllm
 
     return str(vllm.__version__)
+
+
+def _attention_refusal(runner: Any, layer: Any) -> str | None:
+    """Why this attention layer cannot run the invariant kernel here, or ``None``."""
+    impl = getattr(layer, "impl", None)
+    if type(impl).__name__ != "CPUAttentionBackendImpl":
+        return f"vLLM's {type(impl).__name__} reads a paged cache in its own kernel: not replaced"
+    if getattr(runner, "cache_config", None) is not None and runner.cache_config.enable_prefix_caching:
+        return "prefix caching: cached blocks hold keys the invariant path did not write"
+    if (
+        impl.alibi_slopes is not None
+        or impl.sliding_window != -1
+        or impl.logits_soft_cap
+        or impl.sinks is not None
+        or impl.is_fp8_kv_cache
+        or impl.kv_sharing_target_layer_name is not None
+        or str(impl.attn_type).split(".")[-1].lower() != "decoder"
+    ):
+        return "ALiBi, a sliding window, a soft cap, sinks, an fp8 cache, shared KV or non-decoder attention"
+    return None
 
 
 def _attention_backends(runner: Any) -> list[str]:
@@ -197,6 +357,7 @@ class WorkerRemediation:
         self.model = model
         self.mode = "native"
         self.native: dict[str, str] = {}  # op -> why it stays vLLM's own in the invariant mode
+        self.counts: dict[str, int] = {}  # attention steps that needed keys written before the switch
         self._undo: list[Callable[[], None]] = []
 
     # ------------------------------------------------------------ switching
@@ -285,11 +446,39 @@ class WorkerRemediation:
             native["linear"] = f"{len(quantized)} quantized layers (e.g. {quantized[0]})"
         if odd_norms:
             native["norm"] = f"RMSNorm over part of the hidden size ({odd_norms[0]})"
-        native["attention"] = (
-            f"vLLM's paged-KV attention kernel ({', '.join(_attention_backends(self.runner))}): no "
-            "extension point reaches inside it"
-        )
-        native["rotary"] = "vLLM's rotary embedding over its cos/sin cache, feeding only the attention"
+        native.update(self._install_attention())
+        return native
+
+    def _install_attention(self) -> dict[str, str]:
+        """The rotary embedding and the attention, where their form allows (else named native)."""
+        from vllm.model_executor.layers.attention.attention import Attention
+        from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+        native: dict[str, str] = {}
+        rotaries = [m for m in self.model.modules() if isinstance(m, RotaryEmbedding)]
+        plain = [
+            m
+            for m in rotaries
+            if type(m) is RotaryEmbedding and m.is_neox_style and m.rotary_dim == m.head_size
+        ]
+        if len(plain) != len(rotaries):
+            native["rotary"] = "a rotary embedding other than the default full-width NeoX RoPE"
+        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        reasons = {_attention_refusal(self.runner, layer) for layer in layers} - {None}
+        if reasons:
+            native["attention"] = "; ".join(sorted(r for r in reasons if r))
+        elif "rotary" in native:
+            native["attention"] = "its rotary embedding stays native, so its keys would not be the trainer's"
+        if "attention" in native and "rotary" not in native:
+            native["rotary"] = "it feeds only the attention, which stays native"
+        if "rotary" not in native:
+            for module in plain:
+                self._set(module, "_forward_method", _rotary_forward(module))
+        if "attention" not in native:
+            for layer in layers:
+                self._set(
+                    layer.impl, "forward", _attention_forward(layer.impl, layer.impl.forward, self.counts)
+                )
         return native
 
     # ------------------------------------------------------------ reporting
@@ -298,7 +487,7 @@ class WorkerRemediation:
         """Each contract op (:data:`collectors.policy.REGION_OPS`) → ``id@version`` as run now."""
         from vllm.platforms import current_platform
 
-        from collectors.policy import exact_ops, kernel_ops, torch_op
+        from collectors.policy import exact_ops, kernel_ops, rope_op, torch_op
 
         version = _version()
         cpu = bool(current_platform.is_cpu())
@@ -323,6 +512,8 @@ class WorkerRemediation:
             for op, impl in kernel_ops(device).items():
                 if op not in self.native and not (op == "qk_norm" and "norm" in self.native):
                     ops[op] = impl.text
+            if "rotary" not in self.native:
+                ops["rotary"] = rope_op().text
             if "norm" not in self.native:
                 ops["residual_add"] = torch_op("add").text
             if "silu" not in self.native:

