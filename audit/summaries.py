@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from sqlalchemy import delete, func, select
+from sqlalchemy import delete, func, insert, select, tuple_
 from sqlalchemy.orm import Session
 
 from audit.models import FingerprintRow, SampleResultRow, SampleRow, StepResultRow, StepSummaryRow
@@ -117,25 +117,69 @@ def step_outcomes(session: Session, run_id: str, step: int) -> list[SampleOutcom
     return [SampleOutcome(*row) for row in session.execute(query)]
 
 
+@dataclass(frozen=True)
+class StepFacts:
+    """What a step's summary reads from the store besides its pairs: the stored verdicts, how many
+    samples have fingerprints, when its latest sample arrived."""
+
+    outcomes: list[SampleOutcome]
+    fingerprinted: int
+    ingested_at: Any
+
+
+def step_facts(session: Session, steps: Sequence[tuple[str, int]]) -> dict[tuple[str, int], StepFacts]:
+    """:class:`StepFacts` of many steps in three queries (the comparison worker's batches)."""
+    if not steps:
+        return {}
+    outcomes: dict[tuple[str, int], list[SampleOutcome]] = {tuple(s): [] for s in steps}  # type: ignore[misc]
+    query = select(
+        SampleResultRow.run_id,
+        SampleResultRow.step,
+        SampleResultRow.sample_key,
+        SampleResultRow.diagnosis,
+        SampleResultRow.first_divergence_region,
+    ).where(tuple_(SampleResultRow.run_id, SampleResultRow.step).in_(list(steps)))
+    for run, step, *outcome in session.execute(query):
+        outcomes[(run, step)].append(SampleOutcome(*outcome))
+    printed = dict(
+        ((run, step), n)
+        for run, step, n in session.execute(
+            select(
+                FingerprintRow.run_id,
+                FingerprintRow.step,
+                func.count(func.distinct(FingerprintRow.sample_key)),
+            )
+            .where(tuple_(FingerprintRow.run_id, FingerprintRow.step).in_(list(steps)))
+            .group_by(FingerprintRow.run_id, FingerprintRow.step)
+        )
+    )
+    ingested = dict(
+        ((run, step), at)
+        for run, step, at in session.execute(
+            select(SampleRow.run_id, SampleRow.step, func.max(SampleRow.created_at))
+            .where(tuple_(SampleRow.run_id, SampleRow.step).in_(list(steps)))
+            .group_by(SampleRow.run_id, SampleRow.step)
+        )
+    )
+    return {key: StepFacts(outcomes[key], int(printed.get(key, 0)), ingested.get(key)) for key in outcomes}
+
+
 def summarize_step(
     session: Session,
     run_id: str,
     step: int,
     pairs: Sequence[tuple[SampleLogprobs, SampleLogprobs]],
     fresh: Sequence[SampleOutcome],
+    facts: StepFacts | None = None,
 ) -> dict[str, Any]:
     """The ``step_summaries`` row of a step: ``pairs`` are all its samples stored on both sides,
-    ``fresh`` the outcomes just computed (they replace any stored ones of the same keys)."""
+    ``fresh`` the outcomes just computed (they replace any stored ones of the same keys); ``facts``
+    as :func:`step_facts` read them for a batch of steps (read here when not given)."""
+    if facts is None:
+        facts = step_facts(session, [(run_id, step)])[(run_id, step)]
     new = {o.sample_key for o in fresh}
-    outcomes = list(fresh) + [o for o in step_outcomes(session, run_id, step) if o.sample_key not in new]
-    fingerprinted = session.scalar(
-        select(func.count(func.distinct(FingerprintRow.sample_key))).where(
-            FingerprintRow.run_id == run_id, FingerprintRow.step == step
-        )
-    )
-    ingested_at = session.scalar(
-        select(func.max(SampleRow.created_at)).where(SampleRow.run_id == run_id, SampleRow.step == step)
-    )
+    outcomes = list(fresh) + [o for o in facts.outcomes if o.sample_key not in new]
+    fingerprinted, ingested_at = facts.fingerprinted, facts.ingested_at
     return {
         "run_id": run_id,
         "step": step,
@@ -159,6 +203,15 @@ def save_summary(session: Session, row: dict[str, Any]) -> None:
         )
     )
     session.add(StepSummaryRow(**row))
+
+
+def save_summaries(session: Session, rows: Sequence[dict[str, Any]]) -> None:
+    """Replace many steps' summaries in two statements (:func:`save_summary` for a batch)."""
+    if not rows:
+        return
+    key = tuple_(StepSummaryRow.run_id, StepSummaryRow.step)
+    session.execute(delete(StepSummaryRow).where(key.in_([(r["run_id"], r["step"]) for r in rows])))
+    session.execute(insert(StepSummaryRow), list(rows))
 
 
 def missing_summaries(session: Session, limit: int) -> list[tuple[str, int]]:

@@ -20,7 +20,14 @@ from typing import Any
 from audit.compare import SampleComparison, compare_samples, step_summary
 from audit.records import Manifest, OffPolicy, RegionFingerprints, SampleLogprobs, off_policy_of
 from audit.store import StepClaim, Store
-from audit.summaries import SampleOutcome, missing_summaries, save_summary, summarize_step
+from audit.summaries import (
+    SampleOutcome,
+    missing_summaries,
+    save_summaries,
+    save_summary,
+    step_facts,
+    summarize_step,
+)
 
 log = logging.getLogger(__name__)
 
@@ -150,8 +157,17 @@ class ComparisonWorker:
 
         with self.store.sessions.begin() as session:
             # The dashboard's aggregates, the results and the claims' release commit together.
+            facts = step_facts(session, [(c.claim.run_id, c.claim.step) for c in computed])
             aggregates = [
-                summarize_step(session, c.claim.run_id, c.claim.step, c.pairs, c.outcomes()) for c in computed
+                summarize_step(
+                    session,
+                    c.claim.run_id,
+                    c.claim.step,
+                    c.pairs,
+                    c.outcomes(),
+                    facts[(c.claim.run_id, c.claim.step)],
+                )
+                for c in computed
             ]
             for c, a in zip(computed, aggregates, strict=True):
                 c.summary["diagnoses"]["counts"] = a["diagnoses"]
@@ -162,9 +178,14 @@ class ComparisonWorker:
                 [row.result_row() for c in computed for row in c.comparisons],
                 [{"run_id": c.claim.run_id, "step": c.claim.step, **c.summary} for c in computed],
             )
-            for c, a in zip(computed, aggregates, strict=True):
-                if (c.claim.run_id, c.claim.step) in saved:
-                    save_summary(session, a)
+            save_summaries(
+                session,
+                [
+                    a
+                    for c, a in zip(computed, aggregates, strict=True)
+                    if (c.claim.run_id, c.claim.step) in saved
+                ],
+            )
         n = 0
         for c in computed:
             run, step = c.claim.run_id, c.claim.step
