@@ -150,6 +150,100 @@ def run_baseline(rev: str, database: str, argv: list[str]) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])[database]
 
 
+def live(url: str, layout: str, clients: int, seconds: float, drain_s: float = 60.0) -> dict:
+    """The soak's shape against ``layout``: ``inproc`` (one `isoaudit serve` with its worker thread)
+    or ``process`` (`isoaudit serve --no-worker` plus one `isoaudit worker` process). ``clients``
+    HttpSinks each send a step of 8 samples x 2 sides x 384 tokens every 250 ms for ``seconds``;
+    returns samples/s stored and pairs/s compared over the send window plus the drain."""
+    import threading
+
+    from sqlalchemy import func, select
+
+    from audit.api.live import free_port
+    from audit.auth import create_token
+    from audit.models import SampleResultRow
+    from audit.records import Run
+    from audit.store import Store
+    from collectors.sinks.http import HttpSink
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from api_load import serve
+
+    store = Store(url)
+    token = create_token(store, "live")
+    port = free_port()
+    env = {"ISOAUDIT_DEFAULT_ALERT_RULES": "1", "ISOAUDIT_WORKER_INTERVAL_S": "0.2"}
+    os.environ.update(env)
+    processes = []
+    if layout == "process":
+        processes.append(serve(url, port))  # --no-worker
+        worker = [sys.executable, "-m", "audit.cli", "worker", "--database-url", url]
+        processes.append(subprocess.Popen(worker, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    else:
+        command = [sys.executable, "-m", "audit.cli", "serve", "--database-url", url, "--port", str(port)]
+        processes.append(subprocess.Popen([*command, "--log-level", "warning"]))
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                import httpx
+
+                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
+                    break
+            except Exception:
+                time.sleep(0.1)
+    sinks = [HttpSink(f"http://127.0.0.1:{port}", token, spool_dir=None) for _ in range(clients)]
+    stop = threading.Event()
+    sent = [0] * clients
+
+    def collector(i: int) -> None:
+        run_id = f"live-{layout}-{i}"
+        sinks[i].send([Run(run_id=run_id, name=run_id)])
+        step = 0
+        while not stop.is_set():
+            batch = [r.model_copy(update={"run_id": run_id}) for r in records("x", step, 8, 384)]
+            sinks[i].send(batch)
+            sent[i] += len(batch) // 2
+            step += 1
+            stop.wait(0.25)
+
+    def compared() -> int:
+        with store.sessions() as session:
+            return session.scalar(select(func.count()).select_from(SampleResultRow)) or 0
+
+    try:
+        threads = [threading.Thread(target=collector, args=(i,)) for i in range(clients)]
+        started = time.monotonic()
+        for thread in threads:
+            thread.start()
+        time.sleep(seconds)
+        stop.set()
+        for thread in threads:
+            thread.join(30)
+        sent_window = time.monotonic() - started
+        for sink in sinks:
+            sink.flush(120)
+        at_send_end = compared()
+        deadline = time.monotonic() + drain_s
+        while compared() < sum(sent) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        done, elapsed = compared(), time.monotonic() - started
+    finally:
+        for sink in sinks:
+            sink.close(10)
+        for process in processes:
+            process.terminate()
+            process.wait(30)
+        store.dispose()
+    return {
+        "samples_per_s": 2 * sum(sent) / sent_window,
+        "pairs_sent": sum(sent),
+        "compared_during_send": at_send_end,
+        "compared": done,
+        "pairs_per_s": done / elapsed,
+        "left": sum(sent) - done,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=4)
@@ -160,7 +254,27 @@ def main() -> None:
     parser.add_argument("--databases", default="sqlite,postgres")
     parser.add_argument("--baseline-rev", default="f2e813a", help="'' to skip the baseline")
     parser.add_argument("--json", action="store_true", help="print one JSON line (used for the baseline)")
+    parser.add_argument(
+        "--live", type=float, default=0.0, help="seconds of the soak's shape, in-process vs a worker process"
+    )
+    parser.add_argument("--clients", type=int, default=16, help="collectors of --live")
     args = parser.parse_args()
+    if args.live:
+        for layout in ("inproc", "process"):
+            url, drop = pg_schema_url()
+            try:
+                from audit.migrate import upgrade
+
+                upgrade(url)
+                r = live(url, layout, args.clients, args.live)
+            finally:
+                drop()  # type: ignore[operator]
+            print(
+                f"live {layout:7s} {args.clients} collectors {args.live:.0f} s: ingest {r['samples_per_s']:.0f} samples/s; "
+                f"compared {r['compared_during_send']} of {r['pairs_sent']} pairs by the last send, {r['compared']} "
+                f"after the drain ({r['pairs_per_s']:.0f} pairs/s overall, {r['left']} left)"
+            )
+        return
     shape = ["--runs", str(args.runs), "--steps", str(args.steps), "--history", str(args.history)]
     shape += ["--samples", str(args.samples), "--tokens", str(args.tokens)]
     results = {}

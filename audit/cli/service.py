@@ -57,6 +57,47 @@ def serve(
     uvicorn.run(create_app(settings=settings), host=host, port=port, log_level=log_level)
 
 
+@app.command("worker")
+def worker(
+    database: DatabaseOption = None,
+    rules: Annotated[
+        str | None, typer.Option("--rules", envvar="ISOAUDIT_ALERT_RULES", help="YAML file of alert rules.")
+    ] = None,
+    webhook: Annotated[
+        str | None,
+        typer.Option(
+            "--webhook", envvar="ISOAUDIT_ALERT_WEBHOOK_URL", help="Slack-compatible webhook for alerts."
+        ),
+    ] = None,
+) -> None:
+    """Run a comparison worker and alert evaluation without the API, until SIGTERM or Ctrl-C. Start
+    as many as the queue needs, beside `isoaudit serve --no-worker` replicas: they share one queue
+    (each step is claimed by one worker under a lease, ISOAUDIT_WORKER_LEASE_S)."""
+    import signal
+    import threading
+
+    from audit.api import ApiSettings
+    from audit.api.app import default_alert_engine, install_configured_rules
+    from audit.worker import ComparisonWorker
+
+    settings = ApiSettings.from_env(database_url=database, alert_rules_file=rules, webhook_url=webhook)
+    store = open_store(settings.database_url)
+    install_configured_rules(store, settings)
+    engine = default_alert_engine(store, settings)
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    comparison = ComparisonWorker(
+        store, on_step=engine.evaluate, interval=settings.worker_interval_s, lease_s=settings.worker_lease_s
+    ).start()
+    console.print(f"comparison worker {comparison.name} on {store.engine.url.render_as_string()}")
+    stop.wait()
+    comparison.stop()
+    engine.close()
+    store.dispose()
+    console.print(f"compared {comparison.compared} samples in {comparison.steps_compared} steps")
+
+
 @tokens_app.command("create")
 def tokens_create(
     project: Annotated[str, typer.Option("--project", help="The project the token may read and write.")],

@@ -5,7 +5,10 @@ worker hands the step to another, and the slow worker's late save is refused, no
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -115,3 +118,25 @@ def test_samples_still_waiting_for_their_other_side_do_not_block_the_queue(store
             break
     assert [(c.step, len(c.sample_keys)) for c in claims] == [(9, 1)]
     assert count(store, PendingComparisonRow) == 7  # nothing waiting was dropped
+
+
+@pytest.mark.slow
+def test_isoaudit_worker_compares_without_the_api_and_stops_on_sigterm(database_url: str):
+    """`isoaudit worker`: the comparison worker and alert evaluation as their own process, beside
+    `isoaudit serve --no-worker` replicas (a worker inside the API shares its GIL with ingest)."""
+    store = Store(database_url)
+    store.ingest([factories.run(), *step_records(0, 0.01, n=8), *step_records(1, 0.01, n=8)])
+    command = [sys.executable, "-m", "audit.cli", "worker", "--database-url", database_url]
+    env = {**os.environ, "ISOAUDIT_WORKER_INTERVAL_S": "0.05", "ISOAUDIT_DEFAULT_ALERT_RULES": "0"}
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len(results(store)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert [(step, revision) for step, revision, _ in results(store)] == [(0, 1), (1, 1)]
+    finally:
+        process.send_signal(signal.SIGTERM)
+        output, _ = process.communicate(timeout=30)
+    assert process.returncode == 0, output
+    assert "compared 16 samples in 2 steps" in output, output
+    store.dispose()
