@@ -36,7 +36,8 @@ def batch(*records) -> str:
 def alpha_state(api: httpx.Client, store: Store) -> dict[str, Any]:
     """Project alpha: a run with samples, compared steps, a fired alert, a rule, a silence, a control."""
     run = factories.run(name=SECRET, config={"note": SECRET})
-    assert api.post("/v1/ingest", content=batch(run, *step_records(0, n=2))).status_code == 200
+    samples = step_records(0, n=2)
+    assert api.post("/v1/ingest", content=batch(run, *samples)).status_code == 200
     save_results(store, "run-1", 0, kl=5e-2)
     AlertEngine(store, [DatabaseChannel()]).evaluate("run-1", 0, {"kl_k3": 5e-2})
     rule = {"name": "alpha-rule", "metric": "kl_k3", "threshold": 1.0, "description": SECRET}
@@ -45,7 +46,8 @@ def alpha_state(api: httpx.Client, store: Store) -> dict[str, Any]:
     assert silence.status_code == 201
     assert api.put("/v1/runs/run-1/control", json={"mode": "invariant", "version": 0}).status_code == 200
     [alert] = [a for a in api.get("/v1/alerts").json() if a["rule"] == "kl_k3_critical"]
-    return {"alert_id": alert["id"], "silence_id": silence.json()["id"], "rule": rule}
+    ids = {"alert_id": alert["id"], "silence_id": silence.json()["id"], "rule": rule}
+    return {**ids, "sample_key": samples[0].sample_key}
 
 
 def snapshot(api: httpx.Client, store: Store) -> dict[str, Any]:
@@ -79,6 +81,9 @@ def foreign_requests(ids: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]
         ("GET", "/v1/runs/{run_id}/metrics", {}, {404}),
         ("GET", "/v1/runs/{run_id}/steps/{step}/samples", {}, {404}),
         ("GET", "/v1/runs/{run_id}/divergences", {}, {404}),
+        ("GET", "/v1/runs/{run_id}/ranks", {}, {404}),
+        ("GET", "/v1/runs/{run_id}/routing", {}, {404}),
+        ("GET", "/v1/runs/{run_id}/steps/{step}/samples/{sample_key}/routing", {}, {404}),
         ("GET", "/v1/runs/{run_id}/control", {}, {404}),
         ("PUT", "/v1/runs/{run_id}/control", {"json": {"mode": "native", "version": 1}}, {404}),
         ("GET", "/v1/alert-rules", {}, {200}),
