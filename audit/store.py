@@ -378,7 +378,8 @@ class Store:
         # New runs go in with "do nothing on conflict": a trainer and an engine in two processes often
         # register the same run at the same moment, and the one that loses must not fail its batch.
         new = [
-            {"run_id": rid, "project": project, "name": rid, "config": {}}
+            # every row carries the same keys: a bulk insert of rows with differing keys fails
+            {"run_id": rid, "project": project, "name": rid, "started_at": utcnow(), "config": {}}
             if rid not in explicit
             else {
                 "run_id": rid,

@@ -208,3 +208,13 @@ def test_two_writers_registering_one_run_at_once_both_store(database_url: str) -
     assert [r.run_id for r in stores[0].list_runs()] == ["raced"]
     for store in stores:
         store.dispose()
+
+
+def test_a_batch_naming_one_run_and_implying_another_is_stored(store) -> None:
+    """A batch with the Run record of one new run and samples of another new run (no Run record) stores
+    both runs (the fuzzer once found a 500 here: the two new rows had different keys)."""
+    from tests import factories
+
+    result = store.ingest([factories.run(run_id="a-named-run"), factories.sample("rollout", run_id="b-implied-run")])
+    assert result.stored["run"] == 1 and result.stored["sample"] == 1
+    assert {r.run_id for r in store.list_runs()} >= {"a-named-run", "b-implied-run"}
