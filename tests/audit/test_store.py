@@ -215,6 +215,8 @@ def test_a_batch_naming_one_run_and_implying_another_is_stored(store) -> None:
     both runs (the fuzzer once found a 500 here: the two new rows had different keys)."""
     from tests import factories
 
-    result = store.ingest([factories.run(run_id="a-named-run"), factories.sample("rollout", run_id="b-implied-run")])
+    result = store.ingest(
+        [factories.run(run_id="a-named-run"), factories.sample("rollout", run_id="b-implied-run")]
+    )
     assert result.stored["run"] == 1 and result.stored["sample"] == 1
     assert {r.run_id for r in store.list_runs()} >= {"a-named-run", "b-implied-run"}
