@@ -20,6 +20,7 @@ from torch.utils.hooks import RemovableHandle
 
 from collectors.fingerprints import RowFingerprints, fingerprint_rows
 from collectors.regions import RegionSpec, Tap, read_tap
+from kernels import routing
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +179,10 @@ class ForwardCapture:
                 # no_grad: nothing here may join the autograd graph (activation checkpointing counts
                 # the tensors a forward saves, and recomputation runs without these hooks).
                 with torch.no_grad():
-                    tensor = read_tap(output, spec.tap, capture.rows)
+                    if spec.name == "logits" and routing.is_enabled() and isinstance(_module, nn.Linear):
+                        tensor = _invariant_head_logits(_module, _inputs, capture.rows)
+                    else:
+                        tensor = read_tap(output, spec.tap, capture.rows)
                     if tensor is None:
                         return
                     index = 0
@@ -261,3 +265,13 @@ class ForwardCapture:
     @property
     def attached(self) -> bool:
         return bool(self._handles)
+
+
+def _invariant_head_logits(head: nn.Linear, inputs: Any, rows: torch.Tensor | None) -> torch.Tensor | None:
+    """With the invariant kernels on, a side's logprobs come from the fp32 head
+    (:func:`kernels.routing.logits_fp32` over the lm_head's input, as the engines compute theirs), not
+    from the model-dtype ``lm_head`` module's own output: fingerprint those logits."""
+    hidden = read_tap(inputs, Tap.FIRST, rows)
+    if hidden is None:
+        return None
+    return routing.logits_fp32(hidden.reshape(-1, hidden.shape[-1]), head.weight)
