@@ -151,7 +151,9 @@ class _Grouped(torch.autograd.Function):
         return gx, gw, None, None
 
 
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, experts: list[int], offsets: list[int]) -> torch.Tensor:
+def grouped_linear(
+    x: torch.Tensor, weight: torch.Tensor, experts: list[int], offsets: list[int]
+) -> torch.Tensor:
     """:func:`grouped_gemm`, differentiable."""
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return _Grouped.apply(x, weight, experts, offsets)
