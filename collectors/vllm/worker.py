@@ -50,7 +50,7 @@ from collectors.vllm.weights import WeightState, apply_weights, unpack_tensors
 log = logging.getLogger(__name__)
 
 #: The ``worker_extension_cls`` to start a multiprocess engine with.
-EXTENSION = "collectors.vllm.worker.IsoauditWorkerExtension"
+EXTENSION = "collectors.vllm.extension.IsoauditWorkerExtension"  # importing it keeps raw weights
 
 #: Why a worker whose model cannot be switched (no vLLM layers found) stays native.
 NATIVE_IN_VLLM = (

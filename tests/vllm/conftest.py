@@ -62,6 +62,7 @@ def engine(path: Path, *, processes: bool = False, **overrides: Any) -> Iterator
     from vllm import LLM, envs
 
     from collectors.vllm import EXTENSION
+    from collectors.vllm.remediation import keep_raw_weights
 
     previous = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
     # An in-process engine changes process-wide state the rest of the suite must not inherit: its CPU
@@ -72,6 +73,10 @@ def engine(path: Path, *, processes: bool = False, **overrides: Any) -> Iterator
     kwargs = {**ENGINE_DEFAULTS, **overrides}
     if processes:
         kwargs["worker_extension_cls"] = EXTENSION
+    else:
+        # what a user of an in-process engine without the extension does (the remediation's reason
+        # says so): keep the raw linear weights vLLM-CPU's packing removes, whatever was imported first
+        keep_raw_weights()
     with flask_proxies_bound():  # the dashboard tests import Dash in this process
         llm = LLM(model=str(path), **kwargs)
     try:
