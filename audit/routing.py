@@ -416,7 +416,8 @@ def explain(
     metrics = comparison.metrics()
     sentence = (
         f"A numerical difference upstream ({where}) flipped the routing of MoE layer {layer} at position "
-        f"{position}: the trainer chose experts {trainer_set}, the rollout {rollout_set}. The flip explains "
+        f"{position}: the trainer chose the expert set {_as_set(trainer_set)}, the rollout "
+        f"{_as_set(rollout_set)}. The flip explains "
         f"the logprob gap: {share:.0%} of the summed |Δ| is on tokens right after a flip"
         + (f", including the largest (completion token {worst})" if worst_after_flip else "")
         + f"; {comparison.flipped_tokens().size} of {comparison.positions.size} tokens flip in some layer."
@@ -438,3 +439,8 @@ def explain(
         },
     }
     return _Diagnosis("numerical", sentence, evidence)
+
+
+def _as_set(experts: list[int]) -> str:
+    """A top-k choice written as a set (the page's routing table lists the same experts in slot order)."""
+    return "{" + ", ".join(map(str, experts)) + "}"
