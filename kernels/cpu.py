@@ -145,20 +145,21 @@ def exact_matmul(a: list[torch.Tensor], b: list[torch.Tensor], bits: int) -> tor
     return g
 
 
-def tree_sum(x: torch.Tensor) -> torch.Tensor:
-    """Sum over the last dim by a fixed tree: zero-padded to a power of two p (adding 0 is exact),
-    then each level adds the upper half to the lower (element j + p/2 onto j). Elementwise adds of
-    contiguous halves only, so the order depends on the dim's size alone."""
-    n = x.shape[-1]
+def tree_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Sum over ``dim`` (default the last) by a fixed tree: zero-padded to a power of two p (adding
+    0 is exact), then each level adds the upper half to the lower (element j + p/2 onto j).
+    Elementwise adds of contiguous halves only, so the order depends on the dim's size alone."""
+    dim = dim % x.ndim
+    n = x.shape[dim]
     if n == 0:
-        return x.new_zeros(x.shape[:-1])
+        return x.new_zeros(x.shape[:dim] + x.shape[dim + 1 :])
     p = 1 << (n - 1).bit_length()
     if p != n:
-        x = F.pad(x, (0, p - n))
+        x = F.pad(x, (0, 0) * (x.ndim - 1 - dim) + (0, p - n))
     while p > 1:
         p //= 2
-        x = x[..., :p] + x[..., p:]
-    return x[..., 0]
+        x = x.narrow(dim, 0, p) + x.narrow(dim, p, p)
+    return x.select(dim, 0)
 
 
 def _horner(r: torch.Tensor, coeffs: tuple[float, ...]) -> torch.Tensor:

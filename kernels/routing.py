@@ -21,6 +21,7 @@ from . import attention as _attn
 from . import cpu as _cpu
 from . import elementwise as _ew
 from . import gdn as _gdn
+from . import gdn_cpu as _gdn_cpu
 from . import gemm as _gemm
 from . import logprobs as _lp
 from . import rmsnorm as _rms
@@ -257,6 +258,8 @@ def gdn(
 ) -> torch.Tensor:
     """Gated DeltaNet over whole sequences from a zero state (the trainer's path)."""
     if _ENABLED:
+        if _on_cpu(q):
+            return _gdn_cpu.gdn_autograd(q, k, v, g, beta, cu_seqlens, chunk)
         return _gdn.gdn_chunk_autograd(q, k, v, g, beta, cu_seqlens, chunk)
     return _gdn.gdn_chunk_reference(
         q, k, v, g, beta, cu_seqlens, None, chunk, solve="triangular", state_at="end"
@@ -275,4 +278,6 @@ def gdn_incremental(
     chunk: int = _gdn.CHUNK,
 ) -> torch.Tensor:
     """Gated DeltaNet continuing cached states (the engine's path)."""
+    if _ENABLED and _on_cpu(q):
+        return _gdn_cpu.gdn_incremental(q, k, v, g, beta, cu_seqlens, slots, cache)
     return _gdn.gdn_incremental(q, k, v, g, beta, cu_seqlens, slots, cache, invariant=_ENABLED, chunk=chunk)
