@@ -12,7 +12,9 @@ job reaches isoaudit, not on which side asks:
 * :class:`FixedControl`: set by hand (notebooks, tests, a job with its own control plane).
 
 A failed refresh is logged once and backs off; the last known mode stays in force. Asking never
-raises into the job.
+raises into the job, and never holds it for longer than ``wait``: a refresh runs on a thread of its
+own, so a service or database that hangs (a dropped SYN, a frozen server) costs the job at most
+``wait`` once per refresh, not the client's timeout; its answer then applies at a later step.
 """
 
 from __future__ import annotations
@@ -51,27 +53,49 @@ class ControlChannel(ABC):
     """The desired mode of one run, refreshed at most every ``interval`` seconds (0: on every ask).
 
     ``max_backoff``: after failed refreshes the wait doubles up to this, so a destination that is
-    down costs the job one short timeout now and then, not one per step.
+    down is asked now and then, not at every step. ``wait``: the most a due refresh may hold the
+    asking step (it goes on in the background past that; a local answer comes well within it, so
+    a change usually applies at the very next step).
     """
 
-    def __init__(self, run_id: str, *, interval: float = 1.0, max_backoff: float = 60.0) -> None:
+    #: Whether refreshes run on a thread of their own (channels that answer from memory: no).
+    refreshes_in_background: bool = True
+
+    def __init__(
+        self, run_id: str, *, interval: float = 1.0, max_backoff: float = 60.0, wait: float = 0.25
+    ) -> None:
         if interval < 0:
             raise ValueError(f"interval: must be >= 0 seconds, got {interval}")
+        if wait < 0:
+            raise ValueError(f"wait: must be >= 0 seconds, got {wait}")
         self.run_id = run_id
         self.interval = interval
+        self.wait = wait
         self.max_backoff = max(max_backoff, interval)
         self._known: Control | None = None
         self._next_poll = 0.0
         self._failures = 0
         self._lock = threading.Lock()
+        self._refreshing: threading.Thread | None = None
         self._warn = LogOnce(log)
 
     def desired(self) -> Control | None:
-        """The mode to apply (``None`` until anything is known). Never raises, never waits longer
-        than one refresh's timeout, and refreshes only when one is due."""
-        now = time.monotonic()
-        if now >= self._next_poll:
-            self.refresh()
+        """The mode to apply (``None`` until anything is known). Never raises, holds the step at
+        most ``wait`` seconds, and refreshes only when one is due (never two at once)."""
+        if time.monotonic() >= self._next_poll:
+            if not self.refreshes_in_background:
+                self.refresh()
+            else:
+                with self._lock:
+                    started = self._refreshing is None or not self._refreshing.is_alive()
+                    if started:
+                        self._refreshing = threading.Thread(
+                            target=self.refresh, name=f"isoaudit-control-{self.run_id}", daemon=True
+                        )
+                        self._refreshing.start()
+                    refreshing = self._refreshing
+                if started:  # one in flight already: answer from memory, do not wait again
+                    refreshing.join(self.wait)
         return self._known
 
     def refresh(self) -> Control | None:
@@ -113,6 +137,8 @@ class ControlChannel(ABC):
 
 class FixedControl(ControlChannel):
     """A channel set by hand with :meth:`set` (each call bumps the version)."""
+
+    refreshes_in_background = False
 
     def __init__(self, run_id: str, mode: str = "native") -> None:
         super().__init__(run_id, interval=0.0)
@@ -164,6 +190,9 @@ class ServiceControl(ControlChannel):
         return Control(str(body["mode"]), int(body["version"]))
 
     def close(self) -> None:
+        refreshing = self._refreshing
+        if refreshing is not None:
+            refreshing.join(self.wait)  # let a refresh in flight finish before its client goes
         self._client.close()
 
 

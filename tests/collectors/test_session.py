@@ -145,3 +145,26 @@ def test_control_never_raises_and_backs_off_while_the_service_is_down(caplog) ->
     channel.offer(Control("native", 2))  # an older version never wins
     assert channel.desired() == Control("invariant", 3)
     channel.close()
+
+
+def test_a_hung_service_holds_the_step_at_most_the_control_wait() -> None:
+    """A service that accepts connections but never answers (a frozen process) must not hold the
+    job for the client's timeout: the refresh goes on in the background, the step waits ``wait``."""
+    import socket
+    import time
+
+    from collectors.control import Control, ServiceControl
+
+    with socket.create_server(("127.0.0.1", 0)) as hung:  # listens (the kernel accepts), never reads
+        port = hung.getsockname()[1]
+        channel = ServiceControl("r", f"http://127.0.0.1:{port}", "iso_x", interval=0.0, timeout=3.0)
+        channel.wait = 0.05
+        took = []
+        for _ in range(20):  # twenty steps while one refresh hangs for its 3 s timeout
+            started = time.perf_counter()
+            assert channel.desired() is None
+            took.append(time.perf_counter() - started)
+        assert max(took) < 0.5 and sum(took) < 1.0, took  # not 3 s, and not 0.05 s at every step
+        channel.offer(Control("invariant", 1))  # an ingest reply still gets through meanwhile
+        assert channel.desired() == Control("invariant", 1)
+        channel.close()
