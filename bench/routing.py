@@ -112,10 +112,10 @@ def bench_trainer(steps: int = 8) -> None:
     import collectors.trainer as trainer
     from collectors.layout import StepBatch
     from collectors.routing import watch_routing
-    from collectors.routing_tiny import make_tiny_moe
     from collectors.sinks import MemorySink
+    from collectors.tiny_models import make_tiny_model
 
-    path = make_tiny_moe("qwen3_moe", Path(tempfile.mkdtemp()) / "m", seed=0, dtype="bfloat16")
+    path = make_tiny_model("qwen3_moe", Path(tempfile.mkdtemp()) / "m", hidden=128, seed=0, dtype="bfloat16")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
     rng = np.random.default_rng(0)
     batch = StepBatch.padded(

@@ -13,13 +13,16 @@
   mode it actually applied. A side that cannot apply a mode says so (``ModeReport.reason``).
 * **detach**: idempotent, like ``torch.utils.hooks.RemovableHandle.remove``; a collector is also a
   context manager that detaches on exit.
+* **hooks for companions** (a recorder riding along, e.g. :mod:`collectors.routing`): the public
+  :meth:`Collector.before_send`, :meth:`Collector.on_detach` and :meth:`Collector.add_runtime_facts`,
+  so nothing outside a collector has to wrap its private methods.
 """
 
 from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, TypeVar
 
@@ -123,6 +126,8 @@ class Collector(ABC):
         self._manifest_key: tuple[Any, ...] | None = None
         self._control_version: int | None = None
         self._detached = False
+        self._detach_hooks: list[Callable[[], None]] = []
+        self._fact_providers: list[Callable[[], Mapping[str, Any]]] = []
 
     def _begin(self, regions: list[str], unobserved: dict[str, str]) -> None:
         """Hooks are in place: send the run and the first manifests."""
@@ -237,7 +242,44 @@ class Collector(ABC):
         try:
             self.guarded("finish", self._finish_pending)
         finally:
+            for hook in reversed(self._detach_hooks):  # companions first, while the engine is reachable
+                self.guarded("detach", hook)
+            self._detach_hooks.clear()
             self.guarded("detach", self._remove_hooks)
+
+    # ------------------------------------------------------------------ hooks for companions
+
+    def before_send(self, fn: Callable[[Sequence[Record]], None]) -> Callable[[], None]:
+        """Run ``fn(records)`` on every batch this collector's sink is given, just before it is
+        queued (``fn`` may fill fields in place; it must filter what it is not about: a sink shared
+        by several collectors gives it their batches too). Returns what removes it; detach does."""
+        remove = _SendHooks.add(self.sink, fn)
+        self._detach_hooks.append(remove)
+        return remove
+
+    def on_detach(self, fn: Callable[[], None]) -> None:
+        """Run ``fn()`` when this collector detaches: after what was in flight is sent, before the
+        collector's own hooks go (last registered, first run; an error is counted)."""
+        self._detach_hooks.append(fn)
+
+    def add_runtime_facts(self, provider: Callable[[], Mapping[str, Any]]) -> Callable[[], None]:
+        """Add ``provider()``'s fields to this side's runtime facts in every manifest (read at each
+        step boundary: a change sends a new manifest). Returns what removes it."""
+        self._fact_providers.append(provider)
+        self._manifest_key = None
+
+        def remove() -> None:
+            if provider in self._fact_providers:
+                self._fact_providers.remove(provider)
+                self._manifest_key = None
+
+        return remove
+
+    def _added_facts(self) -> dict[str, Any]:
+        facts: dict[str, Any] = {}
+        for provider in self._fact_providers:
+            facts.update(provider())
+        return facts
 
     def __enter__(self) -> Collector:
         return self
@@ -296,8 +338,10 @@ class Collector(ABC):
     def _manifests(self, out: list[Record]) -> None:
         """Append the manifests whose content changed since the last ones sent."""
         signature = self._signature()
+        added = self._added_facts()
         key = (
             signature,
+            tuple(sorted(added.items())),
             self.mode_report,
             self.weight_version,
             self.weight_digest,
@@ -306,7 +350,7 @@ class Collector(ABC):
         if signature is not None and key == self._manifest_key:
             return
         self._manifest_key = key
-        runtime = self._runtime().model_copy(update=self.mode_report.facts())
+        runtime = self._runtime().model_copy(update={**added, **self.mode_report.facts()})
         contract = self._contract_now()
         for tracker in self._trackers.values():
             tracker.set_contract(contract)
@@ -338,3 +382,38 @@ class Collector(ABC):
                         report.applied,
                     )
         self.guarded("manifest", self.publish)
+
+
+class _SendHooks:
+    """The ``send`` of a sink with companions' hooks in front (an instance attribute of the sink:
+    the class's method again once the last hook goes). One per sink, however many collectors share
+    it, so hooks come and go in any order."""
+
+    def __init__(self, sink: Sink) -> None:
+        self.sink = sink
+        self.original = sink.send
+        self.hooks: list[Callable[[Sequence[Record]], None]] = []
+
+    def __call__(self, records: Sequence[Record]) -> None:
+        for hook in list(self.hooks):
+            try:
+                hook(records)
+            except Exception as exc:  # a companion never stops the records
+                log.warning("isoaudit collector: a send hook failed (%s: %s)", type(exc).__name__, exc)
+        self.original(records)
+
+    @classmethod
+    def add(cls, sink: Sink, fn: Callable[[Sequence[Record]], None]) -> Callable[[], None]:
+        hooked = vars(sink).get("send")
+        if not isinstance(hooked, cls):
+            hooked = cls(sink)
+            sink.send = hooked  # type: ignore[method-assign]
+        hooked.hooks.append(fn)
+
+        def remove() -> None:
+            if fn in hooked.hooks:
+                hooked.hooks.remove(fn)
+            if not hooked.hooks and vars(sink).get("send") is hooked:
+                del sink.send
+
+        return remove

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from audit.records import Record, Routes, RuntimeFacts, SampleLogprobs, sample_key
+from audit.records import Record, Routes, SampleLogprobs, sample_key
 from collectors.counting import Counters, LogOnce
 
 log = logging.getLogger(__name__)
@@ -72,31 +72,6 @@ class _Forward:
         default_factory=dict
     )  # key -> (flat rows, positions)
     replayed: np.ndarray | None = None  # per flat row: 1 where the route was replayed (R3)
-
-
-def before_send(collector: Any, attach: Callable[[Sequence[Record]], None]) -> Callable[[], None]:
-    """Run ``attach`` on every batch of records ``collector``'s sink is given, before it queues
-    them; returns what undoes it."""
-    sink = collector.sink
-    original = sink.send
-
-    def send(records: Sequence[Record]) -> None:
-        attach(records)
-        original(records)
-
-    sink.send = send  # an instance attribute: the class's method again once removed
-    return lambda: vars(sink).pop("send", None)
-
-
-def on_detach(collector: Any, fn: Callable[[], None]) -> None:
-    """Run ``fn`` when ``collector`` detaches (before its own hooks go)."""
-    remove = collector._remove_hooks
-
-    def _remove_hooks() -> None:
-        fn()
-        remove()
-
-    collector._remove_hooks = _remove_hooks
 
 
 class _Recorder:
@@ -174,31 +149,15 @@ class _Recorder:
             record.routes = routes
             self.counters.attached += 1
 
-    def wrap_sink(self, collector: Any) -> None:
-        """Attach routes in ``collector``'s sink, just before records are queued."""
-        self._undo.append(before_send(collector, self.attach))
-
-    #: Runtime facts this side adds to its collector's manifest (see :meth:`declare`).
+    #: Runtime facts this side adds to its collector's manifest (``router_replay``).
     _facts: dict[str, Any] = {}
 
-    def declare(self, collector: Any) -> None:
-        """Add this recorder's facts (``router_replay``) to the collector's runtime facts, read at
-        each manifest: a change sends a new manifest at the collector's next step boundary."""
-        runtime, signature = collector._runtime, collector._signature
-
-        def _runtime() -> RuntimeFacts:
-            return runtime().model_copy(update=dict(self._facts))
-
-        def _signature() -> tuple[Any, ...]:
-            return (*signature(), tuple(sorted(self._facts.items())))
-
-        collector._runtime, collector._signature = _runtime, _signature
-
-        def undo() -> None:
-            vars(collector).pop("_runtime", None)
-            vars(collector).pop("_signature", None)
-
-        self._undo.append(undo)
+    def join(self, collector: Any) -> None:
+        """Ride along ``collector`` through its public hooks: routes go on its records just before
+        they are queued, this side's facts into its manifests, and the recorder detaches with it."""
+        self._undo.append(collector.before_send(self.attach))
+        self._undo.append(collector.add_runtime_facts(lambda: dict(self._facts)))
+        collector.on_detach(self.detach)
 
     def detach(self) -> None:
         for undo in reversed(self._undo):
@@ -414,7 +373,8 @@ class EngineRoutes(_Recorder):
 
 def watch_routing(collector: Any) -> Any:
     """Record MoE routing beside ``collector`` (a trainer collector, the reference-engine collector
-    or an in-process vLLM collector: :class:`collectors.routing_vllm.VllmRoutes`): routes go on its sample records and the trainer's manifest says ``router_replay``. Returns
+    or a vLLM collector, in-process or in worker processes: :class:`collectors.routing_vllm.VllmRoutes`):
+    routes go on its sample records and the trainer's manifest says ``router_replay``. Returns
     the recorder, or ``None`` for a dense model (nothing to record). Detached with the collector."""
     if hasattr(collector, "link"):  # the vLLM collector
         from collectors.routing_vllm import VllmRoutes
@@ -428,9 +388,7 @@ def watch_routing(collector: Any) -> Any:
         recorder: _Recorder = EngineRoutes(engine) if engine is not None else TrainerRoutes(collector.model)
     except ValueError:
         return None
-    recorder.wrap_sink(collector)
-    recorder.declare(collector)
-    on_detach(collector, recorder.detach)
+    recorder.join(collector)
     return recorder
 
 

@@ -9,8 +9,15 @@ for up to 256 experts. vLLM's own routed-experts output (``enable_return_routed_
 its model runner V2, which needs Triton, so the CPU build cannot return it; these hooks work with
 either runner.
 
-The engine must run in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): worker processes
-would need a worker-extension method to drain the routes (not built yet).
+The capture lives in each worker (:class:`WorkerRoutes`) and the driver reaches it the way the
+other worker facts travel: through :class:`collectors.vllm.link.EngineLink`, i.e. ``collective_rpc``
+with the worker-side functions of :mod:`collectors.vllm.worker` (``routing_start``, ``routing_take``,
+``routing_stop``) in an in-process engine, or the worker extension's ``isoaudit_routing_*`` methods
+when the workers are other processes. Routes cross as msgpack-native dicts (:func:`routes_to_wire`),
+a few bytes a token and layer; the driver asks once per batch of records, by sample key.
+
+Only tensor-parallel rank 0 captures (every TP rank routes the same tokens the same way); pipeline
+stages each answer their own layers, merged by the driver (:func:`merge_routes`).
 """
 
 from __future__ import annotations
@@ -28,7 +35,6 @@ from torch import nn
 
 from audit.records import Record, Routes, SampleLogprobs, sample_key
 from collectors.counting import Counters, LogOnce
-from collectors.routing import before_send, on_detach
 from collectors.vllm.rows import ForwardRows, read_forward_rows
 
 log = logging.getLogger(__name__)
@@ -142,18 +148,24 @@ class WorkerRoutes:
             self.counters.evicted += 1
         return request
 
-    def take(self, tokens: np.ndarray) -> Routes | None:
-        """The routes of the request whose whole sequence is ``tokens`` (forgotten once taken)."""
-        key = sample_key(tokens)
-        for req_id, request in reversed(self.requests.items()):
-            if not request.positions or sample_key(request.tokens()) != key:
+    def take(self, keys: Sequence[str]) -> dict[str, Routes]:
+        """The routes of the requests whose whole sequence has one of these sample keys (each
+        forgotten once taken; the latest request of a key wins)."""
+        wanted = set(keys)
+        found: dict[str, Routes] = {}
+        for req_id, request in reversed(list(self.requests.items())):
+            if not wanted or not request.positions:
                 continue
+            key = sample_key(request.tokens())
+            if key not in wanted:
+                continue
+            wanted.discard(key)
             del self.requests[req_id]
             positions = np.concatenate(request.positions)
             experts = np.concatenate(request.experts)
             # A recomputed position (preemption) keeps its first routing.
             _, first = np.unique(positions, return_index=True)
-            return Routes.model_construct(
+            found[key] = Routes.model_construct(
                 layers=list(self.layers),
                 top_k=self.top_k,
                 num_experts=self.num_experts,
@@ -161,7 +173,7 @@ class WorkerRoutes:
                 experts=experts[first],
                 replayed=None,
             )
-        return None
+        return found
 
     def remove(self) -> None:
         for _, router in self._routers:
@@ -177,44 +189,156 @@ class WorkerRoutes:
         )
 
 
-def _install(worker: Any) -> WorkerRoutes:
+# ---------------------------------------------------------------- the wire (collective_rpc)
+
+
+def routes_to_wire(routes: Routes) -> dict[str, Any]:
+    """``routes`` as msgpack-native data (what ``collective_rpc`` carries between processes)."""
+    return {
+        "layers": list(routes.layers),
+        "top_k": int(routes.top_k),
+        "num_experts": int(routes.num_experts),
+        "positions": np.ascontiguousarray(routes.positions, dtype="<i4").tobytes(),
+        "experts": np.ascontiguousarray(routes.experts).tobytes(),
+        "dtype": np.dtype(routes.experts.dtype).str,
+    }
+
+
+def routes_from_wire(data: dict[str, Any]) -> Routes:
+    """The :class:`Routes` of :func:`routes_to_wire`'s dict."""
+    layers = [int(i) for i in data["layers"]]
+    positions = np.frombuffer(data["positions"], dtype="<i4").astype(np.int32)
+    experts = np.frombuffer(data["experts"], dtype=np.dtype(data["dtype"]))
+    return Routes.model_construct(
+        layers=layers,
+        top_k=int(data["top_k"]),
+        num_experts=int(data["num_experts"]),
+        positions=positions,
+        experts=experts.reshape(positions.size, len(layers) * int(data["top_k"])).copy(),
+        replayed=None,
+    )
+
+
+def merge_routes(parts: Sequence[Routes]) -> Routes | None:
+    """One sample's routes from the workers that answered for it: pipeline stages hold disjoint
+    layers (joined in layer order, on the positions all of them routed); a repeated layer (another
+    TP rank) keeps the first answer."""
+    kept: list[Routes] = []
+    seen: set[int] = set()
+    for part in parts:
+        if not seen.intersection(part.layers):
+            kept.append(part)
+            seen.update(part.layers)
+    if len(kept) <= 1:
+        return kept[0] if kept else None
+    common = kept[0].positions
+    for part in kept[1:]:
+        common = np.intersect1d(common, part.positions)
+    columns = []
+    for part in kept:
+        rows = np.searchsorted(part.positions, common)
+        k = part.top_k
+        for j, layer in enumerate(part.layers):
+            columns.append((layer, part.experts[rows, j * k : (j + 1) * k]))
+    columns.sort(key=lambda pair: pair[0])
+    return Routes.model_construct(
+        layers=[layer for layer, _ in columns],
+        top_k=kept[0].top_k,
+        num_experts=kept[0].num_experts,
+        positions=common.astype(np.int32),
+        experts=np.concatenate([c for _, c in columns], axis=1),
+        replayed=None,
+    )
+
+
+# ---------------------------------------------------------------- the worker's side
+
+
+def start_worker(worker: Any, tp_rank: int = 0) -> dict[str, Any]:
+    """Install this worker's capture (replacing an earlier one). Answers the MoE layout, or
+    ``{"skipped": reason}`` (a TP rank past 0, or a model without fused-MoE routers)."""
+    stop_worker(worker)
+    if tp_rank != 0:
+        return {"skipped": f"tensor-parallel rank {tp_rank}: rank 0 records the routes"}
     runner = worker.model_runner
-    return WorkerRoutes(runner, runner.get_model())
+    try:
+        routes = WorkerRoutes(runner, runner.get_model())
+    except LookupError as exc:
+        return {"skipped": str(exc), "dense": True}
+    worker._isoaudit_routes = routes
+    return {"layers": routes.layers, "top_k": routes.top_k, "num_experts": routes.num_experts}
+
+
+def take_worker(worker: Any, keys: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """This worker's routes of these samples (by sample key), in wire form, handed over and
+    forgotten; ``{"counters": ...}`` rides along under the key ``""``."""
+    routes: WorkerRoutes | None = getattr(worker, "_isoaudit_routes", None)
+    if routes is None:
+        return {}
+    out: dict[str, dict[str, Any]] = {k: routes_to_wire(r) for k, r in routes.take(keys).items()}
+    out[""] = routes.counters.as_dict()
+    return out
+
+
+def stop_worker(worker: Any) -> dict[str, int]:
+    """Remove this worker's capture; answers its counters (empty when none was installed)."""
+    routes: WorkerRoutes | None = getattr(worker, "_isoaudit_routes", None)
+    if routes is None:
+        return {}
+    routes.remove()
+    worker._isoaudit_routes = None
+    return routes.counters.as_dict()
+
+
+# ---------------------------------------------------------------- the driver's side
 
 
 class VllmRoutes:
-    """The driver's side: routes from every (in-process) worker, attached to the vLLM collector's
-    sample records just before they are queued."""
+    """The driver's side: routes from every worker (in this process or in worker processes, through
+    the collector's :class:`~collectors.vllm.link.EngineLink`), attached to the vLLM collector's
+    sample records just before they are queued (one ``collective_rpc`` per batch of records)."""
 
     side = "rollout"
 
     def __init__(self, collector: Any) -> None:
-        link = collector.link
-        if not link.in_process:
-            raise ValueError(
-                "llm: routing capture reaches the workers in this process only "
-                "(VLLM_ENABLE_V1_MULTIPROCESSING=0); worker processes need a worker-extension method (not built)"
-            )
         self.collector = collector
-        self.workers: list[WorkerRoutes] = list(link.llm.collective_rpc(_install))
+        self.link = collector.link
+        replies = self.link.call("routing_start")
+        layouts = [r for r in replies if "skipped" not in r]
+        if not layouts:
+            if any(r.get("dense") for r in replies):
+                raise LookupError(next(r["skipped"] for r in replies if r.get("dense")))
+            raise LookupError(
+                "llm: no worker could record routing: " + "; ".join(r["skipped"] for r in replies)
+            )
+        self._layers = sorted({i for r in layouts for i in r["layers"]})
         self.counters = VllmRoutingCounters()
-        self._undo = before_send(collector, self.attach)
-        on_detach(collector, self.detach)
+        self.worker_counters: list[dict[str, int]] = []
+        self._detached = False
+        collector.before_send(self.attach)
+        collector.on_detach(self.detach)
 
     @property
     def layers(self) -> list[int]:
-        return self.workers[0].layers
+        return list(self._layers)
 
     def attach(self, records: Sequence[Record]) -> None:
-        for record in records:
-            if (
-                not isinstance(record, SampleLogprobs)
-                or record.side != self.side
-                or record.routes is not None
-            ):
-                continue
+        wanted = [
+            r for r in records if isinstance(r, SampleLogprobs) and r.side == self.side and r.routes is None
+        ]
+        if not wanted or self._detached:
+            return
+        keys = [str(r.sample_key or sample_key(r.token_ids)) for r in wanted]
+        try:
+            replies = self.link.call("routing_take", keys)
+        except Exception as exc:  # never break the sender
+            self.counters.errors += 1
+            log.warning("isoaudit vllm routing: asking the workers failed (%s: %s)", type(exc).__name__, exc)
+            return
+        self.worker_counters = [reply.pop("", {}) for reply in replies if reply]
+        for record, key in zip(wanted, keys, strict=True):
             try:
-                routes = next((r for w in self.workers if (r := w.take(record.token_ids)) is not None), None)
+                routes = merge_routes([routes_from_wire(reply[key]) for reply in replies if key in reply])
             except Exception as exc:
                 self.counters.errors += 1
                 log.warning(
@@ -228,9 +352,15 @@ class VllmRoutes:
             self.counters.attached += 1
 
     def detach(self) -> None:
-        for worker in self.workers:
-            worker.remove()
-        self._undo()
+        """Remove the workers' capture functions (idempotent; never raises)."""
+        if self._detached:
+            return
+        self._detached = True
+        try:
+            self.worker_counters = [c for c in self.link.call("routing_stop") if c]
+        except Exception as exc:
+            self.counters.errors += 1
+            log.warning("isoaudit vllm routing: detach could not reach the engine (%s)", exc)
 
     def stats(self) -> dict[str, Any]:
-        return {**self.counters.as_dict(), "workers": [w.counters.as_dict() for w in self.workers]}
+        return {**self.counters.as_dict(), "workers": list(self.worker_counters)}

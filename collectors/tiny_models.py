@@ -1,8 +1,12 @@
 """Tiny random-weight models with a locally trained tokenizer, for tests and the demo.
 
-Nothing is downloaded: the config is a standard HF Qwen3 or Llama config (so transformers and
-vLLM both load the directory), the weights are random from a seed, and the tokenizer is a byte-level
-BPE trained in a second on a small built-in corpus and saved as an HF fast tokenizer.
+Nothing is downloaded: the config is a standard HF Qwen3, Llama, Qwen3-MoE or Mixtral config (so
+transformers and vLLM both load the directory), the weights are random from a seed, and the tokenizer
+is a byte-level BPE trained in a second on a small built-in corpus and saved as an HF fast tokenizer.
+
+Mixture-of-experts families (routing tests, issue 19): every layer sparse; router weights are drawn
+with standard deviation ``router_scale / sqrt(hidden)`` (router logits of about unit spread):
+decisive for most tokens, with close calls left for noise to flip.
 """
 
 from __future__ import annotations
@@ -13,7 +17,9 @@ from typing import Any, Literal
 
 import torch
 
-Family = Literal["qwen3", "llama"]
+Family = Literal["qwen3", "llama", "qwen3_moe", "mixtral"]
+FAMILIES = ("qwen3", "llama", "qwen3_moe", "mixtral")
+MOE_FAMILIES = ("qwen3_moe", "mixtral")
 
 _WORDS = (
     "the a policy rollout trainer engine token logprob kernel batch sample reward model layer norm "
@@ -81,12 +87,21 @@ def tiny_config(
     max_positions: int = 1024,
     dtype: str = "float32",
     tokenizer: Any = None,
+    num_experts: int = 8,
+    top_k: int = 2,
+    expert_intermediate: int = 64,
 ) -> Any:
-    """A standard HF config of ``family`` at toy size (untied embeddings, rope, GQA)."""
-    from transformers import LlamaConfig, Qwen3Config
+    """A standard HF config of ``family`` at toy size (untied embeddings, rope, GQA); the MoE
+    families choose ``top_k`` of ``num_experts`` experts (MLP width ``expert_intermediate``) per
+    token in every layer."""
+    from transformers import LlamaConfig, MixtralConfig, Qwen3Config, Qwen3MoeConfig
 
-    if family not in ("qwen3", "llama"):
-        raise ValueError(f"family: expected 'qwen3' or 'llama', got {family!r}")
+    if family not in FAMILIES:
+        raise ValueError(f"family: expected one of {FAMILIES}, got {family!r}")
+    if family in MOE_FAMILIES and not 1 <= top_k <= num_experts <= 65535:
+        raise ValueError(
+            f"top_k/num_experts: need 1 <= top_k <= num_experts <= 65535, got {top_k}/{num_experts}"
+        )
     if not 1 <= num_layers <= 64:
         raise ValueError(f"num_layers: expected 1..64, got {num_layers}")
     if hidden % heads or heads % kv_heads:
@@ -116,6 +131,19 @@ def tiny_config(
         "dtype": dtype,
         **ids,
     }
+    if family == "qwen3_moe":
+        return Qwen3MoeConfig(
+            **common,
+            num_experts_per_tok=top_k,
+            moe_intermediate_size=expert_intermediate,
+            num_experts=num_experts,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            norm_topk_prob=True,
+        )
+    if family == "mixtral":
+        common["intermediate_size"] = expert_intermediate
+        return MixtralConfig(**common, num_experts_per_tok=top_k, num_local_experts=num_experts)
     return Qwen3Config(**common) if family == "qwen3" else LlamaConfig(**common)
 
 
@@ -128,11 +156,13 @@ def make_tiny_model(
     vocab: int = 512,
     seed: int = 0,
     dtype: str = "float32",
+    router_scale: float = 1.0,
     **config: Any,
 ) -> Path:
     """Save a random ``family`` model and its tokenizer to ``path`` (created); return the path.
 
-    ``dtype`` is the saved weights' dtype and the config's ``dtype`` (``bfloat16`` for engine tests).
+    ``dtype`` is the saved weights' dtype and the config's ``dtype`` (``bfloat16`` for engine tests);
+    ``router_scale``: the MoE families' router logit spread (see the module's docstring).
     """
     from transformers import AutoModelForCausalLM
 
@@ -147,6 +177,13 @@ def make_tiny_model(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        if family in MOE_FAMILIES:
+            with torch.no_grad():
+                for name, param in model.named_parameters():
+                    if name.endswith("mlp.gate.weight"):
+                        param.normal_(0.0, router_scale / cfg.hidden_size**0.5)
+                    elif param.dim() == 3:  # fused expert weights start at zero in HF's init
+                        param.normal_(0.0, 0.02)
     model = model.to(getattr(torch, dtype))
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)

@@ -239,6 +239,31 @@ def release_facts(obj: Any) -> None:
     release_state(worker)
 
 
+# ------------------------------------------------------------------ issue 19: MoE routing
+
+
+def routing_start(obj: Any) -> Any:
+    """Capture the experts this worker's fused-MoE layers choose per token (replacing an earlier
+    capture): the MoE layout, or ``{"skipped": reason}`` (:func:`collectors.routing_vllm.start_worker`)."""
+    from collectors.routing_vllm import start_worker
+
+    return start_worker(_worker(obj), _ranks()[0])
+
+
+def routing_take(obj: Any, keys: list[str]) -> Any:
+    """The routes of these samples (by sample key), in wire form, handed over and forgotten."""
+    from collectors.routing_vllm import take_worker
+
+    return take_worker(_worker(obj), keys)
+
+
+def routing_stop(obj: Any) -> Any:
+    """Remove the routing capture; answers its counters."""
+    from collectors.routing_vllm import stop_worker
+
+    return stop_worker(_worker(obj))
+
+
 class IsoauditWorkerExtension:
     """Mixed into vLLM's worker by ``worker_extension_cls=collectors.vllm.worker.EXTENSION``; the
     driver calls these through ``LLM.collective_rpc`` by name, with wire-form messages."""
@@ -272,3 +297,12 @@ class IsoauditWorkerExtension:
 
     def isoaudit_release_facts(self) -> None:
         release_facts(self)
+
+    def isoaudit_routing_start(self) -> Any:
+        return routing_start(self)
+
+    def isoaudit_routing_take(self, keys: list[str]) -> Any:
+        return routing_take(self, keys)
+
+    def isoaudit_routing_stop(self) -> Any:
+        return routing_stop(self)

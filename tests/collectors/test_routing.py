@@ -27,8 +27,8 @@ from audit.worker import ComparisonWorker
 from collectors.layout import StepBatch
 from collectors.rl.grpo import policy_logprobs
 from collectors.routing import TrainerRoutes, replay_tensors, routes_from_vllm, watch_routing
-from collectors.routing_tiny import make_tiny_moe
 from collectors.sinks import MemorySink
+from collectors.tiny_models import make_tiny_model
 
 pytestmark = pytest.mark.slow
 
@@ -38,7 +38,9 @@ MAX_NEW = [24, 30, 20, 28]
 
 @pytest.fixture(scope="module")
 def qwen3_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_moe("qwen3_moe", tmp_path_factory.mktemp("moe") / "qwen3_moe", seed=3, dtype="bfloat16")
+    return make_tiny_model(
+        "qwen3_moe", tmp_path_factory.mktemp("moe") / "qwen3_moe", hidden=128, seed=3, dtype="bfloat16"
+    )
 
 
 def _load(path: Path, attention: str = "sdpa") -> Any:
@@ -211,7 +213,7 @@ def test_routes_from_vllms_routed_experts_output() -> None:
 @pytest.mark.parametrize("enabled", [False, True], ids=["kernels-off", "kernels-on"])
 def test_mixtral_routes_on_both_sides(tmp_path: Path, enabled: bool) -> None:
     """HF's Mixtral family through the same path: routes on both sides; kernels on, 0 flips."""
-    path = make_tiny_moe("mixtral", tmp_path / "mixtral", seed=5, dtype="bfloat16")
+    path = make_tiny_model("mixtral", tmp_path / "mixtral", hidden=128, seed=5, dtype="bfloat16")
     store = _run(path, f"sqlite:///{tmp_path / 'mixtral.db'}", "mixtral", steps=1, enabled=enabled)
     [m] = _step_metrics(store, "mixtral")
     assert m["routing_tokens"] == sum(len(p) + n - 1 for p, n in zip(PROMPTS, MAX_NEW, strict=True))

@@ -19,8 +19,8 @@ from audit.records import SampleLogprobs  # noqa: E402
 from audit.store import Store  # noqa: E402
 from audit.worker import ComparisonWorker  # noqa: E402
 from collectors.layout import StepBatch  # noqa: E402
-from collectors.routing_tiny import make_tiny_moe  # noqa: E402
 from collectors.routing_vllm import VllmRoutes, moe_routers  # noqa: E402
+from collectors.tiny_models import make_tiny_model  # noqa: E402
 from tests.vllm.conftest import engine, generate, prompts_of  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -31,8 +31,8 @@ MAX_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_moe(
-        "qwen3_moe", tmp_path_factory.mktemp("vllm-moe") / "qwen3_moe", seed=3, dtype="bfloat16"
+    return make_tiny_model(
+        "qwen3_moe", tmp_path_factory.mktemp("vllm-moe") / "qwen3_moe", hidden=128, seed=3, dtype="bfloat16"
     )
 
 
