@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import platform
 import socket
+import sys
 from collections.abc import Mapping
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Union
@@ -54,6 +55,20 @@ def _arch(device: torch.device) -> str:
     return f"{platform.machine()} {platform.processor() or ''}".strip()
 
 
+def _kernels_on() -> bool:
+    """Whether :mod:`kernels` routes this process (read only if a job imported it: no import here)."""
+    routing = sys.modules.get("kernels.routing")
+    return routing is not None and bool(routing.is_enabled())
+
+
+def _head_dtype(weight: Any) -> str | None:
+    """The dtype the head computes in: fp32 while kernels route (the invariant head, as the contract
+    says), otherwise the weight's own (a stock lm_head)."""
+    if _kernels_on():
+        return "float32"
+    return _dtype_name(weight.dtype if isinstance(weight, torch.Tensor) else None)
+
+
 def _lm_head(model: nn.Module) -> nn.Module | None:
     getter = getattr(model, "get_output_embeddings", None)
     if callable(getter):
@@ -81,7 +96,7 @@ def trainer_runtime(
         "device": str(device),
         "arch": _arch(device),
         "dtype": _dtype_name(param.dtype if param is not None else None),
-        "lm_head_dtype": _dtype_name(head_weight.dtype if isinstance(head_weight, torch.Tensor) else None),
+        "lm_head_dtype": _head_dtype(head_weight),
         "logprobs_mode": logprobs_mode,
         "attention_backend": getattr(config, "_attn_implementation", None) if config is not None else None,
         "remediation": remediation,
@@ -111,7 +126,7 @@ def runtime_signature(model: nn.Module) -> tuple[Any, ...]:
     return (
         param.dtype if param is not None else None,
         param.device if param is not None else None,
-        head_weight.dtype if isinstance(head_weight, torch.Tensor) else None,
+        _head_dtype(head_weight),
         getattr(config, "_attn_implementation", None),
         torch.backends.cuda.matmul.allow_tf32,
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,

@@ -1,0 +1,47 @@
+"""The trainer manifest states what the head computes in: the weight's dtype natively, fp32 while
+:mod:`kernels` routes (the invariant head, as the execution contract says)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+import kernels
+from collectors.control import FixedControl
+from collectors.manifest import runtime_signature, trainer_runtime
+from collectors.remediation import apply_kernels_mode
+from collectors.sinks import MemorySink
+from collectors.trainer import attach
+from tests.collectors.test_trainer import make_batch
+
+
+def test_lm_head_dtype_is_what_the_head_computes_in(load: Callable[[str], torch.nn.Module]) -> None:
+    model = load("qwen3").to(torch.bfloat16)
+    native = trainer_runtime(model)
+    assert native.dtype == native.lm_head_dtype == "bfloat16"
+    with kernels.enable():
+        invariant = trainer_runtime(model)
+        signature = runtime_signature(model)
+    assert invariant.dtype == "bfloat16" and invariant.lm_head_dtype == "float32"
+    # The signature moves with it, so a job that enables kernels itself re-sends its manifest.
+    assert signature != runtime_signature(model)
+    assert trainer_runtime(model).lm_head_dtype == "bfloat16"  # kernels off again
+
+
+def test_manifest_after_the_switch_reports_the_fp32_head(load: Callable[[str], torch.nn.Module]) -> None:
+    model = load("qwen3").to(torch.bfloat16)
+    sink, control = MemorySink(), FixedControl("r")
+    handle = attach(model, run="r", sink=sink, control=control, remediation_hook=apply_kernels_mode)
+    try:
+        batch = make_batch("packed", n=2)
+        handle.record_step(0, batch)
+        control.set("invariant")
+        handle.record_step(1, batch)
+        handle.record_step(2, batch)
+        sink.flush()
+    finally:
+        handle.detach()
+        kernels.disable()
+    seen = [(m.runtime.remediation, m.runtime.lm_head_dtype) for m in sink.of_kind("manifest")]
+    assert seen[0] == ("native", "bfloat16") and seen[-1] == ("invariant", "float32")
