@@ -21,7 +21,7 @@ import numpy as np
 from audit.diagnosis import Diagnosis, diagnose
 from audit.fingerprints import estimate_relative_l2, first_agreeing_rung
 from audit.metric_names import required_variants
-from audit.metrics import UNKNOWN_LAG, lag_metrics, sample_metrics, step_metrics, topk_entropy
+from audit.metrics import UNKNOWN_LAG, lag_metrics, sample_and_step_metrics, topk_entropy
 from audit.policy_lag import token_lags
 from audit.records import Manifest, OffPolicy, RegionFingerprints, SampleLogprobs
 from audit.regions import region_order
@@ -213,6 +213,8 @@ class SampleComparison:
     grid: RegionGrid | None
     diagnosis: Diagnosis
     routing: RoutingComparison | None = None
+    #: The step figures computed in the same pass as this sample's metrics (shared by the step's samples).
+    step_figures: StepFigures | None = field(default=None, repr=False, compare=False)
 
     @property
     def first_divergence(self) -> Cell | None:
@@ -259,7 +261,7 @@ def check_pair(trainer: SampleLogprobs, rollout: SampleLogprobs) -> None:
         raise ValueError(f"token_ids: the two sides of sample {trainer.sample_key} hold different tokens")
 
 
-def _entropies(samples: list[SampleLogprobs]) -> np.ndarray | None:
+def _entropies(samples: Sequence[SampleLogprobs]) -> np.ndarray | None:
     """Per-token top-k entropy of one side's samples, NaN where a sample recorded no top-k."""
     if all(s.topk_logprobs is None for s in samples):
         return None
@@ -271,37 +273,88 @@ def _entropies(samples: list[SampleLogprobs]) -> np.ndarray | None:
     )
 
 
+Pair = tuple[SampleLogprobs, SampleLogprobs]
+
+
+def in_step_order(pairs: Sequence[Pair]) -> list[Pair]:
+    """A step's pairs by sample_key: the order its figures are summed in, so that they do not depend
+    on the order a caller happens to hold the samples in (float sums do)."""
+    return sorted(pairs, key=lambda pair: pair[0].sample_key or "")
+
+
+@dataclass(frozen=True)
+class StepFigures:
+    """The step metrics of ``pairs`` (in :func:`in_step_order`), computed in the same pass over the
+    tokens as their per-sample metrics, so that :func:`step_summary` need not go over them again."""
+
+    pairs: tuple[Pair, ...]
+    clip_eps: float
+    #: every definition of audit.metrics, the threshold variants aliases read, policy lag and lag slices
+    metrics: dict[str, float]
+
+    def covers(self, pairs: Sequence[Pair], clip_eps: float) -> bool:
+        """Whether these are the figures of exactly ``pairs`` (the same records) at ``clip_eps``."""
+        return (
+            self.clip_eps == clip_eps
+            and len(self.pairs) == len(pairs)
+            and all(a[0] is b[0] and a[1] is b[1] for a, b in zip(self.pairs, pairs, strict=True))
+        )
+
+
+def _measure_step(pairs: Sequence[Pair], clip_eps: float) -> tuple[list[dict[str, Any]], StepFigures]:
+    """One pass over a step's tokens (``pairs`` in :func:`in_step_order`): each sample's metrics
+    (policy lag included) and the step's figures."""
+    offsets = _offsets([t.logprobs.size for t, _ in pairs])
+    trainer_lp = np.concatenate([t.logprobs for t, _ in pairs]) if pairs else np.zeros(0, np.float32)
+    rollout_lp = np.concatenate([r.logprobs for _, r in pairs]) if pairs else np.zeros(0, np.float32)
+    frame, metrics = sample_and_step_metrics(
+        trainer_lp,
+        rollout_lp,
+        offsets,
+        clip_eps=clip_eps,
+        entropies=(_entropies([t for t, _ in pairs]), _entropies([r for _, r in pairs])),
+        variants=required_variants(),
+    )
+    rows = frame.to_dict("records")
+    if pairs:
+        lags = [token_lags(t, r) for t, r in pairs]
+        for row, sample_lags in zip(rows, lags, strict=True):
+            known = sample_lags[sample_lags != UNKNOWN_LAG]
+            if known.size:
+                row["policy_lag_max"], row["policy_lag_min"] = int(known.max()), int(known.min())
+        metrics.update(lag_metrics(trainer_lp, rollout_lp, offsets, np.concatenate(lags)))
+    return rows, StepFigures(tuple(pairs), clip_eps, metrics)
+
+
 def compare_samples(
-    pairs: Sequence[tuple[SampleLogprobs, SampleLogprobs]],
+    pairs: Sequence[Pair],
     fingerprints: dict[str, tuple[Sequence[RegionFingerprints], Sequence[RegionFingerprints]]] | None = None,
     manifests: tuple[Sequence[Manifest], Sequence[Manifest]] = ((), ()),
     *,
     clip_eps: float = 0.2,
     policy: OffPolicy | None = None,
 ) -> list[SampleComparison]:
-    """Compare many (trainer, rollout) pairs at once: token metrics vectorised over all of them, grids
-    for the samples that have fingerprints (keyed by sample_key), then a diagnosis of each. ``policy``
-    is the run's declared off-policy design (``off_policy_of(run.config)``)."""
+    """Compare many (trainer, rollout) pairs at once, of one step or several: token metrics
+    vectorised over each step's pairs (with that step's figures, handed on to :func:`step_summary`),
+    grids for the samples that have fingerprints (keyed by sample_key), then a diagnosis of each.
+    ``policy`` is the run's declared off-policy design (``off_policy_of(run.config)``). Results come
+    in the order of ``pairs``."""
     if not pairs:
         return []
     for trainer, rollout in pairs:
         check_pair(trainer, rollout)
-    offsets = _offsets([t.logprobs.size for t, _ in pairs])
-    frame = sample_metrics(
-        np.concatenate([t.logprobs for t, _ in pairs]),
-        np.concatenate([r.logprobs for _, r in pairs]),
-        offsets,
-        clip_eps=clip_eps,
-        entropies=(_entropies([t for t, _ in pairs]), _entropies([r for _, r in pairs])),
-    )
-    rows = frame.to_dict("records")
+    steps: dict[tuple[str, int], list[int]] = defaultdict(list)
+    for index, (trainer, _) in enumerate(pairs):
+        steps[(trainer.run_id, trainer.step)].append(index)
+    measured: dict[int, tuple[dict[str, Any], StepFigures]] = {}
+    for indices in steps.values():
+        ordered = sorted(indices, key=lambda i: pairs[i][0].sample_key or "")
+        rows, figures = _measure_step([pairs[i] for i in ordered], clip_eps)
+        measured.update((i, (row, figures)) for i, row in zip(ordered, rows, strict=True))
     fingerprints = fingerprints or {}
     results = []
-    for (trainer, rollout), metrics in zip(pairs, rows, strict=True):
-        lags = token_lags(trainer, rollout)
-        known = lags[lags != UNKNOWN_LAG]
-        if known.size:
-            metrics["policy_lag_max"], metrics["policy_lag_min"] = int(known.max()), int(known.min())
+    for index, (trainer, rollout) in enumerate(pairs):
+        metrics, figures = measured[index]
         prints = fingerprints.get(trainer.sample_key, ((), ()))
         grid = compare_fingerprints(*prints)
         diagnosis = diagnose(
@@ -314,7 +367,7 @@ def compare_samples(
             diagnosis = explain(diagnosis, routing, trainer, rollout)
         results.append(
             SampleComparison(
-                trainer.run_id, trainer.step, trainer.sample_key, metrics, grid, diagnosis, routing
+                trainer.run_id, trainer.step, trainer.sample_key, metrics, grid, diagnosis, routing, figures
             )
         )
     return results
@@ -341,29 +394,23 @@ def compare_sample(
 
 
 def step_summary(
-    pairs: Sequence[tuple[SampleLogprobs, SampleLogprobs]],
+    pairs: Sequence[Pair],
     comparisons: Sequence[SampleComparison],
     *,
     clip_eps: float = 0.2,
 ) -> dict[str, Any]:
     """The ``step_results`` fields of one step: its metrics (every definition of audit.metrics, the
-    threshold variants framework aliases read, policy lag and lag slices) and a count of each diagnosis."""
-    offsets = _offsets([t.logprobs.size for t, _ in pairs])
-    trainer_lp = np.concatenate([t.logprobs for t, _ in pairs]) if pairs else np.zeros(0, np.float32)
-    rollout_lp = np.concatenate([r.logprobs for _, r in pairs]) if pairs else np.zeros(0, np.float32)
-    metrics = step_metrics(
-        trainer_lp,
-        rollout_lp,
-        offsets,
-        clip_eps=clip_eps,
-        entropies=(_entropies([t for t, _ in pairs]), _entropies([r for _, r in pairs])),
-        variants=required_variants(),
-    )
+    threshold variants framework aliases read, policy lag and lag slices, summed in
+    :func:`in_step_order`) and a count of each diagnosis. When ``comparisons`` were made of exactly
+    ``pairs`` by one :func:`compare_samples` call, its figures are taken, not computed again."""
+    ordered = in_step_order(pairs)
+    handed_on = next((c.step_figures for c in comparisons if c.step_figures is not None), None)
+    if handed_on is None or not handed_on.covers(ordered, clip_eps):
+        handed_on = _measure_step(ordered, clip_eps)[1]
+    metrics = dict(handed_on.metrics)
     if pairs:
-        lags = np.concatenate([token_lags(t, r) for t, r in pairs])
-        metrics.update(lag_metrics(trainer_lp, rollout_lp, offsets, lags))
         compared = {c.sample_key: c.routing for c in comparisons if c.routing is not None}
-        metrics.update(step_routing_metrics(step_routing(pairs, compared)))
+        metrics.update(step_routing_metrics(step_routing(ordered, compared)))
     counts: dict[str, int] = defaultdict(int)
     for comparison in comparisons:
         counts[comparison.diagnosis.kind] += 1

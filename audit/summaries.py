@@ -83,19 +83,31 @@ def position_bins(pairs: Sequence[tuple[SampleLogprobs, SampleLogprobs]]) -> dic
     bins, delta, owner = bins[finite], delta[finite], owner[finite]
     count = np.bincount(bins, minlength=n_bins)
     sums = np.bincount(bins, weights=delta, minlength=n_bins)
-    maxima: list[float | None] = [None] * n_bins
-    max_key: list[str | None] = [None] * n_bins
-    if bins.size:
-        order = np.lexsort((delta, bins))
-        sorted_bins = bins[order]
-        last = np.flatnonzero(np.r_[sorted_bins[1:] != sorted_bins[:-1], True])
-        keys = [t.sample_key for t, _ in pairs]
-        for index in order[last]:
-            b = int(bins[index])
-            maxima[b] = float(delta[index])
-            max_key[b] = keys[int(owner[index])]
+    maxima, max_key = _bin_maxima(bins, delta, owner, n_bins, [t.sample_key for t, _ in pairs])
     means = [float(s / c) if c else None for s, c in zip(sums, count, strict=True)]
     return {"count": count.tolist(), "mean": means, "max": maxima, "max_key": max_key}
+
+
+def _bin_maxima(
+    bins: np.ndarray, delta: np.ndarray, owner: np.ndarray, n_bins: int, keys: list[str | None]
+) -> tuple[list[float | None], list[str | None]]:
+    """Each bin's largest |Δ| and the sample holding it (of tied samples, the last), in linear time:
+    a sample's tokens fill its bins in runs, so each run's maximum is one ``reduceat``, and a bin's
+    is the largest of its runs'."""
+    maxima: list[float | None] = [None] * n_bins
+    max_key: list[str | None] = [None] * n_bins
+    if not bins.size:
+        return maxima, max_key
+    runs = np.flatnonzero(np.r_[True, (bins[1:] != bins[:-1]) | (owner[1:] != owner[:-1])])
+    run_max, run_bin, run_owner = np.maximum.reduceat(delta, runs), bins[runs], owner[runs]
+    best = np.full(n_bins, -np.inf)
+    np.maximum.at(best, run_bin, run_max)
+    holds = run_max == best[run_bin]
+    winner = np.full(n_bins, -1, dtype=np.int64)
+    np.maximum.at(winner, run_bin[holds], run_owner[holds])
+    for b in np.flatnonzero(winner >= 0):
+        maxima[b], max_key[b] = float(best[b]), keys[int(winner[b])]
+    return maxima, max_key
 
 
 def first_divergence_counts(outcomes: Sequence[SampleOutcome]) -> dict[str, dict[str, Any]]:

@@ -1,20 +1,30 @@
 """Compare one RL step: 1,024 samples x 2,048 tokens, with fingerprints of a 4-layer model (22
-regions x 2,048 positions) for 32 of the samples, through ``audit.compare`` against a plain per-token
-Python loop doing the same work, in the same run. Target: under 2 s for the step.
+regions x 2,048 positions) for 32 of the samples, as the worker does (``compare_samples``, the
+step's ``step_summary``, the dashboard's ``position_bins``), against the same three calls of
+``--baseline-rev``'s ``audit/compare.py`` and ``audit/summaries.py`` and against a plain per-token
+Python loop, on the same step in the same run. Target: under 2 s for the step.
 
-    python bench/compare.py [--samples 1024] [--tokens 2048] [--fingerprinted 32]
+    python -m bench.compare [--samples 1024] [--tokens 2048] [--fingerprinted 32] [--baseline-rev cb822db]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
+import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 from tqdm import tqdm
 
-from audit.compare import compare_samples, step_summary
+import audit.compare
+import audit.summaries
 from audit.records import RegionFingerprints, SampleLogprobs
 from audit.regions import canonical_regions
 
@@ -133,32 +143,91 @@ def python_loop(pairs, fingerprints, clip_eps: float = 0.2) -> float:
     return time.perf_counter() - start
 
 
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def modules_at(rev: str, directory: Path) -> tuple[ModuleType, ModuleType]:
+    """``audit/compare.py`` and ``audit/summaries.py`` as they were at ``rev``, loaded beside this
+    checkout's (the rest of ``audit`` is this checkout's)."""
+    loaded = []
+    for name in ("compare", "summaries"):
+        source = subprocess.run(
+            ["git", "-C", str(ROOT), "show", f"{rev}:audit/{name}.py"], check=True, capture_output=True
+        ).stdout
+        path = directory / f"{name}_{rev}.py"
+        path.write_bytes(source)
+        spec = importlib.util.spec_from_file_location(f"baseline_{name}_{rev}", path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # dataclasses look their module up
+        spec.loader.exec_module(module)
+        loaded.append(module)
+    return loaded[0], loaded[1]
+
+
+def worker_step(compare: ModuleType, summaries: ModuleType, pairs, prints) -> tuple[float, list, dict]:
+    """Seconds for what the worker computes of one step: the comparisons, the step's figures (over
+    its pairs by key, as the worker holds them) and the dashboard's position bins."""
+    start = time.perf_counter()
+    comparisons = compare.compare_samples(pairs, prints)
+    by_key = sorted(pairs, key=lambda pair: pair[0].sample_key)
+    summary = compare.step_summary(by_key, comparisons)
+    summaries.position_bins(by_key)
+    return time.perf_counter() - start, comparisons, summary
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=1024)
     parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--fingerprinted", type=int, default=32)
+    parser.add_argument(
+        "--baseline-rev", default="cb822db", help="comparator revision to time against ('' to skip)"
+    )
+    parser.add_argument(
+        "--repeat", type=int, default=3, help="timings of each (median; baseline and ours alternate)"
+    )
+    parser.add_argument("--no-loop", action="store_true", help="skip the per-token Python loop")
     args = parser.parse_args()
 
-    pairs = make_step(args.samples, args.tokens)
+    pairs = make_step(args.samples, args.tokens, args.prompt_len)
     prints = make_fingerprints(pairs, args.fingerprinted)
     n_tokens = sum(t.logprobs.size for t, _ in pairs)
     print(
         f"one step: {len(pairs)} samples, {n_tokens / 1e6:.2f} M completion tokens, {len(prints)} fingerprinted"
     )
-
-    compare_samples(pairs[:2], {})  # warm-up: first-call costs (imports, pandas) are not per step
-    start = time.perf_counter()
-    comparisons = compare_samples(pairs, prints)
-    summary = step_summary(pairs, comparisons)
-    ours = time.perf_counter() - start
-    baseline = python_loop(pairs, prints)
+    with tempfile.TemporaryDirectory() as tmp:
+        sides = {"ours": (audit.compare, audit.summaries)}
+        if args.baseline_rev:
+            sides[args.baseline_rev] = modules_at(args.baseline_rev, Path(tmp))
+        times: dict[str, list[float]] = {name: [] for name in sides}
+        for compare, _ in sides.values():
+            compare.compare_samples(
+                pairs[:2], {}
+            )  # warm-up: first-call costs (imports, pandas) are not per step
+        for _ in range(args.repeat):
+            for name, (compare, summaries) in reversed(sides.items()):
+                seconds, comparisons, summary = worker_step(compare, summaries, pairs, prints)
+                times[name].append(seconds)
+    ours = statistics.median(times["ours"])
     firsts = sum(c.first_divergence is not None for c in comparisons)
     print(
         f"audit.compare     {ours:6.2f} s   ({n_tokens / ours / 1e6:6.2f} M tokens/s; {firsts} first divergences found)"
     )
-    print(f"per-token loop    {baseline:6.2f} s   ({n_tokens / baseline / 1e6:6.2f} M tokens/s)")
-    print(f"speed-up          {baseline / ours:6.1f}x   kl_k3 of the step {summary['metrics']['kl_k3']:.3g}")
+    if args.baseline_rev:
+        base = statistics.median(times[args.baseline_rev])
+        print(
+            f"{args.baseline_rev:17s} {base:6.2f} s   (ours x{ours / base:.2f} its time; "
+            f"each the median of {args.repeat}: ours {', '.join(f'{t:.2f}' for t in times['ours'])}, "
+            f"{args.baseline_rev} {', '.join(f'{t:.2f}' for t in times[args.baseline_rev])})"
+        )
+    if not args.no_loop:
+        baseline = python_loop(pairs, prints)
+        print(f"per-token loop    {baseline:6.2f} s   ({n_tokens / baseline / 1e6:6.2f} M tokens/s)")
+        print(
+            f"speed-up          {baseline / ours:6.1f}x   kl_k3 of the step {summary['metrics']['kl_k3']:.3g}"
+        )
     print(f"target (< 2 s for the step): {'met' if ours < 2 else 'MISSED'}")
 
 
