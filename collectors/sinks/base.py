@@ -2,11 +2,16 @@
 exponential backoff, an optional disk spool while the destination is down, and counters.
 
 The training loop only ever calls :meth:`Sink.send`, which puts records on the queue and returns:
-it never blocks on I/O and never raises. A full queue drops the records (counted, logged once)
-rather than stall the step. The worker delivers batches in order; after a failed delivery it spools
-new batches to disk instead of retrying them in line, and replays the spool first-in first-out
-once the destination answers again. Destinations are idempotent (a retried batch stores nothing
-twice), so "at least once" here means "exactly once" in the store.
+it never blocks on I/O and never raises. The worker delivers batches in order, several queued
+batches in one request when they wait (up to ``max_batch_records`` records and ``max_batch_bytes``
+bytes), so a slow destination gets fewer, larger requests instead of a growing queue. When the
+destination still cannot keep up (overload) and half the queue is waiting, the worker spills the
+queue to the disk spool rather than let ``send`` drop; after a failed delivery it spools new
+batches instead of retrying them in line. The spool is replayed first-in first-out, several
+batches a request, once the destination answers again. Only a full queue while one delivery is in
+flight (``queue_size`` sends during one request), or a spool without room, drops records: counted,
+logged once. Destinations are idempotent (a retried batch stores nothing twice), so "at least
+once" here means "exactly once" in the store.
 """
 
 from __future__ import annotations
@@ -56,30 +61,76 @@ class SinkCounters(Counters):
     """Record counts (not batches). ``sent``: delivered and accepted, including ``replayed`` (sent
     from the spool); ``rejected``: refused one by one as invalid (the rest of their batch stored)."""
 
-    NAMES = ("queued", "sent", "dropped", "spooled", "replayed", "duplicates", "rejected", "failed_attempts")
+    NAMES = (
+        "queued",
+        "sent",
+        "dropped",
+        "spooled",
+        "replayed",
+        "duplicates",
+        "rejected",
+        "failed_attempts",
+        "spilled",
+    )
+
+
+_PREFIX, _SUFFIX = b'{"records":[', b"]}"
+
+
+def merge_payloads(payloads: Sequence[bytes]) -> bytes:
+    """One ingest body holding the records of several, in order: their JSON arrays spliced, without
+    decoding a record (a body of another shape is decoded and encoded again)."""
+    inner = []
+    for payload in payloads:
+        if not (payload.startswith(_PREFIX) and payload.endswith(_SUFFIX)):
+            return encode_batch([r for p in payloads for r in decode_batch(p)])
+        if len(payload) > len(_PREFIX) + len(_SUFFIX):
+            inner.append(payload[len(_PREFIX) : -len(_SUFFIX)])
+    return _PREFIX + b",".join(inner) + _SUFFIX
 
 
 class _Item:
-    """One batch on its way: records, serialized lazily (and only once) when a sink needs bytes."""
+    """One batch on its way: records, serialized lazily (and only once) when a sink needs bytes.
+    ``parts``: the batches it was merged from (delivered one by one if the merge is refused)."""
 
-    __slots__ = ("_records", "_payload", "n")
+    __slots__ = ("_records", "_payload", "n", "parts")
 
-    def __init__(self, records: list[Record] | None = None, payload: bytes | None = None, n: int = 0) -> None:
+    def __init__(
+        self,
+        records: list[Record] | None = None,
+        payload: bytes | None = None,
+        n: int = 0,
+        parts: list[_Item] | None = None,
+    ) -> None:
         self._records = records
         self._payload = payload
-        self.n = len(records) if records is not None else n
+        self.parts = parts or []
+        if parts:
+            self.n = sum(p.n for p in parts)
+        else:
+            self.n = len(records) if records is not None else n
+
+    @classmethod
+    def merged(cls, parts: list[_Item]) -> _Item:
+        return parts[0] if len(parts) == 1 else cls(parts=parts)
 
     @property
     def records(self) -> list[Record]:
         if self._records is None:
-            assert self._payload is not None
-            self._records = decode_batch(self._payload)
+            if self.parts:
+                self._records = [r for p in self.parts for r in p.records]
+            else:
+                assert self._payload is not None
+                self._records = decode_batch(self._payload)
         return self._records
 
     @property
     def payload(self) -> bytes:
         if self._payload is None:
-            self._payload = encode_batch(self.records)
+            if self.parts:
+                self._payload = merge_payloads([p.payload for p in self.parts])
+            else:
+                self._payload = encode_batch(self.records)
         return self._payload
 
     def halves(self) -> list[_Item]:
@@ -93,11 +144,12 @@ _STOP = object()
 
 class SinkOptions(TypedDict, total=False):
     """The delivery options every sink takes (see :class:`Sink`): ``queue_size``,
-    ``max_batch_records``, ``spool_max_bytes``, ``attempts``, ``backoff_initial``, ``backoff_max``,
-    ``name``, ``on_control``."""
+    ``max_batch_records``, ``max_batch_bytes``, ``spool_max_bytes``, ``attempts``,
+    ``backoff_initial``, ``backoff_max``, ``name``, ``on_control``."""
 
     queue_size: int
     max_batch_records: int
+    max_batch_bytes: int
     spool_max_bytes: int
     attempts: int
     backoff_initial: float
@@ -109,11 +161,15 @@ class SinkOptions(TypedDict, total=False):
 class Sink(ABC):
     """The interface the collectors use. Subclasses implement :meth:`_deliver`."""
 
+    #: Whether deliveries need the batch's bytes (an HTTP body): merges are then bounded in bytes too.
+    _wire = False
+
     def __init__(
         self,
         *,
         queue_size: int = 256,
         max_batch_records: int = 4096,
+        max_batch_bytes: int = 8 << 20,
         spool_dir: str | Path | None = None,
         spool_max_bytes: int = 1 << 30,
         attempts: int = 3,
@@ -123,7 +179,9 @@ class Sink(ABC):
         on_control: Callable[[Control], None] | None = None,
     ) -> None:
         """``queue_size``: batches waiting for the worker before ``send`` drops (counted);
-        ``max_batch_records``: records per delivered batch; ``spool_dir``: where batches wait while
+        ``max_batch_records``: records per delivered batch (``send`` splits larger ones, the worker
+        merges waiting ones up to it); ``max_batch_bytes``: the bound of a merged request's body
+        (a single batch larger than it is still sent whole); ``spool_dir``: where batches wait while
         the destination is down (``None``: no spool, they are dropped after the retries);
         ``spool_max_bytes``: the spool's bound; ``attempts``/``backoff_initial``/``backoff_max``:
         retries of one batch and the wait between them (seconds); ``name``: in logs and threads;
@@ -132,6 +190,8 @@ class Sink(ABC):
             raise ValueError(f"queue_size: must be >= 1, got {queue_size}")
         if max_batch_records < 1:
             raise ValueError(f"max_batch_records: must be >= 1, got {max_batch_records}")
+        if max_batch_bytes < 1:
+            raise ValueError(f"max_batch_bytes: must be >= 1, got {max_batch_bytes}")
         if attempts < 1:
             raise ValueError(f"attempts: must be >= 1, got {attempts}")
         if not 0 < backoff_initial <= backoff_max:
@@ -143,6 +203,8 @@ class Sink(ABC):
         self.spool = Spool(spool_dir, spool_max_bytes) if spool_dir is not None else None
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=queue_size)
         self._max_batch = max_batch_records
+        self._max_bytes = max_batch_bytes
+        self._spill_at = max(1, queue_size // 2)  # waiting batches that mean overload: spill them
         self._attempts = attempts
         self._backoff_initial = backoff_initial
         self._backoff_max = backoff_max
@@ -234,29 +296,87 @@ class Sink(ABC):
 
     def _run(self) -> None:
         while True:
+            group: list[_Item] = []
             try:
                 if self._stop.is_set() and self._queue.empty():
                     return
-                entry = self.spool.peek() if self.spool is not None else None
-                if entry is not None and time.monotonic() >= self._retry_at and not self._stop.is_set():
-                    self._replay(entry)
+                if self.spool is not None and self._queue.qsize() >= self._spill_at:
+                    self._spill()
                     continue
-                wait = 0.5 if entry is None else max(0.01, min(0.5, self._retry_at - time.monotonic()))
+                entries = self._spool_group() if self.spool is not None else []
+                if entries and time.monotonic() >= self._retry_at and not self._stop.is_set():
+                    self._replay(entries)
+                    continue
+                wait = 0.5 if not entries else max(0.01, min(0.5, self._retry_at - time.monotonic()))
                 try:
-                    item = self._queue.get(timeout=wait)
+                    first = self._queue.get(timeout=wait)
                 except queue.Empty:
                     continue
-                if item is _STOP:
+                if first is _STOP:
                     continue
-                try:
-                    self._live(item)
-                finally:
-                    with self._cond:
-                        self._outstanding -= item.n
-                        self._cond.notify_all()
+                group = self._take_more(first)
+                self._live(_Item.merged(group))
             except Exception as exc:  # the worker must outlive any bug in one batch
-                self._warn_once("worker", "isoaudit %s: worker error (%s); continuing", exc)
+                if group:  # never uncounted: what the failed pass held is counted dropped
+                    self._drop(sum(i.n for i in group), "worker", None)
+                self._warn_once("worker", "isoaudit %s: worker error (%s); records counted dropped", exc)
                 time.sleep(0.1)
+            finally:
+                if group:
+                    with self._cond:
+                        self._outstanding -= sum(i.n for i in group)
+                        self._cond.notify_all()
+
+    def _take_more(self, first: _Item) -> list[_Item]:
+        """``first`` and the batches queued behind it until the group reaches ``max_batch_records``
+        records (or ``max_batch_bytes`` for sinks that send bytes): one request instead of many."""
+        group, records = [first], first.n
+        size = len(first.payload) if self._wire else 0
+        while records < self._max_batch and size < self._max_bytes:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is _STOP:
+                continue
+            group.append(item)
+            records += item.n
+            size += len(item.payload) if self._wire else 0
+        return group
+
+    def _spill(self) -> None:
+        """The job sends faster than the destination takes: move the waiting batches to the spool
+        (behind what it holds, so order is kept) instead of letting ``send`` drop them."""
+        assert self.spool is not None
+        first = True
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if item is _STOP:
+                continue
+            try:
+                if first:
+                    first = False
+                    self._warned.warn(
+                        "overload",
+                        f"isoaudit {self._name}: the destination is slower than the job sends; batches "
+                        "wait in the spool (counters.spilled) and are replayed as it catches up",
+                    )
+                if self._to_spool(item):
+                    self._add("spilled", item.n)
+                else:
+                    self._drop_unspooled(item)
+            finally:
+                with self._cond:
+                    self._outstanding -= item.n
+                    self._cond.notify_all()
+
+    def _spool_group(self) -> list[Any]:
+        """The oldest spooled batches that fit one request (at least one)."""
+        assert self.spool is not None
+        return self.spool.peek_many(self._max_batch, self._max_bytes)
 
     def _destination_down(self) -> bool:
         return time.monotonic() < self._retry_at
@@ -284,11 +404,15 @@ class Sink(ABC):
                 return
             except DeliveryError as exc:
                 if exc.too_large and item.n > 1:
-                    for half in item.halves():
+                    for half in item.parts or item.halves():
                         self._live(half)
                     return
                 self._add("failed_attempts", 1)
                 if not exc.retry:
+                    if len(item.parts) > 1:  # a merged request: find the batch refused, keep the rest
+                        for part in item.parts:
+                            self._live(part)
+                        return
                     self._drop(
                         item.n, "refused", "isoaudit %s: destination refused a batch (%s); dropped", exc
                     )
@@ -304,39 +428,50 @@ class Sink(ABC):
         elif not self._to_spool(item):
             self._drop_unspooled(item)
 
-    def _replay(self, entry: Any) -> None:
+    def _replay(self, entries: list[Any]) -> bool:
+        """Deliver spooled batches as one request and remove them; ``False`` if the destination
+        failed (they stay, to be retried after the backoff)."""
         assert self.spool is not None
-        try:
-            payload = entry.read()
-        except OSError as exc:
-            self._warn_once("spool-read", "isoaudit %s: unreadable spool file dropped (%s)", exc)
-            self.spool.remove(entry)
-            self._drop(entry.n_records, "spool-read", None)
-            return
-        item = _Item(payload=payload, n=entry.n_records)
+        parts = []
+        for entry in entries:
+            try:
+                parts.append(_Item(payload=entry.read(), n=entry.n_records))
+            except OSError as exc:
+                self._warn_once("spool-read", "isoaudit %s: unreadable spool file dropped (%s)", exc)
+                self.spool.remove(entry)
+                self._drop(entry.n_records, "spool-read", None)
+                return True
+        item = _Item.merged(parts)
         try:
             refused = self._deliver(item) or 0
         except DeliveryError as exc:
             self._add("failed_attempts", 1)
             if exc.retry:
                 self._mark_down()
-                return
+                return False
+            if len(entries) > 1:  # a merged request: each batch on its own, so only a bad one drops
+                for entry in entries:
+                    if not self._replay([entry]):
+                        return False
+                return True
             if exc.too_large and item.n > 1:
-                self.spool.remove(entry)
+                self.spool.remove(entries[0])
                 self._add("spooled", -item.n)  # re-spooled below as two halves
                 for half in item.halves():
                     if not self._to_spool(half):
                         self._drop_unspooled(half)
-                return
-            self.spool.remove(entry)
+                return True
+            self.spool.remove(entries[0])
             self._drop(
                 item.n, "refused", "isoaudit %s: destination refused a spooled batch (%s); dropped", exc
             )
-            return
+            return True
         self._delivered(item.n - refused, replayed=True)  # counted before the spool looks empty to flush()
-        self.spool.remove(entry)
+        for entry in entries:
+            self.spool.remove(entry)
         with self._cond:
             self._cond.notify_all()
+        return True
 
     def _delivered(self, n: int, *, replayed: bool) -> None:
         self._add("sent", n)
@@ -353,8 +488,14 @@ class Sink(ABC):
         self._retry_at = time.monotonic() + self._backoff * (0.75 + 0.5 * random.random())
 
     def _to_spool(self, item: _Item) -> bool:
-        """Spool ``item``; ``False`` (nothing written) when the spool refuses it (full, disk full)."""
+        """Spool ``item``; ``False`` (nothing written) when the spool refuses it (full, disk full).
+        A merged item is spooled batch by batch (a refusal of one part counts only that part)."""
         assert self.spool is not None
+        if item.parts:
+            for part in item.parts:
+                if not self._to_spool(part):
+                    self._drop_unspooled(part)
+            return True
         if self.spool.put(item.payload, item.n):
             self._add("spooled", item.n)
             return True

@@ -33,6 +33,8 @@ class HttpSink(Sink):
     request.
     """
 
+    _wire = True
+
     def __init__(
         self,
         url: str,

@@ -28,6 +28,7 @@ class SpoolEntry:
     path: Path
     seq: int
     n_records: int
+    size: int = 0
 
     def read(self) -> bytes:
         return self.path.read_bytes()
@@ -46,7 +47,7 @@ class Spool:
         for stale in self.directory.glob("*.tmp"):  # half-written by a process that died
             stale.unlink(missing_ok=True)
         self._entries = sorted(self._scan(), key=lambda e: e.seq)
-        self._bytes = sum(e.path.stat().st_size for e in self._entries)
+        self._bytes = sum(e.size for e in self._entries)
         self._next = (self._entries[-1].seq + 1) if self._entries else 0
         #: why the last refused batch was refused (``None`` until one is)
         self.refusal: str | None = None
@@ -62,7 +63,8 @@ class Spool:
         for path in self.directory.iterdir():
             match = _NAME.match(path.name)
             if match:
-                entries.append(SpoolEntry(path, int(match.group(1)), int(match.group(2))))
+                size = path.stat().st_size
+                entries.append(SpoolEntry(path, int(match.group(1)), int(match.group(2)), size))
         return entries
 
     def put(self, payload: bytes, n_records: int) -> bool:
@@ -87,7 +89,7 @@ class Spool:
             self.refusal = f"cannot write to {self.directory}: {exc.strerror or exc}"
             return False
         with self._lock:
-            self._entries.append(SpoolEntry(self.directory / name, seq, n_records))
+            self._entries.append(SpoolEntry(self.directory / name, seq, n_records, len(payload)))
             self._entries.sort(key=lambda e: e.seq)
             self._bytes += len(payload)
         return True
@@ -97,14 +99,23 @@ class Spool:
         with self._lock:
             return self._entries[0] if self._entries else None
 
+    def peek_many(self, max_records: int, max_bytes: int) -> list[SpoolEntry]:
+        """The oldest batches, in order, while they stay within ``max_records`` and ``max_bytes``
+        together (the oldest always, whatever its size): one replay request."""
+        with self._lock:
+            out, records, size = [], 0, 0
+            for entry in self._entries:
+                if out and (records + entry.n_records > max_records or size + entry.size > max_bytes):
+                    break
+                out.append(entry)
+                records, size = records + entry.n_records, size + entry.size
+            return out
+
     def remove(self, entry: SpoolEntry) -> None:
         with self._lock:
             if entry in self._entries:
                 self._entries.remove(entry)
-                try:
-                    self._bytes -= entry.path.stat().st_size
-                except OSError:
-                    pass
+                self._bytes -= entry.size
         entry.path.unlink(missing_ok=True)
 
     def __len__(self) -> int:

@@ -1,10 +1,13 @@
 """A TCP proxy the tests control, to cut a database connection at a chosen moment (mid-batch) and to
-refuse new ones until told otherwise: the network fault between the service and PostgreSQL."""
+refuse new ones until told otherwise: the network fault between the service and PostgreSQL. With
+``rate_bytes_per_s`` it is also a slow link: what goes upstream is paced to that rate per
+connection (a service slower than its clients send)."""
 
 from __future__ import annotations
 
 import socket
 import threading
+import time
 
 from audit.api.live import free_port
 
@@ -12,10 +15,14 @@ from audit.api.live import free_port
 class TcpProxy:
     """Forwards ``127.0.0.1:<port>`` to ``upstream``. :meth:`cut` closes every open connection and
     refuses new ones; :meth:`cut_after` does so once ``n`` more bytes went upstream (inside a
-    statement); :meth:`restore` accepts again."""
+    statement); :meth:`restore` accepts again. ``rate_bytes_per_s``: pace each connection's
+    upstream bytes to this rate."""
 
-    def __init__(self, upstream_host: str, upstream_port: int) -> None:
+    def __init__(
+        self, upstream_host: str, upstream_port: int, *, rate_bytes_per_s: float | None = None
+    ) -> None:
         self.upstream = (upstream_host, upstream_port)
+        self.rate = rate_bytes_per_s
         self.port = free_port()
         self._listener = socket.create_server(("127.0.0.1", self.port))
         self._lock = threading.Lock()
@@ -96,6 +103,8 @@ class TcpProxy:
                 target.sendall(data)
             except OSError:
                 break
+            if upstream_bound and self.rate:
+                time.sleep(len(data) / self.rate)
         _close(source)
         _close(target)
 
