@@ -137,6 +137,10 @@ def test_tree_sum_order_depends_on_width_only() -> None:
     x = torch.randn(50, 1001)
     full = cpu.tree_sum(x)
     assert bits_equal(cpu.tree_sum(x[7:9]), full[7:9])
+    assert bits_equal(cpu.tree_sum(x.T.contiguous(), dim=0), full)  # any dim: the same tree
+    assert bits_equal(
+        cpu.tree_sum(x[:, None, :].expand(50, 3, 1001).transpose(1, 2), dim=1), full[:, None].expand(50, 3)
+    )
     torch.testing.assert_close(full.double(), x.double().sum(-1), rtol=1e-5, atol=1e-5)
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import kernels
 from kernels import gdn_cpu, routing
@@ -107,6 +109,29 @@ def test_prefill_chunked_prefill_decode_same_bits(dtype: torch.dtype) -> None:
             got = _decode(x, lens, first, chunk, cache)
             assert bits_equal(got, one_shot), (first, chunk)
             assert bits_equal(cache.h, h_end), (first, chunk)
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    lens=st.lists(st.integers(1, 40), min_size=1, max_size=4),
+    cuts=st.lists(st.integers(0, 40), min_size=4, max_size=4),
+    chunk=st.integers(1, 17),
+    dk=st.sampled_from([3, 16, 24]),
+    fp32=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_any_lengths_and_splits(
+    lens: list[int], cuts: list[int], chunk: int, dk: int, fp32: bool, seed: int
+) -> None:
+    """Any sequence lengths, prefill lengths, prefill chunks and head widths (dk not a power of
+    two too): the engine's bits and final states equal the one-shot prefill's."""
+    dtype = torch.float32 if fp32 else torch.bfloat16
+    x = _inputs(sum(lens), 2, dk, 8, dtype, seed=seed)
+    one_shot, h_end = gdn_cpu.gdn(*x, _cu(lens))
+    cache = GDNCache.empty(len(lens), 2, dk, 8, dtype, torch.device("cpu"))
+    first = [min(c, n) for c, n in zip(cuts, lens, strict=False)]
+    assert bits_equal(_decode(x, lens, first, chunk, cache), one_shot)
+    assert bits_equal(cache.h, h_end)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
