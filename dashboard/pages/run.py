@@ -3,6 +3,7 @@ remediation toggle. Live while the run is being written: each tick appends the n
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
@@ -27,6 +28,10 @@ PATH = "/runs/<run_id>"
 
 def sample_href(run_id: str, step: int, sample_key: str) -> str:
     return f"/runs/{quote(run_id, safe='')}/steps/{int(step)}/samples/{sample_key}"
+
+
+#: The sample a clicked cell names: (step, sample_key), the key ``None`` where the cell names none.
+SampleAt = tuple[int, str | None]
 
 
 @dataclass
@@ -317,23 +322,21 @@ def redraw_routing(
 
 
 def tick_routing(
-    _n: int | None, value: str | None, state_json: dict[str, Any], drawn_last: int | None
+    _n: int | None, state_json: dict[str, Any], value: str | None, drawn_last: int | None
 ) -> tuple[Any, Any, Any, Any]:
+    """Redraw the routing heatmap on a tick that brings routed steps, or when the value shown changes."""
     return redraw_routing(value, state_json, drawn_last, changed=dash.ctx.triggered_id == "run-routing-value")
 
 
-def routing_click(click: dict[str, Any] | None, state_json: dict[str, Any]) -> Any:
-    """A cell of the routing heatmap opens the sample with the most flips in that layer and step."""
-    point = _clicked(click)
-    if point is None or not str(point.get("y", "")).startswith("layer "):
-        return no_update
-    run_id = state_json["run_id"]
+def sample_at_routing_cell(point: dict[str, Any], state: LiveState) -> SampleAt | None:
+    """A cell of the routing heatmap names the sample with the most flips in that layer and step."""
+    if not str(point.get("y", "")).startswith("layer "):
+        return None
     step = int(point["x"])
-    found = queries.routing_series(context.store(), run_id, after_step=step - 1)
+    found = queries.routing_series(context.store(), state.run_id, after_step=step - 1)
     if not found or found[0].step != step:
-        return no_update
-    key = data.routing_example(found[0], int(str(point["y"]).split()[1]))
-    return sample_href(run_id, step, key) if key else no_update
+        return None
+    return step, data.routing_example(found[0], int(str(point["y"]).split()[1]))
 
 
 # ---------------------------------------------------------------------- callbacks
@@ -472,33 +475,49 @@ def _row_of(point: dict[str, Any], labels: list[str]) -> int | None:
     return labels.index(point["y"]) if point.get("y") in labels else None
 
 
-def position_click(click: dict[str, Any] | None, state_json: dict[str, Any]) -> Any:
-    """A cell of the position heatmap opens the sample holding that bin's largest |Δ| at that step."""
-    point = _clicked(click)
-    if point is None:
-        return no_update
-    run_id = state_json["run_id"]
-    found = queries.step_point(context.store(), run_id, int(point["x"]))
+def sample_at_position_cell(point: dict[str, Any], state: LiveState) -> SampleAt | None:
+    """A cell of the position heatmap names the sample holding that bin's largest |Δ| at that step."""
+    found = queries.step_point(context.store(), state.run_id, int(point["x"]))
     if found is None:
-        return no_update
+        return None
     labels = [bin_label(i) for i in range(len(found.position_bins.get("max_key", [])))]
     row = _row_of(point, labels)
-    key = data.bin_sample(found, row) if row is not None else None
-    return sample_href(run_id, found.step, key) if key else no_update
+    return found.step, data.bin_sample(found, row) if row is not None else None
 
 
-def divergence_click(click: dict[str, Any] | None, state_json: dict[str, Any]) -> Any:
-    """A cell of the region heatmap opens a sample whose first divergence is there."""
-    point = _clicked(click)
-    if point is None:
-        return no_update
-    state = LiveState.from_json(state_json)
+def sample_at_divergence_cell(point: dict[str, Any], state: LiveState) -> SampleAt | None:
+    """A cell of the region heatmap names a sample whose first divergence is there."""
     row = _row_of(point, [figures.safe(r) for r in state.regions])
     found = queries.step_point(context.store(), state.run_id, int(point["x"]))
     if row is None or found is None or not 0 <= row < len(state.regions):
-        return no_update
+        return None
     entry = found.first_divergence.get(state.regions[row])
-    return sample_href(state.run_id, found.step, entry["example"]) if entry else no_update
+    return found.step, entry["example"] if entry else None
+
+
+def opens_clicked_sample(
+    sample_at: Callable[[dict[str, Any], LiveState], SampleAt | None],
+) -> Callable[[dict[str, Any] | None, dict[str, Any]], Any]:
+    """The callback of a heatmap whose cells name samples: a click opens the sample ``sample_at``
+    names for the clicked cell, and does nothing where it names none."""
+
+    def open_sample(click: dict[str, Any] | None, state_json: dict[str, Any]) -> Any:
+        point = _clicked(click)
+        if point is None:
+            return no_update
+        state = LiveState.from_json(state_json)
+        found = sample_at(point, state)
+        if found is None or not found[1]:
+            return no_update
+        return sample_href(state.run_id, found[0], found[1])
+
+    open_sample.__doc__ = sample_at.__doc__
+    return open_sample
+
+
+position_click = opens_clicked_sample(sample_at_position_cell)
+divergence_click = opens_clicked_sample(sample_at_divergence_cell)
+routing_click = opens_clicked_sample(sample_at_routing_cell)
 
 
 def select_step(timeline: dict | None, bars: dict | None) -> Any:
@@ -522,106 +541,97 @@ def table_click(
     return sample_href(state_json["run_id"], int(step), rows[index]["sample_key"])
 
 
+def on_tick(
+    app: dash.Dash, *outputs: Output, also: tuple[Input | State, ...] = ()
+) -> Callable[[Callable], Any]:
+    """Register a live callback: called at every tick of the page's interval as
+    ``(n_intervals, run-state, *also)``."""
+    return app.callback(
+        *outputs,
+        Input("run-interval", "n_intervals"),
+        State("run-state", "data"),
+        *also,
+        prevent_initial_call=True,
+    )
+
+
+def on_page_event(app: dash.Dash, *dependencies: Output | Input | State) -> Callable[[Callable], Any]:
+    """Register a callback of a user's action on the page: called with its inputs and states, then
+    the page's state (``run-state``)."""
+    return app.callback(*dependencies, State("run-state", "data"), prevent_initial_call=True)
+
+
+#: The heatmaps whose cells open a sample, and the callback that finds it.
+SAMPLE_HEATMAPS = {
+    "run-position": position_click,
+    "run-divergence": divergence_click,
+    "run-routing": routing_click,
+}
+
+
 def register(app: dash.Dash) -> None:
     dash.register_page(
         __name__, path_template=PATH, name="Run", title="isoaudit: run", layout=layout, order=3
     )
-    app.callback(
+    on_tick(
+        app,
         Output("run-timelines", "figure"),
         Output("run-position", "figure"),
         Output("run-divergence", "figure"),
         Output("run-diagnoses", "figure"),
         Output("run-state", "data"),
-        Input("run-interval", "n_intervals"),
-        State("run-state", "data"),
-        prevent_initial_call=True,
     )(tick)
-    app.callback(
+    on_tick(
+        app,
         Output("run-loop", "figure"),
         Output("run-loop-steps", "data"),
-        Input("run-interval", "n_intervals"),
-        State("run-state", "data"),
-        State("run-loop-steps", "data"),
-        prevent_initial_call=True,
+        also=(State("run-loop-steps", "data"),),
     )(tick_loop)
-    app.callback(
-        Output("run-ranks", "data"),
-        Output("run-rank-figure", "figure"),
-        Input("run-interval", "n_intervals"),
-        State("run-state", "data"),
-        prevent_initial_call=True,
-    )(tick_ranks)
-    app.callback(
+    on_tick(app, Output("run-ranks", "data"), Output("run-rank-figure", "figure"))(tick_ranks)
+    on_tick(
+        app,
         Output("run-interval", "disabled"),
         Output("run-status", "children"),
         Output("run-applied", "children"),
-        Input("run-interval", "n_intervals"),
-        State("run-state", "data"),
-        prevent_initial_call=True,
     )(tick_status)
-    app.callback(
+    on_tick(
+        app,
         Output("run-routing", "figure"),
         Output("run-routing-steps", "data"),
         Output("run-routing-section", "style"),
         Output("run-routing-line", "children"),
-        Input("run-interval", "n_intervals"),
-        Input("run-routing-value", "value"),
-        State("run-state", "data"),
-        State("run-routing-steps", "data"),
-        prevent_initial_call=True,
+        also=(Input("run-routing-value", "value"), State("run-routing-steps", "data")),
     )(tick_routing)
-    app.callback(
-        Output("run-nav", "href", allow_duplicate=True),
-        Input("run-routing", "clickData"),
-        State("run-state", "data"),
-        prevent_initial_call=True,
-    )(routing_click)
-    app.callback(
+    for heatmap, open_sample in SAMPLE_HEATMAPS.items():
+        on_page_event(app, Output("run-nav", "href", allow_duplicate=True), Input(heatmap, "clickData"))(
+            open_sample
+        )
+    on_page_event(
+        app,
         Output("run-mode", "value"),
         Output("run-control", "data"),
         Output("run-control-message", "children"),
         Output("run-interval", "disabled", allow_duplicate=True),
         Input("run-mode", "value"),
         State("run-control", "data"),
-        State("run-state", "data"),
-        prevent_initial_call=True,
     )(set_mode)
-    app.callback(
+    on_page_event(
+        app,
         Output("run-position", "figure", allow_duplicate=True),
         Output("run-state", "data", allow_duplicate=True),
         Input("run-position-stat", "value"),
-        State("run-state", "data"),
-        prevent_initial_call=True,
     )(redraw_position)
-    app.callback(
-        Output("run-nav", "href"),
-        Input("run-position", "clickData"),
-        State("run-state", "data"),
-        prevent_initial_call=True,
-    )(position_click)
-    app.callback(
-        Output("run-nav", "href", allow_duplicate=True),
-        Input("run-divergence", "clickData"),
-        State("run-state", "data"),
-        prevent_initial_call=True,
-    )(divergence_click)
     app.callback(
         Output("run-step", "value"),
         Input("run-timelines", "clickData"),
         Input("run-diagnoses", "clickData"),
         prevent_initial_call=True,
     )(select_step)
-    app.callback(
-        Output("run-samples", "data"),
-        Input("run-step", "value"),
-        State("run-state", "data"),
-        prevent_initial_call=True,
-    )(step_rows)
-    app.callback(
+    on_page_event(app, Output("run-samples", "data"), Input("run-step", "value"))(step_rows)
+    on_page_event(
+        app,
         Output("run-nav", "href", allow_duplicate=True),
         Input("run-samples", "active_cell"),
         State("run-samples", "derived_viewport_data"),
         State("run-step", "value"),
-        State("run-state", "data"),
-        prevent_initial_call=True,
     )(table_click)
