@@ -145,6 +145,8 @@ class Catalog:
     generic: Callable[[str], FamilyMap]
     tap_for: Callable[[str], Tap]
     model_noun: str = "model"  # for messages: what the hooked model is called on this side
+    #: run on a model of an MoE family before its regions are bound (HF: add the per-slot tap)
+    prepare_moe: Callable[[nn.Module], Any] | None = None
 
     def family_of(self, model: nn.Module, model_type: str | None) -> FamilyMap:
         if model_type in self.families:
@@ -162,7 +164,8 @@ class Catalog:
 def hf_moe_map(family: str) -> FamilyMap:
     """HF's Qwen3-MoE / Mixtral layout: ``mlp`` is the sparse block, ``mlp.gate`` its router (its
     logits, read in fp32) and ``mlp.experts`` the fused experts, whose output is already the
-    weighted combine (the per-slot expert outputs never leave it)."""
+    weighted combine; the per-slot expert outputs come out of ``mlp.experts.slots``, the tap
+    :func:`kernels.adapters_moe.instrument` adds (see :func:`_instrument_moe`)."""
     dense = llama_style_map(family, taps={"router": Tap.FP32})
     return FamilyMap(
         family=dense.family,
@@ -172,11 +175,22 @@ def hf_moe_map(family: str) -> FamilyMap:
         logits=dense.logits,
         layer=dense.layer,
         taps=dense.taps,
-        moe={"router": "model.layers.{i}.mlp.gate", "combine": "model.layers.{i}.mlp.experts"},
+        moe={
+            "router": "model.layers.{i}.mlp.gate",
+            "experts": "model.layers.{i}.mlp.experts.slots",
+            "combine": "model.layers.{i}.mlp.experts",
+        },
         moe_unobserved={
             "experts": "HF's fused experts module returns only the weighted combine (per-slot expert outputs stay inside it)"
         },
     )
+
+
+def _instrument_moe(model: nn.Module) -> None:
+    """Give an HF MoE model's experts their per-slot tap (``kernels.adapters_moe.instrument``)."""
+    from kernels.adapters_moe import instrument
+
+    instrument(model)
 
 
 #: The trainer side: HF transformers families, keyed by ``config.model_type``.
@@ -188,6 +202,7 @@ HF_CATALOG = Catalog(
     },
     generic=llama_style_map,
     tap_for=lambda name: Tap.FP32 if name == "logits" else Tap.FIRST,
+    prepare_moe=_instrument_moe,
 )
 
 
@@ -241,14 +256,20 @@ def resolve_regions(
     if model_type is None:
         model_type = getattr(getattr(model, "config", None), "model_type", None)
     family = catalog.family_of(model, model_type)
+    if family.moe and catalog.prepare_moe is not None:
+        catalog.prepare_moe(model)
     specs = family.specs(len(model.get_submodule(family.layers)))  # type: ignore[arg-type]
     moe_unobserved: dict[str, str] = {}
     if family.moe:  # MoE regions exist only in the sparse layers
         sparse = [s for s in specs if s.name.rsplit(".", 1)[-1] in MOE_REGIONS]
         specs = [s for s in specs if s not in sparse or has_module(model, s.module)]
         moe_layers = sorted({region_order(s.name)[1] for s in specs if s.name.endswith(".router")})
+        hooked = {s.name for s in specs}
         moe_unobserved = {
-            f"layers.{i}.{sub}": why for i in moe_layers for sub, why in family.moe_unobserved.items()
+            f"layers.{i}.{sub}": why
+            for i in moe_layers
+            for sub, why in family.moe_unobserved.items()
+            if f"layers.{i}.{sub}" not in hooked
         }
     for spec in specs:
         if not has_module(model, spec.module):

@@ -73,17 +73,23 @@ def _silu_classes() -> list[type]:
     return out
 
 
-def _rmsnorm_classes() -> list[type]:
+def family_classes(families: list[tuple[str, str]], suffix: str) -> list[type]:
+    """HF's ``<Prefix><suffix>`` class of each (module, prefix) family that this transformers has
+    (e.g. ``("qwen3", "Qwen3"), "RMSNorm"`` -> ``Qwen3RMSNorm``); missing families are skipped."""
     out = []
-    for mod, prefix in _FAMILIES:
+    for mod, prefix in families:
         try:
             m = importlib.import_module(f"transformers.models.{mod}.modeling_{mod}")
         except Exception:
             continue
-        cls = getattr(m, f"{prefix}RMSNorm", None)
+        cls = getattr(m, f"{prefix}{suffix}", None)
         if cls is not None:
             out.append(cls)
     return out
+
+
+def _rmsnorm_classes() -> list[type]:
+    return family_classes(_FAMILIES, "RMSNorm")
 
 
 def patch() -> None:

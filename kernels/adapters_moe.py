@@ -1,47 +1,57 @@
-"""HF's MoE families (Qwen3-MoE, Mixtral) through :func:`kernels.moe.moe_layer`.
+"""HF's MoE families (Qwen3-MoE, Mixtral) through :mod:`kernels.moe`.
 
 ``patch()``/``unpatch()`` (called by :func:`kernels.enable` beside :func:`kernels.adapters.patch`)
-swap the forward of HF's sparse MoE blocks for :func:`kernels.moe.moe_layer` on the block's own
-router and expert weights, and route Mixtral's RMSNorm like the other families'. Kernels off, HF's
-own block runs (model-dtype router, ``torch.topk``, experts looped with ``index_add_``): the
-native baseline.
+swap the forwards of HF's router (``*TopKRouter``: :func:`kernels.moe.route`, fp32 logits) and
+fused experts (``*Experts``: :func:`kernels.moe.expert_outputs` then :func:`kernels.moe.combine`)
+and route Mixtral's RMSNorm like the other families' norms; the sparse block keeps HF's structure
+(``gate`` then ``experts``), so the modules the collectors hook (``layers.i.router`` on ``mlp.gate``,
+``layers.i.combine`` on ``mlp.experts``) run in both modes. Kernels off, HF's own modules run
+(model-dtype router, ``torch.topk``, experts looped with ``index_add_``): the native baseline.
 
-:func:`instrument` numbers a model's MoE blocks and hooks their routers, so
-:func:`kernels.moe.trace_routing` records the selected experts per token and layer in both modes;
-:class:`HFMoECausalLM` is :class:`kernels.adapters.HFCausalLM` for these families, tagging its
-tokens (trainer: batch row and position; engine: slot and position).
+:func:`instrument` numbers a model's MoE blocks, hooks their routers, so
+:func:`kernels.moe.trace_routing` records the selected experts per token and layer in both modes,
+and gives each experts module an :class:`ExpertSlots` child: the per-slot expert outputs
+(``layers.i.experts``, one row a token: its k outputs in slot order), computed inside the
+invariant experts with the kernels on, and by HF's own experts implementation when a hook asks for
+them with the kernels off. :class:`HFMoECausalLM` is :class:`kernels.adapters.HFCausalLM`
+for these families, tagging its tokens (trainer: batch row and position; engine: slot and position).
 """
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 import torch
 import torch.nn as nn
 
 from . import moe
-from .adapters import HFCausalLM, _rmsnorm_forward
+from .adapters import HFCausalLM, _rmsnorm_forward, family_classes
 
 _FAMILIES = [("qwen3_moe", "Qwen3Moe"), ("mixtral", "Mixtral")]
 _saved: dict[str, list[tuple[type, Any]]] = {}
 
 
 def _classes(suffix: str) -> list[type]:
-    out = []
-    for mod, prefix in _FAMILIES:
-        try:
-            m = importlib.import_module(f"transformers.models.{mod}.modeling_{mod}")
-        except Exception:
-            continue
-        cls = getattr(m, f"{prefix}{suffix}", None)
-        if cls is not None:
-            out.append(cls)
-    return out
+    return family_classes(_FAMILIES, suffix)
+
+
+class ExpertSlots(nn.Module):
+    """The identity, called with the per-slot expert outputs ``(T, k * H)`` (token-major, slot
+    order) before the combine: the module the ``layers.i.experts`` region hooks."""
+
+    def forward(self, slots: torch.Tensor) -> torch.Tensor:
+        return slots
+
+
+def _wants_slots(experts: nn.Module) -> ExpertSlots | None:
+    slots = getattr(experts, "slots", None)
+    if isinstance(slots, ExpertSlots) and (slots._forward_hooks or slots._forward_pre_hooks):
+        return slots
+    return None
 
 
 def _block_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-    """HF sparse MoE block forward on the invariant layer (same weights, same routing contract)."""
+    """HF's sparse MoE block (router, then experts) with the invariant contract's checks."""
     act = getattr(getattr(self.experts, "config", None), "hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"config.hidden_act: the invariant experts implement SwiGLU ('silu'), not {act!r}")
@@ -49,27 +59,45 @@ def _block_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor
         raise ValueError(
             "config.router_jitter_noise: the invariant MoE layer has no router jitter; set it to 0"
         )
-    gate = self.gate
     x = hidden_states.reshape(-1, hidden_states.shape[-1])
-    out = moe.moe_layer(
-        x,
-        gate.weight,
-        self.experts.gate_up_proj,
-        self.experts.down_proj,
-        gate.top_k,
-        getattr(gate, "norm_topk_prob", True),  # Mixtral always renormalises the top-k
-        layer=getattr(self, "_moe_layer", None),
-    )
-    return out.reshape(hidden_states.shape)
+    _, weights, experts = self.gate(x)
+    if getattr(self, "_moe_layer", None) is None:
+        moe.record(None, experts)  # not instrumented: counted by active traces, not recorded
+    return self.experts(x, experts, weights).reshape(hidden_states.shape)
+
+
+def _router_forward(self: nn.Module, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """HF's router outputs (logits, top-k weights, top-k experts) from :func:`kernels.moe.route`:
+    fp32 logits of the batch-invariant GEMM, the stable top-k, weights in a fixed order (fp32)."""
+    x = hidden_states.reshape(-1, self.weight.shape[1])
+    r = moe.route(x, self.weight, self.top_k, getattr(self, "norm_topk_prob", True))
+    return r.logits, r.weights, r.experts
+
+
+def _experts_forward(
+    self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    """Every (token, slot) expert output in routing order, then the fixed-order fp32 combine."""
+    y = moe.expert_outputs(hidden_states, top_k_index, self.gate_up_proj, self.down_proj)
+    slots = getattr(self, "slots", None)
+    if isinstance(slots, ExpertSlots):
+        t, k, h = y.shape
+        y = slots(y.reshape(t, k * h)).reshape(t, k, h)
+    return moe.combine(y, top_k_weights.float(), hidden_states.dtype)
 
 
 def patch() -> None:
-    """Install the invariant MoE block and Mixtral's routed RMSNorm (idempotent)."""
+    """Install the invariant router, experts and block, and Mixtral's routed RMSNorm (idempotent)."""
     if _saved:
         return
-    _saved["blocks"] = [(cls, cls.forward) for cls in _classes("SparseMoeBlock")]
-    for cls, _ in _saved["blocks"]:
-        cls.forward = _block_forward
+    for key, suffix, forward in (
+        ("blocks", "SparseMoeBlock", _block_forward),
+        ("routers", "TopKRouter", _router_forward),
+        ("experts", "Experts", _experts_forward),
+    ):
+        _saved[key] = [(cls, cls.forward) for cls in _classes(suffix)]
+        for cls, _ in _saved[key]:
+            cls.forward = forward
     _saved["norms"] = [
         (cls, cls.forward) for cls in _classes("RMSNorm") if cls.__name__.startswith("Mixtral")
     ]
@@ -79,8 +107,9 @@ def patch() -> None:
 
 def unpatch() -> None:
     """Restore what :func:`patch` replaced."""
-    for cls, fwd in _saved.pop("blocks", []) + _saved.pop("norms", []):
-        cls.forward = fwd
+    for key in ("blocks", "routers", "experts", "norms"):
+        for cls, fwd in _saved.pop(key, []):
+            cls.forward = fwd
 
 
 def moe_blocks(model: nn.Module) -> list[tuple[int, nn.Module]]:
@@ -108,10 +137,27 @@ def _packed_out(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.T
     return output[0] if getattr(module, "_moe_packed", False) else None
 
 
+def _native_slots(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+    """Kernels off, when the ``layers.i.experts`` region is hooked: the per-slot outputs of HF's
+    own experts implementation (eager, ``grouped_mm``, ...), as that implementation computes them.
+    Slot s's outputs are the module's forward with weight 1 on slot s and 0 on the others: the same
+    rows grouped the same way, so the same bits, and ``y * 1 + 0`` is ``y`` exactly. That costs k
+    more expert passes, on fingerprinted forwards only; the block's output is HF's, untouched."""
+    if _saved or (slots := _wants_slots(module)) is None:
+        return
+    x, index, weights = args[0], args[1], args[2]
+    t, k = index.shape
+    forward = type(module).forward  # HF's (dispatching) forward, without this module's hooks
+    with torch.no_grad():
+        eye = torch.eye(k, dtype=weights.dtype, device=weights.device)
+        y = [forward(module, x, index, eye[s].expand(t, k)) for s in range(k)]
+    slots(torch.stack(y, dim=1).reshape(t, -1))
+
+
 def instrument(model: nn.Module) -> int:
     """Number the MoE blocks of an HF model by decoder layer, hook their routers so routing traces
-    see native runs too, and let the blocks take packed (T, H) rows. Idempotent; returns how many
-    MoE layers the model has."""
+    see native runs too, give their experts the per-slot :class:`ExpertSlots` tap, and let the
+    blocks take packed (T, H) rows. Idempotent; returns how many MoE layers the model has."""
     blocks = moe_blocks(model)
     for i, block in blocks:
         if getattr(block, "_moe_layer", None) is None:
@@ -119,6 +165,8 @@ def instrument(model: nn.Module) -> int:
             block.gate.register_forward_hook(_record_router(i))
             block.register_forward_pre_hook(_packed_in)
             block.register_forward_hook(_packed_out)
+            block.experts.slots = ExpertSlots()
+            block.experts.register_forward_hook(_native_slots)
     return len(blocks)
 
 
