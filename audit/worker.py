@@ -286,3 +286,176 @@ class ComparisonWorker:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+#: Set by :class:`WorkerProcess` in its child's environment: the pid the child must die with.
+PARENT_ENV = "ISOAUDIT_WORKER_PARENT_PID"
+#: ... and the pipe the child writes one byte to once it compares (:func:`tell_parent_ready`).
+READY_FD_ENV = "ISOAUDIT_WORKER_READY_FD"
+
+
+def tell_parent_ready() -> None:
+    """In a child started by :class:`WorkerProcess`: say that the worker runs (the API waits for it
+    before it answers, so a fresh ``serve`` compares from its first request)."""
+    fd = os.environ.pop(READY_FD_ENV, None)
+    if fd is None:
+        return
+    try:
+        os.write(int(fd), b"1")
+        os.close(int(fd))
+    except (OSError, ValueError):
+        pass
+
+
+def die_with_parent() -> None:
+    """In a child started by :class:`WorkerProcess`: ask Linux to SIGKILL this process when the
+    supervising thread goes (the API SIGKILLed, say), so no orphaned worker keeps claiming steps;
+    exit at once if the parent is gone already. Elsewhere (no variable, not Linux) a no-op."""
+    parent = os.environ.get(PARENT_ENV)
+    if not parent:
+        return
+    try:
+        import ctypes
+        import signal
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        log.warning("cannot tie the worker's life to its parent here; it stops on SIGTERM only")
+    if os.getppid() != int(parent):
+        os._exit(0)
+
+
+class WorkerProcess:
+    """``isoaudit worker`` as a child process that ``isoaudit serve`` supervises: started with the
+    API, restarted (backoff ``restart_s``, doubling to ``restart_max_s``) if it exits, stopped with
+    SIGTERM (then SIGKILL after ``stop_timeout_s``) when the API stops, and killed by the kernel if
+    the API dies (:func:`die_with_parent`). Comparison is CPU-bound Python: in the API's process it
+    would share one GIL with request handling, which starves both under load.
+
+    The child gets this process's environment with the database and webhook URLs in it (never on
+    its command line, where ``ps`` would show their secrets); it installs no rules (the API did,
+    before it started), it only compares and evaluates them."""
+
+    def __init__(
+        self,
+        database_url: str,
+        *,
+        webhook_url: str | None = None,
+        restart_s: float = 1.0,
+        restart_max_s: float = 30.0,
+        stop_timeout_s: float = 15.0,
+    ) -> None:
+        self.database_url = database_url
+        self.webhook_url = webhook_url
+        self.restart_s = restart_s
+        self.restart_max_s = restart_max_s
+        self.stop_timeout_s = stop_timeout_s
+        self.restarts = 0
+        self.process: Any = None
+        self._stop = threading.Event()
+        self._started = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def command(self) -> list[str]:
+        import sys
+
+        return [sys.executable, "-m", "audit.cli", "worker"]
+
+    def start(self, timeout: float = 60.0) -> WorkerProcess:
+        """Start the supervising thread (which starts the child) and wait until the child says it
+        compares (at most ``timeout`` seconds; the API starts anyway, the worker catches up)."""
+        self._stop.clear()
+        self._thread = threading.Thread(
+            target=self._supervise, name="isoaudit-worker-supervisor", daemon=True
+        )
+        self._thread.start()
+        self._started.wait(timeout)
+        return self
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.process is None else int(self.process.pid)
+
+    def _spawn(self) -> Any:
+        import subprocess
+
+        env = {
+            **os.environ,
+            PARENT_ENV: str(os.getpid()),
+            "ISOAUDIT_DATABASE_URL": self.database_url,
+            "ISOAUDIT_DEFAULT_ALERT_RULES": "0",
+        }
+        env.pop("ISOAUDIT_ALERT_RULES", None)
+        env.pop("ISOAUDIT_ALERT_WEBHOOK_URL", None)
+        if self.webhook_url:
+            env["ISOAUDIT_ALERT_WEBHOOK_URL"] = self.webhook_url
+        ready, tell = os.pipe()
+        env[READY_FD_ENV] = str(tell)
+        try:
+            process = subprocess.Popen(self.command(), env=env, pass_fds=(tell,))
+        finally:
+            os.close(tell)
+        threading.Thread(target=self._await_ready, args=(ready,), daemon=True).start()
+        return process
+
+    def _await_ready(self, ready: int) -> None:
+        try:
+            os.read(ready, 1)  # a byte once it runs; EOF if it died first
+        finally:
+            os.close(ready)
+            self._started.set()
+
+    def _supervise(self) -> None:
+        """Spawned from this long-lived thread: the kernel's parent-death signal follows the thread
+        that forked the child."""
+        import time
+
+        delay = self.restart_s
+        while not self._stop.is_set():
+            started = time.monotonic()
+            try:
+                self.process = self._spawn()
+            except OSError:
+                log.exception("cannot start the comparison worker process; retrying in %.0f s", delay)
+                self._started.set()
+                self._stop.wait(delay)
+                delay = min(self.restart_max_s, delay * 2)
+                continue
+            while self.process.poll() is None and not self._stop.wait(0.2):
+                pass
+            if self._stop.is_set():
+                break
+            if time.monotonic() - started > 60:
+                delay = self.restart_s  # it ran for a while: this is a new failure, not a crash loop
+            log.error(
+                "the comparison worker process exited (status %s); restarting it in %.1f s",
+                self.process.returncode,
+                delay,
+            )
+            self.restarts += 1
+            if self._stop.wait(delay):
+                break
+            delay = min(self.restart_max_s, delay * 2)
+        self._terminate()
+
+    def _terminate(self) -> None:
+        import subprocess
+
+        process = self.process
+        if process is None or process.poll() is not None:
+            return
+        process.terminate()
+        try:
+            process.wait(self.stop_timeout_s)
+        except subprocess.TimeoutExpired:
+            log.warning("the comparison worker did not stop within %.0f s: killed", self.stop_timeout_s)
+            process.kill()
+            process.wait(5)
+
+    def stop(self) -> None:
+        """SIGTERM the child (it finishes its batch and exits), SIGKILL it if it takes too long."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(self.stop_timeout_s + 10)
+        self._terminate()

@@ -151,8 +151,10 @@ def run_baseline(rev: str, database: str, argv: list[str]) -> dict:
 
 
 def live(url: str, layout: str, clients: int, seconds: float, drain_s: float = 60.0) -> dict:
-    """The soak's shape against ``layout``: ``inproc`` (one `isoaudit serve` with its worker thread)
-    or ``process`` (`isoaudit serve --no-worker` plus one `isoaudit worker` process). ``clients``
+    """The soak's shape against ``layout``: ``thread`` (one `isoaudit serve --worker-thread`: the
+    worker a thread of the API process, the default before), ``child`` (one `isoaudit serve`: the
+    worker a child process it supervises, the default now) or ``process`` (`isoaudit serve
+    --no-worker` plus one `isoaudit worker` process). ``clients``
     HttpSinks each send a step of 8 samples x 2 sides x 384 tokens every 250 ms for ``seconds``;
     returns samples/s stored and pairs/s compared over the send window plus the drain."""
     import threading
@@ -181,6 +183,7 @@ def live(url: str, layout: str, clients: int, seconds: float, drain_s: float = 6
         processes.append(subprocess.Popen(worker, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     else:
         command = [sys.executable, "-m", "audit.cli", "serve", "--database-url", url, "--port", str(port)]
+        command += ["--worker-thread"] if layout == "thread" else []
         processes.append(subprocess.Popen([*command, "--log-level", "warning"]))
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -255,12 +258,15 @@ def main() -> None:
     parser.add_argument("--baseline-rev", default="f2e813a", help="'' to skip the baseline")
     parser.add_argument("--json", action="store_true", help="print one JSON line (used for the baseline)")
     parser.add_argument(
-        "--live", type=float, default=0.0, help="seconds of the soak's shape, in-process vs a worker process"
+        "--live",
+        type=float,
+        default=0.0,
+        help="seconds of the soak's shape: the worker as the API's thread, its child, its own process",
     )
     parser.add_argument("--clients", type=int, default=16, help="collectors of --live")
     args = parser.parse_args()
     if args.live:
-        for layout in ("inproc", "process"):
+        for layout in ("thread", "child", "process"):
             url, drop = pg_schema_url()
             try:
                 from audit.migrate import upgrade

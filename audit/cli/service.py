@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import signal
 from typing import Annotated
 
 import typer
@@ -37,12 +38,24 @@ def serve(
     no_worker: Annotated[
         bool, typer.Option("--no-worker", help="Do not run the comparison worker here.")
     ] = False,
+    worker_thread: Annotated[
+        bool,
+        typer.Option(
+            "--worker-thread",
+            help="Run the comparison worker as a thread of the API process instead of a child process "
+            "(it then shares the GIL with request handling: slower under load; for comparison).",
+        ),
+    ] = False,
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
 ) -> None:
-    """Run the ingest, query and control API (FastAPI under uvicorn)."""
+    """Run the ingest, query and control API (FastAPI under uvicorn) and, unless --no-worker, the
+    comparison worker with alert evaluation as a child process it supervises: restarted if it
+    exits, stopped with the API, killed by the kernel if the API dies."""
     import uvicorn
 
     from audit.api import ApiSettings, create_app
+    from audit.api.app import install_configured_rules
+    from audit.worker import WorkerProcess
 
     overrides: dict[str, object] = {
         "database_url": database,
@@ -54,7 +67,41 @@ def serve(
     if no_worker:
         overrides["run_worker"] = False
     settings = ApiSettings.from_env(**overrides)
-    uvicorn.run(create_app(settings=settings), host=host, port=port, log_level=log_level)
+    child = None
+    if settings.run_worker and not worker_thread:
+        store = open_store(settings.database_url)  # rules first, so the child only evaluates them
+        try:
+            install_configured_rules(store, settings)
+            url = store.engine.url.render_as_string(hide_password=False)
+        finally:
+            store.dispose()
+        child = WorkerProcess(url, webhook_url=settings.webhook_url).start()
+        settings = settings.model_copy(update={"run_worker": False})
+    if child is None:
+        uvicorn.run(create_app(settings=settings), host=host, port=port, log_level=log_level)
+        return
+    # uvicorn shuts down gracefully on SIGTERM, then raises it again with the handler it found:
+    # this one, so the worker is stopped before the process ends as SIGTERM says.
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    terminated = False
+    try:
+        uvicorn.run(create_app(settings=settings), host=host, port=port, log_level=log_level)
+    except _Terminated:
+        terminated = True
+    finally:
+        child.stop()
+        signal.signal(signal.SIGTERM, previous)
+    if terminated:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.raise_signal(signal.SIGTERM)
+
+
+class _Terminated(Exception):
+    """SIGTERM reached ``serve`` after uvicorn's own shutdown."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise _Terminated
 
 
 @app.command("worker")
@@ -78,8 +125,9 @@ def worker(
 
     from audit.api import ApiSettings
     from audit.api.app import default_alert_engine, install_configured_rules
-    from audit.worker import ComparisonWorker
+    from audit.worker import ComparisonWorker, die_with_parent, tell_parent_ready
 
+    die_with_parent()  # a child of `isoaudit serve` goes with it
     settings = ApiSettings.from_env(database_url=database, alert_rules_file=rules, webhook_url=webhook)
     store = open_store(settings.database_url)
     install_configured_rules(store, settings)
@@ -91,6 +139,7 @@ def worker(
         store, on_step=engine.evaluate, interval=settings.worker_interval_s, lease_s=settings.worker_lease_s
     ).start()
     console.print(f"comparison worker {comparison.name} on {store.engine.url.render_as_string()}")
+    tell_parent_ready()
     stop.wait()
     comparison.stop()
     engine.close()
