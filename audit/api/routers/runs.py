@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict
 from datetime import datetime
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Depends, HTTPException, Path, Query, status
 from pydantic import BaseModel, Field
@@ -19,6 +18,22 @@ from audit.records import Step
 from audit.store import Store
 
 router = APIRouter(prefix="/v1/runs", tags=["runs"])
+
+#: The store a route reads, from the application (FastAPI's shared ``Annotated`` dependency).
+StoreDep = Annotated[Store, Depends(get_store)]
+
+Model = TypeVar("Model", bound=BaseModel)
+
+
+def from_attributes(model: type[Model], source: object, **fields: Any) -> Model:
+    """``model`` from ``source``'s attributes of the same names (a stored row, a query's result),
+    and ``fields`` for those the response names or shapes differently."""
+    taken = {
+        name: getattr(source, name)
+        for name in model.model_fields
+        if name not in fields and hasattr(source, name)
+    }
+    return model(**taken, **fields)
 
 
 def finite_or_none(metrics: dict[str, Any]) -> dict[str, float | None]:
@@ -35,13 +50,13 @@ def finite_or_none(metrics: dict[str, Any]) -> dict[str, float | None]:
 
 
 @router.get("", response_model=list[RunOut], summary="Runs visible to the caller, newest first")
-def list_runs(principal: Reader, store: Annotated[Store, Depends(get_store)]) -> list[RunOut]:
+def list_runs(principal: Reader, store: StoreDep) -> list[RunOut]:
     project = principal.project if principal is not None else None
     return [RunOut(**run.__dict__) for run in store.list_runs(project)]
 
 
 @router.get("/{run_id}", response_model=RunOut, summary="One run, with its desired remediation mode")
-def get_run(run_id: ReadableRun, store: Annotated[Store, Depends(get_store)]) -> RunOut:
+def get_run(run_id: ReadableRun, store: StoreDep) -> RunOut:
     summary = store.get_run(run_id)
     if summary is None:  # deleted between the check and here
         raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"run_id: no run {run_id!r}")
@@ -49,7 +64,7 @@ def get_run(run_id: ReadableRun, store: Annotated[Store, Depends(get_store)]) ->
 
 
 @router.get("/{run_id}/steps", response_model=list[StepOut], summary="Samples stored and compared per step")
-def list_steps(run_id: ReadableRun, store: Annotated[Store, Depends(get_store)]) -> list[StepOut]:
+def list_steps(run_id: ReadableRun, store: StoreDep) -> list[StepOut]:
     return [StepOut(**step.__dict__) for step in store.steps(run_id)]
 
 
@@ -60,12 +75,12 @@ def list_steps(run_id: ReadableRun, store: Annotated[Store, Depends(get_store)])
 )
 def step_stats(
     run_id: ReadableRun,
-    store: Annotated[Store, Depends(get_store)],
+    store: StoreDep,
     from_step: Annotated[Step, Query(description="first step (inclusive)")] = 0,
     to_step: Annotated[Step | None, Query(description="last step (inclusive)")] = None,
 ) -> list[StepStatsOut]:
     return [
-        StepStatsOut(step=s.step, figures=s.figures(), created_at=s.created_at)
+        from_attributes(StepStatsOut, s, figures=s.figures())
         for s in store.step_stats(run_id, from_step, to_step)
     ]
 
@@ -75,7 +90,7 @@ def step_stats(
 )
 def step_metrics(
     run_id: ReadableRun,
-    store: Annotated[Store, Depends(get_store)],
+    store: StoreDep,
     names: Annotated[list[str] | None, Query(description="only these metrics (e.g. kl_k3)")] = None,
     from_step: Annotated[Step | None, Query(description="first step (inclusive)")] = None,
     to_step: Annotated[Step | None, Query(description="last step (inclusive)")] = None,
@@ -87,15 +102,7 @@ def step_metrics(
         metrics = finite_or_none(row.metrics)
         if names:
             metrics = {name: metrics[name] for name in names if name in metrics}
-        out.append(
-            StepMetricsOut(
-                step=row.step,
-                n_samples=row.n_samples,
-                metrics=metrics,
-                diagnoses=row.diagnoses,
-                computed_at=row.computed_at,
-            )
-        )
+        out.append(from_attributes(StepMetricsOut, row, metrics=metrics))
     return out
 
 
@@ -107,24 +114,15 @@ def step_metrics(
 def step_samples(
     run_id: ReadableRun,
     step: Step,
-    store: Annotated[Store, Depends(get_store)],
+    store: StoreDep,
     include_grid: Annotated[bool, Query(description="include the region x position grid (large)")] = False,
     diagnosis: Annotated[
         str | None, Query(max_length=32, description="only samples with this diagnosis")
     ] = None,
 ) -> list[SampleResultOut]:
     return [
-        SampleResultOut(
-            step=row.step,
-            sample_key=row.sample_key,
-            n_tokens=row.n_tokens,
-            metrics=finite_or_none(row.metrics),
-            diagnosis=row.diagnosis,
-            diagnosis_detail=row.diagnosis_detail,
-            first_divergence_region=row.first_divergence_region,
-            first_divergence_position=row.first_divergence_position,
-            grid=row.grid if include_grid else None,
-            computed_at=row.computed_at,
+        from_attributes(
+            SampleResultOut, row, metrics=finite_or_none(row.metrics), grid=row.grid if include_grid else None
         )
         for row in store.sample_results(run_id, step)
         if diagnosis is None or row.diagnosis == diagnosis
@@ -138,19 +136,14 @@ def step_samples(
 )
 def divergences(
     run_id: ReadableRun,
-    store: Annotated[Store, Depends(get_store)],
+    store: StoreDep,
     step: Annotated[Step | None, Query(description="only this step")] = None,
 ) -> list[DivergenceOut]:
     """A sample diverges when the comparator found a first divergence or diagnosed anything but
     ``clean``."""
     return [
-        DivergenceOut(
-            step=row.step,
-            sample_key=row.sample_key,
-            region=row.first_divergence_region,
-            position=row.first_divergence_position,
-            diagnosis=row.diagnosis,
-            diagnosis_detail=row.diagnosis_detail,
+        from_attributes(
+            DivergenceOut, row, region=row.first_divergence_region, position=row.first_divergence_position
         )
         for row in store.sample_results(run_id, step)
         if row.first_divergence_region is not None or row.diagnosis != "clean"
@@ -177,8 +170,8 @@ class RankOut(BaseModel):
     response_model=list[RankOut],
     summary="Per-rank counters of each side: samples, steps, newest step, and whether a rank stopped sending",
 )
-def ranks(run_id: ReadableRun, store: Annotated[Store, Depends(get_store)]) -> list[RankOut]:
-    return [RankOut(**asdict(r), stopped=r.stopped) for r in rank_activity(store, run_id)]
+def ranks(run_id: ReadableRun, store: StoreDep) -> list[RankOut]:
+    return [from_attributes(RankOut, r) for r in rank_activity(store, run_id)]
 
 
 # ---------------------------------------------------------------------- MoE routing (issue 19)
@@ -211,19 +204,18 @@ class RoutingStepOut(BaseModel):
 )
 def routing(
     run_id: ReadableRun,
-    store: Annotated[Store, Depends(get_store)],
+    store: StoreDep,
     after_step: Annotated[Step | None, Query(description="only steps after this one")] = None,
 ) -> list[RoutingStepOut]:
     from audit.queries import routing_series
 
     return [
-        RoutingStepOut(
-            step=point.step,
+        from_attributes(
+            RoutingStepOut,
+            point,
             metrics=finite_or_none(point.metrics),
-            layers=[RoutingLayerOut(**asdict(layer)) for layer in point.layers],
-            replayed=point.replayed,
+            layers=[from_attributes(RoutingLayerOut, layer) for layer in point.layers],
             missing_routes=point.missing,
-            missing_examples=point.missing_examples,
         )
         for point in routing_series(store, run_id, after_step=after_step)
     ]
@@ -250,7 +242,7 @@ def sample_routing(
     run_id: ReadableRun,
     step: Step,
     sample_key: Annotated[str, Path(pattern=r"^[0-9a-f]{32}$")],
-    store: Annotated[Store, Depends(get_store)],
+    store: StoreDep,
 ) -> SampleRoutingOut:
     from audit.queries import sample_routing as read
 
@@ -260,10 +252,10 @@ def sample_routing(
             status.HTTP_404_NOT_FOUND,
             detail=f"sample_key: no routes on both sides for sample {sample_key} at step {step} of run {run_id!r}",
         )
-    return SampleRoutingOut(
-        layers=found.layers,
+    return from_attributes(
+        SampleRoutingOut,
+        found,
         positions=found.positions.tolist(),
-        prompt_len=found.prompt_len,
         trainer=found.trainer.tolist(),
         rollout=found.rollout.tolist(),
         first_flip_layer=found.first_flip.tolist(),
