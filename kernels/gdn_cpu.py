@@ -33,16 +33,34 @@ from .gdn import _GDN, CHUNK, GDNCache, _seqs
 __all__ = ["gdn", "gdn_autograd", "gdn_incremental"]
 
 
+BLOCK_BYTES = 1 << 19  # state bytes per block of (sequence, head) pairs: stays in a core's L2
+
+
 def _step(
     h: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor
 ) -> torch.Tensor:
-    """One token of n sequences: h (n, H, dk, dv) fp32 updated in place; q, k (n, H, dk), v
-    (n, H, dv), a = e^g and b = beta (n, H), all fp32. Returns o (n, H, dv)."""
-    h.mul_(a[..., None, None])
-    kc = k[..., :, None]
-    u = (v - tree_sum(h * kc, dim=-2)).mul_(b[..., None])
-    h.add_(kc * u[..., None, :])
-    return tree_sum(h * q[..., :, None], dim=-2)
+    """One token of P (sequence, head) pairs: h (P, dk, dv) fp32 updated in place; q, k (P, dk),
+    v (P, dv), a = e^g and b = beta (P,), all fp32. Returns o (P, dv)."""
+    h.mul_(a[:, None, None])
+    kc = k[:, :, None]
+    u = (v - tree_sum(h * kc, dim=-2)).mul_(b[:, None])
+    h.add_(kc * u[:, None, :])
+    return tree_sum(h * q[:, :, None], dim=-2)
+
+
+def _step_blocked(
+    h: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor
+) -> torch.Tensor:
+    """:func:`_step` over blocks of pairs whose state fits in L2 (a few passes over each block,
+    not over the whole batch's states from memory). Pairs are independent: no bit depends on it."""
+    r = max(1, BLOCK_BYTES // (h.shape[1] * h.shape[2] * 4))
+    if h.shape[0] <= r:
+        return _step(h, q, k, v, a, b)
+    o = torch.empty(h.shape[0], h.shape[2], dtype=torch.float32)
+    for i in range(0, h.shape[0], r):
+        j = i + r
+        o[i:j] = _step(h[i:j], q[i:j], k[i:j], v[i:j], a[i:j], b[i:j])
+    return o
 
 
 def _run(
@@ -67,19 +85,21 @@ def _run(
     ls = [lens[i] for i in order]
     live = [sum(1 for n in ls if n > t) for t in range(ls[0])]  # sequences still running at step t
     rows = torch.tensor([starts[order[i]] + t for t, n in enumerate(live) for i in range(n)])
-    qs, ks, vs = (x.index_select(0, rows).float() for x in (q, k, v))
-    gs, bs = (x.index_select(0, rows).float() for x in (g, beta))
+    # Flattened to (token, head) pairs: the pairs of step t are rows [i*H, (i+n)*H) of each.
+    qs, ks, vs = (x.index_select(0, rows).float().flatten(0, 1) for x in (q, k, v))
+    gs, bs = (x.index_select(0, rows).float().flatten() for x in (g, beta))
     a = exp(gs)
     perm = torch.tensor(order)
     hs = h.index_select(0, perm)
-    out = torch.empty(rows.numel(), hh, dv, dtype=torch.float32)
+    flat = hs.view(-1, *hs.shape[2:])  # (B*H, dk, dv)
+    out = torch.empty(rows.numel() * hh, dv, dtype=torch.float32)
     i = 0
     for n in live:
-        out[i : i + n] = _step(
-            hs[:n], qs[i : i + n], ks[i : i + n], vs[i : i + n], a[i : i + n], bs[i : i + n]
-        )
+        p, e = i * hh, (i + n) * hh
+        out[p:e] = _step_blocked(flat[: n * hh], qs[p:e], ks[p:e], vs[p:e], a[p:e], bs[p:e])
         i += n
     h.index_copy_(0, perm, hs)
+    out = out.view(rows.numel(), hh, dv)
     o[rows] = out
     return o
 

@@ -74,6 +74,18 @@ def test_batch_invariant(dtype: torch.dtype) -> None:
         assert bits_equal(op, want) and bits_equal(hp, h[perm]), f"order {perm}"
 
 
+@pytest.mark.parametrize("pairs", [1, 4])
+def test_state_blocks_change_no_bit(monkeypatch: pytest.MonkeyPatch, pairs: int) -> None:
+    """Large batches step through their (sequence, head) states in L2-sized blocks; the block size
+    changes no bit."""
+    lens = [40, 7, 23]
+    x = _inputs(sum(lens), 3, 16, 16, torch.bfloat16, seed=6)
+    whole = gdn_cpu.gdn(*x, _cu(lens))
+    monkeypatch.setattr(gdn_cpu, "BLOCK_BYTES", pairs * 16 * 16 * 4)
+    blocked = gdn_cpu.gdn(*x, _cu(lens))
+    assert bits_equal(blocked[0], whole[0]) and bits_equal(blocked[1], whole[1])
+
+
 def _decode(
     x: list[torch.Tensor], lens: list[int], first: list[int], chunk: int, cache: GDNCache
 ) -> torch.Tensor:
