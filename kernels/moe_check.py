@@ -10,6 +10,8 @@ itself; then, over the group (gloo on the CPU, NCCL with one GPU per rank):
   buffer capacities, fp32 and bf16: its tokens' outputs must equal the single-process layer's.
 * **SP**: :func:`kernels.sequence_parallel.sp_hidden` of an MoELM with this rank's slice of every
   sequence: its logits slice must equal the full forward's (kernels off: how much differs).
+* **SP on HF models**: the same for HF's Qwen3 (dense) and Qwen3-MoE decoders (random weights
+  from a seeded config; :func:`kernels.sequence_parallel.sp_hidden` with the engine adapter's ops).
 * **TP + SP** (power-of-two worlds): :func:`kernels.sequence_parallel.tree_gemm_reduce_scatter`
   rows must equal the tree GEMM's.
 Rank 0 writes the verdicts (``--json``) and exits non-zero when any is false.
@@ -90,6 +92,56 @@ def _sp(rank: int, world: int, dev: torch.device, small: bool) -> dict:
     return res
 
 
+def hf_decoder(family: str, dev: torch.device, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
+    """A tiny HF ``qwen3`` or ``qwen3_moe`` causal LM with seeded random weights (every process
+    builds the same bits; nothing is downloaded)."""
+    from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
+
+    common = dict(
+        vocab_size=256,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        intermediate_size=96,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
+    if family == "qwen3":
+        cfg = Qwen3Config(**common)
+    elif family == "qwen3_moe":
+        cfg = Qwen3MoeConfig(
+            **common, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True
+        )
+    else:
+        raise ValueError(f"family: expected 'qwen3' or 'qwen3_moe', got {family!r}")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.ndim >= 2:  # fan-in scaled; HF leaves the router at zero
+                    p.normal_(0.0, p.shape[-1] ** -0.5)
+    return model.to(dev, dtype).eval()
+
+
+def _sp_hf(rank: int, world: int, dev: torch.device) -> dict:
+    ids = torch.randint(0, 256, (3, 37), generator=torch.Generator().manual_seed(1)).to(dev)
+    lo, hi = sp.seq_slices(ids.shape[1], world)[rank]
+    res = {}
+    for family in ("qwen3", "qwen3_moe"):
+        model = hf_decoder(family, dev, torch.bfloat16 if dev.type == "cuda" else torch.float32)
+        head = model.lm_head.weight
+        with kernels.enable(), torch.no_grad():
+            full = model.model(input_ids=ids).last_hidden_state[:, lo:hi]
+            mine = sp.sp_hidden(model, ids, world, [rank], sp.process_group_seq_gather(ids.shape[1]))[rank]
+            got = routing.logits_fp32(mine.reshape(-1, mine.shape[-1]), head)
+            want = routing.logits_fp32(full.reshape(-1, full.shape[-1]), head)
+        res[family] = {"equal": bits_equal(got, want)}
+    return res
+
+
 def _tp_sp(rank: int, world: int, dev: torch.device, small: bool) -> dict | None:
     if world & (world - 1):
         return None
@@ -118,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rank, world, dev = join_torchrun_group()
     mine = {"ep": _ep(rank, world, dev, args.small), "sp": _sp(rank, world, dev, args.small)}
+    mine["sp_hf"] = _sp_hf(rank, world, dev)
     mine["tp_sp"] = _tp_sp(rank, world, dev, args.small)
     every: list[dict] = [{} for _ in range(world)]
     dist.all_gather_object(every, mine)
@@ -127,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     ok = all(
         all(c["equal"] for c in r["ep"])
         and r["sp"]["kernels"]["equal"]
+        and all(c["equal"] for c in r["sp_hf"].values())
         and (r["tp_sp"] is None or r["tp_sp"]["equal"])
         for r in every
     )

@@ -16,14 +16,17 @@ non-SP model performs:
   slice (an all-to-all in place of the all-gather), which combines them by the same tree:
   Megatron's reduce-scatter, with TP=1's additions.
 
-:func:`sp_hidden` runs an attention + MLP/MoE model of ours (:class:`kernels.models.moe_lm.MoELM`)
-this way, for all ranks on one device (simulated) or for this process's rank of a real group
-(:func:`process_group_seq_gather`); ``python -m kernels.moe_check`` checks it under torchrun.
+:func:`sp_hidden` runs a decoder this way, for all ranks on one device (simulated) or for this
+process's rank of a real group (:func:`process_group_seq_gather`): our
+:class:`kernels.models.moe_lm.MoELM`, or HF's Llama/Qwen3 (dense) and Qwen3-MoE/Mixtral (MoE)
+decoders with the ops of :class:`kernels.adapters.HFCausalLM` (the engine path, bitwise HF's own
+forward with the kernels on). ``python -m kernels.moe_check`` checks both under torchrun.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import torch
 
@@ -74,40 +77,168 @@ def process_group_seq_gather(n: int, group: object | None = None) -> SeqGather:
     return gather
 
 
+class SPLayer(Protocol):
+    """One decoder layer as :func:`sp_hidden` runs it on a rank's slice (T rows)."""
+
+    scale: float
+
+    def qkv(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries (T, Hq, D), keys and values (T, Hkv, D) at absolute positions ``pos`` (T,)."""
+        ...
+
+    def attended(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """The residual stream after attention: ``x`` plus the output projection of ``o``."""
+        ...
+
+    def mlp(self, h: torch.Tensor) -> torch.Tensor:
+        """The residual stream after the MLP / MoE block."""
+        ...
+
+
+class SPModel(Protocol):
+    """A decoder as :func:`sp_hidden` runs it: embedding, layers, final norm."""
+
+    layers: Sequence[SPLayer]
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor: ...
+
+    def final(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+class _OursLayer:
+    def __init__(self, blk: torch.nn.Module) -> None:
+        self.blk, self.att = blk, blk.mixer
+        self.scale = self.att.cfg.head_dim**-0.5
+
+    def qkv(self, x: torch.Tensor, pos: torch.Tensor) -> Any:
+        return self.att.qkv(self.blk.norm1(x), pos)
+
+    def attended(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        return x + routing.linear(o.reshape(x.shape[0], -1), self.att.o.weight)
+
+    def mlp(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.blk.mlp(self.blk.norm2(h))
+
+
+class _Ours:
+    """:class:`kernels.models.moe_lm.MoELM` (``embed``, ``blocks``, ``norm``)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.layers = [_OursLayer(blk) for blk in model.blocks]
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed(ids)
+
+    def final(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model.norm(x)
+
+
+class _HFLayer:
+    def __init__(self, owner: _HF, layer: torch.nn.Module) -> None:
+        self.owner, self.layer, self.attn = owner, layer, layer.self_attn
+        self.scale = float(self.attn.scaling)
+
+    def qkv(self, x: torch.Tensor, pos: torch.Tensor) -> Any:
+        from .adapters import _norm, _rotate_half
+
+        t, d, attn = x.shape[0], self.owner.head_dim, self.attn
+        h = _norm(self.layer.input_layernorm, x)
+        q = attn.q_proj(h).view(t, -1, d)
+        k = attn.k_proj(h).view(t, -1, d)
+        v = attn.v_proj(h).view(t, -1, d)
+        if hasattr(attn, "q_norm"):
+            q, k = _norm(attn.q_norm, q), _norm(attn.k_norm, k)
+        cos, sin = self.owner.rope(x, pos)
+        return (q * cos) + (_rotate_half(q) * sin), (k * cos) + (_rotate_half(k) * sin), v
+
+    def attended(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        return x + self.attn.o_proj(o.reshape(x.shape[0], -1))
+
+    def mlp(self, h: torch.Tensor) -> torch.Tensor:
+        from .adapters import _norm
+
+        return h + self.layer.mlp(_norm(self.layer.post_attention_layernorm, h))
+
+
+class _HF:
+    """An HF Llama/Qwen3/Qwen3-MoE/Mixtral causal LM (or an :class:`~kernels.adapters.HFCausalLM`)
+    with :class:`~kernels.adapters.HFCausalLM`'s per-layer ops; MoE blocks are instrumented so they
+    take packed rows and record their routing."""
+
+    def __init__(self, model: Any) -> None:
+        model = getattr(model, "model", model) if not isinstance(model, torch.nn.Module) else model
+        from .adapters_moe import instrument
+
+        instrument(model)
+        self.inner = model.model
+        cfg = model.config
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.layers = [_HFLayer(self, layer) for layer in self.inner.layers]
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.inner.embed_tokens(ids)
+
+    def rope(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.inner.rotary_emb(x[None], pos[None])
+        return cos[0][:, None, :], sin[0][:, None, :]
+
+    def final(self, x: torch.Tensor) -> torch.Tensor:
+        from .adapters import _norm
+
+        return _norm(self.inner.norm, x)
+
+
+def sp_model(model: Any) -> SPModel:
+    """``model`` as :func:`sp_hidden` runs it: our MoELM, an HF decoder (dense or MoE), an
+    :class:`~kernels.adapters.HFCausalLM`, or an :class:`SPModel` already."""
+    if hasattr(model, "layers") and hasattr(model, "final"):
+        return model  # type: ignore[no-any-return]
+    if hasattr(model, "blocks") and hasattr(model, "embed"):
+        return _Ours(model)
+    inner = getattr(model, "model", None)
+    if hasattr(getattr(inner, "model", inner), "layers"):
+        return _HF(model)
+    raise TypeError(
+        f"model: expected an MoELM, an HF Llama/Qwen3/Qwen3-MoE/Mixtral causal LM or an SPModel, "
+        f"got {type(model).__name__}"
+    )
+
+
 def sp_hidden(
-    model: torch.nn.Module,
+    model: Any,
     input_ids: torch.Tensor,
     world: int,
     ranks: Sequence[int] | None = None,
     gather: SeqGather = simulated_seq_gather,
 ) -> dict[int, torch.Tensor]:
     """The final hidden states of ``ranks`` (default all: simulated), each (B, len_r, hidden) for
-    its slice of (B, n) ids, with sequence parallelism of degree ``world``. ``model`` is an
-    attention model of ours with ``embed``, ``blocks`` (``norm1``, ``mixer``, ``norm2``, ``mlp``)
-    and ``norm`` (:class:`~kernels.models.moe_lm.MoELM`). Tokens are tagged (batch row, position)."""
+    its slice of (B, n) ids (no padding), with sequence parallelism of degree ``world``. ``model``:
+    anything :func:`sp_model` takes. Tokens are tagged (batch row, position) for routing traces."""
+    view = sp_model(model)
     b, n = input_ids.shape
     dev = input_ids.device
     ranks = list(range(world)) if ranks is None else list(ranks)
     sl = seq_slices(n, world)
     pos = {r: torch.arange(*sl[r], device=dev).repeat(b) for r in ranks}
     rows = {r: torch.arange(b, device=dev).repeat_interleave(sl[r][1] - sl[r][0]) for r in ranks}
-    x = {r: model.embed(input_ids[:, sl[r][0] : sl[r][1]].reshape(-1)) for r in ranks}
-    for blk in model.blocks:
-        att = blk.mixer
-        qkv = {r: att.qkv(blk.norm1(x[r]), pos[r]) for r in ranks}
+    x = {r: view.embed(input_ids[:, sl[r][0] : sl[r][1]].reshape(-1)) for r in ranks}
+    for layer in view.layers:
+        qkv = {r: layer.qkv(x[r], pos[r]) for r in ranks}
         shaped = {r: lambda t, r=r: t.view(b, sl[r][1] - sl[r][0], *t.shape[1:]) for r in ranks}
-        kc = gather({r: shaped[r](qkv[r][1]) for r in ranks})
+        kc = gather({r: shaped[r](qkv[r][1]) for r in ranks})  # (B, n, Hkv, D): slot b = row b
         vc = gather({r: shaped[r](qkv[r][2]) for r in ranks})
         for r in ranks:
             lo, hi = sl[r]
             cu = torch.arange(b + 1, device=dev, dtype=torch.int32) * (hi - lo)
             pos0 = torch.full((b,), lo, device=dev, dtype=torch.int32)
             kv_len = torch.full((b,), hi, device=dev, dtype=torch.int32)
-            o = routing.attention(qkv[r][0], kc, vc, cu, pos0, kv_len, None, att.cfg.head_dim**-0.5)
-            h = x[r] + routing.linear(o.reshape(x[r].shape[0], -1), att.o.weight)
+            o = routing.attention(qkv[r][0], kc, vc, cu, pos0, kv_len, None, layer.scale)
+            h = layer.attended(x[r], o)
             with moe.tokens(rows[r], pos[r]):
-                x[r] = h + blk.mlp(blk.norm2(h))
-    return {r: model.norm(x[r]).view(b, sl[r][1] - sl[r][0], -1) for r in ranks}
+                x[r] = layer.mlp(h)
+    return {r: view.final(x[r]).view(b, sl[r][1] - sl[r][0], -1) for r in ranks}
 
 
 def tree_gemm_reduce_scatter(

@@ -91,6 +91,7 @@ def _assert_parallel_ok(result: dict, world: int) -> None:
     for r in result["ranks"]:
         assert len(r["ep"]) == 8 and all(c["equal"] for c in r["ep"])
         assert r["sp"]["kernels"]["equal"]
+        assert r["sp_hf"] == {"qwen3": {"equal": True}, "qwen3_moe": {"equal": True}}
         assert (r["tp_sp"] is None) == bool(world & (world - 1))
         assert r["tp_sp"] is None or r["tp_sp"]["equal"]
     if world > 2:  # teeth: some rank's native SP logits differ (measured 39% at world 3)
