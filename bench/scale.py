@@ -46,6 +46,7 @@ from audit.worker import ComparisonWorker
 from collectors.sinks.base import encode_batch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _runner import run_clients, stop_processes  # noqa: E402
 from api_load import serve  # noqa: E402  (`isoaudit serve` without its worker: this bench times the worker alone)
 
 PG_URL = os.environ.get("ISOAUDIT_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
@@ -278,8 +279,7 @@ def rl_step_cost(db: Database, args: argparse.Namespace) -> dict[str, Any]:
                 assert worker.run_once(RUN) == args.fingerprinted
                 fp["compare"] = time.perf_counter() - started
     finally:
-        process.terminate()
-        process.wait(30)
+        stop_processes([process])
         store.dispose()
     out: dict[str, Any] = {k: statistics.median(v) for k, v in figures.items()}
     out["fingerprints"] = fp
@@ -323,19 +323,9 @@ def replica_throughput(db: Database, replicas: int, clients: int, seconds: float
                 latencies.append(time.perf_counter() - started)
 
     try:
-        threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
-        started = time.monotonic()
-        for thread in threads:
-            thread.start()
-        time.sleep(seconds)
-        stop.set()
-        for thread in threads:
-            thread.join(120)
-        elapsed = time.monotonic() - started
+        elapsed = run_clients(client, clients, seconds, stop, join_s=120)
     finally:
-        for process in processes:
-            process.terminate()
-            process.wait(30)
+        stop_processes(processes)
         store.dispose()
     latencies.sort()
     return {
