@@ -152,6 +152,30 @@ class NotificationRow(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
+class NoticeOutboxRow(Base):
+    """A notice waiting for (or done with) one destination: written in the transaction that claims
+    the announcement, delivered by the worker's thread for that destination, so a notice survives a
+    restart and one slow destination holds up no other. ``destination``: a digest of the URL (the
+    URL itself is a secret and stays in the configuration); ``attempts_log``: each attempt made."""
+
+    __tablename__ = "alert_outbox"
+    __table_args__ = (Index("ix_alert_outbox_destination_status", "destination", "status", "id"),)
+
+    id: Mapped[int] = mapped_column(RowId, primary_key=True, autoincrement=True)
+    alert_id: Mapped[int] = mapped_column(RowId, ForeignKey("alerts.id", ondelete="CASCADE"))
+    event: Mapped[str] = mapped_column(String(16))
+    channel: Mapped[str] = mapped_column(String(64))
+    destination: Mapped[str] = mapped_column(String(64))
+    status: Mapped[str] = mapped_column(String(16), default="pending")
+    notice: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    attempts_log: Mapped[list[Any]] = mapped_column(default=list)
+    next_attempt_at: Mapped[datetime] = mapped_column(default=utcnow)
+    claimed_by: Mapped[str | None] = mapped_column(String(128))
+    claimed_until: Mapped[datetime | None] = mapped_column()
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
 REMEDIATION_MODES = ("native", "invariant")
 
 

@@ -17,6 +17,7 @@ from audit.alerts.channels import (
 )
 from audit.alerts.engine import AlertEngine, Transition
 from audit.alerts.evaluator import Evaluation, evaluate_series, next_state
+from audit.alerts.outbox import Outbox
 from audit.alerts.rules import (
     DEFAULT_RULES_YAML,
     AlertRule,
@@ -40,6 +41,7 @@ __all__ = [
     "Evaluation",
     "LogChannel",
     "Notice",
+    "Outbox",
     "RulesFileError",
     "SilenceSpec",
     "Transition",

@@ -8,6 +8,7 @@ other channels.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -189,32 +190,46 @@ class WebhookChannel:
         """The bound on one notice's delivery: every attempt timing out, every backoff waited."""
         return self.attempts * self.timeout_s + sum(self.wait_s(a) for a in range(1, self.attempts))
 
+    #: Delivered from the durable outbox (``audit.alerts.outbox``) when the engine runs in the background.
+    durable = True
+
+    @property
+    def destination(self) -> str:
+        """A digest of the URL that names this destination in the outbox (a webhook URL is a secret)."""
+        return hashlib.sha256(self.url.encode()).hexdigest()[:16]
+
+    def attempt(self, payload: dict[str, Any]) -> tuple[str, bool]:
+        """POST once: ``("sent", False)``, or the error and whether it is worth trying again
+        (transport errors, 429, 5xx); never raises."""
+        try:
+            client = self._client or httpx.Client(timeout=self.timeout_s)
+            try:
+                response = client.post(self.url, json=payload)
+            finally:
+                if self._client is None:
+                    client.close()
+            if response.is_success:
+                return "sent", False
+            error = f"HTTP {response.status_code}: {response.text[:200]}"
+            return error, response.status_code == 429 or response.status_code >= 500
+        except Exception as exc:  # transport errors, bad URLs: recorded, never raised
+            # Refused, reset, timed out: may pass. A URL httpx cannot use never will.
+            retry = isinstance(exc, httpx.TransportError) and not isinstance(exc, httpx.UnsupportedProtocol)
+            return f"{type(exc).__name__}: {exc}", retry
+
     def send(self, notice: Notice) -> Delivery:
+        """Deliver with every retry in line (sleeping between attempts): for engines that deliver
+        synchronously; the service delivers from the outbox instead, one attempt at a time."""
         payload = slack_payload(notice)
         record: list[dict[str, Any]] = []
         error = "not attempted"
         for attempt in range(1, self.attempts + 1):
             at, started = datetime.now(UTC), time.monotonic()
-            retry = True
-            try:
-                client = self._client or httpx.Client(timeout=self.timeout_s)
-                try:
-                    response = client.post(self.url, json=payload)
-                finally:
-                    if self._client is None:
-                        client.close()
-                if response.is_success:
-                    record.append(_attempt(attempt, at, started, "sent"))
-                    return Delivery(self.name, "sent", attempt, None, {**payload, ATTEMPTS_KEY: record})
-                error = f"HTTP {response.status_code}: {response.text[:200]}"
-                retry = response.status_code == 429 or response.status_code >= 500
-            except Exception as exc:  # transport errors, bad URLs: recorded, never raised
-                error = f"{type(exc).__name__}: {exc}"
-                # Refused, reset, timed out: may pass. A URL httpx cannot use never will.
-                retry = isinstance(exc, httpx.TransportError) and not isinstance(
-                    exc, httpx.UnsupportedProtocol
-                )
-            record.append(_attempt(attempt, at, started, error))
+            outcome, retry = self.attempt(payload)
+            record.append(attempt_record(attempt, at, started, outcome))
+            if outcome == "sent":
+                return Delivery(self.name, "sent", attempt, None, {**payload, ATTEMPTS_KEY: record})
+            error = outcome
             if not retry or attempt == self.attempts:
                 break  # refused as such (repeating will not help), or out of attempts
             record[-1]["wait_s"] = self.wait_s(attempt)
@@ -230,7 +245,7 @@ class WebhookChannel:
         return Delivery(self.name, "failed", attempt, error, {**payload, ATTEMPTS_KEY: record})
 
 
-def _attempt(attempt: int, at: datetime, started: float, outcome: str) -> dict[str, Any]:
+def attempt_record(attempt: int, at: datetime, started: float, outcome: str) -> dict[str, Any]:
     return {
         "attempt": attempt,
         "at": at.isoformat(),

@@ -5,7 +5,8 @@ resolved alerts unless a silence mutes them.
 Plugs into the comparison worker as its step callback: ``ComparisonWorker(store, on_step=engine.evaluate)``.
 State is derived from the stored step results, so evaluating the same step twice (a re-comparison,
 a retry, a second worker) changes nothing and sends nothing twice: each notice is claimed by a
-conditional UPDATE before it is sent.
+conditional UPDATE before it is sent. In the background (the service), webhook notices are written
+to the durable outbox in that same transaction and delivered from there (``audit.alerts.outbox``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from sqlalchemy.exc import IntegrityError
 
 from audit.alerts.channels import Channel, DatabaseChannel, Delivery, Event, LogChannel, Notice
 from audit.alerts.evaluator import Evaluation, State, evaluate_series, next_state, steps_needed
+from audit.alerts.outbox import Outbox
 from audit.alerts.rules import AlertRule, list_rule_rows, rule_from_row
 from audit.alerts.silences import list_silences, matches
 from audit.models import StepResultRow
@@ -63,24 +65,41 @@ class AlertEngine:
         step_path: str = DEFAULT_STEP_PATH,
         now: Callable[[], datetime] = utcnow,
         deliver_in_background: bool = False,
+        worker: str | None = None,
     ) -> None:
-        """``deliver_in_background``: send notices from one thread of the engine's own, in order, so a
-        slow or dead webhook (retries, timeouts) never holds up the comparison worker that evaluates."""
+        """``deliver_in_background``: never hold up the comparison worker that evaluates. Channels
+        that can be (webhooks: ``durable``) go into the durable outbox with the claim of the notice
+        and are delivered by :meth:`start`'s threads, one per destination; the others (log,
+        database) from one thread of the engine's own, in order. ``worker``: this process's name
+        in the outbox's leases (default ``host:pid:nonce``)."""
         self.store = store
         self.deliver_in_background = deliver_in_background
         self._delivery: ThreadPoolExecutor | None = None  # started by the first background notice
         self.channels: list[Channel] = (
             list(channels) if channels is not None else [LogChannel(), DatabaseChannel()]
         )
+        durable = [c for c in self.channels if getattr(c, "durable", False)] if deliver_in_background else []
+        self.outbox = Outbox(store, durable, worker=worker, now=now) if durable else None  # type: ignore[arg-type]
+        self._instant = [c for c in self.channels if c not in durable]
         self.dashboard_url = dashboard_url.rstrip("/")
         self.step_path = step_path
         self.now = now
 
+    def start(self) -> AlertEngine:
+        """Start delivering the outbox (notices pending from before a restart first). Only the
+        process that compares calls it: an API replica without a worker delivers nothing."""
+        if self.outbox is not None:
+            self.outbox.start()
+        return self
+
     def close(self) -> None:
-        """Wait for notices still being delivered (background delivery only)."""
+        """Wait for notices still being delivered (background delivery only); what the outbox has
+        not delivered stays there for the next start."""
         if self._delivery is not None:
             self._delivery.shutdown(wait=True)
             self._delivery = None
+        if self.outbox is not None:
+            self.outbox.stop()
 
     def step_url(self, run_id: str, step: int) -> str:
         """The dashboard page of one step of a run."""
@@ -258,6 +277,10 @@ class AlertEngine:
             claim_stmt = update(table).where(table.c.id == alert_id, *claim).values({column: True})
             if session.execute(claim_stmt.returning(table.c.id)).first() is None:
                 return  # announced already (by another evaluation), or never announced as firing
+            if self.outbox is not None:
+                self.outbox.enqueue(session, notice)  # committed with the claim, or not at all
+        if not self._instant:
+            return
         if self.deliver_in_background:
             if self._delivery is None:
                 self._delivery = ThreadPoolExecutor(max_workers=1, thread_name_prefix="isoaudit-alerts")
@@ -267,7 +290,7 @@ class AlertEngine:
 
     def _deliver(self, notice: Notice) -> None:
         deliveries = []
-        for channel in self.channels:
+        for channel in self._instant:
             try:
                 deliveries.append(channel.send(notice))
             except Exception as exc:  # a channel that breaks its promise not to raise

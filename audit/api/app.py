@@ -27,11 +27,18 @@ from audit.api.telemetry import Telemetry
 from audit.store import Store
 
 
+def webhook_urls(value: str | None) -> list[str]:
+    """The webhooks of ``ISOAUDIT_ALERT_WEBHOOK_URL`` / ``--webhook``: one URL, or several separated
+    by commas or spaces (each is a destination of its own: one that is slow or down delays no other)."""
+    return [url for url in (value or "").replace(",", " ").split() if url]
+
+
 def default_alert_engine(store: Store, settings: ApiSettings) -> AlertEngine:
-    """Log and database channels, plus the webhook when one is configured."""
-    channels = [LogChannel(), DatabaseChannel()]
-    if settings.webhook_url:
-        channels.append(WebhookChannel(settings.webhook_url))
+    """Log and database channels, plus a webhook channel per configured URL (``webhook``,
+    ``webhook-2``, ...), delivered from the durable outbox once :meth:`AlertEngine.start` runs."""
+    channels: list = [LogChannel(), DatabaseChannel()]
+    for i, url in enumerate(webhook_urls(settings.webhook_url)):
+        channels.append(WebhookChannel(url, name="webhook" if i == 0 else f"webhook-{i + 1}"))
     return AlertEngine(
         store,
         channels,
@@ -77,6 +84,7 @@ def create_app(
                 interval=settings.worker_interval_s,
                 lease_s=settings.worker_lease_s,
             ).start()
+            alert_engine.start()  # the outbox goes out from where comparison runs
         app.state.worker = worker
         try:
             yield

@@ -131,7 +131,7 @@ def worker(
     settings = ApiSettings.from_env(database_url=database, alert_rules_file=rules, webhook_url=webhook)
     store = open_store(settings.database_url)
     install_configured_rules(store, settings)
-    engine = default_alert_engine(store, settings)
+    engine = default_alert_engine(store, settings).start()
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())

@@ -1,0 +1,122 @@
+"""Alert notices are durable and per destination, with the real parts: `isoaudit serve` (its worker
+a child process) with two webhooks, each a real HTTP receiver in this process. One hangs: the
+other still gets its notice at once. The service is SIGKILLed while the hanging one's notice is
+pending: after a restart that notice is delivered from the outbox, once, and the other receiver
+gets nothing twice. The store is reconciled against what was sent."""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import pytest
+from sqlalchemy import func, select
+
+from audit.alerts.channels import WebhookChannel
+from audit.alerts.history import delivery_attempts, list_alerts, notifications
+from audit.alerts.outbox import LEASE_MARGIN_S
+from audit.api.live import free_port
+from audit.auth import create_token
+from audit.records import Batch
+from audit.service_models import NoticeOutboxRow
+from audit.store import Store
+from tests import factories
+from tests.service.processes import alive, children, serve
+from tests.service.receiver import Receiver
+from tests.service.workload import reconcile, step_records
+
+RULES = """
+rules:
+  - name: kl_high
+    metric: kl_k3
+    comparison: ">"
+    threshold: 1.0e-3
+    severity: critical
+"""
+
+
+def wait_for(condition: Callable[[], object], timeout: float, what: str) -> float:
+    started = time.monotonic()
+    while not condition():
+        if time.monotonic() - started > timeout:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.02)
+    return time.monotonic() - started
+
+
+def outbox_rows(store: Store) -> int:
+    with store.sessions() as session:
+        return int(session.scalar(select(func.count()).select_from(NoticeOutboxRow)) or 0)
+
+
+@pytest.mark.slow
+def test_a_pending_notice_survives_a_sigkill_and_a_hung_webhook_delays_no_other(tmp_path: Path):
+    url = f"sqlite:///{tmp_path / 'notices.db'}"
+    store = Store(url)
+    token = create_token(store, "alpha")
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(RULES)
+    port = free_port()
+    with Receiver() as slow, Receiver() as quick:
+        env = {
+            "ISOAUDIT_ALERT_WEBHOOK_URL": f"{slow.url},{quick.url}",  # two destinations
+            "ISOAUDIT_ALERT_RULES": str(rules),
+            "ISOAUDIT_DEFAULT_ALERT_RULES": "0",
+            "ISOAUDIT_WORKER_INTERVAL_S": "0.05",
+        }
+        slow.hang()  # holds every request without answering: the 5 s timeout runs out
+        api = serve(url, port, worker=True, env=env)
+        sent = [*step_records(0, 0.2)]
+        try:
+            with httpx.Client(
+                base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {token}"}, timeout=30
+            ) as http:
+                body = Batch(records=[factories.run(), *sent]).model_dump_json()
+                assert http.post("/v1/ingest", content=body).status_code == 200
+                started = time.monotonic()
+                quick_s = wait_for(lambda: len(quick.messages) == 1, 60, "the quick webhook's notice")
+            assert slow.hung >= 1 and not slow.messages  # the slow one holds its first attempt
+            assert time.monotonic() - started < WebhookChannel("u").timeout_s + 5  # not behind its timeout
+            assert outbox_rows(store) == 1  # the slow destination's notice, pending
+
+            [worker] = children(api.pid)
+            api.send_signal(signal.SIGKILL)  # mid-attempt: the notice is claimed, not delivered
+            api.wait(10)
+            wait_for(lambda: not alive(worker), 10, "the worker to die with the API")
+            assert outbox_rows(store) == 1 and not slow.messages
+            slow.answer()  # the endpoint answers again
+
+            killed = time.monotonic()
+            api = serve(url, port, worker=True, env=env)
+            delivered = wait_for(lambda: len(slow.messages) == 1, 60, "the pending notice after the restart")
+            after_kill = time.monotonic() - killed
+            time.sleep(1.0)  # a second copy, were one coming, would arrive now
+        finally:
+            api.send_signal(signal.SIGTERM)
+            api.wait(30)
+        assert [(m["isoaudit"]["event"], m["isoaudit"]["step"]) for m in slow.messages] == [("firing", 0)]
+        assert len(quick.messages) == 1  # nothing sent twice to the other destination
+    assert outbox_rows(store) == 0
+    [alert] = list_alerts(store, run_id="run-1")
+    rows = {n.channel: n for n in notifications(store, alert.id)}
+    assert {c: r.status for c, r in rows.items()} == {
+        "log": "sent",
+        "database": "stored",
+        "webhook": "sent",
+        "webhook-2": "sent",
+    }
+    assert delivery_attempts(rows["webhook-2"])[-1]["outcome"] == "sent"
+    assert (
+        rows["webhook"].attempts >= 1
+    )  # the attempt the kill cut off left no record; retaken after its lease
+    counts = reconcile(store, sent)
+    assert (counts["lost"], counts["extra"], counts["doubled"]) == (0, 0, 0), counts
+    store.dispose()
+    print(
+        f"\nnotices: the quick webhook got its notice {quick_s:.2f} s after ingest while the other hung; "
+        f"the hung one's notice, pending at the SIGKILL, delivered once {after_kill:.1f} s after it "
+        f"({delivered:.1f} s after the restart answered; lease margin {LEASE_MARGIN_S} s); {counts}"
+    )
