@@ -7,7 +7,7 @@ frames can be built (and tested) without a browser.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
 from typing import Any
@@ -48,37 +48,39 @@ def region_sort(labels: Sequence[str]) -> list[str]:
     return sorted(labels, key=lambda r: (region_order(_base_region(r)), r))
 
 
+def attributes_frame(
+    items: Iterable[Any], columns: Sequence[str], computed: Mapping[str, Callable[[Any], Any]] | None = None
+) -> pd.DataFrame:
+    """One row per item (a query's result): each column is the item's attribute of that name, or
+    ``computed[column](item)`` where the frame names or derives it differently. No items: no rows,
+    the same columns."""
+    computed = computed or {}
+    rows = [{c: computed[c](item) if c in computed else getattr(item, c) for c in columns} for item in items]
+    return pd.DataFrame(rows, columns=list(columns))
+
+
 # ---------------------------------------------------------------------- runs page
 
 
 def runs_frame(runs: Sequence[queries.RunOverview]) -> pd.DataFrame:
     """One row per run with what the runs table shows."""
-    rows = [
-        {
-            "run_id": r.run_id,
-            "name": r.name,
-            "project": r.project,
-            "status": r.status,
-            "last_step": r.last_step,
-            "last_ingest_at": r.last_ingest_at,
-            "kl_k3": r.kl_k3,
-            "exact_match_fraction": r.exact_match_fraction,
-            "open_alerts": r.open_alerts,
-            "desired_mode": r.control.mode,
-            "control_version": r.control.version,
-            "applied_trainer": r.applied["trainer"].mode,
-            "applied_rollout": r.applied["rollout"].mode,
-            "spark_steps": [s for s, _ in r.sparkline],
-            "spark_kl_k3": [v for _, v in r.sparkline],
-        }
-        for r in runs
-    ]
     columns = [
         "run_id", "name", "project", "status", "last_step", "last_ingest_at", "kl_k3",
         "exact_match_fraction", "open_alerts", "desired_mode", "control_version",
         "applied_trainer", "applied_rollout", "spark_steps", "spark_kl_k3",
     ]  # fmt: skip
-    return pd.DataFrame(rows, columns=columns)
+    return attributes_frame(
+        runs,
+        columns,
+        {
+            "desired_mode": lambda r: r.control.mode,
+            "control_version": lambda r: r.control.version,
+            "applied_trainer": lambda r: r.applied["trainer"].mode,
+            "applied_rollout": lambda r: r.applied["rollout"].mode,
+            "spark_steps": lambda r: [s for s, _ in r.sparkline],
+            "spark_kl_k3": lambda r: [v for _, v in r.sparkline],
+        },
+    )
 
 
 # ---------------------------------------------------------------------- run page
@@ -159,18 +161,11 @@ def diagnosis_frame(points: Sequence[queries.StepPoint], kinds: Sequence[str] | 
 
 def thresholds_frame(rules: Sequence[AlertRule]) -> pd.DataFrame:
     """One row per enabled rule on a timeline metric: where to draw its threshold."""
-    rows = [
-        {
-            "rule": r.name,
-            "metric": r.metric,
-            "comparison": r.comparison,
-            "threshold": r.threshold,
-            "severity": r.severity,
-        }
-        for r in rules
-        if r.enabled and r.metric in TIMELINE_METRICS
-    ]
-    return pd.DataFrame(rows, columns=["rule", "metric", "comparison", "threshold", "severity"])
+    return attributes_frame(
+        [r for r in rules if r.enabled and r.metric in TIMELINE_METRICS],
+        ["rule", "metric", "comparison", "threshold", "severity"],
+        {"rule": lambda r: r.name},
+    )
 
 
 def alert_intervals_frame(
@@ -178,56 +173,41 @@ def alert_intervals_frame(
 ) -> pd.DataFrame:
     """The step ranges during which each alert was firing (still-firing ones end at ``last_step``)."""
     metric_of = {r.name: r.metric for r in rules}
-    rows = []
-    for a in alerts:
-        if a.fired_step is None:
-            continue
-        end = (
-            a.resolved_step
-            if a.resolved_step is not None
-            else (last_step if last_step is not None else a.last_step)
-        )
-        rows.append(
-            {
-                "alert_id": a.id,
-                "rule": a.rule,
-                "metric": metric_of.get(a.rule),
-                "severity": a.severity,
-                "state": a.state,
-                "start": a.fired_step,
-                "end": end,
-            }  # fmt: skip
-        )
-    return pd.DataFrame(rows, columns=["alert_id", "rule", "metric", "severity", "state", "start", "end"])
+
+    def end(a: AlertView) -> int | None:
+        if a.resolved_step is not None:
+            return a.resolved_step
+        return last_step if last_step is not None else a.last_step
+
+    return attributes_frame(
+        [a for a in alerts if a.fired_step is not None],
+        ["alert_id", "rule", "metric", "severity", "state", "start", "end"],
+        {
+            "alert_id": lambda a: a.id,
+            "metric": lambda a: metric_of.get(a.rule),
+            "start": lambda a: a.fired_step,
+            "end": end,
+        },
+    )
 
 
 def mode_changes_frame(changes: Sequence[queries.ModeChange]) -> pd.DataFrame:
-    rows = [{"side": c.side, "mode": c.mode, "at": c.at, "step": c.step} for c in changes]
-    return pd.DataFrame(rows, columns=["side", "mode", "at", "step"])
+    return attributes_frame(changes, ["side", "mode", "at", "step"])
 
 
 def samples_frame(verdicts: Sequence[queries.SampleVerdict]) -> pd.DataFrame:
     """A step's sample table."""
-    rows = [
-        {
-            "sample_key": v.sample_key,
-            "n_tokens": v.n_tokens,
-            "abs_diff_mean": v.abs_diff_mean,
-            "abs_diff_max": v.abs_diff_max,
-            "kl_k3": v.kl_k3,
-            "exact_match_fraction": v.exact_match_fraction,
-            "first_divergence": (
-                f"{v.first_divergence_region} @ {v.first_divergence_position}"
-                if v.first_divergence_region
-                else ""
-            ),
-            "diagnosis": v.diagnosis,
-        }
-        for v in verdicts
-    ]
     columns = ["sample_key", "n_tokens", "abs_diff_mean", "abs_diff_max", "kl_k3", "exact_match_fraction",
                "first_divergence", "diagnosis"]  # fmt: skip
-    return pd.DataFrame(rows, columns=columns)
+
+    def first_divergence(v: queries.SampleVerdict) -> str:
+        return (
+            f"{v.first_divergence_region} @ {v.first_divergence_position}"
+            if v.first_divergence_region
+            else ""
+        )
+
+    return attributes_frame(verdicts, columns, {"first_divergence": first_divergence})
 
 
 # ---------------------------------------------------------------------- sample page
@@ -360,62 +340,37 @@ def _text(value: Any) -> str:
 
 
 def alerts_frame(alerts: Sequence[AlertView]) -> pd.DataFrame:
-    rows = [
-        {
-            "id": a.id,
-            "rule": a.rule,
-            "run_id": a.run_id,
-            "state": a.state,
-            "severity": a.severity,
-            "value": a.value,
-            "started_step": a.started_step,
-            "fired_step": a.fired_step,
-            "resolved_step": a.resolved_step,
-            "last_step": a.last_step,
-            "link_step": a.fired_step if a.fired_step is not None else a.started_step,
-        }  # fmt: skip
-        for a in alerts
-    ]
     columns = ["id", "rule", "run_id", "state", "severity", "value", "started_step", "fired_step",
                "resolved_step", "last_step", "link_step"]  # fmt: skip
-    return pd.DataFrame(rows, columns=columns)
+    return attributes_frame(
+        alerts, columns, {"link_step": lambda a: a.fired_step if a.fired_step is not None else a.started_step}
+    )
 
 
 def rules_frame(rules: Sequence[AlertRule]) -> pd.DataFrame:
-    rows = [
+    return attributes_frame(
+        rules,
+        ["name", "condition", "for", "keep_firing_for", "severity", "project", "enabled"],
         {
-            "name": r.name,
-            "condition": r.condition(),
-            "for": r.for_steps,
-            "keep_firing_for": r.keep_firing_for,
-            "severity": r.severity,
-            "project": r.project or "(all)",
-            "enabled": r.enabled,
-        }  # fmt: skip
-        for r in rules
-    ]
-    return pd.DataFrame(
-        rows, columns=["name", "condition", "for", "keep_firing_for", "severity", "project", "enabled"]
+            "condition": lambda r: r.condition(),
+            "for": lambda r: r.for_steps,
+            "project": lambda r: r.project or "(all)",
+        },
     )
 
 
 def silences_frame(silences: Sequence[queries.SilenceView], now: datetime) -> pd.DataFrame:
-    rows = [
-        {
-            "id": s.id,
-            "rule": s.rule or "(any)",
-            "run_id": s.run_id or "(any)",
-            "labels": json.dumps(s.labels, sort_keys=True) if s.labels else "",
-            "starts_at": s.starts_at,
-            "ends_at": s.ends_at,
-            "active": s.active(now),
-            "created_by": s.created_by,
-            "comment": s.comment,
-        }
-        for s in silences
-    ]
     columns = ["id", "rule", "run_id", "labels", "starts_at", "ends_at", "active", "created_by", "comment"]
-    return pd.DataFrame(rows, columns=columns)
+    return attributes_frame(
+        silences,
+        columns,
+        {
+            "rule": lambda s: s.rule or "(any)",
+            "run_id": lambda s: s.run_id or "(any)",
+            "labels": lambda s: json.dumps(s.labels, sort_keys=True) if s.labels else "",
+            "active": lambda s: s.active(now),
+        },
+    )
 
 
 # ---------------------------------------------------------------------- ranks

@@ -321,22 +321,48 @@ def position_heatmap(frame: pd.DataFrame, stat: str = "mean") -> go.Figure:
     return _base(figure([trace], layout), 380)
 
 
+def step_count_heatmap(
+    frame: pd.DataFrame,
+    *,
+    hover: str,
+    colorscale: str,
+    unit: str,
+    rows: str,
+    row_px: int,
+    min_px: int,
+    pad_px: int,
+) -> go.Figure:
+    """``frame``'s columns (top to bottom) x its steps: a count per cell, zero cells left blank so the
+    first row where something happens stands out. ``hover`` ends the cell's hover text, ``unit``
+    titles the colour bar, ``rows`` the row axis; the height grows ``row_px`` per row."""
+    z = np.array(frame.to_numpy(float).T)
+    z[z == 0] = np.nan
+    trace = {
+        "type": "heatmap", "z": plain(z), "x": frame.index.to_list(), "y": [safe(c) for c in frame.columns],
+        "hovertemplate": f"step %{{x}}<br>%{{y}}<br>%{{z}} {hover}<extra></extra>",
+        "colorscale": colorscale, "zmin": 0, "colorbar": {"title": {"text": unit}}, "xgap": 1, "ygap": 1,
+    }  # fmt: skip
+    layout = {
+        "xaxis": {"title": {"text": "step"}},
+        "yaxis": {"title": {"text": rows}, "type": "category", "autorange": "reversed"},
+    }
+    return _base(figure([trace], layout), max(min_px, row_px * frame.shape[1] + pad_px))
+
+
 def divergence_heatmap(frame: pd.DataFrame) -> go.Figure:
     """Region (forward order, top to bottom) x step: how many samples first diverge there."""
     if frame.empty or frame.shape[1] == 0:
         return empty_figure("no first divergences located (no fingerprints, or none differ)")
-    z = np.array(frame.to_numpy(float).T)
-    z[z == 0] = np.nan
-    trace = {
-        "type": "heatmap", "z": plain(z), "x": frame.index.to_list(), "y": [safe(r) for r in frame.columns],
-        "hovertemplate": "step %{x}<br>%{y}<br>%{z} samples first diverge here<extra></extra>",
-        "colorscale": "OrRd", "zmin": 0, "colorbar": {"title": {"text": "samples"}}, "xgap": 1, "ygap": 1,
-    }  # fmt: skip
-    layout = {
-        "xaxis": {"title": {"text": "step"}},
-        "yaxis": {"title": {"text": "first divergence"}, "type": "category", "autorange": "reversed"},
-    }
-    return _base(figure([trace], layout), max(260, 22 * frame.shape[1] + 100))
+    return step_count_heatmap(
+        frame,
+        hover="samples first diverge here",
+        colorscale="OrRd",
+        unit="samples",
+        rows="first divergence",
+        row_px=22,
+        min_px=260,
+        pad_px=100,
+    )
 
 
 def diagnosis_bars(frame: pd.DataFrame) -> go.Figure:
@@ -502,18 +528,16 @@ def routing_heatmap(frame: pd.DataFrame, what: str = "tokens whose expert set di
     no flip are left blank, so the first layer where routing breaks stands out."""
     if frame.empty or frame.shape[1] == 0:
         return empty_figure("no MoE routing recorded on both sides")
-    z = np.array(frame.to_numpy(float).T)
-    z[z == 0] = np.nan
-    trace = {
-        "type": "heatmap", "z": plain(z), "x": frame.index.to_list(), "y": [safe(c) for c in frame.columns],
-        "hovertemplate": f"step %{{x}}<br>%{{y}}<br>%{{z}} {safe(what)}<extra></extra>",
-        "colorscale": "Reds", "zmin": 0, "colorbar": {"title": {"text": "flips"}}, "xgap": 1, "ygap": 1,
-    }  # fmt: skip
-    layout = {
-        "xaxis": {"title": {"text": "step"}},
-        "yaxis": {"title": {"text": "MoE layer"}, "type": "category", "autorange": "reversed"},
-    }
-    return _base(figure([trace], layout), max(240, 24 * frame.shape[1] + 110))
+    return step_count_heatmap(
+        frame,
+        hover=safe(what),
+        colorscale="Reds",
+        unit="flips",
+        rows="MoE layer",
+        row_px=24,
+        min_px=240,
+        pad_px=110,
+    )
 
 
 def sample_routing_grid(frame: pd.DataFrame, prompt_len: int | None = None) -> go.Figure:
