@@ -83,7 +83,11 @@ def _run(
         return o
     order = sorted(range(len(lens)), key=lambda i: -lens[i])
     ls = [lens[i] for i in order]
-    live = [sum(1 for n in ls if n > t) for t in range(ls[0])]  # sequences still running at step t
+    live, n = [], len(ls)  # live[t]: how many sequences are still running at step t
+    for t in range(ls[0]):
+        while ls[n - 1] <= t:
+            n -= 1
+        live.append(n)
     rows = torch.tensor([starts[order[i]] + t for t, n in enumerate(live) for i in range(n)])
     # Flattened to (token, head) pairs: the pairs of step t are rows [i*H, (i+n)*H) of each.
     qs, ks, vs = (x.index_select(0, rows).float().flatten(0, 1) for x in (q, k, v))
