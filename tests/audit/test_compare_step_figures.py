@@ -1,6 +1,7 @@
-"""The comparator measures a step's tokens once: the per-sample metrics and the step's figures come
-from one pass and are handed on to ``step_summary``. What the worker stores must be exactly what
-the public definitions (``audit.metrics``, ``audit.summaries.POSITION_BIN_EDGES``) give."""
+"""The comparator measures a large step's tokens once: the per-sample metrics and the step's figures
+come from one pass and are handed on to ``step_summary`` (small steps share one frame and get their
+figures from ``step_summary``). Either way, what the worker stores must be exactly what the public
+definitions (``audit.metrics``, ``audit.summaries.POSITION_BIN_EDGES``) give."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import math
 from typing import Any
 
 import numpy as np
+import pytest
 from sqlalchemy import select
 
+import audit.compare
 from audit.compare import compare_samples, in_step_order, step_summary
 from audit.metric_names import required_variants
 from audit.metrics import UNKNOWN_LAG, lag_metrics, sample_metrics, step_metrics
@@ -57,6 +60,15 @@ def synthetic_step(step: int, n: int = 5, *, undrawable: bool = True) -> list[Pa
             rollout = rollout.model_copy(update={"logprobs": lp_r})
         pairs.append((trainer, rollout))
     return pairs
+
+
+@pytest.fixture(params=["one pass", "small steps"])
+def one_pass(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Both ways of measuring a step: with its figures in one pass (as a large step is), or its
+    samples in the batch's frame and its figures apart (as a small one is)."""
+    if request.param == "one pass":
+        monkeypatch.setattr(audit.compare, "ONE_PASS_TOKENS", 0)
+    return request.param == "one pass"
 
 
 def stored(value: Any) -> Any:
@@ -119,7 +131,7 @@ def expected_position_bins(pairs: list[Pair]) -> dict[str, list[Any]]:
     return out
 
 
-def test_the_worker_stores_exactly_the_public_definitions(store: Store):
+def test_the_worker_stores_exactly_the_public_definitions(store: Store, one_pass: bool):
     steps = {step: synthetic_step(step, undrawable=False) for step in range(3)}
     store.ingest([Run(run_id=RUN, name=RUN)])
     for pairs in steps.values():
@@ -137,11 +149,16 @@ def test_the_worker_stores_exactly_the_public_definitions(store: Store):
         assert summaries[step].position_bins == expected_position_bins(in_step_order(pairs))
 
 
-def test_step_figures_are_handed_on_and_equal_the_ones_computed_afresh():
+def test_step_figures_are_handed_on_and_equal_the_ones_computed_afresh(one_pass: bool):
     pairs = [pair for step in range(3) for pair in synthetic_step(step)]
     shuffled = [pairs[i] for i in np.random.default_rng(0).permutation(len(pairs))]
     comparisons = compare_samples(shuffled)
     assert [c.sample_key for c in comparisons] == [t.sample_key for t, _ in shuffled]
+    assert all((c.step_figures is not None) == one_pass for c in comparisons)
+    for step in range(3):
+        expected = expected_sample_metrics([p for p in shuffled if p[0].step == step])
+        for c in (c for c in comparisons if c.step == step):
+            assert {k: stored(v) for k, v in c.metrics.items()} == expected[c.sample_key]
     for step in range(3):
         mine = [c for c in comparisons if c.step == step]
         step_pairs = [p for p in shuffled if p[0].step == step]
