@@ -23,7 +23,7 @@ replayed fraction and the tokens whose routes were missing (computed afresh inst
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -96,12 +96,17 @@ def routes_from_columns(meta: dict[str, Any] | None, data: bytes | None) -> Rout
 # ---------------------------------------------------------------------- comparison
 
 
+#: The per-layer counts of a comparison, in this order (:meth:`RoutingComparison.layer_arrays`).
+COUNTS = ("tokens", "agree", "flipped_decisions", "jaccard_sum", "first_flips", "decisions")
+
+
 @dataclass
 class RoutingComparison:
     """Both sides' routes of one sample at the positions and layers both recorded.
 
     ``overlap[j, l]`` is ``|A ∩ B|`` at ``positions[j]`` in MoE layer ``layers[l]``; ``top_k`` the
-    experts per token (the larger, if the sides differ)."""
+    experts per token (the larger, if the sides differ). What is derived from ``overlap`` (the
+    agreement mask, the per-layer counts) is computed once and kept."""
 
     layers: list[int]
     positions: np.ndarray
@@ -112,22 +117,30 @@ class RoutingComparison:
     trainer_positions: int = 0  # tokens the trainer routed that need a route (compared or not)
     trainer_replayed: int | None = None  # of those, replayed from the rollout (None: no replay)
     missing: np.ndarray | None = None  # trainer positions routed afresh although replay was on
+    _cache: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def agree(self) -> np.ndarray:
         """[positions, layers]: the two sets are equal."""
-        return self.overlap == self.top_k
+        if "agree" not in self._cache:
+            self._cache["agree"] = self.overlap == self.top_k
+        return self._cache["agree"]  # type: ignore[no-any-return]
+
+    def _token_flipped(self) -> np.ndarray:
+        if "token_flipped" not in self._cache:
+            self._cache["token_flipped"] = ~self.agree.all(axis=1)
+        return self._cache["token_flipped"]  # type: ignore[no-any-return]
 
     def flipped_tokens(self) -> np.ndarray:
         """Positions whose routing differs in at least one layer."""
-        return self.positions[~self.agree.all(axis=1)] if self.positions.size else self.positions
+        return self.positions[self._token_flipped()] if self.positions.size else self.positions
 
     def first_flip_layers(self) -> np.ndarray:
         """Per position: the first MoE layer (its decoder index) whose set differs, -1 where none."""
         flips = ~self.agree
         first = np.argmax(flips, axis=1)
         layers = np.asarray(self.layers, dtype=np.int64)
-        return np.where(flips.any(axis=1), layers[first] if layers.size else -1, -1)
+        return np.where(self._token_flipped(), layers[first] if layers.size else -1, -1)
 
     def first_flip(self) -> tuple[int, int] | None:
         """(layer, position) of the earliest flip in forward order: lowest layer, then position."""
@@ -139,38 +152,60 @@ class RoutingComparison:
         row = int(np.argmax(flips[:, col]))
         return int(self.layers[col]), int(self.positions[row])
 
+    def layer_arrays(self) -> np.ndarray:
+        """``[len(COUNTS), layers]`` float64: per MoE layer the tokens, tokens whose set agrees,
+        flipped decisions, summed Jaccard, tokens whose *first* flip is in this layer (where routing
+        first breaks) and decisions; one reduction over [tokens, layers] each."""
+        if "counts" not in self._cache:
+            k, n = self.top_k, int(self.positions.size)
+            overlap = self.overlap
+            out = np.empty((len(COUNTS), len(self.layers)), dtype=np.float64)
+            out[0] = n
+            out[1] = self.agree.sum(axis=0)
+            out[2] = n * k - overlap.sum(axis=0)
+            out[3] = (
+                _JACCARD[k][overlap].sum(axis=0)
+                if k in _JACCARD
+                else (overlap / np.maximum(2 * k - overlap, 1)).sum(axis=0)
+            )
+            flipped = self._token_flipped()
+            first_col = np.argmax(~self.agree[flipped], axis=1)
+            out[4] = np.bincount(first_col, minlength=len(self.layers))
+            out[5] = n * k
+            self._cache["counts"] = out
+        return self._cache["counts"]  # type: ignore[no-any-return]
+
     def layer_counts(self) -> dict[int, dict[str, float]]:
-        """Per MoE layer: tokens, tokens whose set agrees, flipped decisions, summed Jaccard, and
-        tokens whose *first* flip is in this layer (where routing first breaks)."""
-        k, n = self.top_k, int(self.positions.size)
-        overlap = self.overlap
-        agree = (overlap == k).sum(axis=0)
-        overlapping = overlap.sum(axis=0)
-        jaccard = (overlap / np.maximum(2 * k - overlap, 1)).sum(axis=0)
-        flips = overlap != k
-        first_col = np.argmax(flips, axis=1)[flips.any(axis=1)]
-        firsts = np.bincount(first_col, minlength=len(self.layers))
+        """:meth:`layer_arrays` as ``{layer: {count name: value}}`` (integers but the Jaccard sum)."""
+        counts = self.layer_arrays()
+        rows = [
+            c.tolist() if name == "jaccard_sum" else c.astype(np.int64).tolist()
+            for name, c in zip(COUNTS, counts, strict=True)
+        ]
         return {
-            layer: {
-                "tokens": n,
-                "decisions": n * k,
-                "agree": int(agree[i]),
-                "flipped_decisions": n * k - int(overlapping[i]),
-                "jaccard_sum": float(jaccard[i]),
-                "first_flips": int(firsts[i]),
-            }
+            layer: {name: row[i] for name, row in zip(COUNTS, rows, strict=True)}
             for i, layer in enumerate(self.layers)
         }
 
     def metrics(self) -> dict[str, float | int]:
-        """This sample's ``routing_*`` figures."""
-        return routing_metrics(self.layer_counts(), *self.token_counts())
+        """This sample's ``routing_*`` figures (from :meth:`layer_arrays`, as :func:`routing_metrics`)."""
+        c = self.layer_arrays()
+        hit = np.flatnonzero(c[4])
+        return _figures(
+            cells=float(c[0].sum()),
+            agree=float(c[1].sum()),
+            jaccard=sum(c[3].tolist()),  # layer by layer, as routing_metrics sums: the same bits
+            first_layer=self.layers[int(hit[0])] if hit.size else float("nan"),
+            decisions=float(c[5].sum()),
+            flipped_decisions=float(c[2].sum()),
+            counts=self.token_counts(),
+        )
 
     def token_counts(self) -> tuple[int, int, int, int | None, int]:
         """(tokens, flipped tokens, trainer routed tokens, replayed tokens or None, missing routes)."""
         return (
             int(self.positions.size),
-            int(self.flipped_tokens().size),
+            int(self._token_flipped().sum()) if self.positions.size else 0,
             self.trainer_positions,
             self.trainer_replayed,
             int(self.missing_routes().size),
@@ -180,6 +215,10 @@ class RoutingComparison:
         """Trainer positions not replayed although replay was on (their route was missing, so the
         trainer's router chose afresh)."""
         return self.missing if self.missing is not None else np.zeros(0, np.int64)
+
+
+#: Jaccard ``o / (2k - o)`` by overlap o = 0..k, for the usual k (a table lookup per cell).
+_JACCARD = {k: np.arange(k + 1) / np.maximum(2 * k - np.arange(k + 1), 1) for k in range(1, 65)}
 
 
 def routing_metrics(
@@ -192,20 +231,37 @@ def routing_metrics(
 ) -> dict[str, float | int]:
     """The ``routing_*`` figures from per-layer counts (:meth:`RoutingComparison.layer_counts`,
     summed over samples) and token counts. A figure over zero cells is NaN, never 0."""
-    cells = sum(c["tokens"] for c in layers.values())
+    return _figures(
+        cells=sum(c["tokens"] for c in layers.values()),
+        agree=sum(c["agree"] for c in layers.values()),
+        jaccard=sum(c["jaccard_sum"] for c in layers.values()),
+        first_layer=min((layer for layer, c in layers.items() if c["first_flips"]), default=float("nan")),
+        decisions=sum(c.get("decisions", 0) for c in layers.values()),
+        flipped_decisions=sum(c["flipped_decisions"] for c in layers.values()),
+        counts=(tokens, flipped, trainer_positions, replayed, missing),
+    )
+
+
+def _figures(
+    *,
+    cells: float,
+    agree: float,
+    jaccard: float,
+    first_layer: float,
+    decisions: float,
+    flipped_decisions: float,
+    counts: tuple[int, int, int, int | None, int],
+) -> dict[str, float | int]:
+    tokens, flipped, trainer_positions, replayed, missing = counts
     nan = float("nan")
     out: dict[str, float | int] = {
         "routing_tokens": tokens,
         "routing_flipped_tokens": flipped,
-        "routing_set_agreement": sum(c["agree"] for c in layers.values()) / cells if cells else nan,
-        "routing_jaccard_mean": sum(c["jaccard_sum"] for c in layers.values()) / cells if cells else nan,
+        "routing_set_agreement": agree / cells if cells else nan,
+        "routing_jaccard_mean": jaccard / cells if cells else nan,
         "routing_token_flip_fraction": flipped / tokens if tokens else nan,
-        "routing_first_flip_layer": min(
-            (layer for layer, c in layers.items() if c["first_flips"]), default=nan
-        ),
+        "routing_first_flip_layer": first_layer,
     }
-    decisions = sum(c.get("decisions", 0) for c in layers.values())
-    flipped_decisions = sum(c["flipped_decisions"] for c in layers.values())
     out["routing_flip_rate"] = flipped_decisions / decisions if decisions else nan
     if replayed is not None:
         out["routing_replayed_fraction"] = replayed / trainer_positions if trainer_positions else nan
@@ -218,19 +274,71 @@ def _common_layers(a: Routes, b: Routes) -> tuple[list[int], list[int], list[int
     return common, [a.layers.index(i) for i in common], [b.layers.index(i) for i in common]
 
 
-def set_overlap(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """``|A ∩ B|`` per cell of two ``[..., k]`` arrays of distinct expert ids (k_a and k_b may
-    differ): one elementwise comparison per pair of slots over contiguous cell-major planes, far
-    faster than broadcasting to ``[..., k, k]`` and reducing the small axes."""
-    planes_a = np.ascontiguousarray(np.moveaxis(a, -1, 0))
-    planes_b = np.ascontiguousarray(np.moveaxis(b, -1, 0))
-    overlap = np.zeros(a.shape[:-1], dtype=np.uint8)  # k <= 64: a count fits a byte
-    hit = np.empty(a.shape[:-1], dtype=bool)
+def _cell_keys(x: np.ndarray) -> np.ndarray | None:
+    """Each cell's k ids (slot order) as one unsigned integer, where they fit in 8 bytes."""
+    width = x.shape[-1] * x.dtype.itemsize
+    if width not in (1, 2, 4, 8):
+        return None
+    return np.ascontiguousarray(x).view(f"<u{width}").reshape(x.shape[:-1])
+
+
+def _planes_overlap(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``|A ∩ B|`` of ``[cells, k]`` arrays: one comparison of contiguous slot planes per pair of
+    slots (k_a x k_b elementwise passes over all cells)."""
+    planes_a = np.ascontiguousarray(a.T)
+    planes_b = np.ascontiguousarray(b.T)
+    overlap = np.zeros(a.shape[0], dtype=np.uint8)  # k <= 64: a count fits a byte
+    hit = np.empty(a.shape[0], dtype=bool)
     for x in planes_a:
         for y in planes_b:
             np.equal(x, y, out=hit)
             overlap += hit
-    return overlap.astype(np.int64)
+    return overlap
+
+
+def set_overlap(a: np.ndarray, b: np.ndarray, num_experts: int | None = None) -> np.ndarray:
+    """``|A ∩ B|`` per cell of two ``[..., k]`` arrays of distinct expert ids (k_a and k_b may
+    differ; ``num_experts`` is not needed, kept for callers). Cells whose ids are equal slot for
+    slot (most, where the sides agree) are found by one comparison of each cell's ids read as one
+    integer; only the others are counted slot pair by slot pair, over all such cells at once: no
+    loop over tokens or layers."""
+    cells = a.shape[:-1]
+    ka, kb = a.shape[-1], b.shape[-1]
+    flat_a, flat_b = a.reshape(-1, ka), b.reshape(-1, kb)
+    overlap = np.full(flat_a.shape[0], min(ka, kb), dtype=np.int64)
+    keys_a = _cell_keys(flat_a) if ka == kb and a.dtype == b.dtype else None
+    keys_b = _cell_keys(flat_b) if keys_a is not None else None
+    if keys_a is not None and keys_b is not None:
+        differ = keys_a != keys_b
+        rest = np.flatnonzero(differ)
+        if rest.size > differ.size // 4:  # mostly different: counting all beats gathering them
+            overlap[differ] = _planes_overlap(flat_a, flat_b)[differ]
+        elif rest.size:
+            overlap[rest] = _planes_overlap(flat_a[rest], flat_b[rest])
+    else:
+        overlap[:] = _planes_overlap(flat_a, flat_b)
+    return overlap.reshape(cells)
+
+
+def set_overlap_pairwise(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """:func:`set_overlap` by one comparison per pair of slots (the reference it is tested against)."""
+    overlap = np.zeros(a.shape[:-1], dtype=np.int64)
+    for s in range(a.shape[-1]):
+        for t in range(b.shape[-1]):
+            overlap += a[..., s] == b[..., t]
+    return overlap
+
+
+def _rows(array: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """``array[index]`` for a sorted index, as a view where it is one contiguous run (the usual case:
+    the rollout's positions are the trainer's but the last)."""
+    if index.size and int(index[-1]) - int(index[0]) + 1 == index.size:
+        return array[int(index[0]) : int(index[-1]) + 1]
+    return array[index]
+
+
+def _columns(array: np.ndarray, index: list[int]) -> np.ndarray:
+    return array if index == list(range(array.shape[1])) else array[:, index]
 
 
 def compare_routes(
@@ -246,16 +354,16 @@ def compare_routes(
     common, ja, jb = np.intersect1d(
         trainer.positions, rollout.positions, assume_unique=True, return_indices=True
     )
-    a = trainer.layer_experts()[ja][:, ia]
-    b = rollout.layer_experts()[jb][:, ib]
+    a = _columns(_rows(trainer.layer_experts(), ja), ia)
+    b = _columns(_rows(rollout.layer_experts(), jb), ib)
     k = max(trainer.top_k, rollout.top_k)
-    overlap = set_overlap(a, b)
+    overlap = set_overlap(a, b, max(trainer.num_experts, rollout.num_experts))
     if trainer.top_k != rollout.top_k:  # sets of different sizes never agree; shared experts still count
         overlap = np.minimum(overlap, k - 1)
     result = RoutingComparison(
         layers=layers,
         positions=common.astype(np.int64),
-        overlap=overlap.astype(np.int64),
+        overlap=overlap,
         top_k=k,
         trainer=a,
         rollout=b,
@@ -298,8 +406,10 @@ def step_routing(
     """What the run page and the step metrics need of a step's routing: per MoE layer the summed
     counts (tokens, agreeing sets, flipped decisions, Jaccard sum, first flips) and the sample with
     the most flips there, and the token counts; ``None`` when no sample has routes on both sides.
-    ``known``: comparisons already made, by sample key (not made again)."""
-    layers: dict[int, dict[str, Any]] = {}
+    ``known``: comparisons already made, by sample key (not made again). Samples are summed as
+    ``[counts, layers]`` arrays (one addition per sample, not per layer)."""
+    sums: dict[tuple[int, ...], np.ndarray] = {}  # layer set -> summed layer_arrays
+    best: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray]] = {}  # -> most flips per layer, its sample
     totals = {"tokens": 0, "flipped": 0, "trainer_positions": 0, "replayed": None, "missing": 0}
     missing_examples: list[dict[str, Any]] = []
     found = False
@@ -310,25 +420,16 @@ def step_routing(
         if comparison is None:
             continue
         found = True
-        for layer, counts in comparison.layer_counts().items():
-            entry = layers.setdefault(
-                layer,
-                {
-                    "tokens": 0,
-                    "agree": 0,
-                    "flipped_decisions": 0,
-                    "jaccard_sum": 0.0,
-                    "first_flips": 0,
-                    "decisions": 0,
-                    "example": None,
-                    "example_flips": 0,
-                },
-            )
-            for name in ("tokens", "agree", "flipped_decisions", "jaccard_sum", "first_flips", "decisions"):
-                entry[name] += counts[name]
-            flips = counts["tokens"] - counts["agree"]
-            if flips > entry["example_flips"]:
-                entry["example"], entry["example_flips"] = trainer.sample_key, flips
+        counts = comparison.layer_arrays()
+        layer_set = tuple(comparison.layers)
+        if layer_set not in sums:
+            sums[layer_set] = np.zeros_like(counts)
+            best[layer_set] = (np.zeros(len(layer_set)), np.full(len(layer_set), None, dtype=object))
+        sums[layer_set] += counts
+        most, example = best[layer_set]
+        flips = counts[0] - counts[1]
+        better = flips > most  # the first sample with the most flips in a layer is its example
+        most[better], example[better] = flips[better], key
         tokens, flipped, trained, replayed, missing = comparison.token_counts()
         totals["tokens"] += tokens
         totals["flipped"] += flipped
@@ -342,6 +443,19 @@ def step_routing(
             )
     if not found:
         return None
+    layers: dict[int, dict[str, Any]] = {}
+    for layer_set, counts in sums.items():
+        for i, layer in enumerate(layer_set):
+            entry = layers.setdefault(layer, {name: 0 for name in COUNTS} | {"jaccard_sum": 0.0})
+            for j, name in enumerate(COUNTS):
+                entry[name] += float(counts[j, i]) if name == "jaccard_sum" else int(counts[j, i])
+        most, example = best[layer_set]
+        for i, layer in enumerate(layer_set):
+            entry = layers[layer]
+            if int(most[i]) > entry.get("example_flips", 0):
+                entry["example"], entry["example_flips"] = example[i], int(most[i])
+            entry.setdefault("example", None)
+            entry.setdefault("example_flips", 0)
     return {
         "layers": {str(layer): layers[layer] for layer in sorted(layers)},
         **totals,

@@ -1,14 +1,16 @@
 """The cost of MoE routing in the audit (issue 19), each against a baseline measured in the same run:
 
-1. **comparator**: ``compare_samples`` + ``step_summary`` + the step's routing aggregate over one
-   step of 256 samples x 1,024 tokens whose records carry routes (48 MoE layers, top-8 of 128: the
-   Qwen3-30B-A3B shape), against the same step without routes.
+1. **comparator**: ``compare_samples`` + ``step_summary`` (which makes the step's routing aggregate
+   from the samples' comparisons) over one step of 256 samples x 1,024 tokens whose records carry
+   routes (48 MoE layers, top-8 of 128: the Qwen3-30B-A3B shape), against the same step without
+   routes; with ``--before REV``, also with ``audit/routing.py`` as it was at ``REV`` (read with
+   ``git show``), so the comparison's before/after are measured in the same run on the same data.
 2. **boundary check**: ``validate_record`` of a sample with routes against one without.
 3. **size**: stored bytes per token of the routes against the sample's own arrays.
 4. **trainer collector**: ``record_step`` of a tiny HF Qwen3-MoE with routing recorded
    (``collectors.routing.watch_routing``) against the same collector without it.
 
-    python -m bench.routing [--samples 256] [--tokens 1024] [--layers 48]
+    python -m bench.routing [--samples 256] [--tokens 1024] [--layers 48] [--before cb822db]
 
 (as a module: run as a script, ``bench/`` would shadow the ``kernels`` package with bench/kernels.py)
 """
@@ -16,8 +18,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
+import subprocess
+import sys
 import tempfile
 import time
+import types
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +33,7 @@ import torch
 
 from audit.compare import compare_samples, step_summary
 from audit.records import Routes, SampleLogprobs, validate_record
-from audit.routing import routes_columns, step_routing
+from audit.routing import routes_columns
 
 
 def _best(fn, repeat: int = 3) -> float:
@@ -37,7 +45,18 @@ def _best(fn, repeat: int = 3) -> float:
     return min(times)
 
 
-def _pairs(n_samples: int, n_tokens: int, layers: int, top_k: int, experts: int, routed: bool):
+def _pairs(
+    n_samples: int,
+    n_tokens: int,
+    layers: int,
+    top_k: int,
+    experts: int,
+    routed: bool,
+    agree: float | None = None,
+):
+    """One step's (trainer, rollout) pairs. ``agree``: the fraction of (token, layer) cells whose
+    rollout routes are the trainer's (the rest shifted by one expert); ``None``: both sides drawn
+    independently (almost no cell agrees: the comparison's worst case)."""
     rng = np.random.default_rng(0)
     prompt = n_tokens // 4
     pairs = []
@@ -46,12 +65,16 @@ def _pairs(n_samples: int, n_tokens: int, layers: int, top_k: int, experts: int,
         tokens[0] = i
         lp = -rng.exponential(1.0, n_tokens - prompt).astype(np.float32)
         sides = []
+        first = np.zeros((n_tokens, layers, 1), dtype=np.int64)  # the trainer's starts
         for side, noise in (("trainer", 0.0), ("rollout", 1e-3)):
             routes = None
             if routed:
                 # Distinct ids per (token, layer): a random start and a random stride coprime to E
                 # would do; consecutive ids from a random start are enough for a cost measurement.
                 start = rng.integers(0, experts, (n_tokens, layers, 1))
+                if side == "rollout" and agree is not None:
+                    start = (first + (rng.random((n_tokens, layers, 1)) >= agree)) % experts
+                first = start
                 chosen = (start + np.arange(top_k)) % experts
                 if side == "rollout":
                     chosen = chosen[: n_tokens - 1]
@@ -75,21 +98,66 @@ def _pairs(n_samples: int, n_tokens: int, layers: int, top_k: int, experts: int,
     return pairs
 
 
-def bench_comparator(n_samples: int, n_tokens: int, layers: int) -> None:
+@contextlib.contextmanager
+def routing_at(rev: str) -> Iterator[None]:
+    """The comparator with ``audit/routing.py`` as it was at git revision ``rev``."""
+    import audit.compare as compare
+
+    source = subprocess.run(
+        ["git", "show", f"{rev}:audit/routing.py"],
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    old = types.ModuleType(f"audit_routing_{rev}")
+    sys.modules[old.__name__] = old  # dataclasses look their module up
+    exec(compile(source, f"audit/routing.py@{rev}", "exec"), old.__dict__)
+    names = [
+        n
+        for n in ("compare_sample_routes", "explain", "step_routing", "step_routing_metrics")
+        if hasattr(compare, n)
+    ]
+    saved = {n: getattr(compare, n) for n in names}
+    for n in names:
+        setattr(compare, n, getattr(old, n))
+    try:
+        yield
+    finally:
+        for n, fn in saved.items():
+            setattr(compare, n, fn)
+
+
+def bench_comparator(n_samples: int, n_tokens: int, layers: int, before: str | None = None) -> None:
     print(f"building {n_samples} samples x {n_tokens} tokens, {layers} MoE layers, top-8 of 128 ...")
     plain = _pairs(n_samples, n_tokens, layers, 8, 128, routed=False)
-    routed = _pairs(n_samples, n_tokens, layers, 8, 128, routed=True)
 
     def run(pairs):
         results = compare_samples(pairs)
-        step_summary(pairs, results)
-        step_routing(pairs)
+        summary = step_summary(pairs, results)
+        return summary, [(c.metrics, c.diagnosis.kind, c.diagnosis.sentence) for c in results]
 
-    base, with_routes = _best(lambda: run(plain)), _best(lambda: run(routed))
-    print(
-        f"comparator, one step: {base * 1e3:.0f} ms without routes, {with_routes * 1e3:.0f} ms with "
-        f"(x{with_routes / base:.2f})"
-    )
+    base = _best(lambda: run(plain))
+    print(f"comparator, one step without routes: {base * 1e3:.0f} ms")
+    for label, agree in (("95% of cells agree", 0.95), ("independent routes (worst case)", None)):
+        routed = _pairs(n_samples, n_tokens, layers, 8, 128, routed=True, agree=agree)
+        with_routes = _best(lambda routed=routed: run(routed))
+        line = (
+            f"  with routes, {label}: {with_routes * 1e3:.0f} ms (x{with_routes / base:.2f} the plain step)"
+        )
+        if before is not None:
+            now = run(routed)
+            with routing_at(before):
+                old = _best(lambda routed=routed: run(routed))
+                then = run(routed)
+            same = json.dumps(then, sort_keys=True, default=str) == json.dumps(
+                now, sort_keys=True, default=str
+            )
+            line += (
+                f"; at {before}: {old * 1e3:.0f} ms (x{old / base:.2f}); {old / with_routes:.2f}x faster now, "
+                f"same step and sample results: {same}"
+            )
+        print(line)
     sample, bare = routed[0][0], plain[0][0]
     n = 2000
     t_bare = _best(lambda: [validate_record(bare) for _ in range(n)]) / n
@@ -149,9 +217,12 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=256)
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=48)
+    parser.add_argument("--before", help="a git revision: also time the comparison as it was there")
+    parser.add_argument("--no-trainer", action="store_true", help="skip the trainer collector's figure")
     args = parser.parse_args()
-    bench_comparator(args.samples, args.tokens, args.layers)
-    bench_trainer()
+    bench_comparator(args.samples, args.tokens, args.layers, args.before)
+    if not args.no_trainer:
+        bench_trainer()
 
 
 if __name__ == "__main__":
