@@ -296,9 +296,9 @@ def _planes_overlap(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return overlap
 
 
-def set_overlap(a: np.ndarray, b: np.ndarray, num_experts: int | None = None) -> np.ndarray:
+def set_overlap(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """``|A ∩ B|`` per cell of two ``[..., k]`` arrays of distinct expert ids (k_a and k_b may
-    differ; ``num_experts`` is not needed, kept for callers). Cells whose ids are equal slot for
+    differ). Cells whose ids are equal slot for
     slot (most, where the sides agree) are found by one comparison of each cell's ids read as one
     integer; only the others are counted slot pair by slot pair, over all such cells at once: no
     loop over tokens or layers."""
@@ -357,7 +357,7 @@ def compare_routes(
     a = _columns(_rows(trainer.layer_experts(), ja), ia)
     b = _columns(_rows(rollout.layer_experts(), jb), ib)
     k = max(trainer.top_k, rollout.top_k)
-    overlap = set_overlap(a, b, max(trainer.num_experts, rollout.num_experts))
+    overlap = set_overlap(a, b)
     if trainer.top_k != rollout.top_k:  # sets of different sizes never agree; shared experts still count
         overlap = np.minimum(overlap, k - 1)
     result = RoutingComparison(
