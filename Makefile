@@ -46,12 +46,13 @@ test-fast: $(VENV)/.test
 	ISOAUDIT_TEST_POSTGRES_URL=$(PG_URL) $(PY) -m pytest -q -m "not slow and not vllm and not browser"
 
 # The long reliability runs (not in CI): 5 minutes of load with the worker on (16 collectors on
-# PostgreSQL, 4 on SQLite), the fault tests (service, database, spool disk, webhook, worker), and the
-# API fuzzed with 100 examples per operation.
+# PostgreSQL, 4 on SQLite), the fault tests (service, database, spool disk, webhook, worker, its
+# process, overload, durable notices), and the API fuzzed with 100 examples per operation.
 soak: $(VENV)/.test
 	ISOAUDIT_TEST_POSTGRES_URL=$(PG_URL) ISOAUDIT_SOAK_SECONDS=300 ISOAUDIT_FUZZ_EXAMPLES=100 \
 		$(PY) -m pytest -q -s --timeout 1800 tests/service/test_load.py tests/service/test_faults*.py \
-		tests/service/test_worker_faults.py tests/service/test_schemathesis.py
+		tests/service/test_worker_faults.py tests/service/test_worker_process.py \
+		tests/service/test_overload.py tests/service/test_notices.py tests/service/test_schemathesis.py
 
 bench: $(VENV)/.test
 	for b in bench/*.py; do echo "== $$b"; ISOAUDIT_TEST_POSTGRES_URL=$(PG_URL) $(PY) $$b || exit 1; done

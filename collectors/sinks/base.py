@@ -204,6 +204,7 @@ class Sink(ABC):
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=queue_size)
         self._max_batch = max_batch_records
         self._max_bytes = max_batch_bytes
+        self._merge_bytes = max_batch_bytes  # halved when a merged request fails, regrown as they pass
         self._spill_at = max(1, queue_size // 2)  # waiting batches that mean overload: spill them
         self._attempts = attempts
         self._backoff_initial = backoff_initial
@@ -332,7 +333,7 @@ class Sink(ABC):
         records (or ``max_batch_bytes`` for sinks that send bytes): one request instead of many."""
         group, records = [first], first.n
         size = len(first.payload) if self._wire else 0
-        while records < self._max_batch and size < self._max_bytes:
+        while records < self._max_batch and size < self._merge_bytes:
             try:
                 item = self._queue.get_nowait()
             except queue.Empty:
@@ -376,7 +377,7 @@ class Sink(ABC):
     def _spool_group(self) -> list[Any]:
         """The oldest spooled batches that fit one request (at least one)."""
         assert self.spool is not None
-        return self.spool.peek_many(self._max_batch, self._max_bytes)
+        return self.spool.peek_many(self._max_batch, self._merge_bytes)
 
     def _destination_down(self) -> bool:
         return time.monotonic() < self._retry_at
@@ -417,6 +418,8 @@ class Sink(ABC):
                         item.n, "refused", "isoaudit %s: destination refused a batch (%s); dropped", exc
                     )
                     return
+                if item.parts:
+                    self._shrink_merges()
                 self._warn_once(
                     "down", "isoaudit %s: destination unavailable (%s); retrying, then spooling", exc
                 )
@@ -447,6 +450,8 @@ class Sink(ABC):
         except DeliveryError as exc:
             self._add("failed_attempts", 1)
             if exc.retry:
+                if len(entries) > 1:
+                    self._shrink_merges()
                 self._mark_down()
                 return False
             if len(entries) > 1:  # a merged request: each batch on its own, so only a bad one drops
@@ -473,8 +478,14 @@ class Sink(ABC):
             self._cond.notify_all()
         return True
 
+    def _shrink_merges(self) -> None:
+        """A merged request failed (a timeout, most often, from a service under load): merge less, so
+        a retry is not the same long request again."""
+        self._merge_bytes = max(min(64 << 10, self._max_bytes), self._merge_bytes // 2)
+
     def _delivered(self, n: int, *, replayed: bool) -> None:
         self._add("sent", n)
+        self._merge_bytes = min(self._max_bytes, self._merge_bytes * 2)
         if replayed:
             self._add("replayed", n)
         if self._backoff:

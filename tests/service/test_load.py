@@ -21,7 +21,7 @@ from audit.api.live import free_port
 from audit.auth import create_token
 from audit.records import Run
 from audit.store import Store
-from tests.service.processes import rss_mib, serve
+from tests.service.processes import children, rss_mib, serve
 from tests.service.workload import reconcile, step_records
 
 HttpSink = pytest.importorskip("collectors.sinks").HttpSink
@@ -84,7 +84,9 @@ def test_concurrent_collectors_with_the_worker_on(database_url: str, tmp_path: P
 
     try:
         time.sleep(2.0)  # the API process warms up (imports, first queries) before its memory is read
+        [worker] = children(api.pid)  # `isoaudit serve` runs the comparison worker as its child
         api_rss_start, own_rss_start = rss_mib(api.pid), rss_mib(os.getpid())
+        worker_rss_start = rss_mib(worker)
         threads = [threading.Thread(target=collector, args=(i,)) for i in range(clients)]
         started = time.monotonic()
         for thread in threads:
@@ -125,6 +127,7 @@ def test_concurrent_collectors_with_the_worker_on(database_url: str, tmp_path: P
             compare_rate = (pairs - left) / (time.monotonic() - started)
             p50, p99, requests = ingest_latency(url, token)
         api_rss_end, own_rss_end = rss_mib(api.pid), rss_mib(os.getpid())
+        worker_rss_end = rss_mib(worker)
         stats = [sink.stats() for sink in sinks]
     finally:
         stop.set()
@@ -136,6 +139,7 @@ def test_concurrent_collectors_with_the_worker_on(database_url: str, tmp_path: P
     store.dispose()
     # the sinks' own counts first: a record a sink dropped (and counted) is not a silent loss
     dropped, rejected = sum(s["dropped"] for s in stats), sum(s["rejected"] for s in stats)
+    spilled, replayed = sum(s["spilled"] for s in stats), sum(s["replayed"] for s in stats)
     assert dropped == 0 and rejected == 0, {
         "dropped": dropped,
         "rejected": rejected,
@@ -152,9 +156,12 @@ def test_concurrent_collectors_with_the_worker_on(database_url: str, tmp_path: P
         f"\nload {kind}: {clients} collectors for {elapsed:.0f} s: {counts['stored'] / elapsed:.0f} samples/s "
         f"({counts['stored']} stored, 0 lost, 0 doubled); ingest p50 <= {p50 * 1000:.0f} ms, p99 <= "
         f"{p99 * 1000:.0f} ms over {requests:.0f} requests; worker compared {compare_rate:.0f} pairs/s, "
-        f"backlog <= {backlog} steps, {drained}; API RSS {api_rss_start:.0f} -> {api_rss_end:.0f} MiB, "
-        f"collectors' process RSS {own_rss_start:.0f} -> {own_rss_end:.0f} MiB"
+        f"backlog <= {backlog} steps, {drained}; sinks spilled {spilled} records to their spools under "
+        f"load ({replayed} replayed), dropped 0; API RSS {api_rss_start:.0f} -> {api_rss_end:.0f} MiB, "
+        f"worker process RSS {worker_rss_start:.0f} -> {worker_rss_end:.0f} MiB, collectors' process RSS "
+        f"{own_rss_start:.0f} -> {own_rss_end:.0f} MiB"
     )
     if not SOAK:  # the short pass must catch up; a soak reports how far behind the worker is
         assert drain_lag is not None, drained
     assert api_rss_end - api_rss_start < 400, "the API process grew by more than 400 MiB"
+    assert worker_rss_end - worker_rss_start < 400, "the worker process grew by more than 400 MiB"

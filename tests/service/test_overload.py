@@ -20,7 +20,8 @@ from audit.api.live import free_port
 from audit.auth import create_token
 from audit.records import Run
 from audit.store import Store
-from collectors.sinks.base import encode_batch
+from collectors.sinks.base import DeliveryError, Sink, _Item, encode_batch
+from tests import factories
 from tests.service.processes import serve
 from tests.service.proxy import TcpProxy
 from tests.service.workload import reconcile, step_records
@@ -85,3 +86,47 @@ def test_a_collector_faster_than_the_service_spools_and_loses_nothing(tmp_path: 
     assert stats["spilled"] > 0 and stats["replayed"] >= stats["spilled"], stats
     assert (counts["lost"], counts["extra"], counts["doubled"]) == (0, 0, 0), counts
     assert max(send_s) < 0.05, "send() must never wait for the service"
+
+
+class _SlowSink(Sink):
+    """Takes ``delay`` seconds per request, records what each request carried; refuses (as a 422
+    would) any request holding a record of ``refuse_step``."""
+
+    def __init__(self, delay: float, refuse_step: int | None = None, **options) -> None:
+        self.delay = delay
+        self.refuse_step = refuse_step
+        self.requests: list[list[int]] = []
+        super().__init__(**options)
+
+    def _deliver(self, item: _Item) -> int:
+        time.sleep(self.delay)
+        steps = [r.step for r in item.records]
+        if self.refuse_step in steps:
+            raise DeliveryError("422: refused", retry=False)
+        self.requests.append(steps)
+        return 0
+
+
+def test_waiting_batches_go_in_one_request_in_order_and_a_refused_one_drops_alone():
+    sink = _SlowSink(0.2, refuse_step=3)
+    for step in range(8):  # the first is in flight while the other seven wait
+        sink.send([factories.sample(step=step, seed=step)])
+    assert sink.flush(10)
+    delivered = [s for request in sink.requests for s in request]
+    assert delivered == [0, 1, 2, 4, 5, 6, 7], sink.requests  # in order, once each; step 3 refused
+    assert sink.requests[0] == [0] and len(sink.requests) < 8  # merged, then split to find the bad one
+    assert (sink.counters.sent, sink.counters.dropped) == (7, 1)
+    sink.close()
+
+
+def test_a_queue_filling_faster_than_it_drains_spills_to_the_spool_and_drops_nothing(tmp_path: Path):
+    sink = _SlowSink(0.03, queue_size=8, max_batch_records=2, spool_dir=tmp_path / "spool")
+    for step in range(60):  # 5 ms apart; a request takes 30 ms and carries at most 2
+        sink.send([factories.sample(step=step, seed=step)])
+        time.sleep(0.005)
+    assert sink.flush(30)
+    delivered = [s for request in sink.requests for s in request]
+    assert delivered == list(range(60))  # in order, each once, through memory and the spool
+    assert sink.counters.dropped == 0 and sink.counters.spilled > 0, sink.stats()
+    assert sink.counters.replayed == sink.counters.spooled == sink.counters.spilled
+    sink.close()
