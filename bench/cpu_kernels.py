@@ -10,7 +10,8 @@ times and each keeps its fastest median.
 Baselines are what a stock CPU stack runs: ``F.linear``, ``F.rms_norm``, ``F.silu``,
 ``F.scaled_dot_product_attention`` (causal prefill; batched decode), ``log_softmax`` + gather,
 transformers' torch Gated DeltaNet of Qwen3-Next (and flash-linear-attention's torch references,
-when fla is on the path).
+when fla is on the path: ``pip install --no-deps --target DIR fla-core`` and ``PYTHONPATH=DIR``;
+fla's own package import needs its Triton kernels, so only its ``naive.py`` is loaded).
 """
 
 from __future__ import annotations
