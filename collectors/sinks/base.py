@@ -387,12 +387,15 @@ class Sink(ABC):
         if self._stop.is_set() or backlog or self._destination_down():
             # Keep order behind the backlog; don't wait on a destination known to be down.
             if self.spool is not None:
-                if self._to_spool(item):
+                refused = self._spool_parts(item)
+                if not refused:
                     return
                 if self._stop.is_set() or self._destination_down():
-                    self._drop_unspooled(item)  # never wait for room: the job goes on
+                    for part in refused:
+                        self._drop_unspooled(part)  # never wait for room: the job goes on
                     return
                 # The spool is full but the destination may be back: try it rather than drop.
+                item = _Item.merged(refused)
             elif self._stop.is_set():
                 self._drop(
                     item.n, "closed", "isoaudit %s closed with undelivered records and no spool: dropped"
@@ -428,8 +431,9 @@ class Sink(ABC):
         self._mark_down()
         if self.spool is None:
             self._drop(item.n, "lost", "isoaudit %s: destination down and no spool: records dropped")
-        elif not self._to_spool(item):
-            self._drop_unspooled(item)
+        else:
+            for part in self._spool_parts(item):
+                self._drop_unspooled(part)
 
     def _replay(self, entries: list[Any]) -> bool:
         """Deliver spooled batches as one request and remove them; ``False`` if the destination
@@ -498,15 +502,13 @@ class Sink(ABC):
         self._backoff = min(self._backoff_max, max(self._backoff_initial, self._backoff * 2))
         self._retry_at = time.monotonic() + self._backoff * (0.75 + 0.5 * random.random())
 
+    def _spool_parts(self, item: _Item) -> list[_Item]:
+        """Spool a (maybe merged) item batch by batch; returns the batches the spool refused."""
+        return [part for part in (item.parts or [item]) if not self._to_spool(part)]
+
     def _to_spool(self, item: _Item) -> bool:
-        """Spool ``item``; ``False`` (nothing written) when the spool refuses it (full, disk full).
-        A merged item is spooled batch by batch (a refusal of one part counts only that part)."""
+        """Spool one batch; ``False`` (nothing written) when the spool refuses it (full, disk full)."""
         assert self.spool is not None
-        if item.parts:
-            for part in item.parts:
-                if not self._to_spool(part):
-                    self._drop_unspooled(part)
-            return True
         if self.spool.put(item.payload, item.n):
             self._add("spooled", item.n)
             return True
