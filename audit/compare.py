@@ -336,6 +336,13 @@ def _with_lags(rows: list[dict[str, Any]], lags: list[np.ndarray]) -> list[dict[
     return rows
 
 
+def _with_lag_figures(metrics: dict[str, float], tokens: _Tokens, lags: list[np.ndarray]) -> dict[str, float]:
+    """A step's figures with its policy lag and the lag slices (audit.metrics.lag_metrics)."""
+    if lags:
+        metrics.update(lag_metrics(tokens.trainer, tokens.rollout, tokens.offsets, np.concatenate(lags)))
+    return metrics
+
+
 def _step_metrics(tokens: _Tokens, lags: list[np.ndarray], clip_eps: float) -> dict[str, float]:
     """A step's figures when its per-sample metrics were not measured with them."""
     metrics = step_metrics(
@@ -346,9 +353,7 @@ def _step_metrics(tokens: _Tokens, lags: list[np.ndarray], clip_eps: float) -> d
         entropies=tokens.entropies,
         variants=required_variants(),
     )
-    if lags:
-        metrics.update(lag_metrics(tokens.trainer, tokens.rollout, tokens.offsets, np.concatenate(lags)))
-    return metrics
+    return _with_lag_figures(metrics, tokens, lags)
 
 
 def _measure_step(pairs: Sequence[Pair], clip_eps: float) -> tuple[list[dict[str, Any]], StepFigures]:
@@ -364,9 +369,8 @@ def _measure_step(pairs: Sequence[Pair], clip_eps: float) -> tuple[list[dict[str
         variants=required_variants(),
     )
     lags = [token_lags(t, r) for t, r in pairs]
-    if lags:
-        metrics.update(lag_metrics(tokens.trainer, tokens.rollout, tokens.offsets, np.concatenate(lags)))
-    return _with_lags(frame.to_dict("records"), lags), StepFigures(tuple(pairs), clip_eps, metrics)
+    figures = StepFigures(tuple(pairs), clip_eps, _with_lag_figures(metrics, tokens, lags))
+    return _with_lags(frame.to_dict("records"), lags), figures
 
 
 def _measure_samples(pairs: Sequence[Pair], clip_eps: float) -> list[dict[str, Any]]:
@@ -411,7 +415,7 @@ def compare_samples(
         if sum(pairs[i][0].logprobs.size for i in indices) < ONE_PASS_TOKENS:
             small += indices
             continue
-        ordered = sorted(indices, key=lambda i: pairs[i][0].sample_key or "")
+        ordered = sorted(indices, key=lambda i: pairs[i][0].sample_key or "")  # as in_step_order
         rows, figures = _measure_step([pairs[i] for i in ordered], clip_eps)
         measured.update((i, (row, figures)) for i, row in zip(ordered, rows, strict=True))
     if small:
