@@ -6,7 +6,7 @@ The defining recurrence of :mod:`kernels.gdn` (state ``H`` (dk, dv) per head, fp
 
 evaluated token by token from :mod:`kernels.cpu`'s fixed-order pieces: ``a_t = exp(g_t)`` by
 :func:`kernels.cpu.exp` (IEEE ops only), the two sums over dk as :func:`kernels.cpu.tree_sum` (a
-fixed tree whose order depends on dk alone), everything else one elementwise IEEE multiply or add
+fixed tree whose order depends on dk alone; here added in place, level by level), everything else one elementwise IEEE multiply or add
 (never contracted). Each element of ``o`` and ``H`` is thus a fixed sequence of correctly rounded
 operations on its own sequence's values: it depends neither on the other sequences in a call nor
 on their order, nor on how the tokens were split into calls. Prefill, chunked prefill and decode
@@ -26,14 +26,30 @@ gradient as the GPU path): correct, not invariant (the contract is the forward's
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from .cpu import _grad, exp, tree_sum
+from .cpu import _grad, exp
 from .gdn import _GDN, CHUNK, GDNCache, _seqs
 
 __all__ = ["gdn", "gdn_autograd", "gdn_incremental"]
 
 
 BLOCK_BYTES = 1 << 19  # state bytes per block of (sequence, head) pairs: stays in a core's L2
+
+
+def tree_sum_rows_(x: torch.Tensor) -> torch.Tensor:
+    """:func:`kernels.cpu.tree_sum` over dim 1 of a temporary (P, n, m), the same tree and so the
+    same bits, each level added in place into the lower half (no allocation per level)."""
+    n = x.shape[1]
+    if n == 0:
+        return x.new_zeros(x.shape[0], x.shape[2])
+    p = 1 << (n - 1).bit_length()
+    if p != n:
+        x = F.pad(x, (0, 0, 0, p - n))
+    while p > 1:
+        p //= 2
+        x[:, :p].add_(x[:, p : 2 * p])
+    return x[:, 0]
 
 
 def _step(
@@ -43,9 +59,9 @@ def _step(
     v (P, dv), a = e^g and b = beta (P,), all fp32. Returns o (P, dv)."""
     h.mul_(a[:, None, None])
     kc = k[:, :, None]
-    u = (v - tree_sum(h * kc, dim=-2)).mul_(b[:, None])
+    u = (v - tree_sum_rows_(h * kc)).mul_(b[:, None])
     h.add_(kc * u[:, None, :])
-    return tree_sum(h * q[:, :, None], dim=-2)
+    return tree_sum_rows_(h * q[:, :, None])
 
 
 def _step_blocked(

@@ -74,6 +74,14 @@ def test_batch_invariant(dtype: torch.dtype) -> None:
         assert bits_equal(op, want) and bits_equal(hp, h[perm]), f"order {perm}"
 
 
+def test_in_place_tree_is_cpu_tree_sum() -> None:
+    from kernels.cpu import tree_sum
+
+    for n in (1, 2, 3, 16, 24, 100, 128):
+        x = torch.randn(5, n, 7) * torch.rand(5, n, 1) * 100
+        assert bits_equal(gdn_cpu.tree_sum_rows_(x.clone()), tree_sum(x, dim=1)), n
+
+
 @pytest.mark.parametrize("pairs", [1, 4])
 def test_state_blocks_change_no_bit(monkeypatch: pytest.MonkeyPatch, pairs: int) -> None:
     """Large batches step through their (sequence, head) states in L2-sized blocks; the block size
