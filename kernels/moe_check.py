@@ -93,9 +93,9 @@ def _sp(rank: int, world: int, dev: torch.device, small: bool) -> dict:
 
 
 def hf_decoder(family: str, dev: torch.device, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
-    """A tiny HF ``qwen3`` or ``qwen3_moe`` causal LM with seeded random weights (every process
-    builds the same bits; nothing is downloaded)."""
-    from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
+    """A tiny HF ``qwen3``, ``qwen3_moe`` or ``mixtral`` causal LM with seeded random weights
+    (every process builds the same bits; nothing is downloaded)."""
+    from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3Config, Qwen3MoeConfig
 
     common = dict(
         vocab_size=256,
@@ -114,8 +114,10 @@ def hf_decoder(family: str, dev: torch.device, dtype: torch.dtype, seed: int = 0
         cfg = Qwen3MoeConfig(
             **common, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True
         )
+    elif family == "mixtral":
+        cfg = MixtralConfig(**{**common, "intermediate_size": 32}, num_local_experts=8, num_experts_per_tok=2)
     else:
-        raise ValueError(f"family: expected 'qwen3' or 'qwen3_moe', got {family!r}")
+        raise ValueError(f"family: expected 'qwen3', 'qwen3_moe' or 'mixtral', got {family!r}")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
