@@ -8,7 +8,8 @@
 2. **boundary check**: ``validate_record`` of a sample with routes against one without.
 3. **size**: stored bytes per token of the routes against the sample's own arrays.
 4. **trainer collector**: ``record_step`` of a tiny HF Qwen3-MoE with routing recorded
-   (``collectors.routing.watch_routing``) against the same collector without it.
+   (``collectors.routing.watch_routing``) against the same collector without it; and, every region
+   fingerprinted with the kernels off, with the per-slot ``layers.i.experts`` tap against without.
 
     python -m bench.routing [--samples 256] [--tokens 1024] [--layers 48] [--before cb822db]
 
@@ -209,9 +210,9 @@ def bench_trainer(steps: int = 8) -> None:
         [rng.integers(5, 500, 96).tolist() for _ in range(8)],
     )
 
-    def steps_of(routing: bool) -> float:
+    def steps_of(routing: bool, regions: Any = None) -> float:
         sink = MemorySink()
-        handle = trainer.attach(model, run="bench", sink=sink, regions=None, async_transfer=False)
+        handle = trainer.attach(model, run="bench", sink=sink, regions=regions, async_transfer=False)
         if routing:
             assert watch_routing(handle) is not None
         with torch.no_grad():
@@ -223,10 +224,29 @@ def bench_trainer(steps: int = 8) -> None:
         handle.detach()
         return elapsed
 
-    base, routed = min(steps_of(False) for _ in range(2)), min(steps_of(True) for _ in range(2))
+    def turns(*variants: Any, n: int = 5) -> list[float]:
+        """Best time of each variant, the variants taking turns (this machine is shared)."""
+        times: list[list[float]] = [[] for _ in variants]
+        for _ in range(n):
+            for i, (routing, regions) in enumerate(variants):
+                times[i].append(steps_of(routing, regions))
+        return [min(t) for t in times]
+
+    base, routed = turns((False, None), (True, None))
     print(
         f"trainer record_step (tiny Qwen3-MoE, 8 x 128 tokens, own forward): {base * 1e3:.1f} ms without "
         f"routing, {routed * 1e3:.1f} ms with (x{routed / base:.2f})"
+    )
+    # Every region fingerprinted, kernels off: the per-slot experts tap runs HF's experts k more
+    # times per MoE layer on fingerprinted forwards; against every region but layers.i.experts.
+    from collectors.regions import resolve_regions
+
+    every = resolve_regions(model).names
+    others = [name for name in every if not name.endswith(".experts")]
+    without, with_slots = turns((False, others), (False, every))
+    print(
+        f"trainer record_step fingerprinting every region (kernels off): {without * 1e3:.1f} ms without "
+        f"layers.i.experts, {with_slots * 1e3:.1f} ms with (x{with_slots / without:.2f})"
     )
 
 
