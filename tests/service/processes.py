@@ -12,12 +12,17 @@ import httpx
 
 
 def serve(
-    url: str, port: int, *, worker: bool = False, env: dict[str, str] | None = None
+    url: str,
+    port: int,
+    *,
+    worker: bool = False,
+    env: dict[str, str] | None = None,
+    args: tuple[str, ...] = (),
 ) -> subprocess.Popen[bytes]:
     """Start `isoaudit serve` on ``url`` and return once ``/healthz`` answers (``worker``: run the
-    comparison worker and alert evaluation in it too)."""
+    comparison worker and alert evaluation too, as its child process; ``args``: more options)."""
     command = [sys.executable, "-m", "audit.cli", "serve", "--database-url", url, "--port", str(port)]
-    command += ["--log-level", "warning"] + ([] if worker else ["--no-worker"])
+    command += ["--log-level", "warning", *args] + ([] if worker else ["--no-worker"])
     process = subprocess.Popen(
         command,
         stdout=subprocess.DEVNULL,

@@ -33,6 +33,9 @@ SOAK = SECONDS >= 60
 #: How long the comparison worker gets to catch up after the last send (asserted only in the short pass).
 DRAIN_LIMIT_S = 120.0
 CLIENTS = {"sqlite": 4, "postgres": 16 if SOAK else 4}
+#: ISOAUDIT_SOAK_WORKER_THREAD=1: the worker as a thread of the API process (`serve --worker-thread`,
+#: the layout before it became a child process), to compare the two under this load.
+WORKER_THREAD = os.environ.get("ISOAUDIT_SOAK_WORKER_THREAD") == "1"
 STEP_EVERY_S = 0.25  # each collector: one step (8 samples x 2 sides x 512 tokens) every 250 ms
 
 
@@ -60,7 +63,13 @@ def test_concurrent_collectors_with_the_worker_on(database_url: str, tmp_path: P
     store = Store(database_url)
     token = create_token(store, "load")
     port = free_port()
-    api = serve(database_url, port, worker=True, env={"ISOAUDIT_WORKER_INTERVAL_S": "0.2"})
+    api = serve(
+        database_url,
+        port,
+        worker=True,
+        env={"ISOAUDIT_WORKER_INTERVAL_S": "0.2"},
+        args=("--worker-thread",) if WORKER_THREAD else (),
+    )
     url = f"http://127.0.0.1:{port}"
     sent: list = []
     sent_lock = threading.Lock()
@@ -92,7 +101,7 @@ def test_concurrent_collectors_with_the_worker_on(database_url: str, tmp_path: P
 
     try:
         time.sleep(2.0)  # the API process warms up (imports, first queries) before its memory is read
-        [worker] = children(api.pid)  # `isoaudit serve` runs the comparison worker as its child
+        [worker] = [api.pid] if WORKER_THREAD else children(api.pid)  # `serve` runs it as its child
         api_rss_start, own_rss_start = rss_mib(api.pid), rss_mib(os.getpid())
         worker_rss_start = rss_mib(worker)
         threads = [threading.Thread(target=collector, args=(i,)) for i in range(clients)]
@@ -156,8 +165,9 @@ def test_concurrent_collectors_with_the_worker_on(database_url: str, tmp_path: P
         if drain_lag is not None
         else f"{left} sample pairs still uncompared {DRAIN_LIMIT_S:.0f} s after the flush"
     )
+    layout = "worker thread in the API" if WORKER_THREAD else "worker child process"
     print(
-        f"\nload {kind}: {clients} collectors for {elapsed:.0f} s: {counts['stored'] / elapsed:.0f} samples/s "
+        f"\nload {kind} ({layout}): {clients} collectors for {elapsed:.0f} s: {counts['stored'] / elapsed:.0f} samples/s "
         f"({counts['stored']} stored, 0 lost, 0 doubled); ingest p50 <= {p50 * 1000:.0f} ms, p99 <= "
         f"{p99 * 1000:.0f} ms over {requests:.0f} requests; worker compared {send_rate:.0f} pairs/s while "
         f"ingest ran, {compare_rate:.0f} pairs/s over send and drain, "
