@@ -32,7 +32,9 @@ def serve(
     webhook: Annotated[
         str | None,
         typer.Option(
-            "--webhook", envvar="ISOAUDIT_ALERT_WEBHOOK_URL", help="Slack-compatible webhook for alerts."
+            "--webhook",
+            envvar="ISOAUDIT_ALERT_WEBHOOK_URL",
+            help="Slack-compatible webhook(s) for alerts: one URL, or several separated by commas (each its own destination).",
         ),
     ] = None,
     no_worker: Annotated[
@@ -113,7 +115,9 @@ def worker(
     webhook: Annotated[
         str | None,
         typer.Option(
-            "--webhook", envvar="ISOAUDIT_ALERT_WEBHOOK_URL", help="Slack-compatible webhook for alerts."
+            "--webhook",
+            envvar="ISOAUDIT_ALERT_WEBHOOK_URL",
+            help="Slack-compatible webhook(s) for alerts: one URL, or several separated by commas (each its own destination).",
         ),
     ] = None,
 ) -> None:
