@@ -27,8 +27,6 @@ from pydantic import (
     Field,
     TypeAdapter,
     ValidationError,
-    ValidatorFunctionWrapHandler,
-    field_validator,
     model_validator,
 )
 
@@ -606,19 +604,10 @@ class SampleLogprobs(Record):
             data = {**data, "weight_version": _weight_version(data["weight_version"])}
         return data
 
-    @field_validator("routes", mode="wrap")
-    @classmethod
-    def _routes_checked(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Routes | None:
-        """Routes pydantic builds are checked by their own validator; a Routes object passed in is
-        taken as is by pydantic, so it is checked here. Either way :meth:`_check` need not check
-        the routes' arrays a second time (on the realistic shape that was half the cost)."""
-        routes = handler(value)
-        if isinstance(value, Routes) and routes is value:
-            routes.check(None)
-        return routes
-
     @model_validator(mode="after")
     def _check(self) -> SampleLogprobs:
+        # pydantic has just run Routes' own validator (it runs on a Routes object passed in as
+        # well: tests/audit/test_records_routes.py), so only the bound that needs the sample is left.
         return self._checked(routes_checked=True)
 
     def checked(self) -> SampleLogprobs:
