@@ -15,6 +15,7 @@ import httpx
 import pytest
 from sqlalchemy import func, select
 
+from audit.alerts import AlertEngine, AlertRule, DatabaseChannel, LogChannel, Outbox, save_rule
 from audit.alerts.channels import WebhookChannel
 from audit.alerts.history import delivery_attempts, list_alerts, notifications
 from audit.alerts.outbox import LEASE_MARGIN_S
@@ -120,3 +121,41 @@ def test_a_pending_notice_survives_a_sigkill_and_a_hung_webhook_delays_no_other(
         f"the hung one's notice, pending at the SIGKILL, delivered once {after_kill:.1f} s after it "
         f"({delivered:.1f} s after the restart answered; lease margin {LEASE_MARGIN_S} s); {counts}"
     )
+
+
+def test_the_outbox_sends_in_order_per_destination_and_once_between_two_workers(store: Store):
+    """Two workers (outboxes) on one database, two destinations, one of them answering 503 first:
+    each destination gets firing then resolved, each once; the retry waits its backoff, recorded."""
+    store.ingest([factories.run()], project="alpha")
+    save_rule(store, AlertRule(name="kl_now", metric="kl_k3", threshold=1e-3, for_steps=1), "api")
+    with Receiver(statuses=[503]) as flaky, Receiver() as steady:
+        channels = [
+            WebhookChannel(flaky.url, attempts=3, backoff_s=0.05),
+            WebhookChannel(steady.url, name="webhook-2", backoff_s=0.05),
+        ]
+        engine = AlertEngine(store, [LogChannel(), DatabaseChannel(), *channels], deliver_in_background=True)
+        for step, kl in enumerate([2e-3, 1e-5]):  # fires, then resolves
+            metrics = {"kl_k3": kl}
+            row = {"run_id": "run-1", "step": step, "n_samples": 1, "metrics": metrics, "diagnoses": {}}
+            store.save_comparison([], [row], [])
+            engine.evaluate("run-1", step, metrics)
+        assert engine.outbox is not None
+        assert [engine.outbox.pending(c.destination) for c in channels] == [2, 2]  # nothing sent yet
+        other = Outbox(store, channels, worker="other-worker")
+        deadline = time.monotonic() + 20
+        while engine.outbox.pending() and time.monotonic() < deadline:
+            for box in (engine.outbox, other):
+                for channel in channels:
+                    box.deliver_next(channel)
+            time.sleep(0.01)
+        engine.close()
+        assert flaky.events() == steady.events() == [("firing", 0), ("resolved", 1)]
+    assert outbox_rows(store) == 0
+    [alert] = list_alerts(store, run_id="run-1")
+    webhook = [n for n in notifications(store, alert.id) if n.channel == "webhook"]
+    assert [(n.event, n.status, n.attempts) for n in webhook] == [
+        ("firing", "sent", 2),
+        ("resolved", "sent", 1),
+    ]
+    tries = delivery_attempts(webhook[0])
+    assert [t["outcome"] for t in tries] == ["HTTP 503: ok", "sent"] and tries[0]["wait_s"] == 0.05
