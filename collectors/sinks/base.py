@@ -315,7 +315,8 @@ class Sink(ABC):
                     continue
                 if first is _STOP:
                     continue
-                group = self._take_more(first)
+                group = [first]  # counted from here on, whatever happens next
+                self._take_more(group)
                 self._live(_Item.merged(group))
             except Exception as exc:  # the worker must outlive any bug in one batch
                 if group:  # never uncounted: what the failed pass held is counted dropped
@@ -328,11 +329,11 @@ class Sink(ABC):
                         self._outstanding -= sum(i.n for i in group)
                         self._cond.notify_all()
 
-    def _take_more(self, first: _Item) -> list[_Item]:
-        """``first`` and the batches queued behind it until the group reaches ``max_batch_records``
+    def _take_more(self, group: list[_Item]) -> None:
+        """Add the batches queued behind ``group``'s first until it reaches ``max_batch_records``
         records (or ``max_batch_bytes`` for sinks that send bytes): one request instead of many."""
-        group, records = [first], first.n
-        size = len(first.payload) if self._wire else 0
+        records = group[0].n
+        size = len(group[0].payload) if self._wire else 0
         while records < self._max_batch and size < self._merge_bytes:
             try:
                 item = self._queue.get_nowait()
@@ -343,7 +344,6 @@ class Sink(ABC):
             group.append(item)
             records += item.n
             size += len(item.payload) if self._wire else 0
-        return group
 
     def _spill(self) -> None:
         """The job sends faster than the destination takes: move the waiting batches to the spool
@@ -369,6 +369,9 @@ class Sink(ABC):
                     self._add("spilled", item.n)
                 else:
                     self._drop_unspooled(item)
+            except Exception as exc:  # a batch that cannot be written: counted, the others go on
+                self._drop(item.n, "worker", None)
+                self._warn_once("worker", "isoaudit %s: worker error (%s); records counted dropped", exc)
             finally:
                 with self._cond:
                     self._outstanding -= item.n

@@ -130,3 +130,18 @@ def test_a_queue_filling_faster_than_it_drains_spills_to_the_spool_and_drops_not
     assert sink.counters.dropped == 0 and sink.counters.spilled > 0, sink.stats()
     assert sink.counters.replayed == sink.counters.spooled == sink.counters.spilled
     sink.close()
+
+
+def test_a_bug_in_one_delivery_counts_its_records_dropped_and_the_sink_goes_on():
+    class Buggy(Sink):
+        def _deliver(self, item: _Item) -> int:
+            if any(r.step == 1 for r in item.records):
+                raise RuntimeError("a bug")
+            return 0
+
+    sink = Buggy()
+    for step in range(3):
+        sink.send([factories.sample(step=step, seed=step)])
+        assert sink.flush(5)  # never hangs on the batch the bug ate
+    assert (sink.counters.sent, sink.counters.dropped) == (2, 1)  # nothing uncounted
+    sink.close()
