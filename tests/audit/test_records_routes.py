@@ -258,3 +258,19 @@ def test_base64_without_pybase64_uses_the_standard_library(monkeypatch: pytest.M
         arrays.b64decode("YW-j")
     sample = _from_dict(GOOD)
     assert np.array_equal(sample.routes.experts, GOOD["experts"])  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_expert_id_bound_at_the_widths_edges(path: str) -> None:
+    """uint8 ids with 256 experts cannot be out of range (255 passes); uint16 ids with 300 experts
+    are bounded (299 passes, 300 is refused)."""
+    experts = _experts(N_TOKENS, 2, 2, 256)
+    experts[0, 0] = 255 if 255 not in experts[0, :2] else experts[0, 0]
+    assert PATHS[path](_routes_fields(num_experts=256, experts=experts)).routes is not None
+    wide = _experts(N_TOKENS, 2, 2, 300)
+    wide[:, 0] = 299
+    wide[:, 1] = 298
+    assert PATHS[path](_routes_fields(num_experts=300, experts=wide)).routes.experts.dtype == np.uint16  # type: ignore[union-attr]
+    wide[N_TOKENS - 1, 3] = 300 if wide[N_TOKENS - 1, 2] != 300 else 301
+    with pytest.raises(RecordError, match=r"^routes\.experts: an expert id is not below num_experts 300"):
+        PATHS[path](_routes_fields(num_experts=300, experts=wide))
