@@ -79,7 +79,15 @@ def measure(url: str, runs: int, steps: int, n: int, n_completion: int, history:
 
         upgrade(url)
     store = Store(url)
-    worker = ComparisonWorker(store)
+    on_step = None
+    if (
+        os.environ.get("ISOAUDIT_BENCH_ALERTS") == "1"
+    ):  # the service's shape: default rules evaluated per step
+        from audit.alerts import AlertEngine, DatabaseChannel, LogChannel, default_rules, install_rules
+
+        install_rules(store, default_rules(), "default", replace=False)
+        on_step = AlertEngine(store, [LogChannel(), DatabaseChannel()]).evaluate
+    worker = ComparisonWorker(store, on_step=on_step)
     if history:
         fill(store, runs, range(history), n, n_completion)
         while worker.run_once():

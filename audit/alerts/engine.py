@@ -120,11 +120,15 @@ class AlertEngine:
         series = self._series(run_id, step, metrics, max(steps_needed(rule) for _, rule in rules))
         now = self.now()
         silences = list_silences(self.store, project, active_at=now)
+        open_alerts = self._open_alerts(run_id)
         transitions: list[Transition] = []
         for row, rule in rules:
             evaluation = evaluate_series(rule, series[-steps_needed(rule) :])
             if evaluation is None:
                 continue
+            known = open_alerts.get(row.id)
+            if known is None and next_state(rule, "inactive", evaluation) not in OPEN_STATES:
+                continue  # none open and none opens (the common case): nothing to write or announce
             transition = self._advance(row.id, rule, run_id, evaluation, now)
             if transition is not None:
                 transitions.append(transition)
@@ -136,8 +140,18 @@ class AlertEngine:
                     transition.new,
                     transition.step,
                 )
-            self._notify(row.id, rule, run_id, project, evaluation, transition, silences, now)
+            self._notify(row.id, rule, run_id, project, evaluation, transition, silences, now, known)
         return transitions
+
+    def _open_alerts(self, run_id: str) -> dict[int, Any]:
+        """The run's open alerts by rule id (id, state, firing_notified), read once per evaluation so
+        a rule with nothing open costs no query of its own. A row another evaluator opens meanwhile
+        is that evaluator's to announce."""
+        query = select(AlertRow.rule_id, AlertRow.id, AlertRow.state, AlertRow.firing_notified).where(
+            AlertRow.run_id == run_id, AlertRow.state.in_(OPEN_STATES)
+        )
+        with self.store.sessions() as session:
+            return {row.rule_id: row for row in session.execute(query)}
 
     def _series(
         self, run_id: str, step: int, metrics: Mapping[str, Any] | None, limit: int
@@ -222,6 +236,7 @@ class AlertEngine:
         transition: Transition | None,
         silences: Sequence[SilenceRow],
         now: datetime,
+        known: Any = None,
     ) -> None:
         """Announce a firing alert not yet announced, or a resolution of one that was; record muted
         transitions as silenced. Each announcement is claimed first, so it goes out once."""
@@ -236,15 +251,14 @@ class AlertEngine:
             claim = (AlertRow.resolved_notified.is_(False), AlertRow.firing_notified.is_(True))
             column = "resolved_notified"
         else:
-            with self.store.sessions() as session:
-                alert_id = session.scalar(
-                    select(AlertRow.id).where(
-                        AlertRow.rule_id == rule_id,
-                        AlertRow.run_id == run_id,
-                        AlertRow.state == "firing",
-                        AlertRow.firing_notified.is_(False),
-                    )
-                )
+            # Announce a firing alert not announced yet: one that fired just now, or one that was
+            # firing while silenced (``known``: the open alert as read before this evaluation).
+            if transition is not None:
+                alert_id = transition.alert_id if transition.new == "firing" else None
+            elif known is not None and known.state == "firing" and not known.firing_notified:
+                alert_id = known.id
+            else:
+                alert_id = None
             if alert_id is None:
                 return
             event = "firing"
