@@ -726,9 +726,27 @@ def bench_fla() -> None:
             )
 
 
+def bench_moe() -> None:
+    """The MoE layer (router + experts + combine) with the kernels on, against the same HF Qwen3-MoE
+    block on its native grouped-GEMM experts (``torch._grouped_mm``), same weights (issue 19)."""
+    import kernels
+    from bench.moe import sparse_block
+
+    for h, i, e, k, t in [(2048, 768, 128, 8, t) for t in (128, 1024, 4096)] + [(1024, 512, 16, 4, 2048)]:
+        block = sparse_block(h, i, e, k, torch.bfloat16, "cuda")
+        x = torch.randn(1, t, h, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            block.experts.config._experts_implementation = "grouped_mm"
+            with kernels.disable():
+                native = bench(lambda: block(x))
+            with kernels.enable():
+                ours = bench(lambda: block(x))
+        record("moe layer", f"T={t} H={h} E={e} k={k} I={i}", native, ours, target=1.4)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", default="launch,gemm,gemm_small,rmsnorm,attention,gdn,fingerprint")
+    ap.add_argument("--only", default="launch,gemm,gemm_small,rmsnorm,attention,gdn,fingerprint,moe")
     ap.add_argument("--timing", default="eager", help="eager, graph, or eager,graph")
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", action="store_true", help="profile the invariant trainer step")

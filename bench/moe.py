@@ -24,7 +24,8 @@ sys.path[0] = str(Path(__file__).resolve().parents[1])  # the package, not bench
 import kernels  # noqa: E402
 
 
-def _block(h: int, i: int, e: int, k: int, dtype: torch.dtype, dev: str) -> torch.nn.Module:
+def sparse_block(h: int, i: int, e: int, k: int, dtype: torch.dtype, dev: str) -> torch.nn.Module:
+    """HF's Qwen3-MoE sparse block (hidden ``h``, expert MLP ``i``, ``e`` experts, top-``k``), seeded."""
     cfg = transformers.Qwen3MoeConfig(
         hidden_size=h, moe_intermediate_size=i, num_experts=e, num_experts_per_tok=k, norm_topk_prob=True
     )
@@ -63,7 +64,7 @@ def run(quick: bool) -> list[dict]:
         reps = 3 if quick else 7
     rows = []
     for h, i, e, k, t in shapes:
-        block = _block(h, i, e, k, torch.bfloat16, dev)
+        block = sparse_block(h, i, e, k, torch.bfloat16, dev)
         x = torch.randn(1, t, h, device=dev, dtype=torch.bfloat16)
         times = {}
         with torch.no_grad():
