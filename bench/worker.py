@@ -177,6 +177,7 @@ def live(url: str, layout: str, clients: int, seconds: float, drain_s: float = 6
     from collectors.sinks.http import HttpSink
 
     sys.path.insert(0, str(ROOT / "bench"))
+    from _runner import run_clients, stop_processes
     from api_load import serve
 
     store = Store(url)
@@ -222,15 +223,8 @@ def live(url: str, layout: str, clients: int, seconds: float, drain_s: float = 6
             return session.scalar(select(func.count()).select_from(SampleResultRow)) or 0
 
     try:
-        threads = [threading.Thread(target=collector, args=(i,)) for i in range(clients)]
         started = time.monotonic()
-        for thread in threads:
-            thread.start()
-        time.sleep(seconds)
-        stop.set()
-        for thread in threads:
-            thread.join(30)
-        sent_window = time.monotonic() - started
+        sent_window = run_clients(collector, clients, seconds, stop, join_s=30)
         for sink in sinks:
             sink.flush(120)
         at_send_end = compared()
@@ -241,9 +235,7 @@ def live(url: str, layout: str, clients: int, seconds: float, drain_s: float = 6
     finally:
         for sink in sinks:
             sink.close(10)
-        for process in processes:
-            process.terminate()
-            process.wait(30)
+        stop_processes(processes)
         store.dispose()
     return {
         "samples_per_s": 2 * sum(sent) / sent_window,
