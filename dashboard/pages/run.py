@@ -350,6 +350,11 @@ def tick(_n: int | None, state_json: dict[str, Any]) -> tuple[Any, ...]:
     points = queries.step_series(store, state.run_id, after_step=state.last_step)
     if not points:
         return (no_update,) * 5
+    if state.last_step is None:
+        # The page was drawn before any step was compared: its figures are placeholders with no
+        # traces, so there is nothing to extend (a Patch would fail in the browser). Draw them.
+        full = draw(store, state.run_id, state.stat)
+        return full.timelines, full.position, full.divergence, full.diagnoses, full.state.to_json()
     decorations = figures.timeline_decorations(
         *annotations(store, state.run_id, points[-1].step), state.log_rows
     )

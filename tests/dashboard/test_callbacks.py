@@ -100,6 +100,18 @@ def test_tick_appends_only_new_steps(app, store):
     )
 
 
+def test_a_page_drawn_before_any_comparison_is_drawn_in_full_at_its_first_compared_step(app, store):
+    """The placeholders have no traces: extending them fails in the browser ("undefined does not
+    have a method named concat"), so the first tick that brings steps draws every figure."""
+    store.ingest(step_records("run-early", 0))  # stored, not compared yet
+    state = LiveState.from_json(_find(run.layout(run_id="run-early"), "run-state").data)
+    assert state.last_step is None
+    ComparisonWorker(store).run_once()
+    *drawn, new_state = run.tick(1, state.to_json())
+    assert not any(isinstance(f, Patch) for f in drawn)
+    assert all(len(f["data"]) >= 1 for f in drawn) and new_state["last_step"] == 0
+
+
 def test_the_toggle_writes_with_the_version_it_read_and_shows_a_conflict(app, store):
     state = {"run_id": "run-1"}
     mode, control, message, disabled = run.set_mode("invariant", {"mode": "native", "version": 0}, state)
