@@ -155,7 +155,9 @@ def layout(run_id: str | None = None, step: str | None = None, **_: Any) -> html
             dcc.Store(
                 id="run-control", data={"mode": overview.control.mode, "version": overview.control.version}
             ),
-            dcc.Location(id="run-nav", refresh="callback-nav"),
+            # Opening a sample loads its page afresh: with client-side navigation a live tick still
+            # in flight would land its Patch on figures that are gone (a console TypeError).
+            dcc.Location(id="run-nav", refresh=True),
             dcc.Interval(
                 id="run-interval", interval=context.live_interval_ms(), disabled=overview.status != "live"
             ),
