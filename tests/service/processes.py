@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -66,3 +67,13 @@ def alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return False
+
+
+def wait_for(condition: Callable[[], object], timeout: float, what: str) -> float:
+    """Seconds until ``condition`` held; an AssertionError naming ``what`` after ``timeout``."""
+    started = time.monotonic()
+    while not condition():
+        if time.monotonic() - started > timeout:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.02)
+    return time.monotonic() - started

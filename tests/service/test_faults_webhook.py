@@ -9,7 +9,6 @@ Figures are printed (``-s``) and written down in docs/reliability.md."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -22,30 +21,11 @@ from audit.auth import create_token
 from audit.records import Batch
 from audit.store import Store
 from tests import factories
-from tests.service.processes import serve
+from tests.service.processes import serve, wait_for
 from tests.service.receiver import Receiver
-from tests.service.workload import reconcile, step_records
+from tests.service.workload import KL_HIGH_RULES, reconcile, step_records
 
-#: One rule that fires at the first breaching step (kl_k3 of delta 0.2 is 0.0187).
-RULES = """
-rules:
-  - name: kl_high
-    metric: kl_k3
-    comparison: ">"
-    threshold: 1.0e-3
-    severity: critical
-"""
 STEPS = 24  # per burst: 24 steps x 4 pairs
-
-
-def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> float:
-    """Seconds until ``condition`` held."""
-    started = time.monotonic()
-    while not condition():
-        if time.monotonic() - started > timeout:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.02)
-    return time.monotonic() - started
 
 
 def notice(alert_id: int = 1) -> Notice:
@@ -100,7 +80,7 @@ def test_webhook_slow_then_down_is_retried_recorded_and_never_holds_up_compariso
     store = Store(url)
     token = create_token(store, "alpha")
     rules = tmp_path / "rules.yaml"
-    rules.write_text(RULES)
+    rules.write_text(KL_HIGH_RULES)
     port, hook_port = free_port(), free_port()
     receiver = Receiver(port=hook_port).__enter__()
     env = {

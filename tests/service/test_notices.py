@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -25,27 +24,9 @@ from audit.records import Batch
 from audit.service_models import NoticeOutboxRow
 from audit.store import Store
 from tests import factories
-from tests.service.processes import alive, children, serve
+from tests.service.processes import alive, children, serve, wait_for
 from tests.service.receiver import Receiver
-from tests.service.workload import reconcile, step_records
-
-RULES = """
-rules:
-  - name: kl_high
-    metric: kl_k3
-    comparison: ">"
-    threshold: 1.0e-3
-    severity: critical
-"""
-
-
-def wait_for(condition: Callable[[], object], timeout: float, what: str) -> float:
-    started = time.monotonic()
-    while not condition():
-        if time.monotonic() - started > timeout:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.02)
-    return time.monotonic() - started
+from tests.service.workload import KL_HIGH_RULES, reconcile, step_records
 
 
 def outbox_rows(store: Store) -> int:
@@ -59,7 +40,7 @@ def test_a_pending_notice_survives_a_sigkill_and_a_hung_webhook_delays_no_other(
     store = Store(url)
     token = create_token(store, "alpha")
     rules = tmp_path / "rules.yaml"
-    rules.write_text(RULES)
+    rules.write_text(KL_HIGH_RULES)
     port = free_port()
     with Receiver() as slow, Receiver() as quick:
         env = {

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import time
-from collections.abc import Callable
 
 import httpx
 import pytest
@@ -18,17 +16,8 @@ from audit.auth import create_token
 from audit.records import Batch
 from audit.store import Store
 from tests import factories
-from tests.service.processes import alive, children, serve
+from tests.service.processes import alive, children, serve, wait_for
 from tests.service.workload import step_records
-
-
-def wait_for(condition: Callable[[], object], timeout: float, what: str) -> float:
-    started = time.monotonic()
-    while not condition():
-        if time.monotonic() - started > timeout:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.05)
-    return time.monotonic() - started
 
 
 @pytest.mark.slow

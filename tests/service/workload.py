@@ -13,6 +13,16 @@ from audit.records import SampleLogprobs
 from audit.store import Store
 from tests import factories
 
+#: One alert rule that fires at the first breaching step (kl_k3 of ``delta`` 0.2 is 0.0187).
+KL_HIGH_RULES = """
+rules:
+  - name: kl_high
+    metric: kl_k3
+    comparison: ">"
+    threshold: 1.0e-3
+    severity: critical
+"""
+
 
 def step_records(
     step: int = 0, delta: float = 0.0, *, run_id: str = "run-1", n: int = 4, n_completion: int = 32
