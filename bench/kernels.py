@@ -726,6 +726,47 @@ def bench_fla() -> None:
             )
 
 
+def bench_tree() -> None:
+    """The TP-invariant tree GEMM against a shard matmul at TP 1 and 2, ranks simulated on this GPU
+    (issue 20 item 4): per rank, native = its K shard's cuBLAS matmul plus, at TP 2, the bf16 add
+    an all-reduce performs; invariant = its subtree's root, the pairwise add of the two roots (the
+    all-gather's arithmetic) and the one rounding. Communication itself is not timed (one GPU).
+    Leaves of 256 (the default plan), 512 and 1024 columns: a plan parameter both sides share."""
+    from kernels.tree_gemm import partial_roots, tree_plan, tree_reduce
+
+    n = 4096
+    for m in (256, 2048):
+        for k in (4096, 14336):
+            x = torch.randn(m, k, device="cuda").bfloat16()
+            w = (torch.randn(n, k, device="cuda") / k**0.5).bfloat16()
+            for tp in (1, 2):
+                shard = k // tp
+                xs, ws = x[:, :shard].contiguous(), w[:, :shard].contiguous()
+                other = torch.randn(m, n, device="cuda").bfloat16()
+
+                def native() -> torch.Tensor:
+                    y = xs @ ws.T
+                    return y if tp == 1 else y + other
+
+                base = bench(native)
+                for leaf in (256, 512, 1024):
+                    plan = tree_plan(k, leaf, tp)
+                    lo, hi = plan.k_range(0)
+                    xl, wl = x[:, lo:hi].contiguous(), w[:, lo:hi].contiguous()
+                    peer = torch.randn(m, n, device="cuda")
+
+                    def ours() -> torch.Tensor:
+                        root = tree_reduce(partial_roots(xl, wl, plan))
+                        return (root if tp == 1 else root + peer).to(torch.bfloat16)
+
+                    try:
+                        record(f"tree gemm tp={tp} leaf={leaf}", f"M={m} N={n} K={k}", base, bench(ours), 1.5)
+                    except Exception as exc:  # noqa: BLE001 - a plan the kernel refuses
+                        print(
+                            f"[{TIMING}] tree gemm tp={tp} leaf={leaf} M={m} K={k}: {exc!r}"[:200], flush=True
+                        )
+
+
 def bench_moe() -> None:
     """The MoE layer (router + experts + combine) with the kernels on, against the same HF Qwen3-MoE
     block on its native grouped-GEMM experts (``torch._grouped_mm``), same weights (issue 19)."""
