@@ -40,7 +40,7 @@ import torch
 from . import cpu as _cpu
 from . import routing
 from ._triton import HAVE_TRITON, interpreting
-from .moe_grouped import grouped_linear
+from .moe_grouped import device_groups, grouped_config, grouped_gemm_counts, grouped_linear
 
 __all__ = [
     "TIE_RULE",
@@ -291,6 +291,8 @@ def expert_outputs(
     t, k = experts.shape
     n_experts = gate_up.shape[0]
     flat = experts.reshape(-1)
+    if ep.ranks == 1 and ep.capacity is None and _fast(x, gate_up, down):
+        return _expert_outputs_fast(x, flat, k, gate_up, down).view(t, k, -1)
     owners = ep.owners(n_experts)
     # Rows sorted rank-major, then by expert; a stable sort keeps each expert's rows in routing
     # order (token-major, then slot order). One host read: the rows per expert.
@@ -318,6 +320,33 @@ def expert_outputs(
     if not outs:
         return x.new_zeros(t, k, down.shape[1])
     return _place(perm, torch.cat(outs), t * k).view(t, k, -1)
+
+
+def _fast(*ts: torch.Tensor) -> bool:
+    """The host-sync-free path (one rank, no capacity, forward only, grouped kernel):
+    ``ISOAUDIT_MOE_FAST=0`` restores the host-table path."""
+    if os.environ.get("ISOAUDIT_MOE_FAST", "1") == "0" or not _use_grouped(ts[0]):
+        return False
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in ts))
+
+
+def _expert_outputs_fast(
+    x: torch.Tensor, flat: torch.Tensor, k: int, gate_up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor:
+    """(T*k, H) outputs in routing order with no host read: rows sorted by expert (stable: routing
+    order within an expert), the grouped kernel's tile table built on the device from the counts,
+    outputs put back by index. The same tiles, so the same bits, as the host-table path."""
+    n_experts = gate_up.shape[0]
+    perm = torch.sort(flat, stable=True).indices
+    counts = torch.bincount(flat, minlength=n_experts)
+    xs = x[perm // k]
+    bm1 = grouped_config(gate_up.shape[1], gate_up.shape[2], gate_up.dtype)[0]
+    bm2 = grouped_config(down.shape[1], down.shape[2], down.dtype)[0]
+    g1 = device_groups(counts, bm1)
+    g2 = g1 if bm2 == bm1 else device_groups(counts, bm2)
+    g, u = grouped_gemm_counts(xs, gate_up, counts, g1).chunk(2, dim=-1)
+    ys = grouped_gemm_counts(routing.silu(g) * u, down, counts, g2)
+    return ys.new_empty(ys.shape).index_copy_(0, perm, ys)
 
 
 def _all_to_all(t: torch.Tensor, send: list[int], recv: list[int], group: object | None) -> torch.Tensor:
@@ -374,7 +403,18 @@ def expert_outputs_distributed(
 
 
 def combine(y: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``sum_s w[t, s] y[t, s]`` in fp32 over slots 0..k-1 in that order, rounded once to ``dtype``."""
+    """``sum_s w[t, s] y[t, s]`` in fp32 over slots 0..k-1 in that order, rounded once to ``dtype``.
+    On CUDA (forward, ``ISOAUDIT_MOE_FAST`` not 0) one launch of :mod:`kernels.moe_combine`, the
+    same arithmetic op for op."""
+    if (
+        y.is_cuda
+        and HAVE_TRITON
+        and os.environ.get("ISOAUDIT_MOE_FAST", "1") != "0"
+        and not (torch.is_grad_enabled() and (y.requires_grad or weights.requires_grad))
+    ):
+        from .moe_combine import combine_rows
+
+        return combine_rows(y, weights, dtype)
     acc = weights[:, 0, None] * y[:, 0].float()
     for s in range(1, y.shape[1]):
         acc = acc + weights[:, s, None] * y[:, s].float()
