@@ -649,6 +649,17 @@ def bench_gdn() -> None:
             )
 
 
+def _lift_fla_guard(exc: Exception) -> bool:
+    """Lift fla's Triton-version guard on its gated backward (fla #640) if ``exc`` is that guard;
+    True when lifted."""
+    if "#640" not in str(exc):
+        return False
+    import fla.ops.common.chunk_o as chunk_o
+
+    chunk_o.TRITON_ABOVE_3_7_1 = True
+    return True
+
+
 def bench_fla() -> None:
     """CPR GDN against flash-linear-attention (``fla``, the library users run), where it imports:
     prefill (``chunk_gated_delta_rule``), trainer fwd+bwd, and decode per token
@@ -681,22 +692,31 @@ def bench_fla() -> None:
                 1.6,
             )
         gout = torch.randn(b * n, h, d, device="cuda")
-        try:
 
-            def fla_fb() -> None:
-                o = chunk_gated_delta_rule(q4, k4, v4, g4, beta4, scale=1.0)[0]
-                torch.autograd.grad(o.reshape(gout.shape), xs, gout)
+        def fla_fb() -> tuple[torch.Tensor, ...]:
+            o = chunk_gated_delta_rule(q4, k4, v4, g4, beta4, scale=1.0)[0]
+            return torch.autograd.grad(o.reshape(gout.shape), xs, gout)
 
-            fla_ms = bench(fla_fb, 300)
-        except Exception as exc:  # noqa: BLE001 - fla refuses its backward on some Triton/GPU pairs
-            print(f"[{TIMING}] fla backward failed: {exc!r}"[:300], flush=True)
-            continue
-
-        def ours_fb() -> None:
+        def ours_fb() -> tuple[torch.Tensor, ...]:
             o = G.gdn_chunk_autograd(*xs, cu)
-            torch.autograd.grad(o, xs, gout)
+            return torch.autograd.grad(o, xs, gout)
 
-        record("cpr-gdn fwd+bwd vs fla", shape, fla_ms, bench(ours_fb, 300), 1.4)
+        case = "cpr-gdn fwd+bwd vs fla"
+        try:
+            fla_fb()
+        except RuntimeError as exc:  # fla refuses its gated backward with Triton < 3.7.1 on Hopper (#640)
+            if not _lift_fla_guard(exc):
+                print(f"[{TIMING}] fla backward failed: {exc!r}"[:300], flush=True)
+                continue
+            # Time it anyway with the guard lifted: the same kernels fla runs on a fixed Triton
+            # (its bug is in the values of one kernel, not in the work), so the time is fla's cost;
+            # its gradients are not trusted here, and their distance from ours is printed.
+            case = "cpr-gdn fwd+bwd vs fla (fla guard lifted, #640)"
+            print(f"[{TIMING}] fla refused its backward ({str(exc)[:90]}...); timing it with the guard lifted", flush=True)
+        rels = [float((a.float() - b_.float()).norm() / b_.float().norm()) for a, b_ in zip(fla_fb(), ours_fb())]
+        print(f"[{TIMING}] fla vs cpr-gdn gradient rel L2 (q, k, v, g, beta) {shape}: "
+              + " ".join(f"{r:.1e}" for r in rels), flush=True)  # fmt: skip
+        record(case, shape, bench(fla_fb, 300), bench(ours_fb, 300), 1.4)
     with torch.no_grad():
         for b in (1, 16, 64):
             steps = 16
