@@ -712,8 +712,14 @@ def bench_fla() -> None:
             # (its bug is in the values of one kernel, not in the work), so the time is fla's cost;
             # its gradients are not trusted here, and their distance from ours is printed.
             case = "cpr-gdn fwd+bwd vs fla (fla guard lifted, #640)"
-            print(f"[{TIMING}] fla refused its backward ({str(exc)[:90]}...); timing it with the guard lifted", flush=True)
-        rels = [float((a.float() - b_.float()).norm() / b_.float().norm()) for a, b_ in zip(fla_fb(), ours_fb())]
+            print(
+                f"[{TIMING}] fla refused its backward ({str(exc)[:90]}...); timing it with the guard lifted",
+                flush=True,
+            )
+        rels = [
+            float((a.float() - b_.float()).norm() / b_.float().norm())
+            for a, b_ in zip(fla_fb(), ours_fb(), strict=True)
+        ]
         print(f"[{TIMING}] fla vs cpr-gdn gradient rel L2 (q, k, v, g, beta) {shape}: "
               + " ".join(f"{r:.1e}" for r in rels), flush=True)  # fmt: skip
         record(case, shape, bench(fla_fb, 300), bench(ours_fb, 300), 1.4)
