@@ -17,6 +17,7 @@ and the instruction stay fixed, which measured bit-identical (see :func:`launch_
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, replace
 from functools import cache, lru_cache
 
@@ -57,6 +58,29 @@ class GemmConfig:
     # Small M on Hopper: narrower tiles (same BLOCK_K and instruction family) when the full tile
     # would leave most SMs idle; see :func:`launch_config`.
     shrink_small_m: bool = False
+    # Fixed split-K: K cut into spans of ``k_split`` elements (a multiple of every BLOCK_K a call
+    # may take), each summed from zero in ascending BLOCK_K steps, the span sums then added in
+    # ascending order in fp32. 0: one span. A function of the weight shape, never of M (see
+    # :func:`split_span`).
+    k_split: int = 0
+
+
+#: Fixed split-K for narrow weights (N <= SPLIT_MAX_N) on the H200: at decode sizes their few
+#: column tiles leave most SMs idle while one program walks all of K (cuBLAS splits K there). K is
+#: cut into SPLIT_SPANS spans of a multiple of SPLIT_ALIGN elements (every BLOCK_K a call may take
+#: divides it), for every M: the large-M call sums the spans in turn in one program, the small-M
+#: call runs them as programs and adds them in the same order, so the bits are M's alone.
+SPLIT_MAX_N = 1024
+SPLIT_MIN_K = 512
+SPLIT_SPANS = 4
+SPLIT_ALIGN = 128
+
+
+def split_span(n: int, k: int) -> int:
+    """K elements per span of the fixed split-K for an (n, k) weight; 0: no split."""
+    if n > SPLIT_MAX_N or k < SPLIT_MIN_K or os.environ.get("ISOAUDIT_GEMM_SPLIT_K", "1") == "0":
+        return 0
+    return cdiv(cdiv(k, SPLIT_SPANS), SPLIT_ALIGN) * SPLIT_ALIGN
 
 
 @cache
@@ -68,6 +92,9 @@ def gemm_config(n: int, k: int, dtype: torch.dtype, capability: tuple[int, int] 
         return GemmConfig(64, 64, 32, 4, 2)
     if n >= 256 and k >= 64:
         if capability is not None and capability >= (9, 0) and n % 8 == 0 and k % 8 == 0:
+            span = split_span(n, k) if capability == (9, 0) else 0
+            if span:  # two fp32 tiles live (the span sum and the total): 128x128 at large M
+                return GemmConfig(128, 128, 64, 8, 3, tma=True, shrink_small_m=True, k_split=span)
             # Best of 14 on an H200 (bench_tune): 1.03x cuBLAS at M=2048 and 8192. Warp specialisation
             # and 4 stages measured no better; 3 stages leave room for a 4-byte output tile.
             return GemmConfig(128, 256, 64, 8, 3, tma=True, shrink_small_m=capability == (9, 0))
@@ -94,7 +121,7 @@ def _narrowed(cfg: GemmConfig, tile: tuple[int, int, int]) -> GemmConfig:
     return replace(cfg, block_m=64, block_n=block_n, block_k=block_k, num_warps=4, num_stages=stages)
 
 
-def launch_config(cfg: GemmConfig, m: int, n: int, sms: int) -> GemmConfig:
+def launch_config(cfg: GemmConfig, m: int, n: int, sms: int, k: int = 0) -> GemmConfig:
     """The tile one call runs. Normally ``cfg`` for every M; with ``cfg.shrink_small_m`` (Hopper),
     a call whose full tiles would fill fewer than half the SMs runs the widest 64-row tile of
     :data:`NARROW_TILES` that fills half of them (the narrowest when none does). Chosen from a
@@ -109,16 +136,59 @@ def launch_config(cfg: GemmConfig, m: int, n: int, sms: int) -> GemmConfig:
     if not cfg.shrink_small_m:
         return cfg
     half = sms // 2
-    if cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n) >= half:
+    spans = cdiv(k, cfg.k_split) if cfg.k_split else 1  # split-K programs count toward the fill
+    if cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n) * spans >= half:
         return cfg
     m_tiles = cdiv(m, 64)
     for tile in NARROW_TILES:
-        if m_tiles * cdiv(n, tile[0]) >= half:
+        if m_tiles * cdiv(n, tile[0]) * spans >= half:
             return _narrowed(cfg, tile)
     return _narrowed(cfg, NARROW_TILES[-1])
 
 
 if HAVE_TRITON:
+
+    @triton.jit
+    def _span_sum(
+        a, b, M, N, K, stride_am, stride_ak, stride_bn, stride_bk, pid_m, pid_n, k_lo, k_hi,
+        PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        TMA: tl.constexpr,
+        A_PTR: tl.constexpr,
+    ):  # fmt: skip
+        """One tile's fp32 sum over K in [k_lo, k_hi), from zero, in ascending BLOCK_K steps."""
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            if TMA:
+                if A_PTR:
+                    x = tl.load(
+                        a + offs_m[:, None] * stride_am + (k0 + offs_k)[None, :] * stride_ak,
+                        mask=(offs_m[:, None] < M) & ((k0 + offs_k) < K)[None, :],
+                        other=0.0,
+                    )
+                else:
+                    x = a.load([pid_m * BLOCK_M, k0])
+                w = b.load([pid_n * BLOCK_N, k0])
+                acc = tl.dot(x, w.T, acc, input_precision=PRECISION)
+            else:
+                k_ok = (k0 + offs_k) < K
+                x = tl.load(
+                    a + offs_m[:, None] * stride_am + (k0 + offs_k)[None, :] * stride_ak,
+                    mask=(offs_m[:, None] < M) & k_ok[None, :],
+                    other=0.0,
+                )
+                w = tl.load(
+                    b + (k0 + offs_k)[:, None] * stride_bk + offs_n[None, :] * stride_bn,
+                    mask=k_ok[:, None] & (offs_n[None, :] < N),
+                    other=0.0,
+                )
+                acc = tl.dot(x, w, acc, input_precision=PRECISION)
+        return acc
 
     @jit(do_not_specialize=["M", "num_programs"])
     def _gemm_kernel(
@@ -136,6 +206,8 @@ if HAVE_TRITON:
         stride_cm,
         stride_cn,
         num_programs,
+        partials,
+        counters,
         HAS_BIAS: tl.constexpr,
         PRECISION: tl.constexpr,
         BLOCK_M: tl.constexpr,
@@ -147,12 +219,19 @@ if HAVE_TRITON:
         WARP_SPECIALIZE: tl.constexpr,
         DEVICE_DESC: tl.constexpr,
         A_PTR: tl.constexpr,
+        K_SPLIT: tl.constexpr,
+        SPLIT_GRID: tl.constexpr,
     ):
         # With TMA, a/b/c are tensor descriptors (out-of-bounds reads are zeros, writes dropped),
         # passed in or (DEVICE_DESC) built here from pointers; otherwise they are pointers with
         # explicit masks. A_PTR (TMA, fewer rows than one tile): a and c stay pointers, since a
         # descriptor box mostly past M measured twice as slow; the weight still streams by TMA.
         # Same tile walk, K order and instruction either way.
+        # K_SPLIT > 0: K in spans of K_SPLIT, each summed from zero, the span sums added in order.
+        # SPLIT_GRID (few tiles): span s is program (tile, s) on axis 1; it writes its fp32 sum to
+        # ``partials`` and the tile's last program to finish (an atomic count per tile) adds all
+        # spans in ascending order, whichever program ran them: the same adds as one program
+        # summing the spans in turn (SPLIT_GRID False), so M never changes a bit.
         if TMA:
             if DEVICE_DESC:
                 C_BLOCK_N: tl.constexpr = BLOCK_N // 2 if SPLIT_EPILOGUE else BLOCK_N
@@ -163,9 +242,12 @@ if HAVE_TRITON:
         num_m = tl.cdiv(M, BLOCK_M)
         num_n = tl.cdiv(N, BLOCK_N)
         group = GROUP_M * num_n
-        offs_k = tl.arange(0, BLOCK_K)
         for tile in tl.range(
-            tl.program_id(0), num_m * num_n, num_programs, flatten=TMA, warp_specialize=WARP_SPECIALIZE
+            tl.program_id(0),
+            num_m * num_n,
+            num_programs,
+            flatten=TMA and K_SPLIT == 0,
+            warp_specialize=WARP_SPECIALIZE,
         ):
             # Grouped order for L2 reuse; it changes which program runs a tile, not the tile's sums.
             first_m = (tile // group) * GROUP_M
@@ -174,48 +256,63 @@ if HAVE_TRITON:
             pid_n = (tile % group) // size_m
             offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
             offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                if TMA:
-                    if A_PTR:
-                        x = tl.load(
-                            a + offs_m[:, None] * stride_am + (k0 + offs_k)[None, :] * stride_ak,
-                            mask=(offs_m[:, None] < M) & ((k0 + offs_k) < K)[None, :],
-                            other=0.0,
-                        )
-                    else:
-                        x = a.load([pid_m * BLOCK_M, k0])
-                    w = b.load([pid_n * BLOCK_N, k0])
-                    acc = tl.dot(x, w.T, acc, input_precision=PRECISION)
-                else:
-                    k_ok = (k0 + offs_k) < K
-                    x = tl.load(
-                        a + offs_m[:, None] * stride_am + (k0 + offs_k)[None, :] * stride_ak,
-                        mask=(offs_m[:, None] < M) & k_ok[None, :],
-                        other=0.0,
-                    )
-                    w = tl.load(
-                        b + (k0 + offs_k)[:, None] * stride_bk + offs_n[None, :] * stride_bn,
-                        mask=k_ok[:, None] & (offs_n[None, :] < N),
-                        other=0.0,
-                    )
-                    acc = tl.dot(x, w, acc, input_precision=PRECISION)
-            if HAS_BIAS:
-                bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
-                acc = acc + bias[None, :]
-            if TMA and not A_PTR:
-                if SPLIT_EPILOGUE:
-                    lo, hi = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
-                    c.store([pid_m * BLOCK_M, pid_n * BLOCK_N], lo.to(c.dtype))
-                    c.store([pid_m * BLOCK_M, pid_n * BLOCK_N + BLOCK_N // 2], hi.to(c.dtype))
-                else:
-                    c.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(c.dtype))
+            if K_SPLIT == 0:
+                acc = _span_sum(
+                    a, b, M, N, K, stride_am, stride_ak, stride_bn, stride_bk, pid_m, pid_n, 0, K,
+                    PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, TMA, A_PTR,
+                )  # fmt: skip
+            elif SPLIT_GRID:
+                span = tl.program_id(1)
+                acc = _span_sum(
+                    a, b, M, N, K, stride_am, stride_ak, stride_bn, stride_bk, pid_m, pid_n,
+                    span * K_SPLIT, tl.minimum(span * K_SPLIT + K_SPLIT, K),
+                    PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, TMA, A_PTR,
+                )  # fmt: skip
             else:
-                tl.store(
-                    c + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn,
-                    acc.to(c.dtype.element_ty),
-                    mask=(offs_m[:, None] < M) & (offs_n[None, :] < N),
-                )
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for span in range(0, tl.cdiv(K, K_SPLIT)):
+                    acc = acc + _span_sum(
+                        a, b, M, N, K, stride_am, stride_ak, stride_bn, stride_bk, pid_m, pid_n,
+                        span * K_SPLIT, tl.minimum(span * K_SPLIT + K_SPLIT, K),
+                        PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, TMA, A_PTR,
+                    )  # fmt: skip
+            last = True
+            if SPLIT_GRID:
+                # fp32 span sums, one BLOCK_M x BLOCK_N slab per (span, tile); counters[tile]
+                # counts the spans stored; the last adds them in span order and resets the count.
+                spans = tl.cdiv(K, K_SPLIT)
+                tiles = num_m * num_n
+                slab = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+                tl.store(partials + (span * tiles + tile).to(tl.int64) * (BLOCK_M * BLOCK_N) + slab, acc)
+                tl.debug_barrier()
+                done = tl.atomic_add(counters + tile, 1, sem="acq_rel", scope="gpu")
+                last = done == spans - 1
+                if last:
+                    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                    for s2 in range(0, spans):
+                        part = tl.load(
+                            partials + (s2 * tiles + tile).to(tl.int64) * (BLOCK_M * BLOCK_N) + slab,
+                            cache_modifier=".cg",
+                        )
+                        acc = acc + part
+                    tl.atomic_xchg(counters + tile, 0, sem="relaxed", scope="gpu")
+            if last:
+                if HAS_BIAS:
+                    bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+                    acc = acc + bias[None, :]
+                if TMA and not A_PTR:
+                    if SPLIT_EPILOGUE:
+                        lo, hi = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+                        c.store([pid_m * BLOCK_M, pid_n * BLOCK_N], lo.to(c.dtype))
+                        c.store([pid_m * BLOCK_M, pid_n * BLOCK_N + BLOCK_N // 2], hi.to(c.dtype))
+                    else:
+                        c.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(c.dtype))
+                else:
+                    tl.store(
+                        c + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn,
+                        acc.to(c.dtype.element_ty),
+                        mask=(offs_m[:, None] < M) & (offs_n[None, :] < N),
+                    )
 
     _LAUNCH = CachedLauncher(_gemm_kernel)
 
@@ -226,17 +323,24 @@ def gemm_reference(
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     block_k: int | None = None,
+    k_split: int = 0,
 ) -> torch.Tensor:
     """The arithmetic the kernel defines: fp32 products, fp32 partial sums per BLOCK_K slab, the
-    slabs added in ascending k, bias added in fp32, one rounding to ``out_dtype`` at the end.
+    slabs added in ascending k (within each ``k_split`` span, from zero, the span sums then added
+    in ascending order), bias added in fp32, one rounding to ``out_dtype`` at the end.
     (Inside one slab the hardware's dot order applies, so kernel and reference agree to rounding.)"""
     n, k = weight.shape
     bk = block_k or gemm_config(n, k, weight.dtype).block_k
     xf = x.reshape(math.prod(x.shape[:-1]), k).float()  # not (-1, k): K may be 0 (an empty leaf)
     wf = weight.float()
     acc = torch.zeros(xf.shape[0], n, dtype=torch.float32, device=x.device)
-    for k0 in range(0, k, bk):
-        acc = acc + xf[:, k0 : k0 + bk] @ wf[:, k0 : k0 + bk].T
+    span = k_split or max(k, 1)
+    for s0 in range(0, k, span):
+        part = torch.zeros_like(acc)
+        for k0 in range(s0, min(s0 + span, k), bk):
+            hi = min(k0 + bk, s0 + span)
+            part = part + xf[:, k0:hi] @ wf[:, k0:hi].T
+        acc = acc + part
     if bias is not None:
         acc = acc + bias.float()
     return acc.to(out_dtype or x.dtype).reshape(*x.shape[:-1], n)
@@ -280,6 +384,30 @@ def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
     return buf
 
 
+_SPLIT: dict[tuple[int, int | None], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _split_scratch(sizes: tuple[int, int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp32 span sums, int32 per-tile counters) for a split-grid launch. The counters start at
+    zero and each tile's last program sets its count back to zero, so eager launches on one stream
+    (which run in order) share one pair per (device, stream); a launch being captured into a CUDA
+    graph gets its own pair (the zeroing is part of the graph)."""
+    n_partial, n_tiles = sizes
+    if device.type != "cuda" or torch._C._cuda_isCurrentStreamCapturing():
+        return torch.empty(n_partial, dtype=torch.float32, device=device), torch.zeros(
+            n_tiles, dtype=torch.int32, device=device
+        )
+    dev = torch._C._cuda_getDevice()
+    key = (dev, torch._C._cuda_getCurrentRawStream(dev))
+    hit = _SPLIT.get(key)
+    if hit is None or hit[0].numel() < n_partial or hit[1].numel() < n_tiles:
+        hit = _SPLIT[key] = (
+            torch.empty(max(n_partial, 1 << 16), dtype=torch.float32, device=device),
+            torch.zeros(max(n_tiles, 1 << 12), dtype=torch.int32, device=device),
+        )
+    return hit
+
+
 def _ensure_allocator() -> None:
     """Give Triton a scratch allocator unless the process (e.g. the engine) already set one. The
     setting is a context variable, so each thread that launches checks for itself."""
@@ -305,9 +433,16 @@ def _plan(
     """Everything about one call that its shapes fix: the tile, the program count, the constexprs
     and launch options (computed once per shape, not per call)."""
     capability, sms = _device_traits(device)
-    cfg = launch_config(config or gemm_config(n, k, dtype, capability), m, n, sms)
+    cfg = launch_config(config or gemm_config(n, k, dtype, capability), m, n, sms, k)
     tiles = cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n)
-    programs = min(tiles, sms) if cfg.tma else tiles
+    spans = cdiv(k, cfg.k_split) if cfg.k_split else 1
+    # Split-K spans run as programs while the tiles alone would not fill the device; above
+    # that, each program sums its tiles' spans in turn (the same adds, see the kernel).
+    split_grid = spans > 1 and tiles < sms
+    programs = tiles if split_grid or not cfg.tma else min(tiles, sms)
+    grid = (programs, spans if split_grid else 1, 1)
+    # (fp32 span sums, per-tile counters) the split-grid launch needs, in elements
+    scratch = (spans * tiles * cfg.block_m * cfg.block_n, tiles) if split_grid else None
     # A 4-byte output tile is twice the shared memory: store it in halves (the store order does
     # not touch the sums, and the output dtype is fixed by the call site, never by M).
     split = cfg.tma and (cfg.split_epilogue or out_dtype.itemsize > 2)
@@ -326,12 +461,15 @@ def _plan(
         # pointer store stages the tile in shared memory, which a 4-byte or 128-row tile overflows
         # (the interpreter has no such limit: there it serves every partial tile, as a structure test).
         A_PTR=cfg.tma and m < cfg.block_m and (interpreting() or (cfg.block_m == 64 and not split)),
+        K_SPLIT=cfg.k_split if spans > 1 else 0,
+        SPLIT_GRID=split_grid,
     )
-    return _GemmPlan(cfg, programs, constexprs, dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+    options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return _GemmPlan(cfg, grid, constexprs, options, scratch)
 
 
 class _GemmPlan(tuple):
-    """(config, programs, constexprs, options), hashed by identity: the launch key holds the plan
+    """(config, grid, constexprs, options, split scratch sizes or None), hashed by identity: the launch key holds the plan
     itself (one object per shape, kept alive by the key), so hashing it costs nothing per call."""
 
     __slots__ = ()
@@ -366,7 +504,8 @@ def gemm(
     if m == 0:
         return out.reshape(*x.shape[:-1], n)
     plan = _plan(m, n, k, weight.dtype, odt, bias is not None, x.device, config)
-    cfg, programs, constexprs, options = plan
+    cfg, grid, constexprs, options, scratch = plan
+    programs = grid[0]
     if cfg.tma:
         w = _tma_operand(weight)
         if not constexprs["A_PTR"]:
@@ -387,15 +526,19 @@ def gemm(
         w = weight
         a_arg, b_arg, c_arg = a, w, out
     bias_arg = bias if bias is not None else w
-    args = (a_arg, b_arg, c_arg, bias_arg, m, n, k, *a.stride(), *w.stride(), *out.stride(), programs)
+    partials, counters = _split_scratch(scratch, x.device) if scratch else (out, out)
+    args = (
+        a_arg, b_arg, c_arg, bias_arg, m, n, k, *a.stride(), *w.stride(), *out.stride(), programs,
+        partials, counters,
+    )  # fmt: skip
     if cfg.tma and not cfg.device_descriptors:  # host descriptors: Triton binds them itself
-        _gemm_kernel[(programs,)](*args, **constexprs, **options)
+        _gemm_kernel[grid](*args, **constexprs, **options)
     else:
         # What Triton specialises the runtime arguments on: the plan fixes n, k, the dtypes and
         # the output; the strides of a and w (args[7:11]) and the pointers' alignment complete it
         # (m and the program count are not specialised).
         key = (plan, *args[7:11], aligned(a, w, bias_arg))
-        _LAUNCH(key, (programs, 1, 1), args, constexprs, **options)
+        _LAUNCH(key, grid, args, constexprs, **options)
     return out.reshape(*x.shape[:-1], n)
 
 

@@ -118,11 +118,50 @@ def test_launch_config_narrows_only_underfilled_hopper_calls() -> None:
     small = launch_config(hopper, 1, 4096, 132)  # 128 tiles of 64x32
     assert (small.block_m, small.block_n, small.block_k) == (64, 32, 128)
     assert launch_config(hopper, 1, 896, 132).block_n == 16  # none fills half: the narrowest
+    # hopper is the 4096x4096 config: launch_config(hopper, 1, 896, ...) is a tile-choice probe only
     assert launch_config(hopper, 1, 14336, 132).block_n == 128
     mid = launch_config(hopper, 512, 4096, 132)  # 64 full tiles; 128 of 64x256
     assert (mid.block_m, mid.block_n, mid.block_k) == (64, 256, hopper.block_k)
     plain = GemmConfig(32, 32, 16, 4, 2, tma=True)
     assert launch_config(plain, 1, 4096, 132) is plain
+
+
+@pytest.mark.parametrize("tma", [False, True])
+def test_split_k_fp32(dev: str, tma: bool) -> None:
+    """Fixed split-K as a structure test (fp32, interpreter: 2 programs): K = 88 in spans of 32
+    (32, 32, 24; the last slab of each span partial). N = 32 and M <= 32 is one tile, fewer than
+    the programs: the spans run as programs and the last adds them (the split grid); more rows
+    sum the spans in turn in one program. Every M gives the same bits, calls repeat bitwise
+    (each tile's count is back at zero), and the sums are the reference's span arithmetic."""
+    torch.manual_seed(0)
+    a = torch.randn(150, 88, device=dev)
+    for n in (32, 72):
+        w, b = torch.randn(n, 88, device=dev), torch.randn(n, device=dev)
+        cfg = GemmConfig(32, 32, 16, 4, 2, tma=tma, k_split=32)
+        full = gemm(a, w, b, impl="triton", config=cfg)
+        torch.testing.assert_close(
+            full, gemm_reference(a, w, b, block_k=16, k_split=32), rtol=1e-5, atol=1e-5
+        )
+        for m in (1, 3, 32, 33, 149):
+            first = gemm(a[:m], w, b, impl="triton", config=cfg)
+            assert bits_equal(first, full[:m]), f"n={n} m={m}"
+            assert bits_equal(gemm(a[:m], w, b, impl="triton", config=cfg), first), f"n={n} m={m} repeat"
+    unsplit = gemm(a, w, b, impl="triton", config=GemmConfig(32, 32, 16, 4, 2, tma=tma))
+    assert not bits_equal(full, unsplit)  # the split is real: other adds, other roundings
+
+
+def test_split_span_is_fixed_per_weight_shape() -> None:
+    """The split is a function of (N, K) alone: narrow weights get four spans of a multiple of
+    128 on the H200, wide ones none, and the narrowing at small M counts the spans' programs."""
+    from kernels.gemm import split_span
+
+    assert split_span(896, 4864) == 1280 and split_span(896, 896) == 256 and split_span(1024, 4096) == 1024
+    assert split_span(4096, 4096) == 0 and split_span(896, 256) == 0
+    narrow = gemm_config(896, 4864, torch.bfloat16, (9, 0))
+    assert (narrow.block_m, narrow.block_n, narrow.k_split) == (128, 128, 1280)
+    assert gemm_config(896, 4864, torch.bfloat16, (10, 0)).k_split == 0
+    assert launch_config(narrow, 4096, 896, 132, 4864) is narrow
+    assert launch_config(narrow, 1, 896, 132, 4864).block_n == 32  # 28 tiles x 4 spans >= 66
 
 
 @gpu
@@ -169,3 +208,29 @@ def test_cached_launch_respects_alignment_gpu() -> None:
         want = gemm(view, w32)
         _triton.CachedLauncher.enabled = True
         assert bits_equal(gemm(view, w32), want) and bits_equal(gemm(view, w32), want)
+
+
+@gpu
+def test_split_k_graph_replay_gpu() -> None:
+    """The split grid inside a CUDA graph: replayed many times (each replay zeroes its counters),
+    beside eager calls sharing the stream's counters, always the eager bits."""
+    torch.manual_seed(0)
+    a = torch.randn(8, 4864, device="cuda").bfloat16()
+    w = (torch.randn(896, 4864, device="cuda") / 70).bfloat16()
+    want = gemm(a, w)
+    assert gemm_config(896, 4864, torch.bfloat16, torch.cuda.get_device_capability()).k_split or pytest.skip(
+        "no split-K on this GPU"
+    )
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        gemm(a, w)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = gemm(a, w)
+    for _ in range(20):
+        graph.replay()
+        assert bits_equal(gemm(a, w), want)
+    torch.cuda.synchronize()
+    assert bits_equal(out, want)
