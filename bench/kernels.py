@@ -148,16 +148,64 @@ def bench_calls(fns: list) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def _unsplit(n: int, k: int):
+    """The tile config a split-K weight had before the split (the same-run "before")."""
+    from kernels.gemm import GemmConfig, gemm_config
+
+    cfg = gemm_config(n, k, torch.bfloat16, torch.cuda.get_device_capability())
+    if not cfg.k_split:
+        return None
+    return GemmConfig(128, 256, 64, 8, 3, tma=True, shrink_small_m=True)
+
+
 def bench_gemm_small() -> None:
-    """Decode-sized GEMMs on the 0.5B-8B projections, weights cycled through HBM like a model's."""
+    """Decode-sized GEMMs on the 0.5B-8B projections, weights cycled through HBM like a model's;
+    for split-K weights also the unsplit kernel (before) and the large-M cost of the split."""
     for n, k in SMALL_M_SHAPES:
         ws = _weight_copies(n, k)
-        a_full = torch.randn(max(SMALL_MS), k, device="cuda").bfloat16()
-        for m in SMALL_MS:
+        before = _unsplit(n, k)
+        ms = SMALL_MS + ((2048, 16384) if before else ())
+        a_full = torch.randn(max(ms), k, device="cuda").bfloat16()
+        for m in ms:
             a = a_full[:m]
-            native = [lambda w=w: torch.mm(a, w.T) for w in ws]
+            native = bench_calls([lambda w=w: torch.mm(a, w.T) for w in ws])
             ours = [lambda w=w: gemm(a, w) for w in ws]
-            record("gemm small-M", f"M={m} N={n} K={k}", bench_calls(native), bench_calls(ours), 1.3)
+            record("gemm small-M", f"M={m} N={n} K={k}", native, bench_calls(ours), 1.3 if m <= 256 else 1.25)
+            if before:
+                unsplit = [lambda w=w: gemm(a, w, config=before) for w in ws]
+                record("gemm small-M unsplit", f"M={m} N={n} K={k}", native, bench_calls(unsplit))
+
+
+def bench_tune_split() -> None:
+    """Split-K span counts for the narrow weights (graph timing): each config's bits at M against
+    its own 2048-row result (M-invariance), and time against cuBLAS, at decode M and M=2048."""
+    from dataclasses import replace
+
+    from kernels._triton import cdiv
+    from kernels.bits import bits_equal
+    from kernels.gemm import gemm_config
+
+    global TIMING
+    saved, TIMING = TIMING, "graph"
+    for n, k in SMALL_M_SHAPES:
+        cfg = gemm_config(n, k, torch.bfloat16, torch.cuda.get_device_capability())
+        if not cfg.k_split:
+            continue
+        ws = _weight_copies(n, k)
+        a_full = torch.randn(2048, k, device="cuda").bfloat16()
+        for spans in (2, 4, 8):
+            span = cdiv(cdiv(k, spans), 128) * 128
+            c = replace(cfg, k_split=span)
+            want = gemm(a_full, ws[0], config=c)
+            line = [f"tune-split N={n} K={k} spans={cdiv(k, span)} span={span}:"]
+            for m in (1, 16, 64, 256, 2048):
+                a = a_full[:m]
+                same = bits_equal(gemm(a, ws[0], config=c), want[:m])
+                base = bench_calls([lambda w=w: torch.mm(a, w.T) for w in ws])
+                t = bench_calls([lambda w=w: gemm(a, w, config=c) for w in ws])
+                line.append(f"M={m} {t / base:.2f}x{'' if same else ' BITS-DIFFER'}")
+            print("  ".join(line), flush=True)
+    TIMING = saved
 
 
 def bench_tune_small() -> None:
