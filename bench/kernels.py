@@ -178,7 +178,7 @@ def bench_gemm_small() -> None:
 
 def bench_tune_split() -> None:
     """Split-K span counts for the narrow weights (graph timing): each config's bits at M against
-    its own 2048-row result (M-invariance), and time against cuBLAS, at decode M and M=2048."""
+    its own 16384-row result (M-invariance), and time against cuBLAS, from decode M to a trainer's."""
     from dataclasses import replace
 
     from kernels._triton import cdiv
@@ -192,13 +192,13 @@ def bench_tune_split() -> None:
         if not cfg.k_split:
             continue
         ws = _weight_copies(n, k)
-        a_full = torch.randn(2048, k, device="cuda").bfloat16()
+        a_full = torch.randn(16384, k, device="cuda").bfloat16()
         for spans in (2, 4, 8):
             span = cdiv(cdiv(k, spans), 128) * 128
             c = replace(cfg, k_split=span)
             want = gemm(a_full, ws[0], config=c)
             line = [f"tune-split N={n} K={k} spans={cdiv(k, span)} span={span}:"]
-            for m in (1, 16, 64, 256, 2048):
+            for m in (1, 16, 64, 256, 2048, 16384):
                 a = a_full[:m]
                 same = bits_equal(gemm(a, ws[0], config=c), want[:m])
                 base = bench_calls([lambda w=w: torch.mm(a, w.T) for w in ws])

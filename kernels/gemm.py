@@ -71,7 +71,7 @@ class GemmConfig:
 #: divides it), for every M: the large-M call sums the spans in turn in one program, the small-M
 #: call runs them as programs and adds them in the same order, so the bits are M's alone.
 SPLIT_MAX_N = 1024
-SPLIT_MIN_K = 512
+SPLIT_MIN_K = 2048
 SPLIT_SPANS = 4
 SPLIT_ALIGN = 128
 
@@ -122,7 +122,8 @@ def _narrowed(cfg: GemmConfig, tile: tuple[int, int, int]) -> GemmConfig:
 
 
 def launch_config(cfg: GemmConfig, m: int, n: int, sms: int, k: int = 0) -> GemmConfig:
-    """The tile one call runs. Normally ``cfg`` for every M; with ``cfg.shrink_small_m`` (Hopper),
+    """The tile one call runs (``k``: the K of a call whose split-K spans run as programs and so
+    count toward filling the SMs; 0 where they do not). Normally ``cfg`` for every M; with ``cfg.shrink_small_m`` (Hopper),
     a call whose full tiles would fill fewer than half the SMs runs the widest 64-row tile of
     :data:`NARROW_TILES` that fills half of them (the narrowest when none does). Chosen from a
     sweep of 27 tiles over the 0.5B-8B decode projections at M = 1, 64, 256 (bench_tune_small).
@@ -136,7 +137,7 @@ def launch_config(cfg: GemmConfig, m: int, n: int, sms: int, k: int = 0) -> Gemm
     if not cfg.shrink_small_m:
         return cfg
     half = sms // 2
-    spans = cdiv(k, cfg.k_split) if cfg.k_split else 1  # split-K programs count toward the fill
+    spans = cdiv(k, cfg.k_split) if cfg.k_split and k else 1  # split-grid programs count toward the fill
     if cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n) * spans >= half:
         return cfg
     m_tiles = cdiv(m, 64)
@@ -190,6 +191,36 @@ if HAVE_TRITON:
                 acc = tl.dot(x, w, acc, input_precision=PRECISION)
         return acc
 
+    @triton.jit
+    def _store_tile(
+        c, acc, bias_ptr, M, N, stride_cm, stride_cn, pid_m, pid_n,
+        HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        TMA: tl.constexpr,
+        A_PTR: tl.constexpr,
+        SPLIT_EPILOGUE: tl.constexpr,
+    ):  # fmt: skip
+        """Bias in fp32, one rounding, the store (TMA descriptor or masked pointers)."""
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+            acc = acc + bias[None, :]
+        if TMA and not A_PTR:
+            if SPLIT_EPILOGUE:
+                lo, hi = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+                c.store([pid_m * BLOCK_M, pid_n * BLOCK_N], lo.to(c.dtype))
+                c.store([pid_m * BLOCK_M, pid_n * BLOCK_N + BLOCK_N // 2], hi.to(c.dtype))
+            else:
+                c.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(c.dtype))
+        else:
+            tl.store(
+                c + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn,
+                acc.to(c.dtype.element_ty),
+                mask=(offs_m[:, None] < M) & (offs_n[None, :] < N),
+            )
+
     @jit(do_not_specialize=["M", "num_programs"])
     def _gemm_kernel(
         a,
@@ -242,77 +273,76 @@ if HAVE_TRITON:
         num_m = tl.cdiv(M, BLOCK_M)
         num_n = tl.cdiv(N, BLOCK_N)
         group = GROUP_M * num_n
-        for tile in tl.range(
-            tl.program_id(0),
-            num_m * num_n,
-            num_programs,
-            flatten=TMA and K_SPLIT == 0,
-            warp_specialize=WARP_SPECIALIZE,
-        ):
-            # Grouped order for L2 reuse; it changes which program runs a tile, not the tile's sums.
-            first_m = (tile // group) * GROUP_M
-            size_m = tl.minimum(num_m - first_m, GROUP_M)
-            pid_m = first_m + ((tile % group) % size_m)
-            pid_n = (tile % group) // size_m
-            offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            if K_SPLIT == 0:
-                acc = _span_sum(
-                    a, b, M, N, K, stride_am, stride_ak, stride_bn, stride_bk, pid_m, pid_n, 0, K,
-                    PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, TMA, A_PTR,
-                )  # fmt: skip
-            elif SPLIT_GRID:
-                span = tl.program_id(1)
+        if K_SPLIT > 0 and not SPLIT_GRID:
+            # Each program sums all spans of its tiles in turn: one flat loop over (tile, span)
+            # pairs, so the persistent walk and the K loop pipeline as in the unsplit kernel.
+            spans = tl.cdiv(K, K_SPLIT)
+            mine = tl.cdiv(num_m * num_n - tl.program_id(0), num_programs)
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for item in tl.range(0, mine * spans, flatten=TMA, warp_specialize=WARP_SPECIALIZE):
+                tile = tl.program_id(0) + (item // spans) * num_programs
+                span = item % spans
+                first_m = (tile // group) * GROUP_M
+                size_m = tl.minimum(num_m - first_m, GROUP_M)
+                pid_m = first_m + ((tile % group) % size_m)
+                pid_n = (tile % group) // size_m
                 acc = _span_sum(
                     a, b, M, N, K, stride_am, stride_ak, stride_bn, stride_bk, pid_m, pid_n,
                     span * K_SPLIT, tl.minimum(span * K_SPLIT + K_SPLIT, K),
                     PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, TMA, A_PTR,
                 )  # fmt: skip
-            else:
-                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                for span in range(0, tl.cdiv(K, K_SPLIT)):
-                    acc = acc + _span_sum(
+                total = tl.where(span == 0, 0.0, total) + acc  # 0 + p0 + p1 + ...: the grid's adds
+                if span == spans - 1:
+                    _store_tile(
+                        c, total, bias_ptr, M, N, stride_cm, stride_cn, pid_m, pid_n,
+                        HAS_BIAS, BLOCK_M, BLOCK_N, TMA, A_PTR, SPLIT_EPILOGUE,
+                    )  # fmt: skip
+        else:
+            for tile in tl.range(
+                tl.program_id(0), num_m * num_n, num_programs, flatten=TMA, warp_specialize=WARP_SPECIALIZE
+            ):
+                # Grouped order for L2 reuse; it changes which program runs a tile, not its sums.
+                first_m = (tile // group) * GROUP_M
+                size_m = tl.minimum(num_m - first_m, GROUP_M)
+                pid_m = first_m + ((tile % group) % size_m)
+                pid_n = (tile % group) // size_m
+                if K_SPLIT == 0:
+                    acc = _span_sum(
+                        a, b, M, N, K, stride_am, stride_ak, stride_bn, stride_bk, pid_m, pid_n, 0, K,
+                        PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, TMA, A_PTR,
+                    )  # fmt: skip
+                    _store_tile(
+                        c, acc, bias_ptr, M, N, stride_cm, stride_cn, pid_m, pid_n,
+                        HAS_BIAS, BLOCK_M, BLOCK_N, TMA, A_PTR, SPLIT_EPILOGUE,
+                    )  # fmt: skip
+                else:
+                    # The split grid: fp32 span sums, one BLOCK_M x BLOCK_N slab per (span, tile);
+                    # counters[tile] counts the spans stored; the last adds them in span order
+                    # (0 + p0 + p1 + ...) and sets the count back to zero.
+                    span = tl.program_id(1)
+                    acc = _span_sum(
                         a, b, M, N, K, stride_am, stride_ak, stride_bn, stride_bk, pid_m, pid_n,
                         span * K_SPLIT, tl.minimum(span * K_SPLIT + K_SPLIT, K),
                         PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, TMA, A_PTR,
                     )  # fmt: skip
-            last = True
-            if SPLIT_GRID:
-                # fp32 span sums, one BLOCK_M x BLOCK_N slab per (span, tile); counters[tile]
-                # counts the spans stored; the last adds them in span order and resets the count.
-                spans = tl.cdiv(K, K_SPLIT)
-                tiles = num_m * num_n
-                slab = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-                tl.store(partials + (span * tiles + tile).to(tl.int64) * (BLOCK_M * BLOCK_N) + slab, acc)
-                tl.debug_barrier()
-                done = tl.atomic_add(counters + tile, 1, sem="acq_rel", scope="gpu")
-                last = done == spans - 1
-                if last:
-                    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                    for s2 in range(0, spans):
-                        part = tl.load(
-                            partials + (s2 * tiles + tile).to(tl.int64) * (BLOCK_M * BLOCK_N) + slab,
-                            cache_modifier=".cg",
-                        )
-                        acc = acc + part
-                    tl.atomic_xchg(counters + tile, 0, sem="relaxed", scope="gpu")
-            if last:
-                if HAS_BIAS:
-                    bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
-                    acc = acc + bias[None, :]
-                if TMA and not A_PTR:
-                    if SPLIT_EPILOGUE:
-                        lo, hi = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
-                        c.store([pid_m * BLOCK_M, pid_n * BLOCK_N], lo.to(c.dtype))
-                        c.store([pid_m * BLOCK_M, pid_n * BLOCK_N + BLOCK_N // 2], hi.to(c.dtype))
-                    else:
-                        c.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(c.dtype))
-                else:
-                    tl.store(
-                        c + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn,
-                        acc.to(c.dtype.element_ty),
-                        mask=(offs_m[:, None] < M) & (offs_n[None, :] < N),
-                    )
+                    spans = tl.cdiv(K, K_SPLIT)
+                    tiles = num_m * num_n
+                    slab = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+                    tl.store(partials + (span * tiles + tile).to(tl.int64) * (BLOCK_M * BLOCK_N) + slab, acc)
+                    tl.debug_barrier()
+                    done = tl.atomic_add(counters + tile, 1, sem="acq_rel", scope="gpu")
+                    if done == spans - 1:
+                        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                        for s2 in range(0, spans):
+                            total = total + tl.load(
+                                partials + (s2 * tiles + tile).to(tl.int64) * (BLOCK_M * BLOCK_N) + slab,
+                                cache_modifier=".cg",
+                            )
+                        tl.atomic_xchg(counters + tile, 0, sem="relaxed", scope="gpu")
+                        _store_tile(
+                            c, total, bias_ptr, M, N, stride_cm, stride_cn, pid_m, pid_n,
+                            HAS_BIAS, BLOCK_M, BLOCK_N, TMA, A_PTR, SPLIT_EPILOGUE,
+                        )  # fmt: skip
 
     _LAUNCH = CachedLauncher(_gemm_kernel)
 
@@ -433,12 +463,16 @@ def _plan(
     """Everything about one call that its shapes fix: the tile, the program count, the constexprs
     and launch options (computed once per shape, not per call)."""
     capability, sms = _device_traits(device)
-    cfg = launch_config(config or gemm_config(n, k, dtype, capability), m, n, sms, k)
+    base = config or gemm_config(n, k, dtype, capability)
+    spans = cdiv(k, base.k_split) if base.k_split else 1
+    # Split-K spans run as programs (the split grid) where the fp32 span sums they write and
+    # read back stay under a quarter of the weight's bytes (M <= K / (16 spans)) and the tiles
+    # alone would not fill the device; else each program sums its tiles' spans in turn. The
+    # same adds either way (see the kernel), so this is a launch choice, not an arithmetic one.
+    grid_ok = spans > 1 and 16 * spans * m <= k
+    cfg = launch_config(base, m, n, sms, k if grid_ok else 0)
     tiles = cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n)
-    spans = cdiv(k, cfg.k_split) if cfg.k_split else 1
-    # Split-K spans run as programs while the tiles alone would not fill the device; above
-    # that, each program sums its tiles' spans in turn (the same adds, see the kernel).
-    split_grid = spans > 1 and tiles < sms
+    split_grid = grid_ok and tiles < sms
     programs = tiles if split_grid or not cfg.tma else min(tiles, sms)
     grid = (programs, spans if split_grid else 1, 1)
     # (fp32 span sums, per-tile counters) the split-grid launch needs, in elements
