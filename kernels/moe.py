@@ -38,9 +38,10 @@ from dataclasses import dataclass
 import torch
 
 from . import cpu as _cpu
-from . import routing
+from . import gemm as _gemm
+from . import moe_router, routing
 from ._triton import HAVE_TRITON, interpreting
-from .moe_grouped import device_groups, grouped_config, grouped_gemm_counts, grouped_linear
+from .moe_grouped import grouped_config, grouped_glu, grouped_linear, grouped_scatter, sort_groups
 
 __all__ = [
     "TIE_RULE",
@@ -132,20 +133,44 @@ class Routing:
 
 def route(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, norm_topk_prob: bool = True) -> Routing:
     """Router of (T, H) hidden states with gate weight (E, H): invariant when the kernels are on,
-    HF's native router (model-dtype logits, fp32 softmax, ``torch.topk``) when off."""
-    logits = routing.linear_fp32(x, gate_weight)
+    HF's native router (model-dtype logits, fp32 softmax, ``torch.topk``) when off. Outside
+    autograd on the Triton devices, the top-k and weights are one launch of
+    :mod:`kernels.moe_router` (the same bits as the torch ops below)."""
+    fast = _fast_router(x, gate_weight)
+    if fast:  # the GEMM without its autograd wrapper: the same kernel, less host time
+        logits = _gemm.gemm(x, gate_weight, None, torch.float32)
+    else:
+        logits = routing.linear_fp32(x, gate_weight)
     if not routing.is_enabled():
         probs = torch.softmax(logits, dim=-1)
         w, idx = torch.topk(probs, top_k, dim=-1)
         if norm_topk_prob:
             w = w / w.sum(dim=-1, keepdim=True)
         return Routing(idx, w, logits)
+    if fast and moe_router.supported(logits, top_k):
+        idx, w = moe_router.route_logits(logits, top_k, norm_topk_prob)
+        return Routing(idx, w, logits)
+    return _route_torch(logits, top_k, norm_topk_prob)
+
+
+def _route_torch(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> Routing:
+    """The invariant router's top-k and weights as torch ops (autograd, kernels.cpu, fallback)."""
     idx = stable_topk(logits, top_k)
     sel = logits.gather(1, idx)
     m = sel[:, :1].detach()  # the best logit: every exponent <= 0
     p = _exp(sel - m)
     den = _slot_sum(p) if norm_topk_prob else _cpu.tree_sum(_exp(logits - m))
     return Routing(idx, p / den[:, None], logits)
+
+
+def _fast_router(x: torch.Tensor, gate_weight: torch.Tensor) -> bool:
+    """The one-launch router epilogue applies: kernels on, Triton tensors, no gradient wanted,
+    ``ISOAUDIT_MOE_FAST`` not 0."""
+    if os.environ.get("ISOAUDIT_MOE_FAST", "1") == "0" or not (routing.is_enabled() and HAVE_TRITON):
+        return False
+    if not (x.is_cuda or (interpreting() and not routing._on_cpu(x))):
+        return False
+    return not (torch.is_grad_enabled() and (x.requires_grad or gate_weight.requires_grad))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -323,9 +348,12 @@ def expert_outputs(
 
 
 def _fast(*ts: torch.Tensor) -> bool:
-    """The host-sync-free path (one rank, no capacity, forward only, grouped kernel):
-    ``ISOAUDIT_MOE_FAST=0`` restores the host-table path."""
+    """The host-sync-free path (one rank, no capacity, forward only, grouped kernel, at most
+    :data:`kernels.moe_router.MAX_EXPERTS` experts): ``ISOAUDIT_MOE_FAST=0`` restores the
+    host-table path."""
     if os.environ.get("ISOAUDIT_MOE_FAST", "1") == "0" or not _use_grouped(ts[0]):
+        return False
+    if ts[1].shape[0] > moe_router.MAX_EXPERTS:
         return False
     return not (torch.is_grad_enabled() and any(t.requires_grad for t in ts))
 
@@ -333,20 +361,18 @@ def _fast(*ts: torch.Tensor) -> bool:
 def _expert_outputs_fast(
     x: torch.Tensor, flat: torch.Tensor, k: int, gate_up: torch.Tensor, down: torch.Tensor
 ) -> torch.Tensor:
-    """(T*k, H) outputs in routing order with no host read: rows sorted by expert (stable: routing
-    order within an expert), the grouped kernel's tile table built on the device from the counts,
-    outputs put back by index. The same tiles, so the same bits, as the host-table path."""
-    n_experts = gate_up.shape[0]
-    perm = torch.sort(flat, stable=True).indices
-    counts = torch.bincount(flat, minlength=n_experts)
-    xs = x[perm // k]
+    """(T*k, H) outputs in routing order in three launches and no host read: a stable counting
+    sort of the rows by expert with the tile tables (:func:`kernels.moe_grouped.sort_groups`),
+    the gate-up GEMM reading each sorted row from its token with SiLU(g) * u in its epilogue,
+    and the down GEMM storing each row back at its (token, slot) place. The same tiles and the
+    same roundings, so the same bits, as the host-table path. ``ISOAUDIT_MOE_GLU=0``: the SiLU
+    product as its own launch after the GEMM."""
     bm1 = grouped_config(gate_up.shape[1], gate_up.shape[2], gate_up.dtype)[0]
     bm2 = grouped_config(down.shape[1], down.shape[2], down.dtype)[0]
-    g1 = device_groups(counts, bm1)
-    g2 = g1 if bm2 == bm1 else device_groups(counts, bm2)
-    g, u = grouped_gemm_counts(xs, gate_up, counts, g1).chunk(2, dim=-1)
-    ys = grouped_gemm_counts(routing.silu(g) * u, down, counts, g2)
-    return ys.new_empty(ys.shape).index_copy_(0, perm, ys)
+    perm, groups = sort_groups(flat, gate_up.shape[0], (bm1, bm2))
+    fused = os.environ.get("ISOAUDIT_MOE_GLU", "1") != "0"
+    h = grouped_glu(x, gate_up, groups[0], perm, k, fused=fused)
+    return grouped_scatter(h, down, groups[1], perm)
 
 
 def _all_to_all(t: torch.Tensor, send: list[int], recv: list[int], group: object | None) -> torch.Tensor:

@@ -16,7 +16,7 @@ from functools import cache
 
 import torch
 
-from ._triton import HAVE_TRITON, cdiv, dot_precision, jit, next_power_of_2, tl
+from ._triton import HAVE_TRITON, CachedLauncher, aligned, cdiv, dot_precision, jit, next_power_of_2, tl
 
 
 @cache
@@ -171,6 +171,7 @@ if HAVE_TRITON:
         w,
         c,
         groups,  # (3, E) int32: inclusive cumsum of each expert's tiles, first row, end row
+        idx,  # (S,) int32 routing index of each sorted row (GATHER / SCATTER), else unused
         E,
         N,
         K,
@@ -183,6 +184,10 @@ if HAVE_TRITON:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         E_P2: tl.constexpr,
+        GATHER: tl.constexpr,  # row r of a is token idx[r] // TOPK (the dispatch gather fused in)
+        GLU: tl.constexpr,  # weight rows [0, N) gate and [N, 2N) up: store silu(gate) * up
+        SCATTER: tl.constexpr,  # row r goes to c[idx[r]] (back to routing order)
+        TOPK: tl.constexpr,
     ):
         t = tl.program_id(0)
         pid_n = tl.program_id(1)
@@ -200,11 +205,20 @@ if HAVE_TRITON:
             offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
             offs_k = tl.arange(0, BLOCK_K)
             rows = offs_m < r1
+            a_rows = offs_m.to(tl.int64)
+            c_rows = offs_m.to(tl.int64)
+            if GATHER or SCATTER:
+                src = tl.load(idx + offs_m, mask=rows, other=0).to(tl.int64)
+                if GATHER:
+                    a_rows = src // TOPK
+                if SCATTER:
+                    c_rows = src
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
                 k_ok = (k0 + offs_k) < K
                 x = tl.load(
-                    a + offs_m[:, None].to(tl.int64) * stride_am + (k0 + offs_k)[None, :],
+                    a + a_rows[:, None] * stride_am + (k0 + offs_k)[None, :],
                     mask=rows[:, None] & k_ok[None, :],
                     other=0.0,
                 )
@@ -214,11 +228,90 @@ if HAVE_TRITON:
                     other=0.0,
                 )
                 acc = tl.dot(x, wt, acc, input_precision=PRECISION)
+                if GLU:
+                    wu = tl.load(
+                        w + e * stride_we + (k0 + offs_k)[:, None] + (N + offs_n)[None, :] * stride_wn,
+                        mask=k_ok[:, None] & (offs_n[None, :] < N),
+                        other=0.0,
+                    )
+                    acc_up = tl.dot(x, wu, acc_up, input_precision=PRECISION)
+            if GLU:
+                # the unfused path's roundings: gate and up stored in c's dtype, SiLU in fp32 as
+                # kernels.elementwise computes it, rounded, then the product rounded (torch's mul)
+                g = acc.to(c.dtype.element_ty).to(tl.float32)
+                sg = (g / (1.0 + tl.exp(-g))).to(c.dtype.element_ty).to(tl.float32)
+                out = (sg * acc_up.to(c.dtype.element_ty).to(tl.float32)).to(c.dtype.element_ty)
+            else:
+                out = acc.to(c.dtype.element_ty)
             tl.store(
-                c + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :],
-                acc.to(c.dtype.element_ty),
+                c + c_rows[:, None] * stride_cm + offs_n[None, :],
+                out,
                 mask=rows[:, None] & (offs_n[None, :] < N),
             )
+
+    _LAUNCH_DEV = CachedLauncher(_grouped_dev_kernel)
+
+    @jit(do_not_specialize=["S"])
+    def _silu_mul_kernel(gu, out, S, N, stride_g, BLOCK: tl.constexpr):
+        """silu(gu[:, :N]) * gu[:, N:] with the unfused path's roundings (the GLU fallback)."""
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = cols < N
+        g = tl.load(gu + row * stride_g + cols, mask=ok, other=0.0).to(tl.float32)
+        u = tl.load(gu + row * stride_g + N + cols, mask=ok, other=0.0).to(tl.float32)
+        sg = (g / (1.0 + tl.exp(-g))).to(out.dtype.element_ty).to(tl.float32)
+        tl.store(out + row * N + cols, (sg * u).to(out.dtype.element_ty), mask=ok)
+
+    _LAUNCH_SILU_MUL = CachedLauncher(_silu_mul_kernel)
+
+    @jit(do_not_specialize=["S"])
+    def _sort_kernel(
+        flat,
+        perm,
+        groups,
+        S,
+        E,
+        BLOCK: tl.constexpr,
+        SUB: tl.constexpr,
+        NB: tl.constexpr,
+        BM1: tl.constexpr,
+        BM2: tl.constexpr,
+    ):
+        """A stable counting sort of the (token, slot) rows by expert, and the tile tables."""
+        pid = tl.program_id(0)
+        bins = tl.arange(0, NB)
+        total = tl.zeros((NB,), dtype=tl.int32)
+        before = tl.zeros((NB,), dtype=tl.int32)  # rows of each expert in earlier blocks
+        for c in range(0, tl.cdiv(S, BLOCK)):
+            offs = c * BLOCK + tl.arange(0, BLOCK)
+            ex = tl.load(flat + offs, mask=offs < S, other=E).to(tl.int32)  # bin E: no expert
+            h = tl.histogram(ex, NB)
+            total += h
+            before += tl.where(c < pid, h, 0)
+        end = tl.cumsum(total, axis=0)
+        start = end - total
+        if pid == 0:
+            ok = bins < E
+            tl.store(groups + bins, tl.cumsum((total + BM1 - 1) // BM1, axis=0), mask=ok)
+            tl.store(groups + E + bins, start, mask=ok)
+            tl.store(groups + 2 * E + bins, end, mask=ok)
+            tl.store(groups + 3 * E + bins, tl.cumsum((total + BM2 - 1) // BM2, axis=0), mask=ok)
+            tl.store(groups + 4 * E + bins, start, mask=ok)
+            tl.store(groups + 5 * E + bins, end, mask=ok)
+        base = start + before
+        j = tl.arange(0, SUB)
+        for sb in range(0, BLOCK, SUB):
+            i = pid * BLOCK + sb + j
+            ok = i < S
+            ex = tl.load(flat + i, mask=ok, other=E).to(tl.int32)
+            hit = ex[:, None] == bins[None, :]
+            at = tl.sum(tl.where(hit, base[None, :], 0), axis=1)
+            earlier = (ex[:, None] == ex[None, :]) & (j[None, :] < j[:, None])
+            pos = at + tl.sum(earlier.to(tl.int32), axis=1)
+            tl.store(perm + pos, i, mask=ok)
+            base += tl.sum(hit.to(tl.int32), axis=0)
+
+    _LAUNCH_SORT = CachedLauncher(_sort_kernel)
 
 
 def device_groups(counts: torch.Tensor, block_m: int) -> torch.Tensor:
@@ -248,24 +341,119 @@ def grouped_gemm_counts(
         groups = device_groups(counts, bm)
     x = x if x.stride(-1) == 1 else x.contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
-    _grouped_dev_kernel[(cdiv(s, bm) + n_exp, cdiv(n, bn))](
-        x,
-        weight,
-        out,
-        groups,
-        n_exp,
-        n,
-        k,
-        x.stride(0),
-        weight.stride(0),
-        weight.stride(1),
-        out.stride(0),
+    _launch_dev(x, weight, out, groups, None, n, bm, bn, bk, warps, stages)
+    return out
+
+
+def _launch_dev(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    out: torch.Tensor,
+    groups: torch.Tensor,
+    idx: torch.Tensor | None,
+    n: int,
+    bm: int,
+    bn: int,
+    bk: int,
+    warps: int,
+    stages: int,
+    *,
+    gather: int = 0,
+    glu: bool = False,
+    scatter: bool = False,
+) -> None:
+    """One launch of the device-table kernel over ``out``'s rows (the rows of a sorted row
+    table); ``gather`` is top-k (row r reads x[idx[r] // top-k]) or 0."""
+    n_exp = weight.shape[0]
+    k = x.shape[1]
+    args = (
+        x, weight, out, groups, idx if idx is not None else groups, n_exp, n, k,
+        x.stride(0), weight.stride(0), weight.stride(1), out.stride(0),
+    )  # fmt: skip
+    cx = dict(
         PRECISION=dot_precision(weight.dtype),
         BLOCK_M=bm,
         BLOCK_N=bn,
         BLOCK_K=bk,
         E_P2=next_power_of_2(n_exp),
-        num_warps=warps,
-        num_stages=stages,
+        GATHER=bool(gather),
+        GLU=glu,
+        SCATTER=scatter,
+        TOPK=max(gather, 1),
     )
+    grid = (cdiv(out.shape[0], bm) + n_exp, cdiv(n, bn), 1)
+    key = (
+        x.dtype, weight.dtype, out.dtype, *args[5:], bm, bn, bk, warps, stages, gather, glu, scatter,
+        aligned(x, weight, out, groups, args[4]), x.device,
+    )  # fmt: skip
+    _LAUNCH_DEV(key, grid, args, cx, num_warps=warps, num_stages=stages)
+
+
+def sort_groups(
+    flat: torch.Tensor, n_experts: int, block_ms: tuple[int, int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One launch: ``perm`` (S,) int32, the (token, slot) rows ``flat`` (S,) sorted by expert
+    (stable: ``torch.sort(flat, stable=True).indices``), and (2, 3, E) int32 :func:`device_groups`
+    tables for the two BLOCK_Ms. No host read."""
+    s = flat.numel()
+    perm = torch.empty(s, dtype=torch.int32, device=flat.device)
+    groups = torch.empty(2, 3, n_experts, dtype=torch.int32, device=flat.device)
+    block = max(64, min(1024, next_power_of_2(cdiv(s, 32))))
+    nb = next_power_of_2(n_experts + 1)
+    sub = min(64, max(16, 16384 // nb))  # the one-hot (SUB, NB) tile stays small
+    f = flat if flat.is_contiguous() else flat.contiguous()
+    args = (f, perm, groups, s, n_experts)
+    cx = dict(BLOCK=block, SUB=sub, NB=nb, BM1=block_ms[0], BM2=block_ms[1])
+    key = (f.dtype, n_experts, block, sub, *block_ms, aligned(f, perm, groups), f.device)
+    _LAUNCH_SORT(key, (max(1, cdiv(s, block)), 1, 1), args, cx, num_warps=4)
+    return perm, groups
+
+
+def grouped_glu(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    groups: torch.Tensor,
+    perm: torch.Tensor,
+    top_k: int,
+    fused: bool = True,
+) -> torch.Tensor:
+    """(S, I): ``silu(g) * u`` of ``[g, u] = x[perm[r] // top_k] @ gate_up[e].T`` for each sorted
+    row r of expert e, every rounding that of the unfused ops (the grouped GEMM's output in x's
+    dtype, :func:`kernels.elementwise.silu`, torch's multiply). ``fused``: in the GEMM's epilogue
+    (one launch), else the GEMM then one SiLU-times-up launch."""
+    s = perm.numel()
+    _, n2, h = gate_up.shape
+    n = n2 // 2
+    bm, bn, bk, warps, stages = grouped_config(n2, h, gate_up.dtype)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    gate_up = gate_up if gate_up.stride(-1) == 1 else gate_up.contiguous()
+    out = torch.empty(s, n, dtype=x.dtype, device=x.device)
+    if s == 0 or n == 0:
+        return out
+    if fused:
+        _launch_dev(x, gate_up, out, groups, perm, n, bm, bn, bk, warps, stages, gather=top_k, glu=True)
+        return out
+    gu = torch.empty(s, n2, dtype=x.dtype, device=x.device)
+    _launch_dev(x, gate_up, gu, groups, perm, n2, bm, bn, bk, warps, stages, gather=top_k)
+    block = min(1024, next_power_of_2(n))
+    key = (gu.dtype, n, gu.stride(0), block, aligned(gu, out), gu.device)
+    _LAUNCH_SILU_MUL(
+        key, (s, cdiv(n, block), 1), (gu, out, s, n, gu.stride(0)), dict(BLOCK=block), num_warps=4
+    )
+    return out
+
+
+def grouped_scatter(
+    y: torch.Tensor, down: torch.Tensor, groups: torch.Tensor, perm: torch.Tensor
+) -> torch.Tensor:
+    """(S, H): sorted row r of expert e through ``down[e]``, stored at row ``perm[r]`` (routing
+    order): :func:`grouped_gemm_counts` then the ``index_copy_`` back, in one launch."""
+    s = perm.numel()
+    _, n, k = down.shape
+    bm, bn, bk, warps, stages = grouped_config(n, k, down.dtype)
+    y = y if y.stride(-1) == 1 else y.contiguous()
+    down = down if down.stride(-1) == 1 else down.contiguous()
+    out = torch.empty(s, n, dtype=y.dtype, device=y.device)
+    if s and n:
+        _launch_dev(y, down, out, groups, perm, n, bm, bn, bk, warps, stages, scatter=True)
     return out
