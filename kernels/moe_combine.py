@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import HAVE_TRITON, cdiv, jit, tl
+from ._triton import HAVE_TRITON, CachedLauncher, aligned, cdiv, jit, tl
 
 BLOCK_H = 1024
 
@@ -50,6 +50,8 @@ if HAVE_TRITON:
             acc = acc + p
         tl.store(out + t * stride_o + offs, acc.to(out.dtype.element_ty), mask=ok)
 
+    _LAUNCH = CachedLauncher(_combine_kernel)
+
 
 def combine_rows(
     y: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype, rows: torch.Tensor | None = None
@@ -67,19 +69,9 @@ def combine_rows(
     if t == 0 or h == 0:
         return out
     gather = rows is not None
-    _combine_kernel[(t, cdiv(h, BLOCK_H))](
-        y2,
-        w,
-        rows if gather else w,
-        out,
-        h,
-        y2.stride(0),
-        w.stride(0),
-        out.stride(0),
-        K=k,
-        GATHER=gather,
-        BLOCK=BLOCK_H,
-        num_warps=4,
-        enable_fp_fusion=False,
-    )
+    rows_arg = rows if gather else w
+    args = (y2, w, rows_arg, out, h, y2.stride(0), w.stride(0), out.stride(0))
+    cx = dict(K=k, GATHER=gather, BLOCK=BLOCK_H)
+    key = (y2.dtype, dtype, rows_arg.dtype, *args[4:], k, gather, aligned(y2, w, rows_arg, out), y.device)
+    _LAUNCH(key, (t, cdiv(h, BLOCK_H), 1), args, cx, num_warps=4, enable_fp_fusion=False)
     return out
