@@ -843,20 +843,54 @@ def bench_tree() -> None:
 
 def bench_moe() -> None:
     """The MoE layer (router + experts + combine) with the kernels on, against the same HF Qwen3-MoE
-    block on its native grouped-GEMM experts (``torch._grouped_mm``), same weights (issue 19)."""
+    block on its native grouped-GEMM experts (``torch._grouped_mm``), same weights (issue 19).
+    Rows: the fast path (fused router epilogue, counting sort, SiLU*up in the gate-up GEMM's
+    epilogue), the same with SiLU*up as its own launch (``ISOAUDIT_MOE_GLU=0``), and the host-table
+    path (``ISOAUDIT_MOE_FAST=0``); each line also gives the GPU kernels one forward launches and
+    whether its output equals the host-table path's bit for bit."""
+    import os
+
+    from torch.profiler import ProfilerActivity, profile
+
     import kernels
     from bench.moe import sparse_block
 
+    def launches(fn) -> int:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        return sum(1 for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA)
+
+    variants = [("moe layer", {}), ("moe layer, GLU launch", {"ISOAUDIT_MOE_GLU": "0"})]
+    variants.append(("moe layer, host tables", {"ISOAUDIT_MOE_FAST": "0"}))
     for h, i, e, k, t in [(2048, 768, 128, 8, t) for t in (128, 1024, 4096)] + [(1024, 512, 16, 4, 2048)]:
         block = sparse_block(h, i, e, k, torch.bfloat16, "cuda")
         x = torch.randn(1, t, h, device="cuda", dtype=torch.bfloat16)
+        shape = f"T={t} H={h} E={e} k={k} I={i}"
         with torch.no_grad():
             block.experts.config._experts_implementation = "grouped_mm"
             with kernels.disable():
                 native = bench(lambda: block(x))
-            with kernels.enable():
-                ours = bench(lambda: block(x))
-        record("moe layer", f"T={t} H={h} E={e} k={k} I={i}", native, ours, target=1.4)
+                n_native = launches(lambda: block(x))
+            outs = []
+            for case, env in variants:
+                saved = {name: os.environ.get(name) for name in env}
+                os.environ.update(env)
+                try:
+                    with kernels.enable():
+                        ours = bench(lambda: block(x))
+                        n_ours = launches(lambda: block(x))
+                        outs.append(block(x))
+                finally:
+                    for name, v in saved.items():
+                        if v is None:
+                            os.environ.pop(name, None)
+                        else:
+                            os.environ[name] = v
+                record(case, shape, native, ours, target=1.4 if not env else None)
+                print(f"    kernels per forward: native {n_native}, invariant {n_ours}", flush=True)
+            same = [bool(torch.equal(o.view(torch.int16), outs[-1].view(torch.int16))) for o in outs[:-1]]
+            print(f"    bitwise equal to the host-table path: {same}", flush=True)
 
 
 def main() -> None:
