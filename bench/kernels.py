@@ -861,7 +861,8 @@ def bench_moe() -> None:
             torch.cuda.synchronize()
         return sum(1 for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA)
 
-    variants = [("moe layer", {}), ("moe layer, GLU launch", {"ISOAUDIT_MOE_GLU": "0"})]
+    variants = [("moe layer", {}), ("moe layer, GLU 8 warps", {"ISOAUDIT_MOE_GLU_WARPS": "8"})]
+    variants.append(("moe layer, GLU launch", {"ISOAUDIT_MOE_GLU": "0"}))
     variants.append(("moe layer, host tables", {"ISOAUDIT_MOE_FAST": "0"}))
     for h, i, e, k, t in [(2048, 768, 128, 8, t) for t in (128, 1024, 4096)] + [(1024, 512, 16, 4, 2048)]:
         block = sparse_block(h, i, e, k, torch.bfloat16, "cuda")

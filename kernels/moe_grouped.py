@@ -12,6 +12,7 @@ gives the same bits as the whole layer's launch.
 
 from __future__ import annotations
 
+import os
 from functools import cache
 
 import torch
@@ -273,6 +274,7 @@ if HAVE_TRITON:
         E,
         BLOCK: tl.constexpr,
         SUB: tl.constexpr,
+        HIST: tl.constexpr,
         NB: tl.constexpr,
         BM1: tl.constexpr,
         BM2: tl.constexpr,
@@ -282,12 +284,13 @@ if HAVE_TRITON:
         bins = tl.arange(0, NB)
         total = tl.zeros((NB,), dtype=tl.int32)
         before = tl.zeros((NB,), dtype=tl.int32)  # rows of each expert in earlier blocks
-        for c in range(0, tl.cdiv(S, BLOCK)):
-            offs = c * BLOCK + tl.arange(0, BLOCK)
+        first = pid * BLOCK
+        for c in range(0, tl.cdiv(S, HIST)):
+            offs = c * HIST + tl.arange(0, HIST)
             ex = tl.load(flat + offs, mask=offs < S, other=E).to(tl.int32)  # bin E: no expert
-            h = tl.histogram(ex, NB)
-            total += h
-            before += tl.where(c < pid, h, 0)
+            total += tl.histogram(ex, NB)
+            if c * HIST < first:
+                before += tl.histogram(tl.where(offs < first, ex, E), NB)
         end = tl.cumsum(total, axis=0)
         start = end - total
         if pid == 0:
@@ -398,13 +401,20 @@ def sort_groups(
     s = flat.numel()
     perm = torch.empty(s, dtype=torch.int32, device=flat.device)
     groups = torch.empty(2, 3, n_experts, dtype=torch.int32, device=flat.device)
-    block = max(64, min(1024, next_power_of_2(cdiv(s, 32))))
+    block = max(64, min(1024, next_power_of_2(cdiv(s, 128))))  # about one program per SM
     nb = next_power_of_2(n_experts + 1)
     sub = min(64, max(16, 16384 // nb))  # the one-hot (SUB, NB) tile stays small
     f = flat if flat.is_contiguous() else flat.contiguous()
     args = (f, perm, groups, s, n_experts)
-    cx = dict(BLOCK=block, SUB=sub, NB=nb, BM1=block_ms[0], BM2=block_ms[1])
-    key = (f.dtype, n_experts, block, sub, *block_ms, aligned(f, perm, groups), f.device)
+    cx = dict(
+        BLOCK=block,
+        SUB=sub,
+        HIST=min(1024, max(16, next_power_of_2(s))),
+        NB=nb,
+        BM1=block_ms[0],
+        BM2=block_ms[1],
+    )
+    key = (f.dtype, n_experts, block, sub, cx["HIST"], *block_ms, aligned(f, perm, groups), f.device)
     _LAUNCH_SORT(key, (max(1, cdiv(s, block)), 1, 1), args, cx, num_warps=4)
     return perm, groups
 
@@ -420,7 +430,9 @@ def grouped_glu(
     """(S, I): ``silu(g) * u`` of ``[g, u] = x[perm[r] // top_k] @ gate_up[e].T`` for each sorted
     row r of expert e, every rounding that of the unfused ops (the grouped GEMM's output in x's
     dtype, :func:`kernels.elementwise.silu`, torch's multiply). ``fused``: in the GEMM's epilogue
-    (one launch), else the GEMM then one SiLU-times-up launch."""
+    (one launch), else the GEMM then one SiLU-times-up launch. ``ISOAUDIT_MOE_GLU_WARPS`` sets the
+    fused launch's warps (default the GEMM's 4: the same MMA instruction shape as the unfused
+    GEMM; 8 halves the instruction's N, which the `gpu` tests must show keeps the bits)."""
     s = perm.numel()
     _, n2, h = gate_up.shape
     n = n2 // 2
@@ -430,8 +442,9 @@ def grouped_glu(
     out = torch.empty(s, n, dtype=x.dtype, device=x.device)
     if s == 0 or n == 0:
         return out
-    if fused:
-        _launch_dev(x, gate_up, out, groups, perm, n, bm, bn, bk, warps, stages, gather=top_k, glu=True)
+    if fused:  # two fp32 accumulators: more warps hold them without spilling (GLU_WARPS)
+        glu_warps = int(os.environ.get("ISOAUDIT_MOE_GLU_WARPS", warps))
+        _launch_dev(x, gate_up, out, groups, perm, n, bm, bn, bk, glu_warps, stages, gather=top_k, glu=True)
         return out
     gu = torch.empty(s, n2, dtype=x.dtype, device=x.device)
     _launch_dev(x, gate_up, gu, groups, perm, n2, bm, bn, bk, warps, stages, gather=top_k)

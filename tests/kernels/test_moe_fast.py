@@ -300,9 +300,14 @@ def test_fast_layer_all_parts_match_old_path(
 @pytest.mark.parametrize(
     "t,k,e,h,i", [(300, 4, 8, 512, 256), (128, 8, 128, 2048, 768), (77, 4, 16, 1024, 200)]
 )
-def test_fused_glu_and_scatter_bits_gpu(t: int, k: int, e: int, h: int, i: int) -> None:
+@pytest.mark.parametrize("warps", ["4", "8"])
+def test_fused_glu_and_scatter_bits_gpu(
+    t: int, k: int, e: int, h: int, i: int, warps: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """bf16 on CUDA: the fused epilogue's two accumulators, SiLU and product, and the scatter
-    store equal the unfused launches bit for bit (I = 200: gate and up tiles not aligned)."""
+    store equal the unfused launches bit for bit (I = 200: gate and up tiles not aligned), with
+    the fused GEMM on 4 warps (the default) and on 8 (ISOAUDIT_MOE_GLU_WARPS)."""
+    monkeypatch.setenv("ISOAUDIT_MOE_GLU_WARPS", warps)
     with torch.no_grad():
         _check_grouped("cuda", torch.bfloat16, t, k, e, h, i)
 
