@@ -52,6 +52,18 @@ def build_model(size: str, device: str, dtype: torch.dtype, hidden: int = 256) -
             max_position_embeddings=1024,
             tie_word_embeddings=False,
         )
+    elif size == "deep-tiny":  # the 0.5b model's 24 layers (and so its 123 regions), tiny widths
+        config = Qwen3Config(
+            vocab_size=1024,
+            hidden_size=hidden,
+            intermediate_size=3 * hidden,
+            num_hidden_layers=24,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=hidden // 4,
+            max_position_embeddings=1024,
+            tie_word_embeddings=False,
+        )
     elif size == "0.5b":  # the shape of Qwen2.5-0.5B in the Qwen3 architecture: ~0.49B parameters
         config = Qwen3Config(
             vocab_size=151936,
@@ -65,7 +77,7 @@ def build_model(size: str, device: str, dtype: torch.dtype, hidden: int = 256) -
             tie_word_embeddings=True,
         )
     else:
-        raise ValueError(f"--model: expected tiny or 0.5b, got {size!r}")
+        raise ValueError(f"--model: expected tiny, deep-tiny or 0.5b, got {size!r}")
     torch.manual_seed(0)
     with torch.device(device):  # initialise on the device: a 0.5B init on the CPU takes long
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
@@ -215,8 +227,8 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--model", default="tiny", choices=["tiny", "0.5b"])
-    parser.add_argument("--hidden", type=int, default=256, help="hidden size of the tiny model")
+    parser.add_argument("--model", default="tiny", choices=["tiny", "deep-tiny", "0.5b"])
+    parser.add_argument("--hidden", type=int, default=256, help="hidden size of the tiny models")
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--prompt", type=int, default=32)

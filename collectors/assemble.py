@@ -8,12 +8,90 @@ layout (:class:`collectors.layout.StepBatch`), and this module cuts them per sam
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from functools import lru_cache
+from typing import Any, Generic, TypeVar
 
 import numpy as np
+from pydantic import BaseModel
 
 from audit.records import Case, LogprobSemantics, RegionFingerprints, SampleLogprobs, Side, sample_key
 from collectors.fingerprints import HostRows
 from collectors.layout import StepBatch
+
+M = TypeVar("M", bound=BaseModel)
+
+_IMMUTABLE = (type(None), bool, int, float, str, bytes)
+
+
+class Construct(Generic[M]):
+    """``cls.model_construct(**values)`` for calls that always give the same field names, at a
+    fraction of its cost: a step with every region fingerprinted builds about a thousand records,
+    and ``model_construct`` resolves every field's default for each. Here the defaults are resolved
+    once and each record is the template's dict updated with the values.
+
+    The first record is also built by ``model_construct`` and compared (dict, fields set, extras):
+    if they differ (another pydantic, a model with a post-init or a mutable default), every record
+    is built by ``model_construct`` instead."""
+
+    def __init__(self, cls: type[M], names: frozenset[str]) -> None:
+        self.cls = cls
+        self.names = names
+        self._template: dict[str, Any] | None = {}
+        self._checked = False
+        if (
+            cls.__pydantic_post_init__
+            or cls.__pydantic_root_model__
+            or cls.model_config.get("extra") == "allow"
+        ):
+            self._template = None
+            return
+        for name, info in cls.__pydantic_fields__.items():
+            if info.alias is not None or info.validation_alias is not None:
+                self._template = None
+                return
+            if name in names:
+                self._template[name] = None  # its place in field order; every call sets it
+            elif info.default_factory is None and not info.is_required() and type(info.default) in _IMMUTABLE:
+                self._template[name] = info.default
+            else:  # a fresh default per record, or a missing required field: model_construct's way
+                self._template = None
+                return
+        if set(names) - set(self._template):
+            self._template = None  # names that are not fields: model_construct drops them
+
+    def __call__(self, values: dict[str, Any]) -> M:
+        template = self._template
+        if template is None or values.keys() != self.names:
+            return self.cls.model_construct(**values)
+        fields = template.copy()
+        fields.update(values)
+        record = self.cls.__new__(self.cls)
+        object.__setattr__(record, "__dict__", fields)
+        object.__setattr__(record, "__pydantic_fields_set__", set(self.names))
+        object.__setattr__(record, "__pydantic_extra__", None)
+        object.__setattr__(record, "__pydantic_private__", None)
+        if not self._checked:
+            self._checked = True
+            if not _same_construction(record, self.cls.model_construct(**values)):
+                self._template = None
+        return record
+
+
+def _same_construction(a: BaseModel, b: BaseModel) -> bool:
+    da, db = a.__dict__, b.__dict__
+    if list(da) != list(db) or any(da[k] is not db[k] and da[k] != db[k] for k in da):
+        return False
+    return (
+        a.__pydantic_fields_set__ == b.__pydantic_fields_set__
+        and a.__pydantic_extra__ == b.__pydantic_extra__
+        and a.__pydantic_private__ == b.__pydantic_private__
+    )
+
+
+@lru_cache(maxsize=32)
+def constructor(cls: type[M], names: frozenset[str]) -> Construct[M]:
+    """The shared :class:`Construct` of ``cls`` for these field names."""
+    return Construct(cls, names)
 
 
 def sequence_tokens(batch: StepBatch, host_ids: np.ndarray) -> list[np.ndarray]:
@@ -46,6 +124,7 @@ def sample_records(
     """One record per sample; ``validate=False`` skips pydantic checks (inputs built here are valid
     by construction and the store validates again)."""
     temps = batch.temperature if batch.temperature is not None else np.ones(batch.num_samples)
+    build = constructor(SampleLogprobs, _SAMPLE_NAMES)
     records = []
     for i, span in enumerate(batch.spans):
         lp = np.asarray(logprobs[i], dtype=np.float32)
@@ -67,8 +146,18 @@ def sample_records(
             "temperature": float(temps[i]),
             "semantics": semantics,
         }
-        records.append(SampleLogprobs(**fields) if validate else SampleLogprobs.model_construct(**fields))
+        records.append(SampleLogprobs(**fields) if validate else build(fields))
     return records
+
+
+_SAMPLE_NAMES = frozenset(
+    ("run_id", "step", "side", "sample_key", "weight_version", "prompt_len", "token_ids", "logprobs")
+    + ("temperature", "semantics")
+)
+_PRINT_NAMES = frozenset(
+    ("run_id", "step", "side", "case", "sample_key", "region", "forward_index", "positions", "digest")
+    + ("ladder_bits", "ladder", "sketch", "l2", "maxabs")
+)
 
 
 def fingerprint_records(
@@ -86,6 +175,7 @@ def fingerprint_records(
     rows, cols = batch.shape
     positions = [np.arange(span.length, dtype=np.int32) for span in batch.spans]
     starts: dict[int, list[int]] = {}  # per distinct row_index (all regions of a forward share one)
+    build = constructor(RegionFingerprints, _PRINT_NAMES)
     records = []
     for (region, forward_index), host in prints.items():
         expected = rows * cols if host.row_index is None else host.row_index.size
@@ -118,9 +208,7 @@ def fingerprint_records(
                 "l2": host.l2[a:b],
                 "maxabs": host.maxabs[a:b],
             }
-            records.append(
-                RegionFingerprints(**fields) if validate else RegionFingerprints.model_construct(**fields)
-            )
+            records.append(RegionFingerprints(**fields) if validate else build(fields))
     return records
 
 

@@ -4,7 +4,8 @@ sketch projection and the comparisons (numpy only, so the service never loads to
 
 :func:`fingerprint_rows` gives digest, ladder, sketch, l2 and maxabs of every row as tensors on the
 device; :func:`rows_to_host` brings any number of them (and a few other tensors) to the host in one
-transfer, as :class:`HostRows`. On CUDA the digest and ladder come from a fused pass:
+transfer, as :class:`HostRows`. The trainer's step packs its regions with :func:`pack_prints`: the
+regions fingerprinted together travel as their group, not one by one. On CUDA the digest and ladder come from a fused pass:
 ``kernels.fingerprint`` (a Triton kernel, bitwise equal to the torch path) when it is installed and
 imports, else a ``torch.compile``'d expression, else eager torch.
 """
@@ -100,6 +101,49 @@ class RowFingerprints:
     def to_host(self) -> HostRows:
         """These rows on the host (one transfer), typed as the records store them."""
         return rows_to_host([self])[0]
+
+    def span(self, start: int, stop: int) -> RowFingerprints:
+        """Rows ``start:stop`` as a :class:`RowSpan`: a region's rows of a group fingerprinted in
+        one call. Nothing is sliced until a field is read, and :func:`pack_prints` sends the
+        group once for all its spans."""
+        return RowSpan(self, start, stop)
+
+
+_SPAN_FIELDS = frozenset(ROW_FIELDS)
+
+
+class RowSpan(RowFingerprints):
+    """Rows ``start:stop`` of ``parent``, whose fields are sliced on first read.
+
+    A step with every region fingerprinted has hundreds of regions, each a slice of a group's
+    fingerprints; slicing five tensors per region costs host time the collector never needs, since
+    the step's transfer sends the group whole (:func:`pack_prints`)."""
+
+    parent: RowFingerprints
+    start: int
+    stop: int
+
+    def __init__(self, parent: RowFingerprints, start: int, stop: int) -> None:  # noqa: D107
+        if isinstance(parent, RowSpan):  # a span of a span: one level, on the group itself
+            start, stop, parent = parent.start + start, parent.start + stop, parent.parent
+        object.__setattr__(self, "parent", parent)
+        object.__setattr__(self, "start", int(start))
+        object.__setattr__(self, "stop", int(stop))
+        object.__setattr__(self, "ladder_bits", parent.ladder_bits)
+
+    def __getattr__(self, name: str) -> Any:
+        # only called for what the instance lacks: the five tensors, until first read
+        if name not in _SPAN_FIELDS:
+            raise AttributeError(name)
+        value = getattr(self.parent, name)[self.start : self.stop]
+        object.__setattr__(self, name, value)
+        return value
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def __repr__(self) -> str:
+        return f"RowSpan(rows {self.start}:{self.stop} of {len(self.parent)}, ladder_bits={self.ladder_bits})"
 
 
 def _check_ladder(ladder_bits: Sequence[int] | None, fmt: _Format) -> tuple[int, ...]:
@@ -316,6 +360,66 @@ def host_rows(
         )
         for i, bits in enumerate(ladder_bits)
     ]
+
+
+@dataclass(frozen=True)
+class PrintsLayout:
+    """Where :func:`pack_prints` put each print: ``spans[i] = (group, start, stop)``, the rows of
+    print ``i`` in group ``group``'s tensors; ``ladder_bits[i]``: its rungs."""
+
+    prefix: str
+    groups: int
+    spans: tuple[tuple[int, int, int], ...]
+    ladder_bits: tuple[tuple[int, ...], ...]
+
+
+def pack_prints(
+    prints: Sequence[RowFingerprints], prefix: str = ""
+) -> tuple[dict[str, torch.Tensor], PrintsLayout]:
+    """The tensors of ``prints`` keyed for one transfer, each group sent once: the spans of one
+    group (:class:`RowSpan`, as the hooks make them) add no tensor, so a step's hundreds of regions
+    travel as a few groups' five fields. :func:`unpack_prints` cuts them apart on the host."""
+    tensors: dict[str, torch.Tensor] = {}
+    group_of: dict[int, int] = {}
+    keep: list[RowFingerprints] = []  # the ids above stay valid while these live
+    spans = []
+    for fp in prints:
+        if isinstance(fp, RowSpan):
+            base, start, stop = fp.parent, fp.start, fp.stop
+        else:
+            base, start, stop = fp, 0, len(fp)
+        group = group_of.get(id(base))
+        if group is None:
+            group = group_of[id(base)] = len(keep)
+            keep.append(base)
+            for name in ROW_FIELDS:
+                tensors[f"{prefix}{group}.{name}"] = getattr(base, name)
+        spans.append((group, start, stop))
+    layout = PrintsLayout(prefix, len(keep), tuple(spans), tuple(tuple(fp.ladder_bits) for fp in prints))
+    return tensors, layout
+
+
+def unpack_prints(
+    host: dict[str, np.ndarray], layout: PrintsLayout, row_index: np.ndarray | None = None
+) -> list[HostRows]:
+    """The :class:`HostRows` of :func:`pack_prints`'s prints once their tensors landed, in order:
+    row slices of their group's arrays (contiguous, no copy)."""
+    prefix = layout.prefix
+    groups = [
+        (
+            host[f"{prefix}{g}.digest"].view(np.uint64),
+            host[f"{prefix}{g}.ladder"].view(np.uint64),
+            host[f"{prefix}{g}.sketch"],
+            host[f"{prefix}{g}.l2"],
+            host[f"{prefix}{g}.maxabs"],
+        )
+        for g in range(layout.groups)
+    ]
+    out = []
+    for (group, a, b), bits in zip(layout.spans, layout.ladder_bits, strict=True):
+        digest, ladder, sketch, l2, maxabs = groups[group]
+        out.append(HostRows(digest[a:b], ladder[a:b], sketch[a:b], l2[a:b], maxabs[a:b], bits, row_index))
+    return out
 
 
 def rows_to_host(prints: Sequence[RowFingerprints]) -> list[HostRows]:

@@ -20,6 +20,7 @@ from torch.utils.hooks import RemovableHandle
 
 from collectors.fingerprints import RowFingerprints, fingerprint_rows
 from collectors.regions import RegionSpec, Tap, read_tap
+from collectors.transfer import to_device
 from kernels import routing
 
 log = logging.getLogger(__name__)
@@ -76,9 +77,15 @@ class _Staging:
     def fits(self, n: int) -> bool:
         return self.used + n <= self.buffer.shape[0]
 
-    def add(self, key: tuple[str, int], rows: torch.Tensor) -> None:
-        n = rows.shape[0]
-        self.buffer[self.used : self.used + n].copy_(rows)
+    def add(self, key: tuple[str, int], rows: torch.Tensor, index: torch.Tensor | None = None) -> None:
+        """Stage ``rows`` (``index``: only those rows of it, gathered straight into the buffer: one
+        launch per region, not a gather and then a copy)."""
+        n = rows.shape[0] if index is None else index.shape[0]
+        out = self.buffer[self.used : self.used + n]
+        if index is None:
+            out.copy_(rows)
+        else:
+            torch.index_select(rows, 0, index, out=out)
         self.parts.append((key, self.used, n))
         self.used += n
 
@@ -142,12 +149,12 @@ class ForwardCapture:
         if input_ids is None:
             return None
         if self.row_hint is not None and self.row_hint[0] == tuple(input_ids.shape):
-            return self.row_hint[1].to(input_ids.device, non_blocking=True)
+            return to_device(self.row_hint[1], input_ids.device)
         if isinstance(mask, torch.Tensor) and mask.device.type == "cpu" and mask.dim() == 2:
             flat = mask.reshape(-1)
             if bool(flat.all()):
                 return None
-            return torch.nonzero(flat).squeeze(1).to(input_ids.device)
+            return to_device(torch.nonzero(flat).squeeze(1), input_ids.device)
         return None
 
     def _close(self, _module: nn.Module, _args: tuple[Any, ...], output: Any) -> None:
@@ -179,27 +186,51 @@ class ForwardCapture:
                 # no_grad: nothing here may join the autograd graph (activation checkpointing counts
                 # the tensors a forward saves, and recomputation runs without these hooks).
                 with torch.no_grad():
+                    alone = spec.tap is Tap.FP32
+                    rows = None  # rows still to pick: the staging buffer gathers them itself
                     if spec.name == "logits" and routing.is_enabled() and isinstance(_module, nn.Linear):
                         tensor = _invariant_head_logits(_module, _inputs, capture.rows)
+                    elif alone or capture.rows is None:
+                        tensor = read_tap(output, spec.tap, capture.rows)  # rows picked before a cast
                     else:
-                        tensor = read_tap(output, spec.tap, capture.rows)
+                        tensor = read_tap(output, spec.tap)
+                        if tensor is not None and self._stages(tensor):
+                            rows = capture.rows
+                        elif tensor is not None:
+                            tensor = tensor.reshape(-1, tensor.shape[-1]).index_select(0, capture.rows)
                     if tensor is None:
                         return
                     index = 0
                     while (spec.name, index) in capture.prints:
                         index += 1
-                    self._fingerprint(capture, (spec.name, index), tensor.detach(), spec.tap is Tap.FP32)
+                    self._fingerprint(capture, (spec.name, index), tensor.detach(), alone, rows)
             except Exception as exc:
                 self._fail(spec.name, exc)
 
         return hook
 
-    def _fingerprint(self, capture: Capture, key: tuple[str, int], tensor: torch.Tensor, alone: bool) -> None:
-        """Fingerprint now (``alone``: logits, whose width is the vocabulary) or stage for a group."""
+    def _stages(self, tensor: torch.Tensor) -> bool:
+        """Will :meth:`_fingerprint` stage ``tensor``'s rows (all of them, at most) for a group?"""
+        if self.group_bytes == 0 or not tensor.dim():
+            return False
+        return tensor.numel() * tensor.element_size() <= self.group_bytes
+
+    def _fingerprint(
+        self,
+        capture: Capture,
+        key: tuple[str, int],
+        tensor: torch.Tensor,
+        alone: bool,
+        index: torch.Tensor | None = None,
+    ) -> None:
+        """Fingerprint now (``alone``: logits, whose width is the vocabulary) or stage for a group
+        (``index``: the rows of ``tensor`` to keep, gathered as they are staged; only when
+        :meth:`_stages` said so)."""
         rows = tensor.reshape(-1, tensor.shape[-1]) if tensor.dim() else tensor.reshape(1, 1)
         row_bytes = rows.shape[1] * rows.element_size()
-        if alone or self.group_bytes == 0 or rows.shape[0] * row_bytes > self.group_bytes:
-            capture.prints[key] = self.fingerprinter(rows)
+        n = rows.shape[0] if index is None else index.shape[0]
+        if alone or self.group_bytes == 0 or n * row_bytes > self.group_bytes:
+            capture.prints[key] = self.fingerprinter(rows if index is None else rows.index_select(0, index))
             return
         slot = (rows.shape[1], rows.dtype, rows.device)
         staging = self._staging.get(slot)
@@ -207,10 +238,10 @@ class ForwardCapture:
             staging = self._staging[slot] = _Staging(
                 self.group_bytes // row_bytes, rows.shape[1], rows.dtype, rows.device
             )
-        if not staging.fits(rows.shape[0]):
+        if not staging.fits(n):
             self._flush(capture, staging)
         capture.prints[key] = None  # type: ignore[assignment]  # keeps forward order; filled by _flush
-        staging.add(key, rows)
+        staging.add(key, rows, index)
 
     def _flush(self, capture: Capture, staging: _Staging) -> None:
         if not staging.parts:
@@ -218,7 +249,7 @@ class ForwardCapture:
         try:
             prints = self.fingerprinter(staging.buffer[: staging.used])
             for key, start, n in staging.parts:
-                capture.prints[key] = prints.select(slice(start, start + n))
+                capture.prints[key] = prints.span(start, start + n)  # sliced only if read
         finally:
             staging.used = 0
             staging.parts.clear()

@@ -35,7 +35,7 @@ from audit.records import Case, Record, Run, RuntimeFacts
 from collectors.assemble import fingerprint_records, keys_for, sample_records, sequence_tokens
 from collectors.base import Collector, CollectorCounters, ModeReport
 from collectors.control import ControlChannel
-from collectors.fingerprints import device_tensors, host_rows
+from collectors.fingerprints import PrintsLayout, pack_prints, unpack_prints
 from collectors.held_weights import module_digests
 from collectors.hooks import Capture, ForwardCapture
 from collectors.layout import StepBatch
@@ -44,7 +44,7 @@ from collectors.manifest import ContractArg, runtime_signature, trainer_runtime
 from collectors.regions import RegionsArg, resolve_regions
 from collectors.remediation import RemediationHook, apply_kernels_mode, switch_with
 from collectors.sinks.base import Sink
-from collectors.transfer import HostCopy
+from collectors.transfer import HostCopy, to_device
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class _PendingStep:
     batch: StepBatch
     copy: HostCopy
     version: str | None
-    ladder_bits: list[tuple[int, ...]]
+    layout: PrintsLayout
     keys: list[tuple[str, int]]
     compacted: bool
     head: list[Record]
@@ -305,7 +305,8 @@ class TrainerCollector(Collector):
         prints = self._prints_of(capture, batch) if fingerprint_now and capture is not None else {}
         if prints and capture is not None and capture.rows is not None:
             tensors["rows"] = capture.rows
-        tensors.update(device_tensors(list(prints.values()), prefix="p"))
+        packed, layout = pack_prints(list(prints.values()), prefix="p")  # a few groups, not every region
+        tensors.update(packed)
         self.counters.steps += 1
         if own:
             self.counters.own_forwards += 1
@@ -314,7 +315,7 @@ class TrainerCollector(Collector):
             batch=batch,
             copy=HostCopy(tensors, asynchronous=self.async_transfer),  # the step's one transfer
             version=version,
-            ladder_bits=[fp.ladder_bits for fp in prints.values()],
+            layout=layout,
             keys=list(prints),
             compacted=bool(prints) and capture is not None and capture.rows is not None,
             head=records,
@@ -375,9 +376,7 @@ class TrainerCollector(Collector):
                         setattr(sample, name, int(value) if name == "top_k" else value)
         records += samples
         row_index = host["rows"].astype(np.int64) if pending.compacted else None
-        host_prints = dict(
-            zip(pending.keys, host_rows(host, pending.ladder_bits, "p", row_index), strict=True)
-        )
+        host_prints = dict(zip(pending.keys, unpack_prints(host, pending.layout, row_index), strict=True))
         fp_records = fingerprint_records(
             run_id=self.run.run_id,
             step=step,
@@ -474,7 +473,8 @@ def _given_logprobs(
             lp = lp.reshape(-1)
         else:
             raise ValueError(f"logprobs_layout: expected auto, tokens, shifted or completion, got {layout!r}")
-        return {"lp": lp.index_select(0, torch.from_numpy(index.astype(np.int64)).to(lp.device)).float()}
+        index_t = to_device(torch.from_numpy(index.astype(np.int64)), lp.device)  # never a sync
+        return {"lp": lp.index_select(0, index_t).float()}
     if isinstance(logprobs, Sequence):
         if len(logprobs) != batch.num_samples:
             raise ValueError(f"logprobs: {len(logprobs)} arrays for {batch.num_samples} samples")

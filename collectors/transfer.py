@@ -95,6 +95,20 @@ class HostCopy:
         return self._done
 
 
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` (a small CPU one: an index, say) on ``device`` without making the host wait for
+    the device: a CUDA copy leaves from pinned memory, asynchronously. ``.to(device)`` from ordinary
+    memory synchronises the stream, which mid-step drains all the work queued so far."""
+    if device.type != "cuda" or tensor.device.type != "cpu":
+        return tensor.to(device)
+    try:
+        source = tensor if tensor.is_pinned() else tensor.pin_memory()
+    except RuntimeError as exc:  # no pinned memory: the plain copy still works
+        _warn_sync_fallback(exc)
+        return tensor.to(device)
+    return source.to(device, non_blocking=True)
+
+
 def to_host(tensors: Mapping[str, torch.Tensor]) -> dict[str, np.ndarray]:
     """Numpy copies of ``tensors`` (same shapes and dtypes), with one transfer per source device."""
     out: dict[str, np.ndarray] = {}
