@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -753,7 +754,9 @@ def bench_fla() -> None:
         try:
             fla_fb()
         except RuntimeError as exc:  # fla refuses its gated backward with Triton < 3.7.1 on Hopper (#640)
-            if not _lift_fla_guard(exc):
+            # Lifting the guard is opt-in: on the H200 with Triton 3.6 fla's backward then hit an
+            # illegal memory access, which ends the process (measured 2026-12-02).
+            if os.environ.get("ISOAUDIT_BENCH_FLA_LIFT_GUARD") != "1" or not _lift_fla_guard(exc):
                 print(f"[{TIMING}] fla backward failed: {exc!r}"[:300], flush=True)
                 continue
             # Time it anyway with the guard lifted: the same kernels fla runs on a fixed Triton
