@@ -64,7 +64,8 @@ __all__ = [
 
 TIE_RULE = (
     "experts ranked by fp32 router logit, descending; equal logits (+0 equals -0) rank the lower "
-    "expert index first; NaN ranks as -inf"
+    "expert index first; +inf and -inf rank as the largest and least finite fp32 values (so +inf "
+    "ties with 3.4028235e38) and NaN ranks below them all, as -inf"
 )
 MAX_EXPERTS = 1 << 16
 
@@ -74,7 +75,8 @@ MAX_EXPERTS = 1 << 16
 
 
 def _order_key(z: torch.Tensor) -> torch.Tensor:
-    """int64 keys ordered as the fp32 values (NaN as -inf, -0 as +0), then by lower index: unique
+    """int64 keys ordered as the fp32 values (infinities as the extreme finite values, NaN as -inf,
+    below them; -0 as +0), then by lower index: unique
     per row, so ``topk`` over them has one answer on every backend."""
     z = torch.nan_to_num(z.float() + 0.0, nan=float("-inf"))  # -0 + 0 = +0
     b = z.view(torch.int32).to(torch.int64)

@@ -48,6 +48,9 @@ def test_topk_tie_rule() -> None:
         ]
     )
     assert moe.stable_topk(z, 3).tolist() == [[1, 2, 4], [0, 1, 2], [1, 3, 4], [4, 1, 2]]
+    # infinities rank as the extreme finite values, NaN below -inf (TIE_RULE)
+    edge = torch.tensor([[float("nan"), float("-inf"), 3.4028235e38, float("inf"), -3.4028235e38]])
+    assert moe.stable_topk(edge, 5).tolist() == [[2, 3, 1, 4, 0]]
     # Many ties: the same order as sorting by (-value, index).
     v = torch.randint(-3, 4, (200, 16), generator=torch.Generator().manual_seed(3)).float()
     got = moe.stable_topk(v, 5).tolist()
