@@ -902,10 +902,13 @@ def main() -> None:
     ap.add_argument("--only", default="launch,gemm,gemm_small,rmsnorm,attention,gdn,fingerprint,moe")
     ap.add_argument("--timing", default="eager", help="eager, graph, or eager,graph")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--shapes", default=None, help="gemm_small's (N, K) weights, e.g. 896x4864,1024x4096")
     ap.add_argument("--profile", action="store_true", help="profile the invariant trainer step")
     args = ap.parse_args()
     global TIMING, PROFILE
     PROFILE = args.profile
+    if args.shapes:
+        SMALL_M_SHAPES[:] = [tuple(int(v) for v in nk.split("x")) for nk in args.shapes.split(",")]
     if not torch.cuda.is_available():
         sys.exit("bench/kernels.py needs CUDA")
     torch.manual_seed(0)

@@ -74,6 +74,10 @@ SPLIT_MAX_N = 1024
 SPLIT_MIN_K = 2048
 SPLIT_SPANS = 4
 SPLIT_ALIGN = 128
+#: How a large-M call sums its spans: a loop over (tile, span) pairs (0), or one K loop per tile
+#: restarting the sum at each span boundary, its tile walk plain (1) or flattened into the K loop
+#: (2). Launch shape only: the same adds either way. ISOAUDIT_GEMM_SPLIT_LOOP: pairs, flat, flatten.
+SPLIT_FLAT = {"pairs": 0, "flat": 1, "flatten": 2}[os.environ.get("ISOAUDIT_GEMM_SPLIT_LOOP", "flat")]
 
 
 def split_span(n: int, k: int) -> int:
@@ -158,12 +162,18 @@ if HAVE_TRITON:
         BLOCK_K: tl.constexpr,
         TMA: tl.constexpr,
         A_PTR: tl.constexpr,
+        SPAN: tl.constexpr = 0,
     ):  # fmt: skip
-        """One tile's fp32 sum over K in [k_lo, k_hi), from zero, in ascending BLOCK_K steps."""
+        """One tile's fp32 sum over K in [k_lo, k_hi), from zero, in ascending BLOCK_K steps.
+        SPAN > 0 (one loop for a whole split K): the sum restarts from zero at every SPAN
+        boundary and each span's sum is added, in order, to a running total (0 + p0 + p1 + ...),
+        which is returned."""
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if SPAN > 0:
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             if TMA:
                 if A_PTR:
@@ -189,6 +199,12 @@ if HAVE_TRITON:
                     other=0.0,
                 )
                 acc = tl.dot(x, w, acc, input_precision=PRECISION)
+            if SPAN > 0:
+                if ((k0 + BLOCK_K) % SPAN == 0) | (k0 + BLOCK_K >= k_hi):
+                    total = total + acc
+                    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if SPAN > 0:
+            return total
         return acc
 
     @triton.jit
@@ -252,6 +268,7 @@ if HAVE_TRITON:
         A_PTR: tl.constexpr,
         K_SPLIT: tl.constexpr,
         SPLIT_GRID: tl.constexpr,
+        SPLIT_FLAT: tl.constexpr,
     ):
         # With TMA, a/b/c are tensor descriptors (out-of-bounds reads are zeros, writes dropped),
         # passed in or (DEVICE_DESC) built here from pointers; otherwise they are pointers with
@@ -273,7 +290,28 @@ if HAVE_TRITON:
         num_m = tl.cdiv(M, BLOCK_M)
         num_n = tl.cdiv(N, BLOCK_N)
         group = GROUP_M * num_n
-        if K_SPLIT > 0 and not SPLIT_GRID:
+        if K_SPLIT > 0 and not SPLIT_GRID and SPLIT_FLAT > 0:
+            # Each program sums all spans of its tiles in turn inside one K loop per tile.
+            for tile in tl.range(
+                tl.program_id(0),
+                num_m * num_n,
+                num_programs,
+                flatten=TMA and SPLIT_FLAT == 2,
+                warp_specialize=WARP_SPECIALIZE,
+            ):
+                first_m = (tile // group) * GROUP_M
+                size_m = tl.minimum(num_m - first_m, GROUP_M)
+                pid_m = first_m + ((tile % group) % size_m)
+                pid_n = (tile % group) // size_m
+                acc = _span_sum(
+                    a, b, M, N, K, stride_am, stride_ak, stride_bn, stride_bk, pid_m, pid_n, 0, K,
+                    PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, TMA, A_PTR, K_SPLIT,
+                )  # fmt: skip
+                _store_tile(
+                    c, acc, bias_ptr, M, N, stride_cm, stride_cn, pid_m, pid_n,
+                    HAS_BIAS, BLOCK_M, BLOCK_N, TMA, A_PTR, SPLIT_EPILOGUE,
+                )  # fmt: skip
+        elif K_SPLIT > 0 and not SPLIT_GRID:
             # Each program sums all spans of its tiles in turn: one loop over (tile, span) pairs.
             spans = tl.cdiv(K, K_SPLIT)
             mine = tl.cdiv(num_m * num_n - tl.program_id(0), num_programs)
@@ -504,6 +542,7 @@ def _plan(
         A_PTR=cfg.tma and m < cfg.block_m and (interpreting() or (cfg.block_m == 64 and not split)),
         K_SPLIT=cfg.k_split if spans > 1 else 0,
         SPLIT_GRID=split_grid,
+        SPLIT_FLAT=SPLIT_FLAT,
     )
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return _GemmPlan(cfg, grid, constexprs, options, scratch)
