@@ -191,7 +191,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 sync()
                 times[name].append(time.perf_counter() - started)
             if collector is not None:
-                if collector.counters.errors:
+                if collector.counters.errors or collector.stats()["hook_errors"]:
                     raise RuntimeError(f"collector errors in {name}: {collector.stats()}")
                 collector.detach()
     checks = check_logprobs(model, batch)

@@ -21,6 +21,7 @@ from collectors.layout import StepBatch
 M = TypeVar("M", bound=BaseModel)
 
 _IMMUTABLE = (type(None), bool, int, float, str, bytes)
+_set = object.__setattr__
 
 
 class Construct(Generic[M]):
@@ -66,10 +67,10 @@ class Construct(Generic[M]):
         fields = template.copy()
         fields.update(values)
         record = self.cls.__new__(self.cls)
-        object.__setattr__(record, "__dict__", fields)
-        object.__setattr__(record, "__pydantic_fields_set__", set(self.names))
-        object.__setattr__(record, "__pydantic_extra__", None)
-        object.__setattr__(record, "__pydantic_private__", None)
+        _set(record, "__dict__", fields)
+        _set(record, "__pydantic_fields_set__", set(self.names))
+        _set(record, "__pydantic_extra__", None)
+        _set(record, "__pydantic_private__", None)
         if not self._checked:
             self._checked = True
             if not _same_construction(record, self.cls.model_construct(**values)):

@@ -313,7 +313,8 @@ class TrainerCollector(Collector):
         pending = _PendingStep(
             step=step,
             batch=batch,
-            copy=HostCopy(tensors, asynchronous=self.async_transfer),  # the step's one transfer
+            # the step's one transfer; the fingerprints ("p...") are this step's own, never written again
+            copy=HostCopy(tensors, asynchronous=self.async_transfer, fresh=_is_print),
             version=version,
             layout=layout,
             keys=list(prints),
@@ -425,6 +426,10 @@ class TrainerCollector(Collector):
         if capture is None:
             raise RuntimeError("model: the collector's own forward left no capture (hooks removed?)")
         return capture
+
+
+def _is_print(name: str) -> bool:
+    return name.startswith("p")
 
 
 def _row_hint(batch: StepBatch) -> tuple[tuple[int, ...], torch.Tensor]:

@@ -10,7 +10,7 @@ while the bytes travel, and the collector reads them a step later (or when asked
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -41,9 +41,16 @@ def _warn_sync_fallback(exc: BaseException) -> None:
 
 class HostCopy:
     """``tensors`` on their way to the host: CPU ones copied at once, CUDA ones packed into one
-    buffer and copied asynchronously into pinned memory behind an event."""
+    buffer and copied asynchronously into pinned memory behind an event. ``fresh``: names of CPU
+    tensors that nothing writes again (the collector's own fingerprints), viewed instead of copied."""
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor], *, asynchronous: bool = True) -> None:
+    def __init__(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        asynchronous: bool = True,
+        fresh: Callable[[str], bool] | None = None,
+    ) -> None:
         self._done: dict[str, np.ndarray] = {}
         self._items: list[tuple[str, torch.Tensor]] = []
         self._host: torch.Tensor | None = None
@@ -51,7 +58,7 @@ class HostCopy:
         self._event: Any = None
         on_device = {k: t for k, t in tensors.items() if t.device.type == "cuda"}
         rest = {k: t for k, t in tensors.items() if k not in on_device}
-        self._done.update(to_host(rest))
+        self._done.update(to_host(rest, fresh=fresh))
         if not on_device:
             return
         if not asynchronous:
@@ -109,8 +116,11 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return source.to(device, non_blocking=True)
 
 
-def to_host(tensors: Mapping[str, torch.Tensor]) -> dict[str, np.ndarray]:
-    """Numpy copies of ``tensors`` (same shapes and dtypes), with one transfer per source device."""
+def to_host(
+    tensors: Mapping[str, torch.Tensor], *, fresh: Callable[[str], bool] | None = None
+) -> dict[str, np.ndarray]:
+    """Numpy copies of ``tensors`` (same shapes and dtypes), with one transfer per source device.
+    ``fresh(name)``: that CPU tensor is never written again, so a view of it will do."""
     out: dict[str, np.ndarray] = {}
     by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
     for name, tensor in tensors.items():
@@ -122,7 +132,8 @@ def to_host(tensors: Mapping[str, torch.Tensor]) -> dict[str, np.ndarray]:
     for device, items in by_device.items():
         if device.type == "cpu":
             for name, tensor in items:
-                out[name] = tensor.contiguous().numpy().copy()
+                array = tensor.contiguous().numpy()
+                out[name] = array if fresh is not None and fresh(name) else array.copy()
             continue
         parts = [t.contiguous().reshape(-1).view(torch.uint8) for _, t in items]
         host = torch.cat(parts).cpu().numpy() if parts else np.zeros(0, np.uint8)

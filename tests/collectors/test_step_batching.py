@@ -1,0 +1,227 @@
+"""The trainer collector's per-step batching: regions fingerprinted in groups travel as their groups
+(pack_prints / unpack_prints, RowSpan), staged rows are gathered straight into the staging buffer,
+records are built by a cached constructor, and on CUDA nothing on the training thread waits for
+the device. Whatever the grouping, every region's rows must equal its own fingerprint_rows."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from pydantic import Field
+
+from audit.fingerprints import ROW_FIELDS
+from audit.records import Record, RegionFingerprints
+from collectors.assemble import _PRINT_NAMES, Construct, constructor
+from collectors.fingerprints import RowSpan, fingerprint_rows, pack_prints, rows_to_host, unpack_prints
+from collectors.hooks import ForwardCapture
+from collectors.layout import StepBatch
+from collectors.regions import resolve_regions
+from collectors.sinks import MemorySink
+from collectors.trainer import attach
+from collectors.transfer import HostCopy, to_device, to_host
+from tests.collectors.conftest import random_samples
+from tests.collectors.test_trainer import make_batch, raw_activations
+
+
+def _host_equal(got, want, what: str) -> None:
+    for name in ROW_FIELDS:
+        np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=f"{what}: {name}")
+    assert tuple(got.ladder_bits) == tuple(want.ladder_bits), what
+
+
+def test_row_span_reads_like_select() -> None:
+    whole = fingerprint_rows(torch.randn(30, 24, generator=torch.Generator().manual_seed(0)))
+    span = whole.span(4, 19)
+    assert isinstance(span, RowSpan) and len(span) == 15 and span.ladder_bits == whole.ladder_bits
+    assert "digest" not in vars(span)  # nothing sliced until read
+    inner = span.span(2, 9)  # a span of a span points at the group itself
+    assert inner.parent is whole and (inner.start, inner.stop) == (6, 13)
+    for got, rows in ((span, slice(4, 19)), (inner, slice(6, 13))):
+        want = whole.select(rows)
+        for name in ROW_FIELDS:
+            assert torch.equal(getattr(got, name), getattr(want, name)), name
+        _host_equal(got.to_host(), want.to_host(), "to_host")
+    assert torch.equal(span.select(slice(2, 9)).digest, inner.digest)
+
+
+def test_pack_prints_sends_each_group_once_and_cuts_it_back() -> None:
+    gen = torch.Generator().manual_seed(1)
+    group_a = fingerprint_rows(torch.randn(40, 16, generator=gen))
+    group_b = fingerprint_rows(torch.randn(12, 32, generator=gen).to(torch.bfloat16))  # other rungs
+    alone = fingerprint_rows(torch.randn(7, 8, generator=gen))
+    prints = [group_a.span(0, 10), group_b.span(3, 12), alone, group_a.span(10, 40), group_a.span(10, 25)]
+    tensors, layout = pack_prints(prints, prefix="p")
+    assert layout.groups == 3 and len(tensors) == 3 * len(ROW_FIELDS)
+    host = to_host(tensors)
+    got = unpack_prints(host, layout)
+    want = rows_to_host(
+        [group_a.select(slice(0, 10)), group_b.select(slice(3, 12)), alone]
+        + [group_a.select(slice(10, 40)), group_a.select(slice(10, 25))]
+    )
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        _host_equal(g, w, f"print {i}")
+        assert all(getattr(g, name).flags.c_contiguous for name in ROW_FIELDS)
+        assert g.digest.dtype == np.uint64 and g.ladder.dtype == np.uint64
+    rows = np.arange(5)
+    assert all(h.row_index is rows for h in unpack_prints(host, layout, rows))
+
+
+def _prints_by_grouping(model, batch: StepBatch, group_bytes: int) -> dict:
+    specs = resolve_regions(model, "auto").specs
+    capture = ForwardCapture(model, specs, group_bytes=group_bytes)
+    try:
+        with torch.no_grad():
+            model(**batch.model_inputs())  # the mask is on the CPU: only the real rows are kept
+        taken = capture.take()
+    finally:
+        capture.remove()
+    assert taken is not None and capture.errors == 0
+    assert taken.rows is not None  # padding was skipped, so rows were gathered
+    keys = list(taken.prints)
+    tensors, layout = pack_prints(list(taken.prints.values()))
+    return {
+        "rows": taken.rows,
+        "groups": layout.groups,
+        "prints": dict(zip(keys, unpack_prints(to_host(tensors), layout), strict=True)),
+    }
+
+
+@pytest.mark.parametrize("layout", ["right", "left"])
+def test_every_grouping_gives_each_region_its_own_fingerprints(load, layout: str) -> None:
+    """One group for all regions, a few regions per group (several flushes a forward), regions too
+    large for a group (gathered, then fingerprinted alone), and no grouping: the same bits, equal to
+    fingerprint_rows of each region's real rows alone."""
+    model = load("qwen3")
+    batch = make_batch(layout)
+    raw = raw_activations(model, batch)
+    region_bytes = batch.shape[0] * batch.shape[1] * model.config.hidden_size * 4
+    runs = {
+        size: _prints_by_grouping(model, batch, size)
+        for size in (64 << 20, 3 * region_bytes, region_bytes // 2, 0)
+    }
+    assert runs[64 << 20]["groups"] == 2  # the staged regions, and the logits alone
+    assert runs[3 * region_bytes]["groups"] > 2
+    assert runs[0]["groups"] == runs[region_bytes // 2]["groups"] == len(runs[0]["prints"])
+    for size, run in runs.items():
+        rows = run["rows"]
+        assert sorted(r for r, _ in run["prints"]) == sorted(raw)
+        for (region, _), got in run["prints"].items():
+            flat = raw[region].reshape(-1, raw[region].shape[-1])
+            want = fingerprint_rows(flat.index_select(0, rows)).to_host()
+            _host_equal(got, want, f"group_bytes={size} {region}")
+
+
+def test_records_are_built_as_model_construct_builds_them() -> None:
+    gen = np.random.default_rng(0)
+    fields = {
+        "run_id": "r",
+        "step": 3,
+        "side": "trainer",
+        "case": "trainer_fwd",
+        "sample_key": "0" * 32,
+        "region": "layers.0.mlp",
+        "forward_index": 0,
+        "positions": np.arange(4, dtype=np.int32),
+        "digest": gen.integers(0, 2**63, 4).astype(np.uint64),
+        "ladder_bits": [6, 4, 2, 0],
+        "ladder": gen.integers(0, 2**63, (4, 4)).astype(np.uint64),
+        "sketch": gen.standard_normal((4, 16)).astype(np.float32),
+        "l2": gen.random(4).astype(np.float32),
+        "maxabs": gen.random(4).astype(np.float32),
+    }
+    build = Construct(RegionFingerprints, _PRINT_NAMES)
+    for _ in range(2):  # the first is checked against model_construct, the second is not
+        fast, slow = build(dict(fields)), RegionFingerprints.model_construct(**fields)
+        assert build._template is not None  # the fast path stayed on
+        assert type(fast) is RegionFingerprints and fast == slow
+        assert list(vars(fast)) == list(vars(slow))
+        assert fast.model_fields_set == slow.model_fields_set
+        assert fast.model_dump_json() == slow.model_dump_json()
+        assert fast.checked() is fast
+    assert constructor(RegionFingerprints, _PRINT_NAMES) is constructor(RegionFingerprints, _PRINT_NAMES)
+    other = dict(fields)
+    del other["forward_index"]  # other names than declared: model_construct's way, default included
+    assert build(other).forward_index == 0
+
+    class WithFactory(Record):
+        name: str
+        tags: list[str] = Field(default_factory=list)
+
+    made = Construct(WithFactory, frozenset({"name"}))
+    assert made._template is None  # a fresh default per record: model_construct does it
+    a, b = made({"name": "x"}), made({"name": "y"})
+    assert a.tags == [] and a.tags is not b.tags
+
+
+def test_fresh_cpu_tensors_are_viewed_others_copied() -> None:
+    mine, theirs = torch.arange(6), torch.arange(6)
+    copy = HostCopy({"p0": mine, "ids": theirs}, fresh=lambda name: name.startswith("p"))
+    host = copy.result()
+    assert np.shares_memory(host["p0"], mine.numpy()) and not np.shares_memory(host["ids"], theirs.numpy())
+    assert to_device(mine, torch.device("cpu")) is mine
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_on_cuda_the_training_thread_never_waits_and_prints_equal_the_cpu(load, dtype) -> None:
+    """With every region fingerprinted, a CUDA step with the collector makes no more device
+    synchronisations than the same forward without it (``torch.cuda.set_sync_debug_mode`` counts
+    them), and every record equals the CPU path's fingerprints of the same activations."""
+    model = load("qwen3").to("cuda", dtype)
+    prompts, completions = random_samples(5, 0)
+    batch = StepBatch.padded(
+        prompts, completions, padding_side="right", pad_token_id=3, temperature=0.7, device="cuda"
+    )
+
+    def syncs(step_fn) -> int:
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                step_fn()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return sum("synchroniz" in str(w.message) for w in caught)
+
+    def plain() -> None:
+        with torch.no_grad():
+            model(**batch.model_inputs())
+
+    plain()
+    base = syncs(plain)
+    raw = raw_activations(model, batch)  # the same forward, kept by the test's own hooks
+    sink = MemorySink()
+    handle = attach(model, run="r", sink=sink, strict=True, max_inflight=2)
+    lp = torch.zeros(batch.shape[0], batch.shape[1] - 1, device="cuda")
+
+    def collected(step: int) -> None:
+        handle.begin_step(step, batch)
+        with torch.no_grad():
+            model(**batch.model_inputs())
+        handle.record_step(step, batch, logprobs=lp)
+
+    collected(0)  # warm: staging buffers, pinned blocks, compiled kernels
+    with_collector = [syncs(lambda s=s: collected(s)) for s in (1, 2, 3)]
+    assert with_collector == [base] * 3, (base, with_collector)
+    assert handle.flush(30) and handle.stats()["hook_errors"] == 0
+    handle.detach()
+
+    keys = [r.sample_key for r in sink.of_kind("sample") if r.step == 3]
+    prints = [r for r in sink.of_kind("fingerprints") if r.step == 3]
+    assert len(prints) == len(keys) * len(raw)
+    for record in prints:
+        i = keys.index(record.sample_key)
+        start = batch.flat_start(i)
+        flat = raw[record.region].reshape(-1, raw[record.region].shape[-1])
+        want = fingerprint_rows(flat[start : start + len(record.positions)].cpu()).to_host()
+        np.testing.assert_array_equal(record.digest, want.digest, err_msg=record.region)
+        np.testing.assert_array_equal(record.ladder, want.ladder, err_msg=record.region)
+        np.testing.assert_array_equal(record.maxabs, want.maxabs, err_msg=record.region)
+        np.testing.assert_allclose(record.sketch, want.sketch, rtol=1e-5, atol=1e-4, err_msg=record.region)
+        np.testing.assert_allclose(record.l2, want.l2, rtol=1e-5, err_msg=record.region)
