@@ -147,6 +147,39 @@ def check_logprobs(model: torch.nn.Module, batch: StepBatch) -> dict[str, Any]:
     }
 
 
+def _no_sync() -> None:
+    return None
+
+
+def count_syncs(model, optimizer, batch, mask, sink, configs, step: int) -> dict[str, int]:
+    """Device synchronisations in one training step per configuration (CUDA): what
+    ``torch.cuda.set_sync_debug_mode("warn")`` reports, after a warm step. The collector's
+    configurations should report what the baseline does."""
+    import warnings
+
+    out = {}
+    for name, config in configs.items():
+        collector = None
+        if config is not None:
+            collector = attach(model, run="bench", sink=sink, regions=config["regions"], sample_every=1)
+        passed = config is None or config["pass"]
+        step += 1
+        train_step(model, optimizer, batch, mask, collector, step, passed)  # warm
+        torch.cuda.synchronize()
+        step += 1
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                train_step(model, optimizer, batch, mask, collector, step, passed)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        out[name] = sum("synchroniz" in str(w.message) for w in caught)
+        if collector is not None:
+            collector.detach()
+    return out
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads) if args.threads else None
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
@@ -162,6 +195,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "collector-logprobs": {"regions": None, "pass": False},
     }
     times: dict[str, list[float]] = {name: [] for name in configs}
+    host: dict[str, list[float]] = {name: [] for name in configs}  # until the step is queued
     tmp = tempfile.TemporaryDirectory()
     if args.sink == "direct":
         from collectors.sinks.direct import DirectSink  # SQLAlchemy only when asked for
@@ -169,7 +203,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         sink: Any = DirectSink(f"sqlite:///{tmp.name}/bench.db", queue_size=1024)
     else:
         sink = MemorySink(keep=False, validate=False, queue_size=1024)  # the collector alone, as before
-    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    sync = torch.cuda.synchronize if args.device.startswith("cuda") else _no_sync
     step = 0
     for _ in range(args.warmup):
         train_step(model, optimizer, batch, mask, None, step, True)
@@ -188,12 +222,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 sync()
                 started = time.perf_counter()
                 train_step(model, optimizer, batch, mask, collector, step, config is None or config["pass"])
+                queued = time.perf_counter()
                 sync()
                 times[name].append(time.perf_counter() - started)
+                host[name].append(queued - started)
             if collector is not None:
                 if collector.counters.errors or collector.stats()["hook_errors"]:
                     raise RuntimeError(f"collector errors in {name}: {collector.stats()}")
                 collector.detach()
+    syncs = count_syncs(model, optimizer, batch, mask, sink, configs, step) if sync is not _no_sync else None
     checks = check_logprobs(model, batch)
     delivered = sink.flush(120)
     stats = sink.stats()
@@ -215,6 +252,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "steps_per_config": len(times["baseline"]),
         "checks": checks,
         "median_ms": {name: 1e3 * statistics.median(t) for name, t in times.items()},
+        # host time until the step was queued (the rest is the device finishing): a collector that
+        # only adds host time hides behind a device-bound step, one that syncs cannot
+        "host_median_ms": {name: 1e3 * statistics.median(t) for name, t in host.items()},
+        "syncs_per_step": syncs,
         "overhead_pct": {
             name: 100 * (statistics.median(t) / base - 1) for name, t in times.items() if name != "baseline"
         },
@@ -244,9 +285,13 @@ def main() -> None:
         args.dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
     result = run(args)
     for name, ms in result["median_ms"].items():
-        extra = f"  {result['overhead_pct'][name]:+6.1f} %" if name in result["overhead_pct"] else ""
+        extra = f"  {result['overhead_pct'][name]:+6.1f} %" if name in result["overhead_pct"] else "         "
+        queued = result["host_median_ms"][name]
+        syncs = result["syncs_per_step"]
+        extra += f"   host {queued:8.2f} ms" + (f"   syncs {syncs[name]}" if syncs else "")
         print(f"{name:24s} {ms:9.2f} ms/step{extra}")
-    print(json.dumps({k: v for k, v in result.items() if k not in ("median_ms", "overhead_pct")}))
+    shown = ("median_ms", "overhead_pct", "host_median_ms", "syncs_per_step")
+    print(json.dumps({k: v for k, v in result.items() if k not in shown}))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
 
