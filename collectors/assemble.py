@@ -175,6 +175,7 @@ def fingerprint_records(
     """One record per (sample, region call), rows cut from the forward's flattened rows."""
     rows, cols = batch.shape
     positions = [np.arange(span.length, dtype=np.int32) for span in batch.spans]
+    lengths = [span.length for span in batch.spans]
     starts: dict[int, list[int]] = {}  # per distinct row_index (all regions of a forward share one)
     build = constructor(RegionFingerprints, _PRINT_NAMES)
     records = []
@@ -190,9 +191,10 @@ def fingerprint_records(
                 _first_row(host.row_index, batch.flat_start(i), span.length, region)
                 for i, span in enumerate(batch.spans)
             ]
-        for i, span in enumerate(batch.spans):
-            a = starts[key][i]
-            b = a + span.length
+        digest, ladder, sketch, l2, maxabs = host.digest, host.ladder, host.sketch, host.l2, host.maxabs
+        bits = host.ladder_bits
+        for i, (a, length) in enumerate(zip(starts[key], lengths, strict=True)):
+            b = a + length
             fields = {
                 "run_id": run_id,
                 "step": step,
@@ -202,12 +204,12 @@ def fingerprint_records(
                 "region": region,
                 "forward_index": forward_index,
                 "positions": positions[i],
-                "digest": host.digest[a:b],
-                "ladder_bits": list(host.ladder_bits),
-                "ladder": host.ladder[a:b],
-                "sketch": host.sketch[a:b],
-                "l2": host.l2[a:b],
-                "maxabs": host.maxabs[a:b],
+                "digest": digest[a:b],
+                "ladder_bits": list(bits),
+                "ladder": ladder[a:b],
+                "sketch": sketch[a:b],
+                "l2": l2[a:b],
+                "maxabs": maxabs[a:b],
             }
             records.append(RegionFingerprints(**fields) if validate else build(fields))
     return records
