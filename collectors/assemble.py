@@ -73,20 +73,25 @@ class Construct(Generic[M]):
         _set(record, "__pydantic_private__", None)
         if not self._checked:
             self._checked = True
-            if not _same_construction(record, self.cls.model_construct(**values)):
+            slow = self.cls.model_construct(**values)
+            if not _same_construction(record, slow):
                 self._template = None
+                return slow
         return record
 
 
 def _same_construction(a: BaseModel, b: BaseModel) -> bool:
     da, db = a.__dict__, b.__dict__
-    if list(da) != list(db) or any(da[k] is not db[k] and da[k] != db[k] for k in da):
+    try:  # values given are the same objects; defaults are immutable scalars
+        if list(da) != list(db) or any(da[k] is not db[k] and bool(da[k] != db[k]) for k in da):
+            return False
+        return bool(
+            a.__pydantic_fields_set__ == b.__pydantic_fields_set__
+            and a.__pydantic_extra__ == b.__pydantic_extra__
+            and a.__pydantic_private__ == b.__pydantic_private__
+        )
+    except Exception:  # noqa: BLE001 - anything not comparable: not the same, model_construct it is
         return False
-    return (
-        a.__pydantic_fields_set__ == b.__pydantic_fields_set__
-        and a.__pydantic_extra__ == b.__pydantic_extra__
-        and a.__pydantic_private__ == b.__pydantic_private__
-    )
 
 
 @lru_cache(maxsize=32)
