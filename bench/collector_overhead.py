@@ -6,6 +6,8 @@ Configurations, interleaved in rounds so drift and noise hit all of them alike:
 * ``logprobs``: collector with no regions; the trainer hands it the logprobs it computed.
 * ``logprobs+fingerprints``: every canonical region fingerprinted at ``sample_every=1``.
 * ``collector-logprobs`` (extra): no regions, and the collector computes the logprobs itself.
+* ``fingerprints+background`` (with ``--background``): as ``logprobs+fingerprints``, the records
+  built on the collector's helper thread (``background_records=True``).
 
 A step is a real training step: forward, the trainer's processed logprobs, a policy-gradient-like
 loss, backward, AdamW. Reported: median step time per configuration and the overhead against the
@@ -13,6 +15,7 @@ baseline. Targets on the CPU with a tiny model: logprobs <= 3 %, with fingerprin
 
     python bench/collector_overhead.py                         # CPU, tiny Qwen3
     python bench/collector_overhead.py --device cuda --model 0.5b
+    python bench/collector_overhead.py --model deep-tiny --hidden 16   # CPU, the 0.5b's 123 regions
 """
 
 from __future__ import annotations
@@ -161,7 +164,14 @@ def count_syncs(model, optimizer, batch, mask, sink, configs, step: int) -> dict
     for name, config in configs.items():
         collector = None
         if config is not None:
-            collector = attach(model, run="bench", sink=sink, regions=config["regions"], sample_every=1)
+            collector = attach(
+                model,
+                run="bench",
+                sink=sink,
+                regions=config["regions"],
+                sample_every=1,
+                background_records=config.get("background", False),
+            )
         passed = config is None or config["pass"]
         step += 1
         train_step(model, optimizer, batch, mask, collector, step, passed)  # warm
@@ -194,6 +204,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "logprobs+fingerprints": {"regions": "auto", "pass": True},
         "collector-logprobs": {"regions": None, "pass": False},
     }
+    if args.background:
+        configs["fingerprints+background"] = {"regions": "auto", "pass": True, "background": True}
     times: dict[str, list[float]] = {name: [] for name in configs}
     host: dict[str, list[float]] = {name: [] for name in configs}  # until the step is queued
     tmp = tempfile.TemporaryDirectory()
@@ -216,7 +228,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             config = configs[name]
             collector = None
             if config is not None:
-                collector = attach(model, run="bench", sink=sink, regions=config["regions"], sample_every=1)
+                collector = attach(
+                    model,
+                    run="bench",
+                    sink=sink,
+                    regions=config["regions"],
+                    sample_every=1,
+                    background_records=config.get("background", False),
+                )
             for _ in range(args.steps):
                 step += 1
                 sync()
@@ -279,6 +298,11 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument("--sink", default="memory", choices=["memory", "direct"])
+    parser.add_argument(
+        "--background",
+        action="store_true",
+        help="also time fingerprints with the records built on a helper thread (background_records)",
+    )
     parser.add_argument("--json", default=None, help="also write the result here")
     args = parser.parse_args()
     if args.dtype is None:

@@ -22,8 +22,11 @@ once, never raised (unless ``strict=True``, for tests).
 from __future__ import annotations
 
 import logging
+import queue
+import threading
+import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -100,7 +103,10 @@ class TrainerCollector(Collector):
     ``max_inflight`` steps behind), or at ``flush``/``detach``. Off, ``record_step`` waits for
     the copy. ``weight_digests``: digest every parameter on its device at attach and at each
     weight version change (``Manifest.weight_tensor_digests``), so weights that differ under one
-    claimed version are named.
+    claimed version are named. ``background_records``: a helper thread waits for each step's copy
+    and builds its records (about a thousand with every region fingerprinted), mostly while the
+    training thread is in the backward, which runs without the GIL; the training thread only sends
+    them, at its next ``record_step`` or ``flush``. Reports are then always deferred.
     """
 
     side = "trainer"
@@ -125,6 +131,7 @@ class TrainerCollector(Collector):
         async_transfer: bool = True,
         max_inflight: int = 2,
         weight_digests: bool = True,
+        background_records: bool = False,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
@@ -145,6 +152,8 @@ class TrainerCollector(Collector):
         self.async_transfer = async_transfer
         self.max_inflight = max_inflight
         self._inflight: deque[_PendingStep] = deque()
+        self.background_records = background_records
+        self._finisher: _Finisher | None = None
         self.remediation_hook = remediation_hook
         self.resolved = resolve_regions(model, regions)
         self._next_step: int | None = None
@@ -245,9 +254,31 @@ class TrainerCollector(Collector):
 
     def _finish_pending(self) -> None:
         self._drain(block_beyond=0)
+        if self._finisher is not None:
+            if not self._finisher.wait(FINISH_TIMEOUT):
+                self._log_once("finisher", "isoaudit trainer collector: records still being built at flush")
+            self._send_built()
 
     def _remove_hooks(self) -> None:
         self._capture.remove()
+        if self._finisher is not None:
+            self._finisher.stop(FINISH_TIMEOUT)
+
+    def _background(self) -> _Finisher:
+        if self._finisher is None or not self._finisher.alive:
+            self._finisher = _Finisher(self._build, self.max_inflight + 1)
+        return self._finisher
+
+    def _send_built(self) -> None:
+        """Send what the finisher built, in step order, from this (the training) thread: the sink's
+        companions' hooks (routing) run where they always do; a failed build is counted here."""
+        if self._finisher is None:
+            return
+        for pending, built in self._finisher.finished():
+            if isinstance(built, BaseException):
+                self.guarded("building records", _reraise, built)
+            else:
+                self.guarded("sending records", self._send, pending, built)
 
     def _record(
         self,
@@ -322,6 +353,12 @@ class TrainerCollector(Collector):
             head=records,
             sampling=transforms,
         )
+        if self.background_records:
+            self._send_built()  # earlier steps, built meanwhile on the finisher
+            if not self._background().put(pending, FINISH_TIMEOUT):  # waits while max_inflight + 1 are queued
+                self.guarded("building records", self._finish, pending)  # a stuck finisher: here, late
+            self._step_boundary()
+            return StepReport(step, [], -1, own, [], deferred=True)
         self._inflight.append(pending)
         done = self._drain(block_beyond=self.max_inflight)
         self._step_boundary()
@@ -345,6 +382,19 @@ class TrainerCollector(Collector):
         return done
 
     def _finish(self, pending: _PendingStep) -> tuple[list[str], int, list[Record]]:
+        built = self._build(pending)
+        self._send(pending, built)
+        return built
+
+    def _send(self, pending: _PendingStep, built: tuple[list[str], int, list[Record]]) -> None:
+        keys, n_prints, records = built
+        self.sink.send(records)
+        self.counters.samples += pending.batch.num_samples
+        self.counters.fingerprint_records += n_prints
+
+    def _build(self, pending: _PendingStep) -> tuple[list[str], int, list[Record]]:
+        """The step's records, once its copy landed (waits for it): no counter, no send, so that
+        the background finisher can run it."""
         host = pending.copy.result()
         batch, step, version = pending.batch, pending.step, pending.version
         records = pending.head
@@ -389,9 +439,6 @@ class TrainerCollector(Collector):
             validate=self.validate,
         )
         records += fp_records
-        self.sink.send(records)
-        self.counters.samples += batch.num_samples
-        self.counters.fingerprint_records += len(fp_records)
         return keys, len(fp_records), records
 
     def _prints_of(self, capture: Capture, batch: StepBatch) -> dict[tuple[str, int], Any]:
@@ -426,6 +473,78 @@ class TrainerCollector(Collector):
         if capture is None:
             raise RuntimeError("model: the collector's own forward left no capture (hooks removed?)")
         return capture
+
+
+#: How long flush/detach wait for the background finisher (seconds).
+FINISH_TIMEOUT = 60.0
+
+
+def _reraise(exc: BaseException) -> None:
+    raise exc
+
+
+class _Finisher:
+    """One daemon thread building recorded steps' records in order (``build(pending)``), results
+    kept for the training thread to send. ``depth`` steps may wait: ``put`` blocks beyond that,
+    the same bound ``max_inflight`` puts on copies in flight."""
+
+    def __init__(self, build: Callable[[_PendingStep], Any], depth: int) -> None:
+        self._build = build
+        self._todo: queue.Queue[_PendingStep | None] = queue.Queue(maxsize=max(1, depth))
+        self._done: deque[tuple[_PendingStep, Any]] = deque()
+        self._thread = threading.Thread(target=self._run, name="isoaudit-trainer-records", daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def put(self, pending: _PendingStep, timeout: float) -> bool:
+        """Queue a step (``False``: the queue stayed full for ``timeout`` seconds)."""
+        try:
+            self._todo.put(pending, timeout=timeout)
+        except queue.Full:
+            return False
+        return True
+
+    def _run(self) -> None:
+        while True:
+            pending = self._todo.get()
+            try:
+                if pending is None:
+                    return
+                try:
+                    result: Any = self._build(pending)
+                except Exception as exc:  # handed to the training thread, which counts it
+                    result = exc
+                self._done.append((pending, result))
+            finally:
+                self._todo.task_done()
+
+    def finished(self) -> list[tuple[_PendingStep, Any]]:
+        """What was built since the last call, oldest first."""
+        out = []
+        while self._done:
+            out.append(self._done.popleft())
+        return out
+
+    def wait(self, timeout: float) -> bool:
+        """Until every step put so far is built (``False``: not within ``timeout`` seconds)."""
+        deadline = time.monotonic() + timeout
+        with self._todo.all_tasks_done:
+            while self._todo.unfinished_tasks:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._thread.is_alive():
+                    return False
+                self._todo.all_tasks_done.wait(left)
+        return True
+
+    def stop(self, timeout: float) -> None:
+        try:
+            self._todo.put(None, timeout=timeout)
+        except queue.Full:
+            return  # a daemon thread: it goes with the process
+        self._thread.join(timeout)
 
 
 def _is_print(name: str) -> bool:

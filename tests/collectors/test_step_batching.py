@@ -5,6 +5,7 @@ the device. Whatever the grouping, every region's rows must equal its own finger
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import numpy as np
@@ -225,3 +226,71 @@ def test_on_cuda_the_training_thread_never_waits_and_prints_equal_the_cpu(load, 
         np.testing.assert_array_equal(record.maxabs, want.maxabs, err_msg=record.region)
         np.testing.assert_allclose(record.sketch, want.sketch, rtol=1e-5, atol=1e-4, err_msg=record.region)
         np.testing.assert_allclose(record.l2, want.l2, rtol=1e-5, err_msg=record.region)
+
+
+def _comparable(records) -> list[tuple]:
+    out = []
+    for r in records:
+        if r.kind == "sample":
+            out.append(("sample", r.step, r.sample_key, r.logprobs.tobytes(), r.token_ids.tobytes()))
+        elif r.kind == "fingerprints":
+            fields = tuple(getattr(r, name).tobytes() for name in ROW_FIELDS)
+            out.append(("fp", r.step, r.sample_key, r.region, r.forward_index, r.positions.tobytes(), fields))
+    return out
+
+
+def test_records_built_in_the_background_equal_those_built_inline(load) -> None:
+    """``background_records``: a helper thread builds each step's records; the training thread
+    sends them at its next step or flush. The same records, in step order, and the thread goes
+    with detach."""
+    model = load("qwen3")
+    batches = [make_batch("right", seed=s) for s in range(4)]
+    got = {}
+    for background in (False, True):
+        sink = MemorySink()
+        handle = attach(model, run="r", sink=sink, strict=True, background_records=background)
+        reports = []
+        for step, batch in enumerate(batches):
+            handle.begin_step(step, batch)
+            with torch.no_grad():
+                model(**batch.model_inputs())
+            reports.append(handle.record_step(step, batch))
+        assert all(r.deferred for r in reports) == background
+        assert handle.flush(30)
+        thread = handle._finisher._thread if background else None
+        handle.detach()
+        assert thread is None or not thread.is_alive()
+        assert handle.counters.samples == sum(b.num_samples for b in batches)
+        got[background] = _comparable(sink.records)
+    assert got[True] and got[True] == got[False]
+    steps = [r[1] for r in got[True]]
+    assert steps == sorted(steps) and set(steps) == set(range(len(batches)))
+
+
+def test_a_failed_background_build_is_counted_and_raised_only_when_strict(load) -> None:
+    """A step whose records cannot be built (here: the caller's sample keys are not keys, which
+    only the records' validation refuses) is counted on the training thread, where strict mode
+    raises it."""
+    model = load("qwen3")
+    batch = make_batch("right")
+    bad = dataclasses.replace(batch, sample_keys=["not a key"] * batch.num_samples)
+    for strict in (False, True):
+        sink = MemorySink()
+        handle = attach(
+            model,
+            run="r",
+            sink=sink,
+            background_records=True,
+            validate=True,
+            strict=strict,
+            regions=["embed"],
+        )
+        handle.record_step(0, bad)
+        if strict:
+            with pytest.raises(ValueError, match="sample_key"):
+                handle.flush(30)
+        else:
+            handle.record_step(1, batch)
+            assert handle.flush(30) and handle.counters.errors == 1
+            assert {r.step for r in sink.of_kind("sample")} == {1}
+        handle.detach()
