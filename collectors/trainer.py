@@ -355,8 +355,9 @@ class TrainerCollector(Collector):
         )
         if self.background_records:
             self._send_built()  # earlier steps, built meanwhile on the finisher
-            if not self._background().put(pending, FINISH_TIMEOUT):  # waits while max_inflight + 1 are queued
-                self.guarded("building records", self._finish, pending)  # a stuck finisher: here, late
+            # waits while max_inflight + 1 steps are queued; a finisher stuck that long: build here
+            if not self._background().put(pending, PUT_TIMEOUT):
+                self.guarded("building records", self._finish, pending)
             self._step_boundary()
             return StepReport(step, [], -1, own, [], deferred=True)
         self._inflight.append(pending)
@@ -387,7 +388,7 @@ class TrainerCollector(Collector):
         return built
 
     def _send(self, pending: _PendingStep, built: tuple[list[str], int, list[Record]]) -> None:
-        keys, n_prints, records = built
+        _keys, n_prints, records = built
         self.sink.send(records)
         self.counters.samples += pending.batch.num_samples
         self.counters.fingerprint_records += n_prints
@@ -475,8 +476,9 @@ class TrainerCollector(Collector):
         return capture
 
 
-#: How long flush/detach wait for the background finisher (seconds).
+#: How long flush/detach wait for the background finisher, and a step for room in its queue (s).
 FINISH_TIMEOUT = 60.0
+PUT_TIMEOUT = 1.0
 
 
 def _reraise(exc: BaseException) -> None:
