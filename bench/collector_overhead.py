@@ -43,24 +43,14 @@ TEMPERATURE = 0.8
 def build_model(size: str, device: str, dtype: torch.dtype, hidden: int = 256) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    if size == "tiny":  # a few million parameters: 4 layers, MLP 3x hidden, 1k vocab
+    if size in ("tiny", "deep-tiny"):
+        # tiny: a few million parameters, 4 layers, MLP 3x hidden, 1k vocab; deep-tiny: the 0.5b
+        # model's 24 layers (and so its 123 regions) at tiny widths
         config = Qwen3Config(
             vocab_size=1024,
             hidden_size=hidden,
             intermediate_size=3 * hidden,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=hidden // 4,
-            max_position_embeddings=1024,
-            tie_word_embeddings=False,
-        )
-    elif size == "deep-tiny":  # the 0.5b model's 24 layers (and so its 123 regions), tiny widths
-        config = Qwen3Config(
-            vocab_size=1024,
-            hidden_size=hidden,
-            intermediate_size=3 * hidden,
-            num_hidden_layers=24,
+            num_hidden_layers=4 if size == "tiny" else 24,
             num_attention_heads=4,
             num_key_value_heads=2,
             head_dim=hidden // 4,
