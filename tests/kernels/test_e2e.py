@@ -168,3 +168,19 @@ def test_gdn_lm_gpu() -> None:
         res = run_pair(model, True, prompts, new, chunk)
         _report(f"gdn-lm-4L-bf16 kernels chunk={chunk}", res)
         assert res["mean_abs_delta"] == 0.0 and res["exact_fraction"] == 1.0
+
+
+@gpu
+def test_split_k_weights_gpu() -> None:
+    """Hidden 1024, MLP 2048: the down projection (N=1024, K=2048) takes the fixed split-K, its
+    small-M decode calls the split grid and the trainer's recompute the in-program spans; trainer
+    and rollout still agree on every bit."""
+    from kernels.gemm import gemm_config
+
+    if not gemm_config(1024, 2048, torch.bfloat16, torch.cuda.get_device_capability()).k_split:
+        pytest.skip("no split-K on this GPU")
+    model = _hf("qwen3", 2, 1024, 64, 1024, torch.bfloat16, "cuda")
+    prompts, new = _requests(1024, LENS, NEW)
+    res = run_pair(model, True, prompts, new)
+    _report("qwen3-2L-h1024-bf16 kernels (split-K down projection)", res)
+    assert res["mean_abs_delta"] == 0.0 and res["exact_fraction"] == 1.0
