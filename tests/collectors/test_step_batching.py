@@ -209,7 +209,8 @@ def test_on_cuda_the_training_thread_never_waits_and_prints_equal_the_cpu(load, 
 
     collected(0)  # warm: staging buffers, pinned blocks, compiled kernels
     with_collector = [syncs(lambda s=s: collected(s)) for s in (1, 2, 3)]
-    assert with_collector == [base] * 3, (base, with_collector)
+    # no more than without it (the H200 measured fewer: 2 against 3 in fp32)
+    assert all(n <= base for n in with_collector), (base, with_collector)
     assert handle.flush(30) and handle.stats()["hook_errors"] == 0
     handle.detach()
 

@@ -29,3 +29,23 @@ def gpu(fn):
 def dev() -> str:
     """Where the structural tests run: CUDA if present, else the CPU under the interpreter."""
     return "cuda" if CUDA else "cpu"
+
+
+@pytest.fixture
+def split_k(monkeypatch):
+    """The GEMM's opt-in fixed split-K turned on for one test (plans re-made before and after)."""
+    import importlib
+
+    gemm = importlib.import_module(
+        "kernels.gemm"
+    )  # the module (``kernels.gemm`` the package exports is the function)
+
+    def clear() -> None:
+        gemm.gemm_config.cache_clear()
+        gemm._plan.cache_clear()
+
+    monkeypatch.setenv("ISOAUDIT_GEMM_SPLIT_K", "1")
+    clear()
+    yield
+    monkeypatch.delenv("ISOAUDIT_GEMM_SPLIT_K")
+    clear()

@@ -150,7 +150,7 @@ def test_split_k_fp32(dev: str, tma: bool) -> None:
     assert not bits_equal(full, unsplit)  # the split is real: other adds, other roundings
 
 
-def test_split_span_is_fixed_per_weight_shape() -> None:
+def test_split_span_is_fixed_per_weight_shape(split_k) -> None:
     """The split is a function of (N, K) alone: narrow weights get four spans of a multiple of
     128 on the H200, wide ones none, and the narrowing at small M counts the spans' programs."""
     from kernels.gemm import split_span
@@ -171,10 +171,25 @@ def test_split_span_is_fixed_per_weight_shape() -> None:
 def test_small_m_shapes_gpu(nk: tuple[int, int]) -> None:
     """The 0.5B-8B decode projections at every M that picks another narrow tile, against the
     full-tile rows of a 2048-row batch; with a bias, and through the cached launch and Triton's."""
+    _small_m_check(*nk)
+
+
+@gpu
+@pytest.mark.parametrize("nk", [(896, 4864), (1024, 4096)])
+def test_split_k_small_m_gpu(split_k, nk: tuple[int, int]) -> None:
+    """The same with the opt-in split-K: the split grid at small M, the in-program spans above."""
+    from kernels.gemm import gemm_config
+
+    assert gemm_config(*nk, torch.bfloat16, torch.cuda.get_device_capability()).k_split or pytest.skip(
+        "no split-K"
+    )
+    _small_m_check(*nk)
+
+
+def _small_m_check(n: int, k: int) -> None:
     from kernels import _triton
 
     torch.manual_seed(0)
-    n, k = nk
     a = torch.randn(2048, k, device="cuda").bfloat16()
     w = (torch.randn(n, k, device="cuda") / k**0.5).bfloat16()
     bias = torch.randn(n, device="cuda").bfloat16()
@@ -211,7 +226,7 @@ def test_cached_launch_respects_alignment_gpu() -> None:
 
 
 @gpu
-def test_split_k_graph_replay_gpu() -> None:
+def test_split_k_graph_replay_gpu(split_k) -> None:
     """The split grid inside a CUDA graph: replayed many times (each replay zeroes its counters),
     beside eager calls sharing the stream's counters, always the eager bits."""
     torch.manual_seed(0)
