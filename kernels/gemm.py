@@ -2,8 +2,11 @@
 
 Why it is invariant: the tile shape (BLOCK_M, BLOCK_N, BLOCK_K), warps, pipeline depth and the
 load path (TMA descriptors or pointers) are a function of the weight shape, dtype and device
-capability only, never of M; there is no split-K and no atomics; each output element is
-accumulated in fp32 over K in ascending BLOCK_K steps. So a row's bits do not depend on how many
+capability only, never of M; by default there is no split-K and no atomics; each output element
+is accumulated in fp32 over K in ascending BLOCK_K steps. (With the opt-in fixed split-K,
+:func:`split_span`, K is cut into spans set by the weight shape and the span sums are added in one
+order, whether one program sums them in turn or, at small M, the spans run as programs and a
+tile's last one, found by an atomic count, adds them.) So a row's bits do not depend on how many
 other rows are in the batch or where it sits (M and the program count are also excluded from
 Triton's integer specialisation, so M=1 compiles to the same code as M=2048).
 
