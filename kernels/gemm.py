@@ -77,10 +77,6 @@ SPLIT_MAX_N = 1024
 SPLIT_MIN_K = 2048
 SPLIT_SPANS = 4
 SPLIT_ALIGN = 128
-#: How a large-M call sums its spans: a loop over (tile, span) pairs (0), or one K loop per tile
-#: restarting the sum at each span boundary, its tile walk plain (1) or flattened into the K loop
-#: (2). Launch shape only: the same adds either way. ISOAUDIT_GEMM_SPLIT_LOOP: pairs, flat, flatten.
-SPLIT_FLAT = {"pairs": 0, "flat": 1, "flatten": 2}[os.environ.get("ISOAUDIT_GEMM_SPLIT_LOOP", "flat")]
 
 
 def split_k_enabled() -> bool:
@@ -279,7 +275,6 @@ if HAVE_TRITON:
         A_PTR: tl.constexpr,
         K_SPLIT: tl.constexpr,
         SPLIT_GRID: tl.constexpr,
-        SPLIT_FLAT: tl.constexpr,
     ):
         # With TMA, a/b/c are tensor descriptors (out-of-bounds reads are zeros, writes dropped),
         # passed in or (DEVICE_DESC) built here from pointers; otherwise they are pointers with
@@ -301,19 +296,25 @@ if HAVE_TRITON:
         num_m = tl.cdiv(M, BLOCK_M)
         num_n = tl.cdiv(N, BLOCK_N)
         group = GROUP_M * num_n
-        if K_SPLIT > 0 and not SPLIT_GRID and SPLIT_FLAT > 0:
-            # Each program sums all spans of its tiles in turn inside one K loop per tile.
-            for tile in tl.range(
-                tl.program_id(0),
-                num_m * num_n,
-                num_programs,
-                flatten=TMA and SPLIT_FLAT == 2,
-                warp_specialize=WARP_SPECIALIZE,
-            ):
-                first_m = (tile // group) * GROUP_M
-                size_m = tl.minimum(num_m - first_m, GROUP_M)
-                pid_m = first_m + ((tile % group) % size_m)
-                pid_n = (tile % group) // size_m
+        for tile in tl.range(
+            tl.program_id(0),
+            num_m * num_n,
+            num_programs,
+            # unflattened with a split: the split grid's body (an atomic, a branch, a loop) fails
+            # Triton 3.6's nested-loop fusion, and the spans' loop measured faster unflattened
+            flatten=TMA and K_SPLIT == 0,
+            warp_specialize=WARP_SPECIALIZE,
+        ):
+            # Grouped order for L2 reuse; it changes which program runs a tile, not its sums.
+            first_m = (tile // group) * GROUP_M
+            size_m = tl.minimum(num_m - first_m, GROUP_M)
+            pid_m = first_m + ((tile % group) % size_m)
+            pid_n = (tile % group) // size_m
+            if not SPLIT_GRID:
+                # The whole K in one loop; with K_SPLIT it restarts its sum at every span
+                # boundary and adds the span sums in order (0 + p0 + p1 + ...: the grid's adds).
+                # (A loop over (tile, span) pairs, and the tile walk flattened into this one,
+                # measured slower on the H200; flattened, ptxas serializes the wgmma chain.)
                 acc = _span_sum(
                     a, b, M, N, K, stride_am, stride_ak, stride_bn, stride_bk, pid_m, pid_n, 0, K,
                     PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, TMA, A_PTR, K_SPLIT,
@@ -322,83 +323,34 @@ if HAVE_TRITON:
                     c, acc, bias_ptr, M, N, stride_cm, stride_cn, pid_m, pid_n,
                     HAS_BIAS, BLOCK_M, BLOCK_N, TMA, A_PTR, SPLIT_EPILOGUE,
                 )  # fmt: skip
-        elif K_SPLIT > 0 and not SPLIT_GRID:
-            # Each program sums all spans of its tiles in turn: one loop over (tile, span) pairs.
-            spans = tl.cdiv(K, K_SPLIT)
-            mine = tl.cdiv(num_m * num_n - tl.program_id(0), num_programs)
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            # Not flattened: on Triton 3.6 the flattened (tile, span) walk measured slower than
-            # this (the 0.5B trainer step 1.23x native against 1.10x).
-            for item in tl.range(0, mine * spans, warp_specialize=WARP_SPECIALIZE):
-                tile = tl.program_id(0) + (item // spans) * num_programs
-                span = item % spans
-                first_m = (tile // group) * GROUP_M
-                size_m = tl.minimum(num_m - first_m, GROUP_M)
-                pid_m = first_m + ((tile % group) % size_m)
-                pid_n = (tile % group) // size_m
+            else:
+                # The split grid: fp32 span sums, one BLOCK_M x BLOCK_N slab per (span, tile);
+                # counters[tile] counts the spans stored; the last adds them in span order
+                # (0 + p0 + p1 + ...) and sets the count back to zero.
+                span = tl.program_id(1)
                 acc = _span_sum(
                     a, b, M, N, K, stride_am, stride_ak, stride_bn, stride_bk, pid_m, pid_n,
                     span * K_SPLIT, tl.minimum(span * K_SPLIT + K_SPLIT, K),
                     PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, TMA, A_PTR,
                 )  # fmt: skip
-                total = tl.where(span == 0, 0.0, total) + acc  # 0 + p0 + p1 + ...: the grid's adds
-                if span == spans - 1:
+                spans = tl.cdiv(K, K_SPLIT)
+                tiles = num_m * num_n
+                slab = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+                tl.store(partials + (span * tiles + tile).to(tl.int64) * (BLOCK_M * BLOCK_N) + slab, acc)
+                tl.debug_barrier()
+                done = tl.atomic_add(counters + tile, 1, sem="acq_rel", scope="gpu")
+                if done == spans - 1:
+                    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                    for s2 in range(0, spans):
+                        total = total + tl.load(
+                            partials + (s2 * tiles + tile).to(tl.int64) * (BLOCK_M * BLOCK_N) + slab,
+                            cache_modifier=".cg",
+                        )
+                    tl.atomic_xchg(counters + tile, 0, sem="relaxed", scope="gpu")
                     _store_tile(
                         c, total, bias_ptr, M, N, stride_cm, stride_cn, pid_m, pid_n,
                         HAS_BIAS, BLOCK_M, BLOCK_N, TMA, A_PTR, SPLIT_EPILOGUE,
                     )  # fmt: skip
-        else:
-            for tile in tl.range(
-                tl.program_id(0),
-                num_m * num_n,
-                num_programs,
-                # the split grid's body (an atomic, a branch, a loop) fails Triton 3.6's
-                # nested-loop fusion; it runs one tile per program anyway
-                flatten=TMA and K_SPLIT == 0,
-                warp_specialize=WARP_SPECIALIZE,
-            ):
-                # Grouped order for L2 reuse; it changes which program runs a tile, not its sums.
-                first_m = (tile // group) * GROUP_M
-                size_m = tl.minimum(num_m - first_m, GROUP_M)
-                pid_m = first_m + ((tile % group) % size_m)
-                pid_n = (tile % group) // size_m
-                if K_SPLIT == 0:
-                    acc = _span_sum(
-                        a, b, M, N, K, stride_am, stride_ak, stride_bn, stride_bk, pid_m, pid_n, 0, K,
-                        PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, TMA, A_PTR,
-                    )  # fmt: skip
-                    _store_tile(
-                        c, acc, bias_ptr, M, N, stride_cm, stride_cn, pid_m, pid_n,
-                        HAS_BIAS, BLOCK_M, BLOCK_N, TMA, A_PTR, SPLIT_EPILOGUE,
-                    )  # fmt: skip
-                else:
-                    # The split grid: fp32 span sums, one BLOCK_M x BLOCK_N slab per (span, tile);
-                    # counters[tile] counts the spans stored; the last adds them in span order
-                    # (0 + p0 + p1 + ...) and sets the count back to zero.
-                    span = tl.program_id(1)
-                    acc = _span_sum(
-                        a, b, M, N, K, stride_am, stride_ak, stride_bn, stride_bk, pid_m, pid_n,
-                        span * K_SPLIT, tl.minimum(span * K_SPLIT + K_SPLIT, K),
-                        PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, TMA, A_PTR,
-                    )  # fmt: skip
-                    spans = tl.cdiv(K, K_SPLIT)
-                    tiles = num_m * num_n
-                    slab = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-                    tl.store(partials + (span * tiles + tile).to(tl.int64) * (BLOCK_M * BLOCK_N) + slab, acc)
-                    tl.debug_barrier()
-                    done = tl.atomic_add(counters + tile, 1, sem="acq_rel", scope="gpu")
-                    if done == spans - 1:
-                        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                        for s2 in range(0, spans):
-                            total = total + tl.load(
-                                partials + (s2 * tiles + tile).to(tl.int64) * (BLOCK_M * BLOCK_N) + slab,
-                                cache_modifier=".cg",
-                            )
-                        tl.atomic_xchg(counters + tile, 0, sem="relaxed", scope="gpu")
-                        _store_tile(
-                            c, total, bias_ptr, M, N, stride_cm, stride_cn, pid_m, pid_n,
-                            HAS_BIAS, BLOCK_M, BLOCK_N, TMA, A_PTR, SPLIT_EPILOGUE,
-                        )  # fmt: skip
 
     _LAUNCH = CachedLauncher(_gemm_kernel)
 
@@ -553,7 +505,6 @@ def _plan(
         A_PTR=cfg.tma and m < cfg.block_m and (interpreting() or (cfg.block_m == 64 and not split)),
         K_SPLIT=cfg.k_split if spans > 1 else 0,
         SPLIT_GRID=split_grid,
-        SPLIT_FLAT=SPLIT_FLAT,
     )
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return _GemmPlan(cfg, grid, constexprs, options, scratch)
