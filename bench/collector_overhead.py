@@ -144,6 +144,20 @@ def _no_sync() -> None:
     return None
 
 
+def _attach(model, sink, config: dict[str, Any] | None):
+    """The collector of one configuration (None: the baseline, no collector)."""
+    if config is None:
+        return None
+    return attach(
+        model,
+        run="bench",
+        sink=sink,
+        regions=config["regions"],
+        sample_every=1,
+        background_records=config.get("background", False),
+    )
+
+
 def count_syncs(model, optimizer, batch, mask, sink, configs, step: int) -> dict[str, int]:
     """Device synchronisations in one training step per configuration (CUDA): what
     ``torch.cuda.set_sync_debug_mode("warn")`` reports, after a warm step. The collector's
@@ -152,16 +166,7 @@ def count_syncs(model, optimizer, batch, mask, sink, configs, step: int) -> dict
 
     out = {}
     for name, config in configs.items():
-        collector = None
-        if config is not None:
-            collector = attach(
-                model,
-                run="bench",
-                sink=sink,
-                regions=config["regions"],
-                sample_every=1,
-                background_records=config.get("background", False),
-            )
+        collector = _attach(model, sink, config)
         passed = config is None or config["pass"]
         step += 1
         train_step(model, optimizer, batch, mask, collector, step, passed)  # warm
@@ -216,16 +221,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         shift = round_ % len(names)
         for name in names[shift:] + names[:shift]:
             config = configs[name]
-            collector = None
-            if config is not None:
-                collector = attach(
-                    model,
-                    run="bench",
-                    sink=sink,
-                    regions=config["regions"],
-                    sample_every=1,
-                    background_records=config.get("background", False),
-                )
+            collector = _attach(model, sink, config)
             for _ in range(args.steps):
                 step += 1
                 sync()
