@@ -15,7 +15,8 @@ from pydantic import Field
 
 from audit.fingerprints import ROW_FIELDS
 from audit.records import Record, RegionFingerprints
-from collectors.assemble import _PRINT_NAMES, Construct, constructor
+from collectors.assemble import _PRINT_NAMES
+from collectors.construct import Construct, constructor
 from collectors.fingerprints import RowSpan, fingerprint_rows, pack_prints, rows_to_host, unpack_prints
 from collectors.hooks import ForwardCapture
 from collectors.layout import StepBatch
