@@ -806,12 +806,24 @@ def bench_fla() -> None:
 def bench_tree() -> None:
     """The TP-invariant tree GEMM against a shard matmul at TP 1 and 2, ranks simulated on this GPU
     (issue 20 item 4): per rank, native = its K shard's cuBLAS matmul plus, at TP 2, the bf16 add
-    an all-reduce performs; invariant = its subtree's root, the pairwise add of the two roots (the
-    all-gather's arithmetic) and the one rounding. Communication itself is not timed (one GPU).
-    Leaves of 256 (the default plan), 512 and 1024 columns: a plan parameter both sides share."""
-    from kernels.tree_gemm import partial_roots, tree_plan, tree_reduce
+    an all-reduce performs; invariant = its subtree's root and the add of the two roots with the
+    one rounding (the all-gather's arithmetic), at TP 1 the whole ``tree_gemm``. Communication
+    itself is not timed (one GPU). Plans are (leaf, max_tp), shared by both sides: the default
+    (256, 8) and wide plans (one leaf per group) for jobs whose largest TP is 2, 4 or 8; "register"
+    forces every call through the register kernel (the path all plans took before)."""
+    from kernels import tree_gemm as tree_fn
+    from kernels.tree_gemm import WIDE, reduce_roots, subtree_root, tree_plan
 
+    tg = sys.modules["kernels.tree_gemm"]
     n = 4096
+    plans = [  # (label, leaf, max_tp, GEMM_PATH, MAX_GEMM_PARTS)
+        ("leaf=256 max_tp=8 register", 256, 8, False, 2),
+        ("leaf=256 max_tp=8", 256, 8, True, 2),
+        ("wide max_tp=2", WIDE, 2, True, 2),
+        ("wide max_tp=4", WIDE, 4, True, 2),
+        ("wide max_tp=8 register", WIDE, 8, False, 2),
+        ("wide max_tp=8 4 parts", WIDE, 8, True, 4),
+    ]
     for m in (256, 2048):
         for k in (4096, 14336):
             x = torch.randn(m, k, device="cuda").bfloat16()
@@ -826,22 +838,24 @@ def bench_tree() -> None:
                     return y if tp == 1 else y + other
 
                 base = bench(native)
-                for leaf in (256, 512, 1024):
-                    plan = tree_plan(k, leaf, tp)
+                for label, leaf, max_tp, gemm_path, parts in plans:
+                    plan = tree_plan(k, leaf, tp, max_tp)
                     lo, hi = plan.k_range(0)
                     xl, wl = x[:, lo:hi].contiguous(), w[:, lo:hi].contiguous()
                     peer = torch.randn(m, n, device="cuda")
 
                     def ours() -> torch.Tensor:
-                        root = tree_reduce(partial_roots(xl, wl, plan))
-                        return (root if tp == 1 else root + peer).to(torch.bfloat16)
+                        if tp == 1:
+                            return tree_fn(xl, wl, leaf=leaf, tp=1, max_tp=max_tp)
+                        return reduce_roots([subtree_root(xl, wl, plan, 0), peer], torch.bfloat16)
 
+                    tg.GEMM_PATH, tg.MAX_GEMM_PARTS = gemm_path, parts
                     try:
-                        record(f"tree gemm tp={tp} leaf={leaf}", f"M={m} N={n} K={k}", base, bench(ours), 1.5)
+                        record(f"tree gemm tp={tp} {label}", f"M={m} N={n} K={k}", base, bench(ours), 1.5)
                     except Exception as exc:  # noqa: BLE001 - a plan the kernel refuses
-                        print(
-                            f"[{TIMING}] tree gemm tp={tp} leaf={leaf} M={m} K={k}: {exc!r}"[:200], flush=True
-                        )
+                        print(f"[{TIMING}] tree gemm tp={tp} {label} M={m} K={k}: {exc!r}"[:200], flush=True)
+                    finally:
+                        tg.GEMM_PATH, tg.MAX_GEMM_PARTS = True, 2
 
 
 def bench_moe() -> None:

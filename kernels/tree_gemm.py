@@ -15,20 +15,49 @@ The tree, exactly (``max_tp`` = the largest TP degree the plan serves, 8 by defa
     subtree locally; the ``tp`` roots are all-gathered (never all-reduced: NCCL's summation order
     is not ours) and combined by the same pairwise rule. Every add is the add TP=1 performs.
 
-On CUDA one kernel computes the roots of a rank's subtree in registers (leaves and pairwise adds),
-a program carrying MAX_PROGRAM_SLOTS slots (or one whole group); memory never holds one partial
-per leaf.
+Two CUDA paths compute a rank's subtree, with the same adds (so the same bits):
+  * where the subtree is at most ``MAX_GEMM_PARTS`` pairs of slots, each pair is the batch-invariant
+    GEMM itself (:func:`kernels.gemm.gemm` with a fixed split-K of one leaf: two leaves summed from
+    zero and added, ``0 + l0 + l1 == l0 + l1``), and the pairs' roots are added by the same tree in
+    one launch (:func:`reduce_roots`); at TP=1 with one pair the GEMM rounds the root itself, so the
+    whole tree is one launch. This is the path of *wide* plans (``leaf=0``: one leaf per group,
+    ``ceil(K / max_tp)`` columns), sized to the job's largest TP degree: ``max_tp=2`` serves TP 1
+    and 2 at about a plain GEMM's cost;
+  * otherwise one kernel computes the subtree's roots in registers (leaves and pairwise adds), a
+    program carrying MAX_PROGRAM_SLOTS slots (or one whole group); memory never holds one partial
+    per leaf.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import cache
 
 import torch
 
-from ._triton import HAVE_TRITON, cdiv, dot_precision, jit, resolve, tl, triton
-from .gemm import _device_traits, _ensure_allocator, _tma_operand, gemm_reference
+from ._triton import (
+    HAVE_TRITON,
+    CachedLauncher,
+    aligned,
+    cdiv,
+    dot_precision,
+    jit,
+    resolve,
+    tl,
+    triton,
+    use_triton,
+)
+from .gemm import (
+    SPLIT_ALIGN,
+    GemmConfig,
+    _device_traits,
+    _ensure_allocator,
+    _tma_operand,
+    gemm,
+    gemm_config,
+    gemm_reference,
+)
 
 MAX_TP = 8
 # Slots one program carries in registers (2 + log2 of it live fp32 tiles); a rank's subtree wider
@@ -38,6 +67,13 @@ MAX_TP = 8
 # hold up to 32 slots.
 MAX_PROGRAM_SLOTS = 8
 MAX_GROUP_SLOTS = 32
+#: A rank's subtree of at most this many slot pairs takes the GEMM path (one batch-invariant GEMM
+#: launch a pair, then one launch adding the pairs' roots); a wider one, the register kernel.
+MAX_GEMM_PARTS = 2
+GEMM_PATH = True  # False: every CUDA call through the register kernel (the bench's and tests' other path)
+#: ``leaf=WIDE``: one leaf per group, ceil(K / max_tp) columns rounded up to a multiple of
+#: SPLIT_ALIGN (every BLOCK_K the GEMM may take divides it).
+WIDE = 0
 
 
 def _next_pow2(x: int) -> int:
@@ -82,14 +118,20 @@ class TreePlan:
 
 
 def tree_plan(k: int, leaf: int = 256, tp: int = 1, max_tp: int = MAX_TP) -> TreePlan:
-    """The tree for a reduction of length ``k`` with leaves of ``leaf`` columns over ``tp`` ranks."""
+    """The tree for a reduction of length ``k`` with leaves of ``leaf`` columns over ``tp`` ranks.
+
+    ``leaf=WIDE`` (0) makes one leaf per group (:data:`WIDE`): the fewest adds, and with
+    ``max_tp=2`` a tree the batch-invariant GEMM computes in one launch. Both sides of a job must
+    use the same ``(leaf, max_tp)``: they set the bits."""
     for name, v in (("tp", tp), ("max_tp", max_tp)):
         if v < 1 or v & (v - 1):
             raise ValueError(f"{name} must be a power of two, not {v}")
     if tp > max_tp:
         raise ValueError(f"tp={tp} exceeds the plan's max_tp={max_tp}")
-    if k < 1 or leaf < 1:
-        raise ValueError(f"k and leaf must be positive (k={k}, leaf={leaf})")
+    if k < 1 or leaf < 0:
+        raise ValueError(f"k must be positive and leaf >= 0 (k={k}, leaf={leaf})")
+    if leaf == WIDE:
+        leaf = cdiv(cdiv(k, max_tp), SPLIT_ALIGN) * SPLIT_ALIGN
     n = -(-k // leaf)
     return TreePlan(k=k, leaf=leaf, tp=tp, max_tp=max_tp, n_leaves=n, group_leaves=-(-n // max_tp))
 
@@ -213,6 +255,53 @@ if HAVE_TRITON:
             mask=(offs_m[:, None] < M) & (offs_n[None, :] < N),
         )
 
+    @jit(do_not_specialize=["n"])
+    def _reduce_roots_kernel(
+        r0, r1, r2, r3, r4, r5, r6, r7, out, n, ROOTS: tl.constexpr, BLOCK: tl.constexpr
+    ):
+        """out = tree(r0..r{ROOTS-1}) rounded once: the pairwise levels of :func:`tree_reduce`,
+        (r0 + r1) + (r2 + r3) ..., on flat fp32 roots (ROOTS = 1, 2, 4 or 8)."""
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < n
+        acc = tl.load(r0 + offs, mask=ok)
+        if ROOTS > 1:
+            acc = acc + tl.load(r1 + offs, mask=ok)
+        if ROOTS > 2:
+            acc = acc + (tl.load(r2 + offs, mask=ok) + tl.load(r3 + offs, mask=ok))
+        if ROOTS > 4:
+            left = tl.load(r4 + offs, mask=ok) + tl.load(r5 + offs, mask=ok)
+            acc = acc + (left + (tl.load(r6 + offs, mask=ok) + tl.load(r7 + offs, mask=ok)))
+        tl.store(out + offs, acc.to(out.dtype.element_ty), mask=ok)
+
+    _REDUCE = CachedLauncher(_reduce_roots_kernel)
+
+
+def reduce_roots(roots: list[torch.Tensor], out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The pairwise tree of a power-of-two list of same-shape fp32 roots, rounded once to
+    ``out_dtype``: :func:`tree_reduce` in one launch (eight roots at a time) instead of a launch a
+    level plus one for the rounding."""
+    count = len(roots)
+    if count < 1 or count & (count - 1):
+        raise ValueError(f"reduce_roots needs a power-of-two number of roots, not {count}")
+    first = roots[0]
+    if first.dtype != torch.float32:
+        raise ValueError(f"roots must be fp32, not {first.dtype}")
+    if not use_triton(first):
+        return tree_reduce(torch.stack(roots)).to(out_dtype)
+    while len(roots) > 8:  # a tree of 8-root subtrees is the same tree
+        roots = [reduce_roots(roots[i : i + 8]) for i in range(0, len(roots), 8)]
+    roots = [r.contiguous() for r in roots]
+    out = torch.empty(first.shape, dtype=out_dtype, device=first.device)
+    n = out.numel()
+    if n:
+        block = 2048
+        ptrs = roots + [roots[0]] * (8 - len(roots))
+        key = (len(roots), out_dtype, aligned(*roots, out))
+        _REDUCE(
+            key, (cdiv(n, block), 1, 1), (*ptrs, out, n), dict(ROOTS=len(roots), BLOCK=block), num_warps=4
+        )
+    return out
+
 
 def _use_tma(w: torch.Tensor) -> bool:
     """TMA loads for 2-byte weights on Hopper and later."""
@@ -236,6 +325,66 @@ def _tile(live: int, tma: bool) -> tuple[int, int, int]:
     if live <= 3:
         return 128, 128, 8
     return (128, 64, 8) if live <= 5 else (64, 64, 8)
+
+
+@cache
+def _pair_config(
+    n: int, k: int, leaf: int, dtype: torch.dtype, capability: tuple[int, int] | None
+) -> GemmConfig:
+    """The GEMM config computing one slot pair: the weight's own config with a fixed split-K of one
+    leaf (two fp32 tiles live: 128 x 128 on Hopper, as the split-K weights take) or, for a single
+    leaf, without one. Launch shape only, except BLOCK_K, which is the tree's."""
+    base = gemm_config(n, k, dtype, capability)
+    if k <= leaf:
+        return replace(base, k_split=0)
+    if base.tma:
+        return replace(base, block_m=128, block_n=128, k_split=leaf)
+    return replace(base, k_split=leaf)
+
+
+def _gemm_parts(plan: TreePlan, k_local: int) -> list[tuple[int, int]] | None:
+    """The column ranges of a rank's slot pairs (level one of its subtree) when the GEMM path
+    serves it, else None. A pair is one or two consecutive real leaves, or (lo, lo) when both of
+    its slots are padding, an exact zero."""
+    slots = plan.slots_per_rank
+    if plan.leaf % SPLIT_ALIGN or cdiv(slots, 2) > MAX_GEMM_PARTS:
+        return None
+    gs, gl = plan.group_slots, plan.group_leaves
+    parts = []
+    for first in range(0, slots, 2):
+        cols = []
+        for s in range(first, min(first + 2, slots)):
+            g, j = divmod(s, gs)
+            if j < gl:  # a real leaf (empty if past the rank's last column)
+                lo = min((g * gl + j) * plan.leaf, k_local)
+                cols.append((lo, min(lo + plan.leaf, k_local)))
+        cols = [c for c in cols if c[1] > c[0]]
+        parts.append((cols[0][0], cols[-1][1]) if cols else (0, 0))
+    return parts
+
+
+def _pair_roots(
+    x_local: torch.Tensor, w_local: torch.Tensor, plan: TreePlan, parts, out_dtype
+) -> list[torch.Tensor]:
+    """Each slot pair's root through the batch-invariant GEMM (rounded to ``out_dtype``)."""
+    n = w_local.shape[0]
+    capability, _ = _device_traits(w_local.device)
+    roots = []
+    for lo, hi in parts:
+        if hi == lo:
+            roots.append(torch.zeros(x_local.shape[0], n, dtype=out_dtype, device=x_local.device))
+            continue
+        cfg = _pair_config(n, hi - lo, plan.leaf, w_local.dtype, capability)
+        roots.append(gemm(x_local[:, lo:hi], w_local[:, lo:hi], out_dtype=out_dtype, config=cfg))
+    return roots
+
+
+def _gemm_path(x_local: torch.Tensor, w_local: torch.Tensor, plan: TreePlan) -> list[tuple[int, int]] | None:
+    """The slot pairs of the GEMM path, where it serves this call (Hopper, 2-byte weights, a
+    narrow subtree), else None."""
+    if not (GEMM_PATH and _use_tma(w_local)) or x_local.shape[0] == 0:
+        return None
+    return _gemm_parts(plan, x_local.shape[1])
 
 
 def partial_roots(
@@ -264,6 +413,9 @@ def partial_roots(
                 slots.append(leaf)
             roots.append(tree_reduce(torch.stack(slots)))
         return torch.stack(roots)
+    pairs = _gemm_path(x_local, w_local, plan)
+    if pairs is not None:
+        return torch.stack(_pair_roots(x_local, w_local, plan, pairs, torch.float32))
     if gs > MAX_GROUP_SLOTS:
         raise ValueError(
             f"a group of {gs} leaves exceeds {MAX_GROUP_SLOTS}: use a wider leaf (leaf={plan.leaf}, k={plan.k})"
@@ -315,6 +467,10 @@ def subtree_root(
     lo, hi = plan.k_range(rank)
     if x_local.shape[1] != hi - lo or w_local.shape[1] != hi - lo:
         raise ValueError(f"rank {rank} must hold K columns [{lo}, {hi}) of the plan, got {x_local.shape[1]}")
+    if resolve(impl, x_local) == "triton":
+        pairs = _gemm_path(x_local, w_local, plan)
+        if pairs is not None:
+            return reduce_roots(_pair_roots(x_local, w_local, plan, pairs, torch.float32))
     return tree_reduce(partial_roots(x_local, w_local, plan, impl))
 
 
@@ -325,16 +481,23 @@ def tree_gemm(
     tp: int = 1,
     out_dtype: torch.dtype | None = None,
     impl: str | None = None,
+    max_tp: int = MAX_TP,
 ) -> torch.Tensor:
     """``x @ weight.T`` reduced over the fixed tree, the ``tp`` ranks simulated on this device."""
-    plan = tree_plan(x.shape[-1], leaf, tp)
+    plan = tree_plan(x.shape[-1], leaf, tp, max_tp)
     x2 = x.reshape(-1, x.shape[-1])
+    odt = out_dtype or x.dtype
+    if tp == 1 and resolve(impl, x2) == "triton":
+        pairs = _gemm_path(x2, weight, plan)
+        if pairs is not None and len(pairs) == 1 and pairs[0][1] > pairs[0][0]:
+            # The whole tree is one pair: the GEMM adds it and rounds the root itself.
+            out = _pair_roots(x2, weight, plan, pairs, odt)[0]
+            return out.reshape(*x.shape[:-1], weight.shape[0])
     roots = []
     for r in range(tp):
         lo, hi = plan.k_range(r)
         roots.append(subtree_root(x2[:, lo:hi], weight[:, lo:hi], plan, r, impl))
-    out = tree_reduce(torch.stack(roots))
-    return out.to(out_dtype or x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+    return reduce_roots(roots, odt).reshape(*x.shape[:-1], weight.shape[0])
 
 
 def tree_gemm_distributed(
@@ -347,9 +510,10 @@ def tree_gemm_distributed(
     all_gather: Callable[[torch.Tensor], torch.Tensor],
     out_dtype: torch.dtype | None = None,
     impl: str | None = None,
+    max_tp: int = MAX_TP,
 ) -> torch.Tensor:
     """One rank of a real TP group: its subtree root, gathered with the others (``all_gather``
     returns every rank's root stacked in rank order), combined by the same tree."""
-    plan = tree_plan(k, leaf, tp)
+    plan = tree_plan(k, leaf, tp, max_tp)
     root = subtree_root(x_local, w_local, plan, rank, impl)
-    return tree_reduce(all_gather(root)).to(out_dtype or x_local.dtype)
+    return reduce_roots(list(all_gather(root).unbind(0)), out_dtype or x_local.dtype)

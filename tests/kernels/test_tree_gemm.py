@@ -9,7 +9,7 @@ import tempfile
 import pytest
 import torch
 
-from kernels.tree_gemm import tree_gemm, tree_gemm_distributed, tree_plan
+from kernels.tree_gemm import WIDE, reduce_roots, tree_gemm, tree_gemm_distributed, tree_plan, tree_reduce
 
 from .conftest import CUDA, bits_equal, gpu, needs_triton
 
@@ -49,6 +49,81 @@ def test_tp_invariant_cpu(dev: str, k: int, tma: bool, monkeypatch: pytest.Monke
     monkeypatch.setattr(tree_gemm_mod, "MAX_PROGRAM_SLOTS", tree_plan(k, leaf).group_slots)
     assert bits_equal(tree_gemm(x, w, leaf=leaf, tp=1, impl="triton"), ref)
     torch.testing.assert_close(ref, x @ w.T, rtol=1e-4, atol=1e-4)
+
+
+def test_wide_plan() -> None:
+    # One leaf per group, a multiple of 128 columns: K=4096 over max_tp=2 is two leaves of 2048.
+    p = tree_plan(4096, WIDE, tp=1, max_tp=2)
+    assert (p.leaf, p.n_leaves, p.slots, p.slots_per_rank) == (2048, 2, 2, 2)
+    assert tree_plan(896, WIDE, tp=2, max_tp=2).k_range(1) == (512, 896)
+    with pytest.raises(ValueError, match="leaf >= 0"):
+        tree_plan(4096, -1)
+
+
+def test_reduce_roots_is_the_tree(dev: str) -> None:
+    torch.manual_seed(0)
+    for count in (1, 2, 4, 8, 16):
+        roots = [torch.randn(5, 7, device=dev) * 10.0**i for i in range(count)]  # adds that round
+        want = tree_reduce(torch.stack(roots))
+        assert bits_equal(reduce_roots(roots), want), count
+        if dev == "cuda":  # the interpreter's bf16 casts are not the hardware's
+            assert bits_equal(reduce_roots(roots, torch.bfloat16), want.bfloat16()), count
+    with pytest.raises(ValueError, match="power-of-two"):
+        reduce_roots(roots[:3])
+
+
+def _tps(max_tp: int) -> list[int]:
+    return [t for t in (1, 2, 4, 8) if t <= max_tp]
+
+
+# (k, max_tp, leaf): wide plans of max_tp 2 and 4 (the GEMM path at every TP), narrow plans whose
+# TP 2-8 ranks take the GEMM path and TP 1 the register kernel, a short last leaf, padding slots.
+GEMM_PATH_PLANS = [
+    (512, 2, WIDE),
+    (1000, 2, WIDE),
+    (1024, 4, WIDE),
+    (768, 8, 128),
+    (2048, 8, 256),
+    (1408, 4, 128),
+]
+
+
+@pytest.mark.parametrize(("k", "max_tp", "leaf"), GEMM_PATH_PLANS)
+def test_gemm_path_is_the_tree_cpu(
+    dev: str, k: int, max_tp: int, leaf: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The batch-invariant GEMM with a one-leaf split-K computes a slot pair with the register
+    kernel's adds: every TP, either path, the same bits (fp32 under the interpreter)."""
+    monkeypatch.setattr(tree_gemm_mod, "_use_tma", lambda w: True)
+    torch.manual_seed(0)
+    x, w = torch.randn(20, k, device=dev), torch.randn(24, k, device=dev)
+    monkeypatch.setattr(tree_gemm_mod, "GEMM_PATH", False)
+    ref = tree_gemm(x, w, leaf=leaf, tp=1, impl="triton", max_tp=max_tp)
+    monkeypatch.setattr(tree_gemm_mod, "GEMM_PATH", True)
+    for tp in _tps(max_tp):
+        assert bits_equal(tree_gemm(x, w, leaf=leaf, tp=tp, impl="triton", max_tp=max_tp), ref), f"tp={tp}"
+    assert bits_equal(tree_gemm(x[:3], w, leaf=leaf, tp=1, impl="triton", max_tp=max_tp), ref[:3])
+    torch.testing.assert_close(
+        ref, tree_gemm(x, w, leaf=leaf, impl="torch", max_tp=max_tp), rtol=1e-5, atol=1e-5
+    )
+
+
+@gpu
+@pytest.mark.parametrize("k", [4096, 11008, 14336])
+@pytest.mark.parametrize(("max_tp", "leaf"), [(2, WIDE), (4, WIDE), (8, WIDE), (8, 256)])
+def test_gemm_path_is_the_tree_gpu(k: int, max_tp: int, leaf: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 on the H200: the GEMM path (one launch at TP=1 for max_tp=2) gives the register
+    kernel's bits at every TP and every M, the split grid of small M included."""
+    torch.manual_seed(0)
+    x = torch.randn(300, k, device="cuda").bfloat16()
+    w = (torch.randn(512, k, device="cuda") / k**0.5).bfloat16()
+    monkeypatch.setattr(tree_gemm_mod, "GEMM_PATH", False)
+    ref = tree_gemm(x, w, leaf=leaf, tp=1, max_tp=max_tp)
+    monkeypatch.setattr(tree_gemm_mod, "GEMM_PATH", True)
+    for tp in _tps(max_tp):
+        assert bits_equal(tree_gemm(x, w, leaf=leaf, tp=tp, max_tp=max_tp), ref), f"tp={tp}"
+        for m in (1, 7, 64):
+            assert bits_equal(tree_gemm(x[:m], w, leaf=leaf, tp=tp, max_tp=max_tp), ref[:m]), f"tp={tp} m={m}"
 
 
 @gpu
