@@ -21,7 +21,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from .tree_gemm import tree_gemm_distributed, tree_plan
+from .tree_gemm import MAX_TP, tree_gemm_distributed, tree_plan
 
 AllGather = Callable[[torch.Tensor], torch.Tensor]
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
@@ -90,7 +90,7 @@ def process_group_all_reduce(group: object | None = None) -> AllReduce:
 class RowParallelLinear(nn.Module):
     """One rank's shard of ``y = x W^T + b`` split along K, for an input replicated on every rank.
 
-    The rank keeps only the K columns the tree plan gives it (``tree_plan(K, leaf, tp).k_range``:
+    The rank keeps only the K columns the tree plan gives it (``tree_plan(K, leaf, tp, max_tp).k_range``:
     balanced, contiguous). ``forward`` takes the full input, as the replicated layers before it
     produce it, and returns the full output on every rank.
     """
@@ -105,6 +105,7 @@ class RowParallelLinear(nn.Module):
         all_reduce: AllReduce | None = None,
         leaf: int = 256,
         mode: Mode = "tree",
+        max_tp: int = MAX_TP,
     ) -> None:
         super().__init__()
         if not 0 <= rank < tp:
@@ -114,8 +115,8 @@ class RowParallelLinear(nn.Module):
         if mode == "native" and tp > 1 and all_reduce is None:
             raise ValueError("mode='native' with tp > 1 needs an all_reduce")
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
-        self.rank, self.tp, self.leaf, self.mode = rank, tp, leaf, mode
-        self.lo, self.hi = tree_plan(self.in_features, leaf, tp).k_range(rank)
+        self.rank, self.tp, self.leaf, self.mode, self.max_tp = rank, tp, leaf, mode, max_tp
+        self.lo, self.hi = tree_plan(self.in_features, leaf, tp, max_tp).k_range(rank)
         self.weight = nn.Parameter(weight.detach()[:, self.lo : self.hi].contiguous(), requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self._all_gather, self._all_reduce = all_gather, all_reduce
@@ -133,6 +134,7 @@ class RowParallelLinear(nn.Module):
                 self.rank,
                 self._all_gather,
                 out_dtype=x.dtype,
+                max_tp=self.max_tp,
             )
         else:
             y = x_local @ self.weight.T
@@ -158,9 +160,12 @@ def shard_row_parallel(
     names: Iterable[str] = ("o_proj", "down_proj"),
     leaf: int = 256,
     mode: Mode = "tree",
+    max_tp: int = MAX_TP,
 ) -> int:
     """Replace, in place, every ``nn.Linear`` whose attribute name is in ``names`` by this rank's
-    :class:`RowParallelLinear` shard. Returns how many layers were sharded."""
+    :class:`RowParallelLinear` shard. Returns how many layers were sharded. ``(leaf, max_tp)`` is
+    the tree plan, which every rank and the rollout side must share (``leaf=0, max_tp=2``: the
+    wide plan of a job whose TP is at most 2, about a plain GEMM's cost on Hopper)."""
     wanted = set(names)
     targets = [
         (parent, name, child)
@@ -169,6 +174,8 @@ def shard_row_parallel(
         if name in wanted and isinstance(child, nn.Linear)
     ]
     for parent, name, child in targets:
-        shard = RowParallelLinear(child.weight, child.bias, rank, tp, all_gather, all_reduce, leaf, mode)
+        shard = RowParallelLinear(
+            child.weight, child.bias, rank, tp, all_gather, all_reduce, leaf, mode, max_tp
+        )
         setattr(parent, name, shard)
     return len(targets)

@@ -60,14 +60,15 @@ def test_torchrun_nccl(world: int, tmp_path: Path) -> None:
     _assert_invariant(_torchrun(world, tmp_path, small=False), world)
 
 
-def test_single_rank_layer_is_the_tree_gemm(dev: str) -> None:
+@pytest.mark.parametrize(("leaf", "max_tp"), [(64, 8), (0, 2)], ids=["leaf64", "wide-max-tp2"])
+def test_single_rank_layer_is_the_tree_gemm(dev: str, leaf: int, max_tp: int) -> None:
     torch.manual_seed(0)
     lin = torch.nn.Linear(640, 48, bias=True, device=dev)
     x = torch.randn(5, 7, 640, device=dev)
     model = torch.nn.Sequential()
     model.add_module("down_proj", lin)
-    assert shard_row_parallel(model, 0, 1, leaf=64) == 1
-    want = tree_gemm(x, lin.weight.detach(), leaf=64) + lin.bias.detach()
+    assert shard_row_parallel(model, 0, 1, leaf=leaf, max_tp=max_tp) == 1
+    want = tree_gemm(x, lin.weight.detach(), leaf=leaf, max_tp=max_tp) + lin.bias.detach()
     with torch.no_grad():
         assert bits_equal(model(x), want)
 
