@@ -7,6 +7,7 @@ reference serves otherwise.
 
 from __future__ import annotations
 
+import inspect
 import os
 import warnings
 
@@ -15,11 +16,13 @@ import torch
 try:  # pragma: no cover - depends on the environment
     import triton
     import triton.language as tl
+    from triton.runtime import _allocation
 
     HAVE_TRITON = True
 except Exception:  # ImportError, or a broken install on an odd platform
     triton = None
     tl = None
+    _allocation = None
     HAVE_TRITON = False
 
 
@@ -88,6 +91,145 @@ def jit(**kwargs):
     return lambda fn: _LazyKernel(fn, kwargs)
 
 
+# Where Triton's compiled launcher takes its arguments: the layout of ``CudaLauncher.launch``'s
+# positional arguments differs between Triton releases, so the direct launch below knows the
+# releases it was written against (read from their driver.py) and leaves every other one to
+# ``CudaLauncher.__call__``. Keyed by "major.minor": the parameters of ``CudaLauncher.__call__``
+# that release has, a second check that the installed launcher is the one the layout was read from.
+_LAYOUTS = {
+    "3.6": ("self", "gridX", "gridY", "gridZ", "stream", "function", "args"),
+    "3.9": (
+        "self", "gridX", "gridY", "gridZ", "stream", "function", "kernel_metadata", "launch_metadata",
+        "launch_enter_hook", "launch_exit_hook", "args",
+    ),
+}  # fmt: skip
+
+_LAUNCHER_FIELDS = (
+    "launch",
+    "num_ctas",
+    "global_scratch_size",
+    "global_scratch_align",
+    "profile_scratch_size",
+    "launch_cooperative_grid",
+    "launch_pdl",
+)
+
+
+def launch_layout(run, version: str | None = None) -> str | None:
+    """The release whose argument layout ``run`` (a compiled kernel's ``CudaLauncher``) takes, or
+    None where the direct launch must not be used: another release or launcher class, a profile
+    scratch (Triton's profiler allocates it), the address sanitizer, or a missing field."""
+    release = ".".join((version or triton.__version__).split(".")[:2])
+    params = _LAYOUTS.get(release)
+    cls = type(run)
+    if params is None or cls.__name__ != "CudaLauncher":
+        return None
+    if any(not hasattr(run, f) for f in _LAUNCHER_FIELDS) or getattr(run, "gsan_enabled", False):
+        return None
+    if run.profile_scratch_size:
+        return None
+    if params[6:7] == ("kernel_metadata",) and not (
+        hasattr(run, "arg_annotations") and hasattr(run, "kernel_signature")
+    ):
+        return None
+    try:
+        if tuple(inspect.signature(cls.__call__).parameters) != params:
+            return None
+    except (TypeError, ValueError):
+        return None
+    return release
+
+
+# (device, stream) -> (raw pointer, bytes, buffer): the scratch eager launches on one stream share
+_SCRATCH: dict[tuple[int, int | None], tuple[int, int, torch.Tensor]] = {}
+
+
+def _shared_scratch(size: int, device: int, stream: int | None) -> tuple[int, int, torch.Tensor]:
+    key = (device, stream)
+    hit = _SCRATCH.get(key)
+    if hit is None or hit[1] < size:
+        buf = torch.empty(max(size, 1 << 16), dtype=torch.int8, device="cuda")
+        hit = _SCRATCH[key] = (buf.data_ptr(), buf.numel(), buf)
+    return hit
+
+
+def scratch_allocator(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    """Global scratch for Triton launches (the kernel-built TMA descriptors live there); the
+    allocator ``kernels.gemm`` hands ``triton.set_allocator``.
+
+    Eager launches on one stream run in order, so they share one buffer per (device, stream)
+    (an allocation per call was ~3 us of host time); a launch being captured into a CUDA graph
+    gets its own, since the graph may later replay beside eager work on that stream. (PyTorch's
+    blocks are 512-byte aligned, above any alignment Triton asks for.)"""
+    if torch._C._cuda_isCurrentStreamCapturing():
+        return torch.empty(size, dtype=torch.int8, device="cuda")
+    return _shared_scratch(size, torch._C._cuda_getDevice(), stream)[2]
+
+
+def _global_scratch(size: int, alignment: int, device: int, stream: int):
+    """What the direct launch passes as global scratch: the allocator Triton would call, except
+    that ours is inlined and hands the raw pointer of the shared buffer (an int skips the
+    launcher's ``data_ptr`` call and its ``cuPointerGetAttribute`` check)."""
+    alloc = _allocation._allocator.get()
+    if alloc is not scratch_allocator:
+        return alloc(size, alignment, stream)  # the process's own allocator, or Triton's error
+    if torch._C._cuda_isCurrentStreamCapturing():
+        return torch.empty(size, dtype=torch.int8, device="cuda")  # alive until the launch returns
+    return _shared_scratch(size, device, stream)[0]
+
+
+def _direct_launch(run, function, packed, tail: tuple, layout: str):
+    """A call ``(grid, args)`` into the compiled launcher's C ``launch`` itself, skipping
+    ``CudaLauncher.__call__`` (its closures and allocator calls were ~1.5 us of host time a call).
+    Global scratch comes from ``_global_scratch``; the profile scratch is None (``launch_layout``
+    refuses launchers that have one); launch hooks are None, as on every cached call."""
+    launch = run.launch
+    coop, pdl = run.launch_cooperative_grid, run.launch_pdl
+    per_program = run.num_ctas * run.global_scratch_size
+    align = run.global_scratch_align
+    get_device, get_stream = torch._C._cuda_getDevice, torch._C._cuda_getCurrentRawStream
+
+    if layout == "3.6":
+        # launch(grid, stream, fn, coop, pdl, scratch, profile scratch, meta, launch meta, hooks, *args)
+        def call(grid, args):
+            gx, gy, gz = grid
+            dev = get_device()
+            stream = get_stream(dev)
+            scratch = _global_scratch(gx * gy * gz * per_program, align, dev, stream) if per_program else None
+            launch(
+                gx, gy, gz, stream, function, coop, pdl, scratch, None, packed, None, None, None, *args, *tail
+            )
+
+    else:
+        # 3.9: launch(grid, stream, fn, coop, pdl, meta, launch meta, hooks, scratch, profile scratch,
+        # argument annotations, signature, args)
+        annotations, signature = run.arg_annotations, run.kernel_signature
+
+        def call(grid, args):
+            gx, gy, gz = grid
+            dev = get_device()
+            stream = get_stream(dev)
+            scratch = _global_scratch(gx * gy * gz * per_program, align, dev, stream) if per_program else None
+            launch(
+                gx, gy, gz, stream, function, coop, pdl, packed, None, None, None, scratch, None,
+                annotations, signature, (*args, *tail),
+            )  # fmt: skip
+
+    call.direct, call.run = True, run  # for the tests and the bench: which path an entry takes
+    return call
+
+
+def _run_launch(run, function, packed, tail: tuple):
+    """A call ``(grid, args)`` through ``CudaLauncher.__call__`` (any Triton release)."""
+
+    def call(grid, args):
+        stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
+        run(*grid, stream, function, packed, None, None, None, *args, *tail)
+
+    call.direct, call.run = False, run
+    return call
+
+
 class CachedLauncher:
     """Launch a compiled kernel without Triton's per-call Python work.
 
@@ -96,32 +238,45 @@ class CachedLauncher:
     knows what its kernel specialises on (argument dtypes, which integers are 1 or multiples of 16,
     which pointers are 16-byte aligned) passes that as ``key``: the first call with a key launches
     through Triton and keeps the compiled kernel and the constexpr tail; later calls hand the
-    runtime arguments straight to the compiled kernel's launcher. Same compiled code, same bits.
+    runtime arguments straight to the compiled kernel's C launcher (``_direct_launch``, for the
+    Triton releases whose layout it knows; else through ``CudaLauncher.__call__``). Same compiled
+    code, same bits.
 
     The key must determine Triton's specialisation of the runtime arguments, or a call could run
     code compiled for another alignment. Under the interpreter (or where Triton returns no
     compiled kernel) every call takes the ordinary path. Launch hooks (profilers) see only the
-    first call of a key.
+    first call of a key. A cached launch that raises warns once and turns the cache off for every
+    launcher (Triton's own launch from then on).
     """
 
     enabled = True  # False: every call through Triton's own launch (the bench's "before")
+    direct = True  # False: cached calls through CudaLauncher.__call__, not the C launch (bench, tests)
 
     def __init__(self, kernel: _LazyKernel, max_entries: int = 4096) -> None:
         self.kernel = kernel
         self.max_entries = max_entries
         self._cache: dict = {}
 
-    def __call__(self, key, grid: tuple[int, ...], args: tuple, constexprs: dict, **options) -> None:
+    def launch_cached(self, key, grid: tuple[int, int, int], args: tuple) -> bool:
+        """Launch from the cache entry of ``key`` if there is one; False (nothing launched) if not.
+
+        For a call site that passes raw pointers (``data_ptr()`` ints) here and the tensors to
+        ``__call__`` on a miss: the launcher takes either, and an int skips its ``data_ptr`` call
+        and ``cuPointerGetAttribute`` check (so the call site must check the tensors are CUDA)."""
         hit = self._cache.get(key) if self.enabled else None
-        if hit is not None:
-            run, function, packed, tail = hit
-            stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
-            try:
-                run(*grid, stream, function, packed, None, None, None, *args, *tail)
-                return
-            except (TypeError, ValueError, RuntimeError) as exc:  # a launcher of another Triton version
-                warnings.warn(f"kernels: cached launch failed ({exc!r:.200}); using Triton's", stacklevel=2)
-                CachedLauncher.enabled = False
+        if hit is None:
+            return False
+        try:
+            hit(grid, args)
+        except (TypeError, ValueError, RuntimeError) as exc:  # a launcher of another Triton version
+            warnings.warn(f"kernels: cached launch failed ({exc!r:.200}); using Triton's", stacklevel=3)
+            CachedLauncher.enabled = False
+            return False
+        return True
+
+    def __call__(self, key, grid: tuple[int, ...], args: tuple, constexprs: dict, **options) -> None:
+        if self.launch_cached(key, grid, args):
+            return
         compiled = self.kernel[grid](*args, **constexprs, **options)
         if interpreting() or not hasattr(compiled, "packed_metadata") or len(grid) != 3:
             return
@@ -131,12 +286,31 @@ class CachedLauncher:
             return  # defaults in the signature: keep the ordinary path
         if len(self._cache) >= self.max_entries:
             self._cache.clear()
-        self._cache[key] = (
-            compiled.run,
-            compiled.function,
-            compiled.packed_metadata,
-            tuple(constexprs[n] for n in names),
-        )
+        run, tail = compiled.run, tuple(constexprs[n] for n in names)
+        layout = launch_layout(run) if self.direct else None
+        if layout is not None:
+            self._cache[key] = _direct_launch(run, compiled.function, compiled.packed_metadata, tail, layout)
+        else:
+            self._cache[key] = _run_launch(run, compiled.function, compiled.packed_metadata, tail)
+
+
+def as_rows(x: torch.Tensor, k: int) -> torch.Tensor:
+    """``x.reshape(-1, k)``, without the call (~0.6 us) where it would return x's own view: x 2-D
+    with rows of k, each dim of size > 1 or already carrying the stride ``reshape`` would give it
+    (``reshape`` rewrites the stride of a size-1 dim, and Triton specialises on strides)."""
+    if x.dim() == 2 and k > 0:  # (reshape refuses k == 0: keep its error)
+        m, kx = x.shape
+        if kx == k:
+            s0, s1 = x.stride()
+            if (m != 1 or s0 == k * s1) and (k != 1 or s1 == 1):
+                return x
+    return x.reshape(-1, k)
+
+
+def tma_ready(ptr: int, strides: tuple[int, ...], itemsize: int) -> bool:
+    """Whether TMA can read a 2-D operand as it lies: unit inner stride, 16-byte aligned base and
+    rows."""
+    return strides[1] == 1 and (strides[0] * itemsize) % 16 == 0 and ptr % 16 == 0
 
 
 def aligned(*tensors: torch.Tensor) -> int:

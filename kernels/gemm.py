@@ -30,12 +30,15 @@ from ._triton import (
     HAVE_TRITON,
     CachedLauncher,
     aligned,
+    as_rows,
     cdiv,
     dot_precision,
     interpreting,
     jit,
     resolve,
+    scratch_allocator,
     tl,
+    tma_ready,
     triton,
 )
 
@@ -398,28 +401,15 @@ def _device_traits(device: torch.device) -> tuple[tuple[int, int] | None, int]:
 def _tma_operand(t: torch.Tensor) -> torch.Tensor:
     """``t`` itself if TMA can read it (unit inner stride, 16-byte aligned base and rows), else a
     contiguous copy: the same values, so the same kernel and the same bits."""
-    row_bytes = t.stride(0) * t.element_size()
-    if t.stride(1) == 1 and row_bytes % 16 == 0 and t.data_ptr() % 16 == 0:
+    if tma_ready(t.data_ptr(), t.stride(), t.element_size()):
         return t
     return t.contiguous() if not t.is_contiguous() else t.clone()
 
 
-_SCRATCH: dict[tuple[int, int | None], torch.Tensor] = {}
-
-
-def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
-    """Global scratch Triton asks for at launch (the kernel-built TMA descriptors live there).
-
-    Eager launches on one stream run in order, so they share one buffer per (device, stream)
-    (an allocation per call was ~3 us of host time); a launch being captured into a CUDA graph
-    gets its own, since the graph may later replay beside eager work on that stream."""
-    if torch._C._cuda_isCurrentStreamCapturing():
-        return torch.empty(size, dtype=torch.int8, device="cuda")
-    key = (torch._C._cuda_getDevice(), stream)
-    buf = _SCRATCH.get(key)
-    if buf is None or buf.numel() < size:
-        buf = _SCRATCH[key] = torch.empty(max(size, 1 << 16), dtype=torch.int8, device="cuda")
-    return buf
+# Global scratch Triton asks for at launch (the kernel-built TMA descriptors live there): one
+# buffer per (device, stream) for eager launches, a fresh one under CUDA graph capture. The rule
+# lives in ``_triton`` because the cached launcher applies it itself (see ``_global_scratch``).
+_scratch = scratch_allocator
 
 
 _SPLIT: dict[tuple[int, int | None], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -539,13 +529,80 @@ def gemm(
     n, k = weight.shape
     if x.dtype != weight.dtype:
         x = x.to(weight.dtype)
-    a = x.reshape(-1, k)
+    a = as_rows(x, k)
     m = a.shape[0]
     odt = out_dtype or x.dtype
-    out = torch.empty(m, n, dtype=odt, device=x.device)
+    dev = x.device
+    out = torch.empty(m, n, dtype=odt, device=dev)
     if m == 0:
         return out.reshape(*x.shape[:-1], n)
-    plan = _plan(m, n, k, weight.dtype, odt, bias is not None, x.device, config)
+    plan = _plan(m, n, k, weight.dtype, odt, bias is not None, dev, config)
+    cfg = plan[0]
+    if cfg.tma and cfg.device_descriptors and weight.is_cuda and (bias is None or bias.is_cuda):
+        _launch_device_desc(a, weight, bias, out, plan, dev, m, n, k)
+    else:
+        _launch_other(a, weight, bias, out, plan, dev, m, n, k)
+    return out if x.dim() == 2 else out.reshape(*x.shape[:-1], n)
+
+
+def _launch_device_desc(
+    a: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    plan: _GemmPlan,
+    dev: torch.device,
+    m: int,
+    n: int,
+    k: int,
+) -> None:
+    """The Hopper launch with kernel-built descriptors (every TMA config on CUDA), the host work
+    cut to what the launch needs: each pointer and stride read once, and a cache hit handed raw
+    pointers (the caller checked every tensor is a CUDA one: an int skips the launcher's check).
+    The arguments, key, constexprs and options are those of ``_launch_other``'s cached branch."""
+    cfg, grid, constexprs, options, scratch = plan
+    itemsize = weight.dtype.itemsize  # a has weight's dtype (gemm casts x)
+    w, pw, sw = weight, weight.data_ptr(), weight.stride()
+    if not tma_ready(pw, sw, itemsize):
+        w = _tma_operand(weight)
+        pw, sw = w.data_ptr(), w.stride()
+    pa, sa = a.data_ptr(), a.stride()
+    if not constexprs["A_PTR"] and not tma_ready(pa, sa, itemsize):
+        a = _tma_operand(a)
+        pa, sa = a.data_ptr(), a.stride()
+    _ensure_allocator()
+    bias_arg, pb = (bias, bias.data_ptr()) if bias is not None else (w, pw)
+    po = out.data_ptr()
+    if scratch:
+        partials, counters = _split_scratch(scratch, dev)
+        pp, pc = partials.data_ptr(), counters.data_ptr()
+    else:
+        partials, counters, pp, pc = out, out, po, po
+    so = (max(n, 1), 1)  # out.stride(): torch.empty(m, n) is row-major (a stride is never 0)
+    # What Triton specialises the runtime arguments on: the plan fixes n, k, the dtypes and the
+    # output; the strides of a and w and the pointers' alignment (``aligned(a, w, bias_arg)``'s
+    # bits) complete it (m and the program count are not specialised).
+    key = (plan, *sa, *sw, (pa % 16 == 0) | (pw % 16 == 0) << 1 | (pb % 16 == 0) << 2)
+    programs = grid[0]
+    ptrs = (pa, pw, po, pb, m, n, k, *sa, *sw, *so, programs, pp, pc)
+    if not _LAUNCH.launch_cached(key, grid, ptrs):
+        args = (a, w, out, bias_arg, m, n, k, *sa, *sw, *so, programs, partials, counters)
+        _LAUNCH(key, grid, args, constexprs, **options)
+
+
+def _launch_other(
+    a: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    plan: _GemmPlan,
+    dev: torch.device,
+    m: int,
+    n: int,
+    k: int,
+) -> None:
+    """Every other launch: the pointer kernel (no TMA, or the interpreter's structure tests),
+    host-built descriptors, or a tensor off CUDA (Triton's launch then raises its own error)."""
     cfg, grid, constexprs, options, scratch = plan
     programs = grid[0]
     if cfg.tma:
@@ -568,7 +625,7 @@ def gemm(
         w = weight
         a_arg, b_arg, c_arg = a, w, out
     bias_arg = bias if bias is not None else w
-    partials, counters = _split_scratch(scratch, x.device) if scratch else (out, out)
+    partials, counters = _split_scratch(scratch, dev) if scratch else (out, out)
     args = (
         a_arg, b_arg, c_arg, bias_arg, m, n, k, *a.stride(), *w.stride(), *out.stride(), programs,
         partials, counters,
@@ -581,7 +638,6 @@ def gemm(
         # (m and the program count are not specialised).
         key = (plan, *args[7:11], aligned(a, w, bias_arg))
         _LAUNCH(key, grid, args, constexprs, **options)
-    return out.reshape(*x.shape[:-1], n)
 
 
 class _Linear(torch.autograd.Function):
