@@ -300,6 +300,20 @@ def bench_launch() -> None:
             flush=True,
         )
         record(case, shape, nat / 1e3, cached / 1e3, 25.0 / nat)
+    # breakdown: gemm's cache entries through CudaLauncher.__call__ (not the direct C launch)
+    import importlib
+
+    gemm_mod = importlib.import_module("kernels.gemm")  # (``kernels.gemm`` is the function)
+    _triton.CachedLauncher.direct = False
+    gemm_mod._LAUNCH._cache.clear()
+    via_run = host_us(lambda: gemm(a, w))
+    _triton.CachedLauncher.direct = True
+    gemm_mod._LAUNCH._cache.clear()
+    empty = host_us(lambda: torch.empty(1, k, dtype=a.dtype, device=a.device))
+    print(
+        f"[host] gemm breakdown: cached via CudaLauncher.__call__ {via_run:6.1f} us  torch.empty {empty:6.1f} us",
+        flush=True,
+    )
 
 
 def bench_fingerprint() -> None:
