@@ -189,13 +189,18 @@ def _direct_launch(run, function, packed, tail: tuple, layout: str):
     align = run.global_scratch_align
     get_device, get_stream = torch._C._cuda_getDevice, torch._C._cuda_getCurrentRawStream
 
+    def stream_and_scratch(gx: int, gy: int, gz: int):
+        dev = get_device()
+        stream = get_stream(dev)
+        return stream, (
+            _global_scratch(gx * gy * gz * per_program, align, dev, stream) if per_program else None
+        )
+
     if layout == "3.6":
         # launch(grid, stream, fn, coop, pdl, scratch, profile scratch, meta, launch meta, hooks, *args)
         def call(grid, args):
             gx, gy, gz = grid
-            dev = get_device()
-            stream = get_stream(dev)
-            scratch = _global_scratch(gx * gy * gz * per_program, align, dev, stream) if per_program else None
+            stream, scratch = stream_and_scratch(gx, gy, gz)
             launch(
                 gx, gy, gz, stream, function, coop, pdl, scratch, None, packed, None, None, None, *args, *tail
             )
@@ -207,9 +212,7 @@ def _direct_launch(run, function, packed, tail: tuple, layout: str):
 
         def call(grid, args):
             gx, gy, gz = grid
-            dev = get_device()
-            stream = get_stream(dev)
-            scratch = _global_scratch(gx * gy * gz * per_program, align, dev, stream) if per_program else None
+            stream, scratch = stream_and_scratch(gx, gy, gz)
             launch(
                 gx, gy, gz, stream, function, coop, pdl, packed, None, None, None, scratch, None,
                 annotations, signature, (*args, *tail),
