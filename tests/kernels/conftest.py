@@ -33,7 +33,8 @@ def dev() -> str:
 
 @pytest.fixture
 def split_k(monkeypatch):
-    """The GEMM's opt-in fixed split-K turned on for one test (plans re-made before and after)."""
+    """The GEMM's fixed split-K on for one test, whatever the environment says (the plans are
+    re-made before and after)."""
     import importlib
 
     gemm = importlib.import_module(

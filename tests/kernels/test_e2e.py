@@ -172,7 +172,7 @@ def test_gdn_lm_gpu() -> None:
 
 @gpu
 def test_split_k_weights_gpu(split_k) -> None:
-    """Hidden 1024, MLP 2048: the down projection (N=1024, K=2048) takes the opt-in split-K, its
+    """Hidden 1024, MLP 2048: the down projection (N=1024, K=2048) takes the fixed split-K, its
     small-M decode calls the split grid and the trainer's recompute the in-program spans; trainer
     and rollout still agree on every bit."""
     from kernels.gemm import gemm_config

@@ -177,7 +177,7 @@ def test_small_m_shapes_gpu(nk: tuple[int, int]) -> None:
 @gpu
 @pytest.mark.parametrize("nk", [(896, 4864), (1024, 4096)])
 def test_split_k_small_m_gpu(split_k, nk: tuple[int, int]) -> None:
-    """The same with the opt-in split-K: the split grid at small M, the in-program spans above."""
+    """The same with the fixed split-K: the split grid at small M, the in-program spans above."""
     from kernels.gemm import gemm_config
 
     assert gemm_config(*nk, torch.bfloat16, torch.cuda.get_device_capability()).k_split or pytest.skip(
