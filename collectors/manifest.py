@@ -61,6 +61,16 @@ def _kernels_on() -> bool:
     return routing is not None and bool(routing.is_enabled())
 
 
+def kernel_facts() -> dict[str, Any]:
+    """Launch settings of :mod:`kernels` that set bits, while it routes this process (both sides
+    must agree on them, so both manifests carry them): today the GEMM's fixed split-K of narrow
+    weights (``ISOAUDIT_GEMM_SPLIT_K``). Empty when the kernels are off or not imported."""
+    gemm = sys.modules.get("kernels.gemm")
+    if not _kernels_on() or gemm is None:
+        return {}
+    return {"gemm_split_k": bool(gemm.split_k_enabled())}
+
+
 def _head_dtype(weight: Any) -> str | None:
     """The dtype the head computes in: fp32 while kernels route (the invariant head, as the contract
     says), otherwise the weight's own (a stock lm_head)."""
@@ -111,6 +121,7 @@ def trainer_runtime(
         "cudnn_allow_tf32": bool(torch.backends.cudnn.allow_tf32),
         "deterministic_algorithms": bool(torch.are_deterministic_algorithms_enabled()),
     }
+    facts.update(kernel_facts())
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         facts["world_size"] = torch.distributed.get_world_size()
     return RuntimeFacts(**facts)

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from ..manifest import kernel_facts
+
 
 def _name(value: Any) -> str | None:
     if value is None:
@@ -127,4 +129,5 @@ def engine_facts(vllm_config: Any, runner: Any, model: Any) -> dict[str, Any]:
         "model_type": getattr(model_config.hf_config, "model_type", None),
         "seed": model_config.seed,
         "v1_multiprocessing": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0",
+        **kernel_facts(),
     }

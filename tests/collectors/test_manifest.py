@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import pytest
 import torch
 
 import kernels
@@ -27,6 +28,19 @@ def test_lm_head_dtype_is_what_the_head_computes_in(load: Callable[[str], torch.
     # The signature moves with it, so a job that enables kernels itself re-sends its manifest.
     assert signature != runtime_signature(model)
     assert trainer_runtime(model).lm_head_dtype == "bfloat16"  # kernels off again
+
+
+def test_the_kernels_bit_settings_are_in_the_manifest(
+    load: Callable[[str], torch.nn.Module], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The GEMM's split-K sets bits, so each side's manifest says whether it is on (the comparator
+    then flags a trainer and a rollout that disagree); nothing is said while the kernels are off."""
+    model = load("qwen3")
+    assert "gemm_split_k" not in (trainer_runtime(model).model_extra or {})
+    with kernels.enable():
+        assert trainer_runtime(model).model_extra["gemm_split_k"] is True
+        monkeypatch.setenv("ISOAUDIT_GEMM_SPLIT_K", "0")
+        assert trainer_runtime(model).model_extra["gemm_split_k"] is False
 
 
 def test_manifest_after_the_switch_reports_the_fp32_head(load: Callable[[str], torch.nn.Module]) -> None:
