@@ -836,7 +836,7 @@ def bench_tree() -> None:
         ("wide max_tp=2", WIDE, 2, True, 2),
         ("wide max_tp=4", WIDE, 4, True, 2),
         ("wide max_tp=8 register", WIDE, 8, False, 2),
-        ("wide max_tp=8 4 parts", WIDE, 8, True, 4),
+        ("wide max_tp=8", WIDE, 8, True, 2),
     ]
     for m in (256, 2048):
         for k in (4096, 14336):

@@ -68,8 +68,14 @@ MAX_TP = 8
 MAX_PROGRAM_SLOTS = 8
 MAX_GROUP_SLOTS = 32
 #: A rank's subtree of at most this many slot pairs takes the GEMM path (one batch-invariant GEMM
-#: launch a pair, then one launch adding the pairs' roots); a wider one, the register kernel.
+#: launch a pair, then one launch adding the pairs' roots); a wider one, the register kernel. Up to
+#: MAX_WIDE_GEMM_PARTS pairs where leaves are at least WIDE_LEAF columns: measured on the H200
+#: (N=4096, the wide max_tp=8 plan at TP=1), four pairs of 1792-column leaves took 1.52x and 1.68x
+#: a matmul against the register kernel's 2.31x and 2.84x; of 512-column leaves, 3.18x against
+#: 2.90x at M=256 (and 2.53x against 3.55x at M=2048).
 MAX_GEMM_PARTS = 2
+MAX_WIDE_GEMM_PARTS = 4
+WIDE_LEAF = 1024
 GEMM_PATH = True  # False: every CUDA call through the register kernel (the bench's and tests' other path)
 #: ``leaf=WIDE``: one leaf per group, ceil(K / max_tp) columns rounded up to a multiple of
 #: SPLIT_ALIGN (every BLOCK_K the GEMM may take divides it).
@@ -347,7 +353,8 @@ def _gemm_parts(plan: TreePlan, k_local: int) -> list[tuple[int, int]] | None:
     serves it, else None. A pair is one or two consecutive real leaves, or (lo, lo) when both of
     its slots are padding, an exact zero."""
     slots = plan.slots_per_rank
-    if plan.leaf % SPLIT_ALIGN or cdiv(slots, 2) > MAX_GEMM_PARTS:
+    most = MAX_WIDE_GEMM_PARTS if plan.leaf >= WIDE_LEAF else MAX_GEMM_PARTS
+    if plan.leaf % SPLIT_ALIGN or cdiv(slots, 2) > max(most, MAX_GEMM_PARTS):
         return None
     gs, gl = plan.group_slots, plan.group_leaves
     parts = []

@@ -56,6 +56,10 @@ def test_wide_plan() -> None:
     p = tree_plan(4096, WIDE, tp=1, max_tp=2)
     assert (p.leaf, p.n_leaves, p.slots, p.slots_per_rank) == (2048, 2, 2, 2)
     assert tree_plan(896, WIDE, tp=2, max_tp=2).k_range(1) == (512, 896)
+    # Which subtrees the GEMM path serves: two pairs of any leaves, four of wide ones.
+    assert len(tree_gemm_mod._gemm_parts(tree_plan(8192, WIDE, 1, 8), 8192)) == 4
+    assert tree_gemm_mod._gemm_parts(tree_plan(4096, WIDE, 1, 8), 4096) is None  # leaves of 512
+    assert len(tree_gemm_mod._gemm_parts(tree_plan(4096, 256, 8), 512)) == 1
     with pytest.raises(ValueError, match="leaf >= 0"):
         tree_plan(4096, -1)
 
@@ -85,6 +89,7 @@ GEMM_PATH_PLANS = [
     (768, 8, 128),
     (2048, 8, 256),
     (1408, 4, 128),
+    (8192, 8, WIDE),  # leaves of 1024: TP=1 is four pairs on the GEMM path
 ]
 
 
