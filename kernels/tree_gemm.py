@@ -16,7 +16,8 @@ The tree, exactly (``max_tp`` = the largest TP degree the plan serves, 8 by defa
     is not ours) and combined by the same pairwise rule. Every add is the add TP=1 performs.
 
 Two CUDA paths compute a rank's subtree, with the same adds (so the same bits):
-  * where the subtree is at most ``MAX_GEMM_PARTS`` pairs of slots, each pair is the batch-invariant
+  * where the subtree is at most ``MAX_GEMM_PARTS`` pairs of slots (``MAX_WIDE_GEMM_PARTS`` for
+    leaves of at least ``WIDE_LEAF`` columns), each pair is the batch-invariant
     GEMM itself (:func:`kernels.gemm.gemm` with a fixed split-K of one leaf: two leaves summed from
     zero and added, ``0 + l0 + l1 == l0 + l1``), and the pairs' roots are added by the same tree in
     one launch (:func:`reduce_roots`); at TP=1 with one pair the GEMM rounds the root itself, so the
