@@ -830,13 +830,13 @@ def bench_tree() -> None:
 
     tg = sys.modules["kernels.tree_gemm"]
     n = 4096
-    plans = [  # (label, leaf, max_tp, GEMM_PATH, MAX_GEMM_PARTS)
-        ("leaf=256 max_tp=8 register", 256, 8, False, 2),
-        ("leaf=256 max_tp=8", 256, 8, True, 2),
-        ("wide max_tp=2", WIDE, 2, True, 2),
-        ("wide max_tp=4", WIDE, 4, True, 2),
-        ("wide max_tp=8 register", WIDE, 8, False, 2),
-        ("wide max_tp=8", WIDE, 8, True, 2),
+    plans = [  # (label, leaf, max_tp, GEMM_PATH)
+        ("leaf=256 max_tp=8 register", 256, 8, False),
+        ("leaf=256 max_tp=8", 256, 8, True),
+        ("wide max_tp=2", WIDE, 2, True),
+        ("wide max_tp=4", WIDE, 4, True),
+        ("wide max_tp=8 register", WIDE, 8, False),
+        ("wide max_tp=8", WIDE, 8, True),
     ]
     for m in (256, 2048):
         for k in (4096, 14336):
@@ -852,7 +852,7 @@ def bench_tree() -> None:
                     return y if tp == 1 else y + other
 
                 base = bench(native)
-                for label, leaf, max_tp, gemm_path, parts in plans:
+                for label, leaf, max_tp, gemm_path in plans:
                     plan = tree_plan(k, leaf, tp, max_tp)
                     lo, hi = plan.k_range(0)
                     xl, wl = x[:, lo:hi].contiguous(), w[:, lo:hi].contiguous()
@@ -863,13 +863,13 @@ def bench_tree() -> None:
                             return tree_fn(xl, wl, leaf=leaf, tp=1, max_tp=max_tp)
                         return reduce_roots([subtree_root(xl, wl, plan, 0), peer], torch.bfloat16)
 
-                    tg.GEMM_PATH, tg.MAX_GEMM_PARTS = gemm_path, parts
+                    tg.GEMM_PATH = gemm_path
                     try:
                         record(f"tree gemm tp={tp} {label}", f"M={m} N={n} K={k}", base, bench(ours), 1.5)
                     except Exception as exc:  # noqa: BLE001 - a plan the kernel refuses
                         print(f"[{TIMING}] tree gemm tp={tp} {label} M={m} K={k}: {exc!r}"[:200], flush=True)
                     finally:
-                        tg.GEMM_PATH, tg.MAX_GEMM_PARTS = True, 2
+                        tg.GEMM_PATH = True
 
 
 def bench_moe() -> None:

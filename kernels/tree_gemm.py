@@ -355,7 +355,7 @@ def _gemm_parts(plan: TreePlan, k_local: int) -> list[tuple[int, int]] | None:
     its slots are padding, an exact zero."""
     slots = plan.slots_per_rank
     most = MAX_WIDE_GEMM_PARTS if plan.leaf >= WIDE_LEAF else MAX_GEMM_PARTS
-    if plan.leaf % SPLIT_ALIGN or cdiv(slots, 2) > max(most, MAX_GEMM_PARTS):
+    if plan.leaf % SPLIT_ALIGN or cdiv(slots, 2) > most:
         return None
     gs, gl = plan.group_slots, plan.group_leaves
     parts = []
@@ -401,7 +401,7 @@ def partial_roots(
     """fp32 roots of consecutive, equal, complete subtrees of a rank's tree, in order (the
     :func:`tree_reduce` of them is the rank's root): shape (parts, M, N). On CUDA a program holds
     up to MAX_PROGRAM_SLOTS slots (at least one group) in registers; the torch path returns one
-    root per group.
+    root per group. (The register kernel's path: :func:`subtree_root` takes the GEMM path first.)
     ``x_local`` and ``w_local`` hold exactly the rank's K columns (``plan.k_range(rank)``)."""
     m, k = x_local.shape
     n = w_local.shape[0]
@@ -421,9 +421,6 @@ def partial_roots(
                 slots.append(leaf)
             roots.append(tree_reduce(torch.stack(slots)))
         return torch.stack(roots)
-    pairs = _gemm_path(x_local, w_local, plan)
-    if pairs is not None:
-        return torch.stack(_pair_roots(x_local, w_local, plan, pairs, torch.float32))
     if gs > MAX_GROUP_SLOTS:
         raise ValueError(
             f"a group of {gs} leaves exceeds {MAX_GROUP_SLOTS}: use a wider leaf (leaf={plan.leaf}, k={plan.k})"
