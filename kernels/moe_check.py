@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 import torch
 
@@ -31,7 +30,7 @@ from . import moe, routing
 from . import sequence_parallel as sp
 from .bits import bits_equal
 from .models.moe_lm import MoELM, MoELMConfig
-from .tensor_parallel import join_torchrun_group, leave_group
+from .tensor_parallel import exit_rank, join_torchrun_group, leave_group
 from .tree_gemm import tree_gemm, tree_plan
 
 
@@ -195,4 +194,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_rank(main())

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from typing import Any
 
 import torch
@@ -29,6 +28,7 @@ import torch.distributed as dist
 from . import enable
 from .bits import bits_equal
 from .tensor_parallel import (
+    exit_rank,
     join_torchrun_group,
     leave_group,
     process_group_all_gather,
@@ -135,4 +135,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_rank(main())
