@@ -1,5 +1,5 @@
-"""CPR Gated DeltaNet: the gated delta rule evaluated chunkwise in parallel, bit-identical for the
-trainer (whole sequences) and the rollout engine (token by token).
+"""CPR Gated DeltaNet: the gated delta rule evaluated chunkwise in parallel on tensor cores,
+bit-identical for the trainer (whole sequences) and the rollout engine (token by token).
 
 The recurrence (state ``H`` of shape (dk, dv), per head; ``a_t = exp(g_t)``, ``g_t <= 0``)::
 
@@ -10,31 +10,27 @@ is the defining function (:func:`gdn_recurrent`, run in fp64 it is the accuracy 
 ``G = cumsum(g)``, ``A = tril(b_i (k_i.k_j) e^{G_i-G_j}, -1)`` and ``T = (I + A)^{-1}``::
 
     W = T (b e^G k),   U = T (b v),   U' = U - W H_0
-    O = (e^G q) H_0 + tril(q k^T e^{G_i-G_j}) U'
+    O = (q H_0) e^G + tril(q k^T e^{G_i-G_j}) U'
     H_C = e^{G_C} H_0 + (e^{G_C - G} k)^T U'
 
-Every sum is one fp32 FMA chain in ascending index, so each element has a single op sequence
-whatever the tiling, the warps or the number of rows computed:
+Three kernels, each a few tensor-core dots per chunk (the operands in the inputs' dtype with fp32
+accumulation, fp32 intermediates as tf32; fp32 inputs take exact fp32 products instead, which is
+what the CPU interpreter tests): *prep* (all chunks in parallel: ``G``, ``A``, ``T`` by repeated
+squaring ``T = (I - A)(I + A^2)(I + A^4)...``, ``W``, ``U``), *state* (each sequence's chunks in
+order: ``U'`` and the boundary states) and *out* (all chunks in parallel: ``O``).
 
-* ``G_i = (...(g_0 + g_1) + ...) + g_i``: the chain of a lower-triangular-ones dot;
-* ``k_i.k_j``, ``q_i.k_j`` over d; ``T_i = e_i - sum_j A_ij T_j`` (forward substitution, evaluated
-  as Jacobi sweeps ``T <- I - A T``: after sweep m rows <= m are final and later sweeps recompute
-  them to the same bits); ``W_i, U_i = sum_j T_ij (...)_j``: fp32 ``ieee`` dots, which Triton
-  lowers to exactly these chains (row-major operands, no tl.trans, so the interpreter's BLAS
-  agrees); the d-sums run as KS-wide dots continuing one accumulator;
-* ``U' = U - (W H_0)``, ``O = (P U' continuing (e^G q) H_0)``, ``H_C = ((e^{G_C-G} k)^T U'
-  continuing e^{G_C} H_0)``: explicit outer-product ``tl.fma`` loops over d or j (the state
-  kernel keeps H in memory, so nothing large stays live and nothing spills);
-* a term with a zero coefficient (``A_ij``, ``T_ij``, ``P_ij`` for later j) is an exact no-op, so
-  later rows, or stale finite values in their place, never touch row ``i``.
-
-Hence a chunk holding its first ``n`` tokens yields the trainer's first ``n`` rows bit for bit, and
-so does computing row ``i`` alone from the final rows above it. Decode does exactly that in
-O(one row): the engine keeps per slot the boundary state, the open chunk's inputs and its final
-``T`` and ``U'`` rows; each step (:func:`gdn_decode_step`: one kernel plus a one-word bump, no host
-sync) appends the token, computes row ``i`` by the same chains (``tl.fma`` loops), caches its ``T``
-and ``U'`` rows, and when the chunk fills writes the re-synchronised state. Everything is fp32
-with exact fp32 products (no tf32).
+Why decode gets the trainer's bits. Every quantity of row ``i`` is a dot whose left operand is row
+``i`` of a lower-triangular matrix (``A``, its powers, ``T``, the causal ``P``) or row ``i`` of an
+input, so it reads other rows only through exact-zero coefficients: rows after ``i``, whatever
+they hold (the trainer's later tokens, or the engine's zero padding), never change row ``i``. A
+dot's element depends on its row and column alone, and the same kernel with the same tile shapes
+runs on both sides, so the tensor-core instruction sequence per element is the same. Hence a chunk
+holding its first ``n`` tokens yields the trainer's first ``n`` rows bit for bit, and the state
+crosses a chunk boundary only when the chunk is full, from the same inputs. Decode therefore keeps
+per slot the state at the last chunk boundary and the open chunk's inputs, and each step
+(:func:`gdn_decode_step`: five launches, no host sync) appends the token and re-runs the three
+kernels on that one chunk, emitting its last row; when the chunk fills, the state kernel writes the
+next boundary state. Prefill/decode splits anywhere, packed or not, give the trainer's bits.
 """
 
 from __future__ import annotations
@@ -45,23 +41,23 @@ from typing import NamedTuple
 
 import torch
 
-from ._triton import HAVE_TRITON, cdiv, interpreting, jit, next_power_of_2, resolve, tl, triton
+from ._triton import HAVE_TRITON, cdiv, dot_precision, jit, next_power_of_2, resolve, tl, triton
 
 CHUNK = 64
 
 
 @dataclass(frozen=True)
 class GDNConfig:
-    """Launch parameters. None of them changes a bit (every element is one FMA chain whatever the
-    tiling or the number of warps); they only keep the kernels free of register spills."""
+    """Launch parameters: the warps and the column blocks (the N side of the dots). A dot's
+    element is the same chain over K whatever the N tile, so none of them changes a bit
+    (``test_launch_config_changes_no_bit_gpu``); the K sides and the chunk are fixed."""
 
-    prep_warps: int = 8
-    prep_ks: int = 32  # d-slice of the q.k / k.k dots (one slice under the interpreter: its dot
-    # adds the accumulator after rounding instead of continuing the chain)
-    prep_nb: int = 32  # column block of W and U
+    prep_warps: int = 4
+    prep_nb: int = 64  # column block of W and U
     state_warps: int = 4
-    state_bv: int = 16  # dv block of the state kernel (one program per sequence, head and block)
-    decode_warps: int = 4
+    state_bv: int = 32  # dv block of the state kernel (one program per sequence, head and block)
+    out_warps: int = 4
+    out_bv: int = 64  # dv block of the output kernel
 
 
 CONFIG = GDNConfig()
@@ -78,32 +74,23 @@ if HAVE_TRITON:
         return tl.max(tl.dot(lower, cols, input_precision="ieee"), axis=1)
 
     @triton.jit
-    def _pick(x, i, c):
-        """``x[i]`` of a vector indexed by ``c``, exactly (one term plus zeros)."""
-        return tl.sum(tl.where(c == i, x, 0.0), axis=0)
-
-    @triton.jit
-    def _decay(g_rows, g_cols, rows, cols):
-        return tl.exp(tl.where(rows[:, None] >= cols[None, :], g_rows[:, None] - g_cols[None, :], 0.0))
+    def _decay(g, c):
+        """``exp(G_i - G_j)`` on and below the diagonal, 1 above (masked by the caller)."""
+        return tl.exp(tl.where(c[:, None] >= c[None, :], g[:, None] - g[None, :], 0.0))
 
     @jit()
     def _gdn_prep_kernel(
-        q_ptr,
         k_ptr,
         v_ptr,
         g_ptr,
         b_ptr,
         w_ptr,
         u_ptr,
-        p_ptr,
         gc_ptr,
-        t_ptr,
         start_ptr,
         len_ptr,
         coff_ptr,
         H,
-        stride_qt,
-        stride_qh,
         stride_kt,
         stride_kh,
         stride_vt,
@@ -112,16 +99,16 @@ if HAVE_TRITON:
         stride_bt,
         DK: tl.constexpr,
         DV: tl.constexpr,
+        BK: tl.constexpr,
+        BDV: tl.constexpr,
         C: tl.constexpr,
-        KS: tl.constexpr,
         NB: tl.constexpr,
+        SQUARINGS: tl.constexpr,
+        PREC: tl.constexpr,
     ):
-        """Intra-chunk quantities of one (sequence, chunk, head), all chunks in parallel:
-        G = cumsum(g), P (stored transposed), A, T = (I + A)^-1 by Jacobi sweeps ``T <- I - A T``
-        (after sweep m rows <= m are final and stay so; T is stored for the engine's cache),
-        W = T (b e^G k) (stored transposed), U = T (b v). Every element is one ascending FMA chain:
-        the d-sums run in KS-wide dots continuing one accumulator, W and U in NB-wide column
-        blocks; operands are row-major loads (no tl.trans)."""
+        """Intra-chunk quantities of one (sequence, chunk, head), all chunks in parallel: G, A,
+        T = (I - A)(I + A^2)...(I + A^(C/2)) (A is nilpotent: A^C = 0), W = T (b e^G k) and
+        U = T (b v), stored in the inputs' dtype. Rows past the sequence's end are zero inputs."""
         ic = tl.program_id(0)
         bh = tl.program_id(1)
         b = bh // H
@@ -129,65 +116,125 @@ if HAVE_TRITON:
         n = tl.load(len_ptr + b)
         t0 = ic * C
         if t0 < n:
+            dt = k_ptr.dtype.element_ty
             start = tl.load(start_ptr + b)
             ws = ((tl.load(coff_ptr + b) + ic) * H + h).to(tl.int64)
             c = tl.arange(0, C)
             ok = (t0 + c) < n
             row = (start + t0 + c).to(tl.int64)
-            q_at = q_ptr + row * stride_qt + h * stride_qh
-            k_at = k_ptr + row * stride_kt + h * stride_kh
-            v_at = v_ptr + row * stride_vt + h * stride_vh
             gc = tl.load(g_ptr + row * stride_gt + h, mask=ok, other=0.0).to(tl.float32)
             bc = tl.load(b_ptr + row * stride_bt + h, mask=ok, other=0.0).to(tl.float32)
             G = _cumsum_chain(gc, C)
             tl.store(gc_ptr + ws * C + c, G)
-            qk = tl.zeros((C, C), tl.float32)
-            kk = tl.zeros((C, C), tl.float32)
-            for d0 in range(0, DK, KS):
-                d = d0 + tl.arange(0, KS)
-                dm = ok[:, None] & (d < DK)[None, :]
-                kt = tl.load(k_at[None, :] + d[:, None], mask=tl.trans(dm), other=0.0).to(tl.float32)
-                q_s = tl.load(q_at[:, None] + d[None, :], mask=dm, other=0.0).to(tl.float32)
-                k_s = tl.load(k_at[:, None] + d[None, :], mask=dm, other=0.0).to(tl.float32)
-                qk = tl.dot(q_s, kt, qk, input_precision="ieee")
-                kk = tl.dot(k_s, kt, kk, input_precision="ieee")
-            decay = _decay(G, G, c, c)
-            P = tl.where(c[:, None] >= c[None, :], qk * decay, 0.0)
-            tl.store(p_ptr + ws * C * C + c[None, :] * C + c[:, None], P)
-            A = tl.where(c[:, None] > c[None, :], (bc[:, None] * kk) * decay, 0.0)
-            eye = tl.where(c[:, None] == c[None, :], 1.0, 0.0)
-            T = eye
-            for _ in range(1, tl.minimum(n - t0, C)):
-                T = eye - tl.dot(A, T, input_precision="ieee")
-            tl.store(t_ptr + ws * C * C + c[:, None] * C + c[None, :], T)
-            for d0 in range(0, DK, NB):
+            kd = tl.arange(0, BK)
+            k_at = k_ptr + row[:, None] * stride_kt + h * stride_kh + kd[None, :]
+            k_s = tl.load(k_at, mask=ok[:, None] & (kd < DK)[None, :], other=0.0)
+            kk = tl.dot(k_s, tl.trans(k_s), input_precision=PREC)
+            a = tl.where(c[:, None] > c[None, :], (bc[:, None] * kk) * _decay(G, c), 0.0)
+            power = -a
+            t = tl.where(c[:, None] == c[None, :], 1.0, 0.0) + power
+            for _ in tl.static_range(SQUARINGS):
+                power = tl.dot(power, power, input_precision=PREC)
+                t = tl.dot(t, power, t, input_precision=PREC)
+            t = t.to(dt)
+            kscale = bc * tl.exp(G)
+            for d0 in tl.static_range(0, BK, NB):
                 d = d0 + tl.arange(0, NB)
-                dm = ok[:, None] & (d < DK)[None, :]
-                k_s = tl.load(k_at[:, None] + d[None, :], mask=dm, other=0.0).to(tl.float32)
-                W = tl.dot(T, k_s * (bc * tl.exp(G))[:, None], input_precision="ieee")
-                tl.store(w_ptr + ws * C * DK + d[None, :] * C + c[:, None], W, mask=(d < DK)[None, :])
-            for v0 in range(0, DV, NB):
+                km = ok[:, None] & (d < DK)[None, :]
+                ks = tl.load(
+                    k_ptr + row[:, None] * stride_kt + h * stride_kh + d[None, :], mask=km, other=0.0
+                )
+                w = tl.dot(t, (ks.to(tl.float32) * kscale[:, None]).to(dt), input_precision=PREC)
+                tl.store(w_ptr + (ws * C + c[:, None]) * DK + d[None, :], w.to(dt), mask=(d < DK)[None, :])
+            for v0 in tl.static_range(0, BDV, NB):
                 vv = v0 + tl.arange(0, NB)
                 vm = ok[:, None] & (vv < DV)[None, :]
-                v_s = tl.load(v_at[:, None] + vv[None, :], mask=vm, other=0.0).to(tl.float32)
-                U = tl.dot(T, v_s * bc[:, None], input_precision="ieee")
-                tl.store(u_ptr + ws * C * DV + c[:, None] * DV + vv[None, :], U, mask=(vv < DV)[None, :])
+                vs = tl.load(
+                    v_ptr + row[:, None] * stride_vt + h * stride_vh + vv[None, :], mask=vm, other=0.0
+                )
+                u = tl.dot(t, (vs.to(tl.float32) * bc[:, None]).to(dt), input_precision=PREC)
+                tl.store(u_ptr + (ws * C + c[:, None]) * DV + vv[None, :], u.to(dt), mask=(vv < DV)[None, :])
 
     @jit()
     def _gdn_state_kernel(
-        q_ptr,
         k_ptr,
         w_ptr,
         u_ptr,
-        p_ptr,
         gc_ptr,
+        hc_ptr,
         h0_ptr,
-        o_ptr,
         ht_ptr,
         start_ptr,
         len_ptr,
         slot_ptr,
         coff_ptr,
+        H,
+        stride_kt,
+        stride_kh,
+        DK: tl.constexpr,
+        DV: tl.constexpr,
+        BK: tl.constexpr,
+        BV: tl.constexpr,
+        C: tl.constexpr,
+        PREC: tl.constexpr,
+    ):
+        """The chunk-to-chunk recurrence of one (sequence, head, dv block), in order: stores the
+        state entering each chunk (in the inputs' dtype, for the output kernel), U' = U - W H over
+        U, and crosses a boundary, H <- e^{G_C} H + (e^{G_C - G} k)^T U', only after a full chunk.
+        Reads the state from ``h0[slot]`` and writes the last boundary state to ``ht[slot]`` (the
+        same tensor is allowed: each program reads its block before it writes it)."""
+        bh = tl.program_id(0)
+        iv = tl.program_id(1)
+        b = bh // H
+        h = bh % H
+        dt = k_ptr.dtype.element_ty
+        start = tl.load(start_ptr + b)
+        n = tl.load(len_ptr + b)
+        coff = tl.load(coff_ptr + b)
+        slot = tl.load(slot_ptr + b)
+        c = tl.arange(0, C)
+        kk = tl.arange(0, BK)
+        vv = iv * BV + tl.arange(0, BV)
+        kok = kk < DK
+        vok = vv < DV
+        hmask = kok[:, None] & vok[None, :]
+        hs = (slot * H + h).to(tl.int64) * DK * DV
+        state = tl.load(h0_ptr + hs + kk[:, None] * DV + vv[None, :], mask=hmask, other=0.0)
+        for t0 in range(0, n, C):
+            ws = ((coff + t0 // C) * H + h).to(tl.int64)
+            entering = state.to(dt)
+            tl.store(hc_ptr + ws * DK * DV + kk[:, None] * DV + vv[None, :], entering, mask=hmask)
+            w = tl.load(w_ptr + (ws * C + c[:, None]) * DK + kk[None, :], mask=kok[None, :], other=0.0)
+            u_at = u_ptr + (ws * C + c[:, None]) * DV + vv[None, :]
+            u = tl.load(u_at, mask=vok[None, :], other=0.0).to(tl.float32)
+            vn = (u - tl.dot(w, entering, input_precision=PREC)).to(dt)
+            tl.store(u_at, vn, mask=vok[None, :])
+            if t0 + C <= n:
+                G = tl.load(gc_ptr + ws * C + c)
+                g_last = tl.load(gc_ptr + ws * C + C - 1)
+                row = (start + t0 + c).to(tl.int64)
+                kt = tl.load(
+                    k_ptr + row[None, :] * stride_kt + h * stride_kh + kk[:, None],
+                    mask=kok[:, None],
+                    other=0.0,
+                )
+                kt = (kt.to(tl.float32) * tl.exp(g_last - G)[None, :]).to(dt)
+                state = tl.dot(kt, vn, state * tl.exp(g_last), input_precision=PREC)
+        tl.store(ht_ptr + hs + kk[:, None] * DV + vv[None, :], state, mask=hmask)
+
+    @jit()
+    def _gdn_out_kernel(
+        q_ptr,
+        k_ptr,
+        u_ptr,
+        gc_ptr,
+        hc_ptr,
+        o_ptr,
+        start_ptr,
+        len_ptr,
+        coff_ptr,
+        emit_ptr,
+        ostart_ptr,
         H,
         stride_qt,
         stride_qh,
@@ -200,78 +247,54 @@ if HAVE_TRITON:
         BK: tl.constexpr,
         BV: tl.constexpr,
         C: tl.constexpr,
+        PREC: tl.constexpr,
     ):
-        """The chunk-to-chunk recurrence of one (sequence, head, dv block), in order, as explicit
-        outer-product FMA chains (ascending d or j; a row of any of them is what decode computes):
-        U' = U - (W H), O = (P U' continuing (e^G q) H), H <- (e^{G_C - G} k)^T U' continuing
-        e^{G_C} H (full chunks). The state lives in ``ht`` (rows are read back after a barrier);
-        U' overwrites U (the engine caches an open chunk's rows)."""
-        bh = tl.program_id(0)
-        iv = tl.program_id(1)
+        """O of one (sequence, chunk, head, dv block), all chunks in parallel: (q H) e^G +
+        P U' with P = tril(q k^T e^{G_i - G_j}); rows from ``emit[b]`` on are written, from
+        ``ostart[b]`` (a re-run open chunk emits only its new rows)."""
+        ic = tl.program_id(0)
+        bh = tl.program_id(1)
+        iv = tl.program_id(2)
         b = bh // H
         h = bh % H
-        start = tl.load(start_ptr + b)
         n = tl.load(len_ptr + b)
-        coff = tl.load(coff_ptr + b)
-        slot = tl.load(slot_ptr + b)
-        c = tl.arange(0, C)
-        kk = tl.arange(0, BK)
-        vv = iv * BV + tl.arange(0, BV)
-        kok = kk < DK
-        vok = vv < DV
-        hmask = kok[:, None] & vok[None, :]
-        hs = (slot * H + h).to(tl.int64) * DK * DV
-        h_at = ht_ptr + hs + kk[:, None] * DV + vv[None, :]
-        tl.store(
-            h_at, tl.load(h0_ptr + hs + kk[:, None] * DV + vv[None, :], mask=hmask, other=0.0), mask=hmask
-        )
-        tl.debug_barrier()
-        for t0 in range(0, n, C):
-            ws = ((coff + t0 // C) * H + h).to(tl.int64)
+        emit = tl.load(emit_ptr + b)
+        t0 = ic * C
+        if (t0 < n) & (t0 + C > emit):
+            dt = k_ptr.dtype.element_ty
+            start = tl.load(start_ptr + b)
+            ws = ((tl.load(coff_ptr + b) + ic) * H + h).to(tl.int64)
+            c = tl.arange(0, C)
             ok = (t0 + c) < n
             row = (start + t0 + c).to(tl.int64)
+            kd = tl.arange(0, BK)
+            vv = iv * BV + tl.arange(0, BV)
+            kok = kd < DK
+            vok = vv < DV
+            im = ok[:, None] & kok[None, :]
+            q_s = tl.load(q_ptr + row[:, None] * stride_qt + h * stride_qh + kd[None, :], mask=im, other=0.0)
+            k_s = tl.load(k_ptr + row[:, None] * stride_kt + h * stride_kh + kd[None, :], mask=im, other=0.0)
             G = tl.load(gc_ptr + ws * C + c)
-            eg = tl.exp(G)
-            wh = tl.zeros((C, BV), tl.float32)
-            qh = tl.zeros((C, BV), tl.float32)
-            for d in range(DK):
-                s_row = tl.load(ht_ptr + hs + d * DV + vv, mask=vok, other=0.0)
-                w_col = tl.load(w_ptr + ws * C * DK + d * C + c)
-                q_col = tl.load(q_ptr + row * stride_qt + h * stride_qh + d, mask=ok, other=0.0)
-                wh = tl.fma(w_col[:, None], s_row[None, :], wh)
-                qh = tl.fma((q_col.to(tl.float32) * eg)[:, None], s_row[None, :], qh)
-            u_at = u_ptr + ws * C * DV + c[:, None] * DV + vv[None, :]
-            up = tl.load(u_at, mask=ok[:, None] & vok[None, :], other=0.0) - wh
-            tl.store(u_at, up, mask=vok[None, :])
-            tl.debug_barrier()
-            o = qh
-            for j in range(0, tl.minimum(n - t0, C)):  # later rows have P = 0 for the valid rows
-                p_col = tl.load(p_ptr + ws * C * C + j * C + c)
-                up_row = tl.load(u_ptr + ws * C * DV + j * DV + vv, mask=vok, other=0.0)
-                o = tl.fma(p_col[:, None], up_row[None, :], o)
-            tl.store(
-                o_ptr + row[:, None] * stride_ot + h * stride_oh + vv[None, :],
-                o,
-                mask=ok[:, None] & vok[None, :],
+            qk = tl.dot(q_s, tl.trans(k_s), input_precision=PREC)
+            p = tl.where(c[:, None] >= c[None, :], qk * _decay(G, c), 0.0).to(dt)
+            hc = tl.load(
+                hc_ptr + ws * DK * DV + kd[:, None] * DV + vv[None, :],
+                mask=kok[:, None] & vok[None, :],
+                other=0.0,
             )
-            if t0 + C <= n:
-                gl = _pick(G, C - 1, c)
-                s = tl.load(h_at, mask=hmask, other=0.0) * tl.exp(gl)
-                for j in range(C):
-                    g_j = tl.load(gc_ptr + ws * C + j)
-                    kd = tl.load(
-                        k_ptr + (start + t0 + j).to(tl.int64) * stride_kt + h * stride_kh + kk,
-                        mask=kok,
-                        other=0.0,
-                    )
-                    up_row = tl.load(u_ptr + ws * C * DV + j * DV + vv, mask=vok, other=0.0)
-                    s = tl.fma((kd.to(tl.float32) * tl.exp(gl - g_j))[:, None], up_row[None, :], s)
-                tl.debug_barrier()
-                tl.store(h_at, s, mask=hmask)
-                tl.debug_barrier()
+            vn = tl.load(u_ptr + (ws * C + c[:, None]) * DV + vv[None, :], mask=vok[None, :], other=0.0)
+            o = tl.dot(q_s, hc, input_precision=PREC) * tl.exp(G)[:, None]
+            o = tl.dot(p, vn, o, input_precision=PREC)
+            orow = (tl.load(ostart_ptr + b) + t0 + c - emit).to(tl.int64)
+            keep = ok & (t0 + c >= emit)
+            tl.store(
+                o_ptr + orow[:, None] * stride_ot + h * stride_oh + vv[None, :],
+                o,
+                mask=keep[:, None] & vok[None, :],
+            )
 
     @jit()
-    def _gdn_decode_kernel(
+    def _gdn_append_kernel(
         q_ptr,
         k_ptr,
         v_ptr,
@@ -284,11 +307,8 @@ if HAVE_TRITON:
         vb_ptr,
         gb_ptr,
         bb_ptr,
-        h_ptr,
-        t_ptr,
-        up_ptr,
-        scr_ptr,
-        o_ptr,
+        runs_ptr,
+        NB_SEQ,
         H,
         stride_qb,
         stride_qh,
@@ -302,103 +322,39 @@ if HAVE_TRITON:
         DV: tl.constexpr,
         BK: tl.constexpr,
         BDV: tl.constexpr,
-        FV: tl.constexpr,
         C: tl.constexpr,
     ):
-        """One new token of one (sequence, head): row i = buf_len of the open chunk, computed from
-        its inputs and the cached final T / U' rows above it by the same FMA chains the chunk
-        kernels perform for that row (O(one row)). Caches row i's T and U' and the token; at the
-        chunk's last row writes the state. ``scr`` holds this row's A, P, G and W for the scalar
-        reads of the chains (after a barrier). buf_len is bumped by a second launch."""
-        bh = tl.program_id(0)
-        bi = bh // H
-        h = bh % H
-        slot = tl.load(slot_ptr + bi).to(tl.int64)
+        """Decode's first launch: token b of head h into its slot's open chunk (the store rounds it
+        to the buffers' dtype, as the trainer's inputs are), and, from head 0, the run table of
+        that chunk as one sequence (start, length, chunk offset, slot, first row to emit, output
+        row), so the chunk kernels read it as the trainer's sequence."""
+        bi = tl.program_id(0)
+        h = tl.program_id(1)
+        slot = tl.load(slot_ptr + bi)
         i = tl.load(len_ptr + slot)
-        sh = slot * H + h
-        c = tl.arange(0, C)
+        irow = ((slot * C + i) * H + h).to(tl.int64)
         kk = tl.arange(0, BK)
         vv = tl.arange(0, BDV)
         kok = kk < DK
         vok = vv < DV
-        # Append the token first (the store rounds it to the buffers' dtype, as the trainer's inputs
-        # are); every read below then comes from the buffers. Rows after i would enter the chains
-        # only with exact-zero coefficients (A, P, T are causal), so the loops stop at row i and
-        # stale cache rows (another request's, say) never reach this row.
-        crow = (slot * C + c) * H + h
-        irow = (slot * C + i) * H + h
-        qi, ki, vi = qb_ptr + irow * DK, kb_ptr + irow * DK, vb_ptr + irow * DV
-        tl.store(qi + kk, tl.load(q_ptr + bi * stride_qb + h * stride_qh + kk, mask=kok), mask=kok)
-        tl.store(ki + kk, tl.load(k_ptr + bi * stride_kb + h * stride_kh + kk, mask=kok), mask=kok)
-        tl.store(vi + vv, tl.load(v_ptr + bi * stride_vb + h * stride_vh + vv, mask=vok), mask=vok)
+        tl.store(
+            qb_ptr + irow * DK + kk, tl.load(q_ptr + bi * stride_qb + h * stride_qh + kk, mask=kok), mask=kok
+        )
+        tl.store(
+            kb_ptr + irow * DK + kk, tl.load(k_ptr + bi * stride_kb + h * stride_kh + kk, mask=kok), mask=kok
+        )
+        tl.store(
+            vb_ptr + irow * DV + vv, tl.load(v_ptr + bi * stride_vb + h * stride_vh + vv, mask=vok), mask=vok
+        )
         tl.store(gb_ptr + irow, tl.load(g_ptr + bi * stride_gb + h))
         tl.store(bb_ptr + irow, tl.load(b_ptr + bi * stride_bb + h))
-        tl.debug_barrier()
-        G = _cumsum_chain(tl.load(gb_ptr + crow, mask=c <= i, other=0.0).to(tl.float32), C)
-        g_i = _pick(G, i, c)
-        b_i = tl.load(bb_ptr + irow).to(tl.float32)
-        # kk_ij = k_i.k_j and qk_ij = q_i.k_j, chains over d.
-        kk_i = tl.zeros((C,), tl.float32)
-        qk_i = tl.zeros((C,), tl.float32)
-        for d in range(DK):
-            k_col = tl.load(kb_ptr + crow * DK + d, mask=c <= i, other=0.0).to(tl.float32)
-            kk_i = tl.fma(tl.load(ki + d).to(tl.float32), k_col, kk_i)
-            qk_i = tl.fma(tl.load(qi + d).to(tl.float32), k_col, qk_i)
-        decay = tl.exp(tl.where(i >= c, g_i - G, 0.0))
-        scr = scr_ptr + bh.to(tl.int64) * (3 * C + BK)
-        tl.store(scr + c, tl.where(i > c, (b_i * kk_i) * decay, 0.0))  # A_i
-        tl.store(scr + C + c, tl.where(i >= c, qk_i * decay, 0.0))  # P_i
-        tl.store(scr + 2 * C + c, G)
-        tl.debug_barrier()
-        # T_i = e_i - sum_j A_ij T_j over the cached final rows.
-        t_base = t_ptr + sh * C * C
-        acc = tl.zeros((C,), tl.float32)
-        for j in range(0, i):
-            acc = tl.fma(tl.load(scr + j), tl.load(t_base + j * C + c), acc)
-        tl.store(t_base + i * C + c, tl.where(c == i, 1.0, 0.0) - acc)
-        tl.debug_barrier()
-        # W_i = sum_j T_ij (b_j e^{G_j} k_j), U_i = sum_j T_ij (b_j v_j).
-        w_i = tl.zeros((BK,), tl.float32)
-        u_i = tl.zeros((BDV,), tl.float32)
-        for j in range(0, i + 1):
-            jrow = (slot * C + j) * H + h
-            t_ij = tl.load(t_base + i * C + j)
-            b_j = tl.load(bb_ptr + jrow).to(tl.float32)
-            k_j = tl.load(kb_ptr + jrow * DK + kk, mask=kok, other=0.0).to(tl.float32)
-            v_j = tl.load(vb_ptr + jrow * DV + vv, mask=vok, other=0.0).to(tl.float32)
-            w_i = tl.fma(t_ij, k_j * (b_j * tl.exp(tl.load(scr + 2 * C + j))), w_i)
-            u_i = tl.fma(t_ij, v_j * b_j, u_i)
-        tl.store(scr + 3 * C + kk, w_i)
-        tl.debug_barrier()
-        # U'_i = U_i - W_i H and (e^{G_i} q_i) H, chains over d.
-        h_base = h_ptr + sh * DK * DV
-        wh = tl.zeros((BDV,), tl.float32)
-        qh = tl.zeros((BDV,), tl.float32)
-        eg_i = tl.exp(g_i)
-        for d in range(DK):
-            s_row = tl.load(h_base + d * DV + vv, mask=vok, other=0.0)
-            wh = tl.fma(tl.load(scr + 3 * C + d), s_row, wh)
-            qh = tl.fma(tl.load(qi + d).to(tl.float32) * eg_i, s_row, qh)
-        up_base = up_ptr + sh * C * DV
-        tl.store(up_base + i * DV + vv, u_i - wh, mask=vok)
-        tl.debug_barrier()
-        # o_i = sum_j P_ij U'_j continuing (e^{G_i} q_i) H.
-        o = qh
-        for j in range(0, i + 1):
-            o = tl.fma(tl.load(scr + C + j), tl.load(up_base + j * DV + vv, mask=vok, other=0.0), o)
-        tl.store(o_ptr + bh.to(tl.int64) * DV + vv, o, mask=vok)
-        if i == C - 1:  # the chunk is full: H <- e^{G_C} H + (e^{G_C - G} k)^T U'
-            for f in range(BDV // FV):
-                fv = f * FV + tl.arange(0, FV)
-                fmask = kok[:, None] & (fv < DV)[None, :]
-                s = tl.load(h_base + kk[:, None] * DV + fv[None, :], mask=fmask, other=0.0) * tl.exp(g_i)
-                for j in range(C):
-                    jrow = (slot * C + j) * H + h
-                    k_j = tl.load(kb_ptr + jrow * DK + kk, mask=kok, other=0.0).to(tl.float32)
-                    kd = k_j * tl.exp(g_i - tl.load(scr + 2 * C + j))
-                    up_row = tl.load(up_base + j * DV + fv, mask=fv < DV, other=0.0)
-                    s = tl.fma(kd[:, None], up_row[None, :], s)
-                tl.store(h_base + kk[:, None] * DV + fv[None, :], s, mask=fmask)
+        if h == 0:
+            tl.store(runs_ptr + 0 * NB_SEQ + bi, slot * C)
+            tl.store(runs_ptr + 1 * NB_SEQ + bi, i + 1)
+            tl.store(runs_ptr + 2 * NB_SEQ + bi, bi)
+            tl.store(runs_ptr + 3 * NB_SEQ + bi, slot)
+            tl.store(runs_ptr + 4 * NB_SEQ + bi, i)
+            tl.store(runs_ptr + 5 * NB_SEQ + bi, bi)
 
     @jit()
     def _gdn_bump_kernel(slot_ptr, len_ptr, C: tl.constexpr):
@@ -626,84 +582,130 @@ def _tile_widths(dk: int, dv: int) -> tuple[int, int]:
     return max(16, next_power_of_2(dk)), max(16, next_power_of_2(dv))
 
 
+class _Runs(NamedTuple):
+    """The sequences one launch of the chunk kernels evaluates, as a (6, B) int32 device table:
+    rows start, length, chunk offset (the sequence's first chunk in the workspaces), state slot,
+    first row to emit and its output row. ``chunks``: the largest sequence's chunk count;
+    ``total``: the workspaces' chunk count (host ints, for the grids and the allocations)."""
+
+    table: torch.Tensor
+    chunks: int
+    total: int
+
+
+def _runs(
+    starts: list[int],
+    lens: list[int],
+    slots: list[int],
+    emits: list[int],
+    out_starts: list[int],
+    device: torch.device,
+    chunk: int,
+) -> _Runs:
+    n_ch = [-(-n // chunk) for n in lens]
+    offs = [0, *accumulate(n_ch)][:-1]
+    table = _device_ints([*starts, *lens, *offs, *slots, *emits, *out_starts], device).view(6, len(lens))
+    return _Runs(table, max(n_ch + [1]), max(sum(n_ch), 1))
+
+
 def _launch(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     g: torch.Tensor,
     beta: torch.Tensor,
-    starts: list[int],
-    lens: list[int],
-    slots: torch.Tensor,
+    runs: _Runs,
     h_in: torch.Tensor,
     h_out: torch.Tensor,
+    o: torch.Tensor,
     chunk: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
-    """Run the two chunk kernels over the sequences ``starts``/``lens``, reading the state of
-    sequence b from ``h_in[slots[b]]`` and writing ``h_out[slots[b]]`` (the same tensor is allowed:
-    each program reads its block before it writes it). Returns (o, the T workspace, the U/U'
-    workspace, each sequence's first chunk index in them)."""
-    t, hh, dk = q.shape
+) -> None:
+    """Run the three chunk kernels over ``runs``, reading sequence b's state from
+    ``h_in[slot_b]``, writing its last boundary state to ``h_out[slot_b]`` (the same tensor is
+    allowed) and its emitted rows into ``o`` (fp32 (rows, H, dv))."""
+    hh, dk = q.shape[1], q.shape[2]
     dv = v.shape[2]
-    o = torch.empty(t, hh, dv, dtype=torch.float32, device=q.device)
-    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-    g, beta = g.contiguous(), beta.contiguous()
+    nb = runs.table.shape[1]
+    if not nb:
+        return
+    assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and g.stride(-1) == beta.stride(-1) == 1
     assert h_in.is_contiguous() and h_out.is_contiguous() and h_in.dtype == torch.float32
     assert chunk >= 16 and chunk & (chunk - 1) == 0, "chunk must be a power of two >= 16"
-    n_ch = [-(-n // chunk) for n in lens]
-    offs = [0, *accumulate(n_ch)][:-1]
-    total = max(sum(n_ch), 1)
-    ws_w = torch.empty(total, hh, chunk, dk, dtype=torch.float32, device=q.device)
-    ws_u = torch.empty(total, hh, chunk, dv, dtype=torch.float32, device=q.device)
-    ws_p = torch.empty(total, hh, chunk, chunk, dtype=torch.float32, device=q.device)
-    ws_t = torch.empty(total, hh, chunk, chunk, dtype=torch.float32, device=q.device)
-    ws_g = torch.empty(total, hh, chunk, dtype=torch.float32, device=q.device)
-    nb = len(lens)
-    if not nb:
-        return o, ws_t, ws_u, offs
-    starts_t, lens_t, coff = (_device_ints(x, q.device) for x in (starts, lens, offs))
+    dt, dev = k.dtype, q.device
+    ws_w = torch.empty(runs.total, hh, chunk, dk, dtype=dt, device=dev)
+    ws_u = torch.empty(runs.total, hh, chunk, dv, dtype=dt, device=dev)
+    ws_h = torch.empty(runs.total, hh, dk, dv, dtype=dt, device=dev)
+    ws_g = torch.empty(runs.total, hh, chunk, dtype=torch.float32, device=dev)
+    start, length, coff, slot, emit, ostart = runs.table.unbind(0)
     bk, bdv = _tile_widths(dk, dv)
-    bv = min(CONFIG.state_bv, bdv)
-    cfg = CONFIG
-    _gdn_prep_kernel[(max(n_ch + [1]), nb * hh)](
-        q,
+    cfg, prec = CONFIG, dot_precision(dt)
+    nbw = min(cfg.prep_nb, max(bk, bdv))
+    _gdn_prep_kernel[(runs.chunks, nb * hh)](
         k,
         v,
         g,
         beta,
         ws_w,
         ws_u,
-        ws_p,
         ws_g,
-        ws_t,
-        starts_t,
-        lens_t,
+        start,
+        length,
         coff,
         hh,
-        *_input_strides(q, k, v, g, beta),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        g.stride(0),
+        beta.stride(0),
         DK=dk,
         DV=dv,
+        BK=bk,
+        BDV=bdv,
         C=chunk,
-        KS=bk if interpreting() else min(bk, cfg.prep_ks),
-        NB=min(max(bk, bdv), cfg.prep_nb),
+        NB=nbw,
+        SQUARINGS=chunk.bit_length() - 2,
+        PREC=prec,
         num_warps=cfg.prep_warps,
-        enable_fp_fusion=True,  # the dots' multiply-adds must lower to fma, as tl.fma does
         num_stages=1,
     )
+    bv = min(cfg.state_bv, bdv)
     _gdn_state_kernel[(nb * hh, cdiv(dv, bv))](
-        q,
         k,
         ws_w,
         ws_u,
-        ws_p,
         ws_g,
+        ws_h,
         h_in,
-        o,
         h_out,
-        starts_t,
-        lens_t,
-        slots,
+        start,
+        length,
+        slot,
         coff,
+        hh,
+        k.stride(0),
+        k.stride(1),
+        DK=dk,
+        DV=dv,
+        BK=bk,
+        BV=bv,
+        C=chunk,
+        PREC=prec,
+        num_warps=cfg.state_warps,
+    )
+    bo = min(cfg.out_bv, bdv)
+    _gdn_out_kernel[(runs.chunks, nb * hh, cdiv(dv, bo))](
+        q,
+        k,
+        ws_u,
+        ws_g,
+        ws_h,
+        o,
+        start,
+        length,
+        coff,
+        emit,
+        ostart,
         hh,
         q.stride(0),
         q.stride(1),
@@ -714,12 +716,11 @@ def _launch(
         DK=dk,
         DV=dv,
         BK=bk,
-        BV=bv,
+        BV=bo,
         C=chunk,
-        num_warps=cfg.state_warps,
-        num_stages=1,
+        PREC=prec,
+        num_warps=cfg.out_warps,
     )
-    return o, ws_t, ws_u, offs
 
 
 def gdn_recurrent_step(
@@ -758,8 +759,11 @@ def gdn_chunk(
         h0 = torch.zeros(nb, hh, dk, dv, dtype=torch.float32, device=q.device)
     h0 = h0.float().contiguous()
     ht = torch.empty_like(h0)
-    slots = torch.arange(nb, device=q.device, dtype=torch.int32)
-    return _launch(q, k, v, g, beta, starts, lens, slots, h0, ht, chunk)[0], ht
+    o = torch.empty(q.shape[0], hh, dv, dtype=torch.float32, device=q.device)
+    q, k, v, g, beta = _kernel_inputs(q, k, v, g, beta)
+    runs = _runs(starts, lens, list(range(nb)), [0] * nb, starts, q.device, chunk)
+    _launch(q, k, v, g, beta, runs, h0, ht, o, chunk)
+    return o, ht
 
 
 class _GDN(torch.autograd.Function):
@@ -806,15 +810,13 @@ def gdn_chunk_autograd(
 
 @dataclass
 class GDNCache:
-    """Per-slot decode state. Invariant mode keeps the state at the last chunk boundary, the open
-    chunk's inputs (``buf``, ``buf_len`` tokens) and that chunk's final rows of T and U' (so a decode
-    step computes one new row); native mode keeps the running state only."""
+    """Per-slot decode state. Invariant mode keeps the state at the last chunk boundary and the
+    open chunk's inputs (``buf``, ``buf_len`` tokens: each step re-runs that chunk); native mode
+    keeps the running state only."""
 
     h: torch.Tensor  # (S, H, dk, dv) fp32
-    buf: list[torch.Tensor]  # q, k (S, C, H, dk); v (S, C, H, dv); g, beta (S, C, H)
+    buf: list[torch.Tensor]  # q, k (S, C, H, dk); v (S, C, H, dv); g, beta (S, C, H) fp32
     buf_len: torch.Tensor  # (S,) int32, on the device
-    t: torch.Tensor  # (S, H, C, C) fp32: rows < buf_len of the open chunk's T
-    up: torch.Tensor  # (S, H, C, dv) fp32: rows < buf_len of the open chunk's U' = U - W H
 
     @classmethod
     def empty(
@@ -842,9 +844,12 @@ class GDNCache:
             h=z(slots, heads, dk, dv, dt=f32),
             buf=buf,
             buf_len=torch.zeros(slots, dtype=torch.int32, device=device),
-            t=z(slots, heads, chunk, chunk, dt=f32),
-            up=z(slots, heads, chunk, dv, dt=f32),
         )
+
+
+def _kernel_inputs(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The kernels read rows with unit element stride: anything else is copied once."""
+    return tuple(x if x.stride(-1) == 1 else x.contiguous() for x in xs)
 
 
 def gdn_decode_step(
@@ -858,17 +863,18 @@ def gdn_decode_step(
     chunk: int = CHUNK,
 ) -> torch.Tensor:
     """One new token for each of B sequences (q (B, H, dk) ...; ``slots`` (B,) int on the device),
-    invariant mode, no host sync: two launches (the row kernel, then the buf_len bump).
-    Returns o (B, H, dv) fp32."""
+    invariant mode, no host sync: the token is appended to its slot's open chunk, the chunk is
+    re-run by the trainer's kernels and its last row emitted, then buf_len is bumped (five
+    launches). Returns o (B, H, dv) fp32."""
     nb, hh, dk = q.shape
     dv = v.shape[2]
     o = torch.empty(nb, hh, dv, dtype=torch.float32, device=q.device)
     if not nb:
         return o
-    assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and g.stride(-1) == beta.stride(-1) == 1
+    q, k, v, g, beta = _kernel_inputs(q, k, v, g, beta)
     bk, bdv = _tile_widths(dk, dv)
-    scratch = torch.empty(nb * hh, 3 * chunk + bk, dtype=torch.float32, device=q.device)
-    _gdn_decode_kernel[(nb * hh,)](
+    table = torch.empty(6, nb, dtype=torch.int32, device=q.device)
+    _gdn_append_kernel[(nb, hh)](
         q,
         k,
         v,
@@ -877,22 +883,19 @@ def gdn_decode_step(
         slots,
         cache.buf_len,
         *cache.buf,
-        cache.h,
-        cache.t,
-        cache.up,
-        scratch,
-        o,
+        table,
+        nb,
         hh,
         *_input_strides(q, k, v, g, beta),
         DK=dk,
         DV=dv,
         BK=bk,
         BDV=bdv,
-        FV=min(64, bdv),
         C=chunk,
-        num_warps=CONFIG.decode_warps,
-        num_stages=1,
     )
+    bq, bkb, bv_, bg, bb = cache.buf
+    flat = (bq.flatten(0, 1), bkb.flatten(0, 1), bv_.flatten(0, 1), bg.flatten(0, 1), bb.flatten(0, 1))
+    _launch(*flat, _Runs(table, 1, nb), cache.h, cache.h, o, chunk)
     _gdn_bump_kernel[(nb,)](slots, cache.buf_len, C=chunk)
     return o
 
@@ -912,8 +915,8 @@ def gdn_incremental(
 ) -> torch.Tensor:
     """The engine's path: new tokens of several sequences (packed) continue their cached state.
     Invariant mode: single tokens take :func:`gdn_decode_step`; otherwise each open chunk is re-run
-    with the new tokens by the chunk kernels (same bits as the trainer) and its final T / U' rows
-    are cached. Native mode is the usual one: chunk form for a prefill, the recurrence for single
+    with the new tokens by the chunk kernels (same bits as the trainer) and the new open chunk is
+    cached. Native mode is the usual one: chunk form for a prefill, the recurrence for single
     tokens."""
     starts, lens = _seqs(cu_seqlens)
     new = (q, k, v, g, beta)
@@ -931,7 +934,7 @@ def gdn_incremental(
         return o
     kernel = resolve(impl, q) == "triton"
     if decode and kernel:
-        return gdn_decode_step(q, k, v, g, beta, sl, cache, chunk)
+        return gdn_decode_step(q, k, v, g, beta, sl.to(torch.int32), cache, chunk)
     n0s = cache.buf_len.tolist()
     parts: list[list[torch.Tensor]] = [[] for _ in new]
     cu2 = [0]
@@ -941,27 +944,20 @@ def gdn_incremental(
             parts[j].append(torch.cat([cache.buf[j][slot, :n0], x[s : s + n].to(cache.buf[j].dtype)]))
         cu2.append(cu2[-1] + n0 + n)
     packed = [torch.cat(p) for p in parts]
+    lens2 = [b - a for a, b in zip(cu2[:-1], cu2[1:], strict=True)]
+    emits = [n0s[slot] for slot in slots]
     if kernel:
-        h_all = cache.h  # the kernels read and write the slots' states in place
-        lens2 = [b - a for a, b in zip(cu2[:-1], cu2[1:], strict=True)]
-        sl32 = sl.to(torch.int32)
-        o_all, ws_t, ws_up, offs = _launch(*packed, cu2[:-1], lens2, sl32, h_all, h_all, chunk)
+        o = torch.empty(q.shape[0], q.shape[1], v.shape[2], dtype=torch.float32, device=q.device)
+        runs = _runs(cu2[:-1], lens2, slots, emits, starts, q.device, chunk)
+        _launch(*_kernel_inputs(*packed), runs, cache.h, cache.h, o, chunk)  # the slots' states in place
     else:
         cu_t = torch.tensor(cu2, device=q.device, dtype=torch.int32)
         o_all, h = gdn_chunk(*packed, cu_t, cache.h[sl], chunk, impl)
         cache.h[sl] = h
-    outs = []
-    for i, (n, slot) in enumerate(zip(lens, slots, strict=True)):
-        n0 = n0s[slot]
-        total = n0 + n
-        outs.append(o_all[cu2[i] + n0 : cu2[i + 1]])
-        rem = total % chunk
-        if rem:
-            for j in range(len(new)):
-                cache.buf[j][slot, :rem] = packed[j][cu2[i + 1] - rem : cu2[i + 1]]
-            if kernel:
-                last = offs[i] + total // chunk
-                cache.t[slot, :, :rem] = ws_t[last, :, :rem]
-                cache.up[slot, :, :rem] = ws_up[last, :, :rem]
+        o = torch.cat([o_all[a + e : b] for a, b, e in zip(cu2[:-1], cu2[1:], emits, strict=True)])
+    for i, slot in enumerate(slots):
+        rem = lens2[i] % chunk
+        for j in range(len(new)):
+            cache.buf[j][slot, :rem] = packed[j][cu2[i + 1] - rem : cu2[i + 1]]
         cache.buf_len[slot] = rem
-    return torch.cat(outs)
+    return o
