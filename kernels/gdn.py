@@ -35,7 +35,7 @@ next boundary state. Prefill/decode splits anywhere, packed or not, give the tra
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import NamedTuple
 
@@ -155,6 +155,24 @@ if HAVE_TRITON:
                 u = tl.dot(t, (vs.to(tl.float32) * bc[:, None]).to(dt), input_precision=PREC)
                 tl.store(u_ptr + (ws * C + c[:, None]) * DV + vv[None, :], u.to(dt), mask=(vv < DV)[None, :])
 
+    @triton.jit
+    def _chunk_vnew(
+        w_ptr, u_ptr, hc_ptr, state, ws, c, kk, vv, kok, vok, DK, DV, C: tl.constexpr, PREC: tl.constexpr
+    ):
+        """One chunk of the state kernel before its boundary: stores the state entering it (in the
+        inputs' dtype) and U' = U - W H over U; returns U'."""
+        dt = w_ptr.dtype.element_ty
+        entering = state.to(dt)
+        tl.store(
+            hc_ptr + ws * DK * DV + kk[:, None] * DV + vv[None, :], entering, mask=kok[:, None] & vok[None, :]
+        )
+        w = tl.load(w_ptr + (ws * C + c[:, None]) * DK + kk[None, :], mask=kok[None, :], other=0.0)
+        u_at = u_ptr + (ws * C + c[:, None]) * DV + vv[None, :]
+        u = tl.load(u_at, mask=vok[None, :], other=0.0).to(tl.float32)
+        vn = (u - tl.dot(w, entering, input_precision=PREC)).to(dt)
+        tl.store(u_at, vn, mask=vok[None, :])
+        return vn
+
     @jit()
     def _gdn_state_kernel(
         k_ptr,
@@ -200,26 +218,22 @@ if HAVE_TRITON:
         hmask = kok[:, None] & vok[None, :]
         hs = (slot * H + h).to(tl.int64) * DK * DV
         state = tl.load(h0_ptr + hs + kk[:, None] * DV + vv[None, :], mask=hmask, other=0.0)
-        for t0 in range(0, n, C):
-            ws = ((coff + t0 // C) * H + h).to(tl.int64)
-            entering = state.to(dt)
-            tl.store(hc_ptr + ws * DK * DV + kk[:, None] * DV + vv[None, :], entering, mask=hmask)
-            w = tl.load(w_ptr + (ws * C + c[:, None]) * DK + kk[None, :], mask=kok[None, :], other=0.0)
-            u_at = u_ptr + (ws * C + c[:, None]) * DV + vv[None, :]
-            u = tl.load(u_at, mask=vok[None, :], other=0.0).to(tl.float32)
-            vn = (u - tl.dot(w, entering, input_precision=PREC)).to(dt)
-            tl.store(u_at, vn, mask=vok[None, :])
-            if t0 + C <= n:
-                G = tl.load(gc_ptr + ws * C + c)
-                g_last = tl.load(gc_ptr + ws * C + C - 1)
-                row = (start + t0 + c).to(tl.int64)
-                kt = tl.load(
-                    k_ptr + row[None, :] * stride_kt + h * stride_kh + kk[:, None],
-                    mask=kok[:, None],
-                    other=0.0,
-                )
-                kt = (kt.to(tl.float32) * tl.exp(g_last - G)[None, :]).to(dt)
-                state = tl.dot(kt, vn, state * tl.exp(g_last), input_precision=PREC)
+        # Full chunks first, in a loop without a branch (so the next chunk's loads overlap this
+        # one's dots), then the open chunk, which does not cross a boundary.
+        for ci in range(coff, coff + n // C):
+            ws = (ci * H + h).to(tl.int64)
+            vn = _chunk_vnew(w_ptr, u_ptr, hc_ptr, state, ws, c, kk, vv, kok, vok, DK, DV, C, PREC)
+            G = tl.load(gc_ptr + ws * C + c)
+            g_last = tl.load(gc_ptr + ws * C + C - 1)
+            row = (start + (ci - coff) * C + c).to(tl.int64)
+            kt = tl.load(
+                k_ptr + row[None, :] * stride_kt + h * stride_kh + kk[:, None], mask=kok[:, None], other=0.0
+            )
+            kt = (kt.to(tl.float32) * tl.exp(g_last - G)[None, :]).to(dt)
+            state = tl.dot(kt, vn, state * tl.exp(g_last), input_precision=PREC)
+        if n % C != 0:
+            ws = ((coff + n // C) * H + h).to(tl.int64)
+            _chunk_vnew(w_ptr, u_ptr, hc_ptr, state, ws, c, kk, vv, kok, vok, DK, DV, C, PREC)
         tl.store(ht_ptr + hs + kk[:, None] * DV + vv[None, :], state, mask=hmask)
 
     @jit()
@@ -608,6 +622,26 @@ def _runs(
     return _Runs(table, max(n_ch + [1]), max(sum(n_ch), 1))
 
 
+class _Workspace(NamedTuple):
+    """Per (chunk, head): W, U (then U'), the state entering the chunk (in the inputs' dtype) and
+    G. Every launch writes what it reads, so decode reuses one per batch size."""
+
+    w: torch.Tensor
+    u: torch.Tensor
+    h: torch.Tensor
+    g: torch.Tensor
+
+    @classmethod
+    def empty(cls, chunks: int, k: torch.Tensor, dv: int, chunk: int) -> _Workspace:
+        hh, dk, dt, dev = k.shape[1], k.shape[2], k.dtype, k.device
+        return cls(
+            torch.empty(chunks, hh, chunk, dk, dtype=dt, device=dev),
+            torch.empty(chunks, hh, chunk, dv, dtype=dt, device=dev),
+            torch.empty(chunks, hh, dk, dv, dtype=dt, device=dev),
+            torch.empty(chunks, hh, chunk, dtype=torch.float32, device=dev),
+        )
+
+
 def _launch(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -619,6 +653,7 @@ def _launch(
     h_out: torch.Tensor,
     o: torch.Tensor,
     chunk: int,
+    work: _Workspace | None = None,
 ) -> None:
     """Run the three chunk kernels over ``runs``, reading sequence b's state from
     ``h_in[slot_b]``, writing its last boundary state to ``h_out[slot_b]`` (the same tensor is
@@ -631,12 +666,9 @@ def _launch(
     assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and g.stride(-1) == beta.stride(-1) == 1
     assert h_in.is_contiguous() and h_out.is_contiguous() and h_in.dtype == torch.float32
     assert chunk >= 16 and chunk & (chunk - 1) == 0, "chunk must be a power of two >= 16"
-    dt, dev = k.dtype, q.device
-    ws_w = torch.empty(runs.total, hh, chunk, dk, dtype=dt, device=dev)
-    ws_u = torch.empty(runs.total, hh, chunk, dv, dtype=dt, device=dev)
-    ws_h = torch.empty(runs.total, hh, dk, dv, dtype=dt, device=dev)
-    ws_g = torch.empty(runs.total, hh, chunk, dtype=torch.float32, device=dev)
-    start, length, coff, slot, emit, ostart = runs.table.unbind(0)
+    dt = k.dtype
+    ws_w, ws_u, ws_h, ws_g = work or _Workspace.empty(runs.total, k, dv, chunk)
+    start, length, coff, slot, emit, ostart = runs.table
     bk, bdv = _tile_widths(dk, dv)
     cfg, prec = CONFIG, dot_precision(dt)
     nbw = min(cfg.prep_nb, max(bk, bdv))
@@ -817,6 +849,14 @@ class GDNCache:
     h: torch.Tensor  # (S, H, dk, dv) fp32
     buf: list[torch.Tensor]  # q, k (S, C, H, dk); v (S, C, H, dv); g, beta (S, C, H) fp32
     buf_len: torch.Tensor  # (S,) int32, on the device
+    # Decode's run table and workspaces per batch size (allocated once: a step allocates nothing
+    # but its output, and a captured graph keeps its addresses).
+    decode_scratch: dict[int, tuple[torch.Tensor, _Workspace]] = field(default_factory=dict, repr=False)
+
+    @property
+    def flat(self) -> list[torch.Tensor]:
+        """The buffers as packed inputs ((S * C, H, ...)): slot s's open chunk starts at row s * C."""
+        return [b.flatten(0, 1) for b in self.buf]
 
     @classmethod
     def empty(
@@ -873,7 +913,10 @@ def gdn_decode_step(
         return o
     q, k, v, g, beta = _kernel_inputs(q, k, v, g, beta)
     bk, bdv = _tile_widths(dk, dv)
-    table = torch.empty(6, nb, dtype=torch.int32, device=q.device)
+    if nb not in cache.decode_scratch:
+        table = torch.empty(6, nb, dtype=torch.int32, device=q.device)
+        cache.decode_scratch[nb] = (table, _Workspace.empty(nb, cache.buf[1][0], dv, chunk))
+    table, work = cache.decode_scratch[nb]
     _gdn_append_kernel[(nb, hh)](
         q,
         k,
@@ -893,9 +936,7 @@ def gdn_decode_step(
         BDV=bdv,
         C=chunk,
     )
-    bq, bkb, bv_, bg, bb = cache.buf
-    flat = (bq.flatten(0, 1), bkb.flatten(0, 1), bv_.flatten(0, 1), bg.flatten(0, 1), bb.flatten(0, 1))
-    _launch(*flat, _Runs(table, 1, nb), cache.h, cache.h, o, chunk)
+    _launch(*cache.flat, _Runs(table, 1, nb), cache.h, cache.h, o, chunk, work)
     _gdn_bump_kernel[(nb,)](slots, cache.buf_len, C=chunk)
     return o
 
