@@ -790,12 +790,11 @@ def bench_gdn_tune() -> None:
 
 def bench_fla() -> None:
     """CPR GDN against flash-linear-attention (``fla``, the library users run), where it imports:
-    prefill (``chunk_gated_delta_rule``), trainer fwd+bwd, and decode per token
-    (``fused_recurrent_gated_delta_rule`` one step at a time, against our decode step). Same
+    prefill (``chunk_gated_delta_rule``) and trainer fwd+bwd (decode: :func:`bench_fla_decode`). Same
     inputs (q pre-scaled, so fla's scale is 1; log-decay g; beta); fla's output is checked
     against ours by relative L2."""
     try:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     except Exception as exc:  # noqa: BLE001
         print(f"[{TIMING}] fla not importable: {exc!r}", flush=True)
         return
@@ -859,21 +858,33 @@ def bench_fla() -> None:
         print(f"[{TIMING}] fla vs cpr-gdn gradient rel L2 (q, k, v, g, beta) {shape}: "
               + " ".join(f"{r:.1e}" for r in rels), flush=True)  # fmt: skip
         record(case, shape, bench(fla_fb, 300), bench(ours_fb, 300), 1.4)
+
+
+def bench_fla_decode() -> None:
+    """CPR GDN decode per token against fla's ``fused_recurrent_gated_delta_rule`` one step at a
+    time (its inputs made contiguous outside the timed loop). Run last: on the H200 fla's step
+    once hit an illegal memory access, which ends the process."""
+    try:
+        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+    except Exception as exc:  # noqa: BLE001
+        print(f"[{TIMING}] fla not importable: {exc!r}", flush=True)
+        return
+    h, d = 16, 128
     with torch.no_grad():
         for b in (1, 16, 64):
             steps = 16
             xs, _ = _gdn_inputs(b, steps, h, d)
             xs = [x.view(b, steps, *x.shape[1:]) for x in xs]
+            per_step = [[x[:, s_ : s_ + 1].contiguous() for x in xs] for s_ in range(steps)]
             slots = torch.arange(b, device="cuda")
             cache = G.GDNCache.empty(b, h, d, d, torch.bfloat16, torch.device("cuda"))
             state = torch.zeros(b, h, d, d, device="cuda")
 
             def fla_dec() -> None:
-                for s_ in range(steps):
+                for q_, k_, v_, g_, b_ in per_step:
                     fused_recurrent_gated_delta_rule(
-                        *(x[:, s_ : s_ + 1] for x in xs[:3]), xs[3][:, s_ : s_ + 1], xs[4][:, s_ : s_ + 1],
-                        scale=1.0, initial_state=state, output_final_state=True,
-                    )  # fmt: skip
+                        q_, k_, v_, g_, b_, scale=1.0, initial_state=state, output_final_state=True
+                    )
 
             def ours_dec() -> None:
                 for s_ in range(steps):
@@ -998,7 +1009,9 @@ def bench_moe() -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", default="launch,gemm,gemm_small,rmsnorm,attention,gdn,fingerprint,moe")
+    ap.add_argument(
+        "--only", default="launch,gemm,gemm_small,rmsnorm,attention,gdn,fingerprint,moe,fla,fla_decode"
+    )
     ap.add_argument("--timing", default="eager", help="eager, graph, or eager,graph")
     ap.add_argument("--json", default=None)
     ap.add_argument("--shapes", default=None, help="gemm_small's (N, K) weights, e.g. 896x4864,1024x4096")

@@ -789,18 +789,36 @@ def gdn_chunk(
     nb = len(lens)
     if h0 is None:
         h0 = torch.zeros(nb, hh, dk, dv, dtype=torch.float32, device=q.device)
-    h0 = h0.float().contiguous()
+    return _chunk_forward(q, k, v, g, beta, (starts, lens), h0.float().contiguous(), chunk)[:2]
+
+
+def _chunk_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    seqs: tuple[list[int], list[int]],
+    h0: torch.Tensor,
+    chunk: int,
+) -> tuple[torch.Tensor, torch.Tensor, _Runs, _Workspace]:
+    """:func:`gdn_chunk` on the kernels, also returning the run table and the per-chunk
+    workspace (what the backward reads)."""
+    starts, lens = seqs
+    nb = len(lens)
     ht = torch.empty_like(h0)
-    o = torch.empty(q.shape[0], hh, dv, dtype=torch.float32, device=q.device)
+    o = torch.empty(q.shape[0], q.shape[1], v.shape[2], dtype=torch.float32, device=q.device)
     q, k, v, g, beta = _kernel_inputs(q, k, v, g, beta)
     runs = _runs(starts, lens, list(range(nb)), [0] * nb, starts, q.device, chunk)
-    _launch(q, k, v, g, beta, runs, h0, ht, o, chunk)
-    return o, ht
+    work = _Workspace.empty(runs.total, k, v.shape[2], chunk)
+    _launch(q, k, v, g, beta, runs, h0, ht, o, chunk, work)
+    return o, ht, runs, work
 
 
 class _GDN(torch.autograd.Function):
-    """Forward through the kernel; backward through :func:`_chunk_backward` (the torch chunk form
-    in fp32, recomputed from the saved inputs)."""
+    """Forward through the kernels; backward through :mod:`kernels.gdn_backward` (kernels too,
+    from the forward's per-chunk workspace), or the torch chunk form where the kernels do not
+    run (CPU tensors without the interpreter)."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, cu_seqlens, chunk):  # type: ignore[override]
@@ -808,15 +826,28 @@ class _GDN(torch.autograd.Function):
         # Read the sequence bounds back once: a second read in backward would be a host sync
         # that stalls the backward's launches behind this forward's kernels.
         ctx.chunk, ctx.seqs = chunk, _seqs(cu_seqlens)
-        return gdn_chunk(q, k, v, g, beta, cu_seqlens, None, chunk, seqs=ctx.seqs)[0]
+        ctx.kernel = resolve(None, q) == "triton"
+        if not ctx.kernel:
+            return gdn_chunk(q, k, v, g, beta, cu_seqlens, None, chunk, seqs=ctx.seqs)[0]
+        h0 = torch.zeros(
+            len(ctx.seqs[1]), q.shape[1], q.shape[2], v.shape[2], dtype=torch.float32, device=q.device
+        )
+        o, _, ctx.runs, ctx.work = _chunk_forward(q, k, v, g, beta, ctx.seqs, h0, chunk)
+        return o
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         q, k, v, g, beta, _ = ctx.saved_tensors
-        # The gradient is not part of the bitwise contract: the same chunk form with a library
-        # triangular solve, differentiated by hand across chunks; accuracy is checked against fp64.
-        ins = [t.detach().requires_grad_(True) for t in (q, k, v, g, beta)]
-        grads = _chunk_backward(ins, grad, ctx.seqs, ctx.chunk)
+        # The gradient is not part of the bitwise contract; accuracy is checked against fp64.
+        if getattr(ctx, "work", None) is not None:
+            from .gdn_backward import gdn_chunk_backward
+
+            dq, dk, dv, dg, db = gdn_chunk_backward(q, k, v, g, beta, ctx.runs, ctx.work, grad, ctx.chunk)
+            ctx.work = None
+            grads = (dq, dk, dv, dg, db)
+        else:
+            ins = [t.detach().requires_grad_(True) for t in (q, k, v, g, beta)]
+            grads = _chunk_backward(ins, grad, ctx.seqs, ctx.chunk)
         return (
             *(
                 None if gr is None else gr.to(t.dtype)
