@@ -750,14 +750,16 @@ def bench_gdn_tune() -> None:
     h, d = 16, 128
     configs = [
         G.GDNConfig(),
-        G.GDNConfig(prep_nb=32),
-        G.GDNConfig(out_bv=32),
-        G.GDNConfig(state_warps=8),
         G.GDNConfig(prep_warps=8, out_warps=8),
         G.GDNConfig(state_bv=16),
         G.GDNConfig(state_bv=64),
         G.GDNConfig(prep_nb=128, out_bv=128),
         G.GDNConfig(prep_nb=128, out_bv=128, state_bv=16),
+        G.GDNConfig(state_warps=2, state_bv=16),
+        G.GDNConfig(prep_warps=8, prep_nb=128, state_warps=2, state_bv=16, out_warps=8, out_bv=128),
+        G.GDNConfig(state_warps=8),
+        G.GDNConfig(out_bv=32),
+        G.GDNConfig(prep_nb=32),
     ]
     base = G.CONFIG
     with torch.no_grad():

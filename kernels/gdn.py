@@ -36,12 +36,24 @@ next boundary state. Prefill/decode splits anywhere, packed or not, give the tra
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from itertools import accumulate
 from typing import NamedTuple
 
 import torch
 
-from ._triton import HAVE_TRITON, cdiv, dot_precision, jit, next_power_of_2, resolve, tl, triton
+from ._triton import (
+    HAVE_TRITON,
+    CachedLauncher,
+    aligned,
+    cdiv,
+    dot_precision,
+    jit,
+    next_power_of_2,
+    resolve,
+    tl,
+    triton,
+)
 
 CHUNK = 64
 
@@ -377,6 +389,26 @@ if HAVE_TRITON:
         n = tl.load(len_ptr + slot) + 1
         tl.store(len_ptr + slot, tl.where(n == C, 0, n))
 
+    _L_PREP, _L_STATE, _L_OUT, _L_APPEND, _L_BUMP = (
+        CachedLauncher(kernel)
+        for kernel in (
+            _gdn_prep_kernel,
+            _gdn_state_kernel,
+            _gdn_out_kernel,
+            _gdn_append_kernel,
+            _gdn_bump_kernel,
+        )
+    )
+
+
+def _run(launcher, key, grid: tuple[int, int, int], args: tuple, constexprs: dict, **options) -> None:
+    """``kernel[grid](*args, **constexprs)``, or through the launcher's cache where the caller
+    passes a key that fixes Triton's specialisation of ``args`` (decode: launch cost is its time)."""
+    if key is None:
+        launcher.kernel[grid](*args, **constexprs, **options)
+    else:
+        launcher(key, grid, args, constexprs, **options)
+
 
 def _chunkify(x: torch.Tensor, starts: list[int], lens: list[int], nc: int, c: int) -> torch.Tensor:
     """(T, H, ...) packed -> (B, nc, H, C, ...) zero-padded chunks aligned to each sequence start."""
@@ -654,10 +686,11 @@ def _launch(
     o: torch.Tensor,
     chunk: int,
     work: _Workspace | None = None,
+    key: tuple | None = None,
 ) -> None:
     """Run the three chunk kernels over ``runs``, reading sequence b's state from
     ``h_in[slot_b]``, writing its last boundary state to ``h_out[slot_b]`` (the same tensor is
-    allowed) and its emitted rows into ``o`` (fp32 (rows, H, dv))."""
+    allowed) and its emitted rows into ``o`` (fp32 (rows, H, dv)). ``key``: see :func:`_run`."""
     hh, dk = q.shape[1], q.shape[2]
     dv = v.shape[2]
     nb = runs.table.shape[1]
@@ -672,85 +705,106 @@ def _launch(
     bk, bdv = _tile_widths(dk, dv)
     cfg, prec = CONFIG, dot_precision(dt)
     nbw = min(cfg.prep_nb, max(bk, bdv))
-    _gdn_prep_kernel[(runs.chunks, nb * hh)](
-        k,
-        v,
-        g,
-        beta,
-        ws_w,
-        ws_u,
-        ws_g,
-        start,
-        length,
-        coff,
-        hh,
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        g.stride(0),
-        beta.stride(0),
-        DK=dk,
-        DV=dv,
-        BK=bk,
-        BDV=bdv,
-        C=chunk,
-        NB=nbw,
-        SQUARINGS=chunk.bit_length() - 2,
-        PREC=prec,
+    _run(
+        _L_PREP,
+        key,
+        (runs.chunks, nb * hh, 1),
+        (
+            k,
+            v,
+            g,
+            beta,
+            ws_w,
+            ws_u,
+            ws_g,
+            start,
+            length,
+            coff,
+            hh,
+            k.stride(0),
+            k.stride(1),
+            v.stride(0),
+            v.stride(1),
+            g.stride(0),
+            beta.stride(0),
+        ),
+        dict(
+            DK=dk,
+            DV=dv,
+            BK=bk,
+            BDV=bdv,
+            C=chunk,
+            NB=nbw,
+            SQUARINGS=chunk.bit_length() - 2,
+            PREC=prec,
+        ),
         num_warps=cfg.prep_warps,
         num_stages=1,
     )
     bv = min(cfg.state_bv, bdv)
-    _gdn_state_kernel[(nb * hh, cdiv(dv, bv))](
-        k,
-        ws_w,
-        ws_u,
-        ws_g,
-        ws_h,
-        h_in,
-        h_out,
-        start,
-        length,
-        slot,
-        coff,
-        hh,
-        k.stride(0),
-        k.stride(1),
-        DK=dk,
-        DV=dv,
-        BK=bk,
-        BV=bv,
-        C=chunk,
-        PREC=prec,
+    _run(
+        _L_STATE,
+        key,
+        (nb * hh, cdiv(dv, bv), 1),
+        (
+            k,
+            ws_w,
+            ws_u,
+            ws_g,
+            ws_h,
+            h_in,
+            h_out,
+            start,
+            length,
+            slot,
+            coff,
+            hh,
+            k.stride(0),
+            k.stride(1),
+        ),
+        dict(
+            DK=dk,
+            DV=dv,
+            BK=bk,
+            BV=bv,
+            C=chunk,
+            PREC=prec,
+        ),
         num_warps=cfg.state_warps,
     )
     bo = min(cfg.out_bv, bdv)
-    _gdn_out_kernel[(runs.chunks, nb * hh, cdiv(dv, bo))](
-        q,
-        k,
-        ws_u,
-        ws_g,
-        ws_h,
-        o,
-        start,
-        length,
-        coff,
-        emit,
-        ostart,
-        hh,
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
-        o.stride(0),
-        o.stride(1),
-        DK=dk,
-        DV=dv,
-        BK=bk,
-        BV=bo,
-        C=chunk,
-        PREC=prec,
+    _run(
+        _L_OUT,
+        key,
+        (runs.chunks, nb * hh, cdiv(dv, bo)),
+        (
+            q,
+            k,
+            ws_u,
+            ws_g,
+            ws_h,
+            o,
+            start,
+            length,
+            coff,
+            emit,
+            ostart,
+            hh,
+            q.stride(0),
+            q.stride(1),
+            k.stride(0),
+            k.stride(1),
+            o.stride(0),
+            o.stride(1),
+        ),
+        dict(
+            DK=dk,
+            DV=dv,
+            BK=bk,
+            BV=bo,
+            C=chunk,
+            PREC=prec,
+        ),
         num_warps=cfg.out_warps,
     )
 
@@ -884,7 +938,7 @@ class GDNCache:
     # but its output, and a captured graph keeps its addresses).
     decode_scratch: dict[int, tuple[torch.Tensor, _Workspace]] = field(default_factory=dict, repr=False)
 
-    @property
+    @cached_property
     def flat(self) -> list[torch.Tensor]:
         """The buffers as packed inputs ((S * C, H, ...)): slot s's open chunk starts at row s * C."""
         return [b.flatten(0, 1) for b in self.buf]
@@ -948,27 +1002,49 @@ def gdn_decode_step(
         table = torch.empty(6, nb, dtype=torch.int32, device=q.device)
         cache.decode_scratch[nb] = (table, _Workspace.empty(nb, cache.buf[1][0], dv, chunk))
     table, work = cache.decode_scratch[nb]
-    _gdn_append_kernel[(nb, hh)](
-        q,
-        k,
-        v,
-        g,
-        beta,
-        slots,
-        cache.buf_len,
-        *cache.buf,
-        table,
-        nb,
-        hh,
-        *_input_strides(q, k, v, g, beta),
-        DK=dk,
-        DV=dv,
-        BK=bk,
-        BDV=bdv,
-        C=chunk,
+    # Everything Triton specialises on: the integers follow from these and the pointers of the
+    # cache, its scratch and o are allocations of their own (aligned).
+    key = (nb, hh, dk, dv, chunk, q.dtype, _input_strides(q, k, v, g, beta), aligned(q, k, v, g, beta, slots),
+           slots.dtype, CONFIG)  # fmt: skip
+    _run(
+        _L_APPEND,
+        key,
+        (nb, hh, 1),
+        (
+            q,
+            k,
+            v,
+            g,
+            beta,
+            slots,
+            cache.buf_len,
+            *cache.buf,
+            table,
+            nb,
+            hh,
+            *_input_strides(q, k, v, g, beta),
+        ),
+        dict(
+            DK=dk,
+            DV=dv,
+            BK=bk,
+            BDV=bdv,
+            C=chunk,
+        ),
     )
-    _launch(*cache.flat, _Runs(table, 1, nb), cache.h, cache.h, o, chunk, work)
-    _gdn_bump_kernel[(nb,)](slots, cache.buf_len, C=chunk)
+    _launch(*cache.flat, _Runs(table, 1, nb), cache.h, cache.h, o, chunk, work, key)
+    _run(
+        _L_BUMP,
+        key,
+        (nb, 1, 1),
+        (
+            slots,
+            cache.buf_len,
+        ),
+        dict(
+            C=chunk,
+        ),
+    )
     return o
 
 
