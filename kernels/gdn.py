@@ -90,6 +90,20 @@ if HAVE_TRITON:
         """``exp(G_i - G_j)`` on and below the diagonal, 1 above (masked by the caller)."""
         return tl.exp(tl.where(c[:, None] >= c[None, :], g[:, None] - g[None, :], 0.0))
 
+    @triton.jit
+    def _wy_inverse(k_s, bc, G, c, SQUARINGS: tl.constexpr, PREC: tl.constexpr):
+        """``k k^T``, ``A = tril(b_i (k_i.k_j) e^{G_i-G_j}, -1)`` and ``T = (I + A)^{-1}`` of one
+        chunk, T as ``(I - A)(I + A^2)(I + A^4)...`` (A is nilpotent); row i of each reads rows
+        <= i alone. Shared by the forward and the backward."""
+        kk = tl.dot(k_s, tl.trans(k_s), input_precision=PREC)
+        a = tl.where(c[:, None] > c[None, :], (bc[:, None] * kk) * _decay(G, c), 0.0)
+        power = -a
+        t = tl.where(c[:, None] == c[None, :], 1.0, 0.0) + power
+        for _ in tl.static_range(SQUARINGS):
+            power = tl.dot(power, power, input_precision=PREC)
+            t = tl.dot(t, power, t, input_precision=PREC)
+        return kk, a, t
+
     @jit()
     def _gdn_prep_kernel(
         k_ptr,
@@ -141,14 +155,7 @@ if HAVE_TRITON:
             kd = tl.arange(0, BK)
             k_at = k_ptr + row[:, None] * stride_kt + h * stride_kh + kd[None, :]
             k_s = tl.load(k_at, mask=ok[:, None] & (kd < DK)[None, :], other=0.0)
-            kk = tl.dot(k_s, tl.trans(k_s), input_precision=PREC)
-            a = tl.where(c[:, None] > c[None, :], (bc[:, None] * kk) * _decay(G, c), 0.0)
-            power = -a
-            t = tl.where(c[:, None] == c[None, :], 1.0, 0.0) + power
-            for _ in tl.static_range(SQUARINGS):
-                power = tl.dot(power, power, input_precision=PREC)
-                t = tl.dot(t, power, t, input_precision=PREC)
-            t = t.to(dt)
+            t = _wy_inverse(k_s, bc, G, c, SQUARINGS, PREC)[2].to(dt)
             kscale = bc * tl.exp(G)
             for d0 in tl.static_range(0, BK, NB):
                 d = d0 + tl.arange(0, NB)

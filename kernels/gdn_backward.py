@@ -26,7 +26,7 @@ from ._triton import HAVE_TRITON, cdiv, dot_precision, jit, tl
 from .gdn import CHUNK, _kernel_inputs, _Runs, _tile_widths, _Workspace
 
 if HAVE_TRITON:
-    from .gdn import _decay
+    from .gdn import _decay, _wy_inverse
 
     @jit()
     def _gdn_bwd_state_kernel(
@@ -167,13 +167,7 @@ if HAVE_TRITON:
             eg = tl.exp(G)
             strict = c[:, None] > c[None, :]
             causal = c[:, None] >= c[None, :]
-            kk = tl.dot(k_s, tl.trans(k_s), input_precision=PREC)
-            a = tl.where(strict, (bc[:, None] * kk) * _decay(G, c), 0.0)
-            power = -a
-            t = tl.where(c[:, None] == c[None, :], 1.0, 0.0) + power
-            for _ in tl.static_range(SQUARINGS):
-                power = tl.dot(power, power, input_precision=PREC)
-                t = tl.dot(t, power, t, input_precision=PREC)
+            kk, a, t = _wy_inverse(k_s, bc, G, c, SQUARINGS, PREC)
             tt = tl.trans(t)
             decay = _decay(G, c)
             q_s = tl.load(q_ptr + row[:, None] * stride_qt + h * stride_qh + kd_[None, :], mask=im, other=0.0)
