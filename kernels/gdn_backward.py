@@ -14,8 +14,7 @@ entering the chunk ``H``, ``G``) and recomputes ``A`` and ``T`` as the forward d
 * *local* kernel, all chunks in parallel: ``dq``, ``dk``, ``dv``, ``dbeta`` and ``dg`` of the
   chunk's terms (``P``, ``e^G (q H)``, ``kd``, ``W = T (b e^G k)``, ``U = T (b v)`` and
   ``dA = -T^T dT T^T`` through ``T = (I + A)^{-1}``), then ``dg`` as the reverse cumsum of
-  ``dG``. The dv-dependent products run in three passes over dv blocks, each with its own
-  accumulators, so few tiles are live at once.
+  ``dG``. The dv-dependent products run over dv blocks, so few tiles are live at once.
 """
 
 from __future__ import annotations
@@ -169,100 +168,79 @@ if HAVE_TRITON:
             causal = c[:, None] >= c[None, :]
             kk, a, t = _wy_inverse(k_s, bc, G, c, SQUARINGS, PREC)
             tt = tl.trans(t)
-            decay = _decay(G, c)
-            q_s = tl.load(q_ptr + row[:, None] * stride_qt + h * stride_qh + kd_[None, :], mask=im, other=0.0)
-            q_s = q_s.to(tl.float32)
-            # Three passes over dv blocks, each with its own accumulators (few tiles live at once).
-            # 1. dO against U' and H: dP = dO U'^T and dq's inter-chunk part (e^G dO) H^T.
-            dq = tl.zeros((C, BK), tl.float32)
-            dp = tl.zeros((C, C), tl.float32)
-            for v0 in tl.static_range(0, BDV, BV):
-                vv = v0 + tl.arange(0, BV)
-                vok = vv < DV
-                do_b = tl.load(
-                    do_ptr + row[:, None] * stride_dot + h * stride_doh + vv[None, :],
-                    mask=ok[:, None] & vok[None, :],
-                    other=0.0,
-                ).to(tl.float32)
-                vn_b = tl.load(
-                    vn_ptr + (ws * C + c[:, None]) * DV + vv[None, :], mask=vok[None, :], other=0.0
-                )
-                hc_b = tl.load(
-                    hc_ptr + ws * DK * DV + kd_[:, None] * DV + vv[None, :],
-                    mask=kok[:, None] & vok[None, :],
-                    other=0.0,
-                )
-                dq = tl.dot(do_b * eg[:, None], tl.trans(hc_b.to(tl.float32)), dq, input_precision=PREC)
-                dp = tl.dot(do_b, tl.trans(vn_b.to(tl.float32)), dp, input_precision=PREC)
-            dG = tl.sum(q_s * dq, axis=1)
-            dpd = tl.where(causal, dp * decay, 0.0)
-            dq = tl.dot(dpd, k_s, dq, input_precision=PREC)
-            at = row[:, None] * (H * DK) + h * DK + kd_[None, :]
-            tl.store(dq_ptr + at, dq, mask=im)
-            dpp = dpd * tl.dot(q_s, tl.trans(k_s), input_precision=PREC)  # dP * P
-            dG += tl.sum(dpp, axis=1) - tl.sum(dpp, axis=0)
-            dk = tl.dot(tl.trans(dpd), q_s, input_precision=PREC)
-            # 2. U' against dH': the terms of the state leaving the chunk.
+            # The dv-dependent products, a dv block at a time.
+            dq_inter = tl.zeros((C, BK), tl.float32)  # (e^G dO) H^T
+            dp = tl.zeros((C, C), tl.float32)  # dO U'^T
             dkd = tl.zeros((C, BK), tl.float32)  # U' dH'^T
+            dw = tl.zeros((C, BK), tl.float32)  # -dU' H^T
+            dt_ = tl.zeros((C, C), tl.float32)  # dU (b v)^T, then + dW (b e^G k)^T
+            dbeta = tl.zeros((C,), tl.float32)
             hdh = tl.zeros((BK,), tl.float32)  # sum(H * dH') by rows
             for v0 in tl.static_range(0, BDV, BV):
                 vv = v0 + tl.arange(0, BV)
                 vok = vv < DV
+                rm = ok[:, None] & vok[None, :]
                 sm = kok[:, None] & vok[None, :]
+                do_b = tl.load(
+                    do_ptr + row[:, None] * stride_dot + h * stride_doh + vv[None, :], mask=rm, other=0.0
+                )
+                do_b = do_b.to(tl.float32)
                 vn_b = tl.load(
                     vn_ptr + (ws * C + c[:, None]) * DV + vv[None, :], mask=vok[None, :], other=0.0
                 )
-                dhn_b = tl.load(dhn_ptr + ws * DK * DV + kd_[:, None] * DV + vv[None, :], mask=sm, other=0.0)
-                dhn_b = dhn_b.to(tl.float32)
-                hc_b = tl.load(hc_ptr + ws * DK * DV + kd_[:, None] * DV + vv[None, :], mask=sm, other=0.0)
-                dkd = tl.dot(vn_b.to(tl.float32), tl.trans(dhn_b), dkd, input_precision=PREC)
-                hdh += tl.sum(hc_b.to(tl.float32) * dhn_b, axis=1)
-            kscale = tl.exp(g_last - G)
-            dk += dkd * kscale[:, None]
-            ekd = tl.sum(dkd * (k_s * kscale[:, None]), axis=1)
-            dG -= ekd
-            dG += tl.where(c == C - 1, tl.sum(ekd, axis=0) + tl.exp(g_last) * tl.sum(hdh, axis=0), 0.0)
-            # 3. dU': dW = -dU' H^T, dU's share of dT, and dv = b (T^T dU').
-            dw = tl.zeros((C, BK), tl.float32)
-            dt_ = tl.zeros((C, C), tl.float32)
-            dbeta = tl.zeros((C,), tl.float32)
-            for v0 in tl.static_range(0, BDV, BV):
-                vv = v0 + tl.arange(0, BV)
-                vok = vv < DV
-                rm = ok[:, None] & vok[None, :]
+                vn_b = vn_b.to(tl.float32)
                 dvn_b = tl.load(
                     dvn_ptr + (ws * C + c[:, None]) * DV + vv[None, :], mask=vok[None, :], other=0.0
                 )
-                hc_b = tl.load(
-                    hc_ptr + ws * DK * DV + kd_[:, None] * DV + vv[None, :],
-                    mask=kok[:, None] & vok[None, :],
-                    other=0.0,
-                )
+                hc_b = tl.load(hc_ptr + ws * DK * DV + kd_[:, None] * DV + vv[None, :], mask=sm, other=0.0)
+                hc_b = hc_b.to(tl.float32)
+                dhn_b = tl.load(dhn_ptr + ws * DK * DV + kd_[:, None] * DV + vv[None, :], mask=sm, other=0.0)
+                dhn_b = dhn_b.to(tl.float32)
                 v_b = tl.load(
                     v_ptr + row[:, None] * stride_vt + h * stride_vh + vv[None, :], mask=rm, other=0.0
                 )
                 v_b = v_b.to(tl.float32)
-                dw = tl.dot(-dvn_b, tl.trans(hc_b.to(tl.float32)), dw, input_precision=PREC)
+                dq_inter = tl.dot(do_b * eg[:, None], tl.trans(hc_b), dq_inter, input_precision=PREC)
+                dp = tl.dot(do_b, tl.trans(vn_b), dp, input_precision=PREC)
+                dkd = tl.dot(vn_b, tl.trans(dhn_b), dkd, input_precision=PREC)
+                dw = tl.dot(-dvn_b, tl.trans(hc_b), dw, input_precision=PREC)
                 dt_ = tl.dot(dvn_b, tl.trans(v_b * bc[:, None]), dt_, input_precision=PREC)
                 dsv = tl.dot(tt, dvn_b, input_precision=PREC)
                 tl.store(dv_ptr + row[:, None] * (H * DV) + h * DV + vv[None, :], dsv * bc[:, None], mask=rm)
                 dbeta += tl.sum(dsv * v_b, axis=1)
-            # W = T (b e^G k) and T = (I + A)^{-1}, A = b_i (k_i.k_j) e^{G_i - G_j} (strictly lower).
+                hdh += tl.sum(hc_b * dhn_b, axis=1)
             sk = k_s * (bc * eg)[:, None]
             dt_ = tl.dot(dw, tl.trans(sk), dt_, input_precision=PREC)
             dsk = tl.dot(tt, dw, input_precision=PREC)
-            dk += dsk * (bc * eg)[:, None]
+            dk = dsk * (bc * eg)[:, None]
             dbeta += tl.sum(dsk * k_s, axis=1) * eg
-            dG += tl.sum(dsk * sk, axis=1)
+            dG = tl.sum(dsk * sk, axis=1)
             da = -tl.dot(tl.dot(tt, dt_, input_precision=PREC), tt, input_precision=PREC)
             da = tl.where(strict, da, 0.0)
+            decay = _decay(G, c)
             e = da * a
             dG += tl.sum(e, axis=1) - tl.sum(e, axis=0)
             dbeta += tl.sum(da * kk * decay, axis=1)
             dkk = da * decay * bc[:, None]
             dk = tl.dot(dkk, k_s, dk, input_precision=PREC)
             dk = tl.dot(tl.trans(dkk), k_s, dk, input_precision=PREC)
+            q_s = tl.load(q_ptr + row[:, None] * stride_qt + h * stride_qh + kd_[None, :], mask=im, other=0.0)
+            q_s = q_s.to(tl.float32)
+            qk = tl.dot(q_s, tl.trans(k_s), input_precision=PREC)
+            dpd = tl.where(causal, dp * decay, 0.0)
+            dq = tl.dot(dpd, k_s, dq_inter, input_precision=PREC)
+            dk = tl.dot(tl.trans(dpd), q_s, dk, input_precision=PREC)
+            dpp = dpd * qk  # dP * P
+            dG += tl.sum(dpp, axis=1) - tl.sum(dpp, axis=0)
+            dG += tl.sum(q_s * dq_inter, axis=1)
+            kscale = tl.exp(g_last - G)
+            dk += dkd * kscale[:, None]
+            ekd = tl.sum(dkd * (k_s * kscale[:, None]), axis=1)
+            dG -= ekd
+            dG += tl.where(c == C - 1, tl.sum(ekd, axis=0) + tl.exp(g_last) * tl.sum(hdh, axis=0), 0.0)
             dg = tl.sum(tl.where(causal, dG[:, None], 0.0), axis=0)  # dg_j = sum_{i >= j} dG_i
+            at = row[:, None] * (H * DK) + h * DK + kd_[None, :]
+            tl.store(dq_ptr + at, dq, mask=im)
             tl.store(dk_ptr + at, dk, mask=im)
             tl.store(db_ptr + row * H + h, dbeta, mask=ok)
             tl.store(dg_ptr + row * H + h, dg, mask=ok)
