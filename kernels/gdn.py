@@ -845,12 +845,7 @@ def gdn_chunk(
     ``seqs`` (starts, lengths as lists), when the caller has them, saves reading ``cu_seqlens`` back."""
     if resolve(impl, q) == "torch":
         return gdn_chunk_reference(q, k, v, g, beta, cu_seqlens, h0, chunk, seqs=seqs)
-    hh, dk, dv = q.shape[1], q.shape[2], v.shape[2]
-    starts, lens = seqs or _seqs(cu_seqlens)
-    nb = len(lens)
-    if h0 is None:
-        h0 = torch.zeros(nb, hh, dk, dv, dtype=torch.float32, device=q.device)
-    return _chunk_forward(q, k, v, g, beta, (starts, lens), h0.float().contiguous(), chunk)[:2]
+    return _chunk_forward(q, k, v, g, beta, seqs or _seqs(cu_seqlens), h0, chunk)[:2]
 
 
 def _chunk_forward(
@@ -860,13 +855,16 @@ def _chunk_forward(
     g: torch.Tensor,
     beta: torch.Tensor,
     seqs: tuple[list[int], list[int]],
-    h0: torch.Tensor,
+    h0: torch.Tensor | None,
     chunk: int,
 ) -> tuple[torch.Tensor, torch.Tensor, _Runs, _Workspace]:
-    """:func:`gdn_chunk` on the kernels, also returning the run table and the per-chunk
-    workspace (what the backward reads)."""
+    """:func:`gdn_chunk` on the kernels (``h0`` None: a zero state), also returning the run table
+    and the per-chunk workspace (what the backward reads)."""
     starts, lens = seqs
     nb = len(lens)
+    if h0 is None:
+        h0 = torch.zeros(nb, q.shape[1], q.shape[2], v.shape[2], dtype=torch.float32, device=q.device)
+    h0 = h0.float().contiguous()
     ht = torch.empty_like(h0)
     o = torch.empty(q.shape[0], q.shape[1], v.shape[2], dtype=torch.float32, device=q.device)
     q, k, v, g, beta = _kernel_inputs(q, k, v, g, beta)
@@ -887,13 +885,9 @@ class _GDN(torch.autograd.Function):
         # Read the sequence bounds back once: a second read in backward would be a host sync
         # that stalls the backward's launches behind this forward's kernels.
         ctx.chunk, ctx.seqs = chunk, _seqs(cu_seqlens)
-        ctx.kernel = resolve(None, q) == "triton"
-        if not ctx.kernel:
+        if resolve(None, q) != "triton":
             return gdn_chunk(q, k, v, g, beta, cu_seqlens, None, chunk, seqs=ctx.seqs)[0]
-        h0 = torch.zeros(
-            len(ctx.seqs[1]), q.shape[1], q.shape[2], v.shape[2], dtype=torch.float32, device=q.device
-        )
-        o, _, ctx.runs, ctx.work = _chunk_forward(q, k, v, g, beta, ctx.seqs, h0, chunk)
+        o, _, ctx.runs, ctx.work = _chunk_forward(q, k, v, g, beta, ctx.seqs, None, chunk)
         return o
 
     @staticmethod
