@@ -1005,8 +1005,8 @@ def gdn_decode_step(
     table, work = cache.decode_scratch[nb]
     # Everything Triton specialises on: the integers follow from these and the pointers of the
     # cache, its scratch and o are allocations of their own (aligned).
-    key = (nb, hh, dk, dv, chunk, q.dtype, _input_strides(q, k, v, g, beta), aligned(q, k, v, g, beta, slots),
-           slots.dtype, CONFIG)  # fmt: skip
+    strides = _input_strides(q, k, v, g, beta)
+    key = (nb, hh, dk, dv, chunk, q.dtype, strides, aligned(q, k, v, g, beta, slots), slots.dtype, CONFIG)
     _run(
         _L_APPEND,
         key,
@@ -1023,7 +1023,7 @@ def gdn_decode_step(
             table,
             nb,
             hh,
-            *_input_strides(q, k, v, g, beta),
+            *strides,
         ),
         dict(
             DK=dk,
