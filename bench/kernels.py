@@ -15,6 +15,7 @@ Inputs random, bf16 unless noted. Two timings, each applied to both sides alike:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels import gdn as G  # noqa: E402
+from kernels import gdn_decode as GD  # noqa: E402
 from kernels.attention import attention  # noqa: E402
 from kernels.gemm import gemm  # noqa: E402
 from kernels.rmsnorm import rms_norm  # noqa: E402
@@ -701,7 +703,7 @@ def bench_gdn() -> None:
 
             def ours_dec() -> None:
                 for s in range(steps):
-                    G.gdn_decode_step(*(x[:, s] for x in xs), slots, cache)
+                    GD.gdn_decode_step(*(x[:, s] for x in xs), slots, cache)
 
             record(
                 "cpr-gdn decode (per token)",
@@ -745,7 +747,6 @@ def _fla_ungated_bound(xs, cu, gout, dims, shape: str, ours_fb) -> None:
 def bench_gdn_tune() -> None:
     """CPR GDN prefill under other launch configurations: each must give the default's bits
     (they change no bit by design) and the time of each is printed."""
-    import dataclasses
 
     h, d = 16, 128
     configs = [
@@ -890,15 +891,29 @@ def bench_fla_decode() -> None:
 
             def ours_dec() -> None:
                 for s_ in range(steps):
-                    G.gdn_decode_step(*(x[:, s_] for x in xs), slots, cache)
+                    GD.gdn_decode_step(*(x[:, s_] for x in xs), slots, cache)
 
+            native = bench(fla_dec) / steps
             record(
                 "cpr-gdn decode vs fla (per token)",
                 f"B={b} H={h} dk=dv={d}",
-                bench(fla_dec) / steps,
+                native,
                 bench(ours_dec) / steps,
                 1.3,
             )
+            base = G.CONFIG
+            try:  # the other warp count (changes no bit: test_launch_config_changes_no_bit_gpu)
+                warps = 4 if base.decode_warps != 4 else 8
+                G.CONFIG = dataclasses.replace(base, decode_warps=warps)
+                record(
+                    f"cpr-gdn decode vs fla, {warps} warps",
+                    f"B={b} H={h} dk=dv={d}",
+                    native,
+                    bench(ours_dec) / steps,
+                    1.3,
+                )
+            finally:
+                G.CONFIG = base
 
 
 def bench_tree() -> None:

@@ -23,20 +23,19 @@ Why decode gets the trainer's bits. Every quantity of row ``i`` is a dot whose l
 ``i`` of a lower-triangular matrix (``A``, its powers, ``T``, the causal ``P``) or row ``i`` of an
 input, so it reads other rows only through exact-zero coefficients: rows after ``i``, whatever
 they hold (the trainer's later tokens, or the engine's zero padding), never change row ``i``. A
-dot's element depends on its row and column alone, and the same kernel with the same tile shapes
-runs on both sides, so the tensor-core instruction sequence per element is the same. Hence a chunk
+dot's element depends on its row and column alone: for the same K and N, a 64-row dot and a
+16-row one give a row the same tensor-core arithmetic (``wgmma`` and ``mma.sync`` agree bit for bit
+on the H200, :mod:`kernels.gdn_decode`). Hence a chunk
 holding its first ``n`` tokens yields the trainer's first ``n`` rows bit for bit, and the state
-crosses a chunk boundary only when the chunk is full, from the same inputs. Decode therefore keeps
-per slot the state at the last chunk boundary and the open chunk's inputs, and each step
-(:func:`gdn_decode_step`: five launches, no host sync) appends the token and re-runs the three
-kernels on that one chunk, emitting its last row; when the chunk fills, the state kernel writes the
-next boundary state. Prefill/decode splits anywhere, packed or not, give the trainer's bits.
+crosses a chunk boundary only when the chunk is full, from the same inputs. Decode
+(:mod:`kernels.gdn_decode`) keeps per slot the state at the last chunk boundary and the open
+chunk, and evaluates the same dots on the 16 rows around each new token. Prefill/decode splits
+anywhere, packed or not, give the trainer's bits.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from functools import cached_property
+from dataclasses import dataclass
 from itertools import accumulate
 from typing import NamedTuple
 
@@ -45,7 +44,6 @@ import torch
 from ._triton import (
     HAVE_TRITON,
     CachedLauncher,
-    aligned,
     cdiv,
     dot_precision,
     jit,
@@ -70,6 +68,7 @@ class GDNConfig:
     state_bv: int = 32  # dv block of the state kernel (one program per sequence, head and block)
     out_warps: int = 4
     out_bv: int = 64  # dv block of the output kernel
+    decode_warps: int = 8  # :mod:`kernels.gdn_decode`'s one program per (sequence, head)
 
 
 CONFIG = GDNConfig()
@@ -86,9 +85,15 @@ if HAVE_TRITON:
         return tl.max(tl.dot(lower, cols, input_precision="ieee"), axis=1)
 
     @triton.jit
+    def _decay_rows(g_rows, g_cols, r, c):
+        """``exp(G_r - G_c)`` for rows ``r`` against columns ``c``, on and below the diagonal, 1
+        above (masked by the caller). Elementwise, so a row's values do not depend on the tile."""
+        return tl.exp(tl.where(r[:, None] >= c[None, :], g_rows[:, None] - g_cols[None, :], 0.0))
+
+    @triton.jit
     def _decay(g, c):
-        """``exp(G_i - G_j)`` on and below the diagonal, 1 above (masked by the caller)."""
-        return tl.exp(tl.where(c[:, None] >= c[None, :], g[:, None] - g[None, :], 0.0))
+        """``exp(G_i - G_j)`` of one chunk (:func:`_decay_rows` over all its rows)."""
+        return _decay_rows(g, g, c, c)
 
     @triton.jit
     def _wy_inverse(k_s, bc, G, c, SQUARINGS: tl.constexpr, PREC: tl.constexpr):
@@ -326,85 +331,8 @@ if HAVE_TRITON:
                 mask=keep[:, None] & vok[None, :],
             )
 
-    @jit()
-    def _gdn_append_kernel(
-        q_ptr,
-        k_ptr,
-        v_ptr,
-        g_ptr,
-        b_ptr,
-        slot_ptr,
-        len_ptr,
-        qb_ptr,
-        kb_ptr,
-        vb_ptr,
-        gb_ptr,
-        bb_ptr,
-        runs_ptr,
-        NB_SEQ,
-        H,
-        stride_qb,
-        stride_qh,
-        stride_kb,
-        stride_kh,
-        stride_vb,
-        stride_vh,
-        stride_gb,
-        stride_bb,
-        DK: tl.constexpr,
-        DV: tl.constexpr,
-        BK: tl.constexpr,
-        BDV: tl.constexpr,
-        C: tl.constexpr,
-    ):
-        """Decode's first launch: token b of head h into its slot's open chunk (the store rounds it
-        to the buffers' dtype, as the trainer's inputs are), and, from head 0, the run table of
-        that chunk as one sequence (start, length, chunk offset, slot, first row to emit, output
-        row), so the chunk kernels read it as the trainer's sequence."""
-        bi = tl.program_id(0)
-        h = tl.program_id(1)
-        slot = tl.load(slot_ptr + bi)
-        i = tl.load(len_ptr + slot)
-        irow = ((slot * C + i) * H + h).to(tl.int64)
-        kk = tl.arange(0, BK)
-        vv = tl.arange(0, BDV)
-        kok = kk < DK
-        vok = vv < DV
-        tl.store(
-            qb_ptr + irow * DK + kk, tl.load(q_ptr + bi * stride_qb + h * stride_qh + kk, mask=kok), mask=kok
-        )
-        tl.store(
-            kb_ptr + irow * DK + kk, tl.load(k_ptr + bi * stride_kb + h * stride_kh + kk, mask=kok), mask=kok
-        )
-        tl.store(
-            vb_ptr + irow * DV + vv, tl.load(v_ptr + bi * stride_vb + h * stride_vh + vv, mask=vok), mask=vok
-        )
-        tl.store(gb_ptr + irow, tl.load(g_ptr + bi * stride_gb + h))
-        tl.store(bb_ptr + irow, tl.load(b_ptr + bi * stride_bb + h))
-        if h == 0:
-            tl.store(runs_ptr + 0 * NB_SEQ + bi, slot * C)
-            tl.store(runs_ptr + 1 * NB_SEQ + bi, i + 1)
-            tl.store(runs_ptr + 2 * NB_SEQ + bi, bi)
-            tl.store(runs_ptr + 3 * NB_SEQ + bi, slot)
-            tl.store(runs_ptr + 4 * NB_SEQ + bi, i)
-            tl.store(runs_ptr + 5 * NB_SEQ + bi, bi)
-
-    @jit()
-    def _gdn_bump_kernel(slot_ptr, len_ptr, C: tl.constexpr):
-        """buf_len[slot] += 1, wrapping to 0 when the chunk is full (after every decode program read it)."""
-        slot = tl.load(slot_ptr + tl.program_id(0))
-        n = tl.load(len_ptr + slot) + 1
-        tl.store(len_ptr + slot, tl.where(n == C, 0, n))
-
-    _L_PREP, _L_STATE, _L_OUT, _L_APPEND, _L_BUMP = (
-        CachedLauncher(kernel)
-        for kernel in (
-            _gdn_prep_kernel,
-            _gdn_state_kernel,
-            _gdn_out_kernel,
-            _gdn_append_kernel,
-            _gdn_bump_kernel,
-        )
+    _L_PREP, _L_STATE, _L_OUT = (
+        CachedLauncher(kernel) for kernel in (_gdn_prep_kernel, _gdn_state_kernel, _gdn_out_kernel)
     )
 
 
@@ -928,21 +856,16 @@ def gdn_chunk_autograd(
 
 @dataclass
 class GDNCache:
-    """Per-slot decode state. Invariant mode keeps the state at the last chunk boundary and the
-    open chunk's inputs (``buf``, ``buf_len`` tokens: each step re-runs that chunk); native mode
-    keeps the running state only."""
+    """Per-slot decode state. Invariant mode keeps the state at the last chunk boundary, the open
+    chunk's inputs (``buf``, ``buf_len`` tokens) and what :mod:`kernels.gdn_decode` caches of its
+    first ``cached`` rows (the powers of A and U'); native mode keeps the running state only."""
 
     h: torch.Tensor  # (S, H, dk, dv) fp32
     buf: list[torch.Tensor]  # q, k (S, C, H, dk); v (S, C, H, dv); g, beta (S, C, H) fp32
     buf_len: torch.Tensor  # (S,) int32, on the device
-    # Decode's run table and workspaces per batch size (allocated once: a step allocates nothing
-    # but its output, and a captured graph keeps its addresses).
-    decode_scratch: dict[int, tuple[torch.Tensor, _Workspace]] = field(default_factory=dict, repr=False)
-
-    @cached_property
-    def flat(self) -> list[torch.Tensor]:
-        """The buffers as packed inputs ((S * C, H, ...)): slot s's open chunk starts at row s * C."""
-        return [b.flatten(0, 1) for b in self.buf]
+    powers: torch.Tensor  # (S, H, log2(C), C, C) fp32: -A, A^2, ..., A^(C/2) of the open chunk
+    vnew: torch.Tensor  # (S, H, C, dv) in the inputs' dtype: U' of the open chunk
+    cached: torch.Tensor  # (S,) int32: open-chunk rows whose powers and U' rows are cached
 
     @classmethod
     def empty(
@@ -958,7 +881,7 @@ class GDNCache:
         def z(*shape: int, dt: torch.dtype = dtype) -> torch.Tensor:
             return torch.zeros(*shape, dtype=dt, device=device)
 
-        f32 = torch.float32
+        f32, i32 = torch.float32, torch.int32
         buf = [
             z(slots, chunk, heads, dk),
             z(slots, chunk, heads, dk),
@@ -969,84 +892,16 @@ class GDNCache:
         return cls(
             h=z(slots, heads, dk, dv, dt=f32),
             buf=buf,
-            buf_len=torch.zeros(slots, dtype=torch.int32, device=device),
+            buf_len=z(slots, dt=i32),
+            powers=z(slots, heads, chunk.bit_length() - 1, chunk, chunk, dt=f32),
+            vnew=z(slots, heads, chunk, dv),
+            cached=z(slots, dt=i32),
         )
 
 
 def _kernel_inputs(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The kernels read rows with unit element stride: anything else is copied once."""
     return tuple(x if x.stride(-1) == 1 else x.contiguous() for x in xs)
-
-
-def gdn_decode_step(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    slots: torch.Tensor,
-    cache: GDNCache,
-    chunk: int = CHUNK,
-) -> torch.Tensor:
-    """One new token for each of B sequences (q (B, H, dk) ...; ``slots`` (B,) int on the device),
-    invariant mode, no host sync: the token is appended to its slot's open chunk, the chunk is
-    re-run by the trainer's kernels and its last row emitted, then buf_len is bumped (five
-    launches). Returns o (B, H, dv) fp32."""
-    nb, hh, dk = q.shape
-    dv = v.shape[2]
-    o = torch.empty(nb, hh, dv, dtype=torch.float32, device=q.device)
-    if not nb:
-        return o
-    q, k, v, g, beta = _kernel_inputs(q, k, v, g, beta)
-    bk, bdv = _tile_widths(dk, dv)
-    if nb not in cache.decode_scratch:
-        table = torch.empty(6, nb, dtype=torch.int32, device=q.device)
-        cache.decode_scratch[nb] = (table, _Workspace.empty(nb, cache.buf[1][0], dv, chunk))
-    table, work = cache.decode_scratch[nb]
-    # Everything Triton specialises on: the integers follow from these and the pointers of the
-    # cache, its scratch and o are allocations of their own (aligned).
-    strides = _input_strides(q, k, v, g, beta)
-    key = (nb, hh, dk, dv, chunk, q.dtype, strides, aligned(q, k, v, g, beta, slots), slots.dtype, CONFIG)
-    _run(
-        _L_APPEND,
-        key,
-        (nb, hh, 1),
-        (
-            q,
-            k,
-            v,
-            g,
-            beta,
-            slots,
-            cache.buf_len,
-            *cache.buf,
-            table,
-            nb,
-            hh,
-            *strides,
-        ),
-        dict(
-            DK=dk,
-            DV=dv,
-            BK=bk,
-            BDV=bdv,
-            C=chunk,
-        ),
-    )
-    _launch(*cache.flat, _Runs(table, 1, nb), cache.h, cache.h, o, chunk, work, key)
-    _run(
-        _L_BUMP,
-        key,
-        (nb, 1, 1),
-        (
-            slots,
-            cache.buf_len,
-        ),
-        dict(
-            C=chunk,
-        ),
-    )
-    return o
 
 
 def gdn_incremental(
@@ -1063,7 +918,7 @@ def gdn_incremental(
     impl: str | None = None,
 ) -> torch.Tensor:
     """The engine's path: new tokens of several sequences (packed) continue their cached state.
-    Invariant mode: single tokens take :func:`gdn_decode_step`; otherwise each open chunk is re-run
+    Invariant mode: single tokens take :func:`kernels.gdn_decode.gdn_decode_step`; otherwise each open chunk is re-run
     with the new tokens by the chunk kernels (same bits as the trainer) and the new open chunk is
     cached. Native mode is the usual one: chunk form for a prefill, the recurrence for single
     tokens."""
@@ -1083,6 +938,8 @@ def gdn_incremental(
         return o
     kernel = resolve(impl, q) == "triton"
     if decode and kernel:
+        from .gdn_decode import gdn_decode_step
+
         return gdn_decode_step(q, k, v, g, beta, sl.to(torch.int32), cache, chunk)
     n0s = cache.buf_len.tolist()
     parts: list[list[torch.Tensor]] = [[] for _ in new]
@@ -1109,4 +966,5 @@ def gdn_incremental(
         for j in range(len(new)):
             cache.buf[j][slot, :rem] = packed[j][cu2[i + 1] - rem : cu2[i + 1]]
         cache.buf_len[slot] = rem
+        cache.cached[slot] = 0  # the decode caches of this chunk are rebuilt from its inputs
     return o

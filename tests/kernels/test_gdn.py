@@ -92,6 +92,16 @@ def test_splits_cpu(dev: str) -> None:
     )
 
 
+@pytest.mark.parametrize(
+    ("chunk", "splits", "lens"),
+    [(32, [0, 17, 33], [70, 37]), (64, [0, 40], [70, 20])],
+)
+def test_splits_across_slabs_cpu(dev: str, chunk: int, splits: list[int], lens: list[int]) -> None:
+    """Chunks of two and four 16-row slabs: decode computes one slab per token, and after a
+    prefill that left an open chunk it first computes the slabs before the token's, in order."""
+    _check_splits(dev, torch.float32, h=2, dk=16, dv=16, chunk=chunk, splits=splits, lens=lens)
+
+
 def test_matches_fp64_recurrence(dev: str) -> None:
     x = _inputs(150, 2, 32, 32, dev, torch.float32)
     cu = torch.tensor([0, 100, 150], dtype=torch.int32, device=dev)
@@ -146,7 +156,9 @@ def test_launch_config_changes_no_bit_gpu(monkeypatch: pytest.MonkeyPatch) -> No
     x = _inputs(sum(lens), 4, 128, 128, "cuda", torch.bfloat16)
     cu = torch.tensor([0, lens[0], sum(lens)], dtype=torch.int32, device="cuda")
     base, _ = gdn_chunk(*x, cu, impl="triton")
-    other = GDNConfig(prep_warps=8, prep_nb=128, state_warps=2, state_bv=16, out_warps=8, out_bv=128)
+    other = GDNConfig(
+        prep_warps=8, prep_nb=128, state_warps=2, state_bv=16, out_warps=8, out_bv=128, decode_warps=4
+    )
     monkeypatch.setattr(gdn_mod, "CONFIG", other)
     assert bits_equal(gdn_chunk(*x, cu, impl="triton")[0], base)
     assert bits_equal(_decode(x, lens, 65, "cuda", True, 64), base)

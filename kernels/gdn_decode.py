@@ -1,0 +1,248 @@
+"""CPR Gated DeltaNet decode: one token per sequence with the trainer's bits, at the cost of the
+16-row slab that holds the token rather than the whole open chunk.
+
+The trainer (:mod:`kernels.gdn`) computes every row-``i`` quantity of a chunk as a dot whose left
+operand is row ``i`` of ``A``, a power of ``A``, ``T``, ``P`` or an input. On the H200 a 64-row
+``tl.dot`` (``wgmma``) and a 16-row one (``mma.sync``) give each row the same bits for the same K
+and N (probed over bf16 and tf32 operands, with and without an accumulator, and covered by
+``test_gdn.py``'s split tests), so decode evaluates those dots on the 16 rows of the new token's
+slab only. What a slab's dots read from the rows before it is cached per slot, as the trainer's
+registers held it:
+
+* the powers ``-A, A^2, A^4, ..., A^(C/2)`` in fp32 (the right operands of ``T``'s repeated
+  squaring, ``T = (I - A)(I + A^2)...``), one (C, C) matrix each;
+* ``U' = U - W H`` in the inputs' dtype (the right operand of the output's ``P U'`` and of the
+  boundary state's update).
+
+A row depends on the rows before it alone, so cached rows stay final until the chunk fills; the
+rows after the token are masked to zero (the trainer's later rows meet exact-zero coefficients).
+One program per (sequence, head) appends the token, recomputes its slab (and, after a prefill
+left an open chunk, the slabs not yet cached, in order), emits the token's output and, when the
+chunk is full, writes the next boundary state with the trainer's state dot. A second launch bumps
+the slot's counters once every head has read them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import gdn
+from ._triton import HAVE_TRITON, CachedLauncher, aligned, dot_precision, jit, tl
+from .gdn import CHUNK, GDNCache, _input_strides, _kernel_inputs, _run, _tile_widths
+
+SLAB = 16  # the rows one decode step computes: tl.dot's smallest M
+
+if HAVE_TRITON:
+    from .gdn import _cumsum_chain, _decay_rows
+
+    @jit()
+    def _gdn_decode_kernel(
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        g_ptr,
+        b_ptr,
+        slot_ptr,
+        len_ptr,
+        cached_ptr,
+        qb_ptr,
+        kb_ptr,
+        vb_ptr,
+        gb_ptr,
+        bb_ptr,
+        h_ptr,
+        pw_ptr,
+        vn_ptr,
+        o_ptr,
+        H,
+        stride_qb,
+        stride_qh,
+        stride_kb,
+        stride_kh,
+        stride_vb,
+        stride_vh,
+        stride_gb,
+        stride_bb,
+        DK: tl.constexpr,
+        DV: tl.constexpr,
+        BK: tl.constexpr,
+        BV: tl.constexpr,
+        C: tl.constexpr,
+        S: tl.constexpr,
+        SQUARINGS: tl.constexpr,
+        PREC: tl.constexpr,
+    ):
+        """Token ``bi`` of head ``h``: its row ``i`` of the slot's open chunk, the slab of rows
+        ``i`` is in (and any earlier slab not cached), o_i, and at ``i = C - 1`` the boundary state."""
+        bi = tl.program_id(0)
+        h = tl.program_id(1)
+        slot = tl.load(slot_ptr + bi)
+        i = tl.load(len_ptr + slot)
+        cached = tl.load(cached_ptr + slot)
+        dt = kb_ptr.dtype.element_ty
+        kd = tl.arange(0, BK)
+        vv = tl.arange(0, BV)
+        kok = kd < DK
+        vok = vv < DV
+        # The token into the open chunk (the store rounds it to the buffers' dtype, as the
+        # trainer's inputs are); every thread reads the chunk back after the barrier.
+        irow = ((slot * C + i) * H + h).to(tl.int64)
+        tl.store(
+            qb_ptr + irow * DK + kd, tl.load(q_ptr + bi * stride_qb + h * stride_qh + kd, mask=kok), mask=kok
+        )
+        tl.store(
+            kb_ptr + irow * DK + kd, tl.load(k_ptr + bi * stride_kb + h * stride_kh + kd, mask=kok), mask=kok
+        )
+        tl.store(
+            vb_ptr + irow * DV + vv, tl.load(v_ptr + bi * stride_vb + h * stride_vh + vv, mask=vok), mask=vok
+        )
+        tl.store(gb_ptr + irow, tl.load(g_ptr + bi * stride_gb + h))
+        tl.store(bb_ptr + irow, tl.load(b_ptr + bi * stride_bb + h))
+        tl.debug_barrier()
+
+        # The chunk's columns (rows after i are zero, as the trainer's masked tail).
+        c = tl.arange(0, C)
+        ok = c <= i
+        crow = ((slot * C + c) * H + h).to(tl.int64)
+        gc = tl.load(gb_ptr + crow, mask=ok, other=0.0)
+        bc = tl.load(bb_ptr + crow, mask=ok, other=0.0)
+        G = _cumsum_chain(gc, C)
+        k_all = tl.load(kb_ptr + crow[:, None] * DK + kd[None, :], mask=ok[:, None] & kok[None, :], other=0.0)
+        v_all = tl.load(vb_ptr + crow[:, None] * DV + vv[None, :], mask=ok[:, None] & vok[None, :], other=0.0)
+        kw = (k_all.to(tl.float32) * (bc * tl.exp(G))[:, None]).to(dt)
+        vw = (v_all.to(tl.float32) * bc[:, None]).to(dt)
+        hs = (slot * H + h).to(tl.int64)
+        hmask = kok[:, None] & vok[None, :]
+        h_at = h_ptr + hs * DK * DV + kd[:, None] * DV + vv[None, :]
+        entering = tl.load(h_at, mask=hmask, other=0.0).to(dt)
+        pw = pw_ptr + hs * (SQUARINGS + 1) * C * C
+        vn_at = vn_ptr + hs * C * DV
+        slabs = tl.arange(0, C // S)
+
+        # The slabs from the first one not cached up to i's, in order (usually i's alone).
+        for s0 in range(cached // S * S, i + 1, S):
+            r = s0 + tl.arange(0, S)
+            rok = r <= i
+            rrow = ((slot * C + r) * H + h).to(tl.int64)
+            k_r = tl.load(
+                kb_ptr + rrow[:, None] * DK + kd[None, :], mask=rok[:, None] & kok[None, :], other=0.0
+            )
+            b_r = tl.load(bb_ptr + rrow, mask=rok, other=0.0)
+            G_r = tl.sum(tl.where((slabs == s0 // S)[:, None], tl.reshape(G, (C // S, S)), 0.0), axis=0)
+            live = (c <= i) & (c < s0 + S)  # the rows this slab's right operands read
+            kk = tl.dot(k_r, tl.trans(k_all), input_precision=PREC)
+            power = -tl.where(r[:, None] > c[None, :], (b_r[:, None] * kk) * _decay_rows(G_r, G, r, c), 0.0)
+            t = tl.where(r[:, None] == c[None, :], 1.0, 0.0) + power
+            tl.store(pw + r[:, None] * C + c[None, :], power)
+            tl.debug_barrier()
+            full = tl.load(pw + c[:, None] * C + c[None, :], mask=live[:, None], other=0.0)
+            for p in tl.static_range(SQUARINGS):
+                power = tl.dot(power, full, input_precision=PREC)
+                tl.store(pw + (p + 1) * C * C + r[:, None] * C + c[None, :], power)
+                tl.debug_barrier()
+                full = tl.load(
+                    pw + (p + 1) * C * C + c[:, None] * C + c[None, :], mask=live[:, None], other=0.0
+                )
+                t = tl.dot(t, full, t, input_precision=PREC)
+            t = t.to(dt)
+            w = tl.dot(t, kw, input_precision=PREC).to(dt)
+            u = tl.dot(t, vw, input_precision=PREC).to(dt)
+            vn = (u.to(tl.float32) - tl.dot(w, entering, input_precision=PREC)).to(dt)
+            tl.store(vn_at + r[:, None] * DV + vv[None, :], vn, mask=vok[None, :])
+        tl.debug_barrier()
+
+        # o_i from i's slab: (q H) e^G + P U'.
+        s0 = i // S * S
+        r = s0 + tl.arange(0, S)
+        rok = r <= i
+        rrow = ((slot * C + r) * H + h).to(tl.int64)
+        q_r = tl.load(qb_ptr + rrow[:, None] * DK + kd[None, :], mask=rok[:, None] & kok[None, :], other=0.0)
+        G_r = tl.sum(tl.where((slabs == s0 // S)[:, None], tl.reshape(G, (C // S, S)), 0.0), axis=0)
+        vn_all = tl.load(vn_at + c[:, None] * DV + vv[None, :], mask=ok[:, None] & vok[None, :], other=0.0)
+        qk = tl.dot(q_r, tl.trans(k_all), input_precision=PREC)
+        p_r = tl.where(r[:, None] >= c[None, :], qk * _decay_rows(G_r, G, r, c), 0.0).to(dt)
+        o = tl.dot(q_r, entering, input_precision=PREC) * tl.exp(G_r)[:, None]
+        o = tl.dot(p_r, vn_all, o, input_precision=PREC)
+        o_at = o_ptr + (bi * H + h).to(tl.int64) * DV + vv[None, :] + 0 * r[:, None]
+        tl.store(o_at, o, mask=(r == i)[:, None] & vok[None, :])
+
+        # A full chunk crosses its boundary: H <- e^{G_C} H + (e^{G_C - G} k)^T U'.
+        if i == C - 1:
+            g_last = tl.sum(tl.where(c == C - 1, G, 0.0), axis=0)
+            kt = (tl.trans(k_all).to(tl.float32) * tl.exp(g_last - G)[None, :]).to(dt)
+            state = tl.load(h_at, mask=hmask, other=0.0)
+            state = tl.dot(kt, vn_all, state * tl.exp(g_last), input_precision=PREC)
+            tl.store(h_at, state, mask=hmask)
+
+    @jit()
+    def _gdn_decode_bump_kernel(slot_ptr, len_ptr, cached_ptr, C: tl.constexpr):
+        """After every head read them: the slot's open chunk holds one more row, all of them
+        cached; a full chunk starts over at 0."""
+        slot = tl.load(slot_ptr + tl.program_id(0))
+        n = tl.load(len_ptr + slot) + 1
+        n = tl.where(n == C, 0, n)
+        tl.store(len_ptr + slot, n)
+        tl.store(cached_ptr + slot, n)
+
+    _L_DECODE, _L_DECODE_BUMP = CachedLauncher(_gdn_decode_kernel), CachedLauncher(_gdn_decode_bump_kernel)
+
+
+def gdn_decode_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    slots: torch.Tensor,
+    cache: GDNCache,
+    chunk: int = CHUNK,
+) -> torch.Tensor:
+    """One new token for each of B sequences (q (B, H, dk) ...; ``slots`` (B,) int on the device,
+    no repeats), invariant mode, no host sync, two launches. Returns o (B, H, dv) fp32."""
+    nb, hh, dk = q.shape
+    dv = v.shape[2]
+    o = torch.empty(nb, hh, dv, dtype=torch.float32, device=q.device)
+    if not nb:
+        return o
+    q, k, v, g, beta = _kernel_inputs(q, k, v, g, beta)
+    bk, bdv = _tile_widths(dk, dv)
+    strides = _input_strides(q, k, v, g, beta)
+    # Everything Triton specialises on: the integers follow from these, and the cache's and o's
+    # pointers are allocations of their own (aligned).
+    key = (nb, hh, dk, dv, chunk, q.dtype, strides, aligned(q, k, v, g, beta, slots), slots.dtype, gdn.CONFIG)
+    _run(
+        _L_DECODE,
+        key,
+        (nb, hh, 1),
+        (
+            q,
+            k,
+            v,
+            g,
+            beta,
+            slots,
+            cache.buf_len,
+            cache.cached,
+            *cache.buf,
+            cache.h,
+            cache.powers,
+            cache.vnew,
+            o,
+            hh,
+            *strides,
+        ),
+        dict(
+            DK=dk,
+            DV=dv,
+            BK=bk,
+            BV=bdv,
+            C=chunk,
+            S=min(SLAB, chunk),
+            SQUARINGS=chunk.bit_length() - 2,
+            PREC=dot_precision(k.dtype),
+        ),
+        num_warps=gdn.CONFIG.decode_warps,
+        num_stages=1,
+    )
+    _run(_L_DECODE_BUMP, key, (nb, 1, 1), (slots, cache.buf_len, cache.cached), dict(C=chunk))
+    return o
