@@ -27,13 +27,26 @@ from __future__ import annotations
 import torch
 
 from . import gdn
-from ._triton import HAVE_TRITON, CachedLauncher, aligned, dot_precision, jit, tl
+from ._triton import HAVE_TRITON, CachedLauncher, aligned, dot_precision, jit, tl, triton
 from .gdn import CHUNK, GDNCache, _input_strides, _kernel_inputs, _run, _tile_widths
 
 SLAB = 16  # the rows one decode step computes: tl.dot's smallest M
 
 if HAVE_TRITON:
     from .gdn import _cumsum_chain, _decay_rows
+
+    @triton.jit
+    def _slab_of(x, s, NS: tl.constexpr, S: tl.constexpr):
+        """Rows ``s * S ...`` of the (NS * S,) vector ``x``, exactly (the others add zeros)."""
+        return tl.sum(tl.where((tl.arange(0, NS) == s)[:, None], tl.reshape(x, (NS, S)), 0.0), axis=0)
+
+    @triton.jit
+    def _with_slab(full, slab, s, NS: tl.constexpr, S: tl.constexpr):
+        """``full`` (NS * S, N) with rows ``s * S ...`` replaced by ``slab`` (S, N)."""
+        n: tl.constexpr = full.shape[1]
+        f3 = tl.reshape(full, (NS, S, n))
+        f3 = tl.where((tl.arange(0, NS) == s)[:, None, None], slab[None, :, :], f3)
+        return tl.reshape(f3, (NS * S, n))
 
     @jit()
     def _gdn_decode_kernel(
@@ -117,32 +130,34 @@ if HAVE_TRITON:
         entering = tl.load(h_at, mask=hmask, other=0.0).to(dt)
         pw = pw_ptr + hs * (SQUARINGS + 1) * C * C
         vn_at = vn_ptr + hs * C * DV
-        slabs = tl.arange(0, C // S)
 
-        # The slabs from the first one not cached up to i's, in order (usually i's alone).
+        # The slabs from the first one not cached up to i's, in order (usually i's alone). A
+        # slab's right operands are the cached rows before it with the slab's own rows put in
+        # from registers (no round trip through memory on the critical path).
+        vn = tl.zeros((S, BV), dt)
         for s0 in range(cached // S * S, i + 1, S):
+            tl.debug_barrier()  # the previous slab's stores, read below
             r = s0 + tl.arange(0, S)
             rok = r <= i
+            before = (c < s0)[:, None]
             rrow = ((slot * C + r) * H + h).to(tl.int64)
             k_r = tl.load(
                 kb_ptr + rrow[:, None] * DK + kd[None, :], mask=rok[:, None] & kok[None, :], other=0.0
             )
             b_r = tl.load(bb_ptr + rrow, mask=rok, other=0.0)
-            G_r = tl.sum(tl.where((slabs == s0 // S)[:, None], tl.reshape(G, (C // S, S)), 0.0), axis=0)
-            live = (c <= i) & (c < s0 + S)  # the rows this slab's right operands read
+            G_r = _slab_of(G, s0 // S, C // S, S)
             kk = tl.dot(k_r, tl.trans(k_all), input_precision=PREC)
             power = -tl.where(r[:, None] > c[None, :], (b_r[:, None] * kk) * _decay_rows(G_r, G, r, c), 0.0)
             t = tl.where(r[:, None] == c[None, :], 1.0, 0.0) + power
             tl.store(pw + r[:, None] * C + c[None, :], power)
-            tl.debug_barrier()
-            full = tl.load(pw + c[:, None] * C + c[None, :], mask=live[:, None], other=0.0)
+            full = tl.load(pw + c[:, None] * C + c[None, :], mask=before, other=0.0)
+            full = _with_slab(full, power, s0 // S, C // S, S)
             for p in tl.static_range(SQUARINGS):
+                # issued before the dot, so its latency hides behind it
+                nxt = tl.load(pw + (p + 1) * C * C + c[:, None] * C + c[None, :], mask=before, other=0.0)
                 power = tl.dot(power, full, input_precision=PREC)
                 tl.store(pw + (p + 1) * C * C + r[:, None] * C + c[None, :], power)
-                tl.debug_barrier()
-                full = tl.load(
-                    pw + (p + 1) * C * C + c[:, None] * C + c[None, :], mask=live[:, None], other=0.0
-                )
+                full = _with_slab(nxt, power, s0 // S, C // S, S)
                 t = tl.dot(t, full, t, input_precision=PREC)
             t = t.to(dt)
             w = tl.dot(t, kw, input_precision=PREC).to(dt)
@@ -157,8 +172,11 @@ if HAVE_TRITON:
         rok = r <= i
         rrow = ((slot * C + r) * H + h).to(tl.int64)
         q_r = tl.load(qb_ptr + rrow[:, None] * DK + kd[None, :], mask=rok[:, None] & kok[None, :], other=0.0)
-        G_r = tl.sum(tl.where((slabs == s0 // S)[:, None], tl.reshape(G, (C // S, S)), 0.0), axis=0)
-        vn_all = tl.load(vn_at + c[:, None] * DV + vv[None, :], mask=ok[:, None] & vok[None, :], other=0.0)
+        G_r = _slab_of(G, s0 // S, C // S, S)
+        vn_all = tl.load(
+            vn_at + c[:, None] * DV + vv[None, :], mask=(c < s0)[:, None] & vok[None, :], other=0.0
+        )
+        vn_all = _with_slab(vn_all, vn, s0 // S, C // S, S)
         qk = tl.dot(q_r, tl.trans(k_all), input_precision=PREC)
         p_r = tl.where(r[:, None] >= c[None, :], qk * _decay_rows(G_r, G, r, c), 0.0).to(dt)
         o = tl.dot(q_r, entering, input_precision=PREC) * tl.exp(G_r)[:, None]
