@@ -858,14 +858,16 @@ def gdn_chunk_autograd(
 class GDNCache:
     """Per-slot decode state. Invariant mode keeps the state at the last chunk boundary, the open
     chunk's inputs (``buf``, ``buf_len`` tokens) and what :mod:`kernels.gdn_decode` caches of its
-    first ``cached`` rows (the powers of A and U'); native mode keeps the running state only."""
+    first ``cached`` rows (the powers of A, U', the state in the inputs' dtype); native mode keeps
+    the running state only."""
 
     h: torch.Tensor  # (S, H, dk, dv) fp32
     buf: list[torch.Tensor]  # q, k (S, C, H, dk); v (S, C, H, dv); g, beta (S, C, H) fp32
     buf_len: torch.Tensor  # (S,) int32, on the device
     powers: torch.Tensor  # (S, H, log2(C), C, C) fp32: -A, A^2, ..., A^(C/2) of the open chunk
     vnew: torch.Tensor  # (S, H, C, dv) in the inputs' dtype: U' of the open chunk
-    cached: torch.Tensor  # (S,) int32: open-chunk rows whose powers and U' rows are cached
+    h_entering: torch.Tensor  # (S, H, dk, dv) in the inputs' dtype: h rounded, once a chunk
+    cached: torch.Tensor  # (S,) int32: open-chunk rows whose powers and U' (and h_entering) are cached
 
     @classmethod
     def empty(
@@ -895,6 +897,7 @@ class GDNCache:
             buf_len=z(slots, dt=i32),
             powers=z(slots, heads, chunk.bit_length() - 1, chunk, chunk, dt=f32),
             vnew=z(slots, heads, chunk, dv),
+            h_entering=z(slots, heads, dk, dv),
             cached=z(slots, dt=i32),
         )
 

@@ -12,7 +12,8 @@ registers held it:
 * the powers ``-A, A^2, A^4, ..., A^(C/2)`` in fp32 (the right operands of ``T``'s repeated
   squaring, ``T = (I - A)(I + A^2)...``), one (C, C) matrix each;
 * ``U' = U - W H`` in the inputs' dtype (the right operand of the output's ``P U'`` and of the
-  boundary state's update).
+  boundary state's update);
+* the boundary state rounded to the inputs' dtype, as the chunk kernels read it.
 
 A row depends on the rows before it alone, so cached rows stay final until the chunk fills; the
 rows after the token are masked to zero (the trainer's later rows meet exact-zero coefficients).
@@ -64,6 +65,7 @@ if HAVE_TRITON:
         gb_ptr,
         bb_ptr,
         h_ptr,
+        he_ptr,
         pw_ptr,
         vn_ptr,
         o_ptr,
@@ -127,7 +129,15 @@ if HAVE_TRITON:
         hs = (slot * H + h).to(tl.int64)
         hmask = kok[:, None] & vok[None, :]
         h_at = h_ptr + hs * DK * DV + kd[:, None] * DV + vv[None, :]
-        entering = tl.load(h_at, mask=hmask, other=0.0).to(dt)
+        # The state entering the chunk in the inputs' dtype, as the chunk kernels read it: rounded
+        # from the fp32 state at the chunk's first decode step (or the first after a prefill),
+        # then read as it was kept (half the bytes of the fp32 state, every step).
+        he_at = he_ptr + hs * DK * DV + kd[:, None] * DV + vv[None, :]
+        if cached == 0:
+            entering = tl.load(h_at, mask=hmask, other=0.0).to(dt)
+            tl.store(he_at, entering, mask=hmask)
+        else:
+            entering = tl.load(he_at, mask=hmask, other=0.0)
         pw = pw_ptr + hs * (SQUARINGS + 1) * C * C
         vn_at = vn_ptr + hs * C * DV
 
@@ -243,6 +253,7 @@ def gdn_decode_step(
             cache.cached,
             *cache.buf,
             cache.h,
+            cache.h_entering,
             cache.powers,
             cache.vnew,
             o,
