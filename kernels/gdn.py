@@ -68,7 +68,7 @@ class GDNConfig:
     state_bv: int = 32  # dv block of the state kernel (one program per sequence, head and block)
     out_warps: int = 4
     out_bv: int = 64  # dv block of the output kernel
-    decode_warps: int = 8  # :mod:`kernels.gdn_decode`'s one program per (sequence, head)
+    decode_warps: int = 4  # :mod:`kernels.gdn_decode`'s one program per (sequence, head)
 
 
 CONFIG = GDNConfig()
@@ -868,6 +868,7 @@ class GDNCache:
     vnew: torch.Tensor  # (S, H, C, dv) in the inputs' dtype: U' of the open chunk
     h_entering: torch.Tensor  # (S, H, dk, dv) in the inputs' dtype: h rounded, once a chunk
     cached: torch.Tensor  # (S,) int32: open-chunk rows whose powers and U' (and h_entering) are cached
+    arrived: torch.Tensor  # (S,) int32: heads done with the current decode step (0 between steps)
 
     @classmethod
     def empty(
@@ -899,6 +900,7 @@ class GDNCache:
             vnew=z(slots, heads, chunk, dv),
             h_entering=z(slots, heads, dk, dv),
             cached=z(slots, dt=i32),
+            arrived=z(slots, dt=i32),
         )
 
 

@@ -19,8 +19,8 @@ A row depends on the rows before it alone, so cached rows stay final until the c
 rows after the token are masked to zero (the trainer's later rows meet exact-zero coefficients).
 One program per (sequence, head) appends the token, recomputes its slab (and, after a prefill
 left an open chunk, the slabs not yet cached, in order), emits the token's output and, when the
-chunk is full, writes the next boundary state with the trainer's state dot. A second launch bumps
-the slot's counters once every head has read them.
+chunk is full, writes the next boundary state with the trainer's state dot; the slot's last head
+to finish (an atomic count) moves its counters on. One launch per step.
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ if HAVE_TRITON:
         slot_ptr,
         len_ptr,
         cached_ptr,
+        arrived_ptr,
         qb_ptr,
         kb_ptr,
         vb_ptr,
@@ -202,17 +203,16 @@ if HAVE_TRITON:
             state = tl.dot(kt, vn_all, state * tl.exp(g_last), input_precision=PREC)
             tl.store(h_at, state, mask=hmask)
 
-    @jit()
-    def _gdn_decode_bump_kernel(slot_ptr, len_ptr, cached_ptr, C: tl.constexpr):
-        """After every head read them: the slot's open chunk holds one more row, all of them
-        cached; a full chunk starts over at 0."""
-        slot = tl.load(slot_ptr + tl.program_id(0))
-        n = tl.load(len_ptr + slot) + 1
-        n = tl.where(n == C, 0, n)
-        tl.store(len_ptr + slot, n)
-        tl.store(cached_ptr + slot, n)
+        # The slot's last head to finish moves its counters on: one more row, all of them cached
+        # (a full chunk starts over at 0). Every head read them before it arrived.
+        tl.debug_barrier()
+        if tl.atomic_add(arrived_ptr + slot, 1, sem="acq_rel", scope="gpu") == H - 1:
+            n = tl.where(i + 1 == C, 0, i + 1)
+            tl.store(len_ptr + slot, n)
+            tl.store(cached_ptr + slot, n)
+            tl.atomic_xchg(arrived_ptr + slot, 0, sem="relaxed", scope="gpu")
 
-    _L_DECODE, _L_DECODE_BUMP = CachedLauncher(_gdn_decode_kernel), CachedLauncher(_gdn_decode_bump_kernel)
+    _L_DECODE = CachedLauncher(_gdn_decode_kernel)
 
 
 def gdn_decode_step(
@@ -226,7 +226,7 @@ def gdn_decode_step(
     chunk: int = CHUNK,
 ) -> torch.Tensor:
     """One new token for each of B sequences (q (B, H, dk) ...; ``slots`` (B,) int on the device,
-    no repeats), invariant mode, no host sync, two launches. Returns o (B, H, dv) fp32."""
+    no repeats), invariant mode, no host sync, one launch. Returns o (B, H, dv) fp32."""
     nb, hh, dk = q.shape
     dv = v.shape[2]
     o = torch.empty(nb, hh, dv, dtype=torch.float32, device=q.device)
@@ -251,6 +251,7 @@ def gdn_decode_step(
             slots,
             cache.buf_len,
             cache.cached,
+            cache.arrived,
             *cache.buf,
             cache.h,
             cache.h_entering,
@@ -273,5 +274,4 @@ def gdn_decode_step(
         num_warps=gdn.CONFIG.decode_warps,
         num_stages=1,
     )
-    _run(_L_DECODE_BUMP, key, (nb, 1, 1), (slots, cache.buf_len, cache.cached), dict(C=chunk))
     return o
