@@ -923,9 +923,9 @@ def gdn_incremental(
     impl: str | None = None,
 ) -> torch.Tensor:
     """The engine's path: new tokens of several sequences (packed) continue their cached state.
-    Invariant mode: single tokens take :func:`kernels.gdn_decode.gdn_decode_step`; otherwise each open chunk is re-run
-    with the new tokens by the chunk kernels (same bits as the trainer) and the new open chunk is
-    cached. Native mode is the usual one: chunk form for a prefill, the recurrence for single
+    Invariant mode: single tokens take :func:`kernels.gdn_decode.gdn_decode_step`; otherwise each
+    open chunk is re-run with the new tokens by the chunk kernels (same bits as the trainer) and
+    the new open chunk is cached. Native mode is the usual one: chunk form for a prefill, the recurrence for single
     tokens."""
     starts, lens = _seqs(cu_seqlens)
     new = (q, k, v, g, beta)
