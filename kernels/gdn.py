@@ -43,7 +43,6 @@ import torch
 
 from ._triton import (
     HAVE_TRITON,
-    CachedLauncher,
     cdiv,
     dot_precision,
     jit,
@@ -331,19 +330,6 @@ if HAVE_TRITON:
                 mask=keep[:, None] & vok[None, :],
             )
 
-    _L_PREP, _L_STATE, _L_OUT = (
-        CachedLauncher(kernel) for kernel in (_gdn_prep_kernel, _gdn_state_kernel, _gdn_out_kernel)
-    )
-
-
-def _run(launcher, key, grid: tuple[int, int, int], args: tuple, constexprs: dict, **options) -> None:
-    """``kernel[grid](*args, **constexprs)``, or through the launcher's cache where the caller
-    passes a key that fixes Triton's specialisation of ``args`` (decode: launch cost is its time)."""
-    if key is None:
-        launcher.kernel[grid](*args, **constexprs, **options)
-    else:
-        launcher(key, grid, args, constexprs, **options)
-
 
 def _chunkify(x: torch.Tensor, starts: list[int], lens: list[int], nc: int, c: int) -> torch.Tensor:
     """(T, H, ...) packed -> (B, nc, H, C, ...) zero-padded chunks aligned to each sequence start."""
@@ -544,20 +530,6 @@ def gdn_recurrent(
     return o, torch.stack(states) if states else h
 
 
-def _input_strides(q, k, v, g, beta) -> tuple[int, ...]:
-    """The token and head strides of the kernels' inputs (g and beta: the token stride only)."""
-    return (
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        g.stride(0),
-        beta.stride(0),
-    )
-
-
 def _tile_widths(dk: int, dv: int) -> tuple[int, int]:
     """Power-of-two register widths (at least 16, the dot's minimum) for dk and dv."""
     return max(16, next_power_of_2(dk)), max(16, next_power_of_2(dv))
@@ -621,11 +593,10 @@ def _launch(
     o: torch.Tensor,
     chunk: int,
     work: _Workspace | None = None,
-    key: tuple | None = None,
 ) -> None:
     """Run the three chunk kernels over ``runs``, reading sequence b's state from
     ``h_in[slot_b]``, writing its last boundary state to ``h_out[slot_b]`` (the same tensor is
-    allowed) and its emitted rows into ``o`` (fp32 (rows, H, dv)). ``key``: see :func:`_run`."""
+    allowed) and its emitted rows into ``o`` (fp32 (rows, H, dv))."""
     hh, dk = q.shape[1], q.shape[2]
     dv = v.shape[2]
     nb = runs.table.shape[1]
@@ -640,106 +611,85 @@ def _launch(
     bk, bdv = _tile_widths(dk, dv)
     cfg, prec = CONFIG, dot_precision(dt)
     nbw = min(cfg.prep_nb, max(bk, bdv))
-    _run(
-        _L_PREP,
-        key,
-        (runs.chunks, nb * hh, 1),
-        (
-            k,
-            v,
-            g,
-            beta,
-            ws_w,
-            ws_u,
-            ws_g,
-            start,
-            length,
-            coff,
-            hh,
-            k.stride(0),
-            k.stride(1),
-            v.stride(0),
-            v.stride(1),
-            g.stride(0),
-            beta.stride(0),
-        ),
-        dict(
-            DK=dk,
-            DV=dv,
-            BK=bk,
-            BDV=bdv,
-            C=chunk,
-            NB=nbw,
-            SQUARINGS=chunk.bit_length() - 2,
-            PREC=prec,
-        ),
+    _gdn_prep_kernel[(runs.chunks, nb * hh, 1)](
+        k,
+        v,
+        g,
+        beta,
+        ws_w,
+        ws_u,
+        ws_g,
+        start,
+        length,
+        coff,
+        hh,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        g.stride(0),
+        beta.stride(0),
+        DK=dk,
+        DV=dv,
+        BK=bk,
+        BDV=bdv,
+        C=chunk,
+        NB=nbw,
+        SQUARINGS=chunk.bit_length() - 2,
+        PREC=prec,
         num_warps=cfg.prep_warps,
         num_stages=1,
     )
     bv = min(cfg.state_bv, bdv)
-    _run(
-        _L_STATE,
-        key,
-        (nb * hh, cdiv(dv, bv), 1),
-        (
-            k,
-            ws_w,
-            ws_u,
-            ws_g,
-            ws_h,
-            h_in,
-            h_out,
-            start,
-            length,
-            slot,
-            coff,
-            hh,
-            k.stride(0),
-            k.stride(1),
-        ),
-        dict(
-            DK=dk,
-            DV=dv,
-            BK=bk,
-            BV=bv,
-            C=chunk,
-            PREC=prec,
-        ),
+    _gdn_state_kernel[(nb * hh, cdiv(dv, bv), 1)](
+        k,
+        ws_w,
+        ws_u,
+        ws_g,
+        ws_h,
+        h_in,
+        h_out,
+        start,
+        length,
+        slot,
+        coff,
+        hh,
+        k.stride(0),
+        k.stride(1),
+        DK=dk,
+        DV=dv,
+        BK=bk,
+        BV=bv,
+        C=chunk,
+        PREC=prec,
         num_warps=cfg.state_warps,
     )
     bo = min(cfg.out_bv, bdv)
-    _run(
-        _L_OUT,
-        key,
-        (runs.chunks, nb * hh, cdiv(dv, bo)),
-        (
-            q,
-            k,
-            ws_u,
-            ws_g,
-            ws_h,
-            o,
-            start,
-            length,
-            coff,
-            emit,
-            ostart,
-            hh,
-            q.stride(0),
-            q.stride(1),
-            k.stride(0),
-            k.stride(1),
-            o.stride(0),
-            o.stride(1),
-        ),
-        dict(
-            DK=dk,
-            DV=dv,
-            BK=bk,
-            BV=bo,
-            C=chunk,
-            PREC=prec,
-        ),
+    _gdn_out_kernel[(runs.chunks, nb * hh, cdiv(dv, bo))](
+        q,
+        k,
+        ws_u,
+        ws_g,
+        ws_h,
+        o,
+        start,
+        length,
+        coff,
+        emit,
+        ostart,
+        hh,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        o.stride(0),
+        o.stride(1),
+        DK=dk,
+        DV=dv,
+        BK=bk,
+        BV=bo,
+        C=chunk,
+        PREC=prec,
         num_warps=cfg.out_warps,
     )
 

@@ -29,9 +29,24 @@ import torch
 
 from . import gdn
 from ._triton import HAVE_TRITON, CachedLauncher, aligned, dot_precision, jit, tl, triton
-from .gdn import CHUNK, GDNCache, _input_strides, _kernel_inputs, _run, _tile_widths
+from .gdn import CHUNK, GDNCache, _kernel_inputs, _tile_widths
 
 SLAB = 16  # the rows one decode step computes: tl.dot's smallest M
+
+
+def _input_strides(q, k, v, g, beta) -> tuple[int, ...]:
+    """The token and head strides of the kernels' inputs (g and beta: the token stride only)."""
+    return (
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        g.stride(0),
+        beta.stride(0),
+    )
+
 
 if HAVE_TRITON:
     from .gdn import _cumsum_chain, _decay_rows
@@ -238,8 +253,7 @@ def gdn_decode_step(
     # Everything Triton specialises on: the integers follow from these, and the cache's and o's
     # pointers are allocations of their own (aligned).
     key = (nb, hh, dk, dv, chunk, q.dtype, strides, aligned(q, k, v, g, beta, slots), slots.dtype, gdn.CONFIG)
-    _run(
-        _L_DECODE,
+    _L_DECODE(
         key,
         (nb, hh, 1),
         (
