@@ -52,7 +52,6 @@ if HAVE_TRITON:
         BV: tl.constexpr,
         C: tl.constexpr,
         PREC: tl.constexpr,
-        LOWP: tl.constexpr,
     ):
         """dU' and the gradient of the state leaving each chunk, for one (sequence, head, dv
         block), chunks in reverse. The last chunk leaves no state that anything reads (an open
@@ -62,10 +61,6 @@ if HAVE_TRITON:
         b = bh // H
         h = bh % H
         dt = k_ptr.dtype.element_ty
-        if LOWP:  # the dots' operands in the inputs' dtype (fla's precision), fp32 accumulators
-            op = dt
-        else:
-            op = tl.float32
         start = tl.load(start_ptr + b)
         n = tl.load(len_ptr + b)
         coff = tl.load(coff_ptr + b)
@@ -93,20 +88,20 @@ if HAVE_TRITON:
                 do_ptr + row[:, None] * stride_dot + h * stride_doh + vv[None, :],
                 mask=ok[:, None] & vok[None, :],
                 other=0.0,
-            ).to(op)
+            ).to(tl.float32)
             # P^T: row j, column i holds (q_i . k_j) e^{G_i - G_j} for i >= j.
             kq = tl.dot(k_s, tl.trans(q_s), input_precision=PREC)
             upper = c[None, :] >= c[:, None]
             pt = tl.where(upper, kq * tl.exp(tl.where(upper, G[None, :] - G[:, None], 0.0)), 0.0)
             kd = k_s.to(tl.float32) * tl.exp(g_last - G)[:, None]
-            dvn = tl.dot(pt.to(op), do_s, input_precision=PREC)
-            dvn = tl.dot(kd.to(op), dh.to(op), dvn, input_precision=PREC)
+            dvn = tl.dot(pt, do_s, input_precision=PREC)
+            dvn = tl.dot(kd, dh, dvn, input_precision=PREC)
             tl.store(dvn_ptr + (ws * C + c[:, None]) * DV + vv[None, :], dvn, mask=vok[None, :])
             w_s = tl.load(w_ptr + (ws * C + c[:, None]) * DK + kk[None, :], mask=kok[None, :], other=0.0)
             qg = q_s.to(tl.float32) * tl.exp(G)[:, None]
             dh = dh * tl.exp(g_last)
-            dh = tl.dot(tl.trans(qg.to(op)), do_s, dh, input_precision=PREC)
-            dh = tl.dot(tl.trans(-w_s.to(op)), dvn.to(op), dh, input_precision=PREC)
+            dh = tl.dot(tl.trans(qg), do_s, dh, input_precision=PREC)
+            dh = tl.dot(tl.trans(-w_s.to(tl.float32)), dvn, dh, input_precision=PREC)
 
     @jit()
     def _gdn_bwd_local_kernel(
@@ -146,7 +141,6 @@ if HAVE_TRITON:
         C: tl.constexpr,
         SQUARINGS: tl.constexpr,
         PREC: tl.constexpr,
-        LOWP: tl.constexpr,
     ):
         """Every input's gradient from one (sequence, chunk, head)'s terms."""
         ic = tl.program_id(0)
@@ -156,10 +150,6 @@ if HAVE_TRITON:
         n = tl.load(len_ptr + b)
         t0 = ic * C
         if t0 < n:
-            if LOWP:  # the dots' operands in the inputs' dtype (fla's precision), fp32 accumulators
-                op = k_ptr.dtype.element_ty
-            else:
-                op = tl.float32
             start = tl.load(start_ptr + b)
             ws = ((tl.load(coff_ptr + b) + ic) * H + h).to(tl.int64)
             c = tl.arange(0, C)
@@ -210,44 +200,36 @@ if HAVE_TRITON:
                     v_ptr + row[:, None] * stride_vt + h * stride_vh + vv[None, :], mask=rm, other=0.0
                 )
                 v_b = v_b.to(tl.float32)
-                hc_o = hc_b.to(op)
-                dvn_o = dvn_b.to(op)
-                vn_o = vn_b.to(op)
-                dq_inter = tl.dot((do_b * eg[:, None]).to(op), tl.trans(hc_o), dq_inter, input_precision=PREC)
-                dp = tl.dot(do_b.to(op), tl.trans(vn_o), dp, input_precision=PREC)
-                dkd = tl.dot(vn_o, tl.trans(dhn_b.to(op)), dkd, input_precision=PREC)
-                dw = tl.dot(-dvn_o, tl.trans(hc_o), dw, input_precision=PREC)
-                dt_ = tl.dot(dvn_o, tl.trans((v_b * bc[:, None]).to(op)), dt_, input_precision=PREC)
-                dsv = tl.dot(tt.to(op), dvn_o, input_precision=PREC)
+                dq_inter = tl.dot(do_b * eg[:, None], tl.trans(hc_b), dq_inter, input_precision=PREC)
+                dp = tl.dot(do_b, tl.trans(vn_b), dp, input_precision=PREC)
+                dkd = tl.dot(vn_b, tl.trans(dhn_b), dkd, input_precision=PREC)
+                dw = tl.dot(-dvn_b, tl.trans(hc_b), dw, input_precision=PREC)
+                dt_ = tl.dot(dvn_b, tl.trans(v_b * bc[:, None]), dt_, input_precision=PREC)
+                dsv = tl.dot(tt, dvn_b, input_precision=PREC)
                 tl.store(dv_ptr + row[:, None] * (H * DV) + h * DV + vv[None, :], dsv * bc[:, None], mask=rm)
                 dbeta += tl.sum(dsv * v_b, axis=1)
                 hdh += tl.sum(hc_b * dhn_b, axis=1)
             sk = k_s * (bc * eg)[:, None]
-            dw_o = dw.to(op)
-            tt_o = tt.to(op)
-            dt_ = tl.dot(dw_o, tl.trans(sk.to(op)), dt_, input_precision=PREC)
-            dsk = tl.dot(tt_o, dw_o, input_precision=PREC)
+            dt_ = tl.dot(dw, tl.trans(sk), dt_, input_precision=PREC)
+            dsk = tl.dot(tt, dw, input_precision=PREC)
             dk = dsk * (bc * eg)[:, None]
             dbeta += tl.sum(dsk * k_s, axis=1) * eg
             dG = tl.sum(dsk * sk, axis=1)
-            da = -tl.dot(tl.dot(tt_o, dt_.to(op), input_precision=PREC).to(op), tt_o, input_precision=PREC)
+            da = -tl.dot(tl.dot(tt, dt_, input_precision=PREC), tt, input_precision=PREC)
             da = tl.where(strict, da, 0.0)
             decay = _decay(G, c)
             e = da * a
             dG += tl.sum(e, axis=1) - tl.sum(e, axis=0)
             dbeta += tl.sum(da * kk * decay, axis=1)
             dkk = da * decay * bc[:, None]
-            k_o = k_s.to(op)
-            dkk_o = dkk.to(op)
-            dk = tl.dot(dkk_o, k_o, dk, input_precision=PREC)
-            dk = tl.dot(tl.trans(dkk_o), k_o, dk, input_precision=PREC)
-            q_l = tl.load(q_ptr + row[:, None] * stride_qt + h * stride_qh + kd_[None, :], mask=im, other=0.0)
-            q_s = q_l.to(tl.float32)
-            qk = tl.dot(q_l.to(op), tl.trans(k_o), input_precision=PREC)
+            dk = tl.dot(dkk, k_s, dk, input_precision=PREC)
+            dk = tl.dot(tl.trans(dkk), k_s, dk, input_precision=PREC)
+            q_s = tl.load(q_ptr + row[:, None] * stride_qt + h * stride_qh + kd_[None, :], mask=im, other=0.0)
+            q_s = q_s.to(tl.float32)
+            qk = tl.dot(q_s, tl.trans(k_s), input_precision=PREC)
             dpd = tl.where(causal, dp * decay, 0.0)
-            dpd_o = dpd.to(op)
-            dq = tl.dot(dpd_o, k_o, dq_inter, input_precision=PREC)
-            dk = tl.dot(tl.trans(dpd_o), q_l.to(op), dk, input_precision=PREC)
+            dq = tl.dot(dpd, k_s, dq_inter, input_precision=PREC)
+            dk = tl.dot(tl.trans(dpd), q_s, dk, input_precision=PREC)
             dpp = dpd * qk  # dP * P
             dG += tl.sum(dpp, axis=1) - tl.sum(dpp, axis=0)
             dG += tl.sum(q_s * dq_inter, axis=1)
@@ -265,9 +247,6 @@ if HAVE_TRITON:
 
 
 BWD_BV = 32  # dv block of both kernels (launch parameters: no bit of the forward depends on them)
-#: The backward's dot operands in the inputs' dtype (bf16: fla's precision) instead of fp32 (tf32
-#: dots); the accumulators stay fp32 either way.
-BWD_LOW_PRECISION = True
 
 
 def gdn_chunk_backward(
@@ -325,7 +304,6 @@ def gdn_chunk_backward(
         BV=bv,
         C=chunk,
         PREC=prec,
-        LOWP=BWD_LOW_PRECISION,
         num_warps=4,
     )
     _gdn_bwd_local_kernel[(runs.chunks, nb * hh)](
@@ -365,7 +343,6 @@ def gdn_chunk_backward(
         C=chunk,
         SQUARINGS=chunk.bit_length() - 2,
         PREC=prec,
-        LOWP=BWD_LOW_PRECISION,
         num_warps=8,
         num_stages=1,
     )
