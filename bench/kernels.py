@@ -214,34 +214,44 @@ def bench_tune_split() -> None:
 def bench_tune_small() -> None:
     """Narrow-tile candidates at small M: bits against the full tile's, and graph time (tuning)."""
     from kernels.bits import bits_equal
-    from kernels.gemm import GemmConfig
+    from kernels.gemm import GemmConfig, gemm_config
 
     global TIMING
     saved, TIMING = TIMING, "graph"
-    from kernels.gemm import NARROW_TILES
+    from kernels.gemm import NARROW_TILES, ROW16_TILE
 
-    cands = list(NARROW_TILES) + [(128, 64, 6), (64, 64, 8), (64, 128, 4), (32, 128, 4)]
+    # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, TMA): the shipped narrow tiles, the 16-row one,
+    # and neighbours of each
+    cands = [(64, bn, bk, 4, st, tma) for bn, bk, st, tma in NARROW_TILES] + [
+        (*ROW16_TILE, False), (16, 32, 128, 4, 4, False), (16, 16, 256, 2, 3, False),
+        (16, 64, 128, 4, 4, False), (64, 32, 128, 4, 5, True), (64, 128, 64, 4, 8, False),
+        (128, 128, 64, 4, 4, True), (64, 128, 64, 4, 6, True),
+    ]  # fmt: skip
     best: dict = {}
     for n, k in SMALL_M_SHAPES:
         ws = _weight_copies(n, k)
         a_full = torch.randn(2048, k, device="cuda").bfloat16()
         want = gemm(a_full, ws[0])
+        split = gemm_config(n, k, torch.bfloat16, torch.cuda.get_device_capability()).k_split
         for m in (1, 16, 64, 256):
             a = a_full[:m]
             base = bench_calls([lambda w=w: torch.mm(a, w.T) for w in ws])
             dflt = bench_calls([lambda w=w: gemm(a, w) for w in ws])
             line = [f"tune-small N={n} K={k} M={m}: cublas {base * 1e3:.1f} us, shipped {dflt / base:.2f}x"]
-            for bn, bk, st in cands:
-                cfg = GemmConfig(64, bn, bk, 4, st, tma=True)
+            for bm, bn, bk, wp, st, tma in cands:
+                if bm == 16 and m > 64:
+                    continue
+                cfg = GemmConfig(bm, bn, bk, wp, st, tma=tma, k_split=split)
+                tag = f"{bm}x{bn}x{bk}w{wp}s{st}{'T' if tma else 'P'}"
                 try:
                     same = bits_equal(gemm(a, ws[0], config=cfg), want[:m])
                     t = bench_calls([lambda w=w: gemm(a, w, config=cfg) for w in ws])
                 except Exception as e:  # noqa: BLE001 - out of shared memory etc.
-                    line.append(f"{bn}/{bk}/{st}: {type(e).__name__}")
+                    line.append(f"{tag}: {type(e).__name__}")
                     continue
-                line.append(f"{bn}/{bk}/{st}: {t / base:.2f}x{'' if same else ' BITS-DIFFER'}")
+                line.append(f"{tag}: {t / base:.2f}x{'' if same else ' BITS-DIFFER'}")
                 if same and t < best.get((n, k, m), (9e9,))[0]:
-                    best[(n, k, m)] = (t, (bn, bk, st), t / base)
+                    best[(n, k, m)] = (t, tag, t / base)
             print("  ".join(line), flush=True)
     for key, (_t, c, r) in best.items():
         print(f"tune-small best {key}: {c} {r:.2f}x", flush=True)

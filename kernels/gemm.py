@@ -116,38 +116,53 @@ def gemm_config(n: int, k: int, dtype: torch.dtype, capability: tuple[int, int] 
     return GemmConfig(64, 64, 64, 4, 3)
 
 
-#: Narrow tiles a small-M call may take on the H200, widest first: (BLOCK_N, BLOCK_K, stages).
-#: Launch shape only: measured on the H200, each gives the full tile's bits (BLOCK_K 128 is two of
-#: the full tile's 64-wide steps back to back: the same k16 MMA chain on one accumulator).
-#: Narrow tiles hold fewer bytes per stage, so they take deeper K steps and more stages.
-NARROW_TILES: tuple[tuple[int, int, int], ...] = (
-    (256, 64, 4),
-    (128, 64, 8),
-    (64, 128, 5),
-    (32, 128, 5),
-    (16, 128, 5),
+#: Narrow tiles a small-M call may take on the H200, widest first: (BLOCK_N, BLOCK_K, stages,
+#: TMA). Launch shape only: measured on the H200, each gives the full tile's bits (BLOCK_K 128 is
+#: two of the full tile's 64-wide steps back to back: the same k16 MMA chain on one accumulator;
+#: pointer loads fill the same shared-memory operands a TMA copy does). The narrow ones load by
+#: pointers: at decode sizes the kernel-built TMA descriptor and its fence cost more than they save
+#: (a sweep of 26 tiles on the H200: 64x16 and 64x32 pointer tiles 1.0-1.15x cuBLAS at M = 64 where
+#: the same tiles by TMA took 1.25-1.55x).
+NARROW_TILES: tuple[tuple[int, int, int, bool], ...] = (
+    (256, 64, 4, True),
+    (128, 64, 8, True),
+    (64, 128, 5, False),
+    (32, 128, 5, False),
+    (16, 128, 5, False),
 )
+
+#: At most this many rows take one 16-row tile (``mma.sync``) instead of a 64-row one (``wgmma``):
+#: on the H200 both give every row the same bits for the same K order (``tests/kernels/
+#: test_dot_rows.py``, ``test_small_m_shapes_gpu``), and the 16-row tile does a quarter of the MMA
+#: work and holds a quarter of the registers, so twice the programs fit an SM (same sweep: 1.06-1.11x
+#: cuBLAS at M <= 16 on the K = 2048-14336 weights where the 64-row tiles took 1.24-1.35x).
+ROW16_MAX_M = 16
+ROW16_TILE = (16, 16, 128, 2, 5)  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages), pointer loads
 
 
 @cache
-def _narrowed(cfg: GemmConfig, tile: tuple[int, int, int]) -> GemmConfig:
-    block_n, block_k, stages = tile
-    return replace(cfg, block_m=64, block_n=block_n, block_k=block_k, num_warps=4, num_stages=stages)
+def _narrowed(cfg: GemmConfig, tile: tuple[int, int, int, bool], few_rows: bool) -> GemmConfig:
+    block_n, block_k, stages, tma = tile
+    if not tma and few_rows:
+        bm, bn, bk, warps, st = ROW16_TILE
+        return replace(cfg, block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=st, tma=False)
+    return replace(cfg, block_m=64, block_n=block_n, block_k=block_k, num_warps=4, num_stages=stages, tma=tma)
 
 
 def launch_config(cfg: GemmConfig, m: int, n: int, sms: int, k: int = 0) -> GemmConfig:
     """The tile one call runs (``k``: the K of a call whose split-K spans run as programs and so
     count toward filling the SMs; 0 where they do not). Normally ``cfg`` for every M; with ``cfg.shrink_small_m`` (Hopper),
     a call whose full tiles would fill fewer than half the SMs runs the widest 64-row tile of
-    :data:`NARROW_TILES` that fills half of them (the narrowest when none does). Chosen from a
-    sweep of 27 tiles over the 0.5B-8B decode projections at M = 1, 64, 256 (bench_tune_small).
+    :data:`NARROW_TILES` that fills half of them (the narrowest when none does), and at most
+    :data:`ROW16_MAX_M` rows run :data:`ROW16_TILE` in place of a pointer-loaded one. Chosen from
+    sweeps over the 0.5B-8B decode projections at M = 1 to 256 (``bench_tune_small``).
 
-    Why that keeps the bits: the K order and the instruction (wgmma, k16 steps, fp32 accumulator)
-    are unchanged; only how many rows and columns one program covers, and how many k16 steps one
-    loop iteration issues, change. Measured on an H200: 128x256, 64x256, 128x128, 64x128, 64x64,
-    64x32 and 64x16 tiles at BLOCK_K 64 and 128 give identical bits for the 0.5B-8B projections
-    and N x K in {4096x4096, 1024x3000}, bf16 and fp32 outputs, M from 1 to 2048;
-    ``test_batch_invariant_gpu`` and ``test_small_m_shapes_gpu`` cross every switch."""
+    Why that keeps the bits: the K order and the MMA's k16 steps on one fp32 accumulator are
+    unchanged; only how many rows and columns one program covers, how many k16 steps one loop
+    iteration issues, and how the operands reach shared memory change. Measured on an H200:
+    128x256, 64x256, 128x128, 64x128, 64x64, 64x32, 64x16, 32x64, 16x128, 16x64, 16x32 and 16x16
+    tiles at BLOCK_K 64, 128 and 256, by TMA and by pointers, give identical bits for the 0.5B-8B
+    projections; ``test_batch_invariant_gpu`` and ``test_small_m_shapes_gpu`` cross every switch."""
     if not cfg.shrink_small_m:
         return cfg
     half = sms // 2
@@ -157,8 +172,8 @@ def launch_config(cfg: GemmConfig, m: int, n: int, sms: int, k: int = 0) -> Gemm
     m_tiles = cdiv(m, 64)
     for tile in NARROW_TILES:
         if m_tiles * cdiv(n, tile[0]) * spans >= half:
-            return _narrowed(cfg, tile)
-    return _narrowed(cfg, NARROW_TILES[-1])
+            return _narrowed(cfg, tile, m <= ROW16_MAX_M)
+    return _narrowed(cfg, NARROW_TILES[-1], m <= ROW16_MAX_M)
 
 
 if HAVE_TRITON:
@@ -538,14 +553,14 @@ def gemm(
         return out.reshape(*x.shape[:-1], n)
     plan = _plan(m, n, k, weight.dtype, odt, bias is not None, dev, config)
     cfg = plan[0]
-    if cfg.tma and cfg.device_descriptors and weight.is_cuda and (bias is None or bias.is_cuda):
-        _launch_device_desc(a, weight, bias, out, plan, dev, m, n, k)
+    if weight.is_cuda and (bias is None or bias.is_cuda) and (cfg.device_descriptors or not cfg.tma):
+        _launch_direct(a, weight, bias, out, plan, dev, m, n, k)
     else:
         _launch_other(a, weight, bias, out, plan, dev, m, n, k)
     return out if x.dim() == 2 else out.reshape(*x.shape[:-1], n)
 
 
-def _launch_device_desc(
+def _launch_direct(
     a: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
@@ -556,21 +571,23 @@ def _launch_device_desc(
     n: int,
     k: int,
 ) -> None:
-    """The Hopper launch with kernel-built descriptors (every TMA config on CUDA), the host work
-    cut to what the launch needs: each pointer and stride read once, and a cache hit handed raw
-    pointers (the caller checked every tensor is a CUDA one: an int skips the launcher's check).
-    The arguments, key, constexprs and options are those of ``_launch_other``'s cached branch."""
+    """The launch on CUDA with kernel-built descriptors or pointer loads (every config but
+    host-built descriptors), the host work cut to what the launch needs: each pointer and stride
+    read once, and a cache hit handed raw pointers (the caller checked every tensor is a CUDA one:
+    an int skips the launcher's check). The arguments, key, constexprs and options are those of
+    ``_launch_other``'s cached branch."""
     cfg, grid, constexprs, options, scratch = plan
     itemsize = weight.dtype.itemsize  # a has weight's dtype (gemm casts x)
     w, pw, sw = weight, weight.data_ptr(), weight.stride()
-    if not tma_ready(pw, sw, itemsize):
-        w = _tma_operand(weight)
-        pw, sw = w.data_ptr(), w.stride()
     pa, sa = a.data_ptr(), a.stride()
-    if not constexprs["A_PTR"] and not tma_ready(pa, sa, itemsize):
-        a = _tma_operand(a)
-        pa, sa = a.data_ptr(), a.stride()
-    _ensure_allocator()
+    if cfg.tma:
+        if not tma_ready(pw, sw, itemsize):
+            w = _tma_operand(weight)
+            pw, sw = w.data_ptr(), w.stride()
+        if not constexprs["A_PTR"] and not tma_ready(pa, sa, itemsize):
+            a = _tma_operand(a)
+            pa, sa = a.data_ptr(), a.stride()
+        _ensure_allocator()
     bias_arg, pb = (bias, bias.data_ptr()) if bias is not None else (w, pw)
     po = out.data_ptr()
     if scratch:

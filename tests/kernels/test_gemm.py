@@ -115,11 +115,15 @@ def test_launch_config_narrows_only_underfilled_hopper_calls() -> None:
     assert hopper.shrink_small_m and not gemm_config(4096, 4096, torch.bfloat16, (10, 0)).shrink_small_m
     assert launch_config(hopper, 2048, 4096, 132) is hopper
     assert launch_config(hopper, 256, 14336, 132) is hopper  # 112 full tiles
-    small = launch_config(hopper, 1, 4096, 132)  # 128 tiles of 64x32
-    assert (small.block_m, small.block_n, small.block_k) == (64, 32, 128)
-    assert launch_config(hopper, 1, 896, 132).block_n == 16  # none fills half: the narrowest
-    # hopper is the 4096x4096 config: launch_config(hopper, 1, 896, ...) is a tile-choice probe only
-    assert launch_config(hopper, 1, 14336, 132).block_n == 128
+    decode = launch_config(hopper, 64, 4096, 132)  # 128 tiles of 64x32, loaded by pointers
+    assert (decode.block_m, decode.block_n, decode.block_k, decode.tma) == (64, 32, 128, False)
+    small = launch_config(hopper, 1, 4096, 132)  # at most 16 rows: the 16-row tile in its place
+    assert (small.block_m, small.block_n, small.block_k, small.num_warps, small.tma) == (16, 16, 128, 2, False)
+    assert launch_config(hopper, 16, 4096, 132).block_m == 16 and launch_config(hopper, 17, 4096, 132).block_m == 64
+    assert launch_config(hopper, 64, 896, 132).block_n == 16  # none fills half: the narrowest
+    # hopper is the 4096x4096 config: launch_config(hopper, 1, 14336, ...) is a tile-choice probe only
+    wide = launch_config(hopper, 1, 14336, 132)  # a TMA tile fills half: 64 rows even for one
+    assert (wide.block_m, wide.block_n, wide.tma) == (64, 128, True)
     mid = launch_config(hopper, 512, 4096, 132)  # 64 full tiles; 128 of 64x256
     assert (mid.block_m, mid.block_n, mid.block_k) == (64, 256, hopper.block_k)
     plain = GemmConfig(32, 32, 16, 4, 2, tma=True)
@@ -161,7 +165,8 @@ def test_split_span_is_fixed_per_weight_shape(split_k) -> None:
     assert (narrow.block_m, narrow.block_n, narrow.k_split) == (128, 256, 1280)
     assert gemm_config(896, 4864, torch.bfloat16, (10, 0)).k_split == 0
     assert launch_config(narrow, 4096, 896, 132, 4864) is narrow
-    assert launch_config(narrow, 1, 896, 132, 4864).block_n == 32  # 28 tiles x 4 spans >= 66
+    assert launch_config(narrow, 64, 896, 132, 4864).block_n == 32  # 28 tiles x 4 spans >= 66
+    assert launch_config(narrow, 1, 896, 132, 4864).block_m == 16  # at most 16 rows: the 16-row tile
 
 
 @gpu
