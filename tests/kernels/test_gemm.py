@@ -118,8 +118,17 @@ def test_launch_config_narrows_only_underfilled_hopper_calls() -> None:
     decode = launch_config(hopper, 64, 4096, 132)  # 128 tiles of 64x32, loaded by pointers
     assert (decode.block_m, decode.block_n, decode.block_k, decode.tma) == (64, 32, 128, False)
     small = launch_config(hopper, 1, 4096, 132)  # at most 16 rows: the 16-row tile in its place
-    assert (small.block_m, small.block_n, small.block_k, small.num_warps, small.tma) == (16, 16, 128, 2, False)
-    assert launch_config(hopper, 16, 4096, 132).block_m == 16 and launch_config(hopper, 17, 4096, 132).block_m == 64
+    assert (small.block_m, small.block_n, small.block_k, small.num_warps, small.tma) == (
+        16,
+        16,
+        128,
+        2,
+        False,
+    )
+    assert (
+        launch_config(hopper, 16, 4096, 132).block_m == 16
+        and launch_config(hopper, 17, 4096, 132).block_m == 64
+    )
     assert launch_config(hopper, 64, 896, 132).block_n == 16  # none fills half: the narrowest
     # hopper is the 4096x4096 config: launch_config(hopper, 1, 14336, ...) is a tile-choice probe only
     wide = launch_config(hopper, 1, 14336, 132)  # a TMA tile fills half: 64 rows even for one
