@@ -53,6 +53,27 @@ def test_tma_path_fp32(dev: str) -> None:
     )
 
 
+def test_decode_tiles_fp32(dev: str) -> None:
+    """The decode-size tiles ``launch_config`` picks on the H200 (the 16-row tile, a pointer-loaded
+    64-row one, with and without a fixed split-K run as programs) as a structure test: fp32 under
+    the interpreter, K = 300 not a multiple of BLOCK_K, each tile's rows the same at every M."""
+    from kernels.gemm import ROW16_TILE
+
+    torch.manual_seed(0)
+    a, w, b = torch.randn(70, 300, device=dev), torch.randn(40, 300, device=dev), torch.randn(40, device=dev)
+    bm, bn, bk, warps, stages = ROW16_TILE
+    for cfg in (
+        GemmConfig(bm, bn, bk, warps, stages),
+        GemmConfig(bm, bn, bk, warps, stages, k_split=128),
+        GemmConfig(64, 32, 128, 4, 5),
+        GemmConfig(64, 32, 128, 4, 5, k_split=256),
+    ):
+        full = gemm(a, w, b, impl="triton", config=cfg)
+        torch.testing.assert_close(full, gemm_reference(a, w, b), rtol=1e-4, atol=1e-4)
+        for m in (1, 2, 15, 16, 17, 64, 65):
+            assert bits_equal(gemm(a[:m], w, b, impl="triton", config=cfg), full[:m]), (cfg, m)
+
+
 def test_linear_autograd(dev: str) -> None:
     x = torch.randn(5, 3, 32, device=dev, requires_grad=True)
     w = torch.randn(48, 32, device=dev, requires_grad=True)
