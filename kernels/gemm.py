@@ -504,10 +504,10 @@ def _plan(
         SPLIT_EPILOGUE=split,
         WARP_SPECIALIZE=cfg.warp_specialize,
         DEVICE_DESC=cfg.device_descriptors,
-        # Pointer loads and stores for A and C below one tile of at most 64 rows with a 2-byte output: the
+        # Pointer loads and stores for A and C below one 64-row tile with a 2-byte output: the
         # pointer store stages the tile in shared memory, which a 4-byte or 128-row tile overflows
         # (the interpreter has no such limit: there it serves every partial tile, as a structure test).
-        A_PTR=cfg.tma and m < cfg.block_m and (interpreting() or (cfg.block_m <= 64 and not split)),
+        A_PTR=cfg.tma and m < cfg.block_m and (interpreting() or (cfg.block_m == 64 and not split)),
         K_SPLIT=cfg.k_split if spans > 1 else 0,
         SPLIT_GRID=split_grid,
     )
@@ -618,8 +618,8 @@ def _launch_other(
     n: int,
     k: int,
 ) -> None:
-    """Every other launch: the pointer kernel (no TMA, or the interpreter's structure tests),
-    host-built descriptors, or a tensor off CUDA (Triton's launch then raises its own error)."""
+    """Every other launch: the interpreter's structure tests, host-built descriptors, or a tensor
+    off CUDA (Triton's launch then raises its own error)."""
     cfg, grid, constexprs, options, scratch = plan
     programs = grid[0]
     if cfg.tma:
