@@ -19,6 +19,8 @@ entering the chunk ``H``, ``G``) and recomputes ``A`` and ``T`` as the forward d
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ._triton import HAVE_TRITON, cdiv, dot_precision, jit, tl
@@ -246,7 +248,18 @@ if HAVE_TRITON:
             tl.store(dg_ptr + row * H + h, dg, mask=ok)
 
 
-BWD_BV = 32  # dv block of both kernels (launch parameters: no bit of the forward depends on them)
+@dataclass
+class BackwardConfig:
+    """Launch parameters of the two backward kernels (no bit of the forward depends on them)."""
+
+    state_warps: int = 4
+    state_bv: int = 32  # dv block of the state kernel (one program per sequence, head and block)
+    local_warps: int = 8
+    local_bv: int = 32  # dv block the local kernel's loop steps by
+    local_stages: int = 1
+
+
+BACKWARD_CONFIG = BackwardConfig()
 
 
 def gdn_chunk_backward(
@@ -278,7 +291,8 @@ def gdn_chunk_backward(
     dvn = torch.empty(runs.total, hh, chunk, dv, dtype=f32, device=dev)
     start, length, coff = runs.table[0], runs.table[1], runs.table[2]
     bk, bdv = _tile_widths(dk, dv)
-    bv = min(BWD_BV, bdv)
+    cfg = BACKWARD_CONFIG
+    bv = min(cfg.state_bv, bdv)
     prec = dot_precision(k.dtype)
     _gdn_bwd_state_kernel[(nb * hh, cdiv(dv, bv))](
         q,
@@ -304,7 +318,7 @@ def gdn_chunk_backward(
         BV=bv,
         C=chunk,
         PREC=prec,
-        num_warps=4,
+        num_warps=cfg.state_warps,
     )
     _gdn_bwd_local_kernel[(runs.chunks, nb * hh)](
         q,
@@ -339,11 +353,11 @@ def gdn_chunk_backward(
         DV=dv,
         BK=bk,
         BDV=bdv,
-        BV=bv,
+        BV=min(cfg.local_bv, bdv),
         C=chunk,
         SQUARINGS=chunk.bit_length() - 2,
         PREC=prec,
-        num_warps=8,
-        num_stages=1,
+        num_warps=cfg.local_warps,
+        num_stages=cfg.local_stages,
     )
     return dq, dk_, dv_, dg, db
