@@ -327,6 +327,7 @@ if HAVE_TRITON:
         SQUARINGS: tl.constexpr,
         PREC: tl.constexpr,
         LOWP: tl.constexpr,
+        DV_LOWP: tl.constexpr,
     ):
         """One (sequence, chunk, head): ``dv``, ``dbeta``, ``dk`` (adding ``dkp``) and ``dg``
         through ``W = T (b e^G k)``, ``U = T (b v)`` and ``T = (I + A)^{-1}``."""
@@ -361,7 +362,7 @@ if HAVE_TRITON:
                 v_b = v_b.to(tl.float32)
                 dvn_op = _operand(dvn_b, dt, LOWP)
                 dt_ = tl.dot(dvn_op, tl.trans(_operand(v_b * bc[:, None], dt, LOWP)), dt_, input_precision=PREC)
-                dsv = tl.dot(tt_op, dvn_op, input_precision=PREC)
+                dsv = tl.dot(_operand(tt, dt, DV_LOWP), _operand(dvn_b, dt, DV_LOWP), input_precision=PREC)
                 tl.store(
                     dv_ptr + row[:, None] * (H * DV) + h * DV + vv[None, :],
                     (dsv * bc[:, None]).to(dv_ptr.dtype.element_ty),
@@ -436,8 +437,11 @@ class BackwardConfig:
     query_key_bk: int = 64  # dk block of the query/key kernel (one program per block)
     query_key_warps: int = 4
     wy_warps: int = 4
-    bv: int = 32  # dv block the query/key and WY kernels' loops step by
+    bv: int = 64  # dv block the query/key and WY kernels' loops step by
     low_precision: bool = True  # dot operands in the inputs' dtype (bf16: fla's precision), else tf32
+    # T^T dU' (dv and dbeta) with bf16 operands gave garbage (1e30) on the H200 under Triton 3.6
+    # while the same dot with dW was right; tf32 operands there until that is understood.
+    dv_low_precision: bool = False
 
 
 BACKWARD_CONFIG = BackwardConfig()
@@ -501,6 +505,7 @@ def gdn_chunk_backward(
         k, v, beta, work.g, dvn, dkp, dw, dgp, dk_, dv_, db, dg, start, length, coff, hh,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), beta.stride(0),
         DK=dk, DV=dv, BK=bk, BKB=bkb, BDV=bdv, BV=bv, NKB=nkb, C=chunk,
-        SQUARINGS=chunk.bit_length() - 2, PREC=prec, LOWP=lowp, num_warps=cfg.wy_warps,
+        SQUARINGS=chunk.bit_length() - 2, PREC=prec, LOWP=lowp, DV_LOWP=lowp and cfg.dv_low_precision,
+        num_warps=cfg.wy_warps,
     )  # fmt: skip
     return dq, dk_, dv_, dg, db
