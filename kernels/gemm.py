@@ -125,7 +125,7 @@ def gemm_config(n: int, k: int, dtype: torch.dtype, capability: tuple[int, int] 
 #: the same tiles by TMA took 1.25-1.55x).
 NARROW_TILES: tuple[tuple[int, int, int, bool], ...] = (
     (256, 64, 4, True),
-    (128, 64, 8, True),
+    (128, 128, 4, True),
     (64, 128, 5, False),
     (32, 128, 5, False),
     (16, 128, 5, False),

@@ -153,7 +153,7 @@ def test_launch_config_narrows_only_underfilled_hopper_calls() -> None:
     assert launch_config(hopper, 64, 896, 132).block_n == 16  # none fills half: the narrowest
     # hopper is the 4096x4096 config: launch_config(hopper, 1, 14336, ...) is a tile-choice probe only
     wide = launch_config(hopper, 1, 14336, 132)  # a TMA tile fills half: 64 rows even for one
-    assert (wide.block_m, wide.block_n, wide.tma) == (64, 128, True)
+    assert (wide.block_m, wide.block_n, wide.block_k, wide.tma) == (64, 128, 128, True)
     mid = launch_config(hopper, 512, 4096, 132)  # 64 full tiles; 128 of 64x256
     assert (mid.block_m, mid.block_n, mid.block_k) == (64, 256, hopper.block_k)
     plain = GemmConfig(32, 32, 16, 4, 2, tma=True)
