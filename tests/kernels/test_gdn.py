@@ -127,6 +127,39 @@ def test_backward_vs_fp64(dev: str, chunk: int) -> None:
         assert err.item() < BWD_RTOL, err.item()
 
 
+@pytest.mark.parametrize(
+    ("dk", "dv", "chunk", "blocks"),
+    [
+        (32, 48, 16, dict(query_key_bk=16, bv=16, state_bv=16, value_bv=16)),
+        (64, 32, 32, dict(query_key_bk=32)),
+    ],
+)
+def test_backward_blocks_vs_fp64(
+    dev: str, dk: int, dv: int, chunk: int, blocks: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The backward kernels' block loops: several dk blocks of the query/key kernel (their dG
+    shares summed by the WY kernel), dv blocks that do not divide dv, and several dv programs of
+    the state and value-local kernels."""
+    import dataclasses
+
+    from kernels import gdn_backward
+
+    monkeypatch.setattr(
+        gdn_backward, "BACKWARD_CONFIG", dataclasses.replace(gdn_backward.BACKWARD_CONFIG, **blocks)
+    )
+    t = 100
+    x = _inputs(t, 2, dk, dv, dev, torch.float32, seed=2)
+    cu = torch.tensor([0, 70, t], dtype=torch.int32, device=dev)
+    a = [y.clone().requires_grad_(True) for y in x]
+    gout = torch.randn(t, 2, dv, device=dev, generator=torch.Generator(dev).manual_seed(5))
+    got = torch.autograd.grad(gdn_chunk_autograd(*a, cu, chunk), a, gout)
+    b = [y.double().clone().requires_grad_(True) for y in x]
+    want = torch.autograd.grad(gdn_recurrent(*b, cu.cpu(), dtype=torch.float64)[0], b, gout.double())
+    for ga, gb in zip(got, want, strict=True):
+        err = (ga.double() - gb).abs().max() / gb.abs().max()
+        assert err.item() < BWD_RTOL, err.item()
+
+
 def test_hand_backward_matches_autograd() -> None:
     """The hand-derived cross-chunk backward against autograd through the chunk loop: many chunks,
     partial last chunks, a sequence shorter than one chunk."""
