@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
 from dataclasses import asdict
 from typing import Any
 
@@ -149,7 +150,10 @@ def main() -> None:
             stop_sending_rank=args.stop_sending_rank,
             stop_sending_after=args.stop_sending_after,
         )
-        print(json.dumps(result), flush=True)
+        # One write of the whole line: ranks share stdout, and print's separate write of the
+        # newline (unbuffered under PYTHONUNBUFFERED) let another rank's line land in between.
+        sys.stdout.write(json.dumps(result) + "\n")
+        sys.stdout.flush()
     finally:
         dist.destroy_process_group()
 
