@@ -225,7 +225,8 @@ def bench_tune_small() -> None:
     cands = [(64, bn, bk, 4, st, tma) for bn, bk, st, tma in NARROW_TILES] + [
         (*ROW16_TILE, False), (16, 32, 128, 4, 4, False), (16, 16, 256, 2, 3, False),
         (16, 64, 128, 4, 4, False), (64, 32, 128, 4, 5, True), (64, 128, 64, 4, 8, False),
-        (128, 128, 64, 4, 4, True), (64, 128, 64, 4, 6, True),
+        (128, 128, 64, 4, 4, True), (64, 128, 64, 4, 6, True), (64, 128, 64, 4, 8, True),
+        (128, 128, 128, 8, 3, True), (128, 256, 64, 8, 3, True),  # the last: the full tile, explicit
     ]  # fmt: skip
     best: dict = {}
     for n, k in SMALL_M_SHAPES:
@@ -233,7 +234,7 @@ def bench_tune_small() -> None:
         a_full = torch.randn(2048, k, device="cuda").bfloat16()
         want = gemm(a_full, ws[0])
         split = gemm_config(n, k, torch.bfloat16, torch.cuda.get_device_capability()).k_split
-        for m in (1, 16, 64, 256):
+        for m in (1, 16, 64, 128, 256):
             a = a_full[:m]
             base = bench_calls([lambda w=w: torch.mm(a, w.T) for w in ws])
             dflt = bench_calls([lambda w=w: gemm(a, w) for w in ws])
@@ -799,6 +800,48 @@ def bench_gdn_tune() -> None:
                           f"bits equal to the default: {same}", flush=True)  # fmt: skip
                 finally:
                     G.CONFIG = base
+
+
+def bench_gdn_backward_tune() -> None:
+    """The CPR GDN backward (trainer fwd+bwd) under other ``BackwardConfig`` launch parameters:
+    the time of each and its gradients' largest relative L2 distance from the default's (block
+    widths move the fp32 sums' order, so they agree to rounding, not bit for bit). Each variant
+    is a fresh compile; a variant the compiler or the GPU refuses is printed and skipped."""
+    from kernels import gdn_backward as GB
+
+    variants = [
+        {},
+        dict(state_bv=16),
+        dict(state_warps=8),
+        dict(state_bv=16, state_warps=2),
+        dict(query_key_warps=8),
+        dict(wy_warps=8),
+        dict(bv=32),
+        dict(value_bv=128),
+        dict(low_precision=False),
+    ]
+    base = GB.BACKWARD_CONFIG
+    h, d = 16, 128
+    for b, n in ((4, 2048), (1, 8192)):
+        xs, cu = _gdn_inputs(b, n, h, d, grad=True)
+        gout = torch.randn(b * n, h, d, device="cuda")
+
+        def fwd_bwd() -> tuple[torch.Tensor, ...]:
+            return torch.autograd.grad(G.gdn_chunk_autograd(*xs, cu), xs, gout)
+
+        want = [x.float() for x in fwd_bwd()]
+        for var in variants:
+            GB.BACKWARD_CONFIG = dataclasses.replace(base, **var)
+            try:
+                got = fwd_bwd()
+                rel = max(float((a.float() - w).norm() / w.norm()) for a, w in zip(got, want, strict=True))
+                ms = bench(fwd_bwd, 300)
+                print(f"[{TIMING}] gdn backward tune B={b} T={n} {var or 'default'}: {ms:.3f} ms, "
+                      f"largest grad rel L2 from the default {rel:.1e}", flush=True)  # fmt: skip
+            except Exception as exc:  # noqa: BLE001 - a config the compiler refuses
+                print(f"[{TIMING}] gdn backward tune {var}: failed: {exc!r}"[:300], flush=True)
+            finally:
+                GB.BACKWARD_CONFIG = base
 
 
 def bench_fla() -> None:
