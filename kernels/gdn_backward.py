@@ -244,7 +244,8 @@ if HAVE_TRITON:
             dq_inter = tl.zeros((C, BKB), tl.float32)  # (e^G dO) H^T
             dkd = tl.zeros((C, BKB), tl.float32)  # U' dH'^T
             dw = tl.zeros((C, BKB), tl.float32)  # -dU' H^T
-            dp = tl.zeros((C, C), tl.float32)  # dO U'^T
+            # dO U'^T: each dk block's program forms it again, cheaper than a kernel of its own
+            dp = tl.zeros((C, C), tl.float32)
             hdh = tl.zeros((BKB,), tl.float32)  # sum(H * dH') by rows
             for v0 in tl.static_range(0, BDV, BV):
                 vv = v0 + tl.arange(0, BV)
@@ -427,6 +428,8 @@ if HAVE_TRITON:
                     mask=ok[:, None] & kok[None, :],
                     other=0.0,
                 )
+                # T^T dW again rather than kept from the first loop: the whole C x dk tile would
+                # not fit the registers beside T, dA and their products.
                 blk = (ws * C + c[:, None]) * DK + kd_[None, :]
                 dw_b = tl.load(dw_ptr + blk, mask=kok[None, :], other=0.0)
                 dk = tl.load(dkp_ptr + blk, mask=kok[None, :], other=0.0)

@@ -110,21 +110,27 @@ def test_matches_fp64_recurrence(dev: str) -> None:
     assert (o.double() - o64).abs().max().item() < 1e-5 * max(1.0, o64.abs().max().item())
 
 
-@pytest.mark.parametrize("chunk", [16, 64])
-def test_backward_vs_fp64(dev: str, chunk: int) -> None:
-    """The backward kernels (the interpreter on the CPU): several chunks, open last chunks, a
-    sequence shorter than one chunk at C=64."""
+def _assert_backward_near_fp64(dev: str, dk: int, dv: int, chunk: int, seed: int) -> None:
+    """The kernels' gradients of every input within BWD_RTOL of the fp64 recurrence's: two
+    sequences (70 and 30 tokens), so several chunks, open last chunks, and at C=64 a sequence
+    shorter than one chunk."""
     t = 100
-    x = _inputs(t, 2, 16, 16, dev, torch.float32, seed=1)
+    x = _inputs(t, 2, dk, dv, dev, torch.float32, seed=seed)
     cu = torch.tensor([0, 70, t], dtype=torch.int32, device=dev)
     a = [y.clone().requires_grad_(True) for y in x]
-    gout = torch.randn(t, 2, 16, device=dev)
-    (gdn_chunk_autograd(*a, cu, chunk) * gout).sum().backward()
+    gout = torch.randn(t, 2, dv, device=dev, generator=torch.Generator(dev).manual_seed(seed + 3))
+    got = torch.autograd.grad(gdn_chunk_autograd(*a, cu, chunk), a, gout)
     b = [y.double().clone().requires_grad_(True) for y in x]
-    (gdn_recurrent(*b, cu.cpu(), dtype=torch.float64)[0] * gout.double()).sum().backward()
-    for ga, gb in zip(a, b, strict=True):
-        err = (ga.grad.double() - gb.grad).abs().max() / gb.grad.abs().max()
+    want = torch.autograd.grad(gdn_recurrent(*b, cu.cpu(), dtype=torch.float64)[0], b, gout.double())
+    for ga, gb in zip(got, want, strict=True):
+        err = (ga.double() - gb).abs().max() / gb.abs().max()
         assert err.item() < BWD_RTOL, err.item()
+
+
+@pytest.mark.parametrize("chunk", [16, 64])
+def test_backward_vs_fp64(dev: str, chunk: int) -> None:
+    """The backward kernels (the interpreter on the CPU) at their default blocks."""
+    _assert_backward_near_fp64(dev, 16, 16, chunk, seed=1)
 
 
 @pytest.mark.parametrize(
@@ -147,17 +153,7 @@ def test_backward_blocks_vs_fp64(
     monkeypatch.setattr(
         gdn_backward, "BACKWARD_CONFIG", dataclasses.replace(gdn_backward.BACKWARD_CONFIG, **blocks)
     )
-    t = 100
-    x = _inputs(t, 2, dk, dv, dev, torch.float32, seed=2)
-    cu = torch.tensor([0, 70, t], dtype=torch.int32, device=dev)
-    a = [y.clone().requires_grad_(True) for y in x]
-    gout = torch.randn(t, 2, dv, device=dev, generator=torch.Generator(dev).manual_seed(5))
-    got = torch.autograd.grad(gdn_chunk_autograd(*a, cu, chunk), a, gout)
-    b = [y.double().clone().requires_grad_(True) for y in x]
-    want = torch.autograd.grad(gdn_recurrent(*b, cu.cpu(), dtype=torch.float64)[0], b, gout.double())
-    for ga, gb in zip(got, want, strict=True):
-        err = (ga.double() - gb).abs().max() / gb.abs().max()
-        assert err.item() < BWD_RTOL, err.item()
+    _assert_backward_near_fp64(dev, dk, dv, chunk, seed=2)
 
 
 def test_hand_backward_matches_autograd() -> None:
