@@ -28,7 +28,7 @@ from torch.utils import benchmark
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels import cpu  # noqa: E402
+from isokernels import cpu  # noqa: E402
 
 ROWS: list[dict] = []
 
@@ -148,10 +148,10 @@ def bench_e2e(dtypes: list[torch.dtype], quick: bool, t: float) -> None:
     with autograd; native ops against ``kernels.enable()``."""
     import transformers
 
-    import kernels
-    from kernels import routing
-    from kernels.adapters import HFCausalLM
-    from kernels.engine import RolloutEngine
+    import isokernels as kernels
+    from isokernels import routing
+    from isokernels.adapters import HFCausalLM
+    from isokernels.engine import RolloutEngine
 
     cfg = transformers.Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16)  # fmt: skip
@@ -216,8 +216,8 @@ def bench_gdn(dtypes: list[torch.dtype], quick: bool, t: float) -> None:
     backward of B x L (kernels' native chunk form against the invariant forward, same backward)."""
     from transformers.models.qwen3_next import modeling_qwen3_next as qn
 
-    from kernels import gdn_cpu
-    from kernels.gdn import GDNCache, gdn_chunk_reference, gdn_recurrent_step
+    from isokernels import gdn_cpu
+    from isokernels.gdn import GDNCache, gdn_chunk_reference, gdn_recurrent_step
 
     fla = _fla_naive()
     h, d = 8, 128
@@ -282,10 +282,10 @@ def bench_e2e_gdn(dtypes: list[torch.dtype], quick: bool, t: float) -> None:
     """The demo's shape of work on the hybrid GDN + attention LM (:mod:`kernels.models.gdn_lm`, one
     GDN and one attention layer, hidden 128, 2 heads of 64, vocab 512): 16 requests rolled out by
     the engine, their logprobs recomputed by the trainer with autograd; native against kernels on."""
-    import kernels
-    from kernels import routing
-    from kernels.engine import RolloutEngine
-    from kernels.models.gdn_lm import GDNLM, GDNLMConfig
+    import isokernels as kernels
+    from isokernels import routing
+    from isokernels.engine import RolloutEngine
+    from isokernels.models.gdn_lm import GDNLM, GDNLMConfig
 
     cfg = GDNLMConfig(vocab=512, hidden=128, layers=("gdn", "attn"), heads=2, kv_heads=1, head_dim=64,
                       gdn_heads=2, gdn_head_dim=64, mlp=256)  # fmt: skip

@@ -26,11 +26,11 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels import gdn as G  # noqa: E402
-from kernels import gdn_decode as GD  # noqa: E402
-from kernels.attention import attention  # noqa: E402
-from kernels.gemm import gemm  # noqa: E402
-from kernels.rmsnorm import rms_norm  # noqa: E402
+from isokernels import gdn as G  # noqa: E402
+from isokernels import gdn_decode as GD  # noqa: E402
+from isokernels.attention import attention  # noqa: E402
+from isokernels.gemm import gemm  # noqa: E402
+from isokernels.rmsnorm import rms_norm  # noqa: E402
 
 ROWS: list[dict] = []
 TIMING = "eager"  # set by main() for each pass
@@ -153,7 +153,7 @@ def bench_calls(fns: list) -> float:
 
 def _unsplit(n: int, k: int):
     """The tile config a split-K weight had before the split (the same-run "before")."""
-    from kernels.gemm import GemmConfig, gemm_config
+    from isokernels.gemm import GemmConfig, gemm_config
 
     cfg = gemm_config(n, k, torch.bfloat16, torch.cuda.get_device_capability())
     if not cfg.k_split:
@@ -184,9 +184,9 @@ def bench_tune_split() -> None:
     its own 16384-row result (M-invariance), and time against cuBLAS, from decode M to a trainer's."""
     from dataclasses import replace
 
-    from kernels._triton import cdiv
-    from kernels.bits import bits_equal
-    from kernels.gemm import gemm_config
+    from isokernels._triton import cdiv
+    from isokernels.bits import bits_equal
+    from isokernels.gemm import gemm_config
 
     global TIMING
     saved, TIMING = TIMING, "graph"
@@ -213,12 +213,12 @@ def bench_tune_split() -> None:
 
 def bench_tune_small() -> None:
     """Narrow-tile candidates at small M: bits against the full tile's, and graph time (tuning)."""
-    from kernels.bits import bits_equal
-    from kernels.gemm import GemmConfig, gemm_config
+    from isokernels.bits import bits_equal
+    from isokernels.gemm import GemmConfig, gemm_config
 
     global TIMING
     saved, TIMING = TIMING, "graph"
-    from kernels.gemm import NARROW_TILES, ROW16_TILE
+    from isokernels.gemm import NARROW_TILES, ROW16_TILE
 
     # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, TMA): the shipped narrow tiles, the 16-row one,
     # and neighbours of each
@@ -264,7 +264,7 @@ def bench_launch() -> None:
     faster than the GPU runs them only if the host is the bottleneck, so time the Python loop."""
     import time
 
-    from kernels import _triton
+    from isokernels import _triton
 
     if TIMING != "eager":
         return
@@ -316,7 +316,7 @@ def bench_launch() -> None:
     # breakdown: gemm's cache entries through CudaLauncher.__call__ (not the direct C launch)
     import importlib
 
-    gemm_mod = importlib.import_module("kernels.gemm")  # (``kernels.gemm`` is the function)
+    gemm_mod = importlib.import_module("isokernels.gemm")  # (``kernels.gemm`` is the function)
     _triton.CachedLauncher.direct = False
     gemm_mod._LAUNCH._cache.clear()
     via_run = host_us(lambda: gemm(a, w))
@@ -332,7 +332,7 @@ def bench_launch() -> None:
 def bench_fingerprint() -> None:
     """The fused fingerprint pass against a plain ``x.float().sum(-1)`` over the same tensor (and
     the torch path it replaces, where importable)."""
-    from kernels.fingerprint import fingerprint_rows
+    from isokernels.fingerprint import fingerprint_rows
 
     for rows, hidden in ((16384, 4096), (1024, 896)):
         x = torch.randn(rows, hidden, device="cuda").bfloat16()
@@ -376,8 +376,8 @@ def bench_trainer() -> None:
     with a sync (eager only: the backward reads the batch's lengths once)."""
     import time
 
-    import kernels
-    from kernels import routing
+    import isokernels as kernels
+    from isokernels import routing
 
     if TIMING != "eager":
         return
@@ -429,9 +429,9 @@ def bench_engine() -> None:
     time with the sync of the engine's one host read. Also the eager (ungraphed) engine at B=64."""
     import time
 
-    import kernels
-    from kernels.adapters import HFCausalLM
-    from kernels.engine import RolloutEngine
+    import isokernels as kernels
+    from isokernels.adapters import HFCausalLM
+    from isokernels.engine import RolloutEngine
 
     if TIMING != "eager":
         return
@@ -527,7 +527,7 @@ def bench_native_attn() -> None:
 
 def bench_tune() -> None:
     """Candidate tile configurations (each is invariant on its own; one is fixed per shape)."""
-    from kernels.gemm import GemmConfig
+    from isokernels.gemm import GemmConfig
 
     n = k = 4096
     w = torch.randn(n, k, device="cuda").bfloat16()
@@ -566,7 +566,7 @@ def bench_tune() -> None:
         torch.full((bd,), 4095, **i32),
         torch.full((bd,), 4096, **i32),
     )
-    from kernels.attention import AttnConfig
+    from isokernels.attention import AttnConfig
 
     # (block_m, block_n, warps, stages, split, dec_block_m, dec_warps, dec_stages): split and
     # block_n define the arithmetic; the rest is launch shape (bits across shapes: tests/kernels).
@@ -807,7 +807,7 @@ def bench_gdn_backward_tune() -> None:
     the time of each and its gradients' largest relative L2 distance from the default's (block
     widths move the fp32 sums' order, so they agree to rounding, not bit for bit). Each variant
     is a fresh compile; a variant the compiler or the GPU refuses is printed and skipped."""
-    from kernels import gdn_backward as GB
+    from isokernels import gdn_backward as GB
 
     variants = [
         {},
@@ -981,10 +981,10 @@ def bench_tree() -> None:
     itself is not timed (one GPU). Plans are (leaf, max_tp), shared by both sides: the default
     (256, 8) and wide plans (one leaf per group) for jobs whose largest TP is 2, 4 or 8; "register"
     forces every call through the register kernel (the path all plans took before)."""
-    from kernels import tree_gemm as tree_fn
-    from kernels.tree_gemm import WIDE, reduce_roots, subtree_root, tree_plan
+    from isokernels import tree_gemm as tree_fn
+    from isokernels.tree_gemm import WIDE, reduce_roots, subtree_root, tree_plan
 
-    tg = sys.modules["kernels.tree_gemm"]
+    tg = sys.modules["isokernels.tree_gemm"]
     n = 4096
     plans = [  # (label, leaf, max_tp, GEMM_PATH)
         ("leaf=256 max_tp=8 register", 256, 8, False),
@@ -1039,7 +1039,7 @@ def bench_moe() -> None:
 
     from torch.profiler import ProfilerActivity, profile
 
-    import kernels
+    import isokernels as kernels
     from bench.moe import sparse_block
 
     def launches(fn) -> int:

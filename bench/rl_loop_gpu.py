@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import collectors  # noqa: E402
-import kernels  # noqa: E402
+import isokernels as kernels  # noqa: E402
 from collectors.rl.job import JobConfig, run_job  # noqa: E402
 from collectors.rl.rollout import ReferenceRollout  # noqa: E402
 from collectors.sessions import MemoryDestination, Session  # noqa: E402

@@ -141,7 +141,7 @@ class EngineFingerprints:
 def _head_dtype(model: torch.nn.Module) -> str | None:
     """The dtype the engine's head computes in: fp32 while :mod:`kernels` routes
     (:func:`kernels.routing.logits_fp32`), otherwise the weight's own (a stock bf16 lm_head)."""
-    from kernels import routing
+    from isokernels import routing
 
     if routing.is_enabled():
         return "float32"

@@ -248,7 +248,7 @@ def _triton_pass() -> Any:
         _TRITON = False
         if os.environ.get("ISOAUDIT_FINGERPRINT_TRITON", "1") != "0":
             try:
-                from kernels import fingerprint as fused
+                from isokernels import fingerprint as fused
 
                 if getattr(fused, "HAVE_TRITON", True) and callable(fused.fingerprint_rows):
                     _TRITON = fused

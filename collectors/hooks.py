@@ -21,7 +21,7 @@ from torch.utils.hooks import RemovableHandle
 from collectors.fingerprints import RowFingerprints, fingerprint_rows
 from collectors.regions import RegionSpec, Tap, read_tap
 from collectors.transfer import to_device
-from kernels import routing
+from isokernels import routing
 
 log = logging.getLogger(__name__)
 

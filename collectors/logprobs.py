@@ -167,6 +167,6 @@ def processed_logprobs(
 
 
 def _log_softmax(rows: torch.Tensor) -> torch.Tensor:
-    from kernels import routing
+    from isokernels import routing
 
     return routing.log_softmax(rows)  # the invariant one while kernels are on (CPU or Triton), else torch's

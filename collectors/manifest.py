@@ -57,7 +57,7 @@ def _arch(device: torch.device) -> str:
 
 def _kernels_on() -> bool:
     """Whether :mod:`kernels` routes this process (read only if a job imported it: no import here)."""
-    routing = sys.modules.get("kernels.routing")
+    routing = sys.modules.get("isokernels.routing")
     return routing is not None and bool(routing.is_enabled())
 
 
@@ -65,7 +65,7 @@ def kernel_facts() -> dict[str, Any]:
     """Launch settings of :mod:`kernels` that set bits, while it routes this process (both sides
     must agree on them, so both manifests carry them): today the GEMM's fixed split-K of narrow
     weights (``ISOAUDIT_GEMM_SPLIT_K``). Empty when the kernels are off or not imported."""
-    gemm = sys.modules.get("kernels.gemm")
+    gemm = sys.modules.get("isokernels.gemm")
     if not _kernels_on() or gemm is None:
         return {}
     return {"gemm_split_k": bool(gemm.split_k_enabled())}

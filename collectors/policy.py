@@ -152,7 +152,7 @@ _KERNEL_FUNCTIONS = {
 def kernel_ops(device_type: str = "cpu") -> dict[str, Impl]:
     """The ops :mod:`kernels.routing` runs when enabled, on tensors of ``device_type``: kernels.cpu
     on the CPU (unless routed to the Triton modules), the Triton kernels elsewhere."""
-    import kernels.routing as routing
+    import isokernels.routing as routing
 
     on_cpu = device_type == "cpu" and routing._CPU_IMPL == "cpu"
     out = {}
@@ -163,7 +163,7 @@ def kernel_ops(device_type: str = "cpu") -> dict[str, Impl]:
             module, function = triton_name.split(".")
         import importlib
 
-        source = importlib.import_module(f"kernels.{module}").__file__
+        source = importlib.import_module(f"isokernels.{module}").__file__
         out[op] = Impl(f"kernels.{module}.{function}", source_digest(str(source), str(routing.__file__)))
     return out
 

@@ -188,7 +188,7 @@ def hf_moe_map(family: str) -> FamilyMap:
 
 def _instrument_moe(model: nn.Module) -> None:
     """Give an HF MoE model's experts their per-slot tap (``kernels.adapters_moe.instrument``)."""
-    from kernels.adapters_moe import instrument
+    from isokernels.adapters_moe import instrument
 
     instrument(model)
 

@@ -24,7 +24,7 @@ def apply_kernels_mode(model: nn.Module, mode: str) -> None:
     """Route the process through :mod:`kernels` (``invariant``) or back to native ops."""
     if mode not in MODES:
         raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
-    import kernels
+    import isokernels as kernels
 
     if mode == "invariant":
         kernels.enable()

@@ -45,7 +45,7 @@ class RoutingCounters(Counters):
 
 
 def _moe() -> Any:
-    from kernels import moe
+    from isokernels import moe
 
     return moe
 
@@ -53,7 +53,7 @@ def _moe() -> Any:
 def instrument(model: nn.Module) -> list[tuple[int, nn.Module]]:
     """Number ``model``'s MoE blocks and hook their routers into :mod:`kernels.moe` traces; returns
     (decoder layer, block) for each (empty for a dense model)."""
-    from kernels import adapters_moe
+    from isokernels import adapters_moe
 
     adapters_moe.instrument(model)
     return adapters_moe.moe_blocks(model)

@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from collectors.trainer import TrainerCollector
     from collectors.vllm.collector import VllmCollector
     from collectors.vllm.selection import SelectionArg
-    from kernels.engine import RolloutEngine
+    from isokernels.engine import RolloutEngine
 
 log = logging.getLogger(__name__)
 

@@ -32,8 +32,8 @@ def test_the_readme_snippet_runs_and_both_sides_land(
 ) -> None:
     from audit.store import Store
     from collectors.tiny_models import load_tiny_model, make_tiny_model
-    from kernels.adapters import HFCausalLM
-    from kernels.engine import RolloutEngine
+    from isokernels.adapters import HFCausalLM
+    from isokernels.engine import RolloutEngine
 
     url = f"sqlite:///{tmp_path / 'isoaudit.db'}"
     monkeypatch.delenv("ISOAUDIT_URL", raising=False)

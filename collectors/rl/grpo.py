@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from collectors.layout import StepBatch
-from kernels import routing
+from isokernels import routing
 
 
 @dataclass(frozen=True)

@@ -66,8 +66,8 @@ class ReferenceRollout(Rollout):
     name = "reference"
 
     def __init__(self, policy: nn.Module, *, max_len: int = 256) -> None:
-        from kernels.adapters import HFCausalLM
-        from kernels.engine import RolloutEngine
+        from isokernels.adapters import HFCausalLM
+        from isokernels.engine import RolloutEngine
 
         self.model = copy.deepcopy(policy).eval()
         for p in self.model.parameters():

@@ -86,7 +86,7 @@ def keep_raw_weights() -> bool:
 @contextmanager
 def _routed() -> Iterator[None]:
     """:mod:`kernels.routing` enabled for the duration of one replaced op."""
-    from kernels import routing
+    from isokernels import routing
 
     previous = routing.set_enabled(True)
     try:
@@ -99,7 +99,7 @@ def _routed() -> Iterator[None]:
 
 
 def _linear(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    from kernels import routing
+    from isokernels import routing
 
     raw = vars(layer).get(RAW)
     weight, raw_bias = raw if raw is not None else (layer.weight, bias)
@@ -108,7 +108,7 @@ def _linear(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None)
 
 
 def _norm_forward(module: nn.Module) -> Callable[..., Any]:
-    from kernels import routing
+    from isokernels import routing
 
     eps = float(module.variance_epsilon)
 
@@ -124,7 +124,7 @@ def _norm_forward(module: nn.Module) -> Callable[..., Any]:
 
 
 def _silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    from kernels import routing
+    from isokernels import routing
 
     d = x.shape[-1] // 2
     with _routed():
@@ -132,7 +132,7 @@ def _silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def _logits_forward(processor: nn.Module) -> Callable[..., Any]:
-    from kernels import routing
+    from isokernels import routing
 
     def get_logits(
         hidden_states: torch.Tensor,
@@ -154,7 +154,7 @@ def _logits_forward(processor: nn.Module) -> Callable[..., Any]:
 
 
 def _log_softmax(logits: torch.Tensor) -> torch.Tensor:
-    from kernels import routing
+    from isokernels import routing
 
     with _routed():
         return routing.log_softmax(logits)
@@ -251,7 +251,7 @@ class _ShadowKV:
 def _attention_forward(impl: Any, original: Callable[..., Any], counts: dict[str, int]) -> Any:
     """The layer's attention through :func:`kernels.routing.attention` over the keys it wrote since
     the switch; a step that needs keys written before it runs vLLM's kernel instead (counted)."""
-    from kernels import routing
+    from isokernels import routing
 
     shadow = _ShadowKV()
 

@@ -250,7 +250,7 @@ def test_the_fused_kernel_gets_the_arguments_this_module_uses() -> None:
     """On CUDA :func:`fingerprint_rows` hands rows to ``kernels.fingerprint`` with its own digest
     weights, sketch and rung masks; the kernel's exact torch reference (which runs here) must then
     give the same integer fields bit for bit."""
-    kernel = pytest.importorskip("kernels.fingerprint")
+    kernel = pytest.importorskip("isokernels.fingerprint")
     x = torch.randn(37, 96).to(torch.bfloat16)
     want = fingerprint_rows(x)
     fmt = fp._format(x.dtype)

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-import kernels
+import isokernels as kernels
 from collectors.control import FixedControl
 from collectors.manifest import runtime_signature, trainer_runtime
 from collectors.remediation import apply_kernels_mode

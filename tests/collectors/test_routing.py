@@ -19,7 +19,7 @@ import torch
 
 import collectors
 import collectors.trainer
-import kernels
+import isokernels as kernels
 from audit.queries import routing_series
 from audit.records import Manifest, SampleLogprobs, sample_key
 from audit.store import Store
@@ -53,8 +53,8 @@ def _load(path: Path, attention: str = "sdpa") -> Any:
 
 def _run(path: Path, url: str, run_id: str, *, steps: int = 2, enabled: bool = False) -> Store:
     """Both sides of ``steps`` rollout steps of a tiny MoE, recorded through one session into ``url``."""
-    from kernels.adapters_moe import HFMoECausalLM
-    from kernels.engine import RolloutEngine
+    from isokernels.adapters_moe import HFMoECausalLM
+    from isokernels.engine import RolloutEngine
 
     # The trainer's native attention is HF's eager one (bf16 probabilities times V), the engine's its
     # own: the kind of kernel difference that flips close routing calls downstream.
@@ -156,8 +156,8 @@ def test_replaying_the_rollouts_routes_end_to_end(qwen3_moe: Path, tmp_path: Pat
     """R3 with the reference engine as the rollout: the trainer replays each sample's rollout routes
     (one sample's are missing), through collectors.session into a store. Replayed samples agree on
     every token; the replayed fraction and the missing routes are reported; the manifest says so."""
-    from kernels.adapters_moe import HFMoECausalLM
-    from kernels.engine import RolloutEngine
+    from isokernels.adapters_moe import HFMoECausalLM
+    from isokernels.engine import RolloutEngine
 
     url = f"sqlite:///{tmp_path / 'r3.db'}"
     trainer_model, engine_model = _load(qwen3_moe, "eager"), _load(qwen3_moe)

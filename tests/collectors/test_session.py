@@ -29,8 +29,8 @@ def test_destination_from_arguments_then_environment_then_sqlite(tmp_path: Path)
 
 
 def _engine(model: torch.nn.Module):
-    from kernels.adapters import HFCausalLM
-    from kernels.engine import RolloutEngine
+    from isokernels.adapters import HFCausalLM
+    from isokernels.engine import RolloutEngine
 
     return RolloutEngine(HFCausalLM(model), max_len=64)
 

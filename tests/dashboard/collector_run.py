@@ -60,8 +60,8 @@ class CollectorRun:
     def start(self) -> CollectorRun:
         import collectors
         from collectors.tiny_models import load_tiny_model, make_tiny_model, tiny_corpus
-        from kernels.adapters import HFCausalLM
-        from kernels.engine import RolloutEngine
+        from isokernels.adapters import HFCausalLM
+        from isokernels.engine import RolloutEngine
 
         if not (self.model_dir / "config.json").exists():
             make_tiny_model(
@@ -90,7 +90,7 @@ class CollectorRun:
         return self
 
     def stop(self) -> None:
-        import kernels
+        import isokernels as kernels
 
         self._stop.set()
         if self._thread is not None:

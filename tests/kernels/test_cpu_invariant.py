@@ -1,4 +1,4 @@
-"""The CPU invariant kernels (kernels/cpu.py), in bf16 and fp32, without Triton: batch- and
+"""The CPU invariant kernels (isokernels/cpu.py), in bf16 and fp32, without Triton: batch- and
 row-offset invariance of every op, prefill/chunked-prefill/decode invariance of attention, and the
 end-to-end proof (trainer with autograd vs the rollout engine) on HF Qwen3 and Llama."""
 
@@ -10,10 +10,10 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import kernels
-from kernels import cpu, routing
-from kernels.attention import _math_attention
-from kernels.gemm import gemm
+import isokernels as kernels
+from isokernels import cpu, routing
+from isokernels.attention import _math_attention
+from isokernels.gemm import gemm
 
 from .conftest import bits_equal
 from .test_e2e import _hf, _report, _requests, run_pair

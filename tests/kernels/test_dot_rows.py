@@ -9,7 +9,7 @@ import itertools
 import pytest
 import torch
 
-from kernels._triton import HAVE_TRITON, tl, triton
+from isokernels._triton import HAVE_TRITON, tl, triton
 
 from .conftest import bits_equal, gpu
 

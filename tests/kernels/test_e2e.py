@@ -11,10 +11,10 @@ import os
 import pytest
 import torch
 
-import kernels
-from kernels import routing
-from kernels.engine import RolloutEngine
-from kernels.models.gdn_lm import GDNLM, GDNLMConfig
+import isokernels as kernels
+from isokernels import routing
+from isokernels.engine import RolloutEngine
+from isokernels.models.gdn_lm import GDNLM, GDNLMConfig
 
 from .conftest import gpu, needs_triton
 
@@ -23,7 +23,7 @@ pytestmark = needs_triton
 
 def _hf(family: str, layers: int, hidden: int, head_dim: int, vocab: int, dtype: torch.dtype, dev: str):
     transformers = pytest.importorskip("transformers")
-    from kernels.adapters import HFCausalLM
+    from isokernels.adapters import HFCausalLM
 
     common = dict(
         vocab_size=vocab,
@@ -175,7 +175,7 @@ def test_split_k_weights_gpu(split_k) -> None:
     """Hidden 1024, MLP 2048: the down projection (N=1024, K=2048) takes the fixed split-K, its
     small-M decode calls the split grid and the trainer's recompute the in-program spans; trainer
     and rollout still agree on every bit."""
-    from kernels.gemm import gemm_config
+    from isokernels.gemm import gemm_config
 
     if not gemm_config(1024, 2048, torch.bfloat16, torch.cuda.get_device_capability()).k_split:
         pytest.skip("no split-K on this GPU")

@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels
-from kernels import routing
-from kernels.engine import RolloutEngine, bucket
+import isokernels as kernels
+from isokernels import routing
+from isokernels.engine import RolloutEngine, bucket
 
 from .conftest import gpu
 
@@ -75,7 +75,7 @@ def test_bucket() -> None:
 
 def _tiny(dev: str, dtype: torch.dtype, layers: int = 2, hidden: int = 64, vocab: int = 256):
     transformers = pytest.importorskip("transformers")
-    from kernels.adapters import HFCausalLM
+    from isokernels.adapters import HFCausalLM
 
     cfg = transformers.Qwen3Config(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.fingerprint import SKETCH_DIM, fingerprint_reference, fingerprint_rows
+from isokernels.fingerprint import SKETCH_DIM, fingerprint_reference, fingerprint_rows
 
 from .conftest import bits_equal, gpu, needs_triton
 

@@ -1,4 +1,4 @@
-"""The invariant CPU Gated DeltaNet (kernels/gdn_cpu.py), in bf16 and fp32, without Triton:
+"""The invariant CPU Gated DeltaNet (isokernels/gdn_cpu.py), in bf16 and fp32, without Triton:
 batch-invariant (a sequence's output and state do not depend on the rest of the call or its place
 in it), prefill/decode-invariant (chunked prefill then token-by-token decode in a mixed batch
 equals the one-shot prefill bit for bit, state included), within a stated tolerance of the fp64
@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import kernels
-from kernels import gdn_cpu, routing
-from kernels.gdn import GDNCache, gdn_chunk_reference, gdn_recurrent
+import isokernels as kernels
+from isokernels import gdn_cpu, routing
+from isokernels.gdn import GDNCache, gdn_chunk_reference, gdn_recurrent
 
 from .conftest import bits_equal
 from .test_e2e import _gdn, _report, _requests, run_pair
@@ -75,7 +75,7 @@ def test_batch_invariant(dtype: torch.dtype) -> None:
 
 
 def test_in_place_tree_is_cpu_tree_sum() -> None:
-    from kernels.cpu import tree_sum
+    from isokernels.cpu import tree_sum
 
     for n in (1, 2, 3, 16, 24, 100, 128):
         x = torch.randn(5, n, 7) * torch.rand(5, n, 1) * 100

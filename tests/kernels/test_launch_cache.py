@@ -11,8 +11,8 @@ import warnings
 import pytest
 import torch
 
-from kernels import _triton
-from kernels._triton import (
+from isokernels import _triton
+from isokernels._triton import (
     CachedLauncher,
     aligned,
     as_rows,
@@ -306,7 +306,7 @@ def test_gemm_out_strides_rule() -> None:
 def _gemm_module():
     import importlib
 
-    return importlib.import_module("kernels.gemm")
+    return importlib.import_module("isokernels.gemm")
 
 
 def _triton_launch(fn):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.logprobs import log_softmax, token_logprobs, token_logprobs_autograd, token_logprobs_reference
+from isokernels.logprobs import log_softmax, token_logprobs, token_logprobs_autograd, token_logprobs_reference
 
 from .conftest import bits_equal, gpu, needs_triton
 
@@ -55,7 +55,7 @@ def test_invariant_gpu() -> None:
 
 def test_autograd_row_chunks(dev: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The backward builds the logits' gradient in row chunks: the chunking changes nothing."""
-    import kernels.logprobs as lp
+    import isokernels.logprobs as lp
 
     h = torch.randn(11, 32, device=dev, requires_grad=True)
     w = torch.randn(300, 32, device=dev, requires_grad=True)

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels import moe
+import isokernels as kernels
+from isokernels import moe
 
 from .conftest import bits_equal, gpu, needs_triton
 
@@ -167,7 +167,7 @@ def test_layer_invariance_gpu(t: int) -> None:
 def test_grouped_gemm_rows_independent_of_grouping(dev: str) -> None:
     """The grouped kernel (CUDA path of the experts; here the interpreter on the CPU): one launch
     over every group equals each group alone and a regrouped launch, and the reference product."""
-    from kernels.moe_grouped import grouped_gemm
+    from isokernels.moe_grouped import grouped_gemm
 
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     g = torch.Generator().manual_seed(5)
@@ -192,7 +192,7 @@ def test_grouped_gemm_rows_independent_of_grouping(dev: str) -> None:
 def test_layer_invariance_triton_path(dev: str) -> None:
     """The CUDA path (grouped kernel, Triton GEMM/SiLU) as a structure test: on the CPU under the
     interpreter via routing.set_cpu_impl("triton"); on CUDA it is the default path."""
-    from kernels import routing
+    from isokernels import routing
 
     prev = routing.set_cpu_impl("triton")
     try:

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import moe
-from kernels.models.moe_lm import MoELM, MoELMConfig
+from isokernels import moe
+from isokernels.models.moe_lm import MoELM, MoELMConfig
 
 from .conftest import gpu
 from .test_e2e import _report, _requests, run_pair
@@ -80,7 +80,7 @@ def moe_lm(layers: int, hidden: int, experts: int, top_k: int, vocab: int, dtype
 
 def hf_moe(family: str, layers: int, hidden: int, experts: int, top_k: int, vocab: int, dtype, dev):
     transformers = pytest.importorskip("transformers")
-    from kernels.adapters_moe import HFMoECausalLM
+    from isokernels.adapters_moe import HFMoECausalLM
 
     head_dim = min(64, hidden // 2)
     common = dict(

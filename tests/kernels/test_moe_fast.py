@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels import cpu as kcpu
-from kernels import moe
-from kernels._triton import HAVE_TRITON
+import isokernels as kernels
+from isokernels import cpu as kcpu
+from isokernels import moe
+from isokernels._triton import HAVE_TRITON
 
 from .conftest import bits_equal, gpu, needs_triton
 from .test_moe import K4, PLACEMENTS, E, _layer, _x
@@ -19,7 +19,7 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from kernels.moe_router import _ieee_exp
+    from isokernels.moe_router import _ieee_exp
 
     @triton.jit
     def _exp_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
@@ -56,7 +56,7 @@ def _torch_combine(y: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> torc
 
 @needs_triton
 def test_grouped_counts_matches_host_table(dev: str) -> None:
-    from kernels.moe_grouped import grouped_gemm, grouped_gemm_counts
+    from isokernels.moe_grouped import grouped_gemm, grouped_gemm_counts
 
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     g = torch.Generator().manual_seed(7)
@@ -75,7 +75,7 @@ def test_grouped_counts_matches_host_table(dev: str) -> None:
 @needs_triton
 @pytest.mark.parametrize("gather", [False, True])
 def test_combine_kernel_bits(dev: str, gather: bool) -> None:
-    from kernels.moe_combine import combine_rows
+    from isokernels.moe_combine import combine_rows
 
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     g = torch.Generator().manual_seed(8)
@@ -97,7 +97,7 @@ def test_combine_kernel_bits(dev: str, gather: bool) -> None:
 
 @needs_triton
 def test_fast_layer_matches_host_path(dev: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    from kernels import routing
+    from isokernels import routing
 
     prev = routing.set_cpu_impl("triton")
     try:
@@ -144,7 +144,7 @@ def test_fast_layer_bits_gpu(t: int, monkeypatch: pytest.MonkeyPatch) -> None:
 def test_router_kernel_bits(dev: str, t: int, e: int, k: int, norm: bool) -> None:
     """The one-launch router equals stable_topk and the torch weights bit for bit (fp32 logits
     in and out, so the same test on the CPU interpreter and on CUDA)."""
-    from kernels.moe_router import route_logits
+    from isokernels.moe_router import route_logits
 
     for z in (_logits(t, e, seed=t * 1000 + e).to(dev), torch.randn(t, e).to(dev)):
         want = moe._route_torch(z, k, norm)
@@ -193,7 +193,7 @@ def test_ieee_exp_kernel_bits(dev: str) -> None:
 @needs_triton
 @pytest.mark.parametrize("s,e", [(1, 8), (84, 8), (700, 16), (3000, 128), (2100, 5), (64, 64)])
 def test_sort_groups_is_stable_sort_and_tables(dev: str, s: int, e: int) -> None:
-    from kernels.moe_grouped import device_groups, sort_groups
+    from isokernels.moe_grouped import device_groups, sort_groups
 
     g = torch.Generator().manual_seed(s + e)
     flat = torch.randint(0, e, (s,), generator=g)
@@ -219,8 +219,8 @@ def _grouped_case(dev: str, dtype: torch.dtype, t: int, k: int, e: int, h: int, 
 def _old_experts(x, flat, k, gate_up, down):
     """The previous fast path, op for op: sort, bincount, device tables, gather, grouped GEMM,
     kernels.elementwise's SiLU times up in torch, grouped GEMM, index_copy_ back."""
-    from kernels import elementwise
-    from kernels.moe_grouped import device_groups, grouped_config, grouped_gemm_counts
+    from isokernels import elementwise
+    from isokernels.moe_grouped import device_groups, grouped_config, grouped_gemm_counts
 
     perm = torch.sort(flat, stable=True).indices
     counts = torch.bincount(flat, minlength=gate_up.shape[0])
@@ -234,7 +234,7 @@ def _old_experts(x, flat, k, gate_up, down):
 
 
 def _check_grouped(dev: str, dtype: torch.dtype, t: int, k: int, e: int, h: int, i: int) -> None:
-    from kernels.moe_grouped import grouped_config, grouped_glu, grouped_scatter, sort_groups
+    from isokernels.moe_grouped import grouped_config, grouped_glu, grouped_scatter, sort_groups
 
     x, gate_up, down, flat = _grouped_case(dev, dtype, t, k, e, h, i)
     act, perm_old, want = _old_experts(x, flat, k, gate_up, down)
@@ -268,7 +268,7 @@ def test_fast_layer_all_parts_match_old_path(
 ) -> None:
     """Router, experts and combine of the fast layer equal the host-table (ISOAUDIT_MOE_FAST=0)
     layer, and the autograd (trainer) route equals the fast (engine) route."""
-    from kernels import routing
+    from isokernels import routing
 
     monkeypatch.setenv("ISOAUDIT_MOE_GLU", glu)
     prev = routing.set_cpu_impl("triton")

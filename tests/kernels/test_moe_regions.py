@@ -11,12 +11,12 @@ import pytest
 import torch
 
 import collectors.trainer as trainer
-import kernels
+import isokernels as kernels
 from collectors.layout import StepBatch
 from collectors.sinks import MemorySink
 from collectors.tiny_models import load_tiny_model, make_tiny_model
-from kernels import moe
-from kernels.adapters_moe import ExpertSlots, moe_blocks
+from isokernels import moe
+from isokernels.adapters_moe import ExpertSlots, moe_blocks
 
 PROMPTS = [[5, 17, 33, 2, 90], [7, 8, 9], [100, 4, 66, 12, 3, 41, 7]]
 COMPLETIONS = [[11, 12, 13], [14, 15, 16, 17], [18, 19]]

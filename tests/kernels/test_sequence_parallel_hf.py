@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels import moe, routing
-from kernels import sequence_parallel as sp
-from kernels.adapters import HFCausalLM
-from kernels.adapters_moe import instrument
-from kernels.moe_check import hf_decoder
+import isokernels as kernels
+from isokernels import moe, routing
+from isokernels import sequence_parallel as sp
+from isokernels.adapters import HFCausalLM
+from isokernels.adapters_moe import instrument
+from isokernels.moe_check import hf_decoder
 
 from .conftest import bits_equal
 

@@ -25,10 +25,20 @@ def demo_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Store, str, str]
     url = f"sqlite:///{work / 'demo.db'}"
     env = {**os.environ, "ISOAUDIT_DATABASE_URL": url}
     env.pop("TRITON_INTERPRET", None)  # the demo's CPU kernels need no Triton interpreter
-    cmd = [sys.executable, "-m", "audit.cli", "demo", "--no-serve", "--steps", "6", "--remediate-at", "3"]
+    # The console script from a folder outside the checkout, as a user runs it: `python -m` from
+    # the checkout would find our packages first whatever else is installed.
+    cmd = [
+        str(Path(sys.executable).with_name("isoaudit")),
+        "demo",
+        "--no-serve",
+        "--steps",
+        "6",
+        "--remediate-at",
+        "3",
+    ]
     cmd += ["--engine", "reference", "--prompts", "2", "--group", "2", "--max-new", "4"]
     cmd += ["--model-dir", str(work / "model")]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=Path.cwd())
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=work)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     store = Store(url)
     (run,) = store.list_runs()

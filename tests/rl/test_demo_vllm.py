@@ -34,10 +34,8 @@ def demo_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Store, str, str]
     url = f"sqlite:///{work / 'demo.db'}"
     env = {**os.environ, "ISOAUDIT_DATABASE_URL": url, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     env.pop("TRITON_INTERPRET", None)
-    cmd = [
-        sys.executable,
-        "-m",
-        "audit.cli",
+    cmd = [  # the console script from outside the checkout, as a user runs it (see test_demo.py)
+        str(Path(sys.executable).with_name("isoaudit")),
         "demo",
         "--no-serve",
         "--steps",
@@ -47,7 +45,7 @@ def demo_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Store, str, str]
     ]
     cmd += ["--engine", "vllm", "--prompts", "2", "--group", "2", "--max-new", "4"]
     cmd += ["--model-dir", str(work / "model")]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=Path.cwd())
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=work)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     store = Store(url)
     (run,) = store.list_runs()

@@ -108,7 +108,7 @@ def _control_flow(
     ``invariant`` after step 0. Returns each side's mode after every step."""
     import torch
 
-    import kernels
+    import isokernels as kernels
     from collectors import StepBatch
     from collectors.tiny_models import load_tiny_model
 

@@ -41,7 +41,7 @@ def _trainer(path: Path, outputs: Any, step: int, weights: Any = None) -> Memory
     from the fp32 head, its forward hooked), with the contract it then runs under."""
     import torch
 
-    import kernels
+    import isokernels as kernels
     from collectors import trainer
     from collectors.layout import StepBatch
     from collectors.policy import hf_contracts

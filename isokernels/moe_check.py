@@ -1,6 +1,6 @@
 """Expert and sequence parallelism over a real process group, checked against one process.
 
-    torchrun --standalone --nproc-per-node 4 -m kernels.moe_check --json out.json
+    torchrun --standalone --nproc-per-node 4 -m isokernels.moe_check --json out.json
 
 Every rank builds the same weights and tokens (seeded) and computes the single-process answer
 itself; then, over the group (gloo on the CPU, NCCL with one GPU per rank):
@@ -24,7 +24,7 @@ import json
 
 import torch
 
-import kernels
+import isokernels as kernels
 
 from . import moe, routing
 from . import sequence_parallel as sp

@@ -20,7 +20,7 @@ non-SP model performs:
 process's rank of a real group (:func:`process_group_seq_gather`): our
 :class:`kernels.models.moe_lm.MoELM`, or HF's Llama/Qwen3 (dense) and Qwen3-MoE/Mixtral (MoE)
 decoders with the ops of :class:`kernels.adapters.HFCausalLM` (the engine path, bitwise HF's own
-forward with the kernels on). ``python -m kernels.moe_check`` checks both under torchrun.
+forward with the kernels on). ``python -m isokernels.moe_check`` checks both under torchrun.
 """
 
 from __future__ import annotations
