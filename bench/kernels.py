@@ -102,6 +102,7 @@ SMALL_M_SHAPES = [
     (12288, 4096),
 ]
 SMALL_MS = (1, 8, 16, 64, 256)
+TUNE_MS = (1, 16, 64, 128, 256)  # tune_small's row counts (--tune-ms)
 
 
 def _weight_copies(n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> list[torch.Tensor]:
@@ -212,7 +213,8 @@ def bench_tune_split() -> None:
 
 
 def bench_tune_small() -> None:
-    """Narrow-tile candidates at small M: bits against the full tile's, and graph time (tuning)."""
+    """Tile candidates at small M: bits against the full tile's, and graph time (tuning). Prints
+    cuBLAS's and the shipped call's absolute time, so a launch rule can be fitted to the table."""
     from isokernels.bits import bits_equal
     from isokernels.gemm import GemmConfig, gemm_config
 
@@ -221,12 +223,12 @@ def bench_tune_small() -> None:
     from isokernels.gemm import NARROW_TILES, ROW16_TILE
 
     # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, TMA): the shipped narrow tiles, the 16-row one,
-    # and neighbours of each
-    cands = [(64, bn, bk, 4, st, tma) for bn, bk, st, tma in NARROW_TILES] + [
-        (*ROW16_TILE, False), (16, 32, 128, 4, 4, False), (16, 16, 256, 2, 3, False),
-        (16, 64, 128, 4, 4, False), (64, 32, 128, 4, 5, True), (64, 128, 64, 4, 8, False),
-        (128, 128, 64, 4, 4, True), (64, 128, 64, 4, 6, True), (64, 128, 64, 4, 8, True),
-        (128, 128, 128, 8, 3, True), (128, 256, 64, 8, 3, True),  # the last: the full tile, explicit
+    # neighbours of each, and the full tile passed explicitly (the first)
+    cands = [(128, 256, 64, 8, 3, True)] + [(64, bn, bk, 4, st, tma) for bn, bk, st, tma in NARROW_TILES] + [
+        (*ROW16_TILE, False), (16, 32, 128, 4, 4, False), (16, 64, 128, 4, 4, False),
+        (64, 128, 64, 4, 8, True), (64, 64, 128, 4, 5, True), (64, 128, 128, 4, 4, False),
+        (64, 256, 64, 8, 4, True), (64, 128, 128, 8, 4, True), (128, 128, 64, 8, 4, True),
+        (128, 128, 128, 8, 3, True), (128, 64, 128, 8, 4, True), (64, 64, 64, 4, 6, False),
     ]  # fmt: skip
     best: dict = {}
     for n, k in SMALL_M_SHAPES:
@@ -234,13 +236,16 @@ def bench_tune_small() -> None:
         a_full = torch.randn(2048, k, device="cuda").bfloat16()
         want = gemm(a_full, ws[0])
         split = gemm_config(n, k, torch.bfloat16, torch.cuda.get_device_capability()).k_split
-        for m in (1, 16, 64, 128, 256):
+        for m in TUNE_MS:
             a = a_full[:m]
             base = bench_calls([lambda w=w: torch.mm(a, w.T) for w in ws])
             dflt = bench_calls([lambda w=w: gemm(a, w) for w in ws])
-            line = [f"tune-small N={n} K={k} M={m}: cublas {base * 1e3:.1f} us, shipped {dflt / base:.2f}x"]
+            line = [
+                f"tune-small N={n} K={k} M={m}: cublas {base * 1e3:.1f} us, shipped {dflt * 1e3:.1f} us "
+                f"{dflt / base:.2f}x"
+            ]
             for bm, bn, bk, wp, st, tma in cands:
-                if bm == 16 and m > 64:
+                if bm < 64 and m > 64:
                     continue
                 cfg = GemmConfig(bm, bn, bk, wp, st, tma=tma, k_split=split)
                 tag = f"{bm}x{bn}x{bk}w{wp}s{st}{'T' if tma else 'P'}"
@@ -1089,10 +1094,13 @@ def main() -> None:
     ap.add_argument("--timing", default="eager", help="eager, graph, or eager,graph")
     ap.add_argument("--json", default=None)
     ap.add_argument("--shapes", default=None, help="gemm_small's (N, K) weights, e.g. 896x4864,1024x4096")
+    ap.add_argument("--tune-ms", default=None, help="tune_small's row counts, e.g. 128,256,512")
     ap.add_argument("--profile", action="store_true", help="profile the invariant trainer step")
     args = ap.parse_args()
-    global TIMING, PROFILE
+    global TIMING, PROFILE, TUNE_MS
     PROFILE = args.profile
+    if args.tune_ms:
+        TUNE_MS = tuple(int(v) for v in args.tune_ms.split(","))
     if args.shapes:
         SMALL_M_SHAPES[:] = [tuple(int(v) for v in nk.split("x")) for nk in args.shapes.split(",")]
     if not torch.cuda.is_available():
