@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import pytest
 import torch
@@ -130,12 +131,19 @@ def test_kernel_built_descriptors_same_bits_gpu() -> None:
 
 
 def test_launch_config_narrows_only_underfilled_hopper_calls() -> None:
-    """The tile choice itself (the bits across the switch are checked on the GPU): full tiles
-    whenever they fill half the SMs, 64-row tiles below that, and never without the flag."""
+    """The tile choice itself (the bits across the switch are checked on the GPU): the tile whose
+    busiest SM has the least work where the full tiles fill the SMs at most twice, the full tile
+    beyond, and never without the flag."""
     hopper = gemm_config(4096, 4096, torch.bfloat16, (9, 0))
     assert hopper.shrink_small_m and not gemm_config(4096, 4096, torch.bfloat16, (10, 0)).shrink_small_m
     assert launch_config(hopper, 2048, 4096, 132) is hopper
-    assert launch_config(hopper, 256, 14336, 132) is hopper  # 112 full tiles
+    assert launch_config(hopper, 256, 14336, 132) is hopper  # 112 full tiles: one round, 85% full
+    # 96 full tiles fill 73% of the SMs in one round; 384 64x128 tiles fill 97% in three
+    assert (launch_config(hopper, 256, 12288, 132).block_n, launch_config(hopper, 256, 12288, 132).tma) == (
+        128,
+        True,
+    )
+    assert launch_config(hopper, 4096, 12288, 132) is hopper  # many rounds: the full tile
     decode = launch_config(hopper, 64, 4096, 132)  # 128 tiles of 64x32, loaded by pointers
     assert (decode.block_m, decode.block_n, decode.block_k, decode.tma) == (64, 32, 128, False)
     small = launch_config(hopper, 1, 4096, 132)  # at most 16 rows: the 16-row tile in its place
@@ -199,13 +207,51 @@ def test_split_span_is_fixed_per_weight_shape(split_k) -> None:
     assert launch_config(narrow, 1, 896, 132, 4864).block_m == 16  # at most 16 rows: the 16-row tile
 
 
+def _tile_switches(n: int, k: int, top: int = 2048) -> list[int]:
+    """Every M <= top where the launched tile differs from M - 1's, with M - 1 (both sides of each
+    switch), as ``gemm``'s plan decides it."""
+    from isokernels.gemm import _plan
+
+    def tile(m: int) -> GemmConfig:
+        _plan.cache_clear()
+        return _plan(m, n, k, torch.bfloat16, torch.bfloat16, True, torch.device("cuda"), None)[0]
+
+    out, prev = [1], tile(1)
+    for m in range(2, top + 1):
+        cur = tile(m)
+        if cur != prev:
+            out += [m - 1, m]
+        prev = cur
+    return sorted(set(out))
+
+
+def test_tile_switches_are_found(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The switch finder the GPU test relies on sees the switches of the H200's rule."""
+    gemm_mod = sys.modules["isokernels.gemm"]  # (the package exports the function gemm)
+    monkeypatch.setattr(gemm_mod, "_device_traits", lambda device: ((9, 0), 132))
+    ms = _tile_switches(12288, 4096, top=600)
+    assert {64, 65, 128, 129, 256, 257} <= set(ms), ms  # 64x128 (one 64-row tile), 64x256, 64x128, ...
+    gemm_mod._plan.cache_clear()
+
+
 @gpu
 @pytest.mark.parametrize(
-    "nk", [(896, 896), (4864, 896), (896, 4864), (1024, 4096), (14336, 4096), (4096, 14336)]
+    "nk",
+    [
+        (896, 896),
+        (4864, 896),
+        (896, 4864),
+        (1024, 4096),
+        (14336, 4096),
+        (4096, 14336),
+        (12288, 4096),
+        (4096, 2048),
+    ],
 )
 def test_small_m_shapes_gpu(nk: tuple[int, int]) -> None:
-    """The 0.5B-8B decode projections at every M that picks another narrow tile, against the
-    full-tile rows of a 2048-row batch; with a bias, and through the cached launch and Triton's."""
+    """The 0.5B-8B decode projections at every M that picks another tile (both sides of each
+    switch, up to 2048 rows), against the rows of a 2048-row batch; with a bias, and through the
+    cached launch and Triton's."""
     _small_m_check(*nk)
 
 
@@ -228,7 +274,8 @@ def _small_m_check(n: int, k: int) -> None:
     a = torch.randn(2048, k, device="cuda").bfloat16()
     w = (torch.randn(n, k, device="cuda") / k**0.5).bfloat16()
     bias = torch.randn(n, device="cuda").bfloat16()
-    _check_invariance(a, w, bias, [1, 2, 8, 16, 17, 64, 65, 128, 200, 256, 257, 512, 1000])
+    switches = _tile_switches(n, k)
+    _check_invariance(a, w, bias, sorted({1, 2, 8, 16, 17, 64, 65, 128, 200, 256, 257, 512, 1000, *switches}))
     full = gemm(a, w, bias)
     try:
         _triton.CachedLauncher.enabled = False
