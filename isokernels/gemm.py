@@ -149,31 +149,34 @@ def _narrowed(cfg: GemmConfig, tile: tuple[int, int, int, bool], few_rows: bool)
     return replace(cfg, block_m=64, block_n=block_n, block_k=block_k, num_warps=4, num_stages=stages, tma=tma)
 
 
-#: Device time per output element of each tile, relative to the full tile's (1.0), for one round of
-#: programs over the SMs: the wide TMA tiles by (BLOCK_N, TMA), every pointer-loaded tile alike.
-#: Fitted to a sweep on the H200 (``bench_tune_small``, the 0.5B-8B projections at M = 128-512):
-#: a 64-row tile does less per instruction, a pointer-loaded one (made for decode latency) far less.
-TILE_COST = {(256, True): 1.08, (128, True): 1.14}
-POINTER_TILE_COST = 2.1
-#: Tiles are compared only where the full tile's programs fill the SMs at most this many times
-#: over (the sweep's range); a larger call keeps the full tile, whose waves then fill the device.
+#: Device time per output element of the wide TMA tiles of :data:`NARROW_TILES` (by BLOCK_N),
+#: relative to the full tile's (1.0), for one round of programs over the SMs: a 64-row tile does
+#: less per instruction. Fitted to a sweep on the H200 (``bench_tune_small``, the 0.5B-8B
+#: projections at M = 128-512).
+TILE_COST = {256: 1.08, 128: 1.14}
+#: The wide tiles are compared only where the full tile's programs fill the SMs at most this many
+#: times over (the sweep's range); a larger call keeps the full tile, whose waves then fill the
+#: device.
 SHRINK_MAX_ROUNDS = 2
-
-
-def _tile_cost(tile: tuple[int, int, int, bool]) -> float:
-    return TILE_COST.get((tile[0], tile[3]), 1.0) if tile[3] else POINTER_TILE_COST
 
 
 def launch_config(cfg: GemmConfig, m: int, n: int, sms: int, k: int = 0) -> GemmConfig:
     """The tile one call runs (``k``: the K of a call whose split-K spans run as programs and so
     count toward filling the SMs; 0 where they do not). Normally ``cfg`` for every M; with
-    ``cfg.shrink_small_m`` (Hopper), a call whose full tiles fill the SMs at most
-    :data:`SHRINK_MAX_ROUNDS` times runs the tile of ``cfg`` and :data:`NARROW_TILES` whose busiest
-    SM has the least work: rounds of programs (``ceil(programs / sms)``) times the tile's area
-    times its :data:`TILE_COST`, the wider tile on a tie; at most :data:`ROW16_MAX_M` rows run
-    :data:`ROW16_TILE` in place of a pointer-loaded one. Why rounds: a row of tiles that leaves SMs
-    idle in its last round wastes them (112 full tiles of a 14336-wide weight at M=256 fill 85% of
-    132 SMs in one round; 96 of a 12288-wide one, 73%, where 384 64x128 tiles fill 97% in three).
+    ``cfg.shrink_small_m`` (Hopper):
+
+    * a call whose full tiles would fill fewer than half the SMs runs the widest 64-row tile of
+      :data:`NARROW_TILES` that fills half of them (the narrowest when none does), and at most
+      :data:`ROW16_MAX_M` rows run :data:`ROW16_TILE` in place of a pointer-loaded one: at decode
+      sizes a program's time is its K loop's latency, so filling the SMs is what counts;
+    * a call whose full tiles fill the SMs at most :data:`SHRINK_MAX_ROUNDS` times runs the full
+      tile or a wide TMA tile of :data:`NARROW_TILES`, whichever leaves its busiest SM the least
+      work: rounds of programs (``ceil(programs / sms)``) times the tile's area times its
+      :data:`TILE_COST`, the wider on a tie. A last round that leaves SMs idle wastes them: 112
+      full tiles of a 14336-wide weight at M=256 fill 85% of 132 SMs in one round (kept); 96 of
+      a 12288-wide one fill 73%, where 384 64x128 tiles fill 97% in three (taken).
+
+    Chosen from sweeps over the 0.5B-8B decode projections at M = 1 to 512 (``bench_tune_small``).
 
     Why that keeps the bits: the K order and the MMA's k16 steps on one fp32 accumulator are
     unchanged; only how many rows and columns one program covers, how many k16 steps one loop
@@ -185,18 +188,24 @@ def launch_config(cfg: GemmConfig, m: int, n: int, sms: int, k: int = 0) -> Gemm
         return cfg
     spans = cdiv(k, cfg.k_split) if cfg.k_split and k else 1  # split-grid programs count toward the fill
 
-    def rounds(block_m: int, block_n: int) -> int:
-        return cdiv(cdiv(m, block_m) * cdiv(n, block_n) * spans, sms)
+    def programs(block_m: int, block_n: int) -> int:
+        return cdiv(m, block_m) * cdiv(n, block_n) * spans
 
-    full = rounds(cfg.block_m, cfg.block_n)
-    if full > SHRINK_MAX_ROUNDS:
-        return cfg
-    best, best_cost = None, float(full * cfg.block_m * cfg.block_n)
-    for tile in NARROW_TILES:  # widest first: a tie keeps the wider
-        cost = rounds(64, tile[0]) * 64 * tile[0] * _tile_cost(tile)
-        if cost < best_cost:
-            best, best_cost = tile, cost
-    return cfg if best is None else _narrowed(cfg, best, m <= ROW16_MAX_M)
+    full = programs(cfg.block_m, cfg.block_n)
+    if full >= sms // 2:
+        if cdiv(full, sms) > SHRINK_MAX_ROUNDS:
+            return cfg
+        best, best_cost = None, float(cdiv(full, sms) * cfg.block_m * cfg.block_n)
+        for tile in NARROW_TILES:  # widest first: a tie keeps the wider
+            if tile[3]:
+                cost = cdiv(programs(64, tile[0]), sms) * 64 * tile[0] * TILE_COST.get(tile[0], 1.0)
+                if cost < best_cost:
+                    best, best_cost = tile, cost
+        return cfg if best is None else _narrowed(cfg, best, m <= ROW16_MAX_M)
+    for tile in NARROW_TILES:
+        if programs(64, tile[0]) >= sms // 2:
+            return _narrowed(cfg, tile, m <= ROW16_MAX_M)
+    return _narrowed(cfg, NARROW_TILES[-1], m <= ROW16_MAX_M)
 
 
 if HAVE_TRITON:
