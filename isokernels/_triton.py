@@ -178,12 +178,13 @@ def _global_scratch(size: int, alignment: int, device: int, stream: int):
     return _shared_scratch(size, device, stream)[0]
 
 
-def _direct_launch(run, function, packed, tail: tuple, layout: str):
+def _direct_launch(run, function, packed, tail: tuple, layout: str, launch=None):
     """A call ``(grid, args)`` into the compiled launcher's C ``launch`` itself, skipping
     ``CudaLauncher.__call__`` (its closures and allocator calls were ~1.5 us of host time a call).
     Global scratch comes from ``_global_scratch``; the profile scratch is None (``launch_layout``
-    refuses launchers that have one); launch hooks are None, as on every cached call."""
-    launch = run.launch
+    refuses launchers that have one); launch hooks are None, as on every cached call. ``launch``:
+    the C launch under Triton's host-descriptor wrapper (see :func:`_raw_launch`)."""
+    launch = launch or run.launch
     coop, pdl = run.launch_cooperative_grid, run.launch_pdl
     per_program = run.num_ctas * run.global_scratch_size
     align = run.global_scratch_align
@@ -218,7 +219,7 @@ def _direct_launch(run, function, packed, tail: tuple, layout: str):
                 annotations, signature, (*args, *tail),
             )  # fmt: skip
 
-    call.direct, call.run = True, run  # for the tests and the bench: which path an entry takes
+    call.direct, call.run, call.tma_meta = True, run, None  # which path an entry takes (tests, bench)
     return call
 
 
@@ -229,8 +230,67 @@ def _run_launch(run, function, packed, tail: tuple):
         stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
         run(*grid, stream, function, packed, None, None, None, *args, *tail)
 
-    call.direct, call.run = False, run
+    call.direct, call.run, call.tma_meta = False, run, None
     return call
+
+
+def _raw_launch(run):
+    """The C ``launch`` that Triton 3.6 wraps for kernels taking host-built tensor descriptors (the
+    wrapper encodes every descriptor on every call), or None where it cannot be found."""
+    for cell in getattr(run.launch, "__closure__", None) or ():
+        fn = cell.cell_contents
+        if type(fn).__name__ == "builtin_function_or_method" and fn.__name__ == "launch":
+            return fn
+    return None
+
+
+def host_descriptors() -> bool:
+    """Whether Hopper GEMMs load through host-built TMA descriptors: where the cached launch can
+    hand them encoded (Triton 3.6's launcher) unless ``ISOAUDIT_GEMM_HOST_TMA=0``. Launch shape
+    only: the same loads, the same bits (``test_kernel_built_descriptors_same_bits_gpu``)."""
+    return (
+        HAVE_TRITON
+        and triton.__version__.startswith("3.6.")
+        and os.environ.get("ISOAUDIT_GEMM_HOST_TMA", "1") == "1"
+    )
+
+
+_TMA_MAPS: dict[tuple, object] = {}
+_TMA_MAPS_MAX = 4096
+
+
+def tma_map(ptr: int, rows: int, cols: int, row_stride: int, meta: dict) -> object:
+    """A host-encoded TMA descriptor (``CUtensorMap``) of a row-major 2-D operand for a kernel
+    compiled with host descriptors (``meta``: that kernel's ``tensordesc_meta`` entry), cached by
+    everything it encodes: a weight's descriptor is encoded once, and an activation buffer the
+    allocator hands out again (or a CUDA-graph's static one) reuses its own."""
+    key = (
+        ptr,
+        rows,
+        cols,
+        row_stride,
+        meta["swizzle"],
+        meta["elem_size"],
+        meta["elem_type"],
+        *meta["block_size"],
+    )
+    hit = _TMA_MAPS.get(key)
+    if hit is None:
+        from triton.backends.nvidia.driver import TMA_DTYPE_DEVICE_TO_HOST
+
+        if len(_TMA_MAPS) >= _TMA_MAPS_MAX:
+            _TMA_MAPS.clear()
+        hit = _TMA_MAPS[key] = triton.runtime.driver.active.utils.fill_tma_descriptor(
+            ptr,
+            meta["swizzle"],
+            meta["elem_size"],
+            TMA_DTYPE_DEVICE_TO_HOST[meta["elem_type"]],
+            meta["block_size"],
+            [rows, cols],
+            [row_stride, 1],
+            0,
+        )
+    return hit
 
 
 class CachedLauncher:
@@ -260,6 +320,12 @@ class CachedLauncher:
         self.max_entries = max_entries
         self._cache: dict = {}
 
+    def entry(self, key):
+        """The cached call ``(grid, args)`` of ``key``, or None. Its ``tma_meta`` is None, or (a
+        kernel taking host descriptors) each descriptor's ``tensordesc_meta``: the call then takes
+        each descriptor expanded as Triton's launcher does, ``(tma_map(...), *shape, *strides)``."""
+        return self._cache.get(key) if self.enabled else None
+
     def launch_cached(self, key, grid: tuple[int, int, int], args: tuple) -> bool:
         """Launch from the cache entry of ``key`` if there is one; False (nothing launched) if not.
 
@@ -278,7 +344,8 @@ class CachedLauncher:
         return True
 
     def __call__(self, key, grid: tuple[int, ...], args: tuple, constexprs: dict, **options) -> None:
-        if self.launch_cached(key, grid, args):
+        hit = self.entry(key)  # (an entry taking encoded host descriptors is the call site's to use)
+        if hit is not None and hit.tma_meta is None and self.launch_cached(key, grid, args):
             return
         compiled = self.kernel[grid](*args, **constexprs, **options)
         if interpreting() or not hasattr(compiled, "packed_metadata") or len(grid) != 3:
@@ -291,10 +358,18 @@ class CachedLauncher:
             self._cache.clear()
         run, tail = compiled.run, tuple(constexprs[n] for n in names)
         layout = launch_layout(run) if self.direct else None
-        if layout is not None:
-            self._cache[key] = _direct_launch(run, compiled.function, compiled.packed_metadata, tail, layout)
+        metas = getattr(getattr(compiled, "metadata", None), "tensordesc_meta", None)
+        if metas:  # host descriptors: cached only where the call site can hand them encoded
+            raw = _raw_launch(run) if layout == "3.6" else None
+            if raw is None:
+                return
+            call = _direct_launch(run, compiled.function, compiled.packed_metadata, tail, layout, raw)
+            call.tma_meta = tuple(metas)
+        elif layout is not None:
+            call = _direct_launch(run, compiled.function, compiled.packed_metadata, tail, layout)
         else:
-            self._cache[key] = _run_launch(run, compiled.function, compiled.packed_metadata, tail)
+            call = _run_launch(run, compiled.function, compiled.packed_metadata, tail)
+        self._cache[key] = call
 
 
 def as_rows(x: torch.Tensor, k: int) -> torch.Tensor:

@@ -33,11 +33,13 @@ from ._triton import (
     as_rows,
     cdiv,
     dot_precision,
+    host_descriptors,
     interpreting,
     jit,
     resolve,
     scratch_allocator,
     tl,
+    tma_map,
     tma_ready,
     triton,
 )
@@ -59,7 +61,8 @@ class GemmConfig:
     tma: bool = False  # TMA descriptor loads + persistent grid (Hopper, 16-byte aligned rows)
     split_epilogue: bool = False  # store the tile as two halves (less shared memory, more stages)
     warp_specialize: bool = False  # TMA producer warps (works on Hopper in Triton 3.6; no gain measured)
-    # TMA descriptors built by the kernel (three host-built ones add ~25 us to every launch).
+    # TMA descriptors built by the kernel (False: host-built, encoded once per buffer and passed
+    # as kernel parameters; see :func:`_launch_host_descriptors` and ``host_descriptors``).
     device_descriptors: bool = True
     # Small M on Hopper: narrower tiles (same BLOCK_K and instruction family) when the full tile
     # would leave most SMs idle; see :func:`launch_config`.
@@ -107,11 +110,31 @@ def gemm_config(n: int, k: int, dtype: torch.dtype, capability: tuple[int, int] 
     if n >= 256 and k >= 64:
         if capability is not None and capability >= (9, 0) and n % 8 == 0 and k % 8 == 0:
             span = split_span(n, k) if capability == (9, 0) else 0
+            device_desc = not host_descriptors()
             if span:  # the 128x256 tile: its running total, touched once a span, may live in local memory
-                return GemmConfig(128, 256, 64, 8, 3, tma=True, shrink_small_m=True, k_split=span)
+                return GemmConfig(
+                    128,
+                    256,
+                    64,
+                    8,
+                    3,
+                    tma=True,
+                    device_descriptors=device_desc,
+                    shrink_small_m=True,
+                    k_split=span,
+                )
             # Best of 14 on an H200 (bench_tune): 1.03x cuBLAS at M=2048 and 8192. Warp specialisation
             # and 4 stages measured no better; 3 stages leave room for a 4-byte output tile.
-            return GemmConfig(128, 256, 64, 8, 3, tma=True, shrink_small_m=capability == (9, 0))
+            return GemmConfig(
+                128,
+                256,
+                64,
+                8,
+                3,
+                tma=True,
+                device_descriptors=device_desc,
+                shrink_small_m=capability == (9, 0),
+            )
         return GemmConfig(256, 128, 64, 8, 3)
     return GemmConfig(64, 64, 64, 4, 3)
 
@@ -585,8 +608,11 @@ def gemm(
         return out.reshape(*x.shape[:-1], n)
     plan = _plan(m, n, k, weight.dtype, odt, bias is not None, dev, config)
     cfg = plan[0]
-    if weight.is_cuda and (bias is None or bias.is_cuda) and (cfg.device_descriptors or not cfg.tma):
-        _launch_direct(a, weight, bias, out, plan, dev, m, n, k)
+    if weight.is_cuda and (bias is None or bias.is_cuda):
+        if cfg.device_descriptors or not cfg.tma:
+            _launch_direct(a, weight, bias, out, plan, dev, m, n, k)
+        else:
+            _launch_host_descriptors(a, weight, bias, out, plan, dev, m, n, k)
     else:
         _launch_other(a, weight, bias, out, plan, dev, m, n, k)
     return out if x.dim() == 2 else out.reshape(*x.shape[:-1], n)
@@ -639,7 +665,7 @@ def _launch_direct(
         _LAUNCH(key, grid, args, constexprs, **options)
 
 
-def _launch_other(
+def _launch_host_descriptors(
     a: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
@@ -650,8 +676,55 @@ def _launch_other(
     n: int,
     k: int,
 ) -> None:
-    """Every other launch: the interpreter's structure tests, host-built descriptors, or a tensor
-    off CUDA (Triton's launch then raises its own error)."""
+    """The launch with host-built TMA descriptors, cached: each descriptor is encoded once per
+    operand buffer (:func:`tma_map`) and handed to the compiled launcher as Triton's own launch
+    expands it, ``(descriptor, rows, cols, row stride, 1)``. A kernel-built descriptor costs its
+    program ~2 us before the first load (measured on the H200: a 64x256 tile at M=256 on a
+    4864 x 896 weight 10.6 us with kernel-built descriptors, 8.3 us with host-built ones); a
+    host-built one is a kernel parameter. The first call of a key goes through Triton."""
+    cfg, grid, constexprs, options, scratch = plan
+    itemsize = weight.dtype.itemsize
+    w = weight if tma_ready(weight.data_ptr(), weight.stride(), itemsize) else _tma_operand(weight)
+    a_ptr = constexprs["A_PTR"]
+    if not a_ptr and not tma_ready(a.data_ptr(), a.stride(), itemsize):
+        a = _tma_operand(a)
+    pa, sa, pw, sw, po = a.data_ptr(), a.stride(), w.data_ptr(), w.stride(), out.data_ptr()
+    pb = bias.data_ptr() if bias is not None else pw
+    key = (plan, *sa, *sw, (pa % 16 == 0) | (pw % 16 == 0) << 1 | (pb % 16 == 0) << 2)
+    entry = _LAUNCH.entry(key)
+    if entry is None or entry.tma_meta is None:
+        _launch_other(a, w, bias, out, plan, dev, m, n, k, key)
+        return
+    metas = entry.tma_meta
+    wd = (tma_map(pw, n, k, sw[0], metas[0 if a_ptr else 1]), n, k, sw[0], 1)
+    if a_ptr:
+        head = (pa, *wd, po)
+    else:
+        ad = (tma_map(pa, m, k, sa[0], metas[0]), m, k, sa[0], 1)
+        head = (*ad, *wd, tma_map(po, m, n, n, metas[2]), m, n, n, 1)
+    if scratch:
+        partials, counters = _split_scratch(scratch, dev)
+        pp, pc = partials.data_ptr(), counters.data_ptr()
+    else:
+        pp = pc = po
+    entry(grid, (*head, pb, m, n, k, *sa, *sw, n, 1, grid[0], pp, pc))
+
+
+def _launch_other(
+    a: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    plan: _GemmPlan,
+    dev: torch.device,
+    m: int,
+    n: int,
+    k: int,
+    key: tuple | None = None,
+) -> None:
+    """Every other launch: the interpreter's structure tests, a tensor off CUDA (Triton's launch
+    then raises its own error), and the first call of a host-descriptor key (``key``: it caches
+    the compiled kernel for :func:`_launch_host_descriptors`)."""
     cfg, grid, constexprs, options, scratch = plan
     programs = grid[0]
     if cfg.tma:
@@ -680,7 +753,10 @@ def _launch_other(
         partials, counters,
     )  # fmt: skip
     if cfg.tma and not cfg.device_descriptors:  # host descriptors: Triton binds them itself
-        _gemm_kernel[grid](*args, **constexprs, **options)
+        if key is None:
+            _gemm_kernel[grid](*args, **constexprs, **options)
+        else:
+            _LAUNCH(key, grid, args, constexprs, **options)
     else:
         # What Triton specialises the runtime arguments on: the plan fixes n, k, the dtypes and
         # the output; the strides of a and w (args[7:11]) and the pointers' alignment complete it

@@ -342,6 +342,47 @@ def test_direct_launch_bits_gpu() -> None:
 
 
 @gpu
+def test_host_descriptor_launch_gpu() -> None:
+    """The cached launch with host-built TMA descriptors (encoded once per buffer) gives the bits
+    of kernel-built ones: the weight alone by TMA (one row, ``A_PTR``), all three operands, a
+    4-byte output (the split epilogue), a bias, the split-K grid, calls repeated (cache hits),
+    a new output buffer each call, and a CUDA-graph replay."""
+    from dataclasses import replace
+
+    g = _gemm_module()
+    if not _triton.triton.__version__.startswith("3.6."):
+        pytest.skip("host descriptors ride on Triton 3.6's launcher")
+    torch.manual_seed(2)
+    for n, k, ms in ((14336, 4096, (1, 200, 256)), (1024, 4096, (1, 256, 2048))):
+        w = (torch.randn(n, k, device="cuda") / k**0.5).bfloat16()
+        bias = torch.randn(n, device="cuda").bfloat16()
+        a = torch.randn(2048, k, device="cuda").bfloat16()
+        cfg = g.gemm_config(n, k, torch.bfloat16, torch.cuda.get_device_capability())
+        host, device = replace(cfg, device_descriptors=False), replace(cfg, device_descriptors=True)
+        for m in ms:
+            for b, odt in ((None, torch.bfloat16), (bias, torch.bfloat16), (None, torch.float32)):
+                want = g.gemm(a[:m], w, b, out_dtype=odt, config=device)
+                for _ in range(3):
+                    assert bits_equal(g.gemm(a[:m], w, b, out_dtype=odt, config=host), want), (n, m)
+    assert any(e.tma_meta for e in g._LAUNCH._cache.values())
+    static = a[:200].clone()
+    want = g.gemm(static, w, config=host)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        g.gemm(static, w, config=host)
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.graph(graph):
+        out = g.gemm(static, w, config=host)
+    static.copy_(a[1000:1200])
+    graph.replay()
+    torch.cuda.synchronize()
+    assert bits_equal(out, g.gemm(a[1000:1200], w, config=device))
+    assert bits_equal(want, g.gemm(a[:200], w, config=device))
+
+
+@gpu
 def test_direct_launch_graph_replay_gpu() -> None:
     """A cached launch captured into a CUDA graph (its own scratch) and replayed between eager
     calls on the same stream (the shared scratch) keeps both results right."""
