@@ -245,9 +245,10 @@ def _raw_launch(run):
 
 
 def host_descriptors() -> bool:
-    """Whether Hopper GEMMs load through host-built TMA descriptors: where the cached launch can
-    hand them encoded (Triton 3.6's launcher) unless ``ISOAUDIT_GEMM_HOST_TMA=0``. Launch shape
-    only: the same loads, the same bits (``test_kernel_built_descriptors_same_bits_gpu``)."""
+    """Whether Hopper GEMMs captured into CUDA graphs load through host-built TMA descriptors:
+    where the cached launch can hand them encoded (Triton 3.6's launcher) unless
+    ``ISOAUDIT_GEMM_HOST_TMA=0``. Launch shape only: the same loads, the same bits
+    (``test_kernel_built_descriptors_same_bits_gpu``)."""
     return (
         HAVE_TRITON
         and triton.__version__.startswith("3.6.")

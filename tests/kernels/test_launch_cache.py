@@ -346,7 +346,8 @@ def test_host_descriptor_launch_gpu() -> None:
     """The cached launch with host-built TMA descriptors (encoded once per buffer) gives the bits
     of kernel-built ones: the weight alone by TMA (one row, ``A_PTR``), all three operands, a
     4-byte output (the split epilogue), a bias, the split-K grid, calls repeated (cache hits),
-    a new output buffer each call, and a CUDA-graph replay."""
+    a new output buffer each call; and a default call captured into a CUDA graph (which takes
+    host descriptors) replays the eager call's bits."""
     from dataclasses import replace
 
     g = _gemm_module()
@@ -365,21 +366,27 @@ def test_host_descriptor_launch_gpu() -> None:
                 for _ in range(3):
                     assert bits_equal(g.gemm(a[:m], w, b, out_dtype=odt, config=host), want), (n, m)
     assert any(e.tma_meta for e in g._LAUNCH._cache.values())
+    n, k = 14336, 4096
+    w = (torch.randn(n, k, device="cuda") / k**0.5).bfloat16()
+    a = torch.randn(1200, k, device="cuda").bfloat16()
     static = a[:200].clone()
-    want = g.gemm(static, w, config=host)
+    eager = g._plan(200, n, k, torch.bfloat16, torch.bfloat16, False, static.device, None)[0]
+    assert eager.tma and eager.device_descriptors  # eager calls: kernel-built descriptors
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        g.gemm(static, w, config=host)
+        g.gemm(static, w)
     torch.cuda.current_stream().wait_stream(stream)
+    before = sum(bool(e.tma_meta) for e in g._LAUNCH._cache.values())
     with torch.cuda.graph(graph):
-        out = g.gemm(static, w, config=host)
-    static.copy_(a[1000:1200])
-    graph.replay()
-    torch.cuda.synchronize()
-    assert bits_equal(out, g.gemm(a[1000:1200], w, config=device))
-    assert bits_equal(want, g.gemm(a[:200], w, config=device))
+        out = g.gemm(static, w)
+    assert sum(bool(e.tma_meta) for e in g._LAUNCH._cache.values()) > before  # the captured plan
+    for rows in ((1000, 1200), (0, 200)):
+        static.copy_(a[rows[0] : rows[1]])
+        graph.replay()
+        torch.cuda.synchronize()
+        assert bits_equal(out, g.gemm(a[rows[0] : rows[1]], w)), rows
 
 
 @gpu
