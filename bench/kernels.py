@@ -255,11 +255,13 @@ def bench_tune_small() -> None:
         (64, 128, 64, 4, 8, True), (64, 64, 128, 4, 5, True), (64, 128, 128, 4, 4, False),
         (64, 256, 64, 8, 4, True), (64, 128, 128, 8, 4, True), (128, 128, 64, 8, 4, True),
         (128, 128, 128, 8, 3, True), (128, 64, 128, 8, 4, True), (64, 64, 64, 4, 6, False),
+        # the full tile with a 4th stage (its output tile stored in halves to fit), or warp-specialised
+        (128, 256, 64, 8, 4, True, "split"), (128, 256, 64, 8, 3, True, "ws"),
     ]  # fmt: skip
     best: dict = {}
     for n, k in SMALL_M_SHAPES:
         ws = _weight_copies(n, k)
-        a_full = torch.randn(2048, k, device="cuda").bfloat16()
+        a_full = torch.randn(max(2048, *TUNE_MS), k, device="cuda").bfloat16()
         want = gemm(a_full, ws[0])
         split = gemm_config(n, k, torch.bfloat16, torch.cuda.get_device_capability()).k_split
         for m in TUNE_MS:
@@ -271,18 +273,21 @@ def bench_tune_small() -> None:
                 f"tune-small N={n} K={k} M={m}: cublas {base * 1e3:.1f} us, shipped "
                 f"{shipped.block_m}x{shipped.block_n}x{shipped.block_k} {dflt * 1e3:.1f} us {dflt / base:.2f}x"
             ]
-            for bm, bn, bk, wp, st, tma in cands:
+            for bm, bn, bk, wp, st, tma, *extra in cands:
                 if bm < 64 and m > 64:
                     continue
-                cfg = GemmConfig(bm, bn, bk, wp, st, tma=tma, k_split=split)
-                tag = f"{bm}x{bn}x{bk}w{wp}s{st}{'T' if tma else 'P'}"
+                cfg = GemmConfig(
+                    bm, bn, bk, wp, st, tma=tma, k_split=split,
+                    split_epilogue="split" in extra, warp_specialize="ws" in extra,
+                )  # fmt: skip
+                tag = f"{bm}x{bn}x{bk}w{wp}s{st}{'T' if tma else 'P'}{''.join(extra)}"
                 try:
                     same = bits_equal(gemm(a, ws[0], config=cfg), want[:m])
                     base_c, t = bench_pair(cublas, [lambda w=w: gemm(a, w, config=cfg) for w in ws])
                 except Exception as e:  # noqa: BLE001 - out of shared memory etc.
                     line.append(f"{tag}: {type(e).__name__}")
                     continue
-                line.append(f"{tag}: {t / base_c:.2f}x{'' if same else ' BITS-DIFFER'}")
+                line.append(f"{tag}: {t * 1e3:.1f} us {t / base_c:.2f}x{'' if same else ' BITS-DIFFER'}")
                 if same and t / base_c < best.get((n, k, m), (9e9,))[0]:
                     best[(n, k, m)] = (t / base_c, tag)
             print("  ".join(line), flush=True)

@@ -83,6 +83,9 @@ SPLIT_MAX_N = 1024
 SPLIT_MIN_K = 2048
 SPLIT_SPANS = 4
 SPLIT_ALIGN = 128
+#: The split grid (spans as programs) serves calls of at most ``K / (SPLIT_GRID_ROWS * spans)``
+#: rows: its fp32 span sums, written and read back, then stay under a quarter of the weight's bytes.
+SPLIT_GRID_ROWS = 16
 
 
 def split_k_enabled() -> bool:
@@ -541,7 +544,7 @@ def _plan(
     # read back stay under a quarter of the weight's bytes (M <= K / (16 spans)) and the tiles
     # alone would not fill the device; else each program sums its tiles' spans in turn. The
     # same adds either way (see the kernel), so this is a launch choice, not an arithmetic one.
-    grid_ok = spans > 1 and 16 * spans * m <= k
+    grid_ok = spans > 1 and SPLIT_GRID_ROWS * spans * m <= k
     cfg = launch_config(base, m, n, sms, k if grid_ok else 0)
     tiles = cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n)
     split_grid = grid_ok and tiles < sms
@@ -610,11 +613,12 @@ def gemm(
     out = torch.empty(m, n, dtype=odt, device=dev)
     if m == 0:
         return out.reshape(*x.shape[:-1], n)
-    # Under CUDA-graph capture a TMA tile takes host-built descriptors: their host cost (5-11 us a
+    # Under CUDA-graph capture a TMA tile takes host-built descriptors, whether the tile is the
+    # weight's own or an explicit ``config`` (the tree's slot pairs): their host cost (5-11 us a
     # call on the H200 host) is paid once, and each replay saves the ~2 us a program spends
     # building its own before the first load; eager calls keep the kernel-built ones. The same
     # loads either way, so the same bits (``test_host_descriptor_launch_gpu``).
-    captured = config is None and weight.is_cuda and _host_tma and torch._C._cuda_isCurrentStreamCapturing()
+    captured = weight.is_cuda and _host_tma and torch._C._cuda_isCurrentStreamCapturing()
     plan = _plan(m, n, k, weight.dtype, odt, bias is not None, dev, config, captured)
     cfg = plan[0]
     if weight.is_cuda and (bias is None or bias.is_cuda):

@@ -132,6 +132,36 @@ def test_gemm_path_is_the_tree_gpu(k: int, max_tp: int, leaf: int, monkeypatch: 
 
 
 @gpu
+@pytest.mark.parametrize("tp", [1, 2])
+def test_gemm_path_captured_gpu(tp: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The wide max_tp=2 plan captured into a CUDA graph (where its slot pairs' explicit GEMM
+    configs take host-built TMA descriptors) replays the register kernel's eager bits, at the
+    bench's M=256 and at a decode M."""
+    torch.manual_seed(3)
+    k = 4096
+    x = torch.randn(256, k, device="cuda").bfloat16()
+    w = (torch.randn(4096, k, device="cuda") / k**0.5).bfloat16()
+    monkeypatch.setattr(tree_gemm_mod, "GEMM_PATH", False)
+    ref = tree_gemm(x, w, leaf=WIDE, tp=1, max_tp=2)
+    monkeypatch.setattr(tree_gemm_mod, "GEMM_PATH", True)
+    for m in (256, 8):
+        static = x[:m].clone()
+        tree_gemm(static, w, leaf=WIDE, tp=tp, max_tp=2)  # compile outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = tree_gemm(static, w, leaf=WIDE, tp=tp, max_tp=2)
+        static.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert not bits_equal(out, ref[:m])  # the replay read the zeroed input
+        static.copy_(x[:m])
+        graph.replay()
+        torch.cuda.synchronize()
+        assert bits_equal(out, ref[:m]), f"tp={tp} m={m}"
+
+
+@gpu
 @pytest.mark.parametrize("k", [4096, 11008, 14336])
 def test_tp_invariant_gpu(k: int, monkeypatch: pytest.MonkeyPatch) -> None:
     torch.manual_seed(0)
