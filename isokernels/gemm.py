@@ -162,6 +162,20 @@ NARROW_TILES: tuple[tuple[int, int, int, bool], ...] = (
 ROW16_MAX_M = 16
 ROW16_TILE = (16, 16, 128, 2, 5)  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages), pointer loads
 
+#: Pointer loads serve calls of at most this many rows (one 64-row tile). Above it every 64-row
+#: narrow tile loads by TMA and none narrower than 64 columns is taken: on the H200 (graph replay,
+#: host-built descriptors) the 64x64x128 tile took 12.4 / 13.2 us by TMA against 17.9 / 18.0 us
+#: by pointers at M = 256 / 512 on an 896 x 4864 weight, 1.20x / 1.21x cuBLAS where the pointer
+#: tiles the rule then took (64x32, 64x64) measured 1.28x / 1.64x.
+POINTER_MAX_M = 64
+#: A 128-row tile (BLOCK_N, BLOCK_K, warps, stages; TMA) that an under-filled call of at least
+#: ROW128_MIN_M rows (a narrow weight's prefill) takes first where it fills half the SMs: the area
+#: of 64x256 with eight warps on it. Same H200 sweep, at M = 2048: 31.6 against 46.9 us on
+#: 896 x 4864 (1.20x against 1.91x cuBLAS), 27.0 against 27.4 us on 1024 x 4096, 8.5 against
+#: 9.5 us on 896 x 896; at M = 256 it was no faster than 64x256 (8.6 against 8.3 us on 4864 x 896).
+ROW128_TILE = (128, 64, 8, 4)
+ROW128_MIN_M = 1024
+
 
 @cache
 def _narrowed(cfg: GemmConfig, tile: tuple[int, int, int, bool], few_rows: bool) -> GemmConfig:
@@ -170,6 +184,16 @@ def _narrowed(cfg: GemmConfig, tile: tuple[int, int, int, bool], few_rows: bool)
         bm, bn, bk, warps, st = ROW16_TILE
         return replace(cfg, block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=st, tma=False)
     return replace(cfg, block_m=64, block_n=block_n, block_k=block_k, num_warps=4, num_stages=stages, tma=tma)
+
+
+@cache
+def _row128(cfg: GemmConfig) -> GemmConfig:
+    block_n, block_k, warps, stages = ROW128_TILE
+    return replace(cfg, block_m=128, block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages, tma=True)
+
+
+#: The 64-row tiles a call of more than POINTER_MAX_M rows may take: TMA, at least 64 columns.
+_TMA_NARROW_TILES = tuple((bn, bk, st, True) for bn, bk, st, _ in NARROW_TILES if bn >= 64)
 
 
 #: Device time per output element of the wide TMA tiles of :data:`NARROW_TILES` (by BLOCK_N),
@@ -191,7 +215,9 @@ def launch_config(cfg: GemmConfig, m: int, n: int, sms: int, k: int = 0) -> Gemm
     * a call whose full tiles would fill fewer than half the SMs runs the widest 64-row tile of
       :data:`NARROW_TILES` that fills half of them (the narrowest when none does), and at most
       :data:`ROW16_MAX_M` rows run :data:`ROW16_TILE` in place of a pointer-loaded one: at decode
-      sizes a program's time is its K loop's latency, so filling the SMs is what counts;
+      sizes a program's time is its K loop's latency, so filling the SMs is what counts. Above
+      :data:`POINTER_MAX_M` rows the rule runs over the 64-row tiles of at least 64 columns, all
+      loaded by TMA, and from :data:`ROW128_MIN_M` rows over :data:`ROW128_TILE` first;
     * a call whose full tiles fill the SMs at most :data:`SHRINK_MAX_ROUNDS` times runs the full
       tile or a wide TMA tile of :data:`NARROW_TILES`, whichever leaves its busiest SM the least
       work: rounds of programs (``ceil(programs / sms)``) times the tile's area times its
@@ -225,10 +251,15 @@ def launch_config(cfg: GemmConfig, m: int, n: int, sms: int, k: int = 0) -> Gemm
                 if cost < best_cost:
                     best, best_cost = tile, cost
         return cfg if best is None else _narrowed(cfg, best, m <= ROW16_MAX_M)
-    for tile in NARROW_TILES:
+    tiles = NARROW_TILES
+    if m >= ROW128_MIN_M and programs(128, ROW128_TILE[0]) >= sms // 2:
+        return _row128(cfg)
+    if m > POINTER_MAX_M:
+        tiles = _TMA_NARROW_TILES
+    for tile in tiles:
         if programs(64, tile[0]) >= sms // 2:
             return _narrowed(cfg, tile, m <= ROW16_MAX_M)
-    return _narrowed(cfg, NARROW_TILES[-1], m <= ROW16_MAX_M)
+    return _narrowed(cfg, tiles[-1], m <= ROW16_MAX_M)
 
 
 if HAVE_TRITON:

@@ -165,6 +165,9 @@ def test_launch_config_narrows_only_underfilled_hopper_calls() -> None:
     assert (wide.block_m, wide.block_n, wide.block_k, wide.tma) == (64, 128, 128, True)
     mid = launch_config(hopper, 512, 4096, 132)  # 64 full tiles; 128 of 64x256
     assert (mid.block_m, mid.block_n, mid.block_k) == (64, 256, hopper.block_k)
+    # above 64 rows no pointer tile: the narrowest is 64x64 by TMA (128 of them here)
+    above = launch_config(hopper, 65, 4096, 132)
+    assert (above.block_m, above.block_n, above.block_k, above.tma) == (64, 64, 128, True)
     plain = GemmConfig(32, 32, 16, 4, 2, tma=True)
     assert launch_config(plain, 1, 4096, 132) is plain
 
@@ -206,6 +209,10 @@ def test_split_span_is_fixed_per_weight_shape(split_k) -> None:
     assert launch_config(narrow, 4096, 896, 132, 4864) is narrow
     assert launch_config(narrow, 64, 896, 132, 4864).block_n == 32  # 28 tiles x 4 spans >= 66
     assert launch_config(narrow, 1, 896, 132, 4864).block_m == 16  # at most 16 rows: the 16-row tile
+    at256 = launch_config(narrow, 256, 896, 132)  # none fills half: the narrowest TMA tile
+    assert (at256.block_m, at256.block_n, at256.tma, at256.k_split) == (64, 64, True, 1280)
+    prefill = launch_config(narrow, 2048, 896, 132)  # 64 full tiles; 112 of 128x128 on 8 warps
+    assert (prefill.block_m, prefill.block_n, prefill.num_warps, prefill.tma) == (128, 128, 8, True)
 
 
 def _tile_switches(n: int, k: int, top: int = 2048) -> list[int]:
