@@ -84,8 +84,12 @@ SPLIT_MIN_K = 2048
 SPLIT_SPANS = 4
 SPLIT_ALIGN = 128
 #: The split grid (spans as programs) serves calls of at most ``K / (SPLIT_GRID_ROWS * spans)``
-#: rows: its fp32 span sums, written and read back, then stay under a quarter of the weight's bytes.
-SPLIT_GRID_ROWS = 16
+#: rows: its fp32 span sums, written and read back, then stay under half the weight's bytes. Above
+#: POINTER_MAX_M rows it also has to fit one round of programs: on the H200 (graph replay) the
+#: 64x64x128 TMA tile on the split grid took 10.4-10.5 us at M = 96 / 128 on 896 x 4864 (1.16x-1.20x
+#: cuBLAS) against 12.3-12.4 us (1.39x-1.46x) summing the spans in turn, but 14.5 us against 12.3
+#: at M=192, where its 168 programs take two rounds.
+SPLIT_GRID_ROWS = 8
 
 
 def split_k_enabled() -> bool:
@@ -572,13 +576,14 @@ def _plan(
         base = replace(base, device_descriptors=False)
     spans = cdiv(k, base.k_split) if base.k_split else 1
     # Split-K spans run as programs (the split grid) where the fp32 span sums they write and
-    # read back stay under a quarter of the weight's bytes (M <= K / (16 spans)) and the tiles
-    # alone would not fill the device; else each program sums its tiles' spans in turn. The
-    # same adds either way (see the kernel), so this is a launch choice, not an arithmetic one.
+    # read back stay small (:data:`SPLIT_GRID_ROWS`) and the tiles alone would not fill the
+    # device (above POINTER_MAX_M rows: where the spans' programs fit one round); else each
+    # program sums its tiles' spans in turn. The same adds either way (see the kernel), so this
+    # is a launch choice, not an arithmetic one.
     grid_ok = spans > 1 and SPLIT_GRID_ROWS * spans * m <= k
     cfg = launch_config(base, m, n, sms, k if grid_ok else 0)
     tiles = cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n)
-    split_grid = grid_ok and tiles < sms
+    split_grid = grid_ok and tiles < sms and (m <= POINTER_MAX_M or tiles * spans <= sms)
     programs = tiles if split_grid or not cfg.tma else min(tiles, sms)
     grid = (programs, spans if split_grid else 1, 1)
     # (fp32 span sums, per-tile counters) the split-grid launch needs, in elements

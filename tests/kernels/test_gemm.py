@@ -216,13 +216,14 @@ def test_split_span_is_fixed_per_weight_shape(split_k) -> None:
 
 
 def _tile_switches(n: int, k: int, top: int = 2048) -> list[int]:
-    """Every M <= top where the launched tile differs from M - 1's, with M - 1 (both sides of each
-    switch), as ``gemm``'s plan decides it."""
+    """Every M <= top where the launched tile, or whether the split-K spans run as programs,
+    differs from M - 1's, with M - 1 (both sides of each switch), as ``gemm``'s plan decides it."""
     from isokernels.gemm import _plan
 
-    def tile(m: int) -> GemmConfig:
+    def tile(m: int) -> tuple[GemmConfig, int]:
         _plan.cache_clear()
-        return _plan(m, n, k, torch.bfloat16, torch.bfloat16, True, torch.device("cuda"), None)[0]
+        plan = _plan(m, n, k, torch.bfloat16, torch.bfloat16, True, torch.device("cuda"), None)
+        return plan[0], plan[1][1]
 
     out, prev = [1], tile(1)
     for m in range(2, top + 1):
