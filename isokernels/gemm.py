@@ -193,7 +193,9 @@ def _narrowed(cfg: GemmConfig, tile: tuple[int, int, int, bool], few_rows: bool)
 @cache
 def _row128(cfg: GemmConfig) -> GemmConfig:
     block_n, block_k, warps, stages = ROW128_TILE
-    return replace(cfg, block_m=128, block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages, tma=True)
+    return replace(
+        cfg, block_m=128, block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages, tma=True
+    )
 
 
 #: The 64-row tiles a call of more than POINTER_MAX_M rows may take: TMA, at least 64 columns.
