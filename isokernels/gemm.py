@@ -257,11 +257,9 @@ def launch_config(cfg: GemmConfig, m: int, n: int, sms: int, k: int = 0) -> Gemm
                 if cost < best_cost:
                     best, best_cost = tile, cost
         return cfg if best is None else _narrowed(cfg, best, m <= ROW16_MAX_M)
-    tiles = NARROW_TILES
     if m >= ROW128_MIN_M and programs(128, ROW128_TILE[0]) >= sms // 2:
         return _row128(cfg)
-    if m > POINTER_MAX_M:
-        tiles = _TMA_NARROW_TILES
+    tiles = _TMA_NARROW_TILES if m > POINTER_MAX_M else NARROW_TILES
     for tile in tiles:
         if programs(64, tile[0]) >= sms // 2:
             return _narrowed(cfg, tile, m <= ROW16_MAX_M)
