@@ -61,9 +61,9 @@ bench: $(VENV)/.test
 # scripts/vulnerabilities-ignore.txt lists it with a reason; says NOT CHECKED, without failing, when
 # the advisory database cannot be consulted (no network, or an index that serves no advisory data).
 lint: $(VENV)/.test
-	$(VENV)/bin/ruff check audit collectors isokernels dashboard migrations tests bench scripts
-	$(VENV)/bin/ruff format --check audit collectors isokernels dashboard migrations tests bench scripts
-	$(VENV)/bin/lint-imports --no-cache
+	$(VENV)/bin/ruff check isoaudit audit collectors kernels dashboard migrations tests bench scripts
+	$(VENV)/bin/ruff format --check isoaudit audit collectors kernels dashboard migrations tests bench scripts
+	$(PY) scripts/lint_imports.py --no-cache
 	$(PY) scripts/vulnerabilities.py
 
 clean-venv:

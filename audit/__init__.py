@@ -1,3 +1,3 @@
-"""isoaudit's audit core: records, store, comparator, metrics, diagnosis, contract, alerts, API, CLI."""
+"""isoaudit's audit core: records, the data layer, comparator, metrics, diagnosis, contract, alerts and the API."""
 
 __version__ = "0.1.0"

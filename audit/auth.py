@@ -14,11 +14,10 @@ import re
 import secrets
 from dataclasses import dataclass
 
+from isoaudit.audit.records import utcnow
+from isoaudit.audit.service_models import ApiTokenRow
+from isoaudit.audit.store import Store
 from sqlalchemy import select
-
-from audit.records import utcnow
-from audit.service_models import ApiTokenRow
-from audit.store import Store
 
 TOKEN_PREFIX = "iso_"
 _TOKEN_RE = re.compile(r"^iso_([0-9a-f]{16})_([A-Za-z0-9_-]{20,128})$")

@@ -17,11 +17,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-
-from audit.diagnosis import Diagnosis, diagnose
-from audit.fingerprints import estimate_relative_l2, first_agreeing_rung
-from audit.metric_names import required_variants
-from audit.metrics import (
+from isoaudit.audit.diagnosis import Diagnosis, diagnose
+from isoaudit.audit.fingerprints import estimate_relative_l2, first_agreeing_rung
+from isoaudit.audit.metric_names import required_variants
+from isoaudit.audit.metrics import (
     UNKNOWN_LAG,
     lag_metrics,
     sample_and_step_metrics,
@@ -29,10 +28,10 @@ from audit.metrics import (
     step_metrics,
     topk_entropy,
 )
-from audit.policy_lag import token_lags
-from audit.records import Manifest, OffPolicy, RegionFingerprints, SampleLogprobs
-from audit.regions import region_order
-from audit.routing import (
+from isoaudit.audit.policy_lag import token_lags
+from isoaudit.audit.records import Manifest, OffPolicy, RegionFingerprints, SampleLogprobs
+from isoaudit.audit.regions import region_order
+from isoaudit.audit.routing import (
     RoutingComparison,
     compare_sample_routes,
     explain,

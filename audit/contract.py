@@ -32,10 +32,9 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
 import numpy as np
+from isoaudit.audit.records import Case, ContractIdentities, Manifest
+from isoaudit.audit.regions import canonical_regions, region_order
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, ValidationError
-
-from audit.records import Case, ContractIdentities, Manifest
-from audit.regions import canonical_regions, region_order
 
 CONTRACT_SCHEMA_VERSION = 1
 

@@ -23,13 +23,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
-
-from audit.metrics import UNKNOWN_LAG
-from audit.policy_lag import sampling_versions, token_lags
-from audit.records import Manifest, OffPolicy, RegionFingerprints, SampleLogprobs
+from isoaudit.audit.metrics import UNKNOWN_LAG
+from isoaudit.audit.policy_lag import sampling_versions, token_lags
+from isoaudit.audit.records import Manifest, OffPolicy, RegionFingerprints, SampleLogprobs
 
 if TYPE_CHECKING:
-    from audit.compare import RegionGrid
+    from isoaudit.audit.compare import RegionGrid
 
 DiagnosisKind = Literal[
     "clean", "contract", "weights", "off_policy", "semantics", "inference_path", "numerical", "inconclusive"
@@ -136,7 +135,7 @@ def _contract(trainer: Manifest | None, rollout: Manifest | None) -> Diagnosis |
         return None
     if a == b:
         return None
-    from audit.contract import handshake
+    from isoaudit.audit.contract import handshake
 
     result = handshake(trainer, rollout)
     reasons = list(result.reasons) or [f"numerical_policy identity {a} != {b}"]

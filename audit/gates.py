@@ -5,7 +5,7 @@ named as any framework names it (:mod:`audit.metric_names`). Every compared step
 ``steps``) must satisfy every bound; a missing value fails too, since a gate that cannot be checked
 is not a pass. ``isoaudit gate`` is the command; :func:`assert_parity` the pytest helper::
 
-    from audit.gates import assert_parity
+    from isoaudit.audit.gates import assert_parity
     assert_parity(store, "ci-run", max={"kl_k3": 1e-3, "slime:train_rollout_logprob_abs_diff": 1e-6})
 """
 
@@ -17,8 +17,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-from audit.metric_names import UnknownMetric, resolve
-from audit.store import Store
+from isoaudit.audit.metric_names import UnknownMetric, resolve
+from isoaudit.audit.store import Store
 
 Direction = Literal["max", "min"]
 
@@ -154,7 +154,7 @@ def check(
     if store.get_run(run_id) is None:
         raise GateError(f"RUN: no run {run_id!r} in the store (`isoaudit runs list` shows the recorded ones)")
     if compare:
-        from audit.worker import ComparisonWorker
+        from isoaudit.audit.worker import ComparisonWorker
 
         ComparisonWorker(store).run_once(run_id)
     rows = [row for row in store.step_results(run_id) if _selected(row.step, steps)]

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from audit.metrics import (
+from isoaudit.audit.metrics import (
     LENGTH_BUCKETS,
     METRIC_DESCRIPTIONS,
     PARAMETRIC,
@@ -30,7 +30,7 @@ from audit.metrics import (
     parse_variant,
     variant_key,
 )
-from audit.routing import ROUTING_METRICS
+from isoaudit.audit.routing import ROUTING_METRICS
 
 FRAMEWORKS: tuple[str, ...] = ("verl", "slime", "skyrl", "trl", "openrlhf", "nemo-rl", "tinker", "prime-rl")
 

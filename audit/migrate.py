@@ -7,19 +7,22 @@ from functools import cache
 
 from alembic import command
 from alembic.config import Config
+from isoaudit.audit.store import StoreError, make_engine
 from sqlalchemy import Engine
-
-from audit.store import StoreError, make_engine
 
 
 def alembic_config(url: str | None = None) -> Config:
-    """An Alembic config that needs no alembic.ini: our script location and the store's URL."""
-    from migrations import SCRIPT_LOCATION
+    """An Alembic config that needs no alembic.ini: the scripts' location, the models' metadata (for
+    autogenerate) and the store's URL (its driver form, as the store opens it)."""
+    from isoaudit.audit.config import database_url
+    from isoaudit.audit.models import Base
+    from isoaudit.migrations import SCRIPT_LOCATION
 
     config = Config()
     config.set_main_option("script_location", SCRIPT_LOCATION)
+    config.attributes["target_metadata"] = Base.metadata
     if url:
-        config.set_main_option("sqlalchemy.url", url)
+        config.set_main_option("sqlalchemy.url", database_url(url))
     return config
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
+from isoaudit.audit.records import utcnow
 from sqlalchemy import (
     JSON,
     BigInteger,
@@ -24,8 +25,6 @@ from sqlalchemy import (
     UniqueConstraint,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
-
-from audit.records import utcnow
 
 #: SQLite only auto-increments INTEGER primary keys; PostgreSQL gets 64-bit ids.
 RowId = BigInteger().with_variant(Integer(), "sqlite")
@@ -253,4 +252,4 @@ class StepStatsRow(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
-from audit import service_models as _service_models  # noqa: E402,F401
+from isoaudit.audit import service_models as _service_models  # noqa: E402,F401

@@ -8,9 +8,8 @@ weight versions are integers (steps); elsewhere it is unknown, never zero.
 from __future__ import annotations
 
 import numpy as np
-
-from audit.metrics import UNKNOWN_LAG
-from audit.records import SampleLogprobs
+from isoaudit.audit.metrics import UNKNOWN_LAG
+from isoaudit.audit.records import SampleLogprobs
 
 
 def version_number(version: str | None) -> int | None:

@@ -13,17 +13,23 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import numpy as np
+from isoaudit.audit.alerts.history import AlertView, list_alerts
+from isoaudit.audit.alerts.rules import AlertRule, list_rule_rows, rule_from_row
+from isoaudit.audit.alerts.silences import list_silences
+from isoaudit.audit.compare import RegionGrid
+from isoaudit.audit.contract import HandshakeResult, handshake
+from isoaudit.audit.models import (
+    ManifestRow,
+    RunRow,
+    SampleResultRow,
+    SampleRow,
+    StepResultRow,
+    StepSummaryRow,
+)
+from isoaudit.audit.records import Manifest, utcnow
+from isoaudit.audit.service_models import OPEN_STATES, AlertRow, ControlState, SilenceRow
+from isoaudit.audit.store import Store
 from sqlalchemy import func, select
-
-from audit.alerts.history import AlertView, list_alerts
-from audit.alerts.rules import AlertRule, list_rule_rows, rule_from_row
-from audit.alerts.silences import list_silences
-from audit.compare import RegionGrid
-from audit.contract import HandshakeResult, handshake
-from audit.models import ManifestRow, RunRow, SampleResultRow, SampleRow, StepResultRow, StepSummaryRow
-from audit.records import Manifest, utcnow
-from audit.service_models import OPEN_STATES, AlertRow, ControlState, SilenceRow
-from audit.store import Store
 
 SIDES = ("trainer", "rollout")
 
@@ -725,7 +731,7 @@ class SampleRouting:
 def sample_routing(store: Store, run_id: str, step: int, sample_key: str) -> SampleRouting | None:
     """One sample's routing on both sides (None when either side sent no routes): reads that
     sample's two records only."""
-    from audit.routing import compare_sample_routes
+    from isoaudit.audit.routing import compare_sample_routes
 
     trainer, rollout = store.sample_pair(run_id, step, sample_key)
     if trainer is None or rollout is None:

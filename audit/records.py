@@ -24,16 +24,7 @@ from datetime import UTC, datetime
 from typing import Annotated, Any, Literal, get_args
 
 import numpy as np
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    TypeAdapter,
-    ValidationError,
-    model_validator,
-)
-
-from audit.arrays import (
+from isoaudit.audit.arrays import (
     MAX_ARRAY_ELEMENTS,
     ExpertIdMatrix,
     Float32Array,
@@ -43,6 +34,14 @@ from audit.arrays import (
     UInt8Array,
     UInt64Array,
     UInt64Matrix,
+)
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    model_validator,
 )
 
 SCHEMA_VERSION = 1

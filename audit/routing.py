@@ -27,12 +27,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-
-from audit.arrays import from_bytes, to_bytes
-from audit.records import Manifest, Routes, SampleLogprobs
+from isoaudit.audit.arrays import from_bytes, to_bytes
+from isoaudit.audit.records import Manifest, Routes, SampleLogprobs
 
 if TYPE_CHECKING:
-    from audit.diagnosis import Diagnosis
+    from isoaudit.audit.diagnosis import Diagnosis
 
 #: The step metrics this module defines (also each sample's), for the API, /metrics and alert rules.
 ROUTING_METRICS: dict[str, str] = {
@@ -513,7 +512,7 @@ def explain(
     worst_after_flip = bool(worst >= 0 and affected[worst] and delta[worst] > 0)
     if not (worst_after_flip or share >= EXPLAINED_SHARE):
         return diagnosis
-    from audit.diagnosis import Diagnosis as _Diagnosis
+    from isoaudit.audit.diagnosis import Diagnosis as _Diagnosis
 
     layer, position = first
     row = int(np.searchsorted(comparison.positions, position))

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from isoaudit.audit.models import Base, RowId
+from isoaudit.audit.records import utcnow
 from sqlalchemy import (
     BigInteger,
     Boolean,
@@ -23,9 +25,6 @@ from sqlalchemy import (
     text,
 )
 from sqlalchemy.orm import Mapped, mapped_column
-
-from audit.models import Base, RowId
-from audit.records import utcnow
 
 #: States of an alert that is still open (at most one per rule and run).
 OPEN_STATES = ("pending", "firing")

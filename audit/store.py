@@ -14,13 +14,9 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import numpy as np
-from sqlalchemy import Engine, create_engine, delete, event, func, select, tuple_, update
-from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.orm import Session, sessionmaker
-
-from audit.arrays import from_bytes, to_bytes
-from audit.config import database_url
-from audit.models import (
+from isoaudit.audit.arrays import from_bytes, to_bytes
+from isoaudit.audit.config import database_url
+from isoaudit.audit.models import (
     ComparisonClaimRow,
     FingerprintRow,
     ManifestRow,
@@ -31,7 +27,7 @@ from audit.models import (
     StepResultRow,
     StepStatsRow,
 )
-from audit.records import (
+from isoaudit.audit.records import (
     Manifest,
     Record,
     RecordError,
@@ -46,8 +42,11 @@ from audit.records import (
     utcnow,
     validate_record,
 )
-from audit.routing import routes_columns, routes_from_columns
-from audit.service_models import REMEDIATION_MODES, ControlState, RunControlRow, StaleControlVersion
+from isoaudit.audit.routing import routes_columns, routes_from_columns
+from isoaudit.audit.service_models import REMEDIATION_MODES, ControlState, RunControlRow, StaleControlVersion
+from sqlalchemy import Engine, create_engine, delete, event, func, select, tuple_, update
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session, sessionmaker
 
 __all__ = [
     "ForbiddenRun",
@@ -279,7 +278,7 @@ class Store:
         migrated once, on purpose, not by whichever client connects first). ``True`` upgrades any
         database; ``False`` upgrades none. ``timeout_s``: how long a statement waits for a locked
         SQLite file or a PostgreSQL connection before failing (see :func:`make_engine`)."""
-        from audit.migrate import ensure_schema
+        from isoaudit.audit.migrate import ensure_schema
 
         self.engine = engine or make_engine(url, timeout_s=timeout_s)
         ensure_schema(self.engine, may_upgrade=self.dialect == "sqlite" if upgrade is None else upgrade)

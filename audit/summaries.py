@@ -23,12 +23,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from isoaudit.audit.models import FingerprintRow, SampleResultRow, SampleRow, StepResultRow, StepSummaryRow
+from isoaudit.audit.records import SampleLogprobs, utcnow
+from isoaudit.audit.routing import step_routing
 from sqlalchemy import delete, func, insert, select, tuple_
 from sqlalchemy.orm import Session
-
-from audit.models import FingerprintRow, SampleResultRow, SampleRow, StepResultRow, StepSummaryRow
-from audit.records import SampleLogprobs, utcnow
-from audit.routing import step_routing
 
 
 def _edges() -> np.ndarray:

@@ -17,10 +17,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from audit.compare import SampleComparison, compare_samples, step_summary
-from audit.records import Manifest, OffPolicy, RegionFingerprints, SampleLogprobs, off_policy_of
-from audit.store import StepClaim, Store
-from audit.summaries import (
+from isoaudit.audit.compare import SampleComparison, compare_samples, step_summary
+from isoaudit.audit.records import Manifest, OffPolicy, RegionFingerprints, SampleLogprobs, off_policy_of
+from isoaudit.audit.store import StepClaim, Store
+from isoaudit.audit.summaries import (
     SampleOutcome,
     missing_summaries,
     save_summaries,
@@ -360,7 +360,7 @@ class WorkerProcess:
     def command(self) -> list[str]:
         import sys
 
-        return [sys.executable, "-m", "audit.cli", "worker"]
+        return [sys.executable, "-m", "isoaudit.cli", "worker"]
 
     def start(self, timeout: float = 60.0) -> WorkerProcess:
         """Start the supervising thread (which starts the child) and wait until the child says it

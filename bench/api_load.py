@@ -29,10 +29,10 @@ from sqlalchemy import create_engine, func, select, text
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from audit.auth import create_token  # noqa: E402
-from audit.models import SampleRow  # noqa: E402
-from audit.records import Batch, SampleLogprobs  # noqa: E402
-from audit.store import Store  # noqa: E402
+from isoaudit.audit.auth import create_token  # noqa: E402
+from isoaudit.audit.models import SampleRow  # noqa: E402
+from isoaudit.audit.records import Batch, SampleLogprobs  # noqa: E402
+from isoaudit.audit.store import Store  # noqa: E402
 
 PROMPT_LEN = 256
 
@@ -100,7 +100,7 @@ def serve(database_url: str, port: int) -> subprocess.Popen:
     command = [
         sys.executable,
         "-m",
-        "audit.cli",
+        "isoaudit.cli",
         "serve",
         "--database-url",
         database_url,

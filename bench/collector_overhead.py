@@ -33,9 +33,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from collectors.layout import StepBatch  # noqa: E402
-from collectors.sinks.memory import MemorySink  # noqa: E402
-from collectors.trainer import attach  # noqa: E402
+from isoaudit.collectors.layout import StepBatch  # noqa: E402
+from isoaudit.collectors.sinks.memory import MemorySink  # noqa: E402
+from isoaudit.collectors.trainer import attach  # noqa: E402
 
 TEMPERATURE = 0.8
 
@@ -205,7 +205,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     host: dict[str, list[float]] = {name: [] for name in configs}  # until the step is queued
     tmp = tempfile.TemporaryDirectory()
     if args.sink == "direct":
-        from collectors.sinks.direct import DirectSink  # SQLAlchemy only when asked for
+        from isoaudit.collectors.sinks.direct import DirectSink  # SQLAlchemy only when asked for
 
         sink: Any = DirectSink(f"sqlite:///{tmp.name}/bench.db", queue_size=1024)
     else:

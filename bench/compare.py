@@ -21,12 +21,11 @@ from pathlib import Path
 from types import ModuleType
 
 import numpy as np
+from isoaudit.audit import compare as compare_module
+from isoaudit.audit import summaries as summaries_module
+from isoaudit.audit.records import RegionFingerprints, SampleLogprobs
+from isoaudit.audit.regions import canonical_regions
 from tqdm import tqdm
-
-import audit.compare
-import audit.summaries
-from audit.records import RegionFingerprints, SampleLogprobs
-from audit.regions import canonical_regions
 
 RUN = "bench"
 
@@ -198,7 +197,7 @@ def main() -> None:
         f"one step: {len(pairs)} samples, {n_tokens / 1e6:.2f} M completion tokens, {len(prints)} fingerprinted"
     )
     with tempfile.TemporaryDirectory() as tmp:
-        sides = {"ours": (audit.compare, audit.summaries)}
+        sides = {"ours": (compare_module, summaries_module)}
         if args.baseline_rev:
             sides[args.baseline_rev] = modules_at(args.baseline_rev, Path(tmp))
         times: dict[str, list[float]] = {name: [] for name in sides}
@@ -213,7 +212,7 @@ def main() -> None:
     ours = statistics.median(times["ours"])
     firsts = sum(c.first_divergence is not None for c in comparisons)
     print(
-        f"audit.compare     {ours:6.2f} s   ({n_tokens / ours / 1e6:6.2f} M tokens/s; {firsts} first divergences found)"
+        f"isoaudit.audit.compare     {ours:6.2f} s   ({n_tokens / ours / 1e6:6.2f} M tokens/s; {firsts} first divergences found)"
     )
     if args.baseline_rev:
         base = statistics.median(times[args.baseline_rev])

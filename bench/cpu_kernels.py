@@ -28,7 +28,7 @@ from torch.utils import benchmark
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from isokernels import cpu  # noqa: E402
+from isoaudit.kernels import cpu  # noqa: E402
 
 ROWS: list[dict] = []
 
@@ -147,11 +147,11 @@ def bench_e2e(dtypes: list[torch.dtype], quick: bool, t: float) -> None:
     requests with the rollout engine (prefill, decode) and the trainer recomputes their logprobs
     with autograd; native ops against ``kernels.enable()``."""
     import transformers
+    from isoaudit.kernels import dispatch
+    from isoaudit.kernels.adapters import HFCausalLM
+    from isoaudit.kernels.engine import RolloutEngine
 
-    import isokernels as kernels
-    from isokernels import routing
-    from isokernels.adapters import HFCausalLM
-    from isokernels.engine import RolloutEngine
+    from isoaudit import kernels
 
     cfg = transformers.Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16)  # fmt: skip
@@ -169,7 +169,7 @@ def bench_e2e(dtypes: list[torch.dtype], quick: bool, t: float) -> None:
                 for i, s_ in enumerate(seqs):
                     ids[i, : len(s_)] = torch.tensor(s_)
                 hidden = model.full_hidden(ids)
-                lp = routing.token_logprobs(
+                lp = dispatch.token_logprobs(
                     hidden[:, :-1].reshape(-1, 64), model.lm_head_weight, ids[:, 1:].reshape(-1)
                 )
                 lp.sum().backward()
@@ -214,10 +214,9 @@ def bench_gdn(dtypes: list[torch.dtype], quick: bool, t: float) -> None:
     kernels' own native forms (``routing`` with the kernels off). Prefill: B sequences of L tokens
     from a zero state; decode: one token for each of B cached states; trainer: the forward and
     backward of B x L (kernels' native chunk form against the invariant forward, same backward)."""
+    from isoaudit.kernels import gdn_cpu
+    from isoaudit.kernels.gdn import GDNCache, gdn_chunk_reference, gdn_recurrent_step
     from transformers.models.qwen3_next import modeling_qwen3_next as qn
-
-    from isokernels import gdn_cpu
-    from isokernels.gdn import GDNCache, gdn_chunk_reference, gdn_recurrent_step
 
     fla = _fla_naive()
     h, d = 8, 128
@@ -282,10 +281,11 @@ def bench_e2e_gdn(dtypes: list[torch.dtype], quick: bool, t: float) -> None:
     """The demo's shape of work on the hybrid GDN + attention LM (:mod:`kernels.models.gdn_lm`, one
     GDN and one attention layer, hidden 128, 2 heads of 64, vocab 512): 16 requests rolled out by
     the engine, their logprobs recomputed by the trainer with autograd; native against kernels on."""
-    import isokernels as kernels
-    from isokernels import routing
-    from isokernels.engine import RolloutEngine
-    from isokernels.models.gdn_lm import GDNLM, GDNLMConfig
+    from isoaudit.kernels import dispatch
+    from isoaudit.kernels.engine import RolloutEngine
+    from isoaudit.kernels.models.gdn_lm import GDNLM, GDNLMConfig
+
+    from isoaudit import kernels
 
     cfg = GDNLMConfig(vocab=512, hidden=128, layers=("gdn", "attn"), heads=2, kv_heads=1, head_dim=64,
                       gdn_heads=2, gdn_head_dim=64, mlp=256)  # fmt: skip
@@ -304,7 +304,7 @@ def bench_e2e_gdn(dtypes: list[torch.dtype], quick: bool, t: float) -> None:
                 for i, s_ in enumerate(seqs):
                     ids[i, : len(s_)] = torch.tensor(s_)
                 hidden = model.full_hidden(ids)
-                lp = routing.token_logprobs(
+                lp = dispatch.token_logprobs(
                     hidden[:, :-1].reshape(-1, cfg.hidden), model.lm_head_weight, ids[:, 1:].reshape(-1)
                 )
                 lp.sum().backward()

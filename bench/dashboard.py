@@ -29,17 +29,16 @@ _HERE = str(Path(__file__).resolve().parent)
 sys.path[:] = [str(Path(__file__).resolve().parents[1])] + [p for p in sys.path if p not in (_HERE, "")]
 
 import numpy as np  # noqa: E402
+from isoaudit.audit import queries  # noqa: E402
+from isoaudit.audit.alerts import AlertEngine, DatabaseChannel, default_rules, install_rules  # noqa: E402
+from isoaudit.audit.records import Manifest, RegionFingerprints, Run, RuntimeFacts, SampleLogprobs  # noqa: E402
+from isoaudit.audit.regions import canonical_regions  # noqa: E402
+from isoaudit.audit.store import Store  # noqa: E402
+from isoaudit.audit.worker import ComparisonWorker  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 from sqlalchemy import create_engine, text  # noqa: E402
 from tqdm import tqdm  # noqa: E402
-
-from audit import queries  # noqa: E402
-from audit.alerts import AlertEngine, DatabaseChannel, default_rules, install_rules  # noqa: E402
-from audit.records import Manifest, RegionFingerprints, Run, RuntimeFacts, SampleLogprobs  # noqa: E402
-from audit.regions import canonical_regions  # noqa: E402
-from audit.store import Store  # noqa: E402
-from audit.worker import ComparisonWorker  # noqa: E402
 
 RUN_ID = "bench-dashboard"
 PROMPT = 16
@@ -135,7 +134,7 @@ def open_store(backend: str, args: argparse.Namespace) -> Store:
         connection.execute(text(f'CREATE SCHEMA IF NOT EXISTS "{schema}"'))
     admin.dispose()
     url = f"{args.postgres_url}?options=-csearch_path%3D{schema}"
-    from audit.migrate import upgrade
+    from isoaudit.audit.migrate import upgrade
 
     upgrade(url)
     return Store(url, upgrade=False)
@@ -155,9 +154,9 @@ def median_time(fn: Callable[[], Any], repeat: int) -> float:
 
 def measure(store: Store, repeat: int) -> list[tuple[str, float, float]]:
     """(page, callback seconds, queries-alone seconds) for each page."""
-    from dashboard import create_app
-    from dashboard.live import LiveState
-    from dashboard.pages import alerts, contract, run, runs, sample
+    from isoaudit.dashboard import create_app
+    from isoaudit.dashboard.live import LiveState
+    from isoaudit.dashboard.pages import alerts, contract, run, runs, sample
 
     app = create_app(store)
     last = queries.last_compared_step(store, RUN_ID)

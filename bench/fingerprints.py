@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from collectors.fingerprints import fingerprint_rows  # noqa: E402  (the fused kernel on CUDA, torch elsewhere)
+from isoaudit.collectors.fingerprints import fingerprint_rows  # noqa: E402  (the fused kernel on CUDA, torch elsewhere)
 
 
 def timed(fn: Callable[[], object], device: torch.device, repeats: int) -> float:

@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from collectors.held_weights import tensor_digests  # noqa: E402
+from isoaudit.collectors.held_weights import tensor_digests  # noqa: E402
 
 
 def decoder_weights(args: argparse.Namespace) -> list[tuple[str, torch.Tensor]]:
@@ -102,13 +102,12 @@ def vllm_bench(rounds: int) -> dict[str, Any]:
     import tempfile
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    import isoaudit.collectors.vllm as cv
+    from isoaudit.collectors.sinks import MemorySink
+    from isoaudit.collectors.tiny_models import make_tiny_model
+    from isoaudit.collectors.vllm.weights import engine_digests
     from safetensors.torch import load_file
     from vllm import LLM
-
-    import collectors.vllm as cv
-    from collectors.sinks import MemorySink
-    from collectors.tiny_models import make_tiny_model
-    from collectors.vllm.weights import engine_digests
 
     path = make_tiny_model(
         "qwen3",

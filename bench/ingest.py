@@ -19,11 +19,10 @@ import time
 import uuid
 
 import numpy as np
+from isoaudit.audit.records import RegionFingerprints, SampleLogprobs, validate_record
+from isoaudit.audit.store import Store
 from sqlalchemy import create_engine, text
 from tqdm import tqdm
-
-from audit.records import RegionFingerprints, SampleLogprobs, validate_record
-from audit.store import Store
 
 
 def synthetic_step(n_samples: int, n_tokens: int, prompt_len: int = 256) -> list[SampleLogprobs]:

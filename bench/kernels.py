@@ -27,11 +27,11 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from isokernels import gdn as G  # noqa: E402
-from isokernels import gdn_decode as GD  # noqa: E402
-from isokernels.attention import attention  # noqa: E402
-from isokernels.gemm import gemm  # noqa: E402
-from isokernels.rmsnorm import rms_norm  # noqa: E402
+from isoaudit.kernels import gdn as G  # noqa: E402
+from isoaudit.kernels import gdn_decode as GD  # noqa: E402
+from isoaudit.kernels.attention import attention  # noqa: E402
+from isoaudit.kernels.gemm import gemm  # noqa: E402
+from isoaudit.kernels.rmsnorm import rms_norm  # noqa: E402
 
 ROWS: list[dict] = []
 TIMING = "eager"  # set by main() for each pass
@@ -182,7 +182,7 @@ def bench_pair(native: list, ours: list) -> tuple[float, float]:
 
 def _unsplit(n: int, k: int):
     """The tile config a split-K weight had before the split (the same-run "before")."""
-    from isokernels.gemm import GemmConfig, gemm_config
+    from isoaudit.kernels.gemm import GemmConfig, gemm_config
 
     cfg = gemm_config(n, k, torch.bfloat16, torch.cuda.get_device_capability())
     if not cfg.k_split:
@@ -213,9 +213,9 @@ def bench_tune_split() -> None:
     its own 16384-row result (M-invariance), and time against cuBLAS, from decode M to a trainer's."""
     from dataclasses import replace
 
-    from isokernels._triton import cdiv
-    from isokernels.bits import bits_equal
-    from isokernels.gemm import gemm_config
+    from isoaudit.kernels._triton import cdiv
+    from isoaudit.kernels.bits import bits_equal
+    from isoaudit.kernels.gemm import gemm_config
 
     global TIMING
     saved, TIMING = TIMING, "graph"
@@ -243,8 +243,8 @@ def bench_tune_split() -> None:
 def bench_tune_small() -> None:
     """Tile candidates at small M: bits against the full tile's, and graph time (tuning). Prints
     cuBLAS's and the shipped call's absolute time, so a launch rule can be fitted to the table."""
-    from isokernels.bits import bits_equal
-    from isokernels.gemm import NARROW_TILES, ROW16_TILE, GemmConfig, _plan, gemm_config
+    from isoaudit.kernels.bits import bits_equal
+    from isoaudit.kernels.gemm import NARROW_TILES, ROW16_TILE, GemmConfig, _plan, gemm_config
 
     global TIMING
     saved, TIMING = TIMING, "graph"
@@ -302,7 +302,7 @@ def bench_launch() -> None:
     faster than the GPU runs them only if the host is the bottleneck, so time the Python loop."""
     import time
 
-    from isokernels import _triton
+    from isoaudit.kernels import _triton
 
     if TIMING != "eager":
         return
@@ -354,7 +354,7 @@ def bench_launch() -> None:
     # breakdown: gemm's cache entries through CudaLauncher.__call__ (not the direct C launch)
     import importlib
 
-    gemm_mod = importlib.import_module("isokernels.gemm")  # (``kernels.gemm`` is the function)
+    gemm_mod = importlib.import_module("isoaudit.kernels.gemm")  # (``kernels.gemm`` is the function)
     _triton.CachedLauncher.direct = False
     gemm_mod._LAUNCH._cache.clear()
     via_run = host_us(lambda: gemm(a, w))
@@ -370,7 +370,7 @@ def bench_launch() -> None:
 def bench_fingerprint() -> None:
     """The fused fingerprint pass against a plain ``x.float().sum(-1)`` over the same tensor (and
     the torch path it replaces, where importable)."""
-    from isokernels.fingerprint import fingerprint_rows
+    from isoaudit.kernels.fingerprint import fingerprint_rows
 
     for rows, hidden in ((16384, 4096), (1024, 896)):
         x = torch.randn(rows, hidden, device="cuda").bfloat16()
@@ -383,7 +383,7 @@ def bench_fingerprint() -> None:
             "fingerprint (fused) vs sum", shape, base, bench(lambda: fingerprint_rows(x, w, s, masks)), 1.5
         )
         try:
-            import collectors.fingerprints as coll
+            import isoaudit.collectors.fingerprints as coll
         except ImportError:
             continue
         saved = coll._TRITON
@@ -414,8 +414,9 @@ def bench_trainer() -> None:
     with a sync (eager only: the backward reads the batch's lengths once)."""
     import time
 
-    import isokernels as kernels
-    from isokernels import routing
+    from isoaudit.kernels import dispatch
+
+    from isoaudit import kernels
 
     if TIMING != "eager":
         return
@@ -425,7 +426,7 @@ def bench_trainer() -> None:
 
     def step() -> None:
         h = model.model(input_ids=ids).last_hidden_state
-        lp = routing.token_logprobs(
+        lp = dispatch.token_logprobs(
             h[:, :-1].reshape(-1, hidden), model.lm_head.weight, ids[:, 1:].reshape(-1)
         )
         lp.sum().backward()
@@ -467,9 +468,10 @@ def bench_engine() -> None:
     time with the sync of the engine's one host read. Also the eager (ungraphed) engine at B=64."""
     import time
 
-    import isokernels as kernels
-    from isokernels.adapters import HFCausalLM
-    from isokernels.engine import RolloutEngine
+    from isoaudit.kernels.adapters import HFCausalLM
+    from isoaudit.kernels.engine import RolloutEngine
+
+    from isoaudit import kernels
 
     if TIMING != "eager":
         return
@@ -565,7 +567,7 @@ def bench_native_attn() -> None:
 
 def bench_tune() -> None:
     """Candidate tile configurations (each is invariant on its own; one is fixed per shape)."""
-    from isokernels.gemm import GemmConfig
+    from isoaudit.kernels.gemm import GemmConfig
 
     n = k = 4096
     w = torch.randn(n, k, device="cuda").bfloat16()
@@ -604,7 +606,7 @@ def bench_tune() -> None:
         torch.full((bd,), 4095, **i32),
         torch.full((bd,), 4096, **i32),
     )
-    from isokernels.attention import AttnConfig
+    from isoaudit.kernels.attention import AttnConfig
 
     # (block_m, block_n, warps, stages, split, dec_block_m, dec_warps, dec_stages): split and
     # block_n define the arithmetic; the rest is launch shape (bits across shapes: tests/kernels).
@@ -845,7 +847,7 @@ def bench_gdn_backward_tune() -> None:
     the time of each and its gradients' largest relative L2 distance from the default's (block
     widths move the fp32 sums' order, so they agree to rounding, not bit for bit). Each variant
     is a fresh compile; a variant the compiler or the GPU refuses is printed and skipped."""
-    from isokernels import gdn_backward as GB
+    from isoaudit.kernels import gdn_backward as GB
 
     variants = [
         {},
@@ -1019,10 +1021,10 @@ def bench_tree() -> None:
     itself is not timed (one GPU). Plans are (leaf, max_tp), shared by both sides: the default
     (256, 8) and wide plans (one leaf per group) for jobs whose largest TP is 2, 4 or 8; "register"
     forces every call through the register kernel (the path all plans took before)."""
-    from isokernels import tree_gemm as tree_fn
-    from isokernels.tree_gemm import WIDE, reduce_roots, subtree_root, tree_plan
+    from isoaudit.kernels import tree_gemm as tree_fn
+    from isoaudit.kernels.tree_gemm import WIDE, reduce_roots, subtree_root, tree_plan
 
-    tg = sys.modules["isokernels.tree_gemm"]
+    tg = sys.modules["isoaudit.kernels.tree_gemm"]
     n = 4096
     plans = [  # (label, leaf, max_tp, GEMM_PATH)
         ("leaf=256 max_tp=8 register", 256, 8, False),
@@ -1077,8 +1079,8 @@ def bench_moe() -> None:
 
     from torch.profiler import ProfilerActivity, profile
 
-    import isokernels as kernels
     from bench.moe import sparse_block
+    from isoaudit import kernels
 
     def launches(fn) -> int:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:

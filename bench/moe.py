@@ -21,7 +21,7 @@ import transformers
 
 sys.path[0] = str(Path(__file__).resolve().parents[1])  # the package, not bench/kernels.py
 
-import isokernels as kernels  # noqa: E402
+from isoaudit import kernels  # noqa: E402
 
 
 def sparse_block(h: int, i: int, e: int, k: int, dtype: torch.dtype, dev: str) -> torch.nn.Module:

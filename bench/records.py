@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import base64
 import importlib.util
+import re
 import subprocess
 import sys
 import time
@@ -25,10 +26,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import isoaudit.audit.records as current
 import numpy as np
-
-import audit.records as current
-from audit.arrays import b64decode
+from isoaudit.audit.arrays import b64decode
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = {"realistic": (1024, 48, 8, 128), "tiny": (64, 2, 2, 8)}
@@ -50,7 +50,9 @@ def load_revision(revision: str) -> types.ModuleType:
     modules = {}
     for path in ("arrays", "records"):
         name = f"_bench_{revision}_{path}"
-        source = sources[path].replace("from audit.arrays import", f"from _bench_{revision}_arrays import")
+        source = re.sub(
+            r"from (isoaudit\.)?audit\.arrays import", f"from _bench_{revision}_arrays import", sources[path]
+        )
         spec = importlib.util.spec_from_loader(name, loader=None)
         assert spec is not None
         module = importlib.util.module_from_spec(spec)

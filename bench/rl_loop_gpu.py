@@ -31,11 +31,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import collectors  # noqa: E402
-import isokernels as kernels  # noqa: E402
-from collectors.rl.job import JobConfig, run_job  # noqa: E402
-from collectors.rl.rollout import ReferenceRollout  # noqa: E402
-from collectors.sessions import MemoryDestination, Session  # noqa: E402
+from isoaudit.collectors.rl.job import JobConfig, run_job  # noqa: E402
+from isoaudit.collectors.rl.rollout import ReferenceRollout  # noqa: E402
+from isoaudit.collectors.sessions import MemoryDestination, Session  # noqa: E402
+
+import isoaudit  # noqa: E402
+from isoaudit import kernels  # noqa: E402
 
 
 class CharTokenizer:
@@ -85,9 +86,7 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
         seed=0,
     )
     with kernels.disable():
-        with collectors.session(
-            f"rl-loop-gpu-{mode}", destination=MemoryDestination(), report=False
-        ) as audit:
+        with isoaudit.session(f"rl-loop-gpu-{mode}", destination=MemoryDestination(), report=False) as audit:
             if mode == "invariant":
                 audit.control.set("invariant")
             figures = run_job(

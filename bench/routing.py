@@ -32,10 +32,9 @@ from typing import Any
 
 import numpy as np
 import torch
-
-from audit.compare import compare_samples, step_summary
-from audit.records import Routes, SampleLogprobs, validate_record
-from audit.routing import routes_columns
+from isoaudit.audit.compare import compare_samples, step_summary
+from isoaudit.audit.records import Routes, SampleLogprobs, validate_record
+from isoaudit.audit.routing import routes_columns
 
 
 def _best(fn, repeat: int = 3) -> float:
@@ -103,7 +102,7 @@ def _pairs(
 @contextlib.contextmanager
 def routing_at(rev: str) -> Iterator[None]:
     """The comparator with ``audit/routing.py`` as it was at git revision ``rev``."""
-    import audit.compare as compare
+    import isoaudit.audit.compare as compare
 
     source = subprocess.run(
         ["git", "show", f"{rev}:audit/routing.py"],
@@ -194,13 +193,12 @@ def bench_comparator(n_samples: int, n_tokens: int, layers: int, before: str | N
 
 
 def bench_trainer(steps: int = 8) -> None:
+    import isoaudit.collectors.trainer as trainer
+    from isoaudit.collectors.layout import StepBatch
+    from isoaudit.collectors.routing import watch_routing
+    from isoaudit.collectors.sinks import MemorySink
+    from isoaudit.collectors.tiny_models import make_tiny_model
     from transformers import AutoModelForCausalLM
-
-    import collectors.trainer as trainer
-    from collectors.layout import StepBatch
-    from collectors.routing import watch_routing
-    from collectors.sinks import MemorySink
-    from collectors.tiny_models import make_tiny_model
 
     path = make_tiny_model("qwen3_moe", Path(tempfile.mkdtemp()) / "m", hidden=128, seed=0, dtype="bfloat16")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
@@ -239,7 +237,7 @@ def bench_trainer(steps: int = 8) -> None:
     )
     # Every region fingerprinted, kernels off: the per-slot experts tap runs HF's experts k more
     # times per MoE layer on fingerprinted forwards; against every region but layers.i.experts.
-    from collectors.regions import resolve_regions
+    from isoaudit.collectors.regions import resolve_regions
 
     every = resolve_regions(model).names
     others = [name for name in every if not name.endswith(".experts")]

@@ -36,14 +36,13 @@ from typing import Any
 
 import httpx
 import numpy as np
-
-from audit.api.live import free_port
-from audit.auth import create_token
-from audit.records import RegionFingerprints, Run, SampleLogprobs
-from audit.regions import canonical_regions
-from audit.store import Store
-from audit.worker import ComparisonWorker
-from collectors.sinks.base import encode_batch
+from isoaudit.audit.api.live import free_port
+from isoaudit.audit.auth import create_token
+from isoaudit.audit.records import RegionFingerprints, Run, SampleLogprobs
+from isoaudit.audit.regions import canonical_regions
+from isoaudit.audit.store import Store
+from isoaudit.audit.worker import ComparisonWorker
+from isoaudit.collectors.sinks.base import encode_batch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _runner import run_clients, stop_processes  # noqa: E402
@@ -128,9 +127,8 @@ class Database:
             self.url = f"sqlite:///{self.path}"
             Store(self.url).dispose()
             return
+        from isoaudit.audit.migrate import upgrade
         from sqlalchemy import create_engine, text
-
-        from audit.migrate import upgrade
 
         self.schema = f"isoaudit_scale_{uuid.uuid4().hex[:10]}"
         self.admin = create_engine(PG_URL)

@@ -23,13 +23,13 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from isokernels.tensor_parallel import (  # noqa: E402
+from isoaudit.kernels.tensor_parallel import (  # noqa: E402
     join_torchrun_group,
     leave_group,
     process_group_all_gather,
     process_group_all_reduce,
 )
-from isokernels.tree_gemm import tree_gemm_distributed, tree_plan  # noqa: E402
+from isoaudit.kernels.tree_gemm import tree_gemm_distributed, tree_plan  # noqa: E402
 
 K_SHAPES = (4096, 12288, 14336)
 N = 4096

@@ -47,10 +47,9 @@ def main() -> None:
     args = parser.parse_args()
 
     from datasets import Dataset
+    from isoaudit.collectors.integrations.trl import IsoauditCallback, reload_sync
+    from isoaudit.collectors.tiny_models import make_tiny_model
     from trl import GRPOConfig, GRPOTrainer
-
-    from collectors.integrations.trl import IsoauditCallback, reload_sync
-    from collectors.tiny_models import make_tiny_model
 
     tmp = Path(tempfile.mkdtemp(prefix="isoaudit-bench-trl-"))
     model = make_tiny_model(

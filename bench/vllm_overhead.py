@@ -44,11 +44,10 @@ def main() -> int:
     except ImportError:
         print("vllm is not installed: skipped (pip install 'isoaudit[vllm]')")
         return 0
+    import isoaudit.collectors.vllm as cv
     import numpy as np
-
-    import collectors.vllm as cv
-    from collectors.sinks import MemorySink
-    from collectors.tiny_models import make_tiny_model
+    from isoaudit.collectors.sinks import MemorySink
+    from isoaudit.collectors.tiny_models import make_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         path = make_tiny_model(

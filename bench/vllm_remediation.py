@@ -39,13 +39,12 @@ def main() -> None:
     args = parser.parse_args()
 
     import numpy as np
+    from isoaudit.collectors.control import FixedControl
+    from isoaudit.collectors.sinks import MemorySink
+    from isoaudit.collectors.tiny_models import make_tiny_model
+    from isoaudit.collectors.vllm import EXTENSION, attach
+    from isoaudit.collectors.vllm.remediation import keep_raw_weights
     from vllm import LLM, SamplingParams
-
-    from collectors.control import FixedControl
-    from collectors.sinks import MemorySink
-    from collectors.tiny_models import make_tiny_model
-    from collectors.vllm import EXTENSION, attach
-    from collectors.vllm.remediation import keep_raw_weights
 
     work = Path(tempfile.mkdtemp(prefix="isoaudit-bench-"))
     path = make_tiny_model(

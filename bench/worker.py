@@ -34,7 +34,7 @@ PG_URL = os.environ.get("ISOAUDIT_TEST_POSTGRES_URL", "postgresql+psycopg://post
 
 
 def records(run_id: str, step: int, n: int, n_completion: int, prompt_len: int = 64) -> list:
-    from audit.records import SampleLogprobs
+    from isoaudit.audit.records import SampleLogprobs
 
     rng = np.random.default_rng(step * 7919 + hash(run_id) % 1000)
     out = []
@@ -53,7 +53,7 @@ def records(run_id: str, step: int, n: int, n_completion: int, prompt_len: int =
 
 
 def fill(store, runs: int, steps: range, n: int, n_completion: int) -> int:
-    from audit.records import Manifest, Run
+    from isoaudit.audit.records import Manifest, Run
 
     pairs = 0
     for r in range(runs):
@@ -71,11 +71,11 @@ def fill(store, runs: int, steps: range, n: int, n_completion: int) -> int:
 def measure(url: str, runs: int, steps: int, n: int, n_completion: int, history: int) -> dict:
     """Fill a fresh database at ``url`` with ``history`` compared steps per run, then ``steps`` more
     queued, and time the worker draining the queue."""
-    from audit.store import Store
-    from audit.worker import ComparisonWorker
+    from isoaudit.audit.store import Store
+    from isoaudit.audit.worker import ComparisonWorker
 
     if not url.startswith("sqlite"):
-        from audit.migrate import upgrade
+        from isoaudit.audit.migrate import upgrade
 
         upgrade(url)
     store = Store(url)
@@ -83,7 +83,13 @@ def measure(url: str, runs: int, steps: int, n: int, n_completion: int, history:
     if (
         os.environ.get("ISOAUDIT_BENCH_ALERTS") == "1"
     ):  # the service's shape: default rules evaluated per step
-        from audit.alerts import AlertEngine, DatabaseChannel, LogChannel, default_rules, install_rules
+        from isoaudit.audit.alerts import (
+            AlertEngine,
+            DatabaseChannel,
+            LogChannel,
+            default_rules,
+            install_rules,
+        )
 
         install_rules(store, default_rules(), "default", replace=False)
         on_step = AlertEngine(store, [LogChannel(), DatabaseChannel()]).evaluate
@@ -167,14 +173,13 @@ def live(url: str, layout: str, clients: int, seconds: float, drain_s: float = 6
     returns samples/s stored and pairs/s compared over the send window plus the drain."""
     import threading
 
+    from isoaudit.audit.api.live import free_port
+    from isoaudit.audit.auth import create_token
+    from isoaudit.audit.models import SampleResultRow
+    from isoaudit.audit.records import Run
+    from isoaudit.audit.store import Store
+    from isoaudit.collectors.sinks.http import HttpSink
     from sqlalchemy import func, select
-
-    from audit.api.live import free_port
-    from audit.auth import create_token
-    from audit.models import SampleResultRow
-    from audit.records import Run
-    from audit.store import Store
-    from collectors.sinks.http import HttpSink
 
     sys.path.insert(0, str(ROOT / "bench"))
     from _runner import run_clients, stop_processes
@@ -188,10 +193,10 @@ def live(url: str, layout: str, clients: int, seconds: float, drain_s: float = 6
     processes = []
     if layout == "process":
         processes.append(serve(url, port))  # --no-worker
-        worker = [sys.executable, "-m", "audit.cli", "worker", "--database-url", url]
+        worker = [sys.executable, "-m", "isoaudit.cli", "worker", "--database-url", url]
         processes.append(subprocess.Popen(worker, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     else:
-        command = [sys.executable, "-m", "audit.cli", "serve", "--database-url", url, "--port", str(port)]
+        command = [sys.executable, "-m", "isoaudit.cli", "serve", "--database-url", url, "--port", str(port)]
         command += ["--worker-thread"] if layout == "thread" else []
         processes.append(subprocess.Popen([*command, "--log-level", "warning"]))
         deadline = time.monotonic() + 60
@@ -269,7 +274,7 @@ def main() -> None:
         for layout in ("thread", "child", "process"):
             url, drop = pg_schema_url()
             try:
-                from audit.migrate import upgrade
+                from isoaudit.audit.migrate import upgrade
 
                 upgrade(url)
                 r = live(url, layout, args.clients, args.live)

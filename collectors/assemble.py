@@ -10,11 +10,17 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import numpy as np
-
-from audit.records import Case, LogprobSemantics, RegionFingerprints, SampleLogprobs, Side, sample_key
-from collectors.construct import constructor
-from collectors.fingerprints import HostRows
-from collectors.layout import StepBatch
+from isoaudit.audit.records import (
+    Case,
+    LogprobSemantics,
+    RegionFingerprints,
+    SampleLogprobs,
+    Side,
+    sample_key,
+)
+from isoaudit.collectors.construct import constructor
+from isoaudit.collectors.fingerprints import HostRows
+from isoaudit.collectors.layout import StepBatch
 
 
 def sequence_tokens(batch: StepBatch, host_ids: np.ndarray) -> list[np.ndarray]:

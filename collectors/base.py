@@ -26,13 +26,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, TypeVar
 
-from audit.records import Case, Manifest, Record, Run, RuntimeFacts, Side
-from collectors.control import MODES, ControlChannel
-from collectors.counting import Counters, LogOnce
-from collectors.manifest import ContractArg, ManifestTracker
-from collectors.sinks.base import Sink
+from isoaudit.audit.records import Case, Manifest, Record, Run, RuntimeFacts, Side
+from isoaudit.collectors.control import MODES, ControlChannel
+from isoaudit.collectors.counting import Counters, LogOnce
+from isoaudit.collectors.manifest import ContractArg, ManifestTracker
+from isoaudit.collectors.sinks.base import Sink
 
-log = logging.getLogger("collectors")
+log = logging.getLogger("isoaudit.collectors")
 
 T = TypeVar("T")
 

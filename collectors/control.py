@@ -27,11 +27,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 import httpx
-
-from collectors.counting import LogOnce
+from isoaudit.collectors.counting import LogOnce
 
 if TYPE_CHECKING:
-    from collectors.sinks.direct import SharedStore
+    from isoaudit.collectors.sinks.direct import SharedStore
 
 log = logging.getLogger(__name__)
 

@@ -23,19 +23,18 @@ from typing import Any
 
 import numpy as np
 import torch
+from isoaudit.audit.fingerprints import ROW_FIELDS
+from isoaudit.audit.records import Record, RegionFingerprints, Run, RuntimeFacts, sample_key
+from isoaudit.collectors.assemble import keys_for, sample_records
+from isoaudit.collectors.base import Collector, CollectorCounters, ModeReport, RolloutStep
+from isoaudit.collectors.control import ControlChannel
+from isoaudit.collectors.fingerprints import fingerprint_rows
+from isoaudit.collectors.layout import StepBatch
+from isoaudit.collectors.manifest import ContractArg
+from isoaudit.collectors.regions import RegionsArg, read_tap, resolve_regions
+from isoaudit.collectors.remediation import RemediationHook, apply_kernels_mode, switch_with
+from isoaudit.collectors.sinks.base import Sink
 from torch.utils.hooks import RemovableHandle
-
-from audit.fingerprints import ROW_FIELDS
-from audit.records import Record, RegionFingerprints, Run, RuntimeFacts, sample_key
-from collectors.assemble import keys_for, sample_records
-from collectors.base import Collector, CollectorCounters, ModeReport, RolloutStep
-from collectors.control import ControlChannel
-from collectors.fingerprints import fingerprint_rows
-from collectors.layout import StepBatch
-from collectors.manifest import ContractArg
-from collectors.regions import RegionsArg, read_tap, resolve_regions
-from collectors.remediation import RemediationHook, apply_kernels_mode, switch_with
-from collectors.sinks.base import Sink
 
 
 class EngineFingerprints:
@@ -140,10 +139,10 @@ class EngineFingerprints:
 
 def _head_dtype(model: torch.nn.Module) -> str | None:
     """The dtype the engine's head computes in: fp32 while :mod:`kernels` routes
-    (:func:`kernels.routing.logits_fp32`), otherwise the weight's own (a stock bf16 lm_head)."""
-    from isokernels import routing
+    (:func:`kernels.dispatch.logits_fp32`), otherwise the weight's own (a stock bf16 lm_head)."""
+    from isoaudit.kernels import dispatch
 
-    if routing.is_enabled():
+    if dispatch.is_enabled():
         return "float32"
     head = getattr(model, "lm_head", None)
     weight = getattr(head, "weight", None)
@@ -188,7 +187,7 @@ class EngineCollector(Collector):
         if not isinstance(getattr(adapter, "model", None), torch.nn.Module):
             raise TypeError("engine: its model must wrap a torch.nn.Module (kernels.adapters.HFCausalLM)")
         if isinstance(contract, str) and contract == "auto":
-            from collectors.policy import hf_contracts, torch_op
+            from isoaudit.collectors.policy import hf_contracts, torch_op
 
             contract = hf_contracts(adapter.model, native_attention=torch_op("sdpa"))  # type: ignore[assignment]
         super().__init__(

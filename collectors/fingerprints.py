@@ -21,9 +21,8 @@ from typing import Any
 
 import numpy as np
 import torch
-
-from audit.fingerprints import ROW_FIELDS, SKETCH_DIM, digest_weights, sketch_matrix
-from collectors.transfer import to_host
+from isoaudit.audit.fingerprints import ROW_FIELDS, SKETCH_DIM, digest_weights, sketch_matrix
+from isoaudit.collectors.transfer import to_host
 
 
 @dataclass(frozen=True)
@@ -248,7 +247,7 @@ def _triton_pass() -> Any:
         _TRITON = False
         if os.environ.get("ISOAUDIT_FINGERPRINT_TRITON", "1") != "0":
             try:
-                from isokernels import fingerprint as fused
+                from isoaudit.kernels import fingerprint as fused
 
                 if getattr(fused, "HAVE_TRITON", True) and callable(fused.fingerprint_rows):
                     _TRITON = fused

@@ -15,13 +15,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from isoaudit.collectors.fingerprints import RowFingerprints, fingerprint_rows
+from isoaudit.collectors.regions import RegionSpec, Tap, read_tap
+from isoaudit.collectors.transfer import to_device
+from isoaudit.kernels import dispatch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
-
-from collectors.fingerprints import RowFingerprints, fingerprint_rows
-from collectors.regions import RegionSpec, Tap, read_tap
-from collectors.transfer import to_device
-from isokernels import routing
 
 log = logging.getLogger(__name__)
 
@@ -188,7 +187,7 @@ class ForwardCapture:
                 with torch.no_grad():
                     alone = spec.tap is Tap.FP32
                     rows = None  # rows still to pick: the staging buffer gathers them itself
-                    if spec.name == "logits" and routing.is_enabled() and isinstance(_module, nn.Linear):
+                    if spec.name == "logits" and dispatch.is_enabled() and isinstance(_module, nn.Linear):
                         tensor = _invariant_head_logits(_module, _inputs, capture.rows)
                     elif alone or capture.rows is None:
                         tensor = read_tap(output, spec.tap, capture.rows)  # rows picked before a cast
@@ -300,9 +299,9 @@ class ForwardCapture:
 
 def _invariant_head_logits(head: nn.Linear, inputs: Any, rows: torch.Tensor | None) -> torch.Tensor | None:
     """With the invariant kernels on, a side's logprobs come from the fp32 head
-    (:func:`kernels.routing.logits_fp32` over the lm_head's input, as the engines compute theirs), not
+    (:func:`kernels.dispatch.logits_fp32` over the lm_head's input, as the engines compute theirs), not
     from the model-dtype ``lm_head`` module's own output: fingerprint those logits."""
     hidden = read_tap(inputs, Tap.FIRST, rows)
     if hidden is None:
         return None
-    return routing.logits_fp32(hidden.reshape(-1, hidden.shape[-1]), head.weight)
+    return dispatch.logits_fp32(hidden.reshape(-1, hidden.shape[-1]), head.weight)

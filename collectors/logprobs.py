@@ -14,7 +14,7 @@ exactly the ``log_softmax(logits / T)`` a trainer writes (on CUDA, dividing by a
 tensor of the same value can round differently).
 
 While the invariant kernels are on (remediation mode ``invariant``), the log-softmax is theirs, so the
-trainer's logprobs are the same arithmetic as an engine running :func:`kernels.routing.token_logprobs`.
+trainer's logprobs are the same arithmetic as an engine running :func:`kernels.dispatch.token_logprobs`.
 """
 
 from __future__ import annotations
@@ -167,6 +167,6 @@ def processed_logprobs(
 
 
 def _log_softmax(rows: torch.Tensor) -> torch.Tensor:
-    from isokernels import routing
+    from isoaudit.kernels import dispatch
 
-    return routing.log_softmax(rows)  # the invariant one while kernels are on (CPU or Triton), else torch's
+    return dispatch.log_softmax(rows)  # the invariant one while kernels are on (CPU or Triton), else torch's

@@ -15,12 +15,11 @@ from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Union
 
 import torch
+from isoaudit.audit.records import Case, ContractIdentities, Manifest, RuntimeFacts, Side
 from torch import nn
 
-from audit.records import Case, ContractIdentities, Manifest, RuntimeFacts, Side
-
 if TYPE_CHECKING:
-    from audit.contract import Contract
+    from isoaudit.audit.contract import Contract
 
 #: An execution contract for the manifest: an ``audit.contract.Contract``, its identities (or a
 #: mapping of them), or ``None``.
@@ -57,7 +56,7 @@ def _arch(device: torch.device) -> str:
 
 def _kernels_on() -> bool:
     """Whether :mod:`kernels` routes this process (read only if a job imported it: no import here)."""
-    routing = sys.modules.get("isokernels.routing")
+    routing = sys.modules.get("isoaudit.kernels.dispatch")
     return routing is not None and bool(routing.is_enabled())
 
 
@@ -65,7 +64,7 @@ def kernel_facts() -> dict[str, Any]:
     """Launch settings of :mod:`kernels` that set bits, while it routes this process (both sides
     must agree on them, so both manifests carry them): today the GEMM's fixed split-K of narrow
     weights (``ISOAUDIT_GEMM_SPLIT_K``). Empty when the kernels are off or not imported."""
-    gemm = sys.modules.get("isokernels.gemm")
+    gemm = sys.modules.get("isoaudit.kernels.gemm")
     if not _kernels_on() or gemm is None:
         return {}
     return {"gemm_split_k": bool(gemm.split_k_enabled())}
@@ -162,7 +161,7 @@ def contract_fields(contract: ContractArg) -> tuple[ContractIdentities, dict[str
             raise ValueError(
                 f"contract: a mapping must hold semantic/numerical_policy/deployment identities ({exc})"
             ) from exc
-    from audit.contract import Contract, identities, numerical_policy_fields
+    from isoaudit.audit.contract import Contract, identities, numerical_policy_fields
 
     if not isinstance(contract, Contract):
         raise TypeError(

@@ -25,7 +25,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from audit.contract import (
+from isoaudit.audit.contract import (
     CompositionEntry,
     Contract,
     Implementation,
@@ -34,8 +34,8 @@ from audit.contract import (
     ToleranceClaim,
     TopologyClaim,
 )
-from audit.records import Case
-from audit.regions import LAYER_REGIONS
+from isoaudit.audit.records import Case
+from isoaudit.audit.regions import LAYER_REGIONS
 
 #: Every case a trainer/engine pair may record: both sides describe all of them, so their contracts
 #: can be equal.
@@ -150,11 +150,11 @@ _KERNEL_FUNCTIONS = {
 
 
 def kernel_ops(device_type: str = "cpu") -> dict[str, Impl]:
-    """The ops :mod:`kernels.routing` runs when enabled, on tensors of ``device_type``: kernels.cpu
+    """The ops :mod:`kernels.dispatch` runs when enabled, on tensors of ``device_type``: kernels.cpu
     on the CPU (unless routed to the Triton modules), the Triton kernels elsewhere."""
-    import isokernels.routing as routing
+    from isoaudit.kernels import dispatch
 
-    on_cpu = device_type == "cpu" and routing._CPU_IMPL == "cpu"
+    on_cpu = device_type == "cpu" and dispatch._CPU_IMPL == "cpu"
     out = {}
     for op, (cpu_name, triton_name) in _KERNEL_FUNCTIONS.items():
         if on_cpu:
@@ -163,8 +163,8 @@ def kernel_ops(device_type: str = "cpu") -> dict[str, Impl]:
             module, function = triton_name.split(".")
         import importlib
 
-        source = importlib.import_module(f"isokernels.{module}").__file__
-        out[op] = Impl(f"kernels.{module}.{function}", source_digest(str(source), str(routing.__file__)))
+        source = importlib.import_module(f"isoaudit.kernels.{module}").__file__
+        out[op] = Impl(f"kernels.{module}.{function}", source_digest(str(source), str(dispatch.__file__)))
     return out
 
 

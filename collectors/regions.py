@@ -16,9 +16,8 @@ from enum import StrEnum
 from typing import Any
 
 import torch
+from isoaudit.audit.regions import LAYER_REGIONS, MOE_REGIONS, canonical_regions, is_canonical, region_order
 from torch import nn
-
-from audit.regions import LAYER_REGIONS, MOE_REGIONS, canonical_regions, is_canonical, region_order
 
 #: Per-layer regions in forward order (DESIGN.md), as ``audit.regions`` defines them.
 LAYER_PARTS: tuple[str, ...] = LAYER_REGIONS
@@ -188,7 +187,7 @@ def hf_moe_map(family: str) -> FamilyMap:
 
 def _instrument_moe(model: nn.Module) -> None:
     """Give an HF MoE model's experts their per-slot tap (``kernels.adapters_moe.instrument``)."""
-    from isokernels.adapters_moe import instrument
+    from isoaudit.kernels.adapters_moe import instrument
 
     instrument(model)
 

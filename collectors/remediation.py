@@ -11,10 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from isoaudit.collectors.base import ModeReport
+from isoaudit.collectors.control import MODES
 from torch import nn
-
-from collectors.base import ModeReport
-from collectors.control import MODES
 
 #: ``hook(model, mode)``: make ``model``'s next forward run in ``mode``; raise if it cannot.
 RemediationHook = Callable[[nn.Module, str], None]
@@ -24,7 +23,7 @@ def apply_kernels_mode(model: nn.Module, mode: str) -> None:
     """Route the process through :mod:`kernels` (``invariant``) or back to native ops."""
     if mode not in MODES:
         raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
-    import isokernels as kernels
+    from isoaudit import kernels
 
     if mode == "invariant":
         kernels.enable()

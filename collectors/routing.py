@@ -31,11 +31,10 @@ from typing import Any
 
 import numpy as np
 import torch
+from isoaudit.audit.records import Record, Routes, SampleLogprobs, sample_key
+from isoaudit.collectors.counting import Counters, LogOnce
 from torch import nn
 from torch.utils.hooks import RemovableHandle
-
-from audit.records import Record, Routes, SampleLogprobs, sample_key
-from collectors.counting import Counters, LogOnce
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +44,7 @@ class RoutingCounters(Counters):
 
 
 def _moe() -> Any:
-    from isokernels import moe
+    from isoaudit.kernels import moe
 
     return moe
 
@@ -53,7 +52,7 @@ def _moe() -> Any:
 def instrument(model: nn.Module) -> list[tuple[int, nn.Module]]:
     """Number ``model``'s MoE blocks and hook their routers into :mod:`kernels.moe` traces; returns
     (decoder layer, block) for each (empty for a dense model)."""
-    from isokernels import adapters_moe
+    from isoaudit.kernels import adapters_moe
 
     adapters_moe.instrument(model)
     return adapters_moe.moe_blocks(model)
@@ -377,7 +376,7 @@ def watch_routing(collector: Any) -> Any:
     routes go on its sample records and the trainer's manifest says ``router_replay``. Returns
     the recorder, or ``None`` for a dense model (nothing to record). Detached with the collector."""
     if hasattr(collector, "link"):  # the vLLM collector
-        from collectors.routing_vllm import VllmRoutes
+        from isoaudit.collectors.routing_vllm import VllmRoutes
 
         try:
             return VllmRoutes(collector)

@@ -31,11 +31,10 @@ from typing import Any
 
 import numpy as np
 import torch
+from isoaudit.audit.records import Record, Routes, SampleLogprobs, sample_key
+from isoaudit.collectors.counting import Counters, LogOnce
+from isoaudit.collectors.vllm.rows import ForwardRows, read_forward_rows
 from torch import nn
-
-from audit.records import Record, Routes, SampleLogprobs, sample_key
-from collectors.counting import Counters, LogOnce
-from collectors.vllm.rows import ForwardRows, read_forward_rows
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""The one call a job makes: ``with collectors.session(run="grpo-7") as audit:``.
+"""The one call a job makes: ``with isoaudit.session(run="grpo-7") as audit:``.
 
 A :class:`Session` owns where records go (a :class:`Destination`), the run's control channel, one
 sink per side and every collector it attached. Where records go comes from the arguments or the
@@ -27,25 +27,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from audit.config import database_url as resolve_database_url
-from audit.records import Case, Run, StepStats
-from collectors.base import Collector, run_record
-from collectors.control import ControlChannel, FixedControl, ServiceControl, StoreControl
-from collectors.manifest import ContractArg
-from collectors.regions import RegionsArg
-from collectors.remediation import RemediationHook, apply_kernels_mode
-from collectors.sinks.base import Sink
+from isoaudit.audit.config import database_url as resolve_database_url
+from isoaudit.audit.records import Case, Run, StepStats
+from isoaudit.collectors.base import Collector, run_record
+from isoaudit.collectors.control import ControlChannel, FixedControl, ServiceControl, StoreControl
+from isoaudit.collectors.manifest import ContractArg
+from isoaudit.collectors.regions import RegionsArg
+from isoaudit.collectors.remediation import RemediationHook, apply_kernels_mode
+from isoaudit.collectors.sinks.base import Sink
 
 if TYPE_CHECKING:
+    from isoaudit.collectors.engine_capture import EngineCollector
+    from isoaudit.collectors.sinks.direct import SharedStore
+    from isoaudit.collectors.trainer import TrainerCollector
+    from isoaudit.collectors.vllm.collector import VllmCollector
+    from isoaudit.collectors.vllm.selection import SelectionArg
+    from isoaudit.kernels.engine import RolloutEngine
     from torch import nn
     from vllm import LLM
-
-    from collectors.engine_capture import EngineCollector
-    from collectors.sinks.direct import SharedStore
-    from collectors.trainer import TrainerCollector
-    from collectors.vllm.collector import VllmCollector
-    from collectors.vllm.selection import SelectionArg
-    from isokernels.engine import RolloutEngine
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +99,7 @@ class ServiceDestination(Destination):
         self._control: ServiceControl | None = None
 
     def sink(self, side: str) -> Sink:
-        from collectors.sinks.http import HttpSink
+        from isoaudit.collectors.sinks.http import HttpSink
 
         return HttpSink(
             self.url,
@@ -133,7 +132,7 @@ class DatabaseDestination(Destination):
         spool_dir: str | Path | None = None,
         control_interval: float = 1.0,
     ) -> None:
-        from collectors.sinks.direct import SharedStore
+        from isoaudit.collectors.sinks.direct import SharedStore
 
         self.url = resolve_database_url(url)
         self.project = project
@@ -142,7 +141,7 @@ class DatabaseDestination(Destination):
         self.shared: SharedStore = SharedStore(self.url)
 
     def sink(self, side: str) -> Sink:
-        from collectors.sinks.direct import DirectSink
+        from isoaudit.collectors.sinks.direct import DirectSink
 
         return DirectSink(
             self.shared,
@@ -163,7 +162,7 @@ class MemoryDestination(Destination):
     through ``session.control.set(mode)``."""
 
     def __init__(self) -> None:
-        from collectors.sinks.memory import MemorySink
+        from isoaudit.collectors.sinks.memory import MemorySink
 
         self._make = MemorySink
         self.sinks: dict[str, Any] = {}
@@ -345,7 +344,7 @@ class Session:
         every N-th step; ``weight_digests``: digest the parameters held at each weight version
         change (off for a model too large to read once per sync); the rest:
         :class:`collectors.trainer.TrainerCollector`."""
-        from collectors.trainer import TrainerCollector
+        from isoaudit.collectors.trainer import TrainerCollector
 
         return self._add(
             TrainerCollector(
@@ -382,7 +381,7 @@ class Session:
         ``worker_extension_cls=collectors.vllm.EXTENSION``); call ``record_step(step, outputs)``
         on the handle after each ``generate``. ``fingerprint``: ``"all"``, one in N, a list of
         request ids, or ``None``; the rest: :class:`collectors.vllm.VllmCollector`."""
-        from collectors.vllm.collector import VllmCollector
+        from isoaudit.collectors.vllm.collector import VllmCollector
 
         return self._add(
             VllmCollector(
@@ -412,7 +411,7 @@ class Session:
         """Hook isoaudit's reference engine (``kernels.engine.RolloutEngine`` over an
         ``HFCausalLM``); call ``record_step(step, completions)`` on the handle after each
         ``generate``. Arguments: :class:`collectors.engine_capture.EngineCollector`."""
-        from collectors.engine_capture import EngineCollector
+        from isoaudit.collectors.engine_capture import EngineCollector
 
         return self._add(
             EngineCollector(
@@ -436,7 +435,7 @@ class Session:
         """MoE models: also record, per token and MoE layer, the experts ``handle`` (a trainer,
         reference-engine or in-process vLLM collector of this session) saw chosen, on its sample
         records (:func:`collectors.routing.watch_routing`); ``None`` for a dense model."""
-        from collectors.routing import watch_routing
+        from isoaudit.collectors.routing import watch_routing
 
         return watch_routing(handle)
 
@@ -487,14 +486,14 @@ class Session:
     @staticmethod
     def _auto_trainer_contract(model: Any) -> Any:
         """The trainer's contract per mode, built from what the model runs (:mod:`collectors.policy`)."""
-        from collectors.policy import hf_contracts
+        from isoaudit.collectors.policy import hf_contracts
 
         return hf_contracts(model)
 
     def _sink(self, side: str) -> Sink:
         self.start()
         if side not in self._sinks:
-            from collectors.integrations.ranks import detect_rank, stamp_rank
+            from isoaudit.collectors.integrations.ranks import detect_rank, stamp_rank
 
             sink = self.destination.sink(side)
             if self.rank is None:

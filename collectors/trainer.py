@@ -3,7 +3,7 @@
 
 Usage in a training loop::
 
-    handle = audit.watch_trainer(model, sample_every=10)   # audit: a collectors.session(...)
+    handle = audit.watch_trainer(model, sample_every=10)   # audit: a isoaudit.session(...)
     for step, batch in enumerate(loader):
         handle.begin_step(step)                       # optional: gates fingerprinting precisely
         out = model(**batch.model_inputs())           # hooks fingerprint regions on the device
@@ -32,22 +32,21 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
+from isoaudit.audit.records import Case, Record, Run, RuntimeFacts
+from isoaudit.collectors.assemble import fingerprint_records, keys_for, sample_records, sequence_tokens
+from isoaudit.collectors.base import Collector, CollectorCounters, ModeReport
+from isoaudit.collectors.control import ControlChannel
+from isoaudit.collectors.fingerprints import PrintsLayout, pack_prints, unpack_prints
+from isoaudit.collectors.held_weights import module_digests
+from isoaudit.collectors.hooks import Capture, ForwardCapture
+from isoaudit.collectors.layout import StepBatch
+from isoaudit.collectors.logprobs import SamplingArg, applied_transforms, processed_logprobs, sampling_values
+from isoaudit.collectors.manifest import ContractArg, runtime_signature, trainer_runtime
+from isoaudit.collectors.regions import RegionsArg, resolve_regions
+from isoaudit.collectors.remediation import RemediationHook, apply_kernels_mode, switch_with
+from isoaudit.collectors.sinks.base import Sink
+from isoaudit.collectors.transfer import HostCopy, to_device
 from torch import nn
-
-from audit.records import Case, Record, Run, RuntimeFacts
-from collectors.assemble import fingerprint_records, keys_for, sample_records, sequence_tokens
-from collectors.base import Collector, CollectorCounters, ModeReport
-from collectors.control import ControlChannel
-from collectors.fingerprints import PrintsLayout, pack_prints, unpack_prints
-from collectors.held_weights import module_digests
-from collectors.hooks import Capture, ForwardCapture
-from collectors.layout import StepBatch
-from collectors.logprobs import SamplingArg, applied_transforms, processed_logprobs, sampling_values
-from collectors.manifest import ContractArg, runtime_signature, trainer_runtime
-from collectors.regions import RegionsArg, resolve_regions
-from collectors.remediation import RemediationHook, apply_kernels_mode, switch_with
-from collectors.sinks.base import Sink
-from collectors.transfer import HostCopy, to_device
 
 log = logging.getLogger(__name__)
 

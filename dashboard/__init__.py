@@ -5,6 +5,6 @@ Three layers: :mod:`dashboard.data` (queries through ``audit.queries`` -> pandas
 callbacks). ``create_app(store_or_url)`` builds the app; ``isoaudit dashboard`` serves it.
 """
 
-from dashboard.app import create_app
+from isoaudit.dashboard.app import create_app
 
 __all__ = ["create_app"]

@@ -5,10 +5,9 @@ from __future__ import annotations
 import dash
 import dash_bootstrap_components as dbc
 from dash import dcc, html
-
-from audit.store import Store
-from dashboard import context
-from dashboard.pages import PAGES
+from isoaudit.audit.store import Store
+from isoaudit.dashboard import context
+from isoaudit.dashboard.pages import PAGES
 
 NAV = (("Runs", "/"), ("Alerts", "/alerts"))
 

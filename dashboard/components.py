@@ -10,8 +10,7 @@ from typing import Any
 import dash_bootstrap_components as dbc
 import pandas as pd
 from dash import dcc, html
-
-from audit.records import utcnow
+from isoaudit.audit.records import utcnow
 
 STATUS_COLOURS = {"live": "success", "idle": "secondary"}
 STATE_COLOURS = {"firing": "danger", "pending": "warning", "resolved": "success", "inactive": "secondary"}

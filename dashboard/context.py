@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import flask
-
-from audit.store import Store
+from isoaudit.audit.store import Store
 
 STORE_KEY = "ISOAUDIT_STORE"
 INTERVAL_KEY = "ISOAUDIT_LIVE_INTERVAL_MS"

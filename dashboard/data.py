@@ -14,14 +14,13 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-
-from audit import queries
-from audit.alerts.history import AlertView
-from audit.alerts.rules import AlertRule
-from audit.compare import DIFFERS, EQUAL, NOT_OBSERVED
-from audit.records import StepStats
-from audit.regions import region_order
-from audit.summaries import bin_label
+from isoaudit.audit import queries
+from isoaudit.audit.alerts.history import AlertView
+from isoaudit.audit.alerts.rules import AlertRule
+from isoaudit.audit.compare import DIFFERS, EQUAL, NOT_OBSERVED
+from isoaudit.audit.records import StepStats
+from isoaudit.audit.regions import region_order
+from isoaudit.audit.summaries import bin_label
 
 #: The step metrics the run page draws, in panels; ``log`` panels use a log axis.
 TIMELINE_PANELS: tuple[tuple[str, tuple[str, ...], bool], ...] = (

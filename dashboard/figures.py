@@ -16,9 +16,8 @@ from functools import lru_cache
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
+from isoaudit.dashboard.data import TIMELINE_PANELS
 from plotly.subplots import make_subplots
-
-from dashboard.data import TIMELINE_PANELS
 
 #: log10 floor of |Δ| and relative L2 in colour scales (exact zeros are drawn at the floor).
 LOG_FLOOR = -8.0

@@ -13,9 +13,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from dash import Patch
-
-from audit import queries
-from dashboard import data, figures
+from isoaudit.audit import queries
+from isoaudit.dashboard import data, figures
 
 
 @dataclass

@@ -1,19 +1,24 @@
-"""Alembic environment: runs against the connection ``audit.migrate`` hands in, or the configured URL."""
+"""Alembic environment: runs on the connection and metadata that isoaudit's data layer hands in.
+
+The scripts import nothing of isoaudit: the data layer (``isoaudit.audit.migrate``) applies them
+when a store opens or on ``isoaudit db upgrade``, passing ``connection`` and ``target_metadata``
+in ``config.attributes``. Write a new revision the same way, from Python::
+
+    from alembic import command
+    from isoaudit.audit.migrate import alembic_config
+    command.revision(alembic_config("sqlite:///dev.db"), "what changes", autogenerate=True)
+"""
 
 from alembic import context
-from sqlalchemy import pool
-
-from audit.config import database_url
-from audit.models import Base
-from audit.store import make_engine
+from sqlalchemy import create_engine, pool
 
 config = context.config
-target_metadata = Base.metadata
+target_metadata = config.attributes.get("target_metadata")
 
 
 def run_migrations_offline() -> None:
     context.configure(
-        url=database_url(config.get_main_option("sqlalchemy.url")),
+        url=config.get_main_option("sqlalchemy.url"),
         target_metadata=target_metadata,
         literal_binds=True,
         render_as_batch=True,
@@ -27,8 +32,10 @@ def run_migrations_online() -> None:
     if connection is not None:
         _run(connection)
         return
-    engine = make_engine(config.get_main_option("sqlalchemy.url"), poolclass=pool.NullPool)
-    with engine.connect() as connection:
+    url = config.get_main_option("sqlalchemy.url")
+    if not url:
+        raise RuntimeError("sqlalchemy.url: no database to migrate (run `isoaudit db upgrade`)")
+    with create_engine(url, poolclass=pool.NullPool).connect() as connection:
         _run(connection)
 
 

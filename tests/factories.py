@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
-
-from audit.records import Manifest, RegionFingerprints, Run, SampleLogprobs
+from isoaudit.audit.records import Manifest, RegionFingerprints, Run, SampleLogprobs
 
 
 def sample(

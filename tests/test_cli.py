@@ -7,8 +7,8 @@ import sys
 
 from typer.testing import CliRunner
 
-from audit import __version__
-from audit.cli import app
+from isoaudit import __version__
+from isoaudit.cli import app
 from tests import factories
 
 runner = CliRunner()
@@ -22,7 +22,9 @@ def test_version_and_help():
 
 
 def test_console_script_is_installed():
-    result = subprocess.run([sys.executable, "-m", "audit.cli", "--version"], capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "isoaudit.cli", "--version"], capture_output=True, text=True
+    )
     assert result.returncode == 0 and __version__ in result.stdout
 
 
@@ -33,7 +35,7 @@ def test_db_upgrade_then_runs_list(database_url: str):
     result = runner.invoke(app, ["runs", "list", "--database-url", database_url])
     assert result.exit_code == 0 and "no runs" in result.output
 
-    from audit.store import Store
+    from isoaudit.audit.store import Store
 
     store = Store(database_url)
     store.ingest(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from typer.testing import CliRunner
 
-from audit.cli import app
+from isoaudit.cli import app
 
 runner = CliRunner()
 COMMANDS = [["runs", "list"], ["compare", "some-run"], ["tokens", "list"], ["alerts", "list"]]

@@ -4,6 +4,7 @@ service's comparison path runs without loading torch."""
 
 from __future__ import annotations
 
+import ast
 import shutil
 import subprocess
 import sys
@@ -18,13 +19,13 @@ LINT_IMPORTS = shutil.which("lint-imports", path=str(Path(sys.executable).parent
 needs_linter = pytest.mark.skipif(
     LINT_IMPORTS is None, reason="lint-imports (import-linter) is not installed"
 )
+PARTS = ("audit", "collectors", "kernels", "dashboard", "migrations")
 
 
 def lint_imports(*args: str) -> subprocess.CompletedProcess[str]:
-    assert LINT_IMPORTS is not None
-    return subprocess.run(
-        [LINT_IMPORTS, "--no-cache", *args], cwd=ROOT, capture_output=True, text=True, timeout=120
-    )
+    """``make lint``'s way: scripts/lint_imports.py runs lint-imports over the installed layout."""
+    command = [sys.executable, str(ROOT / "scripts" / "lint_imports.py"), *args, "--no-cache"]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 
 @needs_linter
@@ -32,6 +33,40 @@ def test_the_import_contracts_hold():
     result = lint_imports()
     assert result.returncode == 0, result.stdout + result.stderr
     assert " broken" in result.stdout and "0 broken" in result.stdout
+    assert "ignore_imports" not in _contract_entries_naming("isoaudit.cli")
+
+
+def _contract_entries_naming(module: str) -> str:
+    """The pyproject lines of import-linter's section that mention ``module``."""
+    text = (ROOT / "pyproject.toml").read_text()
+    section = text[text.index("[tool.importlinter]") : text.index("[tool.ruff]")]
+    return "\n".join(line for line in section.splitlines() if module in line and "forbidden" not in line)
+
+
+def test_no_part_imports_the_composition_root():
+    """The root package (the public API and the CLI) sits above every part: no module of a part
+    imports ``isoaudit`` itself or ``isoaudit.cli`` (import-linter's containers cannot see the root
+    package's own module, so this reads the sources)."""
+    offenders = []
+    for part in PARTS:
+        for path in (ROOT / part).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.Import):
+                    names = [alias.name for alias in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    names = (
+                        [f"{node.module}.{alias.name}" for alias in node.names]
+                        if node.module == "isoaudit"
+                        else [node.module]
+                    )
+                else:
+                    continue
+                for name in names:
+                    if name in ("isoaudit", "isoaudit.cli") or name.startswith("isoaudit.cli."):
+                        offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {name}")
+                    elif name.startswith("isoaudit.") and name.split(".")[1] not in PARTS:
+                        offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {name}")
+    assert not offenders, "\n".join(offenders)
 
 
 @needs_linter
@@ -39,9 +74,9 @@ def test_the_checker_reports_a_contract_that_is_false(tmp_path: Path):
     """Not vacuous: the API does import the store, so forbidding it must be reported."""
     config = tmp_path / "false.toml"
     config.write_text(
-        '[tool.importlinter]\nroot_packages = ["audit"]\n\n'
+        '[tool.importlinter]\nroot_packages = ["isoaudit"]\n\n'
         '[[tool.importlinter.contracts]]\nname = "known false"\ntype = "forbidden"\n'
-        'source_modules = ["audit.api"]\nforbidden_modules = ["audit.store"]\n'
+        'source_modules = ["isoaudit.audit.api"]\nforbidden_modules = ["isoaudit.audit.store"]\n'
     )
     result = lint_imports(str(config))
     assert result.returncode != 0 and "BROKEN" in result.stdout, result.stdout + result.stderr
@@ -52,7 +87,7 @@ def test_the_service_compares_without_loading_torch():
     diagnosis leaves torch unloaded (the service image need not ship it)."""
     code = (
         "import sys\n"
-        "import audit.api.app, audit.worker, audit.compare, audit.metrics, audit.diagnosis\n"
+        "import isoaudit.audit.api.app, isoaudit.audit.worker, isoaudit.audit.compare, isoaudit.audit.metrics, isoaudit.audit.diagnosis\n"
         "loaded = sorted(m for m in ('torch', 'triton', 'vllm', 'transformers') if m in sys.modules)\n"
         "print(','.join(loaded))\n"
     )

@@ -6,7 +6,7 @@ database.
     ComparisonWorker(store, on_step=engine.evaluate).start()
 """
 
-from audit.alerts.channels import (
+from isoaudit.audit.alerts.channels import (
     Channel,
     DatabaseChannel,
     Delivery,
@@ -15,10 +15,10 @@ from audit.alerts.channels import (
     WebhookChannel,
     slack_payload,
 )
-from audit.alerts.engine import AlertEngine, Transition
-from audit.alerts.evaluator import Evaluation, evaluate_series, next_state
-from audit.alerts.outbox import Outbox
-from audit.alerts.rules import (
+from isoaudit.audit.alerts.engine import AlertEngine, Transition
+from isoaudit.audit.alerts.evaluator import Evaluation, evaluate_series, next_state
+from isoaudit.audit.alerts.outbox import Outbox
+from isoaudit.audit.alerts.rules import (
     DEFAULT_RULES_YAML,
     AlertRule,
     RulesFileError,
@@ -29,7 +29,7 @@ from audit.alerts.rules import (
     parse_rules,
     save_rule,
 )
-from audit.alerts.silences import SilenceSpec, create_silence, expire_silence, list_silences
+from isoaudit.audit.alerts.silences import SilenceSpec, create_silence, expire_silence, list_silences
 
 __all__ = [
     "DEFAULT_RULES_YAML",

@@ -19,18 +19,17 @@ from datetime import datetime
 from typing import Any
 from urllib.parse import quote
 
+from isoaudit.audit.alerts.channels import Channel, DatabaseChannel, Delivery, Event, LogChannel, Notice
+from isoaudit.audit.alerts.evaluator import Evaluation, State, evaluate_series, next_state, steps_needed
+from isoaudit.audit.alerts.outbox import Outbox
+from isoaudit.audit.alerts.rules import AlertRule, list_rule_rows, rule_from_row
+from isoaudit.audit.alerts.silences import list_silences, matches
+from isoaudit.audit.models import StepResultRow
+from isoaudit.audit.records import utcnow
+from isoaudit.audit.service_models import OPEN_STATES, AlertRow, NotificationRow, SilenceRow
+from isoaudit.audit.store import Store
 from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
-
-from audit.alerts.channels import Channel, DatabaseChannel, Delivery, Event, LogChannel, Notice
-from audit.alerts.evaluator import Evaluation, State, evaluate_series, next_state, steps_needed
-from audit.alerts.outbox import Outbox
-from audit.alerts.rules import AlertRule, list_rule_rows, rule_from_row
-from audit.alerts.silences import list_silences, matches
-from audit.models import StepResultRow
-from audit.records import utcnow
-from audit.service_models import OPEN_STATES, AlertRow, NotificationRow, SilenceRow
-from audit.store import Store
 
 log = logging.getLogger("isoaudit.alerts")
 

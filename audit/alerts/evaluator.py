@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from audit.alerts.rules import AlertRule
+from isoaudit.audit.alerts.rules import AlertRule
 
 State = Literal["inactive", "pending", "firing", "resolved"]
 

@@ -7,12 +7,11 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from isoaudit.audit.alerts.channels import attempts_of
+from isoaudit.audit.models import RunRow
+from isoaudit.audit.service_models import AlertRow, AlertRuleRow, NotificationRow
+from isoaudit.audit.store import Store
 from sqlalchemy import select
-
-from audit.alerts.channels import attempts_of
-from audit.models import RunRow
-from audit.service_models import AlertRow, AlertRuleRow, NotificationRow
-from audit.store import Store
 
 
 @dataclass(frozen=True)

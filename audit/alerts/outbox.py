@@ -27,13 +27,12 @@ from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol
 
+from isoaudit.audit.alerts.channels import ATTEMPTS_KEY, Notice, attempt_record, slack_payload
+from isoaudit.audit.records import utcnow
+from isoaudit.audit.service_models import NoticeOutboxRow, NotificationRow
+from isoaudit.audit.store import Store
 from sqlalchemy import delete, func, or_, select, true, update
 from sqlalchemy.orm import Session
-
-from audit.alerts.channels import ATTEMPTS_KEY, Notice, attempt_record, slack_payload
-from audit.records import utcnow
-from audit.service_models import NoticeOutboxRow, NotificationRow
-from audit.store import Store
 
 log = logging.getLogger("isoaudit.alerts")
 

@@ -29,13 +29,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+from isoaudit.audit.metric_names import UnknownMetric, accepted_names, resolve
+from isoaudit.audit.records import utcnow
+from isoaudit.audit.service_models import AlertRuleRow
+from isoaudit.audit.store import Store
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from sqlalchemy import or_, select
-
-from audit.metric_names import UnknownMetric, accepted_names, resolve
-from audit.records import utcnow
-from audit.service_models import AlertRuleRow
-from audit.store import Store
 
 Comparison = Literal[">", ">=", "<", "<=", "==", "!="]
 Aggregation = Literal["last", "mean", "max", "min", "sum"]

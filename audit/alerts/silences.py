@@ -7,12 +7,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from datetime import datetime, timedelta
 
+from isoaudit.audit.records import RunId, utcnow
+from isoaudit.audit.service_models import SilenceRow
+from isoaudit.audit.store import Store
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from sqlalchemy import or_, select
-
-from audit.records import RunId, utcnow
-from audit.service_models import SilenceRow
-from audit.store import Store
 
 
 class SilenceSpec(BaseModel):

@@ -3,7 +3,7 @@
 ``create_app(store, settings)`` builds it; ``isoaudit serve`` runs it under uvicorn.
 """
 
-from audit.api.app import create_app
-from audit.api.settings import ApiSettings
+from isoaudit.audit.api.app import create_app
+from isoaudit.audit.api.settings import ApiSettings
 
 __all__ = ["ApiSettings", "create_app"]

@@ -7,10 +7,8 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
-from prometheus_client import CollectorRegistry
-
-from audit import __version__
-from audit.alerts import (
+from isoaudit.audit import __version__
+from isoaudit.audit.alerts import (
     AlertEngine,
     DatabaseChannel,
     LogChannel,
@@ -19,12 +17,13 @@ from audit.alerts import (
     install_rules,
     load_rules,
 )
-from audit.api.errors import install_error_handlers
-from audit.api.limits import BodySizeLimit
-from audit.api.routers import alerts, control, health, ingest, metrics, runs
-from audit.api.settings import ApiSettings
-from audit.api.telemetry import Telemetry
-from audit.store import Store
+from isoaudit.audit.api.errors import install_error_handlers
+from isoaudit.audit.api.limits import BodySizeLimit
+from isoaudit.audit.api.routers import alerts, control, health, ingest, metrics, runs
+from isoaudit.audit.api.settings import ApiSettings
+from isoaudit.audit.api.telemetry import Telemetry
+from isoaudit.audit.store import Store
+from prometheus_client import CollectorRegistry
 
 
 def webhook_urls(value: str | None) -> list[str]:
@@ -76,7 +75,7 @@ def create_app(
         install_configured_rules(app.state.store, settings)
         worker = None
         if settings.run_worker:
-            from audit.worker import ComparisonWorker
+            from isoaudit.audit.worker import ComparisonWorker
 
             worker = ComparisonWorker(
                 app.state.store,
@@ -119,8 +118,7 @@ def _document_batch(app: FastAPI) -> None:
     """``POST /v1/ingest`` reads its body by hand (one fast JSON parse of a large batch); put the Batch
     schema into the OpenAPI document so clients and schemathesis see it."""
     from fastapi.openapi.utils import get_openapi
-
-    from audit.records import Batch
+    from isoaudit.audit.records import Batch
 
     def openapi() -> dict:
         if app.openapi_schema is None:

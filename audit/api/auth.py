@@ -11,12 +11,11 @@ from typing import Annotated
 
 from fastapi import Depends, HTTPException, Path, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-
-from audit.api.deps import get_settings, get_store
-from audit.api.settings import ApiSettings
-from audit.auth import Principal, create_token, verify_token
-from audit.records import RunId
-from audit.store import Store
+from isoaudit.audit.api.deps import get_settings, get_store
+from isoaudit.audit.api.settings import ApiSettings
+from isoaudit.audit.auth import Principal, create_token, verify_token
+from isoaudit.audit.records import RunId
+from isoaudit.audit.store import Store
 
 __all__ = ["Principal", "Reader", "Writer", "create_token", "readable_run", "ReadableRun"]
 

@@ -5,12 +5,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from fastapi import Request
-
-from audit.api.settings import ApiSettings
-from audit.store import Store
+from isoaudit.audit.api.settings import ApiSettings
+from isoaudit.audit.store import Store
 
 if TYPE_CHECKING:
-    from audit.api.telemetry import Telemetry
+    from isoaudit.audit.api.telemetry import Telemetry
 
 
 def get_store(request: Request) -> Store:

@@ -11,12 +11,11 @@ from fastapi import FastAPI, Request
 from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from isoaudit.audit.records import RecordError, check_json
 from pydantic import BaseModel, ValidationError
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
-
-from audit.records import RecordError, check_json
 
 log = logging.getLogger("isoaudit.api")
 

@@ -18,15 +18,14 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
+from isoaudit.audit.metric_names import Alias, definition, framework_aliases
+from isoaudit.audit.metrics import PARAMETRIC, parse_lag_key, parse_variant
+from isoaudit.audit.models import PendingComparisonRow, RunRow, StepResultRow
+from isoaudit.audit.service_models import OPEN_STATES, AlertRow, AlertRuleRow
+from isoaudit.audit.store import Store
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from sqlalchemy import func, select
-
-from audit.metric_names import Alias, definition, framework_aliases
-from audit.metrics import PARAMETRIC, parse_lag_key, parse_variant
-from audit.models import PendingComparisonRow, RunRow, StepResultRow
-from audit.service_models import OPEN_STATES, AlertRow, AlertRuleRow
-from audit.store import Store
 
 _INVALID = re.compile(r"[^a-zA-Z0-9_]")
 

@@ -5,9 +5,8 @@ Each app gets its own registry, so several apps in one process (tests) never sha
 
 from __future__ import annotations
 
+from isoaudit.audit.store import IngestResult
 from prometheus_client import CollectorRegistry, Counter, Histogram
-
-from audit.store import IngestResult
 
 
 class Telemetry:

@@ -7,5 +7,5 @@
 * ``docs/integrations.md``: recipes for verl, OpenRLHF and SkyRL (their hook points, config keys,
   where ``weights_changed`` goes, where isoaudit's figures sit beside theirs).
 
-Each module imports its framework only when used, so ``import collectors.integrations`` costs nothing.
+Each module imports its framework only when used, so ``import isoaudit.collectors.integrations`` costs nothing.
 """

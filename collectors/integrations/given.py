@@ -10,7 +10,7 @@ tokens, so they pair with whatever the other side recorded) and a manifest that 
 is observed here, so the comparator reports "not observed", never "equal"::
 
     rollout = watch_given(audit, "rollout", framework="verl")
-    rollout.record_step(step, batch, batch_rollout_logprobs)     # batch: a collectors.StepBatch
+    rollout.record_step(step, batch, batch_rollout_logprobs)     # batch: a isoaudit.StepBatch
 
 It cannot switch kernels (nothing of the engine is in reach): a remediation request is answered
 with the reason, in the manifest.
@@ -21,15 +21,14 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-
-from audit.records import Case, LogprobSemantics, Record, Run, RuntimeFacts, Side
-from collectors.assemble import keys_for, sample_records, sequence_tokens
-from collectors.base import Collector, ModeReport, RolloutStep
-from collectors.control import ControlChannel
-from collectors.layout import StepBatch
-from collectors.sessions import Session
-from collectors.sinks.base import Sink
-from collectors.trainer import LogprobsArg, LogprobsLayout, _given_logprobs
+from isoaudit.audit.records import Case, LogprobSemantics, Record, Run, RuntimeFacts, Side
+from isoaudit.collectors.assemble import keys_for, sample_records, sequence_tokens
+from isoaudit.collectors.base import Collector, ModeReport, RolloutStep
+from isoaudit.collectors.control import ControlChannel
+from isoaudit.collectors.layout import StepBatch
+from isoaudit.collectors.sessions import Session
+from isoaudit.collectors.sinks.base import Sink
+from isoaudit.collectors.trainer import LogprobsArg, LogprobsLayout, _given_logprobs
 
 CASE: dict[Side, Case] = {"trainer": "trainer_recompute", "rollout": "engine_decode"}
 

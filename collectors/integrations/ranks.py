@@ -1,7 +1,7 @@
 """Which rank a process records as, and stamping it on the samples it sends.
 
 A data-parallel job runs one trainer per rank (``torch.distributed``) and often one engine worker
-per data-parallel rank; each opens its own :func:`collectors.session` for the same run. The
+per data-parallel rank; each opens its own :func:`isoaudit.session` for the same run. The
 comparator needs no rank (both sides derive a sample's key from its tokens, so the trainer rank
 that recomputed a sample need not be the engine rank that sampled it), but the service counts
 samples per rank, so a rank that stopped sending shows (``GET /v1/runs/{id}/ranks``, the dashboard's
@@ -15,8 +15,8 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from audit.records import Record, SampleLogprobs
-from collectors.sinks.base import Sink
+from isoaudit.audit.records import Record, SampleLogprobs
+from isoaudit.collectors.sinks.base import Sink
 
 #: The variables launchers set for each rank: torchrun/torch.distributed, then Open MPI and Slurm.
 RANK_VARIABLES = ("RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")

@@ -3,7 +3,7 @@ sending to one isoaudit service.
 
 This is the shape of verl, OpenRLHF and SkyRL jobs: the driver owns no model; a rollout actor
 samples, a trainer actor recomputes and updates, and weights travel from one to the other with a
-version. Each actor opens its own :func:`collectors.session` for the same run; where records go
+version. Each actor opens its own :func:`isoaudit.session` for the same run; where records go
 comes from the actor's environment (``ISOAUDIT_URL`` + ``ISOAUDIT_TOKEN``, set for every actor
 through Ray's ``runtime_env``), so the actors need no isoaudit arguments and may sit on any node.
 Both sides derive each sample's key from its tokens, so nothing coordinates ids across actors::
@@ -26,12 +26,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-import collectors
-from collectors.layout import StepBatch
-from collectors.rl import grpo
-from collectors.rl.rollout import ReferenceRollout
-from collectors.rl.task import copy_problems, rewards
+from isoaudit.collectors.layout import StepBatch
+from isoaudit.collectors.rl import grpo
+from isoaudit.collectors.rl.rollout import ReferenceRollout
+from isoaudit.collectors.rl.task import copy_problems, rewards
+from isoaudit.collectors.sessions import session as audit_session
 
 
 def _load(path: str | Path) -> Any:
@@ -47,7 +46,7 @@ class RolloutWorker:
     def __init__(
         self, model_path: str | Path, *, run: str, session_args: Mapping[str, Any] | None = None
     ) -> None:
-        self.audit = collectors.session(run, **dict(session_args or {}))
+        self.audit = audit_session(run, **dict(session_args or {}))
         self.rollout = ReferenceRollout(_load(model_path).eval())
         self.rollout.watch(self.audit)
 
@@ -85,7 +84,7 @@ class TrainerWorker:
         self.policy = _load(model_path)
         self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=learning_rate)
         self.clip_eps = clip_eps
-        self.audit = collectors.session(run, **dict(session_args or {}))
+        self.audit = audit_session(run, **dict(session_args or {}))
         self.trainer = self.audit.watch_trainer(self.policy, case="trainer_recompute")
         self.audit.weights_changed(0)
 
@@ -150,7 +149,7 @@ def run_ray_job(
     """Drive ``steps`` GRPO steps through a rollout actor and a trainer actor (``ray.init`` first).
 
     ``env``: environment variables for both actors (``ISOAUDIT_URL``/``ISOAUDIT_TOKEN``);
-    ``session_args``: :func:`collectors.session` arguments for both. Returns the per-step figures
+    ``session_args``: :func:`isoaudit.session` arguments for both. Returns the per-step figures
     and each actor's session summary (``{"steps": [...], "rollout": {...}, "trainer": {...}}``).
     """
     import ray

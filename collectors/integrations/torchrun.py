@@ -1,5 +1,5 @@
 """A data-parallel GRPO job under ``torchrun``: every rank is a trainer (``torch.distributed``,
-DistributedDataParallel) and an engine worker, each with one :func:`collectors.session` for the
+DistributedDataParallel) and an engine worker, each with one :func:`isoaudit.session` for the
 same run; the session stamps the process's rank on what it sends.
 
 This is the shape of a multi-node RL job with isoaudit in it: nothing coordinates sample ids across
@@ -9,7 +9,7 @@ sample need not be the engine rank that sampled it. Here, on purpose, it never i
 engine rank ``r + 1``'s. Run it with::
 
     ISOAUDIT_URL=http://isoaudit:8000 ISOAUDIT_TOKEN=... \\
-        torchrun --nproc-per-node 4 -m collectors.integrations.torchrun --model path/to/model --run-id dp-7
+        torchrun --nproc-per-node 4 -m isoaudit.collectors.integrations.torchrun --model path/to/model --run-id dp-7
 
 ``--stop-sending-rank R --stop-sending-after S`` closes rank R's session after step S while the rank
 keeps training (what a rank whose collector died looks like to the service).
@@ -26,12 +26,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
-import collectors
-from collectors.layout import StepBatch
-from collectors.rl import grpo
-from collectors.rl.rollout import ReferenceRollout
-from collectors.rl.task import copy_problems, rewards
+from isoaudit.collectors.layout import StepBatch
+from isoaudit.collectors.rl import grpo
+from isoaudit.collectors.rl.rollout import ReferenceRollout
+from isoaudit.collectors.rl.task import copy_problems, rewards
+from isoaudit.collectors.sessions import session as audit_session
 
 
 class _Replicated:
@@ -71,7 +70,7 @@ def data_parallel_job(
     policy = AutoModelForCausalLM.from_pretrained(model_path)
     model = _Replicated(policy)  # gloo all-reduces the gradients
     optimizer = torch.optim.AdamW(policy.parameters(), lr=learning_rate)
-    audit = collectors.session(run)  # the rank comes from the process group
+    audit = audit_session(run)  # the rank comes from the process group
     rollout = ReferenceRollout(policy)
     rollout.watch(audit)
     trainer = audit.watch_trainer(policy, case="trainer_recompute")

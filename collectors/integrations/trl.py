@@ -2,7 +2,7 @@
 
 Usage::
 
-    from collectors.integrations.trl import IsoauditCallback
+    from isoaudit.collectors.integrations.trl import IsoauditCallback
 
     args = GRPOConfig(..., use_vllm=True, vllm_mode="colocate")
     trainer = GRPOTrainer(model=..., args=args, reward_funcs=..., train_dataset=...,
@@ -10,7 +10,7 @@ Usage::
     trainer.train()        # the summary is in callback.summary afterwards
 
 Where records go comes from the session arguments (``url=``/``token=``, ``database_url=``) or the
-environment, as for :func:`collectors.session`.
+environment, as for :func:`isoaudit.session`.
 
 What the callback does, and why it has to reach past the callback API: transformers hands a
 callback the model, never the batch, and TRL keeps the engine's outputs inside its generation
@@ -51,19 +51,18 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
+from isoaudit.audit.records import StepStats
+from isoaudit.collectors.counting import LogOnce
+from isoaudit.collectors.integrations.given import GivenLogprobs, watch_given
+from isoaudit.collectors.layout import StepBatch
+from isoaudit.collectors.sessions import session as audit_session
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-import collectors
-from audit.records import StepStats
-from collectors.counting import LogOnce
-from collectors.integrations.given import GivenLogprobs, watch_given
-from collectors.layout import StepBatch
-
 if TYPE_CHECKING:
-    from collectors.sessions import Session, Summary
-    from collectors.trainer import TrainerCollector
-    from collectors.vllm.collector import VllmCollector
-    from collectors.vllm.selection import SelectionArg
+    from isoaudit.collectors.sessions import Session, Summary
+    from isoaudit.collectors.trainer import TrainerCollector
+    from isoaudit.collectors.vllm.collector import VllmCollector
+    from isoaudit.collectors.vllm.selection import SelectionArg
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +106,7 @@ class IsoauditCallback(TrainerCallback):
     the module docstring; ``weight_digest``: also take the SHA-256 of the weights at each sync (one
     pass over every tensor). ``ranks``: ``"all"`` (each process records its own samples) or
     ``"zero"`` (world process zero only). ``step_stats``: send TRL's logged figures.
-    ``**session_args``: :func:`collectors.session`'s (``url``, ``token``, ``database_url``, …).
+    ``**session_args``: :func:`isoaudit.session`'s (``url``, ``token``, ``database_url``, …).
     """
 
     def __init__(
@@ -211,7 +210,7 @@ class IsoauditCallback(TrainerCallback):
 
     def _setup(self, trainer: Trainer) -> None:
         self.trainer = trainer
-        session = collectors.session(self.run, **self.session_args)
+        session = audit_session(self.run, **self.session_args)
         self.session = session.start()
         model = trainer.accelerator.unwrap_model(trainer.model)
         self.trainer_side = session.watch_trainer(
@@ -308,7 +307,7 @@ class IsoauditCallback(TrainerCallback):
             self._guard("weights_changed", self.trainer_side.weights_changed, version, digest)
 
     def _digest(self) -> str:
-        from collectors.vllm.weights import weight_digest
+        from isoaudit.collectors.vllm.weights import weight_digest
 
         assert self.trainer is not None
         return weight_digest(list(self.trainer.vllm_generation._iter_named_params()))
@@ -360,7 +359,7 @@ def reload_sync(generation: Any, version: int, *, digest: bool = False) -> str |
     (:func:`collectors.vllm.load_weights`) instead of per-parameter ``load_weights``, which the CPU
     build of vLLM cannot take: the tensors TRL would send, by TRL's own names, as weight
     ``version``. Unsharded parameters only (no FSDP/ZeRO-3 gather). Returns the digest, if asked."""
-    from collectors.vllm.weights import load_weights
+    from isoaudit.collectors.vllm.weights import load_weights
 
     if getattr(generation, "enable_sleep_mode", False):
         generation.llm.wake_up(tags=["weights"])

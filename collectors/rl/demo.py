@@ -20,21 +20,20 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
+from isoaudit.audit.alerts import AlertEngine, DatabaseChannel
+from isoaudit.audit.alerts.history import list_alerts
+from isoaudit.audit.alerts.rules import install_rules, parse_rules
+from isoaudit.audit.records import Run
+from isoaudit.audit.store import Store
+from isoaudit.audit.worker import ComparisonWorker
+from isoaudit.collectors.rl.job import JobConfig, StepFigures, run_job
+from isoaudit.collectors.rl.rollout import ReferenceRollout, Rollout, VllmRollout, vllm_available
+from isoaudit.collectors.sessions import session as audit_session
+from isoaudit.collectors.tiny_models import load_tiny_model, make_tiny_model
 from rich.console import Console, Group
 from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
-
-import collectors
-from audit.alerts import AlertEngine, DatabaseChannel
-from audit.alerts.history import list_alerts
-from audit.alerts.rules import install_rules, parse_rules
-from audit.records import Run
-from audit.store import Store
-from audit.worker import ComparisonWorker
-from collectors.rl.job import JobConfig, StepFigures, run_job
-from collectors.rl.rollout import ReferenceRollout, Rollout, VllmRollout, vllm_available
-from collectors.tiny_models import load_tiny_model, make_tiny_model
 
 #: A tiny model's native bf16 mismatch is far below a real model's (kl_k3 ~1e-7 here against
 #: 1e-4..1e-2 in published 7B runs), so the demo's KL rule has a threshold of its own, printed.
@@ -132,7 +131,7 @@ def run_demo(
     console: Console | None = None,
 ) -> DemoResult:
     """Run the demo job; returns its table (and leaves everything in the store)."""
-    from audit.config import database_url as resolve_url
+    from isoaudit.audit.config import database_url as resolve_url
 
     console = console or Console()
     url = resolve_url(database_url)
@@ -213,7 +212,7 @@ def run_demo(
 
     try:
         with Live(Group(table, progress), console=console, refresh_per_second=4, transient=False):
-            with collectors.session(
+            with audit_session(
                 run=run, database_url=url, control_interval=0.0, report=False, contracts=True
             ) as audit:
                 run_job(audit, policy, tokenizer, rollout, config, on_step=on_step)

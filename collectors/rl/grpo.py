@@ -6,7 +6,7 @@ per-token ratio between the policy being updated and the one that produced the o
 the trainer's own recompute before the update (as verl and TRL do), not the rollout engine's
 logprobs, whose difference from that recompute is exactly what isoaudit audits.
 
-Logprobs come from the model's final hidden states through :func:`kernels.routing.token_logprobs`,
+Logprobs come from the model's final hidden states through :func:`kernels.dispatch.token_logprobs`,
 the same call the rollout engine makes: natively the stock lm_head (in the model's dtype) and a
 log-softmax, with the invariant kernels on an fp32 lm_head and a batch-invariant log-softmax, so
 then both sides agree bit for bit.
@@ -17,10 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from isoaudit.collectors.layout import StepBatch
+from isoaudit.kernels import dispatch
 from torch import nn
-
-from collectors.layout import StepBatch
-from isokernels import routing
 
 
 @dataclass(frozen=True)
@@ -46,9 +45,9 @@ def policy_logprobs(model: nn.Module, batch: StepBatch) -> PolicyOutput:
     hidden = final.reshape(-1, final.shape[-1])[torch.as_tensor(predict, device=device)]
     tokens = batch.input_ids.reshape(-1).to(device)[torch.as_tensor(target, device=device)]
     weight = model.lm_head.weight
-    logprobs = routing.token_logprobs(hidden, weight, tokens)
+    logprobs = dispatch.token_logprobs(hidden, weight, tokens)
     with torch.no_grad():
-        log_p = torch.log_softmax(routing.logits_fp32(hidden.detach(), weight.detach()), dim=-1)
+        log_p = torch.log_softmax(dispatch.logits_fp32(hidden.detach(), weight.detach()), dim=-1)
         entropy = -(log_p.exp() * log_p).sum(-1)
     return PolicyOutput(logprobs=logprobs, entropy=entropy, logits=out.logits)
 

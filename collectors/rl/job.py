@@ -23,13 +23,12 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from isoaudit.collectors.layout import StepBatch
+from isoaudit.collectors.rl import grpo
+from isoaudit.collectors.rl.rollout import Rollout
+from isoaudit.collectors.rl.task import Problem, copy_problems, rewards
+from isoaudit.collectors.sessions import Session
 from torch import nn
-
-from collectors.layout import StepBatch
-from collectors.rl import grpo
-from collectors.rl.rollout import Rollout
-from collectors.rl.task import Problem, copy_problems, rewards
-from collectors.sessions import Session
 
 
 @dataclass(frozen=True)

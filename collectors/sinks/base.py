@@ -26,12 +26,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypedDict
 
+from isoaudit.audit.records import AnyRecord, Batch, Record
+from isoaudit.collectors.control import Control
+from isoaudit.collectors.counting import Counters, LogOnce
+from isoaudit.collectors.sinks.spool import Spool
 from pydantic import TypeAdapter
-
-from audit.records import AnyRecord, Batch, Record
-from collectors.control import Control
-from collectors.counting import Counters, LogOnce
-from collectors.sinks.spool import Spool
 
 log = logging.getLogger(__name__)
 

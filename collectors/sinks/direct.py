@@ -7,11 +7,10 @@ import threading
 from pathlib import Path
 from typing import Unpack
 
+from isoaudit.audit.store import Store, StoreError
+from isoaudit.collectors.sinks.base import DeliveryError, Sink, SinkOptions, _Item
 from pydantic import ValidationError
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
-
-from audit.store import Store, StoreError
-from collectors.sinks.base import DeliveryError, Sink, SinkOptions, _Item
 
 
 class SharedStore:

@@ -12,9 +12,8 @@ from pathlib import Path
 from typing import Unpack
 
 import httpx
-
-from collectors.control import Control, service_base
-from collectors.sinks.base import DeliveryError, Sink, SinkOptions, _Item
+from isoaudit.collectors.control import Control, service_base
+from isoaudit.collectors.sinks.base import DeliveryError, Sink, SinkOptions, _Item
 
 #: Statuses worth retrying: the request may succeed later unchanged.
 _RETRY_STATUSES = {408, 425, 429, 500, 502, 503, 504}

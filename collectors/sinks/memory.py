@@ -9,8 +9,8 @@ from __future__ import annotations
 import threading
 from typing import Any, Unpack
 
-from audit.records import Record, RecordError, Rejection, record_kind, validate_record
-from collectors.sinks.base import Sink, SinkOptions, _Item
+from isoaudit.audit.records import Record, RecordError, Rejection, record_kind, validate_record
+from isoaudit.collectors.sinks.base import Sink, SinkOptions, _Item
 
 
 class MemorySink(Sink):

@@ -10,10 +10,10 @@ Importing this package does not import vLLM: vLLM stays an optional dependency, 
 functions that talk to an engine.
 """
 
-from collectors.vllm.collector import StepReport, VllmCollector, attach, attached
-from collectors.vllm.selection import Selection, parse_selection
-from collectors.vllm.weights import load_weights, weight_digest
-from collectors.vllm.worker import EXTENSION, IsoauditWorkerExtension
+from isoaudit.collectors.vllm.collector import StepReport, VllmCollector, attach, attached
+from isoaudit.collectors.vllm.selection import Selection, parse_selection
+from isoaudit.collectors.vllm.weights import load_weights, weight_digest
+from isoaudit.collectors.vllm.worker import EXTENSION, IsoauditWorkerExtension
 
 __all__ = [
     "EXTENSION",

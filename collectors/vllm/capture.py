@@ -24,16 +24,15 @@ from typing import Any
 
 import numpy as np
 import torch
+from isoaudit.collectors.counting import Counters, LogOnce
+from isoaudit.collectors.fingerprints import RowFingerprints, device_tensors, fingerprint_rows, host_rows
+from isoaudit.collectors.regions import RegionSpec, Tap, read_tap
+from isoaudit.collectors.transfer import to_host
+from isoaudit.collectors.vllm.messages import Drained, ModeState, Selection, SetMode
+from isoaudit.collectors.vllm.rows import ForwardRows, read_forward_rows
+from isoaudit.collectors.vllm.traces import Piece, RequestTrace, external_id, payload
 from torch import nn
 from torch.utils.hooks import RemovableHandle
-
-from collectors.counting import Counters, LogOnce
-from collectors.fingerprints import RowFingerprints, device_tensors, fingerprint_rows, host_rows
-from collectors.regions import RegionSpec, Tap, read_tap
-from collectors.transfer import to_host
-from collectors.vllm.messages import Drained, ModeState, Selection, SetMode
-from collectors.vllm.rows import ForwardRows, read_forward_rows
-from collectors.vllm.traces import Piece, RequestTrace, external_id, payload
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 Usage in an RL loop::
 
     llm = LLM(model, enforce_eager=True, logprobs_mode="processed_logprobs")   # or worker_extension_cls=EXTENSION
-    handle = audit.watch_vllm(llm, fingerprint=8)      # audit: a collectors.session(...)
+    handle = audit.watch_vllm(llm, fingerprint=8)      # audit: a isoaudit.session(...)
     for step in range(steps):
         outputs = llm.generate(prompts, SamplingParams(temperature=0.7, logprobs=0))
         handle.record_step(step, outputs)          # logprobs + fingerprints of 1 request in 8
@@ -31,15 +31,22 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
-
-from audit.records import Case, Record, RegionFingerprints, Run, RuntimeFacts, SampleLogprobs, sample_key
-from collectors.base import Collector, CollectorCounters, ModeReport, RolloutStep
-from collectors.control import ControlChannel
-from collectors.manifest import ContractArg
-from collectors.sinks.base import Sink
-from collectors.vllm.engine_state import drain_facts, sample_fields
-from collectors.vllm.link import EngineLink
-from collectors.vllm.messages import (
+from isoaudit.audit.records import (
+    Case,
+    Record,
+    RegionFingerprints,
+    Run,
+    RuntimeFacts,
+    SampleLogprobs,
+    sample_key,
+)
+from isoaudit.collectors.base import Collector, CollectorCounters, ModeReport, RolloutStep
+from isoaudit.collectors.control import ControlChannel
+from isoaudit.collectors.manifest import ContractArg
+from isoaudit.collectors.sinks.base import Sink
+from isoaudit.collectors.vllm.engine_state import drain_facts, sample_fields
+from isoaudit.collectors.vllm.link import EngineLink
+from isoaudit.collectors.vllm.messages import (
     Drain,
     Drained,
     LoadWeights,
@@ -53,9 +60,9 @@ from collectors.vllm.messages import (
     from_wire,
     to_wire,
 )
-from collectors.vllm.outputs import Completion, read_completions
-from collectors.vllm.selection import SelectionArg, parse_selection
-from collectors.vllm.weights import refresh_held
+from isoaudit.collectors.vllm.outputs import Completion, read_completions
+from isoaudit.collectors.vllm.selection import SelectionArg, parse_selection
+from isoaudit.collectors.vllm.weights import refresh_held
 
 log = logging.getLogger(__name__)
 
@@ -270,7 +277,7 @@ class VllmCollector(Collector):
     def _runtime(self) -> RuntimeFacts:
         if self.mode_report.applied != "invariant" or not self.ops:
             return self.facts
-        from collectors.policy import QK_NORM_FAMILIES, regions_running
+        from isoaudit.collectors.policy import QK_NORM_FAMILIES, regions_running
 
         hf = self._model_config.hf_config
         head = "float32" if self.ops.get("lm_head", "").startswith("kernels.") else self.facts.lm_head_dtype
@@ -298,7 +305,7 @@ class VllmCollector(Collector):
             return None
         key = tuple(sorted(self.ops.items()))
         if key not in self._contracts:
-            from collectors.policy import QK_NORM_FAMILIES, build_contract, model_spec
+            from isoaudit.collectors.policy import QK_NORM_FAMILIES, build_contract, model_spec
 
             dtype = str(self.facts.dtype or "bfloat16")
             head = "float32" if self.ops.get("lm_head", "").startswith("kernels.") else dtype
@@ -450,7 +457,7 @@ def _path_facts(cached_tokens: int | None, prefill_forwards: int | None) -> dict
 
 
 def _order(name: str) -> tuple[int, int, int, str]:
-    from audit.regions import region_order
+    from isoaudit.audit.regions import region_order
 
     return region_order(name)
 

@@ -22,8 +22,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from collectors.counting import LogOnce
-from collectors.vllm.traces import external_id
+from isoaudit.collectors.counting import LogOnce
+from isoaudit.collectors.vllm.traces import external_id
 
 log = logging.getLogger(__name__)
 
@@ -189,8 +189,8 @@ def drain_facts(link: Any, ext_ids: list[str]) -> dict[str, dict[str, Any]]:
 def sample_fields(facts: dict[str, Any] | None, *, n_completion: int, prefix_caching: bool) -> dict[str, Any]:
     """The SampleLogprobs fields these facts give: ``min_p``, ``weight_spans`` (only when the
     sample spans several versions) and the path facts of a prefix-cache hit."""
-    from audit.diagnosis import PREFIX_CACHE_STALE, PREFIX_CACHE_STALE_VERSION
-    from audit.records import WeightSpan
+    from isoaudit.audit.diagnosis import PREFIX_CACHE_STALE, PREFIX_CACHE_STALE_VERSION
+    from isoaudit.audit.records import WeightSpan
 
     if not facts:
         return {}

@@ -7,8 +7,8 @@ vLLM is loaded and before the worker loads the model: the one moment the raw-wei
 
 import os
 
-from collectors.vllm.remediation import keep_raw_weights
-from collectors.vllm.worker import IsoauditWorkerExtension
+from isoaudit.collectors.vllm.remediation import keep_raw_weights
+from isoaudit.collectors.vllm.worker import IsoauditWorkerExtension
 
 if os.environ.get("ISOAUDIT_VLLM_KEEP_WEIGHTS", "1") != "0":
     keep_raw_weights()

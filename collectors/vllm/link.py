@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from collectors.vllm import worker as worker_side
+from isoaudit.collectors.vllm import worker as worker_side
 
 
 def _uses_extension(llm: Any) -> bool:

@@ -12,9 +12,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from isoaudit.collectors.regions import (
+    Catalog,
+    FamilyMap,
+    ResolvedRegions,
+    Tap,
+    llama_style_map,
+    resolve_regions,
+)
 from torch import nn
-
-from collectors.regions import Catalog, FamilyMap, ResolvedRegions, Tap, llama_style_map, resolve_regions
 
 
 def vllm_map(family: str) -> FamilyMap:

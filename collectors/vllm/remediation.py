@@ -3,7 +3,7 @@
 vLLM lets a worker replace, per layer instance and between two steps:
 
 * the **linear method**: each unquantized linear layer's ``quant_method.apply`` runs the kernels'
-  invariant GEMM (:func:`kernels.routing.linear`) on the layer's *raw* weight. vLLM-CPU packs each
+  invariant GEMM (:func:`kernels.dispatch.linear`) on the layer's *raw* weight. vLLM-CPU packs each
   weight for oneDNN/SGL at load and removes the original, so :func:`keep_raw_weights` hooks
   ``UnquantizedLinearMethod.process_weights_after_loading`` to keep it; it must be installed before
   the worker loads the model (importing :mod:`collectors.vllm.worker`, the worker extension, does
@@ -12,13 +12,13 @@ vLLM lets a worker replace, per layer instance and between two steps:
   instance's ``_forward_method`` is swapped (the residual-fused norm: ``x + residual`` in the model
   dtype, then the norm, as HF computes it);
 * the **head**: ``LogitsProcessor._get_logits`` computes fp32 logits
-  (:func:`kernels.routing.logits_fp32`), and the sampler's log-softmax (``compute_logprobs`` and the
-  top-k/top-p sampler's processed logprobs) is :func:`kernels.routing.log_softmax`;
+  (:func:`kernels.dispatch.logits_fp32`), and the sampler's log-softmax (``compute_logprobs`` and the
+  top-k/top-p sampler's processed logprobs) is :func:`kernels.dispatch.log_softmax`;
 * the **rotary embedding**: ``RotaryEmbedding._forward_method`` runs HF's default RoPE arithmetic
   (what the trainer runs) instead of vLLM's cos/sin cache;
 * the **attention** (vLLM-CPU's ``CPU_ATTN`` backend): each layer's ``impl.forward`` writes the
   step's keys and values into a shadow store per cache block (vLLM's own cache keeps its kernel's
-  layout, which is not read here) and runs :func:`kernels.routing.attention` over each request's keys
+  layout, which is not read here) and runs :func:`kernels.dispatch.attention` over each request's keys
   in position order. A step that needs keys written before the switch (a request in flight across
   it) runs vLLM's kernel instead, counted. The store holds a second copy of the KV rows written while
   invariant (dropped when switching back).
@@ -85,30 +85,30 @@ def keep_raw_weights() -> bool:
 
 @contextmanager
 def _routed() -> Iterator[None]:
-    """:mod:`kernels.routing` enabled for the duration of one replaced op."""
-    from isokernels import routing
+    """:mod:`kernels.dispatch` enabled for the duration of one replaced op."""
+    from isoaudit.kernels import dispatch
 
-    previous = routing.set_enabled(True)
+    previous = dispatch.set_enabled(True)
     try:
         yield
     finally:
-        routing.set_enabled(previous)
+        dispatch.set_enabled(previous)
 
 
 # ----------------------------------------------------------------------------- replacements
 
 
 def _linear(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    from isokernels import routing
+    from isoaudit.kernels import dispatch
 
     raw = vars(layer).get(RAW)
     weight, raw_bias = raw if raw is not None else (layer.weight, bias)
     with _routed():
-        return routing.linear(x, weight, raw_bias if bias is not None else None)
+        return dispatch.linear(x, weight, raw_bias if bias is not None else None)
 
 
 def _norm_forward(module: nn.Module) -> Callable[..., Any]:
-    from isokernels import routing
+    from isoaudit.kernels import dispatch
 
     eps = float(module.variance_epsilon)
 
@@ -116,23 +116,23 @@ def _norm_forward(module: nn.Module) -> Callable[..., Any]:
         weight = module.weight.data if module.has_weight else None
         with _routed():
             if residual is None:
-                return routing.rms_norm(x, weight, eps)
+                return dispatch.rms_norm(x, weight, eps)
             summed = x + residual  # the residual stream in the model dtype, as HF adds it
-            return routing.rms_norm(summed, weight, eps), summed
+            return dispatch.rms_norm(summed, weight, eps), summed
 
     return forward
 
 
 def _silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    from isokernels import routing
+    from isoaudit.kernels import dispatch
 
     d = x.shape[-1] // 2
     with _routed():
-        return routing.silu(x[..., :d]) * x[..., d:]
+        return dispatch.silu(x[..., :d]) * x[..., d:]
 
 
 def _logits_forward(processor: nn.Module) -> Callable[..., Any]:
-    from isokernels import routing
+    from isoaudit.kernels import dispatch
 
     def get_logits(
         hidden_states: torch.Tensor,
@@ -141,7 +141,7 @@ def _logits_forward(processor: nn.Module) -> Callable[..., Any]:
         skip_gather: bool = False,
     ) -> torch.Tensor | None:
         with _routed():
-            logits = routing.logits_fp32(hidden_states, lm_head.weight)
+            logits = dispatch.logits_fp32(hidden_states, lm_head.weight)
         if embedding_bias is not None:
             logits = logits + embedding_bias.float()
         if skip_gather:
@@ -154,10 +154,10 @@ def _logits_forward(processor: nn.Module) -> Callable[..., Any]:
 
 
 def _log_softmax(logits: torch.Tensor) -> torch.Tensor:
-    from isokernels import routing
+    from isoaudit.kernels import dispatch
 
     with _routed():
-        return routing.log_softmax(logits)
+        return dispatch.log_softmax(logits)
 
 
 def _processed_logprobs(sampler: nn.Module, original: Callable[..., Any]) -> Callable[..., Any]:
@@ -249,9 +249,9 @@ class _ShadowKV:
 
 
 def _attention_forward(impl: Any, original: Callable[..., Any], counts: dict[str, int]) -> Any:
-    """The layer's attention through :func:`kernels.routing.attention` over the keys it wrote since
+    """The layer's attention through :func:`kernels.dispatch.attention` over the keys it wrote since
     the switch; a step that needs keys written before it runs vLLM's kernel instead (counted)."""
-    from isokernels import routing
+    from isoaudit.kernels import dispatch
 
     shadow = _ShadowKV()
 
@@ -291,7 +291,7 @@ def _attention_forward(impl: Any, original: Callable[..., Any], counts: dict[str
             v_cache[b, : v.shape[0]] = v
         q_lens = starts[1:] - starts[:-1]
         with _routed():
-            out = routing.attention(
+            out = dispatch.attention(
                 query[:n],
                 k_cache,
                 v_cache,
@@ -440,7 +440,7 @@ class WorkerRemediation:
             native["linear"] = (
                 f"{len(unkept)} layers' raw weights were not kept at load (e.g. {unkept[0]}): start the "
                 "engine with worker_extension_cls=collectors.vllm.EXTENSION, or call "
-                "collectors.vllm.remediation.keep_raw_weights() before creating it"
+                "isoaudit.collectors.vllm.remediation.keep_raw_weights() before creating it"
             )
         if quantized:
             native["linear"] = f"{len(quantized)} quantized layers (e.g. {quantized[0]})"
@@ -485,9 +485,8 @@ class WorkerRemediation:
 
     def ops(self) -> dict[str, str]:
         """Each contract op (:data:`collectors.policy.REGION_OPS`) → ``id@version`` as run now."""
+        from isoaudit.collectors.policy import exact_ops, kernel_ops, rope_op, torch_op
         from vllm.platforms import current_platform
-
-        from collectors.policy import exact_ops, kernel_ops, rope_op, torch_op
 
         version = _version()
         cpu = bool(current_platform.is_cpu())

@@ -19,8 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-
-from audit.records import Case
+from isoaudit.audit.records import Case
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Literal
 
-from collectors.vllm.messages import Selection
+from isoaudit.collectors.vllm.messages import Selection
 
 SelectionArg = Literal["all"] | int | Iterable[str] | None
 

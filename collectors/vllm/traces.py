@@ -14,10 +14,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-
-from audit.fingerprints import ROW_FIELDS
-from collectors.fingerprints import HostRows
-from collectors.vllm.messages import RegionPrints, RequestRecord
+from isoaudit.audit.fingerprints import ROW_FIELDS
+from isoaudit.collectors.fingerprints import HostRows
+from isoaudit.collectors.vllm.messages import RegionPrints, RequestRecord
 
 #: vLLM makes request ids unique by appending "-" and 8 hex digits to the caller's id.
 _SUFFIX = re.compile(r"^(?P<ext>.+)-[0-9a-f]{8}$")

@@ -23,8 +23,7 @@ from typing import Any
 
 import numpy as np
 import torch
-
-from collectors.vllm.messages import PackedTensor
+from isoaudit.collectors.vllm.messages import PackedTensor
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
 
@@ -119,9 +118,9 @@ def load_weights(
     ``llm`` sends a manifest with the new version and digest, so the ``weights`` diagnosis can tell
     a stale trainer or engine from a numerical mismatch.
     """
-    from collectors.vllm.collector import attached
-    from collectors.vllm.link import EngineLink
-    from collectors.vllm.messages import LoadWeights, to_wire
+    from isoaudit.collectors.vllm.collector import attached
+    from isoaudit.collectors.vllm.link import EngineLink
+    from isoaudit.collectors.vllm.messages import LoadWeights, to_wire
 
     if version is None or (isinstance(version, str) and not version):
         raise ValueError("version: give the new weights a version (e.g. the trainer step they come from)")
@@ -219,7 +218,7 @@ class HeldWeights:
         }
 
     def _parts(self, name: str, module: Any, param_name: str, param: torch.Tensor) -> list[Any]:
-        from collectors.held_weights import pending
+        from isoaudit.collectors.held_weights import pending
 
         parts = trainer_parts(name, module, param_name, param.data, self.packed)
         return pending((n + self.suffix, t) for n, t in parts)
@@ -228,7 +227,7 @@ class HeldWeights:
         """(name -> digest of what is held now, names of parameters that cannot be digested). A
         parameter still in place is digested as it is now (whatever wrote it); a removed one as it
         was last loaded."""
-        from collectors.held_weights import landed
+        from isoaudit.collectors.held_weights import landed
 
         items: list[Any] = []
         unavailable: list[str] = []

@@ -26,10 +26,9 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-
-from collectors.vllm.capture import EngineCapture
-from collectors.vllm.facts import capture_refusal, engine_facts
-from collectors.vllm.messages import (
+from isoaudit.collectors.vllm.capture import EngineCapture
+from isoaudit.collectors.vllm.facts import capture_refusal, engine_facts
+from isoaudit.collectors.vllm.messages import (
     Drain,
     Drained,
     LoadWeights,
@@ -43,14 +42,14 @@ from collectors.vllm.messages import (
     from_wire,
     to_wire,
 )
-from collectors.vllm.regions import resolve_engine_regions
-from collectors.vllm.remediation import keep_raw_weights, remediation_of
-from collectors.vllm.weights import WeightState, apply_weights, unpack_tensors
+from isoaudit.collectors.vllm.regions import resolve_engine_regions
+from isoaudit.collectors.vllm.remediation import keep_raw_weights, remediation_of
+from isoaudit.collectors.vllm.weights import WeightState, apply_weights, unpack_tensors
 
 log = logging.getLogger(__name__)
 
 #: The ``worker_extension_cls`` to start a multiprocess engine with.
-EXTENSION = "collectors.vllm.extension.IsoauditWorkerExtension"  # importing it keeps raw weights
+EXTENSION = "isoaudit.collectors.vllm.extension.IsoauditWorkerExtension"  # importing it keeps raw weights
 
 #: Why a worker whose model cannot be switched (no vLLM layers found) stays native.
 NATIVE_IN_VLLM = (
@@ -210,29 +209,29 @@ def load_weights(obj: Any, message: Any, local: Iterable[tuple[str, torch.Tensor
 def weight_digests(obj: Any) -> Any:
     """Digests of the weights this worker holds now, per trainer-named tensor (installs the
     post-load hooks on first use): ``{"digests", "unavailable", "errors"}``."""
-    from collectors.vllm.weights import held_digests_reply
+    from isoaudit.collectors.vllm.weights import held_digests_reply
 
     return held_digests_reply(_worker(obj), _ranks()[0])
 
 
 def track_requests(obj: Any) -> None:
     """Start keeping per-request facts (prefix-cache staleness, weight spans, min-p)."""
-    from collectors.vllm.engine_state import worker_state
+    from isoaudit.collectors.vllm.engine_state import worker_state
 
     worker_state(_worker(obj))
 
 
 def request_facts(obj: Any, ext_ids: list[str]) -> Any:
     """The per-request facts of these requests, handed over and forgotten."""
-    from collectors.vllm.engine_state import worker_state
+    from isoaudit.collectors.vllm.engine_state import worker_state
 
     return worker_state(_worker(obj)).drain(ext_ids)
 
 
 def release_facts(obj: Any) -> None:
     """Remove the held-weight and request-facts hooks."""
-    from collectors.vllm.engine_state import release_state
-    from collectors.vllm.weights import release_held
+    from isoaudit.collectors.vllm.engine_state import release_state
+    from isoaudit.collectors.vllm.weights import release_held
 
     worker = _worker(obj)
     release_held(worker)
@@ -245,21 +244,21 @@ def release_facts(obj: Any) -> None:
 def routing_start(obj: Any) -> Any:
     """Capture the experts this worker's fused-MoE layers choose per token (replacing an earlier
     capture): the MoE layout, or ``{"skipped": reason}`` (:func:`collectors.routing_vllm.start_worker`)."""
-    from collectors.routing_vllm import start_worker
+    from isoaudit.collectors.routing_vllm import start_worker
 
     return start_worker(_worker(obj), _ranks()[0])
 
 
 def routing_take(obj: Any, keys: list[str]) -> Any:
     """The routes of these samples (by sample key), in wire form, handed over and forgotten."""
-    from collectors.routing_vllm import take_worker
+    from isoaudit.collectors.routing_vllm import take_worker
 
     return take_worker(_worker(obj), keys)
 
 
 def routing_stop(obj: Any) -> Any:
     """Remove the routing capture; answers its counters."""
-    from collectors.routing_vllm import stop_worker
+    from isoaudit.collectors.routing_vllm import stop_worker
 
     return stop_worker(_worker(obj))
 

@@ -4,6 +4,6 @@ its callbacks on that app (so several apps in one process never share callbacks)
 Order matters: Dash takes the first path template that matches (in ``order``), and ``<run_id>``
 matches slashes too, so the longer run paths (sample, contract) get a lower ``order`` than the run page."""
 
-from dashboard.pages import alerts, contract, run, runs, sample
+from isoaudit.dashboard.pages import alerts, contract, run, runs, sample
 
 PAGES = (runs, sample, contract, run, alerts)

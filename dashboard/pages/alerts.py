@@ -9,13 +9,12 @@ from urllib.parse import quote
 import dash
 import dash_bootstrap_components as dbc
 from dash import ALL, Input, Output, State, dcc, html, no_update
+from isoaudit.audit import queries
+from isoaudit.audit.alerts.silences import SilenceSpec, create_silence, expire_silence
+from isoaudit.audit.records import utcnow
+from isoaudit.dashboard import context, data
+from isoaudit.dashboard.components import STATE_COLOURS, badge, frame_table
 from pydantic import ValidationError
-
-from audit import queries
-from audit.alerts.silences import SilenceSpec, create_silence, expire_silence
-from audit.records import utcnow
-from dashboard import context, data
-from dashboard.components import STATE_COLOURS, badge, frame_table
 
 DURATIONS = {"1 hour": 3600, "4 hours": 4 * 3600, "1 day": 86400, "1 week": 7 * 86400}
 

@@ -9,10 +9,9 @@ from urllib.parse import quote
 import dash
 import dash_bootstrap_components as dbc
 from dash import dcc, html
-
-from audit import queries
-from dashboard import context, data
-from dashboard.components import frame_table, not_found
+from isoaudit.audit import queries
+from isoaudit.dashboard import context, data
+from isoaudit.dashboard.components import frame_table, not_found
 
 
 def verdict(view: queries.ContractView) -> dbc.Alert:

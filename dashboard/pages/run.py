@@ -13,15 +13,20 @@ import dash_bootstrap_components as dbc
 import pandas as pd
 import plotly.graph_objects as go
 from dash import Input, Output, State, dash_table, dcc, html, no_update
-
-from audit import queries
-from audit.records import StepStats
-from audit.service_models import REMEDIATION_MODES, StaleControlVersion
-from audit.store import Store
-from audit.summaries import bin_label
-from dashboard import context, data, figures
-from dashboard.components import STATUS_COLOURS, ago, badge, graph, not_found, text
-from dashboard.live import LiveState, diagnosis_patch, divergence_patch, position_patch, timelines_patch
+from isoaudit.audit import queries
+from isoaudit.audit.records import StepStats
+from isoaudit.audit.service_models import REMEDIATION_MODES, StaleControlVersion
+from isoaudit.audit.store import Store
+from isoaudit.audit.summaries import bin_label
+from isoaudit.dashboard import context, data, figures
+from isoaudit.dashboard.components import STATUS_COLOURS, ago, badge, graph, not_found, text
+from isoaudit.dashboard.live import (
+    LiveState,
+    diagnosis_patch,
+    divergence_patch,
+    position_patch,
+    timelines_patch,
+)
 
 PATH = "/runs/<run_id>"
 

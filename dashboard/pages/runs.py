@@ -7,11 +7,10 @@ from urllib.parse import quote
 import dash
 import pandas as pd
 from dash import Input, Output, dcc, html
-
-from audit import queries
-from audit.records import utcnow
-from dashboard import context, data, figures
-from dashboard.components import STATUS_COLOURS, ago, badge, frame_table, text
+from isoaudit.audit import queries
+from isoaudit.audit.records import utcnow
+from isoaudit.dashboard import context, data, figures
+from isoaudit.dashboard.components import STATUS_COLOURS, ago, badge, frame_table, text
 
 PATH = "/"
 

@@ -9,10 +9,9 @@ from urllib.parse import quote
 import dash
 import dash_bootstrap_components as dbc
 from dash import dash_table, dcc, html
-
-from audit import queries
-from dashboard import context, data, figures
-from dashboard.components import graph, not_found, text
+from isoaudit.audit import queries
+from isoaudit.dashboard import context, data, figures
+from isoaudit.dashboard.components import graph, not_found, text
 
 PATH = "/runs/<run_id>/steps/<step>/samples/<sample_key>"
 

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-
-from audit.records import RegionFingerprints, SampleLogprobs
-from audit.regions import canonical_regions
-from collectors.fingerprints import fingerprint_rows
+from isoaudit.audit.records import RegionFingerprints, SampleLogprobs
+from isoaudit.audit.regions import canonical_regions
+from isoaudit.collectors.fingerprints import fingerprint_rows
 
 
 def run_stack(

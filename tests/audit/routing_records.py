@@ -5,10 +5,10 @@ known (step, layer, position)."""
 from __future__ import annotations
 
 import numpy as np
+from isoaudit.audit.records import Routes
+from isoaudit.audit.store import Store
+from isoaudit.audit.worker import ComparisonWorker
 
-from audit.records import Routes
-from audit.store import Store
-from audit.worker import ComparisonWorker
 from tests import factories
 
 LAYERS = [0, 2]  # MoE layers (layer 1 is dense)

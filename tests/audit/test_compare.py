@@ -5,10 +5,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from isoaudit.audit.compare import (
+    DIFFERS,
+    EQUAL,
+    NOT_OBSERVED,
+    RegionGrid,
+    compare_fingerprints,
+    compare_sample,
+)
+from isoaudit.audit.records import RuntimeFacts, SampleLogprobs
+from isoaudit.audit.regions import canonical_regions
 
-from audit.compare import DIFFERS, EQUAL, NOT_OBSERVED, RegionGrid, compare_fingerprints, compare_sample
-from audit.records import RuntimeFacts, SampleLogprobs
-from audit.regions import canonical_regions
 from tests import factories
 from tests.audit.causal_stack import run_stack
 

@@ -10,18 +10,18 @@ from typing import Any
 
 import numpy as np
 import pytest
+from isoaudit.audit import compare as compare_module
+from isoaudit.audit.compare import compare_samples, in_step_order, step_summary
+from isoaudit.audit.metric_names import required_variants
+from isoaudit.audit.metrics import UNKNOWN_LAG, lag_metrics, sample_metrics, step_metrics
+from isoaudit.audit.models import StepSummaryRow
+from isoaudit.audit.policy_lag import token_lags
+from isoaudit.audit.records import Run, SampleLogprobs
+from isoaudit.audit.store import Store
+from isoaudit.audit.summaries import POSITION_BIN_EDGES, position_bins
+from isoaudit.audit.worker import ComparisonWorker
 from sqlalchemy import select
 
-import audit.compare
-from audit.compare import compare_samples, in_step_order, step_summary
-from audit.metric_names import required_variants
-from audit.metrics import UNKNOWN_LAG, lag_metrics, sample_metrics, step_metrics
-from audit.models import StepSummaryRow
-from audit.policy_lag import token_lags
-from audit.records import Run, SampleLogprobs
-from audit.store import Store
-from audit.summaries import POSITION_BIN_EDGES, position_bins
-from audit.worker import ComparisonWorker
 from tests import factories
 
 RUN = "run-1"
@@ -67,7 +67,7 @@ def one_pass(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) ->
     """Both ways of measuring a step: with its figures in one pass (as a large step is), or its
     samples in the batch's frame and its figures apart (as a small one is)."""
     if request.param == "one pass":
-        monkeypatch.setattr(audit.compare, "ONE_PASS_TOKENS", 0)
+        monkeypatch.setattr(compare_module, "ONE_PASS_TOKENS", 0)
     return request.param == "one pass"
 
 

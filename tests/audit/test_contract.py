@@ -1,4 +1,4 @@
-"""audit.contract: identities, validation, file round trip and the handshake."""
+"""isoaudit.audit.contract: identities, validation, file round trip and the handshake."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from audit.contract import (
+from isoaudit.audit.contract import (
     CompositionEntry,
     Constant,
     Contract,
@@ -33,8 +32,8 @@ from audit.contract import (
     policy_identity,
     validate,
 )
-from audit.records import Manifest
-from audit.regions import canonical_regions
+from isoaudit.audit.records import Manifest
+from isoaudit.audit.regions import canonical_regions
 
 FIXTURE = Path(__file__).parent / "contracts" / "tiny_qwen3.json"
 CASES = ["trainer_fwd", "trainer_recompute", "engine_prefill", "engine_decode"]
@@ -390,7 +389,7 @@ def test_handshake_refuses_missing_tampered_and_misplaced_manifests() -> None:
 
 
 def test_canonical_regions_in_forward_order() -> None:
-    from audit.regions import is_canonical, region_order
+    from isoaudit.audit.regions import is_canonical, region_order
 
     regions = canonical_regions(2)
     assert regions[:3] == ["embed", "layers.0.input_norm", "layers.0.attn"]

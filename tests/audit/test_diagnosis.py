@@ -1,4 +1,4 @@
-"""audit.diagnosis, one test per case of issue 16, on records built for the case: the lm_head's
+"""isoaudit.audit.diagnosis, one test per case of issue 16, on records built for the case: the lm_head's
 precision named with its side, truncation told apart from raw-vs-processed, a prefix cache that
 crossed a weight update, silent stale weights (held digests, the embedding), and off-policy by design
 against undeclared or out-of-bound lags. Each has a clean control that must not alarm."""
@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from isoaudit.audit.compare import compare_sample, compare_samples, step_summary
+from isoaudit.audit.records import Manifest, OffPolicy, RuntimeFacts, SampleLogprobs, WeightSpan
 
-from audit.compare import compare_sample, compare_samples, step_summary
-from audit.records import Manifest, OffPolicy, RuntimeFacts, SampleLogprobs, WeightSpan
 from tests import factories
 
 VOCAB, N, PROMPT = 100, 256, 6
@@ -339,7 +339,7 @@ def test_the_clean_control_is_clean_even_off_policy() -> None:
 
 def test_the_run_declares_its_policy_in_its_config() -> None:
     run = factories.run(config={"off_policy": {"max_staleness": 2, "in_flight_updates": True}})
-    from audit.records import off_policy_of
+    from isoaudit.audit.records import off_policy_of
 
     assert off_policy_of(run.config) == OffPolicy(max_staleness=2, in_flight_updates=True)
     assert off_policy_of(factories.run().config) is None

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from isoaudit.audit.alerts.rules import AlertRule
+from isoaudit.audit.api.prometheus import StoreCollector, _sanitize
+from isoaudit.audit.metric_names import FRAMEWORKS, resolve
+from isoaudit.audit.store import Store
+from isoaudit.audit.worker import ComparisonWorker
 from typer.testing import CliRunner
 
-from audit.alerts.rules import AlertRule
-from audit.api.prometheus import StoreCollector, _sanitize
-from audit.cli import app
-from audit.metric_names import FRAMEWORKS, resolve
-from audit.store import Store
-from audit.worker import ComparisonWorker
+from isoaudit.cli import app
 from tests import factories
 from tests.audit.test_metric_names import LISTED
 

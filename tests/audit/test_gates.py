@@ -7,12 +7,12 @@ import json
 
 import numpy as np
 import pytest
+from isoaudit.audit.gates import GateError, assert_parity, bounds_of, parse_assignment, parse_steps
+from isoaudit.audit.metric_names import ALIASES
+from isoaudit.audit.store import Store
 from typer.testing import CliRunner
 
-from audit.cli import app
-from audit.gates import GateError, assert_parity, bounds_of, parse_assignment, parse_steps
-from audit.metric_names import ALIASES
-from audit.store import Store
+from isoaudit.cli import app
 from tests import factories
 
 runner = CliRunner()

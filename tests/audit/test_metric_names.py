@@ -1,14 +1,14 @@
-"""audit.metric_names: every framework figure the issue lists is an alias of one stored key, and the
+"""isoaudit.audit.metric_names: every framework figure the issue lists is an alias of one stored key, and the
 comparator's step figures contain every key an alias reads."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from isoaudit.audit import metric_names as names
+from isoaudit.audit.compare import compare_samples, step_summary
+from isoaudit.audit.metric_names import UnknownMetric, resolve
 
-from audit import metric_names as names
-from audit.compare import compare_samples, step_summary
-from audit.metric_names import UnknownMetric, resolve
 from tests import factories
 
 #: The figures issue 16 names, as each framework logs them.

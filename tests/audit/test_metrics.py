@@ -1,4 +1,4 @@
-"""audit.metrics: hand-computed values, pooling rules and the edges (empty, one token, identical, -inf)."""
+"""isoaudit.audit.metrics: hand-computed values, pooling rules and the edges (empty, one token, identical, -inf)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-
-from audit.metrics import (
+from isoaudit.audit.metrics import (
     LENGTH_BUCKETS,
     METRIC_DESCRIPTIONS,
     PARAMETRIC,

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
+from isoaudit.audit.migrate import current_revision, head_revision, upgrade
+from isoaudit.audit.models import Base
+from isoaudit.audit.store import Store, StoreError, make_engine
 from sqlalchemy import text
 
-from audit.migrate import current_revision, head_revision, upgrade
-from audit.models import Base
-from audit.store import Store, StoreError, make_engine
 from tests import factories
 
 

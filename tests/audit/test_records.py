@@ -7,10 +7,10 @@ import json
 
 import numpy as np
 import pytest
+from isoaudit.audit.arrays import MAX_ARRAY_ELEMENTS
+from isoaudit.audit.records import Batch, RegionFingerprints, SampleLogprobs, sample_key
 from pydantic import ValidationError
 
-from audit.arrays import MAX_ARRAY_ELEMENTS
-from audit.records import Batch, RegionFingerprints, SampleLogprobs, sample_key
 from tests import factories
 
 
@@ -125,8 +125,7 @@ def test_batch_is_discriminated_by_kind():
 
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-
-from audit.records import RecordError, validate_record  # noqa: E402
+from isoaudit.audit.records import RecordError, validate_record  # noqa: E402
 
 
 def valid_dicts() -> dict[str, dict]:
@@ -235,7 +234,7 @@ def test_byte_order_of_a_constructed_record_does_not_change_its_values(int_order
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 def test_the_store_stores_the_valid_records_of_any_batch_and_names_the_rest(tmp_path_factory, bodies, tag):
     """Nothing partial: every record of a batch is stored, a duplicate, or rejected by name."""
-    from audit.store import Store
+    from isoaudit.audit.store import Store
 
     store = STORES.setdefault("sqlite", Store(f"sqlite:///{tmp_path_factory.mktemp('prop') / 's.db'}"))
     run_id = f"prop-{tag}"

@@ -17,9 +17,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from audit import arrays
-from audit.records import RecordError, Routes, SampleLogprobs, _repeats, validate_record
+from isoaudit.audit import arrays
+from isoaudit.audit.records import RecordError, Routes, SampleLogprobs, _repeats, validate_record
 
 N_TOKENS = 6
 
@@ -83,9 +82,8 @@ def _from_json(routes_fields: dict[str, Any]) -> SampleLogprobs:
     try:
         return SampleLogprobs.model_validate_json(json.dumps(_as_dict(routes_fields)))
     except Exception as exc:  # pydantic's ValidationError: the boundary's error is its cause
+        from isoaudit.audit.records import record_error
         from pydantic import ValidationError
-
-        from audit.records import record_error
 
         if isinstance(exc, ValidationError):
             raise record_error(exc) from None

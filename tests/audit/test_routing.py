@@ -7,10 +7,9 @@ import math
 
 import numpy as np
 import pytest
-
-from audit.compare import compare_sample, step_summary
-from audit.records import RecordError, Routes, SampleLogprobs, validate_record
-from audit.routing import (
+from isoaudit.audit.compare import compare_sample, step_summary
+from isoaudit.audit.records import RecordError, Routes, SampleLogprobs, validate_record
+from isoaudit.audit.routing import (
     compare_routes,
     routes_columns,
     routes_from_columns,

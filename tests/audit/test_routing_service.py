@@ -7,14 +7,14 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+from isoaudit.audit.alerts import AlertEngine, AlertRule, DatabaseChannel
+from isoaudit.audit.alerts.history import list_alerts
+from isoaudit.audit.alerts.rules import save_rule
+from isoaudit.audit.api import ApiSettings, create_app
+from isoaudit.audit.api.live import LiveServer
+from isoaudit.audit.auth import create_token
+from isoaudit.audit.store import Store
 
-from audit.alerts import AlertEngine, AlertRule, DatabaseChannel
-from audit.alerts.history import list_alerts
-from audit.alerts.rules import save_rule
-from audit.api import ApiSettings, create_app
-from audit.api.live import LiveServer
-from audit.auth import create_token
-from audit.store import Store
 from tests.audit.routing_records import LAYERS, N, routed_run
 
 
@@ -83,9 +83,9 @@ def test_metrics_export_and_an_alert_rule_on_routing_flips(api: httpx.Client, st
 
 def test_routes_travel_over_http_ingest_and_come_back_equal(api: httpx.Client, store: Store) -> None:
     import numpy as np
+    from isoaudit.audit.records import Routes
+    from isoaudit.collectors.sinks.base import encode_batch
 
-    from audit.records import Routes
-    from collectors.sinks.base import encode_batch
     from tests import factories
 
     sample = factories.sample("trainer", run_id="wire", prompt_len=3, n_completion=2)

@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from audit.records import Routes, SampleLogprobs
-from audit.routing import (
+from isoaudit.audit.records import Routes, SampleLogprobs
+from isoaudit.audit.routing import (
     compare_sample_routes,
     set_overlap,
     set_overlap_pairwise,

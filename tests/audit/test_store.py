@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from isoaudit.audit.models import ManifestRow, RunRow, SampleRow
+from isoaudit.audit.records import RuntimeFacts
+from isoaudit.audit.store import ForbiddenRun, Store
 from sqlalchemy import func, select
 
-from audit.models import ManifestRow, RunRow, SampleRow
-from audit.records import RuntimeFacts
-from audit.store import ForbiddenRun, Store
 from tests import factories
 
 
@@ -181,7 +181,8 @@ def test_two_writers_registering_one_run_at_once_both_store(database_url: str) -
     moment: the one that loses the race stores its batch all the same."""
     import threading
 
-    from audit.store import Store
+    from isoaudit.audit.store import Store
+
     from tests import factories
 
     stores = [Store(database_url) for _ in range(4)]

@@ -6,12 +6,12 @@ import json
 import time
 
 import numpy as np
+from isoaudit.audit.compare import RegionGrid
+from isoaudit.audit.store import Store
+from isoaudit.audit.worker import ComparisonWorker
 from typer.testing import CliRunner
 
-from audit.cli import app
-from audit.compare import RegionGrid
-from audit.store import Store
-from audit.worker import ComparisonWorker
+from isoaudit.cli import app
 from tests import factories
 from tests.audit.causal_stack import run_stack
 

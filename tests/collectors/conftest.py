@@ -8,8 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
-from collectors.tiny_models import load_tiny_model, make_tiny_model
+from isoaudit.collectors.tiny_models import load_tiny_model, make_tiny_model
 
 NUM_LAYERS = 2
 

@@ -10,13 +10,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from isoaudit.audit.compare import DIFFERS, EQUAL, compare_sample
+from isoaudit.audit.records import RegionFingerprints, SampleLogprobs
+from isoaudit.audit.regions import canonical_regions
+from isoaudit.collectors.layout import StepBatch
+from isoaudit.collectors.sinks import MemorySink
+from isoaudit.collectors.trainer import attach
 
-from audit.compare import DIFFERS, EQUAL, compare_sample
-from audit.records import RegionFingerprints, SampleLogprobs
-from audit.regions import canonical_regions
-from collectors.layout import StepBatch
-from collectors.sinks import MemorySink
-from collectors.trainer import attach
 from tests.collectors.conftest import NUM_LAYERS, random_samples
 from tests.collectors.test_trainer import HF_MODULES
 

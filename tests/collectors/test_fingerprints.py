@@ -3,20 +3,19 @@ order/chunk/batch invariance, one-ulp sensitivity, ladder brackets, sketch size.
 
 from __future__ import annotations
 
+import isoaudit.collectors.fingerprints as fp
 import numpy as np
 import pytest
 import torch
-
-import collectors.fingerprints as fp
-from audit.fingerprints import (
+from isoaudit.audit.fingerprints import (
     digest_weights,
     estimate_relative_l2,
     first_agreeing_rung,
     relative_error_bound,
     rows_equal,
 )
-from audit.records import RegionFingerprints
-from collectors.fingerprints import default_ladder_bits, fingerprint_rows
+from isoaudit.audit.records import RegionFingerprints
+from isoaudit.collectors.fingerprints import default_ladder_bits, fingerprint_rows
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 INT_OF = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
@@ -250,7 +249,7 @@ def test_the_fused_kernel_gets_the_arguments_this_module_uses() -> None:
     """On CUDA :func:`fingerprint_rows` hands rows to ``kernels.fingerprint`` with its own digest
     weights, sketch and rung masks; the kernel's exact torch reference (which runs here) must then
     give the same integer fields bit for bit."""
-    kernel = pytest.importorskip("isokernels.fingerprint")
+    kernel = pytest.importorskip("isoaudit.kernels.fingerprint")
     x = torch.randn(37, 96).to(torch.bfloat16)
     want = fingerprint_rows(x)
     fmt = fp._format(x.dtype)

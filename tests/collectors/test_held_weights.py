@@ -6,13 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from isoaudit.collectors.held_weights import ROW, checkpoint_name, module_digests, tensor_digests
+from isoaudit.collectors.held_weights import _splitmix64 as splitmix64
+from isoaudit.collectors.sinks import MemorySink
+from isoaudit.collectors.trainer import TrainerCollector
+from isoaudit.collectors.vllm.weights import trainer_parts
 from torch import nn
-
-from collectors.held_weights import ROW, checkpoint_name, module_digests, tensor_digests
-from collectors.held_weights import _splitmix64 as splitmix64
-from collectors.sinks import MemorySink
-from collectors.trainer import TrainerCollector
-from collectors.vllm.weights import trainer_parts
 
 
 def reference(tensor: torch.Tensor) -> int:

@@ -11,16 +11,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from isoaudit.audit.api.app import create_app
+from isoaudit.audit.api.live import LiveServer
+from isoaudit.audit.api.settings import ApiSettings
+from isoaudit.audit.auth import create_token
+from isoaudit.audit.store import Store
+from isoaudit.collectors.control import ServiceControl
+from isoaudit.collectors.layout import StepBatch
+from isoaudit.collectors.sinks import HttpSink
+from isoaudit.collectors.trainer import attach
 
-from audit.api.app import create_app
-from audit.api.live import LiveServer
-from audit.api.settings import ApiSettings
-from audit.auth import create_token
-from audit.store import Store
-from collectors.control import ServiceControl
-from collectors.layout import StepBatch
-from collectors.sinks import HttpSink
-from collectors.trainer import attach
 from tests.collectors.conftest import random_samples
 
 RUN = "http-run"

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from collectors.layout import Span, StepBatch
+from isoaudit.collectors.layout import Span, StepBatch
 
 
 def test_padded_both_sides_and_position_ids() -> None:

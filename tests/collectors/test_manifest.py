@@ -7,13 +7,13 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from isoaudit.collectors.control import FixedControl
+from isoaudit.collectors.manifest import runtime_signature, trainer_runtime
+from isoaudit.collectors.remediation import apply_kernels_mode
+from isoaudit.collectors.sinks import MemorySink
+from isoaudit.collectors.trainer import attach
 
-import isokernels as kernels
-from collectors.control import FixedControl
-from collectors.manifest import runtime_signature, trainer_runtime
-from collectors.remediation import apply_kernels_mode
-from collectors.sinks import MemorySink
-from collectors.trainer import attach
+from isoaudit import kernels
 from tests.collectors.test_trainer import make_batch
 
 

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from isoaudit.audit.records import SampleLogprobs
+from isoaudit.audit.store import Store
+from isoaudit.collectors.sinks import DirectSink, HttpSink, MemorySink, Sink
 
-from audit.records import SampleLogprobs
-from audit.store import Store
-from collectors.sinks import DirectSink, HttpSink, MemorySink, Sink
 from tests import factories
 
 RUN = "reject-run"
@@ -69,10 +69,10 @@ def test_direct_sink(database_url: str, caplog: pytest.LogCaptureFixture) -> Non
 
 
 def test_http_sink(store: Store, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    from audit.api.app import create_app
-    from audit.api.live import LiveServer
-    from audit.api.settings import ApiSettings
-    from audit.auth import create_token
+    from isoaudit.audit.api.app import create_app
+    from isoaudit.audit.api.live import LiveServer
+    from isoaudit.audit.api.settings import ApiSettings
+    from isoaudit.audit.auth import create_token
 
     token = create_token(store, "p")
     server = LiveServer(create_app(store, ApiSettings(run_worker=False, default_alert_rules=False)))

@@ -1,5 +1,5 @@
 """MoE routing end to end: a tiny HF Qwen3-MoE (and Mixtral) run as the trainer and inside the
-reference engine through ``collectors.session``, stored, compared by the worker.
+reference engine through ``isoaudit.session``, stored, compared by the worker.
 
 Kernels off (bf16): the two sides' native arithmetic differs and some routing decisions flip; the
 routing figures, the first flip and the ``routing`` sub-cause are reported. Kernels on: the
@@ -16,19 +16,19 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from isoaudit.audit.queries import routing_series
+from isoaudit.audit.records import Manifest, SampleLogprobs, sample_key
+from isoaudit.audit.store import Store
+from isoaudit.audit.worker import ComparisonWorker
+from isoaudit.collectors import trainer as trainer_module
+from isoaudit.collectors.layout import StepBatch
+from isoaudit.collectors.rl.grpo import policy_logprobs
+from isoaudit.collectors.routing import TrainerRoutes, replay_tensors, routes_from_vllm, watch_routing
+from isoaudit.collectors.sinks import MemorySink
+from isoaudit.collectors.tiny_models import make_tiny_model
 
-import collectors
-import collectors.trainer
-import isokernels as kernels
-from audit.queries import routing_series
-from audit.records import Manifest, SampleLogprobs, sample_key
-from audit.store import Store
-from audit.worker import ComparisonWorker
-from collectors.layout import StepBatch
-from collectors.rl.grpo import policy_logprobs
-from collectors.routing import TrainerRoutes, replay_tensors, routes_from_vllm, watch_routing
-from collectors.sinks import MemorySink
-from collectors.tiny_models import make_tiny_model
+import isoaudit
+from isoaudit import kernels
 
 pytestmark = pytest.mark.slow
 
@@ -53,15 +53,15 @@ def _load(path: Path, attention: str = "sdpa") -> Any:
 
 def _run(path: Path, url: str, run_id: str, *, steps: int = 2, enabled: bool = False) -> Store:
     """Both sides of ``steps`` rollout steps of a tiny MoE, recorded through one session into ``url``."""
-    from isokernels.adapters_moe import HFMoECausalLM
-    from isokernels.engine import RolloutEngine
+    from isoaudit.kernels.adapters_moe import HFMoECausalLM
+    from isoaudit.kernels.engine import RolloutEngine
 
     # The trainer's native attention is HF's eager one (bf16 probabilities times V), the engine's its
     # own: the kind of kernel difference that flips close routing calls downstream.
     trainer_model, engine_model = _load(path, "eager"), _load(path)
     with kernels.enable() if enabled else kernels.disable():
         engine = RolloutEngine(HFMoECausalLM(engine_model), max_len=64, cuda_graphs=False)
-        with collectors.session(run_id, database_url=url, strict=True, report=False) as audit:
+        with isoaudit.session(run_id, database_url=url, strict=True, report=False) as audit:
             rollout = audit.watch_engine(engine, remediation_hook=None)
             trainer = audit.watch_trainer(trainer_model, remediation_hook=None, async_transfer=False)
             assert audit.watch_routing(rollout) is not None and audit.watch_routing(trainer) is not None
@@ -123,7 +123,7 @@ def test_routing_replay_reports_replayed_fraction_and_missing_routes(qwen3_moe: 
     is reported as a missing route, the rest as replayed, and the manifest names the replay."""
     model = _load(qwen3_moe)
     sink = MemorySink()
-    handle = collectors.trainer.attach(
+    handle = trainer_module.attach(
         model, run="r3", sink=sink, regions=None, strict=True, async_transfer=False
     )
     recorder = watch_routing(handle)
@@ -154,16 +154,16 @@ def test_routing_replay_reports_replayed_fraction_and_missing_routes(qwen3_moe: 
 
 def test_replaying_the_rollouts_routes_end_to_end(qwen3_moe: Path, tmp_path: Path) -> None:
     """R3 with the reference engine as the rollout: the trainer replays each sample's rollout routes
-    (one sample's are missing), through collectors.session into a store. Replayed samples agree on
+    (one sample's are missing), through isoaudit.session into a store. Replayed samples agree on
     every token; the replayed fraction and the missing routes are reported; the manifest says so."""
-    from isokernels.adapters_moe import HFMoECausalLM
-    from isokernels.engine import RolloutEngine
+    from isoaudit.kernels.adapters_moe import HFMoECausalLM
+    from isoaudit.kernels.engine import RolloutEngine
 
     url = f"sqlite:///{tmp_path / 'r3.db'}"
     trainer_model, engine_model = _load(qwen3_moe, "eager"), _load(qwen3_moe)
     with kernels.disable():
         engine = RolloutEngine(HFMoECausalLM(engine_model), max_len=64, cuda_graphs=False)
-        with collectors.session("moe-r3", database_url=url, strict=True, report=False) as audit:
+        with isoaudit.session("moe-r3", database_url=url, strict=True, report=False) as audit:
             rollout = audit.watch_engine(engine, remediation_hook=None)
             trainer = audit.watch_trainer(trainer_model, remediation_hook=None, async_transfer=False)
             engine_routes, trainer_routes = watch_routing(rollout), watch_routing(trainer)
@@ -224,10 +224,10 @@ def test_mixtral_routes_on_both_sides(tmp_path: Path, enabled: bool) -> None:
 
 
 def test_a_dense_model_has_no_routing_to_record(tmp_path: Path) -> None:
-    from collectors.tiny_models import load_tiny_model, make_tiny_model
+    from isoaudit.collectors.tiny_models import load_tiny_model, make_tiny_model
 
     model, _ = load_tiny_model(make_tiny_model("qwen3", tmp_path / "dense"))
-    handle = collectors.trainer.attach(model, run="dense", sink=MemorySink(), regions=None)
+    handle = trainer_module.attach(model, run="dense", sink=MemorySink(), regions=None)
     assert watch_routing(handle) is None
     handle.detach()
 
@@ -237,7 +237,7 @@ def test_a_framework_that_replays_by_itself_only_marks_the_rows(qwen3_moe: Path)
     rows were replayed (and the manifest names the source); the routes recorded are the ones used."""
     model = _load(qwen3_moe)
     sink = MemorySink()
-    handle = collectors.trainer.attach(
+    handle = trainer_module.attach(
         model, run="verl", sink=sink, regions=None, strict=True, async_transfer=False
     )
     recorder = watch_routing(handle)

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import collectors.trainer as trainer
-from audit.records import Record
-from collectors.sinks import MemorySink
-from collectors.tiny_models import load_tiny_model, make_tiny_model
+import isoaudit.collectors.trainer as trainer
+from isoaudit.audit.records import Record
+from isoaudit.collectors.sinks import MemorySink
+from isoaudit.collectors.tiny_models import load_tiny_model, make_tiny_model
 
 
 def test_hooks_on_a_shared_sink_come_and_go_in_any_order(tmp_path) -> None:

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import msgpack
 import numpy as np
-
-from audit.records import Routes
-from collectors.routing_vllm import merge_routes, routes_from_wire, routes_to_wire
+from isoaudit.audit.records import Routes
+from isoaudit.collectors.routing_vllm import merge_routes, routes_from_wire, routes_to_wire
 
 
 def _routes(layers: list[int], positions: list[int], k: int, experts: int, seed: int) -> Routes:

@@ -1,4 +1,4 @@
-"""collectors.session: where records go (arguments, then the environment, then SQLite), both sides
+"""isoaudit.isoaudit.session: where records go (arguments, then the environment, then SQLite), both sides
 attached through one session, control applied at each side's next step, and close() detaching
 everything, idempotently, with a summary per side."""
 
@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from isoaudit.collectors.sessions import DatabaseDestination, ServiceDestination, destination_from
 
-import collectors
-from collectors import MemoryDestination, StepBatch
-from collectors.sessions import DatabaseDestination, ServiceDestination, destination_from
+import isoaudit
+from isoaudit import MemoryDestination, StepBatch
 
 
 def test_destination_from_arguments_then_environment_then_sqlite(tmp_path: Path) -> None:
@@ -29,8 +29,8 @@ def test_destination_from_arguments_then_environment_then_sqlite(tmp_path: Path)
 
 
 def _engine(model: torch.nn.Module):
-    from isokernels.adapters import HFCausalLM
-    from isokernels.engine import RolloutEngine
+    from isoaudit.kernels.adapters import HFCausalLM
+    from isoaudit.kernels.engine import RolloutEngine
 
     return RolloutEngine(HFCausalLM(model), max_len=64)
 
@@ -39,7 +39,7 @@ def test_both_sides_switch_at_their_next_step_and_close_detaches_everything(load
     model = load("qwen3")
     engine = _engine(model)
     switched: list[tuple[str, str]] = []
-    audit = collectors.session("s-1", destination=MemoryDestination(), strict=True, report=False)
+    audit = isoaudit.session("s-1", destination=MemoryDestination(), strict=True, report=False)
     audit.start()  # without `with`, as a framework callback would
     trainer = audit.watch_trainer(
         model, regions=["embed"], remediation_hook=lambda _m, m: switched.append(("t", m))
@@ -85,7 +85,7 @@ def test_both_sides_switch_at_their_next_step_and_close_detaches_everything(load
 
 def test_a_side_that_cannot_switch_says_so(load) -> None:
     model = load("llama")
-    with collectors.session("s-2", destination=MemoryDestination(), strict=True, report=False) as audit:
+    with isoaudit.session("s-2", destination=MemoryDestination(), strict=True, report=False) as audit:
         trainer = audit.watch_trainer(model, regions=None, remediation_hook=None)
         audit.control.set("invariant")  # type: ignore[attr-defined]
         batch = StepBatch.padded([[1, 2, 3]], [[4, 5]])
@@ -104,14 +104,14 @@ def test_a_side_that_cannot_switch_says_so(load) -> None:
 
 
 def test_direct_writes_by_default_read_control_from_the_store(load, tmp_path: Path, monkeypatch) -> None:
-    from audit.store import Store
+    from isoaudit.audit.store import Store
 
     url = f"sqlite:///{tmp_path / 'isoaudit.db'}"
     monkeypatch.delenv("ISOAUDIT_URL", raising=False)
     monkeypatch.setenv("ISOAUDIT_DATABASE_URL", url)
     model = load("qwen3")
     applied: list[str] = []
-    with collectors.session("s-3", control_interval=0.0, report=False) as audit:
+    with isoaudit.session("s-3", control_interval=0.0, report=False) as audit:
         trainer = audit.watch_trainer(model, regions=None, remediation_hook=lambda _m, m: applied.append(m))
         batch = StepBatch.padded([[1, 2, 3, 4]], [[5, 6, 7]])
         with torch.no_grad():
@@ -131,7 +131,7 @@ def test_control_never_raises_and_backs_off_while_the_service_is_down(caplog) ->
     import socket
     import time
 
-    from collectors.control import Control, ServiceControl
+    from isoaudit.collectors.control import Control, ServiceControl
 
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
@@ -153,7 +153,7 @@ def test_a_hung_service_holds_the_step_at_most_the_control_wait() -> None:
     import socket
     import time
 
-    from collectors.control import Control, ServiceControl
+    from isoaudit.collectors.control import Control, ServiceControl
 
     with socket.create_server(("127.0.0.1", 0)) as hung:  # listens (the kernel accepts), never reads
         port = hung.getsockname()[1]

@@ -11,19 +11,25 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from isoaudit.audit.fingerprints import ROW_FIELDS
+from isoaudit.audit.records import Record, RegionFingerprints
+from isoaudit.collectors.assemble import _PRINT_NAMES
+from isoaudit.collectors.construct import Construct, constructor
+from isoaudit.collectors.fingerprints import (
+    RowSpan,
+    fingerprint_rows,
+    pack_prints,
+    rows_to_host,
+    unpack_prints,
+)
+from isoaudit.collectors.hooks import ForwardCapture
+from isoaudit.collectors.layout import StepBatch
+from isoaudit.collectors.regions import resolve_regions
+from isoaudit.collectors.sinks import MemorySink
+from isoaudit.collectors.trainer import attach
+from isoaudit.collectors.transfer import HostCopy, to_device, to_host
 from pydantic import Field
 
-from audit.fingerprints import ROW_FIELDS
-from audit.records import Record, RegionFingerprints
-from collectors.assemble import _PRINT_NAMES
-from collectors.construct import Construct, constructor
-from collectors.fingerprints import RowSpan, fingerprint_rows, pack_prints, rows_to_host, unpack_prints
-from collectors.hooks import ForwardCapture
-from collectors.layout import StepBatch
-from collectors.regions import resolve_regions
-from collectors.sinks import MemorySink
-from collectors.trainer import attach
-from collectors.transfer import HostCopy, to_device, to_host
 from tests.collectors.conftest import random_samples
 from tests.collectors.test_trainer import make_batch, raw_activations
 

@@ -7,10 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from isoaudit.collectors.tiny_models import make_tiny_model, tiny_config
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoTokenizer
-
-from collectors.tiny_models import make_tiny_model, tiny_config
 
 
 def test_made_dirs_load_with_transformers(tiny_dirs: dict[str, Path], load) -> None:

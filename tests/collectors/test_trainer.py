@@ -7,15 +7,15 @@ import logging
 import numpy as np
 import pytest
 import torch
+from isoaudit.audit.records import RegionFingerprints, SampleLogprobs, sample_key
+from isoaudit.audit.regions import canonical_regions
+from isoaudit.collectors.control import FixedControl
+from isoaudit.collectors.fingerprints import fingerprint_rows
+from isoaudit.collectors.layout import StepBatch
+from isoaudit.collectors.sinks import MemorySink
+from isoaudit.collectors.trainer import attach
 from torch import nn
 
-from audit.records import RegionFingerprints, SampleLogprobs, sample_key
-from audit.regions import canonical_regions
-from collectors.control import FixedControl
-from collectors.fingerprints import fingerprint_rows
-from collectors.layout import StepBatch
-from collectors.sinks import MemorySink
-from collectors.trainer import attach
 from tests.collectors.conftest import NUM_LAYERS, random_samples
 
 TEMPERATURE = 0.7
@@ -318,8 +318,8 @@ def test_manifest_on_attach_on_change_and_remediation_control(load) -> None:
 def test_steps_whose_copy_is_still_travelling_are_finished_later_in_order(load, monkeypatch) -> None:
     """The CUDA path lets a step's arrays travel while training goes on: simulate copies that land
     only after a few polls, and check records arrive complete, in step order, by flush at the latest."""
-    import collectors.trainer as trainer_module
-    from collectors.transfer import HostCopy
+    import isoaudit.collectors.trainer as trainer_module
+    from isoaudit.collectors.transfer import HostCopy
 
     class SlowCopy(HostCopy):
         def __init__(self, tensors, **kwargs) -> None:

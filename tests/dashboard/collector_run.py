@@ -3,7 +3,7 @@
 As the GRPO demo does (``collectors/rl``): a tiny Qwen3 plays both sides; the rollout side is isoaudit's
 reference engine (batched prefill + decode with a KV cache, regions fingerprinted inside it), the
 trainer side recomputes the same tokens through the trainer collector. Both are attached through the
-public session API (``collectors.session`` with direct writes into the store) and read the run's
+public session API (``isoaudit.session`` with direct writes into the store) and read the run's
 control record at each step boundary, so flipping the dashboard's toggle reaches a collector that
 is still running. A comparison worker (with the alert engine) runs beside them, as the service would.
 
@@ -21,11 +21,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from isoaudit.audit.alerts import AlertEngine, AlertRule, DatabaseChannel, default_rules, install_rules
+from isoaudit.audit.records import Run
+from isoaudit.audit.store import Store
+from isoaudit.audit.worker import ComparisonWorker
 
-from audit.alerts import AlertEngine, AlertRule, DatabaseChannel, default_rules, install_rules
-from audit.records import Run
-from audit.store import Store
-from audit.worker import ComparisonWorker
+import isoaudit
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 warnings.filterwarnings("ignore", category=RuntimeWarning, module="triton.runtime.interpreter")
@@ -58,10 +59,9 @@ class CollectorRun:
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> CollectorRun:
-        import collectors
-        from collectors.tiny_models import load_tiny_model, make_tiny_model, tiny_corpus
-        from isokernels.adapters import HFCausalLM
-        from isokernels.engine import RolloutEngine
+        from isoaudit.collectors.tiny_models import load_tiny_model, make_tiny_model, tiny_corpus
+        from isoaudit.kernels.adapters import HFCausalLM
+        from isoaudit.kernels.engine import RolloutEngine
 
         if not (self.model_dir / "config.json").exists():
             make_tiny_model(
@@ -78,7 +78,7 @@ class CollectorRun:
         )
         self.engine = RolloutEngine(HFCausalLM(self.model), max_len=256)
         # Direct writes; the control record is read at every step boundary, at most every 0.2 s.
-        self.audit = collectors.session(run, database_url=self.url, control_interval=0.2, report=False)
+        self.audit = isoaudit.session(run, database_url=self.url, control_interval=0.2, report=False)
         self.trainer = self.audit.watch_trainer(self.model, sample_every=1)
         self.rollout = self.audit.watch_engine(self.engine)
         self.audit.weights_changed(0)  # both sides start from the same checkpoint
@@ -90,7 +90,7 @@ class CollectorRun:
         return self
 
     def stop(self) -> None:
-        import isokernels as kernels
+        from isoaudit import kernels
 
         self._stop.set()
         if self._thread is not None:
@@ -114,7 +114,7 @@ class CollectorRun:
     # ------------------------------------------------------------------ one step
 
     def _step(self, step: int) -> None:
-        from collectors.layout import StepBatch
+        from isoaudit.collectors.layout import StepBatch
 
         self.trainer.begin_step(step)  # a step boundary: the trainer applies the desired mode here
         rng = np.random.default_rng(step)

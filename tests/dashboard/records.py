@@ -4,10 +4,10 @@ collector run instead: ``collector_run.py``)."""
 from __future__ import annotations
 
 import numpy as np
+from isoaudit.audit.records import Record
+from isoaudit.audit.store import Store
+from isoaudit.audit.worker import ComparisonWorker
 
-from audit.records import Record
-from audit.store import Store
-from audit.worker import ComparisonWorker
 from tests import factories as f
 
 #: Regions fingerprinted on both sides; the first two agree, ``layers.0.mlp`` is where samples diverge.

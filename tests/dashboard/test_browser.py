@@ -47,10 +47,9 @@ def collector(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CollectorRun
 
 @pytest.fixture(scope="module")
 def server(collector: CollectorRun) -> Iterator[str]:
+    from isoaudit.audit.store import Store
+    from isoaudit.dashboard import create_app
     from werkzeug.serving import make_server
-
-    from audit.store import Store
-    from dashboard import create_app
 
     store = Store(collector.url)
     app = create_app(store, live_interval_ms=1000)

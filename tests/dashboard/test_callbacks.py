@@ -6,14 +6,14 @@ from collections.abc import Iterator
 
 import pytest
 from dash import Patch, no_update
+from isoaudit.audit import queries
+from isoaudit.audit.alerts import AlertEngine, DatabaseChannel, install_rules, parse_rules
+from isoaudit.audit.worker import ComparisonWorker
+from isoaudit.dashboard import create_app, data
+from isoaudit.dashboard.live import LiveState
+from isoaudit.dashboard.pages import alerts, contract, run, runs, sample
 from typer.testing import CliRunner
 
-from audit import queries
-from audit.alerts import AlertEngine, DatabaseChannel, install_rules, parse_rules
-from audit.worker import ComparisonWorker
-from dashboard import create_app, data
-from dashboard.live import LiveState
-from dashboard.pages import alerts, contract, run, runs, sample
 from tests import factories as f
 from tests.dashboard.records import DIVERGING, fill, step_records
 
@@ -164,7 +164,7 @@ def test_silence_create_and_expire(app, store):
 
 
 def test_cli_refuses_a_public_bind_without_credentials(tmp_path):
-    from audit.cli import app as cli
+    from isoaudit.cli import app as cli
 
     result = CliRunner().invoke(
         cli, ["dashboard", "--host", "0.0.0.0", "--database-url", f"sqlite:///{tmp_path}/x.db"]
@@ -175,7 +175,7 @@ def test_cli_refuses_a_public_bind_without_credentials(tmp_path):
 
 
 def test_cli_parses_auth():
-    from audit.cli.dashboard import is_loopback, parse_auth
+    from isoaudit.cli.dashboard import is_loopback, parse_auth
 
     assert parse_auth("a:b:c") == ("a", "b:c") and parse_auth(None) is None and parse_auth("") is None
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
@@ -184,7 +184,7 @@ def test_cli_parses_auth():
 
 
 def test_loop_tick_redraws_only_when_new_steps_report(app, store):
-    from audit.records import StepStats
+    from isoaudit.audit.records import StepStats
 
     page = run.layout(run_id="run-1")
     state = _find(page, "run-state").data

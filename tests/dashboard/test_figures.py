@@ -6,8 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 import pytest
-
-from dashboard import data, figures
+from isoaudit.dashboard import data, figures
 
 
 def _timeline(steps=(0, 1, 2)) -> pd.DataFrame:
@@ -159,8 +158,8 @@ def test_sparkline_has_no_axes():
 
 
 def test_loop_figures_draw_reward_against_the_mismatch() -> None:
-    from audit.records import StepStats
-    from dashboard import data, figures
+    from isoaudit.audit.records import StepStats
+    from isoaudit.dashboard import data, figures
 
     stats = [
         StepStats(run_id="r", step=0, reward_mean=0.1, reward_std=0.05, entropy=5.0, clip_fraction=0.0),

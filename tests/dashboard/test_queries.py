@@ -6,12 +6,12 @@ from datetime import timedelta
 
 import numpy as np
 import pytest
+from isoaudit.audit import queries
+from isoaudit.audit.alerts import AlertEngine, DatabaseChannel, install_rules, parse_rules
+from isoaudit.audit.alerts.silences import SilenceSpec, create_silence
+from isoaudit.audit.records import utcnow
+from isoaudit.dashboard import data
 
-from audit import queries
-from audit.alerts import AlertEngine, DatabaseChannel, install_rules, parse_rules
-from audit.alerts.silences import SilenceSpec, create_silence
-from audit.records import utcnow
-from dashboard import data
 from tests import factories as f
 from tests.dashboard.records import DIVERGING, fill, step_records
 
@@ -99,7 +99,7 @@ def test_contract_view_and_mode_changes(filled):
         [f.manifest("rollout", "engine_decode", runtime={"remediation": "invariant", "dtype": "float16"})]
     )
     filled.ingest(step_records("run-1", 3))
-    from audit.worker import ComparisonWorker
+    from isoaudit.audit.worker import ComparisonWorker
 
     ComparisonWorker(filled).run_once()
     history = queries.manifest_history(filled, "run-1")

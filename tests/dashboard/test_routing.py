@@ -9,9 +9,9 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 from dash import no_update
+from isoaudit.dashboard import create_app, data
+from isoaudit.dashboard.pages import run, sample
 
-from dashboard import create_app, data
-from dashboard.pages import run, sample
 from tests import factories as f
 from tests.audit.routing_records import routed_run
 from tests.dashboard.test_callbacks import _find, _text
@@ -90,7 +90,7 @@ def test_sample_page_shows_a_tokens_routing_on_both_sides(app, store):
 
 
 def test_the_routing_line_reports_replay_and_missing_routes():
-    from audit.queries import RoutingStep
+    from isoaudit.audit.queries import RoutingStep
 
     point = RoutingStep(
         step=4,

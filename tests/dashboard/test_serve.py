@@ -19,7 +19,7 @@ def _free_port() -> int:
 def test_the_command_serves_the_dashboard_behind_basic_auth(tmp_path):
     port = _free_port()
     url = f"sqlite:///{tmp_path / 'isoaudit.db'}"
-    command = [sys.executable, "-m", "audit.cli", "dashboard", "--database-url", url, "--port", str(port)]
+    command = [sys.executable, "-m", "isoaudit.cli", "dashboard", "--database-url", url, "--port", str(port)]
     process = subprocess.Popen(
         [*command, "--host", "0.0.0.0"],
         env={"PATH": "/usr/bin:/bin", "ISOAUDIT_DASHBOARD_AUTH": "ops:s3cret"},

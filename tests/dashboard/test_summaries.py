@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import numpy as np
-from sqlalchemy import delete, select
-
-from audit.models import StepSummaryRow
-from audit.summaries import (
+from isoaudit.audit.models import StepSummaryRow
+from isoaudit.audit.summaries import (
     POSITION_BIN_EDGES,
     SampleOutcome,
     bin_label,
     first_divergence_counts,
     position_bins,
 )
-from audit.worker import ComparisonWorker
+from isoaudit.audit.worker import ComparisonWorker
+from sqlalchemy import delete, select
+
 from tests import factories as f
 from tests.dashboard.records import DIVERGING, fill, step_records
 

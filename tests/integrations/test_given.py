@@ -8,23 +8,23 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from isoaudit.collectors.integrations.given import GivenLogprobs, watch_given
 
-import collectors
-from collectors import StepBatch
-from collectors.integrations.given import GivenLogprobs, watch_given
+import isoaudit
+from isoaudit import StepBatch
 
 PROMPTS = [[5, 6, 7], [8, 9]]
 COMPLETIONS = [[10, 11], [12, 13, 14]]
 
 
 def test_both_given_sides_pair_and_compare(tmp_path: Path) -> None:
-    from audit.store import Store
-    from audit.worker import ComparisonWorker
+    from isoaudit.audit.store import Store
+    from isoaudit.audit.worker import ComparisonWorker
 
     url = f"sqlite:///{tmp_path / 'isoaudit.db'}"
     rollout_lp = [np.array([-1.0, -2.0], np.float32), np.array([-0.5, -0.25, -3.0], np.float32)]
     trainer_lp = torch.tensor([[-1.0, -2.5, 0.0], [-0.5, -0.25, -3.0]])  # [samples, max completion]
-    with collectors.session("given", database_url=url, strict=True, report=False) as audit:
+    with isoaudit.session("given", database_url=url, strict=True, report=False) as audit:
         rollout = watch_given(audit, "rollout", framework="skyrl", weight_version=3)
         trainer = watch_given(audit, "trainer", framework="skyrl", weight_version=3)
         batch = StepBatch.padded(PROMPTS, COMPLETIONS, temperature=0.7)
@@ -51,7 +51,7 @@ def test_both_given_sides_pair_and_compare(tmp_path: Path) -> None:
 
 
 def test_a_given_side_cannot_switch_kernels_and_says_why() -> None:
-    with collectors.session("given-mode", destination=collectors.MemoryDestination(), report=False) as audit:
+    with isoaudit.session("given-mode", destination=isoaudit.MemoryDestination(), report=False) as audit:
         side = watch_given(audit, "rollout", framework="verl")
         report = side.set_mode("invariant")
         assert (report.requested, report.applied) == ("invariant", "native")
@@ -62,7 +62,7 @@ def test_a_given_side_cannot_switch_kernels_and_says_why() -> None:
     ("kwargs", "field"), [({"side": "critic"}, "side"), ({"semantics": "logits"}, "semantics")]
 )
 def test_bad_arguments_name_the_field(kwargs: dict[str, str], field: str) -> None:
-    from collectors.sinks import MemorySink
+    from isoaudit.collectors.sinks import MemorySink
 
     args = {"side": "rollout", "run": "r", "sink": MemorySink(), "framework": "verl", **kwargs}
     with pytest.raises(ValueError, match=f"^{field}:"):

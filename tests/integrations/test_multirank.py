@@ -1,6 +1,6 @@
 """Many ranks, one run: a data-parallel GRPO job under the real ``torchrun`` (three gloo processes,
 DistributedDataParallel), each rank a trainer and an engine worker with its own
-``collectors.session``, all sending to one real `isoaudit serve` with its comparison worker on.
+``isoaudit.session``, all sending to one real `isoaudit serve` with its comparison worker on.
 
 Engine rank r samples its own prompt groups and trainer rank r trains on engine rank r + 1's, so no
 sample is recorded by the same rank on both sides: the comparator must pair them by (run, step,
@@ -18,10 +18,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+from isoaudit.audit.api.live import free_port
+from isoaudit.audit.auth import create_token
+from isoaudit.audit.store import Store
 
-from audit.api.live import free_port
-from audit.auth import create_token
-from audit.store import Store
 from tests.service.processes import serve
 
 RUN = "dp-grpo"
@@ -39,7 +39,7 @@ def test_ranks_send_to_one_service_pair_across_ranks_and_a_stopped_rank_shows(
     port = free_port()
     server = serve(url, port, worker=True, env={"ISOAUDIT_WORKER_INTERVAL_S": "0.1"})
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={WORLD}"]
-    command += [f"--master-port={free_port()}", "-m", "collectors.integrations.torchrun"]
+    command += [f"--master-port={free_port()}", "-m", "isoaudit.collectors.integrations.torchrun"]
     command += ["--model", str(tiny_qwen3), "--run-id", RUN, "--steps", str(STEPS), "--group", str(GROUP)]
     command += ["--stop-sending-rank", str(STOP_RANK), "--stop-sending-after", str(STOP_AFTER)]
     env = {**os.environ, "ISOAUDIT_URL": f"http://127.0.0.1:{port}", "ISOAUDIT_TOKEN": token}
@@ -95,7 +95,7 @@ def test_ranks_send_to_one_service_pair_across_ranks_and_a_stopped_rank_shows(
             assert r["stopped"] is (rank == STOP_RANK) and r["steps_behind"] == STEPS - 1 - last
             assert r["processes"] and all(p.endswith(f"/{rank}") for p in r["processes"]), r["processes"]
         # The dashboard's run page: the table marks rank 2 stopped, its lines drop to zero.
-        from dashboard.pages.run import rank_view
+        from isoaudit.dashboard.pages.run import rank_view
 
         rows, figure = rank_view(store, RUN)
         assert {(row["side"], row["rank"]): row["status"] for row in rows} == {

@@ -27,10 +27,9 @@ def free_port() -> int:
 @pytest.mark.slow
 def test_actors_send_to_one_service_and_both_sides_are_compared(tiny_qwen3: Path, tmp_path: Path) -> None:
     import ray
-
-    from audit.auth import create_token
-    from audit.store import Store
-    from collectors.integrations.ray import run_ray_job
+    from isoaudit.audit.auth import create_token
+    from isoaudit.audit.store import Store
+    from isoaudit.collectors.integrations.ray import run_ray_job
 
     url = f"sqlite:///{tmp_path / 'isoaudit.db'}"
     store = Store(url)

@@ -13,7 +13,8 @@ import torch
 
 pytest.importorskip("trl")
 
-from collectors.integrations.trl import IsoauditCallback, batch_of, step_stats_of  # noqa: E402
+from isoaudit.collectors.integrations.trl import IsoauditCallback, batch_of, step_stats_of  # noqa: E402
+
 from tests.conftest import flask_proxies_bound  # noqa: E402
 from tests.integrations.conftest import process_state  # noqa: E402
 
@@ -71,7 +72,7 @@ def vllm_run(tiny_qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
             callback.close()
             trainer.vllm_generation.llm.llm_engine.engine_core.shutdown()
             monkey.undo()
-    from audit.store import Store
+    from isoaudit.audit.store import Store
 
     store = Store(url)
     yield trainer, callback, store
@@ -107,8 +108,8 @@ def test_both_sides_of_every_sample_are_in_the_store(vllm_run: Any) -> None:
 def test_isoaudit_figures_match_trls_own_beside_them(vllm_run: Any) -> None:
     """The comparator's logprob_abs_diff_{mean,max} (TRL's aliases sampling/sampling_logp_difference/*)
     equal the figures TRL logged for the same step, which the callback stored as StepStats."""
-    from audit.metric_names import resolve
-    from audit.worker import ComparisonWorker
+    from isoaudit.audit.metric_names import resolve
+    from isoaudit.audit.worker import ComparisonWorker
 
     _, _, store = vllm_run
     assert ComparisonWorker(store).run_once(RUN) == STEPS * GROUP
@@ -139,7 +140,7 @@ def test_transformers_generate_path_records_the_trainer_side(
 ) -> None:
     """Without vLLM TRL keeps no rollout logprobs and runs no engine here: the trainer side is
     recorded (the collector's own forward, TRL computed no old logprobs), and the log says so."""
-    from audit.store import Store
+    from isoaudit.audit.store import Store
 
     url = f"sqlite:///{tmp_path / 'isoaudit.db'}"
     trainer = grpo(tiny_qwen3, tmp_path / "out", use_vllm=False, steps=1)

@@ -13,8 +13,8 @@ if not torch.cuda.is_available():
     # or compiler when they are decorated (the root tests/conftest.py sets it first already).
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from isokernels._triton import HAVE_TRITON  # noqa: E402
-from isokernels.bits import bits_equal  # noqa: E402, F401  (the tests import it from here)
+from isoaudit.kernels._triton import HAVE_TRITON  # noqa: E402
+from isoaudit.kernels.bits import bits_equal  # noqa: E402, F401  (the tests import it from here)
 
 CUDA = torch.cuda.is_available()
 needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
@@ -38,7 +38,7 @@ def split_k(monkeypatch):
     import importlib
 
     gemm = importlib.import_module(
-        "isokernels.gemm"
+        "isoaudit.kernels.gemm"
     )  # the module (``kernels.gemm`` the package exports is the function)
 
     def clear() -> None:

@@ -7,13 +7,14 @@ import importlib
 
 import pytest
 import torch
-
-from isokernels.attention import CONFIG, AttnConfig, _math_attention, attention, attention_reference
+from isoaudit.kernels.attention import CONFIG, AttnConfig, _math_attention, attention, attention_reference
 
 from .conftest import bits_equal, gpu, needs_triton
 
 pytestmark = needs_triton
-attention_mod = importlib.import_module("isokernels.attention")  # the package exports a function of that name
+attention_mod = importlib.import_module(
+    "isoaudit.kernels.attention"
+)  # the package exports a function of that name
 
 # Small tiles and splits so the CPU interpreter crosses several splits, and both launch paths run:
 # chunks of <= 8 tokens per sequence take split-KV + combine, longer ones the prefill path.
@@ -219,7 +220,7 @@ def test_any_gqa_group_gpu(hq_hkv: tuple[int, int]) -> None:
 def test_backward_matches_autograd(dev: str, uniform: bool) -> None:
     """attention_autograd's gradients: the batched formulas for a uniform (trainer) batch, the
     per-sequence autograd otherwise; both against autograd through the fp32 math."""
-    from isokernels.attention import attention_autograd
+    from isoaudit.kernels.attention import attention_autograd
 
     torch.manual_seed(4)
     b, lq, lk, hq, hkv, d = 3, 6, 10, 6, 2, 16
@@ -245,7 +246,7 @@ def test_triton_backward_kernels(dev: str, lq: int, lk: int, hq: int, hkv: int) 
     """The two backward kernels (dQ per query block, dK/dV per key block, fixed order) across
     several tiles, queries after a cached prefix, a group of 7, against autograd through the math;
     the trainer's backward takes them for a uniform batch."""
-    from isokernels.attention import _triton_uniform_backward, attention_autograd
+    from isoaudit.kernels.attention import _triton_uniform_backward, attention_autograd
 
     torch.manual_seed(5)
     b, d = 2, 16
@@ -283,7 +284,7 @@ def test_triton_backward_kernels(dev: str, lq: int, lk: int, hq: int, hkv: int) 
 def test_triton_backward_gpu() -> None:
     """bf16 trainer shapes (64 x 256 tokens, 14/2 heads of 64): the kernels' gradients against
     autograd through the fp32 math, and run to run bitwise equal (no atomics)."""
-    from isokernels.attention import _triton_uniform_backward
+    from isoaudit.kernels.attention import _triton_uniform_backward
 
     torch.manual_seed(0)
     b, lq, hq, hkv, d = 16, 256, 14, 2, 64

@@ -1,4 +1,4 @@
-"""The CPU invariant kernels (isokernels/cpu.py), in bf16 and fp32, without Triton: batch- and
+"""The CPU invariant kernels (kernels/cpu.py), in bf16 and fp32, without Triton: batch- and
 row-offset invariance of every op, prefill/chunked-prefill/decode invariance of attention, and the
 end-to-end proof (trainer with autograd vs the rollout engine) on HF Qwen3 and Llama."""
 
@@ -9,11 +9,11 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from isoaudit.kernels import cpu, dispatch
+from isoaudit.kernels.attention import _math_attention
+from isoaudit.kernels.gemm import gemm
 
-import isokernels as kernels
-from isokernels import cpu, routing
-from isokernels.attention import _math_attention
-from isokernels.gemm import gemm
+from isoaudit import kernels
 
 from .conftest import bits_equal
 from .test_e2e import _hf, _report, _requests, run_pair
@@ -251,15 +251,15 @@ def test_routing_sends_cpu_tensors_here() -> None:
     torch.manual_seed(0)
     x, w = torch.randn(5, 40), torch.randn(24, 40)
     with kernels.enable():
-        assert bits_equal(routing.linear(x, w), cpu.gemm(x, w))
-        prev = routing.set_cpu_impl("triton")
+        assert bits_equal(dispatch.linear(x, w), cpu.gemm(x, w))
+        prev = dispatch.set_cpu_impl("triton")
         try:
-            assert bits_equal(routing.linear(x, w), gemm(x, w))  # the Triton module's own choice
+            assert bits_equal(dispatch.linear(x, w), gemm(x, w))  # the Triton module's own choice
         finally:
-            routing.set_cpu_impl(prev)
-    assert bits_equal(routing.linear(x, w), F.linear(x, w))
+            dispatch.set_cpu_impl(prev)
+    assert bits_equal(dispatch.linear(x, w), F.linear(x, w))
     with pytest.raises(ValueError, match="impl"):
-        routing.set_cpu_impl("cuda")
+        dispatch.set_cpu_impl("cuda")
 
 
 # -- end to end: trainer (whole sequences, autograd) vs engine (batched, chunked prefill, decode) --

@@ -8,8 +8,7 @@ import itertools
 
 import pytest
 import torch
-
-from isokernels._triton import HAVE_TRITON, tl, triton
+from isoaudit.kernels._triton import HAVE_TRITON, tl, triton
 
 from .conftest import bits_equal, gpu
 

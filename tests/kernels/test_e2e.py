@@ -10,11 +10,11 @@ import os
 
 import pytest
 import torch
+from isoaudit.kernels import dispatch
+from isoaudit.kernels.engine import RolloutEngine
+from isoaudit.kernels.models.gdn_lm import GDNLM, GDNLMConfig
 
-import isokernels as kernels
-from isokernels import routing
-from isokernels.engine import RolloutEngine
-from isokernels.models.gdn_lm import GDNLM, GDNLMConfig
+from isoaudit import kernels
 
 from .conftest import gpu, needs_triton
 
@@ -23,7 +23,7 @@ pytestmark = needs_triton
 
 def _hf(family: str, layers: int, hidden: int, head_dim: int, vocab: int, dtype: torch.dtype, dev: str):
     transformers = pytest.importorskip("transformers")
-    from isokernels.adapters import HFCausalLM
+    from isoaudit.kernels.adapters import HFCausalLM
 
     common = dict(
         vocab_size=vocab,
@@ -96,7 +96,7 @@ def run_pair(
         with torch.enable_grad():
             hidden = model.full_hidden(ids, mask)
             h = hidden[torch.tensor(bi, device=dev), torch.tensor(pi, device=dev)]
-            lp = routing.token_logprobs(h, model.lm_head_weight, torch.tensor(tgt, device=dev))
+            lp = dispatch.token_logprobs(h, model.lm_head_weight, torch.tensor(tgt, device=dev))
             lp.sum().backward()  # the trainer's path is differentiable
     trainer = lp.detach().float().cpu()
     rollout = torch.tensor([x for c in comps for x in c.logprobs], dtype=torch.float32)
@@ -175,7 +175,7 @@ def test_split_k_weights_gpu(split_k) -> None:
     """Hidden 1024, MLP 2048: the down projection (N=1024, K=2048) takes the fixed split-K, its
     small-M decode calls the split grid and the trainer's recompute the in-program spans; trainer
     and rollout still agree on every bit."""
-    from isokernels.gemm import gemm_config
+    from isoaudit.kernels.gemm import gemm_config
 
     if not gemm_config(1024, 2048, torch.bfloat16, torch.cuda.get_device_capability()).k_split:
         pytest.skip("no split-K on this GPU")

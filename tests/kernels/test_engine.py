@@ -9,10 +9,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from isoaudit.kernels import dispatch
+from isoaudit.kernels.engine import RolloutEngine, bucket
 
-import isokernels as kernels
-from isokernels import routing
-from isokernels.engine import RolloutEngine, bucket
+from isoaudit import kernels
 
 from .conftest import gpu
 
@@ -52,8 +52,8 @@ def test_native_prefill_is_one_batched_call_with_the_old_semantics() -> None:
     q, kc, vc, cu, p0, kvl, slots = _cache_case([5, 1, 12, 3], [0, 7, 4, 30])
     scale = 1 / math.sqrt(q.shape[-1])
     with kernels.disable():
-        got = routing.attention(q, kc, vc, cu, p0, kvl, slots, scale)
-        with_max = routing.attention(q, kc, vc, cu, p0, kvl, slots, scale, max_q=12)
+        got = dispatch.attention(q, kc, vc, cu, p0, kvl, slots, scale)
+        with_max = dispatch.attention(q, kc, vc, cu, p0, kvl, slots, scale, max_q=12)
     want = _per_sequence(q, kc, vc, cu, p0, kvl, slots, scale)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(with_max, got, rtol=0, atol=0)
@@ -63,8 +63,8 @@ def test_native_decode_identity_slots_is_the_cache_view() -> None:
     q, kc, vc, cu, p0, kvl, _ = _cache_case([1, 1, 1], [3, 9, 20])
     scale = 1 / math.sqrt(q.shape[-1])
     with kernels.disable():
-        view = routing.attention(q, kc, vc, cu, p0, kvl, None, scale)
-        gathered = routing.attention(q, kc, vc, cu, p0, kvl, torch.arange(3), scale)
+        view = dispatch.attention(q, kc, vc, cu, p0, kvl, None, scale)
+        gathered = dispatch.attention(q, kc, vc, cu, p0, kvl, torch.arange(3), scale)
     torch.testing.assert_close(view, gathered, rtol=0, atol=0)
     torch.testing.assert_close(view, _per_sequence(q, kc, vc, cu, p0, kvl, torch.arange(3), scale))
 
@@ -75,7 +75,7 @@ def test_bucket() -> None:
 
 def _tiny(dev: str, dtype: torch.dtype, layers: int = 2, hidden: int = 64, vocab: int = 256):
     transformers = pytest.importorskip("transformers")
-    from isokernels.adapters import HFCausalLM
+    from isoaudit.kernels.adapters import HFCausalLM
 
     cfg = transformers.Qwen3Config(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
@@ -169,7 +169,7 @@ def test_graph_decode_same_bits_as_eager_gpu() -> None:
         rows = [(i, len(c.prompt) + j - 1) for i, c in enumerate(a) for j in range(len(c.tokens))]
         h = hidden[torch.tensor([r[0] for r in rows]), torch.tensor([r[1] for r in rows])]
         tok = torch.tensor([t for c in a for t in c.tokens], device="cuda")
-        trainer = routing.token_logprobs(h, model.lm_head_weight, tok).float().cpu()
+        trainer = dispatch.token_logprobs(h, model.lm_head_weight, tok).float().cpu()
     rollout = torch.tensor([x for c in a for x in c.logprobs])
     assert torch.equal(trainer, rollout)
 

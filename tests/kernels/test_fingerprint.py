@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from isokernels.fingerprint import SKETCH_DIM, fingerprint_reference, fingerprint_rows
+from isoaudit.kernels.fingerprint import SKETCH_DIM, fingerprint_reference, fingerprint_rows
 
 from .conftest import bits_equal, gpu, needs_triton
 
@@ -73,7 +72,7 @@ def test_gpu_matches_collector_torch_path() -> None:
     """Bit for bit against the collector's own torch fingerprints where they are importable."""
     import importlib
 
-    for name in ("collectors.fingerprints", "audit.fingerprints"):
+    for name in ("isoaudit.collectors.fingerprints", "isoaudit.audit.fingerprints"):
         try:
             mod = importlib.import_module(name)
             ref_fn = mod.fingerprint_rows
@@ -83,8 +82,7 @@ def test_gpu_matches_collector_torch_path() -> None:
     else:
         pytest.skip("no torch fingerprint path to compare with")
     import numpy as np
-
-    from audit.fingerprints import digest_weights, sketch_matrix
+    from isoaudit.audit.fingerprints import digest_weights, sketch_matrix
 
     x = torch.randn(2048, 896, device="cuda").bfloat16()
     ref = ref_fn(x)

@@ -7,9 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
-from isokernels import gdn as gdn_mod
-from isokernels.gdn import GDNCache, GDNConfig, gdn_chunk, gdn_chunk_autograd, gdn_incremental, gdn_recurrent
+from isoaudit.kernels import gdn as gdn_mod
+from isoaudit.kernels.gdn import (
+    GDNCache,
+    GDNConfig,
+    gdn_chunk,
+    gdn_chunk_autograd,
+    gdn_incremental,
+    gdn_recurrent,
+)
 
 from .conftest import bits_equal, gpu, needs_triton
 
@@ -148,7 +154,7 @@ def test_backward_blocks_vs_fp64(
     the state and value-local kernels."""
     import dataclasses
 
-    from isokernels import gdn_backward
+    from isoaudit.kernels import gdn_backward
 
     monkeypatch.setattr(
         gdn_backward, "BACKWARD_CONFIG", dataclasses.replace(gdn_backward.BACKWARD_CONFIG, **blocks)

@@ -1,8 +1,8 @@
-"""The invariant CPU Gated DeltaNet (isokernels/gdn_cpu.py), in bf16 and fp32, without Triton:
+"""The invariant CPU Gated DeltaNet (kernels/gdn_cpu.py), in bf16 and fp32, without Triton:
 batch-invariant (a sequence's output and state do not depend on the rest of the call or its place
 in it), prefill/decode-invariant (chunked prefill then token-by-token decode in a mixed batch
 equals the one-shot prefill bit for bit, state included), within a stated tolerance of the fp64
-recurrence, differentiable, and routed to by ``kernels.routing`` on the CPU (end to end on the
+recurrence, differentiable, and routed to by ``kernels.dispatch`` on the CPU (end to end on the
 hybrid GDN LM in bf16: trainer and engine equal)."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from isoaudit.kernels import dispatch, gdn_cpu
+from isoaudit.kernels.gdn import GDNCache, gdn_chunk_reference, gdn_recurrent
 
-import isokernels as kernels
-from isokernels import gdn_cpu, routing
-from isokernels.gdn import GDNCache, gdn_chunk_reference, gdn_recurrent
+from isoaudit import kernels
 
 from .conftest import bits_equal
 from .test_e2e import _gdn, _report, _requests, run_pair
@@ -75,7 +75,7 @@ def test_batch_invariant(dtype: torch.dtype) -> None:
 
 
 def test_in_place_tree_is_cpu_tree_sum() -> None:
-    from isokernels.cpu import tree_sum
+    from isoaudit.kernels.cpu import tree_sum
 
     for n in (1, 2, 3, 16, 24, 100, 128):
         x = torch.randn(5, n, 7) * torch.rand(5, n, 1) * 100
@@ -202,10 +202,10 @@ def test_routing_sends_cpu_gdn_here() -> None:
     want, h_end = gdn_cpu.gdn(*x, _cu(lens))
     cache = GDNCache.empty(2, 2, 16, 16, torch.bfloat16, torch.device("cpu"))
     with kernels.enable():
-        assert bits_equal(routing.gdn(*x, _cu(lens)), want)
-        o = routing.gdn_incremental(*x, _cu(lens), [0, 1], cache)
+        assert bits_equal(dispatch.gdn(*x, _cu(lens)), want)
+        o = dispatch.gdn_incremental(*x, _cu(lens), [0, 1], cache)
     assert bits_equal(o, want) and bits_equal(cache.h, h_end)
-    assert not bits_equal(routing.gdn(*x, _cu(lens)), want)  # kernels off: the native chunk form
+    assert not bits_equal(dispatch.gdn(*x, _cu(lens)), want)  # kernels off: the native chunk form
 
 
 def test_cache_of_the_triton_path_is_refused() -> None:

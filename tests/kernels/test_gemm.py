@@ -8,8 +8,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-
-from isokernels.gemm import GemmConfig, gemm, gemm_config, gemm_reference, launch_config, linear
+from isoaudit.kernels.gemm import GemmConfig, gemm, gemm_config, gemm_reference, launch_config, linear
 
 from .conftest import bits_equal, gpu, needs_triton
 
@@ -58,7 +57,7 @@ def test_decode_tiles_fp32(dev: str) -> None:
     """The decode-size tiles ``launch_config`` picks on the H200 (the 16-row tile, a pointer-loaded
     64-row one, with and without a fixed split-K run as programs) as a structure test: fp32 under
     the interpreter, K = 300 not a multiple of BLOCK_K, each tile's rows the same at every M."""
-    from isokernels.gemm import ROW16_TILE
+    from isoaudit.kernels.gemm import ROW16_TILE
 
     torch.manual_seed(0)
     a, w, b = torch.randn(70, 300, device=dev), torch.randn(40, 300, device=dev), torch.randn(40, device=dev)
@@ -199,7 +198,7 @@ def test_split_k_fp32(dev: str, tma: bool) -> None:
 def test_split_span_is_fixed_per_weight_shape(split_k) -> None:
     """The split is a function of (N, K) alone: narrow weights get four spans of a multiple of
     128 on the H200, wide ones none, and the narrowing at small M counts the spans' programs."""
-    from isokernels.gemm import split_span
+    from isoaudit.kernels.gemm import split_span
 
     assert split_span(896, 4864) == 1280 and split_span(1024, 4096) == 1024
     assert split_span(4096, 4096) == 0 and split_span(896, 896) == 0  # K = 896: measured slower split
@@ -218,7 +217,7 @@ def test_split_span_is_fixed_per_weight_shape(split_k) -> None:
 def _tile_switches(n: int, k: int, top: int = 2048) -> list[int]:
     """Every M <= top where the launched tile, or whether the split-K spans run as programs,
     differs from M - 1's, with M - 1 (both sides of each switch), as ``gemm``'s plan decides it."""
-    from isokernels.gemm import _plan
+    from isoaudit.kernels.gemm import _plan
 
     def tile(m: int) -> tuple[GemmConfig, int]:
         _plan.cache_clear()
@@ -236,7 +235,7 @@ def _tile_switches(n: int, k: int, top: int = 2048) -> list[int]:
 
 def test_tile_switches_are_found(monkeypatch: pytest.MonkeyPatch) -> None:
     """The switch finder the GPU test relies on sees the switches of the H200's rule."""
-    gemm_mod = sys.modules["isokernels.gemm"]  # (the package exports the function gemm)
+    gemm_mod = sys.modules["isoaudit.kernels.gemm"]  # (the package exports the function gemm)
     monkeypatch.setattr(gemm_mod, "_device_traits", lambda device: ((9, 0), 132))
     ms = _tile_switches(12288, 4096, top=600)
     assert {64, 65, 128, 129, 256, 257} <= set(ms), ms  # 64x128 (one 64-row tile), 64x256, 64x128, ...
@@ -268,7 +267,7 @@ def test_small_m_shapes_gpu(nk: tuple[int, int]) -> None:
 @pytest.mark.parametrize("nk", [(896, 4864), (1024, 4096)])
 def test_split_k_small_m_gpu(split_k, nk: tuple[int, int]) -> None:
     """The same with the fixed split-K: the split grid at small M, the in-program spans above."""
-    from isokernels.gemm import gemm_config
+    from isoaudit.kernels.gemm import gemm_config
 
     assert gemm_config(*nk, torch.bfloat16, torch.cuda.get_device_capability()).k_split or pytest.skip(
         "no split-K"
@@ -277,7 +276,7 @@ def test_split_k_small_m_gpu(split_k, nk: tuple[int, int]) -> None:
 
 
 def _small_m_check(n: int, k: int) -> None:
-    from isokernels import _triton
+    from isoaudit.kernels import _triton
 
     torch.manual_seed(0)
     a = torch.randn(2048, k, device="cuda").bfloat16()
@@ -298,7 +297,7 @@ def _small_m_check(n: int, k: int) -> None:
 def test_cached_launch_respects_alignment_gpu() -> None:
     """A cached launch keyed on alignment: a 2-byte-offset view of A (not 16-byte aligned; TMA
     copies it) and an fp32 pointer-path call on an odd view give the Triton launch's results."""
-    from isokernels import _triton
+    from isoaudit.kernels import _triton
 
     torch.manual_seed(0)
     base = torch.randn(300, 4104, device="cuda").bfloat16()

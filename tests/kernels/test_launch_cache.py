@@ -10,9 +10,8 @@ import warnings
 
 import pytest
 import torch
-
-from isokernels import _triton
-from isokernels._triton import (
+from isoaudit.kernels import _triton
+from isoaudit.kernels._triton import (
     CachedLauncher,
     aligned,
     as_rows,
@@ -306,7 +305,7 @@ def test_gemm_out_strides_rule() -> None:
 def _gemm_module():
     import importlib
 
-    return importlib.import_module("isokernels.gemm")
+    return importlib.import_module("isoaudit.kernels.gemm")
 
 
 def _triton_launch(fn):

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from isokernels.logprobs import log_softmax, token_logprobs, token_logprobs_autograd, token_logprobs_reference
+from isoaudit.kernels.logprobs import (
+    log_softmax,
+    token_logprobs,
+    token_logprobs_autograd,
+    token_logprobs_reference,
+)
 
 from .conftest import bits_equal, gpu, needs_triton
 
@@ -55,7 +59,7 @@ def test_invariant_gpu() -> None:
 
 def test_autograd_row_chunks(dev: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The backward builds the logits' gradient in row chunks: the chunking changes nothing."""
-    import isokernels.logprobs as lp
+    import isoaudit.kernels.logprobs as lp
 
     h = torch.randn(11, 32, device=dev, requires_grad=True)
     w = torch.randn(300, 32, device=dev, requires_grad=True)

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from isoaudit.kernels import moe
 
-import isokernels as kernels
-from isokernels import moe
+from isoaudit import kernels
 
 from .conftest import bits_equal, gpu, needs_triton
 
@@ -167,7 +167,7 @@ def test_layer_invariance_gpu(t: int) -> None:
 def test_grouped_gemm_rows_independent_of_grouping(dev: str) -> None:
     """The grouped kernel (CUDA path of the experts; here the interpreter on the CPU): one launch
     over every group equals each group alone and a regrouped launch, and the reference product."""
-    from isokernels.moe_grouped import grouped_gemm
+    from isoaudit.kernels.moe_grouped import grouped_gemm
 
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     g = torch.Generator().manual_seed(5)
@@ -191,10 +191,10 @@ def test_grouped_gemm_rows_independent_of_grouping(dev: str) -> None:
 @needs_triton
 def test_layer_invariance_triton_path(dev: str) -> None:
     """The CUDA path (grouped kernel, Triton GEMM/SiLU) as a structure test: on the CPU under the
-    interpreter via routing.set_cpu_impl("triton"); on CUDA it is the default path."""
-    from isokernels import routing
+    interpreter via dispatch.set_cpu_impl("triton"); on CUDA it is the default path."""
+    from isoaudit.kernels import dispatch
 
-    prev = routing.set_cpu_impl("triton")
+    prev = dispatch.set_cpu_impl("triton")
     try:
         gate, gate_up, down = _layer(64, 32, E, torch.float32, dev)
         x = _x(21, 64, torch.float32, dev)
@@ -205,4 +205,4 @@ def test_layer_invariance_triton_path(dev: str) -> None:
                 assert bits_equal(moe.moe_layer(x, gate, gate_up, down, K4, ep=ep), ref), ep
             assert bits_equal(moe.moe_layer(x[3:8], gate, gate_up, down, K4), ref[3:8])
     finally:
-        routing.set_cpu_impl(prev)
+        dispatch.set_cpu_impl(prev)

@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from isokernels import moe
-from isokernels.models.moe_lm import MoELM, MoELMConfig
+from isoaudit.kernels import moe
+from isoaudit.kernels.models.moe_lm import MoELM, MoELMConfig
 
 from .conftest import gpu
 from .test_e2e import _report, _requests, run_pair
@@ -80,7 +79,7 @@ def moe_lm(layers: int, hidden: int, experts: int, top_k: int, vocab: int, dtype
 
 def hf_moe(family: str, layers: int, hidden: int, experts: int, top_k: int, vocab: int, dtype, dev):
     transformers = pytest.importorskip("transformers")
-    from isokernels.adapters_moe import HFMoECausalLM
+    from isoaudit.kernels.adapters_moe import HFMoECausalLM
 
     head_dim = min(64, hidden // 2)
     common = dict(

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from isoaudit.kernels import cpu as kcpu
+from isoaudit.kernels import moe
+from isoaudit.kernels._triton import HAVE_TRITON
 
-import isokernels as kernels
-from isokernels import cpu as kcpu
-from isokernels import moe
-from isokernels._triton import HAVE_TRITON
+from isoaudit import kernels
 
 from .conftest import bits_equal, gpu, needs_triton
 from .test_moe import K4, PLACEMENTS, E, _layer, _x
@@ -18,8 +18,7 @@ from .test_moe import K4, PLACEMENTS, E, _layer, _x
 if HAVE_TRITON:
     import triton
     import triton.language as tl
-
-    from isokernels.moe_router import _ieee_exp
+    from isoaudit.kernels.moe_router import _ieee_exp
 
     @triton.jit
     def _exp_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
@@ -56,7 +55,7 @@ def _torch_combine(y: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> torc
 
 @needs_triton
 def test_grouped_counts_matches_host_table(dev: str) -> None:
-    from isokernels.moe_grouped import grouped_gemm, grouped_gemm_counts
+    from isoaudit.kernels.moe_grouped import grouped_gemm, grouped_gemm_counts
 
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     g = torch.Generator().manual_seed(7)
@@ -75,7 +74,7 @@ def test_grouped_counts_matches_host_table(dev: str) -> None:
 @needs_triton
 @pytest.mark.parametrize("gather", [False, True])
 def test_combine_kernel_bits(dev: str, gather: bool) -> None:
-    from isokernels.moe_combine import combine_rows
+    from isoaudit.kernels.moe_combine import combine_rows
 
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     g = torch.Generator().manual_seed(8)
@@ -97,9 +96,9 @@ def test_combine_kernel_bits(dev: str, gather: bool) -> None:
 
 @needs_triton
 def test_fast_layer_matches_host_path(dev: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    from isokernels import routing
+    from isoaudit.kernels import dispatch
 
-    prev = routing.set_cpu_impl("triton")
+    prev = dispatch.set_cpu_impl("triton")
     try:
         gate, gate_up, down = _layer(64, 32, E, torch.float32, dev)
         x = _x(21, 64, torch.float32, dev)
@@ -113,7 +112,7 @@ def test_fast_layer_matches_host_path(dev: str, monkeypatch: pytest.MonkeyPatch)
         # path itself fails it at HEAD, see test_moe's triton_path test on a CPU box)
         assert bits_equal(fast, slow)
     finally:
-        routing.set_cpu_impl(prev)
+        dispatch.set_cpu_impl(prev)
 
 
 @gpu
@@ -144,7 +143,7 @@ def test_fast_layer_bits_gpu(t: int, monkeypatch: pytest.MonkeyPatch) -> None:
 def test_router_kernel_bits(dev: str, t: int, e: int, k: int, norm: bool) -> None:
     """The one-launch router equals stable_topk and the torch weights bit for bit (fp32 logits
     in and out, so the same test on the CPU interpreter and on CUDA)."""
-    from isokernels.moe_router import route_logits
+    from isoaudit.kernels.moe_router import route_logits
 
     for z in (_logits(t, e, seed=t * 1000 + e).to(dev), torch.randn(t, e).to(dev)):
         want = moe._route_torch(z, k, norm)
@@ -193,7 +192,7 @@ def test_ieee_exp_kernel_bits(dev: str) -> None:
 @needs_triton
 @pytest.mark.parametrize("s,e", [(1, 8), (84, 8), (700, 16), (3000, 128), (2100, 5), (64, 64)])
 def test_sort_groups_is_stable_sort_and_tables(dev: str, s: int, e: int) -> None:
-    from isokernels.moe_grouped import device_groups, sort_groups
+    from isoaudit.kernels.moe_grouped import device_groups, sort_groups
 
     g = torch.Generator().manual_seed(s + e)
     flat = torch.randint(0, e, (s,), generator=g)
@@ -219,8 +218,8 @@ def _grouped_case(dev: str, dtype: torch.dtype, t: int, k: int, e: int, h: int, 
 def _old_experts(x, flat, k, gate_up, down):
     """The previous fast path, op for op: sort, bincount, device tables, gather, grouped GEMM,
     kernels.elementwise's SiLU times up in torch, grouped GEMM, index_copy_ back."""
-    from isokernels import elementwise
-    from isokernels.moe_grouped import device_groups, grouped_config, grouped_gemm_counts
+    from isoaudit.kernels import elementwise
+    from isoaudit.kernels.moe_grouped import device_groups, grouped_config, grouped_gemm_counts
 
     perm = torch.sort(flat, stable=True).indices
     counts = torch.bincount(flat, minlength=gate_up.shape[0])
@@ -234,7 +233,7 @@ def _old_experts(x, flat, k, gate_up, down):
 
 
 def _check_grouped(dev: str, dtype: torch.dtype, t: int, k: int, e: int, h: int, i: int) -> None:
-    from isokernels.moe_grouped import grouped_config, grouped_glu, grouped_scatter, sort_groups
+    from isoaudit.kernels.moe_grouped import grouped_config, grouped_glu, grouped_scatter, sort_groups
 
     x, gate_up, down, flat = _grouped_case(dev, dtype, t, k, e, h, i)
     act, perm_old, want = _old_experts(x, flat, k, gate_up, down)
@@ -268,10 +267,10 @@ def test_fast_layer_all_parts_match_old_path(
 ) -> None:
     """Router, experts and combine of the fast layer equal the host-table (ISOAUDIT_MOE_FAST=0)
     layer, and the autograd (trainer) route equals the fast (engine) route."""
-    from isokernels import routing
+    from isoaudit.kernels import dispatch
 
     monkeypatch.setenv("ISOAUDIT_MOE_GLU", glu)
-    prev = routing.set_cpu_impl("triton")
+    prev = dispatch.set_cpu_impl("triton")
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     try:
         gate, gate_up, down = _layer(64, 32, E, dtype, dev)
@@ -293,7 +292,7 @@ def test_fast_layer_all_parts_match_old_path(
         assert bits_equal(y, y0)
         assert bits_equal(fast, slow)
     finally:
-        routing.set_cpu_impl(prev)
+        dispatch.set_cpu_impl(prev)
 
 
 @gpu

@@ -14,13 +14,14 @@ import torch
 # gpu` may lack; these tests are CPU ones, so there the module is skipped, not an error.
 pytest.importorskip("pydantic")
 
-import collectors.trainer as trainer
-import isokernels as kernels
-from collectors.layout import StepBatch
-from collectors.sinks import MemorySink
-from collectors.tiny_models import load_tiny_model, make_tiny_model
-from isokernels import moe
-from isokernels.adapters_moe import ExpertSlots, moe_blocks
+import isoaudit.collectors.trainer as trainer
+from isoaudit.collectors.layout import StepBatch
+from isoaudit.collectors.sinks import MemorySink
+from isoaudit.collectors.tiny_models import load_tiny_model, make_tiny_model
+from isoaudit.kernels import moe
+from isoaudit.kernels.adapters_moe import ExpertSlots, moe_blocks
+
+from isoaudit import kernels
 
 PROMPTS = [[5, 17, 33, 2, 90], [7, 8, 9], [100, 4, 66, 12, 3, 41, 7]]
 COMPLETIONS = [[11, 12, 13], [14, 15, 16, 17], [18, 19]]

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import torch
-
-from isokernels.rmsnorm import rms_norm, rms_norm_autograd, rms_norm_reference
+from isoaudit.kernels.rmsnorm import rms_norm, rms_norm_autograd, rms_norm_reference
 
 from .conftest import bits_equal, gpu, needs_triton
 
@@ -61,7 +60,7 @@ def test_invariant_gpu() -> None:
 def test_backward_kernel_matches_autograd(dev: str) -> None:
     """The one-pass backward kernel (rows in programs of BACKWARD_ROWS, weight partials summed in
     order) against autograd through the fp32 reference, with and without a weight, mean and l2."""
-    from isokernels.rmsnorm import _backward_reference, rms_norm_backward
+    from isoaudit.kernels.rmsnorm import _backward_reference, rms_norm_backward
 
     torch.manual_seed(0)
     for rows, d in ((37, 200), (5, 64)):

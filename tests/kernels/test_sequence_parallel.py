@@ -1,7 +1,7 @@
 """Sequence parallelism: an MoELM's logits with its sequences split over 1-8 (simulated) ranks are
 bitwise those without SP (kernels on); kernels off they differ. The TP + SP row-parallel layer
 (reduce-scatter of tree-GEMM roots) gives the tree GEMM's rows. Over a real gloo group
-(`python -m isokernels.moe_check` under torchrun, CPU processes) the same SP check runs beside the
+(`python -m isoaudit.kernels.moe_check` under torchrun, CPU processes) the same SP check runs beside the
 expert-parallel one (rows dispatched to the experts' ranks by all-to-all and back)."""
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from isoaudit.kernels import dispatch
+from isoaudit.kernels import sequence_parallel as sp
+from isoaudit.kernels.tree_gemm import tree_gemm
 
-import isokernels as kernels
-from isokernels import routing
-from isokernels import sequence_parallel as sp
-from isokernels.tree_gemm import tree_gemm
+from isoaudit import kernels
 
 from .conftest import CUDA, bits_equal, gpu
 from .test_moe_e2e import moe_lm
@@ -40,7 +40,7 @@ def _sp_logits(model, ids: torch.Tensor, world: int | None) -> torch.Tensor:
         else:
             parts = sp.sp_hidden(model, ids, world)
             h = torch.cat([parts[r] for r in range(world)], dim=1)
-        return routing.logits_fp32(h.reshape(-1, h.shape[-1]), model.lm_head_weight)
+        return dispatch.logits_fp32(h.reshape(-1, h.shape[-1]), model.lm_head_weight)
 
 
 def _check(model, ids: torch.Tensor, worlds: tuple[int, ...]) -> float:
@@ -80,7 +80,7 @@ def _torchrun(world: int, tmp_path: Path) -> dict:
     out = tmp_path / f"moe{world}.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # CPU: kernels.cpu, torch tree
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"]
-    cmd += ["-m", "isokernels.moe_check", "--small", "--json", str(out)]
+    cmd += ["-m", "isoaudit.kernels.moe_check", "--small", "--json", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text())

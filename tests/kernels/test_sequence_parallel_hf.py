@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from isoaudit.kernels import dispatch, moe
+from isoaudit.kernels import sequence_parallel as sp
+from isoaudit.kernels.adapters import HFCausalLM
+from isoaudit.kernels.adapters_moe import instrument
+from isoaudit.kernels.moe_check import hf_decoder
 
-import isokernels as kernels
-from isokernels import moe, routing
-from isokernels import sequence_parallel as sp
-from isokernels.adapters import HFCausalLM
-from isokernels.adapters_moe import instrument
-from isokernels.moe_check import hf_decoder
+from isoaudit import kernels
 
 from .conftest import bits_equal
 
@@ -23,14 +23,14 @@ IDS = torch.randint(0, 256, (3, 37), generator=torch.Generator().manual_seed(1))
 def _trainer_logits(model: torch.nn.Module) -> torch.Tensor:
     with torch.no_grad():
         h = model.model(input_ids=IDS).last_hidden_state
-        return routing.logits_fp32(h.reshape(-1, h.shape[-1]), model.lm_head.weight)
+        return dispatch.logits_fp32(h.reshape(-1, h.shape[-1]), model.lm_head.weight)
 
 
 def _sp_logits(model: object, head: torch.Tensor, world: int) -> torch.Tensor:
     with torch.no_grad():
         parts = sp.sp_hidden(model, IDS, world)
         h = torch.cat([parts[r] for r in range(world)], dim=1)
-        return routing.logits_fp32(h.reshape(-1, h.shape[-1]), head)
+        return dispatch.logits_fp32(h.reshape(-1, h.shape[-1]), head)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "mixtral"])

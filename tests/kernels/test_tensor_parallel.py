@@ -14,9 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from isokernels.tensor_parallel import RowParallelLinear, shard_row_parallel
-from isokernels.tree_gemm import tree_gemm
+from isoaudit.kernels.tensor_parallel import RowParallelLinear, shard_row_parallel
+from isoaudit.kernels.tree_gemm import tree_gemm
 
 from .conftest import CUDA, bits_equal, gpu
 
@@ -27,7 +26,7 @@ def _torchrun(world: int, tmp_path: Path, small: bool) -> dict:
     out = tmp_path / f"tp{world}.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # CPU: torch references
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"]
-    cmd += ["-m", "isokernels.tp_check", "--json", str(out)] + (["--small"] if small else [])
+    cmd += ["-m", "isoaudit.kernels.tp_check", "--json", str(out)] + (["--small"] if small else [])
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())

@@ -8,13 +8,21 @@ import tempfile
 
 import pytest
 import torch
-
-from isokernels.tree_gemm import WIDE, reduce_roots, tree_gemm, tree_gemm_distributed, tree_plan, tree_reduce
+from isoaudit.kernels.tree_gemm import (
+    WIDE,
+    reduce_roots,
+    tree_gemm,
+    tree_gemm_distributed,
+    tree_plan,
+    tree_reduce,
+)
 
 from .conftest import CUDA, bits_equal, gpu, needs_triton
 
 pytestmark = needs_triton
-tree_gemm_mod = importlib.import_module("isokernels.tree_gemm")  # the package exports a function of that name
+tree_gemm_mod = importlib.import_module(
+    "isoaudit.kernels.tree_gemm"
+)  # the package exports a function of that name
 
 
 def test_plan_is_exact() -> None:

@@ -11,10 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from audit.alerts.history import list_alerts
-from audit.contract import handshake
-from audit.store import Store
+from isoaudit.audit.alerts.history import list_alerts
+from isoaudit.audit.contract import handshake
+from isoaudit.audit.store import Store
 
 pytestmark = pytest.mark.slow
 
@@ -103,8 +102,7 @@ def test_auto_takes_vllm_only_where_it_is_installed(monkeypatch: pytest.MonkeyPa
     import importlib.util
 
     import torch
-
-    from collectors.rl import demo, rollout
+    from isoaudit.collectors.rl import demo, rollout
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else object())
     assert not rollout.vllm_available()

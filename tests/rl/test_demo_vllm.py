@@ -18,10 +18,10 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from audit.alerts.history import list_alerts  # noqa: E402
-from audit.compare import EQUAL, RegionGrid  # noqa: E402
-from audit.contract import handshake  # noqa: E402
-from audit.store import Store  # noqa: E402
+from isoaudit.audit.alerts.history import list_alerts  # noqa: E402
+from isoaudit.audit.compare import EQUAL, RegionGrid  # noqa: E402
+from isoaudit.audit.contract import handshake  # noqa: E402
+from isoaudit.audit.store import Store  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -6,10 +6,9 @@ import math
 
 import pytest
 import torch
-
-from collectors.layout import StepBatch
-from collectors.rl import grpo
-from collectors.rl.task import Problem, copy_problems, reward, rewards
+from isoaudit.collectors.layout import StepBatch
+from isoaudit.collectors.rl import grpo
+from isoaudit.collectors.rl.task import Problem, copy_problems, reward, rewards
 
 
 def test_copy_problems_are_deterministic_and_well_formed() -> None:
@@ -52,7 +51,7 @@ def test_clipped_loss_by_hand() -> None:
 
 def test_policy_logprobs_match_the_models_own_logits(tmp_path) -> None:
     """Through the fp32 head the logprobs equal a log-softmax of fp32 logits, and they backprop."""
-    from collectors.tiny_models import load_tiny_model, make_tiny_model
+    from isoaudit.collectors.tiny_models import load_tiny_model, make_tiny_model
 
     model, _ = load_tiny_model(make_tiny_model("qwen3", tmp_path / "m", num_layers=1, hidden=32))
     batch = StepBatch.padded([[1, 2, 3], [4, 5]], [[6, 7], [8, 9, 10]])

@@ -6,11 +6,10 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-
-from audit.api import ApiSettings, create_app
-from audit.api.live import LiveServer
-from audit.auth import create_token
-from audit.store import Store
+from isoaudit.audit.api import ApiSettings, create_app
+from isoaudit.audit.api.live import LiveServer
+from isoaudit.audit.auth import create_token
+from isoaudit.audit.store import Store
 
 
 @pytest.fixture

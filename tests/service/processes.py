@@ -22,7 +22,7 @@ def serve(
 ) -> subprocess.Popen[bytes]:
     """Start `isoaudit serve` on ``url`` and return once ``/healthz`` answers (``worker``: run the
     comparison worker and alert evaluation too, as its child process; ``args``: more options)."""
-    command = [sys.executable, "-m", "audit.cli", "serve", "--database-url", url, "--port", str(port)]
+    command = [sys.executable, "-m", "isoaudit.cli", "serve", "--database-url", url, "--port", str(port)]
     command += ["--log-level", "warning", *args] + ([] if worker else ["--no-worker"])
     process = subprocess.Popen(
         command,

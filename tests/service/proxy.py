@@ -9,7 +9,7 @@ import socket
 import threading
 import time
 
-from audit.api.live import free_port
+from isoaudit.audit.api.live import free_port
 
 
 class TcpProxy:

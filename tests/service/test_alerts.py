@@ -8,10 +8,7 @@ import math
 from datetime import datetime, timedelta
 
 import pytest
-from sqlalchemy import func, select
-from sqlalchemy.exc import IntegrityError
-
-from audit.alerts import (
+from isoaudit.audit.alerts import (
     AlertEngine,
     AlertRule,
     DatabaseChannel,
@@ -28,11 +25,14 @@ from audit.alerts import (
     parse_rules,
     save_rule,
 )
-from audit.alerts.channels import Delivery
-from audit.alerts.history import list_alerts, notifications
-from audit.records import utcnow
-from audit.service_models import AlertRow
-from audit.store import Store
+from isoaudit.audit.alerts.channels import Delivery
+from isoaudit.audit.alerts.history import list_alerts, notifications
+from isoaudit.audit.records import utcnow
+from isoaudit.audit.service_models import AlertRow
+from isoaudit.audit.store import Store
+from sqlalchemy import func, select
+from sqlalchemy.exc import IntegrityError
+
 from tests import factories
 from tests.service.receiver import Receiver
 

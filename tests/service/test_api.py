@@ -8,16 +8,16 @@ import math
 from functools import partial
 
 import httpx
+from isoaudit.audit.alerts import AlertEngine, DatabaseChannel
+from isoaudit.audit.api import ApiSettings, create_app
+from isoaudit.audit.api.live import LiveServer
+from isoaudit.audit.migrate import head_revision
+from isoaudit.audit.models import RunRow, SampleRow
+from isoaudit.audit.records import Batch
+from isoaudit.audit.store import Store
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import func, select
 
-from audit.alerts import AlertEngine, DatabaseChannel
-from audit.api import ApiSettings, create_app
-from audit.api.live import LiveServer
-from audit.migrate import head_revision
-from audit.models import RunRow, SampleRow
-from audit.records import Batch
-from audit.store import Store
 from tests import factories
 from tests.service import workload
 
@@ -193,7 +193,7 @@ def test_ingest_without_a_valid_token_gets_401_and_stores_nothing(anonymous, sto
 
 
 def test_a_revoked_token_gets_401(api, store, token):
-    from audit.auth import revoke_token
+    from isoaudit.audit.auth import revoke_token
 
     assert api.post("/v1/ingest", content=batch_json(factories.run())).status_code == 200
     assert revoke_token(store, token.split("_")[1])

@@ -7,13 +7,13 @@ import sys
 import time
 
 import httpx
+from isoaudit.audit.api.live import free_port
+from isoaudit.audit.auth import verify_token
+from isoaudit.audit.migrate import head_revision
+from isoaudit.audit.store import Store
 from typer.testing import CliRunner
 
-from audit.api.live import free_port
-from audit.auth import verify_token
-from audit.cli import app
-from audit.migrate import head_revision
-from audit.store import Store
+from isoaudit.cli import app
 from tests import factories
 
 runner = CliRunner()
@@ -62,7 +62,7 @@ def test_alerts_commands(tmp_path):
     assert "drift" in listed.output and "yaml" in listed.output
     store = Store(url)
     store.ingest([factories.run()])
-    from audit.alerts import AlertEngine
+    from isoaudit.audit.alerts import AlertEngine
 
     store.save_comparison(
         [], [{"run_id": "run-1", "step": 0, "n_samples": 1, "metrics": {"kl_k1": 1.0}, "diagnoses": {}}], []
@@ -80,7 +80,7 @@ def test_serve_runs_the_api(tmp_path):
         [
             sys.executable,
             "-m",
-            "audit.cli",
+            "isoaudit.cli",
             "serve",
             "--database-url",
             url,

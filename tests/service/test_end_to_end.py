@@ -11,19 +11,19 @@ from collections.abc import Callable
 import httpx
 import numpy as np
 import pytest
+from isoaudit.audit.api import ApiSettings, create_app
+from isoaudit.audit.api.live import LiveServer
+from isoaudit.audit.auth import create_token
+from isoaudit.audit.models import SampleRow
+from isoaudit.audit.store import Store
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import func, select
 
-from audit.api import ApiSettings, create_app
-from audit.api.live import LiveServer
-from audit.auth import create_token
-from audit.models import SampleRow
-from audit.store import Store
 from tests import factories
 from tests.service.receiver import Receiver
 from tests.service.workload import step_records
 
-HttpSink = pytest.importorskip("collectors.sinks").HttpSink
+HttpSink = pytest.importorskip("isoaudit.collectors.sinks").HttpSink
 
 
 def wait_for(condition: Callable[[], bool], timeout: float = 30.0) -> None:

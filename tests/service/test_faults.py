@@ -15,19 +15,19 @@ from pathlib import Path
 
 import httpx
 import pytest
+from isoaudit.audit.api import ApiSettings, create_app
+from isoaudit.audit.api.live import LiveServer, free_port
+from isoaudit.audit.auth import create_token
+from isoaudit.audit.records import Batch
+from isoaudit.audit.store import Store
 from sqlalchemy.engine import make_url
 
-from audit.api import ApiSettings, create_app
-from audit.api.live import LiveServer, free_port
-from audit.auth import create_token
-from audit.records import Batch
-from audit.store import Store
 from tests import factories
 from tests.service.processes import serve
 from tests.service.proxy import TcpProxy
 from tests.service.workload import reconcile, step_records
 
-HttpSink = pytest.importorskip("collectors.sinks").HttpSink
+HttpSink = pytest.importorskip("isoaudit.collectors.sinks").HttpSink
 
 
 def body(*records) -> str:

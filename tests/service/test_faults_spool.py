@@ -22,16 +22,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from isoaudit.audit.api.live import free_port
+from isoaudit.audit.auth import create_token
+from isoaudit.audit.records import RegionFingerprints, SampleLogprobs
+from isoaudit.audit.store import Store
 
-from audit.api.live import free_port
-from audit.auth import create_token
-from audit.records import RegionFingerprints, SampleLogprobs
-from audit.store import Store
 from tests.service.processes import serve
 
 torch = pytest.importorskip("torch")
-collectors = pytest.importorskip("collectors")
-tiny_models = pytest.importorskip("collectors.tiny_models")
+isoaudit = pytest.importorskip("isoaudit")
+tiny_models = pytest.importorskip("isoaudit.collectors.tiny_models")
 
 #: The spool's filesystem: a few steps' worth of the tiny model's records (~1.1 MB a step).
 DISK_BYTES = 4 << 20
@@ -115,7 +115,7 @@ class Loop:
         for step in steps:
             prompts = [self.rng.integers(0, 512, 16).tolist() for _ in range(8)]
             completions = [self.rng.integers(0, 512, 48).tolist() for _ in range(8)]
-            batch = collectors.StepBatch.padded(prompts, completions)
+            batch = isoaudit.StepBatch.padded(prompts, completions)
             started = time.perf_counter()
             if self.trainer is not None:
                 self.trainer.begin_step(step, batch)
@@ -157,8 +157,8 @@ def test_spool_disk_full_drops_counted_says_so_once_and_keeps_the_step_time(
     spool = small_disk / "spool"
     healthy, fault, after = range(0, 12), range(12, 36), range(36, 40)
     try:
-        with caplog.at_level(logging.WARNING, logger="collectors"):
-            audit = collectors.session(
+        with caplog.at_level(logging.WARNING, logger="isoaudit.collectors"):
+            audit = isoaudit.session(
                 "spool-full", url=f"http://127.0.0.1:{port}", token=token, spool_dir=spool, report=False
             )
             trainer = audit.watch_trainer(model, keep_records=True)

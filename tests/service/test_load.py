@@ -15,18 +15,18 @@ from pathlib import Path
 
 import httpx
 import pytest
+from isoaudit.audit.api.live import free_port
+from isoaudit.audit.auth import create_token
+from isoaudit.audit.models import SampleResultRow
+from isoaudit.audit.records import Run
+from isoaudit.audit.store import Store
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import func, select
 
-from audit.api.live import free_port
-from audit.auth import create_token
-from audit.models import SampleResultRow
-from audit.records import Run
-from audit.store import Store
 from tests.service.processes import children, rss_mib, serve
 from tests.service.workload import reconcile, step_records
 
-HttpSink = pytest.importorskip("collectors.sinks").HttpSink
+HttpSink = pytest.importorskip("isoaudit.collectors.sinks").HttpSink
 
 SECONDS = float(os.environ.get("ISOAUDIT_SOAK_SECONDS", "15"))
 SOAK = SECONDS >= 60

@@ -4,10 +4,10 @@
 from __future__ import annotations
 
 import numpy as np
+from isoaudit.audit.records import Batch
+from isoaudit.audit.worker import ComparisonWorker
 from prometheus_client.parser import text_string_to_metric_families
 
-from audit.records import Batch
-from audit.worker import ComparisonWorker
 from tests import factories
 
 

@@ -12,17 +12,17 @@ from pathlib import Path
 
 import httpx
 import pytest
+from isoaudit.audit.alerts import AlertEngine, AlertRule, DatabaseChannel, LogChannel, Outbox, save_rule
+from isoaudit.audit.alerts.channels import WebhookChannel
+from isoaudit.audit.alerts.history import delivery_attempts, list_alerts, notifications
+from isoaudit.audit.alerts.outbox import LEASE_MARGIN_S
+from isoaudit.audit.api.live import free_port
+from isoaudit.audit.auth import create_token
+from isoaudit.audit.records import Batch
+from isoaudit.audit.service_models import NoticeOutboxRow
+from isoaudit.audit.store import Store
 from sqlalchemy import func, select
 
-from audit.alerts import AlertEngine, AlertRule, DatabaseChannel, LogChannel, Outbox, save_rule
-from audit.alerts.channels import WebhookChannel
-from audit.alerts.history import delivery_attempts, list_alerts, notifications
-from audit.alerts.outbox import LEASE_MARGIN_S
-from audit.api.live import free_port
-from audit.auth import create_token
-from audit.records import Batch
-from audit.service_models import NoticeOutboxRow
-from audit.store import Store
 from tests import factories
 from tests.service.processes import alive, children, serve, wait_for
 from tests.service.receiver import Receiver

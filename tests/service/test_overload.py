@@ -15,18 +15,18 @@ import time
 from pathlib import Path
 
 import pytest
+from isoaudit.audit.api.live import free_port
+from isoaudit.audit.auth import create_token
+from isoaudit.audit.records import Run
+from isoaudit.audit.store import Store
+from isoaudit.collectors.sinks.base import DeliveryError, Sink, _Item, encode_batch
 
-from audit.api.live import free_port
-from audit.auth import create_token
-from audit.records import Run
-from audit.store import Store
-from collectors.sinks.base import DeliveryError, Sink, _Item, encode_batch
 from tests import factories
 from tests.service.processes import serve
 from tests.service.proxy import TcpProxy
 from tests.service.workload import reconcile, step_records
 
-HttpSink = pytest.importorskip("collectors.sinks").HttpSink
+HttpSink = pytest.importorskip("isoaudit.collectors.sinks").HttpSink
 
 RATE = 400_000  # bytes/s through the link: about half of what the collector below sends
 SEND_FOR_S = 4.0

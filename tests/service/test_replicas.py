@@ -12,18 +12,18 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from isoaudit.audit.api.live import free_port
+from isoaudit.audit.auth import create_token
+from isoaudit.audit.models import ComparisonClaimRow, PendingComparisonRow, SampleResultRow, StepResultRow
+from isoaudit.audit.records import Run
+from isoaudit.audit.store import Store
 from sqlalchemy import func, select
 
-from audit.api.live import free_port
-from audit.auth import create_token
-from audit.models import ComparisonClaimRow, PendingComparisonRow, SampleResultRow, StepResultRow
-from audit.records import Run
-from audit.store import Store
 from tests.service.processes import serve
 from tests.service.receiver import Receiver
 from tests.service.workload import reconcile, step_records
 
-HttpSink = pytest.importorskip("collectors.sinks").HttpSink
+HttpSink = pytest.importorskip("isoaudit.collectors.sinks").HttpSink
 
 RUNS, STEPS, SAMPLES = 3, 24, 8
 BREACH_FROM = 10  # steps from here on have kl_k3 ~ 4.8e-3, above the rule's 1e-3

@@ -18,15 +18,15 @@ from pathlib import Path
 
 import schemathesis
 from hypothesis import HealthCheck, settings
+from isoaudit.audit.api import ApiSettings, create_app
+from isoaudit.audit.auth import create_token
+from isoaudit.audit.migrate import upgrade
+from isoaudit.audit.models import ManifestRow, RunRow, SampleRow
+from isoaudit.audit.service_models import AlertRuleRow, RunControlRow, SilenceRow
+from isoaudit.audit.store import Store
 from schemathesis.checks import not_a_server_error
 from sqlalchemy import func, select
 
-from audit.api import ApiSettings, create_app
-from audit.auth import create_token
-from audit.migrate import upgrade
-from audit.models import ManifestRow, RunRow, SampleRow
-from audit.service_models import AlertRuleRow, RunControlRow, SilenceRow
-from audit.store import Store
 from tests import factories
 from tests.conftest import POSTGRES_URL, postgres_schema_url
 

@@ -12,16 +12,16 @@ from typing import Any
 import httpx
 import pytest
 from fastapi.routing import APIRoute
+from isoaudit.audit.alerts import AlertEngine, DatabaseChannel
+from isoaudit.audit.api.live import LiveServer
+from isoaudit.audit.auth import verify_token
+from isoaudit.audit.models import RunRow, SampleRow
+from isoaudit.audit.records import Batch
+from isoaudit.audit.store import Store
 from sqlalchemy import func, inspect, select, text
 from typer.testing import CliRunner
 
-from audit.alerts import AlertEngine, DatabaseChannel
-from audit.api.live import LiveServer
-from audit.auth import verify_token
-from audit.cli import app as cli
-from audit.models import RunRow, SampleRow
-from audit.records import Batch
-from audit.store import Store
+from isoaudit.cli import app as cli
 from tests import factories
 from tests.service.test_api import save_results
 from tests.service.workload import step_records
@@ -245,7 +245,7 @@ def test_bodies_with_nul_or_lone_surrogates_are_refused_by_name(api, store):
 
 def test_foreign_token_cannot_read_with_open_reads_either(store, token, other_token):
     """Open reads let anonymous callers see everything, but a token always limits to its project."""
-    from audit.api import ApiSettings, create_app
+    from isoaudit.audit.api import ApiSettings, create_app
 
     with LiveServer(create_app(store, ApiSettings(run_worker=False, require_token_for_reads=False))) as live:
         with httpx.Client(base_url=live.url, headers={"Authorization": f"Bearer {token}"}) as alpha:

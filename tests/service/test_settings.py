@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from isoaudit.audit.alerts import AlertEngine
+from isoaudit.audit.api import ApiSettings
 from pydantic import ValidationError
-
-from audit.alerts import AlertEngine
-from audit.api import ApiSettings
 
 
 def test_settings_from_the_environment(monkeypatch):

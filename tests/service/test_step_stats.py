@@ -5,9 +5,8 @@ from __future__ import annotations
 import math
 
 import httpx
-
-from audit.records import Run, StepStats
-from audit.store import Store
+from isoaudit.audit.records import Run, StepStats
+from isoaudit.audit.store import Store
 
 
 def _stats(run: str, step: int, **figures: float) -> StepStats:
@@ -77,8 +76,7 @@ def test_served_by_the_api(api: httpx.Client, other_token: str, server) -> None:
 def test_sampling_params_and_weight_spans_survive_the_store(store: Store) -> None:
     """min-p and per-span weight versions go in and come back out (issue 16's off-policy lag)."""
     import numpy as np
-
-    from audit.records import SampleLogprobs, WeightSpan
+    from isoaudit.audit.records import SampleLogprobs, WeightSpan
 
     tokens = np.arange(1, 9, dtype=np.int32)
     record = SampleLogprobs(

@@ -12,12 +12,12 @@ import sys
 import time
 
 import pytest
+from isoaudit.audit.api.live import free_port
+from isoaudit.audit.models import ComparisonClaimRow, PendingComparisonRow, SampleResultRow, StepResultRow
+from isoaudit.audit.store import Store
+from isoaudit.audit.worker import ComparisonWorker
 from sqlalchemy import func, select
 
-from audit.api.live import free_port
-from audit.models import ComparisonClaimRow, PendingComparisonRow, SampleResultRow, StepResultRow
-from audit.store import Store
-from audit.worker import ComparisonWorker
 from tests import factories
 from tests.service.processes import serve
 from tests.service.workload import step_records
@@ -126,7 +126,7 @@ def test_isoaudit_worker_compares_without_the_api_and_stops_on_sigterm(database_
     `isoaudit serve --no-worker` replicas (a worker inside the API shares its GIL with ingest)."""
     store = Store(database_url)
     store.ingest([factories.run(), *step_records(0, 0.01, n=8), *step_records(1, 0.01, n=8)])
-    command = [sys.executable, "-m", "audit.cli", "worker", "--database-url", database_url]
+    command = [sys.executable, "-m", "isoaudit.cli", "worker", "--database-url", database_url]
     env = {**os.environ, "ISOAUDIT_WORKER_INTERVAL_S": "0.05", "ISOAUDIT_DEFAULT_ALERT_RULES": "0"}
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
     try:

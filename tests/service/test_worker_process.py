@@ -10,11 +10,11 @@ import subprocess
 
 import httpx
 import pytest
+from isoaudit.audit.api.live import free_port
+from isoaudit.audit.auth import create_token
+from isoaudit.audit.records import Batch
+from isoaudit.audit.store import Store
 
-from audit.api.live import free_port
-from audit.auth import create_token
-from audit.records import Batch
-from audit.store import Store
 from tests import factories
 from tests.service.processes import alive, children, serve, wait_for
 from tests.service.workload import step_records

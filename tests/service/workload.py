@@ -8,9 +8,9 @@ from collections import Counter
 from collections.abc import Iterable
 
 import numpy as np
+from isoaudit.audit.records import SampleLogprobs
+from isoaudit.audit.store import Store
 
-from audit.records import SampleLogprobs
-from audit.store import Store
 from tests import factories
 
 #: One alert rule that fires at the first breaching step (kl_k3 of ``delta`` 0.2 is 0.0187).

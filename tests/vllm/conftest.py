@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from isoaudit.collectors.sinks import MemorySink
 
-from collectors.sinks import MemorySink
 from tests.conftest import flask_proxies_bound
 
 #: The tiny model: 2 layers, hidden 128, 4 heads of 32 (vLLM's CPU attention needs head_dim % 32 == 0).
@@ -40,7 +40,7 @@ ENGINE_DEFAULTS: dict[str, Any] = {
 
 @pytest.fixture(scope="session")
 def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from collectors.tiny_models import make_tiny_model
+    from isoaudit.collectors.tiny_models import make_tiny_model
 
     return make_tiny_model(
         "qwen3",
@@ -59,10 +59,9 @@ def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def engine(path: Path, *, processes: bool = False, **overrides: Any) -> Iterator[Any]:
     """A ``vllm.LLM`` in this process (``processes=False``) or in worker processes with the isoaudit
     worker extension; shut down on exit."""
+    from isoaudit.collectors.vllm import EXTENSION
+    from isoaudit.collectors.vllm.remediation import keep_raw_weights
     from vllm import LLM, envs
-
-    from collectors.vllm import EXTENSION
-    from collectors.vllm.remediation import keep_raw_weights
 
     previous = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
     # An in-process engine changes process-wide state the rest of the suite must not inherit: its CPU
@@ -152,9 +151,9 @@ def trainer_side(
     contract: Any = None,
 ) -> MemorySink:
     """The HF trainer collector's records of the same samples (its own forward, processed logprobs)."""
-    from collectors import trainer
-    from collectors.layout import StepBatch
-    from collectors.tiny_models import load_tiny_model
+    from isoaudit.collectors import trainer
+    from isoaudit.collectors.layout import StepBatch
+    from isoaudit.collectors.tiny_models import load_tiny_model
 
     model, _ = load_tiny_model(path, dtype=torch.bfloat16)
     if weights is not None:
@@ -181,7 +180,7 @@ def by_key(sink: MemorySink, kind: str, step: int | None = None) -> dict[str, li
 
 def compare(trainer: MemorySink, rollout: MemorySink, step: int = 0) -> dict[str, Any]:
     """``audit.compare.compare_sample`` for every sample of ``step`` present on both sides."""
-    from audit.compare import compare_sample
+    from isoaudit.audit.compare import compare_sample
 
     t_samples, r_samples = by_key(trainer, "sample", step), by_key(rollout, "sample", step)
     t_prints, r_prints = by_key(trainer, "fingerprints", step), by_key(rollout, "fingerprints", step)

@@ -1,5 +1,5 @@
 """Issue 16's diagnosis cases on the real vLLM engine (CPU build, in this process) against the HF
-trainer, both attached through ``collectors.session``: each failure users hit is named correctly,
+trainer, both attached through ``isoaudit.session``: each failure users hit is named correctly,
 and the clean control is never a false alarm.
 
 One engine for the module (bf16, eager, processed logprobs, prefix caching on). Every case draws
@@ -20,12 +20,13 @@ import torch
 
 pytest.importorskip("vllm")
 
-import collectors  # noqa: E402
-import collectors.vllm as cv  # noqa: E402
-from audit.compare import compare_samples  # noqa: E402
-from audit.records import Run, off_policy_of  # noqa: E402
-from collectors.layout import StepBatch  # noqa: E402
-from collectors.sessions import MemoryDestination  # noqa: E402
+import isoaudit.collectors.vllm as cv  # noqa: E402
+from isoaudit.audit.compare import compare_samples  # noqa: E402
+from isoaudit.audit.records import Run, off_policy_of  # noqa: E402
+from isoaudit.collectors.layout import StepBatch  # noqa: E402
+from isoaudit.collectors.sessions import MemoryDestination  # noqa: E402
+
+import isoaudit  # noqa: E402
 from tests.vllm.conftest import by_key, engine, generate, perturbed_weights, prompts_of  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -47,9 +48,8 @@ class Engine:
 
 @pytest.fixture(scope="module")
 def eng(tiny_qwen3: Path) -> Iterator[Engine]:
+    from isoaudit.collectors.tiny_models import load_tiny_model
     from safetensors.torch import load_file
-
-    from collectors.tiny_models import load_tiny_model
 
     with engine(tiny_qwen3, enable_prefix_caching=True, block_size=32) as llm:
         model, _ = load_tiny_model(tiny_qwen3, dtype=torch.bfloat16)
@@ -95,7 +95,7 @@ def sides(
     """A session with both sides attached: (vLLM handle, trainer handle, the case's records)."""
     run = Run(run_id=f"diag-{name}", name=name, config=dict(config or {}))
     destination = MemoryDestination()
-    audit = collectors.session(run, destination=destination, strict=True, report=False)
+    audit = isoaudit.session(run, destination=destination, strict=True, report=False)
     with audit:
         rollout = audit.watch_vllm(eng.llm, fingerprint="all")
         trainer = audit.watch_trainer(eng.trainer, async_transfer=False)

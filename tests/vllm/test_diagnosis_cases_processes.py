@@ -12,7 +12,8 @@ import torch
 
 pytest.importorskip("vllm")
 
-import collectors.vllm as cv  # noqa: E402
+import isoaudit.collectors.vllm as cv  # noqa: E402
+
 from tests.vllm.conftest import engine, perturbed_weights  # noqa: E402
 from tests.vllm.test_diagnosis_cases import (  # noqa: E402
     SAMPLES,
@@ -30,9 +31,8 @@ pytestmark = pytest.mark.vllm
 
 @pytest.fixture(scope="module")
 def eng(tiny_qwen3: Path) -> Iterator[Engine]:
+    from isoaudit.collectors.tiny_models import load_tiny_model
     from safetensors.torch import load_file
-
-    from collectors.tiny_models import load_tiny_model
 
     with engine(
         tiny_qwen3, processes=True, logprobs_mode="raw_logprobs", enable_prefix_caching=True, block_size=32

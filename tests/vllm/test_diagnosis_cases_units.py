@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from collectors.logprobs import processed_logprobs, sampling_values, truncate  # noqa: E402
+from isoaudit.collectors.logprobs import processed_logprobs, sampling_values, truncate  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 

@@ -16,11 +16,12 @@ import pytest
 
 pytest.importorskip("vllm")
 
-import collectors.vllm as cv  # noqa: E402
-from audit.diagnosis import SEMANTIC_OFFSET_MIN  # noqa: E402
-from audit.records import sample_key  # noqa: E402
-from audit.regions import canonical_regions  # noqa: E402
-from collectors.sinks import MemorySink  # noqa: E402
+import isoaudit.collectors.vllm as cv  # noqa: E402
+from isoaudit.audit.diagnosis import SEMANTIC_OFFSET_MIN  # noqa: E402
+from isoaudit.audit.records import sample_key  # noqa: E402
+from isoaudit.audit.regions import canonical_regions  # noqa: E402
+from isoaudit.collectors.sinks import MemorySink  # noqa: E402
+
 from tests.vllm.conftest import (  # noqa: E402
     NUM_LAYERS,
     RUN,
@@ -92,7 +93,7 @@ def test_every_sample_pairs_and_the_real_mismatch_is_reported(collected: Collect
 
 def test_the_store_and_comparison_worker_pair_every_sample(collected: Collected, store: Any) -> None:
     """The production path: both sides' records ingested (SQLite and PostgreSQL), compared by the worker."""
-    from audit.worker import ComparisonWorker
+    from isoaudit.audit.worker import ComparisonWorker
 
     for sink in (collected.rollout, collected.trainer):
         store.ingest([r for r in sink.records if getattr(r, "step", 0) == 0])

@@ -11,8 +11,10 @@ import pytest
 
 pytest.importorskip("vllm")
 
-import collectors.vllm as cv  # noqa: E402
-from collectors.sinks import MemorySink  # noqa: E402
+import isoaudit.collectors.vllm as cv  # noqa: E402
+from isoaudit.collectors.sinks import MemorySink  # noqa: E402
+
+import isoaudit  # noqa: E402
 from tests.vllm.conftest import RUN, engine, generate, perturbed_weights, prompts_of  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -107,10 +109,10 @@ def _control_flow(
     """Trainer and the real engine attached through one session; the control record flipped to
     ``invariant`` after step 0. Returns each side's mode after every step."""
     import torch
+    from isoaudit.collectors import StepBatch
+    from isoaudit.collectors.tiny_models import load_tiny_model
 
-    import isokernels as kernels
-    from collectors import StepBatch
-    from collectors.tiny_models import load_tiny_model
+    from isoaudit import kernels
 
     model, _ = load_tiny_model(path, dtype=torch.bfloat16)
     modes = []
@@ -144,13 +146,11 @@ def engine_results(tiny_qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -
     """One engine per mode (they are expensive), each running the plain collector (``runs``) and
     then the control flow through direct writes and through the real service (``remediated``)."""
     import httpx
-
-    import collectors
-    from audit.api.app import create_app
-    from audit.api.live import LiveServer
-    from audit.api.settings import ApiSettings
-    from audit.auth import create_token
-    from audit.store import Store
+    from isoaudit.audit.api.app import create_app
+    from isoaudit.audit.api.live import LiveServer
+    from isoaudit.audit.api.settings import ApiSettings
+    from isoaudit.audit.auth import create_token
+    from isoaudit.audit.store import Store
 
     root = tmp_path_factory.mktemp("remediation")
     url = f"sqlite:///{root / 'isoaudit.db'}"
@@ -170,14 +170,14 @@ def engine_results(tiny_qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -
                     if via == "direct":
 
                         def open_session(run_id: str = run_id) -> Any:
-                            return collectors.session(run_id, database_url=url, control_interval=0.0)
+                            return isoaudit.session(run_id, database_url=url, control_interval=0.0)
 
                         def flip(run_id: str = run_id) -> None:
                             store.set_control(run_id, "invariant", store.get_control(run_id).version)
                     else:
 
                         def open_session(run_id: str = run_id) -> Any:
-                            return collectors.session(
+                            return isoaudit.session(
                                 run_id, url=base, token=token, spool_dir=root / run_id, control_interval=0.0
                             )
 

@@ -18,8 +18,9 @@ import pytest
 
 pytest.importorskip("vllm")
 
-import collectors.vllm as cv  # noqa: E402
-from collectors.sinks import MemorySink  # noqa: E402
+import isoaudit.collectors.vllm as cv  # noqa: E402
+from isoaudit.collectors.sinks import MemorySink  # noqa: E402
+
 from tests.vllm.conftest import RUN, by_key, compare, engine, generate, prompts_of, rows_of, trainer_side  # noqa: E402
 
 pytestmark = pytest.mark.vllm

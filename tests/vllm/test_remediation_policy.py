@@ -9,9 +9,8 @@ from typing import Any
 
 import pytest
 import torch
-
-from audit.contract import identities, numerical_policy_fields, policy_regions, validate
-from collectors.policy import (
+from isoaudit.audit.contract import identities, numerical_policy_fields, policy_regions, validate
+from isoaudit.collectors.policy import (
     Impl,
     build_contract,
     hf_contracts,
@@ -24,7 +23,7 @@ from collectors.policy import (
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    from collectors.tiny_models import load_tiny_model, make_tiny_model
+    from isoaudit.collectors.tiny_models import load_tiny_model, make_tiny_model
 
     path = make_tiny_model("qwen3", tmp_path_factory.mktemp("policy") / "m", num_layers=2, dtype="bfloat16")
     return load_tiny_model(Path(path), dtype=torch.bfloat16)[0]
@@ -64,7 +63,7 @@ def test_a_native_attention_makes_only_the_attention_regions_differ(model: Any) 
 
 
 def _ops(model: Any) -> dict[str, Impl]:
-    from collectors.policy import hf_ops
+    from isoaudit.collectors.policy import hf_ops
 
     return hf_ops(model, "invariant")
 
@@ -88,7 +87,7 @@ def test_policy_regions_name_regions_of_entries_and_claims() -> None:
 
 
 def test_the_invariant_log_softmax_keeps_masked_logits_masked() -> None:
-    from collectors.vllm.remediation import _log_softmax
+    from isoaudit.collectors.vllm.remediation import _log_softmax
 
     logits = torch.randn(3, 512, generator=torch.Generator().manual_seed(0))
     logits[0, 10:] = float("-inf")  # what top-k leaves

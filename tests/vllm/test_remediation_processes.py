@@ -18,11 +18,12 @@ import pytest
 
 pytest.importorskip("vllm")
 
-import collectors.vllm as cv  # noqa: E402
-from audit.compare import EQUAL  # noqa: E402
-from audit.contract import handshake  # noqa: E402
-from collectors.control import FixedControl  # noqa: E402
-from collectors.sinks import MemorySink  # noqa: E402
+import isoaudit.collectors.vllm as cv  # noqa: E402
+from isoaudit.audit.compare import EQUAL  # noqa: E402
+from isoaudit.audit.contract import handshake  # noqa: E402
+from isoaudit.collectors.control import FixedControl  # noqa: E402
+from isoaudit.collectors.sinks import MemorySink  # noqa: E402
+
 from tests.vllm.conftest import (  # noqa: E402
     RUN,
     compare,
@@ -40,13 +41,13 @@ def _trainer(path: Path, outputs: Any, step: int, weights: Any = None) -> Memory
     """The HF trainer on isoaudit's invariant kernels, recording as the GRPO recipe does (logprobs
     from the fp32 head, its forward hooked), with the contract it then runs under."""
     import torch
+    from isoaudit.collectors import trainer
+    from isoaudit.collectors.layout import StepBatch
+    from isoaudit.collectors.policy import hf_contracts
+    from isoaudit.collectors.rl.grpo import policy_logprobs
+    from isoaudit.collectors.tiny_models import load_tiny_model
 
-    import isokernels as kernels
-    from collectors import trainer
-    from collectors.layout import StepBatch
-    from collectors.policy import hf_contracts
-    from collectors.rl.grpo import policy_logprobs
-    from collectors.tiny_models import load_tiny_model
+    from isoaudit import kernels
 
     model, _ = load_tiny_model(path, dtype=torch.bfloat16)
     if weights is not None:

@@ -1,5 +1,5 @@
 """MoE routing on a real in-process vLLM (CPU build) running a tiny Qwen3-MoE, against the HF
-trainer on the same weights, both recorded through ``collectors.session`` into a store and
+trainer on the same weights, both recorded through ``isoaudit.session`` into a store and
 compared by the worker: per token and MoE layer, the experts both sides chose."""
 
 from __future__ import annotations
@@ -14,13 +14,14 @@ import torch
 
 pytest.importorskip("vllm")
 
-import collectors  # noqa: E402
-from audit.records import SampleLogprobs  # noqa: E402
-from audit.store import Store  # noqa: E402
-from audit.worker import ComparisonWorker  # noqa: E402
-from collectors.layout import StepBatch  # noqa: E402
-from collectors.routing_vllm import VllmRoutes, moe_routers  # noqa: E402
-from collectors.tiny_models import make_tiny_model  # noqa: E402
+from isoaudit.audit.records import SampleLogprobs  # noqa: E402
+from isoaudit.audit.store import Store  # noqa: E402
+from isoaudit.audit.worker import ComparisonWorker  # noqa: E402
+from isoaudit.collectors.layout import StepBatch  # noqa: E402
+from isoaudit.collectors.routing_vllm import VllmRoutes, moe_routers  # noqa: E402
+from isoaudit.collectors.tiny_models import make_tiny_model  # noqa: E402
+
+import isoaudit  # noqa: E402
 from tests.vllm.conftest import engine, generate, prompts_of  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -44,11 +45,11 @@ def llm(tiny_moe: Path) -> Iterator[Any]:
 
 @pytest.fixture(scope="module")
 def recorded(llm: Any, tiny_moe: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from collectors.tiny_models import load_tiny_model
+    from isoaudit.collectors.tiny_models import load_tiny_model
 
     url = f"sqlite:///{tmp_path_factory.mktemp('vllm-moe-db') / 'store.db'}"
     model, _ = load_tiny_model(tiny_moe, dtype=torch.bfloat16)
-    with collectors.session("vllm-moe", database_url=url, strict=True, report=False) as audit:
+    with isoaudit.session("vllm-moe", database_url=url, strict=True, report=False) as audit:
         rollout = audit.watch_vllm(llm, fingerprint="all")
         routes = audit.watch_routing(rollout)
         assert isinstance(routes, VllmRoutes)

@@ -13,12 +13,13 @@ import torch
 
 pytest.importorskip("vllm")
 
-import collectors  # noqa: E402
-from audit.records import SampleLogprobs  # noqa: E402
-from audit.store import Store  # noqa: E402
-from collectors.layout import StepBatch  # noqa: E402
-from collectors.routing_vllm import VllmRoutes  # noqa: E402
-from collectors.tiny_models import load_tiny_model, make_tiny_model  # noqa: E402
+from isoaudit.audit.records import SampleLogprobs  # noqa: E402
+from isoaudit.audit.store import Store  # noqa: E402
+from isoaudit.collectors.layout import StepBatch  # noqa: E402
+from isoaudit.collectors.routing_vllm import VllmRoutes  # noqa: E402
+from isoaudit.collectors.tiny_models import load_tiny_model, make_tiny_model  # noqa: E402
+
+import isoaudit  # noqa: E402
 from tests.vllm.conftest import engine, generate, prompts_of  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -30,7 +31,7 @@ MAX_TOKENS = 10
 def _record(path: Path, url: str, run: str, *, processes: bool) -> dict[str, Any]:
     model, _ = load_tiny_model(path, dtype=torch.bfloat16)
     with engine(path, processes=processes) as llm:
-        with collectors.session(run, database_url=url, strict=True, report=False) as audit:
+        with isoaudit.session(run, database_url=url, strict=True, report=False) as audit:
             rollout = audit.watch_vllm(llm, fingerprint=None)
             routes = audit.watch_routing(rollout)
             assert isinstance(routes, VllmRoutes)

@@ -10,19 +10,26 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from isoaudit.collectors.fingerprints import fingerprint_rows
+from isoaudit.collectors.vllm.capture import EngineCapture
+from isoaudit.collectors.vllm.facts import capture_refusal
+from isoaudit.collectors.vllm.messages import (
+    Drained,
+    ModeState,
+    RequestRecord,
+    SetMode,
+    Started,
+    from_wire,
+    to_wire,
+)
+from isoaudit.collectors.vllm.outputs import read_completions
+from isoaudit.collectors.vllm.regions import resolve_engine_regions
+from isoaudit.collectors.vllm.rows import ForwardRows
+from isoaudit.collectors.vllm.selection import Selection, parse_selection
+from isoaudit.collectors.vllm.traces import external_id
+from isoaudit.collectors.vllm.weights import pack_tensors, unpack_tensors, weight_digest
+from isoaudit.collectors.vllm.worker import NATIVE_IN_VLLM, switch_engine_mode
 from torch import nn
-
-from collectors.fingerprints import fingerprint_rows
-from collectors.vllm.capture import EngineCapture
-from collectors.vllm.facts import capture_refusal
-from collectors.vllm.messages import Drained, ModeState, RequestRecord, SetMode, Started, from_wire, to_wire
-from collectors.vllm.outputs import read_completions
-from collectors.vllm.regions import resolve_engine_regions
-from collectors.vllm.rows import ForwardRows
-from collectors.vllm.selection import Selection, parse_selection
-from collectors.vllm.traces import external_id
-from collectors.vllm.weights import pack_tensors, unpack_tensors, weight_digest
-from collectors.vllm.worker import NATIVE_IN_VLLM, switch_engine_mode
 
 pytestmark = pytest.mark.vllm
 
@@ -418,13 +425,13 @@ def test_vllm_stays_optional() -> None:
     import subprocess
     import sys
 
-    code = "import sys; sys.modules['vllm'] = None; import audit, collectors, collectors.vllm; print('ok')"
+    code = "import sys; sys.modules['vllm'] = None; import isoaudit.audit, isoaudit.collectors, isoaudit.collectors.vllm; print('ok')"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
 def test_worker_processes_need_the_extension() -> None:
-    from collectors.vllm.link import EngineLink
+    from isoaudit.collectors.vllm.link import EngineLink
 
     class SyncMPClient:  # what vLLM's multiprocess engine client is called
         pass
@@ -438,7 +445,7 @@ def test_worker_processes_need_the_extension() -> None:
     with pytest.raises(ValueError, match="worker_extension_cls"):
         EngineLink(fake("", SyncMPClient()))
     assert (
-        EngineLink(fake("collectors.vllm.worker.IsoauditWorkerExtension", SyncMPClient())).mode
+        EngineLink(fake("isoaudit.collectors.vllm.worker.IsoauditWorkerExtension", SyncMPClient())).mode
         == "worker_extension"
     )
     with pytest.raises(TypeError, match="vllm.LLM"):

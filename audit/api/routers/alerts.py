@@ -9,10 +9,8 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, HTTPException, Path, Query, Response, status
-from pydantic import BaseModel
-
-from audit.alerts.history import AlertView, get_alert, list_alerts, notifications
-from audit.alerts.rules import (
+from isoaudit.audit.alerts.history import AlertView, get_alert, list_alerts, notifications
+from isoaudit.audit.alerts.rules import (
     AlertRule,
     RuleSource,
     delete_rule,
@@ -21,13 +19,20 @@ from audit.alerts.rules import (
     rule_from_row,
     save_rule,
 )
-from audit.alerts.silences import SilenceSpec, create_silence, expire_silence, get_silence, list_silences
-from audit.api.auth import ReadableRun, Reader, Writer, can_see
-from audit.api.deps import get_store
-from audit.api.errors import storable_body
-from audit.api.schemas import UtcDatetime
-from audit.service_models import AlertRuleRow, SilenceRow
-from audit.store import Store
+from isoaudit.audit.alerts.silences import (
+    SilenceSpec,
+    create_silence,
+    expire_silence,
+    get_silence,
+    list_silences,
+)
+from isoaudit.audit.api.auth import ReadableRun, Reader, Writer, can_see
+from isoaudit.audit.api.deps import get_store
+from isoaudit.audit.api.errors import storable_body
+from isoaudit.audit.api.schemas import UtcDatetime
+from isoaudit.audit.service_models import AlertRuleRow, SilenceRow
+from isoaudit.audit.store import Store
+from pydantic import BaseModel
 
 router = APIRouter(prefix="/v1", tags=["alerts"])
 
@@ -275,7 +280,7 @@ def silences(
     store: StoreDep,
     active: Annotated[bool, Query(description="only those in force now")] = False,
 ) -> list[SilenceOut]:
-    from audit.records import utcnow
+    from isoaudit.audit.records import utcnow
 
     project = principal.project if principal is not None else None
     rows = list_silences(store, project, active_at=utcnow() if active else None)

@@ -5,13 +5,12 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, HTTPException, Path, status
-
-from audit.api.auth import ReadableRun, Writer, can_see
-from audit.api.deps import get_store
-from audit.api.schemas import Control, ControlUpdate
-from audit.records import RunId
-from audit.service_models import ControlState, StaleControlVersion
-from audit.store import Store
+from isoaudit.audit.api.auth import ReadableRun, Writer, can_see
+from isoaudit.audit.api.deps import get_store
+from isoaudit.audit.api.schemas import Control, ControlUpdate
+from isoaudit.audit.records import RunId
+from isoaudit.audit.service_models import ControlState, StaleControlVersion
+from isoaudit.audit.store import Store
 
 router = APIRouter(prefix="/v1/runs", tags=["control"])
 

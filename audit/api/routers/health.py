@@ -5,12 +5,11 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, HTTPException, status
+from isoaudit.audit.api.deps import get_store
+from isoaudit.audit.api.schemas import Health
+from isoaudit.audit.store import Store
 from sqlalchemy import text
 from sqlalchemy.exc import SQLAlchemyError
-
-from audit.api.deps import get_store
-from audit.api.schemas import Health
-from audit.store import Store
 
 router = APIRouter(tags=["service"])
 

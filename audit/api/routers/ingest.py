@@ -11,18 +11,17 @@ from typing import Annotated, Any, TypeVar
 from fastapi import APIRouter, Depends, HTTPException, Request, status
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
+from isoaudit.audit.api.auth import Writer
+from isoaudit.audit.api.deps import get_settings, get_store, get_telemetry
+from isoaudit.audit.api.errors import request_validation_error
+from isoaudit.audit.api.routers.control import control_of
+from isoaudit.audit.api.schemas import Control, IngestResponse, RunOut
+from isoaudit.audit.api.settings import ApiSettings
+from isoaudit.audit.api.telemetry import Telemetry
+from isoaudit.audit.records import Batch, BatchShape, Run
+from isoaudit.audit.store import ForbiddenRun, IngestResult, Store
 from pydantic import ValidationError
 from sqlalchemy.exc import IntegrityError, OperationalError
-
-from audit.api.auth import Writer
-from audit.api.deps import get_settings, get_store, get_telemetry
-from audit.api.errors import request_validation_error
-from audit.api.routers.control import control_of
-from audit.api.schemas import Control, IngestResponse, RunOut
-from audit.api.settings import ApiSettings
-from audit.api.telemetry import Telemetry
-from audit.records import Batch, BatchShape, Run
-from audit.store import ForbiddenRun, IngestResult, Store
 
 router = APIRouter(prefix="/v1", tags=["ingest"])
 log = logging.getLogger("isoaudit.api")

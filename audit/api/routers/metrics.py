@@ -6,13 +6,12 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response, status
+from isoaudit.audit.api.auth import Reader
+from isoaudit.audit.api.deps import get_store
+from isoaudit.audit.api.prometheus import StoreCollector
+from isoaudit.audit.metric_names import FRAMEWORKS, catalogue
+from isoaudit.audit.store import Store
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-
-from audit.api.auth import Reader
-from audit.api.deps import get_store
-from audit.api.prometheus import StoreCollector
-from audit.metric_names import FRAMEWORKS, catalogue
-from audit.store import Store
 
 router = APIRouter(tags=["service"])
 

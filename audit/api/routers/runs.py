@@ -7,15 +7,21 @@ from datetime import datetime
 from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Depends, HTTPException, Path, Query, status
+from isoaudit.audit.api.auth import ReadableRun, Reader
+from isoaudit.audit.api.deps import get_store
+from isoaudit.audit.api.routers.control import control_of
+from isoaudit.audit.api.schemas import (
+    DivergenceOut,
+    RunOut,
+    SampleResultOut,
+    StepMetricsOut,
+    StepOut,
+    StepStatsOut,
+)
+from isoaudit.audit.queries import STOPPED_AFTER_STEPS, rank_activity
+from isoaudit.audit.records import Step
+from isoaudit.audit.store import Store
 from pydantic import BaseModel, Field
-
-from audit.api.auth import ReadableRun, Reader
-from audit.api.deps import get_store
-from audit.api.routers.control import control_of
-from audit.api.schemas import DivergenceOut, RunOut, SampleResultOut, StepMetricsOut, StepOut, StepStatsOut
-from audit.queries import STOPPED_AFTER_STEPS, rank_activity
-from audit.records import Step
-from audit.store import Store
 
 router = APIRouter(prefix="/v1/runs", tags=["runs"])
 
@@ -207,7 +213,7 @@ def routing(
     store: StoreDep,
     after_step: Annotated[Step | None, Query(description="only steps after this one")] = None,
 ) -> list[RoutingStepOut]:
-    from audit.queries import routing_series
+    from isoaudit.audit.queries import routing_series
 
     return [
         from_attributes(
@@ -244,7 +250,7 @@ def sample_routing(
     sample_key: Annotated[str, Path(pattern=r"^[0-9a-f]{32}$")],
     store: StoreDep,
 ) -> SampleRoutingOut:
-    from audit.queries import sample_routing as read
+    from isoaudit.audit.queries import sample_routing as read
 
     found = read(store, run_id, step, sample_key)
     if found is None:

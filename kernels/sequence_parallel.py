@@ -20,7 +20,7 @@ non-SP model performs:
 process's rank of a real group (:func:`process_group_seq_gather`): our
 :class:`kernels.models.moe_lm.MoELM`, or HF's Llama/Qwen3 (dense) and Qwen3-MoE/Mixtral (MoE)
 decoders with the ops of :class:`kernels.adapters.HFCausalLM` (the engine path, bitwise HF's own
-forward with the kernels on). ``python -m isokernels.moe_check`` checks both under torchrun.
+forward with the kernels on). ``python -m isoaudit.kernels.moe_check`` checks both under torchrun.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 import torch
 
-from . import moe, routing
+from . import dispatch, moe
 from .tree_gemm import subtree_root, tree_plan, tree_reduce
 
 #: Gathers one tensor per local rank, (B, len_r, ...), into the full sequence (B, n, ...).
@@ -114,7 +114,7 @@ class _OursLayer:
         return self.att.qkv(self.blk.norm1(x), pos)
 
     def attended(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-        return x + routing.linear(o.reshape(x.shape[0], -1), self.att.o.weight)
+        return x + dispatch.linear(o.reshape(x.shape[0], -1), self.att.o.weight)
 
     def mlp(self, h: torch.Tensor) -> torch.Tensor:
         return h + self.blk.mlp(self.blk.norm2(h))
@@ -234,7 +234,7 @@ def sp_hidden(
             cu = torch.arange(b + 1, device=dev, dtype=torch.int32) * (hi - lo)
             pos0 = torch.full((b,), lo, device=dev, dtype=torch.int32)
             kv_len = torch.full((b,), hi, device=dev, dtype=torch.int32)
-            o = routing.attention(qkv[r][0], kc, vc, cu, pos0, kv_len, None, layer.scale)
+            o = dispatch.attention(qkv[r][0], kc, vc, cu, pos0, kv_len, None, layer.scale)
             h = layer.attended(x[r], o)
             with moe.tokens(rows[r], pos[r]):
                 x[r] = layer.mlp(h)

@@ -1,6 +1,6 @@
 """Expert and sequence parallelism over a real process group, checked against one process.
 
-    torchrun --standalone --nproc-per-node 4 -m isokernels.moe_check --json out.json
+    torchrun --standalone --nproc-per-node 4 -m isoaudit.kernels.moe_check --json out.json
 
 Every rank builds the same weights and tokens (seeded) and computes the single-process answer
 itself; then, over the group (gloo on the CPU, NCCL with one GPU per rank):
@@ -24,9 +24,9 @@ import json
 
 import torch
 
-import isokernels as kernels
+from isoaudit import kernels
 
-from . import moe, routing
+from . import dispatch, moe
 from . import sequence_parallel as sp
 from .bits import bits_equal
 from .models.moe_lm import MoELM, MoELMConfig
@@ -80,10 +80,10 @@ def _sp(rank: int, world: int, dev: torch.device, small: bool) -> dict:
     res = {}
     for on in (True, False):
         with kernels.enable() if on else kernels.disable(), torch.no_grad():
-            full = routing.logits_fp32(model(ids)[:, lo:hi].reshape(-1, cfg.hidden), model.lm_head_weight)
+            full = dispatch.logits_fp32(model(ids)[:, lo:hi].reshape(-1, cfg.hidden), model.lm_head_weight)
             gather = sp.process_group_seq_gather(ids.shape[1])
             mine = sp.sp_hidden(model, ids, world, [rank], gather)[rank]
-            got = routing.logits_fp32(mine.reshape(-1, cfg.hidden), model.lm_head_weight)
+            got = dispatch.logits_fp32(mine.reshape(-1, cfg.hidden), model.lm_head_weight)
         res["kernels" if on else "native"] = {
             "equal": bits_equal(got, full),
             "mismatch_fraction": float((got != full).float().mean()),
@@ -137,8 +137,8 @@ def _sp_hf(rank: int, world: int, dev: torch.device) -> dict:
         with kernels.enable(), torch.no_grad():
             full = model.model(input_ids=ids).last_hidden_state[:, lo:hi]
             mine = sp.sp_hidden(model, ids, world, [rank], sp.process_group_seq_gather(ids.shape[1]))[rank]
-            got = routing.logits_fp32(mine.reshape(-1, mine.shape[-1]), head)
-            want = routing.logits_fp32(full.reshape(-1, full.shape[-1]), head)
+            got = dispatch.logits_fp32(mine.reshape(-1, mine.shape[-1]), head)
+            want = dispatch.logits_fp32(full.reshape(-1, full.shape[-1]), head)
         res[family] = {"equal": bits_equal(got, want)}
     return res
 

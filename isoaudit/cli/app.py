@@ -10,11 +10,11 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from audit import __version__
-from audit.config import database_url
+from isoaudit import __version__
+from isoaudit.audit.config import database_url
 
 if TYPE_CHECKING:
-    from audit.store import Store
+    from isoaudit.audit.store import Store
 
 app = typer.Typer(
     help="isoaudit: find where a trainer and a rollout engine stop computing the same numbers.",
@@ -39,7 +39,7 @@ def open_store(database: str | None) -> Store:
     behind this isoaudit, a newer schema, an unreachable server) exits 1 with the reason, no traceback."""
     from sqlalchemy.exc import SQLAlchemyError
 
-    from audit.store import Store, StoreError
+    from isoaudit.audit.store import Store, StoreError
 
     try:
         return Store(database)
@@ -73,7 +73,7 @@ def db_upgrade(
     revision: Annotated[str, typer.Argument(help="Target revision.")] = "head",
 ) -> None:
     """Apply the schema migrations (safe to run again)."""
-    from audit.migrate import current_revision, upgrade
+    from isoaudit.audit.migrate import current_revision, upgrade
 
     url = database_url(database)
     upgrade(url, revision)
@@ -108,9 +108,9 @@ def _redact(url: str) -> str:
 
 # Command groups defined in sibling modules register themselves on `app` when imported.
 # (one import line per module; keep them at the bottom, after `app` exists)
-from audit.cli import compare as _compare  # noqa: E402,F401
-from audit.cli import dashboard as _dashboard  # noqa: E402,F401
-from audit.cli import demo as _demo  # noqa: E402,F401
-from audit.cli import gate as _gate  # noqa: E402,F401
-from audit.cli import metrics as _metrics  # noqa: E402,F401
-from audit.cli import service as _service  # noqa: E402,F401
+from isoaudit.cli import compare as _compare  # noqa: E402,F401
+from isoaudit.cli import dashboard as _dashboard  # noqa: E402,F401
+from isoaudit.cli import demo as _demo  # noqa: E402,F401
+from isoaudit.cli import gate as _gate  # noqa: E402,F401
+from isoaudit.cli import metrics as _metrics  # noqa: E402,F401
+from isoaudit.cli import service as _service  # noqa: E402,F401

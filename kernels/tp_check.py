@@ -1,6 +1,6 @@
 """Check, on a real process group, that the tree GEMM gives the bits of TP=1 at this TP degree.
 
-    torchrun --standalone --nproc-per-node 4 -m isokernels.tp_check [--small] [--json out.json]
+    torchrun --standalone --nproc-per-node 4 -m isoaudit.kernels.tp_check [--small] [--json out.json]
 
 Every rank builds the same inputs from one seed and checks two things against TP=1 computed
 locally on one device:

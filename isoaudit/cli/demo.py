@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from audit.cli.app import DatabaseOption, app, console
+from isoaudit.cli.app import DatabaseOption, app, console
 
 
 @app.command("demo")
@@ -49,8 +49,8 @@ def demo(
         remediate_at = steps // 2
     if not 0 <= remediate_at < steps:
         raise typer.BadParameter(f"must be a step in 0..{steps - 1}", param_hint="--remediate-at")
-    from collectors.rl.demo import run_demo
-    from collectors.rl.job import JobConfig
+    from isoaudit.collectors.rl.demo import run_demo
+    from isoaudit.collectors.rl.job import JobConfig
 
     result = run_demo(
         steps=steps,
@@ -63,7 +63,7 @@ def demo(
     )
     console.print(f"\nExplore: [bold]isoaudit compare {result.run_id}[/bold]")
     if serve:
-        from audit.cli.dashboard import dashboard
+        from isoaudit.cli.dashboard import dashboard
 
         console.print(f"dashboard: http://{host}:{port}/runs/{result.run_id}  (Ctrl-C to stop)")
         dashboard(database=result.database_url, host=host, port=port, auth=None, live_interval_ms=5000)

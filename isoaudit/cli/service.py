@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from audit.cli.app import DatabaseOption, app, console, open_store
+from isoaudit.cli.app import DatabaseOption, app, console, open_store
 
 tokens_app = typer.Typer(help="Bearer tokens of the API, one or more per project.", no_args_is_help=True)
 app.add_typer(tokens_app, name="tokens")
@@ -55,9 +55,9 @@ def serve(
     exits, stopped with the API, killed by the kernel if the API dies."""
     import uvicorn
 
-    from audit.api import ApiSettings, create_app
-    from audit.api.app import install_configured_rules
-    from audit.worker import WorkerProcess
+    from isoaudit.audit.api import ApiSettings, create_app
+    from isoaudit.audit.api.app import install_configured_rules
+    from isoaudit.audit.worker import WorkerProcess
 
     overrides: dict[str, object] = {
         "database_url": database,
@@ -127,9 +127,9 @@ def worker(
     import signal
     import threading
 
-    from audit.api import ApiSettings
-    from audit.api.app import default_alert_engine, install_configured_rules
-    from audit.worker import ComparisonWorker, die_with_parent, tell_parent_ready
+    from isoaudit.audit.api import ApiSettings
+    from isoaudit.audit.api.app import default_alert_engine, install_configured_rules
+    from isoaudit.audit.worker import ComparisonWorker, die_with_parent, tell_parent_ready
 
     die_with_parent()  # a child of `isoaudit serve` goes with it
     settings = ApiSettings.from_env(database_url=database, alert_rules_file=rules, webhook_url=webhook)
@@ -158,7 +158,7 @@ def tokens_create(
     database: DatabaseOption = None,
 ) -> None:
     """Create a token and print it (only once: just its hash is stored)."""
-    from audit.auth import create_token
+    from isoaudit.audit.auth import create_token
 
     try:
         token = create_token(open_store(database), project, name)
@@ -173,7 +173,7 @@ def tokens_list(
     database: DatabaseOption = None,
 ) -> None:
     """List tokens by id (secrets are never stored, so never shown)."""
-    from audit.auth import list_tokens
+    from isoaudit.audit.auth import list_tokens
 
     table = Table("token id", "project", "name", "created", "revoked")
     for row in list_tokens(open_store(database), project):
@@ -188,7 +188,7 @@ def tokens_revoke(
     database: DatabaseOption = None,
 ) -> None:
     """Revoke a token: requests with it get 401 from now on."""
-    from audit.auth import revoke_token
+    from isoaudit.audit.auth import revoke_token
 
     if not revoke_token(open_store(database), token_id):
         console.print(f"no live token {token_id!r}")
@@ -203,7 +203,7 @@ app.add_typer(alerts_app, name="alerts")
 @alerts_app.command("check")
 def alerts_check(path: Annotated[str, typer.Argument(help="YAML rules file.")]) -> None:
     """Validate a rules file without touching the database; exits 1 naming the rule and field."""
-    from audit.alerts import RulesFileError, load_rules
+    from isoaudit.audit.alerts import RulesFileError, load_rules
 
     try:
         rules = load_rules(path)
@@ -221,7 +221,7 @@ def alerts_load(
     database: DatabaseOption = None,
 ) -> None:
     """Install the file's rules (replacing rules of the same names), as `serve --rules` does."""
-    from audit.alerts import RulesFileError, install_rules, load_rules
+    from isoaudit.audit.alerts import RulesFileError, install_rules, load_rules
 
     try:
         rules = load_rules(path)
@@ -234,7 +234,7 @@ def alerts_load(
 @alerts_app.command("rules")
 def alerts_rules(database: DatabaseOption = None) -> None:
     """List the rules in the store."""
-    from audit.alerts.rules import list_rule_rows, rule_from_row
+    from isoaudit.audit.alerts.rules import list_rule_rows, rule_from_row
 
     table = Table("rule", "condition", "for", "keep firing", "severity", "project", "source", "enabled")
     for row in list_rule_rows(open_store(database)):
@@ -259,7 +259,7 @@ def alerts_list(
     open_only: Annotated[bool, typer.Option("--open", help="Only pending and firing alerts.")] = False,
 ) -> None:
     """List alerts, newest first."""
-    from audit.alerts.history import list_alerts
+    from isoaudit.audit.alerts.history import list_alerts
 
     states = ["pending", "firing"] if open_only else None
     table = Table("id", "rule", "run", "state", "severity", "value", "started", "fired", "resolved")

@@ -9,7 +9,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from audit.cli.app import app, console
+from isoaudit.cli.app import app, console
 
 metrics_app = typer.Typer(
     help="The mismatch metrics and their names in each framework.", no_args_is_help=True
@@ -25,7 +25,7 @@ def metrics_list(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
 ) -> None:
     """List every metric with its aliases (framework:name) and its definition."""
-    from audit.metric_names import FRAMEWORKS, catalogue
+    from isoaudit.audit.metric_names import FRAMEWORKS, catalogue
 
     if framework is not None and framework not in FRAMEWORKS:
         console.print(f"[red]error:[/red] --framework: {framework!r} is not one of {', '.join(FRAMEWORKS)}")

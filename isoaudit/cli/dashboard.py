@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from audit.cli.app import DatabaseOption, app, console
+from isoaudit.cli.app import DatabaseOption, app, console
 
 
 def is_loopback(host: str) -> bool:
@@ -54,7 +54,7 @@ def dashboard(
             "run's remediation mode. Give --auth user:password (or ISOAUDIT_DASHBOARD_AUTH), or bind to 127.0.0.1."
         )
         raise typer.Exit(2)
-    from dashboard import create_app  # the CLI is the composition root (see the import contract)
+    from isoaudit.dashboard import create_app  # the CLI is the composition root (see the import contract)
 
     dash_app = create_app(database, auth=credentials, live_interval_ms=live_interval_ms)
     console.print(f"isoaudit dashboard on http://{host}:{port}" + (" (basic auth)" if credentials else ""))

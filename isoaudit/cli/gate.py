@@ -12,7 +12,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from audit.cli.app import DatabaseOption, app, console, open_store
+from isoaudit.cli.app import DatabaseOption, app, console, open_store
 
 MaxOption = Annotated[
     list[str] | None,
@@ -39,7 +39,7 @@ def gate(
     database: DatabaseOption = None,
 ) -> None:
     """Fail (exit 2) when any compared step of RUN breaks a bound; a table names each failure."""
-    from audit.gates import GateError, bounds_of, check, parse_assignment, parse_steps
+    from isoaudit.audit.gates import GateError, bounds_of, check, parse_assignment, parse_steps
 
     try:
         bounds = bounds_of(

@@ -1,4 +1,4 @@
-"""Route HF transformers models (Llama, Qwen2, Qwen3, Mistral) through :mod:`kernels.routing`.
+"""Route HF transformers models (Llama, Qwen2, Qwen3, Mistral) through :mod:`kernels.dispatch`.
 
 Two pieces: ``patch()``/``unpatch()`` swap, process-wide, ``nn.Linear.forward``, the HF RMSNorm
 classes' forward and HF's "sdpa"/"eager" attention entries and SiLU for routed versions (so an unmodified
@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import routing
+from . import dispatch
 
 _FAMILIES = [
     ("llama", "Llama"),
@@ -28,11 +28,11 @@ _saved: dict[str, Any] = {}
 
 
 def _linear_forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
-    return routing.linear(input, self.weight, self.bias)
+    return dispatch.linear(input, self.weight, self.bias)
 
 
 def _rmsnorm_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-    return routing.rms_norm(hidden_states, self.weight, self.variance_epsilon)
+    return dispatch.rms_norm(hidden_states, self.weight, self.variance_epsilon)
 
 
 def hf_attention(
@@ -54,12 +54,12 @@ def hf_attention(
     cu = torch.arange(b + 1, device=dev, dtype=torch.int32) * lq
     pos0 = torch.full((b,), lk - lq, device=dev, dtype=torch.int32)
     kv_len = torch.full((b,), lk, device=dev, dtype=torch.int32)
-    out = routing.attention(q, key.transpose(1, 2), value.transpose(1, 2), cu, pos0, kv_len, None, scaling)
+    out = dispatch.attention(q, key.transpose(1, 2), value.transpose(1, 2), cu, pos0, kv_len, None, scaling)
     return out.reshape(b, lq, hq, d), None
 
 
 def _silu_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
-    return routing.silu(input)
+    return dispatch.silu(input)
 
 
 def _silu_classes() -> list[type]:
@@ -139,7 +139,7 @@ def _norm(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     the invariant kernel, the trainer's op); natively the fused ``F.rms_norm``, as a rollout
     engine's fused norm kernel is (HF's module is seven separate ops); a module a collector hooked
     runs itself, so its hooks see it."""
-    if routing.is_enabled() or module._forward_hooks or module._forward_pre_hooks:
+    if dispatch.is_enabled() or module._forward_hooks or module._forward_pre_hooks:
         return module(x)  # type: ignore[no-any-return]
     return F.rms_norm(x, (x.shape[-1],), module.weight, module.variance_epsilon)
 
@@ -197,7 +197,7 @@ class HFCausalLM:
         slot_of_tok = torch.repeat_interleave(slots_t, lens, output_size=t)
         q_pos0 = positions[cu[:-1].long().clamp(max=max(t - 1, 0))] if t else positions[:0]
         kv_len = q_pos0 + lens.to(q_pos0.dtype)
-        max_q = None if routing.is_enabled() or t == len(slots) else int(lens.max())
+        max_q = None if dispatch.is_enabled() or t == len(slots) else int(lens.max())
         return self._layers(ids, positions, slot_of_tok, cu, q_pos0, kv_len, slots_t, max_q, cache)
 
     @torch.no_grad()
@@ -256,7 +256,7 @@ class HFCausalLM:
             kc, vc = cache[li]
             kc[slot_of_tok, positions] = k
             vc[slot_of_tok, positions] = v
-            o = routing.attention(q, kc, vc, cu, q_pos0, kv_len, slots, attn.scaling, max_q=max_q)
+            o = dispatch.attention(q, kc, vc, cu, q_pos0, kv_len, slots, attn.scaling, max_q=max_q)
             x = res + attn.o_proj(o.reshape(t, -1))
             res = x
             x = res + layer.mlp(_norm(layer.post_attention_layernorm, x))

@@ -4,7 +4,7 @@ number of expert-parallel ranks or the expert buffers' capacity.
 An MoE layer is three regions (the collectors' ``layers.i.router``, ``layers.i.experts`` and
 ``layers.i.combine``), each with one fixed arithmetic when :func:`kernels.enable` is on:
 
-* **router**: fp32 logits ``x W_g^T`` from the batch-invariant GEMM (:func:`routing.linear_fp32`,
+* **router**: fp32 logits ``x W_g^T`` from the batch-invariant GEMM (:func:`dispatch.linear_fp32`,
   the same call on the trainer and the engine); the top-k by logit with the tie rule
   :data:`TIE_RULE` (unique integer keys, so no sort's stability is relied on); the selected weights
   ``e^(l_j - l_max) / den`` with the invariant ``exp`` of :mod:`kernels.cpu` (IEEE operations only,
@@ -38,8 +38,8 @@ from dataclasses import dataclass
 import torch
 
 from . import cpu as _cpu
+from . import dispatch, moe_router
 from . import gemm as _gemm
-from . import moe_router, routing
 from ._triton import HAVE_TRITON, interpreting
 from .moe_grouped import grouped_config, grouped_glu, grouped_linear, grouped_scatter, sort_groups
 
@@ -142,8 +142,8 @@ def route(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, norm_topk_prob
     if fast:  # the GEMM without its autograd wrapper: the same kernel, less host time
         logits = _gemm.gemm(x, gate_weight, None, torch.float32)
     else:
-        logits = routing.linear_fp32(x, gate_weight)
-    if not routing.is_enabled():
+        logits = dispatch.linear_fp32(x, gate_weight)
+    if not dispatch.is_enabled():
         probs = torch.softmax(logits, dim=-1)
         w, idx = torch.topk(probs, top_k, dim=-1)
         if norm_topk_prob:
@@ -168,9 +168,9 @@ def _route_torch(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> Rout
 def _fast_router(x: torch.Tensor, gate_weight: torch.Tensor) -> bool:
     """The one-launch router epilogue applies: kernels on, Triton tensors, no gradient wanted,
     ``ISOAUDIT_MOE_FAST`` not 0."""
-    if os.environ.get("ISOAUDIT_MOE_FAST", "1") == "0" or not (routing.is_enabled() and HAVE_TRITON):
+    if os.environ.get("ISOAUDIT_MOE_FAST", "1") == "0" or not (dispatch.is_enabled() and HAVE_TRITON):
         return False
-    if not (x.is_cuda or (interpreting() and not routing._on_cpu(x))):
+    if not (x.is_cuda or (interpreting() and not dispatch._on_cpu(x))):
         return False
     return not (torch.is_grad_enabled() and (x.requires_grad or gate_weight.requires_grad))
 
@@ -215,17 +215,17 @@ SINGLE = ExpertParallel()
 def expert_ffn(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """One expert's SwiGLU on its rows: ``down(silu(gate x) * up x)`` with ``gate_up`` (2I, H) the
     gate rows then the up rows (HF's concatenated layout) and ``down`` (H, I)."""
-    g, u = routing.linear(x, gate_up).chunk(2, dim=-1)
-    return routing.linear(routing.silu(g) * u, down)
+    g, u = dispatch.linear(x, gate_up).chunk(2, dim=-1)
+    return dispatch.linear(dispatch.silu(g) * u, down)
 
 
 def _use_grouped(x: torch.Tensor) -> bool:
     """The grouped kernel where the kernels run Triton: CUDA, or CPU tensors sent to the Triton
-    modules under the interpreter (``routing.set_cpu_impl("triton")``, TRITON_INTERPRET=1);
+    modules under the interpreter (``dispatch.set_cpu_impl("triton")``, TRITON_INTERPRET=1);
     ``ISOAUDIT_MOE_GROUPED=0`` turns it off."""
-    if not (routing.is_enabled() and HAVE_TRITON) or os.environ.get("ISOAUDIT_MOE_GROUPED", "1") == "0":
+    if not (dispatch.is_enabled() and HAVE_TRITON) or os.environ.get("ISOAUDIT_MOE_GROUPED", "1") == "0":
         return False
-    return x.is_cuda or (interpreting() and not routing._on_cpu(x))
+    return x.is_cuda or (interpreting() and not dispatch._on_cpu(x))
 
 
 _VIEWS: dict[int, tuple[weakref.ref, list[torch.Tensor]]] = {}
@@ -254,7 +254,7 @@ def grouped_ffn(
     bits depend on the row and its expert only."""
     if _use_grouped(x):
         g, u = grouped_linear(x, gate_up, experts, offsets).chunk(2, dim=-1)
-        return grouped_linear(routing.silu(g) * u, down, experts, offsets)
+        return grouped_linear(dispatch.silu(g) * u, down, experts, offsets)
     gu, dn = _expert_views(gate_up), _expert_views(down)
     outs = [
         expert_ffn(x[lo:hi], gu[e], dn[e])
@@ -478,7 +478,7 @@ def moe_layer(
     and ``down`` (E, H, I). Records its routing as ``layer`` in any active :func:`trace_routing`."""
     r = route(x, gate_weight, top_k, norm_topk_prob)
     record(layer, r.experts)
-    if not routing.is_enabled():
+    if not dispatch.is_enabled():
         return _native_experts(x, r, gate_up, down, ep)
     return combine(expert_outputs(x, r.experts, gate_up, down, ep), r.weights, x.dtype)
 

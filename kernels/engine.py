@@ -32,7 +32,7 @@ from typing import Any, Protocol
 
 import torch
 
-from . import routing
+from . import dispatch
 
 
 class EngineModel(Protocol):
@@ -240,7 +240,7 @@ class RolloutEngine:
         return self._caches[slots]
 
     def _graph(self, slots: int, cache: Any) -> _DecodeGraph:
-        key = (slots, routing.is_enabled())
+        key = (slots, dispatch.is_enabled())
         if key not in self._graphs:
             dev = self.model.lm_head_weight.device
             self._graphs[key] = _DecodeGraph(self._decode_fn(cache), slots, self.max_len - 1, dev)
@@ -260,10 +260,10 @@ class RolloutEngine:
 
 def _head(h: torch.Tensor, w: torch.Tensor, inv_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 logits once: their log-softmax (the recorded logprobs: the same bits as
-    ``routing.token_logprobs``, which is ``z[token] - logsumexp(z)`` too) and the logits at the
+    ``dispatch.token_logprobs``, which is ``z[token] - logsumexp(z)`` too) and the logits at the
     temperature (what :func:`_sample` draws from)."""
-    z = routing.logits_fp32(h, w)
-    return routing.log_softmax(z), z * inv_t
+    z = dispatch.logits_fp32(h, w)
+    return dispatch.log_softmax(z), z * inv_t
 
 
 def _sample(scaled: torch.Tensor, rows: torch.Tensor | None, n: int, gen: torch.Generator) -> torch.Tensor:

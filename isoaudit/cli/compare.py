@@ -16,7 +16,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from audit.cli.app import DatabaseOption, app, console, open_store
+from isoaudit.cli.app import DatabaseOption, app, console, open_store
 
 SHOWN_METRICS = ("kl_k3", "kl_k1", "logprob_abs_diff_mean", "logprob_abs_diff_max", "exact_match_fraction")
 DIVERGENT = {"contract", "weights", "semantics", "inference_path", "numerical"}
@@ -67,8 +67,8 @@ def compare(
     database: DatabaseOption = None,
 ) -> None:
     """Compare the trainer and rollout sides of a run and say where and why they diverge."""
-    from audit.metric_names import FRAMEWORKS
-    from audit.worker import ComparisonWorker
+    from isoaudit.audit.metric_names import FRAMEWORKS
+    from isoaudit.audit.worker import ComparisonWorker
 
     if names is not None and names not in FRAMEWORKS:
         raise _fail(f"--names: {names!r} is not one of {', '.join(FRAMEWORKS)}")
@@ -139,7 +139,7 @@ NAMED_STEPS_SHOWN = 6
 
 def framework_table(run_id: str, steps: list[Any], framework: str) -> Table:
     """The run's figures as ``framework`` logs them: one row per name, one column per step (latest)."""
-    from audit.metric_names import framework_aliases
+    from isoaudit.audit.metric_names import framework_aliases
 
     shown = steps[-NAMED_STEPS_SHOWN:]
     more = f" (latest {len(shown)} of {len(steps)} steps)" if len(shown) < len(steps) else ""
@@ -157,7 +157,7 @@ def framework_table(run_id: str, steps: list[Any], framework: str) -> Table:
 def _as_json(
     run_id: str, steps: list[Any], samples: list[Any], code: ExitCode, framework: str | None = None
 ) -> dict[str, Any]:
-    from audit.metric_names import as_framework
+    from isoaudit.audit.metric_names import as_framework
 
     by_step: dict[int, list[dict[str, Any]]] = {}
     for row in samples:

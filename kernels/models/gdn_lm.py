@@ -1,5 +1,5 @@
 """A small hybrid language model with Gated DeltaNet and attention layers (Qwen3-Next-like,
-without the short convolution and output gate), written against :mod:`kernels.routing` so one
+without the short convolution and output gate), written against :mod:`kernels.dispatch` so one
 switch moves it onto the invariant kernels. It runs as a trainer (``forward``: whole sequences,
 autograd) and as a rollout engine's model (``step``: packed new tokens against a cache).
 """
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from .. import routing
+from .. import dispatch
 from ..gdn import CHUNK, GDNCache
 
 
@@ -38,7 +38,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return routing.rms_norm(x, self.weight, self.eps)
+        return dispatch.rms_norm(x, self.weight, self.eps)
 
 
 def _lin(i: int, o: int) -> nn.Linear:
@@ -55,8 +55,8 @@ class MLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        a = routing.silu(routing.linear(x, self.gate.weight)) * routing.linear(x, self.up.weight)
-        return routing.linear(a, self.down.weight)
+        a = dispatch.silu(dispatch.linear(x, self.gate.weight)) * dispatch.linear(x, self.up.weight)
+        return dispatch.linear(a, self.down.weight)
 
 
 _ROPE: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -98,9 +98,9 @@ class Attention(nn.Module):
 
     def qkv(self, x: torch.Tensor, positions: torch.Tensor):
         t, d = x.shape[0], self.cfg.head_dim
-        q = self.q_norm(routing.linear(x, self.q.weight).view(t, -1, d))
-        k = self.k_norm(routing.linear(x, self.k.weight).view(t, -1, d))
-        v = routing.linear(x, self.v.weight).view(t, -1, d)
+        q = self.q_norm(dispatch.linear(x, self.q.weight).view(t, -1, d))
+        k = self.k_norm(dispatch.linear(x, self.k.weight).view(t, -1, d))
+        v = dispatch.linear(x, self.v.weight).view(t, -1, d)
         return _rope(q, positions, self.cfg.rope_theta), _rope(k, positions, self.cfg.rope_theta), v
 
     def forward(
@@ -119,7 +119,7 @@ class Attention(nn.Module):
             n = t // b
             kc, vc = k.view(b, n, *k.shape[1:]), v.view(b, n, *v.shape[1:])
             pos0 = torch.zeros(b, device=dev, dtype=torch.int32)
-            o = routing.attention(q, kc, vc, cu, pos0, lens, None, self.cfg.head_dim**-0.5)
+            o = dispatch.attention(q, kc, vc, cu, pos0, lens, None, self.cfg.head_dim**-0.5)
         else:
             kc, vc = cache
             sl = torch.tensor(slots, device=dev)
@@ -127,8 +127,8 @@ class Attention(nn.Module):
             kc[slot_of_tok, positions] = k
             vc[slot_of_tok, positions] = v
             pos0 = positions[cu[:-1].long()]
-            o = routing.attention(q, kc, vc, cu, pos0, pos0 + lens, sl, self.cfg.head_dim**-0.5)
-        return routing.linear(o.reshape(t, -1), self.o.weight)
+            o = dispatch.attention(q, kc, vc, cu, pos0, pos0 + lens, sl, self.cfg.head_dim**-0.5)
+        return dispatch.linear(o.reshape(t, -1), self.o.weight)
 
 
 class GatedDeltaNet(nn.Module):
@@ -145,11 +145,11 @@ class GatedDeltaNet(nn.Module):
 
     def inputs(self, x: torch.Tensor):
         t, d = x.shape[0], self.cfg.gdn_head_dim
-        q = routing.l2_norm(routing.linear(x, self.q.weight).view(t, -1, d)) * (d**-0.5)
-        k = routing.l2_norm(routing.linear(x, self.k.weight).view(t, -1, d))
-        v = routing.linear(x, self.v.weight).view(t, -1, d)
-        g, beta = routing.gdn_gates(
-            routing.linear(x, self.a.weight), routing.linear(x, self.b.weight), self.A_log, self.dt_bias
+        q = dispatch.l2_norm(dispatch.linear(x, self.q.weight).view(t, -1, d)) * (d**-0.5)
+        k = dispatch.l2_norm(dispatch.linear(x, self.k.weight).view(t, -1, d))
+        v = dispatch.linear(x, self.v.weight).view(t, -1, d)
+        g, beta = dispatch.gdn_gates(
+            dispatch.linear(x, self.a.weight), dispatch.linear(x, self.b.weight), self.A_log, self.dt_bias
         )
         return q, k, v, g, beta
 
@@ -158,11 +158,11 @@ class GatedDeltaNet(nn.Module):
     ) -> torch.Tensor:
         q, k, v, g, beta = self.inputs(x)
         if cache is None:
-            o = routing.gdn(q, k, v, g, beta, cu, self.cfg.chunk)
+            o = dispatch.gdn(q, k, v, g, beta, cu, self.cfg.chunk)
         else:
-            o = routing.gdn_incremental(q, k, v, g, beta, cu, slots, cache, self.cfg.chunk)
+            o = dispatch.gdn_incremental(q, k, v, g, beta, cu, slots, cache, self.cfg.chunk)
         o = self.o_norm(o.to(x.dtype))
-        return routing.linear(o.reshape(x.shape[0], -1), self.o.weight)
+        return dispatch.linear(o.reshape(x.shape[0], -1), self.o.weight)
 
 
 class Block(nn.Module):

@@ -190,7 +190,7 @@ def gdn_incremental(
     if bool(cache.buf_len.index_select(0, sl).any()):
         raise ValueError(
             "GDNCache.buf_len is non-zero for a slot: this cache holds an open chunk of the Triton "
-            "path (kernels.routing.set_cpu_impl('triton')); the CPU path needs a cache it filled itself"
+            "path (kernels.dispatch.set_cpu_impl('triton')); the CPU path needs a cache it filled itself"
         )
     starts, lens = _seqs(cu_seqlens)
     h = cache.h.index_select(0, sl)

@@ -1,3 +1,0 @@
-from audit.cli import app
-
-app()

@@ -1,0 +1,3 @@
+from isoaudit.cli import app
+
+app()

@@ -1,0 +1,5 @@
+"""The project's own tiny models, written against :mod:`kernels.dispatch`."""
+
+from .gdn_lm import GDNLM, GDNLMConfig
+
+__all__ = ["GDNLM", "GDNLMConfig"]
