@@ -63,7 +63,8 @@ bench: $(VENV)/.test
 lint: $(VENV)/.test
 	$(VENV)/bin/ruff check isoaudit audit collectors kernels dashboard migrations tests bench scripts
 	$(VENV)/bin/ruff format --check isoaudit audit collectors kernels dashboard migrations tests bench scripts
-	$(PY) scripts/lint_imports.py --no-cache
+	$(PY) scripts/installed_layout.py imports --no-cache
+	$(PY) scripts/installed_layout.py types
 	$(PY) scripts/vulnerabilities.py
 
 clean-venv:

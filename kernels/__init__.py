@@ -39,6 +39,9 @@ def _hand_over_the_bare_name(name: str) -> None:
 if __name__ != "isoaudit.kernels":
     _hand_over_the_bare_name(__name__)
 else:
+    # Submodules first: four function names below (gemm, attention, tree_gemm, ...) shadow their
+    # modules as package attributes, and dispatch/moe import those modules by `from . import`.
+    from . import dispatch, switch  # noqa: F401
     from ._triton import HAVE_TRITON
     from .attention import attention
     from .dispatch import is_enabled

@@ -23,8 +23,8 @@ PARTS = ("audit", "collectors", "kernels", "dashboard", "migrations")
 
 
 def lint_imports(*args: str) -> subprocess.CompletedProcess[str]:
-    """``make lint``'s way: scripts/lint_imports.py runs lint-imports over the installed layout."""
-    command = [sys.executable, str(ROOT / "scripts" / "lint_imports.py"), *args, "--no-cache"]
+    """``make lint``'s way: scripts/installed_layout.py runs lint-imports over the installed layout."""
+    command = [sys.executable, str(ROOT / "scripts" / "installed_layout.py"), "imports", *args, "--no-cache"]
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 
