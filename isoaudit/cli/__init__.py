@@ -1,5 +1,5 @@
-"""The ``isoaudit`` command line: ``app`` here, one module per command group beside it."""
+"""The ``isoaudit`` command line: the root in ``app``, one module per command or command group."""
 
-from isoaudit.cli.app import app, console
+from isoaudit.cli.app import app
 
-__all__ = ["app", "console"]
+__all__ = ["app"]

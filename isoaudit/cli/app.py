@@ -1,55 +1,30 @@
-"""The root ``isoaudit`` command, with the database and runs groups. Other groups live in their own
-modules of this package and register themselves on ``app`` (see the imports at the bottom)."""
+"""The root ``isoaudit`` command: each command or group is a module of this package with its own
+``typer.Typer``; this module adds them (nothing imports it back)."""
 
 from __future__ import annotations
 
-import sys
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import typer
-from rich.console import Console
-from rich.table import Table
 
 from isoaudit import __version__
-from isoaudit.audit.config import database_url
-
-if TYPE_CHECKING:
-    from isoaudit.audit.store import Store
+from isoaudit.cli import alerts, compare, dashboard, db, demo, gate, metrics, runs, service, tokens
+from isoaudit.cli.common import console
 
 app = typer.Typer(
     help="isoaudit: find where a trainer and a rollout engine stop computing the same numbers.",
     no_args_is_help=True,
     add_completion=False,
 )
-db_app = typer.Typer(help="The store's schema.", no_args_is_help=True)
-runs_app = typer.Typer(help="Runs recorded in the store.", no_args_is_help=True)
-app.add_typer(db_app, name="db")
-app.add_typer(runs_app, name="runs")
-
-# Piped output (CI logs, scripts) gets wide tables instead of rich's 80-column default.
-console = Console(width=None if sys.stdout.isatty() else 160)
-DatabaseOption = Annotated[
-    str | None,
-    typer.Option("--database-url", envvar="ISOAUDIT_DATABASE_URL", help="SQLAlchemy URL of the store."),
-]
-
-
-def open_store(database: str | None) -> Store:
-    """The store at ``database`` (or the configured default); a store that cannot be opened (schema
-    behind this isoaudit, a newer schema, an unreachable server) exits 1 with the reason, no traceback."""
-    from sqlalchemy.exc import SQLAlchemyError
-
-    from isoaudit.audit.store import Store, StoreError
-
-    try:
-        return Store(database)
-    except StoreError as exc:
-        console.print(f"[red]{exc}[/red]")
-    except SQLAlchemyError as exc:
-        console.print(
-            f"[red]database: cannot open {_redact(database_url(database))}: {exc.__class__.__name__}: {exc.orig if hasattr(exc, 'orig') else exc}[/red]"
-        )
-    raise typer.Exit(1)
+# Single commands (their modules' apps carry one command each, added at the top level) ...
+for single in (compare, gate, service, dashboard, demo):
+    app.add_typer(single.app)
+# ... and the command groups.
+app.add_typer(db.app, name="db")
+app.add_typer(runs.app, name="runs")
+app.add_typer(tokens.app, name="tokens")
+app.add_typer(alerts.app, name="alerts")
+app.add_typer(metrics.app, name="metrics")
 
 
 def _version(value: bool) -> None:
@@ -65,52 +40,3 @@ def main(
     ] = False,
 ) -> None:
     """isoaudit: numerical-mismatch diagnostics for RL on LLMs."""
-
-
-@db_app.command("upgrade")
-def db_upgrade(
-    database: DatabaseOption = None,
-    revision: Annotated[str, typer.Argument(help="Target revision.")] = "head",
-) -> None:
-    """Apply the schema migrations (safe to run again)."""
-    from isoaudit.audit.migrate import current_revision, upgrade
-
-    url = database_url(database)
-    upgrade(url, revision)
-    console.print(f"database at revision [bold]{current_revision(url)}[/bold] ({_redact(url)})")
-
-
-@runs_app.command("list")
-def runs_list(
-    database: DatabaseOption = None,
-    project: Annotated[str | None, typer.Option(help="Only this project's runs.")] = None,
-) -> None:
-    """List runs, newest first."""
-    store = open_store(database)
-    runs = store.list_runs(project)
-    if not runs:
-        console.print("no runs recorded yet")
-        return
-    table = Table("run", "name", "project", "started", "steps", "last step")
-    for run in runs:
-        started = run.started_at.strftime("%Y-%m-%d %H:%M:%S")
-        last = "" if run.last_step is None else str(run.last_step)
-        table.add_row(run.run_id, run.name, run.project, started, str(run.n_steps), last)
-    console.print(table)
-
-
-def _redact(url: str) -> str:
-    """The URL without its password, for printing."""
-    from sqlalchemy.engine import make_url
-
-    return make_url(url).render_as_string(hide_password=True)
-
-
-# Command groups defined in sibling modules register themselves on `app` when imported.
-# (one import line per module; keep them at the bottom, after `app` exists)
-from isoaudit.cli import compare as _compare  # noqa: E402,F401
-from isoaudit.cli import dashboard as _dashboard  # noqa: E402,F401
-from isoaudit.cli import demo as _demo  # noqa: E402,F401
-from isoaudit.cli import gate as _gate  # noqa: E402,F401
-from isoaudit.cli import metrics as _metrics  # noqa: E402,F401
-from isoaudit.cli import service as _service  # noqa: E402,F401

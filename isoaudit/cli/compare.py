@@ -16,7 +16,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from isoaudit.cli.app import DatabaseOption, app, console, open_store
+from isoaudit.cli.common import DatabaseOption, console, open_store
 
 SHOWN_METRICS = ("kl_k3", "kl_k1", "logprob_abs_diff_mean", "logprob_abs_diff_max", "exact_match_fraction")
 DIVERGENT = {"contract", "weights", "semantics", "inference_path", "numerical"}
@@ -49,6 +49,9 @@ def _fmt(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.3g}"
     return str(value)
+
+
+app = typer.Typer()
 
 
 @app.command("compare")

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from isoaudit.cli.app import DatabaseOption, app, console
+from isoaudit.cli.common import DatabaseOption, console
 
 
 def is_loopback(host: str) -> bool:
@@ -28,6 +28,9 @@ def parse_auth(value: str | None) -> tuple[str, str] | None:
     if not sep or not user or not password:
         raise typer.BadParameter("expected user:password (both non-empty)", param_hint="--auth")
     return user, password
+
+
+app = typer.Typer()
 
 
 @app.command("dashboard")

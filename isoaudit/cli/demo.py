@@ -11,7 +11,9 @@ from typing import Annotated
 
 import typer
 
-from isoaudit.cli.app import DatabaseOption, app, console
+from isoaudit.cli.common import DatabaseOption, console
+
+app = typer.Typer()
 
 
 @app.command("demo")

@@ -12,7 +12,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from isoaudit.cli.app import DatabaseOption, app, console, open_store
+from isoaudit.cli.common import DatabaseOption, console, open_store
 
 MaxOption = Annotated[
     list[str] | None,
@@ -26,6 +26,9 @@ MinOption = Annotated[
     list[str] | None,
     typer.Option("--min", help="METRIC=BOUND: the metric must stay >= BOUND.", show_default=False),
 ]
+
+
+app = typer.Typer()
 
 
 @app.command("gate")

@@ -9,15 +9,12 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from isoaudit.cli.app import app, console
+from isoaudit.cli.common import console
 
-metrics_app = typer.Typer(
-    help="The mismatch metrics and their names in each framework.", no_args_is_help=True
-)
-app.add_typer(metrics_app, name="metrics")
+app = typer.Typer(help="The mismatch metrics and their names in each framework.", no_args_is_help=True)
 
 
-@metrics_app.command("list")
+@app.command("list")
 def metrics_list(
     framework: Annotated[
         str | None, typer.Option("--framework", help="Only the metrics this framework logs, under its names.")
