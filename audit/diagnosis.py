@@ -185,7 +185,7 @@ def _version_gap(
         reason = f"a lag of {lag_max} exceeds the run's declared max staleness {policy.max_staleness}"
     elif spans_versions and not policy.in_flight_updates:
         reason = "the sample spans several weight versions but the run declares no in-flight updates"
-    if reason is None:
+    if reason is None and policy is not None:
         return Diagnosis(
             "off_policy",
             f"Sampled with weights {lag} version(s) behind the trainer (rollout {versions}, trainer {tv}), "
@@ -214,7 +214,8 @@ def _held_weights(tm: Manifest | None, rm: Manifest | None) -> Diagnosis | None:
     if tm is None or rm is None:
         return None
     a, b = tm.weight_tensor_digests, rm.weight_tensor_digests
-    common, not_comparable = [], []
+    common: list[str] = []
+    not_comparable: list[str] = []
     for name in sorted(set(a) & set(b)):
         (what_a, _), (what_b, _) = digest_parts(a[name]), digest_parts(b[name])
         (not_comparable if what_a is not None and what_b is not None and what_a != what_b else common).append(

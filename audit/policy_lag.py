@@ -25,9 +25,9 @@ def version_number(version: str | None) -> int | None:
 def sampling_versions(rollout: SampleLogprobs) -> list[tuple[int, int, str | None]]:
     """(start, end, version) of each span of the rollout's completion tokens."""
     n = rollout.logprobs.size
-    spans = [(span.start, span.version) for span in rollout.weight_spans or []] or [
-        (0, rollout.weight_version)
-    ]
+    spans: list[tuple[int, str | None]] = [
+        (span.start, span.version) for span in rollout.weight_spans or []
+    ] or [(0, rollout.weight_version)]
     ends = [start for start, _ in spans[1:]] + [n]
     return [(start, end, version) for (start, version), end in zip(spans, ends, strict=True)]
 

@@ -123,12 +123,12 @@ class RoutingComparison:
         """[positions, layers]: the two sets are equal."""
         if "agree" not in self._cache:
             self._cache["agree"] = self.overlap == self.top_k
-        return self._cache["agree"]  # type: ignore[no-any-return]
+        return self._cache["agree"]
 
     def _token_flipped(self) -> np.ndarray:
         if "token_flipped" not in self._cache:
             self._cache["token_flipped"] = ~self.agree.all(axis=1)
-        return self._cache["token_flipped"]  # type: ignore[no-any-return]
+        return self._cache["token_flipped"]
 
     def flipped_tokens(self) -> np.ndarray:
         """Positions whose routing differs in at least one layer."""
@@ -172,7 +172,7 @@ class RoutingComparison:
             out[4] = np.bincount(first_col, minlength=len(self.layers))
             out[5] = n * k
             self._cache["counts"] = out
-        return self._cache["counts"]  # type: ignore[no-any-return]
+        return self._cache["counts"]
 
     def layer_counts(self) -> dict[int, dict[str, float]]:
         """:meth:`layer_arrays` as ``{layer: {count name: value}}`` (integers but the Jaccard sum)."""
@@ -409,7 +409,8 @@ def step_routing(
     ``[counts, layers]`` arrays (one addition per sample, not per layer)."""
     sums: dict[tuple[int, ...], np.ndarray] = {}  # layer set -> summed layer_arrays
     best: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray]] = {}  # -> most flips per layer, its sample
-    totals = {"tokens": 0, "flipped": 0, "trainer_positions": 0, "replayed": None, "missing": 0}
+    totals: dict[str, int] = {"tokens": 0, "flipped": 0, "trainer_positions": 0, "missing": 0}
+    replayed_total: int | None = None
     missing_examples: list[dict[str, Any]] = []
     found = False
     for trainer, rollout in pairs:
@@ -435,7 +436,7 @@ def step_routing(
         totals["trainer_positions"] += trained
         totals["missing"] += missing
         if replayed is not None:
-            totals["replayed"] = (totals["replayed"] or 0) + replayed
+            replayed_total = (replayed_total or 0) + replayed
         if missing and len(missing_examples) < 16:
             missing_examples.append(
                 {"sample_key": trainer.sample_key, "positions": comparison.missing_routes()[:32].tolist()}
@@ -457,7 +458,11 @@ def step_routing(
             entry.setdefault("example_flips", 0)
     return {
         "layers": {str(layer): layers[layer] for layer in sorted(layers)},
-        **totals,
+        "tokens": totals["tokens"],
+        "flipped": totals["flipped"],
+        "trainer_positions": totals["trainer_positions"],
+        "replayed": replayed_total,
+        "missing": totals["missing"],
         "missing_examples": missing_examples,
     }
 
