@@ -9,6 +9,7 @@ from typing import Any
 
 import dash_bootstrap_components as dbc
 import pandas as pd
+import plotly.graph_objects as go
 from dash import dcc, html
 from isoaudit.audit.records import utcnow
 
@@ -40,8 +41,29 @@ def ago(value: datetime | None, now: datetime | None = None) -> str:
     return f"{seconds:.0f} s ago"
 
 
-def badge(label: str, colours: Mapping[str, str], **kwargs: Any) -> dbc.Badge:
-    return dbc.Badge(label, color=colours.get(label, "secondary"), className="me-1", **kwargs)
+#: DataTable styles: monospace cells, and a table wider than the page scrolls sideways.
+MONOSPACE_CELLS = {"fontFamily": "monospace", "fontSize": 12}
+SCROLLING_TABLE = {"overflowX": "auto"}
+
+
+def badge(label: str, colours: Mapping[str, str], component_id: str | None = None) -> dbc.Badge:
+    """``label`` in the colour ``colours`` gives it (grey for a label it does not know)."""
+    named = {"id": component_id} if component_id is not None else {}
+    return dbc.Badge(label, color=colours.get(label, "secondary"), className="me-1", **named)
+
+
+def inline_choice(
+    component_id: str, options: Mapping[str, str], value: str, class_name: str | None = None
+) -> dbc.RadioItems:
+    """Radio buttons in a line: ``options`` maps each value to its label."""
+    styled = {"className": class_name} if class_name is not None else {}
+    return dbc.RadioItems(
+        id=component_id,
+        options=[{"label": label, "value": key} for key, label in options.items()],
+        value=value,
+        inline=True,
+        **styled,
+    )
 
 
 def frame_table(
@@ -76,9 +98,15 @@ def frame_table(
     )
 
 
-def graph(graph_id: Any, figure: Any, **kwargs: Any) -> dcc.Graph:
-    return dcc.Graph(id=graph_id, figure=figure, config={"displaylogo": False}, **kwargs)
+def graph(graph_id: str, figure: go.Figure) -> dcc.Graph:
+    """A figure without plotly's logo in its mode bar."""
+    return dcc.Graph(id=graph_id, figure=figure, config={"displaylogo": False})
 
 
 def not_found(message: str) -> dbc.Alert:
     return dbc.Alert(message, color="warning")
+
+
+def no_run(run_id: str | None) -> dbc.Alert:
+    """What a run's page shows for a run id the store does not hold."""
+    return not_found(f"No run {run_id!r} in this store.")

@@ -9,6 +9,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from isoaudit.dashboard.pages import sample, urls
+from isoaudit.dashboard.pages.run import ids
 
 from tests.dashboard.test_browser import (  # the suite's skips, driver fixture and helpers
     EC,
@@ -49,8 +51,10 @@ def routed_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[st
 def test_routing_heatmap_click_opens_the_sample_and_its_routing(routed_server, browser) -> None:  # noqa: F811
     url, keys = routed_server
     driver = browser
-    driver.get(f"{url}/runs/moe-run")
-    layer = _wait(driver).until(EC.presence_of_element_located((By.CSS_SELECTOR, "#run-routing .nsewdrag")))
+    driver.get(url + urls.run_path("moe-run"))
+    layer = _wait(driver).until(
+        EC.presence_of_element_located((By.CSS_SELECTOR, f"#{ids.ROUTING} .nsewdrag"))
+    )
     _no_dialog(driver)
     # Three steps (x) by two MoE layers (y, layer 0 on top): the cell of step 2, layer 2.
     size = layer.size
@@ -58,8 +62,10 @@ def test_routing_heatmap_click_opens_the_sample_and_its_routing(routed_server, b
         layer, int(size["width"] * (5 / 6 - 0.5)), int(size["height"] * (3 / 4 - 0.5))
     ).click().perform()
     _wait(driver).until(EC.url_contains(f"/steps/2/samples/{keys[2]}"))
-    first = _wait(driver).until(EC.presence_of_element_located((By.ID, "sample-routing-first")))
+    first = _wait(driver).until(EC.presence_of_element_located((By.ID, sample.ROUTING_FIRST)))
     assert first.text == "layer 0"
-    _wait(driver).until(EC.presence_of_element_located((By.CSS_SELECTOR, "#sample-routing-grid .nsewdrag")))
+    _wait(driver).until(
+        EC.presence_of_element_located((By.CSS_SELECTOR, f"#{sample.ROUTING_GRID} .nsewdrag"))
+    )
     _screenshot(driver, "sample-routing")
     assert not _severe(driver)
