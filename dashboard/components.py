@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
-from typing import Any
+from typing import Any, cast
 
 import dash_bootstrap_components as dbc
 import pandas as pd
 import plotly.graph_objects as go
 from dash import dcc, html
+from dash.dash_table.DataTable import DataTable
 from isoaudit.audit.records import utcnow
 
 STATUS_COLOURS = {"live": "success", "idle": "secondary"}
@@ -39,11 +40,6 @@ def ago(value: datetime | None, now: datetime | None = None) -> str:
         if seconds >= size:
             return f"{seconds / size:.0f} {unit} ago"
     return f"{seconds:.0f} s ago"
-
-
-#: DataTable styles: monospace cells, and a table wider than the page scrolls sideways.
-MONOSPACE_CELLS = {"fontFamily": "monospace", "fontSize": 12}
-SCROLLING_TABLE = {"overflowX": "auto"}
 
 
 def badge(label: str, colours: Mapping[str, str], component_id: str | None = None) -> dbc.Badge:
@@ -95,6 +91,38 @@ def frame_table(
     kwargs = {"id": table_id} if table_id else {}
     return dbc.Table(
         [head, html.Tbody(body)], bordered=False, hover=True, size="sm", responsive=True, **kwargs
+    )
+
+
+def data_table(
+    table_id: str,
+    columns: Sequence[Mapping[str, Any]],
+    rows: Sequence[Mapping[str, Any]],
+    *,
+    page_size: int,
+    sortable: bool = False,
+    scrolls: bool = False,
+    row_styles: Sequence[Mapping[str, Any]] = (),
+) -> DataTable:
+    """A paged table in monospace: ``sortable`` by any column in the browser, scrolling sideways
+    when wider than the page (``scrolls``), ``row_styles`` as Dash's conditional styles. Markdown
+    cells render as text, never as HTML."""
+    options: dict[str, Any] = {}
+    if sortable:
+        options["sort_action"] = "native"
+    if scrolls:
+        options["style_table"] = {"overflowX": "auto"}
+    if row_styles:
+        options["style_data_conditional"] = list(row_styles)
+    return DataTable(
+        id=table_id,
+        # Dash types columns as TypedDicts and rows as dicts of narrow cells; ours are plain dicts.
+        columns=cast(Any, list(columns)),
+        data=cast(Any, list(rows)),
+        page_size=page_size,
+        markdown_options={"html": False},
+        style_cell={"fontFamily": "monospace", "fontSize": 12},
+        **options,
     )
 
 

@@ -9,12 +9,11 @@ import dash
 import dash_bootstrap_components as dbc
 import pandas as pd
 from dash import dcc, html
-from dash.dash_table.DataTable import DataTable
 from dash.development.base_component import Component
 from isoaudit.audit import queries
 from isoaudit.audit.store import Store
 from isoaudit.dashboard import context, data, figures
-from isoaudit.dashboard.components import MONOSPACE_CELLS, graph, not_found, text
+from isoaudit.dashboard.components import data_table, graph, not_found, text
 from isoaudit.dashboard.pages import urls
 
 # Component ids.
@@ -86,13 +85,8 @@ def flips_table(flips: pd.DataFrame, limit: int = 200) -> Component:
         }
         for r in flips.sort_values(["position", "layer"]).head(limit).itertuples(index=False)
     ]
-    return DataTable(
-        id=ROUTING_FLIPS,
-        columns=[{"id": c, "name": c} for c in ("position", "layer", "trainer", "rollout", "first")],
-        data=rows,
-        page_size=20,
-        style_cell=MONOSPACE_CELLS,
-    )
+    columns = [{"id": c, "name": c} for c in ("position", "layer", "trainer", "rollout", "first")]
+    return data_table(ROUTING_FLIPS, columns, rows, page_size=20)
 
 
 def routing_view(store: Store, detail: queries.SampleDetail) -> html.Div:

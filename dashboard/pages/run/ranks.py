@@ -8,18 +8,24 @@ from typing import Any
 import dash
 import plotly.graph_objects as go
 from dash import Output, html
-from dash.dash_table.DataTable import DataTable
 from dash.development.base_component import Component
 from isoaudit.audit import queries
 from isoaudit.audit.store import Store
 from isoaudit.dashboard import context, data, figures
-from isoaudit.dashboard.components import MONOSPACE_CELLS, SCROLLING_TABLE, graph
+from isoaudit.dashboard.components import data_table, graph
 from isoaudit.dashboard.pages.run import ids
 from isoaudit.dashboard.pages.run.state import LiveState
 from isoaudit.dashboard.pages.run.triggers import on_tick
 
 #: The per-rank figure covers this many of the run's latest steps (its query groups their samples).
 RANK_WINDOW = 200
+
+#: A rank that stopped sending: its row in red.
+STOPPED_RANK = {
+    "if": {"filter_query": '{status} = "stopped"'},
+    "backgroundColor": "#f8d7da",
+    "color": "#842029",
+}
 
 
 def rank_view(store: Store, run_id: str) -> tuple[list[dict[str, Any]], go.Figure]:
@@ -32,17 +38,14 @@ def rank_view(store: Store, run_id: str) -> tuple[list[dict[str, Any]], go.Figur
 
 def section(store: Store, run_id: str) -> list[Component]:
     rows, figure = rank_view(store, run_id)
-    table = DataTable(
-        id=ids.RANKS,
-        columns=[{"name": name.replace("_", " "), "id": name} for name in data.RANK_COLUMNS],
-        data=rows,
-        sort_action="native",
+    table = data_table(
+        ids.RANKS,
+        [{"name": name.replace("_", " "), "id": name} for name in data.RANK_COLUMNS],
+        rows,
         page_size=16,
-        style_table=SCROLLING_TABLE,
-        style_cell=MONOSPACE_CELLS,
-        style_data_conditional=[
-            {"if": {"filter_query": '{status} = "stopped"'}, "backgroundColor": "#f8d7da", "color": "#842029"}
-        ],
+        sortable=True,
+        scrolls=True,
+        row_styles=[STOPPED_RANK],
     )
     return [html.H5("Ranks: what each rank sent", className="mt-3"), table, graph(ids.RANK_FIGURE, figure)]
 

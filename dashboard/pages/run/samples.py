@@ -7,17 +7,16 @@ from typing import Any
 
 import dash
 from dash import Input, Output, State, dcc, html, no_update
-from dash.dash_table.DataTable import DataTable
 from dash.development.base_component import Component
 from isoaudit.audit import queries
 from isoaudit.dashboard import context, data
-from isoaudit.dashboard.components import MONOSPACE_CELLS, SCROLLING_TABLE
+from isoaudit.dashboard.components import data_table
 from isoaudit.dashboard.pages import urls
 from isoaudit.dashboard.pages.run import ids
 from isoaudit.dashboard.pages.run.clicks import clicked
 from isoaudit.dashboard.pages.run.triggers import on_page_event
 
-SAMPLE_COLUMNS = [
+SAMPLE_COLUMNS: list[dict[str, Any]] = [
     {"id": "open", "name": "", "presentation": "markdown"},
     {"id": "sample_key", "name": "sample"},
     {"id": "n_tokens", "name": "tokens", "type": "numeric"},
@@ -49,15 +48,8 @@ def section(run_id: str, step: int | None) -> list[Component]:
         ],
         className="mt-3 mb-2",
     )
-    table = DataTable(
-        id=ids.SAMPLES,
-        columns=SAMPLE_COLUMNS,
-        data=sample_rows(run_id, step),
-        sort_action="native",
-        page_size=25,
-        markdown_options={"html": False},  # sample keys and diagnoses show as text
-        style_table=SCROLLING_TABLE,
-        style_cell=MONOSPACE_CELLS,
+    table = data_table(
+        ids.SAMPLES, SAMPLE_COLUMNS, sample_rows(run_id, step), page_size=25, sortable=True, scrolls=True
     )
     return [picker, table]
 
