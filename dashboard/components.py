@@ -106,8 +106,10 @@ def data_table(
 ) -> DataTable:
     """A paged table in monospace: ``sortable`` by any column in the browser, scrolling sideways
     when wider than the page (``scrolls``), ``row_styles`` as Dash's conditional styles. Markdown
-    cells render as text, never as HTML."""
+    columns render their cells as text, never as HTML."""
     options: dict[str, Any] = {}
+    if any(column.get("presentation") == "markdown" for column in columns):
+        options["markdown_options"] = {"html": False}
     if sortable:
         options["sort_action"] = "native"
     if scrolls:
@@ -120,7 +122,6 @@ def data_table(
         columns=cast(Any, list(columns)),
         data=cast(Any, list(rows)),
         page_size=page_size,
-        markdown_options={"html": False},
         style_cell={"fontFamily": "monospace", "fontSize": 12},
         **options,
     )

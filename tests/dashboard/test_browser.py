@@ -7,9 +7,13 @@ import os
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+import dash
 import pytest
+from isoaudit.dashboard.pages import alerts, contract, runs, sample, urls
+from isoaudit.dashboard.pages.run import ids
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -22,8 +26,6 @@ if not (os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER)):
 pytest.importorskip("selenium")
 pytest.importorskip("triton", reason="the collector run's invariant mode needs triton (the kernels extra)")
 
-from isoaudit.dashboard.pages import alerts, contract, runs, sample, urls  # noqa: E402
-from isoaudit.dashboard.pages.run import ids  # noqa: E402
 from selenium import webdriver  # noqa: E402
 from selenium.common.exceptions import NoAlertPresentException, StaleElementReferenceException  # noqa: E402
 from selenium.webdriver.chrome.service import Service  # noqa: E402
@@ -46,14 +48,11 @@ def collector(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CollectorRun
         run.stop()
 
 
-@pytest.fixture(scope="module")
-def server(collector: CollectorRun) -> Iterator[str]:
-    from isoaudit.audit.store import Store
-    from isoaudit.dashboard import create_app
+@contextmanager
+def serving(app: dash.Dash) -> Iterator[str]:
+    """``app`` served over HTTP on a free local port, in a thread; yields its base URL."""
     from werkzeug.serving import make_server
 
-    store = Store(collector.url)
-    app = create_app(store, live_interval_ms=1000)
     http = make_server("127.0.0.1", 0, app.server, threaded=True)
     thread = threading.Thread(target=http.serve_forever, daemon=True)
     thread.start()
@@ -61,6 +60,18 @@ def server(collector: CollectorRun) -> Iterator[str]:
         yield f"http://127.0.0.1:{http.server_port}"
     finally:
         http.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(collector: CollectorRun) -> Iterator[str]:
+    from isoaudit.audit.store import Store
+    from isoaudit.dashboard import create_app
+
+    store = Store(collector.url)
+    try:
+        with serving(create_app(store, live_interval_ms=1000)) as url:
+            yield url
+    finally:
         store.dispose()
 
 

@@ -4,7 +4,6 @@ most flips there, and that sample's page names where its routing first flips."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from tests.dashboard.test_browser import (  # the suite's skips, driver fixture 
     _severe,
     _wait,
     browser,  # noqa: F401  (a fixture)
+    serving,
 )
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
@@ -30,21 +30,16 @@ pytestmark = [pytest.mark.browser, pytest.mark.slow]
 def routed_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict[int, str]]]:
     from isoaudit.audit.store import Store
     from isoaudit.dashboard import create_app
-    from werkzeug.serving import make_server
 
     from tests.audit.routing_records import routed_run
 
     path: Path = tmp_path_factory.mktemp("routing-browser") / "isoaudit.db"
     store = Store(f"sqlite:///{path}")
     keys = routed_run(store)
-    app = create_app(store, live_interval_ms=1000)
-    http = make_server("127.0.0.1", 0, app.server, threaded=True)
-    thread = threading.Thread(target=http.serve_forever, daemon=True)
-    thread.start()
     try:
-        yield f"http://127.0.0.1:{http.server_port}", keys
+        with serving(create_app(store, live_interval_ms=1000)) as url:
+            yield url, keys
     finally:
-        http.shutdown()
         store.dispose()
 
 
