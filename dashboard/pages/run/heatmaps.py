@@ -19,6 +19,7 @@ from isoaudit.dashboard.pages.run.clicks import SampleAt, opens_clicked_sample, 
 from isoaudit.dashboard.pages.run.state import LiveState, json_values
 from isoaudit.dashboard.pages.run.triggers import on_page_event
 
+#: The statistics of a position bin the heatmap can show (value: label).
 POSITION_STATS = {"mean": "mean", "max": "max"}
 
 
