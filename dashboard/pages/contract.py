@@ -6,6 +6,7 @@ from __future__ import annotations
 import dash
 import dash_bootstrap_components as dbc
 from dash import dcc, html
+from dash.development.base_component import Component
 from isoaudit.audit import queries
 from isoaudit.dashboard import context, data
 from isoaudit.dashboard.components import frame_table, no_run
@@ -36,7 +37,7 @@ def verdict(view: queries.ContractView) -> dbc.Alert:
     )
 
 
-def layout(run_id: str | None = None, **_: object) -> html.Div:
+def layout(run_id: str | None = None, **_: object) -> Component:
     store = context.store()
     if not run_id or store.get_run(run_id) is None:
         return no_run(run_id)

@@ -125,7 +125,7 @@ def routing_view(store: Store, detail: queries.SampleDetail) -> html.Div:
 
 def layout(
     run_id: str | None = None, step: str | None = None, sample_key: str | None = None, **_: object
-) -> html.Div:
+) -> Component:
     store = context.store()
     try:
         number = int(step) if step is not None else None

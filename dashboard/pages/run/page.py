@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dash import dcc, html
+from dash.development.base_component import Component
 from isoaudit.audit import queries
 from isoaudit.dashboard import context
 from isoaudit.dashboard.components import no_run
@@ -29,9 +30,9 @@ def chosen_step(step: str | None, last: int | None) -> int | None:
         return last
 
 
-def layout(run_id: str | None = None, step: str | None = None, **_: object) -> html.Div:
-    """``/runs/<run_id>?step=N``; Dash passes the path's ``run_id`` and the query's other
-    parameters, which the page does not read."""
+def layout(run_id: str | None = None, step: str | None = None, **_: object) -> Component:
+    """``/runs/<run_id>?step=N``: ``run_id`` from the path, ``step`` from the query string (Dash
+    passes any other query parameter too; the page reads none)."""
     store = context.store()
     overview = queries.run_overview(store, run_id) if run_id else None
     if overview is None:
