@@ -155,8 +155,9 @@ def median_time(fn: Callable[[], Any], repeat: int) -> float:
 def measure(store: Store, repeat: int) -> list[tuple[str, float, float]]:
     """(page, callback seconds, queries-alone seconds) for each page."""
     from isoaudit.dashboard import create_app
-    from isoaudit.dashboard.live import LiveState
-    from isoaudit.dashboard.pages import alerts, contract, run, runs, sample
+    from isoaudit.dashboard.pages import alerts, contract, runs, sample
+    from isoaudit.dashboard.pages.run import header, heatmaps, live, page, timelines
+    from isoaudit.dashboard.pages.run.state import LiveState
 
     app = create_app(store)
     last = queries.last_compared_step(store, RUN_ID)
@@ -168,30 +169,30 @@ def measure(store: Store, repeat: int) -> list[tuple[str, float, float]]:
     )
     rows = []
     with app.server.test_request_context("/"):
-        state = run.draw(store, RUN_ID).state
+        state = live.draw(store, RUN_ID).state
         state.last_step = last - 1  # the page has drawn every step but the newest
         live_state = state.to_json()
 
         def run_queries() -> None:
             points = queries.step_series(store, RUN_ID)
-            run.annotations(store, RUN_ID, points[-1].step)
+            timelines.annotation_frames(store, RUN_ID, points[-1].step)
             queries.run_overview(store, RUN_ID)
             queries.step_samples(store, RUN_ID, last)
 
         def live_queries() -> None:
             points = queries.step_series(store, RUN_ID, after_step=last - 1)
-            run.annotations(store, RUN_ID, points[-1].step)
+            timelines.annotation_frames(store, RUN_ID, points[-1].step)
             queries.run_overview(store, RUN_ID)
 
         def live_callbacks() -> None:
-            out = run.tick(1, live_state)
+            out = live.tick(1, live_state)
             assert LiveState.from_json(out[4]).last_step == last
-            run.tick_status(1, live_state)
+            header.tick_status(1, live_state)
 
         cases: list[tuple[str, Callable[[], Any], Callable[[], Any]]] = [
             ("runs page", runs.layout, lambda: queries.runs_overview(store)),
-            ("run page", lambda: run.layout(run_id=RUN_ID), run_queries),
-            ("run page: mean/max switch", lambda: run.redraw_position("max", live_state), lambda: queries.step_series(store, RUN_ID)),
+            ("run page", lambda: page.layout(run_id=RUN_ID), run_queries),
+            ("run page: mean/max switch", lambda: heatmaps.redraw_position("max", live_state), lambda: queries.step_series(store, RUN_ID)),
             ("live update (1 step)", live_callbacks, live_queries),
             ("sample page", lambda: sample.layout(run_id=RUN_ID, step=str(last), sample_key=key),
              lambda: (queries.sample_detail(store, RUN_ID, last, key), store.get_run(RUN_ID))),

@@ -7,13 +7,16 @@ import dash_bootstrap_components as dbc
 from dash import dcc, html
 from isoaudit.audit.store import Store
 from isoaudit.dashboard import context
-from isoaudit.dashboard.pages import PAGES
+from isoaudit.dashboard.pages import PAGES, urls
 
-NAV = (("Runs", "/"), ("Alerts", "/alerts"))
+NAV = (("Runs", urls.RUNS), ("Alerts", urls.ALERTS))
+#: The shell's location: a callback that sets it navigates without reloading the page.
+SHELL_LOCATION = "shell-location"
 
 
 def _shell() -> html.Div:
-    brand = dbc.NavbarBrand("isoaudit", href="/")
+    """The navigation bar over the page the URL names."""
+    brand = dbc.NavbarBrand("isoaudit", href=urls.RUNS)
     links = [dbc.NavItem(dbc.NavLink(label, href=href, active="exact")) for label, href in NAV]
     return html.Div(
         [
@@ -21,7 +24,7 @@ def _shell() -> html.Div:
                 dbc.Container([brand, dbc.Nav(links, navbar=True)], fluid=True), color="dark", dark=True
             ),
             dbc.Container(dash.page_container, fluid=True, className="py-3"),
-            dcc.Location(id="shell-location", refresh="callback-nav"),
+            dcc.Location(id=SHELL_LOCATION, refresh="callback-nav"),
         ]
     )
 

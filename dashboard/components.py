@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
-from typing import Any
+from typing import Any, cast
 
 import dash_bootstrap_components as dbc
 import pandas as pd
+import plotly.graph_objects as go
 from dash import dcc, html
+from dash.dash_table.DataTable import DataTable
 from isoaudit.audit.records import utcnow
 
 STATUS_COLOURS = {"live": "success", "idle": "secondary"}
@@ -40,8 +42,24 @@ def ago(value: datetime | None, now: datetime | None = None) -> str:
     return f"{seconds:.0f} s ago"
 
 
-def badge(label: str, colours: Mapping[str, str], **kwargs: Any) -> dbc.Badge:
-    return dbc.Badge(label, color=colours.get(label, "secondary"), className="me-1", **kwargs)
+def badge(label: str, colours: Mapping[str, str], component_id: str | None = None) -> dbc.Badge:
+    """``label`` in the colour ``colours`` gives it (grey for a label it does not know)."""
+    named = {"id": component_id} if component_id is not None else {}
+    return dbc.Badge(label, color=colours.get(label, "secondary"), className="me-1", **named)
+
+
+def inline_choice(
+    component_id: str, options: Mapping[str, str], value: str, class_name: str | None = None
+) -> dbc.RadioItems:
+    """Radio buttons in a line: ``options`` maps each value to its label."""
+    styled = {"className": class_name} if class_name is not None else {}
+    return dbc.RadioItems(
+        id=component_id,
+        options=[{"label": label, "value": key} for key, label in options.items()],
+        value=value,
+        inline=True,
+        **styled,
+    )
 
 
 def frame_table(
@@ -76,9 +94,48 @@ def frame_table(
     )
 
 
-def graph(graph_id: Any, figure: Any, **kwargs: Any) -> dcc.Graph:
-    return dcc.Graph(id=graph_id, figure=figure, config={"displaylogo": False}, **kwargs)
+def data_table(
+    table_id: str,
+    columns: Sequence[Mapping[str, Any]],
+    rows: Sequence[Mapping[str, Any]],
+    *,
+    page_size: int,
+    sortable: bool = False,
+    scrolls: bool = False,
+    row_styles: Sequence[Mapping[str, Any]] = (),
+) -> DataTable:
+    """A paged table in monospace: ``sortable`` by any column in the browser, scrolling sideways
+    when wider than the page (``scrolls``), ``row_styles`` as Dash's conditional styles. Markdown
+    columns render their cells as text, never as HTML."""
+    options: dict[str, Any] = {}
+    if any(column.get("presentation") == "markdown" for column in columns):
+        options["markdown_options"] = {"html": False}
+    if sortable:
+        options["sort_action"] = "native"
+    if scrolls:
+        options["style_table"] = {"overflowX": "auto"}
+    if row_styles:
+        options["style_data_conditional"] = list(row_styles)
+    return DataTable(
+        id=table_id,
+        # Dash types columns as TypedDicts and rows as dicts of narrow cells; ours are plain dicts.
+        columns=cast(Any, list(columns)),
+        data=cast(Any, list(rows)),
+        page_size=page_size,
+        style_cell={"fontFamily": "monospace", "fontSize": 12},
+        **options,
+    )
+
+
+def graph(graph_id: str, figure: go.Figure) -> dcc.Graph:
+    """A figure without plotly's logo in its mode bar."""
+    return dcc.Graph(id=graph_id, figure=figure, config={"displaylogo": False})
 
 
 def not_found(message: str) -> dbc.Alert:
     return dbc.Alert(message, color="warning")
+
+
+def no_run(run_id: str | None) -> dbc.Alert:
+    """What a run's page shows for a run id the store does not hold."""
+    return not_found(f"No run {run_id!r} in this store.")

@@ -323,6 +323,7 @@ def position_heatmap(frame: pd.DataFrame, stat: str = "mean") -> go.Figure:
 def step_count_heatmap(
     frame: pd.DataFrame,
     *,
+    empty: str,
     hover: str,
     colorscale: str,
     unit: str,
@@ -333,7 +334,10 @@ def step_count_heatmap(
 ) -> go.Figure:
     """``frame``'s columns (top to bottom) x its steps: a count per cell, zero cells left blank so the
     first row where something happens stands out. ``hover`` ends the cell's hover text, ``unit``
-    titles the colour bar, ``rows`` the row axis; the height grows ``row_px`` per row."""
+    titles the colour bar, ``rows`` the row axis; the height grows ``row_px`` per row. Without
+    columns it says ``empty``."""
+    if frame.empty or frame.shape[1] == 0:
+        return empty_figure(empty)
     z = np.array(frame.to_numpy(float).T)
     z[z == 0] = np.nan
     trace = {
@@ -350,10 +354,9 @@ def step_count_heatmap(
 
 def divergence_heatmap(frame: pd.DataFrame) -> go.Figure:
     """Region (forward order, top to bottom) x step: how many samples first diverge there."""
-    if frame.empty or frame.shape[1] == 0:
-        return empty_figure("no first divergences located (no fingerprints, or none differ)")
     return step_count_heatmap(
         frame,
+        empty="no first divergences located (no fingerprints, or none differ)",
         hover="samples first diverge here",
         colorscale="OrRd",
         unit="samples",
@@ -519,16 +522,15 @@ def rank_figure(frame: pd.DataFrame) -> go.Figure:
     return _base(figure(data, layout), 260)
 
 
-# ---------------------------------------------------------------------- MoE routing (issue 19)
+# ---------------------------------------------------------------------- MoE routing
 
 
 def routing_heatmap(frame: pd.DataFrame, what: str = "tokens whose expert set differs") -> go.Figure:
     """MoE layer (top to bottom) x step: routing flips per cell (``what`` they count); cells with
     no flip are left blank, so the first layer where routing breaks stands out."""
-    if frame.empty or frame.shape[1] == 0:
-        return empty_figure("no MoE routing recorded on both sides")
     return step_count_heatmap(
         frame,
+        empty="no MoE routing recorded on both sides",
         hover=safe(what),
         colorscale="Reds",
         unit="flips",

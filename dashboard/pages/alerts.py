@@ -3,49 +3,69 @@ expire) and the rules with their thresholds."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
-from urllib.parse import quote
 
 import dash
 import dash_bootstrap_components as dbc
+import pandas as pd
 from dash import ALL, Input, Output, State, dcc, html, no_update
+from dash.development.base_component import Component
 from isoaudit.audit import queries
 from isoaudit.audit.alerts.silences import SilenceSpec, create_silence, expire_silence
 from isoaudit.audit.records import utcnow
 from isoaudit.dashboard import context, data
 from isoaudit.dashboard.components import STATE_COLOURS, badge, frame_table
+from isoaudit.dashboard.pages import urls
 from pydantic import ValidationError
+
+# Component ids.
+CONTENT = "alerts-content"
+INTERVAL = "alerts-interval"
+OPEN = "alerts-open"
+RESOLVED = "alerts-resolved"
+SILENCES = "alerts-silences-table"
+RULES = "alerts-rules"
+SILENCE_RULE = "silence-rule"
+SILENCE_RUN = "silence-run"
+SILENCE_DURATION = "silence-duration"
+SILENCE_COMMENT = "silence-comment"
+SILENCE_CREATE = "silence-create"
+SILENCE_MESSAGE = "silence-message"
+SILENCE_EXPIRE = "silence-expire"  # the type of each silence's expire button (see expire_button_id)
+
+
+def expire_button_id(silence_id: object) -> dict[str, Any]:
+    """The id of the button that expires silence ``silence_id`` (or, with ``ALL``, of every such button)."""
+    return {"type": SILENCE_EXPIRE, "id": silence_id}
+
 
 DURATIONS = {"1 hour": 3600, "4 hours": 4 * 3600, "1 day": 86400, "1 week": 7 * 86400}
 
 
-def step_href(run_id: str, step: int) -> str:
-    return f"/runs/{quote(run_id, safe='')}?step={int(step)}"
-
-
-def alerts_table(frame: Any, table_id: str) -> Any:
+def alerts_table(frame: pd.DataFrame, table_id: str) -> Component:
+    """Alerts, each run id linking to the run page at the alert's step."""
     if frame.empty:
         return html.P("None.", className="text-muted")
     return frame_table(
         frame.drop(columns=["link_step"]),
-        links={"run_id": lambda r: step_href(r["run_id"], frame.loc[r.name, "link_step"])},
+        links={"run_id": lambda r: urls.run_path(r["run_id"], frame.loc[r.name, "link_step"])},
         cell={"state": lambda r: badge(r["state"], STATE_COLOURS)},
         table_id=table_id,
     )
 
 
-def silences_table(frame: Any) -> Any:
+def silences_table(frame: pd.DataFrame) -> Component:
+    """Silences, an active one with a button that expires it."""
     if frame.empty:
         return html.P("No silences.", className="text-muted")
 
-    def expire(row: Any) -> Any:
+    def expire(row: pd.Series) -> Component | str:
         if not row["active"]:
             return "expired"
-        return dbc.Button(
-            "expire", id={"type": "silence-expire", "id": int(row["id"])}, size="sm", color="secondary"
-        )
+        return dbc.Button("expire", id=expire_button_id(int(row["id"])), size="sm", color="secondary")
 
-    return frame_table(frame.assign(action=""), cell={"action": expire}, table_id="alerts-silences-table")
+    return frame_table(frame.assign(action=""), cell={"action": expire}, table_id=SILENCES)
 
 
 def content() -> html.Div:
@@ -53,13 +73,13 @@ def content() -> html.Div:
     return html.Div(
         [
             html.H5("Open"),
-            alerts_table(data.alerts_frame(view.open), "alerts-open"),
+            alerts_table(data.alerts_frame(view.open), OPEN),
             html.H5("Resolved", className="mt-3"),
-            alerts_table(data.alerts_frame(view.resolved), "alerts-resolved"),
+            alerts_table(data.alerts_frame(view.resolved), RESOLVED),
             html.H5("Silences", className="mt-3"),
             silences_table(data.silences_frame(view.silences, utcnow())),
             html.H5("Rules", className="mt-3"),
-            frame_table(data.rules_frame(view.rules), table_id="alerts-rules"),
+            frame_table(data.rules_frame(view.rules), table_id=RULES),
         ]
     )
 
@@ -72,36 +92,36 @@ def silence_form() -> dbc.Card:
                 html.H5("Silence", className="card-title"),
                 dbc.Row(
                     [
-                        dbc.Col(dcc.Dropdown(id="silence-rule", options=rules, placeholder="any rule"), md=3),
-                        dbc.Col(dbc.Input(id="silence-run", placeholder="any run (run id)"), md=3),
+                        dbc.Col(dcc.Dropdown(id=SILENCE_RULE, options=rules, placeholder="any rule"), md=3),
+                        dbc.Col(dbc.Input(id=SILENCE_RUN, placeholder="any run (run id)"), md=3),
                         dbc.Col(
                             dcc.Dropdown(
-                                id="silence-duration",
+                                id=SILENCE_DURATION,
                                 options=list(DURATIONS),
                                 value="1 hour",
                                 clearable=False,
                             ),
                             md=2,
                         ),
-                        dbc.Col(dbc.Input(id="silence-comment", placeholder="comment"), md=2),
-                        dbc.Col(dbc.Button("silence", id="silence-create", color="primary"), md=2),
+                        dbc.Col(dbc.Input(id=SILENCE_COMMENT, placeholder="comment"), md=2),
+                        dbc.Col(dbc.Button("silence", id=SILENCE_CREATE, color="primary"), md=2),
                     ],
                     className="g-2",
                 ),
-                html.Div(id="silence-message", className="small mt-2"),
+                html.Div(id=SILENCE_MESSAGE, className="small mt-2"),
             ]
         ),
         className="mb-3",
     )
 
 
-def layout(**_: Any) -> html.Div:
+def layout(**_: object) -> html.Div:
     return html.Div(
         [
             html.H3("Alerts"),
             silence_form(),
-            html.Div(content(), id="alerts-content"),
-            dcc.Interval(id="alerts-interval", interval=context.live_interval_ms() * 2),
+            html.Div(content(), id=CONTENT),
+            dcc.Interval(id=INTERVAL, interval=context.live_interval_ms() * 2),
         ]
     )
 
@@ -143,28 +163,26 @@ def refresh(_n: int | None) -> Any:
     return content()
 
 
+def redraws_content(app: dash.Dash, *dependencies: Input | State) -> Callable[[Callable[..., Any]], Any]:
+    """A callback that draws the alerts, silences and rules again."""
+    return app.callback(
+        Output(CONTENT, "children", allow_duplicate=True), *dependencies, prevent_initial_call=True
+    )
+
+
 def register(app: dash.Dash) -> None:
     dash.register_page(
-        __name__, path="/alerts", name="Alerts", title="isoaudit: alerts", layout=layout, order=4
+        __name__, path=urls.ALERTS, name="Alerts", title="isoaudit: alerts", layout=layout, order=4
     )
     app.callback(
-        Output("silence-message", "children"),
-        Output("alerts-content", "children"),
-        Input("silence-create", "n_clicks"),
-        State("silence-rule", "value"),
-        State("silence-run", "value"),
-        State("silence-duration", "value"),
-        State("silence-comment", "value"),
+        Output(SILENCE_MESSAGE, "children"),
+        Output(CONTENT, "children"),
+        Input(SILENCE_CREATE, "n_clicks"),
+        State(SILENCE_RULE, "value"),
+        State(SILENCE_RUN, "value"),
+        State(SILENCE_DURATION, "value"),
+        State(SILENCE_COMMENT, "value"),
         prevent_initial_call=True,
     )(create)
-    app.callback(
-        Output("alerts-content", "children", allow_duplicate=True),
-        Input({"type": "silence-expire", "id": ALL}, "n_clicks"),
-        State({"type": "silence-expire", "id": ALL}, "id"),
-        prevent_initial_call=True,
-    )(expire)
-    app.callback(
-        Output("alerts-content", "children", allow_duplicate=True),
-        Input("alerts-interval", "n_intervals"),
-        prevent_initial_call=True,
-    )(refresh)
+    redraws_content(app, Input(expire_button_id(ALL), "n_clicks"), State(expire_button_id(ALL), "id"))(expire)
+    redraws_content(app, Input(INTERVAL, "n_intervals"))(refresh)

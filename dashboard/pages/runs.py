@@ -2,24 +2,23 @@
 
 from __future__ import annotations
 
-from urllib.parse import quote
-
 import dash
 import pandas as pd
 from dash import Input, Output, dcc, html
+from dash.development.base_component import Component
 from isoaudit.audit import queries
 from isoaudit.audit.records import utcnow
 from isoaudit.dashboard import context, data, figures
 from isoaudit.dashboard.components import STATUS_COLOURS, ago, badge, frame_table, text
+from isoaudit.dashboard.pages import urls
 
-PATH = "/"
+# Component ids.
+TABLE = "runs-table"  # what the interval redraws
+TABLE_BODY = "runs-table-body"
+INTERVAL = "runs-interval"
 
 
-def run_href(run_id: str) -> str:
-    return f"/runs/{quote(run_id, safe='')}"
-
-
-def runs_table(frame: pd.DataFrame) -> html.Div:
+def runs_table(frame: pd.DataFrame) -> Component:
     """The runs table (name and id as text, links to each run)."""
     if frame.empty:
         return html.P("No runs recorded yet.", className="text-muted")
@@ -52,21 +51,21 @@ def runs_table(frame: pd.DataFrame) -> html.Div:
 
     return frame_table(
         shown,
-        links={"run": lambda r: run_href(r["run_id"])},
+        links={"run": lambda r: urls.run_path(r["run_id"])},
         cell={
             "status": lambda r: badge(r["status"], STATUS_COLOURS),
             "last record": lambda r: ago(r["last record"], now),
             "kl_k3 trend": spark,
             "open alerts": lambda r: (
-                dcc.Link(text(r["open alerts"]), href="/alerts") if r["open alerts"] else "0"
+                dcc.Link(text(r["open alerts"]), href=urls.ALERTS) if r["open alerts"] else "0"
             ),
             "desired mode": lambda r: f"{r['desired mode']} (v{by_id.loc[r['run_id'], 'control_version']})",
         },
-        table_id="runs-table-body",
+        table_id=TABLE_BODY,
     )
 
 
-def render() -> html.Div:
+def render() -> Component:
     return runs_table(data.runs_frame(queries.runs_overview(context.store())))
 
 
@@ -74,18 +73,18 @@ def layout(**_: object) -> html.Div:
     return html.Div(
         [
             html.H3("Runs"),
-            html.Div(render(), id="runs-table"),
-            dcc.Interval(id="runs-interval", interval=context.live_interval_ms() * 2),
+            html.Div(render(), id=TABLE),
+            dcc.Interval(id=INTERVAL, interval=context.live_interval_ms() * 2),
         ]
     )
 
 
-def refresh(_n: int | None) -> html.Div:
+def refresh(_n: int | None) -> Component:
     return render()
 
 
 def register(app: dash.Dash) -> None:
-    dash.register_page(__name__, path=PATH, name="Runs", title="isoaudit: runs", layout=layout, order=0)
-    app.callback(
-        Output("runs-table", "children"), Input("runs-interval", "n_intervals"), prevent_initial_call=True
-    )(refresh)
+    dash.register_page(__name__, path=urls.RUNS, name="Runs", title="isoaudit: runs", layout=layout, order=0)
+    app.callback(Output(TABLE, "children"), Input(INTERVAL, "n_intervals"), prevent_initial_call=True)(
+        refresh
+    )

@@ -4,29 +4,42 @@ with origins and the first divergence, and the diagnosis with its evidence."""
 from __future__ import annotations
 
 from typing import Any
-from urllib.parse import quote
 
 import dash
 import dash_bootstrap_components as dbc
-from dash import dash_table, dcc, html
+import pandas as pd
+from dash import dcc, html
+from dash.development.base_component import Component
 from isoaudit.audit import queries
+from isoaudit.audit.store import Store
 from isoaudit.dashboard import context, data, figures
-from isoaudit.dashboard.components import graph, not_found, text
+from isoaudit.dashboard.components import data_table, graph, not_found, text
+from isoaudit.dashboard.pages import urls
 
-PATH = "/runs/<run_id>/steps/<step>/samples/<sample_key>"
+# Component ids.
+FIRST_DIVERGENCE = "sample-first-divergence"
+DIAGNOSIS = "sample-diagnosis"
+SENTENCE = "sample-sentence"
+DELTA = "sample-delta"
+GRID = "sample-grid"
+ROUTING = "sample-routing"
+ROUTING_SUMMARY = "sample-routing-summary"
+ROUTING_FIRST = "sample-routing-first"
+ROUTING_GRID = "sample-routing-grid"
+ROUTING_FLIPS = "sample-routing-flips"
 
 
 def first_divergence_line(detail: queries.SampleDetail) -> html.Div:
     if detail.first_divergence is None:
         reason = "no fingerprints" if detail.grid is None else "no region differs with agreeing inputs"
         return html.Div(
-            ["First divergence: ", html.Strong("none located", id="sample-first-divergence"), f" ({reason})."]
+            ["First divergence: ", html.Strong("none located", id=FIRST_DIVERGENCE), f" ({reason})."]
         )
     region, position = detail.first_divergence
     return html.Div(
         [
             "First divergence: ",
-            html.Strong(f"{region}", id="sample-first-divergence"),
+            html.Strong(f"{region}", id=FIRST_DIVERGENCE),
             f" at position {position}",
             f" (completion token {position - detail.prompt_len})"
             if position >= detail.prompt_len
@@ -47,10 +60,10 @@ def diagnosis_card(detail: queries.SampleDetail) -> dbc.Card:
         dbc.CardBody(
             [
                 html.H5(
-                    ["Diagnosis: ", html.Span(detail.diagnosis, id="sample-diagnosis")],
+                    ["Diagnosis: ", html.Span(detail.diagnosis, id=DIAGNOSIS)],
                     className="card-title",
                 ),
-                html.P(detail.sentence, id="sample-sentence"),
+                html.P(detail.sentence, id=SENTENCE),
                 html.Dl(items, className="row mb-0"),
             ]
         ),
@@ -58,10 +71,10 @@ def diagnosis_card(detail: queries.SampleDetail) -> dbc.Card:
     )
 
 
-def flips_table(flips: Any, limit: int = 200) -> Any:
+def flips_table(flips: pd.DataFrame, limit: int = 200) -> Component:
     """Every (token, MoE layer) whose expert sets differ, with both sides' experts in slot order."""
     if flips.empty:
-        return html.Div(id="sample-routing-flips")
+        return html.Div(id=ROUTING_FLIPS)
     rows = [
         {
             "position": int(r.position),
@@ -72,20 +85,15 @@ def flips_table(flips: Any, limit: int = 200) -> Any:
         }
         for r in flips.sort_values(["position", "layer"]).head(limit).itertuples(index=False)
     ]
-    return dash_table.DataTable(
-        id="sample-routing-flips",
-        columns=[{"id": c, "name": c} for c in ("position", "layer", "trainer", "rollout", "first")],
-        data=rows,
-        page_size=20,
-        style_cell={"fontFamily": "monospace", "fontSize": 12},
-    )
+    columns = [{"id": c, "name": c} for c in ("position", "layer", "trainer", "rollout", "first")]
+    return data_table(ROUTING_FLIPS, columns, rows, page_size=20)
 
 
-def routing_view(store: Any, detail: queries.SampleDetail) -> html.Div:
+def routing_view(store: Store, detail: queries.SampleDetail) -> html.Div:
     """MoE samples: both sides' experts per token and layer, and where the routing first flips."""
     routing = queries.sample_routing(store, detail.run_id, detail.step, detail.sample_key)
     if routing is None:
-        return html.Div(id="sample-routing")
+        return html.Div(id=ROUTING)
     frame = data.sample_routing_frame(routing)
     flips = frame[~frame["agree"]]
     tokens = int(len(set(flips["position"]))) if not flips.empty else 0
@@ -95,7 +103,7 @@ def routing_view(store: Any, detail: queries.SampleDetail) -> html.Div:
         first = flips.sort_values(["layer", "position"]).iloc[0]
         summary = [
             f"{tokens} of {routing.positions.size} tokens route differently in some MoE layer. First flip: ",
-            html.Strong(f"layer {int(first['layer'])}", id="sample-routing-first"),
+            html.Strong(f"layer {int(first['layer'])}", id=ROUTING_FIRST),
             f" at position {int(first['position'])} (trainer experts {list(first['trainer'])}, rollout "
             f"{list(first['rollout'])}).",
         ]
@@ -107,17 +115,17 @@ def routing_view(store: Any, detail: queries.SampleDetail) -> html.Div:
     return html.Div(
         [
             html.H5("MoE routing, both sides", className="mt-3"),
-            html.Div(summary, id="sample-routing-summary", className="small"),
-            graph("sample-routing-grid", figures.sample_routing_grid(frame, detail.prompt_len)),
+            html.Div(summary, id=ROUTING_SUMMARY, className="small"),
+            graph(ROUTING_GRID, figures.sample_routing_grid(frame, detail.prompt_len)),
             flips_table(flips),
         ],
-        id="sample-routing",
+        id=ROUTING,
     )
 
 
 def layout(
-    run_id: str | None = None, step: str | None = None, sample_key: str | None = None, **_: Any
-) -> html.Div:
+    run_id: str | None = None, step: str | None = None, sample_key: str | None = None, **_: object
+) -> Component:
     store = context.store()
     try:
         number = int(step) if step is not None else None
@@ -134,12 +142,11 @@ def layout(
     tokenizer = data.tokenizer_of(run.config if run else {})
     tokens = data.delta_frame(detail, tokenizer)
     metrics = detail.metrics
-    run_path = f"/runs/{quote(detail.run_id, safe='')}"
     return html.Div(
         [
             html.Div(
                 [
-                    dcc.Link("← run", href=f"{run_path}?step={detail.step}"),
+                    dcc.Link("← run", href=urls.run_path(detail.run_id, detail.step)),
                     html.H3(f"Sample {detail.sample_key}", className="mt-2"),
                     html.Div(
                         f"run {detail.run_id} · step {detail.step} · {tokens.shape[0]} completion tokens after a "
@@ -159,10 +166,10 @@ def layout(
                 else "token ids (no loadable tokenizer named in the run config)",
                 className="text-muted small",
             ),
-            graph("sample-delta", figures.delta_strip(tokens)),
+            graph(DELTA, figures.delta_strip(tokens)),
             html.H5("Fingerprint grid", className="mt-3"),
             first_divergence_line(detail),
-            graph("sample-grid", figures.fingerprint_grid(data.grid_frame(detail), detail.prompt_len)),
+            graph(GRID, figures.fingerprint_grid(data.grid_frame(detail), detail.prompt_len)),
             routing_view(store, detail),
         ]
     )
@@ -170,5 +177,5 @@ def layout(
 
 def register(app: dash.Dash) -> None:
     dash.register_page(
-        __name__, path_template=PATH, name="Sample", title="isoaudit: sample", layout=layout, order=1
+        __name__, path_template=urls.SAMPLE, name="Sample", title="isoaudit: sample", layout=layout, order=1
     )

@@ -7,10 +7,13 @@ import os
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from urllib.parse import quote
 
+import dash
 import pytest
+from isoaudit.dashboard.pages import alerts, contract, runs, sample, urls
+from isoaudit.dashboard.pages.run import ids
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -45,14 +48,11 @@ def collector(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CollectorRun
         run.stop()
 
 
-@pytest.fixture(scope="module")
-def server(collector: CollectorRun) -> Iterator[str]:
-    from isoaudit.audit.store import Store
-    from isoaudit.dashboard import create_app
+@contextmanager
+def serving(app: dash.Dash) -> Iterator[str]:
+    """``app`` served over HTTP on a free local port, in a thread; yields its base URL."""
     from werkzeug.serving import make_server
 
-    store = Store(collector.url)
-    app = create_app(store, live_interval_ms=1000)
     http = make_server("127.0.0.1", 0, app.server, threaded=True)
     thread = threading.Thread(target=http.serve_forever, daemon=True)
     thread.start()
@@ -60,6 +60,18 @@ def server(collector: CollectorRun) -> Iterator[str]:
         yield f"http://127.0.0.1:{http.server_port}"
     finally:
         http.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(collector: CollectorRun) -> Iterator[str]:
+    from isoaudit.audit.store import Store
+    from isoaudit.dashboard import create_app
+
+    store = Store(collector.url)
+    try:
+        with serving(create_app(store, live_interval_ms=1000)) as url:
+            yield url
+    finally:
         store.dispose()
 
 
@@ -123,85 +135,85 @@ def test_every_page_against_a_live_collector_run(
 ):
     driver = browser
     run_id = collector.run_id
-    run_url = f"{server}/runs/{quote(run_id, safe='')}"
+    run_url = server + urls.run_path(run_id)
 
     # ---------------------------------------------------------------- runs page: the name is text
-    driver.get(server + "/")
-    table = _wait(driver).until(EC.presence_of_element_located((By.ID, "runs-table-body")))
+    driver.get(server + urls.RUNS)
+    table = _wait(driver).until(EC.presence_of_element_located((By.ID, runs.TABLE_BODY)))
     assert XSS_NAME in table.text
     assert not driver.find_elements(By.CSS_SELECTOR, "img[src='x']")
     _no_dialog(driver)
     _wait(driver).until(
-        EC.presence_of_element_located((By.CSS_SELECTOR, "#runs-table-body .main-svg"))
+        EC.presence_of_element_located((By.CSS_SELECTOR, f"#{runs.TABLE_BODY} .main-svg"))
     )  # sparkline
     _screenshot(driver, "runs")
 
     # ---------------------------------------------------------------- run page
     _click(driver, (By.LINK_TEXT, XSS_NAME))
-    _wait(driver).until(EC.presence_of_element_located((By.CSS_SELECTOR, "#run-position .nsewdrag")))
-    assert driver.find_element(By.ID, "run-title").text == XSS_NAME
+    _wait(driver).until(EC.presence_of_element_located((By.CSS_SELECTOR, f"#{ids.POSITION} .nsewdrag")))
+    assert driver.find_element(By.ID, ids.TITLE).text == XSS_NAME
     assert not driver.find_elements(By.CSS_SELECTOR, "img[src='x']")
     _no_dialog(driver)
-    _wait(driver).until(lambda d: d.find_elements(By.CSS_SELECTOR, "#run-samples td"))
+    _wait(driver).until(lambda d: d.find_elements(By.CSS_SELECTOR, f"#{ids.SAMPLES} td"))
     # The loop's own figures (Session.record_stats) are drawn beside the mismatch.
-    _wait(driver).until(lambda d: d.find_elements(By.CSS_SELECTOR, "#run-loop .scatterlayer .trace"))
-    assert "reward (mean)" in driver.find_element(By.ID, "run-loop").text
+    _wait(driver).until(lambda d: d.find_elements(By.CSS_SELECTOR, f"#{ids.LOOP} .scatterlayer .trace"))
+    assert "reward (mean)" in driver.find_element(By.ID, ids.LOOP).text
     _screenshot(driver, "run")
 
     # A cell of the step x position heatmap opens the sample holding that cell's largest |Δ|.
-    cell_layer = driver.find_element(By.CSS_SELECTOR, "#run-position .nsewdrag")
+    cell_layer = driver.find_element(By.CSS_SELECTOR, f"#{ids.POSITION} .nsewdrag")
     ActionChains(driver).move_to_element(cell_layer).click().perform()
     _wait(driver).until(EC.url_contains("/samples/"))
-    named = _wait(driver).until(EC.presence_of_element_located((By.ID, "sample-first-divergence")))
+    named = _wait(driver).until(EC.presence_of_element_located((By.ID, sample.FIRST_DIVERGENCE)))
     assert named.text.startswith(("embed", "layers.", "final_norm", "logits")), named.text
-    assert driver.find_element(By.ID, "sample-diagnosis").text in {"numerical", "inconclusive", "clean"}
-    _wait(driver).until(EC.presence_of_element_located((By.CSS_SELECTOR, "#sample-grid .nsewdrag")))
+    assert driver.find_element(By.ID, sample.DIAGNOSIS).text in {"numerical", "inconclusive", "clean"}
+    _wait(driver).until(EC.presence_of_element_located((By.CSS_SELECTOR, f"#{sample.GRID} .nsewdrag")))
     _screenshot(driver, "sample")
 
     # ---------------------------------------------------------------- the remediation toggle
     driver.get(run_url)
-    _wait(driver).until(EC.presence_of_element_located((By.ID, "run-mode")))
-    driver.find_element(By.CSS_SELECTOR, "#run-mode input[value='invariant']").click()
-    _wait(driver).until(EC.presence_of_element_located((By.ID, "run-control-ok")))
+    _wait(driver).until(EC.presence_of_element_located((By.ID, ids.MODE)))
+    driver.find_element(By.CSS_SELECTOR, f"#{ids.MODE} input[value='invariant']").click()
+    _wait(driver).until(EC.presence_of_element_located((By.ID, ids.CONTROL_OK)))
     control = collector.store.get_control(run_id)
     assert (control.mode, control.version, control.updated_by) == ("invariant", 1, "dashboard")
     # The collector, still running, switches at its next step boundary and says so in its manifests.
     for side in ("trainer", "rollout"):
         _wait(driver, 240).until(
-            EC.text_to_be_present_in_element((By.ID, f"run-applied-{side}"), "invariant"),
+            EC.text_to_be_present_in_element((By.ID, ids.applied_mode(side)), "invariant"),
             message=f"the {side} never reported invariant",
         )
     _screenshot(driver, "run-invariant")
 
     # A change made elsewhere meanwhile is shown, not overwritten.
     collector.store.set_control(run_id, "native", 1, updated_by="someone-else")
-    driver.find_element(By.CSS_SELECTOR, "#run-mode input[value='native']").click()
-    conflict = _wait(driver).until(EC.presence_of_element_located((By.ID, "run-control-conflict")))
+    driver.find_element(By.CSS_SELECTOR, f"#{ids.MODE} input[value='native']").click()
+    conflict = _wait(driver).until(EC.presence_of_element_located((By.ID, ids.CONTROL_CONFLICT)))
     assert "someone-else" in conflict.text
     assert collector.store.get_control(run_id).version == 2
 
     # ---------------------------------------------------------------- contract page
-    driver.get(f"{run_url}/contract")
+    driver.get(server + urls.contract_path(run_id))
     rows = _wait(driver).until(
-        EC.presence_of_all_elements_located((By.CSS_SELECTOR, "#contract-fields tr.contract-differs"))
+        EC.presence_of_all_elements_located((By.CSS_SELECTOR, f"#{contract.FIELDS} tr.{contract.DIFFERS}"))
     )
     assert any(row.text.startswith("runtime.framework") for row in rows)
-    assert "Handshake" in driver.find_element(By.ID, "contract-verdict").text
+    assert "Handshake" in driver.find_element(By.ID, contract.VERDICT).text
     _screenshot(driver, "contract")
 
     # ---------------------------------------------------------------- alerts page
-    driver.get(server + "/alerts")
-    _wait(driver).until(EC.presence_of_element_located((By.ID, "alerts-rules")))
-    assert "any_mismatch" in driver.find_element(By.ID, "alerts-content").text
-    links = driver.find_elements(By.CSS_SELECTOR, "#alerts-content a[href*='?step=']")
+    driver.get(server + urls.ALERTS)
+    _wait(driver).until(EC.presence_of_element_located((By.ID, alerts.RULES)))
+    assert "any_mismatch" in driver.find_element(By.ID, alerts.CONTENT).text
+    links = driver.find_elements(By.CSS_SELECTOR, f"#{alerts.CONTENT} a[href*='?step=']")
     assert links, "no alert links to its step"
-    driver.find_element(By.ID, "silence-run").send_keys(run_id)
-    driver.find_element(By.ID, "silence-create").click()
-    _wait(driver).until(EC.text_to_be_present_in_element((By.ID, "silence-message"), "created"))
-    _wait(driver).until(EC.presence_of_element_located((By.CSS_SELECTOR, "#alerts-silences-table button")))
+    driver.find_element(By.ID, alerts.SILENCE_RUN).send_keys(run_id)
+    driver.find_element(By.ID, alerts.SILENCE_CREATE).click()
+    _wait(driver).until(EC.text_to_be_present_in_element((By.ID, alerts.SILENCE_MESSAGE), "created"))
+    _wait(driver).until(EC.presence_of_element_located((By.CSS_SELECTOR, f"#{alerts.SILENCES} button")))
     _screenshot(driver, "alerts")
-    _click(driver, (By.CSS_SELECTOR, "#alerts-silences-table button"))
-    _wait(driver).until(EC.text_to_be_present_in_element((By.ID, "alerts-silences-table"), "expired"))
+    _click(driver, (By.CSS_SELECTOR, f"#{alerts.SILENCES} button"))
+    _wait(driver).until(EC.text_to_be_present_in_element((By.ID, alerts.SILENCES), "expired"))
 
     _no_dialog(driver)
     assert _severe(driver) == []

@@ -10,8 +10,9 @@ from isoaudit.audit import queries
 from isoaudit.audit.alerts import AlertEngine, DatabaseChannel, install_rules, parse_rules
 from isoaudit.audit.worker import ComparisonWorker
 from isoaudit.dashboard import create_app, data
-from isoaudit.dashboard.live import LiveState
-from isoaudit.dashboard.pages import alerts, contract, run, runs, sample
+from isoaudit.dashboard.pages import alerts, contract, runs, sample
+from isoaudit.dashboard.pages.run import header, heatmaps, ids, live, loop, page, remediation, samples
+from isoaudit.dashboard.pages.run.state import LiveState
 from typer.testing import CliRunner
 
 from tests import factories as f
@@ -56,29 +57,31 @@ def _text(component) -> str:
 
 def test_pages_lay_out(app, store):
     assert "<img src=x onerror=alert(1)>" in _text(runs.layout())
-    page = run.layout(run_id="run-1", step="1")
-    assert _find(page, "run-title").children == "<img src=x onerror=alert(1)>"
-    assert _find(page, "run-interval").disabled is False  # just written: live
-    assert len(_find(page, "run-samples").data) == 3 and _find(page, "run-step").value == 1
-    state = LiveState.from_json(_find(page, "run-state").data)
+    run_page = page.layout(run_id="run-1", step="1")
+    assert _find(run_page, ids.TITLE).children == "<img src=x onerror=alert(1)>"
+    assert _find(run_page, ids.INTERVAL).disabled is False  # just written: live
+    assert len(_find(run_page, ids.SAMPLES).data) == 3 and _find(run_page, ids.STEP).value == 1
+    state = LiveState.from_json(_find(run_page, ids.STATE).data)
     assert state.last_step == 2 and state.regions == [DIVERGING] and state.n_bins == 2
-    assert "No run" in _text(run.layout(run_id="nope"))
+    assert "No run" in _text(page.layout(run_id="nope"))
     key = next(r.sample_key for r in queries.step_samples(store, "run-1", 1) if r.first_divergence_region)
-    page = sample.layout(run_id="run-1", step="1", sample_key=key)
-    assert _find(page, "sample-first-divergence").children == DIVERGING
+    sample_page = sample.layout(run_id="run-1", step="1", sample_key=key)
+    assert _find(sample_page, sample.FIRST_DIVERGENCE).children == DIVERGING
     assert "No compared sample" in _text(sample.layout(run_id="run-1", step="x", sample_key=key))
-    page = contract.layout(run_id="run-1")
-    assert "runtime.dtype" in _text(_find(page, "contract-fields")) and "Handshake" in _text(page)
+    contract_page = contract.layout(run_id="run-1")
+    assert "runtime.dtype" in _text(_find(contract_page, contract.FIELDS)) and "Handshake" in _text(
+        contract_page
+    )
     assert "mismatch" in _text(alerts.layout())
 
 
 def test_tick_appends_only_new_steps(app, store):
-    state = LiveState.from_json(_find(run.layout(run_id="run-1"), "run-state").data)
-    assert run.tick(1, state.to_json()) == (no_update,) * 5
-    assert run.tick_status(1, state.to_json())[:2] == (False, "live")
+    state = LiveState.from_json(_find(page.layout(run_id="run-1"), ids.STATE).data)
+    assert live.tick(1, state.to_json()) == (no_update,) * 5
+    assert header.tick_status(1, state.to_json())[:2] == (False, "live")
     store.ingest(step_records("run-1", 3))
     ComparisonWorker(store, on_step=AlertEngine(store, channels=[DatabaseChannel()]).evaluate).run_once()
-    timelines, position, divergence, diagnoses, new_state = run.tick(2, state.to_json())
+    timelines, position, divergence, diagnoses, new_state = live.tick(2, state.to_json())
     assert all(isinstance(p, Patch) for p in (timelines, position, divergence, diagnoses))
     assert new_state["last_step"] == 3
     ops = timelines.to_plotly_json()["operations"]
@@ -91,7 +94,7 @@ def test_tick_appends_only_new_steps(app, store):
     wide = [r for r in step_records("run-1", 4, samples=5)]
     store.ingest(wide)
     ComparisonWorker(store).run_once()
-    out = run.tick(3, new_state)
+    out = live.tick(3, new_state)
     assert (
         isinstance(out[0], Patch)
         and not isinstance(out[1], Patch)
@@ -104,31 +107,33 @@ def test_a_page_drawn_before_any_comparison_is_drawn_in_full_at_its_first_compar
     """The placeholders have no traces: extending them fails in the browser ("undefined does not
     have a method named concat"), so the first tick that brings steps draws every figure."""
     store.ingest(step_records("run-early", 0))  # stored, not compared yet
-    state = LiveState.from_json(_find(run.layout(run_id="run-early"), "run-state").data)
+    state = LiveState.from_json(_find(page.layout(run_id="run-early"), ids.STATE).data)
     assert state.last_step is None
     ComparisonWorker(store).run_once()
-    *drawn, new_state = run.tick(1, state.to_json())
+    *drawn, new_state = live.tick(1, state.to_json())
     assert not any(isinstance(f, Patch) for f in drawn)
     assert all(len(f["data"]) >= 1 for f in drawn) and new_state["last_step"] == 0
 
 
 def test_the_toggle_writes_with_the_version_it_read_and_shows_a_conflict(app, store):
     state = {"run_id": "run-1"}
-    mode, control, message, disabled = run.set_mode("invariant", {"mode": "native", "version": 0}, state)
+    mode, control, message, disabled = remediation.set_mode(
+        "invariant", {"mode": "native", "version": 0}, state
+    )
     assert mode == "invariant" and control == {"mode": "invariant", "version": 1} and disabled is False
-    assert store.get_control("run-1").updated_by == "dashboard" and message.id == "run-control-ok"
+    assert store.get_control("run-1").updated_by == "dashboard" and message.id == ids.CONTROL_OK
     store.set_control("run-1", "native", 1, updated_by="someone-else")
-    mode, control, message, _ = run.set_mode("native", {"mode": "invariant", "version": 1}, state)
-    assert mode == "native" and control["version"] == 2 and message.id == "run-control-conflict"
+    mode, control, message, _ = remediation.set_mode("native", {"mode": "invariant", "version": 1}, state)
+    assert mode == "native" and control["version"] == 2 and message.id == ids.CONTROL_CONFLICT
     assert "someone-else" in _text(message) and store.get_control("run-1").version == 2
-    assert run.set_mode("native", {"mode": "native", "version": 2}, state) == (no_update,) * 4
+    assert remediation.set_mode("native", {"mode": "native", "version": 2}, state) == (no_update,) * 4
 
 
 def test_the_toggle_records_the_basic_auth_user(store):
     fill(store, steps=1)
     dash_app = create_app(store, auth=("alice", "secret"))
     with dash_app.server.test_request_context("/", headers={"Authorization": "Basic YWxpY2U6c2VjcmV0"}):
-        run.set_mode("invariant", {"mode": "native", "version": 0}, {"run_id": "run-1"})
+        remediation.set_mode("invariant", {"mode": "native", "version": 0}, {"run_id": "run-1"})
     assert store.get_control("run-1").updated_by == "dashboard:alice"
     client = dash_app.server.test_client()
     assert client.get("/").status_code == 401
@@ -136,18 +141,18 @@ def test_the_toggle_records_the_basic_auth_user(store):
 
 
 def test_heatmap_and_table_clicks_open_a_sample(app, store):
-    state = _find(run.layout(run_id="run-1"), "run-state").data
-    href = run.position_click({"points": [{"x": 1, "y": "0–15", "pointNumber": [0, 1]}]}, state)
+    state = _find(page.layout(run_id="run-1"), ids.STATE).data
+    href = heatmaps.position_click({"points": [{"x": 1, "y": "0–15", "pointNumber": [0, 1]}]}, state)
     point = queries.step_point(store, "run-1", 1)
     assert href == f"/runs/run-1/steps/1/samples/{point.position_bins['max_key'][0]}"
-    href = run.divergence_click({"points": [{"x": 2, "y": DIVERGING, "pointNumber": [0, 2]}]}, state)
+    href = heatmaps.divergence_click({"points": [{"x": 2, "y": DIVERGING, "pointNumber": [0, 2]}]}, state)
     example = queries.step_point(store, "run-1", 2).first_divergence[DIVERGING]["example"]
     assert href == f"/runs/run-1/steps/2/samples/{example}"
-    assert run.position_click(None, state) is no_update
-    rows = run.step_rows(1, state)
-    assert run.table_click({"row": 1, "column": 0}, rows, 1, state).endswith(rows[1]["sample_key"])
+    assert heatmaps.position_click(None, state) is no_update
+    rows = samples.step_rows(1, state)
+    assert samples.table_click({"row": 1, "column": 0}, rows, 1, state).endswith(rows[1]["sample_key"])
     assert rows[0]["open"].startswith("[open](/runs/run-1/steps/1/samples/")
-    figure, new_state = run.redraw_position("max", state)
+    figure, new_state = heatmaps.redraw_position("max", state)
     assert new_state["stat"] == "max" and "max" in figure.data[0].hovertemplate
 
 
@@ -158,8 +163,8 @@ def test_silence_create_and_expire(app, store):
     assert silence.created_by == "dashboard" and silence.run_id == "run-1"
     bad, content = alerts.create(1, None, "not a run id!", "1 hour", None)
     assert "run_id" in _text(bad) and content is no_update
-    assert alerts.expire([None], [{"type": "silence-expire", "id": silence.id}]) is no_update
-    alerts.expire([1], [{"type": "silence-expire", "id": silence.id}])
+    assert alerts.expire([None], [alerts.expire_button_id(silence.id)]) is no_update
+    alerts.expire([1], [alerts.expire_button_id(silence.id)])
     assert queries.alerts_view(store).silences[0].ends_at < silence.ends_at
 
 
@@ -186,14 +191,14 @@ def test_cli_parses_auth():
 def test_loop_tick_redraws_only_when_new_steps_report(app, store):
     from isoaudit.audit.records import StepStats
 
-    page = run.layout(run_id="run-1")
-    state = _find(page, "run-state").data
-    drawn_last = _find(page, "run-loop-steps").data
-    assert drawn_last is None and run.tick_loop(1, state, drawn_last) == (no_update, no_update)
+    run_page = page.layout(run_id="run-1")
+    state = _find(run_page, ids.STATE).data
+    drawn_last = _find(run_page, ids.LOOP_STEPS).data
+    assert drawn_last is None and loop.tick_loop(1, state, drawn_last) == (no_update, no_update)
     store.ingest([StepStats(run_id="run-1", step=s, reward_mean=0.1 * s) for s in (0, 1)])
-    fig, drawn_last = run.tick_loop(2, state, drawn_last)
+    fig, drawn_last = loop.tick_loop(2, state, drawn_last)
     assert drawn_last == 1
     assert [t.name for t in fig.data if t.name == "reward (mean)"] == ["reward (mean)"]
-    assert run.tick_loop(3, state, drawn_last) == (no_update, no_update)
+    assert loop.tick_loop(3, state, drawn_last) == (no_update, no_update)
     store.ingest([StepStats(run_id="run-1", step=2, reward_mean=0.3)])
-    assert run.tick_loop(4, state, drawn_last)[1] == 2
+    assert loop.tick_loop(4, state, drawn_last)[1] == 2

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from dash import no_update
 from isoaudit.dashboard import create_app, data
-from isoaudit.dashboard.pages import run, sample
+from isoaudit.dashboard.pages import sample
+from isoaudit.dashboard.pages.run import ids, page, routing
 
 from tests import factories as f
 from tests.audit.routing_records import routed_run
@@ -30,31 +31,31 @@ def _z(figure) -> np.ndarray:
 
 def test_run_page_heatmap_of_routing_flips_by_layer_and_step(app, store):
     keys = routed_run(store)
-    page = run.layout(run_id="moe-run")
-    assert _find(page, "run-routing-section").style == {}
-    figure = _find(page, "run-routing").figure
+    run_page = page.layout(run_id="moe-run")
+    assert _find(run_page, ids.ROUTING_SECTION).style == {}
+    figure = _find(run_page, ids.ROUTING).figure
     assert list(figure.data[0].x) == [0, 1, 2] and list(figure.data[0].y) == ["layer 0", "layer 2"]
     z = _z(figure)  # rows: layers; no flip is blank (NaN)
     assert np.isnan(z[:, 0]).all()
     assert np.isnan(z[0, 1]) and z[1, 1] == 1  # step 1: one token flips in layer 2
     assert (z[0, 2], z[1, 2]) == (1, 2)  # step 2: token 3 in layers 0 and 2, token 7 in layer 2
-    state = _find(page, "run-state").data
-    assert run.routing_click({"points": [{"x": 2, "y": "layer 2"}]}, state) == (
+    state = _find(run_page, ids.STATE).data
+    assert routing.routing_click({"points": [{"x": 2, "y": "layer 2"}]}, state) == (
         f"/runs/moe-run/steps/2/samples/{keys[2]}"
     )
-    assert run.routing_click({"points": [{"x": 0, "y": "layer 0"}]}, state) is no_update  # no flip there
-    assert run.routing_click(None, state) is no_update
+    assert routing.routing_click({"points": [{"x": 0, "y": "layer 0"}]}, state) is no_update  # no flip there
+    assert routing.routing_click(None, state) is no_update
 
     # Live: nothing new, nothing drawn; a new step with routes redraws; another value redraws.
-    last = _find(page, "run-routing-steps").data
+    last = _find(run_page, ids.ROUTING_STEPS).data
     assert last == 2
-    assert run.redraw_routing("flipped_tokens", state, last) == (no_update,) * 4
-    assert "step 2: expert sets agree on 0.8333" in _find(page, "run-routing-line").children
+    assert routing.redraw_routing("flipped_tokens", state, last) == (no_update,) * 4
+    assert "step 2: expert sets agree on 0.8333" in _find(run_page, ids.ROUTING_LINE).children
     routed_run(store, steps=4)  # steps 0-2 again (duplicates) and step 3, agreeing everywhere
-    drawn, new_last, style, line = run.redraw_routing("flipped_tokens", state, last)
+    drawn, new_last, style, line = routing.redraw_routing("flipped_tokens", state, last)
     assert new_last == 3 and list(drawn.data[0].x) == [0, 1, 2, 3] and style == {}
     assert line.startswith("step 3: expert sets agree on 1 ")
-    drawn, _, _, _ = run.redraw_routing("first_flips", state, new_last, changed=True)
+    drawn, _, _, _ = routing.redraw_routing("first_flips", state, new_last, changed=True)
     firsts = _z(drawn)
     assert (firsts[0, 2], firsts[1, 2]) == (1, 1)  # token 3 first flips in layer 0, token 7 in 2
     assert "first flips" in drawn.data[0].hovertemplate
@@ -62,22 +63,22 @@ def test_run_page_heatmap_of_routing_flips_by_layer_and_step(app, store):
 
 def test_a_dense_run_hides_the_routing_section(app, store):
     store.ingest([f.run("dense"), f.sample("trainer", run_id="dense"), f.sample("rollout", run_id="dense")])
-    page = run.layout(run_id="dense")
-    assert _find(page, "run-routing-section").style == {"display": "none"}
+    run_page = page.layout(run_id="dense")
+    assert _find(run_page, ids.ROUTING_SECTION).style == {"display": "none"}
     assert data.routing_frame([]).empty
 
 
 def test_sample_page_shows_a_tokens_routing_on_both_sides(app, store):
     keys = routed_run(store)
-    page = sample.layout(run_id="moe-run", step="2", sample_key=keys[2])
-    assert _find(page, "sample-routing-first").children == "layer 0"
-    assert "2 of 9 tokens route differently" in _text(_find(page, "sample-routing-summary"))
-    grid = _find(page, "sample-routing-grid").figure
+    sample_page = sample.layout(run_id="moe-run", step="2", sample_key=keys[2])
+    assert _find(sample_page, sample.ROUTING_FIRST).children == "layer 0"
+    assert "2 of 9 tokens route differently" in _text(_find(sample_page, sample.ROUTING_SUMMARY))
+    grid = _find(sample_page, sample.ROUTING_GRID).figure
     z = _z(grid)
     assert z.shape == (2, 9)
     assert (z[0, 3], z[1, 3], z[1, 7]) == (2, 1, 2)  # first flips darkest, a later layer's flip lighter
     assert (z == 0).sum() == 18 - 3
-    flips = _find(page, "sample-routing-flips").data
+    flips = _find(sample_page, sample.ROUTING_FLIPS).data
     assert [(r["position"], r["layer"], r["first"]) for r in flips] == [
         (3, 0, "first flip"),
         (3, 2, ""),
@@ -86,7 +87,7 @@ def test_sample_page_shows_a_tokens_routing_on_both_sides(app, store):
     hover = grid.data[0].customdata[0][3]
     assert hover.startswith("trainer [") and "rollout [" in hover and hover.endswith("first flip")
     agreeing = sample.layout(run_id="moe-run", step="0", sample_key=keys[0])
-    assert "same experts for every token" in _text(_find(agreeing, "sample-routing-summary"))
+    assert "same experts for every token" in _text(_find(agreeing, sample.ROUTING_SUMMARY))
 
 
 def test_the_routing_line_reports_replay_and_missing_routes():
@@ -101,7 +102,7 @@ def test_the_routing_line_reports_replay_and_missing_routes():
         missing=10,
         missing_examples=[{"sample_key": "ab" * 16, "positions": list(range(12))}],
     )  # fmt: skip
-    line = run.routing_line(point)
+    line = routing.routing_line(point)
     assert "routing replay: 0.75 of the trainer's tokens replayed, 10 with missing routes" in line
     assert f"sample {'ab' * 16} at positions [0, 1, 2, 3, 4, 5, 6, 7]" in line
-    assert run.routing_line(None) == ""
+    assert routing.routing_line(None) == ""

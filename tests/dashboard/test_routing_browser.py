@@ -4,11 +4,12 @@ most flips there, and that sample's page names where its routing first flips."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from isoaudit.dashboard.pages import sample, urls
+from isoaudit.dashboard.pages.run import ids
 
 from tests.dashboard.test_browser import (  # the suite's skips, driver fixture and helpers
     EC,
@@ -19,6 +20,7 @@ from tests.dashboard.test_browser import (  # the suite's skips, driver fixture 
     _severe,
     _wait,
     browser,  # noqa: F401  (a fixture)
+    serving,
 )
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
@@ -28,29 +30,26 @@ pytestmark = [pytest.mark.browser, pytest.mark.slow]
 def routed_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict[int, str]]]:
     from isoaudit.audit.store import Store
     from isoaudit.dashboard import create_app
-    from werkzeug.serving import make_server
 
     from tests.audit.routing_records import routed_run
 
     path: Path = tmp_path_factory.mktemp("routing-browser") / "isoaudit.db"
     store = Store(f"sqlite:///{path}")
     keys = routed_run(store)
-    app = create_app(store, live_interval_ms=1000)
-    http = make_server("127.0.0.1", 0, app.server, threaded=True)
-    thread = threading.Thread(target=http.serve_forever, daemon=True)
-    thread.start()
     try:
-        yield f"http://127.0.0.1:{http.server_port}", keys
+        with serving(create_app(store, live_interval_ms=1000)) as url:
+            yield url, keys
     finally:
-        http.shutdown()
         store.dispose()
 
 
 def test_routing_heatmap_click_opens_the_sample_and_its_routing(routed_server, browser) -> None:  # noqa: F811
     url, keys = routed_server
     driver = browser
-    driver.get(f"{url}/runs/moe-run")
-    layer = _wait(driver).until(EC.presence_of_element_located((By.CSS_SELECTOR, "#run-routing .nsewdrag")))
+    driver.get(url + urls.run_path("moe-run"))
+    layer = _wait(driver).until(
+        EC.presence_of_element_located((By.CSS_SELECTOR, f"#{ids.ROUTING} .nsewdrag"))
+    )
     _no_dialog(driver)
     # Three steps (x) by two MoE layers (y, layer 0 on top): the cell of step 2, layer 2.
     size = layer.size
@@ -58,8 +57,10 @@ def test_routing_heatmap_click_opens_the_sample_and_its_routing(routed_server, b
         layer, int(size["width"] * (5 / 6 - 0.5)), int(size["height"] * (3 / 4 - 0.5))
     ).click().perform()
     _wait(driver).until(EC.url_contains(f"/steps/2/samples/{keys[2]}"))
-    first = _wait(driver).until(EC.presence_of_element_located((By.ID, "sample-routing-first")))
+    first = _wait(driver).until(EC.presence_of_element_located((By.ID, sample.ROUTING_FIRST)))
     assert first.text == "layer 0"
-    _wait(driver).until(EC.presence_of_element_located((By.CSS_SELECTOR, "#sample-routing-grid .nsewdrag")))
+    _wait(driver).until(
+        EC.presence_of_element_located((By.CSS_SELECTOR, f"#{sample.ROUTING_GRID} .nsewdrag"))
+    )
     _screenshot(driver, "sample-routing")
     assert not _severe(driver)

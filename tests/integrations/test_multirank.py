@@ -95,7 +95,7 @@ def test_ranks_send_to_one_service_pair_across_ranks_and_a_stopped_rank_shows(
             assert r["stopped"] is (rank == STOP_RANK) and r["steps_behind"] == STEPS - 1 - last
             assert r["processes"] and all(p.endswith(f"/{rank}") for p in r["processes"]), r["processes"]
         # The dashboard's run page: the table marks rank 2 stopped, its lines drop to zero.
-        from isoaudit.dashboard.pages.run import rank_view
+        from isoaudit.dashboard.pages.run.ranks import rank_view
 
         rows, figure = rank_view(store, RUN)
         assert {(row["side"], row["rank"]): row["status"] for row in rows} == {
