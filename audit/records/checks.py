@@ -13,6 +13,7 @@ Every refusal is a :class:`RecordError` whose message starts with the field it i
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Collection
@@ -95,7 +96,9 @@ class FloatRange:
         return f"a number in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}]"
 
     def check(self, value: object, field: str) -> float:
-        if isinstance(value, bool) or not isinstance(value, int | float | np.floating):
+        if type(value) is not float and (
+            isinstance(value, bool) or not isinstance(value, int | float | np.floating)
+        ):
             raise RecordError(field, f"expected a number, got {type(value).__name__}")
         number = float(value)
         above = number > self.low if self.low_open else number >= self.low
@@ -113,6 +116,10 @@ class Text:
     min_length: int = 0
     pattern: str | None = None
     rule: str | None = None
+    _compiled: re.Pattern[str] = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_compiled", re.compile(self.pattern or ""))
 
     def field(self, **options: Unpack[FieldOptions]) -> Any:  # Any: as Field() is typed
         """The pydantic field of this text."""
@@ -125,7 +132,7 @@ class Text:
             if (
                 type(value) is not str
                 or not self.min_length <= len(value) <= self.max_length
-                or not re.match(self.pattern or "", value)
+                or not self._compiled.match(value)
             ):
                 raise RecordError(field, self.rule.format(value=repr(value)))
         elif type(value) is not str:
@@ -210,11 +217,15 @@ class ArrayRule:
 
     dtype: str
     ndim: int
+    _want: np.dtype = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_want", np.dtype(self.dtype))
 
     def check(self, value: object, field: str) -> np.ndarray:
         if not isinstance(value, np.ndarray):
             raise RecordError(field, f"expected a numpy array, got {type(value).__name__}")
-        want = np.dtype(self.dtype)
+        want = self._want
         if value.dtype.kind != want.kind or value.dtype.itemsize != want.itemsize:
             raise RecordError(field, f"expected {self.dtype}, got {value.dtype}")
         try:
