@@ -88,7 +88,7 @@ def _tis_aliases(
         if figure not in TIS_FAMILY:
             raise ValueError(f"{framework}: {figure} is not a member of the TIS family")
         note = notes if isinstance(notes, str) else notes.get(statistic, "")
-        out.append(_a(framework, pattern.format(statistic), figure, note, **params))
+        out.append(Alias(framework, pattern.format(statistic), variant_key(figure, dict(params)), note))
     return out
 
 

@@ -86,9 +86,13 @@ class FloatRange:
 
     def field(self, **options: Unpack[FieldOptions]) -> Any:  # Any: as Field() is typed
         """The pydantic field of this range."""
-        low = {"gt": self.low} if self.low_open else {"ge": self.low}
-        high = {"le": self.high} if math.isfinite(self.high) else {}
-        return Field(**low, **high, allow_inf_nan=False, **options)
+        return Field(
+            gt=self.low if self.low_open else None,
+            ge=None if self.low_open else self.low,
+            le=self.high if math.isfinite(self.high) else None,
+            allow_inf_nan=False,
+            **options,
+        )
 
     def describe(self) -> str:
         if not math.isfinite(self.high):
