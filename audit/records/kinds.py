@@ -49,6 +49,7 @@ from isoaudit.audit.records.checks import (
     record_error,
 )
 from isoaudit.audit.records.routes import Routes
+from numpy.typing import ArrayLike
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 SCHEMA_VERSION: Final = 1
@@ -66,7 +67,7 @@ SampleKey = Annotated[str, SAMPLE_KEY.field(description="16 bytes as 32 lowercas
 Step = Annotated[int, STEP.field()]
 
 
-def sample_key(prompt_ids: Any, completion_ids: Any = ()) -> str:
+def sample_key(prompt_ids: ArrayLike, completion_ids: ArrayLike = ()) -> str:
     """The identity both sides derive from the tokens alone: SHA-256 of (prompt ‖ completion) as
     little-endian int32, first 16 bytes in hex. No ids need coordinating across processes."""
     tokens = np.concatenate(
@@ -76,6 +77,7 @@ def sample_key(prompt_ids: Any, completion_ids: Any = ()) -> str:
 
 
 def utcnow() -> datetime:
+    """Now, in UTC: the default of every record's timestamp."""
     return datetime.now(UTC)
 
 
@@ -487,7 +489,9 @@ class RegionFingerprints(Record):
 
 
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
-Seconds = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+NonNegativeFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+#: A duration.
+Seconds = NonNegativeFloat
 
 
 class StepStats(Record):
@@ -499,8 +503,8 @@ class StepStats(Record):
     run_id: RunId
     step: Step
     reward_mean: FiniteFloat | None = None
-    reward_std: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
-    entropy: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
+    reward_std: NonNegativeFloat | None = None
+    entropy: NonNegativeFloat | None = None
     clip_fraction: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] | None = None
     generation_s: Seconds | None = None
     training_s: Seconds | None = None
