@@ -40,13 +40,13 @@ _record_adapter: TypeAdapter[Run | Manifest | SampleLogprobs | RegionFingerprint
 )
 
 
-def record_kind(item: Any) -> str:
+def record_kind(item: object) -> str:
     """The kind tag of a record or of its dict, ``"unknown"`` when there is no kind we know."""
     kind = item.get("kind") if isinstance(item, dict) else getattr(item, "kind", None)
     return kind if isinstance(kind, str) and kind in RECORD_KINDS else "unknown"
 
 
-def validate_record(item: Any) -> Run | Manifest | SampleLogprobs | RegionFingerprints | StepStats:
+def validate_record(item: object) -> Run | Manifest | SampleLogprobs | RegionFingerprints | StepStats:
     """The store's boundary: a record (however built) or its dict, verified; raises RecordError."""
     if isinstance(item, Record):
         return item.checked()  # type: ignore[return-value]
