@@ -1,4 +1,4 @@
-"""Token metrics of the train–rollout mismatch (DESIGN.md, "Metrics").
+"""The token statistics of the train–rollout mismatch, per sample and per step (DESIGN.md, "Metrics").
 
 ``Δ = trainer − rollout`` per completion token. Every metric is defined once, in :func:`_derive`,
 from a handful of additive *sufficient statistics* (sums, maxima, counts). Per-sample values come

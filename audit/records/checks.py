@@ -63,7 +63,7 @@ class IntRange:
     low: int
     high: int
 
-    def field(self, **options: Unpack[FieldOptions]) -> Any:  # Any: pydantic's Field() is typed so
+    def field(self, **options: Unpack[FieldOptions]) -> Any:  # Any: what pydantic's Field() returns
         """The pydantic field of this range."""
         return Field(ge=self.low, le=self.high, **options)
 
@@ -84,7 +84,7 @@ class FloatRange:
     high: float = math.inf
     low_open: bool = False
 
-    def field(self, **options: Unpack[FieldOptions]) -> Any:  # Any: as Field() is typed
+    def field(self, **options: Unpack[FieldOptions]) -> Any:  # Any: what pydantic's Field() returns
         """The pydantic field of this range."""
         return Field(
             gt=self.low if self.low_open else None,
@@ -125,7 +125,7 @@ class Text:
     def __post_init__(self) -> None:
         object.__setattr__(self, "_compiled", re.compile(self.pattern or ""))
 
-    def field(self, **options: Unpack[FieldOptions]) -> Any:  # Any: as Field() is typed
+    def field(self, **options: Unpack[FieldOptions]) -> Any:  # Any: what pydantic's Field() returns
         """The pydantic field of this text."""
         return Field(
             min_length=self.min_length or None, max_length=self.max_length, pattern=self.pattern, **options
