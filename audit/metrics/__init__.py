@@ -36,6 +36,7 @@ from isoaudit.audit.metrics.keys import (
     length_bucket_of,
     length_key,
     parse_lag_key,
+    parse_length_key,
     parse_variant,
     variant_key,
 )
@@ -61,6 +62,7 @@ __all__ = [
     "length_bucket_of",
     "length_key",
     "parse_lag_key",
+    "parse_length_key",
     "parse_variant",
     "sample_and_step_metrics",
     "sample_metrics",

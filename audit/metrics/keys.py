@@ -39,6 +39,12 @@ def length_key(name: str, bucket: str) -> str:
     return f"{name}/{bucket}"
 
 
+def parse_length_key(key: str) -> tuple[str, str] | None:
+    """Inverse of :func:`length_key`: ``(name, bucket)``, or None when ``key`` is not a length slice."""
+    name, sep, bucket = key.rpartition("/")
+    return (name, bucket) if sep and name and bucket in LENGTH_BUCKETS else None
+
+
 def length_bucket_of(n_tokens: np.ndarray) -> np.ndarray:
     """Index into :data:`LENGTH_BUCKETS` of each completion length."""
     return np.searchsorted(np.asarray(LENGTH_BUCKET_EDGES), np.asarray(n_tokens), side="right") - 1

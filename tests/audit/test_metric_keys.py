@@ -18,6 +18,7 @@ from isoaudit.audit.metrics import (
     lag_key,
     length_key,
     parse_lag_key,
+    parse_length_key,
     parse_variant,
     variant_key,
 )
@@ -58,7 +59,14 @@ def test_every_step_metric_has_a_described_key_per_length_bucket() -> None:
     for name in STEP_METRICS:
         for bucket in LENGTH_BUCKETS:
             assert length_key(name, bucket) in METRIC_DESCRIPTIONS
+            assert parse_length_key(length_key(name, bucket)) == (name, bucket)
             assert parse_lag_key(length_key(name, bucket)) is None
+
+
+def test_keys_of_other_grammars_are_not_length_slices() -> None:
+    assert parse_length_key("kl_k3") is None
+    assert parse_length_key(lag_key("kl_k3", 1)) is None
+    assert parse_length_key("tis_mean[cap=3]") is None
 
 
 def test_families_are_generated_from_their_tables() -> None:
