@@ -30,14 +30,15 @@ class Rejection:
         return asdict(self)
 
 
-AnyRecord = Annotated[
-    Run | Manifest | SampleLogprobs | RegionFingerprints | StepStats, Field(discriminator="kind")
-]
-RECORD_KINDS = ("run", "manifest", "sample", "fingerprints", "step_stats")
+#: A record of any kind, as :func:`validate_record` returns it.
+RecordOfAnyKind = Run | Manifest | SampleLogprobs | RegionFingerprints | StepStats
+_KIND_CLASSES = (Run, Manifest, SampleLogprobs, RegionFingerprints, StepStats)
+#: The same, told apart by its ``kind`` tag (a batch's records).
+AnyRecord = Annotated[RecordOfAnyKind, Field(discriminator="kind")]
+#: The kind tags, in the order of :data:`RecordOfAnyKind`.
+RECORD_KINDS: tuple[str, ...] = tuple(cls.model_fields["kind"].default for cls in _KIND_CLASSES)
 
-_record_adapter: TypeAdapter[Run | Manifest | SampleLogprobs | RegionFingerprints | StepStats] = TypeAdapter(
-    AnyRecord
-)
+_record_adapter: TypeAdapter[RecordOfAnyKind] = TypeAdapter(AnyRecord)
 
 
 def record_kind(item: object) -> str:
@@ -46,10 +47,13 @@ def record_kind(item: object) -> str:
     return kind if isinstance(kind, str) and kind in RECORD_KINDS else "unknown"
 
 
-def validate_record(item: object) -> Run | Manifest | SampleLogprobs | RegionFingerprints | StepStats:
+def validate_record(item: object) -> RecordOfAnyKind:
     """The store's boundary: a record (however built) or its dict, verified; raises RecordError."""
     if isinstance(item, Record):
-        return item.checked()  # type: ignore[return-value]
+        checked = item.checked()
+        if not isinstance(checked, _KIND_CLASSES):
+            raise RecordError("kind", f"{type(item).__name__} is not a record kind")
+        return checked
     if not isinstance(item, dict):
         raise RecordError("record", f"expected a record object, got {type(item).__name__}")
     try:
