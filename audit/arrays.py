@@ -10,15 +10,24 @@ from __future__ import annotations
 
 import base64
 import binascii
+import importlib
+from types import ModuleType
 from typing import Annotated, Any
 
 import numpy as np
 from pydantic import BeforeValidator, PlainSerializer, WithJsonSchema
 
-try:  # SIMD base64 (vLLM brings it); the standard library's decoder is ~50x slower on a route matrix
-    import pybase64 as _pybase64
-except ImportError:  # pragma: no cover - exercised by tests/audit/test_records_routes.py with it hidden
-    _pybase64 = None
+
+def _simd_base64() -> ModuleType | None:
+    """pybase64 when installed (vLLM brings it): the standard library's decoder is ~50x slower on a
+    route matrix."""
+    try:
+        return importlib.import_module("pybase64")
+    except ImportError:  # pragma: no cover - tests/audit/test_records_routes.py runs without it too
+        return None
+
+
+_pybase64 = _simd_base64()
 
 #: Upper bound on the elements of one array field: 4M tokens of one sample is already far past any
 #: context length in use, and it keeps one bad record from exhausting the service's memory.
@@ -85,6 +94,11 @@ def _coerce(value: Any, dtype: np.dtype, ndim: int) -> np.ndarray:
             array = array.astype(dtype)
     if array.ndim == 1 and ndim == 2 and array.size == 0:
         array = array.reshape(0, 0)
+    return within_limits(array, ndim)
+
+
+def within_limits(array: np.ndarray, ndim: int) -> np.ndarray:
+    """``array`` if it has ``ndim`` dimensions and at most :data:`MAX_ARRAY_ELEMENTS` elements."""
     if array.ndim != ndim:
         raise ValueError(f"expected a {ndim}-D array, got {array.ndim}-D with shape {list(array.shape)}")
     if array.size > MAX_ARRAY_ELEMENTS:
@@ -113,20 +127,26 @@ def _serialize(array: np.ndarray) -> str | dict[str, Any]:
     return data if array.ndim == 1 else {"shape": list(array.shape), "data": data}
 
 
-def _array_type(dtype: str, ndim: int) -> Any:
+def _matrix_schema(description: str) -> dict[str, Any]:
+    """The JSON schema of a matrix on the wire: ``{"shape": [rows, cols], "data": "<base64>"}``."""
+    return {
+        "type": "object",
+        "required": ["shape", "data"],
+        "properties": {
+            "shape": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+            "data": {"type": "string", "format": "byte"},
+        },
+        "description": description,
+    }
+
+
+def _array_type(dtype: str, ndim: int) -> Any:  # Any: a type form (Annotated[np.ndarray, ...])
+    """The pydantic field type of a ``dtype`` array of ``ndim`` (1 or 2) dimensions."""
     np_dtype = np.dtype(dtype)
     schema: dict[str, Any] = (
         {"type": "string", "format": "byte", "description": f"base64 of little-endian {np_dtype.name}"}
         if ndim == 1
-        else {
-            "type": "object",
-            "required": ["shape", "data"],
-            "properties": {
-                "shape": {"type": "array", "items": {"type": "integer", "minimum": 0}},
-                "data": {"type": "string", "format": "byte"},
-            },
-            "description": f"row-major {np_dtype.name} matrix, data as base64 little-endian",
-        }
+        else _matrix_schema(f"row-major {np_dtype.name} matrix, data as base64 little-endian")
     )
     return Annotated[
         np.ndarray,
@@ -170,11 +190,7 @@ def _expert_ids(value: Any) -> np.ndarray:
     else:
         wide = _coerce(value, np.dtype(np.uint16), 2)
         array = wide.astype(np.uint8) if not wide.size or int(wide.max()) < 256 else wide
-    if array.ndim != 2:
-        raise ValueError(f"expected a 2-D array, got shape {list(array.shape)}")
-    if array.size > MAX_ARRAY_ELEMENTS:
-        raise ValueError(f"{array.size} elements exceed the limit of {MAX_ARRAY_ELEMENTS}")
-    return array
+    return within_limits(array, 2)
 
 
 #: Expert ids ``[tokens, layers x top_k]`` as uint8 (at most 256 experts) or uint16.
@@ -183,14 +199,6 @@ ExpertIdMatrix = Annotated[
     BeforeValidator(_expert_ids),
     PlainSerializer(_serialize, when_used="json"),
     WithJsonSchema(
-        {
-            "type": "object",
-            "required": ["shape", "data"],
-            "properties": {
-                "shape": {"type": "array", "items": {"type": "integer", "minimum": 0}},
-                "data": {"type": "string", "format": "byte"},
-            },
-            "description": "row-major uint8 (1 byte per element) or little-endian uint16 (2 bytes) matrix",
-        }
+        _matrix_schema("row-major uint8 (1 byte per element) or little-endian uint16 (2 bytes) matrix")
     ),
 ]

@@ -30,7 +30,7 @@ from isoaudit.audit.metrics import (
 )
 from isoaudit.audit.policy_lag import token_lags
 from isoaudit.audit.records import Manifest, OffPolicy, RegionFingerprints, SampleLogprobs
-from isoaudit.audit.regions import region_order
+from isoaudit.audit.regions import parse_region_key, region_key, region_order
 from isoaudit.audit.routing import (
     RoutingComparison,
     compare_sample_routes,
@@ -46,7 +46,7 @@ Cell = tuple[str, int]
 
 def region_label(region: str, forward_index: int) -> str:
     """The grid's name for a region: ``layers.2.mlp``, or ``layers.2.mlp#1`` for its second call."""
-    return region if forward_index == 0 else f"{region}#{forward_index}"
+    return region_key(region, forward_index)
 
 
 @dataclass
@@ -487,6 +487,6 @@ def step_summary(
     diagnoses: dict[str, Any] = {"counts": dict(counts)}
     first = [c.first_divergence for c in comparisons if c.first_divergence is not None]
     if first:
-        region, position = min(first, key=lambda cell: (region_order(cell[0].split("#")[0]), cell[1]))
+        region, position = min(first, key=lambda cell: (region_order(parse_region_key(cell[0])[0]), cell[1]))
         diagnoses["first_divergence"] = {"region": region, "position": position}
     return {"n_samples": len(pairs), "metrics": _json_floats(metrics), "diagnoses": diagnoses}

@@ -26,6 +26,7 @@ from isoaudit.audit.metrics import (
     PARAMETRIC,
     RS_OPTIONS,
     STEP_METRICS,
+    TIS_FAMILY,
     parse_lag_key,
     parse_variant,
     variant_key,
@@ -71,6 +72,26 @@ def _a(
     return Alias(framework, name, key, note, tuple(also))
 
 
+def _tis_aliases(
+    framework: str,
+    pattern: str,
+    statistics: Iterable[str],
+    notes: str | Mapping[str, str] = "",
+    **params: float,
+) -> list[Alias]:
+    """``framework``'s names for members of the truncated-importance-weight family
+    (:data:`audit.metrics.TIS_FAMILY`, ``tis_<statistic>``): ``pattern`` with ``{}`` the statistic
+    (``rollout_is_{}``), ``notes`` one note for all or per statistic, ``params`` the framework's cap."""
+    out = []
+    for statistic in statistics:
+        figure = f"tis_{statistic}"
+        if figure not in TIS_FAMILY:
+            raise ValueError(f"{framework}: {figure} is not a member of the TIS family")
+        note = notes if isinstance(notes, str) else notes.get(statistic, "")
+        out.append(Alias(framework, pattern.format(statistic), variant_key(figure, dict(params)), note))
+    return out
+
+
 _VERL_STD = "verl uses torch.std (ddof=1); isoaudit's std is ddof=0 (a factor sqrt(n/(n-1)))"
 _VERL_RS = "verl requires rollout_rs_threshold (no default); isoaudit's default bounds are shown, set yours"
 
@@ -91,17 +112,16 @@ def _verl() -> list[Alias]:
         _a("verl", rc + "training_log_ppl", "training_log_ppl"),
         _a("verl", rc + "rollout_ppl", "rollout_ppl"),
         _a("verl", rc + "rollout_log_ppl", "rollout_log_ppl"),
-        _a("verl", rc + "rollout_is_mean", "tis_mean", "token level, rollout_is_threshold=2.0 (TIS)"),
-        _a("verl", rc + "rollout_is_std", "tis_std"),
-        _a("verl", rc + "rollout_is_min", "tis_min"),
-        _a("verl", rc + "rollout_is_max", "tis_max"),
+        *_tis_aliases(
+            "verl",
+            rc + "rollout_is_{}",
+            ("mean", "std", "min", "max"),
+            {"mean": "token level, rollout_is_threshold=2.0 (TIS)"},
+        ),
         _a("verl", rc + "rollout_is_eff_sample_size", "tis_ess_fraction", "verl adds 1e-8 to the mean"),
         _a("verl", rc + "rollout_is_ratio_fraction_high", "is_fraction_high"),
         _a("verl", rc + "rollout_is_ratio_fraction_low", "is_fraction_low", "lower defaults to 1/threshold"),
-        _a("verl", rc + "rollout_is_seq_mean", "tis_seq_mean"),
-        _a("verl", rc + "rollout_is_seq_max", "tis_seq_max"),
-        _a("verl", rc + "rollout_is_seq_min", "tis_seq_min"),
-        _a("verl", rc + "rollout_is_seq_max_deviation", "tis_seq_max_deviation"),
+        *_tis_aliases("verl", rc + "rollout_is_{}", ("seq_mean", "seq_max", "seq_min", "seq_max_deviation")),
         _a("verl", rc + "rollout_is_seq_fraction_high", "is_seq_fraction_high"),
         _a("verl", rc + "rollout_is_seq_fraction_low", "is_seq_fraction_low"),
         _a("verl", rc + "rollout_is_oob_ratio", "is_oob_fraction", "IcePop: threshold given as lower_upper"),
@@ -175,9 +195,7 @@ def _trl() -> list[Alias]:
     return [
         _a("trl", s + "sampling_logp_difference/mean", "logprob_abs_diff_mean"),
         _a("trl", s + "sampling_logp_difference/max", "logprob_abs_diff_max"),
-        _a("trl", s + "importance_sampling_ratio/min", "tis_min", _TRL_CAP, cap=3.0),
-        _a("trl", s + "importance_sampling_ratio/mean", "tis_mean", _TRL_CAP, cap=3.0),
-        _a("trl", s + "importance_sampling_ratio/max", "tis_max", _TRL_CAP, cap=3.0),
+        *_tis_aliases("trl", s + "importance_sampling_ratio/{}", ("min", "mean", "max"), _TRL_CAP, cap=3.0),
     ]
 
 

@@ -11,7 +11,7 @@ import re
 #: Sub-regions of one decoder layer, in forward order.
 LAYER_REGIONS: tuple[str, ...] = ("input_norm", "attn", "post_attn_norm", "mlp", "out")
 
-#: What an MoE layer adds inside its ``mlp`` (issue 19): the fp32 router logits (the experts each
+#: What an MoE layer adds inside its ``mlp``: the fp32 router logits (the experts each
 #: token chose travel on the sample records, ``SampleLogprobs.routes``), the chosen experts' outputs
 #: per token in slot order, and their weighted combine (before any shared expert is added).
 MOE_REGIONS: tuple[str, ...] = ("router", "experts", "combine")
@@ -21,6 +21,7 @@ MOE_REGIONS: tuple[str, ...] = ("router", "experts", "combine")
 _LAYER_ORDER: tuple[str, ...] = ("input_norm", "attn", "post_attn_norm", *MOE_REGIONS, "mlp", "out")
 
 _LAYER = re.compile(r"^layers\.(0|[1-9][0-9]*)\.([a-z_]+)$")
+_REGION_KEY = re.compile(r"^(?P<region>.*)#(?P<index>[0-9]+)$", re.DOTALL)
 _HEAD = {"embed": 0}
 _TAIL = {"final_norm": 2, "logits": 3}
 
@@ -64,3 +65,16 @@ def is_canonical(name: str, num_layers: int | None = None) -> bool:
     if key[3] or key[0] > 3:
         return False
     return num_layers is None or key[0] != 1 or key[1] < num_layers
+
+
+def region_key(region: str, forward_index: int) -> str:
+    """One call of a region as the comparator's grid names it: ``layers.2.mlp`` for its first call
+    (``forward_index`` 0), ``layers.2.mlp#1`` for its second. Region names hold no ``#``."""
+    return region if forward_index == 0 else f"{region}#{forward_index}"
+
+
+def parse_region_key(key: str) -> tuple[str, int]:
+    """Inverse of :func:`region_key`: ``(region, forward_index)``; a key without a ``#<n>`` suffix
+    is the region's first call."""
+    match = _REGION_KEY.match(key)
+    return (match["region"], int(match["index"])) if match else (key, 0)

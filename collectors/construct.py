@@ -1,8 +1,7 @@
-"""Records built fast for calls that always set the same fields.
+"""Records built fast for calls that always set the same fields (:func:`constructor`).
 
-A trainer step with every region fingerprinted builds about a thousand records; pydantic's
-``model_construct`` resolves every field's default for each of them. :func:`constructor` resolves
-them once per (model, field names) and checks its first record against ``model_construct``.
+Building is all this does: the records are checked at the store's boundary
+(:func:`audit.records.validate_record`), as every record is, however it was built.
 """
 
 from __future__ import annotations

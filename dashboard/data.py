@@ -19,7 +19,7 @@ from isoaudit.audit.alerts.history import AlertView
 from isoaudit.audit.alerts.rules import AlertRule
 from isoaudit.audit.compare import DIFFERS, EQUAL, NOT_OBSERVED
 from isoaudit.audit.records import StepStats
-from isoaudit.audit.regions import region_order
+from isoaudit.audit.regions import parse_region_key, region_order
 from isoaudit.audit.summaries import bin_label
 
 #: The step metrics the run page draws, in panels; ``log`` panels use a log axis.
@@ -39,7 +39,7 @@ DIAGNOSIS_ORDER = ("clean", "contract", "weights", "semantics", "inference_path"
 
 
 def _base_region(label: str) -> str:
-    return label.split("#")[0]
+    return parse_region_key(label)[0]
 
 
 def region_sort(labels: Sequence[str]) -> list[str]:

@@ -18,7 +18,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from isoaudit.audit import arrays
-from isoaudit.audit.records import RecordError, Routes, SampleLogprobs, _repeats, validate_record
+from isoaudit.audit.records import RecordError, Routes, SampleLogprobs, validate_record
+from isoaudit.audit.records.routes import _repeats
 
 N_TOKENS = 6
 

@@ -1,4 +1,4 @@
-"""Token metrics of the train–rollout mismatch (DESIGN.md, "Metrics").
+"""The token statistics of the train–rollout mismatch, per sample and per step (DESIGN.md, "Metrics").
 
 ``Δ = trainer − rollout`` per completion token. Every metric is defined once, in :func:`_derive`,
 from a handful of additive *sufficient statistics* (sums, maxima, counts). Per-sample values come
@@ -29,28 +29,20 @@ Conventions (documented here once, relied on by the comparator, the dashboard an
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields
-from typing import Any
 
 import numpy as np
 import pandas as pd
-
-#: Completion-length buckets for the sliced variants: ``[lo, hi)`` in completion tokens.
-LENGTH_BUCKET_EDGES: tuple[int, ...] = (0, 256, 512, 1024, 2048)
-
-#: verl's bound on |log ratio| before exponentiating importance weights.
-LOG_RATIO_BOUND = 20.0
-
-
-def _bucket_names(edges: tuple[int, ...] = LENGTH_BUCKET_EDGES) -> tuple[str, ...]:
-    his = [str(e) for e in edges[1:]] + ["inf"]
-    return tuple(f"len_{lo}_{hi}" for lo, hi in zip(edges, his, strict=True))
-
-
-#: Suffixes of the length-sliced step metrics, e.g. ``kl_k3/len_0_256``.
-LENGTH_BUCKETS: tuple[str, ...] = _bucket_names()
+from isoaudit.audit.metrics.families import LOG_RATIO_BOUND, PARAMETRIC, TokenView
+from isoaudit.audit.metrics.keys import (
+    LENGTH_BUCKETS,
+    length_bucket_bounds,
+    length_bucket_of,
+    length_key,
+    parse_variant,
+    variant_key,
+)
 
 _BASE_DESCRIPTIONS: dict[str, str] = {
     "n_tokens": "completion tokens compared",
@@ -131,16 +123,11 @@ STEP_METRICS: tuple[str, ...] = ("n_samples", *SAMPLE_METRICS, "diverged_sample_
 
 def _all_descriptions() -> dict[str, str]:
     out = {name: _BASE_DESCRIPTIONS.get(name) or _STEP_ONLY_DESCRIPTIONS[name] for name in STEP_METRICS}
-    for bucket, (lo, hi) in zip(LENGTH_BUCKETS, _bucket_bounds(), strict=True):
+    for bucket, (lo, hi) in zip(LENGTH_BUCKETS, length_bucket_bounds(), strict=True):
         span = f"[{lo}, {hi})" if hi is not None else f">= {lo}"
         for name in STEP_METRICS:
-            out[f"{name}/{bucket}"] = f"{out[name]}; samples with {span} completion tokens"
+            out[length_key(name, bucket)] = f"{out[name]}; samples with {span} completion tokens"
     return out
-
-
-def _bucket_bounds() -> list[tuple[int, int | None]]:
-    his: list[int | None] = [*LENGTH_BUCKET_EDGES[1:], None]
-    return list(zip(LENGTH_BUCKET_EDGES, his, strict=True))
 
 
 #: One line per metric name :func:`step_metrics` can return (sliced names included).
@@ -148,7 +135,7 @@ METRIC_DESCRIPTIONS: dict[str, str] = _all_descriptions()
 
 
 @dataclass
-class _Stats:
+class SufficientStats:
     """Additive sufficient statistics of a group of tokens (one entry per group)."""
 
     n_samples: np.ndarray
@@ -203,9 +190,11 @@ _MAX_FIELDS = {"max_dp", "max_absd", "max_rho", "max_seq_lpd"}
 _MIN_FIELDS = {"min_rho", "min_seq_lpd"}
 
 
-def _check_inputs(
+def check_inputs(
     trainer_lp: np.ndarray, rollout_lp: np.ndarray, offsets: np.ndarray
 ) -> tuple[np.ndarray, ...]:
+    """(trainer float32, rollout float32, int64 offsets) of a step's concatenated logprobs, or a
+    ValueError naming the argument at fault."""
     t = np.asarray(trainer_lp)
     r = np.asarray(rollout_lp)
     o = np.asarray(offsets)
@@ -227,13 +216,13 @@ def _check_inputs(
     return t.astype(np.float32, copy=False), r.astype(np.float32, copy=False), o
 
 
-def _per_sample_stats(
+def per_sample_stats(
     t32: np.ndarray,
     r32: np.ndarray,
     offsets: np.ndarray,
     clip_eps: float,
     entropies: tuple[np.ndarray | None, np.ndarray | None] = (None, None),
-) -> _Stats:
+) -> SufficientStats:
     """One pass of vectorised token arithmetic, then segment reductions per sample."""
     n = offsets.size - 1
     lengths = np.diff(offsets)
@@ -316,7 +305,7 @@ def _per_sample_stats(
 
     masked_max = (lambda x: x) if all_finite else (lambda x: np.where(finite, x, -np.inf))
     masked_min = (lambda x: x) if all_finite else (lambda x: np.where(finite, x, np.inf))
-    return _Stats(
+    return SufficientStats(
         n_samples=np.ones(n, dtype=np.int64),
         n_seq=has_seq.astype(np.int64),
         n_diverged=(n_mismatch > 0).astype(np.int64),
@@ -376,10 +365,10 @@ def _entropy_sums(
     return seg(np.add, np.where(known, entropy, 0.0), 0.0), seg(np.add, known, 0)
 
 
-def _combine(stats: _Stats, mask: np.ndarray | None = None) -> _Stats:
+def _combine(stats: SufficientStats, mask: np.ndarray | None = None) -> SufficientStats:
     """Pool per-sample statistics into one group (all samples, or those in ``mask``)."""
     out = {}
-    for f in fields(_Stats):
+    for f in fields(SufficientStats):
         v = getattr(stats, f.name)
         if mask is not None:
             v = v[mask]
@@ -392,10 +381,10 @@ def _combine(stats: _Stats, mask: np.ndarray | None = None) -> _Stats:
             out[f.name] = np.array([v.min() if v.size else np.inf])
         else:
             out[f.name] = np.array([v.sum()])
-    return _Stats(**out)
+    return SufficientStats(**out)
 
 
-def _derive(s: _Stats) -> dict[str, np.ndarray]:
+def _derive(s: SufficientStats) -> dict[str, np.ndarray]:
     """The one definition of every metric, from sufficient statistics (vectorised over groups)."""
     nan = np.nan
     nf = s.n_finite.astype(np.float64)
@@ -495,11 +484,6 @@ def _check_eps(clip_eps: float) -> float:
     return eps
 
 
-def length_bucket_of(n_tokens: np.ndarray) -> np.ndarray:
-    """Index into :data:`LENGTH_BUCKETS` of each completion length."""
-    return np.searchsorted(np.asarray(LENGTH_BUCKET_EDGES), np.asarray(n_tokens), side="right") - 1
-
-
 def sample_metrics(
     trainer_lp: np.ndarray,
     rollout_lp: np.ndarray,
@@ -514,8 +498,8 @@ def sample_metrics(
     sample ``i`` is ``[offsets[i], offsets[i+1])``. ``entropies`` are optional per-token
     entropies of each side from its recorded top-k (:func:`topk_entropy`; NaN where unknown).
     """
-    t, r, o = _check_inputs(trainer_lp, rollout_lp, offsets)
-    return _sample_frame(_per_sample_stats(t, r, o, _check_eps(clip_eps), _check_entropies(entropies, t)))
+    t, r, o = check_inputs(trainer_lp, rollout_lp, offsets)
+    return _sample_frame(per_sample_stats(t, r, o, _check_eps(clip_eps), _check_entropies(entropies, t)))
 
 
 def sample_and_step_metrics(
@@ -528,12 +512,12 @@ def sample_and_step_metrics(
     variants: Iterable[str] = (),
 ) -> tuple[pd.DataFrame, dict[str, float]]:
     """:func:`sample_metrics` and :func:`step_metrics` of the same step from one pass over the tokens."""
-    t, r, o = _check_inputs(trainer_lp, rollout_lp, offsets)
-    stats = _per_sample_stats(t, r, o, _check_eps(clip_eps), _check_entropies(entropies, t))
-    return _sample_frame(stats), {**_step_dict(stats), **_parametric_dict(_TokenView(t, r, o), variants)}
+    t, r, o = check_inputs(trainer_lp, rollout_lp, offsets)
+    stats = per_sample_stats(t, r, o, _check_eps(clip_eps), _check_entropies(entropies, t))
+    return _sample_frame(stats), {**pooled_figures(stats), **threshold_figures(TokenView(t, r, o), variants)}
 
 
-def _sample_frame(stats: _Stats) -> pd.DataFrame:
+def _sample_frame(stats: SufficientStats) -> pd.DataFrame:
     frame = pd.DataFrame(_derive(stats), columns=list(SAMPLE_METRICS))
     for name in ("n_tokens", "n_finite", "n_nonfinite", "bitwise_mismatch_count", "first_diverging_position"):
         frame[name] = frame[name].astype(np.int64)
@@ -555,9 +539,9 @@ def step_metrics(
     :data:`SAMPLE_AVERAGED`), each again per completion-length bucket as ``name/len_lo_hi`` (always
     all buckets; NaN when empty), then every :data:`PARAMETRIC` figure at its defaults and at each of
     ``variants`` (keys of :func:`variant_key`, e.g. ``tis_mean[cap=3]``)."""
-    t, r, o = _check_inputs(trainer_lp, rollout_lp, offsets)
-    stats = _per_sample_stats(t, r, o, _check_eps(clip_eps), _check_entropies(entropies, t))
-    return {**_step_dict(stats), **_parametric_dict(_TokenView(t, r, o), variants)}
+    t, r, o = check_inputs(trainer_lp, rollout_lp, offsets)
+    stats = per_sample_stats(t, r, o, _check_eps(clip_eps), _check_entropies(entropies, t))
+    return {**pooled_figures(stats), **threshold_figures(TokenView(t, r, o), variants)}
 
 
 def _check_entropies(
@@ -573,10 +557,15 @@ def _check_entropies(
     return out[0], out[1]
 
 
-def _step_dict(per_sample: _Stats) -> dict[str, float]:
+def pooled_figures(per_sample: SufficientStats) -> dict[str, float]:
+    """:data:`STEP_METRICS` over all samples, then over each length bucket (``kl_k3/len_0_256``)."""
     buckets = length_bucket_of(per_sample.n_tokens)
     out: dict[str, float] = {}
-    for suffix, mask in [("", None), *((f"/{b}", buckets == i) for i, b in enumerate(LENGTH_BUCKETS))]:
+    groups: list[tuple[str | None, np.ndarray | None]] = [
+        (None, None),
+        *((bucket, buckets == i) for i, bucket in enumerate(LENGTH_BUCKETS)),
+    ]
+    for bucket, mask in groups:
         pooled = _combine(per_sample, mask)
         derived = _derive(pooled)
         n_samples = float(pooled.n_samples[0])
@@ -588,7 +577,7 @@ def _step_dict(per_sample: _Stats) -> dict[str, float]:
             else float("nan"),
         }
         for name in STEP_METRICS:
-            out[name + suffix] = values[name]
+            out[name if bucket is None else length_key(name, bucket)] = values[name]
     return out
 
 
@@ -607,306 +596,11 @@ def topk_entropy(topk_logprobs: np.ndarray) -> np.ndarray:
     return terms.sum(axis=1) + 0.0
 
 
-# ------------------------------------------------------------------- threshold (parametric) figures
-
-ParamValue = float | str
+# ------------------------------------------------------------------------- threshold figures
 
 
-class _TokenView:
-    """The finite tokens of a step, with the sample each belongs to: what thresholds are applied to.
-    Token statistics shared by several figures are computed once (``cache``)."""
-
-    def __init__(self, t32: np.ndarray, r32: np.ndarray, offsets: np.ndarray) -> None:
-        t, r = t32.astype(np.float64), r32.astype(np.float64)
-        finite = np.isfinite(t) & np.isfinite(r)
-        self.sample = np.repeat(np.arange(offsets.size - 1), np.diff(offsets))[finite]
-        with np.errstate(invalid="ignore"):
-            #: Δ clamped to ±LOG_RATIO_BOUND (verl's SAFETY_BOUND) and ρ = exp(Δ)
-            self.d = np.clip((t - r)[finite], -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
-        self.rho = np.exp(self.d)
-        self.n_per_sample = np.bincount(self.sample, minlength=offsets.size - 1)
-        self.has = self.n_per_sample > 0
-        self._starts = (
-            np.flatnonzero(np.r_[True, self.sample[1:] != self.sample[:-1]]) if self.d.size else None
-        )
-        self.cache: dict[tuple[object, ...], Any] = {}
-
-    def memo(self, key: tuple[object, ...], make: Callable[[], np.ndarray]) -> np.ndarray:
-        if key not in self.cache:
-            self.cache[key] = make()
-        return self.cache[key]  # type: ignore[no-any-return]
-
-    def per_sample(self, values: np.ndarray, how: str = "sum") -> np.ndarray:
-        """Per-sample sum / mean / max of token values, for the samples that have tokens (in order)."""
-        if self._starts is None:
-            return np.zeros(0)
-        if how == "max":
-            return np.maximum.reduceat(values, self._starts)
-        out = np.add.reduceat(values.astype(np.float64), self._starts)
-        return out / self.n_per_sample[self.has] if how == "mean" else out
-
-    def token_mean(self, values: np.ndarray, aggregate: ParamValue = "token") -> float:
-        """Token-weighted mean, or (``aggregate="sample"``) the mean of per-sample means."""
-        if not self.d.size:
-            return float("nan")
-        if aggregate == "sample":
-            return float(self.per_sample(values, "mean").mean())
-        return float(values.mean())
-
-
-@dataclass(frozen=True)
-class Parametric:
-    """A figure that depends on bounds or thresholds: defaults and one definition."""
-
-    description: str
-    defaults: dict[str, ParamValue]
-    compute: Callable[..., float]
-
-
-def _nan_if_empty(f: Callable[..., float]) -> Callable[..., float]:
-    def wrapped(view: _TokenView, **params: ParamValue) -> float:
-        return f(view, **params) if view.d.size else float("nan")
-
-    return wrapped
-
-
-def _tis(view: _TokenView, cap: float) -> np.ndarray:
-    return view.memo(("tis", cap), lambda: np.minimum(view.rho, cap))
-
-
-def _tis_ess(view: _TokenView, cap: float) -> float:
-    w = _tis(view, cap)
-    return float(w.sum() ** 2 / (w.size * (w * w).sum())) if (w * w).sum() > 0 else float("nan")
-
-
-def _oob(view: _TokenView, lower: float, upper: float) -> np.ndarray:
-    return ((view.rho < lower) | (view.rho > upper)).astype(np.float64)
-
-
-def _geo_oob(view: _TokenView, lower: float, upper: float) -> float:
-    geo = np.exp(view.per_sample(view.d, "mean"))
-    return float(((geo < lower) | (geo > upper)).mean())
-
-
-#: verl's rejection-sampling options (rollout_corr rollout_rs): per-token divergence k1 = -Δ,
-#: k2 = Δ²/2, k3 = e^Δ - 1 - Δ, at token level or as a per-sequence sum, mean or max.
-RS_OPTIONS: tuple[str, ...] = (
-    "token_k1",
-    "token_k2",
-    "token_k3",
-    "seq_sum_k1",
-    "seq_sum_k2",
-    "seq_sum_k3",
-    "seq_mean_k1",
-    "seq_mean_k2",
-    "seq_mean_k3",
-    "seq_max_k2",
-    "seq_max_k3",
-)
-
-
-def _rs_keep(view: _TokenView, option: str, lower: float, upper: float) -> tuple[np.ndarray, np.ndarray]:
-    """(kept per token, kept per sample) under one rejection option; k1 bounds are ratio bounds
-    compared in log space, k2/k3 an upper bound on the divergence. Shared by its two fractions."""
-    key = ("rs_keep", option, lower, upper)
-    if key not in view.cache:
-        view.cache[key] = _rs_keep_compute(view, option, lower, upper)
-    return view.cache[key]
-
-
-def _rs_keep_compute(
-    view: _TokenView, option: str, lower: float, upper: float
-) -> tuple[np.ndarray, np.ndarray]:
-    d = view.d
-    kind = option[-2:]
-    make = {"k1": lambda: -d, "k2": lambda: 0.5 * d * d, "k3": lambda: np.expm1(d) - d}[kind]
-    stat = view.memo(("rs", kind), make)
-
-    def ok(x: np.ndarray) -> np.ndarray:
-        return (x >= np.log(lower)) & (x <= np.log(upper)) if kind == "k1" else x <= upper
-
-    if option.startswith("token_"):
-        token_ok = ok(stat)
-        return token_ok, view.per_sample((~token_ok).astype(np.float64)) == 0
-    sample_ok = ok(view.per_sample(stat, option.split("_")[1]))  # sum | mean | max
-    return np.repeat(sample_ok, view.n_per_sample[view.has]), sample_ok
-
-
-def _rs_figures() -> dict[str, Parametric]:
-    out = {}
-    for option in RS_OPTIONS:
-        bounds: dict[str, ParamValue] = (
-            {"lower": 0.5, "upper": 2.0}
-            if option.endswith("k1")
-            else {"upper": 0.01 if "sum" not in option else 1.0}
-        )
-        what = (
-            "ratio bounds [lower, upper] on exp(-k1)"
-            if option.endswith("k1")
-            else "upper bound on the divergence"
-        )
-
-        def masked(view: _TokenView, option: str = option, **p: ParamValue) -> float:
-            token_ok, _ = _rs_keep(view, option, float(p.get("lower", 0.0)), float(p["upper"]))
-            return float(1.0 - token_ok.mean())
-
-        def seq_masked(view: _TokenView, option: str = option, **p: ParamValue) -> float:
-            _, sample_ok = _rs_keep(view, option, float(p.get("lower", 0.0)), float(p["upper"]))
-            return float(1.0 - sample_ok.mean())
-
-        out[f"rs_{option}_masked_fraction"] = Parametric(
-            f"fraction of tokens rejected by rejection sampling {option} ({what})",
-            bounds,
-            _nan_if_empty(masked),
-        )
-        out[f"rs_{option}_seq_masked_fraction"] = Parametric(
-            f"fraction of samples with a token rejected by rejection sampling {option} ({what})",
-            bounds,
-            _nan_if_empty(seq_masked),
-        )
-    return out
-
-
-#: Every threshold figure, with its defaults (verl's unless named). ``aggregate`` is ``token``
-#: (pool tokens) or ``sample`` (mean of per-sample means, slime's default reduction).
-PARAMETRIC: dict[str, Parametric] = {
-    "tis_mean": Parametric(
-        "mean truncated importance weight min(ρ, cap)",
-        {"cap": 2.0},
-        _nan_if_empty(lambda v, cap: float(_tis(v, float(cap)).mean())),
-    ),
-    "tis_std": Parametric(
-        "std (ddof=0) of the truncated importance weights min(ρ, cap)",
-        {"cap": 2.0},
-        _nan_if_empty(lambda v, cap: float(_tis(v, float(cap)).std())),
-    ),
-    "tis_min": Parametric(
-        "min truncated importance weight min(ρ, cap)",
-        {"cap": 2.0},
-        _nan_if_empty(lambda v, cap: float(_tis(v, float(cap)).min())),
-    ),
-    "tis_max": Parametric(
-        "max truncated importance weight min(ρ, cap)",
-        {"cap": 2.0},
-        _nan_if_empty(lambda v, cap: float(_tis(v, float(cap)).max())),
-    ),
-    "tis_ess_fraction": Parametric(
-        "Kish effective sample size of the truncated weights over the token count, (Σw)²/(nΣw²)",
-        {"cap": 2.0},
-        _nan_if_empty(lambda v, cap: _tis_ess(v, float(cap))),
-    ),
-    "tis_seq_mean": Parametric(
-        "mean over samples of each sample's mean truncated weight",
-        {"cap": 2.0},
-        _nan_if_empty(lambda v, cap: float(v.per_sample(_tis(v, float(cap)), "mean").mean())),
-    ),
-    "tis_seq_max": Parametric(
-        "max over samples of each sample's mean truncated weight",
-        {"cap": 2.0},
-        _nan_if_empty(lambda v, cap: float(v.per_sample(_tis(v, float(cap)), "mean").max())),
-    ),
-    "tis_seq_min": Parametric(
-        "min over samples of each sample's mean truncated weight",
-        {"cap": 2.0},
-        _nan_if_empty(lambda v, cap: float(v.per_sample(_tis(v, float(cap)), "mean").min())),
-    ),
-    "tis_seq_max_deviation": Parametric(
-        "max over samples of |mean truncated weight - 1|",
-        {"cap": 2.0},
-        _nan_if_empty(lambda v, cap: float(np.abs(v.per_sample(_tis(v, float(cap)), "mean") - 1.0).max())),
-    ),
-    "is_fraction_high": Parametric(
-        "fraction of tokens with importance weight ρ > upper",
-        {"upper": 2.0, "aggregate": "token"},
-        _nan_if_empty(
-            lambda v, upper, aggregate: v.token_mean((v.rho > float(upper)).astype(float), aggregate)
-        ),
-    ),
-    "is_fraction_low": Parametric(
-        "fraction of tokens with importance weight ρ < lower",
-        {"lower": 0.5, "aggregate": "token"},
-        _nan_if_empty(
-            lambda v, lower, aggregate: v.token_mean((v.rho < float(lower)).astype(float), aggregate)
-        ),
-    ),
-    "is_seq_fraction_high": Parametric(
-        "fraction of samples whose mean importance weight is > upper",
-        {"upper": 2.0},
-        _nan_if_empty(lambda v, upper: float((v.per_sample(v.rho, "mean") > float(upper)).mean())),
-    ),
-    "is_seq_fraction_low": Parametric(
-        "fraction of samples whose mean importance weight is < lower",
-        {"lower": 0.5},
-        _nan_if_empty(lambda v, lower: float((v.per_sample(v.rho, "mean") < float(lower)).mean())),
-    ),
-    "is_oob_fraction": Parametric(
-        "fraction of tokens with ρ outside [lower, upper] (what IcePop masks and TIS clamps)",
-        {"lower": 0.5, "upper": 5.0, "aggregate": "token"},
-        _nan_if_empty(
-            lambda v, lower, upper, aggregate: v.token_mean(_oob(v, float(lower), float(upper)), aggregate)
-        ),
-    ),
-    "geo_oob_seq_fraction": Parametric(
-        "fraction of samples whose geometric-mean weight exp(mean Δ) is outside [lower, upper]",
-        {"lower": 0.5, "upper": 5.0},
-        _nan_if_empty(lambda v, lower, upper: _geo_oob(v, float(lower), float(upper))),
-    ),
-    **_rs_figures(),
-}
-
-
-def _format(value: ParamValue) -> str:
-    return value if isinstance(value, str) else f"{float(value):g}"
-
-
-def variant_key(name: str, params: dict[str, ParamValue] | None = None) -> str:
-    """The stored key of a threshold figure at ``params``: the bare name at its defaults, else
-    ``name[k=v,...]`` listing the parameters that differ, in definition order."""
-    figure = PARAMETRIC.get(name)
-    if figure is None:
-        raise ValueError(f"metric: {name!r} is not a threshold figure (known: {', '.join(PARAMETRIC)})")
-    params = dict(params or {})
-    unknown = set(params) - set(figure.defaults)
-    if unknown:
-        raise ValueError(
-            f"{name}: unknown parameter {sorted(unknown)[0]!r} (has {', '.join(figure.defaults)})"
-        )
-    changed = [
-        f"{k}={_format(params[k])}"
-        for k, default in figure.defaults.items()
-        if k in params and _format(params[k]) != _format(default)
-    ]
-    return f"{name}[{','.join(changed)}]" if changed else name
-
-
-_VARIANT = re.compile(r"^(?P<name>[a-z0-9_]+)\[(?P<params>[^\]]*)\]$")
-
-
-def parse_variant(key: str) -> tuple[str, dict[str, ParamValue]]:
-    """Inverse of :func:`variant_key`: (figure name, full parameters). Raises ValueError naming the part."""
-    match = _VARIANT.match(key)
-    name, body = (match["name"], match["params"]) if match else (key, "")
-    figure = PARAMETRIC.get(name)
-    if figure is None:
-        raise ValueError(f"metric: {key!r} is not a threshold figure")
-    params: dict[str, ParamValue] = dict(figure.defaults)
-    for part in filter(None, body.split(",")):
-        k, sep, v = part.partition("=")
-        if not sep or k not in figure.defaults:
-            raise ValueError(f"{name}: bad parameter {part!r} (has {', '.join(figure.defaults)})")
-        if isinstance(figure.defaults[k], str):
-            params[k] = v
-        else:
-            try:
-                params[k] = float(v)
-            except ValueError:
-                raise ValueError(f"{name}: parameter {k} must be a number, got {v!r}") from None
-    if params.get("aggregate", "token") not in ("token", "sample"):
-        raise ValueError(f"{name}: aggregate must be token or sample, got {params['aggregate']!r}")
-    return name, params
-
-
-def _parametric_dict(view: _TokenView, variants: Iterable[str]) -> dict[str, float]:
+def threshold_figures(view: TokenView, variants: Iterable[str]) -> dict[str, float]:
+    """Every :data:`PARAMETRIC` figure at its defaults, then at each of ``variants`` (variant keys)."""
     keys = dict.fromkeys([*PARAMETRIC, *variants])
     out = {}
     for key in keys:
@@ -914,67 +608,3 @@ def _parametric_dict(view: _TokenView, variants: Iterable[str]) -> dict[str, flo
         with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
             out[variant_key(name, params)] = float(PARAMETRIC[name].compute(view, **params)) + 0.0
     return out
-
-
-# ------------------------------------------------------------------------------ lag slices
-
-#: Step metrics repeated per policy lag (``kl_k3/lag_1``): the figures asynchronous RL is judged by.
-LAG_SLICED: tuple[str, ...] = (
-    "n_tokens",
-    "n_samples",
-    "kl_k1",
-    "kl_k3",
-    "logprob_abs_diff_mean",
-    "logprob_abs_diff_max",
-    "is_mean",
-    "token_mult_prob_error",
-    "exact_match_fraction",
-)
-
-_LAG_KEY = re.compile(r"^(?P<name>[a-z0-9_]+)/lag_(?P<lag>-?[0-9]+)$")
-
-
-def lag_key(name: str, lag: int) -> str:
-    return f"{name}/lag_{lag}"
-
-
-def parse_lag_key(key: str) -> tuple[str, int] | None:
-    """(metric, lag) of a lag-sliced key, or None when ``key`` is not one."""
-    match = _LAG_KEY.match(key)
-    if match is None or match["name"] not in LAG_SLICED:
-        return None
-    return match["name"], int(match["lag"])
-
-
-def lag_metrics(
-    trainer_lp: np.ndarray, rollout_lp: np.ndarray, offsets: np.ndarray, token_lag: np.ndarray
-) -> dict[str, float]:
-    """Policy lag per step (``policy_lag_{mean,max,min}`` over tokens whose lag is known, and
-    ``off_policy_token_fraction`` of them with lag > 0), then :data:`LAG_SLICED` per lag as
-    ``name/lag_L``: a sample counts toward each lag its tokens have. ``token_lag`` is int64 per token
-    (the trainer's weight version minus the version that sampled it); -2**62 marks unknown."""
-    t, r, o = _check_inputs(trainer_lp, rollout_lp, offsets)
-    lag = np.asarray(token_lag, dtype=np.int64)
-    if lag.shape != t.shape:
-        raise ValueError(f"token_lag: {lag.size} values for {t.size} tokens")
-    known = lag != UNKNOWN_LAG
-    out: dict[str, float] = {}
-    if not known.any():
-        return out
-    out["policy_lag_mean"] = float(lag[known].mean())
-    out["policy_lag_max"] = float(lag[known].max())
-    out["policy_lag_min"] = float(lag[known].min())
-    out["off_policy_token_fraction"] = float((lag[known] > 0).mean())
-    sample_of = np.repeat(np.arange(o.size - 1), np.diff(o))
-    for value in np.unique(lag[known]):
-        pick = lag == value
-        counts = np.bincount(sample_of[pick], minlength=o.size - 1)
-        counts = counts[counts > 0]
-        sliced = _step_dict(_per_sample_stats(t[pick], r[pick], np.r_[0, np.cumsum(counts)], 0.2))
-        for name in LAG_SLICED:
-            out[lag_key(name, int(value))] = sliced[name]
-    return out
-
-
-#: The marker of a token whose policy lag is unknown (versions that are not integers, or absent).
-UNKNOWN_LAG = -(2**62)

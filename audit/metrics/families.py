@@ -1,0 +1,262 @@
+"""Threshold figures: importance-weight and rejection statistics that depend on bounds or caps.
+
+Each is a :class:`Parametric`: one definition, its default parameters, and a compute function over a
+step's finite tokens (:class:`TokenView`). Families that differ only in the statistic taken are
+generated from one table (:data:`TIS_FAMILY`, :data:`RS_OPTIONS`), so a family's members cannot
+drift apart. A figure at non-default parameters is stored under a variant key
+(``tis_mean[cap=3]``, :mod:`audit.metrics.keys`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+#: verl's bound on |log ratio| before exponentiating importance weights.
+LOG_RATIO_BOUND = 20.0
+
+ParamValue = float | str
+
+
+class TokenView:
+    """The finite tokens of a step, with the sample each belongs to: what thresholds are applied to.
+    Token statistics shared by several figures are computed once (``cache``)."""
+
+    def __init__(self, t32: np.ndarray, r32: np.ndarray, offsets: np.ndarray) -> None:
+        t, r = t32.astype(np.float64), r32.astype(np.float64)
+        finite = np.isfinite(t) & np.isfinite(r)
+        self.sample = np.repeat(np.arange(offsets.size - 1), np.diff(offsets))[finite]
+        with np.errstate(invalid="ignore"):
+            #: Δ clamped to ±LOG_RATIO_BOUND (verl's SAFETY_BOUND) and ρ = exp(Δ)
+            self.d = np.clip((t - r)[finite], -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+        self.rho = np.exp(self.d)
+        self.n_per_sample = np.bincount(self.sample, minlength=offsets.size - 1)
+        self.has = self.n_per_sample > 0
+        self._starts = (
+            np.flatnonzero(np.r_[True, self.sample[1:] != self.sample[:-1]]) if self.d.size else None
+        )
+        self.cache: dict[tuple[object, ...], Any] = {}
+
+    def memo(self, key: tuple[object, ...], make: Callable[[], np.ndarray]) -> np.ndarray:
+        """``make()``, computed once per ``key`` for this step."""
+        if key not in self.cache:
+            self.cache[key] = make()
+        return self.cache[key]
+
+    def per_sample(self, values: np.ndarray, how: str = "sum") -> np.ndarray:
+        """Per-sample sum / mean / max of token values, for the samples that have tokens (in order)."""
+        if self._starts is None:
+            return np.zeros(0)
+        if how == "max":
+            return np.maximum.reduceat(values, self._starts)
+        out = np.add.reduceat(values.astype(np.float64), self._starts)
+        return out / self.n_per_sample[self.has] if how == "mean" else out
+
+    def token_mean(self, values: np.ndarray, aggregate: ParamValue = "token") -> float:
+        """Token-weighted mean, or (``aggregate="sample"``) the mean of per-sample means."""
+        if not self.d.size:
+            return float("nan")
+        if aggregate == "sample":
+            return float(self.per_sample(values, "mean").mean())
+        return float(values.mean())
+
+
+@dataclass(frozen=True)
+class Parametric:
+    """A figure that depends on bounds or thresholds: defaults and one definition."""
+
+    description: str
+    defaults: dict[str, ParamValue]
+    compute: Callable[..., float]
+
+
+def _nan_if_empty(f: Callable[..., float]) -> Callable[..., float]:
+    def wrapped(view: TokenView, **params: ParamValue) -> float:
+        return f(view, **params) if view.d.size else float("nan")
+
+    return wrapped
+
+
+def _tis(view: TokenView, cap: float) -> np.ndarray:
+    return view.memo(("tis", cap), lambda: np.minimum(view.rho, cap))
+
+
+def _oob(view: TokenView, lower: float, upper: float) -> np.ndarray:
+    return ((view.rho < lower) | (view.rho > upper)).astype(np.float64)
+
+
+def _geo_oob(view: TokenView, lower: float, upper: float) -> float:
+    geo = np.exp(view.per_sample(view.d, "mean"))
+    return float(((geo < lower) | (geo > upper)).mean())
+
+
+def _kish_fraction(w: np.ndarray) -> float:
+    """Kish effective sample size of weights ``w`` over their count, (Σw)²/(nΣw²)."""
+    return float(w.sum() ** 2 / (w.size * (w * w).sum())) if (w * w).sum() > 0 else float("nan")
+
+
+#: The truncated-importance-weight family: each figure is one statistic of the weights
+#: ``w = min(ρ, cap)`` (per token, or per sample as each sample's mean weight), at verl's cap 2.
+TIS_FAMILY: dict[str, tuple[str, Callable[[TokenView, np.ndarray], float]]] = {
+    "tis_mean": ("mean truncated importance weight min(ρ, cap)", lambda v, w: float(w.mean())),
+    "tis_std": ("std (ddof=0) of the truncated importance weights min(ρ, cap)", lambda v, w: float(w.std())),
+    "tis_min": ("min truncated importance weight min(ρ, cap)", lambda v, w: float(w.min())),
+    "tis_max": ("max truncated importance weight min(ρ, cap)", lambda v, w: float(w.max())),
+    "tis_ess_fraction": (
+        "Kish effective sample size of the truncated weights over the token count, (Σw)²/(nΣw²)",
+        lambda v, w: _kish_fraction(w),
+    ),
+    "tis_seq_mean": (
+        "mean over samples of each sample's mean truncated weight",
+        lambda v, w: float(v.per_sample(w, "mean").mean()),
+    ),
+    "tis_seq_max": (
+        "max over samples of each sample's mean truncated weight",
+        lambda v, w: float(v.per_sample(w, "mean").max()),
+    ),
+    "tis_seq_min": (
+        "min over samples of each sample's mean truncated weight",
+        lambda v, w: float(v.per_sample(w, "mean").min()),
+    ),
+    "tis_seq_max_deviation": (
+        "max over samples of |mean truncated weight - 1|",
+        lambda v, w: float(np.abs(v.per_sample(w, "mean") - 1.0).max()),
+    ),
+}
+
+
+def _tis_figures() -> dict[str, Parametric]:
+    """:data:`TIS_FAMILY` as threshold figures of one parameter, ``cap``."""
+
+    def figure(description: str, statistic: Callable[[TokenView, np.ndarray], float]) -> Parametric:
+        return Parametric(
+            description, {"cap": 2.0}, _nan_if_empty(lambda v, cap: statistic(v, _tis(v, float(cap))))
+        )
+
+    return {name: figure(description, statistic) for name, (description, statistic) in TIS_FAMILY.items()}
+
+
+#: verl's rejection-sampling options (rollout_corr rollout_rs): per-token divergence k1 = -Δ,
+#: k2 = Δ²/2, k3 = e^Δ - 1 - Δ, at token level or as a per-sequence sum, mean or max.
+RS_OPTIONS: tuple[str, ...] = (
+    "token_k1",
+    "token_k2",
+    "token_k3",
+    "seq_sum_k1",
+    "seq_sum_k2",
+    "seq_sum_k3",
+    "seq_mean_k1",
+    "seq_mean_k2",
+    "seq_mean_k3",
+    "seq_max_k2",
+    "seq_max_k3",
+)
+
+
+def _rs_keep(view: TokenView, option: str, lower: float, upper: float) -> tuple[np.ndarray, np.ndarray]:
+    """(kept per token, kept per sample) under one rejection option; k1 bounds are ratio bounds
+    compared in log space, k2/k3 an upper bound on the divergence. Shared by its two fractions."""
+    key = ("rs_keep", option, lower, upper)
+    if key not in view.cache:
+        view.cache[key] = _rs_keep_compute(view, option, lower, upper)
+    return view.cache[key]
+
+
+def _rs_keep_compute(
+    view: TokenView, option: str, lower: float, upper: float
+) -> tuple[np.ndarray, np.ndarray]:
+    d = view.d
+    kind = option[-2:]
+    make = {"k1": lambda: -d, "k2": lambda: 0.5 * d * d, "k3": lambda: np.expm1(d) - d}[kind]
+    stat = view.memo(("rs", kind), make)
+
+    def ok(x: np.ndarray) -> np.ndarray:
+        return (x >= np.log(lower)) & (x <= np.log(upper)) if kind == "k1" else x <= upper
+
+    if option.startswith("token_"):
+        token_ok = ok(stat)
+        return token_ok, view.per_sample((~token_ok).astype(np.float64)) == 0
+    sample_ok = ok(view.per_sample(stat, option.split("_")[1]))  # sum | mean | max
+    return np.repeat(sample_ok, view.n_per_sample[view.has]), sample_ok
+
+
+def _rs_figures() -> dict[str, Parametric]:
+    out = {}
+    for option in RS_OPTIONS:
+        bounds: dict[str, ParamValue] = (
+            {"lower": 0.5, "upper": 2.0}
+            if option.endswith("k1")
+            else {"upper": 0.01 if "sum" not in option else 1.0}
+        )
+        what = (
+            "ratio bounds [lower, upper] on exp(-k1)"
+            if option.endswith("k1")
+            else "upper bound on the divergence"
+        )
+
+        def masked(view: TokenView, option: str = option, **p: ParamValue) -> float:
+            token_ok, _ = _rs_keep(view, option, float(p.get("lower", 0.0)), float(p["upper"]))
+            return float(1.0 - token_ok.mean())
+
+        def seq_masked(view: TokenView, option: str = option, **p: ParamValue) -> float:
+            _, sample_ok = _rs_keep(view, option, float(p.get("lower", 0.0)), float(p["upper"]))
+            return float(1.0 - sample_ok.mean())
+
+        out[f"rs_{option}_masked_fraction"] = Parametric(
+            f"fraction of tokens rejected by rejection sampling {option} ({what})",
+            bounds,
+            _nan_if_empty(masked),
+        )
+        out[f"rs_{option}_seq_masked_fraction"] = Parametric(
+            f"fraction of samples with a token rejected by rejection sampling {option} ({what})",
+            bounds,
+            _nan_if_empty(seq_masked),
+        )
+    return out
+
+
+#: Every threshold figure, with its defaults (verl's unless named). ``aggregate`` is ``token``
+#: (pool tokens) or ``sample`` (mean of per-sample means, slime's default reduction).
+PARAMETRIC: dict[str, Parametric] = {
+    **_tis_figures(),
+    "is_fraction_high": Parametric(
+        "fraction of tokens with importance weight ρ > upper",
+        {"upper": 2.0, "aggregate": "token"},
+        _nan_if_empty(
+            lambda v, upper, aggregate: v.token_mean((v.rho > float(upper)).astype(float), aggregate)
+        ),
+    ),
+    "is_fraction_low": Parametric(
+        "fraction of tokens with importance weight ρ < lower",
+        {"lower": 0.5, "aggregate": "token"},
+        _nan_if_empty(
+            lambda v, lower, aggregate: v.token_mean((v.rho < float(lower)).astype(float), aggregate)
+        ),
+    ),
+    "is_seq_fraction_high": Parametric(
+        "fraction of samples whose mean importance weight is > upper",
+        {"upper": 2.0},
+        _nan_if_empty(lambda v, upper: float((v.per_sample(v.rho, "mean") > float(upper)).mean())),
+    ),
+    "is_seq_fraction_low": Parametric(
+        "fraction of samples whose mean importance weight is < lower",
+        {"lower": 0.5},
+        _nan_if_empty(lambda v, lower: float((v.per_sample(v.rho, "mean") < float(lower)).mean())),
+    ),
+    "is_oob_fraction": Parametric(
+        "fraction of tokens with ρ outside [lower, upper] (what IcePop masks and TIS clamps)",
+        {"lower": 0.5, "upper": 5.0, "aggregate": "token"},
+        _nan_if_empty(
+            lambda v, lower, upper, aggregate: v.token_mean(_oob(v, float(lower), float(upper)), aggregate)
+        ),
+    ),
+    "geo_oob_seq_fraction": Parametric(
+        "fraction of samples whose geometric-mean weight exp(mean Δ) is outside [lower, upper]",
+        {"lower": 0.5, "upper": 5.0},
+        _nan_if_empty(lambda v, lower, upper: _geo_oob(v, float(lower), float(upper))),
+    ),
+    **_rs_figures(),
+}
