@@ -288,7 +288,7 @@ def select_alerts(
             firing_notified=a.firing_notified,
             resolved_notified=a.resolved_notified,
         )
-        for a, rule, run_project in session.execute(query).tuples()
+        for a, rule, run_project in session.execute(query)
     ]
 
 
@@ -330,7 +330,7 @@ class AlertRepository:
             .limit(limit)
         )
         with self.sessions() as session:
-            return {step: metrics for step, metrics in session.execute(query).tuples()}
+            return {step: metrics for step, metrics in session.execute(query)}
 
     def advance(
         self,

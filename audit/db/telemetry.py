@@ -64,7 +64,7 @@ class TelemetryReads:
             return Telemetry(
                 latest_steps=[
                     LatestStep(run_id, run_project, step, dict(metrics or {}))
-                    for run_id, run_project, step, metrics in session.execute(steps).tuples()
+                    for run_id, run_project, step, metrics in session.execute(steps)
                 ],
                 open_alerts=select_alerts(session, project=project, states=OPEN_STATES, limit=None),
                 pending_comparisons=int(session.scalar(queue) or 0),
