@@ -26,7 +26,7 @@ from isoaudit.audit.service_models import (
     SilenceRow,
 )
 from pydantic import Field
-from sqlalchemy import Select, delete, func, or_, select, true, update
+from sqlalchemy import delete, func, or_, select, true, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -236,16 +236,6 @@ class QueuedNotice(OutboxEntry):
     attempts_log: list[dict[str, Any]]
 
 
-def _alert_query() -> Select[tuple[AlertRow, str, str]]:
-    """Alerts with their rule's name and their run's project, newest first."""
-    return (
-        select(AlertRow, AlertRuleRow.name, RunRow.project)
-        .join(AlertRuleRow, AlertRuleRow.id == AlertRow.rule_id)
-        .join(RunRow, RunRow.run_id == AlertRow.run_id)
-        .order_by(AlertRow.id.desc())
-    )
-
-
 def select_alerts(
     session: Session,
     *,
@@ -257,7 +247,12 @@ def select_alerts(
 ) -> list[Alert]:
     """Alerts newest first, filtered by project (of the run), run, states or id, read in ``session``
     (for readers of this data layer that read alerts beside other rows in one session)."""
-    query = _alert_query()
+    query = (
+        select(AlertRow, AlertRuleRow.name, RunRow.project)
+        .join(AlertRuleRow, AlertRuleRow.id == AlertRow.rule_id)
+        .join(RunRow, RunRow.run_id == AlertRow.run_id)
+        .order_by(AlertRow.id.desc())
+    )
     if project is not None:
         query = query.where(RunRow.project == project)
     if run_id is not None:
