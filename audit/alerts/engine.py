@@ -36,6 +36,8 @@ DEFAULT_STEP_PATH = "/runs/{run_id}?step={step}"
 
 @dataclass(frozen=True)
 class Transition:
+    """A state change of one rule's alert on one run, as :meth:`AlertEngine.evaluate` made it."""
+
     rule: str
     run_id: str
     alert_id: int

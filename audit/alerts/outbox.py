@@ -71,7 +71,6 @@ class Outbox:
         poll_s: float = 0.5,
         now: Callable[[], datetime] = utcnow,
     ) -> None:
-        self.store = store
         self.queue = OutboxRepository(store.sessions)
         self.channels = list(channels)
         self.worker = worker or f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"

@@ -64,7 +64,6 @@ class StoreCollector(Collector):
     adds each framework's names for the same figures."""
 
     def __init__(self, store: Store, project: str | None = None, frameworks: tuple[str, ...] = ()) -> None:
-        self.store = store
         self.reads = TelemetryReads(store.sessions)
         self.project = project
         self.aliases: list[Alias] = [a for f in frameworks for a in framework_aliases(f)]
