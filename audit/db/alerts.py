@@ -172,7 +172,7 @@ class Alert:
     project: Annotated[str, Field(exclude=True)]
     state: AlertState
     severity: str
-    labels: dict[str, Any]
+    labels: dict[str, str]
     value: float | None
     started_step: int
     fired_step: int | None
