@@ -70,19 +70,20 @@ def test_alerts_auth_and_metrics_import_no_sqlalchemy_nor_orm_tables():
 
 
 @pytest.mark.parametrize(
-    "source",
+    ("source", "named"),
     [
-        "import sqlalchemy",
-        "from sqlalchemy.orm import Session",
-        "from sqlalchemy import select",
-        "import sqlalchemy.exc as exc",
-        "from isoaudit.audit.service_models import AlertRow",
-        "from isoaudit.audit import service_models",
+        ("import sqlalchemy", "sqlalchemy"),
+        ("from sqlalchemy.orm import Session", "sqlalchemy.orm"),
+        ("from sqlalchemy import select", "sqlalchemy"),
+        ("import sqlalchemy.exc as exc", "sqlalchemy.exc"),
+        ("from isoaudit.audit.service_models import AlertRow", "isoaudit.audit.service_models"),
+        ("from isoaudit.audit import service_models", "isoaudit.audit.service_models"),
     ],
 )
-def test_the_boundary_check_names_the_file_of_a_database_import(source: str):
-    assert database_imports(f"x = 1\n{source}\n", "audit/alerts/planted.py") == [
-        f"audit/alerts/planted.py:2 imports {database_imports(source, 'f')[0].split(' imports ')[1]}"
+def test_the_boundary_check_names_the_file_of_a_database_import(source: str, named: str):
+    planted = f"import logging\nfrom isoaudit.audit.db.alerts import Alert\n{source}\n"
+    assert database_imports(planted, "audit/alerts/planted.py") == [
+        f"audit/alerts/planted.py:3 imports {named}"
     ]
 
 
@@ -104,8 +105,9 @@ def test_the_data_layer_hands_back_typed_frozen_rows(store: Store):
     ]
     assert len(rows) == 5
     for row in rows:
-        assert dataclasses.is_dataclass(row) and type(row).__dataclass_params__.frozen, type(row)  # type: ignore[attr-defined]  # dataclass machinery
-        assert not hasattr(row, "_sa_instance_state"), type(row)
+        assert dataclasses.is_dataclass(row) and not hasattr(row, "_sa_instance_state"), type(row)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(row, dataclasses.fields(row)[0].name, None)
     assert alert.started_at.tzinfo is not None  # every timestamp comes back in UTC, SQLite's too
 
 
