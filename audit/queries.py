@@ -511,7 +511,7 @@ class SilenceView:
         return cls(
             row.id,
             row.project,
-            row.rule_name,
+            row.rule,
             row.run_id,
             dict(row.labels),
             aware(row.starts_at) or row.starts_at,

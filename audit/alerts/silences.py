@@ -53,7 +53,7 @@ def create_silence(
     starts, ends = spec.window(now or utcnow())
     return SilenceRepository(store.sessions).create(
         project=project,
-        rule_name=spec.rule,
+        rule=spec.rule,
         run_id=spec.run_id,
         labels=spec.labels,
         starts_at=starts,
@@ -83,11 +83,11 @@ def matches(
     silence: Silence, *, project: str, rule: str, run_id: str, labels: Mapping[str, str], at: datetime
 ) -> bool:
     """Whether ``silence`` mutes an alert of ``rule`` on ``run_id`` with ``labels`` at time ``at``."""
-    if not (silence.starts_at <= at < silence.ends_at):
+    if not silence.active(at):
         return False
     if silence.project is not None and silence.project != project:
         return False
-    if silence.rule_name is not None and silence.rule_name != rule:
+    if silence.rule is not None and silence.rule != rule:
         return False
     if silence.run_id is not None and silence.run_id != run_id:
         return False

@@ -458,32 +458,36 @@ class AlertRepository:
 
 @dataclass(frozen=True)
 class Silence:
-    """A silence: what it matches (None: anything; ``labels`` must all be on the alert) and when."""
+    """A silence: what it matches (None: anything; ``rule`` a rule's name; ``labels`` must all be on
+    the alert) and when it holds. The silence row everywhere it is read (the engine, the API's
+    response, the dashboard)."""
 
     id: int
     project: str | None
-    rule_name: str | None
+    rule: str | None
     run_id: str | None
     labels: dict[str, str]
     starts_at: datetime
     ends_at: datetime
     created_by: str
     comment: str
-    created_at: datetime
+
+    def active(self, now: datetime) -> bool:
+        """Whether it holds at ``now``."""
+        return self.starts_at <= now < self.ends_at
 
 
 def _silence(row: SilenceRow) -> Silence:
     return Silence(
         id=row.id,
         project=row.project,
-        rule_name=row.rule_name,
+        rule=row.rule_name,
         run_id=row.run_id,
         labels=dict(row.labels),
         starts_at=utc(row.starts_at),
         ends_at=utc(row.ends_at),
         created_by=row.created_by,
         comment=row.comment,
-        created_at=utc(row.created_at),
     )
 
 
@@ -497,7 +501,7 @@ class SilenceRepository:
         self,
         *,
         project: str | None,
-        rule_name: str | None,
+        rule: str | None,
         run_id: str | None,
         labels: dict[str, str],
         starts_at: datetime,
@@ -507,7 +511,7 @@ class SilenceRepository:
     ) -> Silence:
         row = SilenceRow(
             project=project,
-            rule_name=rule_name,
+            rule_name=rule,
             run_id=run_id,
             labels=dict(labels),
             starts_at=starts_at,

@@ -1,7 +1,7 @@
 """The alerting code, the tokens and ``/metrics`` reach the database only through the data layer
 (``audit.db``): none of their modules imports SQLAlchemy or an ORM table module, what the data layer
-hands back are typed frozen rows (never ORM objects), and the alert row is defined once: the API's
-alert schema is that row's fields, less the run's project."""
+hands back are typed frozen rows (never ORM objects), and the alert and silence rows are defined
+once: the API's schemas are those rows' fields (an alert's less its run's project)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from isoaudit.audit.alerts.rules import list_rule_rows
 from isoaudit.audit.alerts.silences import SilenceSpec, list_silences
 from isoaudit.audit.api.app import create_app
 from isoaudit.audit.auth import create_token, list_tokens
-from isoaudit.audit.db.alerts import Alert
+from isoaudit.audit.db.alerts import Alert, Silence
 from isoaudit.audit.store import Store
 
 from tests import factories
@@ -111,8 +111,11 @@ def test_the_data_layer_hands_back_typed_frozen_rows(store: Store):
     assert alert.started_at.tzinfo is not None  # every timestamp comes back in UTC, SQLite's too
 
 
-def test_the_api_alert_schema_is_the_alert_row_less_its_project():
+def test_the_api_schemas_of_alerts_and_silences_are_their_rows():
+    """One alert row, one silence row: the API answers with them (an alert less its run's project)."""
     schemas = create_app(Store("sqlite://")).openapi()["components"]["schemas"]
     shown = [field.name for field in dataclasses.fields(Alert) if field.name != "project"]
     assert list(schemas["Alert"]["properties"]) == shown
-    assert not [name for name in schemas if name.startswith("Alert") and name not in ("Alert", "AlertRule")]
+    assert list(schemas["Silence"]["properties"]) == [field.name for field in dataclasses.fields(Silence)]
+    copies = [name for name in schemas if name.startswith(("Alert", "Silence"))]
+    assert sorted(copies) == ["Alert", "AlertRule", "Silence", "SilenceSpec"], copies

@@ -6,7 +6,7 @@ defaults and a YAML file, ``project`` null) are visible to everyone and changed 
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Depends, HTTPException, Path, Query, Response, status
 from isoaudit.audit.alerts.history import get_alert, list_alerts, notifications
@@ -61,18 +61,6 @@ class NotificationOut(BaseModel):
     created_at: UtcDatetime
 
 
-class SilenceOut(BaseModel):
-    id: int
-    project: str | None
-    rule: str | None
-    run_id: str | None
-    labels: dict[str, Any]
-    starts_at: UtcDatetime
-    ends_at: UtcDatetime
-    comment: str
-    created_by: str
-
-
 def _rule_out(row: StoredRule) -> RuleOut:
     return RuleOut.model_validate(
         {
@@ -81,20 +69,6 @@ def _rule_out(row: StoredRule) -> RuleOut:
             "created_at": row.created_at,
             "updated_at": row.updated_at,
         }
-    )
-
-
-def _silence_out(row: Silence) -> SilenceOut:
-    return SilenceOut(
-        id=row.id,
-        project=row.project,
-        rule=row.rule_name,
-        run_id=row.run_id,
-        labels=row.labels,
-        starts_at=row.starts_at,
-        ends_at=row.ends_at,
-        comment=row.comment,
-        created_by=row.created_by,
     )
 
 
@@ -245,15 +219,14 @@ def alert_notifications(alert_id: AlertId, principal: Reader, store: StoreDep) -
 # ---------------------------------------------------------------------- silences
 
 
-@router.get("/silences", response_model=list[SilenceOut], summary="Silences, latest ending first")
+@router.get("/silences", response_model=list[Silence], summary="Silences, latest ending first")
 def silences(
     principal: Reader,
     store: StoreDep,
     active: Annotated[bool, Query(description="only those in force now")] = False,
-) -> list[SilenceOut]:
+) -> list[Silence]:
     project = principal.project if principal is not None else None
-    rows = list_silences(store, project, active_at=utcnow() if active else None)
-    return [_silence_out(row) for row in rows]
+    return list_silences(store, project, active_at=utcnow() if active else None)
 
 
 SilenceId = Annotated[int, Path(ge=1, le=2**62)]
@@ -261,40 +234,41 @@ SilenceId = Annotated[int, Path(ge=1, le=2**62)]
 
 @router.post(
     "/silences",
-    response_model=SilenceOut,
+    response_model=Silence,
     status_code=status.HTTP_201_CREATED,
     summary="Mute notifications of matching alerts of the caller's project until it ends",
 )
-def add_silence(spec: SilenceSpec, principal: Writer, store: StoreDep) -> SilenceOut:
+def add_silence(spec: SilenceSpec, principal: Writer, store: StoreDep) -> Silence:
     storable_body(spec)
     try:
-        row = create_silence(store, spec, project=principal.project, created_by=f"token:{principal.token_id}")
+        return create_silence(
+            store, spec, project=principal.project, created_by=f"token:{principal.token_id}"
+        )
     except ValueError as exc:
         raise HTTPException(
             status.HTTP_422_UNPROCESSABLE_CONTENT,
             detail=[{"loc": ["body", "ends_at"], "msg": str(exc), "type": "value_error"}],
         ) from exc
-    return _silence_out(row)
 
 
-@router.get("/silences/{silence_id}", response_model=SilenceOut, summary="One silence")
-def silence(silence_id: SilenceId, principal: Reader, store: StoreDep) -> SilenceOut:
+@router.get("/silences/{silence_id}", response_model=Silence, summary="One silence")
+def silence(silence_id: SilenceId, principal: Reader, store: StoreDep) -> Silence:
     row = get_silence(store, silence_id)
     if row is None or not can_see(principal, row.project):
         raise _not_found(f"silence_id: no silence {silence_id}")
-    return _silence_out(row)
+    return row
 
 
 @router.delete(
     "/silences/{silence_id}",
-    response_model=SilenceOut,
+    response_model=Silence,
     summary="End a silence now (kept for the record)",
 )
-def end_silence(silence_id: SilenceId, principal: Writer, store: StoreDep) -> SilenceOut:
+def end_silence(silence_id: SilenceId, principal: Writer, store: StoreDep) -> Silence:
     row = get_silence(store, silence_id)
     if row is None or row.project != principal.project:
         raise _not_found(f"silence_id: no silence {silence_id}")
     expire_silence(store, silence_id)
     ended = get_silence(store, silence_id)
     assert ended is not None
-    return _silence_out(ended)
+    return ended
