@@ -14,10 +14,9 @@ import re
 import secrets
 from dataclasses import dataclass
 
+from isoaudit.audit.db.tokens import Token, TokenRepository
 from isoaudit.audit.records import utcnow
-from isoaudit.audit.service_models import ApiTokenRow
 from isoaudit.audit.store import Store
-from sqlalchemy import select
 
 TOKEN_PREFIX = "iso_"
 _TOKEN_RE = re.compile(r"^iso_([0-9a-f]{16})_([A-Za-z0-9_-]{20,128})$")
@@ -52,8 +51,7 @@ def create_token(store: Store, project: str, name: str = "") -> str:
     check_project_name(project)
     token_id = secrets.token_hex(8)
     secret = secrets.token_urlsafe(32)
-    with store.sessions.begin() as session:
-        session.add(ApiTokenRow(token_id=token_id, project=project, name=name, secret_sha256=_sha256(secret)))
+    TokenRepository(store.sessions).create(token_id, project, name, _sha256(secret))
     return f"{TOKEN_PREFIX}{token_id}_{secret}"
 
 
@@ -61,30 +59,22 @@ def verify_token(store: Store, token: str) -> Principal | None:
     """The project ``token`` belongs to, or ``None`` for a malformed, unknown, wrong or revoked one."""
     match = _TOKEN_RE.match(token.strip())
     token_id, secret = match.groups() if match else ("", token)
-    row = None
-    if match:
-        with store.sessions() as session:
-            row = session.get(ApiTokenRow, token_id)
-    expected = row.secret_sha256 if row is not None else _DUMMY_SHA256
-    if not hmac.compare_digest(_sha256(secret), expected) or row is None or row.revoked_at is not None:
+    found = TokenRepository(store.sessions).find(token_id) if match else None
+    expected = found.secret_sha256 if found is not None else _DUMMY_SHA256
+    if (
+        not hmac.compare_digest(_sha256(secret), expected)
+        or found is None
+        or found.token.revoked_at is not None
+    ):
         return None
-    return Principal(project=row.project, token_id=row.token_id)
+    return Principal(project=found.token.project, token_id=found.token.token_id)
 
 
 def revoke_token(store: Store, token_id: str) -> bool:
     """Revoke a token by its public id; ``False`` if there is no such live token."""
-    with store.sessions.begin() as session:
-        row = session.get(ApiTokenRow, token_id)
-        if row is None or row.revoked_at is not None:
-            return False
-        row.revoked_at = utcnow()
-        return True
+    return TokenRepository(store.sessions).revoke(token_id, utcnow())
 
 
-def list_tokens(store: Store, project: str | None = None) -> list[ApiTokenRow]:
+def list_tokens(store: Store, project: str | None = None) -> list[Token]:
     """Tokens (ids, projects, names, dates; never secrets), newest first."""
-    query = select(ApiTokenRow).order_by(ApiTokenRow.created_at.desc())
-    if project is not None:
-        query = query.where(ApiTokenRow.project == project)
-    with store.sessions() as session:
-        return list(session.scalars(query))
+    return TokenRepository(store.sessions).list(project)

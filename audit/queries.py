@@ -18,6 +18,7 @@ from isoaudit.audit.alerts.rules import AlertRule, list_rule_rows, rule_from_row
 from isoaudit.audit.alerts.silences import list_silences
 from isoaudit.audit.compare import RegionGrid
 from isoaudit.audit.contract import HandshakeResult, handshake
+from isoaudit.audit.db.alerts import Silence
 from isoaudit.audit.models import (
     ManifestRow,
     RunRow,
@@ -27,7 +28,7 @@ from isoaudit.audit.models import (
     StepSummaryRow,
 )
 from isoaudit.audit.records import Manifest, utcnow
-from isoaudit.audit.service_models import OPEN_STATES, AlertRow, ControlState, SilenceRow
+from isoaudit.audit.service_models import OPEN_STATES, AlertRow, ControlState
 from isoaudit.audit.store import Store
 from sqlalchemy import func, select
 
@@ -506,11 +507,11 @@ class SilenceView:
         return self.starts_at <= now < self.ends_at
 
     @classmethod
-    def of(cls, row: SilenceRow) -> SilenceView:
+    def of(cls, row: Silence) -> SilenceView:
         return cls(
             row.id,
             row.project,
-            row.rule_name,
+            row.rule,
             row.run_id,
             dict(row.labels),
             aware(row.starts_at) or row.starts_at,

@@ -20,16 +20,13 @@ from typing import Any
 from urllib.parse import quote
 
 from isoaudit.audit.alerts.channels import Channel, DatabaseChannel, Delivery, Event, LogChannel, Notice
-from isoaudit.audit.alerts.evaluator import Evaluation, State, evaluate_series, next_state, steps_needed
-from isoaudit.audit.alerts.outbox import Outbox
+from isoaudit.audit.alerts.evaluator import Evaluation, evaluate_series, next_state, steps_needed
+from isoaudit.audit.alerts.outbox import Outbox, OutboxChannel, is_durable
 from isoaudit.audit.alerts.rules import AlertRule, list_rule_rows, rule_from_row
 from isoaudit.audit.alerts.silences import list_silences, matches
-from isoaudit.audit.models import StepResultRow
+from isoaudit.audit.db.alerts import OPEN_STATES, Alert, AlertRepository, AlertState, Notification, Silence
 from isoaudit.audit.records import utcnow
-from isoaudit.audit.service_models import OPEN_STATES, AlertRow, NotificationRow, SilenceRow
 from isoaudit.audit.store import Store
-from sqlalchemy import select, update
-from sqlalchemy.exc import IntegrityError
 
 log = logging.getLogger("isoaudit.alerts")
 
@@ -39,11 +36,13 @@ DEFAULT_STEP_PATH = "/runs/{run_id}?step={step}"
 
 @dataclass(frozen=True)
 class Transition:
+    """A state change of one rule's alert on one run, as :meth:`AlertEngine.evaluate` made it."""
+
     rule: str
     run_id: str
     alert_id: int
-    old: State
-    new: State
+    old: AlertState
+    new: AlertState
     step: int
     value: float | None
 
@@ -72,13 +71,16 @@ class AlertEngine:
         database) from one thread of the engine's own, in order. ``worker``: this process's name
         in the outbox's leases (default ``host:pid:nonce``)."""
         self.store = store
+        self.alerts = AlertRepository(store.sessions)
         self.deliver_in_background = deliver_in_background
         self._delivery: ThreadPoolExecutor | None = None  # started by the first background notice
         self.channels: list[Channel] = (
             list(channels) if channels is not None else [LogChannel(), DatabaseChannel()]
         )
-        durable = [c for c in self.channels if getattr(c, "durable", False)] if deliver_in_background else []
-        self.outbox = Outbox(store, durable, worker=worker, now=now) if durable else None  # type: ignore[arg-type]
+        durable: list[OutboxChannel] = (
+            [c for c in self.channels if is_durable(c)] if deliver_in_background else []
+        )
+        self.outbox = Outbox(store, durable, worker=worker, now=now) if durable else None
         self._instant = [c for c in self.channels if c not in durable]
         self.dashboard_url = dashboard_url.rstrip("/")
         self.step_path = step_path
@@ -119,13 +121,15 @@ class AlertEngine:
         series = self._series(run_id, step, metrics, max(steps_needed(rule) for _, rule in rules))
         now = self.now()
         silences = list_silences(self.store, project, active_at=now)
-        open_alerts = self._open_alerts(run_id)
+        # The run's open alerts, read once per evaluation so a rule with nothing open costs no query
+        # of its own. A row another evaluator opens meanwhile is that evaluator's to announce.
+        open_alerts = self.alerts.open_alerts(run_id)
         transitions: list[Transition] = []
         for row, rule in rules:
             evaluation = evaluate_series(rule, series[-steps_needed(rule) :])
             if evaluation is None:
                 continue
-            known = open_alerts.get(row.id)
+            known = open_alerts.get(rule.name)
             if known is None and next_state(rule, "inactive", evaluation) not in OPEN_STATES:
                 continue  # none open and none opens (the common case): nothing to write or announce
             transition = self._advance(row.id, rule, run_id, evaluation, now)
@@ -142,28 +146,11 @@ class AlertEngine:
             self._notify(row.id, rule, run_id, project, evaluation, transition, silences, now, known)
         return transitions
 
-    def _open_alerts(self, run_id: str) -> dict[int, Any]:
-        """The run's open alerts by rule id (id, state, firing_notified), read once per evaluation so
-        a rule with nothing open costs no query of its own. A row another evaluator opens meanwhile
-        is that evaluator's to announce."""
-        query = select(AlertRow.rule_id, AlertRow.id, AlertRow.state, AlertRow.firing_notified).where(
-            AlertRow.run_id == run_id, AlertRow.state.in_(OPEN_STATES)
-        )
-        with self.store.sessions() as session:
-            return {row.rule_id: row for row in session.execute(query)}
-
     def _series(
         self, run_id: str, step: int, metrics: Mapping[str, Any] | None, limit: int
     ) -> list[tuple[int, Mapping[str, Any]]]:
         """The run's latest ``limit`` compared steps, oldest first, with ``step``'s fresh metrics."""
-        query = (
-            select(StepResultRow.step, StepResultRow.metrics)
-            .where(StepResultRow.run_id == run_id)
-            .order_by(StepResultRow.step.desc())
-            .limit(limit)
-        )
-        with self.store.sessions() as session:
-            by_step: dict[int, Mapping[str, Any]] = {s: m for s, m in session.execute(query)}
+        by_step: dict[int, Mapping[str, Any]] = dict(self.alerts.recent_metrics(run_id, limit))
         if metrics is not None:
             by_step[step] = metrics
         return sorted(by_step.items())[-limit:]
@@ -172,56 +159,23 @@ class AlertEngine:
         self, rule_id: int, rule: AlertRule, run_id: str, evaluation: Evaluation, now: datetime
     ) -> Transition | None:
         """Apply the state machine to the open alert of (rule, run), in one transaction."""
-        try:
-            with self.store.sessions.begin() as session:
-                query = select(AlertRow).where(
-                    AlertRow.rule_id == rule_id, AlertRow.run_id == run_id, AlertRow.state.in_(OPEN_STATES)
-                )
-                if self.store.dialect == "postgresql":
-                    query = query.with_for_update()
-                alert = session.scalar(query)
-                if alert is not None and evaluation.step < alert.last_step:
-                    return None  # an older step than this alert has seen; the newer one decided already
-                current: State = alert.state if alert is not None else "inactive"  # type: ignore[assignment]
-                new = next_state(rule, current, evaluation)
-                if alert is None:
-                    if new not in OPEN_STATES:
-                        return None
-                    first = evaluation.first_breaching_step
-                    first = evaluation.step if first is None else first
-                    alert = AlertRow(
-                        rule_id=rule_id,
-                        run_id=run_id,
-                        state=new,
-                        severity=rule.severity,
-                        labels=alert_labels(rule),
-                        value=evaluation.value,
-                        started_step=first,
-                        last_step=evaluation.step,
-                        started_at=now,
-                        fired_step=evaluation.step if new == "firing" else None,
-                        fired_at=now if new == "firing" else None,
-                    )
-                    session.add(alert)
-                    session.flush()
-                else:
-                    alert.value = evaluation.value
-                    alert.last_step = evaluation.step
-                    alert.severity = rule.severity
-                    alert.labels = alert_labels(rule)
-                    if new == current:
-                        return None
-                    alert.state = new
-                    if new == "firing":
-                        alert.fired_step, alert.fired_at = evaluation.step, now
-                    else:  # resolved, or back to inactive from pending
-                        alert.resolved_step, alert.resolved_at = evaluation.step, now
-                return Transition(
-                    rule.name, run_id, alert.id, current, new, evaluation.step, evaluation.value
-                )
-        except IntegrityError:
-            # Another evaluator opened this alert at the same moment: its transition stands.
+        first = evaluation.first_breaching_step
+        change = self.alerts.advance(
+            rule_id,
+            run_id,
+            step=evaluation.step,
+            value=evaluation.value,
+            first_step=evaluation.step if first is None else first,
+            severity=rule.severity,
+            labels=alert_labels(rule),
+            now=now,
+            decide=lambda current: next_state(rule, current, evaluation),
+        )
+        if change is None:
             return None
+        return Transition(
+            rule.name, run_id, change.alert_id, change.old, change.new, evaluation.step, evaluation.value
+        )
 
     # ------------------------------------------------------------------ notification
 
@@ -233,9 +187,9 @@ class AlertEngine:
         project: str,
         evaluation: Evaluation,
         transition: Transition | None,
-        silences: Sequence[SilenceRow],
+        silences: Sequence[Silence],
         now: datetime,
-        known: Any = None,
+        known: Alert | None = None,
     ) -> None:
         """Announce a firing alert not yet announced, or a resolution of one that was; record muted
         transitions as silenced. Each announcement is claimed first, so it goes out once."""
@@ -244,11 +198,10 @@ class AlertEngine:
             matches(s, project=project, rule=rule.name, run_id=run_id, labels=labels, at=now)
             for s in silences
         )
+        alert_id: int | None
         if transition is not None and transition.new == "resolved":
             event: Event = "resolved"
             alert_id = transition.alert_id
-            claim = (AlertRow.resolved_notified.is_(False), AlertRow.firing_notified.is_(True))
-            column = "resolved_notified"
         else:
             # Announce a firing alert not announced yet: one that fired just now, or one that was
             # firing while silenced (``known``: the open alert as read before this evaluation).
@@ -261,8 +214,6 @@ class AlertEngine:
             if alert_id is None:
                 return
             event = "firing"
-            claim = (AlertRow.firing_notified.is_(False),)
-            column = "firing_notified"
         notice = Notice(
             event=event,
             alert_id=alert_id,
@@ -282,16 +233,12 @@ class AlertEngine:
                 self._record(
                     notice,
                     [Delivery("*", "stored", attempts=0, error="silenced", payload=notice.as_dict())],
-                    "silenced",
+                    silenced=True,
                 )
             return
-        with self.store.sessions.begin() as session:
-            table = AlertRow.__table__
-            claim_stmt = update(table).where(table.c.id == alert_id, *claim).values({column: True})
-            if session.execute(claim_stmt.returning(table.c.id)).first() is None:
-                return  # announced already (by another evaluation), or never announced as firing
-            if self.outbox is not None:
-                self.outbox.enqueue(session, notice)  # committed with the claim, or not at all
+        queued = self.outbox.entries(notice) if self.outbox is not None else []
+        if not self.alerts.claim_announcement(alert_id, event, queued, now=self.now()):
+            return  # announced already (by another evaluation), or never announced as firing
         if not self._instant:
             return
         if self.deliver_in_background:
@@ -313,21 +260,23 @@ class AlertEngine:
                 )
         self._record(notice, deliveries)
 
-    def _record(self, notice: Notice, deliveries: Sequence[Delivery], status: str | None = None) -> None:
-        with self.store.sessions.begin() as session:
-            session.add_all(
-                NotificationRow(
+    def _record(self, notice: Notice, deliveries: Sequence[Delivery], *, silenced: bool = False) -> None:
+        """Keep what each channel did with ``notice`` (``silenced``: nothing was sent, a silence muted it)."""
+        self.alerts.record(
+            [
+                Notification(
                     alert_id=notice.alert_id,
                     event=notice.event,
                     channel=delivery.channel,
-                    status=status or delivery.status,
+                    status="silenced" if silenced else delivery.status,
                     attempts=delivery.attempts,
                     error=delivery.error,
                     payload=delivery.payload,
                     created_at=self.now(),
                 )
                 for delivery in deliveries
-            )
+            ]
+        )
 
 
 def rules_for(store: Store, project: str | None = None) -> list[AlertRule]:

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from isoaudit.audit.alerts.rules import AlertRule
-
-State = Literal["inactive", "pending", "firing", "resolved"]
+from isoaudit.audit.db.alerts import AlertState
 
 
 @dataclass(frozen=True)
@@ -64,7 +63,7 @@ def evaluate_series(rule: AlertRule, series: Sequence[tuple[int, Mapping[str, An
     )
 
 
-def next_state(rule: AlertRule, current: State, evaluation: Evaluation) -> State:
+def next_state(rule: AlertRule, current: AlertState, evaluation: Evaluation) -> AlertState:
     """The state after ``evaluation`` for an alert now in ``current`` (inactive/resolved: none open)."""
     fires = evaluation.breaching_steps >= max(rule.for_steps, 1)
     if current in ("inactive", "resolved"):

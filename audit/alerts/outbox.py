@@ -25,14 +25,12 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol, TypeGuard
 
 from isoaudit.audit.alerts.channels import ATTEMPTS_KEY, Notice, attempt_record, slack_payload
+from isoaudit.audit.db.alerts import Notification, OutboxEntry, OutboxRepository
 from isoaudit.audit.records import utcnow
-from isoaudit.audit.service_models import NoticeOutboxRow, NotificationRow
 from isoaudit.audit.store import Store
-from sqlalchemy import delete, func, or_, select, true, update
-from sqlalchemy.orm import Session
 
 log = logging.getLogger("isoaudit.alerts")
 
@@ -56,9 +54,9 @@ class OutboxChannel(Protocol):
     def wait_s(self, attempt: int) -> float: ...
 
 
-def _aware(moment: datetime) -> datetime:
-    """SQLite hands timestamps back without their zone; they were written in UTC."""
-    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
+def is_durable(channel: object) -> TypeGuard[OutboxChannel]:
+    """Whether ``channel`` is delivered from the outbox (it says so: ``durable = True``)."""
+    return bool(getattr(channel, "durable", False))
 
 
 class Outbox:
@@ -73,7 +71,7 @@ class Outbox:
         poll_s: float = 0.5,
         now: Callable[[], datetime] = utcnow,
     ) -> None:
-        self.store = store
+        self.queue = OutboxRepository(store.sessions)
         self.channels = list(channels)
         self.worker = worker or f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         self.poll_s = poll_s
@@ -83,33 +81,23 @@ class Outbox:
 
     # ------------------------------------------------------------------ writing
 
-    def enqueue(self, session: Session, notice: Notice) -> None:
-        """Add a row per destination for ``notice`` inside the caller's transaction (the one that
-        claims the announcement: both commit, or neither)."""
-        now = self.now()
-        session.add_all(
-            NoticeOutboxRow(
+    def entries(self, notice: Notice) -> list[OutboxEntry]:
+        """A row per destination for ``notice``, to be queued in the transaction that claims the
+        announcement (both commit, or neither)."""
+        return [
+            OutboxEntry(
                 alert_id=notice.alert_id,
                 event=notice.event,
                 channel=channel.name,
                 destination=channel.destination,
-                status="pending",
                 notice=dataclasses.asdict(notice),
-                attempts=0,
-                attempts_log=[],
-                next_attempt_at=now,
-                created_at=now,
             )
             for channel in self.channels
-        )
+        ]
 
     def pending(self, destination: str | None = None) -> int:
         """Notices not yet delivered (or given up on), for one destination or all."""
-        query = select(func.count()).select_from(NoticeOutboxRow)
-        if destination is not None:
-            query = query.where(NoticeOutboxRow.destination == destination)
-        with self.store.sessions() as session:
-            return int(session.scalar(query) or 0)
+        return self.queue.count(destination)
 
     # ------------------------------------------------------------------ delivering
 
@@ -118,13 +106,7 @@ class Outbox:
         if self._threads:
             return self
         self._stop.clear()
-        known = {c.destination for c in self.channels}
-        with self.store.sessions() as session:
-            orphans = session.scalar(
-                select(func.count())
-                .select_from(NoticeOutboxRow)
-                .where(NoticeOutboxRow.destination.not_in(known) if known else true())
-            )
+        orphans = self.queue.count_elsewhere({c.destination for c in self.channels})
         if orphans:
             log.warning(
                 "%d alert notices wait for a webhook that is no longer configured; they stay in "
@@ -159,50 +141,43 @@ class Outbox:
     def deliver_next(self, channel: OutboxChannel) -> float:
         """Make one attempt at the oldest pending notice of ``channel``'s destination if it is due
         and nobody else holds it; returns how long to wait before the next call (0: call again now)."""
-        row = self._claim(channel)
-        if isinstance(row, float):
-            return row
+        now = self.now()
+        lease = now + timedelta(seconds=channel.timeout_s + LEASE_MARGIN_S)
+        row = self.queue.take(channel.destination, self.worker, now=now, lease_until=lease)
+        if row is None:  # nothing queued, or another worker is sending the head (the rest wait)
+            return self.poll_s
+        if isinstance(row, datetime):  # the head waits for its backoff
+            return min(self.poll_s, (row - now).total_seconds())
         notice = Notice(**row.notice)
         payload = slack_payload(notice)
         attempt = row.attempts + 1
         at, started = datetime.now(UTC), time.monotonic()
         outcome, retry = channel.attempt(payload)
         record = [*row.attempts_log, attempt_record(attempt, at, started, outcome)]
-        table = NoticeOutboxRow.__table__
-        mine = (table.c.id == row.id, table.c.claimed_by == self.worker)
         now = self.now()
-        with self.store.sessions.begin() as session:
-            if outcome != "sent" and retry and attempt < channel.attempts:
-                wait = channel.wait_s(attempt)
-                record[-1]["wait_s"] = wait
-                session.execute(
-                    update(table)
-                    .where(*mine)
-                    .values(
-                        attempts=attempt,
-                        attempts_log=record,
-                        next_attempt_at=now + timedelta(seconds=wait),
-                        claimed_by=None,
-                        claimed_until=None,
-                    )
-                )
-                return 0.0  # the head is now waiting for its backoff; _claim says how long
-            if session.execute(delete(table).where(*mine)).rowcount == 0:
-                return 0.0  # our lease ran out and another worker took the row: its outcome stands
-            status = "sent" if outcome == "sent" else "failed"
-            session.add(
-                NotificationRow(
-                    alert_id=row.alert_id,
-                    event=row.event,
-                    channel=row.channel,
-                    status=status,
-                    attempts=attempt,
-                    error=None if status == "sent" else outcome,
-                    payload={**payload, ATTEMPTS_KEY: record},
-                    created_at=now,
-                )
+        if outcome != "sent" and retry and attempt < channel.attempts:
+            wait = channel.wait_s(attempt)
+            record[-1]["wait_s"] = wait
+            self.queue.retry_later(
+                row.id, self.worker, attempts=attempt, attempts_log=record, at=now + timedelta(seconds=wait)
             )
-        if status == "failed":
+            return 0.0  # the head is now waiting for its backoff; the next call says how long
+        status: Literal["sent", "failed"] = "sent" if outcome == "sent" else "failed"
+        kept = self.queue.finish(
+            row.id,
+            self.worker,
+            Notification(
+                alert_id=row.alert_id,
+                event=row.event,
+                channel=row.channel,
+                status=status,
+                attempts=attempt,
+                error=None if status == "sent" else outcome,
+                payload={**payload, ATTEMPTS_KEY: record},
+                created_at=now,
+            ),
+        )
+        if kept and status == "failed":  # not kept: our lease ran out, another worker's outcome stands
             log.error(
                 "webhook %s gave up on alert %s (%s) after %d attempts: %s",
                 channel.name,
@@ -212,35 +187,3 @@ class Outbox:
                 outcome,
             )
         return 0.0
-
-    def _claim(self, channel: OutboxChannel) -> NoticeOutboxRow | float:
-        """The destination's oldest pending row, leased to this worker; or how long to wait."""
-        table = NoticeOutboxRow.__table__
-        now = self.now()
-        with self.store.sessions.begin() as session:
-            head = session.execute(
-                select(table.c.id, table.c.next_attempt_at, table.c.claimed_until)
-                .where(table.c.destination == channel.destination)
-                .order_by(table.c.id)
-                .limit(1)
-            ).first()
-            if head is None:
-                return self.poll_s
-            due = _aware(head.next_attempt_at)
-            if due > now:
-                return min(self.poll_s, (due - now).total_seconds())
-            lease = now + timedelta(seconds=channel.timeout_s + LEASE_MARGIN_S)
-            taken = session.execute(
-                update(table)
-                .where(
-                    table.c.id == head.id,
-                    or_(table.c.claimed_until.is_(None), table.c.claimed_until < now),
-                )
-                .values(claimed_by=self.worker, claimed_until=lease)
-            ).rowcount
-            if not taken:  # another worker is sending it (in order: the rest wait behind it)
-                return self.poll_s
-            row = session.get(NoticeOutboxRow, head.id)
-            assert row is not None
-            session.expunge(row)
-            return row

@@ -29,12 +29,18 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+from isoaudit.audit.db.alerts import RuleDefinition, RuleRepository, StoredRule
 from isoaudit.audit.metric_names import UnknownMetric, accepted_names, resolve
-from isoaudit.audit.records import utcnow
-from isoaudit.audit.service_models import AlertRuleRow
 from isoaudit.audit.store import Store
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-from sqlalchemy import or_, select
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    JsonValue,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 Comparison = Literal[">", ">=", "<", "<=", "==", "!="]
 Aggregation = Literal["last", "mean", "max", "min", "sum"]
@@ -62,7 +68,7 @@ class AlertRule(BaseModel):
     metric: str = Field(
         description="a step metric of audit.metrics (kl_k3, kl_k3/len_0_256, kl_k3/lag_1, tis_mean[cap=3]) "
         "or a framework's name for one (verl:rollout_corr/k3_kl, kl_sample_train_v1)",
-        json_schema_extra={"enum": accepted_names()},
+        json_schema_extra={"enum": list[JsonValue](accepted_names())},
     )
     comparison: Comparison = ">"
     threshold: float = Field(allow_inf_nan=False)
@@ -218,90 +224,75 @@ def default_rules() -> list[AlertRule]:
 # ---------------------------------------------------------------------- rules in the store
 
 
-def rule_from_row(row: AlertRuleRow) -> AlertRule:
-    return AlertRule(
-        name=row.name,
-        metric=row.metric,
-        comparison=row.comparison,  # type: ignore[arg-type]
-        threshold=row.threshold,
-        window=row.window_steps,
-        aggregation=row.aggregation,  # type: ignore[arg-type]
-        for_steps=row.for_steps,
-        keep_firing_for=row.keep_firing_for,
-        severity=row.severity,  # type: ignore[arg-type]
-        labels=dict(row.labels),
-        description=row.description,
-        enabled=row.enabled,
-        project=row.project,
+def rule_from_row(row: RuleDefinition) -> AlertRule:
+    """The rule model of a stored rule."""
+    return AlertRule.model_validate(
+        {
+            "name": row.name,
+            "metric": row.metric,
+            "comparison": row.comparison,
+            "threshold": row.threshold,
+            "window": row.window_steps,
+            "aggregation": row.aggregation,
+            "for": row.for_steps,
+            "keep_firing_for": row.keep_firing_for,
+            "severity": row.severity,
+            "labels": dict(row.labels),
+            "description": row.description,
+            "enabled": row.enabled,
+            "project": row.project,
+        }
     )
 
 
-def _row_values(rule: AlertRule) -> dict[str, Any]:
-    return {
-        "project": rule.project,
-        "metric": rule.metric,
-        "comparison": rule.comparison,
-        "threshold": rule.threshold,
-        "window_steps": rule.window,
-        "aggregation": rule.aggregation,
-        "for_steps": rule.for_steps,
-        "keep_firing_for": rule.keep_firing_for,
-        "severity": rule.severity,
-        "labels": dict(rule.labels),
-        "description": rule.description,
-        "enabled": rule.enabled,
-    }
+def rule_definition(rule: AlertRule) -> RuleDefinition:
+    """What the store keeps of a rule model."""
+    return RuleDefinition(
+        name=rule.name,
+        project=rule.project,
+        metric=rule.metric,
+        comparison=rule.comparison,
+        threshold=rule.threshold,
+        window_steps=rule.window,
+        aggregation=rule.aggregation,
+        for_steps=rule.for_steps,
+        keep_firing_for=rule.keep_firing_for,
+        severity=rule.severity,
+        labels=dict(rule.labels),
+        description=rule.description,
+        enabled=rule.enabled,
+    )
 
 
-def save_rule(store: Store, rule: AlertRule, source: RuleSource = "api") -> AlertRuleRow:
+def save_rule(store: Store, rule: AlertRule, source: RuleSource = "api") -> StoredRule:
     """Create the rule, or replace the one of that name (its open alerts carry on under the new terms)."""
-    with store.sessions.begin() as session:
-        row = session.scalar(select(AlertRuleRow).where(AlertRuleRow.name == rule.name))
-        if row is None:
-            row = AlertRuleRow(name=rule.name, source=source, **_row_values(rule))
-            session.add(row)
-        else:
-            for key, value in _row_values(rule).items():
-                setattr(row, key, value)
-            row.source = source
-            row.updated_at = utcnow()
-        session.flush()
-        return row
+    return RuleRepository(store.sessions).save(rule_definition(rule), source)
 
 
 def install_rules(store: Store, rules: Iterable[AlertRule], source: RuleSource, *, replace: bool) -> int:
     """Install rules by name: ``replace`` overwrites rules of the same name (a YAML file is the truth);
     otherwise existing ones are kept (defaults never undo a user's edit). Returns how many were written."""
+    stored = RuleRepository(store.sessions)
     written = 0
     for rule in rules:
-        if replace or get_rule_row(store, rule.name) is None:
-            save_rule(store, rule, source)
+        if replace or stored.get(rule.name) is None:
+            stored.save(rule_definition(rule), source)
             written += 1
     return written
 
 
-def get_rule_row(store: Store, name: str) -> AlertRuleRow | None:
-    with store.sessions() as session:
-        return session.scalar(select(AlertRuleRow).where(AlertRuleRow.name == name))
+def get_rule_row(store: Store, name: str) -> StoredRule | None:
+    """The stored rule of that name."""
+    return RuleRepository(store.sessions).get(name)
 
 
 def list_rule_rows(
     store: Store, project: str | None = None, *, include_global: bool = True
-) -> list[AlertRuleRow]:
+) -> list[StoredRule]:
     """Rules of ``project`` (and the global ones), or every rule when ``project`` is None."""
-    query = select(AlertRuleRow).order_by(AlertRuleRow.name)
-    if project is not None:
-        scope = AlertRuleRow.project == project
-        query = query.where(or_(scope, AlertRuleRow.project.is_(None)) if include_global else scope)
-    with store.sessions() as session:
-        return list(session.scalars(query))
+    return RuleRepository(store.sessions).list(project, include_global=include_global)
 
 
 def delete_rule(store: Store, name: str) -> bool:
     """Delete a rule and (by cascade) its alerts."""
-    with store.sessions.begin() as session:
-        row = session.scalar(select(AlertRuleRow).where(AlertRuleRow.name == name))
-        if row is None:
-            return False
-        session.delete(row)
-        return True
+    return RuleRepository(store.sessions).delete(name)

@@ -7,11 +7,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from datetime import datetime, timedelta
 
+from isoaudit.audit.db.alerts import Silence, SilenceRepository
 from isoaudit.audit.records import RunId, utcnow
-from isoaudit.audit.service_models import SilenceRow
 from isoaudit.audit.store import Store
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-from sqlalchemy import or_, select
 
 
 class SilenceSpec(BaseModel):
@@ -50,67 +49,45 @@ class SilenceSpec(BaseModel):
 
 def create_silence(
     store: Store, spec: SilenceSpec, *, project: str | None, created_by: str = "", now: datetime | None = None
-) -> SilenceRow:
+) -> Silence:
     starts, ends = spec.window(now or utcnow())
-    row = SilenceRow(
+    return SilenceRepository(store.sessions).create(
         project=project,
-        rule_name=spec.rule,
+        rule=spec.rule,
         run_id=spec.run_id,
-        labels=dict(spec.labels),
+        labels=spec.labels,
         starts_at=starts,
         ends_at=ends,
         created_by=created_by,
         comment=spec.comment,
     )
-    with store.sessions.begin() as session:
-        session.add(row)
-    return row
 
 
 def list_silences(
     store: Store, project: str | None = None, *, active_at: datetime | None = None
-) -> list[SilenceRow]:
+) -> list[Silence]:
     """Silences of ``project`` (and global ones; all when None), optionally only those active at a time."""
-    query = select(SilenceRow).order_by(SilenceRow.ends_at.desc(), SilenceRow.id)
-    if project is not None:
-        query = query.where(or_(SilenceRow.project == project, SilenceRow.project.is_(None)))
-    if active_at is not None:
-        query = query.where(SilenceRow.starts_at <= active_at, SilenceRow.ends_at > active_at)
-    with store.sessions() as session:
-        return list(session.scalars(query))
+    return SilenceRepository(store.sessions).list(project, active_at=active_at)
 
 
-def get_silence(store: Store, silence_id: int) -> SilenceRow | None:
-    with store.sessions() as session:
-        return session.get(SilenceRow, silence_id)
+def get_silence(store: Store, silence_id: int) -> Silence | None:
+    return SilenceRepository(store.sessions).get(silence_id)
 
 
 def expire_silence(store: Store, silence_id: int, now: datetime | None = None) -> bool:
     """End a silence now (kept for the record). False if there is no such silence."""
-    now = now or utcnow()
-    with store.sessions.begin() as session:
-        row = session.get(SilenceRow, silence_id)
-        if row is None:
-            return False
-        if _aware(row.ends_at) > now:
-            row.ends_at = max(now, _aware(row.starts_at))
-        return True
-
-
-def _aware(value: datetime) -> datetime:
-    """SQLite hands back naive datetimes of what were UTC ones."""
-    return value if value.tzinfo is not None else value.replace(tzinfo=utcnow().tzinfo)
+    return SilenceRepository(store.sessions).expire(silence_id, now or utcnow())
 
 
 def matches(
-    silence: SilenceRow, *, project: str, rule: str, run_id: str, labels: Mapping[str, str], at: datetime
+    silence: Silence, *, project: str, rule: str, run_id: str, labels: Mapping[str, str], at: datetime
 ) -> bool:
     """Whether ``silence`` mutes an alert of ``rule`` on ``run_id`` with ``labels`` at time ``at``."""
-    if not (_aware(silence.starts_at) <= at < _aware(silence.ends_at)):
+    if not silence.active(at):
         return False
     if silence.project is not None and silence.project != project:
         return False
-    if silence.rule_name is not None and silence.rule_name != rule:
+    if silence.rule is not None and silence.rule != rule:
         return False
     if silence.run_id is not None and silence.run_id != run_id:
         return False

@@ -18,14 +18,12 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
+from isoaudit.audit.db.telemetry import TelemetryReads
 from isoaudit.audit.metric_names import Alias, definition, framework_aliases
 from isoaudit.audit.metrics import PARAMETRIC, parse_lag_key, parse_variant
-from isoaudit.audit.models import PendingComparisonRow, RunRow, StepResultRow
-from isoaudit.audit.service_models import OPEN_STATES, AlertRow, AlertRuleRow
 from isoaudit.audit.store import Store
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
-from sqlalchemy import func, select
 
 _INVALID = re.compile(r"[^a-zA-Z0-9_]")
 
@@ -66,53 +64,22 @@ class StoreCollector(Collector):
     adds each framework's names for the same figures."""
 
     def __init__(self, store: Store, project: str | None = None, frameworks: tuple[str, ...] = ()) -> None:
-        self.store = store
+        self.reads = TelemetryReads(store.sessions)
         self.project = project
         self.aliases: list[Alias] = [a for f in frameworks for a in framework_aliases(f)]
 
     def collect(self) -> Iterator[Metric]:
-        latest = select(StepResultRow.run_id, func.max(StepResultRow.step).label("step")).group_by(
-            StepResultRow.run_id
-        )
-        if self.project is not None:
-            latest = latest.join(RunRow, RunRow.run_id == StepResultRow.run_id).where(
-                RunRow.project == self.project
-            )
-        latest_sq = latest.subquery()
-        steps = (
-            select(StepResultRow.run_id, RunRow.project, StepResultRow.step, StepResultRow.metrics)
-            .join(
-                latest_sq,
-                (latest_sq.c.run_id == StepResultRow.run_id) & (latest_sq.c.step == StepResultRow.step),
-            )
-            .join(RunRow, RunRow.run_id == StepResultRow.run_id)
-        )
-        alerts = (
-            select(AlertRuleRow.name, AlertRow.run_id, RunRow.project, AlertRow.severity, AlertRow.state)
-            .join(AlertRuleRow, AlertRuleRow.id == AlertRow.rule_id)
-            .join(RunRow, RunRow.run_id == AlertRow.run_id)
-            .where(AlertRow.state.in_(OPEN_STATES))
-        )
-        queue = select(func.count()).select_from(PendingComparisonRow)
-        if self.project is not None:
-            alerts = alerts.where(RunRow.project == self.project)
-            queue = queue.join(RunRow, RunRow.run_id == PendingComparisonRow.run_id).where(
-                RunRow.project == self.project
-            )
-        with self.store.sessions() as session:
-            step_rows = session.execute(steps).all()
-            alert_rows = session.execute(alerts).all()
-            queued = session.scalar(queue) or 0
-
+        reading = self.reads.read(self.project)
         last_step = GaugeMetricFamily(
             "isoaudit_last_compared_step",
             "The latest compared step of each run.",
             labels=["run_id", "project"],
         )
         families: dict[str, GaugeMetricFamily] = {}
-        for run_id, project, step, metrics in step_rows:
-            last_step.add_metric([run_id, project], float(step))
-            numbers = _numbers(metrics)
+        for latest in reading.latest_steps:
+            run_id, project = latest.run_id, latest.project
+            last_step.add_metric([run_id, project], float(latest.step))
+            numbers = _numbers(latest.metrics)
             for name, value in sorted(numbers.items()):
                 series = _series(name)
                 if series is None:
@@ -142,18 +109,22 @@ class StoreCollector(Collector):
             "Open alerts (1 per pending or firing alert).",
             labels=["alertname", "run_id", "project", "severity", "state"],
         )
-        for name, run_id, project, severity, state in alert_rows:
-            open_alerts.add_metric([name, run_id, project, severity, state], 1.0)
+        for alert in reading.open_alerts:
+            open_alerts.add_metric(
+                [alert.rule, alert.run_id, alert.project, alert.severity, alert.state], 1.0
+            )
         yield open_alerts
         yield GaugeMetricFamily(
-            "isoaudit_pending_comparisons", "Samples queued for comparison.", value=float(queued)
+            "isoaudit_pending_comparisons",
+            "Samples queued for comparison.",
+            value=float(reading.pending_comparisons),
         )
 
 
 def _numbers(metrics: dict[str, Any]) -> dict[str, float]:
     """Numeric values only; NaN (no data) is left out rather than exported."""
     out = {}
-    for name, value in (metrics or {}).items():
+    for name, value in metrics.items():
         if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
             continue
         out[name] = float(value)

@@ -6,10 +6,10 @@ defaults and a YAML file, ``project`` null) are visible to everyone and changed 
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Depends, HTTPException, Path, Query, Response, status
-from isoaudit.audit.alerts.history import AlertView, get_alert, list_alerts, notifications
+from isoaudit.audit.alerts.history import get_alert, list_alerts, notifications
 from isoaudit.audit.alerts.rules import (
     AlertRule,
     RuleSource,
@@ -26,17 +26,17 @@ from isoaudit.audit.alerts.silences import (
     get_silence,
     list_silences,
 )
-from isoaudit.audit.api.auth import ReadableRun, Reader, Writer, can_see
+from isoaudit.audit.api.auth import Principal, ReadableRun, Reader, Writer, can_see
 from isoaudit.audit.api.deps import get_store
 from isoaudit.audit.api.errors import storable_body
 from isoaudit.audit.api.schemas import UtcDatetime
-from isoaudit.audit.service_models import AlertRuleRow, SilenceRow
+from isoaudit.audit.db.alerts import Alert, AlertState, Silence, StoredRule
+from isoaudit.audit.records import utcnow
 from isoaudit.audit.store import Store
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 router = APIRouter(prefix="/v1", tags=["alerts"])
 
-AlertState = Literal["pending", "firing", "resolved", "inactive"]
 RuleName = Annotated[str, Path(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")]
 StoreDep = Annotated[Store, Depends(get_store)]
 
@@ -47,26 +47,11 @@ class RuleOut(AlertRule):
     updated_at: UtcDatetime
 
 
-class AlertOut(BaseModel):
-    id: int
-    rule: str
-    run_id: str
-    state: AlertState
-    severity: str
-    labels: dict[str, Any]
-    value: float | None
-    started_step: int
-    fired_step: int | None
-    resolved_step: int | None
-    last_step: int
-    started_at: UtcDatetime
-    fired_at: UtcDatetime | None
-    resolved_at: UtcDatetime | None
-    firing_notified: bool
-    resolved_notified: bool
-
-
 class NotificationOut(BaseModel):
+    """What one channel did with one transition (the payload it sent stays in the store)."""
+
+    model_config = ConfigDict(from_attributes=True)
+
     id: int
     event: Literal["firing", "resolved"]
     channel: str
@@ -76,43 +61,14 @@ class NotificationOut(BaseModel):
     created_at: UtcDatetime
 
 
-class SilenceOut(BaseModel):
-    id: int
-    project: str | None
-    rule: str | None
-    run_id: str | None
-    labels: dict[str, Any]
-    starts_at: UtcDatetime
-    ends_at: UtcDatetime
-    comment: str
-    created_by: str
-
-
-def _rule_out(row: AlertRuleRow) -> RuleOut:
-    return RuleOut(
-        **rule_from_row(row).model_dump(),
-        source=row.source,
-        created_at=row.created_at,
-        updated_at=row.updated_at,
-    )
-
-
-def _alert_out(view: AlertView) -> AlertOut:
-    fields = {k: v for k, v in view.__dict__.items() if k != "project"}
-    return AlertOut(**fields)
-
-
-def _silence_out(row: SilenceRow) -> SilenceOut:
-    return SilenceOut(
-        id=row.id,
-        project=row.project,
-        rule=row.rule_name,
-        run_id=row.run_id,
-        labels=row.labels,
-        starts_at=row.starts_at,
-        ends_at=row.ends_at,
-        comment=row.comment,
-        created_by=row.created_by,
+def _rule_out(row: StoredRule) -> RuleOut:
+    return RuleOut.model_validate(
+        {
+            **rule_from_row(row).model_dump(),
+            "source": row.source,
+            "created_at": row.created_at,
+            "updated_at": row.updated_at,
+        }
     )
 
 
@@ -215,27 +171,27 @@ def remove_rule(name: RuleName, principal: Writer, store: StoreDep) -> Response:
 # ---------------------------------------------------------------------- alerts
 
 
-@router.get("/alerts", response_model=list[AlertOut], summary="Alerts of the caller's runs, newest first")
+@router.get("/alerts", response_model=list[Alert], summary="Alerts of the caller's runs, newest first")
 def alerts(
     principal: Reader,
     store: StoreDep,
     state: Annotated[list[AlertState] | None, Query(description="only these states")] = None,
     limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
-) -> list[AlertOut]:
+) -> list[Alert]:
     project = principal.project if principal is not None else None
-    return [_alert_out(a) for a in list_alerts(store, project=project, states=state, limit=limit)]
+    return list_alerts(store, project=project, states=state, limit=limit)
 
 
-@router.get("/runs/{run_id}/alerts", response_model=list[AlertOut], summary="Alerts of one run, newest first")
+@router.get("/runs/{run_id}/alerts", response_model=list[Alert], summary="Alerts of one run, newest first")
 def run_alerts(
     run_id: ReadableRun,
     store: StoreDep,
     state: Annotated[list[AlertState] | None, Query(description="only these states")] = None,
-) -> list[AlertOut]:
-    return [_alert_out(a) for a in list_alerts(store, run_id=run_id, states=state)]
+) -> list[Alert]:
+    return list_alerts(store, run_id=run_id, states=state)
 
 
-def _visible_alert(store: Store, alert_id: int, principal: Any) -> AlertView:
+def _visible_alert(store: Store, alert_id: int, principal: Principal | None) -> Alert:
     alert = get_alert(store, alert_id)
     if alert is None or not can_see(principal, alert.project):
         raise _not_found(f"alert_id: no alert {alert_id}")
@@ -245,9 +201,9 @@ def _visible_alert(store: Store, alert_id: int, principal: Any) -> AlertView:
 AlertId = Annotated[int, Path(ge=1, le=2**62)]
 
 
-@router.get("/alerts/{alert_id}", response_model=AlertOut, summary="One alert")
-def alert(alert_id: AlertId, principal: Reader, store: StoreDep) -> AlertOut:
-    return _alert_out(_visible_alert(store, alert_id, principal))
+@router.get("/alerts/{alert_id}", response_model=Alert, summary="One alert")
+def alert(alert_id: AlertId, principal: Reader, store: StoreDep) -> Alert:
+    return _visible_alert(store, alert_id, principal)
 
 
 @router.get(
@@ -257,34 +213,20 @@ def alert(alert_id: AlertId, principal: Reader, store: StoreDep) -> AlertOut:
 )
 def alert_notifications(alert_id: AlertId, principal: Reader, store: StoreDep) -> list[NotificationOut]:
     _visible_alert(store, alert_id, principal)
-    return [
-        NotificationOut(
-            id=n.id,
-            event=n.event,
-            channel=n.channel,
-            status=n.status,
-            attempts=n.attempts,
-            error=n.error,
-            created_at=n.created_at,
-        )
-        for n in notifications(store, alert_id)
-    ]
+    return [NotificationOut.model_validate(n) for n in notifications(store, alert_id)]
 
 
 # ---------------------------------------------------------------------- silences
 
 
-@router.get("/silences", response_model=list[SilenceOut], summary="Silences, latest ending first")
+@router.get("/silences", response_model=list[Silence], summary="Silences, latest ending first")
 def silences(
     principal: Reader,
     store: StoreDep,
     active: Annotated[bool, Query(description="only those in force now")] = False,
-) -> list[SilenceOut]:
-    from isoaudit.audit.records import utcnow
-
+) -> list[Silence]:
     project = principal.project if principal is not None else None
-    rows = list_silences(store, project, active_at=utcnow() if active else None)
-    return [_silence_out(row) for row in rows]
+    return list_silences(store, project, active_at=utcnow() if active else None)
 
 
 SilenceId = Annotated[int, Path(ge=1, le=2**62)]
@@ -292,40 +234,41 @@ SilenceId = Annotated[int, Path(ge=1, le=2**62)]
 
 @router.post(
     "/silences",
-    response_model=SilenceOut,
+    response_model=Silence,
     status_code=status.HTTP_201_CREATED,
     summary="Mute notifications of matching alerts of the caller's project until it ends",
 )
-def add_silence(spec: SilenceSpec, principal: Writer, store: StoreDep) -> SilenceOut:
+def add_silence(spec: SilenceSpec, principal: Writer, store: StoreDep) -> Silence:
     storable_body(spec)
     try:
-        row = create_silence(store, spec, project=principal.project, created_by=f"token:{principal.token_id}")
+        return create_silence(
+            store, spec, project=principal.project, created_by=f"token:{principal.token_id}"
+        )
     except ValueError as exc:
         raise HTTPException(
             status.HTTP_422_UNPROCESSABLE_CONTENT,
             detail=[{"loc": ["body", "ends_at"], "msg": str(exc), "type": "value_error"}],
         ) from exc
-    return _silence_out(row)
 
 
-@router.get("/silences/{silence_id}", response_model=SilenceOut, summary="One silence")
-def silence(silence_id: SilenceId, principal: Reader, store: StoreDep) -> SilenceOut:
+@router.get("/silences/{silence_id}", response_model=Silence, summary="One silence")
+def silence(silence_id: SilenceId, principal: Reader, store: StoreDep) -> Silence:
     row = get_silence(store, silence_id)
     if row is None or not can_see(principal, row.project):
         raise _not_found(f"silence_id: no silence {silence_id}")
-    return _silence_out(row)
+    return row
 
 
 @router.delete(
     "/silences/{silence_id}",
-    response_model=SilenceOut,
+    response_model=Silence,
     summary="End a silence now (kept for the record)",
 )
-def end_silence(silence_id: SilenceId, principal: Writer, store: StoreDep) -> SilenceOut:
+def end_silence(silence_id: SilenceId, principal: Writer, store: StoreDep) -> Silence:
     row = get_silence(store, silence_id)
     if row is None or row.project != principal.project:
         raise _not_found(f"silence_id: no silence {silence_id}")
     expire_silence(store, silence_id)
     ended = get_silence(store, silence_id)
     assert ended is not None
-    return _silence_out(ended)
+    return ended

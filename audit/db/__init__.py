@@ -1,0 +1,1 @@
+"""The data layer: the one door into the database."""
