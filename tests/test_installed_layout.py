@@ -221,3 +221,21 @@ def test_the_kernels_folder_cannot_shadow_hugging_faces_kernels() -> None:
     assert Path(ours) == ROOT / "kernels" / "__init__.py"
     assert "site-packages" in theirs and Path(theirs).parent != ROOT / "kernels"
     assert (one_module, apis) == ("True", "True True")
+
+
+def test_every_package_folder_is_listed_for_the_wheel() -> None:
+    """pyproject.toml lists packages by name (the mapping needs it): a folder with an
+    ``__init__.py`` that is missing from the list would be left out of the wheel."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        from installed_layout import package_folders
+    finally:
+        sys.path.pop(0)
+    listed = {folder.resolve() for folder in package_folders(ROOT).values()}
+    found = {
+        init.parent.resolve()
+        for part in ("isoaudit", *GENERIC_NAMES)
+        for init in (ROOT / part).rglob("__init__.py")
+        if "__pycache__" not in init.parts
+    }
+    assert found - listed == set(), sorted(str(f.relative_to(ROOT)) for f in found - listed)
