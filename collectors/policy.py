@@ -126,7 +126,7 @@ def torch_op(name: str) -> Impl:
 def rope_op() -> Impl:
     """HF's default RoPE arithmetic in torch ops (fp32 cos/sin of inv_freq x position, cast to the
     model dtype, ``q * cos + rotate_half(q) * sin``): what HF models run, and what
-    :mod:`collectors.vllm.remediation` runs in vLLM."""
+    :mod:`collectors.vllm.worker.remediation` runs in vLLM."""
     return Impl("torch.rope_hf", _torch_version())
 
 

@@ -3,7 +3,7 @@ attached to the vLLM collector's sample records like the trainer's (:mod:`collec
 
 vLLM's routers call a capture function with the logical expert ids of every forward
 (``BaseRouter.set_capture_fn``, the hook behind its own routed-experts output); a pre-hook on the
-model reads the forward's layout (:func:`collectors.vllm.rows.read_forward_rows`), so each flat row
+model reads the forward's layout (:func:`collectors.vllm.worker.rows.read_forward_rows`), so each flat row
 is filed under its request at its absolute position. Only the ids are kept: one byte per choice
 for up to 256 experts. vLLM's own routed-experts output (``enable_return_routed_experts``) needs
 its model runner V2, which needs Triton, so the CPU build cannot return it; these hooks work with
@@ -11,7 +11,7 @@ either runner.
 
 The capture lives in each worker (:class:`WorkerRoutes`) and the driver reaches it the way the
 other worker facts travel: through :class:`collectors.vllm.link.EngineLink`, i.e. ``collective_rpc``
-with the worker-side functions of :mod:`collectors.vllm.worker` (``routing_start``, ``routing_take``,
+with the worker-side functions of :mod:`isoaudit.collectors.vllm.worker.calls` (``routing_start``, ``routing_take``,
 ``routing_stop``) in an in-process engine, or the worker extension's ``isoaudit_routing_*`` methods
 when the workers are other processes. Routes cross as msgpack-native dicts (:func:`routes_to_wire`),
 a few bytes a token and layer; the driver asks once per batch of records, by sample key.
@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from isoaudit.audit.records import Record, Routes, SampleLogprobs, sample_key
 from isoaudit.collectors.counting import Counters, LogOnce
-from isoaudit.collectors.vllm.rows import ForwardRows, read_forward_rows
+from isoaudit.collectors.vllm.worker.rows import ForwardRows, read_forward_rows
 from torch import nn
 
 log = logging.getLogger(__name__)

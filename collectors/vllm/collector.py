@@ -18,7 +18,7 @@ engine's per-region fingerprints at every position it computed, as ``engine_pref
 ``engine_decode``. ``record_step`` never raises (unless ``strict=True``); records go to the sink's
 queue. At the end of each ``record_step`` (or at ``begin_step``, called before ``generate``) the collector
 asks its control channel for the desired remediation mode; a new one goes to every worker, which
-switches its layers at its next step (:mod:`collectors.vllm.remediation`) and reports the mode it
+switches its layers at its next step (:mod:`collectors.vllm.worker.remediation`) and reports the mode it
 runs, and each op's implementation, with the next drain; the manifest then says what was applied
 and which regions stay native.
 """

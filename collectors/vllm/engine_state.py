@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from isoaudit.collectors.counting import LogOnce
-from isoaudit.collectors.vllm.traces import external_id
+from isoaudit.collectors.vllm.worker.requests import external_id
 
 log = logging.getLogger(__name__)
 

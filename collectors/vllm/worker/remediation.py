@@ -6,7 +6,7 @@ vLLM lets a worker replace, per layer instance and between two steps:
   invariant GEMM (:func:`kernels.dispatch.linear`) on the layer's *raw* weight. vLLM-CPU packs each
   weight for oneDNN/SGL at load and removes the original, so :func:`keep_raw_weights` hooks
   ``UnquantizedLinearMethod.process_weights_after_loading`` to keep it; it must be installed before
-  the worker loads the model (importing :mod:`collectors.vllm.worker`, the worker extension, does
+  the worker loads the model (importing :mod:`isoaudit.collectors.vllm.extension`, the worker extension, does
   it; so does :class:`collectors.rl.rollout.VllmRollout`), and an in-place weight reload re-runs it;
 * the **RMSNorm and SiluAndMul ops**: ``CustomOp`` binds its forward at construction, so each
   instance's ``_forward_method`` is swapped (the residual-fused norm: ``x + residual`` in the model
@@ -440,7 +440,7 @@ class WorkerRemediation:
             native["linear"] = (
                 f"{len(unkept)} layers' raw weights were not kept at load (e.g. {unkept[0]}): start the "
                 "engine with worker_extension_cls=collectors.vllm.EXTENSION, or call "
-                "isoaudit.collectors.vllm.remediation.keep_raw_weights() before creating it"
+                "isoaudit.collectors.vllm.worker.remediation.keep_raw_weights() before creating it"
             )
         if quantized:
             native["linear"] = f"{len(quantized)} quantized layers (e.g. {quantized[0]})"

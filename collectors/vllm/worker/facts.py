@@ -15,8 +15,7 @@ import platform
 from typing import Any
 
 import torch
-
-from ..manifest import kernel_facts
+from isoaudit.collectors.manifest import kernel_facts
 
 
 def _name(value: Any) -> str | None:
