@@ -35,6 +35,7 @@ from isoaudit.collectors.manifest import ContractArg
 from isoaudit.collectors.regions import RegionsArg
 from isoaudit.collectors.remediation import RemediationHook, apply_kernels_mode
 from isoaudit.collectors.sinks.base import Sink
+from isoaudit.collectors.sinks.spool import DEFAULT_SPOOL_DIR
 
 if TYPE_CHECKING:
     from isoaudit.collectors.engine_capture import EngineCollector
@@ -83,7 +84,7 @@ class ServiceDestination(Destination):
         url: str,
         token: str,
         *,
-        spool_dir: str | Path | None = "./isoaudit-spool",
+        spool_dir: str | Path | None = DEFAULT_SPOOL_DIR,
         timeout: float = 10.0,
         control_interval: float = 2.0,
     ) -> None:
@@ -194,7 +195,7 @@ def destination_from(
         return ServiceDestination(
             url,
             token or env.get("ISOAUDIT_TOKEN", ""),
-            spool_dir=spool_dir if spool_dir is not None else "./isoaudit-spool",
+            spool_dir=spool_dir if spool_dir is not None else DEFAULT_SPOOL_DIR,
             control_interval=2.0 if control_interval is None else control_interval,
         )
     return DatabaseDestination(
@@ -526,7 +527,7 @@ def session(
     ``url``/``token``: the service (default ``ISOAUDIT_URL``/``ISOAUDIT_TOKEN``);
     ``database_url``: direct writes (default ``ISOAUDIT_DATABASE_URL``, else ``./isoaudit.db``);
     ``project``: the project of direct writes; ``spool_dir``: where records wait while the
-    destination is down (service default ``./isoaudit-spool``); ``control_interval``: seconds
+    destination is down (service default :data:`~isoaudit.collectors.sinks.spool.DEFAULT_SPOOL_DIR`); ``control_interval``: seconds
     between control reads (service 2, database 1); ``destination``: any :class:`Destination`
     instead (e.g. :class:`MemoryDestination`); ``strict``: collectors raise instead of counting
     errors (tests); ``report``: print the summary on close; ``contracts``: every side a ``watch_*``

@@ -77,7 +77,8 @@ class StepPipeline(Generic[T]):
         return self._thread is not None and self._thread.is_alive()
 
     def push(self, item: T, *, room: int, timeout: float) -> bool:
-        """Queue a step. With a helper thread, at most ``room`` steps wait: beyond that this waits
+        """Queue a step. With a helper thread, at most ``room`` steps wait (without one, the bound
+        is ``take``'s ``block_beyond``): beyond that this waits
         up to ``timeout`` seconds for the oldest to be built; ``False``: it was not, the step is not
         queued (the caller builds it itself, the helper being stuck)."""
         if self.background and len(self._entries) >= room:
@@ -118,6 +119,13 @@ class StepPipeline(Generic[T]):
                 complete = False
                 break
         return self.take(None), complete
+
+    def build_now(self, item: T) -> Outcome:
+        """Build a step outside the queue (the helper thread being stuck): its outcome, at once."""
+        entry = _Entry(item, claimed=True)
+        self._build_entry(entry)
+        assert entry.outcome is not None
+        return entry.outcome
 
     def stop(self, timeout: float) -> None:
         """End the helper thread (the steps still queued stay, built by the training thread)."""

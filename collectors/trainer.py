@@ -350,9 +350,7 @@ class TrainerCollector(Collector):
             self._send_finished(self._pipeline.take(None))  # earlier steps, built meanwhile
             # a helper stuck on max_inflight + 1 steps: this one is built and sent here
             if not self._pipeline.push(pending, room=self.max_inflight + 1, timeout=PUT_TIMEOUT):
-                built = self.guarded("building records", self._build, pending)
-                if built is not None:
-                    self.guarded("sending records", self._send, pending, built)
+                self._send_finished([(pending, self._pipeline.build_now(pending))])
             self._step_boundary()
             return StepReport(step, [], -1, own, [], deferred=True)
         self._pipeline.push(pending, room=self.max_inflight + 1, timeout=PUT_TIMEOUT)

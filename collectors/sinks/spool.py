@@ -22,6 +22,9 @@ log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^(\d{16})-(\d+)-[0-9a-f]{8}\.batch$")
 
+#: Where a service sink keeps batches while the service is down, unless told otherwise.
+DEFAULT_SPOOL_DIR = Path("./isoaudit-spool")
+
 
 @dataclass(frozen=True)
 class SpoolEntry:
