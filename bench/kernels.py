@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common import host_us, qwen3_05b  # noqa: E402
 from isoaudit.kernels import gdn as G  # noqa: E402
 from isoaudit.kernels import gdn_decode as GD  # noqa: E402
 from isoaudit.kernels.attention import attention  # noqa: E402
@@ -300,25 +301,11 @@ def bench_tune_small() -> None:
 def bench_launch() -> None:
     """Host time per call without a sync (what bounds an eager decode step): the calls are queued
     faster than the GPU runs them only if the host is the bottleneck, so time the Python loop."""
-    import time
 
     from isoaudit.kernels import _triton
 
     if TIMING != "eager":
         return
-
-    def host_us(fn, calls: int = 300) -> float:
-        for _ in range(20):
-            fn()
-        torch.cuda.synchronize()
-        best = float("inf")
-        for _ in range(5):
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            best = min(best, (time.perf_counter() - t0) / calls * 1e6)
-            torch.cuda.synchronize()
-        return best
 
     k = 4096
     w = torch.randn(k, k, device="cuda").bfloat16()
@@ -394,20 +381,6 @@ def bench_fingerprint() -> None:
             coll._TRITON = saved
 
 
-def _qwen3_05b(layers: int = 24):
-    """A random Qwen3-shaped ~0.5B bf16 model (24 layers, hidden 896, 14/2 heads of 64, MLP 4864,
-    vocab 151,936, tied embeddings)."""
-    import transformers
-
-    cfg = transformers.Qwen3Config(
-        vocab_size=151_936, hidden_size=896, intermediate_size=4864, num_hidden_layers=layers,
-        num_attention_heads=14, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048,
-        tie_word_embeddings=True, attn_implementation="sdpa",
-    )  # fmt: skip
-    torch.manual_seed(0)
-    return transformers.Qwen3ForCausalLM(cfg).to("cuda", torch.bfloat16)
-
-
 def bench_trainer() -> None:
     """The trainer's forward+backward on the ~0.5B Qwen3-shaped bf16 model over 64 x 256 tokens:
     the loss is the sum of the sampled tokens' logprobs, as an RL trainer's. Wall time per step
@@ -420,7 +393,7 @@ def bench_trainer() -> None:
 
     if TIMING != "eager":
         return
-    model = _qwen3_05b()
+    model = qwen3_05b()
     hidden = model.config.hidden_size
     ids = torch.randint(0, model.config.vocab_size, (64, 256), device="cuda")
 
@@ -475,7 +448,7 @@ def bench_engine() -> None:
 
     if TIMING != "eager":
         return
-    hf = _qwen3_05b()
+    hf = qwen3_05b()
     model = HFCausalLM(hf)
     vocab = hf.config.vocab_size
 
