@@ -908,7 +908,7 @@ def bench_fla() -> None:
             fla_fb()
         except RuntimeError as exc:  # fla refuses its gated backward with Triton < 3.7.1 on Hopper (#640)
             # Lifting the guard is opt-in: on the H200 with Triton 3.6 fla's backward then hit an
-            # illegal memory access, which ends the process (measured 2026-12-02).
+            # illegal memory access, which ends the process.
             if os.environ.get("ISOAUDIT_BENCH_FLA_LIFT_GUARD") != "1" or not _lift_fla_guard(exc):
                 print(f"[{TIMING}] fla backward failed: {exc!r}"[:300], flush=True)
                 _fla_ungated_bound(xs, cu, gout, (b, n, h, d), shape, ours_fb)
@@ -987,8 +987,8 @@ def bench_fla_decode() -> None:
 
 
 def bench_tree() -> None:
-    """The TP-invariant tree GEMM against a shard matmul at TP 1 and 2, ranks simulated on this GPU
-    (issue 20 item 4): per rank, native = its K shard's cuBLAS matmul plus, at TP 2, the bf16 add
+    """The TP-invariant tree GEMM against a shard matmul at TP 1 and 2, ranks simulated on this GPU:
+    per rank, native = its K shard's cuBLAS matmul plus, at TP 2, the bf16 add
     an all-reduce performs; invariant = its subtree's root and the add of the two roots with the
     one rounding (the all-gather's arithmetic), at TP 1 the whole ``tree_gemm``. Communication
     itself is not timed (one GPU). Plans are (leaf, max_tp), shared by both sides: the default
@@ -1043,7 +1043,7 @@ def bench_tree() -> None:
 
 def bench_moe() -> None:
     """The MoE layer (router + experts + combine) with the kernels on, against the same HF Qwen3-MoE
-    block on its native grouped-GEMM experts (``torch._grouped_mm``), same weights (issue 19).
+    block on its native grouped-GEMM experts (``torch._grouped_mm``), same weights.
     Rows: the fast path (fused router epilogue, counting sort, SiLU*up in the gate-up GEMM's
     epilogue), the same with SiLU*up as its own launch (``ISOAUDIT_MOE_GLU=0``), and the host-table
     path (``ISOAUDIT_MOE_FAST=0``); each line also gives the GPU kernels one forward launches and
@@ -1094,7 +1094,7 @@ def bench_moe() -> None:
             print(f"    bitwise equal to the host-table path: {same}", flush=True)
 
 
-#: ``--only all``: every figure issue 20 asks for, each under the timing it is judged by (device
+#: ``--only all``: every figure this bench reports, each under the timing it is judged by (device
 #: time in graph replay for the kernels a decode step captures, wall time for the host, the
 #: trainer, the engine and the library comparisons), in one run.
 ALL = (

@@ -1,4 +1,4 @@
-"""The cost of MoE routing in the audit (issue 19), each against a baseline measured in the same run:
+"""The cost of MoE routing in the audit, each against a baseline measured in the same run:
 
 1. **comparator**: ``compare_samples`` + ``step_summary`` (which makes the step's routing aggregate
    from the samples' comparisons) over one step of 256 samples x 1,024 tokens whose records carry

@@ -2,7 +2,7 @@
 RegionFingerprints per (sample, region), each with the sample's absolute positions.
 
 Shared by both collectors: whatever the engine, a collector ends up with flat per-row arrays and a
-layout (:class:`collectors.layout.StepBatch`), and this module cuts them per sample.
+layout (:class:`isoaudit.collectors.layout.StepBatch`), and this module cuts them per sample.
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ exactly the ``log_softmax(logits / T)`` a trainer writes (on CUDA, dividing by a
 tensor of the same value can round differently).
 
 While the invariant kernels are on (remediation mode ``invariant``), the log-softmax is theirs, so the
-trainer's logprobs are the same arithmetic as an engine running :func:`kernels.dispatch.token_logprobs`.
+trainer's logprobs are the same arithmetic as an engine running
+:func:`isoaudit.kernels.dispatch.token_logprobs`.
 """
 
 from __future__ import annotations

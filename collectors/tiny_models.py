@@ -4,7 +4,7 @@ Nothing is downloaded: the config is a standard HF Qwen3, Llama, Qwen3-MoE or Mi
 transformers and vLLM both load the directory), the weights are random from a seed, and the tokenizer
 is a byte-level BPE trained in a second on a small built-in corpus and saved as an HF fast tokenizer.
 
-Mixture-of-experts families (routing tests, issue 19): every layer sparse; router weights are drawn
+Mixture-of-experts families (routing tests): every layer sparse; router weights are drawn
 with standard deviation ``router_scale / sqrt(hidden)`` (router logits of about unit spread):
 decisive for most tokens, with close calls left for noise to flip.
 """

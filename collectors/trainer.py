@@ -3,7 +3,7 @@
 
 Usage in a training loop::
 
-    handle = audit.watch_trainer(model, sample_every=10)   # audit: a isoaudit.session(...)
+    handle = audit.watch_trainer(model, sample_every=10)   # audit: an isoaudit.session(...)
     for step, batch in enumerate(loader):
         handle.begin_step(step)                       # optional: gates fingerprinting precisely
         out = model(**batch.model_inputs())           # hooks fingerprint regions on the device
@@ -91,7 +91,7 @@ class TrainerCollector(Collector):
     ``trainer_recompute``. ``contract``: the execution contract (or its identities) for the
     manifest. ``control``: where the desired remediation mode comes from (``None``: never
     switches by itself). ``remediation_hook(model, mode)``: how this process switches modes
-    (default: :mod:`kernels` on/off). ``mode``: the mode the model runs in now.
+    (default: :mod:`isoaudit.kernels` on/off). ``mode``: the mode the model runs in now.
     ``validate``: build records through pydantic (tests; the store validates anyway);
     ``strict``: raise instead of counting errors (tests); ``keep_records``: return each step's
     records in its report. ``weight_digests``: digest every parameter on its device at attach and

@@ -4,12 +4,12 @@ Each holds its *own* copy of the policy's weights, as a real rollout engine does
 sync after an update is a real transfer with a version, not a shared tensor:
 
 * :class:`VllmRollout`: the real vLLM engine (``vllm.LLM``; the CPU build in tests), weights
-  pushed with :func:`collectors.vllm.load_weights` between two ``generate`` calls: the synchronous
+  pushed with :func:`isoaudit.collectors.vllm.load_weights` between two ``generate`` calls: the synchronous
   ``LLM``'s equivalent of ``pause_generation(mode="keep", clear_cache=False)`` → ``collective_rpc``
   → ``resume_generation`` (``LLM`` has no pause: nothing runs between two ``generate`` calls, and
   the in-place reload keeps the caches). Remediation reaches inside it through the isoaudit worker
-  extension (:mod:`collectors.vllm.worker.remediation`);
-* :class:`ReferenceRollout`: isoaudit's reference engine (:class:`kernels.engine.RolloutEngine`:
+  extension (:mod:`isoaudit.collectors.vllm.worker.remediation`);
+* :class:`ReferenceRollout`: isoaudit's reference engine (:class:`isoaudit.kernels.engine.RolloutEngine`:
   batched prefill, then incremental decode with a KV cache) over a deep copy of the policy.
 """
 

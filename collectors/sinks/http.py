@@ -1,7 +1,7 @@
 """Records to the isoaudit service: ``POST {url}/v1/ingest`` with a bearer token.
 
 The reply carries the run's desired remediation mode (``control``), handed to ``on_control`` (the
-session's :class:`collectors.control.ServiceControl`), and the records it refused one by one
+session's :class:`isoaudit.collectors.control.ServiceControl`), and the records it refused one by one
 (``rejected``), counted here.
 """
 

@@ -2,7 +2,7 @@
 started with the isoaudit worker extension (the only way into worker processes), or with the
 worker-side functions themselves when the engine runs in this process. Either way the same
 functions of :mod:`isoaudit.collectors.vllm.worker.calls` run on the same wire-form messages
-(:mod:`collectors.vllm.messages`), so both modes produce the same records.
+(:mod:`isoaudit.collectors.vllm.messages`), so both modes produce the same records.
 """
 
 from __future__ import annotations

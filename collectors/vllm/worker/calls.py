@@ -3,15 +3,16 @@
 The functions here take the worker as their first argument, so the driver can run them in two ways
 with the same code: as callables through ``LLM.collective_rpc`` when the engine is in-process, or as
 the methods of :class:`IsoauditWorkerExtension` (``worker_extension_cls``) when the workers are other
-processes. Arguments and results are the typed messages of :mod:`collectors.vllm.messages` in their
+processes. Arguments and results are the typed messages of :mod:`isoaudit.collectors.vllm.messages` in their
 wire form (msgpack-native data), which ``collective_rpc`` carries in either mode.
 
 Remediation: :func:`set_mode` asks the worker's capture to switch at its next step boundary (the
-next ``execute_model``), where :mod:`collectors.vllm.worker.remediation` moves the worker's layers onto
-isoaudit's invariant kernels (or back); the mode it then runs, what stays native and why, and the
-implementation of each op come back with the next drain (:class:`~collectors.vllm.messages.ModeState`).
-Importing this module once vLLM is imported (as a worker process does when it resolves the
-extension) makes linear layers keep their raw weights at load, which the invariant GEMM needs.
+next ``execute_model``), where :mod:`isoaudit.collectors.vllm.worker.remediation` moves the worker's layers
+onto isoaudit's invariant kernels (or back); the mode it then runs, what stays native and why, and the
+implementation of each op come back with the next drain
+(:class:`~isoaudit.collectors.vllm.messages.ModeState`). Importing this module once vLLM is imported (as a
+worker process does when it resolves the extension) makes linear layers keep their raw weights at load, which
+the invariant GEMM needs.
 
 Only tensor-parallel rank 0 of each pipeline stage captures: every TP rank sees the same full
 hidden states after the all-reduce, and each pipeline stage sees its own layers.
@@ -243,7 +244,8 @@ def release_facts(obj: Any) -> None:
 
 def routing_start(obj: Any) -> Any:
     """Capture the experts this worker's fused-MoE layers choose per token (replacing an earlier
-    capture): the MoE layout, or ``{"skipped": reason}`` (:func:`collectors.routing_vllm.start_worker`)."""
+    capture): the MoE layout, or ``{"skipped": reason}``
+    (:func:`isoaudit.collectors.routing_vllm.start_worker`)."""
     from isoaudit.collectors.routing_vllm import start_worker
 
     return start_worker(_worker(obj), _ranks()[0])
