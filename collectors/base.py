@@ -24,7 +24,7 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, ParamSpec, TypeVar
 
 from isoaudit.audit.records import Case, Manifest, Record, Run, RuntimeFacts, Side
 from isoaudit.collectors.control import MODES, ControlChannel
@@ -35,6 +35,7 @@ from isoaudit.collectors.sinks.base import Sink
 log = logging.getLogger("isoaudit.collectors")
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 
 class CollectorCounters(Counters):
@@ -163,7 +164,7 @@ class Collector(ABC):
     def attached(self) -> bool:
         return not self._detached
 
-    def guarded(self, where: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T | None:
+    def guarded(self, where: str, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T | None:
         """``fn(*args, **kwargs)``, or ``None`` if it raised: counted, logged once per ``where``,
         re-raised only with ``strict=True``."""
         try:

@@ -25,7 +25,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypedDict, TypeVar
 
 from isoaudit.audit.config import database_url as resolve_database_url
 from isoaudit.audit.records import Case, Run, StepStats
@@ -506,6 +506,22 @@ class Session:
     def _add(self, collector: C) -> C:
         self.collectors.append(collector)
         return collector
+
+
+class SessionOptions(TypedDict, total=False):
+    """:func:`session`'s keyword arguments, for callers that pass them on (framework adapters)."""
+
+    url: str | None
+    token: str | None
+    database_url: str | None
+    project: str
+    spool_dir: str | Path | None
+    control_interval: float | None
+    destination: Destination | None
+    strict: bool
+    report: bool
+    contracts: bool
+    rank: int | None
 
 
 def session(

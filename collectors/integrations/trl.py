@@ -48,13 +48,14 @@ import logging
 import math
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Unpack
 
 import torch
 from isoaudit.audit.records import StepStats
 from isoaudit.collectors.counting import LogOnce
 from isoaudit.collectors.integrations.given import GivenLogprobs, watch_given
 from isoaudit.collectors.layout import StepBatch
+from isoaudit.collectors.sessions import SessionOptions
 from isoaudit.collectors.sessions import session as audit_session
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
@@ -121,7 +122,7 @@ class IsoauditCallback(TrainerCallback):
         weight_digest: bool = False,
         ranks: Ranks = "all",
         step_stats: bool = True,
-        **session_args: Any,
+        **session_args: Unpack[SessionOptions],
     ) -> None:
         if weight_sync not in ("auto", "trl", "isoaudit"):
             raise ValueError(f"weight_sync: expected 'auto', 'trl' or 'isoaudit', got {weight_sync!r}")
@@ -153,7 +154,7 @@ class IsoauditCallback(TrainerCallback):
     # ------------------------------------------------------------------ TrainerCallback
 
     def on_train_begin(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: object
     ) -> None:
         if self._started:
             return
@@ -174,7 +175,7 @@ class IsoauditCallback(TrainerCallback):
         state: TrainerState,
         control: TrainerControl,
         logs: Mapping[str, Any] | None = None,
-        **kwargs: Any,
+        **kwargs: object,
     ) -> None:
         if not (self.step_stats and logs and state.is_world_process_zero and self.trainer_side):
             return
@@ -186,7 +187,7 @@ class IsoauditCallback(TrainerCallback):
         )
 
     def on_train_end(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: object
     ) -> None:
         self.close()
 

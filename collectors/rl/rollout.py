@@ -106,7 +106,7 @@ class VllmRollout(Rollout):
         dtype: str = "bfloat16",
         seed: int = 0,
         max_model_len: int = 512,
-        **engine: Any,
+        **engine: object,
     ) -> None:
         from isoaudit.collectors.vllm import EXTENSION
         from isoaudit.collectors.vllm.worker.remediation import keep_raw_weights
