@@ -41,7 +41,14 @@ P = ParamSpec("P")
 class CollectorCounters(Counters):
     """What every side counts; a side adds its own names."""
 
-    NAMES = ("steps", "samples", "fingerprint_records", "manifests", "errors", "mode_switches")
+    NAMES: ClassVar[tuple[str, ...]] = (
+        "steps",
+        "samples",
+        "fingerprint_records",
+        "manifests",
+        "errors",
+        "mode_switches",
+    )
 
 
 @dataclass(frozen=True)

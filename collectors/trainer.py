@@ -314,6 +314,7 @@ class TrainerCollector(Collector):
         predict, target = batch.completion_rows()
         if need_logits:
             assert capture is not None and capture.logits is not None
+            assert batch.temperature is not None  # StepBatch fills it in
             sample_of = np.repeat(np.arange(batch.num_samples), [s.completion_len for s in batch.spans])
             tensors["lp"] = processed_logprobs(
                 capture.logits.detach(),
@@ -321,7 +322,7 @@ class TrainerCollector(Collector):
                 predict,
                 target,
                 batch.temperature,
-                sample_of,  # type: ignore[arg-type]
+                sample_of,
                 **transforms,
             )
         else:
@@ -329,7 +330,9 @@ class TrainerCollector(Collector):
         prints = self._prints_of(capture, batch) if fingerprint_now and capture is not None else {}
         if prints and capture is not None and capture.rows is not None:
             tensors["rows"] = capture.rows
-        packed, layout = pack_prints(list(prints.values()), prefix="p")  # a few groups, not every region
+        packed, prints_layout = pack_prints(
+            list(prints.values()), prefix="p"
+        )  # a few groups, not every region
         tensors.update(packed)
         self.counters.steps += 1
         if own:
@@ -340,7 +343,7 @@ class TrainerCollector(Collector):
             # the step's one transfer; the fingerprints ("p...") are this step's own, never written again
             copy=HostCopy(tensors, asynchronous=self.async_transfer, fresh=_is_print),
             version=version,
-            layout=layout,
+            layout=prints_layout,
             keys=list(prints),
             compacted=bool(prints) and capture is not None and capture.rows is not None,
             head=records,

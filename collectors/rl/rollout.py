@@ -19,7 +19,7 @@ import copy
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from isoaudit.collectors.base import Collector
@@ -123,7 +123,7 @@ class VllmRollout(Rollout):
             logprobs_mode="processed_logprobs",
             enable_prefix_caching=False,
             worker_extension_cls=EXTENSION,  # reaches worker processes too (VLLM_ENABLE_V1_MULTIPROCESSING=1)
-            **engine,
+            **cast(dict[str, Any], engine),  # vllm.LLM's other keyword arguments, checked by vLLM
         )
 
     def watch(self, audit: Session) -> Collector:

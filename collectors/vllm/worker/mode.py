@@ -41,6 +41,8 @@ class ModeSwitcher:
         request, self._pending = self._pending, None
         if request is None:
             return
+        applied: str
+        reason: str | None
         try:
             if self.switch is None:
                 applied, reason = "native", "this worker has no way to switch modes"

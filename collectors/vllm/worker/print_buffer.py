@@ -206,8 +206,8 @@ class PrintBuffer:
         self.counters.fingerprinted_forwards += len(steps)
         for k, step in enumerate(steps):
             filed = [
-                (g, tuple(regions), np.asarray(offsets, dtype=np.int64))
-                for g, (regions, offsets) in where[k].items()
+                (g, tuple(group_regions), np.asarray(group_offsets, dtype=np.int64))
+                for g, (group_regions, group_offsets) in where[k].items()
             ]
             for member in step.members:
                 if not self.book.live(member.trace):
@@ -215,17 +215,17 @@ class PrintBuffer:
                 positions = member.positions
                 if positions is None:
                     positions = host[f"pos{k}"][member.first : member.first + member.count].astype(np.int64)
-                for g, regions, offsets in filed:
+                for g, filed_regions, filed_offsets in filed:
                     logits = logits_group[g]
                     member.trace.pieces.append(
                         Piece(
                             blocks[g],
-                            regions,
-                            offsets,
+                            filed_regions,
+                            filed_offsets,
                             member.row if logits else member.first,
                             1 if logits else member.count,
                             positions[-1:] if logits else positions,
                             member.decode,
                         )
                     )
-                    self.counters.rows += (1 if logits else member.count) * len(regions)
+                    self.counters.rows += (1 if logits else member.count) * len(filed_regions)
