@@ -193,7 +193,7 @@ class EngineCollector(Collector):
         if isinstance(contract, str) and contract == "auto":
             from isoaudit.collectors.policy import hf_contracts, torch_op
 
-            contract = hf_contracts(adapter.model, native_attention=torch_op("sdpa"))  # type: ignore[assignment]
+            contract = hf_contracts(adapter.model, native_attention=torch_op("sdpa"))
         super().__init__(
             run=run,
             sink=sink,

@@ -199,7 +199,12 @@ class TrainerRoutes(_Recorder):
             model.register_forward_pre_hook(self._begin, with_kwargs=True),
             model.register_forward_hook(self._end, always_call=True),
         ]
-        self._undo.append(lambda: [h.remove() for h in handles])
+
+        def remove() -> None:
+            for handle in handles:
+                handle.remove()
+
+        self._undo.append(remove)
 
     def _begin(self, _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if self._open is not None:

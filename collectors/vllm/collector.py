@@ -114,7 +114,7 @@ def _prints_records(
         keep = arrays["positions"] < n_tokens
         if not keep.any():
             continue
-        fields = {
+        fields: dict[str, Any] = {
             "run_id": run_id,
             "step": step,
             "side": "rollout",
@@ -204,7 +204,13 @@ class VllmCollector(Collector):
         self.keep_records = keep_records
         self.engine_counters: list[dict[str, int]] = []
         start = Start(
-            regions=regions if regions is None or isinstance(regions, str | Mapping) else list(regions),
+            regions=(
+                regions
+                if regions is None or isinstance(regions, str)
+                else dict(regions)
+                if isinstance(regions, Mapping)
+                else list(regions)
+            ),
             selection=selection,
             max_requests=max_requests,
             max_rows=max_rows,

@@ -50,7 +50,7 @@ def _scalar(value: Any) -> Any:
 # ---------------------------------------------------------------- driver -> worker
 
 
-class Selection(Message, frozen=True):
+class Selection(Message, frozen=True):  # type: ignore[misc]  # msgspec freezes a Struct over an unfrozen base
     """Which requests the engine fingerprints (see :mod:`isoaudit.collectors.vllm.selection`)."""
 
     mode: Literal["all", "every", "ids", "none"] = "all"
