@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 from isoaudit.audit.fingerprints import ROW_FIELDS
-from isoaudit.audit.records import Record, RegionFingerprints, Run, RuntimeFacts, sample_key
+from isoaudit.audit.records import Case, Record, RegionFingerprints, Run, RuntimeFacts, sample_key
 from isoaudit.collectors.assemble import keys_for, sample_records
 from isoaudit.collectors.base import Collector, CollectorCounters, ModeReport, RolloutStep
 from isoaudit.collectors.control import ControlChannel
@@ -105,10 +105,11 @@ class EngineFingerprints:
             for slot, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
                 mine = slots == slot
                 key = sample_key(prompt, completion)
-                for case, rows in (
+                halves: tuple[tuple[Case, np.ndarray], ...] = (
                     ("engine_prefill", mine & (positions < len(prompt))),
                     ("engine_decode", mine & (positions >= len(prompt))),
-                ):
+                )
+                for case, rows in halves:
                     if not rows.any():
                         continue
                     order = np.argsort(positions[rows], kind="stable")

@@ -258,7 +258,10 @@ def build_contract(
     the rest admit no bitwise promise (``min_agreeing_bits=0``) and name why."""
     impl = {op: value if isinstance(value, Impl) else Impl.parse(value) for op, value in ops.items()}
     arch = arch or platform.machine() or "unknown"
-    entries, invariant, exact, native = [], [], [], []
+    entries: list[CompositionEntry] = []
+    invariant: list[str] = []
+    exact: list[str] = []
+    native: list[str] = []
     for region, names in region_ops(spec.num_layers, qk_norm=qk_norm).items():
         missing = [n for n in names if n not in impl]
         if missing:

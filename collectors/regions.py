@@ -148,7 +148,7 @@ class Catalog:
     prepare_moe: Callable[[nn.Module], Any] | None = None
 
     def family_of(self, model: nn.Module, model_type: str | None) -> FamilyMap:
-        if model_type in self.families:
+        if model_type is not None and model_type in self.families:
             return self.families[model_type]
         # An unregistered model laid out like Llama (many are) gets the same map, checked module by module.
         generic = self.generic(str(model_type or "unknown"))

@@ -28,7 +28,7 @@ class MemorySink(Sink):
     def _deliver(self, item: _Item) -> int:
         records, rejected = item.records, []
         if self.validate:
-            kept = []
+            kept: list[Record] = []
             for index, record in enumerate(records):
                 try:
                     kept.append(validate_record(record))
