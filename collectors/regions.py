@@ -11,7 +11,7 @@ trainer collector uses the HF family maps here; the vLLM collector declares its 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
@@ -166,14 +166,8 @@ def hf_moe_map(family: str) -> FamilyMap:
     weighted combine; the per-slot expert outputs come out of ``mlp.experts.slots``, the tap
     :func:`isoaudit.kernels.adapters_moe.instrument` adds (see :func:`_instrument_moe`)."""
     dense = llama_style_map(family, taps={"router": Tap.FP32})
-    return FamilyMap(
-        family=dense.family,
-        layers=dense.layers,
-        embed=dense.embed,
-        final_norm=dense.final_norm,
-        logits=dense.logits,
-        layer=dense.layer,
-        taps=dense.taps,
+    return replace(
+        dense,
         moe={
             "router": "model.layers.{i}.mlp.gate",
             "experts": "model.layers.{i}.mlp.experts.slots",

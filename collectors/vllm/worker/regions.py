@@ -11,6 +11,7 @@ these, so the engine emits exactly the trainer's canonical names.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 from isoaudit.collectors.regions import (
     Catalog,
@@ -34,13 +35,8 @@ def vllm_moe_map(family: str) -> FamilyMap:
     (its logits, read in fp32), ``mlp.experts`` the fused-MoE runner, whose output is the weighted
     combine; the per-slot expert outputs stay inside its fused kernel."""
     dense = vllm_map(family)
-    return FamilyMap(
-        family=dense.family,
-        layers=dense.layers,
-        embed=dense.embed,
-        final_norm=dense.final_norm,
-        logits=dense.logits,
-        layer=dense.layer,
+    return replace(
+        dense,
         taps={**dense.taps, "router": Tap.FP32},
         moe={"router": "model.layers.{i}.mlp.gate", "combine": "model.layers.{i}.mlp.experts"},
         moe_unobserved={"experts": "vLLM's fused-MoE kernel returns only the weighted combine"},
