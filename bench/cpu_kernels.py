@@ -1,5 +1,5 @@
 # ruff: noqa: B023  (benchmarked closures run inside their loop iteration)
-"""Cost of the CPU invariant kernels (:mod:`kernels.cpu`) against the native CPU ops, same run.
+"""Cost of the CPU invariant kernels (:mod:`isoaudit.kernels.cpu`) against the native CPU ops, same run.
 
     python -m bench.cpu_kernels [--only gemm,attention,gdn] [--threads 1] [--rounds 3] [--quick] [--json out.json]
 
@@ -167,7 +167,7 @@ def _rl_step(model: torch.nn.Module, prompts: list[list[int]], new: list[int], e
 def bench_e2e(dtypes: list[torch.dtype], quick: bool, t: float) -> None:
     """The demo's shape of work: a tiny Qwen3 (2 layers, hidden 64, vocab 512) rolls out 16
     requests with the rollout engine (prefill, decode) and the trainer recomputes their logprobs
-    with autograd; native ops against ``kernels.enable()``."""
+    with autograd; native ops against ``isoaudit.kernels.enable()``."""
     import transformers
     from isoaudit.kernels.adapters import HFCausalLM
 
@@ -212,7 +212,7 @@ def _gdn_inputs(b: int, n: int, h: int, d: int, dt: torch.dtype) -> list[torch.T
 
 
 def bench_gdn(dtypes: list[torch.dtype], quick: bool, t: float) -> None:
-    """Gated DeltaNet, Qwen3-Next's head shape (dk = dv = 128), invariant (:mod:`kernels.gdn_cpu`)
+    """Gated DeltaNet, Qwen3-Next's head shape (dk = dv = 128), invariant (:mod:`isoaudit.kernels.gdn_cpu`)
     against what a user runs on a CPU: transformers' torch fallbacks of Qwen3-Next
     (``torch_chunk_gated_delta_rule`` for a prefill, ``torch_recurrent_gated_delta_rule`` for a
     decode step), flash-linear-attention's torch references when fla is on the path, and

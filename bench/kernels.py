@@ -341,7 +341,8 @@ def bench_launch() -> None:
     # breakdown: gemm's cache entries through CudaLauncher.__call__ (not the direct C launch)
     import importlib
 
-    gemm_mod = importlib.import_module("isoaudit.kernels.gemm")  # (``kernels.gemm`` is the function)
+    # the module, by name: the package attribute ``isoaudit.kernels.gemm`` is the function
+    gemm_mod = importlib.import_module("isoaudit.kernels.gemm")
     _triton.CachedLauncher.direct = False
     gemm_mod._LAUNCH._cache.clear()
     via_run = host_us(lambda: gemm(a, w))

@@ -1,4 +1,4 @@
-"""The GRPO recipe (:func:`collectors.rl.job.run_job`) on a GPU, native against remediated.
+"""The GRPO recipe (:func:`isoaudit.collectors.rl.job.run_job`) on a GPU, native against remediated.
 
     python bench/rl_loop_gpu.py [--steps 3] [--prompts 16] [--group 4] [--max-new 256] [--json out.json]
 
