@@ -255,7 +255,7 @@ class TrainerCollector(Collector):
         finished, complete = self._pipeline.take_all(FINISH_TIMEOUT)
         self._send_finished(finished)
         if not complete:
-            self._log_once("finisher", "isoaudit trainer collector: records still being built at flush")
+            self._log_once("building", "isoaudit trainer collector: records still being built at flush")
 
     def _remove_hooks(self) -> None:
         self._capture.remove()
@@ -330,9 +330,8 @@ class TrainerCollector(Collector):
         prints = self._prints_of(capture, batch) if fingerprint_now and capture is not None else {}
         if prints and capture is not None and capture.rows is not None:
             tensors["rows"] = capture.rows
-        packed, prints_layout = pack_prints(
-            list(prints.values()), prefix="p"
-        )  # a few groups, not every region
+        # the prints travel as a few groups, not region by region
+        packed, prints_layout = pack_prints(list(prints.values()), prefix="p")
         tensors.update(packed)
         self.counters.steps += 1
         if own:
@@ -373,7 +372,7 @@ class TrainerCollector(Collector):
 
     def _build(self, pending: _StepInFlight) -> BuiltStep:
         """The step's records, once its copy landed (waits for it): no counter, no send, so that
-        the background finisher can run it."""
+        the pipeline's helper thread can run it."""
         host = pending.copy.result()
         batch, step, version = pending.batch, pending.step, pending.version
         records = pending.head
