@@ -21,6 +21,7 @@ trainer's logprobs are the same arithmetic as an engine running
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import cast
 
 import numpy as np
 import torch
@@ -37,14 +38,11 @@ def sampling_values(value: SamplingArg, n: int, name: str) -> np.ndarray | None:
     min_p 0, None); ``None`` when it is off for every sample."""
     if value is None:
         return None
-    values = (
-        np.full(n, float(value))
-        if np.isscalar(value)
-        else np.array(
-            [np.nan if v is None else float(v) for v in value],
-            dtype=np.float64,  # type: ignore[union-attr]
-        )
-    )
+    if np.isscalar(value):
+        values = np.full(n, float(cast(float, value)))
+    else:
+        per_sample = cast(Sequence[float | int | None], value)
+        values = np.array([np.nan if v is None else float(v) for v in per_sample], dtype=np.float64)
     if values.shape != (n,):
         raise ValueError(f"{name}: expected a number or {n} values, got {values.size}")
     known = values[~np.isnan(values)]
