@@ -33,6 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common import qwen3_05b_config  # noqa: E402
 from isoaudit.collectors.layout import StepBatch  # noqa: E402
 from isoaudit.collectors.sinks.memory import MemorySink  # noqa: E402
 from isoaudit.collectors.trainer import attach  # noqa: E402
@@ -58,17 +59,7 @@ def build_model(size: str, device: str, dtype: torch.dtype, hidden: int = 256) -
             tie_word_embeddings=False,
         )
     elif size == "0.5b":  # the shape of Qwen2.5-0.5B in the Qwen3 architecture: ~0.49B parameters
-        config = Qwen3Config(
-            vocab_size=151936,
-            hidden_size=896,
-            intermediate_size=4864,
-            num_hidden_layers=24,
-            num_attention_heads=14,
-            num_key_value_heads=2,
-            head_dim=64,
-            max_position_embeddings=4096,
-            tie_word_embeddings=True,
-        )
+        config = qwen3_05b_config(max_positions=4096)
     else:
         raise ValueError(f"--model: expected tiny, deep-tiny or 0.5b, got {size!r}")
     torch.manual_seed(0)

@@ -1,5 +1,5 @@
 # ruff: noqa: B023  (benchmarked closures run inside their loop iteration)
-"""Cost of the CPU invariant kernels (:mod:`kernels.cpu`) against the native CPU ops, same run.
+"""Cost of the CPU invariant kernels (:mod:`isoaudit.kernels.cpu`) against the native CPU ops, same run.
 
     python -m bench.cpu_kernels [--only gemm,attention,gdn] [--threads 1] [--rounds 3] [--quick] [--json out.json]
 
@@ -142,16 +142,34 @@ def bench_attention(dtypes: list[torch.dtype], quick: bool, t: float) -> None:
                    lambda: cpu.attention(q, k, v, cu, p0, kl), t)  # fmt: skip
 
 
-def bench_e2e(dtypes: list[torch.dtype], quick: bool, t: float) -> None:
-    """The demo's shape of work: a tiny Qwen3 (2 layers, hidden 64, vocab 512) rolls out 16
-    requests with the rollout engine (prefill, decode) and the trainer recomputes their logprobs
-    with autograd; native ops against ``kernels.enable()``."""
-    import transformers
+def _rl_step(model: torch.nn.Module, prompts: list[list[int]], new: list[int], enabled: bool) -> None:
+    """One RL step of the demo's shape: the rollout engine samples ``new`` tokens per prompt, then
+    the trainer recomputes their logprobs with autograd; kernels on (``enabled``) or off."""
     from isoaudit.kernels import dispatch
-    from isoaudit.kernels.adapters import HFCausalLM
     from isoaudit.kernels.engine import RolloutEngine
 
     from isoaudit import kernels
+
+    with kernels.enable() if enabled else kernels.disable():
+        outs = RolloutEngine(model, max_len=64).generate(prompts, new, seed=1)
+        seqs = [o.prompt + o.tokens for o in outs]
+        ids = torch.zeros(len(seqs), max(map(len, seqs)), dtype=torch.long)
+        for i, s_ in enumerate(seqs):
+            ids[i, : len(s_)] = torch.tensor(s_)
+        hidden = model.full_hidden(ids)
+        width = hidden.shape[-1]
+        lp = dispatch.token_logprobs(
+            hidden[:, :-1].reshape(-1, width), model.lm_head_weight, ids[:, 1:].reshape(-1)
+        )
+        lp.sum().backward()
+
+
+def bench_e2e(dtypes: list[torch.dtype], quick: bool, t: float) -> None:
+    """The demo's shape of work: a tiny Qwen3 (2 layers, hidden 64, vocab 512) rolls out 16
+    requests with the rollout engine (prefill, decode) and the trainer recomputes their logprobs
+    with autograd; native ops against ``isoaudit.kernels.enable()``."""
+    import transformers
+    from isoaudit.kernels.adapters import HFCausalLM
 
     cfg = transformers.Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16)  # fmt: skip
@@ -161,21 +179,8 @@ def bench_e2e(dtypes: list[torch.dtype], quick: bool, t: float) -> None:
     for dt in dtypes:
         model = HFCausalLM(transformers.Qwen3ForCausalLM(cfg).to(dt).eval())
 
-        def step(enabled: bool) -> None:
-            with kernels.enable() if enabled else kernels.disable():
-                outs = RolloutEngine(model, max_len=64).generate(prompts, new, seed=1)
-                seqs = [o.prompt + o.tokens for o in outs]
-                ids = torch.zeros(len(seqs), max(map(len, seqs)), dtype=torch.long)
-                for i, s_ in enumerate(seqs):
-                    ids[i, : len(s_)] = torch.tensor(s_)
-                hidden = model.full_hidden(ids)
-                lp = dispatch.token_logprobs(
-                    hidden[:, :-1].reshape(-1, 64), model.lm_head_weight, ids[:, 1:].reshape(-1)
-                )
-                lp.sum().backward()
-
         record("e2e rollout+recompute", f"qwen3 2L h64, 16 req x {new[0]}", dt,
-               lambda: step(False), lambda: step(True), t)  # fmt: skip
+               lambda: _rl_step(model, prompts, new, False), lambda: _rl_step(model, prompts, new, True), t)  # fmt: skip
 
 
 def _fla_naive():
@@ -207,7 +212,7 @@ def _gdn_inputs(b: int, n: int, h: int, d: int, dt: torch.dtype) -> list[torch.T
 
 
 def bench_gdn(dtypes: list[torch.dtype], quick: bool, t: float) -> None:
-    """Gated DeltaNet, Qwen3-Next's head shape (dk = dv = 128), invariant (:mod:`kernels.gdn_cpu`)
+    """Gated DeltaNet, Qwen3-Next's head shape (dk = dv = 128), invariant (:mod:`isoaudit.kernels.gdn_cpu`)
     against what a user runs on a CPU: transformers' torch fallbacks of Qwen3-Next
     (``torch_chunk_gated_delta_rule`` for a prefill, ``torch_recurrent_gated_delta_rule`` for a
     decode step), flash-linear-attention's torch references when fla is on the path, and
@@ -278,14 +283,10 @@ def bench_gdn(dtypes: list[torch.dtype], quick: bool, t: float) -> None:
 
 
 def bench_e2e_gdn(dtypes: list[torch.dtype], quick: bool, t: float) -> None:
-    """The demo's shape of work on the hybrid GDN + attention LM (:mod:`kernels.models.gdn_lm`, one
+    """The demo's shape of work on the hybrid GDN + attention LM (:mod:`isoaudit.kernels.models.gdn_lm`, one
     GDN and one attention layer, hidden 128, 2 heads of 64, vocab 512): 16 requests rolled out by
     the engine, their logprobs recomputed by the trainer with autograd; native against kernels on."""
-    from isoaudit.kernels import dispatch
-    from isoaudit.kernels.engine import RolloutEngine
     from isoaudit.kernels.models.gdn_lm import GDNLM, GDNLMConfig
-
-    from isoaudit import kernels
 
     cfg = GDNLMConfig(vocab=512, hidden=128, layers=("gdn", "attn"), heads=2, kv_heads=1, head_dim=64,
                       gdn_heads=2, gdn_head_dim=64, mlp=256)  # fmt: skip
@@ -296,22 +297,8 @@ def bench_e2e_gdn(dtypes: list[torch.dtype], quick: bool, t: float) -> None:
         torch.manual_seed(0)
         model = GDNLM(cfg).to(dt).eval()
 
-        def step(enabled: bool) -> None:
-            with kernels.enable() if enabled else kernels.disable():
-                outs = RolloutEngine(model, max_len=64).generate(prompts, new, seed=1)
-                seqs = [o.prompt + o.tokens for o in outs]
-                ids = torch.zeros(len(seqs), max(map(len, seqs)), dtype=torch.long)
-                for i, s_ in enumerate(seqs):
-                    ids[i, : len(s_)] = torch.tensor(s_)
-                hidden = model.full_hidden(ids)
-                lp = dispatch.token_logprobs(
-                    hidden[:, :-1].reshape(-1, cfg.hidden), model.lm_head_weight, ids[:, 1:].reshape(-1)
-                )
-                lp.sum().backward()
-
-        record(
-            "e2e gdn-lm", f"gdn+attn h128, 16 req x {new[0]}", dt, lambda: step(False), lambda: step(True), t
-        )
+        record("e2e gdn-lm", f"gdn+attn h128, 16 req x {new[0]}", dt,
+               lambda: _rl_step(model, prompts, new, False), lambda: _rl_step(model, prompts, new, True), t)  # fmt: skip
 
 
 CASES = {

@@ -3,7 +3,7 @@
     python bench/fingerprints.py [--rows 16384] [--hidden 4096] [--dtype bfloat16] [--device cpu]
 
 Prints the time of the collector's ``fingerprint_rows(x)`` (digest + ladder + sketch + l2 + maxabs;
-on CUDA the fused pass of ``kernels.fingerprint``, ``ISOAUDIT_FINGERPRINT_TRITON=0`` for the torch
+on CUDA the fused pass of ``isoaudit.kernels.fingerprint``, ``ISOAUDIT_FINGERPRINT_TRITON=0`` for the torch
 path) and of a plain ``x.float().sum(-1)`` over the same tensor, and their ratio.
 """
 

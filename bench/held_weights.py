@@ -6,7 +6,7 @@ Weights: the parameter shapes of a Qwen2.5-style decoder (``--layers``, ``--hidd
 passes; medians are reported, with the digest's ratio to each baseline.
 
 ``--vllm`` adds the engine side on the tiny local Qwen3 in this process: one in-place weight sync
-(``collectors.vllm.load_weights``) with a collector attached (held digests on, per tensor, under the
+(``isoaudit.collectors.vllm.load_weights``) with a collector attached (held digests on, per tensor, under the
 trainer's names) against the same sync with none attached.
 
     python bench/held_weights.py                       # CPU, ~0.1B parameters

@@ -2,8 +2,8 @@
 SQLite and PostgreSQL through ``Store.ingest``, against a plain ``executemany`` of the same bytes into
 a bare table in the same run. Target: the whole step in under 5 s on SQLite.
 
-Also the store boundary's per-record check (``audit.records.validate_record`` on ``model_construct``'ed
-records, as collectors build them) against pydantic's ``model_validate`` of the same fields and against
+Also the store boundary's per-record check (``isoaudit.audit.records.validate_record`` on
+``model_construct``'ed records, as collectors build them) against pydantic's ``model_validate`` of the same fields and against
 the plain insert's cost per record, all measured in this run. Target: a few microseconds a record.
 
     python bench/ingest.py [--samples 1024] [--tokens 2048] [--postgres URL]

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common import host_us, qwen3_05b  # noqa: E402
 from isoaudit.kernels import gdn as G  # noqa: E402
 from isoaudit.kernels import gdn_decode as GD  # noqa: E402
 from isoaudit.kernels.attention import attention  # noqa: E402
@@ -300,25 +301,11 @@ def bench_tune_small() -> None:
 def bench_launch() -> None:
     """Host time per call without a sync (what bounds an eager decode step): the calls are queued
     faster than the GPU runs them only if the host is the bottleneck, so time the Python loop."""
-    import time
 
     from isoaudit.kernels import _triton
 
     if TIMING != "eager":
         return
-
-    def host_us(fn, calls: int = 300) -> float:
-        for _ in range(20):
-            fn()
-        torch.cuda.synchronize()
-        best = float("inf")
-        for _ in range(5):
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            best = min(best, (time.perf_counter() - t0) / calls * 1e6)
-            torch.cuda.synchronize()
-        return best
 
     k = 4096
     w = torch.randn(k, k, device="cuda").bfloat16()
@@ -354,7 +341,8 @@ def bench_launch() -> None:
     # breakdown: gemm's cache entries through CudaLauncher.__call__ (not the direct C launch)
     import importlib
 
-    gemm_mod = importlib.import_module("isoaudit.kernels.gemm")  # (``kernels.gemm`` is the function)
+    # the module, by name: the package attribute ``isoaudit.kernels.gemm`` is the function
+    gemm_mod = importlib.import_module("isoaudit.kernels.gemm")
     _triton.CachedLauncher.direct = False
     gemm_mod._LAUNCH._cache.clear()
     via_run = host_us(lambda: gemm(a, w))
@@ -394,20 +382,6 @@ def bench_fingerprint() -> None:
             coll._TRITON = saved
 
 
-def _qwen3_05b(layers: int = 24):
-    """A random Qwen3-shaped ~0.5B bf16 model (24 layers, hidden 896, 14/2 heads of 64, MLP 4864,
-    vocab 151,936, tied embeddings)."""
-    import transformers
-
-    cfg = transformers.Qwen3Config(
-        vocab_size=151_936, hidden_size=896, intermediate_size=4864, num_hidden_layers=layers,
-        num_attention_heads=14, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048,
-        tie_word_embeddings=True, attn_implementation="sdpa",
-    )  # fmt: skip
-    torch.manual_seed(0)
-    return transformers.Qwen3ForCausalLM(cfg).to("cuda", torch.bfloat16)
-
-
 def bench_trainer() -> None:
     """The trainer's forward+backward on the ~0.5B Qwen3-shaped bf16 model over 64 x 256 tokens:
     the loss is the sum of the sampled tokens' logprobs, as an RL trainer's. Wall time per step
@@ -420,7 +394,7 @@ def bench_trainer() -> None:
 
     if TIMING != "eager":
         return
-    model = _qwen3_05b()
+    model = qwen3_05b()
     hidden = model.config.hidden_size
     ids = torch.randint(0, model.config.vocab_size, (64, 256), device="cuda")
 
@@ -475,7 +449,7 @@ def bench_engine() -> None:
 
     if TIMING != "eager":
         return
-    hf = _qwen3_05b()
+    hf = qwen3_05b()
     model = HFCausalLM(hf)
     vocab = hf.config.vocab_size
 
@@ -935,7 +909,7 @@ def bench_fla() -> None:
             fla_fb()
         except RuntimeError as exc:  # fla refuses its gated backward with Triton < 3.7.1 on Hopper (#640)
             # Lifting the guard is opt-in: on the H200 with Triton 3.6 fla's backward then hit an
-            # illegal memory access, which ends the process (measured 2026-12-02).
+            # illegal memory access, which ends the process.
             if os.environ.get("ISOAUDIT_BENCH_FLA_LIFT_GUARD") != "1" or not _lift_fla_guard(exc):
                 print(f"[{TIMING}] fla backward failed: {exc!r}"[:300], flush=True)
                 _fla_ungated_bound(xs, cu, gout, (b, n, h, d), shape, ours_fb)
@@ -1014,8 +988,8 @@ def bench_fla_decode() -> None:
 
 
 def bench_tree() -> None:
-    """The TP-invariant tree GEMM against a shard matmul at TP 1 and 2, ranks simulated on this GPU
-    (issue 20 item 4): per rank, native = its K shard's cuBLAS matmul plus, at TP 2, the bf16 add
+    """The TP-invariant tree GEMM against a shard matmul at TP 1 and 2, ranks simulated on this GPU:
+    per rank, native = its K shard's cuBLAS matmul plus, at TP 2, the bf16 add
     an all-reduce performs; invariant = its subtree's root and the add of the two roots with the
     one rounding (the all-gather's arithmetic), at TP 1 the whole ``tree_gemm``. Communication
     itself is not timed (one GPU). Plans are (leaf, max_tp), shared by both sides: the default
@@ -1070,7 +1044,7 @@ def bench_tree() -> None:
 
 def bench_moe() -> None:
     """The MoE layer (router + experts + combine) with the kernels on, against the same HF Qwen3-MoE
-    block on its native grouped-GEMM experts (``torch._grouped_mm``), same weights (issue 19).
+    block on its native grouped-GEMM experts (``torch._grouped_mm``), same weights.
     Rows: the fast path (fused router epilogue, counting sort, SiLU*up in the gate-up GEMM's
     epilogue), the same with SiLU*up as its own launch (``ISOAUDIT_MOE_GLU=0``), and the host-table
     path (``ISOAUDIT_MOE_FAST=0``); each line also gives the GPU kernels one forward launches and
@@ -1121,7 +1095,7 @@ def bench_moe() -> None:
             print(f"    bitwise equal to the host-table path: {same}", flush=True)
 
 
-#: ``--only all``: every figure issue 20 asks for, each under the timing it is judged by (device
+#: ``--only all``: every figure this bench reports, each under the timing it is judged by (device
 #: time in graph replay for the kernels a decode step captures, wall time for the host, the
 #: trainer, the engine and the library comparisons), in one run.
 ALL = (

@@ -1,4 +1,4 @@
-"""MoE layer cost: the invariant layer (router + experts + combine, kernels.moe) against HF's
+"""MoE layer cost: the invariant layer (router + experts + combine, isoaudit.kernels.moe) against HF's
 Qwen3-MoE sparse block on its grouped-GEMM experts (``torch._grouped_mm``), the same module and
 weights, measured in the same run; HF's eager experts loop is shown beside.
 

@@ -123,7 +123,7 @@ def floors(shape: tuple[int, int, int, int]) -> dict[str, Callable[[], Any]]:
         "copying the ids (what storing them costs)": lambda: ids.tobytes(),
         "transposing copy (slot planes)": lambda: np.ascontiguousarray(ids.T),
         "base64 of the ids (stdlib)": lambda: base64.b64decode(text, validate=True),
-        "base64 of the ids (audit.arrays)": lambda: b64decode(text),
+        "base64 of the ids (isoaudit.audit.arrays)": lambda: b64decode(text),
     }
 
 

@@ -1,4 +1,4 @@
-"""The GRPO recipe (:func:`collectors.rl.job.run_job`) on a GPU, native against remediated.
+"""The GRPO recipe (:func:`isoaudit.collectors.rl.job.run_job`) on a GPU, native against remediated.
 
     python bench/rl_loop_gpu.py [--steps 3] [--prompts 16] [--group 4] [--max-new 256] [--json out.json]
 
@@ -31,6 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common import qwen3_05b  # noqa: E402
 from isoaudit.collectors.rl.job import JobConfig, run_job  # noqa: E402
 from isoaudit.collectors.rl.rollout import ReferenceRollout  # noqa: E402
 from isoaudit.collectors.sessions import MemoryDestination, Session  # noqa: E402
@@ -58,18 +59,6 @@ class LogprobsOnlyRollout(ReferenceRollout):
     def watch(self, audit: Session) -> Any:
         self.collector = audit.watch_engine(self.engine, regions=None, weight_version=0)
         return self.collector
-
-
-def qwen3_05b(layers: int) -> torch.nn.Module:
-    import transformers
-
-    cfg = transformers.Qwen3Config(
-        vocab_size=151_936, hidden_size=896, intermediate_size=4864, num_hidden_layers=layers,
-        num_attention_heads=14, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048,
-        tie_word_embeddings=True, attn_implementation="sdpa",
-    )  # fmt: skip
-    torch.manual_seed(0)
-    return transformers.Qwen3ForCausalLM(cfg).to("cuda", torch.bfloat16)
 
 
 def run_mode(mode: str, args: argparse.Namespace) -> dict:

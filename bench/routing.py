@@ -1,4 +1,4 @@
-"""The cost of MoE routing in the audit (issue 19), each against a baseline measured in the same run:
+"""The cost of MoE routing in the audit, each against a baseline measured in the same run:
 
 1. **comparator**: ``compare_samples`` + ``step_summary`` (which makes the step's routing aggregate
    from the samples' comparisons) over one step of 256 samples x 1,024 tokens whose records carry
@@ -8,7 +8,7 @@
 2. **boundary check**: ``validate_record`` of a sample with routes against one without.
 3. **size**: stored bytes per token of the routes against the sample's own arrays.
 4. **trainer collector**: ``record_step`` of a tiny HF Qwen3-MoE with routing recorded
-   (``collectors.routing.watch_routing``) against the same collector without it; and, every region
+   (``isoaudit.collectors.routing.watch_routing``) against the same collector without it; and, every region
    fingerprinted with the kernels off, with the per-slot ``layers.i.experts`` tap against without.
 
     python -m bench.routing [--samples 256] [--tokens 1024] [--layers 48] [--before cb822db]

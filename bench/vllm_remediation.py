@@ -43,7 +43,7 @@ def main() -> None:
     from isoaudit.collectors.sinks import MemorySink
     from isoaudit.collectors.tiny_models import make_tiny_model
     from isoaudit.collectors.vllm import EXTENSION, attach
-    from isoaudit.collectors.vllm.remediation import keep_raw_weights
+    from isoaudit.collectors.vllm.worker.remediation import keep_raw_weights
     from vllm import LLM, SamplingParams
 
     work = Path(tempfile.mkdtemp(prefix="isoaudit-bench-"))

@@ -2,12 +2,13 @@
 RegionFingerprints per (sample, region), each with the sample's absolute positions.
 
 Shared by both collectors: whatever the engine, a collector ends up with flat per-row arrays and a
-layout (:class:`collectors.layout.StepBatch`), and this module cuts them per sample.
+layout (:class:`isoaudit.collectors.layout.StepBatch`), and this module cuts them per sample.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 from isoaudit.audit.records import (
@@ -63,7 +64,7 @@ def sample_records(
             )
         # A log-softmax can round to a hair above 0 for a near-certain token; the wire format refuses > 0.
         lp = np.minimum(lp, np.float32(0.0))
-        fields = {
+        fields: dict[str, Any] = {
             "run_id": run_id,
             "step": step,
             "side": side,
@@ -123,7 +124,7 @@ def fingerprint_records(
         bits = host.ladder_bits
         for i, (a, length) in enumerate(zip(starts[key], lengths, strict=True)):
             b = a + length
-            fields = {
+            fields: dict[str, Any] = {
                 "run_id": run_id,
                 "step": step,
                 "side": side,

@@ -8,12 +8,12 @@
 * the **weight version and digest**: :meth:`Collector.weights_changed` is public, for jobs that
   sync weights their own way (verl and OpenRLHF broadcast over NCCL);
 * **remediation at a step boundary**: each side calls :meth:`Collector._step_boundary` where a new
-  mode can safely take effect; it asks the :class:`~collectors.control.ControlChannel`, applies a
+  mode can safely take effect; it asks the :class:`~isoaudit.collectors.control.ControlChannel`, applies a
   new desired mode (:meth:`Collector._apply_mode`, per side) and publishes the manifest with the
   mode it actually applied. A side that cannot apply a mode says so (``ModeReport.reason``).
 * **detach**: idempotent, like ``torch.utils.hooks.RemovableHandle.remove``; a collector is also a
   context manager that detaches on exit.
-* **hooks for companions** (a recorder riding along, e.g. :mod:`collectors.routing`): the public
+* **hooks for companions** (a recorder riding along, e.g. :mod:`isoaudit.collectors.routing`): the public
   :meth:`Collector.before_send`, :meth:`Collector.on_detach` and :meth:`Collector.add_runtime_facts`,
   so nothing outside a collector has to wrap its private methods.
 """
@@ -24,7 +24,7 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, ParamSpec, TypeVar
 
 from isoaudit.audit.records import Case, Manifest, Record, Run, RuntimeFacts, Side
 from isoaudit.collectors.control import MODES, ControlChannel
@@ -35,12 +35,20 @@ from isoaudit.collectors.sinks.base import Sink
 log = logging.getLogger("isoaudit.collectors")
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 
 class CollectorCounters(Counters):
     """What every side counts; a side adds its own names."""
 
-    NAMES = ("steps", "samples", "fingerprint_records", "manifests", "errors", "mode_switches")
+    NAMES: ClassVar[tuple[str, ...]] = (
+        "steps",
+        "samples",
+        "fingerprint_records",
+        "manifests",
+        "errors",
+        "mode_switches",
+    )
 
 
 @dataclass(frozen=True)
@@ -102,12 +110,13 @@ class Collector(ABC):
         mode: str = "native",
     ) -> None:
         if not isinstance(sink, Sink):
-            raise TypeError(f"sink: expected a collectors.sinks.Sink, got {type(sink).__name__}")
+            raise TypeError(f"sink: expected an isoaudit.collectors.sinks.Sink, got {type(sink).__name__}")
         if mode not in MODES:
             raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
         if control is not None and not isinstance(control, ControlChannel):
             raise TypeError(
-                f"control: expected a collectors.control.ControlChannel, got {type(control).__name__}"
+                "control: expected an isoaudit.collectors.control.ControlChannel, "
+                f"got {type(control).__name__}"
             )
         self.run = run_record(run)
         self.sink = sink
@@ -116,7 +125,7 @@ class Collector(ABC):
         self.counters = self.COUNTERS()
         self.weight_version: str | None = str(weight_version) if weight_version is not None else None
         self.weight_digest = weight_digest
-        #: tensor name -> digest of the weights this side holds now (``collectors.held_weights``)
+        #: tensor name -> digest of the weights this side holds now (``isoaudit.collectors.held_weights``)
         self.weight_tensor_digests: dict[str, str] = {}
         self.mode_report = ModeReport(mode, mode)
         self._warn = LogOnce(log)
@@ -162,7 +171,7 @@ class Collector(ABC):
     def attached(self) -> bool:
         return not self._detached
 
-    def guarded(self, where: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T | None:
+    def guarded(self, where: str, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T | None:
         """``fn(*args, **kwargs)``, or ``None`` if it raised: counted, logged once per ``where``,
         re-raised only with ``strict=True``."""
         try:
@@ -179,7 +188,7 @@ class Collector(ABC):
 
     def weights_changed(self, version: str | int, digest: str | None = None) -> None:
         """Say the weights this side computes with are now ``version`` (with their digest, when
-        known: :func:`collectors.vllm.weight_digest` over the trainer's named tensors). Later
+        known: :func:`isoaudit.collectors.vllm.weight_digest` over the trainer's named tensors). Later
         records and a new manifest carry it. For jobs that sync weights their own way."""
         if version is None or (isinstance(version, str) and not version):
             raise ValueError("version: give the new weights a version (e.g. the trainer step they come from)")
@@ -321,7 +330,7 @@ class Collector(ABC):
 
     def _contract_now(self) -> ContractArg:
         """The contract this side runs under now: the one given, or, for a callable
-        (``contract(mode)``, e.g. :func:`collectors.policy.hf_contracts`), the applied mode's."""
+        (``contract(mode)``, e.g. :func:`isoaudit.collectors.policy.hf_contracts`), the applied mode's."""
         contract = self._contract
         return contract(self.mode_report.applied) if callable(contract) else contract
 

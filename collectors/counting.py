@@ -21,6 +21,8 @@ class Counters:
     NAMES: ClassVar[tuple[str, ...]] = ()
 
     __slots__ = ("_values", "_lock")
+    _values: dict[str, int]
+    _lock: threading.Lock
 
     def __init__(self, **initial: int) -> None:
         values = dict.fromkeys(self.NAMES, 0)
@@ -33,7 +35,7 @@ class Counters:
 
     def __getattr__(self, name: str) -> int:
         try:
-            return self._values[name]  # type: ignore[no-any-return]
+            return self._values[name]
         except KeyError:
             raise AttributeError(f"{type(self).__name__} has no counter {name!r}") from None
 

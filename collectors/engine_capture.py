@@ -1,10 +1,10 @@
-"""The reference-engine collector: isoaudit's own rollout engine (:class:`kernels.engine.RolloutEngine`
-driving :class:`kernels.adapters.HFCausalLM`) watched as the rollout side, as the demo and the
-kernels' end-to-end story use it (``Session.watch_engine(engine)``).
+"""The reference-engine collector: isoaudit's own rollout engine
+(:class:`isoaudit.kernels.engine.RolloutEngine` driving :class:`isoaudit.kernels.adapters.HFCausalLM`) watched
+as the rollout side, as the demo and the kernels' end-to-end story use it (``Session.watch_engine(engine)``).
 
 :class:`EngineCollector` records each step's sampled tokens and the engine's logprobs, and the
 fingerprints of every region inside the engine; it applies a new remediation mode at the start of
-each ``generate`` (the engine's step boundary), through the same hook as the trainer (:mod:`kernels`
+each ``generate`` (the engine's step boundary), through the same hook as the trainer (:mod:`isoaudit.kernels`
 on or off), and reports it in its manifest.
 
 The engine packs the new tokens of every live request into one flat batch per step and calls the HF
@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 from isoaudit.audit.fingerprints import ROW_FIELDS
-from isoaudit.audit.records import Record, RegionFingerprints, Run, RuntimeFacts, sample_key
+from isoaudit.audit.records import Case, Record, RegionFingerprints, Run, RuntimeFacts, sample_key
 from isoaudit.collectors.assemble import keys_for, sample_records
 from isoaudit.collectors.base import Collector, CollectorCounters, ModeReport, RolloutStep
 from isoaudit.collectors.control import ControlChannel
@@ -38,7 +38,8 @@ from torch.utils.hooks import RemovableHandle
 
 
 class EngineFingerprints:
-    """Hooks an :class:`~kernels.adapters.HFCausalLM`; call :meth:`records` after each ``generate``."""
+    """Hooks an :class:`~isoaudit.kernels.adapters.HFCausalLM`; call :meth:`records` after each
+    ``generate``."""
 
     def __init__(self, adapter: Any, regions: RegionsArg = "auto") -> None:
         self.adapter = adapter
@@ -104,10 +105,11 @@ class EngineFingerprints:
             for slot, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
                 mine = slots == slot
                 key = sample_key(prompt, completion)
-                for case, rows in (
+                halves: tuple[tuple[Case, np.ndarray], ...] = (
                     ("engine_prefill", mine & (positions < len(prompt))),
                     ("engine_decode", mine & (positions >= len(prompt))),
-                ):
+                )
+                for case, rows in halves:
                     if not rows.any():
                         continue
                     order = np.argsort(positions[rows], kind="stable")
@@ -138,8 +140,8 @@ class EngineFingerprints:
 
 
 def _head_dtype(model: torch.nn.Module) -> str | None:
-    """The dtype the engine's head computes in: fp32 while :mod:`kernels` routes
-    (:func:`kernels.dispatch.logits_fp32`), otherwise the weight's own (a stock bf16 lm_head)."""
+    """The dtype the engine's head computes in: fp32 while :mod:`isoaudit.kernels` routes
+    (:func:`isoaudit.kernels.dispatch.logits_fp32`), otherwise the weight's own (a stock bf16 lm_head)."""
     from isoaudit.kernels import dispatch
 
     if dispatch.is_enabled():
@@ -155,10 +157,10 @@ class EngineCollector(Collector):
 
     ``regions``: as for the trainer (``None``: logprobs only). ``contract``: the execution contract
     for the manifest (``"auto"``: built per mode from what the engine runs,
-    :func:`collectors.policy.hf_contracts`); ``control``: where the desired mode comes from; ``remediation_hook(model,
-    mode)``: how the engine switches (default :mod:`kernels` on/off); ``weight_version``: the
-    version of the weights it starts with; ``validate``/``strict``/``keep_records``: as for the
-    trainer.
+    :func:`isoaudit.collectors.policy.hf_contracts`); ``control``: where the desired mode comes from;
+    ``remediation_hook(model, mode)``: how the engine switches (default :mod:`isoaudit.kernels` on/off);
+    ``weight_version``: the version of the weights it starts with; ``validate``/``strict``/``keep_records``:
+    as for the trainer.
     """
 
     side = "rollout"
@@ -182,14 +184,17 @@ class EngineCollector(Collector):
         adapter = getattr(engine, "model", None)
         if not callable(getattr(engine, "generate", None)) or not hasattr(adapter, "step"):
             raise TypeError(
-                f"engine: expected a kernels.engine.RolloutEngine over an HFCausalLM, got {type(engine).__name__}"
+                "engine: expected an isoaudit.kernels.engine.RolloutEngine over an HFCausalLM, "
+                f"got {type(engine).__name__}"
             )
         if not isinstance(getattr(adapter, "model", None), torch.nn.Module):
-            raise TypeError("engine: its model must wrap a torch.nn.Module (kernels.adapters.HFCausalLM)")
+            raise TypeError(
+                "engine: its model must wrap a torch.nn.Module (isoaudit.kernels.adapters.HFCausalLM)"
+            )
         if isinstance(contract, str) and contract == "auto":
             from isoaudit.collectors.policy import hf_contracts, torch_op
 
-            contract = hf_contracts(adapter.model, native_attention=torch_op("sdpa"))  # type: ignore[assignment]
+            contract = hf_contracts(adapter.model, native_attention=torch_op("sdpa"))
         super().__init__(
             run=run,
             sink=sink,
@@ -212,7 +217,7 @@ class EngineCollector(Collector):
         self._begin([], self._unobserved())
 
     def record_step(self, step: int, completions: Sequence[Any]) -> RolloutStep | None:
-        """Record what ``engine.generate`` returned (``kernels.engine.Completion`` objects) as step
+        """Record what ``engine.generate`` returned (``isoaudit.kernels.engine.Completion`` objects) as step
         ``step``: each sample's tokens and logprobs, and the fingerprints the engine computed."""
         return self.guarded("record_step", self._record, step, completions)
 

@@ -1,12 +1,12 @@
 """Per-token-row activation fingerprints computed on the activation's own device (DESIGN.md,
-"Fingerprints"): the torch half of :mod:`audit.fingerprints`, which keeps the digest weights, the
+"Fingerprints"): the torch half of :mod:`isoaudit.audit.fingerprints`, which keeps the digest weights, the
 sketch projection and the comparisons (numpy only, so the service never loads torch).
 
 :func:`fingerprint_rows` gives digest, ladder, sketch, l2 and maxabs of every row as tensors on the
 device; :func:`rows_to_host` brings any number of them (and a few other tensors) to the host in one
 transfer, as :class:`HostRows`. The trainer's step packs its regions with :func:`pack_prints`: the
 regions fingerprinted together travel as their group, not one by one. On CUDA the digest and ladder come from a fused pass:
-``kernels.fingerprint`` (a Triton kernel, bitwise equal to the torch path) when it is installed and
+``isoaudit.kernels.fingerprint`` (a Triton kernel, bitwise equal to the torch path) when it is installed and
 imports, else a ``torch.compile``'d expression, else eager torch.
 """
 
@@ -239,7 +239,7 @@ _TRITON: Any = None
 
 
 def _triton_pass() -> Any:
-    """``kernels.fingerprint`` (one fused Triton pass computing every field; digest, ladder and
+    """``isoaudit.kernels.fingerprint`` (one fused Triton pass computing every field; digest, ladder and
     max-abs bit-identical to this module's, sketch and L2 to fp32 rounding) when it imports, else
     None. ``ISOAUDIT_FINGERPRINT_TRITON=0`` turns it off."""
     global _TRITON
@@ -326,7 +326,7 @@ class HostRows:
         return int(self.digest.shape[0])
 
     def fields(self) -> dict[str, np.ndarray]:
-        """The per-row arrays by their record names (:data:`audit.fingerprints.ROW_FIELDS`)."""
+        """The per-row arrays by their record names (:data:`isoaudit.audit.fingerprints.ROW_FIELDS`)."""
         return {name: getattr(self, name) for name in ROW_FIELDS}
 
 

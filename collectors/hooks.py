@@ -299,8 +299,8 @@ class ForwardCapture:
 
 def _invariant_head_logits(head: nn.Linear, inputs: Any, rows: torch.Tensor | None) -> torch.Tensor | None:
     """With the invariant kernels on, a side's logprobs come from the fp32 head
-    (:func:`kernels.dispatch.logits_fp32` over the lm_head's input, as the engines compute theirs), not
-    from the model-dtype ``lm_head`` module's own output: fingerprint those logits."""
+    (:func:`isoaudit.kernels.dispatch.logits_fp32` over the lm_head's input, as the engines compute theirs),
+    not from the model-dtype ``lm_head`` module's own output: fingerprint those logits."""
     hidden = read_tap(inputs, Tap.FIRST, rows)
     if hidden is None:
         return None

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -40,9 +40,9 @@ def _as_lists(seqs: Sequence[Any], name: str) -> list[list[int]]:
     return out
 
 
-def _temperatures(temperature: float | Sequence[float], n: int) -> np.ndarray:
+def _temperatures(temperature: float | Sequence[float] | np.ndarray, n: int) -> np.ndarray:
     temps = (
-        np.full(n, float(temperature))
+        np.full(n, float(cast(float, temperature)))
         if np.isscalar(temperature)
         else np.asarray(temperature, dtype=np.float64)
     )
@@ -84,7 +84,7 @@ class StepBatch:
                 )
         self.temperature = _temperatures(
             1.0 if self.temperature is None else self.temperature, len(self.spans)
-        )  # type: ignore[arg-type]
+        )
         if self.sample_keys is not None and len(self.sample_keys) != len(self.spans):
             raise ValueError(f"sample_keys: {len(self.sample_keys)} keys for {len(self.spans)} samples")
 
@@ -158,9 +158,11 @@ class StepBatch:
         ids = input_ids if input_ids.dim() == 2 else input_ids.reshape(1, -1)
         rows, cols = ids.shape
         if seq_lens is not None:
-            per_row = (
-                [list(seq_lens)] if seq_lens and np.isscalar(seq_lens[0]) else [list(r) for r in seq_lens]
-            )  # type: ignore[arg-type]
+            per_row: list[list[int]] = (
+                [list(cast(Sequence[int], seq_lens))]
+                if seq_lens and np.isscalar(seq_lens[0])
+                else [list(cast(Sequence[int], r)) for r in seq_lens]
+            )
             if len(per_row) != rows:
                 raise ValueError(f"seq_lens: {len(per_row)} rows of lengths for {rows} rows of input_ids")
             bounds = []

@@ -14,12 +14,14 @@ exactly the ``log_softmax(logits / T)`` a trainer writes (on CUDA, dividing by a
 tensor of the same value can round differently).
 
 While the invariant kernels are on (remediation mode ``invariant``), the log-softmax is theirs, so the
-trainer's logprobs are the same arithmetic as an engine running :func:`kernels.dispatch.token_logprobs`.
+trainer's logprobs are the same arithmetic as an engine running
+:func:`isoaudit.kernels.dispatch.token_logprobs`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import cast
 
 import numpy as np
 import torch
@@ -36,14 +38,11 @@ def sampling_values(value: SamplingArg, n: int, name: str) -> np.ndarray | None:
     min_p 0, None); ``None`` when it is off for every sample."""
     if value is None:
         return None
-    values = (
-        np.full(n, float(value))
-        if np.isscalar(value)
-        else np.array(
-            [np.nan if v is None else float(v) for v in value],
-            dtype=np.float64,  # type: ignore[union-attr]
-        )
-    )
+    if np.isscalar(value):
+        values = np.full(n, float(cast(float, value)))
+    else:
+        per_sample = cast(Sequence[float | int | None], value)
+        values = np.array([np.nan if v is None else float(v) for v in per_sample], dtype=np.float64)
     if values.shape != (n,):
         raise ValueError(f"{name}: expected a number or {n} values, got {values.size}")
     known = values[~np.isnan(values)]

@@ -21,7 +21,7 @@ from torch import nn
 if TYPE_CHECKING:
     from isoaudit.audit.contract import Contract
 
-#: An execution contract for the manifest: an ``audit.contract.Contract``, its identities (or a
+#: An execution contract for the manifest: an ``isoaudit.audit.contract.Contract``, its identities (or a
 #: mapping of them), or ``None``.
 ContractArg = Union["Contract", ContractIdentities, Mapping[str, str], None]  # noqa: UP007
 
@@ -55,13 +55,13 @@ def _arch(device: torch.device) -> str:
 
 
 def _kernels_on() -> bool:
-    """Whether :mod:`kernels` routes this process (read only if a job imported it: no import here)."""
+    """Whether :mod:`isoaudit.kernels` routes this process (read only if a job imported it: no import here)."""
     routing = sys.modules.get("isoaudit.kernels.dispatch")
     return routing is not None and bool(routing.is_enabled())
 
 
 def kernel_facts() -> dict[str, Any]:
-    """Launch settings of :mod:`kernels` that set bits, while it routes this process (both sides
+    """Launch settings of :mod:`isoaudit.kernels` that set bits, while it routes this process (both sides
     must agree on them, so both manifests carry them): today the GEMM's fixed split-K of narrow
     weights (``ISOAUDIT_GEMM_SPLIT_K``). Empty when the kernels are off or not imported."""
     gemm = sys.modules.get("isoaudit.kernels.gemm")
@@ -148,7 +148,7 @@ def runtime_signature(model: nn.Module) -> tuple[Any, ...]:
 
 
 def contract_fields(contract: ContractArg) -> tuple[ContractIdentities, dict[str, Any]]:
-    """Identities and numerical-policy fields of ``contract``: an ``audit.contract.Contract``, its
+    """Identities and numerical-policy fields of ``contract``: an ``isoaudit.audit.contract.Contract``, its
     identities (``ContractIdentities`` or a mapping of them), or ``None``."""
     if contract is None:
         return ContractIdentities(), {}
@@ -165,7 +165,8 @@ def contract_fields(contract: ContractArg) -> tuple[ContractIdentities, dict[str
 
     if not isinstance(contract, Contract):
         raise TypeError(
-            f"contract: expected an audit.contract.Contract or its identities, got {type(contract).__name__}"
+            "contract: expected an isoaudit.audit.contract.Contract or its identities, "
+            f"got {type(contract).__name__}"
         )
     return identities(contract), numerical_policy_fields(contract)
 

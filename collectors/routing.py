@@ -1,9 +1,9 @@
-"""MoE routing on both sides (issue 19): the experts every MoE layer chose per token, attached to
+"""MoE routing on both sides: the experts every MoE layer chose per token, attached to
 the side's sample records (``SampleLogprobs.routes``: a few bytes a token and layer).
 
-Routing is observed through :mod:`kernels.moe`'s routing traces, which see both modes: natively
-the HF router's own selection (``kernels.adapters_moe.instrument`` hooks ``mlp.gate``), with the
-invariant kernels on the selection of :func:`kernels.moe.moe_layer`. One recorder plugs into any
+Routing is observed through :mod:`isoaudit.kernels.moe`'s routing traces, which see both modes: natively
+the HF router's own selection (``isoaudit.kernels.adapters_moe.instrument`` hooks ``mlp.gate``), with the
+invariant kernels on the selection of :func:`isoaudit.kernels.moe.moe_layer`. One recorder plugs into any
 collector's record stream, so the trainer, the reference engine and a job's own sender share it:
 
 * :class:`TrainerRoutes` opens a trace around every top-level forward of the trainer's model and
@@ -50,7 +50,7 @@ def _moe() -> Any:
 
 
 def instrument(model: nn.Module) -> list[tuple[int, nn.Module]]:
-    """Number ``model``'s MoE blocks and hook their routers into :mod:`kernels.moe` traces; returns
+    """Number ``model``'s MoE blocks and hook their routers into :mod:`isoaudit.kernels.moe` traces; returns
     (decoder layer, block) for each (empty for a dense model)."""
     from isoaudit.kernels import adapters_moe
 
@@ -199,7 +199,12 @@ class TrainerRoutes(_Recorder):
             model.register_forward_pre_hook(self._begin, with_kwargs=True),
             model.register_forward_hook(self._end, always_call=True),
         ]
-        self._undo.append(lambda: [h.remove() for h in handles])
+
+        def remove() -> None:
+            for handle in handles:
+                handle.remove()
+
+        self._undo.append(remove)
 
     def _begin(self, _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if self._open is not None:
@@ -271,7 +276,7 @@ class TrainerRoutes(_Recorder):
         handles = []
         for i, block in instrument(self.model) if routes is not None else []:
             if i in routes:
-                # Before kernels.adapters_moe's recording hook, so traces see the replayed routes.
+                # Before isoaudit.kernels.adapters_moe's recording hook, so traces see the replayed routes.
                 handles.append(block.gate.register_forward_hook(_replaying(routes[i], mask), prepend=True))
         if mask is not None:
             host_mask = mask.detach().reshape(-1).cpu().numpy().astype(np.uint8)
@@ -306,8 +311,8 @@ def _replaying(chosen: torch.Tensor, mask: torch.Tensor | None) -> Callable[...,
 
 
 class EngineRoutes(_Recorder):
-    """Routing inside the reference engine (:class:`kernels.engine.RolloutEngine` over
-    :class:`kernels.adapters_moe.HFMoECausalLM`): each ``generate`` is traced; its rows are tagged
+    """Routing inside the reference engine (:class:`isoaudit.kernels.engine.RolloutEngine` over
+    :class:`isoaudit.kernels.adapters_moe.HFMoECausalLM`): each ``generate`` is traced; its rows are tagged
     (request slot, absolute position), so the routes of request ``i`` are the rows of slot ``i``,
     each position once (its first computation)."""
 
@@ -317,7 +322,9 @@ class EngineRoutes(_Recorder):
         adapter = getattr(engine, "model", None)
         model = getattr(adapter, "model", None)
         if not isinstance(model, nn.Module):
-            raise TypeError("engine: expected a kernels.engine.RolloutEngine over an HF MoE adapter")
+            raise TypeError(
+                "engine: expected an isoaudit.kernels.engine.RolloutEngine over an HF MoE adapter"
+            )
         super().__init__(model, keep=keep)
         self.engine = engine
         inner = engine.generate
@@ -372,9 +379,10 @@ class EngineRoutes(_Recorder):
 
 def watch_routing(collector: Any) -> Any:
     """Record MoE routing beside ``collector`` (a trainer collector, the reference-engine collector
-    or a vLLM collector, in-process or in worker processes: :class:`collectors.routing_vllm.VllmRoutes`):
-    routes go on its sample records and the trainer's manifest says ``router_replay``. Returns
-    the recorder, or ``None`` for a dense model (nothing to record). Detached with the collector."""
+    or a vLLM collector, in-process or in worker processes:
+    :class:`isoaudit.collectors.routing_vllm.VllmRoutes`): routes go on its sample records and the trainer's
+    manifest says ``router_replay``. Returns the recorder, or ``None`` for a dense model (nothing to record).
+    Detached with the collector."""
     if hasattr(collector, "link"):  # the vLLM collector
         from isoaudit.collectors.routing_vllm import VllmRoutes
 
@@ -397,7 +405,7 @@ def watch_routing(collector: Any) -> Any:
 def replay_tensors(
     batch: Any, routes: Sequence[Routes | None]
 ) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
-    """What :meth:`TrainerRoutes.replay` takes for a :class:`~collectors.layout.StepBatch` whose
+    """What :meth:`TrainerRoutes.replay` takes for a :class:`~isoaudit.collectors.layout.StepBatch` whose
     sample ``i`` the rollout routed as ``routes[i]`` (e.g. the rollout's sample records, or
     :func:`routes_from_vllm`): per MoE layer the experts of every flat row of the batch, and the
     mask of rows that have a route (the rest, such as the last sampled token or a sample the

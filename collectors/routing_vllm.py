@@ -1,17 +1,17 @@
-"""MoE routing inside vLLM (issue 19): the experts each of vLLM's fused-MoE layers chose per token,
-attached to the vLLM collector's sample records like the trainer's (:mod:`collectors.routing`).
+"""MoE routing inside vLLM: the experts each of vLLM's fused-MoE layers chose per token,
+attached to the vLLM collector's sample records like the trainer's (:mod:`isoaudit.collectors.routing`).
 
 vLLM's routers call a capture function with the logical expert ids of every forward
 (``BaseRouter.set_capture_fn``, the hook behind its own routed-experts output); a pre-hook on the
-model reads the forward's layout (:func:`collectors.vllm.rows.read_forward_rows`), so each flat row
-is filed under its request at its absolute position. Only the ids are kept: one byte per choice
+model reads the forward's layout (:func:`isoaudit.collectors.vllm.worker.rows.read_forward_rows`), so each
+flat row is filed under its request at its absolute position. Only the ids are kept: one byte per choice
 for up to 256 experts. vLLM's own routed-experts output (``enable_return_routed_experts``) needs
 its model runner V2, which needs Triton, so the CPU build cannot return it; these hooks work with
 either runner.
 
 The capture lives in each worker (:class:`WorkerRoutes`) and the driver reaches it the way the
-other worker facts travel: through :class:`collectors.vllm.link.EngineLink`, i.e. ``collective_rpc``
-with the worker-side functions of :mod:`collectors.vllm.worker` (``routing_start``, ``routing_take``,
+other worker facts travel: through :class:`isoaudit.collectors.vllm.link.EngineLink`, i.e. ``collective_rpc``
+with the worker-side functions of :mod:`isoaudit.collectors.vllm.worker.calls` (``routing_start``, ``routing_take``,
 ``routing_stop``) in an in-process engine, or the worker extension's ``isoaudit_routing_*`` methods
 when the workers are other processes. Routes cross as msgpack-native dicts (:func:`routes_to_wire`),
 a few bytes a token and layer; the driver asks once per batch of records, by sample key.
@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from isoaudit.audit.records import Record, Routes, SampleLogprobs, sample_key
 from isoaudit.collectors.counting import Counters, LogOnce
-from isoaudit.collectors.vllm.rows import ForwardRows, read_forward_rows
+from isoaudit.collectors.vllm.worker.rows import ForwardRows, read_forward_rows
 from torch import nn
 
 log = logging.getLogger(__name__)
@@ -294,7 +294,7 @@ def stop_worker(worker: Any) -> dict[str, int]:
 
 class VllmRoutes:
     """The driver's side: routes from every worker (in this process or in worker processes, through
-    the collector's :class:`~collectors.vllm.link.EngineLink`), attached to the vLLM collector's
+    the collector's :class:`~isoaudit.collectors.vllm.link.EngineLink`), attached to the vLLM collector's
     sample records just before they are queued (one ``collective_rpc`` per batch of records)."""
 
     side = "rollout"

@@ -25,7 +25,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypedDict, TypeVar
 
 from isoaudit.audit.config import database_url as resolve_database_url
 from isoaudit.audit.records import Case, Run, StepStats
@@ -35,6 +35,7 @@ from isoaudit.collectors.manifest import ContractArg
 from isoaudit.collectors.regions import RegionsArg
 from isoaudit.collectors.remediation import RemediationHook, apply_kernels_mode
 from isoaudit.collectors.sinks.base import Sink
+from isoaudit.collectors.sinks.spool import DEFAULT_SPOOL_DIR
 
 if TYPE_CHECKING:
     from isoaudit.collectors.engine_capture import EngineCollector
@@ -83,7 +84,7 @@ class ServiceDestination(Destination):
         url: str,
         token: str,
         *,
-        spool_dir: str | Path | None = "./isoaudit-spool",
+        spool_dir: str | Path | None = DEFAULT_SPOOL_DIR,
         timeout: float = 10.0,
         control_interval: float = 2.0,
     ) -> None:
@@ -169,7 +170,7 @@ class MemoryDestination(Destination):
 
     def sink(self, side: str) -> Sink:
         self.sinks[side] = self._make(name=f"{side}-memory-sink")
-        return self.sinks[side]  # type: ignore[no-any-return]
+        return self.sinks[side]
 
     def control(self, run_id: str) -> ControlChannel:
         return FixedControl(run_id)
@@ -194,7 +195,7 @@ def destination_from(
         return ServiceDestination(
             url,
             token or env.get("ISOAUDIT_TOKEN", ""),
-            spool_dir=spool_dir if spool_dir is not None else "./isoaudit-spool",
+            spool_dir=spool_dir if spool_dir is not None else DEFAULT_SPOOL_DIR,
             control_interval=2.0 if control_interval is None else control_interval,
         )
     return DatabaseDestination(
@@ -255,7 +256,7 @@ class Session:
         rank: int | None = None,
     ) -> None:
         self.run = run_record(run)
-        self.rank = rank  # None: detected when the first sink opens (collectors.integrations.ranks)
+        self.rank = rank  # None: detected when the first sink opens (isoaudit.collectors.integrations.ranks)
         self.contracts = contracts
         self.destination = destination
         self.strict = strict
@@ -343,7 +344,7 @@ class Session:
         names, a canonical → module map, or ``None`` (logprobs only); ``sample_every``: fingerprint
         every N-th step; ``weight_digests``: digest the parameters held at each weight version
         change (off for a model too large to read once per sync); the rest:
-        :class:`collectors.trainer.TrainerCollector`."""
+        :class:`isoaudit.collectors.trainer.TrainerCollector`."""
         from isoaudit.collectors.trainer import TrainerCollector
 
         return self._add(
@@ -378,9 +379,9 @@ class Session:
         keep_records: bool = False,
     ) -> VllmCollector:
         """Hook the engine of ``llm`` (a ``vllm.LLM`` in this process, or started with
-        ``worker_extension_cls=collectors.vllm.EXTENSION``); call ``record_step(step, outputs)``
+        ``worker_extension_cls=isoaudit.collectors.vllm.EXTENSION``); call ``record_step(step, outputs)``
         on the handle after each ``generate``. ``fingerprint``: ``"all"``, one in N, a list of
-        request ids, or ``None``; the rest: :class:`collectors.vllm.VllmCollector`."""
+        request ids, or ``None``; the rest: :class:`isoaudit.collectors.vllm.VllmCollector`."""
         from isoaudit.collectors.vllm.collector import VllmCollector
 
         return self._add(
@@ -408,9 +409,9 @@ class Session:
         weight_version: str | int | None = None,
         keep_records: bool = False,
     ) -> EngineCollector:
-        """Hook isoaudit's reference engine (``kernels.engine.RolloutEngine`` over an
+        """Hook isoaudit's reference engine (``isoaudit.kernels.engine.RolloutEngine`` over an
         ``HFCausalLM``); call ``record_step(step, completions)`` on the handle after each
-        ``generate``. Arguments: :class:`collectors.engine_capture.EngineCollector`."""
+        ``generate``. Arguments: :class:`isoaudit.collectors.engine_capture.EngineCollector`."""
         from isoaudit.collectors.engine_capture import EngineCollector
 
         return self._add(
@@ -434,7 +435,7 @@ class Session:
     def watch_routing(self, handle: Collector) -> Any:
         """MoE models: also record, per token and MoE layer, the experts ``handle`` (a trainer,
         reference-engine or in-process vLLM collector of this session) saw chosen, on its sample
-        records (:func:`collectors.routing.watch_routing`); ``None`` for a dense model."""
+        records (:func:`isoaudit.collectors.routing.watch_routing`); ``None`` for a dense model."""
         from isoaudit.collectors.routing import watch_routing
 
         return watch_routing(handle)
@@ -485,7 +486,8 @@ class Session:
 
     @staticmethod
     def _auto_trainer_contract(model: Any) -> Any:
-        """The trainer's contract per mode, built from what the model runs (:mod:`collectors.policy`)."""
+        """The trainer's contract per mode, built from what the model runs
+        (:mod:`isoaudit.collectors.policy`)."""
         from isoaudit.collectors.policy import hf_contracts
 
         return hf_contracts(model)
@@ -506,6 +508,22 @@ class Session:
         return collector
 
 
+class SessionOptions(TypedDict, total=False):
+    """:func:`session`'s keyword arguments, for callers that pass them on (framework adapters)."""
+
+    url: str | None
+    token: str | None
+    database_url: str | None
+    project: str
+    spool_dir: str | Path | None
+    control_interval: float | None
+    destination: Destination | None
+    strict: bool
+    report: bool
+    contracts: bool
+    rank: int | None
+
+
 def session(
     run: str | Run,
     *,
@@ -521,17 +539,17 @@ def session(
     contracts: bool = False,
     rank: int | None = None,
 ) -> Session:
-    """A session for run ``run`` (an id, or a :class:`audit.records.Run` with a name and config).
+    """A session for run ``run`` (an id, or a :class:`isoaudit.audit.records.Run` with a name and config).
 
     ``url``/``token``: the service (default ``ISOAUDIT_URL``/``ISOAUDIT_TOKEN``);
     ``database_url``: direct writes (default ``ISOAUDIT_DATABASE_URL``, else ``./isoaudit.db``);
     ``project``: the project of direct writes; ``spool_dir``: where records wait while the
-    destination is down (service default ``./isoaudit-spool``); ``control_interval``: seconds
+    destination is down (service default :data:`~isoaudit.collectors.sinks.spool.DEFAULT_SPOOL_DIR`); ``control_interval``: seconds
     between control reads (service 2, database 1); ``destination``: any :class:`Destination`
     instead (e.g. :class:`MemoryDestination`); ``strict``: collectors raise instead of counting
     errors (tests); ``report``: print the summary on close; ``contracts``: every side a ``watch_*``
     call gives no contract gets one built per remediation mode from what it runs
-    (:mod:`collectors.policy`), so the manifests' ``numerical_policy`` says which kernels compute
+    (:mod:`isoaudit.collectors.policy`), so the manifests' ``numerical_policy`` says which kernels compute
     each region and the handshake names the regions where the sides differ; ``rank``: the rank
     stamped on this session's samples (default: ``torch.distributed``'s, else the launcher's
     ``RANK``, else none).

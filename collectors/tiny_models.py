@@ -4,7 +4,7 @@ Nothing is downloaded: the config is a standard HF Qwen3, Llama, Qwen3-MoE or Mi
 transformers and vLLM both load the directory), the weights are random from a seed, and the tokenizer
 is a byte-level BPE trained in a second on a small built-in corpus and saved as an HF fast tokenizer.
 
-Mixture-of-experts families (routing tests, issue 19): every layer sparse; router weights are drawn
+Mixture-of-experts families (routing tests): every layer sparse; router weights are drawn
 with standard deviation ``router_scale / sqrt(hidden)`` (router logits of about unit spread):
 decisive for most tokens, with close calls left for noise to flip.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict, Unpack
 
 import torch
 
@@ -73,6 +73,18 @@ def train_tokenizer(vocab_size: int = 512, seed: int = 0) -> Any:
         bos_token=SPECIAL_TOKENS["bos"],
         model_max_length=4096,
     )
+
+
+class TinyShape(TypedDict, total=False):
+    """The shape options of :func:`tiny_config` beyond size and dtype (its keyword arguments)."""
+
+    heads: int
+    kv_heads: int
+    intermediate: int | None
+    max_positions: int
+    num_experts: int
+    top_k: int
+    expert_intermediate: int
 
 
 def tiny_config(
@@ -157,7 +169,7 @@ def make_tiny_model(
     seed: int = 0,
     dtype: str = "float32",
     router_scale: float = 1.0,
-    **config: Any,
+    **config: Unpack[TinyShape],
 ) -> Path:
     """Save a random ``family`` model and its tokenizer to ``path`` (created); return the path.
 

@@ -3,7 +3,7 @@
 
 Usage in a training loop::
 
-    handle = audit.watch_trainer(model, sample_every=10)   # audit: a isoaudit.session(...)
+    handle = audit.watch_trainer(model, sample_every=10)   # audit: an isoaudit.session(...)
     for step, batch in enumerate(loader):
         handle.begin_step(step)                       # optional: gates fingerprinting precisely
         out = model(**batch.model_inputs())           # hooks fingerprint regions on the device
@@ -22,11 +22,7 @@ once, never raised (unless ``strict=True``, for tests).
 from __future__ import annotations
 
 import logging
-import queue
-import threading
-import time
-from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -45,6 +41,7 @@ from isoaudit.collectors.manifest import ContractArg, runtime_signature, trainer
 from isoaudit.collectors.regions import RegionsArg, resolve_regions
 from isoaudit.collectors.remediation import RemediationHook, apply_kernels_mode, switch_with
 from isoaudit.collectors.sinks.base import Sink
+from isoaudit.collectors.step_pipeline import BuiltStep, Outcome, StepPipeline
 from isoaudit.collectors.transfer import HostCopy, to_device
 from torch import nn
 
@@ -71,7 +68,7 @@ class StepReport:
 
 
 @dataclass
-class _PendingStep:
+class _StepInFlight:
     """A recorded step whose arrays are still travelling to the host."""
 
     step: int
@@ -94,18 +91,20 @@ class TrainerCollector(Collector):
     ``trainer_recompute``. ``contract``: the execution contract (or its identities) for the
     manifest. ``control``: where the desired remediation mode comes from (``None``: never
     switches by itself). ``remediation_hook(model, mode)``: how this process switches modes
-    (default: :mod:`kernels` on/off). ``mode``: the mode the model runs in now.
+    (default: :mod:`isoaudit.kernels` on/off). ``mode``: the mode the model runs in now.
     ``validate``: build records through pydantic (tests; the store validates anyway);
     ``strict``: raise instead of counting errors (tests); ``keep_records``: return each step's
-    records in its report. ``async_transfer``: on CUDA, let each step's arrays travel to the host
-    while the training step goes on; their records are built at a later ``record_step`` (at most
-    ``max_inflight`` steps behind), or at ``flush``/``detach``. Off, ``record_step`` waits for
-    the copy. ``weight_digests``: digest every parameter on its device at attach and at each
-    weight version change (``Manifest.weight_tensor_digests``), so weights that differ under one
-    claimed version are named. ``background_records``: a helper thread waits for each step's copy
-    and builds its records (about a thousand with every region fingerprinted), mostly while the
-    training thread is in the backward, which runs without the GIL; the training thread only sends
-    them, at its next ``record_step`` or ``flush``. Reports are then always deferred.
+    records in its report. ``weight_digests``: digest every parameter on its device at attach and
+    at each weight version change (``Manifest.weight_tensor_digests``), so weights that differ under
+    one claimed version are named.
+
+    Each step's records travel through one :class:`~isoaudit.collectors.step_pipeline.StepPipeline`.
+    ``async_transfer``: on CUDA, let each step's arrays travel to the host while the training step
+    goes on; their records are built at a later ``record_step`` (at most ``max_inflight`` steps
+    behind), or at ``flush``/``detach``. Off, ``record_step`` waits for the copy.
+    ``background_records``: a helper thread waits for each step's copy and builds its records,
+    mostly while the training thread is in the backward; the training thread only sends them, at
+    its next ``record_step`` or ``flush``. Reports are then always deferred.
     """
 
     side = "trainer"
@@ -150,9 +149,10 @@ class TrainerCollector(Collector):
         self.keep_records = keep_records
         self.async_transfer = async_transfer
         self.max_inflight = max_inflight
-        self._inflight: deque[_PendingStep] = deque()
         self.background_records = background_records
-        self._finisher: _Finisher | None = None
+        self._pipeline: StepPipeline[_StepInFlight] = StepPipeline(
+            self._build, _copy_landed, background=background_records
+        )
         self.remediation_hook = remediation_hook
         self.resolved = resolve_regions(model, regions)
         self._next_step: int | None = None
@@ -252,32 +252,26 @@ class TrainerCollector(Collector):
         return switch_with(self.remediation_hook, self.model, mode, "trainer")
 
     def _finish_pending(self) -> None:
-        self._drain(block_beyond=0)
-        if self._finisher is not None:
-            if not self._finisher.wait(FINISH_TIMEOUT):
-                self._log_once("finisher", "isoaudit trainer collector: records still being built at flush")
-            self._send_built()
+        finished, complete = self._pipeline.take_all(FINISH_TIMEOUT)
+        self._send_finished(finished)
+        if not complete:
+            self._log_once("building", "isoaudit trainer collector: records still being built at flush")
 
     def _remove_hooks(self) -> None:
         self._capture.remove()
-        if self._finisher is not None:
-            self._finisher.stop(FINISH_TIMEOUT)
+        self._pipeline.stop(FINISH_TIMEOUT)
 
-    def _background(self) -> _Finisher:
-        if self._finisher is None or not self._finisher.alive:
-            self._finisher = _Finisher(self._build, self.max_inflight + 1)
-        return self._finisher
-
-    def _send_built(self) -> None:
-        """Send what the finisher built, in step order, from this (the training) thread: the sink's
-        companions' hooks (routing) run where they always do; a failed build is counted here."""
-        if self._finisher is None:
-            return
-        for pending, built in self._finisher.finished():
-            if isinstance(built, BaseException):
-                self.guarded("building records", _reraise, built)
-            else:
-                self.guarded("sending records", self._send, pending, built)
+    def _send_finished(self, finished: list[tuple[_StepInFlight, Outcome]]) -> dict[int, BuiltStep]:
+        """Send finished steps, in step order, from this (the training) thread: the sink's send
+        hooks (routing) run where they always do; a failed build is counted here. Returns what was
+        sent, by id of the step."""
+        sent: dict[int, BuiltStep] = {}
+        for step, outcome in finished:
+            if isinstance(outcome, BaseException):
+                self.guarded("building records", _reraise, outcome)
+            elif self.guarded("sending records", self._send, step, outcome) is not None:
+                sent[id(step)] = outcome
+        return sent
 
     def _record(
         self,
@@ -320,6 +314,7 @@ class TrainerCollector(Collector):
         predict, target = batch.completion_rows()
         if need_logits:
             assert capture is not None and capture.logits is not None
+            assert batch.temperature is not None  # StepBatch fills it in
             sample_of = np.repeat(np.arange(batch.num_samples), [s.completion_len for s in batch.spans])
             tensors["lp"] = processed_logprobs(
                 capture.logits.detach(),
@@ -327,7 +322,7 @@ class TrainerCollector(Collector):
                 predict,
                 target,
                 batch.temperature,
-                sample_of,  # type: ignore[arg-type]
+                sample_of,
                 **transforms,
             )
         else:
@@ -335,66 +330,49 @@ class TrainerCollector(Collector):
         prints = self._prints_of(capture, batch) if fingerprint_now and capture is not None else {}
         if prints and capture is not None and capture.rows is not None:
             tensors["rows"] = capture.rows
-        packed, layout = pack_prints(list(prints.values()), prefix="p")  # a few groups, not every region
+        # the prints travel as a few groups, not region by region
+        packed, prints_layout = pack_prints(list(prints.values()), prefix="p")
         tensors.update(packed)
         self.counters.steps += 1
         if own:
             self.counters.own_forwards += 1
-        pending = _PendingStep(
+        pending = _StepInFlight(
             step=step,
             batch=batch,
             # the step's one transfer; the fingerprints ("p...") are this step's own, never written again
             copy=HostCopy(tensors, asynchronous=self.async_transfer, fresh=_is_print),
             version=version,
-            layout=layout,
+            layout=prints_layout,
             keys=list(prints),
             compacted=bool(prints) and capture is not None and capture.rows is not None,
             head=records,
             sampling=transforms,
         )
-        if self.background_records:
-            self._send_built()  # earlier steps, built meanwhile on the finisher
-            # waits while max_inflight + 1 steps are queued; a finisher stuck that long: build here
-            if not self._background().put(pending, PUT_TIMEOUT):
-                self.guarded("building records", self._finish, pending)
+        if self._pipeline.background:
+            self._send_finished(self._pipeline.take(None))  # earlier steps, built meanwhile
+            # a helper stuck on max_inflight + 1 steps: this one is built and sent here
+            if not self._pipeline.push(pending, room=self.max_inflight + 1, timeout=PUT_TIMEOUT):
+                self._send_finished([(pending, self._pipeline.build_now(pending))])
             self._step_boundary()
             return StepReport(step, [], -1, own, [], deferred=True)
-        self._inflight.append(pending)
-        done = self._drain(block_beyond=self.max_inflight)
+        self._pipeline.push(pending, room=self.max_inflight + 1, timeout=PUT_TIMEOUT)
+        sent = self._send_finished(self._pipeline.take(self.max_inflight))
         self._step_boundary()
-        mine = done.get(id(pending))
+        mine = sent.get(id(pending))
         if mine is not None:
-            return StepReport(step, mine[0], mine[1], own, mine[2] if self.keep_records else [])
+            records = mine.records if self.keep_records else []
+            return StepReport(step, mine.keys, mine.n_fingerprint_records, own, records)
         return StepReport(step, [], -1, own, [], deferred=True)
 
-    def _drain(self, block_beyond: int) -> dict[int, tuple[list[str], int, list[Record]]]:
-        """Turn landed copies into records and send them, oldest first; wait for the oldest while
-        more than ``block_beyond`` are in flight. Returns what was finished, by id of the step."""
-        done: dict[int, tuple[list[str], int, list[Record]]] = {}
-        while self._inflight:
-            oldest = self._inflight[0]
-            if not oldest.copy.ready() and len(self._inflight) <= block_beyond:
-                break
-            self._inflight.popleft()
-            finished = self.guarded("building records", self._finish, oldest)
-            if finished is not None:
-                done[id(oldest)] = finished
-        return done
-
-    def _finish(self, pending: _PendingStep) -> tuple[list[str], int, list[Record]]:
-        built = self._build(pending)
-        self._send(pending, built)
-        return built
-
-    def _send(self, pending: _PendingStep, built: tuple[list[str], int, list[Record]]) -> None:
-        _keys, n_prints, records = built
-        self.sink.send(records)
+    def _send(self, pending: _StepInFlight, built: BuiltStep) -> bool:
+        self.sink.send(built.records)
         self.counters.samples += pending.batch.num_samples
-        self.counters.fingerprint_records += n_prints
+        self.counters.fingerprint_records += built.n_fingerprint_records
+        return True
 
-    def _build(self, pending: _PendingStep) -> tuple[list[str], int, list[Record]]:
+    def _build(self, pending: _StepInFlight) -> BuiltStep:
         """The step's records, once its copy landed (waits for it): no counter, no send, so that
-        the background finisher can run it."""
+        the pipeline's helper thread can run it."""
         host = pending.copy.result()
         batch, step, version = pending.batch, pending.step, pending.version
         records = pending.head
@@ -439,7 +417,7 @@ class TrainerCollector(Collector):
             validate=self.validate,
         )
         records += fp_records
-        return keys, len(fp_records), records
+        return BuiltStep(keys, len(fp_records), records)
 
     def _prints_of(self, capture: Capture, batch: StepBatch) -> dict[tuple[str, int], Any]:
         rows, cols = batch.shape
@@ -475,7 +453,7 @@ class TrainerCollector(Collector):
         return capture
 
 
-#: How long flush/detach wait for the background finisher, and a step for room in its queue (s).
+#: How long flush/detach wait for steps being built, and a step for room in the pipeline (s).
 FINISH_TIMEOUT = 60.0
 PUT_TIMEOUT = 1.0
 
@@ -484,68 +462,8 @@ def _reraise(exc: BaseException) -> None:
     raise exc
 
 
-class _Finisher:
-    """One daemon thread building recorded steps' records in order (``build(pending)``), results
-    kept for the training thread to send. ``depth`` steps may wait: ``put`` blocks beyond that,
-    the same bound ``max_inflight`` puts on copies in flight."""
-
-    def __init__(self, build: Callable[[_PendingStep], Any], depth: int) -> None:
-        self._build = build
-        self._todo: queue.Queue[_PendingStep | None] = queue.Queue(maxsize=max(1, depth))
-        self._done: deque[tuple[_PendingStep, Any]] = deque()
-        self._thread = threading.Thread(target=self._run, name="isoaudit-trainer-records", daemon=True)
-        self._thread.start()
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
-
-    def put(self, pending: _PendingStep, timeout: float) -> bool:
-        """Queue a step (``False``: the queue stayed full for ``timeout`` seconds)."""
-        try:
-            self._todo.put(pending, timeout=timeout)
-        except queue.Full:
-            return False
-        return True
-
-    def _run(self) -> None:
-        while True:
-            pending = self._todo.get()
-            try:
-                if pending is None:
-                    return
-                try:
-                    result: Any = self._build(pending)
-                except Exception as exc:  # handed to the training thread, which counts it
-                    result = exc
-                self._done.append((pending, result))
-            finally:
-                self._todo.task_done()
-
-    def finished(self) -> list[tuple[_PendingStep, Any]]:
-        """What was built since the last call, oldest first."""
-        out = []
-        while self._done:
-            out.append(self._done.popleft())
-        return out
-
-    def wait(self, timeout: float) -> bool:
-        """Until every step put so far is built (``False``: not within ``timeout`` seconds)."""
-        deadline = time.monotonic() + timeout
-        with self._todo.all_tasks_done:
-            while self._todo.unfinished_tasks:
-                left = deadline - time.monotonic()
-                if left <= 0 or not self._thread.is_alive():
-                    return False
-                self._todo.all_tasks_done.wait(left)
-        return True
-
-    def stop(self, timeout: float) -> None:
-        try:
-            self._todo.put(None, timeout=timeout)
-        except queue.Full:
-            return  # a daemon thread: it goes with the process
-        self._thread.join(timeout)
+def _copy_landed(step: _StepInFlight) -> bool:
+    return step.copy.ready()
 
 
 def _is_print(name: str) -> bool:

@@ -5,12 +5,12 @@ Where a job's engine runs out of reach (a vLLM server in another Ray actor, TRL'
 ``on_step_end`` batch), the framework still has each sample's tokens and both sides' logprobs:
 verl's ``rollout_log_probs`` / ``old_log_probs``, SkyRL's ``rollout_logprobs`` /
 ``action_log_probs``, OpenRLHF's ``rollout_log_probs`` / ``action_log_probs``. This collector
-turns them into the same :class:`~audit.records.SampleLogprobs` records (keys derived from the
+turns them into the same :class:`~isoaudit.audit.records.SampleLogprobs` records (keys derived from the
 tokens, so they pair with whatever the other side recorded) and a manifest that says no region
 is observed here, so the comparator reports "not observed", never "equal"::
 
     rollout = watch_given(audit, "rollout", framework="verl")
-    rollout.record_step(step, batch, batch_rollout_logprobs)     # batch: a isoaudit.StepBatch
+    rollout.record_step(step, batch, batch_rollout_logprobs)     # batch: an isoaudit.StepBatch
 
 It cannot switch kernels (nothing of the engine is in reach): a remediation request is answered
 with the reason, in the manifest.
@@ -77,7 +77,7 @@ class GivenLogprobs(Collector):
         weight_version: str | int | None = None,
     ) -> RolloutStep | None:
         """Record ``batch``'s samples with ``logprobs`` (the layouts of
-        :meth:`collectors.trainer.TrainerCollector.record_step`) as step ``step``."""
+        :meth:`isoaudit.collectors.trainer.TrainerCollector.record_step`) as step ``step``."""
         report = self.guarded(
             "record_step", self._record, step, batch, logprobs, logprobs_layout, weight_version
         )

@@ -5,7 +5,7 @@ per data-parallel rank; each opens its own :func:`isoaudit.session` for the same
 comparator needs no rank (both sides derive a sample's key from its tokens, so the trainer rank
 that recomputed a sample need not be the engine rank that sampled it), but the service counts
 samples per rank, so a rank that stopped sending shows (``GET /v1/runs/{id}/ranks``, the dashboard's
-run page). The session stamps its rank on every :class:`~audit.records.SampleLogprobs` it sends;
+run page). The session stamps its rank on every :class:`~isoaudit.audit.records.SampleLogprobs` it sends;
 manifests already carry ``host:pid/rank`` as their ``process``.
 """
 

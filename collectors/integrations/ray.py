@@ -12,9 +12,9 @@ Both sides derive each sample's key from its tokens, so nothing coordinates ids 
     figures = run_ray_job("path/to/model", run="grpo-ray", steps=10,
                           env={"ISOAUDIT_URL": "http://isoaudit:8000", "ISOAUDIT_TOKEN": token})
 
-The arithmetic is the recipe's (:mod:`collectors.rl.grpo`, :mod:`collectors.rl.task`); the engine
-is isoaudit's reference engine (:class:`collectors.rl.rollout.ReferenceRollout`) over the actor's
-own copy of the weights.
+The arithmetic is the recipe's (:mod:`isoaudit.collectors.rl.grpo`, :mod:`isoaudit.collectors.rl.task`); the
+engine is isoaudit's reference engine (:class:`isoaudit.collectors.rl.rollout.ReferenceRollout`) over the
+actor's own copy of the weights.
 """
 
 from __future__ import annotations

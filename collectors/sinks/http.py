@@ -1,7 +1,7 @@
 """Records to the isoaudit service: ``POST {url}/v1/ingest`` with a bearer token.
 
 The reply carries the run's desired remediation mode (``control``), handed to ``on_control`` (the
-session's :class:`collectors.control.ServiceControl`), and the records it refused one by one
+session's :class:`isoaudit.collectors.control.ServiceControl`), and the records it refused one by one
 (``rejected``), counted here.
 """
 
@@ -14,6 +14,7 @@ from typing import Unpack
 import httpx
 from isoaudit.collectors.control import Control, service_base
 from isoaudit.collectors.sinks.base import DeliveryError, Sink, SinkOptions, _Item
+from isoaudit.collectors.sinks.spool import DEFAULT_SPOOL_DIR
 
 #: Statuses worth retrying: the request may succeed later unchanged.
 _RETRY_STATUSES = {408, 425, 429, 500, 502, 503, 504}
@@ -39,7 +40,7 @@ class HttpSink(Sink):
         url: str,
         token: str,
         *,
-        spool_dir: str | Path | None = "./isoaudit-spool",
+        spool_dir: str | Path | None = DEFAULT_SPOOL_DIR,
         timeout: float = 10.0,
         **options: Unpack[SinkOptions],
     ) -> None:

@@ -1,6 +1,6 @@
 """A sink that keeps records in memory: tests, benchmarks, and notebooks that compare in-process.
 
-It checks every record as the store would (:func:`audit.records.validate_record`): an invalid one
+It checks every record as the store would (:func:`isoaudit.audit.records.validate_record`): an invalid one
 is refused and counted, the rest of its batch kept, so what a test sees here is what would be stored.
 """
 
@@ -28,7 +28,7 @@ class MemorySink(Sink):
     def _deliver(self, item: _Item) -> int:
         records, rejected = item.records, []
         if self.validate:
-            kept = []
+            kept: list[Record] = []
             for index, record in enumerate(records):
                 try:
                     kept.append(validate_record(record))

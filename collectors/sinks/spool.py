@@ -22,6 +22,9 @@ log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^(\d{16})-(\d+)-[0-9a-f]{8}\.batch$")
 
+#: Where a service sink keeps batches while the service is down, unless told otherwise.
+DEFAULT_SPOOL_DIR = Path("./isoaudit-spool")
+
 
 @dataclass(frozen=True)
 class SpoolEntry:
@@ -103,7 +106,8 @@ class Spool:
         """The oldest batches, in order, while they stay within ``max_records`` and ``max_bytes``
         together (the oldest always, whatever its size): one replay request."""
         with self._lock:
-            out, records, size = [], 0, 0
+            out: list[SpoolEntry] = []
+            records, size = 0, 0
             for entry in self._entries:
                 if out and (records + entry.n_records > max_records or size + entry.size > max_bytes):
                     break

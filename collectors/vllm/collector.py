@@ -3,12 +3,12 @@
 Usage in an RL loop::
 
     llm = LLM(model, enforce_eager=True, logprobs_mode="processed_logprobs")   # or worker_extension_cls=EXTENSION
-    handle = audit.watch_vllm(llm, fingerprint=8)      # audit: a isoaudit.session(...)
+    handle = audit.watch_vllm(llm, fingerprint=8)      # audit: an isoaudit.session(...)
     for step in range(steps):
         outputs = llm.generate(prompts, SamplingParams(temperature=0.7, logprobs=0))
         handle.record_step(step, outputs)          # logprobs + fingerprints of 1 request in 8
         ...
-        collectors.vllm.load_weights(llm, trainer_state.items(), version=step + 1)
+        isoaudit.collectors.vllm.load_weights(llm, trainer_state.items(), version=step + 1)
 
 What is recorded per sampled sequence: the tokens (prompt ‖ completion) and the logprobs vLLM
 returned for them, with their semantics (the engine's ``logprobs_mode``), the request's temperature,
@@ -18,8 +18,8 @@ engine's per-region fingerprints at every position it computed, as ``engine_pref
 ``engine_decode``. ``record_step`` never raises (unless ``strict=True``); records go to the sink's
 queue. At the end of each ``record_step`` (or at ``begin_step``, called before ``generate``) the collector
 asks its control channel for the desired remediation mode; a new one goes to every worker, which
-switches its layers at its next step (:mod:`collectors.vllm.remediation`) and reports the mode it
-runs, and each op's implementation, with the next drain; the manifest then says what was applied
+switches its layers at its next step (:mod:`isoaudit.collectors.vllm.worker.remediation`) and reports the mode
+it runs, and each op's implementation, with the next drain; the manifest then says what was applied
 and which regions stay native.
 """
 
@@ -114,7 +114,7 @@ def _prints_records(
         keep = arrays["positions"] < n_tokens
         if not keep.any():
             continue
-        fields = {
+        fields: dict[str, Any] = {
             "run_id": run_id,
             "step": step,
             "side": "rollout",
@@ -140,17 +140,17 @@ class VllmCollector(Collector):
     fingerprint: ``"all"``, an integer N (one in N), a list of request ids, or ``None``.
     ``contract``: the execution contract (or its identities) the engine runs under, for the
     manifest; ``"auto"``: built from what the workers report running in each mode
-    (:mod:`collectors.policy`), so the handshake names the regions remediation cannot replace. ``control``: where the desired remediation mode comes from. ``weight_version``: the
-    version of the weights the engine starts with (later ones come from
-    :func:`collectors.vllm.load_weights` or :meth:`weights_changed`). ``max_requests``/``max_rows``:
-    the engine-side buffers' bounds (requests tracked, fingerprint rows kept until drained).
-    ``flush_bytes``: how many bytes of selected activations wait on the device before a batched
-    fingerprint pass. ``validate``: build records through pydantic validation (tests; the store
-    validates anyway); ``strict``: raise instead of counting errors (tests); ``keep_records``:
-    return each step's records in its report.
+    (:mod:`isoaudit.collectors.policy`), so the handshake names the regions remediation cannot replace.
+    ``control``: where the desired remediation mode comes from. ``weight_version``: the version of the weights
+    the engine starts with (later ones come from :func:`isoaudit.collectors.vllm.load_weights` or
+    :meth:`weights_changed`). ``max_requests``/``max_rows``: the engine-side buffers' bounds (requests
+    tracked, fingerprint rows kept until drained). ``flush_bytes``: how many bytes of selected activations
+    wait on the device before a batched fingerprint pass. ``validate``: build records through pydantic
+    validation (tests; the store validates anyway); ``strict``: raise instead of counting errors (tests);
+    ``keep_records``: return each step's records in its report.
 
     The engine must run in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) or have been created
-    with ``worker_extension_cls=collectors.vllm.EXTENSION``.
+    with ``worker_extension_cls=isoaudit.collectors.vllm.EXTENSION``.
     """
 
     side = "rollout"
@@ -204,7 +204,13 @@ class VllmCollector(Collector):
         self.keep_records = keep_records
         self.engine_counters: list[dict[str, int]] = []
         start = Start(
-            regions=regions if regions is None or isinstance(regions, str | Mapping) else list(regions),
+            regions=(
+                regions
+                if regions is None or isinstance(regions, str)
+                else dict(regions)
+                if isinstance(regions, Mapping)
+                else list(regions)
+            ),
             selection=selection,
             max_requests=max_requests,
             max_rows=max_rows,

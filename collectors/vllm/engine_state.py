@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from isoaudit.collectors.counting import LogOnce
-from isoaudit.collectors.vllm.traces import external_id
+from isoaudit.collectors.vllm.worker.requests import external_id
 
 log = logging.getLogger(__name__)
 
@@ -103,11 +103,10 @@ class EngineState:
         states = getattr(self.runner, "requests", {})
         for req_id, count in (getattr(out, "num_scheduled_tokens", None) or {}).items():
             state = states.get(req_id)
-            facts = self.requests.get(req_id)
             if state is None:
                 continue
-            if facts is None:  # running before tracking began
-                facts = self._track(req_id, RequestFacts())
+            known = self.requests.get(req_id)  # None: running before tracking began
+            facts = known if known is not None else self._track(req_id, RequestFacts())
             if not facts.spans or facts.spans[-1][1] != version:
                 facts.spans.append((len(state.output_token_ids), version))
             if size and state.block_ids:

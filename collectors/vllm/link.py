@@ -1,15 +1,15 @@
 """How the driver reaches the workers: ``LLM.collective_rpc``, by method name when the engine was
 started with the isoaudit worker extension (the only way into worker processes), or with the
 worker-side functions themselves when the engine runs in this process. Either way the same
-functions of :mod:`collectors.vllm.worker` run on the same wire-form messages
-(:mod:`collectors.vllm.messages`), so both modes produce the same records.
+functions of :mod:`isoaudit.collectors.vllm.worker.calls` run on the same wire-form messages
+(:mod:`isoaudit.collectors.vllm.messages`), so both modes produce the same records.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from isoaudit.collectors.vllm import worker as worker_side
+from isoaudit.collectors.vllm.worker import calls as worker_side
 
 
 def _uses_extension(llm: Any) -> bool:

@@ -50,8 +50,8 @@ def _scalar(value: Any) -> Any:
 # ---------------------------------------------------------------- driver -> worker
 
 
-class Selection(Message, frozen=True):
-    """Which requests the engine fingerprints (see :mod:`collectors.vllm.selection`)."""
+class Selection(Message, frozen=True):  # type: ignore[misc]  # msgspec freezes a Struct over an unfrozen base
+    """Which requests the engine fingerprints (see :mod:`isoaudit.collectors.vllm.selection`)."""
 
     mode: Literal["all", "every", "ids", "none"] = "all"
     every: int = 1
@@ -120,7 +120,7 @@ class ModeState(Message):
     """What a worker runs: ``applied`` for ``requested``; ``reason`` names what stays native;
     ``version``: the control version answered; ``step``: the worker's step counter when it switched
     (0: never switched); ``ops``: each op of the decoder → the ``id@version`` running it now
-    (:mod:`collectors.policy`'s vocabulary; empty when the worker cannot say)."""
+    (:mod:`isoaudit.collectors.policy`'s vocabulary; empty when the worker cannot say)."""
 
     requested: str = "native"
     applied: str = "native"

@@ -255,7 +255,8 @@ class HeldWeights:
         self.loaded.clear()
 
 
-#: Where the remediation keeps a linear layer's raw (weight, bias) as loaded (collectors.vllm.remediation).
+#: Where the remediation keeps a linear layer's raw (weight, bias) as loaded
+#: (:mod:`isoaudit.collectors.vllm.worker.remediation`).
 _RAW = "_isoaudit_raw"
 
 

@@ -168,3 +168,13 @@ def test_a_hung_service_holds_the_step_at_most_the_control_wait() -> None:
         channel.offer(Control("invariant", 1))  # an ingest reply still gets through meanwhile
         assert channel.desired() == Control("invariant", 1)
         channel.close()
+
+
+def test_session_options_name_every_keyword_of_session() -> None:
+    """Adapters pass ``SessionOptions`` on to ``session``: the two list the same keywords."""
+    import inspect
+
+    from isoaudit.collectors.sessions import SessionOptions, session
+
+    keywords = set(inspect.signature(session).parameters) - {"run"}
+    assert set(SessionOptions.__annotations__) == keywords

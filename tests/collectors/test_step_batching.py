@@ -265,7 +265,7 @@ def test_records_built_in_the_background_equal_those_built_inline(load) -> None:
             reports.append(handle.record_step(step, batch))
         assert all(r.deferred for r in reports) == background
         assert handle.flush(30)
-        thread = handle._finisher._thread if background else None
+        thread = handle._pipeline._thread if background else None
         handle.detach()
         assert thread is None or not thread.is_alive()
         assert handle.counters.samples == sum(b.num_samples for b in batches)

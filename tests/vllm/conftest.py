@@ -60,7 +60,7 @@ def engine(path: Path, *, processes: bool = False, **overrides: Any) -> Iterator
     """A ``vllm.LLM`` in this process (``processes=False``) or in worker processes with the isoaudit
     worker extension; shut down on exit."""
     from isoaudit.collectors.vllm import EXTENSION
-    from isoaudit.collectors.vllm.remediation import keep_raw_weights
+    from isoaudit.collectors.vllm.worker.remediation import keep_raw_weights
     from vllm import LLM, envs
 
     previous = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")

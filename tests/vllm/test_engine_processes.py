@@ -109,10 +109,9 @@ def _control_flow(
     """Trainer and the real engine attached through one session; the control record flipped to
     ``invariant`` after step 0. Returns each side's mode after every step."""
     import torch
-    from isoaudit.collectors import StepBatch
     from isoaudit.collectors.tiny_models import load_tiny_model
 
-    from isoaudit import kernels
+    from isoaudit import StepBatch, kernels
 
     model, _ = load_tiny_model(path, dtype=torch.bfloat16)
     modes = []

@@ -87,7 +87,7 @@ def test_policy_regions_name_regions_of_entries_and_claims() -> None:
 
 
 def test_the_invariant_log_softmax_keeps_masked_logits_masked() -> None:
-    from isoaudit.collectors.vllm.remediation import _log_softmax
+    from isoaudit.collectors.vllm.worker.remediation import _log_softmax
 
     logits = torch.randn(3, 512, generator=torch.Generator().manual_seed(0))
     logits[0, 10:] = float("-inf")  # what top-k leaves

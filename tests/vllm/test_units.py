@@ -11,8 +11,6 @@ import numpy as np
 import pytest
 import torch
 from isoaudit.collectors.fingerprints import fingerprint_rows
-from isoaudit.collectors.vllm.capture import EngineCapture
-from isoaudit.collectors.vllm.facts import capture_refusal
 from isoaudit.collectors.vllm.messages import (
     Drained,
     ModeState,
@@ -23,12 +21,14 @@ from isoaudit.collectors.vllm.messages import (
     to_wire,
 )
 from isoaudit.collectors.vllm.outputs import read_completions
-from isoaudit.collectors.vllm.regions import resolve_engine_regions
-from isoaudit.collectors.vllm.rows import ForwardRows
 from isoaudit.collectors.vllm.selection import Selection, parse_selection
-from isoaudit.collectors.vllm.traces import external_id
 from isoaudit.collectors.vllm.weights import pack_tensors, unpack_tensors, weight_digest
-from isoaudit.collectors.vllm.worker import NATIVE_IN_VLLM, switch_engine_mode
+from isoaudit.collectors.vllm.worker.calls import NATIVE_IN_VLLM, switch_engine_mode
+from isoaudit.collectors.vllm.worker.capture import EngineCapture
+from isoaudit.collectors.vllm.worker.facts import capture_refusal
+from isoaudit.collectors.vllm.worker.regions import resolve_engine_regions
+from isoaudit.collectors.vllm.worker.requests import external_id
+from isoaudit.collectors.vllm.worker.rows import ForwardRows
 from torch import nn
 
 pytestmark = pytest.mark.vllm
@@ -445,7 +445,7 @@ def test_worker_processes_need_the_extension() -> None:
     with pytest.raises(ValueError, match="worker_extension_cls"):
         EngineLink(fake("", SyncMPClient()))
     assert (
-        EngineLink(fake("isoaudit.collectors.vllm.worker.IsoauditWorkerExtension", SyncMPClient())).mode
+        EngineLink(fake("isoaudit.collectors.vllm.worker.calls.IsoauditWorkerExtension", SyncMPClient())).mode
         == "worker_extension"
     )
     with pytest.raises(TypeError, match="vllm.LLM"):

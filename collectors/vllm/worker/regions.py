@@ -4,13 +4,14 @@ vLLM's Llama-style decoders (Llama, Mistral, Qwen2, Qwen3) share module names, b
 quantities differently from HF: a decoder layer returns ``(hidden, residual)`` whose *sum* is the
 residual stream, ``RMSNorm(x, residual)`` fuses the residual add and returns ``(normed, x +
 residual)`` (the first is the region), ``o_proj`` returns ``(out, bias)``, and the logits come from
-``logits_processor`` outside the model's forward. The taps of :mod:`collectors.regions` read each of
+``logits_processor`` outside the model's forward. The taps of :mod:`isoaudit.collectors.regions` read each of
 these, so the engine emits exactly the trainer's canonical names.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 from isoaudit.collectors.regions import (
     Catalog,
@@ -30,17 +31,12 @@ def vllm_map(family: str) -> FamilyMap:
 
 
 def vllm_moe_map(family: str) -> FamilyMap:
-    """vLLM's Qwen3-MoE layout (issue 19): ``mlp`` is the sparse block, ``mlp.gate`` the router
+    """vLLM's Qwen3-MoE layout: ``mlp`` is the sparse block, ``mlp.gate`` the router
     (its logits, read in fp32), ``mlp.experts`` the fused-MoE runner, whose output is the weighted
     combine; the per-slot expert outputs stay inside its fused kernel."""
     dense = vllm_map(family)
-    return FamilyMap(
-        family=dense.family,
-        layers=dense.layers,
-        embed=dense.embed,
-        final_norm=dense.final_norm,
-        logits=dense.logits,
-        layer=dense.layer,
+    return replace(
+        dense,
         taps={**dense.taps, "router": Tap.FP32},
         moe={"router": "model.layers.{i}.mlp.gate", "combine": "model.layers.{i}.mlp.experts"},
         moe_unobserved={"experts": "vLLM's fused-MoE kernel returns only the weighted combine"},
@@ -63,6 +59,6 @@ VLLM_CATALOG = Catalog(
 def resolve_engine_regions(
     model: nn.Module, model_type: str | None, regions: str | Sequence[str] | Mapping[str, str] | None = "auto"
 ) -> ResolvedRegions:
-    """Bind ``regions`` to the vLLM ``model``'s modules (:func:`collectors.regions.resolve_regions` with
-    vLLM's maps: decoder layers ``layers.i.out`` read as hidden + residual, ``logits`` as float32)."""
+    """Bind ``regions`` to the vLLM ``model``'s modules (:func:`isoaudit.collectors.regions.resolve_regions`
+    with vLLM's maps: decoder layers ``layers.i.out`` read as hidden + residual, ``logits`` as float32)."""
     return resolve_regions(model, regions, model_type=model_type, catalog=VLLM_CATALOG)

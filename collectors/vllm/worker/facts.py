@@ -2,7 +2,7 @@
 whether capturing regions inside it would be right at all.
 
 Read in the worker (``vllm_config`` and the model runner live there), returned as plain data, and
-turned into :class:`audit.records.RuntimeFacts` by the driver. Where hooks would silently miss the
+turned into :class:`isoaudit.audit.records.RuntimeFacts` by the driver. Where hooks would silently miss the
 forward (CUDA-graph replay, a torch.compile'd decoder) or the row mapping would not hold
 (speculative decoding verifies draft tokens), :func:`capture_refusal` says so: the collector then
 records no regions and the manifest names the reason, instead of recording nothing and looking clean.
@@ -15,8 +15,7 @@ import platform
 from typing import Any
 
 import torch
-
-from ..manifest import kernel_facts
+from isoaudit.collectors.manifest import kernel_facts
 
 
 def _name(value: Any) -> str | None:

@@ -1,17 +1,18 @@
-"""The worker side: what runs inside each vLLM worker, wherever the worker lives.
+"""The worker's entry points: what the driver calls inside each vLLM worker, wherever it lives.
 
 The functions here take the worker as their first argument, so the driver can run them in two ways
 with the same code: as callables through ``LLM.collective_rpc`` when the engine is in-process, or as
 the methods of :class:`IsoauditWorkerExtension` (``worker_extension_cls``) when the workers are other
-processes. Arguments and results are the typed messages of :mod:`collectors.vllm.messages` in their
+processes. Arguments and results are the typed messages of :mod:`isoaudit.collectors.vllm.messages` in their
 wire form (msgpack-native data), which ``collective_rpc`` carries in either mode.
 
 Remediation: :func:`set_mode` asks the worker's capture to switch at its next step boundary (the
-next ``execute_model``), where :mod:`collectors.vllm.remediation` moves the worker's layers onto
-isoaudit's invariant kernels (or back); the mode it then runs, what stays native and why, and the
-implementation of each op come back with the next drain (:class:`~collectors.vllm.messages.ModeState`).
-Importing this module once vLLM is imported (as a worker process does when it resolves the
-extension) makes linear layers keep their raw weights at load, which the invariant GEMM needs.
+next ``execute_model``), where :mod:`isoaudit.collectors.vllm.worker.remediation` moves the worker's layers
+onto isoaudit's invariant kernels (or back); the mode it then runs, what stays native and why, and the
+implementation of each op come back with the next drain
+(:class:`~isoaudit.collectors.vllm.messages.ModeState`). Importing this module once vLLM is imported (as a
+worker process does when it resolves the extension) makes linear layers keep their raw weights at load, which
+the invariant GEMM needs.
 
 Only tensor-parallel rank 0 of each pipeline stage captures: every TP rank sees the same full
 hidden states after the all-reduce, and each pipeline stage sees its own layers.
@@ -26,8 +27,6 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from isoaudit.collectors.vllm.capture import EngineCapture
-from isoaudit.collectors.vllm.facts import capture_refusal, engine_facts
 from isoaudit.collectors.vllm.messages import (
     Drain,
     Drained,
@@ -42,9 +41,11 @@ from isoaudit.collectors.vllm.messages import (
     from_wire,
     to_wire,
 )
-from isoaudit.collectors.vllm.regions import resolve_engine_regions
-from isoaudit.collectors.vllm.remediation import keep_raw_weights, remediation_of
 from isoaudit.collectors.vllm.weights import WeightState, apply_weights, unpack_tensors
+from isoaudit.collectors.vllm.worker.capture import EngineCapture
+from isoaudit.collectors.vllm.worker.facts import capture_refusal, engine_facts
+from isoaudit.collectors.vllm.worker.regions import resolve_engine_regions
+from isoaudit.collectors.vllm.worker.remediation import keep_raw_weights, remediation_of
 
 log = logging.getLogger(__name__)
 
@@ -203,7 +204,7 @@ def load_weights(obj: Any, message: Any, local: Iterable[tuple[str, torch.Tensor
     return to_wire(WeightsLoaded(loaded=loaded, weight_version=state.version, weight_digest=state.digest))
 
 
-# ------------------------------------------------- issue 16: held weights and per-request facts
+# ------------------------------------------------------------ held weights and per-request facts
 
 
 def weight_digests(obj: Any) -> Any:
@@ -238,12 +239,13 @@ def release_facts(obj: Any) -> None:
     release_state(worker)
 
 
-# ------------------------------------------------------------------ issue 19: MoE routing
+# ------------------------------------------------------------------------------- MoE routing
 
 
 def routing_start(obj: Any) -> Any:
     """Capture the experts this worker's fused-MoE layers choose per token (replacing an earlier
-    capture): the MoE layout, or ``{"skipped": reason}`` (:func:`collectors.routing_vllm.start_worker`)."""
+    capture): the MoE layout, or ``{"skipped": reason}``
+    (:func:`isoaudit.collectors.routing_vllm.start_worker`)."""
     from isoaudit.collectors.routing_vllm import start_worker
 
     return start_worker(_worker(obj), _ranks()[0])
@@ -264,7 +266,7 @@ def routing_stop(obj: Any) -> Any:
 
 
 class IsoauditWorkerExtension:
-    """Mixed into vLLM's worker by ``worker_extension_cls=collectors.vllm.worker.EXTENSION``; the
+    """Mixed into vLLM's worker by ``worker_extension_cls=isoaudit.collectors.vllm.EXTENSION``; the
     driver calls these through ``LLM.collective_rpc`` by name, with wire-form messages."""
 
     def isoaudit_start(self, message: Any) -> Any:

