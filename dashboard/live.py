@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from dash import Patch
-from isoaudit.audit import queries
+from isoaudit.audit.db import reads as queries
 from isoaudit.dashboard import data, figures
 
 

@@ -5,7 +5,7 @@ when a store opens or on ``isoaudit db upgrade``, passing ``connection`` and ``t
 in ``config.attributes``. Write a new revision the same way, from Python::
 
     from alembic import command
-    from isoaudit.audit.migrate import alembic_config
+    from isoaudit.audit.db.schema import alembic_config
     command.revision(alembic_config("sqlite:///dev.db"), "what changes", autogenerate=True)
 """
 

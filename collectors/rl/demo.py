@@ -24,7 +24,7 @@ from isoaudit.audit.alerts import AlertEngine, DatabaseChannel
 from isoaudit.audit.alerts.history import list_alerts
 from isoaudit.audit.alerts.rules import install_rules, parse_rules
 from isoaudit.audit.records import Run
-from isoaudit.audit.store import Store
+from isoaudit.audit.db import Store
 from isoaudit.audit.worker import ComparisonWorker
 from isoaudit.collectors.rl.job import JobConfig, StepFigures, run_job
 from isoaudit.collectors.rl.rollout import ReferenceRollout, Rollout, VllmRollout, vllm_available

@@ -9,8 +9,8 @@ from urllib.parse import quote
 import dash
 import dash_bootstrap_components as dbc
 from dash import ALL, Input, Output, State, dcc, html, no_update
-from isoaudit.audit import queries
 from isoaudit.audit.alerts.silences import SilenceSpec, create_silence, expire_silence
+from isoaudit.audit.db import reads as queries
 from isoaudit.audit.records import utcnow
 from isoaudit.dashboard import context, data
 from isoaudit.dashboard.components import STATE_COLOURS, badge, frame_table

@@ -9,7 +9,7 @@ from urllib.parse import quote
 import dash
 import dash_bootstrap_components as dbc
 from dash import dcc, html
-from isoaudit.audit import queries
+from isoaudit.audit.db import reads as queries
 from isoaudit.dashboard import context, data
 from isoaudit.dashboard.components import frame_table, not_found
 

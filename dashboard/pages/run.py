@@ -13,10 +13,10 @@ import dash_bootstrap_components as dbc
 import pandas as pd
 import plotly.graph_objects as go
 from dash import Input, Output, State, dash_table, dcc, html, no_update
-from isoaudit.audit import queries
+from isoaudit.audit.control import REMEDIATION_MODES, StaleControlVersion
+from isoaudit.audit.db import Store
+from isoaudit.audit.db import reads as queries
 from isoaudit.audit.records import StepStats
-from isoaudit.audit.service_models import REMEDIATION_MODES, StaleControlVersion
-from isoaudit.audit.store import Store
 from isoaudit.audit.summaries import bin_label
 from isoaudit.dashboard import context, data, figures
 from isoaudit.dashboard.components import STATUS_COLOURS, ago, badge, graph, not_found, text

@@ -7,7 +7,7 @@ from urllib.parse import quote
 import dash
 import pandas as pd
 from dash import Input, Output, dcc, html
-from isoaudit.audit import queries
+from isoaudit.audit.db import reads as queries
 from isoaudit.audit.records import utcnow
 from isoaudit.dashboard import context, data, figures
 from isoaudit.dashboard.components import STATUS_COLOURS, ago, badge, frame_table, text

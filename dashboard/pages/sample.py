@@ -9,7 +9,7 @@ from urllib.parse import quote
 import dash
 import dash_bootstrap_components as dbc
 from dash import dash_table, dcc, html
-from isoaudit.audit import queries
+from isoaudit.audit.db import reads as queries
 from isoaudit.dashboard import context, data, figures
 from isoaudit.dashboard.components import graph, not_found, text
 

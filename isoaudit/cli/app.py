@@ -14,7 +14,7 @@ from isoaudit import __version__
 from isoaudit.audit.config import database_url
 
 if TYPE_CHECKING:
-    from isoaudit.audit.store import Store
+    from isoaudit.audit.db import Store
 
 app = typer.Typer(
     help="isoaudit: find where a trainer and a rollout engine stop computing the same numbers.",
@@ -37,18 +37,17 @@ DatabaseOption = Annotated[
 def open_store(database: str | None) -> Store:
     """The store at ``database`` (or the configured default); a store that cannot be opened (schema
     behind this isoaudit, a newer schema, an unreachable server) exits 1 with the reason, no traceback."""
-    from sqlalchemy.exc import SQLAlchemyError
-
-    from isoaudit.audit.store import Store, StoreError
+    from isoaudit.audit.db import Store, StoreError, StoreUnavailable
 
     try:
         return Store(database)
+    except StoreUnavailable as exc:
+        cause = exc.__cause__ or exc
+        console.print(
+            f"[red]database: cannot open {_redact(database_url(database))}: {cause.__class__.__name__}: {getattr(cause, 'orig', cause)}[/red]"
+        )
     except StoreError as exc:
         console.print(f"[red]{exc}[/red]")
-    except SQLAlchemyError as exc:
-        console.print(
-            f"[red]database: cannot open {_redact(database_url(database))}: {exc.__class__.__name__}: {exc.orig if hasattr(exc, 'orig') else exc}[/red]"
-        )
     raise typer.Exit(1)
 
 
@@ -73,7 +72,7 @@ def db_upgrade(
     revision: Annotated[str, typer.Argument(help="Target revision.")] = "head",
 ) -> None:
     """Apply the schema migrations (safe to run again)."""
-    from isoaudit.audit.migrate import current_revision, upgrade
+    from isoaudit.audit.db.schema import current_revision, upgrade
 
     url = database_url(database)
     upgrade(url, revision)
@@ -101,9 +100,9 @@ def runs_list(
 
 def _redact(url: str) -> str:
     """The URL without its password, for printing."""
-    from sqlalchemy.engine import make_url
+    from isoaudit.audit.db import redacted_url
 
-    return make_url(url).render_as_string(hide_password=True)
+    return redacted_url(url)
 
 
 # Command groups defined in sibling modules register themselves on `app` when imported.

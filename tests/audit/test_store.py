@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from isoaudit.audit.models import ManifestRow, RunRow, SampleRow
+from isoaudit.audit.db import ForbiddenRun, Store
+from isoaudit.audit.db.models import ManifestRow, RunRow, SampleRow
 from isoaudit.audit.records import RuntimeFacts
-from isoaudit.audit.store import ForbiddenRun, Store
 from sqlalchemy import func, select
 
 from tests import factories
@@ -181,7 +181,7 @@ def test_two_writers_registering_one_run_at_once_both_store(database_url: str) -
     moment: the one that loses the race stores its batch all the same."""
     import threading
 
-    from isoaudit.audit.store import Store
+    from isoaudit.audit.db import Store
 
     from tests import factories
 

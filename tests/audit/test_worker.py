@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 from isoaudit.audit.compare import RegionGrid
-from isoaudit.audit.store import Store
+from isoaudit.audit.db import Store
 from isoaudit.audit.worker import ComparisonWorker
 from typer.testing import CliRunner
 

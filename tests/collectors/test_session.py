@@ -104,7 +104,7 @@ def test_a_side_that_cannot_switch_says_so(load) -> None:
 
 
 def test_direct_writes_by_default_read_control_from_the_store(load, tmp_path: Path, monkeypatch) -> None:
-    from isoaudit.audit.store import Store
+    from isoaudit.audit.db import Store
 
     url = f"sqlite:///{tmp_path / 'isoaudit.db'}"
     monkeypatch.delenv("ISOAUDIT_URL", raising=False)

@@ -47,7 +47,7 @@ def collector(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CollectorRun
 
 @pytest.fixture(scope="module")
 def server(collector: CollectorRun) -> Iterator[str]:
-    from isoaudit.audit.store import Store
+    from isoaudit.audit.db import Store
     from isoaudit.dashboard import create_app
     from werkzeug.serving import make_server
 

@@ -11,10 +11,10 @@ import httpx
 from isoaudit.audit.alerts import AlertEngine, DatabaseChannel
 from isoaudit.audit.api import ApiSettings, create_app
 from isoaudit.audit.api.live import LiveServer
-from isoaudit.audit.migrate import head_revision
-from isoaudit.audit.models import RunRow, SampleRow
+from isoaudit.audit.db import Store
+from isoaudit.audit.db.models import RunRow, SampleRow
+from isoaudit.audit.db.schema import head_revision
 from isoaudit.audit.records import Batch
-from isoaudit.audit.store import Store
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import func, select
 

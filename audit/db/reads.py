@@ -1,4 +1,4 @@
-"""The read queries of the dashboard's pages, returning plain frozen objects (no ORM rows, no Dash).
+"""The views the CLI, the API and the dashboard's pages read, as plain frozen objects (no ORM rows, no Dash).
 
 Every query here reads small rows: step results, the per-step aggregates of ``audit.summaries``,
 sample verdicts without their grids, manifests, alerts. The only arrays ever read are one sample's
@@ -18,18 +18,23 @@ from isoaudit.audit.alerts.rules import AlertRule, list_rule_rows, rule_from_row
 from isoaudit.audit.alerts.silences import list_silences
 from isoaudit.audit.compare import RegionGrid
 from isoaudit.audit.contract import HandshakeResult, handshake
-from isoaudit.audit.models import (
+from isoaudit.audit.control import ControlRecord
+from isoaudit.audit.db.models import (
+    OPEN_STATES,
+    AlertRow,
     ManifestRow,
     RunRow,
     SampleResultRow,
     SampleRow,
+    SilenceRow,
     StepResultRow,
     StepSummaryRow,
 )
+from isoaudit.audit.db.runs import MAX_PAGE
+from isoaudit.audit.db.store import Store
 from isoaudit.audit.records import Manifest, utcnow
-from isoaudit.audit.service_models import OPEN_STATES, AlertRow, ControlState, SilenceRow
-from isoaudit.audit.store import Store
 from sqlalchemy import func, select
+from sqlalchemy.orm import Session
 
 SIDES = ("trainer", "rollout")
 
@@ -70,11 +75,11 @@ class RunOverview:
     exact_match_fraction: float | None
     sparkline: list[tuple[int, float | None]]
     open_alerts: int
-    control: ControlState
+    control: ControlRecord
     applied: dict[str, AppliedMode]
 
 
-def _latest_ingest(session: Any, run_id: str) -> tuple[int | None, datetime | None]:
+def _latest_ingest(session: Session, run_id: str) -> tuple[int | None, datetime | None]:
     """The run's newest step with samples and when its latest sample arrived (index lookups only)."""
     last = session.scalar(select(func.max(SampleRow.step)).where(SampleRow.run_id == run_id))
     if last is None:
@@ -243,8 +248,11 @@ class SampleVerdict:
     diagnosis: str
 
 
-def step_samples(store: Store, run_id: str, step: int) -> list[SampleVerdict]:
-    """The compared samples of one step (verdicts only: no grid, no arrays)."""
+def step_samples(
+    store: Store, run_id: str, step: int, *, limit: int = MAX_PAGE, offset: int = 0
+) -> list[SampleVerdict]:
+    """The compared samples of one step by key (verdicts only: no grid, no arrays), one page:
+    ``limit`` (at most :data:`~audit.db.runs.MAX_PAGE`) from ``offset`` on."""
     query = (
         select(
             SampleResultRow.sample_key,
@@ -256,6 +264,8 @@ def step_samples(store: Store, run_id: str, step: int) -> list[SampleVerdict]:
         )
         .where(SampleResultRow.run_id == run_id, SampleResultRow.step == step)
         .order_by(SampleResultRow.sample_key)
+        .limit(min(limit, MAX_PAGE))
+        .offset(offset)
     )
     with store.sessions() as session:
         rows = session.execute(query).all()
@@ -634,7 +644,7 @@ def rank_series(store: Store, run_id: str, from_step: int = 0) -> list[tuple[int
         return [(int(step), side, rank, int(n)) for step, side, rank, n in session.execute(query)]
 
 
-# ---------------------------------------------------------------------- MoE routing (issue 19)
+# ---------------------------------------------------------------------- MoE routing
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,51 @@
+"""The control record of each run (``audit.control``): read it, and change it under optimistic
+concurrency (an update names the version it read)."""
+
+from __future__ import annotations
+
+from isoaudit.audit.control import REMEDIATION_MODES, ControlRecord, RemediationMode, StaleControlVersion
+from isoaudit.audit.db.engine import Part
+from isoaudit.audit.db.models import RunControlRow
+from isoaudit.audit.records import utcnow
+from sqlalchemy import Table, update
+
+__all__ = ["Control"]
+
+
+class Control(Part):
+    """Reads and writes of the runs' control records."""
+
+    def get_control(self, run_id: str) -> ControlRecord:
+        """The run's desired remediation mode (``native`` at version 0 until someone sets it)."""
+        with self.sessions() as session:
+            row = session.get(RunControlRow, run_id)
+            if row is None:
+                return ControlRecord(mode="native", version=0)
+            return ControlRecord.model_validate(row, from_attributes=True)
+
+    def set_control(
+        self, run_id: str, mode: RemediationMode, version: int, *, updated_by: str = ""
+    ) -> ControlRecord:
+        """Set the desired mode if ``version`` is the current one, bumping it; raise
+        :class:`~audit.control.StaleControlVersion` otherwise. The run must exist."""
+        if mode not in REMEDIATION_MODES:
+            raise ValueError(f"mode: {mode!r} is not one of {', '.join(REMEDIATION_MODES)}")
+        record = ControlRecord(mode=mode, version=version + 1, updated_at=utcnow(), updated_by=updated_by)
+        table = RunControlRow.__table__
+        assert isinstance(table, Table)
+        with self.sessions.begin() as session:
+            if version == 0:
+                stmt = (
+                    self._insert(table).values(run_id=run_id, **record.model_dump()).on_conflict_do_nothing()
+                )
+            else:
+                stmt = (
+                    update(table)
+                    .where(table.c.run_id == run_id, table.c.version == version)
+                    .values(**record.model_dump())
+                )
+            # RETURNING, not rowcount: drivers disagree on the rowcount of an INSERT .. ON CONFLICT.
+            changed = session.execute(stmt.returning(table.c.run_id)).first() is not None
+        if not changed:
+            raise StaleControlVersion(run_id, self.get_control(run_id))
+        return record
