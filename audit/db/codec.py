@@ -13,7 +13,11 @@ from isoaudit.audit.routing import routes_columns, routes_from_columns
 
 
 def sample_row(record: SampleLogprobs) -> dict[str, Any]:
-    has_topk = record.topk_ids is not None and record.topk_logprobs is not None
+    topk = (
+        (record.topk_ids, record.topk_logprobs)
+        if record.topk_ids is not None and record.topk_logprobs is not None
+        else None
+    )
     return {
         "run_id": record.run_id,
         "step": record.step,
@@ -30,9 +34,9 @@ def sample_row(record: SampleLogprobs) -> dict[str, Any]:
         "semantics": record.semantics,
         "token_ids": to_bytes(record.token_ids.astype(np.int32, copy=False)),
         "logprobs": to_bytes(record.logprobs.astype(np.float32, copy=False)),
-        "topk": int(record.topk_ids.shape[1]) if has_topk else None,
-        "topk_ids": to_bytes(record.topk_ids) if has_topk else None,
-        "topk_logprobs": to_bytes(record.topk_logprobs) if has_topk else None,
+        "topk": int(topk[0].shape[1]) if topk else None,
+        "topk_ids": to_bytes(topk[0]) if topk else None,
+        "topk_logprobs": to_bytes(topk[1]) if topk else None,
         "path": dict(record.path) or None,
         "rank": record.rank,
         **routes_columns(record.routes),

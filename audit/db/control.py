@@ -4,10 +4,10 @@ concurrency (an update names the version it read)."""
 from __future__ import annotations
 
 from isoaudit.audit.control import REMEDIATION_MODES, ControlRecord, RemediationMode, StaleControlVersion
-from isoaudit.audit.db.engine import Part
+from isoaudit.audit.db.engine import Part, table_of
 from isoaudit.audit.db.models import RunControlRow
 from isoaudit.audit.records import utcnow
-from sqlalchemy import Table, update
+from sqlalchemy import update
 
 __all__ = ["Control"]
 
@@ -31,21 +31,17 @@ class Control(Part):
         if mode not in REMEDIATION_MODES:
             raise ValueError(f"mode: {mode!r} is not one of {', '.join(REMEDIATION_MODES)}")
         record = ControlRecord(mode=mode, version=version + 1, updated_at=utcnow(), updated_by=updated_by)
-        table = RunControlRow.__table__
-        assert isinstance(table, Table)
+        values = record.model_dump()
+        table = table_of(RunControlRow)
+        # RETURNING, not rowcount: drivers disagree on the rowcount of an INSERT .. ON CONFLICT.
+        if version == 0:
+            stmt = self._insert(RunControlRow).values(run_id=run_id, **values).on_conflict_do_nothing()
+            changing = stmt.returning(table.c.run_id)
+        else:
+            where = (table.c.run_id == run_id) & (table.c.version == version)
+            changing = update(table).where(where).values(**values).returning(table.c.run_id)
         with self.sessions.begin() as session:
-            if version == 0:
-                stmt = (
-                    self._insert(table).values(run_id=run_id, **record.model_dump()).on_conflict_do_nothing()
-                )
-            else:
-                stmt = (
-                    update(table)
-                    .where(table.c.run_id == run_id, table.c.version == version)
-                    .values(**record.model_dump())
-                )
-            # RETURNING, not rowcount: drivers disagree on the rowcount of an INSERT .. ON CONFLICT.
-            changed = session.execute(stmt.returning(table.c.run_id)).first() is not None
+            changed = session.execute(changing).first() is not None
         if not changed:
             raise StaleControlVersion(run_id, self.get_control(run_id))
         return record

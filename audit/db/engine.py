@@ -4,11 +4,12 @@ place of the driver's, so no caller above it needs to know SQLAlchemy."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from isoaudit.audit.config import database_url
+from isoaudit.audit.db.models import Base
 from sqlalchemy import Engine, Table, create_engine, event, make_url
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
@@ -28,6 +29,7 @@ __all__ = [
     "UNAVAILABLE_ERRORS",
     "make_engine",
     "redacted_url",
+    "table_of",
     "translated_errors",
 ]
 
@@ -77,7 +79,7 @@ def _first_line(exc: Exception) -> str:
     return f"database: {type(cause).__name__}: {str(cause).strip().splitlines()[0] if str(cause).strip() else ''}"
 
 
-def _sqlite_pragmas(timeout_s: float) -> object:
+def _sqlite_pragmas(timeout_s: float) -> Callable[[DBAPIConnection, ConnectionPoolEntry], None]:
     def connect(dbapi_connection: DBAPIConnection, _record: ConnectionPoolEntry) -> None:
         cursor = dbapi_connection.cursor()
         cursor.execute("PRAGMA journal_mode=WAL")
@@ -118,6 +120,13 @@ class Part:
     def dialect(self) -> str:
         return self.engine.dialect.name
 
-    def _insert(self, table: Table) -> postgresql.Insert | sqlite.Insert:
-        """An INSERT with this dialect's ``ON CONFLICT`` clauses."""
-        return (postgresql.insert if self.dialect == "postgresql" else sqlite.insert)(table)
+    def _insert(self, model: type[Base]) -> postgresql.Insert | sqlite.Insert:
+        """A Core INSERT into ``model``'s table with this dialect's ``ON CONFLICT`` clauses."""
+        return (postgresql.insert if self.dialect == "postgresql" else sqlite.insert)(table_of(model))
+
+
+def table_of(model: type[Base]) -> Table:
+    """The Core table of an ORM model (what bulk statements take, so they stay Core ones)."""
+    table = model.__table__
+    assert isinstance(table, Table)
+    return table

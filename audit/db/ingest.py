@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from isoaudit.audit.db.codec import fingerprint_row, sample_row
-from isoaudit.audit.db.engine import Part, StoreError, translated_errors
+from isoaudit.audit.db.engine import Part, StoreError, table_of, translated_errors
 from isoaudit.audit.db.models import (
     Base,
     FingerprintRow,
@@ -32,7 +32,7 @@ from isoaudit.audit.records import (
     utcnow,
     validate_record,
 )
-from sqlalchemy import Table, select
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 __all__ = ["ForbiddenRun", "Ingest", "IngestResult"]
@@ -124,7 +124,7 @@ class Ingest(Part):
                     session, FingerprintRow, [fingerprint_row(p) for p in prints], "fingerprints", result
                 )
             if touched:
-                stmt = self._insert(PendingComparisonRow.__table__)
+                stmt = self._insert(PendingComparisonRow)
                 stmt = stmt.on_conflict_do_update(
                     index_elements=["run_id", "step", "sample_key"],
                     set_={"queued_at": stmt.excluded.queued_at},
@@ -164,8 +164,7 @@ class Ingest(Part):
         ]
         inserted: set[str] = set()
         if new:
-            table = RunRow.__table__
-            stmt = self._insert(table).on_conflict_do_nothing().returning(table.c.run_id)
+            stmt = self._insert(RunRow).on_conflict_do_nothing().returning(RunRow.run_id)
             inserted = {row[0] for row in session.execute(stmt, new)}
         raced = {row["run_id"] for row in new} - inserted  # another writer created them just now
         if raced:
@@ -197,9 +196,8 @@ class Ingest(Part):
         returning: Sequence[str] = ("run_id", "step", "sample_key"),
     ) -> set[tuple[Any, ...]]:
         """Insert the rows not already stored; return the ``returning`` columns of those inserted."""
-        table = model.__table__
-        assert isinstance(table, Table)
-        stmt = self._insert(table).on_conflict_do_nothing().returning(*(table.c[c] for c in returning))
+        columns = table_of(model).c
+        stmt = self._insert(model).on_conflict_do_nothing().returning(*(columns[c] for c in returning))
         inserted = [tuple(row) for row in session.execute(stmt, rows)]
         result.stored[kind] += len(inserted)
         result.duplicates[kind] += len(rows) - len(inserted)

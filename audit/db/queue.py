@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from isoaudit.audit.db.engine import Part
+from isoaudit.audit.db.engine import Part, table_of
 from isoaudit.audit.db.models import ComparisonClaimRow, PendingComparisonRow, SampleRow
 from isoaudit.audit.records import utcnow
 from sqlalchemy import ColumnElement, Select, delete, func, select, tuple_, update
@@ -32,7 +32,7 @@ class Queue(Part):
     """The comparison worker's queue and claims."""
 
     @staticmethod
-    def _ready(*where: ColumnElement[bool]) -> Select[tuple[str, int, str, datetime]]:
+    def _ready(*where: ColumnElement[bool]) -> Select[str, int, str, datetime]:
         """Queued samples whose two sides are both stored: a join from the queue into the samples'
         (run, step, key) index, so its cost follows the queue, not the size of the store."""
         return (
@@ -121,7 +121,8 @@ class Queue(Part):
                     .where(tuple_(pending.run_id, pending.step, pending.sample_key).in_(waiting))
                     .values(queued_at=now)
                 )
-            wanted, total = [], 0
+            wanted: list[dict[str, str | int]] = []
+            total = 0
             for (run, step), times in sorted(by_step.items(), key=lambda item: (min(item[1]), item[0])):
                 if wanted and total + len(times) > max_pairs:
                     break
@@ -130,15 +131,14 @@ class Queue(Part):
             if not wanted:
                 return []
             wanted.sort(key=lambda w: (w["run_id"], w["step"]))  # one lock order for every worker
-            table = ComparisonClaimRow.__table__
             lease = {"worker": worker, "claimed_at": now, "leased_until": now + timedelta(seconds=lease_s)}
-            stmt = self._insert(table)
-            stmt = stmt.on_conflict_do_update(
+            insert = self._insert(ComparisonClaimRow)
+            take = insert.on_conflict_do_update(
                 index_elements=["run_id", "step"],
-                set_={c: stmt.excluded[c] for c in lease},
-                where=table.c.leased_until <= stmt.excluded.claimed_at,
-            ).returning(table.c.run_id, table.c.step)
-            claimed = {(run, step) for run, step in session.execute(stmt, [{**w, **lease} for w in wanted])}
+                set_={c: insert.excluded[c] for c in lease},
+                where=ComparisonClaimRow.leased_until <= insert.excluded.claimed_at,
+            ).returning(ComparisonClaimRow.run_id, ComparisonClaimRow.step)
+            claimed = {(run, step) for run, step in session.execute(take, [{**w, **lease} for w in wanted])}
         if not claimed:
             return []
         read_at = utcnow()
@@ -162,10 +162,10 @@ class Queue(Part):
 def release(session: Session, worker: str, steps: Sequence[tuple[str, int]]) -> set[tuple[str, int]]:
     """Within ``session``'s transaction: delete ``worker``'s claims of ``steps``; return the steps it
     still held (a claim retaken after its lease ran out belongs to another worker now)."""
-    table = ComparisonClaimRow.__table__
+    claims = table_of(ComparisonClaimRow)
     stmt = (
-        delete(table)
-        .where(table.c.worker == worker, tuple_(table.c.run_id, table.c.step).in_(list(steps)))
-        .returning(table.c.run_id, table.c.step)
+        delete(claims)
+        .where(claims.c.worker == worker, tuple_(claims.c.run_id, claims.c.step).in_(list(steps)))
+        .returning(claims.c.run_id, claims.c.step)
     )
     return {(run, step) for run, step in session.execute(stmt)}

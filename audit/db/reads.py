@@ -107,13 +107,13 @@ def run_status(last_ingest_at: datetime | None, now: datetime | None = None) -> 
 def _overview(store: Store, run: RunRow, open_alerts: int, spark: int, now: datetime) -> RunOverview:
     with store.sessions() as session:
         last_step, last_ingest = _latest_ingest(session, run.run_id)
-        recent = session.execute(
+        newest_first = session.execute(
             select(StepResultRow.step, StepResultRow.metrics)
             .where(StepResultRow.run_id == run.run_id)
             .order_by(StepResultRow.step.desc())
             .limit(spark)
         ).all()
-    recent.reverse()
+    recent = newest_first[::-1]
     latest = recent[-1][1] if recent else {}
     return RunOverview(
         run_id=run.run_id,

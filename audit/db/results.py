@@ -9,7 +9,7 @@ from datetime import datetime
 from typing import Any, TypeVar
 
 from isoaudit.audit.compare import StepOutcome
-from isoaudit.audit.db.engine import Part
+from isoaudit.audit.db.engine import Part, table_of
 from isoaudit.audit.db.models import (
     Base,
     FingerprintRow,
@@ -23,7 +23,7 @@ from isoaudit.audit.db.queue import StepClaim, release
 from isoaudit.audit.db.runs import MAX_PAGE
 from isoaudit.audit.records import utcnow
 from isoaudit.audit.summaries import StepFacts, StepSummary, Verdict
-from sqlalchemy import Table, delete, func, insert, select, tuple_
+from sqlalchemy import delete, func, insert, select, tuple_
 from sqlalchemy.orm import Session
 
 __all__ = ["Results", "SampleResult", "StepResult"]
@@ -68,12 +68,6 @@ Typed = TypeVar("Typed", SampleResult, StepResult)
 
 def _typed(kind: type[Typed], row: Base) -> Typed:
     return kind(**{f.name: getattr(row, f.name) for f in fields(kind)})
-
-
-def _table(model: type[Base]) -> Table:
-    table = model.__table__
-    assert isinstance(table, Table)
-    return table
 
 
 class Results(Part):
@@ -166,7 +160,7 @@ class Results(Part):
             session.execute(
                 delete(model).where(tuple_(*columns).in_([tuple(r[k] for k in keys) for r in rows]))
             )
-            session.execute(self._insert(_table(model)), [{**r, "computed_at": now} for r in rows])
+            session.execute(self._insert(model), [{**r, "computed_at": now} for r in rows])
 
     def sample_results(
         self,
@@ -180,6 +174,8 @@ class Results(Part):
         """Compared samples by step then key (only ``step``'s, only those with ``diagnosis``, when
         given); one page of ``limit`` (at most :data:`~audit.db.runs.MAX_PAGE`) from ``offset`` when
         ``limit`` is given."""
+        if diagnosis is not None and "\x00" in diagnosis:
+            return []  # matches no stored value, and PostgreSQL refuses NUL in a text parameter
         query = select(SampleResultRow).where(SampleResultRow.run_id == run_id)
         if step is not None:
             query = query.where(SampleResultRow.step == step)
@@ -255,7 +251,7 @@ def _replace_summaries(session: Session, summaries: Sequence[StepSummary]) -> No
     key = tuple_(StepSummaryRow.run_id, StepSummaryRow.step)
     session.execute(delete(StepSummaryRow).where(key.in_([(s.run_id, s.step) for s in summaries])))
     now = utcnow()
-    session.execute(insert(StepSummaryRow), [{**asdict(s), "computed_at": now} for s in summaries])
+    session.execute(insert(table_of(StepSummaryRow)), [{**asdict(s), "computed_at": now} for s in summaries])
 
 
 def _step_facts(session: Session, steps: Sequence[StepKey]) -> dict[StepKey, StepFacts]:
