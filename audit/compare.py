@@ -424,7 +424,8 @@ def compare_samples(
     fingerprints = fingerprints or {}
     results = []
     for index, (trainer, rollout) in enumerate(pairs):
-        metrics, figures = measured[index]
+        assert trainer.sample_key is not None  # set by validation (audit.records), compared by check_pair
+        metrics, shared = measured[index]
         prints = fingerprints.get(trainer.sample_key, ((), ()))
         grid = compare_fingerprints(*prints)
         diagnosis = diagnose(
@@ -437,7 +438,7 @@ def compare_samples(
             diagnosis = explain(diagnosis, routing, trainer, rollout)
         results.append(
             SampleComparison(
-                trainer.run_id, trainer.step, trainer.sample_key, metrics, grid, diagnosis, routing, figures
+                trainer.run_id, trainer.step, trainer.sample_key, metrics, grid, diagnosis, routing, shared
             )
         )
     return results

@@ -13,7 +13,7 @@ import secrets
 import socket
 import threading
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from isoaudit.audit.compare import SampleComparison, StepOutcome, compare_samples
@@ -25,7 +25,7 @@ from isoaudit.audit.summaries import summarize
 log = logging.getLogger(__name__)
 
 #: Called after a step's results are saved: (run_id, step, step metrics). Alert evaluation plugs in here.
-StepCallback = Callable[[str, int, dict[str, Any]], None]
+StepCallback = Callable[[str, int, Mapping[str, Any]], object]
 
 
 def pair_by_key(samples: list[SampleLogprobs]) -> dict[str, tuple[SampleLogprobs, SampleLogprobs]]:

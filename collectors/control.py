@@ -93,7 +93,9 @@ class ControlChannel(ABC):
                         )
                         self._refreshing.start()
                     refreshing = self._refreshing
-                if started:  # one in flight already: answer from memory, do not wait again
+                if (
+                    started and refreshing is not None
+                ):  # one in flight already: answer from memory, do not wait again
                     refreshing.join(self.wait)
         return self._known
 

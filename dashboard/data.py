@@ -42,7 +42,7 @@ def _base_region(label: str) -> str:
     return label.split("#")[0]
 
 
-def region_sort(labels: Sequence[str]) -> list[str]:
+def region_sort(labels: Iterable[str]) -> list[str]:
     """Region labels (``layers.2.mlp#1``) in forward order."""
     return sorted(labels, key=lambda r: (region_order(_base_region(r)), r))
 

@@ -55,7 +55,8 @@ def request_validation_error(
     return RequestValidationError(field_errors(exc.errors(include_input=False, include_url=False), prefix))
 
 
-async def _validation_handler(_request: Request, exc: RequestValidationError) -> JSONResponse:
+async def _validation_handler(_request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
     return JSONResponse({"detail": field_errors(exc.errors())}, status_code=422)
 
 

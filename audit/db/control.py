@@ -34,14 +34,14 @@ class Control(Part):
         values = record.model_dump()
         table = table_of(RunControlRow)
         # RETURNING, not rowcount: drivers disagree on the rowcount of an INSERT .. ON CONFLICT.
-        if version == 0:
-            stmt = self._insert(RunControlRow).values(run_id=run_id, **values).on_conflict_do_nothing()
-            changing = stmt.returning(table.c.run_id)
-        else:
-            where = (table.c.run_id == run_id) & (table.c.version == version)
-            changing = update(table).where(where).values(**values).returning(table.c.run_id)
         with self.sessions.begin() as session:
-            changed = session.execute(changing).first() is not None
+            if version == 0:
+                insert = self._insert(RunControlRow).values(run_id=run_id, **values).on_conflict_do_nothing()
+                changed = session.execute(insert.returning(table.c.run_id)).first() is not None
+            else:
+                where = (table.c.run_id == run_id) & (table.c.version == version)
+                bump = update(table).where(where).values(**values).returning(table.c.run_id)
+                changed = session.execute(bump).first() is not None
         if not changed:
             raise StaleControlVersion(run_id, self.get_control(run_id))
         return record

@@ -103,19 +103,19 @@ def compare(
         )
     console.print(table)
     detail = Table("step", "sample", "diagnosis", "first divergence", "mean |Δ|", "why", title="samples")
-    for row in samples:
+    for sample in samples:
         where = (
-            f"{row.first_divergence_region} @ {row.first_divergence_position}"
-            if row.first_divergence_region
+            f"{sample.first_divergence_region} @ {sample.first_divergence_position}"
+            if sample.first_divergence_region
             else "—"
         )
         detail.add_row(
-            str(row.step),
-            row.sample_key[:12],
-            row.diagnosis,
+            str(sample.step),
+            sample.sample_key[:12],
+            sample.diagnosis,
             where,
-            _fmt(row.metrics.get("logprob_abs_diff_mean")),
-            row.diagnosis_detail.get("sentence", ""),
+            _fmt(sample.metrics.get("logprob_abs_diff_mean")),
+            sample.diagnosis_detail.get("sentence", ""),
         )
     console.print(detail)
     if names is not None:
