@@ -418,7 +418,7 @@ def rank_frame(series: Sequence[tuple[int, str, int | None, int]]) -> pd.DataFra
     return table.reindex(steps, fill_value=0).rename_axis("step").astype(int)
 
 
-# ---------------------------------------------------------------------- MoE routing (issue 19)
+# ---------------------------------------------------------------------- MoE routing
 
 #: What the run page's routing heatmap can show per (layer, step).
 ROUTING_VALUES = {

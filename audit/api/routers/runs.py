@@ -185,7 +185,7 @@ def ranks(run_id: ReadableRun, store: StoreDep) -> list[RankOut]:
     return [from_attributes(RankOut, r) for r in rank_activity(store, run_id)]
 
 
-# ---------------------------------------------------------------------- MoE routing (issue 19)
+# ---------------------------------------------------------------------- MoE routing
 
 
 class RoutingLayerOut(BaseModel):
