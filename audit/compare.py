@@ -455,6 +455,7 @@ def compare_sample(
     clip_eps: float = 0.2,
 ) -> SampleComparison:
     """Compare one sample present on both sides."""
+    assert trainer.sample_key is not None  # set by validation (audit.records)
     [result] = compare_samples(
         [(trainer, rollout)],
         {trainer.sample_key: (trainer_prints, rollout_prints)},
