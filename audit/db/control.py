@@ -3,7 +3,7 @@ concurrency (an update names the version it read)."""
 
 from __future__ import annotations
 
-from isoaudit.audit.control import REMEDIATION_MODES, ControlRecord, RemediationMode, StaleControlVersion
+from isoaudit.audit.control import REMEDIATION_MODES, ControlRecord, StaleControlVersion
 from isoaudit.audit.db.engine import Part, table_of
 from isoaudit.audit.db.models import RunControlRow
 from isoaudit.audit.records import utcnow
@@ -23,14 +23,15 @@ class Control(Part):
                 return ControlRecord(mode="native", version=0)
             return ControlRecord.model_validate(row, from_attributes=True)
 
-    def set_control(
-        self, run_id: str, mode: RemediationMode, version: int, *, updated_by: str = ""
-    ) -> ControlRecord:
-        """Set the desired mode if ``version`` is the current one, bumping it; raise
-        :class:`~audit.control.StaleControlVersion` otherwise. The run must exist."""
+    def set_control(self, run_id: str, mode: str, version: int, *, updated_by: str = "") -> ControlRecord:
+        """Set the desired mode (one of :data:`~audit.control.REMEDIATION_MODES`, else ValueError) if
+        ``version`` is the current one, bumping it; raise :class:`~audit.control.StaleControlVersion`
+        otherwise. The run must exist."""
         if mode not in REMEDIATION_MODES:
             raise ValueError(f"mode: {mode!r} is not one of {', '.join(REMEDIATION_MODES)}")
-        record = ControlRecord(mode=mode, version=version + 1, updated_at=utcnow(), updated_by=updated_by)
+        record = ControlRecord.model_validate(
+            {"mode": mode, "version": version + 1, "updated_at": utcnow(), "updated_by": updated_by}
+        )
         values = record.model_dump()
         table = table_of(RunControlRow)
         # RETURNING, not rowcount: drivers disagree on the rowcount of an INSERT .. ON CONFLICT.
