@@ -14,9 +14,9 @@ import re
 import secrets
 from dataclasses import dataclass
 
+from isoaudit.audit.db import Store
 from isoaudit.audit.db.tokens import Token, TokenRepository
 from isoaudit.audit.records import utcnow
-from isoaudit.audit.store import Store
 
 TOKEN_PREFIX = "iso_"
 _TOKEN_RE = re.compile(r"^iso_([0-9a-f]{16})_([A-Za-z0-9_-]{20,128})$")

@@ -11,7 +11,7 @@ earliest origin in forward order.
 from __future__ import annotations
 
 import base64
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +38,7 @@ from isoaudit.audit.routing import (
     step_routing,
     step_routing_metrics,
 )
+from isoaudit.audit.summaries import StepFacts, StepSummary, Verdict, summarize
 
 NOT_OBSERVED, EQUAL, DIFFERS = -1, 0, 1
 
@@ -423,7 +424,8 @@ def compare_samples(
     fingerprints = fingerprints or {}
     results = []
     for index, (trainer, rollout) in enumerate(pairs):
-        metrics, figures = measured[index]
+        assert trainer.sample_key is not None  # set by validation (audit.records), compared by check_pair
+        metrics, shared = measured[index]
         prints = fingerprints.get(trainer.sample_key, ((), ()))
         grid = compare_fingerprints(*prints)
         diagnosis = diagnose(
@@ -436,7 +438,7 @@ def compare_samples(
             diagnosis = explain(diagnosis, routing, trainer, rollout)
         results.append(
             SampleComparison(
-                trainer.run_id, trainer.step, trainer.sample_key, metrics, grid, diagnosis, routing, figures
+                trainer.run_id, trainer.step, trainer.sample_key, metrics, grid, diagnosis, routing, shared
             )
         )
     return results
@@ -453,6 +455,7 @@ def compare_sample(
     clip_eps: float = 0.2,
 ) -> SampleComparison:
     """Compare one sample present on both sides."""
+    assert trainer.sample_key is not None  # set by validation (audit.records)
     [result] = compare_samples(
         [(trainer, rollout)],
         {trainer.sample_key: (trainer_prints, rollout_prints)},
@@ -462,31 +465,100 @@ def compare_sample(
     return result
 
 
+@dataclass(frozen=True)
+class StepOutcome:
+    """What comparing one step found, computed once: its pairs (every sample stored on both sides, in
+    :func:`in_step_order`), the samples compared now, the step's figures (every definition of
+    audit.metrics, the threshold variants framework aliases read, policy lag and lag slices, the
+    ``routing_*`` figures) and its MoE routing aggregate. The stored per-sample results
+    (:meth:`sample_results`), the step's result (:meth:`step_result`) and the dashboard's summary
+    (:meth:`summary`) are projections of it."""
+
+    run_id: str
+    step: int
+    pairs: tuple[Pair, ...]
+    comparisons: tuple[SampleComparison, ...]
+    #: JSON-safe: NaN and infinities are None
+    metrics: dict[str, Any]
+    #: audit.routing.step_routing of the pairs (None for a dense model)
+    routing: dict[str, Any] | None
+
+    @classmethod
+    def of(
+        cls,
+        pairs: Sequence[Pair],
+        comparisons: Sequence[SampleComparison],
+        *,
+        clip_eps: float = 0.2,
+    ) -> StepOutcome:
+        """The outcome of a step whose samples ``pairs`` are, ``comparisons`` those compared now. When
+        ``comparisons`` were made of exactly ``pairs`` by one :func:`compare_samples` call, its
+        figures are taken, not computed again; routes compared there are not compared again."""
+        ordered = in_step_order(pairs)
+        handed_on = next((c.step_figures for c in comparisons if c.step_figures is not None), None)
+        if handed_on is not None and handed_on.covers(ordered, clip_eps):
+            metrics = dict(handed_on.metrics)
+        else:
+            metrics = _step_metrics(_Tokens.of(ordered), [token_lags(t, r) for t, r in ordered], clip_eps)
+        routing = None
+        if pairs:
+            compared = {c.sample_key: c.routing for c in comparisons if c.routing is not None}
+            routing = step_routing(ordered, compared)
+            metrics.update(step_routing_metrics(routing))
+        first = ordered[0][0] if ordered else None
+        return cls(
+            run_id=first.run_id if first is not None else "",
+            step=first.step if first is not None else 0,
+            pairs=tuple(ordered),
+            comparisons=tuple(comparisons),
+            metrics=_json_floats(metrics),
+            routing=routing,
+        )
+
+    def verdicts(self) -> list[Verdict]:
+        """The verdicts of the samples compared now."""
+        return [
+            Verdict(c.sample_key, c.diagnosis.kind, c.first_divergence[0] if c.first_divergence else None)
+            for c in self.comparisons
+        ]
+
+    def sample_results(self) -> list[dict[str, Any]]:
+        """The ``sample_results`` rows of the samples compared now."""
+        return [c.result_row() for c in self.comparisons]
+
+    def step_result(self, facts: StepFacts | None = None) -> dict[str, Any]:
+        """The ``step_results`` fields: ``n_samples``, ``metrics`` and ``diagnoses`` (a count of each
+        diagnosis, over the samples compared now and, given the store's ``facts``, those compared
+        before; and the earliest first divergence of the samples compared now)."""
+        counts = Counter(v.diagnosis for v in self.all_verdicts(facts))
+        diagnoses: dict[str, Any] = {"counts": dict(sorted(counts.items()))}
+        first = [c.first_divergence for c in self.comparisons if c.first_divergence is not None]
+        if first:
+            region, position = min(
+                first, key=lambda cell: (region_order(parse_region_key(cell[0])[0]), cell[1])
+            )
+            diagnoses["first_divergence"] = {"region": region, "position": position}
+        return {"n_samples": len(self.pairs), "metrics": self.metrics, "diagnoses": diagnoses}
+
+    def summary(self, facts: StepFacts) -> StepSummary:
+        """The dashboard's summary of the step (``audit.summaries``)."""
+        return summarize(self.run_id, self.step, self.pairs, self.all_verdicts(facts), facts, self.routing)
+
+    def all_verdicts(self, facts: StepFacts | None) -> list[Verdict]:
+        """The verdicts of the samples compared now, then the stored ones of the step's other samples."""
+        fresh = self.verdicts()
+        if facts is None:
+            return fresh
+        new = {v.sample_key for v in fresh}
+        return fresh + [v for v in facts.verdicts if v.sample_key not in new]
+
+
 def step_summary(
     pairs: Sequence[Pair],
     comparisons: Sequence[SampleComparison],
     *,
     clip_eps: float = 0.2,
 ) -> dict[str, Any]:
-    """The ``step_results`` fields of one step: its metrics (every definition of audit.metrics, the
-    threshold variants framework aliases read, policy lag and lag slices, summed in
-    :func:`in_step_order`) and a count of each diagnosis. When ``comparisons`` were made of exactly
-    ``pairs`` by one :func:`compare_samples` call, its figures are taken, not computed again."""
-    ordered = in_step_order(pairs)
-    handed_on = next((c.step_figures for c in comparisons if c.step_figures is not None), None)
-    if handed_on is not None and handed_on.covers(ordered, clip_eps):
-        metrics = dict(handed_on.metrics)
-    else:
-        metrics = _step_metrics(_Tokens.of(ordered), [token_lags(t, r) for t, r in ordered], clip_eps)
-    if pairs:
-        compared = {c.sample_key: c.routing for c in comparisons if c.routing is not None}
-        metrics.update(step_routing_metrics(step_routing(ordered, compared)))
-    counts: dict[str, int] = defaultdict(int)
-    for comparison in comparisons:
-        counts[comparison.diagnosis.kind] += 1
-    diagnoses: dict[str, Any] = {"counts": dict(counts)}
-    first = [c.first_divergence for c in comparisons if c.first_divergence is not None]
-    if first:
-        region, position = min(first, key=lambda cell: (region_order(parse_region_key(cell[0])[0]), cell[1]))
-        diagnoses["first_divergence"] = {"region": region, "position": position}
-    return {"n_samples": len(pairs), "metrics": _json_floats(metrics), "diagnoses": diagnoses}
+    """The ``step_results`` fields of one step (:meth:`StepOutcome.step_result` of
+    :meth:`StepOutcome.of`), for a caller that holds no stored verdicts."""
+    return StepOutcome.of(pairs, comparisons, clip_eps=clip_eps).step_result()

@@ -17,8 +17,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
+from isoaudit.audit.db import Store
 from isoaudit.audit.metric_names import UnknownMetric, resolve
-from isoaudit.audit.store import Store
 
 Direction = Literal["max", "min"]
 
@@ -132,15 +132,6 @@ def parse_steps(text: str) -> set[int] | tuple[int | None, int | None]:
     return (lo, hi)
 
 
-def _selected(step: int, steps: set[int] | tuple[int | None, int | None] | None) -> bool:
-    if steps is None:
-        return True
-    if isinstance(steps, set):
-        return step in steps
-    lo, hi = steps
-    return (lo is None or step >= lo) and (hi is None or step <= hi)
-
-
 def check(
     store: Store,
     run_id: str,
@@ -157,7 +148,10 @@ def check(
         from isoaudit.audit.worker import ComparisonWorker
 
         ComparisonWorker(store).run_once(run_id)
-    rows = [row for row in store.step_results(run_id) if _selected(row.step, steps)]
+    if isinstance(steps, set):
+        rows = store.step_results(run_id, only=steps)
+    else:
+        rows = store.step_results(run_id, *(steps or (None, None)))
     if not rows:
         raise GateError(
             f"--steps: run {run_id!r} has no compared step to check" + (" in that range" if steps else "")

@@ -20,14 +20,11 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 import numpy as np
-from isoaudit.audit.models import FingerprintRow, SampleResultRow, SampleRow, StepResultRow, StepSummaryRow
-from isoaudit.audit.records import SampleLogprobs, utcnow
-from isoaudit.audit.routing import step_routing
-from sqlalchemy import delete, func, insert, select, tuple_
-from sqlalchemy.orm import Session
+from isoaudit.audit.records import SampleLogprobs
 
 
 def _edges() -> np.ndarray:
@@ -53,7 +50,7 @@ def bin_label(index: int) -> str:
 
 
 @dataclass(frozen=True)
-class SampleOutcome:
+class Verdict:
     """What the step summary needs of one compared sample."""
 
     sample_key: str
@@ -109,7 +106,7 @@ def _bin_maxima(
     return maxima, max_key
 
 
-def first_divergence_counts(outcomes: Sequence[SampleOutcome]) -> dict[str, dict[str, Any]]:
+def first_divergence_counts(outcomes: Sequence[Verdict]) -> dict[str, dict[str, Any]]:
     """{region: {"count", "example"}} over the samples whose first divergence lies in that region."""
     found: dict[str, dict[str, Any]] = {}
     for outcome in sorted(outcomes, key=lambda o: o.sample_key):
@@ -120,121 +117,55 @@ def first_divergence_counts(outcomes: Sequence[SampleOutcome]) -> dict[str, dict
     return found
 
 
-def step_outcomes(session: Session, run_id: str, step: int) -> list[SampleOutcome]:
-    """The stored verdicts of a step's compared samples (no grids, no arrays)."""
-    query = select(
-        SampleResultRow.sample_key, SampleResultRow.diagnosis, SampleResultRow.first_divergence_region
-    ).where(SampleResultRow.run_id == run_id, SampleResultRow.step == step)
-    return [SampleOutcome(*row) for row in session.execute(query)]
+@dataclass(frozen=True)
+class StepFacts:
+    """What the store knows of a step besides the pairs compared now: the stored verdicts of its
+    samples, how many samples have fingerprints, when its latest sample arrived."""
+
+    verdicts: list[Verdict]
+    fingerprinted: int
+    ingested_at: datetime | None
 
 
 @dataclass(frozen=True)
-class StepFacts:
-    """What a step's summary reads from the store besides its pairs: the stored verdicts, how many
-    samples have fingerprints, when its latest sample arrived."""
+class StepSummary:
+    """One compared step as the dashboard draws it (the ``step_summaries`` row)."""
 
-    outcomes: list[SampleOutcome]
-    fingerprinted: int
-    ingested_at: Any
-
-
-def step_facts(session: Session, steps: Sequence[tuple[str, int]]) -> dict[tuple[str, int], StepFacts]:
-    """:class:`StepFacts` of many steps in three queries (the comparison worker's batches)."""
-    if not steps:
-        return {}
-    outcomes: dict[tuple[str, int], list[SampleOutcome]] = {tuple(s): [] for s in steps}  # type: ignore[misc]
-    query = select(
-        SampleResultRow.run_id,
-        SampleResultRow.step,
-        SampleResultRow.sample_key,
-        SampleResultRow.diagnosis,
-        SampleResultRow.first_divergence_region,
-    ).where(tuple_(SampleResultRow.run_id, SampleResultRow.step).in_(list(steps)))
-    for run, step, *outcome in session.execute(query):
-        outcomes[(run, step)].append(SampleOutcome(*outcome))
-    printed = dict(
-        ((run, step), n)
-        for run, step, n in session.execute(
-            select(
-                FingerprintRow.run_id,
-                FingerprintRow.step,
-                func.count(func.distinct(FingerprintRow.sample_key)),
-            )
-            .where(tuple_(FingerprintRow.run_id, FingerprintRow.step).in_(list(steps)))
-            .group_by(FingerprintRow.run_id, FingerprintRow.step)
-        )
-    )
-    ingested = dict(
-        ((run, step), at)
-        for run, step, at in session.execute(
-            select(SampleRow.run_id, SampleRow.step, func.max(SampleRow.created_at))
-            .where(tuple_(SampleRow.run_id, SampleRow.step).in_(list(steps)))
-            .group_by(SampleRow.run_id, SampleRow.step)
-        )
-    )
-    return {key: StepFacts(outcomes[key], int(printed.get(key, 0)), ingested.get(key)) for key in outcomes}
+    run_id: str
+    step: int
+    n_samples: int
+    n_tokens: int
+    #: {"count", "mean", "max", "max_key"}: one entry per bin of :data:`POSITION_BIN_EDGES`
+    position_bins: dict[str, list[Any]]
+    #: {region label: {"count": n, "example": sample_key}}
+    first_divergence: dict[str, dict[str, Any]]
+    n_fingerprinted: int
+    #: {diagnosis kind: number of samples}
+    diagnoses: dict[str, int]
+    ingested_at: datetime | None
+    #: audit.routing.step_routing (None for a dense model)
+    routing: dict[str, Any] | None
 
 
-def summarize_step(
-    session: Session,
+def summarize(
     run_id: str,
     step: int,
     pairs: Sequence[tuple[SampleLogprobs, SampleLogprobs]],
-    fresh: Sequence[SampleOutcome],
-    facts: StepFacts | None = None,
-) -> dict[str, Any]:
-    """The ``step_summaries`` row of a step: ``pairs`` are all its samples stored on both sides,
-    ``fresh`` the outcomes just computed (they replace any stored ones of the same keys); ``facts``
-    as :func:`step_facts` read them for a batch of steps (read here when not given)."""
-    if facts is None:
-        facts = step_facts(session, [(run_id, step)])[(run_id, step)]
-    new = {o.sample_key for o in fresh}
-    outcomes = list(fresh) + [o for o in facts.outcomes if o.sample_key not in new]
-    fingerprinted, ingested_at = facts.fingerprinted, facts.ingested_at
-    return {
-        "run_id": run_id,
-        "step": step,
-        "n_samples": len(pairs),
-        "n_tokens": int(sum(t.logprobs.size for t, _ in pairs)),
-        "position_bins": position_bins(pairs),
-        "first_divergence": first_divergence_counts(outcomes),
-        "n_fingerprinted": int(fingerprinted or 0),
-        "diagnoses": dict(sorted(Counter(o.diagnosis for o in outcomes).items())),
-        "ingested_at": ingested_at,
-        "routing": step_routing(pairs),
-        "computed_at": utcnow(),
-    }
-
-
-def save_summary(session: Session, row: dict[str, Any]) -> None:
-    """Replace the step's summary (idempotent: comparing a step again rewrites the same row)."""
-    session.execute(
-        delete(StepSummaryRow).where(
-            StepSummaryRow.run_id == row["run_id"], StepSummaryRow.step == row["step"]
-        )
+    verdicts: Sequence[Verdict],
+    facts: StepFacts,
+    routing: dict[str, Any] | None,
+) -> StepSummary:
+    """The summary of a step: ``pairs`` are all its samples stored on both sides (in step order),
+    ``verdicts`` every compared sample's, ``routing`` the step's routing aggregate."""
+    return StepSummary(
+        run_id=run_id,
+        step=step,
+        n_samples=len(pairs),
+        n_tokens=int(sum(t.logprobs.size for t, _ in pairs)),
+        position_bins=position_bins(pairs),
+        first_divergence=first_divergence_counts(verdicts),
+        n_fingerprinted=int(facts.fingerprinted or 0),
+        diagnoses=dict(sorted(Counter(v.diagnosis for v in verdicts).items())),
+        ingested_at=facts.ingested_at,
+        routing=routing,
     )
-    session.add(StepSummaryRow(**row))
-
-
-def save_summaries(session: Session, rows: Sequence[dict[str, Any]]) -> None:
-    """Replace many steps' summaries in two statements (:func:`save_summary` for a batch)."""
-    if not rows:
-        return
-    key = tuple_(StepSummaryRow.run_id, StepSummaryRow.step)
-    session.execute(delete(StepSummaryRow).where(key.in_([(r["run_id"], r["step"]) for r in rows])))
-    session.execute(insert(StepSummaryRow), list(rows))
-
-
-def missing_summaries(session: Session, limit: int) -> list[tuple[str, int]]:
-    """Compared steps without a summary (compared before migration 0004 added them), oldest first."""
-    query = (
-        select(StepResultRow.run_id, StepResultRow.step)
-        .outerjoin(
-            StepSummaryRow,
-            (StepSummaryRow.run_id == StepResultRow.run_id) & (StepSummaryRow.step == StepResultRow.step),
-        )
-        .where(StepSummaryRow.step.is_(None))
-        .order_by(StepResultRow.run_id, StepResultRow.step)
-        .limit(limit)
-    )
-    return [(run_id, step) for run_id, step in session.execute(query)]

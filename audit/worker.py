@@ -13,26 +13,19 @@ import secrets
 import socket
 import threading
 from collections import defaultdict
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from isoaudit.audit.compare import SampleComparison, compare_samples, step_summary
+from isoaudit.audit.compare import SampleComparison, StepOutcome, compare_samples
+from isoaudit.audit.db import StepClaim, Store
 from isoaudit.audit.records import Manifest, OffPolicy, RegionFingerprints, SampleLogprobs, off_policy_of
-from isoaudit.audit.store import StepClaim, Store
-from isoaudit.audit.summaries import (
-    SampleOutcome,
-    missing_summaries,
-    save_summaries,
-    save_summary,
-    step_facts,
-    summarize_step,
-)
+from isoaudit.audit.routing import step_routing
+from isoaudit.audit.summaries import summarize
 
 log = logging.getLogger(__name__)
 
 #: Called after a step's results are saved: (run_id, step, step metrics). Alert evaluation plugs in here.
-StepCallback = Callable[[str, int, dict[str, Any]], None]
+StepCallback = Callable[[str, int, Mapping[str, Any]], object]
 
 
 def pair_by_key(samples: list[SampleLogprobs]) -> dict[str, tuple[SampleLogprobs, SampleLogprobs]]:
@@ -42,24 +35,6 @@ def pair_by_key(samples: list[SampleLogprobs]) -> dict[str, tuple[SampleLogprobs
         assert sample.sample_key is not None
         sides[sample.sample_key][sample.side] = sample
     return {key: (s["trainer"], s["rollout"]) for key, s in sides.items() if len(s) == 2}
-
-
-@dataclass
-class _Compared:
-    """One claimed step, compared, not yet saved."""
-
-    claim: StepClaim
-    pairs: list[tuple[SampleLogprobs, SampleLogprobs]]
-    comparisons: list[SampleComparison]
-    summary: dict[str, Any]
-
-    def outcomes(self) -> list[SampleOutcome]:
-        return [
-            SampleOutcome(
-                c.sample_key, c.diagnosis.kind, c.first_divergence[0] if c.first_divergence else None
-            )
-            for c in self.comparisons
-        ]
 
 
 def worker_name() -> str:
@@ -140,7 +115,7 @@ class ComparisonWorker:
         }
         # A declared lag is off_policy, not weights.
         policies = {r: off_policy_of(self.store.run_config(r) or {}) for r in runs}
-        computed: list[_Compared] = []
+        computed: list[tuple[StepClaim, StepOutcome]] = []
         for run in runs:
             mine = [c for c in claims if c.run_id == run]
             try:  # one comparison over the run's whole batch: the per-sample metrics are vectorised
@@ -155,50 +130,22 @@ class ComparisonWorker:
                         self.failures += 1
                         log.exception("comparison of run %s step %s failed", claim.run_id, claim.step)
 
-        with self.store.sessions.begin() as session:
-            # The dashboard's aggregates, the results and the claims' release commit together.
-            facts = step_facts(session, [(c.claim.run_id, c.claim.step) for c in computed])
-            aggregates = [
-                summarize_step(
-                    session,
-                    c.claim.run_id,
-                    c.claim.step,
-                    c.pairs,
-                    c.outcomes(),
-                    facts[(c.claim.run_id, c.claim.step)],
-                )
-                for c in computed
-            ]
-            for c, a in zip(computed, aggregates, strict=True):
-                c.summary["diagnoses"]["counts"] = a["diagnoses"]
-            saved = self.store.save_claimed(
-                session,
-                self.name,
-                [c.claim for c in computed],
-                [row.result_row() for c in computed for row in c.comparisons],
-                [{"run_id": c.claim.run_id, "step": c.claim.step, **c.summary} for c in computed],
-            )
-            save_summaries(
-                session,
-                [
-                    a
-                    for c, a in zip(computed, aggregates, strict=True)
-                    if (c.claim.run_id, c.claim.step) in saved
-                ],
-            )
+        saved = self.store.save_outcomes(
+            self.name, [claim for claim, _ in computed], [o for _, o in computed]
+        )
         n = 0
-        for c in computed:
-            run, step = c.claim.run_id, c.claim.step
+        for claim, outcome in computed:
+            run, step = claim.run_id, claim.step
             if (run, step) not in saved:
                 log.warning(
                     "run %s step %s: its lease went to another worker, whose results stand", run, step
                 )
                 continue
-            n += len(c.comparisons)
+            n += len(outcome.comparisons)
             self.steps_compared += 1
             if self.on_step is not None:
                 try:
-                    self.on_step(run, step, c.summary["metrics"])
+                    self.on_step(run, step, outcome.metrics)
                 except Exception:  # alerting must never stop comparison
                     log.exception("step callback failed for run %s step %s", run, step)
         return n
@@ -210,8 +157,8 @@ class ComparisonWorker:
         prints: dict[tuple[str, int], list[RegionFingerprints]],
         manifests: tuple[list[Manifest], list[Manifest]],
         policy: OffPolicy | None,
-    ) -> list[_Compared]:
-        """Compare the claimed samples of some steps of one run in one call, then sum up each step."""
+    ) -> list[tuple[StepClaim, StepOutcome]]:
+        """Compare the claimed samples of some steps of one run in one call, then each step's outcome."""
         pairs = {(c.run_id, c.step): pair_by_key(samples[(c.run_id, c.step)]) for c in claims}
         todo = [
             pairs[(c.run_id, c.step)][k]
@@ -238,23 +185,24 @@ class ComparisonWorker:
             # The step's figures cover every compared sample of the step, old and new.
             all_pairs = [step_pairs[k] for k in sorted(step_pairs)]
             mine = per_step[(claim.run_id, claim.step)]
-            out.append(
-                _Compared(claim, all_pairs, mine, step_summary(all_pairs, mine, clip_eps=self.clip_eps))
-            )
+            out.append((claim, StepOutcome.of(all_pairs, mine, clip_eps=self.clip_eps)))
         return out
 
     def backfill(self, limit: int = 1) -> int:
         """Write the dashboard's summaries of up to ``limit`` steps compared before they existed (a
         database from before migration 0004), from the stored samples and verdicts. The background
         thread does one step per idle pass, so old runs fill in without holding up new records."""
-        with self.store.sessions() as session:
-            todo = missing_summaries(session, limit)
+        todo = self.store.unsummarized_steps(limit)
+        facts = self.store.step_facts(todo)
+        summaries = []
         for run, step in todo:
             pairs = pair_by_key(self.store.samples(run, step))
-            with self.store.sessions.begin() as session:
-                save_summary(
-                    session, summarize_step(session, run, step, [pairs[k] for k in sorted(pairs)], [])
-                )
+            ordered = [pairs[k] for k in sorted(pairs)]
+            verdicts = facts[(run, step)].verdicts
+            summaries.append(
+                summarize(run, step, ordered, verdicts, facts[(run, step)], step_routing(ordered))
+            )
+        self.store.save_summaries(summaries)
         return len(todo)
 
     # ------------------------------------------------------------------ background thread

@@ -30,9 +30,9 @@ from sqlalchemy import create_engine, func, select, text
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from isoaudit.audit.auth import create_token  # noqa: E402
-from isoaudit.audit.models import SampleRow  # noqa: E402
+from isoaudit.audit.db import Store  # noqa: E402
+from isoaudit.audit.db.models import SampleRow  # noqa: E402
 from isoaudit.audit.records import Batch, SampleLogprobs  # noqa: E402
-from isoaudit.audit.store import Store  # noqa: E402
 
 PROMPT_LEN = 256
 

@@ -29,11 +29,10 @@ _HERE = str(Path(__file__).resolve().parent)
 sys.path[:] = [str(Path(__file__).resolve().parents[1])] + [p for p in sys.path if p not in (_HERE, "")]
 
 import numpy as np  # noqa: E402
-from isoaudit.audit import queries  # noqa: E402
 from isoaudit.audit.alerts import AlertEngine, DatabaseChannel, default_rules, install_rules  # noqa: E402
+from isoaudit.audit.db import Store, reads  # noqa: E402
 from isoaudit.audit.records import Manifest, RegionFingerprints, Run, RuntimeFacts, SampleLogprobs  # noqa: E402
 from isoaudit.audit.regions import canonical_regions  # noqa: E402
-from isoaudit.audit.store import Store  # noqa: E402
 from isoaudit.audit.worker import ComparisonWorker  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
@@ -111,7 +110,7 @@ def build(store: Store, args: argparse.Namespace, upto: int) -> None:
     install_rules(store, default_rules(), "default", replace=False)
     engine = AlertEngine(store, channels=[DatabaseChannel()])
     worker = ComparisonWorker(store, on_step=engine.evaluate)
-    have = queries.last_compared_step(store, RUN_ID)
+    have = reads.last_compared_step(store, RUN_ID)
     start = 0 if have is None else have + 1
     if start >= upto:
         return
@@ -134,7 +133,7 @@ def open_store(backend: str, args: argparse.Namespace) -> Store:
         connection.execute(text(f'CREATE SCHEMA IF NOT EXISTS "{schema}"'))
     admin.dispose()
     url = f"{args.postgres_url}?options=-csearch_path%3D{schema}"
-    from isoaudit.audit.migrate import upgrade
+    from isoaudit.audit.db.schema import upgrade
 
     upgrade(url)
     return Store(url, upgrade=False)
@@ -160,11 +159,11 @@ def measure(store: Store, repeat: int) -> list[tuple[str, float, float]]:
     from isoaudit.dashboard.pages.run.state import LiveState
 
     app = create_app(store)
-    last = queries.last_compared_step(store, RUN_ID)
+    last = reads.last_compared_step(store, RUN_ID)
     assert last is not None and last >= 1, "the run needs at least two compared steps"
-    worst = max(queries.step_samples(store, RUN_ID, last), key=lambda s: s.abs_diff_max or 0)
+    worst = max(reads.step_samples(store, RUN_ID, last), key=lambda s: s.abs_diff_max or 0)
     key = next(
-        (s.sample_key for s in queries.step_samples(store, RUN_ID, last) if s.first_divergence_region),
+        (s.sample_key for s in reads.step_samples(store, RUN_ID, last) if s.first_divergence_region),
         worst.sample_key,
     )
     rows = []
@@ -174,15 +173,15 @@ def measure(store: Store, repeat: int) -> list[tuple[str, float, float]]:
         live_state = state.to_json()
 
         def run_queries() -> None:
-            points = queries.step_series(store, RUN_ID)
+            points = reads.step_series(store, RUN_ID)
             timelines.annotation_frames(store, RUN_ID, points[-1].step)
-            queries.run_overview(store, RUN_ID)
-            queries.step_samples(store, RUN_ID, last)
+            reads.run_overview(store, RUN_ID)
+            reads.step_samples(store, RUN_ID, last)
 
         def live_queries() -> None:
-            points = queries.step_series(store, RUN_ID, after_step=last - 1)
+            points = reads.step_series(store, RUN_ID, after_step=last - 1)
             timelines.annotation_frames(store, RUN_ID, points[-1].step)
-            queries.run_overview(store, RUN_ID)
+            reads.run_overview(store, RUN_ID)
 
         def live_callbacks() -> None:
             out = live.tick(1, live_state)
@@ -190,14 +189,14 @@ def measure(store: Store, repeat: int) -> list[tuple[str, float, float]]:
             header.tick_status(1, live_state)
 
         cases: list[tuple[str, Callable[[], Any], Callable[[], Any]]] = [
-            ("runs page", runs.layout, lambda: queries.runs_overview(store)),
+            ("runs page", runs.layout, lambda: reads.runs_overview(store)),
             ("run page", lambda: page.layout(run_id=RUN_ID), run_queries),
-            ("run page: mean/max switch", lambda: heatmaps.redraw_position("max", live_state), lambda: queries.step_series(store, RUN_ID)),
+            ("run page: mean/max switch", lambda: heatmaps.redraw_position("max", live_state), lambda: reads.step_series(store, RUN_ID)),
             ("live update (1 step)", live_callbacks, live_queries),
             ("sample page", lambda: sample.layout(run_id=RUN_ID, step=str(last), sample_key=key),
-             lambda: (queries.sample_detail(store, RUN_ID, last, key), store.get_run(RUN_ID))),
-            ("contract page", lambda: contract.layout(run_id=RUN_ID), lambda: queries.contract_view(store, RUN_ID)),
-            ("alerts page", alerts.layout, lambda: queries.alerts_view(store)),
+             lambda: (reads.sample_detail(store, RUN_ID, last, key), store.get_run(RUN_ID))),
+            ("contract page", lambda: contract.layout(run_id=RUN_ID), lambda: reads.contract_view(store, RUN_ID)),
+            ("alerts page", alerts.layout, lambda: reads.alerts_view(store)),
         ]  # fmt: skip
         for name, callback, baseline in cases:
             callback()  # warm caches (imports, the database's pages)
@@ -246,7 +245,7 @@ def main(argv: list[str] | None = None) -> None:
             if not args.no_build:
                 build(store, args, args.steps)
             if not args.build_only:
-                built = (queries.last_compared_step(store, RUN_ID) or 0) + 1
+                built = (reads.last_compared_step(store, RUN_ID) or 0) + 1
                 report(f"{backend} ({built} of {args.steps} steps built)", measure(store, args.repeat), args)
         finally:
             store.dispose()

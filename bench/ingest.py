@@ -19,8 +19,8 @@ import time
 import uuid
 
 import numpy as np
+from isoaudit.audit.db import Store
 from isoaudit.audit.records import RegionFingerprints, SampleLogprobs, validate_record
-from isoaudit.audit.store import Store
 from sqlalchemy import create_engine, text
 from tqdm import tqdm
 

@@ -38,9 +38,9 @@ import httpx
 import numpy as np
 from isoaudit.audit.api.live import free_port
 from isoaudit.audit.auth import create_token
+from isoaudit.audit.db import Store
 from isoaudit.audit.records import RegionFingerprints, Run, SampleLogprobs
 from isoaudit.audit.regions import canonical_regions
-from isoaudit.audit.store import Store
 from isoaudit.audit.worker import ComparisonWorker
 from isoaudit.collectors.sinks.base import encode_batch
 
@@ -127,7 +127,7 @@ class Database:
             self.url = f"sqlite:///{self.path}"
             Store(self.url).dispose()
             return
-        from isoaudit.audit.migrate import upgrade
+        from isoaudit.audit.db.schema import upgrade
         from sqlalchemy import create_engine, text
 
         self.schema = f"isoaudit_scale_{uuid.uuid4().hex[:10]}"

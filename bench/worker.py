@@ -71,11 +71,11 @@ def fill(store, runs: int, steps: range, n: int, n_completion: int) -> int:
 def measure(url: str, runs: int, steps: int, n: int, n_completion: int, history: int) -> dict:
     """Fill a fresh database at ``url`` with ``history`` compared steps per run, then ``steps`` more
     queued, and time the worker draining the queue."""
-    from isoaudit.audit.store import Store
+    from isoaudit.audit.db import Store
     from isoaudit.audit.worker import ComparisonWorker
 
     if not url.startswith("sqlite"):
-        from isoaudit.audit.migrate import upgrade
+        from isoaudit.audit.db.schema import upgrade
 
         upgrade(url)
     store = Store(url)
@@ -175,9 +175,9 @@ def live(url: str, layout: str, clients: int, seconds: float, drain_s: float = 6
 
     from isoaudit.audit.api.live import free_port
     from isoaudit.audit.auth import create_token
-    from isoaudit.audit.models import SampleResultRow
+    from isoaudit.audit.db import Store
+    from isoaudit.audit.db.models import SampleResultRow
     from isoaudit.audit.records import Run
-    from isoaudit.audit.store import Store
     from isoaudit.collectors.sinks.http import HttpSink
     from sqlalchemy import func, select
 
@@ -274,7 +274,7 @@ def main() -> None:
         for layout in ("thread", "child", "process"):
             url, drop = pg_schema_url()
             try:
-                from isoaudit.audit.migrate import upgrade
+                from isoaudit.audit.db.schema import upgrade
 
                 upgrade(url)
                 r = live(url, layout, args.clients, args.live)

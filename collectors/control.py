@@ -23,10 +23,10 @@ import logging
 import threading
 import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 import httpx
+from isoaudit.audit.control import REMEDIATION_MODES, ControlRecord, RemediationMode
 from isoaudit.collectors.counting import LogOnce
 
 if TYPE_CHECKING:
@@ -34,18 +34,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: Modes the service may ask for.
-Mode = Literal["native", "invariant"]
-MODES: tuple[str, ...] = ("native", "invariant")
-
-
-@dataclass(frozen=True)
-class Control:
-    """The remediation mode the service wants this run's collectors to apply; ``version`` grows by
-    one with every change (0: nobody has set it, ``native``)."""
-
-    mode: str
-    version: int
+#: The modes the service may ask for, and the control record that asks (defined in audit.control).
+Mode = RemediationMode
+MODES = REMEDIATION_MODES
+Control = ControlRecord
 
 
 class ControlChannel(ABC):
@@ -93,7 +85,8 @@ class ControlChannel(ABC):
                         )
                         self._refreshing.start()
                     refreshing = self._refreshing
-                if started:  # one in flight already: answer from memory, do not wait again
+                # One in flight already: answer from memory, do not wait again.
+                if started and refreshing is not None:
                     refreshing.join(self.wait)
         return self._known
 
@@ -141,12 +134,12 @@ class FixedControl(ControlChannel):
 
     def __init__(self, run_id: str, mode: str = "native") -> None:
         super().__init__(run_id, interval=0.0)
-        self._fixed = Control(mode, 0)
+        self._fixed = Control.model_validate({"mode": mode, "version": 0})
 
     def set(self, mode: str) -> Control:
         if mode not in MODES:
             raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
-        self._fixed = Control(mode, self._fixed.version + 1)
+        self._fixed = Control.model_validate({"mode": mode, "version": self._fixed.version + 1})
         return self._fixed
 
     def _poll(self) -> Control | None:
@@ -161,8 +154,7 @@ class StoreControl(ControlChannel):
         self.store = store
 
     def _poll(self) -> Control | None:
-        state = self.store.get().get_control(self.run_id)
-        return Control(str(state.mode), int(state.version))
+        return self.store.get().get_control(self.run_id)
 
 
 class ServiceControl(ControlChannel):
@@ -185,8 +177,7 @@ class ServiceControl(ControlChannel):
         if response.status_code == 404:
             return None  # the run is not stored yet: nothing set
         response.raise_for_status()
-        body = response.json()
-        return Control(str(body["mode"]), int(body["version"]))
+        return Control.model_validate(response.json())
 
     def close(self) -> None:
         refreshing = self._refreshing

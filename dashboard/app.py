@@ -5,7 +5,7 @@ from __future__ import annotations
 import dash
 import dash_bootstrap_components as dbc
 from dash import dcc, html
-from isoaudit.audit.store import Store
+from isoaudit.audit.db import Store
 from isoaudit.dashboard import context
 from isoaudit.dashboard.pages import PAGES, urls
 

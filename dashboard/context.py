@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import flask
-from isoaudit.audit.store import Store
+from isoaudit.audit.db import Store
 
 STORE_KEY = "ISOAUDIT_STORE"
 INTERVAL_KEY = "ISOAUDIT_LIVE_INTERVAL_MS"

@@ -1,6 +1,6 @@
-"""The data layer: ``audit.queries`` results as pandas frames, shaped for ``dashboard.figures``.
+"""The dashboard's data: ``audit.db.reads`` views as pandas frames, shaped for ``dashboard.figures``.
 
-No Dash here, and no SQL: every read goes through :mod:`audit.queries`, so the pages are thin and the
+No Dash here, and no SQL: every read goes through :mod:`audit.db.reads`, so the pages are thin and the
 frames can be built (and tested) without a browser.
 """
 
@@ -14,10 +14,11 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-from isoaudit.audit import queries
 from isoaudit.audit.alerts.history import AlertView
 from isoaudit.audit.alerts.rules import AlertRule
 from isoaudit.audit.compare import DIFFERS, EQUAL, NOT_OBSERVED
+from isoaudit.audit.db import reads
+from isoaudit.audit.db.alerts import Silence
 from isoaudit.audit.records import StepStats
 from isoaudit.audit.regions import parse_region_key, region_order
 from isoaudit.audit.summaries import bin_label
@@ -42,7 +43,7 @@ def _base_region(label: str) -> str:
     return parse_region_key(label)[0]
 
 
-def region_sort(labels: Sequence[str]) -> list[str]:
+def region_sort(labels: Iterable[str]) -> list[str]:
     """Region labels (``layers.2.mlp#1``) in forward order."""
     return sorted(labels, key=lambda r: (region_order(_base_region(r)), r))
 
@@ -61,7 +62,7 @@ def attributes_frame(
 # ---------------------------------------------------------------------- runs page
 
 
-def runs_frame(runs: Sequence[queries.RunOverview]) -> pd.DataFrame:
+def runs_frame(runs: Sequence[reads.RunOverview]) -> pd.DataFrame:
     """One row per run with what the runs table shows."""
     columns = [
         "run_id", "name", "project", "status", "last_step", "last_ingest_at", "kl_k3",
@@ -85,7 +86,7 @@ def runs_frame(runs: Sequence[queries.RunOverview]) -> pd.DataFrame:
 # ---------------------------------------------------------------------- run page
 
 
-def timeline_frame(points: Sequence[queries.StepPoint]) -> pd.DataFrame:
+def timeline_frame(points: Sequence[reads.StepPoint]) -> pd.DataFrame:
     """Steps as rows (index ``step``), the timeline metrics as float columns (NaN where missing)."""
     data = {m: [_num(p.metrics.get(m)) for p in points] for m in TIMELINE_METRICS}
     return pd.DataFrame(data, index=pd.Index([p.step for p in points], name="step"), dtype=float)
@@ -107,7 +108,7 @@ def _num(value: Any) -> float:
 
 
 def position_frame(
-    points: Sequence[queries.StepPoint], stat: str = "mean", n_bins: int | None = None
+    points: Sequence[reads.StepPoint], stat: str = "mean", n_bins: int | None = None
 ) -> pd.DataFrame:
     """|Δ logprob| per response-position bin: steps as rows, bin labels as columns (``stat`` is
     ``mean`` or ``max``); ``n_bins`` pads or cuts to a given width (for appending to a figure)."""
@@ -128,15 +129,13 @@ def position_frame(
     )
 
 
-def bin_sample(point: queries.StepPoint, bin_index: int) -> str | None:
+def bin_sample(point: reads.StepPoint, bin_index: int) -> str | None:
     """The sample holding bin ``bin_index``'s largest |Δ| at this step (where a heatmap click goes)."""
     keys = point.position_bins.get("max_key", [])
     return keys[bin_index] if 0 <= bin_index < len(keys) else None
 
 
-def divergence_frame(
-    points: Sequence[queries.StepPoint], regions: Sequence[str] | None = None
-) -> pd.DataFrame:
+def divergence_frame(points: Sequence[reads.StepPoint], regions: Sequence[str] | None = None) -> pd.DataFrame:
     """Samples whose first divergence is in each region: steps as rows, regions (forward order) as
     columns, 0 where none."""
     names = (
@@ -146,7 +145,7 @@ def divergence_frame(
     return pd.DataFrame(rows, index=pd.Index([p.step for p in points], name="step"), columns=names, dtype=int)
 
 
-def diagnosis_frame(points: Sequence[queries.StepPoint], kinds: Sequence[str] | None = None) -> pd.DataFrame:
+def diagnosis_frame(points: Sequence[reads.StepPoint], kinds: Sequence[str] | None = None) -> pd.DataFrame:
     """Samples per diagnosis kind: steps as rows, kinds (DESIGN.md's order) as columns."""
     seen = {k for p in points for k in p.diagnoses}
     names = (
@@ -190,16 +189,16 @@ def alert_intervals_frame(
     )
 
 
-def mode_changes_frame(changes: Sequence[queries.ModeChange]) -> pd.DataFrame:
+def mode_changes_frame(changes: Sequence[reads.ModeChange]) -> pd.DataFrame:
     return attributes_frame(changes, ["side", "mode", "at", "step"])
 
 
-def samples_frame(verdicts: Sequence[queries.SampleVerdict]) -> pd.DataFrame:
+def samples_frame(verdicts: Sequence[reads.SampleVerdict]) -> pd.DataFrame:
     """A step's sample table."""
     columns = ["sample_key", "n_tokens", "abs_diff_mean", "abs_diff_max", "kl_k3", "exact_match_fraction",
                "first_divergence", "diagnosis"]  # fmt: skip
 
-    def first_divergence(v: queries.SampleVerdict) -> str:
+    def first_divergence(v: reads.SampleVerdict) -> str:
         return (
             f"{v.first_divergence_region} @ {v.first_divergence_position}"
             if v.first_divergence_region
@@ -234,7 +233,7 @@ def tokenizer_of(config: dict[str, Any]) -> Any | None:
     return None
 
 
-def delta_frame(detail: queries.SampleDetail, tokenizer: Any | None = None) -> pd.DataFrame:
+def delta_frame(detail: reads.SampleDetail, tokenizer: Any | None = None) -> pd.DataFrame:
     """One row per completion token: position, id, text (decoded when a tokenizer is given, else the
     id), both sides' logprobs and Δ = trainer − rollout."""
     ids = detail.completion_ids.astype(np.int64)
@@ -258,7 +257,7 @@ def delta_frame(detail: queries.SampleDetail, tokenizer: Any | None = None) -> p
 STATE_NAMES = {NOT_OBSERVED: "not observed", EQUAL: "equal", DIFFERS: "differs"}
 
 
-def grid_frame(detail: queries.SampleDetail) -> pd.DataFrame:
+def grid_frame(detail: reads.SampleDetail) -> pd.DataFrame:
     """The fingerprint grid in long form: one row per (region, position) with its state, sketch
     relative L2, agreeing ladder bits, and whether it is an origin / the first divergence."""
     columns = ["region", "position", "state", "rel_l2", "agreeing_bits", "origin", "first"]
@@ -297,7 +296,7 @@ def evidence_items(evidence: dict[str, Any]) -> list[tuple[str, str]]:
 # ---------------------------------------------------------------------- contract page
 
 
-def contract_frame(view: queries.ContractView) -> pd.DataFrame:
+def contract_frame(view: reads.ContractView) -> pd.DataFrame:
     """The two latest manifests side by side, differing fields first."""
     rows = [
         {"field": f.name, "trainer": _text(f.trainer), "rollout": _text(f.rollout), "differs": f.differs}
@@ -309,7 +308,7 @@ def contract_frame(view: queries.ContractView) -> pd.DataFrame:
     )
 
 
-def history_frame(history: Sequence[queries.ManifestEntry]) -> pd.DataFrame:
+def history_frame(history: Sequence[reads.ManifestEntry]) -> pd.DataFrame:
     rows = [
         {
             "recorded": e.created_at,
@@ -358,7 +357,7 @@ def rules_frame(rules: Sequence[AlertRule]) -> pd.DataFrame:
     )
 
 
-def silences_frame(silences: Sequence[queries.SilenceView], now: datetime) -> pd.DataFrame:
+def silences_frame(silences: Sequence[Silence], now: datetime) -> pd.DataFrame:
     columns = ["id", "rule", "run_id", "labels", "starts_at", "ends_at", "active", "created_by", "comment"]
     return attributes_frame(
         silences,
@@ -388,7 +387,7 @@ RANK_COLUMNS = (
 )
 
 
-def rank_rows(activity: Sequence[queries.RankActivity]) -> list[dict[str, Any]]:
+def rank_rows(activity: Sequence[reads.RankActivity]) -> list[dict[str, Any]]:
     """One table row per (side, rank); ``status`` is ``stopped`` for a rank that stopped sending."""
     return [
         {
@@ -420,7 +419,7 @@ def rank_frame(series: Sequence[tuple[int, str, int | None, int]]) -> pd.DataFra
     return table.reindex(steps, fill_value=0).rename_axis("step").astype(int)
 
 
-# ---------------------------------------------------------------------- MoE routing (issue 19)
+# ---------------------------------------------------------------------- MoE routing
 
 #: What the run page's routing heatmap can show per (layer, step).
 ROUTING_VALUES = {
@@ -430,7 +429,7 @@ ROUTING_VALUES = {
 }
 
 
-def routing_frame(points: Sequence[queries.RoutingStep], value: str = "flipped_tokens") -> pd.DataFrame:
+def routing_frame(points: Sequence[reads.RoutingStep], value: str = "flipped_tokens") -> pd.DataFrame:
     """Step (index) x MoE layer (columns, ``layer i``): ``value`` per cell (:data:`ROUTING_VALUES`),
     NaN where the layer routed no token that step."""
     if value not in ROUTING_VALUES:
@@ -446,12 +445,12 @@ def routing_frame(points: Sequence[queries.RoutingStep], value: str = "flipped_t
     return frame[columns].sort_index()
 
 
-def routing_example(point: queries.RoutingStep, layer: int) -> str | None:
+def routing_example(point: reads.RoutingStep, layer: int) -> str | None:
     """The sample of ``point``'s step with the most flips in MoE layer ``layer``."""
     return next((entry.example for entry in point.layers if entry.layer == layer), None)
 
 
-def sample_routing_frame(routing: queries.SampleRouting) -> pd.DataFrame:
+def sample_routing_frame(routing: reads.SampleRouting) -> pd.DataFrame:
     """One row per (position, MoE layer): both sides' experts (slot order), whether the sets agree,
     and whether this layer is where the token's routing first flips."""
     rows = []

@@ -1,11 +1,11 @@
 """Alembic environment: runs on the connection and metadata that isoaudit's data layer hands in.
 
-The scripts import nothing of isoaudit: the data layer (``isoaudit.audit.migrate``) applies them
+The scripts import nothing of isoaudit: the data layer (``isoaudit.audit.db.schema``) applies them
 when a store opens or on ``isoaudit db upgrade``, passing ``connection`` and ``target_metadata``
 in ``config.attributes``. Write a new revision the same way, from Python::
 
     from alembic import command
-    from isoaudit.audit.migrate import alembic_config
+    from isoaudit.audit.db.schema import alembic_config
     command.revision(alembic_config("sqlite:///dev.db"), "what changes", autogenerate=True)
 """
 

@@ -34,7 +34,7 @@ if _has_avx512():
     os.environ["OPENBLAS_CORETYPE"] = "SkylakeX"
 
 if TYPE_CHECKING:
-    from isoaudit.audit.store import Store
+    from isoaudit.audit.db import Store
 
 # The store's imports (SQLAlchemy, pydantic) are deferred to the fixtures that need them, so suites
 # such as tests/kernels run on a GPU machine that has torch and triton but not the service stack.
@@ -75,7 +75,7 @@ def database_url(blank_database_url: str) -> str:
     """A database a store can open, as a deployment has it: PostgreSQL upgraded explicitly (as
     `isoaudit db upgrade` does); SQLite left empty, since the embedded store upgrades itself."""
     if not blank_database_url.startswith("sqlite"):
-        from isoaudit.audit.migrate import upgrade
+        from isoaudit.audit.db.schema import upgrade
 
         upgrade(blank_database_url)
     return blank_database_url
@@ -83,7 +83,7 @@ def database_url(blank_database_url: str) -> str:
 
 @pytest.fixture
 def store(database_url: str) -> Iterator[Store]:
-    from isoaudit.audit.store import Store
+    from isoaudit.audit.db import Store
 
     store = Store(database_url)
     yield store

@@ -35,7 +35,7 @@ def test_db_upgrade_then_runs_list(database_url: str):
     result = runner.invoke(app, ["runs", "list", "--database-url", database_url])
     assert result.exit_code == 0 and "no runs" in result.output
 
-    from isoaudit.audit.store import Store
+    from isoaudit.audit.db import Store
 
     store = Store(database_url)
     store.ingest(

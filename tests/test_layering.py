@@ -43,6 +43,54 @@ def _contract_entries_naming(module: str) -> str:
     return "\n".join(line for line in section.splitlines() if module in line and "forbidden" not in line)
 
 
+#: Where SQLAlchemy and Alembic may be imported: the data layer and the migration scripts.
+DATABASE_DOORS = (Path("audit/db"), Path("migrations"))
+
+
+def _imported_modules(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every absolute import in ``path``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append((node.lineno, node.module))
+    return found
+
+
+def sqlalchemy_importers(root: Path) -> list[str]:
+    """``path:line imports module`` for every source file under ``root``'s parts and root package,
+    outside :data:`DATABASE_DOORS`, that imports SQLAlchemy or Alembic."""
+    offenders = []
+    for folder in (*PARTS, "isoaudit"):
+        for path in sorted((root / folder).rglob("*.py")):
+            relative = path.relative_to(root)
+            if any(relative.is_relative_to(door) for door in DATABASE_DOORS):
+                continue
+            for line, module in _imported_modules(path):
+                if module.split(".")[0] in ("sqlalchemy", "alembic"):
+                    offenders.append(f"{relative}:{line} imports {module}")
+    return offenders
+
+
+def test_only_the_data_layer_imports_sqlalchemy():
+    """One door into the database: every module reads and writes through ``audit.db``; nothing else
+    imports SQLAlchemy or Alembic (their errors come out of the data layer as ``StoreError``s)."""
+    offenders = sqlalchemy_importers(ROOT)
+    assert not offenders, "only audit/db and migrations may import SQLAlchemy:\n" + "\n".join(offenders)
+
+
+def test_the_database_door_check_finds_an_offender(tmp_path: Path):
+    """Not vacuous: a module outside the data layer that imports SQLAlchemy is named, and one inside is not."""
+    for part in PARTS:
+        (tmp_path / part).mkdir()
+    (tmp_path / "isoaudit").mkdir()
+    (tmp_path / "audit" / "db").mkdir()
+    (tmp_path / "audit" / "db" / "engine.py").write_text("import sqlalchemy\n")
+    (tmp_path / "dashboard" / "data.py").write_text("import os\n\nfrom sqlalchemy.orm import Session\n")
+    assert sqlalchemy_importers(tmp_path) == ["dashboard/data.py:3 imports sqlalchemy.orm"]
+
+
 def test_no_part_imports_the_composition_root():
     """The root package (the public API and the CLI) sits above every part: no module of a part
     imports ``isoaudit`` itself or ``isoaudit.cli`` (import-linter's containers cannot see the root
@@ -71,12 +119,12 @@ def test_no_part_imports_the_composition_root():
 
 @needs_linter
 def test_the_checker_reports_a_contract_that_is_false(tmp_path: Path):
-    """Not vacuous: the API does import the store, so forbidding it must be reported."""
+    """Not vacuous: the API does import the data layer, so forbidding it must be reported."""
     config = tmp_path / "false.toml"
     config.write_text(
         '[tool.importlinter]\nroot_packages = ["isoaudit"]\n\n'
         '[[tool.importlinter.contracts]]\nname = "known false"\ntype = "forbidden"\n'
-        'source_modules = ["isoaudit.audit.api"]\nforbidden_modules = ["isoaudit.audit.store"]\n'
+        'source_modules = ["isoaudit.audit.api"]\nforbidden_modules = ["isoaudit.audit.db"]\n'
     )
     result = lint_imports(str(config))
     assert result.returncode != 0 and "BROKEN" in result.stdout, result.stdout + result.stderr

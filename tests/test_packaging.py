@@ -16,7 +16,7 @@ def test_core_imports_without_vllm_or_dash():
     # Block the optional extras and import every core module: none may need them.
     code = (
         "import sys; sys.modules['vllm'] = None; sys.modules['dash'] = None\n"
-        "import isoaudit, isoaudit.audit.records, isoaudit.audit.store, isoaudit.cli, isoaudit.audit.migrate, isoaudit.collectors, isoaudit.kernels\n"
+        "import isoaudit, isoaudit.audit.records, isoaudit.audit.db, isoaudit.cli, isoaudit.audit.db.schema, isoaudit.collectors, isoaudit.kernels\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 0, result.stderr

@@ -30,7 +30,7 @@ def test_the_snippet_is_about_a_dozen_lines() -> None:
 def test_the_readme_snippet_runs_and_both_sides_land(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
 ) -> None:
-    from isoaudit.audit.store import Store
+    from isoaudit.audit.db import Store
     from isoaudit.collectors.tiny_models import load_tiny_model, make_tiny_model
     from isoaudit.kernels.adapters import HFCausalLM
     from isoaudit.kernels.engine import RolloutEngine

@@ -24,9 +24,9 @@ from isoaudit.audit.alerts.evaluator import Evaluation, evaluate_series, next_st
 from isoaudit.audit.alerts.outbox import Outbox, OutboxChannel, is_durable
 from isoaudit.audit.alerts.rules import AlertRule, list_rule_rows, rule_from_row
 from isoaudit.audit.alerts.silences import list_silences, matches
+from isoaudit.audit.db import Store
 from isoaudit.audit.db.alerts import OPEN_STATES, Alert, AlertRepository, AlertState, Notification, Silence
 from isoaudit.audit.records import utcnow
-from isoaudit.audit.store import Store
 
 log = logging.getLogger("isoaudit.alerts")
 

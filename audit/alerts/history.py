@@ -6,8 +6,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from isoaudit.audit.alerts.channels import attempts_of
+from isoaudit.audit.db import Store
 from isoaudit.audit.db.alerts import Alert, AlertRepository, StoredNotification
-from isoaudit.audit.store import Store
 
 #: The name the dashboard and the read queries know the alert row by.
 AlertView = Alert

@@ -28,9 +28,9 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, Literal, Protocol, TypeGuard
 
 from isoaudit.audit.alerts.channels import ATTEMPTS_KEY, Notice, attempt_record, slack_payload
+from isoaudit.audit.db import Store
 from isoaudit.audit.db.alerts import Notification, OutboxEntry, OutboxRepository
 from isoaudit.audit.records import utcnow
-from isoaudit.audit.store import Store
 
 log = logging.getLogger("isoaudit.alerts")
 

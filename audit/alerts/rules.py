@@ -29,9 +29,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+from isoaudit.audit.db import Store
 from isoaudit.audit.db.alerts import RuleDefinition, RuleRepository, StoredRule
 from isoaudit.audit.metric_names import UnknownMetric, accepted_names, resolve
-from isoaudit.audit.store import Store
 from pydantic import (
     BaseModel,
     ConfigDict,

@@ -7,9 +7,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from datetime import datetime, timedelta
 
+from isoaudit.audit.db import Store
 from isoaudit.audit.db.alerts import Silence, SilenceRepository
 from isoaudit.audit.records import RunId, utcnow
-from isoaudit.audit.store import Store
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 

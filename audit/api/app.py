@@ -22,7 +22,7 @@ from isoaudit.audit.api.limits import BodySizeLimit
 from isoaudit.audit.api.routers import alerts, control, health, ingest, metrics, runs
 from isoaudit.audit.api.settings import ApiSettings
 from isoaudit.audit.api.telemetry import Telemetry
-from isoaudit.audit.store import Store
+from isoaudit.audit.db import Store
 from prometheus_client import CollectorRegistry
 
 

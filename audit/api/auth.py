@@ -14,8 +14,8 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from isoaudit.audit.api.deps import get_settings, get_store
 from isoaudit.audit.api.settings import ApiSettings
 from isoaudit.audit.auth import Principal, create_token, verify_token
+from isoaudit.audit.db import Store
 from isoaudit.audit.records import RunId
-from isoaudit.audit.store import Store
 
 __all__ = ["Principal", "Reader", "Writer", "create_token", "readable_run", "ReadableRun"]
 

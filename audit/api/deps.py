@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from fastapi import Request
 from isoaudit.audit.api.settings import ApiSettings
-from isoaudit.audit.store import Store
+from isoaudit.audit.db import Store
 
 if TYPE_CHECKING:
     from isoaudit.audit.api.telemetry import Telemetry

@@ -11,10 +11,9 @@ from fastapi import FastAPI, Request
 from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from isoaudit.audit.db import UNAVAILABLE_ERRORS
 from isoaudit.audit.records import RecordError, check_json
 from pydantic import BaseModel, ValidationError
-from sqlalchemy.exc import OperationalError
-from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger("isoaudit.api")
@@ -56,7 +55,8 @@ def request_validation_error(
     return RequestValidationError(field_errors(exc.errors(include_input=False, include_url=False), prefix))
 
 
-async def _validation_handler(_request: Request, exc: RequestValidationError) -> JSONResponse:
+async def _validation_handler(_request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
     return JSONResponse({"detail": field_errors(exc.errors())}, status_code=422)
 
 
@@ -71,7 +71,8 @@ def database_unavailable_response() -> JSONResponse:
 async def _database_handler(_request: Request, exc: Exception) -> JSONResponse:
     # The database did not answer (SQLite locked past its busy timeout, a connection cut, a server
     # restarting, the pool exhausted): the transaction rolled back, so the request changed nothing.
-    log.warning("database unavailable: %s", type(getattr(exc, "orig", None) or exc).__name__)
+    cause = exc.__cause__ or exc
+    log.warning("database unavailable: %s", type(getattr(cause, "orig", None) or cause).__name__)
     return database_unavailable_response()
 
 
@@ -97,5 +98,5 @@ async def _http_handler(request: Request, exc: Exception) -> Response:
 def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(StarletteHTTPException, _http_handler)
     app.add_exception_handler(RequestValidationError, _validation_handler)
-    app.add_exception_handler(OperationalError, _database_handler)
-    app.add_exception_handler(PoolTimeout, _database_handler)
+    for unavailable in UNAVAILABLE_ERRORS:
+        app.add_exception_handler(unavailable, _database_handler)

@@ -18,10 +18,10 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
+from isoaudit.audit.db import Store
 from isoaudit.audit.db.telemetry import TelemetryReads
 from isoaudit.audit.metric_names import Alias, definition, framework_aliases
 from isoaudit.audit.metrics import PARAMETRIC, parse_lag_key, parse_variant
-from isoaudit.audit.store import Store
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 

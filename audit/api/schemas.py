@@ -2,26 +2,13 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from isoaudit.audit.control import ControlRecord, RemediationMode, UtcDatetime
+from pydantic import BaseModel, ConfigDict, Field
 
-Mode = Literal["native", "invariant"]
-
-#: A timestamp as UTC with its zone: SQLite hands back naive datetimes of what were UTC ones.
-UtcDatetime = Annotated[
-    datetime, AfterValidator(lambda d: d if d.tzinfo is not None else d.replace(tzinfo=UTC))
-]
-
-
-class Control(BaseModel):
-    """A run's desired remediation mode and its version (0 = never set; ``native``)."""
-
-    mode: Mode
-    version: int = Field(ge=0)
-    updated_at: UtcDatetime | None = None
-    updated_by: str = ""
+#: A run's desired remediation mode as the API shows it: the control record itself.
+Control = ControlRecord
 
 
 class ControlUpdate(BaseModel):
@@ -29,7 +16,7 @@ class ControlUpdate(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    mode: Mode
+    mode: RemediationMode
     # The stored version is a 32-bit INTEGER and a successful update writes version + 1.
     version: int = Field(ge=0, le=2**31 - 2)
 

@@ -5,7 +5,7 @@ Each app gets its own registry, so several apps in one process (tests) never sha
 
 from __future__ import annotations
 
-from isoaudit.audit.store import IngestResult
+from isoaudit.audit.db import IngestResult
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 

@@ -15,16 +15,17 @@ from dataclasses import asdict, dataclass, fields
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
-from isoaudit.audit.models import RunRow, StepResultRow
-from isoaudit.audit.records import utcnow
-from isoaudit.audit.service_models import (
+from isoaudit.audit.db.models import (
     OPEN_STATES,
     AlertRow,
     AlertRuleRow,
     NoticeOutboxRow,
     NotificationRow,
+    RunRow,
     SilenceRow,
+    StepResultRow,
 )
+from isoaudit.audit.records import utcnow
 from pydantic import Field
 from sqlalchemy import delete, func, or_, select, true, update
 from sqlalchemy.exc import IntegrityError

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from isoaudit.audit.db.alerts import OPEN_STATES, Alert, select_alerts
-from isoaudit.audit.models import PendingComparisonRow, RunRow, StepResultRow
+from isoaudit.audit.db.models import PendingComparisonRow, RunRow, StepResultRow
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from isoaudit.audit.db.alerts import utc
-from isoaudit.audit.service_models import ApiTokenRow
+from isoaudit.audit.db.models import ApiTokenRow
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 

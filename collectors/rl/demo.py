@@ -3,7 +3,7 @@
 The job writes straight into the store (the embedded SQLite file by default); a comparison worker
 and the alert engine run beside it, as ``isoaudit serve`` would. A KL rule sized for a tiny model
 fires on the native mismatch; at ``remediate_at`` the run's control record is switched to
-``invariant`` exactly as the dashboard's toggle does (:meth:`isoaudit.audit.store.Store.set_control` with
+``invariant`` exactly as the dashboard's toggle does (:meth:`isoaudit.audit.db.Store.set_control` with
 the record's version), both sides apply it at their next step, the mismatch drops (to exactly zero
 with the reference engine; with vLLM-CPU to what its attention, which stays native, leaves) and the
 alert resolves. Both sides' manifests carry the execution contract of what they run in each mode
@@ -23,8 +23,8 @@ import torch
 from isoaudit.audit.alerts import AlertEngine, DatabaseChannel
 from isoaudit.audit.alerts.history import list_alerts
 from isoaudit.audit.alerts.rules import install_rules, parse_rules
+from isoaudit.audit.db import Store
 from isoaudit.audit.records import Run
-from isoaudit.audit.store import Store
 from isoaudit.audit.worker import ComparisonWorker
 from isoaudit.collectors.rl.job import JobConfig, StepFigures, run_job
 from isoaudit.collectors.rl.rollout import ReferenceRollout, Rollout, VllmRollout, vllm_available

@@ -1,4 +1,4 @@
-"""Records straight into the database through :class:`audit.store.Store` (no service in between):
+"""Records straight into the database through :class:`audit.db.Store` (no service in between):
 one process, or a few writers on PostgreSQL."""
 
 from __future__ import annotations
@@ -7,10 +7,9 @@ import threading
 from pathlib import Path
 from typing import Unpack
 
-from isoaudit.audit.store import Store, StoreError
+from isoaudit.audit.db import Store, StoreConflict, StoreError, StoreUnavailable
 from isoaudit.collectors.sinks.base import DeliveryError, Sink, SinkOptions, _Item
 from pydantic import ValidationError
-from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 
 
 class SharedStore:
@@ -66,23 +65,18 @@ class DirectSink(Sink):
             store = self.shared.get()
         except StoreError as exc:  # e.g. a schema behind head: records wait until `isoaudit db upgrade`
             raise DeliveryError(str(exc), retry=True) from exc
-        except (OperationalError, OSError) as exc:
+        except OSError as exc:
             raise DeliveryError(str(exc).splitlines()[0], retry=True) from exc
         try:
             try:
                 result = store.ingest(item.records, project=self.project)
-            except IntegrityError:
+            except StoreConflict:
                 # Another writer (the other side of the job) stored one of these rows between our
                 # check and our insert; the batch is idempotent, so once more skips it as a duplicate.
                 result = store.ingest(item.records, project=self.project)
-        except (OperationalError, OSError) as exc:
+        except (StoreUnavailable, OSError) as exc:
             self.shared.reset()
             raise DeliveryError(str(exc).splitlines()[0], retry=True) from exc
-        except DBAPIError as exc:
-            retry = bool(exc.connection_invalidated)
-            if retry:
-                self.shared.reset()
-            raise DeliveryError(str(exc).splitlines()[0], retry=retry) from exc
         except (StoreError, ValidationError, ValueError) as exc:
             raise DeliveryError(str(exc), retry=False) from exc
         self._add("duplicates", sum(result.duplicates.values()))

@@ -70,7 +70,7 @@ class HttpSink(Sink):
         self._add("duplicates", sum((body.get("duplicates") or {}).values()))
         control = body.get("control")
         if isinstance(control, dict) and "mode" in control:
-            self._control(Control(str(control["mode"]), int(control.get("version", 0))))
+            self._control(Control.model_validate({"version": 0, **control}))
         return self._rejected(body.get("rejected") or ())
 
     def _close_destination(self) -> None:

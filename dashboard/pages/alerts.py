@@ -11,8 +11,8 @@ import dash_bootstrap_components as dbc
 import pandas as pd
 from dash import ALL, Input, Output, State, dcc, html, no_update
 from dash.development.base_component import Component
-from isoaudit.audit import queries
 from isoaudit.audit.alerts.silences import SilenceSpec, create_silence, expire_silence
+from isoaudit.audit.db import reads
 from isoaudit.audit.records import utcnow
 from isoaudit.dashboard import context, data
 from isoaudit.dashboard.components import STATE_COLOURS, badge, frame_table
@@ -69,7 +69,7 @@ def silences_table(frame: pd.DataFrame) -> Component:
 
 
 def content() -> html.Div:
-    view = queries.alerts_view(context.store())
+    view = reads.alerts_view(context.store())
     return html.Div(
         [
             html.H5("Open"),
@@ -85,7 +85,7 @@ def content() -> html.Div:
 
 
 def silence_form() -> dbc.Card:
-    rules = [r.name for r in queries.alerts_view(context.store()).rules]
+    rules = [r.name for r in reads.alerts_view(context.store()).rules]
     return dbc.Card(
         dbc.CardBody(
             [

@@ -7,7 +7,7 @@ import dash
 import dash_bootstrap_components as dbc
 from dash import dcc, html
 from dash.development.base_component import Component
-from isoaudit.audit import queries
+from isoaudit.audit.db import reads
 from isoaudit.dashboard import context, data
 from isoaudit.dashboard.components import frame_table, no_run
 from isoaudit.dashboard.pages import urls
@@ -19,7 +19,7 @@ HISTORY = "contract-history"
 DIFFERS = "contract-differs"  # the class of a field row whose value differs between the sides
 
 
-def verdict(view: queries.ContractView) -> dbc.Alert:
+def verdict(view: reads.ContractView) -> dbc.Alert:
     """Whether the two sides' latest manifests agree on one numerical policy, and if not, why."""
     if view.handshake is None:
         missing = [side for side, m in (("trainer", view.trainer), ("rollout", view.rollout)) if m is None]
@@ -41,7 +41,7 @@ def layout(run_id: str | None = None, **_: object) -> Component:
     store = context.store()
     if not run_id or store.get_run(run_id) is None:
         return no_run(run_id)
-    view = queries.contract_view(store, run_id)
+    view = reads.contract_view(store, run_id)
     fields = data.contract_frame(view)
     n_diff = int(fields["differs"].sum()) if len(fields) else 0
     return html.Div(

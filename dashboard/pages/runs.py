@@ -6,7 +6,7 @@ import dash
 import pandas as pd
 from dash import Input, Output, dcc, html
 from dash.development.base_component import Component
-from isoaudit.audit import queries
+from isoaudit.audit.db import reads
 from isoaudit.audit.records import utcnow
 from isoaudit.dashboard import context, data, figures
 from isoaudit.dashboard.components import STATUS_COLOURS, ago, badge, frame_table, text
@@ -66,7 +66,7 @@ def runs_table(frame: pd.DataFrame) -> Component:
 
 
 def render() -> Component:
-    return runs_table(data.runs_frame(queries.runs_overview(context.store())))
+    return runs_table(data.runs_frame(reads.runs_overview(context.store())))
 
 
 def layout(**_: object) -> html.Div:

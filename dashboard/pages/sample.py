@@ -10,8 +10,7 @@ import dash_bootstrap_components as dbc
 import pandas as pd
 from dash import dcc, html
 from dash.development.base_component import Component
-from isoaudit.audit import queries
-from isoaudit.audit.store import Store
+from isoaudit.audit.db import Store, reads
 from isoaudit.dashboard import context, data, figures
 from isoaudit.dashboard.components import data_table, graph, not_found, text
 from isoaudit.dashboard.pages import urls
@@ -29,7 +28,7 @@ ROUTING_GRID = "sample-routing-grid"
 ROUTING_FLIPS = "sample-routing-flips"
 
 
-def first_divergence_line(detail: queries.SampleDetail) -> html.Div:
+def first_divergence_line(detail: reads.SampleDetail) -> html.Div:
     if detail.first_divergence is None:
         reason = "no fingerprints" if detail.grid is None else "no region differs with agreeing inputs"
         return html.Div(
@@ -49,7 +48,7 @@ def first_divergence_line(detail: queries.SampleDetail) -> html.Div:
     )
 
 
-def diagnosis_card(detail: queries.SampleDetail) -> dbc.Card:
+def diagnosis_card(detail: reads.SampleDetail) -> dbc.Card:
     items: list[Any] = []
     for name, value in data.evidence_items(detail.evidence):
         items += [
@@ -89,9 +88,9 @@ def flips_table(flips: pd.DataFrame, limit: int = 200) -> Component:
     return data_table(ROUTING_FLIPS, columns, rows, page_size=20)
 
 
-def routing_view(store: Store, detail: queries.SampleDetail) -> html.Div:
+def routing_view(store: Store, detail: reads.SampleDetail) -> html.Div:
     """MoE samples: both sides' experts per token and layer, and where the routing first flips."""
-    routing = queries.sample_routing(store, detail.run_id, detail.step, detail.sample_key)
+    routing = reads.sample_routing(store, detail.run_id, detail.step, detail.sample_key)
     if routing is None:
         return html.Div(id=ROUTING)
     frame = data.sample_routing_frame(routing)
@@ -132,7 +131,7 @@ def layout(
     except ValueError:
         number = None
     detail = (
-        queries.sample_detail(store, run_id, number, sample_key)
+        reads.sample_detail(store, run_id, number, sample_key)
         if run_id and number is not None and sample_key
         else None
     )

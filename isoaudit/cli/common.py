@@ -12,7 +12,7 @@ from rich.console import Console
 from isoaudit.audit.config import database_url
 
 if TYPE_CHECKING:
-    from isoaudit.audit.store import Store
+    from isoaudit.audit.db import Store
 
 # Piped output (CI logs, scripts) gets wide tables instead of rich's 80-column default.
 console = Console(width=None if sys.stdout.isatty() else 160)
@@ -36,23 +36,22 @@ WebhookOption = Annotated[
 def open_store(database: str | None) -> Store:
     """The store at ``database`` (or the configured default); a store that cannot be opened (schema
     behind this isoaudit, a newer schema, an unreachable server) exits 1 with the reason, no traceback."""
-    from sqlalchemy.exc import SQLAlchemyError
-
-    from isoaudit.audit.store import Store, StoreError
+    from isoaudit.audit.db import Store, StoreError, StoreUnavailable
 
     try:
         return Store(database)
+    except StoreUnavailable as exc:
+        cause = exc.__cause__ or exc
+        console.print(
+            f"[red]database: cannot open {redact(database_url(database))}: {cause.__class__.__name__}: {getattr(cause, 'orig', cause)}[/red]"
+        )
     except StoreError as exc:
         console.print(f"[red]{exc}[/red]")
-    except SQLAlchemyError as exc:
-        console.print(
-            f"[red]database: cannot open {redact(database_url(database))}: {exc.__class__.__name__}: {exc.orig if hasattr(exc, 'orig') else exc}[/red]"
-        )
     raise typer.Exit(1)
 
 
 def redact(url: str) -> str:
     """The URL without its password, for printing."""
-    from sqlalchemy.engine import make_url
+    from isoaudit.audit.db import redacted_url
 
-    return make_url(url).render_as_string(hide_password=True)
+    return redacted_url(url)

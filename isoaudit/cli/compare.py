@@ -85,7 +85,7 @@ def compare(
     with console.status("comparing queued samples…", spinner="dots"):
         ComparisonWorker(store).run_once(run_id)
 
-    steps = [s for s in store.step_results(run_id) if step is None or s.step == step]
+    steps = store.step_results(run_id, step, step)
     samples = [r for r in store.sample_results(run_id, step)]
     code = verdict([r.diagnosis for r in samples])
     if as_json:
@@ -123,7 +123,7 @@ def compare(
     console.print(detail)
     if names is not None:
         console.print(framework_table(run_id, steps, names))
-    missing = [s for s in store.steps(run_id) if (step is None or s.step == step) and s.compared_samples == 0]
+    missing = [s for s in store.steps(run_id, step, step) if s.compared_samples == 0]
     for s in missing:
         console.print(
             f"step {s.step}: nothing to compare yet (trainer {s.trainer_samples}, rollout {s.rollout_samples} samples)"

@@ -18,7 +18,7 @@ def db_upgrade(
     revision: Annotated[str, typer.Argument(help="Target revision.")] = "head",
 ) -> None:
     """Apply the schema migrations (safe to run again)."""
-    from isoaudit.audit.migrate import current_revision, upgrade
+    from isoaudit.audit.db.schema import current_revision, upgrade
 
     url = database_url(database)
     upgrade(url, revision)

@@ -5,8 +5,8 @@ known (step, layer, position)."""
 from __future__ import annotations
 
 import numpy as np
+from isoaudit.audit.db import Store
 from isoaudit.audit.records import Routes
-from isoaudit.audit.store import Store
 from isoaudit.audit.worker import ComparisonWorker
 
 from tests import factories

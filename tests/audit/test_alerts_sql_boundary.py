@@ -16,8 +16,8 @@ from isoaudit.audit.alerts.rules import list_rule_rows
 from isoaudit.audit.alerts.silences import SilenceSpec, list_silences
 from isoaudit.audit.api.app import create_app
 from isoaudit.audit.auth import create_token, list_tokens
+from isoaudit.audit.db import Store
 from isoaudit.audit.db.alerts import Alert, Silence
-from isoaudit.audit.store import Store
 
 from tests import factories
 
@@ -36,8 +36,6 @@ ABOVE_THE_DATA_LAYER = sorted(
 #: What only the data layer may import: SQLAlchemy, and the modules of ORM tables.
 DATA_LAYER_ONLY = (
     "sqlalchemy",
-    "isoaudit.audit.models",
-    "isoaudit.audit.service_models",
     "isoaudit.audit.db.models",
 )
 
@@ -76,8 +74,8 @@ def test_alerts_auth_and_metrics_import_no_sqlalchemy_nor_orm_tables():
         ("from sqlalchemy.orm import Session", "sqlalchemy.orm"),
         ("from sqlalchemy import select", "sqlalchemy"),
         ("import sqlalchemy.exc as exc", "sqlalchemy.exc"),
-        ("from isoaudit.audit.service_models import AlertRow", "isoaudit.audit.service_models"),
-        ("from isoaudit.audit import service_models", "isoaudit.audit.service_models"),
+        ("from isoaudit.audit.db.models import AlertRow", "isoaudit.audit.db.models"),
+        ("from isoaudit.audit.db import models", "isoaudit.audit.db.models"),
     ],
 )
 def test_the_boundary_check_names_the_file_of_a_database_import(source: str, named: str):

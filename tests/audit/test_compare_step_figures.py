@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 from isoaudit.audit import compare as compare_module
 from isoaudit.audit.compare import compare_samples, in_step_order, step_summary
+from isoaudit.audit.db import Store
+from isoaudit.audit.db.models import StepSummaryRow
 from isoaudit.audit.metric_names import required_variants
 from isoaudit.audit.metrics import UNKNOWN_LAG, lag_metrics, sample_metrics, step_metrics
-from isoaudit.audit.models import StepSummaryRow
 from isoaudit.audit.policy_lag import token_lags
 from isoaudit.audit.records import Run, SampleLogprobs
-from isoaudit.audit.store import Store
 from isoaudit.audit.summaries import POSITION_BIN_EDGES, position_bins
 from isoaudit.audit.worker import ComparisonWorker
 from sqlalchemy import select

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from isoaudit.audit.alerts.rules import AlertRule
 from isoaudit.audit.api.prometheus import StoreCollector, _sanitize
+from isoaudit.audit.db import Store
 from isoaudit.audit.metric_names import FRAMEWORKS, resolve
-from isoaudit.audit.store import Store
 from isoaudit.audit.worker import ComparisonWorker
 from typer.testing import CliRunner
 

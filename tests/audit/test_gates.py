@@ -7,9 +7,9 @@ import json
 
 import numpy as np
 import pytest
+from isoaudit.audit.db import Store
 from isoaudit.audit.gates import GateError, assert_parity, bounds_of, parse_assignment, parse_steps
 from isoaudit.audit.metric_names import ALIASES
-from isoaudit.audit.store import Store
 from typer.testing import CliRunner
 
 from isoaudit.cli import app

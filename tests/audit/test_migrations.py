@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from isoaudit.audit.migrate import current_revision, head_revision, upgrade
-from isoaudit.audit.models import Base
-from isoaudit.audit.store import Store, StoreError, make_engine
+from isoaudit.audit.db import Store, StoreError
+from isoaudit.audit.db.engine import make_engine
+from isoaudit.audit.db.models import Base
+from isoaudit.audit.db.schema import current_revision, head_revision, upgrade
 from sqlalchemy import text
 
 from tests import factories

@@ -234,7 +234,7 @@ def test_byte_order_of_a_constructed_record_does_not_change_its_values(int_order
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 def test_the_store_stores_the_valid_records_of_any_batch_and_names_the_rest(tmp_path_factory, bodies, tag):
     """Nothing partial: every record of a batch is stored, a duplicate, or rejected by name."""
-    from isoaudit.audit.store import Store
+    from isoaudit.audit.db import Store
 
     store = STORES.setdefault("sqlite", Store(f"sqlite:///{tmp_path_factory.mktemp('prop') / 's.db'}"))
     run_id = f"prop-{tag}"

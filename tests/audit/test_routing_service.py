@@ -13,7 +13,7 @@ from isoaudit.audit.alerts.rules import save_rule
 from isoaudit.audit.api import ApiSettings, create_app
 from isoaudit.audit.api.live import LiveServer
 from isoaudit.audit.auth import create_token
-from isoaudit.audit.store import Store
+from isoaudit.audit.db import Store
 
 from tests.audit.routing_records import LAYERS, N, routed_run
 

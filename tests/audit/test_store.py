@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from isoaudit.audit.models import ManifestRow, RunRow, SampleRow
+from isoaudit.audit.db import ForbiddenRun, Store
+from isoaudit.audit.db.models import ManifestRow, RunRow, SampleRow
 from isoaudit.audit.records import RuntimeFacts
-from isoaudit.audit.store import ForbiddenRun, Store
 from sqlalchemy import func, select
 
 from tests import factories
@@ -181,7 +181,7 @@ def test_two_writers_registering_one_run_at_once_both_store(database_url: str) -
     moment: the one that loses the race stores its batch all the same."""
     import threading
 
-    from isoaudit.audit.store import Store
+    from isoaudit.audit.db import Store
 
     from tests import factories
 
@@ -213,7 +213,7 @@ def test_two_writers_registering_one_run_at_once_both_store(database_url: str) -
 
 def test_a_batch_naming_one_run_and_implying_another_is_stored(store) -> None:
     """A batch with the Run record of one new run and samples of another new run (no Run record) stores
-    both runs (the fuzzer once found a 500 here: the two new rows had different keys)."""
+    both runs (the two new runs' rows are built with the same keys, as one bulk insert needs)."""
     from tests import factories
 
     result = store.ingest(
@@ -221,3 +221,80 @@ def test_a_batch_naming_one_run_and_implying_another_is_stored(store) -> None:
     )
     assert result.stored["run"] == 1 and result.stored["sample"] == 1
     assert {r.run_id for r in store.list_runs()} >= {"a-named-run", "b-implied-run"}
+
+
+def _result(step: int, key: str, diagnosis: str = "clean") -> dict:
+    return {
+        "run_id": "run-1",
+        "step": step,
+        "sample_key": key,
+        "n_tokens": 4,
+        "metrics": {"kl_k3": 0.0},
+        "diagnosis": diagnosis,
+        "diagnosis_detail": {},
+        "first_divergence_region": None,
+        "first_divergence_position": None,
+        "grid": {},
+    }
+
+
+def test_results_come_as_typed_rows_filtered_and_paged_in_sql(store: Store):
+    """Step ranges, a set of steps, a diagnosis and a page are the query's, and what comes back is
+    the data layer's frozen rows, never ORM objects."""
+    import dataclasses
+
+    from isoaudit.audit.db import SampleResult, StepResult
+
+    store.ingest([factories.run()])
+    steps = [
+        {"run_id": "run-1", "step": n, "n_samples": 2, "metrics": {"kl_k3": n}, "diagnoses": {}}
+        for n in range(6)
+    ]
+    samples = [
+        _result(n, key, "numerical" if key == "b" * 32 else "clean")
+        for n in range(6)
+        for key in ("a" * 32, "b" * 32)
+    ]
+    store.save_comparison(samples, steps, [])
+
+    assert [r.step for r in store.step_results("run-1", 2, 4)] == [2, 3, 4]
+    assert [r.step for r in store.step_results("run-1", from_step=4)] == [4, 5]
+    assert [r.step for r in store.step_results("run-1", only={5, 1, 9})] == [1, 5]
+    store.ingest([factories.sample("trainer", step=n, seed=n) for n in range(6)])
+    assert [s.step for s in store.steps("run-1", 1, 3)] == [1, 2, 3]
+    [row, *_] = store.step_results("run-1")
+    assert isinstance(row, StepResult) and dataclasses.is_dataclass(row)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        row.step = 9  # type: ignore[misc]  # the assignment a frozen row refuses is the point
+
+    numerical = store.sample_results("run-1", diagnosis="numerical")
+    assert {(r.step, r.sample_key) for r in numerical} == {(n, "b" * 32) for n in range(6)}
+    assert all(isinstance(r, SampleResult) for r in numerical)
+    everything = store.sample_results("run-1")
+    pages = [store.sample_results("run-1", limit=5, offset=o) for o in range(0, 12, 5)]
+    assert [r for page in pages for r in page] == everything and [len(p) for p in pages] == [5, 5, 2]
+    assert store.sample_results("run-1", 3, diagnosis="\x00") == []
+
+
+def test_runs_are_listed_a_page_at_a_time(store: Store):
+    from datetime import UTC, datetime
+
+    from isoaudit.audit.db import MAX_PAGE
+
+    store.ingest(
+        [factories.run(run_id=f"run-{i}", started_at=datetime(2026, 1, 1 + i, tzinfo=UTC)) for i in range(5)]
+    )
+    newest_first = [r.run_id for r in store.list_runs()]
+    assert newest_first == [f"run-{i}" for i in reversed(range(5))]
+    pages = [store.list_runs(limit=2, offset=o) for o in (0, 2, 4)]
+    assert [r.run_id for page in pages for r in page] == newest_first
+    assert len(store.list_runs(limit=MAX_PAGE + 10)) == 5  # a larger page is capped, not refused
+
+
+def test_an_unreachable_database_raises_store_unavailable():
+    """Callers see the data layer's error, not the driver's (nothing above audit.db imports it)."""
+    from isoaudit.audit.db import StoreError, StoreUnavailable
+
+    with pytest.raises(StoreUnavailable) as caught:
+        Store("postgresql://nobody@127.0.0.1:1/none", timeout_s=1)
+    assert isinstance(caught.value, StoreError) and caught.value.__cause__ is not None

@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 from isoaudit.audit.compare import RegionGrid
-from isoaudit.audit.store import Store
+from isoaudit.audit.db import Store
 from isoaudit.audit.worker import ComparisonWorker
 from typer.testing import CliRunner
 
@@ -126,3 +126,25 @@ def test_worker_reads_the_runs_off_policy_declaration(store: Store) -> None:
     ComparisonWorker(store).run_once()
     kinds = {run_id: store.sample_results(run_id)[0].diagnosis for run_id in ("declared", "undeclared")}
     assert kinds == {"declared": "off_policy", "undeclared": "weights"}
+
+
+def test_a_compared_step_is_measured_once(store: Store, monkeypatch):
+    """One step outcome per compared step: the worker compares each sample's routes once, and the
+    step's result and its dashboard summary are projections of that one outcome (no second pass)."""
+    from isoaudit.audit import compare, routing
+
+    from tests.audit.routing_records import routed_run
+
+    compared: list[tuple[int, str | None]] = []
+    original = routing.compare_sample_routes
+
+    def counting(trainer, rollout):
+        compared.append((trainer.step, trainer.sample_key))
+        return original(trainer, rollout)
+
+    monkeypatch.setattr(compare, "compare_sample_routes", counting)
+    monkeypatch.setattr(routing, "compare_sample_routes", counting)
+    keys = routed_run(store, steps=3)
+    assert sorted(compared) == sorted(keys.items())  # each sample once, never again for the step
+    results = {r.step: r for r in store.step_results("moe-run")}
+    assert all(results[step].metrics.get("routing_set_agreement") is not None for step in keys)

@@ -15,7 +15,7 @@ from isoaudit.audit.api.app import create_app
 from isoaudit.audit.api.live import LiveServer
 from isoaudit.audit.api.settings import ApiSettings
 from isoaudit.audit.auth import create_token
-from isoaudit.audit.store import Store
+from isoaudit.audit.db import Store
 from isoaudit.collectors.control import ServiceControl
 from isoaudit.collectors.layout import StepBatch
 from isoaudit.collectors.sinks import HttpSink

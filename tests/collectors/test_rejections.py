@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from isoaudit.audit.db import Store
 from isoaudit.audit.records import SampleLogprobs
-from isoaudit.audit.store import Store
 from isoaudit.collectors.sinks import DirectSink, HttpSink, MemorySink, Sink
 
 from tests import factories

@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from isoaudit.audit.queries import routing_series
+from isoaudit.audit.db import Store
+from isoaudit.audit.db.reads import routing_series
 from isoaudit.audit.records import Manifest, SampleLogprobs, sample_key
-from isoaudit.audit.store import Store
 from isoaudit.audit.worker import ComparisonWorker
 from isoaudit.collectors import trainer as trainer_module
 from isoaudit.collectors.layout import StepBatch

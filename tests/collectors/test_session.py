@@ -104,7 +104,7 @@ def test_a_side_that_cannot_switch_says_so(load) -> None:
 
 
 def test_direct_writes_by_default_read_control_from_the_store(load, tmp_path: Path, monkeypatch) -> None:
-    from isoaudit.audit.store import Store
+    from isoaudit.audit.db import Store
 
     url = f"sqlite:///{tmp_path / 'isoaudit.db'}"
     monkeypatch.delenv("ISOAUDIT_URL", raising=False)
@@ -141,9 +141,9 @@ def test_control_never_raises_and_backs_off_while_the_service_is_down(caplog) ->
     assert channel.desired() is None and channel.desired() is None  # the second is inside the backoff
     assert time.perf_counter() - started < 2.0
     assert sum("cannot read run 'r'" in r.getMessage() for r in caplog.records) == 1
-    channel.offer(Control("invariant", 3))  # an ingest reply still gets through
-    channel.offer(Control("native", 2))  # an older version never wins
-    assert channel.desired() == Control("invariant", 3)
+    channel.offer(Control(mode="invariant", version=3))  # an ingest reply still gets through
+    channel.offer(Control(mode="native", version=2))  # an older version never wins
+    assert channel.desired() == Control(mode="invariant", version=3)
     channel.close()
 
 
@@ -165,8 +165,8 @@ def test_a_hung_service_holds_the_step_at_most_the_control_wait() -> None:
             assert channel.desired() is None
             took.append(time.perf_counter() - started)
         assert max(took) < 0.5 and sum(took) < 1.0, took  # not 3 s, and not 0.05 s at every step
-        channel.offer(Control("invariant", 1))  # an ingest reply still gets through meanwhile
-        assert channel.desired() == Control("invariant", 1)
+        channel.offer(Control(mode="invariant", version=1))  # an ingest reply still gets through meanwhile
+        assert channel.desired() == Control(mode="invariant", version=1)
         channel.close()
 
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from isoaudit.audit.db import Store
 from isoaudit.audit.records import Record
-from isoaudit.audit.store import Store
 from isoaudit.collectors.layout import StepBatch
 from isoaudit.collectors.sinks import DirectSink, MemorySink, Spool
 from isoaudit.collectors.sinks.base import DeliveryError, Sink, _Item, decode_batch, encode_batch
@@ -195,7 +195,7 @@ def test_direct_sink_spools_until_the_database_is_upgraded(blank_database_url: s
     wait in the spool instead of being lost, and arrive once someone upgrades it."""
     if blank_database_url.startswith("sqlite"):
         pytest.skip("the embedded SQLite store upgrades itself")
-    from isoaudit.audit.migrate import upgrade
+    from isoaudit.audit.db.schema import upgrade
 
     sink = DirectSink(blank_database_url, spool_dir=tmp_path / "spool", backoff_initial=0.02, backoff_max=0.1)
     sink.send([factories.run(), factories.sample()])

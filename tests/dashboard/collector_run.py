@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from isoaudit.audit.alerts import AlertEngine, AlertRule, DatabaseChannel, default_rules, install_rules
+from isoaudit.audit.db import Store
 from isoaudit.audit.records import Run
-from isoaudit.audit.store import Store
 from isoaudit.audit.worker import ComparisonWorker
 
 import isoaudit

@@ -4,8 +4,8 @@ collector run instead: ``collector_run.py``)."""
 from __future__ import annotations
 
 import numpy as np
+from isoaudit.audit.db import Store
 from isoaudit.audit.records import Record
-from isoaudit.audit.store import Store
 from isoaudit.audit.worker import ComparisonWorker
 
 from tests import factories as f

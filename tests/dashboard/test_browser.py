@@ -64,7 +64,7 @@ def serving(app: dash.Dash) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def server(collector: CollectorRun) -> Iterator[str]:
-    from isoaudit.audit.store import Store
+    from isoaudit.audit.db import Store
     from isoaudit.dashboard import create_app
 
     store = Store(collector.url)

@@ -6,8 +6,8 @@ from collections.abc import Iterator
 
 import pytest
 from dash import Patch, no_update
-from isoaudit.audit import queries
 from isoaudit.audit.alerts import AlertEngine, DatabaseChannel, install_rules, parse_rules
+from isoaudit.audit.db import reads
 from isoaudit.audit.worker import ComparisonWorker
 from isoaudit.dashboard import create_app, data
 from isoaudit.dashboard.pages import alerts, contract, runs, sample
@@ -64,7 +64,7 @@ def test_pages_lay_out(app, store):
     state = LiveState.from_json(_find(run_page, ids.STATE).data)
     assert state.last_step == 2 and state.regions == [DIVERGING] and state.n_bins == 2
     assert "No run" in _text(page.layout(run_id="nope"))
-    key = next(r.sample_key for r in queries.step_samples(store, "run-1", 1) if r.first_divergence_region)
+    key = next(r.sample_key for r in reads.step_samples(store, "run-1", 1) if r.first_divergence_region)
     sample_page = sample.layout(run_id="run-1", step="1", sample_key=key)
     assert _find(sample_page, sample.FIRST_DIVERGENCE).children == DIVERGING
     assert "No compared sample" in _text(sample.layout(run_id="run-1", step="x", sample_key=key))
@@ -143,10 +143,10 @@ def test_the_toggle_records_the_basic_auth_user(store):
 def test_heatmap_and_table_clicks_open_a_sample(app, store):
     state = _find(page.layout(run_id="run-1"), ids.STATE).data
     href = heatmaps.position_click({"points": [{"x": 1, "y": "0–15", "pointNumber": [0, 1]}]}, state)
-    point = queries.step_point(store, "run-1", 1)
+    point = reads.step_point(store, "run-1", 1)
     assert href == f"/runs/run-1/steps/1/samples/{point.position_bins['max_key'][0]}"
     href = heatmaps.divergence_click({"points": [{"x": 2, "y": DIVERGING, "pointNumber": [0, 2]}]}, state)
-    example = queries.step_point(store, "run-1", 2).first_divergence[DIVERGING]["example"]
+    example = reads.step_point(store, "run-1", 2).first_divergence[DIVERGING]["example"]
     assert href == f"/runs/run-1/steps/2/samples/{example}"
     assert heatmaps.position_click(None, state) is no_update
     rows = samples.step_rows(1, state)
@@ -159,13 +159,13 @@ def test_heatmap_and_table_clicks_open_a_sample(app, store):
 def test_silence_create_and_expire(app, store):
     message, _ = alerts.create(1, "mismatch", "run-1", "1 hour", "maintenance")
     assert "created" in _text(message)
-    [silence] = queries.alerts_view(store).silences
+    [silence] = reads.alerts_view(store).silences
     assert silence.created_by == "dashboard" and silence.run_id == "run-1"
     bad, content = alerts.create(1, None, "not a run id!", "1 hour", None)
     assert "run_id" in _text(bad) and content is no_update
     assert alerts.expire([None], [alerts.expire_button_id(silence.id)]) is no_update
     alerts.expire([1], [alerts.expire_button_id(silence.id)])
-    assert queries.alerts_view(store).silences[0].ends_at < silence.ends_at
+    assert reads.alerts_view(store).silences[0].ends_at < silence.ends_at
 
 
 def test_cli_refuses_a_public_bind_without_credentials(tmp_path):

@@ -6,9 +6,9 @@ from datetime import timedelta
 
 import numpy as np
 import pytest
-from isoaudit.audit import queries
 from isoaudit.audit.alerts import AlertEngine, DatabaseChannel, install_rules, parse_rules
 from isoaudit.audit.alerts.silences import SilenceSpec, create_silence
+from isoaudit.audit.db import reads
 from isoaudit.audit.records import utcnow
 from isoaudit.dashboard import data
 
@@ -35,7 +35,7 @@ def filled(store):
 
 
 def test_runs_overview(filled):
-    [run] = queries.runs_overview(filled)
+    [run] = reads.runs_overview(filled)
     assert run.run_id == "run-1" and run.name == "<b>bold</b>"
     assert run.status == "live" and run.last_step == 2 and run.last_ingest_at is not None
     assert [s for s, _ in run.sparkline] == [0, 1, 2] and run.kl_k3 == run.sparkline[-1][1] > 0
@@ -43,19 +43,19 @@ def test_runs_overview(filled):
     assert run.open_alerts == 1  # "mismatch" fires; kl_k3 of a 0.01 offset stays under 1e-3
     assert run.control.mode == "native" and run.control.version == 0
     assert run.applied["trainer"].mode == "native" and run.applied["rollout"].mode == "native"
-    later = queries.runs_overview(filled, now=utcnow() + queries.LIVE_WITHIN + timedelta(seconds=1))
+    later = reads.runs_overview(filled, now=utcnow() + reads.LIVE_WITHIN + timedelta(seconds=1))
     assert later[0].status == "idle"
     frame = data.runs_frame([run])
     assert frame.loc[0, "desired_mode"] == "native" and frame.loc[0, "spark_steps"] == [0, 1, 2]
 
 
 def test_step_series_and_live_append(filled):
-    points = queries.step_series(filled, "run-1")
+    points = reads.step_series(filled, "run-1")
     assert [p.step for p in points] == [0, 1, 2]
     assert points[0].first_divergence[DIVERGING]["count"] == 1
     assert sum(points[0].diagnoses.values()) == 3 and points[0].position_bins["max"]
-    assert [p.step for p in queries.step_series(filled, "run-1", after_step=1)] == [2]
-    assert queries.step_point(filled, "run-1", 1).step == 1 and queries.step_point(filled, "run-1", 9) is None
+    assert [p.step for p in reads.step_series(filled, "run-1", after_step=1)] == [2]
+    assert reads.step_point(filled, "run-1", 1).step == 1 and reads.step_point(filled, "run-1", 9) is None
     timeline = data.timeline_frame(points)
     assert list(timeline.index) == [0, 1, 2] and set(data.TIMELINE_METRICS) <= set(timeline.columns)
     positions = data.position_frame(points, "max")
@@ -72,15 +72,15 @@ def test_step_series_and_live_append(filled):
 
 
 def test_step_samples_and_sample_detail(filled):
-    rows = queries.step_samples(filled, "run-1", 1)
+    rows = reads.step_samples(filled, "run-1", 1)
     assert len(rows) == 3
     diverged = [r for r in rows if r.first_divergence_region == DIVERGING]
     assert len(diverged) == 1 and diverged[0].abs_diff_max == pytest.approx(0.01, rel=1e-3)
-    detail = queries.sample_detail(filled, "run-1", 1, diverged[0].sample_key)
+    detail = reads.sample_detail(filled, "run-1", 1, diverged[0].sample_key)
     assert detail is not None and detail.first_divergence == (DIVERGING, 0)
     assert detail.delta.shape == detail.completion_ids.shape and np.allclose(detail.delta, 0.01, rtol=1e-3)
     assert detail.grid is not None and detail.diagnosis and detail.sentence
-    assert queries.sample_detail(filled, "run-1", 1, "0" * 32) is None
+    assert reads.sample_detail(filled, "run-1", 1, "0" * 32) is None
     grid = data.grid_frame(detail)
     assert grid["first"].sum() == 1 and grid[grid["first"]]["region"].item() == DIVERGING
     assert set(grid["state"]) <= {"equal", "differs", "not observed"}
@@ -91,7 +91,7 @@ def test_step_samples_and_sample_detail(filled):
 
 
 def test_contract_view_and_mode_changes(filled):
-    view = queries.contract_view(filled, "run-1")
+    view = reads.contract_view(filled, "run-1")
     differing = {c.name for c in view.fields if c.differs}
     assert differing == {"runtime.dtype"}
     assert view.handshake is not None and not view.handshake.ok  # no contract declared
@@ -102,18 +102,18 @@ def test_contract_view_and_mode_changes(filled):
     from isoaudit.audit.worker import ComparisonWorker
 
     ComparisonWorker(filled).run_once()
-    history = queries.manifest_history(filled, "run-1")
+    history = reads.manifest_history(filled, "run-1")
     assert history[-1].changed == ["runtime.remediation"] and history[0].changed == []
-    changes = queries.mode_changes(filled, "run-1")
+    changes = reads.mode_changes(filled, "run-1")
     assert [(c.side, c.mode, c.step) for c in changes] == [("rollout", "invariant", 3)]
-    assert queries.applied_modes(filled.manifests("run-1"))["rollout"].mode == "invariant"
-    frame = data.contract_frame(queries.contract_view(filled, "run-1"))
+    assert reads.applied_modes(filled.manifests("run-1"))["rollout"].mode == "invariant"
+    frame = data.contract_frame(reads.contract_view(filled, "run-1"))
     assert frame.loc[0, "field"] in {"runtime.dtype", "runtime.remediation"} and frame.loc[0, "differs"]
 
 
 def test_alerts_view(filled):
     create_silence(filled, SilenceSpec(rule="mismatch", duration_s=60), project=None, created_by="me")
-    view = queries.alerts_view(filled)
+    view = reads.alerts_view(filled)
     assert [a.rule for a in view.open] == ["mismatch"] and view.resolved == []
     assert {r.name for r in view.rules} == {"mismatch", "kl_high"} and len(view.silences) == 1
     intervals = data.alert_intervals_frame(view.open, view.rules, 2)
@@ -121,7 +121,7 @@ def test_alerts_view(filled):
     assert intervals[["rule", "metric", "start", "end"]].values.tolist() == [
         ["mismatch", "exact_match_fraction", fired, 2]
     ]
-    thresholds = data.thresholds_frame(queries.run_rules(filled, "run-1"))
+    thresholds = data.thresholds_frame(reads.run_rules(filled, "run-1"))
     assert set(thresholds["metric"]) == {"exact_match_fraction", "kl_k3"}
     silences = data.silences_frame(view.silences, utcnow())
     assert silences.loc[0, "active"] and silences.loc[0, "created_by"] == "me"

@@ -91,7 +91,7 @@ def test_sample_page_shows_a_tokens_routing_on_both_sides(app, store):
 
 
 def test_the_routing_line_reports_replay_and_missing_routes():
-    from isoaudit.audit.queries import RoutingStep
+    from isoaudit.audit.db.reads import RoutingStep
 
     point = RoutingStep(
         step=4,

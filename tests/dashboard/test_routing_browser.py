@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def routed_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict[int, str]]]:
-    from isoaudit.audit.store import Store
+    from isoaudit.audit.db import Store
     from isoaudit.dashboard import create_app
 
     from tests.audit.routing_records import routed_run

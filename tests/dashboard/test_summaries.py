@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import numpy as np
-from isoaudit.audit.models import StepSummaryRow
+from isoaudit.audit.db.models import StepSummaryRow
 from isoaudit.audit.summaries import (
     POSITION_BIN_EDGES,
-    SampleOutcome,
+    Verdict,
     bin_label,
     first_divergence_counts,
     position_bins,
@@ -64,8 +64,8 @@ def test_nonfinite_tokens_are_left_out_and_empty_input_is_empty():
 
 
 def test_first_divergence_counts_keep_an_example():
-    outcomes = [SampleOutcome("b", "numerical", "layers.1.mlp"), SampleOutcome("a", "numerical", "layers.1.mlp"),
-                SampleOutcome("c", "clean", None)]  # fmt: skip
+    outcomes = [Verdict("b", "numerical", "layers.1.mlp"), Verdict("a", "numerical", "layers.1.mlp"),
+                Verdict("c", "clean", None)]  # fmt: skip
     assert first_divergence_counts(outcomes) == {"layers.1.mlp": {"count": 2, "example": "a"}}
 
 

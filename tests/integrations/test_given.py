@@ -18,7 +18,7 @@ COMPLETIONS = [[10, 11], [12, 13, 14]]
 
 
 def test_both_given_sides_pair_and_compare(tmp_path: Path) -> None:
-    from isoaudit.audit.store import Store
+    from isoaudit.audit.db import Store
     from isoaudit.audit.worker import ComparisonWorker
 
     url = f"sqlite:///{tmp_path / 'isoaudit.db'}"

@@ -20,7 +20,7 @@ import httpx
 import pytest
 from isoaudit.audit.api.live import free_port
 from isoaudit.audit.auth import create_token
-from isoaudit.audit.store import Store
+from isoaudit.audit.db import Store
 
 from tests.service.processes import serve
 

@@ -28,7 +28,7 @@ def free_port() -> int:
 def test_actors_send_to_one_service_and_both_sides_are_compared(tiny_qwen3: Path, tmp_path: Path) -> None:
     import ray
     from isoaudit.audit.auth import create_token
-    from isoaudit.audit.store import Store
+    from isoaudit.audit.db import Store
     from isoaudit.collectors.integrations.ray import run_ray_job
 
     url = f"sqlite:///{tmp_path / 'isoaudit.db'}"

@@ -72,7 +72,7 @@ def vllm_run(tiny_qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
             callback.close()
             trainer.vllm_generation.llm.llm_engine.engine_core.shutdown()
             monkey.undo()
-    from isoaudit.audit.store import Store
+    from isoaudit.audit.db import Store
 
     store = Store(url)
     yield trainer, callback, store
@@ -140,7 +140,7 @@ def test_transformers_generate_path_records_the_trainer_side(
 ) -> None:
     """Without vLLM TRL keeps no rollout logprobs and runs no engine here: the trainer side is
     recorded (the collector's own forward, TRL computed no old logprobs), and the log says so."""
-    from isoaudit.audit.store import Store
+    from isoaudit.audit.db import Store
 
     url = f"sqlite:///{tmp_path / 'isoaudit.db'}"
     trainer = grpo(tiny_qwen3, tmp_path / "out", use_vllm=False, steps=1)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from isoaudit.audit.alerts.history import list_alerts
 from isoaudit.audit.contract import handshake
-from isoaudit.audit.store import Store
+from isoaudit.audit.db import Store
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,7 @@ import pytest
 from isoaudit.audit.api import ApiSettings, create_app
 from isoaudit.audit.api.live import LiveServer
 from isoaudit.audit.auth import create_token
-from isoaudit.audit.store import Store
+from isoaudit.audit.db import Store
 
 
 @pytest.fixture

@@ -27,9 +27,9 @@ from isoaudit.audit.alerts import (
 )
 from isoaudit.audit.alerts.channels import Delivery
 from isoaudit.audit.alerts.history import list_alerts, notifications
+from isoaudit.audit.db import Store
+from isoaudit.audit.db.models import AlertRow
 from isoaudit.audit.records import utcnow
-from isoaudit.audit.service_models import AlertRow
-from isoaudit.audit.store import Store
 from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 

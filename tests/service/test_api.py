@@ -5,16 +5,17 @@ from __future__ import annotations
 
 import json
 import math
+from datetime import UTC, datetime
 from functools import partial
 
 import httpx
 from isoaudit.audit.alerts import AlertEngine, DatabaseChannel
 from isoaudit.audit.api import ApiSettings, create_app
 from isoaudit.audit.api.live import LiveServer
-from isoaudit.audit.migrate import head_revision
-from isoaudit.audit.models import RunRow, SampleRow
+from isoaudit.audit.db import MAX_PAGE, Store
+from isoaudit.audit.db.models import RunRow, SampleRow
+from isoaudit.audit.db.schema import head_revision
 from isoaudit.audit.records import Batch
-from isoaudit.audit.store import Store
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import func, select
 
@@ -320,6 +321,31 @@ def test_run_queries(api, store):
     assert api.get("/v1/runs/nope").status_code == 404
     assert api.get("/v1/runs/nope/steps").status_code == 404
     assert api.get("/v1/runs/bad%20id/steps").status_code == 422
+
+
+def test_list_reads_are_paginated(api, store):
+    """Runs and a step's samples come a page at a time (``limit``/``offset``), in a stable order, and
+    a page larger than the data layer's MAX_PAGE is refused."""
+    runs = [
+        factories.run(run_id=f"run-{i}", started_at=datetime(2026, 1, 1 + i, tzinfo=UTC)) for i in range(3)
+    ]
+    api.post("/v1/ingest", content=batch_json(*runs, *step_records(n=2)))
+    save_results(store, "run-1", 0, kl=2e-3)
+
+    newest_first = [r["run_id"] for r in api.get("/v1/runs").json()]
+    assert newest_first == ["run-2", "run-1", "run-0"]
+    pages = [api.get("/v1/runs", params={"limit": 2, "offset": offset}).json() for offset in (0, 2)]
+    assert [[r["run_id"] for r in page] for page in pages] == [newest_first[:2], newest_first[2:]]
+
+    keys = [s["sample_key"] for s in api.get("/v1/runs/run-1/steps/0/samples").json()]
+    assert keys == ["a" * 32, "b" * 32]
+    second = api.get("/v1/runs/run-1/steps/0/samples", params={"limit": 1, "offset": 1}).json()
+    assert [s["sample_key"] for s in second] == keys[1:]
+
+    for path in ("/v1/runs", "/v1/runs/run-1/steps/0/samples"):
+        assert api.get(path, params={"limit": MAX_PAGE + 1}).status_code == 422
+        assert api.get(path, params={"limit": 0}).status_code == 422
+        assert api.get(path, params={"offset": -1}).status_code == 422
 
 
 def test_reads_need_a_token_unless_configured_open(anonymous, api, store):

@@ -9,8 +9,8 @@ import time
 import httpx
 from isoaudit.audit.api.live import free_port
 from isoaudit.audit.auth import verify_token
-from isoaudit.audit.migrate import head_revision
-from isoaudit.audit.store import Store
+from isoaudit.audit.db import Store
+from isoaudit.audit.db.schema import head_revision
 from typer.testing import CliRunner
 
 from isoaudit.cli import app

@@ -14,8 +14,8 @@ import pytest
 from isoaudit.audit.api import ApiSettings, create_app
 from isoaudit.audit.api.live import LiveServer
 from isoaudit.audit.auth import create_token
-from isoaudit.audit.models import SampleRow
-from isoaudit.audit.store import Store
+from isoaudit.audit.db import Store
+from isoaudit.audit.db.models import SampleRow
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import func, select
 

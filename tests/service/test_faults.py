@@ -18,8 +18,8 @@ import pytest
 from isoaudit.audit.api import ApiSettings, create_app
 from isoaudit.audit.api.live import LiveServer, free_port
 from isoaudit.audit.auth import create_token
+from isoaudit.audit.db import Store
 from isoaudit.audit.records import Batch
-from isoaudit.audit.store import Store
 from sqlalchemy.engine import make_url
 
 from tests import factories

@@ -24,8 +24,8 @@ import numpy as np
 import pytest
 from isoaudit.audit.api.live import free_port
 from isoaudit.audit.auth import create_token
+from isoaudit.audit.db import Store
 from isoaudit.audit.records import RegionFingerprints, SampleLogprobs
-from isoaudit.audit.store import Store
 
 from tests.service.processes import serve
 

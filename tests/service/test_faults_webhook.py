@@ -17,8 +17,8 @@ from isoaudit.audit.alerts.channels import Notice, WebhookChannel, attempts_of
 from isoaudit.audit.alerts.history import delivery_attempts, list_alerts, notifications
 from isoaudit.audit.api.live import free_port
 from isoaudit.audit.auth import create_token
+from isoaudit.audit.db import Store
 from isoaudit.audit.records import Batch
-from isoaudit.audit.store import Store
 
 from tests import factories
 from tests.service.processes import serve, wait_for

@@ -17,9 +17,9 @@ import httpx
 import pytest
 from isoaudit.audit.api.live import free_port
 from isoaudit.audit.auth import create_token
-from isoaudit.audit.models import SampleResultRow
+from isoaudit.audit.db import Store
+from isoaudit.audit.db.models import SampleResultRow
 from isoaudit.audit.records import Run
-from isoaudit.audit.store import Store
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import func, select
 

@@ -18,9 +18,9 @@ from isoaudit.audit.alerts.history import delivery_attempts, list_alerts, notifi
 from isoaudit.audit.alerts.outbox import LEASE_MARGIN_S
 from isoaudit.audit.api.live import free_port
 from isoaudit.audit.auth import create_token
+from isoaudit.audit.db import Store
+from isoaudit.audit.db.models import NoticeOutboxRow
 from isoaudit.audit.records import Batch
-from isoaudit.audit.service_models import NoticeOutboxRow
-from isoaudit.audit.store import Store
 from sqlalchemy import func, select
 
 from tests import factories

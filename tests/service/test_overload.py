@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from isoaudit.audit.api.live import free_port
 from isoaudit.audit.auth import create_token
+from isoaudit.audit.db import Store
 from isoaudit.audit.records import Run
-from isoaudit.audit.store import Store
 from isoaudit.collectors.sinks.base import DeliveryError, Sink, _Item, encode_batch
 
 from tests import factories

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from isoaudit.audit.api.live import free_port
 from isoaudit.audit.auth import create_token
-from isoaudit.audit.models import ComparisonClaimRow, PendingComparisonRow, SampleResultRow, StepResultRow
+from isoaudit.audit.db import Store
+from isoaudit.audit.db.models import ComparisonClaimRow, PendingComparisonRow, SampleResultRow, StepResultRow
 from isoaudit.audit.records import Run
-from isoaudit.audit.store import Store
 from sqlalchemy import func, select
 
 from tests.service.processes import serve

@@ -20,10 +20,9 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 from isoaudit.audit.api import ApiSettings, create_app
 from isoaudit.audit.auth import create_token
-from isoaudit.audit.migrate import upgrade
-from isoaudit.audit.models import ManifestRow, RunRow, SampleRow
-from isoaudit.audit.service_models import AlertRuleRow, RunControlRow, SilenceRow
-from isoaudit.audit.store import Store
+from isoaudit.audit.db import Store
+from isoaudit.audit.db.models import AlertRuleRow, ManifestRow, RunControlRow, RunRow, SampleRow, SilenceRow
+from isoaudit.audit.db.schema import upgrade
 from schemathesis.checks import not_a_server_error
 from sqlalchemy import func, select
 

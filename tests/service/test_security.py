@@ -15,9 +15,9 @@ from fastapi.routing import APIRoute
 from isoaudit.audit.alerts import AlertEngine, DatabaseChannel
 from isoaudit.audit.api.live import LiveServer
 from isoaudit.audit.auth import verify_token
-from isoaudit.audit.models import RunRow, SampleRow
+from isoaudit.audit.db import Store
+from isoaudit.audit.db.models import RunRow, SampleRow
 from isoaudit.audit.records import Batch
-from isoaudit.audit.store import Store
 from sqlalchemy import func, inspect, select, text
 from typer.testing import CliRunner
 

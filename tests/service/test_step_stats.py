@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 
 import httpx
+from isoaudit.audit.db import Store
 from isoaudit.audit.records import Run, StepStats
-from isoaudit.audit.store import Store
 
 
 def _stats(run: str, step: int, **figures: float) -> StepStats:

@@ -13,8 +13,8 @@ import time
 
 import pytest
 from isoaudit.audit.api.live import free_port
-from isoaudit.audit.models import ComparisonClaimRow, PendingComparisonRow, SampleResultRow, StepResultRow
-from isoaudit.audit.store import Store
+from isoaudit.audit.db import Store
+from isoaudit.audit.db.models import ComparisonClaimRow, PendingComparisonRow, SampleResultRow, StepResultRow
 from isoaudit.audit.worker import ComparisonWorker
 from sqlalchemy import func, select
 

@@ -12,8 +12,8 @@ import httpx
 import pytest
 from isoaudit.audit.api.live import free_port
 from isoaudit.audit.auth import create_token
+from isoaudit.audit.db import Store
 from isoaudit.audit.records import Batch
-from isoaudit.audit.store import Store
 
 from tests import factories
 from tests.service.processes import alive, children, serve, wait_for

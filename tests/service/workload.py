@@ -8,8 +8,8 @@ from collections import Counter
 from collections.abc import Iterable
 
 import numpy as np
+from isoaudit.audit.db import Store
 from isoaudit.audit.records import SampleLogprobs
-from isoaudit.audit.store import Store
 
 from tests import factories
 

@@ -149,7 +149,7 @@ def engine_results(tiny_qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -
     from isoaudit.audit.api.live import LiveServer
     from isoaudit.audit.api.settings import ApiSettings
     from isoaudit.audit.auth import create_token
-    from isoaudit.audit.store import Store
+    from isoaudit.audit.db import Store
 
     root = tmp_path_factory.mktemp("remediation")
     url = f"sqlite:///{root / 'isoaudit.db'}"

@@ -14,8 +14,8 @@ import torch
 
 pytest.importorskip("vllm")
 
+from isoaudit.audit.db import Store  # noqa: E402
 from isoaudit.audit.records import SampleLogprobs  # noqa: E402
-from isoaudit.audit.store import Store  # noqa: E402
 from isoaudit.audit.worker import ComparisonWorker  # noqa: E402
 from isoaudit.collectors.layout import StepBatch  # noqa: E402
 from isoaudit.collectors.routing_vllm import VllmRoutes, moe_routers  # noqa: E402

@@ -13,8 +13,8 @@ import torch
 
 pytest.importorskip("vllm")
 
+from isoaudit.audit.db import Store  # noqa: E402
 from isoaudit.audit.records import SampleLogprobs  # noqa: E402
-from isoaudit.audit.store import Store  # noqa: E402
 from isoaudit.collectors.layout import StepBatch  # noqa: E402
 from isoaudit.collectors.routing_vllm import VllmRoutes  # noqa: E402
 from isoaudit.collectors.tiny_models import load_tiny_model, make_tiny_model  # noqa: E402

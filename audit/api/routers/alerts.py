@@ -30,9 +30,9 @@ from isoaudit.audit.api.auth import Principal, ReadableRun, Reader, Writer, can_
 from isoaudit.audit.api.deps import get_store
 from isoaudit.audit.api.errors import storable_body
 from isoaudit.audit.api.schemas import UtcDatetime
+from isoaudit.audit.db import Store
 from isoaudit.audit.db.alerts import Alert, AlertState, Silence, StoredRule
 from isoaudit.audit.records import utcnow
-from isoaudit.audit.store import Store
 from pydantic import BaseModel, ConfigDict
 
 router = APIRouter(prefix="/v1", tags=["alerts"])

@@ -8,22 +8,16 @@ from fastapi import APIRouter, Depends, HTTPException, Path, status
 from isoaudit.audit.api.auth import ReadableRun, Writer, can_see
 from isoaudit.audit.api.deps import get_store
 from isoaudit.audit.api.schemas import Control, ControlUpdate
+from isoaudit.audit.control import StaleControlVersion
+from isoaudit.audit.db import Store
 from isoaudit.audit.records import RunId
-from isoaudit.audit.service_models import ControlState, StaleControlVersion
-from isoaudit.audit.store import Store
 
 router = APIRouter(prefix="/v1/runs", tags=["control"])
 
 
-def as_control(state: ControlState) -> Control:
-    return Control(
-        mode=state.mode, version=state.version, updated_at=state.updated_at, updated_by=state.updated_by
-    )
-
-
 def control_of(store: Store, run_id: str) -> Control:
     """The run's desired mode as the API shows it (here and in every ingest reply)."""
-    return as_control(store.get_control(run_id))
+    return store.get_control(run_id)
 
 
 @router.get("/{run_id}/control", response_model=Control, summary="The run's desired remediation mode")
@@ -63,4 +57,4 @@ def put_control(
                 "current": {"mode": current.mode, "version": current.version},
             },
         ) from exc
-    return as_control(state)
+    return state

@@ -18,10 +18,9 @@ from isoaudit.audit.api.routers.control import control_of
 from isoaudit.audit.api.schemas import Control, IngestResponse, RunOut
 from isoaudit.audit.api.settings import ApiSettings
 from isoaudit.audit.api.telemetry import Telemetry
+from isoaudit.audit.db import ForbiddenRun, IngestResult, Store, StoreConflict, StoreUnavailable
 from isoaudit.audit.records import Batch, BatchShape, Run
-from isoaudit.audit.store import ForbiddenRun, IngestResult, Store
 from pydantic import ValidationError
-from sqlalchemy.exc import IntegrityError, OperationalError
 
 router = APIRouter(prefix="/v1", tags=["ingest"])
 log = logging.getLogger("isoaudit.api")
@@ -32,17 +31,17 @@ def _with_retries(deadline_s: float, attempts: int, action: Callable[[], T]) -> 
     """Run a transaction again when it lost a race with a concurrent writer (two clients creating the
     same run, SQLite's single writer, a PostgreSQL deadlock) or the database did not answer (locked,
     a connection cut: the pool replaces it), for up to ``attempts`` tries within ``deadline_s``
-    seconds; the last error propagates (an OperationalError becomes 503). Safe because ingest is
+    seconds; the last error propagates (:class:`StoreUnavailable` becomes 503). Safe because ingest is
     idempotent and each attempt is one transaction that either committed or left nothing behind."""
     deadline = time.monotonic() + deadline_s
     for attempt in range(attempts):
         try:
             return action()
-        except (IntegrityError, OperationalError) as exc:
+        except (StoreConflict, StoreUnavailable) as exc:
             delay = min(0.01 * 2**attempt, 0.5)
             if attempt == attempts - 1 or time.monotonic() + delay > deadline:
                 raise
-            log.debug("ingest attempt %d failed (%s); retrying", attempt + 1, type(exc.orig).__name__)
+            log.debug("ingest attempt %d failed (%s); retrying", attempt + 1, exc)
             time.sleep(delay)
     raise AssertionError("unreachable")
 
@@ -52,7 +51,7 @@ def store_records(
 ) -> tuple[IngestResult, dict[str, Control]]:
     """Store records for ``project`` (each checked; the invalid ones come back in ``rejected``) and
     read back the desired mode of each run the stored records name. A database that stays
-    unavailable through the retries raises OperationalError, which the app answers with 503
+    unavailable through the retries raises StoreUnavailable, which the app answers with 503
     (``audit.api.errors``): the client keeps the batch and sends it again."""
     records = list(records)
     try:
@@ -142,7 +141,7 @@ async def ingest(
     except RequestValidationError:
         telemetry.record_rejected(status.HTTP_422_UNPROCESSABLE_CONTENT)
         raise
-    except OperationalError:
+    except StoreUnavailable:
         telemetry.record_rejected(status.HTTP_503_SERVICE_UNAVAILABLE)
         raise
 

@@ -9,8 +9,8 @@ from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response,
 from isoaudit.audit.api.auth import Reader
 from isoaudit.audit.api.deps import get_store
 from isoaudit.audit.api.prometheus import StoreCollector
+from isoaudit.audit.db import Store
 from isoaudit.audit.metric_names import FRAMEWORKS, catalogue
-from isoaudit.audit.store import Store
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 router = APIRouter(tags=["service"])

@@ -18,15 +18,18 @@ from isoaudit.audit.api.schemas import (
     StepOut,
     StepStatsOut,
 )
-from isoaudit.audit.queries import STOPPED_AFTER_STEPS, rank_activity
+from isoaudit.audit.db import MAX_PAGE, Store
+from isoaudit.audit.db.reads import STOPPED_AFTER_STEPS, rank_activity
 from isoaudit.audit.records import Step
-from isoaudit.audit.store import Store
 from pydantic import BaseModel, Field
 
 router = APIRouter(prefix="/v1/runs", tags=["runs"])
 
 #: The store a route reads, from the application (FastAPI's shared ``Annotated`` dependency).
 StoreDep = Annotated[Store, Depends(get_store)]
+#: One page of a list: at most ``limit`` items (capped at the data layer's MAX_PAGE), from ``offset`` on.
+Limit = Annotated[int, Query(ge=1, le=MAX_PAGE, description=f"items per page (at most {MAX_PAGE})")]
+Offset = Annotated[int, Query(ge=0, description="items to skip (the previous pages')")]
 
 Model = TypeVar("Model", bound=BaseModel)
 
@@ -56,9 +59,11 @@ def finite_or_none(metrics: dict[str, Any]) -> dict[str, float | None]:
 
 
 @router.get("", response_model=list[RunOut], summary="Runs visible to the caller, newest first")
-def list_runs(principal: Reader, store: StoreDep) -> list[RunOut]:
+def list_runs(
+    principal: Reader, store: StoreDep, limit: Limit = MAX_PAGE, offset: Offset = 0
+) -> list[RunOut]:
     project = principal.project if principal is not None else None
-    return [RunOut(**run.__dict__) for run in store.list_runs(project)]
+    return [RunOut(**run.__dict__) for run in store.list_runs(project, limit=limit, offset=offset)]
 
 
 @router.get("/{run_id}", response_model=RunOut, summary="One run, with its desired remediation mode")
@@ -102,9 +107,7 @@ def step_metrics(
     to_step: Annotated[Step | None, Query(description="last step (inclusive)")] = None,
 ) -> list[StepMetricsOut]:
     out = []
-    for row in store.step_results(run_id):
-        if (from_step is not None and row.step < from_step) or (to_step is not None and row.step > to_step):
-            continue
+    for row in store.step_results(run_id, from_step, to_step):
         metrics = finite_or_none(row.metrics)
         if names:
             metrics = {name: metrics[name] for name in names if name in metrics}
@@ -125,13 +128,15 @@ def step_samples(
     diagnosis: Annotated[
         str | None, Query(max_length=32, description="only samples with this diagnosis")
     ] = None,
+    limit: Limit = MAX_PAGE,
+    offset: Offset = 0,
 ) -> list[SampleResultOut]:
+    """One page of the step's samples, by sample key."""
     return [
         from_attributes(
             SampleResultOut, row, metrics=finite_or_none(row.metrics), grid=row.grid if include_grid else None
         )
-        for row in store.sample_results(run_id, step)
-        if diagnosis is None or row.diagnosis == diagnosis
+        for row in store.sample_results(run_id, step, diagnosis=diagnosis, limit=limit, offset=offset)
     ]
 
 
@@ -180,7 +185,7 @@ def ranks(run_id: ReadableRun, store: StoreDep) -> list[RankOut]:
     return [from_attributes(RankOut, r) for r in rank_activity(store, run_id)]
 
 
-# ---------------------------------------------------------------------- MoE routing (issue 19)
+# ---------------------------------------------------------------------- MoE routing
 
 
 class RoutingLayerOut(BaseModel):
@@ -213,7 +218,7 @@ def routing(
     store: StoreDep,
     after_step: Annotated[Step | None, Query(description="only steps after this one")] = None,
 ) -> list[RoutingStepOut]:
-    from isoaudit.audit.queries import routing_series
+    from isoaudit.audit.db.reads import routing_series
 
     return [
         from_attributes(
@@ -250,7 +255,7 @@ def sample_routing(
     sample_key: Annotated[str, Path(pattern=r"^[0-9a-f]{32}$")],
     store: StoreDep,
 ) -> SampleRoutingOut:
-    from isoaudit.audit.queries import sample_routing as read
+    from isoaudit.audit.db.reads import sample_routing as read
 
     found = read(store, run_id, step, sample_key)
     if found is None:

@@ -42,6 +42,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from isoaudit.audit.control import REMEDIATION_MODES
 from torch import nn
 
 log = logging.getLogger(__name__)
@@ -364,7 +365,7 @@ class WorkerRemediation:
 
     def apply(self, mode: str) -> tuple[str, str | None]:
         """Switch to ``mode``; returns (applied mode, what stays native and why)."""
-        if mode not in ("native", "invariant"):
+        if mode not in REMEDIATION_MODES:
             raise ValueError(f"mode: expected native or invariant, got {mode!r}")
         self.restore()
         if mode == "native":

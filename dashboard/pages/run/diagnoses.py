@@ -7,20 +7,20 @@ from collections.abc import Sequence
 import plotly.graph_objects as go
 from dash import Patch, html
 from dash.development.base_component import Component
-from isoaudit.audit import queries
+from isoaudit.audit.db import reads
 from isoaudit.dashboard import data, figures
 from isoaudit.dashboard.components import graph
 from isoaudit.dashboard.pages.run import ids
 from isoaudit.dashboard.pages.run.state import LiveState
 
 
-def draw(points: Sequence[queries.StepPoint]) -> tuple[go.Figure, list[str]]:
+def draw(points: Sequence[reads.StepPoint]) -> tuple[go.Figure, list[str]]:
     """The bars of ``points`` in full, and the diagnosis kinds they draw (one trace each)."""
     frame = data.diagnosis_frame(points)
     return figures.diagnosis_bars(frame), list(frame.columns)
 
 
-def patch(points: Sequence[queries.StepPoint], state: LiveState) -> Patch | None:
+def patch(points: Sequence[reads.StepPoint], state: LiveState) -> Patch | None:
     """Append to each kind's bars, or None when a new kind appears."""
     seen = {k for p in points for k in p.diagnoses}
     if not state.kinds or not seen <= set(state.kinds):

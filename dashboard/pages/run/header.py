@@ -7,7 +7,7 @@ from typing import Any
 
 import dash
 from dash import Output, dcc, html, no_update
-from isoaudit.audit import queries
+from isoaudit.audit.db import reads
 from isoaudit.dashboard import context
 from isoaudit.dashboard.components import STATUS_COLOURS, badge
 from isoaudit.dashboard.pages import urls
@@ -16,7 +16,7 @@ from isoaudit.dashboard.pages.run.remediation import applied_view
 from isoaudit.dashboard.pages.run.triggers import on_tick
 
 
-def section(overview: queries.RunOverview) -> html.Div:
+def section(overview: reads.RunOverview) -> html.Div:
     return html.Div(
         [
             html.H3(overview.name or overview.run_id, id=ids.TITLE, className="d-inline me-2"),
@@ -37,7 +37,7 @@ def section(overview: queries.RunOverview) -> html.Div:
 
 def tick_status(_n: int | None, state_json: dict[str, Any]) -> tuple[Any, Any, Any]:
     """The run's status and each side's applied mode; polling stops once the run is idle."""
-    overview = queries.run_overview(context.store(), state_json["run_id"])
+    overview = reads.run_overview(context.store(), state_json["run_id"])
     if overview is None:
         return True, no_update, no_update
     return overview.status != "live", overview.status, applied_view(overview)

@@ -10,7 +10,7 @@ import dash
 import dash_bootstrap_components as dbc
 import plotly.graph_objects as go
 from dash import Input, Output, Patch, html
-from isoaudit.audit import queries
+from isoaudit.audit.db import reads
 from isoaudit.audit.summaries import bin_label
 from isoaudit.dashboard import context, data, figures
 from isoaudit.dashboard.components import graph, inline_choice
@@ -23,19 +23,19 @@ from isoaudit.dashboard.pages.run.triggers import on_page_event
 POSITION_STATS = {"mean": "mean", "max": "max"}
 
 
-def draw_position(points: Sequence[queries.StepPoint], stat: str) -> tuple[go.Figure, int]:
+def draw_position(points: Sequence[reads.StepPoint], stat: str) -> tuple[go.Figure, int]:
     """The step x position heatmap of ``points`` in full, and how many position bins it draws."""
     frame = data.position_frame(points, stat)
     return figures.position_heatmap(frame, stat), frame.shape[1]
 
 
-def draw_divergence(points: Sequence[queries.StepPoint]) -> tuple[go.Figure, list[str]]:
+def draw_divergence(points: Sequence[reads.StepPoint]) -> tuple[go.Figure, list[str]]:
     """The region x step heatmap of ``points`` in full, and the regions it draws (one row each)."""
     frame = data.divergence_frame(points)
     return figures.divergence_heatmap(frame), list(frame.columns)
 
 
-def position_patch(points: Sequence[queries.StepPoint], state: LiveState) -> Patch | None:
+def position_patch(points: Sequence[reads.StepPoint], state: LiveState) -> Patch | None:
     """Append one column per new step, or None when a step reaches past the drawn bins."""
     frame = data.position_frame(points, state.stat)
     if state.n_bins == 0 or frame.shape[1] > state.n_bins:
@@ -50,7 +50,7 @@ def position_patch(points: Sequence[queries.StepPoint], state: LiveState) -> Pat
     return update
 
 
-def divergence_patch(points: Sequence[queries.StepPoint], state: LiveState) -> Patch | None:
+def divergence_patch(points: Sequence[reads.StepPoint], state: LiveState) -> Patch | None:
     """Append one column per new step, or None when a new region appears."""
     seen = {r for p in points for r in p.first_divergence}
     if not state.regions or not seen <= set(state.regions):
@@ -85,7 +85,7 @@ def section(position: go.Figure, divergence: go.Figure) -> dbc.Row:
 def redraw_position(stat: str, state_json: dict[str, Any]) -> tuple[go.Figure, dict[str, Any]]:
     """The position heatmap drawn again with another statistic (mean or max) of each bin."""
     state = LiveState.from_json(state_json)
-    points = queries.step_series(context.store(), state.run_id)
+    points = reads.step_series(context.store(), state.run_id)
     figure, state.n_bins = draw_position(points, stat)
     state.stat = stat
     state.last_step = points[-1].step if points else None
@@ -94,7 +94,7 @@ def redraw_position(stat: str, state_json: dict[str, Any]) -> tuple[go.Figure, d
 
 def sample_at_position_cell(point: dict[str, Any], state: LiveState) -> SampleAt | None:
     """A cell of the position heatmap names the sample holding that bin's largest |Δ| at that step."""
-    found = queries.step_point(context.store(), state.run_id, int(point["x"]))
+    found = reads.step_point(context.store(), state.run_id, int(point["x"]))
     if found is None:
         return None
     labels = [bin_label(i) for i in range(len(found.position_bins.get("max_key", [])))]
@@ -105,7 +105,7 @@ def sample_at_position_cell(point: dict[str, Any], state: LiveState) -> SampleAt
 def sample_at_divergence_cell(point: dict[str, Any], state: LiveState) -> SampleAt | None:
     """A cell of the region heatmap names a sample whose first divergence is there."""
     row = row_of(point, [figures.safe(r) for r in state.regions])
-    found = queries.step_point(context.store(), state.run_id, int(point["x"]))
+    found = reads.step_point(context.store(), state.run_id, int(point["x"]))
     if row is None or found is None or not 0 <= row < len(state.regions):
         return None
     entry = found.first_divergence.get(state.regions[row])

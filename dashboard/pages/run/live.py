@@ -12,8 +12,7 @@ from typing import Any
 import dash
 import plotly.graph_objects as go
 from dash import Output, Patch, no_update
-from isoaudit.audit import queries
-from isoaudit.audit.store import Store
+from isoaudit.audit.db import Store, reads
 from isoaudit.dashboard import context
 from isoaudit.dashboard.pages.run import diagnoses, heatmaps, ids, timelines
 from isoaudit.dashboard.pages.run.state import LiveState
@@ -37,7 +36,7 @@ class StepFigures:
 
 def draw(store: Store, run_id: str, stat: str = "mean") -> StepFigures:
     """Every step figure of the run page, drawn in full."""
-    points = queries.step_series(store, run_id)
+    points = reads.step_series(store, run_id)
     timeline, log_rows = timelines.draw(store, run_id, points)
     position, n_bins = heatmaps.draw_position(points, stat)
     divergence, regions = heatmaps.draw_divergence(points)
@@ -59,7 +58,7 @@ def tick(_n: int | None, state_json: dict[str, Any]) -> tuple[Any, ...]:
     is drawn again in full)."""
     store = context.store()
     state = LiveState.from_json(state_json)
-    points = queries.step_series(store, state.run_id, after_step=state.last_step)
+    points = reads.step_series(store, state.run_id, after_step=state.last_step)
     if not points:
         return (no_update,) * 5
     if state.last_step is None:

@@ -9,9 +9,8 @@ import dash
 import plotly.graph_objects as go
 from dash import Output, State, dcc, html, no_update
 from dash.development.base_component import Component
-from isoaudit.audit import queries
+from isoaudit.audit.db import Store, reads
 from isoaudit.audit.records import StepStats
-from isoaudit.audit.store import Store
 from isoaudit.dashboard import context, data, figures
 from isoaudit.dashboard.components import graph
 from isoaudit.dashboard.pages.run import ids
@@ -21,7 +20,7 @@ from isoaudit.dashboard.pages.run.triggers import on_tick
 
 def loop_figure(store: Store, run_id: str, stats: list[StepStats]) -> go.Figure:
     """The loop's reward (``stats``) against the run's kl_k3 by step."""
-    mismatch = data.timeline_frame(queries.step_series(store, run_id))["kl_k3"]
+    mismatch = data.timeline_frame(reads.step_series(store, run_id))["kl_k3"]
     return figures.loop_figures(data.loop_frame(stats), mismatch)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dash import dcc, html
 from dash.development.base_component import Component
-from isoaudit.audit import queries
+from isoaudit.audit.db import reads
 from isoaudit.dashboard import context
 from isoaudit.dashboard.components import no_run
 from isoaudit.dashboard.pages.run import (
@@ -34,7 +34,7 @@ def layout(run_id: str | None = None, step: str | None = None, **_: object) -> C
     """``/runs/<run_id>?step=N``: ``run_id`` from the path, ``step`` from the query string (Dash
     passes any other query parameter too; the page reads none)."""
     store = context.store()
-    overview = queries.run_overview(store, run_id) if run_id else None
+    overview = reads.run_overview(store, run_id) if run_id else None
     if overview is None:
         return no_run(run_id)
     drawn = live.draw(store, overview.run_id)

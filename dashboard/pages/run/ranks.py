@@ -9,8 +9,7 @@ import dash
 import plotly.graph_objects as go
 from dash import Output, html
 from dash.development.base_component import Component
-from isoaudit.audit import queries
-from isoaudit.audit.store import Store
+from isoaudit.audit.db import Store, reads
 from isoaudit.dashboard import context, data, figures
 from isoaudit.dashboard.components import data_table, graph
 from isoaudit.dashboard.pages.run import ids
@@ -30,9 +29,9 @@ STOPPED_RANK = {
 
 def rank_view(store: Store, run_id: str) -> tuple[list[dict[str, Any]], go.Figure]:
     """The per-rank table rows and the samples-per-step figure of the latest :data:`RANK_WINDOW` steps."""
-    activity = queries.rank_activity(store, run_id)
+    activity = reads.rank_activity(store, run_id)
     last = max((a.last_step for a in activity), default=0)
-    series = queries.rank_series(store, run_id, from_step=max(0, last - RANK_WINDOW + 1))
+    series = reads.rank_series(store, run_id, from_step=max(0, last - RANK_WINDOW + 1))
     return data.rank_rows(activity), figures.rank_figure(data.rank_frame(series))
 
 

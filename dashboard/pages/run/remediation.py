@@ -10,19 +10,19 @@ import dash
 import dash_bootstrap_components as dbc
 from dash import Input, Output, State, dcc, html, no_update
 from dash.development.base_component import Component
-from isoaudit.audit import queries
-from isoaudit.audit.service_models import REMEDIATION_MODES, StaleControlVersion
+from isoaudit.audit.db import reads
+from isoaudit.audit.control import REMEDIATION_MODES, StaleControlVersion
 from isoaudit.dashboard import context
 from isoaudit.dashboard.components import ago, inline_choice, text
 from isoaudit.dashboard.pages.run import ids
 from isoaudit.dashboard.pages.run.triggers import on_page_event
 
 
-def applied_view(overview: queries.RunOverview) -> html.Div:
+def applied_view(overview: reads.RunOverview) -> html.Div:
     """Desired mode (version, who, when) and what each side last reported applying."""
     control = overview.control
     by = f" by {control.updated_by}" if control.updated_by else ""
-    when = f", {ago(queries.aware(control.updated_at))}" if control.updated_at else ""
+    when = f", {ago(reads.aware(control.updated_at))}" if control.updated_at else ""
     rows = [
         html.Div(
             [
@@ -32,7 +32,7 @@ def applied_view(overview: queries.RunOverview) -> html.Div:
             ]
         )
     ]
-    for side in queries.SIDES:
+    for side in reads.SIDES:
         applied = overview.applied[side]
         matches = applied.mode == control.mode
         rows.append(
@@ -53,7 +53,7 @@ def control_data(mode: str, version: int) -> dict[str, Any]:
     return {"mode": mode, "version": version}
 
 
-def section(overview: queries.RunOverview) -> list[Component]:
+def section(overview: reads.RunOverview) -> list[Component]:
     card = dbc.Card(
         dbc.CardBody(
             [

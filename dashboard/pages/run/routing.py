@@ -9,8 +9,7 @@ from typing import Any
 import dash
 import plotly.graph_objects as go
 from dash import Input, Output, State, dcc, html, no_update
-from isoaudit.audit import queries
-from isoaudit.audit.store import Store
+from isoaudit.audit.db import Store, reads
 from isoaudit.dashboard import context, data, figures
 from isoaudit.dashboard.components import graph, inline_choice, text
 from isoaudit.dashboard.pages.run import ids
@@ -28,12 +27,12 @@ def shown(last: int | None) -> dict[str, str]:
 
 def routing_figure(store: Store, run_id: str, value: str = DEFAULT_VALUE) -> tuple[go.Figure, int | None]:
     """The layer x step heatmap of routing flips, and the last step it draws."""
-    points = queries.routing_series(store, run_id)
+    points = reads.routing_series(store, run_id)
     frame = data.routing_frame(points, value)
     return figures.routing_heatmap(frame, data.ROUTING_VALUES[value]), points[-1].step if points else None
 
 
-def routing_line(point: queries.RoutingStep | None) -> str:
+def routing_line(point: reads.RoutingStep | None) -> str:
     """The latest routed step's figures in words, replay (R3) included."""
     if point is None:
         return ""
@@ -56,7 +55,7 @@ def routing_line(point: queries.RoutingStep | None) -> str:
 
 def section(store: Store, run_id: str) -> html.Div:
     drawn, last = routing_figure(store, run_id)
-    latest = queries.routing_series(store, run_id, after_step=last - 1) if last is not None else []
+    latest = reads.routing_series(store, run_id, after_step=last - 1) if last is not None else []
     return html.Div(
         [
             html.H5("MoE routing flips by layer", className="d-inline me-3 mt-3"),
@@ -78,7 +77,7 @@ def redraw_routing(
     there are routes."""
     store = context.store()
     run_id = LiveState.from_json(state_json).run_id
-    new = queries.routing_series(store, run_id, after_step=drawn_last)
+    new = reads.routing_series(store, run_id, after_step=drawn_last)
     if not changed and not new:
         return no_update, no_update, no_update, no_update
     drawn, last = routing_figure(store, run_id, value or DEFAULT_VALUE)
@@ -98,7 +97,7 @@ def sample_at_routing_cell(point: dict[str, Any], state: LiveState) -> SampleAt 
     if not str(point.get("y", "")).startswith("layer "):
         return None
     step = int(point["x"])
-    found = queries.routing_series(context.store(), state.run_id, after_step=step - 1)
+    found = reads.routing_series(context.store(), state.run_id, after_step=step - 1)
     if not found or found[0].step != step:
         return None
     return step, data.routing_example(found[0], int(str(point["y"]).split()[1]))

@@ -8,7 +8,7 @@ from typing import Any
 import dash
 from dash import Input, Output, State, dcc, html, no_update
 from dash.development.base_component import Component
-from isoaudit.audit import queries
+from isoaudit.audit.db import reads
 from isoaudit.dashboard import context, data
 from isoaudit.dashboard.components import data_table
 from isoaudit.dashboard.pages import urls
@@ -33,7 +33,7 @@ def sample_rows(run_id: str, step: int | None) -> list[dict[str, Any]]:
     """The table's rows of ``step``'s samples, each with a markdown link opening it."""
     if step is None:
         return []
-    frame = data.samples_frame(queries.step_samples(context.store(), run_id, step))
+    frame = data.samples_frame(reads.step_samples(context.store(), run_id, step))
     records = frame.to_dict("records")
     for record in records:
         record["open"] = f"[open]({urls.sample_path(run_id, step, record['sample_key'])})"

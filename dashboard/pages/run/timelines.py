@@ -9,8 +9,7 @@ import pandas as pd
 import plotly.graph_objects as go
 from dash import Patch, html
 from dash.development.base_component import Component
-from isoaudit.audit import queries
-from isoaudit.audit.store import Store
+from isoaudit.audit.db import Store, reads
 from isoaudit.dashboard import data, figures
 from isoaudit.dashboard.components import graph
 from isoaudit.dashboard.pages.run import ids
@@ -22,14 +21,14 @@ def annotation_frames(
 ) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
     """The timelines' thresholds (rules), firing intervals (alerts, open ones up to ``last_step``)
     and remediation switches (manifests) as frames."""
-    rules = queries.run_rules(store, run_id)
-    alerts = queries.alerts_view(store, run_id=run_id)
+    rules = reads.run_rules(store, run_id)
+    alerts = reads.alerts_view(store, run_id=run_id)
     intervals = data.alert_intervals_frame(alerts.open + alerts.resolved, rules, last_step)
-    changes = data.mode_changes_frame(queries.mode_changes(store, run_id))
+    changes = data.mode_changes_frame(reads.mode_changes(store, run_id))
     return data.thresholds_frame(rules), intervals, changes
 
 
-def draw(store: Store, run_id: str, points: Sequence[queries.StepPoint]) -> tuple[go.Figure, list[int]]:
+def draw(store: Store, run_id: str, points: Sequence[reads.StepPoint]) -> tuple[go.Figure, list[int]]:
     """The timelines of ``points`` in full, and the panels they draw on a log axis."""
     frame = data.timeline_frame(points)
     last = points[-1].step if points else None
@@ -37,7 +36,7 @@ def draw(store: Store, run_id: str, points: Sequence[queries.StepPoint]) -> tupl
 
 
 def patch(
-    store: Store, run_id: str, points: Sequence[queries.StepPoint], log_rows: Sequence[int]
+    store: Store, run_id: str, points: Sequence[reads.StepPoint], log_rows: Sequence[int]
 ) -> Patch | None:
     """Append ``points`` (at least one) to every timeline trace (traces are in
     ``data.TIMELINE_METRICS`` order) and replace the thresholds, firing intervals and mode switches

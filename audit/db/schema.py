@@ -1,5 +1,5 @@
-"""Apply and inspect the Alembic revisions in ``migrations/`` from code and from the CLI, and decide
-whether a store may open a database (:func:`ensure_schema`)."""
+"""The schema's version: apply and inspect the Alembic revisions in ``migrations/`` from code and from
+the CLI (``isoaudit db upgrade``), and decide whether a store may open a database (:func:`ensure_schema`)."""
 
 from __future__ import annotations
 
@@ -7,17 +7,16 @@ from functools import cache
 
 from alembic import command
 from alembic.config import Config
-from isoaudit.audit.store import StoreError, make_engine
+from isoaudit.audit.config import database_url
+from isoaudit.audit.db.engine import StoreError, make_engine
+from isoaudit.audit.db.models import Base
+from isoaudit.migrations import SCRIPT_LOCATION
 from sqlalchemy import Engine
 
 
 def alembic_config(url: str | None = None) -> Config:
     """An Alembic config that needs no alembic.ini: the scripts' location, the models' metadata (for
     autogenerate) and the store's URL (its driver form, as the store opens it)."""
-    from isoaudit.audit.config import database_url
-    from isoaudit.audit.models import Base
-    from isoaudit.migrations import SCRIPT_LOCATION
-
     config = Config()
     config.set_main_option("script_location", SCRIPT_LOCATION)
     config.attributes["target_metadata"] = Base.metadata
@@ -36,6 +35,7 @@ def upgrade(engine: Engine | str | None = None, revision: str = "head") -> None:
 
 
 def current_revision(engine: Engine | str | None = None) -> str | None:
+    """The revision the database is at (None: no schema yet)."""
     from alembic.runtime.migration import MigrationContext
 
     engine = engine if isinstance(engine, Engine) else make_engine(engine)

@@ -1,0 +1,132 @@
+"""Opening a database: URL → engine (SQLite in WAL mode, or a server with a pooled, pinged connection),
+the session factory every part of the data layer shares, and the errors the data layer raises in
+place of the driver's, so no caller above it needs to know SQLAlchemy."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+from isoaudit.audit.config import database_url
+from isoaudit.audit.db.models import Base
+from sqlalchemy import Engine, Table, create_engine, event, make_url
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
+from sqlalchemy.orm import Session, sessionmaker
+
+if TYPE_CHECKING:
+    from sqlalchemy.engine.interfaces import DBAPIConnection
+    from sqlalchemy.pool import ConnectionPoolEntry
+
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "Part",
+    "StoreConflict",
+    "StoreError",
+    "StoreUnavailable",
+    "UNAVAILABLE_ERRORS",
+    "make_engine",
+    "redacted_url",
+    "table_of",
+    "translated_errors",
+]
+
+#: How long a statement waits for the database by default: SQLite's busy timeout (another writer
+#: holds the lock) and PostgreSQL's connect timeout. The API passes its own, shorter one.
+DEFAULT_TIMEOUT_S = 30.0
+
+
+class StoreError(Exception):
+    """A request the store refuses as a whole (nothing of it was stored)."""
+
+
+class StoreUnavailable(StoreError):
+    """The database did not answer (locked past its timeout, a connection cut, a server restarting or
+    unreachable, the pool exhausted): the transaction rolled back, sending the same request again is safe."""
+
+
+class StoreConflict(StoreError):
+    """A write lost a race with a concurrent writer (the same row inserted at the same moment, a
+    deadlock): the transaction rolled back; an idempotent write sent again skips what the other stored."""
+
+
+#: Every exception that means "the database did not answer": :class:`StoreUnavailable` and the
+#: driver's own, as raised through ``Store.sessions`` by repositories that use it directly.
+UNAVAILABLE_ERRORS: tuple[type[Exception], ...] = (StoreUnavailable, OperationalError, PoolTimeout)
+
+
+@contextmanager
+def translated_errors() -> Iterator[None]:
+    """Raise the driver's errors as the data layer's: connection failures as :class:`StoreUnavailable`,
+    lost races as :class:`StoreConflict`, a refused statement as :class:`StoreError` (the original
+    chained as ``__cause__``)."""
+    try:
+        yield
+    except IntegrityError as exc:
+        raise StoreConflict(_first_line(exc)) from exc
+    except (OperationalError, PoolTimeout) as exc:
+        raise StoreUnavailable(_first_line(exc)) from exc
+    except DBAPIError as exc:  # the database refused a statement: sending it again would not help
+        if exc.connection_invalidated:
+            raise StoreUnavailable(_first_line(exc)) from exc
+        raise StoreError(_first_line(exc)) from exc
+
+
+def _first_line(exc: Exception) -> str:
+    cause = getattr(exc, "orig", None) or exc
+    return f"database: {type(cause).__name__}: {str(cause).strip().splitlines()[0] if str(cause).strip() else ''}"
+
+
+def _sqlite_pragmas(timeout_s: float) -> Callable[[DBAPIConnection, ConnectionPoolEntry], None]:
+    def connect(dbapi_connection: DBAPIConnection, _record: ConnectionPoolEntry) -> None:
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA synchronous=NORMAL")
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.execute(f"PRAGMA busy_timeout={int(timeout_s * 1000)}")
+        cursor.close()
+
+    return connect
+
+
+def make_engine(url: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> Engine:
+    """An engine for ``url`` with the settings the store relies on: WAL, foreign keys and a busy
+    timeout of ``timeout_s`` on SQLite; on a server, a connect timeout of ``timeout_s`` and a ping
+    before a pooled connection is reused (a connection cut or a restarted server costs one failed
+    request, then the pool heals by itself)."""
+    url = database_url(url)
+    if url.startswith("sqlite"):
+        engine = create_engine(url)
+        event.listen(engine, "connect", _sqlite_pragmas(timeout_s))
+        return engine
+    connect_args = {"connect_timeout": max(1, round(timeout_s))} if url.startswith("postgresql") else {}
+    return create_engine(url, connect_args=connect_args, pool_pre_ping=True)
+
+
+def redacted_url(url: str) -> str:
+    """``url`` without its password, for printing."""
+    return make_url(url).render_as_string(hide_password=True)
+
+
+class Part:
+    """What every part of the store shares: its engine and the session factory over it."""
+
+    engine: Engine
+    sessions: sessionmaker[Session]
+
+    @property
+    def dialect(self) -> str:
+        return self.engine.dialect.name
+
+    def _insert(self, model: type[Base]) -> postgresql.Insert | sqlite.Insert:
+        """A Core INSERT into ``model``'s table with this dialect's ``ON CONFLICT`` clauses."""
+        return (postgresql.insert if self.dialect == "postgresql" else sqlite.insert)(table_of(model))
+
+
+def table_of(model: type[Base]) -> Table:
+    """The Core table of an ORM model (what bulk statements take, so they stay Core ones)."""
+    table = model.__table__
+    assert isinstance(table, Table)
+    return table

@@ -1,0 +1,204 @@
+"""Ingest: validate records and store them in one transaction, idempotently, queueing the samples they
+touch for comparison. Ingest never waits on the comparator (``audit.worker`` drains the queue)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from isoaudit.audit.db.codec import fingerprint_row, sample_row
+from isoaudit.audit.db.engine import Part, StoreError, table_of, translated_errors
+from isoaudit.audit.db.models import (
+    Base,
+    FingerprintRow,
+    ManifestRow,
+    PendingComparisonRow,
+    RunRow,
+    SampleRow,
+    StepStatsRow,
+)
+from isoaudit.audit.records import (
+    Manifest,
+    Record,
+    RecordError,
+    RegionFingerprints,
+    Rejection,
+    Run,
+    SampleLogprobs,
+    StepStats,
+    record_kind,
+    utcnow,
+    validate_record,
+)
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+__all__ = ["ForbiddenRun", "Ingest", "IngestResult"]
+
+
+class ForbiddenRun(StoreError):
+    """A record names a run that belongs to another project."""
+
+
+@dataclass
+class IngestResult:
+    """What one batch did, per record kind: stored, already there (``duplicates``), and refused
+    (``rejected``, one :class:`Rejection` per record, naming its index in the batch and the field)."""
+
+    stored: Counter[str] = field(default_factory=Counter)
+    duplicates: Counter[str] = field(default_factory=Counter)
+    pending: int = 0
+    rejected: list[Rejection] = field(default_factory=list)
+    runs: list[str] = field(default_factory=list)
+    """The runs the stored records name (sorted); not in :meth:`as_dict`, the API answers with their
+    control state instead."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "stored": dict(self.stored),
+            "duplicates": dict(self.duplicates),
+            "pending": self.pending,
+            "rejected": [r.as_dict() for r in self.rejected],
+        }
+
+
+class Ingest(Part):
+    """The store's write path for records."""
+
+    def ingest(self, records: Iterable[Record | dict[str, Any]], *, project: str = "default") -> IngestResult:
+        """Validate every record, however it was built (dicts, validated models, ``model_construct``'ed
+        ones), then store the valid ones in one transaction. An invalid record is refused by name
+        (``result.rejected``) and the rest of its batch is still stored. Records already stored are
+        skipped, so a retried batch stores nothing twice. A record naming another project's run
+        refuses the whole batch (:class:`ForbiddenRun`): that is a caller's mistake, not bad data. A
+        database that does not answer raises :class:`StoreUnavailable`, a race lost to a concurrent
+        writer :class:`StoreConflict`; nothing of the batch is stored then, and sending it again is safe."""
+        result = IngestResult()
+        batch: list[Run | Manifest | SampleLogprobs | RegionFingerprints | StepStats] = []
+        for index, item in enumerate(records):
+            try:
+                batch.append(validate_record(item))
+            except RecordError as exc:
+                result.rejected.append(Rejection(index, record_kind(item), exc.field, str(exc)))
+        if not batch:
+            return result
+        result.runs = sorted({r.run_id for r in batch})
+        runs = [r for r in batch if isinstance(r, Run)]
+        manifests = [r for r in batch if isinstance(r, Manifest)]
+        samples = [r for r in batch if isinstance(r, SampleLogprobs)]
+        prints = [r for r in batch if isinstance(r, RegionFingerprints)]
+        stats = [r for r in batch if isinstance(r, StepStats)]
+        with translated_errors(), self.sessions.begin() as session:
+            self._ensure_runs(session, runs, {r.run_id for r in batch}, project, result)
+            if manifests:
+                rows = [
+                    {
+                        "run_id": m.run_id,
+                        "side": m.side,
+                        "case": m.case,
+                        "process": m.process,
+                        "content_hash": m.content_hash(),
+                        "created_at": m.created_at,
+                        "body": m.model_dump(mode="json"),
+                    }
+                    for m in manifests
+                ]
+                self._insert_new(session, ManifestRow, rows, "manifest", result, returning=("id",))
+            if stats:
+                rows = [
+                    {"run_id": r.run_id, "step": r.step, "figures": r.figures(), "created_at": r.created_at}
+                    for r in stats
+                ]
+                self._insert_new(
+                    session, StepStatsRow, rows, "step_stats", result, returning=("run_id", "step")
+                )
+            touched: set[tuple[str, int, str]] = set()
+            if samples:
+                touched |= self._insert_new(
+                    session, SampleRow, [sample_row(s) for s in samples], "sample", result
+                )
+            if prints:
+                touched |= self._insert_new(
+                    session, FingerprintRow, [fingerprint_row(p) for p in prints], "fingerprints", result
+                )
+            if touched:
+                stmt = self._insert(PendingComparisonRow)
+                stmt = stmt.on_conflict_do_update(
+                    index_elements=["run_id", "step", "sample_key"],
+                    set_={"queued_at": stmt.excluded.queued_at},
+                )
+                now = utcnow()
+                session.execute(
+                    stmt, [{"run_id": r, "step": s, "sample_key": k, "queued_at": now} for r, s, k in touched]
+                )
+                result.pending = len(touched)
+        return result
+
+    def _ensure_runs(
+        self, session: Session, runs: Sequence[Run], run_ids: set[str], project: str, result: IngestResult
+    ) -> None:
+        existing = dict(
+            session.execute(select(RunRow.run_id, RunRow.project).where(RunRow.run_id.in_(run_ids))).all()
+        )
+        foreign = sorted(rid for rid, owner in existing.items() if owner != project)
+        if foreign:
+            raise ForbiddenRun(f"run_id: {', '.join(foreign)} belongs to another project")
+        explicit = {r.run_id: r for r in runs}  # the last of a run's records in the batch wins
+        result.duplicates["run"] += len(runs) - len(explicit)
+        # New runs go in with "do nothing on conflict": a trainer and an engine in two processes often
+        # register the same run at the same moment, and the one that loses must not fail its batch.
+        new = [
+            # every row carries the same keys: a bulk insert of rows with differing keys fails
+            {"run_id": rid, "project": project, "name": rid, "started_at": utcnow(), "config": {}}
+            if rid not in explicit
+            else {
+                "run_id": rid,
+                "project": project,
+                "name": explicit[rid].name,
+                "started_at": explicit[rid].started_at,
+                "config": explicit[rid].config,
+            }
+            for rid in sorted(run_ids - set(existing))
+        ]
+        inserted: set[str] = set()
+        if new:
+            stmt = self._insert(RunRow).on_conflict_do_nothing().returning(RunRow.run_id)
+            inserted = {row[0] for row in session.execute(stmt, new)}
+        raced = {row["run_id"] for row in new} - inserted  # another writer created them just now
+        if raced:
+            owners = session.execute(select(RunRow.run_id, RunRow.project).where(RunRow.run_id.in_(raced)))
+            foreign = sorted(rid for rid, owner in owners if owner != project)
+            if foreign:
+                raise ForbiddenRun(f"run_id: {', '.join(foreign)} belongs to another project")
+        if inserted & set(explicit):
+            result.stored["run"] += len(inserted & set(explicit))
+        for run in explicit.values():
+            if run.run_id in inserted:
+                continue
+            row = session.get(RunRow, run.run_id)
+            assert row is not None
+            if (row.name, row.config) == (run.name, run.config):
+                result.duplicates["run"] += 1
+                continue
+            row.name, row.started_at, row.config = run.name, run.started_at, run.config
+            result.stored["run"] += 1
+        session.flush()
+
+    def _insert_new(
+        self,
+        session: Session,
+        model: type[Base],
+        rows: list[dict[str, Any]],
+        kind: str,
+        result: IngestResult,
+        returning: Sequence[str] = ("run_id", "step", "sample_key"),
+    ) -> set[tuple[Any, ...]]:
+        """Insert the rows not already stored; return the ``returning`` columns of those inserted."""
+        columns = table_of(model).c
+        stmt = self._insert(model).on_conflict_do_nothing().returning(*(columns[c] for c in returning))
+        inserted = [tuple(row) for row in session.execute(stmt, rows)]
+        result.stored[kind] += len(inserted)
+        result.duplicates[kind] += len(rows) - len(inserted)
+        return set(inserted)

@@ -1,0 +1,98 @@
+"""Stored records read back as the validated models they were stored from (``audit.records``): the
+samples and fingerprints of a step (or of many, for the comparison worker) and a run's manifests."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from isoaudit.audit.db.codec import fingerprint_record, sample_record
+from isoaudit.audit.db.engine import Part
+from isoaudit.audit.db.models import FingerprintRow, ManifestRow, SampleRow
+from isoaudit.audit.records import Manifest, RegionFingerprints, SampleLogprobs, Side
+from sqlalchemy import select, tuple_
+
+__all__ = ["Records"]
+
+StepKey = tuple[str, int]
+
+
+class Records(Part):
+    """Reads of stored records."""
+
+    def samples(
+        self,
+        run_id: str,
+        step: int,
+        *,
+        side: Side | None = None,
+        sample_keys: Sequence[str] | None = None,
+    ) -> list[SampleLogprobs]:
+        """A step's samples by key then side (only ``side``'s, only ``sample_keys``, when given)."""
+        query = select(SampleRow).where(SampleRow.run_id == run_id, SampleRow.step == step)
+        if side is not None:
+            query = query.where(SampleRow.side == side)
+        if sample_keys is not None:
+            query = query.where(SampleRow.sample_key.in_(list(sample_keys)))
+        with self.sessions() as session:
+            return [
+                sample_record(row)
+                for row in session.scalars(query.order_by(SampleRow.sample_key, SampleRow.side))
+            ]
+
+    def sample_pair(
+        self, run_id: str, step: int, sample_key: str
+    ) -> tuple[SampleLogprobs | None, SampleLogprobs | None]:
+        """(trainer, rollout) records of one sample; ``None`` for a side not yet stored."""
+        found = {s.side: s for s in self.samples(run_id, step, sample_keys=[sample_key])}
+        return found.get("trainer"), found.get("rollout")
+
+    def fingerprints(
+        self, run_id: str, step: int, sample_keys: Sequence[str] | None = None, *, side: Side | None = None
+    ) -> list[RegionFingerprints]:
+        """A step's fingerprint records in the order they were stored."""
+        query = select(FingerprintRow).where(FingerprintRow.run_id == run_id, FingerprintRow.step == step)
+        if sample_keys is not None:
+            query = query.where(FingerprintRow.sample_key.in_(list(sample_keys)))
+        if side is not None:
+            query = query.where(FingerprintRow.side == side)
+        with self.sessions() as session:
+            return [fingerprint_record(row) for row in session.scalars(query.order_by(FingerprintRow.id))]
+
+    def manifests(self, run_id: str, side: Side | None = None) -> list[Manifest]:
+        """Manifests in the order they were recorded (latest last)."""
+        query = select(ManifestRow.body).where(ManifestRow.run_id == run_id)
+        if side is not None:
+            query = query.where(ManifestRow.side == side)
+        with self.sessions() as session:
+            bodies = session.scalars(query.order_by(ManifestRow.created_at, ManifestRow.id)).all()
+        return [Manifest.model_validate(body) for body in bodies]
+
+    def samples_of_steps(self, steps: Sequence[StepKey]) -> dict[StepKey, list[SampleLogprobs]]:
+        """Every stored sample of the given (run, step)s, in one query."""
+        out: dict[StepKey, list[SampleLogprobs]] = {(run, step): [] for run, step in steps}
+        if not steps:
+            return out
+        query = (
+            select(SampleRow)
+            .where(tuple_(SampleRow.run_id, SampleRow.step).in_(list(steps)))
+            .order_by(SampleRow.run_id, SampleRow.step, SampleRow.sample_key, SampleRow.side)
+        )
+        with self.sessions() as session:
+            for row in session.scalars(query):
+                out[(row.run_id, row.step)].append(sample_record(row))
+        return out
+
+    def fingerprints_of_steps(self, steps: Sequence[StepKey]) -> dict[StepKey, list[RegionFingerprints]]:
+        """Every stored fingerprint record of the given (run, step)s, in one query (recorded order)."""
+        out: dict[StepKey, list[RegionFingerprints]] = {(run, step): [] for run, step in steps}
+        if not steps:
+            return out
+        query = (
+            select(FingerprintRow)
+            .where(tuple_(FingerprintRow.run_id, FingerprintRow.step).in_(list(steps)))
+            .order_by(FingerprintRow.id)
+        )
+        with self.sessions() as session:
+            for row in session.scalars(query):
+                out[(row.run_id, row.step)].append(fingerprint_record(row))
+        return out

@@ -1,0 +1,62 @@
+"""The store: the one door into isoaudit's database. SQLite (WAL) by default, PostgreSQL for
+multi-writer deployments."""
+
+from __future__ import annotations
+
+from isoaudit.audit.db.control import Control
+from isoaudit.audit.db.engine import DEFAULT_TIMEOUT_S, StoreUnavailable, make_engine, translated_errors
+from isoaudit.audit.db.ingest import Ingest
+from isoaudit.audit.db.queue import Queue
+from isoaudit.audit.db.records import Records
+from isoaudit.audit.db.results import Results
+from isoaudit.audit.db.runs import Runs
+from isoaudit.audit.db.schema import current_revision, ensure_schema
+from isoaudit.audit.db.steps import Steps
+from sqlalchemy import Engine, text
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.orm import sessionmaker
+
+__all__ = ["Store"]
+
+
+class Store(Ingest, Runs, Records, Queue, Results, Control, Steps):
+    """All reads and writes of isoaudit's database, one part per concern (each in its own module of
+    ``audit.db``): ingest, runs, stored records, the comparison queue, results, control records and
+    step stats. ``sessions`` (a ``sessionmaker``) is there for the data layer's repositories that
+    take it (alerts, tokens, telemetry)."""
+
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        upgrade: bool | None = None,
+        engine: Engine | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> None:
+        """Open the store at ``url`` (``ISOAUDIT_DATABASE_URL``, else the embedded SQLite file).
+
+        ``upgrade=None``: an SQLite database brings its own schema up to date (the embedded default
+        needs no set-up step); any other database is left alone, and one whose schema is behind is
+        refused with :class:`StoreError` saying to run ``isoaudit db upgrade`` (a shared server is
+        migrated once, on purpose, not by whichever client connects first). ``True`` upgrades any
+        database; ``False`` upgrades none. ``timeout_s``: how long a statement waits for a locked
+        SQLite file or a PostgreSQL connection before failing (see :func:`make_engine`). A database
+        that cannot be reached raises :class:`StoreUnavailable`."""
+        self.engine = engine or make_engine(url, timeout_s=timeout_s)
+        with translated_errors():
+            ensure_schema(self.engine, may_upgrade=self.dialect == "sqlite" if upgrade is None else upgrade)
+        self.sessions = sessionmaker(self.engine, expire_on_commit=False)
+
+    def schema_revision(self) -> str | None:
+        """Ask the database for its schema revision (a health check: raises
+        :class:`StoreUnavailable` when it does not answer)."""
+        try:
+            with self.engine.connect() as connection:
+                connection.execute(text("SELECT 1"))
+            return current_revision(self.engine)
+        except SQLAlchemyError as exc:
+            raise StoreUnavailable(f"database: {type(exc).__name__}") from exc
+
+    def dispose(self) -> None:
+        """Close the pooled connections."""
+        self.engine.dispose()
