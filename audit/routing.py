@@ -1,4 +1,4 @@
-"""MoE routing agreement (issue 19): which experts each side chose per token and layer, and whether
+"""MoE routing agreement: which experts each side chose per token and layer, and whether
 a routing flip explains a sample's logprob gap.
 
 Published MoE RL runs show about 10% of router decisions differing between rollout and training and

@@ -1,4 +1,4 @@
-"""samples.routes and samples.routes_data (MoE routing per token, issue 19); step_summaries.routing
+"""samples.routes and samples.routes_data (MoE routing per token); step_summaries.routing
 
 Revision ID: 0008
 Revises: 0007

@@ -1,4 +1,4 @@
-"""alert_outbox: a durable row per notice and destination, delivered by the worker (issue 17)
+"""alert_outbox: a durable row per notice and destination, delivered by the worker
 
 Revision ID: 0009
 Revises: 0008

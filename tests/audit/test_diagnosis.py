@@ -1,4 +1,4 @@
-"""isoaudit.audit.diagnosis, one test per case of issue 16, on records built for the case: the lm_head's
+"""isoaudit.audit.diagnosis, one test per diagnosed case, on records built for the case: the lm_head's
 precision named with its side, truncation told apart from raw-vs-processed, a prefix cache that
 crossed a weight update, silent stale weights (held digests, the embedding), and off-policy by design
 against undeclared or out-of-bound lags. Each has a clean control that must not alarm."""

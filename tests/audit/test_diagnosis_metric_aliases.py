@@ -1,4 +1,4 @@
-"""Issue 16's acceptance for names: every figure the issue lists, under its framework's own name, is
+"""Framework names: every figure the frameworks log, under its framework's own name, is
 shown by ``isoaudit metrics list``, exported by ``/metrics?framework=`` (the scrape collector over
 a real store) with the stored key's value, and accepted by an alert rule."""
 

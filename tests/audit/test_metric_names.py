@@ -1,4 +1,4 @@
-"""isoaudit.audit.metric_names: every framework figure the issue lists is an alias of one stored key, and the
+"""isoaudit.audit.metric_names: every framework figure listed here is an alias of one stored key, and the
 comparator's step figures contain every key an alias reads."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from isoaudit.audit.metric_names import UnknownMetric, resolve
 
 from tests import factories
 
-#: The figures issue 16 names, as each framework logs them.
+#: The figures each framework logs, under its own names.
 LISTED = {
     "verl": [
         "rollout_corr/kl",

@@ -74,7 +74,7 @@ def test_served_by_the_api(api: httpx.Client, other_token: str, server) -> None:
 
 
 def test_sampling_params_and_weight_spans_survive_the_store(store: Store) -> None:
-    """min-p and per-span weight versions go in and come back out (issue 16's off-policy lag)."""
+    """min-p and per-span weight versions go in and come back out (the off-policy lag)."""
     import numpy as np
     from isoaudit.audit.records import SampleLogprobs, WeightSpan
 

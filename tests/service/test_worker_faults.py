@@ -1,4 +1,4 @@
-"""The comparison worker killed mid-step (issue 17): a real `isoaudit serve` process is SIGKILLed
+"""The comparison worker killed mid-step: a real `isoaudit serve` process is SIGKILLed
 while it holds the claim of a large step it has not saved yet; a restarted service retakes the step
 once the lease runs out and compares it exactly once. Also: a lease that runs out under a slow
 worker hands the step to another, and the slow worker's late save is refused, not doubled."""

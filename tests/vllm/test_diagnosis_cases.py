@@ -1,4 +1,4 @@
-"""Issue 16's diagnosis cases on the real vLLM engine (CPU build, in this process) against the HF
+"""The diagnosis cases on the real vLLM engine (CPU build, in this process) against the HF
 trainer, both attached through ``isoaudit.session``: each failure users hit is named correctly,
 and the clean control is never a false alarm.
 

@@ -1,4 +1,4 @@
-"""Issue 16's cases that need an engine of another kind: vLLM's default ``raw_logprobs`` mode, with
+"""The diagnosis cases that need an engine of another kind: vLLM's default ``raw_logprobs`` mode, with
 its workers in other processes (the held-weight digests and request facts then come back through
 the worker extension and ``collective_rpc``). One engine for the module."""
 
