@@ -49,16 +49,8 @@ from ._triton import (
     triton,
     use_triton,
 )
-from .gemm import (
-    SPLIT_ALIGN,
-    GemmConfig,
-    _device_traits,
-    _ensure_allocator,
-    _tma_operand,
-    gemm,
-    gemm_config,
-    gemm_reference,
-)
+from .gemm import _device_traits, _ensure_allocator, _tma_operand, gemm, gemm_reference
+from .gemm_policy import SPLIT_ALIGN, GemmConfig, gemm_config
 
 MAX_TP = 8
 # Slots one program carries in registers (2 + log2 of it live fp32 tiles); a rank's subtree wider
