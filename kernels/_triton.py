@@ -155,7 +155,7 @@ def _shared_scratch(size: int, device: int, stream: int | None) -> tuple[int, in
 
 def scratch_allocator(size: int, alignment: int, stream: int | None) -> torch.Tensor:
     """Global scratch for Triton launches (the kernel-built TMA descriptors live there); the
-    allocator ``kernels.gemm`` hands ``triton.set_allocator``.
+    allocator :mod:`isoaudit.kernels.gemm` hands ``triton.set_allocator``.
 
     Eager launches on one stream run in order, so they share one buffer per (device, stream)
     (an allocation per call was ~3 us of host time); a launch being captured into a CUDA graph
@@ -339,7 +339,9 @@ class CachedLauncher:
         try:
             hit(grid, args)
         except (TypeError, ValueError, RuntimeError) as exc:  # a launcher of another Triton version
-            warnings.warn(f"kernels: cached launch failed ({exc!r:.200}); using Triton's", stacklevel=3)
+            warnings.warn(
+                f"isoaudit.kernels: cached launch failed ({exc!r:.200}); using Triton's", stacklevel=3
+            )
             CachedLauncher.enabled = False
             return False
         return True

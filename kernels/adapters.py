@@ -1,4 +1,4 @@
-"""Route HF transformers models (Llama, Qwen2, Qwen3, Mistral) through :mod:`kernels.dispatch`.
+"""Route HF transformers models (Llama, Qwen2, Qwen3, Mistral) through :mod:`isoaudit.kernels.dispatch`.
 
 Two pieces: ``patch()``/``unpatch()`` swap, process-wide, ``nn.Linear.forward``, the HF RMSNorm
 classes' forward and HF's "sdpa"/"eager" attention entries and SiLU for routed versions (so an unmodified

@@ -1,19 +1,19 @@
-"""HF's MoE families (Qwen3-MoE, Mixtral) through :mod:`kernels.moe`.
+"""HF's MoE families (Qwen3-MoE, Mixtral) through :mod:`isoaudit.kernels.moe`.
 
-``patch()``/``unpatch()`` (called by :func:`kernels.enable` beside :func:`kernels.adapters.patch`)
-swap the forwards of HF's router (``*TopKRouter``: :func:`kernels.moe.route`, fp32 logits) and
-fused experts (``*Experts``: :func:`kernels.moe.expert_outputs` then :func:`kernels.moe.combine`)
+``patch()``/``unpatch()`` (called by :func:`isoaudit.kernels.enable` beside :func:`isoaudit.kernels.adapters.patch`)
+swap the forwards of HF's router (``*TopKRouter``: :func:`isoaudit.kernels.moe.route`, fp32 logits) and
+fused experts (``*Experts``: :func:`isoaudit.kernels.moe.expert_outputs` then :func:`isoaudit.kernels.moe.combine`)
 and route Mixtral's RMSNorm like the other families' norms; the sparse block keeps HF's structure
 (``gate`` then ``experts``), so the modules the collectors hook (``layers.i.router`` on ``mlp.gate``,
 ``layers.i.combine`` on ``mlp.experts``) run in both modes. Kernels off, HF's own modules run
 (model-dtype router, ``torch.topk``, experts looped with ``index_add_``): the native baseline.
 
 :func:`instrument` numbers a model's MoE blocks, hooks their routers, so
-:func:`kernels.moe.trace_routing` records the selected experts per token and layer in both modes,
+:func:`isoaudit.kernels.moe.trace_routing` records the selected experts per token and layer in both modes,
 and gives each experts module an :class:`ExpertSlots` child: the per-slot expert outputs
 (``layers.i.experts``, one row a token: its k outputs in slot order), computed inside the
 invariant experts with the kernels on, and by HF's own experts implementation when a hook asks for
-them with the kernels off. :class:`HFMoECausalLM` is :class:`kernels.adapters.HFCausalLM`
+them with the kernels off. :class:`HFMoECausalLM` is :class:`isoaudit.kernels.adapters.HFCausalLM`
 for these families, tagging its tokens (trainer: batch row and position; engine: slot and position).
 """
 
@@ -67,7 +67,7 @@ def _block_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor
 
 
 def _router_forward(self: nn.Module, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """HF's router outputs (logits, top-k weights, top-k experts) from :func:`kernels.moe.route`:
+    """HF's router outputs (logits, top-k weights, top-k experts) from :func:`isoaudit.kernels.moe.route`:
     fp32 logits of the batch-invariant GEMM, the stable top-k, weights in a fixed order (fp32)."""
     x = hidden_states.reshape(-1, self.weight.shape[1])
     r = moe.route(x, self.weight, self.top_k, getattr(self, "norm_topk_prob", True))

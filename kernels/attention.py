@@ -762,7 +762,8 @@ def _backward_failed(exc: Exception) -> None:
     global _TRITON_BACKWARD_FAILED
     _TRITON_BACKWARD_FAILED = True
     warnings.warn(
-        f"kernels.attention: the Triton backward failed ({exc!r}); using the torch chain", stacklevel=3
+        f"isoaudit.kernels.attention: the Triton backward failed ({exc!r}); using the torch chain",
+        stacklevel=3,
     )
 
 

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-# Named imports: the package rebinds ``kernels.gemm`` and ``kernels.attention`` to functions.
+# Named imports: the package's attributes ``gemm`` and ``attention`` are functions, not these modules.
 from .attention import CONFIG as _ATTN_CONFIG
 from .attention import LOG2E, _check_heads
 from .attention import _Attention as _AttentionBackward
@@ -564,7 +564,7 @@ def attention(
     slots: torch.Tensor | None = None,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """Causal attention of packed queries against a KV cache, layout as :mod:`kernels.attention`.
+    """Causal attention of packed queries against a KV cache, layout as :mod:`isoaudit.kernels.attention`.
 
     Per query row at absolute position p (keys 0..p; cached keys past ``kv_len`` count as zeros):
     scores ``q.k`` as exact integer dot products rounded once to fp32; ``w_j = 2^((s_j - max) c)``

@@ -203,7 +203,9 @@ def _backward_failed(exc: Exception) -> None:
     """Remember (and say once) that the Triton backward could not run here."""
     global _FAILED
     _FAILED = True
-    warnings.warn(f"kernels.rmsnorm: the Triton backward failed ({exc!r}); using the reference", stacklevel=3)
+    warnings.warn(
+        f"isoaudit.kernels.rmsnorm: the Triton backward failed ({exc!r}); using the reference", stacklevel=3
+    )
 
 
 #: Rows one backward program walks (its partial weight gradient covers them).

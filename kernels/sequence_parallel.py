@@ -12,14 +12,14 @@ non-SP model performs:
   fixed tree of key tiles at absolute positions, the same for a query whatever else is in the
   call, so no ring-style merge of per-rank partial softmaxes (whose order would follow the ranks).
 * **Row-parallel layers with TP** (:func:`tree_gemm_reduce_scatter`): each rank's subtree roots
-  of the tree GEMM (:mod:`kernels.tree_gemm`) for every token go to the rank owning that token's
+  of the tree GEMM (:mod:`isoaudit.kernels.tree_gemm`) for every token go to the rank owning that token's
   slice (an all-to-all in place of the all-gather), which combines them by the same tree:
   Megatron's reduce-scatter, with TP=1's additions.
 
 :func:`sp_hidden` runs a decoder this way, for all ranks on one device (simulated) or for this
 process's rank of a real group (:func:`process_group_seq_gather`): our
-:class:`kernels.models.moe_lm.MoELM`, or HF's Llama/Qwen3 (dense) and Qwen3-MoE/Mixtral (MoE)
-decoders with the ops of :class:`kernels.adapters.HFCausalLM` (the engine path, bitwise HF's own
+:class:`isoaudit.kernels.models.moe_lm.MoELM`, or HF's Llama/Qwen3 (dense) and Qwen3-MoE/Mixtral (MoE)
+decoders with the ops of :class:`isoaudit.kernels.adapters.HFCausalLM` (the engine path, bitwise HF's own
 forward with the kernels on). ``python -m isoaudit.kernels.moe_check`` checks both under torchrun.
 """
 
@@ -121,7 +121,7 @@ class _OursLayer:
 
 
 class _Ours:
-    """:class:`kernels.models.moe_lm.MoELM` (``embed``, ``blocks``, ``norm``)."""
+    """:class:`isoaudit.kernels.models.moe_lm.MoELM` (``embed``, ``blocks``, ``norm``)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
@@ -162,8 +162,8 @@ class _HFLayer:
 
 
 class _HF:
-    """An HF Llama/Qwen3/Qwen3-MoE/Mixtral causal LM (or an :class:`~kernels.adapters.HFCausalLM`)
-    with :class:`~kernels.adapters.HFCausalLM`'s per-layer ops; MoE blocks are instrumented so they
+    """An HF Llama/Qwen3/Qwen3-MoE/Mixtral causal LM (or an :class:`~isoaudit.kernels.adapters.HFCausalLM`)
+    with :class:`~isoaudit.kernels.adapters.HFCausalLM`'s per-layer ops; MoE blocks are instrumented so they
     take packed rows and record their routing."""
 
     def __init__(self, model: Any) -> None:
@@ -192,7 +192,7 @@ class _HF:
 
 def sp_model(model: Any) -> SPModel:
     """``model`` as :func:`sp_hidden` runs it: our MoELM, an HF decoder (dense or MoE), an
-    :class:`~kernels.adapters.HFCausalLM`, or an :class:`SPModel` already."""
+    :class:`~isoaudit.kernels.adapters.HFCausalLM`, or an :class:`SPModel` already."""
     if hasattr(model, "layers") and hasattr(model, "final"):
         return model  # type: ignore[no-any-return]
     if hasattr(model, "blocks") and hasattr(model, "embed"):
@@ -256,7 +256,7 @@ def tree_gemm_reduce_scatter(
     rank's slice of the M rows (:func:`seq_slices` over M), from its K columns of every row. The
     rank's subtree roots for every row are split by slice and exchanged (``all_to_all``), and the
     ``tp`` roots of each of its rows are combined by the same tree as without SP, so each row has
-    the bits of :func:`kernels.tree_gemm.tree_gemm` (and of TP=1)."""
+    the bits of :func:`isoaudit.kernels.tree_gemm.tree_gemm` (and of TP=1)."""
     root = subtree_root(x_local, w_local, tree_plan(k, leaf, tp), rank, impl)  # (M, N) fp32
     mine = all_to_all([root[lo:hi] for lo, hi in seq_slices(root.shape[0], tp)])
     return tree_reduce(torch.stack(mine)).to(out_dtype or x_local.dtype)

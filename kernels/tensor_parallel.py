@@ -4,7 +4,7 @@ In a tensor-parallel model the row-parallel layers (attention ``o_proj``, MLP ``
 the reduction dimension K across ranks and sum the partial products with an NCCL all-reduce, whose
 summation order depends on the number of ranks (and on NCCL's algorithm choice). The same weights
 then give different logits at TP=1 (the trainer) and TP=8 (the rollout engine).
-:class:`RowParallelLinear` computes its shard with the tree GEMM instead (:mod:`kernels.tree_gemm`):
+:class:`RowParallelLinear` computes its shard with the tree GEMM instead (:mod:`isoaudit.kernels.tree_gemm`):
 each rank reduces its own subtree, the subtree roots are all-gathered, and every rank combines them
 with the same pairwise tree, so every addition is the one TP=1 performs.
 

@@ -1,5 +1,5 @@
 """A small hybrid language model with Gated DeltaNet and attention layers (Qwen3-Next-like,
-without the short convolution and output gate), written against :mod:`kernels.dispatch` so one
+without the short convolution and output gate), written against :mod:`isoaudit.kernels.dispatch` so one
 switch moves it onto the invariant kernels. It runs as a trainer (``forward``: whole sequences,
 autograd) and as a rollout engine's model (``step``: packed new tokens against a cache).
 """
