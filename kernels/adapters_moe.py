@@ -129,7 +129,7 @@ def _record_router(layer: int):
 def _packed_in(module: nn.Module, args: tuple) -> tuple | None:
     """Blocks take (B, L, H); the engine's packed (T, H) rows enter as one sequence."""
     x = args[0]
-    module._moe_packed = x.ndim == 2  # type: ignore[attr-defined]
+    module._moe_packed = x.ndim == 2
     return (x[None], *args[1:]) if x.ndim == 2 else None
 
 

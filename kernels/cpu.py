@@ -298,7 +298,7 @@ def gemm(
 
 class _Linear(_LinearBackward):
     @staticmethod
-    def forward(ctx, x, weight, bias, out_dtype):  # type: ignore[override]
+    def forward(ctx, x, weight, bias, out_dtype):
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
         return gemm(x, weight, bias, out_dtype)
@@ -332,7 +332,7 @@ def _rms(x: torch.Tensor, weight: torch.Tensor | None, eps: float, l2: bool) -> 
 
 class _RMSNorm(_RMSNormBackward):
     @staticmethod
-    def forward(ctx, x, weight, eps, l2):  # type: ignore[override]
+    def forward(ctx, x, weight, eps, l2):
         ctx.save_for_backward(x, weight)
         ctx.eps, ctx.l2 = eps, l2
         return _rms(x, weight, eps, l2)
@@ -380,7 +380,7 @@ def _silu(x: torch.Tensor) -> torch.Tensor:
 
 class _Silu(_SiluBackward):
     @staticmethod
-    def forward(ctx, x):  # type: ignore[override]
+    def forward(ctx, x):
         ctx.save_for_backward(x)
         return _silu(x)
 
@@ -400,7 +400,7 @@ def _gates(
 
 class _Gates(_GatesBackward):
     @staticmethod
-    def forward(ctx, a, b, a_log, dt_bias):  # type: ignore[override]
+    def forward(ctx, a, b, a_log, dt_bias):
         ctx.save_for_backward(a, b, a_log, dt_bias)
         return _gates(a, b, a_log, dt_bias)
 
@@ -445,7 +445,7 @@ def _token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Te
 
 class _TokenLogprobs(_TokenLogprobsBackward):
     @staticmethod
-    def forward(ctx, hidden, weight, tokens):  # type: ignore[override]
+    def forward(ctx, hidden, weight, tokens):
         z = lm_head_logits(hidden.reshape(-1, hidden.shape[-1]), weight)
         lse = logsumexp_rows(z)
         ctx.save_for_backward(hidden, weight, tokens, z, lse)  # the backward reads the logits
@@ -547,7 +547,7 @@ def _attention(
 
 class _Attention(_AttentionBackward):
     @staticmethod
-    def forward(ctx, q, k, v, cu_q, q_pos0, kv_len, slots, scale):  # type: ignore[override]
+    def forward(ctx, q, k, v, cu_q, q_pos0, kv_len, slots, scale):
         out = _attention(q, k, v, cu_q, q_pos0, kv_len, slots, scale)
         ctx.save_for_backward(q, k, v, cu_q, q_pos0, kv_len, slots, out)
         ctx.scale = scale

@@ -758,7 +758,7 @@ class _GDN(torch.autograd.Function):
     run (CPU tensors without the interpreter)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, cu_seqlens, chunk):  # type: ignore[override]
+    def forward(ctx, q, k, v, g, beta, cu_seqlens, chunk):
         ctx.save_for_backward(q, k, v, g, beta, cu_seqlens)
         # Read the sequence bounds back once: a second read in backward would be a host sync
         # that stalls the backward's launches behind this forward's kernels.
@@ -769,7 +769,7 @@ class _GDN(torch.autograd.Function):
         return o
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
+    def backward(ctx, grad):
         q, k, v, g, beta, _ = ctx.saved_tensors
         # The gradient is not part of the bitwise contract; accuracy is checked against fp64.
         if getattr(ctx, "work", None) is not None:

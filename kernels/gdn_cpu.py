@@ -150,7 +150,7 @@ class _GDNCPU(_GDN):
     """Forward by the invariant recurrence; backward inherited (the torch chunk form's)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, cu_seqlens, chunk):  # type: ignore[override]
+    def forward(ctx, q, k, v, g, beta, cu_seqlens, chunk):
         ctx.save_for_backward(q, k, v, g, beta, cu_seqlens)
         ctx.chunk, ctx.seqs = chunk, _seqs(cu_seqlens)
         return gdn(q, k, v, g, beta, cu_seqlens, seqs=ctx.seqs)[0]

@@ -533,13 +533,13 @@ class _Linear(torch.autograd.Function):
     contract, the forward's are)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, out_dtype):  # type: ignore[override]
+    def forward(ctx, x, weight, bias, out_dtype):
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
         return gemm(x, weight, bias, out_dtype)
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
+    def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         g2 = grad.reshape(-1, grad.shape[-1])
         gx = (g2.to(weight.dtype) @ weight).reshape(x.shape).to(x.dtype) if ctx.needs_input_grad[0] else None

@@ -34,6 +34,7 @@ import os
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -69,6 +70,9 @@ TIE_RULE = (
 )
 MAX_EXPERTS = 1 << 16
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
 
 # ---------------------------------------------------------------------------------------------
 # Router
@@ -100,13 +104,13 @@ class _Exp(torch.autograd.Function):
     device) with its derivative."""
 
     @staticmethod
-    def forward(ctx, x):  # type: ignore[override]
+    def forward(ctx, x):
         y = _cpu.exp(x)
         ctx.save_for_backward(y)
         return y
 
     @staticmethod
-    def backward(ctx, g):  # type: ignore[override]
+    def backward(ctx, g):
         (y,) = ctx.saved_tensors
         return g * y
 
@@ -377,7 +381,9 @@ def _expert_outputs_fast(
     return grouped_scatter(h, down, groups[1], perm)
 
 
-def _all_to_all(t: torch.Tensor, send: list[int], recv: list[int], group: object | None) -> torch.Tensor:
+def _all_to_all(
+    t: torch.Tensor, send: list[int], recv: list[int], group: ProcessGroup | None
+) -> torch.Tensor:
     """Rows of ``t`` sent ``send[d]`` to rank d, ``recv[s]`` received from rank s (stacked in rank
     order). Rows travel as bytes: the bits, whatever dtypes the backend supports (gloo: no bf16)."""
     import torch.distributed as dist
@@ -394,7 +400,7 @@ def expert_outputs_distributed(
     local: Mapping[int, tuple[torch.Tensor, torch.Tensor]],
     owners: Sequence[int],
     capacity: int | None = None,
-    group: object | None = None,
+    group: ProcessGroup | None = None,
 ) -> torch.Tensor:
     """:func:`expert_outputs` for this rank's tokens in a real expert-parallel group: ``local``
     holds this rank's experts (id -> (gate_up, down)), ``owners[e]`` expert e's rank. Rows go to

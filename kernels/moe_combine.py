@@ -69,7 +69,7 @@ def combine_rows(
     if t == 0 or h == 0:
         return out
     gather = rows is not None
-    rows_arg = rows if gather else w
+    rows_arg = rows if rows is not None else w
     args = (y2, w, rows_arg, out, h, y2.stride(0), w.stride(0), out.stride(0))
     cx = dict(K=k, GATHER=gather, BLOCK=BLOCK_H)
     key = (y2.dtype, dtype, rows_arg.dtype, *args[4:], k, gather, aligned(y2, w, rows_arg, out), y.device)

@@ -131,13 +131,13 @@ class _Grouped(torch.autograd.Function):
     the forward's bits)."""
 
     @staticmethod
-    def forward(ctx, x, weight, experts, offsets):  # type: ignore[override]
+    def forward(ctx, x, weight, experts, offsets):
         ctx.save_for_backward(x, weight)
         ctx.groups = (experts, offsets)
         return grouped_gemm(x, weight, experts, offsets)
 
     @staticmethod
-    def backward(ctx, g):  # type: ignore[override]
+    def backward(ctx, g):
         x, weight = ctx.saved_tensors
         experts, offsets = ctx.groups
         gx = torch.zeros_like(x) if ctx.needs_input_grad[0] else None

@@ -172,13 +172,13 @@ class _RMSNorm(torch.autograd.Function):
     CUDA, elsewhere by differentiating the torch reference."""
 
     @staticmethod
-    def forward(ctx, x, weight, eps, l2):  # type: ignore[override]
+    def forward(ctx, x, weight, eps, l2):
         ctx.save_for_backward(x, weight)
         ctx.eps, ctx.l2 = eps, l2
         return rms_norm(x, weight, eps, l2=l2)
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
+    def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         gx = gw = None
         if x.is_cuda and resolve(None, x) == "triton" and not _FAILED:

@@ -26,7 +26,7 @@ forward with the kernels on). ``python -m isoaudit.kernels.moe_check`` checks bo
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -37,6 +37,9 @@ from .tree_gemm import subtree_root, tree_plan, tree_reduce
 SeqGather = Callable[[dict[int, torch.Tensor]], torch.Tensor]
 #: ``all_to_all(parts)``: parts[d] goes to rank d; returns what every rank sent here, in rank order.
 AllToAll = Callable[[list[torch.Tensor]], list[torch.Tensor]]
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 
 def seq_slices(n: int, world: int) -> list[tuple[int, int]]:
@@ -56,7 +59,7 @@ def simulated_seq_gather(parts: dict[int, torch.Tensor]) -> torch.Tensor:
     return torch.cat([parts[r] for r in sorted(parts)], dim=1)
 
 
-def process_group_seq_gather(n: int, group: object | None = None) -> SeqGather:
+def process_group_seq_gather(n: int, group: ProcessGroup | None = None) -> SeqGather:
     """This process's rank of a real group (one local slice): an all-gather of the slices, padded
     to the longest and trimmed back."""
     import torch.distributed as dist
@@ -194,7 +197,7 @@ def sp_model(model: Any) -> SPModel:
     """``model`` as :func:`sp_hidden` runs it: our MoELM, an HF decoder (dense or MoE), an
     :class:`~isoaudit.kernels.adapters.HFCausalLM`, or an :class:`SPModel` already."""
     if hasattr(model, "layers") and hasattr(model, "final"):
-        return model  # type: ignore[no-any-return]
+        return model
     if hasattr(model, "blocks") and hasattr(model, "embed"):
         return _Ours(model)
     inner = getattr(model, "model", None)
@@ -283,7 +286,7 @@ def tree_gemm_sp(
     ]
 
 
-def process_group_all_to_all(group: object | None = None) -> AllToAll:
+def process_group_all_to_all(group: ProcessGroup | None = None) -> AllToAll:
     """An all-to-all of row blocks over a ``torch.distributed`` group: ``parts[d]`` goes to rank d;
     this rank receives every rank's block for it (all of this rank's own block's shape)."""
     import torch.distributed as dist
