@@ -234,8 +234,8 @@ def _same_values(w: torch.Tensor, seen: torch.Tensor) -> bool:
         return False
     if not w.is_contiguous() or (w.numel() * w.element_size()) % 8 or w.data_ptr() % 8:
         return torch.equal(w, seen)
-    words = (t.reshape(-1).view(torch.uint8).view(torch.int64).numpy() for t in (w.detach(), seen))
-    return bool(np.array_equal(*words))
+    a, b = (t.reshape(-1).view(torch.uint8).view(torch.int64).numpy() for t in (w.detach(), seen))
+    return bool(np.array_equal(a, b))
 
 
 def _split_weight(w: torch.Tensor, bits: int, slices: int) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -265,7 +265,11 @@ def _weight_parts(w: torch.Tensor, bits: int, slices: int) -> tuple[list[torch.T
     if size <= WEIGHT_CACHE_BYTES:
         while _WEIGHTS and _weights_bytes + size > WEIGHT_CACHE_BYTES:
             _forget(next(iter(_WEIGHTS)))
-        ref = weakref.ref(w, lambda _, key=key: _forget(key))
+
+        def drop(_: object, key: tuple[int, int, int] = key) -> None:  # w was collected
+            _forget(key)
+
+        ref = weakref.ref(w, drop)
         _WEIGHTS[key] = (ref, w.detach().clone(), parts, e, size)
         _weights_bytes += size
     return parts, e

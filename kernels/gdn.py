@@ -466,8 +466,9 @@ def _chunk_backward(
     ``dkd = up dN^T``, ``degl = <H, dN>``) are then batched over every chunk and handed to autograd
     for the intra-chunk part (all chunks at once)."""
     starts, lens = seqs
+    q, k, v, g, beta = inputs
     with torch.enable_grad():
-        parts = _chunk_parts(*inputs, seqs, chunk, "triangular")
+        parts = _chunk_parts(q, k, v, g, beta, seqs, chunk, "triangular")
     W, U, P, qg, kd, egl = (t.detach() for t in parts)
     b, nc, hh, c, dk = W.shape
     dv = U.shape[-1]
@@ -910,10 +911,12 @@ def gdn_incremental(
     if kernel:
         o = torch.empty(q.shape[0], q.shape[1], v.shape[2], dtype=torch.float32, device=q.device)
         runs = _runs(cu2[:-1], lens2, slots, emits, starts, q.device, chunk)
-        _launch(*_kernel_inputs(*packed), runs, cache.h, cache.h, o, chunk)  # the slots' states in place
+        pq, pk, pv, pg, pb = _kernel_inputs(*packed)
+        _launch(pq, pk, pv, pg, pb, runs, cache.h, cache.h, o, chunk)  # the slots' states in place
     else:
         cu_t = torch.tensor(cu2, device=q.device, dtype=torch.int32)
-        o_all, h = gdn_chunk(*packed, cu_t, cache.h[sl], chunk, impl)
+        pq, pk, pv, pg, pb = packed
+        o_all, h = gdn_chunk(pq, pk, pv, pg, pb, cu_t, cache.h[sl], chunk, impl)
         cache.h[sl] = h
         o = torch.cat([o_all[a + e : b] for a, b, e in zip(cu2[:-1], cu2[1:], emits, strict=True)])
     for i, slot in enumerate(slots):

@@ -245,7 +245,11 @@ def _expert_views(w: torch.Tensor) -> Sequence[torch.Tensor]:
     if hit is not None and hit[0]() is w and hit[1][0].data_ptr() == w.data_ptr():
         return hit[1]
     views = list(w.detach().unbind(0))  # same storage: they see in-place weight updates
-    _VIEWS[id(w)] = (weakref.ref(w, lambda _, key=id(w): _VIEWS.pop(key, None)), views)
+
+    def drop(_: object, key: int = id(w)) -> None:  # w was collected
+        _VIEWS.pop(key, None)
+
+    _VIEWS[id(w)] = (weakref.ref(w, drop), views)
     return views
 
 

@@ -75,7 +75,7 @@ class Block(nn.Module):
     def __init__(self, cfg: MoELMConfig, layer: int) -> None:
         super().__init__()
         self.norm1, self.norm2 = RMSNorm(cfg.hidden, cfg.eps), RMSNorm(cfg.hidden, cfg.eps)
-        self.mixer = Attention(cfg)  # type: ignore[arg-type]  (reads the same fields)
+        self.mixer = Attention(cfg)  # type: ignore[arg-type]  # reads the same fields as GDNLMConfig
         self.mlp: nn.Module = MLP(cfg) if layer in cfg.dense_layers else SparseMoE(cfg, layer)  # type: ignore[arg-type]
 
     def forward(self, x, positions, cu, slots, cache):
