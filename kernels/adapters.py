@@ -31,7 +31,7 @@ def _linear_forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
     return dispatch.linear(input, self.weight, self.bias)
 
 
-def _rmsnorm_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+def _rmsnorm_forward(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
     return dispatch.rms_norm(hidden_states, self.weight, self.variance_epsilon)
 
 
@@ -62,8 +62,8 @@ def _silu_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
     return dispatch.silu(input)
 
 
-def _silu_classes() -> list[type]:
-    out: list[type] = [nn.SiLU]
+def _silu_classes() -> list[type[Any]]:
+    out: list[type[Any]] = [nn.SiLU]
     try:
         from transformers.activations import SiLUActivation
 
@@ -73,10 +73,10 @@ def _silu_classes() -> list[type]:
     return out
 
 
-def family_classes(families: list[tuple[str, str]], suffix: str) -> list[type]:
+def family_classes(families: list[tuple[str, str]], suffix: str) -> list[type[Any]]:
     """HF's ``<Prefix><suffix>`` class of each (module, prefix) family that this transformers has
     (e.g. ``("qwen3", "Qwen3"), "RMSNorm"`` -> ``Qwen3RMSNorm``); missing families are skipped."""
-    out = []
+    out: list[type[Any]] = []
     for mod, prefix in families:
         try:
             m = importlib.import_module(f"transformers.models.{mod}.modeling_{mod}")
@@ -88,7 +88,7 @@ def family_classes(families: list[tuple[str, str]], suffix: str) -> list[type]:
     return out
 
 
-def _rmsnorm_classes() -> list[type]:
+def _rmsnorm_classes() -> list[type[Any]]:
     return family_classes(_FAMILIES, "RMSNorm")
 
 
@@ -106,9 +106,9 @@ def patch() -> None:
         cls.forward = _silu_forward
     try:
         from transformers.modeling_utils import AttentionInterface
-    except Exception:
-        AttentionInterface = None  # noqa: N806
-    if AttentionInterface is not None:
+    except Exception:  # no transformers, or one without the interface: nothing to patch
+        pass
+    else:
         gm = AttentionInterface._global_mapping
         _saved["attn"] = {key: gm.get(key) for key in ("sdpa", "eager")}
         gm["sdpa"] = hf_attention
@@ -134,7 +134,7 @@ def unpatch() -> None:
                 gm[key] = fn
 
 
-def _norm(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _norm(module: Any, x: torch.Tensor) -> torch.Tensor:
     """An HF RMSNorm as the engine runs it: the module itself when the kernels are on (patched to
     the invariant kernel, the trainer's op); natively the fused ``F.rms_norm``, as a rollout
     engine's fused norm kernel is (HF's module is seven separate ops); a module a collector hooked
@@ -155,9 +155,9 @@ class HFCausalLM:
     the kernels enabled every op is the one the patched trainer runs."""
 
     def __init__(self, model: nn.Module) -> None:
-        self.model = model
-        self.inner = model.model
-        cfg = model.config
+        self.model: Any = model  # an HF causal LM: its submodules are read by name
+        self.inner: Any = self.model.model
+        cfg = self.model.config
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.kv_heads = cfg.num_key_value_heads
         self._consts: dict[tuple, torch.Tensor] = {}

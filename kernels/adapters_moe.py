@@ -31,7 +31,7 @@ _FAMILIES = [("qwen3_moe", "Qwen3Moe"), ("mixtral", "Mixtral")]
 _saved: dict[str, list[tuple[type, Any]]] = {}
 
 
-def _classes(suffix: str) -> list[type]:
+def _classes(suffix: str) -> list[type[Any]]:
     return family_classes(_FAMILIES, suffix)
 
 
@@ -50,7 +50,7 @@ def _wants_slots(experts: nn.Module) -> ExpertSlots | None:
     return None
 
 
-def _block_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+def _block_forward(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
     """HF's sparse MoE block (router, then experts) with the invariant contract's checks."""
     act = getattr(getattr(self.experts, "config", None), "hidden_act", "silu")
     if act != "silu":
@@ -66,7 +66,7 @@ def _block_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor
     return self.experts(x, experts, weights).reshape(hidden_states.shape)
 
 
-def _router_forward(self: nn.Module, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _router_forward(self: Any, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """HF's router outputs (logits, top-k weights, top-k experts) from :func:`isoaudit.kernels.moe.route`:
     fp32 logits of the batch-invariant GEMM, the stable top-k, weights in a fixed order (fp32)."""
     x = hidden_states.reshape(-1, self.weight.shape[1])
@@ -75,7 +75,7 @@ def _router_forward(self: nn.Module, hidden_states: torch.Tensor) -> tuple[torch
 
 
 def _experts_forward(
-    self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    self: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
     """Every (token, slot) expert output in routing order, then the fixed-order fp32 combine."""
     y = moe.expert_outputs(hidden_states, top_k_index, self.gate_up_proj, self.down_proj)
@@ -112,10 +112,10 @@ def unpatch() -> None:
             cls.forward = fwd
 
 
-def moe_blocks(model: nn.Module) -> list[tuple[int, nn.Module]]:
+def moe_blocks(model: nn.Module) -> list[tuple[int, Any]]:
     """(decoder layer index, sparse MoE block) of an HF Qwen3-MoE / Mixtral model."""
     classes = tuple(_classes("SparseMoeBlock"))
-    inner = getattr(model, "model", model)
+    inner: Any = getattr(model, "model", model)
     return [(i, layer.mlp) for i, layer in enumerate(inner.layers) if isinstance(layer.mlp, classes)]
 
 
@@ -126,7 +126,7 @@ def _record_router(layer: int):
     return hook
 
 
-def _packed_in(module: nn.Module, args: tuple) -> tuple | None:
+def _packed_in(module: Any, args: tuple) -> tuple | None:
     """Blocks take (B, L, H); the engine's packed (T, H) rows enter as one sequence."""
     x = args[0]
     module._moe_packed = x.ndim == 2
@@ -175,7 +175,7 @@ class HFMoECausalLM(HFCausalLM):
 
     # The MoE dispatch reads routed counts on the host, so the decode step cannot be captured in a
     # CUDA graph: the engine runs ``step`` for every decode step instead.
-    decode = None
+    decode = None  # type: ignore[assignment]  # no graph-captured decode step (see above)
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__(model)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import Any
 
 import torch
 
@@ -94,7 +95,7 @@ def hf_decoder(family: str, dev: torch.device, dtype: torch.dtype, seed: int = 0
     (every process builds the same bits; nothing is downloaded)."""
     from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3Config, Qwen3MoeConfig
 
-    common = dict(
+    common: dict[str, Any] = dict(
         vocab_size=256,
         hidden_size=64,
         num_hidden_layers=2,
@@ -130,7 +131,7 @@ def _sp_hf(rank: int, world: int, dev: torch.device) -> dict:
     lo, hi = sp.seq_slices(ids.shape[1], world)[rank]
     res = {}
     for family in ("qwen3", "qwen3_moe"):
-        model = hf_decoder(family, dev, torch.bfloat16 if dev.type == "cuda" else torch.float32)
+        model: Any = hf_decoder(family, dev, torch.bfloat16 if dev.type == "cuda" else torch.float32)
         head = model.lm_head.weight
         with switch.enable(), torch.no_grad():
             full = model.model(input_ids=ids).last_hidden_state[:, lo:hi]
@@ -168,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     rank, world, dev = join_torchrun_group()
-    mine = {"ep": _ep(rank, world, dev, args.small), "sp": _sp(rank, world, dev, args.small)}
+    mine: dict[str, Any] = {"ep": _ep(rank, world, dev, args.small), "sp": _sp(rank, world, dev, args.small)}
     mine["sp_hf"] = _sp_hf(rank, world, dev)
     mine["tp_sp"] = _tp_sp(rank, world, dev, args.small)
     every: list[dict] = [{} for _ in range(world)]

@@ -109,7 +109,7 @@ class SPModel(Protocol):
 
 
 class _OursLayer:
-    def __init__(self, blk: torch.nn.Module) -> None:
+    def __init__(self, blk: Any) -> None:
         self.blk, self.att = blk, blk.mixer
         self.scale = self.att.cfg.head_dim**-0.5
 
@@ -126,9 +126,9 @@ class _OursLayer:
 class _Ours:
     """:class:`isoaudit.kernels.models.moe_lm.MoELM` (``embed``, ``blocks``, ``norm``)."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: Any) -> None:
         self.model = model
-        self.layers = [_OursLayer(blk) for blk in model.blocks]
+        self.layers: Sequence[SPLayer] = [_OursLayer(blk) for blk in model.blocks]
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed(ids)
@@ -138,7 +138,7 @@ class _Ours:
 
 
 class _HFLayer:
-    def __init__(self, owner: _HF, layer: torch.nn.Module) -> None:
+    def __init__(self, owner: _HF, layer: Any) -> None:
         self.owner, self.layer, self.attn = owner, layer, layer.self_attn
         self.scale = float(self.attn.scaling)
 
@@ -174,10 +174,10 @@ class _HF:
         from .adapters_moe import instrument
 
         instrument(model)
-        self.inner = model.model
+        self.inner: Any = model.model
         cfg = model.config
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.layers = [_HFLayer(self, layer) for layer in self.inner.layers]
+        self.layers: Sequence[SPLayer] = [_HFLayer(self, layer) for layer in self.inner.layers]
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
