@@ -97,7 +97,7 @@ def patch() -> None:
     if _saved:
         return
     _saved["linear"] = nn.Linear.forward
-    nn.Linear.forward = _linear_forward  # type: ignore[method-assign]
+    nn.Linear.forward = _linear_forward  # type: ignore[method-assign]  # the process-wide patch
     _saved["norms"] = [(cls, cls.forward) for cls in _rmsnorm_classes()]
     for cls, _ in _saved["norms"]:
         cls.forward = _rmsnorm_forward
@@ -119,7 +119,7 @@ def unpatch() -> None:
     """Restore what :func:`patch` replaced."""
     if not _saved:
         return
-    nn.Linear.forward = _saved.pop("linear")  # type: ignore[method-assign]
+    nn.Linear.forward = _saved.pop("linear")  # type: ignore[method-assign]  # undo the patch
     for cls, fwd in _saved.pop("norms") + _saved.pop("acts"):
         cls.forward = fwd
     attn = _saved.pop("attn", None)
@@ -154,10 +154,10 @@ class HFCausalLM:
     a KV cache per layer of shape (slots, max_len, Hkv, D). Uses the model's own modules, so with
     the kernels enabled every op is the one the patched trainer runs."""
 
-    def __init__(self, model: nn.Module) -> None:
-        self.model: Any = model  # an HF causal LM: its submodules are read by name
-        self.inner: Any = self.model.model
-        cfg = self.model.config
+    def __init__(self, model: Any) -> None:  # an HF causal LM: its submodules are read by name
+        self.model = model
+        self.inner = model.model
+        cfg = model.config
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.kv_heads = cfg.num_key_value_heads
         self._consts: dict[tuple, torch.Tensor] = {}

@@ -28,7 +28,7 @@ from . import moe
 from .adapters import HFCausalLM, _rmsnorm_forward, family_classes
 
 _FAMILIES = [("qwen3_moe", "Qwen3Moe"), ("mixtral", "Mixtral")]
-_saved: dict[str, list[tuple[type, Any]]] = {}
+_saved: dict[str, list[tuple[type[Any], Any]]] = {}
 
 
 def _classes(suffix: str) -> list[type[Any]]:

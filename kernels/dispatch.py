@@ -83,7 +83,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
             return _cpu.rms_norm(x, weight, eps)
         if torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)):
             return _rms.rms_norm_autograd(x, weight, eps)
-        return _rms.rms_norm(x, weight, eps)  # type: ignore[return-value]
+        return _rms.rms_norm(x, weight, eps)  # type: ignore[return-value]  # one tensor without a residual
     dtype = x.dtype
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
@@ -119,7 +119,7 @@ def l2_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
             return _cpu.l2_norm(x, eps)
         if torch.is_grad_enabled() and x.requires_grad:
             return _rms.rms_norm_autograd(x, None, eps, l2=True)
-        return _rms.rms_norm(x, None, eps, l2=True)  # type: ignore[return-value]
+        return _rms.rms_norm(x, None, eps, l2=True)  # type: ignore[return-value]  # one tensor without a residual
     h = x.float()
     return (h * torch.rsqrt(h.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
 

@@ -248,7 +248,7 @@ class RolloutEngine:
 
     def _decode_fn(self, cache: Any) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
         """One decode step over every slot (row i = slot i) to (log-softmax, logits / T)."""
-        decode, w = self.model.decode, self.model.lm_head_weight  # type: ignore[attr-defined]
+        decode, w = self.model.decode, self.model.lm_head_weight  # type: ignore[attr-defined]  # models with decode()
 
         def run(
             ids: torch.Tensor, pos: torch.Tensor, inv_t: torch.Tensor

@@ -532,8 +532,8 @@ class RoutingTrace:
                 raise ValueError(f"layer {layer} was called without token tags (isoaudit.kernels.moe.tokens)")
         if not calls:
             return torch.zeros(0, 2, dtype=torch.int64), torch.zeros(0, 0, dtype=torch.uint8)
-        seq = torch.cat([c.seq for c in calls])  # type: ignore[misc]
-        pos = torch.cat([c.pos for c in calls])  # type: ignore[misc]
+        seq = torch.cat([c.seq for c in calls])  # type: ignore[misc]  # checked not None above
+        pos = torch.cat([c.pos for c in calls])  # type: ignore[misc]  # checked not None above
         experts = torch.cat([c.experts.to(torch.int16) for c in calls])
         order = torch.sort(seq * (1 << 32) + pos, stable=True).indices  # call order within a key
         seq, pos, experts = seq[order], pos[order], experts[order]

@@ -107,7 +107,7 @@ def hf_decoder(family: str, dev: torch.device, dtype: torch.dtype, seed: int = 0
         tie_word_embeddings=False,
     )
     if family == "qwen3":
-        cfg = Qwen3Config(**common)
+        cfg: Any = Qwen3Config(**common)
     elif family == "qwen3_moe":
         cfg = Qwen3MoeConfig(
             **common, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True

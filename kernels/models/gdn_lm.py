@@ -160,6 +160,7 @@ class GatedDeltaNet(nn.Module):
         if cache is None:
             o = dispatch.gdn(q, k, v, g, beta, cu, self.cfg.chunk)
         else:
+            assert slots is not None, "a cached step names its sequences' cache slots"
             o = dispatch.gdn_incremental(q, k, v, g, beta, cu, slots, cache, self.cfg.chunk)
         o = self.o_norm(o.to(x.dtype))
         return dispatch.linear(o.reshape(x.shape[0], -1), self.o.weight)

@@ -76,7 +76,7 @@ class Block(nn.Module):
         super().__init__()
         self.norm1, self.norm2 = RMSNorm(cfg.hidden, cfg.eps), RMSNorm(cfg.hidden, cfg.eps)
         self.mixer = Attention(cfg)  # type: ignore[arg-type]  # reads the same fields as GDNLMConfig
-        self.mlp: nn.Module = MLP(cfg) if layer in cfg.dense_layers else SparseMoE(cfg, layer)  # type: ignore[arg-type]
+        self.mlp: nn.Module = MLP(cfg) if layer in cfg.dense_layers else SparseMoE(cfg, layer)  # type: ignore[arg-type]  # MLP reads the same fields
 
     def forward(self, x, positions, cu, slots, cache):
         x = x + self.mixer(self.norm1(x), positions, cu, slots, cache)
