@@ -415,6 +415,7 @@ class _Route(enum.Enum):
 
 
 def _route(cfg: GemmConfig, weight: torch.Tensor, bias: torch.Tensor | None) -> _Route:
+    """The route of a call with the launched tile ``cfg`` (``a`` and the output share x's device)."""
     if not (weight.is_cuda and (bias is None or bias.is_cuda)):
         return _Route.GENERIC
     return _Route.HOST_DESCRIPTORS if cfg.tma and not cfg.device_descriptors else _Route.DIRECT
