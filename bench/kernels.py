@@ -183,7 +183,7 @@ def bench_pair(native: list, ours: list) -> tuple[float, float]:
 
 def _unsplit(n: int, k: int):
     """The tile config a split-K weight had before the split (the same-run "before")."""
-    from isoaudit.kernels.gemm import GemmConfig, gemm_config
+    from isoaudit.kernels.gemm_policy import GemmConfig, gemm_config
 
     cfg = gemm_config(n, k, torch.bfloat16, torch.cuda.get_device_capability())
     if not cfg.k_split:
@@ -216,7 +216,7 @@ def bench_tune_split() -> None:
 
     from isoaudit.kernels._triton import cdiv
     from isoaudit.kernels.bits import bits_equal
-    from isoaudit.kernels.gemm import gemm_config
+    from isoaudit.kernels.gemm_policy import gemm_config
 
     global TIMING
     saved, TIMING = TIMING, "graph"
@@ -245,7 +245,8 @@ def bench_tune_small() -> None:
     """Tile candidates at small M: bits against the full tile's, and graph time (tuning). Prints
     cuBLAS's and the shipped call's absolute time, so a launch rule can be fitted to the table."""
     from isoaudit.kernels.bits import bits_equal
-    from isoaudit.kernels.gemm import NARROW_TILES, ROW16_TILE, GemmConfig, _plan, gemm_config
+    from isoaudit.kernels.gemm import _plan
+    from isoaudit.kernels.gemm_policy import NARROW_TILES, ROW16_TILE, GemmConfig, gemm_config
 
     global TIMING
     saved, TIMING = TIMING, "graph"
@@ -541,7 +542,7 @@ def bench_native_attn() -> None:
 
 def bench_tune() -> None:
     """Candidate tile configurations (each is invariant on its own; one is fixed per shape)."""
-    from isoaudit.kernels.gemm import GemmConfig
+    from isoaudit.kernels.gemm_policy import GemmConfig
 
     n = k = 4096
     w = torch.randn(n, k, device="cuda").bfloat16()

@@ -64,10 +64,10 @@ def kernel_facts() -> dict[str, Any]:
     """Launch settings of :mod:`isoaudit.kernels` that set bits, while it routes this process (both sides
     must agree on them, so both manifests carry them): today the GEMM's fixed split-K of narrow
     weights (``ISOAUDIT_GEMM_SPLIT_K``). Empty when the kernels are off or not imported."""
-    gemm = sys.modules.get("isoaudit.kernels.gemm")
-    if not _kernels_on() or gemm is None:
+    policy = sys.modules.get("isoaudit.kernels.gemm_policy")  # loaded with the GEMM
+    if not _kernels_on() or policy is None:
         return {}
-    return {"gemm_split_k": bool(gemm.split_k_enabled())}
+    return {"gemm_split_k": bool(policy.split_k_enabled())}
 
 
 def _head_dtype(weight: Any) -> str | None:

@@ -155,10 +155,10 @@ def _shared_scratch(size: int, device: int, stream: int | None) -> tuple[int, in
 
 def scratch_allocator(size: int, alignment: int, stream: int | None) -> torch.Tensor:
     """Global scratch for Triton launches (the kernel-built TMA descriptors live there); the
-    allocator ``kernels.gemm`` hands ``triton.set_allocator``.
+    allocator :mod:`isoaudit.kernels.gemm` hands ``triton.set_allocator``.
 
     Eager launches on one stream run in order, so they share one buffer per (device, stream)
-    (an allocation per call was ~3 us of host time); a launch being captured into a CUDA graph
+    (an allocation per call costs ~3 us of host time); a launch being captured into a CUDA graph
     gets its own, since the graph may later replay beside eager work on that stream. (PyTorch's
     blocks are 512-byte aligned, above any alignment Triton asks for.)"""
     if torch._C._cuda_isCurrentStreamCapturing():
@@ -180,7 +180,7 @@ def _global_scratch(size: int, alignment: int, device: int, stream: int):
 
 def _direct_launch(run, function, packed, tail: tuple, layout: str, launch=None):
     """A call ``(grid, args)`` into the compiled launcher's C ``launch`` itself, skipping
-    ``CudaLauncher.__call__`` (its closures and allocator calls were ~1.5 us of host time a call).
+    ``CudaLauncher.__call__`` (its closures and allocator calls cost ~1.5 us of host time a call).
     Global scratch comes from ``_global_scratch``; the profile scratch is None (``launch_layout``
     refuses launchers that have one); launch hooks are None, as on every cached call. ``launch``:
     the C launch under Triton's host-descriptor wrapper (see :func:`_raw_launch`)."""
@@ -219,7 +219,8 @@ def _direct_launch(run, function, packed, tail: tuple, layout: str, launch=None)
                 annotations, signature, (*args, *tail),
             )  # fmt: skip
 
-    call.direct, call.run, call.tma_meta = True, run, None  # which path an entry takes (tests, bench)
+    # which path an entry takes (tests, bench), as attributes on the closure: the call stays cheap
+    call.direct, call.run, call.tma_meta = True, run, None  # type: ignore[attr-defined]  # see above
     return call
 
 
@@ -230,7 +231,7 @@ def _run_launch(run, function, packed, tail: tuple):
         stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
         run(*grid, stream, function, packed, None, None, None, *args, *tail)
 
-    call.direct, call.run, call.tma_meta = False, run, None
+    call.direct, call.run, call.tma_meta = False, run, None  # type: ignore[attr-defined]  # as above
     return call
 
 
@@ -327,7 +328,7 @@ class CachedLauncher:
         each descriptor expanded as Triton's launcher does, ``(tma_map(...), *shape, *strides)``."""
         return self._cache.get(key) if self.enabled else None
 
-    def launch_cached(self, key, grid: tuple[int, int, int], args: tuple) -> bool:
+    def launch_cached(self, key, grid: tuple[int, ...], args: tuple) -> bool:
         """Launch from the cache entry of ``key`` if there is one; False (nothing launched) if not.
 
         For a call site that passes raw pointers (``data_ptr()`` ints) here and the tensors to
@@ -339,7 +340,9 @@ class CachedLauncher:
         try:
             hit(grid, args)
         except (TypeError, ValueError, RuntimeError) as exc:  # a launcher of another Triton version
-            warnings.warn(f"kernels: cached launch failed ({exc!r:.200}); using Triton's", stacklevel=3)
+            warnings.warn(
+                f"isoaudit.kernels: cached launch failed ({exc!r:.200}); using Triton's", stacklevel=3
+            )
             CachedLauncher.enabled = False
             return False
         return True
@@ -364,7 +367,7 @@ class CachedLauncher:
             raw = _raw_launch(run) if layout == "3.6" else None
             if raw is None:
                 return
-            call = _direct_launch(run, compiled.function, compiled.packed_metadata, tail, layout, raw)
+            call = _direct_launch(run, compiled.function, compiled.packed_metadata, tail, "3.6", raw)
             call.tma_meta = tuple(metas)
         elif layout is not None:
             call = _direct_launch(run, compiled.function, compiled.packed_metadata, tail, layout)

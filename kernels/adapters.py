@@ -1,4 +1,4 @@
-"""Route HF transformers models (Llama, Qwen2, Qwen3, Mistral) through :mod:`kernels.dispatch`.
+"""Route HF transformers models (Llama, Qwen2, Qwen3, Mistral) through :mod:`isoaudit.kernels.dispatch`.
 
 Two pieces: ``patch()``/``unpatch()`` swap, process-wide, ``nn.Linear.forward``, the HF RMSNorm
 classes' forward and HF's "sdpa"/"eager" attention entries and SiLU for routed versions (so an unmodified
@@ -31,7 +31,7 @@ def _linear_forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
     return dispatch.linear(input, self.weight, self.bias)
 
 
-def _rmsnorm_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+def _rmsnorm_forward(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
     return dispatch.rms_norm(hidden_states, self.weight, self.variance_epsilon)
 
 
@@ -62,8 +62,8 @@ def _silu_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
     return dispatch.silu(input)
 
 
-def _silu_classes() -> list[type]:
-    out: list[type] = [nn.SiLU]
+def _silu_classes() -> list[type[Any]]:
+    out: list[type[Any]] = [nn.SiLU]
     try:
         from transformers.activations import SiLUActivation
 
@@ -73,10 +73,10 @@ def _silu_classes() -> list[type]:
     return out
 
 
-def family_classes(families: list[tuple[str, str]], suffix: str) -> list[type]:
+def family_classes(families: list[tuple[str, str]], suffix: str) -> list[type[Any]]:
     """HF's ``<Prefix><suffix>`` class of each (module, prefix) family that this transformers has
     (e.g. ``("qwen3", "Qwen3"), "RMSNorm"`` -> ``Qwen3RMSNorm``); missing families are skipped."""
-    out = []
+    out: list[type[Any]] = []
     for mod, prefix in families:
         try:
             m = importlib.import_module(f"transformers.models.{mod}.modeling_{mod}")
@@ -88,7 +88,7 @@ def family_classes(families: list[tuple[str, str]], suffix: str) -> list[type]:
     return out
 
 
-def _rmsnorm_classes() -> list[type]:
+def _rmsnorm_classes() -> list[type[Any]]:
     return family_classes(_FAMILIES, "RMSNorm")
 
 
@@ -97,7 +97,7 @@ def patch() -> None:
     if _saved:
         return
     _saved["linear"] = nn.Linear.forward
-    nn.Linear.forward = _linear_forward  # type: ignore[method-assign]
+    nn.Linear.forward = _linear_forward  # type: ignore[method-assign]  # the process-wide patch
     _saved["norms"] = [(cls, cls.forward) for cls in _rmsnorm_classes()]
     for cls, _ in _saved["norms"]:
         cls.forward = _rmsnorm_forward
@@ -106,9 +106,9 @@ def patch() -> None:
         cls.forward = _silu_forward
     try:
         from transformers.modeling_utils import AttentionInterface
-    except Exception:
-        AttentionInterface = None  # noqa: N806
-    if AttentionInterface is not None:
+    except Exception:  # no transformers, or one without the interface: nothing to patch
+        pass
+    else:
         gm = AttentionInterface._global_mapping
         _saved["attn"] = {key: gm.get(key) for key in ("sdpa", "eager")}
         gm["sdpa"] = hf_attention
@@ -119,7 +119,7 @@ def unpatch() -> None:
     """Restore what :func:`patch` replaced."""
     if not _saved:
         return
-    nn.Linear.forward = _saved.pop("linear")  # type: ignore[method-assign]
+    nn.Linear.forward = _saved.pop("linear")  # type: ignore[method-assign]  # undo the patch
     for cls, fwd in _saved.pop("norms") + _saved.pop("acts"):
         cls.forward = fwd
     attn = _saved.pop("attn", None)
@@ -134,13 +134,13 @@ def unpatch() -> None:
                 gm[key] = fn
 
 
-def _norm(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _norm(module: Any, x: torch.Tensor) -> torch.Tensor:
     """An HF RMSNorm as the engine runs it: the module itself when the kernels are on (patched to
     the invariant kernel, the trainer's op); natively the fused ``F.rms_norm``, as a rollout
     engine's fused norm kernel is (HF's module is seven separate ops); a module a collector hooked
     runs itself, so its hooks see it."""
     if dispatch.is_enabled() or module._forward_hooks or module._forward_pre_hooks:
-        return module(x)  # type: ignore[no-any-return]
+        return module(x)
     return F.rms_norm(x, (x.shape[-1],), module.weight, module.variance_epsilon)
 
 
@@ -154,7 +154,7 @@ class HFCausalLM:
     a KV cache per layer of shape (slots, max_len, Hkv, D). Uses the model's own modules, so with
     the kernels enabled every op is the one the patched trainer runs."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: Any) -> None:  # an HF causal LM: its submodules are read by name
         self.model = model
         self.inner = model.model
         cfg = model.config

@@ -1,19 +1,19 @@
-"""HF's MoE families (Qwen3-MoE, Mixtral) through :mod:`kernels.moe`.
+"""HF's MoE families (Qwen3-MoE, Mixtral) through :mod:`isoaudit.kernels.moe`.
 
-``patch()``/``unpatch()`` (called by :func:`kernels.enable` beside :func:`kernels.adapters.patch`)
-swap the forwards of HF's router (``*TopKRouter``: :func:`kernels.moe.route`, fp32 logits) and
-fused experts (``*Experts``: :func:`kernels.moe.expert_outputs` then :func:`kernels.moe.combine`)
+``patch()``/``unpatch()`` (called by :func:`isoaudit.kernels.enable` beside :func:`isoaudit.kernels.adapters.patch`)
+swap the forwards of HF's router (``*TopKRouter``: :func:`isoaudit.kernels.moe.route`, fp32 logits) and
+fused experts (``*Experts``: :func:`isoaudit.kernels.moe.expert_outputs` then :func:`isoaudit.kernels.moe.combine`)
 and route Mixtral's RMSNorm like the other families' norms; the sparse block keeps HF's structure
 (``gate`` then ``experts``), so the modules the collectors hook (``layers.i.router`` on ``mlp.gate``,
 ``layers.i.combine`` on ``mlp.experts``) run in both modes. Kernels off, HF's own modules run
 (model-dtype router, ``torch.topk``, experts looped with ``index_add_``): the native baseline.
 
 :func:`instrument` numbers a model's MoE blocks, hooks their routers, so
-:func:`kernels.moe.trace_routing` records the selected experts per token and layer in both modes,
+:func:`isoaudit.kernels.moe.trace_routing` records the selected experts per token and layer in both modes,
 and gives each experts module an :class:`ExpertSlots` child: the per-slot expert outputs
 (``layers.i.experts``, one row a token: its k outputs in slot order), computed inside the
 invariant experts with the kernels on, and by HF's own experts implementation when a hook asks for
-them with the kernels off. :class:`HFMoECausalLM` is :class:`kernels.adapters.HFCausalLM`
+them with the kernels off. :class:`HFMoECausalLM` is :class:`isoaudit.kernels.adapters.HFCausalLM`
 for these families, tagging its tokens (trainer: batch row and position; engine: slot and position).
 """
 
@@ -28,10 +28,10 @@ from . import moe
 from .adapters import HFCausalLM, _rmsnorm_forward, family_classes
 
 _FAMILIES = [("qwen3_moe", "Qwen3Moe"), ("mixtral", "Mixtral")]
-_saved: dict[str, list[tuple[type, Any]]] = {}
+_saved: dict[str, list[tuple[type[Any], Any]]] = {}
 
 
-def _classes(suffix: str) -> list[type]:
+def _classes(suffix: str) -> list[type[Any]]:
     return family_classes(_FAMILIES, suffix)
 
 
@@ -50,7 +50,7 @@ def _wants_slots(experts: nn.Module) -> ExpertSlots | None:
     return None
 
 
-def _block_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+def _block_forward(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
     """HF's sparse MoE block (router, then experts) with the invariant contract's checks."""
     act = getattr(getattr(self.experts, "config", None), "hidden_act", "silu")
     if act != "silu":
@@ -66,8 +66,8 @@ def _block_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor
     return self.experts(x, experts, weights).reshape(hidden_states.shape)
 
 
-def _router_forward(self: nn.Module, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """HF's router outputs (logits, top-k weights, top-k experts) from :func:`kernels.moe.route`:
+def _router_forward(self: Any, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """HF's router outputs (logits, top-k weights, top-k experts) from :func:`isoaudit.kernels.moe.route`:
     fp32 logits of the batch-invariant GEMM, the stable top-k, weights in a fixed order (fp32)."""
     x = hidden_states.reshape(-1, self.weight.shape[1])
     r = moe.route(x, self.weight, self.top_k, getattr(self, "norm_topk_prob", True))
@@ -75,7 +75,7 @@ def _router_forward(self: nn.Module, hidden_states: torch.Tensor) -> tuple[torch
 
 
 def _experts_forward(
-    self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    self: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
     """Every (token, slot) expert output in routing order, then the fixed-order fp32 combine."""
     y = moe.expert_outputs(hidden_states, top_k_index, self.gate_up_proj, self.down_proj)
@@ -112,10 +112,10 @@ def unpatch() -> None:
             cls.forward = fwd
 
 
-def moe_blocks(model: nn.Module) -> list[tuple[int, nn.Module]]:
+def moe_blocks(model: nn.Module) -> list[tuple[int, Any]]:
     """(decoder layer index, sparse MoE block) of an HF Qwen3-MoE / Mixtral model."""
     classes = tuple(_classes("SparseMoeBlock"))
-    inner = getattr(model, "model", model)
+    inner: Any = getattr(model, "model", model)
     return [(i, layer.mlp) for i, layer in enumerate(inner.layers) if isinstance(layer.mlp, classes)]
 
 
@@ -126,10 +126,10 @@ def _record_router(layer: int):
     return hook
 
 
-def _packed_in(module: nn.Module, args: tuple) -> tuple | None:
+def _packed_in(module: Any, args: tuple) -> tuple | None:
     """Blocks take (B, L, H); the engine's packed (T, H) rows enter as one sequence."""
     x = args[0]
-    module._moe_packed = x.ndim == 2  # type: ignore[attr-defined]
+    module._moe_packed = x.ndim == 2
     return (x[None], *args[1:]) if x.ndim == 2 else None
 
 
@@ -175,7 +175,7 @@ class HFMoECausalLM(HFCausalLM):
 
     # The MoE dispatch reads routed counts on the host, so the decode step cannot be captured in a
     # CUDA graph: the engine runs ``step`` for every decode step instead.
-    decode = None
+    decode = None  # type: ignore[assignment]  # no graph-captured decode step (see above)
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__(model)

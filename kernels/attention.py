@@ -762,7 +762,8 @@ def _backward_failed(exc: Exception) -> None:
     global _TRITON_BACKWARD_FAILED
     _TRITON_BACKWARD_FAILED = True
     warnings.warn(
-        f"kernels.attention: the Triton backward failed ({exc!r}); using the torch chain", stacklevel=3
+        f"isoaudit.kernels.attention: the Triton backward failed ({exc!r}); using the torch chain",
+        stacklevel=3,
     )
 
 
@@ -860,14 +861,14 @@ def _uniform_batch_backward(
 
 class _Attention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cu_q, q_pos0, kv_len, slots, scale):  # type: ignore[override]
+    def forward(ctx, q, k, v, cu_q, q_pos0, kv_len, slots, scale):
         out = attention(q, k, v, cu_q, q_pos0, kv_len, slots, scale)
         ctx.save_for_backward(q, k, v, cu_q, q_pos0, kv_len, slots, out)
         ctx.scale = scale
         return out
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
+    def backward(ctx, grad):
         q, k, v, cu_q, q_pos0, kv_len, slots, out = ctx.saved_tensors
         fast = _uniform_batch_backward(q, k, v, grad, cu_q, q_pos0, kv_len, slots, ctx.scale, out)
         if fast is not None:

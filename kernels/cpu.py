@@ -38,7 +38,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-# Named imports: the package rebinds ``kernels.gemm`` and ``kernels.attention`` to functions.
+# Named imports: the package's attributes ``gemm`` and ``attention`` are functions, not these modules.
 from .attention import CONFIG as _ATTN_CONFIG
 from .attention import LOG2E, _check_heads
 from .attention import _Attention as _AttentionBackward
@@ -234,8 +234,8 @@ def _same_values(w: torch.Tensor, seen: torch.Tensor) -> bool:
         return False
     if not w.is_contiguous() or (w.numel() * w.element_size()) % 8 or w.data_ptr() % 8:
         return torch.equal(w, seen)
-    words = (t.reshape(-1).view(torch.uint8).view(torch.int64).numpy() for t in (w.detach(), seen))
-    return bool(np.array_equal(*words))
+    a, b = (t.reshape(-1).view(torch.uint8).view(torch.int64).numpy() for t in (w.detach(), seen))
+    return bool(np.array_equal(a, b))
 
 
 def _split_weight(w: torch.Tensor, bits: int, slices: int) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -265,7 +265,11 @@ def _weight_parts(w: torch.Tensor, bits: int, slices: int) -> tuple[list[torch.T
     if size <= WEIGHT_CACHE_BYTES:
         while _WEIGHTS and _weights_bytes + size > WEIGHT_CACHE_BYTES:
             _forget(next(iter(_WEIGHTS)))
-        ref = weakref.ref(w, lambda _, key=key: _forget(key))
+
+        def drop(_: object, key: tuple[int, int, int] = key) -> None:  # w was collected
+            _forget(key)
+
+        ref = weakref.ref(w, drop)
         _WEIGHTS[key] = (ref, w.detach().clone(), parts, e, size)
         _weights_bytes += size
     return parts, e
@@ -298,7 +302,7 @@ def gemm(
 
 class _Linear(_LinearBackward):
     @staticmethod
-    def forward(ctx, x, weight, bias, out_dtype):  # type: ignore[override]
+    def forward(ctx, x, weight, bias, out_dtype):
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
         return gemm(x, weight, bias, out_dtype)
@@ -332,7 +336,7 @@ def _rms(x: torch.Tensor, weight: torch.Tensor | None, eps: float, l2: bool) -> 
 
 class _RMSNorm(_RMSNormBackward):
     @staticmethod
-    def forward(ctx, x, weight, eps, l2):  # type: ignore[override]
+    def forward(ctx, x, weight, eps, l2):
         ctx.save_for_backward(x, weight)
         ctx.eps, ctx.l2 = eps, l2
         return _rms(x, weight, eps, l2)
@@ -380,7 +384,7 @@ def _silu(x: torch.Tensor) -> torch.Tensor:
 
 class _Silu(_SiluBackward):
     @staticmethod
-    def forward(ctx, x):  # type: ignore[override]
+    def forward(ctx, x):
         ctx.save_for_backward(x)
         return _silu(x)
 
@@ -400,7 +404,7 @@ def _gates(
 
 class _Gates(_GatesBackward):
     @staticmethod
-    def forward(ctx, a, b, a_log, dt_bias):  # type: ignore[override]
+    def forward(ctx, a, b, a_log, dt_bias):
         ctx.save_for_backward(a, b, a_log, dt_bias)
         return _gates(a, b, a_log, dt_bias)
 
@@ -445,7 +449,7 @@ def _token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Te
 
 class _TokenLogprobs(_TokenLogprobsBackward):
     @staticmethod
-    def forward(ctx, hidden, weight, tokens):  # type: ignore[override]
+    def forward(ctx, hidden, weight, tokens):
         z = lm_head_logits(hidden.reshape(-1, hidden.shape[-1]), weight)
         lse = logsumexp_rows(z)
         ctx.save_for_backward(hidden, weight, tokens, z, lse)  # the backward reads the logits
@@ -547,7 +551,7 @@ def _attention(
 
 class _Attention(_AttentionBackward):
     @staticmethod
-    def forward(ctx, q, k, v, cu_q, q_pos0, kv_len, slots, scale):  # type: ignore[override]
+    def forward(ctx, q, k, v, cu_q, q_pos0, kv_len, slots, scale):
         out = _attention(q, k, v, cu_q, q_pos0, kv_len, slots, scale)
         ctx.save_for_backward(q, k, v, cu_q, q_pos0, kv_len, slots, out)
         ctx.scale = scale
@@ -564,7 +568,7 @@ def attention(
     slots: torch.Tensor | None = None,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """Causal attention of packed queries against a KV cache, layout as :mod:`kernels.attention`.
+    """Causal attention of packed queries against a KV cache, layout as :mod:`isoaudit.kernels.attention`.
 
     Per query row at absolute position p (keys 0..p; cached keys past ``kv_len`` count as zeros):
     scores ``q.k`` as exact integer dot products rounded once to fp32; ``w_j = 2^((s_j - max) c)``

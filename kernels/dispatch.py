@@ -2,7 +2,7 @@
 
 Models (our own, the HF adapters, the rollout engine) call these functions instead of torch's, so
 one process-wide flag moves the whole forward pass onto the invariant kernels. When enabled, each
-op uses its Triton kernel on CUDA; a CPU tensor takes :mod:`kernels.cpu` (invariant by construction,
+op uses its Triton kernel on CUDA; a CPU tensor takes :mod:`isoaudit.kernels.cpu` (invariant by construction,
 in bf16 and fp32), unless :func:`set_cpu_impl` asks for the Triton kernels there too (interpreter
 under TRITON_INTERPRET=1, else the torch references). When disabled, each op is what a stock stack would do (cuBLAS/bf16
 lm_head/SDPA/the usual chunk and recurrent GDN forms), which is what isoaudit's comparator measures
@@ -43,7 +43,7 @@ def set_enabled(flag: bool) -> bool:
 
 
 def set_cpu_impl(impl: str) -> str:
-    """What CPU tensors run when enabled: ``"cpu"`` (:mod:`kernels.cpu`, the default) or
+    """What CPU tensors run when enabled: ``"cpu"`` (:mod:`isoaudit.kernels.cpu`, the default) or
     ``"triton"`` (the Triton modules: their interpreter under TRITON_INTERPRET=1, else their torch
     references). Also set by ``ISOAUDIT_KERNELS_CPU``. Returns the previous value."""
     global _CPU_IMPL
@@ -83,7 +83,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
             return _cpu.rms_norm(x, weight, eps)
         if torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)):
             return _rms.rms_norm_autograd(x, weight, eps)
-        return _rms.rms_norm(x, weight, eps)  # type: ignore[return-value]
+        return _rms.rms_norm(x, weight, eps)  # type: ignore[return-value]  # one tensor without a residual
     dtype = x.dtype
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
@@ -119,7 +119,7 @@ def l2_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
             return _cpu.l2_norm(x, eps)
         if torch.is_grad_enabled() and x.requires_grad:
             return _rms.rms_norm_autograd(x, None, eps, l2=True)
-        return _rms.rms_norm(x, None, eps, l2=True)  # type: ignore[return-value]
+        return _rms.rms_norm(x, None, eps, l2=True)  # type: ignore[return-value]  # one tensor without a residual
     h = x.float()
     return (h * torch.rsqrt(h.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
 
@@ -136,7 +136,7 @@ def attention(
     *,
     max_q: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention of packed queries against a KV cache (layout in :mod:`kernels.attention`).
+    """Causal attention of packed queries against a KV cache (layout in :mod:`isoaudit.kernels.attention`).
     ``slots=None``: sequence b lives in cache slot b. ``max_q``: the longest query count, if the
     caller knows it (the native prefill pads to it; else it reads it from the device once)."""
     if _ENABLED:

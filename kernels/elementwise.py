@@ -82,12 +82,12 @@ def gdn_gates(
 
 class _Silu(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x):  # type: ignore[override]
+    def forward(ctx, x):
         ctx.save_for_backward(x)
         return silu(x)
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
+    def backward(ctx, grad):
         (x,) = ctx.saved_tensors
         s = torch.sigmoid(x.float())
         return (grad.float() * s * (1 + x.float() * (1 - s))).to(x.dtype)
@@ -95,12 +95,12 @@ class _Silu(torch.autograd.Function):
 
 class _Gates(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, b, a_log, dt_bias):  # type: ignore[override]
+    def forward(ctx, a, b, a_log, dt_bias):
         ctx.save_for_backward(a, b, a_log, dt_bias)
         return gdn_gates(a, b, a_log, dt_bias)
 
     @staticmethod
-    def backward(ctx, gg, gbeta):  # type: ignore[override]
+    def backward(ctx, gg, gbeta):
         a, b, a_log, dt_bias = ctx.saved_tensors
         with torch.enable_grad():
             ins = [t.detach().requires_grad_(True) for t in (a, b, a_log, dt_bias)]

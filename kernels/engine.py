@@ -3,15 +3,15 @@ incremental decode with a KV cache, sampled tokens and their logprobs.
 
 It exists to prove the kernels end to end without vLLM: the same model run as a trainer (whole
 sequences, autograd) and through this engine must give bitwise-equal sampled-token logprobs when
-:func:`kernels.enable` is on. Any model with ``new_cache``/``step``/``lm_head_weight`` works
-(:class:`kernels.adapters.HFCausalLM`, :class:`kernels.models.gdn_lm.GDNLM`).
+:func:`isoaudit.kernels.enable` is on. Any model with ``new_cache``/``step``/``lm_head_weight`` works
+(:class:`isoaudit.kernels.adapters.HFCausalLM`, :class:`isoaudit.kernels.models.gdn_lm.GDNLM`).
 
 It runs as an engine does, on both sides alike (kernels on or off), so a generation time measured
 against it means something:
 
 * while some prompt is still being prefilled, each step packs every live request's pending tokens
   (prompt chunks and single decode tokens) into one flat batch;
-* on CUDA with a model that has ``decode`` (:class:`~kernels.adapters.HFCausalLM`), once every
+* on CUDA with a model that has ``decode`` (:class:`~isoaudit.kernels.adapters.HFCausalLM`), once every
   prompt is in the cache, all requests decode together, one row per cache slot, the batch padded
   to a size bucket, the step (the whole model, fp32 logits, log-softmax and the logits at the
   temperature) replayed from a CUDA graph captured once per bucket and mode (elsewhere, or with
@@ -248,7 +248,7 @@ class RolloutEngine:
 
     def _decode_fn(self, cache: Any) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
         """One decode step over every slot (row i = slot i) to (log-softmax, logits / T)."""
-        decode, w = self.model.decode, self.model.lm_head_weight  # type: ignore[attr-defined]
+        decode, w = self.model.decode, self.model.lm_head_weight  # type: ignore[attr-defined]  # models with decode()
 
         def run(
             ids: torch.Tensor, pos: torch.Tensor, inv_t: torch.Tensor

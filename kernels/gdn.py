@@ -25,10 +25,10 @@ input, so it reads other rows only through exact-zero coefficients: rows after `
 they hold (the trainer's later tokens, or the engine's zero padding), never change row ``i``. A
 dot's element depends on its row and column alone: for the same K and N, a 64-row dot and a
 16-row one give a row the same tensor-core arithmetic (``wgmma`` and ``mma.sync`` agree bit for bit
-on the H200, :mod:`kernels.gdn_decode`). Hence a chunk
+on the H200, :mod:`isoaudit.kernels.gdn_decode`). Hence a chunk
 holding its first ``n`` tokens yields the trainer's first ``n`` rows bit for bit, and the state
 crosses a chunk boundary only when the chunk is full, from the same inputs. Decode
-(:mod:`kernels.gdn_decode`) keeps per slot the state at the last chunk boundary and the open
+(:mod:`isoaudit.kernels.gdn_decode`) keeps per slot the state at the last chunk boundary and the open
 chunk, and evaluates the same dots on the 16 rows around each new token. Prefill/decode splits
 anywhere, packed or not, give the trainer's bits.
 """
@@ -67,7 +67,7 @@ class GDNConfig:
     state_bv: int = 32  # dv block of the state kernel (one program per sequence, head and block)
     out_warps: int = 4
     out_bv: int = 64  # dv block of the output kernel
-    decode_warps: int = 4  # :mod:`kernels.gdn_decode`'s one program per (sequence, head)
+    decode_warps: int = 4  # :mod:`isoaudit.kernels.gdn_decode`'s one program per (sequence, head)
 
 
 CONFIG = GDNConfig()
@@ -466,8 +466,9 @@ def _chunk_backward(
     ``dkd = up dN^T``, ``degl = <H, dN>``) are then batched over every chunk and handed to autograd
     for the intra-chunk part (all chunks at once)."""
     starts, lens = seqs
+    q, k, v, g, beta = inputs
     with torch.enable_grad():
-        parts = _chunk_parts(*inputs, seqs, chunk, "triangular")
+        parts = _chunk_parts(q, k, v, g, beta, seqs, chunk, "triangular")
     W, U, P, qg, kd, egl = (t.detach() for t in parts)
     b, nc, hh, c, dk = W.shape
     dv = U.shape[-1]
@@ -753,12 +754,12 @@ def _chunk_forward(
 
 
 class _GDN(torch.autograd.Function):
-    """Forward through the kernels; backward through :mod:`kernels.gdn_backward` (kernels too,
+    """Forward through the kernels; backward through :mod:`isoaudit.kernels.gdn_backward` (kernels too,
     from the forward's per-chunk workspace), or the torch chunk form where the kernels do not
     run (CPU tensors without the interpreter)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, cu_seqlens, chunk):  # type: ignore[override]
+    def forward(ctx, q, k, v, g, beta, cu_seqlens, chunk):
         ctx.save_for_backward(q, k, v, g, beta, cu_seqlens)
         # Read the sequence bounds back once: a second read in backward would be a host sync
         # that stalls the backward's launches behind this forward's kernels.
@@ -769,7 +770,7 @@ class _GDN(torch.autograd.Function):
         return o
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
+    def backward(ctx, grad):
         q, k, v, g, beta, _ = ctx.saved_tensors
         # The gradient is not part of the bitwise contract; accuracy is checked against fp64.
         if getattr(ctx, "work", None) is not None:
@@ -807,7 +808,7 @@ def gdn_chunk_autograd(
 @dataclass
 class GDNCache:
     """Per-slot decode state. Invariant mode keeps the state at the last chunk boundary, the open
-    chunk's inputs (``buf``, ``buf_len`` tokens) and what :mod:`kernels.gdn_decode` caches of its
+    chunk's inputs (``buf``, ``buf_len`` tokens) and what :mod:`isoaudit.kernels.gdn_decode` caches of its
     first ``cached`` rows (the powers of A, U', the state in the inputs' dtype); native mode keeps
     the running state only."""
 
@@ -873,7 +874,7 @@ def gdn_incremental(
     impl: str | None = None,
 ) -> torch.Tensor:
     """The engine's path: new tokens of several sequences (packed) continue their cached state.
-    Invariant mode: single tokens take :func:`kernels.gdn_decode.gdn_decode_step`; otherwise each
+    Invariant mode: single tokens take :func:`isoaudit.kernels.gdn_decode.gdn_decode_step`; otherwise each
     open chunk is re-run with the new tokens by the chunk kernels (same bits as the trainer) and
     the new open chunk is cached. Native mode is the usual one: chunk form for a prefill, the recurrence for single
     tokens."""
@@ -910,10 +911,12 @@ def gdn_incremental(
     if kernel:
         o = torch.empty(q.shape[0], q.shape[1], v.shape[2], dtype=torch.float32, device=q.device)
         runs = _runs(cu2[:-1], lens2, slots, emits, starts, q.device, chunk)
-        _launch(*_kernel_inputs(*packed), runs, cache.h, cache.h, o, chunk)  # the slots' states in place
+        pq, pk, pv, pg, pb = _kernel_inputs(*packed)
+        _launch(pq, pk, pv, pg, pb, runs, cache.h, cache.h, o, chunk)  # the slots' states in place
     else:
         cu_t = torch.tensor(cu2, device=q.device, dtype=torch.int32)
-        o_all, h = gdn_chunk(*packed, cu_t, cache.h[sl], chunk, impl)
+        pq, pk, pv, pg, pb = packed
+        o_all, h = gdn_chunk(pq, pk, pv, pg, pb, cu_t, cache.h[sl], chunk, impl)
         cache.h[sl] = h
         o = torch.cat([o_all[a + e : b] for a, b, e in zip(cu2[:-1], cu2[1:], emits, strict=True)])
     for i, slot in enumerate(slots):

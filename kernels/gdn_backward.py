@@ -2,7 +2,7 @@
 
 Not part of the bitwise contract (the rollout never runs it), so it only has to be the exact
 gradient of the chunk form, computed fast and in a fixed order (run to run the same bits). It
-reuses what the forward kept per chunk (:class:`kernels.gdn._Workspace`: ``W``, ``U'``, the state
+reuses what the forward kept per chunk (:class:`isoaudit.kernels.gdn._Workspace`: ``W``, ``U'``, the state
 entering the chunk ``H``, ``G``) and recomputes ``T`` as the forward does. With ``dH'`` the
 gradient reaching the state leaving a chunk, ``P = tril(q k^T e^{G_i - G_j})`` and
 ``kd = e^{G_C - G} k``:

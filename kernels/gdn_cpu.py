@@ -1,11 +1,11 @@
 """Invariant Gated DeltaNet for CPU tensors (bf16, fp16 or fp32 inputs), without Triton.
 
-The defining recurrence of :mod:`kernels.gdn` (state ``H`` (dk, dv) per head, fp32)::
+The defining recurrence of :mod:`isoaudit.kernels.gdn` (state ``H`` (dk, dv) per head, fp32)::
 
     H <- a_t H,   u_t = b_t (v_t - H^T k_t),   H <- H + k_t u_t^T,   o_t = H^T q_t
 
-evaluated token by token from :mod:`kernels.cpu`'s fixed-order pieces: ``a_t = exp(g_t)`` by
-:func:`kernels.cpu.exp` (IEEE ops only), the two sums over dk as :func:`kernels.cpu.tree_sum` (a
+evaluated token by token from :mod:`isoaudit.kernels.cpu`'s fixed-order pieces: ``a_t = exp(g_t)`` by
+:func:`isoaudit.kernels.cpu.exp` (IEEE ops only), the two sums over dk as :func:`isoaudit.kernels.cpu.tree_sum` (a
 fixed tree whose order depends on dk alone; here added in place, level by level), everything else one elementwise IEEE multiply or add
 (never contracted). Each element of ``o`` and ``H`` is thus a fixed sequence of correctly rounded
 operations on its own sequence's values: it depends neither on the other sequences in a call nor
@@ -15,11 +15,11 @@ not only at chunk boundaries).
 
 Why the recurrence and not the chunk form the GPU kernels evaluate: the chunk form is fast only
 through BLAS products over a chunk's rows, whose order the CPU BLAS does not fix, and the exact
-integer products of :mod:`kernels.cpu` need a scale per column of the right operand (``U'`` over a
+integer products of :mod:`isoaudit.kernels.cpu` need a scale per column of the right operand (``U'`` over a
 chunk's rows), which a decode step does not know yet. The recurrence does the same order of work
 (a few passes over the dk x dv state per token and head) without that constraint.
 
-The trainer's backward is the torch chunk form's (:func:`kernels.gdn._chunk_backward`, the same
+The trainer's backward is the torch chunk form's (:func:`isoaudit.kernels.gdn._chunk_backward`, the same
 gradient as the GPU path): correct, not invariant (the contract is the forward's bits).
 """
 
@@ -38,7 +38,7 @@ BLOCK_BYTES = 1 << 19  # state bytes per block of (sequence, head) pairs: stays 
 
 
 def tree_sum_rows_(x: torch.Tensor) -> torch.Tensor:
-    """:func:`kernels.cpu.tree_sum` over dim 1 of a temporary (P, n, m), the same tree and so the
+    """:func:`isoaudit.kernels.cpu.tree_sum` over dim 1 of a temporary (P, n, m), the same tree and so the
     same bits, each level added in place into the lower half (no allocation per level)."""
     n = x.shape[1]
     if n == 0:
@@ -150,7 +150,7 @@ class _GDNCPU(_GDN):
     """Forward by the invariant recurrence; backward inherited (the torch chunk form's)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, cu_seqlens, chunk):  # type: ignore[override]
+    def forward(ctx, q, k, v, g, beta, cu_seqlens, chunk):
         ctx.save_for_backward(q, k, v, g, beta, cu_seqlens)
         ctx.chunk, ctx.seqs = chunk, _seqs(cu_seqlens)
         return gdn(q, k, v, g, beta, cu_seqlens, seqs=ctx.seqs)[0]
@@ -190,7 +190,7 @@ def gdn_incremental(
     if bool(cache.buf_len.index_select(0, sl).any()):
         raise ValueError(
             "GDNCache.buf_len is non-zero for a slot: this cache holds an open chunk of the Triton "
-            "path (kernels.dispatch.set_cpu_impl('triton')); the CPU path needs a cache it filled itself"
+            "path (isoaudit.kernels.dispatch.set_cpu_impl('triton')); the CPU path needs a cache it filled itself"
         )
     starts, lens = _seqs(cu_seqlens)
     h = cache.h.index_select(0, sl)

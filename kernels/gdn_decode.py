@@ -1,7 +1,7 @@
 """CPR Gated DeltaNet decode: one token per sequence with the trainer's bits, at the cost of the
 16-row slab that holds the token rather than the whole open chunk.
 
-The trainer (:mod:`kernels.gdn`) computes every row-``i`` quantity of a chunk as a dot whose left
+The trainer (:mod:`isoaudit.kernels.gdn`) computes every row-``i`` quantity of a chunk as a dot whose left
 operand is row ``i`` of ``A``, a power of ``A``, ``T``, ``P`` or an input. On the H200 a 64-row
 ``tl.dot`` (``wgmma``) and a 16-row one (``mma.sync``) give each row the same bits for the same K
 and N (probed over bf16 and tf32 operands, with and without an accumulator, and covered by

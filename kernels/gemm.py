@@ -4,34 +4,35 @@ Why it is invariant: the tile shape (BLOCK_M, BLOCK_N, BLOCK_K), warps, pipeline
 load path (TMA descriptors or pointers) are a function of the weight shape, dtype and device
 capability only, never of M; by default there is no split-K and no atomics; each output element
 is accumulated in fp32 over K in ascending BLOCK_K steps. (With the fixed split-K of narrow weights,
-:func:`split_span`, K is cut into spans set by the weight shape and the span sums are added in one
-order, whether one program sums them in turn or, at small M, the spans run as programs and a
-tile's last one, found by an atomic count, adds them.) So a row's bits do not depend on how many
-other rows are in the batch or where it sits (M and the program count are also excluded from
-Triton's integer specialisation, so M=1 compiles to the same code as M=2048).
+:func:`~isoaudit.kernels.gemm_policy.split_span`, K is cut into spans set by the weight shape and
+the span sums are added in one order, whether one program sums them in turn or, at small M, the
+spans run as programs and a tile's last one, found by an atomic count, adds them.) So a row's bits
+do not depend on how many other rows are in the batch or where it sits (M and the program count
+are also excluded from Triton's integer specialisation, so M=1 compiles to the same code as M=2048).
 
 On Hopper (capability >= 9.0) bf16/fp16 weights take a persistent kernel: one program per SM
-walks the output tiles in a fixed grouped order, loading through TMA descriptors the kernel builds.
-The grid size depends on M, but that only changes which program computes a tile, not the tile's
-sums. On the H200 (9.0) only, a small-M call narrows its tile to fill the SMs: BLOCK_K, the K order
-and the instruction stay fixed, which measured bit-identical (see :func:`launch_config`).
+walks the output tiles in a fixed grouped order, loading through TMA descriptors. The grid size
+depends on M, but that only changes which program computes a tile, not the tile's sums. On the
+H200 (9.0) only, a small-M call narrows its tile to fill the SMs: BLOCK_K, the K order and the
+instruction stay fixed, so the bits do too. Which tile, grid and load path a call takes is the
+pure policy of :mod:`isoaudit.kernels.gemm_policy`; this module holds the kernel, its torch
+reference and the launch.
 """
 
 from __future__ import annotations
 
+import enum
 import math
-import os
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import cache, lru_cache
+from typing import Any
 
 import torch
 
 from ._triton import (
     HAVE_TRITON,
     CachedLauncher,
-    aligned,
     as_rows,
-    cdiv,
     dot_precision,
     host_descriptors,
     interpreting,
@@ -43,227 +44,11 @@ from ._triton import (
     tma_ready,
     triton,
 )
+from .gemm_policy import GemmConfig, gemm_config, plan_tiles
 
 if HAVE_TRITON:
     from triton.runtime import _allocation
     from triton.tools.tensor_descriptor import TensorDescriptor
-
-
-@dataclass(frozen=True)
-class GemmConfig:
-    """Tile shape and load path for one weight shape; fixed for every M."""
-
-    block_m: int
-    block_n: int
-    block_k: int
-    num_warps: int
-    num_stages: int
-    tma: bool = False  # TMA descriptor loads + persistent grid (Hopper, 16-byte aligned rows)
-    split_epilogue: bool = False  # store the tile as two halves (less shared memory, more stages)
-    warp_specialize: bool = False  # TMA producer warps (works on Hopper in Triton 3.6; no gain measured)
-    # TMA descriptors built by the kernel (False: host-built, encoded once per buffer and passed as
-    # kernel parameters, :func:`_launch_host_descriptors`; what a call under CUDA-graph capture takes).
-    device_descriptors: bool = True
-    # Small M on Hopper: narrower tiles (same BLOCK_K and instruction family) when the full tile
-    # would leave most SMs idle; see :func:`launch_config`.
-    shrink_small_m: bool = False
-    # Fixed split-K: K cut into spans of ``k_split`` elements (a multiple of every BLOCK_K a call
-    # may take), each summed from zero in ascending BLOCK_K steps, the span sums then added in
-    # ascending order in fp32. 0: one span. A function of the weight shape, never of M (see
-    # :func:`split_span`).
-    k_split: int = 0
-
-
-#: Fixed split-K for narrow weights (N <= SPLIT_MAX_N) on the H200: at decode sizes their few
-#: column tiles leave most SMs idle while one program walks all of K (cuBLAS splits K there). K is
-#: cut into SPLIT_SPANS spans of a multiple of SPLIT_ALIGN elements (every BLOCK_K a call may take
-#: divides it), for every M: the large-M call sums the spans in turn in one program, the small-M
-#: call runs them as programs and adds them in the same order, so the bits are M's alone.
-SPLIT_MAX_N = 1024
-SPLIT_MIN_K = 2048
-SPLIT_SPANS = 4
-SPLIT_ALIGN = 128
-#: The split grid (spans as programs) serves calls of at most ``K / (SPLIT_GRID_ROWS * spans)``
-#: rows: its fp32 span sums, written and read back, then stay under half the weight's bytes. Above
-#: POINTER_MAX_M rows it also has to fit one round of programs: on the H200 (graph replay) the
-#: 64x64x128 TMA tile on the split grid took 10.4-10.5 us at M = 96 / 128 on 896 x 4864 (1.16x-1.20x
-#: cuBLAS) against 12.3-12.4 us (1.39x-1.46x) summing the spans in turn, but 14.5 us against 12.3
-#: at M=192, where its 168 programs take two rounds.
-SPLIT_GRID_ROWS = 8
-
-
-def split_k_enabled() -> bool:
-    """Whether narrow weights take the fixed split-K: on unless ``ISOAUDIT_GEMM_SPLIT_K=0`` (read
-    when a weight shape is first planned). Measured on the H200 with the 128x256 tile: decode GEMMs
-    on these weights 1.3-1.5x faster, M=16384 5-8% slower, the 0.5B trainer step 1.06x native with
-    it and 1.21x without (one call). It sets the bits: trainer and rollout must agree on it."""
-    return os.environ.get("ISOAUDIT_GEMM_SPLIT_K", "1") == "1"
-
-
-def split_span(n: int, k: int) -> int:
-    """K elements per span of the fixed split-K for an (n, k) weight; 0: no split."""
-    if n > SPLIT_MAX_N or k < SPLIT_MIN_K or not split_k_enabled():
-        return 0
-    return cdiv(cdiv(k, SPLIT_SPANS), SPLIT_ALIGN) * SPLIT_ALIGN
-
-
-@cache
-def gemm_config(n: int, k: int, dtype: torch.dtype, capability: tuple[int, int] | None = None) -> GemmConfig:
-    """The tile configuration for a weight of shape (n, k) on a device of ``capability`` (None: no
-    GPU, e.g. the interpreter): depends on (n, k, dtype, capability), never on M (but see
-    :func:`launch_config` for the measured-safe narrowing at small M on Hopper)."""
-    if dtype == torch.float32:
-        return GemmConfig(64, 64, 32, 4, 2)
-    if n >= 256 and k >= 64:
-        if capability is not None and capability >= (9, 0) and n % 8 == 0 and k % 8 == 0:
-            span = split_span(n, k) if capability == (9, 0) else 0
-            if span:  # the 128x256 tile: its running total, touched once a span, may live in local memory
-                return GemmConfig(
-                    128,
-                    256,
-                    64,
-                    8,
-                    3,
-                    tma=True,
-                    shrink_small_m=True,
-                    k_split=span,
-                )
-            # Best of 14 on an H200 (bench_tune): 1.03x cuBLAS at M=2048 and 8192. Warp specialisation
-            # and 4 stages measured no better; 3 stages leave room for a 4-byte output tile.
-            return GemmConfig(
-                128,
-                256,
-                64,
-                8,
-                3,
-                tma=True,
-                shrink_small_m=capability == (9, 0),
-            )
-        return GemmConfig(256, 128, 64, 8, 3)
-    return GemmConfig(64, 64, 64, 4, 3)
-
-
-#: Narrow tiles a small-M call may take on the H200, widest first: (BLOCK_N, BLOCK_K, stages,
-#: TMA). Launch shape only: measured on the H200, each gives the full tile's bits (BLOCK_K 128 is
-#: two of the full tile's 64-wide steps back to back: the same k16 MMA chain on one accumulator;
-#: pointer loads fill the same shared-memory operands a TMA copy does). The narrow ones load by
-#: pointers: at decode sizes the kernel-built TMA descriptor and its fence cost more than they save
-#: (a sweep of 26 tiles on the H200: 64x16 and 64x32 pointer tiles 1.0-1.15x cuBLAS at M = 64 where
-#: the same tiles by TMA took 1.25-1.55x).
-NARROW_TILES: tuple[tuple[int, int, int, bool], ...] = (
-    (256, 64, 4, True),
-    (128, 128, 4, True),
-    (64, 128, 5, False),
-    (32, 128, 5, False),
-    (16, 128, 5, False),
-)
-
-#: At most this many rows take one 16-row tile (``mma.sync``) instead of a 64-row one (``wgmma``):
-#: on the H200 both give every row the same bits for the same K order (``tests/kernels/
-#: test_dot_rows.py``, ``test_small_m_shapes_gpu``), and the 16-row tile does a quarter of the MMA
-#: work and holds a quarter of the registers, so twice the programs fit an SM (same sweep: 1.06-1.11x
-#: cuBLAS at M <= 16 on the K = 2048-14336 weights where the 64-row tiles took 1.24-1.35x).
-ROW16_MAX_M = 16
-ROW16_TILE = (16, 16, 128, 2, 5)  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages), pointer loads
-
-#: Pointer loads serve calls of at most this many rows (one 64-row tile). Above it every 64-row
-#: narrow tile loads by TMA and none narrower than 64 columns is taken: on the H200 (graph replay,
-#: host-built descriptors) the 64x64x128 tile took 12.4 / 13.2 us by TMA against 17.9 / 18.0 us
-#: by pointers at M = 256 / 512 on an 896 x 4864 weight, 1.20x / 1.21x cuBLAS where the pointer
-#: tiles the rule then took (64x32, 64x64) measured 1.28x / 1.64x.
-POINTER_MAX_M = 64
-#: A 128-row tile (BLOCK_N, BLOCK_K, warps, stages; TMA) that an under-filled call of at least
-#: ROW128_MIN_M rows (a narrow weight's prefill) takes first where it fills half the SMs: the area
-#: of 64x256 with eight warps on it. Same H200 sweep, at M = 2048: 31.6 against 46.9 us on
-#: 896 x 4864 (1.20x against 1.91x cuBLAS), 27.0 against 27.4 us on 1024 x 4096, 8.5 against
-#: 9.5 us on 896 x 896; at M = 256 it was no faster than 64x256 (8.6 against 8.3 us on 4864 x 896).
-ROW128_TILE = (128, 64, 8, 4)
-ROW128_MIN_M = 1024
-
-
-@cache
-def _narrowed(cfg: GemmConfig, tile: tuple[int, int, int, bool], few_rows: bool) -> GemmConfig:
-    block_n, block_k, stages, tma = tile
-    if not tma and few_rows:
-        bm, bn, bk, warps, st = ROW16_TILE
-        return replace(cfg, block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=st, tma=False)
-    return replace(cfg, block_m=64, block_n=block_n, block_k=block_k, num_warps=4, num_stages=stages, tma=tma)
-
-
-@cache
-def _row128(cfg: GemmConfig) -> GemmConfig:
-    block_n, block_k, warps, stages = ROW128_TILE
-    return replace(
-        cfg, block_m=128, block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages, tma=True
-    )
-
-
-#: The 64-row tiles a call of more than POINTER_MAX_M rows may take: TMA, at least 64 columns.
-_TMA_NARROW_TILES = tuple((bn, bk, st, True) for bn, bk, st, _ in NARROW_TILES if bn >= 64)
-
-
-#: Device time per output element of the wide TMA tiles of :data:`NARROW_TILES` (by BLOCK_N),
-#: relative to the full tile's (1.0), for one round of programs over the SMs: a 64-row tile does
-#: less per instruction. Fitted to a sweep on the H200 (``bench_tune_small``, the 0.5B-8B
-#: projections at M = 128-512).
-TILE_COST = {256: 1.08, 128: 1.14}
-#: The wide tiles are compared only where the full tile's programs fill the SMs at most this many
-#: times over (the sweep's range); a larger call keeps the full tile, whose waves then fill the
-#: device.
-SHRINK_MAX_ROUNDS = 2
-
-
-def launch_config(cfg: GemmConfig, m: int, n: int, sms: int, k: int = 0) -> GemmConfig:
-    """The tile one call runs (``k``: the K of a call whose split-K spans run as programs and so
-    count toward filling the SMs; 0 where they do not). Normally ``cfg`` for every M; with
-    ``cfg.shrink_small_m`` (Hopper):
-
-    * a call whose full tiles would fill fewer than half the SMs runs the widest 64-row tile of
-      :data:`NARROW_TILES` that fills half of them (the narrowest when none does), and at most
-      :data:`ROW16_MAX_M` rows run :data:`ROW16_TILE` in place of a pointer-loaded one: at decode
-      sizes a program's time is its K loop's latency, so filling the SMs is what counts. Above
-      :data:`POINTER_MAX_M` rows the rule runs over the 64-row tiles of at least 64 columns, all
-      loaded by TMA, and from :data:`ROW128_MIN_M` rows over :data:`ROW128_TILE` first;
-    * a call whose full tiles fill the SMs at most :data:`SHRINK_MAX_ROUNDS` times runs the full
-      tile or a wide TMA tile of :data:`NARROW_TILES`, whichever leaves its busiest SM the least
-      work: rounds of programs (``ceil(programs / sms)``) times the tile's area times its
-      :data:`TILE_COST`, the wider on a tie. A last round that leaves SMs idle wastes them: 112
-      full tiles of a 14336-wide weight at M=256 fill 85% of 132 SMs in one round (kept); 96 of
-      a 12288-wide one fill 73%, where 384 64x128 tiles fill 97% in three (taken).
-
-    Chosen from sweeps over the 0.5B-8B decode projections at M = 1 to 512 (``bench_tune_small``).
-
-    Why that keeps the bits: the K order and the MMA's k16 steps on one fp32 accumulator are
-    unchanged; only how many rows and columns one program covers, how many k16 steps one loop
-    iteration issues, and how the operands reach shared memory change. Measured on an H200:
-    128x256, 64x256, 128x128, 64x128, 64x64, 64x32, 64x16, 32x64, 16x128, 16x64, 16x32 and 16x16
-    tiles at BLOCK_K 64, 128 and 256, by TMA and by pointers, give identical bits for the 0.5B-8B
-    projections; ``test_batch_invariant_gpu`` and ``test_small_m_shapes_gpu`` cross every switch."""
-    if not cfg.shrink_small_m:
-        return cfg
-    spans = cdiv(k, cfg.k_split) if cfg.k_split and k else 1  # split-grid programs count toward the fill
-
-    def programs(block_m: int, block_n: int) -> int:
-        return cdiv(m, block_m) * cdiv(n, block_n) * spans
-
-    full = programs(cfg.block_m, cfg.block_n)
-    if full >= sms // 2:
-        if cdiv(full, sms) > SHRINK_MAX_ROUNDS:
-            return cfg
-        best, best_cost = None, float(cdiv(full, sms) * cfg.block_m * cfg.block_n)
-        for tile in NARROW_TILES:  # widest first: a tie keeps the wider
-            if tile[3]:
-                cost = cdiv(programs(64, tile[0]), sms) * 64 * tile[0] * TILE_COST.get(tile[0], 1.0)
-                if cost < best_cost:
-                    best, best_cost = tile, cost
-        return cfg if best is None else _narrowed(cfg, best, m <= ROW16_MAX_M)
-    if m >= ROW128_MIN_M and programs(128, ROW128_TILE[0]) >= sms // 2:
-        return _row128(cfg)
-    tiles = _TMA_NARROW_TILES if m > POINTER_MAX_M else NARROW_TILES
-    for tile in tiles:
-        if programs(64, tile[0]) >= sms // 2:
-            return _narrowed(cfg, tile, m <= ROW16_MAX_M)
-    return _narrowed(cfg, tiles[-1], m <= ROW16_MAX_M)
 
 
 if HAVE_TRITON:
@@ -548,11 +333,27 @@ def _ensure_allocator() -> None:
         triton.set_allocator(_scratch)
 
 
-def _descriptor(t: torch.Tensor, block: list[int]):
+def _descriptor(t: torch.Tensor, block: list[int]) -> Any:
+    """A host-built TMA descriptor over all of ``t`` (Triton's ``TensorDescriptor``)."""
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block)
 
 
 _host_tma = host_descriptors()
+
+
+class _GemmPlan(tuple):
+    """(config, grid, constexprs, options, split scratch sizes or None), hashed by identity: the
+    launch key holds the plan itself (one object per shape, kept alive by the key), so hashing it
+    costs nothing per call."""
+
+    __slots__ = ()
+    __hash__ = object.__hash__
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+    def __new__(cls, *fields: Any) -> _GemmPlan:
+        return super().__new__(cls, fields)
 
 
 @lru_cache(maxsize=8192)
@@ -574,23 +375,8 @@ def _plan(
     base = config or gemm_config(n, k, dtype, capability)
     if captured and base.tma and base.device_descriptors:
         base = replace(base, device_descriptors=False)
-    spans = cdiv(k, base.k_split) if base.k_split else 1
-    # Split-K spans run as programs (the split grid) where the fp32 span sums they write and
-    # read back stay small (:data:`SPLIT_GRID_ROWS`) and the tiles alone would not fill the
-    # device (above POINTER_MAX_M rows: where the spans' programs fit one round); else each
-    # program sums its tiles' spans in turn. The same adds either way (see the kernel), so this
-    # is a launch choice, not an arithmetic one.
-    grid_ok = spans > 1 and SPLIT_GRID_ROWS * spans * m <= k
-    cfg = launch_config(base, m, n, sms, k if grid_ok else 0)
-    tiles = cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n)
-    split_grid = grid_ok and tiles < sms and (m <= POINTER_MAX_M or tiles * spans <= sms)
-    programs = tiles if split_grid or not cfg.tma else min(tiles, sms)
-    grid = (programs, spans if split_grid else 1, 1)
-    # (fp32 span sums, per-tile counters) the split-grid launch needs, in elements
-    scratch = (spans * tiles * cfg.block_m * cfg.block_n, tiles) if split_grid else None
-    # A 4-byte output tile is twice the shared memory: store it in halves (the store order does
-    # not touch the sums, and the output dtype is fixed by the call site, never by M).
-    split = cfg.tma and (cfg.split_epilogue or out_dtype.itemsize > 2)
+    tp = plan_tiles(base, m, n, k, sms, out_dtype.itemsize, interpreting())
+    cfg = tp.config
     constexprs = dict(
         HAS_BIAS=has_bias,
         PRECISION=dot_precision(dtype),
@@ -599,32 +385,40 @@ def _plan(
         BLOCK_K=cfg.block_k,
         GROUP_M=8,
         TMA=cfg.tma,
-        SPLIT_EPILOGUE=split,
+        SPLIT_EPILOGUE=tp.split_epilogue,
         WARP_SPECIALIZE=cfg.warp_specialize,
         DEVICE_DESC=cfg.device_descriptors,
-        # Pointer loads and stores for A and C below one 64-row tile with a 2-byte output: the
-        # pointer store stages the tile in shared memory, which a 4-byte or 128-row tile overflows
-        # (the interpreter has no such limit: there it serves every partial tile, as a structure test).
-        A_PTR=cfg.tma and m < cfg.block_m and (interpreting() or (cfg.block_m == 64 and not split)),
-        K_SPLIT=cfg.k_split if spans > 1 else 0,
-        SPLIT_GRID=split_grid,
+        A_PTR=tp.a_pointers,
+        K_SPLIT=tp.k_split,
+        SPLIT_GRID=tp.split_grid,
     )
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return _GemmPlan(cfg, grid, constexprs, options, scratch)
+    return _GemmPlan(cfg, tp.grid, constexprs, options, tp.scratch)
 
 
-class _GemmPlan(tuple):
-    """(config, grid, constexprs, options, split scratch sizes or None), hashed by identity: the launch key holds the plan
-    itself (one object per shape, kept alive by the key), so hashing it costs nothing per call."""
+class _Route(enum.Enum):
+    """How a call reaches the kernel. Every route binds the same kernel arguments (the operands in
+    the form the route hands over) and so runs the same compiled code with the same bits."""
 
-    __slots__ = ()
-    __hash__ = object.__hash__
+    #: CUDA, kernel-built descriptors or pointer loads: a cache hit takes raw pointers (the route is
+    #: only chosen once every tensor is known to be a CUDA one: an int skips the launcher's check).
+    DIRECT = "direct"
+    #: CUDA, host-built TMA descriptors (a call under CUDA-graph capture): a cache hit takes each
+    #: descriptor encoded once per buffer (:func:`~isoaudit.kernels._triton.tma_map`) and expanded
+    #: as Triton's launcher expands it, ``(descriptor, rows, cols, row stride, 1)``; a host-built
+    #: descriptor is a kernel parameter, where a kernel-built one costs each program time before
+    #: its first load.
+    HOST_DESCRIPTORS = "host_descriptors"
+    #: A tensor off CUDA: the interpreter's structure tests, or Triton's own error for a misplaced
+    #: tensor. Only Triton's launch; host-built descriptors go uncached.
+    GENERIC = "generic"
 
-    def __eq__(self, other: object) -> bool:
-        return self is other
 
-    def __new__(cls, *fields):
-        return super().__new__(cls, fields)
+def _route(cfg: GemmConfig, weight: torch.Tensor, bias: torch.Tensor | None) -> _Route:
+    """The route of a call with the launched tile ``cfg`` (``a`` and the output share x's device)."""
+    if not (weight.is_cuda and (bias is None or bias.is_cuda)):
+        return _Route.GENERIC
+    return _Route.HOST_DESCRIPTORS if cfg.tma and not cfg.device_descriptors else _Route.DIRECT
 
 
 def gemm(
@@ -650,24 +444,17 @@ def gemm(
     if m == 0:
         return out.reshape(*x.shape[:-1], n)
     # Under CUDA-graph capture a TMA tile takes host-built descriptors, whether the tile is the
-    # weight's own or an explicit ``config`` (the tree's slot pairs): their host cost (5-11 us a
-    # call on the H200 host) is paid once, and each replay saves the ~2 us a program spends
-    # building its own before the first load; eager calls keep the kernel-built ones. The same
-    # loads either way, so the same bits (``test_host_descriptor_launch_gpu``).
+    # weight's own or an explicit ``config`` (the tree's slot pairs): their host cost is paid once,
+    # at capture, and each replay saves the time a program spends building its own before the first
+    # load; eager calls keep the kernel-built ones. The same loads either way, so the same bits
+    # (``test_host_descriptor_launch_gpu``).
     captured = weight.is_cuda and _host_tma and torch._C._cuda_isCurrentStreamCapturing()
     plan = _plan(m, n, k, weight.dtype, odt, bias is not None, dev, config, captured)
-    cfg = plan[0]
-    if weight.is_cuda and (bias is None or bias.is_cuda):
-        if cfg.device_descriptors or not cfg.tma:
-            _launch_direct(a, weight, bias, out, plan, dev, m, n, k)
-        else:
-            _launch_host_descriptors(a, weight, bias, out, plan, dev, m, n, k)
-    else:
-        _launch_other(a, weight, bias, out, plan, dev, m, n, k)
+    _launch(a, weight, bias, out, plan, dev, m, n, k, _route(plan[0], weight, bias))
     return out if x.dim() == 2 else out.reshape(*x.shape[:-1], n)
 
 
-def _launch_direct(
+def _launch(
     a: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
@@ -677,13 +464,14 @@ def _launch_direct(
     m: int,
     n: int,
     k: int,
+    route: _Route,
 ) -> None:
-    """The launch on CUDA with kernel-built descriptors or pointer loads (every config but
-    host-built descriptors), the host work cut to what the launch needs: each pointer and stride
-    read once, and a cache hit handed raw pointers (the caller checked every tensor is a CUDA one:
-    an int skips the launcher's check). The arguments, key, constexprs and options are those of
-    ``_launch_other``'s cached branch."""
+    """Launch one planned call by ``route``: a cached launch where the route has one and the key
+    is cached, else Triton's own launch (which, keyed, fills the cache). The host work is cut to
+    what the launch needs: each pointer and stride read once."""
     cfg, grid, constexprs, options, scratch = plan
+    host_desc = cfg.tma and not cfg.device_descriptors
+    a_ptr = constexprs["A_PTR"]
     itemsize = weight.dtype.itemsize  # a has weight's dtype (gemm casts x)
     w, pw, sw = weight, weight.data_ptr(), weight.stride()
     pa, sa = a.data_ptr(), a.stride()
@@ -691,10 +479,11 @@ def _launch_direct(
         if not tma_ready(pw, sw, itemsize):
             w = _tma_operand(weight)
             pw, sw = w.data_ptr(), w.stride()
-        if not constexprs["A_PTR"] and not tma_ready(pa, sa, itemsize):
+        if not a_ptr and not tma_ready(pa, sa, itemsize):
             a = _tma_operand(a)
             pa, sa = a.data_ptr(), a.stride()
-        _ensure_allocator()
+        if not host_desc:
+            _ensure_allocator()
     bias_arg, pb = (bias, bias.data_ptr()) if bias is not None else (w, pw)
     po = out.data_ptr()
     if scratch:
@@ -704,113 +493,39 @@ def _launch_direct(
         partials, counters, pp, pc = out, out, po, po
     so = (max(n, 1), 1)  # out.stride(): torch.empty(m, n) is row-major (a stride is never 0)
     # What Triton specialises the runtime arguments on: the plan fixes n, k, the dtypes and the
-    # output; the strides of a and w and the pointers' alignment (``aligned(a, w, bias_arg)``'s
-    # bits) complete it (m and the program count are not specialised).
+    # output; the strides of a and w and the pointers' 16-byte alignment (bit i: a, w, bias)
+    # complete it (m and the program count are not specialised).
     key = (plan, *sa, *sw, (pa % 16 == 0) | (pw % 16 == 0) << 1 | (pb % 16 == 0) << 2)
-    programs = grid[0]
-    ptrs = (pa, pw, po, pb, m, n, k, *sa, *sw, *so, programs, pp, pc)
-    if not _LAUNCH.launch_cached(key, grid, ptrs):
-        args = (a, w, out, bias_arg, m, n, k, *sa, *sw, *so, programs, partials, counters)
-        _LAUNCH(key, grid, args, constexprs, **options)
-
-
-def _launch_host_descriptors(
-    a: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    out: torch.Tensor,
-    plan: _GemmPlan,
-    dev: torch.device,
-    m: int,
-    n: int,
-    k: int,
-) -> None:
-    """The launch with host-built TMA descriptors, cached: each descriptor is encoded once per
-    operand buffer (:func:`tma_map`) and handed to the compiled launcher as Triton's own launch
-    expands it, ``(descriptor, rows, cols, row stride, 1)``. A kernel-built descriptor costs its
-    program ~2 us before the first load (measured on the H200: a 64x256 tile at M=256 on a
-    4864 x 896 weight 10.6 us with kernel-built descriptors, 8.3 us with host-built ones); a
-    host-built one is a kernel parameter. The first call of a key goes through Triton."""
-    cfg, grid, constexprs, options, scratch = plan
-    itemsize = weight.dtype.itemsize
-    w = weight if tma_ready(weight.data_ptr(), weight.stride(), itemsize) else _tma_operand(weight)
-    a_ptr = constexprs["A_PTR"]
-    if not a_ptr and not tma_ready(a.data_ptr(), a.stride(), itemsize):
-        a = _tma_operand(a)
-    pa, sa, pw, sw, po = a.data_ptr(), a.stride(), w.data_ptr(), w.stride(), out.data_ptr()
-    pb = bias.data_ptr() if bias is not None else pw
-    key = (plan, *sa, *sw, (pa % 16 == 0) | (pw % 16 == 0) << 1 | (pb % 16 == 0) << 2)
-    entry = _LAUNCH.entry(key)
-    if entry is None or entry.tma_meta is None:
-        _launch_other(a, w, bias, out, plan, dev, m, n, k, key)
-        return
-    metas = entry.tma_meta
-    wd = (tma_map(pw, n, k, sw[0], metas[0 if a_ptr else 1]), n, k, sw[0], 1)
-    if a_ptr:
-        head = (pa, *wd, po)
-    else:
-        ad = (tma_map(pa, m, k, sa[0], metas[0]), m, k, sa[0], 1)
-        head = (*ad, *wd, tma_map(po, m, n, n, metas[2]), m, n, n, 1)
-    if scratch:
-        partials, counters = _split_scratch(scratch, dev)
-        pp, pc = partials.data_ptr(), counters.data_ptr()
-    else:
-        pp = pc = po
-    entry(grid, (*head, pb, m, n, k, *sa, *sw, n, 1, grid[0], pp, pc))
-
-
-def _launch_other(
-    a: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    out: torch.Tensor,
-    plan: _GemmPlan,
-    dev: torch.device,
-    m: int,
-    n: int,
-    k: int,
-    key: tuple | None = None,
-) -> None:
-    """Every other launch: the interpreter's structure tests, a tensor off CUDA (Triton's launch
-    then raises its own error), and the first call of a host-descriptor key (``key``: it caches
-    the compiled kernel for :func:`_launch_host_descriptors`)."""
-    cfg, grid, constexprs, options, scratch = plan
-    programs = grid[0]
-    if cfg.tma:
-        w = _tma_operand(weight)
-        if not constexprs["A_PTR"]:
-            a = _tma_operand(a)
-        if cfg.device_descriptors:
-            _ensure_allocator()
-            a_arg, b_arg, c_arg = a, w, out
-        else:
-            b_arg = _descriptor(w, [cfg.block_n, cfg.block_k])
-            if constexprs["A_PTR"]:
-                a_arg, c_arg = a, out
+    sizes = (m, n, k, *sa, *sw, *so, grid[0])
+    if route is _Route.DIRECT:
+        if _LAUNCH.launch_cached(key, grid, (pa, pw, po, pb, *sizes, pp, pc)):
+            return
+    elif route is _Route.HOST_DESCRIPTORS:
+        entry = _LAUNCH.entry(key)
+        if entry is not None and entry.tma_meta is not None:
+            metas = entry.tma_meta
+            wd = (tma_map(pw, n, k, sw[0], metas[0 if a_ptr else 1]), n, k, sw[0], 1)
+            if a_ptr:
+                head: tuple[Any, ...] = (pa, *wd, po)
             else:
-                a_arg = _descriptor(a, [cfg.block_m, cfg.block_k])
-                c_arg = _descriptor(
-                    out, [cfg.block_m, cfg.block_n // (2 if constexprs["SPLIT_EPILOGUE"] else 1)]
-                )
-    else:
-        w = weight
-        a_arg, b_arg, c_arg = a, w, out
-    bias_arg = bias if bias is not None else w
-    partials, counters = _split_scratch(scratch, dev) if scratch else (out, out)
-    args = (
-        a_arg, b_arg, c_arg, bias_arg, m, n, k, *a.stride(), *w.stride(), *out.stride(), programs,
-        partials, counters,
-    )  # fmt: skip
-    if cfg.tma and not cfg.device_descriptors:  # host descriptors: Triton binds them itself
-        if key is None:
-            _gemm_kernel[grid](*args, **constexprs, **options)
+                ad = (tma_map(pa, m, k, sa[0], metas[0]), m, k, sa[0], 1)
+                head = (*ad, *wd, tma_map(po, m, n, n, metas[2]), m, n, n, 1)
+            entry(grid, (*head, pb, *sizes, pp, pc))
+            return
+    if host_desc:  # Triton binds host descriptors itself, and keeps their metadata for the cache
+        b_arg = _descriptor(w, [cfg.block_n, cfg.block_k])
+        if a_ptr:
+            a_arg, c_arg = a, out
         else:
-            _LAUNCH(key, grid, args, constexprs, **options)
+            a_arg = _descriptor(a, [cfg.block_m, cfg.block_k])
+            c_arg = _descriptor(out, [cfg.block_m, cfg.block_n // (2 if constexprs["SPLIT_EPILOGUE"] else 1)])
+        abc: tuple[Any, ...] = (a_arg, b_arg, c_arg)
     else:
-        # What Triton specialises the runtime arguments on: the plan fixes n, k, the dtypes and
-        # the output; the strides of a and w (args[7:11]) and the pointers' alignment complete it
-        # (m and the program count are not specialised).
-        key = (plan, *args[7:11], aligned(a, w, bias_arg))
+        abc = (a, w, out)
+    args = (*abc, bias_arg, *sizes, partials, counters)
+    if route is _Route.GENERIC and host_desc:
+        _gemm_kernel[grid](*args, **constexprs, **options)
+    else:
         _LAUNCH(key, grid, args, constexprs, **options)
 
 
@@ -819,13 +534,13 @@ class _Linear(torch.autograd.Function):
     contract, the forward's are)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, out_dtype):  # type: ignore[override]
+    def forward(ctx, x, weight, bias, out_dtype):
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
         return gemm(x, weight, bias, out_dtype)
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
+    def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         g2 = grad.reshape(-1, grad.shape[-1])
         gx = (g2.to(weight.dtype) @ weight).reshape(x.shape).to(x.dtype) if ctx.needs_input_grad[0] else None

@@ -146,13 +146,13 @@ class _TokenLogprobs(torch.autograd.Function):
     chunks (a single 16k x 152k block overflows cuBLAS's 32-bit sizes)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, tokens):  # type: ignore[override]
+    def forward(ctx, hidden, weight, tokens):
         out, z, lse = _forward_with_lse(hidden, weight, tokens)
         ctx.save_for_backward(hidden, weight, tokens, z, lse)
         return out
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
+    def backward(ctx, grad):
         hidden, weight, tokens, z, lse = ctx.saved_tensors
         h = hidden.reshape(-1, hidden.shape[-1])
         g = grad.reshape(-1).float()

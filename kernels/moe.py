@@ -2,12 +2,12 @@
 number of expert-parallel ranks or the expert buffers' capacity.
 
 An MoE layer is three regions (the collectors' ``layers.i.router``, ``layers.i.experts`` and
-``layers.i.combine``), each with one fixed arithmetic when :func:`kernels.enable` is on:
+``layers.i.combine``), each with one fixed arithmetic when :func:`isoaudit.kernels.enable` is on:
 
 * **router**: fp32 logits ``x W_g^T`` from the batch-invariant GEMM (:func:`dispatch.linear_fp32`,
   the same call on the trainer and the engine); the top-k by logit with the tie rule
   :data:`TIE_RULE` (unique integer keys, so no sort's stability is relied on); the selected weights
-  ``e^(l_j - l_max) / den`` with the invariant ``exp`` of :mod:`kernels.cpu` (IEEE operations only,
+  ``e^(l_j - l_max) / den`` with the invariant ``exp`` of :mod:`isoaudit.kernels.cpu` (IEEE operations only,
   the same bits on any device and at any tensor position), ``den`` summed over the k slots left to
   right (``norm_topk_prob``) or over all experts by a fixed tree.
 * **experts**: each expert's rows through the batch-invariant GEMM and SiLU, so a (token, slot)
@@ -34,6 +34,7 @@ import os
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -69,6 +70,9 @@ TIE_RULE = (
 )
 MAX_EXPERTS = 1 << 16
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
 
 # ---------------------------------------------------------------------------------------------
 # Router
@@ -96,17 +100,17 @@ def stable_topk(logits: torch.Tensor, k: int) -> torch.Tensor:
 
 
 class _Exp(torch.autograd.Function):
-    """:func:`kernels.cpu.exp` (IEEE ops only: the same bits wherever an element sits and on any
+    """:func:`isoaudit.kernels.cpu.exp` (IEEE ops only: the same bits wherever an element sits and on any
     device) with its derivative."""
 
     @staticmethod
-    def forward(ctx, x):  # type: ignore[override]
+    def forward(ctx, x):
         y = _cpu.exp(x)
         ctx.save_for_backward(y)
         return y
 
     @staticmethod
-    def backward(ctx, g):  # type: ignore[override]
+    def backward(ctx, g):
         (y,) = ctx.saved_tensors
         return g * y
 
@@ -137,7 +141,7 @@ def route(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, norm_topk_prob
     """Router of (T, H) hidden states with gate weight (E, H): invariant when the kernels are on,
     HF's native router (model-dtype logits, fp32 softmax, ``torch.topk``) when off. Outside
     autograd on the Triton devices, the top-k and weights are one launch of
-    :mod:`kernels.moe_router` (the same bits as the torch ops below)."""
+    :mod:`isoaudit.kernels.moe_router` (the same bits as the torch ops below)."""
     fast = _fast_router(x, gate_weight)
     if fast:  # the GEMM without its autograd wrapper: the same kernel, less host time
         logits = _gemm.gemm(x, gate_weight, None, torch.float32)
@@ -156,7 +160,7 @@ def route(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, norm_topk_prob
 
 
 def _route_torch(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> Routing:
-    """The invariant router's top-k and weights as torch ops (autograd, kernels.cpu, fallback)."""
+    """The invariant router's top-k and weights as torch ops (autograd, :mod:`isoaudit.kernels.cpu`, fallback)."""
     idx = stable_topk(logits, top_k)
     sel = logits.gather(1, idx)
     m = sel[:, :1].detach()  # the best logit: every exponent <= 0
@@ -233,7 +237,7 @@ _VIEWS: dict[int, tuple[weakref.ref, list[torch.Tensor]]] = {}
 
 def _expert_views(w: torch.Tensor) -> Sequence[torch.Tensor]:
     """``w[e]`` for every expert, the same view objects call after call outside autograd, so
-    :mod:`kernels.cpu`'s weight cache (keyed by the tensor, checked against its values) hits in
+    :mod:`isoaudit.kernels.cpu`'s weight cache (keyed by the tensor, checked against its values) hits in
     the engine's steps; with gradients on, fresh views (they must carry the graph)."""
     if torch.is_grad_enabled():
         return w.unbind(0)
@@ -241,7 +245,11 @@ def _expert_views(w: torch.Tensor) -> Sequence[torch.Tensor]:
     if hit is not None and hit[0]() is w and hit[1][0].data_ptr() == w.data_ptr():
         return hit[1]
     views = list(w.detach().unbind(0))  # same storage: they see in-place weight updates
-    _VIEWS[id(w)] = (weakref.ref(w, lambda _, key=id(w): _VIEWS.pop(key, None)), views)
+
+    def drop(_: object, key: int = id(w)) -> None:  # w was collected
+        _VIEWS.pop(key, None)
+
+    _VIEWS[id(w)] = (weakref.ref(w, drop), views)
     return views
 
 
@@ -250,7 +258,7 @@ def grouped_ffn(
 ) -> torch.Tensor:
     """SwiGLU experts on grouped rows: rows ``offsets[g]:offsets[g+1]`` through expert
     ``experts[g]``. On CUDA with the kernels on, one grouped-GEMM launch per projection
-    (:mod:`kernels.moe_grouped`); else each group through :func:`expert_ffn`. Either way a row's
+    (:mod:`isoaudit.kernels.moe_grouped`); else each group through :func:`expert_ffn`. Either way a row's
     bits depend on the row and its expert only."""
     if _use_grouped(x):
         g, u = grouped_linear(x, gate_up, experts, offsets).chunk(2, dim=-1)
@@ -351,7 +359,7 @@ def expert_outputs(
 
 def _fast(*ts: torch.Tensor) -> bool:
     """The host-sync-free path (one rank, no capacity, forward only, grouped kernel, at most
-    :data:`kernels.moe_router.MAX_EXPERTS` experts): ``ISOAUDIT_MOE_FAST=0`` restores the
+    :data:`isoaudit.kernels.moe_router.MAX_EXPERTS` experts): ``ISOAUDIT_MOE_FAST=0`` restores the
     host-table path."""
     if os.environ.get("ISOAUDIT_MOE_FAST", "1") == "0" or not _use_grouped(ts[0]):
         return False
@@ -364,7 +372,7 @@ def _expert_outputs_fast(
     x: torch.Tensor, flat: torch.Tensor, k: int, gate_up: torch.Tensor, down: torch.Tensor
 ) -> torch.Tensor:
     """(T*k, H) outputs in routing order in three launches and no host read: a stable counting
-    sort of the rows by expert with the tile tables (:func:`kernels.moe_grouped.sort_groups`),
+    sort of the rows by expert with the tile tables (:func:`isoaudit.kernels.moe_grouped.sort_groups`),
     the gate-up GEMM reading each sorted row from its token with SiLU(g) * u in its epilogue,
     and the down GEMM storing each row back at its (token, slot) place. The same tiles and the
     same roundings, so the same bits, as the host-table path. ``ISOAUDIT_MOE_GLU=0``: the SiLU
@@ -377,7 +385,9 @@ def _expert_outputs_fast(
     return grouped_scatter(h, down, groups[1], perm)
 
 
-def _all_to_all(t: torch.Tensor, send: list[int], recv: list[int], group: object | None) -> torch.Tensor:
+def _all_to_all(
+    t: torch.Tensor, send: list[int], recv: list[int], group: ProcessGroup | None
+) -> torch.Tensor:
     """Rows of ``t`` sent ``send[d]`` to rank d, ``recv[s]`` received from rank s (stacked in rank
     order). Rows travel as bytes: the bits, whatever dtypes the backend supports (gloo: no bf16)."""
     import torch.distributed as dist
@@ -394,7 +404,7 @@ def expert_outputs_distributed(
     local: Mapping[int, tuple[torch.Tensor, torch.Tensor]],
     owners: Sequence[int],
     capacity: int | None = None,
-    group: object | None = None,
+    group: ProcessGroup | None = None,
 ) -> torch.Tensor:
     """:func:`expert_outputs` for this rank's tokens in a real expert-parallel group: ``local``
     holds this rank's experts (id -> (gate_up, down)), ``owners[e]`` expert e's rank. Rows go to
@@ -432,7 +442,7 @@ def expert_outputs_distributed(
 
 def combine(y: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``sum_s w[t, s] y[t, s]`` in fp32 over slots 0..k-1 in that order, rounded once to ``dtype``.
-    On CUDA (forward, ``ISOAUDIT_MOE_FAST`` not 0) one launch of :mod:`kernels.moe_combine`, the
+    On CUDA (forward, ``ISOAUDIT_MOE_FAST`` not 0) one launch of :mod:`isoaudit.kernels.moe_combine`, the
     same arithmetic op for op."""
     if (
         y.is_cuda
@@ -502,7 +512,7 @@ class RouteCall:
 class RoutingTrace:
     """The routing of every MoE layer call made while it was active, in call order.
     ``unlabelled`` counts calls of MoE blocks that had no layer index (an HF model not passed to
-    :func:`kernels.adapters_moe.instrument`): they are not recorded."""
+    :func:`isoaudit.kernels.adapters_moe.instrument`): they are not recorded."""
 
     def __init__(self) -> None:
         self.calls: list[RouteCall] = []
@@ -514,16 +524,16 @@ class RoutingTrace:
     def arrays(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's tokens as ``keys`` (N, 2) int64 (sequence, position), sorted, and their
         ``experts`` (N, k) in slot order. A token computed twice keeps its first routing (an engine
-        may re-run a finished request's last position with filler tokens, as kernels.engine's
+        may re-run a finished request's last position with filler tokens, as :mod:`isoaudit.kernels.engine`'s
         batched decode does). Needs tagged calls."""
         calls = [c for c in self.calls if c.layer == layer]
         for c in calls:
             if c.seq is None or c.pos is None:
-                raise ValueError(f"layer {layer} was called without token tags (kernels.moe.tokens)")
+                raise ValueError(f"layer {layer} was called without token tags (isoaudit.kernels.moe.tokens)")
         if not calls:
             return torch.zeros(0, 2, dtype=torch.int64), torch.zeros(0, 0, dtype=torch.uint8)
-        seq = torch.cat([c.seq for c in calls])  # type: ignore[misc]
-        pos = torch.cat([c.pos for c in calls])  # type: ignore[misc]
+        seq = torch.cat([c.seq for c in calls])  # type: ignore[misc]  # checked not None above
+        pos = torch.cat([c.pos for c in calls])  # type: ignore[misc]  # checked not None above
         experts = torch.cat([c.experts.to(torch.int16) for c in calls])
         order = torch.sort(seq * (1 << 32) + pos, stable=True).indices  # call order within a key
         seq, pos, experts = seq[order], pos[order], experts[order]

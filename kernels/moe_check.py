@@ -6,13 +6,13 @@ Every rank builds the same weights and tokens (seeded) and computes the single-p
 itself; then, over the group (gloo on the CPU, NCCL with one GPU per rank):
 
 * **EP**: each rank routes its own tokens, sends rows to the ranks owning their experts and gets
-  the outputs back (:func:`kernels.moe.expert_outputs_distributed`), for two placements and two
+  the outputs back (:func:`isoaudit.kernels.moe.expert_outputs_distributed`), for two placements and two
   buffer capacities, fp32 and bf16: its tokens' outputs must equal the single-process layer's.
-* **SP**: :func:`kernels.sequence_parallel.sp_hidden` of an MoELM with this rank's slice of every
+* **SP**: :func:`isoaudit.kernels.sequence_parallel.sp_hidden` of an MoELM with this rank's slice of every
   sequence: its logits slice must equal the full forward's (kernels off: how much differs).
 * **SP on HF models**: the same for HF's Qwen3 (dense) and Qwen3-MoE decoders (random weights
-  from a seeded config; :func:`kernels.sequence_parallel.sp_hidden` with the engine adapter's ops).
-* **TP + SP** (power-of-two worlds): :func:`kernels.sequence_parallel.tree_gemm_reduce_scatter`
+  from a seeded config; :func:`isoaudit.kernels.sequence_parallel.sp_hidden` with the engine adapter's ops).
+* **TP + SP** (power-of-two worlds): :func:`isoaudit.kernels.sequence_parallel.tree_gemm_reduce_scatter`
   rows must equal the tree GEMM's.
 Rank 0 writes the verdicts (``--json``) and exits non-zero when any is false.
 """
@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import Any
 
 import torch
 
-from isoaudit import kernels
-
-from . import dispatch, moe
+from . import dispatch, moe, switch
 from . import sequence_parallel as sp
 from .bits import bits_equal
 from .models.moe_lm import MoELM, MoELMConfig
@@ -44,7 +43,7 @@ def _ep(rank: int, world: int, dev: torch.device, small: bool) -> list[dict]:
         down = (torch.randn(e, h, i, generator=g) * i**-0.5).to(dev, dtype)
         x = torch.randn(t, h, generator=g).to(dev, dtype)
         lo, hi = sp.seq_slices(t, world)[rank]
-        with kernels.enable():
+        with switch.enable():
             want = moe.moe_layer(x, gate, gate_up, down, k)[lo:hi]
             r = moe.route(x[lo:hi], gate, k)
             for name, owners in (
@@ -79,7 +78,7 @@ def _sp(rank: int, world: int, dev: torch.device, small: bool) -> dict:
     lo, hi = sp.seq_slices(ids.shape[1], world)[rank]
     res = {}
     for on in (True, False):
-        with kernels.enable() if on else kernels.disable(), torch.no_grad():
+        with switch.enable() if on else switch.disable(), torch.no_grad():
             full = dispatch.logits_fp32(model(ids)[:, lo:hi].reshape(-1, cfg.hidden), model.lm_head_weight)
             gather = sp.process_group_seq_gather(ids.shape[1])
             mine = sp.sp_hidden(model, ids, world, [rank], gather)[rank]
@@ -96,7 +95,7 @@ def hf_decoder(family: str, dev: torch.device, dtype: torch.dtype, seed: int = 0
     (every process builds the same bits; nothing is downloaded)."""
     from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3Config, Qwen3MoeConfig
 
-    common = dict(
+    common: dict[str, Any] = dict(
         vocab_size=256,
         hidden_size=64,
         num_hidden_layers=2,
@@ -108,7 +107,7 @@ def hf_decoder(family: str, dev: torch.device, dtype: torch.dtype, seed: int = 0
         tie_word_embeddings=False,
     )
     if family == "qwen3":
-        cfg = Qwen3Config(**common)
+        cfg: Any = Qwen3Config(**common)
     elif family == "qwen3_moe":
         cfg = Qwen3MoeConfig(
             **common, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True
@@ -132,9 +131,9 @@ def _sp_hf(rank: int, world: int, dev: torch.device) -> dict:
     lo, hi = sp.seq_slices(ids.shape[1], world)[rank]
     res = {}
     for family in ("qwen3", "qwen3_moe"):
-        model = hf_decoder(family, dev, torch.bfloat16 if dev.type == "cuda" else torch.float32)
+        model: Any = hf_decoder(family, dev, torch.bfloat16 if dev.type == "cuda" else torch.float32)
         head = model.lm_head.weight
-        with kernels.enable(), torch.no_grad():
+        with switch.enable(), torch.no_grad():
             full = model.model(input_ids=ids).last_hidden_state[:, lo:hi]
             mine = sp.sp_hidden(model, ids, world, [rank], sp.process_group_seq_gather(ids.shape[1]))[rank]
             got = dispatch.logits_fp32(mine.reshape(-1, mine.shape[-1]), head)
@@ -170,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     rank, world, dev = join_torchrun_group()
-    mine = {"ep": _ep(rank, world, dev, args.small), "sp": _sp(rank, world, dev, args.small)}
+    mine: dict[str, Any] = {"ep": _ep(rank, world, dev, args.small), "sp": _sp(rank, world, dev, args.small)}
     mine["sp_hf"] = _sp_hf(rank, world, dev)
     mine["tp_sp"] = _tp_sp(rank, world, dev, args.small)
     every: list[dict] = [{} for _ in range(world)]

@@ -1,6 +1,6 @@
 """The MoE combine in one launch: ``out[t] = round(sum_s w[t, s] * y[row(t, s)])``.
 
-The arithmetic is exactly :func:`kernels.moe.combine`'s torch ops, element by element: fp32, the
+The arithmetic is exactly :func:`isoaudit.kernels.moe.combine`'s torch ops, element by element: fp32, the
 first term one rounded product ``w0 * y0``, then ``acc = acc + w_s * y_s`` for s = 1..k-1 in
 order, each a rounded multiply then a rounded add (compiled with ``enable_fp_fusion=False``: no
 FMA contraction), and one round-to-nearest-even cast to the output dtype. ``rows`` (T*k,) optional
@@ -57,7 +57,7 @@ def combine_rows(
     y: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype, rows: torch.Tensor | None = None
 ) -> torch.Tensor:
     """(T, H) in ``dtype``: token t's slot-s output is ``y[rows[t*k+s]]`` (``y`` (R, H)), or with
-    ``rows`` None ``y`` is (T, k, H) in place. Bits of :func:`kernels.moe.combine`. Forward only."""
+    ``rows`` None ``y`` is (T, k, H) in place. Bits of :func:`isoaudit.kernels.moe.combine`. Forward only."""
     t, k = weights.shape
     h = y.shape[-1]
     y2 = y.reshape(-1, h)
@@ -69,7 +69,7 @@ def combine_rows(
     if t == 0 or h == 0:
         return out
     gather = rows is not None
-    rows_arg = rows if gather else w
+    rows_arg = rows if rows is not None else w
     args = (y2, w, rows_arg, out, h, y2.stride(0), w.stride(0), out.stride(0))
     cx = dict(K=k, GATHER=gather, BLOCK=BLOCK_H)
     key = (y2.dtype, dtype, rows_arg.dtype, *args[4:], k, gather, aligned(y2, w, rows_arg, out), y.device)

@@ -4,7 +4,7 @@ Rows arrive grouped (group g's rows contiguous, ``offsets[g]:offsets[g+1]``, gro
 by ``weight[experts[g]]``). A program computes one (BLOCK_M rows of one group) x BLOCK_N tile:
 tiles never straddle groups (rows past the group's end load as zeros and are not stored), the tile
 shape is a function of (N, K, dtype) only, there is no split-K, and each output accumulates in fp32
-over K in ascending BLOCK_K steps (the pointer path of :mod:`kernels.gemm`). So a row's bits depend
+over K in ascending BLOCK_K steps (the pointer path of :mod:`isoaudit.kernels.gemm`). So a row's bits depend
 on that row and its expert's weight alone: not on how many rows its expert got, which other
 experts share the launch, or where the row sits in a tile; one expert alone (a single-group call)
 gives the same bits as the whole layer's launch.
@@ -131,13 +131,13 @@ class _Grouped(torch.autograd.Function):
     the forward's bits)."""
 
     @staticmethod
-    def forward(ctx, x, weight, experts, offsets):  # type: ignore[override]
+    def forward(ctx, x, weight, experts, offsets):
         ctx.save_for_backward(x, weight)
         ctx.groups = (experts, offsets)
         return grouped_gemm(x, weight, experts, offsets)
 
     @staticmethod
-    def backward(ctx, g):  # type: ignore[override]
+    def backward(ctx, g):
         x, weight = ctx.saved_tensors
         experts, offsets = ctx.groups
         gx = torch.zeros_like(x) if ctx.needs_input_grad[0] else None
@@ -238,7 +238,7 @@ if HAVE_TRITON:
                     acc_up = tl.dot(x, wu, acc_up, input_precision=PRECISION)
             if GLU:
                 # the unfused path's roundings: gate and up stored in c's dtype, SiLU in fp32 as
-                # kernels.elementwise computes it, rounded, then the product rounded (torch's mul)
+                # isoaudit.kernels.elementwise computes it, rounded, then the product rounded (torch's mul)
                 g = acc.to(c.dtype.element_ty).to(tl.float32)
                 sg = (g / (1.0 + tl.exp(-g))).to(c.dtype.element_ty).to(tl.float32)
                 out = (sg * acc_up.to(c.dtype.element_ty).to(tl.float32)).to(c.dtype.element_ty)
@@ -429,7 +429,7 @@ def grouped_glu(
 ) -> torch.Tensor:
     """(S, I): ``silu(g) * u`` of ``[g, u] = x[perm[r] // top_k] @ gate_up[e].T`` for each sorted
     row r of expert e, every rounding that of the unfused ops (the grouped GEMM's output in x's
-    dtype, :func:`kernels.elementwise.silu`, torch's multiply). ``fused``: in the GEMM's epilogue
+    dtype, :func:`isoaudit.kernels.elementwise.silu`, torch's multiply). ``fused``: in the GEMM's epilogue
     (one launch), else the GEMM then one SiLU-times-up launch. ``ISOAUDIT_MOE_GLU_WARPS`` sets the
     fused launch's warps (default the GEMM's 4: the same MMA instruction shape as the unfused
     GEMM; 8 halves the instruction's N, which the `gpu` tests must show keeps the bits)."""

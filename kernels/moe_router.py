@@ -1,20 +1,20 @@
 """The MoE router's epilogue in one launch: fp32 logits (T, E) to the selected experts (T, k) and
-their weights (T, k), with the bits of :func:`kernels.moe.route`'s torch ops.
+their weights (T, k), with the bits of :func:`isoaudit.kernels.moe.route`'s torch ops.
 
 Why: those ops are ~50 small launches (the order key, top-k, gather, the IEEE-only ``exp`` of
-:mod:`kernels.cpu`, the slot sum, the division); on a slow host each costs more than the work.
+:mod:`isoaudit.kernels.cpu`, the slot sum, the division); on a slow host each costs more than the work.
 
 The arithmetic, element by element, is the torch path's:
 
-* the key of :func:`kernels.moe._order_key`: ``nan_to_num(z + 0, nan=-inf)`` (so -0 is +0, NaN
+* the key of :func:`isoaudit.kernels.moe._order_key`: ``nan_to_num(z + 0, nan=-inf)`` (so -0 is +0, NaN
   becomes -inf, and +-inf become +-FLT_MAX, as ``nan_to_num``'s defaults do), its bits made
   monotone, times 2^16, plus ``2^16 - 1 - index``; k rounds of a row maximum over these unique
   int64 keys give ``topk(sorted=True)``'s answer;
-* the selected raw logits (NaN kept), minus slot 0's; :func:`kernels.cpu.exp` op for op (clamp,
+* the selected raw logits (NaN kept), minus slot 0's; :func:`isoaudit.kernels.cpu.exp` op for op (clamp,
   the scaled round, the Cody-Waite reduction, Horner with one rounding per step, the exponent
   add, the edge cases), every constant the fp32 value torch rounds the Python scalar to;
 * ``den`` summed over the slots left to right (``norm_topk_prob``), or the fixed tree of
-  :func:`kernels.cpu.tree_sum` over all experts, then IEEE division (``tl.div_rn``: Triton's
+  :func:`isoaudit.kernels.cpu.tree_sum` over all experts, then IEEE division (``tl.div_rn``: Triton's
   ``/`` on fp32 is an approximate division on NVIDIA GPUs).
 
 Compiled with ``enable_fp_fusion=False``, so no multiply and add contract into an FMA. Rows are
@@ -38,7 +38,7 @@ def _f32(c: float) -> float:
     return float(np.float32(c))
 
 
-# kernels.cpu.exp's constants, as torch's fp32 ops see them
+# isoaudit.kernels.cpu.exp's constants, as torch's fp32 ops see them
 _LOG2E = _f32(1.4426950408889634)
 _LN2_HI = _f32(0.693359375)
 _LN2_LO = _f32(-2.12194440e-4)
@@ -66,7 +66,7 @@ if HAVE_TRITON:
 
     @triton.jit
     def _ieee_exp(x):
-        """:func:`kernels.cpu.exp` op for op (each step rounds: the kernel has no FMA fusion)."""
+        """:func:`isoaudit.kernels.cpu.exp` op for op (each step rounds: the kernel has no FMA fusion)."""
         xc = tl.minimum(tl.maximum(x, -87.0), 88.5)  # NaN lanes are replaced below
         y = xc * LOG2E
         n = (y + ROUND) - ROUND  # torch.round (half to even): |y| < 128
@@ -139,7 +139,7 @@ if HAVE_TRITON:
             p = _ieee_exp(v - m)
             ps = tl.where(slots[None, :] == s, p[:, None], ps)
             den = den + p  # slot order, left to right
-        if not NORM:  # kernels.cpu.tree_sum over all experts: the upper half onto the lower
+        if not NORM:  # isoaudit.kernels.cpu.tree_sum over all experts: the upper half onto the lower
             q = tl.where(col_ok[None, :], _ieee_exp(z - m[:, None]), 0.0)
             for lvl in tl.static_range(LOG_E):
                 q = tl.sum(tl.reshape(q, (BLOCK_T, 2, E_P2 >> (lvl + 1))), axis=1)
@@ -159,7 +159,7 @@ def supported(logits: torch.Tensor, top_k: int) -> bool:
 
 def route_logits(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(experts (T, k) int64 best first, weights (T, k) fp32) of fp32 logits (T, E): the bits of
-    :func:`kernels.moe.stable_topk` and the torch weights of :func:`kernels.moe.route`. Forward
+    :func:`isoaudit.kernels.moe.stable_topk` and the torch weights of :func:`isoaudit.kernels.moe.route`. Forward
     only (no autograd)."""
     t, e = logits.shape
     lg = logits if logits.stride(-1) == 1 else logits.contiguous()

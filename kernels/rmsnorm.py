@@ -172,13 +172,13 @@ class _RMSNorm(torch.autograd.Function):
     CUDA, elsewhere by differentiating the torch reference."""
 
     @staticmethod
-    def forward(ctx, x, weight, eps, l2):  # type: ignore[override]
+    def forward(ctx, x, weight, eps, l2):
         ctx.save_for_backward(x, weight)
         ctx.eps, ctx.l2 = eps, l2
         return rms_norm(x, weight, eps, l2=l2)
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
+    def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         gx = gw = None
         if x.is_cuda and resolve(None, x) == "triton" and not _FAILED:
@@ -203,7 +203,9 @@ def _backward_failed(exc: Exception) -> None:
     """Remember (and say once) that the Triton backward could not run here."""
     global _FAILED
     _FAILED = True
-    warnings.warn(f"kernels.rmsnorm: the Triton backward failed ({exc!r}); using the reference", stacklevel=3)
+    warnings.warn(
+        f"isoaudit.kernels.rmsnorm: the Triton backward failed ({exc!r}); using the reference", stacklevel=3
+    )
 
 
 #: Rows one backward program walks (its partial weight gradient covers them).

@@ -12,21 +12,21 @@ non-SP model performs:
   fixed tree of key tiles at absolute positions, the same for a query whatever else is in the
   call, so no ring-style merge of per-rank partial softmaxes (whose order would follow the ranks).
 * **Row-parallel layers with TP** (:func:`tree_gemm_reduce_scatter`): each rank's subtree roots
-  of the tree GEMM (:mod:`kernels.tree_gemm`) for every token go to the rank owning that token's
+  of the tree GEMM (:mod:`isoaudit.kernels.tree_gemm`) for every token go to the rank owning that token's
   slice (an all-to-all in place of the all-gather), which combines them by the same tree:
   Megatron's reduce-scatter, with TP=1's additions.
 
 :func:`sp_hidden` runs a decoder this way, for all ranks on one device (simulated) or for this
 process's rank of a real group (:func:`process_group_seq_gather`): our
-:class:`kernels.models.moe_lm.MoELM`, or HF's Llama/Qwen3 (dense) and Qwen3-MoE/Mixtral (MoE)
-decoders with the ops of :class:`kernels.adapters.HFCausalLM` (the engine path, bitwise HF's own
+:class:`isoaudit.kernels.models.moe_lm.MoELM`, or HF's Llama/Qwen3 (dense) and Qwen3-MoE/Mixtral (MoE)
+decoders with the ops of :class:`isoaudit.kernels.adapters.HFCausalLM` (the engine path, bitwise HF's own
 forward with the kernels on). ``python -m isoaudit.kernels.moe_check`` checks both under torchrun.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -37,6 +37,9 @@ from .tree_gemm import subtree_root, tree_plan, tree_reduce
 SeqGather = Callable[[dict[int, torch.Tensor]], torch.Tensor]
 #: ``all_to_all(parts)``: parts[d] goes to rank d; returns what every rank sent here, in rank order.
 AllToAll = Callable[[list[torch.Tensor]], list[torch.Tensor]]
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 
 def seq_slices(n: int, world: int) -> list[tuple[int, int]]:
@@ -56,7 +59,7 @@ def simulated_seq_gather(parts: dict[int, torch.Tensor]) -> torch.Tensor:
     return torch.cat([parts[r] for r in sorted(parts)], dim=1)
 
 
-def process_group_seq_gather(n: int, group: object | None = None) -> SeqGather:
+def process_group_seq_gather(n: int, group: ProcessGroup | None = None) -> SeqGather:
     """This process's rank of a real group (one local slice): an all-gather of the slices, padded
     to the longest and trimmed back."""
     import torch.distributed as dist
@@ -106,7 +109,7 @@ class SPModel(Protocol):
 
 
 class _OursLayer:
-    def __init__(self, blk: torch.nn.Module) -> None:
+    def __init__(self, blk: Any) -> None:
         self.blk, self.att = blk, blk.mixer
         self.scale = self.att.cfg.head_dim**-0.5
 
@@ -121,11 +124,11 @@ class _OursLayer:
 
 
 class _Ours:
-    """:class:`kernels.models.moe_lm.MoELM` (``embed``, ``blocks``, ``norm``)."""
+    """:class:`isoaudit.kernels.models.moe_lm.MoELM` (``embed``, ``blocks``, ``norm``)."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: Any) -> None:
         self.model = model
-        self.layers = [_OursLayer(blk) for blk in model.blocks]
+        self.layers: Sequence[SPLayer] = [_OursLayer(blk) for blk in model.blocks]
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed(ids)
@@ -135,7 +138,7 @@ class _Ours:
 
 
 class _HFLayer:
-    def __init__(self, owner: _HF, layer: torch.nn.Module) -> None:
+    def __init__(self, owner: _HF, layer: Any) -> None:
         self.owner, self.layer, self.attn = owner, layer, layer.self_attn
         self.scale = float(self.attn.scaling)
 
@@ -162,8 +165,8 @@ class _HFLayer:
 
 
 class _HF:
-    """An HF Llama/Qwen3/Qwen3-MoE/Mixtral causal LM (or an :class:`~kernels.adapters.HFCausalLM`)
-    with :class:`~kernels.adapters.HFCausalLM`'s per-layer ops; MoE blocks are instrumented so they
+    """An HF Llama/Qwen3/Qwen3-MoE/Mixtral causal LM (or an :class:`~isoaudit.kernels.adapters.HFCausalLM`)
+    with :class:`~isoaudit.kernels.adapters.HFCausalLM`'s per-layer ops; MoE blocks are instrumented so they
     take packed rows and record their routing."""
 
     def __init__(self, model: Any) -> None:
@@ -171,10 +174,10 @@ class _HF:
         from .adapters_moe import instrument
 
         instrument(model)
-        self.inner = model.model
+        self.inner: Any = model.model
         cfg = model.config
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.layers = [_HFLayer(self, layer) for layer in self.inner.layers]
+        self.layers: Sequence[SPLayer] = [_HFLayer(self, layer) for layer in self.inner.layers]
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -192,9 +195,9 @@ class _HF:
 
 def sp_model(model: Any) -> SPModel:
     """``model`` as :func:`sp_hidden` runs it: our MoELM, an HF decoder (dense or MoE), an
-    :class:`~kernels.adapters.HFCausalLM`, or an :class:`SPModel` already."""
+    :class:`~isoaudit.kernels.adapters.HFCausalLM`, or an :class:`SPModel` already."""
     if hasattr(model, "layers") and hasattr(model, "final"):
-        return model  # type: ignore[no-any-return]
+        return model
     if hasattr(model, "blocks") and hasattr(model, "embed"):
         return _Ours(model)
     inner = getattr(model, "model", None)
@@ -256,7 +259,7 @@ def tree_gemm_reduce_scatter(
     rank's slice of the M rows (:func:`seq_slices` over M), from its K columns of every row. The
     rank's subtree roots for every row are split by slice and exchanged (``all_to_all``), and the
     ``tp`` roots of each of its rows are combined by the same tree as without SP, so each row has
-    the bits of :func:`kernels.tree_gemm.tree_gemm` (and of TP=1)."""
+    the bits of :func:`isoaudit.kernels.tree_gemm.tree_gemm` (and of TP=1)."""
     root = subtree_root(x_local, w_local, tree_plan(k, leaf, tp), rank, impl)  # (M, N) fp32
     mine = all_to_all([root[lo:hi] for lo, hi in seq_slices(root.shape[0], tp)])
     return tree_reduce(torch.stack(mine)).to(out_dtype or x_local.dtype)
@@ -283,7 +286,7 @@ def tree_gemm_sp(
     ]
 
 
-def process_group_all_to_all(group: object | None = None) -> AllToAll:
+def process_group_all_to_all(group: ProcessGroup | None = None) -> AllToAll:
     """An all-to-all of row blocks over a ``torch.distributed`` group: ``parts[d]`` goes to rank d;
     this rank receives every rank's block for it (all of this rank's own block's shape)."""
     import torch.distributed as dist

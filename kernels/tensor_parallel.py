@@ -4,7 +4,7 @@ In a tensor-parallel model the row-parallel layers (attention ``o_proj``, MLP ``
 the reduction dimension K across ranks and sum the partial products with an NCCL all-reduce, whose
 summation order depends on the number of ranks (and on NCCL's algorithm choice). The same weights
 then give different logits at TP=1 (the trainer) and TP=8 (the rollout engine).
-:class:`RowParallelLinear` computes its shard with the tree GEMM instead (:mod:`kernels.tree_gemm`):
+:class:`RowParallelLinear` computes its shard with the tree GEMM instead (:mod:`isoaudit.kernels.tree_gemm`):
 each rank reduces its own subtree, the subtree roots are all-gathered, and every rank combines them
 with the same pairwise tree, so every addition is the one TP=1 performs.
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable, Iterable
-from typing import Literal, NoReturn
+from typing import TYPE_CHECKING, Literal, NoReturn
 
 import torch
 from torch import nn
@@ -27,6 +27,9 @@ from .tree_gemm import MAX_TP, tree_gemm_distributed, tree_plan
 AllGather = Callable[[torch.Tensor], torch.Tensor]
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
 Mode = Literal["tree", "native"]
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 
 def join_torchrun_group() -> tuple[int, int, torch.device]:
@@ -70,7 +73,7 @@ def single_rank_all_gather(t: torch.Tensor) -> torch.Tensor:
     return t.unsqueeze(0)
 
 
-def process_group_all_gather(group: object | None = None) -> AllGather:
+def process_group_all_gather(group: ProcessGroup | None = None) -> AllGather:
     """An all-gather over a ``torch.distributed`` group: every rank's tensor, stacked in rank order."""
     import torch.distributed as dist
 
@@ -87,7 +90,7 @@ def process_group_all_gather(group: object | None = None) -> AllGather:
     return gather
 
 
-def process_group_all_reduce(group: object | None = None) -> AllReduce:
+def process_group_all_reduce(group: ProcessGroup | None = None) -> AllReduce:
     """A sum all-reduce over a ``torch.distributed`` group (the native row-parallel reduction)."""
     import torch.distributed as dist
 
@@ -150,6 +153,7 @@ class RowParallelLinear(nn.Module):
         else:
             y = x_local @ self.weight.T
             if self.tp > 1:
+                assert self._all_reduce is not None  # the constructor requires one for native TP > 1
                 y = self._all_reduce(y)
         if self.bias is not None:
             y = y + self.bias

@@ -71,7 +71,7 @@ def _tiny_qwen3(dev: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     import transformers
 
     torch.manual_seed(0)
-    cfg = transformers.Qwen3Config(
+    cfg = transformers.Qwen3Config(  # type: ignore[call-arg]  # attn_implementation: a PretrainedConfig keyword
         vocab_size=512,
         hidden_size=256,
         intermediate_size=768,
@@ -82,7 +82,8 @@ def _tiny_qwen3(dev: torch.device, dtype: torch.dtype) -> torch.nn.Module:
         max_position_embeddings=512,
         attn_implementation="sdpa",
     )
-    return transformers.Qwen3ForCausalLM(cfg).to(dev, dtype).eval()
+    model = transformers.Qwen3ForCausalLM(cfg)
+    return model.to(dev, dtype).eval()  # type: ignore[arg-type]  # transformers types .to as a decorated method
 
 
 @torch.no_grad()

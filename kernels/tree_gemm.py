@@ -18,7 +18,7 @@ The tree, exactly (``max_tp`` = the largest TP degree the plan serves, 8 by defa
 Two CUDA paths compute a rank's subtree, with the same adds (so the same bits):
   * where the subtree is at most ``MAX_GEMM_PARTS`` pairs of slots (``MAX_WIDE_GEMM_PARTS`` for
     leaves of at least ``WIDE_LEAF`` columns), each pair is the batch-invariant
-    GEMM itself (:func:`kernels.gemm.gemm` with a fixed split-K of one leaf: two leaves summed from
+    GEMM itself (:func:`isoaudit.kernels.gemm.gemm` with a fixed split-K of one leaf: two leaves summed from
     zero and added, ``0 + l0 + l1 == l0 + l1``), and the pairs' roots are added by the same tree in
     one launch (:func:`reduce_roots`); at TP=1 with one pair the GEMM rounds the root itself, so the
     whole tree is one launch. This is the path of *wide* plans (``leaf=0``: one leaf per group,
@@ -49,31 +49,20 @@ from ._triton import (
     triton,
     use_triton,
 )
-from .gemm import (
-    SPLIT_ALIGN,
-    GemmConfig,
-    _device_traits,
-    _ensure_allocator,
-    _tma_operand,
-    gemm,
-    gemm_config,
-    gemm_reference,
-)
+from .gemm import _device_traits, _ensure_allocator, _tma_operand, gemm, gemm_reference
+from .gemm_policy import SPLIT_ALIGN, GemmConfig, gemm_config
 
 MAX_TP = 8
 # Slots one program carries in registers (2 + log2 of it live fp32 tiles); a rank's subtree wider
 # than this is computed as equal complete subtrees, their roots added by the same tree in torch.
-# 8 measured fastest on the H200 at K = 4096, 12288, 14336 (16 or 32 need narrower tiles: 1.3-1.5x
-# slower; one group per program writes more partials: 1.25x slower at K=4096). A group may still
-# hold up to 32 slots.
+# 8 is the fastest on the H200 at the 8B-class K (16 or 32 slots need narrower tiles; one group per
+# program writes more partials). A group may still hold up to 32 slots.
 MAX_PROGRAM_SLOTS = 8
 MAX_GROUP_SLOTS = 32
 #: A rank's subtree of at most this many slot pairs takes the GEMM path (one batch-invariant GEMM
 #: launch a pair, then one launch adding the pairs' roots); a wider one, the register kernel. Up to
-#: MAX_WIDE_GEMM_PARTS pairs where leaves are at least WIDE_LEAF columns: measured on the H200
-#: (N=4096, the wide max_tp=8 plan at TP=1), four pairs of 1792-column leaves took 1.52x and 1.68x
-#: a matmul against the register kernel's 2.31x and 2.84x; of 512-column leaves, 3.18x against
-#: 2.90x at M=256 (and 2.53x against 3.55x at M=2048).
+#: MAX_WIDE_GEMM_PARTS pairs where leaves are at least WIDE_LEAF columns: long leaves keep the GEMM
+#: launches ahead of the register kernel, short ones do not (figures in ``docs/kernels.md``).
 MAX_GEMM_PARTS = 2
 MAX_WIDE_GEMM_PARTS = 4
 WIDE_LEAF = 1024
@@ -294,8 +283,8 @@ def reduce_roots(roots: list[torch.Tensor], out_dtype: torch.dtype = torch.float
     if first.dtype != torch.float32:
         raise ValueError(f"roots must be fp32, not {first.dtype}")
     if count == 1 and out_dtype == torch.float32:
-        # A tree of one root is the root: no launch (a copy took a quarter of the TP=2 wide plan's
-        # rank time at M=256, measured on the H200).
+        # A tree of one root is the root: no launch (a copy is a sizeable share of a rank's time
+        # on the wide plan).
         return first
     if not use_triton(first):
         return tree_reduce(torch.stack(roots)).to(out_dtype)
@@ -307,8 +296,8 @@ def reduce_roots(roots: list[torch.Tensor], out_dtype: torch.dtype = torch.float
     if n:
         block = 2048
         ptrs = roots + [roots[0]] * (8 - len(roots))
-        # n is specialised (a multiple of 16 lets every load be a full vector: 1.8x the bandwidth
-        # of masked scalar loads, measured on the H200), so its divisibility is part of the key.
+        # n is specialised (a multiple of 16 lets every load be a full vector, far faster than
+        # masked scalar loads), so its divisibility is part of the key.
         key = (len(roots), out_dtype, aligned(*roots, out), n % 16 == 0, n == 1)
         _REDUCE(
             key, (cdiv(n, block), 1, 1), (*ptrs, out, n), dict(ROOTS=len(roots), BLOCK=block), num_warps=4
@@ -346,9 +335,8 @@ def _pair_config(
 ) -> GemmConfig:
     """The GEMM config computing one slot pair: the weight's own config with a fixed split-K of one
     leaf, or none for a single leaf. On the H200 the 128 x 256 tile with the two fp32 tiles of a
-    split (the span sum and the total, touched once a span) measured fastest: 1.02-1.06x cuBLAS at
-    M=2048 against 1.30-1.34x for 128 x 128. No bit depends on the tile (the k16 MMA chain does
-    not change), only on the tree's leaves."""
+    split (the span sum and the total, touched once a span) is the fastest. No bit depends on the
+    tile (the k16 MMA chain does not change), only on the tree's leaves."""
     base = gemm_config(n, k, dtype, capability)
     return replace(base, k_split=0 if k <= leaf else leaf)
 

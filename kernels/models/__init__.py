@@ -1,4 +1,4 @@
-"""The project's own tiny models, written against :mod:`kernels.dispatch`."""
+"""The project's own tiny models, written against :mod:`isoaudit.kernels.dispatch`."""
 
 from .gdn_lm import GDNLM, GDNLMConfig
 

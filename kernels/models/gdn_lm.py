@@ -1,5 +1,5 @@
 """A small hybrid language model with Gated DeltaNet and attention layers (Qwen3-Next-like,
-without the short convolution and output gate), written against :mod:`kernels.dispatch` so one
+without the short convolution and output gate), written against :mod:`isoaudit.kernels.dispatch` so one
 switch moves it onto the invariant kernels. It runs as a trainer (``forward``: whole sequences,
 autograd) and as a rollout engine's model (``step``: packed new tokens against a cache).
 """
@@ -160,6 +160,7 @@ class GatedDeltaNet(nn.Module):
         if cache is None:
             o = dispatch.gdn(q, k, v, g, beta, cu, self.cfg.chunk)
         else:
+            assert slots is not None, "a cached step names its sequences' cache slots"
             o = dispatch.gdn_incremental(q, k, v, g, beta, cu, slots, cache, self.cfg.chunk)
         o = self.o_norm(o.to(x.dtype))
         return dispatch.linear(o.reshape(x.shape[0], -1), self.o.weight)

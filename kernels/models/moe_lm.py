@@ -1,9 +1,9 @@
 """A small mixture-of-experts language model (Qwen3-MoE-like: attention with q/k norms, sparse
 SwiGLU experts with top-k routing, optionally some dense layers), written against
-:mod:`kernels.dispatch` and :func:`kernels.moe.moe_layer`, so one switch moves it onto the
+:mod:`isoaudit.kernels.dispatch` and :func:`isoaudit.kernels.moe.moe_layer`, so one switch moves it onto the
 invariant kernels. It runs as a trainer (``forward``: whole sequences, autograd) and as a rollout
 engine's model (``step``: packed new tokens against a KV cache); both tag their tokens, so
-:func:`kernels.moe.trace_routing` lines the two sides' routing up token by token.
+:func:`isoaudit.kernels.moe.trace_routing` lines the two sides' routing up token by token.
 """
 
 from __future__ import annotations
@@ -75,8 +75,8 @@ class Block(nn.Module):
     def __init__(self, cfg: MoELMConfig, layer: int) -> None:
         super().__init__()
         self.norm1, self.norm2 = RMSNorm(cfg.hidden, cfg.eps), RMSNorm(cfg.hidden, cfg.eps)
-        self.mixer = Attention(cfg)  # type: ignore[arg-type]  (reads the same fields)
-        self.mlp: nn.Module = MLP(cfg) if layer in cfg.dense_layers else SparseMoE(cfg, layer)  # type: ignore[arg-type]
+        self.mixer = Attention(cfg)  # type: ignore[arg-type]  # reads the same fields as GDNLMConfig
+        self.mlp: nn.Module = MLP(cfg) if layer in cfg.dense_layers else SparseMoE(cfg, layer)  # type: ignore[arg-type]  # MLP reads the same fields
 
     def forward(self, x, positions, cu, slots, cache):
         x = x + self.mixer(self.norm1(x), positions, cu, slots, cache)

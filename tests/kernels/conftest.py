@@ -37,12 +37,12 @@ def split_k(monkeypatch):
     re-made before and after)."""
     import importlib
 
-    gemm = importlib.import_module(
-        "isoaudit.kernels.gemm"
-    )  # the module (``kernels.gemm`` the package exports is the function)
+    # the modules (the package's attribute ``gemm`` is the function)
+    gemm = importlib.import_module("isoaudit.kernels.gemm")
+    policy = importlib.import_module("isoaudit.kernels.gemm_policy")
 
     def clear() -> None:
-        gemm.gemm_config.cache_clear()
+        policy.gemm_config.cache_clear()
         gemm._plan.cache_clear()
 
     monkeypatch.setenv("ISOAUDIT_GEMM_SPLIT_K", "1")

@@ -283,7 +283,7 @@ def test_e2e_trainer_equals_engine(tiny_model) -> None:
         assert native["mean_abs_delta"] > 0  # bf16 on the CPU has a real native mismatch
     for chunk in (None, 4):
         res = run_pair(model, True, prompts, new, chunk)
-        _report(f"{family}-cpu-{dt} kernels.cpu chunk={chunk}", res)
+        _report(f"{family}-cpu-{dt} isoaudit.kernels.cpu chunk={chunk}", res)
         assert res["mean_abs_delta"] == 0.0 and res["exact_fraction"] == 1.0
 
 
@@ -293,5 +293,5 @@ def test_e2e_across_key_tiles() -> None:
     prompts, new = _requests(256, [250, 262, 30], [12, 6, 20])
     for chunk in (None, 64):
         res = run_pair(model, True, prompts, new, chunk)
-        _report(f"qwen3-cpu-bf16 kernels.cpu across tiles chunk={chunk}", res)
+        _report(f"qwen3-cpu-bf16 isoaudit.kernels.cpu across tiles chunk={chunk}", res)
         assert res["mean_abs_delta"] == 0.0 and res["exact_fraction"] == 1.0

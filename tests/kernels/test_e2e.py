@@ -175,7 +175,7 @@ def test_split_k_weights_gpu(split_k) -> None:
     """Hidden 1024, MLP 2048: the down projection (N=1024, K=2048) takes the fixed split-K, its
     small-M decode calls the split grid and the trainer's recompute the in-program spans; trainer
     and rollout still agree on every bit."""
-    from isoaudit.kernels.gemm import gemm_config
+    from isoaudit.kernels.gemm_policy import gemm_config
 
     if not gemm_config(1024, 2048, torch.bfloat16, torch.cuda.get_device_capability()).k_split:
         pytest.skip("no split-K on this GPU")

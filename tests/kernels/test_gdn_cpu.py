@@ -2,7 +2,7 @@
 batch-invariant (a sequence's output and state do not depend on the rest of the call or its place
 in it), prefill/decode-invariant (chunked prefill then token-by-token decode in a mixed batch
 equals the one-shot prefill bit for bit, state included), within a stated tolerance of the fp64
-recurrence, differentiable, and routed to by ``kernels.dispatch`` on the CPU (end to end on the
+recurrence, differentiable, and routed to by ``isoaudit.kernels.dispatch`` on the CPU (end to end on the
 hybrid GDN LM in bf16: trainer and engine equal)."""
 
 from __future__ import annotations
@@ -218,7 +218,7 @@ def test_cache_of_the_triton_path_is_refused() -> None:
 
 def test_gdn_lm_bf16_trainer_equals_engine() -> None:
     """The hybrid GDN + attention LM in bf16 on the CPU: kernels off, a native mismatch; kernels on
-    (GDN through gdn_cpu, the rest through kernels.cpu), every sampled-token logprob of the engine
+    (GDN through gdn_cpu, the rest through isoaudit.kernels.cpu), every sampled-token logprob of the engine
     (packed prefill, chunked prefill, packed decode) equals the trainer's recompute with autograd."""
     model = _gdn(2, 128, 16, 256, torch.bfloat16, "cpu")
     prompts, new = _requests(256, [30, 70, 100, 5], [30, 20, 30, 9])
@@ -227,5 +227,5 @@ def test_gdn_lm_bf16_trainer_equals_engine() -> None:
     assert native["mean_abs_delta"] > 0
     for chunk in (None, 4):
         res = run_pair(model, True, prompts, new, chunk)
-        _report(f"gdn-lm-cpu-bf16 kernels.cpu chunk={chunk}", res)
+        _report(f"gdn-lm-cpu-bf16 isoaudit.kernels.cpu chunk={chunk}", res)
         assert res["mean_abs_delta"] == 0.0 and res["exact_fraction"] == 1.0

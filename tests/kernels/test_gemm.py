@@ -8,7 +8,8 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from isoaudit.kernels.gemm import GemmConfig, gemm, gemm_config, gemm_reference, launch_config, linear
+from isoaudit.kernels.gemm import gemm, gemm_reference, linear
+from isoaudit.kernels.gemm_policy import GemmConfig, gemm_config
 
 from .conftest import bits_equal, gpu, needs_triton
 
@@ -57,7 +58,7 @@ def test_decode_tiles_fp32(dev: str) -> None:
     """The decode-size tiles ``launch_config`` picks on the H200 (the 16-row tile, a pointer-loaded
     64-row one, with and without a fixed split-K run as programs) as a structure test: fp32 under
     the interpreter, K = 300 not a multiple of BLOCK_K, each tile's rows the same at every M."""
-    from isoaudit.kernels.gemm import ROW16_TILE
+    from isoaudit.kernels.gemm_policy import ROW16_TILE
 
     torch.manual_seed(0)
     a, w, b = torch.randn(70, 300, device=dev), torch.randn(40, 300, device=dev), torch.randn(40, device=dev)
@@ -130,47 +131,6 @@ def test_kernel_built_descriptors_same_bits_gpu() -> None:
         )
 
 
-def test_launch_config_narrows_only_underfilled_hopper_calls() -> None:
-    """The tile choice itself (the bits across the switch are checked on the GPU): the tile whose
-    busiest SM has the least work where the full tiles fill the SMs at most twice, the full tile
-    beyond, and never without the flag."""
-    hopper = gemm_config(4096, 4096, torch.bfloat16, (9, 0))
-    assert hopper.shrink_small_m and not gemm_config(4096, 4096, torch.bfloat16, (10, 0)).shrink_small_m
-    assert launch_config(hopper, 2048, 4096, 132) is hopper
-    assert launch_config(hopper, 256, 14336, 132) is hopper  # 112 full tiles: one round, 85% full
-    # 96 full tiles fill 73% of the SMs in one round; 384 64x128 tiles fill 97% in three
-    assert (launch_config(hopper, 256, 12288, 132).block_n, launch_config(hopper, 256, 12288, 132).tma) == (
-        128,
-        True,
-    )
-    assert launch_config(hopper, 4096, 12288, 132) is hopper  # many rounds: the full tile
-    decode = launch_config(hopper, 64, 4096, 132)  # 128 tiles of 64x32, loaded by pointers
-    assert (decode.block_m, decode.block_n, decode.block_k, decode.tma) == (64, 32, 128, False)
-    small = launch_config(hopper, 1, 4096, 132)  # at most 16 rows: the 16-row tile in its place
-    assert (small.block_m, small.block_n, small.block_k, small.num_warps, small.tma) == (
-        16,
-        16,
-        128,
-        2,
-        False,
-    )
-    assert (
-        launch_config(hopper, 16, 4096, 132).block_m == 16
-        and launch_config(hopper, 17, 4096, 132).block_m == 64
-    )
-    assert launch_config(hopper, 64, 896, 132).block_n == 16  # none fills half: the narrowest
-    # hopper is the 4096x4096 config: launch_config(hopper, 1, 14336, ...) is a tile-choice probe only
-    wide = launch_config(hopper, 1, 14336, 132)  # a TMA tile fills half: 64 rows even for one
-    assert (wide.block_m, wide.block_n, wide.block_k, wide.tma) == (64, 128, 128, True)
-    mid = launch_config(hopper, 512, 4096, 132)  # 64 full tiles; 128 of 64x256
-    assert (mid.block_m, mid.block_n, mid.block_k) == (64, 256, hopper.block_k)
-    # above 64 rows no pointer tile: the narrowest is 64x64 by TMA (128 of them here)
-    above = launch_config(hopper, 65, 4096, 132)
-    assert (above.block_m, above.block_n, above.block_k, above.tma) == (64, 64, 128, True)
-    plain = GemmConfig(32, 32, 16, 4, 2, tma=True)
-    assert launch_config(plain, 1, 4096, 132) is plain
-
-
 @pytest.mark.parametrize("tma", [False, True])
 def test_split_k_fp32(dev: str, tma: bool) -> None:
     """Fixed split-K as a structure test (fp32, interpreter: 2 programs): K = 88 in spans of 32
@@ -193,25 +153,6 @@ def test_split_k_fp32(dev: str, tma: bool) -> None:
             assert bits_equal(gemm(a[:m], w, b, impl="triton", config=cfg), first), f"n={n} m={m} repeat"
     unsplit = gemm(a, w, b, impl="triton", config=GemmConfig(32, 32, 16, 4, 2, tma=tma))
     assert not bits_equal(full, unsplit)  # the split is real: other adds, other roundings
-
-
-def test_split_span_is_fixed_per_weight_shape(split_k) -> None:
-    """The split is a function of (N, K) alone: narrow weights get four spans of a multiple of
-    128 on the H200, wide ones none, and the narrowing at small M counts the spans' programs."""
-    from isoaudit.kernels.gemm import split_span
-
-    assert split_span(896, 4864) == 1280 and split_span(1024, 4096) == 1024
-    assert split_span(4096, 4096) == 0 and split_span(896, 896) == 0  # K = 896: measured slower split
-    narrow = gemm_config(896, 4864, torch.bfloat16, (9, 0))
-    assert (narrow.block_m, narrow.block_n, narrow.k_split) == (128, 256, 1280)
-    assert gemm_config(896, 4864, torch.bfloat16, (10, 0)).k_split == 0
-    assert launch_config(narrow, 4096, 896, 132, 4864) is narrow
-    assert launch_config(narrow, 64, 896, 132, 4864).block_n == 32  # 28 tiles x 4 spans >= 66
-    assert launch_config(narrow, 1, 896, 132, 4864).block_m == 16  # at most 16 rows: the 16-row tile
-    at256 = launch_config(narrow, 256, 896, 132)  # none fills half: the narrowest TMA tile
-    assert (at256.block_m, at256.block_n, at256.tma, at256.k_split) == (64, 64, True, 1280)
-    prefill = launch_config(narrow, 2048, 896, 132)  # 64 full tiles; 112 of 128x128 on 8 warps
-    assert (prefill.block_m, prefill.block_n, prefill.num_warps, prefill.tma) == (128, 128, 8, True)
 
 
 def _tile_switches(n: int, k: int, top: int = 2048) -> list[int]:
@@ -267,7 +208,7 @@ def test_small_m_shapes_gpu(nk: tuple[int, int]) -> None:
 @pytest.mark.parametrize("nk", [(896, 4864), (1024, 4096)])
 def test_split_k_small_m_gpu(split_k, nk: tuple[int, int]) -> None:
     """The same with the fixed split-K: the split grid at small M, the in-program spans above."""
-    from isoaudit.kernels.gemm import gemm_config
+    from isoaudit.kernels.gemm_policy import gemm_config
 
     assert gemm_config(*nk, torch.bfloat16, torch.cuda.get_device_capability()).k_split or pytest.skip(
         "no split-K"

@@ -1,4 +1,4 @@
-"""The cached launch (kernels._triton.CachedLauncher): the argument layout it hands Triton's C
+"""The cached launch (isoaudit.kernels._triton.CachedLauncher): the argument layout it hands Triton's C
 launcher, the scratch rule, the fallbacks, and the host-side shortcuts gemm takes. The CPU tests
 drive fake launchers; the `gpu` ones compare bits and host time against Triton's own launch."""
 

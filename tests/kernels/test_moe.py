@@ -1,7 +1,7 @@
 """MoE router, experts and combine: the tie rule, and bitwise invariance of the layer's output to
 expert placement, the number of (simulated) expert-parallel ranks, buffer capacity and batch
 composition; kernels off, the native layer is order-dependent (the test has teeth). CPU tests run
-kernels.cpu (bitwise in fp32 and bf16 by construction); `gpu` tests repeat the claims in bf16."""
+isoaudit.kernels.cpu (bitwise in fp32 and bf16 by construction); `gpu` tests repeat the claims in bf16."""
 
 from __future__ import annotations
 

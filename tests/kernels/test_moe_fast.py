@@ -163,7 +163,7 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 @needs_triton
 def test_ieee_exp_kernel_bits(dev: str) -> None:
-    """The kernel's exp is kernels.cpu.exp bit for bit: random values, the edges, ties of the
+    """The kernel's exp is isoaudit.kernels.cpu.exp bit for bit: random values, the edges, ties of the
     rounding step, specials, denormals."""
     g = torch.Generator().manual_seed(11)
     n_half = torch.arange(-180, 181).float() * 0.5 / 1.4426950408889634  # y near k + 1/2

@@ -78,7 +78,8 @@ def test_tree_gemm_reduce_scatter_simulated(tp: int) -> None:
 
 def _torchrun(world: int, tmp_path: Path) -> dict:
     out = tmp_path / f"moe{world}.json"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # CPU: kernels.cpu, torch tree
+    # CPU: isoaudit.kernels.cpu and the torch tree
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"]
     cmd += ["-m", "isoaudit.kernels.moe_check", "--small", "--json", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
