@@ -10,8 +10,8 @@ import dash
 import dash_bootstrap_components as dbc
 from dash import Input, Output, State, dcc, html, no_update
 from dash.development.base_component import Component
-from isoaudit.audit.db import reads
 from isoaudit.audit.control import REMEDIATION_MODES, StaleControlVersion
+from isoaudit.audit.db import reads
 from isoaudit.dashboard import context
 from isoaudit.dashboard.components import ago, inline_choice, text
 from isoaudit.dashboard.pages.run import ids
