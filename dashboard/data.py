@@ -14,11 +14,10 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-from isoaudit.audit.alerts.history import AlertView
 from isoaudit.audit.alerts.rules import AlertRule
 from isoaudit.audit.compare import DIFFERS, EQUAL, NOT_OBSERVED
 from isoaudit.audit.db import reads
-from isoaudit.audit.db.alerts import Silence
+from isoaudit.audit.db.alerts import Alert, Silence
 from isoaudit.audit.records import StepStats
 from isoaudit.audit.regions import parse_region_key, region_order
 from isoaudit.audit.summaries import bin_label
@@ -167,12 +166,12 @@ def thresholds_frame(rules: Sequence[AlertRule]) -> pd.DataFrame:
 
 
 def alert_intervals_frame(
-    alerts: Sequence[AlertView], rules: Sequence[AlertRule], last_step: int | None
+    alerts: Sequence[Alert], rules: Sequence[AlertRule], last_step: int | None
 ) -> pd.DataFrame:
     """The step ranges during which each alert was firing (still-firing ones end at ``last_step``)."""
     metric_of = {r.name: r.metric for r in rules}
 
-    def end(a: AlertView) -> int | None:
+    def end(a: Alert) -> int | None:
         if a.resolved_step is not None:
             return a.resolved_step
         return last_step if last_step is not None else a.last_step
@@ -337,7 +336,7 @@ def _text(value: Any) -> str:
 # ---------------------------------------------------------------------- alerts page
 
 
-def alerts_frame(alerts: Sequence[AlertView]) -> pd.DataFrame:
+def alerts_frame(alerts: Sequence[Alert]) -> pd.DataFrame:
     columns = ["id", "rule", "run_id", "state", "severity", "value", "started_step", "fired_step",
                "resolved_step", "last_step", "link_step"]  # fmt: skip
     return attributes_frame(

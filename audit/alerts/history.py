@@ -9,9 +9,6 @@ from isoaudit.audit.alerts.channels import attempts_of
 from isoaudit.audit.db import Store
 from isoaudit.audit.db.alerts import Alert, AlertRepository, StoredNotification
 
-#: The name the dashboard and the read queries know the alert row by.
-AlertView = Alert
-
 
 def list_alerts(
     store: Store,

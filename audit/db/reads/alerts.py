@@ -4,18 +4,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from isoaudit.audit.alerts.history import AlertView, list_alerts
+from isoaudit.audit.alerts.history import list_alerts
 from isoaudit.audit.alerts.rules import AlertRule, list_rule_rows, rule_from_row
 from isoaudit.audit.alerts.silences import list_silences
-from isoaudit.audit.db.alerts import Silence
+from isoaudit.audit.db.alerts import Alert, Silence
 from isoaudit.audit.db.models import OPEN_STATES
 from isoaudit.audit.db.store import Store
 
 
 @dataclass(frozen=True)
 class AlertsView:
-    open: list[AlertView]
-    resolved: list[AlertView]
+    open: list[Alert]
+    resolved: list[Alert]
     rules: list[AlertRule]
     silences: list[Silence]
 
