@@ -246,7 +246,7 @@ def test_cuda_matches_cpu(dtype: torch.dtype, monkeypatch) -> None:
 
 
 def test_the_fused_kernel_gets_the_arguments_this_module_uses() -> None:
-    """On CUDA :func:`fingerprint_rows` hands rows to ``kernels.fingerprint`` with its own digest
+    """On CUDA :func:`fingerprint_rows` hands rows to ``isoaudit.kernels.fingerprint`` with its own digest
     weights, sketch and rung masks; the kernel's exact torch reference (which runs here) must then
     give the same integer fields bit for bit."""
     kernel = pytest.importorskip("isoaudit.kernels.fingerprint")

@@ -1,4 +1,4 @@
-"""What CPR GDN's slab decode rests on (:mod:`kernels.gdn_decode`): row i of a 64-row ``tl.dot``
+"""What CPR GDN's slab decode rests on (:mod:`isoaudit.kernels.gdn_decode`): row i of a 64-row ``tl.dot``
 (``wgmma`` on Hopper) has the same bits as row i of a 16-row one (``mma.sync``) over the same K
 and N, for bf16 and tf32 operands, with and without an accumulator, whatever the warps."""
 

@@ -217,7 +217,7 @@ def _grouped_case(dev: str, dtype: torch.dtype, t: int, k: int, e: int, h: int, 
 
 def _old_experts(x, flat, k, gate_up, down):
     """The previous fast path, op for op: sort, bincount, device tables, gather, grouped GEMM,
-    kernels.elementwise's SiLU times up in torch, grouped GEMM, index_copy_ back."""
+    isoaudit.kernels.elementwise's SiLU times up in torch, grouped GEMM, index_copy_ back."""
     from isoaudit.kernels import elementwise
     from isoaudit.kernels.moe_grouped import device_groups, grouped_config, grouped_gemm_counts
 
@@ -251,7 +251,7 @@ def _check_grouped(dev: str, dtype: torch.dtype, t: int, k: int, e: int, h: int,
 @pytest.mark.parametrize("t,k,e,h,i", [(21, 4, 8, 64, 32), (50, 2, 5, 48, 40), (3, 3, 4, 80, 24)])
 def test_fused_glu_and_scatter_bits(t: int, k: int, e: int, h: int, i: int) -> None:
     """CPU, fp32, interpreter: the fused GEMM epilogue (and the separate SiLU*up kernel) equal
-    GEMM + kernels.elementwise.silu + torch's multiply; the scattering down GEMM equals the GEMM
+    GEMM + isoaudit.kernels.elementwise.silu + torch's multiply; the scattering down GEMM equals the GEMM
     then index_copy_; I not a multiple of the tile width included."""
     if torch.cuda.is_available():
         pytest.skip("the bf16 version below runs on CUDA")

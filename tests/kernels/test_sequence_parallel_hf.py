@@ -1,7 +1,7 @@
 """Sequence parallelism through the adapters for HF's Qwen3 (dense), Qwen3-MoE and Mixtral, fp32 on the
 CPU: with the kernels on, the trainer's logits (HF's own forward, fp32 head) equal, bit for bit,
 the logits of every rank's slice run with SP at 1-8 simulated ranks (gloo processes:
-``test_sequence_parallel.test_ep_and_sp_gloo``, which runs ``kernels.moe_check``)."""
+``test_sequence_parallel.test_ep_and_sp_gloo``, which runs ``isoaudit.kernels.moe_check``)."""
 
 from __future__ import annotations
 
