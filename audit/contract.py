@@ -29,14 +29,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, Final, Literal, get_args
 
 import numpy as np
 from isoaudit.audit.records import Case, ContractIdentities, Manifest
 from isoaudit.audit.regions import canonical_regions, region_order
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, ValidationError
 
-CONTRACT_SCHEMA_VERSION = 1
+CONTRACT_SCHEMA_VERSION: Final = 1
 
 #: Element types a constant may carry, with their width in bits.
 CONSTANT_DTYPES: dict[str, int] = {
@@ -453,7 +453,13 @@ def _claim_problems(contract: Contract, regions: list[str]) -> list[str]:
     return problems
 
 
-def _claimed(contract: Contract, kind: type, region: str, case: str, mode: str | None = None) -> bool:
+def _claimed(
+    contract: Contract,
+    kind: type[TopologyClaim] | type[ToleranceClaim],
+    region: str,
+    case: str,
+    mode: str | None = None,
+) -> bool:
     for claim in contract.claims:
         if isinstance(claim, kind) and (mode is None or getattr(claim, "mode", None) == mode):
             if _covers(claim.regions, region) and case in (claim.cases or contract.cases):

@@ -29,7 +29,7 @@ from typing import Any, ClassVar, ParamSpec, TypeVar
 from isoaudit.audit.records import Case, Manifest, Record, Run, RuntimeFacts, Side
 from isoaudit.collectors.control import MODES, ControlChannel
 from isoaudit.collectors.counting import Counters, LogOnce
-from isoaudit.collectors.manifest import ContractArg, ManifestTracker
+from isoaudit.collectors.manifest import ContractArg, ContractSource, ManifestTracker
 from isoaudit.collectors.sinks.base import Sink
 
 log = logging.getLogger("isoaudit.collectors")
@@ -102,7 +102,7 @@ class Collector(ABC):
         run: str | Run,
         sink: Sink,
         cases: Sequence[Case],
-        contract: ContractArg = None,
+        contract: ContractSource = None,
         control: ControlChannel | None = None,
         strict: bool = False,
         weight_version: str | int | None = None,

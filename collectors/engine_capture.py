@@ -16,10 +16,9 @@ as a whole, ``lm_head``) are reported as unobserved, never as equal.
 
 from __future__ import annotations
 
-import os
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -30,7 +29,7 @@ from isoaudit.collectors.base import Collector, CollectorCounters, ModeReport, R
 from isoaudit.collectors.control import ControlChannel
 from isoaudit.collectors.fingerprints import fingerprint_rows
 from isoaudit.collectors.layout import StepBatch
-from isoaudit.collectors.manifest import ContractArg
+from isoaudit.collectors.manifest import ContractArg, ContractSource
 from isoaudit.collectors.regions import RegionsArg, read_tap, resolve_regions
 from isoaudit.collectors.remediation import RemediationHook, apply_kernels_mode, switch_with
 from isoaudit.collectors.sinks.base import Sink
@@ -173,7 +172,7 @@ class EngineCollector(Collector):
         run: str | Run,
         sink: Sink,
         regions: RegionsArg = "auto",
-        contract: ContractArg = None,
+        contract: ContractArg | Literal["auto"] = None,
         control: ControlChannel | None = None,
         remediation_hook: RemediationHook | None = apply_kernels_mode,
         weight_version: str | int | None = None,
@@ -181,7 +180,8 @@ class EngineCollector(Collector):
         strict: bool = False,
         keep_records: bool = False,
     ) -> None:
-        adapter = getattr(engine, "model", None)
+        # the engine's HFCausalLM (the engine is duck-typed: Any); None fails the checks below
+        adapter: Any = getattr(engine, "model", None)
         if not callable(getattr(engine, "generate", None)) or not hasattr(adapter, "step"):
             raise TypeError(
                 "engine: expected an isoaudit.kernels.engine.RolloutEngine over an HFCausalLM, "
@@ -191,15 +191,18 @@ class EngineCollector(Collector):
             raise TypeError(
                 "engine: its model must wrap a torch.nn.Module (isoaudit.kernels.adapters.HFCausalLM)"
             )
-        if isinstance(contract, str) and contract == "auto":
+        source: ContractSource
+        if contract == "auto":
             from isoaudit.collectors.policy import hf_contracts, torch_op
 
-            contract = hf_contracts(adapter.model, native_attention=torch_op("sdpa"))
+            source = hf_contracts(adapter.model, native_attention=torch_op("sdpa"))
+        else:
+            source = contract
         super().__init__(
             run=run,
             sink=sink,
             cases=("engine_prefill", "engine_decode"),
-            contract=contract,
+            contract=source,
             control=control,
             strict=strict,
             weight_version=weight_version,
@@ -284,7 +287,6 @@ class EngineCollector(Collector):
             logprobs_mode="raw_logprobs",
             prefix_caching=False,
             chunked_prefill=getattr(self.engine, "prefill_chunk", None) is not None,
-            process_pid=os.getpid(),
         )
 
     def _signature(self) -> tuple[Any, ...]:

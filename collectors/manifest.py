@@ -10,7 +10,7 @@ import os
 import platform
 import socket
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Union
 
@@ -24,6 +24,9 @@ if TYPE_CHECKING:
 #: An execution contract for the manifest: an ``isoaudit.audit.contract.Contract``, its identities (or a
 #: mapping of them), or ``None``.
 ContractArg = Union["Contract", ContractIdentities, Mapping[str, str], None]  # noqa: UP007
+#: What a collector is given: a contract as above, or ``mode -> contract`` (the applied mode's is used,
+#: e.g. :func:`isoaudit.collectors.policy.hf_contracts`).
+ContractSource = Union[ContractArg, Callable[[str], ContractArg]]  # noqa: UP007
 
 
 def process_name() -> str:

@@ -27,7 +27,7 @@ import logging
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -84,7 +84,7 @@ class _Recorder:
             raise ValueError("model: no MoE block (Qwen3-MoE / Mixtral sparse block) to record routing of")
         self.model = model
         self.layers = [i for i, _ in blocks]
-        gate = blocks[0][1].gate
+        gate: Any = blocks[0][1].gate  # HF's MoE router (top_k, num_experts): no typed attributes
         self.top_k = int(gate.top_k)
         self.num_experts = int(gate.num_experts)
         self.dtype = _expert_dtype(self.num_experts)
@@ -274,10 +274,12 @@ class TrainerRoutes(_Recorder):
         if routes is None and mask is None:
             raise ValueError("mask: say which rows the framework replayed (routes=None replays nothing here)")
         handles = []
-        for i, block in instrument(self.model) if routes is not None else []:
-            if i in routes:
-                # Before isoaudit.kernels.adapters_moe's recording hook, so traces see the replayed routes.
-                handles.append(block.gate.register_forward_hook(_replaying(routes[i], mask), prepend=True))
+        if routes is not None:
+            for i, block in instrument(self.model):
+                if i in routes:
+                    # Before isoaudit.kernels.adapters_moe's recording hook, so traces see the replayed routes.
+                    gate = cast(nn.Module, block.gate)  # the block's router module
+                    handles.append(gate.register_forward_hook(_replaying(routes[i], mask), prepend=True))
         if mask is not None:
             host_mask = mask.detach().reshape(-1).cpu().numpy().astype(np.uint8)
         else:

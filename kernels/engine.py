@@ -36,7 +36,8 @@ from . import dispatch
 
 
 class EngineModel(Protocol):
-    lm_head_weight: torch.Tensor
+    @property
+    def lm_head_weight(self) -> torch.Tensor: ...  # read only (HFCausalLM's is a property)
 
     def new_cache(self, slots: int, max_len: int) -> Any: ...
 

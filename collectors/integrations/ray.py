@@ -156,10 +156,11 @@ def run_ray_job(
     from transformers import AutoTokenizer
 
     options = {"num_cpus": 1, "runtime_env": {"env_vars": dict(env or {})}}
-    rollout = (
+    # Ray's actor handles: Any, as Ray's types do not give the actor methods their .remote()
+    rollout: Any = (
         ray.remote(RolloutWorker).options(**options).remote(model_path, run=run, session_args=session_args)
     )
-    trainer = (
+    trainer: Any = (
         ray.remote(TrainerWorker).options(**options).remote(model_path, run=run, session_args=session_args)
     )
     tokenizer = AutoTokenizer.from_pretrained(str(model_path))

@@ -48,7 +48,7 @@ import logging
 import math
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal, Unpack
+from typing import TYPE_CHECKING, Any, Literal, Protocol, Unpack, cast
 
 import torch
 from isoaudit.audit.records import StepStats
@@ -69,6 +69,22 @@ log = logging.getLogger(__name__)
 
 WeightSync = Literal["auto", "trl", "isoaudit"]
 Ranks = Literal["all", "zero"]
+
+
+class _GRPOParts(Protocol):
+    """What this module reads of TRL's ``GRPOTrainer`` beyond transformers' ``Trainer`` (TRL ships no
+    type information, and these are set in ``GRPOTrainer.__init__``)."""
+
+    vllm_generation: Any  # TRL's vLLM generation helper (llm, sync_weights, tp_group): untyped
+    temperature: float
+
+    def _generate_and_score_completions(self, inputs: Any) -> dict[str, Any]: ...
+
+
+def _grpo(trainer: Trainer) -> _GRPOParts:
+    """``trainer`` as the ``GRPOTrainer`` this callback is added to (its GRPO attributes typed)."""
+    return cast(_GRPOParts, trainer)
+
 
 #: TRL's logged names that fill StepStats' own fields; every other finite figure goes to extras.
 STAT_FIELDS: dict[str, str] = {
@@ -182,9 +198,8 @@ class IsoauditCallback(TrainerCallback):
         if "reward" not in logs:  # the end-of-training summary, or an eval log
             return
         step = self.steps_recorded[-1] if self.steps_recorded else state.global_step
-        self._guard(
-            "step stats", lambda: self.trainer_side.sink.send([step_stats_of(self._run_id, step, logs)])
-        )
+        side = self.trainer_side
+        self._guard("step stats", lambda: side.sink.send([step_stats_of(self._run_id, step, logs)]))
 
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: object
@@ -224,9 +239,9 @@ class IsoauditCallback(TrainerCallback):
             sync = (
                 self._sync_with_isoaudit
                 if self._isoaudit_sync()
-                else self._after_sync(trainer.vllm_generation.sync_weights)
+                else self._after_sync(_grpo(trainer).vllm_generation.sync_weights)
             )
-            self._patch(trainer.vllm_generation, "sync_weights", sync)
+            self._patch(_grpo(trainer).vllm_generation, "sync_weights", sync)
         elif getattr(trainer, "use_vllm", False):
             # server mode: the rollout side from TRL's sampling logprobs
             self.rollout_side = watch_given(session, "rollout", framework="trl+vllm-server")
@@ -244,7 +259,7 @@ class IsoauditCallback(TrainerCallback):
         self._patch(
             trainer,
             "_generate_and_score_completions",
-            self._recording(trainer._generate_and_score_completions),
+            self._recording(_grpo(trainer)._generate_and_score_completions),
         )
 
     def _patch(self, obj: Any, name: str, value: Any) -> None:
@@ -273,7 +288,7 @@ class IsoauditCallback(TrainerCallback):
     def _recording(self, original: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
         def generate_score_and_record(*args: Any, **kwargs: Any) -> dict[str, Any]:
             trainer = self.trainer
-            assert trainer is not None
+            assert trainer is not None and trainer.model is not None  # set up on a trainer with its model
             training = bool(trainer.model.training)
             step = int(trainer.state.global_step)
             if training and self.trainer_side is not None:
@@ -303,7 +318,7 @@ class IsoauditCallback(TrainerCallback):
         trainer = self.trainer
         assert trainer is not None
         version = int(trainer.state.global_step)
-        digest = reload_sync(trainer.vllm_generation, version, digest=self.weight_digest)
+        digest = reload_sync(_grpo(trainer).vllm_generation, version, digest=self.weight_digest)
         if self.trainer_side is not None:
             self._guard("weights_changed", self.trainer_side.weights_changed, version, digest)
 
@@ -311,19 +326,15 @@ class IsoauditCallback(TrainerCallback):
         from isoaudit.collectors.vllm.weights import weight_digest
 
         assert self.trainer is not None
-        return weight_digest(list(self.trainer.vllm_generation._iter_named_params()))
+        return weight_digest(list(_grpo(self.trainer).vllm_generation._iter_named_params()))
 
     # ------------------------------------------------------------------ recording
 
     def _record(self, step: int, out: Mapping[str, Any]) -> None:
         trainer = self.trainer
         assert trainer is not None and self.trainer_side is not None
-        pad = (
-            trainer.processing_class.pad_token_id
-            if hasattr(trainer.processing_class, "pad_token_id")
-            else None
-        )
-        batch = batch_of(out, temperature=float(trainer.temperature), pad_token_id=pad)
+        pad = getattr(trainer.processing_class, "pad_token_id", None)
+        batch = batch_of(out, temperature=float(_grpo(trainer).temperature), pad_token_id=pad)
         logprobs = out.get("old_per_token_logps")
         self.trainer_side.record_step(
             step, batch, logprobs=logprobs, logprobs_layout="completion" if logprobs is not None else "auto"
@@ -395,7 +406,7 @@ def engine_of(trainer: Trainer) -> Any | None:
 def local_outputs(trainer: Trainer, outputs: Sequence[Any], n_local: int) -> list[Any]:
     """This rank's share of the engine's outputs: with ``vllm_tensor_parallel_size > 1`` every rank
     of a TP group generates the group's prompts and keeps its own slice (as TRL does)."""
-    generation = trainer.vllm_generation
+    generation = _grpo(trainer).vllm_generation
     if getattr(generation, "tensor_parallel_size", 1) > 1:
         rank = torch.distributed.get_rank(group=generation.tp_group)
         return list(outputs[rank * n_local : (rank + 1) * n_local])
@@ -444,4 +455,5 @@ def step_stats_of(run_id: str, step: int, logs: Mapping[str, Any]) -> StepStats:
         named = {k: v for k, v in named.items() if k not in ("reward_std", "entropy") or v >= 0}
     if not 0 <= named.get("clip_fraction", 0.0) <= 1:
         named.pop("clip_fraction")
-    return StepStats(run_id=run_id, step=step, extras=extras, **named)
+    # validated as the keyword call would be; a dict, as the named fields vary (all floats)
+    return StepStats.model_validate({"run_id": run_id, "step": step, "extras": extras, **named})

@@ -15,6 +15,7 @@ then both sides agree bit for bit.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from isoaudit.collectors.layout import StepBatch
@@ -44,7 +45,7 @@ def policy_logprobs(model: nn.Module, batch: StepBatch) -> PolicyOutput:
     device = final.device
     hidden = final.reshape(-1, final.shape[-1])[torch.as_tensor(predict, device=device)]
     tokens = batch.input_ids.reshape(-1).to(device)[torch.as_tensor(target, device=device)]
-    weight = model.lm_head.weight
+    weight = cast(nn.Linear, model.lm_head).weight  # an HF causal LM's head is an nn.Linear
     logprobs = dispatch.token_logprobs(hidden, weight, tokens)
     with torch.no_grad():
         log_p = torch.log_softmax(dispatch.logits_fp32(hidden.detach(), weight.detach()), dim=-1)

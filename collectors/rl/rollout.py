@@ -19,12 +19,17 @@ import copy
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from isoaudit.collectors.base import Collector
 from isoaudit.collectors.sessions import Session
 from torch import nn
+
+if TYPE_CHECKING:
+    from isoaudit.collectors.engine_capture import EngineCollector
+    from isoaudit.collectors.vllm.collector import VllmCollector
+    from vllm.config.model import ModelDType
 
 
 @dataclass(frozen=True)
@@ -63,6 +68,7 @@ class ReferenceRollout(Rollout):
     """isoaudit's reference engine over its own copy of the policy."""
 
     name = "reference"
+    collector: EngineCollector | None = None
 
     def __init__(self, policy: nn.Module, *, max_len: int = 256) -> None:
         from isoaudit.kernels.adapters import HFCausalLM
@@ -98,12 +104,13 @@ class VllmRollout(Rollout):
     """The real vLLM engine, started from the policy's saved directory."""
 
     name = "vllm"
+    collector: VllmCollector | None = None
 
     def __init__(
         self,
         model_dir: Path,
         *,
-        dtype: str = "bfloat16",
+        dtype: ModelDType = "bfloat16",
         seed: int = 0,
         max_model_len: int = 512,
         **engine: object,
@@ -149,7 +156,13 @@ class VllmRollout(Rollout):
         for out in outputs:
             completion = out.outputs[0]
             tokens = list(completion.token_ids)
-            logprobs = [float(entry[t].logprob) for t, entry in zip(tokens, completion.logprobs, strict=True)]
+            assert (
+                completion.logprobs is not None
+            )  # asked for (logprobs=0): the sampled token's, each position
+            logprobs = []
+            for t, entry in zip(tokens, completion.logprobs, strict=True):
+                assert entry is not None
+                logprobs.append(float(entry[t].logprob))
             sampled.append(Sampled(tokens, logprobs))
         return sampled
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from isoaudit.audit.records import (
@@ -164,7 +164,7 @@ class VllmCollector(Collector):
         sink: Sink,
         regions: RegionsArg = "auto",
         fingerprint: SelectionArg = "all",
-        contract: ContractArg = None,
+        contract: ContractArg | Literal["auto"] = None,
         control: ControlChannel | None = None,
         weight_version: str | int | None = None,
         max_requests: int = 65536,
@@ -183,11 +183,12 @@ class VllmCollector(Collector):
         selection = parse_selection(fingerprint)
         if attached(llm) is not None:
             raise ValueError("llm: a collector is already attached to this engine; detach() it first")
+        self._contract_auto = contract == "auto"  # built in _contract_now from what the workers run
         super().__init__(
             run=run,
             sink=sink,
             cases=CASES,
-            contract=contract,
+            contract=None if contract == "auto" else contract,
             control=control,
             strict=strict,
             weight_version=weight_version,
@@ -302,7 +303,7 @@ class VllmCollector(Collector):
     def _contract_now(self) -> Any:
         """``contract="auto"``: the contract of what the workers report they run (rebuilt when that
         changes); anything else as given."""
-        if isinstance(self._contract, str) and self._contract == "auto":
+        if self._contract_auto:
             return self._auto_contract()
         return super()._contract_now()
 

@@ -191,7 +191,8 @@ class HeldWeights:
         self._wrapped: list[Any] = []
         self._names = {id(module): name for name, module in model.named_modules()}
         for name, module in model.named_modules():
-            method = getattr(module, "quant_method", None)
+            # vLLM's quant method (untyped, so Any); the callable() check below rules out None
+            method: Any = getattr(module, "quant_method", None)
             if callable(getattr(method, "process_weights_after_loading", None)) and (
                 "process_weights_after_loading" not in vars(method)
             ):

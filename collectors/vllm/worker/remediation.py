@@ -39,7 +39,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 from isoaudit.audit.control import REMEDIATION_MODES
@@ -103,12 +103,14 @@ def _linear(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None)
     from isoaudit.kernels import dispatch
 
     raw = vars(layer).get(RAW)
-    weight, raw_bias = raw if raw is not None else (layer.weight, bias)
+    # an unquantized linear layer's weight is a tensor; nn.Module's stubs type it Tensor | Module
+    weight, raw_bias = raw if raw is not None else (cast(torch.Tensor, layer.weight), bias)
     with _routed():
         return dispatch.linear(x, weight, raw_bias if bias is not None else None)
 
 
-def _norm_forward(module: nn.Module) -> Callable[..., Any]:
+def _norm_forward(module: Any) -> Callable[..., Any]:
+    # module: vLLM's RMSNorm (variance_epsilon, has_weight, weight); typed Any, vLLM's layers have no useful types
     from isoaudit.kernels import dispatch
 
     eps = float(module.variance_epsilon)
@@ -132,7 +134,8 @@ def _silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return dispatch.silu(x[..., :d]) * x[..., d:]
 
 
-def _logits_forward(processor: nn.Module) -> Callable[..., Any]:
+def _logits_forward(processor: Any) -> Callable[..., Any]:
+    # processor: vLLM's LogitsProcessor (_gather_logits, org_vocab_size); Any, as vLLM's layers are untyped
     from isoaudit.kernels import dispatch
 
     def get_logits(
@@ -142,7 +145,7 @@ def _logits_forward(processor: nn.Module) -> Callable[..., Any]:
         skip_gather: bool = False,
     ) -> torch.Tensor | None:
         with _routed():
-            logits = dispatch.logits_fp32(hidden_states, lm_head.weight)
+            logits = dispatch.logits_fp32(hidden_states, cast(torch.Tensor, lm_head.weight))
         if embedding_bias is not None:
             logits = logits + embedding_bias.float()
         if skip_gather:
@@ -161,9 +164,10 @@ def _log_softmax(logits: torch.Tensor) -> torch.Tensor:
         return dispatch.log_softmax(logits)
 
 
-def _processed_logprobs(sampler: nn.Module, original: Callable[..., Any]) -> Callable[..., Any]:
+def _processed_logprobs(sampler: Any, original: Callable[..., Any]) -> Callable[..., Any]:
     """The top-k/top-p sampler with its processed logprobs from the invariant log-softmax: it is run
     asking for the processed *logits*, which are then normalised here."""
+    # sampler: vLLM's TopKTopPSampler (its logprobs_mode is set here); Any, as vLLM's layers are untyped
 
     def forward(logits: torch.Tensor, generators: Any, k: Any, p: Any) -> tuple[torch.Tensor, Any]:
         if sampler.logprobs_mode != "processed_logprobs":
@@ -178,10 +182,11 @@ def _processed_logprobs(sampler: nn.Module, original: Callable[..., Any]) -> Cal
     return forward
 
 
-def _rotary_forward(module: nn.Module) -> Callable[..., Any]:
+def _rotary_forward(module: Any) -> Callable[..., Any]:
     """HF's default RoPE arithmetic (what the trainer and the reference engine run): fp32 tables of
     inv_freq x position from a K=1 batched matmul, cos/sin, cast to the model dtype, then
     ``q * cos + rotate_half(q) * sin`` in the model dtype."""
+    # module: vLLM's RotaryEmbedding (rotary_dim, base); Any, as vLLM's layers are untyped
     dim = int(module.rotary_dim)
     inv_freq = 1.0 / (float(module.base) ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
 
@@ -319,7 +324,7 @@ def _version() -> str:
 
 def _attention_refusal(runner: Any, layer: Any) -> str | None:
     """Why this attention layer cannot run the invariant kernel here, or ``None``."""
-    impl = getattr(layer, "impl", None)
+    impl: Any = getattr(layer, "impl", None)  # vLLM's attention impl (untyped); None fails the check below
     if type(impl).__name__ != "CPUAttentionBackendImpl":
         return f"vLLM's {type(impl).__name__} reads a paged cache in its own kernel: not replaced"
     if getattr(runner, "cache_config", None) is not None and runner.cache_config.enable_prefix_caching:
@@ -413,7 +418,9 @@ class WorkerRemediation:
             if isinstance(module, LinearBase):
                 if type(module.quant_method) is not UnquantizedLinearMethod:
                     quantized.append(name)
-                elif RAW in vars(module) or (module.weight.ndim == 2 and module.weight.numel() > 0):
+                elif RAW in vars(module) or (
+                    (weight := cast(torch.Tensor, module.weight)).ndim == 2 and weight.numel() > 0
+                ):
                     self._set(module.quant_method, "apply", _linear)
                 else:
                     unkept.append(name)
