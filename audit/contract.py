@@ -127,7 +127,9 @@ def constant(value: float | int | bool, dtype: ConstantDtype) -> Constant:
 
 
 class Implementation(_Model):
-    id: Name = Field(description="an implementation id, e.g. kernels.rmsnorm.invariant (ours), or vllm.rms_norm for a native kernel")
+    id: Name = Field(
+        description="an implementation id, e.g. kernels.rmsnorm.invariant (ours), or vllm.rms_norm for a native kernel"
+    )
     version: Name
 
 

@@ -12,6 +12,7 @@ mapping, runs the checker there and names files by their place in the repository
 
 from __future__ import annotations
 
+import fcntl
 import shutil
 import subprocess
 import sys
@@ -53,6 +54,14 @@ def build_tree(root: Path = ROOT, tree: Path = TREE) -> dict[Path, Path]:
 
 
 def run(checker: str, options: list[str]) -> int:
+    (ROOT / "build").mkdir(exist_ok=True)
+    # One run at a time builds and reads the tree (a test and `make lint` may run side by side).
+    with open(ROOT / "build" / "installed-layout.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _run_locked(checker, options)
+
+
+def _run_locked(checker: str, options: list[str]) -> int:
     origin = build_tree()
     here = Path(sys.executable).parent
     if checker == "imports":
@@ -61,7 +70,17 @@ def run(checker: str, options: list[str]) -> int:
             config, options = str(Path(options[0]).resolve()), options[1:]
         command = [shutil.which("lint-imports", path=str(here)) or "lint-imports", config]
     elif checker == "types":
-        command = [sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"), "isoaudit"]
+        cache = str(ROOT / "build" / "mypy-cache")  # kept across runs: the tree is rebuilt each time
+        command = [
+            sys.executable,
+            "-m",
+            "mypy",
+            "--config-file",
+            str(ROOT / "pyproject.toml"),
+            "--cache-dir",
+            cache,
+        ]
+        command.append("isoaudit")
     else:
         raise SystemExit(f"checker: 'imports' or 'types', not {checker!r}")
     result = subprocess.run([*command, *options], cwd=TREE, capture_output=True, text=True)
