@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime
+from functools import cached_property
 from typing import Any
 from urllib.parse import quote
 
@@ -71,7 +72,6 @@ class AlertEngine:
         database) from one thread of the engine's own, in order. ``worker``: this process's name
         in the outbox's leases (default ``host:pid:nonce``)."""
         self.store = store
-        self.alerts = AlertRepository(store.sessions)
         self.deliver_in_background = deliver_in_background
         self._delivery: ThreadPoolExecutor | None = None  # started by the first background notice
         self.channels: list[Channel] = (
@@ -101,6 +101,11 @@ class AlertEngine:
             self._delivery = None
         if self.outbox is not None:
             self.outbox.stop()
+
+    @cached_property
+    def alerts(self) -> AlertRepository:
+        """The alert rows' repository, opened on first use (building a step's URL needs no store)."""
+        return AlertRepository(self.store.sessions)
 
     def step_url(self, run_id: str, step: int) -> str:
         """The dashboard page of one step of a run."""
