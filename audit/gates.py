@@ -104,7 +104,7 @@ def bounds_of(max: Mapping[str, float] | None = None, min: Mapping[str, float] |
                 raise GateError(f"--{direction} {name}: {str(exc).removeprefix('metric: ')}") from None
             if not isinstance(limit, int | float) or isinstance(limit, bool) or not math.isfinite(limit):
                 raise GateError(f"--{direction} {name}: the bound must be a finite number, got {limit!r}")
-            out.append(Bound(name, key, direction, float(limit)))  # type: ignore[arg-type]
+            out.append(Bound(name, key, direction, float(limit)))  # type: ignore[arg-type]  # direction is one of the two Literal names the loop iterates
     if not out:
         raise GateError("gates: give at least one --max or --min")
     return out
@@ -126,7 +126,7 @@ def parse_steps(text: str) -> set[int] | tuple[int | None, int | None]:
     lo = int(match[1]) if match[1] is not None else None
     hi = int(match[3]) if match[3] is not None else None
     if match[2] is None:
-        return {lo if lo is not None else hi}  # type: ignore[arg-type]
+        return {lo if lo is not None else hi}  # type: ignore[arg-type]  # the pattern makes one of lo/hi an int when match[2] is None
     if lo is not None and hi is not None and lo > hi:
         raise GateError(f"--steps {text}: the range is empty ({lo} > {hi})")
     return (lo, hi)

@@ -416,7 +416,7 @@ class _SendHooks:
         hooked = vars(sink).get("send")
         if not isinstance(hooked, cls):
             hooked = cls(sink)
-            sink.send = hooked  # type: ignore[method-assign]
+            sink.send = hooked  # type: ignore[method-assign]  # wraps this one sink's bound method, as the sink's own tests do
         hooked.hooks.append(fn)
 
         def remove() -> None:

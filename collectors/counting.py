@@ -55,7 +55,7 @@ class Counters:
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Counters) and self.as_dict() == other.as_dict()
 
-    __hash__ = None  # type: ignore[assignment]
+    __hash__ = None  # type: ignore[assignment]  # unhashable on purpose, like a mutable dataclass
 
     def __repr__(self) -> str:
         body = ", ".join(f"{k}={v}" for k, v in self._values.items())

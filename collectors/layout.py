@@ -115,7 +115,7 @@ class StepBatch:
             mask[row, start : start + len(seq)] = 1
             spans.append(Span(row, start, len(seq), len(prompt)))
         position_ids = (mask.cumsum(-1) - 1).clamp_(min=0)
-        return cls(ids.to(device), spans, mask.to(device), position_ids.to(device), temperature)  # type: ignore[arg-type]
+        return cls(ids.to(device), spans, mask.to(device), position_ids.to(device), temperature)  # type: ignore[arg-type]  # temperature is normalised to an array by the dataclass's __post_init__
 
     @classmethod
     def packed(
@@ -135,7 +135,7 @@ class StepBatch:
         for seq, prompt in zip(seqs, prompts, strict=True):
             spans.append(Span(0, start, len(seq), len(prompt)))
             start += len(seq)
-        return cls(ids.to(device), spans, None, position_ids.to(device), temperature)  # type: ignore[arg-type]
+        return cls(ids.to(device), spans, None, position_ids.to(device), temperature)  # type: ignore[arg-type]  # temperature is normalised to an array by the dataclass's __post_init__
 
     @classmethod
     def from_tensors(
@@ -206,7 +206,7 @@ class StepBatch:
             spans,
             attention_mask,
             position_ids,
-            temperature,  # type: ignore[arg-type]
+            temperature,  # type: ignore[arg-type]  # temperature is normalised to an array by the dataclass's __post_init__
             list(sample_keys) if sample_keys is not None else None,
         )
 

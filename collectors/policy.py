@@ -209,8 +209,8 @@ def model_spec(config: Any, *, dtype: str, lm_head_dtype: str) -> ModelSpec:
         num_layers=int(config.num_hidden_layers),
         hidden_size=int(config.hidden_size),
         vocab_size=int(config.vocab_size),
-        dtype=dtype,  # type: ignore[arg-type]
-        lm_head_dtype=lm_head_dtype,  # type: ignore[arg-type]
+        dtype=dtype,  # type: ignore[arg-type]  # a torch dtype's name, which the Literal of RuntimeFacts lists
+        lm_head_dtype=lm_head_dtype,  # type: ignore[arg-type]  # a torch dtype's name, which the Literal of RuntimeFacts lists
     )
 
 

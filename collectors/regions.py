@@ -251,7 +251,7 @@ def resolve_regions(
     family = catalog.family_of(model, model_type)
     if family.moe and catalog.prepare_moe is not None:
         catalog.prepare_moe(model)
-    specs = family.specs(len(model.get_submodule(family.layers)))  # type: ignore[arg-type]
+    specs = family.specs(len(model.get_submodule(family.layers)))  # type: ignore[arg-type]  # get_submodule returns a Module; the layers' container is an nn.ModuleList
     moe_unobserved: dict[str, str] = {}
     if family.moe:  # MoE regions exist only in the sparse layers
         sparse = [s for s in specs if s.name.rsplit(".", 1)[-1] in MOE_REGIONS]

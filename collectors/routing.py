@@ -283,7 +283,7 @@ class TrainerRoutes(_Recorder):
         if mask is not None:
             host_mask = mask.detach().reshape(-1).cpu().numpy().astype(np.uint8)
         else:
-            host_mask = np.ones(next(iter(routes.values())).shape[0], np.uint8)  # type: ignore[union-attr]
+            host_mask = np.ones(next(iter(routes.values())).shape[0], np.uint8)  # type: ignore[union-attr]  # routes is not None on this branch (checked by the caller's loop)
         self._replay_mask, self._facts = host_mask, {"router_replay": source}
         try:
             yield

@@ -286,7 +286,7 @@ class Session:
     @property
     def control(self) -> ControlChannel:
         """The run's control channel (what every collector of this session asks)."""
-        return self.start()._control  # type: ignore[return-value]
+        return self.start()._control  # type: ignore[return-value]  # start() gives every destination a control channel; the attribute is typed for the service one
 
     def flush(self, timeout: float | None = 30.0) -> bool:
         """Finish what the collectors have in flight and wait until every sink delivered it."""

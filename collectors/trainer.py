@@ -439,7 +439,7 @@ class TrainerCollector(Collector):
         device = param.device if param is not None else batch.input_ids.device
         inputs = {k: v.to(device) for k, v in batch.model_inputs().items()}
         if getattr(getattr(self.model, "config", None), "use_cache", False):
-            inputs["use_cache"] = False  # type: ignore[assignment]
+            inputs["use_cache"] = False  # type: ignore[assignment]  # the inputs are tensors but for this one flag HF accepts
         self._capture.force = fingerprint
         self._capture.row_hint = _row_hint(batch)
         try:

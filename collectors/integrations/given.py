@@ -54,7 +54,7 @@ class GivenLogprobs(Collector):
             raise ValueError(f"side: expected 'trainer' or 'rollout', got {side!r}")
         if semantics not in ("processed", "raw"):
             raise ValueError(f"semantics: expected 'processed' or 'raw', got {semantics!r}")
-        self.side = side  # type: ignore[misc]
+        self.side = side  # type: ignore[misc]  # set once here; the attribute is read-only for callers
         super().__init__(
             run=run,
             sink=sink,

@@ -57,7 +57,7 @@ def stamp_rank(sink: Sink, rank: int) -> Sink:
             pass
         send(records)
 
-    sink.send = send_with_rank  # type: ignore[method-assign]
+    sink.send = send_with_rank  # type: ignore[method-assign]  # wraps this one sink's bound method to stamp the rank
     return sink
 
 

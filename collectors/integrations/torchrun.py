@@ -102,7 +102,7 @@ def data_parallel_job(
         if sending:
             trainer.record_step(step, batch, logprobs=list(torch.split(old.logprobs.float(), lengths)))
         advantages = grpo.group_advantages(torch.tensor(reward), group)
-        new = grpo.policy_logprobs(model, batch)  # type: ignore[arg-type]
+        new = grpo.policy_logprobs(model, batch)  # type: ignore[arg-type]  # DDP wraps the model; grpo reads it as the nn.Module it is
         loss = grpo.clipped_loss(
             new.logprobs.float(),
             old.logprobs.float(),

@@ -391,7 +391,7 @@ def find_trainer(callback: TrainerCallback) -> Trainer:
         owner = frame.f_locals.get("self")
         if isinstance(owner, Trainer) and callback in owner.callback_handler.callbacks:
             return owner
-        frame = frame.f_back  # type: ignore[assignment]
+        frame = frame.f_back  # type: ignore[assignment]  # the walk stops when f_back is None
     raise RuntimeError("trainer: not found from the callback; pass it: IsoauditCallback(trainer, run=...)")
 
 

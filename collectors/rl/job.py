@@ -100,7 +100,7 @@ def run_job(
     figures: list[StepFigures] = []
     for step in range(config.steps):
         chosen = [p for p in rng.sample(problems, config.prompts) for _ in range(config.group)]
-        prompts = [list(tokenizer(p.prompt)["input_ids"]) for p in chosen]  # type: ignore[operator]
+        prompts = [list(tokenizer(p.prompt)["input_ids"]) for p in chosen]  # type: ignore[operator]  # HF tokenizers are callable; the stubs type the base class
 
         started = time.perf_counter()
         sampled = rollout.generate(step, prompts, config.max_new, config.temperature, seed=config.seed + step)
@@ -109,7 +109,7 @@ def run_job(
 
         started = time.perf_counter()
         completions = [s.tokens for s in sampled]
-        texts = tokenizer.batch_decode(completions, skip_special_tokens=True)  # type: ignore[attr-defined]
+        texts = tokenizer.batch_decode(completions, skip_special_tokens=True)  # type: ignore[attr-defined]  # HF tokenizers have batch_decode; the stubs type the base class
         reward = torch.tensor(rewards(texts, chosen))
         batch = StepBatch.padded(
             prompts, completions, pad_token_id=pad, temperature=config.temperature, device=device

@@ -39,7 +39,7 @@ _records_adapter: TypeAdapter[list[AnyRecord]] = TypeAdapter(list[AnyRecord])
 
 def encode_batch(records: Sequence[Record]) -> bytes:
     """The JSON body of ``POST /v1/ingest`` (an :class:`isoaudit.audit.records.Batch`)."""
-    return b'{"records":' + _records_adapter.dump_json(list(records)) + b"}"  # type: ignore[arg-type]
+    return b'{"records":' + _records_adapter.dump_json(list(records)) + b"}"  # type: ignore[arg-type]  # the adapter takes the records' union; a Sequence[Record] holds only those kinds
 
 
 def decode_batch(payload: bytes) -> list[Record]:

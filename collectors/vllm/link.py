@@ -21,7 +21,7 @@ def _uses_extension(llm: Any) -> bool:
     try:
         from vllm.utils.import_utils import resolve_obj_by_qualname
     except ImportError:  # older layout
-        from vllm.utils import resolve_obj_by_qualname  # type: ignore[attr-defined,no-redef]
+        from vllm.utils import resolve_obj_by_qualname  # type: ignore[attr-defined,no-redef]  # vLLM moved this helper between releases; the fallback import
     try:
         cls = resolve_obj_by_qualname(name)
     except Exception:

@@ -57,7 +57,7 @@ def demo(
     result = run_demo(
         steps=steps,
         remediate_at=remediate_at,
-        engine=engine,  # type: ignore[arg-type]
+        engine=engine,  # type: ignore[arg-type]  # the option's choices are the Literal run_demo takes; typer hands a str
         database_url=database,
         model_dir=model_dir,
         job=JobConfig(steps=steps, prompts=prompts, group=group, max_new=max_new),

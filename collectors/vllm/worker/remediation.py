@@ -78,8 +78,8 @@ def keep_raw_weights() -> bool:
                 object.__setattr__(layer, RAW, (kept, kept_bias))
             original(self, layer)
 
-        process_weights_after_loading.__wrapped__ = original  # type: ignore[attr-defined]
-        UnquantizedLinearMethod.process_weights_after_loading = process_weights_after_loading  # type: ignore[method-assign]
+        process_weights_after_loading.__wrapped__ = original  # type: ignore[attr-defined]  # marks the wrapper so it is not installed twice
+        UnquantizedLinearMethod.process_weights_after_loading = process_weights_after_loading  # type: ignore[method-assign]  # installs the wrapper on vLLM's class (keep_raw_weights)
         _installed["linear"] = original
         return True
 
@@ -292,7 +292,7 @@ def _attention_forward(impl: Any, original: Callable[..., Any], counts: dict[str
         longest = int(lengths.max())
         k_cache = key.new_zeros((batch, longest, *key.shape[1:]))
         v_cache = value.new_zeros((batch, longest, *value.shape[1:]))
-        for b, (k, v) in enumerate(held):  # type: ignore[misc]
+        for b, (k, v) in enumerate(held):  # type: ignore[misc]  # no entry is None here: the check above returned
             k_cache[b, : k.shape[0]] = k
             v_cache[b, : v.shape[0]] = v
         q_lens = starts[1:] - starts[:-1]
