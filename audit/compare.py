@@ -1,16 +1,9 @@
-"""The comparator: from both sides' records of a sample to token deltas, the region x position grid,
-its origins and the first divergence (DESIGN.md, "Comparator").
-
-A grid cell is EQUAL when the two sides' row digests match, DIFFERS when they do not, and NOT_OBSERVED
-when either side has no row there: an unobserved cell is never reported as equal. An *origin* is a
-differing cell whose inputs all agree (the previous observed region agrees at every position up to
-and including its own, since attention reads earlier positions); the *first divergence* is the
-earliest origin in forward order.
-"""
+"""The comparator: from both sides' records of a sample to token deltas, the region x position grid
+(:mod:`isoaudit.audit.grid`), its first divergence and the diagnosis, and from a step's samples to
+its outcome (DESIGN.md, "Comparator")."""
 
 from __future__ import annotations
 
-import base64
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -18,7 +11,7 @@ from typing import Any
 
 import numpy as np
 from isoaudit.audit.diagnosis import Diagnosis, diagnose
-from isoaudit.audit.fingerprints import estimate_relative_l2, first_agreeing_rung
+from isoaudit.audit.grid import Cell, RegionGrid, compare_fingerprints
 from isoaudit.audit.metric_names import required_variants
 from isoaudit.audit.metrics import (
     UNKNOWN_LAG,
@@ -30,7 +23,7 @@ from isoaudit.audit.metrics import (
 )
 from isoaudit.audit.policy_lag import token_lags
 from isoaudit.audit.records import Manifest, OffPolicy, RegionFingerprints, SampleLogprobs
-from isoaudit.audit.regions import parse_region_key, region_key, region_order
+from isoaudit.audit.regions import parse_region_key, region_order
 from isoaudit.audit.routing import (
     RoutingComparison,
     compare_sample_routes,
@@ -39,176 +32,6 @@ from isoaudit.audit.routing import (
     step_routing_metrics,
 )
 from isoaudit.audit.summaries import StepFacts, StepSummary, Verdict, summarize
-
-NOT_OBSERVED, EQUAL, DIFFERS = -1, 0, 1
-
-Cell = tuple[str, int]
-
-
-def region_label(region: str, forward_index: int) -> str:
-    """The grid's name for a region: ``layers.2.mlp``, or ``layers.2.mlp#1`` for its second call."""
-    return region_key(region, forward_index)
-
-
-@dataclass
-class _SideRows:
-    """One side's rows of one region, sorted by position (prefill and decode records merged)."""
-
-    positions: np.ndarray
-    digest: np.ndarray
-    ladder: np.ndarray
-    ladder_bits: list[int]
-    sketch: np.ndarray
-    l2: np.ndarray
-
-    @classmethod
-    def merge(cls, records: Sequence[RegionFingerprints]) -> _SideRows:
-        positions = np.concatenate([r.positions for r in records])
-        # One record with ascending positions (the usual case) needs no reordering.
-        order = (
-            slice(None) if np.all(positions[1:] > positions[:-1]) else np.argsort(positions, kind="stable")
-        )
-        rungs = max((len(r.ladder_bits) for r in records), default=0)
-        return cls(
-            positions=positions[order],
-            digest=np.concatenate([r.digest for r in records])[order],
-            ladder=np.concatenate([r.ladder.reshape(r.positions.size, -1) for r in records])[order]
-            if rungs
-            else np.zeros((positions.size, 0), np.uint64),
-            ladder_bits=list(records[0].ladder_bits),
-            sketch=np.concatenate([r.sketch.reshape(r.positions.size, -1) for r in records])[order],
-            l2=np.concatenate([r.l2 for r in records])[order],
-        )
-
-
-@dataclass
-class RegionGrid:
-    """Region x position verdicts for one sample. ``state`` is int8 [regions, positions]."""
-
-    regions: list[str]
-    positions: np.ndarray
-    state: np.ndarray
-    rel_l2: np.ndarray
-    agreeing_bits: np.ndarray
-    origins: list[Cell] = field(default_factory=list)
-
-    @property
-    def first_divergence(self) -> Cell | None:
-        return self.origins[0] if self.origins else None
-
-    def has_differences(self) -> bool:
-        return bool((self.state == DIFFERS).any())
-
-    def differing_cells(self) -> list[Cell]:
-        rows, cols = np.nonzero(self.state == DIFFERS)
-        return [(self.regions[r], int(self.positions[c])) for r, c in zip(rows, cols, strict=True)]
-
-    def not_observed_regions(self) -> list[str]:
-        """Regions with no position observed on both sides."""
-        return [
-            name for name, row in zip(self.regions, self.state, strict=True) if (row == NOT_OBSERVED).all()
-        ]
-
-    def has_unobserved(self) -> bool:
-        return bool((self.state == NOT_OBSERVED).any())
-
-    def to_json(self) -> dict[str, Any]:
-        """Compact form for the store and the dashboard: matrices as base64 (int8 / float32 / int8)."""
-
-        def b64(array: np.ndarray) -> str:
-            return base64.b64encode(np.ascontiguousarray(array).tobytes()).decode("ascii")
-
-        return {
-            "regions": self.regions,
-            "positions": self.positions.tolist(),
-            "state": b64(self.state.astype(np.int8)),
-            "rel_l2": b64(self.rel_l2.astype("<f4")),
-            "agreeing_bits": b64(self.agreeing_bits.astype(np.int8)),
-            "origins": [list(cell) for cell in self.origins],
-        }
-
-    @classmethod
-    def from_json(cls, body: dict[str, Any]) -> RegionGrid:
-        shape = (len(body["regions"]), len(body["positions"]))
-
-        def unb64(text: str, dtype: str) -> np.ndarray:
-            return np.frombuffer(base64.b64decode(text), dtype=dtype).reshape(shape)
-
-        return cls(
-            regions=list(body["regions"]),
-            positions=np.asarray(body["positions"], dtype=np.int32),
-            state=unb64(body["state"], "i1"),
-            rel_l2=unb64(body["rel_l2"], "<f4"),
-            agreeing_bits=unb64(body["agreeing_bits"], "i1"),
-            origins=[(str(r), int(p)) for r, p in body["origins"]],
-        )
-
-
-def _group(records: Sequence[RegionFingerprints]) -> dict[tuple[str, int], list[RegionFingerprints]]:
-    grouped: dict[tuple[str, int], list[RegionFingerprints]] = defaultdict(list)
-    for record in records:
-        grouped[(record.region, record.forward_index)].append(record)
-    return grouped
-
-
-def compare_fingerprints(
-    trainer: Sequence[RegionFingerprints], rollout: Sequence[RegionFingerprints]
-) -> RegionGrid | None:
-    """The region x position grid of one sample, or ``None`` when neither side sent fingerprints."""
-    if not trainer and not rollout:
-        return None
-    by_side = (_group(trainer), _group(rollout))
-    keys = sorted(set(by_side[0]) | set(by_side[1]), key=lambda k: (region_order(k[0]), k[1]))
-    merged = [tuple(_SideRows.merge(side[key]) if key in side else None for side in by_side) for key in keys]
-    positions = np.unique(
-        np.concatenate(
-            [rows.positions for pair in merged for rows in pair if rows is not None] or [np.zeros(0)]
-        )
-    ).astype(np.int32)
-    shape = (len(keys), positions.size)
-    state = np.full(shape, NOT_OBSERVED, np.int8)
-    rel_l2 = np.full(shape, np.nan, np.float32)
-    agreeing_bits = np.full(shape, -1, np.int8)
-    for r, (a, b) in enumerate(merged):
-        if a is None or b is None:
-            continue
-        common, ia, ib = np.intersect1d(a.positions, b.positions, assume_unique=True, return_indices=True)
-        cols = np.searchsorted(positions, common)
-        equal = a.digest[ia] == b.digest[ib]
-        state[r, cols] = np.where(equal, EQUAL, DIFFERS)
-        differ = ~equal
-        if differ.any():
-            dcols, da, db = cols[differ], ia[differ], ib[differ]
-            rel_l2[r, dcols] = estimate_relative_l2(a.sketch[da], b.sketch[db], a.l2[da], b.l2[db])
-            if a.ladder_bits == b.ladder_bits and a.ladder.shape[1]:
-                rung = first_agreeing_rung(a.ladder[da], b.ladder[db])
-                bits = np.asarray(a.ladder_bits, dtype=np.int64)
-                agreeing_bits[r, dcols] = np.where(rung >= 0, bits[np.maximum(rung, 0)], -1)
-        rel_l2[r, cols[equal]] = 0.0
-    grid = RegionGrid([region_label(*k) for k in keys], positions, state, rel_l2, agreeing_bits)
-    grid.origins = _origins(state, grid.regions, positions)
-    return grid
-
-
-def _origins(state: np.ndarray, regions: list[str], positions: np.ndarray) -> list[Cell]:
-    """Differing cells whose inputs agree, in forward order (region, then position)."""
-    found: list[Cell] = []
-    previous_ok: np.ndarray | None = (
-        None  # per position: previous observed region equal at every position <= t
-    )
-    for r in range(state.shape[0]):
-        row = state[r]
-        if previous_ok is None:
-            # The first region reads only the tokens, which both sides share by construction of the key.
-            inputs_agree = np.ones(row.shape, bool)
-        else:
-            inputs_agree = previous_ok
-        for c in np.flatnonzero((row == DIFFERS) & inputs_agree):
-            found.append((regions[r], int(positions[c])))
-        if (row != NOT_OBSERVED).any():
-            # A region observed nowhere says nothing: keep judging inputs by the last one that was.
-            previous_ok = np.logical_and.accumulate(row == EQUAL)
-    return found
 
 
 @dataclass

@@ -28,7 +28,7 @@ from isoaudit.audit.policy_lag import sampling_versions, token_lags
 from isoaudit.audit.records import Manifest, OffPolicy, RegionFingerprints, SampleLogprobs
 
 if TYPE_CHECKING:
-    from isoaudit.audit.compare import RegionGrid
+    from isoaudit.audit.grid import RegionGrid
 
 DiagnosisKind = Literal[
     "clean", "contract", "weights", "off_policy", "semantics", "inference_path", "numerical", "inconclusive"

@@ -15,9 +15,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 from isoaudit.audit.alerts.rules import AlertRule
-from isoaudit.audit.compare import DIFFERS, EQUAL, NOT_OBSERVED
 from isoaudit.audit.db import reads
 from isoaudit.audit.db.alerts import Alert, Silence
+from isoaudit.audit.grid import DIFFERS, EQUAL, NOT_OBSERVED
 from isoaudit.audit.records import StepStats
 from isoaudit.audit.regions import parse_region_key, region_order
 from isoaudit.audit.summaries import bin_label

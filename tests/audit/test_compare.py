@@ -5,14 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from isoaudit.audit.compare import (
-    DIFFERS,
-    EQUAL,
-    NOT_OBSERVED,
-    RegionGrid,
-    compare_fingerprints,
-    compare_sample,
-)
+from isoaudit.audit.compare import compare_sample
+from isoaudit.audit.grid import DIFFERS, EQUAL, NOT_OBSERVED, RegionGrid, compare_fingerprints
 from isoaudit.audit.records import RuntimeFacts, SampleLogprobs
 from isoaudit.audit.regions import canonical_regions
 

@@ -6,8 +6,8 @@ import json
 import time
 
 import numpy as np
-from isoaudit.audit.compare import RegionGrid
 from isoaudit.audit.db import Store
+from isoaudit.audit.grid import RegionGrid
 from isoaudit.audit.worker import ComparisonWorker
 from typer.testing import CliRunner
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from isoaudit.audit.compare import DIFFERS, EQUAL, compare_sample
+from isoaudit.audit.compare import compare_sample
+from isoaudit.audit.grid import DIFFERS, EQUAL
 from isoaudit.audit.records import RegionFingerprints, SampleLogprobs
 from isoaudit.audit.regions import canonical_regions
 from isoaudit.collectors.layout import StepBatch

@@ -19,9 +19,9 @@ import pytest
 pytest.importorskip("vllm")
 
 from isoaudit.audit.alerts.history import list_alerts  # noqa: E402
-from isoaudit.audit.compare import EQUAL, RegionGrid  # noqa: E402
 from isoaudit.audit.contract import handshake  # noqa: E402
 from isoaudit.audit.db import Store  # noqa: E402
+from isoaudit.audit.grid import EQUAL, RegionGrid  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -19,8 +19,8 @@ import pytest
 pytest.importorskip("vllm")
 
 import isoaudit.collectors.vllm as cv  # noqa: E402
-from isoaudit.audit.compare import EQUAL  # noqa: E402
 from isoaudit.audit.contract import handshake  # noqa: E402
+from isoaudit.audit.grid import EQUAL  # noqa: E402
 from isoaudit.collectors.control import FixedControl  # noqa: E402
 from isoaudit.collectors.sinks import MemorySink  # noqa: E402
 

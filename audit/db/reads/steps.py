@@ -8,7 +8,6 @@ from datetime import datetime
 from typing import Any
 
 import numpy as np
-from isoaudit.audit.compare import RegionGrid
 from isoaudit.audit.db.models import (
     SampleResultRow,
     StepResultRow,
@@ -17,6 +16,7 @@ from isoaudit.audit.db.models import (
 from isoaudit.audit.db.reads.common import aware
 from isoaudit.audit.db.runs import MAX_PAGE
 from isoaudit.audit.db.store import Store
+from isoaudit.audit.grid import RegionGrid
 from sqlalchemy import func, select
 
 
