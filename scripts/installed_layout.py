@@ -8,6 +8,7 @@ mapping, runs the checker there and names files by their place in the repository
 
     python scripts/installed_layout.py imports [CONTRACTS.toml] [lint-imports options]
     python scripts/installed_layout.py types [mypy options]
+    python scripts/installed_layout.py cycles     (import cycles between our modules, by grimp)
 """
 
 from __future__ import annotations
@@ -69,6 +70,8 @@ def _run_locked(checker: str, options: list[str]) -> int:
         if options and options[0].endswith(".toml"):  # another contract file (tests/test_layering.py)
             config, options = str(Path(options[0]).resolve()), options[1:]
         command = [shutil.which("lint-imports", path=str(here)) or "lint-imports", config]
+    elif checker == "cycles":
+        command = [sys.executable, str(Path(__file__).resolve()), "_cycles"]
     elif checker == "types":
         cache = str(ROOT / "build" / "mypy-cache")  # kept across runs: the tree is rebuilt each time
         command = [
@@ -91,7 +94,53 @@ def _run_locked(checker: str, options: list[str]) -> int:
     return result.returncode
 
 
+def print_cycles(package: str = "isoaudit") -> int:
+    """Print each group of modules that import each other in a circle (strongly connected, run in
+    the tree with ``package`` importable); return how many groups there are."""
+    import grimp
+
+    graph = grimp.build_graph(package, cache_dir=None)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    groups: list[list[str]] = []
+
+    def visit(module: str) -> None:  # Tarjan's strongly connected components
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for imported in graph.find_modules_directly_imported_by(module):
+            if imported not in graph.modules:
+                continue
+            if imported not in index:
+                visit(imported)
+                low[module] = min(low[module], low[imported])
+            elif imported in stack:
+                low[module] = min(low[module], index[imported])
+        if low[module] == index[module]:
+            group = []
+            while True:
+                member = stack.pop()
+                group.append(member)
+                if member == module:
+                    break
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    sys.setrecursionlimit(10_000)
+    for module in sorted(graph.modules):
+        if module not in index:
+            visit(module)
+    print(f"{len(graph.modules)} modules; {len(groups)} import cycles (TYPE_CHECKING imports count)")
+    for group in sorted(groups, key=len, reverse=True):
+        print(f"  {len(group)}: " + ", ".join(group))
+    return len(groups)
+
+
 if __name__ == "__main__":
     if len(sys.argv) < 2:
         raise SystemExit(__doc__)
+    if sys.argv[1] == "_cycles":  # inside the tree (see run)
+        sys.path.insert(0, str(Path.cwd()))
+        print_cycles()
+        sys.exit(0)
     sys.exit(run(sys.argv[1], sys.argv[2:]))
