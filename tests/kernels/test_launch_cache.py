@@ -5,7 +5,6 @@ drive fake launchers; the `gpu` ones compare bits and host time against Triton's
 from __future__ import annotations
 
 import random
-import time
 import warnings
 
 import pytest
@@ -18,6 +17,8 @@ from isoaudit.kernels._triton import (
     launch_layout,
     tma_ready,
 )
+
+from bench.common import host_us
 
 from .conftest import bits_equal, gpu, needs_triton
 
@@ -415,20 +416,6 @@ def test_direct_launch_graph_replay_gpu() -> None:
         assert bits_equal(eager, want[(i + 1) % 4]), i
 
 
-def _host_us(fn, calls: int = 300) -> float:
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
-        torch.cuda.synchronize()
-    return best
-
-
 @gpu
 def test_direct_launch_host_time_gpu() -> None:
     """gemm()'s host time with the cache under that of Triton's own launch (and printed against
@@ -436,9 +423,9 @@ def test_direct_launch_host_time_gpu() -> None:
     g = _gemm_module()
     w = torch.randn(4096, 4096, device="cuda").bfloat16()
     a = torch.randn(1, 4096, device="cuda").bfloat16()
-    cached = _host_us(lambda: g.gemm(a, w))
-    own = _triton_launch(lambda: _host_us(lambda: g.gemm(a, w)))
-    mm = _host_us(lambda: torch.mm(a, w.T))
+    cached = host_us(lambda: g.gemm(a, w))
+    own = _triton_launch(lambda: host_us(lambda: g.gemm(a, w)))
+    mm = host_us(lambda: torch.mm(a, w.T))
     print(
         f"host us/call: gemm {cached:.2f}  Triton launch {own:.2f}  torch.mm {mm:.2f}  ratio {cached / mm:.2f}"
     )
