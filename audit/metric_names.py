@@ -27,6 +27,7 @@ from isoaudit.audit.metrics import (
     RS_OPTIONS,
     STEP_METRICS,
     TIS_FAMILY,
+    ParamValue,
     parse_lag_key,
     parse_variant,
     variant_key,
@@ -66,7 +67,7 @@ class Alias:
 
 
 def _a(
-    framework: str, name: str, canonical: str, note: str = "", also: Iterable[str] = (), **params: Any
+    framework: str, name: str, canonical: str, note: str = "", also: Iterable[str] = (), **params: ParamValue
 ) -> Alias:
     key = variant_key(canonical, params) if canonical in PARAMETRIC else canonical
     return Alias(framework, name, key, note, tuple(also))
@@ -150,7 +151,7 @@ _SLIME_BOUNDS = "mis_upper_bound=2.0, mis_lower_bound=0.5 (1/upper)"
 
 
 def _slime() -> list[Alias]:
-    def mis(name: str, canonical: str, note: str = _SLIME_AGG, **params: Any) -> Alias:
+    def mis(name: str, canonical: str, note: str = _SLIME_AGG, **params: ParamValue) -> Alias:
         return _a("slime", f"mis_{name}", canonical, note, (f"train/mis_{name}",), **params)
 
     return [
@@ -229,7 +230,7 @@ def _openrlhf() -> list[Alias]:
 def _nemo_rl() -> list[Alias]:
     t = "train/"
 
-    def n(name: str, canonical: str, note: str = "", **params: Any) -> Alias:
+    def n(name: str, canonical: str, note: str = "", **params: ParamValue) -> Alias:
         return _a("nemo-rl", name, canonical, note, (t + name,), **params)
 
     return [

@@ -43,7 +43,7 @@ def hf_attention(
     attention_mask: torch.Tensor | None,
     dropout: float = 0.0,
     scaling: float | None = None,
-    **kwargs: Any,
+    **kwargs: object,  # the rest of HF's attention-interface call, not read
 ) -> tuple[torch.Tensor, None]:
     """HF attention-interface entry: (B, H, Lq, D) queries against (B, Hkv, Lk, D) keys, causal,
     the queries being the last Lq positions. Padding must be on the right (the mask is not read)."""

@@ -71,7 +71,7 @@ class ApiSettings(BaseModel):
     ingest_retries: int = Field(default=8, ge=1, description="attempts of a batch that lost a write race")
 
     @classmethod
-    def from_env(cls, **overrides: Any) -> ApiSettings:
+    def from_env(cls, **overrides: object) -> ApiSettings:
         """Settings from ``ISOAUDIT_*`` environment variables; ``overrides`` (not None) win."""
         values: dict[str, Any] = {}
         for field_name, variable in _ENV.items():

@@ -34,7 +34,7 @@ Offset = Annotated[int, Query(ge=0, description="items to skip (the previous pag
 Model = TypeVar("Model", bound=BaseModel)
 
 
-def from_attributes(model: type[Model], source: object, **fields: Any) -> Model:
+def from_attributes(model: type[Model], source: object, **fields: object) -> Model:
     """``model`` from ``source``'s attributes of the same names (a stored row, a query's result),
     and ``fields`` for those the response names or shapes differently."""
     taken = {
