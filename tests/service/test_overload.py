@@ -11,6 +11,7 @@ filled and ``send`` dropped whole batches (counted, but lost)."""
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -96,9 +97,11 @@ class _SlowSink(Sink):
         self.delay = delay
         self.refuse_step = refuse_step
         self.requests: list[list[int]] = []
+        self.in_flight = threading.Event()  # set when the first delivery starts
         super().__init__(**options)
 
     def _deliver(self, item: _Item) -> int:
+        self.in_flight.set()
         time.sleep(self.delay)
         steps = [r.step for r in item.records]
         if self.refuse_step in steps:
@@ -109,7 +112,11 @@ class _SlowSink(Sink):
 
 def test_waiting_batches_go_in_one_request_in_order_and_a_refused_one_drops_alone():
     sink = _SlowSink(0.2, refuse_step=3)
-    for step in range(8):  # the first is in flight while the other seven wait
+    sink.send([factories.sample(step=0, seed=0)])
+    # The first is in flight while the other seven wait (waited for, not left to the scheduler:
+    # a worker woken late would otherwise take the first three together).
+    assert sink.in_flight.wait(10)
+    for step in range(1, 8):
         sink.send([factories.sample(step=step, seed=step)])
     assert sink.flush(10)
     delivered = [s for request in sink.requests for s in request]
