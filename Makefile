@@ -28,11 +28,15 @@ $(VENV)/.test: $(VENV)/.base
 	$(MAKE) --no-print-directory system-deps
 	touch $@
 
-# From Debian: headless Chromium and its driver (the dashboard's browser tests) and docker-compose
-# (to validate docker-compose.yml; no Docker engine is needed for `config`).
+# From Debian: headless Chromium and its driver (the dashboard's browser tests), docker-compose (to
+# validate docker-compose.yml; no Docker engine is needed for `config`), and Prometheus with promtool
+# and Alertmanager (the monitoring tests run them on 127.0.0.1 as plain processes, never as services).
+SYSTEM_TOOLS := chromium chromedriver docker-compose prometheus promtool prometheus-alertmanager
 system-deps:
-	@if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null || ! command -v docker-compose >/dev/null; then \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver docker-compose >/dev/null; \
+	@for tool in $(SYSTEM_TOOLS); do command -v $$tool >/dev/null || missing=1; done; \
+	if [ -n "$$missing" ]; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+			chromium chromium-driver docker-compose prometheus prometheus-alertmanager >/dev/null; \
 	fi
 
 # The GRPO demo job on the reference engine, then the dashboard over what it wrote (Ctrl-C stops it).

@@ -4,6 +4,6 @@
 """
 
 from isoaudit.audit.api.app import create_app
-from isoaudit.audit.api.settings import ApiSettings
+from isoaudit.audit.settings import Settings
 
-__all__ = ["ApiSettings", "create_app"]
+__all__ = ["Settings", "create_app"]

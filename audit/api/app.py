@@ -8,56 +8,20 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 from isoaudit.audit import __version__
-from isoaudit.audit.alerts import (
-    AlertEngine,
-    DatabaseChannel,
-    LogChannel,
-    WebhookChannel,
-    default_rules,
-    install_rules,
-    load_rules,
-)
+from isoaudit.audit.alerts import AlertEngine
+from isoaudit.audit.alerts.setup import default_alert_engine, install_configured_rules
 from isoaudit.audit.api.errors import install_error_handlers
 from isoaudit.audit.api.limits import BodySizeLimit
 from isoaudit.audit.api.routers import alerts, control, health, ingest, metrics, runs
-from isoaudit.audit.api.settings import ApiSettings
 from isoaudit.audit.api.telemetry import Telemetry
 from isoaudit.audit.db import Store
+from isoaudit.audit.settings import Settings
 from prometheus_client import CollectorRegistry
-
-
-def webhook_urls(value: str | None) -> list[str]:
-    """The webhooks of ``ISOAUDIT_ALERT_WEBHOOK_URL`` / ``--webhook``: one URL, or several separated
-    by commas or spaces (each is a destination of its own: one that is slow or down delays no other)."""
-    return [url for url in (value or "").replace(",", " ").split() if url]
-
-
-def default_alert_engine(store: Store, settings: ApiSettings) -> AlertEngine:
-    """Log and database channels, plus a webhook channel per configured URL (``webhook``,
-    ``webhook-2``, ...), delivered from the durable outbox once :meth:`AlertEngine.start` runs."""
-    channels: list = [LogChannel(), DatabaseChannel()]
-    for i, url in enumerate(webhook_urls(settings.webhook_url)):
-        channels.append(WebhookChannel(url, name="webhook" if i == 0 else f"webhook-{i + 1}"))
-    return AlertEngine(
-        store,
-        channels,
-        dashboard_url=settings.dashboard_url,
-        step_path=settings.dashboard_step_path,
-        deliver_in_background=True,
-    )
-
-
-def install_configured_rules(store: Store, settings: ApiSettings) -> None:
-    """Defaults where no rule of their name exists; the YAML file's rules replace those of their name."""
-    if settings.default_alert_rules:
-        install_rules(store, default_rules(), "default", replace=False)
-    if settings.alert_rules_file:
-        install_rules(store, load_rules(settings.alert_rules_file), "yaml", replace=True)
 
 
 def create_app(
     store: Store | None = None,
-    settings: ApiSettings | None = None,
+    settings: Settings | None = None,
     *,
     alert_engine: AlertEngine | None = None,
 ) -> FastAPI:
@@ -65,7 +29,7 @@ def create_app(
     ``settings.database_url`` (SQLite migrates itself; a server database must have been upgraded with
     ``isoaudit db upgrade``) and closed on shutdown. On start-up it installs the alert rules and starts
     the comparison worker with ``alert_engine.evaluate`` as its per-step callback."""
-    settings = settings or ApiSettings.from_env()
+    settings = settings or Settings.from_env()
     owns_store = store is None
     store = store or Store(settings.database_url, timeout_s=settings.database_timeout_s)
     alert_engine = alert_engine or default_alert_engine(store, settings)

@@ -12,10 +12,10 @@ from typing import Annotated
 from fastapi import Depends, HTTPException, Path, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from isoaudit.audit.api.deps import get_settings, get_store
-from isoaudit.audit.api.settings import ApiSettings
 from isoaudit.audit.auth import Principal, create_token, verify_token
 from isoaudit.audit.db import Store
 from isoaudit.audit.records import RunId
+from isoaudit.audit.settings import Settings
 
 __all__ = ["Principal", "Reader", "Writer", "create_token", "readable_run", "ReadableRun"]
 
@@ -51,7 +51,7 @@ def require_writer(
 def optional_reader(
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
     store: Annotated[Store, Depends(get_store)],
-    settings: Annotated[ApiSettings, Depends(get_settings)],
+    settings: Annotated[Settings, Depends(get_settings)],
 ) -> Principal | None:
     """The caller's project, or ``None`` (everything visible) when reads are open and no token came."""
     principal = _principal(store, credentials)

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from fastapi import Request
-from isoaudit.audit.api.settings import ApiSettings
 from isoaudit.audit.db import Store
+from isoaudit.audit.settings import Settings
 
 if TYPE_CHECKING:
     from isoaudit.audit.api.telemetry import Telemetry
@@ -16,7 +16,7 @@ def get_store(request: Request) -> Store:
     return request.app.state.store
 
 
-def get_settings(request: Request) -> ApiSettings:
+def get_settings(request: Request) -> Settings:
     return request.app.state.settings
 
 

@@ -1,7 +1,7 @@
 """Run the real service over real HTTP in a background thread of this process: for the demo, notebooks
 and tests of the API and of its clients (the collectors' ``HttpSink``).
 
-    server = LiveServer(create_app(store, ApiSettings(run_worker=False)))
+    server = LiveServer(create_app(store, Settings(run_worker=False)))
     url = server.start()          # http://127.0.0.1:<free port>
     ...
     server.stop()                 # the port goes quiet: clients see connection errors (an outage)

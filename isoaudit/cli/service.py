@@ -43,8 +43,9 @@ def serve(
     exits, stopped with the API, killed by the kernel if the API dies."""
     import uvicorn
 
-    from isoaudit.audit.api import ApiSettings, create_app
-    from isoaudit.audit.api.app import install_configured_rules
+    from isoaudit.audit.alerts.setup import install_configured_rules
+    from isoaudit.audit.api import create_app
+    from isoaudit.audit.settings import Settings
     from isoaudit.audit.worker import WorkerProcess
 
     overrides: dict[str, object] = {
@@ -56,7 +57,7 @@ def serve(
         overrides["require_token_for_reads"] = False
     if no_worker:
         overrides["run_worker"] = False
-    settings = ApiSettings.from_env(**overrides)
+    settings = Settings.from_env(**overrides)
     child = None
     if settings.run_worker and not worker_thread:
         store = open_store(settings.database_url)  # rules first, so the child only evaluates them
@@ -106,12 +107,12 @@ def worker(
     import signal
     import threading
 
-    from isoaudit.audit.api import ApiSettings
-    from isoaudit.audit.api.app import default_alert_engine, install_configured_rules
+    from isoaudit.audit.alerts.setup import default_alert_engine, install_configured_rules
+    from isoaudit.audit.settings import Settings
     from isoaudit.audit.worker import ComparisonWorker, die_with_parent, tell_parent_ready
 
     die_with_parent()  # a child of `isoaudit serve` goes with it
-    settings = ApiSettings.from_env(database_url=database, alert_rules_file=rules, webhook_url=webhook)
+    settings = Settings.from_env(database_url=database, alert_rules_file=rules, webhook_url=webhook)
     store = open_store(settings.database_url)
     install_configured_rules(store, settings)
     engine = default_alert_engine(store, settings).start()

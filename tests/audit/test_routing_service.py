@@ -10,17 +10,18 @@ import pytest
 from isoaudit.audit.alerts import AlertEngine, AlertRule, DatabaseChannel
 from isoaudit.audit.alerts.history import list_alerts
 from isoaudit.audit.alerts.rules import save_rule
-from isoaudit.audit.api import ApiSettings, create_app
+from isoaudit.audit.api import create_app
 from isoaudit.audit.api.live import LiveServer
 from isoaudit.audit.auth import create_token
 from isoaudit.audit.db import Store
+from isoaudit.audit.settings import Settings
 
 from tests.audit.routing_records import LAYERS, N, routed_run
 
 
 @pytest.fixture
 def api(store: Store) -> Iterator[httpx.Client]:
-    live = LiveServer(create_app(store, ApiSettings(run_worker=False)))
+    live = LiveServer(create_app(store, Settings(run_worker=False)))
     live.start()
     token = create_token(store, "alpha", "tests")
     with httpx.Client(base_url=live.url, headers={"Authorization": f"Bearer {token}"}, timeout=30) as client:

@@ -13,9 +13,9 @@ import pytest
 import torch
 from isoaudit.audit.api.app import create_app
 from isoaudit.audit.api.live import LiveServer
-from isoaudit.audit.api.settings import ApiSettings
 from isoaudit.audit.auth import create_token
 from isoaudit.audit.db import Store
+from isoaudit.audit.settings import Settings
 from isoaudit.collectors.control import ServiceControl
 from isoaudit.collectors.layout import StepBatch
 from isoaudit.collectors.sinks import HttpSink
@@ -35,7 +35,7 @@ def stored_count(store: Store, steps: int) -> int:
 
 def test_outage_mid_run_spools_and_everything_arrives_once(load, store: Store, tmp_path: Path) -> None:
     token = create_token(store, "proj")
-    server = LiveServer(create_app(store, ApiSettings(run_worker=False, default_alert_rules=False)))
+    server = LiveServer(create_app(store, Settings(run_worker=False, default_alert_rules=False)))
     url = server.start()
     control = ServiceControl(RUN, url, token, interval=60.0)  # replies only: no poll in this test
     sink = HttpSink(
@@ -111,7 +111,7 @@ def test_outage_mid_run_spools_and_everything_arrives_once(load, store: Store, t
 
 
 def test_a_bad_token_is_refused_and_counted_not_raised(load, store: Store, tmp_path: Path) -> None:
-    server = LiveServer(create_app(store, ApiSettings(run_worker=False, default_alert_rules=False)))
+    server = LiveServer(create_app(store, Settings(run_worker=False, default_alert_rules=False)))
     url = server.start()
     sink = HttpSink(url, "iso_0123456789abcdef_" + "x" * 30, spool_dir=tmp_path / "spool")
     try:

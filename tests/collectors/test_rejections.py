@@ -71,11 +71,11 @@ def test_direct_sink(database_url: str, caplog: pytest.LogCaptureFixture) -> Non
 def test_http_sink(store: Store, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     from isoaudit.audit.api.app import create_app
     from isoaudit.audit.api.live import LiveServer
-    from isoaudit.audit.api.settings import ApiSettings
     from isoaudit.audit.auth import create_token
+    from isoaudit.audit.settings import Settings
 
     token = create_token(store, "p")
-    server = LiveServer(create_app(store, ApiSettings(run_worker=False, default_alert_rules=False)))
+    server = LiveServer(create_app(store, Settings(run_worker=False, default_alert_rules=False)))
     url = server.start()
     try:
         sink = HttpSink(url, token, spool_dir=tmp_path / "spool")

@@ -6,16 +6,17 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from isoaudit.audit.api import ApiSettings, create_app
+from isoaudit.audit.api import create_app
 from isoaudit.audit.api.live import LiveServer
 from isoaudit.audit.auth import create_token
 from isoaudit.audit.db import Store
+from isoaudit.audit.settings import Settings
 
 
 @pytest.fixture
 def server(store: Store) -> Iterator[LiveServer]:
     """The API on ``store`` (no background worker: tests drive comparisons themselves)."""
-    live = LiveServer(create_app(store, ApiSettings(run_worker=False, max_body_bytes=4 << 20)))
+    live = LiveServer(create_app(store, Settings(run_worker=False, max_body_bytes=4 << 20)))
     live.start()
     yield live
     live.stop()

@@ -10,12 +10,13 @@ from functools import partial
 
 import httpx
 from isoaudit.audit.alerts import AlertEngine, DatabaseChannel
-from isoaudit.audit.api import ApiSettings, create_app
+from isoaudit.audit.api import create_app
 from isoaudit.audit.api.live import LiveServer
 from isoaudit.audit.db import MAX_PAGE, Store
 from isoaudit.audit.db.models import RunRow, SampleRow
 from isoaudit.audit.db.schema import head_revision
 from isoaudit.audit.records import Batch
+from isoaudit.audit.settings import Settings
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import func, select
 
@@ -360,7 +361,7 @@ def test_reads_need_a_token_unless_configured_open(anonymous, api, store):
     ):
         assert anonymous.get(path).status_code == 401, path
     with LiveServer(
-        create_app(store, ApiSettings(run_worker=False, require_token_for_reads=False))
+        create_app(store, Settings(run_worker=False, require_token_for_reads=False))
     ) as open_server:
         with httpx.Client(base_url=open_server.url) as client:
             assert [r["run_id"] for r in client.get("/v1/runs").json()] == ["run-1"]

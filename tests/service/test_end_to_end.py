@@ -11,11 +11,12 @@ from collections.abc import Callable
 import httpx
 import numpy as np
 import pytest
-from isoaudit.audit.api import ApiSettings, create_app
+from isoaudit.audit.api import create_app
 from isoaudit.audit.api.live import LiveServer
 from isoaudit.audit.auth import create_token
 from isoaudit.audit.db import Store
 from isoaudit.audit.db.models import SampleRow
+from isoaudit.audit.settings import Settings
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import func, select
 
@@ -37,7 +38,7 @@ def wait_for(condition: Callable[[], bool], timeout: float = 30.0) -> None:
 def test_http_sink_worker_alerts_metrics_and_control(store: Store, tmp_path):
     token = create_token(store, "alpha")
     with Receiver() as receiver:
-        settings = ApiSettings(run_worker=True, worker_interval_s=0.05, webhook_url=receiver.url)
+        settings = Settings(run_worker=True, worker_interval_s=0.05, webhook_url=receiver.url)
         with (
             LiveServer(create_app(store, settings)) as server,
             httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {token}"}) as api,
@@ -104,7 +105,7 @@ def test_http_sink_worker_alerts_metrics_and_control(store: Store, tmp_path):
 
 def test_http_sink_spools_through_an_outage_and_everything_is_stored_once(store: Store, tmp_path):
     token = create_token(store, "alpha")
-    server = LiveServer(create_app(store, ApiSettings(run_worker=False)))
+    server = LiveServer(create_app(store, Settings(run_worker=False)))
     server.start()
     sink = HttpSink(server.url, token, spool_dir=tmp_path / "spool", backoff_initial=0.05, backoff_max=0.2)
     try:

@@ -15,11 +15,12 @@ from pathlib import Path
 
 import httpx
 import pytest
-from isoaudit.audit.api import ApiSettings, create_app
+from isoaudit.audit.api import create_app
 from isoaudit.audit.api.live import LiveServer, free_port
 from isoaudit.audit.auth import create_token
 from isoaudit.audit.db import Store
 from isoaudit.audit.records import Batch
+from isoaudit.audit.settings import Settings
 from sqlalchemy.engine import make_url
 
 from tests import factories
@@ -45,7 +46,7 @@ def test_sqlite_locked_by_another_writer_answers_503_then_recovers(tmp_path: Pat
     token = create_token(store, "alpha")
     sent = [*step_records(0)]
     with (
-        LiveServer(create_app(store, ApiSettings(run_worker=False, database_timeout_s=1.0))) as server,
+        LiveServer(create_app(store, Settings(run_worker=False, database_timeout_s=1.0))) as server,
         httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {token}"}, timeout=30) as api,
     ):
         assert api.post("/v1/ingest", content=body(factories.run(), *sent)).status_code == 200
@@ -95,7 +96,7 @@ def test_postgres_connection_cut_mid_batch_answers_503_and_heals(database_url: s
     token = create_token(store, "alpha")
     sent = [*step_records(0)]
     big = step_records(1, n=24, n_completion=4000)  # ~1.3 MB of inserts: the cut lands inside them
-    settings = ApiSettings(run_worker=False, database_timeout_s=3.0)
+    settings = Settings(run_worker=False, database_timeout_s=3.0)
     try:
         with (
             LiveServer(create_app(store, settings)) as server,

@@ -18,11 +18,12 @@ from pathlib import Path
 
 import schemathesis
 from hypothesis import HealthCheck, settings
-from isoaudit.audit.api import ApiSettings, create_app
+from isoaudit.audit.api import create_app
 from isoaudit.audit.auth import create_token
 from isoaudit.audit.db import Store
 from isoaudit.audit.db.models import AlertRuleRow, ManifestRow, RunControlRow, RunRow, SampleRow, SilenceRow
 from isoaudit.audit.db.schema import upgrade
+from isoaudit.audit.settings import Settings
 from schemathesis.checks import not_a_server_error
 from sqlalchemy import func, select
 
@@ -61,7 +62,7 @@ def _service(kind: str) -> tuple[object, Service] | None:
     store = Store(url)
     atexit.register(store.dispose)
     store.ingest([factories.run(), factories.sample("trainer"), factories.sample("rollout")], project="alpha")
-    app = create_app(store, ApiSettings(run_worker=False, max_body_bytes=1 << 20))
+    app = create_app(store, Settings(run_worker=False, max_body_bytes=1 << 20))
     return app, Service(store, create_token(store, "alpha"))
 
 

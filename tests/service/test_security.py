@@ -245,9 +245,10 @@ def test_bodies_with_nul_or_lone_surrogates_are_refused_by_name(api, store):
 
 def test_foreign_token_cannot_read_with_open_reads_either(store, token, other_token):
     """Open reads let anonymous callers see everything, but a token always limits to its project."""
-    from isoaudit.audit.api import ApiSettings, create_app
+    from isoaudit.audit.api import create_app
+    from isoaudit.audit.settings import Settings
 
-    with LiveServer(create_app(store, ApiSettings(run_worker=False, require_token_for_reads=False))) as live:
+    with LiveServer(create_app(store, Settings(run_worker=False, require_token_for_reads=False))) as live:
         with httpx.Client(base_url=live.url, headers={"Authorization": f"Bearer {token}"}) as alpha:
             assert alpha.post("/v1/ingest", content=batch(factories.run(name=SECRET))).status_code == 200
         with httpx.Client(base_url=live.url, headers={"Authorization": f"Bearer {other_token}"}) as beta:

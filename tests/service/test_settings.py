@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from isoaudit.audit.alerts import AlertEngine
-from isoaudit.audit.api import ApiSettings
+from isoaudit.audit.settings import Settings
 from pydantic import ValidationError
 
 
@@ -13,17 +13,17 @@ def test_settings_from_the_environment(monkeypatch):
     monkeypatch.setenv("ISOAUDIT_MAX_BODY_BYTES", "1024")
     monkeypatch.setenv("ISOAUDIT_ALERT_WEBHOOK_URL", "http://hooks.example/x")
     monkeypatch.setenv("ISOAUDIT_DASHBOARD_STEP_PATH", "/run/{run_id}/step/{step}")
-    settings = ApiSettings.from_env(run_worker=False, webhook_url=None)
+    settings = Settings.from_env(run_worker=False, webhook_url=None)
     assert settings.require_token_for_reads is False and settings.max_body_bytes == 1024
     assert settings.webhook_url == "http://hooks.example/x"  # None overrides nothing
     assert settings.run_worker is False
     monkeypatch.setenv("ISOAUDIT_MAX_BODY_BYTES", "-5")
     with pytest.raises(ValidationError, match="max_body_bytes"):
-        ApiSettings.from_env()
+        Settings.from_env()
     monkeypatch.setenv("ISOAUDIT_MAX_BODY_BYTES", "5")
     monkeypatch.setenv("ISOAUDIT_RUN_WORKER", "perhaps")
     with pytest.raises(ValueError, match="ISOAUDIT_RUN_WORKER: not a boolean"):
-        ApiSettings.from_env()
+        Settings.from_env()
 
 
 def test_step_links():

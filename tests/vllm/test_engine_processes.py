@@ -147,14 +147,14 @@ def engine_results(tiny_qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -
     import httpx
     from isoaudit.audit.api.app import create_app
     from isoaudit.audit.api.live import LiveServer
-    from isoaudit.audit.api.settings import ApiSettings
     from isoaudit.audit.auth import create_token
     from isoaudit.audit.db import Store
+    from isoaudit.audit.settings import Settings
 
     root = tmp_path_factory.mktemp("remediation")
     url = f"sqlite:///{root / 'isoaudit.db'}"
     store = Store(url)
-    server = LiveServer(create_app(store, ApiSettings(run_worker=False, default_alert_rules=False)))
+    server = LiveServer(create_app(store, Settings(run_worker=False, default_alert_rules=False)))
     base = server.start()
     token = create_token(store, "default")
     api = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {token}"}, timeout=10)

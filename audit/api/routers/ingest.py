@@ -16,10 +16,10 @@ from isoaudit.audit.api.deps import get_settings, get_store, get_telemetry
 from isoaudit.audit.api.errors import request_validation_error
 from isoaudit.audit.api.routers.control import control_of
 from isoaudit.audit.api.schemas import Control, IngestResponse, RunOut
-from isoaudit.audit.api.settings import ApiSettings
 from isoaudit.audit.api.telemetry import Telemetry
 from isoaudit.audit.db import ForbiddenRun, IngestResult, Store, StoreConflict, StoreUnavailable
 from isoaudit.audit.records import Batch, BatchShape, Run
+from isoaudit.audit.settings import Settings
 from pydantic import ValidationError
 
 router = APIRouter(prefix="/v1", tags=["ingest"])
@@ -47,7 +47,7 @@ def _with_retries(deadline_s: float, attempts: int, action: Callable[[], T]) -> 
 
 
 def store_records(
-    store: Store, settings: ApiSettings, records: Iterable[Any], project: str
+    store: Store, settings: Settings, records: Iterable[Any], project: str
 ) -> tuple[IngestResult, dict[str, Control]]:
     """Store records for ``project`` (each checked; the invalid ones come back in ``rejected``) and
     read back the desired mode of each run the stored records name. A database that stays
@@ -105,7 +105,7 @@ async def ingest(
     request: Request,
     principal: Writer,
     store: Annotated[Store, Depends(get_store)],
-    settings: Annotated[ApiSettings, Depends(get_settings)],
+    settings: Annotated[Settings, Depends(get_settings)],
     telemetry: Annotated[Telemetry, Depends(get_telemetry)],
 ) -> IngestResponse:
     """Check every record and store the valid ones in one transaction; each invalid record is named
@@ -157,7 +157,7 @@ def create_run(
     run: Run,
     principal: Writer,
     store: Annotated[Store, Depends(get_store)],
-    settings: Annotated[ApiSettings, Depends(get_settings)],
+    settings: Annotated[Settings, Depends(get_settings)],
 ) -> RunOut:
     """Idempotent: posting the same run again changes nothing."""
     result, controls = store_records(store, settings, [run], principal.project)

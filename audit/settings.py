@@ -1,4 +1,5 @@
-"""The service's settings: explicit values in code and tests, ``ISOAUDIT_*`` variables for ``serve``."""
+"""The settings of every process that reads the store (the service, `isoaudit worker`, a session's own
+comparer): explicit values in code and tests, ``ISOAUDIT_*`` variables otherwise."""
 
 from __future__ import annotations
 
@@ -33,8 +34,9 @@ _ENV: dict[str, str] = {
 }
 
 
-class ApiSettings(BaseModel):
-    """Everything ``create_app`` can be told. Defaults are safe: reads need a token too."""
+class Settings(BaseModel):
+    """Everything the service, a worker or a comparer can be told. Defaults are safe: reads need a
+    token too."""
 
     database_url: str | None = Field(
         default=None, description="SQLAlchemy URL; None = ISOAUDIT_DATABASE_URL or SQLite"
@@ -71,7 +73,7 @@ class ApiSettings(BaseModel):
     ingest_retries: int = Field(default=8, ge=1, description="attempts of a batch that lost a write race")
 
     @classmethod
-    def from_env(cls, **overrides: object) -> ApiSettings:
+    def from_env(cls, **overrides: object) -> Settings:
         """Settings from ``ISOAUDIT_*`` environment variables; ``overrides`` (not None) win."""
         values: dict[str, Any] = {}
         for field_name, variable in _ENV.items():
