@@ -29,6 +29,7 @@ _ENV: dict[str, str] = {
     "alert_rules_file": "ISOAUDIT_ALERT_RULES",
     "default_alert_rules": "ISOAUDIT_DEFAULT_ALERT_RULES",
     "webhook_url": "ISOAUDIT_ALERT_WEBHOOK_URL",
+    "alertmanager_url": "ISOAUDIT_ALERTMANAGER_URL",
     "dashboard_url": "ISOAUDIT_DASHBOARD_URL",
     "dashboard_step_path": "ISOAUDIT_DASHBOARD_STEP_PATH",
 }
@@ -66,6 +67,10 @@ class Settings(BaseModel):
     alert_rules_file: str | None = Field(default=None, description="YAML rules loaded at start-up")
     default_alert_rules: bool = Field(default=True, description="install the default kl_k3 rules at start-up")
     webhook_url: str | None = Field(default=None, description="Slack-compatible webhook for alert notices")
+    alertmanager_url: str | None = Field(
+        default=None,
+        description="Alertmanager base URL(s) for alert notices (posted to /api/v2/alerts, re-posted while firing)",
+    )
     dashboard_url: str = Field(default="http://localhost:8050", description="base URL the notices link to")
     dashboard_step_path: str = Field(
         default="/runs/{run_id}?step={step}", description="path of a step's page below dashboard_url"

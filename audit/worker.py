@@ -281,21 +281,23 @@ class WorkerProcess:
     the API dies (:func:`die_with_parent`). Comparison is CPU-bound Python: in the API's process it
     would share one GIL with request handling, which starves both under load.
 
-    The child gets this process's environment with the database and webhook URLs in it (never on
-    its command line, where ``ps`` would show their secrets); it installs no rules (the API did,
-    before it started), it only compares and evaluates them."""
+    The child gets this process's environment with the database, webhook and Alertmanager URLs in
+    it (never on its command line, where ``ps`` would show their secrets); it installs no rules (the
+    API did, before it started), it only compares and evaluates them."""
 
     def __init__(
         self,
         database_url: str,
         *,
         webhook_url: str | None = None,
+        alertmanager_url: str | None = None,
         restart_s: float = 1.0,
         restart_max_s: float = 30.0,
         stop_timeout_s: float = 15.0,
     ) -> None:
         self.database_url = database_url
         self.webhook_url = webhook_url
+        self.alertmanager_url = alertmanager_url
         self.restart_s = restart_s
         self.restart_max_s = restart_max_s
         self.stop_timeout_s = stop_timeout_s
@@ -338,6 +340,9 @@ class WorkerProcess:
         env.pop("ISOAUDIT_ALERT_WEBHOOK_URL", None)
         if self.webhook_url:
             env["ISOAUDIT_ALERT_WEBHOOK_URL"] = self.webhook_url
+        env.pop("ISOAUDIT_ALERTMANAGER_URL", None)
+        if self.alertmanager_url:
+            env["ISOAUDIT_ALERTMANAGER_URL"] = self.alertmanager_url
         ready, tell = os.pipe()
         env[READY_FD_ENV] = str(tell)
         try:

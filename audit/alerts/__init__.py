@@ -1,15 +1,17 @@
 """Alerts on the train-rollout mismatch (DESIGN.md, "Alerts"): rules from YAML or the API, a state
-machine evaluated after each compared step, silences, and notices to the log, a webhook and the
-database.
+machine evaluated after each compared step, silences, and notices to the log, a webhook,
+Alertmanager and the database.
 
     engine = AlertEngine(store, channels=[LogChannel(), DatabaseChannel(), WebhookChannel(url)])
     ComparisonWorker(store, on_step=engine.evaluate).start()
 """
 
+from isoaudit.audit.alerts.alertmanager import AlertmanagerChannel, postable_alert
 from isoaudit.audit.alerts.channels import (
     Channel,
     DatabaseChannel,
     Delivery,
+    HttpChannel,
     LogChannel,
     Notice,
     WebhookChannel,
@@ -35,10 +37,12 @@ __all__ = [
     "DEFAULT_RULES_YAML",
     "AlertEngine",
     "AlertRule",
+    "AlertmanagerChannel",
     "Channel",
     "DatabaseChannel",
     "Delivery",
     "Evaluation",
+    "HttpChannel",
     "LogChannel",
     "Notice",
     "Outbox",
@@ -56,6 +60,7 @@ __all__ = [
     "load_rules",
     "next_state",
     "parse_rules",
+    "postable_alert",
     "save_rule",
     "slack_payload",
 ]

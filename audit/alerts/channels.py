@@ -1,4 +1,5 @@
-"""Where alert notices go: the log, a Slack-compatible webhook, and the database.
+"""Where alert notices go: the log, the database, and HTTP receivers: a Slack-compatible webhook
+here, Alertmanager (``audit.alerts.alertmanager``) on the same :class:`HttpChannel` base.
 
 A channel never raises: it returns a :class:`Delivery` saying what happened (sent, or failed with the
 error after its retries, and every attempt it made), and the engine records that in
@@ -8,12 +9,13 @@ other channels.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, Literal, Protocol
+from typing import Any, ClassVar, Literal, Protocol
 
 import httpx
 
@@ -39,6 +41,12 @@ class Notice:
     labels: dict[str, str]
     url: str
     description: str = ""
+    #: When the alert started firing, and (a resolution) when it resolved.
+    fired_at: datetime | None = None
+    resolved_at: datetime | None = None
+    #: The step's first diverging region and the position in it (None where it cannot be located).
+    first_divergence_region: str | None = None
+    first_divergence_position: int | None = None
 
     def headline(self) -> str:
         value = "no data" if self.value is None else f"{self.value:.6g}"
@@ -58,7 +66,39 @@ class Notice:
             "severity": self.severity,
             "labels": self.labels,
             "url": self.url,
+            "fired_at": _iso(self.fired_at),
+            "resolved_at": _iso(self.resolved_at),
+            "first_divergence": self.first_divergence(),
         }
+
+    def first_divergence(self) -> str | None:
+        """Where the step first diverges, as a reader says it (``layers.3.mlp at position 17``)."""
+        if self.first_divergence_region is None:
+            return None
+        if self.first_divergence_position is None:
+            return self.first_divergence_region
+        return f"{self.first_divergence_region} at position {self.first_divergence_position}"
+
+    def to_record(self) -> dict[str, Any]:
+        """The notice as JSON-safe values, for the outbox's row (:meth:`from_record` reads it back)."""
+        record = dataclasses.asdict(self)
+        record["fired_at"], record["resolved_at"] = _iso(self.fired_at), _iso(self.resolved_at)
+        return record
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> Notice:
+        """The notice :meth:`to_record` wrote (fields a row written by an older version lacks keep
+        their defaults)."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in record.items() if k in known}
+        for key in ("fired_at", "resolved_at"):
+            if isinstance(values.get(key), str):
+                values[key] = datetime.fromisoformat(values[key])
+        return cls(**values)
+
+
+def _iso(moment: datetime | None) -> str | None:
+    return None if moment is None else moment.isoformat()
 
 
 @dataclass
@@ -133,6 +173,8 @@ def slack_payload(notice: Notice) -> dict[str, Any]:
             "short": True,
         },
     ]
+    if notice.first_divergence() is not None:
+        fields.append({"title": "First divergence", "value": notice.first_divergence(), "short": False})
     fields += [{"title": key, "value": value, "short": True} for key, value in sorted(notice.labels.items())]
     return {
         "text": f"{notice.headline()} <{notice.url}|open step {notice.step}>",
@@ -151,14 +193,20 @@ def slack_payload(notice: Notice) -> dict[str, Any]:
     }
 
 
-class WebhookChannel:
-    """POSTs :func:`slack_payload` to ``url``. Transport errors (refused, reset, timed out after
+class HttpChannel:
+    """POSTs a JSON body built from each notice to ``url``; subclasses say what the body is
+    (:meth:`payload`, :meth:`body`). Transport errors (refused, reset, timed out after
     ``timeout_s``), 429 and 5xx are retried with exponential backoff: ``backoff_s``, doubled per
     attempt up to ``backoff_max_s``, at most ``attempts`` tries, so one notice gives up after at
     most :attr:`give_up_after_s`. Other 4xx and unusable URLs are not retried (repeating cannot help).
     Every attempt is recorded in the delivery; never raises. Run it off the comparison worker
     (``AlertEngine(deliver_in_background=True)``, as the service does): it sleeps between attempts.
     """
+
+    #: Delivered from the durable outbox (``audit.alerts.outbox``) when the engine runs in the background.
+    durable: ClassVar[bool] = True
+    #: Seconds between re-posts of a firing alert by the outbox (None: each notice is sent once).
+    repost_s: float | None = None
 
     def __init__(
         self,
@@ -168,7 +216,7 @@ class WebhookChannel:
         backoff_s: float = 0.5,
         backoff_max_s: float = 30.0,
         timeout_s: float = 5.0,
-        name: str = "webhook",
+        name: str = "http",
         client: httpx.Client | None = None,
     ) -> None:
         if backoff_s < 0 or backoff_max_s < backoff_s:
@@ -181,6 +229,14 @@ class WebhookChannel:
         self.name = name
         self._client = client
 
+    def payload(self, notice: Notice, now: datetime) -> dict[str, Any]:
+        """What this channel sends for ``notice`` at ``now``, as recorded with the notification."""
+        raise NotImplementedError
+
+    def body(self, payload: dict[str, Any]) -> Any:
+        """The JSON body POSTed for ``payload`` (the payload itself, unless a receiver wants another shape)."""
+        return payload
+
     def wait_s(self, attempt: int) -> float:
         """The backoff after failed attempt number ``attempt`` (1-based)."""
         return min(self.backoff_max_s, self.backoff_s * 2 ** (attempt - 1))
@@ -189,9 +245,6 @@ class WebhookChannel:
     def give_up_after_s(self) -> float:
         """The bound on one notice's delivery: every attempt timing out, every backoff waited."""
         return self.attempts * self.timeout_s + sum(self.wait_s(a) for a in range(1, self.attempts))
-
-    #: Delivered from the durable outbox (``audit.alerts.outbox``) when the engine runs in the background.
-    durable = True
 
     @property
     def destination(self) -> str:
@@ -204,7 +257,7 @@ class WebhookChannel:
         try:
             client = self._client or httpx.Client(timeout=self.timeout_s)
             try:
-                response = client.post(self.url, json=payload)
+                response = client.post(self.url, json=self.body(payload))
             finally:
                 if self._client is None:
                     client.close()
@@ -220,7 +273,7 @@ class WebhookChannel:
     def send(self, notice: Notice) -> Delivery:
         """Deliver with every retry in line (sleeping between attempts): for engines that deliver
         synchronously; the service delivers from the outbox instead, one attempt at a time."""
-        payload = slack_payload(notice)
+        payload = self.payload(notice, datetime.now(UTC))
         record: list[dict[str, Any]] = []
         error = "not attempted"
         for attempt in range(1, self.attempts + 1):
@@ -235,7 +288,7 @@ class WebhookChannel:
             record[-1]["wait_s"] = self.wait_s(attempt)
             time.sleep(record[-1]["wait_s"])
         log.error(
-            "webhook %s gave up on alert %s (%s) after %d attempts: %s",
+            "%s gave up on alert %s (%s) after %d attempts: %s",
             self.name,
             notice.alert_id,
             notice.event,
@@ -243,6 +296,35 @@ class WebhookChannel:
             error,
         )
         return Delivery(self.name, "failed", attempt, error, {**payload, ATTEMPTS_KEY: record})
+
+
+class WebhookChannel(HttpChannel):
+    """POSTs :func:`slack_payload` to a Slack-compatible incoming webhook, with :class:`HttpChannel`'s
+    retries."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        attempts: int = 8,
+        backoff_s: float = 0.5,
+        backoff_max_s: float = 30.0,
+        timeout_s: float = 5.0,
+        name: str = "webhook",
+        client: httpx.Client | None = None,
+    ) -> None:
+        super().__init__(
+            url,
+            attempts=attempts,
+            backoff_s=backoff_s,
+            backoff_max_s=backoff_max_s,
+            timeout_s=timeout_s,
+            name=name,
+            client=client,
+        )
+
+    def payload(self, notice: Notice, now: datetime) -> dict[str, Any]:
+        return slack_payload(notice)
 
 
 def attempt_record(attempt: int, at: datetime, started: float, outcome: str) -> dict[str, Any]:

@@ -5,8 +5,9 @@ resolved alerts unless a silence mutes them.
 Plugs into the comparison worker as its step callback: ``ComparisonWorker(store, on_step=engine.evaluate)``.
 State is derived from the stored step results, so evaluating the same step twice (a re-comparison,
 a retry, a second worker) changes nothing and sends nothing twice: each notice is claimed by a
-conditional UPDATE before it is sent. In the background (the service), webhook notices are written
-to the durable outbox in that same transaction and delivered from there (``audit.alerts.outbox``).
+conditional UPDATE before it is sent. In the background (the service), the notices of HTTP channels
+(webhooks, Alertmanager) are written to the durable outbox in that same transaction and delivered
+from there (``audit.alerts.outbox``).
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ class AlertEngine:
         worker: str | None = None,
     ) -> None:
         """``deliver_in_background``: never hold up the comparison worker that evaluates. Channels
-        that can be (webhooks: ``durable``) go into the durable outbox with the claim of the notice
+        that can be (webhooks, Alertmanager: ``durable``) go into the durable outbox with the claim of the notice
         and are delivered by :meth:`start`'s threads, one per destination; the others (log,
         database) from one thread of the engine's own, in order. ``worker``: this process's name
         in the outbox's leases (default ``host:pid:nonce``)."""
@@ -204,6 +205,7 @@ class AlertEngine:
             for s in silences
         )
         alert_id: int | None
+        fired_at = known.fired_at if known is not None else None
         if transition is not None and transition.new == "resolved":
             event: Event = "resolved"
             alert_id = transition.alert_id
@@ -212,6 +214,7 @@ class AlertEngine:
             # firing while silenced (``known``: the open alert as read before this evaluation).
             if transition is not None:
                 alert_id = transition.alert_id if transition.new == "firing" else None
+                fired_at = now
             elif known is not None and known.state == "firing" and not known.firing_notified:
                 alert_id = known.id
             else:
@@ -219,6 +222,7 @@ class AlertEngine:
             if alert_id is None:
                 return
             event = "firing"
+        region, position = self._first_divergence(run_id, evaluation.step)
         notice = Notice(
             event=event,
             alert_id=alert_id,
@@ -232,6 +236,10 @@ class AlertEngine:
             labels=labels,
             url=self.step_url(run_id, evaluation.step),
             description=rule.description,
+            fired_at=fired_at,
+            resolved_at=now if event == "resolved" else None,
+            first_divergence_region=region,
+            first_divergence_position=position,
         )
         if silenced:
             if transition is not None and transition.new in ("firing", "resolved"):
@@ -252,6 +260,16 @@ class AlertEngine:
             self._delivery.submit(self._deliver, notice)
         else:
             self._deliver(notice)
+
+    def _first_divergence(self, run_id: str, step: int) -> tuple[str | None, int | None]:
+        """The step's first diverging region and position, as its comparison stored them (the
+        earliest over its samples); None where the step has none (no fingerprints, or no divergence)."""
+        found = self.store.step_results(run_id, only=[step])
+        first = found[0].diagnoses.get("first_divergence") if found else None
+        if not isinstance(first, Mapping) or first.get("region") is None:
+            return None, None
+        position = first.get("position")
+        return str(first["region"]), int(position) if isinstance(position, int) else None
 
     def _deliver(self, notice: Notice) -> None:
         deliveries = []

@@ -12,11 +12,19 @@ Several workers may share one database: a destination's oldest pending row is ta
 (``claimed_by``/``claimed_until``), so one worker sends it; a receiver that took a message but whose
 answer was lost (the worker killed mid-request, a timeout) gets it again: at least once, like any
 webhook, and exactly once whenever the attempt's outcome was recorded.
+
+A channel with a ``repost_s`` (Alertmanager, which ends an alert nobody posts again) has its firing
+alerts posted again at that interval until they resolve. Once a firing notice's outcome is recorded
+its row stays, as the alert's one standing re-post for that destination (bounded: one row per firing
+alert and destination), due every ``repost_s``. A re-post holds up no notice while it waits, records
+no notification (the alert was announced once), and goes when the resolution is announced (one in
+flight then is sent before the resolution). A firing notice whose attempts all failed on transport
+errors or 5xx is posted again the same way, so an Alertmanager that was down gets the alert once
+it is back; one refused as such (4xx) is not.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import secrets
@@ -27,9 +35,9 @@ from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any, Literal, Protocol, TypeGuard
 
-from isoaudit.audit.alerts.channels import ATTEMPTS_KEY, Notice, attempt_record, slack_payload
+from isoaudit.audit.alerts.channels import ATTEMPTS_KEY, Notice, attempt_record
 from isoaudit.audit.db import Store
-from isoaudit.audit.db.alerts import Notification, OutboxEntry, OutboxRepository
+from isoaudit.audit.db.alerts import REPOST, Notification, OutboxEntry, OutboxRepository
 from isoaudit.audit.records import utcnow
 
 log = logging.getLogger("isoaudit.alerts")
@@ -45,9 +53,13 @@ class OutboxChannel(Protocol):
     name: str
     attempts: int
     timeout_s: float
+    #: Seconds between re-posts of a firing alert; None: each notice is sent once.
+    repost_s: float | None
 
     @property
     def destination(self) -> str: ...
+
+    def payload(self, notice: Notice, now: datetime) -> dict[str, Any]: ...
 
     def attempt(self, payload: dict[str, Any]) -> tuple[str, bool]: ...
 
@@ -90,7 +102,7 @@ class Outbox:
                 event=notice.event,
                 channel=channel.name,
                 destination=channel.destination,
-                notice=dataclasses.asdict(notice),
+                notice=notice.to_record(),
             )
             for channel in self.channels
         ]
@@ -98,6 +110,10 @@ class Outbox:
     def pending(self, destination: str | None = None) -> int:
         """Notices not yet delivered (or given up on), for one destination or all."""
         return self.queue.count(destination)
+
+    def reposts(self, destination: str | None = None) -> int:
+        """Firing alerts standing to be posted again, for one destination or all."""
+        return self.queue.count(destination, status=REPOST)
 
     # ------------------------------------------------------------------ delivering
 
@@ -109,7 +125,7 @@ class Outbox:
         orphans = self.queue.count_elsewhere({c.destination for c in self.channels})
         if orphans:
             log.warning(
-                "%d alert notices wait for a webhook that is no longer configured; they stay in "
+                "%d alert notices wait for a destination that is no longer configured; they stay in "
                 "alert_outbox until it is configured again",
                 orphans,
             )
@@ -148,8 +164,8 @@ class Outbox:
             return self.poll_s
         if isinstance(row, datetime):  # the head waits for its backoff
             return min(self.poll_s, (row - now).total_seconds())
-        notice = Notice(**row.notice)
-        payload = slack_payload(notice)
+        notice = Notice.from_record(row.notice)
+        payload = channel.payload(notice, now)
         attempt = row.attempts + 1
         at, started = datetime.now(UTC), time.monotonic()
         outcome, retry = channel.attempt(payload)
@@ -162,6 +178,23 @@ class Outbox:
                 row.id, self.worker, attempts=attempt, attempts_log=record, at=now + timedelta(seconds=wait)
             )
             return 0.0  # the head is now waiting for its backoff; the next call says how long
+        # Posted again later: a firing alert to a channel that re-posts, unless refused as such.
+        repost_at = (
+            now + timedelta(seconds=channel.repost_s)
+            if channel.repost_s is not None and row.event == "firing" and (outcome == "sent" or retry)
+            else None
+        )
+        if row.repost:
+            if self.queue.finish(row.id, self.worker, None, repost_at=repost_at) and outcome != "sent":
+                log.warning(
+                    "%s: re-post of firing alert %s failed after %d attempts: %s (%s)",
+                    channel.name,
+                    row.alert_id,
+                    attempt,
+                    outcome,
+                    "posted again later" if repost_at is not None else "not posted again",
+                )
+            return 0.0
         status: Literal["sent", "failed"] = "sent" if outcome == "sent" else "failed"
         kept = self.queue.finish(
             row.id,
@@ -176,10 +209,11 @@ class Outbox:
                 payload={**payload, ATTEMPTS_KEY: record},
                 created_at=now,
             ),
+            repost_at=repost_at,
         )
         if kept and status == "failed":  # not kept: our lease ran out, another worker's outcome stands
             log.error(
-                "webhook %s gave up on alert %s (%s) after %d attempts: %s",
+                "%s gave up on alert %s (%s) after %d attempts: %s",
                 channel.name,
                 row.alert_id,
                 row.event,

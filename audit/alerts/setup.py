@@ -3,6 +3,7 @@ worker``, a session's own comparer): the configured rules, and an engine with th
 
 from __future__ import annotations
 
+from isoaudit.audit.alerts.alertmanager import AlertmanagerChannel
 from isoaudit.audit.alerts.channels import Channel, DatabaseChannel, LogChannel, WebhookChannel
 from isoaudit.audit.alerts.engine import AlertEngine
 from isoaudit.audit.alerts.rules import default_rules, install_rules, load_rules
@@ -11,17 +12,25 @@ from isoaudit.audit.settings import Settings
 
 
 def webhook_urls(value: str | None) -> list[str]:
-    """The webhooks of ``ISOAUDIT_ALERT_WEBHOOK_URL`` / ``--webhook``: one URL, or several separated
-    by commas or spaces (each is a destination of its own: one that is slow or down delays no other)."""
+    """The webhooks of ``ISOAUDIT_ALERT_WEBHOOK_URL`` / ``--webhook`` (or the Alertmanagers of
+    ``ISOAUDIT_ALERTMANAGER_URL`` / ``--alertmanager``): one URL, or several separated by commas or
+    spaces (each is a destination of its own: one that is slow or down delays no other)."""
     return [url for url in (value or "").replace(",", " ").split() if url]
+
+
+def _numbered(name: str, i: int) -> str:
+    return name if i == 0 else f"{name}-{i + 1}"
 
 
 def default_alert_engine(store: Store, settings: Settings) -> AlertEngine:
     """Log and database channels, plus a webhook channel per configured URL (``webhook``,
-    ``webhook-2``, ...), delivered from the durable outbox once :meth:`AlertEngine.start` runs."""
+    ``webhook-2``, ...) and an Alertmanager channel per configured Alertmanager (``alertmanager``,
+    ``alertmanager-2``, ...), delivered from the durable outbox once :meth:`AlertEngine.start` runs."""
     channels: list[Channel] = [LogChannel(), DatabaseChannel()]
     for i, url in enumerate(webhook_urls(settings.webhook_url)):
-        channels.append(WebhookChannel(url, name="webhook" if i == 0 else f"webhook-{i + 1}"))
+        channels.append(WebhookChannel(url, name=_numbered("webhook", i)))
+    for i, url in enumerate(webhook_urls(settings.alertmanager_url)):
+        channels.append(AlertmanagerChannel(url, name=_numbered("alertmanager", i)))
     return AlertEngine(
         store,
         channels,

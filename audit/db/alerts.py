@@ -30,9 +30,12 @@ from pydantic import Field
 from sqlalchemy import delete, func, or_, select, true, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.sql.dml import ReturningDelete, ReturningUpdate
 
 __all__ = [
     "OPEN_STATES",
+    "PENDING",
+    "REPOST",
     "Alert",
     "AlertChange",
     "AlertRepository",
@@ -230,11 +233,18 @@ class OutboxEntry:
 
 @dataclass(frozen=True)
 class QueuedNotice(OutboxEntry):
-    """A notice in the outbox, taken for delivery: the attempts made so far and their record."""
+    """A notice in the outbox, taken for delivery: the attempts made so far and their record;
+    ``repost``: a firing alert's periodic re-post (its notice was delivered already)."""
 
     id: int
     attempts: int
     attempts_log: list[dict[str, Any]]
+    repost: bool = False
+
+
+#: ``alert_outbox.status`` of a notice to deliver, and of a firing alert's standing re-post (one per
+#: alert and destination, for channels that post firing alerts again until they resolve).
+PENDING, REPOST = "pending", "repost"
 
 
 def select_alerts(
@@ -414,10 +424,20 @@ class AlertRepository:
         with self.sessions.begin() as session:
             if session.execute(statement.returning(AlertRow.id)).first() is None:
                 return False
+            if event == "resolved":  # no re-post of it goes out after this (one in flight finishes first)
+                session.execute(
+                    delete(NoticeOutboxRow)
+                    .where(
+                        NoticeOutboxRow.alert_id == alert_id,
+                        NoticeOutboxRow.status == REPOST,
+                        or_(NoticeOutboxRow.claimed_until.is_(None), NoticeOutboxRow.claimed_until < now),
+                    )
+                    .execution_options(synchronize_session=False)
+                )
             session.add_all(
                 NoticeOutboxRow(
                     **asdict(entry),
-                    status="pending",
+                    status=PENDING,
                     attempts=0,
                     attempts_log=[],
                     next_attempt_at=now,
@@ -558,14 +578,16 @@ class SilenceRepository:
 
 
 class OutboxRepository:
-    """The durable outbox (``alert_outbox``): notices per destination, taken under a lease, in order."""
+    """The durable outbox (``alert_outbox``): notices per destination, taken under a lease, in order,
+    and the standing re-posts of firing alerts (taken when due, never holding up the notices)."""
 
     def __init__(self, sessions: sessionmaker[Session]) -> None:
         self.sessions = sessions
 
-    def count(self, destination: str | None = None) -> int:
-        """Notices not yet delivered (or given up on), for one destination or all."""
-        query = select(func.count()).select_from(NoticeOutboxRow)
+    def count(self, destination: str | None = None, *, status: str = PENDING) -> int:
+        """Notices not yet delivered (or given up on), for one destination or all (``status``
+        ``repost``: the firing alerts re-posted instead)."""
+        query = select(func.count()).select_from(NoticeOutboxRow).where(NoticeOutboxRow.status == status)
         if destination is not None:
             query = query.where(NoticeOutboxRow.destination == destination)
         with self.sessions() as session:
@@ -576,7 +598,10 @@ class OutboxRepository:
         query = (
             select(func.count())
             .select_from(NoticeOutboxRow)
-            .where(NoticeOutboxRow.destination.not_in(destinations) if destinations else true())
+            .where(
+                NoticeOutboxRow.status == PENDING,
+                NoticeOutboxRow.destination.not_in(destinations) if destinations else true(),
+            )
         )
         with self.sessions() as session:
             return int(session.scalar(query) or 0)
@@ -584,21 +609,33 @@ class OutboxRepository:
     def take(
         self, destination: str, worker: str, *, now: datetime, lease_until: datetime
     ) -> QueuedNotice | datetime | None:
-        """Lease the oldest notice of ``destination`` to ``worker`` until ``lease_until``: the notice;
-        or, when it is not due yet, when it is due; or None when there is none, or another worker
-        holds it (the rest wait behind it: in order)."""
+        """Lease the oldest notice of ``destination`` to ``worker`` until ``lease_until`` (re-posts
+        count only once due): the notice; or, when it is not due yet, when it is due; or None when
+        there is none, or another worker holds it (the rest wait behind it: in order). A re-post of
+        an alert that no longer fires, or whose resolution was announced, is dropped on the way."""
         with self.sessions.begin() as session:
-            head = session.execute(
-                select(NoticeOutboxRow.id, NoticeOutboxRow.next_attempt_at)
-                .where(NoticeOutboxRow.destination == destination)
-                .order_by(NoticeOutboxRow.id)
-                .limit(1)
-            ).first()
-            if head is None:
-                return None
-            due = utc(head.next_attempt_at)
-            if due > now:
-                return due
+            while True:
+                head = session.execute(
+                    select(NoticeOutboxRow.id, NoticeOutboxRow.next_attempt_at, NoticeOutboxRow.status)
+                    .where(
+                        NoticeOutboxRow.destination == destination,
+                        or_(NoticeOutboxRow.status != REPOST, NoticeOutboxRow.next_attempt_at <= now),
+                    )
+                    .order_by(NoticeOutboxRow.id)
+                    .limit(1)
+                ).first()
+                if head is None:
+                    return None
+                due = utc(head.next_attempt_at)
+                if due > now:
+                    return due
+                if head.status != REPOST or self._still_firing(session, head.id):
+                    break
+                session.execute(
+                    delete(NoticeOutboxRow)
+                    .where(NoticeOutboxRow.id == head.id)
+                    .execution_options(synchronize_session=False)
+                )
             unclaimed = or_(NoticeOutboxRow.claimed_until.is_(None), NoticeOutboxRow.claimed_until < now)
             taken = session.execute(
                 update(NoticeOutboxRow)
@@ -619,7 +656,22 @@ class OutboxRepository:
                 notice=dict(row.notice),
                 attempts=row.attempts,
                 attempts_log=list(row.attempts_log),
+                repost=row.status == REPOST,
             )
+
+    @staticmethod
+    def _still_firing(session: Session, notice_id: int) -> bool:
+        """Whether the alert of the re-post ``notice_id`` fires and its resolution is not announced."""
+        found = session.execute(
+            select(AlertRow.id)
+            .join(NoticeOutboxRow, NoticeOutboxRow.alert_id == AlertRow.id)
+            .where(
+                NoticeOutboxRow.id == notice_id,
+                AlertRow.state == "firing",
+                AlertRow.resolved_notified.is_(False),
+            )
+        ).first()
+        return found is not None
 
     def retry_later(
         self,
@@ -645,17 +697,35 @@ class OutboxRepository:
                 .execution_options(synchronize_session=False)
             )
 
-    def finish(self, notice_id: int, worker: str, outcome: Notification) -> bool:
-        """Remove a leased notice and keep its ``outcome``, in one transaction: delivered once. False
-        (nothing kept) when the lease ran out and another worker took the notice: its outcome stands."""
-        with self.sessions.begin() as session:
-            removed = session.execute(
-                delete(NoticeOutboxRow)
-                .where(NoticeOutboxRow.id == notice_id, NoticeOutboxRow.claimed_by == worker)
+    def finish(
+        self, notice_id: int, worker: str, outcome: Notification | None, *, repost_at: datetime | None = None
+    ) -> bool:
+        """Done with a leased notice, in one transaction: keep its ``outcome`` (None: a re-post,
+        which records nothing) and remove it, or (``repost_at``) keep it as the alert's re-post, due
+        then. Delivered once. False (nothing kept) when the lease ran out and another worker took
+        the notice: its outcome stands."""
+        mine = (NoticeOutboxRow.id == notice_id, NoticeOutboxRow.claimed_by == worker)
+        statement: ReturningDelete[tuple[int]] | ReturningUpdate[tuple[int]]
+        if repost_at is None:
+            statement = delete(NoticeOutboxRow).where(*mine).returning(NoticeOutboxRow.id)
+        else:
+            statement = (
+                update(NoticeOutboxRow)
+                .where(*mine)
+                .values(
+                    status=REPOST,
+                    attempts=0,
+                    attempts_log=[],
+                    next_attempt_at=repost_at,
+                    claimed_by=None,
+                    claimed_until=None,
+                )
                 .returning(NoticeOutboxRow.id)
-                .execution_options(synchronize_session=False)
-            ).first()
-            if removed is None:
+            )
+        with self.sessions.begin() as session:
+            done = session.execute(statement.execution_options(synchronize_session=False)).first()
+            if done is None:
                 return False
-            session.add(NotificationRow(**asdict(outcome)))
+            if outcome is not None:
+                session.add(NotificationRow(**asdict(outcome)))
             return True

@@ -1,4 +1,5 @@
-"""What every command shares: the console, the --database-url / --rules / --webhook options, and
+"""What every command shares: the console, the --database-url / --rules / --webhook / --alertmanager
+options, and
 opening the store with an error a user can act on."""
 
 from __future__ import annotations
@@ -29,6 +30,15 @@ WebhookOption = Annotated[
         "--webhook",
         envvar="ISOAUDIT_ALERT_WEBHOOK_URL",
         help="Slack-compatible webhook(s) for alerts: one URL, or several separated by commas (each its own destination).",
+    ),
+]
+
+AlertmanagerOption = Annotated[
+    str | None,
+    typer.Option(
+        "--alertmanager",
+        envvar="ISOAUDIT_ALERTMANAGER_URL",
+        help="Alertmanager base URL(s) for alerts (posted to /api/v2/alerts, re-posted while firing): one URL, or several separated by commas (each its own destination).",
     ),
 ]
 

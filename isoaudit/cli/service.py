@@ -7,7 +7,14 @@ from typing import Annotated
 
 import typer
 
-from isoaudit.cli.common import DatabaseOption, RulesOption, WebhookOption, console, open_store
+from isoaudit.cli.common import (
+    AlertmanagerOption,
+    DatabaseOption,
+    RulesOption,
+    WebhookOption,
+    console,
+    open_store,
+)
 
 app = typer.Typer()
 
@@ -25,6 +32,7 @@ def serve(
     ] = False,
     rules: RulesOption = None,
     webhook: WebhookOption = None,
+    alertmanager: AlertmanagerOption = None,
     no_worker: Annotated[
         bool, typer.Option("--no-worker", help="Do not run the comparison worker here.")
     ] = False,
@@ -52,6 +60,7 @@ def serve(
         "database_url": database,
         "alert_rules_file": rules,
         "webhook_url": webhook,
+        "alertmanager_url": alertmanager,
     }
     if open_reads:
         overrides["require_token_for_reads"] = False
@@ -66,7 +75,9 @@ def serve(
             url = store.engine.url.render_as_string(hide_password=False)
         finally:
             store.dispose()
-        child = WorkerProcess(url, webhook_url=settings.webhook_url).start()
+        child = WorkerProcess(
+            url, webhook_url=settings.webhook_url, alertmanager_url=settings.alertmanager_url
+        ).start()
         settings = settings.model_copy(update={"run_worker": False})
     if child is None:
         uvicorn.run(create_app(settings=settings), host=host, port=port, log_level=log_level)
@@ -100,6 +111,7 @@ def worker(
     database: DatabaseOption = None,
     rules: RulesOption = None,
     webhook: WebhookOption = None,
+    alertmanager: AlertmanagerOption = None,
 ) -> None:
     """Run a comparison worker and alert evaluation without the API, until SIGTERM or Ctrl-C. Start
     as many as the queue needs, beside `isoaudit serve --no-worker` replicas: they share one queue
@@ -112,7 +124,9 @@ def worker(
     from isoaudit.audit.worker import ComparisonWorker, die_with_parent, tell_parent_ready
 
     die_with_parent()  # a child of `isoaudit serve` goes with it
-    settings = Settings.from_env(database_url=database, alert_rules_file=rules, webhook_url=webhook)
+    settings = Settings.from_env(
+        database_url=database, alert_rules_file=rules, webhook_url=webhook, alertmanager_url=alertmanager
+    )
     store = open_store(settings.database_url)
     install_configured_rules(store, settings)
     engine = default_alert_engine(store, settings).start()
