@@ -11,7 +11,6 @@ stop, the alert ends in Alertmanager by itself ``ends_after_s`` after the last p
 
 from __future__ import annotations
 
-import re
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -23,8 +22,6 @@ ALERTS_PATH = "/api/v2/alerts"
 #: The labels isoaudit sets on every alert; a rule's own labels of these names give way.
 IDENTITY_LABELS = ("alertname", "run", "project", "severity")
 
-_INVALID_NAME = re.compile(r"[^a-zA-Z0-9_]")
-
 
 def rfc3339(moment: datetime) -> str:
     """``moment`` in UTC as RFC 3339 with milliseconds (``2024-05-01T12:00:00.000Z``)."""
@@ -33,20 +30,13 @@ def rfc3339(moment: datetime) -> str:
     return moment.astimezone(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
-def label_name(name: str) -> str:
-    """A label name Alertmanager accepts (``[a-zA-Z_][a-zA-Z0-9_]*``): other characters become ``_``,
-    a leading digit gets a ``_`` before it. Alertmanager refuses the whole post over one bad name."""
-    clean = _INVALID_NAME.sub("_", name) or "_"
-    return f"_{clean}" if clean[0].isdigit() else clean
-
-
 def postable_alert(notice: Notice, now: datetime, ends_after_s: float) -> dict[str, Any]:
     """One ``postableAlert`` for ``notice`` posted at ``now``: labels identify the alert (the rule's
-    own labels, then ``alertname`` = the rule, ``run``, ``project`` and ``severity``, which win);
+    own labels, valid Prometheus label names as rules are validated, then ``alertname`` = the rule, ``run``, ``project`` and ``severity``, which win);
     annotations describe it (``summary``, ``description``, ``first_divergence``, ``dashboard_url``,
     ``value``, ``step``). A firing alert ends ``ends_after_s`` after ``now`` unless posted again; a
     resolution ends when the alert resolved."""
-    labels = {label_name(key): str(value) for key, value in notice.labels.items() if str(value)}
+    labels = {key: str(value) for key, value in notice.labels.items() if str(value)}
     labels.update(alertname=notice.rule, run=notice.run_id, project=notice.project, severity=notice.severity)
     value = "no data" if notice.value is None else f"{notice.value:.6g}"
     annotations = {

@@ -17,10 +17,11 @@ A channel with a ``repost_s`` (Alertmanager, which ends an alert nobody posts ag
 alerts posted again at that interval until they resolve. Once a firing notice's outcome is recorded
 its row stays, as the alert's one standing re-post for that destination (bounded: one row per firing
 alert and destination), due every ``repost_s``. A re-post holds up no notice while it waits, records
-no notification (the alert was announced once), and goes when the resolution is announced (one in
-flight then is sent before the resolution). A firing notice whose attempts all failed on transport
-errors or 5xx is posted again the same way, so an Alertmanager that was down gets the alert once
-it is back; one refused as such (4xx) is not.
+no notification (the alert was announced once), and is dropped when it falls due after the alert
+stopped firing or its resolution was announced (one already in flight is sent before the
+resolution). A firing notice whose attempts all failed on transport errors or 5xx is posted again
+the same way, so an Alertmanager that was down gets the alert once it is back; one refused as such
+(4xx) is not.
 """
 
 from __future__ import annotations

@@ -424,16 +424,6 @@ class AlertRepository:
         with self.sessions.begin() as session:
             if session.execute(statement.returning(AlertRow.id)).first() is None:
                 return False
-            if event == "resolved":  # no re-post of it goes out after this (one in flight finishes first)
-                session.execute(
-                    delete(NoticeOutboxRow)
-                    .where(
-                        NoticeOutboxRow.alert_id == alert_id,
-                        NoticeOutboxRow.status == REPOST,
-                        or_(NoticeOutboxRow.claimed_until.is_(None), NoticeOutboxRow.claimed_until < now),
-                    )
-                    .execution_options(synchronize_session=False)
-                )
             session.add_all(
                 NoticeOutboxRow(
                     **asdict(entry),
@@ -612,7 +602,10 @@ class OutboxRepository:
         """Lease the oldest notice of ``destination`` to ``worker`` until ``lease_until`` (re-posts
         count only once due): the notice; or, when it is not due yet, when it is due; or None when
         there is none, or another worker holds it (the rest wait behind it: in order). A re-post of
-        an alert that no longer fires, or whose resolution was announced, is dropped on the way."""
+        an alert that no longer fires, or whose resolution was announced, is dropped on the way (one
+        in flight at another worker holds the rest back until it is done: a resolution never
+        overtakes it)."""
+        unclaimed = or_(NoticeOutboxRow.claimed_until.is_(None), NoticeOutboxRow.claimed_until < now)
         with self.sessions.begin() as session:
             while True:
                 head = session.execute(
@@ -631,12 +624,14 @@ class OutboxRepository:
                     return due
                 if head.status != REPOST or self._still_firing(session, head.id):
                     break
-                session.execute(
+                dropped = session.execute(
                     delete(NoticeOutboxRow)
-                    .where(NoticeOutboxRow.id == head.id)
+                    .where(NoticeOutboxRow.id == head.id, unclaimed)
+                    .returning(NoticeOutboxRow.id)
                     .execution_options(synchronize_session=False)
-                )
-            unclaimed = or_(NoticeOutboxRow.claimed_until.is_(None), NoticeOutboxRow.claimed_until < now)
+                ).first()
+                if dropped is None:
+                    return None
             taken = session.execute(
                 update(NoticeOutboxRow)
                 .where(NoticeOutboxRow.id == head.id, unclaimed)

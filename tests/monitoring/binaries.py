@@ -85,9 +85,13 @@ class Alertmanager:
 
 
 @contextmanager
-def alertmanager(workdir: Path, config: dict[str, Any] | None = None) -> Iterator[Alertmanager]:
-    """Alertmanager on a free port, its state in ``workdir``; ``config`` defaults to one receiver that
-    does nothing (alerts are read back through the API), grouped and repeated quickly for tests."""
+def alertmanager(
+    workdir: Path, config: dict[str, Any] | None = None, *, port: int | None = None, cluster: bool = True
+) -> Iterator[Alertmanager]:
+    """Alertmanager on ``port`` (default: a free one), its state in ``workdir``; ``config`` defaults
+    to one receiver that does nothing (alerts are read back through the API), grouped and repeated
+    quickly for tests. ``cluster=False`` runs it alone: a clustered one holds its notifications until
+    gossip settles (several seconds), a lone one notifies its receivers at once."""
     workdir.mkdir(parents=True, exist_ok=True)
     config = config or {
         "route": {
@@ -99,16 +103,17 @@ def alertmanager(workdir: Path, config: dict[str, Any] | None = None) -> Iterato
         "receivers": [{"name": "null"}],
     }
     (workdir / "alertmanager.yml").write_text(yaml.safe_dump(config))
-    port, cluster_port = free_port(), free_port()
+    port, cluster_port = port or free_port(), free_port()
     url = f"http://127.0.0.1:{port}"
     args = [
         binary(ALERTMANAGER),
         f"--config.file={workdir / 'alertmanager.yml'}",
         f"--storage.path={workdir / 'data'}",
         f"--web.listen-address=127.0.0.1:{port}",
-        f"--cluster.listen-address=127.0.0.1:{cluster_port}",
-        "--cluster.advertise-address=127.0.0.1:" + str(cluster_port),
+        f"--cluster.listen-address=127.0.0.1:{cluster_port}" if cluster else "--cluster.listen-address=",
     ]
+    if cluster:
+        args.append(f"--cluster.advertise-address=127.0.0.1:{cluster_port}")
     with _process(args, f"{url}/-/ready", workdir, "alertmanager"):
         yield Alertmanager(url)
 
