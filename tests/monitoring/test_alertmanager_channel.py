@@ -242,7 +242,7 @@ def test_a_firing_alert_is_active_in_alertmanager_stays_so_by_reposts_and_resolv
         channel = AlertmanagerChannel(manager.url, repost_s=0.5, ends_after_s=2.0, backoff_s=0.05)
         with engine_for(store, channel) as engine:
             compare_step(store, engine, 0, mismatch=True)
-            wait_for(lambda: active(manager), 20, "the alert to be active in Alertmanager")
+            fired_s = wait_for(lambda: active(manager), 20, "the alert to be active in Alertmanager")
             [alert] = active(manager)
             labels, annotations = alert["labels"], alert["annotations"]
             assert labels == {
@@ -278,7 +278,10 @@ def test_a_firing_alert_is_active_in_alertmanager_stays_so_by_reposts_and_resolv
             assert hook_statuses(hook) == ["firing"]  # one alert, announced once downstream
 
             compare_step(store, engine, 1, mismatch=False)  # the run recovers
-            wait_for(lambda: not manager.alerts(alertname="kl_spike"), 10, "the alert to resolve")
+            resolved_s = wait_for(
+                lambda: not manager.alerts(alertname="kl_spike"), 10, "the alert to resolve"
+            )
+            assert resolved_s < channel.ends_after_s  # resolved by the notice, not by running out
             wait_for(lambda: "resolved" in hook_statuses(hook), 10, "Alertmanager's resolved notification")
             time.sleep(1.0)  # a late re-post, were one coming, would raise the alert again now
             assert not manager.alerts(alertname="kl_spike") and hook_statuses(hook) == ["firing", "resolved"]
@@ -287,6 +290,12 @@ def test_a_firing_alert_is_active_in_alertmanager_stays_so_by_reposts_and_resolv
     assert (resolved.event, resolved.status) == ("resolved", "sent")
     [posted] = resolved.payload["alerts"]
     assert parse(posted["endsAt"]) >= starts and posted["labels"]["alertname"] == "kl_spike"
+    print(
+        f"\nalertmanager: active {fired_s:.2f} s after the step was compared; held active "
+        f"{3 * channel.ends_after_s:.0f} s by re-posts every {channel.repost_s} s (endsAt "
+        f"{channel.ends_after_s} s ahead, moved on {(ends[-1] - ends[0]).total_seconds():.1f} s), one "
+        f"outbox row; resolved {resolved_s:.2f} s after the recovering step was compared"
+    )
 
 
 def test_without_its_reposts_alertmanager_ends_a_firing_alert(store: Store, tmp_path: Path):
@@ -302,6 +311,7 @@ def test_without_its_reposts_alertmanager_ends_a_firing_alert(store: Store, tmp_
         stopped = time.monotonic()
         gone = wait_for(lambda: not manager.alerts(alertname="kl_spike"), 10, "the alert to end")
         assert gone <= channel.ends_after_s + 1.0 and time.monotonic() - stopped > 0.5
+        print(f"\nalertmanager: without re-posts the alert ended {gone:.2f} s after the worker stopped")
         wait_for(lambda: "resolved" in hook_statuses(hook), 10, "Alertmanager's resolved notification")
     [alert] = list_alerts(store, run_id="run-1")
     assert alert.state == "firing"  # isoaudit's alert fires on; its standing re-post waits for a worker
