@@ -386,7 +386,9 @@ class NoticeOutboxRow(Base):
     """A notice waiting for (or done with) one destination: written in the transaction that claims
     the announcement, delivered by the worker's thread for that destination, so a notice survives a
     restart and one slow destination holds up no other. ``destination``: a digest of the URL (the
-    URL itself is a secret and stays in the configuration); ``attempts_log``: each attempt made."""
+    URL itself is a secret and stays in the configuration); ``attempts_log``: each attempt made;
+    ``status``: ``pending`` (a notice to deliver) or ``repost`` (a firing alert's standing re-post to a
+    channel that posts firing alerts again, ``audit.alerts.outbox``)."""
 
     __tablename__ = "alert_outbox"
     __table_args__ = (Index("ix_alert_outbox_destination_status", "destination", "status", "id"),)
