@@ -63,6 +63,15 @@ def evaluate_series(rule: AlertRule, series: Sequence[tuple[int, Mapping[str, An
     )
 
 
+def breaches_at(rule: AlertRule, series: Sequence[tuple[int, Mapping[str, Any]]], step: int) -> bool:
+    """Whether ``rule``'s condition held at ``step`` (its window over ``series``' steps up to it): what
+    ``/metrics`` counts as a step over the rule's threshold. False when ``series`` lacks ``step``."""
+    upto = [metrics for s, metrics in series if s <= step]
+    if not upto or series[len(upto) - 1][0] != step:
+        return False
+    return rule.breaches(rule.aggregate(m.get(rule.metric) for m in upto[-rule.window :]))
+
+
 def next_state(rule: AlertRule, current: AlertState, evaluation: Evaluation) -> AlertState:
     """The state after ``evaluation`` for an alert now in ``current`` (inactive/resolved: none open)."""
     fires = evaluation.breaching_steps >= max(rule.for_steps, 1)
