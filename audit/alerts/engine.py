@@ -21,7 +21,13 @@ from typing import Any
 from urllib.parse import quote
 
 from isoaudit.audit.alerts.channels import Channel, DatabaseChannel, Delivery, Event, LogChannel, Notice
-from isoaudit.audit.alerts.evaluator import Evaluation, breaches_at, evaluate_series, next_state, steps_needed
+from isoaudit.audit.alerts.evaluator import (
+    Evaluation,
+    breaching_steps,
+    evaluate_series,
+    next_state,
+    steps_needed,
+)
 from isoaudit.audit.alerts.outbox import Outbox, OutboxChannel, is_durable
 from isoaudit.audit.alerts.rules import AlertRule, list_rule_rows, rule_from_row
 from isoaudit.audit.alerts.silences import list_silences, matches
@@ -133,7 +139,7 @@ class AlertEngine:
         transitions: list[Transition] = []
         # The rules over their threshold at this step, counted by /metrics between two scrapes.
         RuleBreaches(self.store.sessions).record(
-            run_id, step, [row.id for row, rule in rules if breaches_at(rule, series, step)]
+            run_id, [(row.id, s) for row, rule in rules for s in breaching_steps(rule, series, step)]
         )
         for row, rule in rules:
             evaluation = evaluate_series(rule, series[-steps_needed(rule) :])

@@ -34,6 +34,10 @@ from sqlalchemy.orm import Session, sessionmaker
 __all__ = ["OpenAlert", "RuleBreaches", "RuleCount", "RunFigures", "Telemetry", "TelemetryReads"]
 
 
+#: The upper end of the window's range (no comparison is later).
+_END_OF_TIME = datetime(9999, 12, 31, tzinfo=UTC)
+
+
 def _aware(moment: datetime) -> datetime:
     """SQLite hands timestamps back without their zone; they were written in UTC."""
     return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
@@ -101,11 +105,13 @@ class TelemetryReads:
             active = _active_runs(session, project, since)
             ids = list(active)
             projects = {run_id: row[0] for run_id, row in active.items()}
+            rules = _applicable_rules(session, projects)
             return Telemetry(
                 runs=_run_figures(session, active),
                 open_alerts=_open_alerts(session, ids, projects),
                 breaching_steps=_counts(
                     session,
+                    rules,
                     select(RuleBreachRow.run_id, AlertRuleRow.name, func.count())
                     .join(AlertRuleRow, AlertRuleRow.id == RuleBreachRow.rule_id)
                     .where(RuleBreachRow.run_id.in_(ids))
@@ -114,6 +120,7 @@ class TelemetryReads:
                 ),
                 fired_alerts=_counts(
                     session,
+                    rules,
                     select(AlertRow.run_id, AlertRuleRow.name, func.count())
                     .join(AlertRuleRow, AlertRuleRow.id == AlertRow.rule_id)
                     .where(AlertRow.run_id.in_(ids), AlertRow.fired_step.is_not(None))
@@ -130,7 +137,10 @@ def _active_runs(
     """run id -> (project, name, config, last compared at) of the runs compared at or after ``since``."""
     recent = select(StepResultRow.run_id, func.max(StepResultRow.computed_at).label("last"))
     if since is not None:
-        recent = recent.where(StepResultRow.computed_at >= since)
+        # Bounded on both sides: SQLite, without statistics, judges a one-sided range too wide and
+        # walks the primary key in run_id order instead (every step ever compared); a two-sided one
+        # it reads from ix_step_results_computed_at.
+        recent = recent.where(StepResultRow.computed_at.between(since, _END_OF_TIME))
     recent_sq = recent.group_by(StepResultRow.run_id).subquery()
     query = select(RunRow.run_id, RunRow.project, RunRow.name, RunRow.config, recent_sq.c.last).join(
         recent_sq, recent_sq.c.run_id == RunRow.run_id
@@ -212,10 +222,31 @@ def _open_alerts(session: Session, ids: Sequence[str], projects: dict[str, str])
     ]
 
 
+def _applicable_rules(session: Session, projects: dict[str, str]) -> set[tuple[str, str]]:
+    """(run id, rule name) of every enabled rule that applies to each run (its project's, the global ones)."""
+    if not projects:
+        return set()
+    query = select(AlertRuleRow.name, AlertRuleRow.project).where(AlertRuleRow.enabled.is_(True))
+    rules = list(session.execute(query))
+    return {
+        (run_id, name)
+        for run_id, run_project in projects.items()
+        for name, project in rules
+        if project is None or project == run_project
+    }
+
+
 def _counts(
-    session: Session, query: Select[tuple[str, str, int]], projects: dict[str, str]
+    session: Session,
+    rules: set[tuple[str, str]],
+    query: Select[tuple[str, str, int]],
+    projects: dict[str, str],
 ) -> list[RuleCount]:
-    return [RuleCount(run_id, projects[run_id], rule, int(n)) for run_id, rule, n in session.execute(query)]
+    """The counts ``query`` finds per (run, rule), and 0 for each applicable rule it finds none of (a
+    counter exported from 0 on, so its first increase counts in Prometheus' ``increase()``)."""
+    counts = dict.fromkeys(rules, 0)
+    counts.update({(run_id, rule): int(n) for run_id, rule, n in session.execute(query)})
+    return [RuleCount(run_id, projects[run_id], rule, n) for (run_id, rule), n in sorted(counts.items())]
 
 
 def _pending(session: Session, project: str | None) -> dict[str, int]:
@@ -238,11 +269,12 @@ class RuleBreaches:
     def __init__(self, sessions: sessionmaker[Session]) -> None:
         self.sessions = sessions
 
-    def record(self, run_id: str, step: int, rule_ids: Iterable[int]) -> None:
-        """Record that each rule of ``rule_ids`` breached at ``step`` of ``run_id``."""
+    def record(self, run_id: str, breaches: Iterable[tuple[int, int]]) -> None:
+        """Record that each (rule id, step) of ``breaches`` breached on ``run_id``."""
+        now = utcnow()
         rows = [
-            {"run_id": run_id, "rule_id": rule_id, "step": step, "recorded_at": utcnow()}
-            for rule_id in rule_ids
+            {"run_id": run_id, "rule_id": rule_id, "step": step, "recorded_at": now}
+            for rule_id, step in breaches
         ]
         if not rows:
             return
@@ -250,13 +282,3 @@ class RuleBreaches:
             dialect = session.get_bind().dialect.name
             insert = (postgresql.insert if dialect == "postgresql" else sqlite.insert)(RuleBreachRow)
             session.execute(insert.on_conflict_do_nothing(), rows)
-
-    def count(self, run_id: str) -> dict[int, int]:
-        """rule id -> steps recorded as breaching, for one run."""
-        with self.sessions() as session:
-            query = (
-                select(RuleBreachRow.rule_id, func.count())
-                .where(RuleBreachRow.run_id == run_id)
-                .group_by(RuleBreachRow.rule_id)
-            )
-            return {rule_id: int(n) for rule_id, n in session.execute(query)}
