@@ -239,7 +239,7 @@ def _applicable_rules(session: Session, projects: dict[str, str]) -> set[tuple[s
 def _counts(
     session: Session,
     rules: set[tuple[str, str]],
-    query: Select[tuple[str, str, int]],
+    query: Select[str, str, int],
     projects: dict[str, str],
 ) -> list[RuleCount]:
     """The counts ``query`` finds per (run, rule), and 0 for each applicable rule it finds none of (a
