@@ -128,6 +128,7 @@ def test_prometheus_scrapes_alerts_and_the_dashboard_reads(service: Service, tmp
                 time.sleep(0.2)
             assert [a["labels"]["run_id"] for a in received] == ["run-a"], name
             assert received[0]["labels"]["project"] == "alpha"
+            assert "run-a" in received[0]["annotations"]["summary"]
         assert not [a for a in manager.alerts() if a["labels"].get("run_id") == "run-old"]
 
         # a one-step spike between two scrapes: the latest-step gauge never shows it, the counter does
