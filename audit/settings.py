@@ -32,6 +32,7 @@ _ENV: dict[str, str] = {
     "alertmanager_url": "ISOAUDIT_ALERTMANAGER_URL",
     "dashboard_url": "ISOAUDIT_DASHBOARD_URL",
     "dashboard_step_path": "ISOAUDIT_DASHBOARD_STEP_PATH",
+    "metrics_active_window_s": "ISOAUDIT_METRICS_ACTIVE_WINDOW_S",
 }
 
 
@@ -74,6 +75,12 @@ class Settings(BaseModel):
     dashboard_url: str = Field(default="http://localhost:8050", description="base URL the notices link to")
     dashboard_step_path: str = Field(
         default="/runs/{run_id}?step={step}", description="path of a step's page below dashboard_url"
+    )
+    metrics_active_window_s: float = Field(
+        default=3600.0,
+        gt=0,
+        description="/metrics exports the runs compared within this many seconds; idle and finished "
+        "runs drop out, so the series do not grow with the runs ever recorded",
     )
     ingest_retries: int = Field(default=8, ge=1, description="attempts of a batch that lost a write race")
 

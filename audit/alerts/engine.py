@@ -22,12 +22,19 @@ from typing import Any
 from urllib.parse import quote
 
 from isoaudit.audit.alerts.channels import Channel, DatabaseChannel, Delivery, Event, LogChannel, Notice
-from isoaudit.audit.alerts.evaluator import Evaluation, evaluate_series, next_state, steps_needed
+from isoaudit.audit.alerts.evaluator import (
+    Evaluation,
+    breaching_steps,
+    evaluate_series,
+    next_state,
+    steps_needed,
+)
 from isoaudit.audit.alerts.outbox import Outbox, OutboxChannel, is_durable
 from isoaudit.audit.alerts.rules import AlertRule, list_rule_rows, rule_from_row
 from isoaudit.audit.alerts.silences import list_silences, matches
 from isoaudit.audit.db import Store
 from isoaudit.audit.db.alerts import OPEN_STATES, Alert, AlertRepository, AlertState, Notification, Silence
+from isoaudit.audit.db.telemetry import RuleBreaches
 from isoaudit.audit.records import utcnow
 
 log = logging.getLogger("isoaudit.alerts")
@@ -131,6 +138,10 @@ class AlertEngine:
         # of its own. A row another evaluator opens meanwhile is that evaluator's to announce.
         open_alerts = self.alerts.open_alerts(run_id)
         transitions: list[Transition] = []
+        # The rules over their threshold at this step, counted by /metrics between two scrapes.
+        RuleBreaches(self.store.sessions).record(
+            run_id, [(row.id, s) for row, rule in rules for s in breaching_steps(rule, series, step)]
+        )
         for row, rule in rules:
             evaluation = evaluate_series(rule, series[-steps_needed(rule) :])
             if evaluation is None:

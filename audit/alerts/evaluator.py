@@ -63,6 +63,26 @@ def evaluate_series(rule: AlertRule, series: Sequence[tuple[int, Mapping[str, An
     )
 
 
+def breaches_at(rule: AlertRule, series: Sequence[tuple[int, Mapping[str, Any]]], step: int) -> bool:
+    """Whether ``rule``'s condition held at ``step`` (its window over ``series``' steps up to it).
+    False when ``series`` lacks ``step``."""
+    upto = [metrics for s, metrics in series if s <= step]
+    if not upto or series[len(upto) - 1][0] != step:
+        return False
+    return rule.breaches(rule.aggregate(m.get(rule.metric) for m in upto[-rule.window :]))
+
+
+def breaching_steps(rule: AlertRule, series: Sequence[tuple[int, Mapping[str, Any]]], step: int) -> list[int]:
+    """The steps of ``series`` whose window holds ``step`` (it and the ``window - 1`` after it: a step
+    compared late changes their verdicts too) at which ``rule``'s condition held: what ``/metrics``
+    counts as steps over the rule's threshold."""
+    steps = [s for s, _ in series]
+    if step not in steps:
+        return []
+    start = steps.index(step)
+    return [s for s in steps[start : start + rule.window] if breaches_at(rule, series, s)]
+
+
 def next_state(rule: AlertRule, current: AlertState, evaluation: Evaluation) -> AlertState:
     """The state after ``evaluation`` for an alert now in ``current`` (inactive/resolved: none open)."""
     fires = evaluation.breaching_steps >= max(rule.for_steps, 1)

@@ -185,6 +185,8 @@ class StepResultRow(Base):
     """Token-weighted metrics of one step over its compared samples, for timelines and alerts."""
 
     __tablename__ = "step_results"
+    #: Runs compared recently (``/metrics`` exports those) come out of one index range scan.
+    __table_args__ = (Index("ix_step_results_computed_at", "computed_at", "run_id"),)
 
     run_id: Mapped[str] = mapped_column(
         String(128), ForeignKey("runs.run_id", ondelete="CASCADE"), primary_key=True
@@ -198,6 +200,23 @@ class StepResultRow(Base):
     revision: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
     #: The comparison worker that compared it last (``host:pid:nonce``).
     compared_by: Mapped[str | None] = mapped_column(String(128))
+
+
+class RuleBreachRow(Base):
+    """A compared step at which an alert rule's condition held (the rule's window value past its
+    threshold), written by the alert engine when it evaluates the step; ``/metrics`` counts these
+    rows per run and rule, so a breach between two scrapes still shows, on every replica alike."""
+
+    __tablename__ = "rule_breaches"
+
+    run_id: Mapped[str] = mapped_column(
+        String(128), ForeignKey("runs.run_id", ondelete="CASCADE"), primary_key=True
+    )
+    rule_id: Mapped[int] = mapped_column(
+        RowId, ForeignKey("alert_rules.id", ondelete="CASCADE"), primary_key=True
+    )
+    step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    recorded_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
 class ComparisonClaimRow(Base):

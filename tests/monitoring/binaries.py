@@ -20,6 +20,7 @@ from isoaudit.audit.api.live import free_port
 PROMETHEUS = "prometheus"
 PROMTOOL = "promtool"
 ALERTMANAGER = "prometheus-alertmanager"
+AMTOOL = "amtool"
 
 
 def binary(name: str) -> str:
@@ -37,6 +38,11 @@ def promtool(*args: str, stdin: str | None = None) -> subprocess.CompletedProces
     return subprocess.run(
         [binary(PROMTOOL), *args], input=stdin, capture_output=True, text=True, timeout=60, check=False
     )
+
+
+def amtool(*args: str) -> subprocess.CompletedProcess[str]:
+    """``amtool ARGS`` (Alertmanager's own checker, shipped with it); the caller checks ``returncode``."""
+    return subprocess.run([binary(AMTOOL), *args], capture_output=True, text=True, timeout=60, check=False)
 
 
 def _wait_ready(url: str, process: subprocess.Popen[bytes], log: Path, timeout: float = 30.0) -> None:

@@ -530,9 +530,9 @@ def test_prometheus_metrics(api, store, server, other_token):
     assert "ppl_ratio" not in str(families.get("isoaudit_ppl_ratio", ""))  # null: not exported
     assert [s.value for s in families["isoaudit_last_compared_step"].samples] == [1.0]
     open_alerts = {  # the kl_k3 defaults; other default rules (other frameworks' figures) may fire too
-        (s.labels["alertname"], s.labels["state"])
+        (s.labels["isoaudit_rule"], s.labels["state"])
         for s in families["isoaudit_alerts"].samples
-        if s.labels["alertname"].startswith("kl_k3")
+        if s.labels["isoaudit_rule"].startswith("kl_k3")
     }
     assert open_alerts == {("kl_k3_critical", "firing"), ("kl_k3_warning", "pending")}
     records = {
@@ -541,12 +541,13 @@ def test_prometheus_metrics(api, store, server, other_token):
         if s.name.endswith("_total")
     }
     assert records[("sample", "stored")] == 4 and records[("sample", "duplicate")] == 4
-    assert families["isoaudit_pending_comparisons"].samples[0].value == 2
+    assert families["isoaudit_comparison_queue_samples"].samples[0].value == 2
 
     with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {other_token}"}) as beta:
         scoped = {f.name: f for f in text_string_to_metric_families(beta.get("/metrics").text)}
         assert "isoaudit_kl_k3" not in scoped
         assert scoped["isoaudit_alerts"].samples == []
+        assert scoped["isoaudit_ingest_records"].samples == []  # alpha's ingest, not beta's
 
 
 def test_concurrent_clients_creating_the_same_run_store_everything_once(server, token, store):

@@ -117,7 +117,7 @@ async def ingest(
 
     def work() -> IngestResponse:
         result, controls = store_records(store, settings, batch_records(body), principal.project)
-        telemetry.record_ingest(result, time.perf_counter() - started)
+        telemetry.record_ingest(principal.project, result, time.perf_counter() - started)
         if result.rejected:
             first = result.rejected[0]
             log.info(
@@ -136,13 +136,13 @@ async def ingest(
     try:
         return await run_in_threadpool(work)
     except HTTPException as exc:
-        telemetry.record_rejected(exc.status_code)
+        telemetry.record_rejected(principal.project, exc.status_code)
         raise
     except RequestValidationError:
-        telemetry.record_rejected(status.HTTP_422_UNPROCESSABLE_CONTENT)
+        telemetry.record_rejected(principal.project, status.HTTP_422_UNPROCESSABLE_CONTENT)
         raise
     except StoreUnavailable:
-        telemetry.record_rejected(status.HTTP_503_SERVICE_UNAVAILABLE)
+        telemetry.record_rejected(principal.project, status.HTTP_503_SERVICE_UNAVAILABLE)
         raise
 
 

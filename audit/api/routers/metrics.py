@@ -1,16 +1,20 @@
-"""``GET /metrics``: Prometheus text exposition of the store's figures and the ingest counters; and
+"""``GET /metrics``: Prometheus text exposition of the store's figures (the runs compared within the
+active window) and the ingest counters, scoped to the token's project; and
 ``GET /v1/metric-names``: every metric with its definition, parameters and framework aliases."""
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response, status
+from fastapi import APIRouter, Depends, HTTPException, Query, Response, status
 from isoaudit.audit.api.auth import Reader
-from isoaudit.audit.api.deps import get_store
+from isoaudit.audit.api.deps import get_settings, get_store, get_telemetry
 from isoaudit.audit.api.prometheus import StoreCollector
+from isoaudit.audit.api.telemetry import Telemetry
 from isoaudit.audit.db import Store
 from isoaudit.audit.metric_names import FRAMEWORKS, catalogue
+from isoaudit.audit.settings import Settings
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 router = APIRouter(tags=["service"])
@@ -41,18 +45,22 @@ def _frameworks(framework: list[str] | None) -> tuple[str, ...]:
     responses={200: {"content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}}}},
 )
 def metrics(
-    request: Request,
     principal: Reader,
     store: Annotated[Store, Depends(get_store)],
+    settings: Annotated[Settings, Depends(get_settings)],
+    telemetry: Annotated[Telemetry, Depends(get_telemetry)],
     framework: FrameworkQuery = None,
 ) -> Response:
-    """Latest mismatch metrics per run, open alerts, the comparison queue and ingest counters. A token
-    limits the store's figures to its project; ``framework`` repeats them under that framework's names."""
-    scoped = CollectorRegistry()
+    """The runs compared within the active window (``ISOAUDIT_METRICS_ACTIVE_WINDOW_S``): each one's
+    latest figures, counters, run info and open alerts; the comparison queue, the ingest counters and
+    the build. A token limits every series to its project; ``framework`` repeats the figures under
+    that framework's names."""
     project = principal.project if principal is not None else None
-    scoped.register(StoreCollector(store, project, _frameworks(framework)))
-    body = generate_latest(request.app.state.registry) + generate_latest(scoped)
-    return Response(content=body, media_type=CONTENT_TYPE_LATEST)
+    window = timedelta(seconds=settings.metrics_active_window_s)
+    scoped = CollectorRegistry()
+    scoped.register(telemetry.scoped(project))
+    scoped.register(StoreCollector(store, project, _frameworks(framework), window=window))
+    return Response(content=generate_latest(scoped), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.get("/v1/metric-names", summary="Every metric: definition, parameters and framework aliases")
