@@ -14,6 +14,9 @@ callback: ``on_train_begin`` / ``on_train_end``) call :meth:`Session.start` and
 :meth:`Session.close`. Closing flushes, detaches every hook (idempotent, like a
 ``RemovableHandle``), closes the sinks and returns (and prints) what each side sent, spooled,
 dropped and had rejected.
+
+With ``trackers=("wandb", "mlflow")`` (or ``ISOAUDIT_TRACKERS``) the session also logs its run's
+compared steps into the job's W&B and MLflow runs (:mod:`isoaudit.collectors.trackers`).
 """
 
 from __future__ import annotations
@@ -38,8 +41,10 @@ from isoaudit.collectors.sinks.base import Sink
 from isoaudit.collectors.sinks.spool import DEFAULT_SPOOL_DIR
 
 if TYPE_CHECKING:
+    from isoaudit.audit.trackers import Tracker
     from isoaudit.collectors.engine_capture import EngineCollector
     from isoaudit.collectors.sinks.direct import SharedStore
+    from isoaudit.collectors.trackers import SessionTrackers
     from isoaudit.collectors.trainer import TrainerCollector
     from isoaudit.collectors.vllm.collector import VllmCollector
     from isoaudit.collectors.vllm.selection import SelectionArg
@@ -254,6 +259,8 @@ class Session:
         report: bool = True,
         contracts: bool = False,
         rank: int | None = None,
+        trackers: Sequence[Tracker] = (),
+        tracker_names: str | None = None,
     ) -> None:
         self.run = run_record(run)
         self.rank = rank  # None: detected when the first sink opens (isoaudit.collectors.integrations.ranks)
@@ -266,6 +273,9 @@ class Session:
         self._control: ControlChannel | None = None
         self._closed: Summary | None = None
         self._stats_refused = 0  # StepStats the session could not build (bad figures), counted
+        self.trackers = tuple(trackers)
+        self.tracker_names = tracker_names
+        self._trackers: SessionTrackers | None = None
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -275,6 +285,14 @@ class Session:
             raise RuntimeError("session: closed; start a new one")
         if self._control is None:
             self._control = self.destination.control(self.run.run_id)
+            if self.trackers:
+                from isoaudit.collectors.trackers import follow
+
+                self._trackers = follow(
+                    self.run.run_id, self.destination, self.trackers, names=self.tracker_names, rank=self.rank
+                )
+        if self._trackers is not None:
+            self._trackers.capture()
         return self
 
     def __enter__(self) -> Session:
@@ -312,6 +330,10 @@ class Session:
         self._closed = self.summary()
         if self.report:
             print(self._closed, file=sys.stderr)
+        if self._trackers is not None:  # after the destination: its comparer has compared what it could
+            tracked = self._trackers.close(30.0 if timeout is None else timeout)
+            if self.report:
+                print(tracked, file=sys.stderr)
         return self._closed
 
     def summary(self) -> Summary:
@@ -522,6 +544,8 @@ class SessionOptions(TypedDict, total=False):
     report: bool
     contracts: bool
     rank: int | None
+    trackers: str | Sequence[str] | None
+    tracker_names: str | None
 
 
 def session(
@@ -538,6 +562,8 @@ def session(
     report: bool = True,
     contracts: bool = False,
     rank: int | None = None,
+    trackers: str | Sequence[str] | None = None,
+    tracker_names: str | None = None,
 ) -> Session:
     """A session for run ``run`` (an id, or a :class:`isoaudit.audit.records.Run` with a name and config).
 
@@ -552,8 +578,20 @@ def session(
     (:mod:`isoaudit.collectors.policy`), so the manifests' ``numerical_policy`` says which kernels compute
     each region and the handshake names the regions where the sides differ; ``rank``: the rank
     stamped on this session's samples (default: ``torch.distributed``'s, else the launcher's
-    ``RANK``, else none).
+    ``RANK``, else none); ``trackers``: ``"wandb"``, ``"mlflow"`` or both (default
+    ``ISOAUDIT_TRACKERS``): the run's compared steps go into the job's W&B run and MLflow run, or
+    runs of isoaudit's own (:mod:`isoaudit.collectors.trackers`; rank 0 only), under
+    ``tracker_names``' framework names (``verl``, ``trl``, ...; default ``ISOAUDIT_TRACKER_NAMES``).
     """
+    chosen: tuple[Tracker, ...] = ()
+    if trackers is not None or os.environ.get("ISOAUDIT_TRACKERS"):
+        from isoaudit.collectors.trackers import trackers_from
+
+        chosen = trackers_from(trackers)
+    if chosen and tracker_names is not None:
+        from isoaudit.audit.trackers.figures import check_framework
+
+        check_framework(tracker_names, "tracker_names")
     if destination is None:
         destination = destination_from(
             url=url,
@@ -563,4 +601,13 @@ def session(
             spool_dir=spool_dir,
             control_interval=control_interval,
         )
-    return Session(run, destination, strict=strict, report=report, contracts=contracts, rank=rank)
+    return Session(
+        run,
+        destination,
+        strict=strict,
+        report=report,
+        contracts=contracts,
+        rank=rank,
+        trackers=chosen,
+        tracker_names=tracker_names,
+    )

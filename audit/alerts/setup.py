@@ -3,6 +3,8 @@ worker``, a session's own comparer): the configured rules, and an engine with th
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from isoaudit.audit.alerts.alertmanager import AlertmanagerChannel
 from isoaudit.audit.alerts.channels import Channel, DatabaseChannel, LogChannel, WebhookChannel
 from isoaudit.audit.alerts.engine import AlertEngine
@@ -22,15 +24,19 @@ def _numbered(name: str, i: int) -> str:
     return name if i == 0 else f"{name}-{i + 1}"
 
 
-def default_alert_engine(store: Store, settings: Settings) -> AlertEngine:
+def default_alert_engine(
+    store: Store, settings: Settings, extra_channels: Sequence[Channel] = ()
+) -> AlertEngine:
     """Log and database channels, plus a webhook channel per configured URL (``webhook``,
     ``webhook-2``, ...) and an Alertmanager channel per configured Alertmanager (``alertmanager``,
-    ``alertmanager-2``, ...), delivered from the durable outbox once :meth:`AlertEngine.start` runs."""
+    ``alertmanager-2``, ...), delivered from the durable outbox once :meth:`AlertEngine.start` runs,
+    and ``extra_channels`` (W&B alerts: :func:`isoaudit.audit.trackers.setup.tracker_channels`)."""
     channels: list[Channel] = [LogChannel(), DatabaseChannel()]
     for i, url in enumerate(webhook_urls(settings.webhook_url)):
         channels.append(WebhookChannel(url, name=_numbered("webhook", i)))
     for i, url in enumerate(webhook_urls(settings.alertmanager_url)):
         channels.append(AlertmanagerChannel(url, name=_numbered("alertmanager", i)))
+    channels.extend(extra_channels)
     return AlertEngine(
         store,
         channels,

@@ -1,5 +1,6 @@
 """The application factory: the store, authentication, routers, ``/metrics``, and in the background
-the comparison worker with the alert engine as its per-step callback."""
+the comparison worker with the alert engine (and the W&B / MLflow trackers, when configured) as its
+per-step callback."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from isoaudit.audit.api.routers import alerts, control, health, ingest, metrics,
 from isoaudit.audit.api.telemetry import Telemetry
 from isoaudit.audit.db import Store
 from isoaudit.audit.settings import Settings
+from isoaudit.audit.trackers.setup import compose_steps, tracker_channels, worker_trackers
 from prometheus_client import CollectorRegistry
 
 
@@ -32,7 +34,8 @@ def create_app(
     settings = settings or Settings.from_env()
     owns_store = store is None
     store = store or Store(settings.database_url, timeout_s=settings.database_timeout_s)
-    alert_engine = alert_engine or default_alert_engine(store, settings)
+    trackers = worker_trackers(store) if settings.run_worker else None  # ISOAUDIT_WANDB_*, ISOAUDIT_MLFLOW_*
+    alert_engine = alert_engine or default_alert_engine(store, settings, tracker_channels(trackers))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -43,7 +46,7 @@ def create_app(
 
             worker = ComparisonWorker(
                 app.state.store,
-                on_step=alert_engine.evaluate,
+                on_step=compose_steps(alert_engine.evaluate, trackers.on_step if trackers else None),
                 interval=settings.worker_interval_s,
                 lease_s=settings.worker_lease_s,
             ).start()
@@ -55,6 +58,8 @@ def create_app(
             if worker is not None:
                 worker.stop()
             alert_engine.close()
+            if trackers is not None:
+                trackers.close()
             if owns_store:
                 app.state.store.dispose()
 

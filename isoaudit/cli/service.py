@@ -121,6 +121,7 @@ def worker(
 
     from isoaudit.audit.alerts.setup import default_alert_engine, install_configured_rules
     from isoaudit.audit.settings import Settings
+    from isoaudit.audit.trackers.setup import compose_steps, tracker_channels, worker_trackers
     from isoaudit.audit.worker import ComparisonWorker, die_with_parent, tell_parent_ready
 
     die_with_parent()  # a child of `isoaudit serve` goes with it
@@ -129,17 +130,23 @@ def worker(
     )
     store = open_store(settings.database_url)
     install_configured_rules(store, settings)
-    engine = default_alert_engine(store, settings).start()
+    trackers = worker_trackers(store)  # ISOAUDIT_WANDB_*, ISOAUDIT_MLFLOW_*: None when unset
+    engine = default_alert_engine(store, settings, tracker_channels(trackers)).start()
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
     comparison = ComparisonWorker(
-        store, on_step=engine.evaluate, interval=settings.worker_interval_s, lease_s=settings.worker_lease_s
+        store,
+        on_step=compose_steps(engine.evaluate, trackers.on_step if trackers else None),
+        interval=settings.worker_interval_s,
+        lease_s=settings.worker_lease_s,
     ).start()
     console.print(f"comparison worker {comparison.name} on {store.engine.url.render_as_string()}")
     tell_parent_ready()
     stop.wait()
     comparison.stop()
     engine.close()
+    if trackers is not None:
+        trackers.close()
     store.dispose()
     console.print(f"compared {comparison.compared} samples in {comparison.steps_compared} steps")
