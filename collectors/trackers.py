@@ -49,6 +49,8 @@ log = logging.getLogger(__name__)
 
 #: Where the session's trackers come from when the session is given none.
 TRACKERS_ENV = "ISOAUDIT_TRACKERS"
+#: Seconds between a session's reads of its run's results.
+INTERVAL_S = 2.0
 
 TrackersArg = str | Sequence[str] | None
 
@@ -158,7 +160,11 @@ class ServiceResults(Results):
         self._client = httpx.Client(timeout=timeout, headers={"Authorization": f"Bearer {token}"})
 
     def _get(self, path: str, params: Mapping[str, Any] | None = None) -> Any:
+        """The JSON list at ``path``; empty while the service does not know the run (its first
+        records are not ingested yet)."""
         response = self._client.get(self.base + path, params=params)
+        if response.status_code == 404:
+            return []
         response.raise_for_status()
         return response.json()
 
@@ -255,7 +261,7 @@ class SessionTrackers:
         *,
         names: str | None = None,
         settings: TrackerSettings | None = None,
-        interval: float = 2.0,
+        interval: float = INTERVAL_S,
         lookback: int = 32,
         settle_s: float = 10.0,
         retry_s: float = 60.0,
@@ -493,5 +499,5 @@ def follow(
         return None
     settings = TrackerSettings.from_env()
     return SessionTrackers(
-        run_id, results, trackers, names=names or settings.names, settings=settings
+        run_id, results, trackers, names=names or settings.names, settings=settings, interval=INTERVAL_S
     ).start()
