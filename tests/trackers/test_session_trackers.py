@@ -5,6 +5,7 @@ against `isoaudit compare --json --names`."""
 from __future__ import annotations
 
 import re
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -148,3 +149,51 @@ def test_service_destination_logs_into_a_run_of_its_own_and_raises_wandb_alerts(
     assert mlflow_figures(mlflow_uri, own.info.run_id) == _mlflow_names(
         compare_names(database_url, "svc-job", "verl")
     )
+
+
+def test_a_tracker_that_fails_or_hangs_never_holds_the_job(
+    database_url: str,
+    comparing: ComparisonWorker,
+    wandb_dir: Path,
+    mlflow_uri: str,
+    fast_follow: None,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """W&B refuses to open a run, MLflow's logging hangs: the job's calls take no longer, closing
+    returns within its timeout, and the summary counts what went wrong."""
+    from isoaudit.audit.trackers.mlflow_writer import MlflowWriter
+    from isoaudit.audit.trackers.wandb_writer import WandbWriter
+
+    def refuse(*args: object, **kwargs: object) -> WandbWriter:
+        raise RuntimeError("W&B is unreachable")
+
+    released = threading.Event()
+
+    def hang(self: MlflowWriter, step: int, figures: object) -> None:
+        released.wait(60)
+
+    monkeypatch.setattr(WandbWriter, "own", refuse)
+    monkeypatch.setattr(MlflowWriter, "log", hang)
+    monkeypatch.setenv("ISOAUDIT_MLFLOW_TRACKING_URI", mlflow_uri)
+    took = []
+    try:
+        audit = isoaudit.session("stuck", database_url=database_url, trackers="wandb mlflow").start()
+        sides = TwoSides(audit)
+        for step in range(STEPS):
+            started = time.perf_counter()
+            sides.record(step)
+            took.append(time.perf_counter() - started)
+            time.sleep(0.15)  # compared and followed meanwhile: the follower is stuck in MLflow
+        started = time.perf_counter()
+        audit.close(timeout=4.0)
+        closing = time.perf_counter() - started
+    finally:
+        released.set()
+    printed = capsys.readouterr().err
+    assert max(took) < 0.5, took
+    assert closing < 4.0 + 2.0, closing  # sinks and comparer close quickly; the trackers get 4 s
+    assert "wandb: 0 compared steps into isoaudit's run (none opened), 1 errors" in printed
+    assert "mlflow: 0 compared steps into isoaudit's run " in printed  # opened; its first log hangs
+    assert "isoaudit: trackers still busy after 4 s; left behind" in caplog.messages
