@@ -327,10 +327,8 @@ class SessionTrackers:
 
     def _loop(self) -> None:
         try:
-            while True:
+            while not self._closing.wait(self.interval):  # the first read once records may be stored
                 self._tick()
-                if self._closing.wait(self.interval):
-                    break
             self._settle()
             for tracker, writer in self._writers.items():
                 try:
