@@ -367,13 +367,14 @@ class SessionTrackers:
             self._alerts()
 
     def _settle(self) -> None:
-        waiting = 0
+        """Read until no step waits for comparison (each read after the check, so a step compared
+        just before it is read), or until the settle time is up."""
         while True:
-            self._tick()
             try:
                 waiting = self.results.awaiting(self._from_step())
             except Exception:
                 waiting = 0
+            self._tick()
             if not waiting or time.monotonic() >= self._settle_until:
                 break
             time.sleep(min(0.25, self.interval))
