@@ -39,10 +39,13 @@ def create_app(
     auth: tuple[str, str] | None = None,
     live_interval_ms: int = 5000,
     requests_pathname_prefix: str | None = None,
+    stalled_after_s: float = context.STALLED_AFTER_S,
 ) -> dash.Dash:
     """The dashboard over ``store_or_url`` (a :class:`Store`, a database URL, or None for
     ``ISOAUDIT_DATABASE_URL`` / the SQLite default). ``auth`` = (user, password) puts every route
-    behind HTTP basic auth; live pages poll every ``live_interval_ms`` while their run is live."""
+    behind HTTP basic auth; live pages poll every ``live_interval_ms`` while their run is live; steps
+    ready to compare that wait ``stalled_after_s`` seconds with no worker comparing get a banner
+    naming the command that compares them."""
     store = store_or_url if isinstance(store_or_url, Store) else Store(store_or_url)
     app = dash.Dash(
         __name__,
@@ -54,6 +57,7 @@ def create_app(
     )
     app.server.config[context.STORE_KEY] = store
     app.server.config[context.INTERVAL_KEY] = live_interval_ms
+    app.server.config[context.STALLED_KEY] = stalled_after_s
     for page in PAGES:
         page.register(app)
     app.layout = _shell
