@@ -315,6 +315,7 @@ class WorkerProcess:
         self.restart_max_s = restart_max_s
         self.stop_timeout_s = stop_timeout_s
         self.restarts = 0
+        self.start_failures = 0  # the child could not be started at all (retried with the same backoff)
         self.process: Any = None
         self._stop = threading.Event()
         self._started = threading.Event()
@@ -389,6 +390,7 @@ class WorkerProcess:
             try:
                 self.process = self._spawn()
             except OSError:
+                self.start_failures += 1
                 log.exception("cannot start the comparison worker process; retrying in %.0f s", delay)
                 self._started.set()
                 self._stop.wait(delay)

@@ -208,7 +208,7 @@ class SessionComparer:
                 log.warning("isoaudit: run %s: cannot read how many steps are compared", self.run_id)
                 compared = left = None
         if self._process is not None:
-            self.errors += self._process.restarts
+            self.errors += self._process.restarts + self._process.start_failures
         return ComparisonReport(self.mode, compared, left, worker_command(self.shared.url), self.errors)
 
     def _drain(self) -> int | None:
