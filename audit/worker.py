@@ -291,8 +291,9 @@ class WorkerProcess:
     A session's own comparer (``isoaudit.session(..., compare="process")``) starts one with
     ``run_id`` (the child compares that run only), ``configure_alerts`` (the child installs the
     configured rules and reads every alerting setting from the environment it inherits, since the
-    job set up nothing) and ``quiet`` (its stdout, the worker's banner, goes nowhere; its log
-    lines still reach the job's stderr)."""
+    job set up nothing), ``quiet`` (its stdout, the worker's banner, goes nowhere; its log lines
+    still reach the job's stderr), ``nice`` (the child lowers its own CPU priority by this much)
+    and ``env`` (variables set for the child only, e.g. one BLAS thread)."""
 
     def __init__(
         self,
@@ -302,6 +303,8 @@ class WorkerProcess:
         run_id: str | None = None,
         configure_alerts: bool = False,
         quiet: bool = False,
+        nice: int = 0,
+        env: Mapping[str, str] | None = None,
         restart_s: float = 1.0,
         restart_max_s: float = 30.0,
         stop_timeout_s: float = 15.0,
@@ -311,6 +314,8 @@ class WorkerProcess:
         self.run_id = run_id
         self.configure_alerts = configure_alerts
         self.quiet = quiet
+        self.nice = nice
+        self.env = dict(env or {})
         self.restart_s = restart_s
         self.restart_max_s = restart_max_s
         self.stop_timeout_s = stop_timeout_s
@@ -330,6 +335,7 @@ class WorkerProcess:
             "isoaudit.cli",
             "worker",
             *(["--run", self.run_id] if self.run_id else []),
+            *(["--nice", str(self.nice)] if self.nice else []),
         ]
 
     def start(self, timeout: float = 60.0) -> WorkerProcess:
@@ -350,7 +356,12 @@ class WorkerProcess:
     def _spawn(self) -> Any:
         import subprocess
 
-        env = {**os.environ, PARENT_ENV: str(os.getpid()), "ISOAUDIT_DATABASE_URL": self.database_url}
+        env = {
+            **os.environ,
+            **self.env,
+            PARENT_ENV: str(os.getpid()),
+            "ISOAUDIT_DATABASE_URL": self.database_url,
+        }
         if not self.configure_alerts:
             env["ISOAUDIT_DEFAULT_ALERT_RULES"] = "0"
             env.pop("ISOAUDIT_ALERT_RULES", None)

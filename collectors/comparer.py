@@ -45,6 +45,11 @@ COMPARE_MODES: tuple[str, ...] = get_args(CompareMode)
 COMPARE_ENV = "ISOAUDIT_COMPARE"
 #: Seconds a closing session waits for its run's steps to be compared, by default.
 DEFAULT_COMPARE_TIMEOUT_S = 120.0
+#: The comparer process yields the CPU to the job (it catches up at close, when the job is done)...
+COMPARER_NICE = 10
+#: ... and runs one BLAS/OpenMP thread: pools of spinning threads in two processes on the same cores
+#: (the job's torch, the comparer's numpy) slow both; comparison needs no parallel BLAS.
+COMPARER_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
 def compare_mode(value: str | None = None, environ: Mapping[str, str] | None = None) -> CompareMode:
@@ -143,6 +148,8 @@ class SessionComparer:
                     run_id=self.run_id,
                     configure_alerts=True,
                     quiet=True,
+                    nice=COMPARER_NICE,
+                    env=COMPARER_ENV,
                     stop_timeout_s=self.stop_timeout_s,
                 ).start(timeout=0)
             elif self.mode == "thread":

@@ -109,6 +109,15 @@ def worker(
             "--once", help="Compare what is ready now, deliver its alert notices, then exit (no waiting)."
         ),
     ] = False,
+    nice: Annotated[
+        int,
+        typer.Option(
+            "--nice",
+            min=0,
+            max=19,
+            help="Lower this worker's CPU priority by N, so a job on the same machine wins the CPU.",
+        ),
+    ] = 0,
 ) -> None:
     """Run a comparison worker and alert evaluation without the API, until SIGTERM or Ctrl-C (or, with
     --once, until what is ready now is compared). Start as many as the queue needs, beside `isoaudit
@@ -123,6 +132,8 @@ def worker(
     from isoaudit.audit.worker import PARENT_ENV, ComparisonWorker, die_with_parent, tell_parent_ready
 
     die_with_parent()  # a child of `isoaudit serve` or of a job's session goes with it
+    if nice:
+        os.nice(nice)
     parent = os.environ.get(PARENT_ENV)
     settings = Settings.from_env(database_url=database, alert_rules_file=rules, webhook_url=webhook)
     store = open_store(settings.database_url)

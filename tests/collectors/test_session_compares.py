@@ -67,13 +67,21 @@ def _workers_of(pid: int) -> list[int]:
     return found
 
 
+def _nice(pid: int) -> int:
+    """A process's nice value (/proc/PID/stat, field 19)."""
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16])
+
+
 @pytest.mark.parametrize("mode", ["process", "thread"])
 def test_the_session_compares_its_run_and_evaluates_alerts(url: str, mode: str, capsys) -> None:
     audit = isoaudit.session("own", database_url=url, compare=mode)  # type: ignore[arg-type]
     with audit:
         job(audit)
         if mode == "process":
-            assert len(_workers_of(os.getpid())) == 1  # started with the first sink
+            [comparer] = _workers_of(os.getpid())  # started with the first sink
+            # It yields the CPU to the job and runs one BLAS thread (no spinning pools fighting torch's).
+            wait_for(lambda: _nice(comparer) == 10, 30, "the comparer niced")
+            assert b"OPENBLAS_NUM_THREADS=1" in Path(f"/proc/{comparer}/environ").read_bytes().split(b"\0")
     summary = audit.close()
     assert summary.comparison is not None
     assert (summary.comparison.compared, summary.comparison.left, summary.comparison.errors) == (STEPS, 0, 0)
