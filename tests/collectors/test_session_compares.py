@@ -216,7 +216,8 @@ def test_the_comparer_dies_with_a_killed_job(url: str, tmp_path: Path) -> None:
             store.dispose()
         os.kill(process.pid, signal.SIGKILL)
         process.wait(10)
-        wait_for(lambda: not alive(comparer), 10, "the comparer gone with its job")
+        gone = wait_for(lambda: not alive(comparer), 10, "the comparer gone with its job")
+        print(f"the comparer was gone {gone:.2f} s after its job's SIGKILL")
     finally:
         if process.poll() is None:
             process.kill()
