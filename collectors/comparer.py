@@ -202,45 +202,50 @@ class SessionComparer:
     def close(self) -> ComparisonReport:
         """Wait (at most ``timeout`` seconds) until every ready step of the run is compared, stop
         the comparer, and say how the run stands. Never raises."""
-        left = self._drain()
+        self._drain()
         self._halt()
         compared: int | None = None
-        if left is not None:
-            try:
-                store = self.shared.get()
-                compared = store.compared_steps(self.run_id)
-                left = store.backlog(self.run_id).steps
-            except Exception:
-                self.errors += 1
-                log.warning("isoaudit: run %s: cannot read how many steps are compared", self.run_id)
-                compared = left = None
+        left: int | None = None
+        try:
+            store = self.shared.get()
+            compared = store.compared_steps(self.run_id)
+            left = store.backlog(self.run_id).steps
+        except Exception:
+            self.errors += 1
+            log.warning("isoaudit: run %s: cannot read how many steps are compared", self.run_id)
         if self._process is not None:
             self.errors += self._process.restarts + self._process.start_failures
         return ComparisonReport(self.mode, compared, left, worker_command(self.shared.url), self.errors)
 
     def _drain(self) -> int | None:
-        """Steps of the run left uncompared once they all are or the time is up; None if the store
-        cannot be read."""
+        """Steps of the run left uncompared once they all are, the time is up or Ctrl-C stopped the
+        wait; None if the store cannot be read."""
         started = time.monotonic()
         deadline = started + self.timeout
         next_note = started + self.progress_after
-        while True:
-            try:
-                left = self.shared.get().backlog(self.run_id).steps
-            except Exception:
-                self.errors += 1
-                log.warning("isoaudit: run %s: cannot read what is left to compare", self.run_id)
-                return None
-            now = time.monotonic()
-            if left == 0 or now >= deadline:
-                return left
-            if now >= next_note:
-                self._note(
-                    f"isoaudit run {self.run_id}: comparing, {left} step{'' if left == 1 else 's'} left "
-                    f"(waiting up to {deadline - now:.0f} s more; compare_timeout)"
-                )
-                next_note = now + self.progress_every
-            time.sleep(min(0.1, max(0.0, deadline - now)))
+        left: int | None = None
+        try:
+            while True:
+                try:
+                    left = self.shared.get().backlog(self.run_id).steps
+                except Exception:
+                    self.errors += 1
+                    log.warning("isoaudit: run %s: cannot read what is left to compare", self.run_id)
+                    return None
+                now = time.monotonic()
+                if left == 0 or now >= deadline:
+                    return left
+                if now >= next_note:
+                    self._note(
+                        f"isoaudit run {self.run_id}: comparing, {left} step{'' if left == 1 else 's'} "
+                        f"left (waiting up to {deadline - now:.0f} s more, compare_timeout; Ctrl-C stops "
+                        "the wait)"
+                    )
+                    next_note = now + self.progress_every
+                time.sleep(min(0.1, max(0.0, deadline - now)))
+        except KeyboardInterrupt:  # the job is over; its user chose not to wait: say what is left
+            self._note(f"isoaudit run {self.run_id}: stopped waiting for the comparison")
+            return left
 
     def _note(self, line: str) -> None:
         if self.report:

@@ -221,3 +221,49 @@ def test_the_comparer_dies_with_a_killed_job(url: str, tmp_path: Path) -> None:
     finally:
         if process.poll() is None:
             process.kill()
+
+
+def test_ctrl_c_stops_the_wait_and_the_summary_names_what_is_left(url: str, tmp_path: Path) -> None:
+    """A closing job whose comparer cannot run waits up to ``compare_timeout``; Ctrl-C during that
+    wait ends it at once, and the summary still says what is left and the command for it."""
+    script = tmp_path / "job.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import sys
+            import isoaudit
+            from tests.collectors.test_session_compares import job
+
+            sys.executable = "/nonexistent/python"  # the comparer process cannot start
+            with isoaudit.session("patient", database_url={url!r}, compare_timeout=120) as audit:
+                job(audit)
+            print("closed", flush=True)
+            """
+        )
+    )
+    root = Path(__file__).resolve().parents[2]
+    process = subprocess.Popen(
+        [sys.executable, str(script)],
+        cwd=root,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        text=True,
+    )
+    try:
+        assert process.stderr is not None
+        for line in process.stderr:  # progress of the wait, printed after 2 s
+            if "comparing, 3 steps left" in line:
+                break
+        started = time.monotonic()
+        process.send_signal(signal.SIGINT)
+        out, err = process.communicate(timeout=30)
+        assert time.monotonic() - started < 15  # not the 120 s of compare_timeout
+        assert process.returncode == 0 and out.strip() == "closed"
+        assert "stopped waiting for the comparison" in err
+        assert (
+            "isoaudit run patient:" in err and "3 not yet: compare them with: isoaudit worker --once" in err
+        )
+    finally:
+        if process.poll() is None:
+            process.kill()
