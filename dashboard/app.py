@@ -65,4 +65,9 @@ def create_app(
         import dash_auth
 
         dash_auth.BasicAuth(app, {auth[0]: auth[1]})
+    # Dash sets itself up on its first request (registering the scripts it may serve), and another
+    # request arriving on another thread meanwhile finds that half done: a 500 on a script and a
+    # blank page, seen under gunicorn's threads. So the first request is made here, before serving
+    # (Dash's set-up runs before the basic-auth check, so a 401 does it too).
+    app.server.test_client().get("/_dash-layout")
     return app

@@ -120,6 +120,14 @@ def _severe(driver: webdriver.Chrome) -> list[dict]:
     return [entry for entry in driver.get_log("browser") if entry["level"] == "SEVERE"]
 
 
+def _fresh(driver: webdriver.Chrome) -> webdriver.Chrome:
+    """The shared browser on a blank page with its log read out: what an earlier test's live page
+    logged after its server went away is not this test's."""
+    driver.get("about:blank")
+    driver.get_log("browser")
+    return driver
+
+
 def test_the_readme_job_then_the_dashboard_alone_shows_steps_divergence_and_alert(
     tmp_path: Path, browser: webdriver.Chrome
 ) -> None:
@@ -133,7 +141,7 @@ def test_the_readme_job_then_the_dashboard_alone_shows_steps_divergence_and_aler
     assert "[FIRING] any_bitwise_mismatch" in job.stderr  # the comparer's log channel, in the job's log
     assert (tmp_path / "isoaudit.db").exists()
 
-    driver = browser
+    driver = _fresh(browser)
     with dashboard(tmp_path, "--workers", "2") as (_, port, _log):
         base = f"http://127.0.0.1:{port}"
 
@@ -187,6 +195,7 @@ def test_the_readme_job_then_the_dashboard_alone_shows_steps_divergence_and_aler
         assert content.find_elements(By.CSS_SELECTOR, f"#{alerts.OPEN} a[href*='?step=']")
         _screenshot(driver, "alerts")
         assert _severe(driver) == []
+        driver.get("about:blank")  # no live page left polling a server about to stop
 
 
 @contextmanager
@@ -216,7 +225,7 @@ def test_pages_say_when_steps_wait_with_no_worker(tmp_path: Path, browser: webdr
     assert "steps compared" not in job.stderr
     store = Store(f"sqlite:///{tmp_path / 'isoaudit.db'}")
     command = f"isoaudit worker --database-url 'sqlite:///{tmp_path / 'isoaudit.db'}'"
-    driver = browser
+    driver = _fresh(browser)
     try:
         with serving(create_app(store, live_interval_ms=500, stalled_after_s=1.0)) as base:
             driver.get(base + urls.RUNS)
@@ -244,6 +253,8 @@ def test_pages_say_when_steps_wait_with_no_worker(tmp_path: Path, browser: webdr
             driver.get(base + urls.RUNS)
             _wait(driver).until(EC.presence_of_element_located((By.ID, runs.TABLE_BODY)))
             assert not driver.find_elements(By.CSS_SELECTOR, f"#{runs.BACKLOG}.alert")
-            assert _severe(driver) == []
+            severe = _severe(driver)
+            assert severe == [], severe
+            driver.get("about:blank")
     finally:
         store.dispose()

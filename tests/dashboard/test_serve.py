@@ -26,11 +26,13 @@ def _free_port() -> int:
 
 @contextmanager
 def dashboard(
-    tmp_path: Path, *args: str, env: dict[str, str] | None = None
+    tmp_path: Path, *args: str, env: dict[str, str] | None = None, http: bool = True
 ) -> Iterator[tuple[subprocess.Popen[bytes], int, Path]]:
-    """``isoaudit dashboard`` over a fresh SQLite file as its own process, once it answers HTTP;
-    yields the process, its port and the file its output goes to. Stopped with SIGTERM."""
+    """``isoaudit dashboard`` over a fresh SQLite file as its own process, once it answers HTTP
+    (``http=False``: once its port accepts connections, with no request made); yields the process,
+    its port and the file its output goes to. Stopped with SIGTERM."""
     port = _free_port()
+    tmp_path.mkdir(parents=True, exist_ok=True)
     url = f"sqlite:///{tmp_path / 'isoaudit.db'}"
     log = tmp_path / f"dashboard-{port}.log"
     command = [sys.executable, "-m", "isoaudit.cli", "dashboard", "--database-url", url, "--port", str(port)]
@@ -45,9 +47,12 @@ def dashboard(
         deadline = time.monotonic() + 60
         while True:
             try:
-                httpx.get(f"http://127.0.0.1:{port}/", timeout=2)
+                if http:
+                    httpx.get(f"http://127.0.0.1:{port}/", timeout=2)
+                else:
+                    socket.create_connection(("127.0.0.1", port), timeout=2).close()
                 break
-            except httpx.TransportError:
+            except (httpx.TransportError, OSError):
                 assert process.poll() is None, log.read_text()
                 assert time.monotonic() < deadline, "the dashboard did not start"
                 time.sleep(0.3)
@@ -111,3 +116,29 @@ def test_a_bad_database_is_said_before_anything_serves(tmp_path):
         timeout=60,
     )
     assert done.returncode == 1 and "database: cannot open" in done.stdout, done.stdout + done.stderr
+
+
+def test_a_fresh_worker_serves_concurrent_first_requests(tmp_path):
+    """Dash sets itself up on its first request; without that done before serving, requests arriving
+    at once on a fresh worker's threads found its scripts half registered (500, a blank page)."""
+    import re
+    from concurrent.futures import ThreadPoolExecutor
+
+    with dashboard(tmp_path / "a", "--workers", "1") as (_, port, _log):
+        index = httpx.get(f"http://127.0.0.1:{port}/", timeout=10).text
+    scripts = sorted(set(re.findall(r'src="(/_dash-component-suites/[^"]+)"', index)))
+    assert len(scripts) >= 5
+    for attempt in range(3):
+        with dashboard(tmp_path / f"b{attempt}", "--workers", "1", "--threads", "8", http=False) as (
+            _,
+            port,
+            log,
+        ):
+            # The port accepts before the worker serves: these wait in the backlog, then land at once.
+            with ThreadPoolExecutor(len(scripts)) as pool:
+                codes = list(
+                    pool.map(
+                        lambda s: httpx.get(f"http://127.0.0.1:{port}{s}", timeout=60).status_code, scripts
+                    )
+                )
+            assert codes == [200] * len(scripts), (codes, log.read_text()[-2000:])
