@@ -52,7 +52,8 @@ class ComparisonWorker:
     result of the batch in one transaction that first gives the claims back: a worker whose lease
     was retaken saves nothing, so each step's results are written once (``StepResultRow.revision``
     counts the times a step was compared; it grows only when records of it arrive afterwards).
-    ``max_pairs`` bounds a batch (memory, and the time it must fit into the lease)."""
+    ``max_pairs`` bounds a batch (memory, and the time it must fit into the lease). ``run_id``: the
+    background thread compares only that run's steps (a job's own comparer; it backfills nothing)."""
 
     def __init__(
         self,
@@ -64,8 +65,10 @@ class ComparisonWorker:
         lease_s: float = 60.0,
         max_pairs: int = 1024,
         name: str | None = None,
+        run_id: str | None = None,
     ) -> None:
         self.store = store
+        self.run_id = run_id
         self.on_step = on_step
         self.interval = interval
         self.clip_eps = clip_eps
@@ -222,7 +225,7 @@ class ComparisonWorker:
     def _loop(self) -> None:
         while not self._stop.is_set():
             try:
-                busy = self.run_once() > 0 or self.backfill() > 0
+                busy = self.run_once(self.run_id) > 0 or (self.run_id is None and self.backfill() > 0)
             except Exception:
                 log.exception("comparison pass failed")
                 busy = False
@@ -281,9 +284,16 @@ class WorkerProcess:
     the API dies (:func:`die_with_parent`). Comparison is CPU-bound Python: in the API's process it
     would share one GIL with request handling, which starves both under load.
 
-    The child gets this process's environment with the database, webhook and Alertmanager URLs in
-    it (never on its command line, where ``ps`` would show their secrets); it installs no rules (the
-    API did, before it started), it only compares and evaluates them."""
+    The child gets this process's environment with the database and webhook URLs in it (never on
+    its command line, where ``ps`` would show their secrets); it installs no rules (the API did,
+    before it started), it only compares and evaluates them.
+
+    A session's own comparer (``isoaudit.session(..., compare="process")``) starts one with
+    ``run_id`` (the child compares that run only), ``configure_alerts`` (the child installs the
+    configured rules and reads every alerting setting from the environment it inherits, since the
+    job set up nothing), ``quiet`` (its stdout, the worker's banner, goes nowhere; its log lines
+    still reach the job's stderr), ``nice`` (the child lowers its own CPU priority by this much)
+    and ``env`` (variables set for the child only, e.g. one BLAS thread)."""
 
     def __init__(
         self,
@@ -291,6 +301,11 @@ class WorkerProcess:
         *,
         webhook_url: str | None = None,
         alertmanager_url: str | None = None,
+        run_id: str | None = None,
+        configure_alerts: bool = False,
+        quiet: bool = False,
+        nice: int = 0,
+        env: Mapping[str, str] | None = None,
         restart_s: float = 1.0,
         restart_max_s: float = 30.0,
         stop_timeout_s: float = 15.0,
@@ -298,10 +313,16 @@ class WorkerProcess:
         self.database_url = database_url
         self.webhook_url = webhook_url
         self.alertmanager_url = alertmanager_url
+        self.run_id = run_id
+        self.configure_alerts = configure_alerts
+        self.quiet = quiet
+        self.nice = nice
+        self.env = dict(env or {})
         self.restart_s = restart_s
         self.restart_max_s = restart_max_s
         self.stop_timeout_s = stop_timeout_s
         self.restarts = 0
+        self.start_failures = 0  # the child could not be started at all (retried with the same backoff)
         self.process: Any = None
         self._stop = threading.Event()
         self._started = threading.Event()
@@ -310,7 +331,14 @@ class WorkerProcess:
     def command(self) -> list[str]:
         import sys
 
-        return [sys.executable, "-m", "isoaudit.cli", "worker"]
+        return [
+            sys.executable,
+            "-m",
+            "isoaudit.cli",
+            "worker",
+            *(["--run", self.run_id] if self.run_id else []),
+            *(["--nice", str(self.nice)] if self.nice else []),
+        ]
 
     def start(self, timeout: float = 60.0) -> WorkerProcess:
         """Start the supervising thread (which starts the child) and wait until the child says it
@@ -332,21 +360,29 @@ class WorkerProcess:
 
         env = {
             **os.environ,
+            **self.env,
             PARENT_ENV: str(os.getpid()),
             "ISOAUDIT_DATABASE_URL": self.database_url,
-            "ISOAUDIT_DEFAULT_ALERT_RULES": "0",
         }
-        env.pop("ISOAUDIT_ALERT_RULES", None)
-        env.pop("ISOAUDIT_ALERT_WEBHOOK_URL", None)
+        if not self.configure_alerts:
+            env["ISOAUDIT_DEFAULT_ALERT_RULES"] = "0"
+            env.pop("ISOAUDIT_ALERT_RULES", None)
+            env.pop("ISOAUDIT_ALERT_WEBHOOK_URL", None)
+            env.pop("ISOAUDIT_ALERTMANAGER_URL", None)
         if self.webhook_url:
             env["ISOAUDIT_ALERT_WEBHOOK_URL"] = self.webhook_url
-        env.pop("ISOAUDIT_ALERTMANAGER_URL", None)
         if self.alertmanager_url:
             env["ISOAUDIT_ALERTMANAGER_URL"] = self.alertmanager_url
         ready, tell = os.pipe()
         env[READY_FD_ENV] = str(tell)
         try:
-            process = subprocess.Popen(self.command(), env=env, pass_fds=(tell,))
+            process = subprocess.Popen(
+                self.command(),
+                env=env,
+                pass_fds=(tell,),
+                stdout=subprocess.DEVNULL if self.quiet else None,
+                stdin=subprocess.DEVNULL,
+            )
         finally:
             os.close(tell)
         threading.Thread(target=self._await_ready, args=(ready,), daemon=True).start()
@@ -370,6 +406,7 @@ class WorkerProcess:
             try:
                 self.process = self._spawn()
             except OSError:
+                self.start_failures += 1
                 log.exception("cannot start the comparison worker process; retrying in %.0f s", delay)
                 self._started.set()
                 self._stop.wait(delay)

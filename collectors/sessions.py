@@ -9,11 +9,16 @@ environment, so a job moves from a laptop to a shared service without a code cha
 * ``database_url`` or ``ISOAUDIT_DATABASE_URL``: straight into that database (control read from it);
 * otherwise the embedded SQLite store ``./isoaudit.db``.
 
+With a database destination the session also compares its run's steps and evaluates the alert rules
+(``compare=``, :mod:`isoaudit.collectors.comparer`): a child process by default, so nothing else need
+run; the service destination leaves that to the service.
+
 Used as a context manager it starts on entry and closes on exit; without ``with`` (a framework
 callback: ``on_train_begin`` / ``on_train_end``) call :meth:`Session.start` and
 :meth:`Session.close`. Closing flushes, detaches every hook (idempotent, like a
-``RemovableHandle``), closes the sinks and returns (and prints) what each side sent, spooled,
-dropped and had rejected.
+``RemovableHandle``), closes the sinks, waits for the session's comparer to compare what they
+delivered, and returns (and prints) what each side sent, spooled, dropped and had rejected, and how
+many steps are compared.
 
 With ``trackers=("wandb", "mlflow")`` (or ``ISOAUDIT_TRACKERS``) the session also logs its run's
 compared steps into the job's W&B and MLflow runs (:mod:`isoaudit.collectors.trackers`).
@@ -33,6 +38,13 @@ from typing import TYPE_CHECKING, Any, TypedDict, TypeVar
 from isoaudit.audit.config import database_url as resolve_database_url
 from isoaudit.audit.records import Case, Run, StepStats
 from isoaudit.collectors.base import Collector, run_record
+from isoaudit.collectors.comparer import (
+    DEFAULT_COMPARE_TIMEOUT_S,
+    CompareMode,
+    ComparisonReport,
+    SessionComparer,
+    compare_mode,
+)
 from isoaudit.collectors.control import ControlChannel, FixedControl, ServiceControl, StoreControl
 from isoaudit.collectors.manifest import ContractArg
 from isoaudit.collectors.regions import RegionsArg
@@ -74,8 +86,16 @@ class Destination(ABC):
     def control(self, run_id: str) -> ControlChannel:
         """The run's control channel (one per session)."""
 
+    def begin(self, run_id: str, rank: int | None, *, report: bool = True) -> None:
+        """Called when the session opens its first sink, once its run and rank are known."""
+        return None
+
     def close(self) -> None:
         """Release what the destination holds once its sinks are closed."""
+        return None
+
+    def comparison(self) -> ComparisonReport | None:
+        """How the run's comparison stood at close, where this destination compares."""
         return None
 
 
@@ -128,7 +148,13 @@ class ServiceDestination(Destination):
 class DatabaseDestination(Destination):
     """Direct writes to the store at ``url`` (any SQLAlchemy URL; ``postgresql://`` works as is).
     ``project``: the project runs belong to; ``spool_dir``: where batches wait while the database
-    is down (``None``: no spool); ``control_interval``: seconds between reads of the control record."""
+    is down (``None``: no spool); ``control_interval``: seconds between reads of the control record.
+
+    ``compare``: who compares the run's steps and evaluates its alerts: ``"process"`` (a child
+    process of the job), ``"thread"`` (a thread of it) or ``"none"`` (your own ``isoaudit worker``
+    or ``isoaudit serve``); default ``ISOAUDIT_COMPARE``, else ``"process"``. Only rank 0 (or a job
+    without ranks) starts a comparer. ``compare_timeout``: the most seconds closing waits for the
+    run's steps to be compared (:mod:`isoaudit.collectors.comparer`)."""
 
     def __init__(
         self,
@@ -137,6 +163,8 @@ class DatabaseDestination(Destination):
         project: str = "default",
         spool_dir: str | Path | None = None,
         control_interval: float = 1.0,
+        compare: CompareMode | None = None,
+        compare_timeout: float = DEFAULT_COMPARE_TIMEOUT_S,
     ) -> None:
         from isoaudit.collectors.sinks.direct import SharedStore
 
@@ -144,7 +172,13 @@ class DatabaseDestination(Destination):
         self.project = project
         self.spool_dir = Path(spool_dir) if spool_dir is not None else None
         self.control_interval = control_interval
+        self.compare = compare_mode(compare)
+        if compare_timeout < 0:
+            raise ValueError(f"compare_timeout: must be >= 0 seconds, got {compare_timeout}")
+        self.compare_timeout = compare_timeout
         self.shared: SharedStore = SharedStore(self.url)
+        self._comparer: SessionComparer | None = None
+        self._comparison: ComparisonReport | None = None
 
     def sink(self, side: str) -> Sink:
         from isoaudit.collectors.sinks.direct import DirectSink
@@ -159,8 +193,24 @@ class DatabaseDestination(Destination):
     def control(self, run_id: str) -> ControlChannel:
         return StoreControl(run_id, self.shared, interval=self.control_interval)
 
+    def begin(self, run_id: str, rank: int | None, *, report: bool = True) -> None:
+        """Start the run's comparer, unless ``compare="none"``, another rank's session compares, or
+        one runs already."""
+        if self.compare == "none" or rank not in (None, 0) or self._comparer is not None:
+            return
+        self._comparer = SessionComparer(
+            self.shared, run_id, self.compare, timeout=self.compare_timeout, report=report
+        ).start()
+
     def close(self) -> None:
+        """Drain and stop the comparer (bounded by ``compare_timeout``), then close the store."""
+        if self._comparer is not None:
+            self._comparison = self._comparer.close()
+            self._comparer = None
         self.shared.reset()
+
+    def comparison(self) -> ComparisonReport | None:
+        return self._comparison
 
 
 class MemoryDestination(Destination):
@@ -189,10 +239,13 @@ def destination_from(
     project: str = "default",
     spool_dir: str | Path | None = None,
     control_interval: float | None = None,
+    compare: CompareMode | None = None,
+    compare_timeout: float = DEFAULT_COMPARE_TIMEOUT_S,
     environ: Mapping[str, str] | None = None,
 ) -> Destination:
     """The destination the arguments name, else the environment's, else the SQLite default (see
-    the module docstring). An explicit ``database_url`` wins over ``ISOAUDIT_URL``."""
+    the module docstring). An explicit ``database_url`` wins over ``ISOAUDIT_URL``. ``compare`` and
+    ``compare_timeout`` apply to a database destination (the service compares for its clients)."""
     env = os.environ if environ is None else environ
     if database_url is None:
         url = url or env.get("ISOAUDIT_URL") or None
@@ -208,6 +261,8 @@ def destination_from(
         project=project,
         spool_dir=spool_dir,
         control_interval=1.0 if control_interval is None else control_interval,
+        compare=compare_mode(compare, env),
+        compare_timeout=compare_timeout,
     )
 
 
@@ -229,10 +284,12 @@ class SideSummary:
 
 @dataclass(frozen=True)
 class Summary:
-    """What a session delivered, per side."""
+    """What a session delivered, per side, and (where the session compared) how many steps of its
+    run are compared."""
 
     run_id: str
     sides: dict[str, SideSummary]
+    comparison: ComparisonReport | None = None
 
     def __str__(self) -> str:
         parts = [
@@ -240,7 +297,8 @@ class Summary:
             + (f", errors {s.errors}" if s.errors else "")
             for side, s in self.sides.items()
         ]
-        return f"isoaudit run {self.run_id}: " + ("; ".join(parts) or "nothing recorded")
+        text = f"isoaudit run {self.run_id}: " + ("; ".join(parts) or "nothing recorded")
+        return text + (f"; {self.comparison}" if self.comparison is not None else "")
 
 
 # ---------------------------------------------------------------- session
@@ -343,7 +401,7 @@ class Session:
             c = sink.counters
             errors = sum(x.counters.errors for x in self.collectors if x.sink is sink)
             sides[side] = SideSummary(c.sent, c.spooled, c.dropped, c.rejected, errors)
-        return Summary(self.run.run_id, sides)
+        return Summary(self.run.run_id, sides, self.destination.comparison())
 
     # ---------------------------------------------------------------- sides
 
@@ -522,7 +580,10 @@ class Session:
             sink = self.destination.sink(side)
             if self.rank is None:
                 self.rank = detect_rank()
+            first = not self._sinks
             self._sinks[side] = stamp_rank(sink, self.rank) if self.rank is not None else sink
+            if first:
+                self.destination.begin(self.run.run_id, self.rank, report=self.report)
         return self._sinks[side]
 
     def _add(self, collector: C) -> C:
@@ -539,6 +600,8 @@ class SessionOptions(TypedDict, total=False):
     project: str
     spool_dir: str | Path | None
     control_interval: float | None
+    compare: CompareMode | None
+    compare_timeout: float
     destination: Destination | None
     strict: bool
     report: bool
@@ -557,6 +620,8 @@ def session(
     project: str = "default",
     spool_dir: str | Path | None = None,
     control_interval: float | None = None,
+    compare: CompareMode | None = None,
+    compare_timeout: float = DEFAULT_COMPARE_TIMEOUT_S,
     destination: Destination | None = None,
     strict: bool = False,
     report: bool = True,
@@ -571,7 +636,12 @@ def session(
     ``database_url``: direct writes (default ``ISOAUDIT_DATABASE_URL``, else ``./isoaudit.db``);
     ``project``: the project of direct writes; ``spool_dir``: where records wait while the
     destination is down (service default :data:`~isoaudit.collectors.sinks.spool.DEFAULT_SPOOL_DIR`); ``control_interval``: seconds
-    between control reads (service 2, database 1); ``destination``: any :class:`Destination`
+    between control reads (service 2, database 1); ``compare``: who compares the steps of a
+    database destination and evaluates its alerts: ``"process"`` (the default, or
+    ``ISOAUDIT_COMPARE``: a child process of the job), ``"thread"`` (a thread of the job) or
+    ``"none"`` (your own ``isoaudit worker`` fleet); ``compare_timeout``: the most seconds closing
+    waits for the run's steps to be compared (it prints what is left and the command that compares
+    it); ``destination``: any :class:`Destination`
     instead (e.g. :class:`MemoryDestination`); ``strict``: collectors raise instead of counting
     errors (tests); ``report``: print the summary on close; ``contracts``: every side a ``watch_*``
     call gives no contract gets one built per remediation mode from what it runs
@@ -600,6 +670,8 @@ def session(
             project=project,
             spool_dir=spool_dir,
             control_interval=control_interval,
+            compare=compare,
+            compare_timeout=compare_timeout,
         )
     return Session(
         run,

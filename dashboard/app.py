@@ -39,10 +39,13 @@ def create_app(
     auth: tuple[str, str] | None = None,
     live_interval_ms: int = 5000,
     requests_pathname_prefix: str | None = None,
+    stalled_after_s: float = context.STALLED_AFTER_S,
 ) -> dash.Dash:
     """The dashboard over ``store_or_url`` (a :class:`Store`, a database URL, or None for
     ``ISOAUDIT_DATABASE_URL`` / the SQLite default). ``auth`` = (user, password) puts every route
-    behind HTTP basic auth; live pages poll every ``live_interval_ms`` while their run is live."""
+    behind HTTP basic auth; live pages poll every ``live_interval_ms`` while their run is live; steps
+    ready to compare that wait ``stalled_after_s`` seconds with no worker comparing get a banner
+    naming the command that compares them."""
     store = store_or_url if isinstance(store_or_url, Store) else Store(store_or_url)
     app = dash.Dash(
         __name__,
@@ -54,6 +57,7 @@ def create_app(
     )
     app.server.config[context.STORE_KEY] = store
     app.server.config[context.INTERVAL_KEY] = live_interval_ms
+    app.server.config[context.STALLED_KEY] = stalled_after_s
     for page in PAGES:
         page.register(app)
     app.layout = _shell
@@ -61,4 +65,9 @@ def create_app(
         import dash_auth
 
         dash_auth.BasicAuth(app, {auth[0]: auth[1]})
+    # Dash sets itself up on its first request (registering the scripts it may serve), and another
+    # request arriving on another thread meanwhile finds that half done: a 500 on a script and a
+    # blank page, seen under gunicorn's threads. So the first request is made here, before serving
+    # (Dash's set-up runs before the basic-auth check, so a 401 does it too).
+    app.server.test_client().get("/_dash-layout")
     return app

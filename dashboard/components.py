@@ -12,6 +12,8 @@ import pandas as pd
 import plotly.graph_objects as go
 from dash import dcc, html
 from dash.dash_table.DataTable import DataTable
+from dash.development.base_component import Component
+from isoaudit.audit.db import Backlog
 from isoaudit.audit.records import utcnow
 
 STATUS_COLOURS = {"live": "success", "idle": "secondary"}
@@ -139,3 +141,28 @@ def not_found(message: str) -> dbc.Alert:
 def no_run(run_id: str | None) -> dbc.Alert:
     """What a run's page shows for a run id the store does not hold."""
     return not_found(f"No run {run_id!r} in this store.")
+
+
+def plural(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def backlog_banner(backlog: Backlog, database_url: str, component_id: str) -> Component:
+    """What a page says of steps that wait for comparison with no worker comparing them: how many,
+    since when, and the command that compares them (an empty placeholder when none wait)."""
+    if not backlog:
+        return html.Div(id=component_id)
+    runs = f" of {plural(backlog.runs, 'run')}" if backlog.runs > 1 else ""
+    return dbc.Alert(
+        [
+            html.Strong("Steps wait for comparison. "),
+            f"{plural(backlog.steps, 'step')}{runs} ({plural(backlog.samples, 'sample')}) have both sides "
+            f"stored, the oldest queued {ago(backlog.oldest)}, and no comparison worker is comparing them "
+            '(the job ran with compare="none", or ended before its comparer caught up). Compare them, '
+            "and later ones, with ",
+            html.Code(f"isoaudit worker --database-url '{database_url}'"),
+            " (add --once to compare what is there and exit).",
+        ],
+        color="info",
+        id=component_id,
+    )

@@ -7,6 +7,10 @@ from isoaudit.audit.db import Store
 
 STORE_KEY = "ISOAUDIT_STORE"
 INTERVAL_KEY = "ISOAUDIT_LIVE_INTERVAL_MS"
+STALLED_KEY = "ISOAUDIT_STALLED_AFTER_S"
+#: Ready steps waiting this long with no worker comparing anything of their run are called stalled:
+#: long enough to cover a worker's start (a second or two) and a slow batch, which holds a claim.
+STALLED_AFTER_S = 30.0
 
 
 def store() -> Store:
@@ -16,6 +20,10 @@ def store() -> Store:
 
 def live_interval_ms() -> int:
     return int(flask.current_app.config.get(INTERVAL_KEY, 5000))
+
+
+def stalled_after_s() -> float:
+    return float(flask.current_app.config.get(STALLED_KEY, STALLED_AFTER_S))
 
 
 def user() -> str:

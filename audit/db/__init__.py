@@ -16,13 +16,14 @@ from isoaudit.audit.db.engine import (
     redacted_url,
 )
 from isoaudit.audit.db.ingest import ForbiddenRun, IngestResult
-from isoaudit.audit.db.queue import StepClaim
+from isoaudit.audit.db.queue import Backlog, StepClaim
 from isoaudit.audit.db.results import SampleResult, StepResult
 from isoaudit.audit.db.runs import MAX_PAGE, RunSummary, StepCounts
 from isoaudit.audit.db.store import Store
 
 __all__ = [
     "MAX_PAGE",
+    "Backlog",
     "UNAVAILABLE_ERRORS",
     "ForbiddenRun",
     "IngestResult",

@@ -4,6 +4,8 @@ place of the driver's, so no caller above it needs to know SQLAlchemy."""
 
 from __future__ import annotations
 
+import sqlite3
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
@@ -82,10 +84,21 @@ def _first_line(exc: Exception) -> str:
 def _sqlite_pragmas(timeout_s: float) -> Callable[[DBAPIConnection, ConnectionPoolEntry], None]:
     def connect(dbapi_connection: DBAPIConnection, _record: ConnectionPoolEntry) -> None:
         cursor = dbapi_connection.cursor()
-        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute(f"PRAGMA busy_timeout={int(timeout_s * 1000)}")
+        # Switching a fresh file to WAL needs it to itself, and SQLite answers "locked" at once, busy
+        # timeout or not, while another connection does the same (a job's sinks and its comparer
+        # opening one new file): try again for up to the timeout.
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                cursor.execute("PRAGMA journal_mode=WAL")
+                break
+            except sqlite3.OperationalError as exc:
+                if "locked" not in str(exc) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.02)
         cursor.execute("PRAGMA synchronous=NORMAL")
         cursor.execute("PRAGMA foreign_keys=ON")
-        cursor.execute(f"PRAGMA busy_timeout={int(timeout_s * 1000)}")
         cursor.close()
 
     return connect

@@ -1,20 +1,35 @@
-"""The comparison queue: samples whose records changed since they were last compared, and the leases
+"""The comparison queue: samples whose records changed since they were last compared, the leases
 under which comparison workers claim whole steps of them (so each step is compared by one worker, and
-a dead worker's steps are retaken when its lease runs out)."""
+a dead worker's steps are retaken when its lease runs out), and the backlog: what waits, and whether
+any worker is attending to it."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 
 from isoaudit.audit.db.engine import Part, table_of
-from isoaudit.audit.db.models import ComparisonClaimRow, PendingComparisonRow, SampleRow
+from isoaudit.audit.db.models import ComparisonClaimRow, PendingComparisonRow, SampleRow, StepResultRow
 from isoaudit.audit.records import utcnow
-from sqlalchemy import ColumnElement, Select, delete, func, select, tuple_, update
+from sqlalchemy import ColumnElement, Select, delete, exists, func, select, tuple_, update
 from sqlalchemy.orm import Session
 
-__all__ = ["Queue", "StepClaim", "release"]
+__all__ = ["Backlog", "Queue", "StepClaim", "release"]
+
+
+@dataclass(frozen=True)
+class Backlog:
+    """Samples ready to compare (both sides stored) that no worker has compared yet: how many, in
+    how many steps and runs, and when the longest-waiting of them was queued."""
+
+    samples: int = 0
+    steps: int = 0
+    runs: int = 0
+    oldest: datetime | None = None
+
+    def __bool__(self) -> bool:
+        return self.samples > 0
 
 
 @dataclass(frozen=True)
@@ -66,6 +81,59 @@ class Queue(Part):
         )
         with self.sessions() as session:
             return [(run, step, key) for run, step, key in session.execute(query)]
+
+    def backlog(self, run_id: str | None = None, *, queued_before: datetime | None = None) -> Backlog:
+        """The samples ready to compare (only ``run_id``'s if given; only those queued before
+        ``queued_before`` if given)."""
+        where: list[ColumnElement[bool]] = []
+        if run_id is not None:
+            where.append(PendingComparisonRow.run_id == run_id)
+        if queued_before is not None:
+            where.append(PendingComparisonRow.queued_at < queued_before)
+        return self._backlog(where)
+
+    def stalled_backlog(self, after_s: float, run_id: str | None = None) -> Backlog:
+        """The ready samples no comparison worker is attending to (only ``run_id``'s if given): queued
+        more than ``after_s`` seconds ago, of runs none of whose steps was compared in that time, while
+        no worker holds a live claim anywhere (a worker busy with an older backlog holds one). Empty
+        while any worker compares; what a page shows to say that nothing will compare these steps."""
+        now = utcnow()
+        cutoff = now - timedelta(seconds=after_s)
+        with self.sessions() as session:
+            if session.scalar(select(exists().where(ComparisonClaimRow.leased_until > now))):
+                return Backlog()
+        recent = (
+            select(StepResultRow.run_id)
+            .where(StepResultRow.run_id == PendingComparisonRow.run_id, StepResultRow.computed_at >= cutoff)
+            .exists()
+        )
+        where = [PendingComparisonRow.queued_at < cutoff, ~recent]
+        if run_id is not None:
+            where.append(PendingComparisonRow.run_id == run_id)
+        return self._backlog(where)
+
+    def _backlog(self, where: Sequence[ColumnElement[bool]]) -> Backlog:
+        ready = self._ready(*where).subquery()
+        steps = (
+            select(
+                ready.c.run_id,
+                func.count().label("samples"),
+                func.min(ready.c.queued_at).label("oldest"),
+            )
+            .group_by(ready.c.run_id, ready.c.step)
+            .subquery()
+        )
+        totals = select(
+            func.coalesce(func.sum(steps.c.samples), 0),
+            func.count(),
+            func.count(func.distinct(steps.c.run_id)),
+            func.min(steps.c.oldest),
+        )
+        with self.sessions() as session:
+            samples, n_steps, runs, oldest = session.execute(totals).one()
+        if oldest is not None and oldest.tzinfo is None:  # SQLite hands timestamps back without their zone
+            oldest = oldest.replace(tzinfo=UTC)
+        return Backlog(int(samples), int(n_steps), int(runs), oldest)
 
     def claim_steps(
         self, worker: str, *, lease_s: float, max_pairs: int = 1024, run_id: str | None = None

@@ -207,6 +207,12 @@ class Results(Part):
         with self.sessions() as session:
             return [_typed(StepResult, row) for row in session.scalars(query.order_by(StepResultRow.step))]
 
+    def compared_steps(self, run_id: str) -> int:
+        """How many steps of a run have results."""
+        query = select(func.count()).select_from(StepResultRow).where(StepResultRow.run_id == run_id)
+        with self.sessions() as session:
+            return int(session.scalar(query) or 0)
+
     def compared_keys(self, run_id: str, step: int) -> list[str]:
         """The sample keys of a step that have results."""
         with self.sessions() as session:

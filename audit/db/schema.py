@@ -26,10 +26,16 @@ def alembic_config(url: str | None = None) -> Config:
 
 
 def upgrade(engine: Engine | str | None = None, revision: str = "head") -> None:
-    """Bring the database up to ``revision`` (idempotent: an up-to-date schema is left alone)."""
+    """Bring the database up to ``revision`` (idempotent: an up-to-date schema is left alone).
+
+    On SQLite the whole upgrade is one ``BEGIN IMMEDIATE`` transaction: processes opening a fresh
+    file at the same moment (a job's sinks and its comparer) take turns, and each after the first
+    finds the schema at head, instead of creating the same tables twice."""
     engine = engine if isinstance(engine, Engine) else make_engine(engine)
     config = alembic_config()
     with engine.begin() as connection:
+        if engine.dialect.name == "sqlite":
+            connection.exec_driver_sql("BEGIN IMMEDIATE")  # the driver issues no BEGIN before DDL
         config.attributes["connection"] = connection
         command.upgrade(config, revision)
 

@@ -47,6 +47,11 @@ class Store(Ingest, Runs, Records, Queue, Results, Control, Steps):
             ensure_schema(self.engine, may_upgrade=self.dialect == "sqlite" if upgrade is None else upgrade)
         self.sessions = sessionmaker(self.engine, expire_on_commit=False)
 
+    @property
+    def printable_url(self) -> str:
+        """The database's URL with its password hidden (for messages and commands shown to people)."""
+        return self.engine.url.render_as_string(hide_password=True)
+
     def schema_revision(self) -> str | None:
         """Ask the database for its schema revision (a health check: raises
         :class:`StoreUnavailable` when it does not answer)."""

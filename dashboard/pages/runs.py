@@ -9,12 +9,13 @@ from dash.development.base_component import Component
 from isoaudit.audit.db import reads
 from isoaudit.audit.records import utcnow
 from isoaudit.dashboard import context, data, figures
-from isoaudit.dashboard.components import STATUS_COLOURS, ago, badge, frame_table, text
+from isoaudit.dashboard.components import STATUS_COLOURS, ago, backlog_banner, badge, frame_table, text
 from isoaudit.dashboard.pages import urls
 
 # Component ids.
 TABLE = "runs-table"  # what the interval redraws
 TABLE_BODY = "runs-table-body"
+BACKLOG = "runs-backlog"  # the banner over steps no worker compares
 INTERVAL = "runs-interval"
 
 
@@ -66,7 +67,10 @@ def runs_table(frame: pd.DataFrame) -> Component:
 
 
 def render() -> Component:
-    return runs_table(data.runs_frame(reads.runs_overview(context.store())))
+    """The banner over steps that no worker compares (when some wait), then the runs table."""
+    store = context.store()
+    banner = backlog_banner(store.stalled_backlog(context.stalled_after_s()), store.printable_url, BACKLOG)
+    return html.Div([banner, runs_table(data.runs_frame(reads.runs_overview(store)))])
 
 
 def layout(**_: object) -> html.Div:

@@ -1,13 +1,18 @@
-"""``isoaudit dashboard``: serve the Dash dashboard over a store."""
+"""``isoaudit dashboard``: serve the Dash dashboard over a store, through gunicorn (Flask's
+development server only with ``--dev``)."""
 
 from __future__ import annotations
 
 import ipaddress
-from typing import Annotated
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from isoaudit.cli.common import DatabaseOption, console
+from isoaudit.cli.common import DatabaseOption, console, open_store
+
+if TYPE_CHECKING:
+    from flask import Flask
 
 
 def is_loopback(host: str) -> bool:
@@ -30,6 +35,34 @@ def parse_auth(value: str | None) -> tuple[str, str] | None:
     return user, password
 
 
+def bind_address(host: str, port: int) -> str:
+    """gunicorn's ``host:port`` (an IPv6 address in brackets)."""
+    try:
+        if ipaddress.ip_address(host).version == 6:
+            return f"[{host}]:{port}"
+    except ValueError:
+        pass
+    return f"{host}:{port}"
+
+
+def gunicorn_server(app_factory: Callable[[], Flask], options: Mapping[str, Any]) -> Any:
+    """A gunicorn application serving what ``app_factory`` builds, configured by ``options``
+    (gunicorn's setting names). The factory runs in each worker after the fork, so every worker
+    opens its own database connections (a pooled connection must never cross a fork)."""
+    from gunicorn.app.base import BaseApplication
+
+    class DashboardServer(BaseApplication):  # gunicorn ships no type hints: Any to mypy
+        def load_config(self) -> None:
+            for key, value in options.items():
+                if key in self.cfg.settings:  # a setting newer than the installed gunicorn is skipped
+                    self.cfg.set(key, value)
+
+        def load(self) -> Flask:
+            return app_factory()
+
+    return DashboardServer()
+
+
 app = typer.Typer()
 
 
@@ -48,8 +81,25 @@ def dashboard(
         ),
     ] = None,
     live_interval_ms: Annotated[int, typer.Option(help="How often live pages poll (ms).", min=250)] = 5000,
+    workers: Annotated[
+        int,
+        typer.Option(
+            "--workers",
+            envvar="ISOAUDIT_DASHBOARD_WORKERS",
+            min=1,
+            help="gunicorn worker processes (each serves --threads requests at once).",
+        ),
+    ] = 2,
+    threads: Annotated[int, typer.Option("--threads", min=1, help="Threads per worker process.")] = 4,
+    dev: Annotated[
+        bool,
+        typer.Option(
+            "--dev", help="Serve with Flask's development server (one process) instead of gunicorn."
+        ),
+    ] = False,
 ) -> None:
-    """Serve the dashboard: runs, heatmaps, samples, contracts, alerts and the remediation toggle."""
+    """Serve the dashboard: runs, heatmaps, samples, contracts, alerts and the remediation toggle,
+    through gunicorn with --workers processes (--dev: Flask's development server)."""
     credentials = parse_auth(auth)
     if credentials is None and not is_loopback(host):
         console.print(
@@ -59,6 +109,35 @@ def dashboard(
         raise typer.Exit(2)
     from isoaudit.dashboard import create_app  # the CLI is the composition root (see the import contract)
 
-    dash_app = create_app(database, auth=credentials, live_interval_ms=live_interval_ms)
-    console.print(f"isoaudit dashboard on http://{host}:{port}" + (" (basic auth)" if credentials else ""))
-    dash_app.run(host=host, port=port, debug=False)
+    # Open the store once here: a bad URL or a schema to upgrade is said before anything serves, and
+    # an embedded SQLite file gets its schema before the workers open it.
+    store = open_store(database)
+    url = store.engine.url.render_as_string(hide_password=False)
+    shown = f"isoaudit dashboard on http://{bind_address(host, port)}" + (
+        " (basic auth)" if credentials else ""
+    )
+    if dev:
+        dash_app = create_app(store, auth=credentials, live_interval_ms=live_interval_ms)
+        console.print(f"{shown}, Flask's development server (--dev)")
+        dash_app.run(host=host, port=port, debug=False)
+        return
+    store.dispose()
+
+    def build() -> Flask:
+        return create_app(url, auth=credentials, live_interval_ms=live_interval_ms).server
+
+    options = {
+        "bind": bind_address(host, port),
+        "workers": workers,
+        "worker_class": "gthread",
+        "threads": threads,
+        "timeout": 120,  # a page over a large run may take a while to draw; a hung worker is replaced
+        "graceful_timeout": 20,
+        "proc_name": "isoaudit-dashboard",
+        # gunicorn's runtime control socket sits at one path per user: two dashboards would share it.
+        "control_socket_disable": True,
+        "errorlog": "-",
+        "loglevel": "info",
+    }
+    console.print(f"{shown}, gunicorn with {workers} worker{'s' if workers != 1 else ''} x {threads} threads")
+    gunicorn_server(build, options).run()

@@ -112,19 +112,42 @@ def worker(
     rules: RulesOption = None,
     webhook: WebhookOption = None,
     alertmanager: AlertmanagerOption = None,
+    run: Annotated[
+        str | None, typer.Option("--run", help="Compare only this run's steps.", show_default=False)
+    ] = None,
+    once: Annotated[
+        bool,
+        typer.Option(
+            "--once", help="Compare what is ready now, deliver its alert notices, then exit (no waiting)."
+        ),
+    ] = False,
+    nice: Annotated[
+        int,
+        typer.Option(
+            "--nice",
+            min=0,
+            max=19,
+            help="Lower this worker's CPU priority by N, so a job on the same machine wins the CPU.",
+        ),
+    ] = 0,
 ) -> None:
-    """Run a comparison worker and alert evaluation without the API, until SIGTERM or Ctrl-C. Start
-    as many as the queue needs, beside `isoaudit serve --no-worker` replicas: they share one queue
-    (each step is claimed by one worker under a lease, ISOAUDIT_WORKER_LEASE_S)."""
+    """Run a comparison worker and alert evaluation without the API, until SIGTERM or Ctrl-C (or, with
+    --once, until what is ready now is compared). Start as many as the queue needs, beside `isoaudit
+    serve --no-worker` replicas: they share one queue (each step is claimed by one worker under a
+    lease, ISOAUDIT_WORKER_LEASE_S)."""
+    import os
     import signal
     import threading
 
     from isoaudit.audit.alerts.setup import default_alert_engine, install_configured_rules
     from isoaudit.audit.settings import Settings
     from isoaudit.audit.trackers.setup import compose_steps, tracker_channels, worker_trackers
-    from isoaudit.audit.worker import ComparisonWorker, die_with_parent, tell_parent_ready
+    from isoaudit.audit.worker import PARENT_ENV, ComparisonWorker, die_with_parent, tell_parent_ready
 
-    die_with_parent()  # a child of `isoaudit serve` goes with it
+    die_with_parent()  # a child of `isoaudit serve` or of a job's session goes with it
+    if nice:
+        os.nice(nice)
+    parent = os.environ.get(PARENT_ENV)
     settings = Settings.from_env(
         database_url=database, alert_rules_file=rules, webhook_url=webhook, alertmanager_url=alertmanager
     )
@@ -132,19 +155,28 @@ def worker(
     install_configured_rules(store, settings)
     trackers = worker_trackers(store)  # ISOAUDIT_WANDB_*, ISOAUDIT_MLFLOW_*: None when unset
     engine = default_alert_engine(store, settings, tracker_channels(trackers)).start()
-    stop = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
     comparison = ComparisonWorker(
         store,
         on_step=compose_steps(engine.evaluate, trackers.on_step if trackers else None),
         interval=settings.worker_interval_s,
         lease_s=settings.worker_lease_s,
-    ).start()
-    console.print(f"comparison worker {comparison.name} on {store.engine.url.render_as_string()}")
-    tell_parent_ready()
-    stop.wait()
-    comparison.stop()
+        run_id=run,
+    )
+    where = store.engine.url.render_as_string()
+    if once:
+        comparison.run_once(run)
+    else:
+        stop = threading.Event()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, lambda *_: stop.set())
+        comparison.start()
+        console.print(f"comparison worker {comparison.name} on {where}" + (f", run {run}" if run else ""))
+        tell_parent_ready()
+        # Where the kernel cannot tie this process to its parent (not Linux), look for the parent.
+        while not stop.wait(1.0):
+            if parent and os.getppid() != int(parent):
+                break
+        comparison.stop()
     engine.close()
     if trackers is not None:
         trackers.close()

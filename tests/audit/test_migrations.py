@@ -56,3 +56,27 @@ def test_a_schema_newer_than_this_isoaudit_is_refused(database_url: str):
     for upgrade_flag in (None, True):
         with pytest.raises(StoreError, match="newer than this isoaudit knows"):
             Store(database_url, upgrade=upgrade_flag)
+
+
+def test_stores_opening_one_fresh_sqlite_file_at_once_all_open_it(tmp_path):
+    """A job's sinks and its comparer open the embedded store's new file at the same moment: each
+    waits for the one creating the schema, none fails with "table already exists" or "locked"."""
+    import threading
+
+    for attempt in range(15):
+        url = f"sqlite:///{tmp_path / f'fresh-{attempt}.db'}"
+        errors: list[Exception] = []
+
+        def open_it(url: str = url, errors: list[Exception] = errors) -> None:
+            try:
+                Store(url).dispose()
+            except Exception as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=open_it) for _ in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert errors == [], f"attempt {attempt}: {errors[0]}"
+        assert current_revision(make_engine(url)) == head_revision()

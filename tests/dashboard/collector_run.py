@@ -78,7 +78,9 @@ class CollectorRun:
         )
         self.engine = RolloutEngine(HFCausalLM(self.model), max_len=256)
         # Direct writes; the control record is read at every step boundary, at most every 0.2 s.
-        self.audit = isoaudit.session(run, database_url=self.url, control_interval=0.2, report=False)
+        self.audit = isoaudit.session(
+            run, database_url=self.url, control_interval=0.2, report=False, compare="none"
+        )  # the worker above compares, as the service would
         self.trainer = self.audit.watch_trainer(self.model, sample_every=1)
         self.rollout = self.audit.watch_engine(self.engine)
         self.audit.weights_changed(0)  # both sides start from the same checkpoint

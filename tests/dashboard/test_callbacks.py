@@ -202,3 +202,27 @@ def test_loop_tick_redraws_only_when_new_steps_report(app, store):
     assert loop.tick_loop(3, state, drawn_last) == (no_update, no_update)
     store.ingest([StepStats(run_id="run-1", step=2, reward_mean=0.3)])
     assert loop.tick_loop(4, state, drawn_last)[1] == 2
+
+
+def test_pages_say_when_steps_wait_with_no_worker_and_how_to_compare_them(store):
+    """Stored on both sides, never compared, nothing comparing: the runs list and the run page say
+    so with the command that compares them; once compared (or while still fresh), they say nothing."""
+    from isoaudit.dashboard.pages.run import header
+
+    store.ingest([f.run("waits"), *step_records("waits", 0), *step_records("waits", 1)])
+    command = f"isoaudit worker --database-url '{store.printable_url}'"
+    fresh = create_app(store)  # the default threshold: a worker may still be starting
+    with fresh.server.test_request_context("/"):
+        assert _text(_find(runs.layout(), runs.BACKLOG)) == ""
+    dash_app = create_app(store, stalled_after_s=0.0)
+    with dash_app.server.test_request_context("/"):
+        banner = _text(_find(runs.layout(), runs.BACKLOG))
+        assert "2 steps (6 samples) have both sides stored" in banner and command in banner
+        run_banner = _find(page.layout(run_id="waits"), ids.BACKLOG)
+        assert run_banner.color == "info" and command in _text(run_banner)
+        state = LiveState.from_json(_find(page.layout(run_id="waits"), ids.STATE).data)
+        assert command in _text(header.tick_status(1, state.to_json())[3])  # the live tick keeps it current
+        ComparisonWorker(store).run_once()
+        assert _text(_find(runs.layout(), runs.BACKLOG)) == ""
+        assert _text(_find(page.layout(run_id="waits"), ids.BACKLOG)) == ""
+        assert _text(header.tick_status(2, state.to_json())[3]) == ""

@@ -34,9 +34,10 @@ def test_both_given_sides_pair_and_compare(tmp_path: Path) -> None:
         )
     summary = audit.close()
     assert {side: s.sent for side, s in summary.sides.items()} == {"rollout": 4, "trainer": 4}
+    assert summary.comparison is not None and (summary.comparison.compared, summary.comparison.left) == (1, 0)
     store = Store(url)
     try:
-        assert ComparisonWorker(store).run_once("given") == 2
+        assert ComparisonWorker(store).run_once("given") == 0  # the session compared its step before closing
         [result] = store.step_results("given")
         assert result.step == 4
         assert result.metrics["logprob_abs_diff_max"] == pytest.approx(0.5)

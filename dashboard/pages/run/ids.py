@@ -11,6 +11,8 @@ NAV = "run-nav"  # dcc.Location: where a click on a cell or a row sends the brow
 # Header.
 TITLE = "run-title"
 STATUS = "run-status"
+BACKLOG = "run-backlog"  # the banner over steps of the run no worker compares
+BACKLOG_SLOT = "run-backlog-slot"  # where the tick redraws it
 
 # Remediation toggle.
 MODE = "run-mode"
