@@ -49,7 +49,16 @@ DEFAULT_COMPARE_TIMEOUT_S = 120.0
 COMPARER_NICE = 10
 #: ... and runs one BLAS/OpenMP thread: pools of spinning threads in two processes on the same cores
 #: (the job's torch, the comparer's numpy) slow both; comparison needs no parallel BLAS.
-COMPARER_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+#: Its figures reach W&B and MLflow through the session's own follower (``trackers=``), never
+#: through the worker's trackers, which the job's ``ISOAUDIT_WANDB_PROJECT`` /
+#: ``ISOAUDIT_MLFLOW_TRACKING_URI`` would otherwise turn on in the child as well (empty is unset).
+COMPARER_ENV = {
+    "OMP_NUM_THREADS": "1",
+    "OPENBLAS_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "ISOAUDIT_WANDB_PROJECT": "",
+    "ISOAUDIT_MLFLOW_TRACKING_URI": "",
+}
 
 
 def compare_mode(value: str | None = None, environ: Mapping[str, str] | None = None) -> CompareMode:
