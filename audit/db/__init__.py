@@ -8,6 +8,7 @@ per concern holds the store's parts: ``ingest``, ``runs``, ``records``, ``queue`
 ``control``, ``steps``; ``reads`` serves the CLI, the API and the dashboard their views.
 """
 
+from isoaudit.audit.db.codec import UnreadableRow
 from isoaudit.audit.db.engine import (
     UNAVAILABLE_ERRORS,
     StoreConflict,
@@ -35,5 +36,6 @@ __all__ = [
     "StoreConflict",
     "StoreError",
     "StoreUnavailable",
+    "UnreadableRow",
     "redacted_url",
 ]

@@ -47,10 +47,20 @@ from isoaudit.audit.records.checks import (
     check_non_negative,
     check_text,
     record_error,
+    utc_timestamp,
 )
 from isoaudit.audit.records.routes import Routes
 from numpy.typing import ArrayLike
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    AfterValidator,
+    AwareDatetime,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 SCHEMA_VERSION: Final = 1
 
@@ -79,6 +89,20 @@ def sample_key(prompt_ids: ArrayLike, completion_ids: ArrayLike = ()) -> str:
 def utcnow() -> datetime:
     """Now, in UTC: the default of every record's timestamp."""
     return datetime.now(UTC)
+
+
+def _timestamp(value: datetime) -> datetime:
+    try:
+        return utc_timestamp(value)
+    except ValueError as exc:
+        raise PydanticCustomError("timestamp_range", str(exc)) from None
+
+
+#: A stored timestamp: kept in UTC (a naive one is taken as UTC), refused outside UTC years
+#: 1970..9999 (:data:`audit.records.checks.TIMESTAMP_YEARS`), so every database gives it back.
+Timestamp = Annotated[datetime, AfterValidator(_timestamp)]
+#: The same, given with its time zone (a naive one is refused).
+AwareTimestamp = Annotated[AwareDatetime, AfterValidator(_timestamp)]
 
 
 # ---------------------------------------------------------------------- records
@@ -113,7 +137,7 @@ class Run(Record):
     kind: Literal["run"] = "run"
     run_id: RunId
     name: str = Field(default="", max_length=256)
-    started_at: datetime = Field(default_factory=utcnow)
+    started_at: Timestamp = Field(default_factory=utcnow)
     config: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")
@@ -187,7 +211,7 @@ class Manifest(Record):
     side: Side
     case: Case
     process: str = Field(default="", max_length=256, description="host:pid[/rank], to tell processes apart")
-    created_at: datetime = Field(default_factory=utcnow)
+    created_at: Timestamp = Field(default_factory=utcnow)
     runtime: RuntimeFacts = Field(default_factory=RuntimeFacts)
     regions: list[str] = Field(default_factory=list, description="canonical regions this side hooks")
     unobserved: dict[str, str] = Field(
@@ -511,7 +535,7 @@ class StepStats(Record):
     extras: dict[str, FiniteFloat] = Field(
         default_factory=dict, max_length=64, description="any other per-step figure, by name"
     )
-    created_at: datetime = Field(default_factory=utcnow)
+    created_at: Timestamp = Field(default_factory=utcnow)
 
     @model_validator(mode="after")
     def _check_names(self) -> StepStats:
