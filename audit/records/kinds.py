@@ -229,7 +229,7 @@ class Manifest(Record):
         check_text(self.process, "process")
         for name in ("runtime", "contract"):
             check_json(getattr(self, name).model_dump(), name)
-        for name in ("regions", "unobserved", "numerical_policy"):
+        for name in ("regions", "unobserved", "numerical_policy", "weight_tensor_digests"):
             check_json(getattr(self, name), name)
         for name in ("weight_version", "weight_digest"):
             if getattr(self, name) is not None:
@@ -270,6 +270,8 @@ def check_weight_spans(spans: list[WeightSpan], n_completion: int) -> None:
     """Spans start at completion index 0, strictly increase, and start inside the completion."""
     if not spans:
         raise RecordError("weight_spans", "give at least one span, or leave it out")
+    for i, span in enumerate(spans):
+        check_text(span.version, f"weight_spans.{i}.version")
     starts = [span.start for span in spans]
     if starts[0] != 0:
         raise RecordError("weight_spans", f"the first span must start at completion index 0, not {starts[0]}")

@@ -21,7 +21,7 @@ from tests import factories
 YEAR_ONE = "0001-01-01T00:00:00+05:00"
 
 
-def test_timestamps_outside_the_years_are_refused_naming_the_field(api: httpx.Client, store: Store):
+def test_values_a_database_cannot_give_back_are_refused_naming_the_field(api: httpx.Client, store: Store):
     with pytest.raises(ValidationError) as raised:
         Run(run_id="r", started_at=datetime(1, 1, 1, tzinfo=timezone(timedelta(hours=5))))
     assert raised.value.errors()[0]["loc"] == ("started_at",)
@@ -34,6 +34,17 @@ def test_timestamps_outside_the_years_are_refused_naming_the_field(api: httpx.Cl
         ),
         ({"kind": "step_stats", "run_id": "r", "step": 0, "created_at": YEAR_ONE}, "created_at"),
         ({"kind": "run", "run_id": "r", "config": {"seed": 2**64}}, "config.seed"),
+        (
+            {**factories.manifest().model_dump(mode="json"), "weight_tensor_digests": {"w\x00": "0"}},
+            "weight_tensor_digests",
+        ),
+        (
+            {
+                **factories.sample("trainer").model_dump(mode="json"),
+                "weight_spans": [{"start": 0, "version": "v\x00"}],
+            },
+            "weight_spans.0.version",
+        ),
     ]:
         with pytest.raises(RecordError) as refused:
             validate_record(record)
