@@ -19,10 +19,11 @@ from isoaudit.audit.db.engine import (
 from isoaudit.audit.db.ingest import ForbiddenRun, IngestResult
 from isoaudit.audit.db.queue import StepClaim
 from isoaudit.audit.db.results import SampleResult, StepResult
-from isoaudit.audit.db.runs import MAX_PAGE, RunSummary, StepCounts
+from isoaudit.audit.db.runs import MAX_OFFSET, MAX_PAGE, RunSummary, StepCounts
 from isoaudit.audit.db.store import Store
 
 __all__ = [
+    "MAX_OFFSET",
     "MAX_PAGE",
     "UNAVAILABLE_ERRORS",
     "ForbiddenRun",

@@ -12,10 +12,12 @@ from isoaudit.audit.db.engine import Part
 from isoaudit.audit.db.models import RunRow, SampleResultRow, SampleRow
 from sqlalchemy import func, select
 
-__all__ = ["MAX_PAGE", "RunSummary", "Runs", "StepCounts"]
+__all__ = ["MAX_OFFSET", "MAX_PAGE", "RunSummary", "Runs", "StepCounts"]
 
 #: The most rows one page of a list read returns (the API's ``limit`` is capped here).
 MAX_PAGE = 1000
+#: The largest ``offset`` a list read takes: what a BIGINT holds, with room to spare.
+MAX_OFFSET = 2**62
 
 
 @dataclass(frozen=True)

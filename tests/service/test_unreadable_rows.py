@@ -72,6 +72,8 @@ def test_values_a_database_cannot_give_back_are_refused_naming_the_field(api: ht
         assert answer.status_code == 422 and answer.json()["detail"][0]["loc"] == loc, answer.text
     listed = api.get("/v1/runs")
     assert listed.status_code == 200 and listed.json() == []
+    past = api.get("/v1/runs", params={"offset": 2**63})  # what no BIGINT holds
+    assert past.status_code == 422 and past.json()["detail"][0]["loc"] == ["query", "offset"], past.text
 
 
 def plant(store: Store, statement: str, **values: object) -> None:
