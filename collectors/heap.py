@@ -28,7 +28,7 @@ import threading
 #: The environment variable that turns freezing off (``0``, ``false``, ``no`` or ``off``).
 ENV_FREEZE = "ISOAUDIT_FREEZE_HEAP"
 
-_lock = threading.Lock()
+_lock = threading.RLock()  # a finalizer run by a collection while it is held may release a holder
 _holders = 0
 _owned = False  # whether the last release unfreezes (nobody else had frozen the heap)
 
@@ -44,11 +44,11 @@ def hold() -> bool:
     global _holders, _owned
     if not enabled():
         return False
+    gc.collect(1)  # the young generations only: milliseconds, whatever the heap's size
     with _lock:
         if _holders == 0:
             _owned = gc.get_freeze_count() == 0
         _holders += 1
-        gc.collect(1)  # the young generations only: milliseconds, whatever the heap's size
         gc.freeze()
     return True
 
