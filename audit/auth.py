@@ -20,6 +20,8 @@ from isoaudit.audit.records import utcnow
 
 TOKEN_PREFIX = "iso_"
 _TOKEN_RE = re.compile(r"^iso_([0-9a-f]{16})_([A-Za-z0-9_-]{20,128})$")
+#: A token's public id, bare or with the token's prefix (``iso_<id>``, as `tokens list` shows it).
+_TOKEN_ID_RE = re.compile(r"^(?:iso_)?([0-9a-f]{16})$")
 _PROJECT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 
 #: Compared against when the token id is unknown, so an unknown id costs the same as a wrong secret.
@@ -70,9 +72,38 @@ def verify_token(store: Store, token: str) -> Principal | None:
     return Principal(project=found.token.project, token_id=found.token.token_id)
 
 
-def revoke_token(store: Store, token_id: str) -> bool:
-    """Revoke a token by its public id; ``False`` if there is no such live token."""
-    return TokenRepository(store.sessions).revoke(token_id, utcnow())
+class TokenNotRecognised(ValueError):
+    """What was given is no token of this store (malformed, or a secret that does not match its
+    id); the message never repeats it, since it may hold a secret."""
+
+
+def token_id_of(store: Store, token_or_id: str) -> str:
+    """The public id of a token given whole (``iso_<id>_<secret>``: its secret must match the stored
+    hash) or by its id (``<id>`` or ``iso_<id>``). Raises :class:`TokenNotRecognised`."""
+    given = token_or_id.strip()
+    by_id = _TOKEN_ID_RE.match(given)
+    if by_id:
+        return by_id.group(1)
+    whole = _TOKEN_RE.match(given)
+    if not whole:
+        raise TokenNotRecognised(
+            "token: expected a token (iso_<id>_<secret>) or its id (16 hex digits, as `isoaudit tokens "
+            "list` shows it)"
+        )
+    token_id, secret = whole.groups()
+    found = TokenRepository(store.sessions).find(token_id)
+    if found is not None and not hmac.compare_digest(_sha256(secret), found.secret_sha256):
+        raise TokenNotRecognised(
+            f"token: its secret is not that of token {token_id}; nothing was revoked (give the id alone "
+            "to revoke that token whatever its secret)"
+        )
+    return token_id
+
+
+def revoke_token(store: Store, token_or_id: str) -> bool:
+    """Revoke a token, given whole or by its public id (:func:`token_id_of`); ``False`` if there is
+    no such live token."""
+    return TokenRepository(store.sessions).revoke(token_id_of(store, token_or_id), utcnow())
 
 
 def list_tokens(store: Store, project: str | None = None) -> list[Token]:

@@ -11,6 +11,8 @@
   mode can safely take effect; it asks the :class:`~isoaudit.collectors.control.ControlChannel`, applies a
   new desired mode (:meth:`Collector._apply_mode`, per side) and publishes the manifest with the
   mode it actually applied. A side that cannot apply a mode says so (``ModeReport.reason``).
+* **the heap**: attaching freezes what the job holds (:mod:`isoaudit.collectors.heap`), so a full
+  garbage collection that comes due in a collector call walks only what was allocated since;
 * **detach**: idempotent, like ``torch.utils.hooks.RemovableHandle.remove``; a collector is also a
   context manager that detaches on exit.
 * **hooks for companions** (a recorder riding along, e.g. :mod:`isoaudit.collectors.routing`): the public
@@ -27,6 +29,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, ParamSpec, TypeVar
 
 from isoaudit.audit.records import Case, Manifest, Record, Run, RuntimeFacts, Side
+from isoaudit.collectors import heap
 from isoaudit.collectors.control import MODES, ControlChannel
 from isoaudit.collectors.counting import Counters, LogOnce
 from isoaudit.collectors.manifest import ContractArg, ContractSource, ManifestTracker
@@ -135,11 +138,16 @@ class Collector(ABC):
         self._manifest_key: tuple[Any, ...] | None = None
         self._control_version: int | None = None
         self._detached = False
+        self._heap_held = False
         self._detach_hooks: list[Callable[[], None]] = []
         self._fact_providers: list[Callable[[], Mapping[str, Any]]] = []
 
     def _begin(self, regions: list[str], unobserved: dict[str, str]) -> None:
-        """Hooks are in place: send the run and the first manifests."""
+        """Hooks are in place: freeze the heap the job holds now (:mod:`~isoaudit.collectors.heap`:
+        a full garbage collection in a later call walks only what came after), then send the run
+        and the first manifests."""
+        if not self._heap_held:
+            self._heap_held = bool(self.guarded("freezing the heap", heap.hold))
         self._trackers = {
             case: ManifestTracker(
                 run_id=self.run.run_id,
@@ -255,6 +263,9 @@ class Collector(ABC):
                 self.guarded("detach", hook)
             self._detach_hooks.clear()
             self.guarded("detach", self._remove_hooks)
+            if self._heap_held:
+                self._heap_held = False
+                self.guarded("unfreezing the heap", heap.release)
 
     # ------------------------------------------------------------------ hooks for companions
 

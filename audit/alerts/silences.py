@@ -9,7 +9,7 @@ from datetime import datetime, timedelta
 
 from isoaudit.audit.db import Store
 from isoaudit.audit.db.alerts import Silence, SilenceRepository
-from isoaudit.audit.records import RunId, utcnow
+from isoaudit.audit.records import AwareTimestamp, RunId, utc_timestamp, utcnow
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
@@ -22,8 +22,8 @@ class SilenceSpec(BaseModel):
     rule: str | None = Field(default=None, max_length=128, description="rule name")
     run_id: RunId | None = None
     labels: dict[str, str] = Field(default_factory=dict)
-    starts_at: datetime | None = Field(default=None, description="default: now")
-    ends_at: datetime | None = Field(default=None, description="give ends_at or duration_s")
+    starts_at: AwareTimestamp | None = Field(default=None, description="default: now")
+    ends_at: AwareTimestamp | None = Field(default=None, description="give ends_at or duration_s")
     duration_s: float | None = Field(
         default=None, gt=0, le=10 * 365 * 86400, description="seconds from starts_at"
     )
@@ -33,15 +33,14 @@ class SilenceSpec(BaseModel):
     def _one_end(self) -> SilenceSpec:
         if (self.ends_at is None) == (self.duration_s is None):
             raise ValueError("ends_at or duration_s: give exactly one")
-        for name in ("starts_at", "ends_at"):
-            value = getattr(self, name)
-            if value is not None and value.tzinfo is None:
-                raise ValueError(f"{name}: needs a time zone (e.g. 2026-01-01T00:00:00Z)")
         return self
 
     def window(self, now: datetime) -> tuple[datetime, datetime]:
         starts = self.starts_at or now
-        ends = self.ends_at if self.ends_at is not None else starts + timedelta(seconds=self.duration_s or 0)
+        try:
+            ends = self.ends_at or utc_timestamp(starts + timedelta(seconds=self.duration_s or 0))
+        except (OverflowError, ValueError):
+            raise ValueError("ends_at: starts_at + duration_s lies past the year 9999") from None
         if ends <= starts:
             raise ValueError("ends_at: must be after starts_at")
         return starts, ends

@@ -8,6 +8,7 @@ per concern holds the store's parts: ``ingest``, ``runs``, ``records``, ``queue`
 ``control``, ``steps``; ``reads`` serves the CLI, the API and the dashboard their views.
 """
 
+from isoaudit.audit.db.codec import UnreadableRow
 from isoaudit.audit.db.engine import (
     UNAVAILABLE_ERRORS,
     StoreConflict,
@@ -18,10 +19,11 @@ from isoaudit.audit.db.engine import (
 from isoaudit.audit.db.ingest import ForbiddenRun, IngestResult
 from isoaudit.audit.db.queue import Backlog, StepClaim
 from isoaudit.audit.db.results import SampleResult, StepResult
-from isoaudit.audit.db.runs import MAX_PAGE, RunSummary, StepCounts
+from isoaudit.audit.db.runs import MAX_OFFSET, MAX_PAGE, RunSummary, StepCounts
 from isoaudit.audit.db.store import Store
 
 __all__ = [
+    "MAX_OFFSET",
     "MAX_PAGE",
     "Backlog",
     "UNAVAILABLE_ERRORS",
@@ -36,5 +38,6 @@ __all__ = [
     "StoreConflict",
     "StoreError",
     "StoreUnavailable",
+    "UnreadableRow",
     "redacted_url",
 ]

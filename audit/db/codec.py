@@ -1,15 +1,95 @@
 """Records ↔ rows: a validated record as the row the store keeps (arrays as little-endian bytes), and a
-stored row back as its record."""
+stored row back as its record.
+
+A stored row that cannot be read back (a value of :class:`~audit.db.types.Unreadable` in a column,
+or content its record cannot be rebuilt from: written by hand, by another tool, or before a bound
+existed) fails that row alone: :func:`readable` leaves it out of a listing and logs it, and
+:func:`check_readable` raises :class:`UnreadableRow` naming it for a read of that one row.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 import numpy as np
 from isoaudit.audit.arrays import from_bytes, to_bytes
-from isoaudit.audit.db.models import FingerprintRow, SampleRow
+from isoaudit.audit.db.engine import StoreError
+from isoaudit.audit.db.models import Base, FingerprintRow, SampleRow
+from isoaudit.audit.db.types import Unreadable
 from isoaudit.audit.records import RegionFingerprints, SampleLogprobs, WeightSpan, utcnow
 from isoaudit.audit.routing import routes_columns, routes_from_columns
+from pydantic import ValidationError
+from sqlalchemy import inspect
+from sqlalchemy.engine import Row
+
+log = logging.getLogger("isoaudit.store")
+
+R = TypeVar("R")
+V = TypeVar("V")
+
+
+class UnreadableRow(StoreError):
+    """A stored row that cannot be read back as what it stores. ``what`` names the row (``run
+    'r1'``), ``field`` the column at fault (``row`` when it is the content as a whole)."""
+
+    def __init__(self, what: str, field: str, reason: str) -> None:
+        super().__init__(f"{field}: the stored {what} cannot be read ({reason})")
+        self.what, self.field, self.reason = what, field, reason
+
+
+def _unreadable_value(row: object) -> tuple[str, Unreadable] | None:
+    """The first :class:`Unreadable` column value of an ORM row, a result row or a bare value."""
+    if isinstance(row, Unreadable):
+        return "value", row
+    if isinstance(row, Base):
+        for name, value in inspect(row).dict.items():
+            if isinstance(value, Unreadable):
+                return name, value
+        return None
+    if isinstance(row, Row | tuple):  # a result row: its ORM entities and plain columns
+        fields = getattr(row, "_fields", ())
+        for i, item in enumerate(row):
+            found = _unreadable_value(item)
+            if found is not None:
+                name = fields[i] if found[0] == "value" and i < len(fields) else found[0]
+                return name, found[1]
+    return None
+
+
+def check_readable(row: object, what: str) -> None:
+    """Raise :class:`UnreadableRow` if a column of ``row`` came back :class:`Unreadable`."""
+    found = _unreadable_value(row)
+    if found is not None:
+        raise UnreadableRow(what, found[0], found[1].reason)
+
+
+#: What rebuilding a row's record or view raises when the stored content does not make one.
+DECODE_ERRORS: tuple[type[Exception], ...] = (UnreadableRow, ValidationError, ValueError, TypeError, KeyError)
+
+
+def read_one(row: R, convert: Callable[[R], V], what: str) -> V:
+    """``convert(row)`` for a read of this one row; a row that cannot be read raises :class:`UnreadableRow`."""
+    check_readable(row, what)
+    try:
+        return convert(row)
+    except UnreadableRow:
+        raise
+    except DECODE_ERRORS as exc:
+        raise UnreadableRow(what, "row", f"{type(exc).__name__}: {exc}") from exc
+
+
+def readable(rows: Iterable[R], convert: Callable[[R], V], what: Callable[[R], str]) -> list[V]:
+    """Each row converted, in order; a row that cannot be read is left out and logged (with
+    ``what(row)``, which must read only the row's key), so one bad row never fails a listing."""
+    out: list[V] = []
+    for row in rows:
+        try:
+            out.append(read_one(row, convert, what(row)))
+        except UnreadableRow as exc:
+            log.error("left out of a listing: %s", exc)
+    return out
 
 
 def sample_row(record: SampleLogprobs) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from isoaudit.audit.config import database_url
 from isoaudit.audit.db.models import Base
+from isoaudit.audit.db.types import register_tolerant_loaders
 from sqlalchemy import Engine, Table, create_engine, event, make_url
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
@@ -108,14 +109,23 @@ def make_engine(url: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S)
     """An engine for ``url`` with the settings the store relies on: WAL, foreign keys and a busy
     timeout of ``timeout_s`` on SQLite; on a server, a connect timeout of ``timeout_s`` and a ping
     before a pooled connection is reused (a connection cut or a restarted server costs one failed
-    request, then the pool heals by itself)."""
+    request, then the pool heals by itself); on PostgreSQL with psycopg, timestamps Python cannot
+    hold read as ``Unreadable`` rather than failing the query."""
     url = database_url(url)
     if url.startswith("sqlite"):
         engine = create_engine(url)
         event.listen(engine, "connect", _sqlite_pragmas(timeout_s))
         return engine
     connect_args = {"connect_timeout": max(1, round(timeout_s))} if url.startswith("postgresql") else {}
-    return create_engine(url, connect_args=connect_args, pool_pre_ping=True)
+    engine = create_engine(url, connect_args=connect_args, pool_pre_ping=True)
+    if engine.dialect.name == "postgresql" and engine.dialect.driver == "psycopg":
+        event.listen(engine, "connect", _tolerant_loaders)
+    return engine
+
+
+def _tolerant_loaders(dbapi_connection: DBAPIConnection, _record: ConnectionPoolEntry) -> None:
+    """A stored timestamp Python cannot hold reads as ``Unreadable`` (``audit.db.types``)."""
+    register_tolerant_loaders(dbapi_connection)
 
 
 def redacted_url(url: str) -> str:

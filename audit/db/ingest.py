@@ -19,6 +19,7 @@ from isoaudit.audit.db.models import (
     SampleRow,
     StepStatsRow,
 )
+from isoaudit.audit.db.types import Unreadable
 from isoaudit.audit.records import (
     Manifest,
     Record,
@@ -179,7 +180,9 @@ class Ingest(Part):
                 continue
             row = session.get(RunRow, run.run_id)
             assert row is not None
-            if (row.name, row.config) == (run.name, run.config):
+            if (row.name, row.config) == (run.name, run.config) and not isinstance(
+                row.started_at, Unreadable
+            ):
                 result.duplicates["run"] += 1
                 continue
             row.name, row.started_at, row.config = run.name, run.started_at, run.config

@@ -12,12 +12,12 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
+from isoaudit.audit.db.types import UtcDateTime
 from isoaudit.audit.records import utcnow
 from sqlalchemy import (
     JSON,
     BigInteger,
     Boolean,
-    DateTime,
     Float,
     ForeignKey,
     Index,
@@ -44,7 +44,7 @@ NAMING_CONVENTION = {
 
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
-    type_annotation_map = {dict[str, Any]: JSON, list[Any]: JSON, datetime: DateTime(timezone=True)}
+    type_annotation_map = {dict[str, Any]: JSON, list[Any]: JSON, datetime: UtcDateTime()}
 
 
 def _run_fk() -> Mapped[str]:

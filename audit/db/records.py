@@ -1,11 +1,12 @@
 """Stored records read back as the validated models they were stored from (``audit.records``): the
-samples and fingerprints of a step (or of many, for the comparison worker) and a run's manifests."""
+samples and fingerprints of a step (or of many, for the comparison worker) and a run's manifests. A
+stored row that cannot be read back is left out (and logged: ``audit.db.codec.readable``)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from isoaudit.audit.db.codec import fingerprint_record, sample_record
+from isoaudit.audit.db.codec import fingerprint_record, readable, sample_record
 from isoaudit.audit.db.engine import Part
 from isoaudit.audit.db.models import FingerprintRow, ManifestRow, SampleRow
 from isoaudit.audit.records import Manifest, RegionFingerprints, SampleLogprobs, Side
@@ -34,10 +35,11 @@ class Records(Part):
         if sample_keys is not None:
             query = query.where(SampleRow.sample_key.in_(list(sample_keys)))
         with self.sessions() as session:
-            return [
-                sample_record(row)
-                for row in session.scalars(query.order_by(SampleRow.sample_key, SampleRow.side))
-            ]
+            return readable(
+                session.scalars(query.order_by(SampleRow.sample_key, SampleRow.side)),
+                sample_record,
+                _sample_name,
+            )
 
     def sample_pair(
         self, run_id: str, step: int, sample_key: str
@@ -56,16 +58,22 @@ class Records(Part):
         if side is not None:
             query = query.where(FingerprintRow.side == side)
         with self.sessions() as session:
-            return [fingerprint_record(row) for row in session.scalars(query.order_by(FingerprintRow.id))]
+            return readable(
+                session.scalars(query.order_by(FingerprintRow.id)), fingerprint_record, _fingerprint_name
+            )
 
     def manifests(self, run_id: str, side: Side | None = None) -> list[Manifest]:
         """Manifests in the order they were recorded (latest last)."""
-        query = select(ManifestRow.body).where(ManifestRow.run_id == run_id)
+        query = select(ManifestRow.id, ManifestRow.body).where(ManifestRow.run_id == run_id)
         if side is not None:
             query = query.where(ManifestRow.side == side)
         with self.sessions() as session:
-            bodies = session.scalars(query.order_by(ManifestRow.created_at, ManifestRow.id)).all()
-        return [Manifest.model_validate(body) for body in bodies]
+            rows = session.execute(query.order_by(ManifestRow.created_at, ManifestRow.id)).all()
+        return readable(
+            rows,
+            lambda row: Manifest.model_validate(row[1]),
+            lambda row: f"manifest #{row[0]} of run {run_id!r}",
+        )
 
     def samples_of_steps(self, steps: Sequence[StepKey]) -> dict[StepKey, list[SampleLogprobs]]:
         """Every stored sample of the given (run, step)s, in one query."""
@@ -78,8 +86,8 @@ class Records(Part):
             .order_by(SampleRow.run_id, SampleRow.step, SampleRow.sample_key, SampleRow.side)
         )
         with self.sessions() as session:
-            for row in session.scalars(query):
-                out[(row.run_id, row.step)].append(sample_record(row))
+            for record in readable(session.scalars(query), sample_record, _sample_name):
+                out[(record.run_id, record.step)].append(record)
         return out
 
     def fingerprints_of_steps(self, steps: Sequence[StepKey]) -> dict[StepKey, list[RegionFingerprints]]:
@@ -93,6 +101,14 @@ class Records(Part):
             .order_by(FingerprintRow.id)
         )
         with self.sessions() as session:
-            for row in session.scalars(query):
-                out[(row.run_id, row.step)].append(fingerprint_record(row))
+            for record in readable(session.scalars(query), fingerprint_record, _fingerprint_name):
+                out[(record.run_id, record.step)].append(record)
         return out
+
+
+def _sample_name(row: SampleRow) -> str:
+    return f"sample {row.sample_key!r} ({row.side}) of run {row.run_id!r} step {row.step}"
+
+
+def _fingerprint_name(row: FingerprintRow) -> str:
+    return f"fingerprints #{row.id} of run {row.run_id!r} step {row.step}"

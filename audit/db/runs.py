@@ -7,14 +7,17 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from isoaudit.audit.db.codec import read_one, readable
 from isoaudit.audit.db.engine import Part
 from isoaudit.audit.db.models import RunRow, SampleResultRow, SampleRow
 from sqlalchemy import func, select
 
-__all__ = ["MAX_PAGE", "RunSummary", "Runs", "StepCounts"]
+__all__ = ["MAX_OFFSET", "MAX_PAGE", "RunSummary", "Runs", "StepCounts"]
 
 #: The most rows one page of a list read returns (the API's ``limit`` is capped here).
 MAX_PAGE = 1000
+#: The largest ``offset`` a list read takes: what a BIGINT holds, with room to spare.
+MAX_OFFSET = 2**62
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,10 @@ class StepCounts:
     compared_samples: int
 
 
+def _summary(row: RunRow, n: int | None, last: int | None) -> RunSummary:
+    return RunSummary(row.run_id, row.project, row.name, row.started_at, dict(row.config), n or 0, last)
+
+
 class Runs(Part):
     """Reads of runs and their steps' counts."""
 
@@ -47,7 +54,8 @@ class Runs(Part):
         self, project: str | None = None, *, limit: int = MAX_PAGE, offset: int = 0
     ) -> list[RunSummary]:
         """Runs newest first (only ``project``'s when given), one page: ``limit`` (at most
-        :data:`MAX_PAGE`) from ``offset`` on."""
+        :data:`MAX_PAGE`) from ``offset`` on. A run whose stored row cannot be read is left out
+        (and logged)."""
         steps = (
             select(
                 SampleRow.run_id,
@@ -67,13 +75,14 @@ class Runs(Part):
         if project is not None:
             query = query.where(RunRow.project == project)
         with self.sessions() as session:
-            return [
-                RunSummary(row.run_id, row.project, row.name, row.started_at, dict(row.config), n or 0, last)
-                for row, n, last in session.execute(query)
-            ]
+            return readable(
+                session.execute(query),
+                lambda found: _summary(found[0], found[1], found[2]),
+                lambda found: f"run {found[0].run_id!r}",
+            )
 
     def get_run(self, run_id: str) -> RunSummary | None:
-        """One run's summary (None if unknown)."""
+        """One run's summary (None if unknown); raises ``UnreadableRow`` if its stored row cannot be read."""
         steps = select(func.count(func.distinct(SampleRow.step)), func.max(SampleRow.step)).where(
             SampleRow.run_id == run_id
         )
@@ -82,9 +91,7 @@ class Runs(Part):
             if row is None:
                 return None
             n, last = session.execute(steps).one()
-            return RunSummary(
-                row.run_id, row.project, row.name, row.started_at, dict(row.config), n or 0, last
-            )
+            return read_one(row, lambda run: _summary(run, n, last), f"run {run_id!r}")
 
     def run_project(self, run_id: str) -> str | None:
         """The project a run belongs to (None if unknown)."""

@@ -18,6 +18,7 @@ import math
 import re
 from collections.abc import Collection
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any, TypedDict, Unpack
 
 import numpy as np
@@ -30,6 +31,12 @@ MAX_STEP = 2**62
 MAX_INT32 = 2**31 - 1
 #: How deeply free-form JSON (a run's config, a manifest's facts) may nest.
 MAX_JSON_DEPTH = 32
+#: Integers in free-form JSON: what a 64-bit signed integer holds (databases' and most readers' limit).
+JSON_INT_RANGE = (-(2**63), 2**63 - 1)
+#: The UTC years a stored timestamp may lie in: what PostgreSQL, SQLite's text and Python's
+#: ``datetime`` all give back unchanged (a year-1 time with a positive offset is year 0 in UTC,
+#: which PostgreSQL keeps as BC and Python cannot read).
+TIMESTAMP_YEARS = (1970, 9999)
 
 RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]*$"
 SAMPLE_KEY_PATTERN = r"^[0-9a-f]{32}$"
@@ -172,6 +179,28 @@ def check_member(value: object, field: str, allowed: frozenset[str]) -> None:
         raise RecordError(field, f"{value!r} is not one of {', '.join(sorted(allowed))}")
 
 
+def utc_timestamp(value: datetime) -> datetime:
+    """``value`` in UTC (a naive one is taken as UTC); ``ValueError`` outside :data:`TIMESTAMP_YEARS`."""
+    low, high = TIMESTAMP_YEARS
+    try:
+        utc = value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+    except (OverflowError, ValueError):  # past Python's year 1..9999 once moved to UTC
+        utc = None
+    if utc is None or not low <= utc.year <= high:
+        raise ValueError(f"{value.isoformat()} is outside UTC years {low}..{high}")
+    return utc
+
+
+def check_timestamp(value: object, field: str) -> datetime:
+    """A record's timestamp, by hand: a ``datetime`` in :data:`TIMESTAMP_YEARS`, returned in UTC."""
+    if not isinstance(value, datetime):
+        raise RecordError(field, f"expected a datetime, got {type(value).__name__}")
+    try:
+        return utc_timestamp(value)
+    except ValueError as exc:
+        raise RecordError(field, str(exc)) from None
+
+
 # ---------------------------------------------------------------------- text and JSON
 
 
@@ -191,7 +220,12 @@ def check_json(value: object, field: str, depth: int = 0) -> None:
     """Free-form JSON a database keeps as such: str keys, finite numbers, clean text, bounded depth."""
     if depth > MAX_JSON_DEPTH:
         raise RecordError(field, f"nested deeper than {MAX_JSON_DEPTH} levels")
-    if value is None or isinstance(value, bool | int):
+    if value is None or isinstance(value, bool):
+        return
+    if isinstance(value, int):
+        low, high = JSON_INT_RANGE
+        if not low <= value <= high:
+            raise RecordError(field, "an integer outside the 64-bit range (-2**63..2**63-1)")
         return
     if isinstance(value, float):
         if not math.isfinite(value):

@@ -47,10 +47,20 @@ from isoaudit.audit.records.checks import (
     check_non_negative,
     check_text,
     record_error,
+    utc_timestamp,
 )
 from isoaudit.audit.records.routes import Routes
 from numpy.typing import ArrayLike
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    AfterValidator,
+    AwareDatetime,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 SCHEMA_VERSION: Final = 1
 
@@ -79,6 +89,20 @@ def sample_key(prompt_ids: ArrayLike, completion_ids: ArrayLike = ()) -> str:
 def utcnow() -> datetime:
     """Now, in UTC: the default of every record's timestamp."""
     return datetime.now(UTC)
+
+
+def _timestamp(value: datetime) -> datetime:
+    try:
+        return utc_timestamp(value)
+    except ValueError as exc:
+        raise PydanticCustomError("timestamp_range", str(exc)) from None
+
+
+#: A stored timestamp: kept in UTC (a naive one is taken as UTC), refused outside UTC years
+#: 1970..9999 (:data:`audit.records.checks.TIMESTAMP_YEARS`), so every database gives it back.
+Timestamp = Annotated[datetime, AfterValidator(_timestamp)]
+#: The same, given with its time zone (a naive one is refused).
+AwareTimestamp = Annotated[AwareDatetime, AfterValidator(_timestamp)]
 
 
 # ---------------------------------------------------------------------- records
@@ -113,7 +137,7 @@ class Run(Record):
     kind: Literal["run"] = "run"
     run_id: RunId
     name: str = Field(default="", max_length=256)
-    started_at: datetime = Field(default_factory=utcnow)
+    started_at: Timestamp = Field(default_factory=utcnow)
     config: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")
@@ -187,7 +211,7 @@ class Manifest(Record):
     side: Side
     case: Case
     process: str = Field(default="", max_length=256, description="host:pid[/rank], to tell processes apart")
-    created_at: datetime = Field(default_factory=utcnow)
+    created_at: Timestamp = Field(default_factory=utcnow)
     runtime: RuntimeFacts = Field(default_factory=RuntimeFacts)
     regions: list[str] = Field(default_factory=list, description="canonical regions this side hooks")
     unobserved: dict[str, str] = Field(
@@ -205,7 +229,7 @@ class Manifest(Record):
         check_text(self.process, "process")
         for name in ("runtime", "contract"):
             check_json(getattr(self, name).model_dump(), name)
-        for name in ("regions", "unobserved", "numerical_policy"):
+        for name in ("regions", "unobserved", "numerical_policy", "weight_tensor_digests"):
             check_json(getattr(self, name), name)
         for name in ("weight_version", "weight_digest"):
             if getattr(self, name) is not None:
@@ -246,6 +270,8 @@ def check_weight_spans(spans: list[WeightSpan], n_completion: int) -> None:
     """Spans start at completion index 0, strictly increase, and start inside the completion."""
     if not spans:
         raise RecordError("weight_spans", "give at least one span, or leave it out")
+    for i, span in enumerate(spans):
+        check_text(span.version, f"weight_spans.{i}.version")
     starts = [span.start for span in spans]
     if starts[0] != 0:
         raise RecordError("weight_spans", f"the first span must start at completion index 0, not {starts[0]}")
@@ -511,7 +537,7 @@ class StepStats(Record):
     extras: dict[str, FiniteFloat] = Field(
         default_factory=dict, max_length=64, description="any other per-step figure, by name"
     )
-    created_at: datetime = Field(default_factory=utcnow)
+    created_at: Timestamp = Field(default_factory=utcnow)
 
     @model_validator(mode="after")
     def _check_names(self) -> StepStats:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -22,7 +23,14 @@ from typing import Any, Literal
 import torch
 from isoaudit.audit.alerts import AlertEngine, DatabaseChannel
 from isoaudit.audit.alerts.history import list_alerts
-from isoaudit.audit.alerts.rules import install_rules, parse_rules
+from isoaudit.audit.alerts.rules import (
+    AlertRule,
+    get_rule_row,
+    install_rules,
+    parse_rules,
+    rule_from_row,
+    save_rule,
+)
 from isoaudit.audit.db import Store
 from isoaudit.audit.records import Run
 from isoaudit.audit.worker import ComparisonWorker
@@ -39,8 +47,12 @@ from rich.table import Table
 #: 1e-4..1e-2 in published 7B runs), so the demo's KL rule has a threshold of its own, printed.
 DEMO_KL_THRESHOLD = 1e-8
 DEMO_RULE_NAME = "demo_kl_k3"
+#: The demo's runs and its rule belong to a project of their own, so the rule, sized for a tiny
+#: model, never judges another team's runs in the same store.
+DEMO_PROJECT = "isoaudit-demo"
 DEMO_RULE_YAML = f"""
 - name: {DEMO_RULE_NAME}
+  project: {DEMO_PROJECT}
   metric: kl_k3
   comparison: ">"
   threshold: {DEMO_KL_THRESHOLD}
@@ -105,6 +117,20 @@ def pick_rollout(engine: Engine, policy: torch.nn.Module, model_dir: Path) -> Ro
     return ReferenceRollout(policy)
 
 
+def install_demo_rule(store: Store) -> AlertRule:
+    """The demo's KL rule, in force for the demo's project until :func:`retire_demo_rule`."""
+    (rule,) = parse_rules(DEMO_RULE_YAML, "demo rule")
+    install_rules(store, [rule], "yaml", replace=True)
+    return rule
+
+
+def retire_demo_rule(store: Store) -> None:
+    """Disable the demo's rule once the demo ends (its alerts stay, for the dashboard to show)."""
+    row = get_rule_row(store, DEMO_RULE_NAME)
+    if row is not None and row.enabled:
+        save_rule(store, rule_from_row(row).model_copy(update={"enabled": False}), "yaml")
+
+
 def _wait_compared(store: Store, run_id: str, step: int, timeout: float = 120.0) -> Any:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -140,100 +166,116 @@ def run_demo(
     config = job or JobConfig(steps=steps)
     if config.steps != steps:
         config = JobConfig(**{**config.__dict__, "steps": steps})
-    store = Store(url)
-    install_rules(store, parse_rules(DEMO_RULE_YAML, "demo rule"), "yaml", replace=True)
-    alerts = AlertEngine(store, [DatabaseChannel()])
-    worker = ComparisonWorker(store, on_step=alerts.evaluate, interval=0.1).start()
+    with ExitStack() as cleanup:  # whatever ends the demo, Ctrl-C included, undoes what it set up
+        store = Store(url)
+        cleanup.callback(store.dispose)
+        install_demo_rule(store)
+        cleanup.callback(retire_demo_rule, store)
+        alerts = AlertEngine(store, [DatabaseChannel()])
+        cleanup.callback(alerts.close)
+        worker = ComparisonWorker(store, on_step=alerts.evaluate, interval=0.1).start()
+        cleanup.callback(worker.stop)
 
-    policy, tokenizer = prepare_model(Path(model_dir))
-    console.print(
-        "rollout engine: "
-        + (
-            "[bold]vLLM[/bold] (installed; starting it takes a few seconds)"
-            if engine == "vllm" or (engine == "auto" and vllm_available())
-            else "[bold]isoaudit's reference engine[/bold]"
-            + (" (vLLM is not installed)" if engine == "auto" else "")
-        )
-    )
-    rollout = pick_rollout(engine, policy, Path(model_dir))
-    run_id = "demo-" + datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
-    run = Run(
-        run_id=run_id,
-        name=f"demo: GRPO on a tiny bf16 Qwen3 ({rollout.name} engine)",
-        config={"dtype": "bfloat16", "engine": rollout.name, "tokenizer": str(model_dir), **config.__dict__},
-    )
-    result = DemoResult(run_id=run_id, database_url=url, engine=rollout.name)
-    console.print(
-        f"[bold]isoaudit demo[/bold]: run [cyan]{run_id}[/cyan], {steps} GRPO steps, {rollout.name} engine, "
-        f"store {url}\nalert rule [bold]{DEMO_RULE_NAME}[/bold]: kl_k3 > {DEMO_KL_THRESHOLD:g} for 2 steps"
-        + (f"; remediation switched on at step {remediate_at}" if remediate_at is not None else "")
-    )
-    table = Table(
-        "step",
-        "mode (trainer / rollout)",
-        "reward",
-        "kl_k3",
-        "mean |Δ logprob|",
-        "exact",
-        "first divergence",
-        "alert",
-        "s/step",
-    )
-
-    progress = Progress(
-        TextColumn("GRPO steps"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
-    )
-    task = progress.add_task("steps", total=steps)
-
-    def on_step(figures: StepFigures) -> None:
-        if remediate_at is not None and figures.step + 1 == remediate_at:
-            current = store.get_control(run_id)
-            store.set_control(run_id, "invariant", current.version, updated_by="isoaudit demo")
-        row = _wait_compared(store, run_id, figures.step)
-        metrics = dict(row.metrics) if row is not None else {}
-        counts = dict((row.diagnoses or {}).get("counts", {})) if row is not None else {}
-        first = (
-            ((row.diagnoses or {}).get("first_divergence") or {}).get("region") if row is not None else None
-        )
-        alert = _alert_state(store, run_id)
-        result.steps.append(DemoStep(figures, metrics, counts, first, alert))
-        table.add_row(
-            str(figures.step),
-            f"{figures.mode} / {rollout.collector.mode if rollout.collector is not None else '?'}",
-            f"{figures.reward_mean:.3f}",
-            f"{metrics.get('kl_k3', float('nan')):.3g}",
-            f"{metrics.get('logprob_abs_diff_mean', float('nan')):.3g}",
-            f"{metrics.get('exact_match_fraction', float('nan')):.0%}",
-            first or "—",
-            alert,
-            f"{figures.generation_s + figures.training_s:.1f}",
-        )
-        progress.advance(task)
-
-    try:
-        with Live(Group(table, progress), console=console, refresh_per_second=4, transient=False):
-            with audit_session(
-                run=run, database_url=url, control_interval=0.0, report=False, contracts=True, compare="none"
-            ) as audit:  # the demo's own worker compares each step as it lands, with the demo's rule
-                run_job(audit, policy, tokenizer, rollout, config, on_step=on_step)
-        worker.run_once(run_id)
-        console.print()
-        for alert in list_alerts(store, run_id=run_id):
-            result.alerts.append(asdict(alert))
-            console.print(
-                f"alert [bold]{alert.rule}[/bold]: {alert.state}, fired at step {alert.fired_step}, "
-                f"resolved at step {alert.resolved_step}"
+        policy, tokenizer = prepare_model(Path(model_dir))
+        console.print(
+            "rollout engine: "
+            + (
+                "[bold]vLLM[/bold] (installed; starting it takes a few seconds)"
+                if engine == "vllm" or (engine == "auto" and vllm_available())
+                else "[bold]isoaudit's reference engine[/bold]"
+                + (" (vLLM is not installed)" if engine == "auto" else "")
             )
-        report = rollout.collector.mode_report if rollout.collector is not None else None
-        if report is not None and report.applied == "invariant" and report.reason:
-            console.print(
-                f"[yellow]{rollout.name}[/yellow]: remediated except what {report.reason}: the mismatch "
-                "left after the switch comes from there (the first divergence column), so the KL alert "
-                "may keep firing; --engine reference remediates every op (exact zero)."
+        )
+        rollout = pick_rollout(engine, policy, Path(model_dir))
+        run_id = "demo-" + datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
+        run = Run(
+            run_id=run_id,
+            name=f"demo: GRPO on a tiny bf16 Qwen3 ({rollout.name} engine)",
+            config={
+                "dtype": "bfloat16",
+                "engine": rollout.name,
+                "tokenizer": str(model_dir),
+                **config.__dict__,
+            },
+        )
+        result = DemoResult(run_id=run_id, database_url=url, engine=rollout.name)
+        console.print(
+            f"[bold]isoaudit demo[/bold]: run [cyan]{run_id}[/cyan], {steps} GRPO steps, {rollout.name} engine, "
+            f"store {url}\nalert rule [bold]{DEMO_RULE_NAME}[/bold]: kl_k3 > {DEMO_KL_THRESHOLD:g} for 2 steps"
+            + f" (runs of project {DEMO_PROJECT} only; disabled when the demo ends)"
+            + (f"; remediation switched on at step {remediate_at}" if remediate_at is not None else "")
+        )
+        table = Table(
+            "step",
+            "mode (trainer / rollout)",
+            "reward",
+            "kl_k3",
+            "mean |Δ logprob|",
+            "exact",
+            "first divergence",
+            "alert",
+            "s/step",
+        )
+
+        progress = Progress(
+            TextColumn("GRPO steps"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
+        )
+        task = progress.add_task("steps", total=steps)
+
+        def on_step(figures: StepFigures) -> None:
+            if remediate_at is not None and figures.step + 1 == remediate_at:
+                current = store.get_control(run_id)
+                store.set_control(run_id, "invariant", current.version, updated_by="isoaudit demo")
+            row = _wait_compared(store, run_id, figures.step)
+            metrics = dict(row.metrics) if row is not None else {}
+            counts = dict((row.diagnoses or {}).get("counts", {})) if row is not None else {}
+            first = (
+                ((row.diagnoses or {}).get("first_divergence") or {}).get("region")
+                if row is not None
+                else None
             )
-        return result
-    finally:
-        worker.stop()
-        alerts.close()
-        rollout.close()
-        store.dispose()
+            alert = _alert_state(store, run_id)
+            result.steps.append(DemoStep(figures, metrics, counts, first, alert))
+            table.add_row(
+                str(figures.step),
+                f"{figures.mode} / {rollout.collector.mode if rollout.collector is not None else '?'}",
+                f"{figures.reward_mean:.3f}",
+                f"{metrics.get('kl_k3', float('nan')):.3g}",
+                f"{metrics.get('logprob_abs_diff_mean', float('nan')):.3g}",
+                f"{metrics.get('exact_match_fraction', float('nan')):.0%}",
+                first or "—",
+                alert,
+                f"{figures.generation_s + figures.training_s:.1f}",
+            )
+            progress.advance(task)
+
+        try:
+            with Live(Group(table, progress), console=console, refresh_per_second=4, transient=False):
+                with audit_session(
+                    run=run,
+                    database_url=url,
+                    project=DEMO_PROJECT,
+                    control_interval=0.0,
+                    report=False,
+                    contracts=True,
+                    compare="none",  # the demo's own worker compares each step as it lands
+                ) as audit:
+                    run_job(audit, policy, tokenizer, rollout, config, on_step=on_step)
+            worker.run_once(run_id)
+            console.print()
+            for alert in list_alerts(store, run_id=run_id):
+                result.alerts.append(asdict(alert))
+                console.print(
+                    f"alert [bold]{alert.rule}[/bold]: {alert.state}, fired at step {alert.fired_step}, "
+                    f"resolved at step {alert.resolved_step}"
+                )
+            report = rollout.collector.mode_report if rollout.collector is not None else None
+            if report is not None and report.applied == "invariant" and report.reason:
+                console.print(
+                    f"[yellow]{rollout.name}[/yellow]: remediated except what {report.reason}: the mismatch "
+                    "left after the switch comes from there (the first divergence column), so the KL alert "
+                    "may keep firing; --engine reference remediates every op (exact zero)."
+                )
+            return result
+        finally:
+            rollout.close()

@@ -45,13 +45,25 @@ def tokens_list(
 
 @app.command("revoke")
 def tokens_revoke(
-    token_id: Annotated[str, typer.Argument(help="The id shown by `tokens list` (iso_<id>_...).")],
+    token: Annotated[
+        str,
+        typer.Argument(
+            help="The token itself (iso_<id>_<secret>, e.g. the one that leaked) or its id, as `tokens list` "
+            "shows it.",
+            metavar="TOKEN_OR_ID",
+        ),
+    ],
     database: DatabaseOption = None,
 ) -> None:
-    """Revoke a token: requests with it get 401 from now on."""
-    from isoaudit.audit.auth import revoke_token
+    """Revoke a token: requests with it get 401 from now on. The secret is never printed."""
+    from isoaudit.audit.auth import TokenNotRecognised, revoke_token, token_id_of
 
-    if not revoke_token(open_store(database), token_id):
-        console.print(f"no live token {token_id!r}")
+    store = open_store(database)
+    try:
+        token_id = token_id_of(store, token)
+    except TokenNotRecognised as exc:
+        raise typer.BadParameter(str(exc), param_hint="TOKEN_OR_ID") from None
+    if not revoke_token(store, token_id):
+        console.print(f"no live token with id {token_id}")
         raise typer.Exit(1)
-    console.print(f"revoked {token_id}")
+    console.print(f"revoked token {token_id}")

@@ -47,6 +47,36 @@ def test_tokens_create_list_revoke(database_url: str):
     store.dispose()
 
 
+def test_tokens_revoke_takes_the_token_itself_or_its_id_and_never_prints_the_secret(database_url: str):
+    def tokens(*args: str):
+        return runner.invoke(app, ["tokens", *args, "--database-url", database_url])
+
+    store = Store(database_url)
+    leaked, other, third = (tokens("create", "--project", "alpha").output.strip() for _ in range(3))
+    leaked_id, secret = leaked.split("_", 2)[1:]
+    # The leaked token itself, as the user has it in hand: revoked, its secret never printed.
+    revoked = tokens("revoke", leaked)
+    assert revoked.exit_code == 0 and leaked_id in revoked.output and secret not in revoked.output, (
+        revoked.output
+    )
+    assert verify_token(store, leaked) is None and verify_token(store, other) is not None
+    again = tokens("revoke", leaked)
+    assert again.exit_code == 1 and f"no live token with id {leaked_id}" in again.output
+    # A token whose secret is not its id's: nothing revoked, and the secret given is not repeated.
+    other_id = other.split("_")[1]
+    forged = f"iso_{other_id}_{'x' * 43}"
+    refused = tokens("revoke", forged)
+    assert refused.exit_code == 2 and "secret is not that of token" in refused.output, refused.output
+    assert "x" * 20 not in refused.output and verify_token(store, other) is not None
+    # Not a token at all: said so, without repeating it.
+    garbage = tokens("revoke", "iso_nothex_" + "s3cret" * 5)
+    assert garbage.exit_code == 2 and "expected a token" in garbage.output and "s3cret" not in garbage.output
+    # The id, bare or with the prefix `tokens list` shows.
+    assert tokens("revoke", f"iso_{other_id}").exit_code == 0 and verify_token(store, other) is None
+    assert tokens("revoke", third.split("_")[1]).exit_code == 0 and verify_token(store, third) is None
+    store.dispose()
+
+
 def test_alerts_commands(tmp_path):
     url = f"sqlite:///{tmp_path / 'cli.db'}"
     rules = tmp_path / "rules.yaml"

@@ -18,7 +18,7 @@ from isoaudit.audit.api.schemas import (
     StepOut,
     StepStatsOut,
 )
-from isoaudit.audit.db import MAX_PAGE, Store
+from isoaudit.audit.db import MAX_OFFSET, MAX_PAGE, Store
 from isoaudit.audit.db.reads import STOPPED_AFTER_STEPS, rank_activity
 from isoaudit.audit.records import Step
 from pydantic import BaseModel, Field
@@ -29,7 +29,7 @@ router = APIRouter(prefix="/v1/runs", tags=["runs"])
 StoreDep = Annotated[Store, Depends(get_store)]
 #: One page of a list: at most ``limit`` items (capped at the data layer's MAX_PAGE), from ``offset`` on.
 Limit = Annotated[int, Query(ge=1, le=MAX_PAGE, description=f"items per page (at most {MAX_PAGE})")]
-Offset = Annotated[int, Query(ge=0, description="items to skip (the previous pages')")]
+Offset = Annotated[int, Query(ge=0, le=MAX_OFFSET, description="items to skip (the previous pages')")]
 
 Model = TypeVar("Model", bound=BaseModel)
 

@@ -8,6 +8,7 @@ from datetime import datetime
 from typing import Any
 
 from isoaudit.audit.control import ControlRecord
+from isoaudit.audit.db.codec import read_one, readable
 from isoaudit.audit.db.models import (
     OPEN_STATES,
     AlertRow,
@@ -106,7 +107,8 @@ def _overview(store: Store, run: RunRow, open_alerts: int, spark: int, now: date
 def runs_overview(
     store: Store, *, project: str | None = None, spark: int = 50, now: datetime | None = None
 ) -> list[RunOverview]:
-    """Every run, newest first, with what the runs page shows of it."""
+    """Every run, newest first, with what the runs page shows of it (a run whose stored row cannot
+    be read back is left out, and logged)."""
     now = now or utcnow()
     query = select(RunRow).order_by(RunRow.started_at.desc(), RunRow.run_id)
     if project is not None:
@@ -117,11 +119,15 @@ def runs_overview(
     with store.sessions() as session:
         runs = list(session.scalars(query))
         open_alerts = dict(session.execute(open_query).all())
-    return [_overview(store, run, open_alerts.get(run.run_id, 0), spark, now) for run in runs]
+    return readable(
+        runs,
+        lambda run: _overview(store, run, open_alerts.get(run.run_id, 0), spark, now),
+        lambda run: f"run {run.run_id!r}",
+    )
 
 
 def run_overview(store: Store, run_id: str, *, now: datetime | None = None) -> RunOverview | None:
-    """One run's overview (None if unknown)."""
+    """One run's overview (None if unknown); raises ``UnreadableRow`` if its stored row cannot be read."""
     with store.sessions() as session:
         run = session.get(RunRow, run_id)
         if run is None:
@@ -129,4 +135,6 @@ def run_overview(store: Store, run_id: str, *, now: datetime | None = None) -> R
         n_open = session.scalar(
             select(func.count()).where(AlertRow.run_id == run_id, AlertRow.state.in_(OPEN_STATES))
         )
-    return _overview(store, run, int(n_open or 0), 50, now or utcnow())
+    return read_one(
+        run, lambda row: _overview(store, row, int(n_open or 0), 50, now or utcnow()), f"run {run_id!r}"
+    )
