@@ -4,7 +4,7 @@ stored row back as its record.
 A stored row that cannot be read back (a value of :class:`~audit.db.types.Unreadable` in a column,
 or content its record cannot be rebuilt from: written by hand, by another tool, or before a bound
 existed) fails that row alone: :func:`readable` leaves it out of a listing and logs it, and
-:func:`check_readable` raises :class:`UnreadableRow` naming it for a read of that one row.
+:func:`read_one` raises :class:`UnreadableRow` naming the row and the field for a read of that row.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def check_readable(row: object, what: str) -> None:
 
 
 #: What rebuilding a row's record or view raises when the stored content does not make one.
-DECODE_ERRORS: tuple[type[Exception], ...] = (UnreadableRow, ValidationError, ValueError, TypeError, KeyError)
+DECODE_ERRORS: tuple[type[Exception], ...] = (ValidationError, ValueError, TypeError, KeyError)
 
 
 def read_one(row: R, convert: Callable[[R], V], what: str) -> V:
