@@ -78,6 +78,8 @@ class AlertmanagerChannel(HttpChannel):
     engine that does not deliver in the background), a firing alert is posted once and ends in
     Alertmanager ``ends_after_s`` later."""
 
+    default_name = "alertmanager"
+
     def __init__(
         self,
         base_url: str,
@@ -88,7 +90,7 @@ class AlertmanagerChannel(HttpChannel):
         backoff_s: float = 0.5,
         backoff_max_s: float = 30.0,
         timeout_s: float = 5.0,
-        name: str = "alertmanager",
+        name: str | None = None,
         client: httpx.Client | None = None,
     ) -> None:
         if repost_s <= 0:

@@ -207,6 +207,8 @@ class HttpChannel:
     durable: ClassVar[bool] = True
     #: Seconds between re-posts of a firing alert by the outbox (None: each notice is sent once).
     repost_s: float | None = None
+    #: The channel's name unless the constructor is given one (several destinations: ``webhook-2``).
+    default_name: ClassVar[str] = "http"
 
     def __init__(
         self,
@@ -216,7 +218,7 @@ class HttpChannel:
         backoff_s: float = 0.5,
         backoff_max_s: float = 30.0,
         timeout_s: float = 5.0,
-        name: str = "http",
+        name: str | None = None,
         client: httpx.Client | None = None,
     ) -> None:
         if backoff_s < 0 or backoff_max_s < backoff_s:
@@ -226,7 +228,7 @@ class HttpChannel:
         self.backoff_s = backoff_s
         self.backoff_max_s = backoff_max_s
         self.timeout_s = timeout_s
-        self.name = name
+        self.name = name or self.default_name
         self._client = client
 
     def payload(self, notice: Notice, now: datetime) -> dict[str, Any]:
@@ -302,26 +304,7 @@ class WebhookChannel(HttpChannel):
     """POSTs :func:`slack_payload` to a Slack-compatible incoming webhook, with :class:`HttpChannel`'s
     retries."""
 
-    def __init__(
-        self,
-        url: str,
-        *,
-        attempts: int = 8,
-        backoff_s: float = 0.5,
-        backoff_max_s: float = 30.0,
-        timeout_s: float = 5.0,
-        name: str = "webhook",
-        client: httpx.Client | None = None,
-    ) -> None:
-        super().__init__(
-            url,
-            attempts=attempts,
-            backoff_s=backoff_s,
-            backoff_max_s=backoff_max_s,
-            timeout_s=timeout_s,
-            name=name,
-            client=client,
-        )
+    default_name = "webhook"
 
     def payload(self, notice: Notice, now: datetime) -> dict[str, Any]:
         return slack_payload(notice)
