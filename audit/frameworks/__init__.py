@@ -37,7 +37,9 @@ FRAMEWORK_TABLES: dict[str, Framework] = {
 }
 FRAMEWORKS: tuple[str, ...] = tuple(FRAMEWORK_TABLES)
 
-_SPEC = re.compile(r"^\s*(?P<name>[A-Za-z][A-Za-z0-9_.-]*)\s*(?:(?:==|@)\s*(?P<version>[0-9][0-9A-Za-z.+-]*))?\s*$")
+_SPEC = re.compile(
+    r"^\s*(?P<name>[A-Za-z][A-Za-z0-9_.-]*)\s*(?:(?:==|@)\s*(?P<version>[0-9][0-9A-Za-z.+-]*))?\s*$"
+)
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,9 @@ class StepTokens:
         """From per-sample arrays (``offsets`` derived) or concatenated ones with their ``offsets``."""
         if isinstance(trainer, list):
             if offsets is not None:
-                raise ValueError("offsets: give per-sample arrays or concatenated ones with offsets, not both")
+                raise ValueError(
+                    "offsets: give per-sample arrays or concatenated ones with offsets, not both"
+                )
             lengths = [np.asarray(t).size for t in trainer]
             offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
             trainer = np.concatenate(trainer) if trainer else np.zeros(0)

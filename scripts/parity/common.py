@@ -74,7 +74,9 @@ def mirror(repository: str) -> Path:
     """The bare snapshot of ``owner/name``."""
     path = MIRRORS / repository.replace("/", "+") / "repo"
     if not path.exists():
-        raise SystemExit(f"no snapshot of {repository} at {path}: clone it bare there (see this module's docstring)")
+        raise SystemExit(
+            f"no snapshot of {repository} at {path}: clone it bare there (see this module's docstring)"
+        )
     return path
 
 

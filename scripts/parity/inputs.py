@@ -27,8 +27,16 @@ def _f32(values: np.ndarray) -> list[float]:
     return [float(v) for v in np.asarray(values, dtype=np.float32)]
 
 
-def _sample(rng: np.random.Generator, length: int, scale: float, *, masked_span: tuple[int, int] | None = None,
-            advantage: float = 0.0, rank: int = 0, equal: bool = False) -> dict:
+def _sample(
+    rng: np.random.Generator,
+    length: int,
+    scale: float,
+    *,
+    masked_span: tuple[int, int] | None = None,
+    advantage: float = 0.0,
+    rank: int = 0,
+    equal: bool = False,
+) -> dict:
     rollout = -rng.uniform(0.01, 6.0, length)
     delta = rng.normal(0.0, scale, length)
     trainer = rollout if equal else np.minimum(rollout + delta, -1e-4)
@@ -39,8 +47,13 @@ def _sample(rng: np.random.Generator, length: int, scale: float, *, masked_span:
         mask[a:b] = 0
         trainer[a:b] = GARBAGE[0]
         rollout[a:b] = GARBAGE[1]
-    return {"trainer": _f32(trainer), "rollout": _f32(rollout), "mask": mask.tolist(),
-            "advantage": float(np.float32(advantage)), "rank": rank}
+    return {
+        "trainer": _f32(trainer),
+        "rollout": _f32(rollout),
+        "mask": mask.tolist(),
+        "advantage": float(np.float32(advantage)),
+        "rank": rank,
+    }
 
 
 def build() -> dict[str, list[dict]]:
@@ -50,7 +63,9 @@ def build() -> dict[str, list[dict]]:
     # catches some tokens (|Δ| up to ~2: ρ from ~0.1 to ~7).
     steps["ragged"] = [
         _sample(rng, n, 0.6, advantage=a)
-        for n, a in zip((1, 3, 17, 40, 9, 64, 2, 25), (1.0, -0.5, 0.25, -1.5, 0.0, 2.0, -0.75, 0.5))
+        for n, a in zip(
+            (1, 3, 17, 40, 9, 64, 2, 25), (1.0, -0.5, 0.25, -1.5, 0.0, 2.0, -0.75, 0.5), strict=True
+        )
     ]
     # Multi-turn: spans masked out inside the response (their values are garbage).
     steps["interior_masked"] = [
@@ -60,7 +75,7 @@ def build() -> dict[str, list[dict]]:
         _sample(rng, 21, 0.4, masked_span=(18, 21), advantage=-1.0),
     ]
     # Outliers beyond ±20 in Δ, where clamps and their placement decide the figures.
-    outliers = [_sample(rng, n, 0.3, advantage=a) for n, a in zip((16, 11, 7), (0.5, -0.5, 1.0))]
+    outliers = [_sample(rng, n, 0.3, advantage=a) for n, a in zip((16, 11, 7), (0.5, -0.5, 1.0), strict=True)]
     outliers[0]["rollout"][3], outliers[0]["trainer"][3] = -29.75, -1.5  # Δ = +28.25
     outliers[1]["rollout"][5], outliers[1]["trainer"][5] = -0.5, -26.0  # Δ = −25.5
     outliers[2]["rollout"][0], outliers[2]["trainer"][0] = -40.0, -0.25  # Δ = +39.75
@@ -68,11 +83,21 @@ def build() -> dict[str, list[dict]]:
     # Every sample one token long (sample std of one value, per-sample means of one token).
     steps["length_one"] = [_sample(rng, 1, 0.5, advantage=a) for a in (1.0, -1.0, 0.5, -0.5, 0.0)]
     # Both sides bit-identical.
-    steps["all_equal"] = [_sample(rng, n, 0.0, equal=True, advantage=a) for n, a in ((12, 1.0), (5, -1.0), (30, 0.3))]
+    steps["all_equal"] = [
+        _sample(rng, n, 0.0, equal=True, advantage=a) for n, a in ((12, 1.0), (5, -1.0), (30, 0.3))
+    ]
     # Four processes of unequal sizes (frameworks that log a mean of per-process means).
     steps["multi_rank"] = [
         _sample(rng, n, 0.5, advantage=a, rank=r)
-        for n, a, r in ((10, 1.0, 0), (33, -0.5, 0), (4, 0.2, 1), (19, -1.2, 2), (27, 0.9, 2), (8, -0.1, 2), (50, 0.4, 3))
+        for n, a, r in (
+            (10, 1.0, 0),
+            (33, -0.5, 0),
+            (4, 0.2, 1),
+            (19, -1.2, 2),
+            (27, 0.9, 2),
+            (8, -0.1, 2),
+            (50, 0.4, 3),
+        )
     ]
     return steps
 

@@ -1,6 +1,6 @@
 """Tinker's figures from tinker-cookbook's own ``compute_kl_sample_train`` (see common.py).
 
-    python scripts/parity/tinker.py [--commit SHA]
+python scripts/parity/tinker.py [--commit SHA]
 """
 
 from __future__ import annotations

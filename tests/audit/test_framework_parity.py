@@ -105,6 +105,10 @@ def test_same_as_figures_equal_their_canonical_metric() -> None:
                 )
                 got = era.compute(tokens, settings)
                 for figure in era.figures:
-                    if figure.same_as and figure.name in got and not close(got[figure.name], ours[figure.same_as]):
+                    if (
+                        figure.same_as
+                        and figure.name in got
+                        and not close(got[figure.name], ours[figure.same_as])
+                    ):
                         wrong.append(f"{table.name} {era.since} {figure.name} != {figure.same_as} on {step}")
     assert not wrong, "\n".join(wrong)
