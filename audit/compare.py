@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 from isoaudit.audit.diagnosis import Diagnosis, diagnose
+from isoaudit.audit.frameworks import Declaration, StepTokens, framework_figures
 from isoaudit.audit.grid import Cell, RegionGrid, compare_fingerprints
 from isoaudit.audit.metric_names import required_variants
 from isoaudit.audit.metrics import (
@@ -148,6 +149,17 @@ class _Tokens:
             _offsets([t.logprobs.size for t, _ in pairs]),
             (_entropies([t for t, _ in pairs]), _entropies([r for _, r in pairs])),
         )
+
+
+def framework_tokens(pairs: Sequence[Pair]) -> StepTokens:
+    """A step's pairs as the frameworks' figures take them: logprobs, the trainer's advantage (the
+    rollout's where the trainer recorded none) and the trainer's rank of each sample."""
+    return StepTokens.of(
+        [t.logprobs for t, _ in pairs],
+        [r.logprobs for _, r in pairs],
+        advantages=[t.advantage if t.advantage is not None else r.advantage for t, r in pairs],
+        ranks=[t.rank if t.rank is not None else r.rank for t, r in pairs],
+    )
 
 
 def _with_lags(rows: list[dict[str, Any]], lags: list[np.ndarray]) -> list[dict[str, Any]]:
@@ -313,16 +325,21 @@ class StepOutcome:
         comparisons: Sequence[SampleComparison],
         *,
         clip_eps: float = 0.2,
+        framework: Declaration | None = None,
     ) -> StepOutcome:
         """The outcome of a step whose samples ``pairs`` are, ``comparisons`` those compared now. When
         ``comparisons`` were made of exactly ``pairs`` by one :func:`compare_samples` call, its
-        figures are taken, not computed again; routes compared there are not compared again."""
+        figures are taken, not computed again; routes compared there are not compared again.
+        ``framework``: what the run declares it runs under (``declaration_of(run.config)``): its
+        figures follow that release and its settings (audit.frameworks)."""
         ordered = in_step_order(pairs)
         handed_on = next((c.step_figures for c in comparisons if c.step_figures is not None), None)
         if handed_on is not None and handed_on.covers(ordered, clip_eps):
             metrics = dict(handed_on.metrics)
         else:
             metrics = _step_metrics(_Tokens.of(ordered), [token_lags(t, r) for t, r in ordered], clip_eps)
+        if ordered:
+            metrics.update(framework_figures(framework_tokens(ordered), framework))
         routing = None
         if pairs:
             compared = {c.sample_key: c.routing for c in comparisons if c.routing is not None}
@@ -381,7 +398,8 @@ def step_summary(
     comparisons: Sequence[SampleComparison],
     *,
     clip_eps: float = 0.2,
+    framework: Declaration | None = None,
 ) -> dict[str, Any]:
     """The ``step_results`` fields of one step (:meth:`StepOutcome.step_result` of
     :meth:`StepOutcome.of`), for a caller that holds no stored verdicts."""
-    return StepOutcome.of(pairs, comparisons, clip_eps=clip_eps).step_result()
+    return StepOutcome.of(pairs, comparisons, clip_eps=clip_eps, framework=framework).step_result()

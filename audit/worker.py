@@ -18,6 +18,7 @@ from typing import Any
 
 from isoaudit.audit.compare import SampleComparison, StepOutcome, compare_samples
 from isoaudit.audit.db import StepClaim, Store
+from isoaudit.audit.frameworks import Declaration, declaration_of
 from isoaudit.audit.records import Manifest, OffPolicy, RegionFingerprints, SampleLogprobs, off_policy_of
 from isoaudit.audit.routing import step_routing
 from isoaudit.audit.summaries import summarize
@@ -35,6 +36,16 @@ def pair_by_key(samples: list[SampleLogprobs]) -> dict[str, tuple[SampleLogprobs
         assert sample.sample_key is not None
         sides[sample.sample_key][sample.side] = sample
     return {key: (s["trainer"], s["rollout"]) for key, s in sides.items() if len(s) == 2}
+
+
+def _declaration(run_id: str, config: Mapping[str, Any]) -> Declaration | None:
+    """The run's declared framework; None (with a warning) for a config stored before isoaudit read
+    the ``framework`` key, whose value it does not understand: figures then follow the newest code."""
+    try:
+        return declaration_of(config)
+    except ValueError as exc:
+        log.warning("run %s: %s; its framework figures follow each framework's newest code", run_id, exc)
+        return None
 
 
 def worker_name() -> str:
@@ -117,17 +128,21 @@ class ComparisonWorker:
             r: (self.store.manifests(r, "trainer"), self.store.manifests(r, "rollout")) for r in runs
         }
         # A declared lag is off_policy, not weights.
-        policies = {r: off_policy_of(self.store.run_config(r) or {}) for r in runs}
+        configs = {r: self.store.run_config(r) or {} for r in runs}
+        policies = {r: off_policy_of(configs[r]) for r in runs}
+        frameworks = {r: _declaration(r, configs[r]) for r in runs}
         computed: list[tuple[StepClaim, StepOutcome]] = []
         for run in runs:
             mine = [c for c in claims if c.run_id == run]
             try:  # one comparison over the run's whole batch: the per-sample metrics are vectorised
-                computed += self._compare_steps(mine, samples, prints, manifests[run], policies[run])
+                computed += self._compare_steps(
+                    mine, samples, prints, manifests[run], policies[run], frameworks[run]
+                )
             except Exception:  # find the bad step: compare them one by one
                 for claim in mine:
                     try:
                         computed += self._compare_steps(
-                            [claim], samples, prints, manifests[run], policies[run]
+                            [claim], samples, prints, manifests[run], policies[run], frameworks[run]
                         )
                     except Exception:  # stays claimed until the lease runs out, then is tried again
                         self.failures += 1
@@ -160,6 +175,7 @@ class ComparisonWorker:
         prints: dict[tuple[str, int], list[RegionFingerprints]],
         manifests: tuple[list[Manifest], list[Manifest]],
         policy: OffPolicy | None,
+        framework: Declaration | None = None,
     ) -> list[tuple[StepClaim, StepOutcome]]:
         """Compare the claimed samples of some steps of one run in one call, then each step's outcome."""
         pairs = {(c.run_id, c.step): pair_by_key(samples[(c.run_id, c.step)]) for c in claims}
@@ -172,7 +188,9 @@ class ComparisonWorker:
         wanted = {(c.run_id, c.step, k) for c in claims for k in c.sample_keys}
         if len(claims) > 1 and len({k for _, _, k in wanted}) < len(wanted):
             # One sequence sampled at two steps: fingerprints are matched by key, so step by step.
-            return [x for c in claims for x in self._compare_steps([c], samples, prints, manifests, policy)]
+            return [
+                x for c in claims for x in self._compare_steps([c], samples, prints, manifests, policy, framework)
+            ]
         by_key: dict[str, tuple[list, list]] = defaultdict(lambda: ([], []))
         for claim in claims:
             for record in prints[(claim.run_id, claim.step)]:
@@ -188,7 +206,7 @@ class ComparisonWorker:
             # The step's figures cover every compared sample of the step, old and new.
             all_pairs = [step_pairs[k] for k in sorted(step_pairs)]
             mine = per_step[(claim.run_id, claim.step)]
-            out.append((claim, StepOutcome.of(all_pairs, mine, clip_eps=self.clip_eps)))
+            out.append((claim, StepOutcome.of(all_pairs, mine, clip_eps=self.clip_eps, framework=framework)))
         return out
 
     def backfill(self, limit: int = 1) -> int:

@@ -110,6 +110,7 @@ def sample_row(record: SampleLogprobs) -> dict[str, Any]:
         "top_k": record.top_k,
         "top_p": record.top_p,
         "min_p": record.min_p,
+        "advantage": record.advantage,
         "weight_spans": [span.model_dump() for span in record.weight_spans] if record.weight_spans else None,
         "semantics": record.semantics,
         "token_ids": to_bytes(record.token_ids.astype(np.int32, copy=False)),
@@ -146,6 +147,7 @@ def sample_record(row: SampleRow) -> SampleLogprobs:
         top_k=row.top_k,
         top_p=row.top_p,
         min_p=row.min_p,
+        advantage=row.advantage,
         weight_spans=[WeightSpan.model_construct(**span) for span in row.weight_spans]
         if row.weight_spans
         else None,

@@ -102,6 +102,8 @@ class SampleRow(Base):
     topk_logprobs: Mapped[bytes | None] = mapped_column(LargeBinary)
     path: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     min_p: Mapped[float | None] = mapped_column(Float)
+    #: SampleLogprobs.advantage (the trainer's; None: not recorded)
+    advantage: Mapped[float | None] = mapped_column(Float)
     #: [{"start": completion index, "version": weight version}, ...] (SampleLogprobs.weight_spans)
     weight_spans: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)

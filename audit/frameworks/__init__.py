@@ -120,6 +120,8 @@ def framework_figures(tokens: StepTokens, declared: Declaration | None = None) -
         return out
     with np.errstate(all="ignore"):
         for table in FRAMEWORK_TABLES.values():
+            if not table.eras:
+                continue
             era, values = _era_and_settings(table, declared)
             for name, value in era.compute(tokens, values).items():
                 out[qualified(table.name, name)] = float(value)
@@ -131,6 +133,8 @@ def used_settings(declared: Declaration | None) -> dict[str, dict[str, Any]]:
     origin ("declared", "default", "unset"), as ``isoaudit compare --names`` reports it."""
     out: dict[str, dict[str, Any]] = {}
     for table in FRAMEWORK_TABLES.values():
+        if not table.eras:
+            continue
         mine = declared is not None and declared.framework == table.name
         era = declared.era if mine and declared is not None else table.head
         values, origin = table.settings_of(era, declared.settings if mine and declared is not None else None)

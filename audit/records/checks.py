@@ -95,13 +95,15 @@ class FloatRange:
         """The pydantic field of this range."""
         return Field(
             gt=self.low if self.low_open else None,
-            ge=None if self.low_open else self.low,
+            ge=None if self.low_open or not math.isfinite(self.low) else self.low,
             le=self.high if math.isfinite(self.high) else None,
             allow_inf_nan=False,
             **options,
         )
 
     def describe(self) -> str:
+        if not math.isfinite(self.high) and not math.isfinite(self.low):
+            return "a finite number"
         if not math.isfinite(self.high):
             return f"a finite number {'>' if self.low_open else '≥'} {self.low:g}"
         return f"a number in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}]"
@@ -171,6 +173,8 @@ REGION = Text(max_length=128, min_length=1)
 TEMPERATURE = FloatRange(0.0)
 TOP_P = FloatRange(0.0, 1.0, low_open=True)
 MIN_P = FloatRange(0.0, 1.0)
+#: A sample's advantage in the RL objective: any finite number.
+ADVANTAGE = FloatRange(-math.inf)
 
 
 def check_member(value: object, field: str, allowed: frozenset[str]) -> None:

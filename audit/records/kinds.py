@@ -22,7 +22,9 @@ from isoaudit.audit.arrays import (
     UInt64Array,
     UInt64Matrix,
 )
+from isoaudit.audit.frameworks import declaration_of
 from isoaudit.audit.records.checks import (
+    ADVANTAGE,
     COUNT32,
     FLOAT32_MATRIX,
     FLOAT32_VECTOR,
@@ -148,6 +150,14 @@ class Run(Record):
             first = exc.errors()[0]
             where = ".".join(str(part) for part in first["loc"])
             raise ValueError(f"config.off_policy{'.' + where if where else ''}: {first['msg']}") from None
+        return self
+
+    @model_validator(mode="after")
+    def _check_framework(self) -> Run:
+        try:
+            declaration_of(self.config)
+        except ValueError as exc:
+            raise ValueError(f"config.{exc}") from None
         return self
 
     @model_validator(mode="after")
@@ -339,6 +349,12 @@ class SampleLogprobs(Record):
         "an engine worker's data-parallel rank); absent for a single-process job",
     )
 
+    advantage: float | None = ADVANTAGE.field(
+        default=None,
+        description="the sample's advantage in the trainer's objective (trainer side), for the framework "
+        "figures that depend on its sign (PRIME-RL's masks); absent: not known",
+    )
+
     semantics: LogprobSemantics = "processed"
     routes: Routes | None = Field(
         default=None, description="MoE routing: the experts each layer chose per token"
@@ -421,6 +437,8 @@ class SampleLogprobs(Record):
             TOP_P.check(self.top_p, "top_p")
         if self.min_p is not None:
             MIN_P.check(self.min_p, "min_p")
+        if self.advantage is not None:
+            self.advantage = ADVANTAGE.check(self.advantage, "advantage")
         check_member(self.semantics, "semantics", _SEMANTICS)
         if self.rank is not None:
             COUNT32.check(self.rank, "rank")

@@ -11,9 +11,10 @@ from typing import Any
 import numpy as np
 import pytest
 from isoaudit.audit import compare as compare_module
-from isoaudit.audit.compare import compare_samples, in_step_order, step_summary
+from isoaudit.audit.compare import compare_samples, framework_tokens, in_step_order, step_summary
 from isoaudit.audit.db import Store
 from isoaudit.audit.db.models import StepSummaryRow
+from isoaudit.audit.frameworks import framework_figures
 from isoaudit.audit.metric_names import required_variants
 from isoaudit.audit.metrics import UNKNOWN_LAG, lag_metrics, sample_metrics, step_metrics
 from isoaudit.audit.policy_lag import token_lags
@@ -104,6 +105,7 @@ def expected_step_metrics(pairs: list[Pair], clip_eps: float = 0.2) -> dict[str,
     metrics.update(
         lag_metrics(trainer, rollout, offsets, np.concatenate([token_lags(t, r) for t, r in ordered]))
     )
+    metrics.update(framework_figures(framework_tokens(ordered)))
     return {k: stored(v) for k, v in metrics.items()}
 
 
