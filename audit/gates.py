@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from isoaudit.audit.db import Store
-from isoaudit.audit.metric_names import UnknownMetric, resolve
+from isoaudit.audit.metric_names import UnknownMetric, lookup, resolve
 
 Direction = Literal["max", "min"]
 
@@ -159,7 +159,7 @@ def check(
     result = GateResult(run_id, bounds, [row.step for row in rows])
     for row in rows:
         for bound in bounds:
-            value = row.metrics.get(bound.key)
+            value = lookup(row.metrics, bound.key)
             number = float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
             if number is None or not math.isfinite(number):
                 result.failures.append(GateFailure(row.step, bound, None))

@@ -189,7 +189,9 @@ class ComparisonWorker:
         if len(claims) > 1 and len({k for _, _, k in wanted}) < len(wanted):
             # One sequence sampled at two steps: fingerprints are matched by key, so step by step.
             return [
-                x for c in claims for x in self._compare_steps([c], samples, prints, manifests, policy, framework)
+                x
+                for c in claims
+                for x in self._compare_steps([c], samples, prints, manifests, policy, framework)
             ]
         by_key: dict[str, tuple[list, list]] = defaultdict(lambda: ([], []))
         for claim in claims:

@@ -75,6 +75,7 @@ def sample_records(
             "logprobs": lp,
             "temperature": float(temps[i]),
             "semantics": semantics,
+            "advantage": float(batch.advantages[i]) if batch.advantages is not None else None,
         }
         records.append(SampleLogprobs(**fields) if validate else build(fields))
     return records
@@ -82,7 +83,7 @@ def sample_records(
 
 _SAMPLE_NAMES = frozenset(
     ("run_id", "step", "side", "sample_key", "weight_version", "prompt_len", "token_ids", "logprobs")
-    + ("temperature", "semantics")
+    + ("temperature", "semantics", "advantage")
 )
 _PRINT_NAMES = frozenset(
     ("run_id", "step", "side", "case", "sample_key", "region", "forward_index", "positions", "digest")

@@ -40,6 +40,17 @@ def _as_lists(seqs: Sequence[Any], name: str) -> list[list[int]]:
     return out
 
 
+def _advantages(advantages: Sequence[float] | np.ndarray | torch.Tensor, n: int) -> np.ndarray:
+    if isinstance(advantages, torch.Tensor):
+        advantages = advantages.detach().float().cpu().numpy()
+    values = np.asarray(advantages, dtype=np.float64).reshape(-1)
+    if values.shape != (n,):
+        raise ValueError(f"advantages: expected {n} values (one per sample), got shape {list(values.shape)}")
+    if not np.isfinite(values).all():
+        raise ValueError("advantages: values must be finite")
+    return values
+
+
 def _temperatures(temperature: float | Sequence[float] | np.ndarray, n: int) -> np.ndarray:
     temps = (
         np.full(n, float(cast(float, temperature)))
@@ -67,6 +78,9 @@ class StepBatch:
     position_ids: torch.Tensor | None = None
     temperature: np.ndarray | None = None
     sample_keys: list[str] | None = None
+    #: each sample's advantage in the trainer's objective (the framework figures that depend on its
+    #: sign, e.g. PRIME-RL's masks); None: not given
+    advantages: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if self.input_ids.dim() == 1:
@@ -87,6 +101,8 @@ class StepBatch:
         )
         if self.sample_keys is not None and len(self.sample_keys) != len(self.spans):
             raise ValueError(f"sample_keys: {len(self.sample_keys)} keys for {len(self.spans)} samples")
+        if self.advantages is not None:
+            self.advantages = _advantages(self.advantages, len(self.spans))
 
     # ---------------------------------------------------------------- builders
 
@@ -100,6 +116,7 @@ class StepBatch:
         padding_side: str = "right",
         temperature: float | Sequence[float] = 1.0,
         device: torch.device | str | None = None,
+        advantages: Sequence[float] | None = None,
     ) -> StepBatch:
         """One row per sample, padded to the longest with ``pad_token_id`` on ``padding_side``."""
         if padding_side not in ("left", "right"):
@@ -115,7 +132,14 @@ class StepBatch:
             mask[row, start : start + len(seq)] = 1
             spans.append(Span(row, start, len(seq), len(prompt)))
         position_ids = (mask.cumsum(-1) - 1).clamp_(min=0)
-        return cls(ids.to(device), spans, mask.to(device), position_ids.to(device), temperature)  # type: ignore[arg-type]  # temperature is normalised to an array by the dataclass's __post_init__
+        return cls(
+            ids.to(device),
+            spans,
+            mask.to(device),
+            position_ids.to(device),
+            temperature,
+            advantages=advantages,
+        )  # type: ignore[arg-type]  # temperature and advantages are normalised to arrays by the dataclass's __post_init__
 
     @classmethod
     def packed(
@@ -125,6 +149,7 @@ class StepBatch:
         *,
         temperature: float | Sequence[float] = 1.0,
         device: torch.device | str | None = None,
+        advantages: Sequence[float] | None = None,
     ) -> StepBatch:
         """All samples back to back in one row; ``position_ids`` restart at each sample (HF then masks
         attention per sample)."""
@@ -135,7 +160,7 @@ class StepBatch:
         for seq, prompt in zip(seqs, prompts, strict=True):
             spans.append(Span(0, start, len(seq), len(prompt)))
             start += len(seq)
-        return cls(ids.to(device), spans, None, position_ids.to(device), temperature)  # type: ignore[arg-type]  # temperature is normalised to an array by the dataclass's __post_init__
+        return cls(ids.to(device), spans, None, position_ids.to(device), temperature, advantages=advantages)  # type: ignore[arg-type]  # temperature and advantages are normalised to arrays by the dataclass's __post_init__
 
     @classmethod
     def from_tensors(
@@ -148,6 +173,7 @@ class StepBatch:
         seq_lens: Sequence[int] | Sequence[Sequence[int]] | None = None,
         temperature: float | Sequence[float] = 1.0,
         sample_keys: Sequence[str] | None = None,
+        advantages: Sequence[float] | torch.Tensor | None = None,
     ) -> StepBatch:
         """The layout of tensors a trainer already has.
 
@@ -208,6 +234,7 @@ class StepBatch:
             position_ids,
             temperature,  # type: ignore[arg-type]  # temperature is normalised to an array by the dataclass's __post_init__
             list(sample_keys) if sample_keys is not None else None,
+            advantages,  # type: ignore[arg-type]  # normalised to an array by the dataclass's __post_init__
         )
 
     @classmethod

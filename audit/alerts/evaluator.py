@@ -13,6 +13,7 @@ from typing import Any
 
 from isoaudit.audit.alerts.rules import AlertRule
 from isoaudit.audit.db.alerts import AlertState
+from isoaudit.audit.metric_names import lookup
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ def evaluate_series(rule: AlertRule, series: Sequence[tuple[int, Mapping[str, An
     value at the latest step and the run of consecutive breaching (or clear) steps ending there."""
     if not series:
         return None
-    values = [metrics.get(rule.metric) for _, metrics in series]
+    values = [lookup(metrics, rule.metric) for _, metrics in series]
     flags = []
     window_values: list[float | None] = []
     for end in range(len(values)):
@@ -69,7 +70,7 @@ def breaches_at(rule: AlertRule, series: Sequence[tuple[int, Mapping[str, Any]]]
     upto = [metrics for s, metrics in series if s <= step]
     if not upto or series[len(upto) - 1][0] != step:
         return False
-    return rule.breaches(rule.aggregate(m.get(rule.metric) for m in upto[-rule.window :]))
+    return rule.breaches(rule.aggregate(lookup(m, rule.metric) for m in upto[-rule.window :]))
 
 
 def breaching_steps(rule: AlertRule, series: Sequence[tuple[int, Mapping[str, Any]]], step: int) -> list[int]:

@@ -37,7 +37,7 @@ from typing import Any
 from isoaudit.audit import __version__
 from isoaudit.audit.db import Store
 from isoaudit.audit.db.telemetry import RunFigures, TelemetryReads
-from isoaudit.audit.metric_names import Alias, definition, framework_aliases
+from isoaudit.audit.metric_names import Alias, definition, framework_aliases, is_framework_key, lookup
 from isoaudit.audit.metrics import PARAMETRIC, parse_lag_key, parse_variant
 from isoaudit.audit.records import utcnow
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
@@ -229,6 +229,8 @@ class StoreCollector(Collector):
         (``label_of``: the label that tells each family's figures apart)."""
         numbers = _numbers(run.metrics)
         for name, value in sorted(numbers.items()):
+            if is_framework_key(name):
+                continue  # exported under the framework's own names, when asked (below)
             series = _series(name)
             if series is None:
                 continue
@@ -242,16 +244,17 @@ class StoreCollector(Collector):
                 continue  # one family, one set of labels: a figure that would mix them stays out
             families[family].add_metric([run.run_id, run.project, label_value], value)
         for alias in self.aliases:
-            if alias.key not in numbers:
+            value = lookup(numbers, alias.key)
+            if value is None:
                 continue
             family = _sanitize(f"{alias.framework}_{alias.name}")
             if family not in families:
                 families[family] = GaugeMetricFamily(
                     family,
-                    f"{alias.framework}'s {alias.name} = isoaudit {alias.key}: {definition(alias.key)}",
+                    f"{alias.framework}'s {alias.name}, as its own code computes it: {alias.note}",
                     labels=["run_id", "project"],
                 )
-            families[family].add_metric([run.run_id, run.project], numbers[alias.key])
+            families[family].add_metric([run.run_id, run.project], value)
 
 
 def _numbers(metrics: dict[str, Any]) -> dict[str, float]:

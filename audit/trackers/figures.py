@@ -58,7 +58,8 @@ def source_keys(framework: str | None = None) -> list[str]:
     check_framework(framework)
     if framework is None:
         return list(_canonical())
-    return list(dict.fromkeys(alias.key for alias in framework_aliases(framework)))
+    keys = (k for alias in framework_aliases(framework) for k in (alias.key, alias.same_as) if k)
+    return list(dict.fromkeys(keys))
 
 
 def _finite(value: object) -> bool:

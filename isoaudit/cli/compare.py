@@ -76,7 +76,8 @@ def compare(
     if names is not None and names not in FRAMEWORKS:
         raise _fail(f"--names: {names!r} is not one of {', '.join(FRAMEWORKS)}")
     store = open_store(database)
-    if store.get_run(run_id) is None:
+    run = store.get_run(run_id)
+    if run is None:
         raise _fail(f"RUN: no run {run_id!r} in the store (`isoaudit runs list` shows the recorded ones)")
     stored_steps = [s.step for s in store.steps(run_id)]
     if step is not None and step not in stored_steps:
@@ -89,7 +90,10 @@ def compare(
     samples = [r for r in store.sample_results(run_id, step)]
     code = verdict([r.diagnosis for r in samples])
     if as_json:
-        print(json.dumps(_as_json(run_id, steps, samples, code, names), indent=2, default=str))
+        body = _as_json(run_id, steps, samples, code, names)
+        if names is not None:
+            body["framework"] = framework_used(run.config, names)
+        print(json.dumps(body, indent=2, default=str))
         raise typer.Exit(code)
 
     table = Table("step", "samples", *SHOWN_METRICS, "diagnoses", "first divergence", title=f"run {run_id}")
@@ -123,6 +127,12 @@ def compare(
     console.print(detail)
     if names is not None:
         console.print(framework_table(run_id, steps, names))
+        used = framework_used(run.config, names)
+        settings = ", ".join(f"{k}={v['value']!r} ({v['origin']})" for k, v in used["settings"].items())
+        console.print(
+            f"{names}: figures as its code at {used['version'] or 'its newest code'} computes them "
+            f"(era {used['era']}, {used['commit'][:10]}){'; ' + settings if settings else ''}"
+        )
     missing = [s for s in store.steps(run_id, step, step) if s.compared_samples == 0]
     for s in missing:
         console.print(
@@ -142,7 +152,7 @@ NAMED_STEPS_SHOWN = 6
 
 def framework_table(run_id: str, steps: list[Any], framework: str) -> Table:
     """The run's figures as ``framework`` logs them: one row per name, one column per step (latest)."""
-    from isoaudit.audit.metric_names import framework_aliases
+    from isoaudit.audit.metric_names import framework_aliases, lookup
 
     shown = steps[-NAMED_STEPS_SHOWN:]
     more = f" (latest {len(shown)} of {len(steps)} steps)" if len(shown) < len(steps) else ""
@@ -153,8 +163,23 @@ def framework_table(run_id: str, steps: list[Any], framework: str) -> Table:
         title=f"run {run_id} in {framework}'s names{more}",
     )
     for alias in framework_aliases(framework):
-        table.add_row(alias.name, escape(alias.key), *(_fmt(s.metrics.get(alias.key)) for s in shown))
+        values = [lookup(s.metrics, alias.key) for s in shown]
+        if all(v is None for v in values):
+            continue  # not logged at this run's release and settings
+        table.add_row(alias.name, escape(alias.same_as or alias.key), *(_fmt(v) for v in values))
     return table
+
+
+def framework_used(config: dict[str, Any], framework: str) -> dict[str, Any]:
+    """Which release's code and which settings ``framework``'s figures of a run follow (its declared
+    framework at its release and settings; any other at its newest code and defaults)."""
+    from isoaudit.audit.frameworks import declaration_of, used_settings
+
+    try:
+        declared = declaration_of(config)
+    except ValueError:
+        declared = None
+    return used_settings(declared)[framework]
 
 
 def _as_json(
