@@ -137,9 +137,9 @@ class StepBatch:
             spans,
             mask.to(device),
             position_ids.to(device),
-            temperature,
-            advantages=advantages,
-        )  # type: ignore[arg-type]  # temperature and advantages are normalised to arrays by the dataclass's __post_init__
+            temperature,  # type: ignore[arg-type]  # normalised to an array by the dataclass's __post_init__
+            advantages=advantages,  # type: ignore[arg-type]  # likewise
+        )
 
     @classmethod
     def packed(

@@ -55,7 +55,7 @@ class StepTokens:
             lengths = [np.asarray(t).size for t in trainer]
             offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
             trainer = np.concatenate(trainer) if trainer else np.zeros(0)
-            rollout = np.concatenate(rollout) if rollout else np.zeros(0)  # type: ignore[arg-type]
+            rollout = np.concatenate(rollout) if rollout else np.zeros(0)
         if offsets is None:
             raise ValueError("offsets: required with concatenated arrays")
         t = np.asarray(trainer, dtype=np.float64)
