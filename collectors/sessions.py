@@ -609,6 +609,27 @@ class SessionOptions(TypedDict, total=False):
     rank: int | None
     trackers: str | Sequence[str] | None
     tracker_names: str | None
+    framework: str | None
+    framework_config: Mapping[str, Any] | None
+
+
+def declared_run(run: str | Run, framework: str | None, settings: Mapping[str, Any] | None) -> Run:
+    """``run`` with ``framework`` (``"verl==0.7.1"``) and its ``settings`` in its config, checked: an
+    unknown framework, release or setting raises ValueError naming it."""
+    from isoaudit.audit.frameworks import parse_declaration
+
+    record = run_record(run)
+    config = dict(record.config)
+    if framework is not None:
+        config["framework"] = framework
+    if settings is not None:
+        config["framework_config"] = dict(settings)
+    if "framework" not in config:
+        raise ValueError(
+            "framework_config: given without framework (say which, like framework='verl==0.7.1')"
+        )
+    parse_declaration(config["framework"], config.get("framework_config"))
+    return record.model_copy(update={"config": config})
 
 
 def session(
@@ -629,6 +650,8 @@ def session(
     rank: int | None = None,
     trackers: str | Sequence[str] | None = None,
     tracker_names: str | None = None,
+    framework: str | None = None,
+    framework_config: Mapping[str, Any] | None = None,
 ) -> Session:
     """A session for run ``run`` (an id, or a :class:`isoaudit.audit.records.Run` with a name and config).
 
@@ -651,8 +674,14 @@ def session(
     ``RANK``, else none); ``trackers``: ``"wandb"``, ``"mlflow"`` or both (default
     ``ISOAUDIT_TRACKERS``): the run's compared steps go into the job's W&B run and MLflow run, or
     runs of isoaudit's own (:mod:`isoaudit.collectors.trackers`; rank 0 only), under
-    ``tracker_names``' framework names (``verl``, ``trl``, ...; default ``ISOAUDIT_TRACKER_NAMES``).
+    ``tracker_names``' framework names (``verl``, ``trl``, ...; default ``ISOAUDIT_TRACKER_NAMES``);
+    ``framework``: what the job runs under (``"verl==0.7.1"``; integrations fill it in), so the
+    figures shown under that framework's names follow its code at that release, with
+    ``framework_config``'s settings (its rollout-correction thresholds, modes; the framework's
+    defaults otherwise): both go into the run's config.
     """
+    if framework is not None or framework_config is not None:
+        run = declared_run(run, framework, framework_config)
     chosen: tuple[Tracker, ...] = ()
     if trackers is not None or os.environ.get("ISOAUDIT_TRACKERS"):
         from isoaudit.collectors.trackers import trackers_from

@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, Unpack, cast
 import torch
 from isoaudit.audit.records import StepStats
 from isoaudit.collectors.counting import LogOnce
+from isoaudit.collectors.integrations.declare import declaration_args
 from isoaudit.collectors.integrations.given import GivenLogprobs, watch_given
 from isoaudit.collectors.layout import StepBatch
 from isoaudit.collectors.sessions import SessionOptions
@@ -226,7 +227,12 @@ class IsoauditCallback(TrainerCallback):
 
     def _setup(self, trainer: Trainer) -> None:
         self.trainer = trainer
-        session = audit_session(self.run, **self.session_args)
+        declared: dict[str, Any] = {}
+        if "framework" not in self.session_args:
+            import trl
+
+            declared = declaration_args("trl", getattr(trl, "__version__", None), trainer.args)
+        session = audit_session(self.run, **{**declared, **self.session_args})
         self.session = session.start()
         model = trainer.accelerator.unwrap_model(trainer.model)
         self.trainer_side = session.watch_trainer(
@@ -431,11 +437,15 @@ def batch_of(out: Mapping[str, Any], *, temperature: float, pad_token_id: int | 
         lengths = torch.where(empty, torch.where(real.any(1), last, torch.zeros_like(last)), lengths)
     columns = torch.arange(completion_ids.shape[1], device=completion_ids.device)
     mask = torch.cat([prompt_mask, (columns < lengths.unsqueeze(1)).to(prompt_mask.dtype)], dim=1)
+    advantages = out.get("advantages")
     return StepBatch.from_tensors(
         torch.cat([prompt_ids, completion_ids], dim=1),
         prompt_mask.sum(1).tolist(),
         attention_mask=mask,
         temperature=temperature,
+        advantages=advantages.reshape(-1)
+        if isinstance(advantages, torch.Tensor) and advantages.dim() <= 1
+        else None,
     )
 
 
