@@ -437,15 +437,15 @@ def batch_of(out: Mapping[str, Any], *, temperature: float, pad_token_id: int | 
         lengths = torch.where(empty, torch.where(real.any(1), last, torch.zeros_like(last)), lengths)
     columns = torch.arange(completion_ids.shape[1], device=completion_ids.device)
     mask = torch.cat([prompt_mask, (columns < lengths.unsqueeze(1)).to(prompt_mask.dtype)], dim=1)
-    advantages = out.get("advantages")
+    advantages = out.get("advantages")  # this process's slice of TRL's advantages, one per sample
+    if not isinstance(advantages, torch.Tensor) or advantages.numel() != prompt_ids.shape[0]:
+        advantages = None
     return StepBatch.from_tensors(
         torch.cat([prompt_ids, completion_ids], dim=1),
         prompt_mask.sum(1).tolist(),
         attention_mask=mask,
         temperature=temperature,
-        advantages=advantages.reshape(-1)
-        if isinstance(advantages, torch.Tensor) and advantages.dim() <= 1
-        else None,
+        advantages=advantages.reshape(-1) if advantages is not None else None,
     )
 
 
