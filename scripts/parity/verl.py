@@ -39,7 +39,7 @@ RS_ALL = (
 #: k2/k3 0.01, a per-sequence sum 1.0).
 RS_ALL_THRESHOLDS = "0.5_2.0,0.01,0.01,0.5_2.0,1.0,1.0,0.5_2.0,0.01,0.01,0.01,0.01"
 
-_OLD_RS = {
+_OLD_RS: dict[str, dict[str, Any]] = {
     "token": {
         "rollout_is": "token",
         "rollout_is_batch_normalize": True,
@@ -63,7 +63,7 @@ _OLD_RS = {
         "rollout_token_veto_threshold": 0.01,
     },
 }
-_NEW_RS = {
+_NEW_RS: dict[str, dict[str, Any]] = {
     "rs": {
         "rollout_is": "token",
         "rollout_rs": RS_ALL,
@@ -84,7 +84,7 @@ _NEW_RS = {
         "rollout_rs_threshold": 1.5,
     },
 }
-_ICEPOP = {
+_ICEPOP: dict[str, dict[str, Any]] = {
     "icepop": {
         "rollout_is": "token",
         "rollout_is_threshold": "0.5_5.0",
