@@ -27,6 +27,7 @@ _IS = f"{HELPER}:compute_rollout_correction_weights"
 _RS = f"{HELPER}:compute_rollout_rejection_mask"
 _VETO = f"{HELPER}:compute_rollout_correction_and_rejection_mask"
 _DEBUG = "verl/utils/debug/metrics.py:calculate_debug_metrics"
+_ACTOR = f"{HELPER}:compute_rollout_corr_metrics_from_logprobs"
 
 #: verl's SAFETY_BOUND: |log ratio| is clamped to it before exponentiating.
 BOUND = 20.0
@@ -261,12 +262,16 @@ def _is_figures(b: _Batch, s: Settings, era: str) -> dict[str, float]:
 # -- rejection sampling before 0.7.1: bounds on the importance weight, and the veto ----------------------
 
 
-def _old_rs_figures(b: _Batch, s: Settings) -> dict[str, float]:
+Rejection = tuple[dict[str, float], np.ndarray | None]
+
+
+def _old_rs_figures(b: _Batch, s: Settings) -> Rejection:
     """compute_rollout_rejection_mask and compute_rs_metrics (0.6.1–0.7.0): reject tokens (token) or
-    samples (sequence: Π ρ; geometric: exp(mean Δ)) whose weight is outside [lower, upper]."""
+    samples (sequence: Π ρ; geometric: exp(mean Δ)) whose weight is outside [lower, upper]. Also
+    the tokens kept (None: no rejection)."""
     level = s.get("rollout_rs")
-    if level is None or "rollout_rs_threshold" not in s or s["rollout_rs_threshold"] is None:
-        return {}
+    if level is None or s.get("rollout_rs_threshold") is None:
+        return {}, None
     if level not in OLD_RS_LEVELS:
         raise ValueError(f"framework_config.rollout_rs: {level!r} is not one of {', '.join(OLD_RS_LEVELS)}")
     upper = float(s["rollout_rs_threshold"])
@@ -311,22 +316,27 @@ def _old_rs_figures(b: _Batch, s: Settings) -> dict[str, float]:
             np.exp(np.clip(log_ratio, -BOUND, BOUND)) <= upper
         )
         out["rollout_rs_seq_masked_fraction"] = float((1.0 - sample_ok).mean())
-    return {RC + k: v for k, v in out.items()}
+    return {RC + k: v for k, v in out.items()}, keep
 
 
-def _veto_figures(b: _Batch, s: Settings) -> dict[str, float]:
+def _veto_figures(b: _Batch, s: Settings) -> Rejection:
     """The catastrophic-token veto (0.6.1–0.7.0), logged as 0.0 while rollout_token_veto_threshold
-    is unset: samples with a token whose log ratio is below log(threshold)."""
+    is unset: samples with a token whose log ratio is below log(threshold) are rejected whole."""
     threshold = s.get("rollout_token_veto_threshold")
     if threshold is None:
-        return {RC + "rollout_is_veto_fraction": 0.0, RC + "rollout_is_catastrophic_token_fraction": 0.0}
+        return {
+            RC + "rollout_is_veto_fraction": 0.0,
+            RC + "rollout_is_catastrophic_token_fraction": 0.0,
+        }, None
     if float(threshold) <= 0:
         raise ValueError("framework_config.rollout_token_veto_threshold: must be positive")
     catastrophic = b.d < _log32(float(threshold))
-    return {
-        RC + "rollout_is_veto_fraction": float((b.tokens.sample_sums(catastrophic.astype(float)) > 0).mean()),
+    vetoed = b.tokens.sample_sums(catastrophic.astype(float)) > 0
+    figures = {
+        RC + "rollout_is_veto_fraction": float(vetoed.mean()),
         RC + "rollout_is_catastrophic_token_fraction": b.mean(catastrophic.astype(float)),
     }
+    return figures, ~b.per_token(vetoed)
 
 
 # -- rejection sampling from 0.7.1: divergence bounds (trust region masking) -------------------------------
@@ -384,12 +394,12 @@ def _rs_thresholds(options: list[str], spec: Any) -> dict[str, tuple[float | Non
     return out
 
 
-def _rs_figures(b: _Batch, s: Settings) -> dict[str, float]:
+def _rs_figures(b: _Batch, s: Settings) -> Rejection:
     """compute_rollout_rejection_mask and compute_rs_metrics (0.7.1 on): per option a divergence
     (k1 = −Δ, k2 = Δ²/2, k3 = e^Δ − 1 − Δ on Δ clamped to ±20) per token, or its per-sample sum,
     mean or max; k1 kept within [log lower, log upper], k2/k3 at most upper; every option must pass."""
     if s.get("rollout_rs") is None or s.get("rollout_rs_threshold") is None:
-        return {}
+        return {}, None
     options = _rs_options(s["rollout_rs"])
     bounds = _rs_thresholds(options, s["rollout_rs_threshold"])
     x = b.d_safe
@@ -446,10 +456,39 @@ def _rs_figures(b: _Batch, s: Settings) -> dict[str, float]:
     out["rollout_rs_seq_masked_fraction"] = float(
         (b.tokens.sample_sums((~combined).astype(float)) > 0).mean()
     )
-    return {RC + k: v for k, v in out.items()}
+    return {RC + k: v for k, v in out.items()}, combined
 
 
 # -- the eras -----------------------------------------------------------------------------------------------
+
+
+def _kept(tokens: StepTokens, keep: np.ndarray) -> StepTokens:
+    """The step with the rejected tokens masked out (a sample may keep none)."""
+    o = tokens.offsets
+    return StepTokens.of(
+        [tokens.trainer[o[i] : o[i + 1]][keep[o[i] : o[i + 1]]] for i in range(tokens.n_samples)],
+        [tokens.rollout[o[i] : o[i + 1]][keep[o[i] : o[i + 1]]] for i in range(tokens.n_samples)],
+        ranks=tokens.ranks,
+    )
+
+
+def _actor_offpolicy(tokens: StepTokens, keep: np.ndarray | None) -> dict[str, float]:
+    """The actor's compute_rollout_corr_metrics_from_logprobs (before 0.8.0): the off-policy figures
+    per process, on its micro-batch with the response mask after rejection sampling, reduced over
+    processes as verl's reduce_metrics does (max for a name with "max", min for "min", else mean).
+    The actor's log_prob is the current policy's: with one micro-batch per process and step, the
+    weights that computed old_log_probs. verl asserts where a process keeps no token (NaN here)."""
+    step = tokens if keep is None else _kept(tokens, keep)
+    parts = [_Batch(part) for part in step.per_rank()]
+    if any(part.n == 0 for part in parts):
+        return {name: float("nan") for name in _offpolicy(_Batch(tokens))}
+    values = [_offpolicy(part) for part in parts]
+    out = {}
+    for name in values[0]:
+        per_rank = np.array([v[name] for v in values])
+        reduce = np.max if "max" in name else np.min if "min" in name else np.mean
+        out[name] = float(reduce(per_rank))
+    return out
 
 
 def _compute(era: str) -> Callable[[StepTokens, Settings], dict[str, float]]:
@@ -457,12 +496,19 @@ def _compute(era: str) -> Callable[[StepTokens, Settings], dict[str, float]]:
         b = _Batch(tokens)
         out = _debug(b)
         out.update(_is_figures(b, settings, era))
+        keep: np.ndarray | None = None
         if era < "0.7.1":
-            out.update(_old_rs_figures(b, settings))
-            out.update(_veto_figures(b, settings))
+            for figures, kept in (_old_rs_figures(b, settings), _veto_figures(b, settings)):
+                out.update(figures)
+                if kept is not None:
+                    keep = kept if keep is None else keep & kept
         else:
-            out.update(_rs_figures(b, settings))
-        out.update(_offpolicy(b))
+            figures, keep = _rs_figures(b, settings)
+            out.update(figures)
+        if era < "0.8.0":
+            out.update(_actor_offpolicy(tokens, keep))
+        else:
+            out.update(_offpolicy(b))
         return out
 
     return compute
@@ -491,9 +537,31 @@ def _debug_figures() -> list[Figure]:
     ]
 
 
-def _offpolicy_figures() -> list[Figure]:
+def _offpolicy_figures(era: str) -> list[Figure]:
+    actor = era < "0.8.0"
+    where = (
+        "; the actor's, per process, on its tokens kept by rejection sampling, reduced over processes"
+        if actor
+        else ""
+    )
+
     def f(name: str, definition: str, same_as: str | None = None) -> Figure:
-        return Figure(RC + name, definition, same_as=same_as, source=_OFFPOLICY)
+        reduce = (
+            " (max over processes)"
+            if actor and "max" in name
+            else " (min over processes)"
+            if actor and "min" in name
+            else " (mean over processes)"
+            if actor
+            else ""
+        )
+        return Figure(
+            RC + name,
+            definition + reduce + where,
+            settings=("rollout_rs", "rollout_rs_threshold") if actor else (),
+            same_as=None if actor else same_as,
+            source=_ACTOR if actor else _OFFPOLICY,
+        )
 
     return [
         f("training_ppl", "mean over samples of exp(−mean old_log_prob of the sample)"),
@@ -701,7 +769,7 @@ def _era(since: str, commit: str, date: str, change: str) -> Era:
         commit=commit,
         date=date,
         change=change,
-        figures=(*_debug_figures(), *_is_figure_list(since), *rs, *_offpolicy_figures()),
+        figures=(*_debug_figures(), *_is_figure_list(since), *rs, *_offpolicy_figures(since)),
         compute=_compute(since),
         defaults=_OLD_DEFAULTS if since < "0.7.1" else _DEFAULTS,
     )

@@ -25,6 +25,7 @@ import common  # noqa: E402
 REPOSITORY = "verl-project/verl"
 HELPER = "verl/trainer/ppo/rollout_corr_helper.py"
 DEBUG = "verl/utils/debug/metrics.py"
+ACTOR = f"{HELPER}:compute_rollout_corr_metrics_from_logprobs (verl/utils/metric/utils.py:reduce_metrics over ranks)"
 FUNCTIONS = [
     f"{HELPER}:compute_rollout_correction_and_add_to_batch",
     f"{DEBUG}:calculate_debug_metrics",
@@ -38,6 +39,9 @@ RS_ALL = (
 #: Per-option bounds: isoaudit's former default bounds for these options (k1 ratio bounds 0.5_2.0,
 #: k2/k3 0.01, a per-sequence sum 1.0).
 RS_ALL_THRESHOLDS = "0.5_2.0,0.01,0.01,0.5_2.0,1.0,1.0,0.5_2.0,0.01,0.01,0.01,0.01"
+#: Looser bounds, so that before 0.8.0 (where each process's actor needs a kept token) most steps
+#: keep some of every process's tokens.
+RS_LOOSE_THRESHOLDS = "0.2_5.0,2.0,3.0,0.05_20,50,100,0.5_2.0,0.5,0.5,300,1e9"
 
 _OLD_RS: dict[str, dict[str, Any]] = {
     "token": {
@@ -52,16 +56,22 @@ _OLD_RS: dict[str, dict[str, Any]] = {
         "rollout_is_threshold": 3.0,
         "rollout_is_batch_normalize": True,
         "rollout_rs": "sequence",
-        "rollout_rs_threshold": 5.0,
+        "rollout_rs_threshold": 1e9,
         "rollout_rs_threshold_lower": 0.1,
     },
     "geometric": {
         "rollout_is": "token",
         "rollout_is_threshold": 1.5,
         "rollout_rs": "geometric",
-        "rollout_rs_threshold": 1.2,
+        "rollout_rs_threshold": 8.0,
+        "rollout_rs_threshold_lower": 0.9,
         "rollout_token_veto_threshold": 0.01,
     },
+}
+_RS_LOOSE: dict[str, Any] = {
+    "rollout_is": "token",
+    "rollout_rs": RS_ALL,
+    "rollout_rs_threshold": RS_LOOSE_THRESHOLDS,
 }
 _NEW_RS: dict[str, dict[str, Any]] = {
     "rs": {
@@ -69,6 +79,7 @@ _NEW_RS: dict[str, dict[str, Any]] = {
         "rollout_rs": RS_ALL,
         "rollout_rs_threshold": RS_ALL_THRESHOLDS,
     },
+    "rs_loose": _RS_LOOSE,
     "sequence": {
         "rollout_is": "sequence",
         "rollout_is_threshold": 3.0,
@@ -112,6 +123,7 @@ _PACKAGES = (
     "verl",
     "verl.utils",
     "verl.utils.debug",
+    "verl.utils.metric",
     "verl.trainer",
     "verl.trainer.ppo",
     "verl.trainer.config",
@@ -128,7 +140,7 @@ _STUBS = [
 ]
 
 
-def _import_verl(tree: Path) -> tuple[types.ModuleType, types.ModuleType]:
+def _import_verl(tree: Path) -> tuple[types.ModuleType, types.ModuleType, types.ModuleType]:
     """verl's helper and debug-metric modules from ``tree``, without ``verl/__init__`` (which pulls
     in the whole stack): its packages as bare shells over the tree's folders, heavy imports stubbed."""
     for name in [n for n in sys.modules if n == "verl" or n.startswith("verl.")]:
@@ -146,7 +158,15 @@ def _import_verl(tree: Path) -> tuple[types.ModuleType, types.ModuleType]:
 
     helper = importlib.import_module("verl.trainer.ppo.rollout_corr_helper")
     debug = importlib.import_module("verl.utils.debug.metrics")
-    return helper, debug
+    reduce = importlib.import_module("verl.utils.metric.utils")
+    return helper, debug, reduce
+
+
+def _actor_logs_offpolicy(tree: Path) -> bool:
+    """Whether the actor's update (legacy workers, the default before 0.8.0) logs the off-policy
+    figures itself, per micro-batch, from compute_rollout_corr_metrics_from_logprobs."""
+    actor = tree / "verl/workers/actor/dp_actor.py"
+    return actor.exists() and "compute_rollout_corr_metrics_from_logprobs(" in actor.read_text()
 
 
 class _DataProto:
@@ -174,7 +194,19 @@ def _yaml_defaults(tree: Path) -> dict[str, Any]:
     return dict(yaml.safe_load((tree / "verl/trainer/config/algorithm/rollout_correction.yaml").read_text()))
 
 
-def _figures_of(helper: types.ModuleType, debug: types.ModuleType, config: dict[str, Any]) -> Any:
+def _figures_of(
+    helper: types.ModuleType,
+    debug: types.ModuleType,
+    reduce: types.ModuleType | None,
+    config: dict[str, Any],
+) -> Any:
+    """One step's logged figures. With ``reduce`` (releases whose actor logs the off-policy figures),
+    the actor's values replace the driver's, as RayPPOTrainer.fit updates its metrics with the
+    actor's after the driver's: each process (rank) calls compute_rollout_corr_metrics_from_logprobs
+    on its micro-batch (its samples, the response mask after rejection sampling; its current log
+    probs are old_log_probs with one micro-batch per step); DataProto.concat gathers each worker's
+    per-micro-batch lists and ray_trainer reduces them with verl's reduce_metrics."""
+
     def figures(samples: list[dict[str, Any]]) -> dict[str, Any]:
         step = common.padded(samples)
         tensors = {
@@ -184,8 +216,21 @@ def _figures_of(helper: types.ModuleType, debug: types.ModuleType, config: dict[
             "responses": step["mask"],  # only its width is read
         }
         out = dict(debug.calculate_debug_metrics(_Batch(dict(tensors))))
-        _, metrics = helper.compute_rollout_correction_and_add_to_batch(_Batch(dict(tensors)), dict(config))
+        batch, metrics = helper.compute_rollout_correction_and_add_to_batch(_Batch(dict(tensors)), dict(config))
         out.update(metrics)
+        if reduce is not None:
+            mask = batch.batch["response_mask"]
+            per_worker: list[dict[str, list[float]]] = []
+            for rank in sorted(set(step["ranks"])):
+                rows = [i for i, r in enumerate(step["ranks"]) if r == rank]
+                actor = helper.compute_rollout_corr_metrics_from_logprobs(
+                    log_prob=step["trainer"][rows],
+                    rollout_log_prob=step["rollout"][rows],
+                    response_mask=mask[rows],
+                )
+                per_worker.append({k: [v] for k, v in actor.items()})
+            gathered = {k: [w[k] for w in per_worker] for k in per_worker[0]}
+            out.update(reduce.reduce_metrics(gathered))
         return out
 
     return figures
@@ -200,24 +245,46 @@ def main() -> None:
         ref, version, since, runs = ERAS[label]
         commit, _ = common.resolve_commit(REPOSITORY, args.commit or ref)
         tree = common.checkout(REPOSITORY, commit)
-        helper, debug = _import_verl(tree)
+        helper, debug, reduce = _import_verl(tree)
         defaults = _yaml_defaults(tree)
+        actor = reduce if _actor_logs_offpolicy(tree) else None
         for suffix, settings in runs.items():
+            figures_of = _figures_of(helper, debug, actor, {**defaults, **settings})
+            values: dict[str, dict[str, Any]] = {}
+            refused: list[str] = []
+            for step, samples in common.load_inputs().items():
+                try:
+                    values[step] = figures_of(samples)
+                except AssertionError:  # verl's actor asserts a kept token on every process
+                    refused.append(step)
             common.write_fixture(
                 "verl",
                 f"{label}-{suffix}" if suffix else label,
                 repository=REPOSITORY,
                 commit=commit,
-                functions=FUNCTIONS,
+                functions=FUNCTIONS + ([ACTOR] if actor is not None else []),
                 settings=settings,
-                values=common.run_steps(_figures_of(helper, debug, {**defaults, **settings})),
+                values=values,
                 version=version,
                 era=since,
                 script="scripts/parity/verl.py",
                 notes=(
                     "decoupled mode (bypass_mode false): calculate_debug_metrics on the batch, then "
                     "compute_rollout_correction_and_add_to_batch with these algorithm.rollout_correction "
-                    "settings over verl's yaml defaults; one call on the whole batch in the driver"
+                    "settings over verl's yaml defaults, on the whole batch in the driver"
+                    + (
+                        "; the off-policy figures are the actor's (legacy workers): "
+                        "compute_rollout_corr_metrics_from_logprobs per rank on its samples with the "
+                        "response mask after rejection, one micro-batch each, reduced by verl's reduce_metrics"
+                        if actor is not None
+                        else ""
+                    )
+                    + (
+                        f"; left out, where verl raises (a process keeps no token after rejection): "
+                        f"{', '.join(refused)}"
+                        if refused
+                        else ""
+                    )
                 ),
             )
 
