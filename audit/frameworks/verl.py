@@ -521,7 +521,12 @@ def _debug_figures() -> list[Figure]:
     what = "|exp(old_log_probs) − exp(rollout_log_probs)| over the response tokens"
     return [
         Figure("training/rollout_probs_diff_valid", "1 when the batch has response tokens", source=_DEBUG),
-        Figure("training/rollout_probs_diff_max", f"max of {what}", source=_DEBUG),
+        Figure(
+            "training/rollout_probs_diff_max",
+            f"max of {what}",
+            source=_DEBUG,
+            same_as="rollout_probs_diff_max",
+        ),
         Figure(
             "training/rollout_probs_diff_mean",
             f"mean of {what}",
@@ -533,12 +538,16 @@ def _debug_figures() -> list[Figure]:
             "training/rollout_actor_probs_pearson_corr",
             "Pearson correlation (torch.corrcoef) of the token probabilities of actor and rollout",
             source=_DEBUG,
+            same_as="rollout_actor_probs_pearson_corr",
         ),
     ]
 
 
 def _offpolicy_figures(era: str) -> list[Figure]:
     actor = era < "0.8.0"
+    rejection: tuple[str, ...] = ("rollout_rs", "rollout_rs_threshold")
+    if era < "0.7.1":
+        rejection += ("rollout_rs_threshold_lower", "rollout_token_veto_threshold")
     where = (
         "; the actor's, per process, on its tokens kept by rejection sampling, reduced over processes"
         if actor
@@ -558,25 +567,25 @@ def _offpolicy_figures(era: str) -> list[Figure]:
         return Figure(
             RC + name,
             definition + reduce + where,
-            settings=("rollout_rs", "rollout_rs_threshold") if actor else (),
+            settings=rejection if actor else (),
             same_as=None if actor else same_as,
             source=_ACTOR if actor else _OFFPOLICY,
         )
 
     return [
-        f("training_ppl", "mean over samples of exp(−mean old_log_prob of the sample)"),
+        f("training_ppl", "mean over samples of exp(−mean old_log_prob of the sample)", "training_ppl"),
         f("training_log_ppl", "mean over samples of −mean old_log_prob of the sample", "training_log_ppl"),
-        f("kl", "token mean of rollout_log_prob − old_log_prob (k1)"),
-        f("k3_kl", "token mean of exp(Δ) − Δ − 1, Δ = old − rollout log prob, unclamped"),
-        f("rollout_ppl", "mean over samples of exp(−mean rollout_log_prob of the sample)"),
+        f("kl", "token mean of rollout_log_prob − old_log_prob (k1)", "kl_k1"),
+        f("k3_kl", "token mean of exp(Δ) − Δ − 1, Δ = old − rollout log prob, unclamped", "kl_k3"),
+        f("rollout_ppl", "mean over samples of exp(−mean rollout_log_prob of the sample)", "rollout_ppl"),
         f("rollout_log_ppl", "mean over samples of −mean rollout_log_prob of the sample", "rollout_log_ppl"),
-        f("log_ppl_diff", "mean over samples of (mean rollout − mean old log prob)"),
-        f("log_ppl_abs_diff", "mean over samples of |mean rollout − mean old log prob|"),
-        f("log_ppl_diff_max", "max over samples of (mean rollout − mean old log prob)"),
-        f("log_ppl_diff_min", "min over samples of (mean rollout − mean old log prob)"),
-        f("ppl_ratio", "mean over samples of exp(mean rollout − mean old log prob)"),
+        f("log_ppl_diff", "mean over samples of (mean rollout − mean old log prob)", "log_ppl_diff"),
+        f("log_ppl_abs_diff", "mean over samples of |mean rollout − mean old log prob|", "log_ppl_abs_diff"),
+        f("log_ppl_diff_max", "max over samples of (mean rollout − mean old log prob)", "log_ppl_diff_max"),
+        f("log_ppl_diff_min", "min over samples of (mean rollout − mean old log prob)", "log_ppl_diff_min"),
+        f("ppl_ratio", "mean over samples of exp(mean rollout − mean old log prob)", "ppl_ratio"),
         f("chi2_token", "token mean of exp(Δ)², Δ clamped to ±20, minus 1"),
-        f("chi2_seq", "mean over samples of exp(2 Σ Δ), the sum clamped to ±20, minus 1"),
+        f("chi2_seq", "mean over samples of exp(2 Σ Δ), the sum clamped to ±20, minus 1", "chi2_seq"),
     ]
 
 

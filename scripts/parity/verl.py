@@ -216,7 +216,9 @@ def _figures_of(
             "responses": step["mask"],  # only its width is read
         }
         out = dict(debug.calculate_debug_metrics(_Batch(dict(tensors))))
-        batch, metrics = helper.compute_rollout_correction_and_add_to_batch(_Batch(dict(tensors)), dict(config))
+        batch, metrics = helper.compute_rollout_correction_and_add_to_batch(
+            _Batch(dict(tensors)), dict(config)
+        )
         out.update(metrics)
         if reduce is not None:
             mask = batch.batch["response_mask"]
