@@ -5,9 +5,17 @@ driver computes, once per step on the whole batch after recomputing ``old_log_pr
 ``calculate_debug_metrics`` (``training/rollout_probs_diff_*``, ``verl/utils/debug/metrics.py``)
 and ``compute_rollout_correction_and_add_to_batch`` (``rollout_corr/*``,
 ``verl/trainer/ppo/rollout_corr_helper.py``): off-policy diagnostics always, importance-sampling
-figures when ``rollout_is`` is set, rejection-sampling figures when ``rollout_rs`` is set. The
-batch is the step's, so ranks play no part. Masked means divide by the token count plus 1e-8, as
-verl's ``masked_mean`` does; per-sample statistics average over the batch's samples.
+figures when ``rollout_is`` is set, rejection-sampling figures when ``rollout_rs`` is set, on the
+step's whole batch. Before 0.8.0 the actor (legacy workers, the default then) logs the off-policy
+figures again from each process's micro-batch, with the response mask after rejection sampling,
+and those replace the driver's: per process, then reduced over processes by verl's
+``reduce_metrics`` (max for a name with "max", min for "min", else mean). Masked means divide by
+the token count plus 1e-8, as verl's ``masked_mean`` does; per-sample statistics average over the
+batch's samples, a sample with no kept token counting as 0.
+
+Modelled: decoupled mode only (bypass mode logs these names from the policy being updated, in
+the loss); the yaml defaults of ``algorithm.rollout_correction`` (``rollout_is: null``; the
+dataclass's ``"sequence"`` is not what a run gets).
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from typing import Any
 
 import numpy as np
 from isoaudit.audit.frameworks.base import REQUIRED, Era, Figure, Framework, Settings, StepTokens
+from packaging.version import Version
 
 HELPER = "verl/trainer/ppo/rollout_corr_helper.py"
 _OFFPOLICY = f"{HELPER}:compute_offpolicy_metrics"
@@ -51,6 +60,11 @@ RS_OPTIONS: tuple[str, ...] = (
 )
 #: The rejection levels before 0.7.1 (bounds on the importance weight).
 OLD_RS_LEVELS: tuple[str, ...] = ("token", "sequence", "geometric")
+
+
+def _from(era: str, release: str) -> bool:
+    """Whether ``era`` (an era's first release) is ``release`` or later."""
+    return Version(era) >= Version(release)
 
 
 # -- arithmetic shared by the eras ------------------------------------------------------------------
@@ -208,7 +222,7 @@ def _is_figures(b: _Batch, s: Settings, era: str) -> dict[str, float]:
         return {}
     if level not in ("token", "sequence"):
         raise ValueError(f"framework_config.rollout_is: {level!r} is not 'token' or 'sequence'")
-    applied_stats = era >= "0.8.0"
+    applied_stats = _from(era, "0.8.0")
     upper, icepop_lower = _is_threshold(s["rollout_is_threshold"], icepop=applied_stats)
     lower = 1.0 / upper if icepop_lower is None else icepop_lower
     if level == "token":
@@ -242,7 +256,7 @@ def _is_figures(b: _Batch, s: Settings, era: str) -> dict[str, float]:
     out["rollout_is_seq_max"] = float(seq.max())
     out["rollout_is_seq_min"] = float(seq.min())
     out["rollout_is_seq_max_deviation"] = float(np.abs(seq - 1.0).max())
-    seq_for_fractions = b.seq_mean(raw) if era >= "0.9.0" else seq
+    seq_for_fractions = b.seq_mean(raw) if _from(era, "0.9.0") else seq
     out["rollout_is_seq_fraction_high"] = float((seq_for_fractions > upper).mean())
     out["rollout_is_seq_fraction_low"] = float((seq_for_fractions < lower).mean())
     if icepop_lower is not None:
@@ -250,7 +264,7 @@ def _is_figures(b: _Batch, s: Settings, era: str) -> dict[str, float]:
     if s.get("rollout_is_batch_normalize"):
         if level == "token":
             factor = b.mean(applied)
-        elif era >= "0.7.0":  # over the samples with tokens
+        elif _from(era, "0.7.0"):  # over the samples with tokens
             valid = b.valid.astype(float)
             factor = float((b.seq_mean(applied) * valid).sum() / max(valid.sum(), 1e-8))
         else:
@@ -497,7 +511,7 @@ def _compute(era: str) -> Callable[[StepTokens, Settings], dict[str, float]]:
         out = _debug(b)
         out.update(_is_figures(b, settings, era))
         keep: np.ndarray | None = None
-        if era < "0.7.1":
+        if not _from(era, "0.7.1"):
             for figures, kept in (_old_rs_figures(b, settings), _veto_figures(b, settings)):
                 out.update(figures)
                 if kept is not None:
@@ -505,7 +519,7 @@ def _compute(era: str) -> Callable[[StepTokens, Settings], dict[str, float]]:
         else:
             figures, keep = _rs_figures(b, settings)
             out.update(figures)
-        if era < "0.8.0":
+        if not _from(era, "0.8.0"):
             out.update(_actor_offpolicy(tokens, keep))
         else:
             out.update(_offpolicy(b))
@@ -544,9 +558,9 @@ def _debug_figures() -> list[Figure]:
 
 
 def _offpolicy_figures(era: str) -> list[Figure]:
-    actor = era < "0.8.0"
+    actor = not _from(era, "0.8.0")
     rejection: tuple[str, ...] = ("rollout_rs", "rollout_rs_threshold")
-    if era < "0.7.1":
+    if not _from(era, "0.7.1"):
         rejection += ("rollout_rs_threshold_lower", "rollout_token_veto_threshold")
     where = (
         "; the actor's, per process, on its tokens kept by rejection sampling, reduced over processes"
@@ -591,11 +605,13 @@ def _offpolicy_figures(era: str) -> list[Figure]:
 
 def _is_figure_list(era: str) -> list[Figure]:
     applied = (
-        "applied (truncated, or IcePop-zeroed) weights" if era >= "0.8.0" else "weights before truncation"
+        "applied (truncated, or IcePop-zeroed) weights"
+        if _from(era, "0.8.0")
+        else "weights before truncation"
     )
-    raw = "raw weights" if era >= "0.8.0" else "weights"
-    clamp = "[0, threshold]" if era >= "0.8.0" else "[1/threshold, threshold]"
-    seq_src = "raw" if era >= "0.9.0" else applied.split(" (")[0]
+    raw = "raw weights" if _from(era, "0.8.0") else "weights"
+    clamp = "[0, threshold]" if _from(era, "0.8.0") else "[1/threshold, threshold]"
+    seq_src = "raw" if _from(era, "0.9.0") else applied.split(" (")[0]
 
     def f(name: str, definition: str, settings: tuple[str, ...] = _IS_SETTINGS) -> Figure:
         return Figure(RC + name, definition, settings=settings, source=_IS)
@@ -633,12 +649,12 @@ def _is_figure_list(era: str) -> list[Figure]:
         f(
             "rollout_is_batch_norm_factor",
             "the mean applied weight the weights are divided by (token mean, or the mean over samples "
-            + ("with tokens" if era >= "0.7.0" else "")
+            + ("with tokens" if _from(era, "0.7.0") else "")
             + " of per-sample means); 1.0 if ≤ 1e-8",
             (*_IS_SETTINGS, "rollout_is_batch_normalize"),
         ),
     ]
-    if era >= "0.8.0":
+    if _from(era, "0.8.0"):
         out.append(
             f(
                 "rollout_is_oob_ratio",
@@ -772,7 +788,7 @@ _DEFAULTS: dict[str, Any] = {
 
 
 def _era(since: str, commit: str, date: str, change: str) -> Era:
-    rs = [*_old_rs_figure_list(), *_veto_figure_list()] if since < "0.7.1" else _rs_figure_list()
+    rs = [*_old_rs_figure_list(), *_veto_figure_list()] if not _from(since, "0.7.1") else _rs_figure_list()
     return Era(
         since=since,
         commit=commit,
@@ -780,7 +796,7 @@ def _era(since: str, commit: str, date: str, change: str) -> Era:
         change=change,
         figures=(*_debug_figures(), *_is_figure_list(since), *rs, *_offpolicy_figures(since)),
         compute=_compute(since),
-        defaults=_OLD_DEFAULTS if since < "0.7.1" else _DEFAULTS,
+        defaults=_OLD_DEFAULTS if not _from(since, "0.7.1") else _DEFAULTS,
     )
 
 
@@ -792,8 +808,9 @@ FRAMEWORK = Framework(
             "0.6.1",
             "2c6c65cb0f69dd3761e71682fb01d939aa437710",
             "2025-11-12",
-            "first release of rollout correction (rollout_corr/*): IS, weight-bound rejection "
-            "(token/sequence/geometric), token veto, off-policy diagnostics",
+            "first release of rollout correction (418f964, metrics fixed in 2c6c65c): IS, "
+            "weight-bound rejection (token/sequence/geometric), token veto, off-policy diagnostics "
+            "(logged by the actor per process)",
         ),
         _era(
             "0.7.0",
@@ -810,10 +827,11 @@ FRAMEWORK = Framework(
         ),
         _era(
             "0.8.0",
-            "d2916f5a0ed346464d8999e040e0ebb05bb8fadf",
-            "2026-03-24",
-            "IcePop (rollout_is_threshold 'lower_upper', rollout_is_oob_ratio); IS statistics of the "
-            "applied weights, fractions of the raw ones",
+            "044bbba27e5861e1212727aba67813cccb2db291",
+            "2026-04-20",
+            "IcePop (d2916f5, 2026-03-24: rollout_is_threshold 'lower_upper', rollout_is_oob_ratio; "
+            "IS statistics of the applied weights, fractions of the raw ones); the legacy actor "
+            "removed (044bbba), so the off-policy figures are the driver's, on the whole batch",
         ),
         _era(
             "0.9.0",
