@@ -611,7 +611,7 @@ def _is_figure_list(era: str) -> list[Figure]:
     )
     raw = "raw weights" if _from(era, "0.8.0") else "weights"
     clamp = "[0, threshold]" if _from(era, "0.8.0") else "[1/threshold, threshold]"
-    seq_src = "raw" if _from(era, "0.9.0") else applied.split(" (")[0]
+    seq_src = "raw" if _from(era, "0.9.0") else "applied" if _from(era, "0.8.0") else "untruncated"
 
     def f(name: str, definition: str, settings: tuple[str, ...] = _IS_SETTINGS) -> Figure:
         return Figure(RC + name, definition, settings=settings, source=_IS)
@@ -624,7 +624,7 @@ def _is_figure_list(era: str) -> list[Figure]:
         ),
         f(
             "rollout_is_ratio_fraction_low",
-            f"as _high, below the lower bound (1/threshold{', or IcePop lower' if era >= '0.8.0' else ''})",
+            f"as _high, below the lower bound (1/threshold{', or IcePop lower' if _from(era, '0.8.0') else ''})",
         ),
         f("rollout_is_max", f"token: max of the {applied}; sequence: exp(min(max Σ Δ, 20))"),
         f("rollout_is_min", f"token: min of the {applied}; sequence: exp(min Σ Δ)"),
@@ -648,8 +648,8 @@ def _is_figure_list(era: str) -> list[Figure]:
         ),
         f(
             "rollout_is_batch_norm_factor",
-            "the mean applied weight the weights are divided by (token mean, or the mean over samples "
-            + ("with tokens" if _from(era, "0.7.0") else "")
+            "the mean applied weight the weights are divided by (token mean, or the mean over samples"
+            + (" with tokens" if _from(era, "0.7.0") else "")
             + " of per-sample means); 1.0 if ≤ 1e-8",
             (*_IS_SETTINGS, "rollout_is_batch_normalize"),
         ),
