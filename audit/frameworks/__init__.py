@@ -12,6 +12,7 @@ and settings, the others at their newest code and defaults, and stores them unde
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -20,6 +21,8 @@ from typing import Any
 import numpy as np
 from isoaudit.audit.frameworks import nemo_rl, openrlhf, prime_rl, skyrl, slime, tinker, trl, verl
 from isoaudit.audit.frameworks.base import REQUIRED, Era, Figure, Framework, StepTokens
+
+log = logging.getLogger(__name__)
 
 #: Every framework, in display order.
 FRAMEWORK_TABLES: dict[str, Framework] = {
@@ -62,6 +65,16 @@ class Declaration:
         return self.framework if self.version is None else f"{self.framework}=={self.version}"
 
 
+#: A tiny step the declared settings are tried on, so a value the framework would refuse is refused
+#: when the run is declared, not at every comparison.
+_PROBE = StepTokens.of(
+    [np.array([-0.5, -1.0]), np.array([-2.0])],
+    [np.array([-0.6, -0.9]), np.array([-2.5])],
+    advantages=[1.0, -1.0],
+    ranks=[0, 1],
+)
+
+
 def framework_table(name: str) -> Framework:
     """The table of ``name`` (``nemo_rl`` and ``NeMo-RL`` spell ``nemo-rl``)."""
     key = name.strip().lower().replace("_", "-")
@@ -83,7 +96,9 @@ def parse_declaration(spec: str, settings: Mapping[str, Any] | None = None) -> D
     era = table.era(version)
     if settings is not None and not isinstance(settings, Mapping):
         raise ValueError(f"framework_config: expected a mapping of settings, got {type(settings).__name__}")
-    table.settings_of(era, settings)  # raises on a setting the era does not read
+    values, _ = table.settings_of(era, settings)  # raises on a setting the era does not read
+    with np.errstate(all="ignore"):
+        era.compute(_PROBE, values)  # raises on a value the framework's code would refuse
     return Declaration(table.name, version, dict(settings or {}))
 
 
@@ -123,7 +138,12 @@ def framework_figures(tokens: StepTokens, declared: Declaration | None = None) -
             if not table.eras:
                 continue
             era, values = _era_and_settings(table, declared)
-            for name, value in era.compute(tokens, values).items():
+            try:
+                figures = era.compute(tokens, values)
+            except ValueError as exc:  # settings declared before a check existed: the others still count
+                log.warning("%s figures not computed: %s", table.name, exc)
+                continue
+            for name, value in figures.items():
                 out[qualified(table.name, name)] = float(value)
     return out
 
