@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import numpy as np
-
 from isoaudit.audit.frameworks.base import Era, Figure, Framework, Settings, StepTokens, token_mean
 
 _SOURCE = "openrlhf/models/loss.py:PolicyLoss.forward"

@@ -48,12 +48,13 @@ def main() -> None:
     tree = common.checkout(REPOSITORY, commit)
     common.stub_modules(["deepspeed"], tree)
     packages(tree)
-    import torch
 
     loss = common.load_module(tree, "openrlhf/models/loss.py")
 
     # the CLI's defaults where the fixture declares nothing (train_ppo_ray.py: store_true, "ppo")
-    enable = settings.get("algo.advantage.is_correction_enable", settings.get("enable_vllm_is_correction", False))
+    enable = settings.get(
+        "algo.advantage.is_correction_enable", settings.get("enable_vllm_is_correction", False)
+    )
     policy_loss_type = settings.get("actor.policy_loss_type", settings.get("policy_loss_type", "ppo"))
     # the thresholds are a float (a cap) before the correction types came, [low, high] after
     typed = "vllm_is_correction_type" in inspect.signature(loss.PolicyLoss).parameters
