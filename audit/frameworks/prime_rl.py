@@ -426,6 +426,28 @@ ERAS = (
         {**_DPPO_DEFAULTS, "loss.ipo_threshold": 0.1},
         token_kl=True,
     ),
+    _era(
+        "0.8.1.dev9",
+        "bb23623d6e6cd4ecc76893c1005d676f384a1e54",
+        "2026-08-11",
+        "dppo_mask_low/high default to 0.1",
+        _keys_dppo(signs=True, sample_kl=False, ipo=True),
+        _MEAN_MAX,
+        _by_type,
+        {**_DPPO_DEFAULTS, "loss.dppo_mask_low": 0.1, "loss.dppo_mask_high": 0.1, "loss.ipo_threshold": 0.1},
+        token_kl=True,
+    ),
+    _era(
+        "0.8.1.dev14",
+        "82acb12ed72c5c1a0d84318504d3b401ef6a666b",
+        "2026-08-11",
+        "dppo_mask_low/high back to 0.2",
+        _keys_dppo(signs=True, sample_kl=False, ipo=True),
+        _MEAN_MAX,
+        _by_type,
+        {**_DPPO_DEFAULTS, "loss.ipo_threshold": 0.1},
+        token_kl=True,
+    ),
 )
 
 
