@@ -200,9 +200,9 @@ _DEFINITIONS = {
     "mismatch_kl": "per sample, the mean k3 (r − log r − 1) over its loss tokens",
     "masked_mismatch_kl": "per sample, the mean k3 over its masked loss tokens (0 if none)",
     "unmasked_mismatch_kl": "per sample, the mean k3 over its kept loss tokens (0 if none)",
-    "is_masked": "the share of loss tokens the trust region masks",
-    "is_masked_low": "the share of loss tokens masked for falling below the lower bound",
-    "is_masked_high": "the share of loss tokens masked for rising above the upper bound",
+    "is_masked": "1 where the trust region masks a loss token (per sample: the share it masks)",
+    "is_masked_low": "1 where a loss token is masked below the lower bound (per sample: the share)",
+    "is_masked_high": "1 where a loss token is masked above the upper bound (per sample: the share)",
     "sequence_masked_low": "per sample, 1 if its smallest token ratio is below sequence_mask_low",
     "sequence_masked_high": "per sample, 1 if its largest token ratio is above sequence_mask_high",
     "geo_masked_low": "per sample, 1 if its geometric-mean ratio is below geo_mask_low",
@@ -211,11 +211,10 @@ _DEFINITIONS = {
     "masked_advantage_positive": "per sample, 1 if its advantage is positive and it has masked tokens",
     "masked_advantage_negative": "per sample, 1 if its advantage is negative and it has masked tokens",
 }
-_ALIASES = {"mismatch_kl/mean": ("mismatch_kl",)}
 
 
 def _figures(
-    keys: dict[str, tuple[tuple[str, ...], str, tuple[str, ...], tuple[str, ...]]],
+    keys: dict[str, tuple[tuple[str, ...], str, tuple[str, ...], str]],
     stats: tuple[str, ...],
     source: str,
     token_kl: bool,
@@ -230,7 +229,6 @@ def _figures(
                 Figure(
                     name,
                     definition,
-                    also=_ALIASES.get(name, ()),
                     settings=settings,
                     source=source,
                     needs=needs,
