@@ -1,7 +1,9 @@
 """NeMo-RL (NVIDIA-NeMo/RL): the train–rollout mismatch figures its GRPO loss logs
 (``ClippedPGLossFn.__call__`` in ``nemo_rl/algorithms/loss_functions.py``, from 0.6.0
 ``nemo_rl/algorithms/loss/loss_functions.py``), comparing ``prev_logprobs`` (the trainer's) with
-``generation_logprobs`` (the rollout's).
+``generation_logprobs`` (the rollout's), and from 0.6.0 the per-sample errors ``grpo.py`` logs before
+the loss (``compute_and_apply_seq_logprob_error_masking``), whose threshold drops samples from the
+loss's figures.
 
 Each micro-batch divides its sums by the global count of valid tokens (or sequences) and
 ``grpo.py`` sums the micro-batches' values (``np.sum``), so a token figure is the token mean over
@@ -27,6 +29,7 @@ _SEQ = "sequence_level_importance_ratios"
 _KL = "reference_policy_kl_type"
 _USE_IS = "use_importance_sampling_correction"
 _TOKEN_LOSS = "token_level_loss"
+_SEQ_THRESHOLD = "seq_logprob_error_threshold"
 
 
 #: ``masked_mean``'s guard on its denominator, sum / (count + 1e-8)
@@ -78,15 +81,45 @@ def _weights(tokens: StepTokens, sequence_level: bool) -> np.ndarray:
         return _finite_or_zero(np.exp(tokens.delta))
 
 
-def _sampling_ratio(tokens: StepTokens, weights: np.ndarray, sequence_level: bool) -> float:
+def _ranks(tokens: StepTokens) -> np.ndarray:
+    return np.zeros(tokens.n_samples, dtype=np.int64) if tokens.ranks is None else tokens.ranks
+
+
+def _sampling_ratio(
+    tokens: StepTokens, weights: np.ndarray, sequence_level: bool, dropped: dict[int, int]
+) -> float:
     """``sampling_importance_ratio``: the token mean of the weights; sequence-level, each micro-
     batch's weights [B, 1] times its sample mask [B] broadcast to [B, B] and summed, over the global
-    sample count, summed over micro-batches (a process's ΣW times its sample count)."""
+    sample count, summed over micro-batches: a process's (ΣW + its samples dropped by the sequence
+    error mask, whose weight is exp(0)) times its kept samples."""
     if not sequence_level:
         return _global_mean(weights)
-    ranks = np.zeros(tokens.n_samples, dtype=np.int64) if tokens.ranks is None else tokens.ranks
-    total = sum(float(np.sum(weights[ranks == r])) * int(np.sum(ranks == r)) for r in np.unique(ranks))
+    ranks = _ranks(tokens)
+    total = sum(
+        (float(np.sum(weights[ranks == r])) + dropped.get(int(r), 0)) * int(np.sum(ranks == r))
+        for r in np.unique(ranks)
+    )
     return total / (tokens.n_samples + _EPS)
+
+
+def _sequence_errors(tokens: StepTokens, settings: Settings, era: int) -> tuple[dict[str, float], np.ndarray]:
+    """From 0.6.0, grpo.py's per-sample multiplicative probability error (the mean exp|Δ| of each
+    sample) and, with seq_logprob_error_threshold, the samples it keeps (error ≤ threshold): the
+    loss then sees the kept samples only."""
+    error = tokens.sample_sums(np.exp(np.abs(tokens.delta))) / np.maximum(tokens.lengths, 1)
+    threshold = settings.get(_SEQ_THRESHOLD)
+    kept = np.ones(tokens.n_samples, dtype=bool) if threshold is None else error <= threshold
+    out: dict[str, float] = {}
+    valid = error if era < 7 else error[tokens.lengths > 0]
+    out["max_seq_mult_prob_error"] = float(valid.max()) if valid.size else 0.0
+    out["num_masked_seqs_by_logprob_error"] = float(np.sum(~kept))
+    if era >= 7:
+        out["mean_seq_mult_prob_error"] = float(valid.mean()) if valid.size else 0.0
+        out["min_seq_mult_prob_error"] = float(valid.min()) if valid.size else 0.0
+        after = error[kept & (tokens.lengths > 0)] if threshold is not None else valid
+        for stat, fn in (("max", np.max), ("mean", np.mean), ("min", np.min)):
+            out[f"{stat}_seq_mult_prob_error_after_mask"] = float(fn(after)) if after.size else 0.0
+    return out, kept
 
 
 def _per_token(tokens: StepTokens, values: np.ndarray, sequence_level: bool) -> np.ndarray:
@@ -151,10 +184,20 @@ def _compute(era: int) -> Any:
     def compute(tokens: StepTokens, settings: Settings) -> dict[str, float]:
         if not _valid(settings, era):
             return {}
-        out = _diagnostics(tokens, settings.get(_KL, "k3") if era >= 5 else "k3")
+        out: dict[str, float] = {}
+        kept = np.ones(tokens.n_samples, dtype=bool)
+        if era >= 6:
+            errors, kept = _sequence_errors(tokens, settings, era)
+            out.update(errors)
+        loss = tokens if kept.all() else tokens.select(np.flatnonzero(kept))
+        if loss.n_tokens == 0:  # no micro-batch with a valid sample: the loss logs nothing
+            return out
+        dropped_ranks = _ranks(tokens)[~kept]
+        dropped = {int(r): int(np.sum(dropped_ranks == r)) for r in np.unique(dropped_ranks)}
+        out.update(_diagnostics(loss, settings.get(_KL, "k3") if era >= 5 else "k3"))
         sequence_level = bool(settings.get(_SEQ))
-        weights, oob = _truncated(tokens, settings, era)
-        out["sampling_importance_ratio"] = _sampling_ratio(tokens, weights, sequence_level)
+        weights, oob = _truncated(loss, settings, era)
+        out["sampling_importance_ratio"] = _sampling_ratio(loss, weights, sequence_level, dropped)
         out.update(oob)
         return out
 
@@ -220,6 +263,37 @@ def _figures(era: int) -> tuple[Figure, ...]:
             "truncation bounds"
         )
         figures.append(f("is_oob_ratio", f"{oob}; logged only with a truncation ratio and type", truncation))
+        # the sequence error mask drops samples from every loss figure
+        figures = [
+            Figure(x.name, x.definition, x.also, (*x.settings, _SEQ_THRESHOLD), x.same_as, x.source)
+            for x in figures
+        ]
+        grpo = "nemo_rl/algorithms/grpo.py:compute_and_apply_seq_logprob_error_masking"
+        error = "each sample's multiplicative probability error (the mean exp|Δ| over its tokens)"
+
+        def g(name: str, definition: str, settings: tuple[str, ...] = ()) -> Figure:
+            return Figure(name, definition, also=(_ALSO + name,), settings=settings, source=grpo)
+
+        figures.append(g("max_seq_mult_prob_error", f"the largest of {error}"))
+        figures.append(
+            g(
+                "num_masked_seqs_by_logprob_error",
+                "the number of samples whose error exceeds seq_logprob_error_threshold (0 unset); "
+                "the loss's figures then leave them out",
+                (_SEQ_THRESHOLD,),
+            )
+        )
+        if era >= 7:
+            figures.append(g("mean_seq_mult_prob_error", f"the mean over samples of {error}"))
+            figures.append(g("min_seq_mult_prob_error", f"the smallest of {error}"))
+            for stat in ("max", "mean", "min"):
+                figures.append(
+                    g(
+                        f"{stat}_seq_mult_prob_error_after_mask",
+                        f"the {stat} of {error} over the samples the threshold keeps (0 if none)",
+                        (_SEQ_THRESHOLD,),
+                    )
+                )
     return tuple(figures)
 
 
@@ -230,6 +304,7 @@ def _defaults(era: int) -> dict[str, Any]:
     if era >= 6:
         out[_TYPE] = "tis" if era < 7 else None
         out[_MIN] = None
+        out[_SEQ_THRESHOLD] = None
     return out
 
 

@@ -10,11 +10,12 @@ python scripts/parity/nemo_rl.py --commit REF --era X [--version X.Y.Z] [--label
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import sys
 import types
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
@@ -60,6 +61,26 @@ def packages(tree: Path) -> None:
         sys.modules[name] = module
 
 
+def grpo_function(tree: Path, name: str) -> Any:
+    """One function of the snapshot's nemo_rl/algorithms/grpo.py, compiled from its source there
+    (the module itself imports the whole training stack); None before it existed."""
+    import torch
+
+    path = tree / "nemo_rl/algorithms/grpo.py"
+    source = path.read_text()
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.FunctionDef) and node.name == name:
+            namespace: dict[str, Any] = {
+                "torch": torch,
+                "Optional": Optional,
+                "Any": Any,
+                "BatchedDataDict": dict,
+            }
+            exec(compile(ast.Module([node], []), str(path), "exec"), namespace)
+            return namespace[name]
+    return None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--commit", default="HEAD")
@@ -83,8 +104,10 @@ def main() -> None:
     function = f"{relative}:ClippedPGLossFn.__call__"
 
     config = yaml.safe_load((tree / "examples/configs/grpo_math_1B.yaml").read_text())["loss_fn"]
-    config.update(settings)
+    config.update({k: v for k, v in settings.items() if k != "seq_logprob_error_threshold"})
     config["reference_policy_kl_penalty"] = 0.0  # the reference-model KL term: not a mismatch figure
+    threshold = settings.get("seq_logprob_error_threshold")
+    seq_errors = grpo_function(tree, "compute_and_apply_seq_logprob_error_masking")
     takes_logits = "next_token_logits" in losses.ClippedPGLossFn.__call__.__code__.co_varnames
     if takes_logits:
         torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]  # CPU run
@@ -94,15 +117,16 @@ def main() -> None:
             return losses.ClippedPGLossFn(losses.ClippedPGLossConfig(**config))
         return losses.ClippedPGLossFn(config)
 
-    def call(loss_fn: Any, samples: list[dict], valid_seqs: Any, valid_toks: Any) -> dict[str, float]:
+    def batch(samples: list[dict]) -> dict[str, Any]:
+        """GRPO's train_data for ``samples``: every per-token field behind a leading prompt
+        position (the loss and grpo.py read [:, 1:])."""
         step = common.padded(samples)
 
-        # a leading prompt position: the loss reads [:, 1:] of every per-token field
         def lead(t: Any, value: float | None = None) -> Any:
             first = t[:, :1] if value is None else torch.full_like(t[:, :1], value)
             return torch.cat([first, t], dim=1)
 
-        data = {
+        return {
             "token_mask": lead(step["mask"], 0.0),
             "sample_mask": torch.ones(len(samples), dtype=torch.float64),
             "advantages": lead(step["token_advantages"]),
@@ -111,12 +135,32 @@ def main() -> None:
             "reference_policy_logprobs": lead(step["trainer"]),
             "input_ids": torch.zeros(len(samples), step["mask"].shape[1] + 1, dtype=torch.long),
         }
+
+    def call(loss_fn: Any, data: dict[str, Any], valid_seqs: Any, valid_toks: Any) -> dict[str, float]:
+        rows, width = data["token_mask"].shape
         if takes_logits:
-            first = torch.zeros(len(samples), step["mask"].shape[1] + 1, 4, dtype=torch.float64)
+            first = torch.zeros(rows, width, 4, dtype=torch.float64)
         else:
-            first = step["trainer"].clone()
+            first = data["prev_logprobs"][:, 1:].clone()
         _, metrics = loss_fn(first, data, global_valid_seqs=valid_seqs, global_valid_toks=valid_toks)
         return {k: float(v) for k, v in metrics.items() if k in FIGURES}
+
+    def sequence_errors(data: dict[str, Any]) -> dict[str, float]:
+        """grpo.py's sequence-level logprob errors on the whole step; with a threshold it rewrites
+        data["sample_mask"], as grpo.py does before the loss."""
+        if seq_errors is None:
+            return {}
+        result = seq_errors(
+            train_data=data,
+            rewards=torch.zeros(data["sample_mask"].shape[0], dtype=torch.float64),
+            seq_logprob_error_threshold=threshold,
+        )
+        if isinstance(result, tuple):  # 0.6.0: (max, number masked, masked correct share)
+            return {"max_seq_mult_prob_error": result[0], "num_masked_seqs_by_logprob_error": result[1]}
+        out = {k: v for k, v in result.items() if k != "masked_correct_pct"}  # needs rewards
+        if "num_masked_seqs" in out:  # grpo.py renames it
+            out["num_masked_seqs_by_logprob_error"] = out.pop("num_masked_seqs")
+        return {k: float(v) for k, v in out.items()}
 
     def figures(samples: list[dict]) -> dict:
         try:
@@ -124,12 +168,19 @@ def main() -> None:
         except (AssertionError, ValueError) as refused:
             print(f"ClippedPGLossFn refuses {settings}: {refused}")
             return {}
-        valid_toks = torch.tensor(float(sum(sum(s["mask"]) for s in samples)), dtype=torch.float64)
-        valid_seqs = torch.tensor(float(len(samples)), dtype=torch.float64)
-        summed: dict[str, float] = {}
+        whole = batch(samples)
+        summed: dict[str, float] = sequence_errors(whole)
+        kept = whole["sample_mask"]
+        valid_toks = (whole["token_mask"][:, 1:] * kept[:, None]).sum()
+        valid_seqs = kept.sum()
         for rank in sorted({s["rank"] for s in samples}):
+            rows = [i for i, s in enumerate(samples) if s["rank"] == rank]
+            data = batch([samples[i] for i in rows])
+            data["sample_mask"] = kept[rows].clone()
+            if data["sample_mask"].sum() == 0:  # the worker keeps no metrics of such a micro-batch
+                continue
             try:
-                metrics = call(loss_fn, [s for s in samples if s["rank"] == rank], valid_seqs, valid_toks)
+                metrics = call(loss_fn, data, valid_seqs, valid_toks)
             except (AssertionError, ValueError, TypeError) as refused:
                 print(f"ClippedPGLossFn fails on {settings}: {refused!r}")
                 return {}
