@@ -332,7 +332,8 @@ ERAS = (
         since="0.6.0",
         commit="2841fefb699a460cc4375fb2983b40c018ca76fe",
         date="2026-02-15",
-        change="truncated_importance_sampling_type (tis, icepop, seq-mask-tis) and is_oob_ratio",
+        change="truncated_importance_sampling_type (tis, icepop, seq-mask-tis) and is_oob_ratio; grpo.py's "
+        "sequence-level logprob errors and seq_logprob_error_threshold (14f9f38, 2026-02-13)",
         figures=_figures(6),
         compute=_compute(6),
         defaults=_defaults(6),
@@ -341,7 +342,8 @@ ERAS = (
         since="0.7.0",
         commit="126fbc33a752dd6d785822af01a04180fcea5f71",
         date="2026-06-25",
-        change="is_oob_ratio summed correctly over micro-batches; tis takes a lower bound; the "
+        change="is_oob_ratio summed correctly over micro-batches (37526df); mean/min and after-mask sequence "
+        "errors (64be007); tis takes a lower bound; the "
         "truncation type defaults to none",
         figures=_figures(7),
         compute=_compute(7),
