@@ -20,9 +20,9 @@ def _figures(tokens: StepTokens, settings: Settings) -> dict[str, float]:
 
 _ERA = Era(
     since="0.1.0",
-    commit="f77a8a3f",
+    commit="f77a8a3fbfa2bc86b73fcbc1aef2491995b6b68d",
     date="2025-09-30",
-    change="first release",
+    change="first release (compute_kl_sample_train unchanged since the first commit)",
     figures=(
         Figure(
             "kl_sample_train_v1",

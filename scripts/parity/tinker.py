@@ -18,7 +18,8 @@ FUNCTION = "tinker_cookbook/rl/metrics.py:compute_kl_sample_train"
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--commit", default="HEAD")
+    parser.add_argument("--commit", default="HEAD", help="a sha or tag (v0.1.0)")
+    parser.add_argument("--version", default=None, help="the release the commit is (labels the fixture)")
     args = parser.parse_args()
     commit, _ = common.resolve_commit(REPOSITORY, args.commit)
     tree = common.checkout(REPOSITORY, commit)
@@ -51,13 +52,13 @@ def main() -> None:
 
     common.write_fixture(
         "tinker",
-        "head",
+        args.version or "head",
         repository=REPOSITORY,
         commit=commit,
         functions=[FUNCTION],
         settings={},
         values=common.run_steps(figures),
-        version=None,
+        version=args.version,
         era="0.1.0",
         script="scripts/parity/tinker.py",
         notes="each datum padded to the batch's width with garbage (mask 0), as tinker's datums carry their own mask",
