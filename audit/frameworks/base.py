@@ -209,17 +209,20 @@ class Framework:
 
     def era(self, version: str | None = None) -> Era:
         """The era a release runs (its newest era released at or before it); the head era for
-        ``None``. ``0.6`` means the newest 0.6 release."""
+        ``None``. A partial version means its newest release (``0.6``: the newest 0.6.x); a full one
+        is ordered as a version, dev and pre-releases included (``0.5.1.dev38`` comes after
+        ``0.5.1.dev28``: some frameworks tag every commit of their main branch)."""
         if version is None:
             return self.head
         wanted = parse_version(version, f"{self.name} version")
+        partial = len(wanted.release) < 3 and not (wanted.is_devrelease or wanted.is_prerelease)
         precision = len(wanted.release)
         chosen: Era | None = None
         for era in self.eras:
             if not era.released:
                 continue
             since = parse_version(era.since, f"{self.name} era")
-            if since.release[:precision] <= wanted.release:
+            if (since.release[:precision] <= wanted.release) if partial else (since <= wanted):
                 chosen = era
         if chosen is None:
             raise ValueError(

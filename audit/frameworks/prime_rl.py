@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
-from isoaudit.audit.frameworks.base import Era, Figure, Framework, Settings, StepTokens, parse_version
+from isoaudit.audit.frameworks.base import Era, Figure, Framework, Settings, StepTokens
 
 _LOSS = "src/prime_rl/trainer/rl/loss.py"
 _TRAIN = "src/prime_rl/trainer/rl/train.py"
@@ -449,26 +449,4 @@ ERAS = (
 )
 
 
-class _DevReleases(Framework):
-    """PRIME-RL tags every commit of main as a dev release (0.5.1.dev38), and its figures change
-    between dev releases of one version: a full version picks its era by full version order."""
-
-    def era(self, version: str | None = None) -> Era:
-        if version is None:
-            return self.head
-        wanted = parse_version(version, f"{self.name} version")
-        if len(wanted.release) < 3 and not (wanted.is_devrelease or wanted.is_prerelease):
-            return super().era(version)
-        chosen = None
-        for era in self.eras:
-            if era.released and parse_version(era.since, f"{self.name} era") <= wanted:
-                chosen = era
-        if chosen is None:
-            raise ValueError(
-                f"framework: {self.name} {version} is older than the oldest release isoaudit covers "
-                f"({self.eras[0].since})"
-            )
-        return chosen
-
-
-FRAMEWORK = _DevReleases("prime-rl", "PrimeIntellect-ai/prime-rl", ERAS)
+FRAMEWORK = Framework("prime-rl", "PrimeIntellect-ai/prime-rl", ERAS)
