@@ -10,8 +10,6 @@ the local label ``+train`` (``skyrl==0.4.0+train``); a plain version is the ``sk
 from __future__ import annotations
 
 import numpy as np
-from packaging.version import Version
-
 from isoaudit.audit.frameworks.base import (
     Era,
     Figure,
@@ -22,6 +20,7 @@ from isoaudit.audit.frameworks.base import (
     sample_std,
     token_mean,
 )
+from packaging.version import Version
 
 _SOURCE = "skyrl/train/trainer.py:RayPPOTrainer.fwd_logprobs_values_reward"
 _SOURCE_TRAIN = "skyrl-train/skyrl_train/trainer.py:RayPPOTrainer.fwd_logprobs_values_reward"

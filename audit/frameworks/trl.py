@@ -12,9 +12,9 @@ vLLM generation and ``vllm_importance_sampling_correction`` on.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
-
 from isoaudit.audit.frameworks.base import Era, Figure, Framework, Settings, StepTokens
 
 _SOURCE = "trl/trainer/grpo_trainer.py:GRPOTrainer._generate_and_score_completions"
@@ -38,7 +38,9 @@ def _bounds(settings: Settings, era_16: bool) -> tuple[float | None, float | Non
     )
 
 
-def _ratios(part: StepTokens, mode: str, lower: float | None, upper: float | None, era_16: bool) -> np.ndarray:
+def _ratios(
+    part: StepTokens, mode: str, lower: float | None, upper: float | None, era_16: bool
+) -> np.ndarray:
     """One process's importance-sampling ratios as its metric block flattens them: per sequence (every
     sequence, 1 for one with no tokens) or per masked-in token."""
     if mode.startswith("sequence"):
@@ -55,11 +57,11 @@ def _ratios(part: StepTokens, mode: str, lower: float | None, upper: float | Non
         hi = math.inf if upper is None else upper
         ratio = np.where((ratio < lo) | (ratio > hi), 0.0, ratio)
     else:
-        ratio = np.where(ratio > upper, 0.0, ratio)  # type: ignore[operator]
+        ratio = np.where(ratio > upper, 0.0, ratio)
     return ratio
 
 
-def _compute(era_16: bool):  # type: ignore[no-untyped-def]
+def _compute(era_16: bool) -> Callable[[StepTokens, Settings], dict[str, float]]:
     def figures(tokens: StepTokens, settings: Settings) -> dict[str, float]:
         if not settings.get("vllm_importance_sampling_correction", True):
             return {}

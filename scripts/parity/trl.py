@@ -178,7 +178,10 @@ def run_release(ref: str, label: str, version: str | None, era: str, configs: li
         if cap_block is not None:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                exec(compile(cap_block, "trl/trainer/grpo_config.py", "exec"), {"self": config, "warnings": warnings})  # noqa: S102
+                exec(
+                    compile(cap_block, "trl/trainer/grpo_config.py", "exec"),
+                    {"self": config, "warnings": warnings},
+                )  # noqa: S102
 
         def figures(samples: list[dict[str, Any]], config: types.SimpleNamespace = config) -> dict[str, Any]:
             ranks = sorted({s["rank"] for s in samples})
