@@ -125,10 +125,10 @@ class _Args(types.SimpleNamespace):
         return None
 
 
-class _Forward(dict):  # type: ignore[type-arg]
+class _Forward(dict):
     """get_log_probs_and_entropy's result as each release unpacks it: the dict (0.2.x) or (_, dict)."""
 
-    def __iter__(self):  # type: ignore[no-untyped-def]
+    def __iter__(self) -> Any:
         return iter((None, self))
 
 
