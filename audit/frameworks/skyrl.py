@@ -74,6 +74,9 @@ class _Rules:
     correction: bool  #: off_policy_correction's loss metrics
     token_mask: bool  #: off_policy_correction's per-token hard mask
     minibatch: bool  #: the workers' minibatch_rollout_logprobs_abs_diff_*
+    #: the trainer skips the policy forward (and its figures) for losses on the rollout's logprobs
+    skips_forward: bool = False
+    cispo_anchor: bool = False  #: CISPO anchored on the rollout skips it too
 
 
 def _ratio(log_ratio: np.ndarray) -> np.ndarray:
@@ -99,6 +102,32 @@ def _trainer(tokens: StepTokens, rules: _Rules) -> dict[str, float]:
         out[_P + "rollout_train_logprobs_abs_diff_max"] = float(np.max(diff))
         out[_P + "rollout_train_logprobs_abs_diff_min"] = float(np.min(diff))
     return out
+
+
+def _correction_enabled(st: Settings) -> bool:
+    """off_policy_correction_enabled (skyrl 0.3.0 on)."""
+    get = lambda key: st.get(_OC + key)  # noqa: E731
+    return (
+        get("tis_ratio_type") is not None
+        or get("sequence_mask_metric") is not None
+        or get("outlier_token_is_threshold_low") is not None
+        or get("outlier_token_is_threshold_high") is not None
+        or (
+            get("token_mask_is_threshold_low") is not None and get("token_mask_is_threshold_high") is not None
+        )
+    )
+
+
+def _skips_forward(st: Settings, rules: _Rules) -> bool:
+    """RayPPOTrainer._skip_policy_forward: a loss on the rollout's logprobs (rollout_is, dppo; CISPO
+    anchored on the rollout), no KL reward penalty, no off-policy correction."""
+    if not rules.skips_forward:
+        return False
+    loss = st.get("policy_loss_type")
+    without_old = loss in ("rollout_is", "dppo")
+    if rules.cispo_anchor and loss == "cispo":
+        without_old = st.get("cispo.cispo_anchor") == "rollout"
+    return without_old and not st.get("use_kl_in_reward") and not _correction_enabled(st)
 
 
 def _correction_part(part: StepTokens, st: Settings, rules: _Rules) -> dict[str, float] | None:
@@ -185,7 +214,7 @@ def _across_processes(per_rank: list[dict[str, float]]) -> dict[str, float]:
 
 def _compute(rules: _Rules) -> Callable[[StepTokens, Settings], dict[str, float]]:
     def figures(tokens: StepTokens, st: Settings) -> dict[str, float]:
-        out = _trainer(tokens, rules)
+        out = {} if _skips_forward(st, rules) else _trainer(tokens, rules)
         parts = tokens.per_rank()
         if rules.correction:
             per_rank = [_correction_part(p, st, rules) for p in parts]
@@ -215,6 +244,20 @@ def _compute(rules: _Rules) -> Callable[[StepTokens, Settings], dict[str, float]
 
 # -- the figures ------------------------------------------------------------------------------------
 def _trainer_figures(rules: _Rules, source: str) -> list[Figure]:
+    figs = _trainer_figures_of(rules, source)
+    if not rules.skips_forward:
+        return figs
+    keys = ("policy_loss_type", "use_kl_in_reward", *_OPC_DEFAULTS, *_TOKEN_MASK_DEFAULTS)
+    keys += ("cispo.cispo_anchor",) if rules.cispo_anchor else ()
+    skip = (
+        "; not logged when the forward pass is skipped (a loss on the rollout's logprobs without correction)"
+    )
+    return [
+        Figure(f.name, f.definition + skip, settings=keys, same_as=f.same_as, source=f.source) for f in figs
+    ]
+
+
+def _trainer_figures_of(rules: _Rules, source: str) -> list[Figure]:
     if not rules.abs_diff:
         return [
             Figure(
@@ -332,7 +375,9 @@ def _minibatch_figures() -> list[Figure]:
     ]
 
 
-def _era(since: str, commit: str, date: str, change: str, rules: _Rules, train_line: bool) -> Era:
+def _era(
+    since: str, commit: str, date: str, change: str, rules: _Rules, train_line: bool, released: bool = True
+) -> Era:
     figs = _trainer_figures(rules, _TRAINER_TRAIN if train_line else _TRAINER)
     defaults: dict[str, object] = {}
     if rules.correction:
@@ -342,7 +387,11 @@ def _era(since: str, commit: str, date: str, change: str, rules: _Rules, train_l
         defaults |= _TOKEN_MASK_DEFAULTS
     if rules.minibatch:
         figs += _minibatch_figures()
-    return Era(since, commit, date, change, tuple(figs), _compute(rules), defaults)
+    if rules.skips_forward:
+        defaults |= {"policy_loss_type": "regular", "use_kl_in_reward": False}
+    if rules.cispo_anchor:
+        defaults |= {"cispo.cispo_anchor": "old"}
+    return Era(since, commit, date, change, tuple(figs), _compute(rules), defaults, released=released)
 
 
 _ERAS = (
@@ -375,9 +424,29 @@ _ERAS = (
         "0.3.0",
         "7f45370462952b85443366adc3d785fb905a2d9b",
         "2026-06-21",
-        "the trainer's max/min of |Δ| (18f0ac7, 2026-05-27); the workers' minibatch_rollout_logprobs_abs_diff_*",
-        _Rules(abs_diff=True, range_=True, correction=True, token_mask=True, minibatch=True),
+        "the trainer's max/min of |Δ| (18f0ac7, 2026-05-27); the workers' minibatch_rollout_logprobs_abs_diff_*; "
+        "no forward pass (nor its figures) for rollout_is/dppo without correction",
+        _Rules(
+            abs_diff=True, range_=True, correction=True, token_mask=True, minibatch=True, skips_forward=True
+        ),
         train_line=False,
+    ),
+    _era(
+        "main@dda1cb3",
+        "dda1cb3c8f0823236d98026c78ce290372683ab1",
+        "2026-07-28",
+        "CISPO anchored on the rollout (cispo.cispo_anchor) also skips the forward pass and its figures",
+        _Rules(
+            abs_diff=True,
+            range_=True,
+            correction=True,
+            token_mask=True,
+            minibatch=True,
+            skips_forward=True,
+            cispo_anchor=True,
+        ),
+        train_line=False,
+        released=False,
     ),
 )
 
@@ -389,11 +458,15 @@ class _SkyRL(Framework):
         if version is None:
             return self.head
         wanted = parse_version(version, f"{self.name} version")
-        line = [e for e in self.eras if (Version(e.since).local == _TRAIN) == (wanted.local == _TRAIN)]
+        line = [
+            e
+            for e in self.eras
+            if e.released and (Version(e.since).local == _TRAIN) == (wanted.local == _TRAIN)
+        ]
         precision = len(wanted.release)
         chosen: Era | None = None
         for era in line:
-            if era.released and Version(era.since).release[:precision] <= wanted.release:
+            if Version(era.since).release[:precision] <= wanted.release:
                 chosen = era
         if chosen is None:
             package = "skyrl-train" if wanted.local == _TRAIN else "skyrl"

@@ -82,13 +82,22 @@ _TOKEN_MASK: list[dict[str, Any]] = [
         OC + "sequence_mask_metric": "geometric",
     },
 ]
+_SKIP: list[dict[str, Any]] = [
+    {"policy_loss_type": "rollout_is"},
+    {"policy_loss_type": "dppo", "use_kl_in_reward": True},
+    {"policy_loss_type": "rollout_is", OC + "tis_ratio_type": "token"},
+]
+_CISPO: list[dict[str, Any]] = [
+    {"policy_loss_type": "cispo", "cispo.cispo_anchor": "rollout"},
+    {"policy_loss_type": "cispo"},
+]
 RELEASES: dict[str, tuple[str, str, str | None, str, list[dict[str, Any]]]] = {
     "train-0.3.0": ("skyrl_train-v0.3.0", "skyrl-train/skyrl_train", "0.3.0+train", "0.2.0+train", [{}]),
     "train-0.4.0": ("skyrl_train-v0.4.0", "skyrl-train/skyrl_train", "0.4.0+train", "0.4.0+train", _BASIC),
     "0.1.0": ("skyrl-v0.1.0", "skyrl", "0.1.0", "0.1.0", _BASIC + _TOKEN_MASK),
     "0.2.0": ("skyrl-v0.2.0", "skyrl", "0.2.0", "0.1.0", _BASIC[:2] + _TOKEN_MASK[:1]),
-    "0.3.0": ("skyrl-v0.3.0", "skyrl", "0.3.0", "0.3.0", _BASIC + _TOKEN_MASK),
-    "head": ("HEAD", "skyrl", None, "0.3.0", _BASIC + _TOKEN_MASK),
+    "0.3.0": ("skyrl-v0.3.0", "skyrl", "0.3.0", "0.3.0", _BASIC + _TOKEN_MASK + _SKIP),
+    "head": ("HEAD", "skyrl", None, "main@dda1cb3", _BASIC + _TOKEN_MASK + _SKIP + _CISPO),
 }
 #: where each file lives under a release's package root
 _FILES = {
@@ -138,6 +147,42 @@ def _trainer_block(source: str) -> str:
         if isinstance(node, ast.If) and "logprobs_diff = (" in (ast.get_source_segment(source, node) or ""):
             return _segment(source, node)
     raise SystemExit("no logprobs_diff block in this snapshot's fwd_logprobs_values_reward")
+
+
+def _skip_forward(source: str, ppo_utils: str, opc: types.ModuleType | None) -> Any:
+    """RayPPOTrainer._skip_policy_forward as written (None before it existed), with ppo_utils'
+    PolicyLossType and LOSSES_WITHOUT_OLD_LOGPROBS as written."""
+    tree = ast.parse(source)
+    method = next(
+        (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "_skip_policy_forward"),
+        None,
+    )
+    if method is None or opc is None:
+        return None
+    import enum
+
+    scope: dict[str, Any] = {
+        "StrEnum": enum.StrEnum,
+        "Enum": enum.Enum,
+        "off_policy_correction_enabled": opc.off_policy_correction_enabled,
+    }
+    for node in ast.parse(ppo_utils).body:
+        if (isinstance(node, ast.ClassDef) and node.name == "PolicyLossType") or (
+            isinstance(node, ast.Assign)
+            and any(isinstance(t, ast.Name) and t.id == "LOSSES_WITHOUT_OLD_LOGPROBS" for t in node.targets)
+        ):
+            exec(compile(_segment(ppo_utils, node), "ppo_utils.py", "exec"), scope)  # noqa: S102
+    exec(  # noqa: S102
+        compile(
+            _segment(source, method),
+            "trainer.py",
+            "exec",
+            flags=__future__.annotations.compiler_flag,
+            dont_inherit=True,
+        ),
+        scope,
+    )
+    return scope["_skip_policy_forward"]
 
 
 def _exec_top_level(source: str, path: str, names: set[str], scope: dict[str, Any]) -> None:
@@ -205,10 +250,11 @@ def run_release(label: str) -> None:
     commit, _ = common.resolve_commit(REPOSITORY, ref)
     import torch
 
-    block = compile(
-        _trainer_block(_show(commit, _path(root, "trainer")) or ""), _path(root, "trainer"), "exec"
-    )
+    trainer_source = _show(commit, _path(root, "trainer")) or ""
+    block = compile(_trainer_block(trainer_source), _path(root, "trainer"), "exec")
     opc = _import_opc(commit, root) if _show(commit, _path(root, "opc")) is not None else None
+    ppo_utils = _show(commit, "skyrl/backends/skyrl_train/utils/ppo_utils.py") if root == "skyrl" else None
+    skip_forward = _skip_forward(trainer_source, ppo_utils or "", opc)
     worker: dict[str, Any] = {"torch": torch, "math": math, "dist": None, **vars(typing)}
     functions = [f"{_path(root, 'trainer')}:{METHOD}"]
     if opc is not None:
@@ -236,23 +282,35 @@ def run_release(label: str) -> None:
             ]
 
     for index, declared in enumerate(configs):
-        config = types.SimpleNamespace(
-            **{**_config_defaults(commit, root, opc), **{k.removeprefix(OC): v for k, v in declared.items()}}
+        opc_settings = {k.removeprefix(OC): v for k, v in declared.items() if k.startswith(OC)}
+        config = types.SimpleNamespace(**{**_config_defaults(commit, root, opc), **opc_settings})
+        algorithm = types.SimpleNamespace(
+            policy_loss_type=declared.get("policy_loss_type", "regular"),
+            use_kl_in_reward=declared.get("use_kl_in_reward", False),
+            off_policy_correction=config,
+            cispo=types.SimpleNamespace(cispo_anchor=declared.get("cispo.cispo_anchor", "old")),
         )
 
-        def figures(samples: list[dict[str, Any]], config: types.SimpleNamespace = config) -> dict[str, Any]:
+        def figures(
+            samples: list[dict[str, Any]],
+            config: types.SimpleNamespace = config,
+            algorithm: types.SimpleNamespace = algorithm,
+        ) -> dict[str, Any]:
             step = common.padded(samples)
             trainer = types.SimpleNamespace(
                 all_metrics={},
                 cfg=types.SimpleNamespace(
-                    generator=types.SimpleNamespace(sampling_params=types.SimpleNamespace(logprobs=0))
+                    generator=types.SimpleNamespace(sampling_params=types.SimpleNamespace(logprobs=0)),
+                    trainer=types.SimpleNamespace(algorithm=algorithm),
                 ),
             )
+            training_input = {"rollout_logprobs": step["rollout"], "loss_mask": step["mask"]}
+            skipped = skip_forward is not None and skip_forward(trainer, training_input)
             scope: dict[str, Any] = {
                 "self": trainer,
                 "torch": torch,
-                "training_input": {"rollout_logprobs": step["rollout"], "loss_mask": step["mask"]},
-                "action_log_probs": step["trainer"],
+                "training_input": training_input,
+                "action_log_probs": None if skipped else step["trainer"],  # the trainer's forward pass
             }
             exec(block, scope)  # noqa: S102
             out = dict(trainer.all_metrics)
