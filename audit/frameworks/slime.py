@@ -59,6 +59,13 @@ class _Rules:
     compares_current: bool  #: with use_rollout_logprobs, the abs diff compares the current logprobs
 
 
+def _is_icepop(path: object) -> bool:
+    return (
+        isinstance(path, str)
+        and path.replace(":", ".") == "slime.backends.megatron_utils.loss.icepop_function"
+    )
+
+
 def _is_helper(path: object) -> bool:
     return isinstance(path, str) and path.replace(":", ".").endswith("mis.compute_mis_weights_with_cp")
 
@@ -223,10 +230,10 @@ def _compute(rules: _Rules) -> Callable[[StepTokens, Settings], dict[str, float]
         prefix = ""
         if active:
             path = st["custom_tis_function_path"]
-            if path is None:
-                if not st["use_tis"]:
+            if path is None or _is_icepop(path):
+                if path is None and not st["use_tis"]:
                     return {}  # slime refuses get_mismatch_metrics without a custom function
-                samples = _vanilla(tokens, st)
+                samples = _vanilla(tokens, st)  # IcePop logs the same: a weight outside the bounds is 0
             elif _is_helper(path):
                 prefix = "mis_"
                 samples = []
@@ -311,17 +318,18 @@ def _figures(rules: _Rules) -> tuple[Figure, ...]:
         ),
         _f(
             "tis",
-            "vanilla TIS (--use-tis, no custom function): exp(trainer − rollout) per token, unclamped",
+            "vanilla TIS (--use-tis, no custom function) or IcePop (loss.icepop_function): exp(trainer − rollout) "
+            "per token, unclamped",
             _ACTIVE,
             _VANILLA,
         ),
         _f(
             "tis_clipfrac",
-            "vanilla TIS: share of tokens whose exp(Δ) lies outside [tis_clip_low, tis_clip]",
+            "vanilla TIS or IcePop: share of tokens whose exp(Δ) lies outside [tis_clip_low, tis_clip]",
             (*_ACTIVE, "tis_clip", "tis_clip_low"),
             _VANILLA,
         ),
-        _f("tis_abs", "vanilla TIS: |exp(trainer − rollout) − 1| per token", _ACTIVE, _VANILLA),
+        _f("tis_abs", "vanilla TIS or IcePop: |exp(trainer − rollout) − 1| per token", _ACTIVE, _VANILLA),
         _f("mis_training_log_ppl", "mismatch helper: −(the sample's mean trainer logprob)", ppl, _MIS),
         _f("mis_training_ppl", "mismatch helper: exp(−mean trainer logprob) per sample", ppl, _MIS),
         _f("mis_rollout_log_ppl", "mismatch helper: −(the sample's mean rollout logprob)", ppl, _MIS),

@@ -33,6 +33,7 @@ import common  # noqa: E402
 
 REPOSITORY = "THUDM/slime"
 MIS = "examples.train_infer_mismatch_helper.mis.compute_mis_weights_with_cp"
+ICEPOP = "slime.backends.megatron_utils.loss.icepop_function"
 
 #: the mismatch helper's settings as its shipped config (examples/train_infer_mismatch_helper/mis.yaml)
 MIS_YAML: dict[str, Any] = {
@@ -90,6 +91,26 @@ CONFIGS: list[dict[str, Any]] = [
     {"get_mismatch_metrics": True, "custom_tis_function_path": MIS},
     {"use_rollout_logprobs": True},
     {"calculate_per_token_loss": True, "use_tis": True},
+    {
+        "use_tis": True,
+        "custom_tis_function_path": ICEPOP,
+        "tis_clip": 1.2,
+        "tis_clip_low": 0.8,
+    },
+    {
+        "use_tis": True,
+        "custom_tis_function_path": MIS,
+        "tis_mode": "clip",
+        "use_rs": False,
+        "tis_batch_normalize": False,
+    },
+    {
+        "use_tis": True,
+        "custom_tis_function_path": MIS,
+        "tis_mode": "mask",
+        "use_rs": False,
+        "tis_batch_normalize": False,
+    },
 ]
 #: mask-mode TIS with rejection sampling: slime 0.2.1 appends both to "mask_fraction_*" and fails
 CONFIGS_FROM_022: list[dict[str, Any]] = [
@@ -273,6 +294,7 @@ def run_release(ref: str, label: str, version: str | None, era: str) -> None:
                 "slime/backends/megatron_utils/loss.py:loss_function",
                 "slime/backends/megatron_utils/loss.py:policy_loss_function",
                 "slime/backends/megatron_utils/loss.py:vanilla_tis_function",
+                "slime/backends/megatron_utils/loss.py:icepop_function",
                 "slime/backends/megatron_utils/cp_utils.py:get_sum_of_sample_mean",
                 "examples/train_infer_mismatch_helper/mis.py:compute_mis_weights_with_cp",
                 *(["reduce_train_step_metrics"] if reducer is not None else []),
