@@ -82,6 +82,7 @@ RELEASES: dict[str, tuple[str, str | None, str, list[dict[str, Any]]]] = {
             },
             {"vllm_importance_sampling_mode": "sequence_mask", "vllm_importance_sampling_clip_min": 0.5},
             {"vllm_importance_sampling_mode": "token_truncate", "vllm_importance_sampling_clip_max": 2.5},
+            {"vllm_importance_sampling_mode": "token_truncate"},
         ],
     ),
 }
