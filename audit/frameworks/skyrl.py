@@ -217,7 +217,10 @@ def _compute(rules: _Rules) -> Callable[[StepTokens, Settings], dict[str, float]
         out = {} if _skips_forward(st, rules) else _trainer(tokens, rules)
         parts = tokens.per_rank()
         if rules.correction:
-            per_rank = [_correction_part(p, st, rules) for p in parts]
+            try:
+                per_rank = [_correction_part(p, st, rules) for p in parts]
+            except TypeError:
+                return {}  # a bound set to None where SkyRL compares with it: SkyRL raises
             if any(r is None for r in per_rank):
                 return {}  # SkyRL raises on an unknown tis_ratio_type / sequence_mask_metric
             if per_rank[0]:

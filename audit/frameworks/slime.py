@@ -123,6 +123,8 @@ def _helper_rank(part: StepTokens, st: Settings, rules: _Rules) -> list[_Sample]
         samples.append(s)
     if not st["use_tis"]:
         return samples
+    if st["tis_upper_bound"] is None:
+        return None  # the helper needs an upper bound
     upper = float(st["tis_upper_bound"])
     lower = float(st["tis_lower_bound"]) if st["tis_lower_bound"] is not None else 1.0 / upper
     rs_lower = float(st["rs_lower_bound"]) if st["rs_lower_bound"] is not None else lower

@@ -69,6 +69,11 @@ def _compute(era_16: bool) -> Callable[[StepTokens, Settings], dict[str, float]]
         if mode not in _MODES:
             return {}  # GRPOTrainer raises on an unknown mode: nothing is logged
         lower, upper = _bounds(settings, era_16)
+        if era_16 and (
+            (mode.endswith("truncate") and lower is None and upper is None)
+            or (lower is not None and upper is not None and lower >= upper)
+        ):
+            return {}  # GRPOConfig refuses these bounds
         diff_mean, diff_max, r_min, r_mean, r_max = [], [], [], [], []
         for part in tokens.per_rank():
             delta = np.abs(part.delta)
