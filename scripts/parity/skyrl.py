@@ -5,6 +5,10 @@
   with ``ast`` in the snapshot's ``trainer.py`` and exactly those source lines are executed with
   ``training_input`` (``rollout_logprobs``, ``loss_mask``, [batch, T]) and ``action_log_probs`` (the
   trainer's) bound; values read from ``self.all_metrics``. It runs on the driver over the whole batch.
+  From 0.3.0 the trainer skips that forward pass for losses on the rollout's logprobs: the snapshot's
+  ``RayPPOTrainer._skip_policy_forward`` (with ``ppo_utils``' ``PolicyLossType`` and
+  ``LOSSES_WITHOUT_OLD_LOGPROBS``, located with ``ast`` and executed as written) decides, and a
+  skipped pass leaves ``action_log_probs`` None as the trainer does.
 - The workers' ``policy/loss_metrics/*``: the snapshot's own ``compute_off_policy_correction``
   (``off_policy_correction_utils.py``, imported with its ``torch_utils``; ``omegaconf``/``jaxtyping``
   stood in) on each process's micro-batch, keys prefixed ``loss_metrics/`` as the worker does, then
@@ -47,7 +51,7 @@ METHOD = "RayPPOTrainer.fwd_logprobs_values_reward"
 OC = "off_policy_correction."
 
 
-#: label: (ref, package root, version, isoaudit era, off-policy configs)
+#: settings of the fixtures (the off-policy correction's under its config path)
 _BASIC: list[dict[str, Any]] = [
     {},
     {
@@ -91,6 +95,7 @@ _CISPO: list[dict[str, Any]] = [
     {"policy_loss_type": "cispo", "cispo.cispo_anchor": "rollout"},
     {"policy_loss_type": "cispo"},
 ]
+#: label: (ref, package root, version, isoaudit era, settings of its fixtures)
 RELEASES: dict[str, tuple[str, str, str | None, str, list[dict[str, Any]]]] = {
     "train-0.3.0": ("skyrl_train-v0.3.0", "skyrl-train/skyrl_train", "0.3.0+train", "0.2.0+train", [{}]),
     "train-0.4.0": ("skyrl_train-v0.4.0", "skyrl-train/skyrl_train", "0.4.0+train", "0.4.0+train", _BASIC),
