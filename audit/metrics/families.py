@@ -218,6 +218,36 @@ def _rs_figures() -> dict[str, Parametric]:
     return out
 
 
+def _abs_ratio_deviation(view: TokenView) -> np.ndarray:
+    """``|ρ - 1|`` per finite token, as ``|expm1(Δ)|`` (exact near Δ = 0; Δ clamped to ±LOG_RATIO_BOUND)."""
+    return view.memo(("abs_rho_m1",), lambda: np.abs(np.expm1(view.d)))
+
+
+def _in_band(view: TokenView, band: float) -> float:
+    if not band >= 0.0:
+        return float("nan")
+    return float((_abs_ratio_deviation(view) <= band).mean())
+
+
+#: Band retention, MLPerf-style: the share of finite tokens whose importance ratio ρ = exp(Δ) lies
+#: within ``band`` of 1, and its complement; the default band 1%, :data:`STANDING_BANDS` beside it.
+BAND_FAMILY: dict[str, Parametric] = {
+    "band_retention": Parametric(
+        "share of tokens whose importance ratio is within the band, |ρ - 1| <= band",
+        {"band": 0.01},
+        _nan_if_empty(lambda v, band: _in_band(v, float(band))),
+    ),
+    "band_exceedance": Parametric(
+        "share of tokens whose importance ratio is outside the band, |ρ - 1| > band (1 - band_retention)",
+        {"band": 0.01},
+        _nan_if_empty(lambda v, band: 1.0 - _in_band(v, float(band))),
+    ),
+}
+
+#: Bands of :data:`BAND_FAMILY` computed on every step beside the default 1%.
+STANDING_BANDS: tuple[float, ...] = (0.001, 0.05)
+
+
 #: Every threshold figure, with its defaults (verl's unless named). ``aggregate`` is ``token``
 #: (pool tokens) or ``sample`` (mean of per-sample means, slime's default reduction).
 PARAMETRIC: dict[str, Parametric] = {
@@ -259,4 +289,5 @@ PARAMETRIC: dict[str, Parametric] = {
         _nan_if_empty(lambda v, lower, upper: _geo_oob(v, float(lower), float(upper))),
     ),
     **_rs_figures(),
+    **BAND_FAMILY,
 }
