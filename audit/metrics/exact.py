@@ -53,14 +53,14 @@ class Exactness:
         return self.differing_tokens == 0
 
     def describe(self) -> str:
-        """``3 of 4096 tokens differ, max |Δ| 0.0125`` (or why it is not known)."""
+        """``differing tokens: 3 of 4096, max |Δ| 0.0125`` (or why it is not known)."""
         if self.differing_tokens is None:
             return "not known to be identical (no bitwise count for this step)"
         of = f" of {self.n_tokens}" if self.n_tokens is not None else ""
         if self.identical:
             return f"all{of} tokens identical"
         delta = "n/a" if self.max_abs_delta is None else f"{self.max_abs_delta:.6g}"
-        return f"{self.differing_tokens}{of} token{'s' if self.differing_tokens != 1 else ''} differ, max |Δ| {delta}"
+        return f"differing tokens: {self.differing_tokens}{of}, max |Δ| {delta}"
 
 
 class ExactnessError(AssertionError):
