@@ -16,8 +16,9 @@ service), so the check runs in two places:
   within ``compare_timeout``), then waits up to ``settle_s`` for steps stored on both sides to be
   compared (none when its own comparer has drained already), reads every compared step once more
   and raises :class:`NotIdentical` if any differs, else :class:`ParityUnverified` if steps stored on
-  both sides are still not compared, a compared step has no bitwise count, or the results cannot be
-  read. Fail-closed: what is not verified identical does not pass.
+  both sides are still not compared, a compared step has no bitwise count, no step was compared at
+  all, or the results cannot be read. Fail-closed: what is not verified identical does not pass. It
+  verifies the tokens both sides recorded: a sample only one side recorded is never compared.
 
 A session closing because the job raised already does not raise again. The watcher itself never
 raises into the job (a failed read is logged and retried); only the opted-in checks above raise.
@@ -141,6 +142,8 @@ class FailClosed:
         if waiting or unknown:
             why = f"no bitwise count at step {unknown[0].step}" if unknown else "compare_timeout"
             raise ParityUnverified(self.run_id, waiting + len(unknown), why)
+        if not found:
+            raise ParityUnverified(self.run_id, 0, "no step of the run was compared")
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):

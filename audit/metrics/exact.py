@@ -90,5 +90,5 @@ class ParityUnverified(ExactnessError):
     def __init__(self, run_id: str, steps_left: int | None, why: str = "") -> None:
         self.run_id = run_id
         self.steps_left = steps_left
-        what = "the results could not be read" if steps_left is None else f"{steps_left} step(s) not compared"
+        what = "the results could not be read" if steps_left is None else f"{steps_left} step(s) not verified"
         super().__init__(f"run {run_id}: parity unverified: {what}" + (f" ({why})" if why else ""))

@@ -1,9 +1,9 @@
-"""Threshold figures: importance-weight and rejection statistics that depend on bounds or caps.
+"""Threshold figures: importance-weight, rejection and band statistics that depend on bounds or caps.
 
 Each is a :class:`Parametric`: one definition, its default parameters, and a compute function over a
 step's finite tokens (:class:`TokenView`). Families that differ only in the statistic taken are
-generated from one table (:data:`TIS_FAMILY`, :data:`RS_OPTIONS`), so a family's members cannot
-drift apart. A figure at non-default parameters is stored under a variant key
+generated from one table (:data:`TIS_FAMILY`, :data:`RS_OPTIONS`, :data:`BAND_FAMILY`), so a
+family's members cannot drift apart. A figure at non-default parameters is stored under a variant key
 (``tis_mean[cap=3]``, :mod:`audit.metrics.keys`).
 """
 
@@ -218,15 +218,15 @@ def _rs_figures() -> dict[str, Parametric]:
     return out
 
 
-def _abs_ratio_deviation(view: TokenView) -> np.ndarray:
-    """``|ρ - 1|`` per finite token, as ``|expm1(Δ)|`` (exact near Δ = 0; Δ clamped to ±LOG_RATIO_BOUND)."""
-    return view.memo(("abs_rho_m1",), lambda: np.abs(np.expm1(view.d)))
-
-
 def _in_band(view: TokenView, band: float) -> float:
+    """The share of finite tokens with ``|ρ - 1| <= band``, compared in log space:
+    ``log(1 - band) <= Δ <= log(1 + band)`` (Δ clamped to ±LOG_RATIO_BOUND; NaN for a negative band)."""
     if not band >= 0.0:
         return float("nan")
-    return float((_abs_ratio_deviation(view) <= band).mean())
+    if ("in_band", band) not in view.cache:
+        lo = np.log1p(-band) if band < 1.0 else -np.inf
+        view.cache[("in_band", band)] = float(((view.d >= lo) & (view.d <= np.log1p(band))).mean())
+    return float(view.cache[("in_band", band)])
 
 
 #: Band retention, MLPerf-style: the share of finite tokens whose importance ratio ρ = exp(Δ) lies

@@ -94,6 +94,14 @@ def test_steps_nobody_compared_are_unverified(url: str) -> None:
     assert raised.value.steps_left == 1
 
 
+def test_a_run_with_no_compared_step_is_unverified(url: str) -> None:
+    audit = isoaudit.session("fc-empty", database_url=url, compare="thread", fail_closed=True, report=False)
+    rollout, _ = sides(audit)
+    rollout.record_step(0, StepBatch.padded(PROMPTS, COMPLETIONS), ROLLOUT)  # the trainer never records
+    with pytest.raises(ParityUnverified, match="no step of the run was compared"):
+        audit.close()
+
+
 def test_without_the_option_nothing_raises_and_memory_is_refused(url: str) -> None:
     with isoaudit.session("fc-off", database_url=url, compare="thread", report=False) as audit:
         record(sides(audit), 0, moved=0.5)
