@@ -20,8 +20,8 @@ the figures fit ``m_i² ≈ B² + σ²·(1/T_i)`` by weighted least squares with
   noise-dominated (it averages out), at or below 0.5 bias-dominated (it does not). ``σ²/B²`` is the
   length from which bias dominates.
 
-The fit needs :data:`NOISE_FIT_MIN_SAMPLES` samples with finite tokens and at least two distinct
-lengths; otherwise its figures and ``delta_bias`` are NaN (never 0). The fit is made per step
+``delta_bias`` needs :data:`NOISE_FIT_MIN_SAMPLES` samples with finite tokens, the fit as many and at
+least two distinct lengths; otherwise they are NaN (never 0). The fit is made per step
 (:data:`NOISE_FIT`); ``delta_bias`` and the spread of the per-sample means, ``delta_sample_mean_sd``
 and ``delta_sample_mean_rms`` (which need two samples), are also given per length bucket, so a chart
 shows the spread against length beside the fitted ``sqrt(B² + σ²/T)``.
@@ -39,7 +39,7 @@ NOISE_FIT_MIN_SAMPLES = 4
 
 #: The step figures of this module, with their one-line definitions.
 NOISE_DESCRIPTIONS: dict[str, str] = {
-    "delta_bias": "signed common bias of Δ: the token-weighted mean Δ = -kl_k1, reported with the fit (NaN where it is)",
+    "delta_bias": "signed common bias of Δ: the token-weighted mean Δ = -kl_k1 (NaN below 4 samples)",
     "delta_bias_rms": "sqrt(B²) of the weighted least-squares fit (mean Δ_i)² ≈ B² + σ²/T_i, w_i = T_i, B², σ² >= 0: "
     "the RMS per-sample bias that does not shrink with length",
     "delta_noise_sd": "σ of the same fit: the per-token iid noise of Δ whose sample mean shrinks as 1/√T",
@@ -80,10 +80,10 @@ def noise_figures(
         out["delta_sample_mean_sd"] = math.sqrt(max(sum_m2 / n_samples - mean_m * mean_m, 0.0))
     if n_samples < NOISE_FIT_MIN_SAMPLES:
         return out
+    out["delta_bias"] = sum_d / n_tokens + 0.0
     bias2, noise2 = fit_bias_noise(n_tokens, n_samples, sum_inv_len, sum_len_m2, sum_m2)
     if math.isnan(bias2):
         return out
-    out["delta_bias"] = sum_d / n_tokens + 0.0
     out["delta_bias_rms"] = math.sqrt(bias2)
     out["delta_noise_sd"] = math.sqrt(noise2)
     at_median = noise2 / median_len
