@@ -7,6 +7,12 @@ is not a pass. ``isoaudit gate`` is the command; :func:`assert_parity` the pytes
 
     from isoaudit.audit.gates import assert_parity
     assert_parity(store, "ci-run", max={"kl_k3": 1e-3, "slime:train_rollout_logprob_abs_diff": 1e-6})
+
+``exact=True`` (``isoaudit gate --exact``, alias ``--fail-closed``) is the strict gate for stacks meant
+to be bitwise identical: every compared step must have no token whose float32 logprob bits differ
+(:mod:`audit.metrics.exact`); a failure names the step, the count of differing tokens and the largest
+``|Δ|``, and :func:`assert_parity` raises :class:`~audit.metrics.exact.NotIdentical` (an
+``AssertionError``).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from typing import Literal
 
 from isoaudit.audit.db import Store
 from isoaudit.audit.metric_names import UnknownMetric, lookup, resolve
+from isoaudit.audit.metrics.exact import Exactness, NotIdentical, ParityUnverified
 
 Direction = Literal["max", "min"]
 
@@ -33,12 +40,19 @@ class Bound:
     key: str  #: the stored key it resolves to
     direction: Direction
     limit: float
+    exact: bool = False  #: the fail-closed gate: no differing token (audit.metrics.exact)
 
     def holds(self, value: float) -> bool:
         return value <= self.limit if self.direction == "max" else value >= self.limit
 
     def describe(self) -> str:
+        if self.exact:
+            return "identical"
         return f"{'<=' if self.direction == 'max' else '>='} {self.limit:g}"
+
+
+#: The fail-closed gate: no token whose float32 logprob bits differ.
+EXACT = Bound("exact", "bitwise_mismatch_count", "max", 0.0, exact=True)
 
 
 @dataclass(frozen=True)
@@ -46,9 +60,13 @@ class GateFailure:
     step: int
     bound: Bound
     value: float | None  #: None: the step has no value for it
+    #: what the exact gate read of the step (its count of differing tokens and max |Δ|)
+    exactness: Exactness | None = None
 
     @property
     def reason(self) -> str:
+        if self.exactness is not None:
+            return self.exactness.describe()
         if self.value is None:
             return "no value at this step (not computed, or no data)"
         return f"{self.value:.6g} is not {self.bound.describe()}"
@@ -64,6 +82,10 @@ class GateResult:
     @property
     def passed(self) -> bool:
         return not self.failures
+
+    def not_identical(self) -> list[Exactness]:
+        """The exact gate's findings on the steps it failed, in step order."""
+        return [f.exactness for f in self.failures if f.exactness is not None]
 
     def text(self) -> str:
         """A plain table of the failures (what pytest shows)."""
@@ -93,8 +115,14 @@ def parse_assignment(text: str, option: str) -> tuple[str, float]:
     return name, limit
 
 
-def bounds_of(max: Mapping[str, float] | None = None, min: Mapping[str, float] | None = None) -> list[Bound]:
-    """Bounds from {metric name: limit}; every name is resolved now, so a typo fails before any check."""
+def bounds_of(
+    max: Mapping[str, float] | None = None,
+    min: Mapping[str, float] | None = None,
+    *,
+    exact: bool = False,
+) -> list[Bound]:
+    """Bounds from {metric name: limit}, and :data:`EXACT` with ``exact``; every name is resolved
+    now, so a typo fails before any check."""
     out = []
     for direction, given in (("max", max or {}), ("min", min or {})):
         for name, limit in given.items():
@@ -105,8 +133,10 @@ def bounds_of(max: Mapping[str, float] | None = None, min: Mapping[str, float] |
             if not isinstance(limit, int | float) or isinstance(limit, bool) or not math.isfinite(limit):
                 raise GateError(f"--{direction} {name}: the bound must be a finite number, got {limit!r}")
             out.append(Bound(name, key, direction, float(limit)))  # type: ignore[arg-type]  # direction is one of the two Literal names the loop iterates
+    if exact:
+        out.append(EXACT)
     if not out:
-        raise GateError("gates: give at least one --max or --min")
+        raise GateError("gates: give at least one --max or --min, or --exact")
     return out
 
 
@@ -159,6 +189,11 @@ def check(
     result = GateResult(run_id, bounds, [row.step for row in rows])
     for row in rows:
         for bound in bounds:
+            if bound.exact:
+                found = Exactness.of(row.step, row.metrics)
+                if not found.identical:
+                    result.failures.append(GateFailure(row.step, bound, found.differing_tokens, found))
+                continue
             value = lookup(row.metrics, bound.key)
             number = float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
             if number is None or not math.isfinite(number):
@@ -175,10 +210,20 @@ def assert_parity(
     max: Mapping[str, float] | None = None,
     min: Mapping[str, float] | None = None,
     steps: set[int] | tuple[int | None, int | None] | str | None = None,
+    exact: bool = False,
 ) -> GateResult:
-    """The pytest helper: raise AssertionError with the failure table unless every gate holds."""
+    """The pytest helper: raise AssertionError with the failure table unless every gate holds.
+    ``exact``: also fail any step with a non-identical token, raising
+    :class:`~audit.metrics.exact.NotIdentical` (the earliest such step's count and max |Δ|), or
+    :class:`~audit.metrics.exact.ParityUnverified` where a step's count is missing."""
     chosen = parse_steps(steps) if isinstance(steps, str) else steps
-    result = check(store, run_id, bounds_of(max, min), chosen)
-    if not result.passed:
-        raise AssertionError(result.text())
-    return result
+    result = check(store, run_id, bounds_of(max, min, exact=exact), chosen)
+    if result.passed:
+        return result
+    found = result.not_identical()
+    differing = [e for e in found if e.differing_tokens is not None]
+    if differing:
+        raise NotIdentical(run_id, differing[0], len(differing), detail=result.text())
+    if found:
+        raise ParityUnverified(run_id, len(found), f"no bitwise count at step {found[0].step}")
+    raise AssertionError(result.text())

@@ -34,7 +34,9 @@ from isoaudit.audit.metrics import (
     LENGTH_BUCKETS,
     METRIC_DESCRIPTIONS,
     PARAMETRIC,
+    STALENESS_DESCRIPTIONS,
     STEP_METRICS,
+    UNSLICED_DESCRIPTIONS,
     parse_lag_key,
     parse_variant,
     variant_key,
@@ -48,6 +50,8 @@ EXTRA_DESCRIPTIONS: dict[str, str] = {
     "policy_lag_min": "min policy lag over tokens",
     "off_policy_token_fraction": "fraction of tokens sampled with weights older than the trainer's (lag > 0)",
     **ROUTING_METRICS,  # MoE routing agreement (audit.routing)
+    **UNSLICED_DESCRIPTIONS,  # the noise-vs-bias fit of a step (audit.metrics.noise)
+    **STALENESS_DESCRIPTIONS,  # sample-weighted staleness and tokens per lag (audit.metrics.lags)
 }
 
 #: Threshold figures at parameters other than their defaults that the comparator computes on every

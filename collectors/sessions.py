@@ -22,6 +22,10 @@ many steps are compared.
 
 With ``trackers=("wandb", "mlflow")`` (or ``ISOAUDIT_TRACKERS``) the session also logs its run's
 compared steps into the job's W&B and MLflow runs (:mod:`isoaudit.collectors.trackers`).
+
+With ``fail_closed=True`` the job stops (:class:`NotIdentical`) at its first step boundary after a
+compared step of its run is known to hold a non-identical token, and closing raises unless every
+step stored on both sides was compared identical (:mod:`isoaudit.collectors.fail_closed`).
 """
 
 from __future__ import annotations
@@ -36,6 +40,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict, TypeVar
 
 from isoaudit.audit.config import database_url as resolve_database_url
+from isoaudit.audit.metrics.exact import ExactnessError as ExactnessError  # raised by fail_closed
+from isoaudit.audit.metrics.exact import NotIdentical as NotIdentical
+from isoaudit.audit.metrics.exact import ParityUnverified as ParityUnverified
 from isoaudit.audit.records import Case, Run, StepStats
 from isoaudit.collectors.base import Collector, run_record
 from isoaudit.collectors.comparer import (
@@ -55,6 +62,7 @@ from isoaudit.collectors.sinks.spool import DEFAULT_SPOOL_DIR
 if TYPE_CHECKING:
     from isoaudit.audit.trackers import Tracker
     from isoaudit.collectors.engine_capture import EngineCollector
+    from isoaudit.collectors.fail_closed import FailClosed
     from isoaudit.collectors.sinks.direct import SharedStore
     from isoaudit.collectors.trackers import SessionTrackers
     from isoaudit.collectors.trainer import TrainerCollector
@@ -319,7 +327,12 @@ class Session:
         rank: int | None = None,
         trackers: Sequence[Tracker] = (),
         tracker_names: str | None = None,
+        fail_closed: bool = False,
     ) -> None:
+        if fail_closed and isinstance(destination, MemoryDestination):
+            raise ValueError(
+                "fail_closed: a memory destination compares nothing; write to a database or the service"
+            )
         self.run = run_record(run)
         self.rank = rank  # None: detected when the first sink opens (isoaudit.collectors.integrations.ranks)
         self.contracts = contracts
@@ -334,6 +347,8 @@ class Session:
         self.trackers = tuple(trackers)
         self.tracker_names = tracker_names
         self._trackers: SessionTrackers | None = None
+        self.fail_closed = fail_closed
+        self._fail_closed: FailClosed | None = None
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -349,6 +364,14 @@ class Session:
                 self._trackers = follow(
                     self.run.run_id, self.destination, self.trackers, names=self.tracker_names, rank=self.rank
                 )
+            if self.fail_closed:
+                from isoaudit.collectors.fail_closed import FailClosed
+                from isoaudit.collectors.trackers import results_of
+
+                results = results_of(self.destination, self.run.run_id)
+                if results is None:
+                    raise ValueError(f"fail_closed: {type(self.destination).__name__} keeps no results")
+                self._fail_closed = FailClosed(self.run.run_id, results).start()
         if self._trackers is not None:
             self._trackers.capture()
         return self
@@ -357,7 +380,17 @@ class Session:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
+        if exc[0] is not None and self._fail_closed is not None:
+            self._fail_closed.quiet()  # the job is failing already: close raises nothing more
         self.close()
+
+    def check(self) -> None:
+        """With ``fail_closed``: raise :class:`NotIdentical` (the step, its count of differing tokens
+        and max |Δ|) if a compared step of the run is known to hold a non-identical token. The
+        session's collectors call it at each step boundary; a job without collectors calls it
+        itself. Without ``fail_closed``: nothing."""
+        if self._fail_closed is not None:
+            self._fail_closed.check()
 
     @property
     def control(self) -> ControlChannel:
@@ -392,6 +425,10 @@ class Session:
             tracked = self._trackers.close(30.0 if timeout is None else timeout)
             if self.report:
                 print(tracked, file=sys.stderr)
+        if self._fail_closed is not None:  # last: raises unless every stored step compared identical
+            drained = self.destination.comparison() is not None
+            wait = getattr(self.destination, "compare_timeout", DEFAULT_COMPARE_TIMEOUT_S)
+            self._fail_closed.close(0.0 if drained else wait)
         return self._closed
 
     def summary(self) -> Summary:
@@ -588,6 +625,8 @@ class Session:
 
     def _add(self, collector: C) -> C:
         self.collectors.append(collector)
+        if self._fail_closed is not None:
+            self._fail_closed.guard(collector, self.check)
         return collector
 
 
@@ -611,6 +650,7 @@ class SessionOptions(TypedDict, total=False):
     tracker_names: str | None
     framework: str | None
     framework_config: Mapping[str, Any] | None
+    fail_closed: bool
 
 
 def declared_run(run: str | Run, framework: str | None, settings: Mapping[str, Any] | None) -> Run:
@@ -652,6 +692,7 @@ def session(
     tracker_names: str | None = None,
     framework: str | None = None,
     framework_config: Mapping[str, Any] | None = None,
+    fail_closed: bool = False,
 ) -> Session:
     """A session for run ``run`` (an id, or a :class:`isoaudit.audit.records.Run` with a name and config).
 
@@ -678,7 +719,12 @@ def session(
     ``framework``: what the job runs under (``"verl==0.7.1"``; integrations fill it in), so the
     figures shown under that framework's names follow its code at that release, with
     ``framework_config``'s settings (its rollout-correction thresholds, modes; the framework's
-    defaults otherwise): both go into the run's config.
+    defaults otherwise): both go into the run's config;
+    ``fail_closed``: the job stops with :class:`NotIdentical` at its first step boundary (a
+    collector's ``begin_step``/``record_step``, or :meth:`Session.check`) after a compared step is
+    known to hold a non-identical token, and closing waits for the comparison and raises
+    :class:`NotIdentical` or :class:`ParityUnverified` unless every step stored on both sides was
+    compared identical (:mod:`isoaudit.collectors.fail_closed`).
     """
     if framework is not None or framework_config is not None:
         run = declared_run(run, framework, framework_config)
@@ -711,4 +757,5 @@ def session(
         rank=rank,
         trackers=chosen,
         tracker_names=tracker_names,
+        fail_closed=fail_closed,
     )

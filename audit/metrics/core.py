@@ -37,12 +37,15 @@ import pandas as pd
 from isoaudit.audit.metrics.families import LOG_RATIO_BOUND, PARAMETRIC, TokenView
 from isoaudit.audit.metrics.keys import (
     LENGTH_BUCKETS,
+    STANDING_VARIANTS,
     length_bucket_bounds,
     length_bucket_of,
     length_key,
     parse_variant,
+    variant_description,
     variant_key,
 )
+from isoaudit.audit.metrics.noise import NOISE_DESCRIPTIONS, NOISE_FIT, NOISE_SLICED, noise_figures
 
 _BASE_DESCRIPTIONS: dict[str, str] = {
     "n_tokens": "completion tokens compared",
@@ -93,6 +96,15 @@ _BASE_DESCRIPTIONS: dict[str, str] = {
 _STEP_ONLY_DESCRIPTIONS: dict[str, str] = {
     "n_samples": "samples compared",
     "diverged_sample_fraction": "fraction of samples with at least one bitwise mismatch",
+    **{name: NOISE_DESCRIPTIONS[name] for name in NOISE_SLICED},
+}
+
+#: Step figures of :func:`step_metrics` given for the whole step only (no length slices): the noise
+#: fit, and ``token_fraction``, which lag slices (``token_fraction/lag_1``) give per lag.
+UNSLICED_DESCRIPTIONS: dict[str, str] = {
+    **{name: NOISE_DESCRIPTIONS[name] for name in NOISE_FIT},
+    "token_fraction": "share of the step's tokens in this slice: 1 for the whole step; per lag "
+    "(token_fraction/lag_L), of the tokens whose lag is known",
 }
 
 #: Step values that average per-sample values over samples (the rest pool tokens).
@@ -118,7 +130,12 @@ SAMPLE_AVERAGED: frozenset[str] = frozenset(
 SAMPLE_METRICS: tuple[str, ...] = tuple(_BASE_DESCRIPTIONS)
 
 #: Keys of :func:`step_metrics` before the length-sliced variants, in order.
-STEP_METRICS: tuple[str, ...] = ("n_samples", *SAMPLE_METRICS, "diverged_sample_fraction")
+STEP_METRICS: tuple[str, ...] = (
+    "n_samples",
+    *SAMPLE_METRICS,
+    "diverged_sample_fraction",
+    *NOISE_SLICED,
+)
 
 
 def _all_descriptions() -> dict[str, str]:
@@ -127,10 +144,14 @@ def _all_descriptions() -> dict[str, str]:
         span = f"[{lo}, {hi})" if hi is not None else f">= {lo}"
         for name in STEP_METRICS:
             out[length_key(name, bucket)] = f"{out[name]}; samples with {span} completion tokens"
+    out.update(UNSLICED_DESCRIPTIONS)
+    for key in STANDING_VARIANTS:  # threshold figures computed on every step beside their defaults
+        out[key] = variant_description(key)
     return out
 
 
-#: One line per metric name :func:`step_metrics` can return (sliced names included).
+#: One line per metric name :func:`step_metrics` can return (sliced names and the standing threshold
+#: variants included; the threshold figures at their defaults are described in ``PARAMETRIC``).
 METRIC_DESCRIPTIONS: dict[str, str] = _all_descriptions()
 
 
@@ -184,6 +205,10 @@ class SufficientStats:
     n_ent_t: np.ndarray
     sum_ent_r: np.ndarray
     n_ent_r: np.ndarray
+    # noise vs bias (audit.metrics.noise), over samples with finite tokens, m_i their mean Δ, T_i their count
+    sum_seq_d2: np.ndarray  # Σ m_i²
+    sum_inv_len: np.ndarray  # Σ 1/T_i
+    sum_len_d2: np.ndarray  # Σ T_i m_i²
 
 
 _MAX_FIELDS = {"max_dp", "max_absd", "max_rho", "max_seq_lpd"}
@@ -352,6 +377,9 @@ def per_sample_stats(
         n_ent_t=ent[0][1],
         sum_ent_r=ent[1][0],
         n_ent_r=ent[1][1],
+        sum_seq_d2=lpd * lpd,
+        sum_inv_len=np.where(has_seq, 1.0 / safe_n, 0.0),
+        sum_len_d2=n_finite * lpd * lpd,
     )
 
 
@@ -537,8 +565,9 @@ def step_metrics(
 ) -> dict[str, float]:
     """Metrics of a whole step: :data:`STEP_METRICS` (token-weighted, or sample-averaged for
     :data:`SAMPLE_AVERAGED`), each again per completion-length bucket as ``name/len_lo_hi`` (always
-    all buckets; NaN when empty), then every :data:`PARAMETRIC` figure at its defaults and at each of
-    ``variants`` (keys of :func:`variant_key`, e.g. ``tis_mean[cap=3]``)."""
+    all buckets; NaN when empty), then every :data:`PARAMETRIC` figure at its defaults, at the
+    :data:`STANDING_VARIANTS` and at each of ``variants`` (keys of :func:`variant_key`, e.g.
+    ``tis_mean[cap=3]``)."""
     t, r, o = check_inputs(trainer_lp, rollout_lp, offsets)
     stats = per_sample_stats(t, r, o, _check_eps(clip_eps), _check_entropies(entropies, t))
     return {**pooled_figures(stats), **threshold_figures(TokenView(t, r, o), variants)}
@@ -557,9 +586,12 @@ def _check_entropies(
     return out[0], out[1]
 
 
-def pooled_figures(per_sample: SufficientStats) -> dict[str, float]:
-    """:data:`STEP_METRICS` over all samples, then over each length bucket (``kl_k3/len_0_256``)."""
+def pooled_figures(per_sample: SufficientStats, total_tokens: float | None = None) -> dict[str, float]:
+    """:data:`STEP_METRICS` and :data:`UNSLICED_DESCRIPTIONS`' figures over all samples, then
+    :data:`STEP_METRICS` over each length bucket (``kl_k3/len_0_256``).
+    ``total_tokens``: the denominator of ``token_fraction`` (default: these samples' tokens)."""
     buckets = length_bucket_of(per_sample.n_tokens)
+    total = float(per_sample.n_tokens.sum()) if total_tokens is None else float(total_tokens)
     out: dict[str, float] = {}
     groups: list[tuple[str | None, np.ndarray | None]] = [
         (None, None),
@@ -575,10 +607,30 @@ def pooled_figures(per_sample: SufficientStats) -> dict[str, float]:
             "diverged_sample_fraction": float(pooled.n_diverged[0] / n_samples)
             if n_samples
             else float("nan"),
+            "token_fraction": float(pooled.n_tokens[0]) / total if total > 0 else float("nan"),
+            **_noise(per_sample, pooled, mask),
         }
         for name in STEP_METRICS:
             out[name if bucket is None else length_key(name, bucket)] = values[name]
+        if bucket is None:
+            out.update({name: values[name] for name in UNSLICED_DESCRIPTIONS})
     return out
+
+
+def _noise(per_sample: SufficientStats, pooled: SufficientStats, mask: np.ndarray | None) -> dict[str, float]:
+    """audit.metrics.noise's figures of one group (``pooled``, the samples of ``per_sample`` in ``mask``)."""
+    lengths = per_sample.n_finite if mask is None else per_sample.n_finite[mask]
+    lengths = lengths[lengths > 0]
+    return noise_figures(
+        n_samples=float(pooled.n_seq[0]),
+        n_tokens=float(pooled.n_finite[0]),
+        sum_d=-float(pooled.sum_negd[0]),
+        sum_m=-float(pooled.sum_seq_negd[0]),
+        sum_m2=float(pooled.sum_seq_d2[0]),
+        sum_inv_len=float(pooled.sum_inv_len[0]),
+        sum_len_m2=float(pooled.sum_len_d2[0]),
+        median_len=float(np.median(lengths)) if lengths.size else float("nan"),
+    )
 
 
 # ---------------------------------------------------------------------------- top-k entropy
@@ -600,8 +652,9 @@ def topk_entropy(topk_logprobs: np.ndarray) -> np.ndarray:
 
 
 def threshold_figures(view: TokenView, variants: Iterable[str]) -> dict[str, float]:
-    """Every :data:`PARAMETRIC` figure at its defaults, then at each of ``variants`` (variant keys)."""
-    keys = dict.fromkeys([*PARAMETRIC, *variants])
+    """Every :data:`PARAMETRIC` figure at its defaults and at :data:`STANDING_VARIANTS`, then at each
+    of ``variants`` (variant keys)."""
+    keys = dict.fromkeys([*PARAMETRIC, *STANDING_VARIANTS, *variants])
     out = {}
     for key in keys:
         name, params = parse_variant(key)

@@ -1,9 +1,9 @@
-"""Threshold figures: importance-weight and rejection statistics that depend on bounds or caps.
+"""Threshold figures: importance-weight, rejection and band statistics that depend on bounds or caps.
 
 Each is a :class:`Parametric`: one definition, its default parameters, and a compute function over a
 step's finite tokens (:class:`TokenView`). Families that differ only in the statistic taken are
-generated from one table (:data:`TIS_FAMILY`, :data:`RS_OPTIONS`), so a family's members cannot
-drift apart. A figure at non-default parameters is stored under a variant key
+generated from one table (:data:`TIS_FAMILY`, :data:`RS_OPTIONS`, :data:`BAND_FAMILY`), so a
+family's members cannot drift apart. A figure at non-default parameters is stored under a variant key
 (``tis_mean[cap=3]``, :mod:`audit.metrics.keys`).
 """
 
@@ -218,6 +218,36 @@ def _rs_figures() -> dict[str, Parametric]:
     return out
 
 
+def _in_band(view: TokenView, band: float) -> float:
+    """The share of finite tokens with ``|ρ - 1| <= band``, compared in log space:
+    ``log(1 - band) <= Δ <= log(1 + band)`` (Δ clamped to ±LOG_RATIO_BOUND; NaN for a negative band)."""
+    if not band >= 0.0:
+        return float("nan")
+    if ("in_band", band) not in view.cache:
+        lo = np.log1p(-band) if band < 1.0 else -np.inf
+        view.cache[("in_band", band)] = float(((view.d >= lo) & (view.d <= np.log1p(band))).mean())
+    return float(view.cache[("in_band", band)])
+
+
+#: Band retention, MLPerf-style: the share of finite tokens whose importance ratio ρ = exp(Δ) lies
+#: within ``band`` of 1, and its complement; the default band 1%, :data:`STANDING_BANDS` beside it.
+BAND_FAMILY: dict[str, Parametric] = {
+    "band_retention": Parametric(
+        "share of tokens whose importance ratio is within the band, |ρ - 1| <= band",
+        {"band": 0.01},
+        _nan_if_empty(lambda v, band: _in_band(v, float(band))),
+    ),
+    "band_exceedance": Parametric(
+        "share of tokens whose importance ratio is outside the band, |ρ - 1| > band (1 - band_retention)",
+        {"band": 0.01},
+        _nan_if_empty(lambda v, band: 1.0 - _in_band(v, float(band))),
+    ),
+}
+
+#: Bands of :data:`BAND_FAMILY` computed on every step beside the default 1%.
+STANDING_BANDS: tuple[float, ...] = (0.001, 0.05)
+
+
 #: Every threshold figure, with its defaults (verl's unless named). ``aggregate`` is ``token``
 #: (pool tokens) or ``sample`` (mean of per-sample means, slime's default reduction).
 PARAMETRIC: dict[str, Parametric] = {
@@ -259,4 +289,5 @@ PARAMETRIC: dict[str, Parametric] = {
         _nan_if_empty(lambda v, lower, upper: _geo_oob(v, float(lower), float(upper))),
     ),
     **_rs_figures(),
+    **BAND_FAMILY,
 }

@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 
 import numpy as np
-from isoaudit.audit.metrics.families import PARAMETRIC, ParamValue
+from isoaudit.audit.metrics.families import BAND_FAMILY, PARAMETRIC, STANDING_BANDS, ParamValue
 
 #: Completion-length buckets for the sliced variants: ``[lo, hi)`` in completion tokens.
 LENGTH_BUCKET_EDGES: tuple[int, ...] = (0, 256, 512, 1024, 2048)
@@ -61,6 +61,7 @@ LAG_SLICED: tuple[str, ...] = (
     "is_mean",
     "token_mult_prob_error",
     "exact_match_fraction",
+    "token_fraction",
 )
 
 _LAG_KEY = re.compile(r"^(?P<name>[a-z0-9_]+)/lag_(?P<lag>-?[0-9]+)$")
@@ -128,3 +129,17 @@ def parse_variant(key: str) -> tuple[str, dict[str, ParamValue]]:
     if params.get("aggregate", "token") not in ("token", "sample"):
         raise ValueError(f"{name}: aggregate must be token or sample, got {params['aggregate']!r}")
     return name, params
+
+
+def variant_description(key: str) -> str:
+    """The one-line definition of a threshold figure's key, with its parameter values."""
+    name, params = parse_variant(key)
+    shown = ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items())
+    return f"{PARAMETRIC[name].description} ({shown})"
+
+
+#: Threshold-figure keys computed on every step beside the defaults: the band family at
+#: :data:`~audit.metrics.families.STANDING_BANDS`.
+STANDING_VARIANTS: tuple[str, ...] = tuple(
+    variant_key(name, {"band": band}) for band in STANDING_BANDS for name in BAND_FAMILY
+)

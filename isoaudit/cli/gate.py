@@ -1,5 +1,6 @@
 """``isoaudit gate RUN --max kl_k3=1e-3 --max train_rollout_logprob_abs_diff=1e-6 [--min ...] [--steps A..B]``:
-a CI regression gate on backend parity (audit.gates).
+a CI regression gate on backend parity (audit.gates). ``--exact`` (alias ``--fail-closed``) fails every
+step with a token whose logprob bits differ between the sides, naming the count and the max |Δ|.
 
 Exit codes: 0 every gate holds on every checked step, 1 bad input (unknown metric, no such run, no
 compared step), 2 a gate failed (the table says where).
@@ -39,6 +40,15 @@ def gate(
     steps: Annotated[
         str | None, typer.Option("--steps", help="Only these steps: N, N,M,... or A..B.")
     ] = None,
+    exact: Annotated[
+        bool,
+        typer.Option(
+            "--exact",
+            "--fail-closed",
+            help="Fail any step with a non-identical token (float32 logprob bits differ; "
+            "torch.equal-strict), naming the count and max |Δ|.",
+        ),
+    ] = False,
     database: DatabaseOption = None,
 ) -> None:
     """Fail (exit 2) when any compared step of RUN breaks a bound; a table names each failure."""
@@ -48,6 +58,7 @@ def gate(
         bounds = bounds_of(
             dict(parse_assignment(text, "--max") for text in maxima or []),
             dict(parse_assignment(text, "--min") for text in minima or []),
+            exact=exact,
         )
         chosen = parse_steps(steps) if steps is not None else None
         with console.status("comparing queued samples…", spinner="dots"):
@@ -76,4 +87,12 @@ def gate(
     console.print(
         f"[red]fail[/red]: {len(result.failures)} failure(s) on {failed_steps} of {len(result.steps)} step(s)"
     )
+    differing = [e for e in result.not_identical() if e.differing_tokens]
+    if differing:
+        worst = max((e.max_abs_delta for e in differing if e.max_abs_delta is not None), default=None)
+        console.print(
+            f"not identical: {sum(e.differing_tokens or 0 for e in differing)} differing token(s) on "
+            f"{len(differing)} step(s), first at step {differing[0].step}"
+            + ("" if worst is None else f", max |Δ| {worst:.6g}")
+        )
     raise typer.Exit(2)
