@@ -216,15 +216,16 @@ def is_framework_key(key: str) -> bool:
 
 
 def lookup(metrics: Mapping[str, Any], key: str) -> Any:
-    """The value of stored key ``key`` in a step's ``metrics``; a framework figure that equals a
-    canonical metric exactly is read from that metric when the step predates framework figures.
-    None when absent."""
+    """The value of stored key ``key`` in a step's ``metrics``, None when absent. A step compared
+    before framework figures were stored (it holds none) answers a framework figure that equals a
+    canonical metric exactly with that metric; a newer step without the figure means the framework
+    does not log it at the run's release and settings, and answers None."""
     if key in metrics:
         return metrics[key]
     alias = _BY_KEY.get(key)
-    if alias is not None and alias.same_as is not None:
-        return metrics.get(alias.same_as)
-    return None
+    if alias is None or alias.same_as is None or any(is_framework_key(k) for k in metrics):
+        return None
+    return metrics.get(alias.same_as)
 
 
 def select(metrics: Mapping[str, Any], names: Iterable[str], framework: str | None = None) -> dict[str, Any]:

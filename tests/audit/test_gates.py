@@ -60,7 +60,10 @@ def test_gate_passes_fails_and_names_each_failure(gated: str) -> None:
     )
     assert bad.exit_code == 2, bad.output
     # step 1 breaks the abs-diff and exact-match gates (|Δ| ≈ 0.05 but k3 ≈ 1.25e-3 > 1e-3 too)
-    assert "train_rollout_logprob_abs_diff" in bad.output and "logprob_abs_diff_sample_mean" in bad.output
+    assert (
+        "train_rollout_logprob_abs_diff" in bad.output
+        and "slime:train_rollout_logprob_abs_diff" in bad.output
+    )
     assert "exact_match_fraction" in bad.output and "fail" in bad.output
     assert "step 0" not in bad.output.lower().replace("steps", "")
 
@@ -86,7 +89,9 @@ def test_assert_parity_is_a_pytest_helper(gated: str) -> None:
     store = Store(gated)
     result = assert_parity(store, "run-1", max={"verl:rollout_corr/k3_kl": 1e-3}, steps="0")
     assert result.passed and result.steps == [0]
-    with pytest.raises(AssertionError, match=r"step 1: kl_sample_train_v1 \(kl_k1\) <= 0.001"):
+    with pytest.raises(
+        AssertionError, match=r"step 1: kl_sample_train_v1 \(tinker:kl_sample_train_v1\) <= 0.001"
+    ):
         assert_parity(store, "run-1", max={"kl_sample_train_v1": 1e-3})
     with pytest.raises(GateError, match="--min no_such"):
         assert_parity(store, "run-1", min={"no_such": 1.0})
@@ -101,7 +106,7 @@ def test_parsing_helpers() -> None:
     with pytest.raises(GateError, match="empty"):
         parse_steps("8..2")
     [bound] = bounds_of(max={"gen_kl_error": 0.01})
-    assert bound.key == "kl_k3" and bound.holds(0.005) and not bound.holds(0.02)
+    assert bound.key == "nemo-rl:gen_kl_error" and bound.holds(0.005) and not bound.holds(0.02)
 
 
 def test_metrics_list_shows_every_alias() -> None:
@@ -110,7 +115,12 @@ def test_metrics_list_shows_every_alias() -> None:
     for alias in ALIASES:
         assert f"{alias.framework}:{alias.name}" in table.output, alias
     parsed = json.loads(runner.invoke(app, ["metrics", "list", "--json", "--framework", "tinker"]).stdout)
-    assert [row["key"] for row in parsed] == ["kl_k1", "kl_k2"]
+    assert [f["key"] for f in parsed["figures"]] == [
+        "tinker:kl_sample_train_v1",
+        "tinker:kl_sample_train_v2",
+        "tinker:entropy",
+    ]
+    assert [f["same_as"] for f in parsed["figures"]] == ["kl_k1", "kl_k2", None]
     assert runner.invoke(app, ["metrics", "list", "--framework", "nope"]).exit_code == 1
 
 

@@ -61,14 +61,19 @@ def test_metrics_export_framework_names_variants_and_lags(api, store):
     assert value(plain["isoaudit_kl_k3_by_lag"], lag="0") == metrics["kl_k3/lag_0"]
 
     named = families(api, framework=["verl", "tinker", "nemo-rl", "trl"])
-    assert value(named["verl_rollout_corr_k3_kl"], run_id="run-1") == metrics["kl_k3"]
-    assert value(named["tinker_kl_sample_train_v1"], run_id="run-1") == metrics["kl_k1"]
-    assert value(named["nemo_rl_token_mult_prob_error"], run_id="run-1") == metrics["token_mult_prob_error"]
+    assert value(named["verl_rollout_corr_k3_kl"], run_id="run-1") == metrics["verl:rollout_corr/k3_kl"]
+    assert value(named["tinker_kl_sample_train_v1"], run_id="run-1") == metrics["tinker:kl_sample_train_v1"]
+    assert (
+        value(named["nemo_rl_token_mult_prob_error"], run_id="run-1")
+        == metrics["nemo-rl:token_mult_prob_error"]
+    )
+    # TRL's default mode is sequence_mask: the ratios of whole sequences, masked outside [0, 3]
     assert (
         value(named["trl_sampling_importance_sampling_ratio_mean"], run_id="run-1")
-        == metrics["tis_mean[cap=3]"]
+        == metrics["trl:sampling/importance_sampling_ratio/mean"]
     )
-    assert "kl_k3" in named["verl_rollout_corr_k3_kl"].documentation
+    assert "as its own code computes it" in named["verl_rollout_corr_k3_kl"].documentation
+    assert "verl_rollout_corr_rollout_is_mean" not in named  # verl logs no IS figures by default
 
 
 def test_metrics_refuses_an_unknown_framework_naming_the_field(api):
@@ -80,18 +85,15 @@ def test_metrics_refuses_an_unknown_framework_naming_the_field(api):
 def test_metric_names_lists_the_registry(api):
     rows = api.get("/v1/metric-names").json()
     by_key = {row["key"]: row for row in rows}
-    assert {a["name"] for a in by_key["kl_k3"]["aliases"]} >= {
-        "rollout_corr/k3_kl",
-        "gen_kl_error",
-        "mismatch_kl/all/mean",
-    }
+    assert {a["name"] for a in by_key["kl_k1"]["aliases"]} >= {"kl_sample_train_v1", "vllm_kl"}
+    assert by_key["verl:rollout_corr/rollout_is_std"]["aliases"][0]["settings"]
     trl = api.get("/v1/metric-names", params={"framework": "trl"}).json()
-    assert {row["key"] for row in trl} == {
-        "logprob_abs_diff_mean",
-        "logprob_abs_diff_max",
-        "tis_min[cap=3]",
-        "tis_mean[cap=3]",
-        "tis_max[cap=3]",
+    assert {a["key"] for row in trl for a in row["aliases"] if a["framework"] == "trl"} == {
+        "trl:sampling/sampling_logp_difference/mean",
+        "trl:sampling/sampling_logp_difference/max",
+        "trl:sampling/importance_sampling_ratio/min",
+        "trl:sampling/importance_sampling_ratio/mean",
+        "trl:sampling/importance_sampling_ratio/max",
     }
     assert all(row["definition"] for row in trl)
 
