@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 from isoaudit.audit.frameworks.base import REQUIRED, Era, Figure, Framework, Settings, StepTokens
+from isoaudit.audit.metrics import RS_OPTIONS  # verl's divergence-based rejection options (0.7.1 on)
 from packaging.version import Version
 
 HELPER = "verl/trainer/ppo/rollout_corr_helper.py"
@@ -44,20 +45,6 @@ BOUND = 20.0
 EPS = 1e-8
 RC = "rollout_corr/"
 
-#: The divergence-based rejection options (0.7.1 on), in verl's order of documentation.
-RS_OPTIONS: tuple[str, ...] = (
-    "token_k1",
-    "token_k2",
-    "token_k3",
-    "seq_sum_k1",
-    "seq_sum_k2",
-    "seq_sum_k3",
-    "seq_mean_k1",
-    "seq_mean_k2",
-    "seq_mean_k3",
-    "seq_max_k2",
-    "seq_max_k3",
-)
 #: The rejection levels before 0.7.1 (bounds on the importance weight).
 OLD_RS_LEVELS: tuple[str, ...] = ("token", "sequence", "geometric")
 

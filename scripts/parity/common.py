@@ -15,6 +15,7 @@ float32 rounding (their code follows the input dtype).
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import os
@@ -239,6 +240,33 @@ def write_fixture(
     out.write_text(json.dumps(body, indent=1, sort_keys=False) + "\n")
     print(f"wrote {out.relative_to(ROOT)}")
     return out
+
+
+def release_arguments(
+    description: str | None, more: Callable[[argparse.ArgumentParser], None] | None = None
+) -> argparse.Namespace:
+    """The command line of a script that writes one release's fixture: ``--commit`` (a sha or tag),
+    ``--version`` (the release it is; none: the newest code), ``--label`` (the fixture's name),
+    ``--era`` (the isoaudit era that release runs) and ``--settings`` (the framework's, JSON)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--commit", default="HEAD", help="a sha or a tag")
+    parser.add_argument("--version", default=None, help="the release the commit is (none: the newest code)")
+    parser.add_argument("--label", default=None, help="the fixture's name")
+    parser.add_argument("--era", required=True, help="isoaudit's era this release runs")
+    parser.add_argument("--settings", default="{}", help="the framework settings, JSON")
+    if more is not None:
+        more(parser)  # a script's own options
+    return parser.parse_args()
+
+
+def run_each_release(script: str, releases: Iterable[tuple[str, str, str | None]]) -> None:
+    """Run ``script --commit REF --label LABEL [--version V]`` once per (label, ref, version), each in
+    a process of its own: a framework's modules are imported once per process, one release each."""
+    for label, ref, version in releases:
+        command = [sys.executable, script, "--commit", ref, "--label", label]
+        if version is not None:
+            command += ["--version", version]
+        subprocess.run(command, check=True)
 
 
 def run_steps(figures_of: Callable[[list[dict[str, Any]]], dict[str, Any]]) -> dict[str, dict[str, Any]]:

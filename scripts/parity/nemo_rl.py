@@ -9,7 +9,6 @@ python scripts/parity/nemo_rl.py --commit REF --era X [--version X.Y.Z] [--label
 
 from __future__ import annotations
 
-import argparse
 import ast
 import json
 import sys
@@ -82,13 +81,7 @@ def grpo_function(tree: Path, name: str) -> Any:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--commit", default="HEAD")
-    parser.add_argument("--version", default=None)
-    parser.add_argument("--label", default=None)
-    parser.add_argument("--era", required=True)
-    parser.add_argument("--settings", default="{}")
-    args = parser.parse_args()
+    args = common.release_arguments(__doc__)
     settings: dict[str, Any] = json.loads(args.settings)
     commit, _ = common.resolve_commit(REPOSITORY, args.commit)
     tree = common.checkout(REPOSITORY, commit)

@@ -7,7 +7,6 @@ python scripts/parity/openrlhf.py [--commit REF] [--version X.Y.Z] [--label NAME
 
 from __future__ import annotations
 
-import argparse
 import inspect
 import json
 import sys
@@ -33,16 +32,12 @@ def packages(tree: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--commit", default="HEAD")
-    parser.add_argument("--version", default=None, help="the release the commit is (None: head)")
-    parser.add_argument("--label", default=None)
-    parser.add_argument("--era", required=True, help="isoaudit's era this release runs")
-    parser.add_argument("--settings", default="{}", help="the framework settings, JSON")
-    parser.add_argument(
-        "--reduce", choices=["rank-mean", "token-weighted"], required=True, help="ppo_train's reduction"
+    args = common.release_arguments(
+        __doc__,
+        lambda parser: parser.add_argument(
+            "--reduce", choices=["rank-mean", "token-weighted"], required=True, help="ppo_train's reduction"
+        ),
     )
-    args = parser.parse_args()
     settings: dict[str, Any] = json.loads(args.settings)
     commit, _ = common.resolve_commit(REPOSITORY, args.commit)
     tree = common.checkout(REPOSITORY, commit)

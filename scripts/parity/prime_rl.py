@@ -13,7 +13,6 @@ python scripts/parity/prime_rl.py --commit TAG --era SINCE [--version V] [--labe
 
 from __future__ import annotations
 
-import argparse
 import ast
 import inspect
 import json
@@ -88,13 +87,7 @@ def class_defaults(tree: Path, class_name: str) -> dict[str, Any] | None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--commit", default="HEAD")
-    parser.add_argument("--version", default=None)
-    parser.add_argument("--label", default=None)
-    parser.add_argument("--era", required=True)
-    parser.add_argument("--settings", default="{}")
-    args = parser.parse_args()
+    args = common.release_arguments(__doc__)
     settings: dict[str, Any] = json.loads(args.settings)
     commit, _ = common.resolve_commit(REPOSITORY, args.commit)
     tree = common.checkout(REPOSITORY, commit)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
-import subprocess
 import sys
 import types
 from pathlib import Path
@@ -35,19 +34,16 @@ REPOSITORY = "THUDM/slime"
 MIS = "examples.train_infer_mismatch_helper.mis.compute_mis_weights_with_cp"
 ICEPOP = "slime.backends.megatron_utils.loss.icepop_function"
 
-#: the mismatch helper's settings as its shipped config (examples/train_infer_mismatch_helper/mis.yaml)
-MIS_YAML: dict[str, Any] = {
-    "use_rs": True,
-    "tis_level": "token",
-    "rs_level": "token",
-    "tis_mode": "truncate",
-    "tis_lower_bound": 0.5,
-    "tis_upper_bound": 2.0,
-    "rs_lower_bound": None,
-    "rs_upper_bound": None,
-    "rs_veto_threshold": 1.0e-4,
-    "tis_batch_normalize": True,
-}
+
+def mis_yaml(commit: str) -> dict[str, Any]:
+    """The mismatch helper's settings as its shipped config at ``commit``
+    (examples/train_infer_mismatch_helper/mis.yaml; ``use_tis`` is slime's own argument)."""
+    import yaml
+
+    text = common.git(REPOSITORY, "show", f"{commit}:examples/train_infer_mismatch_helper/mis.yaml")
+    return {k: v for k, v in yaml.safe_load(text).items() if k != "use_tis"}
+
+
 #: slime's argparse defaults for the settings the figures read (slime/utils/arguments.py)
 ARG_DEFAULTS: dict[str, Any] = {
     "use_tis": False,
@@ -217,6 +213,7 @@ def _batch(samples: list[dict[str, Any]]) -> dict[str, Any]:
 def run_release(ref: str, label: str, version: str | None, era: str) -> None:
     commit, _ = common.resolve_commit(REPOSITORY, ref)
     tree = common.checkout(REPOSITORY, commit)
+    shipped = mis_yaml(commit)
     mods = _import(tree)
     import torch
 
@@ -240,7 +237,7 @@ def run_release(ref: str, label: str, version: str | None, era: str) -> None:
 
     configs = CONFIGS + (CONFIGS_FROM_022 if era != "0.2.1" else [])
     for index, declared in enumerate(configs):
-        settings = {**ARG_DEFAULTS, **MIS_YAML, **declared}
+        settings = {**ARG_DEFAULTS, **shipped, **declared}
 
         def figures(samples: list[dict[str, Any]], settings: dict[str, Any] = settings) -> dict[str, Any]:
             n_total = len(samples)
@@ -310,7 +307,7 @@ def run_release(ref: str, label: str, version: str | None, era: str) -> None:
                 "(on-policy first step); the processes' [count, metric...] vectors summed (the DP all_reduce) "
                 "and divided by slime's reduce_train_step_metrics (0.3.0 on) or train_one_step's inline "
                 "value / values[0] (before); settings beyond those declared are slime's argparse defaults and "
-                "the mismatch helper's shipped mis.yaml: " + json.dumps({**ARG_DEFAULTS, **MIS_YAML})
+                "the mismatch helper's shipped mis.yaml: " + json.dumps({**ARG_DEFAULTS, **shipped})
             ),
         )
 
@@ -325,11 +322,9 @@ def main() -> None:
         era = RELEASES.get(args.label, RELEASES["head"])[2]
         run_release(args.commit, args.label, args.version, era)
         return
-    for label, (ref, version, _) in RELEASES.items():
-        command = [sys.executable, __file__, "--commit", ref, "--label", label]
-        if version is not None:
-            command += ["--version", version]
-        subprocess.run(command, check=True)
+    common.run_each_release(
+        __file__, [(label, ref, version) for label, (ref, version, _) in RELEASES.items()]
+    )
 
 
 if __name__ == "__main__":

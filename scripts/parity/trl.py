@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import ast
 import math
-import subprocess
 import sys
 import textwrap
 import types
@@ -259,11 +258,9 @@ def main() -> None:
         (_, _, era, configs) = RELEASES.get(args.label or "head", RELEASES["head"])
         run_release(args.commit, args.label or "head", args.version, era, configs)
         return
-    for label, (ref, version, _, _) in RELEASES.items():
-        command = [sys.executable, __file__, "--commit", ref, "--label", label]
-        if version is not None:
-            command += ["--version", version]
-        subprocess.run(command, check=True)
+    common.run_each_release(
+        __file__, [(label, ref, version) for label, (ref, version, _, _) in RELEASES.items()]
+    )
 
 
 if __name__ == "__main__":
