@@ -31,7 +31,16 @@ if TYPE_CHECKING:
     from isoaudit.audit.grid import RegionGrid
 
 DiagnosisKind = Literal[
-    "clean", "contract", "weights", "off_policy", "semantics", "inference_path", "numerical", "inconclusive"
+    "clean",
+    "contract",
+    "weights",
+    "stale_engine_state",
+    "off_policy",
+    "semantics",
+    "quantization",
+    "inference_path",
+    "numerical",
+    "inconclusive",
 ]
 
 #: Runtime facts that change the inference path (not the arithmetic of a kernel): taken by one side

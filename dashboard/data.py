@@ -35,7 +35,18 @@ TIMELINE_PANELS: tuple[tuple[str, tuple[str, ...], bool], ...] = (
 TIMELINE_METRICS: tuple[str, ...] = tuple(m for _, names, _ in TIMELINE_PANELS for m in names)
 
 #: Diagnosis kinds in DESIGN.md's order, so the stacked bars keep one order across steps.
-DIAGNOSIS_ORDER = ("clean", "contract", "weights", "semantics", "inference_path", "numerical", "inconclusive")
+DIAGNOSIS_ORDER = (
+    "clean",
+    "contract",
+    "weights",
+    "stale_engine_state",
+    "off_policy",
+    "semantics",
+    "quantization",
+    "inference_path",
+    "numerical",
+    "inconclusive",
+)
 
 
 def _base_region(label: str) -> str:

@@ -19,7 +19,15 @@ from rich.table import Table
 from isoaudit.cli.common import DatabaseOption, console, open_store
 
 SHOWN_METRICS = ("kl_k3", "kl_k1", "logprob_abs_diff_mean", "logprob_abs_diff_max", "exact_match_fraction")
-DIVERGENT = {"contract", "weights", "semantics", "inference_path", "numerical"}
+DIVERGENT = {
+    "contract",
+    "weights",
+    "stale_engine_state",
+    "semantics",
+    "quantization",
+    "inference_path",
+    "numerical",
+}
 
 
 class ExitCode(IntEnum):
