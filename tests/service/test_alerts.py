@@ -71,18 +71,24 @@ def test_default_rules_are_those_of_the_design():
         "critical",
     )
     # defaults from the field, each naming its source; aliases resolve to the stored key
-    assert (mult.metric, mult.threshold) == ("token_mult_prob_error", 1.05) and "NeMo-RL" in mult.description
-    assert (tinker.metric, tinker.threshold) == ("kl_k1", 0.01) and "Tinker" in tinker.description
-    assert tinker.labels["metric_alias"] == "tinker:kl_sample_train_v1"
+    assert (mult.metric, mult.threshold) == (
+        "nemo-rl:token_mult_prob_error",
+        1.05,
+    ) and "NeMo-RL" in mult.description
+    assert (tinker.metric, tinker.threshold) == (
+        "tinker:kl_sample_train_v1",
+        0.01,
+    ) and "Tinker" in tinker.description
+    assert "metric_alias" not in tinker.labels  # written as its stored key
     assert "Source" in warning.description
 
 
 @pytest.mark.parametrize(
     ("written", "key"),
     [
-        ("verl:rollout_corr/k3_kl", "kl_k3"),
-        ("kl_sample_train_v1", "kl_k1"),
-        ("sampling/importance_sampling_ratio/max", "tis_max[cap=3]"),
+        ("verl:rollout_corr/k3_kl", "verl:rollout_corr/k3_kl"),
+        ("kl_sample_train_v1", "tinker:kl_sample_train_v1"),
+        ("sampling/importance_sampling_ratio/max", "trl:sampling/importance_sampling_ratio/max"),
         ("kl_k3/lag_1", "kl_k3/lag_1"),
     ],
 )
