@@ -9,6 +9,7 @@ runtime facts (dtype, remediation, prefix caching, ...), less those the environm
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -43,12 +44,11 @@ NAMED_BY_ENVIRONMENT: Final = frozenset(
 _MISSING: Final = object()
 
 
-def _shown(value: Any) -> str:
+def shown(value: Any) -> str:
+    """A value as a diff shows it: text as is, None as ``unset``, anything else as JSON (``true``)."""
     if value is _MISSING or value is None:
         return "unset"
-    if isinstance(value, list | tuple):
-        return "[" + ", ".join(str(v) for v in value) + "]"
-    return str(value)
+    return value if isinstance(value, str) else json.dumps(value, default=str)
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ class Change:
 
     def text(self) -> str:
         """``key old → new``, as the sentence and the table show it."""
-        return f"{self.key} {_shown(self.old)} → {_shown(self.new)}"
+        return f"{self.key} {shown(self.old)} → {shown(self.new)}"
 
     def as_dict(self) -> dict[str, Any]:
         return {"group": self.group, "key": self.key, "old": self.old, "new": self.new}
@@ -152,7 +152,7 @@ def with_changes(
 ) -> Diagnosis:
     """``diagnosis`` (changed in place, and returned) naming what changed in each side's environment
     since step ``since_step``, the last clean one: in its evidence and at the end of its sentence."""
-    parts = [f"the {side}'s {describe(changes)}" for side, changes in per_side.items() if changes]
+    parts = [f"on the {side}, {describe(changes)}" for side, changes in per_side.items() if changes]
     if not parts:
         return diagnosis
     diagnosis.evidence[EVIDENCE_KEY] = {

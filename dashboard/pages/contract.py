@@ -49,13 +49,13 @@ def layout(run_id: str | None = None, against: str | None = None, **_: object) -
             dcc.Link("← run", href=urls.run_path(run_id)),
             html.H3(f"Contract of {run_id}", className="mt-2"),
             verdict(view),
-            html.H5(f"Latest manifests ({n_diff} differing fields)"),
+            contract_changes.section(store, run_id, against),
+            html.H5(f"Latest manifests ({n_diff} differing fields)", className="mt-3"),
             frame_table(
                 fields.drop(columns=["differs"]),
                 row_class=lambda r: f"table-warning {DIFFERS}" if fields.loc[r.name, "differs"] else None,
                 table_id=FIELDS,
             ),
-            contract_changes.section(store, run_id, against),
             html.H5("Manifest history", className="mt-3"),
             frame_table(data.history_frame(view.history), table_id=HISTORY),
         ]

@@ -4,7 +4,6 @@ against another run (``?against=RUN``), key by key with old → new (``audit.db.
 
 from __future__ import annotations
 
-from typing import Any
 from urllib.parse import quote
 
 import pandas as pd
@@ -12,6 +11,7 @@ from dash import dcc, html
 from dash.development.base_component import Component
 from isoaudit.audit.db.reads.environment import EnvironmentReport, Point, UnknownPoint, environment_diff
 from isoaudit.audit.db.store import Store
+from isoaudit.audit.environment import shown
 from isoaudit.dashboard.components import frame_table
 from isoaudit.dashboard.pages import urls
 
@@ -28,10 +28,6 @@ OTHER_RUNS = 12
 COLUMNS = ["comparison", "group", "key", "old", "new"]
 
 
-def _shown(value: Any) -> str:
-    return "unset" if value is None else str(value)
-
-
 def changes_frame(report: EnvironmentReport) -> pd.DataFrame:
     """One row per changed key: which comparison, its group, the key, old and new."""
     rows = [
@@ -39,8 +35,8 @@ def changes_frame(report: EnvironmentReport) -> pd.DataFrame:
             "comparison": f"{part.old_label} → {part.new_label}",
             "group": group,
             "key": change.key,
-            "old": _shown(change.old),
-            "new": _shown(change.new),
+            "old": shown(change.old),
+            "new": shown(change.new),
         }
         for part in report.diffs
         for group, changes in part.diff.by_group().items()
@@ -73,7 +69,11 @@ def section(store: Store, run_id: str, against: str | None = None) -> Component:
             html.P(
                 [html.Span("Compare with run: ")]
                 + [
-                    dcc.Link(other, href=f"{urls.contract_path(run_id)}?against={quote(other, safe='')}", className="me-2")
+                    dcc.Link(
+                        other,
+                        href=f"{urls.contract_path(run_id)}?against={quote(other, safe='')}",
+                        className="me-2",
+                    )
                     for other in others
                 ],
                 id=AGAINST_LINKS,
@@ -86,7 +86,7 @@ def section(store: Store, run_id: str, against: str | None = None) -> Component:
             children.append(html.P(f"against: {exc}", id=AGAINST_TABLE, className="text-danger"))
         else:
             children += [
-                html.H6(f"Against {against} (latest manifests, side by side)"),
+                html.H6(f"Against {against} (each side against the same side)"),
                 _table(report, AGAINST_TABLE, f"Nothing differs from {against}."),
             ]
     return html.Div(children, id=SECTION)

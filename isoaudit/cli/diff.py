@@ -9,7 +9,7 @@ Exit codes: 0 nothing changed, 2 something did, 1 bad input.
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 from rich.markup import escape
@@ -25,10 +25,6 @@ def _fail(message: str) -> typer.Exit:
     return typer.Exit(1)
 
 
-def _shown(value: Any) -> str:
-    return "unset" if value is None else json.dumps(value) if isinstance(value, list | dict) else str(value)
-
-
 @app.command("diff")
 def diff(
     old: Annotated[str, typer.Argument(metavar="RUN_A[@STEP]", help="A run, or a step of it.")],
@@ -36,7 +32,10 @@ def diff(
         str | None, typer.Argument(metavar="[RUN_B[@STEP]]", help="Compare with this run or step.")
     ] = None,
     sides: Annotated[
-        bool, typer.Option("--sides", help="Compare the trainer with the rollout of RUN_A (at its STEP, if given).")
+        bool,
+        typer.Option(
+            "--sides", help="Compare the trainer with the rollout of RUN_A (at its STEP, if given)."
+        ),
     ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
     database: DatabaseOption = None,
@@ -44,6 +43,7 @@ def diff(
     """Name what changed between two steps, runs or sides: library versions, backends, flags,
     environment pins and runtime facts, each with old → new."""
     from isoaudit.audit.db.reads.environment import Point, UnknownPoint, environment_diff
+    from isoaudit.audit.environment import shown
 
     try:
         a = Point.parse(old)
@@ -74,9 +74,7 @@ def diff(
         table = Table("group", "key", "old", "new", title=escape(title))
         for group, changes in groups.items():
             for change in changes:
-                table.add_row(
-                    group, escape(change.key), escape(_shown(change.old)), escape(_shown(change.new))
-                )
+                table.add_row(group, escape(change.key), escape(shown(change.old)), escape(shown(change.new)))
         console.print(table)
         if part.diff.unrecorded:
             console.print(

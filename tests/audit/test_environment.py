@@ -90,7 +90,7 @@ def test_a_trainer_manifest_carries_its_environment(tmp_path: Path) -> None:
         assert sink.flush(30)
         last = sink.of_kind("manifest")[-1]
         changes = diff_manifests(first, last).changes
-        assert [c.text() for c in changes] == ["torch.deterministic_algorithms False → True"]
+        assert [c.text() for c in changes] == ["torch.deterministic_algorithms false → true"]
     finally:
         handle.detach()
 
@@ -157,7 +157,7 @@ def test_a_mismatch_that_appears_at_a_step_names_the_changes_since_the_last_clea
         for sample in store.sample_results("env-drift", step):
             detail = sample.diagnosis_detail
             assert detail["evidence"]["environment_changes"]["since_step"] == 2
-            assert "Changed since the last clean step 2: the rollout's" in detail["sentence"]
+            assert "Changed since the last clean step 2: on the rollout, " in detail["sentence"]
             assert f"vllm {vllm} → {PLANTED_VLLM}" in detail["sentence"]
             assert f"attention {BASE_ATTENTION} → {PLANTED_ATTENTION}" in detail["sentence"]
     report = environment_diff(store, Point("env-drift", 2), Point("env-drift", 3))
@@ -178,3 +178,22 @@ def test_manifests_without_an_environment_still_compare_their_runtime() -> None:
     assert [c.text() for c in diff.changes] == ["dtype bfloat16 → float32"]
     assert diff.unrecorded == ["old", "new"]
     assert isinstance(Manifest.model_validate(old.model_dump(mode="json")), Manifest)
+
+
+def test_a_reference_engine_manifest_carries_its_environment(tmp_path: Path) -> None:
+    from isoaudit.collectors.sessions import MemoryDestination
+    from isoaudit.collectors.tiny_models import load_tiny_model, make_tiny_model
+    from isoaudit.kernels.adapters import HFCausalLM
+    from isoaudit.kernels.engine import RolloutEngine
+
+    import isoaudit
+
+    path = make_tiny_model("qwen3", tmp_path / "m", num_layers=1, hidden=32, vocab=512, dtype="float32")
+    model, _ = load_tiny_model(Path(path), dtype=torch.float32)
+    destination = MemoryDestination()
+    with isoaudit.session(factories.run("env-engine"), destination=destination, report=False) as audit:
+        audit.watch_engine(RolloutEngine(HFCausalLM(model), max_len=64))
+    [manifest, *_] = destination.sinks["rollout"].of_kind("manifest")
+    env = manifest.environment
+    assert env is not None and env.versions["torch"] == torch.__version__
+    assert env.backends["isoaudit.kernels"] == "native" and "torch.num_threads" in env.backends

@@ -74,7 +74,7 @@ def clean_steps_before(store: Store, run_id: str, before: int, lookback: int = C
 def is_clean(diagnoses: Any) -> bool:
     """Whether a step result's ``diagnoses`` count clean samples only (and at least one)."""
     counts = diagnoses.get("counts") if isinstance(diagnoses, dict) else None
-    return bool(counts) and set(counts) == {"clean"}
+    return isinstance(counts, dict) and set(counts) == {"clean"}
 
 
 @dataclass(frozen=True)
