@@ -53,7 +53,9 @@ def _manifest(run_id: str, side: str, env: Environment, at_offset_s: float = 0.0
     )
 
 
-def _step(store: Store, run_id: str, step: int, *, differ: bool, n: int = 3) -> None:
+def _step(
+    store: Store, run_id: str, step: int, *, differ: bool, n: int = 3, project: str = "default"
+) -> None:
     records = []
     for i in range(n):
         trainer = factories.sample("trainer", run_id=run_id, step=step, seed=100 * step + i)
@@ -64,19 +66,22 @@ def _step(store: Store, run_id: str, step: int, *, differ: bool, n: int = 3) -> 
             trainer,
             factories.sample("rollout", run_id=run_id, step=step, seed=100 * step + i, logprobs=logprobs),
         ]
-    store.ingest(records)
+    store.ingest(records, project=project)
 
 
-def planted_runs(store: Store, a: str = "env-a", b: str = "env-b") -> None:
+def planted_runs(store: Store, a: str = "env-a", b: str = "env-b", project: str = "default") -> None:
     """Runs ``a`` and ``b``: the same trainer, rollouts that differ in vLLM's version and the attention
-    backend (one compared step each)."""
+    backend (one compared step each), in ``project``."""
     trainer_env = environment_of("trainer", attention="sdpa")
     for run_id, vllm, attention in ((a, None, BASE_ATTENTION), (b, PLANTED_VLLM, PLANTED_ATTENTION)):
-        store.ingest([factories.run(run_id, name=f"environment {run_id}")])
+        store.ingest([factories.run(run_id, name=f"environment {run_id}")], project=project)
         rollout_env = environment_of("rollout", attention=attention, vllm=vllm)
-        store.ingest([_manifest(run_id, "trainer", trainer_env), _manifest(run_id, "rollout", rollout_env)])
+        store.ingest(
+            [_manifest(run_id, "trainer", trainer_env), _manifest(run_id, "rollout", rollout_env)],
+            project=project,
+        )
         time.sleep(0.01)
-        _step(store, run_id, 0, differ=False)
+        _step(store, run_id, 0, differ=False, project=project)
 
 
 def drifting_run(
