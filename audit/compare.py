@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 from isoaudit.audit.diagnosis import Diagnosis, diagnose
+from isoaudit.audit.environment import EVIDENCE_KEY as CHANGES
 from isoaudit.audit.frameworks import Declaration, StepTokens, framework_figures
 from isoaudit.audit.grid import Cell, RegionGrid, compare_fingerprints
 from isoaudit.audit.metric_names import required_variants
@@ -378,6 +379,11 @@ class StepOutcome:
                 first, key=lambda cell: (region_order(parse_region_key(cell[0])[0]), cell[1])
             )
             diagnoses["first_divergence"] = {"region": region, "position": position}
+        changed = next(
+            (c.diagnosis.evidence[CHANGES] for c in self.comparisons if CHANGES in c.diagnosis.evidence), None
+        )
+        if changed is not None:  # what changed since the last clean step (audit.since_clean)
+            diagnoses[CHANGES] = changed
         return {"n_samples": len(self.pairs), "metrics": self.metrics, "diagnoses": diagnoses}
 
     def summary(self, facts: StepFacts) -> StepSummary:

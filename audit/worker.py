@@ -21,6 +21,7 @@ from isoaudit.audit.db import StepClaim, Store
 from isoaudit.audit.frameworks import Declaration, declaration_of
 from isoaudit.audit.records import Manifest, OffPolicy, RegionFingerprints, SampleLogprobs, off_policy_of
 from isoaudit.audit.routing import step_routing
+from isoaudit.audit.since_clean import note_changes_since_clean
 from isoaudit.audit.summaries import summarize
 
 log = logging.getLogger(__name__)
@@ -148,6 +149,12 @@ class ComparisonWorker:
                         self.failures += 1
                         log.exception("comparison of run %s step %s failed", claim.run_id, claim.step)
 
+        try:  # what changed since the last clean step: named in the verdicts, never in the way of them
+            note_changes_since_clean(
+                self.store, [o for _, o in computed], {r: [*manifests[r][0], *manifests[r][1]] for r in runs}
+            )
+        except Exception:
+            log.exception("naming the environment changes of %d steps failed", len(computed))
         saved = self.store.save_outcomes(
             self.name, [claim for claim, _ in computed], [o for _, o in computed]
         )

@@ -28,10 +28,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, ParamSpec, TypeVar
 
-from isoaudit.audit.records import Case, Manifest, Record, Run, RuntimeFacts, Side
+from isoaudit.audit.records import Case, Environment, Manifest, Record, Run, RuntimeFacts, Side
 from isoaudit.collectors import heap
 from isoaudit.collectors.control import MODES, ControlChannel
 from isoaudit.collectors.counting import Counters, LogOnce
+from isoaudit.collectors.environment import process_environment, with_runtime
 from isoaudit.collectors.manifest import ContractArg, ContractSource, ManifestTracker
 from isoaudit.collectors.sinks.base import Sink
 
@@ -336,6 +337,11 @@ class Collector(ABC):
         (the manifest's content hash still keeps unchanged ones from being sent)."""
         return None
 
+    def _environment(self) -> Environment:
+        """The libraries, backends, flags and pins this side computes under (this process's by
+        default; a side whose forward runs in other processes reads theirs)."""
+        return process_environment()
+
     def _log_once(self, key: str, message: str) -> None:
         self._warn.warn(key, message)
 
@@ -359,6 +365,7 @@ class Collector(ABC):
         """Append the manifests whose content changed since the last ones sent."""
         signature = self._signature()
         added = self._added_facts()
+        environment = self.guarded("environment", self._environment)
         key = (
             signature,
             tuple(sorted(added.items())),
@@ -366,11 +373,14 @@ class Collector(ABC):
             self.weight_version,
             self.weight_digest,
             hash(frozenset(self.weight_tensor_digests.items())),
+            environment.model_dump_json() if environment is not None else None,
         )
         if signature is not None and key == self._manifest_key:
             return
         self._manifest_key = key
         runtime = self._runtime().model_copy(update={**added, **self.mode_report.facts()})
+        if environment is not None:
+            environment = with_runtime(environment, runtime)
         contract = self._contract_now()
         for tracker in self._trackers.values():
             tracker.set_contract(contract)
@@ -378,6 +388,7 @@ class Collector(ABC):
                 update={
                     "weight_digest": self.weight_digest,
                     "weight_tensor_digests": self.weight_tensor_digests,
+                    "environment": environment,
                 }
             )
             manifest = tracker.changed(built)

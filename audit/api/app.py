@@ -13,7 +13,7 @@ from isoaudit.audit.alerts import AlertEngine
 from isoaudit.audit.alerts.setup import default_alert_engine, install_configured_rules
 from isoaudit.audit.api.errors import install_error_handlers
 from isoaudit.audit.api.limits import BodySizeLimit
-from isoaudit.audit.api.routers import alerts, control, health, ingest, metrics, runs
+from isoaudit.audit.api.routers import alerts, control, environment, health, ingest, metrics, runs
 from isoaudit.audit.api.telemetry import Telemetry
 from isoaudit.audit.db import Store
 from isoaudit.audit.settings import Settings
@@ -76,7 +76,15 @@ def create_app(
     app.state.telemetry = Telemetry(app.state.registry)
     app.state.worker = None
     install_error_handlers(app)
-    for router in (health.router, metrics.router, ingest.router, runs.router, control.router, alerts.router):
+    for router in (
+        health.router,
+        metrics.router,
+        ingest.router,
+        runs.router,
+        environment.router,
+        control.router,
+        alerts.router,
+    ):
         app.include_router(router)
     app.add_middleware(BodySizeLimit, max_body_bytes=settings.max_body_bytes)
     _document_batch(app)

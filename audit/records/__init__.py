@@ -35,6 +35,7 @@ from isoaudit.audit.records.checks import (
     record_error,
     utc_timestamp,
 )
+from isoaudit.audit.records.environment import Environment
 from isoaudit.audit.records.kinds import (
     SCHEMA_VERSION,
     AwareTimestamp,
@@ -66,6 +67,7 @@ from isoaudit.audit.records.kinds import (
 from isoaudit.audit.records.routes import MAX_EXPERTS, MAX_MOE_LAYERS, MAX_TOP_K, Routes
 
 __all__ = [
+    "Environment",
     "MAX_ARRAY_ELEMENTS",
     "MAX_EXPERTS",
     "MAX_INT32",

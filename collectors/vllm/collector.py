@@ -33,6 +33,7 @@ from typing import Any, Literal
 import numpy as np
 from isoaudit.audit.records import (
     Case,
+    Environment,
     Record,
     RegionFingerprints,
     Run,
@@ -47,6 +48,7 @@ from isoaudit.collectors.sinks.base import Sink
 from isoaudit.collectors.vllm.engine_state import drain_facts, sample_fields
 from isoaudit.collectors.vllm.link import EngineLink
 from isoaudit.collectors.vllm.messages import (
+    ENVIRONMENT_KEY,
     Drain,
     Drained,
     LoadWeights,
@@ -225,7 +227,11 @@ class VllmCollector(Collector):
         self.infos = [from_wire(r, Started) for r in self.link.call("start", to_wire(start))]
         lead = self.infos[0]
         self.ops: dict[str, str] = dict(lead.mode.ops)
-        self.facts = RuntimeFacts(**lead.facts)
+        facts = dict(lead.facts)
+        environment = facts.pop(ENVIRONMENT_KEY, None)
+        #: the workers' environment, read where the forward runs (None: a worker that sent none)
+        self.worker_environment = Environment.model_validate(environment) if environment else None
+        self.facts = RuntimeFacts(**facts)
         self.refusal: str | None = lead.refusal
         self.regions = sorted({name for info in self.infos for name in info.regions}, key=_order)
         hooked = set(self.regions)
@@ -280,6 +286,9 @@ class VllmCollector(Collector):
         if mode == "none" and self.refusal is None:
             return {"*": "fingerprints not requested (fingerprint=None)"}
         return dict(self._unobserved)
+
+    def _environment(self) -> Environment:
+        return getattr(self, "worker_environment", None) or super()._environment()
 
     def _runtime(self) -> RuntimeFacts:
         if self.mode_report.applied != "invariant" or not self.ops:

@@ -130,6 +130,11 @@ class ModeState(Message):
     ops: dict[str, str] = {}
 
 
+#: The key under which a worker's ``Started.facts`` carry its environment (``audit.records.Environment``
+#: as plain data); the driver takes it out before the rest become ``RuntimeFacts``.
+ENVIRONMENT_KEY = "environment"
+
+
 class Started(Message):
     """The worker's engine facts, regions hooked, what it cannot observe and why."""
 

