@@ -35,6 +35,7 @@ from isoaudit.audit.records.checks import (
     record_error,
     utc_timestamp,
 )
+from isoaudit.audit.records.canary import CANARY_TOP_K, Canary, CanaryOutput, canary_digest, held_digest
 from isoaudit.audit.records.kinds import (
     SCHEMA_VERSION,
     AwareTimestamp,
@@ -66,6 +67,11 @@ from isoaudit.audit.records.kinds import (
 from isoaudit.audit.records.routes import MAX_EXPERTS, MAX_MOE_LAYERS, MAX_TOP_K, Routes
 
 __all__ = [
+    "CANARY_TOP_K",
+    "Canary",
+    "CanaryOutput",
+    "canary_digest",
+    "held_digest",
     "MAX_ARRAY_ELEMENTS",
     "MAX_EXPERTS",
     "MAX_INT32",

@@ -51,6 +51,7 @@ from isoaudit.audit.records.checks import (
     record_error,
     utc_timestamp,
 )
+from isoaudit.audit.records.canary import Canary
 from isoaudit.audit.records.routes import Routes
 from numpy.typing import ArrayLike
 from pydantic import (
@@ -233,6 +234,11 @@ class Manifest(Record):
     )
     weight_version: str | None = VERSION.field(default=None)
     weight_digest: str | None = Field(default=None, max_length=256)
+    canary: Canary | None = Field(
+        default=None,
+        description="the canary this side ran through its real forward after its latest weight version "
+        "change (isoaudit.audit.records.canary)",
+    )
 
     @model_validator(mode="after")
     def _check_text(self) -> Manifest:

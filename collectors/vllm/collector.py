@@ -62,6 +62,7 @@ from isoaudit.collectors.vllm.messages import (
 )
 from isoaudit.collectors.vllm.outputs import Completion, read_completions
 from isoaudit.collectors.vllm.selection import SelectionArg, parse_selection
+from isoaudit.collectors.vllm.canary import take_canary
 from isoaudit.collectors.vllm.weights import refresh_held
 
 log = logging.getLogger(__name__)
@@ -236,6 +237,7 @@ class VllmCollector(Collector):
         self.weight_digest = lead.weight_digest
         self.guarded("request facts", self.link.call, "track_requests")  # stale prefix, spans, min-p
         refresh_held(self)  # what the workers hold, per tensor, for the first manifest
+        take_canary(self, self.weight_version)
         self._begin(self.regions, self._unobserved_for(selection.mode))
         _ATTACHED[llm] = self
         if self.refusal:
@@ -343,6 +345,7 @@ class VllmCollector(Collector):
         """Tell the workers: what they compute from now on has this weight version."""
         self.link.call("load_weights", to_wire(LoadWeights(version=version, digest=digest)))
         refresh_held(self)
+        take_canary(self, version)
 
     def _remove_hooks(self) -> None:
         """Remove every hook inside the engine; it then runs exactly as before. Never raises (an
