@@ -26,6 +26,7 @@ differs here is not a stale sync; and a canary that agrees leaves the verdict to
 from __future__ import annotations
 
 from collections.abc import Sequence
+
 import numpy as np
 from isoaudit.audit.diagnosis import Diagnosis
 from isoaudit.audit.records import Canary, CanaryOutput, Manifest
@@ -196,4 +197,3 @@ def stale_engine_state(
         if found is not None:
             return found
     return None
-

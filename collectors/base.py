@@ -234,7 +234,9 @@ class Collector(ABC):
         )
         if canary.error is not None:
             self.counters.errors += 1
-            self._warn.warn("canary", f"isoaudit {self.side} collector: canary failed ({canary.error}); counted")
+            self._warn.warn(
+                "canary", f"isoaudit {self.side} collector: canary failed ({canary.error}); counted"
+            )
         self.canary = canary
 
     def _weights_now(self, version: str, digest: str | None) -> None:

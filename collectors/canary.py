@@ -51,14 +51,18 @@ def output_of(path: str, tokens: list[int], logp_row: torch.Tensor, k: int = CAN
     values, ids = torch.topk(logp_row.detach().float().reshape(-1), k)
     top_ids = [int(i) for i in ids.cpu().tolist()]
     top = [float(v) for v in values.cpu().tolist()]
-    return CanaryOutput(path=path, digest=canary_digest(tokens, top_ids, top), top_ids=top_ids, top_logprobs=top)
+    return CanaryOutput(
+        path=path, digest=canary_digest(tokens, top_ids, top), top_ids=top_ids, top_logprobs=top
+    )
 
 
 def output_from_top(path: str, tokens: list[int], top: dict[int, float]) -> CanaryOutput:
     """A canary output from a side that only returns the top log-probabilities (token id -> value)."""
     ids = [int(i) for i in top]
     values = [float(np.float32(v)) for v in top.values()]
-    return CanaryOutput(path=path, digest=canary_digest(tokens, ids, values), top_ids=ids, top_logprobs=values)
+    return CanaryOutput(
+        path=path, digest=canary_digest(tokens, ids, values), top_ids=ids, top_logprobs=values
+    )
 
 
 def arithmetic_of(contract: ContractArg) -> str | None:
@@ -87,7 +91,9 @@ def run_canary(
     try:
         output, reference = compute()
     except Exception as exc:
-        return Canary(**common, error=f"{type(exc).__name__}: {exc}"[:1024], seconds=time.perf_counter() - start)
+        return Canary(
+            **common, error=f"{type(exc).__name__}: {exc}"[:1024], seconds=time.perf_counter() - start
+        )
     return Canary(**common, output=output, reference=reference, seconds=time.perf_counter() - start)
 
 

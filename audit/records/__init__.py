@@ -21,6 +21,7 @@ from isoaudit.audit.records.boundary import (
     record_kind,
     validate_record,
 )
+from isoaudit.audit.records.canary import CANARY_TOP_K, Canary, CanaryOutput, canary_digest, held_digest
 from isoaudit.audit.records.checks import (
     MAX_INT32,
     MAX_JSON_DEPTH,
@@ -35,7 +36,6 @@ from isoaudit.audit.records.checks import (
     record_error,
     utc_timestamp,
 )
-from isoaudit.audit.records.canary import CANARY_TOP_K, Canary, CanaryOutput, canary_digest, held_digest
 from isoaudit.audit.records.kinds import (
     SCHEMA_VERSION,
     AwareTimestamp,

@@ -23,6 +23,7 @@ from isoaudit.audit.arrays import (
     UInt64Matrix,
 )
 from isoaudit.audit.frameworks import declaration_of
+from isoaudit.audit.records.canary import Canary
 from isoaudit.audit.records.checks import (
     ADVANTAGE,
     COUNT32,
@@ -51,7 +52,6 @@ from isoaudit.audit.records.checks import (
     record_error,
     utc_timestamp,
 )
-from isoaudit.audit.records.canary import Canary
 from isoaudit.audit.records.routes import Routes
 from numpy.typing import ArrayLike
 from pydantic import (

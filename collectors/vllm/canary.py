@@ -45,13 +45,19 @@ def vllm_canary(llm: Any, link: Any, tokens: list[int]) -> tuple[CanaryOutput, N
     (output,) = llm.generate([prompt], params, use_tqdm=False)
     try:
         first = output.outputs[0].logprobs[0]
-        top = {int(t): float(lp.logprob) for t, lp in first.items() if lp.rank is not None and lp.rank <= CANARY_TOP_K}
+        top = {
+            int(t): float(lp.logprob)
+            for t, lp in first.items()
+            if lp.rank is not None and lp.rank <= CANARY_TOP_K
+        }
     finally:
         ids = [c.engine_id for c in read_completions([output])]
         link.call("drain", to_wire(Drain(request_ids=ids)))
         drain_facts(link, ids)
     if len(top) != CANARY_TOP_K:
-        raise ValueError(f"the engine returned {len(top)} of the canary's {CANARY_TOP_K} top log-probabilities")
+        raise ValueError(
+            f"the engine returned {len(top)} of the canary's {CANARY_TOP_K} top log-probabilities"
+        )
     return output_from_top(path_of(llm), tokens, top), None
 
 

@@ -44,6 +44,7 @@ from isoaudit.collectors.base import Collector, CollectorCounters, ModeReport, R
 from isoaudit.collectors.control import ControlChannel
 from isoaudit.collectors.manifest import ContractArg
 from isoaudit.collectors.sinks.base import Sink
+from isoaudit.collectors.vllm.canary import take_canary
 from isoaudit.collectors.vllm.engine_state import drain_facts, sample_fields
 from isoaudit.collectors.vllm.link import EngineLink
 from isoaudit.collectors.vllm.messages import (
@@ -62,7 +63,6 @@ from isoaudit.collectors.vllm.messages import (
 )
 from isoaudit.collectors.vllm.outputs import Completion, read_completions
 from isoaudit.collectors.vllm.selection import SelectionArg, parse_selection
-from isoaudit.collectors.vllm.canary import take_canary
 from isoaudit.collectors.vllm.weights import refresh_held
 
 log = logging.getLogger(__name__)

@@ -52,7 +52,9 @@ def manifests(run_id: str, version: int, *, stale: bool) -> list[Manifest]:
     rollout_canary = canary(str(version), held, rollout_values, "vLLM's LLM.generate (eager)")
     common = {"run_id": run_id, "weight_version": str(version), "weight_tensor_digests": held}
     return [
-        factories.manifest("trainer", "trainer_fwd", contract={"numerical_policy": POLICY}, canary=trainer_canary, **common),
+        factories.manifest(
+            "trainer", "trainer_fwd", contract={"numerical_policy": POLICY}, canary=trainer_canary, **common
+        ),
         factories.manifest(
             "rollout", "engine_decode", contract={"numerical_policy": POLICY}, canary=rollout_canary, **common
         ),

@@ -11,7 +11,17 @@ from isoaudit.audit.records import Canary, CanaryOutput, canary_digest, held_dig
 from isoaudit.audit.stale_state import stale_engine_state
 
 from tests import factories
-from tests.audit.stale_records import CANARY, POLICY, TOP, canary, held_at, manifests, output, stale_run, values_at
+from tests.audit.stale_records import (
+    CANARY,
+    POLICY,
+    TOP,
+    canary,
+    held_at,
+    manifests,
+    output,
+    stale_run,
+    values_at,
+)
 
 
 def test_the_digest_is_order_free_and_bit_exact() -> None:
@@ -29,7 +39,9 @@ def test_one_arithmetic_equal_weights_differing_canaries_is_stale() -> None:
     found = stale_engine_state(tm, rm)
     assert found is not None and found.kind == "stale_engine_state"
     assert found.evidence["cause"] == "canaries_differ_under_one_arithmetic"
-    assert found.evidence["held_tensors_agreeing"] == 4 and found.evidence["max_abs_logprob_diff"] == pytest.approx(0.01)
+    assert found.evidence["held_tensors_agreeing"] == 4 and found.evidence[
+        "max_abs_logprob_diff"
+    ] == pytest.approx(0.01)
     assert "hold old weights" in found.sentence and "vLLM's LLM.generate" in found.sentence
     assert stale_engine_state(*manifests("r", 1, stale=False)) is None
 
@@ -70,14 +82,20 @@ def test_a_canary_deaf_to_a_weight_change() -> None:
     assert found is not None and found.evidence["cause"] == "canary_unchanged_by_weight_update"
     assert found.evidence["previous_weight_version"] == "1" and found.evidence["weight_version"] == "2"
     # the same canary under unchanged held weights is no evidence
-    unchanged = deaf.model_copy(update={"canary": deaf.canary.model_copy(update={"held_digest": first.canary.held_digest})})
+    unchanged = deaf.model_copy(
+        update={"canary": deaf.canary.model_copy(update={"held_digest": first.canary.held_digest})}
+    )
     assert stale_engine_state(None, unchanged, (), [first, unchanged]) is None
 
 
 def _pair(step: int, gap: float = 0.125) -> tuple[object, object, dict]:
     trainer = factories.sample("trainer", step=step, seed=step, weight_version=str(step))
     rollout = factories.sample(
-        "rollout", step=step, seed=step, weight_version=str(step), logprobs=(trainer.logprobs - np.float32(gap))
+        "rollout",
+        step=step,
+        seed=step,
+        weight_version=str(step),
+        logprobs=(trainer.logprobs - np.float32(gap)),
     )
     return trainer, rollout, {"bitwise_mismatch_count": trainer.logprobs.size}
 
