@@ -12,9 +12,11 @@ strongest first:
    the same arithmetic straight from the parameters it holds (the reference engine: its CUDA-graph
    decode against the same decode run eagerly); the two differ.
 2. **one arithmetic, equal weights**: both sides' canaries were computed under one numerical
-   policy (equal ``arithmetic``, e.g. both on isoaudit's invariant kernels), every held-weight digest
-   both sides took agrees, and the canaries differ. Sides whose arithmetic differs legitimately
-   give different canaries and are not compared this way.
+   policy (equal ``arithmetic``, e.g. both on isoaudit's invariant kernels) whose canaries agreed
+   bit for bit at an earlier weight version (a shared policy identity is only a claim: this is the
+   proof that the two really give equal bits), every held-weight digest both sides took agrees, and
+   the canaries differ. Sides whose arithmetic differs legitimately give different canaries and
+   are not compared this way.
 3. **deaf to the update**: a side's held weights changed since its previous canary but its canary
    is bit for bit the same (same arithmetic): its forward never saw the new weights.
 
@@ -101,7 +103,37 @@ def _own_reference(side: str, canary: Canary) -> Diagnosis | None:
     )
 
 
-def _across_sides(tm: Manifest | None, rm: Manifest | None) -> Diagnosis | None:
+def _digests_by_version(manifests: Sequence[Manifest], like: Canary) -> dict[str | None, str]:
+    """Weight version -> canary digest of a side's canaries computed like ``like`` (same
+    arithmetic, same prompt)."""
+    found: dict[str | None, str] = {}
+    for manifest in manifests:
+        canary = canary_of(manifest)
+        if canary is None or canary.output is None:
+            continue
+        if canary.arithmetic == like.arithmetic and canary.tokens == like.tokens:
+            found[canary.weight_version] = canary.output.digest
+    return found
+
+
+def agreed_before(
+    trainer_manifests: Sequence[Manifest], rollout_manifests: Sequence[Manifest], like: Canary
+) -> str | None:
+    """A weight version other than ``like``'s at which both sides' canaries, computed like
+    ``like``, agreed bit for bit: proof that their arithmetic really gives equal bits (a shared
+    numerical-policy identity is a claim; a contract can be declared on sides that differ)."""
+    ours = _digests_by_version(trainer_manifests, like)
+    theirs = _digests_by_version(rollout_manifests, like)
+    agreed = [v for v in ours.keys() & theirs.keys() if v != like.weight_version and ours[v] == theirs[v]]
+    return sorted(agreed, key=str)[-1] if agreed else None
+
+
+def _across_sides(
+    tm: Manifest | None,
+    rm: Manifest | None,
+    trainer_manifests: Sequence[Manifest],
+    rollout_manifests: Sequence[Manifest],
+) -> Diagnosis | None:
     ct, cr = canary_of(tm), canary_of(rm)
     if ct is None or cr is None or ct.output is None or cr.output is None:
         return None
@@ -112,13 +144,17 @@ def _across_sides(tm: Manifest | None, rm: Manifest | None) -> Diagnosis | None:
     agreeing = held_agreement(tm, rm)
     if not agreeing:
         return None
+    proven = agreed_before(trainer_manifests, rollout_manifests, cr)
+    if proven is None:
+        return None
     gap = max_gap(ct.output, cr.output)
     return Diagnosis(
         "stale_engine_state",
         f"Stale engine state: both sides hold the same weights ({agreeing} tensor digests agree at weight "
-        f"version {cr.weight_version}) and compute under one numerical policy, yet their canaries differ "
-        f"(rollout through {cr.output.path}, trainer through {ct.output.path}; {_gap_text(gap)}): the "
-        f"engine's forward reads other weights than it holds; {HOLDERS}.",
+        f"version {cr.weight_version}) under one numerical policy whose canaries agreed bit for bit at "
+        f"version {proven}, yet their canaries now differ ({_gap_text(gap)}; rollout through "
+        f"{cr.output.path}, trainer through {ct.output.path}): the engine's forward reads other weights "
+        f"than it holds; {HOLDERS}.",
         {
             "cause": "canaries_differ_under_one_arithmetic",
             "side": "rollout",
@@ -128,6 +164,7 @@ def _across_sides(tm: Manifest | None, rm: Manifest | None) -> Diagnosis | None:
             "rollout_canary_digest": cr.output.digest,
             "trainer_canary_digest": ct.output.digest,
             "arithmetic": cr.arithmetic,
+            "canaries_agreed_at_version": proven,
             "held_tensors_agreeing": agreeing,
             "max_abs_logprob_diff": gap,
         },
@@ -189,7 +226,7 @@ def stale_engine_state(
         found = _own_reference(side, canary) if canary is not None else None
         if found is not None:
             return found
-    found = _across_sides(tm, rm)
+    found = _across_sides(tm, rm, trainer_manifests, rollout_manifests)
     if found is not None:
         return found
     for side, manifest, manifests in (("rollout", rm, rollout_manifests), ("trainer", tm, trainer_manifests)):

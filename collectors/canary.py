@@ -107,34 +107,44 @@ def _head_weight(model: torch.nn.Module) -> torch.Tensor | None:
     return weight if isinstance(weight, torch.Tensor) else None
 
 
-def vocab_of(model: torch.nn.Module) -> int:
-    """The vocabulary size of an HF causal LM (its config, else its head's rows)."""
+def vocab_of(model: torch.nn.Module) -> int | None:
+    """The vocabulary size of an HF causal LM (its config, else its head's rows); ``None`` for a
+    model that is no language model (it gets no canary)."""
     size = getattr(getattr(model, "config", None), "vocab_size", None)
     if isinstance(size, int):
         return size
     weight = _head_weight(model)
-    if weight is None:
-        raise ValueError("model: no config.vocab_size and no output embeddings to size the canary")
-    return int(weight.shape[0])
+    return int(weight.shape[0]) if weight is not None else None
+
+
+def _decoder(model: torch.nn.Module) -> torch.nn.Module | None:
+    getter = getattr(model, "get_decoder", None)
+    try:
+        decoder = getter() if callable(getter) else None
+    except (AttributeError, NotImplementedError):
+        return None
+    return decoder if isinstance(decoder, torch.nn.Module) and decoder is not model else None
 
 
 @torch.no_grad()
 def model_canary(model: torch.nn.Module, tokens: list[int]) -> CanaryOutput:
-    """The trainer's canary: its model's own forward; the last position's logits through the fp32
-    head the trainer's logprobs use (:func:`isoaudit.kernels.dispatch.logits_fp32`), else the model's
-    logits."""
+    """The trainer's canary: its model's own decoder (the final norm included), then the fp32 head
+    the trainer's logprobs use (:func:`isoaudit.kernels.dispatch.logits_fp32`); a model without a
+    decoder and head of its own: its logits. No ``output_hidden_states`` (transformers then leaves
+    capture hooks on the layers)."""
     from isoaudit.kernels import dispatch
 
     param = next(model.parameters())
     ids = torch.tensor([tokens], device=param.device)
-    weight = _head_weight(model)
-    out = model(input_ids=ids, output_hidden_states=weight is not None)
-    if weight is not None and getattr(out, "hidden_states", None):
-        hidden = out.hidden_states[-1][0, -1:]
-        logits = dispatch.logits_fp32(hidden, weight)
+    weight, decoder = _head_weight(model), _decoder(model)
+    if weight is not None and decoder is not None:
+        out = decoder(input_ids=ids)
+        hidden = getattr(out, "last_hidden_state", None)
+        final = hidden if isinstance(hidden, torch.Tensor) else out[0]
+        logits = dispatch.logits_fp32(final[0, -1:], weight)
         path = "the trainer's model forward, fp32 head"
     else:
-        logits = out.logits[0, -1:].float()
+        logits = model(input_ids=ids).logits[0, -1:].float()
         path = "the trainer's model forward"
     return output_of(path, tokens, dispatch.log_softmax(logits)[0])
 

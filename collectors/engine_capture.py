@@ -309,7 +309,8 @@ class EngineCollector(Collector):
         self.weight_tensor_digests = digests if digests is not None else {}
         if not self.canary_enabled:
             return
-        tokens = self.guarded("canary", lambda: canary_tokens(vocab_of(self.model)))
+        vocab = self.guarded("canary", vocab_of, self.model)
+        tokens = self.guarded("canary", canary_tokens, vocab) if vocab is not None else None
         if tokens is None:
             return
         step = self.prints._original_step if self.prints is not None else None

@@ -258,8 +258,10 @@ class TrainerCollector(Collector):
         capture, last = self._capture, self._capture.last
         force, capture.force = capture.force, False
         try:
-            tokens = canary_tokens(vocab_of(self.model))
-            self._take_canary(version, tokens, lambda: (model_canary(self.model, tokens), None))
+            vocab = vocab_of(self.model)
+            if vocab is not None:  # a model with no vocabulary is no language model: no canary
+                tokens = canary_tokens(vocab)
+                self._take_canary(version, tokens, lambda: (model_canary(self.model, tokens), None))
         except Exception as exc:  # sizing the canary failed: counted, never raised into the job
             self.guarded("canary", _reraise, exc)
         finally:

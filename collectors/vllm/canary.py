@@ -6,8 +6,9 @@ position (:mod:`isoaudit.collectors.canary` defines what is digested).
 vLLM has no second path that reads its held weights without its derived state (vLLM-CPU packs
 and removes the linear weights), so it gives no reference of its own: its canary is compared with
 the trainer's where both compute under one numerical policy, and with its own previous canary
-across a weight change (:mod:`isoaudit.audit.stale_state`). The canary request is drained from the
-workers' bookkeeping at once, so it is never recorded as a sample.
+across a weight change (:mod:`isoaudit.audit.stale_state`). The canary runs under a request id of its
+own, only while no other request is in flight (an in-flight update's canary waits for the next step
+boundary), and is drained from the workers' bookkeeping at once, so it is never recorded as a sample.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from isoaudit.audit.records import CANARY_TOP_K, CanaryOutput
 from isoaudit.collectors.canary import canary_tokens, output_from_top
 from isoaudit.collectors.vllm.engine_state import drain_facts
 from isoaudit.collectors.vllm.messages import Drain, to_wire
-from isoaudit.collectors.vllm.outputs import read_completions
 
 
 def vocab_of_llm(llm: Any) -> int:
@@ -35,25 +35,48 @@ def path_of(llm: Any) -> str:
     return f"vLLM's LLM.generate ({how})"
 
 
+#: Engine steps the canary may take (one prefill, one sampled token; the rest is slack).
+MAX_STEPS = 64
+
+
+def engine_idle(llm: Any) -> bool:
+    """Whether no request is in flight (the canary must not step anybody else's requests)."""
+    return not llm.llm_engine.has_unfinished_requests()
+
+
 def vllm_canary(llm: Any, link: Any, tokens: list[int]) -> tuple[CanaryOutput, None]:
-    """The canary through ``llm.generate``; its request is then dropped from the workers' records."""
+    """The canary through the engine ``LLM.generate`` drives, under a request id of its own (the
+    job's request counter is not touched); its request is then dropped from the workers' records."""
     from vllm import SamplingParams
 
+    engine = llm.llm_engine
     params = SamplingParams(temperature=1.0, max_tokens=1, logprobs=CANARY_TOP_K, seed=0)
+    request_id = f"isoaudit-canary-{uuid.uuid4().hex}"
     # a fresh cache salt: the canary never reads prefix-cache blocks of an earlier canary
-    prompt = {"prompt_token_ids": list(tokens), "cache_salt": f"isoaudit-canary-{uuid.uuid4().hex}"}
-    (output,) = llm.generate([prompt], params, use_tqdm=False)
+    prompt = {"prompt_token_ids": list(tokens), "cache_salt": request_id}
+    engine.add_request(request_id, prompt, params)
+    output = None
     try:
-        first = output.outputs[0].logprobs[0]
-        top = {
-            int(t): float(lp.logprob)
-            for t, lp in first.items()
-            if lp.rank is not None and lp.rank <= CANARY_TOP_K
-        }
+        for _ in range(MAX_STEPS):
+            for out in engine.step():
+                if getattr(out, "request_id", None) == request_id and out.finished:
+                    output = out
+            if output is not None:
+                break
     finally:
-        ids = [c.engine_id for c in read_completions([output])]
+        if output is None:
+            engine.abort_request([request_id])
+        ids = [request_id]
         link.call("drain", to_wire(Drain(request_ids=ids)))
         drain_facts(link, ids)
+    if output is None:
+        raise TimeoutError(f"the canary request did not finish within {MAX_STEPS} engine steps")
+    first = output.outputs[0].logprobs[0]
+    top = {
+        int(t): float(lp.logprob)
+        for t, lp in first.items()
+        if lp.rank is not None and lp.rank <= CANARY_TOP_K
+    }
     if len(top) != CANARY_TOP_K:
         raise ValueError(
             f"the engine returned {len(top)} of the canary's {CANARY_TOP_K} top log-probabilities"
@@ -62,10 +85,23 @@ def vllm_canary(llm: Any, link: Any, tokens: list[int]) -> tuple[CanaryOutput, N
 
 
 def take_canary(collector: Any, version: str | None) -> None:
-    """Run vLLM's canary for ``collector`` (after its held digests were refreshed). Never raises."""
+    """Run vLLM's canary for ``collector`` (after its held digests were refreshed); with requests in
+    flight (an in-flight weight update) it waits for the collector's next step boundary
+    (:func:`take_pending_canary`). Never raises."""
     if not collector.canary_enabled:
         return
     llm = collector.link.llm
+    if not engine_idle(llm):
+        collector.canary_pending = (version,)
+        return
+    collector.canary_pending = None
     tokens = collector.guarded("canary", lambda: canary_tokens(vocab_of_llm(llm)))
     if tokens is not None:
         collector._take_canary(version, tokens, lambda: vllm_canary(llm, collector.link, tokens))
+
+
+def take_pending_canary(collector: Any) -> None:
+    """The canary a weight change left for later, once the engine is idle (at a step boundary)."""
+    pending = getattr(collector, "canary_pending", None)
+    if pending is not None and pending[0] == collector.weight_version:
+        take_canary(collector, pending[0])

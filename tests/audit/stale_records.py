@@ -41,14 +41,14 @@ def held_at(version: int) -> dict[str, str]:
     }
 
 
-def values_at(version: int) -> list[float]:
+def values_at(version: float) -> list[float]:
     return [float(np.float32(-0.5 - 0.25 * k - 0.01 * version)) for k in range(len(TOP))]
 
 
 def manifests(run_id: str, version: int, *, stale: bool) -> list[Manifest]:
     held = held_at(version)
     trainer_canary = canary(str(version), held, values_at(version), "the trainer's model forward, fp32 head")
-    rollout_values = values_at(version - 1) if stale else values_at(version)
+    rollout_values = values_at(version - 0.5) if stale else values_at(version)  # neither old nor new
     rollout_canary = canary(str(version), held, rollout_values, "vLLM's LLM.generate (eager)")
     common = {"run_id": run_id, "weight_version": str(version), "weight_tensor_digests": held}
     return [

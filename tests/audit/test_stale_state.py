@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from isoaudit.audit.diagnosis import diagnose
-from isoaudit.audit.records import Canary, CanaryOutput, canary_digest, held_digest
+from isoaudit.audit.records import Canary, CanaryOutput, Manifest, canary_digest, held_digest
 from isoaudit.audit.stale_state import stale_engine_state
 
 from tests import factories
@@ -35,29 +35,38 @@ def test_the_digest_is_order_free_and_bit_exact() -> None:
 
 
 def test_one_arithmetic_equal_weights_differing_canaries_is_stale() -> None:
+    t0, r0 = manifests("r", 0, stale=False)
     tm, rm = manifests("r", 1, stale=True)
-    found = stale_engine_state(tm, rm)
+    # one policy identity is a claim: never seen to give equal canaries, it proves nothing
+    assert stale_engine_state(tm, rm, [tm], [rm]) is None
+    found = stale_engine_state(tm, rm, [t0, tm], [r0, rm])
     assert found is not None and found.kind == "stale_engine_state"
     assert found.evidence["cause"] == "canaries_differ_under_one_arithmetic"
-    assert found.evidence["held_tensors_agreeing"] == 4 and found.evidence[
-        "max_abs_logprob_diff"
-    ] == pytest.approx(0.01)
+    assert found.evidence["canaries_agreed_at_version"] == "0"
+    assert found.evidence["held_tensors_agreeing"] == 4
+    assert found.evidence["max_abs_logprob_diff"] == pytest.approx(0.005)
     assert "hold old weights" in found.sentence and "vLLM's LLM.generate" in found.sentence
-    assert stale_engine_state(*manifests("r", 1, stale=False)) is None
+    t1, r1 = manifests("r", 1, stale=False)
+    assert stale_engine_state(t1, r1, [t0, t1], [r0, r1]) is None
 
 
 def test_canaries_of_different_arithmetic_or_unknown_weights_are_not_compared() -> None:
+    t0, r0 = manifests("r", 0, stale=False)
     tm, rm = manifests("r", 1, stale=True)
+
+    def stale(rollout: Manifest) -> object:
+        return stale_engine_state(tm, rollout, [t0, tm], [r0, rollout])
+
     other = rm.model_copy(update={"canary": rm.canary.model_copy(update={"arithmetic": "e" * 64})})
-    assert stale_engine_state(tm, other) is None  # sides that differ legitimately: left to numerical
+    assert stale(other) is None  # sides that differ legitimately: left to numerical
     native = rm.model_copy(update={"canary": rm.canary.model_copy(update={"arithmetic": None})})
-    assert stale_engine_state(tm, native) is None
-    unheld = rm.model_copy(update={"weight_tensor_digests": {}})
-    assert stale_engine_state(tm, unheld) is None  # "held weights agree" is not known
+    assert stale(native) is None
+    assert stale(rm.model_copy(update={"weight_tensor_digests": {}})) is None  # "held agree" unknown
     old = rm.model_copy(update={"weight_version": "0"})
-    assert stale_engine_state(tm, old) is None  # a canary of another version says nothing of this one
-    failed = rm.model_copy(update={"canary": Canary(weight_version="1", error="RuntimeError: x")})
-    assert stale_engine_state(tm, failed) is None
+    assert stale(old) is None  # a canary of another version says nothing of this one
+    assert (
+        stale(rm.model_copy(update={"canary": Canary(weight_version="1", error="RuntimeError: x")})) is None
+    )
 
 
 def test_a_side_against_its_own_reference() -> None:
@@ -102,13 +111,14 @@ def _pair(step: int, gap: float = 0.125) -> tuple[object, object, dict]:
 
 def test_the_order_weights_then_stale_then_the_rest() -> None:
     trainer, rollout, metrics = _pair(1)
+    t0, r0 = manifests("run-1", 0, stale=False)
     tm, rm = manifests("run-1", 1, stale=True)
-    assert diagnose(trainer, rollout, metrics, None, [tm], [rm]).kind == "stale_engine_state"
+    assert diagnose(trainer, rollout, metrics, None, [t0, tm], [r0, rm]).kind == "stale_engine_state"
     other = {**held_at(1), "model.layers.0.mlp.down_proj.weight": "bfloat16[64,128]:ffff"}
     differing = rm.model_copy(update={"weight_tensor_digests": other})
-    assert diagnose(trainer, rollout, metrics, None, [tm], [differing]).kind == "weights"  # held differ first
+    assert diagnose(trainer, rollout, metrics, None, [t0, tm], [r0, differing]).kind == "weights"  # first
     tm, rm = manifests("run-1", 1, stale=False)  # canaries agree: not stale, the rest decides
-    assert diagnose(trainer, rollout, metrics, None, [tm], [rm]).kind == "inconclusive"
+    assert diagnose(trainer, rollout, metrics, None, [t0, tm], [r0, rm]).kind == "inconclusive"
 
 
 def test_the_canary_through_the_store_and_the_worker(store) -> None:
