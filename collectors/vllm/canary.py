@@ -19,7 +19,7 @@ from typing import Any
 from isoaudit.audit.records import CANARY_TOP_K, CanaryOutput
 from isoaudit.collectors.canary import canary_tokens, output_from_top
 from isoaudit.collectors.vllm.engine_state import drain_facts
-from isoaudit.collectors.vllm.messages import Drain, to_wire
+from isoaudit.collectors.vllm.messages import CANARY_REQUEST_PREFIX, Drain, to_wire
 
 
 def vocab_of_llm(llm: Any) -> int:
@@ -51,7 +51,7 @@ def vllm_canary(llm: Any, link: Any, tokens: list[int]) -> tuple[CanaryOutput, N
 
     engine = llm.llm_engine
     params = SamplingParams(temperature=1.0, max_tokens=1, logprobs=CANARY_TOP_K, seed=0)
-    request_id = f"isoaudit-canary-{uuid.uuid4().hex}"
+    request_id = f"{CANARY_REQUEST_PREFIX}{uuid.uuid4().hex}"
     # a fresh cache salt: the canary never reads prefix-cache blocks of an earlier canary
     prompt = {"prompt_token_ids": list(tokens), "cache_salt": request_id}
     engine.add_request(request_id, prompt, params)
