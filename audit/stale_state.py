@@ -10,7 +10,8 @@ strongest first:
 
 1. **own reference**: a side whose real path runs derived state also recomputes the canary with
    the same arithmetic straight from the parameters it holds (the reference engine: its CUDA-graph
-   decode against the same decode run eagerly); the two differ.
+   decode against the same decode run eagerly); the two differ, though they agreed bit for bit at
+   an earlier weight version (the proof that the two paths give equal bits on this setup).
 2. **one arithmetic, equal weights**: both sides' canaries were computed under one numerical
    policy (equal ``arithmetic``, e.g. both on isoaudit's invariant kernels) whose canaries agreed
    bit for bit at an earlier weight version (a shared policy identity is only a claim: this is the
@@ -79,16 +80,37 @@ def _gap_text(gap: float | None) -> str:
     return f"max |Δ logprob| {gap:.3g} over the top tokens" if gap is not None else "no top token in common"
 
 
-def _own_reference(side: str, canary: Canary) -> Diagnosis | None:
+def agreed_with_reference(manifests: Sequence[Manifest], like: Canary) -> str | None:
+    """A weight version other than ``like``'s at which this side's canary, through the same two
+    paths, agreed with its own reference bit for bit: proof that the two paths give equal bits."""
+    if like.output is None or like.reference is None:
+        return None
+    agreed = []
+    for manifest in manifests:
+        canary = canary_of(manifest)
+        if canary is None or canary.output is None or canary.reference is None:
+            continue
+        if canary.weight_version == like.weight_version or canary.tokens != like.tokens:
+            continue
+        same_paths = (canary.output.path, canary.reference.path) == (like.output.path, like.reference.path)
+        if same_paths and canary.output.digest == canary.reference.digest:
+            agreed.append(canary.weight_version)
+    return sorted(agreed, key=str)[-1] if agreed else None
+
+
+def _own_reference(side: str, canary: Canary, manifests: Sequence[Manifest]) -> Diagnosis | None:
     out, ref = canary.output, canary.reference
     if out is None or ref is None or out.digest == ref.digest:
+        return None
+    proven = agreed_with_reference(manifests, canary)
+    if proven is None:
         return None
     gap = max_gap(out, ref)
     return Diagnosis(
         "stale_engine_state",
         f"Stale engine state on the {side}: after the sync to weight version {canary.weight_version} its "
         f"canary through {out.path} differs from the same arithmetic recomputed over the weights it holds "
-        f"({ref.path}; {_gap_text(gap)}): {HOLDERS}.",
+        f"({ref.path}; {_gap_text(gap)}), though the two agreed bit for bit at version {proven}: {HOLDERS}.",
         {
             "cause": "canary_differs_from_own_reference",
             "side": side,
@@ -99,6 +121,7 @@ def _own_reference(side: str, canary: Canary) -> Diagnosis | None:
             "reference_digest": ref.digest,
             "max_abs_logprob_diff": gap,
             "held_digest": canary.held_digest,
+            "paths_agreed_at_version": proven,
         },
     )
 
@@ -221,9 +244,10 @@ def stale_engine_state(
 ) -> Diagnosis | None:
     """``stale_engine_state`` from the canaries of the manifests that describe the sample's weight
     versions (``tm``, ``rm``), or ``None`` when the canaries show nothing stale (or there are none)."""
-    for side, manifest in (("rollout", rm), ("trainer", tm)):
+    sides = (("rollout", rm, rollout_manifests), ("trainer", tm, trainer_manifests))
+    for side, manifest, manifests in sides:
         canary = canary_of(manifest)
-        found = _own_reference(side, canary) if canary is not None else None
+        found = _own_reference(side, canary, manifests) if canary is not None else None
         if found is not None:
             return found
     found = _across_sides(tm, rm, trainer_manifests, rollout_manifests)

@@ -70,15 +70,27 @@ def test_canaries_of_different_arithmetic_or_unknown_weights_are_not_compared() 
 
 
 def test_a_side_against_its_own_reference() -> None:
+    _, r0 = manifests("r", 0, stale=False)
     tm, rm = manifests("r", 1, stale=False)
-    graph = output(values_at(0), "the reference engine's CUDA-graph decode (bucket 1)")
-    eager = output(values_at(1), "the same decode run eagerly from the held parameters")
+    graph_path = "the reference engine's CUDA-graph decode (bucket 1)"
+    eager_path = "the same decode run eagerly from the held parameters"
+    fresh = output(values_at(0), graph_path)
+    agreed = r0.canary.model_copy(
+        update={"output": fresh, "reference": output(values_at(0), eager_path), "arithmetic": None}
+    )
+    before = r0.model_copy(update={"canary": agreed})
+    graph = output(values_at(0.5), graph_path)
+    eager = output(values_at(1), eager_path)
     own = rm.canary.model_copy(update={"output": graph, "reference": eager, "arithmetic": None})
-    found = stale_engine_state(tm, rm.model_copy(update={"canary": own}))
+    stale = rm.model_copy(update={"canary": own})
+    # never seen to agree: the two paths may differ in their bits on this setup; no verdict
+    assert stale_engine_state(tm, stale, [tm], [stale]) is None
+    found = stale_engine_state(tm, stale, [tm], [before, stale])
     assert found is not None and found.evidence["cause"] == "canary_differs_from_own_reference"
     assert found.evidence["side"] == "rollout" and "CUDA-graph decode" in found.sentence
+    assert found.evidence["paths_agreed_at_version"] == "0"
     agree = own.model_copy(update={"reference": graph})
-    assert stale_engine_state(tm, rm.model_copy(update={"canary": agree})) is None
+    assert stale_engine_state(tm, rm.model_copy(update={"canary": agree}), [tm], [before]) is None
 
 
 def test_a_canary_deaf_to_a_weight_change() -> None:
