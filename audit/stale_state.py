@@ -11,10 +11,10 @@ strongest first:
 1. **own reference**: a side whose real path runs derived state also recomputes the canary with
    the same arithmetic straight from the parameters it holds (the reference engine: its CUDA-graph
    decode against the same decode run eagerly); the two differ, though they agreed bit for bit at
-   an earlier weight version (the proof that the two paths give equal bits on this setup).
+   another weight version (the proof that the two paths give equal bits on this setup).
 2. **one arithmetic, equal weights**: both sides' canaries were computed under one numerical
    policy (equal ``arithmetic``, e.g. both on isoaudit's invariant kernels) whose canaries agreed
-   bit for bit at an earlier weight version (a shared policy identity is only a claim: this is the
+   bit for bit at another weight version (a shared policy identity is only a claim: this is the
    proof that the two really give equal bits), every held-weight digest both sides took agrees, and
    the canaries differ. Sides whose arithmetic differs legitimately give different canaries and
    are not compared this way.
@@ -110,7 +110,7 @@ def _own_reference(side: str, canary: Canary, manifests: Sequence[Manifest]) -> 
         "stale_engine_state",
         f"Stale engine state on the {side}: after the sync to weight version {canary.weight_version} its "
         f"canary through {out.path} differs from the same arithmetic recomputed over the weights it holds "
-        f"({ref.path}; {_gap_text(gap)}), though the two agreed bit for bit at version {proven}: {HOLDERS}.",
+        f"({ref.path}; {_gap_text(gap)}), though the two agree bit for bit at weight version {proven}: {HOLDERS}.",
         {
             "cause": "canary_differs_from_own_reference",
             "side": side,
@@ -142,7 +142,7 @@ def _digests_by_version(manifests: Sequence[Manifest], like: Canary) -> dict[str
 def agreed_before(
     trainer_manifests: Sequence[Manifest], rollout_manifests: Sequence[Manifest], like: Canary
 ) -> str | None:
-    """A weight version other than ``like``'s at which both sides' canaries, computed like
+    """Another weight version than ``like``'s at which both sides' canaries, computed like
     ``like``, agreed bit for bit: proof that their arithmetic really gives equal bits (a shared
     numerical-policy identity is a claim; a contract can be declared on sides that differ)."""
     ours = _digests_by_version(trainer_manifests, like)
@@ -174,8 +174,8 @@ def _across_sides(
     return Diagnosis(
         "stale_engine_state",
         f"Stale engine state: both sides hold the same weights ({agreeing} tensor digests agree at weight "
-        f"version {cr.weight_version}) under one numerical policy whose canaries agreed bit for bit at "
-        f"version {proven}, yet their canaries now differ ({_gap_text(gap)}; rollout through "
+        f"version {cr.weight_version}) under one numerical policy (their canaries agree bit for bit at "
+        f"weight version {proven}), yet here their canaries differ ({_gap_text(gap)}; rollout through "
         f"{cr.output.path}, trainer through {ct.output.path}): the engine's forward reads other weights "
         f"than it holds; {HOLDERS}.",
         {
