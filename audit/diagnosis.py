@@ -1,6 +1,6 @@
 """Why a sample's two sides disagree: the ordered classes of DESIGN.md, cheapest explanation first.
 
-``contract`` → ``weights`` / ``off_policy`` → ``semantics`` → ``inference_path`` → ``numerical`` →
+``contract`` → ``weights`` / ``off_policy`` → ``stale_engine_state`` → ``semantics`` → ``inference_path`` → ``numerical`` →
 ``inconclusive``, plus ``clean`` when the two sides agree bit for bit. Each verdict carries one plain
 sentence and the evidence it rests on (``evidence["cause"]`` names the case in a word), so a user can
 check it without reading code.
@@ -291,6 +291,18 @@ def _weights(
     return _version_gap(trainer, rollout, policy) or _held_weights(tm, rm) or _embedding(grid, tm, rm)
 
 
+def _stale_engine_state(
+    tm: Manifest | None,
+    rm: Manifest | None,
+    trainer_manifests: Sequence[Manifest],
+    rollout_manifests: Sequence[Manifest],
+) -> Diagnosis | None:
+    """Held weights agree but a side's forward reads others (:mod:`isoaudit.audit.stale_state`)."""
+    from isoaudit.audit.stale_state import stale_engine_state
+
+    return stale_engine_state(tm, rm, trainer_manifests, rollout_manifests)
+
+
 def _stale_prefix(trainer: SampleLogprobs, rollout: SampleLogprobs) -> Diagnosis | None:
     """A prefix-cache hit on KV blocks computed before a weight sync: the cached prompt positions
     come from the old weights while the rest of the sample uses the new ones."""
@@ -475,6 +487,7 @@ def diagnose(
     for check in (
         lambda: _contract(tm, rm),
         lambda: _weights(trainer, rollout, held_t, held_r, grid, policy),
+        lambda: _stale_engine_state(held_t, held_r, trainer_manifests, rollout_manifests),
         lambda: _stale_prefix(trainer, rollout),
         lambda: _semantics(trainer, rollout),
         lambda: _inference_path(trainer, rollout, tm, rm),

@@ -23,13 +23,16 @@
 from __future__ import annotations
 
 import logging
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, ParamSpec, TypeVar
 
 from isoaudit.audit.records import Case, Environment, Manifest, Record, Run, RuntimeFacts, Side
+from isoaudit.audit.records.canary import Canary, CanaryOutput, held_digest
 from isoaudit.collectors import heap
+from isoaudit.collectors.canary import arithmetic_of, run_canary
 from isoaudit.collectors.control import MODES, ControlChannel
 from isoaudit.collectors.counting import Counters, LogOnce
 from isoaudit.collectors.environment import process_environment, with_runtime
@@ -131,6 +134,10 @@ class Collector(ABC):
         self.weight_digest = weight_digest
         #: tensor name -> digest of the weights this side holds now (``isoaudit.collectors.held_weights``)
         self.weight_tensor_digests: dict[str, str] = {}
+        #: the canary this side ran after its latest weight version change (``isoaudit.collectors.canary``)
+        self.canary: Canary | None = None
+        #: run the canary at each weight version change (``ISOAUDIT_CANARY=0`` turns it off)
+        self.canary_enabled = os.environ.get("ISOAUDIT_CANARY", "1") != "0"
         self.mode_report = ModeReport(mode, mode)
         self._warn = LogOnce(log)
         self._contract = contract
@@ -203,6 +210,35 @@ class Collector(ABC):
             raise ValueError("version: give the new weights a version (e.g. the trainer step they come from)")
         self._weights_moved(str(version), digest)
         self._weights_now(str(version), digest)
+
+    def _take_canary(
+        self,
+        version: str | None,
+        tokens: list[int],
+        compute: Callable[[], tuple[CanaryOutput, CanaryOutput | None]],
+    ) -> None:
+        """Run this side's canary for weight ``version`` (after the held digests were taken) and
+        keep it for the next manifest; a failure is kept as the canary's error and counted."""
+        if not self.canary_enabled:
+            return
+        held = held_digest(self.weight_tensor_digests)
+        have = self.canary
+        if have is not None and have.error is None and have.held_digest is not None:
+            if (have.weight_version, have.held_digest) == (version, held):
+                return  # told twice of one sync (a loader's own call and the job's weights_changed)
+        canary = run_canary(
+            compute,
+            tokens=tokens,
+            weight_version=version,
+            held=self.weight_tensor_digests,
+            arithmetic=arithmetic_of(self._contract_now()),
+        )
+        if canary.error is not None:
+            self.counters.errors += 1
+            self._warn.warn(
+                "canary", f"isoaudit {self.side} collector: canary failed ({canary.error}); counted"
+            )
+        self.canary = canary
 
     def _weights_now(self, version: str, digest: str | None) -> None:
         """Record the weights this side computes with now and publish the manifest."""
@@ -374,6 +410,7 @@ class Collector(ABC):
             self.weight_digest,
             hash(frozenset(self.weight_tensor_digests.items())),
             environment.model_dump_json() if environment is not None else None,
+            self.canary.model_dump_json() if self.canary is not None else None,
         )
         if signature is not None and key == self._manifest_key:
             return
@@ -389,6 +426,7 @@ class Collector(ABC):
                     "weight_digest": self.weight_digest,
                     "weight_tensor_digests": self.weight_tensor_digests,
                     "environment": environment,
+                    "canary": self.canary,
                 }
             )
             manifest = tracker.changed(built)

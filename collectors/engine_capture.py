@@ -26,8 +26,10 @@ from isoaudit.audit.fingerprints import ROW_FIELDS
 from isoaudit.audit.records import Case, Record, RegionFingerprints, Run, RuntimeFacts, sample_key
 from isoaudit.collectors.assemble import keys_for, sample_records
 from isoaudit.collectors.base import Collector, CollectorCounters, ModeReport, RolloutStep
+from isoaudit.collectors.canary import canary_tokens, engine_canary, vocab_of
 from isoaudit.collectors.control import ControlChannel
 from isoaudit.collectors.fingerprints import fingerprint_rows
+from isoaudit.collectors.held_weights import module_digests
 from isoaudit.collectors.layout import StepBatch
 from isoaudit.collectors.manifest import ContractArg, ContractSource
 from isoaudit.collectors.regions import RegionsArg, read_tap, resolve_regions
@@ -217,6 +219,7 @@ class EngineCollector(Collector):
         self._original_generate: Callable[..., Any] = engine.generate
         engine.generate = self._generate  # an instance attribute: removed on detach
         self._observed: list[str] = []
+        self._held_now(self.weight_version)
         self._begin([], self._unobserved())
 
     def record_step(self, step: int, completions: Sequence[Any]) -> RolloutStep | None:
@@ -295,6 +298,23 @@ class EngineCollector(Collector):
 
     def _apply_mode(self, mode: str, version: int | None) -> ModeReport:
         return switch_with(self.remediation_hook, self.model, mode, "engine")
+
+    def _weights_moved(self, version: str, digest: str | None) -> None:
+        self._held_now(version)
+
+    def _held_now(self, version: str | None) -> None:
+        """Digest the parameters the engine's model holds, then run the canary through the decode
+        the engine runs (:func:`isoaudit.collectors.canary.engine_canary`)."""
+        digests = self.guarded("weight digests", module_digests, self.model)
+        self.weight_tensor_digests = digests if digests is not None else {}
+        if not self.canary_enabled:
+            return
+        vocab = self.guarded("canary", vocab_of, self.model)
+        tokens = self.guarded("canary", canary_tokens, vocab) if vocab is not None else None
+        if tokens is None:
+            return
+        step = self.prints._original_step if self.prints is not None else None
+        self._take_canary(version, tokens, lambda: engine_canary(self.engine, tokens, step))
 
     def _remove_hooks(self) -> None:
         if self.prints is not None:

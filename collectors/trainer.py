@@ -31,6 +31,7 @@ import torch
 from isoaudit.audit.records import Case, Record, Run, RuntimeFacts
 from isoaudit.collectors.assemble import fingerprint_records, keys_for, sample_records, sequence_tokens
 from isoaudit.collectors.base import Collector, CollectorCounters, ModeReport
+from isoaudit.collectors.canary import canary_tokens, model_canary, vocab_of
 from isoaudit.collectors.control import ControlChannel
 from isoaudit.collectors.fingerprints import PrintsLayout, pack_prints, unpack_prints
 from isoaudit.collectors.held_weights import module_digests
@@ -160,6 +161,7 @@ class TrainerCollector(Collector):
         self.weight_digests = weight_digests
         self._applied: tuple[str, ...] = ("temperature",)
         self._held_now()
+        self._canary_now(self.weight_version)
         self._begin(self.resolved.names, self.resolved.unobserved)
 
     # ------------------------------------------------------------------ public
@@ -247,6 +249,23 @@ class TrainerCollector(Collector):
 
     def _weights_moved(self, version: str, digest: str | None) -> None:
         self._held_now()
+        self._canary_now(version)
+
+    def _canary_now(self, version: str | None) -> None:
+        """The canary through this model's own forward (the capture hooks stand aside: it is no step)."""
+        if not self.canary_enabled:
+            return
+        capture, last = self._capture, self._capture.last
+        force, capture.force = capture.force, False
+        try:
+            vocab = vocab_of(self.model)
+            if vocab is not None:  # a model with no vocabulary is no language model: no canary
+                tokens = canary_tokens(vocab)
+                self._take_canary(version, tokens, lambda: (model_canary(self.model, tokens), None))
+        except Exception as exc:  # sizing the canary failed: counted, never raised into the job
+            self.guarded("canary", _reraise, exc)
+        finally:
+            capture.force, capture.last = force, last
 
     def _apply_mode(self, mode: str, version: int | None) -> ModeReport:
         return switch_with(self.remediation_hook, self.model, mode, "trainer")
@@ -290,6 +309,7 @@ class TrainerCollector(Collector):
             # a version given here has no known digest (weights_changed(version, digest) gives one)
             self.weight_version, self.weight_digest = str(weight_version), None
             self._held_now()
+            self._canary_now(self.weight_version)
         version = self.weight_version
         transforms = {
             name: sampling_values(value, batch.num_samples, name) for name, value in sampling.items()

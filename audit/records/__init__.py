@@ -21,6 +21,7 @@ from isoaudit.audit.records.boundary import (
     record_kind,
     validate_record,
 )
+from isoaudit.audit.records.canary import CANARY_TOP_K, Canary, CanaryOutput, canary_digest, held_digest
 from isoaudit.audit.records.checks import (
     MAX_INT32,
     MAX_JSON_DEPTH,
@@ -68,6 +69,11 @@ from isoaudit.audit.records.routes import MAX_EXPERTS, MAX_MOE_LAYERS, MAX_TOP_K
 
 __all__ = [
     "Environment",
+    "CANARY_TOP_K",
+    "Canary",
+    "CanaryOutput",
+    "canary_digest",
+    "held_digest",
     "MAX_ARRAY_ELEMENTS",
     "MAX_EXPERTS",
     "MAX_INT32",

@@ -23,6 +23,7 @@ from isoaudit.audit.arrays import (
     UInt64Matrix,
 )
 from isoaudit.audit.frameworks import declaration_of
+from isoaudit.audit.records.canary import Canary
 from isoaudit.audit.records.checks import (
     ADVANTAGE,
     COUNT32,
@@ -238,6 +239,11 @@ class Manifest(Record):
         default=None,
         description="the libraries, backends, flags and environment pins this side ran with "
         "(audit.records.environment); None: not recorded",
+    )
+    canary: Canary | None = Field(
+        default=None,
+        description="the canary this side ran through its real forward after its latest weight version "
+        "change (isoaudit.audit.records.canary)",
     )
 
     @model_validator(mode="after")

@@ -45,6 +45,7 @@ from isoaudit.collectors.base import Collector, CollectorCounters, ModeReport, R
 from isoaudit.collectors.control import ControlChannel
 from isoaudit.collectors.manifest import ContractArg
 from isoaudit.collectors.sinks.base import Sink
+from isoaudit.collectors.vllm.canary import take_canary, take_pending_canary
 from isoaudit.collectors.vllm.engine_state import drain_facts, sample_fields
 from isoaudit.collectors.vllm.link import EngineLink
 from isoaudit.collectors.vllm.messages import (
@@ -185,6 +186,7 @@ class VllmCollector(Collector):
         selection = parse_selection(fingerprint)
         if attached(llm) is not None:
             raise ValueError("llm: a collector is already attached to this engine; detach() it first")
+        self.canary_pending: tuple[str | None] | None = None  # a canary an in-flight update deferred
         self._contract_auto = contract == "auto"  # built in _contract_now from what the workers run
         super().__init__(
             run=run,
@@ -242,6 +244,7 @@ class VllmCollector(Collector):
         self.weight_digest = lead.weight_digest
         self.guarded("request facts", self.link.call, "track_requests")  # stale prefix, spans, min-p
         refresh_held(self)  # what the workers hold, per tensor, for the first manifest
+        take_canary(self, self.weight_version)
         self._begin(self.regions, self._unobserved_for(selection.mode))
         _ATTACHED[llm] = self
         if self.refusal:
@@ -259,6 +262,7 @@ class VllmCollector(Collector):
         their logprobs and, for the requests chosen for fingerprinting, the engine's region fingerprints;
         then apply a new desired remediation mode (the workers switch at their next step)."""
         report = self.guarded("record_step", self._record, step, outputs)
+        take_pending_canary(self)
         self._step_boundary()
         return report
 
@@ -266,6 +270,7 @@ class VllmCollector(Collector):
         """A step boundary before ``generate``: a new desired remediation mode goes to the workers
         now, so they run this step's first forward in it (``record_step`` is the boundary
         otherwise, and the mode then applies from the next step)."""
+        take_pending_canary(self)
         self._step_boundary()
 
     def select(self, fingerprint: SelectionArg) -> None:
@@ -352,6 +357,7 @@ class VllmCollector(Collector):
         """Tell the workers: what they compute from now on has this weight version."""
         self.link.call("load_weights", to_wire(LoadWeights(version=version, digest=digest)))
         refresh_held(self)
+        take_canary(self, version)
 
     def _remove_hooks(self) -> None:
         """Remove every hook inside the engine; it then runs exactly as before. Never raises (an

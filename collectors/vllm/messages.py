@@ -18,6 +18,10 @@ import numpy as np
 
 M = TypeVar("M", bound=msgspec.Struct)
 
+#: How the driver names its canary requests (:mod:`isoaudit.collectors.vllm.canary`): workers never
+#: select them for fingerprints nor count them in "one in N".
+CANARY_REQUEST_PREFIX = "isoaudit-canary-"
+
 
 class Message(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Base of the messages: keyword-only, unknown fields refused (a version skew fails loudly)."""

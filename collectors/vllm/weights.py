@@ -137,6 +137,9 @@ def load_weights(
     collector = attached(llm)
     if collector is not None:
         refresh_held(collector)  # what the workers hold now, per tensor
+        from isoaudit.collectors.vllm.canary import take_canary
+
+        take_canary(collector, str(version))  # what the engine's forward reads now
         collector._weights_now(str(version), value)  # the workers know already
     return value
 

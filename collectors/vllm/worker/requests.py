@@ -24,7 +24,7 @@ import numpy as np
 from isoaudit.audit.fingerprints import ROW_FIELDS
 from isoaudit.collectors.counting import Counters, LogOnce
 from isoaudit.collectors.fingerprints import HostRows
-from isoaudit.collectors.vllm.messages import RegionPrints, RequestRecord, Selection
+from isoaudit.collectors.vllm.messages import CANARY_REQUEST_PREFIX, RegionPrints, RequestRecord, Selection
 
 #: vLLM makes request ids unique by appending "-" and 8 hex digits to the caller's id.
 _SUFFIX = re.compile(r"^(?P<ext>.+)-[0-9a-f]{8}$")
@@ -173,8 +173,11 @@ class RequestBook:
         prompt_len = len(prompt) if prompt is not None else int(getattr(state, "num_prompt_tokens", 0) or 0)
         temperature, top_k, top_p = _sampling(getattr(state, "sampling_params", None))
         ext = external_id(req_id)
-        selected = selection.chooses(self._ordinal, ext)
-        self._ordinal += 1
+        if ext.startswith(CANARY_REQUEST_PREFIX):  # the collector's own canary: never a sample
+            selected = False  # and not counted in "one in N", so the job's choice stays its own
+        else:
+            selected = selection.chooses(self._ordinal, ext)
+            self._ordinal += 1
         trace = RequestTrace(req_id, ext, prompt_len, temperature, top_k, top_p, selected, version, version)
         self.traces[req_id] = trace
         self._by_ext.setdefault(ext, []).append(req_id)
