@@ -120,7 +120,7 @@ class RolloutEngine:
         self.cuda_graphs = cuda_graphs
         self.buckets = tuple(sorted(buckets))
         self._caches: dict[int, Any] = {}
-        self._graphs: dict[tuple[int, bool], _DecodeGraph] = {}
+        self._graphs: dict[tuple[int, str], _DecodeGraph] = {}
 
     def graphed(self) -> bool:
         """Whether decode steps replay CUDA graphs (else they run eagerly)."""
@@ -241,7 +241,7 @@ class RolloutEngine:
         return self._caches[slots]
 
     def _graph(self, slots: int, cache: Any) -> _DecodeGraph:
-        key = (slots, dispatch.is_enabled())
+        key = (slots, dispatch.mode())
         if key not in self._graphs:
             dev = self.model.lm_head_weight.device
             self._graphs[key] = _DecodeGraph(self._decode_fn(cache), slots, self.max_len - 1, dev)
