@@ -34,7 +34,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ._triton import HAVE_TRITON, CachedLauncher, cdiv, jit, resolve, tl, triton
-from .fp8_quant import FP8, GROUP, quantize_act, quantize_act_reference, quantize_weight
+from .fp8_quant import FP8, GROUP, quantize_act, quantize_act_reference, quantize_per_tensor, quantize_weight
 
 if HAVE_TRITON:
 
@@ -382,13 +382,42 @@ def refresh_fp8_weights() -> int:
     return n
 
 
+#: How activations are scaled: "group" (per token, per 128 of K: the invariant quantizer) or
+#: "tensor" (one dynamic scale for the whole batch, amax / 448). "tensor" exists only so the tests
+#: and the bench can show what it breaks: a row's bits then depend on its batch-mates.
+_ACT_SCALING = "group"
+
+
+def set_act_scaling(kind: str) -> str:
+    """Set :data:`_ACT_SCALING` (``"group"`` or ``"tensor"``); returns the previous value."""
+    global _ACT_SCALING
+    if kind not in ("group", "tensor"):
+        raise ValueError(f"act scaling: 'group' or 'tensor', not {kind!r}")
+    prev, _ACT_SCALING = _ACT_SCALING, kind
+    return prev
+
+
+def _per_tensor_operands(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-tensor dynamic activation scaling in the kernel's operand layout (the one scale in
+    every group's slot)."""
+    a = x.reshape(-1, x.shape[-1])
+    q, s = quantize_per_tensor(a)
+    return q, s.reshape(1, 1).expand(a.shape[0], cdiv(a.shape[1], GROUP)).contiguous()
+
+
 def _forward(
     x: torch.Tensor, entry: Fp8Weight, bias: torch.Tensor | None, out_dtype: torch.dtype, impl: str | None
 ) -> torch.Tensor:
     """Quantize ``x`` per token group and multiply: the two Triton kernels on CUDA; on the CPU the
     torch references (``impl="triton"``: the GEMM under the interpreter, fp32 operands)."""
     n = entry.q.shape[0]
-    if x.is_cuda and impl != "torch":
+    if _ACT_SCALING == "tensor":
+        xq, xs = _per_tensor_operands(x)
+        if x.is_cuda and impl != "torch":
+            y = w8a8_gemm(xq, xs, entry.q, entry.scale, bias, out_dtype)
+        else:
+            y = w8a8_reference(xq, xs, entry.q, entry.scale, bias, out_dtype)
+    elif x.is_cuda and impl != "torch":
         xq, xs = quantize_act(x)
         y = w8a8_gemm(xq, xs, entry.q, entry.scale, bias, out_dtype)
     else:
@@ -446,6 +475,7 @@ __all__ = [
     "fp8_weight",
     "plan",
     "refresh_fp8_weights",
+    "set_act_scaling",
     "w8a8_gemm",
     "w8a8_reference",
 ]
