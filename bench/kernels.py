@@ -1109,6 +1109,7 @@ FP8_SHAPES = [
     (4096, 14336),
 ]
 FP8_MS = (1, 16, 64, 128, 256, 2048, 4096)
+FP8_TUNE_MS = (1, 64, 256, 2048)
 #: Block-FP8 baseline tiles (BLOCK_M, BLOCK_N, warps, stages): the best of these per M is the
 #: baseline (an M-tuned DeepGEMM/vLLM-style Triton block-FP8 GEMM, free to pick its split-K too).
 FP8_BASE_TILES = ((64, 128, 4, 4), (64, 64, 4, 4), (128, 128, 8, 3), (128, 128, 4, 3), (128, 256, 8, 3))
@@ -1159,10 +1160,10 @@ def bench_fp8_tune() -> None:
         for m in FP8_MS:
             smm = [_scaled_mm_fn(xr[:m], sx[:m], wr, sw) for wr, sw in rowwise]
             line = [f"fp8-tune N={n} K={k} M={m}:"]
-            for bm, bn, wp, st in cands:
+            for bm, bn, wp, st, tma in cands:
                 for ks in sorted({0, split}):
-                    cfg = F8.Fp8Config(bm, bn, wp, st, ks)
-                    tag = f"{bm}x{bn}w{wp}s{st}{'k' + str(ks) if ks else ''}"
+                    cfg = F8.Fp8Config(bm, bn, wp, st, ks, tma)
+                    tag = f"{bm}x{bn}w{wp}s{st}{'T' if tma else 'P'}{'k' + str(ks) if ks else ''}"
                     try:
                         want = F8.w8a8_gemm(xq, xs, *blocks[0], config=cfg)
                         same = bits_equal(F8.w8a8_gemm(xq[:m], xs[:m], *blocks[0], config=cfg), want[:m])

@@ -124,7 +124,8 @@ def test_kernel_structure_fp32() -> None:
     x, w = _operands(150, 96, 520)
     xq, xs = quantize_act_reference(x)
     wq, ws = quantize_weight(w)
-    for cfg in (F8.Fp8Config(32, 32, 4, 2, 0), F8.Fp8Config(32, 32, 4, 2, 256)):
+    cfgs = [F8.Fp8Config(32, 32, 4, 2, ks, tma) for ks in (0, 256) for tma in (False, True)]
+    for cfg in cfgs:
         full = F8.w8a8_gemm(xq.float(), xs, wq.float(), ws, None, torch.float32, impl="triton", config=cfg)
         ref = F8.w8a8_reference(xq, xs, wq, ws, None, torch.float32, k_split=cfg.k_split)
         torch.testing.assert_close(full, ref, rtol=1e-5, atol=1e-4)

@@ -130,6 +130,11 @@ def test_triton_kernel_structure_fp32() -> None:
     assert torch.equal(si, s)
     assert torch.equal(qi.to(FP8).view(torch.uint8), q.view(torch.uint8))
     assert qi.abs().max() <= E4M3_MAX
+    w = torch.randn(300, 200) * 3
+    wq, ws = quantize_weight_reference(w)
+    wqi, wsi = quantize_weight(w, impl="triton")
+    assert torch.equal(wsi, ws)
+    assert torch.equal(wqi.to(FP8).view(torch.uint8), wq.view(torch.uint8))
 
 
 def _adversarial(m: int, k: int, dtype: torch.dtype, device: str) -> torch.Tensor:
@@ -158,7 +163,10 @@ def test_gpu_kernel_bits_equal_cpu_reference(dtype: torch.dtype, k: int) -> None
     w = _adversarial(384, k, dtype, "cuda")
     wq, ws = quantize_weight(w)
     cq, cs = quantize_weight_reference(w.cpu())
-    assert torch.equal(ws.cpu(), cs) and torch.equal(wq.cpu().view(torch.uint8), cq.view(torch.uint8))
+    assert torch.equal(ws.cpu(), cs), int((ws.cpu() != cs).sum())
+    assert torch.equal(wq.cpu().view(torch.uint8), cq.view(torch.uint8)), int(
+        (wq.cpu().view(torch.uint8) != cq.view(torch.uint8)).sum()
+    )
 
 
 @gpu
