@@ -86,3 +86,31 @@ def test_hf_fp8_gpu(family: str, layers: int, hidden: int) -> None:
         F8.set_act_scaling(prev)
     _report(f"{family}-{layers}L-h{hidden}-bf16 fp8 per-tensor activation scales", res)
     assert res["mean_abs_delta"] > 0
+
+
+def test_mode_in_contract_and_manifest() -> None:
+    """The ``invariant-fp8`` mode is a remediation mode of its own: the control record accepts it,
+    the remediation hook applies it, the manifest names the FP8 arithmetic, and the contract's
+    numerical policy differs from the bf16-invariant one (a handshake refuses a mixed pair)."""
+    from isoaudit.audit.contract import identities, validate
+    from isoaudit.audit.control import REMEDIATION_MODES
+    from isoaudit.collectors.manifest import kernel_facts
+    from isoaudit.collectors.policy import hf_contracts, kernel_ops
+    from isoaudit.collectors.remediation import apply_kernels_mode
+
+    assert "invariant-fp8" in REMEDIATION_MODES
+    model = _hf("qwen3", 1, 128, 32, 256, torch.float32, "cpu").model
+    try:
+        apply_kernels_mode(model, "invariant-fp8")
+        assert dispatch.mode() == "invariant-fp8"
+        facts = kernel_facts()
+        assert facts["fp8"].startswith("e4m3 w8a8") and facts["fp8_split_k"] is True
+    finally:
+        apply_kernels_mode(model, "native")
+    assert dispatch.mode() == "native" and "fp8" not in kernel_facts()
+    assert kernel_ops("cpu", fp8=True)["linear"].id == "kernels.fp8.fp8_linear"
+    contracts = hf_contracts(model)
+    fp8, bf16 = contracts("invariant-fp8"), contracts("invariant")
+    assert validate(fp8) == []
+    assert identities(fp8).numerical_policy != identities(bf16).numerical_policy
+    assert fp8.model.lm_head_dtype == "float32"
