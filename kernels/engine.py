@@ -156,6 +156,12 @@ class RolloutEngine:
             return []
         w = self.model.lm_head_weight
         dev = w.device
+        if dispatch.is_enabled() and dispatch.is_fp8():
+            # E4M3 copies of weights changed since the last call (a weight sync), re-made in place
+            # before any decode graph replays over them
+            from .fp8 import refresh_fp8_weights
+
+            refresh_fp8_weights()
         gen = torch.Generator(device=dev).manual_seed(seed)
         graphed = self.graphed()
         slots = bucket(n, self.buckets) if graphed else n
