@@ -1160,10 +1160,10 @@ def bench_fp8_tune() -> None:
         for m in FP8_MS:
             smm = [_scaled_mm_fn(xr[:m], sx[:m], wr, sw) for wr, sw in rowwise]
             line = [f"fp8-tune N={n} K={k} M={m}:"]
-            for bm, bn, wp, st, tma in cands:
+            for bm, bn, wp, st, tma, pair in cands:
                 for ks in sorted({0, split}):
-                    cfg = F8.Fp8Config(bm, bn, wp, st, ks, tma)
-                    tag = f"{bm}x{bn}w{wp}s{st}{'T' if tma else 'P'}{'k' + str(ks) if ks else ''}"
+                    cfg = F8.Fp8Config(bm, bn, wp, st, ks, tma, pair)
+                    tag = f"{bm}x{bn}w{wp}s{st}{'T' if tma else 'P'}{'2' if pair else ''}{'k' + str(ks) if ks else ''}"
                     try:
                         want = F8.w8a8_gemm(xq, xs, *blocks[0], config=cfg)
                         same = bits_equal(F8.w8a8_gemm(xq[:m], xs[:m], *blocks[0], config=cfg), want[:m])

@@ -45,6 +45,7 @@ if HAVE_TRITON:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         TMA: tl.constexpr,
+        PAIR: tl.constexpr,
     ):  # fmt: skip
         """The fp32 sum over K blocks [kb_lo, kb_hi) of one tile, from zero: each block's MMA from
         zero, promoted (times the activation and weight scales), added in ascending order. With
@@ -57,27 +58,33 @@ if HAVE_TRITON:
         sa_rows = a_s + offs_m.to(tl.int64) * stride_asm
         sb_rows = b_s + (offs_n // BLOCK_K).to(tl.int64) * stride_bsn
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kb in range(kb_lo, kb_hi):
-            k0 = kb * BLOCK_K
-            if TMA:
-                x = a.load([pid_m * BLOCK_M, k0])
-                w = b.load([pid_n * BLOCK_N, k0])
-            else:
-                k_ok = (k0 + offs_k) < K
-                x = tl.load(
-                    a + offs_m[:, None].to(tl.int64) * stride_am + (k0 + offs_k)[None, :],
-                    mask=m_ok[:, None] & k_ok[None, :],
-                    other=0.0,
-                )
-                w = tl.load(
-                    b + offs_n[:, None].to(tl.int64) * stride_bn + (k0 + offs_k)[None, :],
-                    mask=n_ok[:, None] & k_ok[None, :],
-                    other=0.0,
-                )
-            part = tl.dot(x, tl.trans(w), out_dtype=tl.float32)
-            sa = tl.load(sa_rows + kb, mask=m_ok, other=0.0)
-            sb = tl.load(sb_rows + kb, mask=n_ok, other=0.0)
-            acc = acc + part * (sa[:, None] * sb[None, :])
+        for kb0 in range(kb_lo, kb_hi, PAIR + 1):
+            # PAIR: two 128-K blocks an iteration, two MMAs in flight, each from zero and promoted
+            # in ascending order: the same adds as one block an iteration (a block past the span
+            # adds 0 * 0).
+            for j in tl.static_range(PAIR + 1):
+                kb = kb0 + j
+                k0 = kb * BLOCK_K
+                if TMA:
+                    x = a.load([pid_m * BLOCK_M, k0])
+                    w = b.load([pid_n * BLOCK_N, k0])
+                else:
+                    k_ok = ((k0 + offs_k) < K) & (kb < kb_hi)
+                    x = tl.load(
+                        a + offs_m[:, None].to(tl.int64) * stride_am + (k0 + offs_k)[None, :],
+                        mask=m_ok[:, None] & k_ok[None, :],
+                        other=0.0,
+                    )
+                    w = tl.load(
+                        b + offs_n[:, None].to(tl.int64) * stride_bn + (k0 + offs_k)[None, :],
+                        mask=n_ok[:, None] & k_ok[None, :],
+                        other=0.0,
+                    )
+                part = tl.dot(x, tl.trans(w), out_dtype=tl.float32)
+                in_span = kb < kb_hi
+                sa = tl.load(sa_rows + kb, mask=m_ok & in_span, other=0.0)
+                sb = tl.load(sb_rows + kb, mask=n_ok & in_span, other=0.0)
+                acc = acc + part * (sa[:, None] * sb[None, :])
         return acc
 
     @triton.jit
@@ -105,6 +112,7 @@ if HAVE_TRITON:
         SPAN_BLOCKS: tl.constexpr,
         SPLIT_GRID: tl.constexpr,
         TMA: tl.constexpr,
+        PAIR: tl.constexpr,
     ):  # fmt: skip
         # Program (tile, span): tiles in grouped order (which program runs a tile, not its sums).
         if TMA:
@@ -123,7 +131,7 @@ if HAVE_TRITON:
             if SPAN_BLOCKS == 0:
                 total = _fp8_span(
                     a, a_s, b, b_s, M, N, K, stride_am, stride_asm, stride_bn, stride_bsn, pid_m, pid_n,
-                    0, kbs, BLOCK_M, BLOCK_N, BLOCK_K, TMA,
+                    0, kbs, BLOCK_M, BLOCK_N, BLOCK_K, TMA, PAIR,
                 )  # fmt: skip
             else:
                 # the fixed split-K summed in turn: each span from zero, the span sums added in order
@@ -131,7 +139,7 @@ if HAVE_TRITON:
                 for lo in range(0, kbs, SPAN_BLOCKS):
                     total = total + _fp8_span(
                         a, a_s, b, b_s, M, N, K, stride_am, stride_asm, stride_bn, stride_bsn, pid_m, pid_n,
-                        lo, tl.minimum(lo + SPAN_BLOCKS, kbs), BLOCK_M, BLOCK_N, BLOCK_K, TMA,
+                        lo, tl.minimum(lo + SPAN_BLOCKS, kbs), BLOCK_M, BLOCK_N, BLOCK_K, TMA, PAIR,
                     )  # fmt: skip
             _fp8_store(c, total, bias_ptr, M, N, stride_cm, pid_m, pid_n, HAS_BIAS, BLOCK_M, BLOCK_N)
         else:
@@ -141,7 +149,7 @@ if HAVE_TRITON:
             lo = span * SPAN_BLOCKS
             acc = _fp8_span(
                 a, a_s, b, b_s, M, N, K, stride_am, stride_asm, stride_bn, stride_bsn, pid_m, pid_n,
-                lo, tl.minimum(lo + SPAN_BLOCKS, kbs), BLOCK_M, BLOCK_N, BLOCK_K, TMA,
+                lo, tl.minimum(lo + SPAN_BLOCKS, kbs), BLOCK_M, BLOCK_N, BLOCK_K, TMA, PAIR,
             )  # fmt: skip
             spans = tl.cdiv(kbs, SPAN_BLOCKS)
             tiles = num_m * num_n
@@ -173,6 +181,7 @@ class Fp8Config:
     num_stages: int = 4
     k_split: int = 0
     tma: bool = False  # operands through kernel-built TMA descriptors (Hopper; rows 16-byte aligned)
+    pair: bool = False  # two 128-K blocks an iteration (two MMAs in flight; the same adds)
     block_k: int = GROUP  # the promotion interval: one activation group, one weight block column
 
 
@@ -246,6 +255,7 @@ def plan(m: int, n: int, k: int, has_bias: bool, device: torch.device, config: F
         SPAN_BLOCKS=span_blocks if spans > 1 else 0,
         SPLIT_GRID=split_grid,
         TMA=cfg.tma,
+        PAIR=int(cfg.pair),
     )
     scratch = (spans * tiles * cfg.block_m * cfg.block_n, tiles) if split_grid else None
     grid = (tiles, spans if split_grid else 1, 1)
