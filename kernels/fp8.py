@@ -69,7 +69,7 @@ if HAVE_TRITON:
                     x = a.load([pid_m * BLOCK_M, k0])
                     w = b.load([pid_n * BLOCK_N, k0])
                 else:
-                    k_ok = ((k0 + offs_k) < K) & (kb < kb_hi)
+                    k_ok = ((k0 + offs_k) < K) & ((k0 + offs_k) < kb_hi * BLOCK_K)
                     x = tl.load(
                         a + offs_m[:, None].to(tl.int64) * stride_am + (k0 + offs_k)[None, :],
                         mask=m_ok[:, None] & k_ok[None, :],
@@ -81,9 +81,8 @@ if HAVE_TRITON:
                         other=0.0,
                     )
                 part = tl.dot(x, tl.trans(w), out_dtype=tl.float32)
-                in_span = kb < kb_hi
-                sa = tl.load(sa_rows + kb, mask=m_ok & in_span, other=0.0)
-                sb = tl.load(sb_rows + kb, mask=n_ok & in_span, other=0.0)
+                sa = tl.load(sa_rows + kb, mask=m_ok & (offs_m * 0 + kb < kb_hi), other=0.0)
+                sb = tl.load(sb_rows + kb, mask=n_ok & (offs_n * 0 + kb < kb_hi), other=0.0)
                 acc = acc + part * (sa[:, None] * sb[None, :])
         return acc
 
