@@ -1108,7 +1108,7 @@ FP8_SHAPES = [
     (28672, 4096),
     (4096, 14336),
 ]
-FP8_MS = (1, 16, 64, 128, 256, 2048, 4096)
+FP8_MS = (1, 16, 64, 256, 2048, 4096)
 FP8_TUNE_MS = (1, 64, 256, 2048)
 #: Block-FP8 baseline tiles (BLOCK_M, BLOCK_N, warps, stages): the best of these per M is the
 #: baseline (an M-tuned DeepGEMM/vLLM-style Triton block-FP8 GEMM, free to pick its split-K too).
@@ -1183,65 +1183,94 @@ def bench_fp8_tune() -> None:
     TIMING = saved
 
 
+#: Candidate fixed tiles (BLOCK_M, BLOCK_N, warps, stages, TMA, two blocks an iteration), each also
+#: with and without the weight's split-K. The best of all per M is the block-FP8 baseline (an M-tuned
+#: DeepGEMM/vLLM-style Triton block-FP8 GEMM: the same arithmetic, free to change tile and split
+#: with M); the shipped invariant config is one fixed tile for every M.
+FP8_CANDS = (
+    (64, 64, 4, 4, False, False), (64, 128, 4, 4, False, False), (64, 64, 4, 4, True, False),
+    (64, 128, 4, 4, True, False), (128, 128, 8, 3, True, False), (128, 128, 8, 3, True, True),
+)  # fmt: skip
+
+
 def bench_fp8() -> None:
-    """The invariant W8A8 linear against the FP8 GEMMs a user would pick, each measured in this run
-    on the same weights cycled past L2: ``torch._scaled_mm`` (cuBLASLt/CUTLASS FP8, row-wise
-    scales), an M-tuned block-FP8 Triton GEMM (the best of :data:`FP8_BASE_TILES` per M, split-K
-    free: the same arithmetic without the fixed-tile constraint), and bf16 cuBLAS. GEMM rows take
-    pre-quantized operands; the "linear" row adds the per-token-group activation quantization
-    (bf16 in, bf16 out). Then host time per call of the whole linear."""
+    """The invariant W8A8 GEMM (its shipped fixed tile) against the FP8 GEMMs a user would pick,
+    each measured in this run on the same weights cycled past L2: ``torch._scaled_mm``
+    (cuBLASLt/CUTLASS FP8, row-wise scales), the M-tuned block-FP8 Triton baseline (best of
+    :data:`FP8_CANDS` x split per M), and bf16 cuBLAS (``F.linear`` on the bf16 masters). GEMM rows
+    take pre-quantized operands; "linear" adds the per-token-group activation quantization (bf16 in,
+    bf16 out). Every candidate's rows at M are checked against its own 4096-row result (bits), and
+    the table ends with each shape's best single fixed tile over all M (for the default)."""
     from isoaudit.kernels import fp8 as F8
     from isoaudit.kernels.bits import bits_equal
 
     for n, k in FP8_SHAPES:
         ws, blocks, rowwise, x, (xq, xs), (xr, sx) = _fp8_operands(n, k, max(FP8_MS))
-        split = F8.fp8_config(n, k, torch.cuda.get_device_capability()).k_split
+        shipped = F8.fp8_config(n, k, torch.cuda.get_device_capability())
+        cands = {}
+        for bm, bn, wp, st, tma, pair in FP8_CANDS:
+            for ks in sorted({0, shipped.k_split}):
+                cfg = F8.Fp8Config(bm, bn, wp, st, ks, tma, pair)
+                cands[f"{bm}x{bn}w{wp}s{st}{'T' if tma else 'P'}{'2' if pair else ''}k{ks}"] = cfg
+        wants = {tag: F8.w8a8_gemm(xq, xs, *blocks[0], config=cfg) for tag, cfg in cands.items()}
         want = F8.w8a8_gemm(xq, xs, *blocks[0])
+        totals = dict.fromkeys(cands, 0.0)
         for m in FP8_MS:
             shape = f"M={m} N={n} K={k}"
+            assert bits_equal(F8.w8a8_gemm(xq[:m], xs[:m], *blocks[0]), want[:m]), shape
             ours = [lambda q=q, s=s: F8.w8a8_gemm(xq[:m], xs[:m], q, s) for q, s in blocks]
-            assert bits_equal(ours[0](), want[:m]), shape
             smm = [_scaled_mm_fn(xr[:m], sx[:m], wr, sw) for wr, sw in rowwise]
             try:
                 t_smm, t_ours = bench_pair(smm, ours)
                 record("fp8 gemm vs _scaled_mm", shape, t_smm, t_ours, 1.3)
             except Exception as e:  # noqa: BLE001 - a shape _scaled_mm refuses
                 print(f"[{TIMING}] fp8 gemm vs _scaled_mm {shape}: {e!r}"[:200], flush=True)
-            best, best_tag = float("inf"), ""
-            for bm, bn, wp, st in FP8_BASE_TILES:
-                for ks in sorted({0, split}):
-                    cfg = F8.Fp8Config(bm, bn, wp, st, ks)
-                    try:
-                        t = bench_calls(
-                            [
-                                lambda q=q, s=s: F8.w8a8_gemm(xq[:m], xs[:m], q, s, config=cfg)
-                                for q, s in blocks
-                            ]
-                        )
-                    except Exception:  # noqa: BLE001 - out of shared memory
-                        continue
-                    if t < best:
-                        best, best_tag = t, f"{bm}x{bn}w{wp}s{st}k{ks}"
-            t_ours = bench_calls(ours)
+                t_ours = bench_calls(ours)
+            best, best_tag, bad = float("inf"), "", []
+            for tag, cfg in cands.items():
+                if not bits_equal(F8.w8a8_gemm(xq[:m], xs[:m], *blocks[0], config=cfg), wants[tag][:m]):
+                    bad.append(tag)
+                t = bench_calls(
+                    [lambda q=q, s=s: F8.w8a8_gemm(xq[:m], xs[:m], q, s, config=cfg) for q, s in blocks]
+                )
+                totals[tag] += t / t_ours
+                if t < best:
+                    best, best_tag = t, tag
             record("fp8 gemm vs block-fp8 best", shape, best, t_ours, 1.2)
-            print(f"    block-fp8 baseline tile: {best_tag}", flush=True)
+            print(
+                f"    block-fp8 baseline: {best_tag}{'; BITS DIFFER at M: ' + ','.join(bad) if bad else ''}",
+                flush=True,
+            )
             lin = [lambda w=w: F8.fp8_linear(x[:m], w) for w in ws]
             t_bf16, t_lin = bench_pair([lambda w=w: F.linear(x[:m], w) for w in ws], lin)
             record("fp8 linear vs bf16 cuBLAS", shape, t_bf16, t_lin)
-    if TIMING == "eager":
-        for n, k in ((896, 896), (4096, 4096)):
-            ws, blocks, rowwise, x, (xq, xs), (xr, sx) = _fp8_operands(n, k, 1)
-            w, (wr, sw) = ws[0], rowwise[0]
-            F8.fp8_linear(x, w)
-            nat = host_us(lambda: F.linear(x, w))
-            smm = host_us(_scaled_mm_fn(xr, sx, wr, sw))
-            ours = host_us(lambda: F8.fp8_linear(x, w))
-            gemm_only = host_us(lambda: F8.w8a8_gemm(xq, xs, *blocks[0]))
-            print(
-                f"[host] fp8 linear M=1 N={n} K={k}: F.linear {nat:.1f} us  _scaled_mm {smm:.1f} us  "
-                f"invariant linear (quant + GEMM) {ours:.1f} us  (GEMM alone {gemm_only:.1f} us)  target <= 25 us",
-                flush=True,
-            )
+        ranked = sorted(totals.items(), key=lambda kv: kv[1])[:3]
+        print(
+            f"    N={n} K={k}: shipped {shipped}; best fixed tiles over all M (mean time / shipped's): "
+            + ", ".join(f"{t} {v / len(FP8_MS):.2f}" for t, v in ranked),
+            flush=True,
+        )
+
+
+def bench_fp8_host() -> None:
+    """Host microseconds per call of the whole invariant linear (quantize + GEMM, cached launches)
+    at M = 1, beside ``F.linear`` and ``torch._scaled_mm`` (eager only)."""
+    from isoaudit.kernels import fp8 as F8
+
+    for n, k in ((896, 896), (4096, 4096)):
+        ws, blocks, rowwise, x, (xq, xs), (xr, sx) = _fp8_operands(n, k, 1)
+        w, (wr, sw) = ws[0], rowwise[0]
+        F8.fp8_linear(x, w)
+        nat = host_us(lambda: F.linear(x, w))
+        smm = host_us(_scaled_mm_fn(xr, sx, wr, sw))
+        ours = host_us(lambda: F8.fp8_linear(x, w))
+        gemm_only = host_us(lambda: F8.w8a8_gemm(xq, xs, *blocks[0]))
+        print(
+            f"[host] fp8 linear M=1 N={n} K={k}: F.linear {nat:.1f} us  _scaled_mm {smm:.1f} us  "
+            f"invariant linear (quant + GEMM) {ours:.1f} us  (GEMM alone {gemm_only:.1f} us)  target <= 25 us",
+            flush=True,
+        )
+        record("host us/call fp8 linear", f"M=1 N={n} K={k}", nat / 1e3, ours / 1e3, 25.0 / nat)
 
 
 #: ``--only all``: every figure this bench reports, each under the timing it is judged by (device

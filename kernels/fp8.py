@@ -184,10 +184,13 @@ class Fp8Config:
     block_k: int = GROUP  # the promotion interval: one activation group, one weight block column
 
 
-#: A weight whose column tiles are fewer than this many programs gets a fixed split-K, so a decode
-#: call still fills the device: spans = min(K blocks, ceil(SPLIT_TARGET / tiles)), at most
-#: SPLIT_MAX_SPANS. A function of (N, K), never of M: the bits of every row are the weight's.
-SPLIT_TARGET = 96
+#: A weight of fewer than SPLIT_MAX_TILES column tiles and at least SPLIT_MIN_BLOCKS 128-K blocks gets
+#: a fixed split-K, so a decode call still fills the device: spans = min(SPLIT_MAX_SPANS,
+#: ceil(SPLIT_TARGET / tiles), blocks // 4). A function of (N, K), never of M: the bits of every row
+#: are the weight's. (Fitted to a sweep on the H100: a split of a short K cost more than it gave.)
+SPLIT_TARGET = 132
+SPLIT_MAX_TILES = 96
+SPLIT_MIN_BLOCKS = 16
 SPLIT_MAX_SPANS = 8
 #: The split grid (spans as programs) serves calls of at most this many rows; larger ones sum the
 #: spans in turn in one program (the same adds).
@@ -202,15 +205,15 @@ def split_enabled() -> bool:
 
 @cache
 def fp8_config(n: int, k: int, capability: tuple[int, int] | None = None) -> Fp8Config:
-    """The tile of an (n, k) weight: 64×128 (decode-friendly, one wgmma warpgroup) with 4 warps
-    and 4 stages on Hopper; under the interpreter (capability None) the same shape. Depends on
-    (n, k, capability) only."""
-    block_m, block_n = 64, 128
+    """The tile of an (n, k) weight: 64x64, 4 warps, 4 stages, pointer loads (on the H100 the
+    fastest single tile at decode sizes, where a rollout spends its time), plus the fixed split-K
+    above. Depends on (n, k, capability) only; under the interpreter the same shape."""
+    block_m, block_n = 64, 64
     tiles = cdiv(n, block_n)
     kbs = cdiv(k, GROUP)
     span = 0
-    if split_enabled() and tiles < SPLIT_TARGET and kbs > 1:
-        spans = min(kbs, SPLIT_MAX_SPANS, cdiv(SPLIT_TARGET, tiles))
+    if split_enabled() and tiles < SPLIT_MAX_TILES and kbs >= SPLIT_MIN_BLOCKS:
+        spans = min(SPLIT_MAX_SPANS, cdiv(SPLIT_TARGET, tiles), kbs // 4)
         if spans > 1:
             span = cdiv(kbs, spans) * GROUP
     return Fp8Config(block_m, block_n, 4, 4, span)
