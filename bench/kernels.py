@@ -1108,7 +1108,7 @@ FP8_SHAPES = [
     (28672, 4096),
     (4096, 14336),
 ]
-FP8_MS = (1, 16, 64, 256, 2048, 4096)
+FP8_MS = (1, 64, 256, 2048, 4096)
 FP8_TUNE_MS = (1, 64, 256, 2048)
 #: Block-FP8 baseline tiles (BLOCK_M, BLOCK_N, warps, stages): the best of these per M is the
 #: baseline (an M-tuned DeepGEMM/vLLM-style Triton block-FP8 GEMM, free to pick its split-K too).
@@ -1187,10 +1187,7 @@ def bench_fp8_tune() -> None:
 #: with and without the weight's split-K. The best of all per M is the block-FP8 baseline (an M-tuned
 #: DeepGEMM/vLLM-style Triton block-FP8 GEMM: the same arithmetic, free to change tile and split
 #: with M); the shipped invariant config is one fixed tile for every M.
-FP8_CANDS = (
-    (64, 64, 4, 4, False, False), (64, 128, 4, 4, False, False), (64, 128, 4, 4, True, False),
-    (128, 128, 8, 3, True, True),
-)  # fmt: skip
+FP8_CANDS = ((64, 64, 4, 4, False, False), (64, 128, 4, 4, False, False), (128, 128, 8, 3, True, True))
 
 
 def bench_fp8() -> None:
