@@ -114,3 +114,41 @@ def test_mode_in_contract_and_manifest() -> None:
     assert validate(fp8) == []
     assert identities(fp8).numerical_policy != identities(bf16).numerical_policy
     assert fp8.model.lm_head_dtype == "float32"
+
+
+def _moe_pair(model, prompts, new, chunk=None, fp8=True) -> dict:
+    from isoaudit.kernels import moe
+
+    from .test_moe_e2e import _Traced
+
+    traced = _Traced(model)
+    res = run_pair(traced, True, prompts, new, chunk, fp8=fp8)
+    res["routing_agreement_min"] = min(moe.agreement(traced.engine, traced.trainer).values())
+    return res
+
+
+def test_qwen3_moe_fp8_cpu() -> None:
+    """A Qwen3-MoE in the FP8 mode: attention and expert projections in W8A8 (the experts one by
+    one through the FP8 linear), the fp32 router as in ``invariant``; rollout = trainer bitwise."""
+    from .test_moe_e2e import hf_moe
+
+    model = hf_moe("qwen3_moe", 2, 128, 8, 2, 256, torch.float32, "cpu")
+    prompts, new = _requests(256, [3, 9, 20], [6, 3, 5])
+    for chunk in (None, 4):
+        res = _moe_pair(model, prompts, new, chunk)
+        _report(f"qwen3_moe-cpu-fp32 invariant-fp8 chunk={chunk}", res)
+        assert res["mean_abs_delta"] == 0.0 and res["exact_fraction"] == 1.0
+        assert res["routing_agreement_min"] == 1.0
+
+
+@gpu
+def test_qwen3_moe_fp8_gpu() -> None:
+    from .test_moe_e2e import hf_moe
+
+    model = hf_moe("qwen3_moe", 4, 256, 16, 4, 1024, torch.bfloat16, "cuda")
+    prompts, new = _requests(1024, LENS, NEW)
+    for chunk in (None, 16):
+        res = _moe_pair(model, prompts, new, chunk)
+        _report(f"qwen3_moe-4L-bf16 invariant-fp8 chunk={chunk}", res)
+        assert res["mean_abs_delta"] == 0.0 and res["exact_fraction"] == 1.0
+        assert res["routing_agreement_min"] == 1.0
