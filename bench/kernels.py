@@ -1110,9 +1110,6 @@ FP8_SHAPES = [
 ]
 FP8_MS = (1, 64, 256, 2048, 4096)
 FP8_TUNE_MS = (1, 64, 256, 2048)
-#: Block-FP8 baseline tiles (BLOCK_M, BLOCK_N, warps, stages): the best of these per M is the
-#: baseline (an M-tuned DeepGEMM/vLLM-style Triton block-FP8 GEMM, free to pick its split-K too).
-FP8_BASE_TILES = ((64, 128, 4, 4), (64, 64, 4, 4), (128, 128, 8, 3), (128, 128, 4, 3), (128, 256, 8, 3))
 
 
 def _fp8_operands(n: int, k: int, m_max: int):
@@ -1146,24 +1143,17 @@ def bench_fp8_tune() -> None:
 
     global TIMING
     saved, TIMING = TIMING, "graph"
-    cands = [
-        (64, 128, 4, 4),
-        (64, 128, 4, 3),
-        (64, 64, 4, 4),
-        (128, 128, 8, 3),
-        (128, 128, 4, 3),
-        (128, 256, 8, 3),
-    ]
+    cands = [(64, 64, 4, 4), (64, 128, 4, 4), (64, 128, 4, 3), (128, 128, 8, 3), (128, 64, 8, 4)]
     for n, k in FP8_SHAPES:
         ws, blocks, rowwise, x, (xq, xs), (xr, sx) = _fp8_operands(n, k, 4096)
         split = F8.fp8_config(n, k, torch.cuda.get_device_capability()).k_split
-        for m in FP8_MS:
+        for m in FP8_TUNE_MS:
             smm = [_scaled_mm_fn(xr[:m], sx[:m], wr, sw) for wr, sw in rowwise]
             line = [f"fp8-tune N={n} K={k} M={m}:"]
-            for bm, bn, wp, st, tma, pair in cands:
+            for bm, bn, wp, st in cands:
                 for ks in sorted({0, split}):
-                    cfg = F8.Fp8Config(bm, bn, wp, st, ks, tma, pair)
-                    tag = f"{bm}x{bn}w{wp}s{st}{'T' if tma else 'P'}{'2' if pair else ''}{'k' + str(ks) if ks else ''}"
+                    cfg = F8.Fp8Config(bm, bn, wp, st, ks)
+                    tag = f"{bm}x{bn}w{wp}s{st}{'k' + str(ks) if ks else ''}"
                     try:
                         want = F8.w8a8_gemm(xq, xs, *blocks[0], config=cfg)
                         same = bits_equal(F8.w8a8_gemm(xq[:m], xs[:m], *blocks[0], config=cfg), want[:m])
@@ -1183,11 +1173,11 @@ def bench_fp8_tune() -> None:
     TIMING = saved
 
 
-#: Candidate fixed tiles (BLOCK_M, BLOCK_N, warps, stages, TMA, two blocks an iteration), each also
+#: Candidate fixed tiles (BLOCK_M, BLOCK_N, warps, stages), each also
 #: with and without the weight's split-K. The best of all per M is the block-FP8 baseline (an M-tuned
 #: DeepGEMM/vLLM-style Triton block-FP8 GEMM: the same arithmetic, free to change tile and split
 #: with M); the shipped invariant config is one fixed tile for every M.
-FP8_CANDS = ((64, 64, 4, 4, False, False), (64, 128, 4, 4, False, False), (128, 128, 8, 3, True, True))
+FP8_CANDS = ((64, 64, 4, 4), (64, 128, 4, 4), (128, 128, 8, 3))
 
 
 def bench_fp8() -> None:
@@ -1205,10 +1195,9 @@ def bench_fp8() -> None:
         ws, blocks, rowwise, x, (xq, xs), (xr, sx) = _fp8_operands(n, k, max(FP8_MS))
         shipped = F8.fp8_config(n, k, torch.cuda.get_device_capability())
         cands = {}
-        for bm, bn, wp, st, tma, pair in FP8_CANDS:
+        for bm, bn, wp, st in FP8_CANDS:
             for ks in sorted({0, shipped.k_split}):
-                cfg = F8.Fp8Config(bm, bn, wp, st, ks, tma, pair)
-                cands[f"{bm}x{bn}w{wp}s{st}{'T' if tma else 'P'}{'2' if pair else ''}k{ks}"] = cfg
+                cands[f"{bm}x{bn}w{wp}s{st}k{ks}"] = F8.Fp8Config(bm, bn, wp, st, ks)
         wants = {tag: F8.w8a8_gemm(xq, xs, *blocks[0], config=cfg) for tag, cfg in cands.items()}
         want = F8.w8a8_gemm(xq, xs, *blocks[0])
         totals = dict.fromkeys(cands, 0.0)

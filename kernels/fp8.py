@@ -44,46 +44,38 @@ if HAVE_TRITON:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
-        TMA: tl.constexpr,
-        PAIR: tl.constexpr,
+        SPAN_BLOCKS: tl.constexpr,
     ):  # fmt: skip
-        """The fp32 sum over K blocks [kb_lo, kb_hi) of one tile, from zero: each block's MMA from
-        zero, promoted (times the activation and weight scales), added in ascending order. With
-        TMA, ``a``/``b`` are tensor descriptors (out-of-bounds reads are zeros)."""
+        """The fp32 sum over K blocks [kb_lo, kb_hi) of one tile: each block's MMA from zero,
+        scaled, added in ascending order. SPAN_BLOCKS > 0: the running sum restarts at every span
+        of that many blocks and the span sums are added in order to a total (0 + p0 + p1 + ...)."""
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
         m_ok = offs_m < M
         n_ok = offs_n < N
+        a_rows = a + offs_m[:, None].to(tl.int64) * stride_am
+        b_rows = b + offs_n[:, None].to(tl.int64) * stride_bn
         sa_rows = a_s + offs_m.to(tl.int64) * stride_asm
         sb_rows = b_s + (offs_n // BLOCK_K).to(tl.int64) * stride_bsn
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kb0 in range(kb_lo, kb_hi, PAIR + 1):
-            # PAIR: two 128-K blocks an iteration, two MMAs in flight, each from zero and promoted
-            # in ascending order: the same adds as one block an iteration (a block past the span
-            # adds 0 * 0).
-            for j in tl.static_range(PAIR + 1):
-                kb = kb0 + j
-                k0 = kb * BLOCK_K
-                if TMA:
-                    x = a.load([pid_m * BLOCK_M, k0])
-                    w = b.load([pid_n * BLOCK_N, k0])
-                else:
-                    k_ok = ((k0 + offs_k) < K) & ((k0 + offs_k) < kb_hi * BLOCK_K)
-                    x = tl.load(
-                        a + offs_m[:, None].to(tl.int64) * stride_am + (k0 + offs_k)[None, :],
-                        mask=m_ok[:, None] & k_ok[None, :],
-                        other=0.0,
-                    )
-                    w = tl.load(
-                        b + offs_n[:, None].to(tl.int64) * stride_bn + (k0 + offs_k)[None, :],
-                        mask=n_ok[:, None] & k_ok[None, :],
-                        other=0.0,
-                    )
-                part = tl.dot(x, tl.trans(w), out_dtype=tl.float32)
-                sa = tl.load(sa_rows + kb, mask=m_ok & (offs_m * 0 + kb < kb_hi), other=0.0)
-                sb = tl.load(sb_rows + kb, mask=n_ok & (offs_n * 0 + kb < kb_hi), other=0.0)
-                acc = acc + part * (sa[:, None] * sb[None, :])
+        if SPAN_BLOCKS > 0:
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kb in range(kb_lo, kb_hi):
+            k0 = kb * BLOCK_K
+            k_ok = (k0 + offs_k) < K
+            x = tl.load(a_rows + (k0 + offs_k)[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(b_rows + (k0 + offs_k)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            part = tl.dot(x, tl.trans(w), out_dtype=tl.float32)
+            sa = tl.load(sa_rows + kb, mask=m_ok, other=0.0)
+            sb = tl.load(sb_rows + kb, mask=n_ok, other=0.0)
+            acc = acc + part * (sa[:, None] * sb[None, :])
+            if SPAN_BLOCKS > 0:
+                if ((kb + 1) % SPAN_BLOCKS == 0) | (kb + 1 >= kb_hi):
+                    total = total + acc
+                    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if SPAN_BLOCKS > 0:
+            return total
         return acc
 
     @triton.jit
@@ -110,13 +102,8 @@ if HAVE_TRITON:
         GROUP_M: tl.constexpr,
         SPAN_BLOCKS: tl.constexpr,
         SPLIT_GRID: tl.constexpr,
-        TMA: tl.constexpr,
-        PAIR: tl.constexpr,
     ):  # fmt: skip
         # Program (tile, span): tiles in grouped order (which program runs a tile, not its sums).
-        if TMA:
-            a = tl.make_tensor_descriptor(a, [M, K], [stride_am, 1], [BLOCK_M, BLOCK_K])
-            b = tl.make_tensor_descriptor(b, [N, K], [stride_bn, 1], [BLOCK_N, BLOCK_K])
         tile = tl.program_id(0)
         num_m = tl.cdiv(M, BLOCK_M)
         num_n = tl.cdiv(N, BLOCK_N)
@@ -127,28 +114,19 @@ if HAVE_TRITON:
         pid_n = (tile % group) // size_m
         kbs = tl.cdiv(K, BLOCK_K)
         if not SPLIT_GRID:
-            if SPAN_BLOCKS == 0:
-                total = _fp8_span(
-                    a, a_s, b, b_s, M, N, K, stride_am, stride_asm, stride_bn, stride_bsn, pid_m, pid_n,
-                    0, kbs, BLOCK_M, BLOCK_N, BLOCK_K, TMA, PAIR,
-                )  # fmt: skip
-            else:
-                # the fixed split-K summed in turn: each span from zero, the span sums added in order
-                total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                for lo in range(0, kbs, SPAN_BLOCKS):
-                    total = total + _fp8_span(
-                        a, a_s, b, b_s, M, N, K, stride_am, stride_asm, stride_bn, stride_bsn, pid_m, pid_n,
-                        lo, tl.minimum(lo + SPAN_BLOCKS, kbs), BLOCK_M, BLOCK_N, BLOCK_K, TMA, PAIR,
-                    )  # fmt: skip
-            _fp8_store(c, total, bias_ptr, M, N, stride_cm, pid_m, pid_n, HAS_BIAS, BLOCK_M, BLOCK_N)
+            acc = _fp8_span(
+                a, a_s, b, b_s, M, N, K, stride_am, stride_asm, stride_bn, stride_bsn, pid_m, pid_n, 0, kbs,
+                BLOCK_M, BLOCK_N, BLOCK_K, SPAN_BLOCKS,
+            )  # fmt: skip
+            _fp8_store(c, acc, bias_ptr, M, N, stride_cm, pid_m, pid_n, HAS_BIAS, BLOCK_M, BLOCK_N)
         else:
             # Span s of the tile is program (tile, s); its fp32 sum goes to ``partials``; the tile's
-            # last program to finish (an atomic count) adds every span in ascending order, from 0.
+            # last program to finish (an atomic count) adds every span in ascending order.
             span = tl.program_id(1)
             lo = span * SPAN_BLOCKS
             acc = _fp8_span(
                 a, a_s, b, b_s, M, N, K, stride_am, stride_asm, stride_bn, stride_bsn, pid_m, pid_n,
-                lo, tl.minimum(lo + SPAN_BLOCKS, kbs), BLOCK_M, BLOCK_N, BLOCK_K, TMA, PAIR,
+                lo, tl.minimum(lo + SPAN_BLOCKS, kbs), BLOCK_M, BLOCK_N, BLOCK_K, 0,
             )  # fmt: skip
             spans = tl.cdiv(kbs, SPAN_BLOCKS)
             tiles = num_m * num_n
@@ -179,8 +157,6 @@ class Fp8Config:
     num_warps: int = 4
     num_stages: int = 4
     k_split: int = 0
-    tma: bool = False  # operands through kernel-built TMA descriptors (Hopper; rows 16-byte aligned)
-    pair: bool = False  # two 128-K blocks an iteration (two MMAs in flight; the same adds)
     block_k: int = GROUP  # the promotion interval: one activation group, one weight block column
 
 
@@ -256,8 +232,6 @@ def plan(m: int, n: int, k: int, has_bias: bool, device: torch.device, config: F
         GROUP_M=8,
         SPAN_BLOCKS=span_blocks if spans > 1 else 0,
         SPLIT_GRID=split_grid,
-        TMA=cfg.tma,
-        PAIR=int(cfg.pair),
     )
     scratch = (spans * tiles * cfg.block_m * cfg.block_n, tiles) if split_grid else None
     grid = (tiles, spans if split_grid else 1, 1)
@@ -359,12 +333,6 @@ def w8a8_gemm(
         align |= (ptr % 16 == 0) << i
     key = (p, sa, sas, sw, sws, xq.dtype, wq.dtype, out_dtype, align)
     sizes = (m, n, k, sa, sas, sw, sws, n)
-    if constexprs["TMA"]:
-        if (sa * xq.element_size()) % 16 or (sw * wq.element_size()) % 16 or ptrs[0] % 16 or ptrs[2] % 16:
-            raise ValueError("w8a8_gemm: a TMA tile needs 16-byte aligned operand rows")
-        from .gemm import _ensure_allocator
-
-        _ensure_allocator()
     if xq.is_cuda and _LAUNCH.launch_cached(
         key, grid, (*ptrs, *sizes, partials.data_ptr(), counters.data_ptr())
     ):

@@ -41,7 +41,10 @@ AMAX_FLOOR = 2.0**-40
 
 
 def _scale_of(amax: torch.Tensor) -> torch.Tensor:
-    return torch.clamp(amax.float(), min=AMAX_FLOOR) / E4M3_MAX
+    # The divisor a tensor, not a Python number: torch on CUDA divides by a host scalar as a
+    # multiplication by its reciprocal (not an IEEE division), the likely reason the H100 run of
+    # this reference on CUDA missed the CPU's bits for bf16 weight blocks.
+    return torch.clamp(amax.float(), min=AMAX_FLOOR) / torch.full((), E4M3_MAX, device=amax.device)
 
 
 def _to_e4m3(v: torch.Tensor) -> torch.Tensor:

@@ -124,12 +124,7 @@ def test_kernel_structure_fp32() -> None:
     x, w = _operands(150, 96, 520)
     xq, xs = quantize_act_reference(x)
     wq, ws = quantize_weight(w)
-    cfgs = [
-        F8.Fp8Config(32, 32, 4, 2, ks, tma, pair)
-        for ks in (0, 256)
-        for tma in (False, True)
-        for pair in (False, True)
-    ]
+    cfgs = [F8.Fp8Config(32, 32, 4, 2, 0), F8.Fp8Config(32, 32, 4, 2, 256)]
     for cfg in cfgs:
         full = F8.w8a8_gemm(xq.float(), xs, wq.float(), ws, None, torch.float32, impl="triton", config=cfg)
         ref = F8.w8a8_reference(xq, xs, wq, ws, None, torch.float32, k_split=cfg.k_split)
