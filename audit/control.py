@@ -11,8 +11,10 @@ from typing import Annotated, Literal, get_args
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-#: What a run's collectors can be asked to run on: their native kernels, or the invariant ones.
-RemediationMode = Literal["native", "invariant"]
+#: What a run's collectors can be asked to run on: their native kernels, the invariant ones, or the
+#: invariant ones with every linear layer in W8A8 block-FP8 (``invariant-fp8``: FP8 rollouts whose
+#: trainer recomputes in the same FP8 arithmetic; :mod:`isoaudit.kernels.fp8`).
+RemediationMode = Literal["native", "invariant", "invariant-fp8"]
 REMEDIATION_MODES: tuple[RemediationMode, ...] = get_args(RemediationMode)
 
 #: A timestamp as UTC with its zone: SQLite hands back naive datetimes of what were UTC ones.

@@ -1096,6 +1096,169 @@ def bench_moe() -> None:
             print(f"    bitwise equal to the host-table path: {same}", flush=True)
 
 
+#: FP8 shapes: decode (M <= 256) and prefill (M >= 2048) on the 0.5B (Qwen2.5-0.5B: 896 hidden,
+#: 4864 MLP, q+k+v = 1152) and 8B (Llama-3-8B: 4096 hidden, q+k+v = 6144, 14336 MLP) projections.
+FP8_SHAPES = [
+    (1152, 896),
+    (896, 896),
+    (9728, 896),
+    (896, 4864),
+    (6144, 4096),
+    (4096, 4096),
+    (28672, 4096),
+    (4096, 14336),
+]
+FP8_MS = (1, 64, 256, 2048, 4096)
+FP8_TUNE_MS = (1, 64, 256, 2048)
+
+
+def _fp8_operands(n: int, k: int, m_max: int):
+    """Weight copies (bf16 masters, block-FP8, row-wise FP8 for ``torch._scaled_mm``) cycled past L2,
+    and activations in each form."""
+    from isoaudit.kernels.fp8_quant import FP8, quantize_act, quantize_weight
+
+    ws = _weight_copies(n, k)
+    blocks = [quantize_weight(w) for w in ws]
+    rowwise = []
+    for w in ws:
+        s = w.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 448.0
+        rowwise.append(((w.float() / s).clamp(-448, 448).to(FP8), s.reshape(1, n)))
+    x = torch.randn(m_max, k, device="cuda").bfloat16()
+    xq, xs = quantize_act(x)
+    sx = x.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 448.0
+    xr = (x.float() / sx).clamp(-448, 448).to(FP8)
+    return ws, blocks, rowwise, x, (xq, xs), (xr, sx)
+
+
+def _scaled_mm_fn(xr, sx, wr, sw):
+    return lambda: torch._scaled_mm(xr, wr.t(), scale_a=sx, scale_b=sw, out_dtype=torch.bfloat16)
+
+
+def bench_fp8_tune() -> None:
+    """Candidate fixed tiles of the invariant W8A8 GEMM (graph timing): time per M against
+    ``torch._scaled_mm`` (row-wise scales), and each tile's rows at M against its own 4096-row
+    result (bits)."""
+    from isoaudit.kernels import fp8 as F8
+    from isoaudit.kernels.bits import bits_equal
+
+    global TIMING
+    saved, TIMING = TIMING, "graph"
+    cands = [(64, 64, 4, 4), (64, 128, 4, 4), (64, 128, 4, 3), (128, 128, 8, 3), (128, 64, 8, 4)]
+    for n, k in FP8_SHAPES:
+        ws, blocks, rowwise, x, (xq, xs), (xr, sx) = _fp8_operands(n, k, 4096)
+        split = F8.fp8_config(n, k, torch.cuda.get_device_capability()).k_split
+        for m in FP8_TUNE_MS:
+            smm = [_scaled_mm_fn(xr[:m], sx[:m], wr, sw) for wr, sw in rowwise]
+            line = [f"fp8-tune N={n} K={k} M={m}:"]
+            for bm, bn, wp, st in cands:
+                for ks in sorted({0, split}):
+                    cfg = F8.Fp8Config(bm, bn, wp, st, ks)
+                    tag = f"{bm}x{bn}w{wp}s{st}{'k' + str(ks) if ks else ''}"
+                    try:
+                        want = F8.w8a8_gemm(xq, xs, *blocks[0], config=cfg)
+                        same = bits_equal(F8.w8a8_gemm(xq[:m], xs[:m], *blocks[0], config=cfg), want[:m])
+                        base, t = bench_pair(
+                            smm,
+                            [
+                                lambda q=q, s=s: F8.w8a8_gemm(xq[:m], xs[:m], q, s, config=cfg)
+                                for q, s in blocks
+                            ],
+                        )
+                    except Exception as e:  # noqa: BLE001 - out of shared memory etc.
+                        line.append(f"{tag}: {type(e).__name__}")
+                        continue
+                    line.append(f"{tag} {t * 1e3:.1f}us {t / base:.2f}x{'' if same else ' BITS-DIFFER'}")
+            line.insert(1, f"scaled_mm {base * 1e3:.1f}us")
+            print("  ".join(line), flush=True)
+    TIMING = saved
+
+
+#: Candidate fixed tiles (BLOCK_M, BLOCK_N, warps, stages), each also
+#: with and without the weight's split-K. The best of all per M is the block-FP8 baseline (an M-tuned
+#: DeepGEMM/vLLM-style Triton block-FP8 GEMM: the same arithmetic, free to change tile and split
+#: with M); the shipped invariant config is one fixed tile for every M.
+FP8_CANDS = ((64, 64, 4, 4), (64, 128, 4, 4), (128, 128, 8, 3))
+
+
+def bench_fp8() -> None:
+    """The invariant W8A8 GEMM (its shipped fixed tile) against the FP8 GEMMs a user would pick,
+    each measured in this run on the same weights cycled past L2: ``torch._scaled_mm``
+    (cuBLASLt/CUTLASS FP8, row-wise scales), the M-tuned block-FP8 Triton baseline (best of
+    :data:`FP8_CANDS` x split per M), and bf16 cuBLAS (``F.linear`` on the bf16 masters). GEMM rows
+    take pre-quantized operands; "linear" adds the per-token-group activation quantization (bf16 in,
+    bf16 out). Every candidate's rows at M are checked against its own 4096-row result (bits), and
+    the table ends with each shape's best single fixed tile over all M (for the default)."""
+    from isoaudit.kernels import fp8 as F8
+    from isoaudit.kernels.bits import bits_equal
+
+    for n, k in FP8_SHAPES:
+        ws, blocks, rowwise, x, (xq, xs), (xr, sx) = _fp8_operands(n, k, max(FP8_MS))
+        shipped = F8.fp8_config(n, k, torch.cuda.get_device_capability())
+        cands = {}
+        for bm, bn, wp, st in FP8_CANDS:
+            for ks in sorted({0, shipped.k_split}):
+                cands[f"{bm}x{bn}w{wp}s{st}k{ks}"] = F8.Fp8Config(bm, bn, wp, st, ks)
+        wants = {tag: F8.w8a8_gemm(xq, xs, *blocks[0], config=cfg) for tag, cfg in cands.items()}
+        want = F8.w8a8_gemm(xq, xs, *blocks[0])
+        totals = dict.fromkeys(cands, 0.0)
+        for m in FP8_MS:
+            shape = f"M={m} N={n} K={k}"
+            assert bits_equal(F8.w8a8_gemm(xq[:m], xs[:m], *blocks[0]), want[:m]), shape
+            ours = [lambda q=q, s=s: F8.w8a8_gemm(xq[:m], xs[:m], q, s) for q, s in blocks]
+            smm = [_scaled_mm_fn(xr[:m], sx[:m], wr, sw) for wr, sw in rowwise]
+            try:
+                t_smm, t_ours = bench_pair(smm, ours)
+                record("fp8 gemm vs _scaled_mm", shape, t_smm, t_ours, 1.3)
+            except Exception as e:  # noqa: BLE001 - a shape _scaled_mm refuses
+                print(f"[{TIMING}] fp8 gemm vs _scaled_mm {shape}: {e!r}"[:200], flush=True)
+                t_ours = bench_calls(ours)
+            best, best_tag, bad = float("inf"), "", []
+            for tag, cfg in cands.items():
+                if not bits_equal(F8.w8a8_gemm(xq[:m], xs[:m], *blocks[0], config=cfg), wants[tag][:m]):
+                    bad.append(tag)
+                t = bench_calls(
+                    [lambda q=q, s=s: F8.w8a8_gemm(xq[:m], xs[:m], q, s, config=cfg) for q, s in blocks]
+                )
+                totals[tag] += t / t_ours
+                if t < best:
+                    best, best_tag = t, tag
+            record("fp8 gemm vs block-fp8 best", shape, best, t_ours, 1.2)
+            print(
+                f"    block-fp8 baseline: {best_tag}{'; BITS DIFFER at M: ' + ','.join(bad) if bad else ''}",
+                flush=True,
+            )
+            lin = [lambda w=w: F8.fp8_linear(x[:m], w) for w in ws]
+            t_bf16, t_lin = bench_pair([lambda w=w: F.linear(x[:m], w) for w in ws], lin)
+            record("fp8 linear vs bf16 cuBLAS", shape, t_bf16, t_lin)
+        ranked = sorted(totals.items(), key=lambda kv: kv[1])[:3]
+        print(
+            f"    N={n} K={k}: shipped {shipped}; best fixed tiles over all M (mean time / shipped's): "
+            + ", ".join(f"{t} {v / len(FP8_MS):.2f}" for t, v in ranked),
+            flush=True,
+        )
+
+
+def bench_fp8_host() -> None:
+    """Host microseconds per call of the whole invariant linear (quantize + GEMM, cached launches)
+    at M = 1, beside ``F.linear`` and ``torch._scaled_mm`` (eager only)."""
+    from isoaudit.kernels import fp8 as F8
+
+    for n, k in ((896, 896), (4096, 4096)):
+        ws, blocks, rowwise, x, (xq, xs), (xr, sx) = _fp8_operands(n, k, 1)
+        w, (wr, sw) = ws[0], rowwise[0]
+        F8.fp8_linear(x, w)
+        nat = host_us(lambda: F.linear(x, w))
+        smm = host_us(_scaled_mm_fn(xr, sx, wr, sw))
+        ours = host_us(lambda: F8.fp8_linear(x, w))
+        gemm_only = host_us(lambda: F8.w8a8_gemm(xq, xs, *blocks[0]))
+        print(
+            f"[host] fp8 linear M=1 N={n} K={k}: F.linear {nat:.1f} us  _scaled_mm {smm:.1f} us  "
+            f"invariant linear (quant + GEMM) {ours:.1f} us  (GEMM alone {gemm_only:.1f} us)  target <= 25 us",
+            flush=True,
+        )
+        record("host us/call fp8 linear", f"M=1 N={n} K={k}", nat / 1e3, ours / 1e3, 25.0 / nat)
+
+
 #: ``--only all``: every figure this bench reports, each under the timing it is judged by (device
 #: time in graph replay for the kernels a decode step captures, wall time for the host, the
 #: trainer, the engine and the library comparisons), in one run.

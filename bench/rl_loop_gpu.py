@@ -1,6 +1,7 @@
 """The GRPO recipe (:func:`isoaudit.collectors.rl.job.run_job`) on a GPU, native against remediated.
 
     python bench/rl_loop_gpu.py [--steps 3] [--prompts 16] [--group 4] [--max-new 256] [--json out.json]
+    python bench/rl_loop_gpu.py --fp8    # remediated = ``invariant-fp8``: FP8 rollouts, FP8 recompute
 
 A random Qwen3-shaped ~0.5B bf16 policy (24 layers, hidden 896, 14/2 heads of 64, MLP 4,864,
 vocab 151,936, tied embeddings: 0.60B parameters), the reference engine over its own copy of the
@@ -76,8 +77,8 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
     )
     with kernels.disable():
         with isoaudit.session(f"rl-loop-gpu-{mode}", destination=MemoryDestination(), report=False) as audit:
-            if mode == "invariant":
-                audit.control.set("invariant")
+            if mode != "native":
+                audit.control.set(mode)
             figures = run_job(
                 audit,
                 policy,
@@ -121,6 +122,11 @@ def main() -> None:
     ap.add_argument("--updates", type=int, default=1)
     ap.add_argument("--lr", type=float, default=1e-6)
     ap.add_argument("--json", default=None)
+    ap.add_argument(
+        "--fp8",
+        action="store_true",
+        help="remediate in the invariant-fp8 mode (every linear in W8A8 on both sides) instead of invariant",
+    )
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/rl_loop_gpu.py needs CUDA")
@@ -129,8 +135,9 @@ def main() -> None:
         f"{args.group}, {args.max_new} new tokens, {args.layers} layers, {args.updates} update(s)/step",
         flush=True,
     )
-    rows = {mode: run_mode(mode, args) for mode in ("native", "invariant")}
-    nat, inv = rows["native"], rows["invariant"]
+    remediated = "invariant-fp8" if args.fp8 else "invariant"
+    rows = {mode: run_mode(mode, args) for mode in ("native", remediated)}
+    nat, inv = rows["native"], rows[remediated]
     print("\nphase        native s   remediated s   overhead")
     for phase in ("generation_s", "training_s", "step_s"):
         over = (inv[phase] / nat[phase] - 1) * 100

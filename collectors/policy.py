@@ -149,9 +149,12 @@ _KERNEL_FUNCTIONS = {
 }
 
 
-def kernel_ops(device_type: str = "cpu") -> dict[str, Impl]:
+def kernel_ops(device_type: str = "cpu", fp8: bool = False) -> dict[str, Impl]:
     """The ops :mod:`isoaudit.kernels.dispatch` runs when enabled, on tensors of ``device_type``:
-    isoaudit.kernels.cpu on the CPU (unless routed to the Triton modules), the Triton kernels elsewhere."""
+    isoaudit.kernels.cpu on the CPU (unless routed to the Triton modules), the Triton kernels elsewhere.
+    ``fp8`` (the ``invariant-fp8`` mode): ``linear`` is the W8A8 linear of :mod:`isoaudit.kernels.fp8`
+    on every device (its version covers the quantizers), so the numerical policy names the FP8
+    arithmetic and a bf16-invariant side does not share it."""
     from isoaudit.kernels import dispatch
 
     on_cpu = device_type == "cpu" and dispatch._CPU_IMPL == "cpu"
@@ -165,6 +168,12 @@ def kernel_ops(device_type: str = "cpu") -> dict[str, Impl]:
 
         source = importlib.import_module(f"isoaudit.kernels.{module}").__file__
         out[op] = Impl(f"kernels.{module}.{function}", source_digest(str(source), str(dispatch.__file__)))
+    if fp8:
+        from isoaudit.kernels import fp8 as fp8_module
+        from isoaudit.kernels import fp8_quant
+
+        files = (str(fp8_module.__file__), str(fp8_quant.__file__), str(dispatch.__file__))
+        out["linear"] = Impl("kernels.fp8.fp8_linear", source_digest(*files))
     return out
 
 
@@ -191,9 +200,9 @@ def hf_ops(model: Any, mode: str, *, attention: str | None = None) -> dict[str, 
         "lm_head": torch_op("linear"),
         "log_softmax": torch_op("log_softmax"),
     }
-    if mode == "invariant":
+    if mode in ("invariant", "invariant-fp8"):
         param = next(model.parameters(), None)
-        ops.update(kernel_ops(param.device.type if param is not None else "cpu"))
+        ops.update(kernel_ops(param.device.type if param is not None else "cpu", fp8=mode == "invariant-fp8"))
     return ops
 
 
@@ -319,10 +328,11 @@ def hf_contracts(model: Any, *, native_attention: Impl | None = None) -> Callabl
 
     def contract(mode: str) -> Contract:
         if mode not in built:
-            head = "float32" if mode == "invariant" else dtype
+            invariant = mode in ("invariant", "invariant-fp8")
+            head = "float32" if invariant else dtype
             spec = model_spec(config, dtype=dtype, lm_head_dtype=head)
             ops = hf_ops(model, mode)
-            if native_attention is not None and mode != "invariant":
+            if native_attention is not None and not invariant:
                 ops["attention"] = native_attention
             built[mode] = build_contract(spec, ops, qk_norm=qk)
         return built[mode]

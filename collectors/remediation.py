@@ -20,13 +20,16 @@ RemediationHook = Callable[[nn.Module, str], None]
 
 
 def apply_kernels_mode(model: nn.Module, mode: str) -> None:
-    """Route the process through :mod:`isoaudit.kernels` (``invariant``) or back to native ops."""
+    """Route the process through :mod:`isoaudit.kernels` (``invariant``; ``invariant-fp8``: with the
+    linear layers in invariant W8A8) or back to native ops."""
     if mode not in MODES:
         raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
     from isoaudit import kernels
 
     if mode == "invariant":
         kernels.enable()
+    elif mode == "invariant-fp8":
+        kernels.enable(fp8=True)
     else:
         kernels.disable()
 

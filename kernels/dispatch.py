@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from . import attention as _attn
 from . import cpu as _cpu
 from . import elementwise as _ew
+from . import fp8 as _fp8
 from . import gdn as _gdn
 from . import gdn_cpu as _gdn_cpu
 from . import gemm as _gemm
@@ -27,6 +28,7 @@ from . import logprobs as _lp
 from . import rmsnorm as _rms
 
 _ENABLED = False
+_FP8 = False  # with _ENABLED: the model's linear layers in invariant W8A8 (the "invariant-fp8" mode)
 _CPU_IMPL = os.environ.get("ISOAUDIT_KERNELS_CPU", "cpu")
 
 
@@ -40,6 +42,26 @@ def set_enabled(flag: bool) -> bool:
     global _ENABLED
     prev, _ENABLED = _ENABLED, bool(flag)
     return prev
+
+
+def set_fp8(flag: bool) -> bool:
+    """Whether, when enabled, linear layers run the invariant W8A8 FP8 linear
+    (:mod:`isoaudit.kernels.fp8`) instead of the bf16 invariant GEMM; returns the previous value."""
+    global _FP8
+    prev, _FP8 = _FP8, bool(flag)
+    return prev
+
+
+def is_fp8() -> bool:
+    """Whether enabled linear layers run in FP8 (meaningful only while :func:`is_enabled`)."""
+    return _FP8
+
+
+def mode() -> str:
+    """The remediation mode this process runs: ``native``, ``invariant`` or ``invariant-fp8``."""
+    if not _ENABLED:
+        return "native"
+    return "invariant-fp8" if _FP8 else "invariant"
 
 
 def set_cpu_impl(impl: str) -> str:
@@ -58,8 +80,10 @@ def _on_cpu(t: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` or the batch-invariant GEMM."""
+    """``F.linear``, the batch-invariant GEMM, or (FP8 mode) the invariant W8A8 linear."""
     if _ENABLED:
+        if _FP8:
+            return _fp8.fp8_linear(x, weight, bias)
         if _on_cpu(x):
             return _cpu.linear(x, weight, bias)
         return _gemm.linear(x, weight, bias)

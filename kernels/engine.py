@@ -120,7 +120,7 @@ class RolloutEngine:
         self.cuda_graphs = cuda_graphs
         self.buckets = tuple(sorted(buckets))
         self._caches: dict[int, Any] = {}
-        self._graphs: dict[tuple[int, bool], _DecodeGraph] = {}
+        self._graphs: dict[tuple[int, str], _DecodeGraph] = {}
 
     def graphed(self) -> bool:
         """Whether decode steps replay CUDA graphs (else they run eagerly)."""
@@ -156,6 +156,12 @@ class RolloutEngine:
             return []
         w = self.model.lm_head_weight
         dev = w.device
+        if dispatch.is_enabled() and dispatch.is_fp8():
+            # E4M3 copies of weights changed since the last call (a weight sync), re-made in place
+            # before any decode graph replays over them
+            from .fp8 import refresh_fp8_weights
+
+            refresh_fp8_weights()
         gen = torch.Generator(device=dev).manual_seed(seed)
         graphed = self.graphed()
         slots = bucket(n, self.buckets) if graphed else n
@@ -241,7 +247,7 @@ class RolloutEngine:
         return self._caches[slots]
 
     def _graph(self, slots: int, cache: Any) -> _DecodeGraph:
-        key = (slots, dispatch.is_enabled())
+        key = (slots, dispatch.mode())
         if key not in self._graphs:
             dev = self.model.lm_head_weight.device
             self._graphs[key] = _DecodeGraph(self._decode_fn(cache), slots, self.max_len - 1, dev)

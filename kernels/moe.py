@@ -226,8 +226,12 @@ def expert_ffn(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> to
 def _use_grouped(x: torch.Tensor) -> bool:
     """The grouped kernel where the kernels run Triton: CUDA, or CPU tensors sent to the Triton
     modules under the interpreter (``dispatch.set_cpu_impl("triton")``, TRITON_INTERPRET=1);
-    ``ISOAUDIT_MOE_GROUPED=0`` turns it off."""
+    ``ISOAUDIT_MOE_GROUPED=0`` turns it off. Not in the ``invariant-fp8`` mode: there each expert's
+    rows go through :func:`expert_ffn`, whose linears are the invariant W8A8 linear (no FP8 grouped
+    GEMM yet: one quantize + GEMM launch pair per expert and projection)."""
     if not (dispatch.is_enabled() and HAVE_TRITON) or os.environ.get("ISOAUDIT_MOE_GROUPED", "1") == "0":
+        return False
+    if dispatch.is_fp8():
         return False
     return x.is_cuda or (interpreting() and not dispatch._on_cpu(x))
 

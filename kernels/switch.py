@@ -15,8 +15,9 @@ from . import adapters, adapters_moe, dispatch
 class Switch:
     """The state change happens on construction; used as a context manager it is undone on exit."""
 
-    def __init__(self, flag: bool) -> None:
+    def __init__(self, flag: bool, fp8: bool = False) -> None:
         self._prev = dispatch.set_enabled(flag)
+        self._prev_fp8 = dispatch.set_fp8(fp8 and flag)
         _apply_patches(flag)
 
     def __enter__(self) -> Switch:
@@ -26,6 +27,7 @@ class Switch:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         dispatch.set_enabled(self._prev)
+        dispatch.set_fp8(self._prev_fp8)
         _apply_patches(self._prev)
 
 
@@ -38,10 +40,11 @@ def _apply_patches(flag: bool) -> None:
         adapters_moe.unpatch()
 
 
-def enable() -> Switch:
+def enable(fp8: bool = False) -> Switch:
     """Route this process's models through the invariant kernels (``with enable(): ...`` restores
-    the previous mode on exit)."""
-    return Switch(True)
+    the previous mode on exit). ``fp8=True``: the ``invariant-fp8`` mode, the linear layers in
+    invariant W8A8 (:mod:`isoaudit.kernels.fp8`), everything else as in ``invariant``."""
+    return Switch(True, fp8)
 
 
 def disable() -> Switch:

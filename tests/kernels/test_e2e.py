@@ -72,10 +72,16 @@ def _gdn(layers: int, hidden: int, chunk: int, vocab: int, dtype: torch.dtype, d
 
 
 def run_pair(
-    model, enabled: bool, prompts: list[list[int]], max_new: list[int], prefill_chunk: int | None = None
+    model,
+    enabled: bool,
+    prompts: list[list[int]],
+    max_new: list[int],
+    prefill_chunk: int | None = None,
+    fp8: bool = False,
 ) -> dict:
-    """Roll out with the engine, recompute with the trainer, compare sampled-token logprobs."""
-    with kernels.enable() if enabled else kernels.disable():
+    """Roll out with the engine, recompute with the trainer, compare sampled-token logprobs
+    (``fp8``: in the ``invariant-fp8`` mode)."""
+    with kernels.enable(fp8=fp8) if enabled else kernels.disable():
         eng = RolloutEngine(
             model, max_len=max(len(p) for p in prompts) + max(max_new) + 8, prefill_chunk=prefill_chunk
         )

@@ -1,0 +1,484 @@
+"""Batch-invariant W8A8 block-FP8 linear: ``y = dq(x) @ dq(W).T (+ bias)`` on E4M3 tensor cores.
+
+Operands (:mod:`isoaudit.kernels.fp8_quant`): E4M3 weights in 128×128 blocks with fp32 scales, made
+from the bf16 master; E4M3 activations per token in groups of 128 with fp32 scales. The product
+(what :func:`w8a8_reference` writes in torch):
+
+* K is walked in ascending 128-wide blocks (one activation group, one weight block column);
+* each block's product is an FP8 MMA accumulated from zero over that block alone, then promoted:
+  multiplied in fp32 by ``a_scale[m, kb] * w_scale[n // 128, kb]`` and added to an fp32 master
+  accumulator (DeepGEMM's promotion every 128 K; Hopper's FP8 MMA does not accumulate in full fp32,
+  so a whole-K MMA chain would lose bits a fixed 128-K chain does not);
+* with the fixed split-K of :func:`fp8_config` (a function of the weight shape), the master sum
+  restarts from zero at every span of ``k_split`` and the span sums are added in ascending order,
+  whether one program sums the spans in turn (large M) or the spans run as programs and a tile's
+  last one adds them (small M, :func:`plan`): the same adds either way;
+* bias in fp32, one rounding to the output dtype.
+
+The tile (BLOCK_M, BLOCK_N, BLOCK_K = 128, warps, stages) and the split span depend on (N, K) and
+the device capability only, never on M, and M is not a specialised integer: prefill, decode and the
+trainer's recompute run the same compiled code, so a row's bits do not depend on its batch-mates.
+
+Backward (:func:`fp8_linear`): straight-through in bf16 to the master weights — the quantizers are
+treated as the identity, ``dx = g @ W``, ``dW = g.T @ x`` in the master dtype.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import cache, lru_cache
+from typing import Any
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from ._triton import HAVE_TRITON, CachedLauncher, cdiv, jit, resolve, tl, triton
+from .fp8_quant import FP8, GROUP, quantize_act, quantize_act_reference, quantize_per_tensor, quantize_weight
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _fp8_span(
+        a, a_s, b, b_s, M, N, K, stride_am, stride_asm, stride_bn, stride_bsn, pid_m, pid_n, kb_lo, kb_hi,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        SPAN_BLOCKS: tl.constexpr,
+    ):  # fmt: skip
+        """The fp32 sum over K blocks [kb_lo, kb_hi) of one tile: each block's MMA from zero,
+        scaled, added in ascending order. SPAN_BLOCKS > 0: the running sum restarts at every span
+        of that many blocks and the span sums are added in order to a total (0 + p0 + p1 + ...)."""
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        m_ok = offs_m < M
+        n_ok = offs_n < N
+        a_rows = a + offs_m[:, None].to(tl.int64) * stride_am
+        b_rows = b + offs_n[:, None].to(tl.int64) * stride_bn
+        sa_rows = a_s + offs_m.to(tl.int64) * stride_asm
+        sb_rows = b_s + (offs_n // BLOCK_K).to(tl.int64) * stride_bsn
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if SPAN_BLOCKS > 0:
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kb in range(kb_lo, kb_hi):
+            k0 = kb * BLOCK_K
+            k_ok = (k0 + offs_k) < K
+            x = tl.load(a_rows + (k0 + offs_k)[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(b_rows + (k0 + offs_k)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            part = tl.dot(x, tl.trans(w), out_dtype=tl.float32)
+            sa = tl.load(sa_rows + kb, mask=m_ok, other=0.0)
+            sb = tl.load(sb_rows + kb, mask=n_ok, other=0.0)
+            acc = acc + part * (sa[:, None] * sb[None, :])
+            if SPAN_BLOCKS > 0:
+                if ((kb + 1) % SPAN_BLOCKS == 0) | (kb + 1 >= kb_hi):
+                    total = total + acc
+                    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if SPAN_BLOCKS > 0:
+            return total
+        return acc
+
+    @triton.jit
+    def _fp8_store(c, acc, bias_ptr, M, N, stride_cm, pid_m, pid_n, HAS_BIAS: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        if HAS_BIAS:
+            acc = acc + tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(
+            c + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :],
+            acc.to(c.dtype.element_ty),
+            mask=(offs_m[:, None] < M) & (offs_n[None, :] < N),
+        )
+
+    @jit(do_not_specialize=["M"])
+    def _w8a8_kernel(
+        a, a_s, b, b_s, c, bias_ptr, M, N, K, stride_am, stride_asm, stride_bn, stride_bsn, stride_cm,
+        partials, counters,
+        HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        GROUP_M: tl.constexpr,
+        SPAN_BLOCKS: tl.constexpr,
+        SPLIT_GRID: tl.constexpr,
+    ):  # fmt: skip
+        # Program (tile, span): tiles in grouped order (which program runs a tile, not its sums).
+        tile = tl.program_id(0)
+        num_m = tl.cdiv(M, BLOCK_M)
+        num_n = tl.cdiv(N, BLOCK_N)
+        group = GROUP_M * num_n
+        first_m = (tile // group) * GROUP_M
+        size_m = tl.minimum(num_m - first_m, GROUP_M)
+        pid_m = first_m + ((tile % group) % size_m)
+        pid_n = (tile % group) // size_m
+        kbs = tl.cdiv(K, BLOCK_K)
+        if not SPLIT_GRID:
+            acc = _fp8_span(
+                a, a_s, b, b_s, M, N, K, stride_am, stride_asm, stride_bn, stride_bsn, pid_m, pid_n, 0, kbs,
+                BLOCK_M, BLOCK_N, BLOCK_K, SPAN_BLOCKS,
+            )  # fmt: skip
+            _fp8_store(c, acc, bias_ptr, M, N, stride_cm, pid_m, pid_n, HAS_BIAS, BLOCK_M, BLOCK_N)
+        else:
+            # Span s of the tile is program (tile, s); its fp32 sum goes to ``partials``; the tile's
+            # last program to finish (an atomic count) adds every span in ascending order.
+            span = tl.program_id(1)
+            lo = span * SPAN_BLOCKS
+            acc = _fp8_span(
+                a, a_s, b, b_s, M, N, K, stride_am, stride_asm, stride_bn, stride_bsn, pid_m, pid_n,
+                lo, tl.minimum(lo + SPAN_BLOCKS, kbs), BLOCK_M, BLOCK_N, BLOCK_K, 0,
+            )  # fmt: skip
+            spans = tl.cdiv(kbs, SPAN_BLOCKS)
+            tiles = num_m * num_n
+            slab = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+            tl.store(partials + (span * tiles + tile).to(tl.int64) * (BLOCK_M * BLOCK_N) + slab, acc)
+            tl.debug_barrier()
+            done = tl.atomic_add(counters + tile, 1, sem="acq_rel", scope="gpu")
+            if done == spans - 1:
+                total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for s2 in range(0, spans):
+                    total = total + tl.load(
+                        partials + (s2 * tiles + tile).to(tl.int64) * (BLOCK_M * BLOCK_N) + slab,
+                        cache_modifier=".cg",
+                    )
+                tl.atomic_xchg(counters + tile, 0, sem="relaxed", scope="gpu")
+                _fp8_store(c, total, bias_ptr, M, N, stride_cm, pid_m, pid_n, HAS_BIAS, BLOCK_M, BLOCK_N)
+
+    _LAUNCH = CachedLauncher(_w8a8_kernel)
+
+
+@dataclass(frozen=True)
+class Fp8Config:
+    """The tile of one weight shape, fixed for every M. ``k_split``: K elements per span of the
+    fixed split-K (a multiple of 128; 0: one span)."""
+
+    block_m: int = 64
+    block_n: int = 128
+    num_warps: int = 4
+    num_stages: int = 4
+    k_split: int = 0
+    block_k: int = GROUP  # the promotion interval: one activation group, one weight block column
+
+
+#: A weight of fewer than SPLIT_MAX_TILES column tiles and at least SPLIT_MIN_BLOCKS 128-K blocks gets
+#: a fixed split-K, so a decode call still fills the device: spans = min(SPLIT_MAX_SPANS,
+#: ceil(SPLIT_TARGET / tiles), blocks // 4). A function of (N, K), never of M: the bits of every row
+#: are the weight's. (Fitted to a sweep on the H100: a split of a short K cost more than it gave.)
+SPLIT_TARGET = 132
+SPLIT_MAX_TILES = 96
+SPLIT_MIN_BLOCKS = 16
+SPLIT_MAX_SPANS = 8
+#: The split grid (spans as programs) serves calls of at most this many rows; larger ones sum the
+#: spans in turn in one program (the same adds).
+SPLIT_GRID_MAX_M = 128
+
+
+def split_enabled() -> bool:
+    """Fixed split-K on unless ``ISOAUDIT_FP8_SPLIT_K=0`` (read when a weight shape is first planned;
+    it sets the bits: trainer and rollout must agree)."""
+    return os.environ.get("ISOAUDIT_FP8_SPLIT_K", "1") == "1"
+
+
+@cache
+def fp8_config(n: int, k: int, capability: tuple[int, int] | None = None) -> Fp8Config:
+    """The tile of an (n, k) weight: 64x64, 4 warps, 4 stages, pointer loads (on the H100 the
+    fastest single tile at decode sizes, where a rollout spends its time), plus the fixed split-K
+    above. Depends on (n, k, capability) only; under the interpreter the same shape."""
+    block_m, block_n = 64, 64
+    tiles = cdiv(n, block_n)
+    kbs = cdiv(k, GROUP)
+    span = 0
+    if split_enabled() and tiles < SPLIT_MAX_TILES and kbs >= SPLIT_MIN_BLOCKS:
+        spans = min(SPLIT_MAX_SPANS, cdiv(SPLIT_TARGET, tiles), kbs // 4)
+        if spans > 1:
+            span = cdiv(kbs, spans) * GROUP
+    return Fp8Config(block_m, block_n, 4, 4, span)
+
+
+@cache
+def _device_traits(device: torch.device) -> tuple[int, int] | None:
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_capability(device)
+
+
+class _Plan(tuple):
+    """(grid, constexprs, options, split scratch sizes or None); hashed by identity (launch key)."""
+
+    __slots__ = ()
+    __hash__ = object.__hash__
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+    def __new__(cls, *fields: Any) -> _Plan:
+        return super().__new__(cls, fields)
+
+
+@lru_cache(maxsize=8192)
+def plan(m: int, n: int, k: int, has_bias: bool, device: torch.device, config: Fp8Config | None) -> _Plan:
+    """The launch of one (m, n, k) call: the weight's tile; the split spans as programs for at
+    most :data:`SPLIT_GRID_MAX_M` rows, else summed in turn (the same adds, the same bits)."""
+    cfg = config or fp8_config(n, k, _device_traits(device))
+    tiles = cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n)
+    span_blocks = cfg.k_split // GROUP if cfg.k_split else 0
+    spans = cdiv(cdiv(k, GROUP), span_blocks) if span_blocks else 1
+    split_grid = spans > 1 and m <= SPLIT_GRID_MAX_M
+    constexprs = dict(
+        HAS_BIAS=has_bias,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=GROUP,
+        GROUP_M=8,
+        SPAN_BLOCKS=span_blocks if spans > 1 else 0,
+        SPLIT_GRID=split_grid,
+    )
+    scratch = (spans * tiles * cfg.block_m * cfg.block_n, tiles) if split_grid else None
+    grid = (tiles, spans if split_grid else 1, 1)
+    return _Plan(grid, constexprs, dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages), scratch)
+
+
+def w8a8_reference(
+    xq: torch.Tensor,
+    xs: torch.Tensor,
+    wq: torch.Tensor,
+    ws: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+    k_split: int | None = None,
+) -> torch.Tensor:
+    """The kernel's arithmetic in torch: per 128-K block the E4M3 products summed exactly (in
+    fp64, which holds any sum of 128 E4M3 products exactly: 8-bit products, multiples of 2^-18
+    below 2^25) then rounded once to fp32 — so the CPU result does not depend on the BLAS's order
+    or on the batch; the kernel's MMA sums the block in the tensor core's own order and width, so
+    the two agree to that rounding —, promoted with the two scales in fp32, added in ascending K
+    (restarting at every ``k_split`` span, the span sums then added in order), bias, one rounding.
+    ``k_split=None``: the weight shape's :func:`fp8_config` span."""
+    m, k = xq.shape
+    n = wq.shape[0]
+    if k_split is None:
+        k_split = fp8_config(n, k, _device_traits(wq.device)).k_split
+    xf, wf = xq.double(), wq.double()
+    ws_cols = ws.repeat_interleave(GROUP, dim=0)[:n]  # (N, KB)
+    total = torch.zeros(m, n, dtype=torch.float32, device=xq.device)
+    span = k_split or max(k, 1)
+    for s0 in range(0, k, span):
+        acc = torch.zeros_like(total)
+        for k0 in range(s0, min(s0 + span, k), GROUP):
+            kb = k0 // GROUP
+            part = (xf[:, k0 : k0 + GROUP] @ wf[:, k0 : k0 + GROUP].T).float()
+            acc = acc + part * (xs[:, kb, None] * ws_cols[None, :, kb])
+        total = total + acc
+    if bias is not None:
+        total = total + bias.float()
+    return total.to(out_dtype)
+
+
+_SPLIT: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _split_scratch(sizes: tuple[int, int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp32 span sums, int32 counters) of a split-grid launch: one pair per (device, stream) for
+    eager launches (each tile's last program zeroes its counter), a fresh pair under graph capture."""
+    n_partial, n_tiles = sizes
+    if device.type != "cuda" or torch._C._cuda_isCurrentStreamCapturing():
+        return torch.empty(n_partial, dtype=torch.float32, device=device), torch.zeros(
+            n_tiles, dtype=torch.int32, device=device
+        )
+    dev = torch._C._cuda_getDevice()
+    key = (dev, torch._C._cuda_getCurrentRawStream(dev))
+    hit = _SPLIT.get(key)
+    if hit is None or hit[0].numel() < n_partial or hit[1].numel() < n_tiles:
+        hit = _SPLIT[key] = (
+            torch.empty(max(n_partial, 1 << 16), dtype=torch.float32, device=device),
+            torch.zeros(max(n_tiles, 1 << 12), dtype=torch.int32, device=device),
+        )
+    return hit
+
+
+def w8a8_gemm(
+    xq: torch.Tensor,
+    xs: torch.Tensor,
+    wq: torch.Tensor,
+    ws: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+    impl: str | None = None,
+    config: Fp8Config | None = None,
+) -> torch.Tensor:
+    """``dq(xq) @ dq(wq).T + bias`` for quantized (M, K) activations and an (N, K) weight: the
+    Triton kernel on CUDA (or the interpreter), :func:`w8a8_reference` elsewhere. Under the
+    interpreter the operands may be fp32 holding E4M3 values (the interpreter's own fp8 handling is
+    no reference)."""
+    if resolve(impl, xq) == "torch":
+        return w8a8_reference(xq, xs, wq, ws, bias, out_dtype, config.k_split if config else None)
+    m, k = xq.shape
+    n = wq.shape[0]
+    out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
+    if m == 0:
+        return out
+    p = plan(m, n, k, bias is not None, xq.device, config)
+    grid, constexprs, options, scratch = p
+    if scratch:
+        partials, counters = _split_scratch(scratch, xq.device)
+    else:
+        partials, counters = out, out
+    bias_arg = bias if bias is not None else out
+    sa, sas, sw, sws = xq.stride(0), xs.stride(0), wq.stride(0), ws.stride(0)
+    if xq.stride(1) != 1 or wq.stride(1) != 1 or xs.stride(1) != 1 or ws.stride(1) != 1:
+        raise ValueError("w8a8_gemm: operands and scales need unit inner strides")
+    ptrs = (xq.data_ptr(), xs.data_ptr(), wq.data_ptr(), ws.data_ptr(), out.data_ptr(), bias_arg.data_ptr())
+    align = 0
+    for i, ptr in enumerate(ptrs):
+        align |= (ptr % 16 == 0) << i
+    key = (p, sa, sas, sw, sws, xq.dtype, wq.dtype, out_dtype, align)
+    sizes = (m, n, k, sa, sas, sw, sws, n)
+    if xq.is_cuda and _LAUNCH.launch_cached(
+        key, grid, (*ptrs, *sizes, partials.data_ptr(), counters.data_ptr())
+    ):
+        return out
+    _LAUNCH(key, grid, (xq, xs, wq, ws, out, bias_arg, *sizes, partials, counters), constexprs, **options)
+    return out
+
+
+class Fp8Weight:
+    """The E4M3 deploy copy of one master weight: ``(q, scales)``, re-made in place from the master
+    whenever its data changes (an optimizer step or a weight sync bumps the tensor's version), so a
+    CUDA graph captured over ``q``/``scales`` sees the new weights at its next replay."""
+
+    __slots__ = ("q", "scale", "version", "ptr")
+
+    def __init__(self, master: torch.Tensor) -> None:
+        self.q, self.scale = quantize_weight(master.detach())
+        self.version, self.ptr = master._version, master.data_ptr()
+
+    def refresh(self, master: torch.Tensor) -> None:
+        if master._version != self.version or master.data_ptr() != self.ptr:
+            q, s = quantize_weight(master.detach())
+            self.q.copy_(q)
+            self.scale.copy_(s)
+            self.version, self.ptr = master._version, master.data_ptr()
+
+
+_WEIGHTS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # master tensor (by identity) -> Fp8Weight
+
+
+def fp8_weight(master: torch.Tensor) -> Fp8Weight:
+    """The cached E4M3 copy of ``master`` (quantized on first use, refreshed when it changes; no
+    refresh check under CUDA-graph capture, where the graph reuses the buffers)."""
+    hit = _WEIGHTS.get(master)
+    if hit is None:
+        hit = _WEIGHTS[master] = Fp8Weight(master)
+    elif not (master.is_cuda and torch.cuda.is_current_stream_capturing()):
+        hit.refresh(master)
+    return hit
+
+
+def refresh_fp8_weights() -> int:
+    """Re-quantize every cached weight whose master changed (a weight sync before replaying decode
+    graphs); returns how many were re-made."""
+    n = 0
+    for master, entry in list(_WEIGHTS.items()):
+        if master._version != entry.version or master.data_ptr() != entry.ptr:
+            entry.refresh(master)
+            n += 1
+    return n
+
+
+#: How activations are scaled: "group" (per token, per 128 of K: the invariant quantizer) or
+#: "tensor" (one dynamic scale for the whole batch, amax / 448). "tensor" exists only so the tests
+#: and the bench can show what it breaks: a row's bits then depend on its batch-mates.
+_ACT_SCALING = "group"
+
+
+def set_act_scaling(kind: str) -> str:
+    """Set :data:`_ACT_SCALING` (``"group"`` or ``"tensor"``); returns the previous value."""
+    global _ACT_SCALING
+    if kind not in ("group", "tensor"):
+        raise ValueError(f"act scaling: 'group' or 'tensor', not {kind!r}")
+    prev, _ACT_SCALING = _ACT_SCALING, kind
+    return prev
+
+
+def _per_tensor_operands(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-tensor dynamic activation scaling in the kernel's operand layout (the one scale in
+    every group's slot)."""
+    a = x.reshape(-1, x.shape[-1])
+    q, s = quantize_per_tensor(a)
+    return q, s.reshape(1, 1).expand(a.shape[0], cdiv(a.shape[1], GROUP)).contiguous()
+
+
+def _forward(
+    x: torch.Tensor, entry: Fp8Weight, bias: torch.Tensor | None, out_dtype: torch.dtype, impl: str | None
+) -> torch.Tensor:
+    """Quantize ``x`` per token group and multiply: the two Triton kernels on CUDA; on the CPU the
+    torch references (``impl="triton"``: the GEMM under the interpreter, fp32 operands)."""
+    n = entry.q.shape[0]
+    if _ACT_SCALING == "tensor":
+        xq, xs = _per_tensor_operands(x)
+        if x.is_cuda and impl != "torch":
+            y = w8a8_gemm(xq, xs, entry.q, entry.scale, bias, out_dtype)
+        else:
+            y = w8a8_reference(xq, xs, entry.q, entry.scale, bias, out_dtype)
+    elif x.is_cuda and impl != "torch":
+        xq, xs = quantize_act(x)
+        y = w8a8_gemm(xq, xs, entry.q, entry.scale, bias, out_dtype)
+    else:
+        xq, xs = quantize_act_reference(x)
+        if impl == "triton":
+            y = w8a8_gemm(xq.float(), xs, entry.q.float(), entry.scale, bias, out_dtype, impl="triton")
+        else:
+            y = w8a8_reference(xq, xs, entry.q, entry.scale, bias, out_dtype)
+    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], n)
+
+
+class _Fp8Linear(torch.autograd.Function):
+    """Forward in W8A8; backward straight-through in the master dtype (bf16)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, out_dtype, impl):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return _forward(x, fp8_weight(weight), bias, out_dtype or x.dtype, impl)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        g2 = grad.reshape(-1, grad.shape[-1]).to(weight.dtype)
+        gx = (g2 @ weight).reshape(x.shape).to(x.dtype) if ctx.needs_input_grad[0] else None
+        gw = None
+        if ctx.needs_input_grad[1]:
+            gw = (g2.T @ x.reshape(-1, x.shape[-1]).to(weight.dtype)).to(weight.dtype)
+        gb = g2.sum(0).to(weight.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return gx, gw, gb, None, None
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    impl: str | None = None,
+) -> torch.Tensor:
+    """``F.linear`` in invariant W8A8 (activations per token group, the master's 128×128 E4M3
+    blocks), differentiable straight-through to ``weight`` and ``x`` in their own dtype. CUDA runs
+    the Triton kernels; the CPU the torch references (batch-invariant too: exact block sums), or
+    with ``impl="triton"`` the GEMM under the interpreter."""
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return _Fp8Linear.apply(x, weight, bias, out_dtype, impl)
+    return _forward(x, fp8_weight(weight), bias, out_dtype or x.dtype, impl)
+
+
+__all__ = [
+    "FP8",
+    "Fp8Config",
+    "Fp8Weight",
+    "fp8_config",
+    "fp8_linear",
+    "fp8_weight",
+    "plan",
+    "refresh_fp8_weights",
+    "set_act_scaling",
+    "w8a8_gemm",
+    "w8a8_reference",
+]
