@@ -141,14 +141,14 @@ def test_planted_divergence_with_equal_sampled_logprobs_is_caught(load, store) -
     # the sketch's estimate against the exact Hellinger distance of the full distributions
     truth = full_hellinger(model, batch, planted=True)
     estimate = np.concatenate(
-        [sketch_hellinger(t.dist_sketch, r.dist_sketch) for t, r in zip(trainer, rollout)]
+        [sketch_hellinger(t.dist_sketch, r.dist_sketch) for t, r in zip(trainer, rollout, strict=True)]
     )
     ratio = estimate / truth
     assert truth.min() > 3 * SKETCH_FLOOR
     assert 0.8 < float(np.median(ratio)) < 1.2 and ratio.min() > 0.3 and ratio.max() < 2.0, ratio
     # the clean pair: the same bits, so the same sketch
     clean = np.concatenate(
-        [sketch_hellinger(t.dist_sketch, r.dist_sketch) for t, r in zip(trainer, clean_rollout)]
+        [sketch_hellinger(t.dist_sketch, r.dist_sketch) for t, r in zip(trainer, clean_rollout, strict=True)]
     )
     assert clean.max() == 0.0
 
