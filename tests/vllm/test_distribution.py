@@ -30,9 +30,9 @@ PLANT = {"on": False, "rows": 0, "perturbed": 0}
 
 
 class SwapOffArgmax(LogitsProcessor):
-    """While ``PLANT["on"]``: in every row, swap two logits that are neither the row's argmax nor
-    equal, the first pair (among the 16 most likely) for which ``log_softmax`` at the argmax keeps
-    every bit."""
+    """While ``PLANT["on"]``: in every row, swap the logit of one of the 4 most likely tokens after
+    the argmax with one ranked 11th to 24th after it (so the top-8 set changes), the first such
+    pair for which ``log_softmax`` at the argmax keeps every bit."""
 
     def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
         pass
@@ -51,8 +51,8 @@ class SwapOffArgmax(LogitsProcessor):
             values = logits[row]
             best = int(torch.argmax(values))
             want = values.log_softmax(dim=-1, dtype=torch.float32)[best]
-            order = [t for t in torch.argsort(values, descending=True).tolist() if t != best][:16]
-            for a, b in itertools.combinations(order, 2):
+            order = [t for t in torch.argsort(values, descending=True).tolist() if t != best][:24]
+            for a, b in itertools.product(order[:4], order[10:24]):
                 if values[a] == values[b]:
                     continue
                 values[a], values[b] = values[b].clone(), values[a].clone()
@@ -124,7 +124,11 @@ def test_planted_divergence_through_the_engine(llm: Any, logprobs: int) -> None:
         m = result.metrics
         assert m["logprob_abs_diff_max"] == 0.0
         assert m["dist_sampled_equal_differs"] == m["dist_positions"] == m["dist_differs_positions"] > 0
-        assert m["dist_topk_rank_agreement"] < 1.0 and m["dist_union_tv_mean"] > 0
+        assert (
+            m["dist_topk_overlap"] < 1.0
+            and m["dist_topk_rank_agreement"] < 1.0
+            and m["dist_union_tv_mean"] > 0
+        )
         if logprobs == -1:
             assert m["dist_sketch_hellinger_mean"] > 3 * SKETCH_FLOOR
         else:
