@@ -157,3 +157,33 @@ def test_engine_against_the_hf_trainer(llm: Any, tiny_qwen3: Path) -> None:
         assert m["dist_positions"] > 0
         assert m["dist_topk_overlap"] >= 0.75
         assert np.isfinite(m["dist_sketch_hellinger_mean"]) and m["dist_sketch_hellinger_max"] < 0.1
+
+
+def test_top_k_read_in_rank_order_with_the_sampled_token_outside() -> None:
+    """vLLM's per-position dict holds the top-k plus the sampled token when it ranks lower: the
+    top-k is the ranked prefix, cut to the shortest any position has."""
+    from types import SimpleNamespace
+
+    from isoaudit.collectors.vllm.outputs import read_completions
+    from vllm.logprobs import Logprob
+
+    entries = [
+        {7: Logprob(-0.1, rank=1), 3: Logprob(-2.5, rank=2), 9: Logprob(-4.0, rank=5)},  # 9 sampled, rank 5
+        {4: Logprob(-0.7, rank=2), 5: Logprob(-0.6, rank=1)},  # sampled 4 is in the top-2
+        {1: Logprob(-0.3, rank=1), 2: Logprob(-1.5, rank=2), 6: Logprob(-1.5, rank=2)},  # a tie, sampled 6
+    ]
+    output = SimpleNamespace(
+        request_id="r",
+        prompt_token_ids=[1, 2],
+        outputs=[SimpleNamespace(index=0, token_ids=[9, 4, 6], logprobs=entries)],
+    )
+    [completion] = read_completions([output], vocab=16, k=8)
+    np.testing.assert_array_equal(completion.logprobs, np.float32([-4.0, -0.7, -1.5]))
+    assert completion.topk_ids is not None and completion.topk_logprobs is not None
+    np.testing.assert_array_equal(completion.topk_ids, [[7, 3], [5, 4], [1, 2]])
+    np.testing.assert_array_equal(
+        completion.topk_logprobs, np.float32([[-0.1, -2.5], [-0.6, -0.7], [-0.3, -1.5]])
+    )
+    assert completion.dist_sketch is None  # not the whole vocabulary
+    [none] = read_completions([output], vocab=16, k=0)
+    assert none.topk_ids is None
