@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 from isoaudit.audit.diagnosis import Diagnosis, diagnose
 from isoaudit.audit.distribution import distribution_metrics, step_distribution_metrics
+from isoaudit.audit.distribution import explain as explain_distribution
 from isoaudit.audit.frameworks import Declaration, StepTokens, framework_figures
 from isoaudit.audit.grid import Cell, RegionGrid, compare_fingerprints
 from isoaudit.audit.metric_names import required_variants
@@ -269,6 +270,7 @@ def compare_samples(
         )
         # MoE: routing agreement, and whether a routing flip explains the gap (audit.routing).
         metrics.update(distribution_metrics(trainer, rollout))  # top-k and sketch (fingerprinted steps)
+        diagnosis = explain_distribution(diagnosis, metrics)
         routing = compare_sample_routes(trainer, rollout)
         if routing is not None:
             metrics.update(routing.metrics())

@@ -37,9 +37,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from isoaudit.audit.diagnosis import Diagnosis
 
 #: Width of the full-vocabulary sketch (float32 values per position).
 SKETCH_DIM = 32
@@ -227,3 +230,39 @@ def step_distribution_metrics(pairs: Sequence[tuple[Any, Any]]) -> dict[str, flo
     the earliest of any sample); empty when no pair has top-k on both sides."""
     found = [d for d in (position_distances(t, r) for t, r in pairs) if d is not None]
     return _figures(found)
+
+
+#: The figures a distribution verdict carries as evidence (the rest are in the sample's metrics).
+_EVIDENCE = (
+    "dist_positions",
+    "dist_differs_positions",
+    "dist_sampled_equal_differs",
+    "dist_first_differs_position",
+)
+
+
+def explain(diagnosis: Diagnosis, metrics: dict[str, Any]) -> Diagnosis:
+    """``diagnosis`` unless it is ``clean`` while the recorded distributions differ: equal sampled
+    logprobs then hide a difference the top-k or the sketch shows, and the sample is ``numerical``
+    with the distribution figures as its evidence (other verdicts already explain more)."""
+    differs = int(metrics.get("dist_differs_positions") or 0)
+    if diagnosis.kind != "clean" or differs == 0:
+        return diagnosis
+    from isoaudit.audit.diagnosis import Diagnosis as _Diagnosis
+
+    first = int(metrics["dist_first_differs_position"])
+    positions = int(metrics["dist_positions"])
+    sentence = (
+        f"Every sampled token's logprob agrees bit for bit, but the full distributions differ at {differs} "
+        f"of {positions} positions, first at completion token {first}: top-k overlap "
+        f"{metrics['dist_topk_overlap']:.3g}, TV on the top-k union up to {metrics['dist_union_tv_max']:.3g}"
+    )
+    hellinger = metrics.get("dist_sketch_hellinger_max")
+    if hellinger is not None and hellinger == hellinger:
+        sentence += f", full-vocabulary Hellinger (sketch) up to {hellinger:.3g}"
+    evidence = {
+        **diagnosis.evidence,
+        "cause": "distribution",
+        **{name: metrics[name] for name in _EVIDENCE if name in metrics},
+    }
+    return _Diagnosis("numerical", sentence + ".", evidence)

@@ -164,6 +164,9 @@ def test_planted_divergence_with_equal_sampled_logprobs_is_caught(load, store) -
     for result in results:
         m = result.metrics
         assert m["logprob_abs_diff_max"] == 0.0  # the token metrics see nothing
+        assert result.diagnosis == "numerical"  # not clean: the distributions differ
+        assert result.diagnosis_detail["evidence"]["cause"] == "distribution"
+        assert "agrees bit for bit, but the full distributions differ" in result.diagnosis_detail["sentence"]
         assert m["dist_sampled_equal_differs"] == m["dist_positions"] == m["dist_differs_positions"] > 0
         assert m["dist_sampled_equal_differs_fraction"] == 1.0
         assert m["dist_first_differs_position"] == 0
@@ -176,6 +179,7 @@ def test_planted_divergence_with_equal_sampled_logprobs_is_caught(load, store) -
     for result in store.sample_results("dist-clean", 0):
         m = result.metrics
         assert m["dist_positions"] > 0 and m["dist_differs_positions"] == 0
+        assert result.diagnosis == "clean"
         assert m["dist_topk_overlap"] == m["dist_topk_rank_agreement"] == 1.0
         assert m["dist_union_tv_max"] == 0.0 and m["dist_union_kl_max"] == 0.0
         assert m["dist_sketch_hellinger_max"] == 0.0

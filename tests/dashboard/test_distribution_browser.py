@@ -61,6 +61,8 @@ def test_sample_page_shows_where_the_distributions_part(planted_server, browser)
     _no_dialog(driver)
     assert "differ at" in summary.text and "first at completion token 0" in summary.text
     assert "bitwise equal" in summary.text
+    assert driver.find_element(By.ID, sample.DIAGNOSIS).text == "numerical"
+    assert "the full distributions differ" in driver.find_element(By.ID, sample.SENTENCE).text
     _wait(driver).until(
         EC.presence_of_element_located((By.CSS_SELECTOR, f"#{sample.DISTRIBUTION_TRACE} .nsewdrag"))
     )

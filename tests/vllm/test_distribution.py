@@ -123,6 +123,7 @@ def test_planted_divergence_through_the_engine(llm: Any, logprobs: int) -> None:
     for result in results:
         m = result.metrics
         assert m["logprob_abs_diff_max"] == 0.0
+        assert result.diagnosis.kind == "numerical" and result.diagnosis.evidence["cause"] == "distribution"
         assert m["dist_sampled_equal_differs"] == m["dist_positions"] == m["dist_differs_positions"] > 0
         assert (
             m["dist_topk_overlap"] < 1.0
