@@ -54,7 +54,10 @@ def _ranked_prefix(entry: Any) -> list[tuple[int, float]]:
     """One position's entries in rank order, as long as they are a top-m (the i-th has rank <= i;
     the sampled token, when it ranks below the requested k, ends the prefix unless it is next)."""
     items = sorted(
-        ((int(token), getattr(found, "logprob", found), getattr(found, "rank", None)) for token, found in entry.items()),
+        (
+            (int(token), getattr(found, "logprob", found), getattr(found, "rank", None))
+            for token, found in entry.items()
+        ),
         key=lambda item: (item[2] if item[2] is not None else 1 << 62, item[0]),
     )
     prefix = []
@@ -84,11 +87,13 @@ def _distribution(
             keep = tokens < vocab
             dense[i, tokens[keep]] = values[keep]
         width = min(k, vocab)
-        order = np.lexsort((np.broadcast_to(np.arange(vocab), dense.shape), -dense.astype(np.float64)), axis=-1)
-        ids = order[:, :width].astype(np.int32)
-        sketch = (np.exp(dense.astype(np.float64) * 0.5) @ sketch_projection(vocab).astype(np.float64)).astype(
-            np.float32
+        order = np.lexsort(
+            (np.broadcast_to(np.arange(vocab), dense.shape), -dense.astype(np.float64)), axis=-1
         )
+        ids = order[:, :width].astype(np.int32)
+        sketch = (
+            np.exp(dense.astype(np.float64) * 0.5) @ sketch_projection(vocab).astype(np.float64)
+        ).astype(np.float32)
         return ids, np.take_along_axis(dense, ids.astype(np.int64), axis=1), sketch
     prefixes = [_ranked_prefix(entry) if entry is not None else [] for entry in entries]
     width = min(k, min(len(p) for p in prefixes))
