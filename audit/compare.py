@@ -11,6 +11,8 @@ from typing import Any
 
 import numpy as np
 from isoaudit.audit.diagnosis import Diagnosis, diagnose
+from isoaudit.audit.distribution import distribution_metrics, step_distribution_metrics
+from isoaudit.audit.distribution import explain as explain_distribution
 from isoaudit.audit.environment import EVIDENCE_KEY as CHANGES
 from isoaudit.audit.frameworks import Declaration, StepTokens, framework_figures
 from isoaudit.audit.grid import Cell, RegionGrid, compare_fingerprints
@@ -268,6 +270,8 @@ def compare_samples(
             trainer, rollout, metrics, grid, manifests[0], manifests[1], prints, policy=policy
         )
         # MoE: routing agreement, and whether a routing flip explains the gap (audit.routing).
+        metrics.update(distribution_metrics(trainer, rollout))  # top-k and sketch (fingerprinted steps)
+        diagnosis = explain_distribution(diagnosis, metrics)
         routing = compare_sample_routes(trainer, rollout)
         if routing is not None:
             metrics.update(routing.metrics())
@@ -341,6 +345,7 @@ class StepOutcome:
             metrics = _step_metrics(_Tokens.of(ordered), [token_lags(t, r) for t, r in ordered], clip_eps)
         if ordered:
             metrics.update(framework_figures(framework_tokens(ordered), framework))
+            metrics.update(step_distribution_metrics(ordered))
         routing = None
         if pairs:
             compared = {c.sample_key: c.routing for c in comparisons if c.routing is not None}

@@ -21,6 +21,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from isoaudit.audit.distribution import DISTRIBUTION_METRICS
 from isoaudit.audit.frameworks import (
     FRAMEWORK_TABLES,
     FRAMEWORKS,
@@ -50,6 +51,7 @@ EXTRA_DESCRIPTIONS: dict[str, str] = {
     "policy_lag_min": "min policy lag over tokens",
     "off_policy_token_fraction": "fraction of tokens sampled with weights older than the trainer's (lag > 0)",
     **ROUTING_METRICS,  # MoE routing agreement (audit.routing)
+    **DISTRIBUTION_METRICS,  # full-distribution drift on fingerprinted steps (audit.distribution)
     **UNSLICED_DESCRIPTIONS,  # the noise-vs-bias fit of a step (audit.metrics.noise)
     **STALENESS_DESCRIPTIONS,  # sample-weighted staleness and tokens per lag (audit.metrics.lags)
 }

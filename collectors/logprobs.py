@@ -127,7 +127,36 @@ def processed_logprobs(
     top_p: np.ndarray | None = None,
     min_p: np.ndarray | None = None,
 ) -> torch.Tensor:
-    """Logprob of each target token under the logits of its predicting row, fp32, on logits' device.
+    """Logprob of each target token under the logits of its predicting row, fp32, on logits' device
+    (the arguments as :func:`processed_logprob_rows` takes them)."""
+    rows, targets = processed_logprob_rows(
+        logits,
+        input_ids,
+        predict_rows,
+        target_rows,
+        temperature,
+        sample_of_token,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+    )
+    return rows.gather(1, targets[:, None]).squeeze(1)
+
+
+def processed_logprob_rows(
+    logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    predict_rows: np.ndarray,
+    target_rows: np.ndarray,
+    temperature: np.ndarray,
+    sample_of_token: np.ndarray,
+    *,
+    top_k: np.ndarray | None = None,
+    top_p: np.ndarray | None = None,
+    min_p: np.ndarray | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The full log-probability row of each target token's predicting row (``[targets, vocab]``,
+    fp32, on logits' device) and the target token ids: the distribution each logprob comes from.
 
     ``predict_rows``/``target_rows`` index the flattened ``[rows * cols]`` positions; ``temperature``
     has one value per sample and ``sample_of_token`` maps each target to its sample. A temperature of
@@ -162,7 +191,7 @@ def processed_logprobs(
         # The engine kept the token it sampled: where kernel noise puts it just past the trainer's
         # boundary (a near tie at the k-th logit), it stays in the kept set instead of scoring -inf.
         scaled.scatter_(1, targets[:, None], sampled)
-    return _log_softmax(scaled).gather(1, targets[:, None]).squeeze(1)
+    return _log_softmax(scaled), targets
 
 
 def _log_softmax(rows: torch.Tensor) -> torch.Tensor:

@@ -455,12 +455,14 @@ class Session:
         max_inflight: int = 2,
         keep_records: bool = False,
         weight_digests: bool = True,
+        distribution_k: int = 8,
     ) -> TrainerCollector:
         """Hook the policy ``model``; call ``record_step(step, batch, logprobs=...)`` on the handle
         per training forward. ``regions``: ``"auto"`` (HF Llama/Qwen2/Qwen3/Mistral), canonical
         names, a canonical → module map, or ``None`` (logprobs only); ``sample_every``: fingerprint
         every N-th step; ``weight_digests``: digest the parameters held at each weight version
-        change (off for a model too large to read once per sync); the rest:
+        change (off for a model too large to read once per sync); ``distribution_k``: the top-k kept
+        per position on fingerprinted steps, with the full-vocabulary sketch (0: none); the rest:
         :class:`isoaudit.collectors.trainer.TrainerCollector`."""
         from isoaudit.collectors.trainer import TrainerCollector
 
@@ -479,6 +481,7 @@ class Session:
                 async_transfer=async_transfer,
                 max_inflight=max_inflight,
                 weight_digests=weight_digests,
+                distribution_k=distribution_k,
             )
         )
 
@@ -494,11 +497,13 @@ class Session:
         max_rows: int = 1 << 20,
         flush_bytes: int = 64 << 20,
         keep_records: bool = False,
+        distribution_k: int = 8,
     ) -> VllmCollector:
         """Hook the engine of ``llm`` (a ``vllm.LLM`` in this process, or started with
         ``worker_extension_cls=isoaudit.collectors.vllm.EXTENSION``); call ``record_step(step, outputs)``
         on the handle after each ``generate``. ``fingerprint``: ``"all"``, one in N, a list of
-        request ids, or ``None``; the rest: :class:`isoaudit.collectors.vllm.VllmCollector`."""
+        request ids, or ``None``; ``distribution_k``: the most top-k entries kept per position from
+        ``SamplingParams(logprobs=k)`` (0: none); the rest: :class:`isoaudit.collectors.vllm.VllmCollector`."""
         from isoaudit.collectors.vllm.collector import VllmCollector
 
         return self._add(
@@ -513,6 +518,7 @@ class Session:
                 max_rows=max_rows,
                 flush_bytes=flush_bytes,
                 keep_records=keep_records,
+                distribution_k=distribution_k,
             )
         )
 

@@ -33,11 +33,17 @@ from isoaudit.collectors.assemble import fingerprint_records, keys_for, sample_r
 from isoaudit.collectors.base import Collector, CollectorCounters, ModeReport
 from isoaudit.collectors.canary import canary_tokens, model_canary, vocab_of
 from isoaudit.collectors.control import ControlChannel
+from isoaudit.collectors.distribution import distribution_rows
 from isoaudit.collectors.fingerprints import PrintsLayout, pack_prints, unpack_prints
 from isoaudit.collectors.held_weights import module_digests
 from isoaudit.collectors.hooks import Capture, ForwardCapture
 from isoaudit.collectors.layout import StepBatch
-from isoaudit.collectors.logprobs import SamplingArg, applied_transforms, processed_logprobs, sampling_values
+from isoaudit.collectors.logprobs import (
+    SamplingArg,
+    applied_transforms,
+    processed_logprob_rows,
+    sampling_values,
+)
 from isoaudit.collectors.manifest import ContractArg, runtime_signature, trainer_runtime
 from isoaudit.collectors.regions import RegionsArg, resolve_regions
 from isoaudit.collectors.remediation import RemediationHook, apply_kernels_mode, switch_with
@@ -81,6 +87,7 @@ class _StepInFlight:
     compacted: bool
     head: list[Record]
     sampling: dict[str, np.ndarray | None] = field(default_factory=dict)
+    distribution: bool = False  # the copy holds each position's top-k and sketch ("dk_*")
 
 
 class TrainerCollector(Collector):
@@ -106,6 +113,9 @@ class TrainerCollector(Collector):
     ``background_records``: a helper thread waits for each step's copy and builds its records,
     mostly while the training thread is in the backward; the training thread only sends them, at
     its next ``record_step`` or ``flush``. Reports are then always deferred.
+    ``distribution_k``: on fingerprinted steps (every ``sample_every``-th), record per completion
+    position the top-k of the distribution its logprob comes from and its full-vocabulary sketch
+    (:mod:`isoaudit.audit.distribution`); 0: never.
     """
 
     side = "trainer"
@@ -131,6 +141,7 @@ class TrainerCollector(Collector):
         max_inflight: int = 2,
         weight_digests: bool = True,
         background_records: bool = False,
+        distribution_k: int = 8,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
@@ -138,6 +149,8 @@ class TrainerCollector(Collector):
             raise ValueError(f"sample_every: must be an integer >= 1, got {sample_every!r}")
         if case not in ("trainer_fwd", "trainer_recompute"):
             raise ValueError(f"case: a trainer records 'trainer_fwd' or 'trainer_recompute', got {case!r}")
+        if not isinstance(distribution_k, int) or distribution_k < 0:
+            raise ValueError(f"distribution_k: must be an integer >= 0, got {distribution_k!r}")
         if max_inflight < 0:
             raise ValueError(f"max_inflight: must be >= 0, got {max_inflight}")
         super().__init__(
@@ -145,6 +158,7 @@ class TrainerCollector(Collector):
         )
         self.model = model
         self.sample_every = sample_every
+        self.distribution_k = distribution_k
         self.case: Case = case
         self.validate = validate
         self.keep_records = keep_records
@@ -320,7 +334,8 @@ class TrainerCollector(Collector):
         self._manifests(records)
 
         fingerprint_now = bool(self.resolved.specs) and step % self.sample_every == 0
-        need_logits = logprobs is None
+        distribution_now = fingerprint_now and self.distribution_k > 0
+        need_logits = logprobs is None or distribution_now
         capture = self._capture.take()
         if capture is not None and not capture.matches(batch.input_ids):
             capture = None
@@ -336,7 +351,7 @@ class TrainerCollector(Collector):
             assert capture is not None and capture.logits is not None
             assert batch.temperature is not None  # StepBatch fills it in
             sample_of = np.repeat(np.arange(batch.num_samples), [s.completion_len for s in batch.spans])
-            tensors["lp"] = processed_logprobs(
+            rows, targets = processed_logprob_rows(
                 capture.logits.detach(),
                 batch.input_ids,
                 predict,
@@ -345,7 +360,14 @@ class TrainerCollector(Collector):
                 sample_of,
                 **transforms,
             )
-        else:
+            if logprobs is None:
+                tensors["lp"] = rows.gather(1, targets[:, None]).squeeze(1)
+            if distribution_now and rows.shape[0]:
+                k = min(self.distribution_k, int(rows.shape[1]))
+                found = distribution_rows(rows, k)
+                tensors.update({f"dk_{name}": value for name, value in found.items()})
+            del rows
+        if logprobs is not None:
             tensors.update(_given_logprobs(logprobs, batch, target, layout))
         prints = self._prints_of(capture, batch) if fingerprint_now and capture is not None else {}
         if prints and capture is not None and capture.rows is not None:
@@ -367,6 +389,7 @@ class TrainerCollector(Collector):
             compacted=bool(prints) and capture is not None and capture.rows is not None,
             head=records,
             sampling=transforms,
+            distribution="dk_sketch" in tensors,
         )
         if self._pipeline.background:
             self._send_finished(self._pipeline.take(None))  # earlier steps, built meanwhile
@@ -423,6 +446,8 @@ class TrainerCollector(Collector):
                     value = float(values[i])
                     if value == value:  # NaN: not applied to this sample
                         setattr(sample, name, int(value) if name == "top_k" else value)
+        if pending.distribution:
+            _attach_distribution(samples, host, lengths)
         records += samples
         row_index = host["rows"].astype(np.int64) if pending.compacted else None
         host_prints = dict(zip(pending.keys, unpack_prints(host, pending.layout, row_index), strict=True))
@@ -558,3 +583,15 @@ def _given_logprobs(
 #: ``attach(model, run=..., sink=..., ...)``: hook ``model`` and send the run and the trainer's
 #: manifest to ``sink`` (the session does this for you: ``Session.watch_trainer``).
 attach = TrainerCollector
+
+
+def _attach_distribution(
+    samples: Sequence[Any], host: Mapping[str, np.ndarray], lengths: Sequence[int]
+) -> None:
+    """Each sample's share of the step's per-position top-k and sketch (the "dk_*" arrays)."""
+    bounds = np.cumsum(lengths)[:-1]
+    ids = np.split(host["dk_topk_ids"].astype(np.int32, copy=False), bounds)
+    values = np.split(host["dk_topk_logprobs"].astype(np.float32, copy=False), bounds)
+    sketch = np.split(host["dk_sketch"].astype(np.float32, copy=False), bounds)
+    for sample, i, v, sk in zip(samples, ids, values, sketch, strict=True):
+        sample.topk_ids, sample.topk_logprobs, sample.dist_sketch = i, v, sk

@@ -480,3 +480,23 @@ def sample_routing_frame(routing: reads.SampleRouting) -> pd.DataFrame:
     return pd.DataFrame(
         rows, columns=["position", "layer", "trainer", "rollout", "agree", "first_flip", "replayed"]
     )
+
+
+def distribution_frame(found: reads.SampleDistribution) -> pd.DataFrame:
+    """One row per completion token: how far the two sides' distributions are apart there (TV and
+    KL on the top-k union, the sketch's Hellinger estimate, top-k overlap) and whether they differ
+    while the sampled token's logprob is bitwise equal."""
+    n = found.tv.size
+    return pd.DataFrame(
+        {
+            "position": np.arange(n),
+            "absolute_position": np.arange(n) + found.prompt_len,
+            "tv": found.tv.astype(float),
+            "kl": found.kl.astype(float),
+            "hellinger": found.hellinger.astype(float),
+            "overlap": found.overlap.astype(float),
+            "rank_agreement": found.rank_agreement.astype(float),
+            "differs": found.differs.astype(bool),
+            "sampled_equal": found.sampled_equal.astype(bool),
+        }
+    )

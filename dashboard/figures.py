@@ -383,7 +383,9 @@ def diagnosis_bars(frame: pd.DataFrame) -> go.Figure:
     fig.update_layout(barmode="stack")
     fig.update_xaxes(title_text="step")
     fig.update_yaxes(title_text="samples")
-    return _base(fig, 280)
+    fig = _base(fig, 300)
+    fig.update_layout(margin={"l": 60, "r": 60, "t": 50, "b": 50})
+    return fig
 
 
 # ---------------------------------------------------------------------- sample page
@@ -577,3 +579,57 @@ def sample_routing_grid(frame: pd.DataFrame, prompt_len: int | None = None) -> g
              "line": {"dash": "dot", "color": "#555"}}
         ]  # fmt: skip
     return _base(figure([trace], layout), max(200, 26 * len(layers) + 110))
+
+
+def distribution_trace(frame: pd.DataFrame, k: int | None = None) -> go.Figure:
+    """Where the two sides' distributions part, per completion token: TV on the top-k union and the
+    sketch's full-vocabulary Hellinger estimate (log scale, exact zeros at the floor), the top-k
+    overlap on its own axis, and a band over each token whose distributions differ (red where the
+    sampled token's logprob is bitwise equal there: a difference the token metrics cannot see)."""
+    if frame.empty:
+        return empty_figure("no positions with a top-k on both sides")
+    floor = 10.0**LOG_FLOOR
+    x = frame["position"].to_list()
+
+    def floored(values: pd.Series) -> list:
+        v = values.to_numpy(float)
+        return [None if not np.isfinite(a) else max(a, floor) for a in v]
+
+    data: list[dict] = [
+        {"type": "scatter", "mode": "lines+markers", "name": f"TV on top-{k or 'k'} union", "x": x,
+         "y": floored(frame["tv"]), "line": {"color": "#1f77b4"}},
+        {"type": "scatter", "mode": "lines+markers", "name": "Hellinger (full-vocab sketch)", "x": x,
+         "y": floored(frame["hellinger"]), "line": {"color": "#9467bd", "dash": "dot"}},
+        {"type": "scatter", "mode": "lines", "name": "top-k overlap", "x": x, "y": frame["overlap"].to_list(),
+         "yaxis": "y2", "line": {"color": "#2ca02c", "width": 1}},
+    ]  # fmt: skip
+    shapes = []
+    for position, differs, equal in zip(
+        frame["position"], frame["differs"], frame["sampled_equal"], strict=True
+    ):
+        if differs:
+            shapes.append(
+                {"type": "rect", "xref": "x", "yref": "paper", "x0": position - 0.5, "x1": position + 0.5,
+                 "y0": 0, "y1": 1, "fillcolor": "#d62728" if equal else "#ff7f0e", "opacity": 0.15,
+                 "line": {"width": 0}, "layer": "below"}
+            )  # fmt: skip
+    both = frame[frame["differs"] & frame["sampled_equal"]]
+    if not both.empty:
+        data.append(
+            {"type": "scatter", "mode": "markers", "name": "sampled logprob equal, distribution differs",
+             "x": both["position"].to_list(), "y": [1.02] * len(both), "yaxis": "y2",
+             "marker": {"symbol": "x", "color": "#d62728", "size": 8}}
+        )  # fmt: skip
+    fig = figure(
+        data,
+        {
+            "shapes": shapes,
+            "xaxis": {"title": {"text": "completion position"}},
+            "yaxis": {"title": {"text": "distance"}, "type": "log"},
+            "yaxis2": {"title": {"text": "top-k overlap"}, "overlaying": "y", "side": "right",
+                       "range": [0, 1.08], "tickvals": [0, 0.25, 0.5, 0.75, 1], "showgrid": False},
+        },
+    )  # fmt: skip
+    fig = _base(fig, 300)
+    fig.update_layout(margin={"l": 60, "r": 60, "t": 50, "b": 50})
+    return fig

@@ -121,6 +121,10 @@ def sample_row(record: SampleLogprobs) -> dict[str, Any]:
         "path": dict(record.path) or None,
         "rank": record.rank,
         **routes_columns(record.routes),
+        "dist_sketch_dim": int(record.dist_sketch.shape[1]) if record.dist_sketch is not None else None,
+        "dist_sketch": to_bytes(record.dist_sketch.astype(np.float32, copy=False))
+        if record.dist_sketch is not None
+        else None,
         "created_at": utcnow(),
     }
 
@@ -157,6 +161,9 @@ def sample_record(row: SampleRow) -> SampleLogprobs:
         path=row.path or {},
         rank=row.rank,
         routes=routes_from_columns(row.routes, row.routes_data),
+        dist_sketch=from_bytes(row.dist_sketch, "<f4", (n_completion, row.dist_sketch_dim))
+        if row.dist_sketch is not None and row.dist_sketch_dim is not None
+        else None,
     )
 
 

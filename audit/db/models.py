@@ -113,6 +113,9 @@ class SampleRow(Base):
     #: "replayed"}; its arrays are in ``routes_data`` (audit.routing.routes_columns).
     routes: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     routes_data: Mapped[bytes | None] = mapped_column(LargeBinary)
+    #: SampleLogprobs.dist_sketch: its width and its [n_completion, width] little-endian float32 values
+    dist_sketch_dim: Mapped[int | None] = mapped_column(Integer)
+    dist_sketch: Mapped[bytes | None] = mapped_column(LargeBinary)
 
 
 class FingerprintRow(Base):

@@ -378,6 +378,11 @@ class SampleLogprobs(Record):
         description="how this side computed this sample where the runtime may take another path, e.g. "
         "prefix_cached_tokens (prompt tokens served from a prefix cache), prefill_chunks",
     )
+    dist_sketch: Float32Matrix | None = Field(
+        default=None,
+        description="per completion token, the full-vocabulary sketch R^T sqrt(p) of the distribution "
+        "its logprob comes from ([n_completion, 32]; audit.distribution), on fingerprinted steps",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -419,6 +424,7 @@ class SampleLogprobs(Record):
         check_non_negative(tokens, "token_ids", "token id")
         self._check_scalars()
         self._check_topk(n_completion)
+        self._check_dist_sketch(n_completion)
         if self.routes is not None:
             if not isinstance(self.routes, Routes):
                 raise RecordError("routes", "expected a Routes record")
@@ -481,6 +487,18 @@ class SampleLogprobs(Record):
         check_non_negative(ids, "topk_ids", "token id")
         # -inf is a real answer here: a token outside the kept top-k/top-p set has probability 0.
         check_logprobs(logprobs, "topk_logprobs", allow_neg_inf=True)
+
+    def _check_dist_sketch(self, n_completion: int) -> None:
+        if self.dist_sketch is None:
+            return
+        sketch = FLOAT32_MATRIX.check(self.dist_sketch, "dist_sketch")
+        if sketch.shape[0] != n_completion:
+            raise RecordError(
+                "dist_sketch",
+                f"shape {list(sketch.shape)}: expected one row per completion token ({n_completion})",
+            )
+        if not np.isfinite(sketch).all():
+            raise RecordError("dist_sketch", "values must be finite")
 
     @property
     def completion_ids(self) -> np.ndarray:

@@ -150,7 +150,9 @@ class VllmCollector(Collector):
     tracked, fingerprint rows kept until drained). ``flush_bytes``: how many bytes of selected activations
     wait on the device before a batched fingerprint pass. ``validate``: build records through pydantic
     validation (tests; the store validates anyway); ``strict``: raise instead of counting errors (tests);
-    ``keep_records``: return each step's records in its report.
+    ``keep_records``: return each step's records in its report. ``distribution_k``: the most top-k
+    entries per position kept from requests made with ``SamplingParams(logprobs=k)`` (0: none);
+    with ``logprobs=-1`` the full-vocabulary sketch as well (:mod:`isoaudit.collectors.vllm.outputs`).
 
     The engine must run in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) or have been created
     with ``worker_extension_cls=isoaudit.collectors.vllm.EXTENSION``.
@@ -176,7 +178,10 @@ class VllmCollector(Collector):
         validate: bool = False,
         strict: bool = False,
         keep_records: bool = False,
+        distribution_k: int = 8,
     ) -> None:
+        if not isinstance(distribution_k, int) or distribution_k < 0:
+            raise ValueError(f"distribution_k: must be an integer >= 0, got {distribution_k!r}")
         if not isinstance(max_requests, int) or max_requests < 1:
             raise ValueError(f"max_requests: must be an integer >= 1, got {max_requests!r}")
         if not isinstance(max_rows, int) or max_rows < 0:
@@ -207,6 +212,7 @@ class VllmCollector(Collector):
         self.semantics = SEMANTICS[logprobs_mode]
         self.validate = validate
         self.keep_records = keep_records
+        self.distribution_k = distribution_k
         self.engine_counters: list[dict[str, int]] = []
         start = Start(
             regions=(
@@ -376,7 +382,9 @@ class VllmCollector(Collector):
         if not isinstance(step, int | np.integer) or step < 0:
             raise ValueError(f"step: must be an integer >= 0, got {step!r}")
         step = int(step)
-        completions = read_completions(outputs)
+        completions = read_completions(
+            outputs, vocab=int(self._model_config.get_vocab_size()), k=self.distribution_k
+        )
         drained = [
             from_wire(r, Drained)
             for r in self.link.call("drain", to_wire(Drain(request_ids=[c.engine_id for c in completions])))
@@ -450,6 +458,10 @@ class VllmCollector(Collector):
             "top_p": engine.top_p,
             "semantics": self.semantics,
             "path": _path_facts(completion.cached_tokens, engine.prefill_forwards),
+            # the engine's top-k per position (logprobs=k), and the sketch when it returned the whole vocabulary
+            "topk_ids": completion.topk_ids,
+            "topk_logprobs": completion.topk_logprobs,
+            "dist_sketch": completion.dist_sketch,
         }
         extra = sample_fields(
             facts,

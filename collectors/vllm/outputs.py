@@ -3,6 +3,13 @@
 These are the logprobs the RL job itself uses (its importance ratios start from them), so the
 collector records exactly them rather than recomputing anything. One :class:`Completion` per
 sampled sequence: a request with ``n > 1`` has ``n``, which vLLM runs as child requests ``k_<id>``.
+
+A request made with ``SamplingParams(logprobs=k)`` also returns, per position, the engine's top-k
+(ranked by vLLM's ``Logprob.rank``): kept as the sample's top-k for the full-distribution comparison
+(:mod:`isoaudit.audit.distribution`). With ``logprobs=-1`` (engine started with ``max_logprobs=-1``)
+every position carries the whole vocabulary: then the top-k is cut from it and the full-vocabulary
+sketch computed from it here, on the host (vLLM gives no in-process hook to the logits of every
+sampled position through ``generate``; the full vector per position is what its API exposes).
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from isoaudit.audit.distribution import sketch_projection
 
 
 @dataclass(frozen=True)
@@ -23,6 +31,9 @@ class Completion:
     completion_ids: np.ndarray  # int32
     logprobs: np.ndarray | None  # float32, one per completion token; None when not requested
     cached_tokens: int | None = None  # prompt tokens served from the prefix cache, when vLLM says
+    topk_ids: np.ndarray | None = None  # int32 [n, k], rank order; None: logprobs=0 or not requested
+    topk_logprobs: np.ndarray | None = None  # float32 [n, k]
+    dist_sketch: np.ndarray | None = None  # float32 [n, 32], only from full-vocabulary logprobs
 
 
 def _sampled_logprobs(entries: Any, tokens: np.ndarray) -> np.ndarray | None:
@@ -39,8 +50,64 @@ def _sampled_logprobs(entries: Any, tokens: np.ndarray) -> np.ndarray | None:
     return values
 
 
-def read_completions(outputs: Iterable[Any]) -> list[Completion]:
-    """Every sampled sequence of ``outputs`` (``vllm.RequestOutput`` objects)."""
+def _ranked_prefix(entry: Any) -> list[tuple[int, float]]:
+    """One position's entries in rank order, as long as they are a top-m (the i-th has rank <= i;
+    the sampled token, when it ranks below the requested k, ends the prefix unless it is next)."""
+    items = sorted(
+        (
+            (int(token), getattr(found, "logprob", found), getattr(found, "rank", None))
+            for token, found in entry.items()
+        ),
+        key=lambda item: (item[2] if item[2] is not None else 1 << 62, item[0]),
+    )
+    prefix = []
+    for i, (token, logprob, rank) in enumerate(items, start=1):
+        if rank is None or rank > i:
+            break
+        prefix.append((token, float(logprob)))
+    return prefix
+
+
+def _distribution(
+    entries: Any, n_tokens: int, vocab: int | None, k: int
+) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None]:
+    """The top-k (cut to the smallest prefix any position has, at most ``k``) and, when every
+    position holds the whole vocabulary, the full-vocabulary sketch."""
+    if entries is None or n_tokens == 0 or k < 1:
+        return None, None, None
+    full = vocab is not None and all(entry is not None and len(entry) >= vocab for entry in entries)
+    if full:
+        assert vocab is not None
+        dense = np.full((n_tokens, vocab), -np.inf, dtype=np.float32)
+        for i, entry in enumerate(entries):
+            tokens = np.fromiter((int(t) for t in entry.keys()), dtype=np.int64, count=len(entry))
+            values = np.fromiter(
+                (getattr(v, "logprob", v) for v in entry.values()), dtype=np.float32, count=len(entry)
+            )
+            keep = tokens < vocab
+            dense[i, tokens[keep]] = values[keep]
+        width = min(k, vocab)
+        order = np.lexsort(
+            (np.broadcast_to(np.arange(vocab), dense.shape), -dense.astype(np.float64)), axis=-1
+        )
+        ids = order[:, :width].astype(np.int32)
+        sketch = (
+            np.exp(dense.astype(np.float64) * 0.5) @ sketch_projection(vocab).astype(np.float64)
+        ).astype(np.float32)
+        return ids, np.take_along_axis(dense, ids.astype(np.int64), axis=1), sketch
+    prefixes = [_ranked_prefix(entry) if entry is not None else [] for entry in entries]
+    width = min(k, min(len(p) for p in prefixes))
+    if width == 0:
+        return None, None, None
+    ids = np.array([[t for t, _ in p[:width]] for p in prefixes], dtype=np.int32)
+    values = np.array([[v for _, v in p[:width]] for p in prefixes], dtype=np.float32)
+    return ids, values, None
+
+
+def read_completions(outputs: Iterable[Any], *, vocab: int | None = None, k: int = 8) -> list[Completion]:
+    """Every sampled sequence of ``outputs`` (``vllm.RequestOutput`` objects). ``vocab``: the
+    model's vocabulary size (positions holding that many logprobs give the sketch); ``k``: the most
+    top-k entries kept per position (0: none)."""
     found = []
     for j, output in enumerate(outputs):
         prompt = getattr(output, "prompt_token_ids", None)
@@ -53,6 +120,7 @@ def read_completions(outputs: Iterable[Any]) -> list[Completion]:
         for completion in output.outputs:
             tokens = np.asarray(completion.token_ids, dtype=np.int32)
             index = int(getattr(completion, "index", 0))
+            top_ids, top_values, sketch = _distribution(completion.logprobs, tokens.size, vocab, k)
             found.append(
                 Completion(
                     engine_id=f"{index}_{output.request_id}" if many else str(output.request_id),
@@ -62,6 +130,9 @@ def read_completions(outputs: Iterable[Any]) -> list[Completion]:
                     completion_ids=tokens,
                     logprobs=_sampled_logprobs(completion.logprobs, tokens),
                     cached_tokens=_optional_int(getattr(output, "num_cached_tokens", None)),
+                    topk_ids=top_ids,
+                    topk_logprobs=top_values,
+                    dist_sketch=sketch,
                 )
             )
     return found

@@ -26,6 +26,9 @@ ROUTING_SUMMARY = "sample-routing-summary"
 ROUTING_FIRST = "sample-routing-first"
 ROUTING_GRID = "sample-routing-grid"
 ROUTING_FLIPS = "sample-routing-flips"
+DISTRIBUTION = "sample-distribution"
+DISTRIBUTION_SUMMARY = "sample-distribution-summary"
+DISTRIBUTION_TRACE = "sample-distribution-trace"
 
 
 def first_divergence_line(detail: reads.SampleDetail) -> html.Div:
@@ -122,6 +125,35 @@ def routing_view(store: Store, detail: reads.SampleDetail) -> html.Div:
     )
 
 
+def distribution_view(store: Store, detail: reads.SampleDetail) -> html.Div:
+    """Fingerprinted steps: where the two sides' full distributions part, token by token."""
+    found = reads.sample_distribution(store, detail.run_id, detail.step, detail.sample_key)
+    if found is None:
+        return html.Div(id=DISTRIBUTION)
+    frame = data.distribution_frame(found)
+    differs = int(frame["differs"].sum())
+    hidden = int((frame["differs"] & frame["sampled_equal"]).sum())
+    if differs == 0:
+        summary: list[Any] = [
+            f"The distributions agree at all {len(frame)} positions (top-{found.k} and sketch)."
+        ]
+    else:
+        first = int(frame.loc[frame["differs"], "position"].iloc[0])
+        summary = [
+            f"The distributions differ at {differs} of {len(frame)} positions, first at ",
+            html.Strong(f"completion token {first}"),
+            f"; at {hidden} of them the sampled token's logprob is bitwise equal.",
+        ]
+    return html.Div(
+        [
+            html.H5("Full distribution, both sides", className="mt-3"),
+            html.Div(summary, id=DISTRIBUTION_SUMMARY, className="small"),
+            graph(DISTRIBUTION_TRACE, figures.distribution_trace(frame, found.k)),
+        ],
+        id=DISTRIBUTION,
+    )
+
+
 def layout(
     run_id: str | None = None, step: str | None = None, sample_key: str | None = None, **_: object
 ) -> Component:
@@ -169,6 +201,7 @@ def layout(
             html.H5("Fingerprint grid", className="mt-3"),
             first_divergence_line(detail),
             graph(GRID, figures.fingerprint_grid(data.grid_frame(detail), detail.prompt_len)),
+            distribution_view(store, detail),
             routing_view(store, detail),
         ]
     )

@@ -21,6 +21,7 @@ from isoaudit.audit.db.reads.contract import (
     manifest_history,
     mode_changes,
 )
+from isoaudit.audit.db.reads.distribution import SampleDistribution, sample_distribution
 from isoaudit.audit.db.reads.ranks import STOPPED_AFTER_STEPS, RankActivity, rank_activity, rank_series
 from isoaudit.audit.db.reads.routing import (
     RoutingLayer,
@@ -63,6 +64,7 @@ __all__ = [
     "RoutingStep",
     "RunOverview",
     "SampleDetail",
+    "SampleDistribution",
     "SampleRouting",
     "SampleVerdict",
     "StepPoint",
@@ -84,6 +86,7 @@ __all__ = [
     "run_status",
     "runs_overview",
     "sample_detail",
+    "sample_distribution",
     "sample_routing",
     "step_point",
     "step_samples",

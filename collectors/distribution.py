@@ -1,0 +1,53 @@
+"""The device half of the full-distribution comparison (:mod:`isoaudit.audit.distribution`): from
+the full log-probability rows of the sampled positions, each position's top-k and its
+full-vocabulary sketch ``Rᵀ √p``, computed where the rows are; only ``k`` ids, ``k`` logprobs and 32
+floats per position leave the device."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import torch
+from isoaudit.audit.distribution import SKETCH_DIM, sketch_projection
+
+#: The float64 √p of at most this many bytes exists at once (the rows themselves are the caller's).
+CHUNK_BYTES = 256 << 20
+
+_PROJECTIONS: dict[tuple[int, str], torch.Tensor] = {}
+_LOCK = threading.Lock()
+
+
+def _projection(vocab: int, device: torch.device) -> torch.Tensor:
+    """The sign matrix in float64 on ``device``, built once per (vocab, device)."""
+    key = (vocab, str(device))
+    with _LOCK:
+        found = _PROJECTIONS.get(key)
+        if found is None:
+            found = torch.from_numpy(sketch_projection(vocab).astype(np.float64)).to(device)
+            _PROJECTIONS[key] = found
+    return found
+
+
+def distribution_rows(logprob_rows: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
+    """``logprob_rows``: ``[positions, vocab]`` log-probabilities (rows that sum to 1 in probability;
+    -inf for tokens a sampler masked). Returns on their device ``topk_ids`` (int32 ``[n, k]``, rank
+    order), ``topk_logprobs`` (float32 ``[n, k]``) and ``sketch`` (float32 ``[n, SKETCH_DIM]``,
+    summed in float64, :data:`CHUNK_BYTES` of positions at a time)."""
+    if logprob_rows.dim() != 2:
+        raise ValueError(f"logprob_rows: expected [positions, vocab], got shape {list(logprob_rows.shape)}")
+    vocab = int(logprob_rows.shape[1])
+    if not 1 <= k <= vocab:
+        raise ValueError(f"k: must be in [1, vocab={vocab}], got {k}")
+    rows = logprob_rows.detach().float()
+    values, ids = torch.topk(rows, k, dim=-1, sorted=True)
+    projection = _projection(vocab, rows.device)
+    sketch = torch.empty(rows.shape[0], SKETCH_DIM, dtype=torch.float32, device=rows.device)
+    step = max(1, CHUNK_BYTES // (vocab * 8))  # √p in float64 a chunk of positions at a time
+    for start in range(0, rows.shape[0], step):
+        root = torch.exp(rows[start : start + step].double() * 0.5)  # exp(-inf) = 0
+        sketch[start : start + step] = (root @ projection).float()
+    return {"topk_ids": ids.to(torch.int32), "topk_logprobs": values, "sketch": sketch}
+
+
+__all__ = ["SKETCH_DIM", "distribution_rows"]
