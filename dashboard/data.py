@@ -35,7 +35,16 @@ TIMELINE_PANELS: tuple[tuple[str, tuple[str, ...], bool], ...] = (
 TIMELINE_METRICS: tuple[str, ...] = tuple(m for _, names, _ in TIMELINE_PANELS for m in names)
 
 #: Diagnosis kinds in DESIGN.md's order, so the stacked bars keep one order across steps.
-DIAGNOSIS_ORDER = ("clean", "contract", "weights", "semantics", "inference_path", "numerical", "inconclusive")
+DIAGNOSIS_ORDER = (
+    "clean",
+    "contract",
+    "weights",
+    "semantics",
+    "inference_path",
+    "numerical",
+    "inconclusive",
+    "quantization",
+)
 
 
 def _base_region(label: str) -> str:

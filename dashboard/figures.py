@@ -30,6 +30,7 @@ DIAGNOSIS_COLOURS = {
     "inference_path": "#ff7f0e",
     "numerical": "#1f77b4",
     "inconclusive": "#7f7f7f",
+    "quantization": "#8c564b",
 }
 SEVERITY_COLOURS = {"info": "#1f77b4", "warning": "#ff7f0e", "critical": "#d62728"}
 SIDE_COLOURS = {"trainer": "#1f77b4", "rollout": "#9467bd"}
