@@ -231,7 +231,7 @@ def explain(
         parts.append(
             f"the {' and '.join(found['per_tensor_dynamic'])} scales activations per tensor (batch-mate dependent)"
         )
-    sentence = "Quantization differs: " + "; ".join(parts) + "."
+    sentence = "Quantization: " + "; ".join(parts) + "."
     if "position_onset" in seen:
         sentence += f" The logprobs agree up to position {seen['position_onset']} and part from there" + (
             " (decode reads the quantized KV cache, prefill does not)."
