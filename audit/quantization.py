@@ -137,7 +137,7 @@ def step_sized(delta: np.ndarray) -> bool:
 
 def batch_dependence(*samples: SampleLogprobs) -> dict[str, float]:
     """Per side, the batch probe's largest |Δ| where that side recorded one and it is nonzero."""
-    out = {}
+    out: dict[str, float] = {}
     for sample in samples:
         value = sample.path.get(BATCH_PROBE)
         if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
