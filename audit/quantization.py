@@ -177,6 +177,21 @@ def signature(trainer: SampleLogprobs, rollout: SampleLogprobs, found: dict[str,
     return out
 
 
+def effective_weights(tm: Manifest | None, rm: Manifest | None) -> dict[str, Any] | None:
+    """Compare the weights each side's GEMMs effectively multiply by: a quantizing side's
+    dequantized-weight digests (``Manifest.effective_weight_tensor_digests``), an unquantized side's
+    held ones. None unless at least one side reports effective digests."""
+    if tm is None or rm is None:
+        return None
+    if not (tm.effective_weight_tensor_digests or rm.effective_weight_tensor_digests):
+        return None
+    a = tm.effective_weight_tensor_digests or tm.weight_tensor_digests
+    b = rm.effective_weight_tensor_digests or rm.weight_tensor_digests
+    common = sorted(set(a) & set(b))
+    differing = [name for name in common if a[name] != b[name]]
+    return {"tensors_compared": len(common), "differing": len(differing), "differing_tensors": differing[:16]}
+
+
 def _cause(differing: dict[str, Any], batch: dict[str, float]) -> str:
     """The signature word of the verdict: what the two sides differ in first."""
     if batch:
@@ -247,6 +262,14 @@ def explain(
         else " As configured this cannot be made exact: quantize both sides the same way (per-token-group "
         "or block scales, the same source) or neither."
     )
+    effective = effective_weights(tm, rm)
+    if effective is not None and effective["tensors_compared"]:
+        sentence += (
+            f" The effective (dequantized) weights differ in {effective['differing']} of "
+            f"{effective['tensors_compared']} tensors."
+            if effective["differing"]
+            else f" The effective (dequantized) weights agree in all {effective['tensors_compared']} tensors."
+        )
     evidence = {
         "cause": _cause(found["differing"], batch),
         "quantization": {"trainer": found["trainer"], "rollout": found["rollout"]},
@@ -254,5 +277,6 @@ def explain(
         "symmetric": found["symmetric"],
         "can_be_exact": exact,
         "signature": seen,
+        "effective_weights": effective,
     }
     return sentence, evidence

@@ -130,6 +130,7 @@ class Collector(ABC):
         self.weight_digest = weight_digest
         #: tensor name -> digest of the weights this side holds now (``isoaudit.collectors.held_weights``)
         self.weight_tensor_digests: dict[str, str] = {}
+        self.effective_weight_tensor_digests: dict[str, str] = {}
         self.mode_report = ModeReport(mode, mode)
         self._warn = LogOnce(log)
         self._contract = contract
@@ -366,6 +367,7 @@ class Collector(ABC):
             self.weight_version,
             self.weight_digest,
             hash(frozenset(self.weight_tensor_digests.items())),
+            hash(frozenset(self.effective_weight_tensor_digests.items())),
         )
         if signature is not None and key == self._manifest_key:
             return
@@ -378,6 +380,7 @@ class Collector(ABC):
                 update={
                     "weight_digest": self.weight_digest,
                     "weight_tensor_digests": self.weight_tensor_digests,
+                    "effective_weight_tensor_digests": self.effective_weight_tensor_digests,
                 }
             )
             manifest = tracker.changed(built)

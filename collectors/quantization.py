@@ -8,6 +8,10 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+import torch
+from isoaudit.collectors.held_weights import checkpoint_name, tensor_digests
+from torch import nn
+
 #: The reference FP8 path's formats (``kernels.fp8_quant``): E4M3 weights in 128x128 blocks,
 #: activations per token per 128 of K, or one dynamic scale for the whole batch.
 WEIGHTS_FP8 = "e4m3 block 128x128"
@@ -36,3 +40,24 @@ def quantization_facts(master_dtype: str | None, *, source: str | None = None) -
             "source": source or master_dtype,
         }
     }
+
+
+def effective_digests(model: nn.Module) -> dict[str, str]:
+    """While the FP8 mode routes this process: the digest of each linear layer's *effective* weight
+    (its 128x128 block quantization, dequantized to fp32: what the FP8 GEMM multiplies by), by
+    checkpoint name, beside the masters' own digests; ``{}`` otherwise. Two sides that quantize
+    the same masters the same way report equal effective digests; a bf16 export quantized against
+    fp32 masters does not."""
+    routing = sys.modules.get("isoaudit.kernels.dispatch")
+    quant = sys.modules.get("isoaudit.kernels.fp8_quant")
+    if routing is None or quant is None or not routing.is_enabled() or not routing.is_fp8():
+        return {}
+    getter = getattr(model, "get_output_embeddings", None)
+    head = getter() if callable(getter) else None
+    named = []
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, nn.Linear) and module is not head and module.weight.ndim == 2:
+                q, scale = quant.quantize_weight(module.weight.detach())
+                named.append((checkpoint_name(f"{name}.weight"), quant.dequantize_weight(q, scale)))
+    return tensor_digests(named)

@@ -223,13 +223,24 @@ class Manifest(Record):
     )
     weight_version: str | None = VERSION.field(default=None)
     weight_digest: str | None = Field(default=None, max_length=256)
+    effective_weight_tensor_digests: dict[str, str] = Field(
+        default_factory=dict,
+        description="tensor name -> digest of the weights this side's quantized GEMMs effectively multiply "
+        "by (dequantized), where it quantizes; empty otherwise",
+    )
 
     @model_validator(mode="after")
     def _check_text(self) -> Manifest:
         check_text(self.process, "process")
         for name in ("runtime", "contract"):
             check_json(getattr(self, name).model_dump(), name)
-        for name in ("regions", "unobserved", "numerical_policy", "weight_tensor_digests"):
+        for name in (
+            "regions",
+            "unobserved",
+            "numerical_policy",
+            "weight_tensor_digests",
+            "effective_weight_tensor_digests",
+        ):
             check_json(getattr(self, name), name)
         for name in ("weight_version", "weight_digest"):
             if getattr(self, name) is not None:

@@ -13,7 +13,9 @@ import torch
 from isoaudit.audit.compare import compare_sample
 from isoaudit.audit.quantization import BATCH_PROBE
 from isoaudit.audit.records import Manifest, SampleLogprobs
+from isoaudit.collectors.held_weights import checkpoint_name, module_digests, tensor_digests
 from isoaudit.collectors.manifest import trainer_runtime
+from isoaudit.collectors.quantization import effective_digests
 from isoaudit.kernels import dispatch
 from isoaudit.kernels import fp8 as F8
 from isoaudit.kernels.engine import RolloutEngine
@@ -69,11 +71,24 @@ def score(model, comps) -> list[np.ndarray]:
     return out
 
 
+def held(model, source: str | None) -> dict[str, str]:
+    """What the side holds: its parameters, or (``source``) the export in that dtype it was given."""
+    if source is None:
+        return module_digests(model)
+    dtype = getattr(torch, source)
+    return tensor_digests((checkpoint_name(n), p.detach().to(dtype)) for n, p in model.named_parameters())
+
+
 def manifest(model, side: str, source: str | None = None, run_id: str = "quant-ref") -> Manifest:
     """The side's manifest as its collector builds it, in the kernels mode active now."""
     case = "trainer_recompute" if side == "trainer" else "engine_decode"
     return Manifest(
-        run_id=run_id, side=side, case=case, runtime=trainer_runtime(model.model, quant_source=source)
+        run_id=run_id,
+        side=side,
+        case=case,
+        runtime=trainer_runtime(model.model, quant_source=source),
+        weight_tensor_digests=held(model.model, source),
+        effective_weight_tensor_digests=effective_digests(model.model),
     )
 
 
