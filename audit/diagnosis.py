@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 from isoaudit.audit.metrics import UNKNOWN_LAG
 from isoaudit.audit.policy_lag import sampling_versions, token_lags
+from isoaudit.audit.quantization import explain as explain_quantization
 from isoaudit.audit.records import Manifest, OffPolicy, RegionFingerprints, SampleLogprobs
 
 if TYPE_CHECKING:
@@ -416,6 +417,14 @@ def _inference_path(
     )
 
 
+def _quantization(
+    trainer: SampleLogprobs, rollout: SampleLogprobs, tm: Manifest | None, rm: Manifest | None
+) -> Diagnosis | None:
+    """The sides quantize differently, or with batch-mate dependent scales (:mod:`audit.quantization`)."""
+    found = explain_quantization(trainer, rollout, tm, rm)
+    return Diagnosis("quantization", *found) if found is not None else None
+
+
 def precision_difference(tm: Manifest | None, rm: Manifest | None) -> dict[str, Any] | None:
     """The first precision fact the two sides' manifests state differently, with the less precise
     side named: ``{"field": "runtime.lm_head_dtype", "trainer": ..., "rollout": ..., "side": ...}``."""
@@ -491,6 +500,7 @@ def diagnose(
         lambda: _stale_prefix(trainer, rollout),
         lambda: _semantics(trainer, rollout),
         lambda: _inference_path(trainer, rollout, tm, rm),
+        lambda: _quantization(trainer, rollout, tm, rm),
     ):
         found = check()
         if found is not None:

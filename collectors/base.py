@@ -138,6 +138,7 @@ class Collector(ABC):
         self.canary: Canary | None = None
         #: run the canary at each weight version change (``ISOAUDIT_CANARY=0`` turns it off)
         self.canary_enabled = os.environ.get("ISOAUDIT_CANARY", "1") != "0"
+        self.effective_weight_tensor_digests: dict[str, str] = {}
         self.mode_report = ModeReport(mode, mode)
         self._warn = LogOnce(log)
         self._contract = contract
@@ -411,6 +412,7 @@ class Collector(ABC):
             hash(frozenset(self.weight_tensor_digests.items())),
             environment.model_dump_json() if environment is not None else None,
             self.canary.model_dump_json() if self.canary is not None else None,
+            hash(frozenset(self.effective_weight_tensor_digests.items())),
         )
         if signature is not None and key == self._manifest_key:
             return
@@ -427,6 +429,7 @@ class Collector(ABC):
                     "weight_tensor_digests": self.weight_tensor_digests,
                     "environment": environment,
                     "canary": self.canary,
+                    "effective_weight_tensor_digests": self.effective_weight_tensor_digests,
                 }
             )
             manifest = tracker.changed(built)

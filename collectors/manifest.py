@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Union
 
 import torch
 from isoaudit.audit.records import Case, ContractIdentities, Manifest, RuntimeFacts, Side
+from isoaudit.collectors.quantization import quantization_facts
 from torch import nn
 
 if TYPE_CHECKING:
@@ -101,9 +102,14 @@ def _lm_head(model: nn.Module) -> nn.Module | None:
 
 
 def trainer_runtime(
-    model: nn.Module, *, remediation: str = "native", logprobs_mode: str = "processed"
+    model: nn.Module,
+    *,
+    remediation: str = "native",
+    logprobs_mode: str = "processed",
+    quant_source: str | None = None,
 ) -> RuntimeFacts:
-    """What this process's numerics depend on, read from the model and torch's global switches."""
+    """What this process's numerics depend on, read from the model and torch's global switches.
+    ``quant_source``: the dtype quantized weights are made from where it is not the model's own."""
     param = next(model.parameters(), None)
     device = param.device if param is not None else torch.device("cpu")
     head = _lm_head(model)
@@ -133,6 +139,7 @@ def trainer_runtime(
         "deterministic_algorithms": bool(torch.are_deterministic_algorithms_enabled()),
     }
     facts.update(kernel_facts())
+    facts.update(quantization_facts(facts["dtype"], source=quant_source))
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         facts["world_size"] = torch.distributed.get_world_size()
     return RuntimeFacts(**facts)

@@ -45,6 +45,7 @@ from isoaudit.collectors.logprobs import (
     sampling_values,
 )
 from isoaudit.collectors.manifest import ContractArg, runtime_signature, trainer_runtime
+from isoaudit.collectors.quantization import effective_digests
 from isoaudit.collectors.regions import RegionsArg, resolve_regions
 from isoaudit.collectors.remediation import RemediationHook, apply_kernels_mode, switch_with
 from isoaudit.collectors.sinks.base import Sink
@@ -260,6 +261,8 @@ class TrainerCollector(Collector):
         if self.weight_digests:
             digests = self.guarded("weight digests", module_digests, self.model)
             self.weight_tensor_digests = digests if digests is not None else {}
+            effective = self.guarded("effective weight digests", effective_digests, self.model)
+            self.effective_weight_tensor_digests = effective if effective is not None else {}
 
     def _weights_moved(self, version: str, digest: str | None) -> None:
         self._held_now()

@@ -245,13 +245,24 @@ class Manifest(Record):
         description="the canary this side ran through its real forward after its latest weight version "
         "change (isoaudit.audit.records.canary)",
     )
+    effective_weight_tensor_digests: dict[str, str] = Field(
+        default_factory=dict,
+        description="tensor name -> digest of the weights this side's quantized GEMMs effectively multiply "
+        "by (dequantized), where it quantizes; empty otherwise",
+    )
 
     @model_validator(mode="after")
     def _check_text(self) -> Manifest:
         check_text(self.process, "process")
         for name in ("runtime", "contract"):
             check_json(getattr(self, name).model_dump(), name)
-        for name in ("regions", "unobserved", "numerical_policy", "weight_tensor_digests"):
+        for name in (
+            "regions",
+            "unobserved",
+            "numerical_policy",
+            "weight_tensor_digests",
+            "effective_weight_tensor_digests",
+        ):
             check_json(getattr(self, name), name)
         for name in ("weight_version", "weight_digest"):
             if getattr(self, name) is not None:
