@@ -343,7 +343,7 @@ class TrainerCollector(Collector):
         if capture is not None and not capture.matches(batch.input_ids):
             capture = None
         own = (fingerprint_now and (capture is None or not capture.fingerprinting)) or (
-            need_logits and (capture is None or capture.logits is None)
+            need_logits and (capture is None or not _logits_cover(capture.logits, batch.input_ids))
         )
         if own:
             capture = self._own_forward(batch, fingerprint_now)
@@ -522,6 +522,14 @@ def _row_hint(batch: StepBatch) -> tuple[tuple[int, ...], torch.Tensor]:
     """(input shape, flat rows of real tokens): what the hooks fingerprint for this batch."""
     rows = np.concatenate([batch.flat_start(i) + np.arange(s.length) for i, s in enumerate(batch.spans)])
     return tuple(batch.input_ids.shape), torch.from_numpy(np.sort(rows))
+
+
+def _logits_cover(logits: torch.Tensor | None, input_ids: torch.Tensor) -> bool:
+    """Whether captured ``logits`` hold one vocabulary row per token of ``input_ids`` (a forward
+    called with ``logits_to_keep``, or one whose output is not logits, does not)."""
+    if logits is None or logits.dim() < 2:
+        return False
+    return logits.numel() // logits.shape[-1] == input_ids.numel()
 
 
 def _given_logprobs(

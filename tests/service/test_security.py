@@ -85,6 +85,7 @@ def foreign_requests(ids: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]
         ("GET", "/v1/runs/{run_id}/routing", {}, {404}),
         ("GET", "/v1/runs/{run_id}/steps/{step}/samples/{sample_key}/routing", {}, {404}),
         ("GET", "/v1/runs/{run_id}/control", {}, {404}),
+        ("GET", "/v1/runs/{run_id}/environment-diff", {}, {404}),
         ("PUT", "/v1/runs/{run_id}/control", {"json": {"mode": "native", "version": 1}}, {404}),
         ("GET", "/v1/alert-rules", {}, {200}),
         ("GET", "/v1/alert-rules/{name}", {}, {404}),
