@@ -10,13 +10,14 @@ import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
-from typing import Any
+from typing import Any, get_args
 
 import numpy as np
 import pandas as pd
 from isoaudit.audit.alerts.rules import AlertRule
 from isoaudit.audit.db import reads
 from isoaudit.audit.db.alerts import Alert, Silence
+from isoaudit.audit.diagnosis import DiagnosisKind
 from isoaudit.audit.grid import DIFFERS, EQUAL, NOT_OBSERVED
 from isoaudit.audit.records import StepStats
 from isoaudit.audit.regions import parse_region_key, region_order
@@ -34,19 +35,8 @@ TIMELINE_PANELS: tuple[tuple[str, tuple[str, ...], bool], ...] = (
 )
 TIMELINE_METRICS: tuple[str, ...] = tuple(m for _, names, _ in TIMELINE_PANELS for m in names)
 
-#: Diagnosis kinds in DESIGN.md's order, so the stacked bars keep one order across steps.
-DIAGNOSIS_ORDER = (
-    "clean",
-    "contract",
-    "weights",
-    "stale_engine_state",
-    "off_policy",
-    "semantics",
-    "quantization",
-    "inference_path",
-    "numerical",
-    "inconclusive",
-)
+#: Diagnosis kinds in the diagnosis' own order, so the stacked bars keep one order across steps.
+DIAGNOSIS_ORDER: tuple[str, ...] = get_args(DiagnosisKind)
 
 
 def _base_region(label: str) -> str:
