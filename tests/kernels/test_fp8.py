@@ -160,8 +160,10 @@ def test_batch_invariant_gpu(n: int, k: int) -> None:
 @gpu
 @pytest.mark.parametrize("n,k", [(896, 4864), (4096, 4096)])
 def test_kernel_matches_reference_gpu(n: int, k: int) -> None:
-    """Against the reference's exact block sums: the kernel's block MMA (Hopper's FP8 accumulator)
-    differs only by its own rounding, promoted every 128 K, so the error stays near fp32's; the
+    """Against the reference's exact block sums: the kernel's block MMA differs only by Hopper's FP8
+    accumulator, which keeps about 14 bits of mantissa within a 128-K block (DeepSeek-V3, section
+    3.3.2); promoted every 128 K into fp32, the sum of K / 128 such blocks errs by a few 2^-14 of the
+    output's scale, an order of magnitude below a whole-K FP8 MMA chain (4e-3 on the H200). The
     quantized operands themselves are the CPU reference's bits."""
     x, w = _operands(300, n, k, "cuda")
     xq, xs = quantize_act(x)
@@ -172,7 +174,7 @@ def test_kernel_matches_reference_gpu(n: int, k: int) -> None:
     ref = F8.w8a8_reference(xq, xs, wq, ws, None, torch.float32)
     rel = ((y - ref).abs().max() / ref.abs().max()).item()
     print(f"\n[fp8] N={n} K={k}: max |kernel - exact-block reference| / max |ref| = {rel:.3e}")
-    assert rel < 1e-4
+    assert rel < 2.0**-11  # a few 2^-14 (the block accumulator's precision), well below 4e-3
 
 
 @gpu
