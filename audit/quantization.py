@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
-from isoaudit.audit.records import Manifest, SampleLogprobs
+from isoaudit.audit.records import Manifest, RuntimeFacts, SampleLogprobs
 
 #: The quantization facts of a side, in the order they are reported.
 QUANT_FIELDS = ("weights", "activations", "kv_cache", "source")
@@ -70,10 +70,14 @@ def _format(value: Any) -> str | None:
 
 def quantization_of(manifest: Manifest | None) -> dict[str, str | None]:
     """This side's quantization: format and scale granularity per field (None: not quantized)."""
-    out: dict[str, str | None] = dict.fromkeys(QUANT_FIELDS)
     if manifest is None:
-        return out
-    runtime = manifest.runtime
+        return dict.fromkeys(QUANT_FIELDS)
+    return runtime_quantization(manifest.runtime)
+
+
+def runtime_quantization(runtime: RuntimeFacts) -> dict[str, str | None]:
+    """The quantization a side's runtime facts state (:func:`quantization_of` of its manifest)."""
+    out: dict[str, str | None] = dict.fromkeys(QUANT_FIELDS)
     extra = runtime.model_extra or {}
     declared = extra.get(QUANT_FACT)
     if isinstance(declared, dict):
@@ -88,6 +92,13 @@ def quantization_of(manifest: Manifest | None) -> dict[str, str | None]:
     if out["weights"] is None and out["activations"] is None and out["source"] is not None:
         out["source"] = None  # nothing is quantized, so there is no quantization source
     return out
+
+
+def _per_tensor_dynamic(activations: str | None) -> bool:
+    """Activations scaled per tensor at run time (one scale over the whole batch); a static
+    per-tensor scale is a constant, the same whatever the batch holds."""
+    words = str(activations or "")
+    return "per-tensor" in words and "static" not in words
 
 
 def quantization_difference(tm: Manifest | None, rm: Manifest | None) -> dict[str, Any] | None:
@@ -106,9 +117,7 @@ def quantization_difference(tm: Manifest | None, rm: Manifest | None) -> dict[st
     if not (t["weights"] and r["weights"]):
         differing.pop("source", None)  # a source differs only where both sides quantize weights
     per_tensor = [
-        side
-        for side, q in (("trainer", t), ("rollout", r))
-        if "per-tensor" in str(q.get("activations") or "")
+        side for side, q in (("trainer", t), ("rollout", r)) if _per_tensor_dynamic(q.get("activations"))
     ]
     return {
         "trainer": t,

@@ -6,8 +6,10 @@ dynamic activation scale spans the whole batch, so there a sample's logprobs mov
 batch-mates; per-token or per-group scales (and every batch-invariant path) give exactly 0.
 
 When (:class:`ProbePolicy`): ``"auto"`` (the default) probes on fingerprinted steps while this side
-quantizes activations; ``"always"`` on every fingerprinted step; ``"off"`` never. ``samples``
-bounds the cost: that many samples of the step, spread over it, never the whole batch.
+quantizes activations; ``"always"`` on every fingerprinted step; ``"off"`` never; ``every``: only on
+every N-th step of those. ``samples`` bounds the cost: that many samples of the step, spread over
+it, never the whole batch (and for vLLM ``mates``: how many of the step's other samples are scored
+beside them).
 
 This module holds the policy, the cost counters and the trainer's probe (the sample alone through
 the model's own forward against the step's captured logits); the vLLM engine's probe is
@@ -46,17 +48,22 @@ _INDEX, _VALUE = "bp_index", "bp_value"
 
 @dataclass(frozen=True)
 class ProbePolicy:
-    """When a side probes (``when``: ``auto``, ``always``, ``off``) and how many of a probe step's
-    samples (``samples``, at least 1)."""
+    """When a side probes (``when``: ``auto``, ``always``, ``off``; ``every``: on every N-th eligible
+    step), how many of a probe step's samples (``samples``) and, where the side scores them again
+    together (vLLM), how many of the step's other samples go beside them (``mates``)."""
 
     when: ProbeWhen = "auto"
     samples: int = 2
+    every: int = 1
+    mates: int = 6
 
     def __post_init__(self) -> None:
         if self.when not in ("auto", "always", "off"):
             raise ValueError(f"batch_probe: 'auto', 'always' or 'off', got {self.when!r}")
-        if not isinstance(self.samples, int) or isinstance(self.samples, bool) or self.samples < 1:
-            raise ValueError(f"batch_probe samples: an integer >= 1, got {self.samples!r}")
+        for name, least in (("samples", 1), ("every", 1), ("mates", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ValueError(f"batch_probe {name}: an integer >= {least}, got {value!r}")
 
     @classmethod
     def parse(cls, value: ProbePolicy | str | None) -> ProbePolicy:
@@ -69,9 +76,10 @@ class ProbePolicy:
             return cls(value)  # type: ignore[arg-type]  # checked in __post_init__
         raise TypeError(f"batch_probe: a ProbePolicy or 'auto'/'always'/'off', got {type(value).__name__}")
 
-    def due(self, probe_step: bool, quantizes_activations: bool) -> bool:
-        """Whether to probe now: a probe step, and the policy asks for it on this side."""
-        if not probe_step or self.when == "off":
+    def due(self, step: int, eligible: bool, quantizes_activations: bool) -> bool:
+        """Whether to probe at ``step``: an ``eligible`` (fingerprinted) step, every ``every``-th,
+        and the policy asks for it on this side."""
+        if not eligible or self.when == "off" or step % self.every:
             return False
         return self.when == "always" or quantizes_activations
 
@@ -196,4 +204,3 @@ def attach_trainer_probe(samples: Sequence[Any], host: Mapping[str, np.ndarray])
         return
     for index, value in zip(host[_INDEX].tolist(), host[_VALUE].tolist(), strict=True):
         samples[int(index)].path = {**samples[int(index)].path, BATCH_PROBE: float(value)}
-

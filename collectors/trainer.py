@@ -350,7 +350,7 @@ class TrainerCollector(Collector):
 
         fingerprint_now = bool(self.resolved.specs) and step % self.sample_every == 0
         distribution_now = fingerprint_now and self.distribution_k > 0
-        probe_now = self.batch_probe.due(fingerprint_now, quantizes_activations())
+        probe_now = self.batch_probe.due(step, fingerprint_now, quantizes_activations())
         need_logits = logprobs is None or distribution_now or probe_now
         capture = self._capture.take()
         if capture is not None and not capture.matches(batch.input_ids):

@@ -24,7 +24,10 @@ from .test_e2e import _hf
 
 pytestmark = needs_triton
 
-DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs CUDA")])]
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs CUDA")]),
+]
 
 
 @pytest.fixture(scope="module", params=DEVICES)
