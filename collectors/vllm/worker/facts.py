@@ -134,7 +134,7 @@ def engine_facts(vllm_config: Any, runner: Any, model: Any) -> dict[str, Any]:
         "seed": model_config.seed,
         "v1_multiprocessing": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0",
         **kernel_facts(),
-        **quant_facts(vllm_config),  # the "quant" mapping the comparator reads (collectors.vllm.worker.quant_facts)
+        **quant_facts(vllm_config),  # the "quant" mapping the comparator reads
     }
 
 
