@@ -8,9 +8,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from isoaudit.audit.db import Store
+from isoaudit.audit.db.reads.steps import sample_detail
 from isoaudit.audit.quantization_growth import GROWN, MIN_STEPS, WINDOW, trend
 from isoaudit.audit.records import RuntimeFacts
 from isoaudit.audit.worker import ComparisonWorker
+from isoaudit.dashboard.data import evidence_items
 
 from tests import factories
 
@@ -91,9 +93,13 @@ def test_growth_over_steps_is_named_in_the_stored_verdicts(store: Store, batched
                 else:
                     assert 1 / GROWN < growth["ratio"] < GROWN
                     assert f"is flat over the last {len(values)} quantization steps" in detail["sentence"]
-    last = store.sample_results("fp8-grows", STEPS - 1)[0].diagnosis_detail
-    print(last["sentence"])
-    assert last["evidence"]["signature"]["growth"]["ratio"] > 4  # 1.8 ** 5 from first to last step
+    last = store.sample_results("fp8-grows", STEPS - 1)[0]
+    print(last.diagnosis_detail["sentence"])
+    assert last.diagnosis_detail["evidence"]["signature"]["growth"]["ratio"] > 4  # 1.8 ** 5 first to last
+    # what the sample page reads: the sentence with its growth clause, the evidence with the trend
+    detail = sample_detail(store, "fp8-grows", STEPS - 1, last.sample_key)
+    assert detail is not None and "has grown ×" in detail.sentence
+    assert dict(evidence_items(detail.evidence))["signature"].count('"trend": "growing"') == 1
 
 
 def test_trend_reads_a_robust_slope_and_ratio() -> None:
