@@ -12,8 +12,10 @@ Signatures (each read from what the records hold):
 * ``position_onset``: the logprobs agree (|Δ| at the level of bf16 noise) up to a position and part
   from there: a quantized KV cache read by decode but not by prefill.
 * ``batch_mates``: the same sample computed in two batch compositions gave different logprobs on
-  the quantizing side (``SampleLogprobs.path[BATCH_PROBE]``): a per-tensor dynamic scale spans the
-  batch.
+  a side that quantizes activations (``SampleLogprobs.path[BATCH_PROBE]``, recorded by the
+  collectors' batch probe): a per-tensor dynamic scale spans the batch. A probe that moved on a side
+  that quantizes no activations is reported (``batch_probe``) but is no quantization evidence: its
+  batch dependence comes from elsewhere (a batch-variant kernel).
 * ``step_sized``: the nonzero differences take a few discrete values (FP8's coarse grid).
 
 A configuration is *symmetric* when both sides quantize the same way with scales that do not
@@ -23,10 +25,11 @@ scales) cannot.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
-from isoaudit.audit.records import Manifest, SampleLogprobs
+from isoaudit.audit.records import Manifest, RuntimeFacts, SampleLogprobs
 
 #: The quantization facts of a side, in the order they are reported.
 QUANT_FIELDS = ("weights", "activations", "kv_cache", "source")
@@ -67,10 +70,14 @@ def _format(value: Any) -> str | None:
 
 def quantization_of(manifest: Manifest | None) -> dict[str, str | None]:
     """This side's quantization: format and scale granularity per field (None: not quantized)."""
-    out: dict[str, str | None] = dict.fromkeys(QUANT_FIELDS)
     if manifest is None:
-        return out
-    runtime = manifest.runtime
+        return dict.fromkeys(QUANT_FIELDS)
+    return runtime_quantization(manifest.runtime)
+
+
+def runtime_quantization(runtime: RuntimeFacts) -> dict[str, str | None]:
+    """The quantization a side's runtime facts state (:func:`quantization_of` of its manifest)."""
+    out: dict[str, str | None] = dict.fromkeys(QUANT_FIELDS)
     extra = runtime.model_extra or {}
     declared = extra.get(QUANT_FACT)
     if isinstance(declared, dict):
@@ -85,6 +92,13 @@ def quantization_of(manifest: Manifest | None) -> dict[str, str | None]:
     if out["weights"] is None and out["activations"] is None and out["source"] is not None:
         out["source"] = None  # nothing is quantized, so there is no quantization source
     return out
+
+
+def _per_tensor_dynamic(activations: str | None) -> bool:
+    """Activations scaled per tensor at run time (one scale over the whole batch); a static
+    per-tensor scale is a constant, the same whatever the batch holds."""
+    words = str(activations or "")
+    return "per-tensor" in words and "static" not in words
 
 
 def quantization_difference(tm: Manifest | None, rm: Manifest | None) -> dict[str, Any] | None:
@@ -103,9 +117,7 @@ def quantization_difference(tm: Manifest | None, rm: Manifest | None) -> dict[st
     if not (t["weights"] and r["weights"]):
         differing.pop("source", None)  # a source differs only where both sides quantize weights
     per_tensor = [
-        side
-        for side, q in (("trainer", t), ("rollout", r))
-        if "per-tensor" in str(q.get("activations") or "")
+        side for side, q in (("trainer", t), ("rollout", r)) if _per_tensor_dynamic(q.get("activations"))
     ]
     return {
         "trainer": t,
@@ -135,14 +147,26 @@ def step_sized(delta: np.ndarray) -> bool:
     return nonzero.size >= 8 and np.unique(nonzero).size <= max(2, nonzero.size // 4)
 
 
-def batch_dependence(*samples: SampleLogprobs) -> dict[str, float]:
-    """Per side, the batch probe's largest |Δ| where that side recorded one and it is nonzero."""
+def batch_probes(*samples: SampleLogprobs) -> dict[str, float]:
+    """Per side, the batch probe's largest |Δ| where that side recorded one (0 included)."""
     out: dict[str, float] = {}
     for sample in samples:
         value = sample.path.get(BATCH_PROBE)
-        if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
+        if isinstance(value, int | float) and not isinstance(value, bool):
             out[sample.side] = float(value)
     return out
+
+
+def batch_dependence(
+    *samples: SampleLogprobs, quantizing: Mapping[str, dict[str, str | None]] | None = None
+) -> dict[str, float]:
+    """Per side, the batch probe's largest |Δ| where it is nonzero and, given ``quantizing`` (each
+    side's :func:`quantization_of`), that side quantizes activations."""
+    return {
+        side: value
+        for side, value in batch_probes(*samples).items()
+        if value > 0 and (quantizing is None or (quantizing.get(side) or {}).get("activations"))
+    }
 
 
 def _describe(name: str, value: str | None) -> str:
@@ -171,7 +195,10 @@ def signature(trainer: SampleLogprobs, rollout: SampleLogprobs, found: dict[str,
         out["onset_index"] = onset
         out["before_onset_max_abs_diff"] = float(size[:onset].max())
         out["after_onset_mean_abs_diff"] = float(size[onset:].mean())
-    batch = batch_dependence(trainer, rollout)
+    probes = batch_probes(trainer, rollout)
+    if probes:
+        out["batch_probe"] = probes
+    batch = batch_dependence(trainer, rollout, quantizing=found)
     if batch:
         out["batch_mates"] = batch
     return out
@@ -208,16 +235,9 @@ def explain(
     """The sentence and evidence of a ``quantization`` verdict for this sample, or None when the
     sides quantize alike with batch-independent scales and no probe shows batch-mate dependence."""
     found = quantization_difference(tm, rm)
-    batch = batch_dependence(trainer, rollout)
-    if found is None and not batch:
+    if found is None:
         return None
-    found = found or {
-        "trainer": {},
-        "rollout": {},
-        "differing": {},
-        "per_tensor_dynamic": [],
-        "symmetric": True,
-    }
+    batch = batch_dependence(trainer, rollout, quantizing=found)
     if not found["differing"] and not batch and not found["per_tensor_dynamic"]:
         return None
     seen = signature(trainer, rollout, found)

@@ -19,6 +19,7 @@ from typing import Any
 from isoaudit.audit.compare import SampleComparison, StepOutcome, compare_samples
 from isoaudit.audit.db import StepClaim, Store
 from isoaudit.audit.frameworks import Declaration, declaration_of
+from isoaudit.audit.quantization_growth import note_growth
 from isoaudit.audit.records import Manifest, OffPolicy, RegionFingerprints, SampleLogprobs, off_policy_of
 from isoaudit.audit.routing import step_routing
 from isoaudit.audit.since_clean import note_changes_since_clean
@@ -155,6 +156,7 @@ class ComparisonWorker:
             )
         except Exception:
             log.exception("naming the environment changes of %d steps failed", len(computed))
+        note_growth(self.store, [o for _, o in computed])  # the quantization steps' trend; never raises
         saved = self.store.save_outcomes(
             self.name, [claim for claim, _ in computed], [o for _, o in computed]
         )

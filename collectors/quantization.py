@@ -61,3 +61,9 @@ def effective_digests(model: nn.Module) -> dict[str, str]:
                 q, scale = quant.quantize_weight(module.weight.detach())
                 named.append((checkpoint_name(f"{name}.weight"), quant.dequantize_weight(q, scale)))
     return tensor_digests(named)
+
+
+def quantizes_activations() -> bool:
+    """Whether this process's forward quantizes activations now (the FP8 mode routes it)."""
+    facts = quantization_facts(None).get("quant") or {}
+    return bool(facts.get("activations"))

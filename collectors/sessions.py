@@ -61,6 +61,7 @@ from isoaudit.collectors.sinks.spool import DEFAULT_SPOOL_DIR
 
 if TYPE_CHECKING:
     from isoaudit.audit.trackers import Tracker
+    from isoaudit.collectors.batch_probe import ProbeArg
     from isoaudit.collectors.engine_capture import EngineCollector
     from isoaudit.collectors.fail_closed import FailClosed
     from isoaudit.collectors.sinks.direct import SharedStore
@@ -456,13 +457,15 @@ class Session:
         keep_records: bool = False,
         weight_digests: bool = True,
         distribution_k: int = 8,
+        batch_probe: ProbeArg = "auto",
     ) -> TrainerCollector:
         """Hook the policy ``model``; call ``record_step(step, batch, logprobs=...)`` on the handle
         per training forward. ``regions``: ``"auto"`` (HF Llama/Qwen2/Qwen3/Mistral), canonical
         names, a canonical → module map, or ``None`` (logprobs only); ``sample_every``: fingerprint
         every N-th step; ``weight_digests``: digest the parameters held at each weight version
         change (off for a model too large to read once per sync); ``distribution_k``: the top-k kept
-        per position on fingerprinted steps, with the full-vocabulary sketch (0: none); the rest:
+        per position on fingerprinted steps, with the full-vocabulary sketch (0: none); ``batch_probe``:
+        when to recompute a few samples alone (:mod:`isoaudit.collectors.batch_probe`); the rest:
         :class:`isoaudit.collectors.trainer.TrainerCollector`."""
         from isoaudit.collectors.trainer import TrainerCollector
 
@@ -482,6 +485,7 @@ class Session:
                 max_inflight=max_inflight,
                 weight_digests=weight_digests,
                 distribution_k=distribution_k,
+                batch_probe=batch_probe,
             )
         )
 
@@ -498,12 +502,14 @@ class Session:
         flush_bytes: int = 64 << 20,
         keep_records: bool = False,
         distribution_k: int = 8,
+        batch_probe: ProbeArg = "auto",
     ) -> VllmCollector:
         """Hook the engine of ``llm`` (a ``vllm.LLM`` in this process, or started with
         ``worker_extension_cls=isoaudit.collectors.vllm.EXTENSION``); call ``record_step(step, outputs)``
         on the handle after each ``generate``. ``fingerprint``: ``"all"``, one in N, a list of
         request ids, or ``None``; ``distribution_k``: the most top-k entries kept per position from
-        ``SamplingParams(logprobs=k)`` (0: none); the rest: :class:`isoaudit.collectors.vllm.VllmCollector`."""
+        ``SamplingParams(logprobs=k)`` (0: none); ``batch_probe``: when to score a few samples again
+        alone and beside their batch-mates (:mod:`isoaudit.collectors.vllm.batch_probe`); the rest: :class:`isoaudit.collectors.vllm.VllmCollector`."""
         from isoaudit.collectors.vllm.collector import VllmCollector
 
         return self._add(
@@ -519,6 +525,7 @@ class Session:
                 flush_bytes=flush_bytes,
                 keep_records=keep_records,
                 distribution_k=distribution_k,
+                batch_probe=batch_probe,
             )
         )
 

@@ -31,6 +31,14 @@ import torch
 from isoaudit.audit.records import Case, Record, Run, RuntimeFacts
 from isoaudit.collectors.assemble import fingerprint_records, keys_for, sample_records, sequence_tokens
 from isoaudit.collectors.base import Collector, CollectorCounters, ModeReport
+from isoaudit.collectors.batch_probe import (
+    PROBE_COUNTERS,
+    ProbeArg,
+    ProbePolicy,
+    attach_trainer_probe,
+    guarded_probe,
+    trainer_probe,
+)
 from isoaudit.collectors.canary import canary_tokens, model_canary, vocab_of
 from isoaudit.collectors.control import ControlChannel
 from isoaudit.collectors.distribution import distribution_rows
@@ -45,7 +53,7 @@ from isoaudit.collectors.logprobs import (
     sampling_values,
 )
 from isoaudit.collectors.manifest import ContractArg, runtime_signature, trainer_runtime
-from isoaudit.collectors.quantization import effective_digests
+from isoaudit.collectors.quantization import effective_digests, quantizes_activations
 from isoaudit.collectors.regions import RegionsArg, resolve_regions
 from isoaudit.collectors.remediation import RemediationHook, apply_kernels_mode, switch_with
 from isoaudit.collectors.sinks.base import Sink
@@ -60,7 +68,7 @@ LogprobsArg = torch.Tensor | np.ndarray | Sequence[Any] | None
 
 
 class TrainerCounters(CollectorCounters):
-    NAMES = (*CollectorCounters.NAMES, "own_forwards")
+    NAMES = (*CollectorCounters.NAMES, "own_forwards", *PROBE_COUNTERS)
 
 
 @dataclass(frozen=True)
@@ -116,7 +124,9 @@ class TrainerCollector(Collector):
     its next ``record_step`` or ``flush``. Reports are then always deferred.
     ``distribution_k``: on fingerprinted steps (every ``sample_every``-th), record per completion
     position the top-k of the distribution its logprob comes from and its full-vocabulary sketch
-    (:mod:`isoaudit.audit.distribution`); 0: never.
+    (:mod:`isoaudit.audit.distribution`); 0: never. ``batch_probe``: on fingerprinted steps, recompute
+    a few samples alone and record how far their logprobs moved with the batch composition
+    (:mod:`isoaudit.collectors.batch_probe`; ``"auto"``: while this side quantizes activations).
     """
 
     side = "trainer"
@@ -143,6 +153,7 @@ class TrainerCollector(Collector):
         weight_digests: bool = True,
         background_records: bool = False,
         distribution_k: int = 8,
+        batch_probe: ProbeArg = "auto",
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
@@ -160,6 +171,7 @@ class TrainerCollector(Collector):
         self.model = model
         self.sample_every = sample_every
         self.distribution_k = distribution_k
+        self.batch_probe = ProbePolicy.parse(batch_probe)
         self.case: Case = case
         self.validate = validate
         self.keep_records = keep_records
@@ -338,7 +350,8 @@ class TrainerCollector(Collector):
 
         fingerprint_now = bool(self.resolved.specs) and step % self.sample_every == 0
         distribution_now = fingerprint_now and self.distribution_k > 0
-        need_logits = logprobs is None or distribution_now
+        probe_now = self.batch_probe.due(step, fingerprint_now, quantizes_activations())
+        need_logits = logprobs is None or distribution_now or probe_now
         capture = self._capture.take()
         if capture is not None and not capture.matches(batch.input_ids):
             capture = None
@@ -372,6 +385,9 @@ class TrainerCollector(Collector):
             del rows
         if logprobs is not None:
             tensors.update(_given_logprobs(logprobs, batch, target, layout))
+        if probe_now and capture is not None and capture.logits is not None:
+            args = (self.model, self._capture, batch, capture.logits, self.batch_probe, self.counters)
+            tensors.update(guarded_probe(self, lambda: trainer_probe(*args), {}))
         prints = self._prints_of(capture, batch) if fingerprint_now and capture is not None else {}
         if prints and capture is not None and capture.rows is not None:
             tensors["rows"] = capture.rows
@@ -451,6 +467,7 @@ class TrainerCollector(Collector):
                         setattr(sample, name, int(value) if name == "top_k" else value)
         if pending.distribution:
             _attach_distribution(samples, host, lengths)
+        attach_trainer_probe(samples, host)
         records += samples
         row_index = host["rows"].astype(np.int64) if pending.compacted else None
         host_prints = dict(zip(pending.keys, unpack_prints(host, pending.layout, row_index), strict=True))

@@ -42,9 +42,11 @@ from isoaudit.audit.records import (
     sample_key,
 )
 from isoaudit.collectors.base import Collector, CollectorCounters, ModeReport, RolloutStep
+from isoaudit.collectors.batch_probe import PROBE_COUNTERS, ProbeArg, ProbePolicy
 from isoaudit.collectors.control import ControlChannel
 from isoaudit.collectors.manifest import ContractArg
 from isoaudit.collectors.sinks.base import Sink
+from isoaudit.collectors.vllm.batch_probe import probe_step
 from isoaudit.collectors.vllm.canary import take_canary, take_pending_canary
 from isoaudit.collectors.vllm.engine_state import drain_facts, sample_fields
 from isoaudit.collectors.vllm.link import EngineLink
@@ -86,6 +88,7 @@ class RolloutCounters(CollectorCounters):
         "missing_engine_info",
         "truncated_samples",
         "mixed_weight_versions",
+        *PROBE_COUNTERS,
     )
 
 
@@ -153,6 +156,8 @@ class VllmCollector(Collector):
     ``keep_records``: return each step's records in its report. ``distribution_k``: the most top-k
     entries per position kept from requests made with ``SamplingParams(logprobs=k)`` (0: none);
     with ``logprobs=-1`` the full-vocabulary sketch as well (:mod:`isoaudit.collectors.vllm.outputs`).
+    ``batch_probe``: score a few of a step's samples again alone and beside their batch-mates
+    (:mod:`isoaudit.collectors.vllm.batch_probe`; ``"auto"``: while the engine quantizes activations).
 
     The engine must run in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) or have been created
     with ``worker_extension_cls=isoaudit.collectors.vllm.EXTENSION``.
@@ -179,7 +184,9 @@ class VllmCollector(Collector):
         strict: bool = False,
         keep_records: bool = False,
         distribution_k: int = 8,
+        batch_probe: ProbeArg = "auto",
     ) -> None:
+        self.batch_probe = ProbePolicy.parse(batch_probe)
         if not isinstance(distribution_k, int) or distribution_k < 0:
             raise ValueError(f"distribution_k: must be an integer >= 0, got {distribution_k!r}")
         if not isinstance(max_requests, int) or max_requests < 1:
@@ -408,6 +415,7 @@ class VllmCollector(Collector):
             records += prints
             keys.append(str(sample.sample_key))
             n_prints += len(prints)
+        probe_step(self, step, records)
         self.sink.send(records)
         self.counters.steps += 1
         self.counters.samples += len(keys)

@@ -1,7 +1,8 @@
-"""Records of reference-engine FP8 rollouts (the CPU quantize-dequantize of ``kernels.fp8``) and a
-trainer's recompute, with both manifests as the collector builds them and the rollout side's batch
-probe (its forward of the same sequence alone and in its batch): shared by the diagnosis tests and
-the dashboard's browser test."""
+"""Records of reference-engine FP8 rollouts (the CPU quantize-dequantize of ``kernels.fp8``, the
+Triton FP8 GEMMs on CUDA) and a trainer's recompute, with both manifests as the collector builds
+them and the rollout side's batch probe (its forward of the same sequence alone and in its batch):
+shared by the diagnosis tests and the dashboard's browser test. :func:`collector_records` has the
+trainer side recorded by the trainer collector itself, its own batch probe included."""
 
 from __future__ import annotations
 
@@ -121,6 +122,33 @@ def records(model_r, model_t, r_mode, t_mode, r_source=None, t_source=None, run_
     ts = [sample("trainer", c, lp, run_id=run_id) for c, lp in zip(comps, scored, strict=True)]
     rs = [sample("rollout", c, c.logprobs, p, run_id=run_id) for c, p in zip(comps, probe, strict=True)]
     return ts, rs, tm, rm, probe
+
+
+def collector_records(model_r, model_t, r_mode, t_mode, run_id="quant-collector"):
+    """Both sides' records of one step, the trainer's from the trainer collector (its own forward,
+    its own batch probe, its own manifest) over the rollout's completions; the rollout's without a
+    probe. Returns (trainer samples, rollout samples, trainer manifest, rollout manifest, the trainer
+    collector's stats)."""
+    from isoaudit.collectors import trainer
+    from isoaudit.collectors.layout import StepBatch
+    from isoaudit.collectors.sinks import MemorySink
+
+    prompts, new = _requests(256, LENS, NEW)
+    with r_mode():
+        comps = rollout(model_r, prompts, new)
+        rm = manifest(model_r, "rollout", None, run_id)
+    sink = MemorySink()
+    with t_mode():
+        handle = trainer.attach(model_t.model, run=run_id, sink=sink, strict=True, async_transfer=False)
+        batch = StepBatch.padded([c.prompt for c in comps], [c.tokens for c in comps], temperature=1.0)
+        handle.record_step(0, batch)
+        assert sink.flush(30)
+        stats = handle.stats()
+        handle.detach()
+    by_key = {s.sample_key: s for s in sink.of_kind("sample")}
+    rs = [sample("rollout", c, c.logprobs, run_id=run_id) for c in comps]
+    ts = [by_key[r.sample_key] for r in rs]
+    return ts, rs, sink.of_kind("manifest")[-1], rm, stats
 
 
 def diagnoses(model_r, model_t, r_mode, t_mode, r_source=None, t_source=None) -> tuple[list, list[float]]:

@@ -1,28 +1,43 @@
-"""Reference-engine FP8 rollouts (the CPU quantize-dequantize of ``kernels.fp8``) against a trainer,
-compared and diagnosed through ``audit.compare``: per-tensor dynamic activation scales show
-batch-mate dependence (the batch probe: the rollout side's forward of the same sequence alone and in
-its batch) and are named ``quantization`` for it; per-token-group scales show none and agree exactly
+"""Reference-engine FP8 rollouts against a trainer, compared and diagnosed through ``audit.compare``:
+per-tensor dynamic activation scales show batch-mate dependence (the batch probe: a side's forward
+of the same sequence alone and in its batch, from the test's helper and from the trainer collector's
+own probe) and are named ``quantization`` for it; per-token-group scales show none and agree exactly
 with a trainer in the same mode; a rollout-only FP8 is ``quantization``, asymmetric; an FP8 rollout
 quantized from the bf16 export against a trainer quantizing its fp32 masters is ``quantization``
-naming the source."""
+naming the source.
+
+Each test runs on the CPU (the exact quantize-dequantize of ``kernels.fp8``) and, marked ``gpu``, on
+CUDA, where the linear layers run the real FP8 GEMMs (``kernels.fp8``'s Triton kernels on E4M3)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from isoaudit.audit.compare import compare_sample
+from isoaudit.audit.quantization import BATCH_PROBE
 
 from isoaudit import kernels
 
-from .conftest import needs_triton
-from .quant_records import diagnoses, mode
+from .conftest import CUDA, needs_triton
+from .quant_records import collector_records, diagnoses, mode
 from .test_e2e import _hf
 
 pytestmark = needs_triton
 
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs CUDA")]),
+]
+
+
+@pytest.fixture(scope="module", params=DEVICES)
+def device(request: pytest.FixtureRequest) -> str:
+    return request.param
+
 
 @pytest.fixture(scope="module")
-def model():
-    return _hf("qwen3", 2, 128, 32, 256, torch.float32, "cpu")
+def model(device: str):
+    return _hf("qwen3", 2, 128, 32, 256, torch.float32, device)
 
 
 def test_per_tensor_scales_named_batch_mates(model) -> None:
@@ -62,8 +77,8 @@ def test_rollout_only_fp8_is_asymmetric(model) -> None:
         )
 
 
-def test_bf16_export_vs_fp32_masters_names_the_source(model) -> None:
-    export = _hf("qwen3", 2, 128, 32, 256, torch.float32, "cpu")
+def test_bf16_export_vs_fp32_masters_names_the_source(model, device: str) -> None:
+    export = _hf("qwen3", 2, 128, 32, 256, torch.float32, device)
     with torch.no_grad():
         for p in export.model.parameters():
             p.copy_(p.to(torch.bfloat16).float())  # the bf16 export the rollout quantizes
@@ -77,6 +92,49 @@ def test_bf16_export_vs_fp32_masters_names_the_source(model) -> None:
         assert d.evidence["differing"]["source"] == {"trainer": "float32", "rollout": "bfloat16"}
         assert "bfloat16" in d.sentence and "float32" in d.sentence
         assert d.evidence["effective_weights"]["differing"] > 0, d.evidence["effective_weights"]
+
+
+def test_trainer_collector_probe_per_tensor_names_batch_mates(model) -> None:
+    """The trainer collector's own batch probe (no test helper): with per-tensor dynamic scales its
+    probed samples moved with the batch composition, and the comparison names ``batch_mates`` from
+    the trainer's record; the probe's cost is counted."""
+    tensor = lambda: mode(True, "tensor")  # noqa: E731
+    ts, rs, tm, rm, stats = collector_records(model, model, tensor, tensor)
+    probed = {t.sample_key: t.path[BATCH_PROBE] for t in ts if BATCH_PROBE in t.path}
+    print("trainer probe (per-tensor)", probed, {k: v for k, v in stats.items() if "probe" in k})
+    assert len(probed) == 2 and max(probed.values()) > 0
+    assert stats["batch_probe_samples"] == 2 and stats["batch_probe_forwards"] == 2
+    assert stats["batch_probe_tokens"] > 0 and stats["batch_probe_errors"] == 0
+    assert all(BATCH_PROBE not in r.path for r in rs)
+    for t, r in zip(ts, rs, strict=True):
+        d = compare_sample(t, r, (), (), [tm], [rm]).diagnosis
+        assert d.kind == "quantization", d.sentence
+        if probed.get(t.sample_key, 0) > 0:
+            assert d.evidence["cause"] == "batch_mates" and "batch composition" in d.sentence
+            assert d.evidence["signature"]["batch_mates"] == {"trainer": probed[t.sample_key]}
+        else:
+            assert d.evidence["cause"] == "per_tensor_dynamic"
+        assert d.evidence["can_be_exact"] is False
+
+
+def test_trainer_collector_probe_per_group_is_zero(model) -> None:
+    """Per-token-group scales: the trainer collector's probe records exactly 0 for every probed
+    sample, and no verdict names batch-mates."""
+    group = lambda: mode(True, "group")  # noqa: E731
+    ts, rs, tm, rm, stats = collector_records(model, model, group, group)
+    probed = [t.path[BATCH_PROBE] for t in ts if BATCH_PROBE in t.path]
+    print("trainer probe (per-group)", probed)
+    assert probed == [0.0, 0.0] and stats["batch_probe_samples"] == 2
+    for t, r in zip(ts, rs, strict=True):
+        d = compare_sample(t, r, (), (), [tm], [rm]).diagnosis
+        assert "batch_mates" not in d.evidence.get("signature", {}), d.sentence
+        assert d.evidence.get("cause") != "batch_mates"
+
+
+def test_trainer_collector_no_probe_unquantized(model) -> None:
+    """``batch_probe="auto"`` probes only while the side quantizes activations: unquantized, nothing."""
+    ts, _, _, _, stats = collector_records(model, model, lambda: kernels.disable(), lambda: kernels.disable())
+    assert stats["batch_probe_samples"] == 0 and all(BATCH_PROBE not in t.path for t in ts)
 
 
 def test_trainer_collector_states_its_quantization() -> None:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from isoaudit.collectors.environment import process_environment
 from isoaudit.collectors.manifest import kernel_facts
+from isoaudit.collectors.vllm.worker.quant_facts import quant_facts
 
 log = logging.getLogger("isoaudit.collectors")
 
@@ -133,6 +134,7 @@ def engine_facts(vllm_config: Any, runner: Any, model: Any) -> dict[str, Any]:
         "seed": model_config.seed,
         "v1_multiprocessing": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0",
         **kernel_facts(),
+        **quant_facts(vllm_config),  # the "quant" mapping the comparator reads
     }
 
 
