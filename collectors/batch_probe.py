@@ -66,14 +66,15 @@ class ProbePolicy:
                 raise ValueError(f"batch_probe {name}: an integer >= {least}, got {value!r}")
 
     @classmethod
-    def parse(cls, value: ProbePolicy | str | None) -> ProbePolicy:
-        """A policy from a collector argument: a policy, one of its ``when`` words, or None (off)."""
+    def parse(cls, value: ProbePolicy | str | None, *, every: int = 1) -> ProbePolicy:
+        """A policy from a collector argument: a policy, one of its ``when`` words (probing every
+        ``every``-th eligible step), or None (off)."""
         if isinstance(value, ProbePolicy):
             return value
         if value is None:
             return cls("off")
         if isinstance(value, str):
-            return cls(value)  # type: ignore[arg-type]  # checked in __post_init__
+            return cls(value, every=every)  # type: ignore[arg-type]  # checked in __post_init__
         raise TypeError(f"batch_probe: a ProbePolicy or 'auto'/'always'/'off', got {type(value).__name__}")
 
     def due(self, step: int, eligible: bool, quantizes_activations: bool) -> bool:

@@ -72,6 +72,10 @@ from isoaudit.collectors.vllm.weights import refresh_held
 log = logging.getLogger(__name__)
 
 #: vLLM's ``logprobs_mode`` → the wire's ``semantics``. The ``*_logits`` modes return logits, not logprobs.
+#: The vLLM probe's default cadence: every recorded step is one the engine fingerprints, and a probe
+#: prefills its samples twice more (alone, beside their batch-mates), so it runs every 8th step.
+PROBE_EVERY = 8
+
 SEMANTICS = {"raw_logprobs": "raw", "processed_logprobs": "processed"}
 
 CASES: tuple[Case, ...] = ("engine_prefill", "engine_decode")
@@ -157,7 +161,9 @@ class VllmCollector(Collector):
     entries per position kept from requests made with ``SamplingParams(logprobs=k)`` (0: none);
     with ``logprobs=-1`` the full-vocabulary sketch as well (:mod:`isoaudit.collectors.vllm.outputs`).
     ``batch_probe``: score a few of a step's samples again alone and beside their batch-mates
-    (:mod:`isoaudit.collectors.vllm.batch_probe`; ``"auto"``: while the engine quantizes activations).
+    (:mod:`isoaudit.collectors.vllm.batch_probe`; ``"auto"``: while the engine quantizes activations,
+    on every :data:`PROBE_EVERY`-th step: each probe costs a few extra prefills; a ``ProbePolicy``
+    sets its own cadence).
 
     The engine must run in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) or have been created
     with ``worker_extension_cls=isoaudit.collectors.vllm.EXTENSION``.
@@ -186,7 +192,7 @@ class VllmCollector(Collector):
         distribution_k: int = 8,
         batch_probe: ProbeArg = "auto",
     ) -> None:
-        self.batch_probe = ProbePolicy.parse(batch_probe)
+        self.batch_probe = ProbePolicy.parse(batch_probe, every=PROBE_EVERY)
         if not isinstance(distribution_k, int) or distribution_k < 0:
             raise ValueError(f"distribution_k: must be an integer >= 0, got {distribution_k!r}")
         if not isinstance(max_requests, int) or max_requests < 1:
