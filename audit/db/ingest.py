@@ -121,7 +121,9 @@ class Ingest(Part):
             insert_arrays = self._copy_new if self.dialect == "postgresql" else self._insert_new
             touched: set[tuple[str, int, str]] = set()
             if samples:
-                touched |= insert_arrays(session, SampleRow, [sample_row(s) for s in samples], "sample", result)
+                touched |= insert_arrays(
+                    session, SampleRow, [sample_row(s) for s in samples], "sample", result
+                )
             if prints:
                 touched |= insert_arrays(
                     session, FingerprintRow, [fingerprint_row(p) for p in prints], "fingerprints", result

@@ -131,7 +131,9 @@ class Retention(Part):
 
     def _bytes(self, table: Any, names: tuple[str, ...]) -> ColumnElement[Any]:
         size = func.pg_column_size if self.dialect == "postgresql" else func.length
-        return func.coalesce(func.sum(sum((func.coalesce(size(table.c[n]), 0) for n in names), literal(0))), 0)
+        return func.coalesce(
+            func.sum(sum((func.coalesce(size(table.c[n]), 0) for n in names), literal(0))), 0
+        )
 
     def retention_policies(self) -> list[RetentionPolicy]:
         """Every stored policy, by project."""
@@ -181,7 +183,9 @@ class Retention(Part):
             .subquery()
         )
         results = (
-            select(StepResultRow.run_id, func.count().label("steps")).group_by(StepResultRow.run_id).subquery()
+            select(StepResultRow.run_id, func.count().label("steps"))
+            .group_by(StepResultRow.run_id)
+            .subquery()
         )
         query = (
             select(
@@ -293,7 +297,9 @@ def _compared(table: Any) -> ColumnElement[bool]:
     same_step = (StepResultRow.run_id == table.c.run_id, StepResultRow.step == table.c.step)
     return and_(
         exists().where(*same_step),
-        ~exists().where(PendingComparisonRow.run_id == table.c.run_id, PendingComparisonRow.step == table.c.step),
+        ~exists().where(
+            PendingComparisonRow.run_id == table.c.run_id, PendingComparisonRow.step == table.c.step
+        ),
         ~exists().where(ComparisonClaimRow.run_id == table.c.run_id, ComparisonClaimRow.step == table.c.step),
     )
 

@@ -14,7 +14,6 @@ from isoaudit.audit.db.models import Base
 from isoaudit.migrations import SCRIPT_LOCATION
 from sqlalchemy import Engine
 
-
 #: The partitions of the tables PostgreSQL partitions by run (``samples_p00``...): the migrations
 #: create them, the ORM maps their parent alone.
 _PARTITION = re.compile(r"^(samples|fingerprints)_p\d+$")

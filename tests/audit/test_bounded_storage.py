@@ -29,10 +29,17 @@ def step_records(run_id: str, steps: int, per_step: int = 4) -> list[Any]:
     records: list[Any] = [factories.run(run_id)]
     for step in range(steps):
         for k in range(per_step):
-            trainer = factories.sample("trainer", run_id=run_id, step=step, seed=k, prompt_len=8, n_completion=64)
+            trainer = factories.sample(
+                "trainer", run_id=run_id, step=step, seed=k, prompt_len=8, n_completion=64
+            )
             delta = np.float32(0.0 if k % 2 == 0 else 0.25)
             rollout = factories.sample(
-                "rollout", run_id=run_id, step=step, seed=k, prompt_len=8, n_completion=64,
+                "rollout",
+                run_id=run_id,
+                step=step,
+                seed=k,
+                prompt_len=8,
+                n_completion=64,
                 logprobs=trainer.logprobs - delta,
             )
             records += [
@@ -139,7 +146,9 @@ def test_retention_frees_space_and_leaves_results_summaries_and_alerts(store: St
     assert outcome.samples_deleted == 6 * 8
     assert outcome.bytes_freed == use_before["run-1"].sample_bytes
     use_after = {use.run_id: use for use in store.disk_use()}
-    assert use_after["run-1"].sample_bytes == 0 and use_after["run-1"].steps == 6  # compared steps still count
+    assert (
+        use_after["run-1"].sample_bytes == 0 and use_after["run-1"].steps == 6
+    )  # compared steps still count
     assert use_after["run-keep"] == use_before["run-keep"]  # another project's run is untouched
 
     assert snapshot(store.engine, RESULT_TABLES) == results_before
