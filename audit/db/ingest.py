@@ -231,12 +231,17 @@ class Ingest(Part):
         columns = ", ".join(f'"{name}"' for name in names)
         staging = f"isoaudit_staging_{table.name}_{zlib.crc32(columns.encode()):08x}"
         json_columns = {name for name in names if isinstance(table.c[name].type, JSON)}
-        connection = session.connection().connection.driver_connection
-        with connection.cursor() as cursor:
+        pooled = session.connection().connection
+        staged: set[str] = pooled.info.setdefault("isoaudit_staging", set())
+        with pooled.driver_connection.cursor() as cursor:
             cursor.execute(
                 f"CREATE TEMP TABLE IF NOT EXISTS {staging} ON COMMIT DELETE ROWS AS "
                 f"SELECT {columns} FROM {table.name} WITH NO DATA"
             )
+            if staging not in staged:  # arrays pass through uncompressed: staging is read once
+                binary = [f'ALTER COLUMN "{n}" SET STORAGE EXTERNAL' for n in names if _is_binary(table, n)]
+                cursor.execute(f"ALTER TABLE {staging} {', '.join(binary)}")
+                staged.add(staging)
             with cursor.copy(f"COPY {staging} ({columns}) FROM STDIN (FORMAT BINARY)") as copy:
                 copy.set_types([_copy_type(table.c[name].type) for name in names])
                 for row in rows:
@@ -250,6 +255,10 @@ class Ingest(Part):
         result.stored[kind] += len(inserted)
         result.duplicates[kind] += len(rows) - len(inserted)
         return set(inserted)
+
+
+def _is_binary(table: Any, name: str) -> bool:
+    return isinstance(table.c[name].type, LargeBinary)
 
 
 def _copy_type(column_type: TypeEngine[Any]) -> str:

@@ -39,6 +39,13 @@ TABLES: dict[str, tuple[tuple[str, ...], dict[str, tuple[str, ...]]]] = {
 }
 
 
+#: The array columns of each table.
+ARRAYS = {
+    "samples": ("token_ids", "logprobs", "topk_ids", "topk_logprobs", "routes_data", "dist_sketch"),
+    "fingerprints": ("positions", "digest", "ladder", "sketch", "l2", "maxabs"),
+}
+
+
 def _columns(names: Sequence[str]) -> str:
     return ", ".join(f'"{name}"' for name in names)
 
@@ -74,6 +81,12 @@ def _rebuild(table: str, *, partitioned: bool) -> None:
     execute(
         f"ALTER TABLE {table} ADD CONSTRAINT fk_{table}_run_id_runs FOREIGN KEY (run_id) "
         "REFERENCES runs (run_id) ON DELETE CASCADE"
+    )
+    # Token ids, logprobs and fingerprints are random-looking bytes pglz barely shrinks: store them
+    # out of line without the compression attempt (partitions follow their parent).
+    storage = "EXTERNAL" if partitioned else "EXTENDED"
+    execute(
+        f"ALTER TABLE {table} {', '.join(f'ALTER COLUMN {c} SET STORAGE {storage}' for c in ARRAYS[table])}"
     )
 
 
