@@ -97,6 +97,12 @@ def test_the_partitioning_revision_keeps_every_record_of_a_populated_store(blank
                     text(f"SELECT count(*) FROM pg_inherits WHERE inhparent = '{table}'::regclass")
                 ).scalar_one()
                 assert parts == 16, table
+            storage = connection.execute(
+                text(
+                    "SELECT attstorage FROM pg_attribute WHERE attrelid = 'samples_p00'::regclass AND attname = 'logprobs'"
+                )
+            ).scalar_one()
+            assert storage == "e"  # arrays out of line, no compression attempt, partitions included
 
     store = Store(engine=engine)
     again = store.ingest(records)
@@ -159,6 +165,7 @@ def test_retention_frees_space_and_leaves_results_summaries_and_alerts(store: St
     assert reads.last_compared_step(store, "run-1") == 5
     verdicts = reads.step_samples(store, "run-1", 0)
     assert len(verdicts) == 4 and {v.diagnosis for v in verdicts} >= {"clean"}
+    assert reads.sample_detail(store, "run-1", 0, verdicts[0].sample_key) is None  # its arrays are gone
     overview = reads.run_overview(store, "run-1")
     assert overview is not None
     view = reads.alerts_view(store, run_id="run-1")
