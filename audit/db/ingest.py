@@ -233,7 +233,9 @@ class Ingest(Part):
         json_columns = {name for name in names if isinstance(table.c[name].type, JSON)}
         pooled = session.connection().connection
         staged: set[str] = pooled.info.setdefault("isoaudit_staging", set())
-        with pooled.driver_connection.cursor() as cursor:
+        driver = pooled.driver_connection
+        assert driver is not None  # a session's connection is checked out, so open
+        with driver.cursor() as cursor:
             cursor.execute(
                 f"CREATE TEMP TABLE IF NOT EXISTS {staging} ON COMMIT DELETE ROWS AS "
                 f"SELECT {columns} FROM {table.name} WITH NO DATA"

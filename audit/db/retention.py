@@ -19,7 +19,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from isoaudit.audit.db.alerts import utc
-from isoaudit.audit.db.engine import Part, translated_errors
+from isoaudit.audit.db.engine import Part, table_of, translated_errors
 from isoaudit.audit.db.models import (
     ComparisonClaimRow,
     FingerprintRow,
@@ -162,7 +162,7 @@ class Retention(Part):
 
     def disk_use(self, *, project: str | None = None, run_id: str | None = None) -> list[DiskUse]:
         """Per run (of ``project``, or the one ``run_id``, or all): records and stored bytes."""
-        samples, prints = SampleRow.__table__, FingerprintRow.__table__
+        samples, prints = table_of(SampleRow), table_of(FingerprintRow)
         s = (
             select(
                 samples.c.run_id,
@@ -213,7 +213,7 @@ class Retention(Part):
 
     def step_disk_use(self, run_id: str) -> list[StepDiskUse]:
         """Per step of ``run_id`` that holds sample or fingerprint records: records and stored bytes."""
-        samples, prints = SampleRow.__table__, FingerprintRow.__table__
+        samples, prints = table_of(SampleRow), table_of(FingerprintRow)
         per_step: dict[int, list[int]] = {}
         with translated_errors(), self.sessions() as session:
             for offset, table, names in ((0, samples, _SAMPLE_ARRAYS), (2, prints, _FINGERPRINT_ARRAYS)):
@@ -236,7 +236,7 @@ class Retention(Part):
         with translated_errors(), self.sessions.begin() as session:
             if policy.raw_days is not None:
                 cutoff = (now or utcnow()) - timedelta(days=policy.raw_days)
-                table = SampleRow.__table__
+                table = table_of(SampleRow)
                 result = session.execute(
                     delete(table).where(
                         table.c.run_id.in_(runs), table.c.created_at < cutoff, _compared(table)
@@ -244,7 +244,7 @@ class Retention(Part):
                 )
                 deleted_samples = int(result.rowcount or 0)  # type: ignore[attr-defined]
             if policy.fingerprint_steps is not None:
-                table = FingerprintRow.__table__
+                table = table_of(FingerprintRow)
                 other = aliased(FingerprintRow)
                 control = (
                     select(func.min(other.sample_key))
@@ -277,7 +277,7 @@ class Retention(Part):
             return []
         self._next_check = time.monotonic() + CHECK_EVERY_S
         now = utcnow()
-        table = RetentionPolicyRow.__table__
+        table = table_of(RetentionPolicyRow)
         claim = (
             update(table)
             .where(
