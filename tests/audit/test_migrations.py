@@ -19,7 +19,9 @@ def test_migrated_schema_matches_the_orm(blank_database_url: str):
     upgrade(engine)
     upgrade(engine)  # a second upgrade is a no-op
     with engine.connect() as connection:
-        context = MigrationContext.configure(connection, opts={"compare_type": True, "include_name": include_name})
+        context = MigrationContext.configure(
+            connection, opts={"compare_type": True, "include_name": include_name}
+        )
         differences = compare_metadata(context, Base.metadata)
     assert differences == []
     assert current_revision(engine) is not None
