@@ -255,6 +255,7 @@ class ComparisonWorker:
         while not self._stop.is_set():
             try:
                 busy = self.run_once(self.run_id) > 0 or (self.run_id is None and self.backfill() > 0)
+                self.store.apply_due_retention()  # each project's retention policy, once an hour
             except Exception:
                 log.exception("comparison pass failed")
                 busy = False

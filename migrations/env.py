@@ -14,6 +14,7 @@ from sqlalchemy import create_engine, pool
 
 config = context.config
 target_metadata = config.attributes.get("target_metadata")
+include_name = config.attributes.get("include_name")  # leaves the tables' partitions out
 
 
 def run_migrations_offline() -> None:
@@ -42,7 +43,11 @@ def run_migrations_online() -> None:
 def _run(connection) -> None:
     # render_as_batch lets later revisions alter tables on SQLite, which lacks most ALTER TABLE forms.
     context.configure(
-        connection=connection, target_metadata=target_metadata, render_as_batch=True, compare_type=True
+        connection=connection,
+        target_metadata=target_metadata,
+        render_as_batch=True,
+        compare_type=True,
+        include_name=include_name,
     )
     with context.begin_transaction():
         context.run_migrations()

@@ -281,6 +281,21 @@ class StepStatsRow(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
+class RetentionPolicyRow(Base):
+    """How long one project keeps what grows with tokens (``audit.db.retention``): sample arrays for
+    ``raw_days`` days after they were stored, every fingerprint for the newest ``fingerprint_steps``
+    steps of a run (older compared steps keep their diverged samples' and one clean control's).
+    None: kept for ever. ``applied_at``: when a worker last applied it (workers take turns)."""
+
+    __tablename__ = "retention_policies"
+
+    project: Mapped[str] = mapped_column(String(128), primary_key=True)
+    raw_days: Mapped[int | None] = mapped_column(Integer)
+    fingerprint_steps: Mapped[int | None] = mapped_column(Integer)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow)
+    applied_at: Mapped[datetime | None] = mapped_column()
+
+
 #: States of an alert that is still open (at most one per rule and run).
 OPEN_STATES = ("pending", "firing")
 

@@ -3,6 +3,7 @@ the CLI (``isoaudit db upgrade``), and decide whether a store may open a databas
 
 from __future__ import annotations
 
+import re
 from functools import cache
 
 from alembic import command
@@ -13,6 +14,15 @@ from isoaudit.audit.db.models import Base
 from isoaudit.migrations import SCRIPT_LOCATION
 from sqlalchemy import Engine
 
+#: The partitions of the tables PostgreSQL partitions by run (``samples_p00``...): the migrations
+#: create them, the ORM maps their parent alone.
+_PARTITION = re.compile(r"^(samples|fingerprints)_p\d+$")
+
+
+def include_name(name: str | None, type_: str, _parents: object) -> bool:
+    """Alembic's ``include_name`` for comparing the database with the ORM: leaves partitions out."""
+    return not (type_ == "table" and name is not None and _PARTITION.match(name))
+
 
 def alembic_config(url: str | None = None) -> Config:
     """An Alembic config that needs no alembic.ini: the scripts' location, the models' metadata (for
@@ -20,6 +30,7 @@ def alembic_config(url: str | None = None) -> Config:
     config = Config()
     config.set_main_option("script_location", SCRIPT_LOCATION)
     config.attributes["target_metadata"] = Base.metadata
+    config.attributes["include_name"] = include_name
     if url:
         config.set_main_option("sqlalchemy.url", database_url(url))
     return config

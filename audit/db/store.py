@@ -9,6 +9,7 @@ from isoaudit.audit.db.ingest import Ingest
 from isoaudit.audit.db.queue import Queue
 from isoaudit.audit.db.records import Records
 from isoaudit.audit.db.results import Results
+from isoaudit.audit.db.retention import Retention
 from isoaudit.audit.db.runs import Runs
 from isoaudit.audit.db.schema import current_revision, ensure_schema
 from isoaudit.audit.db.steps import Steps
@@ -19,10 +20,10 @@ from sqlalchemy.orm import sessionmaker
 __all__ = ["Store"]
 
 
-class Store(Ingest, Runs, Records, Queue, Results, Control, Steps):
+class Store(Ingest, Runs, Records, Queue, Results, Control, Steps, Retention):
     """All reads and writes of isoaudit's database, one part per concern (each in its own module of
-    ``audit.db``): ingest, runs, stored records, the comparison queue, results, control records and
-    step stats. ``sessions`` (a ``sessionmaker``) is there for the data layer's repositories that
+    ``audit.db``): ingest, runs, stored records, the comparison queue, results, control records,
+    step stats and retention. ``sessions`` (a ``sessionmaker``) is there for the data layer's repositories that
     take it (alerts, tokens, telemetry)."""
 
     def __init__(

@@ -10,7 +10,20 @@ import typer
 from typer.models import CommandInfo, TyperInfo
 
 from isoaudit import __version__
-from isoaudit.cli import alerts, compare, dashboard, db, demo, diff, gate, metrics, runs, service, tokens
+from isoaudit.cli import (
+    alerts,
+    compare,
+    dashboard,
+    db,
+    demo,
+    diff,
+    gate,
+    metrics,
+    retention,
+    runs,
+    service,
+    tokens,
+)
 from isoaudit.cli.common import console
 
 app = typer.Typer(
@@ -27,6 +40,7 @@ app.add_typer(runs.app, name="runs")
 app.add_typer(tokens.app, name="tokens")
 app.add_typer(alerts.app, name="alerts")
 app.add_typer(metrics.app, name="metrics")
+app.add_typer(retention.app, name="retention")
 
 
 def _version(value: bool) -> None:

@@ -8,7 +8,7 @@ from alembic.runtime.migration import MigrationContext
 from isoaudit.audit.db import Store, StoreError
 from isoaudit.audit.db.engine import make_engine
 from isoaudit.audit.db.models import Base
-from isoaudit.audit.db.schema import current_revision, head_revision, upgrade
+from isoaudit.audit.db.schema import current_revision, head_revision, include_name, upgrade
 from sqlalchemy import text
 
 from tests import factories
@@ -19,7 +19,9 @@ def test_migrated_schema_matches_the_orm(blank_database_url: str):
     upgrade(engine)
     upgrade(engine)  # a second upgrade is a no-op
     with engine.connect() as connection:
-        context = MigrationContext.configure(connection, opts={"compare_type": True})
+        context = MigrationContext.configure(
+            connection, opts={"compare_type": True, "include_name": include_name}
+        )
         differences = compare_metadata(context, Base.metadata)
     assert differences == []
     assert current_revision(engine) is not None
