@@ -253,13 +253,14 @@ def per_sample_stats(
     clip_eps: float,
     entropies: tuple[np.ndarray | None, np.ndarray | None] = (None, None),
     *,
-    block_tokens: int = BLOCK_TOKENS,
+    block_tokens: int | None = None,
 ) -> SufficientStats:
     """Per-sample sufficient statistics, measured in blocks of whole samples (about ``block_tokens``
     tokens each). Every statistic is a reduction over one sample's tokens, so a block's samples come
     out bit for bit as from one pass over the step; the one step-wide choice, how ρ is computed
-    (:func:`segment_stats`' ``exp_rho``), is made for the whole step."""
-    bounds = _blocks(offsets, block_tokens)
+    (:func:`_segment_stats`' ``exp_rho``), is made for the whole step. ``block_tokens`` defaults
+    to :data:`BLOCK_TOKENS`."""
+    bounds = _blocks(offsets, BLOCK_TOKENS if block_tokens is None else block_tokens)
     if len(bounds) <= 2:
         return segment_stats(t32, r32, offsets, clip_eps, entropies)
 
