@@ -273,7 +273,9 @@ def per_sample_stats(
                 entropies[1][a:b] if entropies[1] is not None else None,
             )
             out.append(
-                _segment_stats(t32[a:b], r32[a:b], offsets[lo : hi + 1] - a, clip_eps, block_entropies, exp_rho)
+                _segment_stats(
+                    t32[a:b], r32[a:b], offsets[lo : hi + 1] - a, clip_eps, block_entropies, exp_rho
+                )
             )
         return out
 

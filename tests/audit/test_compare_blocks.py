@@ -96,7 +96,9 @@ def varied_step(seed: int, n: int) -> tuple[list[tuple[SampleLogprobs, SampleLog
         trainer = factories.sample("trainer", step=3, seed=1000 * seed + i, n_completion=length)
         lp = trainer.logprobs.copy()
         if i % 4:
-            lp = np.minimum(lp + (rng.random(length) < 0.5) * rng.normal(0, 1e-2, length), 0).astype(np.float32)
+            lp = np.minimum(lp + (rng.random(length) < 0.5) * rng.normal(0, 1e-2, length), 0).astype(
+                np.float32
+            )
         if i == 1:
             lp[0] = -(LOG_RATIO_BOUND + 3.0)
         extra: dict[str, Any] = {}
