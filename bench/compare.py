@@ -1,10 +1,15 @@
-"""Compare one RL step: 1,024 samples x 2,048 tokens, with fingerprints of a 4-layer model (22
-regions x 2,048 positions) for 32 of the samples, as the worker does (``compare_samples``, the
-step's ``step_summary``, the dashboard's ``position_bins``), against the same three calls of
-``--baseline-rev``'s ``audit/compare.py`` and ``audit/summaries.py`` and against a plain per-token
-Python loop, on the same step in the same run. Target: under 2 s for the step.
+"""Compare one RL step as the comparison worker does, against reading the step back, on SQLite and
+PostgreSQL, in the same run: the step is stored (both sides, and fingerprints of a 4-layer model for
+``--fingerprinted`` samples), then each repeat times ``Store.samples_of_steps`` (the step's records
+read back: the baseline) and ``ComparisonWorker.run_once`` (the worker's whole pass: claim, read,
+compare, save) on a fresh copy of the step. Targets: at most 3x the read-back, at most 3 s a step.
 
-    python -m bench.compare [--samples 1024] [--tokens 2048] [--fingerprinted 32] [--baseline-rev cb822db]
+``--in-process`` times instead the worker's three calls (``compare_samples``, the step's
+``step_summary``, the dashboard's ``position_bins``) on records in memory, against the same calls of
+``--baseline-rev``'s ``audit/compare.py`` and ``audit/summaries.py`` and a per-token Python loop.
+
+    python -m bench.compare --samples 512 --tokens 8192 --prompt-len 1024 [--databases sqlite,postgres]
+    python -m bench.compare --in-process [--samples 1024] [--tokens 2048] [--fingerprinted 32] [--baseline-rev cb822db]
 """
 
 from __future__ import annotations
@@ -23,14 +28,19 @@ from types import ModuleType
 import numpy as np
 from isoaudit.audit import compare as compare_module
 from isoaudit.audit import summaries as summaries_module
-from isoaudit.audit.records import RegionFingerprints, SampleLogprobs
+from isoaudit.audit.db import Store
+from isoaudit.audit.records import RegionFingerprints, Run, SampleLogprobs
 from isoaudit.audit.regions import canonical_regions
+from isoaudit.audit.worker import ComparisonWorker
 from tqdm import tqdm
+
+from bench.scale import Database
 
 RUN = "bench"
 
 
 def make_step(n_samples: int, n_tokens: int, prompt_len: int = 256):
+    """Both sides of a step: random tokens, the trainer's logprobs, the rollout's off by ~1e-2 on 30%."""
     rng = np.random.default_rng(0)
     pairs = []
     for i in tqdm(range(n_samples), desc="building samples", leave=False):
@@ -175,6 +185,43 @@ def worker_step(compare: ModuleType, summaries: ModuleType, pairs, prints) -> tu
     return time.perf_counter() - start, comparisons, summary
 
 
+def stored_step(store: Store, run_id: str, pairs, prints) -> None:
+    """Store the step under ``run_id`` (the same records, re-labelled): a fresh step for the worker."""
+    store.ingest([Run(run_id=run_id, name=run_id)])
+    for start in range(0, len(pairs), 64):
+        store.ingest(
+            [s.model_copy(update={"run_id": run_id}) for pair in pairs[start : start + 64] for s in pair]
+        )
+    for trainer_prints, rollout_prints in prints.values():
+        store.ingest([p.model_copy(update={"run_id": run_id}) for p in [*trainer_prints, *rollout_prints]])
+
+
+def against_read_back(kind: str, pairs, prints, repeat: int) -> tuple[list[float], list[float]]:
+    """(read-back seconds, worker seconds) of ``repeat`` fresh copies of the step on one database."""
+    reads, compares = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        db = Database(kind, Path(tmp))
+        store = Store(db.url)
+        try:
+            worker = ComparisonWorker(store, max_pairs=max(1024, len(pairs)))
+            stored_step(store, f"{RUN}-warm-up", pairs[:2], {})  # first-call costs are not per step
+            worker.run_once(f"{RUN}-warm-up")
+            for i in range(repeat):
+                run_id = f"{RUN}-{i}"
+                stored_step(store, run_id, pairs, prints)
+                db.vacuum()
+                started = time.perf_counter()
+                store.samples_of_steps([(run_id, 0)])
+                reads.append(time.perf_counter() - started)
+                started = time.perf_counter()
+                assert worker.run_once(run_id) == len(pairs)
+                compares.append(time.perf_counter() - started)
+        finally:
+            store.dispose()
+            db.close()
+    return reads, compares
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=1024)
@@ -188,6 +235,8 @@ def main() -> None:
         "--repeat", type=int, default=3, help="timings of each (median; baseline and ours alternate)"
     )
     parser.add_argument("--no-loop", action="store_true", help="skip the per-token Python loop")
+    parser.add_argument("--in-process", action="store_true", help="the worker's calls in memory, no database")
+    parser.add_argument("--databases", default="sqlite,postgres", help="with the database: which ones")
     args = parser.parse_args()
 
     pairs = make_step(args.samples, args.tokens, args.prompt_len)
@@ -196,6 +245,20 @@ def main() -> None:
     print(
         f"one step: {len(pairs)} samples, {n_tokens / 1e6:.2f} M completion tokens, {len(prints)} fingerprinted"
     )
+    if not args.in_process:
+        for kind in args.databases.split(","):
+            reads, compares = against_read_back(kind, pairs, prints, args.repeat)
+            read, compare = statistics.median(reads), statistics.median(compares)
+            print(
+                f"{kind:10s} read back {read:6.2f} s   worker {compare:6.2f} s   x{compare / read:.2f} the read-back "
+                f"(medians of {args.repeat}: reads {', '.join(f'{t:.2f}' for t in reads)}; "
+                f"worker {', '.join(f'{t:.2f}' for t in compares)})"
+            )
+            print(
+                f"{kind:10s} targets: <= 3x the read-back {'met' if compare <= 3 * read else 'MISSED'}, "
+                f"<= 3 s a step {'met' if compare <= 3 else 'MISSED'}"
+            )
+        return
     with tempfile.TemporaryDirectory() as tmp:
         sides = {"ours": (compare_module, summaries_module)}
         if args.baseline_rev:

@@ -241,14 +241,91 @@ def check_inputs(
     return t.astype(np.float32, copy=False), r.astype(np.float32, copy=False), o
 
 
+#: Tokens per block of :func:`per_sample_stats`: whole samples up to about this many tokens are
+#: measured together, so that the pass's float64 temporaries stay in cache (a step's arrays do not).
+BLOCK_TOKENS = 1 << 15
+
+
 def per_sample_stats(
     t32: np.ndarray,
     r32: np.ndarray,
     offsets: np.ndarray,
     clip_eps: float,
     entropies: tuple[np.ndarray | None, np.ndarray | None] = (None, None),
+    *,
+    block_tokens: int | None = None,
 ) -> SufficientStats:
-    """One pass of vectorised token arithmetic, then segment reductions per sample."""
+    """Per-sample sufficient statistics, measured in blocks of whole samples (about ``block_tokens``
+    tokens each). Every statistic is a reduction over one sample's tokens, so a block's samples come
+    out bit for bit as from one pass over the step; the one step-wide choice, how ρ is computed
+    (:func:`_segment_stats`' ``exp_rho``), is made for the whole step. ``block_tokens`` defaults
+    to :data:`BLOCK_TOKENS`."""
+    bounds = _blocks(offsets, BLOCK_TOKENS if block_tokens is None else block_tokens)
+    if len(bounds) <= 2:
+        return segment_stats(t32, r32, offsets, clip_eps, entropies)
+
+    def measure(exp_rho: bool | None) -> list[tuple[SufficientStats, bool]]:
+        out = []
+        for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+            a, b = int(offsets[lo]), int(offsets[hi])
+            block_entropies = (
+                entropies[0][a:b] if entropies[0] is not None else None,
+                entropies[1][a:b] if entropies[1] is not None else None,
+            )
+            out.append(
+                _segment_stats(
+                    t32[a:b], r32[a:b], offsets[lo : hi + 1] - a, clip_eps, block_entropies, exp_rho
+                )
+            )
+        return out
+
+    blocks = measure(None)
+    if not all(inside for _, inside in blocks):  # some |Δ| beyond the bound: ρ = exp(clamped Δ) everywhere
+        blocks = measure(True)
+    return SufficientStats(
+        **{
+            f.name: np.concatenate([getattr(stats, f.name) for stats, _ in blocks])
+            for f in fields(SufficientStats)
+        }
+    )
+
+
+def _blocks(offsets: np.ndarray, block_tokens: int) -> list[int]:
+    """Sample indices ``0 = b_0 < b_1 < ... = n`` cutting the samples into runs of about
+    ``block_tokens`` tokens (a longer sample is a block of its own)."""
+    n = offsets.size - 1
+    bounds = [0]
+    while bounds[-1] < n:
+        start = bounds[-1]
+        cut = int(np.searchsorted(offsets, offsets[start] + block_tokens, side="right")) - 1
+        bounds.append(min(max(cut, start + 1), n))
+    return bounds
+
+
+def segment_stats(
+    t32: np.ndarray,
+    r32: np.ndarray,
+    offsets: np.ndarray,
+    clip_eps: float,
+    entropies: tuple[np.ndarray | None, np.ndarray | None] = (None, None),
+) -> SufficientStats:
+    """One pass of vectorised token arithmetic over all of ``t32``/``r32``, then segment reductions
+    per sample: :func:`per_sample_stats` without the blocks."""
+    return _segment_stats(t32, r32, offsets, clip_eps, entropies, None)[0]
+
+
+def _segment_stats(
+    t32: np.ndarray,
+    r32: np.ndarray,
+    offsets: np.ndarray,
+    clip_eps: float,
+    entropies: tuple[np.ndarray | None, np.ndarray | None],
+    exp_rho: bool | None,
+) -> tuple[SufficientStats, bool]:
+    """The statistics of :func:`segment_stats` and whether every finite |Δ| is within
+    ``LOG_RATIO_BOUND``. ρ is ``1 + expm1(Δ)`` (exact near Δ = 0) when every |Δ| of the step is
+    within the bound, else ``exp(clamped Δ)``: ``exp_rho`` forces the latter; None decides from
+    these tokens."""
     n = offsets.size - 1
     lengths = np.diff(offsets)
     nonempty = lengths > 0
@@ -278,8 +355,11 @@ def per_sample_stats(
         pt = np.exp(t)
         pr = pt * (1.0 + em1n)  # = e^r; exactly pt where the sides agree
         dp = np.abs(pt - pr)
-        inside = absd <= LOG_RATIO_BOUND
-        rho = 1.0 + em1p if inside.all() else np.exp(np.clip(d, -LOG_RATIO_BOUND, LOG_RATIO_BOUND))
+        all_inside = bool((absd <= LOG_RATIO_BOUND).all())
+        if exp_rho or not all_inside:
+            rho = np.exp(np.clip(d, -LOG_RATIO_BOUND, LOG_RATIO_BOUND))
+        else:
+            rho = 1.0 + em1p
         k3 = em1p - d
         k3rev = em1n + d
         # JS against the mixture m = (p_t + p_r)/2: since e^(lp_t - lp_m) + e^(lp_r - lp_m) = 2, the two
@@ -330,7 +410,7 @@ def per_sample_stats(
 
     masked_max = (lambda x: x) if all_finite else (lambda x: np.where(finite, x, -np.inf))
     masked_min = (lambda x: x) if all_finite else (lambda x: np.where(finite, x, np.inf))
-    return SufficientStats(
+    stats = SufficientStats(
         n_samples=np.ones(n, dtype=np.int64),
         n_seq=has_seq.astype(np.int64),
         n_diverged=(n_mismatch > 0).astype(np.int64),
@@ -381,6 +461,7 @@ def per_sample_stats(
         sum_inv_len=np.where(has_seq, 1.0 / safe_n, 0.0),
         sum_len_d2=n_finite * lpd * lpd,
     )
+    return stats, all_inside
 
 
 def _entropy_sums(

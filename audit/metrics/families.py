@@ -26,12 +26,16 @@ class TokenView:
     Token statistics shared by several figures are computed once (``cache``)."""
 
     def __init__(self, t32: np.ndarray, r32: np.ndarray, offsets: np.ndarray) -> None:
-        t, r = t32.astype(np.float64), r32.astype(np.float64)
-        finite = np.isfinite(t) & np.isfinite(r)
-        self.sample = np.repeat(np.arange(offsets.size - 1), np.diff(offsets))[finite]
+        finite = np.isfinite(t32) & np.isfinite(r32)
+        everything = bool(finite.all())
+        self.sample = np.repeat(np.arange(offsets.size - 1), np.diff(offsets))
+        d = t32.astype(np.float64)
         with np.errstate(invalid="ignore"):
-            #: Δ clamped to ±LOG_RATIO_BOUND (verl's SAFETY_BOUND) and ρ = exp(Δ)
-            self.d = np.clip((t - r)[finite], -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+            np.subtract(d, r32, out=d)  # float64 arithmetic, as (t - r) of the widened arrays
+        if not everything:
+            self.sample, d = self.sample[finite], d[finite]
+        #: Δ clamped to ±LOG_RATIO_BOUND (verl's SAFETY_BOUND) and ρ = exp(Δ)
+        self.d = np.clip(d, -LOG_RATIO_BOUND, LOG_RATIO_BOUND, out=d)
         self.rho = np.exp(self.d)
         self.n_per_sample = np.bincount(self.sample, minlength=offsets.size - 1)
         self.has = self.n_per_sample > 0
@@ -52,8 +56,14 @@ class TokenView:
             return np.zeros(0)
         if how == "max":
             return np.maximum.reduceat(values, self._starts)
-        out = np.add.reduceat(values.astype(np.float64), self._starts)
+        out = np.add.reduceat(values.astype(np.float64, copy=False), self._starts)
         return out / self.n_per_sample[self.has] if how == "mean" else out
+
+    def all_per_sample(self, flags: np.ndarray) -> np.ndarray:
+        """Per sample (those that have tokens, in order): whether every token's flag is set."""
+        if self._starts is None:
+            return np.zeros(0, dtype=bool)
+        return np.logical_and.reduceat(flags, self._starts)
 
     def token_mean(self, values: np.ndarray, aggregate: ParamValue = "token") -> float:
         """Token-weighted mean, or (``aggregate="sample"``) the mean of per-sample means."""
@@ -178,7 +188,7 @@ def _rs_keep_compute(
 
     if option.startswith("token_"):
         token_ok = ok(stat)
-        return token_ok, view.per_sample((~token_ok).astype(np.float64)) == 0
+        return token_ok, view.all_per_sample(token_ok)  # a sample is kept when no token of it is rejected
     sample_ok = ok(view.per_sample(stat, option.split("_")[1]))  # sum | mean | max
     return np.repeat(sample_ok, view.n_per_sample[view.has]), sample_ok
 
