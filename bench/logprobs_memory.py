@@ -108,8 +108,13 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=None, help="hidden size (CUDA 896, CPU 64)")
     ap.add_argument("--vocab", type=int, default=None, help="vocabulary (CUDA 151936, CPU 32768)")
     ap.add_argument("--rows", type=int, default=None, help="rows per block (CUDA 4096, CPU 256)")
-    ap.add_argument("--slab", type=int, default=None, help="vocabulary columns per slab (a multiple of 1024; default: "
-                    "the widest within 256 MiB of fp32 logits on CUDA, 4,096 on the CPU)")
+    ap.add_argument(
+        "--slab",
+        type=int,
+        default=None,
+        help="vocabulary columns per slab (a multiple of 1024; default: "
+        "the widest within 256 MiB of fp32 logits on CUDA, 4,096 on the CPU)",
+    )
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -121,7 +126,9 @@ def main() -> None:
     args.vocab = args.vocab or (151_936 if cuda else 32_768)
     from isoaudit.kernels.fused_logprobs import _chunks
 
-    rows, slab = _chunks(args.tokens, args.vocab, args.rows or (None if cuda else 256), args.slab or (None if cuda else 4096))
+    rows, slab = _chunks(
+        args.tokens, args.vocab, args.rows or (None if cuda else 256), args.slab or (None if cuda else 4096)
+    )
     args.chunks = (rows, slab)  # both chunked paths take the same
     where = torch.cuda.get_device_name() if cuda else "cpu"
     print(
@@ -138,7 +145,9 @@ def main() -> None:
     speed = figures["fused"]["ms"] / figures["native_chunked"]["ms"]
     kept = figures["fused"]["ms"] / figures["kept_logits"]["ms"]
     print(f"fused peak / kept-logits peak: {mem:.3f}  (target <= 0.40: {'met' if mem <= 0.40 else 'MISSED'})")
-    print(f"fused time / native chunked time: {speed:.3f}x  (target <= 1.05x: {'met' if speed <= 1.05 else 'MISSED'})")
+    print(
+        f"fused time / native chunked time: {speed:.3f}x  (target <= 1.05x: {'met' if speed <= 1.05 else 'MISSED'})"
+    )
     print(f"fused time / kept-logits time: {kept:.3f}x")
     if not cuda:
         print("(CPU: structure only; the targets are judged on the GPU)")

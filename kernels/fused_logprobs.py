@@ -125,13 +125,17 @@ class Lanes:
         t = self.m.shape[0]
         if self.impl == "torch":
             mx = self.m.max(-1).values
-            live = torch.where(self.m == float("-inf"), torch.zeros_like(self.s), self.s * torch.exp(self.m - mx[:, None]))
+            live = torch.where(
+                self.m == float("-inf"), torch.zeros_like(self.s), self.s * torch.exp(self.m - mx[:, None])
+            )
             lse = mx + torch.log(live.sum(-1))
             return self.pick - lse, lse
         lse = torch.empty(t, dtype=torch.float32, device=self.m.device)
         out = torch.empty(t, dtype=torch.float32, device=self.m.device)
         if t:
-            _finish_kernel[(t,)](self.m, self.s, lse, self.pick, out, HAS_TOK=with_tokens, BLOCK=BLOCK_V, num_warps=4)
+            _finish_kernel[(t,)](
+                self.m, self.s, lse, self.pick, out, HAS_TOK=with_tokens, BLOCK=BLOCK_V, num_warps=4
+            )
         return out, lse
 
 
@@ -216,7 +220,9 @@ class _Native:
         return state[1] - state[0], state[0]
 
 
-def _forward(arith: Any, h: torch.Tensor, weight: torch.Tensor, tok: torch.Tensor, r: int, s: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward(
+    arith: Any, h: torch.Tensor, weight: torch.Tensor, tok: torch.Tensor, r: int, s: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(token logprobs, log-sum-exp) of every row, block by block, slab by slab."""
     t, v = h.shape[0], weight.shape[0]
     out = torch.empty(t, dtype=torch.float32, device=h.device)
@@ -269,7 +275,9 @@ class _SlabLogprobs(torch.autograd.Function):
                 gz = z.sub_(lse[r0:r1, None]).exp_().mul_(-gr)
                 local = tr - v0
                 held = (local >= 0) & (local < gz.shape[1])
-                gz.scatter_add_(1, local.clamp(0, gz.shape[1] - 1)[:, None], torch.where(held[:, None], gr, 0.0))
+                gz.scatter_add_(
+                    1, local.clamp(0, gz.shape[1] - 1)[:, None], torch.where(held[:, None], gr, 0.0)
+                )
                 gzd = gz.to(dt)
                 del z, gz
                 if acc is not None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ._triton import resolve
-from .fused_logprobs import _mm_fp32, Lanes, fused_token_logprobs
+from .fused_logprobs import Lanes, _mm_fp32, fused_token_logprobs
 from .gemm import gemm, linear
 
 

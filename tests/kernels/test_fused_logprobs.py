@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .conftest import bits_equal, gpu, needs_triton
 
+
 def _previous_lse_reference(z: torch.Tensor, block: int = 1024) -> torch.Tensor:
     """The log-sum-exp of the head before it ran in slabs, verbatim: lane-wise online max/sum over
     BLOCK_V slabs of the whole row, then the lanes (kept here to prove the slabs keep its bits)."""
@@ -134,9 +135,7 @@ def test_no_tokens_by_vocabulary_tensor(native: bool) -> None:
         assert v not in shape, shape
         if shape[-1:] == (k,):  # hidden rows, a block of them
             assert shape[0] in (t, 8, t % 8, BLOCK_V, v % BLOCK_V) or len(shape) == 1, shape
-        elif len(shape) == 2 and any(
-            a in (BLOCK_V, v % BLOCK_V) and b <= k for a, b in (shape, shape[::-1])
-        ):
+        elif len(shape) == 2 and any(a in (BLOCK_V, v % BLOCK_V) and b <= k for a, b in (shape, shape[::-1])):
             continue  # a slab of the weight, a BLOCK_K piece of it, or its transpose
         else:  # logits and their gradient: one block's slab at most
             assert torch.Size(shape).numel() <= 8 * BLOCK_V, shape

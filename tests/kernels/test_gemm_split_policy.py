@@ -84,7 +84,9 @@ def test_setting_the_policy_replans(restore_policy: None, monkeypatch: pytest.Mo
     dropped); the environment, read when the kernels were imported, no longer does."""
     import importlib
 
-    gemm_module = importlib.import_module("isoaudit.kernels.gemm")  # the module (the package's ``gemm`` is the function)
+    gemm_module = importlib.import_module(
+        "isoaudit.kernels.gemm"
+    )  # the module (the package's ``gemm`` is the function)
     set_split_policy(DEFAULT_SPLIT)
     assert gemm_config(896, 4864, torch.bfloat16, H200).k_split == 1280
     gemm_module._plan(4, 896, 4864, torch.bfloat16, torch.bfloat16, False, torch.device("cpu"), None)
@@ -150,18 +152,23 @@ def test_batch_invariant_under_the_policy(restore_policy: None) -> None:
     for m in (1, 2, 3, 8, 9, 33, 69):
         assert bits_equal(gemm(a[:m], w, b, impl="triton", config=cfg), full[:m]), m
     # up to 200 / (8 x 3) rows the spans run as programs, from 9 in turn
-    assert plan_tiles(cfg, 8, n, k, 2, 4, True).split_grid and not plan_tiles(cfg, 9, n, k, 2, 4, True).split_grid
+    assert (
+        plan_tiles(cfg, 8, n, k, 2, 4, True).split_grid
+        and not plan_tiles(cfg, 9, n, k, 2, 4, True).split_grid
+    )
 
 
 # ----------------------------------------------------------------------------- manifests and contract
 
 
 def _manifest(side: str, split: str | None, contract=None) -> Manifest:
-    from isoaudit.collectors.policy import build_contract, exact_ops, kernel_ops
     from isoaudit.audit.contract import ModelSpec
+    from isoaudit.collectors.policy import build_contract, exact_ops, kernel_ops
 
     if contract is None:
-        spec = ModelSpec(family="llama", name="tiny", num_layers=1, hidden_size=8, vocab_size=16, dtype="bfloat16")
+        spec = ModelSpec(
+            family="llama", name="tiny", num_layers=1, hidden_size=8, vocab_size=16, dtype="bfloat16"
+        )
         ops = {**exact_ops(), **kernel_ops("cpu"), "rotary": "torch.rope_hf@1"}
         contract = build_contract(spec, ops, qk_norm=False)
     extra = {} if split is None else {"gemm_split": split, "gemm_split_k": split != "off"}
@@ -190,10 +197,12 @@ def test_the_handshake_refuses_two_split_policies() -> None:
 def test_the_contract_names_the_split(restore_policy: None) -> None:
     """The GPU GEMM's implementation version names the policy, so two sides under different
     policies have different numerical-policy identities, and the handshake names the fields."""
-    from isoaudit.collectors.policy import build_contract, exact_ops, kernel_ops
     from isoaudit.audit.contract import ModelSpec
+    from isoaudit.collectors.policy import build_contract, exact_ops, kernel_ops
 
-    spec = ModelSpec(family="llama", name="tiny", num_layers=1, hidden_size=8, vocab_size=16, dtype="bfloat16")
+    spec = ModelSpec(
+        family="llama", name="tiny", num_layers=1, hidden_size=8, vocab_size=16, dtype="bfloat16"
+    )
 
     def contract():
         ops = {**exact_ops(), **kernel_ops("cuda"), "rotary": "torch.rope_hf@1"}
