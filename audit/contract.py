@@ -611,13 +611,40 @@ def diff_policy(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
 _MISSING = object()
 
 
+#: Runtime facts that set the invariant kernels' bits beside the composition's implementations
+#: (``collectors.manifest.kernel_facts``): ``gemm_split``, the GEMM's fixed split-K policy (which
+#: weights (N, K) sum K in fixed spans, and how). Both sides state them while the kernels route;
+#: the handshake refuses two that differ.
+KERNEL_SETTINGS: Final = {
+    "gemm_split": "the invariant GEMM's fixed split-K policy (it orders the sum over K); "
+    "run both sides under one (isoaudit.kernels.gemm_policy.set_split_policy, or the same ISOAUDIT_GEMM_SPLIT_K)",
+}
+
+
+def kernel_setting_differences(trainer: Manifest, engine: Manifest) -> dict[str, tuple[Any, Any]]:
+    """The :data:`KERNEL_SETTINGS` both manifests state with different values:
+    ``{"runtime.<name>": (trainer's, engine's)}``."""
+    a, b = trainer.runtime.model_extra or {}, engine.runtime.model_extra or {}
+    return {
+        f"runtime.{name}": (a[name], b[name])
+        for name in KERNEL_SETTINGS
+        if a.get(name) is not None and b.get(name) is not None and a[name] != b[name]
+    }
+
+
 def handshake(trainer: Manifest, engine: Manifest) -> HandshakeResult:
-    """Refuse (with reasons naming fields) unless both manifests carry the same numerical policy.
+    """Refuse (with reasons naming fields) unless both manifests carry the same numerical policy
+    and state the same :data:`KERNEL_SETTINGS`.
 
     The deployment identity may differ (it is logged, never keyed). A manifest's identity must also
     match the fields it carries, so a stale or hand-edited manifest cannot pass.
     """
     reasons: list[str] = []
+    settings = kernel_setting_differences(trainer, engine)
+    reasons.extend(
+        f"{name}: trainer {mine!r} != engine {theirs!r}: {KERNEL_SETTINGS[name.removeprefix('runtime.')]}"
+        for name, (mine, theirs) in settings.items()
+    )
     if trainer.side != "trainer":
         reasons.append(f"trainer.side: expected 'trainer', got {trainer.side!r}")
     if engine.side != "rollout":
@@ -666,6 +693,6 @@ def handshake(trainer: Manifest, engine: Manifest) -> HandshakeResult:
     return HandshakeResult(
         ok=not reasons,
         reasons=reasons,
-        differing_fields=differing,
+        differing_fields=[*settings, *differing],
         differing_regions=policy_regions(differing),
     )

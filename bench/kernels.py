@@ -192,8 +192,12 @@ def _unsplit(n: int, k: int):
 
 
 def bench_gemm_small() -> None:
-    """Decode-sized GEMMs on the 0.5B-8B projections, weights cycled through HBM like a model's;
-    for split-K weights also the unsplit kernel (before) and the large-M cost of the split."""
+    """Decode-sized GEMMs on the 0.5B-8B projections, weights cycled through HBM like a model's,
+    under the default split policy (what both manifests state); for split-K weights also the
+    unsplit kernel (before) and the large-M cost of the split."""
+    from isoaudit.kernels.gemm_policy import split_policy
+
+    print(f"split policy: {split_policy().label}", flush=True)
     for n, k in SMALL_M_SHAPES:
         ws = _weight_copies(n, k)
         before = _unsplit(n, k)
@@ -203,7 +207,7 @@ def bench_gemm_small() -> None:
             a = a_full[:m]
             cublas = [lambda w=w: torch.mm(a, w.T) for w in ws]
             native, ours = bench_pair(cublas, [lambda w=w: gemm(a, w) for w in ws])
-            record("gemm small-M", f"M={m} N={n} K={k}", native, ours, 1.3 if m <= 256 else 1.25)
+            record("gemm small-M", f"M={m} N={n} K={k}", native, ours, 1.25)
             if before:
                 native, unsplit = bench_pair(cublas, [lambda w=w: gemm(a, w, config=before) for w in ws])
                 record("gemm small-M unsplit", f"M={m} N={n} K={k}", native, unsplit)
@@ -433,6 +437,32 @@ def bench_trainer() -> None:
 
 
 PROFILE = False
+
+
+def bench_logprobs() -> None:
+    """The trainer's token-logprob head, forward + backward at 32,768 response tokens on the 0.5B
+    shapes (hidden 896, vocab 151,936): the fused invariant path against the native head under
+    the same chunking (time), and its peak memory against the head that keeps its fp32 logits
+    (``bench/logprobs_memory.py`` prints all three paths)."""
+    import argparse
+
+    import logprobs_memory as LM
+
+    if TIMING != "eager":
+        return
+    from isoaudit.kernels.fused_logprobs import _chunks
+
+    args = argparse.Namespace(tokens=32_768, hidden=896, vocab=151_936, reps=5)
+    args.chunks = _chunks(args.tokens, args.vocab, None, None)
+    fig = {path: LM._cuda_path(path, args) for path in LM.PATHS}
+    shape = f"T=32768 H=896 V=151936 {args.chunks[0]}x{args.chunks[1]}"
+    record("logprobs fwd+bwd time", shape, fig["native_chunked"]["ms"], fig["fused"]["ms"], 1.05)
+    print(
+        f"[{TIMING}] logprobs fwd+bwd peak         {shape:<34} kept logits {fig['kept_logits']['peak_gib']:.2f} GiB   "
+        f"fused {fig['fused']['peak_gib']:.2f} GiB   {fig['fused']['peak_gib'] / fig['kept_logits']['peak_gib']:.3f} "
+        "(target <= 0.40)",
+        flush=True,
+    )
 
 
 def bench_engine() -> None:
@@ -1264,7 +1294,7 @@ def bench_fp8_host() -> None:
 #: trainer, the engine and the library comparisons), in one run.
 ALL = (
     "launch@eager,gemm_small@graph,tree@graph,engine@eager,trainer@eager,gemm@graph,attention@eager,"
-    "fla@eager,fla_decode@graph,gdn@eager,rmsnorm@eager,fingerprint@eager,moe@eager"
+    "fla@eager,fla_decode@graph,gdn@eager,rmsnorm@eager,fingerprint@eager,moe@eager,logprobs@eager"
 )
 
 

@@ -66,15 +66,16 @@ def _kernels_on() -> bool:
 
 def kernel_facts() -> dict[str, Any]:
     """Launch settings of :mod:`isoaudit.kernels` that set bits, while it routes this process (both sides
-    must agree on them, so both manifests carry them): today the GEMM's fixed split-K of narrow
-    weights (``ISOAUDIT_GEMM_SPLIT_K``); in the ``invariant-fp8`` mode also the FP8 linear's
-    arithmetic (``fp8``: E4M3 W8A8, weights in 128x128 blocks, activations per token per 128 of K,
-    promotion every 128 K) and its fixed split-K (``ISOAUDIT_FP8_SPLIT_K``). Empty when the kernels
-    are off or not imported."""
+    must agree on them, so both manifests carry them and the contract handshake compares them): the
+    GEMM's fixed split-K policy (``gemm_split``: its rule, or ``off``; ``gemm_split_k``: whether it
+    splits any weight); in the ``invariant-fp8`` mode also the FP8 linear's arithmetic (``fp8``: E4M3
+    W8A8, weights in 128x128 blocks, activations per token per 128 of K, promotion every 128 K) and
+    its fixed split-K (``ISOAUDIT_FP8_SPLIT_K``). Empty when the kernels are off or not imported."""
     policy = sys.modules.get("isoaudit.kernels.gemm_policy")  # loaded with the GEMM
     if not _kernels_on() or policy is None:
         return {}
-    facts: dict[str, Any] = {"gemm_split_k": bool(policy.split_k_enabled())}
+    split = policy.split_policy()
+    facts: dict[str, Any] = {"gemm_split": split.label, "gemm_split_k": split.enabled}
     routing = sys.modules.get("isoaudit.kernels.dispatch")
     fp8 = sys.modules.get("isoaudit.kernels.fp8")
     if routing is not None and fp8 is not None and routing.is_fp8():

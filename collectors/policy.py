@@ -149,6 +149,10 @@ _KERNEL_FUNCTIONS = {
 }
 
 
+#: Triton modules whose ops run the batch-invariant GEMM, so their version names its split policy.
+_SPLIT_GEMM_MODULES = frozenset({"gemm", "logprobs"})
+
+
 def kernel_ops(device_type: str = "cpu", fp8: bool = False) -> dict[str, Impl]:
     """The ops :mod:`isoaudit.kernels.dispatch` runs when enabled, on tensors of ``device_type``:
     isoaudit.kernels.cpu on the CPU (unless routed to the Triton modules), the Triton kernels elsewhere.
@@ -167,7 +171,12 @@ def kernel_ops(device_type: str = "cpu", fp8: bool = False) -> dict[str, Impl]:
         import importlib
 
         source = importlib.import_module(f"isoaudit.kernels.{module}").__file__
-        out[op] = Impl(f"kernels.{module}.{function}", source_digest(str(source), str(dispatch.__file__)))
+        version = source_digest(str(source), str(dispatch.__file__))
+        if module in _SPLIT_GEMM_MODULES:  # the GEMM's split policy is part of its bits
+            from isoaudit.kernels.gemm_policy import split_policy
+
+            version = f"{version}.split[{split_policy().label}]"
+        out[op] = Impl(f"kernels.{module}.{function}", version)
     if fp8:
         from isoaudit.kernels import fp8 as fp8_module
         from isoaudit.kernels import fp8_quant

@@ -2,11 +2,12 @@
 
 Why it is invariant: the tile shape (BLOCK_M, BLOCK_N, BLOCK_K), warps, pipeline depth and the
 load path (TMA descriptors or pointers) are a function of the weight shape, dtype and device
-capability only, never of M; by default there is no split-K and no atomics; each output element
-is accumulated in fp32 over K in ascending BLOCK_K steps. (With the fixed split-K of narrow weights,
-:func:`~isoaudit.kernels.gemm_policy.split_span`, K is cut into spans set by the weight shape and
-the span sums are added in one order, whether one program sums them in turn or, at small M, the
-spans run as programs and a tile's last one, found by an atomic count, adds them.) So a row's bits
+capability only, never of M; each output element is accumulated in fp32 over K in ascending BLOCK_K
+steps. Weights the active split policy names (:class:`~isoaudit.kernels.gemm_policy.SplitPolicy`:
+narrow weights on the H200, by (N, K) alone) take a fixed split-K: K is cut into spans set by the
+weight shape and the span sums are added in one order, whether one program sums them in turn or,
+at small M, the spans run as programs and a tile's last one, found by an atomic count, adds them;
+the policy is stated in each side's manifest. So a row's bits
 do not depend on how many other rows are in the batch or where it sits (M and the program count
 are also excluded from Triton's integer specialisation, so M=1 compiles to the same code as M=2048).
 
@@ -44,7 +45,7 @@ from ._triton import (
     tma_ready,
     triton,
 )
-from .gemm_policy import GemmConfig, gemm_config, plan_tiles
+from .gemm_policy import GemmConfig, gemm_config, on_split_change, plan_tiles
 
 if HAVE_TRITON:
     from triton.runtime import _allocation
@@ -394,6 +395,9 @@ def _plan(
     )
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return _GemmPlan(cfg, tp.grid, constexprs, options, tp.scratch)
+
+
+on_split_change(_plan.cache_clear)  # plans of the weight's own config follow the split policy
 
 
 class _Route(enum.Enum):

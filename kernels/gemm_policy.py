@@ -16,6 +16,7 @@ this module makes; measured figures behind each rule are in ``docs/kernels.md``.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import cache
 
@@ -51,11 +52,12 @@ class GemmConfig:
     k_split: int = 0
 
 
-#: Fixed split-K for narrow weights (N <= SPLIT_MAX_N) on the H200: at decode sizes their few
-#: column tiles leave most SMs idle while one program walks all of K. K is cut into SPLIT_SPANS
-#: spans of a multiple of SPLIT_ALIGN elements (every BLOCK_K a call may take divides it), for
-#: every M: the large-M call sums the spans in turn in one program, the small-M call runs them as
-#: programs and adds them in the same order, so the bits are M's alone.
+#: The default fixed split-K's parameters (see :class:`SplitPolicy`): for narrow weights
+#: (N <= SPLIT_MAX_N, K >= SPLIT_MIN_K) on the H200, whose few column tiles leave most SMs idle at
+#: decode sizes while one program walks all of K. K is cut into SPLIT_SPANS spans of a multiple of
+#: SPLIT_ALIGN elements (every BLOCK_K a call may take divides it), for every M: the large-M call
+#: sums the spans in turn in one program, the small-M call runs them as programs and adds them in
+#: the same order, so the bits are the weight's alone.
 SPLIT_MAX_N = 1024
 SPLIT_MIN_K = 2048
 SPLIT_SPANS = 4
@@ -66,30 +68,116 @@ SPLIT_ALIGN = 128
 #: than summing the spans in turn.
 SPLIT_GRID_ROWS = 8
 
+#: The process environment variable that may override the split policy when the kernels are
+#: imported (``0``: :data:`NO_SPLIT`; ``1`` or unset: :data:`DEFAULT_SPLIT`). What it chose is the
+#: active policy, which both sides' manifests state (:attr:`SplitPolicy.label`).
+SPLIT_ENV = "ISOAUDIT_GEMM_SPLIT_K"
+
+
+@dataclass(frozen=True)
+class SplitPolicy:
+    """Which weights take the fixed split-K, and its span: a function of the weight shape (N, K)
+    and the device capability, never of M or the batch. The split fixes the order of the sum over K
+    (each span summed from zero in ascending BLOCK_K steps, the span sums added in ascending order),
+    so it is part of the bits: trainer and rollout must run one policy, and each side's manifest
+    states it (``runtime.gemm_split``, the :attr:`label`), which the contract handshake compares."""
+
+    max_n: int = SPLIT_MAX_N  # weights of at most this many output columns ...
+    min_k: int = SPLIT_MIN_K  # ... and at least this many input columns take the split
+    spans: int = SPLIT_SPANS  # K is cut into this many spans ...
+    align: int = SPLIT_ALIGN  # ... each a multiple of this many elements (the last may be short)
+    capability: tuple[int, int] | None = (9, 0)  # the device it applies on; None: no split anywhere
+
+    @property
+    def enabled(self) -> bool:
+        return self.capability is not None
+
+    def span(self, n: int, k: int) -> int:
+        """K elements per span for an (n, k) weight on the policy's device; 0: no split."""
+        if not self.enabled or n > self.max_n or k < self.min_k:
+            return 0
+        return _cdiv(_cdiv(k, self.spans), self.align) * self.align
+
+    def span_on(self, n: int, k: int, capability: tuple[int, int] | None) -> int:
+        """:meth:`span` on a device of ``capability`` (0 on any other device)."""
+        return self.span(n, k) if capability is not None and capability == self.capability else 0
+
+    @property
+    def label(self) -> str:
+        """The policy as the manifests and the contract state it: ``off``, or its rule."""
+        if self.capability is None:
+            return "off"
+        major, minor = self.capability
+        return f"N<={self.max_n},K>={self.min_k},spans={self.spans},align={self.align},sm_{major}{minor}"
+
+
+DEFAULT_SPLIT = SplitPolicy()
+NO_SPLIT = SplitPolicy(capability=None)
+
+
+def split_policy_from_env(value: str | None) -> SplitPolicy:
+    """The policy :data:`SPLIT_ENV`'s ``value`` asks for (None: unset)."""
+    if value in (None, "", "1"):
+        return DEFAULT_SPLIT
+    if value == "0":
+        return NO_SPLIT
+    raise ValueError(f"{SPLIT_ENV}={value!r}: expected 1 (the default split policy) or 0 (no split)")
+
+
+_active_split = split_policy_from_env(os.environ.get(SPLIT_ENV))
+_on_split_change: list[Callable[[], None]] = []
+
+
+def split_policy() -> SplitPolicy:
+    """The split policy this process's GEMMs run (fixed when the kernels are imported, changed only
+    by :func:`set_split_policy`, so what a manifest states is what ran)."""
+    return _active_split
+
+
+def set_split_policy(policy: SplitPolicy) -> SplitPolicy:
+    """Run ``policy`` from now on (every plan made under the old one is dropped); returns the
+    previous policy. Both sides must run the same one: their manifests state it."""
+    global _active_split
+    previous, _active_split = _active_split, policy
+    _config.cache_clear()
+    for clear in _on_split_change:
+        clear()
+    return previous
+
+
+def on_split_change(clear: Callable[[], None]) -> None:
+    """Register a cache of plans made under the active policy, dropped when it changes."""
+    _on_split_change.append(clear)
+
 
 def split_k_enabled() -> bool:
-    """Whether narrow weights take the fixed split-K: on unless ``ISOAUDIT_GEMM_SPLIT_K=0`` (read
-    when a weight shape is first planned). It sets the bits: trainer and rollout must agree on it."""
-    return os.environ.get("ISOAUDIT_GEMM_SPLIT_K", "1") == "1"
+    """Whether the active policy splits any weight."""
+    return _active_split.enabled
 
 
 def split_span(n: int, k: int) -> int:
-    """K elements per span of the fixed split-K for an (n, k) weight; 0: no split."""
-    if n > SPLIT_MAX_N or k < SPLIT_MIN_K or not split_k_enabled():
-        return 0
-    return _cdiv(_cdiv(k, SPLIT_SPANS), SPLIT_ALIGN) * SPLIT_ALIGN
+    """K elements per span of the active policy's fixed split-K for an (n, k) weight on its
+    device; 0: no split."""
+    return _active_split.span(n, k)
+
+
+def gemm_config(n: int, k: int, dtype: torch.dtype, capability: tuple[int, int] | None = None) -> GemmConfig:
+    """The tile configuration for a weight of shape (n, k) on a device of ``capability`` (None: no
+    GPU, e.g. the interpreter) under the active split policy: depends on (n, k, dtype, capability),
+    never on M (but see :func:`launch_config` for the launch-shape narrowing at small M on Hopper)."""
+    return _config(n, k, dtype, capability, _active_split)
 
 
 @cache
-def gemm_config(n: int, k: int, dtype: torch.dtype, capability: tuple[int, int] | None = None) -> GemmConfig:
-    """The tile configuration for a weight of shape (n, k) on a device of ``capability`` (None: no
-    GPU, e.g. the interpreter): depends on (n, k, dtype, capability), never on M (but see
-    :func:`launch_config` for the launch-shape narrowing at small M on Hopper)."""
+def _config(
+    n: int, k: int, dtype: torch.dtype, capability: tuple[int, int] | None, split: SplitPolicy
+) -> GemmConfig:
+    """:func:`gemm_config` under the split policy ``split``."""
     if dtype == torch.float32:
         return GemmConfig(64, 64, 32, 4, 2)
     if n >= 256 and k >= 64:
         if capability is not None and capability >= (9, 0) and n % 8 == 0 and k % 8 == 0:
-            span = split_span(n, k) if capability == (9, 0) else 0
+            span = split.span_on(n, k, capability)
             if span:  # the 128x256 tile: its running total, touched once a span, may live in local memory
                 return GemmConfig(128, 256, 64, 8, 3, tma=True, shrink_small_m=True, k_split=span)
             # The best tile of a tuning sweep on the H200; warp specialisation and 4 stages were

@@ -1,75 +1,35 @@
 """fp32 lm_head, log_softmax and the gather of sampled-token logprobs, batch-invariant.
 
-The logits come from the invariant GEMM with fp32 output; each row's log-sum-exp is one program
-that walks the vocabulary in fixed BLOCK_V slabs in ascending order with an online (max, sum)
-update, so a row's logprob never depends on the batch. The token's logprob is
-``logit[token] - (max + log(sum))``.
+The logits come from the invariant GEMM with fp32 output; each row's log-sum-exp is a state of
+BLOCK_V lanes that walks the vocabulary in ascending BLOCK_V slabs with an online (max, sum) update,
+then one fixed reduction across the lanes (:class:`~isoaudit.kernels.fused_logprobs.Lanes`), so a
+row's logprob never depends on the batch. The token's logprob is ``logit[token] - lse``. Token
+logprobs run in one pass over vocabulary slabs per row block
+(:mod:`isoaudit.kernels.fused_logprobs`): the same bits, with no [tokens x vocab] tensor held.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ._triton import HAVE_TRITON, jit, resolve, tl
+from ._triton import resolve
+from .fused_logprobs import Lanes, _mm_fp32, fused_token_logprobs
 from .gemm import gemm, linear
 
-BLOCK_V = 1024
 
-if HAVE_TRITON:
-
-    @jit(do_not_specialize=["n_rows"])
-    def _lse_kernel(
-        z_ptr, tok_ptr, lse_ptr, out_ptr, n_rows, V, stride_z, HAS_TOK: tl.constexpr, BLOCK: tl.constexpr
-    ):
-        row = tl.program_id(0).to(tl.int64)  # row * stride passes 2**31 at ~14k rows of a 152k vocabulary
-        cols = tl.arange(0, BLOCK)
-        m = tl.full((BLOCK,), float("-inf"), tl.float32)
-        s = tl.zeros((BLOCK,), tl.float32)
-        # Lane-wise online max/sum over the slabs, then one fixed tree across lanes.
-        for v0 in range(0, V, BLOCK):
-            z = tl.load(z_ptr + row * stride_z + v0 + cols, mask=(v0 + cols) < V, other=float("-inf"))
-            m_new = tl.maximum(m, z)
-            safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            s = s * tl.exp(m - safe) + tl.exp(z - safe)
-            m = m_new
-        mx = tl.max(m, axis=0)
-        tot = tl.sum(tl.where(m == float("-inf"), 0.0, s * tl.exp(m - mx)), axis=0)
-        lse = mx + tl.log(tot)
-        tl.store(lse_ptr + row, lse)
-        if HAS_TOK:
-            t = tl.load(tok_ptr + row)
-            zt = tl.load(z_ptr + row * stride_z + t)
-            tl.store(out_ptr + row, zt - lse)
-
-
-def _lse_reference(z: torch.Tensor, block: int = BLOCK_V) -> torch.Tensor:
-    """The kernel's arithmetic in torch: lane-wise online max/sum over BLOCK_V slabs, then lanes."""
-    t, v = z.shape
-    m = torch.full((t, block), float("-inf"), device=z.device)
-    s = torch.zeros(t, block, device=z.device)
-    for v0 in range(0, v, block):
-        zz = torch.full((t, block), float("-inf"), device=z.device)
-        w = min(block, v - v0)
-        zz[:, :w] = z[:, v0 : v0 + w]
-        m_new = torch.maximum(m, zz)
-        safe = torch.where(m_new == float("-inf"), torch.zeros_like(m_new), m_new)
-        s = s * torch.exp(m - safe) + torch.exp(zz - safe)
-        m = m_new
-    mx = m.max(-1).values
-    tot = torch.where(m == float("-inf"), torch.zeros_like(s), s * torch.exp(m - mx[:, None])).sum(-1)
-    return mx + torch.log(tot)
+def _lse_reference(z: torch.Tensor) -> torch.Tensor:
+    """The lanes' arithmetic in torch over whole rows of fp32 logits (T, V)."""
+    lanes = Lanes(z.shape[0], z.device, "torch")
+    lanes.update(z)
+    return lanes.finish(with_tokens=False)[1]
 
 
 def logsumexp_rows(logits: torch.Tensor, impl: str | None = None) -> torch.Tensor:
     """Per-row log-sum-exp of fp32 logits (T, V), invariant to T."""
     z = logits.float().contiguous()
-    if resolve(impl, z) == "torch":
-        return _lse_reference(z)
-    t, v = z.shape
-    lse = torch.empty(t, dtype=torch.float32, device=z.device)
-    if t:
-        _lse_kernel[(t,)](z, z, lse, lse, t, v, z.stride(0), HAS_TOK=False, BLOCK=BLOCK_V, num_warps=4)
-    return lse
+    lanes = Lanes(z.shape[0], z.device, resolve(impl, z))
+    lanes.update(z)
+    return lanes.finish(with_tokens=False)[1]
 
 
 def log_softmax(logits: torch.Tensor, impl: str | None = None) -> torch.Tensor:
@@ -86,7 +46,7 @@ def lm_head_logits(hidden: torch.Tensor, weight: torch.Tensor, impl: str | None 
 def token_logprobs_reference(
     hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor
 ) -> torch.Tensor:
-    """Same arithmetic as :func:`token_logprobs`, all in torch."""
+    """Same arithmetic as :func:`token_logprobs`, all in torch, over the whole vocabulary at once."""
     z = lm_head_logits(hidden.reshape(-1, hidden.shape[-1]), weight, impl="torch")
     lse = _lse_reference(z)
     return z.gather(1, tokens.reshape(-1, 1).long())[:, 0] - lse
@@ -95,61 +55,30 @@ def token_logprobs_reference(
 def token_logprobs(
     hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, impl: str | None = None
 ) -> torch.Tensor:
-    """log p(token) per row of ``hidden`` (T, H): fp32 lm_head, log_softmax, gather; no autograd."""
-    h = hidden.reshape(-1, hidden.shape[-1])
-    if resolve(impl, h) == "torch":
-        return token_logprobs_reference(h, weight, tokens)
-    z = lm_head_logits(h, weight, impl)
-    t, v = z.shape
-    lse = torch.empty(t, dtype=torch.float32, device=z.device)
-    out = torch.empty(t, dtype=torch.float32, device=z.device)
-    if t:
-        tok = tokens.reshape(-1).to(torch.int64).contiguous()
-        _lse_kernel[(t,)](z, tok, lse, out, t, v, z.stride(0), HAS_TOK=True, BLOCK=BLOCK_V, num_warps=4)
-    return out
+    """log p(token) per row of ``hidden`` (T, H): fp32 lm_head, log_softmax, gather; no autograd
+    (in row blocks and vocabulary slabs: no [T x V] tensor)."""
+    with torch.no_grad():
+        return fused_token_logprobs(hidden, weight, tokens, impl)
 
 
-#: Rows of the logits' gradient built at once in the backward (each chunk is one fp32 block of
-#: ``rows x V`` and one GEMM per weight; bounded so no operand exceeds 2**31 elements).
+#: Rows of the logits' gradient built at once in :class:`_TokenLogprobs`'s backward (each chunk is
+#: one fp32 block of ``rows x V`` and one GEMM per weight; bounded so no operand exceeds 2**31
+#: elements).
 BACKWARD_ROWS = 8192
 
 
-def _forward_with_lse(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor):
-    """:func:`token_logprobs`'s bits, also returning the fp32 logits and their row log-sum-exp."""
-    h = hidden.reshape(-1, hidden.shape[-1])
-    if resolve(None, h) == "torch":
-        z = lm_head_logits(h, weight, impl="torch")
-        lse = _lse_reference(z)
-        return z.gather(1, tokens.reshape(-1, 1).long())[:, 0] - lse, z, lse
-    z = lm_head_logits(h, weight)
-    t, v = z.shape
-    lse = torch.empty(t, dtype=torch.float32, device=z.device)
-    out = torch.empty(t, dtype=torch.float32, device=z.device)
-    if t:
-        tok = tokens.reshape(-1).to(torch.int64).contiguous()
-        _lse_kernel[(t,)](z, tok, lse, out, t, v, z.stride(0), HAS_TOK=True, BLOCK=BLOCK_V, num_warps=4)
-    return out, z, lse
-
-
-def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` of two model-dtype operands accumulated and returned in fp32."""
-    try:
-        return torch.mm(a, b, out_dtype=torch.float32)
-    except (TypeError, RuntimeError):  # torch without out_dtype, or a device without it
-        return torch.mm(a, b).float()
-
-
 class _TokenLogprobs(torch.autograd.Function):
-    """The forward is the invariant fp32 head; the backward is what a native trainer's is (the
-    forward's bits are what must match the rollout, not the gradient's): softmax from the saved
-    fp32 logits, the logits' gradient rounded to the model dtype, and model-dtype GEMMs, in row
-    chunks (a single 16k x 152k block overflows cuBLAS's 32-bit sizes)."""
+    """The head with its fp32 logits kept for the backward (what :mod:`isoaudit.kernels.cpu`'s
+    exact head builds on): softmax from the saved logits, the logits' gradient rounded to the model
+    dtype, and model-dtype GEMMs, in row chunks (a single 16k x 152k block overflows cuBLAS's 32-bit
+    sizes). The trainer's path, :func:`token_logprobs_autograd`, keeps no logits."""
 
     @staticmethod
     def forward(ctx, hidden, weight, tokens):
-        out, z, lse = _forward_with_lse(hidden, weight, tokens)
+        z = lm_head_logits(hidden.reshape(-1, hidden.shape[-1]), weight)
+        lse = logsumexp_rows(z)
         ctx.save_for_backward(hidden, weight, tokens, z, lse)
-        return out
+        return z.gather(1, tokens.reshape(-1, 1).long())[:, 0] - lse
 
     @staticmethod
     def backward(ctx, grad):
@@ -179,8 +108,9 @@ class _TokenLogprobs(torch.autograd.Function):
 
 
 def token_logprobs_autograd(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """Autograd-aware :func:`token_logprobs` (the trainer's path); same forward bits."""
-    return _TokenLogprobs.apply(hidden, weight, tokens)
+    """Autograd-aware :func:`token_logprobs` (the trainer's path): the same forward bits, one pass
+    over vocabulary slabs per row block forward and backward, no [T x V] tensor kept."""
+    return fused_token_logprobs(hidden, weight, tokens)
 
 
 __all__ = [

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import pytest
 import torch
 from isoaudit.collectors.control import FixedControl
 from isoaudit.collectors.manifest import runtime_signature, trainer_runtime
@@ -30,17 +29,25 @@ def test_lm_head_dtype_is_what_the_head_computes_in(load: Callable[[str], torch.
     assert trainer_runtime(model).lm_head_dtype == "bfloat16"  # kernels off again
 
 
-def test_the_kernels_bit_settings_are_in_the_manifest(
-    load: Callable[[str], torch.nn.Module], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The GEMM's split-K sets bits, so each side's manifest says whether it is on (the comparator
-    then flags a trainer and a rollout that disagree); nothing is said while the kernels are off."""
+def test_the_kernels_bit_settings_are_in_the_manifest(load: Callable[[str], torch.nn.Module]) -> None:
+    """The GEMM's split policy sets bits, so each side's manifest states the one its kernels run
+    (the contract handshake then refuses a trainer and a rollout that disagree); nothing is said
+    while the kernels are off."""
+    from isoaudit.kernels import gemm_policy
+
     model = load("qwen3")
-    assert "gemm_split_k" not in (trainer_runtime(model).model_extra or {})
-    with kernels.enable():
-        assert trainer_runtime(model).model_extra["gemm_split_k"] is True
-        monkeypatch.setenv("ISOAUDIT_GEMM_SPLIT_K", "0")
-        assert trainer_runtime(model).model_extra["gemm_split_k"] is False
+    assert "gemm_split" not in (trainer_runtime(model).model_extra or {})
+    previous = gemm_policy.set_split_policy(gemm_policy.DEFAULT_SPLIT)
+    try:
+        with kernels.enable():
+            extra = trainer_runtime(model).model_extra
+            assert extra["gemm_split"] == "N<=1024,K>=2048,spans=4,align=128,sm_90"
+            assert extra["gemm_split_k"] is True
+            gemm_policy.set_split_policy(gemm_policy.NO_SPLIT)
+            extra = trainer_runtime(model).model_extra
+            assert (extra["gemm_split"], extra["gemm_split_k"]) == ("off", False)
+    finally:
+        gemm_policy.set_split_policy(previous)
 
 
 def test_manifest_after_the_switch_reports_the_fp32_head(load: Callable[[str], torch.nn.Module]) -> None:

@@ -32,21 +32,12 @@ def dev() -> str:
 
 
 @pytest.fixture
-def split_k(monkeypatch):
-    """The GEMM's fixed split-K on for one test, whatever the environment says (the plans are
-    re-made before and after)."""
+def split_k():
+    """The GEMM's default split policy for one test, whatever the process started with (the previous
+    policy is restored after)."""
     import importlib
 
-    # the modules (the package's attribute ``gemm`` is the function)
-    gemm = importlib.import_module("isoaudit.kernels.gemm")
     policy = importlib.import_module("isoaudit.kernels.gemm_policy")
-
-    def clear() -> None:
-        policy.gemm_config.cache_clear()
-        gemm._plan.cache_clear()
-
-    monkeypatch.setenv("ISOAUDIT_GEMM_SPLIT_K", "1")
-    clear()
+    previous = policy.set_split_policy(policy.DEFAULT_SPLIT)
     yield
-    monkeypatch.delenv("ISOAUDIT_GEMM_SPLIT_K")
-    clear()
+    policy.set_split_policy(previous)

@@ -58,17 +58,18 @@ def test_invariant_gpu() -> None:
 
 
 def test_autograd_row_chunks(dev: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The backward builds the logits' gradient in row chunks: the chunking changes nothing."""
+    """The head that keeps its logits (what the exact CPU head builds on) builds their gradient in
+    row chunks: the chunking changes nothing."""
     import isoaudit.kernels.logprobs as lp
 
     h = torch.randn(11, 32, device=dev, requires_grad=True)
     w = torch.randn(300, 32, device=dev, requires_grad=True)
     tok = torch.randint(0, 300, (11,), device=dev)
-    token_logprobs_autograd(h, w, tok).sum().backward()
+    lp._TokenLogprobs.apply(h, w, tok).sum().backward()
     want_h, want_w = h.grad.clone(), w.grad.clone()
     h.grad = w.grad = None
     monkeypatch.setattr(lp, "BACKWARD_ROWS", 3)
-    token_logprobs_autograd(h, w, tok).sum().backward()
+    lp._TokenLogprobs.apply(h, w, tok).sum().backward()
     torch.testing.assert_close(h.grad, want_h, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(w.grad, want_w, rtol=1e-5, atol=1e-5)
 
