@@ -40,7 +40,9 @@ def check_compiled_flow(flow: dict[str, Any]) -> None:
         assert len(compared) == len(PROMPTS)
         for c in compared.values():
             grid = c.grid
-            assert grid is not None and (grid.state[grid.regions.index("embed")] == EQUAL).all()
+            assert grid is not None
+            embed = grid.state[grid.regions.index("embed")]
+            assert (embed[embed >= 0] == EQUAL).all() and (embed >= 0).sum() == embed.size - 1
             assert grid.origins  # vLLM's kernels are not the trainer's
         assert any(c.metrics["exact_match_fraction"] < 1.0 for c in compared.values())
     # Invariant, compiled in: every region equal at every position, logprobs identical.
@@ -50,8 +52,12 @@ def check_compiled_flow(flow: dict[str, Any]) -> None:
         assert c.metrics["logprob_abs_diff_max"] == 0.0 and c.metrics["exact_match_fraction"] == 1.0
         grid = c.grid
         assert grid is not None and sorted(grid.regions) == sorted(canonical_regions(NUM_LAYERS))
+        # every position the engine computes (all but the last sampled token's) in every hidden-state
+        # region; the logits where the engine samples from them
+        hidden = [i for i, r in enumerate(grid.regions) if r != "logits"]
+        assert (grid.state[hidden, :-1] >= 0).all()
         observed = grid.state[grid.state >= 0]
-        assert observed.size == grid.state.size and (observed == EQUAL).all()
+        assert (observed == EQUAL).all()
         assert not grid.origins
     # The planted fault, on the trainer side: found exactly where it is, in the faulted sample only.
     faulted = flow["faulted"][1]

@@ -28,6 +28,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import msgspec
 import numpy as np
 import torch
 from isoaudit.collectors.counting import Counters, LogOnce
@@ -168,7 +169,7 @@ class EngineCapture:
         """The remediation mode this worker runs now (and, compiled, what its decoder has compiled in)."""
         if self.decoder is None:
             return self.modes.state
-        return self.modes.state.model_copy(update={"graph": self.decoder.facts()})
+        return msgspec.structs.replace(self.modes.state, graph=self.decoder.facts())
 
     # ------------------------------------------------------------ install / remove
 

@@ -404,8 +404,14 @@ class GraphOps:
     """The replacements as the compiled decoder calls them: each one opaque op of ``isoaudit_vllm``."""
 
     @staticmethod
+    def register_linear(layer: nn.Module) -> None:
+        """Give ``layer`` its registry id (at install: what Dynamo traces only reads it)."""
+        object.__setattr__(layer, "_isoaudit_id", _register(layer))
+
+    @staticmethod
     def linear(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return cast(torch.Tensor, torch.ops.isoaudit_vllm.linear(x, _register(layer), bias is not None))
+        ident = vars(layer)["_isoaudit_id"]
+        return cast(torch.Tensor, torch.ops.isoaudit_vllm.linear(x, ident, bias is not None))
 
     @staticmethod
     def norm(module: Any) -> Callable[..., Any]:
@@ -548,6 +554,8 @@ class WorkerRemediation:
                 elif RAW in vars(module) or (
                     (weight := cast(torch.Tensor, module.weight)).ndim == 2 and weight.numel() > 0
                 ):
+                    if self.graph:
+                        GraphOps.register_linear(module)
                     self._set(module.quant_method, "apply", GraphOps.linear if self.graph else _linear)
                 else:
                     unkept.append(name)
