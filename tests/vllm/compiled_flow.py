@@ -97,7 +97,9 @@ def run_flow(path: Path, *, processes: bool) -> dict[str, Any]:
             handle.record_step(step, outputs)
             out["modes"][step] = handle.mode_report
             invariant = mode == "invariant"
-            out["compared"][step] = compare(trainer_records(path, outputs, step, invariant=invariant), sink, step)
+            out["compared"][step] = compare(
+                trainer_records(path, outputs, step, invariant=invariant), sink, step
+            )
             if invariant:
                 faulty = trainer_records(path, outputs, step, invariant=True, fault=True)
                 out["faulted"][step] = compare(faulty, sink, step)

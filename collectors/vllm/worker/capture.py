@@ -373,14 +373,18 @@ class EngineCapture:
             )
             if self._graph_regions:
                 if rows.size > self._index.numel():
-                    raise _Unmappable(f"{rows.size} selected rows exceed the graph taps' {self._index.numel()}")
+                    raise _Unmappable(
+                        f"{rows.size} selected rows exceed the graph taps' {self._index.numel()}"
+                    )
                 self._index[: rows.size].copy_(torch.from_numpy(rows))
                 self._count[0] = int(rows.size)
         except Exception as exc:
             self._fail("layout", exc)
             self._fwd = None
 
-    def _graph_hook(self, i: int, spec: RegionSpec, module: nn.Module) -> Callable[[nn.Module, Any, Any], None] | None:
+    def _graph_hook(
+        self, i: int, spec: RegionSpec, module: nn.Module
+    ) -> Callable[[nn.Module, Any, Any], None] | None:
         """A hook Dynamo traces into the compiled decoder: one :func:`tap_rows` op into the region's
         slot of the stage (``None``: the region's rows are not hidden-size, not tapped)."""
         if spec.tap not in (Tap.FIRST, Tap.SUM):

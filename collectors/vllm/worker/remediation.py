@@ -345,7 +345,9 @@ def _op_rms_norm(x: torch.Tensor, module: int) -> torch.Tensor:
     return cast(torch.Tensor, _REGISTRY[module]._isoaudit_norm(x))
 
 
-def _op_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, module: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _op_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, module: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     normed, summed = _REGISTRY[module]._isoaudit_norm(x, residual)
     return normed, summed
 
@@ -379,7 +381,9 @@ def _fake_rms_norm(x: torch.Tensor, module: int) -> torch.Tensor:
 
 
 @torch.library.register_fake("isoaudit_vllm::add_rms_norm")
-def _fake_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, module: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _fake_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, module: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.empty_like(x), torch.empty_like(x)
 
 
