@@ -176,4 +176,4 @@ def _compile(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -
             type(module).forward, fullgraph=True, dynamic=False, backend=backend, options=options
         )
         fn = compiled.aot_compile(((module, *args), kwargs))  # type: ignore[attr-defined]  # torch >= 2.10's AOT compile
-    return fn  # type: ignore[no-any-return]  # AOT compile returns an untyped callable
+    return fn

@@ -444,7 +444,7 @@ class GraphOps:
         ) -> tuple[torch.Tensor, torch.Tensor | None]:
             if key is None:
                 return eager(positions, query, None)
-            return torch.ops.isoaudit_vllm.rotary(positions, query, key, ident)  # type: ignore[no-any-return]  # torch.ops are untyped
+            return torch.ops.isoaudit_vllm.rotary(positions, query, key, ident)
 
         return forward
 
