@@ -315,8 +315,9 @@ class VllmCollector(Collector):
         return getattr(self, "worker_environment", None) or super()._environment()
 
     def _runtime(self) -> RuntimeFacts:
+        graph = getattr(self, "graph_state", None)
         if self.mode_report.applied != "invariant" or not self.ops:
-            return self.facts
+            return self.facts.model_copy(update={"compiled_graph": graph}) if graph else self.facts
         from isoaudit.collectors.policy import QK_NORM_FAMILIES, regions_running
 
         hf = self._model_config.hf_config
@@ -327,11 +328,14 @@ class VllmCollector(Collector):
             qk_norm=getattr(hf, "model_type", None) in QK_NORM_FAMILIES,
             prefix="vllm.",
         )
-        return self.facts.model_copy(update={"lm_head_dtype": head, "remediation_native_regions": still})
+        update = {"lm_head_dtype": head, "remediation_native_regions": still}
+        return self.facts.model_copy(update={**update, "compiled_graph": graph} if graph else update)
 
     def _signature(self) -> tuple[Any, ...]:
-        # the facts are read once, at attach: only the mode, the ops the workers run and the weights change them
-        return tuple(sorted(self.ops.items()))
+        # the facts are read once, at attach: only the mode, the ops the workers run, the state compiled
+        # into the decoder and the weights change them
+        graph = getattr(self, "graph_state", None) or {}
+        return (*sorted(self.ops.items()), str(graph.get("compiled_state")))
 
     def _contract_now(self) -> Any:
         """``contract="auto"``: the contract of what the workers report they run (rebuilt when that
@@ -362,6 +366,8 @@ class VllmCollector(Collector):
     def _workers_mode(self, states: Sequence[ModeState | None]) -> None:
         """The mode the workers report (the first rank's; a rank that differs is named)."""
         known = [s for s in states if s is not None]
+        if known and known[0].graph:
+            self.graph_state = dict(known[0].graph)
         if not known or known[0].step == 0 and known[0].version is None:
             return
         lead = known[0]

@@ -124,7 +124,9 @@ class ModeState(Message):
     """What a worker runs: ``applied`` for ``requested``; ``reason`` names what stays native;
     ``version``: the control version answered; ``step``: the worker's step counter when it switched
     (0: never switched); ``ops``: each op of the decoder → the ``id@version`` running it now
-    (:mod:`isoaudit.collectors.policy`'s vocabulary; empty when the worker cannot say)."""
+    (:mod:`isoaudit.collectors.policy`'s vocabulary; empty when the worker cannot say); ``graph``: in a
+    compiled engine, the state compiled into its decoder and the last recompile's seconds
+    (:meth:`isoaudit.collectors.vllm.worker.graph.CompiledDecoder.facts`; empty when eager)."""
 
     requested: str = "native"
     applied: str = "native"
@@ -132,6 +134,7 @@ class ModeState(Message):
     version: int | None = None
     step: int = 0
     ops: dict[str, str] = {}
+    graph: dict[str, Any] = {}
 
 
 #: The key under which a worker's ``Started.facts`` carry its environment (``audit.records.Environment``

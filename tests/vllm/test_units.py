@@ -376,6 +376,9 @@ def test_refusal_rules() -> None:
     assert "torch.compile" in capture_refusal(config(mode="VLLM_COMPILE"))  # type: ignore[operator]
     assert "CUDA graphs" in capture_refusal(config(graphs="FULL_AND_PIECEWISE", eager=False))  # type: ignore[operator]
     assert "speculative" in capture_refusal(config(spec=object()))  # type: ignore[operator]
+    # a decoder compiled through @support_torch_compile is reached by the graph taps
+    assert capture_refusal(config(mode="DYNAMO_TRACE_ONCE", eager=False), compiled_decoder=True) is None
+    assert "speculative" in capture_refusal(config(mode="VLLM_COMPILE", spec=object()), compiled_decoder=True)  # type: ignore[operator]
 
 
 def test_region_maps() -> None:

@@ -49,6 +49,7 @@ from isoaudit.collectors.vllm.worker.facts import (
     engine_environment,
     engine_facts,
 )
+from isoaudit.collectors.vllm.worker.graph import CompiledDecoder, compiled_decoder_module
 from isoaudit.collectors.vllm.worker.regions import resolve_engine_regions
 from isoaudit.collectors.vllm.worker.remediation import keep_raw_weights, remediation_of
 
@@ -112,14 +113,15 @@ def start(obj: Any, message: Any) -> Any:
     model = runner.get_model()
     config = worker.vllm_config
     tp_rank, pp_rank = _ranks()
-    refusal = capture_refusal(config)
+    compiled = compiled_decoder_module(model)
+    refusal = capture_refusal(config, compiled is not None)
     resolved = resolve_engine_regions(
         model, getattr(config.model_config.hf_config, "model_type", None), request.regions
     )
     weights = _weights(worker)
     if request.version is not None and weights.version is None:
         weights.version = request.version
-    remediation = remediation_of(worker)
+    remediation = remediation_of(worker, graph=compiled is not None)
     capture = EngineCapture(
         runner,
         model,
@@ -131,6 +133,8 @@ def start(obj: Any, message: Any) -> Any:
         flush_bytes=request.flush_bytes,
         mode_switch=remediation.apply,
         mode_ops=remediation.ops,
+        decoder=CompiledDecoder(compiled, (False, "native")) if compiled is not None else None,
+        graph_rows=int(config.scheduler_config.max_num_batched_tokens),
     )
     capture.version = weights.version
     worker._isoaudit_capture = capture

@@ -9,6 +9,15 @@ fingerprints live in the :class:`~isoaudit.collectors.vllm.worker.requests.Reque
 driver drains them; a requested remediation mode waits in the
 :class:`~isoaudit.collectors.vllm.worker.mode.ModeSwitcher` for the next step boundary.
 
+In a compiled engine (``decoder``: :class:`~isoaudit.collectors.vllm.worker.graph.CompiledDecoder`)
+the regions inside the compiled module are taps instead: each hook calls the graph op
+:func:`~isoaudit.collectors.vllm.worker.graph.tap_rows`, which copies the selected rows into one
+preallocated stage ``[regions, max_rows, hidden]`` (rows chosen by an index buffer and a count the
+pre-hook sets before each forward, outside the graph); after the step the host hands the stage's
+first rows to the print buffer, exactly as the eager hooks' staging does. Hooks are traced into the
+graph only when it is compiled, so every change of what the graph holds (regions on or off, the
+remediation mode) selects the decoder's variant for that state at the step boundary.
+
 It never raises into the engine: errors are counted and logged once.
 """
 
@@ -19,12 +28,14 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import msgspec
 import numpy as np
 import torch
 from isoaudit.collectors.counting import Counters, LogOnce
 from isoaudit.collectors.fingerprints import fingerprint_rows
 from isoaudit.collectors.regions import RegionSpec, Tap, read_tap
 from isoaudit.collectors.vllm.messages import Drained, ModeState, RequestRecord, Selection, SetMode
+from isoaudit.collectors.vllm.worker.graph import CompiledDecoder, tap_rows
 from isoaudit.collectors.vllm.worker.mode import ModeOps, ModeSwitch, ModeSwitcher
 from isoaudit.collectors.vllm.worker.print_buffer import IDLE, Fingerprinter, Member, PrintBuffer, StepRows
 from isoaudit.collectors.vllm.worker.requests import RequestBook, RequestTrace, payload
@@ -105,6 +116,8 @@ class EngineCapture:
         fingerprinter: Fingerprinter = fingerprint_rows,
         mode_switch: ModeSwitch | None = None,
         mode_ops: ModeOps | None = None,
+        decoder: CompiledDecoder | None = None,
+        graph_rows: int = 0,
     ) -> None:
         if max_requests < 1 or max_rows < 0 or flush_bytes < 0:
             raise ValueError(
@@ -128,7 +141,8 @@ class EngineCapture:
             flush_bytes=flush_bytes,
             fingerprinter=fingerprinter,
         )
-        self.modes = ModeSwitcher(mode_switch, mode_ops, self._fail)
+        self.decoder = decoder
+        self.modes = ModeSwitcher(self._switch_and_select(mode_switch), mode_ops, self._fail)
         self._in_step = False
         self._fwd: StepRows | None = None
         self._last_ids: list[str] = []
@@ -137,6 +151,12 @@ class EngineCapture:
         self._handles: list[RemovableHandle] = []
         self._region_handles: list[RemovableHandle] = []
         self._original_execute: Callable[..., Any] | None = None
+        # compiled engines: the graph taps' buffers (allocated when the taps are first installed)
+        self._graph_rows = graph_rows
+        self._graph_regions: list[int] = []
+        self._stage: torch.Tensor | None = None
+        self._index = torch.zeros(max(1, graph_rows), dtype=torch.long)
+        self._count = torch.zeros(1, dtype=torch.long)
         self._install()
 
     @property
@@ -146,8 +166,10 @@ class EngineCapture:
 
     @property
     def mode(self) -> ModeState:
-        """The remediation mode this worker runs now."""
-        return self.modes.state
+        """The remediation mode this worker runs now (and, compiled, what its decoder has compiled in)."""
+        if self.decoder is None:
+            return self.modes.state
+        return msgspec.structs.replace(self.modes.state, graph=self.decoder.facts())
 
     # ------------------------------------------------------------ install / remove
 
@@ -175,13 +197,45 @@ class EngineCapture:
             and (self._selection.mode != "none" or self.book.keeps_selected())
         )
         if wanted and not self._region_handles:
+            self._graph_regions = []
+            inside = set(self._compiled_names())
             for i, spec in enumerate(self.specs):
                 module = self.model.get_submodule(spec.module)
-                self._region_handles.append(module.register_forward_hook(self._region_hook(i, spec)))
+                if spec.module in inside:
+                    hook = self._graph_hook(i, spec, module)
+                    if hook is None:
+                        continue
+                    self._graph_regions.append(i)
+                else:
+                    hook = self._region_hook(i, spec)
+                self._region_handles.append(module.register_forward_hook(hook))
         elif not wanted:
             for handle in self._region_handles:
                 handle.remove()
             self._region_handles.clear()
+            self._graph_regions = []
+        self.select_graph()
+
+    def _compiled_names(self) -> list[str]:
+        """The model's module names inside the compiled decoder (none in an eager engine)."""
+        if self.decoder is None:
+            return []
+        root = self.decoder.module
+        prefix = next((name for name, m in self.model.named_modules() if m is root), None)
+        if prefix is None:
+            return []
+        return [f"{prefix}.{name}".strip(".") for name, _ in root.named_modules()]
+
+    def select_graph(self) -> None:
+        """The compiled decoder's state from the next forward on: regions tapped or not, and the
+        remediation mode applied (compiled on first use)."""
+        if self.decoder is not None:
+            self.decoder.select((bool(self._graph_regions), self.modes.state.applied))
+
+    @property
+    def graph_regions(self) -> list[str]:
+        """The regions recorded by graph taps inside the compiled decoder."""
+        return [self.specs[i].name for i in self._graph_regions]
 
     @property
     def selection(self) -> Selection:
@@ -194,12 +248,28 @@ class EngineCapture:
         if self._original_execute is not None:
             self._sync_region_hooks()
 
+    def _switch_and_select(self, switch: ModeSwitch | None) -> ModeSwitch | None:
+        """The remediation switch, followed by the compiled decoder's variant for the new mode."""
+        if switch is None or self.decoder is None:
+            return switch
+        decoder = self.decoder
+
+        def switched(mode: str) -> tuple[str, str | None]:
+            applied, reason = switch(mode)
+            decoder.select((bool(self._graph_regions), applied))
+            return applied, reason
+
+        return switched
+
     def remove(self) -> None:
-        """Remove every hook and restore ``execute_model``."""
+        """Remove every hook and restore ``execute_model`` (and vLLM's own compiled decoder)."""
         for handle in self._handles + self._region_handles:
             handle.remove()
         self._handles.clear()
         self._region_handles.clear()
+        self._graph_regions = []
+        if self.decoder is not None:
+            self.decoder.drop()
         if self._original_execute is not None and "execute_model" in vars(self.runner):
             del self.runner.execute_model
         self._original_execute = None
@@ -229,12 +299,18 @@ class EngineCapture:
             self._fail("step", exc)
 
     def _end_step(self) -> None:
-        """Hand the step's selected rows to the print buffer."""
+        """Hand the step's selected rows to the print buffer (in a compiled engine: the stage the
+        graph taps wrote)."""
         self._in_step = False
         fwd, self._fwd = self._fwd, None
+        selected = int(self._count[0])
+        self._count[0] = 0  # a forward outside a step (warm-up, dummy run) taps nothing
         if fwd is None:
             return
         try:
+            if selected and self._stage is not None and fwd.index is not None:
+                fwd.stage = self._stage[:, :selected].clone()
+                fwd.filled = list(self._graph_regions)
             self.prints.keep(fwd)
         except Exception as exc:
             self._fail("step rows", exc)
@@ -251,6 +327,7 @@ class EngineCapture:
     def _open(self, _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if not self._in_step or self._fwd is not None:
             return  # a warm-up/dummy forward, or a nested call of the root
+        self._count[0] = 0
         try:
             self.counters.forwards += 1
             batch = self.runner.input_batch
@@ -294,9 +371,47 @@ class EngineCapture:
                 torch.tensor([m.index for m in members], dtype=torch.long, device=device),
                 positions.index_select(0, index) if positions is not None else None,
             )
+            if self._graph_regions:
+                if rows.size > self._index.numel():
+                    raise _Unmappable(
+                        f"{rows.size} selected rows exceed the graph taps' {self._index.numel()}"
+                    )
+                self._index[: rows.size].copy_(torch.from_numpy(rows))
+                self._count[0] = int(rows.size)
         except Exception as exc:
             self._fail("layout", exc)
             self._fwd = None
+
+    def _graph_hook(
+        self, i: int, spec: RegionSpec, module: nn.Module
+    ) -> Callable[[nn.Module, Any, Any], None] | None:
+        """A hook Dynamo traces into the compiled decoder: one :func:`tap_rows` op into the region's
+        slot of the stage (``None``: the region's rows are not hidden-size, not tapped)."""
+        if spec.tap not in (Tap.FIRST, Tap.SUM):
+            return None
+        if self._stage is None:
+            param = next(self.model.parameters())
+            hidden = int(self.runner.model_config.get_hidden_size())
+            slots = max(1, sum(1 for s in self.specs if s.name != "logits"))
+            self._stage = torch.zeros(
+                (slots, max(1, self._graph_rows), hidden),
+                dtype=self.runner.model_config.dtype,
+                device=param.device,
+            )
+            self._index = self._index.to(param.device) if param.device.type != "cpu" else self._index
+        stage, index, count = self._stage, self._index, self._count
+        slot = self.prints._slots[i]
+        sum_tap = spec.tap is Tap.SUM
+
+        def hook(_module: nn.Module, _inputs: Any, output: Any) -> None:
+            if isinstance(output, tuple | list):
+                first = output[0]
+                second = output[1] if sum_tap else None
+            else:
+                first, second = output, None
+            tap_rows(first, second, index, count, stage, slot)
+
+        return hook
 
     def _region_hook(self, i: int, spec: RegionSpec) -> Callable[[nn.Module, Any, Any], None]:
         logits = spec.name == "logits"

@@ -2,8 +2,10 @@
 whether capturing regions inside it would be right at all.
 
 Read in the worker (``vllm_config`` and the model runner live there), returned as plain data, and
-turned into :class:`isoaudit.audit.records.RuntimeFacts` by the driver. Where hooks would silently miss the
-forward (CUDA-graph replay, a torch.compile'd decoder) or the row mapping would not hold
+turned into :class:`isoaudit.audit.records.RuntimeFacts` by the driver. A decoder compiled through
+vLLM's ``@support_torch_compile`` is recorded by graph taps and recompiled per state
+(:mod:`isoaudit.collectors.vllm.worker.graph`). Where that does not reach the forward (replayed CUDA
+graphs, a model compiled whole by ``STOCK_TORCH_COMPILE``) or the row mapping would not hold
 (speculative decoding verifies draft tokens), :func:`capture_refusal` says so: the collector then
 records no regions and the manifest names the reason, instead of recording nothing and looking clean.
 """
@@ -38,18 +40,21 @@ def _enum_is_none(value: Any) -> bool:
     return value is None or getattr(value, "name", str(value)).upper() == "NONE" or value == 0
 
 
-def capture_refusal(vllm_config: Any) -> str | None:
-    """Why region capture would be silently wrong in this engine, or ``None`` when it is sound."""
+def capture_refusal(vllm_config: Any, compiled_decoder: bool = False) -> str | None:
+    """Why region capture would be silently wrong in this engine, or ``None`` when it is sound.
+    ``compiled_decoder``: the model has a decoder compiled through ``@support_torch_compile``, which
+    the graph taps reach."""
     compilation = vllm_config.compilation_config
     reasons = []
     mode = getattr(compilation, "mode", None)
-    if not _enum_is_none(mode):
+    if not _enum_is_none(mode) and not compiled_decoder:
         reasons.append(
-            f"the decoder runs torch.compile'd (compilation mode {_name(mode)}): module hooks inside the compiled "
-            "graph do not run"
+            f"the model runs torch.compile'd (compilation mode {_name(mode)}) without a "
+            "@support_torch_compile decoder to recompile: module hooks inside its graph do not run"
         )
     cudagraph = getattr(compilation, "cudagraph_mode", None)
-    if not _enum_is_none(cudagraph) and not vllm_config.model_config.enforce_eager:
+    device = str(getattr(getattr(vllm_config, "device_config", None), "device_type", "cuda"))
+    if not _enum_is_none(cudagraph) and not vllm_config.model_config.enforce_eager and device != "cpu":
         reasons.append(
             f"forwards replay CUDA graphs (cudagraph_mode {_name(cudagraph)}): hooks do not run on replay"
         )

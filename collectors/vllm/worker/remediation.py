@@ -28,9 +28,14 @@ What a worker cannot replace stays vLLM's own and is named: attention backends o
 caching (cached blocks hold keys this path did not write), ALiBi, sliding windows, soft caps, sinks
 or an fp8 cache, a RoPE other than the default full-width NeoX one, and any layer whose weights
 were not kept or that is quantized. The replacements call the kernels with routing forced on for
-that call only, so an in-process trainer that shares this process keeps its own mode. They need an
-eager engine (``enforce_eager=True``): a compiled decoder or a replayed CUDA graph never calls the
-Python forwards replaced here.
+that call only, so an in-process trainer that shares this process keeps its own mode.
+
+In a compiled engine (:mod:`isoaudit.collectors.vllm.worker.graph`) the replaced forwards of the
+decoder call the same replacements through opaque custom ops (``isoaudit_vllm::linear``,
+``rms_norm``, ``add_rms_norm``, ``silu_and_mul``, ``rotary``: :class:`GraphOps`), which name their
+layer by a registry id, so Dynamo records one node per op and the kernels run eagerly inside it,
+reading the layer's current raw weight; the decoder is then recompiled at the step boundary. The
+attention is already an opaque op of vLLM's, and the head and the sampler run outside the graph.
 """
 
 from __future__ import annotations
@@ -313,6 +318,137 @@ def _attention_forward(impl: Any, original: Callable[..., Any], counts: dict[str
     return forward
 
 
+# ----------------------------------------------------------------------------- graph ops
+
+_lib = torch.library.Library("isoaudit_vllm", "FRAGMENT")
+_lib.define("linear(Tensor x, int layer, bool bias) -> Tensor")
+_lib.define("rms_norm(Tensor x, int module) -> Tensor")
+_lib.define("add_rms_norm(Tensor x, Tensor residual, int module) -> (Tensor, Tensor)")
+_lib.define("silu_and_mul(Tensor x) -> Tensor")
+_lib.define("rotary(Tensor positions, Tensor query, Tensor key, int module) -> (Tensor, Tensor)")
+
+#: Layers the graph ops run, by id (an op's arguments are tensors and numbers, not modules).
+_REGISTRY: dict[int, Any] = {}
+
+
+def _register(obj: Any) -> int:
+    _REGISTRY[id(obj)] = obj
+    return id(obj)
+
+
+def _op_linear(x: torch.Tensor, layer: int, bias: bool) -> torch.Tensor:
+    module = _REGISTRY[layer]
+    return _linear(module, x, module.bias if bias else None)
+
+
+def _op_rms_norm(x: torch.Tensor, module: int) -> torch.Tensor:
+    return cast(torch.Tensor, _REGISTRY[module]._isoaudit_norm(x))
+
+
+def _op_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, module: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    normed, summed = _REGISTRY[module]._isoaudit_norm(x, residual)
+    return normed, summed
+
+
+def _op_rotary(
+    positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, module: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    q, k = _REGISTRY[module]._isoaudit_rotary(positions, query, key)
+    return q, k
+
+
+for _name, _impl in (
+    ("linear", _op_linear),
+    ("rms_norm", _op_rms_norm),
+    ("add_rms_norm", _op_add_rms_norm),
+    ("silu_and_mul", _silu_and_mul),
+    ("rotary", _op_rotary),
+):
+    _lib.impl(_name, _impl, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("isoaudit_vllm::linear")
+def _fake_linear(x: torch.Tensor, layer: int, bias: bool) -> torch.Tensor:
+    weight = _raw_weight(_REGISTRY[layer])
+    return x.new_empty((*x.shape[:-1], int(weight.shape[0])))
+
+
+@torch.library.register_fake("isoaudit_vllm::rms_norm")
+def _fake_rms_norm(x: torch.Tensor, module: int) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+@torch.library.register_fake("isoaudit_vllm::add_rms_norm")
+def _fake_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, module: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+@torch.library.register_fake("isoaudit_vllm::silu_and_mul")
+def _fake_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], int(x.shape[-1]) // 2))
+
+
+@torch.library.register_fake("isoaudit_vllm::rotary")
+def _fake_rotary(
+    positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, module: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(query), torch.empty_like(key)
+
+
+def _raw_weight(layer: Any) -> torch.Tensor:
+    raw = vars(layer).get(RAW)
+    return cast(torch.Tensor, raw[0] if raw is not None else layer.weight)
+
+
+class GraphOps:
+    """The replacements as the compiled decoder calls them: each one opaque op of ``isoaudit_vllm``."""
+
+    @staticmethod
+    def register_linear(layer: nn.Module) -> None:
+        """Give ``layer`` its registry id (at install: what Dynamo traces only reads it)."""
+        object.__setattr__(layer, "_isoaudit_id", _register(layer))
+
+    @staticmethod
+    def linear(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        ident = vars(layer)["_isoaudit_id"]
+        return cast(torch.Tensor, torch.ops.isoaudit_vllm.linear(x, ident, bias is not None))
+
+    @staticmethod
+    def norm(module: Any) -> Callable[..., Any]:
+        object.__setattr__(module, "_isoaudit_norm", _norm_forward(module))
+        ident = _register(module)
+
+        def forward(x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
+            if residual is None:
+                return torch.ops.isoaudit_vllm.rms_norm(x, ident)
+            return torch.ops.isoaudit_vllm.add_rms_norm(x, residual, ident)
+
+        return forward
+
+    @staticmethod
+    def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+        return cast(torch.Tensor, torch.ops.isoaudit_vllm.silu_and_mul(x))
+
+    @staticmethod
+    def rotary(module: Any) -> Callable[..., Any]:
+        eager = _rotary_forward(module)
+        object.__setattr__(module, "_isoaudit_rotary", eager)
+        ident = _register(module)
+
+        def forward(
+            positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None = None
+        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+            if key is None:
+                return eager(positions, query, None)
+            return torch.ops.isoaudit_vllm.rotary(positions, query, key, ident)
+
+        return forward
+
+
 # ----------------------------------------------------------------------------- the worker's switch
 
 
@@ -358,9 +494,10 @@ class WorkerRemediation:
     (instance by instance, so :meth:`restore` puts back exactly what was there) and reports what
     stays native and why; :meth:`ops` names the implementation of each op as it runs now."""
 
-    def __init__(self, runner: Any, model: nn.Module) -> None:
+    def __init__(self, runner: Any, model: nn.Module, *, graph: bool = False) -> None:
         self.runner = runner
         self.model = model
+        self.graph = graph  # the decoder is compiled: its replacements are graph ops (GraphOps)
         self.mode = "native"
         self.native: dict[str, str] = {}  # op -> why it stays vLLM's own in the invariant mode
         self.counts: dict[str, int] = {}  # attention steps that needed keys written before the switch
@@ -421,16 +558,19 @@ class WorkerRemediation:
                 elif RAW in vars(module) or (
                     (weight := cast(torch.Tensor, module.weight)).ndim == 2 and weight.numel() > 0
                 ):
-                    self._set(module.quant_method, "apply", _linear)
+                    if self.graph:
+                        GraphOps.register_linear(module)
+                    self._set(module.quant_method, "apply", GraphOps.linear if self.graph else _linear)
                 else:
                     unkept.append(name)
             elif type(module) is RMSNorm:
                 if module.variance_size_override is None:
-                    self._set(module, "_forward_method", _norm_forward(module))
+                    forward = GraphOps.norm(module) if self.graph else _norm_forward(module)
+                    self._set(module, "_forward_method", forward)
                 else:
                     odd_norms.append(name)
             elif type(module) is SiluAndMul:
-                self._set(module, "_forward_method", _silu_and_mul)
+                self._set(module, "_forward_method", GraphOps.silu_and_mul if self.graph else _silu_and_mul)
             elif isinstance(module, LogitsProcessor):
                 if module.logits_as_input or module.soft_cap is not None or module.scale != 1.0:
                     native["lm_head"] = f"{name} scales or caps its logits"
@@ -481,7 +621,8 @@ class WorkerRemediation:
             native["rotary"] = "it feeds only the attention, which stays native"
         if "rotary" not in native:
             for module in plain:
-                self._set(module, "_forward_method", _rotary_forward(module))
+                forward = GraphOps.rotary(module) if self.graph else _rotary_forward(module)
+                self._set(module, "_forward_method", forward)
         if "attention" not in native:
             for layer in layers:
                 self._set(
@@ -528,12 +669,15 @@ class WorkerRemediation:
         return ops
 
 
-def remediation_of(worker: Any) -> WorkerRemediation:
-    """The worker's :class:`WorkerRemediation` (made on first use, kept on the worker)."""
+def remediation_of(worker: Any, *, graph: bool = False) -> WorkerRemediation:
+    """The worker's :class:`WorkerRemediation` (made on first use, kept on the worker); ``graph``: the
+    decoder is compiled (its replacements are then graph ops)."""
     state = getattr(worker, "_isoaudit_remediation", None)
     runner = worker.model_runner
     model = runner.get_model()
-    if state is None or state.model is not model:
-        state = WorkerRemediation(runner, model)
+    if state is None or state.model is not model or state.graph != graph:
+        if state is not None:
+            state.restore()
+        state = WorkerRemediation(runner, model, graph=graph)
         worker._isoaudit_remediation = state
     return state

@@ -1,0 +1,179 @@
+"""The compiled decoder: what isoaudit puts inside vLLM's torch.compile'd graph, and the recompile
+that makes a change take effect at the next step.
+
+vLLM compiles the decoder module marked ``@support_torch_compile`` (e.g. ``Qwen3Model``) once, with
+every guard dropped, and then only runs the compiled function: forward hooks and swapped forwards
+added afterwards are never called. Dynamo does trace hooks and instance-level forwards that are in
+place when it traces, so isoaudit (1) installs what it needs as traceable code around opaque custom
+ops (:func:`tap_rows` for regions; the invariant layers' ops in
+:mod:`isoaudit.collectors.vllm.worker.remediation`), then (2) hands vLLM a freshly compiled function
+for that state (:class:`CompiledDecoder`): the decorator's ``__call__`` runs ``aot_compiled_fn`` when
+set, so setting it on the instance replaces what the next forward runs, between two steps. Each
+state (regions compiled in, remediation mode) is compiled once, on its first forward, and kept; the
+state vLLM compiled itself is its own function, given back untouched. Variants are never written to
+or read from vLLM's compile cache (they reference this worker's buffers).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+#: The library of isoaudit's graph ops inside vLLM workers.
+LIBRARY = "isoaudit_vllm"
+
+_lib = torch.library.Library(LIBRARY, "FRAGMENT")
+_lib.define(
+    "tap_rows(Tensor x, Tensor? residual, Tensor index, Tensor count, Tensor(a!) stage, int slot) -> ()"
+)
+
+
+def _tap_rows(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    index: torch.Tensor,
+    count: torch.Tensor,
+    stage: torch.Tensor,
+    slot: int,
+) -> None:
+    """Copy rows ``index[:count]`` of ``x`` (plus ``residual``'s, for a SUM tap) into
+    ``stage[slot, :count]``; the region's value is not touched. ``count`` is a one-element tensor
+    the host sets before each forward (0: nothing selected, nothing copied)."""
+    n = int(count[0])
+    if n == 0:
+        return
+    rows = index[:n].to(x.device)
+    width = int(x.shape[-1])
+    out = stage[slot, :n]
+    torch.index_select(x.reshape(-1, width), 0, rows, out=out)
+    if residual is not None:
+        out.add_(residual.reshape(-1, width).index_select(0, rows))
+
+
+_lib.impl("tap_rows", _tap_rows, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake(f"{LIBRARY}::tap_rows")
+def _tap_rows_fake(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    index: torch.Tensor,
+    count: torch.Tensor,
+    stage: torch.Tensor,
+    slot: int,
+) -> None:
+    return None
+
+
+def tap_rows(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    index: torch.Tensor,
+    count: torch.Tensor,
+    stage: torch.Tensor,
+    slot: int,
+) -> None:
+    """The graph op :func:`_tap_rows` (``torch.ops.isoaudit_vllm.tap_rows``): Dynamo records it as one
+    opaque node that mutates ``stage``, so it stays in the compiled graph exactly where the region is."""
+    torch.ops.isoaudit_vllm.tap_rows(x, residual, index, count, stage, slot)
+
+
+def compiled_decoder_module(model: nn.Module) -> nn.Module | None:
+    """The submodule vLLM compiles (``@support_torch_compile`` and not ``do_not_compile``), or ``None``
+    when the engine runs its model eagerly."""
+    for module in model.modules():
+        if hasattr(module, "do_not_compile") and hasattr(module, "_compiled_callable"):
+            return None if module.do_not_compile else module
+    return None
+
+
+@dataclass
+class Variant:
+    """One compiled state of the decoder: compiled on its first forward."""
+
+    key: tuple[Any, ...]
+    fn: Callable[..., Any] | None = None
+    compile_s: float | None = None
+
+
+class CompiledDecoder:
+    """Switches what vLLM's compiled decoder runs between states (``key``: whatever the caller's
+    state is, e.g. ``(regions, mode)``); ``native`` is the state vLLM compiled itself."""
+
+    def __init__(self, module: nn.Module, native: tuple[Any, ...]) -> None:
+        self.module = module
+        self.native = native
+        self.key = native
+        self._original = getattr(module, "aot_compiled_fn", None)
+        self._variants: dict[tuple[Any, ...], Variant] = {}
+        self.last_compile_s: float | None = None
+
+    def select(self, key: tuple[Any, ...]) -> None:
+        """Run the state ``key`` from the next forward on (compiling it then, if it is new). Call it
+        after the hooks and forwards of that state are in place."""
+        self.key = key
+        if key == self.native:
+            object.__setattr__(self.module, "aot_compiled_fn", self._original)
+            return
+        variant = self._variants.get(key)
+        if variant is None:
+            variant = self._variants[key] = Variant(key)
+        object.__setattr__(self.module, "aot_compiled_fn", self._runner(variant))
+
+    def drop(self) -> None:
+        """Forget every compiled variant and give vLLM its own function back."""
+        self._variants.clear()
+        self.key = self.native
+        object.__setattr__(self.module, "aot_compiled_fn", self._original)
+
+    def facts(self) -> dict[str, Any]:
+        """What the manifest says of the compiled graph: the state compiled in and the last
+        recompile's cost."""
+        return {
+            "compiled_state": list(self.key),
+            "recompile_s": self.last_compile_s,
+            "compiled_variants": len(self._variants),
+        }
+
+    def _runner(self, variant: Variant) -> Callable[..., Any]:
+        def run(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            if variant.fn is None:
+                start = time.perf_counter()
+                variant.fn = _compile(module, args, kwargs)
+                variant.compile_s = self.last_compile_s = time.perf_counter() - start
+            return variant.fn(module, *args, **kwargs)
+
+        return run
+
+
+def _compile(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[..., Any]:
+    """Compile ``module``'s forward as vLLM does (its backend and options, full graph, guards dropped,
+    the dynamic dims it declares), ahead of time, without vLLM's cache."""
+    import inspect
+
+    from vllm.config import set_current_vllm_config
+
+    config: Any = module.vllm_config
+    compilation = config.compilation_config
+    with set_current_vllm_config(config):
+        backend = compilation.init_backend(config)
+    options: dict[str, Any] = dict(compilation.inductor_compile_config) if backend == "inductor" else {}
+    options["guard_filter_fn"] = torch.compiler.skip_all_guards_unsafe
+    bound = inspect.signature(type(module).forward).bind(module, *args, **kwargs)
+    for name, dims in (getattr(module, "_dynamic_arg_dims", None) or {}).items():
+        value = bound.arguments.get(name)
+        if not isinstance(value, torch.Tensor):
+            continue
+        for dim in [dims] if isinstance(dims, int) else list(dims):
+            torch._dynamo.mark_dynamic(value, dim if dim >= 0 else value.ndim + dim)
+    with set_current_vllm_config(config), torch._dynamo.config.patch(enable_aot_compile=True):
+        compiled = torch.compile(
+            type(module).forward, fullgraph=True, dynamic=False, backend=backend, options=options
+        )
+        fn = compiled.aot_compile(((module, *args), kwargs))  # type: ignore[attr-defined]  # torch >= 2.10's AOT compile
+    return fn
