@@ -1,7 +1,8 @@
-"""Framework figures keep their bits: every era of every framework, at every fixture's settings, on
-the parity inputs and on a larger step (clamped ratios, an empty sample, two ranks), against the
-values the comparator stored before the frameworks shared per-step arrays
-(``tests/fixtures/framework_bits.json``: per case, the SHA-256 of its figures' float hex). The parity tests allow 1e-6; stored figures
+"""Stored figures keep their bits: every era of every framework, at every fixture's settings, on
+the parity inputs and on a larger step (clamped ratios, an empty sample, two ranks), the threshold
+figures and the position bins, against the values the comparator stored before the frameworks
+shared per-step arrays (``tests/fixtures/figure_bits.json``: per case, the SHA-256 of its figures'
+float hex). The parity tests allow 1e-6; stored figures
 must not move at all. The shared arrays are read-only: a framework writing into one would change
 another's figures."""
 
@@ -16,12 +17,16 @@ from typing import Any
 import numpy as np
 import pytest
 from isoaudit.audit.frameworks import StepTokens, framework_figures, framework_table
+from isoaudit.audit.metrics.core import threshold_figures
+from isoaudit.audit.metrics.families import TokenView
+from isoaudit.audit.records import SampleLogprobs
+from isoaudit.audit.summaries import position_bins
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from test_framework_parity import FIXTURE_FILES, INPUTS, step_tokens  # noqa: E402
 
-GOLDEN = HERE.parents[0] / "fixtures" / "framework_bits.json"
+GOLDEN = HERE.parents[0] / "fixtures" / "figure_bits.json"
 
 
 def large_step() -> StepTokens:
@@ -40,9 +45,39 @@ def large_step() -> StepTokens:
     )
 
 
-def digest(figures: dict[str, float]) -> str:
-    """SHA-256 of the figures' names and exact values."""
-    text = "\n".join(f"{k}={float(v).hex()}" for k, v in sorted(figures.items()))
+def large_pairs(non_finite: bool) -> list[tuple[SampleLogprobs, SampleLogprobs]]:
+    """A step's pairs: lengths across several position bins (and past 4,096), an empty sample, ties
+    of the largest |Δ| between samples, and (``non_finite``) -inf logprobs."""
+    rng = np.random.default_rng(7)
+    pairs = []
+    for i, n in enumerate([5000, 0, 17, 300, 1, 1100, 4097, 64, 64, 2000]):
+        t = (-rng.exponential(1.0, n)).astype(np.float32)
+        r = np.minimum(t + rng.normal(0, 0.05, n).astype(np.float32), 0)
+        if n > 40:
+            r[40] = t[40] - 3.0  # the same largest |Δ| in position bin 2 of several samples
+        common = dict(run_id="r", step=0, prompt_len=1, token_ids=np.arange(i, n + 1 + i, dtype=np.int32))
+        pairs.append(
+            (
+                SampleLogprobs(side="trainer", logprobs=t, **common),
+                SampleLogprobs(side="rollout", logprobs=r, **common),
+            )
+        )
+        if non_finite and n > 10:  # as an engine's -inf logprob reaches the comparison unvalidated
+            r = r.copy()
+            r[i % 7] = -np.inf
+            pairs[-1] = (pairs[-1][0], pairs[-1][1].model_copy(update={"logprobs": r}))
+    return pairs
+
+
+def digest(figures: dict[str, Any]) -> str:
+    """SHA-256 of the figures' names and exact values (lists of numbers, None and keys too)."""
+
+    def exact(v: Any) -> str:
+        if isinstance(v, list):
+            return "[" + ",".join(exact(x) for x in v) + "]"
+        return float(v).hex() if isinstance(v, float | int | np.floating) else repr(v)
+
+    text = "\n".join(f"{k}={exact(v)}" for k, v in sorted(figures.items()))
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -65,6 +100,13 @@ def figures_bits() -> dict[str, str]:
                     continue
                 out[f"{path.parent.name}/{path.stem}/{name}"] = digest(got)
     out["all/large"] = digest(framework_figures(large_step()))
+    for non_finite in (False, True):
+        pairs = large_pairs(non_finite)
+        out[f"position_bins/{non_finite}"] = digest(position_bins(pairs))
+        t = np.concatenate([p[0].logprobs for p in pairs])
+        r = np.concatenate([p[1].logprobs for p in pairs])
+        offsets = np.concatenate([[0], np.cumsum([p[0].logprobs.size for p in pairs])])
+        out[f"threshold_figures/{non_finite}"] = digest(threshold_figures(TokenView(t, r, offsets), []))
     return out
 
 
