@@ -111,7 +111,9 @@ def _segments(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, 
     return seg_bin, seg_sample, seg_start, high - low
 
 
-def _runs(bins: np.ndarray, delta: np.ndarray, owner: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _runs(
+    bins: np.ndarray, delta: np.ndarray, owner: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(maximum, bin, sample) of each run of tokens of one sample in one bin."""
     runs = np.flatnonzero(np.r_[True, (bins[1:] != bins[:-1]) | (owner[1:] != owner[:-1])])
     return np.maximum.reduceat(delta, runs), bins[runs], owner[runs]
