@@ -61,41 +61,73 @@ class Verdict:
 def position_bins(pairs: Sequence[tuple[SampleLogprobs, SampleLogprobs]]) -> dict[str, list[Any]]:
     """|Δ logprob| per response-position bin over all tokens of ``pairs``: ``count`` (finite tokens),
     ``mean``, ``max`` and ``max_key`` (the sample holding the max) per bin, up to the last bin any
-    sample reaches. Non-finite Δ (a -inf logprob) is left out; an empty bin has ``None``."""
+    sample reaches. Non-finite Δ (a -inf logprob) is left out; an empty bin has ``None``.
+
+    Each sample's tokens fill its bins in runs (segments: a sample's part of one bin), found from
+    the samples' lengths and the bin edges alone; with every Δ finite, a bin's count is the sum of
+    its segments' lengths and its maximum the largest of its segments' (one ``reduceat``)."""
     lengths = np.array([t.logprobs.size for t, _ in pairs], dtype=np.int64)
     total = int(lengths.sum())
     if total == 0:
         return {"count": [], "mean": [], "max": [], "max_key": []}
-    trainer = np.concatenate([t.logprobs for t, _ in pairs]).astype(np.float64)
-    rollout = np.concatenate([r.logprobs for _, r in pairs]).astype(np.float64)
-    with np.errstate(invalid="ignore"):
-        delta = np.abs(trainer - rollout)
-    starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
-    positions = np.arange(total, dtype=np.int64) - starts
-    owner = np.repeat(np.arange(lengths.size), lengths)
-    bins = np.searchsorted(POSITION_BIN_EDGES, positions, side="right") - 1
-    n_bins = int(bins.max()) + 1
+    with np.errstate(invalid="ignore"):  # float64 arithmetic, as (t - r) of the widened arrays
+        delta = np.subtract(
+            np.concatenate([t.logprobs for t, _ in pairs]),
+            np.concatenate([r.logprobs for _, r in pairs]),
+            dtype=np.float64,
+        )
+    np.abs(delta, out=delta)
+    seg_bin, seg_sample, seg_start, seg_len = _segments(lengths)
+    n_bins = int(seg_bin.max()) + 1
+    bins = np.repeat(seg_bin, seg_len)
+    keys = [t.sample_key for t, _ in pairs]
     finite = np.isfinite(delta)
-    bins, delta, owner = bins[finite], delta[finite], owner[finite]
-    count = np.bincount(bins, minlength=n_bins)
-    sums = np.bincount(bins, weights=delta, minlength=n_bins)
-    maxima, max_key = _bin_maxima(bins, delta, owner, n_bins, [t.sample_key for t, _ in pairs])
+    if finite.all():
+        count = np.bincount(seg_bin, weights=seg_len, minlength=n_bins).astype(np.int64)
+        sums = np.bincount(bins, weights=delta, minlength=n_bins)
+        runs = (np.maximum.reduceat(delta, seg_start), seg_bin, seg_sample)
+    else:
+        owner = np.repeat(seg_sample, seg_len)[finite]
+        bins, delta = bins[finite], delta[finite]
+        count = np.bincount(bins, minlength=n_bins)
+        sums = np.bincount(bins, weights=delta, minlength=n_bins)
+        runs = _runs(bins, delta, owner)
+    maxima, max_key = _bin_maxima(*runs, n_bins, keys)
     means = [float(s / c) if c else None for s, c in zip(sums, count, strict=True)]
     return {"count": count.tolist(), "mean": means, "max": maxima, "max_key": max_key}
 
 
+def _segments(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The samples' tokens cut at the bin edges, in token order: each segment's bin, sample, first
+    token (in the concatenated tokens) and length."""
+    reached = np.where(lengths > 0, np.searchsorted(POSITION_BIN_EDGES, lengths - 1, side="right"), 0)
+    firsts = np.cumsum(reached) - reached
+    seg_sample = np.repeat(np.arange(lengths.size), reached)
+    seg_bin = np.arange(int(reached.sum())) - np.repeat(firsts, reached)
+    ends = np.append(POSITION_BIN_EDGES[1:], np.iinfo(np.int64).max)
+    low = POSITION_BIN_EDGES[seg_bin]
+    high = np.minimum(ends[seg_bin], lengths[seg_sample])
+    seg_start = (np.cumsum(lengths) - lengths)[seg_sample] + low
+    return seg_bin, seg_sample, seg_start, high - low
+
+
+def _runs(
+    bins: np.ndarray, delta: np.ndarray, owner: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(maximum, bin, sample) of each run of tokens of one sample in one bin."""
+    runs = np.flatnonzero(np.r_[True, (bins[1:] != bins[:-1]) | (owner[1:] != owner[:-1])])
+    return np.maximum.reduceat(delta, runs), bins[runs], owner[runs]
+
+
 def _bin_maxima(
-    bins: np.ndarray, delta: np.ndarray, owner: np.ndarray, n_bins: int, keys: list[str | None]
+    run_max: np.ndarray, run_bin: np.ndarray, run_owner: np.ndarray, n_bins: int, keys: list[str | None]
 ) -> tuple[list[float | None], list[str | None]]:
-    """Each bin's largest |Δ| and the sample holding it (of tied samples, the last), in linear time:
-    a sample's tokens fill its bins in runs, so each run's maximum is one ``reduceat``, and a bin's
-    is the largest of its runs'."""
+    """Each bin's largest |Δ| and the sample holding it (of tied samples, the last), from the runs'
+    maxima: a bin's is the largest of its runs'."""
     maxima: list[float | None] = [None] * n_bins
     max_key: list[str | None] = [None] * n_bins
-    if not bins.size:
+    if not run_max.size:
         return maxima, max_key
-    runs = np.flatnonzero(np.r_[True, (bins[1:] != bins[:-1]) | (owner[1:] != owner[:-1])])
-    run_max, run_bin, run_owner = np.maximum.reduceat(delta, runs), bins[runs], owner[runs]
     best = np.full(n_bins, -np.inf)
     np.maximum.at(best, run_bin, run_max)
     holds = run_max == best[run_bin]

@@ -99,7 +99,62 @@ class StepTokens:
     @cached_property
     def delta(self) -> np.ndarray:
         """Δ = trainer − rollout per token (log p_trainer / p_rollout)."""
-        return self.trainer - self.rollout
+        return _shared(self.trainer - self.rollout)
+
+    # -- per-token quantities several frameworks compute the same way: once per step, read-only ------
+    @cached_property
+    def p_trainer(self) -> np.ndarray:
+        """exp(trainer): the trainer's token probabilities."""
+        return _shared(np.exp(self.trainer))
+
+    @cached_property
+    def p_rollout(self) -> np.ndarray:
+        """exp(rollout): the rollout's token probabilities."""
+        return _shared(np.exp(self.rollout))
+
+    @cached_property
+    def exp_delta(self) -> np.ndarray:
+        """exp(Δ), unclamped (inf where Δ overflows)."""
+        with np.errstate(over="ignore"):
+            return _shared(np.exp(self.delta))
+
+    @cached_property
+    def abs_delta(self) -> np.ndarray:
+        """|Δ|."""
+        return _shared(np.abs(self.delta))
+
+    @cached_property
+    def exp_abs_delta(self) -> np.ndarray:
+        """exp(|Δ|): the multiplicative probability error per token."""
+        with np.errstate(over="ignore"):
+            return _shared(np.exp(self.abs_delta))
+
+    def clamped_delta(self, bound: float) -> np.ndarray:
+        """Δ clamped to [−bound, bound] (``np.clip``), once per bound."""
+        return self._memo(("clamped_delta", bound), lambda: np.clip(self.delta, -bound, bound))
+
+    def exp_clamped_delta(self, bound: float) -> np.ndarray:
+        """exp(Δ clamped to ±bound): the importance weight with a safety bound."""
+        return self._memo(("exp_clamped_delta", bound), lambda: np.exp(self.clamped_delta(bound)))
+
+    @cached_property
+    def k3(self) -> np.ndarray:
+        """exp(Δ) − Δ − 1, in that order (the k3 estimator as verl and PRIME-RL write it)."""
+        return _shared(self.exp_delta - self.delta - 1.0)
+
+    @cached_property
+    def delta_sums(self) -> np.ndarray:
+        """Per-sample ΣΔ (:meth:`sample_sums` of :attr:`delta`)."""
+        return _shared(self.sample_sums(self.delta))
+
+    @cached_property
+    def _cache(self) -> dict[tuple[object, ...], np.ndarray]:
+        return {}
+
+    def _memo(self, key: tuple[object, ...], make: Callable[[], np.ndarray]) -> np.ndarray:
+        if key not in self._cache:
+            self._cache[key] = _shared(make())
+        return self._cache[key]
 
     # -- reductions --------------------------------------------------------------------------------
     def sample_sums(self, values: np.ndarray) -> np.ndarray:
@@ -132,6 +187,13 @@ class StepTokens:
             advantages=None if self.advantages is None else self.advantages[samples],
             ranks=None if self.ranks is None else self.ranks[samples],
         )
+
+
+def _shared(values: np.ndarray) -> np.ndarray:
+    """``values`` made read-only: an array cached on a step is shared by every framework's figures,
+    so a framework that wrote into it would change the others' (numpy raises instead)."""
+    values.setflags(write=False)
+    return values
 
 
 def token_mean(values: np.ndarray) -> float:

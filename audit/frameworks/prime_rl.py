@@ -48,9 +48,7 @@ def _safe_means(tokens: StepTokens, values: np.ndarray, mask: np.ndarray) -> np.
 
 
 def _k3(tokens: StepTokens) -> np.ndarray:
-    d = tokens.delta
-    with np.errstate(over="ignore"):
-        return np.exp(d) - d - 1
+    return tokens.k3
 
 
 def _advantage_of_token(tokens: StepTokens) -> np.ndarray | None:
@@ -66,7 +64,7 @@ def _advantage_of_token(tokens: StepTokens) -> np.ndarray | None:
 def _ratio_masks(tokens: StepTokens, s: Settings) -> dict[str, np.ndarray]:
     """The loss to 0.4.1.dev85: token, geometric-mean and sequence masks on the importance ratio."""
     d = tokens.delta
-    ratio = np.exp(d)
+    ratio = tokens.exp_delta
     geo = np.exp(_safe_means(tokens, d, np.ones_like(d, dtype=bool)))
     n = tokens.n_samples
     seq_min = np.full(n, np.inf)
@@ -98,7 +96,7 @@ def _ratio_masks(tokens: StepTokens, s: Settings) -> dict[str, np.ndarray]:
 
 
 def _prob_diff(tokens: StepTokens) -> np.ndarray:
-    return np.exp(tokens.trainer) - np.exp(tokens.rollout)
+    return tokens.p_trainer - tokens.p_rollout
 
 
 def _masked_kl(tokens: StepTokens, masked: np.ndarray) -> dict[str, np.ndarray]:

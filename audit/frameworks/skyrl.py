@@ -91,7 +91,7 @@ def _trainer(tokens: StepTokens, rules: _Rules) -> dict[str, float]:
             _P + "rollout_train_prob_diff_mean": token_mean(ratio),
             _P + "rollout_train_prob_diff_std": sample_std(ratio),
         }
-    diff = np.abs(tokens.delta)
+    diff = tokens.abs_delta
     if rules.range_ and diff.size == 0:
         return {}
     out = {

@@ -44,9 +44,9 @@ def _ratios(
     """One process's importance-sampling ratios as its metric block flattens them: per sequence (every
     sequence, 1 for one with no tokens) or per masked-in token."""
     if mode.startswith("sequence"):
-        ratio = np.exp(part.sample_sums(part.delta))
+        ratio = np.exp(part.delta_sums)
     else:
-        ratio = np.exp(part.delta)
+        ratio = part.exp_delta
     if mode.endswith("truncate"):
         if lower is not None:
             ratio = np.maximum(ratio, lower)

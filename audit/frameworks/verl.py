@@ -82,12 +82,17 @@ class _Batch:
 
     @cached_property
     def d_safe(self) -> np.ndarray:
-        return np.clip(self.d, -BOUND, BOUND)
+        return self.tokens.clamped_delta(BOUND)
+
+    @cached_property
+    def rho_safe(self) -> np.ndarray:
+        """exp(Δ clamped to ±SAFETY_BOUND): the token importance weight."""
+        return self.tokens.exp_clamped_delta(BOUND)
 
     @cached_property
     def log_sum(self) -> np.ndarray:
         """Σ log ratio per sample."""
-        return self.tokens.sample_sums(self.d)
+        return self.tokens.delta_sums
 
     def mean(self, values: np.ndarray) -> float:
         """verl_F.masked_mean over the step's tokens."""
@@ -141,12 +146,12 @@ def _offpolicy(b: _Batch) -> dict[str, float]:
     t, r = b.tokens.trainer, b.tokens.rollout
     mean_t, mean_r = b.seq_mean(t), b.seq_mean(r)
     log_ppl_diff = mean_r - mean_t
-    rho2 = np.exp(b.d_safe) ** 2
+    rho2 = b.rho_safe**2
     return {
         RC + "training_ppl": float(np.exp(-mean_t).mean()),
         RC + "training_log_ppl": float((-mean_t).mean()),
         RC + "kl": b.mean(r - t),
-        RC + "k3_kl": b.mean(np.exp(b.d) - b.d - 1.0),
+        RC + "k3_kl": b.mean(b.tokens.k3),
         RC + "rollout_ppl": float(np.exp(-mean_r).mean()),
         RC + "rollout_log_ppl": float((-mean_r).mean()),
         RC + "log_ppl_diff": float(log_ppl_diff.mean()),
@@ -162,7 +167,7 @@ def _offpolicy(b: _Batch) -> dict[str, float]:
 def _debug(b: _Batch) -> dict[str, float]:
     """calculate_debug_metrics: |p_actor − p_rollout| over tokens (std ddof=1) and the Pearson
     correlation of the probabilities."""
-    p_actor, p_rollout = np.exp(b.tokens.trainer), np.exp(b.tokens.rollout)
+    p_actor, p_rollout = b.tokens.p_trainer, b.tokens.p_rollout
     diff = np.abs(p_actor - p_rollout)
     with np.errstate(all="ignore"):
         corr = float(np.corrcoef(p_actor, p_rollout)[0, 1]) if b.n > 1 else float("nan")
@@ -213,7 +218,7 @@ def _is_figures(b: _Batch, s: Settings, era: str) -> dict[str, float]:
     upper, icepop_lower = _is_threshold(s["rollout_is_threshold"], icepop=applied_stats)
     lower = 1.0 / upper if icepop_lower is None else icepop_lower
     if level == "token":
-        raw = np.exp(b.d_safe)
+        raw = b.rho_safe
     else:
         raw = b.per_token(np.exp(np.clip(b.log_sum, -BOUND, BOUND)))
     if icepop_lower is None:
@@ -280,7 +285,7 @@ def _old_rs_figures(b: _Batch, s: Settings) -> Rejection:
     lower = 1.0 / upper if lower_setting is None else float(lower_setting)
     if level == "token":
         log_ratio = b.d
-        w = np.exp(b.d_safe)
+        w = b.rho_safe
     else:
         log_ratio = b.log_sum if level == "sequence" else b.seq_mean(b.d)
         w = b.per_token(np.exp(np.clip(log_ratio, -BOUND, BOUND)))

@@ -28,21 +28,33 @@ class TokenView:
     def __init__(self, t32: np.ndarray, r32: np.ndarray, offsets: np.ndarray) -> None:
         finite = np.isfinite(t32) & np.isfinite(r32)
         everything = bool(finite.all())
-        self.sample = np.repeat(np.arange(offsets.size - 1), np.diff(offsets))
+        offsets = np.asarray(offsets, dtype=np.int64)
         d = t32.astype(np.float64)
         with np.errstate(invalid="ignore"):
             np.subtract(d, r32, out=d)  # float64 arithmetic, as (t - r) of the widened arrays
-        if not everything:
-            self.sample, d = self.sample[finite], d[finite]
+        if everything:  # every token counts: the samples' runs are the offsets themselves
+            self._sample: np.ndarray | None = None
+            self.n_per_sample = np.diff(offsets)
+        else:
+            self._sample = np.repeat(np.arange(offsets.size - 1), np.diff(offsets))[finite]
+            d = d[finite]
+            self.n_per_sample = np.bincount(self._sample, minlength=offsets.size - 1)
         #: Δ clamped to ±LOG_RATIO_BOUND (verl's SAFETY_BOUND) and ρ = exp(Δ)
         self.d = np.clip(d, -LOG_RATIO_BOUND, LOG_RATIO_BOUND, out=d)
         self.rho = np.exp(self.d)
-        self.n_per_sample = np.bincount(self.sample, minlength=offsets.size - 1)
         self.has = self.n_per_sample > 0
+        #: where each sample that has tokens starts in :attr:`d`
         self._starts = (
-            np.flatnonzero(np.r_[True, self.sample[1:] != self.sample[:-1]]) if self.d.size else None
+            np.concatenate([[0], np.cumsum(self.n_per_sample[self.has])[:-1]]) if self.d.size else None
         )
         self.cache: dict[tuple[object, ...], Any] = {}
+
+    @property
+    def sample(self) -> np.ndarray:
+        """The sample each finite token belongs to."""
+        if self._sample is None:
+            self._sample = np.repeat(np.arange(self.n_per_sample.size), self.n_per_sample)
+        return self._sample
 
     def memo(self, key: tuple[object, ...], make: Callable[[], np.ndarray]) -> np.ndarray:
         """``make()``, computed once per ``key`` for this step."""
@@ -166,18 +178,17 @@ RS_OPTIONS: tuple[str, ...] = (
 )
 
 
-def _rs_keep(view: TokenView, option: str, lower: float, upper: float) -> tuple[np.ndarray, np.ndarray]:
-    """(kept per token, kept per sample) under one rejection option; k1 bounds are ratio bounds
-    compared in log space, k2/k3 an upper bound on the divergence. Shared by its two fractions."""
+def _rs_keep(view: TokenView, option: str, lower: float, upper: float) -> tuple[float, np.ndarray]:
+    """(the fraction of tokens kept, kept per sample) under one rejection option; k1 bounds are
+    ratio bounds compared in log space, k2/k3 an upper bound on the divergence. Shared by its two
+    fractions."""
     key = ("rs_keep", option, lower, upper)
     if key not in view.cache:
         view.cache[key] = _rs_keep_compute(view, option, lower, upper)
     return view.cache[key]
 
 
-def _rs_keep_compute(
-    view: TokenView, option: str, lower: float, upper: float
-) -> tuple[np.ndarray, np.ndarray]:
+def _rs_keep_compute(view: TokenView, option: str, lower: float, upper: float) -> tuple[float, np.ndarray]:
     d = view.d
     kind = option[-2:]
     make = {"k1": lambda: -d, "k2": lambda: 0.5 * d * d, "k3": lambda: np.expm1(d) - d}[kind]
@@ -188,9 +199,12 @@ def _rs_keep_compute(
 
     if option.startswith("token_"):
         token_ok = ok(stat)
-        return token_ok, view.all_per_sample(token_ok)  # a sample is kept when no token of it is rejected
+        # a sample is kept when no token of it is rejected
+        return float(token_ok.mean()), view.all_per_sample(token_ok)
     sample_ok = ok(view.per_sample(stat, option.split("_")[1]))  # sum | mean | max
-    return np.repeat(sample_ok, view.n_per_sample[view.has]), sample_ok
+    # the kept samples' tokens over all tokens: the mean of the per-token flags, an exact count
+    kept_tokens = int(view.n_per_sample[view.has][sample_ok].sum())
+    return float(np.float64(kept_tokens) / view.d.size), sample_ok
 
 
 def _rs_figures() -> dict[str, Parametric]:
@@ -208,8 +222,8 @@ def _rs_figures() -> dict[str, Parametric]:
         )
 
         def masked(view: TokenView, option: str = option, **p: ParamValue) -> float:
-            token_ok, _ = _rs_keep(view, option, float(p.get("lower", 0.0)), float(p["upper"]))
-            return float(1.0 - token_ok.mean())
+            kept, _ = _rs_keep(view, option, float(p.get("lower", 0.0)), float(p["upper"]))
+            return 1.0 - kept
 
         def seq_masked(view: TokenView, option: str = option, **p: ParamValue) -> float:
             _, sample_ok = _rs_keep(view, option, float(p.get("lower", 0.0)), float(p["upper"]))

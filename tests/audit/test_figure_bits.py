@@ -1,0 +1,133 @@
+"""Stored figures keep their bits: every era of every framework, at every fixture's settings, on
+the parity inputs and on a larger step (clamped ratios, an empty sample, two ranks), the threshold
+figures and the position bins, against the values the comparator stored before the frameworks
+shared per-step arrays (``tests/fixtures/figure_bits.json``: per case, the SHA-256 of its figures'
+float hex). The parity tests allow 1e-6; stored figures
+must not move at all. The shared arrays are read-only: a framework writing into one would change
+another's figures."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from isoaudit.audit.frameworks import StepTokens, framework_figures, framework_table
+from isoaudit.audit.metrics.core import threshold_figures
+from isoaudit.audit.metrics.families import TokenView
+from isoaudit.audit.records import SampleLogprobs
+from isoaudit.audit.summaries import position_bins
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from test_framework_parity import FIXTURE_FILES, INPUTS, step_tokens  # noqa: E402
+
+GOLDEN = HERE.parents[0] / "fixtures" / "figure_bits.json"
+
+
+def large_step() -> StepTokens:
+    rng = np.random.default_rng(41)
+    lengths = [int(n) for n in rng.integers(1, 400, 40)]
+    lengths[7] = 0
+    trainer = [(-rng.exponential(1.0, n)).astype(np.float32) for n in lengths]
+    rollout = [t + rng.normal(0, 0.05, t.size).astype(np.float32) for t in trainer]
+    rollout[3][:5] -= 25.0  # |Δ| over verl's and slime's safety bound of 20
+    rollout[11][2] += 30.0
+    return StepTokens.of(
+        trainer,
+        rollout,
+        advantages=[float(a) for a in rng.normal(0, 1, len(lengths))],
+        ranks=[i % 2 for i in range(len(lengths))],
+    )
+
+
+def large_pairs(non_finite: bool) -> list[tuple[SampleLogprobs, SampleLogprobs]]:
+    """A step's pairs: lengths across several position bins (and past 4,096), an empty sample, ties
+    of the largest |Δ| between samples, and (``non_finite``) -inf logprobs."""
+    rng = np.random.default_rng(7)
+    pairs = []
+    for i, n in enumerate([5000, 0, 17, 300, 1, 1100, 4097, 64, 64, 2000]):
+        t = (-rng.exponential(1.0, n)).astype(np.float32)
+        r = np.minimum(t + rng.normal(0, 0.05, n).astype(np.float32), 0)
+        if n > 40:
+            r[40] = t[40] - 3.0  # the same largest |Δ| in position bin 2 of several samples
+        common = dict(run_id="r", step=0, prompt_len=1, token_ids=np.arange(i, n + 1 + i, dtype=np.int32))
+        pairs.append(
+            (
+                SampleLogprobs(side="trainer", logprobs=t, **common),
+                SampleLogprobs(side="rollout", logprobs=r, **common),
+            )
+        )
+        if non_finite and n > 10:  # as an engine's -inf logprob reaches the comparison unvalidated
+            r = r.copy()
+            r[i % 7] = -np.inf
+            pairs[-1] = (pairs[-1][0], pairs[-1][1].model_copy(update={"logprobs": r}))
+    return pairs
+
+
+def digest(figures: dict[str, Any]) -> str:
+    """SHA-256 of the figures' names and exact values (lists of numbers, None and keys too)."""
+
+    def exact(v: Any) -> str:
+        if isinstance(v, list):
+            return "[" + ",".join(exact(x) for x in v) + "]"
+        return float(v).hex() if isinstance(v, float | int | np.floating) else repr(v)
+
+    text = "\n".join(f"{k}={exact(v)}" for k, v in sorted(figures.items()))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def figures_bits() -> dict[str, str]:
+    """{case: digest} of every fixture's era and settings on each input, and of every framework at
+    once on one shared step."""
+    steps = {name: step_tokens(samples) for name, samples in INPUTS.items()}
+    out: dict[str, str] = {}
+    with np.errstate(all="ignore"):
+        for path in FIXTURE_FILES:
+            fixture = json.loads(path.read_text())
+            table = framework_table(fixture["framework"])
+            era = table.era(fixture["version"])
+            settings, _ = table.settings_of(era, fixture["settings"])
+            for name in [*fixture["values"], "large"]:
+                tokens = large_step() if name == "large" else steps[name]
+                try:
+                    got = era.compute(tokens, settings)
+                except ValueError:
+                    continue
+                out[f"{path.parent.name}/{path.stem}/{name}"] = digest(got)
+    out["all/large"] = digest(framework_figures(large_step()))
+    for non_finite in (False, True):
+        pairs = large_pairs(non_finite)
+        out[f"position_bins/{non_finite}"] = digest(position_bins(pairs))
+        t = np.concatenate([p[0].logprobs for p in pairs])
+        r = np.concatenate([p[1].logprobs for p in pairs])
+        offsets = np.concatenate([[0], np.cumsum([p[0].logprobs.size for p in pairs])])
+        out[f"threshold_figures/{non_finite}"] = digest(threshold_figures(TokenView(t, r, offsets), []))
+    return out
+
+
+def test_framework_figures_keep_their_bits() -> None:
+    expected: dict[str, Any] = json.loads(GOLDEN.read_text())
+    got = figures_bits()
+    assert set(got) == set(expected)
+    wrong = sorted(case for case, value in expected.items() if got[case] != value)
+    assert not wrong, f"{len(wrong)} cases changed: {wrong[:10]}"
+
+
+def test_shared_step_arrays_are_read_only() -> None:
+    tokens = large_step()
+    framework_figures(tokens)
+    names = ("delta", "p_trainer", "p_rollout", "exp_delta", "abs_delta", "exp_abs_delta", "k3", "delta_sums")
+    shared = [getattr(tokens, name) for name in names]
+    shared += [tokens.clamped_delta(20.0), tokens.exp_clamped_delta(20.0)]
+    for array in shared:
+        with pytest.raises(ValueError, match="read-only"):
+            array[0] = 0.0
+
+
+if __name__ == "__main__":  # regenerate: python tests/audit/test_framework_bits.py
+    GOLDEN.write_text(json.dumps(figures_bits(), indent=0, sort_keys=True) + "\n")
