@@ -101,9 +101,24 @@ class Job:
 
     def send_step(self, step: int, args: argparse.Namespace) -> None:
         samples = step_records(step, args.samples, args.tokens, args.prompt_len, seed=self.seed)
+        # The first ``clean`` samples agree bit for bit (a healthy job on invariant kernels), the
+        # rest differ by ~1e-3 (step_records' trainer); fingerprints the same way.
+        clean = {s.sample_key for s in samples[: 2 * round(args.clean_fraction * args.samples)]}
+        rollouts = {s.sample_key: s for s in samples if s.side == "rollout"}
+        for s in samples:
+            if s.side == "trainer" and s.sample_key in clean:
+                s.logprobs = rollouts[s.sample_key].logprobs.copy()
         records: list[Any] = list(samples)
         if args.fingerprint_every and step % args.fingerprint_every == 0:
-            records += step_fingerprints(samples, FINGERPRINTED, 1, seed=self.seed + step)
+            prints = step_fingerprints(samples, FINGERPRINTED, 1, seed=self.seed + step)
+            trainer = {(p.sample_key, p.region): p for p in prints if p.side == "trainer"}
+            for p in prints:
+                if p.side == "rollout" and p.sample_key in clean:
+                    p.digest, p.ladder = (
+                        trainer[p.sample_key, p.region].digest,
+                        trainer[p.sample_key, p.region].ladder,
+                    )
+            records += prints
         for record in records:
             record.run_id = self.run_id
         self.sent_at[step] = time.time()
@@ -136,9 +151,10 @@ def make_jobs(n: int, prefix: str, ports: list[int], token: str, spool: Path) ->
 
 
 def run_jobs(
-    jobs: list[Job], steps: int, args: argparse.Namespace, stop: threading.Event
+    jobs: list[Job], steps: int, args: argparse.Namespace, stop: threading.Event, errors: list[Exception]
 ) -> list[threading.Thread]:
-    """Each job in a thread of its own, one step every ``args.interval`` s, the jobs staggered."""
+    """Each job in a thread of its own, one step every ``args.interval`` s, the jobs staggered; what
+    a job raises goes to ``errors`` and stops every job."""
 
     def loop(k: int, job: Job) -> None:
         start = time.monotonic() + k * args.interval / len(jobs)
@@ -146,7 +162,12 @@ def run_jobs(
             wait = start + step * args.interval - time.monotonic()
             if stop.wait(max(0.0, wait)):
                 return
-            job.send_step(step, args)
+            try:
+                job.send_step(step, args)
+            except Exception as exc:  # the bench stops at once rather than waiting out the drain
+                errors.append(exc)
+                stop.set()
+                return
 
     threads = [threading.Thread(target=loop, args=(k, job), daemon=True) for k, job in enumerate(jobs)]
     for thread in threads:
@@ -225,7 +246,8 @@ def drive(
     compared_task = progress.add_task(f"{label}: steps compared", total=total)
     stop = threading.Event()
     started = time.time()
-    threads = run_jobs(jobs, steps, args, stop)
+    errors: list[Exception] = []
+    threads = run_jobs(jobs, steps, args, stop, errors)
     helper = None
     sending_s = steps * args.interval
     flushed_at = drained_at = None
@@ -254,6 +276,8 @@ def drive(
             if flushed_at is not None and done == total:
                 drained_at = time.time()
                 break
+            if errors:
+                raise RuntimeError(f"a job failed: {errors[0]!r}") from errors[0]
             if now > deadline:
                 break
             time.sleep(0.5)
@@ -299,6 +323,9 @@ def fleet(
 ) -> dict[str, Any]:
     """The fleet run: ``args.jobs`` jobs, ``args.workers`` workers, retention mid-run and after."""
     store.set_retention_policy(PROJECT, raw_days=0, fingerprint_steps=args.fingerprint_steps)
+    # Claimed (and applied, to an empty store) here, as a worker does, so the workers see it applied
+    # and leave it for an hour: the bench applies it itself, midway and after the drain, to time it.
+    store.apply_due_retention(every_s=0)
     workers = start_workers(db.url, args.workers, tmp)
     jobs = make_jobs(args.jobs, "job", url_ports, token, tmp / "spool")
     stored_before_mid: dict[tuple[str, int], float] = {}
@@ -361,6 +388,7 @@ def fleet(
         "retention_midway": midway,
         "size_before": size_before,
         "size_after": size_after,
+        "arrays_total": outcome.bytes_before + midway.get("arrays_before", 0) - midway.get("arrays_after", 0),
         "arrays_before": outcome.bytes_before,
         "arrays_after": outcome.bytes_after,
         "retention_s": retention_s,
@@ -479,6 +507,10 @@ def report(
         f"{f['arrays_after'] / MIB:.1f} MiB; schema on disk (VACUUM) {f['size_before'] / MIB:.1f} -> "
         f"{f['size_after'] / MIB:.1f} MiB (x{f['size_after'] / max(f['size_before'], 1):.2f})"
     )
+    console.print(
+        f"arrays stored over the run {f['arrays_total'] / MIB:.1f} MiB, kept {f['arrays_after'] / MIB:.1f} MiB "
+        f"(x{f['arrays_after'] / max(f['arrays_total'], 1):.2f})"
+    )
     s = Table(
         f"one worker, one step per {args.interval:g} s: samples x {args.tokens} tokens",
         "tokens/s offered", "compared", "sent->stored max", "stored->compared p50 / max", "keeps up",
@@ -513,6 +545,12 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=16, help="samples per step (per side)")
     parser.add_argument("--tokens", type=int, default=1024, help="tokens per sample, prompt included")
     parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument(
+        "--clean-fraction",
+        type=float,
+        default=0.75,
+        help="share of each step's samples whose sides agree bit for bit",
+    )
     parser.add_argument(
         "--fingerprint-every", type=int, default=8, help="fingerprint every Nth step (0: never)"
     )
