@@ -423,6 +423,13 @@ def sweep(
         finally:
             stop_processes(worker)
         lag = lags(jobs, result["stored"], result["compared"])
+        # From the first step stored to the last compared: the worker's pace, its capacity once it
+        # falls behind (then it never waits for a step).
+        busy = (
+            max(c["at"] for c in result["compared"].values()) - min(result["stored"].values())
+            if result["compared"] and result["stored"]
+            else float("nan")
+        )
         worker_max = lag["stored_compared"]["max"]
         points.append(
             {
@@ -430,6 +437,7 @@ def sweep(
                 "tokens_per_step": samples * args.tokens,
                 "offered_tokens_per_s": samples * args.tokens / args.interval,
                 "steps_compared": len(result["compared"]),
+                "compared_tokens_per_s": len(result["compared"]) * samples * args.tokens / busy,
                 "steps_sent": args.sweep_steps,
                 "lag": lag,
                 "keeps_up": len(result["compared"]) == args.sweep_steps and worker_max <= bound,
@@ -513,7 +521,8 @@ def report(
     )
     s = Table(
         f"one worker, one step per {args.interval:g} s: samples x {args.tokens} tokens",
-        "tokens/s offered", "compared", "sent->stored max", "stored->compared p50 / max", "keeps up",
+        "tokens/s offered", "compared", "tokens/s compared", "sent->stored max", "stored->compared p50 / max",
+        "keeps up",
     )  # fmt: skip
     for p in points:
         sc = p["lag"]["stored_compared"]
@@ -521,6 +530,7 @@ def report(
             str(p["samples"]),
             f"{p['offered_tokens_per_s']:,.0f}",
             f"{p['steps_compared']}/{p['steps_sent']}",
+            f"{p['compared_tokens_per_s']:,.0f} (x{p['compared_tokens_per_s'] / p['offered_tokens_per_s']:.2f})",
             f"{p['lag']['sent_stored']['max']:.2f}" + ("" if p["ingest_keeps_up"] else " (ingest behind)"),
             f"{sc['p50']:.2f} / {sc['max']:.2f}",
             "yes" if p["keeps_up"] else "NO",
@@ -563,10 +573,10 @@ def main() -> None:
     parser.add_argument(
         "--sweep",
         type=lambda s: [int(x) for x in s.split(",") if x],
-        default=[16, 64, 256, 1024],
+        default=[64, 128, 256, 512, 1024],
         help="samples per step, one worker",
     )
-    parser.add_argument("--sweep-steps", type=int, default=8, help="steps per sweep point")
+    parser.add_argument("--sweep-steps", type=int, default=10, help="steps per sweep point")
     parser.add_argument("--tiny", action="store_true", help="a seconds-long run (tests)")
     parser.add_argument("--json", action="store_true", help="also print the figures as one JSON line")
     args = parser.parse_args()
@@ -575,6 +585,8 @@ def main() -> None:
         args.samples, args.tokens, args.prompt_len, args.fingerprint_every = 4, 96, 32, 2
         args.fingerprint_steps, args.drain, args.sweep, args.sweep_steps = 1, 60.0, [2, 4], 2
     console = Console(stderr=args.json)
+    if not console.is_terminal:
+        console.width = 140  # a log file: the tables on one line each
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         db = Database("postgres", tmp)
