@@ -40,6 +40,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from isoaudit.audit.auth import create_token
 from isoaudit.audit.db import Store
 from isoaudit.audit.db.alerts import utc
@@ -58,6 +59,8 @@ from scale import Database, step_fingerprints, step_records  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 PROJECT, SWEEP_PROJECT = "fleet", "fleet-sweep"
 FINGERPRINTED = 2  # samples per side fingerprinted on a fingerprinted step
+#: A worker is behind when its lag grows by more than this share of the step interval per step.
+BEHIND = 0.1
 MIB = 1 << 20
 
 
@@ -406,10 +409,11 @@ def sweep(
     args: argparse.Namespace,
     progress: Progress,
 ) -> list[dict[str, Any]]:
-    """One job, one worker, one step per ``args.interval`` s, growing steps until the worker's lag
-    grows past ``2 x interval + 1 s`` (stops at the first such size)."""
+    """One job, one worker, one step per ``args.interval`` s, growing steps until the worker falls
+    behind: its lag (stored -> compared) grows by more than :data:`BEHIND` x interval per step (a
+    worker that needs c > interval seconds a step adds c - interval to each next step's lag). Stops
+    at the first such size."""
     points = []
-    bound = 2 * args.interval + 1.0
     for samples in args.sweep:
         point_args = argparse.Namespace(**{**vars(args), "samples": samples, "fingerprint_every": 0})
         run = f"sweep-{samples}"
@@ -422,32 +426,46 @@ def sweep(
             )
         finally:
             stop_processes(worker)
-        lag = lags(jobs, result["stored"], result["compared"])
-        # From the first step stored to the last compared: the worker's pace, its capacity once it
-        # falls behind (then it never waits for a step).
-        busy = (
-            max(c["at"] for c in result["compared"].values()) - min(result["stored"].values())
-            if result["compared"] and result["stored"]
-            else float("nan")
+        sent, stored, compared = jobs[0].sent_at, result["stored"], result["compared"]
+        worker_growth = growth(
+            [
+                (step, compared[run, step]["at"] - stored[run, step])
+                for step in sent
+                if (run, step) in compared and (run, step) in stored
+            ]
         )
-        worker_max = lag["stored_compared"]["max"]
+        ingest_growth = growth(
+            [(step, stored[run, step] - at) for step, at in sent.items() if (run, step) in stored]
+        )
+        keeps_up = len(compared) == args.sweep_steps and worker_growth <= BEHIND * args.interval
+        seconds = args.interval + max(0.0, worker_growth)  # a step's compare time, when behind
         points.append(
             {
                 "samples": samples,
                 "tokens_per_step": samples * args.tokens,
                 "offered_tokens_per_s": samples * args.tokens / args.interval,
-                "steps_compared": len(result["compared"]),
-                "compared_tokens_per_s": len(result["compared"]) * samples * args.tokens / busy,
                 "steps_sent": args.sweep_steps,
-                "lag": lag,
-                "keeps_up": len(result["compared"]) == args.sweep_steps and worker_max <= bound,
-                "ingest_keeps_up": lag["sent_stored"]["n"] == args.sweep_steps
-                and lag["sent_stored"]["max"] <= bound,
+                "steps_compared": len(compared),
+                "lag": lags(jobs, stored, compared),
+                "worker_lag_growth_s": worker_growth,
+                "ingest_lag_growth_s": ingest_growth,
+                "worker_tokens_per_s": None if keeps_up else samples * args.tokens / seconds,
+                "keeps_up": keeps_up,
+                "ingest_keeps_up": len(stored) == args.sweep_steps
+                and ingest_growth <= BEHIND * args.interval,
             }
         )
-        if not points[-1]["keeps_up"]:
+        if not keeps_up:
             break
     return points
+
+
+def growth(lags: list[tuple[int, float]]) -> float:
+    """Seconds a lag grows by per step: the least-squares slope of (step, lag)."""
+    if len(lags) < 2:
+        return float("nan")
+    steps, values = zip(*lags, strict=True)
+    return float(np.polyfit(np.asarray(steps, float), np.asarray(values, float), 1)[0])
 
 
 # ---------------------------------------------------------------------- report
@@ -520,39 +538,43 @@ def report(
         f"(x{f['arrays_after'] / max(f['arrays_total'], 1):.2f})"
     )
     s = Table(
-        f"one worker, one step per {args.interval:g} s: samples x {args.tokens} tokens",
-        "tokens/s offered", "compared", "tokens/s compared", "sent->stored max", "stored->compared p50 / max",
-        "keeps up",
+        f"one worker, a step per {args.interval:g} s: samples x {args.tokens} tokens",
+        "tokens/s offered", "compared", "sent->stored max (growth/step)", "stored->compared p50 / max",
+        "growth/step", "keeps up",
     )  # fmt: skip
     for p in points:
-        sc = p["lag"]["stored_compared"]
+        sc, ss = p["lag"]["stored_compared"], p["lag"]["sent_stored"]
         s.add_row(
             str(p["samples"]),
             f"{p['offered_tokens_per_s']:,.0f}",
             f"{p['steps_compared']}/{p['steps_sent']}",
-            f"{p['compared_tokens_per_s']:,.0f} (x{p['compared_tokens_per_s'] / p['offered_tokens_per_s']:.2f})",
-            f"{p['lag']['sent_stored']['max']:.2f}" + ("" if p["ingest_keeps_up"] else " (ingest behind)"),
+            f"{ss['max']:.2f} ({p['ingest_lag_growth_s']:+.2f})"
+            + ("" if p["ingest_keeps_up"] else " ingest behind"),
             f"{sc['p50']:.2f} / {sc['max']:.2f}",
+            f"{p['worker_lag_growth_s']:+.2f} s",
             "yes" if p["keeps_up"] else "NO",
         )
     console.print(s)
     limit = next((p for p in points if not p["keeps_up"]), None)
-    console.print(
-        f"one worker stops keeping up at {limit['samples']} x {args.tokens} tokens a step"
-        if limit
-        else f"one worker kept up with every size swept (up to {points[-1]['samples']} x {args.tokens})"
-        if points
-        else "no sweep"
-    )
+    if limit is not None:
+        console.print(
+            f"one worker stops keeping up at {limit['samples']} x {args.tokens} tokens a step: "
+            f"{args.interval + limit['worker_lag_growth_s']:.2f} s a step, {limit['worker_tokens_per_s']:,.0f} tokens/s "
+            f"(x{limit['worker_tokens_per_s'] / limit['offered_tokens_per_s']:.2f} the offered rate)"
+        )
+    elif points:
+        console.print(
+            f"one worker kept up with every size swept (up to {points[-1]['samples']} x {args.tokens})"
+        )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--jobs", type=int, default=4, help="concurrent jobs (runs)")
+    parser.add_argument("--jobs", type=int, default=8, help="concurrent jobs (runs)")
     parser.add_argument("--workers", type=int, default=3, help="isoaudit worker processes")
     parser.add_argument("--steps", type=int, default=30, help="steps per job")
     parser.add_argument("--interval", type=float, default=1.0, help="seconds between a job's steps")
-    parser.add_argument("--samples", type=int, default=16, help="samples per step (per side)")
+    parser.add_argument("--samples", type=int, default=32, help="samples per step (per side)")
     parser.add_argument("--tokens", type=int, default=1024, help="tokens per sample, prompt included")
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument(
@@ -573,7 +595,7 @@ def main() -> None:
     parser.add_argument(
         "--sweep",
         type=lambda s: [int(x) for x in s.split(",") if x],
-        default=[64, 128, 256, 512, 1024],
+        default=[128, 256, 512, 1024, 2048],
         help="samples per step, one worker",
     )
     parser.add_argument("--sweep-steps", type=int, default=10, help="steps per sweep point")

@@ -47,4 +47,5 @@ def test_fleet_bench_runs_at_a_tiny_size() -> None:
     sweep = figures["sweep"]
     assert [p["samples"] for p in sweep][:1] == [2]
     assert all(p["steps_sent"] == 2 and isinstance(p["keeps_up"], bool) for p in sweep)
+    assert all(p["steps_compared"] == 2 and p["lag"]["stored_compared"]["n"] == 2 for p in sweep)
     assert "one worker" in done.stderr
