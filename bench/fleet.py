@@ -215,6 +215,19 @@ def pending(store: Store, runs: list[str]) -> int:
         return int(session.scalar(query) or 0)
 
 
+def deadlock_count(db: Database) -> int:
+    """Deadlocks PostgreSQL has detected in this database so far (all its schemas: other clients of
+    the same database count too). Each costs the losing transaction ``deadlock_timeout`` (1 s by
+    default) before ingest retries it."""
+    with db.admin.connect() as connection:
+        return int(
+            connection.exec_driver_sql(
+                "SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()"
+            ).scalar()
+            or 0
+        )
+
+
 def percentiles(values: list[float]) -> dict[str, float]:
     if not values:
         return {"n": 0, "p50": float("nan"), "p95": float("nan"), "max": float("nan")}
@@ -293,6 +306,7 @@ def drive(
     stored.update(stored_steps(store, runs, args.samples))
     progress.update(stored_task, completed=len(stored))
     dropped = sum(s.stats()["dropped"] for s in sinks)
+    retried = sum(s.stats()["failed_attempts"] for s in sinks)
     return {
         "started": started,
         "flushed_at": flushed_at,
@@ -300,6 +314,7 @@ def drive(
         "stored": stored,
         "compared": compared_steps(store, runs, args.samples),
         "dropped": dropped,
+        "retried": retried,
         "backlog": pending(store, runs),
     }
 
@@ -348,10 +363,12 @@ def fleet(
             arrays_after=outcome.bytes_after,
         )
 
+    deadlocks = deadlock_count(db)
     try:
         result = drive(store, jobs, args.steps, args, progress, "fleet", retention_midway)
     finally:
         stop_processes(workers)
+    deadlocks = deadlock_count(db) - deadlocks
     stored = {**stored_before_mid, **result["stored"]}
     compared = result["compared"]
     db.vacuum()
@@ -377,6 +394,8 @@ def fleet(
         "steps_sent": sum(len(job.sent_at) for job in jobs),
         "steps_compared": n_steps,
         "dropped": result["dropped"],
+        "retried": result["retried"],
+        "deadlocks": deadlocks,
         "sending_s": sent_window,
         "drained": result["drained_at"] is not None,
         "drain_s": (result["drained_at"] - result["started"] - sent_window) if result["drained_at"] else None,
@@ -518,7 +537,7 @@ def report(
     drain = f"{f['drain_s']:.1f} s after the last send" if f["drained"] else "NOT drained"
     console.print(
         f"steps sent {f['steps_sent']}, compared {f['steps_compared']} ({drain}); records dropped by the "
-        f"sinks {f['dropped']}; steps per worker {f['steps_per_worker']}"
+        f"sinks {f['dropped']}, requests retried {f['retried']}; PostgreSQL deadlocks {f['deadlocks']}; steps per worker {f['steps_per_worker']}"
     )
     m = f["retention_midway"]
     if m:
