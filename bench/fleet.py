@@ -5,11 +5,12 @@ processes), all of them real processes on this machine.
 Each job is a run with two collectors, a trainer's and a rollout's, each an ``HttpSink`` (the real
 sink: background thread, batching, spool) posting to a different replica; every ``--interval`` s a job
 sends one step (``--samples`` samples of ``--tokens`` tokens, ``--prompt-len`` of them prompt, both
-sides; every ``--fingerprint-every``-th step also fingerprints of 2 samples per side over a 1-layer
-model's regions). Reported:
+sides, ``--clean-fraction`` of them agreeing bit for bit; every ``--fingerprint-every``-th step also
+fingerprints of 2 samples per side over a 1-layer model's regions). Reported:
 
 * **ingest**: samples and tokens stored per second, against what the jobs offered (same run);
-  the lag from a step's send to its last sample stored;
+  the lag from a step's send to its last sample stored; the sinks' drops and retries, and the
+  deadlocks PostgreSQL detected meanwhile;
 * **comparison**: steps and tokens compared per second, against what was offered; the lag from a
   step's send to its comparison (``step_results.computed_at``), p50 / p95 / max; steps per worker;
 * **disk**: the schema's size (tables, indexes, TOAST, after VACUUM) and the arrays' stored bytes
@@ -17,9 +18,10 @@ model's regions). Reported:
   (``--raw-days 0 --fingerprint-steps N``) is applied; it is also applied once mid-run, under load;
 * **one worker's limit**: a sweep over step sizes (samples per step at ``--tokens`` tokens) at a fixed
   step rate (one step per ``--interval`` s), one job and ONE ``isoaudit worker``: the first size at
-  which the worker's lag (stored -> compared) grows past ``2 x interval + 1 s`` is where it stops
-  keeping up. The ingest lag of the same steps is printed beside it, so a point where ingest fell
-  behind first is visible as such.
+  which the worker's lag (stored -> compared) grows by more than ``BEHIND x interval`` a step is
+  where it stops keeping up (a worker needing c > interval per step adds c - interval to each next
+  step's lag). The ingest lag's growth is printed beside it, so a point where ingest fell behind
+  too is visible as such.
 
     python bench/fleet.py                      # the figures of docs/scale.md ("Fleet")
     python bench/fleet.py --tiny --json        # seconds: what tests/service/test_fleet.py runs
@@ -35,6 +37,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -103,6 +106,8 @@ class Job:
     sent_at: dict[int, float] = field(default_factory=dict)
 
     def send_step(self, step: int, args: argparse.Namespace) -> None:
+        """Build step ``step`` (the arrays of ``bench/scale.py``'s synthetic step) and hand each
+        side to its collector's sink, as a training loop does (never blocks)."""
         samples = step_records(step, args.samples, args.tokens, args.prompt_len, seed=self.seed)
         # The first ``clean`` samples agree bit for bit (a healthy job on invariant kernels), the
         # rest differ by ~1e-3 (step_records' trainer); fingerprints the same way.
@@ -132,24 +137,20 @@ class Job:
         return self.trainer, self.rollout
 
 
-def make_jobs(n: int, prefix: str, ports: list[int], token: str, spool: Path) -> list[Job]:
-    """``n`` jobs; job i's trainer posts to replica i, its rollout to replica i + 1 (of two)."""
+def make_jobs(runs: list[str], ports: list[int], token: str, spool: Path) -> list[Job]:
+    """A job per run; job i's trainer posts to replica i, its rollout to replica i + 1 (mod the
+    replicas), each sink spooling under ``spool``."""
     jobs = []
-    for i in range(n):
+    for i, run in enumerate(runs):
 
-        def sink(side: str, port: int, i: int = i) -> HttpSink:
-            return HttpSink(
-                f"http://127.0.0.1:{port}", token, spool_dir=spool / f"{prefix}-{i}-{side}", timeout=120
-            )
+        def sink(side: str, port: int, run: str = run) -> HttpSink:
+            return HttpSink(f"http://127.0.0.1:{port}", token, spool_dir=spool / f"{run}-{side}", timeout=120)
 
-        jobs.append(
-            Job(
-                f"{prefix}-{i}",
-                sink("trainer", ports[i % len(ports)]),
-                sink("rollout", ports[(i + 1) % len(ports)]),
-                seed=1_000_003 * (i + 1),
-            )
+        trainer, rollout = (
+            sink("trainer", ports[i % len(ports)]),
+            sink("rollout", ports[(i + 1) % len(ports)]),
         )
+        jobs.append(Job(run, trainer, rollout, seed=1_000_003 * (i + 1)))
     return jobs
 
 
@@ -182,6 +183,7 @@ def run_jobs(
 
 
 def stamp(moment: datetime) -> float:
+    """A stored timestamp as seconds since the epoch (``time.time()``'s clock)."""
     return utc(moment).timestamp()
 
 
@@ -229,6 +231,7 @@ def deadlock_count(db: Database) -> int:
 
 
 def percentiles(values: list[float]) -> dict[str, float]:
+    """How many, p50, p95 (nearest rank) and max."""
     if not values:
         return {"n": 0, "p50": float("nan"), "p95": float("nan"), "max": float("nan")}
     ordered = sorted(values)
@@ -250,7 +253,7 @@ def drive(
     args: argparse.Namespace,
     progress: Progress,
     label: str,
-    midway: Any = None,
+    midway: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
     """Send ``steps`` steps from every job, show progress, flush the sinks, wait for the comparisons
     (up to ``args.drain``); ``midway()`` runs in a thread halfway through the sending. Returns the
@@ -322,6 +325,7 @@ def drive(
 def lags(
     jobs: list[Job], stored: dict[tuple[str, int], float], compared: dict[tuple[str, int], dict[str, Any]]
 ) -> dict[str, dict[str, float]]:
+    """The lags sent -> stored, stored -> compared and sent -> compared of the steps that got there."""
     sent = {(job.run_id, step): at for job in jobs for step, at in job.sent_at.items()}
     return {
         "sent_stored": percentiles([stored[k] - sent[k] for k in sent if k in stored]),
@@ -332,7 +336,7 @@ def lags(
 
 def fleet(
     db: Database,
-    url_ports: list[int],
+    ports: list[int],
     token: str,
     store: Store,
     tmp: Path,
@@ -345,7 +349,7 @@ def fleet(
     # and leave it for an hour: the bench applies it itself, midway and after the drain, to time it.
     store.apply_due_retention(every_s=0)
     workers = start_workers(db.url, args.workers, tmp)
-    jobs = make_jobs(args.jobs, "job", url_ports, token, tmp / "spool")
+    jobs = make_jobs([f"job-{i}" for i in range(args.jobs)], ports, token, tmp / "spool")
     stored_before_mid: dict[tuple[str, int], float] = {}
     midway: dict[str, Any] = {}
 
@@ -450,8 +454,7 @@ def sweep(
         point_args = argparse.Namespace(**{**vars(args), "samples": samples, "fingerprint_every": 0})
         run = f"sweep-{samples}"
         worker = start_workers(db.url, 1, tmp, run=run)
-        jobs = make_jobs(1, run, ports, token, tmp / "spool")
-        jobs[0].run_id = run
+        jobs = make_jobs([run], ports, token, tmp / "spool")
         try:
             result = drive(
                 store, jobs, args.sweep_steps, point_args, progress, f"sweep {samples} x {args.tokens}"
