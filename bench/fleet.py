@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 from isoaudit.audit.auth import create_token
-from isoaudit.audit.db import Store
+from isoaudit.audit.db import Store, StoreConflict, StoreUnavailable
 from isoaudit.audit.db.alerts import utc
 from isoaudit.audit.db.models import PendingComparisonRow, SampleRow, StepResultRow
 from isoaudit.collectors.sinks.http import HttpSink
@@ -358,8 +358,16 @@ def fleet(
         stored_before_mid.update(stored_steps(store, [j.run_id for j in jobs], args.samples))
         midway["size"] = db.size()
         began = time.perf_counter()
-        outcome = store.apply_retention(PROJECT)
+        for attempt in range(1, 4):  # a delete under load may lose a race (a deadlock): it rolled back
+            try:
+                outcome = store.apply_retention(PROJECT)
+                break
+            except (StoreConflict, StoreUnavailable) as exc:
+                if attempt == 3:
+                    midway["error"] = repr(exc)
+                    return
         midway.update(
+            attempts=attempt,
             seconds=time.perf_counter() - began,
             samples_deleted=outcome.samples_deleted,
             fingerprints_deleted=outcome.fingerprints_deleted,
@@ -556,7 +564,9 @@ def report(
         f"sinks {f['dropped']}, requests retried {f['retried']}; PostgreSQL deadlocks {f['deadlocks']}; steps per worker {f['steps_per_worker']}"
     )
     m = f["retention_midway"]
-    if m:
+    if "error" in m:
+        console.print(f"retention mid-run FAILED three times: {m['error']}")
+    elif m:
         console.print(
             f"retention mid-run (under load): {m['seconds']:.2f} s, {m['samples_deleted']} samples and "
             f"{m['fingerprints_deleted']} fingerprints deleted, arrays {m['arrays_before'] / MIB:.1f} -> "
