@@ -135,8 +135,12 @@ class Ingest(Part):
                     set_={"queued_at": stmt.excluded.queued_at},
                 )
                 now = utcnow()
+                # in key order: two replicas queueing one step's trainer and rollout batches at once
+                # lock the same rows in the same order (a set's order differs between processes:
+                # opposite orders deadlock)
                 session.execute(
-                    stmt, [{"run_id": r, "step": s, "sample_key": k, "queued_at": now} for r, s, k in touched]
+                    stmt,
+                    [{"run_id": r, "step": s, "sample_key": k, "queued_at": now} for r, s, k in sorted(touched)],
                 )
                 result.pending = len(touched)
         return result
