@@ -159,7 +159,7 @@ def test_graph_decode_same_bits_as_eager_gpu() -> None:
             b = eager.generate(prompts, new, seed=seed)
             assert [c.tokens for c in a] == [c.tokens for c in b]
             assert [c.logprobs for c in a] == [c.logprobs for c in b]
-        assert list(graphed._graphs) == [(8, True)]
+        assert list(graphed._graphs) == [(8, "invariant")]
         seqs = [c.prompt + c.tokens for c in a]
         width = max(len(s) for s in seqs)
         ids = torch.zeros(len(seqs), width, dtype=torch.long, device="cuda")
