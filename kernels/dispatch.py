@@ -294,19 +294,33 @@ def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Ten
 def logits_fp32(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Full fp32 logits (for sampling)."""
     if _ENABLED:
-        if _on_cpu(hidden):
-            return _cpu.lm_head_logits(hidden, weight)
-        return _lp.lm_head_logits(hidden, weight)
+        if torch.compiler.is_compiling():
+            return _ops.logits_fp32(hidden.detach(), weight.detach())
+        return logits_fp32_on(hidden, weight)
     return F.linear(hidden, weight).float()
+
+
+def logits_fp32_on(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """:func:`logits_fp32` with the kernels on (what the registered op runs)."""
+    if _on_cpu(hidden):
+        return _cpu.lm_head_logits(hidden, weight)
+    return _lp.lm_head_logits(hidden, weight)
 
 
 def log_softmax(logits: torch.Tensor) -> torch.Tensor:
     """fp32 log-softmax over the last dim: the invariant one, or ``torch.log_softmax``."""
     if _ENABLED:
-        if _on_cpu(logits):
-            return _cpu.log_softmax(logits)
-        return _lp.log_softmax(logits)
+        if torch.compiler.is_compiling():
+            return _ops.log_softmax(logits.detach())
+        return log_softmax_on(logits)
     return torch.log_softmax(logits.float(), dim=-1)
+
+
+def log_softmax_on(logits: torch.Tensor) -> torch.Tensor:
+    """:func:`log_softmax` with the kernels on (what the registered op runs)."""
+    if _on_cpu(logits):
+        return _cpu.log_softmax(logits)
+    return _lp.log_softmax(logits)
 
 
 def gdn(

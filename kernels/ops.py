@@ -16,7 +16,8 @@ op runs.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from types import SimpleNamespace
 from typing import Any
 
@@ -24,6 +25,23 @@ import torch
 from torch.library import custom_op
 
 from . import dispatch
+
+
+@contextmanager
+def _autograd_on() -> Iterator[None]:
+    """Autograd recording inside an op's implementation: the custom-op machinery runs it below
+    autograd (its dispatch keys excluded), where the eager backward's own autograd (a kernel's
+    reference backward differentiates a recomputation) would record nothing."""
+    keys = [torch._C.DispatchKey.AutogradFunctionality, torch._C.DispatchKey.ADInplaceOrView]
+    was = [torch._C._dispatch_tls_is_dispatch_key_excluded(k) for k in keys]
+    try:
+        for k in keys:
+            torch._C._dispatch_tls_set_dispatch_key_excluded(k, False)
+        with torch.enable_grad():
+            yield
+    finally:
+        for k, w in zip(keys, was, strict=True):
+            torch._C._dispatch_tls_set_dispatch_key_excluded(k, w)
 
 
 def _vjp(
@@ -35,7 +53,7 @@ def _vjp(
 ) -> list[torch.Tensor]:
     """The eager backward of ``fn(*inputs, *extra)`` for the inputs in ``needs`` (an empty tensor
     for the others: custom ops return no None)."""
-    with torch.enable_grad():
+    with _autograd_on():
         leaves = [
             t.detach().requires_grad_(bool(n)) if t is not None else None for t, n in zip(inputs, needs, strict=True)
         ]
@@ -45,7 +63,7 @@ def _vjp(
     result = []
     for t, n in zip(leaves, needs, strict=True):
         g = next(got) if n and t is not None else None
-        result.append(g if g is not None else torch.empty(0, device=grad.device))
+        result.append(g.contiguous() if g is not None else grad.new_empty(0))
     return result
 
 
@@ -61,7 +79,7 @@ def _grads(ctx: Any, got: Sequence[torch.Tensor], count: int) -> tuple[torch.Ten
 @custom_op("isoaudit::linear", mutates_args=())
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``dispatch.linear`` with the kernels on."""
-    return dispatch.linear_on(x, weight, bias)
+    return dispatch.linear_on(x, weight, bias).contiguous()
 
 
 @linear.register_fake
@@ -83,7 +101,7 @@ def _linear_backward_fake(
 ) -> list[torch.Tensor]:
     like = (x, weight, bias)
     return [
-        torch.empty_like(t) if n and t is not None else grad.new_empty(0) for t, n in zip(like, needs, strict=True)
+        t.new_empty(t.shape) if n and t is not None else grad.new_empty(0) for t, n in zip(like, needs, strict=True)
     ]
 
 
@@ -107,12 +125,12 @@ linear.register_autograd(_linear_grad, setup_context=_linear_setup)
 @custom_op("isoaudit::rms_norm", mutates_args=())
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """``dispatch.rms_norm`` with the kernels on."""
-    return dispatch.rms_norm_on(x, weight, eps)
+    return dispatch.rms_norm_on(x, weight, eps).contiguous()
 
 
 @rms_norm.register_fake
 def _rms_norm_fake(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    return torch.empty_like(x)
+    return x.new_empty(x.shape)
 
 
 @custom_op("isoaudit::rms_norm_backward", mutates_args=())
@@ -127,7 +145,7 @@ def rms_norm_backward(
 def _rms_norm_backward_fake(
     grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, eps: float, needs: list[bool]
 ) -> list[torch.Tensor]:
-    return [torch.empty_like(t) if n and t is not None else grad.new_empty(0) for t, n in zip((x, weight), needs, strict=True)]
+    return [t.new_empty(t.shape) if n and t is not None else grad.new_empty(0) for t, n in zip((x, weight), needs, strict=True)]
 
 
 def _rms_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
@@ -152,12 +170,12 @@ rms_norm.register_autograd(_rms_grad, setup_context=_rms_setup)
 @custom_op("isoaudit::silu", mutates_args=())
 def silu(x: torch.Tensor) -> torch.Tensor:
     """``dispatch.silu`` with the kernels on."""
-    return dispatch.silu_on(x)
+    return dispatch.silu_on(x).contiguous()
 
 
 @silu.register_fake
 def _silu_fake(x: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(x)
+    return x.new_empty(x.shape)
 
 
 @custom_op("isoaudit::silu_backward", mutates_args=())
@@ -168,7 +186,7 @@ def silu_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 @silu_backward.register_fake
 def _silu_backward_fake(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(x)
+    return x.new_empty(x.shape)
 
 
 def _silu_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
@@ -198,7 +216,7 @@ def attention(
     scale: float | None,
 ) -> torch.Tensor:
     """``dispatch.attention`` with the kernels on (packed queries against a KV cache)."""
-    return dispatch.attention_on(q, k_cache, v_cache, cu_q, q_pos0, kv_len, slots, scale)
+    return dispatch.attention_on(q, k_cache, v_cache, cu_q, q_pos0, kv_len, slots, scale).contiguous()
 
 
 @attention.register_fake
@@ -212,7 +230,7 @@ def _attention_fake(
     slots: torch.Tensor,
     scale: float | None,
 ) -> torch.Tensor:
-    return torch.empty_like(q)
+    return q.new_empty(q.shape)
 
 
 @custom_op("isoaudit::attention_backward", mutates_args=())
@@ -249,7 +267,7 @@ def _attention_backward_fake(
     scale: float | None,
     needs: list[bool],
 ) -> list[torch.Tensor]:
-    return [torch.empty_like(t) if n else grad.new_empty(0) for t, n in zip((q, k_cache, v_cache), needs, strict=True)]
+    return [t.new_empty(t.shape) if n else grad.new_empty(0) for t, n in zip((q, k_cache, v_cache), needs, strict=True)]
 
 
 def _attention_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
@@ -268,6 +286,31 @@ def _attention_grad(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, 
 attention.register_autograd(_attention_grad, setup_context=_attention_setup)
 
 
+# ------------------------------------------------------------------------------- head (no grad)
+
+
+@custom_op("isoaudit::logits_fp32", mutates_args=())
+def logits_fp32(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``dispatch.logits_fp32`` with the kernels on (the fp32 head; forward only)."""
+    return dispatch.logits_fp32_on(hidden, weight).contiguous()
+
+
+@logits_fp32.register_fake
+def _logits_fp32_fake(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return hidden.new_empty(*hidden.shape[:-1], weight.shape[0], dtype=torch.float32)
+
+
+@custom_op("isoaudit::log_softmax", mutates_args=())
+def log_softmax(logits: torch.Tensor) -> torch.Tensor:
+    """``dispatch.log_softmax`` with the kernels on (forward only)."""
+    return dispatch.log_softmax_on(logits).contiguous()
+
+
+@log_softmax.register_fake
+def _log_softmax_fake(logits: torch.Tensor) -> torch.Tensor:
+    return logits.new_empty(logits.shape, dtype=torch.float32)
+
+
 # ------------------------------------------------------------------------------------- rotary
 
 #: The original ``forward`` of each HF rotary-embedding class the adapters patch, by class name.
@@ -284,7 +327,7 @@ def rotary(
     module = SimpleNamespace(inv_freq=inv_freq, attention_scaling=scaling, rope_type="default")
     with torch.no_grad():
         cos, sin = ROTARY_FORWARDS[cls](module, x, position_ids)
-    return [cos, sin]
+    return [cos.contiguous(), sin.contiguous()]
 
 
 @rotary.register_fake
