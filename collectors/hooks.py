@@ -105,6 +105,7 @@ class _CompiledTarget:
         self.shape = shape
         self.buffers = FingerprintBuffers(slots, rows, device)
         self.bits: list[tuple[int, ...] | None] = [None] * slots
+        self.logits: torch.Tensor | None = None
 
 
 class ForwardCapture:
@@ -144,6 +145,7 @@ class ForwardCapture:
         self.compiled_target: _CompiledTarget | None = None
         #: a compiled forward ran through these hooks (buffers are allocated only then)
         self.compiled_seen = False
+        _compiled_models_see_hooks()
         self._handles.append(model.register_forward_pre_hook(self._open, with_kwargs=True))
         self._handles.append(model.register_forward_hook(self._close, always_call=True))
         for slot, spec in enumerate(self.specs):
@@ -184,6 +186,9 @@ class ForwardCapture:
 
     def _close(self, _module: nn.Module, _args: tuple[Any, ...], output: Any) -> None:
         if torch.compiler.is_compiling():
+            target = self.compiled_target
+            if target is not None:  # the logits, for the collector's logprobs and distribution
+                target.logits = _logits_of(output)
             return
         self._depth = max(0, self._depth - 1)
         if self._depth or self.current is None:
@@ -274,6 +279,7 @@ class ForwardCapture:
                 rows *= int(d)
             target = self._targets[key] = _CompiledTarget(key[0], len(self.specs), rows, key[1])
         target.bits = [None] * len(self.specs)
+        target.logits = None
         self.compiled_target = target
 
     def take_compiled(self, input_ids: torch.Tensor) -> Capture | None:
@@ -284,7 +290,8 @@ class ForwardCapture:
         if target is None or all(b is None for b in target.bits) or tuple(input_ids.shape) != target.shape:
             return None
         ints, floats = target.buffers.ints.clone(), target.buffers.floats.clone()
-        capture = Capture(input_ids, fingerprinting=True, complete=True)
+        capture = Capture(input_ids, fingerprinting=True, logits=target.logits, complete=True)
+        target.logits = None
         for slot, bits in enumerate(target.bits):
             if bits is None:
                 continue
@@ -385,6 +392,18 @@ class ForwardCapture:
     @property
     def attached(self) -> bool:
         return bool(self._handles)
+
+
+def _compiled_models_see_hooks() -> None:
+    """Make Dynamo guard on module hooks: by default (``skip_nnmodule_hook_guards``) a compiled
+    model keeps running graphs traced before our hooks were added, or another instance's graph of
+    the same class without them, and its regions would never reach the fingerprint op."""
+    try:
+        import torch._dynamo.config as dynamo_config
+    except Exception:  # noqa: BLE001 - a torch without Dynamo compiles nothing
+        return
+    if getattr(dynamo_config, "skip_nnmodule_hook_guards", False):
+        dynamo_config.skip_nnmodule_hook_guards = False
 
 
 def _invariant_head_logits(head: nn.Linear, inputs: Any, rows: torch.Tensor | None) -> torch.Tensor | None:

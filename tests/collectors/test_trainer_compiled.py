@@ -43,7 +43,7 @@ def _train(model: torch.nn.Module, forward, steps: int, *, control=None):
     sink = MemorySink()
     collector = attach(
         model, run="c", sink=sink, keep_records=True, strict=True, async_transfer=False,
-        control=control, distribution_k=0,
+        control=control,
     )  # fmt: skip
     out = []
     try:
