@@ -396,7 +396,11 @@ def run_compiled_trainer(args: argparse.Namespace) -> dict[str, Any]:
     kernels.disable()
     torch._dynamo.reset()
     plain = (base_model, torch.compile(base_model), torch.optim.AdamW(base_model.parameters(), lr=1e-6))
-    watched = (watched_model, torch.compile(watched_model), torch.optim.AdamW(watched_model.parameters(), lr=1e-6))
+    watched = (
+        watched_model,
+        torch.compile(watched_model),
+        torch.optim.AdamW(watched_model.parameters(), lr=1e-6),
+    )
 
     def step(which: tuple[Any, Any, Any], n: int, with_collector: bool) -> float:
         model, compiled, optimizer = which
@@ -429,7 +433,10 @@ def run_compiled_trainer(args: argparse.Namespace) -> dict[str, Any]:
     collector.detach()
     sink.close()
     kernels.disable()
-    base, with_prints = statistics.median(times["compiled"]), statistics.median(times["compiled+fingerprints"])
+    base, with_prints = (
+        statistics.median(times["compiled"]),
+        statistics.median(times["compiled+fingerprints"]),
+    )
     return {
         "step_ms": {"compiled": 1e3 * base, "compiled+fingerprints": 1e3 * with_prints},
         "ratio": with_prints / base,

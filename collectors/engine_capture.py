@@ -158,8 +158,8 @@ class EngineFingerprints:
             return
         decoded, self._decoded = self._decoded, []
         tensors: dict[str, torch.Tensor] = {}
-        for i, (_, ints, floats, _, _) in enumerate(decoded):
-            tensors[f"{i}.i"], tensors[f"{i}.f"] = ints, floats
+        for i, (_, dev_ints, dev_floats, _, _) in enumerate(decoded):
+            tensors[f"{i}.i"], tensors[f"{i}.f"] = dev_ints, dev_floats
         host = to_host(tensors)
         for i, (bucket, _, _, rows, positions) in enumerate(decoded):
             ints, floats = host[f"{i}.i"], host[f"{i}.f"]
@@ -374,7 +374,9 @@ class EngineCollector(Collector):
     def _runtime(self) -> RuntimeFacts:
         param = next(self.model.parameters(), None)
         dtype = str(param.dtype).removeprefix("torch.") if param is not None else None
-        return RuntimeFacts(
+        graphed = getattr(self.engine, "graphed", None)
+        in_graphs = bool(graphed()) if callable(graphed) else None
+        facts = RuntimeFacts(
             framework="isoaudit.kernels.engine",
             torch_version=torch.__version__,
             device=str(param.device) if param is not None else None,
@@ -383,10 +385,16 @@ class EngineCollector(Collector):
             logprobs_mode="raw_logprobs",
             prefix_caching=False,
             chunked_prefill=getattr(self.engine, "prefill_chunk", None) is not None,
-            cuda_graphs=bool(graphed()) if callable(graphed := getattr(self.engine, "graphed", None)) else None,
-            # how a mode switch reaches the graphs, and where the fingerprints run
-            graph_recapture="per bucket, at its next decode after a mode switch",
-            fingerprints_in_graphs=self.prints is not None and self.prints.engine is not None,
+            cuda_graphs=in_graphs,
+        )
+        if not in_graphs:
+            return facts
+        # how a mode switch reaches the graphs, and whether the fingerprints run inside them
+        return facts.model_copy(
+            update={
+                "graph_recapture": "each bucket at its next decode after a mode switch",
+                "fingerprints_in_graphs": self.prints is not None and self.prints.engine is not None,
+            }
         )
 
     def _signature(self) -> tuple[Any, ...]:

@@ -23,7 +23,12 @@ from typing import Any
 
 import torch
 from isoaudit.collectors.fingerprint_op import FingerprintBuffers
-from isoaudit.collectors.fingerprints import FLOAT_WIDTH, RowFingerprints, default_ladder_bits, fingerprint_rows
+from isoaudit.collectors.fingerprints import (
+    FLOAT_WIDTH,
+    RowFingerprints,
+    default_ladder_bits,
+    fingerprint_rows,
+)
 from isoaudit.collectors.regions import RegionSpec, Tap, read_tap
 from isoaudit.collectors.transfer import to_device
 from isoaudit.kernels import dispatch
@@ -244,7 +249,9 @@ class ForwardCapture:
 
         return hook
 
-    def _compiled_region(self, spec: RegionSpec, slot: int, module: nn.Module, inputs: Any, output: Any) -> None:
+    def _compiled_region(
+        self, spec: RegionSpec, slot: int, module: nn.Module, inputs: Any, output: Any
+    ) -> None:
         """A region inside a traced forward: every row through the fingerprint op into its slot
         (rows are picked on the host after the step). No try/except: Dynamo traces this."""
         target = self.compiled_target
@@ -298,7 +305,12 @@ class ForwardCapture:
             r = len(bits)
             i, f = ints[slot], floats[slot]
             capture.prints[(self.specs[slot].name, 0)] = RowFingerprints(
-                i[:, 0], i[:, 1 : 1 + r], f[:, : FLOAT_WIDTH - 2], f[:, FLOAT_WIDTH - 2], f[:, FLOAT_WIDTH - 1], bits
+                i[:, 0],
+                i[:, 1 : 1 + r],
+                f[:, : FLOAT_WIDTH - 2],
+                f[:, FLOAT_WIDTH - 2],
+                f[:, FLOAT_WIDTH - 1],
+                bits,
             )
         target.bits = [None] * len(self.specs)
         return capture

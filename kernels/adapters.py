@@ -73,7 +73,9 @@ def _rotary_forward(self: Any, x: torch.Tensor, position_ids: torch.Tensor) -> A
         and getattr(self, "rope_type", "default") == "default"
     ):
         scaling = float(getattr(self, "attention_scaling", 1.0))
-        cos, sin = torch.ops.isoaudit.rotary(x.detach(), position_ids, self.inv_freq, scaling, cls.__qualname__)
+        cos, sin = torch.ops.isoaudit.rotary(
+            x.detach(), position_ids, self.inv_freq, scaling, cls.__qualname__
+        )
         return cos, sin
     return _saved["rotary_of"][cls](self, x, position_ids)
 

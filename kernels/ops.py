@@ -55,7 +55,8 @@ def _vjp(
     for the others: custom ops return no None)."""
     with _autograd_on():
         leaves = [
-            t.detach().requires_grad_(bool(n)) if t is not None else None for t, n in zip(inputs, needs, strict=True)
+            t.detach().requires_grad_(bool(n)) if t is not None else None
+            for t, n in zip(inputs, needs, strict=True)
         ]
         out = fn(*leaves, *extra)
         wrt = [t for t, n in zip(leaves, needs, strict=True) if n and t is not None]
@@ -101,7 +102,8 @@ def _linear_backward_fake(
 ) -> list[torch.Tensor]:
     like = (x, weight, bias)
     return [
-        t.new_empty(t.shape) if n and t is not None else grad.new_empty(0) for t, n in zip(like, needs, strict=True)
+        t.new_empty(t.shape) if n and t is not None else grad.new_empty(0)
+        for t, n in zip(like, needs, strict=True)
     ]
 
 
@@ -145,7 +147,10 @@ def rms_norm_backward(
 def _rms_norm_backward_fake(
     grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, eps: float, needs: list[bool]
 ) -> list[torch.Tensor]:
-    return [t.new_empty(t.shape) if n and t is not None else grad.new_empty(0) for t, n in zip((x, weight), needs, strict=True)]
+    return [
+        t.new_empty(t.shape) if n and t is not None else grad.new_empty(0)
+        for t, n in zip((x, weight), needs, strict=True)
+    ]
 
 
 def _rms_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
@@ -267,7 +272,10 @@ def _attention_backward_fake(
     scale: float | None,
     needs: list[bool],
 ) -> list[torch.Tensor]:
-    return [t.new_empty(t.shape) if n else grad.new_empty(0) for t, n in zip((q, k_cache, v_cache), needs, strict=True)]
+    return [
+        t.new_empty(t.shape) if n else grad.new_empty(0)
+        for t, n in zip((q, k_cache, v_cache), needs, strict=True)
+    ]
 
 
 def _attention_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:

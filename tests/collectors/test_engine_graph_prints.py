@@ -63,7 +63,9 @@ def _assert_same_records(a, b, exact_sketch: bool = True) -> None:
         for name in ROW_FIELDS:
             x, y = np.asarray(getattr(ra, name)), np.asarray(getattr(rb, name))
             if name == "sketch" and not exact_sketch:
-                np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6 * float(np.abs(y).max()), err_msg=str(key))
+                np.testing.assert_allclose(
+                    x, y, rtol=1e-5, atol=1e-6 * float(np.abs(y).max()), err_msg=str(key)
+                )
                 continue
             assert np.array_equal(x.view(np.uint8), y.view(np.uint8)), (key, name)
 
@@ -84,11 +86,7 @@ def test_bucketed_decode_with_the_op_equals_the_packed_hooks(dtype: torch.dtype)
     decode = [r for r in recs_b if r.case == "engine_decode"]
     assert decode, "no decode rows recorded"
     # each request's decode rows: every generated position but the last sampled token's
-    mlp = sorted(
-        (len(r.positions), int(r.positions[0]))
-        for r in decode
-        if r.region == "layers.0.mlp"
-    )
+    mlp = sorted((len(r.positions), int(r.positions[0])) for r in decode if r.region == "layers.0.mlp")
     assert mlp == sorted((n - 1, len(p)) for p, n in zip(PROMPTS, NEW, strict=True))
     _assert_same_records(recs_b, recs_p, exact_sketch=False)
 
@@ -127,7 +125,9 @@ def test_graphed_decode_fingerprints_equal_eager_and_replay_gpu() -> None:
         eng, _, graphed = _run(model, {}, observe=True, prompts=prompts, new=new, seeds=(1, 2))
         assert eng.graphed() and eng.replays >= 2 * (max(new) - 1)
         assert [k[0] for k in eng.graph_keys] == [8] and len(eng.captures) == 1  # captured once, replayed
-        _, _, eager = _run(model, {"cuda_graphs": False}, observe=False, prompts=prompts, new=new, seeds=(1, 2))
+        _, _, eager = _run(
+            model, {"cuda_graphs": False}, observe=False, prompts=prompts, new=new, seeds=(1, 2)
+        )
     for (da, a), (db, b) in zip(graphed, eager, strict=True):
         assert [c.tokens for c in da] == [c.tokens for c in db]
         assert [c.logprobs for c in da] == [c.logprobs for c in db]

@@ -97,7 +97,9 @@ def test_compiled_trainer_records_every_region_through_the_op(dtype: torch.dtype
         assert ra.n_fingerprint_records == rb.n_fingerprint_records > 0
         _assert_equal_prints(ra, rb)
         assert ga.keys() == gb.keys()
-        differ = {n: float((ga[n].float() - gb[n].float()).abs().max()) for n in ga if not torch.equal(ga[n], gb[n])}
+        differ = {
+            n: float((ga[n].float() - gb[n].float()).abs().max()) for n in ga if not torch.equal(ga[n], gb[n])
+        }
         assert not differ, (step, sorted(differ))
         if step >= 1:  # the first compiled call traces; from then on the op writes the buffers
             assert not rb.own_forward
