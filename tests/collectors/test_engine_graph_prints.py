@@ -133,3 +133,35 @@ def test_graphed_decode_fingerprints_equal_eager_and_replay_gpu() -> None:
         assert [c.logprobs for c in da] == [c.logprobs for c in db]
         assert any(r.case == "engine_decode" for r in a)
         _assert_same_records(a, b)
+
+
+def test_a_mode_switch_rebuilds_the_decode_step_and_the_manifest_says_so() -> None:
+    """The collector at the engine's step boundary: a switch drops the captured step, the next
+    decode builds it again in the new mode (with the fingerprints inside), and records stay
+    complete on both sides of the switch."""
+    from isoaudit.collectors.control import FixedControl
+    from isoaudit.collectors.engine_capture import EngineCollector
+    from isoaudit.collectors.sinks import MemorySink
+
+    model = _tiny("cpu", torch.float32)
+    engine = RolloutEngine(model, max_len=32, bucketed_decode=True)
+    control = FixedControl("g", "native")
+    sink = MemorySink()
+    collector = EngineCollector(engine, run="g", sink=sink, control=control, keep_records=True, strict=True)
+    try:
+        assert engine.observer is collector.prints
+        a = collector.record_step(0, engine.generate(PROMPTS, NEW, seed=1))
+        assert list(engine._graphs) == [(4, "native")]
+        control.set("invariant")
+        b = collector.record_step(1, engine.generate(PROMPTS, NEW, seed=1))
+        assert list(engine._graphs) == [(4, "invariant")]  # the native one dropped at the switch
+        for report in (a, b):
+            decode = [r for r in report.records if r.kind == "fingerprints" and r.case == "engine_decode"]
+            assert {r.region for r in decode} >= {"embed", "layers.1.mlp", "final_norm"}
+    finally:
+        collector.detach()
+        sink.flush(30)
+        kernels.disable()
+    assert engine.observer is None
+    modes = [m.runtime.remediation for m in sink.of_kind("manifest")]
+    assert modes[0] == "native" and modes[-1] == "invariant"
