@@ -105,3 +105,39 @@ def test_compiled_trainer_records_every_region_through_the_op(dtype: torch.dtype
             assert not rb.own_forward
     regions = {r.region for r in compiled[-1][0].records if r.kind == "fingerprints"}
     assert {"embed", "layers.0.attn", "layers.1.out", "final_norm", "logits"} <= regions
+
+
+def test_a_switch_recompiles_and_the_next_step_runs_the_new_mode() -> None:
+    """Native, then invariant through the control channel: the compiled step after the switch is
+    recompiled (Dynamo guards on the mode) and gives the eager invariant fingerprints."""
+    eager_model = _model(torch.float32)
+    compiled_model = copy.deepcopy(eager_model)
+    torch._dynamo.reset()
+    try:
+        with kernels.enable():
+            want = _train(eager_model, eager_model, 1)[0][0]
+        kernels.disable()
+        control = FixedControl("c", "native")
+        sink = MemorySink()
+        collector = attach(
+            compiled_model, run="c", sink=sink, keep_records=True, strict=True, control=control
+        )
+        fn = torch.compile(compiled_model, fullgraph=True)
+        reports = []
+        for step in range(3):
+            if step == 2:
+                control.set("invariant")
+            batch = _batch(0)
+            collector.begin_step(step, batch)
+            logits = fn(**batch.model_inputs()).logits
+            lp = torch.log_softmax(logits[:, :-1].float() / TEMPERATURE, dim=-1)
+            lp = lp.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
+            reports.append(collector.record_step(step, batch, logprobs=lp.detach()))
+        collector.detach()
+    finally:
+        kernels.disable()
+        torch._dynamo.reset()
+    assert not reports[2].own_forward  # the recompiled graph wrote the op's buffers
+    _assert_equal_prints(reports[2], want)
+    modes = [m.runtime.remediation for m in sink.of_kind("manifest")]
+    assert modes[0] == "native" and modes[-1] == "invariant"

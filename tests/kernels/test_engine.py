@@ -97,9 +97,9 @@ def test_generate_checks_its_requests() -> None:
 
 
 def test_decode_runs_through_a_wrapped_step() -> None:
-    """A collector that wraps ``step`` (fingerprints) must see every step: then nothing is
-    graphed, each packed step holds only the live requests (no repeated positions), and the
-    results are the unwrapped engine's bits."""
+    """A collector that wraps ``step`` (fingerprints) sees every packed step (here, on the CPU,
+    every step: nothing is graphed), each holding only the live requests (no repeated positions),
+    and the results are the unwrapped engine's bits."""
     model = _tiny("cpu", torch.float32)
     prompts, new = [[1, 2, 3], [4, 5, 6, 7, 8], [9]], [4, 2, 5]
     with kernels.enable():
