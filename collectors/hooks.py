@@ -296,22 +296,25 @@ class ForwardCapture:
         target = self.compiled_target
         if target is None or all(b is None for b in target.bits) or tuple(input_ids.shape) != target.shape:
             return None
-        ints, floats = target.buffers.ints.clone(), target.buffers.floats.clone()
+        # a copy (the next step writes the same storage), viewed as one group per ladder: each
+        # region is a span of its group, so the step's transfer sends a few tensors, not 5 per region
+        rows = target.buffers.rows
+        ints = target.buffers.ints.clone().reshape(-1, target.buffers.ints.shape[-1])
+        floats = target.buffers.floats.clone().reshape(-1, FLOAT_WIDTH)
         capture = Capture(input_ids, fingerprinting=True, logits=target.logits, complete=True)
         target.logits = None
+        groups: dict[tuple[int, ...], RowFingerprints] = {}
         for slot, bits in enumerate(target.bits):
             if bits is None:
                 continue
-            r = len(bits)
-            i, f = ints[slot], floats[slot]
-            capture.prints[(self.specs[slot].name, 0)] = RowFingerprints(
-                i[:, 0],
-                i[:, 1 : 1 + r],
-                f[:, : FLOAT_WIDTH - 2],
-                f[:, FLOAT_WIDTH - 2],
-                f[:, FLOAT_WIDTH - 1],
-                bits,
-            )
+            group = groups.get(bits)
+            if group is None:
+                r = len(bits)
+                group = groups[bits] = RowFingerprints(
+                    ints[:, 0], ints[:, 1 : 1 + r], floats[:, : FLOAT_WIDTH - 2], floats[:, FLOAT_WIDTH - 2],
+                    floats[:, FLOAT_WIDTH - 1], bits,
+                )  # fmt: skip
+            capture.prints[(self.specs[slot].name, 0)] = group.span(slot * rows, (slot + 1) * rows)
         target.bits = [None] * len(self.specs)
         return capture
 
