@@ -16,6 +16,21 @@ baseline. Targets on the CPU with a tiny model: logprobs <= 3 %, with fingerprin
     python bench/collector_overhead.py                         # CPU, tiny Qwen3
     python bench/collector_overhead.py --device cuda --model 0.5b
     python bench/collector_overhead.py --model deep-tiny --hidden 16   # CPU, the 0.5b's 123 regions
+
+``--scenario graphs`` times, in one run, what the graph citizens cost (docs/design.md,
+"Fingerprints in compiled graphs and captured CUDA graphs"):
+
+* ``engine``: the reference engine's decode replayed from CUDA graphs with every region
+  fingerprinted through the op, against the same graphed decode without fingerprints (decode time
+  = a generate of ``--new`` tokens minus one of 1 token, so prefill is left out); then, kernels on,
+  the graphed fingerprints against the eager packed steps' bit for bit, the decode asserted
+  replayed, and one mode switch's recapture timed. On the CPU the bucketed decode runs eagerly.
+* ``compiled-trainer``: a ``torch.compile``'d training step with every region fingerprinted
+  through the op against the compiled step without a collector (two copies of the model,
+  interleaved), and the recompile a switch to the invariant kernels costs.
+
+    python bench/collector_overhead.py --scenario graphs --device cuda --model 0.5b   # the H200
+    python bench/collector_overhead.py --scenario graphs --hidden 64 --rounds 3        # CPU check
 """
 
 from __future__ import annotations
@@ -259,6 +274,190 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def _decode_seconds(engine: Any, prompts: list[list[int]], new: int, sync: Any) -> float:
+    """Decode time of one ``generate``: ``new`` tokens minus 1 token (the prefill cancels)."""
+    times = []
+    for count in (new, 1):
+        sync()
+        t0 = time.perf_counter()
+        engine.generate(prompts, [count] * len(prompts), seed=1)
+        sync()
+        times.append(time.perf_counter() - t0)
+    return times[0] - times[1]
+
+
+def _records_equal(a: list[Any], b: list[Any]) -> tuple[int, int]:
+    """(records compared, records whose positions and every field agree bit for bit)."""
+    import numpy as np
+    from isoaudit.audit.fingerprints import ROW_FIELDS
+
+    ka = {(r.sample_key, r.region, r.case): r for r in a}
+    kb = {(r.sample_key, r.region, r.case): r for r in b}
+    same = 0
+    for key, ra in ka.items():
+        rb = kb.get(key)
+        if rb is None or not np.array_equal(ra.positions, rb.positions):
+            continue
+        fields = (np.asarray(getattr(ra, n)).view(np.uint8) for n in ROW_FIELDS)
+        others = (np.asarray(getattr(rb, n)).view(np.uint8) for n in ROW_FIELDS)
+        same += all(np.array_equal(x, y) for x, y in zip(fields, others, strict=True))
+    return max(len(ka), len(kb)), same
+
+
+def run_engine_graphs(args: argparse.Namespace) -> dict[str, Any]:
+    """The reference engine's graphed decode with every region fingerprinted against without."""
+    from isoaudit.collectors.engine_capture import EngineFingerprints
+    from isoaudit.kernels.adapters import HFCausalLM
+    from isoaudit.kernels.engine import RolloutEngine
+
+    from isoaudit import kernels
+
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    model = build_model(args.model, args.device, dtype, args.hidden).eval()
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, vocab, (args.prompt,), generator=gen).tolist() for _ in range(args.batch)]
+    max_len = args.prompt + args.new + 1
+    cuda = args.device.startswith("cuda")
+    sync = torch.cuda.synchronize if cuda else _no_sync
+    kw = {} if cuda else {"bucketed_decode": True}
+    plain = RolloutEngine(HFCausalLM(model), max_len=max_len, **kw)
+    watched_model = HFCausalLM(model)
+    watched = RolloutEngine(watched_model, max_len=max_len, **kw)
+    prints = EngineFingerprints(watched_model, "auto", watched)
+    kernels.disable()
+    for eng in (plain, watched):  # capture and warm both
+        eng.generate(prompts, [4] * len(prompts))
+    prints.records("bench", 0, prompts, [[0]] * len(prompts))  # drop the warm-up's rows
+    times: dict[str, list[float]] = {"graphs": [], "graphs+fingerprints": []}
+    for round_ in range(args.rounds):
+        order = [("graphs", plain), ("graphs+fingerprints", watched)]
+        for name, eng in order if round_ % 2 == 0 else order[::-1]:
+            times[name].append(_decode_seconds(eng, prompts, args.new, sync))
+            if eng is watched:
+                prints._decoded.clear()  # the timing's rows are not records (kept on the device)
+                prints._rows.clear()
+    base, with_prints = statistics.median(times["graphs"]), statistics.median(times["graphs+fingerprints"])
+    replays_before = watched.replays
+    # Kernels on: the graphed fingerprints against the eager packed steps', bit for bit.
+    with kernels.enable():
+        switch_from = len(watched.captures)
+        watched.drop_graphs()  # what a mode switch does
+        done = watched.generate(prompts, [args.check_new] * len(prompts), seed=3)
+        recapture = [c[2] for c in watched.captures[switch_from:]]
+        graphed_records = prints.records("bench", 1, [c.prompt for c in done], [c.tokens for c in done])
+        replayed = watched.replays - replays_before
+        eager_model = HFCausalLM(model)
+        prints.detach()
+        eager = RolloutEngine(eager_model, max_len=max_len, cuda_graphs=False)
+        eager_prints = EngineFingerprints(eager_model, "auto", None)
+        done_eager = eager.generate(prompts, [args.check_new] * len(prompts), seed=3)
+        eager_records = eager_prints.records(
+            "bench", 1, [c.prompt for c in done_eager], [c.tokens for c in done_eager]
+        )
+        eager_prints.detach()
+    compared, equal = _records_equal(graphed_records, eager_records)
+    same_tokens = [c.tokens for c in done] == [c.tokens for c in done_eager]
+    same_logprobs = [c.logprobs for c in done] == [c.logprobs for c in done_eager]
+    return {
+        "graphed": plain.graphed(),
+        "decode_ms": {"graphs": 1e3 * base, "graphs+fingerprints": 1e3 * with_prints},
+        "ratio": with_prints / base,
+        "regions": len(prints.specs),
+        "kernels_on_check": {
+            "records_compared": compared,
+            "records_bitwise_equal": equal,
+            "tokens_equal": same_tokens,
+            "logprobs_equal": same_logprobs,
+            "decode_steps_replayed_from_graph": replayed,
+        },
+        "recapture_s_after_switch": recapture,
+    }
+
+
+def run_compiled_trainer(args: argparse.Namespace) -> dict[str, Any]:
+    """A compiled training step with every region fingerprinted through the op against without."""
+    import copy
+
+    from isoaudit.collectors.control import FixedControl
+
+    from isoaudit import kernels
+
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    base_model = build_model(args.model, args.device, dtype, args.hidden)
+    watched_model = copy.deepcopy(base_model)
+    batch = make_batch(args, base_model.config.vocab_size, args.device)
+    mask = completion_mask(batch)
+    cuda = args.device.startswith("cuda")
+    sync = torch.cuda.synchronize if cuda else _no_sync
+    sink = MemorySink(keep=False, validate=False, queue_size=1024)
+    control = FixedControl("bench", "native")
+    collector = attach(watched_model, run="bench", sink=sink, regions="auto", sample_every=1, control=control)
+    kernels.disable()
+    torch._dynamo.reset()
+    plain = (base_model, torch.compile(base_model), torch.optim.AdamW(base_model.parameters(), lr=1e-6))
+    watched = (
+        watched_model,
+        torch.compile(watched_model),
+        torch.optim.AdamW(watched_model.parameters(), lr=1e-6),
+    )
+
+    def step(which: tuple[Any, Any, Any], n: int, with_collector: bool) -> float:
+        model, compiled, optimizer = which
+        sync()
+        t0 = time.perf_counter()
+        train_step(compiled, optimizer, batch, mask, collector if with_collector else None, n, True)
+        sync()
+        return time.perf_counter() - t0
+
+    for n in range(args.warmup + 1):  # compile both (the collector's graph: the second call)
+        step(plain, n, False)
+        step(watched, n, True)
+    times: dict[str, list[float]] = {"compiled": [], "compiled+fingerprints": []}
+    n = args.warmup + 1
+    for round_ in range(args.rounds):
+        order = [("compiled", plain, False), ("compiled+fingerprints", watched, True)]
+        for name, which, on in order if round_ % 2 == 0 else order[::-1]:
+            for _ in range(args.steps):
+                n += 1
+                times[name].append(step(which, n, on))
+    own = collector.counters.own_forwards
+    # a switch to the invariant kernels: the next compiled step recompiles (Dynamo guards on it)
+    control.set("invariant")
+    n += 1
+    first = step(watched, n, True)
+    steady = [step(watched, n + 1 + i, True) for i in range(args.steps)]
+    control.set("native")
+    step(watched, n + 10, True)
+    errors = collector.counters.errors + collector.stats()["hook_errors"]
+    collector.detach()
+    sink.close()
+    kernels.disable()
+    base, with_prints = (
+        statistics.median(times["compiled"]),
+        statistics.median(times["compiled+fingerprints"]),
+    )
+    return {
+        "step_ms": {"compiled": 1e3 * base, "compiled+fingerprints": 1e3 * with_prints},
+        "ratio": with_prints / base,
+        "own_forwards": own,
+        "collector_errors": errors,
+        "recompile_s_after_switch": first - statistics.median(steady),
+    }
+
+
+def run_graphs(args: argparse.Namespace) -> dict[str, Any]:
+    """Both graph-citizen scenarios in one run, on one device."""
+    return {
+        "device": args.device,
+        "device_name": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+        "model": args.model,
+        "dtype": args.dtype,
+        "engine": run_engine_graphs(args),
+        "compiled_trainer": run_compiled_trainer(args),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -281,9 +480,37 @@ def main() -> None:
         help="also time fingerprints with the records built on a helper thread (background_records)",
     )
     parser.add_argument("--json", default=None, help="also write the result here")
+    parser.add_argument("--scenario", default="trainer", choices=["trainer", "graphs"])
+    parser.add_argument("--new", type=int, default=128, help="graphs: decode steps timed per generate")
+    parser.add_argument("--check-new", type=int, default=16, help="graphs: tokens of the bitwise check")
     args = parser.parse_args()
     if args.dtype is None:
         args.dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
+    if args.scenario == "graphs":
+        result = run_graphs(args)
+        engine, trainer = result["engine"], result["compiled_trainer"]
+        check = engine["kernels_on_check"]
+        print(f"device {result['device_name']}  model {result['model']}  {result['dtype']}")
+        print(
+            f"engine decode ({'CUDA graphs' if engine['graphed'] else 'bucketed, eager: no CUDA'}), "
+            f"{engine['regions']} regions: {engine['decode_ms']['graphs']:.2f} ms -> "
+            f"{engine['decode_ms']['graphs+fingerprints']:.2f} ms  ratio {engine['ratio']:.3f} (target <= 1.10)"
+        )
+        print(
+            f"  kernels on: {check['records_bitwise_equal']}/{check['records_compared']} records bitwise equal "
+            f"to eager, tokens {check['tokens_equal']}, logprobs {check['logprobs_equal']}, "
+            f"{check['decode_steps_replayed_from_graph']} decode steps replayed from a graph; "
+            f"recapture after a switch {engine['recapture_s_after_switch']} s"
+        )
+        print(
+            f"compiled trainer step: {trainer['step_ms']['compiled']:.2f} ms -> "
+            f"{trainer['step_ms']['compiled+fingerprints']:.2f} ms  ratio {trainer['ratio']:.3f} (target <= 1.10); "
+            f"own forwards {trainer['own_forwards']}, errors {trainer['collector_errors']}, "
+            f"recompile after a switch {trainer['recompile_s_after_switch']:.2f} s"
+        )
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=2))
+        return
     result = run(args)
     for name, ms in result["median_ms"].items():
         extra = f"  {result['overhead_pct'][name]:+6.1f} %" if name in result["overhead_pct"] else "         "

@@ -10,14 +10,19 @@ on or off), and reports it in its manifest.
 The engine packs the new tokens of every live request into one flat batch per step and calls the HF
 model's own submodules. Forward hooks on those modules (the trainer's region map) see packed rows;
 a wrapper on the adapter's ``step`` records, per step, which (request slot, absolute position) each
-row is, so rows can be filed under their request. Regions the engine never calls (the decoder layer
-as a whole, ``lm_head``) are reported as unobserved, never as equal.
+row is, so rows can be filed under their request. The graphed decode keeps its CUDA graphs: the
+same hooks run while each bucket's graph is captured and write every region through the
+fingerprint op into that bucket's buffers, which every replay refills (:class:`EngineFingerprints`).
+Regions the engine never calls (the decoder layer as a whole, ``lm_head``) are reported as
+unobserved, never as equal. A mode switch drops the engine's graphs; each bucket is captured again,
+in the new mode with the fingerprints inside, at its next decode (``engine.captures`` times it).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, Literal
 
 import numpy as np
@@ -28,21 +33,41 @@ from isoaudit.collectors.assemble import keys_for, sample_records
 from isoaudit.collectors.base import Collector, CollectorCounters, ModeReport, RolloutStep
 from isoaudit.collectors.canary import canary_tokens, engine_canary, vocab_of
 from isoaudit.collectors.control import ControlChannel
-from isoaudit.collectors.fingerprints import fingerprint_rows
+from isoaudit.collectors.fingerprint_op import FingerprintBuffers, slot_rows
+from isoaudit.collectors.fingerprints import default_ladder_bits, fingerprint_rows
 from isoaudit.collectors.held_weights import module_digests
 from isoaudit.collectors.layout import StepBatch
 from isoaudit.collectors.manifest import ContractArg, ContractSource
 from isoaudit.collectors.regions import RegionsArg, read_tap, resolve_regions
 from isoaudit.collectors.remediation import RemediationHook, apply_kernels_mode, switch_with
 from isoaudit.collectors.sinks.base import Sink
+from isoaudit.collectors.transfer import to_host
 from torch.utils.hooks import RemovableHandle
 
 
-class EngineFingerprints:
-    """Hooks an :class:`~isoaudit.kernels.adapters.HFCausalLM`; call :meth:`records` after each
-    ``generate``."""
+class _Bucket:
+    """The fingerprint buffers of one decode graph (``rows`` = its bucket) and the rungs each
+    region slot was written with while it was captured (``None``: the graph never wrote it)."""
 
-    def __init__(self, adapter: Any, regions: RegionsArg = "auto") -> None:
+    def __init__(self, slots: int, rows: int, device: torch.device) -> None:
+        self.buffers = FingerprintBuffers(slots, rows, device)
+        self.bits: list[tuple[int, ...] | None] = [None] * slots
+
+
+class EngineFingerprints:
+    """Hooks an :class:`~isoaudit.kernels.adapters.HFCausalLM` (and, given its engine, observes the
+    engine's graphed decode); call :meth:`records` after each ``generate``.
+
+    Packed steps (prefill, and decode where no graph runs) go through the adapter's ``step``,
+    wrapped to record each row's (slot, position); the hooks fingerprint their rows at once. The
+    graphed decode keeps its CUDA graphs: while a bucket's graph is captured the same hooks write
+    every region through the fingerprint op (:mod:`isoaudit.collectors.fingerprint_op`) into that
+    bucket's buffers, so each replay fingerprints every region; after a replay the engine says which
+    rows were real and where (:meth:`replayed`), a device-side copy keeps them, and :meth:`records`
+    brings all of them to the host in one transfer.
+    """
+
+    def __init__(self, adapter: Any, regions: RegionsArg = "auto", engine: Any = None) -> None:
         self.adapter = adapter
         resolved = resolve_regions(adapter.model, regions)
         self.specs = resolved.specs
@@ -50,12 +75,19 @@ class EngineFingerprints:
         self._rows: dict[str, list[tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]]] = defaultdict(list)
         self._ladder_bits: dict[str, list[int]] = {}
         self._handles: list[RemovableHandle] = []
+        self._buckets: dict[int, _Bucket] = {}
+        self._capturing: _Bucket | None = None
+        # per replay: (bucket, ints copy, floats copy, real rows, their positions), on the device
+        self._decoded: list[tuple[_Bucket, torch.Tensor, torch.Tensor, np.ndarray, np.ndarray]] = []
         self._original_step = adapter.step
         self._own_step = vars(adapter).get("step")  # an instance attribute to put back, if any
         adapter.step = self._step
-        for spec in self.specs:
+        for k, spec in enumerate(self.specs):
             module = adapter.model.get_submodule(spec.module)
-            self._handles.append(module.register_forward_hook(self._hook(spec.name, spec.tap)))
+            self._handles.append(module.register_forward_hook(self._hook(k, spec.name, spec.tap)))
+        self.engine = engine if callable(getattr(engine, "set_observer", None)) else None
+        if self.engine is not None:
+            self.engine.set_observer(self)
 
     def _step(
         self, ids: torch.Tensor, positions: torch.Tensor, cu: torch.Tensor, slots: list[int], cache: Any
@@ -70,27 +102,83 @@ class EngineFingerprints:
         finally:
             self._layout = None
 
-    def _hook(self, region: str, tap: Any):
+    def _hook(self, slot: int, region: str, tap: Any):
         def hook(_module: torch.nn.Module, _inputs: Any, output: Any) -> None:
-            if self._layout is None:  # a forward outside the engine (e.g. the trainer's): not ours
+            bucket = self._capturing
+            if self._layout is None and bucket is None:  # a forward outside the engine: not ours
                 return
             tensor = read_tap(output, tap)
             if tensor is None:
                 return
-            host = fingerprint_rows(tensor.detach().reshape(-1, tensor.shape[-1])).to_host()
+            rows = tensor.detach().reshape(-1, tensor.shape[-1])
+            if bucket is not None:  # a decode graph being captured: the op, into its buffers
+                if rows.shape[0] == bucket.buffers.rows:
+                    bits = default_ladder_bits(rows.dtype)
+                    bucket.buffers.write(slot, rows, bits)
+                    bucket.bits[slot] = bits
+                return
+            host = fingerprint_rows(rows).to_host()
             self._ladder_bits[region] = list(host.ladder_bits)
-            slots, positions = self._layout
+            slots, positions = self._layout  # type: ignore[misc]  # not None: checked above
             self._rows[region].append((slots, positions, host.fields()))
 
         return hook
 
+    # ------------------------------------------------ DecodeObserver (isoaudit.kernels.engine)
+
+    @contextmanager
+    def capturing(self, slots: int) -> Iterator[None]:
+        """The ``slots``-row decode graph is being warmed up and captured: the hooks write through
+        the op into that bucket's buffers (allocated once per bucket)."""
+        bucket = self._buckets.get(slots)
+        if bucket is None:
+            device = self.adapter.lm_head_weight.device
+            bucket = self._buckets[slots] = _Bucket(len(self.specs), slots, device)
+        bucket.bits = [None] * len(self.specs)
+        self._capturing = bucket
+        try:
+            yield
+        finally:
+            self._capturing = None
+
+    def replayed(self, slots: int, positions: np.ndarray, live: np.ndarray) -> None:
+        """Keep the real rows of the replay that just ran (a device copy: no sync)."""
+        bucket = self._buckets.get(slots)
+        rows = np.flatnonzero(live)
+        if bucket is None or not rows.size:
+            return
+        m = int(rows[-1]) + 1
+        ints = bucket.buffers.ints[:, :m].clone()
+        floats = bucket.buffers.floats[:, :m].clone()
+        self._decoded.append((bucket, ints, floats, rows, positions[rows].astype(np.int32)))
+
+    def _take_decoded(self) -> None:
+        """File the graphed decode's rows under their regions (one transfer for all replays)."""
+        if not self._decoded:
+            return
+        decoded, self._decoded = self._decoded, []
+        tensors: dict[str, torch.Tensor] = {}
+        for i, (_, dev_ints, dev_floats, _, _) in enumerate(decoded):
+            tensors[f"{i}.i"], tensors[f"{i}.f"] = dev_ints, dev_floats
+        host = to_host(tensors)
+        for i, (bucket, _, _, rows, positions) in enumerate(decoded):
+            ints, floats = host[f"{i}.i"], host[f"{i}.f"]
+            for k, bits in enumerate(bucket.bits):
+                if bits is None:
+                    continue
+                region = self.specs[k].name
+                got = slot_rows(ints[k][rows], floats[k][rows], bits)
+                self._ladder_bits[region] = list(bits)
+                self._rows[region].append((rows, positions, got.fields()))
+
     @property
     def unobserved(self) -> dict[str, str]:
         """Regions the engine never ran through a hooked module (so far)."""
+        in_graphs = {k for b in self._buckets.values() for k, bits in enumerate(b.bits) if bits is not None}
         return {
             spec.name: "the engine does not call this module"
-            for spec in self.specs
-            if spec.name not in self._rows
+            for k, spec in enumerate(self.specs)
+            if spec.name not in self._rows and k not in in_graphs
         }
 
     def records(
@@ -98,6 +186,7 @@ class EngineFingerprints:
     ) -> list[RegionFingerprints]:
         """The fingerprints gathered since the last call, one record per (request, region, case):
         ``engine_prefill`` for prompt positions, ``engine_decode`` for generated ones."""
+        self._take_decoded()
         out = []
         for region, chunks in self._rows.items():
             slots = np.concatenate([c[0] for c in chunks])
@@ -134,6 +223,10 @@ class EngineFingerprints:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        if self.engine is not None and self.engine.observer is self:
+            self.engine.set_observer(None)  # its graphs wrote into our buffers: captured again
+        self._buckets.clear()
+        self._decoded.clear()
         if self._own_step is not None:
             self.adapter.step = self._own_step
         else:
@@ -215,7 +308,7 @@ class EngineCollector(Collector):
         self.validate = validate
         self.keep_records = keep_records
         self.temperature = 1.0
-        self.prints = EngineFingerprints(adapter, regions) if regions is not None else None
+        self.prints = EngineFingerprints(adapter, regions, engine) if regions is not None else None
         self._original_generate: Callable[..., Any] = engine.generate
         engine.generate = self._generate  # an instance attribute: removed on detach
         self._observed: list[str] = []
@@ -281,7 +374,9 @@ class EngineCollector(Collector):
     def _runtime(self) -> RuntimeFacts:
         param = next(self.model.parameters(), None)
         dtype = str(param.dtype).removeprefix("torch.") if param is not None else None
-        return RuntimeFacts(
+        graphed = getattr(self.engine, "graphed", None)
+        in_graphs = bool(graphed()) if callable(graphed) else None
+        facts = RuntimeFacts(
             framework="isoaudit.kernels.engine",
             torch_version=torch.__version__,
             device=str(param.device) if param is not None else None,
@@ -290,6 +385,16 @@ class EngineCollector(Collector):
             logprobs_mode="raw_logprobs",
             prefix_caching=False,
             chunked_prefill=getattr(self.engine, "prefill_chunk", None) is not None,
+            cuda_graphs=in_graphs,
+        )
+        if not in_graphs:
+            return facts
+        # how a mode switch reaches the graphs, and whether the fingerprints run inside them
+        return facts.model_copy(
+            update={
+                "graph_recapture": "each bucket at its next decode after a mode switch",
+                "fingerprints_in_graphs": self.prints is not None and self.prints.engine is not None,
+            }
         )
 
     def _signature(self) -> tuple[Any, ...]:
@@ -297,7 +402,11 @@ class EngineCollector(Collector):
         return (param.dtype, param.device, _head_dtype(self.model)) if param is not None else ()
 
     def _apply_mode(self, mode: str, version: int | None) -> ModeReport:
-        return switch_with(self.remediation_hook, self.model, mode, "engine")
+        report = switch_with(self.remediation_hook, self.model, mode, "engine")
+        drop = getattr(self.engine, "drop_graphs", None)
+        if callable(drop):  # graphs captured in the old mode: each bucket is captured again
+            drop()
+        return report
 
     def _weights_moved(self, version: str, digest: str | None) -> None:
         self._held_now(version)

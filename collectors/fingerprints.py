@@ -268,26 +268,105 @@ def fingerprint_rows(x: torch.Tensor, ladder_bits: Sequence[int] | None = None) 
     sketch = torch.empty(n, SKETCH_DIM, dtype=torch.float32, device=device)
     l2 = torch.empty(n, dtype=torch.float32, device=device)
     maxabs = torch.empty(n, dtype=torch.float32, device=device)
+    out = RowFingerprints(digest, ladder, sketch, l2, maxabs, bits)
     if n == 0:
-        return RowFingerprints(digest, ladder, sketch, l2, maxabs, bits)
-    weights = _device_weights(hidden, device)
-    wide = x.dtype == torch.float64
-    proj = _device_sketch(hidden, device, torch.float64 if wide else torch.float32)
-    # Clearing the low (mantissa - k) bits; as a negative int64 it also keeps the sign extension.
-    masks = [-(1 << (fmt.mantissa_bits - k)) for k in bits]
+        return out
     if device.type == "cuda":
         triton_pass = _triton_pass()
         if triton_pass is not None and triton_pass.supported(rows):
-            masks_t = _device_masks(tuple(masks), device)
-            sketch_t = _device_sketch(hidden, device, torch.float32)
-            got = triton_pass.fingerprint_rows(rows, weights, sketch_t, masks_t)
+            got = triton_pass.fingerprint_rows(rows, *_constants(hidden, device, fmt, bits))
             return RowFingerprints(got.digest, got.ladder, got.sketch, got.l2, got.maxabs, bits)
+    _fill(rows, fmt, bits, out)
+    return out
+
+
+def packed_width(ladder_bits: Sequence[int]) -> int:
+    """Columns of the int64 row buffer :func:`fingerprint_rows_into` writes: the digest, then the
+    rungs rounded up to a power of two (the fused kernel's layout; the extra columns are scratch)."""
+    r = max(len(ladder_bits), 1)
+    return 1 + (1 << (r - 1).bit_length())
+
+
+#: Columns of the float32 row buffer :func:`fingerprint_rows_into` writes: sketch, L2, max-abs.
+FLOAT_WIDTH = SKETCH_DIM + 2
+
+
+def fingerprint_rows_into(
+    x: torch.Tensor, ints: torch.Tensor, floats: torch.Tensor, ladder_bits: Sequence[int] | None = None
+) -> RowFingerprints:
+    """:func:`fingerprint_rows` written into preallocated row buffers, with no host sync and no
+    allocation the caller sees: ``ints`` int64 ``[n, >= packed_width(bits)]`` (digest, rungs),
+    ``floats`` float32 ``[n, >= FLOAT_WIDTH]`` (sketch, L2, max-abs), both with unit column stride.
+    The same bits as :func:`fingerprint_rows` of the same rows; returns the fields as views."""
+    fmt = _format(x.dtype)
+    bits = _check_ladder(ladder_bits, fmt)
+    hidden = int(x.shape[-1]) if x.dim() else 1
+    rows = x.detach().reshape(-1, hidden)
+    n, device = rows.shape[0], rows.device
+    for name, buf, dtype, width in (
+        ("ints", ints, torch.int64, packed_width(bits)),
+        ("floats", floats, torch.float32, FLOAT_WIDTH),
+    ):
+        if buf.dtype != dtype or buf.dim() != 2 or buf.shape[0] != n or buf.shape[1] < width:
+            raise ValueError(
+                f"{name}: expected {dtype} [{n}, >= {width}] for {n} rows of {x.dtype}, "
+                f"got {buf.dtype} {list(buf.shape)}"
+            )
+        if buf.device != device or buf.stride(-1) != 1:
+            raise ValueError(f"{name}: must be on {device} with unit column stride")
+    r = len(bits)
+    out = RowFingerprints(
+        ints[:, 0],
+        ints[:, 1 : 1 + r],
+        floats[:, :SKETCH_DIM],
+        floats[:, SKETCH_DIM],
+        floats[:, SKETCH_DIM + 1],
+        bits,
+    )
+    if n == 0:
+        return out
+    if device.type == "cuda":
+        triton_pass = _triton_pass()
+        if triton_pass is not None and triton_pass.supported(rows):
+            triton_pass.fingerprint_rows(rows, *_constants(hidden, device, fmt, bits), out=(ints, floats))
+            return out
+    _fill(rows, fmt, bits, out)
+    return out
+
+
+def _constants(
+    hidden: int, device: torch.device, fmt: _Format, bits: tuple[int, ...]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fused kernel's digest weights, fp32 sketch projection and rung masks (cached per device)."""
+    return (
+        _device_weights(hidden, device),
+        _device_sketch(hidden, device, torch.float32),
+        _device_masks(tuple(_masks(fmt, bits)), device),
+    )
+
+
+def _masks(fmt: _Format, bits: tuple[int, ...]) -> list[int]:
+    # Clearing the low (mantissa - k) bits; as a negative int64 it also keeps the sign extension.
+    return [-(1 << (fmt.mantissa_bits - k)) for k in bits]
+
+
+def _fill(rows: torch.Tensor, fmt: _Format, bits: tuple[int, ...], out: RowFingerprints) -> None:
+    """Every field of ``rows`` ([n >= 1, hidden]) in torch, into ``out``'s tensors (any strides)."""
+    n, hidden = rows.shape
+    device = rows.device
+    digest, ladder, sketch, l2, maxabs = out.digest, out.ladder, out.sketch, out.l2, out.maxabs
+    weights = _device_weights(hidden, device)
+    wide = rows.dtype == torch.float64
+    proj = _device_sketch(hidden, device, torch.float64 if wide else torch.float32)
+    masks = _masks(fmt, bits)
     fused = _fused_integer_sums() if device.type == "cuda" else None
     step = min(_chunk_rows(hidden, device), n)
     with torch.no_grad():
         if fused is not None:
             as_int = rows.contiguous().view(fmt.int_dtype)
-            digest, ladder = fused(as_int, weights, _device_masks(tuple(masks), device))
+            got_digest, got_ladder = fused(as_int, weights, _device_masks(tuple(masks), device))
+            digest.copy_(got_digest)
+            ladder.copy_(got_ladder)
         else:
             _integer_sums_chunked(rows, fmt.int_dtype, weights, masks, digest, ladder, step)
         # a copy, reused across chunks: the activation itself must never be written to
@@ -296,7 +375,7 @@ def fingerprint_rows(x: torch.Tensor, ladder_bits: Sequence[int] | None = None) 
             stop = min(start + step, n)
             values = values_buf[: stop - start]
             values.copy_(rows[start:stop])
-            if device.type == "cuda" and x.dtype == torch.float32:
+            if device.type == "cuda" and rows.dtype == torch.float32:
                 # TF32 matmuls would round fp32 inputs to 10 mantissa bits; bf16 parts are exact in
                 # TF32, so sketch the exact high part and the small remainder separately.
                 high = values.to(torch.bfloat16).float()
@@ -305,7 +384,6 @@ def fingerprint_rows(x: torch.Tensor, ladder_bits: Sequence[int] | None = None) 
                 sketch[start:stop] = (values @ proj).float()
             l2[start:stop] = torch.linalg.vector_norm(values, dim=-1).float()
             maxabs[start:stop] = values.abs_().amax(dim=-1).float()
-    return RowFingerprints(digest, ladder, sketch, l2, maxabs, bits)
 
 
 @dataclass(frozen=True)

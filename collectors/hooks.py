@@ -5,6 +5,13 @@ top-level forward and a root post-hook closes it, keeping a reference to the log
 only act while a capture is open, so activation-checkpointing recomputation during backward (which
 re-runs layers outside the root forward) is ignored. Hooks never modify outputs and never raise: a
 failure is counted and logged once, and the forward goes on.
+
+Under ``torch.compile`` Dynamo traces these hooks into the compiled graph, so there they do no
+Python bookkeeping at all: each region hook calls the fingerprint op
+(:mod:`isoaudit.collectors.fingerprint_op`) on the region's rows, writing into the slot of that
+region in buffers :meth:`ForwardCapture.prepare_compiled` allocated before the step for its batch
+shape (the graph's own storage; it guards only on whether buffers are set), and
+:meth:`ForwardCapture.take_compiled` turns them into a :class:`Capture` after the step.
 """
 
 from __future__ import annotations
@@ -15,7 +22,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from isoaudit.collectors.fingerprints import RowFingerprints, fingerprint_rows
+from isoaudit.collectors.fingerprint_op import FingerprintBuffers
+from isoaudit.collectors.fingerprints import (
+    FLOAT_WIDTH,
+    RowFingerprints,
+    default_ladder_bits,
+    fingerprint_rows,
+)
 from isoaudit.collectors.regions import RegionSpec, Tap, read_tap
 from isoaudit.collectors.transfer import to_device
 from isoaudit.kernels import dispatch
@@ -89,6 +102,17 @@ class _Staging:
         self.used += n
 
 
+class _CompiledTarget:
+    """Where compiled forwards write: the buffers of one batch shape, and the rungs each region
+    slot was written with (``None``: not written since :meth:`ForwardCapture.prepare_compiled`)."""
+
+    def __init__(self, shape: tuple[int, ...], slots: int, rows: int, device: torch.device) -> None:
+        self.shape = shape
+        self.buffers = FingerprintBuffers(slots, rows, device)
+        self.bits: list[tuple[int, ...] | None] = [None] * slots
+        self.logits: torch.Tensor | None = None
+
+
 class ForwardCapture:
     """Registers the hooks; ``last`` is the most recent completed capture."""
 
@@ -121,15 +145,24 @@ class ForwardCapture:
         self._depth = 0
         self._handles: list[RemovableHandle] = []
         self._logged: set[str] = set()
+        self._targets: dict[tuple[tuple[int, ...], torch.device], _CompiledTarget] = {}
+        #: the buffers compiled forwards write into this step (None: they fingerprint nothing)
+        self.compiled_target: _CompiledTarget | None = None
+        #: a compiled forward ran through these hooks (buffers are allocated only then)
+        self.compiled_seen = False
+        _compiled_models_see_hooks()
         self._handles.append(model.register_forward_pre_hook(self._open, with_kwargs=True))
         self._handles.append(model.register_forward_hook(self._close, always_call=True))
-        for spec in self.specs:
+        for slot, spec in enumerate(self.specs):
             module = model.get_submodule(spec.module)
-            self._handles.append(module.register_forward_hook(self._region_hook(spec)))
+            self._handles.append(module.register_forward_hook(self._region_hook(spec, slot)))
 
     # ---------------------------------------------------------------- hooks
 
     def _open(self, _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if torch.compiler.is_compiling():  # traced: the region hooks write the op, nothing else
+            self.compiled_seen = True  # replayed by every compiled call: buffers from the next step
+            return
         self._depth += 1
         if self._depth > 1:  # a nested call of the root (rare) belongs to the outer capture
             return
@@ -157,6 +190,11 @@ class ForwardCapture:
         return None
 
     def _close(self, _module: nn.Module, _args: tuple[Any, ...], output: Any) -> None:
+        if torch.compiler.is_compiling():
+            target = self.compiled_target
+            if target is not None:  # the logits, for the collector's logprobs and distribution
+                target.logits = _logits_of(output)
+            return
         self._depth = max(0, self._depth - 1)
         if self._depth or self.current is None:
             return
@@ -176,8 +214,11 @@ class ForwardCapture:
         finally:
             self.current = None
 
-    def _region_hook(self, spec: RegionSpec) -> Callable[[nn.Module, Any, Any], None]:
+    def _region_hook(self, spec: RegionSpec, slot: int) -> Callable[[nn.Module, Any, Any], None]:
         def hook(_module: nn.Module, _inputs: Any, output: Any) -> None:
+            if torch.compiler.is_compiling():
+                self._compiled_region(spec, slot, _module, _inputs, output)
+                return
             capture = self.current
             if capture is None or not capture.fingerprinting:
                 return
@@ -207,6 +248,75 @@ class ForwardCapture:
                 self._fail(spec.name, exc)
 
         return hook
+
+    def _compiled_region(
+        self, spec: RegionSpec, slot: int, module: nn.Module, inputs: Any, output: Any
+    ) -> None:
+        """A region inside a traced forward: every row through the fingerprint op into its slot
+        (rows are picked on the host after the step). No try/except: Dynamo traces this."""
+        target = self.compiled_target
+        if target is None:
+            return
+        with torch.no_grad():
+            if spec.name == "logits" and dispatch.is_enabled() and isinstance(module, nn.Linear):
+                tensor = _invariant_head_logits(module, inputs, None)
+            else:
+                tensor = read_tap(output, spec.tap)
+            if tensor is None:
+                return
+            rows = tensor.reshape(-1, tensor.shape[-1])
+            if rows.shape[0] != target.buffers.rows:
+                return
+            bits = default_ladder_bits(rows.dtype)
+            target.buffers.write(slot, rows, bits)
+            target.bits[slot] = bits
+
+    def prepare_compiled(self, input_shape: tuple[int, ...], device: torch.device | None) -> None:
+        """Before a step whose forward may be compiled: the buffers its region hooks write into,
+        one set per batch shape and device, allocated once (``device=None``: fingerprint nothing).
+        Only once a compiled forward has run through the hooks: an eager model allocates nothing."""
+        if device is None or not self.specs or not self.compiled_seen:
+            self.compiled_target = None
+            return
+        key = (tuple(input_shape), torch.device(device))
+        target = self._targets.get(key)
+        if target is None:
+            rows = 1
+            for d in input_shape:
+                rows *= int(d)
+            target = self._targets[key] = _CompiledTarget(key[0], len(self.specs), rows, key[1])
+        target.bits = [None] * len(self.specs)
+        target.logits = None
+        self.compiled_target = target
+
+    def take_compiled(self, input_ids: torch.Tensor) -> Capture | None:
+        """The capture a compiled forward over ``input_ids`` left in the buffers (a copy of them:
+        the next step writes the same storage), or None when none ran since
+        :meth:`prepare_compiled`."""
+        target = self.compiled_target
+        if target is None or all(b is None for b in target.bits) or tuple(input_ids.shape) != target.shape:
+            return None
+        # a copy (the next step writes the same storage), viewed as one group per ladder: each
+        # region is a span of its group, so the step's transfer sends a few tensors, not 5 per region
+        rows = target.buffers.rows
+        ints = target.buffers.ints.clone().reshape(-1, target.buffers.ints.shape[-1])
+        floats = target.buffers.floats.clone().reshape(-1, FLOAT_WIDTH)
+        capture = Capture(input_ids, fingerprinting=True, logits=target.logits, complete=True)
+        target.logits = None
+        groups: dict[tuple[int, ...], RowFingerprints] = {}
+        for slot, bits in enumerate(target.bits):
+            if bits is None:
+                continue
+            group = groups.get(bits)
+            if group is None:
+                r = len(bits)
+                group = groups[bits] = RowFingerprints(
+                    ints[:, 0], ints[:, 1 : 1 + r], floats[:, : FLOAT_WIDTH - 2], floats[:, FLOAT_WIDTH - 2],
+                    floats[:, FLOAT_WIDTH - 1], bits,
+                )  # fmt: skip
+            capture.prints[(self.specs[slot].name, 0)] = group.span(slot * rows, (slot + 1) * rows)
+        target.bits = [None] * len(self.specs)
+        return capture
 
     def _stages(self, tensor: torch.Tensor) -> bool:
         """Will :meth:`_fingerprint` stage ``tensor``'s rows (all of them, at most) for a group?"""
@@ -290,11 +400,25 @@ class ForwardCapture:
             handle.remove()
         self._handles.clear()
         self._staging.clear()
+        self._targets.clear()
+        self.compiled_target = None
         self.current = self.last = None
 
     @property
     def attached(self) -> bool:
         return bool(self._handles)
+
+
+def _compiled_models_see_hooks() -> None:
+    """Make Dynamo guard on module hooks: by default (``skip_nnmodule_hook_guards``) a compiled
+    model keeps running graphs traced before our hooks were added, or another instance's graph of
+    the same class without them, and its regions would never reach the fingerprint op."""
+    try:
+        import torch._dynamo.config as dynamo_config
+    except Exception:  # noqa: BLE001 - a torch without Dynamo compiles nothing
+        return
+    if getattr(dynamo_config, "skip_nnmodule_hook_guards", False):
+        dynamo_config.skip_nnmodule_hook_guards = False
 
 
 def _invariant_head_logits(head: nn.Linear, inputs: Any, rows: torch.Tensor | None) -> torch.Tensor | None:

@@ -32,6 +32,21 @@ def apply_kernels_mode(model: nn.Module, mode: str) -> None:
         kernels.enable(fp8=True)
     else:
         kernels.disable()
+        return
+    compiled_keeps_roundings()
+
+
+def compiled_keeps_roundings() -> None:
+    """Make inductor round each bf16/fp16 intermediate as eager torch does
+    (``emulate_precision_casts``): the invariant kernels are opaque ops in a compiled model, but the
+    elementwise ops between them (RoPE, residual adds) are fused by inductor, which otherwise keeps
+    their intermediates in fp32 and gives other bits than the engine's eager arithmetic. A switch
+    recompiles anyway (Dynamo guards on the mode), so the next compiled step picks it up."""
+    try:
+        import torch._inductor.config as inductor_config
+    except Exception:  # noqa: BLE001 - no inductor in this torch: nothing compiles through it
+        return
+    inductor_config.emulate_precision_casts = True
 
 
 def switch_with(hook: RemediationHook | None, model: nn.Module, mode: str, what: str) -> ModeReport:

@@ -209,8 +209,14 @@ class TrainerCollector(Collector):
         also a step boundary: a new desired remediation mode is applied here (else at the end of
         the previous ``record_step``)."""
         self._next_step = step
-        self._capture.row_hint = _row_hint(StepBatch.coerce(batch)) if batch is not None else None
+        coerced = StepBatch.coerce(batch) if batch is not None else None
+        self._capture.row_hint = _row_hint(coerced) if coerced is not None else None
         self._step_boundary()  # a new remediation mode takes effect before this step's forward
+        # a compiled forward fingerprints through the op into buffers of this batch's shape
+        due = coerced is not None and bool(self.resolved.specs) and self._fingerprint_due()
+        param = next(self.model.parameters(), None) if due else None
+        shape = tuple(coerced.input_ids.shape) if coerced is not None else ()
+        self._capture.prepare_compiled(shape, param.device if param is not None else None)
 
     def record_step(
         self,
@@ -353,6 +359,8 @@ class TrainerCollector(Collector):
         probe_now = self.batch_probe.due(step, fingerprint_now, quantizes_activations())
         need_logits = logprobs is None or distribution_now or probe_now
         capture = self._capture.take()
+        if capture is None:  # a compiled forward: its regions went through the op
+            capture = self._capture.take_compiled(batch.input_ids)
         if capture is not None and not capture.matches(batch.input_ids):
             capture = None
         own = (fingerprint_now and (capture is None or not capture.fingerprinting)) or (

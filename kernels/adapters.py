@@ -16,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import dispatch
+from . import ops as _ops
 
 _FAMILIES = [
     ("llama", "Llama"),
@@ -56,6 +57,27 @@ def hf_attention(
     kv_len = torch.full((b,), lk, device=dev, dtype=torch.int32)
     out = dispatch.attention(q, key.transpose(1, 2), value.transpose(1, 2), cu, pos0, kv_len, None, scaling)
     return out.reshape(b, lq, hq, d), None
+
+
+def _rotary_classes() -> list[type[Any]]:
+    return family_classes(_FAMILIES, "RotaryEmbedding")
+
+
+def _rotary_forward(self: Any, x: torch.Tensor, position_ids: torch.Tensor) -> Any:
+    """The model's own rotary embedding; inside a traced forward with the kernels on, as one
+    opaque op (:func:`isoaudit.kernels.ops.rotary`) so the compiled model keeps its bits."""
+    cls = type(self)
+    if (
+        dispatch.is_enabled()
+        and torch.compiler.is_compiling()
+        and getattr(self, "rope_type", "default") == "default"
+    ):
+        scaling = float(getattr(self, "attention_scaling", 1.0))
+        cos, sin = torch.ops.isoaudit.rotary(
+            x.detach(), position_ids, self.inv_freq, scaling, cls.__qualname__
+        )
+        return cos, sin
+    return _saved["rotary_of"][cls](self, x, position_ids)
 
 
 def _silu_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
@@ -104,6 +126,11 @@ def patch() -> None:
     _saved["acts"] = [(cls, cls.forward) for cls in _silu_classes()]
     for cls, _ in _saved["acts"]:
         cls.forward = _silu_forward
+    _saved["rotary"] = [(cls, cls.forward) for cls in _rotary_classes()]
+    _saved["rotary_of"] = dict(_saved["rotary"])
+    _ops.ROTARY_FORWARDS.update({cls.__qualname__: fwd for cls, fwd in _saved["rotary"]})
+    for cls, _ in _saved["rotary"]:
+        cls.forward = _rotary_forward
     try:
         from transformers.modeling_utils import AttentionInterface
     except Exception:  # no transformers, or one without the interface: nothing to patch
@@ -120,7 +147,8 @@ def unpatch() -> None:
     if not _saved:
         return
     nn.Linear.forward = _saved.pop("linear")  # type: ignore[method-assign]  # undo the patch
-    for cls, fwd in _saved.pop("norms") + _saved.pop("acts"):
+    _saved.pop("rotary_of", None)
+    for cls, fwd in _saved.pop("norms") + _saved.pop("acts") + _saved.pop("rotary", []):
         cls.forward = fwd
     attn = _saved.pop("attn", None)
     if attn is not None:

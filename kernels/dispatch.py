@@ -25,6 +25,7 @@ from . import gdn as _gdn
 from . import gdn_cpu as _gdn_cpu
 from . import gemm as _gemm
 from . import logprobs as _lp
+from . import ops as _ops
 from . import rmsnorm as _rms
 
 _ENABLED = False
@@ -82,12 +83,19 @@ def _on_cpu(t: torch.Tensor) -> bool:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear``, the batch-invariant GEMM, or (FP8 mode) the invariant W8A8 linear."""
     if _ENABLED:
-        if _FP8:
-            return _fp8.fp8_linear(x, weight, bias)
-        if _on_cpu(x):
-            return _cpu.linear(x, weight, bias)
-        return _gemm.linear(x, weight, bias)
+        if torch.compiler.is_compiling():  # traced: one opaque op (kernels.ops), the same bits
+            return _ops.linear(x, weight, bias)
+        return linear_on(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def linear_on(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`linear` with the kernels on, whatever the flag says (what the registered op runs)."""
+    if _FP8:
+        return _fp8.fp8_linear(x, weight, bias)
+    if _on_cpu(x):
+        return _cpu.linear(x, weight, bias)
+    return _gemm.linear(x, weight, bias)
 
 
 def linear_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -103,24 +111,38 @@ def linear_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """HF-style RMSNorm (fp32 statistics, weight applied in the model dtype) or the invariant one."""
     if _ENABLED:
-        if _on_cpu(x):
-            return _cpu.rms_norm(x, weight, eps)
-        if torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)):
-            return _rms.rms_norm_autograd(x, weight, eps)
-        return _rms.rms_norm(x, weight, eps)  # type: ignore[return-value]  # one tensor without a residual
+        if torch.compiler.is_compiling():
+            return _ops.rms_norm(x, weight, eps)
+        return rms_norm_on(x, weight, eps)
     dtype = x.dtype
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return h.to(dtype) if weight is None else weight * h.to(dtype)
 
 
+def rms_norm_on(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """:func:`rms_norm` with the kernels on (what the registered op runs)."""
+    if _on_cpu(x):
+        return _cpu.rms_norm(x, weight, eps)
+    if torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)):
+        return _rms.rms_norm_autograd(x, weight, eps)
+    return _rms.rms_norm(x, weight, eps)  # type: ignore[return-value]  # one tensor without a residual
+
+
 def silu(x: torch.Tensor) -> torch.Tensor:
     """SiLU; the invariant one is row-wise (torch's CPU kernels are not batch-invariant)."""
     if _ENABLED:
-        if _on_cpu(x):
-            return _cpu.silu(x)
-        return _ew.silu_autograd(x) if torch.is_grad_enabled() and x.requires_grad else _ew.silu(x)
+        if torch.compiler.is_compiling():
+            return _ops.silu(x)
+        return silu_on(x)
     return F.silu(x)
+
+
+def silu_on(x: torch.Tensor) -> torch.Tensor:
+    """:func:`silu` with the kernels on (what the registered op runs)."""
+    if _on_cpu(x):
+        return _cpu.silu(x)
+    return _ew.silu_autograd(x) if torch.is_grad_enabled() and x.requires_grad else _ew.silu(x)
 
 
 def gdn_gates(
@@ -166,15 +188,31 @@ def attention(
     if _ENABLED:
         if slots is None:
             slots = torch.arange(cu_q.numel() - 1, device=q.device)
-        if _on_cpu(q):
-            return _cpu.attention(q, k_cache, v_cache, cu_q, q_pos0, kv_len, slots, scale)
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_cache, v_cache)):
-            return _attn.attention_autograd(q, k_cache, v_cache, cu_q, q_pos0, kv_len, slots, scale)
-        return _attn.attention(q, k_cache, v_cache, cu_q, q_pos0, kv_len, slots, scale)
+        if torch.compiler.is_compiling():
+            return _ops.attention(q, k_cache, v_cache, cu_q, q_pos0, kv_len, slots, scale)
+        return attention_on(q, k_cache, v_cache, cu_q, q_pos0, kv_len, slots, scale)
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if q.shape[0] == cu_q.numel() - 1:
         return _native_decode(q, k_cache, v_cache, kv_len, slots, scale)
     return _native_prefill(q, k_cache, v_cache, cu_q, q_pos0, kv_len, slots, scale, max_q)
+
+
+def attention_on(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_q: torch.Tensor,
+    q_pos0: torch.Tensor,
+    kv_len: torch.Tensor,
+    slots: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """:func:`attention` with the kernels on (what the registered op runs)."""
+    if _on_cpu(q):
+        return _cpu.attention(q, k_cache, v_cache, cu_q, q_pos0, kv_len, slots, scale)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_cache, v_cache)):
+        return _attn.attention_autograd(q, k_cache, v_cache, cu_q, q_pos0, kv_len, slots, scale)
+    return _attn.attention(q, k_cache, v_cache, cu_q, q_pos0, kv_len, slots, scale)
 
 
 def _cache_rows(cache: torch.Tensor, slots: torch.Tensor | None, b: int) -> torch.Tensor:
@@ -256,19 +294,33 @@ def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Ten
 def logits_fp32(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Full fp32 logits (for sampling)."""
     if _ENABLED:
-        if _on_cpu(hidden):
-            return _cpu.lm_head_logits(hidden, weight)
-        return _lp.lm_head_logits(hidden, weight)
+        if torch.compiler.is_compiling():
+            return _ops.logits_fp32(hidden.detach(), weight.detach())
+        return logits_fp32_on(hidden, weight)
     return F.linear(hidden, weight).float()
+
+
+def logits_fp32_on(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """:func:`logits_fp32` with the kernels on (what the registered op runs)."""
+    if _on_cpu(hidden):
+        return _cpu.lm_head_logits(hidden, weight)
+    return _lp.lm_head_logits(hidden, weight)
 
 
 def log_softmax(logits: torch.Tensor) -> torch.Tensor:
     """fp32 log-softmax over the last dim: the invariant one, or ``torch.log_softmax``."""
     if _ENABLED:
-        if _on_cpu(logits):
-            return _cpu.log_softmax(logits)
-        return _lp.log_softmax(logits)
+        if torch.compiler.is_compiling():
+            return _ops.log_softmax(logits.detach())
+        return log_softmax_on(logits)
     return torch.log_softmax(logits.float(), dim=-1)
+
+
+def log_softmax_on(logits: torch.Tensor) -> torch.Tensor:
+    """:func:`log_softmax` with the kernels on (what the registered op runs)."""
+    if _on_cpu(logits):
+        return _cpu.log_softmax(logits)
+    return _lp.log_softmax(logits)
 
 
 def gdn(

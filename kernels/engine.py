@@ -19,17 +19,24 @@ against it means something:
 * sampled tokens and logprobs stay on the device; the host reads them once, at the end.
 
 With the kernels on, the graph computes the same bits as the eager step (the kernels are
-batch-invariant, so neither the padding rows nor the launch path change a row). When a collector
-has wrapped the model's ``step`` (fingerprints: module hooks would not fire on replay), every step
-runs eagerly through ``step``.
+batch-invariant, so neither the padding rows nor the launch path change a row).
+
+A :class:`DecodeObserver` (the collector's fingerprints) keeps the graphs: each bucket's graph is
+captured inside :meth:`DecodeObserver.capturing`, where the observer's code writes into device
+buffers of its own through ops the capture records (no host sync), and after each replay the engine
+tells it which slot rows were real and at which positions (:meth:`DecodeObserver.replayed`), from
+the layout the host already knows. Attaching or detaching an observer drops the captured graphs.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from . import dispatch
@@ -44,6 +51,22 @@ class EngineModel(Protocol):
     def step(
         self, ids: torch.Tensor, positions: torch.Tensor, cu: torch.Tensor, slots: list[int], cache: Any
     ) -> torch.Tensor: ...
+
+
+class DecodeObserver(Protocol):
+    """What watches the graphed decode (the reference-engine collector's fingerprints)."""
+
+    def capturing(self, slots: int) -> AbstractContextManager[None]:
+        """Around the warm-up and capture of the ``slots``-row decode graph: work the observer does
+        on the device inside it (writes into its own preallocated buffers) is recorded into the
+        graph and so repeated by every replay."""
+        ...
+
+    def replayed(self, slots: int, positions: np.ndarray, live: np.ndarray) -> None:
+        """After a replay of the ``slots``-row graph: ``positions[i]`` is the absolute position
+        row ``i`` (cache slot ``i``) computed, ``live[i]`` whether that row was a request's real
+        token (padding and finished requests are not). Must not sync with the device."""
+        ...
 
 
 @dataclass
@@ -69,30 +92,50 @@ def bucket(n: int, buckets: tuple[int, ...] = BUCKETS) -> int:
 
 class _DecodeGraph:
     """One decode step of ``slots`` rows (row i is cache slot i) captured in a CUDA graph: inputs
-    are the static ``ids``/``pos`` buffers, outputs the static ``logp`` and ``scaled`` logits."""
+    are the static ``ids``/``pos`` buffers, outputs the static ``logp`` and ``scaled`` logits.
+    ``capture=False`` (no CUDA): the same bucketed step run eagerly on every call, inside
+    ``around`` each time (what the capture recorded once)."""
 
-    def __init__(self, run: Callable[..., Any], slots: int, park: int, dev: torch.device) -> None:
+    def __init__(
+        self,
+        run: Callable[..., Any],
+        slots: int,
+        park: int,
+        dev: torch.device,
+        *,
+        capture: bool = True,
+        around: Callable[[], AbstractContextManager[None]] = nullcontext,
+    ) -> None:
         self.ids = torch.zeros(slots, dtype=torch.long, device=dev)
         # Warm-up and capture write K/V at ``park`` (the last cache position, which no real token
         # reaches: prompt + max_new <= max_len), so capturing never disturbs a cached sequence.
         self.pos = torch.full((slots,), park, dtype=torch.long, device=dev)
         self.inv_t = torch.ones((), dtype=torch.float32, device=dev)
         self._run = run
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            for _ in range(2):  # compile, autotune and allocate outside the capture
-                self._call()
-        torch.cuda.current_stream(dev).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
-            self.logp, self.scaled = self._call()
+        self._around = around
+        self.graph: Any = None
+        if not capture:
+            return
+        with around():
+            side = torch.cuda.Stream(dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):
+                for _ in range(2):  # compile, autotune and allocate outside the capture
+                    self._call()
+            torch.cuda.current_stream(dev).wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+                self.logp, self.scaled = self._call()
 
     def _call(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self._run(self.ids, self.pos, self.inv_t)
 
     def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        self.graph.replay()
+        if self.graph is None:
+            with self._around():
+                self.logp, self.scaled = self._call()
+        else:
+            self.graph.replay()
         return self.logp, self.scaled
 
 
@@ -101,6 +144,8 @@ class RolloutEngine:
 
     ``cuda_graphs``: capture the decode step per batch-size bucket (CUDA, models with ``decode``);
     ``False`` runs the same step eagerly. ``buckets``: the decode batch sizes graphs are made for.
+    ``bucketed_decode``: where no graph is captured (CPU, ``cuda_graphs=False``), still decode every
+    request together in a bucket's static buffers, eagerly (the graphed loop without the graph).
     """
 
     def __init__(
@@ -111,6 +156,7 @@ class RolloutEngine:
         *,
         cuda_graphs: bool = True,
         buckets: tuple[int, ...] = BUCKETS,
+        bucketed_decode: bool = False,
     ) -> None:
         if prefill_chunk is not None and prefill_chunk < 1:
             raise ValueError(f"prefill_chunk: at least 1 token, got {prefill_chunk}")
@@ -118,24 +164,47 @@ class RolloutEngine:
         self.max_len = max_len
         self.prefill_chunk = prefill_chunk
         self.cuda_graphs = cuda_graphs
+        self.bucketed_decode = bucketed_decode
         self.buckets = tuple(sorted(buckets))
         self._caches: dict[int, Any] = {}
         self._graphs: dict[tuple[int, str], _DecodeGraph] = {}
+        self._observer: DecodeObserver | None = None
+        #: (bucket, mode, seconds) of every graph captured: what a mode switch or an observer cost
+        self.captures: list[tuple[int, str, float]] = []
+        #: decode steps replayed from a captured graph, over the engine's life
+        self.replays = 0
 
     def graphed(self) -> bool:
         """Whether decode steps replay CUDA graphs (else they run eagerly)."""
         m = self.model
-        return (
-            self.cuda_graphs
-            and self.model.lm_head_weight.is_cuda
-            and callable(getattr(m, "decode", None))
-            and "step" not in vars(m)  # a collector's wrapper must see every step
-        )
+        return self.cuda_graphs and self.model.lm_head_weight.is_cuda and callable(getattr(m, "decode", None))
+
+    def bucketed(self) -> bool:
+        """Whether decode runs every request together in a bucket (graphed or not)."""
+        m = self.model
+        return self.graphed() or (self.bucketed_decode and callable(getattr(m, "decode", None)))
+
+    @property
+    def observer(self) -> DecodeObserver | None:
+        """The observer of the graphed decode, or None."""
+        return self._observer
+
+    def set_observer(self, observer: DecodeObserver | None) -> None:
+        """Watch (or stop watching) the graphed decode; the graphs are re-captured with (or
+        without) the observer's work inside them at their next use."""
+        if observer is not self._observer:
+            self._observer = observer
+            self._graphs.clear()
 
     def clear_graphs(self) -> None:
         """Drop the captured graphs and their caches (they hold device memory)."""
         self._graphs.clear()
         self._caches.clear()
+
+    def drop_graphs(self) -> None:
+        """Drop the captured graphs but keep their caches: each bucket is captured again, in the
+        process's current mode, at its next decode (what a remediation switch calls)."""
+        self._graphs.clear()
 
     @torch.no_grad()
     def generate(
@@ -163,7 +232,7 @@ class RolloutEngine:
 
             refresh_fp8_weights()
         gen = torch.Generator(device=dev).manual_seed(seed)
-        graphed = self.graphed()
+        graphed = self.bucketed()
         slots = bucket(n, self.buckets) if graphed else n
         cache = self._cache(slots) if graphed else self.model.new_cache(n, self.max_len)
         inv_t = torch.full((), 1.0 / temperature, dtype=torch.float32, device=dev)
@@ -224,10 +293,21 @@ class RolloutEngine:
             g.inv_t.copy_(inv_t)
             g.pos.fill_(self.max_len - 1)
             g.ids[:n] = state.last
+            observer = self._observer
+            if observer is not None:  # the same positions, known on the host
+                base_h = np.array([len(prompts[i]) + state.count[i] - 1 for i in range(n)], dtype=np.int64)
+                left_h = np.array(left, dtype=np.int64)
+                pos_h = np.full(slots, self.max_len - 1, dtype=np.int64)
+                live_h = np.zeros(slots, dtype=bool)
             for s in range(steps):
                 # A request that is done repeats its last position (harmless: its slot is its own).
                 g.pos[:n] = base + last_step.clamp(max=s)
                 logp, scaled = g()
+                self.replays += g.graph is not None
+                if observer is not None:
+                    pos_h[:n] = base_h + np.minimum(np.maximum(left_h - 1, 0), s)
+                    live_h[:n] = left_h > s
+                    observer.replayed(slots, pos_h.copy(), live_h.copy())
                 tok = _sample(scaled[:n], None, n, gen)
                 state.tokens[rows_all, cols + s] = tok
                 state.logprobs[rows_all, cols + s] = logp[:n].gather(1, tok[:, None])[:, 0]
@@ -247,10 +327,20 @@ class RolloutEngine:
         return self._caches[slots]
 
     def _graph(self, slots: int, cache: Any) -> _DecodeGraph:
-        key = (slots, dispatch.mode())
+        mode = dispatch.mode()
+        key = (slots, mode)
         if key not in self._graphs:
             dev = self.model.lm_head_weight.device
-            self._graphs[key] = _DecodeGraph(self._decode_fn(cache), slots, self.max_len - 1, dev)
+            observer = self._observer
+            around = (lambda: observer.capturing(slots)) if observer is not None else nullcontext
+            t0 = time.perf_counter()
+            graph = _DecodeGraph(
+                self._decode_fn(cache), slots, self.max_len - 1, dev, capture=self.graphed(), around=around
+            )
+            if graph.graph is not None:
+                torch.cuda.synchronize(dev)
+                self.captures.append((slots, mode, time.perf_counter() - t0))
+            self._graphs[key] = graph
         return self._graphs[key]
 
     def _decode_fn(self, cache: Any) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:

@@ -55,11 +55,12 @@ if HAVE_TRITON:
 
     @jit(do_not_specialize=["n_rows"])
     def _fingerprint_kernel(
-        x_ptr, w_ptr, p_ptr, m_ptr, int_ptr, flt_ptr, n_rows, hidden, stride_x,
+        x_ptr, w_ptr, p_ptr, m_ptr, int_ptr, flt_ptr, n_rows, hidden, stride_x, stride_i, stride_f,
         R: tl.constexpr, KIND: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, SK: tl.constexpr,
     ):  # fmt: skip
         """KIND 0: bf16 (int16 view), 1: fp16 (int16 view), 2: fp32 (int32 view). Output rows:
-        int64 (digest, R rungs); float32 (16 sketch values, L2, max-abs)."""
+        int64 (digest, R rungs) every ``stride_i``; float32 (16 sketch values, L2, max-abs) every
+        ``stride_f`` (a caller's preallocated buffers may be wider than the fields)."""
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         row_ok = rows < n_rows
         base = x_ptr + rows.to(tl.int64)[:, None] * stride_x
@@ -113,10 +114,10 @@ if HAVE_TRITON:
             maxabs = amax.to(tl.float32, bitcast=True)
         digest = dig_lo + (dig_hi.to(tl.int64) << 32)
         ladder = lad_lo + (lad_hi.to(tl.int64) << 32)
-        int_row = int_ptr + rows.to(tl.int64) * (1 + R)
+        int_row = int_ptr + rows.to(tl.int64) * stride_i
         tl.store(int_row, digest, mask=row_ok)
         tl.store(int_row[:, None] + 1 + r_idx[None, :], ladder, mask=row_ok[:, None])
-        flt_row = flt_ptr + rows.to(tl.int64) * (SK + 2)
+        flt_row = flt_ptr + rows.to(tl.int64) * stride_f
         tl.store(flt_row[:, None] + sk_cols[None, :], sketch, mask=row_ok[:, None])
         tl.store(flt_row + SK, tl.sqrt_rn(sq), mask=row_ok)
         tl.store(flt_row + SK + 1, maxabs, mask=row_ok)
@@ -149,6 +150,7 @@ def fingerprint_rows(
     sketch: torch.Tensor,
     masks: torch.Tensor,
     impl: str | None = None,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> Fingerprints:
     """Fingerprint every row of ``x`` ([..., hidden], bf16/fp16/fp32; rows = leading dims
     flattened) in one pass on x's device.
@@ -156,7 +158,13 @@ def fingerprint_rows(
     ``weights``: int64 [hidden], the odd digest weights (uint64 bit patterns); ``sketch``: float32
     [hidden, 16], the projection; ``masks``: int64 [R], one bit mask per ladder rung (``-(1 << (m -
     k))`` keeps k of m mantissa bits and the sign extension). All on x's device. ``impl`` forces
-    "triton" or "torch" (default: the kernel where it runs)."""
+    "triton" or "torch" (default: the kernel where it runs).
+
+    ``out``: ``(ints, floats)`` to write into instead of fresh tensors (a captured graph's or a
+    compiled step's preallocated buffers): int64 ``[n, >= 1 + R']`` (digest, then the rungs; ``R'``
+    is R rounded up to a power of two for the kernel, the extra rungs keeping every bit) and
+    float32 ``[n, >= 18]`` (sketch, L2, max-abs), each with unit column stride. The returned
+    fields are views of them."""
     if not supported(x):
         raise TypeError(f"x: dtype {x.dtype} is not fused; expected one of {sorted(map(str, _INT_VIEW))}")
     hidden = x.shape[-1]
@@ -168,28 +176,75 @@ def fingerprint_rows(
         )
     if masks.dim() != 1 or masks.dtype != torch.int64:
         raise ValueError(f"masks: expected int64 [R], got {masks.dtype} {list(masks.shape)}")
+    r = masks.shape[0]
+    r_pad = _pow2_at_least(max(r, 1))
+    if out is not None:
+        _check_out(out, x, r_pad)
     if resolve(impl, x) == "torch":
-        return fingerprint_reference(x, weights, sketch, masks)
+        got = fingerprint_reference(x, weights, sketch, masks)
+        if out is None:
+            return got
+        fields = _fields(*out, r)
+        for dst, src in zip(fields, got, strict=True):
+            dst.copy_(src)
+        return fields
     rows = x.detach().reshape(-1, hidden)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    n, r, dev = rows.shape[0], masks.shape[0], x.device
-    r_pad = _pow2_at_least(max(r, 1))
-    # Two allocations, viewed as the five fields (five allocations cost more host time than a
-    # small region's whole pass): int64 [n, 1 + R] and float32 [n, 18].
-    ints = torch.empty(n, 1 + r_pad, dtype=torch.int64, device=dev)
-    floats = torch.empty(n, SKETCH_DIM + 2, dtype=torch.float32, device=dev)
-    out = Fingerprints(
-        ints[:, 0], ints[:, 1 : 1 + r], floats[:, :SKETCH_DIM], floats[:, SKETCH_DIM], floats[:, -1]
-    )
+    n, dev = rows.shape[0], x.device
+    if out is None:
+        # Two allocations, viewed as the five fields (five allocations cost more host time than a
+        # small region's whole pass): int64 [n, 1 + R] and float32 [n, 18].
+        ints = torch.empty(n, 1 + r_pad, dtype=torch.int64, device=dev)
+        floats = torch.empty(n, SKETCH_DIM + 2, dtype=torch.float32, device=dev)
+    else:
+        ints, floats = out
+    fields = _fields(ints, floats, r)
     if n:
         if r_pad != r:  # tl.arange needs a power of two: extra rungs keep every bit, sliced off
             masks = torch.cat([masks, masks.new_full((r_pad - r,), -1)])
         xi = rows.view(_INT_VIEW[x.dtype])
         kind = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}[x.dtype]
         proj, masks = sketch.contiguous(), masks.contiguous()
-        args = (xi, weights, proj, masks, ints, floats, n, hidden, xi.stride(0))
+        si, sf = ints.stride(0), floats.stride(0)
+        args = (xi, weights, proj, masks, ints, floats, n, hidden, xi.stride(0), si, sf)
         cx = dict(R=r_pad, KIND=kind, BLOCK_R=BLOCK_R, BLOCK_H=BLOCK_H, SK=SKETCH_DIM)
-        key = (kind, r_pad, hidden, xi.stride(0), aligned(xi, weights, proj, masks), dev)
+        key = (
+            kind,
+            r_pad,
+            hidden,
+            xi.stride(0),
+            si,
+            sf,
+            aligned(xi, weights, proj, masks, ints, floats),
+            dev,
+        )
         _LAUNCH(key, (cdiv(n, BLOCK_R), 1, 1), args, cx, num_warps=WARPS)
-    return out
+    return fields
+
+
+def _fields(ints: torch.Tensor, floats: torch.Tensor, r: int) -> Fingerprints:
+    """The five fields as views of the two row buffers."""
+    return Fingerprints(
+        ints[:, 0],
+        ints[:, 1 : 1 + r],
+        floats[:, :SKETCH_DIM],
+        floats[:, SKETCH_DIM],
+        floats[:, SKETCH_DIM + 1],
+    )
+
+
+def _check_out(out: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, r_pad: int) -> None:
+    ints, floats = out
+    n = x.numel() // max(x.shape[-1], 1) if x.dim() else 1
+    for name, t, dtype, width in (
+        ("out[0] (ints)", ints, torch.int64, 1 + r_pad),
+        ("out[1] (floats)", floats, torch.float32, SKETCH_DIM + 2),
+    ):
+        if t.dtype != dtype or t.dim() != 2 or t.shape[0] != n or t.shape[1] < width or t.stride(1) != 1:
+            raise ValueError(
+                f"{name}: expected {dtype} [{n}, >= {width}] with unit column stride, "
+                f"got {t.dtype} {list(t.shape)} strides {list(t.stride())}"
+            )
+        if t.device != x.device:
+            raise ValueError(f"{name}: on {t.device}, the rows on {x.device}")

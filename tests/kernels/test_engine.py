@@ -97,9 +97,9 @@ def test_generate_checks_its_requests() -> None:
 
 
 def test_decode_runs_through_a_wrapped_step() -> None:
-    """A collector that wraps ``step`` (fingerprints) must see every step: then nothing is
-    graphed, each packed step holds only the live requests (no repeated positions), and the
-    results are the unwrapped engine's bits."""
+    """A collector that wraps ``step`` (fingerprints) sees every packed step (here, on the CPU,
+    every step: nothing is graphed), each holding only the live requests (no repeated positions),
+    and the results are the unwrapped engine's bits."""
     model = _tiny("cpu", torch.float32)
     prompts, new = [[1, 2, 3], [4, 5, 6, 7, 8], [9]], [4, 2, 5]
     with kernels.enable():
@@ -159,7 +159,7 @@ def test_graph_decode_same_bits_as_eager_gpu() -> None:
             b = eager.generate(prompts, new, seed=seed)
             assert [c.tokens for c in a] == [c.tokens for c in b]
             assert [c.logprobs for c in a] == [c.logprobs for c in b]
-        assert list(graphed._graphs) == [(8, True)]
+        assert list(graphed._graphs) == [(8, "invariant")]
         seqs = [c.prompt + c.tokens for c in a]
         width = max(len(s) for s in seqs)
         ids = torch.zeros(len(seqs), width, dtype=torch.long, device="cuda")

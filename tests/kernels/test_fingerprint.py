@@ -94,3 +94,18 @@ def test_gpu_matches_collector_torch_path() -> None:
     assert bits_equal(got.maxabs, ref.maxabs)
     torch.testing.assert_close(got.l2, ref.l2, rtol=1e-5, atol=0)
     torch.testing.assert_close(got.sketch, ref.sketch, rtol=1e-4, atol=1e-4 * float(ref.l2.max()))
+
+
+def test_writes_into_wider_preallocated_buffers(dev: str) -> None:
+    """``out=``: a slot of a captured graph's buffers, wider than the fields and strided."""
+    x, weights, sketch, masks = _inputs(20, 200, torch.float32, dev, (16, 10, 7, 4, 0))
+    ints = torch.full((2, 20, 11), 7, dtype=torch.int64, device=dev)
+    floats = torch.full((2, 20, 21), 7.0, dtype=torch.float32, device=dev)
+    got = fingerprint_rows(x, weights, sketch, masks, impl="triton", out=(ints[1], floats[1]))
+    want = fingerprint_rows(x, weights, sketch, masks, impl="triton")
+    for a, b in zip(got, want, strict=True):
+        assert bits_equal(a, b)
+    assert bits_equal(ints[1, :, 0], want.digest) and bits_equal(floats[1, :, 16], want.l2)
+    assert (ints[0] == 7).all() and (floats[1, :, 18:] == 7).all()  # nothing outside the fields
+    with pytest.raises(ValueError, match=r"out\[0\] \(ints\)"):
+        fingerprint_rows(x, weights, sketch, masks, out=(ints[1, :, :5], floats[1]))

@@ -1,0 +1,129 @@
+"""Region fingerprints as a registered torch custom op, so they survive ``torch.compile`` and
+CUDA-graph capture (DESIGN.md, "Fingerprints"; docs/design.md, "Fingerprints in compiled graphs").
+
+Forward hooks are Python: a replayed CUDA graph never calls them, and a compiled model runs what
+Dynamo traced. ``torch.ops.isoaudit.fingerprint_rows_`` is an op Dynamo records as a node and a
+graph capture records as kernels: given a region's rows and preallocated row buffers it writes
+every row's digest, ladder, sketch, L2 and max-abs into them (the bits of
+:func:`isoaudit.collectors.fingerprints.fingerprint_rows` for the same rows), syncs nothing with the
+host and returns nothing. It declares that it mutates its two buffers, so the compiler keeps it
+(its effect is the buffers') and keeps it in program order.
+
+:class:`FingerprintBuffers` holds the buffers of a whole forward: one int64 and one float32 tensor
+``[regions, rows, width]``, allocated once per row count (an engine's decode bucket, a trainer's
+batch shape); region ``k`` writes its rows into slot ``k``. After the step the host reads the two
+tensors in one transfer and files the rows under requests from the batch layout it already knows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from isoaudit.collectors.fingerprints import (
+    FLOAT_WIDTH,
+    FORMATS,
+    HostRows,
+    default_ladder_bits,
+    fingerprint_rows_into,
+    packed_width,
+)
+from isoaudit.collectors.transfer import to_host
+
+#: The op's qualified name (namespace ``isoaudit``).
+OP_NAME = "isoaudit::fingerprint_rows_"
+
+#: Columns of the int64 slot rows: wide enough for every dtype's default ladder (and any ladder of
+#: at most 8 rungs), so one buffer serves a forward whose regions differ in dtype.
+INT_WIDTH = max(packed_width(fmt.ladder_bits) for fmt in FORMATS.values())
+
+
+@torch.library.custom_op(OP_NAME, mutates_args=("ints", "floats"), device_types=None)
+def fingerprint_rows_(
+    x: torch.Tensor, ints: torch.Tensor, floats: torch.Tensor, ladder_bits: Sequence[int]
+) -> None:
+    """Write the fingerprints of every row of ``x`` ([..., hidden], rows = leading dims flattened)
+    into ``ints`` (int64 ``[n, >= 1 + R']``: digest, then the ``R`` rungs of ``ladder_bits``) and
+    ``floats`` (float32 ``[n, >= 18]``: 16 sketch values, L2, max-abs). No host sync."""
+    fingerprint_rows_into(x, ints, floats, ladder_bits)
+
+
+@fingerprint_rows_.register_fake
+def _fingerprint_rows_fake(
+    x: torch.Tensor, ints: torch.Tensor, floats: torch.Tensor, ladder_bits: Sequence[int]
+) -> None:
+    """Shapes only: the op writes its buffers in place and returns nothing."""
+    return None
+
+
+def record(
+    x: torch.Tensor, ints: torch.Tensor, floats: torch.Tensor, ladder_bits: Sequence[int] | None = None
+) -> None:
+    """Call the op on ``x`` (detached: a fingerprint never joins the autograd graph); ``ladder_bits``
+    defaults to the dtype's ladder."""
+    bits = list(default_ladder_bits(x.dtype) if ladder_bits is None else ladder_bits)
+    torch.ops.isoaudit.fingerprint_rows_(x.detach(), ints, floats, bits)
+
+
+@dataclass(frozen=True)
+class SlotPrints:
+    """The rows one slot of :class:`FingerprintBuffers` holds, on the host."""
+
+    key: tuple[str, int]
+    rows: HostRows
+
+
+class FingerprintBuffers:
+    """Preallocated device buffers for ``slots`` regions of ``rows`` rows each.
+
+    Allocate once per row count, before a graph is captured or a compiled step first runs (the
+    buffers are then the graph's own storage); call :meth:`write` (or :func:`record` with
+    :meth:`views`) for each region inside the forward; read everything after the step with
+    :meth:`to_host`.
+    """
+
+    def __init__(self, slots: int, rows: int, device: torch.device | str) -> None:
+        if slots < 1 or rows < 0:
+            raise ValueError(f"slots/rows: need slots >= 1 and rows >= 0, got {slots}, {rows}")
+        self.rows = rows
+        self.ints = torch.zeros(slots, rows, INT_WIDTH, dtype=torch.int64, device=device)
+        self.floats = torch.zeros(slots, rows, FLOAT_WIDTH, dtype=torch.float32, device=device)
+
+    @property
+    def slots(self) -> int:
+        return int(self.ints.shape[0])
+
+    def views(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slot ``slot``'s ``(ints, floats)`` row buffers, as :func:`record` takes them."""
+        return self.ints[slot], self.floats[slot]
+
+    def write(self, slot: int, x: torch.Tensor, ladder_bits: Sequence[int] | None = None) -> None:
+        """Fingerprint ``x``'s rows (exactly :attr:`rows` of them) into slot ``slot``."""
+        record(x, self.ints[slot], self.floats[slot], ladder_bits)
+
+    def host(self) -> tuple[np.ndarray, np.ndarray]:
+        """Both buffers on the host, in one transfer: (int64 [slots, rows, w], float32 [...])."""
+        got = to_host({"ints": self.ints, "floats": self.floats})
+        return got["ints"], got["floats"]
+
+    def to_host(self, ladder_bits: Sequence[Sequence[int]]) -> list[HostRows]:
+        """Every slot's rows on the host (``ladder_bits[k]``: slot ``k``'s rungs, as written)."""
+        ints, floats = self.host()
+        return [slot_rows(ints[k], floats[k], bits) for k, bits in enumerate(ladder_bits)]
+
+
+def slot_rows(ints: np.ndarray, floats: np.ndarray, ladder_bits: Sequence[int]) -> HostRows:
+    """One slot's host rows (``ints``/``floats`` as :meth:`FingerprintBuffers.host` returns a slot
+    of them) as :class:`~isoaudit.collectors.fingerprints.HostRows`."""
+    r = len(ladder_bits)
+    sk = FLOAT_WIDTH - 2
+    return HostRows(
+        digest=np.ascontiguousarray(ints[:, 0]).view(np.uint64),
+        ladder=np.ascontiguousarray(ints[:, 1 : 1 + r]).view(np.uint64),
+        sketch=np.ascontiguousarray(floats[:, :sk]),
+        l2=np.ascontiguousarray(floats[:, sk]),
+        maxabs=np.ascontiguousarray(floats[:, sk + 1]),
+        ladder_bits=tuple(int(b) for b in ladder_bits),
+    )

@@ -1,0 +1,143 @@
+"""A ``torch.compile``'d HF trainer (tiny Qwen3, CPU inductor): every region recorded through the
+fingerprint op inside the compiled graph (fullgraph, no break), remediated onto the invariant
+kernels (registered custom ops), fingerprints and gradients bit for bit the eager path's."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from isoaudit.audit.fingerprints import ROW_FIELDS
+from isoaudit.collectors.control import FixedControl
+from isoaudit.collectors.layout import StepBatch
+from isoaudit.collectors.sinks import MemorySink
+from isoaudit.collectors.trainer import attach
+
+from isoaudit import kernels
+
+TEMPERATURE = 0.7
+transformers = pytest.importorskip("transformers")
+
+
+def _model(dtype: torch.dtype) -> torch.nn.Module:
+    cfg = transformers.Qwen3Config(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=128,
+        attn_implementation="sdpa", tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.Qwen3ForCausalLM(cfg).to(dtype).train()
+
+
+def _batch(seed: int) -> StepBatch:
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(4, 256, (n,), generator=gen).tolist() for n in (5, 3, 6)]
+    completions = [torch.randint(4, 256, (n,), generator=gen).tolist() for n in (4, 6, 2)]
+    return StepBatch.padded(prompts, completions, temperature=TEMPERATURE)  # one shape every step
+
+
+def _train(model: torch.nn.Module, forward, steps: int, *, control=None):
+    """A few real steps (forward, logprobs, loss, backward); each step's records and grads."""
+    sink = MemorySink()
+    collector = attach(
+        model, run="c", sink=sink, keep_records=True, strict=True, async_transfer=False,
+        control=control,
+    )  # fmt: skip
+    out = []
+    try:
+        for step in range(steps):
+            batch = _batch(step)
+            collector.begin_step(step, batch)
+            logits = forward(**batch.model_inputs()).logits
+            lp = torch.log_softmax(logits[:, :-1].float() / TEMPERATURE, dim=-1)
+            lp = lp.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
+            report = collector.record_step(step, batch, logprobs=lp.detach())
+            (-lp.mean()).backward()
+            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+            model.zero_grad(set_to_none=True)
+            out.append((report, grads))
+    finally:
+        collector.detach()
+    return out
+
+
+def _prints(report) -> dict:
+    return {(r.sample_key, r.region): r for r in report.records if r.kind == "fingerprints"}
+
+
+def _assert_equal_prints(a, b) -> None:
+    pa, pb = _prints(a), _prints(b)
+    assert pa and pa.keys() == pb.keys()
+    for key, ra in pa.items():
+        rb = pb[key]
+        assert np.array_equal(ra.positions, rb.positions), key
+        for name in ROW_FIELDS:
+            x, y = np.asarray(getattr(ra, name)), np.asarray(getattr(rb, name))
+            assert np.array_equal(x.view(np.uint8), y.view(np.uint8)), (key, name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_trainer_records_every_region_through_the_op(dtype: torch.dtype) -> None:
+    """Invariant mode (set through the control channel, as the dashboard does): the compiled
+    steps' fingerprints and gradients equal the eager steps' bit for bit, every region recorded
+    from the compiled graph's op (no own forward after the first step), no graph break."""
+    eager_model = _model(dtype)
+    compiled_model = copy.deepcopy(eager_model)
+    torch._dynamo.reset()
+    try:
+        eager = _train(eager_model, eager_model, 3, control=FixedControl("c", "invariant"))
+        compiled_fn = torch.compile(compiled_model, fullgraph=True)
+        compiled = _train(compiled_model, compiled_fn, 3, control=FixedControl("c", "invariant"))
+    finally:
+        kernels.disable()
+        torch._dynamo.reset()
+    for step, ((ra, ga), (rb, gb)) in enumerate(zip(eager, compiled, strict=True)):
+        assert ra.n_fingerprint_records == rb.n_fingerprint_records > 0
+        _assert_equal_prints(ra, rb)
+        assert ga.keys() == gb.keys()
+        differ = {
+            n: float((ga[n].float() - gb[n].float()).abs().max()) for n in ga if not torch.equal(ga[n], gb[n])
+        }
+        assert not differ, (step, sorted(differ))
+        if step >= 1:  # the first compiled call traces; from then on the op writes the buffers
+            assert not rb.own_forward
+    regions = {r.region for r in compiled[-1][0].records if r.kind == "fingerprints"}
+    assert {"embed", "layers.0.attn", "layers.1.out", "final_norm", "logits"} <= regions
+
+
+def test_a_switch_recompiles_and_the_next_step_runs_the_new_mode() -> None:
+    """Native, then invariant through the control channel: the compiled step after the switch is
+    recompiled (Dynamo guards on the mode) and gives the eager invariant fingerprints."""
+    eager_model = _model(torch.float32)
+    compiled_model = copy.deepcopy(eager_model)
+    torch._dynamo.reset()
+    try:
+        with kernels.enable():
+            want = _train(eager_model, eager_model, 1)[0][0]
+        kernels.disable()
+        control = FixedControl("c", "native")
+        sink = MemorySink()
+        collector = attach(
+            compiled_model, run="c", sink=sink, keep_records=True, strict=True, control=control
+        )
+        fn = torch.compile(compiled_model, fullgraph=True)
+        reports = []
+        for step in range(3):
+            if step == 2:
+                control.set("invariant")
+            batch = _batch(0)
+            collector.begin_step(step, batch)
+            logits = fn(**batch.model_inputs()).logits
+            lp = torch.log_softmax(logits[:, :-1].float() / TEMPERATURE, dim=-1)
+            lp = lp.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
+            reports.append(collector.record_step(step, batch, logprobs=lp.detach()))
+        collector.detach()
+    finally:
+        kernels.disable()
+        torch._dynamo.reset()
+    assert not reports[2].own_forward  # the recompiled graph wrote the op's buffers
+    _assert_equal_prints(reports[2], want)
+    modes = [m.runtime.remediation for m in sink.of_kind("manifest")]
+    assert modes[0] == "native" and modes[-1] == "invariant"
