@@ -55,7 +55,9 @@ def test_new_records_go_straight_in_and_read_back_exactly(pg_store: Store) -> No
         assert record.logprobs.tobytes() == original.logprobs.tobytes()
     stored = pg_store.fingerprints_of_steps([("run-1", 0)])[("run-1", 0)]
     assert len(stored) == 2 and rows(pg_store, FingerprintRow) == 2
-    for got, want in zip(sorted(stored, key=lambda p: p.side), sorted(prints, key=lambda p: p.side), strict=True):
+    for got, want in zip(
+        sorted(stored, key=lambda p: p.side), sorted(prints, key=lambda p: p.side), strict=True
+    ):
         assert got.digest.tobytes() == want.digest.tobytes() and got.sketch.tobytes() == want.sketch.tobytes()
 
 
