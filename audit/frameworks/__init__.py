@@ -134,12 +134,13 @@ FIGURE_THREADS = min(4, os.cpu_count() or 1)
 
 
 def framework_figures(
-    tokens: StepTokens, declared: Declaration | None = None, *, threads: int = FIGURE_THREADS
+    tokens: StepTokens, declared: Declaration | None = None, *, threads: int | None = None
 ) -> dict[str, float]:
     """Every framework's figures of one step under their stored keys: the declared framework at its
     release and settings, every other at its newest code and defaults. A figure whose required
     setting is unset, or whose input was not recorded (``needs``), is left out. The frameworks are
-    computed on ``threads`` threads, their figures gathered in the frameworks' order."""
+    computed on ``threads`` threads (default :data:`FIGURE_THREADS`), their figures gathered in the
+    frameworks' order."""
     out: dict[str, float] = {}
     if tokens.n_tokens == 0:
         return out
@@ -154,6 +155,7 @@ def framework_figures(
                 log.warning("%s figures not computed: %s", table.name, exc)
                 return None
 
+    threads = FIGURE_THREADS if threads is None else threads
     if threads > 1:
         with ThreadPoolExecutor(min(threads, len(tables))) as pool:
             computed = list(pool.map(figures_of, tables))
