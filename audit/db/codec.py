@@ -23,6 +23,8 @@ from isoaudit.audit.routing import routes_columns, routes_from_columns
 from pydantic import ValidationError
 from sqlalchemy import inspect
 from sqlalchemy.engine import Row
+from sqlalchemy.orm import Session
+from sqlalchemy.sql import Select
 
 log = logging.getLogger("isoaudit.store")
 
@@ -92,6 +94,24 @@ def readable(rows: Iterable[R], convert: Callable[[R], V], what: Callable[[R], s
     return out
 
 
+def rows_of(session: Session, query: Select[Any]) -> list[Any]:
+    """The rows of ``query`` (a select of a table's columns), each with its columns as attributes, as
+    :func:`sample_record` and :func:`fingerprint_record` read them. On PostgreSQL (psycopg) they come
+    in binary format: an array column arrives as its bytes, where the text format sends twice as
+    many hex digits for the driver to decode (x3 the time on a step's fingerprints)."""
+    bind = session.get_bind()
+    if bind.dialect.name != "postgresql" or bind.dialect.driver != "psycopg":
+        return list(session.execute(query).all())
+    from psycopg.rows import namedtuple_row
+
+    compiled = query.compile(dialect=bind.dialect, compile_kwargs={"render_postcompile": True})
+    driver = session.connection().connection.driver_connection
+    assert driver is not None  # a session's connection is checked out, so open
+    with driver.cursor(binary=True, row_factory=namedtuple_row) as cursor:
+        cursor.execute(str(compiled), compiled.params)
+        return cursor.fetchall()
+
+
 def sample_row(record: SampleLogprobs) -> dict[str, Any]:
     topk = (
         (record.topk_ids, record.topk_logprobs)
@@ -130,6 +150,7 @@ def sample_row(record: SampleLogprobs) -> dict[str, Any]:
 
 
 def sample_record(row: SampleRow) -> SampleLogprobs:
+    """The record of a stored row (a :class:`SampleRow`, or a row of its table's columns: :func:`rows_of`)."""
     n_completion = row.n_tokens - row.prompt_len
     topk = None
     if row.topk is not None and row.topk_ids is not None and row.topk_logprobs is not None:
@@ -191,6 +212,7 @@ def fingerprint_row(record: RegionFingerprints) -> dict[str, Any]:
 
 
 def fingerprint_record(row: FingerprintRow) -> RegionFingerprints:
+    """The record of a stored row (a :class:`FingerprintRow`, or a row of its table's columns: :func:`rows_of`)."""
     n, rungs = row.n_rows, len(row.ladder_bits)
     return RegionFingerprints.model_construct(
         run_id=row.run_id,

@@ -34,7 +34,18 @@ from isoaudit.audit.records import (
     utcnow,
     validate_record,
 )
-from sqlalchemy import JSON, BigInteger, DateTime, Float, Integer, LargeBinary, String, TypeDecorator, select
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    DateTime,
+    Float,
+    Integer,
+    LargeBinary,
+    String,
+    TypeDecorator,
+    UniqueConstraint,
+    select,
+)
 from sqlalchemy.orm import Session
 from sqlalchemy.types import TypeEngine
 
@@ -223,23 +234,67 @@ class Ingest(Part):
         result: IngestResult,
         returning: Sequence[str] = ("run_id", "step", "sample_key"),
     ) -> set[tuple[Any, ...]]:
-        """:meth:`_insert_new` on PostgreSQL at COPY speed: the rows go by ``COPY ... FROM STDIN
-        (FORMAT BINARY)`` into a staging table, then one ``INSERT ... SELECT ... ON CONFLICT DO
-        NOTHING`` moves those not already stored, so a retried batch still stores nothing twice and
-        two writers racing on one key store it once. The staging table is a temporary one of this
-        connection (no WAL), emptied at every commit, named after the columns it holds."""
-        from psycopg.types.json import Json  # the PostgreSQL extra's driver, there whenever this runs
+        """:meth:`_insert_new` on PostgreSQL at COPY speed. When none of the batch's keys is stored
+        yet (one indexed existence query; the common case) and the batch holds each key once, the
+        rows go by ``COPY ... FROM STDIN (FORMAT BINARY)`` straight into the table, inside a
+        savepoint. Otherwise, or when that COPY meets a key a concurrent writer committed meanwhile
+        (a unique violation: the savepoint is rolled back), they go through :meth:`_copy_staged`,
+        which skips the stored ones; either way a retried batch stores nothing twice and two writers
+        racing on one key store it once."""
+        from psycopg import errors  # the PostgreSQL extra's driver, there whenever this runs
 
         table = table_of(model)
         names = list(rows[0])  # codec rows all carry the same keys
+        key = _identity(table)
+        keys = [tuple(row[c] for c in key) for row in rows]
+        driver = _driver(session)
+        if len(set(keys)) == len(keys) and not self._any_stored(driver, table, key, keys):
+            with driver.cursor() as cursor:
+                cursor.execute("SAVEPOINT isoaudit_copy")
+                try:
+                    _copy_rows(cursor, table, table.name, names, rows)
+                except errors.UniqueViolation:  # a writer stored one of these keys just now
+                    cursor.execute("ROLLBACK TO SAVEPOINT isoaudit_copy")
+                else:
+                    cursor.execute("RELEASE SAVEPOINT isoaudit_copy")
+                    result.stored[kind] += len(rows)
+                    result.duplicates[kind] += 0  # the answer names the kind, as the other path's does
+                    return {tuple(row[c] for c in returning) for row in rows}
+        return self._copy_staged(session, table, names, rows, kind, result, returning)
+
+    @staticmethod
+    def _any_stored(driver: Any, table: Any, key: Sequence[str], keys: list[tuple[Any, ...]]) -> bool:
+        """Whether any of ``keys`` (values of the ``key`` columns) is stored: one query on the
+        table's unique index, naming the batch's runs so it reads only their partitions."""
+        columns = ", ".join(f'"{c}"' for c in key)
+        arrays = ", ".join(f"%s::{_copy_type(table.c[c].type)}[]" for c in key)
+        runs = sorted({k[key.index("run_id")] for k in keys})
+        with driver.cursor() as cursor:
+            cursor.execute(
+                f"SELECT 1 FROM {table.name} WHERE run_id = ANY(%s::varchar[]) "
+                f"AND ({columns}) IN (SELECT * FROM unnest({arrays})) LIMIT 1",
+                [runs, *(list(column) for column in zip(*keys, strict=True))],
+            )
+            return cursor.fetchone() is not None
+
+    def _copy_staged(
+        self,
+        session: Session,
+        table: Any,
+        names: list[str],
+        rows: list[dict[str, Any]],
+        kind: str,
+        result: IngestResult,
+        returning: Sequence[str],
+    ) -> set[tuple[Any, ...]]:
+        """The rows by binary COPY into a staging table, then one ``INSERT ... SELECT ... ON CONFLICT
+        DO NOTHING`` moves those not already stored. The staging table is a temporary one of this
+        connection (no WAL), emptied at every commit, named after the columns it holds."""
         columns = ", ".join(f'"{name}"' for name in names)
         staging = f"isoaudit_staging_{table.name}_{zlib.crc32(columns.encode()):08x}"
-        json_columns = {name for name in names if isinstance(table.c[name].type, JSON)}
         pooled = session.connection().connection
         staged: set[str] = pooled.info.setdefault("isoaudit_staging", set())
-        driver = pooled.driver_connection
-        assert driver is not None  # a session's connection is checked out, so open
-        with driver.cursor() as cursor:
+        with _driver(session).cursor() as cursor:
             cursor.execute(
                 f"CREATE TEMP TABLE IF NOT EXISTS {staging} ON COMMIT DELETE ROWS AS "
                 f"SELECT {columns} FROM {table.name} WITH NO DATA"
@@ -248,10 +303,7 @@ class Ingest(Part):
                 binary = [f'ALTER COLUMN "{n}" SET STORAGE EXTERNAL' for n in names if _is_binary(table, n)]
                 cursor.execute(f"ALTER TABLE {staging} {', '.join(binary)}")
                 staged.add(staging)
-            with cursor.copy(f"COPY {staging} ({columns}) FROM STDIN (FORMAT BINARY)") as copy:
-                copy.set_types([_copy_type(table.c[name].type) for name in names])
-                for row in rows:
-                    copy.write_row([Json(row[n]) if n in json_columns else row[n] for n in names])
+            _copy_rows(cursor, table, staging, names, rows)
             cursor.execute(
                 f"INSERT INTO {table.name} ({columns}) SELECT {columns} FROM {staging} "
                 f"ON CONFLICT DO NOTHING RETURNING {', '.join(returning)}"
@@ -261,6 +313,33 @@ class Ingest(Part):
         result.stored[kind] += len(inserted)
         result.duplicates[kind] += len(rows) - len(inserted)
         return set(inserted)
+
+
+def _driver(session: Session) -> Any:
+    """The psycopg connection under ``session``'s transaction."""
+    driver = session.connection().connection.driver_connection
+    assert driver is not None  # a session's connection is checked out, so open
+    return driver
+
+
+def _identity(table: Any) -> tuple[str, ...]:
+    """The columns of ``table``'s unique identity constraint (what ``ON CONFLICT`` skips on)."""
+    for constraint in table.constraints:
+        if isinstance(constraint, UniqueConstraint):
+            return tuple(column.name for column in constraint.columns)
+    raise TypeError(f"{table.name}: no unique identity constraint")
+
+
+def _copy_rows(cursor: Any, table: Any, target: str, names: list[str], rows: list[dict[str, Any]]) -> None:
+    """``rows`` (``names`` columns of ``table``) into ``target`` by one binary ``COPY ... FROM STDIN``."""
+    from psycopg.types.json import Json
+
+    json_columns = {name for name in names if isinstance(table.c[name].type, JSON)}
+    columns = ", ".join(f'"{name}"' for name in names)
+    with cursor.copy(f"COPY {target} ({columns}) FROM STDIN (FORMAT BINARY)") as copy:
+        copy.set_types([_copy_type(table.c[name].type) for name in names])
+        for row in rows:
+            copy.write_row([Json(row[n]) if n in json_columns else row[n] for n in names])
 
 
 def _is_binary(table: Any, name: str) -> bool:

@@ -8,11 +8,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 from isoaudit.audit.db.engine import Part, table_of
 from isoaudit.audit.db.models import ComparisonClaimRow, PendingComparisonRow, SampleRow, StepResultRow
 from isoaudit.audit.records import utcnow
-from sqlalchemy import ColumnElement, Select, delete, exists, func, select, tuple_, update
+from sqlalchemy import ColumnElement, Exists, Select, delete, exists, func, select, tuple_, update
 from sqlalchemy.orm import Session
 
 __all__ = ["Backlog", "Queue", "StepClaim", "release"]
@@ -48,29 +49,12 @@ class Queue(Part):
 
     @staticmethod
     def _ready(*where: ColumnElement[bool]) -> Select[str, int, str, datetime]:
-        """Queued samples whose two sides are both stored: a join from the queue into the samples'
-        (run, step, key) index, so its cost follows the queue, not the size of the store."""
-        return (
-            select(
-                PendingComparisonRow.run_id,
-                PendingComparisonRow.step,
-                PendingComparisonRow.sample_key,
-                PendingComparisonRow.queued_at,
-            )
-            .join(
-                SampleRow,
-                (SampleRow.run_id == PendingComparisonRow.run_id)
-                & (SampleRow.step == PendingComparisonRow.step)
-                & (SampleRow.sample_key == PendingComparisonRow.sample_key),
-            )
-            .where(*where)
-            .group_by(
-                PendingComparisonRow.run_id,
-                PendingComparisonRow.step,
-                PendingComparisonRow.sample_key,
-                PendingComparisonRow.queued_at,
-            )
-            .having(func.count(func.distinct(SampleRow.side)) == 2)
+        """Queued samples whose two sides are both stored: for each queued row, one lookup per side
+        in the samples' unique (run, step, side, key) index, so its cost follows the queue, not the
+        size of the store or of the step."""
+        pending = PendingComparisonRow
+        return select(pending.run_id, pending.step, pending.sample_key, pending.queued_at).where(
+            _stored("trainer", pending), _stored("rollout", pending), *where
         )
 
     def pending(self, limit: int = 10_000) -> list[tuple[str, int, str]]:
@@ -161,23 +145,15 @@ class Queue(Part):
             .limit(window)
             .subquery()
         )
-        sides = (
-            select(head, func.count(func.distinct(SampleRow.side)).label("sides"))
-            .join(
-                SampleRow,
-                (SampleRow.run_id == head.c.run_id)
-                & (SampleRow.step == head.c.step)
-                & (SampleRow.sample_key == head.c.sample_key),
-                isouter=True,
-            )
-            .group_by(head.c.run_id, head.c.step, head.c.sample_key, head.c.queued_at)
+        sides = select(
+            head, _stored("trainer", head.c).label("trainer"), _stored("rollout", head.c).label("rollout")
         )
         with self.sessions.begin() as session:
             rows = session.execute(sides).all()
             by_step: dict[tuple[str, int], list[datetime]] = {}
             waiting = []
-            for run, step, key, queued_at, n_sides in rows:
-                if n_sides == 2:
+            for run, step, key, queued_at, trainer, rollout in rows:
+                if trainer and rollout:
                     by_step.setdefault((run, step), []).append(queued_at)
                 else:
                     waiting.append((run, step, key))
@@ -225,6 +201,17 @@ class Queue(Part):
             return
         with self.sessions.begin() as session:
             release(session, worker, [(c.run_id, c.step) for c in claims])
+
+
+def _stored(side: str, queued: Any) -> Exists:
+    """Whether ``side``'s record of a queued sample (``queued``: columns ``run_id``, ``step``,
+    ``sample_key``) is stored: one lookup in the samples' unique (run, step, side, key) index."""
+    return exists().where(
+        SampleRow.run_id == queued.run_id,
+        SampleRow.step == queued.step,
+        SampleRow.side == side,
+        SampleRow.sample_key == queued.sample_key,
+    )
 
 
 def release(session: Session, worker: str, steps: Sequence[tuple[str, int]]) -> set[tuple[str, int]]:

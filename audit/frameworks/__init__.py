@@ -13,8 +13,10 @@ and settings, the others at their newest code and defaults, and stores them unde
 from __future__ import annotations
 
 import logging
+import os
 import re
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -126,25 +128,42 @@ def _era_and_settings(table: Framework, declared: Declaration | None) -> tuple[E
     return era, values
 
 
-def framework_figures(tokens: StepTokens, declared: Declaration | None = None) -> dict[str, float]:
+#: Threads computing the frameworks' figures of one step: each framework's figures are computed
+#: exactly as alone (numpy releases the interpreter lock in its array loops); 1 computes them in turn.
+FIGURE_THREADS = min(4, os.cpu_count() or 1)
+
+
+def framework_figures(
+    tokens: StepTokens, declared: Declaration | None = None, *, threads: int | None = None
+) -> dict[str, float]:
     """Every framework's figures of one step under their stored keys: the declared framework at its
     release and settings, every other at its newest code and defaults. A figure whose required
-    setting is unset, or whose input was not recorded (``needs``), is left out."""
+    setting is unset, or whose input was not recorded (``needs``), is left out. The frameworks are
+    computed on ``threads`` threads (default :data:`FIGURE_THREADS`), their figures gathered in the
+    frameworks' order."""
     out: dict[str, float] = {}
     if tokens.n_tokens == 0:
         return out
-    with np.errstate(all="ignore"):
-        for table in FRAMEWORK_TABLES.values():
-            if not table.eras:
-                continue
-            era, values = _era_and_settings(table, declared)
+    tables = [table for table in FRAMEWORK_TABLES.values() if table.eras]
+
+    def figures_of(table: Framework) -> dict[str, Any] | None:
+        era, values = _era_and_settings(table, declared)
+        with np.errstate(all="ignore"):  # per thread: numpy's error state is not inherited
             try:
-                figures = era.compute(tokens, values)
+                return era.compute(tokens, values)
             except ValueError as exc:  # settings declared before a check existed: the others still count
                 log.warning("%s figures not computed: %s", table.name, exc)
-                continue
-            for name, value in figures.items():
-                out[qualified(table.name, name)] = float(value)
+                return None
+
+    threads = FIGURE_THREADS if threads is None else threads
+    if threads > 1:
+        with ThreadPoolExecutor(min(threads, len(tables))) as pool:
+            computed = list(pool.map(figures_of, tables))
+    else:
+        computed = [figures_of(table) for table in tables]
+    for table, figures in zip(tables, computed, strict=True):
+        for name, value in (figures or {}).items():
+            out[qualified(table.name, name)] = float(value)
     return out
 
 

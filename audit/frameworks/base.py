@@ -152,8 +152,10 @@ class StepTokens:
         return {}
 
     def _memo(self, key: tuple[object, ...], make: Callable[[], np.ndarray]) -> np.ndarray:
+        """``make()`` once per key; two threads asking at once may both make it (the same values),
+        and both get the one stored first."""
         if key not in self._cache:
-            self._cache[key] = _shared(make())
+            return self._cache.setdefault(key, _shared(make()))
         return self._cache[key]
 
     # -- reductions --------------------------------------------------------------------------------
