@@ -151,7 +151,10 @@ class Ingest(Part):
                 # opposite orders deadlock)
                 session.execute(
                     stmt,
-                    [{"run_id": r, "step": s, "sample_key": k, "queued_at": now} for r, s, k in sorted(touched)],
+                    [
+                        {"run_id": r, "step": s, "sample_key": k, "queued_at": now}
+                        for r, s, k in sorted(touched)
+                    ],
                 )
                 result.pending = len(touched)
         return result
