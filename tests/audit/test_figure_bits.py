@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from isoaudit.audit.frameworks import StepTokens, framework_figures, framework_table
 from isoaudit.audit.metrics.core import threshold_figures
-from isoaudit.audit.metrics.families import TokenView
+from isoaudit.audit.metrics.families import BAND_FAMILY, RS_OPTIONS, TIS_FAMILY, TokenView
 from isoaudit.audit.records import SampleLogprobs
 from isoaudit.audit.summaries import position_bins
 
@@ -69,6 +69,45 @@ def large_pairs(non_finite: bool) -> list[tuple[SampleLogprobs, SampleLogprobs]]
     return pairs
 
 
+#: Threshold figures away from their defaults: per-sample aggregation, caps and bounds near 1 (where
+#: most tokens sit on either side), inverted and empty bounds, bands of 0, >= 1 and < 0.
+THRESHOLD_VARIANTS: list[str] = [
+    "is_fraction_high[upper=1.01,aggregate=sample]",
+    "is_fraction_low[lower=0.99,aggregate=sample]",
+    "is_oob_fraction[lower=0.9,upper=1.1,aggregate=sample]",
+    "is_oob_fraction[lower=2,upper=0.5]",
+    "is_seq_fraction_high[upper=1.001]",
+    "is_seq_fraction_low[lower=0.999]",
+    "geo_oob_seq_fraction[lower=0.99,upper=1.01]",
+    *(f"{name}[cap={cap:g}]" for name in TIS_FAMILY for cap in (0.5, 1.0, 1.05)),
+    *(
+        f"rs_{option}_{what}[{bounds}]"
+        for option in RS_OPTIONS
+        for what in ("masked_fraction", "seq_masked_fraction")
+        for bounds in (
+            ("lower=0.95,upper=1.05", "lower=1.5,upper=0.5")
+            if option.endswith("k1")
+            else ("upper=0.0001", "upper=0.003", "upper=0")
+        )
+    ),
+    *(f"{name}[band={band:g}]" for name in BAND_FAMILY for band in (0.0, 0.02, 1.0, 1.5, -1.0)),
+]
+
+
+def threshold_edge_steps() -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Steps at the edges of the threshold figures: identical sides, one token, empty samples only,
+    and every token beyond the ±20 bound."""
+    rng = np.random.default_rng(3)
+    t = (-rng.exponential(1.0, 300)).astype(np.float32)
+    offsets = np.array([0, 0, 100, 100, 300])
+    return {
+        "identical": (t, t.copy(), offsets),
+        "one_token": (t[:1], t[:1] - np.float32(0.25), np.array([0, 1])),
+        "empty": (t[:0], t[:0], np.array([0, 0, 0])),
+        "clamped": (t, t - np.float32(30.0) * np.sign(rng.normal(size=300)).astype(np.float32), offsets),
+    }
+
+
 def digest(figures: dict[str, Any]) -> str:
     """SHA-256 of the figures' names and exact values (lists of numbers, None and keys too)."""
 
@@ -107,6 +146,12 @@ def figures_bits() -> dict[str, str]:
         r = np.concatenate([p[1].logprobs for p in pairs])
         offsets = np.concatenate([[0], np.cumsum([p[0].logprobs.size for p in pairs])])
         out[f"threshold_figures/{non_finite}"] = digest(threshold_figures(TokenView(t, r, offsets), []))
+        view = TokenView(t, r, offsets)
+        out[f"threshold_variants/{non_finite}"] = digest(threshold_figures(view, THRESHOLD_VARIANTS))
+    for name, (t, r, offsets) in threshold_edge_steps().items():
+        out[f"threshold_figures/{name}"] = digest(
+            threshold_figures(TokenView(t, r, offsets), THRESHOLD_VARIANTS)
+        )
     return out
 
 
