@@ -165,14 +165,6 @@ def framework_tokens(pairs: Sequence[Pair]) -> StepTokens:
     )
 
 
-def step_framework_figures(pairs: Sequence[Pair], framework: Declaration | None = None) -> dict[str, float]:
-    """Every framework's figures of a step's pairs (audit.frameworks), as :meth:`StepOutcome.of`
-    computes them. They read only the pairs' logprobs, so a caller may compute them beside
-    :func:`compare_samples` and hand them on."""
-    ordered = in_step_order(pairs)
-    return framework_figures(framework_tokens(ordered), framework) if ordered else {}
-
-
 def _with_lags(rows: list[dict[str, Any]], lags: list[np.ndarray]) -> list[dict[str, Any]]:
     """Each sample's metrics with its policy lag range (where its tokens' lags are known)."""
     for row, sample_lags in zip(rows, lags, strict=True):
@@ -339,15 +331,12 @@ class StepOutcome:
         *,
         clip_eps: float = 0.2,
         framework: Declaration | None = None,
-        framework_metrics: dict[str, float] | None = None,
     ) -> StepOutcome:
         """The outcome of a step whose samples ``pairs`` are, ``comparisons`` those compared now. When
         ``comparisons`` were made of exactly ``pairs`` by one :func:`compare_samples` call, its
         figures are taken, not computed again; routes compared there are not compared again.
         ``framework``: what the run declares it runs under (``declaration_of(run.config)``): its
-        figures follow that release and its settings (audit.frameworks). ``framework_metrics``: those
-        figures computed beforehand by :func:`step_framework_figures` of the same ``pairs`` and
-        ``framework`` (as the worker does, beside :func:`compare_samples`)."""
+        figures follow that release and its settings (audit.frameworks)."""
         ordered = in_step_order(pairs)
         handed_on = next((c.step_figures for c in comparisons if c.step_figures is not None), None)
         if handed_on is not None and handed_on.covers(ordered, clip_eps):
@@ -355,9 +344,7 @@ class StepOutcome:
         else:
             metrics = _step_metrics(_Tokens.of(ordered), [token_lags(t, r) for t, r in ordered], clip_eps)
         if ordered:
-            metrics.update(
-                step_framework_figures(ordered, framework) if framework_metrics is None else framework_metrics
-            )
+            metrics.update(framework_figures(framework_tokens(ordered), framework))
             metrics.update(step_distribution_metrics(ordered))
         routing = None
         if pairs:

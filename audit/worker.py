@@ -14,10 +14,9 @@ import socket
 import threading
 from collections import defaultdict
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from isoaudit.audit.compare import SampleComparison, StepOutcome, compare_samples, step_framework_figures
+from isoaudit.audit.compare import SampleComparison, StepOutcome, compare_samples
 from isoaudit.audit.db import StepClaim, Store
 from isoaudit.audit.frameworks import Declaration, declaration_of
 from isoaudit.audit.quantization_growth import note_growth
@@ -208,32 +207,17 @@ class ComparisonWorker:
             for record in prints[(claim.run_id, claim.step)]:
                 if (record.run_id, record.step, record.sample_key) in wanted:
                     by_key[record.sample_key][0 if record.side == "trainer" else 1].append(record)
-        # The step's figures cover every compared sample of the step, old and new.
-        all_pairs = {
-            (c.run_id, c.step): [pairs[(c.run_id, c.step)][k] for k in sorted(pairs[(c.run_id, c.step)])]
-            for c in claims
-        }
-        # The frameworks' figures read only the logprobs: computed on a thread beside the comparison
-        # (numpy releases the interpreter lock in its array loops), the same figures as in turn.
-        with ThreadPoolExecutor(1, thread_name_prefix="isoaudit-frameworks") as pool:
-            ahead = {step: pool.submit(step_framework_figures, p, framework) for step, p in all_pairs.items()}
-            comparisons = compare_samples(
-                todo, dict(by_key), manifests, clip_eps=self.clip_eps, policy=policy
-            )
-            per_step: dict[tuple[str, int], list[SampleComparison]] = defaultdict(list)
-            for comparison in comparisons:
-                per_step[(comparison.run_id, comparison.step)].append(comparison)
-            out = []
-            for claim in claims:
-                step = (claim.run_id, claim.step)
-                outcome = StepOutcome.of(
-                    all_pairs[step],
-                    per_step[step],
-                    clip_eps=self.clip_eps,
-                    framework=framework,
-                    framework_metrics=ahead[step].result(),
-                )
-                out.append((claim, outcome))
+        comparisons = compare_samples(todo, dict(by_key), manifests, clip_eps=self.clip_eps, policy=policy)
+        per_step: dict[tuple[str, int], list[SampleComparison]] = defaultdict(list)
+        for comparison in comparisons:
+            per_step[(comparison.run_id, comparison.step)].append(comparison)
+        out = []
+        for claim in claims:
+            step_pairs = pairs[(claim.run_id, claim.step)]
+            # The step's figures cover every compared sample of the step, old and new.
+            all_pairs = [step_pairs[k] for k in sorted(step_pairs)]
+            mine = per_step[(claim.run_id, claim.step)]
+            out.append((claim, StepOutcome.of(all_pairs, mine, clip_eps=self.clip_eps, framework=framework)))
         return out
 
     def backfill(self, limit: int = 1) -> int:
