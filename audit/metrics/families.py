@@ -75,6 +75,8 @@ class TokenView:
     def sample_shares(self, key: tuple[object, ...], make: Callable[[], np.ndarray]) -> np.ndarray:
         """Per sample (those that have tokens, in order): the share of its tokens where the condition
         holds, counted as integers (the same bits as the mean of the condition as 0/1 floats)."""
+        if self._starts is None:
+            return np.zeros(0)
         counts = np.add.reduceat(self.flags(key, make), self._starts, dtype=np.int64)
         return counts / self.n_per_sample[self.has]
 
