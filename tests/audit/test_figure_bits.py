@@ -1,9 +1,9 @@
 """Stored figures keep their bits: every era of every framework, at every fixture's settings, on
 the parity inputs and on a larger step (clamped ratios, an empty sample, two ranks), the threshold
-figures and the position bins, against the values the comparator stored before the frameworks
-shared per-step arrays (``tests/fixtures/figure_bits.json``: per case, the SHA-256 of its figures'
-float hex). The parity tests allow 1e-6; stored figures
-must not move at all. The shared arrays are read-only: a framework writing into one would change
+figures (at their defaults, at :data:`THRESHOLD_VARIANTS` and on :func:`threshold_edge_steps`) and
+the position bins, against the values the comparator stored before those figures were restructured
+(``tests/fixtures/figure_bits.json``: per case, the SHA-256 of its figures' float hex). The parity
+tests allow 1e-6; stored figures must not move at all. The shared arrays are read-only: a framework writing into one would change
 another's figures."""
 
 from __future__ import annotations
