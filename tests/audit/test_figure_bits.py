@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 from isoaudit.audit.frameworks import StepTokens, framework_figures, framework_table
+from isoaudit.audit.frameworks.base import SEQUENTIAL_SUM_TOKENS
 from isoaudit.audit.metrics.core import threshold_figures
 from isoaudit.audit.metrics.families import BAND_FAMILY, RS_OPTIONS, TIS_FAMILY, TokenView
 from isoaudit.audit.records import SampleLogprobs
@@ -37,6 +38,22 @@ def large_step() -> StepTokens:
     rollout = [t + rng.normal(0, 0.05, t.size).astype(np.float32) for t in trainer]
     rollout[3][:5] -= 25.0  # |Δ| over verl's and slime's safety bound of 20
     rollout[11][2] += 30.0
+    return StepTokens.of(
+        trainer,
+        rollout,
+        advantages=[float(a) for a in rng.normal(0, 1, len(lengths))],
+        ranks=[i % 2 for i in range(len(lengths))],
+    )
+
+
+def long_step() -> StepTokens:
+    """Samples of thousands of tokens (summed sample by sample, ``SEQUENTIAL_SUM_TOKENS``), one of
+    them empty, with clamped ratios."""
+    rng = np.random.default_rng(43)
+    lengths = [3000, 0, 2500, 4100, 1200]
+    trainer = [(-rng.exponential(1.0, n)).astype(np.float32) for n in lengths]
+    rollout = [t + rng.normal(0, 0.05, t.size).astype(np.float32) for t in trainer]
+    rollout[0][:3] -= 25.0
     return StepTokens.of(
         trainer,
         rollout,
@@ -131,14 +148,19 @@ def figures_bits() -> dict[str, str]:
             table = framework_table(fixture["framework"])
             era = table.era(fixture["version"])
             settings, _ = table.settings_of(era, fixture["settings"])
-            for name in [*fixture["values"], "large"]:
-                tokens = large_step() if name == "large" else steps[name]
+            for name in [*fixture["values"], "large", "long"]:
+                tokens = (
+                    {"large": large_step, "long": long_step}[name]()
+                    if name in ("large", "long")
+                    else steps[name]
+                )
                 try:
                     got = era.compute(tokens, settings)
                 except ValueError:
                     continue
                 out[f"{path.parent.name}/{path.stem}/{name}"] = digest(got)
     out["all/large"] = digest(framework_figures(large_step()))
+    out["all/long"] = digest(framework_figures(long_step()))
     for non_finite in (False, True):
         pairs = large_pairs(non_finite)
         out[f"position_bins/{non_finite}"] = digest(position_bins(pairs))
@@ -161,6 +183,24 @@ def test_framework_figures_keep_their_bits() -> None:
     assert set(got) == set(expected)
     wrong = sorted(case for case, value in expected.items() if got[case] != value)
     assert not wrong, f"{len(wrong)} cases changed: {wrong[:10]}"
+
+
+def test_sample_sums_sample_by_sample_match_bincount() -> None:
+    """Long samples are summed one by one: bit for bit ``np.bincount``'s sums, zeros' signs,
+    infinities and NaN included."""
+    rng = np.random.default_rng(5)
+    lengths = [2000, 0, 1500, 3000, 1100]
+    trainer = [rng.normal(0, 1, n).astype(np.float32) for n in lengths]
+    tokens = StepTokens.of(trainer, [t.copy() for t in trainer])
+    assert tokens.n_tokens >= SEQUENTIAL_SUM_TOKENS * tokens.n_samples
+    values = rng.normal(0, 1, tokens.n_tokens) * 10.0 ** rng.integers(-8, 8, tokens.n_tokens)
+    values[tokens.offsets[2] : tokens.offsets[3]] = -0.0  # a sum of negative zeros
+    values[tokens.offsets[3]] = np.inf
+    values[tokens.offsets[4] + 7] = np.nan
+    expected = np.bincount(tokens.sample_of_token, weights=values, minlength=tokens.n_samples)
+    got = tokens.sample_sums(values)
+    assert [float(x).hex() for x in got] == [float(x).hex() for x in expected]
+    assert all(np.signbit(got) == np.signbit(expected))
 
 
 def test_shared_step_arrays_are_read_only() -> None:
