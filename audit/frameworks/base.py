@@ -161,18 +161,20 @@ class StepTokens:
     # -- reductions --------------------------------------------------------------------------------
     def sample_sums(self, values: np.ndarray) -> np.ndarray:
         """Per-sample sums of a per-token array (0 for an empty sample), each added up in token
-        order from 0.0 (``np.bincount``'s order). Long samples are summed one by one with
-        ``np.add.accumulate`` (also in token order, from the first value: the same bits, but for the
-        sign of a zero sum, which ``+ 0.0`` makes that of ``bincount``), reading the tokens once
-        where ``bincount`` reads a token's sample index beside it."""
-        if self.n_tokens < SEQUENTIAL_SUM_TOKENS * max(self.n_samples, 1):
-            return np.bincount(self.sample_of_token, weights=values, minlength=self.n_samples)
+        order from 0.0 (``np.bincount``'s order). When the samples fill most of a [samples, longest]
+        block, they are added up as its rows by ``np.add.accumulate`` (in token order from the first
+        value, then the padding's zeros: the same bits, but for the sign of a zero sum, which
+        ``+ 0.0`` makes that of ``bincount``), in one call that reads each token once."""
+        n, longest = self.n_samples, int(self.lengths.max()) if self.n_samples else 0
+        if self.n_tokens < SEQUENTIAL_SUM_TOKENS * max(n, 1) or n * longest > 2 * self.n_tokens:
+            return np.bincount(self.sample_of_token, weights=values, minlength=n)
         values = np.asarray(values, dtype=np.float64)  # as bincount takes its weights
-        out = np.zeros(self.n_samples)
-        bounds = self.offsets.tolist()
-        for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
-            if b > a:
-                out[i] = np.add.accumulate(values[a:b])[-1]
+        if np.all(self.lengths == longest):
+            block = values.reshape(n, longest)
+        else:
+            block = np.zeros((n, longest))
+            block[np.arange(longest) < self.lengths[:, None]] = values  # row by row, in token order
+        out = np.add.accumulate(block, axis=1)[:, -1]
         return np.add(out, 0.0, out=out)
 
     def sample_means(self, values: np.ndarray) -> np.ndarray:

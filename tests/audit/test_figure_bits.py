@@ -47,10 +47,10 @@ def large_step() -> StepTokens:
 
 
 def long_step() -> StepTokens:
-    """Samples of thousands of tokens (summed sample by sample, ``SEQUENTIAL_SUM_TOKENS``), one of
-    them empty, with clamped ratios."""
+    """Samples of thousands of tokens, one of them empty, with clamped ratios: their sums are the
+    rows of a padded block (``StepTokens.sample_sums``)."""
     rng = np.random.default_rng(43)
-    lengths = [3000, 0, 2500, 4100, 1200]
+    lengths = [3000, 0, 2400, 2800, 3000, 2600]
     trainer = [(-rng.exponential(1.0, n)).astype(np.float32) for n in lengths]
     rollout = [t + rng.normal(0, 0.05, t.size).astype(np.float32) for t in trainer]
     rollout[0][:3] -= 25.0
@@ -185,18 +185,18 @@ def test_framework_figures_keep_their_bits() -> None:
     assert not wrong, f"{len(wrong)} cases changed: {wrong[:10]}"
 
 
-def test_sample_sums_sample_by_sample_match_bincount() -> None:
-    """Long samples are summed one by one: bit for bit ``np.bincount``'s sums, zeros' signs,
-    infinities and NaN included."""
+@pytest.mark.parametrize("lengths", [[2000, 0, 1500, 1900, 1100], [1500] * 4, [3000, 2, 5, 2000]])
+def test_sample_sums_match_bincount(lengths: list[int]) -> None:
+    """Per-sample sums, as the rows of a padded block or by ``bincount`` (the last lengths): bit for
+    bit ``np.bincount``'s sums, zeros' signs, infinities and NaN included."""
     rng = np.random.default_rng(5)
-    lengths = [2000, 0, 1500, 3000, 1100]
     trainer = [rng.normal(0, 1, n).astype(np.float32) for n in lengths]
     tokens = StepTokens.of(trainer, [t.copy() for t in trainer])
     assert tokens.n_tokens >= SEQUENTIAL_SUM_TOKENS * tokens.n_samples
     values = rng.normal(0, 1, tokens.n_tokens) * 10.0 ** rng.integers(-8, 8, tokens.n_tokens)
     values[tokens.offsets[2] : tokens.offsets[3]] = -0.0  # a sum of negative zeros
-    values[tokens.offsets[3]] = np.inf
-    values[tokens.offsets[4] + 7] = np.nan
+    values[tokens.offsets[1]] = np.inf
+    values[tokens.offsets[3] + 1] = np.nan
     expected = np.bincount(tokens.sample_of_token, weights=values, minlength=tokens.n_samples)
     got = tokens.sample_sums(values)
     assert [float(x).hex() for x in got] == [float(x).hex() for x in expected]
