@@ -56,11 +56,33 @@ class TokenView:
             self._sample = np.repeat(np.arange(self.n_per_sample.size), self.n_per_sample)
         return self._sample
 
-    def memo(self, key: tuple[object, ...], make: Callable[[], np.ndarray]) -> np.ndarray:
+    def memo(self, key: tuple[object, ...], make: Callable[[], Any]) -> Any:
         """``make()``, computed once per ``key`` for this step."""
         if key not in self.cache:
             self.cache[key] = make()
         return self.cache[key]
+
+    def flags(self, key: tuple[object, ...], make: Callable[[], np.ndarray]) -> np.ndarray:
+        """A per-token condition (``make()``, boolean), computed once per ``key``."""
+        return self.memo(("flags", *key), make)
+
+    def share(self, key: tuple[object, ...], make: Callable[[], np.ndarray]) -> float:
+        """The share of tokens where the condition ``key`` holds: a count over the token count, the
+        same bits as the mean of the condition as 0/1 floats (whose sum is that count, exactly)."""
+        count = self.memo(("count", *key), lambda: np.count_nonzero(self.flags(key, make)))
+        return float(np.float64(count) / self.d.size)
+
+    def sample_shares(self, key: tuple[object, ...], make: Callable[[], np.ndarray]) -> np.ndarray:
+        """Per sample (those that have tokens, in order): the share of its tokens where the condition
+        holds, counted as integers (the same bits as the mean of the condition as 0/1 floats)."""
+        if self._starts is None:
+            return np.zeros(0)
+        counts = np.add.reduceat(self.flags(key, make), self._starts, dtype=np.int64)
+        return counts / self.n_per_sample[self.has]
+
+    def sample_stat(self, of: str, values: Callable[[], np.ndarray], how: str) -> np.ndarray:
+        """:meth:`per_sample` of the token values named ``of`` (made by ``values()``), computed once."""
+        return self.memo(("per_sample", of, how), lambda: self.per_sample(values(), how))
 
     def per_sample(self, values: np.ndarray, how: str = "sum") -> np.ndarray:
         """Per-sample sum / mean / max of token values, for the samples that have tokens (in order)."""
@@ -77,13 +99,16 @@ class TokenView:
             return np.zeros(0, dtype=bool)
         return np.logical_and.reduceat(flags, self._starts)
 
-    def token_mean(self, values: np.ndarray, aggregate: ParamValue = "token") -> float:
-        """Token-weighted mean, or (``aggregate="sample"``) the mean of per-sample means."""
+    def token_mean(
+        self, key: tuple[object, ...], make: Callable[[], np.ndarray], aggregate: ParamValue
+    ) -> float:
+        """The share of tokens where a condition holds (``make()``, named ``key``), token-weighted or
+        (``aggregate="sample"``) as the mean of the per-sample shares."""
         if not self.d.size:
             return float("nan")
         if aggregate == "sample":
-            return float(self.per_sample(values, "mean").mean())
-        return float(values.mean())
+            return float(self.sample_shares(key, make).mean())
+        return self.share(key, make)
 
 
 @dataclass(frozen=True)
@@ -102,50 +127,96 @@ def _nan_if_empty(f: Callable[..., float]) -> Callable[..., float]:
     return wrapped
 
 
-def _tis(view: TokenView, cap: float) -> np.ndarray:
-    return view.memo(("tis", cap), lambda: np.minimum(view.rho, cap))
+class Weights:
+    """The truncated importance weights ``w = min(ρ, cap)`` of a step, each statistic computed once:
+    the same reductions over the same array as numpy's ``w.mean()``, ``w.std()`` and friends."""
+
+    def __init__(self, view: TokenView, cap: float) -> None:
+        self.view, self.cap = view, cap
+
+    @property
+    def w(self) -> np.ndarray:
+        return self.view.memo(("tis", self.cap), lambda: np.minimum(self.view.rho, self.cap))
+
+    @property
+    def sum(self) -> np.float64:
+        return self.view.memo(("tis_sum", self.cap), lambda: self.w.sum())
+
+    @property
+    def sum_sq(self) -> np.float64:
+        return self.view.memo(("tis_sum_sq", self.cap), lambda: np.square(self.w).sum())
+
+    def extreme(self, how: str) -> float:
+        """min / max of ``w``: ``min(min ρ, cap)`` / ``min(max ρ, cap)``, the same value (minimum
+        only selects) without the array."""
+        rho = self.view.rho
+        found = self.view.memo(("rho", how), lambda: rho.min() if how == "min" else rho.max())
+        return float(np.minimum(found, self.cap))
+
+    def per_sample_mean(self) -> np.ndarray:
+        return self.view.sample_stat(f"tis[cap={self.cap!r}]", lambda: self.w, "mean")
 
 
-def _oob(view: TokenView, lower: float, upper: float) -> np.ndarray:
-    return ((view.rho < lower) | (view.rho > upper)).astype(np.float64)
+Condition = tuple[tuple[object, ...], Callable[[], np.ndarray]]
+
+
+def _above(view: TokenView, upper: float) -> Condition:
+    """ρ > upper, as :meth:`TokenView.token_mean` takes a condition."""
+    return ("rho>", upper), lambda: view.rho > upper
+
+
+def _below(view: TokenView, lower: float) -> Condition:
+    return ("rho<", lower), lambda: view.rho < lower
+
+
+def _oob(view: TokenView, lower: float, upper: float) -> Condition:
+    def make() -> np.ndarray:
+        return np.logical_or(view.flags(*_below(view, lower)), view.flags(*_above(view, upper)))
+
+    return ("rho<>", lower, upper), make
+
+
+def _rho_means(view: TokenView) -> np.ndarray:
+    return view.sample_stat("rho", lambda: view.rho, "mean")
 
 
 def _geo_oob(view: TokenView, lower: float, upper: float) -> float:
-    geo = np.exp(view.per_sample(view.d, "mean"))
+    geo = np.exp(view.sample_stat("d", lambda: view.d, "mean"))
     return float(((geo < lower) | (geo > upper)).mean())
 
 
-def _kish_fraction(w: np.ndarray) -> float:
+def _kish_fraction(w: Weights) -> float:
     """Kish effective sample size of weights ``w`` over their count, (Σw)²/(nΣw²)."""
-    return float(w.sum() ** 2 / (w.size * (w * w).sum())) if (w * w).sum() > 0 else float("nan")
+    return float(w.sum**2 / (w.view.d.size * w.sum_sq)) if w.sum_sq > 0 else float("nan")
 
 
 #: The truncated-importance-weight family: each figure is one statistic of the weights
 #: ``w = min(ρ, cap)`` (per token, or per sample as each sample's mean weight), at verl's cap 2.
-TIS_FAMILY: dict[str, tuple[str, Callable[[TokenView, np.ndarray], float]]] = {
-    "tis_mean": ("mean truncated importance weight min(ρ, cap)", lambda v, w: float(w.mean())),
-    "tis_std": ("std (ddof=0) of the truncated importance weights min(ρ, cap)", lambda v, w: float(w.std())),
-    "tis_min": ("min truncated importance weight min(ρ, cap)", lambda v, w: float(w.min())),
-    "tis_max": ("max truncated importance weight min(ρ, cap)", lambda v, w: float(w.max())),
+TIS_FAMILY: dict[str, tuple[str, Callable[[Weights], float]]] = {
+    # w.mean(): numpy's mean is the sum over the count
+    "tis_mean": ("mean truncated importance weight min(ρ, cap)", lambda w: float(w.sum / w.view.d.size)),
+    "tis_std": ("std (ddof=0) of the truncated importance weights min(ρ, cap)", lambda w: float(w.w.std())),
+    "tis_min": ("min truncated importance weight min(ρ, cap)", lambda w: w.extreme("min")),
+    "tis_max": ("max truncated importance weight min(ρ, cap)", lambda w: w.extreme("max")),
     "tis_ess_fraction": (
         "Kish effective sample size of the truncated weights over the token count, (Σw)²/(nΣw²)",
-        lambda v, w: _kish_fraction(w),
+        _kish_fraction,
     ),
     "tis_seq_mean": (
         "mean over samples of each sample's mean truncated weight",
-        lambda v, w: float(v.per_sample(w, "mean").mean()),
+        lambda w: float(w.per_sample_mean().mean()),
     ),
     "tis_seq_max": (
         "max over samples of each sample's mean truncated weight",
-        lambda v, w: float(v.per_sample(w, "mean").max()),
+        lambda w: float(w.per_sample_mean().max()),
     ),
     "tis_seq_min": (
         "min over samples of each sample's mean truncated weight",
-        lambda v, w: float(v.per_sample(w, "mean").min()),
+        lambda w: float(w.per_sample_mean().min()),
     ),
     "tis_seq_max_deviation": (
         "max over samples of |mean truncated weight - 1|",
-        lambda v, w: float(np.abs(v.per_sample(w, "mean") - 1.0).max()),
+        lambda w: float(np.abs(w.per_sample_mean() - 1.0).max()),
     ),
 }
 
@@ -153,9 +224,9 @@ TIS_FAMILY: dict[str, tuple[str, Callable[[TokenView, np.ndarray], float]]] = {
 def _tis_figures() -> dict[str, Parametric]:
     """:data:`TIS_FAMILY` as threshold figures of one parameter, ``cap``."""
 
-    def figure(description: str, statistic: Callable[[TokenView, np.ndarray], float]) -> Parametric:
+    def figure(description: str, statistic: Callable[[Weights], float]) -> Parametric:
         return Parametric(
-            description, {"cap": 2.0}, _nan_if_empty(lambda v, cap: statistic(v, _tis(v, float(cap))))
+            description, {"cap": 2.0}, _nan_if_empty(lambda v, cap: statistic(Weights(v, float(cap))))
         )
 
     return {name: figure(description, statistic) for name, (description, statistic) in TIS_FAMILY.items()}
@@ -191,20 +262,41 @@ def _rs_keep(view: TokenView, option: str, lower: float, upper: float) -> tuple[
 def _rs_keep_compute(view: TokenView, option: str, lower: float, upper: float) -> tuple[float, np.ndarray]:
     d = view.d
     kind = option[-2:]
-    make = {"k1": lambda: -d, "k2": lambda: 0.5 * d * d, "k3": lambda: np.expm1(d) - d}[kind]
-    stat = view.memo(("rs", kind), make)
-
-    def ok(x: np.ndarray) -> np.ndarray:
-        return (x >= np.log(lower)) & (x <= np.log(upper)) if kind == "k1" else x <= upper
-
     if option.startswith("token_"):
-        token_ok = ok(stat)
+        if kind == "k1":  # -Δ in [log lower, log upper]: negation is exact, so Δ in [-log upper, -log lower]
+            lo, hi = -np.log(upper), -np.log(lower)
+            key: tuple[object, ...] = ("rs_k1", lo, hi)
+            flags = view.flags(key, lambda: (d <= hi) & (d >= lo))
+        else:
+            key = ("rs", kind, upper)
+            flags = view.flags(key, lambda: _rs_stat(view, kind) <= upper)
         # a sample is kept when no token of it is rejected
-        return float(token_ok.mean()), view.all_per_sample(token_ok)
-    sample_ok = ok(view.per_sample(stat, option.split("_")[1]))  # sum | mean | max
+        return view.share(key, lambda: flags), view.all_per_sample(flags)
+    how = option.split("_")[1]  # sum | mean | max
+    if kind == "k1" and how in ("sum", "mean"):
+        # the per-sample sums of -Δ are those of Δ negated (each partial sum negates exactly)
+        per_sample = -view.sample_stat("d", lambda: d, how)
+    else:
+        per_sample = view.sample_stat(kind, lambda: _rs_stat(view, kind), how)
+    sample_ok = (
+        (per_sample >= np.log(lower)) & (per_sample <= np.log(upper)) if kind == "k1" else per_sample <= upper
+    )
     # the kept samples' tokens over all tokens: the mean of the per-token flags, an exact count
     kept_tokens = int(view.n_per_sample[view.has][sample_ok].sum())
     return float(np.float64(kept_tokens) / view.d.size), sample_ok
+
+
+def _rs_stat(view: TokenView, kind: str) -> np.ndarray:
+    """The per-token divergence ``kind``: k1 = -Δ, k2 = Δ²/2 (as (0.5 Δ) Δ), k3 = e^Δ - 1 - Δ."""
+
+    def make() -> np.ndarray:
+        d = view.d
+        if kind == "k1":
+            return np.negative(d)
+        out = np.multiply(d, 0.5) if kind == "k2" else np.expm1(d)
+        return np.multiply(out, d, out=out) if kind == "k2" else np.subtract(out, d, out=out)
+
+    return view.memo(("rs", kind), make)
 
 
 def _rs_figures() -> dict[str, Parametric]:
@@ -247,10 +339,8 @@ def _in_band(view: TokenView, band: float) -> float:
     ``log(1 - band) <= Δ <= log(1 + band)`` (Δ clamped to ±LOG_RATIO_BOUND; NaN for a negative band)."""
     if not band >= 0.0:
         return float("nan")
-    if ("in_band", band) not in view.cache:
-        lo = np.log1p(-band) if band < 1.0 else -np.inf
-        view.cache[("in_band", band)] = float(((view.d >= lo) & (view.d <= np.log1p(band))).mean())
-    return float(view.cache[("in_band", band)])
+    lo, hi = np.log1p(-band) if band < 1.0 else -np.inf, np.log1p(band)
+    return view.share(("in_band", band), lambda: (view.d >= lo) & (view.d <= hi))
 
 
 #: Band retention, MLPerf-style: the share of finite tokens whose importance ratio ρ = exp(Δ) lies
@@ -279,32 +369,28 @@ PARAMETRIC: dict[str, Parametric] = {
     "is_fraction_high": Parametric(
         "fraction of tokens with importance weight ρ > upper",
         {"upper": 2.0, "aggregate": "token"},
-        _nan_if_empty(
-            lambda v, upper, aggregate: v.token_mean((v.rho > float(upper)).astype(float), aggregate)
-        ),
+        _nan_if_empty(lambda v, upper, aggregate: v.token_mean(*_above(v, float(upper)), aggregate)),
     ),
     "is_fraction_low": Parametric(
         "fraction of tokens with importance weight ρ < lower",
         {"lower": 0.5, "aggregate": "token"},
-        _nan_if_empty(
-            lambda v, lower, aggregate: v.token_mean((v.rho < float(lower)).astype(float), aggregate)
-        ),
+        _nan_if_empty(lambda v, lower, aggregate: v.token_mean(*_below(v, float(lower)), aggregate)),
     ),
     "is_seq_fraction_high": Parametric(
         "fraction of samples whose mean importance weight is > upper",
         {"upper": 2.0},
-        _nan_if_empty(lambda v, upper: float((v.per_sample(v.rho, "mean") > float(upper)).mean())),
+        _nan_if_empty(lambda v, upper: float((_rho_means(v) > float(upper)).mean())),
     ),
     "is_seq_fraction_low": Parametric(
         "fraction of samples whose mean importance weight is < lower",
         {"lower": 0.5},
-        _nan_if_empty(lambda v, lower: float((v.per_sample(v.rho, "mean") < float(lower)).mean())),
+        _nan_if_empty(lambda v, lower: float((_rho_means(v) < float(lower)).mean())),
     ),
     "is_oob_fraction": Parametric(
         "fraction of tokens with ρ outside [lower, upper] (what IcePop masks and TIS clamps)",
         {"lower": 0.5, "upper": 5.0, "aggregate": "token"},
         _nan_if_empty(
-            lambda v, lower, upper, aggregate: v.token_mean(_oob(v, float(lower), float(upper)), aggregate)
+            lambda v, lower, upper, aggregate: v.token_mean(*_oob(v, float(lower), float(upper)), aggregate)
         ),
     ),
     "geo_oob_seq_fraction": Parametric(

@@ -1,9 +1,9 @@
 """Stored figures keep their bits: every era of every framework, at every fixture's settings, on
 the parity inputs and on a larger step (clamped ratios, an empty sample, two ranks), the threshold
-figures and the position bins, against the values the comparator stored before the frameworks
-shared per-step arrays (``tests/fixtures/figure_bits.json``: per case, the SHA-256 of its figures'
-float hex). The parity tests allow 1e-6; stored figures
-must not move at all. The shared arrays are read-only: a framework writing into one would change
+figures (at their defaults, at :data:`THRESHOLD_VARIANTS` and on :func:`threshold_edge_steps`) and
+the position bins, against the values the comparator stored before those figures were restructured
+(``tests/fixtures/figure_bits.json``: per case, the SHA-256 of its figures' float hex). The parity
+tests allow 1e-6; stored figures must not move at all. The shared arrays are read-only: a framework writing into one would change
 another's figures."""
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ from typing import Any
 import numpy as np
 import pytest
 from isoaudit.audit.frameworks import StepTokens, framework_figures, framework_table
+from isoaudit.audit.frameworks.base import SEQUENTIAL_SUM_TOKENS
 from isoaudit.audit.metrics.core import threshold_figures
-from isoaudit.audit.metrics.families import TokenView
+from isoaudit.audit.metrics.families import BAND_FAMILY, RS_OPTIONS, TIS_FAMILY, TokenView
 from isoaudit.audit.records import SampleLogprobs
 from isoaudit.audit.summaries import position_bins
 
@@ -37,6 +38,22 @@ def large_step() -> StepTokens:
     rollout = [t + rng.normal(0, 0.05, t.size).astype(np.float32) for t in trainer]
     rollout[3][:5] -= 25.0  # |Δ| over verl's and slime's safety bound of 20
     rollout[11][2] += 30.0
+    return StepTokens.of(
+        trainer,
+        rollout,
+        advantages=[float(a) for a in rng.normal(0, 1, len(lengths))],
+        ranks=[i % 2 for i in range(len(lengths))],
+    )
+
+
+def long_step() -> StepTokens:
+    """Samples of thousands of tokens, one of them empty, with clamped ratios: their sums are the
+    rows of a padded block (``StepTokens.sample_sums``)."""
+    rng = np.random.default_rng(43)
+    lengths = [3000, 0, 2400, 2800, 3000, 2600]
+    trainer = [(-rng.exponential(1.0, n)).astype(np.float32) for n in lengths]
+    rollout = [t + rng.normal(0, 0.05, t.size).astype(np.float32) for t in trainer]
+    rollout[0][:3] -= 25.0
     return StepTokens.of(
         trainer,
         rollout,
@@ -69,6 +86,45 @@ def large_pairs(non_finite: bool) -> list[tuple[SampleLogprobs, SampleLogprobs]]
     return pairs
 
 
+#: Threshold figures away from their defaults: per-sample aggregation, caps and bounds near 1 (where
+#: most tokens sit on either side), inverted and empty bounds, bands of 0, >= 1 and < 0.
+THRESHOLD_VARIANTS: list[str] = [
+    "is_fraction_high[upper=1.01,aggregate=sample]",
+    "is_fraction_low[lower=0.99,aggregate=sample]",
+    "is_oob_fraction[lower=0.9,upper=1.1,aggregate=sample]",
+    "is_oob_fraction[lower=2,upper=0.5]",
+    "is_seq_fraction_high[upper=1.001]",
+    "is_seq_fraction_low[lower=0.999]",
+    "geo_oob_seq_fraction[lower=0.99,upper=1.01]",
+    *(f"{name}[cap={cap:g}]" for name in TIS_FAMILY for cap in (0.5, 1.0, 1.05)),
+    *(
+        f"rs_{option}_{what}[{bounds}]"
+        for option in RS_OPTIONS
+        for what in ("masked_fraction", "seq_masked_fraction")
+        for bounds in (
+            ("lower=0.95,upper=1.05", "lower=1.5,upper=0.5")
+            if option.endswith("k1")
+            else ("upper=0.0001", "upper=0.003", "upper=0")
+        )
+    ),
+    *(f"{name}[band={band:g}]" for name in BAND_FAMILY for band in (0.0, 0.02, 1.0, 1.5, -1.0)),
+]
+
+
+def threshold_edge_steps() -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Steps at the edges of the threshold figures: identical sides, one token, empty samples only,
+    and every token beyond the ±20 bound."""
+    rng = np.random.default_rng(3)
+    t = (-rng.exponential(1.0, 300)).astype(np.float32)
+    offsets = np.array([0, 0, 100, 100, 300])
+    return {
+        "identical": (t, t.copy(), offsets),
+        "one_token": (t[:1], t[:1] - np.float32(0.25), np.array([0, 1])),
+        "empty": (t[:0], t[:0], np.array([0, 0, 0])),
+        "clamped": (t, t - np.float32(30.0) * np.sign(rng.normal(size=300)).astype(np.float32), offsets),
+    }
+
+
 def digest(figures: dict[str, Any]) -> str:
     """SHA-256 of the figures' names and exact values (lists of numbers, None and keys too)."""
 
@@ -92,14 +148,19 @@ def figures_bits() -> dict[str, str]:
             table = framework_table(fixture["framework"])
             era = table.era(fixture["version"])
             settings, _ = table.settings_of(era, fixture["settings"])
-            for name in [*fixture["values"], "large"]:
-                tokens = large_step() if name == "large" else steps[name]
+            for name in [*fixture["values"], "large", "long"]:
+                tokens = (
+                    {"large": large_step, "long": long_step}[name]()
+                    if name in ("large", "long")
+                    else steps[name]
+                )
                 try:
                     got = era.compute(tokens, settings)
                 except ValueError:
                     continue
                 out[f"{path.parent.name}/{path.stem}/{name}"] = digest(got)
     out["all/large"] = digest(framework_figures(large_step()))
+    out["all/long"] = digest(framework_figures(long_step()))
     for non_finite in (False, True):
         pairs = large_pairs(non_finite)
         out[f"position_bins/{non_finite}"] = digest(position_bins(pairs))
@@ -107,6 +168,12 @@ def figures_bits() -> dict[str, str]:
         r = np.concatenate([p[1].logprobs for p in pairs])
         offsets = np.concatenate([[0], np.cumsum([p[0].logprobs.size for p in pairs])])
         out[f"threshold_figures/{non_finite}"] = digest(threshold_figures(TokenView(t, r, offsets), []))
+        view = TokenView(t, r, offsets)
+        out[f"threshold_variants/{non_finite}"] = digest(threshold_figures(view, THRESHOLD_VARIANTS))
+    for name, (t, r, offsets) in threshold_edge_steps().items():
+        out[f"threshold_figures/{name}"] = digest(
+            threshold_figures(TokenView(t, r, offsets), THRESHOLD_VARIANTS)
+        )
     return out
 
 
@@ -116,6 +183,24 @@ def test_framework_figures_keep_their_bits() -> None:
     assert set(got) == set(expected)
     wrong = sorted(case for case, value in expected.items() if got[case] != value)
     assert not wrong, f"{len(wrong)} cases changed: {wrong[:10]}"
+
+
+@pytest.mark.parametrize("lengths", [[2000, 0, 1500, 1900, 1100], [1500] * 4, [3000, 2, 5, 2000]])
+def test_sample_sums_match_bincount(lengths: list[int]) -> None:
+    """Per-sample sums, as the rows of a padded block or by ``bincount`` (the last lengths): bit for
+    bit ``np.bincount``'s sums, zeros' signs, infinities and NaN included."""
+    rng = np.random.default_rng(5)
+    trainer = [rng.normal(0, 1, n).astype(np.float32) for n in lengths]
+    tokens = StepTokens.of(trainer, [t.copy() for t in trainer])
+    assert tokens.n_tokens >= SEQUENTIAL_SUM_TOKENS * tokens.n_samples
+    values = rng.normal(0, 1, tokens.n_tokens) * 10.0 ** rng.integers(-8, 8, tokens.n_tokens)
+    values[tokens.offsets[2] : tokens.offsets[3]] = -0.0  # a sum of negative zeros
+    values[tokens.offsets[1]] = np.inf
+    values[tokens.offsets[3] + 1] = np.nan
+    expected = np.bincount(tokens.sample_of_token, weights=values, minlength=tokens.n_samples)
+    got = tokens.sample_sums(values)
+    assert [float(x).hex() for x in got] == [float(x).hex() for x in expected]
+    assert all(np.signbit(got) == np.signbit(expected))
 
 
 def test_shared_step_arrays_are_read_only() -> None:
