@@ -14,6 +14,8 @@ pytest.importorskip("vllm")
 
 from isoaudit.audit.grid import EQUAL  # noqa: E402
 from isoaudit.audit.regions import canonical_regions  # noqa: E402
+from isoaudit.collectors.fingerprint_op import INT_WIDTH  # noqa: E402
+from isoaudit.collectors.fingerprints import FLOAT_WIDTH  # noqa: E402
 
 from tests.vllm.compiled_flow import FAULT_REGION, PROMPTS, fault_position, run_flow  # noqa: E402
 from tests.vllm.conftest import NUM_LAYERS  # noqa: E402
@@ -73,6 +75,20 @@ def check_compiled_flow(flow: dict[str, Any]) -> None:
     assert all(g["recompile_s"] is None or g["recompile_s"] > 0 for g in graphs if g)
     invariant = [m for m in flow["manifests"] if m.runtime.remediation == "invariant"]
     assert invariant and all(m.runtime.compilation_mode for m in invariant)
+    # The kernels' launch settings of the mode the workers run: the split policy the contract
+    # handshake compares, stated in the invariant mode and gone in the native one.
+    for m in flow["manifests"]:
+        extra = m.runtime.model_extra or {}
+        if m.runtime.remediation == "invariant":
+            assert isinstance(extra.get("gemm_split"), str) and "gemm_split_k" in extra
+        else:
+            assert "gemm_split" not in extra
+    # The graph taps fingerprint in the forward into buffers sized once: their bytes are stated.
+    tapped = [g for g in graphs if g and g["compiled_state"][0]]
+    assert tapped and all(
+        g["tap_buffer_bytes"] == g["tap_slots"] * g["tap_rows"] * (INT_WIDTH * 8 + FLOAT_WIDTH * 4)
+        for g in tapped
+    )
 
 
 def test_compiled_engine_regions_fault_and_remediation(flow: dict[str, Any]) -> None:

@@ -133,6 +133,7 @@ def start(obj: Any, message: Any) -> Any:
         flush_bytes=request.flush_bytes,
         mode_switch=remediation.apply,
         mode_ops=remediation.ops,
+        mode_kernels=remediation.kernel_facts,
         decoder=CompiledDecoder(compiled, (False, "native")) if compiled is not None else None,
         graph_rows=int(config.scheduler_config.max_num_batched_tokens),
     )

@@ -10,13 +10,17 @@ driver drains them; a requested remediation mode waits in the
 :class:`~isoaudit.collectors.vllm.worker.mode.ModeSwitcher` for the next step boundary.
 
 In a compiled engine (``decoder``: :class:`~isoaudit.collectors.vllm.worker.graph.CompiledDecoder`)
-the regions inside the compiled module are taps instead: each hook calls the graph op
-:func:`~isoaudit.collectors.vllm.worker.graph.tap_rows`, which copies the selected rows into one
-preallocated stage ``[regions, max_rows, hidden]`` (rows chosen by an index buffer and a count the
-pre-hook sets before each forward, outside the graph); after the step the host hands the stage's
-first rows to the print buffer, exactly as the eager hooks' staging does. Hooks are traced into the
-graph only when it is compiled, so every change of what the graph holds (regions on or off, the
-remediation mode) selects the decoder's variant for that state at the step boundary.
+the regions inside the compiled module are taps instead: each hook calls the fingerprint op's
+row-index variant (``isoaudit::fingerprint_index_rows_``, :mod:`isoaudit.collectors.fingerprint_op`),
+which fingerprints the selected rows in the forward itself into preallocated
+:class:`~isoaudit.collectors.fingerprint_op.FingerprintBuffers` (``[regions, max_rows]`` rows of
+144 bytes, not the rows themselves). The rows are chosen by an index buffer the pre-hook fills
+before each forward, outside the graph, and a count held in a tensor (on a GPU: the index padded to
+its fixed length instead, so the work does not depend on a host read). After the step the host
+hands the buffers' first rows to the print buffer, which files them under requests as it files its
+own passes. Hooks are traced into the graph only when it is compiled, so every change of what the
+graph holds (regions on or off, the remediation mode) selects the decoder's variant for that state
+at the step boundary.
 
 It never raises into the engine: errors are counted and logged once.
 """
@@ -32,11 +36,12 @@ import msgspec
 import numpy as np
 import torch
 from isoaudit.collectors.counting import Counters, LogOnce
-from isoaudit.collectors.fingerprints import fingerprint_rows
+from isoaudit.collectors.fingerprint_op import FingerprintBuffers, record_rows
+from isoaudit.collectors.fingerprints import default_ladder_bits, fingerprint_rows
 from isoaudit.collectors.regions import RegionSpec, Tap, read_tap
 from isoaudit.collectors.vllm.messages import Drained, ModeState, RequestRecord, Selection, SetMode
-from isoaudit.collectors.vllm.worker.graph import CompiledDecoder, tap_rows
-from isoaudit.collectors.vllm.worker.mode import ModeOps, ModeSwitch, ModeSwitcher
+from isoaudit.collectors.vllm.worker.graph import CompiledDecoder
+from isoaudit.collectors.vllm.worker.mode import ModeKernels, ModeOps, ModeSwitch, ModeSwitcher
 from isoaudit.collectors.vllm.worker.print_buffer import IDLE, Fingerprinter, Member, PrintBuffer, StepRows
 from isoaudit.collectors.vllm.worker.requests import RequestBook, RequestTrace, payload
 from isoaudit.collectors.vllm.worker.rows import read_forward_rows
@@ -100,7 +105,7 @@ class EngineCapture:
     ``requests`` are read); ``specs``: the regions to hook; ``selection``: which requests are
     fingerprinted; ``refusal``: why no region may be hooked in this engine (``None``: they may).
     ``max_requests``/``max_rows``/``flush_bytes``: the buffers' bounds; ``mode_switch``/``mode_ops``:
-    the worker's remediation."""
+    the worker's remediation; ``mode_kernels``: its kernels' launch settings in the mode it runs."""
 
     def __init__(
         self,
@@ -116,6 +121,7 @@ class EngineCapture:
         fingerprinter: Fingerprinter = fingerprint_rows,
         mode_switch: ModeSwitch | None = None,
         mode_ops: ModeOps | None = None,
+        mode_kernels: ModeKernels | None = None,
         decoder: CompiledDecoder | None = None,
         graph_rows: int = 0,
     ) -> None:
@@ -142,7 +148,7 @@ class EngineCapture:
             fingerprinter=fingerprinter,
         )
         self.decoder = decoder
-        self.modes = ModeSwitcher(self._switch_and_select(mode_switch), mode_ops, self._fail)
+        self.modes = ModeSwitcher(self._switch_and_select(mode_switch), mode_ops, self._fail, mode_kernels)
         self._in_step = False
         self._fwd: StepRows | None = None
         self._last_ids: list[str] = []
@@ -154,7 +160,9 @@ class EngineCapture:
         # compiled engines: the graph taps' buffers (allocated when the taps are first installed)
         self._graph_rows = graph_rows
         self._graph_regions: list[int] = []
-        self._stage: torch.Tensor | None = None
+        self._graph_prints: FingerprintBuffers | None = None
+        self._graph_bits: tuple[int, ...] = ()
+        self._padded = False  # the index padded to its length (no count read): devices other than the CPU
         self._index = torch.zeros(max(1, graph_rows), dtype=torch.long)
         self._count = torch.zeros(1, dtype=torch.long)
         self._install()
@@ -169,7 +177,16 @@ class EngineCapture:
         """The remediation mode this worker runs now (and, compiled, what its decoder has compiled in)."""
         if self.decoder is None:
             return self.modes.state
-        return msgspec.structs.replace(self.modes.state, graph=self.decoder.facts())
+        graph = {**self.decoder.facts(), **self.graph_buffer_facts()}
+        return msgspec.structs.replace(self.modes.state, graph=graph)
+
+    def graph_buffer_facts(self) -> dict[str, int]:
+        """The graph taps' fingerprint buffers: bytes held on the device and their row bound
+        (empty before any region is tapped)."""
+        prints = self._graph_prints
+        if prints is None:
+            return {}
+        return {"tap_buffer_bytes": prints.nbytes, "tap_rows": prints.rows, "tap_slots": prints.slots}
 
     # ------------------------------------------------------------ install / remove
 
@@ -308,8 +325,11 @@ class EngineCapture:
         if fwd is None:
             return
         try:
-            if selected and self._stage is not None and fwd.index is not None:
-                fwd.stage = self._stage[:, :selected].clone()
+            prints = self._graph_prints
+            if selected and prints is not None and fwd.index is not None:
+                # ~144 bytes a row: copied out, the next forward writes the same buffers
+                fwd.printed = (prints.ints[:, :selected].clone(), prints.floats[:, :selected].clone())
+                fwd.printed_bits = self._graph_bits
                 fwd.filled = list(self._graph_regions)
             self.prints.keep(fwd)
         except Exception as exc:
@@ -377,6 +397,8 @@ class EngineCapture:
                         f"{rows.size} selected rows exceed the graph taps' {self._index.numel()}"
                     )
                 self._index[: rows.size].copy_(torch.from_numpy(rows))
+                if self._padded:  # rows past the count fingerprint row 0, a row every forward has
+                    self._index[rows.size :].zero_()
                 self._count[0] = int(rows.size)
         except Exception as exc:
             self._fail("layout", exc)
@@ -385,22 +407,24 @@ class EngineCapture:
     def _graph_hook(
         self, i: int, spec: RegionSpec, module: nn.Module
     ) -> Callable[[nn.Module, Any, Any], None] | None:
-        """A hook Dynamo traces into the compiled decoder: one :func:`tap_rows` op into the region's
-        slot of the stage (``None``: the region's rows are not hidden-size, not tapped)."""
-        if spec.tap not in (Tap.FIRST, Tap.SUM):
+        """A hook Dynamo traces into the compiled decoder: one fingerprint op over the selected rows
+        into the region's slot of the buffers. Read as the eager hooks read it: the first tensor
+        (a router's logits included, in their own dtype), or hidden + residual for a SUM tap. Every
+        region inside the decoder computes in the model's dtype, whose ladder the host reads the
+        slots with (``None``: the region is not tapped)."""
+        if spec.tap not in (Tap.FIRST, Tap.SUM, Tap.FP32):
             return None
-        if self._stage is None:
-            param = next(self.model.parameters())
-            hidden = int(self.runner.model_config.get_hidden_size())
+        if self._graph_prints is None:
+            device = next(self.model.parameters()).device
             slots = max(1, sum(1 for s in self.specs if s.name != "logits"))
-            self._stage = torch.zeros(
-                (slots, max(1, self._graph_rows), hidden),
-                dtype=self.runner.model_config.dtype,
-                device=param.device,
-            )
-            self._index = self._index.to(param.device) if param.device.type != "cpu" else self._index
-        stage, index, count = self._stage, self._index, self._count
-        slot = self.prints._slots[i]
+            self._graph_prints = FingerprintBuffers(slots, max(1, self._graph_rows), device)
+            self._graph_bits = default_ladder_bits(self.runner.model_config.dtype)
+            self._padded = device.type != "cpu"
+            if self._padded:
+                self._index = self._index.to(device)
+        prints, index, bits = self._graph_prints, self._index, list(self._graph_bits)
+        count = None if self._padded else self._count
+        ints, floats = prints.views(self.prints._slots[i])
         sum_tap = spec.tap is Tap.SUM
 
         def hook(_module: nn.Module, _inputs: Any, output: Any) -> None:
@@ -409,7 +433,7 @@ class EngineCapture:
                 second = output[1] if sum_tap else None
             else:
                 first, second = output, None
-            tap_rows(first, second, index, count, stage, slot)
+            record_rows(first, second, index, count, ints, floats, bits)
 
         return hook
 

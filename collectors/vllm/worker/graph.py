@@ -5,8 +5,8 @@ vLLM compiles the decoder module marked ``@support_torch_compile`` (e.g. ``Qwen3
 every guard dropped, and then only runs the compiled function: forward hooks and swapped forwards
 added afterwards are never called. Dynamo does trace hooks and instance-level forwards that are in
 place when it traces, so isoaudit (1) installs what it needs as traceable code around opaque custom
-ops (:func:`tap_rows` for regions; the invariant layers' ops in
-:mod:`isoaudit.collectors.vllm.worker.remediation`), then (2) hands vLLM a freshly compiled function
+ops (for regions the fingerprint op, :mod:`isoaudit.collectors.fingerprint_op`; the invariant layers'
+ops in :mod:`isoaudit.collectors.vllm.worker.remediation`), then (2) hands vLLM a freshly compiled function
 for that state (:class:`CompiledDecoder`): the decorator's ``__call__`` runs ``aot_compiled_fn`` when
 set, so setting it on the instance replaces what the next forward runs, between two steps. Each
 state (regions compiled in, remediation mode) is compiled once, on its first forward, and kept; the
@@ -23,64 +23,6 @@ from typing import Any
 
 import torch
 from torch import nn
-
-#: The library of isoaudit's graph ops inside vLLM workers.
-LIBRARY = "isoaudit_vllm"
-
-_lib = torch.library.Library(LIBRARY, "FRAGMENT")
-_lib.define(
-    "tap_rows(Tensor x, Tensor? residual, Tensor index, Tensor count, Tensor(a!) stage, int slot) -> ()"
-)
-
-
-def _tap_rows(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    index: torch.Tensor,
-    count: torch.Tensor,
-    stage: torch.Tensor,
-    slot: int,
-) -> None:
-    """Copy rows ``index[:count]`` of ``x`` (plus ``residual``'s, for a SUM tap) into
-    ``stage[slot, :count]``; the region's value is not touched. ``count`` is a one-element tensor
-    the host sets before each forward (0: nothing selected, nothing copied)."""
-    n = int(count[0])
-    if n == 0:
-        return
-    rows = index[:n].to(x.device)
-    width = int(x.shape[-1])
-    out = stage[slot, :n]
-    torch.index_select(x.reshape(-1, width), 0, rows, out=out)
-    if residual is not None:
-        out.add_(residual.reshape(-1, width).index_select(0, rows))
-
-
-_lib.impl("tap_rows", _tap_rows, "CompositeExplicitAutograd")
-
-
-@torch.library.register_fake(f"{LIBRARY}::tap_rows")
-def _tap_rows_fake(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    index: torch.Tensor,
-    count: torch.Tensor,
-    stage: torch.Tensor,
-    slot: int,
-) -> None:
-    return None
-
-
-def tap_rows(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    index: torch.Tensor,
-    count: torch.Tensor,
-    stage: torch.Tensor,
-    slot: int,
-) -> None:
-    """The graph op :func:`_tap_rows` (``torch.ops.isoaudit_vllm.tap_rows``): Dynamo records it as one
-    opaque node that mutates ``stage``, so it stays in the compiled graph exactly where the region is."""
-    torch.ops.isoaudit_vllm.tap_rows(x, residual, index, count, stage, slot)
 
 
 def compiled_decoder_module(model: nn.Module) -> nn.Module | None:

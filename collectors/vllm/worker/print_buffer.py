@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from isoaudit.collectors.counting import Counters
+from isoaudit.collectors.fingerprint_op import slot_rows
 from isoaudit.collectors.fingerprints import RowFingerprints, device_tensors, fingerprint_rows, host_rows
 from isoaudit.collectors.transfer import to_host
 from isoaudit.collectors.vllm.worker.requests import Piece, RequestBook, RequestTrace
@@ -52,7 +53,12 @@ class StepRows:
     # Hidden-state regions write their selected rows straight into one staging tensor
     # [slots, selected rows, width] (no small allocations, one tensor per step to concatenate).
     stage: torch.Tensor | None = None
-    filled: list[int] = field(default_factory=list)  # regions written into the stage
+    filled: list[int] = field(default_factory=list)  # regions written into the stage (or printed)
+    # A compiled engine's graph taps fingerprint the selected rows in the forward itself: their
+    # (int64 [slots, rows, w], float32 [slots, rows, w']) rows (fingerprint_op's layout), with the
+    # ladder they were written with; the filled regions' slots are read from them.
+    printed: tuple[torch.Tensor, torch.Tensor] | None = None
+    printed_bits: tuple[int, ...] = ()
     pending: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # logits, and odd shapes
 
     @property
@@ -152,6 +158,7 @@ class PrintBuffer:
             step.positions = None
         self._steps.append(step)
         staged = [step.stage] if step.stage is not None else []
+        staged += list(step.printed) if step.printed is not None else []
         self._bytes += sum(t.numel() * t.element_size() for t in staged + [t for _, t in step.pending])
         if self._bytes >= self.flush_bytes:
             self.flush()
@@ -197,12 +204,31 @@ class PrintBuffer:
                     regions.append(region)
                     offsets.append(base + offset)
                 base += int(rows.shape[0])
+        # Steps fingerprinted inside the graph: their rows concatenated per ladder, no pass here.
+        printed: dict[tuple[int, ...], list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
+        for k, step in enumerate(steps):
+            if step.printed is not None and step.filled:
+                printed.setdefault(step.printed_bits, []).append((k, *step.printed))
+        for j, items_p in enumerate(printed.values()):
+            g = len(groups) + j
+            base = 0
+            for k, ints, _ in items_p:
+                n = int(ints.shape[1])
+                regions, offsets = where[k].setdefault(g, ([], []))
+                for region in steps[k].filled:
+                    regions.append(region)
+                    offsets.append(base + self._slots[region] * n)
+                base += int(ints.shape[0]) * n
+            for name, part in (("ints", 1), ("floats", 2)):
+                flat = [item[part].reshape(-1, item[part].shape[-1]) for item in items_p]
+                tensors[f"p{j}.{name}"] = torch.cat(flat) if len(flat) > 1 else flat[0]
         for k, step in enumerate(steps):
             if step.positions is not None:
                 tensors[f"pos{k}"] = step.positions
         host = to_host(tensors)  # the flush's one device-to-host transfer
         blocks = [host_rows(host, [bits[g]], prefix=f"g{g}.")[0] for g in range(len(groups))]
-        logits_group = [key[2] for key in groups]
+        blocks += [slot_rows(host[f"p{j}.ints"], host[f"p{j}.floats"], b) for j, b in enumerate(printed)]
+        logits_group = [key[2] for key in groups] + [False] * len(printed)
         self.counters.fingerprinted_forwards += len(steps)
         for k, step in enumerate(steps):
             filed = [
