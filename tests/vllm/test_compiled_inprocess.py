@@ -17,7 +17,13 @@ from isoaudit.audit.regions import canonical_regions  # noqa: E402
 from isoaudit.collectors.fingerprint_op import INT_WIDTH  # noqa: E402
 from isoaudit.collectors.fingerprints import FLOAT_WIDTH  # noqa: E402
 
-from tests.vllm.compiled_flow import FAULT_REGION, PROMPTS, fault_position, run_flow  # noqa: E402
+from tests.vllm.compiled_flow import (  # noqa: E402
+    FAULT_REGION,
+    PROMPTS,
+    fault_position,
+    print_rows,
+    run_flow,
+)
 from tests.vllm.conftest import NUM_LAYERS  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -83,6 +89,9 @@ def check_compiled_flow(flow: dict[str, Any]) -> None:
             assert isinstance(extra.get("gemm_split"), str) and "gemm_split_k" in extra
         else:
             assert "gemm_split" not in extra
+    # Detach and attach again: no recompile, the same fingerprints as the first native step.
+    assert flow["again_graph"]["compiles"] == flow["graph"]["compiles"] >= 2
+    assert print_rows(flow["again"], 0) == print_rows(flow["first"], 0) != []
     # The graph taps fingerprint in the forward into buffers sized once: their bytes are stated.
     tapped = [g for g in graphs if g and g["compiled_state"][0]]
     assert tapped and all(

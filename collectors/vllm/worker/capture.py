@@ -36,11 +36,11 @@ import msgspec
 import numpy as np
 import torch
 from isoaudit.collectors.counting import Counters, LogOnce
-from isoaudit.collectors.fingerprint_op import FingerprintBuffers, record_rows
+from isoaudit.collectors.fingerprint_op import record_rows
 from isoaudit.collectors.fingerprints import default_ladder_bits, fingerprint_rows
 from isoaudit.collectors.regions import RegionSpec, Tap, read_tap
 from isoaudit.collectors.vllm.messages import Drained, ModeState, RequestRecord, Selection, SetMode
-from isoaudit.collectors.vllm.worker.graph import CompiledDecoder
+from isoaudit.collectors.vllm.worker.graph import CompiledDecoder, GraphTaps
 from isoaudit.collectors.vllm.worker.mode import ModeKernels, ModeOps, ModeSwitch, ModeSwitcher
 from isoaudit.collectors.vllm.worker.print_buffer import IDLE, Fingerprinter, Member, PrintBuffer, StepRows
 from isoaudit.collectors.vllm.worker.requests import RequestBook, RequestTrace, payload
@@ -160,9 +160,7 @@ class EngineCapture:
         # compiled engines: the graph taps' buffers (allocated when the taps are first installed)
         self._graph_rows = graph_rows
         self._graph_regions: list[int] = []
-        self._graph_prints: FingerprintBuffers | None = None
-        self._graph_bits: tuple[int, ...] = ()
-        self._padded = False  # the index padded to its length (no count read): devices other than the CPU
+        self._taps: GraphTaps | None = None  # the decoder's, once a region is tapped
         self._index = torch.zeros(max(1, graph_rows), dtype=torch.long)
         self._count = torch.zeros(1, dtype=torch.long)
         self._install()
@@ -183,9 +181,9 @@ class EngineCapture:
     def graph_buffer_facts(self) -> dict[str, int]:
         """The graph taps' fingerprint buffers: bytes held on the device and their row bound
         (empty before any region is tapped)."""
-        prints = self._graph_prints
-        if prints is None:
+        if self._taps is None:
             return {}
+        prints = self._taps.prints
         return {"tap_buffer_bytes": prints.nbytes, "tap_rows": prints.rows, "tap_slots": prints.slots}
 
     # ------------------------------------------------------------ install / remove
@@ -226,6 +224,12 @@ class EngineCapture:
                 else:
                     hook = self._region_hook(i, spec)
                 self._region_handles.append(module.register_forward_hook(hook))
+            if self.decoder is not None and self._taps is not None and self._graph_regions:
+                signature = tuple(
+                    (self.specs[i].module, self.specs[i].tap, self.prints._slots[i])
+                    for i in self._graph_regions
+                )
+                self.decoder.retap(self._taps, signature)
         elif not wanted:
             for handle in self._region_handles:
                 handle.remove()
@@ -286,7 +290,7 @@ class EngineCapture:
         self._region_handles.clear()
         self._graph_regions = []
         if self.decoder is not None:
-            self.decoder.drop()
+            self.decoder.release()
         if self._original_execute is not None and "execute_model" in vars(self.runner):
             del self.runner.execute_model
         self._original_execute = None
@@ -325,11 +329,12 @@ class EngineCapture:
         if fwd is None:
             return
         try:
-            prints = self._graph_prints
-            if selected and prints is not None and fwd.index is not None:
+            taps = self._taps
+            if selected and taps is not None and fwd.index is not None:
                 # ~144 bytes a row: copied out, the next forward writes the same buffers
+                prints = taps.prints
                 fwd.printed = (prints.ints[:, :selected].clone(), prints.floats[:, :selected].clone())
-                fwd.printed_bits = self._graph_bits
+                fwd.printed_bits = taps.bits
                 fwd.filled = list(self._graph_regions)
             self.prints.keep(fwd)
         except Exception as exc:
@@ -397,7 +402,9 @@ class EngineCapture:
                         f"{rows.size} selected rows exceed the graph taps' {self._index.numel()}"
                     )
                 self._index[: rows.size].copy_(torch.from_numpy(rows))
-                if self._padded:  # rows past the count fingerprint row 0, a row every forward has
+                if (
+                    self._taps is not None and self._taps.padded
+                ):  # rows past the count fingerprint row 0, a row every forward has
                     self._index[rows.size :].zero_()
                 self._count[0] = int(rows.size)
         except Exception as exc:
@@ -414,17 +421,20 @@ class EngineCapture:
         slots with (``None``: the region is not tapped)."""
         if spec.tap not in (Tap.FIRST, Tap.SUM, Tap.FP32):
             return None
-        if self._graph_prints is None:
+        assert self.decoder is not None
+        if self._taps is None:
             device = next(self.model.parameters()).device
             slots = max(1, sum(1 for s in self.specs if s.name != "logits"))
-            self._graph_prints = FingerprintBuffers(slots, max(1, self._graph_rows), device)
-            self._graph_bits = default_ladder_bits(self.runner.model_config.dtype)
-            self._padded = device.type != "cpu"
-            if self._padded:
-                self._index = self._index.to(device)
-        prints, index, bits = self._graph_prints, self._index, list(self._graph_bits)
-        count = None if self._padded else self._count
-        ints, floats = prints.views(self.prints._slots[i])
+            rows = max(1, self._graph_rows)
+            taps = self.decoder.taps  # kept on the worker: a re-attach reuses its compiled variants
+            if taps is None or not taps.fits(slots, rows, device):
+                bits = default_ladder_bits(self.runner.model_config.dtype)
+                taps = GraphTaps.allocate(slots, rows, bits, device)
+            self._taps, self._index, self._count = taps, taps.index, taps.count
+        taps = self._taps
+        index, bits = taps.index, list(taps.bits)
+        count = None if taps.padded else taps.count
+        ints, floats = taps.prints.views(self.prints._slots[i])
         sum_tap = spec.tap is Tap.SUM
 
         def hook(_module: nn.Module, _inputs: Any, output: Any) -> None:

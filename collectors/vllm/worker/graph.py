@@ -11,7 +11,9 @@ for that state (:class:`CompiledDecoder`): the decorator's ``__call__`` runs ``a
 set, so setting it on the instance replaces what the next forward runs, between two steps. Each
 state (regions compiled in, remediation mode) is compiled once, on its first forward, and kept; the
 state vLLM compiled itself is its own function, given back untouched. Variants are never written to
-or read from vLLM's compile cache (they reference this worker's buffers).
+or read from vLLM's compile cache (they reference this worker's buffers). The decoder and the graph
+taps' buffers (:class:`GraphTaps`) live on the worker across attaches: detaching gives vLLM its own
+function back, and attaching again with the same regions runs the variant already compiled.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from isoaudit.collectors.fingerprint_op import FingerprintBuffers
 from torch import nn
 
 
@@ -32,6 +35,36 @@ def compiled_decoder_module(model: nn.Module) -> nn.Module | None:
         if hasattr(module, "do_not_compile") and hasattr(module, "_compiled_callable"):
             return None if module.do_not_compile else module
     return None
+
+
+@dataclass
+class GraphTaps:
+    """What the graph taps of a compiled decoder read and write, kept for the decoder's life (the
+    compiled variants hold these tensors): the fingerprint buffers (one slot per region, ``rows``
+    rows), the ladder they are written with, the row index and count the host sets before each
+    forward, whether the index is padded to its length (no count read: devices other than the CPU),
+    and ``signature``: the regions and slots the tapped variants were compiled with."""
+
+    prints: FingerprintBuffers
+    bits: tuple[int, ...]
+    index: torch.Tensor
+    count: torch.Tensor
+    padded: bool
+    signature: tuple[Any, ...] = ()
+
+    @classmethod
+    def allocate(cls, slots: int, rows: int, dtype_bits: tuple[int, ...], device: torch.device) -> GraphTaps:
+        padded = device.type != "cpu"
+        return cls(
+            FingerprintBuffers(slots, rows, device),
+            dtype_bits,
+            torch.zeros(rows, dtype=torch.long, device=device if padded else "cpu"),
+            torch.zeros(1, dtype=torch.long),
+            padded,
+        )
+
+    def fits(self, slots: int, rows: int, device: torch.device) -> bool:
+        return (self.prints.slots, self.prints.rows, self.prints.ints.device) == (slots, rows, device)
 
 
 @dataclass
@@ -54,6 +87,8 @@ class CompiledDecoder:
         self._original = getattr(module, "aot_compiled_fn", None)
         self._variants: dict[tuple[Any, ...], Variant] = {}
         self.last_compile_s: float | None = None
+        self.compiles = 0
+        self.taps: GraphTaps | None = None
 
     def select(self, key: tuple[Any, ...]) -> None:
         """Run the state ``key`` from the next forward on (compiling it then, if it is new). Call it
@@ -73,6 +108,22 @@ class CompiledDecoder:
         self.key = self.native
         object.__setattr__(self.module, "aot_compiled_fn", self._original)
 
+    def release(self) -> None:
+        """Give vLLM its own function back, keeping the variants whose remediation is native (they
+        hold only the taps, which stay: a later attach with the same regions reuses them; the
+        invariant ones hold the remediation's layer ops, rebuilt at the next switch)."""
+        self._variants = {k: v for k, v in self._variants.items() if k[1:] == self.native[1:]}
+        self.key = self.native
+        object.__setattr__(self.module, "aot_compiled_fn", self._original)
+
+    def retap(self, taps: GraphTaps, signature: tuple[Any, ...]) -> None:
+        """The taps of the next tapped state: variants compiled with other buffers or regions are
+        forgotten (compiled again on first use)."""
+        if taps is not self.taps or signature != taps.signature:
+            self._variants = {k: v for k, v in self._variants.items() if not k[0]}
+            self.taps = taps
+            taps.signature = signature
+
     def facts(self) -> dict[str, Any]:
         """What the manifest says of the compiled graph: the state compiled in and the last
         recompile's cost."""
@@ -80,6 +131,7 @@ class CompiledDecoder:
             "compiled_state": list(self.key),
             "recompile_s": self.last_compile_s,
             "compiled_variants": len(self._variants),
+            "compiles": self.compiles,
         }
 
     def _runner(self, variant: Variant) -> Callable[..., Any]:
@@ -88,6 +140,7 @@ class CompiledDecoder:
                 start = time.perf_counter()
                 variant.fn = _compile(module, args, kwargs)
                 variant.compile_s = self.last_compile_s = time.perf_counter() - start
+                self.compiles += 1
             return variant.fn(module, *args, **kwargs)
 
         return run
