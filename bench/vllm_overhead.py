@@ -173,6 +173,7 @@ def main() -> int:
                 f"  {name:9s} {rate:9.0f} tokens/s  time ratio {base / rate:.3f}  overhead {overhead:+6.1%}  "
                 f"(median {median_overhead:+6.1%}, per CPU second {cpu_overhead:+6.1%}){verdict}"
             )
+            print(f"            rounds: {' '.join(f'{x:.0f}' for x in rates[name])} tokens/s")
         return 1 if failed else 0
 
 
