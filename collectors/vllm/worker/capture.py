@@ -432,7 +432,7 @@ class EngineCapture:
                 taps = GraphTaps.allocate(slots, rows, bits, device)
             self._taps, self._index, self._count = taps, taps.index, taps.count
         taps = self._taps
-        index, bits = taps.index, list(taps.bits)
+        index, ladder = taps.index, list(taps.bits)
         count = None if taps.padded else taps.count
         ints, floats = taps.prints.views(self.prints._slots[i])
         sum_tap = spec.tap is Tap.SUM
@@ -443,7 +443,7 @@ class EngineCapture:
                 second = output[1] if sum_tap else None
             else:
                 first, second = output, None
-            record_rows(first, second, index, count, ints, floats, bits)
+            record_rows(first, second, index, count, ints, floats, ladder)
 
         return hook
 

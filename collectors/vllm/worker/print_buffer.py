@@ -219,8 +219,8 @@ class PrintBuffer:
                     regions.append(region)
                     offsets.append(base + self._slots[region] * n)
                 base += int(ints.shape[0]) * n
-            for name, part in (("ints", 1), ("floats", 2)):
-                flat = [item[part].reshape(-1, item[part].shape[-1]) for item in items_p]
+            for name, parts in (("ints", [i for _, i, _ in items_p]), ("floats", [f for _, _, f in items_p])):
+                flat = [t.reshape(-1, t.shape[-1]) for t in parts]
                 tensors[f"p{j}.{name}"] = torch.cat(flat) if len(flat) > 1 else flat[0]
         for k, step in enumerate(steps):
             if step.positions is not None:
