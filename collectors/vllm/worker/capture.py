@@ -40,7 +40,7 @@ from isoaudit.collectors.fingerprint_op import record_rows
 from isoaudit.collectors.fingerprints import default_ladder_bits, fingerprint_rows
 from isoaudit.collectors.regions import RegionSpec, Tap, read_tap
 from isoaudit.collectors.vllm.messages import Drained, ModeState, RequestRecord, Selection, SetMode
-from isoaudit.collectors.vllm.worker.graph import CompiledDecoder, GraphTaps
+from isoaudit.collectors.vllm.worker.graph import CompiledDecoder, GraphTaps, tap_rows
 from isoaudit.collectors.vllm.worker.mode import ModeKernels, ModeOps, ModeSwitch, ModeSwitcher
 from isoaudit.collectors.vllm.worker.print_buffer import IDLE, Fingerprinter, Member, PrintBuffer, StepRows
 from isoaudit.collectors.vllm.worker.requests import RequestBook, RequestTrace, payload
@@ -181,10 +181,16 @@ class EngineCapture:
     def graph_buffer_facts(self) -> dict[str, int]:
         """The graph taps' fingerprint buffers: bytes held on the device and their row bound
         (empty before any region is tapped)."""
-        if self._taps is None:
+        taps = self._taps
+        if taps is None:
             return {}
-        prints = self._taps.prints
-        return {"tap_buffer_bytes": prints.nbytes, "tap_rows": prints.rows, "tap_slots": prints.slots}
+        stage_rows = int(taps.stage.shape[1]) if taps.stage is not None else 0
+        return {
+            "tap_buffer_bytes": taps.nbytes,
+            "tap_rows": taps.prints.rows,
+            "tap_slots": taps.prints.slots,
+            "tap_stage_rows": stage_rows,
+        }
 
     # ------------------------------------------------------------ install / remove
 
@@ -331,11 +337,21 @@ class EngineCapture:
         try:
             taps = self._taps
             if selected and taps is not None and fwd.index is not None:
-                # ~144 bytes a row: copied out, the next forward writes the same buffers
-                prints = taps.prints
-                fwd.printed = (prints.ints[:, :selected].clone(), prints.floats[:, :selected].clone())
-                fwd.printed_bits = taps.bits
-                fwd.filled = list(self._graph_regions)
+                regions = self._graph_regions
+                staged = (
+                    [i for i in regions if self._stageable(self.specs[i])] if taps.staged(selected) else []
+                )
+                if staged:
+                    assert taps.stage is not None
+                    fwd.stage = taps.stage[:, :selected].clone()  # fingerprinted in the batched pass
+                    fwd.filled = staged
+                printed = [i for i in regions if i not in staged]
+                if printed:
+                    # ~144 bytes a row: copied out, the next forward writes the same buffers
+                    prints = taps.prints
+                    fwd.printed = (prints.ints[:, :selected].clone(), prints.floats[:, :selected].clone())
+                    fwd.printed_bits = taps.bits
+                    fwd.printed_regions = printed
             self.prints.keep(fwd)
         except Exception as exc:
             self._fail("step rows", exc)
@@ -428,14 +444,18 @@ class EngineCapture:
             rows = max(1, self._graph_rows)
             taps = self.decoder.taps  # kept on the worker: a re-attach reuses its compiled variants
             if taps is None or not taps.fits(slots, rows, device):
-                bits = default_ladder_bits(self.runner.model_config.dtype)
-                taps = GraphTaps.allocate(slots, rows, bits, device)
+                dtype = self.runner.model_config.dtype
+                hidden = int(self.runner.model_config.get_hidden_size())
+                taps = GraphTaps.allocate(slots, rows, default_ladder_bits(dtype), device, hidden, dtype)
             self._taps, self._index, self._count = taps, taps.index, taps.count
         taps = self._taps
-        index, ladder = taps.index, list(taps.bits)
+        index, ladder, stage = taps.index, list(taps.bits), taps.stage
         count = None if taps.padded else taps.count
-        ints, floats = taps.prints.views(self.prints._slots[i])
+        slot = self.prints._slots[i]
+        ints, floats = taps.prints.views(slot)
+        all_ints, all_floats = taps.prints.ints, taps.prints.floats
         sum_tap = spec.tap is Tap.SUM
+        staged = stage is not None and count is not None and self._stageable(spec)
 
         def hook(_module: nn.Module, _inputs: Any, output: Any) -> None:
             if isinstance(output, tuple | list):
@@ -443,9 +463,19 @@ class EngineCapture:
                 second = output[1] if sum_tap else None
             else:
                 first, second = output, None
-            record_rows(first, second, index, count, ints, floats, ladder)
+            if staged:
+                assert stage is not None and count is not None
+                tap_rows(first, second, index, count, stage, all_ints, all_floats, slot, ladder)
+            else:
+                record_rows(first, second, index, count, ints, floats, ladder)
 
         return hook
+
+    @staticmethod
+    def _stageable(spec: RegionSpec) -> bool:
+        """Whether a graph region's rows are hidden-size, so fit the CPU stage (a MoE router's
+        logits, one per expert, are fingerprinted in the graph instead)."""
+        return spec.tap is not Tap.FP32
 
     def _region_hook(self, i: int, spec: RegionSpec) -> Callable[[nn.Module, Any, Any], None]:
         logits = spec.name == "logits"

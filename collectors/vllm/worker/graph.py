@@ -24,8 +24,94 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from isoaudit.collectors.fingerprint_op import FingerprintBuffers
+from isoaudit.collectors.fingerprint_op import FingerprintBuffers, fingerprint_index_rows_
 from torch import nn
+
+#: The library of isoaudit's graph ops inside vLLM workers.
+LIBRARY = "isoaudit_vllm"
+
+#: Selected rows per forward that a CPU engine's taps stage for the batched pass after the step;
+#: more are fingerprinted in the forward. A fingerprint call costs about 100 us of fixed overhead
+#: on a CPU, so one per region per decode step would cost more than the step of a small model.
+CPU_STAGE_ROWS = 256
+
+_lib = torch.library.Library(LIBRARY, "FRAGMENT")
+_lib.define(
+    "tap_rows(Tensor x, Tensor? residual, Tensor index, Tensor count, Tensor(a!) stage, "
+    "Tensor(b!) ints, Tensor(c!) floats, int slot, int[] ladder_bits) -> ()"
+)
+
+
+def _tap_rows(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    index: torch.Tensor,
+    count: torch.Tensor,
+    stage: torch.Tensor,
+    ints: torch.Tensor,
+    floats: torch.Tensor,
+    slot: int,
+    ladder_bits: list[int],
+) -> None:
+    """Rows ``index[:count]`` of ``x`` (+ ``residual``'s, added after selection): copied into
+    ``stage[slot]`` when they fit it, otherwise fingerprinted into ``ints[slot]``/``floats[slot]``
+    (:func:`~isoaudit.collectors.fingerprint_op.fingerprint_index_rows_`). ``count`` is read here:
+    CPU engines only (no CUDA-graph capture there)."""
+    n = int(count[0])
+    if n == 0:
+        return
+    if n > stage.shape[1]:
+        fingerprint_index_rows_(x, residual, index, count, ints[slot], floats[slot], ladder_bits)
+        return
+    width = int(x.shape[-1])
+    rows = index[:n]
+    out = stage[slot, :n]
+    torch.index_select(x.reshape(-1, width), 0, rows, out=out)
+    if residual is not None:
+        out.add_(residual.reshape(-1, width).index_select(0, rows))
+
+
+_lib.impl("tap_rows", _tap_rows, "CompositeExplicitAutograd")
+
+
+def tap_rows(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    index: torch.Tensor,
+    count: torch.Tensor,
+    stage: torch.Tensor,
+    ints: torch.Tensor,
+    floats: torch.Tensor,
+    slot: int,
+    ladder_bits: list[int],
+) -> None:
+    """The graph op :func:`_tap_rows` (``torch.ops.isoaudit_vllm.tap_rows``), inputs detached."""
+    torch.ops.isoaudit_vllm.tap_rows(
+        x.detach(),
+        None if residual is None else residual.detach(),
+        index,
+        count,
+        stage,
+        ints,
+        floats,
+        slot,
+        ladder_bits,
+    )
+
+
+@torch.library.register_fake(f"{LIBRARY}::tap_rows")
+def _tap_rows_fake(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    index: torch.Tensor,
+    count: torch.Tensor,
+    stage: torch.Tensor,
+    ints: torch.Tensor,
+    floats: torch.Tensor,
+    slot: int,
+    ladder_bits: list[int],
+) -> None:
+    return None
 
 
 def compiled_decoder_module(model: nn.Module) -> nn.Module | None:
@@ -43,28 +129,51 @@ class GraphTaps:
     compiled variants hold these tensors): the fingerprint buffers (one slot per region, ``rows``
     rows), the ladder they are written with, the row index and count the host sets before each
     forward, whether the index is padded to its length (no count read: devices other than the CPU),
-    and ``signature``: the regions and slots the tapped variants were compiled with."""
+    ``stage``: on a CPU, ``[regions, CPU_STAGE_ROWS, hidden]`` for the selections that fit it
+    (:func:`_tap_rows`; ``None`` elsewhere); and ``signature``: the regions and slots the tapped
+    variants were compiled with."""
 
     prints: FingerprintBuffers
     bits: tuple[int, ...]
     index: torch.Tensor
     count: torch.Tensor
     padded: bool
+    stage: torch.Tensor | None = None
     signature: tuple[Any, ...] = ()
 
     @classmethod
-    def allocate(cls, slots: int, rows: int, dtype_bits: tuple[int, ...], device: torch.device) -> GraphTaps:
+    def allocate(
+        cls,
+        slots: int,
+        rows: int,
+        bits: tuple[int, ...],
+        device: torch.device,
+        hidden: int,
+        dtype: torch.dtype,
+    ) -> GraphTaps:
         padded = device.type != "cpu"
+        stage = None if padded else torch.zeros(slots, min(rows, CPU_STAGE_ROWS), hidden, dtype=dtype)
         return cls(
             FingerprintBuffers(slots, rows, device),
-            dtype_bits,
+            bits,
             torch.zeros(rows, dtype=torch.long, device=device if padded else "cpu"),
             torch.zeros(1, dtype=torch.long),
             padded,
+            stage,
         )
 
     def fits(self, slots: int, rows: int, device: torch.device) -> bool:
         return (self.prints.slots, self.prints.rows, self.prints.ints.device) == (slots, rows, device)
+
+    @property
+    def nbytes(self) -> int:
+        """Device memory of the fingerprint buffers and the stage."""
+        stage = self.stage
+        return self.prints.nbytes + (int(stage.nbytes) if stage is not None else 0)
+
+    def staged(self, selected: int) -> bool:
+        """Whether a forward's ``selected`` rows went to the stage (not fingerprinted in the graph)."""
+        return self.stage is not None and selected <= int(self.stage.shape[1])
 
 
 @dataclass

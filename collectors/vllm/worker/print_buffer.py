@@ -53,12 +53,13 @@ class StepRows:
     # Hidden-state regions write their selected rows straight into one staging tensor
     # [slots, selected rows, width] (no small allocations, one tensor per step to concatenate).
     stage: torch.Tensor | None = None
-    filled: list[int] = field(default_factory=list)  # regions written into the stage (or printed)
+    filled: list[int] = field(default_factory=list)  # regions written into the stage
     # A compiled engine's graph taps fingerprint the selected rows in the forward itself: their
     # (int64 [slots, rows, w], float32 [slots, rows, w']) rows (fingerprint_op's layout), with the
-    # ladder they were written with; the filled regions' slots are read from them.
+    # ladder they were written with; ``printed_regions``' slots are read from them.
     printed: tuple[torch.Tensor, torch.Tensor] | None = None
     printed_bits: tuple[int, ...] = ()
+    printed_regions: list[int] = field(default_factory=list)
     pending: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # logits, and odd shapes
 
     @property
@@ -136,10 +137,10 @@ class PrintBuffer:
         """Keep a finished step's rows for a later, batched pass (one pass over many steps costs far
         less than one per step and, on a GPU, does not synchronise every step). A request whose rows
         find no room in the book is marked truncated and its rows are dropped (counted)."""
-        if step is IDLE or not (step.pending or step.filled):
+        if step is IDLE or not (step.pending or step.filled or step.printed_regions):
             return
         logits = sum(1 for i, _ in step.pending if self.logits[i])
-        hidden = len(step.filled) + len(step.pending) - logits
+        hidden = len(step.filled) + len(step.printed_regions) + len(step.pending) - logits
         kept = []
         for member in step.members:
             needed = member.count * hidden + logits
@@ -207,7 +208,7 @@ class PrintBuffer:
         # Steps fingerprinted inside the graph: their rows concatenated per ladder, no pass here.
         printed: dict[tuple[int, ...], list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
         for k, step in enumerate(steps):
-            if step.printed is not None and step.filled:
+            if step.printed is not None and step.printed_regions:
                 printed.setdefault(step.printed_bits, []).append((k, *step.printed))
         for j, items_p in enumerate(printed.values()):
             g = len(groups) + j
@@ -215,7 +216,7 @@ class PrintBuffer:
             for k, ints, _ in items_p:
                 n = int(ints.shape[1])
                 regions, offsets = where[k].setdefault(g, ([], []))
-                for region in steps[k].filled:
+                for region in steps[k].printed_regions:
                     regions.append(region)
                     offsets.append(base + self._slots[region] * n)
                 base += int(ints.shape[0]) * n
