@@ -58,6 +58,79 @@ def _fingerprint_rows_fake(
     return None
 
 
+#: The row-index variant's qualified name: fingerprints of selected rows only.
+INDEX_OP_NAME = "isoaudit::fingerprint_index_rows_"
+
+
+# Registered through ``torch.library.Library`` rather than ``custom_op``: the taps call it once per
+# region per forward, often with nothing selected, and this dispatch costs a few microseconds where
+# ``custom_op``'s wrapper costs about 25 on a CPU.
+_lib = torch.library.Library("isoaudit", "FRAGMENT")
+_lib.define(
+    "fingerprint_index_rows_(Tensor x, Tensor? residual, Tensor index, Tensor? count, "
+    "Tensor(a!) ints, Tensor(b!) floats, int[] ladder_bits) -> ()"
+)
+
+
+def fingerprint_index_rows_(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    index: torch.Tensor,
+    count: torch.Tensor | None,
+    ints: torch.Tensor,
+    floats: torch.Tensor,
+    ladder_bits: Sequence[int],
+) -> None:
+    """Fingerprint rows ``index[:n]`` of ``x`` (rows = leading dims flattened; plus the same rows of
+    ``residual``, added after selection: elementwise the bits of the sum) into rows ``[0, n)`` of
+    ``ints``/``floats`` (shaped as for :func:`fingerprint_rows_`, at least ``n`` rows). ``count``:
+    a one-element int tensor holding ``n``, read by the op (a host read on a GPU: not for CUDA-graph
+    capture); ``None``: ``n`` is ``index``'s length, a fixed amount of work that capture and replay
+    repeat (pad ``index`` with any valid row and ignore the rows past the real count)."""
+    n = int(index.numel()) if count is None else int(count.reshape(-1)[0])
+    if n == 0:
+        return
+    width = int(x.shape[-1]) if x.dim() else 1
+    rows = index[:n].to(x.device)
+    picked = x.reshape(-1, width).index_select(0, rows)
+    if residual is not None:
+        picked.add_(residual.reshape(-1, width).index_select(0, rows))
+    fingerprint_rows_into(picked, ints[:n], floats[:n], ladder_bits)
+
+
+_lib.impl("fingerprint_index_rows_", fingerprint_index_rows_, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake(INDEX_OP_NAME)
+def _fingerprint_index_rows_fake(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    index: torch.Tensor,
+    count: torch.Tensor | None,
+    ints: torch.Tensor,
+    floats: torch.Tensor,
+    ladder_bits: Sequence[int],
+) -> None:
+    """Shapes only: the op writes its buffers in place and returns nothing."""
+    return None
+
+
+def record_rows(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    index: torch.Tensor,
+    count: torch.Tensor | None,
+    ints: torch.Tensor,
+    floats: torch.Tensor,
+    ladder_bits: Sequence[int] | None = None,
+) -> None:
+    """Call the row-index op (inputs detached); ``ladder_bits`` defaults to ``x``'s dtype's ladder."""
+    bits = list(default_ladder_bits(x.dtype) if ladder_bits is None else ladder_bits)
+    torch.ops.isoaudit.fingerprint_index_rows_(
+        x.detach(), None if residual is None else residual.detach(), index, count, ints, floats, bits
+    )
+
+
 def record(
     x: torch.Tensor, ints: torch.Tensor, floats: torch.Tensor, ladder_bits: Sequence[int] | None = None
 ) -> None:
@@ -102,6 +175,24 @@ class FingerprintBuffers:
     def write(self, slot: int, x: torch.Tensor, ladder_bits: Sequence[int] | None = None) -> None:
         """Fingerprint ``x``'s rows (exactly :attr:`rows` of them) into slot ``slot``."""
         record(x, self.ints[slot], self.floats[slot], ladder_bits)
+
+    def write_rows(
+        self,
+        slot: int,
+        x: torch.Tensor,
+        index: torch.Tensor,
+        count: torch.Tensor | None = None,
+        residual: torch.Tensor | None = None,
+        ladder_bits: Sequence[int] | None = None,
+    ) -> None:
+        """Fingerprint rows ``index[:count]`` of ``x`` (+ ``residual``'s) into slot ``slot``'s first
+        rows (:func:`fingerprint_index_rows_`)."""
+        record_rows(x, residual, index, count, self.ints[slot], self.floats[slot], ladder_bits)
+
+    @property
+    def nbytes(self) -> int:
+        """The device memory both buffers hold."""
+        return int(self.ints.nbytes + self.floats.nbytes)
 
     def host(self) -> tuple[np.ndarray, np.ndarray]:
         """Both buffers on the host, in one transfer: (int64 [slots, rows, w], float32 [...])."""

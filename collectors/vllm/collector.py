@@ -248,6 +248,8 @@ class VllmCollector(Collector):
         self.infos = [from_wire(r, Started) for r in self.link.call("start", to_wire(start))]
         lead = self.infos[0]
         self.ops: dict[str, str] = dict(lead.mode.ops)
+        #: the kernels' launch settings in the mode the workers run (the manifest's ``gemm_split``, ...)
+        self.kernel_state: dict[str, Any] = dict(lead.mode.kernels)
         facts = dict(lead.facts)
         environment = facts.pop(ENVIRONMENT_KEY, None)
         #: the workers' environment, read where the forward runs (None: a worker that sent none)
@@ -316,8 +318,10 @@ class VllmCollector(Collector):
 
     def _runtime(self) -> RuntimeFacts:
         graph = getattr(self, "graph_state", None)
+        kernels = getattr(self, "kernel_state", None) or {}
         if self.mode_report.applied != "invariant" or not self.ops:
-            return self.facts.model_copy(update={"compiled_graph": graph}) if graph else self.facts
+            extra = {**kernels, "compiled_graph": graph} if graph else kernels
+            return self.facts.model_copy(update=extra) if extra else self.facts
         from isoaudit.collectors.policy import QK_NORM_FAMILIES, regions_running
 
         hf = self._model_config.hf_config
@@ -328,14 +332,15 @@ class VllmCollector(Collector):
             qk_norm=getattr(hf, "model_type", None) in QK_NORM_FAMILIES,
             prefix="vllm.",
         )
-        update = {"lm_head_dtype": head, "remediation_native_regions": still}
+        update = {"lm_head_dtype": head, "remediation_native_regions": still, **kernels}
         return self.facts.model_copy(update={**update, "compiled_graph": graph} if graph else update)
 
     def _signature(self) -> tuple[Any, ...]:
         # the facts are read once, at attach: only the mode, the ops the workers run, the state compiled
-        # into the decoder and the weights change them
+        # into the decoder, the kernels' settings in that mode and the weights change them
         graph = getattr(self, "graph_state", None) or {}
-        return (*sorted(self.ops.items()), str(graph.get("compiled_state")))
+        kernels = getattr(self, "kernel_state", None) or {}
+        return (*sorted(self.ops.items()), str(graph.get("compiled_state")), str(sorted(kernels.items())))
 
     def _contract_now(self) -> Any:
         """``contract="auto"``: the contract of what the workers report they run (rebuilt when that
@@ -368,6 +373,8 @@ class VllmCollector(Collector):
         known = [s for s in states if s is not None]
         if known and known[0].graph:
             self.graph_state = dict(known[0].graph)
+        if known:
+            self.kernel_state = dict(known[0].kernels)
         if not known or known[0].step == 0 and known[0].version is None:
             return
         lead = known[0]

@@ -125,8 +125,10 @@ class ModeState(Message):
     ``version``: the control version answered; ``step``: the worker's step counter when it switched
     (0: never switched); ``ops``: each op of the decoder → the ``id@version`` running it now
     (:mod:`isoaudit.collectors.policy`'s vocabulary; empty when the worker cannot say); ``graph``: in a
-    compiled engine, the state compiled into its decoder and the last recompile's seconds
-    (:meth:`isoaudit.collectors.vllm.worker.graph.CompiledDecoder.facts`; empty when eager)."""
+    compiled engine, the state compiled into its decoder, the last recompile's seconds and the
+    graph taps' buffers (:meth:`isoaudit.collectors.vllm.worker.graph.CompiledDecoder.facts`; empty
+    when eager); ``kernels``: the launch settings of isoaudit's kernels in the mode it runs
+    (:func:`isoaudit.collectors.manifest.kernel_facts`, e.g. ``gemm_split``; empty when native)."""
 
     requested: str = "native"
     applied: str = "native"
@@ -135,6 +137,7 @@ class ModeState(Message):
     step: int = 0
     ops: dict[str, str] = {}
     graph: dict[str, Any] = {}
+    kernels: dict[str, Any] = {}
 
 
 #: The key under which a worker's ``Started.facts`` carry its environment (``audit.records.Environment``

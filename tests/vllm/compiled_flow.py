@@ -111,5 +111,26 @@ def run_flow(path: Path, *, processes: bool) -> dict[str, Any]:
         assert sink.flush(30)
         out["manifests"] = sink.of_kind("manifest")
         out["stats"] = handle.stats()
+        out["graph"] = dict(handle.graph_state)
+        handle.detach()
+        # Attached again: the tapped native variant compiled above runs again (no recompile) and
+        # writes the first step's fingerprints, bit for bit.
+        again = MemorySink()
+        handle = cv.attach(llm, run=RUN, sink=again, strict=True)
+        handle.begin_step(0)
+        handle.record_step(0, _generate(llm))
+        assert again.flush(30)
+        out["again"], out["again_graph"] = again, dict(handle.graph_state)
+        out["first"] = sink
         handle.detach()
     return out
+
+
+def print_rows(sink: MemorySink, step: int) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
+    """Every fingerprint row of ``step`` as (region, positions, digests), sorted: comparable across
+    attaches (whose sample keys differ)."""
+    return sorted(
+        (r.region, tuple(r.positions.tolist()), tuple(r.digest.tolist()))
+        for r in sink.of_kind("fingerprints")
+        if r.step == step
+    )

@@ -23,6 +23,7 @@ from tests.conftest import flask_proxies_bound
 
 #: The tiny model: 2 layers, hidden 128, 4 heads of 32 (vLLM's CPU attention needs head_dim % 32 == 0).
 NUM_LAYERS = 2
+HIDDEN = 128
 RUN = "vllm-test"
 
 ENGINE_DEFAULTS: dict[str, Any] = {
@@ -46,7 +47,7 @@ def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "qwen3",
         tmp_path_factory.mktemp("vllm-tiny") / "qwen3",
         num_layers=NUM_LAYERS,
-        hidden=128,
+        hidden=HIDDEN,
         heads=4,
         kv_heads=2,
         vocab=512,

@@ -5,6 +5,7 @@ identical."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,9 +15,17 @@ pytest.importorskip("vllm")
 
 from isoaudit.audit.grid import EQUAL  # noqa: E402
 from isoaudit.audit.regions import canonical_regions  # noqa: E402
+from isoaudit.collectors.fingerprint_op import INT_WIDTH  # noqa: E402
+from isoaudit.collectors.fingerprints import FLOAT_WIDTH  # noqa: E402
 
-from tests.vllm.compiled_flow import FAULT_REGION, PROMPTS, fault_position, run_flow  # noqa: E402
-from tests.vllm.conftest import NUM_LAYERS  # noqa: E402
+from tests.vllm.compiled_flow import (  # noqa: E402
+    FAULT_REGION,
+    PROMPTS,
+    fault_position,
+    print_rows,
+    run_flow,
+)
+from tests.vllm.conftest import HIDDEN, NUM_LAYERS  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -24,8 +33,14 @@ PROCESSES = False
 
 
 @pytest.fixture(scope="module")
-def flow(tiny_qwen3: Path) -> dict[str, Any]:
-    return run_flow(tiny_qwen3, processes=PROCESSES)
+def flow(tiny_qwen3: Path) -> Iterator[dict[str, Any]]:
+    """In this process the CPU stage is turned off: every selected row is fingerprinted inside the
+    compiled graph, as on a GPU (the worker-process test runs the stage, the CPU default)."""
+    from isoaudit.collectors.vllm.worker import graph
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(graph, "CPU_STAGE_ROWS", 0)
+        yield run_flow(tiny_qwen3, processes=PROCESSES)
 
 
 def check_compiled_flow(flow: dict[str, Any]) -> None:
@@ -73,6 +88,26 @@ def check_compiled_flow(flow: dict[str, Any]) -> None:
     assert all(g["recompile_s"] is None or g["recompile_s"] > 0 for g in graphs if g)
     invariant = [m for m in flow["manifests"] if m.runtime.remediation == "invariant"]
     assert invariant and all(m.runtime.compilation_mode for m in invariant)
+    # The kernels' launch settings of the mode the workers run: the split policy the contract
+    # handshake compares, stated in the invariant mode and gone in the native one.
+    for m in flow["manifests"]:
+        extra = m.runtime.model_extra or {}
+        if m.runtime.remediation == "invariant":
+            assert isinstance(extra.get("gemm_split"), str) and "gemm_split_k" in extra
+        else:
+            assert "gemm_split" not in extra
+    # Detach and attach again: no recompile, the same fingerprints as the first native step.
+    assert flow["again_graph"]["compiles"] == flow["graph"]["compiles"] >= 2
+    assert print_rows(flow["again"], 0) == print_rows(flow["first"], 0) != []
+    # The graph taps' buffers, sized once: fingerprint rows (144 bytes) for every row of a forward,
+    # and on the CPU a bf16 stage of CPU_STAGE_ROWS rows for decode-sized selections; bytes stated.
+    tapped = [g for g in graphs if g and g["compiled_state"][0]]
+    assert tapped and all(
+        g["tap_buffer_bytes"]
+        == g["tap_slots"]
+        * (g["tap_rows"] * (INT_WIDTH * 8 + FLOAT_WIDTH * 4) + g["tap_stage_rows"] * HIDDEN * 2)
+        for g in tapped
+    )
 
 
 def test_compiled_engine_regions_fault_and_remediation(flow: dict[str, Any]) -> None:

@@ -103,6 +103,18 @@ def _weights(worker: Any) -> WeightState:
     return state
 
 
+def compiled_decoder(worker: Any, module: Any) -> CompiledDecoder | None:
+    """The worker's :class:`CompiledDecoder` of ``module`` (``None``: eager), kept on the worker
+    across attaches with its compiled variants and taps."""
+    if module is None:
+        return None
+    decoder = getattr(worker, "_isoaudit_decoder", None)
+    if decoder is None or decoder.module is not module:
+        decoder = CompiledDecoder(module, (False, "native"))
+        worker._isoaudit_decoder = decoder
+    return decoder
+
+
 def start(obj: Any, message: Any) -> Any:
     """Hook this worker's model (replacing an earlier capture); answers :class:`Started`: the
     engine's facts, the regions hooked, what cannot be observed and why."""
@@ -133,7 +145,8 @@ def start(obj: Any, message: Any) -> Any:
         flush_bytes=request.flush_bytes,
         mode_switch=remediation.apply,
         mode_ops=remediation.ops,
-        decoder=CompiledDecoder(compiled, (False, "native")) if compiled is not None else None,
+        mode_kernels=remediation.kernel_facts,
+        decoder=compiled_decoder(worker, compiled),
         graph_rows=int(config.scheduler_config.max_num_batched_tokens),
     )
     capture.version = weights.version

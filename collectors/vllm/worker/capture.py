@@ -10,13 +10,17 @@ driver drains them; a requested remediation mode waits in the
 :class:`~isoaudit.collectors.vllm.worker.mode.ModeSwitcher` for the next step boundary.
 
 In a compiled engine (``decoder``: :class:`~isoaudit.collectors.vllm.worker.graph.CompiledDecoder`)
-the regions inside the compiled module are taps instead: each hook calls the graph op
-:func:`~isoaudit.collectors.vllm.worker.graph.tap_rows`, which copies the selected rows into one
-preallocated stage ``[regions, max_rows, hidden]`` (rows chosen by an index buffer and a count the
-pre-hook sets before each forward, outside the graph); after the step the host hands the stage's
-first rows to the print buffer, exactly as the eager hooks' staging does. Hooks are traced into the
-graph only when it is compiled, so every change of what the graph holds (regions on or off, the
-remediation mode) selects the decoder's variant for that state at the step boundary.
+the regions inside the compiled module are taps instead: each hook calls the fingerprint op's
+row-index variant (``isoaudit::fingerprint_index_rows_``, :mod:`isoaudit.collectors.fingerprint_op`),
+which fingerprints the selected rows in the forward itself into preallocated
+:class:`~isoaudit.collectors.fingerprint_op.FingerprintBuffers` (``[regions, max_rows]`` rows of
+144 bytes, not the rows themselves). The rows are chosen by an index buffer the pre-hook fills
+before each forward, outside the graph, and a count held in a tensor (on a GPU: the index padded to
+its fixed length instead, so the work does not depend on a host read). After the step the host
+hands the buffers' first rows to the print buffer, which files them under requests as it files its
+own passes. Hooks are traced into the graph only when it is compiled, so every change of what the
+graph holds (regions on or off, the remediation mode) selects the decoder's variant for that state
+at the step boundary.
 
 It never raises into the engine: errors are counted and logged once.
 """
@@ -32,11 +36,12 @@ import msgspec
 import numpy as np
 import torch
 from isoaudit.collectors.counting import Counters, LogOnce
-from isoaudit.collectors.fingerprints import fingerprint_rows
+from isoaudit.collectors.fingerprint_op import record_rows
+from isoaudit.collectors.fingerprints import default_ladder_bits, fingerprint_rows
 from isoaudit.collectors.regions import RegionSpec, Tap, read_tap
 from isoaudit.collectors.vllm.messages import Drained, ModeState, RequestRecord, Selection, SetMode
-from isoaudit.collectors.vllm.worker.graph import CompiledDecoder, tap_rows
-from isoaudit.collectors.vllm.worker.mode import ModeOps, ModeSwitch, ModeSwitcher
+from isoaudit.collectors.vllm.worker.graph import CompiledDecoder, GraphTaps, tap_rows
+from isoaudit.collectors.vllm.worker.mode import ModeKernels, ModeOps, ModeSwitch, ModeSwitcher
 from isoaudit.collectors.vllm.worker.print_buffer import IDLE, Fingerprinter, Member, PrintBuffer, StepRows
 from isoaudit.collectors.vllm.worker.requests import RequestBook, RequestTrace, payload
 from isoaudit.collectors.vllm.worker.rows import read_forward_rows
@@ -100,7 +105,7 @@ class EngineCapture:
     ``requests`` are read); ``specs``: the regions to hook; ``selection``: which requests are
     fingerprinted; ``refusal``: why no region may be hooked in this engine (``None``: they may).
     ``max_requests``/``max_rows``/``flush_bytes``: the buffers' bounds; ``mode_switch``/``mode_ops``:
-    the worker's remediation."""
+    the worker's remediation; ``mode_kernels``: its kernels' launch settings in the mode it runs."""
 
     def __init__(
         self,
@@ -116,6 +121,7 @@ class EngineCapture:
         fingerprinter: Fingerprinter = fingerprint_rows,
         mode_switch: ModeSwitch | None = None,
         mode_ops: ModeOps | None = None,
+        mode_kernels: ModeKernels | None = None,
         decoder: CompiledDecoder | None = None,
         graph_rows: int = 0,
     ) -> None:
@@ -142,7 +148,7 @@ class EngineCapture:
             fingerprinter=fingerprinter,
         )
         self.decoder = decoder
-        self.modes = ModeSwitcher(self._switch_and_select(mode_switch), mode_ops, self._fail)
+        self.modes = ModeSwitcher(self._switch_and_select(mode_switch), mode_ops, self._fail, mode_kernels)
         self._in_step = False
         self._fwd: StepRows | None = None
         self._last_ids: list[str] = []
@@ -154,7 +160,7 @@ class EngineCapture:
         # compiled engines: the graph taps' buffers (allocated when the taps are first installed)
         self._graph_rows = graph_rows
         self._graph_regions: list[int] = []
-        self._stage: torch.Tensor | None = None
+        self._taps: GraphTaps | None = None  # the decoder's, once a region is tapped
         self._index = torch.zeros(max(1, graph_rows), dtype=torch.long)
         self._count = torch.zeros(1, dtype=torch.long)
         self._install()
@@ -169,7 +175,22 @@ class EngineCapture:
         """The remediation mode this worker runs now (and, compiled, what its decoder has compiled in)."""
         if self.decoder is None:
             return self.modes.state
-        return msgspec.structs.replace(self.modes.state, graph=self.decoder.facts())
+        graph = {**self.decoder.facts(), **self.graph_buffer_facts()}
+        return msgspec.structs.replace(self.modes.state, graph=graph)
+
+    def graph_buffer_facts(self) -> dict[str, int]:
+        """The graph taps' fingerprint buffers: bytes held on the device and their row bound
+        (empty before any region is tapped)."""
+        taps = self._taps
+        if taps is None:
+            return {}
+        stage_rows = int(taps.stage.shape[1]) if taps.stage is not None else 0
+        return {
+            "tap_buffer_bytes": taps.nbytes,
+            "tap_rows": taps.prints.rows,
+            "tap_slots": taps.prints.slots,
+            "tap_stage_rows": stage_rows,
+        }
 
     # ------------------------------------------------------------ install / remove
 
@@ -209,6 +230,12 @@ class EngineCapture:
                 else:
                     hook = self._region_hook(i, spec)
                 self._region_handles.append(module.register_forward_hook(hook))
+            if self.decoder is not None and self._taps is not None and self._graph_regions:
+                signature = tuple(
+                    (self.specs[i].module, self.specs[i].tap, self.prints._slots[i])
+                    for i in self._graph_regions
+                )
+                self.decoder.retap(self._taps, signature)
         elif not wanted:
             for handle in self._region_handles:
                 handle.remove()
@@ -269,7 +296,7 @@ class EngineCapture:
         self._region_handles.clear()
         self._graph_regions = []
         if self.decoder is not None:
-            self.decoder.drop()
+            self.decoder.release()
         if self._original_execute is not None and "execute_model" in vars(self.runner):
             del self.runner.execute_model
         self._original_execute = None
@@ -308,9 +335,23 @@ class EngineCapture:
         if fwd is None:
             return
         try:
-            if selected and self._stage is not None and fwd.index is not None:
-                fwd.stage = self._stage[:, :selected].clone()
-                fwd.filled = list(self._graph_regions)
+            taps = self._taps
+            if selected and taps is not None and fwd.index is not None:
+                regions = self._graph_regions
+                staged = (
+                    [i for i in regions if self._stageable(self.specs[i])] if taps.staged(selected) else []
+                )
+                if staged:
+                    assert taps.stage is not None
+                    fwd.stage = taps.stage[:, :selected].clone()  # fingerprinted in the batched pass
+                    fwd.filled = staged
+                printed = [i for i in regions if i not in staged]
+                if printed:
+                    # ~144 bytes a row: copied out, the next forward writes the same buffers
+                    prints = taps.prints
+                    fwd.printed = (prints.ints[:, :selected].clone(), prints.floats[:, :selected].clone())
+                    fwd.printed_bits = taps.bits
+                    fwd.printed_regions = printed
             self.prints.keep(fwd)
         except Exception as exc:
             self._fail("step rows", exc)
@@ -377,6 +418,10 @@ class EngineCapture:
                         f"{rows.size} selected rows exceed the graph taps' {self._index.numel()}"
                     )
                 self._index[: rows.size].copy_(torch.from_numpy(rows))
+                if (
+                    self._taps is not None and self._taps.padded
+                ):  # rows past the count fingerprint row 0, a row every forward has
+                    self._index[rows.size :].zero_()
                 self._count[0] = int(rows.size)
         except Exception as exc:
             self._fail("layout", exc)
@@ -385,23 +430,32 @@ class EngineCapture:
     def _graph_hook(
         self, i: int, spec: RegionSpec, module: nn.Module
     ) -> Callable[[nn.Module, Any, Any], None] | None:
-        """A hook Dynamo traces into the compiled decoder: one :func:`tap_rows` op into the region's
-        slot of the stage (``None``: the region's rows are not hidden-size, not tapped)."""
-        if spec.tap not in (Tap.FIRST, Tap.SUM):
+        """A hook Dynamo traces into the compiled decoder: one fingerprint op over the selected rows
+        into the region's slot of the buffers. Read as the eager hooks read it: the first tensor
+        (a router's logits included, in their own dtype), or hidden + residual for a SUM tap. Every
+        region inside the decoder computes in the model's dtype, whose ladder the host reads the
+        slots with (``None``: the region is not tapped)."""
+        if spec.tap not in (Tap.FIRST, Tap.SUM, Tap.FP32):
             return None
-        if self._stage is None:
-            param = next(self.model.parameters())
-            hidden = int(self.runner.model_config.get_hidden_size())
+        assert self.decoder is not None
+        if self._taps is None:
+            device = next(self.model.parameters()).device
             slots = max(1, sum(1 for s in self.specs if s.name != "logits"))
-            self._stage = torch.zeros(
-                (slots, max(1, self._graph_rows), hidden),
-                dtype=self.runner.model_config.dtype,
-                device=param.device,
-            )
-            self._index = self._index.to(param.device) if param.device.type != "cpu" else self._index
-        stage, index, count = self._stage, self._index, self._count
+            rows = max(1, self._graph_rows)
+            taps = self.decoder.taps  # kept on the worker: a re-attach reuses its compiled variants
+            if taps is None or not taps.fits(slots, rows, device):
+                dtype = self.runner.model_config.dtype
+                hidden = int(self.runner.model_config.get_hidden_size())
+                taps = GraphTaps.allocate(slots, rows, default_ladder_bits(dtype), device, hidden, dtype)
+            self._taps, self._index, self._count = taps, taps.index, taps.count
+        taps = self._taps
+        index, ladder, stage = taps.index, list(taps.bits), taps.stage
+        count = None if taps.padded else taps.count
         slot = self.prints._slots[i]
+        ints, floats = taps.prints.views(slot)
+        all_ints, all_floats = taps.prints.ints, taps.prints.floats
         sum_tap = spec.tap is Tap.SUM
+        staged = stage is not None and count is not None and self._stageable(spec)
 
         def hook(_module: nn.Module, _inputs: Any, output: Any) -> None:
             if isinstance(output, tuple | list):
@@ -409,9 +463,19 @@ class EngineCapture:
                 second = output[1] if sum_tap else None
             else:
                 first, second = output, None
-            tap_rows(first, second, index, count, stage, slot)
+            if staged:
+                assert stage is not None and count is not None
+                tap_rows(first, second, index, count, stage, all_ints, all_floats, slot, ladder)
+            else:
+                record_rows(first, second, index, count, ints, floats, ladder)
 
         return hook
+
+    @staticmethod
+    def _stageable(spec: RegionSpec) -> bool:
+        """Whether a graph region's rows are hidden-size, so fit the CPU stage (a MoE router's
+        logits, one per expert, are fingerprinted in the graph instead)."""
+        return spec.tap is not Tap.FP32
 
     def _region_hook(self, i: int, spec: RegionSpec) -> Callable[[nn.Module, Any, Any], None]:
         logits = spec.name == "logits"

@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 from isoaudit.collectors.environment import process_environment
-from isoaudit.collectors.manifest import kernel_facts
 from isoaudit.collectors.vllm.worker.quant_facts import quant_facts
 
 log = logging.getLogger("isoaudit.collectors")
@@ -88,7 +87,9 @@ def _arch(device: torch.device) -> str:
 
 
 def engine_facts(vllm_config: Any, runner: Any, model: Any) -> dict[str, Any]:
-    """The runtime facts of this worker's engine, as plain data for :class:`RuntimeFacts`."""
+    """The runtime facts of this worker's engine, as plain data for :class:`RuntimeFacts`. The
+    kernels' launch settings depend on the mode the worker runs: its mode state carries them
+    (:attr:`isoaudit.collectors.vllm.messages.ModeState.kernels`), read again at every switch."""
     import vllm
     from vllm import envs
 
@@ -138,7 +139,6 @@ def engine_facts(vllm_config: Any, runner: Any, model: Any) -> dict[str, Any]:
         "model_type": getattr(model_config.hf_config, "model_type", None),
         "seed": model_config.seed,
         "v1_multiprocessing": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0",
-        **kernel_facts(),
         **quant_facts(vllm_config),  # the "quant" mapping the comparator reads
     }
 

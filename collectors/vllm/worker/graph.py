@@ -5,13 +5,15 @@ vLLM compiles the decoder module marked ``@support_torch_compile`` (e.g. ``Qwen3
 every guard dropped, and then only runs the compiled function: forward hooks and swapped forwards
 added afterwards are never called. Dynamo does trace hooks and instance-level forwards that are in
 place when it traces, so isoaudit (1) installs what it needs as traceable code around opaque custom
-ops (:func:`tap_rows` for regions; the invariant layers' ops in
-:mod:`isoaudit.collectors.vllm.worker.remediation`), then (2) hands vLLM a freshly compiled function
+ops (for regions the fingerprint op, :mod:`isoaudit.collectors.fingerprint_op`; the invariant layers'
+ops in :mod:`isoaudit.collectors.vllm.worker.remediation`), then (2) hands vLLM a freshly compiled function
 for that state (:class:`CompiledDecoder`): the decorator's ``__call__`` runs ``aot_compiled_fn`` when
 set, so setting it on the instance replaces what the next forward runs, between two steps. Each
 state (regions compiled in, remediation mode) is compiled once, on its first forward, and kept; the
 state vLLM compiled itself is its own function, given back untouched. Variants are never written to
-or read from vLLM's compile cache (they reference this worker's buffers).
+or read from vLLM's compile cache (they reference this worker's buffers). The decoder and the graph
+taps' buffers (:class:`GraphTaps`) live on the worker across attaches: detaching gives vLLM its own
+function back, and attaching again with the same regions runs the variant already compiled.
 """
 
 from __future__ import annotations
@@ -22,14 +24,21 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from isoaudit.collectors.fingerprint_op import FingerprintBuffers, fingerprint_index_rows_
 from torch import nn
 
 #: The library of isoaudit's graph ops inside vLLM workers.
 LIBRARY = "isoaudit_vllm"
 
+#: Selected rows per forward that a CPU engine's taps stage for the batched pass after the step;
+#: more are fingerprinted in the forward. A fingerprint call costs about 100 us of fixed overhead
+#: on a CPU, so one per region per decode step would cost more than the step of a small model.
+CPU_STAGE_ROWS = 256
+
 _lib = torch.library.Library(LIBRARY, "FRAGMENT")
 _lib.define(
-    "tap_rows(Tensor x, Tensor? residual, Tensor index, Tensor count, Tensor(a!) stage, int slot) -> ()"
+    "tap_rows(Tensor x, Tensor? residual, Tensor index, Tensor count, Tensor(a!) stage, "
+    "Tensor(b!) ints, Tensor(c!) floats, int slot, int[] ladder_bits) -> ()"
 )
 
 
@@ -39,16 +48,23 @@ def _tap_rows(
     index: torch.Tensor,
     count: torch.Tensor,
     stage: torch.Tensor,
+    ints: torch.Tensor,
+    floats: torch.Tensor,
     slot: int,
+    ladder_bits: list[int],
 ) -> None:
-    """Copy rows ``index[:count]`` of ``x`` (plus ``residual``'s, for a SUM tap) into
-    ``stage[slot, :count]``; the region's value is not touched. ``count`` is a one-element tensor
-    the host sets before each forward (0: nothing selected, nothing copied)."""
+    """Rows ``index[:count]`` of ``x`` (+ ``residual``'s, added after selection): copied into
+    ``stage[slot]`` when they fit it, otherwise fingerprinted into ``ints[slot]``/``floats[slot]``
+    (:func:`~isoaudit.collectors.fingerprint_op.fingerprint_index_rows_`). ``count`` is read here:
+    CPU engines only (no CUDA-graph capture there)."""
     n = int(count[0])
     if n == 0:
         return
-    rows = index[:n].to(x.device)
+    if n > stage.shape[1]:
+        fingerprint_index_rows_(x, residual, index, count, ints[slot], floats[slot], ladder_bits)
+        return
     width = int(x.shape[-1])
+    rows = index[:n]
     out = stage[slot, :n]
     torch.index_select(x.reshape(-1, width), 0, rows, out=out)
     if residual is not None:
@@ -58,6 +74,31 @@ def _tap_rows(
 _lib.impl("tap_rows", _tap_rows, "CompositeExplicitAutograd")
 
 
+def tap_rows(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    index: torch.Tensor,
+    count: torch.Tensor,
+    stage: torch.Tensor,
+    ints: torch.Tensor,
+    floats: torch.Tensor,
+    slot: int,
+    ladder_bits: list[int],
+) -> None:
+    """The graph op :func:`_tap_rows` (``torch.ops.isoaudit_vllm.tap_rows``), inputs detached."""
+    torch.ops.isoaudit_vllm.tap_rows(
+        x.detach(),
+        None if residual is None else residual.detach(),
+        index,
+        count,
+        stage,
+        ints,
+        floats,
+        slot,
+        ladder_bits,
+    )
+
+
 @torch.library.register_fake(f"{LIBRARY}::tap_rows")
 def _tap_rows_fake(
     x: torch.Tensor,
@@ -65,22 +106,12 @@ def _tap_rows_fake(
     index: torch.Tensor,
     count: torch.Tensor,
     stage: torch.Tensor,
+    ints: torch.Tensor,
+    floats: torch.Tensor,
     slot: int,
+    ladder_bits: list[int],
 ) -> None:
     return None
-
-
-def tap_rows(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    index: torch.Tensor,
-    count: torch.Tensor,
-    stage: torch.Tensor,
-    slot: int,
-) -> None:
-    """The graph op :func:`_tap_rows` (``torch.ops.isoaudit_vllm.tap_rows``): Dynamo records it as one
-    opaque node that mutates ``stage``, so it stays in the compiled graph exactly where the region is."""
-    torch.ops.isoaudit_vllm.tap_rows(x, residual, index, count, stage, slot)
 
 
 def compiled_decoder_module(model: nn.Module) -> nn.Module | None:
@@ -90,6 +121,59 @@ def compiled_decoder_module(model: nn.Module) -> nn.Module | None:
         if hasattr(module, "do_not_compile") and hasattr(module, "_compiled_callable"):
             return None if module.do_not_compile else module
     return None
+
+
+@dataclass
+class GraphTaps:
+    """What the graph taps of a compiled decoder read and write, kept for the decoder's life (the
+    compiled variants hold these tensors): the fingerprint buffers (one slot per region, ``rows``
+    rows), the ladder they are written with, the row index and count the host sets before each
+    forward, whether the index is padded to its length (no count read: devices other than the CPU),
+    ``stage``: on a CPU, ``[regions, CPU_STAGE_ROWS, hidden]`` for the selections that fit it
+    (:func:`_tap_rows`; ``None`` elsewhere); and ``signature``: the regions and slots the tapped
+    variants were compiled with."""
+
+    prints: FingerprintBuffers
+    bits: tuple[int, ...]
+    index: torch.Tensor
+    count: torch.Tensor
+    padded: bool
+    stage: torch.Tensor | None = None
+    signature: tuple[Any, ...] = ()
+
+    @classmethod
+    def allocate(
+        cls,
+        slots: int,
+        rows: int,
+        bits: tuple[int, ...],
+        device: torch.device,
+        hidden: int,
+        dtype: torch.dtype,
+    ) -> GraphTaps:
+        padded = device.type != "cpu"
+        stage = None if padded else torch.zeros(slots, min(rows, CPU_STAGE_ROWS), hidden, dtype=dtype)
+        return cls(
+            FingerprintBuffers(slots, rows, device),
+            bits,
+            torch.zeros(rows, dtype=torch.long, device=device if padded else "cpu"),
+            torch.zeros(1, dtype=torch.long),
+            padded,
+            stage,
+        )
+
+    def fits(self, slots: int, rows: int, device: torch.device) -> bool:
+        return (self.prints.slots, self.prints.rows, self.prints.ints.device) == (slots, rows, device)
+
+    @property
+    def nbytes(self) -> int:
+        """Device memory of the fingerprint buffers and the stage."""
+        stage = self.stage
+        return self.prints.nbytes + (int(stage.nbytes) if stage is not None else 0)
+
+    def staged(self, selected: int) -> bool:
+        """Whether a forward's ``selected`` rows went to the stage (not fingerprinted in the graph)."""
+        return self.stage is not None and selected <= int(self.stage.shape[1])
 
 
 @dataclass
@@ -112,6 +196,8 @@ class CompiledDecoder:
         self._original = getattr(module, "aot_compiled_fn", None)
         self._variants: dict[tuple[Any, ...], Variant] = {}
         self.last_compile_s: float | None = None
+        self.compiles = 0
+        self.taps: GraphTaps | None = None
 
     def select(self, key: tuple[Any, ...]) -> None:
         """Run the state ``key`` from the next forward on (compiling it then, if it is new). Call it
@@ -131,6 +217,22 @@ class CompiledDecoder:
         self.key = self.native
         object.__setattr__(self.module, "aot_compiled_fn", self._original)
 
+    def release(self) -> None:
+        """Give vLLM its own function back, keeping the variants whose remediation is native (they
+        hold only the taps, which stay: a later attach with the same regions reuses them; the
+        invariant ones hold the remediation's layer ops, rebuilt at the next switch)."""
+        self._variants = {k: v for k, v in self._variants.items() if k[1:] == self.native[1:]}
+        self.key = self.native
+        object.__setattr__(self.module, "aot_compiled_fn", self._original)
+
+    def retap(self, taps: GraphTaps, signature: tuple[Any, ...]) -> None:
+        """The taps of the next tapped state: variants compiled with other buffers or regions are
+        forgotten (compiled again on first use)."""
+        if taps is not self.taps or signature != taps.signature:
+            self._variants = {k: v for k, v in self._variants.items() if not k[0]}
+            self.taps = taps
+            taps.signature = signature
+
     def facts(self) -> dict[str, Any]:
         """What the manifest says of the compiled graph: the state compiled in and the last
         recompile's cost."""
@@ -138,6 +240,7 @@ class CompiledDecoder:
             "compiled_state": list(self.key),
             "recompile_s": self.last_compile_s,
             "compiled_variants": len(self._variants),
+            "compiles": self.compiles,
         }
 
     def _runner(self, variant: Variant) -> Callable[..., Any]:
@@ -146,6 +249,7 @@ class CompiledDecoder:
                 start = time.perf_counter()
                 variant.fn = _compile(module, args, kwargs)
                 variant.compile_s = self.last_compile_s = time.perf_counter() - start
+                self.compiles += 1
             return variant.fn(module, *args, **kwargs)
 
         return run

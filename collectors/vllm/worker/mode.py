@@ -9,6 +9,7 @@ engine mid-step: :meth:`ModeSwitcher.at_step_boundary` runs at the start of the 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from isoaudit.collectors.vllm.messages import ModeState, SetMode
 
@@ -18,6 +19,10 @@ ModeSwitch = Callable[[str], tuple[str, str | None]]
 #: ``ops() -> {op: implementation}``: what runs each op now, as the worker's remediation says.
 ModeOps = Callable[[], dict[str, str]]
 
+#: ``kernels() -> facts``: the kernels' launch settings in the mode the worker runs now
+#: (:func:`isoaudit.collectors.manifest.kernel_facts`), read again at every switch.
+ModeKernels = Callable[[], dict[str, Any]]
+
 #: ``fail(where, exc)``: count and log a failure once; the engine goes on.
 Fail = Callable[[str, BaseException], None]
 
@@ -25,12 +30,15 @@ Fail = Callable[[str, BaseException], None]
 class ModeSwitcher:
     """The mode one worker runs (:attr:`state`) and the request waiting for the next step."""
 
-    def __init__(self, switch: ModeSwitch | None, ops: ModeOps | None, fail: Fail) -> None:
+    def __init__(
+        self, switch: ModeSwitch | None, ops: ModeOps | None, fail: Fail, kernels: ModeKernels | None = None
+    ) -> None:
         self.switch = switch
         self.ops = ops
+        self.kernels = kernels
         self._fail = fail
         self._pending: SetMode | None = None
-        self.state = ModeState(ops=self._ops())
+        self.state = ModeState(ops=self._ops(), kernels=self._kernels())
 
     def request(self, request: SetMode) -> None:
         """Switch to ``request.mode`` at the next step boundary."""
@@ -58,7 +66,18 @@ class ModeSwitcher:
             version=request.version,
             step=step,
             ops=self._ops(),
+            kernels=self._kernels(),
         )
+
+    def _kernels(self) -> dict[str, Any]:
+        """The kernels' launch settings in the mode run now (empty when the worker cannot say)."""
+        if self.kernels is None:
+            return {}
+        try:
+            return dict(self.kernels())
+        except Exception as exc:
+            self._fail("mode kernels", exc)
+            return {}
 
     def _ops(self) -> dict[str, str]:
         """What runs each op now, as the worker's remediation says (empty when it cannot)."""

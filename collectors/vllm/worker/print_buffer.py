@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from isoaudit.collectors.counting import Counters
+from isoaudit.collectors.fingerprint_op import slot_rows
 from isoaudit.collectors.fingerprints import RowFingerprints, device_tensors, fingerprint_rows, host_rows
 from isoaudit.collectors.transfer import to_host
 from isoaudit.collectors.vllm.worker.requests import Piece, RequestBook, RequestTrace
@@ -53,6 +54,12 @@ class StepRows:
     # [slots, selected rows, width] (no small allocations, one tensor per step to concatenate).
     stage: torch.Tensor | None = None
     filled: list[int] = field(default_factory=list)  # regions written into the stage
+    # A compiled engine's graph taps fingerprint the selected rows in the forward itself: their
+    # (int64 [slots, rows, w], float32 [slots, rows, w']) rows (fingerprint_op's layout), with the
+    # ladder they were written with; ``printed_regions``' slots are read from them.
+    printed: tuple[torch.Tensor, torch.Tensor] | None = None
+    printed_bits: tuple[int, ...] = ()
+    printed_regions: list[int] = field(default_factory=list)
     pending: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # logits, and odd shapes
 
     @property
@@ -130,10 +137,10 @@ class PrintBuffer:
         """Keep a finished step's rows for a later, batched pass (one pass over many steps costs far
         less than one per step and, on a GPU, does not synchronise every step). A request whose rows
         find no room in the book is marked truncated and its rows are dropped (counted)."""
-        if step is IDLE or not (step.pending or step.filled):
+        if step is IDLE or not (step.pending or step.filled or step.printed_regions):
             return
         logits = sum(1 for i, _ in step.pending if self.logits[i])
-        hidden = len(step.filled) + len(step.pending) - logits
+        hidden = len(step.filled) + len(step.printed_regions) + len(step.pending) - logits
         kept = []
         for member in step.members:
             needed = member.count * hidden + logits
@@ -152,6 +159,7 @@ class PrintBuffer:
             step.positions = None
         self._steps.append(step)
         staged = [step.stage] if step.stage is not None else []
+        staged += list(step.printed) if step.printed is not None else []
         self._bytes += sum(t.numel() * t.element_size() for t in staged + [t for _, t in step.pending])
         if self._bytes >= self.flush_bytes:
             self.flush()
@@ -197,12 +205,31 @@ class PrintBuffer:
                     regions.append(region)
                     offsets.append(base + offset)
                 base += int(rows.shape[0])
+        # Steps fingerprinted inside the graph: their rows concatenated per ladder, no pass here.
+        printed: dict[tuple[int, ...], list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
+        for k, step in enumerate(steps):
+            if step.printed is not None and step.printed_regions:
+                printed.setdefault(step.printed_bits, []).append((k, *step.printed))
+        for j, items_p in enumerate(printed.values()):
+            g = len(groups) + j
+            base = 0
+            for k, ints, _ in items_p:
+                n = int(ints.shape[1])
+                regions, offsets = where[k].setdefault(g, ([], []))
+                for region in steps[k].printed_regions:
+                    regions.append(region)
+                    offsets.append(base + self._slots[region] * n)
+                base += int(ints.shape[0]) * n
+            for name, parts in (("ints", [i for _, i, _ in items_p]), ("floats", [f for _, _, f in items_p])):
+                flat = [t.reshape(-1, t.shape[-1]) for t in parts]
+                tensors[f"p{j}.{name}"] = torch.cat(flat) if len(flat) > 1 else flat[0]
         for k, step in enumerate(steps):
             if step.positions is not None:
                 tensors[f"pos{k}"] = step.positions
         host = to_host(tensors)  # the flush's one device-to-host transfer
         blocks = [host_rows(host, [bits[g]], prefix=f"g{g}.")[0] for g in range(len(groups))]
-        logits_group = [key[2] for key in groups]
+        blocks += [slot_rows(host[f"p{j}.ints"], host[f"p{j}.floats"], b) for j, b in enumerate(printed)]
+        logits_group = [key[2] for key in groups] + [False] * len(printed)
         self.counters.fingerprinted_forwards += len(steps)
         for k, step in enumerate(steps):
             filed = [

@@ -516,6 +516,19 @@ class WorkerRemediation:
         self.mode = "invariant"
         return "invariant", self.reason()
 
+    def kernel_facts(self) -> dict[str, Any]:
+        """The launch settings of isoaudit's kernels in the mode applied now
+        (:func:`isoaudit.collectors.manifest.kernel_facts`): the replaced ops route through the
+        kernels only while they run, so the facts are read as those ops see them."""
+        from isoaudit.collectors.manifest import kernel_facts
+
+        if self.mode != "invariant":
+            return kernel_facts()
+        import isoaudit.kernels.gemm_policy  # noqa: F401  # the split policy the GEMMs read
+
+        with _routed():
+            return kernel_facts()
+
     def restore(self) -> None:
         """vLLM's own ops again, everywhere (idempotent)."""
         for undo in reversed(self._undo):
