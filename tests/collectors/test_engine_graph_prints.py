@@ -35,7 +35,8 @@ def _by_key(records) -> dict:
 
 
 def _run(model, engine_kw: dict, observe: bool, prompts=PROMPTS, new=NEW, seeds=(3,)):
-    engine = RolloutEngine(model, max_len=32, **engine_kw)
+    longest = max(len(p) + m for p, m in zip(prompts, new, strict=True))
+    engine = RolloutEngine(model, max_len=max(32, longest + 8), **engine_kw)
     prints = EngineFingerprints(model, "auto", engine if observe else None)
     try:
         out = []
