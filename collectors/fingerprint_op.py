@@ -90,12 +90,21 @@ def fingerprint_index_rows_(
     n = int(index.numel()) if count is None else int(count.reshape(-1)[0])
     if n == 0:
         return
+    picked = selected_rows(x, residual, index[:n].to(x.device))
+    fingerprint_rows_into(picked, ints[:n], floats[:n], ladder_bits)
+
+
+def selected_rows(
+    x: torch.Tensor, residual: torch.Tensor | None, rows: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Rows ``rows`` of ``x`` (rows = leading dims flattened) plus the same rows of ``residual``,
+    added after selection (elementwise the bits of the sum), into ``out`` when given."""
     width = int(x.shape[-1]) if x.dim() else 1
-    rows = index[:n].to(x.device)
-    picked = x.reshape(-1, width).index_select(0, rows)
+    flat = x.reshape(-1, width)
+    picked = flat.index_select(0, rows) if out is None else torch.index_select(flat, 0, rows, out=out)
     if residual is not None:
         picked.add_(residual.reshape(-1, width).index_select(0, rows))
-    fingerprint_rows_into(picked, ints[:n], floats[:n], ladder_bits)
+    return picked
 
 
 _lib.impl("fingerprint_index_rows_", fingerprint_index_rows_, "CompositeExplicitAutograd")

@@ -6,9 +6,10 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import dash
 import pytest
@@ -60,6 +61,22 @@ def serving(app: dash.Dash) -> Iterator[str]:
         yield f"http://127.0.0.1:{http.server_port}"
     finally:
         http.shutdown()
+
+
+@contextmanager
+def serving_store(path: Path, fill: Callable[[Any], Any]) -> Iterator[tuple[str, Any]]:
+    """A SQLite store at ``path``, filled by ``fill(store)``, served by the dashboard; yields its
+    base URL and what ``fill`` returned."""
+    from isoaudit.audit.db import Store
+    from isoaudit.dashboard import create_app
+
+    store = Store(f"sqlite:///{path}")
+    try:
+        found = fill(store)
+        with serving(create_app(store, live_interval_ms=1000)) as url:
+            yield url, found
+    finally:
+        store.dispose()
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ mismatch appeared says what changed since the last clean step."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
+from typing import Any
 
 import pytest
 from isoaudit.collectors.environment import process_environment
@@ -27,7 +27,7 @@ from tests.dashboard.test_browser import (  # the suite's skips, driver fixture 
     _severe,
     _wait,
     browser,  # noqa: F401  (a fixture)
-    serving,
+    serving_store,
 )
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
@@ -35,20 +35,15 @@ pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def env_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    from isoaudit.audit.db import Store
     from isoaudit.audit.worker import ComparisonWorker
-    from isoaudit.dashboard import create_app
 
-    path: Path = tmp_path_factory.mktemp("environment-browser") / "isoaudit.db"
-    store = Store(f"sqlite:///{path}")
-    planted_runs(store)
-    drifting_run(store, change_at=3, steps=5)
-    ComparisonWorker(store).run_once()
-    try:
-        with serving(create_app(store, live_interval_ms=1000)) as url:
-            yield url
-    finally:
-        store.dispose()
+    def fill(store: Any) -> None:
+        planted_runs(store)
+        drifting_run(store, change_at=3, steps=5)
+        ComparisonWorker(store).run_once()
+
+    with serving_store(tmp_path_factory.mktemp("environment-browser") / "isoaudit.db", fill) as (url, _):
+        yield url
 
 
 def _rows(driver, table_id: str) -> list[list[str]]:

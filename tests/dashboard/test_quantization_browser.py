@@ -6,7 +6,7 @@ sentence."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -23,7 +23,7 @@ from tests.dashboard.test_browser import (  # the suite's skips, driver fixture 
     _severe,
     _wait,
     browser,  # noqa: F401  (a fixture)
-    serving,
+    serving_store,
 )
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
@@ -33,9 +33,7 @@ RUN_ID = "fp8-run"
 
 @pytest.fixture(scope="module")
 def quant_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, list[str]]]:
-    from isoaudit.audit.db import Store
     from isoaudit.audit.worker import ComparisonWorker
-    from isoaudit.dashboard import create_app
 
     from tests.kernels.quant_records import mode, records
     from tests.kernels.test_e2e import _hf
@@ -44,17 +42,16 @@ def quant_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str
     ts, rs, tm, rm, _ = records(
         model, model, lambda: mode(True, "tensor"), lambda: mode(True, "tensor"), run_id=RUN_ID
     )
-    path: Path = tmp_path_factory.mktemp("quant-browser") / "isoaudit.db"
-    store = Store(f"sqlite:///{path}")
-    store.ingest([factories.run(RUN_ID)])
-    result = store.ingest([tm, rm, *ts, *rs])
-    assert not result.rejected, result.rejected
-    ComparisonWorker(store).run_once(RUN_ID)
-    try:
-        with serving(create_app(store, live_interval_ms=1000)) as url:
-            yield url, [t.sample_key for t in ts]
-    finally:
-        store.dispose()
+
+    def fill(store: Any) -> list[str]:
+        store.ingest([factories.run(RUN_ID)])
+        result = store.ingest([tm, rm, *ts, *rs])
+        assert not result.rejected, result.rejected
+        ComparisonWorker(store).run_once(RUN_ID)
+        return [t.sample_key for t in ts]
+
+    with serving_store(tmp_path_factory.mktemp("quant-browser") / "isoaudit.db", fill) as served:
+        yield served
 
 
 def test_quantization_on_the_run_and_sample_pages(quant_server, browser) -> None:  # noqa: F811

@@ -5,7 +5,6 @@ most flips there, and that sample's page names where its routing first flips."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from isoaudit.dashboard.pages import sample, urls
@@ -20,7 +19,7 @@ from tests.dashboard.test_browser import (  # the suite's skips, driver fixture 
     _severe,
     _wait,
     browser,  # noqa: F401  (a fixture)
-    serving,
+    serving_store,
 )
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
@@ -28,19 +27,10 @@ pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def routed_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict[int, str]]]:
-    from isoaudit.audit.db import Store
-    from isoaudit.dashboard import create_app
-
     from tests.audit.routing_records import routed_run
 
-    path: Path = tmp_path_factory.mktemp("routing-browser") / "isoaudit.db"
-    store = Store(f"sqlite:///{path}")
-    keys = routed_run(store)
-    try:
-        with serving(create_app(store, live_interval_ms=1000)) as url:
-            yield url, keys
-    finally:
-        store.dispose()
+    with serving_store(tmp_path_factory.mktemp("routing-browser") / "isoaudit.db", routed_run) as served:
+        yield served
 
 
 def test_routing_heatmap_click_opens_the_sample_and_its_routing(routed_server, browser) -> None:  # noqa: F811

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from isoaudit.collectors.fingerprint_op import FingerprintBuffers, fingerprint_index_rows_
+from isoaudit.collectors.fingerprint_op import FingerprintBuffers, fingerprint_index_rows_, selected_rows
 from torch import nn
 
 #: The library of isoaudit's graph ops inside vLLM workers.
@@ -63,12 +63,7 @@ def _tap_rows(
     if n > stage.shape[1]:
         fingerprint_index_rows_(x, residual, index, count, ints[slot], floats[slot], ladder_bits)
         return
-    width = int(x.shape[-1])
-    rows = index[:n]
-    out = stage[slot, :n]
-    torch.index_select(x.reshape(-1, width), 0, rows, out=out)
-    if residual is not None:
-        out.add_(residual.reshape(-1, width).index_select(0, rows))
+    selected_rows(x, residual, index[:n], out=stage[slot, :n])
 
 
 _lib.impl("tap_rows", _tap_rows, "CompositeExplicitAutograd")
