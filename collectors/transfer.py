@@ -116,6 +116,16 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return source.to(device, non_blocking=True)
 
 
+def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s elements in row-major order as a 1-D uint8 view (a copy only if not contiguous).
+    A tensor of at most one element counts as contiguous whatever its stride, and keeps that stride
+    through ``reshape``: a column of a one-row buffer has stride 5, which a byte view refuses."""
+    flat = tensor.contiguous().reshape(-1)
+    if flat.numel() <= 1 and flat.stride(0) != 1:
+        flat = flat.as_strided((flat.numel(),), (1,))
+    return flat.view(torch.uint8)
+
+
 def to_host(
     tensors: Mapping[str, torch.Tensor], *, fresh: Callable[[str], bool] | None = None
 ) -> dict[str, np.ndarray]:
@@ -135,7 +145,7 @@ def to_host(
                 array = tensor.contiguous().numpy()
                 out[name] = array if fresh is not None and fresh(name) else array.copy()
             continue
-        parts = [t.contiguous().reshape(-1).view(torch.uint8) for _, t in items]
+        parts = [flat_bytes(t) for _, t in items]
         host = torch.cat(parts).cpu().numpy() if parts else np.zeros(0, np.uint8)
         offset = 0
         for (name, tensor), part in zip(items, parts, strict=True):

@@ -302,3 +302,16 @@ def test_a_failed_background_build_is_counted_and_raised_only_when_strict(load) 
             assert handle.flush(30) and handle.counters.errors == 1
             assert {r.step for r in sink.of_kind("sample")} == {1}
         handle.detach()
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.float32, torch.bfloat16])
+def test_flat_bytes_of_one_element_columns(dtype: torch.dtype) -> None:
+    """A one-row buffer's column (stride 5, one element) and an empty one travel as bytes: torch
+    calls them contiguous whatever their stride, and a byte view needs unit stride."""
+    from isoaudit.collectors.transfer import flat_bytes
+
+    buffer = torch.arange(10).reshape(2, 5).to(dtype)
+    for column in (buffer[:1, 0], buffer[:1, 3:4], buffer[:0, 1], buffer[:1, 1:2].t()):
+        got = flat_bytes(column)
+        assert got.dtype == torch.uint8 and got.stride() in ((1,),)
+        assert torch.equal(got.view(dtype).reshape(column.shape), column)
