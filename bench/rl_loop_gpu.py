@@ -2,6 +2,7 @@
 
     python bench/rl_loop_gpu.py [--steps 3] [--prompts 16] [--group 4] [--max-new 256] [--json out.json]
     python bench/rl_loop_gpu.py --fp8    # remediated = ``invariant-fp8``: FP8 rollouts, FP8 recompute
+    python bench/rl_loop_gpu.py --prompt-len 8192 --prompts 2 --group 4 --max-new 1024   # long context
 
 A random Qwen3-shaped ~0.5B bf16 policy (24 layers, hidden 896, 14/2 heads of 64, MLP 4,864,
 vocab 151,936, tied embeddings: 0.60B parameters), the reference engine over its own copy of the
@@ -64,7 +65,7 @@ class LogprobsOnlyRollout(ReferenceRollout):
 
 def run_mode(mode: str, args: argparse.Namespace) -> dict:
     policy = qwen3_05b(args.layers)
-    rollout = LogprobsOnlyRollout(policy, max_len=16 + args.max_new + 8)
+    rollout = LogprobsOnlyRollout(policy, max_len=max(16, args.prompt_len or 0) + args.max_new + 8)
     config = JobConfig(
         steps=args.warmup + args.steps,
         prompts=args.prompts,
@@ -74,6 +75,7 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
         updates=args.updates,
         trainer_regions=None,
         seed=0,
+        prompt_len=args.prompt_len,
     )
     with kernels.disable():
         with isoaudit.session(f"rl-loop-gpu-{mode}", destination=MemoryDestination(), report=False) as audit:
@@ -123,6 +125,9 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-6)
     ap.add_argument("--json", default=None)
     ap.add_argument(
+        "--prompt-len", type=int, default=None, help="long context: every prompt brought to this many tokens"
+    )
+    ap.add_argument(
         "--fp8",
         action="store_true",
         help="remediate in the invariant-fp8 mode (every linear in W8A8 on both sides) instead of invariant",
@@ -132,7 +137,7 @@ def main() -> None:
         sys.exit("bench/rl_loop_gpu.py needs CUDA")
     print(
         f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}; {args.prompts} prompts x group "
-        f"{args.group}, {args.max_new} new tokens, {args.layers} layers, {args.updates} update(s)/step",
+        f"{args.group}, {args.max_new} new tokens, prompts of {args.prompt_len or '~16'} tokens, {args.layers} layers, {args.updates} update(s)/step",
         flush=True,
     )
     remediated = "invariant-fp8" if args.fp8 else "invariant"

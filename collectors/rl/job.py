@@ -47,11 +47,16 @@ class JobConfig:
     seed: int = 0
     #: The trainer collector's fingerprinted regions ("auto": every region; None: logprobs only).
     trainer_regions: str | None = "auto"
+    #: Long-context jobs (retrieval, multi-turn history): every prompt is brought to this many
+    #: tokens by a fixed filler document placed before the task (None: the task's prompt alone).
+    prompt_len: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("steps", "prompts", "group", "max_new", "updates", "sample_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be at least 1, got {getattr(self, name)}")
+        if self.prompt_len is not None and self.prompt_len < 1:
+            raise ValueError(f"prompt_len: must be at least 1 (or None), got {self.prompt_len}")
         if self.group < 2:
             raise ValueError(f"group: GRPO compares completions within a group; need >= 2, got {self.group}")
         if not self.temperature > 0:
@@ -101,6 +106,8 @@ def run_job(
     for step in range(config.steps):
         chosen = [p for p in rng.sample(problems, config.prompts) for _ in range(config.group)]
         prompts = [list(tokenizer(p.prompt)["input_ids"]) for p in chosen]  # type: ignore[operator]  # HF tokenizers are callable; the stubs type the base class
+        if config.prompt_len is not None:
+            prompts = with_context(prompts, tokenizer, config.prompt_len)
 
         started = time.perf_counter()
         sampled = rollout.generate(step, prompts, config.max_new, config.temperature, seed=config.seed + step)
@@ -168,6 +175,22 @@ def run_job(
         if on_step is not None:
             on_step(row)
     return figures
+
+
+#: The filler document of long-context prompts: plain prose, so any tokenizer encodes it.
+FILLER = (
+    "The archive holds the letters of a harbour town, sorted by the year they were sent and the "
+    "ship that carried them; each one names its writer, its reader and the weather of the day. "
+)
+
+
+def with_context(prompts: list[list[int]], tokenizer: object, prompt_len: int) -> list[list[int]]:
+    """Each prompt brought to ``prompt_len`` tokens by the start of the filler document (repeated as
+    needed) placed before it; a prompt already that long is left as it is."""
+    unit = list(tokenizer(FILLER)["input_ids"])  # type: ignore[operator]  # HF tokenizers are callable
+    longest = max((prompt_len - len(p) for p in prompts), default=0)
+    filler = unit * (longest // max(len(unit), 1) + 1)
+    return [filler[: max(prompt_len - len(p), 0)] + p for p in prompts]
 
 
 def _settle(device: torch.device) -> None:

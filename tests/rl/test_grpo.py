@@ -64,3 +64,19 @@ def test_policy_logprobs_match_the_models_own_logits(tmp_path) -> None:
     assert out.entropy.shape == out.logprobs.shape and bool((out.entropy > 0).all())
     out.logprobs.sum().backward()
     assert model.lm_head.weight.grad is not None
+
+
+def test_long_context_prompts_end_with_the_task_and_have_the_asked_length() -> None:
+    from isoaudit.collectors.rl.job import FILLER, JobConfig, with_context
+
+    def chars(text: str) -> dict[str, list[int]]:
+        return {"input_ids": [ord(c) for c in text]}
+
+    prompts = [[1, 2, 3], list(range(40)), list(range(700))]
+    out = with_context(prompts, chars, 600)
+    assert [len(p) for p in out] == [600, 600, 700]
+    assert [p[-len(q) :] for p, q in zip(out, prompts, strict=True)] == prompts
+    assert out[0][: len(FILLER)] == [ord(c) for c in FILLER]  # the document, from its start, repeated
+    assert out[0][len(FILLER) : 2 * len(FILLER)] == [ord(c) for c in FILLER]
+    with pytest.raises(ValueError, match="prompt_len"):
+        JobConfig(prompt_len=0)
