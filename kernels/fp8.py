@@ -208,6 +208,14 @@ class Fp8Tile:
         )
 
     @property
+    def source(self) -> str:
+        """The tile as Python source, for a :data:`TILE_TABLE` literal."""
+        extra = (f", group_m={self.group_m}" if self.group_m != 8 else "") + (
+            ", lag=True" if self.lag else ""
+        )
+        return f"Fp8Tile({self.block_m}, {self.block_n}, {self.num_warps}, {self.num_stages}{extra})"
+
+    @property
     def tag(self) -> str:
         """Short name, e.g. ``128x128w8s4g8L`` (``L``: lagged promotion)."""
         return f"{self.block_m}x{self.block_n}w{self.num_warps}s{self.num_stages}g{self.group_m}{'L' if self.lag else ''}"
