@@ -44,14 +44,22 @@ from .gemm import _device_traits
 if HAVE_TRITON:
 
     @triton.jit
-    def _fp8_block(a_rows, b_rows, sa_rows, sb_rows, m_ok, n_ok, offs_k, K, kb, BLOCK_K: tl.constexpr):
-        """Block ``kb``'s MMA from zero and its promotion factor ``sa * sb`` (fp32)."""
+    def _fp8_block(
+        a_rows, b_rows, sa_rows, sb_rows, sb_tile, m_ok, n_ok, offs_k, K, kb,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        """Block ``kb``'s MMA from zero and its promotion factors ``sa[m] * sb[n // 128]`` (fp32).
+        A tile at most 128 wide lies in one weight block column: one ``sb`` for the tile, the
+        factors one column (the same products, BLOCK_N times fewer multiplies)."""
         k0 = kb * BLOCK_K
         k_ok = (k0 + offs_k) < K
         x = tl.load(a_rows + (k0 + offs_k)[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(b_rows + (k0 + offs_k)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         part = tl.dot(x, tl.trans(w), out_dtype=tl.float32)
         sa = tl.load(sa_rows + kb, mask=m_ok, other=0.0)
+        if BLOCK_N <= BLOCK_K:
+            return part, (sa * tl.load(sb_tile + kb))[:, None]
         sb = tl.load(sb_rows + kb, mask=n_ok, other=0.0)
         return part, sa[:, None] * sb[None, :]
 
@@ -78,14 +86,17 @@ if HAVE_TRITON:
         b_rows = b + offs_n[:, None].to(tl.int64) * stride_bn
         sa_rows = a_s + offs_m.to(tl.int64) * stride_asm
         sb_rows = b_s + (offs_n // BLOCK_K).to(tl.int64) * stride_bsn
+        sb_tile = b_s + ((pid_n * BLOCK_N) // BLOCK_K).to(tl.int64) * stride_bsn
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if SPAN_BLOCKS > 0:
             total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if LAG:
-            part, scale = _fp8_block(a_rows, b_rows, sa_rows, sb_rows, m_ok, n_ok, offs_k, K, kb_lo, BLOCK_K)
+            part, scale = _fp8_block(
+                a_rows, b_rows, sa_rows, sb_rows, sb_tile, m_ok, n_ok, offs_k, K, kb_lo, BLOCK_N, BLOCK_K
+            )
             for kb in range(kb_lo + 1, kb_hi):
                 nxt, nxt_scale = _fp8_block(
-                    a_rows, b_rows, sa_rows, sb_rows, m_ok, n_ok, offs_k, K, kb, BLOCK_K
+                    a_rows, b_rows, sa_rows, sb_rows, sb_tile, m_ok, n_ok, offs_k, K, kb, BLOCK_N, BLOCK_K
                 )
                 acc = acc + part * scale  # block kb - 1
                 if SPAN_BLOCKS > 0:
@@ -99,7 +110,9 @@ if HAVE_TRITON:
                 total = total + acc
         else:
             for kb in range(kb_lo, kb_hi):
-                part, scale = _fp8_block(a_rows, b_rows, sa_rows, sb_rows, m_ok, n_ok, offs_k, K, kb, BLOCK_K)
+                part, scale = _fp8_block(
+                    a_rows, b_rows, sa_rows, sb_rows, sb_tile, m_ok, n_ok, offs_k, K, kb, BLOCK_N, BLOCK_K
+                )
                 acc = acc + part * scale
                 if SPAN_BLOCKS > 0:
                     if ((kb + 1) % SPAN_BLOCKS == 0) | (kb + 1 >= kb_hi):
