@@ -48,14 +48,19 @@ if HAVE_TRITON:
         a_rows, b_rows, sa_rows, sb_rows, sb_tile, m_ok, n_ok, offs_k, K, kb,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        EVEN_K: tl.constexpr,
     ):  # fmt: skip
         """Block ``kb``'s MMA from zero and its promotion factors ``sa[m] * sb[n // 128]`` (fp32).
         A tile at most 128 wide lies in one weight block column: one ``sb`` for the tile, the
         factors one column (the same products, BLOCK_N times fewer multiplies)."""
         k0 = kb * BLOCK_K
-        k_ok = (k0 + offs_k) < K
-        x = tl.load(a_rows + (k0 + offs_k)[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(b_rows + (k0 + offs_k)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if EVEN_K:  # K a multiple of 128: no K mask (the same values)
+            x = tl.load(a_rows + (k0 + offs_k)[None, :], mask=m_ok[:, None], other=0.0)
+            w = tl.load(b_rows + (k0 + offs_k)[None, :], mask=n_ok[:, None], other=0.0)
+        else:
+            k_ok = (k0 + offs_k) < K
+            x = tl.load(a_rows + (k0 + offs_k)[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(b_rows + (k0 + offs_k)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         part = tl.dot(x, tl.trans(w), out_dtype=tl.float32)
         sa = tl.load(sa_rows + kb, mask=m_ok, other=0.0)
         if BLOCK_N <= BLOCK_K:
@@ -71,6 +76,7 @@ if HAVE_TRITON:
         BLOCK_K: tl.constexpr,
         SPAN_BLOCKS: tl.constexpr,
         LAG: tl.constexpr,
+        EVEN_K: tl.constexpr,
     ):  # fmt: skip
         """The fp32 sum over K blocks [kb_lo, kb_hi) of one tile (kb_lo < kb_hi): each block's MMA
         from zero, scaled, added in ascending order. SPAN_BLOCKS > 0: the running sum restarts at
@@ -92,11 +98,35 @@ if HAVE_TRITON:
             total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if LAG:
             part, scale = _fp8_block(
-                a_rows, b_rows, sa_rows, sb_rows, sb_tile, m_ok, n_ok, offs_k, K, kb_lo, BLOCK_N, BLOCK_K
+                a_rows,
+                b_rows,
+                sa_rows,
+                sb_rows,
+                sb_tile,
+                m_ok,
+                n_ok,
+                offs_k,
+                K,
+                kb_lo,
+                BLOCK_N,
+                BLOCK_K,
+                EVEN_K,
             )
             for kb in range(kb_lo + 1, kb_hi):
                 nxt, nxt_scale = _fp8_block(
-                    a_rows, b_rows, sa_rows, sb_rows, sb_tile, m_ok, n_ok, offs_k, K, kb, BLOCK_N, BLOCK_K
+                    a_rows,
+                    b_rows,
+                    sa_rows,
+                    sb_rows,
+                    sb_tile,
+                    m_ok,
+                    n_ok,
+                    offs_k,
+                    K,
+                    kb,
+                    BLOCK_N,
+                    BLOCK_K,
+                    EVEN_K,
                 )
                 acc = acc + part * scale  # block kb - 1
                 if SPAN_BLOCKS > 0:
@@ -111,7 +141,19 @@ if HAVE_TRITON:
         else:
             for kb in range(kb_lo, kb_hi):
                 part, scale = _fp8_block(
-                    a_rows, b_rows, sa_rows, sb_rows, sb_tile, m_ok, n_ok, offs_k, K, kb, BLOCK_N, BLOCK_K
+                    a_rows,
+                    b_rows,
+                    sa_rows,
+                    sb_rows,
+                    sb_tile,
+                    m_ok,
+                    n_ok,
+                    offs_k,
+                    K,
+                    kb,
+                    BLOCK_N,
+                    BLOCK_K,
+                    EVEN_K,
                 )
                 acc = acc + part * scale
                 if SPAN_BLOCKS > 0:
@@ -147,6 +189,7 @@ if HAVE_TRITON:
         SPAN_BLOCKS: tl.constexpr,
         SPLIT_GRID: tl.constexpr,
         LAG: tl.constexpr,
+        EVEN_K: tl.constexpr,
     ):  # fmt: skip
         # Program (tile, span): tiles in grouped order (which program runs a tile, not its sums).
         tile = tl.program_id(0)
@@ -161,7 +204,7 @@ if HAVE_TRITON:
         if not SPLIT_GRID:
             acc = _fp8_span(
                 a, a_s, b, b_s, M, N, K, stride_am, stride_asm, stride_bn, stride_bsn, pid_m, pid_n, 0, kbs,
-                BLOCK_M, BLOCK_N, BLOCK_K, SPAN_BLOCKS, LAG,
+                BLOCK_M, BLOCK_N, BLOCK_K, SPAN_BLOCKS, LAG, EVEN_K,
             )  # fmt: skip
             _fp8_store(c, acc, bias_ptr, M, N, stride_cm, pid_m, pid_n, HAS_BIAS, BLOCK_M, BLOCK_N)
         else:
@@ -171,7 +214,7 @@ if HAVE_TRITON:
             lo = span * SPAN_BLOCKS
             acc = _fp8_span(
                 a, a_s, b, b_s, M, N, K, stride_am, stride_asm, stride_bn, stride_bsn, pid_m, pid_n,
-                lo, tl.minimum(lo + SPAN_BLOCKS, kbs), BLOCK_M, BLOCK_N, BLOCK_K, 0, LAG,
+                lo, tl.minimum(lo + SPAN_BLOCKS, kbs), BLOCK_M, BLOCK_N, BLOCK_K, 0, LAG, EVEN_K,
             )  # fmt: skip
             spans = tl.cdiv(kbs, SPAN_BLOCKS)
             tiles = num_m * num_n
@@ -386,6 +429,7 @@ def plan(m: int, n: int, k: int, has_bias: bool, device: torch.device, config: F
         SPAN_BLOCKS=span_blocks if spans > 1 else 0,
         SPLIT_GRID=split_grid,
         LAG=cfg.lag and k > 0,
+        EVEN_K=k % GROUP == 0,
     )
     scratch = (spans * tiles * cfg.block_m * cfg.block_n, tiles) if split_grid else None
     grid = (tiles, spans if split_grid else 1, 1)

@@ -119,20 +119,21 @@ def _exact_operands(m: int, n: int, k: int, seed: int = 0):
 
 @needs_triton
 def test_every_candidate_tile_same_adds_interpreter() -> None:
-    """Under the interpreter every candidate tile, with and without a split (as spans summed in turn
-    and as split programs), gives each row the reference's bits at M = 1 and 300."""
+    """Under the interpreter every candidate tile gives each row the reference's bits at M = 1 and
+    300: a ragged K (6 blocks, the last of 40) with a split of 256 (as split programs at M = 1, as
+    spans summed in turn at M = 300), and an even K (no K mask) without a split."""
     if not INTERP:
         pytest.skip("interpreter structure test (CPU only)")
-    n, k = 200, 680  # ragged against every block size: 6 K blocks, the last of 40
-    xq, xs, wq, ws = _exact_operands(300, n, k)
-    bias = torch.randn(n)
-    for k_split in (0, 256):
+    n = 200  # ragged against every block width
+    for k, k_split in ((680, 256), (512, 0)):
+        xq, xs, wq, ws = _exact_operands(300, n, k)
+        bias = torch.randn(n)
         ref = F8.w8a8_reference(xq, xs, wq, ws, bias, torch.float32, k_split=k_split)
         for tile in F8.TILE_CANDIDATES:
             cfg = tile.with_split(k_split)
-            for m in (1, 300):  # the split grid (M <= 128) and spans in turn, 1-5 row tiles
+            for m in (1, 300):
                 y = F8.w8a8_gemm(xq[:m], xs[:m], wq, ws, bias, torch.float32, impl="triton", config=cfg)
-                assert bits_equal(y, ref[:m]), (tile.tag, k_split, m)
+                assert bits_equal(y, ref[:m]), (tile.tag, k, k_split, m)
 
 
 # ---------------------------------------------------------------------------------------- CUDA
