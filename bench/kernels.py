@@ -1140,9 +1140,9 @@ FP8_SHAPES = [
 ]
 FP8_MS = (1, 64, 256, 2048, 4096)
 #: The sweep's row counts: each of the tile table's rows (M <= 64, <= 256, larger) gets several.
-FP8_TUNE_MS = (1, 16, 64, 128, 256, 1024, 2048, 4096)
+FP8_TUNE_MS = (1, 16, 64, 128, 256, 2048, 4096)
 #: The sweep stops starting new (shape, M) cases after this many seconds (it prints what it skipped).
-FP8_TUNE_BUDGET_S = 200.0
+FP8_TUNE_BUDGET_S = 220.0
 
 
 def _fp8_operands(n: int, k: int, m_max: int):
@@ -1201,7 +1201,8 @@ def bench_fp8_tune() -> None:
     weights cycled past L2): per (shape, M), every tile of ``TILE_CANDIDATES`` with the weight's
     split against ``torch._scaled_mm`` (row-wise scales) and the block-FP8 baseline (the fastest
     candidate with or without the split: free to change split with M); every candidate's rows at M
-    checked against the first candidate's 4096-row result (fp32 out: bits across tiles). Ends with
+    checked against the first candidate's 4096-row result (bits across tiles; bf16 out, the timed
+    kernels: the fp32-out proof is ``tests/kernels/test_fp8_tiles.py``'s). Ends with
     the shipped table's picks, the table that fits the measurements (``TILE_TABLE`` literal) and its
     picks against both targets (<= 1.3x ``_scaled_mm``, <= 1.2x the baseline)."""
     import time
@@ -1223,14 +1224,16 @@ def bench_fp8_tune() -> None:
         ws, blocks, rowwise, x, (xq, xs), (xr, sx) = _fp8_operands(n, k, max(FP8_TUNE_MS))
         split = F8.weight_split(n, k)
         q0, s0 = blocks[0]
-        want = F8.w8a8_gemm(
-            xq, xs, q0, s0, None, torch.float32, config=F8.TILE_CANDIDATES[0].with_split(split)
-        )
+        want = F8.w8a8_gemm(xq, xs, q0, s0, config=F8.TILE_CANDIDATES[0].with_split(split))
         for m in FP8_TUNE_MS:
             if time.perf_counter() - t_start > FP8_TUNE_BUDGET_S:
                 skipped.append(f"N={n} K={k} M={m}")
                 continue
-            t_smm = bench_calls([_scaled_mm_fn(xr[:m], sx[:m], wr, sw) for wr, sw in rowwise])
+            try:
+                t_smm = bench_calls([_scaled_mm_fn(xr[:m], sx[:m], wr, sw) for wr, sw in rowwise])
+            except Exception as e:  # noqa: BLE001 - a shape _scaled_mm refuses: no ratio to it
+                print(f"    _scaled_mm N={n} K={k} M={m}: {e!r}"[:200], flush=True)
+                t_smm = float("nan")
             times: dict = {}
             free: dict = {}
             for tile in F8.TILE_CANDIDATES:
@@ -1238,7 +1241,7 @@ def bench_fp8_tune() -> None:
                     cfg = tile.with_split(ks)
                     try:
                         if ks == split:
-                            y = F8.w8a8_gemm(xq[:m], xs[:m], q0, s0, None, torch.float32, config=cfg)
+                            y = F8.w8a8_gemm(xq[:m], xs[:m], q0, s0, config=cfg)
                             if not bits_equal(y, want[:m]):
                                 bits_bad.append(f"{tile.tag} N={n} K={k} M={m}")
                         t = bench_calls(
@@ -1291,7 +1294,7 @@ def bench_fp8_tune() -> None:
         shipped = c["times"].get(c["pick"], float("nan"))
         rec = F8.pick_tile(c["m"], c["n"], c["k"], sms, table=best)
         t = c["times"][rec]
-        ok = t / c["smm"] <= 1.3 and t / c["base"] <= 1.2
+        ok = not t / c["smm"] > 1.3 and t / c["base"] <= 1.2  # no _scaled_mm time: the baseline alone
         met += ok
         print(
             f"  N={c['n']:>5} K={c['k']:>5} M={c['m']:>4}: shipped {c['pick'].tag:<14} "
