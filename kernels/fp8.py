@@ -15,9 +15,13 @@ from the bf16 master; E4M3 activations per token in groups of 128 with fp32 scal
   last one adds them (small M, :func:`plan`): the same adds either way;
 * bias in fp32, one rounding to the output dtype.
 
-The tile (BLOCK_M, BLOCK_N, BLOCK_K = 128, warps, stages) and the split span depend on (N, K) and
-the device capability only, never on M, and M is not a specialised integer: prefill, decode and the
-trainer's recompute run the same compiled code, so a row's bits do not depend on its batch-mates.
+The split span depends on (N, K) only; the tile (BLOCK_M, BLOCK_N, warps, stages, program order,
+lagged promotion: :class:`Fp8Tile`) follows M through one table (:data:`TILE_TABLE`,
+:func:`pick_tile`), since it changes where each element is computed, never its adds: every
+element is the same K-ordered chain of block MMAs (each from zero over its 128 K) and fp32
+promotions whatever tile holds it (proven on the GPU for every tile of :data:`TILE_CANDIDATES`).
+M is not a specialised integer: prefill, decode and the trainer's recompute give a row the same
+bits whatever its batch-mates.
 
 Backward (:func:`fp8_linear`): straight-through in bf16 to the master weights — the quantizers are
 treated as the identity, ``dx = g @ W``, ``dW = g.T @ x`` in the master dtype.
@@ -35,8 +39,34 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ._triton import HAVE_TRITON, CachedLauncher, cdiv, jit, resolve, tl, triton
 from .fp8_quant import FP8, GROUP, quantize_act, quantize_act_reference, quantize_per_tensor, quantize_weight
+from .gemm import _device_traits
 
 if HAVE_TRITON:
+
+    @triton.jit
+    def _fp8_block(
+        a_rows, b_rows, sa_rows, sb_rows, sb_tile, m_ok, n_ok, offs_k, K, kb,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        EVEN_K: tl.constexpr,
+    ):  # fmt: skip
+        """Block ``kb``'s MMA from zero and its promotion factors ``sa[m] * sb[n // 128]`` (fp32).
+        A tile at most 128 wide lies in one weight block column: one ``sb`` for the tile, the
+        factors one column (the same products, BLOCK_N times fewer multiplies)."""
+        k0 = kb * BLOCK_K
+        if EVEN_K:  # K a multiple of 128: no K mask (the same values)
+            x = tl.load(a_rows + (k0 + offs_k)[None, :], mask=m_ok[:, None], other=0.0)
+            w = tl.load(b_rows + (k0 + offs_k)[None, :], mask=n_ok[:, None], other=0.0)
+        else:
+            k_ok = (k0 + offs_k) < K
+            x = tl.load(a_rows + (k0 + offs_k)[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(b_rows + (k0 + offs_k)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        part = tl.dot(x, tl.trans(w), out_dtype=tl.float32)
+        sa = tl.load(sa_rows + kb, mask=m_ok, other=0.0)
+        if BLOCK_N <= BLOCK_K:
+            return part, (sa * tl.load(sb_tile + kb))[:, None]
+        sb = tl.load(sb_rows + kb, mask=n_ok, other=0.0)
+        return part, sa[:, None] * sb[None, :]
 
     @triton.jit
     def _fp8_span(
@@ -45,10 +75,14 @@ if HAVE_TRITON:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         SPAN_BLOCKS: tl.constexpr,
+        LAG: tl.constexpr,
+        EVEN_K: tl.constexpr,
     ):  # fmt: skip
-        """The fp32 sum over K blocks [kb_lo, kb_hi) of one tile: each block's MMA from zero,
-        scaled, added in ascending order. SPAN_BLOCKS > 0: the running sum restarts at every span
-        of that many blocks and the span sums are added in order to a total (0 + p0 + p1 + ...)."""
+        """The fp32 sum over K blocks [kb_lo, kb_hi) of one tile (kb_lo < kb_hi): each block's MMA
+        from zero, scaled, added in ascending order. SPAN_BLOCKS > 0: the running sum restarts at
+        every span of that many blocks and the span sums are added in order to a total (0 + p0 +
+        p1 + ...). LAG: block kb's MMA is issued before block kb-1's promotion (the MMA can run
+        while the previous block is scaled and added); the same adds in the same order."""
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
@@ -58,22 +92,74 @@ if HAVE_TRITON:
         b_rows = b + offs_n[:, None].to(tl.int64) * stride_bn
         sa_rows = a_s + offs_m.to(tl.int64) * stride_asm
         sb_rows = b_s + (offs_n // BLOCK_K).to(tl.int64) * stride_bsn
+        sb_tile = b_s + ((pid_n * BLOCK_N) // BLOCK_K).to(tl.int64) * stride_bsn
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if SPAN_BLOCKS > 0:
             total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kb in range(kb_lo, kb_hi):
-            k0 = kb * BLOCK_K
-            k_ok = (k0 + offs_k) < K
-            x = tl.load(a_rows + (k0 + offs_k)[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(b_rows + (k0 + offs_k)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            part = tl.dot(x, tl.trans(w), out_dtype=tl.float32)
-            sa = tl.load(sa_rows + kb, mask=m_ok, other=0.0)
-            sb = tl.load(sb_rows + kb, mask=n_ok, other=0.0)
-            acc = acc + part * (sa[:, None] * sb[None, :])
+        if LAG:
+            part, scale = _fp8_block(
+                a_rows,
+                b_rows,
+                sa_rows,
+                sb_rows,
+                sb_tile,
+                m_ok,
+                n_ok,
+                offs_k,
+                K,
+                kb_lo,
+                BLOCK_N,
+                BLOCK_K,
+                EVEN_K,
+            )
+            for kb in range(kb_lo + 1, kb_hi):
+                nxt, nxt_scale = _fp8_block(
+                    a_rows,
+                    b_rows,
+                    sa_rows,
+                    sb_rows,
+                    sb_tile,
+                    m_ok,
+                    n_ok,
+                    offs_k,
+                    K,
+                    kb,
+                    BLOCK_N,
+                    BLOCK_K,
+                    EVEN_K,
+                )
+                acc = acc + part * scale  # block kb - 1
+                if SPAN_BLOCKS > 0:
+                    if kb % SPAN_BLOCKS == 0:
+                        total = total + acc
+                        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                part = nxt
+                scale = nxt_scale
+            acc = acc + part * scale  # block kb_hi - 1 ends the last span
             if SPAN_BLOCKS > 0:
-                if ((kb + 1) % SPAN_BLOCKS == 0) | (kb + 1 >= kb_hi):
-                    total = total + acc
-                    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                total = total + acc
+        else:
+            for kb in range(kb_lo, kb_hi):
+                part, scale = _fp8_block(
+                    a_rows,
+                    b_rows,
+                    sa_rows,
+                    sb_rows,
+                    sb_tile,
+                    m_ok,
+                    n_ok,
+                    offs_k,
+                    K,
+                    kb,
+                    BLOCK_N,
+                    BLOCK_K,
+                    EVEN_K,
+                )
+                acc = acc + part * scale
+                if SPAN_BLOCKS > 0:
+                    if ((kb + 1) % SPAN_BLOCKS == 0) | (kb + 1 >= kb_hi):
+                        total = total + acc
+                        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if SPAN_BLOCKS > 0:
             return total
         return acc
@@ -102,6 +188,8 @@ if HAVE_TRITON:
         GROUP_M: tl.constexpr,
         SPAN_BLOCKS: tl.constexpr,
         SPLIT_GRID: tl.constexpr,
+        LAG: tl.constexpr,
+        EVEN_K: tl.constexpr,
     ):  # fmt: skip
         # Program (tile, span): tiles in grouped order (which program runs a tile, not its sums).
         tile = tl.program_id(0)
@@ -116,7 +204,7 @@ if HAVE_TRITON:
         if not SPLIT_GRID:
             acc = _fp8_span(
                 a, a_s, b, b_s, M, N, K, stride_am, stride_asm, stride_bn, stride_bsn, pid_m, pid_n, 0, kbs,
-                BLOCK_M, BLOCK_N, BLOCK_K, SPAN_BLOCKS,
+                BLOCK_M, BLOCK_N, BLOCK_K, SPAN_BLOCKS, LAG, EVEN_K,
             )  # fmt: skip
             _fp8_store(c, acc, bias_ptr, M, N, stride_cm, pid_m, pid_n, HAS_BIAS, BLOCK_M, BLOCK_N)
         else:
@@ -126,7 +214,7 @@ if HAVE_TRITON:
             lo = span * SPAN_BLOCKS
             acc = _fp8_span(
                 a, a_s, b, b_s, M, N, K, stride_am, stride_asm, stride_bn, stride_bsn, pid_m, pid_n,
-                lo, tl.minimum(lo + SPAN_BLOCKS, kbs), BLOCK_M, BLOCK_N, BLOCK_K, 0,
+                lo, tl.minimum(lo + SPAN_BLOCKS, kbs), BLOCK_M, BLOCK_N, BLOCK_K, 0, LAG, EVEN_K,
             )  # fmt: skip
             spans = tl.cdiv(kbs, SPAN_BLOCKS)
             tiles = num_m * num_n
@@ -148,9 +236,51 @@ if HAVE_TRITON:
 
 
 @dataclass(frozen=True)
+class Fp8Tile:
+    """How one call's output is laid on the GPU: the output tile, warps, stages, the grouped-M
+    program order and the lagged promotion (``lag``: block kb's MMA issued before block kb-1 is
+    promoted). None of it changes an element's arithmetic (the K order, the 128-K blocks and the
+    split are the weight's), so the tile may follow M; ``tests/kernels/test_fp8_tiles.py`` proves
+    on the GPU that every tile of :data:`TILE_CANDIDATES` gives the same bits."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    group_m: int = 8
+    lag: bool = False
+
+    def with_split(self, k_split: int) -> Fp8Config:
+        """This tile with a weight's fixed split-K: a full launch config."""
+        return Fp8Config(
+            self.block_m,
+            self.block_n,
+            self.num_warps,
+            self.num_stages,
+            k_split,
+            GROUP,
+            self.group_m,
+            self.lag,
+        )
+
+    @property
+    def source(self) -> str:
+        """The tile as Python source, for a :data:`TILE_TABLE` literal."""
+        extra = (f", group_m={self.group_m}" if self.group_m != 8 else "") + (
+            ", lag=True" if self.lag else ""
+        )
+        return f"Fp8Tile({self.block_m}, {self.block_n}, {self.num_warps}, {self.num_stages}{extra})"
+
+    @property
+    def tag(self) -> str:
+        """Short name, e.g. ``128x128w8s4g8L`` (``L``: lagged promotion)."""
+        return f"{self.block_m}x{self.block_n}w{self.num_warps}s{self.num_stages}g{self.group_m}{'L' if self.lag else ''}"
+
+
+@dataclass(frozen=True)
 class Fp8Config:
-    """The tile of one weight shape, fixed for every M. ``k_split``: K elements per span of the
-    fixed split-K (a multiple of 128; 0: one span)."""
+    """A full launch config: a tile and the weight's ``k_split`` (K elements per span of the fixed
+    split-K, a multiple of 128; 0: one span). The split sets the bits; the tile does not."""
 
     block_m: int = 64
     block_n: int = 128
@@ -158,19 +288,75 @@ class Fp8Config:
     num_stages: int = 4
     k_split: int = 0
     block_k: int = GROUP  # the promotion interval: one activation group, one weight block column
+    group_m: int = 8
+    lag: bool = False
+
+    @property
+    def tile(self) -> Fp8Tile:
+        return Fp8Tile(self.block_m, self.block_n, self.num_warps, self.num_stages, self.group_m, self.lag)
 
 
-#: A weight of fewer than SPLIT_MAX_TILES column tiles and at least SPLIT_MIN_BLOCKS 128-K blocks gets
-#: a fixed split-K, so a decode call still fills the device: spans = min(SPLIT_MAX_SPANS,
-#: ceil(SPLIT_TARGET / tiles), blocks // 4). A function of (N, K), never of M: the bits of every row
-#: are the weight's. (Fitted to a sweep on the H100: a split of a short K cost more than it gave.)
+#: A weight of fewer than SPLIT_MAX_TILES column tiles (of SPLIT_TILE_N) and at least
+#: SPLIT_MIN_BLOCKS 128-K blocks gets a fixed split-K, so a decode call still fills the device:
+#: spans = min(SPLIT_MAX_SPANS, ceil(SPLIT_TARGET / tiles), blocks // 4). A function of (N, K),
+#: never of M or of the tile a call runs: the bits of every row are the weight's. (Fitted to a
+#: sweep on the H100: a split of a short K cost more than it gave.)
 SPLIT_TARGET = 132
 SPLIT_MAX_TILES = 96
 SPLIT_MIN_BLOCKS = 16
 SPLIT_MAX_SPANS = 8
+SPLIT_TILE_N = 64
 #: The split grid (spans as programs) serves calls of at most this many rows; larger ones sum the
 #: spans in turn in one program (the same adds).
 SPLIT_GRID_MAX_M = 128
+
+#: Every tile the policy may pick (the GPU test proves they all give the same bits; the sweep
+#: ``bench/kernels.py --only fp8_tune`` times them). Block M >= 64: Hopper's warpgroup MMA.
+TILE_CANDIDATES: tuple[Fp8Tile, ...] = (
+    Fp8Tile(64, 64, 4, 4),
+    Fp8Tile(64, 128, 4, 4),
+    Fp8Tile(64, 128, 4, 3),
+    Fp8Tile(128, 64, 8, 4),
+    Fp8Tile(128, 128, 8, 3),
+    Fp8Tile(128, 128, 8, 4),
+    Fp8Tile(128, 256, 8, 3),
+    Fp8Tile(64, 128, 4, 4, lag=True),
+    Fp8Tile(128, 128, 8, 4, lag=True),
+)
+
+#: The tile policy, one data structure: ``(max_m, tiles)`` rows in ascending ``max_m`` (the last
+#: row's ``max_m`` is 0: every larger M). A call of M rows takes the first row with ``M <= max_m``;
+#: within it the first tile whose grid fills the device (programs >= SMs, the split grid's spans
+#: counted), else the row's last tile. Hopper defaults: 64x64 at decode sizes (the fastest single
+#: tile there in the H100 sweep), wider and 8-warp tiles as M grows. ``fp8_tune`` prints a
+#: measured replacement; :func:`set_tile_table` installs one at run time.
+TILE_TABLE: tuple[tuple[int, tuple[Fp8Tile, ...]], ...] = (
+    (64, (Fp8Tile(64, 64, 4, 4),)),
+    (256, (Fp8Tile(64, 128, 4, 4), Fp8Tile(64, 64, 4, 4))),
+    (0, (Fp8Tile(128, 128, 8, 4), Fp8Tile(64, 128, 4, 4), Fp8Tile(64, 64, 4, 4))),
+)
+
+
+def set_tile_table(
+    table: tuple[tuple[int, tuple[Fp8Tile, ...]], ...],
+) -> tuple[tuple[int, tuple[Fp8Tile, ...]], ...]:
+    """Install a tile policy (the layout of :data:`TILE_TABLE`); returns the previous one. Every
+    tile must be one of :data:`TILE_CANDIDATES` (the tiles whose bits the GPU test proves equal)."""
+    global TILE_TABLE
+    if not table or table[-1][0] != 0:
+        raise ValueError("tile table: the last row's max_m must be 0 (every larger M)")
+    bounds = [row[0] for row in table[:-1]]
+    if any(b <= 0 for b in bounds) or bounds != sorted(set(bounds)):
+        raise ValueError(f"tile table: max_m must ascend and be positive, got {bounds}")
+    for max_m, tiles in table:
+        if not tiles:
+            raise ValueError(f"tile table: the row max_m={max_m} has no tile")
+        for t in tiles:
+            if t not in TILE_CANDIDATES:
+                raise ValueError(f"tile table: {t} (row max_m={max_m}) is not in TILE_CANDIDATES")
+    prev, TILE_TABLE = TILE_TABLE, tuple((m, tuple(ts)) for m, ts in table)
+    plan.cache_clear()
+    return prev
 
 
 def split_enabled() -> bool:
@@ -180,26 +366,35 @@ def split_enabled() -> bool:
 
 
 @cache
-def fp8_config(n: int, k: int, capability: tuple[int, int] | None = None) -> Fp8Config:
-    """The tile of an (n, k) weight: 64x64, 4 warps, 4 stages, pointer loads (on the H100 the
-    fastest single tile at decode sizes, where a rollout spends its time), plus the fixed split-K
-    above. Depends on (n, k, capability) only; under the interpreter the same shape."""
-    block_m, block_n = 64, 64
-    tiles = cdiv(n, block_n)
+def weight_split(n: int, k: int) -> int:
+    """The fixed split-K of an (n, k) weight: K elements per span (0: one span). Sets the bits."""
+    tiles = cdiv(n, SPLIT_TILE_N)
     kbs = cdiv(k, GROUP)
-    span = 0
     if split_enabled() and tiles < SPLIT_MAX_TILES and kbs >= SPLIT_MIN_BLOCKS:
         spans = min(SPLIT_MAX_SPANS, cdiv(SPLIT_TARGET, tiles), kbs // 4)
         if spans > 1:
-            span = cdiv(kbs, spans) * GROUP
-    return Fp8Config(block_m, block_n, 4, 4, span)
+            return cdiv(kbs, spans) * GROUP
+    return 0
 
 
-@cache
-def _device_traits(device: torch.device) -> tuple[int, int] | None:
-    if device.type != "cuda":
-        return None
-    return torch.cuda.get_device_capability(device)
+def fp8_config(n: int, k: int, capability: tuple[int, int] | None = None) -> Fp8Config:
+    """The (n, k) weight's split-K with the policy's decode tile (the first tile of
+    :data:`TILE_TABLE`'s first row). Larger calls take other tiles (:func:`pick_tile`), never
+    other bits."""
+    return TILE_TABLE[0][1][0].with_split(weight_split(n, k))
+
+
+def pick_tile(m: int, n: int, k: int, sms: int, table: tuple | None = None) -> Fp8Tile:
+    """The tile of an (m, n, k) call under ``table`` (default :data:`TILE_TABLE`): the M row, then
+    its first tile whose programs fill ``sms`` multiprocessors, else the row's last tile."""
+    table = table or TILE_TABLE
+    row = next((tiles for max_m, tiles in table if max_m == 0 or m <= max_m), table[-1][1])
+    split = weight_split(n, k)
+    spans = cdiv(cdiv(k, GROUP), split // GROUP) if split and m <= SPLIT_GRID_MAX_M else 1
+    for t in row:
+        if cdiv(m, t.block_m) * cdiv(n, t.block_n) * spans >= sms:
+            return t
+    return row[-1]
 
 
 class _Plan(tuple):
@@ -217,9 +412,10 @@ class _Plan(tuple):
 
 @lru_cache(maxsize=8192)
 def plan(m: int, n: int, k: int, has_bias: bool, device: torch.device, config: Fp8Config | None) -> _Plan:
-    """The launch of one (m, n, k) call: the weight's tile; the split spans as programs for at
-    most :data:`SPLIT_GRID_MAX_M` rows, else summed in turn (the same adds, the same bits)."""
-    cfg = config or fp8_config(n, k, _device_traits(device))
+    """The launch of one (m, n, k) call: ``config`` if given, else the weight's split with the
+    policy's tile for M (:func:`pick_tile`); the split spans as programs for at most
+    :data:`SPLIT_GRID_MAX_M` rows, else summed in turn (the same adds, the same bits)."""
+    cfg = config or pick_tile(m, n, k, _device_traits(device)[1]).with_split(weight_split(n, k))
     tiles = cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n)
     span_blocks = cfg.k_split // GROUP if cfg.k_split else 0
     spans = cdiv(cdiv(k, GROUP), span_blocks) if span_blocks else 1
@@ -229,9 +425,11 @@ def plan(m: int, n: int, k: int, has_bias: bool, device: torch.device, config: F
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=GROUP,
-        GROUP_M=8,
+        GROUP_M=cfg.group_m,
         SPAN_BLOCKS=span_blocks if spans > 1 else 0,
         SPLIT_GRID=split_grid,
+        LAG=cfg.lag and k > 0,
+        EVEN_K=k % GROUP == 0,
     )
     scratch = (spans * tiles * cfg.block_m * cfg.block_n, tiles) if split_grid else None
     grid = (tiles, spans if split_grid else 1, 1)
@@ -257,7 +455,7 @@ def w8a8_reference(
     m, k = xq.shape
     n = wq.shape[0]
     if k_split is None:
-        k_split = fp8_config(n, k, _device_traits(wq.device)).k_split
+        k_split = weight_split(n, k)
     xf, wf = xq.double(), wq.double()
     ws_cols = ws.repeat_interleave(GROUP, dim=0)[:n]  # (N, KB)
     total = torch.zeros(m, n, dtype=torch.float32, device=xq.device)
@@ -471,14 +669,19 @@ def fp8_linear(
 
 __all__ = [
     "FP8",
+    "TILE_CANDIDATES",
+    "TILE_TABLE",
     "Fp8Config",
+    "Fp8Tile",
     "Fp8Weight",
     "fp8_config",
     "fp8_linear",
     "fp8_weight",
+    "pick_tile",
     "plan",
     "refresh_fp8_weights",
     "set_act_scaling",
+    "set_tile_table",
     "w8a8_gemm",
     "w8a8_reference",
 ]
