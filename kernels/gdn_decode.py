@@ -124,7 +124,9 @@ if HAVE_TRITON:
     def _chunk_rows(buf_ptr, row, ok, cols, cok, NC: tl.constexpr):
         """Rows ``row`` (int64 row indices of a (rows, NC) buffer of the open chunks) where ``ok``,
         columns ``cols`` where ``cok``; zero elsewhere."""
-        return tl.load(buf_ptr + row[:, None] * NC + cols[None, :], mask=ok[:, None] & cok[None, :], other=0.0)
+        return tl.load(
+            buf_ptr + row[:, None] * NC + cols[None, :], mask=ok[:, None] & cok[None, :], other=0.0
+        )
 
     @triton.jit
     def _slab_vnew(
@@ -244,9 +246,13 @@ if HAVE_TRITON:
         vok = vv < DV
         # The token in the buffers' dtype (as its store into the open chunk rounds it, which the
         # later steps read); this step takes it from registers.
-        q_t = tl.load(q_ptr + bi * stride_qb + h * stride_qh + kd, mask=kok, other=0.0).to(qb_ptr.dtype.element_ty)
+        q_t = tl.load(q_ptr + bi * stride_qb + h * stride_qh + kd, mask=kok, other=0.0).to(
+            qb_ptr.dtype.element_ty
+        )
         k_t = tl.load(k_ptr + bi * stride_kb + h * stride_kh + kd, mask=kok, other=0.0).to(dt)
-        v_t = tl.load(v_ptr + bi * stride_vb + h * stride_vh + vv, mask=vok, other=0.0).to(vb_ptr.dtype.element_ty)
+        v_t = tl.load(v_ptr + bi * stride_vb + h * stride_vh + vv, mask=vok, other=0.0).to(
+            vb_ptr.dtype.element_ty
+        )
         g_t = tl.load(g_ptr + bi * stride_gb + h).to(gb_ptr.dtype.element_ty)
         b_t = tl.load(b_ptr + bi * stride_bb + h).to(bb_ptr.dtype.element_ty)
         irow = ((slot * C + i) * H + h).to(tl.int64)
