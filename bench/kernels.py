@@ -968,54 +968,114 @@ def _with_slack(x: torch.Tensor, slack_bytes: int = 1 << 20) -> torch.Tensor:
     return buf[: x.numel()].view(x.shape).copy_(x)
 
 
-def bench_fla_decode() -> None:
-    """CPR GDN decode per token against fla's ``fused_recurrent_gated_delta_rule`` one step at a
-    time (its inputs made contiguous outside the timed loop). Run last: on the H200 fla's step
-    hit illegal memory accesses at B=64 in some processes and not others (where its tensors end a
-    CUDA allocation, it seems), which ends the process; its tensors get slack after them."""
+def _fla_step():
+    """fla's ``fused_recurrent_gated_delta_rule``, or None (printed) where fla does not import."""
     try:
         from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
     except Exception as exc:  # noqa: BLE001
         print(f"[{TIMING}] fla not importable: {exc!r}", flush=True)
+        return None
+    return fused_recurrent_gated_delta_rule
+
+
+def _fla_decode_calls(fla_step, b: int, h: int, d: int, steps: int = 16) -> list:
+    """fla's decode steps at batch ``b``, one call a token, its inputs made contiguous (with slack
+    after each: on the H200 fla's step hit illegal memory accesses at B=64 in some processes and
+    not others, where its tensors end a CUDA allocation, it seems) outside the timed calls."""
+    xs, _ = _gdn_inputs(b, steps, h, d)
+    xs = [x.view(b, steps, *x.shape[1:]) for x in xs]
+    per_step = [[_with_slack(x[:, s_ : s_ + 1]) for x in xs] for s_ in range(steps)]
+    state = _with_slack(torch.zeros(b, h, d, d, device="cuda"))
+    return [
+        lambda q_=q_, k_=k_, v_=v_, g_=g_, b_=b_: fla_step(
+            q_, k_, v_, g_, b_, scale=1.0, initial_state=state, output_final_state=True
+        )
+        for q_, k_, v_, g_, b_ in per_step
+    ]
+
+
+def _ours_decode_calls(b: int, h: int, d: int, launch=None, steps: int = 16) -> list:
+    """CPR GDN decode steps at batch ``b``, one call a token (``launch``: the table's unless
+    given); replays walk the open chunk through all its rows and boundaries."""
+    xs, _ = _gdn_inputs(b, steps, h, d)
+    xs = [x.view(b, steps, *x.shape[1:]) for x in xs]
+    slots = torch.arange(b, device="cuda")
+    cache = G.GDNCache.empty(b, h, d, d, torch.bfloat16, torch.device("cuda"))
+    return [
+        lambda s_=s_: GD.gdn_decode_step(*(x[:, s_] for x in xs), slots, cache, launch=launch)
+        for s_ in range(steps)
+    ]
+
+
+def bench_fla_decode() -> None:
+    """CPR GDN decode per token (the table's launch) against fla's
+    ``fused_recurrent_gated_delta_rule`` one step at a time, the two measured alike
+    (:func:`bench_pair`). Run last: fla's step once ended the process with an illegal memory
+    access (:func:`_fla_decode_calls`)."""
+    fla_step = _fla_step()
+    if fla_step is None:
         return
     h, d = 16, 128
     with torch.no_grad():
         for b in (1, 16, 64):
-            steps = 16
-            xs, _ = _gdn_inputs(b, steps, h, d)
-            xs = [x.view(b, steps, *x.shape[1:]) for x in xs]
-            per_step = [[_with_slack(x[:, s_ : s_ + 1]) for x in xs] for s_ in range(steps)]
-            slots = torch.arange(b, device="cuda")
-            cache = G.GDNCache.empty(b, h, d, d, torch.bfloat16, torch.device("cuda"))
-            state = _with_slack(torch.zeros(b, h, d, d, device="cuda"))
+            ours = _ours_decode_calls(b, h, d)
+            native, mine = bench_pair(_fla_decode_calls(fla_step, b, h, d), ours)
+            record("cpr-gdn decode vs fla (per token)", f"B={b} H={h} dk=dv={d}", native, mine, 1.2)
 
-            def fla_dec() -> None:
-                for q_, k_, v_, g_, b_ in per_step:
-                    fused_recurrent_gated_delta_rule(
-                        q_, k_, v_, g_, b_, scale=1.0, initial_state=state, output_final_state=True
-                    )
 
-            def ours_dec() -> None:
-                for s_ in range(steps):
-                    GD.gdn_decode_step(*(x[:, s_] for x in xs), slots, cache)
+def _decode_bits_equal_chunk(b: int, h: int, d: int, launch, steps: int = 70) -> bool:
+    """``steps`` decode steps of ``b`` sequences from an empty cache under ``launch`` (across a
+    chunk boundary) against the chunk form on the same tokens, bit for bit."""
+    xs, cu = _gdn_inputs(b, steps, h, d)
+    want = G.gdn_chunk(*xs, cu)[0]
+    seq = [x.view(b, steps, *x.shape[1:]) for x in xs]
+    slots = torch.arange(b, device="cuda", dtype=torch.int32)
+    cache = G.GDNCache.empty(b, h, d, d, torch.bfloat16, torch.device("cuda"))
+    got = torch.stack(
+        [GD.gdn_decode_step(*(x[:, s_] for x in seq), slots, cache, launch=launch) for s_ in range(steps)], 1
+    )
+    return bool(torch.equal(got.reshape(want.shape).view(torch.int32), want.view(torch.int32)))
 
-            ours = bench(ours_dec) / steps  # first: fla's step once hit an illegal memory access
-            native = bench(fla_dec) / steps
-            record(
-                "cpr-gdn decode vs fla (per token)",
-                f"B={b} H={h} dk=dv={d}",
-                native,
-                ours,
-                1.3,
-            )
-            base = G.CONFIG
-            for warps in sorted({2, 4, 8} - {base.decode_warps}):  # they change no bit (test_gdn.py)
-                G.CONFIG = dataclasses.replace(base, decode_warps=warps)
+
+def bench_fla_decode_tune() -> None:
+    """Every candidate decode launch (``gdn_decode.DECODE_CANDIDATES``) at B = 1, 4, 16, 64: its
+    bits against the chunk form's (70 steps from an empty cache, then 16 more per timing) and its
+    time per token; then, after all of ours (fla's step once ended the process), fla's step
+    against the best candidate and against the table's launch, each pair measured alike
+    (:func:`bench_pair`). Judged under graph timing, as a captured decode step runs."""
+    h, d = 16, 128
+    batches = (1, 4, 16, 64)
+    ours: dict[int, dict] = {}
+    with torch.no_grad():
+        for b in batches:
+            ours[b] = {}
+            for launch in GD.DECODE_CANDIDATES:
                 try:
-                    ms = bench(ours_dec) / steps
-                finally:
-                    G.CONFIG = base
-                record(f"cpr-gdn decode vs fla, {warps} warps", f"B={b} H={h} dk=dv={d}", native, ms, 1.3)
+                    same = _decode_bits_equal_chunk(b, h, d, launch)
+                    ms = bench_calls(_ours_decode_calls(b, h, d, launch))
+                except Exception as exc:  # noqa: BLE001 - a launch the compiler refuses
+                    print(f"[{TIMING}] gdn decode tune B={b} {launch}: failed: {exc!r}"[:300], flush=True)
+                    continue
+                print(f"[{TIMING}] gdn decode tune B={b} {launch}: {ms * 1e3:8.2f} us/token, "
+                      f"bits equal to the chunk form: {same}", flush=True)  # fmt: skip
+                if same:
+                    ours[b][launch] = ms
+        fla_step = _fla_step()
+        if fla_step is None:
+            return
+        for b in batches:
+            if not ours[b]:
+                continue
+            best = min(ours[b], key=ours[b].get)
+            table = GD.decode_launch(b)
+            for name, launch in (("best", best), ("table", table)):
+                native, mine = bench_pair(
+                    _fla_decode_calls(fla_step, b, h, d), _ours_decode_calls(b, h, d, launch)
+                )
+                record(f"cpr-gdn decode vs fla, {name} {launch.bv}/{launch.warps}/{launch.stages}",
+                       f"B={b} H={h} dk=dv={d}", native, mine, 1.2)  # fmt: skip
+                if best == table:
+                    break
 
 
 def bench_tree() -> None:

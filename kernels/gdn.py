@@ -57,7 +57,8 @@ CHUNK = 64
 
 @dataclass(frozen=True)
 class GDNConfig:
-    """Launch parameters: the warps and the column blocks (the N side of the dots). A dot's
+    """Launch parameters of the chunk kernels (the decode step's: :mod:`isoaudit.kernels.gdn_decode`):
+    the warps and the column blocks (the N side of the dots). A dot's
     element is the same chain over K whatever the N tile, so none of them changes a bit
     (``test_launch_config_changes_no_bit_gpu``); the K sides and the chunk are fixed."""
 
@@ -67,7 +68,6 @@ class GDNConfig:
     state_bv: int = 32  # dv block of the state kernel (one program per sequence, head and block)
     out_warps: int = 4
     out_bv: int = 64  # dv block of the output kernel
-    decode_warps: int = 4  # :mod:`isoaudit.kernels.gdn_decode`'s one program per (sequence, head)
 
 
 CONFIG = GDNConfig()

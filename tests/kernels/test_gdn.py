@@ -191,9 +191,7 @@ def test_launch_config_changes_no_bit_gpu(monkeypatch: pytest.MonkeyPatch) -> No
     x = _inputs(sum(lens), 4, 128, 128, "cuda", torch.bfloat16)
     cu = torch.tensor([0, lens[0], sum(lens)], dtype=torch.int32, device="cuda")
     base, _ = gdn_chunk(*x, cu, impl="triton")
-    other = GDNConfig(
-        prep_warps=8, prep_nb=128, state_warps=2, state_bv=16, out_warps=8, out_bv=128, decode_warps=2
-    )
+    other = GDNConfig(prep_warps=8, prep_nb=128, state_warps=2, state_bv=16, out_warps=8, out_bv=128)
     monkeypatch.setattr(gdn_mod, "CONFIG", other)
     assert bits_equal(gdn_chunk(*x, cu, impl="triton")[0], base)
     assert bits_equal(_decode(x, lens, 65, "cuda", True, 64), base)
