@@ -200,7 +200,8 @@ def stored_step(store: Store, run_id: str, pairs, prints) -> None:
         store.ingest([p.model_copy(update={"run_id": run_id}) for p in [*trainer_prints, *rollout_prints]])
 
 
-#: The worker's database calls, timed inside its pass: what it does beside the arithmetic.
+#: The worker's database calls, timed inside its pass: what it does beside the arithmetic (the save
+#: includes the dashboard's summary, computed inside its transaction).
 DATABASE_CALLS = ("claim_steps", "samples_of_steps", "fingerprints_of_steps", "save_outcomes")
 
 
