@@ -52,13 +52,17 @@ from ._triton import (
     triton,
     use_triton,
 )
+from .gemm import _ensure_allocator
 
 LOG2E = 1.4426950408889634
 
 
 class AttnConfig(NamedTuple):
-    """Launch shape. ``split`` and ``block_n`` define the arithmetic and are fixed; the rest only
-    decide how the work is laid on the GPU (prefill: block_m/warps/stages; decode: dec_*)."""
+    """Launch shape, one row of the tuning table per phase. ``split`` and ``block_n`` define the
+    forward's arithmetic (one pair for prefill, chunked prefill and decode alike); the rest only
+    decides how the work is laid on the GPU: prefill (block_m, warps, stages; ``tma``: K/V tiles
+    through TMA descriptors; ``ws``: warp-specialised key loop), decode (``dec_*``). The backward's
+    query and key tiles (``bwd_*``) fix the gradients' summation order; its warps and stages do not."""
 
     block_m: int = 128
     block_n: int = 128
@@ -68,6 +72,15 @@ class AttnConfig(NamedTuple):
     dec_block_m: int = 64
     dec_warps: int = 4
     dec_stages: int = 3
+    tma: bool = False
+    ws: bool = False
+    dec_tma: bool = False
+    bwd_dq_m: int = 64
+    bwd_dq_n: int = 64
+    bwd_dkv_m: int = 64
+    bwd_dkv_n: int = 64
+    bwd_warps: int = 4
+    bwd_stages: int = 3
 
 
 CONFIG = AttnConfig()
@@ -110,15 +123,30 @@ if HAVE_TRITON:
         return x
 
     @triton.jit
+    def _kv_tile(
+        src, off, stride_t, n0, cols, kv_len, dok,
+        MASKED: tl.constexpr, EVEN_D: tl.constexpr, TMA: tl.constexpr,
+    ):  # fmt: skip
+        """The K or V tile at key ``n0``: through the TMA descriptor ``src`` (its extent is the
+        cached length and the head size, so rows past ``kv_len`` and columns past D load as zeros,
+        as the masked pointer loads give), else by pointers from the base ``src``."""
+        if TMA:
+            x = src.load([n0, 0])
+        else:
+            x = _load_tile(src + tl.cast(n0, tl.int64) * stride_t, off, cols, kv_len, dok, MASKED, EVEN_D)
+        return x
+
+    @triton.jit
     def _tile(
         q, k_base, v_base, k_off, v_off, stride_kt, stride_vt, n0, dok, pos, kv_len, m_i, l_i, acc, c,
         BLOCK_N: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr, PRECISION: tl.constexpr,
+        TMA: tl.constexpr,
     ):  # fmt: skip
         """One online-softmax step over keys [n0, n0 + BLOCK_N); scores stay unscaled (``c`` folds
-        the softmax scale and log2 e into the exponent's fma)."""
+        the softmax scale and log2 e into the exponent's fma). ``k_base``/``v_base``: descriptors
+        with TMA, else pointers. How a tile is loaded changes no bit."""
         cols = n0 + tl.arange(0, BLOCK_N)
-        n0_64 = tl.cast(n0, tl.int64)
-        k = _load_tile(k_base + n0_64 * stride_kt, k_off, cols, kv_len, dok, MASKED, EVEN_D)
+        k = _kv_tile(k_base, k_off, stride_kt, n0, cols, kv_len, dok, MASKED, EVEN_D, TMA)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         if MASKED:
             s = tl.where(cols[None, :] <= pos[:, None], s, float("-inf"))
@@ -126,7 +154,7 @@ if HAVE_TRITON:
         alpha = tl.exp2((m_i - m_new) * c)
         p = tl.exp2(tl.fma(s, c, -(m_new * c)[:, None]))
         l_i = tl.fma(l_i, alpha, tl.sum(p, 1))
-        v = _load_tile(v_base + n0_64 * stride_vt, v_off, cols, kv_len, dok, MASKED, EVEN_D)
+        v = _kv_tile(v_base, v_off, stride_vt, n0, cols, kv_len, dok, MASKED, EVEN_D, TMA)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
         return m_new, l_i, acc
 
@@ -134,21 +162,21 @@ if HAVE_TRITON:
     def _split(
         q, k_base, v_base, k_off, v_off, stride_kt, stride_vt, lo, hi, full, dok, pos, kv_len, c,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
-        PRECISION: tl.constexpr,
+        PRECISION: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
     ):  # fmt: skip
         """Fresh online softmax over the tiles of [lo, hi); tiles below ``full`` are visible to
         every row and cached, so they skip the masks (a mask that selects everything is exact)."""
         m, den, acc = _fresh(BLOCK_M, BLOCK_D)
         mid = lo + (tl.maximum(tl.minimum(full, hi) - lo, 0) // BLOCK_N) * BLOCK_N
-        for n0 in range(lo, mid, BLOCK_N):
+        for n0 in tl.range(lo, mid, BLOCK_N, warp_specialize=WS):
             m, den, acc = _tile(
                 q, k_base, v_base, k_off, v_off, stride_kt, stride_vt, n0, dok, pos, kv_len, m, den, acc, c,
-                BLOCK_N, False, EVEN_D, PRECISION,
+                BLOCK_N, False, EVEN_D, PRECISION, TMA,
             )  # fmt: skip
         for n0 in range(mid, hi, BLOCK_N):
             m, den, acc = _tile(
                 q, k_base, v_base, k_off, v_off, stride_kt, stride_vt, n0, dok, pos, kv_len, m, den, acc, c,
-                BLOCK_N, True, EVEN_D, PRECISION,
+                BLOCK_N, True, EVEN_D, PRECISION, TMA,
             )  # fmt: skip
         return m, den, acc
 
@@ -212,7 +240,7 @@ if HAVE_TRITON:
         G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, BLOCK_B: tl.constexpr, SPLIT_KV: tl.constexpr,
         HAS_SLOTS: tl.constexpr, ONE_SPLIT: tl.constexpr, FUSED_COMBINE: tl.constexpr,
-        PRECISION: tl.constexpr,
+        PRECISION: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
     ):  # fmt: skip
         """Prefill (SPLIT_KV=False): all splits, merged in registers, output stored (ONE_SPLIT: the
         cache holds at most one split). Split-KV: only split ``program_id(2)``, its fp32 partials
@@ -250,12 +278,17 @@ if HAVE_TRITON:
             full = tl.minimum(pos0 + qb * TOK + 1, kv_len)
             k_base = k_ptr + slot * stride_ks + hk * stride_kh
             v_base = v_ptr + slot * stride_vs + hk * stride_vh
+            if TMA:
+                # One descriptor per program over its (sequence, KV head)'s cached keys: loads
+                # past the cached length or the head size are zeros, no mask needed.
+                k_base = tl.make_tensor_descriptor(k_base, [kv_len, D], [stride_kt, 1], [BLOCK_N, BLOCK_D])
+                v_base = tl.make_tensor_descriptor(v_base, [kv_len, D], [stride_vt, 1], [BLOCK_N, BLOCK_D])
             k_off = tl.arange(0, BLOCK_N)[:, None] * stride_kt + d[None, :]
             v_off = tl.arange(0, BLOCK_N)[:, None] * stride_vt + d[None, :]
             if SPLIT_KV:
                 m, den, acc = _split(
                     q, k_base, v_base, k_off, v_off, stride_kt, stride_vt, lo, tl.minimum(lo + SPLIT, pmax + 1),
-                    full, dok, pos, kv_len, c, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_D, PRECISION,
+                    full, dok, pos, kv_len, c, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_D, PRECISION, TMA, WS,
                 )  # fmt: skip
                 prow0 = ((q_start + tok) * HQ + hq).to(tl.int64) * NSPLIT
                 prow = prow0 + tl.program_id(2)
@@ -281,7 +314,7 @@ if HAVE_TRITON:
                 # needs registers.
                 m, den, acc = _split(
                     q, k_base, v_base, k_off, v_off, stride_kt, stride_vt, 0, pmax + 1,
-                    full, dok, pos, kv_len, c, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_D, PRECISION,
+                    full, dok, pos, kv_len, c, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_D, PRECISION, TMA, WS,
                 )  # fmt: skip
                 _store_rows(o_ptr, acc, den, q_start + tok, hq, d, row_ok, stride_ot, stride_oh)
             else:
@@ -290,10 +323,10 @@ if HAVE_TRITON:
                 m_run, l_run, acc_run = _fresh(BLOCK_M, BLOCK_D)
                 m, den, acc = _fresh(BLOCK_M, BLOCK_D)
                 mid = (full // BLOCK_N) * BLOCK_N
-                for n0 in range(0, mid, BLOCK_N):
+                for n0 in tl.range(0, mid, BLOCK_N, warp_specialize=WS):
                     m, den, acc = _tile(
                         q, k_base, v_base, k_off, v_off, stride_kt, stride_vt, n0, dok, pos, kv_len, m, den, acc,
-                        c, BLOCK_N, False, EVEN_D, PRECISION,
+                        c, BLOCK_N, False, EVEN_D, PRECISION, TMA,
                     )  # fmt: skip
                     m_run, l_run, acc_run, m, den, acc = _after_tile(
                         m_run, l_run, acc_run, m, den, acc, n0 + BLOCK_N, pos, c, SPLIT, BLOCK_M, BLOCK_D
@@ -301,7 +334,7 @@ if HAVE_TRITON:
                 for n0 in range(mid, pmax + 1, BLOCK_N):
                     m, den, acc = _tile(
                         q, k_base, v_base, k_off, v_off, stride_kt, stride_vt, n0, dok, pos, kv_len, m, den, acc,
-                        c, BLOCK_N, True, EVEN_D, PRECISION,
+                        c, BLOCK_N, True, EVEN_D, PRECISION, TMA,
                     )  # fmt: skip
                     m_run, l_run, acc_run, m, den, acc = _after_tile(
                         m_run, l_run, acc_run, m, den, acc, n0 + BLOCK_N, pos, c, SPLIT, BLOCK_M, BLOCK_D
@@ -489,7 +522,10 @@ def attention(
     if b == 0 or t == 0:
         _check(q, k_cache, cfg)
         return out
-    plan = _plan(t, b, hq, k_cache.shape[2], d, k_cache.shape[1], q.dtype, cfg, _fuse_combine(q))
+    tma = (cfg.tma or cfg.dec_tma) and _tma_ok(k_cache, v_cache)
+    plan = _plan(t, b, hq, k_cache.shape[2], d, k_cache.shape[1], q.dtype, cfg, _fuse_combine(q), tma)
+    if plan.fwd_constexprs[0]["TMA"] and q.is_cuda:
+        _ensure_allocator()  # the kernel-built descriptors live in Triton's global scratch
     c = (scale if scale is not None else 1.0 / math.sqrt(d)) * LOG2E
     dev = q.device
     if plan.split_kv:
@@ -512,6 +548,15 @@ def attention(
         cargs = (out, pacc, pml, cu, pos0, c, b, plan.nsplit, hq, *out.stride()[:2])
         _LAUNCH_COMBINE(key, plan.grid[:2] + (1,), cargs, plan.common, num_warps=4)
     return out
+
+
+def _tma_ok(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether each (sequence, KV head)'s keys and values can be TMA descriptors: 16-byte aligned
+    bases and row strides (else the pointer loads serve, with the same bits)."""
+    return all(
+        t.data_ptr() % 16 == 0 and all(st * t.element_size() % 16 == 0 for st in t.stride()[:3])
+        for t in (k_cache, v_cache)
+    )
 
 
 def _i32(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -540,7 +585,16 @@ class _Plan:
 
 @lru_cache(maxsize=4096)
 def _plan(
-    t: int, b: int, hq: int, hkv: int, d: int, cache_len: int, dtype: torch.dtype, cfg: AttnConfig, fuse: bool
+    t: int,
+    b: int,
+    hq: int,
+    hkv: int,
+    d: int,
+    cache_len: int,
+    dtype: torch.dtype,
+    cfg: AttnConfig,
+    fuse: bool,
+    tma_ok: bool = False,
 ) -> _Plan:
     g = hq // hkv
     _check_heads(hq, hkv, cfg)
@@ -564,6 +618,8 @@ def _plan(
         SPLIT_KV=split_kv,
         ONE_SPLIT=nsplit == 1,
         FUSED_COMBINE=fused,
+        TMA=tma_ok and (cfg.dec_tma if decode_shaped else cfg.tma),
+        WS=cfg.ws and not decode_shaped,
     )
     return _Plan(
         split_kv, fused, nsplit, (hkv, blocks, nsplit if split_kv else 1), hkv * blocks,
@@ -703,19 +759,22 @@ if HAVE_TRITON:
 
 def _triton_uniform_backward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, grad: torch.Tensor,
-    lq: int, p0: int, n_kv: int, slots: torch.Tensor, scale: float,
+    lq: int, p0: int, n_kv: int, slots: torch.Tensor, scale: float, config: AttnConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """The uniform batch's gradients by two Triton kernels with a fixed order of accumulation (no
     atomics: each gradient element is one program's): dQ per query block, then dK/dV per key
     block. Probabilities are recomputed from the scores and the rows' log-sum-exp; products take
-    the model dtype's tensor cores with fp32 accumulation, as flash attention's backward does."""
+    the model dtype's tensor cores with fp32 accumulation, as flash attention's backward does.
+    Tiles from ``config`` (:data:`CONFIG`) on CUDA: the dQ kernel's key tile and the dK/dV
+    kernel's query tile fix the summation order; under the interpreter all tiles are 16."""
     b = slots.numel()
     hq, hkv, d = q.shape[1], k.shape[2], q.shape[2]
     g = hq // hkv
     q, grad, out = q.contiguous(), grad.contiguous().to(q.dtype), out.contiguous()
     assert k.stride(-1) == 1 and v.stride(-1) == 1
     dev = q.device
-    bm = 64 if q.is_cuda else 16
+    cfg = config or CONFIG
+    tiles = (cfg.bwd_dq_m, cfg.bwd_dq_n, cfg.bwd_dkv_m, cfg.bwd_dkv_n) if q.is_cuda else (16, 16, 16, 16)
     block_d = max(16, next_power_of_2(d))
     c = scale * LOG2E
     dq = torch.empty_like(q)
@@ -724,10 +783,10 @@ def _triton_uniform_backward(
     lse = torch.empty(b * hq * lq, dtype=torch.float32, device=dev)
     delta = torch.empty_like(lse)
     sl = slots.to(device=dev, dtype=torch.int32)
-    common = dict(G=g, D=d, BLOCK_D=block_d, BLOCK_M=bm, BLOCK_N=bm, PRECISION=dot_precision(q.dtype))
-    warps = 4
+    common = dict(G=g, D=d, BLOCK_D=block_d, PRECISION=dot_precision(q.dtype))
+    opts = dict(num_warps=cfg.bwd_warps, num_stages=cfg.bwd_stages) if q.is_cuda else dict(num_warps=4)
     strides = (*q.stride()[:2], *k.stride()[:3], *v.stride()[:3])
-    _bwd_dq_kernel[(cdiv(lq, bm), b * hq)](
+    _bwd_dq_kernel[(cdiv(lq, tiles[0]), b * hq)](
         q,
         k,
         v,
@@ -744,12 +803,14 @@ def _triton_uniform_backward(
         n_kv,
         hq,
         *strides,
+        BLOCK_M=tiles[0],
+        BLOCK_N=tiles[1],
         **common,
-        num_warps=warps,
+        **opts,
     )
-    _bwd_dkv_kernel[(cdiv(n_kv, bm), b * hkv)](
-        q, k, v, grad, dk, dv, lse, delta, sl, c, scale, lq, p0, n_kv, hq, hkv, *strides, **common,
-        num_warps=warps,
+    _bwd_dkv_kernel[(cdiv(n_kv, tiles[3]), b * hkv)](
+        q, k, v, grad, dk, dv, lse, delta, sl, c, scale, lq, p0, n_kv, hq, hkv, *strides,
+        BLOCK_M=tiles[2], BLOCK_N=tiles[3], **common, **opts,
     )  # fmt: skip
     return dq, dk, dv
 
