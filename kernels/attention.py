@@ -84,6 +84,48 @@ class AttnConfig(NamedTuple):
 
 
 CONFIG = AttnConfig()
+
+#: The tuning table: launch candidates per phase, each a set of :class:`AttnConfig` fields over
+#: :data:`CONFIG`. Prefill and decode candidates change no bit by design (asserted on the GPU by
+#: ``tests/kernels/test_attention_table.py``, timed against SDPA by ``bench/kernels.py --only
+#: attention_tune``). Backward candidates that keep ``bwd_dq_n`` and ``bwd_dkv_m`` keep the
+#: gradients' bits; the others state a new backward arithmetic.
+LAUNCH_CANDIDATES: dict[str, tuple[dict[str, int | bool], ...]] = {
+    "prefill": (
+        {},
+        dict(stages=3),
+        dict(stages=4),
+        dict(tma=True),
+        dict(tma=True, stages=3),
+        dict(tma=True, ws=True),
+        dict(tma=True, ws=True, stages=3),
+        dict(block_m=64, warps=4, stages=3),
+        dict(block_m=64, warps=4, stages=3, tma=True),
+        dict(block_m=128, warps=4, stages=3, tma=True),
+    ),
+    "decode": (
+        {},
+        dict(dec_stages=2),
+        dict(dec_stages=4),
+        dict(dec_tma=True),
+        dict(dec_tma=True, dec_stages=4),
+        dict(dec_block_m=16, dec_warps=1, dec_stages=3),
+        dict(dec_block_m=16, dec_warps=1, dec_stages=4, dec_tma=True),
+        dict(dec_block_m=32, dec_warps=2, dec_stages=3, dec_tma=True),
+    ),
+    "backward": (
+        {},
+        dict(bwd_stages=2),
+        dict(bwd_dq_m=128, bwd_dkv_n=128, bwd_warps=8, bwd_stages=2),
+        dict(bwd_dq_m=128, bwd_dkv_n=128, bwd_warps=8, bwd_stages=3),
+        dict(bwd_dkv_n=128, bwd_warps=8, bwd_stages=2),
+        dict(bwd_dq_m=128, bwd_dq_n=32, bwd_dkv_m=32, bwd_dkv_n=128, bwd_warps=8, bwd_stages=2),
+        dict(bwd_dq_m=128, bwd_dq_n=128, bwd_dkv_m=128, bwd_dkv_n=128, bwd_warps=8, bwd_stages=2),
+    ),
+}
+#: Arithmetic candidates (split, block_n): each a different stated forward arithmetic, applied
+#: alike to prefill, chunked prefill and decode.
+ARITHMETIC_CANDIDATES: tuple[tuple[int, int], ...] = ((1024, 128), (512, 128), (2048, 128), (1024, 64))
 # The split-KV path's fp32 partials are bounded to this many elements (else prefill's path serves).
 MAX_PARTIAL_ELEMS = 1 << 25
 
@@ -940,6 +982,38 @@ class _Attention(torch.autograd.Function):
             out = _math_attention(qd, kd, vd, cu_q, q_pos0, kv_len, slots, ctx.scale)
             gq, gk, gv = torch.autograd.grad(out, (qd, kd, vd), grad.float())
         return gq.to(q.dtype), gk.to(k.dtype), gv.to(v.dtype), None, None, None, None, None
+
+
+def attention_modes(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    chunks: list[int],
+    decode_at: list[int],
+    config: AttnConfig | None = None,
+) -> list[torch.Tensor]:
+    """The module's promise, made checkable: one sequence (queries ``q``, cache slot 0 of ``k``/``v``)
+    as a whole prefill, as chunked prefill for each chunk size, and decoded at the positions
+    ``decode_at`` in a batch beside another sequence of another length (in slot 1, listed first);
+    each result restricted to the rows ``decode_at``. Under one ``config`` all must be bitwise equal."""
+    n, dev = q.shape[0], q.device
+
+    def call(qq: torch.Tensor, kk: torch.Tensor, vv: torch.Tensor, *meta: list[int]) -> torch.Tensor:
+        cu, p0, kl, *sl = (torch.tensor(x, device=dev, dtype=torch.int32) for x in meta)
+        return attention(qq, kk, vv, cu, p0, kl, sl[0] if sl else None, config=config)
+
+    outs = [call(q, k, v, [0, n], [0], [n])]
+    for c in chunks:
+        parts = [call(q[s : s + c], k, v, [0, min(c, n - s)], [s], [min(s + c, n)]) for s in range(0, n, c)]
+        outs.append(torch.cat(parts))
+    other = torch.randn(3, *q.shape[1:], device=dev, dtype=q.dtype)
+    kk = torch.stack([k[0], torch.randn_like(k[0])])
+    vv = torch.stack([v[0], torch.randn_like(v[0])])
+    rows = [
+        call(torch.cat([other, q[p : p + 1]]), kk, vv, [0, 3, 4], [p % 7, p], [p % 7 + 3, p + 1], [1, 0])[3:]
+        for p in decode_at
+    ]
+    return [o[decode_at] for o in outs] + [torch.cat(rows)]
 
 
 def attention_autograd(
