@@ -30,7 +30,12 @@ CPU_CONFIG = AttnConfig(
 
 
 def _modes(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunks: list[int], cfg: AttnConfig, decode_at: list[int]
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    chunks: list[int],
+    cfg: AttnConfig,
+    decode_at: list[int],
 ) -> list[torch.Tensor]:
     return attention_modes(q, k, v, chunks, decode_at, cfg)
 
