@@ -458,11 +458,11 @@ def _fuse_combine(q: torch.Tensor) -> bool:
 def _check_heads(hq: int, hkv: int, cfg: AttnConfig) -> int:
     """The GQA group (query heads per KV head): any size that fits a query block. A block holds
     ``BLOCK_M // G`` whole tokens (its last ``BLOCK_M % G`` rows idle), so a row's arithmetic is
-    the same whatever the group."""
-    smallest = min(cfg.block_m, cfg.dec_block_m)
-    if hkv < 1 or hq % hkv or hq // hkv > smallest:
+    the same whatever the group. A group above the decode block takes the prefill block."""
+    largest = max(cfg.block_m, cfg.dec_block_m)
+    if hkv < 1 or hq % hkv or hq // hkv > largest:
         raise ValueError(
-            f"GQA group {hq}/{hkv}: query heads must be a multiple of KV heads, at most {smallest} per KV head"
+            f"GQA group {hq}/{hkv}: query heads must be a multiple of KV heads, at most {largest} per KV head"
         )
     if cfg.split % cfg.block_n:
         raise ValueError(f"split {cfg.split} must be a multiple of block_n {cfg.block_n}")
@@ -544,13 +544,13 @@ def attention(
     slots: torch.Tensor | None = None,
     scale: float | None = None,
     impl: str | None = None,
-    config: AttnConfig | tuple[int, ...] | None = None,
+    config: AttnConfig | None = None,
 ) -> torch.Tensor:
     """Invariant causal attention for packed queries against a KV cache (see the module doc).
     ``config`` overrides :data:`CONFIG` (tuning and tests only: every call that must agree in
     bits must use the same ``split`` and ``block_n``). No host synchronisation: the grid is sized
     from tensor shapes and each program finds its sequence on the device."""
-    cfg = AttnConfig(*config) if config is not None else CONFIG
+    cfg = config or CONFIG
     b = cu_q.numel() - 1
     if resolve(impl, q) == "torch":
         if slots is None:
@@ -642,14 +642,11 @@ def _plan(
     _check_heads(hq, hkv, cfg)
     block_d = max(16, next_power_of_2(d))
     nsplit = cdiv(cache_len, cfg.split)
-    dec_tok = cfg.dec_block_m // g
-    decode_shaped = t <= b * dec_tok and t * hq * nsplit * (block_d + 2) <= MAX_PARTIAL_ELEMS
+    pre = (cfg.block_m, cfg.warps, cfg.stages)
+    dec = (cfg.dec_block_m, cfg.dec_warps, cfg.dec_stages) if cfg.dec_block_m >= g else pre
+    decode_shaped = t <= b * (dec[0] // g) and t * hq * nsplit * (block_d + 2) <= MAX_PARTIAL_ELEMS
     split_kv = decode_shaped and nsplit > 1  # one split needs no partials: its state is the result
-    bm, warps, stages = (
-        (cfg.dec_block_m, cfg.dec_warps, cfg.dec_stages)
-        if decode_shaped
-        else (cfg.block_m, cfg.warps, cfg.stages)
-    )
+    bm, warps, stages = dec if decode_shaped else pre
     blocks = cdiv(t, bm // g) + b  # >= the sum over sequences of their query blocks
     fused = split_kv and fuse
     common = dict(G=g, D=d, BLOCK_D=block_d, BLOCK_M=bm, SPLIT=cfg.split, BLOCK_B=next_power_of_2(b + 1))

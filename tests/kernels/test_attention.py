@@ -151,7 +151,9 @@ def test_same_bits_gpu(merge_in_split_launch: bool) -> None:
     assert ((outs[0].float() - ref).norm() / ref.norm()).item() < 1e-2
 
 
-@pytest.mark.parametrize("hq_hkv", [(7, 1), (6, 2)])  # Qwen2.5-0.5B/7B's group of 7, 1.5B's of 6
+# Qwen2.5-0.5B/7B's group of 7, 1.5B's of 6; a group above the decode block (16) decodes on the
+# prefill block (32), one token a block.
+@pytest.mark.parametrize("hq_hkv", [(7, 1), (6, 2), (20, 1)])
 def test_any_gqa_group_cpu(dev: str, hq_hkv: tuple[int, int]) -> None:
     """A group that does not divide the block: whole tokens per block, the tail rows idle; every
     mode gives the same bits, and the reference's values."""
