@@ -62,7 +62,9 @@ class AttnConfig(NamedTuple):
     forward's arithmetic (one pair for prefill, chunked prefill and decode alike); the rest only
     decides how the work is laid on the GPU: prefill (block_m, warps, stages; ``tma``: K/V tiles
     through TMA descriptors; ``ws``: warp-specialised key loop), decode (``dec_*``). The backward's
-    query and key tiles (``bwd_*``) fix the gradients' summation order; its warps and stages do not."""
+    query and key tiles (``bwd_*``) fix the gradients' summation order; its warps and stages do not;
+    ``bwd_fused`` (dQ summed in the dK/dV kernel, in descending key-block order) states another
+    dQ arithmetic (dK and dV keep theirs)."""
 
     block_m: int = 128
     block_n: int = 128
@@ -81,6 +83,7 @@ class AttnConfig(NamedTuple):
     bwd_dkv_n: int = 64
     bwd_warps: int = 4
     bwd_stages: int = 3
+    bwd_fused: bool = False
 
 
 CONFIG = AttnConfig()
@@ -121,6 +124,9 @@ LAUNCH_CANDIDATES: dict[str, tuple[dict[str, int | bool], ...]] = {
         dict(bwd_dkv_n=128, bwd_warps=8, bwd_stages=2),
         dict(bwd_dq_m=128, bwd_dq_n=32, bwd_dkv_m=32, bwd_dkv_n=128, bwd_warps=8, bwd_stages=2),
         dict(bwd_dq_m=128, bwd_dq_n=128, bwd_dkv_m=128, bwd_dkv_n=128, bwd_warps=8, bwd_stages=2),
+        dict(bwd_fused=True),
+        dict(bwd_fused=True, bwd_dq_m=128, bwd_dkv_n=128, bwd_warps=8, bwd_stages=2),
+        dict(bwd_fused=True, bwd_dq_m=128, bwd_dkv_m=32, bwd_dkv_n=128, bwd_warps=8, bwd_stages=2),
     ),
 }
 #: Arithmetic candidates (split, block_n): each a different stated forward arithmetic, applied
@@ -693,11 +699,12 @@ if HAVE_TRITON:
         c, scale, lq, p0, n_kv, HQ,
         stride_qt, stride_qh, stride_ks, stride_kt, stride_kh, stride_vs, stride_vt, stride_vh,
         G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+        BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, LSE_ONLY: tl.constexpr,
     ):  # fmt: skip
         """One (query block, sequence x query head): the rows' base-2 log-sum-exp over their keys
         (a fresh online pass), then dQ = scale * sum_n dS K over the key tiles in ascending order;
-        also stores the rows' lse and delta = rowsum(dO * O) for the dK/dV kernel."""
+        also stores the rows' lse and delta = rowsum(dO * O) for the dK/dV kernel. LSE_ONLY: the
+        lse and delta alone (the dK/dV kernel then sums dQ)."""
         m0 = tl.program_id(0) * BLOCK_M
         bh = tl.program_id(1)
         bi = bh // HQ
@@ -731,7 +738,7 @@ if HAVE_TRITON:
             m_i = m_new
         lse = m_i + tl.log2(l_i)
         dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-        for n0 in range(0, hi, BLOCK_N):
+        for n0 in range(0, 0 if LSE_ONLY else hi, BLOCK_N):
             cols = n0 + tl.arange(0, BLOCK_N)
             kv_ok = (cols < n_kv)[:, None] & (d < D)[None, :]
             k = tl.load(k_base + cols[:, None].to(tl.int64) * stride_kt + d[None, :], mask=kv_ok, other=0.0)
@@ -742,22 +749,31 @@ if HAVE_TRITON:
             dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
             ds = p * (dp - delta[:, None])
             dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
-        tl.store(dq_ptr + qo, (dq * scale).to(dq_ptr.dtype.element_ty), mask=row_ok)
+        if not LSE_ONLY:
+            tl.store(dq_ptr + qo, (dq * scale).to(dq_ptr.dtype.element_ty), mask=row_ok)
         ml = (bi * HQ + hq).to(tl.int64) * lq + offs_m
         tl.store(lse_ptr + ml, lse, mask=qmask)
         tl.store(delta_ptr + ml, delta, mask=qmask)
 
     @jit()
     def _bwd_dkv_kernel(
-        q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, lse_ptr, delta_ptr, slot_ptr,
+        q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, lse_ptr, delta_ptr, slot_ptr, dqacc_ptr, turn_ptr,
         c, scale, lq, p0, n_kv, HQ, HKV,
         stride_qt, stride_qh, stride_ks, stride_kt, stride_kh, stride_vs, stride_vt, stride_vh,
         G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+        BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, FUSED_DQ: tl.constexpr,
     ):  # fmt: skip
         """One (key block, sequence x KV head): dV = sum P^T dO and dK = scale * sum dS^T Q over
-        the group's query heads in order, each over its query tiles in ascending order."""
-        n0 = tl.program_id(0) * BLOCK_N
+        the group's query heads in order, each over its query tiles in ascending order.
+
+        FUSED_DQ: also dS K, added into the fp32 ``dqacc`` in descending key-block order, whatever
+        the timing: each (sequence, query head, query tile) has a turn counter, and key block j
+        adds its part when the counter says every contributing block above j has added. Programs
+        run key blocks from the last down (block j is program ``nb - 1 - j``), so a block only
+        waits for programs launched before it, and the causal wavefront rarely waits at all."""
+        nb = tl.num_programs(0)
+        jb = nb - 1 - tl.program_id(0) if FUSED_DQ else tl.program_id(0)
+        n0 = jb * BLOCK_N
         bh = tl.program_id(1)
         bi = bh // HKV
         hk = bh % HKV
@@ -792,6 +808,19 @@ if HAVE_TRITON:
                 dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
                 ds = p * (dp - delta[:, None])
                 dk = tl.dot(tl.trans(ds.to(q.dtype)), q, dk, input_precision=PRECISION)
+                if FUSED_DQ:
+                    part = tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+                    # Blocks above jb that reach this tile (its last row's position bounds them).
+                    turn = tl.minimum(nb - 1, (p0 + tl.minimum(m0 + BLOCK_M, lq) - 1) // BLOCK_N) - jb
+                    cnt = turn_ptr + ((bi * HQ + hq) * tl.cdiv(lq, BLOCK_M) + m0 // BLOCK_M)
+                    while tl.atomic_cas(cnt, turn, turn, sem="acquire") != turn:
+                        pass
+                    tl.debug_barrier()
+                    acc_ptrs = dqacc_ptr + qo
+                    acc = tl.load(acc_ptrs, mask=row_ok, other=0.0, cache_modifier=".cg")
+                    tl.store(acc_ptrs, acc + part, mask=row_ok)
+                    tl.debug_barrier()  # every thread's store precedes the next block's turn
+                    tl.atomic_xchg(cnt, turn + 1, sem="release")
         tl.store(dk_ptr + ko, (dk * scale).to(dk_ptr.dtype.element_ty), mask=kv_ok)
         tl.store(dv_ptr + vo, dv.to(dv_ptr.dtype.element_ty), mask=kv_ok)
 
@@ -819,6 +848,7 @@ def _triton_uniform_backward(
     dq = torch.empty_like(q)
     dk = torch.zeros_like(k)
     dv = torch.zeros_like(v)
+    fused = cfg.bwd_fused
     lse = torch.empty(b * hq * lq, dtype=torch.float32, device=dev)
     delta = torch.empty_like(lse)
     sl = slots.to(device=dev, dtype=torch.int32)
@@ -844,13 +874,21 @@ def _triton_uniform_backward(
         *strides,
         BLOCK_M=tiles[0],
         BLOCK_N=tiles[1],
+        LSE_ONLY=fused,
         **common,
         **opts,
     )
+    if fused:
+        dqacc = torch.zeros(q.shape, dtype=torch.float32, device=dev)
+        turns = torch.zeros(b * hq * cdiv(lq, tiles[2]), dtype=torch.int32, device=dev)
+    else:
+        dqacc, turns = dq, sl  # unused
     _bwd_dkv_kernel[(cdiv(n_kv, tiles[3]), b * hkv)](
-        q, k, v, grad, dk, dv, lse, delta, sl, c, scale, lq, p0, n_kv, hq, hkv, *strides,
-        BLOCK_M=tiles[2], BLOCK_N=tiles[3], **common, **opts,
+        q, k, v, grad, dk, dv, lse, delta, sl, dqacc, turns, c, scale, lq, p0, n_kv, hq, hkv, *strides,
+        BLOCK_M=tiles[2], BLOCK_N=tiles[3], FUSED_DQ=fused, **common, **opts,
     )  # fmt: skip
+    if fused:
+        dq = (dqacc * scale).to(q.dtype)
     return dq, dk, dv
 
 

@@ -234,7 +234,8 @@ def test_backward_matches_autograd(dev: str, uniform: bool) -> None:
 def test_triton_backward_kernels(dev: str, lq: int, lk: int, hq: int, hkv: int) -> None:
     """The two backward kernels (dQ per query block, dK/dV per key block, fixed order) across
     several tiles, queries after a cached prefix, a group of 7, against autograd through the math;
-    the trainer's backward takes them for a uniform batch."""
+    the trainer's backward takes them for a uniform batch. With dQ fused into the dK/dV kernel
+    (turn counters, descending key blocks): the same values, dK and dV the same bits."""
     from isoaudit.kernels.attention import _triton_uniform_backward, attention_autograd
 
     torch.manual_seed(5)
@@ -257,6 +258,21 @@ def test_triton_backward_kernels(dev: str, lq: int, lk: int, hq: int, hkv: int) 
     )
     for a, w in zip(got, want, strict=True):
         torch.testing.assert_close(a, w, rtol=1e-4, atol=1e-4)
+    fused = _triton_uniform_backward(
+        q.detach(),
+        k.detach(),
+        v.detach(),
+        out,
+        go,
+        lq,
+        lk - lq,
+        lk,
+        slots,
+        d**-0.5,
+        CONFIG._replace(bwd_fused=True),
+    )
+    torch.testing.assert_close(fused[0], want[0], rtol=1e-4, atol=1e-4)
+    assert bits_equal(fused[1], got[1]) and bits_equal(fused[2], got[2])
     calls = []
     real = attention_mod._triton_uniform_backward
     attention_mod._triton_uniform_backward = lambda *a: calls.append(1) or real(*a)
