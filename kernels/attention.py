@@ -100,11 +100,11 @@ LAUNCH_CANDIDATES: dict[str, tuple[dict[str, int | bool], ...]] = {
         dict(stages=4),
         dict(tma=True),
         dict(tma=True, stages=3),
-        dict(tma=True, ws=True),
-        dict(tma=True, ws=True, stages=3),
         dict(block_m=64, warps=4, stages=3),
         dict(block_m=64, warps=4, stages=3, tma=True),
         dict(block_m=128, warps=4, stages=3, tma=True),
+        dict(tma=True, ws=True),  # warp specialisation last: the least proven on Triton 3.6
+        dict(tma=True, ws=True, stages=3),
     ),
     "decode": (
         {},
@@ -126,7 +126,7 @@ LAUNCH_CANDIDATES: dict[str, tuple[dict[str, int | bool], ...]] = {
         dict(bwd_dq_m=128, bwd_dq_n=128, bwd_dkv_m=128, bwd_dkv_n=128, bwd_warps=8, bwd_stages=2),
         dict(bwd_fused=True),
         dict(bwd_fused=True, bwd_dq_m=128, bwd_dkv_n=128, bwd_warps=8, bwd_stages=2),
-        dict(bwd_fused=True, bwd_dq_m=128, bwd_dkv_m=32, bwd_dkv_n=128, bwd_warps=8, bwd_stages=2),
+        dict(bwd_fused=True, bwd_dq_m=128, bwd_dkv_n=128, bwd_warps=8, bwd_stages=3),
     ),
 }
 #: Arithmetic candidates (split, block_n): each a different stated forward arithmetic, applied
