@@ -673,8 +673,22 @@ def _attn_decode_case(b: int, n: int) -> dict:
     )
 
 
+def _flash_check(fn, shape: str) -> None:
+    """Say so when SDPA's FlashAttention backend refuses ``fn``'s call (the baseline is then
+    another backend): the default dispatch picks flash first wherever flash takes the call."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    try:
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            fn()
+    except RuntimeError as exc:
+        print(f"[attention] SDPA flash refused {shape} ({str(exc)[:80]}): baseline is another backend")
+
+
 def _sdpa_fwd(case: dict, causal: bool):
-    return lambda: F.scaled_dot_product_attention(*case["sdpa"], is_causal=causal, enable_gqa=True)
+    fn = lambda: F.scaled_dot_product_attention(*case["sdpa"], is_causal=causal, enable_gqa=True)  # noqa: E731
+    _flash_check(fn, case["shape"])
+    return fn
 
 
 def _sdpa_bwd(case: dict):
@@ -683,6 +697,12 @@ def _sdpa_bwd(case: dict):
     out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
     b, n = case["b"], case["n"]
     go = case["grad"].view(b, n, *case["grad"].shape[1:]).transpose(1, 2)
+    _flash_check(
+        lambda: torch.autograd.grad(
+            F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True), (qs, ks, vs), go
+        ),
+        case["shape"] + " backward",
+    )
     return lambda: torch.autograd.grad(out, (qs, ks, vs), go, retain_graph=True)
 
 
