@@ -52,13 +52,19 @@ from ._triton import (
     triton,
     use_triton,
 )
+from .gemm import _ensure_allocator
 
 LOG2E = 1.4426950408889634
 
 
 class AttnConfig(NamedTuple):
-    """Launch shape. ``split`` and ``block_n`` define the arithmetic and are fixed; the rest only
-    decide how the work is laid on the GPU (prefill: block_m/warps/stages; decode: dec_*)."""
+    """Launch shape, one row of the tuning table per phase. ``split`` and ``block_n`` define the
+    forward's arithmetic (one pair for prefill, chunked prefill and decode alike); the rest only
+    decides how the work is laid on the GPU: prefill (block_m, warps, stages; ``tma``: K/V tiles
+    through TMA descriptors; ``ws``: warp-specialised key loop), decode (``dec_*``). The backward's
+    query and key tiles (``bwd_*``) fix the gradients' summation order; its warps and stages do not;
+    ``bwd_fused`` (dQ summed in the dK/dV kernel, in descending key-block order) states another
+    dQ arithmetic (dK and dV keep theirs)."""
 
     block_m: int = 128
     block_n: int = 128
@@ -68,9 +74,64 @@ class AttnConfig(NamedTuple):
     dec_block_m: int = 64
     dec_warps: int = 4
     dec_stages: int = 3
+    tma: bool = False
+    ws: bool = False
+    dec_tma: bool = False
+    bwd_dq_m: int = 64
+    bwd_dq_n: int = 64
+    bwd_dkv_m: int = 64
+    bwd_dkv_n: int = 64
+    bwd_warps: int = 4
+    bwd_stages: int = 3
+    bwd_fused: bool = False
 
 
 CONFIG = AttnConfig()
+
+#: The tuning table: launch candidates per phase, each a set of :class:`AttnConfig` fields over
+#: :data:`CONFIG`. Prefill and decode candidates change no bit by design (asserted on the GPU by
+#: ``tests/kernels/test_attention_table.py``, timed against SDPA by ``bench/kernels.py --only
+#: attention_tune``). Backward candidates that keep ``bwd_dq_n`` and ``bwd_dkv_m`` keep the
+#: gradients' bits; the others state a new backward arithmetic.
+LAUNCH_CANDIDATES: dict[str, tuple[dict[str, int | bool], ...]] = {
+    "prefill": (
+        {},
+        dict(stages=3),
+        dict(stages=4),
+        dict(tma=True),
+        dict(tma=True, stages=3),
+        dict(block_m=64, warps=4, stages=3),
+        dict(block_m=64, warps=4, stages=3, tma=True),
+        dict(block_m=128, warps=4, stages=3, tma=True),
+        dict(tma=True, ws=True),  # warp specialisation last: the least proven on Triton 3.6
+        dict(tma=True, ws=True, stages=3),
+    ),
+    "decode": (
+        {},
+        dict(dec_stages=2),
+        dict(dec_stages=4),
+        dict(dec_tma=True),
+        dict(dec_tma=True, dec_stages=4),
+        dict(dec_block_m=16, dec_warps=1, dec_stages=3),
+        dict(dec_block_m=16, dec_warps=1, dec_stages=4, dec_tma=True),
+        dict(dec_block_m=32, dec_warps=2, dec_stages=3, dec_tma=True),
+    ),
+    "backward": (
+        {},
+        dict(bwd_stages=2),
+        dict(bwd_dq_m=128, bwd_dkv_n=128, bwd_warps=8, bwd_stages=2),
+        dict(bwd_dq_m=128, bwd_dkv_n=128, bwd_warps=8, bwd_stages=3),
+        dict(bwd_dkv_n=128, bwd_warps=8, bwd_stages=2),
+        dict(bwd_dq_m=128, bwd_dq_n=32, bwd_dkv_m=32, bwd_dkv_n=128, bwd_warps=8, bwd_stages=2),
+        dict(bwd_dq_m=128, bwd_dq_n=128, bwd_dkv_m=128, bwd_dkv_n=128, bwd_warps=8, bwd_stages=2),
+        dict(bwd_fused=True),
+        dict(bwd_fused=True, bwd_dq_m=128, bwd_dkv_n=128, bwd_warps=8, bwd_stages=2),
+        dict(bwd_fused=True, bwd_dq_m=128, bwd_dkv_n=128, bwd_warps=8, bwd_stages=3),
+    ),
+}
+#: Arithmetic candidates (split, block_n): each a different stated forward arithmetic, applied
+#: alike to prefill, chunked prefill and decode.
+ARITHMETIC_CANDIDATES: tuple[tuple[int, int], ...] = ((1024, 128), (512, 128), (2048, 128), (1024, 64))
 # The split-KV path's fp32 partials are bounded to this many elements (else prefill's path serves).
 MAX_PARTIAL_ELEMS = 1 << 25
 
@@ -110,15 +171,30 @@ if HAVE_TRITON:
         return x
 
     @triton.jit
+    def _kv_tile(
+        src, off, stride_t, n0, cols, kv_len, dok,
+        MASKED: tl.constexpr, EVEN_D: tl.constexpr, TMA: tl.constexpr,
+    ):  # fmt: skip
+        """The K or V tile at key ``n0``: through the TMA descriptor ``src`` (its extent is the
+        cached length and the head size, so rows past ``kv_len`` and columns past D load as zeros,
+        as the masked pointer loads give), else by pointers from the base ``src``."""
+        if TMA:
+            x = src.load([n0, 0])
+        else:
+            x = _load_tile(src + tl.cast(n0, tl.int64) * stride_t, off, cols, kv_len, dok, MASKED, EVEN_D)
+        return x
+
+    @triton.jit
     def _tile(
         q, k_base, v_base, k_off, v_off, stride_kt, stride_vt, n0, dok, pos, kv_len, m_i, l_i, acc, c,
         BLOCK_N: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr, PRECISION: tl.constexpr,
+        TMA: tl.constexpr,
     ):  # fmt: skip
         """One online-softmax step over keys [n0, n0 + BLOCK_N); scores stay unscaled (``c`` folds
-        the softmax scale and log2 e into the exponent's fma)."""
+        the softmax scale and log2 e into the exponent's fma). ``k_base``/``v_base``: descriptors
+        with TMA, else pointers. How a tile is loaded changes no bit."""
         cols = n0 + tl.arange(0, BLOCK_N)
-        n0_64 = tl.cast(n0, tl.int64)
-        k = _load_tile(k_base + n0_64 * stride_kt, k_off, cols, kv_len, dok, MASKED, EVEN_D)
+        k = _kv_tile(k_base, k_off, stride_kt, n0, cols, kv_len, dok, MASKED, EVEN_D, TMA)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         if MASKED:
             s = tl.where(cols[None, :] <= pos[:, None], s, float("-inf"))
@@ -126,7 +202,7 @@ if HAVE_TRITON:
         alpha = tl.exp2((m_i - m_new) * c)
         p = tl.exp2(tl.fma(s, c, -(m_new * c)[:, None]))
         l_i = tl.fma(l_i, alpha, tl.sum(p, 1))
-        v = _load_tile(v_base + n0_64 * stride_vt, v_off, cols, kv_len, dok, MASKED, EVEN_D)
+        v = _kv_tile(v_base, v_off, stride_vt, n0, cols, kv_len, dok, MASKED, EVEN_D, TMA)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
         return m_new, l_i, acc
 
@@ -134,21 +210,21 @@ if HAVE_TRITON:
     def _split(
         q, k_base, v_base, k_off, v_off, stride_kt, stride_vt, lo, hi, full, dok, pos, kv_len, c,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
-        PRECISION: tl.constexpr,
+        PRECISION: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
     ):  # fmt: skip
         """Fresh online softmax over the tiles of [lo, hi); tiles below ``full`` are visible to
         every row and cached, so they skip the masks (a mask that selects everything is exact)."""
         m, den, acc = _fresh(BLOCK_M, BLOCK_D)
         mid = lo + (tl.maximum(tl.minimum(full, hi) - lo, 0) // BLOCK_N) * BLOCK_N
-        for n0 in range(lo, mid, BLOCK_N):
+        for n0 in tl.range(lo, mid, BLOCK_N, warp_specialize=WS):
             m, den, acc = _tile(
                 q, k_base, v_base, k_off, v_off, stride_kt, stride_vt, n0, dok, pos, kv_len, m, den, acc, c,
-                BLOCK_N, False, EVEN_D, PRECISION,
+                BLOCK_N, False, EVEN_D, PRECISION, TMA,
             )  # fmt: skip
         for n0 in range(mid, hi, BLOCK_N):
             m, den, acc = _tile(
                 q, k_base, v_base, k_off, v_off, stride_kt, stride_vt, n0, dok, pos, kv_len, m, den, acc, c,
-                BLOCK_N, True, EVEN_D, PRECISION,
+                BLOCK_N, True, EVEN_D, PRECISION, TMA,
             )  # fmt: skip
         return m, den, acc
 
@@ -212,7 +288,7 @@ if HAVE_TRITON:
         G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, BLOCK_B: tl.constexpr, SPLIT_KV: tl.constexpr,
         HAS_SLOTS: tl.constexpr, ONE_SPLIT: tl.constexpr, FUSED_COMBINE: tl.constexpr,
-        PRECISION: tl.constexpr,
+        PRECISION: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
     ):  # fmt: skip
         """Prefill (SPLIT_KV=False): all splits, merged in registers, output stored (ONE_SPLIT: the
         cache holds at most one split). Split-KV: only split ``program_id(2)``, its fp32 partials
@@ -250,12 +326,17 @@ if HAVE_TRITON:
             full = tl.minimum(pos0 + qb * TOK + 1, kv_len)
             k_base = k_ptr + slot * stride_ks + hk * stride_kh
             v_base = v_ptr + slot * stride_vs + hk * stride_vh
+            if TMA:
+                # One descriptor per program over its (sequence, KV head)'s cached keys: loads
+                # past the cached length or the head size are zeros, no mask needed.
+                k_base = tl.make_tensor_descriptor(k_base, [kv_len, D], [stride_kt, 1], [BLOCK_N, BLOCK_D])
+                v_base = tl.make_tensor_descriptor(v_base, [kv_len, D], [stride_vt, 1], [BLOCK_N, BLOCK_D])
             k_off = tl.arange(0, BLOCK_N)[:, None] * stride_kt + d[None, :]
             v_off = tl.arange(0, BLOCK_N)[:, None] * stride_vt + d[None, :]
             if SPLIT_KV:
                 m, den, acc = _split(
                     q, k_base, v_base, k_off, v_off, stride_kt, stride_vt, lo, tl.minimum(lo + SPLIT, pmax + 1),
-                    full, dok, pos, kv_len, c, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_D, PRECISION,
+                    full, dok, pos, kv_len, c, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_D, PRECISION, TMA, WS,
                 )  # fmt: skip
                 prow0 = ((q_start + tok) * HQ + hq).to(tl.int64) * NSPLIT
                 prow = prow0 + tl.program_id(2)
@@ -281,7 +362,7 @@ if HAVE_TRITON:
                 # needs registers.
                 m, den, acc = _split(
                     q, k_base, v_base, k_off, v_off, stride_kt, stride_vt, 0, pmax + 1,
-                    full, dok, pos, kv_len, c, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_D, PRECISION,
+                    full, dok, pos, kv_len, c, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_D, PRECISION, TMA, WS,
                 )  # fmt: skip
                 _store_rows(o_ptr, acc, den, q_start + tok, hq, d, row_ok, stride_ot, stride_oh)
             else:
@@ -290,10 +371,10 @@ if HAVE_TRITON:
                 m_run, l_run, acc_run = _fresh(BLOCK_M, BLOCK_D)
                 m, den, acc = _fresh(BLOCK_M, BLOCK_D)
                 mid = (full // BLOCK_N) * BLOCK_N
-                for n0 in range(0, mid, BLOCK_N):
+                for n0 in tl.range(0, mid, BLOCK_N, warp_specialize=WS):
                     m, den, acc = _tile(
                         q, k_base, v_base, k_off, v_off, stride_kt, stride_vt, n0, dok, pos, kv_len, m, den, acc,
-                        c, BLOCK_N, False, EVEN_D, PRECISION,
+                        c, BLOCK_N, False, EVEN_D, PRECISION, TMA,
                     )  # fmt: skip
                     m_run, l_run, acc_run, m, den, acc = _after_tile(
                         m_run, l_run, acc_run, m, den, acc, n0 + BLOCK_N, pos, c, SPLIT, BLOCK_M, BLOCK_D
@@ -301,7 +382,7 @@ if HAVE_TRITON:
                 for n0 in range(mid, pmax + 1, BLOCK_N):
                     m, den, acc = _tile(
                         q, k_base, v_base, k_off, v_off, stride_kt, stride_vt, n0, dok, pos, kv_len, m, den, acc,
-                        c, BLOCK_N, True, EVEN_D, PRECISION,
+                        c, BLOCK_N, True, EVEN_D, PRECISION, TMA,
                     )  # fmt: skip
                     m_run, l_run, acc_run, m, den, acc = _after_tile(
                         m_run, l_run, acc_run, m, den, acc, n0 + BLOCK_N, pos, c, SPLIT, BLOCK_M, BLOCK_D
@@ -383,11 +464,11 @@ def _fuse_combine(q: torch.Tensor) -> bool:
 def _check_heads(hq: int, hkv: int, cfg: AttnConfig) -> int:
     """The GQA group (query heads per KV head): any size that fits a query block. A block holds
     ``BLOCK_M // G`` whole tokens (its last ``BLOCK_M % G`` rows idle), so a row's arithmetic is
-    the same whatever the group."""
-    smallest = min(cfg.block_m, cfg.dec_block_m)
-    if hkv < 1 or hq % hkv or hq // hkv > smallest:
+    the same whatever the group. A group above the decode block takes the prefill block."""
+    largest = max(cfg.block_m, cfg.dec_block_m)
+    if hkv < 1 or hq % hkv or hq // hkv > largest:
         raise ValueError(
-            f"GQA group {hq}/{hkv}: query heads must be a multiple of KV heads, at most {smallest} per KV head"
+            f"GQA group {hq}/{hkv}: query heads must be a multiple of KV heads, at most {largest} per KV head"
         )
     if cfg.split % cfg.block_n:
         raise ValueError(f"split {cfg.split} must be a multiple of block_n {cfg.block_n}")
@@ -469,13 +550,13 @@ def attention(
     slots: torch.Tensor | None = None,
     scale: float | None = None,
     impl: str | None = None,
-    config: AttnConfig | tuple[int, ...] | None = None,
+    config: AttnConfig | None = None,
 ) -> torch.Tensor:
     """Invariant causal attention for packed queries against a KV cache (see the module doc).
     ``config`` overrides :data:`CONFIG` (tuning and tests only: every call that must agree in
     bits must use the same ``split`` and ``block_n``). No host synchronisation: the grid is sized
     from tensor shapes and each program finds its sequence on the device."""
-    cfg = AttnConfig(*config) if config is not None else CONFIG
+    cfg = config or CONFIG
     b = cu_q.numel() - 1
     if resolve(impl, q) == "torch":
         if slots is None:
@@ -489,7 +570,10 @@ def attention(
     if b == 0 or t == 0:
         _check(q, k_cache, cfg)
         return out
-    plan = _plan(t, b, hq, k_cache.shape[2], d, k_cache.shape[1], q.dtype, cfg, _fuse_combine(q))
+    tma = (cfg.tma or cfg.dec_tma) and _tma_ok(k_cache, v_cache)
+    plan = _plan(t, b, hq, k_cache.shape[2], d, k_cache.shape[1], q.dtype, cfg, _fuse_combine(q), tma)
+    if plan.fwd_constexprs[0]["TMA"] and q.is_cuda:
+        _ensure_allocator()  # the kernel-built descriptors live in Triton's global scratch
     c = (scale if scale is not None else 1.0 / math.sqrt(d)) * LOG2E
     dev = q.device
     if plan.split_kv:
@@ -512,6 +596,15 @@ def attention(
         cargs = (out, pacc, pml, cu, pos0, c, b, plan.nsplit, hq, *out.stride()[:2])
         _LAUNCH_COMBINE(key, plan.grid[:2] + (1,), cargs, plan.common, num_warps=4)
     return out
+
+
+def _tma_ok(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether each (sequence, KV head)'s keys and values can be TMA descriptors: 16-byte aligned
+    bases and row strides (else the pointer loads serve, with the same bits)."""
+    return all(
+        t.data_ptr() % 16 == 0 and all(st * t.element_size() % 16 == 0 for st in t.stride()[:3])
+        for t in (k_cache, v_cache)
+    )
 
 
 def _i32(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -540,20 +633,26 @@ class _Plan:
 
 @lru_cache(maxsize=4096)
 def _plan(
-    t: int, b: int, hq: int, hkv: int, d: int, cache_len: int, dtype: torch.dtype, cfg: AttnConfig, fuse: bool
+    t: int,
+    b: int,
+    hq: int,
+    hkv: int,
+    d: int,
+    cache_len: int,
+    dtype: torch.dtype,
+    cfg: AttnConfig,
+    fuse: bool,
+    tma_ok: bool = False,
 ) -> _Plan:
     g = hq // hkv
     _check_heads(hq, hkv, cfg)
     block_d = max(16, next_power_of_2(d))
     nsplit = cdiv(cache_len, cfg.split)
-    dec_tok = cfg.dec_block_m // g
-    decode_shaped = t <= b * dec_tok and t * hq * nsplit * (block_d + 2) <= MAX_PARTIAL_ELEMS
+    pre = (cfg.block_m, cfg.warps, cfg.stages)
+    dec = (cfg.dec_block_m, cfg.dec_warps, cfg.dec_stages) if cfg.dec_block_m >= g else pre
+    decode_shaped = t <= b * (dec[0] // g) and t * hq * nsplit * (block_d + 2) <= MAX_PARTIAL_ELEMS
     split_kv = decode_shaped and nsplit > 1  # one split needs no partials: its state is the result
-    bm, warps, stages = (
-        (cfg.dec_block_m, cfg.dec_warps, cfg.dec_stages)
-        if decode_shaped
-        else (cfg.block_m, cfg.warps, cfg.stages)
-    )
+    bm, warps, stages = dec if decode_shaped else pre
     blocks = cdiv(t, bm // g) + b  # >= the sum over sequences of their query blocks
     fused = split_kv and fuse
     common = dict(G=g, D=d, BLOCK_D=block_d, BLOCK_M=bm, SPLIT=cfg.split, BLOCK_B=next_power_of_2(b + 1))
@@ -564,6 +663,8 @@ def _plan(
         SPLIT_KV=split_kv,
         ONE_SPLIT=nsplit == 1,
         FUSED_COMBINE=fused,
+        TMA=tma_ok and (cfg.dec_tma if decode_shaped else cfg.tma),
+        WS=cfg.ws and not decode_shaped,
     )
     return _Plan(
         split_kv, fused, nsplit, (hkv, blocks, nsplit if split_kv else 1), hkv * blocks,
@@ -598,11 +699,12 @@ if HAVE_TRITON:
         c, scale, lq, p0, n_kv, HQ,
         stride_qt, stride_qh, stride_ks, stride_kt, stride_kh, stride_vs, stride_vt, stride_vh,
         G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+        BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, LSE_ONLY: tl.constexpr,
     ):  # fmt: skip
         """One (query block, sequence x query head): the rows' base-2 log-sum-exp over their keys
         (a fresh online pass), then dQ = scale * sum_n dS K over the key tiles in ascending order;
-        also stores the rows' lse and delta = rowsum(dO * O) for the dK/dV kernel."""
+        also stores the rows' lse and delta = rowsum(dO * O) for the dK/dV kernel. LSE_ONLY: the
+        lse and delta alone (the dK/dV kernel then sums dQ)."""
         m0 = tl.program_id(0) * BLOCK_M
         bh = tl.program_id(1)
         bi = bh // HQ
@@ -636,7 +738,7 @@ if HAVE_TRITON:
             m_i = m_new
         lse = m_i + tl.log2(l_i)
         dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-        for n0 in range(0, hi, BLOCK_N):
+        for n0 in range(0, 0 if LSE_ONLY else hi, BLOCK_N):
             cols = n0 + tl.arange(0, BLOCK_N)
             kv_ok = (cols < n_kv)[:, None] & (d < D)[None, :]
             k = tl.load(k_base + cols[:, None].to(tl.int64) * stride_kt + d[None, :], mask=kv_ok, other=0.0)
@@ -647,22 +749,31 @@ if HAVE_TRITON:
             dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
             ds = p * (dp - delta[:, None])
             dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
-        tl.store(dq_ptr + qo, (dq * scale).to(dq_ptr.dtype.element_ty), mask=row_ok)
+        if not LSE_ONLY:
+            tl.store(dq_ptr + qo, (dq * scale).to(dq_ptr.dtype.element_ty), mask=row_ok)
         ml = (bi * HQ + hq).to(tl.int64) * lq + offs_m
         tl.store(lse_ptr + ml, lse, mask=qmask)
         tl.store(delta_ptr + ml, delta, mask=qmask)
 
     @jit()
     def _bwd_dkv_kernel(
-        q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, lse_ptr, delta_ptr, slot_ptr,
+        q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, lse_ptr, delta_ptr, slot_ptr, dqacc_ptr, turn_ptr,
         c, scale, lq, p0, n_kv, HQ, HKV,
         stride_qt, stride_qh, stride_ks, stride_kt, stride_kh, stride_vs, stride_vt, stride_vh,
         G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+        BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, FUSED_DQ: tl.constexpr,
     ):  # fmt: skip
         """One (key block, sequence x KV head): dV = sum P^T dO and dK = scale * sum dS^T Q over
-        the group's query heads in order, each over its query tiles in ascending order."""
-        n0 = tl.program_id(0) * BLOCK_N
+        the group's query heads in order, each over its query tiles in ascending order.
+
+        FUSED_DQ: also dS K, added into the fp32 ``dqacc`` in descending key-block order, whatever
+        the timing: each (sequence, query head, query tile) has a turn counter, and key block j
+        adds its part when the counter says every contributing block above j has added. Programs
+        run key blocks from the last down (block j is program ``nb - 1 - j``), so a block only
+        waits for programs launched before it, and the causal wavefront rarely waits at all."""
+        nb = tl.num_programs(0)
+        jb = nb - 1 - tl.program_id(0) if FUSED_DQ else tl.program_id(0)
+        n0 = jb * BLOCK_N
         bh = tl.program_id(1)
         bi = bh // HKV
         hk = bh % HKV
@@ -697,37 +808,54 @@ if HAVE_TRITON:
                 dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
                 ds = p * (dp - delta[:, None])
                 dk = tl.dot(tl.trans(ds.to(q.dtype)), q, dk, input_precision=PRECISION)
+                if FUSED_DQ:
+                    part = tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+                    # Blocks above jb that reach this tile (its last row's position bounds them).
+                    turn = tl.minimum(nb - 1, (p0 + tl.minimum(m0 + BLOCK_M, lq) - 1) // BLOCK_N) - jb
+                    cnt = turn_ptr + ((bi * HQ + hq) * tl.cdiv(lq, BLOCK_M) + m0 // BLOCK_M)
+                    while tl.atomic_cas(cnt, turn, turn, sem="acquire") != turn:
+                        pass
+                    tl.debug_barrier()
+                    acc_ptrs = dqacc_ptr + qo
+                    acc = tl.load(acc_ptrs, mask=row_ok, other=0.0, cache_modifier=".cg")
+                    tl.store(acc_ptrs, acc + part, mask=row_ok)
+                    tl.debug_barrier()  # every thread's store precedes the next block's turn
+                    tl.atomic_xchg(cnt, turn + 1, sem="release")
         tl.store(dk_ptr + ko, (dk * scale).to(dk_ptr.dtype.element_ty), mask=kv_ok)
         tl.store(dv_ptr + vo, dv.to(dv_ptr.dtype.element_ty), mask=kv_ok)
 
 
 def _triton_uniform_backward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, grad: torch.Tensor,
-    lq: int, p0: int, n_kv: int, slots: torch.Tensor, scale: float,
+    lq: int, p0: int, n_kv: int, slots: torch.Tensor, scale: float, config: AttnConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """The uniform batch's gradients by two Triton kernels with a fixed order of accumulation (no
     atomics: each gradient element is one program's): dQ per query block, then dK/dV per key
     block. Probabilities are recomputed from the scores and the rows' log-sum-exp; products take
-    the model dtype's tensor cores with fp32 accumulation, as flash attention's backward does."""
+    the model dtype's tensor cores with fp32 accumulation, as flash attention's backward does.
+    Tiles from ``config`` (:data:`CONFIG`) on CUDA: the dQ kernel's key tile and the dK/dV
+    kernel's query tile fix the summation order; under the interpreter all tiles are 16."""
     b = slots.numel()
     hq, hkv, d = q.shape[1], k.shape[2], q.shape[2]
     g = hq // hkv
     q, grad, out = q.contiguous(), grad.contiguous().to(q.dtype), out.contiguous()
     assert k.stride(-1) == 1 and v.stride(-1) == 1
     dev = q.device
-    bm = 64 if q.is_cuda else 16
+    cfg = config or CONFIG
+    tiles = (cfg.bwd_dq_m, cfg.bwd_dq_n, cfg.bwd_dkv_m, cfg.bwd_dkv_n) if q.is_cuda else (16, 16, 16, 16)
     block_d = max(16, next_power_of_2(d))
     c = scale * LOG2E
     dq = torch.empty_like(q)
     dk = torch.zeros_like(k)
     dv = torch.zeros_like(v)
+    fused = cfg.bwd_fused
     lse = torch.empty(b * hq * lq, dtype=torch.float32, device=dev)
     delta = torch.empty_like(lse)
     sl = slots.to(device=dev, dtype=torch.int32)
-    common = dict(G=g, D=d, BLOCK_D=block_d, BLOCK_M=bm, BLOCK_N=bm, PRECISION=dot_precision(q.dtype))
-    warps = 4
+    common = dict(G=g, D=d, BLOCK_D=block_d, PRECISION=dot_precision(q.dtype))
+    opts = dict(num_warps=cfg.bwd_warps, num_stages=cfg.bwd_stages) if q.is_cuda else dict(num_warps=4)
     strides = (*q.stride()[:2], *k.stride()[:3], *v.stride()[:3])
-    _bwd_dq_kernel[(cdiv(lq, bm), b * hq)](
+    _bwd_dq_kernel[(cdiv(lq, tiles[0]), b * hq)](
         q,
         k,
         v,
@@ -744,13 +872,23 @@ def _triton_uniform_backward(
         n_kv,
         hq,
         *strides,
+        BLOCK_M=tiles[0],
+        BLOCK_N=tiles[1],
+        LSE_ONLY=fused,
         **common,
-        num_warps=warps,
+        **opts,
     )
-    _bwd_dkv_kernel[(cdiv(n_kv, bm), b * hkv)](
-        q, k, v, grad, dk, dv, lse, delta, sl, c, scale, lq, p0, n_kv, hq, hkv, *strides, **common,
-        num_warps=warps,
+    if fused:
+        dqacc = torch.zeros(q.shape, dtype=torch.float32, device=dev)
+        turns = torch.zeros(b * hq * cdiv(lq, tiles[2]), dtype=torch.int32, device=dev)
+    else:
+        dqacc, turns = dq, sl  # unused
+    _bwd_dkv_kernel[(cdiv(n_kv, tiles[3]), b * hkv)](
+        q, k, v, grad, dk, dv, lse, delta, sl, dqacc, turns, c, scale, lq, p0, n_kv, hq, hkv, *strides,
+        BLOCK_M=tiles[2], BLOCK_N=tiles[3], FUSED_DQ=fused, **common, **opts,
     )  # fmt: skip
+    if fused:
+        dq = (dqacc * scale).to(q.dtype)
     return dq, dk, dv
 
 
@@ -879,6 +1017,38 @@ class _Attention(torch.autograd.Function):
             out = _math_attention(qd, kd, vd, cu_q, q_pos0, kv_len, slots, ctx.scale)
             gq, gk, gv = torch.autograd.grad(out, (qd, kd, vd), grad.float())
         return gq.to(q.dtype), gk.to(k.dtype), gv.to(v.dtype), None, None, None, None, None
+
+
+def attention_modes(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    chunks: list[int],
+    decode_at: list[int],
+    config: AttnConfig | None = None,
+) -> list[torch.Tensor]:
+    """The module's promise, made checkable: one sequence (queries ``q``, cache slot 0 of ``k``/``v``)
+    as a whole prefill, as chunked prefill for each chunk size, and decoded at the positions
+    ``decode_at`` in a batch beside another sequence of another length (in slot 1, listed first);
+    each result restricted to the rows ``decode_at``. Under one ``config`` all must be bitwise equal."""
+    n, dev = q.shape[0], q.device
+
+    def call(qq: torch.Tensor, kk: torch.Tensor, vv: torch.Tensor, *meta: list[int]) -> torch.Tensor:
+        cu, p0, kl, *sl = (torch.tensor(x, device=dev, dtype=torch.int32) for x in meta)
+        return attention(qq, kk, vv, cu, p0, kl, sl[0] if sl else None, config=config)
+
+    outs = [call(q, k, v, [0, n], [0], [n])]
+    for c in chunks:
+        parts = [call(q[s : s + c], k, v, [0, min(c, n - s)], [s], [min(s + c, n)]) for s in range(0, n, c)]
+        outs.append(torch.cat(parts))
+    other = torch.randn(3, *q.shape[1:], device=dev, dtype=q.dtype)
+    kk = torch.stack([k[0], torch.randn_like(k[0])])
+    vv = torch.stack([v[0], torch.randn_like(v[0])])
+    rows = [
+        call(torch.cat([other, q[p : p + 1]]), kk, vv, [0, 3, 4], [p % 7, p], [p % 7 + 3, p + 1], [1, 0])[3:]
+        for p in decode_at
+    ]
+    return [o[decode_at] for o in outs] + [torch.cat(rows)]
 
 
 def attention_autograd(

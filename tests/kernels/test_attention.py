@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
-import functools
 import importlib
 
 import pytest
 import torch
-from isoaudit.kernels.attention import CONFIG, AttnConfig, _math_attention, attention, attention_reference
+from isoaudit.kernels.attention import (
+    CONFIG,
+    AttnConfig,
+    _math_attention,
+    attention,
+    attention_modes,
+    attention_reference,
+)
 
 from .conftest import bits_equal, gpu, needs_triton
 
@@ -31,45 +37,7 @@ def _modes(
     cfg: AttnConfig,
     decode_at: list[int],
 ) -> list[torch.Tensor]:
-    """One sequence (slot 0) as full prefill, as chunked prefill for each chunk size, and decoded at
-    the positions ``decode_at`` in a batch where it rides along with other sequences; each result
-    restricted to the rows ``decode_at``."""
-    attn = functools.partial(attention, config=cfg)
-    n, dev = q.shape[0], q.device
-    i32 = dict(device=dev, dtype=torch.int32)
-    full = attn(q, k, v, torch.tensor([0, n], **i32), torch.tensor([0], **i32), torch.tensor([n], **i32))
-    outs = [full]
-    for c in chunks:
-        parts = [
-            attn(
-                q[s : s + c],
-                k,
-                v,
-                torch.tensor([0, min(c, n - s)], **i32),
-                torch.tensor([s], **i32),
-                torch.tensor([min(s + c, n)], **i32),
-            )
-            for s in range(0, n, c)
-        ]
-        outs.append(torch.cat(parts))
-    # Several sequences of different lengths packed with it, decoding position p of ours.
-    other = torch.randn(3, *q.shape[1:], device=dev, dtype=q.dtype)
-    kk = torch.stack([k[0], torch.randn_like(k[0])])
-    vv = torch.stack([v[0], torch.randn_like(v[0])])
-    rows = []
-    for p in decode_at:
-        qq = torch.cat([other, q[p : p + 1]])
-        o = attn(
-            qq,
-            kk,
-            vv,
-            torch.tensor([0, 3, 4], **i32),
-            torch.tensor([p % 7, p], **i32),
-            torch.tensor([p % 7 + 3, p + 1], **i32),
-            torch.tensor([1, 0], **i32),
-        )
-        rows.append(o[3:])
-    return [o[decode_at] for o in outs] + [torch.cat(rows)]
+    return attention_modes(q, k, v, chunks, decode_at, cfg)
 
 
 @pytest.fixture(params=[True, False], ids=["fused-merge", "merge-launch"])
@@ -99,7 +67,13 @@ def test_same_bits_cpu(dev: str, merge_in_split_launch: bool) -> None:
     )
 
 
-def test_short_cache_cpu(dev: str) -> None:
+# The launch variants the table can pick, under the interpreter: K/V tiles through TMA descriptors
+# (their extent is the cached length) and the warp-specialised loop (a no-op there).
+CPU_TMA = CPU_CONFIG._replace(tma=True, ws=True, dec_tma=True)
+
+
+@pytest.mark.parametrize("cfg", [CPU_CONFIG, CPU_TMA], ids=["pointers", "tma"])
+def test_short_cache_cpu(dev: str, cfg: AttnConfig) -> None:
     """Keys past a sequence's cached length count as zeros (not stale memory), in both paths."""
     torch.manual_seed(1)
     hq, hkv, d = 4, 2, 32
@@ -109,9 +83,22 @@ def test_short_cache_cpu(dev: str) -> None:
         q = torch.randn(2 * n, hq, d, device=dev)
         args = (q, k, v, torch.tensor([0, n, 2 * n], **i32), torch.tensor([30, 50], **i32))
         kv_len, slots = torch.tensor([20, 45], **i32), torch.tensor([1, 0], **i32)
-        out = attention(*args, kv_len, slots, config=CPU_CONFIG)
-        ref = attention_reference(*args, kv_len, slots, None, CPU_CONFIG)
+        out = attention(*args, kv_len, slots, config=cfg)
+        ref = attention_reference(*args, kv_len, slots, None, cfg)
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_tma_same_bits_cpu(dev: str) -> None:
+    """Loading K/V tiles through descriptors changes no bit: every mode of the TMA launch equals
+    the pointer launch's prefill, across splits and tiles, with a head size below its block."""
+    torch.manual_seed(6)
+    n, hq, hkv, d = 50, 4, 2, 24
+    q = torch.randn(n, hq, d, device=dev)
+    k, v = torch.randn(1, 56, hkv, d, device=dev), torch.randn(1, 56, hkv, d, device=dev)
+    at = [0, 15, 16, 31, 32, 49]
+    want = _modes(q, k, v, [], CPU_CONFIG, at)[0]
+    for o in _modes(q, k, v, [7, 40], CPU_TMA, at):
+        assert bits_equal(o, want)
 
 
 def _one_split_matches_longer_cache(dev: str, dtype: torch.dtype, cfg: AttnConfig, at: list[int]) -> None:
@@ -164,7 +151,9 @@ def test_same_bits_gpu(merge_in_split_launch: bool) -> None:
     assert ((outs[0].float() - ref).norm() / ref.norm()).item() < 1e-2
 
 
-@pytest.mark.parametrize("hq_hkv", [(7, 1), (6, 2)])  # Qwen2.5-0.5B/7B's group of 7, 1.5B's of 6
+# Qwen2.5-0.5B/7B's group of 7, 1.5B's of 6; a group above the decode block (16) decodes on the
+# prefill block (32), one token a block.
+@pytest.mark.parametrize("hq_hkv", [(7, 1), (6, 2), (20, 1)])
 def test_any_gqa_group_cpu(dev: str, hq_hkv: tuple[int, int]) -> None:
     """A group that does not divide the block: whole tokens per block, the tail rows idle; every
     mode gives the same bits, and the reference's values."""
@@ -245,7 +234,8 @@ def test_backward_matches_autograd(dev: str, uniform: bool) -> None:
 def test_triton_backward_kernels(dev: str, lq: int, lk: int, hq: int, hkv: int) -> None:
     """The two backward kernels (dQ per query block, dK/dV per key block, fixed order) across
     several tiles, queries after a cached prefix, a group of 7, against autograd through the math;
-    the trainer's backward takes them for a uniform batch."""
+    the trainer's backward takes them for a uniform batch. With dQ fused into the dK/dV kernel
+    (turn counters, descending key blocks): the same values, dK and dV the same bits."""
     from isoaudit.kernels.attention import _triton_uniform_backward, attention_autograd
 
     torch.manual_seed(5)
@@ -268,6 +258,21 @@ def test_triton_backward_kernels(dev: str, lq: int, lk: int, hq: int, hkv: int) 
     )
     for a, w in zip(got, want, strict=True):
         torch.testing.assert_close(a, w, rtol=1e-4, atol=1e-4)
+    fused = _triton_uniform_backward(
+        q.detach(),
+        k.detach(),
+        v.detach(),
+        out,
+        go,
+        lq,
+        lk - lq,
+        lk,
+        slots,
+        d**-0.5,
+        CONFIG._replace(bwd_fused=True),
+    )
+    torch.testing.assert_close(fused[0], want[0], rtol=1e-4, atol=1e-4)
+    assert bits_equal(fused[1], got[1]) and bits_equal(fused[2], got[2])
     calls = []
     real = attention_mod._triton_uniform_backward
     attention_mod._triton_uniform_backward = lambda *a: calls.append(1) or real(*a)
