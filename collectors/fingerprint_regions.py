@@ -32,6 +32,7 @@ from isoaudit.collectors.fingerprints import (
     default_ladder_bits,
     fingerprint_rows_into,
 )
+from isoaudit.kernels._triton import use_triton
 
 #: The multi-region op's qualified name (namespace ``isoaudit``).
 OP_NAME = "isoaudit::fingerprint_regions_"
@@ -50,24 +51,30 @@ class Region:
     bits: tuple[int, ...]
 
 
-def fused_rows(rows: torch.Tensor) -> bool:
-    """Whether the multi-region kernel can read ``rows`` where they lie: 2-D, unit column stride,
-    a fused dtype, on a device where the kernel runs."""
-    return (
-        rows.dim() == 2
-        and rows.stride(1) == 1
-        and rows.device.type == "cuda"
-        and rows.dtype in (torch.bfloat16, torch.float16, torch.float32)
-        and _triton_pass() is not None
-    )
+def fused_rows(rows: torch.Tensor, impl: str | None = None) -> bool:
+    """Whether the multi-region kernel reads ``rows`` where they lie: 2-D, unit column stride, a
+    fused dtype, and the kernel runs there (``impl=None``: on CUDA where the Triton pass imports, as
+    :func:`~isoaudit.collectors.fingerprints.fingerprint_rows_into` decides; ``"triton"``: wherever
+    Triton runs, the CPU under its interpreter included; ``"torch"``: never)."""
+    if rows.dim() != 2 or rows.stride(1) != 1 or rows.dtype not in _FUSED_DTYPES or impl == "torch":
+        return False
+    if impl == "triton":
+        return use_triton(rows)
+    return rows.device.type == "cuda" and _triton_pass() is not None
 
 
-def groups(regions: Sequence[Region]) -> dict[tuple[torch.dtype, int, tuple[int, ...]], list[Region]]:
-    """The fused regions by (dtype, width, rungs): one launch each (the digest weights, sketch and
-    masks are per width and dtype). Regions the kernel cannot read are left out."""
-    out: dict[tuple[torch.dtype, int, tuple[int, ...]], list[Region]] = {}
+_FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+GroupKey = tuple[torch.dtype, int, tuple[int, ...]]
+
+
+def groups(regions: Sequence[Region], impl: str | None = None) -> dict[GroupKey, list[Region]]:
+    """The fused regions by (dtype, width, rungs), in first-seen order: one launch each (the digest
+    weights, sketch and masks are per width and dtype). Regions the kernel cannot read
+    (:func:`fused_rows`) are left out."""
+    out: dict[GroupKey, list[Region]] = {}
     for region in regions:
-        if fused_rows(region.rows):
+        if fused_rows(region.rows, impl):
             out.setdefault((region.rows.dtype, int(region.rows.shape[1]), region.bits), []).append(region)
     return out
 
@@ -86,6 +93,7 @@ def fingerprint_regions_into(
     floats: torch.Tensor,
     table: torch.Tensor | None = None,
     write_table: bool = True,
+    impl: str | None = None,
 ) -> list[int]:
     """Fingerprint every region's rows into slot ``region.slot`` of ``ints``/``floats`` (int64 and
     float32 ``[slots, n, width]``, as :class:`~isoaudit.collectors.fingerprint_op.FingerprintBuffers`
@@ -95,9 +103,10 @@ def fingerprint_regions_into(
     ``table``: int64 ``[>= regions, 3]`` on the device to list the fused regions in (default: a
     fresh one per call, copied from pinned memory without a sync). ``write_table=False`` leaves it
     unwritten (a launch captured into a CUDA graph reads it at replay: the caller writes the
-    returned values into it after the capture). Returns the table's values, flattened."""
-    fused = groups(regions)
-    alone = [r for r in regions if not fused_rows(r.rows)]
+    returned values into it after the capture). ``impl``: as for :func:`fused_rows`. Returns the
+    table's values, flattened (empty: nothing was fused)."""
+    fused = groups(regions, impl)
+    alone = [r for r in regions if not fused_rows(r.rows, impl)]
     for region in alone:
         fingerprint_rows_into(region.rows, ints[region.slot], floats[region.slot], region.bits)
     ordered = [r for members in fused.values() for r in members]
@@ -108,7 +117,9 @@ def fingerprint_regions_into(
     values = table_values(ordered)
     device = ordered[0].rows.device
     if table is None:
-        host = torch.tensor(values, dtype=torch.int64).pin_memory()
+        host = torch.tensor(values, dtype=torch.int64)
+        if device.type == "cuda":
+            host = host.pin_memory()
         table = host.to(device, non_blocking=True).reshape(-1, TABLE_WIDTH)
     elif write_table:
         table.reshape(-1)[: len(values)].copy_(torch.tensor(values, dtype=torch.int64))
@@ -131,24 +142,23 @@ class HeldRegions:
 
     ``max_bytes`` bounds the activation memory held until the forward's end (the rows stay
     allocated: a captured graph's pool cannot reuse them, which is what keeps them readable at
-    replay); regions past it are written at their tap."""
+    replay): rows x width x element size per region, summed; regions past it are written at their
+    tap."""
 
     max_bytes: int = 256 << 20
     held: list[tuple[Region, int]] = field(default_factory=list)  # (region, version at tap)
     held_bytes: int = 0
     mutated: set[int] = field(default_factory=set)
-    #: per reason, the regions written at their tap instead ("mutated", "over_cap", "not_fused")
+    #: per reason, the regions written at their tap instead ("mutated", "over_cap")
     alone: dict[str, int] = field(default_factory=dict)
 
     def hold(self, slot: int, rows: torch.Tensor, bits: tuple[int, ...]) -> bool:
-        """Hold ``rows`` for the end of the forward; False: write it now (mutated after its tap in
-        an earlier forward, over the byte cap, or not readable by the kernel)."""
+        """Hold ``rows`` for the end of the forward; False: write it now (written in place after
+        its tap in an earlier forward, or over the byte cap)."""
         reason = None
         size = rows.numel() * rows.element_size()
         if slot in self.mutated:
             reason = "mutated"
-        elif not fused_rows(rows):
-            reason = "not_fused"
         elif self.held_bytes + size > self.max_bytes:
             reason = "over_cap"
         if reason is not None:
