@@ -117,3 +117,56 @@ def test_held_regions_learn_mutation_and_respect_the_cap() -> None:
     assert held.mutated == {1} and not held.held and held.held_bytes == 0
     assert not held.hold(1, xs[1], FP32) and held.alone == {"over_cap": 1, "mutated": 1}
     assert held.hold(3, xs[3], FP32)  # the cap counts this forward's rows only
+
+
+class _Toy(torch.nn.Module):
+    """Three regions; the second's output is written in place after its tap."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(16, 8)
+        self.a = torch.nn.Linear(8, 8)
+        self.b = torch.nn.Linear(8, 8)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(input_ids)
+        a = self.a(h)
+        b = self.b(a)
+        a.mul_(2)
+        return b + a
+
+
+def test_compiled_forward_holds_regions_and_writes_a_mutated_one_at_its_tap() -> None:
+    """An eager forward learns that region ``a`` is written in place after its tap; the compiled
+    forward then fingerprints ``a`` at its tap and the others together at its end: every slot the
+    bits of its tap's value."""
+    from isoaudit.collectors.fingerprints import fingerprint_rows
+    from isoaudit.collectors.hooks import ForwardCapture
+    from isoaudit.collectors.regions import RegionSpec
+
+    torch.manual_seed(0)
+    model = _Toy()
+    specs = [RegionSpec("embed", "embed"), RegionSpec("a", "a"), RegionSpec("b", "b")]
+    capture = ForwardCapture(model, specs)
+    ids = torch.randint(0, 16, (2, 3))
+    try:
+        with torch.no_grad():
+            model(ids)  # eager: the taps' versions checked at the forward's end
+            assert capture.mutated == {1}
+            torch._dynamo.reset()
+            compiled = torch.compile(model, fullgraph=True)
+            compiled(ids)  # traced: buffers come from the next step on
+            capture.prepare_compiled(tuple(ids.shape), torch.device("cpu"))
+            compiled(ids)
+            got = capture.take_compiled(ids)
+            h = model.embed(ids)
+            a = model.a(h)
+            want = {"embed": h, "a": a, "b": model.b(a)}
+    finally:
+        capture.remove()
+        torch._dynamo.reset()
+    assert got is not None and sorted(k for k, _ in got.prints) == ["a", "b", "embed"]
+    for (name, _), prints in got.prints.items():
+        ref = fingerprint_rows(want[name].reshape(-1, 8))
+        for field in ("digest", "ladder", "l2", "maxabs"):
+            assert _bits_equal(getattr(prints, field), getattr(ref, field)), (name, field)
