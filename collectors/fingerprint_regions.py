@@ -185,9 +185,7 @@ class HeldRegions:
 # Registered through ``torch.library.Library`` (as fingerprint_op's row-index op): a list input and
 # a few microseconds of dispatch.
 _lib = torch.library.Library("isoaudit", "FRAGMENT")
-_lib.define(
-    "fingerprint_regions_(Tensor[] xs, int[] slots, Tensor(a!) ints, Tensor(b!) floats) -> ()"
-)
+_lib.define("fingerprint_regions_(Tensor[] xs, int[] slots, Tensor(a!) ints, Tensor(b!) floats) -> ()")
 
 
 def _fingerprint_regions_op(
@@ -213,6 +211,8 @@ def _fingerprint_regions_fake(
     return None
 
 
-def record_regions(xs: Sequence[torch.Tensor], slots: Sequence[int], ints: torch.Tensor, floats: torch.Tensor) -> None:
+def record_regions(
+    xs: Sequence[torch.Tensor], slots: Sequence[int], ints: torch.Tensor, floats: torch.Tensor
+) -> None:
     """Call the multi-region op on ``xs`` (detached) into ``slots`` of the two buffers."""
     torch.ops.isoaudit.fingerprint_regions_([x.detach() for x in xs], [int(s) for s in slots], ints, floats)

@@ -311,7 +311,12 @@ def fingerprint_regions(
     ``masks`` as for :func:`fingerprint_rows` (of ``hidden``), on the table's device."""
     if dtype not in _INT_VIEW:
         raise TypeError(f"dtype: {dtype} is not fused; expected one of {sorted(map(str, _INT_VIEW))}")
-    if table.dtype != torch.int64 or table.dim() != 2 or table.shape[1] != TABLE_WIDTH or table.shape[0] < count:
+    if (
+        table.dtype != torch.int64
+        or table.dim() != 2
+        or table.shape[1] != TABLE_WIDTH
+        or table.shape[0] < count
+    ):
         raise ValueError(
             f"table: expected int64 [>= {count}, {TABLE_WIDTH}], got {table.dtype} {list(table.shape)}"
         )

@@ -44,7 +44,9 @@ def _regions() -> list[Region]:
 
 
 def _bits_equal(x: torch.Tensor, y: torch.Tensor) -> bool:
-    return x.shape == y.shape and bool(torch.equal(x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8)))
+    return x.shape == y.shape and bool(
+        torch.equal(x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8))
+    )
 
 
 def test_groups_by_dtype_width_and_ladder_and_builds_the_table() -> None:
@@ -109,7 +111,9 @@ def test_the_op_equals_the_per_region_path_on_the_cpu() -> None:
 def test_held_regions_learn_mutation_and_respect_the_cap() -> None:
     held = HeldRegions(max_bytes=3 * 4 * 8)  # three [2, 4] fp32 regions
     xs = [torch.randn(2, 4) for _ in range(4)]
-    assert held.hold(0, xs[0], FP32) and held.hold(1, xs[1].detach(), FP32) and held.hold(2, xs[2][:, :4], FP32)
+    assert (
+        held.hold(0, xs[0], FP32) and held.hold(1, xs[1].detach(), FP32) and held.hold(2, xs[2][:, :4], FP32)
+    )
     assert not held.hold(3, xs[3], FP32) and held.alone == {"over_cap": 1}
     xs[1].add_(1)  # written in place after its tap (through the tensor the view came from)
     keep, lost = held.take()

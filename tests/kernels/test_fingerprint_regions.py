@@ -38,7 +38,9 @@ def _check(dev: str, dtype: torch.dtype, n: int, hidden: int) -> None:
     ints = torch.full((6, n, width + 1), 7, dtype=torch.int64, device=dev)  # wider than the fields
     floats = torch.full((6, n, 19), 7.0, dtype=torch.float32, device=dev)
     table = torch.tensor(
-        [[x.data_ptr(), x.stride(0), s] for x, s in zip(xs, slots, strict=True)], dtype=torch.int64, device=dev
+        [[x.data_ptr(), x.stride(0), s] for x, s in zip(xs, slots, strict=True)],
+        dtype=torch.int64,
+        device=dev,
     )
     assert table.shape[1] == TABLE_WIDTH
     fingerprint_regions(table, len(xs), n, hidden, dtype, weights, sketch, masks, ints, floats)
