@@ -21,13 +21,15 @@ baseline. Targets on the CPU with a tiny model: logprobs <= 3 %, with fingerprin
 "Fingerprints in compiled graphs and captured CUDA graphs"):
 
 * ``engine``: the reference engine's decode replayed from CUDA graphs with every region
-  fingerprinted through the op, against the same graphed decode without fingerprints (decode time
-  = a generate of ``--new`` tokens minus one of 1 token, so prefill is left out); then, kernels on,
-  the graphed fingerprints against the eager packed steps' bit for bit, the decode asserted
-  replayed, and one mode switch's recapture timed. On the CPU the bucketed decode runs eagerly.
+  fingerprinted (held by the taps, one multi-region launch per dtype at the step's end, inside the
+  graph), against the same graphed decode without fingerprints (decode time = a generate of
+  ``--new`` tokens minus one of 1 token, so prefill is left out); then, kernels on, the graphed
+  fingerprints against the eager packed steps' bit for bit, the decode asserted replayed from the
+  graph, and one mode switch's recapture timed. On the CPU the bucketed decode runs eagerly.
 * ``compiled-trainer``: a ``torch.compile``'d training step with every region fingerprinted
-  through the op against the compiled step without a collector (two copies of the model,
-  interleaved), and the recompile a switch to the invariant kernels costs.
+  (one multi-region op at the forward's end) against the compiled step without a collector (two
+  copies of the model, interleaved), and the recompile a switch to the invariant kernels costs.
+  With ``--background``, a third copy whose collector builds its records on its helper thread.
 
     python bench/collector_overhead.py --scenario graphs --device cuda --model 0.5b   # the H200
     python bench/collector_overhead.py --scenario graphs --hidden 64 --rounds 3        # CPU check
@@ -94,15 +96,27 @@ def make_batch(args: argparse.Namespace, vocab: int, device: str) -> StepBatch:
 
 
 def train_step(
-    model, optimizer, batch: StepBatch, mask: torch.Tensor, collector, step: int, pass_logprobs: bool
+    model,
+    optimizer,
+    batch: StepBatch,
+    mask: torch.Tensor,
+    collector,
+    step: int,
+    pass_logprobs: bool,
+    record_s: list[float] | None = None,
 ):
+    """One training step; ``record_s``: gets the host seconds ``record_step`` took (it runs between
+    the forward and the backward, so its host time adds to the step's unless the device is behind)."""
     if collector is not None:
         collector.begin_step(step, batch)  # with the batch: padding rows are skipped on any device
     logits = model(**batch.model_inputs()).logits
     logprobs = torch.log_softmax(logits[:, :-1].float() / TEMPERATURE, dim=-1)
     logprobs = logprobs.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)  # [rows, cols-1]
     if collector is not None:
+        t0 = time.perf_counter()
         collector.record_step(step, batch, logprobs=logprobs.detach() if pass_logprobs else None)
+        if record_s is not None:
+            record_s.append(time.perf_counter() - t0)
     loss = -(logprobs * mask).sum() / mask.sum()
     loss.backward()
     optimizer.step()
@@ -326,6 +340,7 @@ def run_engine_graphs(args: argparse.Namespace) -> dict[str, Any]:
     watched = RolloutEngine(watched_model, max_len=max_len, **kw)
     prints = EngineFingerprints(watched_model, "auto", watched)
     kernels.disable()
+    fusion: dict[int, dict[str, int]] = {}
     for eng in (plain, watched):  # capture and warm both
         eng.generate(prompts, [4] * len(prompts))
     prints.records("bench", 0, prompts, [[0]] * len(prompts))  # drop the warm-up's rows
@@ -339,6 +354,7 @@ def run_engine_graphs(args: argparse.Namespace) -> dict[str, Any]:
                 prints._rows.clear()
     base, with_prints = statistics.median(times["graphs"]), statistics.median(times["graphs+fingerprints"])
     replays_before = watched.replays
+    fusion = prints.fusion  # per bucket: regions in the multi-region launches, and those alone
     # Kernels on: the graphed fingerprints against the eager packed steps', bit for bit.
     with kernels.enable():
         switch_from = len(watched.captures)
@@ -359,11 +375,17 @@ def run_engine_graphs(args: argparse.Namespace) -> dict[str, Any]:
     compared, equal = _records_equal(graphed_records, eager_records)
     same_tokens = [c.tokens for c in done] == [c.tokens for c in done_eager]
     same_logprobs = [c.logprobs for c in done] == [c.logprobs for c in done_eager]
+    if plain.graphed():  # the acceptance: decode replayed from the graph, fingerprints inside it
+        if replayed < args.check_new - 1:
+            raise AssertionError(f"decode not replayed from a graph: {replayed} replays")
+        if not compared or equal != compared:
+            raise AssertionError(f"graphed fingerprints differ from eager: {equal}/{compared} equal")
     return {
         "graphed": plain.graphed(),
         "decode_ms": {"graphs": 1e3 * base, "graphs+fingerprints": 1e3 * with_prints},
         "ratio": with_prints / base,
         "regions": len(prints.specs),
+        "fusion": fusion,
         "kernels_on_check": {
             "records_compared": compared,
             "records_bitwise_equal": equal,
@@ -393,34 +415,56 @@ def run_compiled_trainer(args: argparse.Namespace) -> dict[str, Any]:
     sink = MemorySink(keep=False, validate=False, queue_size=1024)
     control = FixedControl("bench", "native")
     collector = attach(watched_model, run="bench", sink=sink, regions="auto", sample_every=1, control=control)
+    background = None
+    if args.background:  # records built on the collector's helper thread
+        bg_model = copy.deepcopy(base_model)
+        bg_collector = attach(
+            bg_model, run="bench-bg", sink=sink, regions="auto", sample_every=1, background_records=True
+        )
     kernels.disable()
     torch._dynamo.reset()
-    plain = (base_model, torch.compile(base_model), torch.optim.AdamW(base_model.parameters(), lr=1e-6))
+    plain = (base_model, torch.compile(base_model), torch.optim.AdamW(base_model.parameters(), lr=1e-6), None)
     watched = (
         watched_model,
         torch.compile(watched_model),
         torch.optim.AdamW(watched_model.parameters(), lr=1e-6),
+        collector,
     )
+    if args.background:
+        background = (
+            bg_model,
+            torch.compile(bg_model),
+            torch.optim.AdamW(bg_model.parameters(), lr=1e-6),
+            bg_collector,
+        )
 
-    def step(which: tuple[Any, Any, Any], n: int, with_collector: bool) -> float:
-        model, compiled, optimizer = which
+    record_s: dict[int, list[float]] = {id(collector): []}
+    if args.background:
+        record_s[id(bg_collector)] = []
+
+    def step(which: tuple[Any, Any, Any, Any], n: int, with_collector: bool = True) -> float:
+        model, compiled, optimizer, col = which
+        spent = record_s.get(id(col)) if col is not None else None
         sync()
         t0 = time.perf_counter()
-        train_step(compiled, optimizer, batch, mask, collector if with_collector else None, n, True)
+        train_step(compiled, optimizer, batch, mask, col if with_collector else None, n, True, spent)
         sync()
         return time.perf_counter() - t0
 
-    for n in range(args.warmup + 1):  # compile both (the collector's graph: the second call)
-        step(plain, n, False)
-        step(watched, n, True)
-    times: dict[str, list[float]] = {"compiled": [], "compiled+fingerprints": []}
+    configs = [("compiled", plain), ("compiled+fingerprints", watched)]
+    if background is not None:
+        configs.append(("compiled+fingerprints+background", background))
+    for n in range(args.warmup + 1):  # compile each (the collector's graph: the second call)
+        for _, which in configs:
+            step(which, n)
+    times: dict[str, list[float]] = {name: [] for name, _ in configs}
     n = args.warmup + 1
     for round_ in range(args.rounds):
-        order = [("compiled", plain, False), ("compiled+fingerprints", watched, True)]
-        for name, which, on in order if round_ % 2 == 0 else order[::-1]:
+        shift = round_ % len(configs)
+        for name, which in configs[shift:] + configs[:shift]:
             for _ in range(args.steps):
                 n += 1
-                times[name].append(step(which, n, on))
+                times[name].append(step(which, n))
     own = collector.counters.own_forwards
     # a switch to the invariant kernels: the next compiled step recompiles (Dynamo guards on it)
     control.set("invariant")
@@ -430,16 +474,25 @@ def run_compiled_trainer(args: argparse.Namespace) -> dict[str, Any]:
     control.set("native")
     step(watched, n + 10, True)
     errors = collector.counters.errors + collector.stats()["hook_errors"]
+    mutated = sorted(collector._capture.mutated)  # regions left on the per-region op
     collector.detach()
+    if background is not None:
+        errors += bg_collector.counters.errors + bg_collector.stats()["hook_errors"]
+        bg_collector.detach()
     sink.close()
     kernels.disable()
     base, with_prints = (
         statistics.median(times["compiled"]),
         statistics.median(times["compiled+fingerprints"]),
     )
+    step_ms = {name: 1e3 * statistics.median(t) for name, t in times.items()}
     return {
-        "step_ms": {"compiled": 1e3 * base, "compiled+fingerprints": 1e3 * with_prints},
+        "step_ms": step_ms,
         "ratio": with_prints / base,
+        "ratios": {name: ms / step_ms["compiled"] for name, ms in step_ms.items() if name != "compiled"},
+        "regions_on_the_per_region_op": mutated,
+        # host time inside record_step (between forward and backward), median over every step
+        "record_step_host_ms": 1e3 * statistics.median(record_s[id(collector)]),
         "own_forwards": own,
         "collector_errors": errors,
         "recompile_s_after_switch": first - statistics.median(steady),
@@ -502,11 +555,20 @@ def main() -> None:
             f"{check['decode_steps_replayed_from_graph']} decode steps replayed from a graph; "
             f"recapture after a switch {engine['recapture_s_after_switch']} s"
         )
+        print(f"  multi-region launches per bucket: {engine['fusion']}")
         print(
             f"compiled trainer step: {trainer['step_ms']['compiled']:.2f} ms -> "
             f"{trainer['step_ms']['compiled+fingerprints']:.2f} ms  ratio {trainer['ratio']:.3f} (target <= 1.10); "
             f"own forwards {trainer['own_forwards']}, errors {trainer['collector_errors']}, "
             f"recompile after a switch {trainer['recompile_s_after_switch']:.2f} s"
+        )
+        print(
+            f"  record_step host time (between forward and backward): {trainer['record_step_host_ms']:.2f} ms"
+        )
+        for name, ratio in trainer["ratios"].items():
+            print(f"  {name}: {trainer['step_ms'][name]:.2f} ms  ratio {ratio:.3f}")
+        print(
+            f"  regions on the per-region op (written in place after their tap): {trainer['regions_on_the_per_region_op']}"
         )
         if args.json:
             Path(args.json).write_text(json.dumps(result, indent=2))

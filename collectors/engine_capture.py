@@ -34,6 +34,7 @@ from isoaudit.collectors.base import Collector, CollectorCounters, ModeReport, R
 from isoaudit.collectors.canary import canary_tokens, engine_canary, vocab_of
 from isoaudit.collectors.control import ControlChannel
 from isoaudit.collectors.fingerprint_op import FingerprintBuffers, slot_rows
+from isoaudit.collectors.fingerprint_regions import TABLE_WIDTH, HeldRegions, fingerprint_regions_into
 from isoaudit.collectors.fingerprints import default_ladder_bits, fingerprint_rows
 from isoaudit.collectors.held_weights import module_digests
 from isoaudit.collectors.layout import StepBatch
@@ -46,12 +47,18 @@ from torch.utils.hooks import RemovableHandle
 
 
 class _Bucket:
-    """The fingerprint buffers of one decode graph (``rows`` = its bucket) and the rungs each
-    region slot was written with while it was captured (``None``: the graph never wrote it)."""
+    """The fingerprint buffers of one decode graph (``rows`` = its bucket), the rungs each region
+    slot was written with while it was captured (``None``: the graph never wrote it), the regions
+    the step's taps hold for its end, and the device table the step's multi-region launch reads
+    (written after the capture: a captured launch reads it at each replay)."""
 
-    def __init__(self, slots: int, rows: int, device: torch.device) -> None:
+    def __init__(self, slots: int, rows: int, device: torch.device, max_held_bytes: int) -> None:
         self.buffers = FingerprintBuffers(slots, rows, device)
         self.bits: list[tuple[int, ...] | None] = [None] * slots
+        self.held = HeldRegions(max_held_bytes)
+        self.table = torch.zeros(slots, TABLE_WIDTH, dtype=torch.int64, device=device)
+        self.table_values: list[int] = []  # what the captured launch must read, written on exit
+        self.fused = 0  # regions in the step's multi-region launches, at the last capture
 
 
 class EngineFingerprints:
@@ -60,14 +67,19 @@ class EngineFingerprints:
 
     Packed steps (prefill, and decode where no graph runs) go through the adapter's ``step``,
     wrapped to record each row's (slot, position); the hooks fingerprint their rows at once. The
-    graphed decode keeps its CUDA graphs: while a bucket's graph is captured the same hooks write
-    every region through the fingerprint op (:mod:`isoaudit.collectors.fingerprint_op`) into that
-    bucket's buffers, so each replay fingerprints every region; after a replay the engine says which
-    rows were real and where (:meth:`replayed`), a device-side copy keeps them, and :meth:`records`
-    brings all of them to the host in one transfer.
+    graphed decode keeps its CUDA graphs: while a bucket's graph is captured the same hooks hold
+    each region's rows and the adapter's ``decode``, wrapped, fingerprints all of them at the
+    step's end into that bucket's buffers in one launch per dtype
+    (:mod:`isoaudit.collectors.fingerprint_regions`; a region written in place after its tap, or
+    past ``max_held_bytes``, through the per-region op at its tap), so each replay fingerprints
+    every region; after a replay the engine says which rows were real and where (:meth:`replayed`),
+    a device-side copy keeps them, and :meth:`records` brings all of them to the host in one
+    transfer.
     """
 
-    def __init__(self, adapter: Any, regions: RegionsArg = "auto", engine: Any = None) -> None:
+    def __init__(
+        self, adapter: Any, regions: RegionsArg = "auto", engine: Any = None, max_held_bytes: int = 256 << 20
+    ) -> None:
         self.adapter = adapter
         resolved = resolve_regions(adapter.model, regions)
         self.specs = resolved.specs
@@ -82,6 +94,11 @@ class EngineFingerprints:
         self._original_step = adapter.step
         self._own_step = vars(adapter).get("step")  # an instance attribute to put back, if any
         adapter.step = self._step
+        self.max_held_bytes = max_held_bytes
+        self._original_decode = getattr(adapter, "decode", None)
+        self._own_decode = vars(adapter).get("decode")
+        if callable(self._original_decode):
+            adapter.decode = self._decode
         for k, spec in enumerate(self.specs):
             module = adapter.model.get_submodule(spec.module)
             self._handles.append(module.register_forward_hook(self._hook(k, spec.name, spec.tap)))
@@ -102,6 +119,28 @@ class EngineFingerprints:
         finally:
             self._layout = None
 
+    def _decode(self, ids: torch.Tensor, positions: torch.Tensor, cache: Any) -> torch.Tensor:
+        """The adapter's decode step; inside a bucket's capture (or its eager run), the regions its
+        taps held are fingerprinted at its end, still inside the step (replays repeat it)."""
+        out = self._original_decode(ids, positions, cache)  # type: ignore[misc]  # callable: wrapped only then
+        bucket = self._capturing
+        if bucket is not None:
+            self._flush(bucket)
+        return out
+
+    def _flush(self, bucket: _Bucket) -> None:
+        """The held regions in one launch per group; a region written in place since its tap is
+        not recorded from this forward (its slot is written at its tap from the next one)."""
+        keep, lost = bucket.held.take()
+        for region in lost:
+            bucket.bits[region.slot] = None
+        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        buffers = bucket.buffers
+        values = fingerprint_regions_into(keep, buffers.ints, buffers.floats, bucket.table, not capturing)
+        bucket.fused = len(values) // TABLE_WIDTH
+        if capturing:
+            bucket.table_values = values
+
     def _hook(self, slot: int, region: str, tap: Any):
         def hook(_module: torch.nn.Module, _inputs: Any, output: Any) -> None:
             bucket = self._capturing
@@ -111,10 +150,11 @@ class EngineFingerprints:
             if tensor is None:
                 return
             rows = tensor.detach().reshape(-1, tensor.shape[-1])
-            if bucket is not None:  # a decode graph being captured: the op, into its buffers
+            if bucket is not None:  # a decode step being captured: held for its end, or the op now
                 if rows.shape[0] == bucket.buffers.rows:
                     bits = default_ladder_bits(rows.dtype)
-                    bucket.buffers.write(slot, rows, bits)
+                    if not bucket.held.hold(slot, rows, bits):
+                        bucket.buffers.write(slot, rows, bits)
                     bucket.bits[slot] = bits
                 return
             host = fingerprint_rows(rows).to_host()
@@ -128,18 +168,34 @@ class EngineFingerprints:
 
     @contextmanager
     def capturing(self, slots: int) -> Iterator[None]:
-        """The ``slots``-row decode graph is being warmed up and captured: the hooks write through
-        the op into that bucket's buffers (allocated once per bucket)."""
+        """The ``slots``-row decode graph is being warmed up and captured: the hooks hold each
+        region for the step's end, which writes them into that bucket's buffers (allocated once
+        per bucket); on exit the captured launch's table is written (its addresses are the
+        graph's, fixed for every replay)."""
         bucket = self._buckets.get(slots)
         if bucket is None:
             device = self.adapter.lm_head_weight.device
-            bucket = self._buckets[slots] = _Bucket(len(self.specs), slots, device)
+            bucket = self._buckets[slots] = _Bucket(len(self.specs), slots, device, self.max_held_bytes)
         bucket.bits = [None] * len(self.specs)
+        bucket.table_values = []
+        bucket.held.alone = {}
         self._capturing = bucket
         try:
             yield
         finally:
             self._capturing = None
+            bucket.held.take()  # a step that raised: nothing stays held
+            if bucket.table_values:
+                values = torch.tensor(bucket.table_values, dtype=torch.int64)
+                bucket.table.reshape(-1)[: values.numel()].copy_(values)
+                bucket.table_values = []
+
+    @property
+    def fusion(self) -> dict[int, dict[str, int]]:
+        """Per captured bucket: the regions its step fingerprints in multi-region launches
+        (``fused``) and, by reason, those written at their tap (``mutated``: written in place
+        after the tap; ``over_cap``: past ``max_held_bytes``; ``not_fused``: no kernel for them)."""
+        return {slots: {"fused": b.fused, **b.held.alone} for slots, b in self._buckets.items()}
 
     def replayed(self, slots: int, positions: np.ndarray, live: np.ndarray) -> None:
         """Keep the real rows of the replay that just ran (a device copy: no sync)."""
@@ -231,6 +287,10 @@ class EngineFingerprints:
             self.adapter.step = self._own_step
         else:
             vars(self.adapter).pop("step", None)  # the class's method again
+        if self._own_decode is not None:
+            self.adapter.decode = self._own_decode
+        else:
+            vars(self.adapter).pop("decode", None)
 
 
 def _head_dtype(model: torch.nn.Module) -> str | None:

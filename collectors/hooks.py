@@ -7,11 +7,13 @@ re-runs layers outside the root forward) is ignored. Hooks never modify outputs 
 failure is counted and logged once, and the forward goes on.
 
 Under ``torch.compile`` Dynamo traces these hooks into the compiled graph, so there they do no
-Python bookkeeping at all: each region hook calls the fingerprint op
-(:mod:`isoaudit.collectors.fingerprint_op`) on the region's rows, writing into the slot of that
-region in buffers :meth:`ForwardCapture.prepare_compiled` allocated before the step for its batch
-shape (the graph's own storage; it guards only on whether buffers are set), and
-:meth:`ForwardCapture.take_compiled` turns them into a :class:`Capture` after the step.
+Python bookkeeping at all: each region hook keeps the region's rows, and the root post-hook calls
+the multi-region fingerprint op (:mod:`isoaudit.collectors.fingerprint_regions`) once on all of
+them, writing each into the slot of its region in buffers :meth:`ForwardCapture.prepare_compiled`
+allocated before the step for its batch shape (the graph's own storage; it guards only on whether
+buffers are set); :meth:`ForwardCapture.take_compiled` turns them into a :class:`Capture` after
+the step. A region whose output an eager forward saw written in place after its tap (Dynamo cannot
+read version counters) goes through the per-region op at its tap instead.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 
 import torch
 from isoaudit.collectors.fingerprint_op import FingerprintBuffers
+from isoaudit.collectors.fingerprint_regions import record_regions
 from isoaudit.collectors.fingerprints import (
     FLOAT_WIDTH,
     RowFingerprints,
@@ -124,6 +127,7 @@ class ForwardCapture:
         fingerprinter: Fingerprinter = fingerprint_rows,
         should_fingerprint: Callable[[], bool] = lambda: True,
         group_bytes: int = 64 << 20,
+        max_held_bytes: int = 256 << 20,
     ) -> None:
         if group_bytes < 0:
             raise ValueError(
@@ -150,6 +154,16 @@ class ForwardCapture:
         self.compiled_target: _CompiledTarget | None = None
         #: a compiled forward ran through these hooks (buffers are allocated only then)
         self.compiled_seen = False
+        #: region slots whose output an eager forward saw written in place after the tap: compiled
+        #: forwards fingerprint them at their tap, the others together at the forward's end
+        self.mutated: set[int] = set()
+        self._watched: set[int] = set()  # slots an eager forward has checked
+        self._watching: list[tuple[int, torch.Tensor, int]] = []  # (slot, tap tensor, its version)
+        self._pending: list[tuple[int, torch.Tensor]] | None = None  # a compiled forward's held rows
+        self._pending_bytes = 0
+        #: bound on the activation bytes a compiled forward holds for its end (rows x width x
+        #: element size, summed over regions); regions past it are written at their tap
+        self.max_held_bytes = max_held_bytes
         _compiled_models_see_hooks()
         self._handles.append(model.register_forward_pre_hook(self._open, with_kwargs=True))
         self._handles.append(model.register_forward_hook(self._close, always_call=True))
@@ -160,8 +174,9 @@ class ForwardCapture:
     # ---------------------------------------------------------------- hooks
 
     def _open(self, _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if torch.compiler.is_compiling():  # traced: the region hooks write the op, nothing else
+        if torch.compiler.is_compiling():  # traced: the region hooks hold rows, nothing else
             self.compiled_seen = True  # replayed by every compiled call: buffers from the next step
+            self._pending, self._pending_bytes = [], 0
             return
         self._depth += 1
         if self._depth > 1:  # a nested call of the root (rare) belongs to the outer capture
@@ -194,9 +209,14 @@ class ForwardCapture:
             target = self.compiled_target
             if target is not None:  # the logits, for the collector's logprobs and distribution
                 target.logits = _logits_of(output)
+            self._flush_compiled()
             return
         self._depth = max(0, self._depth - 1)
-        if self._depth or self.current is None:
+        if self._depth:
+            return
+        self._flush_compiled()  # compiled regions under an eager root: their op runs here
+        self._check_watched()
+        if self.current is None:
             return
         try:
             if self.current.fingerprinting:
@@ -220,7 +240,11 @@ class ForwardCapture:
                 self._compiled_region(spec, slot, _module, _inputs, output)
                 return
             capture = self.current
-            if capture is None or not capture.fingerprinting:
+            if capture is None:
+                return
+            if slot not in self._watched:
+                self._watch(spec, slot, output)
+            if not capture.fingerprinting:
                 return
             try:
                 # no_grad: nothing here may join the autograd graph (activation checkpointing counts
@@ -249,11 +273,41 @@ class ForwardCapture:
 
         return hook
 
+    def _watch(self, spec: RegionSpec, slot: int, output: Any) -> None:
+        """Note the version of a region's tap in an eager forward, checked at its end
+        (:meth:`_check_watched`): which regions compiled forwards may hold until their end."""
+        if spec.tap is Tap.FP32:  # a fresh cast: nothing else writes it
+            self._watched.add(slot)
+            return
+        try:
+            tensor = read_tap(output, spec.tap)
+            if tensor is not None:
+                self._watching.append((slot, tensor, tensor._version))
+        except Exception as exc:
+            self._fail(spec.name, exc)
+
+    def _check_watched(self) -> None:
+        for slot, tensor, version in self._watching:
+            self._watched.add(slot)
+            if tensor._version != version:
+                self.mutated.add(slot)
+        self._watching.clear()
+
+    def _flush_compiled(self) -> None:
+        """The rows a compiled forward's region hooks held, through the multi-region op at once."""
+        pending, self._pending, self._pending_bytes = self._pending, None, 0
+        target = self.compiled_target
+        if pending and target is not None:
+            rows = [r for _, r in pending]
+            record_regions(rows, [slot for slot, _ in pending], target.buffers.ints, target.buffers.floats)
+
     def _compiled_region(
         self, spec: RegionSpec, slot: int, module: nn.Module, inputs: Any, output: Any
     ) -> None:
-        """A region inside a traced forward: every row through the fingerprint op into its slot
-        (rows are picked on the host after the step). No try/except: Dynamo traces this."""
+        """A region inside a traced forward: every row held for the forward's end (the
+        multi-region op; a region seen written in place after its tap: the per-region op now),
+        into its slot (rows are picked on the host after the step). No try/except: Dynamo traces
+        this."""
         target = self.compiled_target
         if target is None:
             return
@@ -268,7 +322,14 @@ class ForwardCapture:
             if rows.shape[0] != target.buffers.rows:
                 return
             bits = default_ladder_bits(rows.dtype)
-            target.buffers.write(slot, rows, bits)
+            size = rows.numel() * rows.element_size()
+            if slot in self.mutated or self._pending_bytes + size > self.max_held_bytes:
+                target.buffers.write(slot, rows, bits)
+            else:
+                if self._pending is None:  # a compiled region under an eager root
+                    self._pending = []
+                self._pending.append((slot, rows))
+                self._pending_bytes += size
             target.bits[slot] = bits
 
     def prepare_compiled(self, input_shape: tuple[int, ...], device: torch.device | None) -> None:
@@ -401,6 +462,8 @@ class ForwardCapture:
         self._handles.clear()
         self._staging.clear()
         self._targets.clear()
+        self._watching.clear()
+        self._pending = None
         self.compiled_target = None
         self.current = self.last = None
 

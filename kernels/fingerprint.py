@@ -26,13 +26,14 @@ from typing import NamedTuple
 
 import torch
 
-from ._triton import HAVE_TRITON, CachedLauncher, aligned, cdiv, jit, resolve, tl
+from ._triton import HAVE_TRITON, CachedLauncher, aligned, cdiv, jit, resolve, tl, triton
 
 SKETCH_DIM = 16
 
 # dtype -> (integer view, stored mantissa bits). The launch shape is fixed (never from the row
 # count), so a row's float sums have one order.
 _INT_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+_KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 BLOCK_R, BLOCK_H, WARPS = 16, 128, 4
 
 
@@ -53,17 +54,14 @@ def supported(x: torch.Tensor) -> bool:
 
 if HAVE_TRITON:
 
-    @jit(do_not_specialize=["n_rows"])
-    def _fingerprint_kernel(
-        x_ptr, w_ptr, p_ptr, m_ptr, int_ptr, flt_ptr, n_rows, hidden, stride_x, stride_i, stride_f,
+    @triton.jit
+    def _fingerprint_tile(
+        base, row_ok, w_ptr, p_ptr, m_ptr, hidden,
         R: tl.constexpr, KIND: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, SK: tl.constexpr,
     ):  # fmt: skip
-        """KIND 0: bf16 (int16 view), 1: fp16 (int16 view), 2: fp32 (int32 view). Output rows:
-        int64 (digest, R rungs) every ``stride_i``; float32 (16 sketch values, L2, max-abs) every
-        ``stride_f`` (a caller's preallocated buffers may be wider than the fields)."""
-        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        row_ok = rows < n_rows
-        base = x_ptr + rows.to(tl.int64)[:, None] * stride_x
+        """Every field of ``BLOCK_R`` rows (``base``: each row's first element, as the integer view;
+        ``row_ok``: which rows are real): (digest, ladder, sketch, L2, max-abs). The one definition
+        of a row's arithmetic: every kernel here calls it, so they give the same bits."""
         sk_cols = tl.arange(0, SK)
         # Each 64-bit weight w = (hi + b) * 2**32 + lo_s, lo_s its low word read as signed: then
         # x * w = x * lo_s + 2**32 * (x * (hi + b)) mod 2**64, one widening 32-bit product and one
@@ -80,7 +78,7 @@ if HAVE_TRITON:
             cols = h0 + tl.arange(0, BLOCK_H)
             col_ok = cols < hidden
             ok = row_ok[:, None] & col_ok[None, :]
-            xi = tl.load(base + cols[None, :], mask=ok, other=0)
+            xi = tl.load(base[:, None] + cols[None, :], mask=ok, other=0)
             w = tl.load(w_ptr + cols, mask=col_ok, other=0)
             w_lo = w.to(tl.int32)  # truncates: the low word, as signed
             w_hi = ((w - w_lo.to(tl.int64)) >> 32).to(tl.int32)
@@ -114,15 +112,68 @@ if HAVE_TRITON:
             maxabs = amax.to(tl.float32, bitcast=True)
         digest = dig_lo + (dig_hi.to(tl.int64) << 32)
         ladder = lad_lo + (lad_hi.to(tl.int64) << 32)
-        int_row = int_ptr + rows.to(tl.int64) * stride_i
+        return digest, ladder, sketch, tl.sqrt_rn(sq), maxabs
+
+    @triton.jit
+    def _store_tile(
+        int_row, flt_row, row_ok, digest, ladder, sketch, l2, maxabs, R: tl.constexpr, SK: tl.constexpr
+    ):
+        """Write :func:`_fingerprint_tile`'s fields at each row's int64 and float32 output row."""
+        r_idx = tl.arange(0, R)
+        sk_cols = tl.arange(0, SK)
         tl.store(int_row, digest, mask=row_ok)
         tl.store(int_row[:, None] + 1 + r_idx[None, :], ladder, mask=row_ok[:, None])
-        flt_row = flt_ptr + rows.to(tl.int64) * stride_f
         tl.store(flt_row[:, None] + sk_cols[None, :], sketch, mask=row_ok[:, None])
-        tl.store(flt_row + SK, tl.sqrt_rn(sq), mask=row_ok)
+        tl.store(flt_row + SK, l2, mask=row_ok)
         tl.store(flt_row + SK + 1, maxabs, mask=row_ok)
 
+    @jit(do_not_specialize=["n_rows"])
+    def _fingerprint_kernel(
+        x_ptr, w_ptr, p_ptr, m_ptr, int_ptr, flt_ptr, n_rows, hidden, stride_x, stride_i, stride_f,
+        R: tl.constexpr, KIND: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, SK: tl.constexpr,
+    ):  # fmt: skip
+        """KIND 0: bf16 (int16 view), 1: fp16 (int16 view), 2: fp32 (int32 view). Output rows:
+        int64 (digest, R rungs) every ``stride_i``; float32 (16 sketch values, L2, max-abs) every
+        ``stride_f`` (a caller's preallocated buffers may be wider than the fields)."""
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        row_ok = rows < n_rows
+        base = x_ptr + rows.to(tl.int64) * stride_x
+        digest, ladder, sketch, l2, maxabs = _fingerprint_tile(
+            base, row_ok, w_ptr, p_ptr, m_ptr, hidden, R, KIND, BLOCK_R, BLOCK_H, SK
+        )
+        int_row = int_ptr + rows.to(tl.int64) * stride_i
+        flt_row = flt_ptr + rows.to(tl.int64) * stride_f
+        _store_tile(int_row, flt_row, row_ok, digest, ladder, sketch, l2, maxabs, R, SK)
+
+    @jit(do_not_specialize=["n_rows"])
+    def _fingerprint_regions_kernel(
+        table_ptr, w_ptr, p_ptr, m_ptr, int_ptr, flt_ptr, n_rows, hidden, slot_i, stride_i, slot_f, stride_f,
+        R: tl.constexpr, KIND: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, SK: tl.constexpr,
+    ):  # fmt: skip
+        """Many regions of one dtype and width in one launch: program (i, g) takes row block i of
+        region g, whose table row (int64) is (data address, row stride in elements, output slot);
+        slot ``s``'s output rows start at ``int_ptr + s * slot_i`` and ``flt_ptr + s * slot_f``.
+        Each row block through :func:`_fingerprint_tile`: the bits of :func:`_fingerprint_kernel`."""
+        g = tl.program_id(1)
+        addr = tl.load(table_ptr + 3 * g)
+        stride_x = tl.load(table_ptr + 3 * g + 1)
+        slot = tl.load(table_ptr + 3 * g + 2)
+        if KIND == 2:
+            x_ptr = addr.to(tl.pointer_type(tl.int32))
+        else:
+            x_ptr = addr.to(tl.pointer_type(tl.int16))
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        row_ok = rows < n_rows
+        base = x_ptr + rows.to(tl.int64) * stride_x
+        digest, ladder, sketch, l2, maxabs = _fingerprint_tile(
+            base, row_ok, w_ptr, p_ptr, m_ptr, hidden, R, KIND, BLOCK_R, BLOCK_H, SK
+        )
+        int_row = int_ptr + slot * slot_i + rows.to(tl.int64) * stride_i
+        flt_row = flt_ptr + slot * slot_f + rows.to(tl.int64) * stride_f
+        _store_tile(int_row, flt_row, row_ok, digest, ladder, sketch, l2, maxabs, R, SK)
+
     _LAUNCH = CachedLauncher(_fingerprint_kernel)
+    _LAUNCH_REGIONS = CachedLauncher(_fingerprint_regions_kernel)
 
 
 def fingerprint_reference(
@@ -201,11 +252,10 @@ def fingerprint_rows(
         ints, floats = out
     fields = _fields(ints, floats, r)
     if n:
-        if r_pad != r:  # tl.arange needs a power of two: extra rungs keep every bit, sliced off
-            masks = torch.cat([masks, masks.new_full((r_pad - r,), -1)])
+        masks = _padded(masks, r_pad)
         xi = rows.view(_INT_VIEW[x.dtype])
-        kind = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}[x.dtype]
-        proj, masks = sketch.contiguous(), masks.contiguous()
+        kind = _KIND[x.dtype]
+        proj = sketch.contiguous()
         si, sf = ints.stride(0), floats.stride(0)
         args = (xi, weights, proj, masks, ints, floats, n, hidden, xi.stride(0), si, sf)
         cx = dict(R=r_pad, KIND=kind, BLOCK_R=BLOCK_R, BLOCK_H=BLOCK_H, SK=SKETCH_DIM)
@@ -221,6 +271,80 @@ def fingerprint_rows(
         )
         _LAUNCH(key, (cdiv(n, BLOCK_R), 1, 1), args, cx, num_warps=WARPS)
     return fields
+
+
+def _padded(masks: torch.Tensor, r_pad: int) -> torch.Tensor:
+    """``masks`` with ``r_pad - R`` all-ones rungs appended (``tl.arange`` needs a power of two:
+    the extra rungs keep every bit and are never read), contiguous."""
+    r = masks.shape[0]
+    if r_pad != r:
+        masks = torch.cat([masks, masks.new_full((r_pad - r,), -1)])
+    return masks.contiguous()
+
+
+#: Table columns of :func:`fingerprint_regions`: data address, row stride (elements), output slot.
+TABLE_WIDTH = 3
+
+
+def fingerprint_regions(
+    table: torch.Tensor,
+    count: int,
+    n_rows: int,
+    hidden: int,
+    dtype: torch.dtype,
+    weights: torch.Tensor,
+    sketch: torch.Tensor,
+    masks: torch.Tensor,
+    ints: torch.Tensor,
+    floats: torch.Tensor,
+) -> None:
+    """Fingerprint ``count`` regions in one launch: each ``n_rows`` rows of ``hidden`` elements of
+    ``dtype`` with unit column stride, listed in ``table`` (int64 ``[>= count, 3]`` on the
+    device, contiguous: each region's data address, row stride in elements and output slot); region
+    rows go to ``ints[slot]`` / ``floats[slot]`` (``[slots, n_rows, >= 1 + R']`` int64 and
+    ``[slots, n_rows, >= 18]`` float32, unit column stride) with the bits of
+    :func:`fingerprint_rows` on each region alone (both kernels share :func:`_fingerprint_tile`).
+
+    The table is read when the kernel runs, not at the call: a launch captured into a CUDA graph
+    may be given a table whose rows are written after the capture (the addresses are the graph's).
+    The caller keeps every listed tensor alive until the kernel has run. ``weights``/``sketch``/
+    ``masks`` as for :func:`fingerprint_rows` (of ``hidden``), on the table's device."""
+    if dtype not in _INT_VIEW:
+        raise TypeError(f"dtype: {dtype} is not fused; expected one of {sorted(map(str, _INT_VIEW))}")
+    if (
+        table.dtype != torch.int64
+        or table.dim() != 2
+        or table.shape[1] != TABLE_WIDTH
+        or table.shape[0] < count
+    ):
+        raise ValueError(
+            f"table: expected int64 [>= {count}, {TABLE_WIDTH}], got {table.dtype} {list(table.shape)}"
+        )
+    if not table.is_contiguous():
+        raise ValueError("table: must be contiguous")
+    r_pad = _pow2_at_least(max(masks.shape[0], 1))
+    for name, t, want, width in (
+        ("ints", ints, torch.int64, 1 + r_pad),
+        ("floats", floats, torch.float32, SKETCH_DIM + 2),
+    ):
+        if t.dtype != want or t.dim() != 3 or t.shape[1] != n_rows or t.shape[2] < width or t.stride(2) != 1:
+            raise ValueError(
+                f"{name}: expected {want} [slots, {n_rows}, >= {width}] with unit column stride, "
+                f"got {t.dtype} {list(t.shape)} strides {list(t.stride())}"
+            )
+        if t.device != table.device:
+            raise ValueError(f"{name}: on {t.device}, the table on {table.device}")
+    if count == 0 or n_rows == 0:
+        return
+    resolve("triton", table)  # raises where the kernel cannot run
+    masks = _padded(masks, r_pad)
+    proj = sketch.contiguous()
+    kind = _KIND[dtype]
+    strides = (ints.stride(0), ints.stride(1), floats.stride(0), floats.stride(1))
+    args = (table, weights, proj, masks, ints, floats, n_rows, hidden, *strides)
+    cx = dict(R=r_pad, KIND=kind, BLOCK_R=BLOCK_R, BLOCK_H=BLOCK_H, SK=SKETCH_DIM)
+    key = (kind, r_pad, hidden, strides, aligned(table, weights, proj, masks, ints, floats), table.device)
+    _LAUNCH_REGIONS(key, (cdiv(n_rows, BLOCK_R), count, 1), args, cx, num_warps=WARPS)
 
 
 def _fields(ints: torch.Tensor, floats: torch.Tensor, r: int) -> Fingerprints:

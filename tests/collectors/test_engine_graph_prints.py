@@ -1,6 +1,6 @@
 """The reference engine's decode keeps its bucketed (CUDA-graph) step while every region is
-fingerprinted: the fingerprint op inside the captured step, the host filing rows by the layout it
-knows. On the CPU the bucketed step runs eagerly (no graphs here); the GPU tests replay graphs."""
+fingerprinted: the taps hold each region's rows and one multi-region launch per dtype at the step's
+end writes them, inside the captured step; the host files rows by the layout it knows. On the CPU the bucketed step runs eagerly (no graphs here); the GPU tests replay graphs."""
 
 from __future__ import annotations
 
@@ -45,6 +45,8 @@ def _run(model, engine_kw: dict, observe: bool, prompts=PROMPTS, new=NEW, seeds=
             recs = prints.records("r", seed, [c.prompt for c in done], [c.tokens for c in done])
             out.append((done, recs))
         engine.graph_keys = list(engine._graphs)  # what ran, before detaching drops it
+        engine.fusion = prints.fusion
+        engine.written = {n: sum(b is not None for b in k.bits) for n, k in prints._buckets.items()}
         return engine, prints, out
     finally:
         prints.detach()
@@ -126,6 +128,8 @@ def test_graphed_decode_fingerprints_equal_eager_and_replay_gpu() -> None:
         eng, _, graphed = _run(model, {}, observe=True, prompts=prompts, new=new, seeds=(1, 2))
         assert eng.graphed() and eng.replays >= 2 * (max(new) - 1)
         assert [k[0] for k in eng.graph_keys] == [8] and len(eng.captures) == 1  # captured once, replayed
+        # every region the step runs in one multi-region launch at its end, none alone
+        assert eng.fusion == {8: {"fused": eng.written[8]}} and eng.written[8] > 0
         _, _, eager = _run(
             model, {"cuda_graphs": False}, observe=False, prompts=prompts, new=new, seeds=(1, 2)
         )

@@ -1,6 +1,7 @@
 """A ``torch.compile``'d HF trainer (tiny Qwen3, CPU inductor): every region recorded through the
-fingerprint op inside the compiled graph (fullgraph, no break), remediated onto the invariant
-kernels (registered custom ops), fingerprints and gradients bit for bit the eager path's."""
+multi-region fingerprint op at the end of the compiled forward (fullgraph, no break), remediated
+onto the invariant kernels (registered custom ops), fingerprints and gradients bit for bit the
+eager path's."""
 
 from __future__ import annotations
 
@@ -38,8 +39,9 @@ def _batch(seed: int) -> StepBatch:
     return StepBatch.padded(prompts, completions, temperature=TEMPERATURE)  # one shape every step
 
 
-def _train(model: torch.nn.Module, forward, steps: int, *, control=None):
-    """A few real steps (forward, logprobs, loss, backward); each step's records and grads."""
+def _train(model: torch.nn.Module, forward, steps: int, *, control=None, mutated: set | None = None):
+    """A few real steps (forward, logprobs, loss, backward); each step's records and grads
+    (``mutated``: filled with the region slots the hooks found written in place after their tap)."""
     sink = MemorySink()
     collector = attach(
         model, run="c", sink=sink, keep_records=True, strict=True, async_transfer=False,
@@ -58,6 +60,9 @@ def _train(model: torch.nn.Module, forward, steps: int, *, control=None):
             grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
             model.zero_grad(set_to_none=True)
             out.append((report, grads))
+        if mutated is not None:
+            assert collector._capture._watched  # an eager forward checked the taps' versions
+            mutated |= collector._capture.mutated
     finally:
         collector.detach()
     return out
@@ -89,7 +94,10 @@ def test_compiled_trainer_records_every_region_through_the_op(dtype: torch.dtype
     try:
         eager = _train(eager_model, eager_model, 3, control=FixedControl("c", "invariant"))
         compiled_fn = torch.compile(compiled_model, fullgraph=True)
-        compiled = _train(compiled_model, compiled_fn, 3, control=FixedControl("c", "invariant"))
+        mutated: set = set()
+        compiled = _train(
+            compiled_model, compiled_fn, 3, control=FixedControl("c", "invariant"), mutated=mutated
+        )
     finally:
         kernels.disable()
         torch._dynamo.reset()
@@ -103,6 +111,7 @@ def test_compiled_trainer_records_every_region_through_the_op(dtype: torch.dtype
         assert not differ, (step, sorted(differ))
         if step >= 1:  # the first compiled call traces; from then on the op writes the buffers
             assert not rb.own_forward
+    assert not mutated  # every region through the one multi-region op at the forward's end
     regions = {r.region for r in compiled[-1][0].records if r.kind == "fingerprints"}
     assert {"embed", "layers.0.attn", "layers.1.out", "final_norm", "logits"} <= regions
 

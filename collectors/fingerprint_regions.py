@@ -1,0 +1,218 @@
+"""Every region of a forward fingerprinted together at the forward's end: one kernel launch per
+group of regions sharing dtype, width and ladder, instead of one launch (and one op dispatch) per
+region (DESIGN.md, "Fingerprints"; docs/design.md, "Fingerprints in compiled graphs").
+
+A forward with every region fingerprinted has over a hundred regions; at decode row counts each
+region's pass is a single program, so a per-region launch costs its whole latency serially, and
+under ``torch.compile`` each region is a Python-dispatched op. Here the taps only *hold* each
+region's rows (a reference: no copy) and :func:`fingerprint_regions_into` fingerprints all of them
+in one launch per group through :func:`isoaudit.kernels.fingerprint.fingerprint_regions`, which
+shares its per-row arithmetic with the per-region kernel: the same bits by construction.
+
+Held rows must still hold the tap's values at the end of the forward: a region whose tensor was
+written in place after its tap (its version counter moved) cannot be deferred.
+:class:`HeldRegions` finds those in the forwards it sees and writes them at their tap from then
+on. Where the kernel does not run (the CPU, fp64, rows that are not a plain strided view) each
+region goes through :func:`isoaudit.collectors.fingerprints.fingerprint_rows_into`, as before.
+
+``torch.ops.isoaudit.fingerprint_regions_`` is the group as one registered op (a ``Tensor[]``
+input, mutating the two buffers) for compiled forwards: the host dispatches it once per forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from isoaudit.collectors.fingerprints import (
+    _constants,
+    _format,
+    _triton_pass,
+    default_ladder_bits,
+    fingerprint_rows_into,
+)
+from isoaudit.kernels._triton import use_triton
+
+#: The multi-region op's qualified name (namespace ``isoaudit``).
+OP_NAME = "isoaudit::fingerprint_regions_"
+
+#: Int64 columns per region in the kernel's table: address, row stride, output slot.
+TABLE_WIDTH = 3
+
+
+@dataclass(frozen=True)
+class Region:
+    """One region's rows held for the end of the forward: ``rows`` [n, hidden] written to ``slot``
+    with rungs ``bits``."""
+
+    slot: int
+    rows: torch.Tensor
+    bits: tuple[int, ...]
+
+
+def fused_rows(rows: torch.Tensor, impl: str | None = None) -> bool:
+    """Whether the multi-region kernel reads ``rows`` where they lie: 2-D, unit column stride, a
+    fused dtype, and the kernel runs there (``impl=None``: on CUDA where the Triton pass imports, as
+    :func:`~isoaudit.collectors.fingerprints.fingerprint_rows_into` decides; ``"triton"``: wherever
+    Triton runs, the CPU under its interpreter included; ``"torch"``: never)."""
+    if rows.dim() != 2 or rows.stride(1) != 1 or rows.dtype not in _FUSED_DTYPES or impl == "torch":
+        return False
+    if impl == "triton":
+        return use_triton(rows)
+    return rows.device.type == "cuda" and _triton_pass() is not None
+
+
+_FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+GroupKey = tuple[torch.dtype, int, tuple[int, ...]]
+
+
+def groups(regions: Sequence[Region], impl: str | None = None) -> dict[GroupKey, list[Region]]:
+    """The fused regions by (dtype, width, rungs), in first-seen order: one launch each (the digest
+    weights, sketch and masks are per width and dtype). Regions the kernel cannot read
+    (:func:`fused_rows`) are left out."""
+    out: dict[GroupKey, list[Region]] = {}
+    for region in regions:
+        if fused_rows(region.rows, impl):
+            out.setdefault((region.rows.dtype, int(region.rows.shape[1]), region.bits), []).append(region)
+    return out
+
+
+def table_values(regions: Sequence[Region]) -> list[int]:
+    """The kernel's table rows for ``regions``, flattened: (address, row stride, slot) each."""
+    values: list[int] = []
+    for region in regions:
+        values += (region.rows.data_ptr(), region.rows.stride(0), region.slot)
+    return values
+
+
+def fingerprint_regions_into(
+    regions: Sequence[Region],
+    ints: torch.Tensor,
+    floats: torch.Tensor,
+    table: torch.Tensor | None = None,
+    write_table: bool = True,
+    impl: str | None = None,
+) -> list[int]:
+    """Fingerprint every region's rows into slot ``region.slot`` of ``ints``/``floats`` (int64 and
+    float32 ``[slots, n, width]``, as :class:`~isoaudit.collectors.fingerprint_op.FingerprintBuffers`
+    holds them): one launch per :func:`groups` entry, the others one by one. The same bits as
+    :func:`~isoaudit.collectors.fingerprints.fingerprint_rows_into` of each region alone.
+
+    ``table``: int64 ``[>= regions, 3]`` on the device to list the fused regions in (default: a
+    fresh one per call, copied from pinned memory without a sync). ``write_table=False`` leaves it
+    unwritten (a launch captured into a CUDA graph reads it at replay: the caller writes the
+    returned values into it after the capture). ``impl``: as for :func:`fused_rows`. Returns the
+    table's values, flattened (empty: nothing was fused)."""
+    fused = groups(regions, impl)
+    alone = [r for r in regions if not fused_rows(r.rows, impl)]
+    for region in alone:
+        fingerprint_rows_into(region.rows, ints[region.slot], floats[region.slot], region.bits)
+    ordered = [r for members in fused.values() for r in members]
+    if not ordered:
+        return []
+    from isoaudit.kernels.fingerprint import fingerprint_regions
+
+    values = table_values(ordered)
+    device = ordered[0].rows.device
+    if table is None:
+        host = torch.tensor(values, dtype=torch.int64)
+        if device.type == "cuda":
+            host = host.pin_memory()
+        table = host.to(device, non_blocking=True).reshape(-1, TABLE_WIDTH)
+    elif write_table:
+        table.reshape(-1)[: len(values)].copy_(torch.tensor(values, dtype=torch.int64))
+    start = 0
+    for (dtype, hidden, bits), members in fused.items():
+        fmt = _format(dtype)
+        weights, sketch, masks = _constants(hidden, device, fmt, bits)
+        n = int(members[0].rows.shape[0])
+        fingerprint_regions(
+            table[start:], len(members), n, hidden, dtype, weights, sketch, masks, ints, floats
+        )
+        start += len(members)
+    return values
+
+
+@dataclass
+class HeldRegions:
+    """The regions one forward's taps held, and what earlier forwards taught: which slots are
+    written in place after their tap (so are written at their tap from then on).
+
+    ``max_bytes`` bounds the activation memory held until the forward's end (the rows stay
+    allocated: a captured graph's pool cannot reuse them, which is what keeps them readable at
+    replay): rows x width x element size per region, summed; regions past it are written at their
+    tap."""
+
+    max_bytes: int = 256 << 20
+    held: list[tuple[Region, int]] = field(default_factory=list)  # (region, version at tap)
+    held_bytes: int = 0
+    mutated: set[int] = field(default_factory=set)
+    #: per reason, the regions written at their tap instead ("mutated", "over_cap")
+    alone: dict[str, int] = field(default_factory=dict)
+
+    def hold(self, slot: int, rows: torch.Tensor, bits: tuple[int, ...]) -> bool:
+        """Hold ``rows`` for the end of the forward; False: write it now (written in place after
+        its tap in an earlier forward, or over the byte cap)."""
+        reason = None
+        size = rows.numel() * rows.element_size()
+        if slot in self.mutated:
+            reason = "mutated"
+        elif self.held_bytes + size > self.max_bytes:
+            reason = "over_cap"
+        if reason is not None:
+            self.alone[reason] = self.alone.get(reason, 0) + 1
+            return False
+        self.held.append((Region(slot, rows, bits), rows._version))
+        self.held_bytes += size
+        return True
+
+    def take(self) -> tuple[list[Region], list[Region]]:
+        """End of the forward: (regions still holding their tap's values, regions written in place
+        since, now known as mutated and written at their tap in later forwards). Forgets them."""
+        held, self.held, self.held_bytes = self.held, [], 0
+        keep, lost = [], []
+        for region, version in held:
+            if region.rows._version == version:
+                keep.append(region)
+            else:
+                lost.append(region)
+                self.mutated.add(region.slot)
+        return keep, lost
+
+
+# Registered through ``torch.library.Library`` (as fingerprint_op's row-index op): a list input and
+# a few microseconds of dispatch.
+_lib = torch.library.Library("isoaudit", "FRAGMENT")
+_lib.define("fingerprint_regions_(Tensor[] xs, int[] slots, Tensor(a!) ints, Tensor(b!) floats) -> ()")
+
+
+def _fingerprint_regions_op(
+    xs: Sequence[torch.Tensor], slots: Sequence[int], ints: torch.Tensor, floats: torch.Tensor
+) -> None:
+    """Fingerprint ``xs[k]`` (rows = leading dims flattened; its dtype's default ladder) into slot
+    ``slots[k]`` of ``ints``/``floats`` ([slots, rows, width]); the table is built per call."""
+    regions = []
+    for x, slot in zip(xs, slots, strict=True):
+        rows = x.detach().reshape(-1, x.shape[-1]) if x.dim() else x.detach().reshape(1, 1)
+        regions.append(Region(int(slot), rows, default_ladder_bits(x.dtype)))
+    fingerprint_regions_into(regions, ints, floats)
+
+
+_lib.impl("fingerprint_regions_", _fingerprint_regions_op, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake(OP_NAME)
+def _fingerprint_regions_fake(
+    xs: Sequence[torch.Tensor], slots: Sequence[int], ints: torch.Tensor, floats: torch.Tensor
+) -> None:
+    """Shapes only: the op writes its buffers in place and returns nothing."""
+    return None
+
+
+def record_regions(
+    xs: Sequence[torch.Tensor], slots: Sequence[int], ints: torch.Tensor, floats: torch.Tensor
+) -> None:
+    """Call the multi-region op on ``xs`` (detached) into ``slots`` of the two buffers."""
+    torch.ops.isoaudit.fingerprint_regions_([x.detach() for x in xs], [int(s) for s in slots], ints, floats)
