@@ -1368,7 +1368,7 @@ FP8_MS = (1, 64, 256, 2048, 4096)
 #: The sweep's row counts: each of the tile table's rows (M <= 64, <= 256, larger) gets several.
 FP8_TUNE_MS = (1, 16, 64, 128, 256, 2048, 4096)
 #: The sweep stops starting new (shape, M) cases after this many seconds (it prints what it skipped).
-FP8_TUNE_BUDGET_S = 220.0
+FP8_TUNE_BUDGET_S = float(os.environ.get("ISOAUDIT_FP8_TUNE_BUDGET_S", "220"))
 
 
 def _fp8_operands(n: int, k: int, m_max: int):
