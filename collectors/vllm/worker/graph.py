@@ -42,7 +42,7 @@ _lib.define(
 )
 
 #: The live :class:`GraphTaps` by registry id: the compiled taps name theirs by this id, so each call
-#: passes five arguments and reads the forward's selection from the host's Python state (no tensor
+#: passes six arguments and reads the forward's selection from the host's Python state (no tensor
 #: read, no slicing in the op).
 _TAPS: dict[int, GraphTaps] = {}
 
@@ -64,8 +64,9 @@ def _tap_rows(
     n = tap.selected
     if n == 0:
         return
-    if stageable and tap.outs:
-        selected_rows(x, residual, tap.rows, out=tap.outs[slot])
+    rows = tap.rows
+    if stageable and tap.outs and rows is not None:
+        selected_rows(x, residual, rows, out=tap.outs[slot])
         return
     prints = tap.prints
     fingerprint_index_rows_(
