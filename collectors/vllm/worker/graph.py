@@ -31,10 +31,15 @@ from torch import nn
 #: The library of isoaudit's graph ops inside vLLM workers.
 LIBRARY = "isoaudit_vllm"
 
-#: Selected rows per forward that a CPU engine's taps stage for the batched pass after the step;
-#: more are fingerprinted in the forward. A fingerprint call costs about 100 us of fixed overhead
-#: on a CPU, so one per region per decode step would cost more than the step of a small model.
-CPU_STAGE_ROWS = 256
+#: Selected rows per forward that a CPU engine's taps stage for the batched pass after the step, at
+#: most; more are fingerprinted in the forward. A fingerprint call costs about 100 us of fixed
+#: overhead on a CPU, so one per region per decode step would cost more than the step of a small
+#: model; a prefill of a few selected requests fits too.
+CPU_STAGE_ROWS = 1024
+
+#: The stage's memory bound: fewer rows than ``CPU_STAGE_ROWS`` when regions x hidden are large (a
+#: 100-region model of hidden 4,096 in bf16 stages 81 rows, a decode batch's selection).
+CPU_STAGE_BYTES = 64 << 20
 
 _lib = torch.library.Library(LIBRARY, "FRAGMENT")
 _lib.define(
@@ -118,7 +123,8 @@ class GraphTaps:
     compiled variants hold these tensors): the fingerprint buffers (one slot per region, ``rows``
     rows), the ladder they are written with, the row index and count the host sets before each
     forward, whether the index is padded to its length (no count read: devices other than the CPU),
-    ``stage``: on a CPU, ``[regions, CPU_STAGE_ROWS, hidden]`` for the selections that fit it
+    ``stage``: on a CPU, ``[regions, stage rows, hidden]`` (``CPU_STAGE_ROWS`` at most, within
+    ``CPU_STAGE_BYTES``) for the selections that fit it
     (:func:`_tap_rows`; ``None`` elsewhere); and ``signature``: the regions and slots the tapped
     variants were compiled with."""
 
@@ -184,7 +190,9 @@ class GraphTaps:
         dtype: torch.dtype,
     ) -> GraphTaps:
         padded = device.type != "cpu"
-        stage = None if padded else torch.zeros(slots, min(rows, CPU_STAGE_ROWS), hidden, dtype=dtype)
+        row_bytes = slots * hidden * torch.empty(0, dtype=dtype).element_size()
+        stage_rows = min(rows, CPU_STAGE_ROWS, CPU_STAGE_BYTES // max(1, row_bytes))
+        stage = None if padded else torch.zeros(slots, stage_rows, hidden, dtype=dtype)
         return cls(
             FingerprintBuffers(slots, rows, device),
             bits,
