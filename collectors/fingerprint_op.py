@@ -100,10 +100,11 @@ def selected_rows(
     """Rows ``rows`` of ``x`` (rows = leading dims flattened) plus the same rows of ``residual``,
     added after selection (elementwise the bits of the sum), into ``out`` when given."""
     width = int(x.shape[-1]) if x.dim() else 1
-    flat = x.reshape(-1, width)
+    flat = x if x.dim() == 2 else x.reshape(-1, width)  # a decoder's [tokens, hidden]: no op call
     picked = flat.index_select(0, rows) if out is None else torch.index_select(flat, 0, rows, out=out)
     if residual is not None:
-        picked.add_(residual.reshape(-1, width).index_select(0, rows))
+        extra = residual if residual.dim() == 2 else residual.reshape(-1, width)
+        picked.add_(extra.index_select(0, rows))
     return picked
 
 

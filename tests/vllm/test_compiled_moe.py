@@ -20,15 +20,18 @@ from tests.vllm.conftest import RUN, by_key, engine, generate, prompts_of, rows_
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-# The first forward selects more rows than a CPU engine stages (the prompts' prefill, 305 rows):
-# fingerprinted in the graph; the decode steps' 2 rows are staged (the router's always in the graph).
+# The first forward selects more rows than the CPU stage holds here (the prompts' prefill, 305 rows,
+# past STAGE_ROWS): fingerprinted in the graph; the decode steps' 2 rows are staged (the router's
+# always in the graph).
 LENGTHS = [5, 300]
+STAGE_ROWS = 256
 MAX_TOKENS = 5
 
 
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     import isoaudit.collectors.vllm as cv
+    from isoaudit.collectors.vllm.worker import graph
 
     path = make_tiny_model(
         "qwen3_moe",
@@ -37,7 +40,8 @@ def recorded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any
         seed=3,
         dtype="bfloat16",
     )
-    with engine(path, enforce_eager=False) as llm:
+    with pytest.MonkeyPatch.context() as patch, engine(path, enforce_eager=False) as llm:
+        patch.setattr(graph, "CPU_STAGE_ROWS", STAGE_ROWS)
         sink = MemorySink()
         handle = cv.attach(llm, run=RUN, sink=sink, fingerprint="all", strict=True)
         prompts = prompts_of(LENGTHS, seed=4)

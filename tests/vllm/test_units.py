@@ -453,3 +453,49 @@ def test_worker_processes_need_the_extension() -> None:
     )
     with pytest.raises(TypeError, match="vllm.LLM"):
         EngineLink(object())
+
+
+def test_cpu_graph_tap_reads_the_hosts_selection() -> None:
+    """The CPU graph tap: nothing selected writes nothing; a selection that fits the stage is copied
+    there (hidden + residual added after selection); a larger one, or a region that is not
+    stageable, is fingerprinted in place with the bits of ``fingerprint_rows``; a decode step that
+    repeats the rows reuses the index, and new rows replace it."""
+    from isoaudit.collectors.fingerprint_op import slot_rows
+    from isoaudit.collectors.fingerprints import default_ladder_bits
+    from isoaudit.collectors.vllm.worker.graph import GraphTaps, tap_rows
+
+    bits = default_ladder_bits(torch.bfloat16)
+    taps = GraphTaps.allocate(2, 16, bits, torch.device("cpu"), HIDDEN, torch.bfloat16)
+    assert taps.stage is not None and taps.stage.shape == (2, 16, HIDDEN)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(12, HIDDEN, generator=gen).to(torch.bfloat16)
+    res = torch.randn(12, HIDDEN, generator=gen).to(torch.bfloat16)
+
+    tap_rows(x, res, taps.stage, taps.ident, 0, True)  # nothing selected
+    assert not taps.stage.any()
+
+    for rows in ([3, 7], [3, 7], [1, 4, 9]):
+        taps.set_rows(np.array(rows, dtype=np.int64))
+        tap_rows(x, res, taps.stage, taps.ident, 0, True)
+        want = x[rows] + res[rows]
+        assert torch.equal(taps.stage[0, : len(rows)], want)
+        assert torch.equal(taps.index[: len(rows)], torch.tensor(rows)) and int(taps.count[0]) == len(rows)
+
+    # not stageable: fingerprinted in the graph, the bits of fingerprint_rows
+    tap_rows(x, None, taps.stage, taps.ident, 1, False)
+    got = slot_rows(taps.prints.ints[1, :3].numpy(), taps.prints.floats[1, :3].numpy(), bits)
+    want_prints = fingerprint_rows(x[[1, 4, 9]])
+    assert np.array_equal(got.digest, want_prints.digest.numpy().view(np.uint64))
+    assert np.array_equal(got.sketch, want_prints.sketch.numpy())
+
+    # more rows than the stage holds: fingerprinted in the graph as well
+    rows = np.arange(12, dtype=np.int64)
+    small = GraphTaps.allocate(1, 16, bits, torch.device("cpu"), HIDDEN, torch.bfloat16)
+    small.stage = torch.zeros(1, 4, HIDDEN, dtype=torch.bfloat16)
+    small.set_rows(rows)
+    tap_rows(x, res, small.stage, small.ident, 0, True)
+    got = slot_rows(small.prints.ints[0, :12].numpy(), small.prints.floats[0, :12].numpy(), bits)
+    assert np.array_equal(got.digest, fingerprint_rows(x + res).digest.numpy().view(np.uint64))
+    assert not small.stage.any()
+    small.clear_rows()
+    assert small.selected == 0

@@ -154,6 +154,8 @@ class EngineCapture:
         self._last_ids: list[str] = []
         self._last_version: str | None = None
         self._last_selected = False
+        self._last_forgotten = 0
+        self._chosen: list[tuple[int, RequestTrace]] = []  # (batch index, trace) of _last_ids' selected
         self._handles: list[RemovableHandle] = []
         self._region_handles: list[RemovableHandle] = []
         self._original_execute: Callable[..., Any] | None = None
@@ -161,8 +163,6 @@ class EngineCapture:
         self._graph_rows = graph_rows
         self._graph_regions: list[int] = []
         self._taps: GraphTaps | None = None  # the decoder's, once a region is tapped
-        self._index = torch.zeros(max(1, graph_rows), dtype=torch.long)
-        self._count = torch.zeros(1, dtype=torch.long)
         self._install()
 
     @property
@@ -330,12 +330,13 @@ class EngineCapture:
         graph taps wrote)."""
         self._in_step = False
         fwd, self._fwd = self._fwd, None
-        selected = int(self._count[0])
-        self._count[0] = 0  # a forward outside a step (warm-up, dummy run) taps nothing
+        taps = self._taps
+        selected = taps.selected if taps is not None else 0
+        if taps is not None:
+            taps.clear_rows()  # a forward outside a step (warm-up, dummy run) taps nothing
         if fwd is None:
             return
         try:
-            taps = self._taps
             if selected and taps is not None and fwd.index is not None:
                 regions = self._graph_regions
                 staged = (
@@ -368,31 +369,38 @@ class EngineCapture:
     def _open(self, _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if not self._in_step or self._fwd is not None:
             return  # a warm-up/dummy forward, or a nested call of the root
-        self._count[0] = 0
+        if self._taps is not None:
+            self._taps.clear_rows()
         try:
             self.counters.forwards += 1
             batch = self.runner.input_batch
             ids = batch.req_ids[: int(batch.num_reqs)]
             # Decode steps repeat the same batch: bookkeeping only when it (or the weights) changed.
-            if ids != self._last_ids or self.version != self._last_version:
-                self._last_ids, self._last_version, self._last_selected = list(ids), self.version, False
-                for req_id in ids:
+            if (
+                ids != self._last_ids
+                or self.version != self._last_version
+                or self.book.forgotten != self._last_forgotten
+            ):
+                self._last_ids, self._last_version = list(ids), self.version
+                self._last_forgotten = self.book.forgotten
+                self._chosen = []
+                for i, req_id in enumerate(ids):
                     trace = self._trace(req_id)
                     trace.last_version = self.version
-                    self._last_selected |= trace.selected
+                    if trace.selected:
+                        self._chosen.append((i, trace))
+                self._last_selected = bool(self._chosen)
             if not (self._last_selected and self._region_handles):
                 self._fwd = IDLE
                 return
             layout = read_forward_rows(self.runner)
             members: list[Member] = []
             first = 0
-            for i, req_id in enumerate(layout.req_ids):
-                trace = self._trace(req_id)
-                if trace.selected:
-                    a, b = layout.rows(i)
-                    decode = layout.case(i, trace.prompt_len) == "engine_decode"
-                    members.append(Member(trace, i, len(members), first, b - a, decode, None))
-                    first += b - a
+            for i, trace in self._chosen:  # the batch's selected requests, in batch order
+                a, b = layout.rows(i)
+                decode = layout.case(i, trace.prompt_len) == "engine_decode"
+                members.append(Member(trace, i, len(members), first, b - a, decode, None))
+                first += b - a
             if not members:
                 self._fwd = IDLE
                 return
@@ -412,17 +420,8 @@ class EngineCapture:
                 torch.tensor([m.index for m in members], dtype=torch.long, device=device),
                 positions.index_select(0, index) if positions is not None else None,
             )
-            if self._graph_regions:
-                if rows.size > self._index.numel():
-                    raise _Unmappable(
-                        f"{rows.size} selected rows exceed the graph taps' {self._index.numel()}"
-                    )
-                self._index[: rows.size].copy_(torch.from_numpy(rows))
-                if (
-                    self._taps is not None and self._taps.padded
-                ):  # rows past the count fingerprint row 0, a row every forward has
-                    self._index[rows.size :].zero_()
-                self._count[0] = int(rows.size)
+            if self._graph_regions and self._taps is not None:
+                self._taps.set_rows(rows)
         except Exception as exc:
             self._fail("layout", exc)
             self._fwd = None
@@ -447,15 +446,14 @@ class EngineCapture:
                 dtype = self.runner.model_config.dtype
                 hidden = int(self.runner.model_config.get_hidden_size())
                 taps = GraphTaps.allocate(slots, rows, default_ladder_bits(dtype), device, hidden, dtype)
-            self._taps, self._index, self._count = taps, taps.index, taps.count
+            self._taps = taps
         taps = self._taps
-        index, ladder, stage = taps.index, list(taps.bits), taps.stage
+        index, ladder, stage, ident = taps.index, list(taps.bits), taps.stage, taps.ident
         count = None if taps.padded else taps.count
         slot = self.prints._slots[i]
         ints, floats = taps.prints.views(slot)
-        all_ints, all_floats = taps.prints.ints, taps.prints.floats
         sum_tap = spec.tap is Tap.SUM
-        staged = stage is not None and count is not None and self._stageable(spec)
+        stageable = self._stageable(spec)
 
         def hook(_module: nn.Module, _inputs: Any, output: Any) -> None:
             if isinstance(output, tuple | list):
@@ -463,9 +461,8 @@ class EngineCapture:
                 second = output[1] if sum_tap else None
             else:
                 first, second = output, None
-            if staged:
-                assert stage is not None and count is not None
-                tap_rows(first, second, index, count, stage, all_ints, all_floats, slot, ladder)
+            if stage is not None:  # a CPU engine: the op reads the host's selection
+                tap_rows(first, second, stage, ident, slot, stageable)
             else:
                 record_rows(first, second, index, count, ints, floats, ladder)
 

@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from isoaudit.collectors.fingerprint_op import FingerprintBuffers, fingerprint_index_rows_, selected_rows
 from torch import nn
@@ -30,40 +31,52 @@ from torch import nn
 #: The library of isoaudit's graph ops inside vLLM workers.
 LIBRARY = "isoaudit_vllm"
 
-#: Selected rows per forward that a CPU engine's taps stage for the batched pass after the step;
-#: more are fingerprinted in the forward. A fingerprint call costs about 100 us of fixed overhead
-#: on a CPU, so one per region per decode step would cost more than the step of a small model.
-CPU_STAGE_ROWS = 256
+#: Selected rows per forward that a CPU engine's taps stage for the batched pass after the step, at
+#: most; more are fingerprinted in the forward. A fingerprint call costs about 100 us of fixed
+#: overhead on a CPU, so one per region per decode step would cost more than the step of a small
+#: model; a prefill of a few selected requests fits too.
+CPU_STAGE_ROWS = 1024
+
+#: The stage's memory bound: fewer rows than ``CPU_STAGE_ROWS`` when regions x hidden are large (a
+#: 100-region model of hidden 4,096 in bf16 stages 81 rows, a decode batch's selection).
+CPU_STAGE_BYTES = 64 << 20
 
 _lib = torch.library.Library(LIBRARY, "FRAGMENT")
 _lib.define(
-    "tap_rows(Tensor x, Tensor? residual, Tensor index, Tensor count, Tensor(a!) stage, "
-    "Tensor(b!) ints, Tensor(c!) floats, int slot, int[] ladder_bits) -> ()"
+    "tap_rows(Tensor x, Tensor? residual, Tensor(a!) stage, int taps, int slot, bool stageable) -> ()"
 )
+
+#: The live :class:`GraphTaps` by registry id: the compiled taps name theirs by this id, so each call
+#: passes six arguments and reads the forward's selection from the host's Python state (no tensor
+#: read, no slicing in the op).
+_TAPS: dict[int, GraphTaps] = {}
 
 
 def _tap_rows(
     x: torch.Tensor,
     residual: torch.Tensor | None,
-    index: torch.Tensor,
-    count: torch.Tensor,
     stage: torch.Tensor,
-    ints: torch.Tensor,
-    floats: torch.Tensor,
+    taps: int,
     slot: int,
-    ladder_bits: list[int],
+    stageable: bool,
 ) -> None:
-    """Rows ``index[:count]`` of ``x`` (+ ``residual``'s, added after selection): copied into
-    ``stage[slot]`` when they fit it, otherwise fingerprinted into ``ints[slot]``/``floats[slot]``
-    (:func:`~isoaudit.collectors.fingerprint_op.fingerprint_index_rows_`). ``count`` is read here:
-    CPU engines only (no CUDA-graph capture there)."""
-    n = int(count[0])
+    """Rows ``index[:n]`` of ``x`` (+ ``residual``'s, added after selection) for the forward the
+    taps ``taps`` were set for (:meth:`GraphTaps.set_rows`): copied into ``stage[slot]`` when they fit
+    it, otherwise fingerprinted into the slot's rows of the fingerprint buffers
+    (:func:`~isoaudit.collectors.fingerprint_op.fingerprint_index_rows_`). CPU engines only (the
+    host's selection is read here, not captured by a graph)."""
+    tap = _TAPS[taps]
+    n = tap.selected
     if n == 0:
         return
-    if n > stage.shape[1]:
-        fingerprint_index_rows_(x, residual, index, count, ints[slot], floats[slot], ladder_bits)
+    rows = tap.rows
+    if stageable and tap.outs and rows is not None:
+        selected_rows(x, residual, rows, out=tap.outs[slot])
         return
-    selected_rows(x, residual, index[:n], out=stage[slot, :n])
+    prints = tap.prints
+    fingerprint_index_rows_(
+        x, residual, tap.index, tap.count, prints.ints[slot], prints.floats[slot], tap.bits
+    )
 
 
 _lib.impl("tap_rows", _tap_rows, "CompositeExplicitAutograd")
@@ -72,25 +85,14 @@ _lib.impl("tap_rows", _tap_rows, "CompositeExplicitAutograd")
 def tap_rows(
     x: torch.Tensor,
     residual: torch.Tensor | None,
-    index: torch.Tensor,
-    count: torch.Tensor,
     stage: torch.Tensor,
-    ints: torch.Tensor,
-    floats: torch.Tensor,
+    taps: int,
     slot: int,
-    ladder_bits: list[int],
+    stageable: bool,
 ) -> None:
     """The graph op :func:`_tap_rows` (``torch.ops.isoaudit_vllm.tap_rows``), inputs detached."""
     torch.ops.isoaudit_vllm.tap_rows(
-        x.detach(),
-        None if residual is None else residual.detach(),
-        index,
-        count,
-        stage,
-        ints,
-        floats,
-        slot,
-        ladder_bits,
+        x.detach(), None if residual is None else residual.detach(), stage, taps, slot, stageable
     )
 
 
@@ -98,13 +100,10 @@ def tap_rows(
 def _tap_rows_fake(
     x: torch.Tensor,
     residual: torch.Tensor | None,
-    index: torch.Tensor,
-    count: torch.Tensor,
     stage: torch.Tensor,
-    ints: torch.Tensor,
-    floats: torch.Tensor,
+    taps: int,
     slot: int,
-    ladder_bits: list[int],
+    stageable: bool,
 ) -> None:
     return None
 
@@ -124,7 +123,8 @@ class GraphTaps:
     compiled variants hold these tensors): the fingerprint buffers (one slot per region, ``rows``
     rows), the ladder they are written with, the row index and count the host sets before each
     forward, whether the index is padded to its length (no count read: devices other than the CPU),
-    ``stage``: on a CPU, ``[regions, CPU_STAGE_ROWS, hidden]`` for the selections that fit it
+    ``stage``: on a CPU, ``[regions, stage rows, hidden]`` (``CPU_STAGE_ROWS`` at most, within
+    ``CPU_STAGE_BYTES``) for the selections that fit it
     (:func:`_tap_rows`; ``None`` elsewhere); and ``signature``: the regions and slots the tapped
     variants were compiled with."""
 
@@ -135,6 +135,49 @@ class GraphTaps:
     padded: bool
     stage: torch.Tensor | None = None
     signature: tuple[Any, ...] = ()
+    # The forward in flight, as the CPU taps read it (set_rows): its selected row count, their
+    # index, and when they fit the stage, each slot's first rows of it (their destination).
+    selected: int = 0
+    rows: torch.Tensor | None = None
+    outs: list[torch.Tensor] = field(default_factory=list)
+    outs_rows: int = -1
+    count_value: int = 0  # what ``count`` holds
+    last_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    ident: int = -1
+
+    def __post_init__(self) -> None:
+        self.ident = id(self)
+        _TAPS[self.ident] = self
+
+    def set_rows(self, rows: np.ndarray) -> None:
+        """Select ``rows`` (flat token rows) for the next forward: the index and count the graph
+        reads, and the selection the CPU taps read."""
+        n = int(rows.size)
+        if n > self.index.numel():
+            raise ValueError(f"rows: {n} selected rows exceed the graph taps' {self.index.numel()}")
+        same = n == self.count_value and n == self.last_rows.size and np.array_equal(rows, self.last_rows)
+        if not same:  # a decode step repeats the last step's rows: nothing to write
+            self.index[:n].copy_(torch.from_numpy(rows))
+            if self.padded:  # rows past the count fingerprint row 0, a row every forward has
+                self.index[n:].zero_()
+            self.last_rows = rows.copy()
+        if n != self.count_value:
+            self.count[0] = n
+            self.count_value = n
+        stage = self.stage
+        if stage is None or n > int(stage.shape[1]):
+            self.outs = []
+        elif n != self.outs_rows or not self.outs:  # decode steps keep their row count: views reused
+            self.outs = list(stage[:, :n].unbind(0))
+            self.outs_rows = n
+        if not same or self.rows is None:
+            self.rows = self.index[:n]
+        self.selected = n
+
+    def clear_rows(self) -> None:
+        """No row selected: the taps of a forward outside a step do nothing (the CPU taps read
+        ``selected`` first; elsewhere the index is padded and no count is read)."""
+        self.selected = 0
 
     @classmethod
     def allocate(
@@ -147,7 +190,9 @@ class GraphTaps:
         dtype: torch.dtype,
     ) -> GraphTaps:
         padded = device.type != "cpu"
-        stage = None if padded else torch.zeros(slots, min(rows, CPU_STAGE_ROWS), hidden, dtype=dtype)
+        row_bytes = slots * hidden * torch.empty(0, dtype=dtype).element_size()
+        stage_rows = min(rows, CPU_STAGE_ROWS, CPU_STAGE_BYTES // max(1, row_bytes))
+        stage = None if padded else torch.zeros(slots, stage_rows, hidden, dtype=dtype)
         return cls(
             FingerprintBuffers(slots, rows, device),
             bits,

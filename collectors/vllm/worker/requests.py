@@ -165,6 +165,7 @@ class RequestBook:
         self._by_ext: dict[str, list[str]] = {}
         self._ordinal = 0
         self._buffered_rows = 0
+        self.forgotten = 0  # requests dropped so far: what a cached view of the book checks
 
     def register(self, req_id: str, state: Any, selection: Selection, version: str | None) -> RequestTrace:
         """File a request the engine schedules for the first time (``state``: the runner's
@@ -232,6 +233,7 @@ class RequestBook:
 
     def forget(self, trace: RequestTrace) -> None:
         """Drop a request and release its rows."""
+        self.forgotten += 1
         self.traces.pop(trace.req_id, None)
         self._buffered_rows -= trace.rows
         trace.rows = 0
