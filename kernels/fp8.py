@@ -63,10 +63,14 @@ if HAVE_TRITON:
             w = tl.load(b_rows + (k0 + offs_k)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         part = tl.dot(x, tl.trans(w), out_dtype=tl.float32)
         sa = tl.load(sa_rows + kb, mask=m_ok, other=0.0)
+        # One return: Triton's code generator refuses returns of different shapes in one function,
+        # even where a constexpr decides which one runs.
         if BLOCK_N <= BLOCK_K:
-            return part, (sa * tl.load(sb_tile + kb))[:, None]
-        sb = tl.load(sb_rows + kb, mask=n_ok, other=0.0)
-        return part, sa[:, None] * sb[None, :]
+            scale = (sa * tl.load(sb_tile + kb))[:, None]
+        else:
+            sb = tl.load(sb_rows + kb, mask=n_ok, other=0.0)
+            scale = sa[:, None] * sb[None, :]
+        return part, scale
 
     @triton.jit
     def _fp8_span(
