@@ -14,8 +14,9 @@ registers.
 Which bits are promised: digest, ladder and max-abs are exact (integer sums wrap modulo 2**64 in
 any order; the max of absolute values is taken on their bit patterns, which order non-negative
 floats as their values do), so they equal the torch path's bit for bit on every device. Sketch and
-L2 are fp32 sums whose order this kernel fixes (slabs ascending, a fixed tree inside a slab, exact
-fp32 products, never tf32): a row gets the same bits whatever the row count or its position, but
+L2 are fp32 sums whose order this kernel fixes (both through fp32 dots, never tf32: columns
+ascending, slab after slab): a row gets the same bits whatever the row count, its position or the
+kernel (one region or many) that reads it, but
 they may differ from cuBLAS's sums in the last bits (relative 1e-6), as two BLAS libraries do.
 """
 
@@ -71,7 +72,12 @@ if HAVE_TRITON:
         r_idx = tl.arange(0, R)
         lad_lo = tl.zeros((BLOCK_R, R), tl.int64)
         lad_hi = tl.zeros((BLOCK_R, R), tl.int32)
-        sq = tl.zeros((BLOCK_R,), tl.float32)
+        # Sums of squares through a dot with ones, like the sketch: a dot's fp32 products are added
+        # in ascending column order whatever the register layout, where ``tl.sum``'s tree follows
+        # the layout the compiler picks for the load (which differs with what it knows of the
+        # address: a pointer argument's alignment, a table's address).
+        sq_acc = tl.zeros((BLOCK_R, SK), tl.float32)
+        ones = tl.full((BLOCK_H, SK), 1.0, tl.float32)
         sketch = tl.zeros((BLOCK_R, SK), tl.float32)
         amax = tl.zeros((BLOCK_R,), tl.int32)  # the largest |x| as a bit pattern
         for h0 in range(0, hidden, BLOCK_H):
@@ -101,7 +107,7 @@ if HAVE_TRITON:
             else:
                 xf = xi.to(tl.float32, bitcast=True)
                 amax = tl.maximum(amax, tl.max(xi & 0x7FFFFFFF, 1))
-            sq += tl.sum(xf * xf, 1)
+            sq_acc = tl.dot(xf * xf, ones, sq_acc, input_precision="ieee")
             p = tl.load(p_ptr + cols[:, None] * SK + sk_cols[None, :], mask=col_ok[:, None], other=0.0)
             sketch = tl.dot(xf, p, sketch, input_precision="ieee")
         if KIND == 0:
@@ -112,6 +118,7 @@ if HAVE_TRITON:
             maxabs = amax.to(tl.float32, bitcast=True)
         digest = dig_lo + (dig_hi.to(tl.int64) << 32)
         ladder = lad_lo + (lad_hi.to(tl.int64) << 32)
+        sq = tl.sum(tl.where(sk_cols[None, :] == 0, sq_acc, 0.0), 1)  # column 0 (plus zeros: exact)
         return digest, ladder, sketch, tl.sqrt_rn(sq), maxabs
 
     @triton.jit

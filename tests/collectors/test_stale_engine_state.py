@@ -5,9 +5,10 @@ The plant is the failure of vLLM #52626 in miniature: the reload rebinds one par
 storage (``param.data = new``) instead of copying into the storage the captured graphs read, and the
 old storage stays alive. The engine's canary replays the graph and recomputes the same decode
 eagerly from the parameters: they differ, and the comparator says ``stale_engine_state``, where
-held digests alone say nothing and the verdict would be ``numerical``. A proper reload (copying in
-place) keeps the graphs right and is not stale. On the CPU the engine replays no graphs, the same
-swap is harmless, and nothing is diagnosed stale.
+held digests alone say nothing and the verdict would be ``numerical``. A later proper reload
+(copying in place) does not cure it: the graphs still read the storage the bad reload replaced, so
+the next version is stale too; re-capturing the graphs (``engine.drop_graphs()``) does. On the CPU
+the engine replays no graphs, the same swap is harmless, and nothing is diagnosed stale.
 """
 
 from __future__ import annotations
@@ -77,11 +78,13 @@ def _flow(load: Callable[[str], torch.nn.Module], device: str) -> dict[int, list
     rollout = EngineCollector(engine, run=RUN, sink=r_sink, regions=None, strict=True, weight_version=0)
     kept: list[Any] = []
     out: dict[int, list[Any]] = {}
-    for step in range(3):
+    for step in range(4):
         if step:
             weights = _next_weights(trainer_model, seed=step)
             _load(trainer_model, weights)
             kept += _load(engine_model, weights, rebind=TARGET if step == 1 else None)
+            if step == 3:  # the cure: capture again, from the storage the parameters hold now
+                engine.drop_graphs()
             trainer.weights_changed(step)
             rollout.weights_changed(step)
         completions = engine.generate(PROMPTS, [6, 6, 6], seed=step)
@@ -113,18 +116,20 @@ def test_graphs_reading_replaced_storage_are_stale_engine_state(load, device: st
     rollout_stats, trainer_stats, manifests, graphed = out[-1]
     assert rollout_stats["errors"] == 0 and trainer_stats["errors"] == 0
     canaries = {m.weight_version: canary_of(m) for m in manifests if canary_of(m) is not None}
-    assert set(canaries) >= {"0", "1", "2"}
-    for step in (0, 2):  # the checkpoint, then a proper in-place reload: never stale
+    assert set(canaries) >= {"0", "1", "2", "3"}
+    for step in (0, 3):  # the checkpoint, then graphs captured again: never stale
         kinds = {c.diagnosis.kind for c in out[step]}
         assert "stale_engine_state" not in kinds, [c.diagnosis.sentence for c in out[step]]
-    stale = [c.diagnosis for c in out[1]]
+    stale, still = [c.diagnosis for c in out[1]], [c.diagnosis for c in out[2]]
     if not graphed:  # eager everywhere: the rebound parameter is what the forward reads
         assert graphed == (device == "cuda")
         assert all(c.reference is None for c in canaries.values())
-        assert all(d.kind != "stale_engine_state" for d in stale), [d.sentence for d in stale]
+        assert all(d.kind != "stale_engine_state" for d in stale + still), [d.sentence for d in stale]
         return
-    assert canaries["2"].reference.digest == canaries["2"].output.digest  # graph == eager when fresh
+    assert all(d.kind == "stale_engine_state" for d in still), [d.sentence for d in still]
+    assert canaries["3"].reference.digest == canaries["3"].output.digest  # graph == eager when fresh
     assert canaries["1"].reference.digest != canaries["1"].output.digest
+    assert canaries["2"].reference.digest != canaries["2"].output.digest  # an in-place reload: still
     for diagnosis in stale:
         assert diagnosis.kind == "stale_engine_state", diagnosis.sentence
         assert diagnosis.evidence["cause"] == "canary_differs_from_own_reference"
