@@ -501,12 +501,14 @@ def run_compiled_trainer(args: argparse.Namespace) -> dict[str, Any]:
 
 def run_graphs(args: argparse.Namespace) -> dict[str, Any]:
     """Both graph-citizen scenarios in one run, on one device."""
+    engine = run_engine_graphs(args)
+    print(f"engine: {json.dumps(engine)}", flush=True)  # kept should the trainer's scenario fail
     return {
         "device": args.device,
         "device_name": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
         "model": args.model,
         "dtype": args.dtype,
-        "engine": run_engine_graphs(args),
+        "engine": engine,
         "compiled_trainer": run_compiled_trainer(args),
     }
 
