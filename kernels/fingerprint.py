@@ -72,10 +72,11 @@ if HAVE_TRITON:
         r_idx = tl.arange(0, R)
         lad_lo = tl.zeros((BLOCK_R, R), tl.int64)
         lad_hi = tl.zeros((BLOCK_R, R), tl.int32)
-        # Sums of squares through a dot with ones, like the sketch: a dot's fp32 products are added
-        # in ascending column order whatever the register layout, where ``tl.sum``'s tree follows
-        # the layout the compiler picks for the load (which differs with what it knows of the
-        # address: a pointer argument's alignment, a table's address).
+        # Sums of squares through a dot with ones: a dot's fp32 products are added in ascending
+        # column order whatever the register layout, where ``tl.sum``'s tree follows the layout
+        # the compiler picks for the load (which differs with what it knows of the address: a
+        # pointer argument's alignment, a table's address). Each slab is summed from zero and the
+        # slab sums added in turn: rounding grows with BLOCK_H + slabs, not with the width.
         sq_acc = tl.zeros((BLOCK_R, SK), tl.float32)
         ones = tl.full((BLOCK_H, SK), 1.0, tl.float32)
         sketch = tl.zeros((BLOCK_R, SK), tl.float32)
@@ -107,7 +108,7 @@ if HAVE_TRITON:
             else:
                 xf = xi.to(tl.float32, bitcast=True)
                 amax = tl.maximum(amax, tl.max(xi & 0x7FFFFFFF, 1))
-            sq_acc = tl.dot(xf * xf, ones, sq_acc, input_precision="ieee")
+            sq_acc += tl.dot(xf * xf, ones, input_precision="ieee")  # a slab's sum, then the slabs'
             p = tl.load(p_ptr + cols[:, None] * SK + sk_cols[None, :], mask=col_ok[:, None], other=0.0)
             sketch = tl.dot(xf, p, sketch, input_precision="ieee")
         if KIND == 0:
