@@ -59,8 +59,8 @@ class DecodeLaunch:
 #: batches split the value columns over more programs (a step at B=1 is latency: 16 heads alone
 #: fill 16 of the GPU's SMs); large ones keep whole heads (every block repeats the key-side chain).
 DECODE_TABLE: tuple[tuple[int, DecodeLaunch], ...] = (
-    (4, DecodeLaunch(32, 4)),
-    (16, DecodeLaunch(64, 4)),
+    (1, DecodeLaunch(32, 4)),
+    (4, DecodeLaunch(64, 4)),
     (1 << 30, DecodeLaunch(128, 4)),
 )
 
