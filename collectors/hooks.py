@@ -16,7 +16,7 @@ batch shape (the graph's own storage; it guards only on whether buffers are set)
 runs inside the model's graph, not in the root post-hook: ``torch.compile(model)`` runs the root's
 hooks outside that graph, so rows held for them would leave it as extra outputs aliasing its
 intermediates (the logits among them), whose view replay after the graph breaks in a training
-step. Before an eager forward has shown the order, and for a region whose output an eager forward
+step; for the same reason the op is given each tap's tensor itself, not a view of its rows. Before an eager forward has shown the order, and for a region whose output an eager forward
 saw written in place after its tap (Dynamo cannot read version counters), each region goes through
 the per-region op at its tap instead.
 """
@@ -347,7 +347,7 @@ class ForwardCapture:
             else:
                 if self._pending is None:  # a compiled region under an eager root
                     self._pending = []
-                self._pending.append((slot, rows))
+                self._pending.append((slot, tensor))  # the tap itself: the op views its rows
                 self._pending_bytes += size
             target.bits[slot] = bits
             if slot == self.last_slot:  # the op inside this graph: no held row leaves it
