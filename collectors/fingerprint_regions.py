@@ -214,5 +214,8 @@ def _fingerprint_regions_fake(
 def record_regions(
     xs: Sequence[torch.Tensor], slots: Sequence[int], ints: torch.Tensor, floats: torch.Tensor
 ) -> None:
-    """Call the multi-region op on ``xs`` (detached) into ``slots`` of the two buffers."""
-    torch.ops.isoaudit.fingerprint_regions_([x.detach() for x in xs], [int(s) for s in slots], ints, floats)
+    """Call the multi-region op on ``xs`` into ``slots`` of the two buffers. The tensors go in as
+    they are (the op detaches them itself): a ``detach()`` here is one more alias of a graph
+    intermediate in a traced training step, and the view replay of an output sharing its base
+    (the logits) then reads garbage sizes."""
+    torch.ops.isoaudit.fingerprint_regions_(list(xs), [int(s) for s in slots], ints, floats)

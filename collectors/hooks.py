@@ -7,13 +7,18 @@ re-runs layers outside the root forward) is ignored. Hooks never modify outputs 
 failure is counted and logged once, and the forward goes on.
 
 Under ``torch.compile`` Dynamo traces these hooks into the compiled graph, so there they do no
-Python bookkeeping at all: each region hook keeps the region's rows, and the root post-hook calls
-the multi-region fingerprint op (:mod:`isoaudit.collectors.fingerprint_regions`) once on all of
-them, writing each into the slot of its region in buffers :meth:`ForwardCapture.prepare_compiled`
-allocated before the step for its batch shape (the graph's own storage; it guards only on whether
-buffers are set); :meth:`ForwardCapture.take_compiled` turns them into a :class:`Capture` after
-the step. A region whose output an eager forward saw written in place after its tap (Dynamo cannot
-read version counters) goes through the per-region op at its tap instead.
+Python bookkeeping at all: each region hook keeps the region's rows, and the hook of the region that
+fires last (learned from an eager forward) calls the multi-region fingerprint op
+(:mod:`isoaudit.collectors.fingerprint_regions`) once on all of them, writing each into the slot of
+its region in buffers :meth:`ForwardCapture.prepare_compiled` allocated before the step for its
+batch shape (the graph's own storage; it guards only on whether buffers are set);
+:meth:`ForwardCapture.take_compiled` turns them into a :class:`Capture` after the step. The op
+runs inside the model's graph, not in the root post-hook: ``torch.compile(model)`` runs the root's
+hooks outside that graph, so rows held for them would leave it as extra outputs aliasing its
+intermediates (the logits among them), whose view replay after the graph breaks in a training
+step; for the same reason the op is given each tap's tensor itself, not a view of its rows. Before an eager forward has shown the order, and for a region whose output an eager forward
+saw written in place after its tap (Dynamo cannot read version counters), each region goes through
+the per-region op at its tap instead.
 """
 
 from __future__ import annotations
@@ -161,6 +166,11 @@ class ForwardCapture:
         self._watching: list[tuple[int, torch.Tensor, int]] = []  # (slot, tap tensor, its version)
         self._pending: list[tuple[int, torch.Tensor]] | None = None  # a compiled forward's held rows
         self._pending_bytes = 0
+        #: the region slot whose hook fires last in an eager forward (None: no eager forward yet):
+        #: a compiled forward calls the multi-region op at that region's tap, inside its own graph
+        self.last_slot: int | None = None
+        self._firing: int | None = None  # the last slot fired in the open eager forward
+        self._flushed = False  # this compiled forward's op ran at the last region's tap
         #: bound on the activation bytes a compiled forward holds for its end (rows x width x
         #: element size, summed over regions); regions past it are written at their tap
         self.max_held_bytes = max_held_bytes
@@ -176,8 +186,9 @@ class ForwardCapture:
     def _open(self, _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if torch.compiler.is_compiling():  # traced: the region hooks hold rows, nothing else
             self.compiled_seen = True  # replayed by every compiled call: buffers from the next step
-            self._pending, self._pending_bytes = [], 0
+            self._pending, self._pending_bytes, self._flushed = [], 0, False
             return
+        self._flushed = False
         self._depth += 1
         if self._depth > 1:  # a nested call of the root (rare) belongs to the outer capture
             return
@@ -216,6 +227,8 @@ class ForwardCapture:
             return
         self._flush_compiled()  # compiled regions under an eager root: their op runs here
         self._check_watched()
+        if self._firing is not None:
+            self.last_slot, self._firing = self._firing, None
         if self.current is None:
             return
         try:
@@ -242,6 +255,7 @@ class ForwardCapture:
             capture = self.current
             if capture is None:
                 return
+            self._firing = slot
             if slot not in self._watched:
                 self._watch(spec, slot, output)
             if not capture.fingerprinting:
@@ -304,10 +318,10 @@ class ForwardCapture:
     def _compiled_region(
         self, spec: RegionSpec, slot: int, module: nn.Module, inputs: Any, output: Any
     ) -> None:
-        """A region inside a traced forward: every row held for the forward's end (the
-        multi-region op; a region seen written in place after its tap: the per-region op now),
-        into its slot (rows are picked on the host after the step). No try/except: Dynamo traces
-        this."""
+        """A region inside a traced forward: every row held for the multi-region op, which the
+        last region to fire (:attr:`last_slot`) calls in this graph (a region seen written in place
+        after its tap, or any before the order is known: the per-region op now), into its slot
+        (rows are picked on the host after the step). No try/except: Dynamo traces this."""
         target = self.compiled_target
         if target is None:
             return
@@ -323,14 +337,22 @@ class ForwardCapture:
                 return
             bits = default_ladder_bits(rows.dtype)
             size = rows.numel() * rows.element_size()
-            if slot in self.mutated or self._pending_bytes + size > self.max_held_bytes:
+            if (
+                self.last_slot is None
+                or self._flushed
+                or slot in self.mutated
+                or self._pending_bytes + size > self.max_held_bytes
+            ):
                 target.buffers.write(slot, rows, bits)
             else:
                 if self._pending is None:  # a compiled region under an eager root
                     self._pending = []
-                self._pending.append((slot, rows))
+                self._pending.append((slot, tensor))  # the tap itself: the op views its rows
                 self._pending_bytes += size
             target.bits[slot] = bits
+            if slot == self.last_slot:  # the op inside this graph: no held row leaves it
+                self._flush_compiled()
+                self._flushed = True
 
     def prepare_compiled(self, input_shape: tuple[int, ...], device: torch.device | None) -> None:
         """Before a step whose forward may be compiled: the buffers its region hooks write into,

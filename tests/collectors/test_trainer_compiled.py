@@ -5,6 +5,7 @@ eager path's."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import numpy as np
@@ -150,3 +151,75 @@ def test_a_switch_recompiles_and_the_next_step_runs_the_new_mode() -> None:
     _assert_equal_prints(reports[2], want)
     modes = [m.runtime.remediation for m in sink.of_kind("manifest")]
     assert modes[0] == "native" and modes[-1] == "invariant"
+
+
+def _optimize(model: torch.nn.Module, forward, steps: int, mode: str, *, collect: bool):
+    """``steps`` full training steps (forward, loss, backward, AdamW step), each step's report
+    (``collect=False``: no collector, reports None) and the weights after each."""
+    collector = None
+    if collect:
+        collector = attach(
+            model, run="c", sink=MemorySink(), keep_records=True, strict=True, async_transfer=False,
+            control=FixedControl("c", mode),
+        )  # fmt: skip
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    out = []
+    try:
+        with kernels.enable() if mode == "invariant" and not collect else contextlib.nullcontext():
+            for step in range(steps):
+                batch = _batch(step)
+                if collector is not None:
+                    collector.begin_step(step, batch)
+                logits = forward(**batch.model_inputs()).logits
+                lp = torch.log_softmax(logits[:, :-1].float() / TEMPERATURE, dim=-1)
+                lp = lp.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
+                report = None
+                if collector is not None:
+                    report = collector.record_step(step, batch, logprobs=lp.detach())
+                (-lp.mean()).backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+                out.append((report, weights))
+            if collector is not None:
+                assert collector.counters.errors == 0 and collector.stats()["hook_errors"] == 0
+    finally:
+        if collector is not None:
+            collector.detach()
+    return out
+
+
+@pytest.mark.parametrize("mode", ["native", "invariant"])
+def test_compiled_training_steps_with_every_region_through_the_op(mode: str) -> None:
+    """Compiled training steps (not fullgraph, as a trainer compiles: the root hooks run outside the
+    model's graph) with every region fingerprinted through the multi-region op, the optimizer
+    stepping between them: no error, every region recorded each step, the weights bit for bit
+    those of the same compiled model without the collector (invariant mode: the fingerprints
+    also the eager collector's, step for step)."""
+    steps = 4
+    base = _model(torch.float32)
+    plain_model, watched_model, eager_model = (copy.deepcopy(base) for _ in range(3))
+    torch._dynamo.reset()
+    try:
+        watched = _optimize(watched_model, torch.compile(watched_model), steps, mode, collect=True)
+        kernels.disable()
+        torch._dynamo.reset()  # the model without the collector: graphs of its own
+        plain = _optimize(plain_model, torch.compile(plain_model), steps, mode, collect=False)
+        kernels.disable()
+        eager = (
+            _optimize(eager_model, eager_model, steps, mode, collect=True) if mode == "invariant" else None
+        )
+    finally:
+        kernels.disable()
+        torch._dynamo.reset()
+    specs = {r.region for r in watched[0][0].records if r.kind == "fingerprints"}
+    assert {"embed", "layers.0.attn", "layers.1.out", "final_norm", "logits"} <= specs
+    for step, ((_, want), (report, got)) in enumerate(zip(plain, watched, strict=True)):
+        assert {r.region for r in report.records if r.kind == "fingerprints"} == specs, step
+        if step >= 1:  # the first compiled call traces without the buffers; then the op writes them
+            assert not report.own_forward, step
+        differ = sorted(n for n in want if not torch.equal(want[n], got[n]))
+        assert not differ, (step, differ)
+    if eager is not None:
+        for (ra, _), (rb, _) in zip(eager, watched, strict=True):
+            _assert_equal_prints(ra, rb)
