@@ -249,6 +249,11 @@ if HAVE_TRITON:
     _LAUNCH = CachedLauncher(_gemm_kernel)
 
 
+#: The reference GEMM's row block (see :func:`gemm_reference`): a multiple of the row blocks CPU
+#: BLAS kernels use (4, 8, 16).
+REFERENCE_ROWS = 16
+
+
 def gemm_reference(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -263,7 +268,13 @@ def gemm_reference(
     (Inside one slab the hardware's dot order applies, so kernel and reference agree to rounding.)"""
     n, k = weight.shape
     bk = block_k or gemm_config(n, k, weight.dtype).block_k
-    xf = x.reshape(math.prod(x.shape[:-1]), k).float()  # not (-1, k): K may be 0 (an empty leaf)
+    rows = math.prod(x.shape[:-1])
+    xf = x.reshape(rows, k).float()  # not (-1, k): K may be 0 (an empty leaf)
+    # Rows padded with zeros to a multiple of REFERENCE_ROWS: a BLAS sums a row's products in an
+    # order of its own for the rows past its last full block of rows (seen on an AMD EPYC: rows 1,
+    # 2, 7, 9 of a call differed from the same rows inside 8, 20 or 40), so every real row is
+    # computed inside a full block, whatever the call's row count.
+    xf = torch.nn.functional.pad(xf, (0, 0, 0, -rows % REFERENCE_ROWS))
     wf = weight.float()
     acc = torch.zeros(xf.shape[0], n, dtype=torch.float32, device=x.device)
     span = k_split or max(k, 1)
@@ -273,6 +284,7 @@ def gemm_reference(
             hi = min(k0 + bk, s0 + span)
             part = part + xf[:, k0:hi] @ wf[:, k0:hi].T
         acc = acc + part
+    acc = acc[:rows]
     if bias is not None:
         acc = acc + bias.float()
     return acc.to(out_dtype or x.dtype).reshape(*x.shape[:-1], n)
