@@ -126,14 +126,46 @@ def test_waiting_batches_go_in_one_request_in_order_and_a_refused_one_drops_alon
     sink.close()
 
 
+class _PacedSink(_SlowSink):
+    """A destination that takes exactly as long as ``lag`` more sends: each delivery waits until the
+    job has sent ``lag`` records past the newest one it carries (or all of them). Paced by the sends
+    rather than by a clock, the queue fills faster than it drains however the threads are scheduled
+    (timed sleeps let a worker starved of the interpreter lock fall behind until ``send`` drops)."""
+
+    def __init__(self, lag: int, total: int, **options) -> None:
+        self.lag, self.total = lag, total
+        self.sent = 0
+        self.sends = threading.Condition()
+        super().__init__(0.0, **options)
+
+    def _deliver(self, item: _Item) -> int:
+        newest = max(r.step for r in item.records)
+        with self.sends:
+            assert self.sends.wait_for(lambda: self.sent >= min(self.total, newest + 1 + self.lag), 30)
+        return super()._deliver(item)
+
+    def send_paced(self, records: list, room: int) -> None:
+        """Send once fewer than ``room`` records are queued or in flight (never into a full queue:
+        a full queue drops by design, and that case has its own test), then count the send."""
+        deadline = time.monotonic() + 30
+        while self.stats()["outstanding"] >= room:
+            assert time.monotonic() < deadline, self.stats()
+            time.sleep(0.001)
+        self.send(records)
+        with self.sends:
+            self.sent += len(records)
+            self.sends.notify_all()
+
+
 def test_a_queue_filling_faster_than_it_drains_spills_to_the_spool_and_drops_nothing(tmp_path: Path):
-    sink = _SlowSink(0.03, queue_size=8, max_batch_records=2, spool_dir=tmp_path / "spool")
-    for step in range(60):  # 5 ms apart; a request takes 30 ms and carries at most 2
-        sink.send([factories.sample(step=step, seed=step)])
-        time.sleep(0.005)
+    # Each request carries at most 2 records and lasts as long as 5 more sends: the queue of 8 passes
+    # its spill mark (4 waiting) after every delivery.
+    sink = _PacedSink(5, 60, queue_size=8, max_batch_records=2, spool_dir=tmp_path / "spool")
+    for step in range(60):
+        sink.send_paced([factories.sample(step=step, seed=step)], room=8)
     assert sink.flush(30)
     delivered = [s for request in sink.requests for s in request]
-    assert delivered == list(range(60))  # in order, each once, through memory and the spool
+    assert delivered == list(range(60)), sink.stats()  # in order, each once, through memory and the spool
     assert sink.counters.dropped == 0 and sink.counters.spilled > 0, sink.stats()
     assert sink.counters.replayed == sink.counters.spooled == sink.counters.spilled
     sink.close()
