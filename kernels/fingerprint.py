@@ -331,17 +331,9 @@ def fingerprint_regions(
     if not table.is_contiguous():
         raise ValueError("table: must be contiguous")
     r_pad = _pow2_at_least(max(masks.shape[0], 1))
-    for name, t, want, width in (
-        ("ints", ints, torch.int64, 1 + r_pad),
-        ("floats", floats, torch.float32, SKETCH_DIM + 2),
-    ):
-        if t.dtype != want or t.dim() != 3 or t.shape[1] != n_rows or t.shape[2] < width or t.stride(2) != 1:
-            raise ValueError(
-                f"{name}: expected {want} [slots, {n_rows}, >= {width}] with unit column stride, "
-                f"got {t.dtype} {list(t.shape)} strides {list(t.stride())}"
-            )
-        if t.device != table.device:
-            raise ValueError(f"{name}: on {t.device}, the table on {table.device}")
+    _check_row_buffers(
+        (("ints", ints), ("floats", floats)), r_pad, n_rows, table.device, "the table", slots=True
+    )
     if count == 0 or n_rows == 0:
         return
     resolve("triton", table)  # raises where the kernel cannot run
@@ -369,14 +361,29 @@ def _fields(ints: torch.Tensor, floats: torch.Tensor, r: int) -> Fingerprints:
 def _check_out(out: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, r_pad: int) -> None:
     ints, floats = out
     n = x.numel() // max(x.shape[-1], 1) if x.dim() else 1
-    for name, t, dtype, width in (
-        ("out[0] (ints)", ints, torch.int64, 1 + r_pad),
-        ("out[1] (floats)", floats, torch.float32, SKETCH_DIM + 2),
+    _check_row_buffers((("out[0] (ints)", ints), ("out[1] (floats)", floats)), r_pad, n, x.device, "the rows")
+
+
+def _check_row_buffers(
+    buffers: tuple[tuple[str, torch.Tensor], tuple[str, torch.Tensor]],
+    r_pad: int,
+    n_rows: int,
+    device: torch.device,
+    beside: str,
+    slots: bool = False,
+) -> None:
+    """The (ints, floats) row buffers a fingerprint kernel writes: int64 and float32 of ``n_rows``
+    rows (after a leading slot dimension with ``slots``), wide enough, unit column stride, on
+    ``device`` (where ``beside``, the inputs, are)."""
+    lead = "slots, " if slots else ""
+    for (name, t), dtype, width in zip(
+        buffers, (torch.int64, torch.float32), (1 + r_pad, SKETCH_DIM + 2), strict=True
     ):
-        if t.dtype != dtype or t.dim() != 2 or t.shape[0] != n or t.shape[1] < width or t.stride(1) != 1:
+        shaped = t.dim() == 2 + slots and t.shape[-2] == n_rows and t.shape[-1] >= width
+        if t.dtype != dtype or not shaped or t.stride(-1) != 1:
             raise ValueError(
-                f"{name}: expected {dtype} [{n}, >= {width}] with unit column stride, "
+                f"{name}: expected {dtype} [{lead}{n_rows}, >= {width}] with unit column stride, "
                 f"got {t.dtype} {list(t.shape)} strides {list(t.stride())}"
             )
-        if t.device != x.device:
-            raise ValueError(f"{name}: on {t.device}, the rows on {x.device}")
+        if t.device != device:
+            raise ValueError(f"{name}: on {t.device}, {beside} on {device}")

@@ -101,37 +101,11 @@ if HAVE_TRITON:
         if SPAN_BLOCKS > 0:
             total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if LAG:
-            part, scale = _fp8_block(
-                a_rows,
-                b_rows,
-                sa_rows,
-                sb_rows,
-                sb_tile,
-                m_ok,
-                n_ok,
-                offs_k,
-                K,
-                kb_lo,
-                BLOCK_N,
-                BLOCK_K,
-                EVEN_K,
-            )
+            part, scale = _fp8_block(a_rows, b_rows, sa_rows, sb_rows, sb_tile, m_ok, n_ok, offs_k, K, kb_lo,
+                              BLOCK_N, BLOCK_K, EVEN_K)  # fmt: skip
             for kb in range(kb_lo + 1, kb_hi):
-                nxt, nxt_scale = _fp8_block(
-                    a_rows,
-                    b_rows,
-                    sa_rows,
-                    sb_rows,
-                    sb_tile,
-                    m_ok,
-                    n_ok,
-                    offs_k,
-                    K,
-                    kb,
-                    BLOCK_N,
-                    BLOCK_K,
-                    EVEN_K,
-                )
+                nxt, nxt_scale = _fp8_block(a_rows, b_rows, sa_rows, sb_rows, sb_tile, m_ok, n_ok, offs_k, K, kb,
+                                  BLOCK_N, BLOCK_K, EVEN_K)  # fmt: skip
                 acc = acc + part * scale  # block kb - 1
                 if SPAN_BLOCKS > 0:
                     if kb % SPAN_BLOCKS == 0:
@@ -144,21 +118,8 @@ if HAVE_TRITON:
                 total = total + acc
         else:
             for kb in range(kb_lo, kb_hi):
-                part, scale = _fp8_block(
-                    a_rows,
-                    b_rows,
-                    sa_rows,
-                    sb_rows,
-                    sb_tile,
-                    m_ok,
-                    n_ok,
-                    offs_k,
-                    K,
-                    kb,
-                    BLOCK_N,
-                    BLOCK_K,
-                    EVEN_K,
-                )
+                part, scale = _fp8_block(a_rows, b_rows, sa_rows, sb_rows, sb_tile, m_ok, n_ok, offs_k, K, kb,
+                                  BLOCK_N, BLOCK_K, EVEN_K)  # fmt: skip
                 acc = acc + part * scale
                 if SPAN_BLOCKS > 0:
                     if ((kb + 1) % SPAN_BLOCKS == 0) | (kb + 1 >= kb_hi):
