@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache, lru_cache
 from typing import NamedTuple
 
 import torch
@@ -86,7 +86,9 @@ class AttnConfig(NamedTuple):
     bwd_fused: bool = False
 
 
-CONFIG = AttnConfig()
+#: The shipped configuration: the table's picks on Hopper (``bench/kernels.py --only attention_tune``),
+#: decode keys through TMA and a two-stage backward; neither changes a bit.
+CONFIG = AttnConfig(dec_tma=True, bwd_stages=2)
 
 #: The tuning table: launch candidates per phase, each a set of :class:`AttnConfig` fields over
 #: :data:`CONFIG`. Prefill and decode candidates change no bit by design (asserted on the GPU by
@@ -599,12 +601,20 @@ def attention(
 
 
 def _tma_ok(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Whether each (sequence, KV head)'s keys and values can be TMA descriptors: 16-byte aligned
-    bases and row strides (else the pointer loads serve, with the same bits)."""
+    """Whether each (sequence, KV head)'s keys and values can be TMA descriptors: a GPU that has
+    TMA (Hopper on), 16-byte aligned bases and row strides (else the pointer loads serve, with the
+    same bits)."""
+    if k_cache.is_cuda and _capability(k_cache.device) < (9, 0):
+        return False
     return all(
         t.data_ptr() % 16 == 0 and all(st * t.element_size() % 16 == 0 for st in t.stride()[:3])
         for t in (k_cache, v_cache)
     )
+
+
+@cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
 
 
 def _i32(t: torch.Tensor, device: torch.device) -> torch.Tensor:
