@@ -588,7 +588,9 @@ def print_trainer(trainer: dict[str, Any]) -> None:
             line += f"  ratio {trainer['ratios'][name]:.3f}"
         if name in trainer["record_step_host_ms"]:
             helper = "helper thread" if trainer["records_on_helper_thread"][name] else "training thread"
-            line += f"  record_step {trainer['record_step_host_ms'][name]:.2f} ms (records built on the {helper})"
+            line += (
+                f"  record_step {trainer['record_step_host_ms'][name]:.2f} ms (records built on the {helper})"
+            )
         if syncs is not None:
             line += f"  syncs {syncs[name]}"
         print(line)
