@@ -429,6 +429,31 @@ def test_records_built_in_the_background_equal_those_built_inline(load) -> None:
     assert steps == sorted(steps) and set(steps) == set(range(len(batches)))
 
 
+def test_the_helper_builds_in_slices_of_regions_the_same_records(load, monkeypatch) -> None:
+    """The helper thread builds a step's fingerprint records a slice of regions at a time (pausing
+    between slices): the same records, in the same order, as one pass on the training thread."""
+    import isoaudit.collectors.trainer as trainer_module
+
+    monkeypatch.setattr(trainer_module, "REGIONS_PER_SLICE", 3)
+    model = load("qwen3")
+    batch = make_batch("left")
+    got = {}
+    for background in (False, True):
+        sink = MemorySink()
+        handle = attach(model, run="r", sink=sink, strict=True, background_records=background)
+        assert len(handle.regions) > 2 * trainer_module.REGIONS_PER_SLICE
+        with torch.no_grad():
+            model(**batch.model_inputs())
+        handle.record_step(0, batch)
+        assert handle.flush(30)
+        handle.detach()
+        got[background] = [
+            (r.sample_key, r.region, r.forward_index) for r in sink.records if r.kind == "fingerprints"
+        ]
+        got[background, "all"] = _comparable(sink.records)
+    assert got[True] == got[False] and got[True, "all"] == got[False, "all"]
+
+
 def test_a_failed_background_build_is_counted_and_raised_only_when_strict(load) -> None:
     """A step whose records cannot be built (here: the caller's sample keys are not keys, which
     only the records' validation refuses) is counted on the training thread, where strict mode
