@@ -108,7 +108,12 @@ def fingerprint_records(
     lengths = [span.length for span in batch.spans]
     starts: dict[int, list[int]] = {}  # per distinct row_index (all regions of a forward share one)
     build = constructor(RegionFingerprints, _PRINT_NAMES)
-    records = []
+    shared = {"run_id": run_id, "step": step, "side": side, "case": case}
+    # a thousand records a step: each a copy of its region's fields with the sample's set, built
+    # without pydantic's per-record default resolution (or validated, when asked)
+    common = None if validate else build.prefilled(shared)
+    many: list[dict[str, Any]] = []
+    append = many.append
     for (region, forward_index), host in prints.items():
         expected = rows * cols if host.row_index is None else host.row_index.size
         if len(host) != expected:
@@ -123,26 +128,22 @@ def fingerprint_records(
             ]
         digest, ladder, sketch, l2, maxabs = host.digest, host.ladder, host.sketch, host.l2, host.maxabs
         bits = host.ladder_bits
+        base = {**(shared if common is None else common), "region": region, "forward_index": forward_index}
         for i, (a, length) in enumerate(zip(starts[key], lengths, strict=True)):
             b = a + length
-            fields: dict[str, Any] = {
-                "run_id": run_id,
-                "step": step,
-                "side": side,
-                "case": case,
-                "sample_key": keys[i],
-                "region": region,
-                "forward_index": forward_index,
-                "positions": positions[i],
-                "digest": digest[a:b],
-                "ladder_bits": list(bits),
-                "ladder": ladder[a:b],
-                "sketch": sketch[a:b],
-                "l2": l2[a:b],
-                "maxabs": maxabs[a:b],
-            }
-            records.append(RegionFingerprints(**fields) if validate else build(fields))
-    return records
+            fields = base.copy()
+            fields["sample_key"] = keys[i]
+            fields["positions"] = positions[i]
+            fields["digest"] = digest[a:b]
+            fields["ladder_bits"] = list(bits)
+            fields["ladder"] = ladder[a:b]
+            fields["sketch"] = sketch[a:b]
+            fields["l2"] = l2[a:b]
+            fields["maxabs"] = maxabs[a:b]
+            append(fields)
+    if validate:
+        return [RegionFingerprints(**fields) for fields in many]
+    return build.complete_all(many) if common is not None else [build(fields) for fields in many]
 
 
 def _first_row(row_index: np.ndarray | None, flat_start: int, length: int, region: str) -> int:

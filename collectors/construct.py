@@ -59,6 +59,21 @@ class Construct(Generic[M]):
             return self.cls.model_construct(**values)
         fields = template.copy()
         fields.update(values)
+        return self.complete(fields)
+
+    def prefilled(self, values: dict[str, Any]) -> dict[str, Any] | None:
+        """Every field in order, the defaults filled in and ``values`` set: the start of records
+        that share those values, each a copy with the other names set, then built by
+        :meth:`complete`. ``None``: this model has no fast path (call this instead)."""
+        if self._template is None:
+            return None
+        return {**self._template, **values}
+
+    def complete(self, fields: dict[str, Any]) -> M:
+        """The record of ``fields``, a copy of :meth:`prefilled`'s dict with every name of this
+        constructor set (the caller's promise: nothing checks it but the first record)."""
+        if self._template is None:
+            return self.cls.model_construct(**{name: fields[name] for name in self.names})
         record = self.cls.__new__(self.cls)
         _set(record, "__dict__", fields)
         _set(record, "__pydantic_fields_set__", set(self.names))
@@ -66,11 +81,30 @@ class Construct(Generic[M]):
         _set(record, "__pydantic_private__", None)
         if not self._checked:
             self._checked = True
-            slow = self.cls.model_construct(**values)
+            slow = self.cls.model_construct(**{name: fields[name] for name in self.names})
             if not _same_construction(record, slow):
                 self._template = None
                 return slow
         return record
+
+    def complete_all(self, many: list[dict[str, Any]]) -> list[M]:
+        """:meth:`complete` of each of ``many``, in order."""
+        if not many:
+            return []
+        first = self.complete(many[0])
+        if self._template is None:
+            return [first, *(self.complete(fields) for fields in many[1:])]
+        cls, names, new = self.cls, self.names, self.cls.__new__
+        out = [first]
+        append = out.append
+        for fields in many[1:]:
+            record = new(cls)
+            _set(record, "__dict__", fields)
+            _set(record, "__pydantic_fields_set__", set(names))
+            _set(record, "__pydantic_extra__", None)
+            _set(record, "__pydantic_private__", None)
+            append(record)
+        return out
 
 
 def _same_construction(a: BaseModel, b: BaseModel) -> bool:

@@ -98,8 +98,10 @@ ENV_KEYWORD_PREFIXES: Final[dict[str, tuple[str, ...]]] = {
 ENV_DENY_WORDS: Final = ("KEY", "TOKEN", "SECRET", "PASSWORD", "PASSWD", "AUTH", "CREDENTIAL", "URL", "URI")
 
 
+@lru_cache(maxsize=4096)
 def allowed_env_name(name: str) -> bool:
-    """Whether environment variable ``name`` is one the manifest records."""
+    """Whether environment variable ``name`` is one the manifest records (remembered per name: the
+    environment is read at every step's manifest check)."""
     upper = name.upper()
     if any(word in upper for word in ENV_DENY_WORDS):
         return False
@@ -114,7 +116,7 @@ def allowed_env_name(name: str) -> bool:
 def environment_pins(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The allow-listed environment variables set in ``environ`` (this process's by default)."""
     environ = os.environ if environ is None else environ
-    return {name: environ[name] for name in sorted(environ) if allowed_env_name(name)}
+    return {name: environ[name] for name in sorted(n for n in environ if allowed_env_name(n))}
 
 
 def _distribution_version(names: tuple[str, ...]) -> str | None:

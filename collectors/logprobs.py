@@ -25,6 +25,7 @@ from typing import cast
 
 import numpy as np
 import torch
+from isoaudit.collectors.transfer import to_device
 
 #: A sampler parameter for a step: one value for every sample, one per sample, or ``None`` (off).
 SamplingArg = float | int | Sequence[float | int | None] | np.ndarray | None
@@ -74,7 +75,7 @@ def applied_transforms(
 
 
 def _per_token(values: np.ndarray, sample_of_token: np.ndarray, device: torch.device) -> torch.Tensor:
-    return torch.from_numpy(values[sample_of_token].astype(np.float32)).to(device)[:, None]
+    return to_device(torch.from_numpy(values[sample_of_token].astype(np.float32)), device)[:, None]
 
 
 def truncate(
@@ -95,12 +96,12 @@ def truncate(
         threshold = probs.amax(dim=-1, keepdim=True) * _per_token(
             np.nan_to_num(min_p), sample_of_token, device
         )
-        mask = (probs < threshold) & torch.from_numpy(rows).to(device)[:, None]
+        mask = (probs < threshold) & to_device(torch.from_numpy(rows), device)[:, None]
         scaled.masked_fill_(mask, -float("inf"))
     if top_k is not None:
         k = np.nan_to_num(top_k[sample_of_token], nan=vocab).astype(np.int64).clip(1, vocab)
         if (k < vocab).any():
-            k_t = torch.from_numpy(k).to(device)
+            k_t = to_device(torch.from_numpy(k), device)
             kth = scaled.topk(int(k.max()), dim=-1).values.gather(1, (k_t - 1)[:, None])
             kth.masked_fill_((k_t == vocab)[:, None], -float("inf"))
             scaled.masked_fill_(scaled < kth, -float("inf"))
@@ -169,15 +170,18 @@ def processed_logprob_rows(
     if flat.shape[0] != input_ids.numel():
         raise ValueError(f"logits: {flat.shape[0]} rows for {input_ids.numel()} tokens (logits_to_keep set?)")
     device = logits.device
-    predict = torch.from_numpy(predict_rows).to(device)
-    targets = input_ids.reshape(-1).to(device).index_select(0, torch.from_numpy(target_rows).to(device))
+    # the indices leave pinned memory without a sync: a plain ``.to(device)`` would wait for the
+    # forward still queued on the device before the host goes on
+    predict = to_device(torch.from_numpy(predict_rows), device)
+    target_index = to_device(torch.from_numpy(target_rows), device)
+    targets = to_device(input_ids.reshape(-1), device).index_select(0, target_index)
     rows = flat.index_select(0, predict).float()
     temps = np.where(temperature > 0, temperature, 1.0)
     if temps.size == 0 or bool(np.all(temps == temps[0])):
         scale = float(temps[0]) if temps.size else 1.0
         scaled = rows / scale if scale != 1.0 else rows
     else:
-        per_token = torch.from_numpy(temps[sample_of_token].astype(np.float32)).to(device)
+        per_token = to_device(torch.from_numpy(temps[sample_of_token].astype(np.float32)), device)
         scaled = rows / per_token[:, None]
     if top_k is not None or top_p is not None or min_p is not None:
         sampled = scaled.gather(1, targets[:, None])

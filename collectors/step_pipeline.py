@@ -6,8 +6,9 @@ landed, and building them (about a thousand records for a step with every region
 host work. :class:`StepPipeline` keeps the steps in order and finishes each one as late as it can:
 
 - a step is *built* once its copy has landed, or when more than a bound of steps wait; by the
-  training thread, or, with ``background=True``, by one helper thread that waits for each copy
-  and builds while the training thread runs its backward (which releases the GIL);
+  training thread, or, with ``background=True`` (or from :meth:`StepPipeline.start` on), by one
+  helper thread that waits for each copy and builds while the training thread runs its backward
+  (which releases the GIL);
 - built steps are *handed back* to the training thread, oldest first, which sends them: the sink's
   send hooks run where they always do, and a failed build is counted (or raised) there.
 
@@ -64,9 +65,7 @@ class StepPipeline(Generic[T]):
         self._todo: queue.Queue[_Entry[T] | None] | None = None
         self._thread: threading.Thread | None = None
         if background:
-            self._todo = queue.Queue()
-            self._thread = threading.Thread(target=self._run, name="isoaudit-trainer-records", daemon=True)
-            self._thread.start()
+            self.start()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -75,6 +74,21 @@ class StepPipeline(Generic[T]):
     def background(self) -> bool:
         """Does a helper thread build the steps (and is it still running)?"""
         return self._thread is not None and self._thread.is_alive()
+
+    def on_helper(self) -> bool:
+        """Is the caller the helper thread?"""
+        return self._thread is not None and threading.current_thread() is self._thread
+
+    def start(self) -> None:
+        """Start the helper thread (if none was started): it builds the steps waiting and those
+        pushed from now on."""
+        if self._thread is not None:
+            return
+        self._todo = queue.Queue()
+        for entry in self._entries:  # unclaimed ones: the helper claims what nobody has
+            self._todo.put(entry)
+        self._thread = threading.Thread(target=self._run, name="isoaudit-trainer-records", daemon=True)
+        self._thread.start()
 
     def push(self, item: T, *, room: int, timeout: float) -> bool:
         """Queue a step. With a helper thread, at most ``room`` steps wait (without one, the bound

@@ -22,6 +22,7 @@ once, never raised (unless ``strict=True``, for tests).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -121,7 +122,11 @@ class TrainerCollector(Collector):
     behind), or at ``flush``/``detach``. Off, ``record_step`` waits for the copy.
     ``background_records``: a helper thread waits for each step's copy and builds its records,
     mostly while the training thread is in the backward; the training thread only sends them, at
-    its next ``record_step`` or ``flush``. Reports are then always deferred.
+    its next ``record_step`` or ``flush``. Reports are then always deferred. ``None`` (the default):
+    from the first step whose copy travels asynchronously (a CUDA model with ``async_transfer``)
+    on, unless ``keep_records`` asks for each step's records in its report: building a step with
+    every region fingerprinted (about a thousand records) would otherwise be host time between the
+    forward and the backward.
     ``distribution_k``: on fingerprinted steps (every ``sample_every``-th), record per completion
     position the top-k of the distribution its logprob comes from and its full-vocabulary sketch
     (:mod:`isoaudit.audit.distribution`); 0: never. ``batch_probe``: on fingerprinted steps, recompute
@@ -151,7 +156,7 @@ class TrainerCollector(Collector):
         async_transfer: bool = True,
         max_inflight: int = 2,
         weight_digests: bool = True,
-        background_records: bool = False,
+        background_records: bool | None = None,
         distribution_k: int = 8,
         batch_probe: ProbeArg = "auto",
     ) -> None:
@@ -178,8 +183,10 @@ class TrainerCollector(Collector):
         self.async_transfer = async_transfer
         self.max_inflight = max_inflight
         self.background_records = background_records
+        #: start the helper thread at the first step whose copy travels asynchronously
+        self._background_auto = background_records is None and not keep_records
         self._pipeline: StepPipeline[_StepInFlight] = StepPipeline(
-            self._build, _copy_landed, background=background_records
+            self._build, _copy_landed, background=bool(background_records)
         )
         self.remediation_hook = remediation_hook
         self.resolved = resolve_regions(model, regions)
@@ -418,6 +425,9 @@ class TrainerCollector(Collector):
             sampling=transforms,
             distribution="dk_sketch" in tensors,
         )
+        if self._background_auto and pending.copy.travelling:
+            self._background_auto = False
+            self._pipeline.start()
         if self._pipeline.background:
             self._send_finished(self._pipeline.take(None))  # earlier steps, built meanwhile
             # a helper stuck on max_inflight + 1 steps: this one is built and sent here
@@ -478,17 +488,25 @@ class TrainerCollector(Collector):
         attach_trainer_probe(samples, host)
         records += samples
         row_index = host["rows"].astype(np.int64) if pending.compacted else None
-        host_prints = dict(zip(pending.keys, unpack_prints(host, pending.layout, row_index), strict=True))
-        fp_records = fingerprint_records(
-            run_id=self.run.run_id,
-            step=step,
-            side="trainer",
-            case=self.case,
-            batch=batch,
-            keys=keys,
-            prints=host_prints,
-            validate=self.validate,
-        )
+        host_prints = list(zip(pending.keys, unpack_prints(host, pending.layout, row_index), strict=True))
+        # On the helper thread, a slice of regions at a time with a pause between: each pause hands
+        # the interpreter lock to the training thread should it wait for it (to launch its
+        # backward, say), which otherwise waits for the switch interval (5 ms by default).
+        size = REGIONS_PER_SLICE if self._pipeline.on_helper() else max(1, len(host_prints))
+        fp_records: list[Record] = []
+        for start in range(0, len(host_prints), size):
+            if start:
+                time.sleep(HELPER_PAUSE_S)
+            fp_records += fingerprint_records(
+                run_id=self.run.run_id,
+                step=step,
+                side="trainer",
+                case=self.case,
+                batch=batch,
+                keys=keys,
+                prints=dict(host_prints[start : start + size]),
+                validate=self.validate,
+            )
         records += fp_records
         return BuiltStep(keys, len(fp_records), records)
 
@@ -529,6 +547,10 @@ class TrainerCollector(Collector):
 #: How long flush/detach wait for steps being built, and a step for room in the pipeline (s).
 FINISH_TIMEOUT = 60.0
 PUT_TIMEOUT = 1.0
+#: The helper thread builds a step's fingerprint records this many regions (times the samples) at a
+#: time, and sleeps this long between slices (the shortest sleep Linux gives is about 50 us).
+REGIONS_PER_SLICE = 8
+HELPER_PAUSE_S = 1e-5
 
 
 def _reraise(exc: BaseException) -> None:

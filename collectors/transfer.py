@@ -3,13 +3,15 @@
 Each ``.cpu()`` of a CUDA tensor is a synchronisation and a small transfer; a step with every region
 fingerprinted has hundreds of small tensors. Packing them as bytes into one buffer makes that one
 copy, then numpy views split it back on the host without further copies. On CUDA the copy goes to
-pinned memory asynchronously (:class:`HostCopy`): the training loop keeps queueing its backward
-while the bytes travel, and the collector reads them a step later (or when asked to flush).
+pinned memory asynchronously, on a stream of its own (:class:`HostCopy`): the training loop keeps
+queueing its backward, and the device keeps running it, while the bytes travel; the collector reads
+them a step later (or when asked to flush).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -41,7 +43,8 @@ def _warn_sync_fallback(exc: BaseException) -> None:
 
 class HostCopy:
     """``tensors`` on their way to the host: CPU ones copied at once, CUDA ones packed into one
-    buffer and copied asynchronously into pinned memory behind an event. ``fresh``: names of CPU
+    buffer and copied asynchronously into pinned memory, on the device's copy stream
+    (:func:`copy_stream`, after the work queued so far), behind an event. ``fresh``: names of CPU
     tensors that nothing writes again (the collector's own fingerprints), viewed instead of copied."""
 
     def __init__(
@@ -72,13 +75,24 @@ class HostCopy:
             parts = [t.contiguous().reshape(-1).view(torch.uint8) for _, t in self._items]
             self._device = torch.cat(parts)
             self._host = torch.empty(self._device.numel(), dtype=torch.uint8, pin_memory=True)
-            self._host.copy_(self._device, non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record(torch.cuda.current_stream(self._device.device))
+            # the copy runs on a stream of its own, after what the step queued so far: the step's
+            # next kernels need not wait for the bytes to cross the bus
+            stream = copy_stream(self._device.device)
+            stream.wait_stream(torch.cuda.current_stream(self._device.device))
+            with torch.cuda.stream(stream):
+                self._host.copy_(self._device, non_blocking=True)
+                self._event = torch.cuda.Event()
+                self._event.record(stream)
+            self._device.record_stream(stream)
         except RuntimeError as exc:  # no pinned memory, say: the plain synchronous copy still works
             _warn_sync_fallback(exc)
             self._items, self._event, self._device = [], None, None
             self._done.update(to_host(on_device))
+
+    @property
+    def travelling(self) -> bool:
+        """Is an asynchronous copy under way (or landed and not yet read)?"""
+        return self._event is not None
 
     def ready(self) -> bool:
         """Has the copy landed (never blocks)?"""
@@ -100,6 +114,19 @@ class HostCopy:
             self._event = self._device = None
             self._items = []
         return self._done
+
+
+_STREAMS: dict[torch.device, Any] = {}
+_STREAMS_LOCK = threading.Lock()
+
+
+def copy_stream(device: torch.device) -> Any:
+    """The stream host copies of ``device`` travel on (one per device, made once)."""
+    with _STREAMS_LOCK:
+        stream = _STREAMS.get(device)
+        if stream is None:
+            stream = _STREAMS[device] = torch.cuda.Stream(device)
+    return stream
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -6,6 +6,7 @@ the device. Whatever the grouping, every region's rows must equal its own finger
 from __future__ import annotations
 
 import dataclasses
+import time
 import warnings
 
 import numpy as np
@@ -165,6 +166,119 @@ def test_records_are_built_as_model_construct_builds_them() -> None:
     assert a.tags == [] and a.tags is not b.tags
 
 
+def test_prefilled_records_are_built_as_model_construct_builds_them() -> None:
+    """``prefilled`` + ``complete_all`` (one dict per region, copied per sample) give the records the
+    call gives, and ``fingerprint_records`` gives the same records validated or not."""
+    gen = np.random.default_rng(1)
+    shared = {"run_id": "r", "step": 3, "side": "trainer", "case": "trainer_fwd"}
+    rows = []
+    for i in range(3):
+        rows.append(
+            {
+                "sample_key": f"{i:032x}",
+                "region": "layers.0.mlp",
+                "forward_index": 0,
+                "positions": np.arange(4, dtype=np.int32),
+                "digest": gen.integers(0, 2**63, 4).astype(np.uint64),
+                "ladder_bits": [6, 4, 2, 0],
+                "ladder": gen.integers(0, 2**63, (4, 4)).astype(np.uint64),
+                "sketch": gen.standard_normal((4, 16)).astype(np.float32),
+                "l2": gen.random(4).astype(np.float32),
+                "maxabs": gen.random(4).astype(np.float32),
+            }
+        )
+    build = Construct(RegionFingerprints, _PRINT_NAMES)
+    start = build.prefilled(shared)
+    assert start is not None and list(start) == list(RegionFingerprints.model_fields)
+    fast = build.complete_all([{**start, **row} for row in rows])
+    assert build._template is not None  # the first record matched model_construct's
+    for got, row in zip(fast, rows, strict=True):
+        want = RegionFingerprints.model_construct(**shared, **row)
+        assert type(got) is RegionFingerprints and got.model_dump_json() == want.model_dump_json()
+        assert list(vars(got)) == list(vars(want)) and got.model_fields_set == want.model_fields_set
+        assert got.checked() is got
+
+    class WithFactory(Record):
+        name: str
+        tags: list[str] = Field(default_factory=list)
+
+    slow = Construct(WithFactory, frozenset({"name"}))
+    assert slow.prefilled({}) is None  # no fast path: the records are model_construct's
+    made = slow.complete_all([{"name": "x"}, {"name": "y"}])
+    assert [m.name for m in made] == ["x", "y"] and made[0].tags is not made[1].tags
+
+
+def test_fingerprint_records_equal_validated_or_not(load) -> None:
+    from isoaudit.collectors.assemble import fingerprint_records, keys_for, sequence_tokens
+
+    model = load("qwen3")
+    batch = make_batch("right")
+    prints = _prints_by_grouping(model, batch, 64 << 20)
+    rows = prints["rows"].numpy()  # padding was skipped: the rows fingerprinted
+    host = {key: dataclasses.replace(value, row_index=rows) for key, value in prints["prints"].items()}
+    keys = keys_for(batch, sequence_tokens(batch, batch.input_ids.numpy()))
+    made = {
+        validate: fingerprint_records(
+            run_id="r",
+            step=1,
+            side="trainer",
+            case="trainer_fwd",
+            batch=batch,
+            keys=keys,
+            prints=host,
+            validate=validate,
+        )
+        for validate in (False, True)
+    }
+    assert len(made[False]) == len(host) * batch.num_samples
+    for fast, checked in zip(made[False], made[True], strict=True):
+        assert fast.model_dump_json() == checked.model_dump_json()
+        assert list(vars(fast)) == list(vars(checked)) and fast.checked() is fast
+
+
+def test_a_pipeline_started_late_builds_the_steps_already_waiting() -> None:
+    """``start`` hands the helper thread the steps queued before it: they are built there, and
+    handed back in order with those pushed after."""
+    import threading
+
+    from isoaudit.collectors.step_pipeline import BuiltStep, StepPipeline
+
+    threads: dict[int, str] = {}
+
+    def build(item: int) -> BuiltStep:
+        threads[item] = threading.current_thread().name
+        return BuiltStep([str(item)], 0, [])
+
+    pipeline: StepPipeline[int] = StepPipeline(build, lambda item: False)
+    for item in (0, 1):
+        assert pipeline.push(item, room=8, timeout=1.0)
+    assert pipeline.take(None) == [] and not pipeline.background  # not landed: waiting
+    pipeline.start()
+    assert pipeline.background
+    assert pipeline.push(2, room=8, timeout=1.0)
+    finished: list = []
+    deadline = time.monotonic() + 10
+    while len(finished) < 3 and time.monotonic() < deadline:  # take never builds: the helper does
+        finished += pipeline.take(None)
+        time.sleep(0.01)
+    pipeline.stop(10.0)
+    assert [item for item, _ in finished] == [0, 1, 2]
+    assert set(threads.values()) == {"isoaudit-trainer-records"}
+
+
+def test_records_are_built_on_the_training_thread_by_default_on_the_cpu(load) -> None:
+    """The default ``background_records`` starts the helper only for a copy that travels
+    asynchronously: on the CPU nothing does, and each step's report holds its records."""
+    model = load("qwen3")
+    batch = make_batch("right")
+    handle = attach(model, run="r", sink=MemorySink(), strict=True)
+    with torch.no_grad():
+        model(**batch.model_inputs())
+    report = handle.record_step(0, batch)
+    assert not handle._pipeline.background and not report.deferred and report.n_fingerprint_records > 0
+    handle.detach()
+
+
 def test_fresh_cpu_tensors_are_viewed_others_copied() -> None:
     mine, theirs = torch.arange(6), torch.arange(6)
     copy = HostCopy({"p0": mine, "ids": theirs}, fresh=lambda name: name.startswith("p"))
@@ -236,6 +350,46 @@ def test_on_cuda_the_training_thread_never_waits_and_prints_equal_the_cpu(load, 
         np.testing.assert_allclose(record.l2, want.l2, rtol=1e-5, err_msg=record.region)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_record_step_never_syncs_and_the_helper_builds_the_same_records(load) -> None:
+    """``record_step`` on a step with every region fingerprinted, logprobs and distribution computed
+    by the collector, makes no device synchronisation at all (it runs between the forward and the
+    backward: a sync there drains the queue); by default the records are built on the helper
+    thread, equal to those built on the training thread."""
+    model = load("qwen3").to("cuda", torch.bfloat16)
+    batches = [
+        StepBatch.padded(
+            *random_samples(5, s), padding_side="right", pad_token_id=3, temperature=0.7, device="cuda"
+        )
+        for s in range(3)
+    ]
+    got = {}
+    for background in (None, False):
+        sink = MemorySink()
+        handle = attach(model, run="r", sink=sink, strict=True, background_records=background)
+        counts = []
+        for step, batch in enumerate(batches):
+            handle.begin_step(step, batch)
+            with torch.no_grad():
+                model(**batch.model_inputs())
+            torch.cuda.synchronize()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    handle.record_step(step, batch)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            counts.append(sum("synchroniz" in str(w.message) for w in caught))
+        assert handle._pipeline.background == (background is None)
+        assert counts[1:] == [0] * (len(batches) - 1), counts  # the first step warms up
+        assert handle.flush(30)
+        handle.detach()
+        got[background] = _comparable(sink.records)
+    assert got[None] and got[None] == got[False]
+
+
 def _comparable(records) -> list[tuple]:
     out = []
     for r in records:
@@ -273,6 +427,31 @@ def test_records_built_in_the_background_equal_those_built_inline(load) -> None:
     assert got[True] and got[True] == got[False]
     steps = [r[1] for r in got[True]]
     assert steps == sorted(steps) and set(steps) == set(range(len(batches)))
+
+
+def test_the_helper_builds_in_slices_of_regions_the_same_records(load, monkeypatch) -> None:
+    """The helper thread builds a step's fingerprint records a slice of regions at a time (pausing
+    between slices): the same records, in the same order, as one pass on the training thread."""
+    import isoaudit.collectors.trainer as trainer_module
+
+    monkeypatch.setattr(trainer_module, "REGIONS_PER_SLICE", 3)
+    model = load("qwen3")
+    batch = make_batch("left")
+    got = {}
+    for background in (False, True):
+        sink = MemorySink()
+        handle = attach(model, run="r", sink=sink, strict=True, background_records=background)
+        assert len(handle.regions) > 2 * trainer_module.REGIONS_PER_SLICE
+        with torch.no_grad():
+            model(**batch.model_inputs())
+        handle.record_step(0, batch)
+        assert handle.flush(30)
+        handle.detach()
+        got[background] = [
+            (r.sample_key, r.region, r.forward_index) for r in sink.records if r.kind == "fingerprints"
+        ]
+        got[background, "all"] = _comparable(sink.records)
+    assert got[True] == got[False] and got[True, "all"] == got[False, "all"]
 
 
 def test_a_failed_background_build_is_counted_and_raised_only_when_strict(load) -> None:
