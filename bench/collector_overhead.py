@@ -493,9 +493,15 @@ def run_compiled_trainer(args: argparse.Namespace) -> dict[str, Any]:
     syncs: dict[str, int] | None = None
     if cuda:  # one more step each: what it makes the host wait for
         syncs = {}
-        for name, which in configs:
+        for name, (_, compiled, optimizer, col) in configs:
             n += 1
-            syncs[name] = _syncs_during(lambda which=which, n=n: step(which, n))
+            sync()
+            syncs[name] = _syncs_during(
+                lambda compiled=compiled, optimizer=optimizer, col=col, n=n: train_step(
+                    compiled, optimizer, batch, mask, col, n, True
+                )
+            )
+            sync()
     own = watched[3].counters.own_forwards
     # a switch to the invariant kernels: the next compiled step recompiles (Dynamo guards on it)
     control.set("invariant")
