@@ -41,6 +41,7 @@ baseline. Targets on the CPU with a tiny model: logprobs <= 3 %, with fingerprin
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import statistics
 import sys
@@ -462,15 +463,22 @@ def run_compiled_trainer(args: argparse.Namespace) -> dict[str, Any]:
     record_s: dict[str, list[float]] = {name: [] for name, which in configs if which[3] is not None}
     host_s: dict[str, list[float]] = {name: [] for name, _ in configs}
     times: dict[str, list[float]] = {name: [] for name, _ in configs}
+    # --profile: the host's Python time of each configuration's timed steps (compiles excluded)
+    profiles = {name: cProfile.Profile() for name, _ in configs} if args.profile else {}
 
     def step(which: tuple[Any, Any, Any, Any], n: int, name: str | None = None) -> float:
         """One step, timed from an idle device to an idle device; ``name``: kept under it."""
         model, compiled, optimizer, col = which
         spent: list[float] | None = [] if name is not None else None
         sync()
+        profile = profiles.get(name) if name is not None else None
+        if profile is not None:
+            profile.enable()
         t0 = time.perf_counter()
         train_step(compiled, optimizer, batch, mask, col, n, True, spent)
         queued = time.perf_counter()
+        if profile is not None:
+            profile.disable()
         sync()
         elapsed = time.perf_counter() - t0
         if name is not None:
@@ -521,6 +529,9 @@ def run_compiled_trainer(args: argparse.Namespace) -> dict[str, Any]:
             col.detach()
     sink.close()
     kernels.disable()
+    for name, profile in profiles.items():
+        Path(args.profile).mkdir(parents=True, exist_ok=True)
+        profile.dump_stats(Path(args.profile) / f"{name}.prof")
     step_ms = {name: 1e3 * statistics.median(t) for name, t in times.items()}
     ratio = step_ms["compiled+fingerprints"] / step_ms["compiled"]
     return {
@@ -634,6 +645,11 @@ def main() -> None:
         default="both",
         choices=["both", "engine", "trainer"],
         help="graphs: which of the two to time",
+    )
+    parser.add_argument(
+        "--profile",
+        default=None,
+        help="graphs/trainer: write cProfile stats of each configuration's timed steps here",
     )
     parser.add_argument("--new", type=int, default=128, help="graphs: decode steps timed per generate")
     parser.add_argument("--check-new", type=int, default=16, help="graphs: tokens of the bitwise check")
