@@ -41,24 +41,12 @@ def _global_mean(values: np.ndarray) -> float:
     return float(np.sum(values) / (values.size + _EPS)) if values.size else float("nan")
 
 
-def _kl(logr: np.ndarray, kind: str) -> np.ndarray:
-    """``calculate_kl`` without clamps, on logr = log(reference / policy)."""
-    if kind == "k1":
-        return -logr
-    if kind == "k2":
-        return logr**2 / 2
-    if kind == "k3":
-        return np.exp(logr) - 1 - logr
-    raise ValueError(f"framework_config.{_KL}: {kind!r} is not k1, k2 or k3")
-
-
-def _half_k3(x: np.ndarray) -> np.ndarray:
-    """0.5 * (exp(x) − x − 1), in one new array."""
-    e = np.exp(x)
-    e -= x
-    e -= 1
-    e *= 0.5
-    return e
+def _global_token_mean(tokens: StepTokens, values: np.ndarray) -> float:
+    """:func:`_global_mean` of a per-token array, summed as the step's blocks sum (each sample's
+    tokens, then the samples in order)."""
+    if not values.size:
+        return float("nan")
+    return float(np.sum(tokens.sample_sums(values)) / (values.size + _EPS))
 
 
 def _finite_or_zero(values: np.ndarray) -> np.ndarray:
@@ -66,23 +54,30 @@ def _finite_or_zero(values: np.ndarray) -> np.ndarray:
     return np.where(np.isfinite(values), values, 0.0)
 
 
+#: The per-token quantity (audit.metrics.blocks) of ``calculate_kl`` on log(p_train/p_gen) = Δ and on
+#: log(p_gen/p_train) = −Δ, by estimator: k1 −logr, k2 logr²/2, k3 exp(logr) − 1 − logr.
+_KL_OF_DELTA = {"k1": ("neg", "d"), "k2": ("half", "d_sq"), "k3": "nemo_k3"}
+_KL_OF_NEG_DELTA = {"k1": "d", "k2": ("half", "d_sq"), "k3": "nemo_k3_reverse"}
+
+
 def _diagnostics(tokens: StepTokens, kl_type: str) -> dict[str, float]:
-    """The figures every era logs the same way, but for the KL estimator's type."""
-    d = tokens.delta  # prev − generation
-    p, g = tokens.trainer, tokens.rollout
-    # log_m = log(0.5 e^p + 0.5 e^g); js = 0.5 (e^a − a − 1) + 0.5 (e^b − b − 1), a = p − log_m,
-    # b = g − log_m: the same operations in the same order, in place (fewer step-sized temporaries)
-    log_m = np.multiply(tokens.p_trainer, 0.5)
-    log_m += np.multiply(tokens.p_rollout, 0.5)
-    np.log(log_m, out=log_m)
-    js = _half_k3(np.subtract(p, log_m))
-    js += _half_k3(np.subtract(g, log_m, out=log_m))
+    """The figures every era logs the same way, but for the KL estimator's type: token means of
+    exp|Δ|, of the KL estimator on Δ (gen) and −Δ (policy) and of the Jensen–Shannon divergence
+    (``nemo_js``: log_m = log(0.5 e^p + 0.5 e^g), 0.5 (e^a − a − 1) + 0.5 (e^b − b − 1),
+    a = p − log_m, b = g − log_m)."""
+    if kl_type not in _KL_OF_DELTA:
+        raise ValueError(f"framework_config.{_KL}: {kl_type!r} is not k1, k2 or k3")
     return {
-        "token_mult_prob_error": _global_mean(tokens.exp_abs_delta),
-        "gen_kl_error": _global_mean(tokens.exp_delta - 1 - d if kl_type == "k3" else _kl(d, kl_type)),
-        "policy_kl_error": _global_mean(_kl(-d, kl_type)),
-        "js_divergence_error": _global_mean(js),
+        "token_mult_prob_error": _global_mean_of(tokens, "exp_abs_d"),
+        "gen_kl_error": _global_mean_of(tokens, _KL_OF_DELTA[kl_type]),
+        "policy_kl_error": _global_mean_of(tokens, _KL_OF_NEG_DELTA[kl_type]),
+        "js_divergence_error": _global_mean_of(tokens, "nemo_js"),
     }
+
+
+def _global_mean_of(tokens: StepTokens, key: object) -> float:
+    """:func:`_global_mean` of the per-token quantity ``key`` (audit.metrics.blocks)."""
+    return tokens.total(key) / (tokens.n_tokens + _EPS) if tokens.n_tokens else float("nan")  # type: ignore[arg-type]
 
 
 def _weights(tokens: StepTokens, sequence_level: bool) -> np.ndarray:
@@ -99,14 +94,16 @@ def _ranks(tokens: StepTokens) -> np.ndarray:
 
 
 def _sampling_ratio(
-    tokens: StepTokens, weights: np.ndarray, sequence_level: bool, dropped: dict[int, int]
+    tokens: StepTokens, weights: np.ndarray | None, sequence_level: bool, dropped: dict[int, int]
 ) -> float:
-    """``sampling_importance_ratio``: the token mean of the weights; sequence-level, each micro-
+    """``sampling_importance_ratio``: the token mean of the weights (None: untruncated); sequence-level, each micro-
     batch's weights [B, 1] times its sample mask [B] broadcast to [B, B] and summed, over the global
     sample count, summed over micro-batches: a process's (ΣW + its samples dropped by the sequence
     error mask, whose weight is exp(0)) times its kept samples."""
+    if weights is None:  # untruncated token weights: exp(Δ), non-finite ones 0
+        return _global_mean_of(tokens, ("finite_or_zero", "exp_d"))
     if not sequence_level:
-        return _global_mean(weights)
+        return _global_token_mean(tokens, weights)
     ranks = _ranks(tokens)
     total = sum(
         (float(np.sum(weights[ranks == r])) + dropped.get(int(r), 0)) * int(np.sum(ranks == r))
@@ -119,7 +116,7 @@ def _sequence_errors(tokens: StepTokens, settings: Settings, era: int) -> tuple[
     """From 0.6.0, grpo.py's per-sample multiplicative probability error (the mean exp|Δ| of each
     sample) and, with seq_logprob_error_threshold, the samples it keeps (error ≤ threshold): the
     loss then sees the kept samples only."""
-    error = tokens.sample_sums(tokens.exp_abs_delta) / np.maximum(tokens.lengths, 1)
+    error = tokens.blocks.sums("exp_abs_d") / np.maximum(tokens.lengths, 1)
     threshold = settings.get(_SEQ_THRESHOLD)
     kept = np.ones(tokens.n_samples, dtype=bool) if threshold is None else error <= threshold
     out: dict[str, float] = {}
@@ -161,11 +158,16 @@ def _valid(settings: Settings, era: int) -> bool:
     return not (era >= 7 and low is not None and low > ratio)
 
 
-def _truncated(tokens: StepTokens, settings: Settings, era: int) -> tuple[np.ndarray, dict[str, float]]:
-    """The weights after truncation and, from 0.6.0, ``is_oob_ratio`` (with a truncation ratio)."""
+def _truncated(
+    tokens: StepTokens, settings: Settings, era: int
+) -> tuple[np.ndarray | None, dict[str, float]]:
+    """The weights after truncation (None: token weights untruncated, read from the step's blocks)
+    and, from 0.6.0, ``is_oob_ratio`` (with a truncation ratio)."""
     sequence_level = bool(settings.get(_SEQ))
-    w = _weights(tokens, sequence_level)
     ratio = settings.get(_RATIO)
+    if ratio is None and not sequence_level:
+        return None, {}
+    w = _weights(tokens, sequence_level)
     if ratio is None:
         return w, {}
     if era < 6:
@@ -186,11 +188,14 @@ def _truncated(tokens: StepTokens, settings: Settings, era: int) -> tuple[np.nda
     share = (
         out.astype(float) if kind == "seq-mask-tis" else _per_token(tokens, out.astype(float), sequence_level)
     )
+    per_sample = kind == "seq-mask-tis"
     if era >= 7:
-        return w, {"is_oob_ratio": _global_mean(share)}
+        return w, {"is_oob_ratio": _global_mean(share) if per_sample else _global_token_mean(tokens, share)}
     # each micro-batch logged 1 − (its kept count / the global count); grpo.py sums them
     processes = len(tokens.per_rank())
-    return w, {"is_oob_ratio": processes - float(np.sum(1.0 - share) / (share.size + _EPS))}
+    kept = 1.0 - share
+    kept_sum = np.sum(kept) if per_sample else np.sum(tokens.sample_sums(kept))
+    return w, {"is_oob_ratio": processes - float(kept_sum / (share.size + _EPS))}
 
 
 def _compute(era: int) -> Any:
