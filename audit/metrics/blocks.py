@@ -106,6 +106,20 @@ def _rho(b: Block) -> np.ndarray:
     return np.exp(clamped)
 
 
+def _rs_k2(b: Block) -> np.ndarray:
+    """k2 = Δ²/2 of Δ clamped to ±20, as (0.5 Δ) Δ."""
+    d = b[("clip", "d", -20.0, 20.0)]
+    out = np.multiply(d, 0.5)
+    return np.multiply(out, d, out=out)
+
+
+def _rs_k3(b: Block) -> np.ndarray:
+    """k3 = e^Δ − 1 − Δ of Δ clamped to ±20, as expm1(Δ) − Δ."""
+    d = b[("clip", "d", -20.0, 20.0)]
+    out = np.expm1(d)
+    return np.subtract(out, d, out=out)
+
+
 #: The named per-token quantities, each as the figures that read it define it.
 QUANTITIES: dict[str, Callable[[Block], np.ndarray]] = {
     "t": lambda b: b.t,
@@ -124,6 +138,8 @@ QUANTITIES: dict[str, Callable[[Block], np.ndarray]] = {
     "nemo_k3_reverse": _nemo_k3_reverse,
     "nemo_js": _nemo_js,
     "rho": _rho,  # exp(Δ clamped to ±20), verl's SAFETY_BOUND
+    "rs_k2": _rs_k2,
+    "rs_k3": _rs_k3,
 }
 
 #: Expression keys: ``(op, operand keys and constants...)``.
@@ -211,6 +227,7 @@ class TokenBlocks:
         self._bounds = _block_bounds(self.offsets, block_tokens)
         self._done: dict[Request, np.ndarray] = {}
         self._lock = threading.Lock()
+        self._recording: list[Request] | None = None
         self.lengths = np.diff(self.offsets)
         if finite_only:
             self.lengths = self._finite_lengths()
@@ -268,9 +285,26 @@ class TokenBlocks:
     def get(self, how: Reduction, key: Key) -> np.ndarray:
         """The per-sample reduction ``how`` of ``key`` (measured now if it was not)."""
         request = (how, key)
+        if self._recording is not None:  # planning: note it, hand back a placeholder
+            self._recording.append(request)
+            return np.zeros(self.n_samples)
         if request not in self._done:
             self.measure([request])
         return self._done[request]
+
+    def planned(self, reads: Callable[[], object]) -> None:
+        """Measure in one pass every reduction ``reads()`` asks for: it is run once on placeholders
+        (zeros; its result and any error are dropped) to find them. A reduction asked for only on
+        the real values is measured when asked."""
+        self._recording = []
+        try:
+            with np.errstate(all="ignore"):
+                reads()
+        except Exception:  # noqa: BLE001, S110 — placeholders may take a branch the values will not
+            pass
+        finally:
+            found, self._recording = self._recording, None
+        self.measure(found)
 
     # -- per sample -------------------------------------------------------------------------------
     def sums(self, key: Key) -> np.ndarray:

@@ -734,11 +734,16 @@ def topk_entropy(topk_logprobs: np.ndarray) -> np.ndarray:
 
 def threshold_figures(view: TokenView, variants: Iterable[str]) -> dict[str, float]:
     """Every :data:`PARAMETRIC` figure at its defaults and at :data:`STANDING_VARIANTS`, then at each
-    of ``variants`` (variant keys)."""
+    of ``variants`` (variant keys); the reductions they read are measured in one pass."""
     keys = dict.fromkeys([*PARAMETRIC, *STANDING_VARIANTS, *variants])
-    out = {}
-    for key in keys:
-        name, params = parse_variant(key)
-        with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-            out[variant_key(name, params)] = float(PARAMETRIC[name].compute(view, **params)) + 0.0
-    return out
+
+    def figures() -> dict[str, float]:
+        out = {}
+        for key in keys:
+            name, params = parse_variant(key)
+            with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+                out[variant_key(name, params)] = float(PARAMETRIC[name].compute(view, **params)) + 0.0
+        return out
+
+    view.planned(figures)
+    return figures()
