@@ -15,7 +15,8 @@ from isoaudit.audit.diagnosis import Diagnosis, diagnose
 from isoaudit.audit.distribution import distribution_metrics, step_distribution_metrics
 from isoaudit.audit.distribution import explain as explain_distribution
 from isoaudit.audit.environment import EVIDENCE_KEY as CHANGES
-from isoaudit.audit.frameworks import Declaration, StepTokens, framework_figures
+from isoaudit.audit.frameworks import FIGURE_THREADS, Declaration, StepTokens, framework_figures
+from isoaudit.audit.frameworks.base import STANDARD as FRAMEWORK_REDUCTIONS
 from isoaudit.audit.grid import Cell, RegionGrid, compare_fingerprints
 from isoaudit.audit.metric_names import required_variants
 from isoaudit.audit.metrics import (
@@ -26,6 +27,7 @@ from isoaudit.audit.metrics import (
     step_metrics,
     topk_entropy,
 )
+from isoaudit.audit.metrics.blocks import TokenBlocks
 from isoaudit.audit.policy_lag import token_lags
 from isoaudit.audit.records import Manifest, OffPolicy, RegionFingerprints, SampleLogprobs
 from isoaudit.audit.regions import parse_region_key, region_order
@@ -36,7 +38,14 @@ from isoaudit.audit.routing import (
     step_routing,
     step_routing_metrics,
 )
-from isoaudit.audit.summaries import StepFacts, StepSummary, Verdict, summarize
+from isoaudit.audit.summaries import (
+    POSITION_REDUCTIONS,
+    StepFacts,
+    StepSummary,
+    Verdict,
+    position_bins_of,
+    summarize,
+)
 
 
 @dataclass
@@ -127,6 +136,8 @@ class StepFigures:
     clip_eps: float
     #: every definition of audit.metrics, the threshold variants aliases read, policy lag and lag slices
     metrics: dict[str, float]
+    #: the step's per-token reductions (audit.metrics.blocks), the frameworks' among them
+    blocks: TokenBlocks | None = None
 
     def covers(self, pairs: Sequence[Pair], clip_eps: float) -> bool:
         """Whether these are the figures of exactly ``pairs`` (the same records) at ``clip_eps``."""
@@ -156,14 +167,16 @@ class _Tokens:
         )
 
 
-def framework_tokens(pairs: Sequence[Pair]) -> StepTokens:
+def framework_tokens(pairs: Sequence[Pair], blocks: TokenBlocks | None = None) -> StepTokens:
     """A step's pairs as the frameworks' figures take them: logprobs, the trainer's advantage (the
-    rollout's where the trainer recorded none) and the trainer's rank of each sample."""
+    rollout's where the trainer recorded none) and the trainer's rank of each sample. ``blocks``:
+    the step's reductions measured already (over these pairs' concatenated logprobs)."""
+    advantages = [t.advantage if t.advantage is not None else r.advantage for t, r in pairs]
+    ranks = [t.rank if t.rank is not None else r.rank for t, r in pairs]
+    if blocks is not None:
+        return StepTokens.over(blocks, advantages=advantages, ranks=ranks)
     return StepTokens.of(
-        [t.logprobs for t, _ in pairs],
-        [r.logprobs for _, r in pairs],
-        advantages=[t.advantage if t.advantage is not None else r.advantage for t, r in pairs],
-        ranks=[t.rank if t.rank is not None else r.rank for t, r in pairs],
+        [t.logprobs for t, _ in pairs], [r.logprobs for _, r in pairs], advantages=advantages, ranks=ranks
     )
 
 
@@ -200,6 +213,7 @@ def _measure_step(pairs: Sequence[Pair], clip_eps: float) -> tuple[list[dict[str
     """One pass over a step's tokens (``pairs`` in :func:`in_step_order`): each sample's metrics
     (policy lag included) and the step's figures."""
     tokens = _Tokens.of(pairs)
+    blocks = TokenBlocks(tokens.trainer, tokens.rollout, tokens.offsets)
     frame, metrics = sample_and_step_metrics(
         tokens.trainer,
         tokens.rollout,
@@ -207,9 +221,13 @@ def _measure_step(pairs: Sequence[Pair], clip_eps: float) -> tuple[list[dict[str
         clip_eps=clip_eps,
         entropies=tokens.entropies,
         variants=required_variants(),
+        blocks=blocks,
+        # the frameworks' figures of StepOutcome.of and the dashboard's position bins, in the same pass
+        also=[*FRAMEWORK_REDUCTIONS, *POSITION_REDUCTIONS],
+        threads=FIGURE_THREADS,
     )
     lags = [token_lags(t, r) for t, r in pairs]
-    figures = StepFigures(tuple(pairs), clip_eps, _with_lag_figures(metrics, tokens, lags))
+    figures = StepFigures(tuple(pairs), clip_eps, _with_lag_figures(metrics, tokens, lags), blocks)
     return _with_lags(frame.to_dict("records"), lags), figures
 
 
@@ -324,6 +342,8 @@ class StepOutcome:
     metrics: dict[str, Any]
     #: audit.routing.step_routing of the pairs (None for a dense model)
     routing: dict[str, Any] | None
+    #: the dashboard's position bins, when measured with the step's figures
+    bins: dict[str, list[Any]] | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def of(
@@ -341,12 +361,14 @@ class StepOutcome:
         figures follow that release and its settings (audit.frameworks)."""
         ordered = in_step_order(pairs)
         handed_on = next((c.step_figures for c in comparisons if c.step_figures is not None), None)
+        blocks = None
         if handed_on is not None and handed_on.covers(ordered, clip_eps):
             metrics = dict(handed_on.metrics)
+            blocks = handed_on.blocks
         else:
             metrics = _step_metrics(_Tokens.of(ordered), [token_lags(t, r) for t, r in ordered], clip_eps)
         if ordered:
-            metrics.update(framework_figures(framework_tokens(ordered), framework))
+            metrics.update(framework_figures(framework_tokens(ordered, blocks), framework))
             metrics.update(step_distribution_metrics(ordered))
         routing = None
         if pairs:
@@ -361,6 +383,7 @@ class StepOutcome:
             comparisons=tuple(comparisons),
             metrics=_json_floats(metrics),
             routing=routing,
+            bins=_position_bins(ordered, blocks),
         )
 
     def verdicts(self) -> list[Verdict]:
@@ -395,7 +418,9 @@ class StepOutcome:
 
     def summary(self, facts: StepFacts) -> StepSummary:
         """The dashboard's summary of the step (``audit.summaries``)."""
-        return summarize(self.run_id, self.step, self.pairs, self.all_verdicts(facts), facts, self.routing)
+        return summarize(
+            self.run_id, self.step, self.pairs, self.all_verdicts(facts), facts, self.routing, self.bins
+        )
 
     def all_verdicts(self, facts: StepFacts | None) -> list[Verdict]:
         """The verdicts of the samples compared now, then the stored ones of the step's other samples."""
@@ -404,6 +429,15 @@ class StepOutcome:
             return fresh
         new = {v.sample_key for v in fresh}
         return fresh + [v for v in facts.verdicts if v.sample_key not in new]
+
+
+def _position_bins(pairs: Sequence[Pair], blocks: TokenBlocks | None) -> dict[str, list[Any]] | None:
+    """The step's position bins from its blocks' segment reductions (None: to compute from the
+    pairs, where a Δ is not finite or nothing was measured)."""
+    if blocks is None or not blocks.all_finite:
+        return None
+    sums, maxima = (blocks.get(how, key) for how, key in POSITION_REDUCTIONS)
+    return position_bins_of(blocks.lengths, sums, maxima, [t.sample_key for t, _ in pairs])
 
 
 def step_summary(

@@ -83,6 +83,22 @@ class StepTokens:
                 raise ValueError(f"ranks: {rk.size} for {n} samples")
         return cls(t, r, o, adv, rk)
 
+    @classmethod
+    def over(
+        cls,
+        blocks: TokenBlocks,
+        *,
+        advantages: list[float | None] | np.ndarray | None = None,
+        ranks: list[int | None] | np.ndarray | None = None,
+    ) -> StepTokens:
+        """The step whose per-token reductions ``blocks`` holds (over all its tokens), sharing them:
+        what was measured there is not measured again."""
+        tokens = cls.of(blocks.trainer, blocks.rollout, blocks.offsets, advantages=advantages, ranks=ranks)
+        if blocks.finite_only:
+            raise ValueError("blocks: a step's frameworks see every token, not the finite ones only")
+        tokens.__dict__["blocks"] = blocks  # the cached_property's slot: measured reductions are shared
+        return tokens
+
     @cached_property
     def trainer(self) -> np.ndarray:
         """The trainer's logprobs in float64."""

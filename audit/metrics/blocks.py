@@ -20,6 +20,7 @@ import math
 import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -28,29 +29,52 @@ import numpy as np
 BLOCK_TOKENS = 1 << 15
 
 Key = str | tuple[Any, ...]
-#: A reduction: ``sum`` (booleans are counted as int64), ``max``, ``min``, ``m2`` (each sample's
-#: squares of the values less its mean), or ``("cm", other)`` (its co-moment with ``other``).
-Reduction = str | tuple[str, Key]
+#: A reduction: ``sum`` (booleans are counted as int64), ``max``, ``min``, ``first`` (the first
+#: token where a condition holds, -1 if none), ``m2`` (each sample's squares of the values less its
+#: mean), ``("cm", other)`` (its co-moment with ``other``), or per segment of the samples cut at
+#: given positions, ``("segment_sum", edges)`` and ``("segment_max", edges)``.
+Reduction = str | tuple[str, Any]
 Request = tuple[Reduction, Key]
 
 
 class Block:
     """One block's tokens (float64) and each quantity asked of them, computed once."""
 
-    def __init__(self, t: np.ndarray, r: np.ndarray, lengths: np.ndarray) -> None:
+    def __init__(
+        self,
+        t: np.ndarray,
+        r: np.ndarray,
+        lengths: np.ndarray,
+        raw: tuple[np.ndarray, np.ndarray] | None = None,
+    ) -> None:
         self.t = t
         self.r = r
+        #: the block's logprobs as recorded (bitwise comparisons), when every token is kept
+        self.raw = raw
         #: the tokens of each of the block's samples that have any, and where each starts
         self.lengths = lengths[lengths > 0]
         self.starts = np.concatenate([[0], np.cumsum(self.lengths)[:-1]]).astype(np.int64)
         self.nonempty = lengths > 0
+        #: each such sample's [start, end) in the block
+        self.spans = [(int(a), int(a + n)) for a, n in zip(self.starts, self.lengths, strict=True)]
         self.memo: dict[Key, np.ndarray] = {}
+        #: reductions and centred values other reductions read
+        self.sums: dict[tuple[str, Key], np.ndarray] = {}
 
     def __getitem__(self, key: Key) -> np.ndarray:
         found = self.memo.get(key)
         if found is None:
             found = self.memo[key] = _evaluate(self, key)
         return found
+
+    @property
+    def inside(self) -> bool:
+        """Whether every |Δ| of the block is within ±20 (clamping changes nothing)."""
+        found = self.memo.get("inside")
+        if found is None:
+            d = self["d"]
+            found = self.memo["inside"] = np.array(not d.size or (d.min() >= -20.0 and d.max() <= 20.0))
+        return bool(found)
 
 
 def _d(b: Block) -> np.ndarray:
@@ -100,22 +124,50 @@ def _exp_abs_d(b: Block) -> np.ndarray:
 
 def _rho(b: Block) -> np.ndarray:
     """exp(Δ clamped to ±20): exp(Δ) itself where no token is clamped."""
-    clamped = b[("clip", "d", -20.0, 20.0)]
-    if np.array_equal(clamped, b["d"]):
-        return b["exp_d"]
-    return np.exp(clamped)
+    return b["exp_d"] if b.inside else np.exp(b["d_clamped"])
+
+
+def _clamped(b: Block) -> np.ndarray:
+    """Δ clamped to ±20: Δ itself where no token is clamped."""
+    return b["d"] if b.inside else np.clip(b["d"], -20.0, 20.0)
+
+
+def _mismatch(b: Block) -> np.ndarray:
+    """Whether the two sides' recorded bits differ (-0.0 and +0.0 differ, two NaN of one payload agree)."""
+    assert b.raw is not None, "bitwise comparisons need every token of the block"
+    t, r = b.raw
+    unsigned = np.dtype(f"u{t.dtype.itemsize}")
+    return t.view(unsigned) != r.view(unsigned)
+
+
+def _core_k2(b: Block) -> np.ndarray:
+    """Δ²/2 as (0.5 Δ) Δ."""
+    out = np.multiply(b["d"], 0.5)
+    return np.multiply(out, b["d"], out=out)
+
+
+def _core_js(b: Block) -> np.ndarray:
+    """log cosh(Δ/2) as log1p((e^Δ − 1)/2) − Δ/2 (audit.metrics.core's JS)."""
+    out = np.multiply(b["em1p"], 0.5)
+    np.log1p(out, out=out)
+    out -= np.multiply(b["d"], 0.5)
+    return out
 
 
 def _rs_k2(b: Block) -> np.ndarray:
     """k2 = Δ²/2 of Δ clamped to ±20, as (0.5 Δ) Δ."""
-    d = b[("clip", "d", -20.0, 20.0)]
+    if b.inside:
+        return b["core_k2"]
+    d = b["d_clamped"]
     out = np.multiply(d, 0.5)
     return np.multiply(out, d, out=out)
 
 
 def _rs_k3(b: Block) -> np.ndarray:
     """k3 = e^Δ − 1 − Δ of Δ clamped to ±20, as expm1(Δ) − Δ."""
-    d = b[("clip", "d", -20.0, 20.0)]
+    if b.inside:
+        return b["core_k3"]
+    d = b["d_clamped"]
     out = np.expm1(d)
     return np.subtract(out, d, out=out)
 
@@ -138,8 +190,21 @@ QUANTITIES: dict[str, Callable[[Block], np.ndarray]] = {
     "nemo_k3_reverse": _nemo_k3_reverse,
     "nemo_js": _nemo_js,
     "rho": _rho,  # exp(Δ clamped to ±20), verl's SAFETY_BOUND
+    "d_clamped": _clamped,
     "rs_k2": _rs_k2,
     "rs_k3": _rs_k3,
+    # audit.metrics.core's statistics: e^Δ − 1 and e^−Δ − 1 (exact near Δ = 0), and of them
+    "mismatch": _mismatch,
+    "em1p": lambda b: np.expm1(b["d"]),
+    "em1n": lambda b: np.expm1(np.negative(b["d"])),
+    "core_pr": lambda b: np.multiply(b["exp_t"], np.add(1.0, b["em1n"])),  # e^r, exactly e^t where equal
+    "core_dp": lambda b: np.abs(np.subtract(b["exp_t"], b["core_pr"])),
+    "core_rho": lambda b: np.add(1.0, b["em1p"]),
+    "core_k3": lambda b: np.subtract(b["em1p"], b["d"]),
+    "core_k3rev": lambda b: np.add(b["em1n"], b["d"]),
+    "core_k2": _core_k2,
+    "core_js": _core_js,
+    "core_expabs": lambda b: np.add(1.0, np.maximum(b["em1p"], b["em1n"])),
 }
 
 #: Expression keys: ``(op, operand keys and constants...)``.
@@ -156,9 +221,11 @@ _OPS: dict[str, Callable[..., np.ndarray]] = {
     "lt": lambda x, c: x < c,
     "le": lambda x, c: x <= c,
     "finite_or_zero": lambda x: np.where(np.isfinite(x), x, 0.0),
+    "clipped": lambda rho, eps: np.abs(rho - 1.0) > eps,  # |ρ − 1| > clip_eps
 }
 #: Logical expressions over keys only.
 _LOGIC: dict[str, Callable[..., np.ndarray]] = {
+    "mul": np.multiply,
     "or": np.logical_or,
     "and": np.logical_and,
     "not": np.logical_not,
@@ -174,31 +241,92 @@ def _evaluate(b: Block, key: Key) -> np.ndarray:
     return _OPS[op](b[args[0]], *args[1:])
 
 
+def segment_starts(lengths: np.ndarray, edges: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """Where each segment starts: for each sample (of ``lengths`` tokens, from ``starts``), each of
+    the positions ``edges`` (ascending, from 0) before its length."""
+    reached = np.searchsorted(edges, lengths - 1, side="right")
+    firsts = np.repeat(np.cumsum(reached) - reached, reached)
+    index = np.arange(int(reached.sum())) - firsts
+    return np.repeat(starts, reached) + edges[index]
+
+
+#: Up to this many samples in a block, a condition is counted (and its first token found) sample by
+#: sample, with ``count_nonzero`` and ``argmax``, faster there than one ``reduceat`` cast to int64.
+FEW_SAMPLES = 16
+
+
 def _reduce(b: Block, how: Reduction, key: Key, n: int, fill: float) -> np.ndarray:
-    """One reduction of ``key`` over each of the block's ``n`` samples (``fill`` for an empty one)."""
-    values = b[key]
-    if how == "sum":
-        dtype = np.int64 if values.dtype == np.bool_ else np.float64
-        out = np.zeros(n, dtype=dtype)
-        if b.starts.size:
-            out[b.nonempty] = np.add.reduceat(values, b.starts, dtype=dtype)
-        return out
-    out = np.full(n, fill, dtype=np.float64)
-    if not b.starts.size:
-        return out
-    if how == "max":
-        out[b.nonempty] = np.maximum.reduceat(values, b.starts)
-    elif how == "min":
-        out[b.nonempty] = np.minimum.reduceat(values, b.starts)
-    elif how == "m2":
-        centred = values - np.repeat(np.add.reduceat(values, b.starts) / b.lengths, b.lengths)
-        out[b.nonempty] = np.add.reduceat(np.square(centred, out=centred), b.starts)
-    else:  # ("cm", other): the co-moment about each sample's two means
-        other = b[how[1]]
-        centred = values - np.repeat(np.add.reduceat(values, b.starts) / b.lengths, b.lengths)
-        centred *= other - np.repeat(np.add.reduceat(other, b.starts) / b.lengths, b.lengths)
-        out[b.nonempty] = np.add.reduceat(centred, b.starts)
+    """One reduction of ``key`` over each of the block's ``n`` samples (``fill`` for an empty one),
+    or (``("segment_sum" | "segment_max", edges)``) over each segment: a sample's tokens cut at the
+    positions ``edges`` (sample by sample, each in order of its positions)."""
+    if not isinstance(how, str) and how[0] in ("segment_sum", "segment_max"):
+        starts = segment_starts(b.lengths, np.asarray(how[1]), b.starts)
+        if not starts.size:
+            return np.zeros(0)
+        ufunc = np.add if how[0] == "segment_sum" else np.maximum
+        return ufunc.reduceat(b[key], starts)
+    dtype = np.int64 if how == "first" else np.float64
+    if how == "sum" and b[key].dtype == np.bool_:
+        dtype = np.int64
+    out = np.full(n, -1 if how == "first" else fill, dtype=dtype)
+    if b.starts.size:
+        out[b.nonempty] = _reduce_nonempty(b, how, key)
     return out
+
+
+def _reduce_nonempty(b: Block, how: Reduction, key: Key) -> np.ndarray:
+    """:func:`_reduce` over the block's samples that have tokens."""
+    values = b[key]
+    few = b.starts.size <= FEW_SAMPLES
+    if how == "first":  # each sample's first index where the condition holds, -1 if none
+        if few:
+            found = [int(values[s:e].argmax()) for s, e in b.spans]
+            return np.array([i if values[s + i] else -1 for i, (s, _) in zip(found, b.spans, strict=True)])
+        out = np.full(b.starts.size, -1, dtype=np.int64)
+        where = np.flatnonzero(values)
+        if where.size:
+            local = np.searchsorted(b.starts, where, side="right") - 1
+            firsts = np.flatnonzero(np.r_[True, local[1:] != local[:-1]])
+            out[local[firsts]] = where[firsts] - b.starts[local[firsts]]
+        return out
+    if how == "sum":
+        return _sums(b, key)
+    if how == "max":
+        return np.maximum.reduceat(values, b.starts)
+    if how == "min":
+        return np.minimum.reduceat(values, b.starts)
+    centred = _centred(b, key)
+    if how == "m2":
+        return np.add.reduceat(np.square(centred), b.starts)
+    # ("cm", other): the co-moment about each sample's two means
+    return np.add.reduceat(np.multiply(centred, _centred(b, how[1])), b.starts)
+
+
+def _sums(b: Block, key: Key) -> np.ndarray:
+    """Each sample's sum of ``key`` (a count for a condition), once per block."""
+    memo = ("sum", key)
+    found = b.sums.get(memo)
+    if found is None:
+        values = b[key]
+        if values.dtype != np.bool_:
+            found = np.add.reduceat(values, b.starts)
+        elif b.starts.size <= FEW_SAMPLES:
+            found = np.array([np.count_nonzero(values[s:e]) for s, e in b.spans], dtype=np.int64)
+        else:
+            found = np.add.reduceat(values, b.starts, dtype=np.int64)
+        b.sums[memo] = found
+    return found
+
+
+def _centred(b: Block, key: Key) -> np.ndarray:
+    """``key`` less its sample's mean, token by token, once per block."""
+    memo = ("centred", key)
+    found = b.sums.get(memo)
+    if found is None:
+        means = _sums(b, key) / b.lengths
+        found = np.subtract(b[key], np.repeat(means, b.lengths))
+        b.sums[memo] = found
+    return found
 
 
 _FILL = {"max": -math.inf, "min": math.inf}
@@ -232,10 +360,15 @@ class TokenBlocks:
         if finite_only:
             self.lengths = self._finite_lengths()
 
+    @cached_property
+    def all_finite(self) -> bool:
+        """Whether every token is finite on both sides."""
+        return bool(np.isfinite(self.trainer).all() and np.isfinite(self.rollout).all())
+
     def _finite_lengths(self) -> np.ndarray:
-        finite = np.isfinite(self.trainer) & np.isfinite(self.rollout)
-        if finite.all():
+        if self.all_finite:
             return np.diff(self.offsets)
+        finite = np.isfinite(self.trainer) & np.isfinite(self.rollout)
         starts = self.offsets[:-1][np.diff(self.offsets) > 0]
         out = np.zeros(self.n_samples, dtype=np.int64)
         if starts.size:
@@ -247,12 +380,13 @@ class TokenBlocks:
         t = self.trainer[a:b].astype(np.float64)
         r = self.rollout[a:b].astype(np.float64)
         lengths = np.diff(self.offsets[lo : hi + 1])
-        if self.finite_only:
+        if self.finite_only and not self.all_finite:
             finite = np.isfinite(t) & np.isfinite(r)
             if not finite.all():
                 t, r = t[finite], r[finite]
                 lengths = self.lengths[lo:hi]
-        return Block(t, r, lengths)
+                return Block(t, r, lengths)
+        return Block(t, r, lengths, (self.trainer[a:b], self.rollout[a:b]))
 
     def measure(self, requests: Iterable[Request], threads: int = 1) -> None:
         """Measure every request not measured yet, in one pass over the blocks (on ``threads``
@@ -262,14 +396,24 @@ class TokenBlocks:
             if not todo:
                 return
 
+            # a request's quantity is dropped from the block after its last request: fewer live
+            # arrays, so that the block's working set stays in cache
+            last = {key: i for i, (_, key) in enumerate(todo)}
+            for i, (how, _) in enumerate(todo):
+                if not isinstance(how, str) and how[0] == "cm":  # a co-moment reads its other quantity
+                    last[how[1]] = max(last.get(how[1], i), i)
+
             def run(bounds: tuple[int, int]) -> list[np.ndarray]:
                 lo, hi = bounds
+                out = []
                 with np.errstate(all="ignore"):
                     block = self._block(lo, hi)
-                    return [
-                        _reduce(block, how, key, hi - lo, _FILL.get(how if isinstance(how, str) else "", 0.0))
-                        for how, key in todo
-                    ]
+                    for i, (how, key) in enumerate(todo):
+                        fill = _FILL.get(how if isinstance(how, str) else "", 0.0)
+                        out.append(_reduce(block, how, key, hi - lo, fill))
+                        if last[key] == i and isinstance(key, tuple):
+                            block.memo.pop(key, None)
+                return out
 
             spans = list(zip(self._bounds[:-1], self._bounds[1:], strict=True))
             if threads > 1 and len(spans) > 1:
@@ -292,10 +436,10 @@ class TokenBlocks:
             self.measure([request])
         return self._done[request]
 
-    def planned(self, reads: Callable[[], object]) -> None:
-        """Measure in one pass every reduction ``reads()`` asks for: it is run once on placeholders
-        (zeros; its result and any error are dropped) to find them. A reduction asked for only on
-        the real values is measured when asked."""
+    def plan(self, reads: Callable[[], object]) -> list[Request]:
+        """Every reduction ``reads()`` asks for, found by running it once on placeholders (zeros;
+        its result and any error are dropped). A reduction it asks for only on the real values is
+        measured when asked."""
         self._recording = []
         try:
             with np.errstate(all="ignore"):
@@ -304,7 +448,11 @@ class TokenBlocks:
             pass
         finally:
             found, self._recording = self._recording, None
-        self.measure(found)
+        return found
+
+    def planned(self, reads: Callable[[], object], threads: int = 1) -> None:
+        """Measure in one pass every reduction ``reads()`` asks for (:meth:`plan`)."""
+        self.measure(self.plan(reads), threads)
 
     # -- per sample -------------------------------------------------------------------------------
     def sums(self, key: Key) -> np.ndarray:

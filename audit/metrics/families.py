@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from isoaudit.audit.metrics.blocks import Key, TokenBlocks
+from isoaudit.audit.metrics.blocks import Key, Request, TokenBlocks
 
 #: verl's bound on |log ratio| before exponentiating importance weights.
 LOG_RATIO_BOUND = 20.0
@@ -29,8 +29,13 @@ class TokenView:
     (audit.metrics.blocks), measured together in one pass (:meth:`planned`); values derived from
     them are computed once per step (:meth:`memo`)."""
 
-    def __init__(self, t32: np.ndarray, r32: np.ndarray, offsets: np.ndarray) -> None:
-        self.blocks = TokenBlocks(t32, r32, np.asarray(offsets, dtype=np.int64), finite_only=True)
+    def __init__(
+        self, t32: np.ndarray, r32: np.ndarray, offsets: np.ndarray, blocks: TokenBlocks | None = None
+    ) -> None:
+        #: ``blocks``: the step's blocks over every token, shared when every token is finite
+        if blocks is None or not blocks.all_finite:
+            blocks = TokenBlocks(t32, r32, np.asarray(offsets, dtype=np.int64), finite_only=True)
+        self.blocks = blocks
         #: each sample's finite tokens
         self.n_per_sample = self.blocks.lengths
         #: the step's finite tokens
@@ -44,11 +49,12 @@ class TokenView:
             self.cache[key] = make()
         return self.cache[key]
 
-    def planned(self, figures: Callable[[], object]) -> None:
-        """Measure in one pass every reduction ``figures()`` reads (found by running it once on
-        placeholders, whose results are dropped)."""
-        self.blocks.planned(figures)
+    def plan(self, figures: Callable[[], object]) -> list[Request]:
+        """Every reduction ``figures()`` reads (found by running it once on placeholders, whose
+        results are dropped)."""
+        found = self.blocks.plan(figures)
         self.cache.clear()
+        return found
 
     def share(self, condition: Key) -> float:
         """The share of tokens where ``condition`` holds: a count over the token count, the same bits
@@ -82,7 +88,7 @@ class TokenView:
 
 
 #: Δ clamped to ±LOG_RATIO_BOUND, the Δ of every threshold figure.
-D: Key = ("clip", "d", -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+D: Key = "d_clamped"
 
 
 @dataclass(frozen=True)
