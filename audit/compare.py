@@ -28,7 +28,7 @@ from isoaudit.audit.metrics import (
     topk_entropy,
 )
 from isoaudit.audit.metrics.blocks import TokenBlocks
-from isoaudit.audit.policy_lag import token_lags
+from isoaudit.audit.policy_lag import token_lags, version_number
 from isoaudit.audit.records import Manifest, OffPolicy, RegionFingerprints, SampleLogprobs
 from isoaudit.audit.regions import parse_region_key, region_order
 from isoaudit.audit.routing import (
@@ -180,8 +180,18 @@ def framework_tokens(pairs: Sequence[Pair], blocks: TokenBlocks | None = None) -
     )
 
 
+def _lags(pairs: Sequence[Pair]) -> list[np.ndarray]:
+    """Each pair's token lags (audit.policy_lag.token_lags); none when no trainer side names an
+    integer weight version, where every lag is unknown."""
+    if all(version_number(t.weight_version) is None for t, _ in pairs):
+        return []
+    return [token_lags(t, r) for t, r in pairs]
+
+
 def _with_lags(rows: list[dict[str, Any]], lags: list[np.ndarray]) -> list[dict[str, Any]]:
     """Each sample's metrics with its policy lag range (where its tokens' lags are known)."""
+    if not lags:  # no lag known
+        return rows
     for row, sample_lags in zip(rows, lags, strict=True):
         known = sample_lags[sample_lags != UNKNOWN_LAG]
         if known.size:
@@ -226,7 +236,7 @@ def _measure_step(pairs: Sequence[Pair], clip_eps: float) -> tuple[list[dict[str
         also=[*FRAMEWORK_REDUCTIONS, *POSITION_REDUCTIONS],
         threads=FIGURE_THREADS,
     )
-    lags = [token_lags(t, r) for t, r in pairs]
+    lags = _lags(pairs)
     figures = StepFigures(tuple(pairs), clip_eps, _with_lag_figures(metrics, tokens, lags), blocks)
     return _with_lags(frame.to_dict("records"), lags), figures
 
@@ -237,7 +247,7 @@ def _measure_samples(pairs: Sequence[Pair], clip_eps: float) -> list[dict[str, A
     frame = sample_metrics(
         tokens.trainer, tokens.rollout, tokens.offsets, clip_eps=clip_eps, entropies=tokens.entropies
     )
-    return _with_lags(frame.to_dict("records"), [token_lags(t, r) for t, r in pairs])
+    return _with_lags(frame.to_dict("records"), _lags(pairs))
 
 
 #: Completion tokens from which a step's samples are measured with its figures in one pass, handed on
@@ -366,7 +376,7 @@ class StepOutcome:
             metrics = dict(handed_on.metrics)
             blocks = handed_on.blocks
         else:
-            metrics = _step_metrics(_Tokens.of(ordered), [token_lags(t, r) for t, r in ordered], clip_eps)
+            metrics = _step_metrics(_Tokens.of(ordered), _lags(ordered), clip_eps)
         if ordered:
             metrics.update(framework_figures(framework_tokens(ordered, blocks), framework))
             metrics.update(step_distribution_metrics(ordered))

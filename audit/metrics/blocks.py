@@ -46,11 +46,14 @@ class Block:
         r: np.ndarray,
         lengths: np.ndarray,
         raw: tuple[np.ndarray, np.ndarray] | None = None,
+        finite: bool = False,
     ) -> None:
         self.t = t
         self.r = r
         #: the block's logprobs as recorded (bitwise comparisons), when every token is kept
         self.raw = raw
+        #: whether every token is finite on both sides
+        self.finite = finite
         #: the tokens of each of the block's samples that have any, and where each starts
         self.lengths = lengths[lengths > 0]
         self.starts = np.concatenate([[0], np.cumsum(self.lengths)[:-1]]).astype(np.int64)
@@ -60,12 +63,30 @@ class Block:
         self.memo: dict[Key, np.ndarray] = {}
         #: reductions and centred values other reductions read
         self.sums: dict[tuple[str, Key], np.ndarray] = {}
+        #: values found once per block (:attr:`differing`)
+        self.shared: dict[str, np.ndarray | None] = {}
+        #: each reduction of an array: (the array, kept alive; the reduction)
+        self.reduced: dict[tuple[Reduction, int], tuple[np.ndarray, np.ndarray]] = {}
 
     def __getitem__(self, key: Key) -> np.ndarray:
         found = self.memo.get(key)
         if found is None:
             found = self.memo[key] = _evaluate(self, key)
         return found
+
+    @property
+    def differing(self) -> np.ndarray | None:
+        """Where the sides differ, when most tokens agree bitwise and every token is finite (None
+        otherwise): there Δ is +0.0 exactly, and a function of Δ (or of the rollout's logprob) is
+        its value at +0.0 (at the trainer's logprob), computed once, not token by token."""
+        if "differing" not in self.shared:
+            where = None
+            if self.finite and self.raw is not None:
+                where = np.flatnonzero(self["mismatch"])
+                if where.size >= SHARED_BELOW * self.t.size:
+                    where = None
+            self.shared["differing"] = where
+        return self.shared["differing"]
 
     @property
     def inside(self) -> bool:
@@ -75,6 +96,31 @@ class Block:
             d = self["d"]
             found = self.memo["inside"] = np.array(not d.size or (d.min() >= -20.0 and d.max() <= 20.0))
         return bool(found)
+
+
+#: Below this share of tokens whose sides differ, functions of Δ are computed on those tokens only.
+SHARED_BELOW = 0.5
+
+
+def _of_d(b: Block, f: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+    """``f`` of Δ, token by token: on the differing tokens only when most agree (:attr:`Block.differing`),
+    the others taking ``f(+0.0)``, the same value bit for bit."""
+    where = b.differing
+    if where is None:
+        return f(b["d"])
+    out = np.full(b.t.size, f(np.zeros(1))[0])
+    out[where] = f(b["d"][where])
+    return out
+
+
+def _exp_r(b: Block) -> np.ndarray:
+    """exp(rollout): exp(trainer) itself, bit for bit, where the sides agree."""
+    where = b.differing
+    if where is None:
+        return np.exp(b.r)
+    out = b["exp_t"].copy()
+    out[where] = np.exp(b.r[where])
+    return out
 
 
 def _d(b: Block) -> np.ndarray:
@@ -112,9 +158,14 @@ def _nemo_js(b: Block) -> np.ndarray:
     log_m = np.multiply(b["exp_t"], 0.5)
     log_m += np.multiply(b["exp_r"], 0.5)
     np.log(log_m, out=log_m)
-    js = _half_k3(np.subtract(b.t, log_m))
-    js += _half_k3(np.subtract(b.r, log_m, out=log_m))
-    return js
+    where = b.differing
+    half = _half_k3(np.subtract(b.t, log_m))
+    if where is not None:  # where the sides agree, the two halves are one value
+        js = np.add(half, half)
+        js[where] = half[where] + _half_k3(np.subtract(b.r[where], log_m[where]))
+        return js
+    half += _half_k3(np.subtract(b.r, log_m, out=log_m))
+    return half
 
 
 def _exp_abs_d(b: Block) -> np.ndarray:
@@ -148,6 +199,11 @@ def _core_k2(b: Block) -> np.ndarray:
 
 def _core_js(b: Block) -> np.ndarray:
     """log cosh(Δ/2) as log1p((e^Δ − 1)/2) − Δ/2 (audit.metrics.core's JS)."""
+    where = b.differing
+    if where is not None:  # +0.0 where the sides agree
+        out = np.zeros(b.t.size)
+        out[where] = np.log1p(np.multiply(b["em1p"][where], 0.5)) - np.multiply(b["d"][where], 0.5)
+        return out
     out = np.multiply(b["em1p"], 0.5)
     np.log1p(out, out=out)
     out -= np.multiply(b["d"], 0.5)
@@ -180,10 +236,10 @@ QUANTITIES: dict[str, Callable[[Block], np.ndarray]] = {
     "abs_d": lambda b: np.abs(b["d"]),
     "d_sq": lambda b: np.multiply(b["d"], b["d"]),  # Δ², also |Δ|² and (−Δ)² exactly
     "exp_t": lambda b: np.exp(b.t),
-    "exp_r": lambda b: np.exp(b.r),
+    "exp_r": _exp_r,
     "abs_p_diff": lambda b: np.abs(np.subtract(b["exp_t"], b["exp_r"])),
-    "exp_d": lambda b: np.exp(b["d"]),
-    "exp_neg_d": lambda b: np.exp(np.negative(b["d"])),
+    "exp_d": lambda b: _of_d(b, np.exp),
+    "exp_neg_d": lambda b: _of_d(b, lambda d: np.exp(np.negative(d))),
     "exp_abs_d": _exp_abs_d,
     "k3": _k3,
     "nemo_k3": _nemo_k3,
@@ -195,8 +251,8 @@ QUANTITIES: dict[str, Callable[[Block], np.ndarray]] = {
     "rs_k3": _rs_k3,
     # audit.metrics.core's statistics: e^Δ − 1 and e^−Δ − 1 (exact near Δ = 0), and of them
     "mismatch": _mismatch,
-    "em1p": lambda b: np.expm1(b["d"]),
-    "em1n": lambda b: np.expm1(np.negative(b["d"])),
+    "em1p": lambda b: _of_d(b, np.expm1),
+    "em1n": lambda b: _of_d(b, lambda d: np.expm1(np.negative(d))),
     "core_pr": lambda b: np.multiply(b["exp_t"], np.add(1.0, b["em1n"])),  # e^r, exactly e^t where equal
     "core_dp": lambda b: np.abs(np.subtract(b["exp_t"], b["core_pr"])),
     "core_rho": lambda b: np.add(1.0, b["em1p"]),
@@ -220,7 +276,7 @@ _OPS: dict[str, Callable[..., np.ndarray]] = {
     "ge": lambda x, c: x >= c,
     "lt": lambda x, c: x < c,
     "le": lambda x, c: x <= c,
-    "finite_or_zero": lambda x: np.where(np.isfinite(x), x, 0.0),
+    "finite_or_zero": lambda x: x if np.isfinite(x).all() else np.where(np.isfinite(x), x, 0.0),
     "clipped": lambda rho, eps: np.abs(rho - 1.0) > eps,  # |ρ − 1| > clip_eps
 }
 #: Logical expressions over keys only.
@@ -255,22 +311,30 @@ def segment_starts(lengths: np.ndarray, edges: np.ndarray, starts: np.ndarray) -
 FEW_SAMPLES = 16
 
 
-def _reduce(b: Block, how: Reduction, key: Key, n: int, fill: float) -> np.ndarray:
-    """One reduction of ``key`` over each of the block's ``n`` samples (``fill`` for an empty one),
-    or (``("segment_sum" | "segment_max", edges)``) over each segment: a sample's tokens cut at the
-    positions ``edges`` (sample by sample, each in order of its positions)."""
-    if not isinstance(how, str) and how[0] in ("segment_sum", "segment_max"):
+def _segmented(how: Reduction) -> bool:
+    return not isinstance(how, str) and how[0] in ("segment_sum", "segment_max")
+
+
+def _reduce(b: Block, how: Reduction, key: Key) -> np.ndarray:
+    """One reduction of ``key`` over each of the block's samples that have tokens, or (``how``
+    ``("segment_sum" | "segment_max", edges)``) over each segment: a sample's tokens cut at the
+    positions ``edges`` (sample by sample, each in order of its positions). A reduction of an array
+    the block reduced already (one quantity equal to another by construction, such as ρ and
+    exp(Δ) where nothing is clamped) is not computed again."""
+    values = b[key]
+    memo = (how, id(values))
+    found = b.reduced.get(memo)
+    if found is not None and found[0] is values:
+        return found[1]
+    if not b.starts.size:
+        out = np.zeros(0, dtype=np.int64 if how == "first" or values.dtype == np.bool_ else np.float64)
+    elif _segmented(how):
         starts = segment_starts(b.lengths, np.asarray(how[1]), b.starts)
-        if not starts.size:
-            return np.zeros(0)
         ufunc = np.add if how[0] == "segment_sum" else np.maximum
-        return ufunc.reduceat(b[key], starts)
-    dtype = np.int64 if how == "first" else np.float64
-    if how == "sum" and b[key].dtype == np.bool_:
-        dtype = np.int64
-    out = np.full(n, -1 if how == "first" else fill, dtype=dtype)
-    if b.starts.size:
-        out[b.nonempty] = _reduce_nonempty(b, how, key)
+        out = ufunc.reduceat(values, starts)
+    else:
+        out = _reduce_nonempty(b, how, key)
+    b.reduced[memo] = (values, out)
     return out
 
 
@@ -386,7 +450,7 @@ class TokenBlocks:
                 t, r = t[finite], r[finite]
                 lengths = self.lengths[lo:hi]
                 return Block(t, r, lengths)
-        return Block(t, r, lengths, (self.trainer[a:b], self.rollout[a:b]))
+        return Block(t, r, lengths, (self.trainer[a:b], self.rollout[a:b]), self.all_finite)
 
     def measure(self, requests: Iterable[Request], threads: int = 1) -> None:
         """Measure every request not measured yet, in one pass over the blocks (on ``threads``
@@ -404,13 +468,11 @@ class TokenBlocks:
                     last[how[1]] = max(last.get(how[1], i), i)
 
             def run(bounds: tuple[int, int]) -> list[np.ndarray]:
-                lo, hi = bounds
                 out = []
                 with np.errstate(all="ignore"):
-                    block = self._block(lo, hi)
+                    block = self._block(*bounds)
                     for i, (how, key) in enumerate(todo):
-                        fill = _FILL.get(how if isinstance(how, str) else "", 0.0)
-                        out.append(_reduce(block, how, key, hi - lo, fill))
+                        out.append(_reduce(block, how, key))
                         if last[key] == i and isinstance(key, tuple):
                             block.memo.pop(key, None)
                 return out
@@ -421,10 +483,19 @@ class TokenBlocks:
                     parts = list(pool.map(run, spans))
             else:
                 parts = [run(span) for span in spans]
-            for i, request in enumerate(todo):
-                values = np.concatenate([p[i] for p in parts]) if parts else np.zeros(0)
+            nonempty = np.diff(self.offsets) > 0
+            if self.finite_only:
+                nonempty = self.lengths > 0
+            for i, (how, key) in enumerate(todo):
+                found = np.concatenate([p[i] for p in parts]) if parts else np.zeros(0)
+                if _segmented(how):  # one value a segment
+                    values = found
+                else:  # one value a sample: the empty ones' are the reduction's own
+                    fill = -1 if how == "first" else _FILL.get(how if isinstance(how, str) else "", 0)
+                    values = np.full(self.n_samples, fill, dtype=found.dtype)
+                    values[nonempty] = found
                 values.setflags(write=False)
-                self._done[request] = values
+                self._done[(how, key)] = values
 
     def get(self, how: Reduction, key: Key) -> np.ndarray:
         """The per-sample reduction ``how`` of ``key`` (measured now if it was not)."""
