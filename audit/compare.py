@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -119,6 +119,8 @@ def _entropies(samples: Sequence[SampleLogprobs]) -> np.ndarray | None:
 
 
 Pair = tuple[SampleLogprobs, SampleLogprobs]
+#: Both sides' fingerprint records of each fingerprinted sample, by sample_key.
+Fingerprints = dict[str, tuple[Sequence[RegionFingerprints], Sequence[RegionFingerprints]]]
 
 
 def in_step_order(pairs: Sequence[Pair]) -> list[Pair]:
@@ -259,7 +261,7 @@ ONE_PASS_TOKENS = 1 << 16
 
 def compare_samples(
     pairs: Sequence[Pair],
-    fingerprints: dict[str, tuple[Sequence[RegionFingerprints], Sequence[RegionFingerprints]]] | None = None,
+    fingerprints: Fingerprints | Callable[[], Fingerprints] | None = None,
     manifests: tuple[Sequence[Manifest], Sequence[Manifest]] = ((), ()),
     *,
     clip_eps: float = 0.2,
@@ -267,8 +269,8 @@ def compare_samples(
 ) -> list[SampleComparison]:
     """Compare many (trainer, rollout) pairs at once, of one step or several: token metrics
     vectorised (a step of :data:`ONE_PASS_TOKENS` or more with its figures, handed on to
-    :func:`step_summary`), grids for the samples that have fingerprints (keyed by sample_key), then a
-    diagnosis of each. ``policy`` is the run's declared off-policy design
+    :func:`step_summary`), grids for the samples that have fingerprints (keyed by sample_key; or a
+    function returning them, called once the tokens are measured), then a diagnosis of each. ``policy`` is the run's declared off-policy design
     (``off_policy_of(run.config)``). Results come in the order of ``pairs``."""
     if not pairs:
         return []
@@ -289,6 +291,8 @@ def compare_samples(
     if small:
         rows = _measure_samples([pairs[i] for i in small], clip_eps)
         measured.update((i, (row, None)) for i, row in zip(small, rows, strict=True))
+    if callable(fingerprints):  # read meanwhile (the worker's fingerprint read overlaps the token pass)
+        fingerprints = fingerprints()
     fingerprints = fingerprints or {}
     results = []
     for index, (trainer, rollout) in enumerate(pairs):
