@@ -15,6 +15,7 @@ import threading
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import datetime
 from typing import Any
 
 from isoaudit.audit.compare import SampleComparison, StepOutcome, compare_samples
@@ -141,22 +142,22 @@ class ComparisonWorker:
         self.store.release_claims(self.name, empty)
         claims = [c for c in claims if c.sample_keys]
         steps = [(c.run_id, c.step) for c in claims]
-        samples = self.store.samples_of_steps(steps)
+        samples, arrived = self.store.samples_and_arrivals(steps)
         if not _threads_share_the_database(self.store):
             done: Future[dict[tuple[str, int], list[RegionFingerprints]]] = Future()
             done.set_result(self.store.fingerprints_of_steps(steps))
-            return self._compare_read(claims, samples, _Later(done))
+            return self._compare_read(claims, samples, arrived, _Later(done))
         # The fingerprints are read on a thread while the samples' tokens are measured (the read
         # waits on the database and numpy releases the interpreter lock in its loops).
         with ThreadPoolExecutor(1, thread_name_prefix="isoaudit-read") as reader:
-            return self._compare_read(
-                claims, samples, _Later(reader.submit(self.store.fingerprints_of_steps, steps))
-            )
+            reading = reader.submit(self.store.fingerprints_of_steps, steps)
+            return self._compare_read(claims, samples, arrived, _Later(reading))
 
     def _compare_read(
         self,
         claims: list[StepClaim],
         samples: dict[tuple[str, int], list[SampleLogprobs]],
+        arrived: dict[tuple[str, int], datetime],
         prints: _Later,
     ) -> int:
         runs = sorted({c.run_id for c in claims})
@@ -194,7 +195,7 @@ class ComparisonWorker:
             log.exception("naming the environment changes of %d steps failed", len(computed))
         note_growth(self.store, [o for _, o in computed])  # the quantization steps' trend; never raises
         saved = self.store.save_outcomes(
-            self.name, [claim for claim, _ in computed], [o for _, o in computed]
+            self.name, [claim for claim, _ in computed], [o for _, o in computed], arrived
         )
         n = 0
         for claim, outcome in computed:

@@ -202,7 +202,7 @@ def stored_step(store: Store, run_id: str, pairs, prints) -> None:
 
 #: The worker's database calls, timed inside its pass: what it does beside the arithmetic (the save
 #: includes the dashboard's summary, computed inside its transaction).
-DATABASE_CALLS = ("claim_steps", "samples_of_steps", "fingerprints_of_steps", "save_outcomes")
+DATABASE_CALLS = ("claim_steps", "samples_and_arrivals", "fingerprints_of_steps", "save_outcomes")
 
 
 class Timed:

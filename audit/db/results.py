@@ -3,7 +3,7 @@ summary of it, saved together from one :class:`audit.compare.StepOutcome` per st
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from datetime import datetime
 from typing import Any, TypeVar
@@ -74,15 +74,21 @@ class Results(Part):
     """Writes and reads of comparison results."""
 
     def save_outcomes(
-        self, worker: str, claims: Sequence[StepClaim], outcomes: Sequence[StepOutcome]
+        self,
+        worker: str,
+        claims: Sequence[StepClaim],
+        outcomes: Sequence[StepOutcome],
+        arrived: Mapping[StepKey, datetime] | None = None,
     ) -> set[StepKey]:
         """In one transaction: release ``worker``'s claims and, for the steps it still held (a claim
         retaken after its lease ran out belongs to the other worker now), replace their sample
         results, step results (counting the step's revision) and summaries, and clear the samples
         compared from the queue (those queued again after the claim read them stay). Returns the
-        steps saved; nothing is written for the others."""
+        steps saved; nothing is written for the others. ``arrived``: when each step's latest sample was
+        stored, as its samples were read (:meth:`~audit.db.records.Records.samples_and_arrivals`);
+        read here for the others."""
         with self.sessions.begin() as session:
-            facts = _step_facts(session, [(o.run_id, o.step) for o in outcomes])
+            facts = _step_facts(session, [(o.run_id, o.step) for o in outcomes], arrived or {})
             held = release(session, worker, [(c.run_id, c.step) for c in claims])
             mine = [o for o in outcomes if (o.run_id, o.step) in held]
             if not mine:
@@ -260,7 +266,9 @@ def _replace_summaries(session: Session, summaries: Sequence[StepSummary]) -> No
     session.execute(insert(table_of(StepSummaryRow)), [{**asdict(s), "computed_at": now} for s in summaries])
 
 
-def _step_facts(session: Session, steps: Sequence[StepKey]) -> dict[StepKey, StepFacts]:
+def _step_facts(
+    session: Session, steps: Sequence[StepKey], arrived: Mapping[StepKey, datetime] | None = None
+) -> dict[StepKey, StepFacts]:
     if not steps:
         return {}
     wanted = tuple_(SampleResultRow.run_id, SampleResultRow.step).in_(list(steps))
@@ -286,12 +294,15 @@ def _step_facts(session: Session, steps: Sequence[StepKey]) -> dict[StepKey, Ste
             .group_by(FingerprintRow.run_id, FingerprintRow.step)
         )
     }
-    ingested = {
-        (run, step): at
-        for run, step, at in session.execute(
-            select(SampleRow.run_id, SampleRow.step, func.max(SampleRow.created_at))
-            .where(tuple_(SampleRow.run_id, SampleRow.step).in_(list(steps)))
-            .group_by(SampleRow.run_id, SampleRow.step)
-        )
-    }
+    ingested = {key: at for key, at in (arrived or {}).items() if key in verdicts}
+    unknown = [key for key in steps if key not in ingested]
+    if unknown:
+        ingested |= {
+            (run, step): at
+            for run, step, at in session.execute(
+                select(SampleRow.run_id, SampleRow.step, func.max(SampleRow.created_at))
+                .where(tuple_(SampleRow.run_id, SampleRow.step).in_(unknown))
+                .group_by(SampleRow.run_id, SampleRow.step)
+            )
+        }
     return {key: StepFacts(verdicts[key], int(printed.get(key, 0)), ingested.get(key)) for key in verdicts}
