@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 
 from isoaudit.audit.compare import StepOutcome
 from isoaudit.audit.db.engine import Part, table_of
+from isoaudit.audit.db.ingest import copy_rows, driver_of
 from isoaudit.audit.db.models import (
     Base,
     FingerprintRow,
@@ -156,17 +157,31 @@ class Results(Part):
         self, session: Session, samples: Sequence[dict[str, Any]], steps: Sequence[dict[str, Any]]
     ) -> None:
         now = utcnow()
-        for model, rows, keys in (
-            (SampleResultRow, samples, ("run_id", "step", "sample_key")),
-            (StepResultRow, steps, ("run_id", "step")),
-        ):
-            if not rows:
-                continue
-            columns = [getattr(model, k) for k in keys]
+        if samples:  # one statement per step: its keys as one list, not a list of tuples
+            by_step: dict[StepKey, list[str]] = {}
+            for r in samples:
+                by_step.setdefault((r["run_id"], r["step"]), []).append(r["sample_key"])
+            for (run, step), keys in by_step.items():
+                session.execute(
+                    delete(SampleResultRow).where(
+                        SampleResultRow.run_id == run,
+                        SampleResultRow.step == step,
+                        SampleResultRow.sample_key.in_(keys),
+                    )
+                )
+            rows = [{**r, "computed_at": now} for r in samples]
+            if self.dialect == "postgresql":  # a step's results at COPY speed, as ingest stores records
+                with driver_of(session).cursor() as cursor:
+                    table = table_of(SampleResultRow)
+                    copy_rows(cursor, table, table.name, list(rows[0]), rows)
+            else:
+                session.execute(self._insert(SampleResultRow), rows)
+        if steps:
+            columns = (StepResultRow.run_id, StepResultRow.step)
             session.execute(
-                delete(model).where(tuple_(*columns).in_([tuple(r[k] for k in keys) for r in rows]))
+                delete(StepResultRow).where(tuple_(*columns).in_([(r["run_id"], r["step"]) for r in steps]))
             )
-            session.execute(self._insert(model), [{**r, "computed_at": now} for r in rows])
+            session.execute(self._insert(StepResultRow), [{**r, "computed_at": now} for r in steps])
 
     def sample_results(
         self,

@@ -41,13 +41,6 @@ def _global_mean(values: np.ndarray) -> float:
     return float(np.sum(values) / (values.size + _EPS)) if values.size else float("nan")
 
 
-def _global_token_mean(tokens: StepTokens, values: np.ndarray) -> float:
-    """:func:`_global_mean` of a per-token array, summed as the step's blocks sum (each sample's
-    tokens, then the samples in order)."""
-    if not values.size:
-        return float("nan")
-    return float(np.sum(tokens.sample_sums(values)) / (values.size + _EPS))
-
 
 def _finite_or_zero(values: np.ndarray) -> np.ndarray:
     """``torch.nan_to_num(..., nan=0, posinf=0, neginf=0)``."""
@@ -103,7 +96,7 @@ def _sampling_ratio(
     if weights is None:  # untruncated token weights: exp(Δ), non-finite ones 0
         return _global_mean_of(tokens, ("finite_or_zero", "exp_d"))
     if not sequence_level:
-        return _global_token_mean(tokens, weights)
+        return _global_mean(weights)
     ranks = _ranks(tokens)
     total = sum(
         (float(np.sum(weights[ranks == r])) + dropped.get(int(r), 0)) * int(np.sum(ranks == r))
@@ -188,14 +181,11 @@ def _truncated(
     share = (
         out.astype(float) if kind == "seq-mask-tis" else _per_token(tokens, out.astype(float), sequence_level)
     )
-    per_sample = kind == "seq-mask-tis"
     if era >= 7:
-        return w, {"is_oob_ratio": _global_mean(share) if per_sample else _global_token_mean(tokens, share)}
+        return w, {"is_oob_ratio": _global_mean(share)}
     # each micro-batch logged 1 − (its kept count / the global count); grpo.py sums them
     processes = len(tokens.per_rank())
-    kept = 1.0 - share
-    kept_sum = np.sum(kept) if per_sample else np.sum(tokens.sample_sums(kept))
-    return w, {"is_oob_ratio": processes - float(kept_sum / (share.size + _EPS))}
+    return w, {"is_oob_ratio": processes - float(np.sum(1.0 - share) / (share.size + _EPS))}
 
 
 def _compute(era: int) -> Any:

@@ -80,10 +80,7 @@ def _compute(era_16: bool) -> Callable[[StepTokens, Settings], dict[str, float]]
             diff_max.append(part.blocks.max("abs_d") if part.n_tokens else 0.0)
             flat = _ratios(part, mode, lower, upper, era_16)
             r_min.append(float(np.min(flat)) if flat.size else 0.0)
-            if mode.startswith("token") and flat.size:  # per token: summed as the step's blocks sum
-                r_mean.append(float(np.sum(part.sample_sums(flat)) / flat.size))
-            else:
-                r_mean.append(float(np.mean(flat)) if flat.size else 0.0)
+            r_mean.append(float(np.mean(flat)) if flat.size else 0.0)
             r_max.append(float(np.max(flat)) if flat.size else 0.0)
         with np.errstate(all="ignore"):
             return {

@@ -95,9 +95,8 @@ class _Batch:
         return self.tokens.delta_sums
 
     def mean(self, values: np.ndarray) -> float:
-        """verl_F.masked_mean over the step's tokens (each sample's sum, then the samples' in order,
-        as the step's blocks add them)."""
-        return float(np.sum(self.tokens.sample_sums(values)) / (self.n + EPS))
+        """verl_F.masked_mean over the step's tokens."""
+        return float(values.sum() / (self.n + EPS))
 
     def seq_mean(self, values: np.ndarray) -> np.ndarray:
         """verl_F.masked_mean(values, mask, axis=-1): per sample."""
