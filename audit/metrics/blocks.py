@@ -56,7 +56,7 @@ class Block:
         self.finite = finite
         #: the tokens of each of the block's samples that have any, and where each starts
         self.lengths = lengths[lengths > 0]
-        self.starts = np.concatenate([[0], np.cumsum(self.lengths)[:-1]]).astype(np.int64)
+        self.starts = (np.cumsum(self.lengths) - self.lengths).astype(np.int64)
         self.nonempty = lengths > 0
         #: each such sample's [start, end) in the block
         self.spans = [(int(a), int(a + n)) for a, n in zip(self.starts, self.lengths, strict=True)]
