@@ -86,6 +86,10 @@ def _json_floats(values: dict[str, Any]) -> dict[str, Any]:
     a step's results hold tens of thousands of scalars, and numpy's per-call cost was most of it."""
     out: dict[str, Any] = {}
     for key, value in values.items():
+        kind = type(value)
+        if kind is float:  # the usual case, first
+            out[key] = value if math.isfinite(value) else None
+            continue
         if isinstance(value, np.generic):
             value = value.item()
         if isinstance(value, float) and not math.isfinite(value):

@@ -164,25 +164,24 @@ def compare_fingerprints(
             continue
         if np.array_equal(a.positions, b.positions):  # both sides observed the same positions
             common = a.positions
-            ia = ib = np.arange(common.size)
+            ia = ib = slice(None)
         else:
             common, ia, ib = np.intersect1d(a.positions, b.positions, assume_unique=True, return_indices=True)
-        cols = (
-            np.arange(common.size)
-            if np.array_equal(common, positions)
-            else np.searchsorted(positions, common)
-        )
+        # a row at every position of the grid takes a slice, not an index
+        cols = slice(None) if np.array_equal(common, positions) else np.searchsorted(positions, common)
         equal = a.digest[ia] == b.digest[ib]
         state[r, cols] = np.where(equal, EQUAL, DIFFERS)
-        differ = ~equal
-        if differ.any():
-            dcols, da, db = cols[differ], ia[differ], ib[differ]
+        rel_l2[r, cols] = np.where(equal, np.float32(0.0), rel_l2[r, cols])
+        differ = np.flatnonzero(~equal)
+        if differ.size:
+            dcols = differ if isinstance(cols, slice) else cols[differ]
+            da = differ if isinstance(ia, slice) else ia[differ]
+            db = differ if isinstance(ib, slice) else ib[differ]
             rel_l2[r, dcols] = estimate_relative_l2(a.sketch[da], b.sketch[db], a.l2[da], b.l2[db])
             if a.ladder_bits == b.ladder_bits and a.ladder.shape[1]:
                 rung = first_agreeing_rung(a.ladder[da], b.ladder[db])
                 bits = np.asarray(a.ladder_bits, dtype=np.int64)
                 agreeing_bits[r, dcols] = np.where(rung >= 0, bits[np.maximum(rung, 0)], -1)
-        rel_l2[r, cols[equal]] = 0.0
     grid = RegionGrid([region_key(*k) for k in keys], positions, state, rel_l2, agreeing_bits)
     grid.origins = _origins(state, grid.regions, positions)
     return grid
