@@ -264,8 +264,10 @@ def per_sample_stats(
     out bit for bit as from one pass over the step; the one step-wide choice, how ρ is computed
     (:func:`_segment_stats`' ``exp_rho``), is made for the whole step. ``block_tokens`` defaults
     to :data:`BLOCK_TOKENS`. Given the step's ``blocks`` (audit.metrics.blocks) and every token
-    finite, without entropies, the statistics are their reductions (the same arithmetic, the same
-    bits), measured in one pass with the reductions ``extra`` lists, on ``threads`` threads."""
+    finite, without entropies, the statistics are their reductions (the same arithmetic; a sample
+    whose sides agree on most tokens sums its differing ones and counts the others' common value,
+    :attr:`~audit.metrics.blocks.Block.agreeing`), measured in one pass with the reductions
+    ``extra`` lists, on ``threads`` threads."""
     if blocks is not None and blocks.all_finite and entropies[0] is None and entropies[1] is None:
         return _block_stats(blocks, clip_eps, extra, threads)
     bounds = _blocks(offsets, BLOCK_TOKENS if block_tokens is None else block_tokens)
@@ -701,7 +703,10 @@ def sample_metrics(
     entropies of each side from its recorded top-k (:func:`topk_entropy`; NaN where unknown).
     """
     t, r, o = check_inputs(trainer_lp, rollout_lp, offsets)
-    return _sample_frame(per_sample_stats(t, r, o, _check_eps(clip_eps), _check_entropies(entropies, t)))
+    stats = per_sample_stats(
+        t, r, o, _check_eps(clip_eps), _check_entropies(entropies, t), blocks=TokenBlocks(t, r, o)
+    )
+    return _sample_frame(stats)
 
 
 def sample_and_step_metrics(
