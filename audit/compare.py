@@ -15,7 +15,7 @@ from isoaudit.audit.diagnosis import Diagnosis, diagnose
 from isoaudit.audit.distribution import distribution_metrics, step_distribution_metrics
 from isoaudit.audit.distribution import explain as explain_distribution
 from isoaudit.audit.environment import EVIDENCE_KEY as CHANGES
-from isoaudit.audit.frameworks import FIGURE_THREADS, Declaration, StepTokens, framework_figures
+from isoaudit.audit.frameworks import Declaration, StepTokens, framework_figures
 from isoaudit.audit.frameworks.base import STANDARD as FRAMEWORK_REDUCTIONS
 from isoaudit.audit.grid import Cell, RegionGrid, compare_fingerprints
 from isoaudit.audit.metric_names import required_variants
@@ -27,7 +27,7 @@ from isoaudit.audit.metrics import (
     step_metrics,
     topk_entropy,
 )
-from isoaudit.audit.metrics.blocks import TokenBlocks
+from isoaudit.audit.metrics.blocks import TokenBlocks, idle_threads
 from isoaudit.audit.policy_lag import token_lags, version_number
 from isoaudit.audit.records import Manifest, OffPolicy, RegionFingerprints, SampleLogprobs
 from isoaudit.audit.regions import parse_region_key, region_order
@@ -240,7 +240,7 @@ def _measure_step(pairs: Sequence[Pair], clip_eps: float) -> tuple[list[dict[str
         blocks=blocks,
         # the frameworks' figures of StepOutcome.of and the dashboard's position bins, in the same pass
         also=[*FRAMEWORK_REDUCTIONS, *POSITION_REDUCTIONS],
-        threads=FIGURE_THREADS,
+        threads=idle_threads(),
     )
     lags = _lags(pairs)
     figures = StepFigures(tuple(pairs), clip_eps, _with_lag_figures(metrics, tokens, lags), blocks)

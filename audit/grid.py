@@ -162,13 +162,17 @@ def compare_fingerprints(
     for r, (a, b) in enumerate(merged):
         if a is None or b is None:
             continue
+        ia: slice | np.ndarray
+        ib: slice | np.ndarray
         if np.array_equal(a.positions, b.positions):  # both sides observed the same positions
             common = a.positions
             ia = ib = slice(None)
         else:
             common, ia, ib = np.intersect1d(a.positions, b.positions, assume_unique=True, return_indices=True)
         # a row at every position of the grid takes a slice, not an index
-        cols = slice(None) if np.array_equal(common, positions) else np.searchsorted(positions, common)
+        cols: slice | np.ndarray = (
+            slice(None) if np.array_equal(common, positions) else np.searchsorted(positions, common)
+        )
         equal = a.digest[ia] == b.digest[ib]
         state[r, cols] = np.where(equal, EQUAL, DIFFERS)
         rel_l2[r, cols] = np.where(equal, np.float32(0.0), rel_l2[r, cols])

@@ -13,7 +13,6 @@ and settings, the others at their newest code and defaults, and stores them unde
 from __future__ import annotations
 
 import logging
-import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ from typing import Any
 import numpy as np
 from isoaudit.audit.frameworks import nemo_rl, openrlhf, prime_rl, skyrl, slime, tinker, trl, verl
 from isoaudit.audit.frameworks.base import REQUIRED, Era, Figure, Framework, StepTokens
+from isoaudit.audit.metrics.blocks import idle_threads
 
 log = logging.getLogger(__name__)
 
@@ -127,11 +127,6 @@ def _era_and_settings(table: Framework, declared: Declaration | None) -> tuple[E
     return era, values
 
 
-#: Threads measuring a step's per-token quantities for the frameworks' figures (blocks of whole
-#: samples each; numpy releases the interpreter lock in its array loops); 1 measures them in turn.
-FIGURE_THREADS = min(4, os.cpu_count() or 1)
-
-
 def framework_figures(
     tokens: StepTokens, declared: Declaration | None = None, *, threads: int | None = None
 ) -> dict[str, float]:
@@ -139,12 +134,12 @@ def framework_figures(
     release and settings, every other at its newest code and defaults. A figure whose required
     setting is unset, or whose input was not recorded (``needs``), is left out. The reductions the
     frameworks read at their defaults are measured first, in one pass over the step's blocks on
-    ``threads`` threads (default :data:`FIGURE_THREADS`); each framework's figures are then
+    ``threads`` threads (default: the machine's idle cores, :func:`idle_threads`); each framework's figures are then
     computed from them in turn, in the frameworks' order."""
     out: dict[str, float] = {}
     if tokens.n_tokens == 0:
         return out
-    tokens.prepare(FIGURE_THREADS if threads is None else threads)
+    tokens.prepare(idle_threads() if threads is None else threads)
     for table in FRAMEWORK_TABLES.values():
         if not table.eras:
             continue

@@ -246,7 +246,7 @@ class StepTokens:
         )
 
 
-def _recorded(values: np.ndarray | list[float]) -> np.ndarray:
+def _recorded(values: Any) -> np.ndarray:
     """Recorded logprobs as they are (float32 or float64), anything else as float64."""
     array = np.asarray(values)
     return array if array.dtype in (np.float32, np.float64) else array.astype(np.float64)

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 from isoaudit.audit.frameworks.base import Era, Figure, Framework, Settings, StepTokens
+from isoaudit.audit.metrics.blocks import Key
 
 _SOURCE_04 = "nemo_rl/algorithms/loss_functions.py:ClippedPGLossFn.__call__"
 _SOURCE_06 = "nemo_rl/algorithms/loss/loss_functions.py:ClippedPGLossFn.__call__"
@@ -41,7 +42,6 @@ def _global_mean(values: np.ndarray) -> float:
     return float(np.sum(values) / (values.size + _EPS)) if values.size else float("nan")
 
 
-
 def _finite_or_zero(values: np.ndarray) -> np.ndarray:
     """``torch.nan_to_num(..., nan=0, posinf=0, neginf=0)``."""
     return np.where(np.isfinite(values), values, 0.0)
@@ -49,8 +49,8 @@ def _finite_or_zero(values: np.ndarray) -> np.ndarray:
 
 #: The per-token quantity (audit.metrics.blocks) of ``calculate_kl`` on log(p_train/p_gen) = Δ and on
 #: log(p_gen/p_train) = −Δ, by estimator: k1 −logr, k2 logr²/2, k3 exp(logr) − 1 − logr.
-_KL_OF_DELTA = {"k1": ("neg", "d"), "k2": ("half", "d_sq"), "k3": "nemo_k3"}
-_KL_OF_NEG_DELTA = {"k1": "d", "k2": ("half", "d_sq"), "k3": "nemo_k3_reverse"}
+_KL_OF_DELTA: dict[str, Key] = {"k1": ("neg", "d"), "k2": ("half", "d_sq"), "k3": "nemo_k3"}
+_KL_OF_NEG_DELTA: dict[str, Key] = {"k1": "d", "k2": ("half", "d_sq"), "k3": "nemo_k3_reverse"}
 
 
 def _diagnostics(tokens: StepTokens, kl_type: str) -> dict[str, float]:
@@ -68,9 +68,9 @@ def _diagnostics(tokens: StepTokens, kl_type: str) -> dict[str, float]:
     }
 
 
-def _global_mean_of(tokens: StepTokens, key: object) -> float:
+def _global_mean_of(tokens: StepTokens, key: Key) -> float:
     """:func:`_global_mean` of the per-token quantity ``key`` (audit.metrics.blocks)."""
-    return tokens.total(key) / (tokens.n_tokens + _EPS) if tokens.n_tokens else float("nan")  # type: ignore[arg-type]
+    return tokens.total(key) / (tokens.n_tokens + _EPS) if tokens.n_tokens else float("nan")
 
 
 def _weights(tokens: StepTokens, sequence_level: bool) -> np.ndarray:

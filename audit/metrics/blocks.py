@@ -17,6 +17,7 @@ centre them, without a second pass over the tokens.
 from __future__ import annotations
 
 import math
+import os
 import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +29,22 @@ import numpy as np
 
 #: Tokens per block: whole samples up to about this many tokens are measured together.
 BLOCK_TOKENS = 1 << 15
+#: The most threads a pass takes.
+MOST_THREADS = 4
+
+
+def idle_threads(most: int = MOST_THREADS) -> int:
+    """Threads for a pass over a step's blocks: as many as the machine has cores not busy (its
+    1-minute load average), at most ``most``, at least 1. Blocks on a second thread pay off only
+    on a core of their own: on busy cores they wait on each other's interpreter lock and cache
+    (a pass at load 3 on 2 cores: 0.27–0.31 s on one thread, 0.42–0.47 s on two)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        busy = os.getloadavg()[0]
+    except OSError:  # no load average here: one thread, which never loses
+        return 1
+    return max(1, min(most, cores, int(cores - busy + 0.5)))
+
 
 Key = str | tuple[Any, ...]
 #: A reduction: ``sum`` (booleans are counted as int64), ``max``, ``min``, ``first`` (the first
@@ -111,7 +128,8 @@ class Block:
                     child.shared["agreeing"] = None
                     child.shared["differing"] = None
                     self.shared["agreeing"] = (child, self.lengths - kept)
-        return self.shared["agreeing"]  # type: ignore[return-value]
+        found: tuple[Block, np.ndarray] | None = self.shared["agreeing"]
+        return found
 
     @property
     def inside(self) -> bool:
@@ -340,14 +358,14 @@ def _segmented(how: Reduction) -> bool:
     return not isinstance(how, str) and how[0] in ("segment_sum", "segment_max")
 
 
-def _reduce(b: Block, how: Reduction, key: Key) -> np.ndarray:
+def _reduce(b: Block, how: Reduction, key: Key) -> np.ndarray | _Kept:
     """One reduction of ``key`` over each of the block's samples that have tokens, or (``how``
     ``("segment_sum" | "segment_max", edges)``) over each segment: a sample's tokens cut at the
     positions ``edges`` (sample by sample, each in order of its positions). A reduction of an array
     the block reduced already (one quantity equal to another by construction, such as ρ and
     exp(Δ) where nothing is clamped) is not computed again. Where samples mostly agree bitwise
     (:attr:`Block.agreeing`), a quantity with one value on agreeing tokens is reduced over the
-    others and that value counted for them (:func:`_with_agreeing`)."""
+    others and that value counted for them (:class:`_Kept`, :func:`_combine`)."""
     agreeing = b.agreeing
     if agreeing is not None and how in _SPLIT and at_agreeing(key) is not None:
         return _kept_part(agreeing[0], how, key)
@@ -397,6 +415,18 @@ def _kept_part(kept: Block, how: str, key: Key) -> _Kept:
         full = np.zeros(kept.nonempty.size)
         full[kept.nonempty] = sums
     return _Kept(values, full)
+
+
+def _array(piece: np.ndarray | _Kept) -> np.ndarray:
+    """A block's reduction (that of its samples' kept tokens, for a :class:`_Kept`)."""
+    return piece.values if isinstance(piece, _Kept) else piece
+
+
+def _kept_sums(piece: np.ndarray | _Kept) -> np.ndarray:
+    """A piece's kept tokens' sums (zeros for a block whose samples kept every token: unused)."""
+    if isinstance(piece, _Kept) and piece.sums is not None:
+        return piece.sums
+    return np.zeros(piece.values.size if isinstance(piece, _Kept) else piece.size)
 
 
 def _combine(
@@ -579,8 +609,8 @@ class TokenBlocks:
                 if not isinstance(how, str) and how[0] == "cm":  # a co-moment reads its other quantity
                     last[how[1]] = max(last.get(how[1], i), i)
 
-            def run(bounds: tuple[int, int]) -> list[np.ndarray]:
-                out = []
+            def run(bounds: tuple[int, int]) -> list[np.ndarray | _Kept]:
+                out: list[np.ndarray | _Kept] = []
                 with np.errstate(all="ignore"):
                     block = self._block(*bounds)
                     for i, (how, key) in enumerate(todo):
@@ -602,21 +632,15 @@ class TokenBlocks:
             nonempty = np.diff(self.offsets) > 0
             if self.finite_only:
                 nonempty = self.lengths > 0
-            left = np.concatenate([p[-2] for p in parts]) if parts else np.zeros(0, np.int64)
-            kept = np.concatenate([p[-1] for p in parts]) if parts else np.zeros(0, np.int64)
+            left = np.concatenate([_array(p[-2]) for p in parts]) if parts else np.zeros(0, np.int64)
+            kept = np.concatenate([_array(p[-1]) for p in parts]) if parts else np.zeros(0, np.int64)
             for i, (how, key) in enumerate(todo):
                 pieces = [p[i] for p in parts]
+                found = np.concatenate([_array(x) for x in pieces]) if parts else np.zeros(0)
                 if any(isinstance(piece, _Kept) for piece in pieces):  # samples that mostly agree
-                    found = np.concatenate([x.values if isinstance(x, _Kept) else x for x in pieces])
-                    sums = None
-                    if how == "m2":
-                        sums = np.concatenate(
-                            [x.sums if isinstance(x, _Kept) else np.zeros(x.size) for x in pieces]  # type: ignore[misc]
-                        )
+                    sums = np.concatenate([_kept_sums(x) for x in pieces])
                     assert isinstance(how, str)
-                    found = _combine(how, found, sums, kept, left, at_agreeing(key))  # type: ignore[arg-type]
-                else:
-                    found = np.concatenate(pieces) if parts else np.zeros(0)
+                    found = _combine(how, found, sums, kept, left, at_agreeing(key))
                 if _segmented(how):  # one value a segment
                     values = found
                 else:  # one value a sample: the empty ones' are the reduction's own
