@@ -24,7 +24,7 @@ from isoaudit.audit.db.queue import StepClaim, release
 from isoaudit.audit.db.runs import MAX_PAGE
 from isoaudit.audit.records import utcnow
 from isoaudit.audit.summaries import StepFacts, StepSummary, Verdict
-from sqlalchemy import delete, func, insert, select, tuple_
+from sqlalchemy import Table, delete, func, insert, select, tuple_
 from sqlalchemy.orm import Session
 
 __all__ = ["Results", "SampleResult", "StepResult"]
@@ -175,7 +175,7 @@ class Results(Part):
                     table = table_of(SampleResultRow)
                     copy_rows(cursor, table, table.name, list(rows[0]), rows)
             else:
-                session.execute(self._insert(SampleResultRow), rows)
+                _insert_processed(session, table_of(SampleResultRow), rows)
         if steps:
             columns = (StepResultRow.run_id, StepResultRow.step)
             session.execute(
@@ -270,6 +270,25 @@ class Results(Part):
         )
         with self.sessions() as session:
             return [(run_id, step) for run_id, step in session.execute(query)]
+
+
+def _insert_processed(session: Session, table: Table, rows: list[dict[str, Any]]) -> None:
+    """``rows`` into ``table`` by the driver's ``executemany``, each column's values made by its
+    type's bind processor (JSON text, UTC times) a column at a time: an ORM or Core executemany
+    builds every row's parameters itself, most of the time of a step's 512 results on SQLite."""
+    connection = session.connection()
+    dialect = connection.dialect
+    names = list(rows[0])
+    columns: list[list[Any]] = []
+    for name in names:
+        values = [row[name] for row in rows]
+        process = table.c[name].type.dialect_impl(dialect).bind_processor(dialect)
+        columns.append([process(v) for v in values] if process is not None else values)
+    marks = ", ".join(["?"] * len(names))
+    quoted = ", ".join(dialect.identifier_preparer.quote(name) for name in names)
+    connection.exec_driver_sql(
+        f"INSERT INTO {table.name} ({quoted}) VALUES ({marks})", list(zip(*columns, strict=True))
+    )
 
 
 def _replace_summaries(session: Session, summaries: Sequence[StepSummary]) -> None:
