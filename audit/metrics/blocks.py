@@ -21,7 +21,6 @@ import os
 import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
@@ -76,6 +75,8 @@ class Block:
         self.lengths = lengths[lengths > 0]
         self.starts = (np.cumsum(self.lengths) - self.lengths).astype(np.int64)
         self.nonempty = lengths > 0
+        #: whether every sample has tokens
+        self.every = bool(self.nonempty.all())
         #: each such sample's [start, end) in the block
         self.spans = [(int(a), int(a + n)) for a, n in zip(self.starts, self.lengths, strict=True)]
         self.memo: dict[Key, np.ndarray] = {}
@@ -358,17 +359,21 @@ def _segmented(how: Reduction) -> bool:
     return not isinstance(how, str) and how[0] in ("segment_sum", "segment_max")
 
 
-def _reduce(b: Block, how: Reduction, key: Key) -> np.ndarray | _Kept:
+def _reduce(b: Block, how: Reduction, key: Key, split: bool | None = None) -> np.ndarray | _Kept:
     """One reduction of ``key`` over each of the block's samples that have tokens, or (``how``
     ``("segment_sum" | "segment_max", edges)``) over each segment: a sample's tokens cut at the
     positions ``edges`` (sample by sample, each in order of its positions). A reduction of an array
     the block reduced already (one quantity equal to another by construction, such as ρ and
     exp(Δ) where nothing is clamped) is not computed again. Where samples mostly agree bitwise
     (:attr:`Block.agreeing`), a quantity with one value on agreeing tokens is reduced over the
-    others and that value counted for them (:class:`_Kept`, :func:`_combine`)."""
-    agreeing = b.agreeing
-    if agreeing is not None and how in _SPLIT and at_agreeing(key) is not None:
-        return _kept_part(agreeing[0], how, key)
+    others and that value counted for them (:class:`_Kept`, :func:`_combine`). ``split``: whether
+    that holds of this request (found here if not given)."""
+    if split is None:
+        split = how in _SPLIT and at_agreeing(key) is not None
+    if split:
+        agreeing = b.agreeing
+        if agreeing is not None:
+            return _kept_part(agreeing[0], how, key)
     values = b[key]
     memo = (how, id(values))
     found = b.reduced.get(memo)
@@ -390,23 +395,24 @@ def _reduce(b: Block, how: Reduction, key: Key) -> np.ndarray | _Kept:
 _SPLIT = ("sum", "max", "min", "m2")
 
 
-@dataclass(frozen=True)
 class _Kept:
     """A reduction over the kept tokens of a block's samples (:attr:`Block.agreeing`), each sample's
     own sum beside it for centred squares: combined with the tokens left out once the pass is
     over (:func:`_combine`)."""
 
-    values: np.ndarray
-    sums: np.ndarray | None
+    __slots__ = ("sums", "values")
+
+    def __init__(self, values: np.ndarray, sums: np.ndarray | None) -> None:
+        self.values, self.sums = values, sums
 
 
 def _kept_part(kept: Block, how: str, key: Key) -> _Kept:
     """:func:`_reduce` over ``kept``'s samples, one value for each sample of its parent that has
     tokens (0 where a sample kept none)."""
-    part = _reduce(kept, how, key)
+    part = _reduce(kept, how, key, False)
     assert isinstance(part, np.ndarray)
     sums = _sums(kept, key) if how == "m2" else None
-    if kept.nonempty.all():
+    if kept.every:
         return _Kept(part, sums)
     values = np.zeros(kept.nonempty.size, dtype=part.dtype)
     values[kept.nonempty] = part
@@ -609,12 +615,14 @@ class TokenBlocks:
                 if not isinstance(how, str) and how[0] == "cm":  # a co-moment reads its other quantity
                     last[how[1]] = max(last.get(how[1], i), i)
 
+            split = [how in _SPLIT and at_agreeing(key) is not None for how, key in todo]
+
             def run(bounds: tuple[int, int]) -> list[np.ndarray | _Kept]:
                 out: list[np.ndarray | _Kept] = []
                 with np.errstate(all="ignore"):
                     block = self._block(*bounds)
                     for i, (how, key) in enumerate(todo):
-                        out.append(_reduce(block, how, key))
+                        out.append(_reduce(block, how, key, split[i]))
                         if last[key] == i and isinstance(key, tuple):
                             block.memo.pop(key, None)
                     agreeing = block.agreeing
