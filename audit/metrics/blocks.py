@@ -373,6 +373,7 @@ def _reduce(b: Block, how: Reduction, key: Key, split: bool | None = None) -> np
     if split:
         agreeing = b.agreeing
         if agreeing is not None:
+            assert isinstance(how, str)  # a split reduction is one of _SPLIT
             return _kept_part(agreeing[0], how, key)
     values = b[key]
     memo = (how, id(values))
