@@ -162,9 +162,12 @@ class Ingest(Part):
     def _ensure_runs(
         self, session: Session, runs: Sequence[Run], run_ids: set[str], project: str, result: IngestResult
     ) -> None:
-        existing = dict(
-            session.execute(select(RunRow.run_id, RunRow.project).where(RunRow.run_id.in_(run_ids))).all()
-        )
+        existing: dict[str, str] = {
+            run_id: owner
+            for run_id, owner in session.execute(
+                select(RunRow.run_id, RunRow.project).where(RunRow.run_id.in_(run_ids))
+            )
+        }
         foreign = sorted(rid for rid, owner in existing.items() if owner != project)
         if foreign:
             raise ForbiddenRun(f"run_id: {', '.join(foreign)} belongs to another project")
