@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +16,7 @@ from isoaudit.audit.distribution import distribution_metrics, step_distribution_
 from isoaudit.audit.distribution import explain as explain_distribution
 from isoaudit.audit.environment import EVIDENCE_KEY as CHANGES
 from isoaudit.audit.frameworks import Declaration, StepTokens, framework_figures
+from isoaudit.audit.frameworks.base import STANDARD as FRAMEWORK_REDUCTIONS
 from isoaudit.audit.grid import Cell, RegionGrid, compare_fingerprints
 from isoaudit.audit.metric_names import required_variants
 from isoaudit.audit.metrics import (
@@ -26,7 +27,8 @@ from isoaudit.audit.metrics import (
     step_metrics,
     topk_entropy,
 )
-from isoaudit.audit.policy_lag import token_lags
+from isoaudit.audit.metrics.blocks import TokenBlocks, idle_threads
+from isoaudit.audit.policy_lag import token_lags, version_number
 from isoaudit.audit.records import Manifest, OffPolicy, RegionFingerprints, SampleLogprobs
 from isoaudit.audit.regions import parse_region_key, region_order
 from isoaudit.audit.routing import (
@@ -36,7 +38,14 @@ from isoaudit.audit.routing import (
     step_routing,
     step_routing_metrics,
 )
-from isoaudit.audit.summaries import StepFacts, StepSummary, Verdict, summarize
+from isoaudit.audit.summaries import (
+    POSITION_REDUCTIONS,
+    StepFacts,
+    StepSummary,
+    Verdict,
+    position_bins_of,
+    summarize,
+)
 
 
 @dataclass
@@ -77,6 +86,10 @@ def _json_floats(values: dict[str, Any]) -> dict[str, Any]:
     a step's results hold tens of thousands of scalars, and numpy's per-call cost was most of it."""
     out: dict[str, Any] = {}
     for key, value in values.items():
+        kind = type(value)
+        if kind is float:  # the usual case, first
+            out[key] = value if math.isfinite(value) else None
+            continue
         if isinstance(value, np.generic):
             value = value.item()
         if isinstance(value, float) and not math.isfinite(value):
@@ -110,6 +123,8 @@ def _entropies(samples: Sequence[SampleLogprobs]) -> np.ndarray | None:
 
 
 Pair = tuple[SampleLogprobs, SampleLogprobs]
+#: Both sides' fingerprint records of each fingerprinted sample, by sample_key.
+Fingerprints = dict[str, tuple[Sequence[RegionFingerprints], Sequence[RegionFingerprints]]]
 
 
 def in_step_order(pairs: Sequence[Pair]) -> list[Pair]:
@@ -127,6 +142,8 @@ class StepFigures:
     clip_eps: float
     #: every definition of audit.metrics, the threshold variants aliases read, policy lag and lag slices
     metrics: dict[str, float]
+    #: the step's per-token reductions (audit.metrics.blocks), the frameworks' among them
+    blocks: TokenBlocks | None = None
 
     def covers(self, pairs: Sequence[Pair], clip_eps: float) -> bool:
         """Whether these are the figures of exactly ``pairs`` (the same records) at ``clip_eps``."""
@@ -156,19 +173,31 @@ class _Tokens:
         )
 
 
-def framework_tokens(pairs: Sequence[Pair]) -> StepTokens:
+def framework_tokens(pairs: Sequence[Pair], blocks: TokenBlocks | None = None) -> StepTokens:
     """A step's pairs as the frameworks' figures take them: logprobs, the trainer's advantage (the
-    rollout's where the trainer recorded none) and the trainer's rank of each sample."""
+    rollout's where the trainer recorded none) and the trainer's rank of each sample. ``blocks``:
+    the step's reductions measured already (over these pairs' concatenated logprobs)."""
+    advantages = [t.advantage if t.advantage is not None else r.advantage for t, r in pairs]
+    ranks = [t.rank if t.rank is not None else r.rank for t, r in pairs]
+    if blocks is not None:
+        return StepTokens.over(blocks, advantages=advantages, ranks=ranks)
     return StepTokens.of(
-        [t.logprobs for t, _ in pairs],
-        [r.logprobs for _, r in pairs],
-        advantages=[t.advantage if t.advantage is not None else r.advantage for t, r in pairs],
-        ranks=[t.rank if t.rank is not None else r.rank for t, r in pairs],
+        [t.logprobs for t, _ in pairs], [r.logprobs for _, r in pairs], advantages=advantages, ranks=ranks
     )
+
+
+def _lags(pairs: Sequence[Pair]) -> list[np.ndarray]:
+    """Each pair's token lags (audit.policy_lag.token_lags); none when no trainer side names an
+    integer weight version, where every lag is unknown."""
+    if all(version_number(t.weight_version) is None for t, _ in pairs):
+        return []
+    return [token_lags(t, r) for t, r in pairs]
 
 
 def _with_lags(rows: list[dict[str, Any]], lags: list[np.ndarray]) -> list[dict[str, Any]]:
     """Each sample's metrics with its policy lag range (where its tokens' lags are known)."""
+    if not lags:  # no lag known
+        return rows
     for row, sample_lags in zip(rows, lags, strict=True):
         known = sample_lags[sample_lags != UNKNOWN_LAG]
         if known.size:
@@ -200,6 +229,7 @@ def _measure_step(pairs: Sequence[Pair], clip_eps: float) -> tuple[list[dict[str
     """One pass over a step's tokens (``pairs`` in :func:`in_step_order`): each sample's metrics
     (policy lag included) and the step's figures."""
     tokens = _Tokens.of(pairs)
+    blocks = TokenBlocks(tokens.trainer, tokens.rollout, tokens.offsets)
     frame, metrics = sample_and_step_metrics(
         tokens.trainer,
         tokens.rollout,
@@ -207,9 +237,13 @@ def _measure_step(pairs: Sequence[Pair], clip_eps: float) -> tuple[list[dict[str
         clip_eps=clip_eps,
         entropies=tokens.entropies,
         variants=required_variants(),
+        blocks=blocks,
+        # the frameworks' figures of StepOutcome.of and the dashboard's position bins, in the same pass
+        also=[*FRAMEWORK_REDUCTIONS, *POSITION_REDUCTIONS],
+        threads=idle_threads(),
     )
-    lags = [token_lags(t, r) for t, r in pairs]
-    figures = StepFigures(tuple(pairs), clip_eps, _with_lag_figures(metrics, tokens, lags))
+    lags = _lags(pairs)
+    figures = StepFigures(tuple(pairs), clip_eps, _with_lag_figures(metrics, tokens, lags), blocks)
     return _with_lags(frame.to_dict("records"), lags), figures
 
 
@@ -219,7 +253,7 @@ def _measure_samples(pairs: Sequence[Pair], clip_eps: float) -> list[dict[str, A
     frame = sample_metrics(
         tokens.trainer, tokens.rollout, tokens.offsets, clip_eps=clip_eps, entropies=tokens.entropies
     )
-    return _with_lags(frame.to_dict("records"), [token_lags(t, r) for t, r in pairs])
+    return _with_lags(frame.to_dict("records"), _lags(pairs))
 
 
 #: Completion tokens from which a step's samples are measured with its figures in one pass, handed on
@@ -231,7 +265,7 @@ ONE_PASS_TOKENS = 1 << 16
 
 def compare_samples(
     pairs: Sequence[Pair],
-    fingerprints: dict[str, tuple[Sequence[RegionFingerprints], Sequence[RegionFingerprints]]] | None = None,
+    fingerprints: Fingerprints | Callable[[], Fingerprints] | None = None,
     manifests: tuple[Sequence[Manifest], Sequence[Manifest]] = ((), ()),
     *,
     clip_eps: float = 0.2,
@@ -239,8 +273,8 @@ def compare_samples(
 ) -> list[SampleComparison]:
     """Compare many (trainer, rollout) pairs at once, of one step or several: token metrics
     vectorised (a step of :data:`ONE_PASS_TOKENS` or more with its figures, handed on to
-    :func:`step_summary`), grids for the samples that have fingerprints (keyed by sample_key), then a
-    diagnosis of each. ``policy`` is the run's declared off-policy design
+    :func:`step_summary`), grids for the samples that have fingerprints (keyed by sample_key; or a
+    function returning them, called once the tokens are measured), then a diagnosis of each. ``policy`` is the run's declared off-policy design
     (``off_policy_of(run.config)``). Results come in the order of ``pairs``."""
     if not pairs:
         return []
@@ -261,6 +295,8 @@ def compare_samples(
     if small:
         rows = _measure_samples([pairs[i] for i in small], clip_eps)
         measured.update((i, (row, None)) for i, row in zip(small, rows, strict=True))
+    if callable(fingerprints):  # read meanwhile (the worker's fingerprint read overlaps the token pass)
+        fingerprints = fingerprints()
     fingerprints = fingerprints or {}
     results = []
     for index, (trainer, rollout) in enumerate(pairs):
@@ -324,6 +360,8 @@ class StepOutcome:
     metrics: dict[str, Any]
     #: audit.routing.step_routing of the pairs (None for a dense model)
     routing: dict[str, Any] | None
+    #: the dashboard's position bins, when measured with the step's figures
+    bins: dict[str, list[Any]] | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def of(
@@ -341,12 +379,14 @@ class StepOutcome:
         figures follow that release and its settings (audit.frameworks)."""
         ordered = in_step_order(pairs)
         handed_on = next((c.step_figures for c in comparisons if c.step_figures is not None), None)
+        blocks = None
         if handed_on is not None and handed_on.covers(ordered, clip_eps):
             metrics = dict(handed_on.metrics)
+            blocks = handed_on.blocks
         else:
-            metrics = _step_metrics(_Tokens.of(ordered), [token_lags(t, r) for t, r in ordered], clip_eps)
+            metrics = _step_metrics(_Tokens.of(ordered), _lags(ordered), clip_eps)
         if ordered:
-            metrics.update(framework_figures(framework_tokens(ordered), framework))
+            metrics.update(framework_figures(framework_tokens(ordered, blocks), framework))
             metrics.update(step_distribution_metrics(ordered))
         routing = None
         if pairs:
@@ -361,6 +401,7 @@ class StepOutcome:
             comparisons=tuple(comparisons),
             metrics=_json_floats(metrics),
             routing=routing,
+            bins=_position_bins(ordered, blocks),
         )
 
     def verdicts(self) -> list[Verdict]:
@@ -395,7 +436,9 @@ class StepOutcome:
 
     def summary(self, facts: StepFacts) -> StepSummary:
         """The dashboard's summary of the step (``audit.summaries``)."""
-        return summarize(self.run_id, self.step, self.pairs, self.all_verdicts(facts), facts, self.routing)
+        return summarize(
+            self.run_id, self.step, self.pairs, self.all_verdicts(facts), facts, self.routing, self.bins
+        )
 
     def all_verdicts(self, facts: StepFacts | None) -> list[Verdict]:
         """The verdicts of the samples compared now, then the stored ones of the step's other samples."""
@@ -404,6 +447,15 @@ class StepOutcome:
             return fresh
         new = {v.sample_key for v in fresh}
         return fresh + [v for v in facts.verdicts if v.sample_key not in new]
+
+
+def _position_bins(pairs: Sequence[Pair], blocks: TokenBlocks | None) -> dict[str, list[Any]] | None:
+    """The step's position bins from its blocks' segment reductions (None: to compute from the
+    pairs, where a Δ is not finite or nothing was measured)."""
+    if blocks is None or not blocks.all_finite:
+        return None
+    sums, maxima = (blocks.get(how, key) for how, key in POSITION_REDUCTIONS)
+    return position_bins_of(blocks.lengths, sums, maxima, [t.sample_key for t, _ in pairs])
 
 
 def step_summary(

@@ -38,6 +38,17 @@ class _SideRows:
 
     @classmethod
     def merge(cls, records: Sequence[RegionFingerprints]) -> _SideRows:
+        if len(records) == 1 and _ascending(records[0].positions):  # the usual case: the arrays as they are
+            (r,) = records
+            n = r.positions.size
+            return cls(
+                positions=r.positions,
+                digest=r.digest,
+                ladder=r.ladder.reshape(n, -1) if r.ladder_bits else np.zeros((n, 0), np.uint64),
+                ladder_bits=list(r.ladder_bits),
+                sketch=r.sketch.reshape(n, -1),
+                l2=r.l2,
+            )
         positions = np.concatenate([r.positions for r in records])
         # One record with ascending positions (the usual case) needs no reordering.
         order = (
@@ -54,6 +65,10 @@ class _SideRows:
             sketch=np.concatenate([r.sketch.reshape(r.positions.size, -1) for r in records])[order],
             l2=np.concatenate([r.l2 for r in records])[order],
         )
+
+
+def _ascending(positions: np.ndarray) -> bool:
+    return bool(np.all(positions[1:] > positions[:-1]))
 
 
 @dataclass
@@ -135,11 +150,11 @@ def compare_fingerprints(
     by_side = (_group(trainer), _group(rollout))
     keys = sorted(set(by_side[0]) | set(by_side[1]), key=lambda k: (region_order(k[0]), k[1]))
     merged = [tuple(_SideRows.merge(side[key]) if key in side else None for side in by_side) for key in keys]
-    positions = np.unique(
-        np.concatenate(
-            [rows.positions for pair in merged for rows in pair if rows is not None] or [np.zeros(0)]
-        )
-    ).astype(np.int32)
+    observed = [rows.positions for pair in merged for rows in pair if rows is not None]
+    if observed and all(np.array_equal(p, observed[0]) for p in observed[1:]):
+        positions = observed[0].astype(np.int32)  # every row at the same positions (ascending, unique)
+    else:
+        positions = np.unique(np.concatenate(observed or [np.zeros(0)])).astype(np.int32)
     shape = (len(keys), positions.size)
     state = np.full(shape, NOT_OBSERVED, np.int8)
     rel_l2 = np.full(shape, np.nan, np.float32)
@@ -147,19 +162,30 @@ def compare_fingerprints(
     for r, (a, b) in enumerate(merged):
         if a is None or b is None:
             continue
-        common, ia, ib = np.intersect1d(a.positions, b.positions, assume_unique=True, return_indices=True)
-        cols = np.searchsorted(positions, common)
+        ia: slice | np.ndarray
+        ib: slice | np.ndarray
+        if np.array_equal(a.positions, b.positions):  # both sides observed the same positions
+            common = a.positions
+            ia = ib = slice(None)
+        else:
+            common, ia, ib = np.intersect1d(a.positions, b.positions, assume_unique=True, return_indices=True)
+        # a row at every position of the grid takes a slice, not an index
+        cols: slice | np.ndarray = (
+            slice(None) if np.array_equal(common, positions) else np.searchsorted(positions, common)
+        )
         equal = a.digest[ia] == b.digest[ib]
         state[r, cols] = np.where(equal, EQUAL, DIFFERS)
-        differ = ~equal
-        if differ.any():
-            dcols, da, db = cols[differ], ia[differ], ib[differ]
+        rel_l2[r, cols] = np.where(equal, np.float32(0.0), rel_l2[r, cols])
+        differ = np.flatnonzero(~equal)
+        if differ.size:
+            dcols = differ if isinstance(cols, slice) else cols[differ]
+            da = differ if isinstance(ia, slice) else ia[differ]
+            db = differ if isinstance(ib, slice) else ib[differ]
             rel_l2[r, dcols] = estimate_relative_l2(a.sketch[da], b.sketch[db], a.l2[da], b.l2[db])
             if a.ladder_bits == b.ladder_bits and a.ladder.shape[1]:
                 rung = first_agreeing_rung(a.ladder[da], b.ladder[db])
                 bits = np.asarray(a.ladder_bits, dtype=np.int64)
                 agreeing_bits[r, dcols] = np.where(rung >= 0, bits[np.maximum(rung, 0)], -1)
-        rel_l2[r, cols[equal]] = 0.0
     grid = RegionGrid([region_key(*k) for k in keys], positions, state, rel_l2, agreeing_bits)
     grid.origins = _origins(state, grid.regions, positions)
     return grid

@@ -58,6 +58,12 @@ class Verdict:
     first_region: str | None
 
 
+#: The reductions :func:`position_bins_of` reads from a step's blocks (audit.metrics.blocks).
+POSITION_REDUCTIONS: tuple[tuple[tuple[str, tuple[int, ...]], str], ...] = tuple(
+    ((how, tuple(int(e) for e in POSITION_BIN_EDGES)), "abs_d") for how in ("segment_sum", "segment_max")
+)
+
+
 def position_bins(pairs: Sequence[tuple[SampleLogprobs, SampleLogprobs]]) -> dict[str, list[Any]]:
     """|Δ logprob| per response-position bin over all tokens of ``pairs``: ``count`` (finite tokens),
     ``mean``, ``max`` and ``max_key`` (the sample holding the max) per bin, up to the last bin any
@@ -65,7 +71,8 @@ def position_bins(pairs: Sequence[tuple[SampleLogprobs, SampleLogprobs]]) -> dic
 
     Each sample's tokens fill its bins in runs (segments: a sample's part of one bin), found from
     the samples' lengths and the bin edges alone; with every Δ finite, a bin's count is the sum of
-    its segments' lengths and its maximum the largest of its segments' (one ``reduceat``)."""
+    its segments' lengths, its sum that of its segments' sums (each a ``reduceat`` over its tokens,
+    the segments then in token order) and its maximum the largest of its segments'."""
     lengths = np.array([t.logprobs.size for t, _ in pairs], dtype=np.int64)
     total = int(lengths.sum())
     if total == 0:
@@ -78,21 +85,49 @@ def position_bins(pairs: Sequence[tuple[SampleLogprobs, SampleLogprobs]]) -> dic
         )
     np.abs(delta, out=delta)
     seg_bin, seg_sample, seg_start, seg_len = _segments(lengths)
-    n_bins = int(seg_bin.max()) + 1
-    bins = np.repeat(seg_bin, seg_len)
     keys = [t.sample_key for t, _ in pairs]
     finite = np.isfinite(delta)
     if finite.all():
-        count = np.bincount(seg_bin, weights=seg_len, minlength=n_bins).astype(np.int64)
-        sums = np.bincount(bins, weights=delta, minlength=n_bins)
-        runs = (np.maximum.reduceat(delta, seg_start), seg_bin, seg_sample)
-    else:
-        owner = np.repeat(seg_sample, seg_len)[finite]
-        bins, delta = bins[finite], delta[finite]
-        count = np.bincount(bins, minlength=n_bins)
-        sums = np.bincount(bins, weights=delta, minlength=n_bins)
-        runs = _runs(bins, delta, owner)
+        segment_sums = np.add.reduceat(delta, seg_start)
+        return _binned(
+            seg_bin, seg_sample, seg_len, segment_sums, np.maximum.reduceat(delta, seg_start), keys
+        )
+    n_bins = int(seg_bin.max()) + 1
+    owner = np.repeat(seg_sample, seg_len)[finite]
+    bins = np.repeat(seg_bin, seg_len)[finite]
+    delta = delta[finite]
+    count = np.bincount(bins, minlength=n_bins)
+    sums = np.bincount(bins, weights=delta, minlength=n_bins)
+    runs = _runs(bins, delta, owner)
     maxima, max_key = _bin_maxima(*runs, n_bins, keys)
+    means = [float(s / c) if c else None for s, c in zip(sums, count, strict=True)]
+    return {"count": count.tolist(), "mean": means, "max": maxima, "max_key": max_key}
+
+
+def position_bins_of(
+    lengths: np.ndarray, segment_sums: np.ndarray, segment_maxima: np.ndarray, keys: list[str | None]
+) -> dict[str, list[Any]]:
+    """:func:`position_bins` of a step whose every Δ is finite, from its samples' ``lengths`` and
+    each segment's sum and maximum of |Δ| (the blocks' :data:`POSITION_REDUCTIONS`)."""
+    if int(lengths.sum()) == 0:
+        return {"count": [], "mean": [], "max": [], "max_key": []}
+    seg_bin, seg_sample, _, seg_len = _segments(lengths)
+    return _binned(seg_bin, seg_sample, seg_len, segment_sums, segment_maxima, keys)
+
+
+def _binned(
+    seg_bin: np.ndarray,
+    seg_sample: np.ndarray,
+    seg_len: np.ndarray,
+    seg_sum: np.ndarray,
+    seg_max: np.ndarray,
+    keys: list[str | None],
+) -> dict[str, list[Any]]:
+    """The bins of every token finite, from their segments' lengths, sums and maxima."""
+    n_bins = int(seg_bin.max()) + 1
+    count = np.bincount(seg_bin, weights=seg_len, minlength=n_bins).astype(np.int64)
+    sums = np.bincount(seg_bin, weights=seg_sum, minlength=n_bins)
+    maxima, max_key = _bin_maxima(seg_max, seg_bin, seg_sample, n_bins, keys)
     means = [float(s / c) if c else None for s, c in zip(sums, count, strict=True)]
     return {"count": count.tolist(), "mean": means, "max": maxima, "max_key": max_key}
 
@@ -186,15 +221,17 @@ def summarize(
     verdicts: Sequence[Verdict],
     facts: StepFacts,
     routing: dict[str, Any] | None,
+    bins: dict[str, list[Any]] | None = None,
 ) -> StepSummary:
     """The summary of a step: ``pairs`` are all its samples stored on both sides (in step order),
-    ``verdicts`` every compared sample's, ``routing`` the step's routing aggregate."""
+    ``verdicts`` every compared sample's, ``routing`` the step's routing aggregate; ``bins`` its
+    :func:`position_bins` when measured already."""
     return StepSummary(
         run_id=run_id,
         step=step,
         n_samples=len(pairs),
         n_tokens=int(sum(t.logprobs.size for t, _ in pairs)),
-        position_bins=position_bins(pairs),
+        position_bins=position_bins(pairs) if bins is None else bins,
         first_divergence=first_divergence_counts(verdicts),
         n_fingerprinted=int(facts.fingerprinted or 0),
         diagnoses=dict(sorted(Counter(v.diagnosis for v in verdicts).items())),

@@ -4,12 +4,15 @@ place of the driver's, so no caller above it needs to know SQLAlchemy."""
 
 from __future__ import annotations
 
+import json
+import math
 import sqlite3
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+import msgspec
 from isoaudit.audit.config import database_url
 from isoaudit.audit.db.models import Base
 from isoaudit.audit.db.types import register_tolerant_loaders
@@ -105,6 +108,34 @@ def _sqlite_pragmas(timeout_s: float) -> Callable[[DBAPIConnection, ConnectionPo
     return connect
 
 
+_encode = msgspec.json.Encoder().encode
+
+
+def json_text(value: Any) -> str:
+    """The JSON text of a stored value (the engine's serializer of JSON columns): msgspec's encoder,
+    ×5–10 the standard library's on a step's results; the standard library's ``json.dumps`` for a
+    value msgspec does not take (numpy scalars, keys that are not text) or that holds a non-finite
+    number (msgspec writes it as null, ``json.dumps`` as ``NaN``/``Infinity``, as before)."""
+    try:
+        text = _encode(value)
+    except (TypeError, msgspec.EncodeError):
+        return json.dumps(value)
+    if b"null" in text and _nonfinite(value):
+        return json.dumps(value)
+    return text.decode()
+
+
+def _nonfinite(value: Any) -> bool:
+    """Whether a JSON value holds a NaN or an infinity."""
+    if isinstance(value, float):
+        return not math.isfinite(value)
+    if isinstance(value, dict):
+        return any(_nonfinite(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return any(_nonfinite(v) for v in value)
+    return False
+
+
 def make_engine(url: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> Engine:
     """An engine for ``url`` with the settings the store relies on: WAL, foreign keys and a busy
     timeout of ``timeout_s`` on SQLite; on a server, a connect timeout of ``timeout_s`` and a ping
@@ -113,11 +144,11 @@ def make_engine(url: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S)
     hold read as ``Unreadable`` rather than failing the query."""
     url = database_url(url)
     if url.startswith("sqlite"):
-        engine = create_engine(url)
+        engine = create_engine(url, json_serializer=json_text)
         event.listen(engine, "connect", _sqlite_pragmas(timeout_s))
         return engine
     connect_args = {"connect_timeout": max(1, round(timeout_s))} if url.startswith("postgresql") else {}
-    engine = create_engine(url, connect_args=connect_args, pool_pre_ping=True)
+    engine = create_engine(url, connect_args=connect_args, pool_pre_ping=True, json_serializer=json_text)
     if engine.dialect.name == "postgresql" and engine.dialect.driver == "psycopg":
         event.listen(engine, "connect", _tolerant_loaders)
     return engine

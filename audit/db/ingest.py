@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from isoaudit.audit.db.codec import fingerprint_row, sample_row
-from isoaudit.audit.db.engine import Part, StoreError, table_of, translated_errors
+from isoaudit.audit.db.engine import Part, StoreError, json_text, table_of, translated_errors
 from isoaudit.audit.db.models import (
     Base,
     FingerprintRow,
@@ -162,9 +162,12 @@ class Ingest(Part):
     def _ensure_runs(
         self, session: Session, runs: Sequence[Run], run_ids: set[str], project: str, result: IngestResult
     ) -> None:
-        existing = dict(
-            session.execute(select(RunRow.run_id, RunRow.project).where(RunRow.run_id.in_(run_ids))).all()
-        )
+        existing: dict[str, str] = {
+            run_id: owner
+            for run_id, owner in session.execute(
+                select(RunRow.run_id, RunRow.project).where(RunRow.run_id.in_(run_ids))
+            )
+        }
         foreign = sorted(rid for rid, owner in existing.items() if owner != project)
         if foreign:
             raise ForbiddenRun(f"run_id: {', '.join(foreign)} belongs to another project")
@@ -250,12 +253,12 @@ class Ingest(Part):
         names = list(rows[0])  # codec rows all carry the same keys
         key = _identity(table)
         keys = [tuple(row[c] for c in key) for row in rows]
-        driver = _driver(session)
+        driver = driver_of(session)
         if len(set(keys)) == len(keys) and not self._any_stored(driver, table, key, keys):
             with driver.cursor() as cursor:
                 cursor.execute("SAVEPOINT isoaudit_copy")
                 try:
-                    _copy_rows(cursor, table, table.name, names, rows)
+                    copy_rows(cursor, table, table.name, names, rows)
                 except errors.UniqueViolation:  # a writer stored one of these keys just now
                     cursor.execute("ROLLBACK TO SAVEPOINT isoaudit_copy")
                 else:
@@ -297,7 +300,7 @@ class Ingest(Part):
         staging = f"isoaudit_staging_{table.name}_{zlib.crc32(columns.encode()):08x}"
         pooled = session.connection().connection
         staged: set[str] = pooled.info.setdefault("isoaudit_staging", set())
-        with _driver(session).cursor() as cursor:
+        with driver_of(session).cursor() as cursor:
             cursor.execute(
                 f"CREATE TEMP TABLE IF NOT EXISTS {staging} ON COMMIT DELETE ROWS AS "
                 f"SELECT {columns} FROM {table.name} WITH NO DATA"
@@ -306,7 +309,7 @@ class Ingest(Part):
                 binary = [f'ALTER COLUMN "{n}" SET STORAGE EXTERNAL' for n in names if _is_binary(table, n)]
                 cursor.execute(f"ALTER TABLE {staging} {', '.join(binary)}")
                 staged.add(staging)
-            _copy_rows(cursor, table, staging, names, rows)
+            copy_rows(cursor, table, staging, names, rows)
             cursor.execute(
                 f"INSERT INTO {table.name} ({columns}) SELECT {columns} FROM {staging} "
                 f"ON CONFLICT DO NOTHING RETURNING {', '.join(returning)}"
@@ -318,7 +321,7 @@ class Ingest(Part):
         return set(inserted)
 
 
-def _driver(session: Session) -> Any:
+def driver_of(session: Session) -> Any:
     """The psycopg connection under ``session``'s transaction."""
     driver = session.connection().connection.driver_connection
     assert driver is not None  # a session's connection is checked out, so open
@@ -333,8 +336,9 @@ def _identity(table: Any) -> tuple[str, ...]:
     raise TypeError(f"{table.name}: no unique identity constraint")
 
 
-def _copy_rows(cursor: Any, table: Any, target: str, names: list[str], rows: list[dict[str, Any]]) -> None:
-    """``rows`` (``names`` columns of ``table``) into ``target`` by one binary ``COPY ... FROM STDIN``."""
+def copy_rows(cursor: Any, table: Any, target: str, names: list[str], rows: list[dict[str, Any]]) -> None:
+    """``rows`` (``names`` columns of ``table``) into ``target`` by one binary ``COPY ... FROM STDIN``
+    (JSON columns as the engine writes them, :func:`~audit.db.engine.json_text`)."""
     from psycopg.types.json import Json
 
     json_columns = {name for name in names if isinstance(table.c[name].type, JSON)}
@@ -342,7 +346,7 @@ def _copy_rows(cursor: Any, table: Any, target: str, names: list[str], rows: lis
     with cursor.copy(f"COPY {target} ({columns}) FROM STDIN (FORMAT BINARY)") as copy:
         copy.set_types([_copy_type(table.c[name].type) for name in names])
         for row in rows:
-            copy.write_row([Json(row[n]) if n in json_columns else row[n] for n in names])
+            copy.write_row([Json(row[n], dumps=json_text) if n in json_columns else row[n] for n in names])
 
 
 def _is_binary(table: Any, name: str) -> bool:

@@ -5,6 +5,7 @@ stored row that cannot be read back is left out (and logged: ``audit.db.codec.re
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import datetime
 
 from isoaudit.audit.db.codec import fingerprint_record, readable, rows_of, sample_record
 from isoaudit.audit.db.engine import Part, table_of
@@ -77,17 +78,33 @@ class Records(Part):
 
     def samples_of_steps(self, steps: Sequence[StepKey]) -> dict[StepKey, list[SampleLogprobs]]:
         """Every stored sample of the given (run, step)s, in one query."""
+        return self.samples_and_arrivals(steps)[0]
+
+    def samples_and_arrivals(
+        self, steps: Sequence[StepKey]
+    ) -> tuple[dict[StepKey, list[SampleLogprobs]], dict[StepKey, datetime]]:
+        """:meth:`samples_of_steps`, and when each step's latest sample was stored (from the same
+        rows: the summary's ``ingested_at`` without a query of its own; a step whose stored times
+        do not all read is left out)."""
         out: dict[StepKey, list[SampleLogprobs]] = {(run, step): [] for run, step in steps}
         if not steps:
-            return out
+            return out, {}
         table = table_of(SampleRow)
         # Ordered here, not in SQL: SQLite would sort the rows with their arrays.
         query = select(table).where(tuple_(table.c.run_id, table.c.step).in_(list(steps)))
         with self.sessions() as session:
             rows = sorted(rows_of(session, query), key=lambda r: (r.run_id, r.step, r.sample_key, r.side))
+        arrived: dict[StepKey, datetime] = {}
+        unreadable: set[StepKey] = set()
+        for row in rows:
+            key, at = (row.run_id, row.step), row.created_at
+            if not isinstance(at, datetime):
+                unreadable.add(key)
+            elif key not in arrived or at > arrived[key]:
+                arrived[key] = at
         for record in readable(rows, sample_record, _sample_name):
             out[(record.run_id, record.step)].append(record)
-        return out
+        return out, {key: at for key, at in arrived.items() if key not in unreadable}
 
     def fingerprints_of_steps(self, steps: Sequence[StepKey]) -> dict[StepKey, list[RegionFingerprints]]:
         """Every stored fingerprint record of the given (run, step)s, in one query (recorded order)."""

@@ -3,13 +3,14 @@ summary of it, saved together from one :class:`audit.compare.StepOutcome` per st
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from datetime import datetime
 from typing import Any, TypeVar
 
 from isoaudit.audit.compare import StepOutcome
 from isoaudit.audit.db.engine import Part, table_of
+from isoaudit.audit.db.ingest import copy_rows, driver_of
 from isoaudit.audit.db.models import (
     Base,
     FingerprintRow,
@@ -23,7 +24,7 @@ from isoaudit.audit.db.queue import StepClaim, release
 from isoaudit.audit.db.runs import MAX_PAGE
 from isoaudit.audit.records import utcnow
 from isoaudit.audit.summaries import StepFacts, StepSummary, Verdict
-from sqlalchemy import delete, func, insert, select, tuple_
+from sqlalchemy import Table, delete, func, insert, select, tuple_
 from sqlalchemy.orm import Session
 
 __all__ = ["Results", "SampleResult", "StepResult"]
@@ -74,15 +75,21 @@ class Results(Part):
     """Writes and reads of comparison results."""
 
     def save_outcomes(
-        self, worker: str, claims: Sequence[StepClaim], outcomes: Sequence[StepOutcome]
+        self,
+        worker: str,
+        claims: Sequence[StepClaim],
+        outcomes: Sequence[StepOutcome],
+        arrived: Mapping[StepKey, datetime] | None = None,
     ) -> set[StepKey]:
         """In one transaction: release ``worker``'s claims and, for the steps it still held (a claim
         retaken after its lease ran out belongs to the other worker now), replace their sample
         results, step results (counting the step's revision) and summaries, and clear the samples
         compared from the queue (those queued again after the claim read them stay). Returns the
-        steps saved; nothing is written for the others."""
+        steps saved; nothing is written for the others. ``arrived``: when each step's latest sample was
+        stored, as its samples were read (:meth:`~audit.db.records.Records.samples_and_arrivals`);
+        read here for the others."""
         with self.sessions.begin() as session:
-            facts = _step_facts(session, [(o.run_id, o.step) for o in outcomes])
+            facts = _step_facts(session, [(o.run_id, o.step) for o in outcomes], arrived or {})
             held = release(session, worker, [(c.run_id, c.step) for c in claims])
             mine = [o for o in outcomes if (o.run_id, o.step) in held]
             if not mine:
@@ -150,17 +157,31 @@ class Results(Part):
         self, session: Session, samples: Sequence[dict[str, Any]], steps: Sequence[dict[str, Any]]
     ) -> None:
         now = utcnow()
-        for model, rows, keys in (
-            (SampleResultRow, samples, ("run_id", "step", "sample_key")),
-            (StepResultRow, steps, ("run_id", "step")),
-        ):
-            if not rows:
-                continue
-            columns = [getattr(model, k) for k in keys]
+        if samples:  # one statement per step: its keys as one list, not a list of tuples
+            by_step: dict[StepKey, list[str]] = {}
+            for r in samples:
+                by_step.setdefault((r["run_id"], r["step"]), []).append(r["sample_key"])
+            for (run, step), keys in by_step.items():
+                session.execute(
+                    delete(SampleResultRow).where(
+                        SampleResultRow.run_id == run,
+                        SampleResultRow.step == step,
+                        SampleResultRow.sample_key.in_(keys),
+                    )
+                )
+            rows = [{**r, "computed_at": now} for r in samples]
+            if self.dialect == "postgresql":  # a step's results at COPY speed, as ingest stores records
+                with driver_of(session).cursor() as cursor:
+                    table = table_of(SampleResultRow)
+                    copy_rows(cursor, table, table.name, list(rows[0]), rows)
+            else:
+                _insert_processed(session, table_of(SampleResultRow), rows)
+        if steps:
+            columns = (StepResultRow.run_id, StepResultRow.step)
             session.execute(
-                delete(model).where(tuple_(*columns).in_([tuple(r[k] for k in keys) for r in rows]))
+                delete(StepResultRow).where(tuple_(*columns).in_([(r["run_id"], r["step"]) for r in steps]))
             )
-            session.execute(self._insert(model), [{**r, "computed_at": now} for r in rows])
+            session.execute(self._insert(StepResultRow), [{**r, "computed_at": now} for r in steps])
 
     def sample_results(
         self,
@@ -251,6 +272,25 @@ class Results(Part):
             return [(run_id, step) for run_id, step in session.execute(query)]
 
 
+def _insert_processed(session: Session, table: Table, rows: list[dict[str, Any]]) -> None:
+    """``rows`` into ``table`` by the driver's ``executemany``, each column's values made by its
+    type's bind processor (JSON text, UTC times) a column at a time: an ORM or Core executemany
+    builds every row's parameters itself, most of the time of a step's 512 results on SQLite."""
+    connection = session.connection()
+    dialect = connection.dialect
+    names = list(rows[0])
+    columns: list[list[Any]] = []
+    for name in names:
+        values = [row[name] for row in rows]
+        process = table.c[name].type.dialect_impl(dialect).bind_processor(dialect)
+        columns.append([process(v) for v in values] if process is not None else values)
+    marks = ", ".join(["?"] * len(names))
+    quoted = ", ".join(dialect.identifier_preparer.quote(name) for name in names)
+    connection.exec_driver_sql(
+        f"INSERT INTO {table.name} ({quoted}) VALUES ({marks})", list(zip(*columns, strict=True))
+    )
+
+
 def _replace_summaries(session: Session, summaries: Sequence[StepSummary]) -> None:
     if not summaries:
         return
@@ -260,7 +300,9 @@ def _replace_summaries(session: Session, summaries: Sequence[StepSummary]) -> No
     session.execute(insert(table_of(StepSummaryRow)), [{**asdict(s), "computed_at": now} for s in summaries])
 
 
-def _step_facts(session: Session, steps: Sequence[StepKey]) -> dict[StepKey, StepFacts]:
+def _step_facts(
+    session: Session, steps: Sequence[StepKey], arrived: Mapping[StepKey, datetime] | None = None
+) -> dict[StepKey, StepFacts]:
     if not steps:
         return {}
     wanted = tuple_(SampleResultRow.run_id, SampleResultRow.step).in_(list(steps))
@@ -286,12 +328,15 @@ def _step_facts(session: Session, steps: Sequence[StepKey]) -> dict[StepKey, Ste
             .group_by(FingerprintRow.run_id, FingerprintRow.step)
         )
     }
-    ingested = {
-        (run, step): at
-        for run, step, at in session.execute(
-            select(SampleRow.run_id, SampleRow.step, func.max(SampleRow.created_at))
-            .where(tuple_(SampleRow.run_id, SampleRow.step).in_(list(steps)))
-            .group_by(SampleRow.run_id, SampleRow.step)
-        )
-    }
+    ingested = {key: at for key, at in (arrived or {}).items() if key in verdicts}
+    unknown = [key for key in steps if key not in ingested]
+    if unknown:
+        ingested |= {
+            (run, step): at
+            for run, step, at in session.execute(
+                select(SampleRow.run_id, SampleRow.step, func.max(SampleRow.created_at))
+                .where(tuple_(SampleRow.run_id, SampleRow.step).in_(unknown))
+                .group_by(SampleRow.run_id, SampleRow.step)
+            )
+        }
     return {key: StepFacts(verdicts[key], int(printed.get(key, 0)), ingested.get(key)) for key in verdicts}

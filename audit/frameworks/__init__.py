@@ -13,16 +13,15 @@ and settings, the others at their newest code and defaults, and stores them unde
 from __future__ import annotations
 
 import logging
-import os
 import re
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 from isoaudit.audit.frameworks import nemo_rl, openrlhf, prime_rl, skyrl, slime, tinker, trl, verl
 from isoaudit.audit.frameworks.base import REQUIRED, Era, Figure, Framework, StepTokens
+from isoaudit.audit.metrics.blocks import idle_threads
 
 log = logging.getLogger(__name__)
 
@@ -128,41 +127,30 @@ def _era_and_settings(table: Framework, declared: Declaration | None) -> tuple[E
     return era, values
 
 
-#: Threads computing the frameworks' figures of one step: each framework's figures are computed
-#: exactly as alone (numpy releases the interpreter lock in its array loops); 1 computes them in turn.
-FIGURE_THREADS = min(4, os.cpu_count() or 1)
-
-
 def framework_figures(
     tokens: StepTokens, declared: Declaration | None = None, *, threads: int | None = None
 ) -> dict[str, float]:
     """Every framework's figures of one step under their stored keys: the declared framework at its
     release and settings, every other at its newest code and defaults. A figure whose required
-    setting is unset, or whose input was not recorded (``needs``), is left out. The frameworks are
-    computed on ``threads`` threads (default :data:`FIGURE_THREADS`), their figures gathered in the
-    frameworks' order."""
+    setting is unset, or whose input was not recorded (``needs``), is left out. The reductions the
+    frameworks read at their defaults are measured first, in one pass over the step's blocks on
+    ``threads`` threads (default: the machine's idle cores, :func:`idle_threads`); each framework's figures are then
+    computed from them in turn, in the frameworks' order."""
     out: dict[str, float] = {}
     if tokens.n_tokens == 0:
         return out
-    tables = [table for table in FRAMEWORK_TABLES.values() if table.eras]
-
-    def figures_of(table: Framework) -> dict[str, Any] | None:
+    tokens.prepare(idle_threads() if threads is None else threads)
+    for table in FRAMEWORK_TABLES.values():
+        if not table.eras:
+            continue
         era, values = _era_and_settings(table, declared)
-        with np.errstate(all="ignore"):  # per thread: numpy's error state is not inherited
+        with np.errstate(all="ignore"):
             try:
-                return era.compute(tokens, values)
+                figures = era.compute(tokens, values)
             except ValueError as exc:  # settings declared before a check existed: the others still count
                 log.warning("%s figures not computed: %s", table.name, exc)
-                return None
-
-    threads = FIGURE_THREADS if threads is None else threads
-    if threads > 1:
-        with ThreadPoolExecutor(min(threads, len(tables))) as pool:
-            computed = list(pool.map(figures_of, tables))
-    else:
-        computed = [figures_of(table) for table in tables]
-    for table, figures in zip(tables, computed, strict=True):
-        for name, value in (figures or {}).items():
+                continue
+        for name, value in figures.items():
             out[qualified(table.name, name)] = float(value)
     return out
 

@@ -17,6 +17,7 @@ from functools import cached_property
 from typing import Any
 
 import numpy as np
+from isoaudit.audit.metrics.blocks import Key, Request, TokenBlocks
 from packaging.version import InvalidVersion, Version
 
 
@@ -24,14 +25,19 @@ from packaging.version import InvalidVersion, Version
 class StepTokens:
     """One step's compared tokens, as a framework's metric function sees them after its masks.
 
-    ``trainer``/``rollout``: the sampled tokens' logprobs, concatenated over samples (float64 of the
-    recorded float32); ``offsets``: sample ``i`` is ``[offsets[i], offsets[i+1])``; tokens a
-    framework masks out of its loss (tool outputs, padding) are not here, so every token counts.
-    ``advantages``: per sample, NaN where unknown (``None``: none recorded); ``ranks``: the process
-    that recorded each sample (-1: unknown)."""
+    ``recorded_trainer``/``recorded_rollout``: the sampled tokens' logprobs as recorded (float32, or
+    float64), concatenated over samples; :attr:`trainer`/:attr:`rollout` are them in float64.
+    ``offsets``: sample ``i`` is ``[offsets[i], offsets[i+1])``; tokens a framework masks out of its
+    loss (tool outputs, padding) are not here, so every token counts. ``advantages``: per sample,
+    NaN where unknown (``None``: none recorded); ``ranks``: the process that recorded each sample
+    (-1: unknown).
 
-    trainer: np.ndarray
-    rollout: np.ndarray
+    A figure that reduces a per-token function reads it by name from :attr:`blocks`
+    (:mod:`audit.metrics.blocks`): each sample's sum, extreme or centred squares, measured for every
+    name :data:`STANDARD` lists in one pass over blocks of whole samples (:meth:`prepare`)."""
+
+    recorded_trainer: np.ndarray
+    recorded_rollout: np.ndarray
     offsets: np.ndarray
     advantages: np.ndarray | None = None
     ranks: np.ndarray | None = None
@@ -58,8 +64,7 @@ class StepTokens:
             rollout = np.concatenate(rollout) if rollout else np.zeros(0)
         if offsets is None:
             raise ValueError("offsets: required with concatenated arrays")
-        t = np.asarray(trainer, dtype=np.float64)
-        r = np.asarray(rollout, dtype=np.float64)
+        t, r = _recorded(trainer), _recorded(rollout)
         o = np.asarray(offsets, dtype=np.int64)
         if t.shape != r.shape or t.ndim != 1:
             raise ValueError(f"rollout: {r.shape} tokens for the trainer's {t.shape}")
@@ -78,6 +83,50 @@ class StepTokens:
                 raise ValueError(f"ranks: {rk.size} for {n} samples")
         return cls(t, r, o, adv, rk)
 
+    @classmethod
+    def over(
+        cls,
+        blocks: TokenBlocks,
+        *,
+        advantages: list[float | None] | np.ndarray | None = None,
+        ranks: list[int | None] | np.ndarray | None = None,
+    ) -> StepTokens:
+        """The step whose per-token reductions ``blocks`` holds (over all its tokens), sharing them:
+        what was measured there is not measured again."""
+        tokens = cls.of(blocks.trainer, blocks.rollout, blocks.offsets, advantages=advantages, ranks=ranks)
+        if blocks.finite_only:
+            raise ValueError("blocks: a step's frameworks see every token, not the finite ones only")
+        tokens.__dict__["blocks"] = blocks  # the cached_property's slot: measured reductions are shared
+        return tokens
+
+    @cached_property
+    def trainer(self) -> np.ndarray:
+        """The trainer's logprobs in float64."""
+        return _shared(self.recorded_trainer.astype(np.float64))
+
+    @cached_property
+    def rollout(self) -> np.ndarray:
+        """The rollout's logprobs in float64."""
+        return _shared(self.recorded_rollout.astype(np.float64))
+
+    # -- reductions of named per-token quantities ---------------------------------------------------
+    @cached_property
+    def blocks(self) -> TokenBlocks:
+        """Per-sample reductions of the step's named per-token quantities (audit.metrics.blocks)."""
+        return TokenBlocks(self.recorded_trainer, self.recorded_rollout, self.offsets)
+
+    def prepare(self, threads: int = 1) -> None:
+        """Measure every reduction of :data:`STANDARD` in one pass over the step's blocks."""
+        self.blocks.measure(STANDARD, threads)
+
+    def total(self, key: Key) -> float:
+        """The step's sum of the per-token quantity ``key`` (its samples' sums in sample order)."""
+        return self.blocks.total(key)
+
+    def mean_of(self, key: Key) -> float:
+        """The step's token mean of ``key`` (NaN over no tokens), as ``np.mean``: sum over count."""
+        return self.blocks.total(key) / self.n_tokens if self.n_tokens else float("nan")
+
     # -- shapes ------------------------------------------------------------------------------------
     @property
     def n_samples(self) -> int:
@@ -85,7 +134,7 @@ class StepTokens:
 
     @property
     def n_tokens(self) -> int:
-        return int(self.trainer.size)
+        return int(self.recorded_trainer.size)
 
     @cached_property
     def lengths(self) -> np.ndarray:
@@ -144,8 +193,8 @@ class StepTokens:
 
     @cached_property
     def delta_sums(self) -> np.ndarray:
-        """Per-sample ΣΔ (:meth:`sample_sums` of :attr:`delta`)."""
-        return _shared(self.sample_sums(self.delta))
+        """Per-sample ΣΔ (the blocks' sums of ``d``: :meth:`sample_sums` of :attr:`delta`)."""
+        return self.blocks.sums("d")
 
     @cached_property
     def _cache(self) -> dict[tuple[object, ...], np.ndarray]:
@@ -160,22 +209,14 @@ class StepTokens:
 
     # -- reductions --------------------------------------------------------------------------------
     def sample_sums(self, values: np.ndarray) -> np.ndarray:
-        """Per-sample sums of a per-token array (0 for an empty sample), each added up in token
-        order from 0.0 (``np.bincount``'s order). When the samples fill most of a [samples, longest]
-        block, they are added up as its rows by ``np.add.accumulate`` (in token order from the first
-        value, then the padding's zeros: the same bits, but for the sign of a zero sum, which
-        ``+ 0.0`` makes that of ``bincount``), in one call that reads each token once."""
-        n, longest = self.n_samples, int(self.lengths.max()) if self.n_samples else 0
-        if self.n_tokens < SEQUENTIAL_SUM_TOKENS * max(n, 1) or n * longest > 2 * self.n_tokens:
-            return np.bincount(self.sample_of_token, weights=values, minlength=n)
-        values = np.asarray(values, dtype=np.float64)  # as bincount takes its weights
-        if np.all(self.lengths == longest):
-            block = values.reshape(n, longest)
-        else:
-            block = np.zeros((n, longest))
-            block[np.arange(longest) < self.lengths[:, None]] = values  # row by row, in token order
-        out = np.add.accumulate(block, axis=1)[:, -1]
-        return np.add(out, 0.0, out=out)
+        """Per-sample sums of a per-token array (0 for an empty sample), each added up over its
+        sample's span by ``np.add.reduceat`` (numpy's pairwise summation), as :attr:`blocks` sums."""
+        values = np.asarray(values, dtype=np.float64)
+        out = np.zeros(self.n_samples)
+        has = self.lengths > 0
+        if has.any():
+            out[has] = np.add.reduceat(values, self.offsets[:-1][has])
+        return out
 
     def sample_means(self, values: np.ndarray) -> np.ndarray:
         """Per-sample means of a per-token array (NaN for an empty sample)."""
@@ -205,9 +246,40 @@ class StepTokens:
         )
 
 
-#: Mean tokens per sample from which :meth:`StepTokens.sample_sums` sums sample by sample: about
-#: where a sample's Python step costs what ``bincount`` spends on its tokens.
-SEQUENTIAL_SUM_TOKENS = 1024
+def _recorded(values: Any) -> np.ndarray:
+    """Recorded logprobs as they are (float32 or float64), anything else as float64."""
+    array = np.asarray(values)
+    return array if array.dtype in (np.float32, np.float64) else array.astype(np.float64)
+
+
+#: The reductions the frameworks' figures read at their defaults, measured together by
+#: :meth:`StepTokens.prepare`: sums, extremes and centred squares of the named quantities.
+STANDARD: tuple[Request, ...] = (
+    *(
+        ("sum", key)
+        for key in (
+            "t",
+            "r",
+            "d",
+            "abs_d",
+            "d_sq",
+            "exp_t",
+            "exp_r",
+            "abs_p_diff",
+            "exp_abs_d",
+            "k3",
+            "nemo_k3",
+            "nemo_k3_reverse",
+            "nemo_js",
+            ("sq", "rho"),
+            ("finite_or_zero", "exp_d"),
+        )
+    ),
+    *(("max", key) for key in ("abs_p_diff", "abs_d", "k3")),
+    ("min", "abs_d"),
+    *(("m2", key) for key in ("abs_p_diff", "abs_d", "k3", "exp_t", "exp_r")),
+    (("cm", "exp_r"), "exp_t"),
+)
 
 
 def _shared(values: np.ndarray) -> np.ndarray:

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 from isoaudit.audit.frameworks.base import Era, Figure, Framework, Settings, StepTokens
+from isoaudit.audit.metrics.blocks import Key
 
 _SOURCE_04 = "nemo_rl/algorithms/loss_functions.py:ClippedPGLossFn.__call__"
 _SOURCE_06 = "nemo_rl/algorithms/loss/loss_functions.py:ClippedPGLossFn.__call__"
@@ -41,48 +42,35 @@ def _global_mean(values: np.ndarray) -> float:
     return float(np.sum(values) / (values.size + _EPS)) if values.size else float("nan")
 
 
-def _kl(logr: np.ndarray, kind: str) -> np.ndarray:
-    """``calculate_kl`` without clamps, on logr = log(reference / policy)."""
-    if kind == "k1":
-        return -logr
-    if kind == "k2":
-        return logr**2 / 2
-    if kind == "k3":
-        return np.exp(logr) - 1 - logr
-    raise ValueError(f"framework_config.{_KL}: {kind!r} is not k1, k2 or k3")
-
-
-def _half_k3(x: np.ndarray) -> np.ndarray:
-    """0.5 * (exp(x) − x − 1), in one new array."""
-    e = np.exp(x)
-    e -= x
-    e -= 1
-    e *= 0.5
-    return e
-
-
 def _finite_or_zero(values: np.ndarray) -> np.ndarray:
     """``torch.nan_to_num(..., nan=0, posinf=0, neginf=0)``."""
     return np.where(np.isfinite(values), values, 0.0)
 
 
+#: The per-token quantity (audit.metrics.blocks) of ``calculate_kl`` on log(p_train/p_gen) = Δ and on
+#: log(p_gen/p_train) = −Δ, by estimator: k1 −logr, k2 logr²/2, k3 exp(logr) − 1 − logr.
+_KL_OF_DELTA: dict[str, Key] = {"k1": ("neg", "d"), "k2": ("half", "d_sq"), "k3": "nemo_k3"}
+_KL_OF_NEG_DELTA: dict[str, Key] = {"k1": "d", "k2": ("half", "d_sq"), "k3": "nemo_k3_reverse"}
+
+
 def _diagnostics(tokens: StepTokens, kl_type: str) -> dict[str, float]:
-    """The figures every era logs the same way, but for the KL estimator's type."""
-    d = tokens.delta  # prev − generation
-    p, g = tokens.trainer, tokens.rollout
-    # log_m = log(0.5 e^p + 0.5 e^g); js = 0.5 (e^a − a − 1) + 0.5 (e^b − b − 1), a = p − log_m,
-    # b = g − log_m: the same operations in the same order, in place (fewer step-sized temporaries)
-    log_m = np.multiply(tokens.p_trainer, 0.5)
-    log_m += np.multiply(tokens.p_rollout, 0.5)
-    np.log(log_m, out=log_m)
-    js = _half_k3(np.subtract(p, log_m))
-    js += _half_k3(np.subtract(g, log_m, out=log_m))
+    """The figures every era logs the same way, but for the KL estimator's type: token means of
+    exp|Δ|, of the KL estimator on Δ (gen) and −Δ (policy) and of the Jensen–Shannon divergence
+    (``nemo_js``: log_m = log(0.5 e^p + 0.5 e^g), 0.5 (e^a − a − 1) + 0.5 (e^b − b − 1),
+    a = p − log_m, b = g − log_m)."""
+    if kl_type not in _KL_OF_DELTA:
+        raise ValueError(f"framework_config.{_KL}: {kl_type!r} is not k1, k2 or k3")
     return {
-        "token_mult_prob_error": _global_mean(tokens.exp_abs_delta),
-        "gen_kl_error": _global_mean(tokens.exp_delta - 1 - d if kl_type == "k3" else _kl(d, kl_type)),
-        "policy_kl_error": _global_mean(_kl(-d, kl_type)),
-        "js_divergence_error": _global_mean(js),
+        "token_mult_prob_error": _global_mean_of(tokens, "exp_abs_d"),
+        "gen_kl_error": _global_mean_of(tokens, _KL_OF_DELTA[kl_type]),
+        "policy_kl_error": _global_mean_of(tokens, _KL_OF_NEG_DELTA[kl_type]),
+        "js_divergence_error": _global_mean_of(tokens, "nemo_js"),
     }
+
+
+def _global_mean_of(tokens: StepTokens, key: Key) -> float:
+    """:func:`_global_mean` of the per-token quantity ``key`` (audit.metrics.blocks)."""
+    return tokens.total(key) / (tokens.n_tokens + _EPS) if tokens.n_tokens else float("nan")
 
 
 def _weights(tokens: StepTokens, sequence_level: bool) -> np.ndarray:
@@ -99,12 +87,14 @@ def _ranks(tokens: StepTokens) -> np.ndarray:
 
 
 def _sampling_ratio(
-    tokens: StepTokens, weights: np.ndarray, sequence_level: bool, dropped: dict[int, int]
+    tokens: StepTokens, weights: np.ndarray | None, sequence_level: bool, dropped: dict[int, int]
 ) -> float:
-    """``sampling_importance_ratio``: the token mean of the weights; sequence-level, each micro-
+    """``sampling_importance_ratio``: the token mean of the weights (None: untruncated); sequence-level, each micro-
     batch's weights [B, 1] times its sample mask [B] broadcast to [B, B] and summed, over the global
     sample count, summed over micro-batches: a process's (ΣW + its samples dropped by the sequence
     error mask, whose weight is exp(0)) times its kept samples."""
+    if weights is None:  # untruncated token weights: exp(Δ), non-finite ones 0
+        return _global_mean_of(tokens, ("finite_or_zero", "exp_d"))
     if not sequence_level:
         return _global_mean(weights)
     ranks = _ranks(tokens)
@@ -119,7 +109,7 @@ def _sequence_errors(tokens: StepTokens, settings: Settings, era: int) -> tuple[
     """From 0.6.0, grpo.py's per-sample multiplicative probability error (the mean exp|Δ| of each
     sample) and, with seq_logprob_error_threshold, the samples it keeps (error ≤ threshold): the
     loss then sees the kept samples only."""
-    error = tokens.sample_sums(tokens.exp_abs_delta) / np.maximum(tokens.lengths, 1)
+    error = tokens.blocks.sums("exp_abs_d") / np.maximum(tokens.lengths, 1)
     threshold = settings.get(_SEQ_THRESHOLD)
     kept = np.ones(tokens.n_samples, dtype=bool) if threshold is None else error <= threshold
     out: dict[str, float] = {}
@@ -161,11 +151,16 @@ def _valid(settings: Settings, era: int) -> bool:
     return not (era >= 7 and low is not None and low > ratio)
 
 
-def _truncated(tokens: StepTokens, settings: Settings, era: int) -> tuple[np.ndarray, dict[str, float]]:
-    """The weights after truncation and, from 0.6.0, ``is_oob_ratio`` (with a truncation ratio)."""
+def _truncated(
+    tokens: StepTokens, settings: Settings, era: int
+) -> tuple[np.ndarray | None, dict[str, float]]:
+    """The weights after truncation (None: token weights untruncated, read from the step's blocks)
+    and, from 0.6.0, ``is_oob_ratio`` (with a truncation ratio)."""
     sequence_level = bool(settings.get(_SEQ))
-    w = _weights(tokens, sequence_level)
     ratio = settings.get(_RATIO)
+    if ratio is None and not sequence_level:
+        return None, {}
+    w = _weights(tokens, sequence_level)
     if ratio is None:
         return w, {}
     if era < 6:

@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 import numpy as np
-from isoaudit.audit.frameworks.base import Era, Figure, Framework, Settings, StepTokens, token_mean
+from isoaudit.audit.frameworks.base import Era, Figure, Framework, Settings, StepTokens
 
 _SOURCE = "openrlhf/models/loss.py:PolicyLoss.forward"
 _ALSO = ("train/vllm_kl",)
@@ -25,13 +25,13 @@ def _rank_means(tokens: StepTokens) -> dict[str, float]:
     """Each process's token mean of (rollout − trainer), then their plain mean: ``ppo_train``
     all-reduces each process's ``status`` with op="mean"."""
     parts = tokens.per_rank()
-    return {"vllm_kl": float(np.mean([token_mean(-p.delta) for p in parts]))}
+    return {"vllm_kl": float(np.mean([-p.mean_of("d") for p in parts]))}
 
 
 def _token_weighted(tokens: StepTokens) -> dict[str, float]:
     """Each process's token mean weighted by its action tokens over all processes: the global
     token mean of (rollout − trainer)."""
-    return {"vllm_kl": token_mean(-tokens.delta)}
+    return {"vllm_kl": -tokens.mean_of("d")}
 
 
 def _flat_settings(tokens: StepTokens, settings: Settings) -> dict[str, float]:

@@ -169,11 +169,22 @@ def _logged(values: Values, stats: Callable[[str], tuple[str, ...]], token_kl: b
                 for stat in stats(key):
                     out[f"{key}/{stat}"] = _stat(array, stat)
             if token_kl:  # train.py: k3 over every loss token, whatever the loss
-                for stat in ("mean", "std", "max"):
-                    out[f"mismatch_kl/all/{stat}"] = _stat(_k3(tokens), stat)
+                out.update(_token_kl(tokens))
         return out
 
     return compute
+
+
+def _token_kl(tokens: StepTokens) -> dict[str, float]:
+    """``mismatch_kl/all``: :func:`_stat`'s mean, std (n − 1) and max of k3 over every loss token,
+    from the step's blocks."""
+    if tokens.n_tokens == 0:
+        return {f"mismatch_kl/all/{stat}": float("nan") for stat in ("mean", "std", "max")}
+    return {
+        "mismatch_kl/all/mean": tokens.mean_of("k3"),
+        "mismatch_kl/all/std": tokens.blocks.std("k3", ddof=1) if tokens.n_tokens > 1 else float("nan"),
+        "mismatch_kl/all/max": tokens.blocks.max("k3"),
+    }
 
 
 def _default_only(values: Values) -> Values:

@@ -31,8 +31,6 @@ from isoaudit.audit.frameworks.base import (
     Settings,
     StepTokens,
     parse_version,
-    sample_std,
-    token_mean,
 )
 from packaging.version import Version
 
@@ -85,22 +83,26 @@ def _ratio(log_ratio: np.ndarray) -> np.ndarray:
 
 
 def _trainer(tokens: StepTokens, rules: _Rules) -> dict[str, float]:
+    blocks = tokens.blocks
     if not rules.abs_diff:
-        ratio = np.abs(np.exp(-tokens.delta))  # exp(rollout − trainer)
+        ratio: object = ("abs", "exp_neg_d")  # exp(rollout − trainer)
         return {
-            _P + "rollout_train_prob_diff_mean": token_mean(ratio),
-            _P + "rollout_train_prob_diff_std": sample_std(ratio),
+            _P + "rollout_train_prob_diff_mean": tokens.mean_of(ratio),
+            _P + "rollout_train_prob_diff_std": blocks.std(ratio, ddof=1)
+            if tokens.n_tokens > 1
+            else float("nan"),
         }
-    diff = tokens.abs_delta
-    if rules.range_ and diff.size == 0:
+    if rules.range_ and tokens.n_tokens == 0:
         return {}
     out = {
-        _P + "rollout_train_logprobs_abs_diff_mean": token_mean(diff),
-        _P + "rollout_train_logprobs_abs_diff_std": sample_std(diff),
+        _P + "rollout_train_logprobs_abs_diff_mean": tokens.mean_of("abs_d"),
+        _P + "rollout_train_logprobs_abs_diff_std": blocks.std("abs_d", ddof=1)
+        if tokens.n_tokens > 1
+        else float("nan"),
     }
     if rules.range_:
-        out[_P + "rollout_train_logprobs_abs_diff_max"] = float(np.max(diff))
-        out[_P + "rollout_train_logprobs_abs_diff_min"] = float(np.min(diff))
+        out[_P + "rollout_train_logprobs_abs_diff_max"] = blocks.max("abs_d")
+        out[_P + "rollout_train_logprobs_abs_diff_min"] = blocks.min("abs_d")
     return out
 
 
@@ -228,12 +230,12 @@ def _compute(rules: _Rules) -> Callable[[StepTokens, Settings], dict[str, float]
         if rules.minibatch:
             moments = []
             for p in parts:
-                diff = np.abs(p.delta)
+                size = max(p.n_tokens, 1)
                 moments.append(
                     {
-                        "mean": float(diff.sum() / max(diff.size, 1)),
-                        "sq_mean": float((diff**2).sum() / max(diff.size, 1)),
-                        "_max": float(diff.max()) if diff.size else 0.0,
+                        "mean": p.total("abs_d") / size,
+                        "sq_mean": p.total("d_sq") / size,  # |Δ|² is Δ² exactly
+                        "_max": p.blocks.max("abs_d") if p.n_tokens else 0.0,
                     }
                 )
             reduced = _across_processes(moments)

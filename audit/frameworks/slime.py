@@ -248,21 +248,25 @@ def _compute(rules: _Rules) -> Callable[[StepTokens, Settings], dict[str, float]
                     samples = _in_step_order(tokens, samples)
             else:
                 return {}  # another custom function: its figures are its own
-        ones = [np.ones(int(n)) for n in lengths]
-        kept = [s.kept for s in samples] if samples is not None else ones
         out: dict[str, float] = {}
         # train_rollout_logprob_abs_diff: the loss's reducer, rebuilt on the kept tokens when active
+        zero = st["use_rollout_logprobs"] and not rules.compares_current
+        if not active:  # every token kept: each sample's Σ|Δ| from the step's blocks
+            sums = np.zeros(n_samples) if zero else np.array(tokens.blocks.sums("abs_d"))
+            out["train_rollout_logprob_abs_diff"] = float(
+                sums.sum() / n_tokens if per_token else (sums / np.maximum(lengths, 1)).sum() / n_samples
+            )
+            return out
+        ones = [np.ones(int(n)) for n in lengths]
+        kept = [s.kept for s in samples] if samples is not None else ones
         diff = [
             np.abs(tokens.trainer[a:b] - tokens.rollout[a:b])
             for a, b in zip(tokens.offsets[:-1], tokens.offsets[1:], strict=True)
         ]
-        if st["use_rollout_logprobs"] and not rules.compares_current:
+        if zero:
             diff = [np.zeros_like(d) for d in diff]
-        if active:
-            denominators = lengths if rules.original_denominators else np.array([k.sum() for k in kept])
-            out["train_rollout_logprob_abs_diff"] = reduce(diff, kept, denominators)
-        else:
-            out["train_rollout_logprob_abs_diff"] = reduce(diff, ones, lengths)
+        denominators = lengths if rules.original_denominators else np.array([k.sum() for k in kept])
+        out["train_rollout_logprob_abs_diff"] = reduce(diff, kept, denominators)
         if samples is not None:
             masks = ones if rules.prefixed else kept
             denominators = lengths if rules.prefixed else np.array([k.sum() for k in kept])

@@ -4,17 +4,17 @@ every datum of the batch."""
 
 from __future__ import annotations
 
-from isoaudit.audit.frameworks.base import Era, Figure, Framework, Settings, StepTokens, token_mean
+from isoaudit.audit.frameworks.base import Era, Figure, Framework, Settings, StepTokens
 
 _SOURCE = "tinker_cookbook/rl/metrics.py:compute_kl_sample_train"
 
 
 def _figures(tokens: StepTokens, settings: Settings) -> dict[str, float]:
-    diff = -tokens.delta  # sampling − training
+    # sampling − training is −Δ: its sum is −ΣΔ and its square Δ², exactly
     return {
-        "kl_sample_train_v1": token_mean(diff),
-        "kl_sample_train_v2": 0.5 * token_mean(diff**2),
-        "entropy": -token_mean(tokens.rollout),
+        "kl_sample_train_v1": -tokens.mean_of("d"),
+        "kl_sample_train_v2": 0.5 * tokens.mean_of("d_sq"),
+        "entropy": -tokens.mean_of("r"),
     }
 
 

@@ -76,9 +76,8 @@ def _compute(era_16: bool) -> Callable[[StepTokens, Settings], dict[str, float]]
             return {}  # GRPOConfig refuses these bounds
         diff_mean, diff_max, r_min, r_mean, r_max = [], [], [], [], []
         for part in tokens.per_rank():
-            delta = np.abs(part.delta)
-            diff_mean.append(float(np.mean(delta)) if delta.size else 0.0)
-            diff_max.append(float(np.max(delta)) if delta.size else 0.0)
+            diff_mean.append(part.mean_of("abs_d") if part.n_tokens else 0.0)
+            diff_max.append(part.blocks.max("abs_d") if part.n_tokens else 0.0)
             flat = _ratios(part, mode, lower, upper, era_16)
             r_min.append(float(np.min(flat)) if flat.size else 0.0)
             r_mean.append(float(np.mean(flat)) if flat.size else 0.0)

@@ -143,15 +143,16 @@ def _ess(b: _Batch, values: np.ndarray, low: float, high: float) -> float:
 
 def _offpolicy(b: _Batch) -> dict[str, float]:
     """compute_offpolicy_metrics (unchanged since its first release)."""
-    t, r = b.tokens.trainer, b.tokens.rollout
-    mean_t, mean_r = b.seq_mean(t), b.seq_mean(r)
+    tokens = b.tokens
+    mean_t = tokens.blocks.sums("t") / (b.counts + EPS)
+    mean_r = tokens.blocks.sums("r") / (b.counts + EPS)
     log_ppl_diff = mean_r - mean_t
-    rho2 = b.rho_safe**2
     return {
         RC + "training_ppl": float(np.exp(-mean_t).mean()),
         RC + "training_log_ppl": float((-mean_t).mean()),
-        RC + "kl": b.mean(r - t),
-        RC + "k3_kl": b.mean(b.tokens.k3),
+        # Σ(rollout − trainer) is −ΣΔ exactly: each partial sum negates
+        RC + "kl": -tokens.total("d") / (b.n + EPS),
+        RC + "k3_kl": tokens.total("k3") / (b.n + EPS),
         RC + "rollout_ppl": float(np.exp(-mean_r).mean()),
         RC + "rollout_log_ppl": float((-mean_r).mean()),
         RC + "log_ppl_diff": float(log_ppl_diff.mean()),
@@ -159,23 +160,29 @@ def _offpolicy(b: _Batch) -> dict[str, float]:
         RC + "log_ppl_diff_max": float(log_ppl_diff.max()),
         RC + "log_ppl_diff_min": float(log_ppl_diff.min()),
         RC + "ppl_ratio": float(np.exp(log_ppl_diff).mean()),
-        RC + "chi2_token": b.mean(rho2) - 1.0,
+        RC + "chi2_token": tokens.total(("sq", "rho")) / (b.n + EPS) - 1.0,
         RC + "chi2_seq": float(np.exp(2.0 * np.clip(b.log_sum, -BOUND, BOUND)).mean()) - 1.0,
     }
 
 
 def _debug(b: _Batch) -> dict[str, float]:
     """calculate_debug_metrics: |p_actor − p_rollout| over tokens (std ddof=1) and the Pearson
-    correlation of the probabilities."""
-    p_actor, p_rollout = b.tokens.p_trainer, b.tokens.p_rollout
-    diff = np.abs(p_actor - p_rollout)
-    with np.errstate(all="ignore"):
-        corr = float(np.corrcoef(p_actor, p_rollout)[0, 1]) if b.n > 1 else float("nan")
+    correlation of the probabilities (torch.corrcoef: the co-moment over the root of the two
+    centred square sums)."""
+    blocks = b.tokens.blocks
+    corr = float("nan")
+    if b.n > 1:
+        n, _, m2_actor = blocks.moments("exp_t")
+        m2_rollout = blocks.moments("exp_r")[2]
+        with np.errstate(all="ignore"):
+            c = np.float64(blocks.comoment("exp_t", "exp_r")) / (n - 1)
+            c = c / np.sqrt(np.float64(m2_actor) / (n - 1)) / np.sqrt(np.float64(m2_rollout) / (n - 1))
+        corr = float(np.clip(c, -1.0, 1.0))
     return {
         "training/rollout_probs_diff_valid": 1.0,
-        "training/rollout_probs_diff_max": float(diff.max()),
-        "training/rollout_probs_diff_mean": float(diff.mean()),
-        "training/rollout_probs_diff_std": float(np.std(diff, ddof=1)) if b.n > 1 else float("nan"),
+        "training/rollout_probs_diff_max": blocks.max("abs_p_diff"),
+        "training/rollout_probs_diff_mean": b.tokens.mean_of("abs_p_diff"),
+        "training/rollout_probs_diff_std": blocks.std("abs_p_diff", ddof=1) if b.n > 1 else float("nan"),
         "training/rollout_actor_probs_pearson_corr": corr,
     }
 

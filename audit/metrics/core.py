@@ -34,6 +34,7 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 import pandas as pd
+from isoaudit.audit.metrics.blocks import Request, TokenBlocks
 from isoaudit.audit.metrics.families import LOG_RATIO_BOUND, PARAMETRIC, TokenView
 from isoaudit.audit.metrics.keys import (
     LENGTH_BUCKETS,
@@ -254,12 +255,21 @@ def per_sample_stats(
     entropies: tuple[np.ndarray | None, np.ndarray | None] = (None, None),
     *,
     block_tokens: int | None = None,
+    blocks: TokenBlocks | None = None,
+    extra: Iterable[Request] = (),
+    threads: int = 1,
 ) -> SufficientStats:
     """Per-sample sufficient statistics, measured in blocks of whole samples (about ``block_tokens``
     tokens each). Every statistic is a reduction over one sample's tokens, so a block's samples come
     out bit for bit as from one pass over the step; the one step-wide choice, how ρ is computed
     (:func:`_segment_stats`' ``exp_rho``), is made for the whole step. ``block_tokens`` defaults
-    to :data:`BLOCK_TOKENS`."""
+    to :data:`BLOCK_TOKENS`. Given the step's ``blocks`` (audit.metrics.blocks) and every token
+    finite, without entropies, the statistics are their reductions (the same arithmetic; a sample
+    whose sides agree on most tokens sums its differing ones and counts the others' common value,
+    :attr:`~audit.metrics.blocks.Block.agreeing`), measured in one pass with the reductions
+    ``extra`` lists, on ``threads`` threads."""
+    if blocks is not None and blocks.all_finite and entropies[0] is None and entropies[1] is None:
+        return _block_stats(blocks, clip_eps, extra, threads)
     bounds = _blocks(offsets, BLOCK_TOKENS if block_tokens is None else block_tokens)
     if len(bounds) <= 2:
         return segment_stats(t32, r32, offsets, clip_eps, entropies)
@@ -288,6 +298,57 @@ def per_sample_stats(
             for f in fields(SufficientStats)
         }
     )
+
+
+def _core_requests(clip_eps: float, rho: str) -> dict[str, Request]:
+    """The per-sample reductions of :func:`_segment_stats` on every token finite, by its names:
+    ``rho`` is ``core_rho`` (1 + expm1 Δ) when every |Δ| is within the bound, else ``rho``."""
+    s = {
+        "sum_dp": "core_dp",
+        "sum_dp2": ("sq", "core_dp"),
+        "sum_pt": "exp_t",
+        "sum_pr": "core_pr",
+        "sum_pt2": ("sq", "exp_t"),
+        "sum_pr2": ("sq", "core_pr"),
+        "sum_ptpr": ("mul", "exp_t", "core_pr"),
+        "sum_absd": "abs_d",
+        "sum_d": "d",
+        "sum_k3": "core_k3",
+        "sum_rho": rho,
+        "sum_rho2": ("sq", rho),
+        "sum_k2": "core_k2",
+        "sum_k3rev": "core_k3rev",
+        "sum_js": "core_js",
+        "sum_expabs": "core_expabs",
+        "sum_absd2": "d_sq",  # |Δ|·|Δ| is Δ·Δ exactly
+        "sum_t": "t",
+        "sum_r": "r",
+    }
+    return {
+        **{name: ("sum", key) for name, key in s.items()},
+        "n_mismatch": ("sum", "mismatch"),
+        "n_clip": ("sum", ("clipped", rho, clip_eps)),
+        "first_div": ("first", "mismatch"),
+        "max_dp": ("max", "core_dp"),
+        "max_absd": ("max", "abs_d"),
+        "min_rho": ("min", rho),
+        "max_rho": ("max", rho),
+    }
+
+
+def _block_stats(
+    blocks: TokenBlocks, clip_eps: float, extra: Iterable[Request], threads: int
+) -> SufficientStats:
+    """:func:`per_sample_stats` of a step whose every token is finite, from its blocks' reductions."""
+    requests = _core_requests(clip_eps, "core_rho")
+    blocks.measure([*requests.values(), *extra], threads)
+    if blocks.n_samples and blocks.max("abs_d") > LOG_RATIO_BOUND:  # ρ = exp(clamped Δ) everywhere
+        requests = _core_requests(clip_eps, "rho")
+        blocks.measure(requests.values(), threads)
+    n = blocks.n_samples
+    sums = {name: blocks.get(*request) for name, request in requests.items()}
+    no_entropy = (np.zeros(n), np.zeros(n, dtype=np.int64))
+    return _assemble(blocks.lengths, blocks.lengths, sums, [no_entropy, no_entropy])
 
 
 def _blocks(offsets: np.ndarray, block_tokens: int) -> list[int]:
@@ -385,63 +446,98 @@ def _segment_stats(
         firsts = np.flatnonzero(np.r_[True, sample_of[1:] != sample_of[:-1]])
         first_div[sample_of[firsts]] = where[firsts] - offsets[sample_of[firsts]]
 
-    sum_negd = -seg(np.add, d, 0.0)
+    masked_max = (lambda x: x) if all_finite else (lambda x: np.where(finite, x, -np.inf))
+    masked_min = (lambda x: x) if all_finite else (lambda x: np.where(finite, x, np.inf))
+    sums = {
+        "n_mismatch": n_mismatch,
+        "n_clip": seg(np.add, clip, 0),
+        "first_div": first_div,
+        "sum_dp": seg(np.add, dp, 0.0),
+        "sum_dp2": seg(np.add, dp * dp, 0.0),
+        "max_dp": seg(np.maximum, masked_max(dp), -np.inf),
+        "sum_pt": seg(np.add, pt, 0.0),
+        "sum_pr": seg(np.add, pr, 0.0),
+        "sum_pt2": seg(np.add, pt * pt, 0.0),
+        "sum_pr2": seg(np.add, pr * pr, 0.0),
+        "sum_ptpr": seg(np.add, pt * pr, 0.0),
+        "sum_absd": seg(np.add, absd, 0.0),
+        "max_absd": seg(np.maximum, masked_max(absd), -np.inf),
+        "sum_d": seg(np.add, d, 0.0),
+        "sum_k3": seg(np.add, k3, 0.0),
+        "sum_rho": seg(np.add, rho_sum_src, 0.0),
+        "sum_rho2": seg(np.add, rho_sum_src * rho_sum_src, 0.0),
+        "min_rho": seg(np.minimum, masked_min(rho), np.inf),
+        "max_rho": seg(np.maximum, masked_max(rho), -np.inf),
+        "sum_k2": seg(np.add, 0.5 * d * d, 0.0),
+        "sum_k3rev": seg(np.add, k3rev, 0.0),
+        "sum_js": seg(np.add, js, 0.0),
+        "sum_expabs": seg(np.add, expabs_src, 0.0),
+        "sum_absd2": seg(np.add, absd * absd, 0.0),
+        "sum_t": seg(np.add, t, 0.0),
+        "sum_r": seg(np.add, r, 0.0),
+    }
+    ent = [_entropy_sums(e, finite, seg, n) for e in entropies]
+    return _assemble(lengths, n_finite, sums, ent), all_inside
+
+
+def _assemble(
+    lengths: np.ndarray,
+    n_finite: np.ndarray,
+    sums: dict[str, np.ndarray],
+    ent: list[tuple[np.ndarray, np.ndarray]],
+) -> SufficientStats:
+    """The sufficient statistics of samples from their per-sample token reductions (``sums``:
+    counts, sums and extremes named as :func:`_segment_stats` makes them)."""
+    n = lengths.size
+    sum_negd = -sums["sum_d"]
     with np.errstate(invalid="ignore", divide="ignore"):
         lpd = sum_negd / n_finite
     has_seq = n_finite > 0
     lpd = np.where(has_seq, lpd, 0.0)
     with np.errstate(over="ignore"):
         ppl = np.where(has_seq, np.exp(lpd), 0.0)
-
-    sum_absd = seg(np.add, absd, 0.0)
-    sum_k3 = seg(np.add, k3, 0.0)
-    sum_t = seg(np.add, t, 0.0)
-    sum_r = seg(np.add, r, 0.0)
+    sum_absd, sum_k3 = sums["sum_absd"], sums["sum_k3"]
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         safe_n = np.where(has_seq, n_finite, 1)
 
         def per_seq(total: np.ndarray) -> np.ndarray:
             return np.where(has_seq, total / safe_n, 0.0)
 
-        logppl_t, logppl_r = per_seq(-sum_t), per_seq(-sum_r)
+        logppl_t, logppl_r = per_seq(-sums["sum_t"]), per_seq(-sums["sum_r"])
         ppl_t, ppl_r = np.exp(logppl_t), np.exp(logppl_r)
         seq_rho2 = np.exp(2.0 * np.clip(-sum_negd, -LOG_RATIO_BOUND, LOG_RATIO_BOUND))
-    ent = [_entropy_sums(e, finite, seg, n) for e in entropies]
-
-    masked_max = (lambda x: x) if all_finite else (lambda x: np.where(finite, x, -np.inf))
-    masked_min = (lambda x: x) if all_finite else (lambda x: np.where(finite, x, np.inf))
-    stats = SufficientStats(
+    return SufficientStats(
         n_samples=np.ones(n, dtype=np.int64),
         n_seq=has_seq.astype(np.int64),
-        n_diverged=(n_mismatch > 0).astype(np.int64),
+        n_diverged=(sums["n_mismatch"] > 0).astype(np.int64),
         n_tokens=lengths,
         n_finite=n_finite,
-        n_mismatch=n_mismatch,
-        n_clip=seg(np.add, clip, 0),
-        first_div=first_div,
-        sum_dp=seg(np.add, dp, 0.0),
-        sum_dp2=seg(np.add, dp * dp, 0.0),
-        max_dp=seg(np.maximum, masked_max(dp), -np.inf),
-        sum_pt=seg(np.add, pt, 0.0),
-        sum_pr=seg(np.add, pr, 0.0),
-        sum_pt2=seg(np.add, pt * pt, 0.0),
-        sum_pr2=seg(np.add, pr * pr, 0.0),
-        sum_ptpr=seg(np.add, pt * pr, 0.0),
+        n_mismatch=sums["n_mismatch"],
+        n_clip=sums["n_clip"],
+        first_div=sums["first_div"],
+        sum_dp=sums["sum_dp"],
+        sum_dp2=sums["sum_dp2"],
+        max_dp=sums["max_dp"],
+        sum_pt=sums["sum_pt"],
+        sum_pr=sums["sum_pr"],
+        sum_pt2=sums["sum_pt2"],
+        sum_pr2=sums["sum_pr2"],
+        sum_ptpr=sums["sum_ptpr"],
         sum_absd=sum_absd,
-        max_absd=seg(np.maximum, masked_max(absd), -np.inf),
+        max_absd=sums["max_absd"],
         sum_negd=sum_negd,
         sum_k3=sum_k3,
-        sum_rho=seg(np.add, rho_sum_src, 0.0),
-        sum_rho2=seg(np.add, rho_sum_src * rho_sum_src, 0.0),
-        min_rho=seg(np.minimum, masked_min(rho), np.inf),
-        max_rho=seg(np.maximum, masked_max(rho), -np.inf),
+        sum_rho=sums["sum_rho"],
+        sum_rho2=sums["sum_rho2"],
+        min_rho=sums["min_rho"],
+        max_rho=sums["max_rho"],
         sum_seq_lpd=lpd,
         sum_seq_ppl=ppl,
-        sum_k2=seg(np.add, 0.5 * d * d, 0.0),
-        sum_k3rev=seg(np.add, k3rev, 0.0),
-        sum_js=seg(np.add, js, 0.0),
-        sum_expabs=seg(np.add, expabs_src, 0.0),
-        sum_absd2=seg(np.add, absd * absd, 0.0),
+        sum_k2=sums["sum_k2"],
+        sum_k3rev=sums["sum_k3rev"],
+        sum_js=sums["sum_js"],
+        sum_expabs=sums["sum_expabs"],
+        sum_absd2=sums["sum_absd2"],
         sum_seq_absd=per_seq(sum_absd),
         sum_seq_negd=lpd,
         sum_seq_k3=per_seq(sum_k3),
@@ -461,7 +557,6 @@ def _segment_stats(
         sum_inv_len=np.where(has_seq, 1.0 / safe_n, 0.0),
         sum_len_d2=n_finite * lpd * lpd,
     )
-    return stats, all_inside
 
 
 def _entropy_sums(
@@ -608,7 +703,10 @@ def sample_metrics(
     entropies of each side from its recorded top-k (:func:`topk_entropy`; NaN where unknown).
     """
     t, r, o = check_inputs(trainer_lp, rollout_lp, offsets)
-    return _sample_frame(per_sample_stats(t, r, o, _check_eps(clip_eps), _check_entropies(entropies, t)))
+    stats = per_sample_stats(
+        t, r, o, _check_eps(clip_eps), _check_entropies(entropies, t), blocks=TokenBlocks(t, r, o)
+    )
+    return _sample_frame(stats)
 
 
 def sample_and_step_metrics(
@@ -619,11 +717,44 @@ def sample_and_step_metrics(
     clip_eps: float = 0.2,
     entropies: tuple[np.ndarray | None, np.ndarray | None] = (None, None),
     variants: Iterable[str] = (),
+    blocks: TokenBlocks | None = None,
+    also: Iterable[Request] = (),
+    threads: int = 1,
 ) -> tuple[pd.DataFrame, dict[str, float]]:
-    """:func:`sample_metrics` and :func:`step_metrics` of the same step from one pass over the tokens."""
+    """:func:`sample_metrics` and :func:`step_metrics` of the same step from one pass over the tokens.
+    ``blocks``: the step's :class:`TokenBlocks` over these arrays (made here if not given), whose
+    reductions ``also`` lists are measured in the same pass (on ``threads`` threads)."""
+    stats, figures = _measured(
+        trainer_lp, rollout_lp, offsets, clip_eps, entropies, variants, blocks, also, threads
+    )
+    return _sample_frame(stats), figures
+
+
+def _measured(
+    trainer_lp: np.ndarray,
+    rollout_lp: np.ndarray,
+    offsets: np.ndarray,
+    clip_eps: float,
+    entropies: tuple[np.ndarray | None, np.ndarray | None],
+    variants: Iterable[str],
+    blocks: TokenBlocks | None = None,
+    also: Iterable[Request] = (),
+    threads: int = 1,
+) -> tuple[SufficientStats, dict[str, float]]:
+    """A step's per-sample statistics and step figures: every reduction they read (and ``also``'s)
+    measured in one pass over ``blocks`` when every token is finite."""
     t, r, o = check_inputs(trainer_lp, rollout_lp, offsets)
-    stats = per_sample_stats(t, r, o, _check_eps(clip_eps), _check_entropies(entropies, t))
-    return _sample_frame(stats), {**pooled_figures(stats), **threshold_figures(TokenView(t, r, o), variants)}
+    blocks = TokenBlocks(t, r, o) if blocks is None else blocks
+    entropies = _check_entropies(entropies, t)
+    view = TokenView(t, r, o, blocks)
+    thresholds = _threshold_reads(view, variants)
+    extra = [*view.plan(thresholds), *also]
+    stats = per_sample_stats(
+        t, r, o, _check_eps(clip_eps), entropies, blocks=blocks, extra=extra, threads=threads
+    )
+    if view.blocks is not blocks:  # non-finite tokens: the threshold figures' finite tokens in their own pass
+        view.blocks.measure(extra, threads)
+    return stats, {**pooled_figures(stats), **thresholds()}
 
 
 def _sample_frame(stats: SufficientStats) -> pd.DataFrame:
@@ -649,9 +780,7 @@ def step_metrics(
     all buckets; NaN when empty), then every :data:`PARAMETRIC` figure at its defaults, at the
     :data:`STANDING_VARIANTS` and at each of ``variants`` (keys of :func:`variant_key`, e.g.
     ``tis_mean[cap=3]``)."""
-    t, r, o = check_inputs(trainer_lp, rollout_lp, offsets)
-    stats = per_sample_stats(t, r, o, _check_eps(clip_eps), _check_entropies(entropies, t))
-    return {**pooled_figures(stats), **threshold_figures(TokenView(t, r, o), variants)}
+    return _measured(trainer_lp, rollout_lp, offsets, clip_eps, entropies, variants)[1]
 
 
 def _check_entropies(
@@ -734,11 +863,22 @@ def topk_entropy(topk_logprobs: np.ndarray) -> np.ndarray:
 
 def threshold_figures(view: TokenView, variants: Iterable[str]) -> dict[str, float]:
     """Every :data:`PARAMETRIC` figure at its defaults and at :data:`STANDING_VARIANTS`, then at each
-    of ``variants`` (variant keys)."""
+    of ``variants`` (variant keys); the reductions they read are measured in one pass."""
+    figures = _threshold_reads(view, variants)
+    view.blocks.measure(view.plan(figures))
+    return figures()
+
+
+def _threshold_reads(view: TokenView, variants: Iterable[str]) -> Callable[[], dict[str, float]]:
+    """The threshold figures of :func:`threshold_figures`, to compute (or to plan) on ``view``."""
     keys = dict.fromkeys([*PARAMETRIC, *STANDING_VARIANTS, *variants])
-    out = {}
-    for key in keys:
-        name, params = parse_variant(key)
-        with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-            out[variant_key(name, params)] = float(PARAMETRIC[name].compute(view, **params)) + 0.0
-    return out
+
+    def figures() -> dict[str, float]:
+        out = {}
+        for key in keys:
+            name, params = parse_variant(key)
+            with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+                out[variant_key(name, params)] = float(PARAMETRIC[name].compute(view, **params)) + 0.0
+        return out
+
+    return figures

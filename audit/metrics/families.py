@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from isoaudit.audit.metrics.blocks import Key, Request, TokenBlocks
 
 #: verl's bound on |log ratio| before exponentiating importance weights.
 LOG_RATIO_BOUND = 20.0
@@ -22,39 +23,25 @@ ParamValue = float | str
 
 
 class TokenView:
-    """The finite tokens of a step, with the sample each belongs to: what thresholds are applied to.
-    Token statistics shared by several figures are computed once (``cache``)."""
+    """The finite tokens of a step (both sides finite), what thresholds are applied to: Δ clamped to
+    ±LOG_RATIO_BOUND (verl's SAFETY_BOUND, key :data:`D`) and ρ = exp(clamped Δ) (``"rho"``). Each
+    figure reads per-sample reductions of named conditions and quantities from :attr:`blocks`
+    (audit.metrics.blocks), measured together in one pass (:meth:`planned`); values derived from
+    them are computed once per step (:meth:`memo`)."""
 
-    def __init__(self, t32: np.ndarray, r32: np.ndarray, offsets: np.ndarray) -> None:
-        finite = np.isfinite(t32) & np.isfinite(r32)
-        everything = bool(finite.all())
-        offsets = np.asarray(offsets, dtype=np.int64)
-        d = t32.astype(np.float64)
-        with np.errstate(invalid="ignore"):
-            np.subtract(d, r32, out=d)  # float64 arithmetic, as (t - r) of the widened arrays
-        if everything:  # every token counts: the samples' runs are the offsets themselves
-            self._sample: np.ndarray | None = None
-            self.n_per_sample = np.diff(offsets)
-        else:
-            self._sample = np.repeat(np.arange(offsets.size - 1), np.diff(offsets))[finite]
-            d = d[finite]
-            self.n_per_sample = np.bincount(self._sample, minlength=offsets.size - 1)
-        #: Δ clamped to ±LOG_RATIO_BOUND (verl's SAFETY_BOUND) and ρ = exp(Δ)
-        self.d = np.clip(d, -LOG_RATIO_BOUND, LOG_RATIO_BOUND, out=d)
-        self.rho = np.exp(self.d)
+    def __init__(
+        self, t32: np.ndarray, r32: np.ndarray, offsets: np.ndarray, blocks: TokenBlocks | None = None
+    ) -> None:
+        #: ``blocks``: the step's blocks over every token, shared when every token is finite
+        if blocks is None or not blocks.all_finite:
+            blocks = TokenBlocks(t32, r32, np.asarray(offsets, dtype=np.int64), finite_only=True)
+        self.blocks = blocks
+        #: each sample's finite tokens
+        self.n_per_sample = self.blocks.lengths
+        #: the step's finite tokens
+        self.n = int(self.n_per_sample.sum())
         self.has = self.n_per_sample > 0
-        #: where each sample that has tokens starts in :attr:`d`
-        self._starts = (
-            np.concatenate([[0], np.cumsum(self.n_per_sample[self.has])[:-1]]) if self.d.size else None
-        )
         self.cache: dict[tuple[object, ...], Any] = {}
-
-    @property
-    def sample(self) -> np.ndarray:
-        """The sample each finite token belongs to."""
-        if self._sample is None:
-            self._sample = np.repeat(np.arange(self.n_per_sample.size), self.n_per_sample)
-        return self._sample
 
     def memo(self, key: tuple[object, ...], make: Callable[[], Any]) -> Any:
         """``make()``, computed once per ``key`` for this step."""
@@ -62,53 +49,46 @@ class TokenView:
             self.cache[key] = make()
         return self.cache[key]
 
-    def flags(self, key: tuple[object, ...], make: Callable[[], np.ndarray]) -> np.ndarray:
-        """A per-token condition (``make()``, boolean), computed once per ``key``."""
-        return self.memo(("flags", *key), make)
+    def plan(self, figures: Callable[[], object]) -> list[Request]:
+        """Every reduction ``figures()`` reads (found by running it once on placeholders, whose
+        results are dropped)."""
+        found = self.blocks.plan(figures)
+        self.cache.clear()
+        return found
 
-    def share(self, key: tuple[object, ...], make: Callable[[], np.ndarray]) -> float:
-        """The share of tokens where the condition ``key`` holds: a count over the token count, the
-        same bits as the mean of the condition as 0/1 floats (whose sum is that count, exactly)."""
-        count = self.memo(("count", *key), lambda: np.count_nonzero(self.flags(key, make)))
-        return float(np.float64(count) / self.d.size)
+    def share(self, condition: Key) -> float:
+        """The share of tokens where ``condition`` holds: a count over the token count, the same bits
+        as the mean of the condition as 0/1 floats (whose sum is that count, exactly)."""
+        return float(np.float64(self.blocks.count(condition)) / self.n)
 
-    def sample_shares(self, key: tuple[object, ...], make: Callable[[], np.ndarray]) -> np.ndarray:
+    def sample_shares(self, condition: Key) -> np.ndarray:
         """Per sample (those that have tokens, in order): the share of its tokens where the condition
         holds, counted as integers (the same bits as the mean of the condition as 0/1 floats)."""
-        if self._starts is None:
-            return np.zeros(0)
-        counts = np.add.reduceat(self.flags(key, make), self._starts, dtype=np.int64)
-        return counts / self.n_per_sample[self.has]
+        return self.blocks.sums(condition)[self.has] / self.n_per_sample[self.has]
 
-    def sample_stat(self, of: str, values: Callable[[], np.ndarray], how: str) -> np.ndarray:
-        """:meth:`per_sample` of the token values named ``of`` (made by ``values()``), computed once."""
-        return self.memo(("per_sample", of, how), lambda: self.per_sample(values(), how))
-
-    def per_sample(self, values: np.ndarray, how: str = "sum") -> np.ndarray:
-        """Per-sample sum / mean / max of token values, for the samples that have tokens (in order)."""
-        if self._starts is None:
-            return np.zeros(0)
+    def per_sample(self, key: Key, how: str = "sum") -> np.ndarray:
+        """Per-sample sum / mean / max of the token values ``key``, for the samples that have tokens."""
         if how == "max":
-            return np.maximum.reduceat(values, self._starts)
-        out = np.add.reduceat(values.astype(np.float64, copy=False), self._starts)
+            return self.blocks.maxima(key)[self.has]
+        out = self.blocks.sums(key)[self.has]
         return out / self.n_per_sample[self.has] if how == "mean" else out
 
-    def all_per_sample(self, flags: np.ndarray) -> np.ndarray:
-        """Per sample (those that have tokens, in order): whether every token's flag is set."""
-        if self._starts is None:
-            return np.zeros(0, dtype=bool)
-        return np.logical_and.reduceat(flags, self._starts)
+    def all_per_sample(self, condition: Key) -> np.ndarray:
+        """Per sample (those that have tokens, in order): whether every token satisfies ``condition``."""
+        return self.blocks.sums(condition)[self.has] == self.n_per_sample[self.has]
 
-    def token_mean(
-        self, key: tuple[object, ...], make: Callable[[], np.ndarray], aggregate: ParamValue
-    ) -> float:
-        """The share of tokens where a condition holds (``make()``, named ``key``), token-weighted or
-        (``aggregate="sample"``) as the mean of the per-sample shares."""
-        if not self.d.size:
+    def token_mean(self, condition: Key, aggregate: ParamValue) -> float:
+        """The share of tokens where ``condition`` holds, token-weighted or (``aggregate="sample"``)
+        as the mean of the per-sample shares."""
+        if not self.n:
             return float("nan")
         if aggregate == "sample":
-            return float(self.sample_shares(key, make).mean())
-        return self.share(key, make)
+            return float(self.sample_shares(condition).mean())
+        return self.share(condition)
+
+
+#: Δ clamped to ±LOG_RATIO_BOUND, the Δ of every threshold figure.
+D: Key = "d_clamped"
 
 
 @dataclass(frozen=True)
@@ -122,80 +102,72 @@ class Parametric:
 
 def _nan_if_empty(f: Callable[..., float]) -> Callable[..., float]:
     def wrapped(view: TokenView, **params: ParamValue) -> float:
-        return f(view, **params) if view.d.size else float("nan")
+        return f(view, **params) if view.n else float("nan")
 
     return wrapped
 
 
 class Weights:
-    """The truncated importance weights ``w = min(ρ, cap)`` of a step, each statistic computed once:
-    the same reductions over the same array as numpy's ``w.mean()``, ``w.std()`` and friends."""
+    """The truncated importance weights ``w = min(ρ, cap)`` of a step (key :attr:`key`): their sum,
+    sum of squares, standard deviation and per-sample means from the step's blocks."""
 
     def __init__(self, view: TokenView, cap: float) -> None:
         self.view, self.cap = view, cap
+        self.key: Key = ("min", "rho", cap)
 
     @property
-    def w(self) -> np.ndarray:
-        return self.view.memo(("tis", self.cap), lambda: np.minimum(self.view.rho, self.cap))
+    def sum(self) -> float:
+        return self.view.blocks.total(self.key)
 
     @property
-    def sum(self) -> np.float64:
-        return self.view.memo(("tis_sum", self.cap), lambda: self.w.sum())
+    def sum_sq(self) -> float:
+        return self.view.blocks.total(("sq", self.key))
 
-    @property
-    def sum_sq(self) -> np.float64:
-        return self.view.memo(("tis_sum_sq", self.cap), lambda: np.square(self.w).sum())
+    def std(self) -> float:
+        return self.view.blocks.std(self.key)
 
     def extreme(self, how: str) -> float:
-        """min / max of ``w``: ``min(min ρ, cap)`` / ``min(max ρ, cap)``, the same value (minimum
-        only selects) without the array."""
-        rho = self.view.rho
-        found = self.view.memo(("rho", how), lambda: rho.min() if how == "min" else rho.max())
+        """min / max of ``w``: ``min(min ρ, cap)`` / ``min(max ρ, cap)`` (minimum only selects)."""
+        found = self.view.blocks.min("rho") if how == "min" else self.view.blocks.max("rho")
         return float(np.minimum(found, self.cap))
 
     def per_sample_mean(self) -> np.ndarray:
-        return self.view.sample_stat(f"tis[cap={self.cap!r}]", lambda: self.w, "mean")
+        return self.view.per_sample(self.key, "mean")
 
 
-Condition = tuple[tuple[object, ...], Callable[[], np.ndarray]]
+def _above(upper: float) -> Key:
+    """ρ > upper."""
+    return ("gt", "rho", upper)
 
 
-def _above(view: TokenView, upper: float) -> Condition:
-    """ρ > upper, as :meth:`TokenView.token_mean` takes a condition."""
-    return ("rho>", upper), lambda: view.rho > upper
+def _below(lower: float) -> Key:
+    return ("lt", "rho", lower)
 
 
-def _below(view: TokenView, lower: float) -> Condition:
-    return ("rho<", lower), lambda: view.rho < lower
-
-
-def _oob(view: TokenView, lower: float, upper: float) -> Condition:
-    def make() -> np.ndarray:
-        return np.logical_or(view.flags(*_below(view, lower)), view.flags(*_above(view, upper)))
-
-    return ("rho<>", lower, upper), make
+def _oob(lower: float, upper: float) -> Key:
+    return ("or", _below(lower), _above(upper))
 
 
 def _rho_means(view: TokenView) -> np.ndarray:
-    return view.sample_stat("rho", lambda: view.rho, "mean")
+    return view.per_sample("rho", "mean")
 
 
 def _geo_oob(view: TokenView, lower: float, upper: float) -> float:
-    geo = np.exp(view.sample_stat("d", lambda: view.d, "mean"))
+    geo = np.exp(view.per_sample(D, "mean"))
     return float(((geo < lower) | (geo > upper)).mean())
 
 
 def _kish_fraction(w: Weights) -> float:
     """Kish effective sample size of weights ``w`` over their count, (Σw)²/(nΣw²)."""
-    return float(w.sum**2 / (w.view.d.size * w.sum_sq)) if w.sum_sq > 0 else float("nan")
+    return float(w.sum**2 / (w.view.n * w.sum_sq)) if w.sum_sq > 0 else float("nan")
 
 
 #: The truncated-importance-weight family: each figure is one statistic of the weights
 #: ``w = min(ρ, cap)`` (per token, or per sample as each sample's mean weight), at verl's cap 2.
 TIS_FAMILY: dict[str, tuple[str, Callable[[Weights], float]]] = {
     # w.mean(): numpy's mean is the sum over the count
-    "tis_mean": ("mean truncated importance weight min(ρ, cap)", lambda w: float(w.sum / w.view.d.size)),
-    "tis_std": ("std (ddof=0) of the truncated importance weights min(ρ, cap)", lambda w: float(w.w.std())),
+    "tis_mean": ("mean truncated importance weight min(ρ, cap)", lambda w: float(w.sum / w.view.n)),
+    "tis_std": ("std (ddof=0) of the truncated importance weights min(ρ, cap)", lambda w: w.std()),
     "tis_min": ("min truncated importance weight min(ρ, cap)", lambda w: w.extreme("min")),
     "tis_max": ("max truncated importance weight min(ρ, cap)", lambda w: w.extreme("max")),
     "tis_ess_fraction": (
@@ -253,50 +225,36 @@ def _rs_keep(view: TokenView, option: str, lower: float, upper: float) -> tuple[
     """(the fraction of tokens kept, kept per sample) under one rejection option; k1 bounds are
     ratio bounds compared in log space, k2/k3 an upper bound on the divergence. Shared by its two
     fractions."""
-    key = ("rs_keep", option, lower, upper)
-    if key not in view.cache:
-        view.cache[key] = _rs_keep_compute(view, option, lower, upper)
-    return view.cache[key]
+    return view.memo(("rs_keep", option, lower, upper), lambda: _rs_keep_compute(view, option, lower, upper))
 
 
 def _rs_keep_compute(view: TokenView, option: str, lower: float, upper: float) -> tuple[float, np.ndarray]:
-    d = view.d
     kind = option[-2:]
     if option.startswith("token_"):
         if kind == "k1":  # -Δ in [log lower, log upper]: negation is exact, so Δ in [-log upper, -log lower]
             lo, hi = -np.log(upper), -np.log(lower)
-            key: tuple[object, ...] = ("rs_k1", lo, hi)
-            flags = view.flags(key, lambda: (d <= hi) & (d >= lo))
+            condition: Key = ("and", ("le", D, hi), ("ge", D, lo))
         else:
-            key = ("rs", kind, upper)
-            flags = view.flags(key, lambda: _rs_stat(view, kind) <= upper)
+            condition = ("le", _RS_STAT[kind], upper)
         # a sample is kept when no token of it is rejected
-        return view.share(key, lambda: flags), view.all_per_sample(flags)
+        return view.share(condition), view.all_per_sample(condition)
     how = option.split("_")[1]  # sum | mean | max
     if kind == "k1" and how in ("sum", "mean"):
         # the per-sample sums of -Δ are those of Δ negated (each partial sum negates exactly)
-        per_sample = -view.sample_stat("d", lambda: d, how)
+        per_sample = -view.per_sample(D, how)
     else:
-        per_sample = view.sample_stat(kind, lambda: _rs_stat(view, kind), how)
+        per_sample = view.per_sample(_RS_STAT[kind] if kind != "k1" else ("neg", D), how)
     sample_ok = (
         (per_sample >= np.log(lower)) & (per_sample <= np.log(upper)) if kind == "k1" else per_sample <= upper
     )
     # the kept samples' tokens over all tokens: the mean of the per-token flags, an exact count
     kept_tokens = int(view.n_per_sample[view.has][sample_ok].sum())
-    return float(np.float64(kept_tokens) / view.d.size), sample_ok
+    return float(np.float64(kept_tokens) / view.n), sample_ok
 
 
-def _rs_stat(view: TokenView, kind: str) -> np.ndarray:
-    """The per-token divergence ``kind``: k1 = -Δ, k2 = Δ²/2 (as (0.5 Δ) Δ), k3 = e^Δ - 1 - Δ."""
-
-    def make() -> np.ndarray:
-        d = view.d
-        if kind == "k1":
-            return np.negative(d)
-        out = np.multiply(d, 0.5) if kind == "k2" else np.expm1(d)
-        return np.multiply(out, d, out=out) if kind == "k2" else np.subtract(out, d, out=out)
-
-    return view.memo(("rs", kind), make)
+#: The per-token divergences of the rejection options on clamped Δ: k2 = Δ²/2 (as (0.5 Δ) Δ),
+#: k3 = e^Δ − 1 − Δ (as expm1(Δ) − Δ).
+_RS_STAT: dict[str, Key] = {"k2": "rs_k2", "k3": "rs_k3"}
 
 
 def _rs_figures() -> dict[str, Parametric]:
@@ -340,7 +298,7 @@ def _in_band(view: TokenView, band: float) -> float:
     if not band >= 0.0:
         return float("nan")
     lo, hi = np.log1p(-band) if band < 1.0 else -np.inf, np.log1p(band)
-    return view.share(("in_band", band), lambda: (view.d >= lo) & (view.d <= hi))
+    return view.share(("and", ("ge", D, lo), ("le", D, hi)))
 
 
 #: Band retention, MLPerf-style: the share of finite tokens whose importance ratio ρ = exp(Δ) lies
@@ -369,12 +327,12 @@ PARAMETRIC: dict[str, Parametric] = {
     "is_fraction_high": Parametric(
         "fraction of tokens with importance weight ρ > upper",
         {"upper": 2.0, "aggregate": "token"},
-        _nan_if_empty(lambda v, upper, aggregate: v.token_mean(*_above(v, float(upper)), aggregate)),
+        _nan_if_empty(lambda v, upper, aggregate: v.token_mean(_above(float(upper)), aggregate)),
     ),
     "is_fraction_low": Parametric(
         "fraction of tokens with importance weight ρ < lower",
         {"lower": 0.5, "aggregate": "token"},
-        _nan_if_empty(lambda v, lower, aggregate: v.token_mean(*_below(v, float(lower)), aggregate)),
+        _nan_if_empty(lambda v, lower, aggregate: v.token_mean(_below(float(lower)), aggregate)),
     ),
     "is_seq_fraction_high": Parametric(
         "fraction of samples whose mean importance weight is > upper",
@@ -390,7 +348,7 @@ PARAMETRIC: dict[str, Parametric] = {
         "fraction of tokens with ρ outside [lower, upper] (what IcePop masks and TIS clamps)",
         {"lower": 0.5, "upper": 5.0, "aggregate": "token"},
         _nan_if_empty(
-            lambda v, lower, upper, aggregate: v.token_mean(*_oob(v, float(lower), float(upper)), aggregate)
+            lambda v, lower, upper, aggregate: v.token_mean(_oob(float(lower), float(upper)), aggregate)
         ),
     ),
     "geo_oob_seq_fraction": Parametric(

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from isoaudit.audit import compare as compare_module
 from isoaudit.audit.compare import StepOutcome, compare_samples
-from isoaudit.audit.metrics import core
+from isoaudit.audit.metrics import blocks, core
 from isoaudit.audit.metrics.families import LOG_RATIO_BOUND
 from isoaudit.audit.records import SampleLogprobs
 
@@ -138,9 +138,11 @@ def test_the_comparator_stores_the_same_with_blocks(
 ) -> None:
     monkeypatch.setattr(compare_module, "ONE_PASS_TOKENS", one_pass_tokens)
     pairs, prints = varied_step(seed, 24)
-    monkeypatch.setattr(core, "BLOCK_TOKENS", 1 << 40)  # one block: the single pass over the step
+    for module in (core, blocks):  # one block: the single pass over the step
+        monkeypatch.setattr(module, "BLOCK_TOKENS", 1 << 40)
     whole = outcome(pairs, prints)
-    monkeypatch.setattr(core, "BLOCK_TOKENS", 257)
+    for module in (core, blocks):
+        monkeypatch.setattr(module, "BLOCK_TOKENS", 257)
     blocked = outcome(pairs, prints)
     assert blocked == whole
     assert '"numerical"' in whole or '"inconclusive"' in whole  # the step has diagnoses to compare

@@ -17,7 +17,6 @@ from typing import Any
 import numpy as np
 import pytest
 from isoaudit.audit.frameworks import StepTokens, framework_figures, framework_table
-from isoaudit.audit.frameworks.base import SEQUENTIAL_SUM_TOKENS
 from isoaudit.audit.metrics.core import threshold_figures
 from isoaudit.audit.metrics.families import BAND_FAMILY, RS_OPTIONS, TIS_FAMILY, TokenView
 from isoaudit.audit.records import SampleLogprobs
@@ -185,22 +184,33 @@ def test_framework_figures_keep_their_bits() -> None:
     assert not wrong, f"{len(wrong)} cases changed: {wrong[:10]}"
 
 
-@pytest.mark.parametrize("lengths", [[2000, 0, 1500, 1900, 1100], [1500] * 4, [3000, 2, 5, 2000]])
-def test_sample_sums_match_bincount(lengths: list[int]) -> None:
-    """Per-sample sums, as the rows of a padded block or by ``bincount`` (the last lengths): bit for
-    bit ``np.bincount``'s sums, zeros' signs, infinities and NaN included."""
+@pytest.mark.parametrize("lengths", [[2000, 0, 1500, 1900, 1100], [1500] * 4, [3000, 2, 5, 2000], [0, 0]])
+def test_sample_sums_add_each_sample_as_numpy_does(lengths: list[int]) -> None:
+    """Per-sample sums (``StepTokens.sample_sums``, and the blocks' sums a framework reads) depend on
+    the sample's own tokens only: bit for bit ``np.add.reduceat`` of the sample alone (its first
+    token, then numpy's pairwise sum of the rest), zeros' signs, infinities and NaN included, 0.0
+    for an empty sample; so a step's blocks add its samples up as one pass over the step would."""
     rng = np.random.default_rng(5)
     trainer = [rng.normal(0, 1, n).astype(np.float32) for n in lengths]
-    tokens = StepTokens.of(trainer, [t.copy() for t in trainer])
-    assert tokens.n_tokens >= SEQUENTIAL_SUM_TOKENS * tokens.n_samples
+    rollout = [t - rng.normal(0, 1e-3, t.size).astype(np.float32) for t in trainer]
+    tokens = StepTokens.of(trainer, rollout)
     values = rng.normal(0, 1, tokens.n_tokens) * 10.0 ** rng.integers(-8, 8, tokens.n_tokens)
-    values[tokens.offsets[2] : tokens.offsets[3]] = -0.0  # a sum of negative zeros
-    values[tokens.offsets[1]] = np.inf
-    values[tokens.offsets[3] + 1] = np.nan
-    expected = np.bincount(tokens.sample_of_token, weights=values, minlength=tokens.n_samples)
+    if tokens.n_tokens:
+        values[tokens.offsets[2] : tokens.offsets[3]] = -0.0  # a sum of negative zeros
+        values[tokens.offsets[1]] = np.inf
+        values[tokens.offsets[3] + 1] = np.nan
+    expected = by_sample(values, tokens.offsets)
     got = tokens.sample_sums(values)
     assert [float(x).hex() for x in got] == [float(x).hex() for x in expected]
     assert all(np.signbit(got) == np.signbit(expected))
+    by_hand = by_sample(tokens.trainer - tokens.rollout, tokens.offsets)
+    assert [float(x).hex() for x in tokens.blocks.sums("d")] == [float(x).hex() for x in by_hand]
+
+
+def by_sample(values: np.ndarray, offsets: np.ndarray) -> list[float]:
+    """Each sample's values summed alone (a copy, away from its neighbours); 0.0 if empty."""
+    spans = zip(offsets[:-1], offsets[1:], strict=True)
+    return [np.add.reduceat(values[a:b].copy(), [0])[0] if b > a else 0.0 for a, b in spans]
 
 
 def test_shared_step_arrays_are_read_only() -> None:

@@ -148,3 +148,57 @@ def test_a_compared_step_is_measured_once(store: Store, monkeypatch):
     assert sorted(compared) == sorted(keys.items())  # each sample once, never again for the step
     results = {r.step: r for r in store.step_results("moe-run")}
     assert all(results[step].metrics.get("routing_set_agreement") is not None for step in keys)
+
+
+def stored_outcome(store: Store) -> list[tuple]:
+    return [
+        (
+            r.sample_key,
+            r.diagnosis,
+            r.first_divergence_region,
+            r.first_divergence_position,
+            json.dumps(r.metrics),
+        )
+        for r in store.sample_results("run-1", 0)
+    ]
+
+
+def test_fingerprints_read_on_a_thread_or_in_turn_store_the_same(database_url: str, monkeypatch) -> None:
+    """With an idle core the worker reads a step's fingerprints on a thread while it measures the
+    tokens; on busy cores one after the other. Both store the same results."""
+    from isoaudit.audit import worker as worker_module
+
+    outcomes = []
+    for idle in (1, 2):
+        monkeypatch.setattr(worker_module, "idle_threads", lambda idle=idle: idle)
+        store = Store(database_url)
+        try:
+            with store.sessions.begin() as session:  # a fresh database for each way
+                from isoaudit.audit.db.models import Base
+
+                for table in reversed(Base.metadata.sorted_tables):
+                    session.execute(table.delete())
+            ingest_step(store)
+            assert ComparisonWorker(store).run_once() == 3
+            outcomes.append(stored_outcome(store))
+        finally:
+            store.dispose()
+    assert outcomes[0] == outcomes[1] and outcomes[0]
+    assert any(region == "layers.1.mlp" for _, _, region, _, _ in outcomes[0])  # the grids were read
+
+
+def test_a_failed_fingerprint_read_on_a_thread_saves_nothing(store: Store, monkeypatch) -> None:
+    from isoaudit.audit import worker as worker_module
+
+    monkeypatch.setattr(worker_module, "idle_threads", lambda: 2)
+    ingest_step(store)
+
+    def broken(steps):
+        raise RuntimeError("the database went away mid-read")
+
+    monkeypatch.setattr(store, "fingerprints_of_steps", broken)
+    worker = ComparisonWorker(store)
+    assert worker.run_once() == 0
+    assert worker.failures == 1 and store.sample_results("run-1", 0) == []
+    monkeypatch.undo()  # the database is back: the released claims are taken again
+    assert ComparisonWorker(store).run_once() == 3

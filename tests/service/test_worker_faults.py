@@ -24,6 +24,7 @@ from tests.service.workload import step_records
 
 LEASE_S = 3.0
 BIG = 384  # samples of the step the worker is killed in: long enough to compare that the kill lands inside
+BIG_COMPLETION = 8192  # tokens each (3.1 M in the step: at 2,048 the worker saved before the kill landed)
 
 
 def count(store: Store, model, *where) -> int:
@@ -50,7 +51,7 @@ def results(store: Store) -> list[tuple[int, int, str | None]]:
 def test_worker_sigkilled_mid_step_then_restarted_compares_the_step_once(database_url: str):
     store = Store(database_url)
     store.ingest([factories.run()])
-    store.ingest(step_records(0, 0.01, n=BIG, n_completion=2048))
+    store.ingest(step_records(0, 0.01, n=BIG, n_completion=BIG_COMPLETION))
     for step in (1, 2):
         store.ingest(step_records(step, 0.01, n=8, n_completion=64))
     port = free_port()
