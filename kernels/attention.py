@@ -96,8 +96,8 @@ CONFIG = AttnConfig(dec_tma=True, bwd_stages=2)
 #: attention_tune``). Backward candidates that keep ``bwd_dq_n`` and ``bwd_dkv_m`` keep the
 #: gradients' bits; the others state a new backward arithmetic. Four stages of 128-key tiles need
 #: more shared memory than Hopper's 227 KiB; a decode block of 32 rows on 2 warps, and 128-key
-#: dK/dV blocks under 64-row dQ blocks, gave other bits than the shipped row on an H100: none of
-#: them is a candidate.
+#: dK/dV blocks under 64-row dQ blocks, gave other bits than the shipped row on an H100, and 32-row
+#: dK/dV query tiles under 128-key blocks gave other gradients run to run: none is a candidate.
 LAUNCH_CANDIDATES: dict[str, tuple[dict[str, int | bool], ...]] = {
     "prefill": (
         {},
@@ -122,7 +122,6 @@ LAUNCH_CANDIDATES: dict[str, tuple[dict[str, int | bool], ...]] = {
         dict(bwd_stages=2),
         dict(bwd_dq_m=128, bwd_dkv_n=128, bwd_warps=8, bwd_stages=2),
         dict(bwd_dq_m=128, bwd_dkv_n=128, bwd_warps=8, bwd_stages=3),
-        dict(bwd_dq_m=128, bwd_dq_n=32, bwd_dkv_m=32, bwd_dkv_n=128, bwd_warps=8, bwd_stages=2),
         dict(bwd_dq_m=128, bwd_dq_n=128, bwd_dkv_m=128, bwd_dkv_n=128, bwd_warps=8, bwd_stages=2),
         dict(bwd_fused=True),
         dict(bwd_fused=True, bwd_dq_m=128, bwd_dkv_n=128, bwd_warps=8, bwd_stages=2),
