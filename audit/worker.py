@@ -13,7 +13,7 @@ import secrets
 import socket
 import threading
 from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime
 from typing import Any
@@ -27,7 +27,6 @@ from isoaudit.audit.records import Manifest, OffPolicy, RegionFingerprints, Samp
 from isoaudit.audit.routing import step_routing
 from isoaudit.audit.since_clean import note_changes_since_clean
 from isoaudit.audit.summaries import summarize
-from sqlalchemy.pool import SingletonThreadPool, StaticPool
 
 log = logging.getLogger(__name__)
 
@@ -42,12 +41,6 @@ def pair_by_key(samples: list[SampleLogprobs]) -> dict[str, tuple[SampleLogprobs
         assert sample.sample_key is not None
         sides[sample.sample_key][sample.side] = sample
     return {key: (s["trainer"], s["rollout"]) for key, s in sides.items() if len(s) == 2}
-
-
-def _threads_share_the_database(store: Store) -> bool:
-    """Whether another thread's connection sees this one's database (not so for an in-memory
-    SQLite database, one per connection)."""
-    return not isinstance(store.engine.pool, SingletonThreadPool | StaticPool)
 
 
 class _Later:
@@ -144,7 +137,7 @@ class ComparisonWorker:
         claims = [c for c in claims if c.sample_keys]
         steps = [(c.run_id, c.step) for c in claims]
         samples, arrived = self.store.samples_and_arrivals(steps)
-        if idle_threads() < 2 or not _threads_share_the_database(self.store):
+        if idle_threads() < 2 or not self.store.threads_share_the_database:
             done: Future[dict[tuple[str, int], list[RegionFingerprints]]] = Future()
             done.set_result(self.store.fingerprints_of_steps(steps))
             return self._compare_read(claims, samples, arrived, _Later(done))
@@ -243,8 +236,10 @@ class ComparisonWorker:
                 for x in self._compare_steps([c], samples, prints, manifests, policy, framework)
             ]
 
-        def fingerprints() -> dict[str, tuple[list, list]]:
-            by_key: dict[str, tuple[list, list]] = defaultdict(lambda: ([], []))
+        def fingerprints() -> dict[str, tuple[Sequence[RegionFingerprints], Sequence[RegionFingerprints]]]:
+            by_key: dict[str, tuple[list[RegionFingerprints], list[RegionFingerprints]]] = defaultdict(
+                lambda: ([], [])
+            )
             for claim in claims:
                 for record in prints.get()[(claim.run_id, claim.step)]:
                     if (record.run_id, record.step, record.sample_key) in wanted:

@@ -16,6 +16,7 @@ from isoaudit.audit.db.steps import Steps
 from sqlalchemy import Engine, text
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import sessionmaker
+from sqlalchemy.pool import SingletonThreadPool, StaticPool
 
 __all__ = ["Store"]
 
@@ -52,6 +53,12 @@ class Store(Ingest, Runs, Records, Queue, Results, Control, Steps, Retention):
     def printable_url(self) -> str:
         """The database's URL with its password hidden (for messages and commands shown to people)."""
         return self.engine.url.render_as_string(hide_password=True)
+
+    @property
+    def threads_share_the_database(self) -> bool:
+        """Whether another thread's connection sees this one's database (not so for an in-memory
+        SQLite database, one per connection)."""
+        return not isinstance(self.engine.pool, SingletonThreadPool | StaticPool)
 
     def schema_revision(self) -> str | None:
         """Ask the database for its schema revision (a health check: raises

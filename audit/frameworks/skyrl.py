@@ -32,6 +32,7 @@ from isoaudit.audit.frameworks.base import (
     StepTokens,
     parse_version,
 )
+from isoaudit.audit.metrics.blocks import Key
 from packaging.version import Version
 
 _TRAINER = "skyrl/train/trainer.py:RayPPOTrainer.fwd_logprobs_values_reward"
@@ -85,7 +86,7 @@ def _ratio(log_ratio: np.ndarray) -> np.ndarray:
 def _trainer(tokens: StepTokens, rules: _Rules) -> dict[str, float]:
     blocks = tokens.blocks
     if not rules.abs_diff:
-        ratio: object = ("abs", "exp_neg_d")  # exp(rollout − trainer)
+        ratio: Key = ("abs", "exp_neg_d")  # exp(rollout − trainer)
         return {
             _P + "rollout_train_prob_diff_mean": tokens.mean_of(ratio),
             _P + "rollout_train_prob_diff_std": blocks.std(ratio, ddof=1)

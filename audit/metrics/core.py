@@ -34,7 +34,7 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 import pandas as pd
-from isoaudit.audit.metrics.blocks import Request, TokenBlocks
+from isoaudit.audit.metrics.blocks import Key, Request, TokenBlocks
 from isoaudit.audit.metrics.families import LOG_RATIO_BOUND, PARAMETRIC, TokenView
 from isoaudit.audit.metrics.keys import (
     LENGTH_BUCKETS,
@@ -289,12 +289,12 @@ def per_sample_stats(
             )
         return out
 
-    blocks = measure(None)
-    if not all(inside for _, inside in blocks):  # some |Δ| beyond the bound: ρ = exp(clamped Δ) everywhere
-        blocks = measure(True)
+    measured = measure(None)
+    if not all(inside for _, inside in measured):  # some |Δ| beyond the bound: ρ = exp(clamped Δ) everywhere
+        measured = measure(True)
     return SufficientStats(
         **{
-            f.name: np.concatenate([getattr(stats, f.name) for stats, _ in blocks])
+            f.name: np.concatenate([getattr(stats, f.name) for stats, _ in measured])
             for f in fields(SufficientStats)
         }
     )
@@ -303,7 +303,7 @@ def per_sample_stats(
 def _core_requests(clip_eps: float, rho: str) -> dict[str, Request]:
     """The per-sample reductions of :func:`_segment_stats` on every token finite, by its names:
     ``rho`` is ``core_rho`` (1 + expm1 Δ) when every |Δ| is within the bound, else ``rho``."""
-    s = {
+    s: dict[str, Key] = {
         "sum_dp": "core_dp",
         "sum_dp2": ("sq", "core_dp"),
         "sum_pt": "exp_t",
