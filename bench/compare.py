@@ -43,8 +43,9 @@ from bench.scale import Database
 RUN = "bench"
 
 
-def make_step(n_samples: int, n_tokens: int, prompt_len: int = 256):
-    """Both sides of a step: random tokens, the trainer's logprobs, the rollout's off by ~1e-2 on 30%."""
+def make_step(n_samples: int, n_tokens: int, prompt_len: int = 256, differing: float = 0.3):
+    """Both sides of a step: random tokens, the trainer's logprobs, the rollout's off by ~1e-2 on a
+    ``differing`` share of the tokens (the others bitwise equal)."""
     rng = np.random.default_rng(0)
     pairs = []
     for i in tqdm(range(n_samples), desc="building samples", leave=False):
@@ -52,7 +53,7 @@ def make_step(n_samples: int, n_tokens: int, prompt_len: int = 256):
         tokens[0] = i
         lp = -rng.exponential(1.0, n_tokens - prompt_len).astype(np.float32)
         noisy = np.minimum(
-            lp + (rng.random(lp.size) < 0.3) * rng.normal(0, 1e-2, lp.size).astype(np.float32), 0
+            lp + (rng.random(lp.size) < differing) * rng.normal(0, 1e-2, lp.size).astype(np.float32), 0
         )
         common = dict(run_id=RUN, step=0, prompt_len=prompt_len, token_ids=tokens)
         pairs.append(
@@ -310,6 +311,12 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--fingerprinted", type=int, default=32)
     parser.add_argument(
+        "--differing",
+        type=float,
+        default=0.3,
+        help="share of tokens whose sides differ (1: every token, native-like)",
+    )
+    parser.add_argument(
         "--baseline-rev", default="cb822db", help="comparator revision to time against ('' to skip)"
     )
     parser.add_argument(
@@ -320,7 +327,7 @@ def main() -> None:
     parser.add_argument("--databases", default="sqlite,postgres", help="with the database: which ones")
     args = parser.parse_args()
 
-    pairs = make_step(args.samples, args.tokens, args.prompt_len)
+    pairs = make_step(args.samples, args.tokens, args.prompt_len, args.differing)
     prints = make_fingerprints(pairs, args.fingerprinted)
     n_tokens = sum(t.logprobs.size for t, _ in pairs)
     print(
