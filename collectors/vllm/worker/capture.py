@@ -179,6 +179,7 @@ class EngineCapture:
         # compiled engines: the graph taps' buffers (allocated when the taps are first installed)
         self._graph_rows = graph_rows
         self._graph_regions: list[int] = []
+        self._split: tuple[tuple[int, ...], list[int], list[int]] | None = None  # _split_stageable's
         self._taps: GraphTaps | None = None  # the decoder's, once a region is tapped
         self._install()
 
@@ -349,6 +350,7 @@ class EngineCapture:
         fwd, self._fwd = self._fwd, None
         taps = self._taps
         selected = taps.selected if taps is not None else 0
+        picked = taps.picked if taps is not None else None
         if taps is not None:
             taps.clear_rows()  # a forward outside a step (warm-up, dummy run) taps nothing
         if fwd is None:
@@ -357,12 +359,13 @@ class EngineCapture:
             if selected and taps is not None and fwd.index is not None:
                 printed = self._graph_regions
                 if taps.staged(selected):
-                    staged = [i for i in printed if self._stageable(self.specs[i])]
+                    staged, unstaged = self._split_stageable()
                     if staged:
                         assert taps.stage is not None
-                        fwd.stage = taps.stage[:, :selected].clone()  # fingerprinted in the batched pass
-                        fwd.filled = staged
-                        printed = [i for i in printed if not self._stageable(self.specs[i])]
+                        # fingerprinted in the batched pass: the op's own gather, or the stage's copy
+                        fwd.stage = picked if picked is not None else taps.stage[:, :selected].clone()
+                        fwd.filled = list(staged)
+                        printed = unstaged
                 if printed:
                     # ~144 bytes a row: copied out, the next forward writes the same buffers
                     prints = taps.prints
@@ -521,6 +524,16 @@ class EngineCapture:
                 record_rows(first, second, index, count, ints, floats, ladder)
 
         return hook
+
+    def _split_stageable(self) -> tuple[list[int], list[int]]:
+        """The graph regions whose rows a CPU forward stages, and the others (kept while the graph
+        regions stay the same)."""
+        key = tuple(self._graph_regions)
+        split = self._split
+        if split is None or split[0] != key:
+            staged = [i for i in key if self._stageable(self.specs[i])]
+            split = self._split = (key, staged, [i for i in key if i not in staged])
+        return split[1], split[2]
 
     @staticmethod
     def _stageable(spec: RegionSpec) -> bool:

@@ -47,6 +47,10 @@ CPU_STAGE_BYTES = 64 << 20
 #: activations alive.
 CPU_HOLD_BYTES = 256 << 20
 
+#: The most bytes of held activations a forward's op stacks to gather every region's rows at once
+#: (a decode step's few tokens); larger forwards gather region by region.
+CPU_STACK_BYTES = 4 << 20
+
 _lib = torch.library.Library(LIBRARY, "FRAGMENT")
 _lib.define(
     "tap_rows(Tensor x, Tensor? residual, Tensor(a!) stage, int taps, int slot, bool stageable) -> ()"
@@ -88,13 +92,8 @@ def _tap_held(
     is ``xs``' next tensor, then its residual when ``kinds[k]`` says so. Nothing selected: returns
     at once."""
     tap = _TAPS[taps]
-    if not tap.selected:
-        return
-    i = 0
-    for slot, kind in zip(slots, kinds, strict=True):
-        residual = xs[i + 1] if kind & _RESIDUAL else None
-        tap.tap(xs[i], residual, slot, bool(kind & _STAGEABLE))
-        i += 2 if residual is not None else 1
+    if tap.selected:
+        tap.tap_held(xs, slots, kinds)
 
 
 _lib.impl("tap_held", _tap_held, "CompositeExplicitAutograd")
@@ -173,6 +172,11 @@ class GraphTaps:
     # how many tensors may be held before the op runs (CPU_HOLD_BYTES).
     held: list[tuple[torch.Tensor, torch.Tensor | None, int, bool]] | None = None
     hold_limit: int = 1 << 30
+    # the forward's stage rows when tap_held gathered them at once ([slots, rows, hidden]; else None)
+    picked: torch.Tensor | None = None
+    plans: dict[tuple[tuple[int, ...], tuple[int, ...]], list[tuple[int, int]] | None] = field(
+        default_factory=dict
+    )
 
     def __post_init__(self) -> None:
         self.ident = id(self)
@@ -204,6 +208,7 @@ class GraphTaps:
         if not same or self.rows is None:
             self.rows = self.index[:n]
         self.selected = n
+        self.picked = None
 
     def tap(self, x: torch.Tensor, residual: torch.Tensor | None, slot: int, stageable: bool) -> None:
         """Rows ``index[:n]`` of ``x`` (+ ``residual``'s, added after selection) for the forward in
@@ -218,6 +223,50 @@ class GraphTaps:
         fingerprint_index_rows_(
             x, residual, self.index, self.count, prints.ints[slot], prints.floats[slot], self.bits
         )
+
+    def tap_held(self, xs: list[torch.Tensor], slots: list[int], kinds: list[int]) -> None:
+        """:meth:`tap` for every region a forward held (``tap_held``'s arguments). A small forward
+        (a decode step) whose regions fill every slot of the stage, all of one shape, gathers them
+        at once into a fresh ``[slots, rows, hidden]`` (:attr:`picked`, handed to the host as is):
+        one stacked index instead of one per region."""
+        self.picked = None
+        rows, stage = self.rows, self.stage
+        plan = self._stack_plan(slots, kinds)
+        if plan is not None and self.outs and rows is not None and stage is not None:
+            first = xs[0]
+            if first.dim() == 2 and len(xs) * first.numel() * first.element_size() <= CPU_STACK_BYTES:
+                try:
+                    # a SUM tap's few rows added before selection: elementwise, the same bits
+                    picked = torch.stack([xs[a] if b < 0 else xs[a] + xs[b] for a, b in plan])
+                except RuntimeError:  # regions of other shapes: one by one
+                    picked = None
+                if picked is not None and picked.dtype == stage.dtype and picked.shape[-1] == stage.shape[-1]:
+                    self.picked = picked.index_select(1, rows)
+                    return
+        i = 0
+        for slot, kind in zip(slots, kinds, strict=True):
+            residual = xs[i + 1] if kind & _RESIDUAL else None
+            self.tap(xs[i], residual, slot, bool(kind & _STAGEABLE))
+            i += 2 if residual is not None else 1
+
+    def _stack_plan(self, slots: list[int], kinds: list[int]) -> list[tuple[int, int]] | None:
+        """For held regions filling every stage slot once, all stageable: per slot, the index in
+        ``xs`` of its tensor and of its residual (-1: none); otherwise ``None`` (kept per call)."""
+        key = (tuple(slots), tuple(kinds))
+        if key in self.plans:
+            return self.plans[key]
+        stage = self.stage
+        plan: list[tuple[int, int]] | None = None
+        if stage is not None and sorted(slots) == list(range(int(stage.shape[0]))):
+            where: dict[int, tuple[int, int]] = {}
+            i = 0
+            for slot, kind in zip(slots, kinds, strict=True):
+                where[slot] = (i, i + 1 if kind & _RESIDUAL else -1)
+                i += 2 if kind & _RESIDUAL else 1
+            if all(kind & _STAGEABLE for kind in kinds):
+                plan = [where[slot] for slot in range(len(slots))]
+        self.plans[key] = plan
+        return plan
 
     def open_held(self) -> None:
         """Traced at a CPU forward's start: its taps hold their regions for :meth:`close_held`."""
@@ -256,6 +305,7 @@ class GraphTaps:
         """No row selected: the taps of a forward outside a step do nothing (the CPU taps read
         ``selected`` first; elsewhere the index is padded and no count is read)."""
         self.selected = 0
+        self.picked = None
 
     @classmethod
     def allocate(
