@@ -44,6 +44,12 @@ def _sampled_logprobs(entries: Any, tokens: np.ndarray) -> np.ndarray | None:
     flat = _flat_sampled(entries, tokens)
     if flat is not None:
         return flat
+    try:  # vLLM's dicts of Logprob: one lookup per position
+        return np.array(
+            [entry[token].logprob for entry, token in zip(entries, tokens.tolist(), strict=True)], np.float32
+        )
+    except (KeyError, TypeError, AttributeError):
+        pass  # a position without its token (an error, below), or plain floats
     found = [
         entry.get(token) if entry is not None else None
         for entry, token in zip(entries, tokens.tolist(), strict=True)
@@ -123,7 +129,7 @@ def _distribution(
             np.exp(dense.astype(np.float64) * 0.5) @ sketch_projection(vocab).astype(np.float64)
         ).astype(np.float32)
         return ids, np.take_along_axis(dense, ids.astype(np.int64), axis=1), sketch
-    if any(entry is None for entry in entries):
+    if None in entries:
         return None, None, None
     # the top-k is as wide as the narrowest position's ranked prefix: stop once that is nothing
     width = min(k, min(map(len, entries)))

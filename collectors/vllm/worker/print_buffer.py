@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
 
 import numpy as np
 import torch
@@ -233,8 +232,9 @@ class PrintBuffer:
         blocks += [slot_rows(host[f"p{j}.ints"], host[f"p{j}.floats"], b) for j, b in enumerate(printed)]
         self.counters.fingerprinted_forwards += len(steps)
         filed_rows = 0
+        interned: dict[tuple[tuple[int, ...], tuple[int, ...], bool], int] = {}
         for k, step in enumerate(steps):
-            filed_k = [(blocks[g], filed) for g, filed in where[k].items()]
+            filed_k = [(blocks[g], filed, filed.seal(interned)) for g, filed in where[k].items()]
             positions_k = step.host_positions if step.host_positions is not None else host.get(f"pos{k}")
             for member in step.members:
                 trace = member.trace
@@ -247,8 +247,8 @@ class PrintBuffer:
                 rows = positions.tolist()
                 if not member.decode and rows:
                     trace.prefill_positions.add(int(rows[-1]))
-                for block, filed in filed_k:
-                    piece_key = (id(block), filed.key)
+                for block, filed, sig in filed_k:
+                    piece_key = (id(block), sig)
                     piece = trace.pieces.get(piece_key)
                     if piece is None:
                         piece = trace.pieces[piece_key] = Piece(
@@ -274,18 +274,17 @@ class _Filed:
     logits: bool
     regions: list[int] = field(default_factory=list)
     mults: list[int] = field(default_factory=list)
+    regions_key: tuple[int, ...] = ()
+    key: tuple[tuple[int, ...], tuple[int, ...], bool] = ((), (), False)
 
     def add(self, region: int, mult: int) -> None:
-        """Region ``region``'s rows start ``mult`` units past ``base`` (before the first read of
-        :attr:`key`)."""
+        """Region ``region``'s rows start ``mult`` units past ``base``."""
         self.regions.append(region)
         self.mults.append(mult)
 
-    @cached_property
-    def regions_key(self) -> tuple[int, ...]:
-        return tuple(self.regions)
-
-    @cached_property
-    def key(self) -> tuple[tuple[int, ...], tuple[int, ...], bool]:
-        """What a request's piece of these rows is filed under (with the block)."""
-        return (self.regions_key, tuple(self.mults), self.logits)
+    def seal(self, interned: dict[tuple[tuple[int, ...], tuple[int, ...], bool], int]) -> int:
+        """Every region added: the keys a request's piece of these rows is filed under, and their
+        number in ``interned`` (a cheap dict key per request)."""
+        self.regions_key = tuple(self.regions)
+        self.key = (self.regions_key, tuple(self.mults), self.logits)
+        return interned.setdefault(self.key, len(interned))

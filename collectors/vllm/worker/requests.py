@@ -78,7 +78,7 @@ class RequestTrace:
     selected: bool
     first_version: str | None
     last_version: str | None
-    pieces: dict[tuple[int, tuple[int, ...]], Piece] = field(default_factory=dict)  # by (block, regions)
+    pieces: dict[tuple[int, int], Piece] = field(default_factory=dict)  # by block and rows filed
     prefill_positions: set[int] = field(default_factory=set)  # last position of each prefill forward
     rows: int = 0  # fingerprint rows reserved for this request (filed or still pending)
     finished: bool = False
