@@ -47,10 +47,6 @@ CPU_STAGE_BYTES = 64 << 20
 #: activations alive.
 CPU_HOLD_BYTES = 256 << 20
 
-#: The most bytes of held activations a forward's op stacks to gather every region's rows at once
-#: (a decode step's few tokens); larger forwards gather region by region.
-CPU_STACK_BYTES = 4 << 20
-
 _lib = torch.library.Library(LIBRARY, "FRAGMENT")
 _lib.define(
     "tap_rows(Tensor x, Tensor? residual, Tensor(a!) stage, int taps, int slot, bool stageable) -> ()"
@@ -225,24 +221,29 @@ class GraphTaps:
         )
 
     def tap_held(self, xs: list[torch.Tensor], slots: list[int], kinds: list[int]) -> None:
-        """:meth:`tap` for every region a forward held (``tap_held``'s arguments). A small forward
-        (a decode step) whose regions fill every slot of the stage, all of one shape, gathers them
-        at once into a fresh ``[slots, rows, hidden]`` (:attr:`picked`, handed to the host as is):
-        one stacked index instead of one per region."""
+        """:meth:`tap` for every region a forward held (``tap_held``'s arguments). A forward whose
+        regions fill every slot of the stage, all of the stage's width and dtype, gathers into a
+        fresh ``[slots, rows, hidden]`` (:attr:`picked`, handed to the host as is, no stage copy)."""
         self.picked = None
         rows, stage = self.rows, self.stage
         plan = self._stack_plan(slots, kinds)
         if plan is not None and self.outs and rows is not None and stage is not None:
-            first = xs[0]
-            if first.dim() == 2 and len(xs) * first.numel() * first.element_size() <= CPU_STACK_BYTES:
-                try:
-                    # a SUM tap's few rows added before selection: elementwise, the same bits
-                    picked = torch.stack([xs[a] if b < 0 else xs[a] + xs[b] for a, b in plan])
-                except RuntimeError:  # regions of other shapes: one by one
-                    picked = None
-                if picked is not None and picked.dtype == stage.dtype and picked.shape[-1] == stage.shape[-1]:
-                    self.picked = picked.index_select(1, rows)
-                    return
+            width, dtype = int(stage.shape[-1]), stage.dtype
+            picked = torch.empty(len(plan), rows.numel(), width, dtype=dtype)
+            outs = picked.unbind(0)
+            for slot, (a, b) in enumerate(plan):
+                x = xs[a]
+                if x.dim() != 2 or x.shape[1] != width or x.dtype != dtype:
+                    break
+                torch.index_select(x, 0, rows, out=outs[slot])  # the selected rows only are read
+                if b >= 0:
+                    residual = xs[b]
+                    if residual.dim() != 2 or residual.shape[1] != width or residual.dtype != dtype:
+                        break
+                    outs[slot].add_(residual.index_select(0, rows))  # added after selection
+            else:
+                self.picked = picked
+                return
         i = 0
         for slot, kind in zip(slots, kinds, strict=True):
             residual = xs[i + 1] if kind & _RESIDUAL else None
