@@ -121,8 +121,10 @@ def _prints_records(
     records = []
     for body in prints:
         arrays = body.arrays()
-        keep = arrays["positions"] < n_tokens
-        if not keep.any():
+        positions = arrays["positions"]
+        # positions are sorted: those of the sample's tokens come first (usually all of them)
+        kept = int(np.searchsorted(positions, n_tokens))
+        if kept == 0:
             continue
         fields: dict[str, Any] = {
             "run_id": run_id,
@@ -133,7 +135,7 @@ def _prints_records(
             "region": body.region,
             "forward_index": 0,
             "ladder_bits": list(body.ladder_bits),
-            **{name: values[keep] for name, values in arrays.items()},
+            **{name: values[:kept] if kept < positions.size else values for name, values in arrays.items()},
         }
         fields["positions"] = fields["positions"].astype(np.int32)
         records.append(

@@ -58,10 +58,15 @@ class EngineState:
         self.runner = runner
         self.version = version
         self.max_requests = max_requests
-        self.block_size = int(getattr(getattr(runner, "cache_config", None), "block_size", 0) or 0)
+        cache = getattr(runner, "cache_config", None)
+        self.block_size = int(getattr(cache, "block_size", 0) or 0)
+        # block versions only matter to prefix-cache hits: without a prefix cache none are followed
+        self.prefix_caching = bool(getattr(cache, "enable_prefix_caching", True))
         self.blocks: dict[int, Any] = {}  # block id -> weight version of its first written token
         self.requests: OrderedDict[str, RequestFacts] = OrderedDict()
         self._by_ext: dict[str, list[str]] = {}  # the caller's id -> engine request ids
+        self._spanless: set[str] = set()  # tracked requests whose last span is not the current version
+        self._version_seen: Any = _UNKNOWN
         self.errors = 0
         self._warn = LogOnce(log)
         self._original = runner._update_states
@@ -82,11 +87,18 @@ class EngineState:
             del self.runner._update_states
         self.requests.clear()
         self._by_ext.clear()
+        self._spanless.clear()
         self.blocks.clear()
 
     def _observe(self, out: Any) -> None:
+        """One step's scheduler output. Per step the work is set arithmetic, not a loop over the
+        batch: a request starts a weight span only when first scheduled after a version change,
+        and blocks are followed only where a prefix cache can hit them."""
         version = self.version()
-        size = self.block_size
+        if version != self._version_seen:  # each known request starts a span when next scheduled
+            self._version_seen = version
+            self._spanless = set(self.requests)
+        size = self.block_size if self.prefix_caching else 0
         for new in getattr(out, "scheduled_new_reqs", ()) or ():
             facts = RequestFacts(cached_tokens=int(new.num_computed_tokens or 0))
             params = getattr(new, "sampling_params", None)
@@ -101,15 +113,23 @@ class EngineState:
                         facts.stale_version = facts.stale_version or written
             self._track(new.req_id, facts)
         states = getattr(self.runner, "requests", {})
-        for req_id, count in (getattr(out, "num_scheduled_tokens", None) or {}).items():
+        scheduled = getattr(out, "num_scheduled_tokens", None) or {}
+        for req_id in scheduled.keys() - self.requests.keys():  # running before tracking began
+            if req_id in states:
+                self._track(req_id, RequestFacts())
+        for req_id in self._spanless & scheduled.keys():
             state = states.get(req_id)
             if state is None:
                 continue
-            known = self.requests.get(req_id)  # None: running before tracking began
-            facts = known if known is not None else self._track(req_id, RequestFacts())
+            facts = self.requests[req_id]
             if not facts.spans or facts.spans[-1][1] != version:
                 facts.spans.append((len(state.output_token_ids), version))
-            if size and state.block_ids:
+            self._spanless.discard(req_id)
+        if size:
+            for req_id, count in scheduled.items():
+                state = states.get(req_id)
+                if state is None or not state.block_ids:
+                    continue
                 blocks = state.block_ids[0]
                 first = int(state.num_computed_tokens)
                 for j in range(first // size, (first + int(count) - 1) // size + 1):
@@ -122,11 +142,14 @@ class EngineState:
         if req_id not in self.requests:
             self._by_ext.setdefault(external_id(req_id), []).append(req_id)
         self.requests[req_id] = facts
+        if not facts.spans:
+            self._spanless.add(req_id)
         self.requests.move_to_end(req_id)
         return facts
 
     def _forget(self, req_id: str) -> RequestFacts | None:
         facts = self.requests.pop(req_id, None)
+        self._spanless.discard(req_id)
         ext = external_id(req_id)
         siblings = self._by_ext.get(ext, [])
         if req_id in siblings:
@@ -159,8 +182,11 @@ def worker_state(worker: Any) -> EngineState:
             return getattr(weights, "version", None)
 
         state = EngineState(worker.model_runner, version)
+        cache = worker.vllm_config.cache_config
         if not state.block_size:
-            state.block_size = int(getattr(worker.vllm_config.cache_config, "block_size", 0) or 0)
+            state.block_size = int(getattr(cache, "block_size", 0) or 0)
+        if getattr(worker.model_runner, "cache_config", None) is None:
+            state.prefix_caching = bool(getattr(cache, "enable_prefix_caching", True))
         worker._isoaudit_state = state
     return state
 

@@ -41,18 +41,52 @@ def _sampled_logprobs(entries: Any, tokens: np.ndarray) -> np.ndarray | None:
         return None
     if len(entries) != tokens.size:
         raise ValueError(f"outputs: {len(entries)} logprob entries for {tokens.size} completion tokens")
-    values = np.empty(tokens.size, np.float32)
-    for i, (entry, token) in enumerate(zip(entries, tokens.tolist(), strict=True)):
-        found = entry.get(token) if entry is not None else None
-        if found is None:
-            raise ValueError(f"outputs: no logprob for sampled token {token} at completion index {i}")
-        values[i] = getattr(found, "logprob", found)
-    return values
+    flat = _flat_sampled(entries, tokens)
+    if flat is not None:
+        return flat
+    try:  # vLLM's dicts of Logprob: one lookup per position
+        return np.array(
+            [entry[token].logprob for entry, token in zip(entries, tokens.tolist(), strict=True)], np.float32
+        )
+    except (KeyError, TypeError, AttributeError):
+        pass  # a position without its token (an error, below), or plain floats
+    found = [
+        entry.get(token) if entry is not None else None
+        for entry, token in zip(entries, tokens.tolist(), strict=True)
+    ]
+    if None in found:
+        i = found.index(None)
+        raise ValueError(f"outputs: no logprob for sampled token {int(tokens[i])} at completion index {i}")
+    return np.array([getattr(f, "logprob", f) for f in found], dtype=np.float32)
 
 
-def _ranked_prefix(entry: Any) -> list[tuple[int, float]]:
+def _flat_sampled(entries: Any, tokens: np.ndarray) -> np.ndarray | None:
+    """The sampled logprobs of vLLM's ``FlatLogprobs`` (``SamplingParams(flat_logprobs=True)``)
+    without a dict per position: each position's first entry is its sampled token. ``None``: not
+    that container, or a position whose first entry is not the sampled token (read per position)."""
+    starts = getattr(entries, "start_indices", None)
+    if starts is None or not tokens.size:
+        return None
+    first = np.asarray(starts, dtype=np.int64)
+    ends = np.asarray(entries.end_indices, dtype=np.int64)
+    if first.shape != tokens.shape or (ends <= first).any():
+        return None
+    ids = np.asarray(entries.token_ids, dtype=np.int64)[first]
+    if not np.array_equal(ids, tokens):
+        return None
+    return np.asarray(entries.logprobs, dtype=np.float32)[first]
+
+
+def _ranked_prefix(entry: Any, limit: int) -> list[tuple[int, float]]:
     """One position's entries in rank order, as long as they are a top-m (the i-th has rank <= i;
-    the sampled token, when it ranks below the requested k, ends the prefix unless it is next)."""
+    the sampled token, when it ranks below the requested k, ends the prefix unless it is next),
+    ``limit`` at most."""
+    if len(entry) == 1:  # logprobs=0: the sampled token alone, a top-1 when it ranks first
+        ((token, found),) = entry.items()
+        rank = getattr(found, "rank", None)
+        if rank is None or rank > 1 or limit < 1:
+            return []
+        return [(int(token), float(getattr(found, "logprob", found)))]
     items = sorted(
         (
             (int(token), getattr(found, "logprob", found), getattr(found, "rank", None))
@@ -61,7 +95,7 @@ def _ranked_prefix(entry: Any) -> list[tuple[int, float]]:
         key=lambda item: (item[2] if item[2] is not None else 1 << 62, item[0]),
     )
     prefix = []
-    for i, (token, logprob, rank) in enumerate(items, start=1):
+    for i, (token, logprob, rank) in enumerate(items[:limit], start=1):
         if rank is None or rank > i:
             break
         prefix.append((token, float(logprob)))
@@ -95,8 +129,17 @@ def _distribution(
             np.exp(dense.astype(np.float64) * 0.5) @ sketch_projection(vocab).astype(np.float64)
         ).astype(np.float32)
         return ids, np.take_along_axis(dense, ids.astype(np.int64), axis=1), sketch
-    prefixes = [_ranked_prefix(entry) if entry is not None else [] for entry in entries]
-    width = min(k, min(len(p) for p in prefixes))
+    if None in entries:
+        return None, None, None
+    # the top-k is as wide as the narrowest position's ranked prefix: stop once that is nothing
+    width = min(k, min(map(len, entries)))
+    prefixes = []
+    for entry in entries:
+        if width == 0:
+            return None, None, None
+        prefix = _ranked_prefix(entry, width)
+        width = min(width, len(prefix))
+        prefixes.append(prefix)
     if width == 0:
         return None, None, None
     ids = np.array([[t for t, _ in p[:width]] for p in prefixes], dtype=np.int32)

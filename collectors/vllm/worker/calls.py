@@ -20,6 +20,7 @@ hidden states after the all-reduce, and each pipeline stage sees its own layers.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -27,6 +28,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from isoaudit.collectors.fingerprints import fingerprint_rows
 from isoaudit.collectors.vllm.messages import (
     ENVIRONMENT_KEY,
     Drain,
@@ -148,6 +150,8 @@ def start(obj: Any, message: Any) -> Any:
         mode_kernels=remediation.kernel_facts,
         decoder=compiled_decoder(worker, compiled),
         graph_rows=int(config.scheduler_config.max_num_batched_tokens),
+        # the batched passes over many steps' rows: on a CPU, the integer sums compiled
+        fingerprinter=functools.partial(fingerprint_rows, compile_sums=True),
     )
     capture.version = weights.version
     worker._isoaudit_capture = capture

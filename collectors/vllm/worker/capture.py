@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -44,7 +45,7 @@ from isoaudit.collectors.vllm.worker.graph import CompiledDecoder, GraphTaps, ta
 from isoaudit.collectors.vllm.worker.mode import ModeKernels, ModeOps, ModeSwitch, ModeSwitcher
 from isoaudit.collectors.vllm.worker.print_buffer import IDLE, Fingerprinter, Member, PrintBuffer, StepRows
 from isoaudit.collectors.vllm.worker.requests import RequestBook, RequestTrace, payload
-from isoaudit.collectors.vllm.worker.rows import read_forward_rows
+from isoaudit.collectors.vllm.worker.rows import ForwardRows, read_forward_rows
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
@@ -96,6 +97,18 @@ def _positions_arg(args: Sequence[Any], kwargs: dict[str, Any]) -> torch.Tensor 
     if value is None and len(args) > 1:
         value = args[1]
     return value if isinstance(value, torch.Tensor) and value.dim() == 1 else None
+
+
+@dataclass(frozen=True)
+class _Decoding:
+    """A forward whose batch decodes one row per request: what the next forward of the same batch
+    reuses (its row layout, members, index tensors and flat rows)."""
+
+    layout: ForwardRows
+    members: list[Member]
+    index: torch.Tensor
+    logits_index: torch.Tensor | None
+    rows: np.ndarray
 
 
 class EngineCapture:
@@ -155,13 +168,18 @@ class EngineCapture:
         self._last_version: str | None = None
         self._last_selected = False
         self._last_forgotten = 0
-        self._chosen: list[tuple[int, RequestTrace]] = []  # (batch index, trace) of _last_ids' selected
+        # _last_ids' selected requests: their traces, batch indices and prompt lengths
+        self._chosen_traces: list[RequestTrace] = []
+        self._chosen_index = np.zeros(0, np.int64)
+        self._chosen_prompt = np.zeros(0, np.int64)
+        self._decoding: _Decoding | None = None  # the last forward, when the next may repeat its rows
         self._handles: list[RemovableHandle] = []
         self._region_handles: list[RemovableHandle] = []
         self._original_execute: Callable[..., Any] | None = None
         # compiled engines: the graph taps' buffers (allocated when the taps are first installed)
         self._graph_rows = graph_rows
         self._graph_regions: list[int] = []
+        self._split: tuple[tuple[int, ...], list[int], list[int]] | None = None  # _split_stageable's
         self._taps: GraphTaps | None = None  # the decoder's, once a region is tapped
         self._install()
 
@@ -332,21 +350,22 @@ class EngineCapture:
         fwd, self._fwd = self._fwd, None
         taps = self._taps
         selected = taps.selected if taps is not None else 0
+        picked = taps.picked if taps is not None else None
         if taps is not None:
             taps.clear_rows()  # a forward outside a step (warm-up, dummy run) taps nothing
         if fwd is None:
             return
         try:
             if selected and taps is not None and fwd.index is not None:
-                regions = self._graph_regions
-                staged = (
-                    [i for i in regions if self._stageable(self.specs[i])] if taps.staged(selected) else []
-                )
-                if staged:
-                    assert taps.stage is not None
-                    fwd.stage = taps.stage[:, :selected].clone()  # fingerprinted in the batched pass
-                    fwd.filled = staged
-                printed = [i for i in regions if i not in staged]
+                printed = self._graph_regions
+                if taps.staged(selected):
+                    staged, unstaged = self._split_stageable()
+                    if staged:
+                        assert taps.stage is not None
+                        # fingerprinted in the batched pass: the op's own gather, or the stage's copy
+                        fwd.stage = picked if picked is not None else taps.stage[:, :selected].clone()
+                        fwd.filled = list(staged)
+                        printed = unstaged
                 if printed:
                     # ~144 bytes a row: copied out, the next forward writes the same buffers
                     prints = taps.prints
@@ -374,7 +393,8 @@ class EngineCapture:
         try:
             self.counters.forwards += 1
             batch = self.runner.input_batch
-            ids = batch.req_ids[: int(batch.num_reqs)]
+            n = int(batch.num_reqs)
+            ids = batch.req_ids[:n]
             # Decode steps repeat the same batch: bookkeeping only when it (or the weights) changed.
             if (
                 ids != self._last_ids
@@ -383,29 +403,56 @@ class EngineCapture:
             ):
                 self._last_ids, self._last_version = list(ids), self.version
                 self._last_forgotten = self.book.forgotten
-                self._chosen = []
+                selected: list[tuple[int, RequestTrace]] = []
                 for i, req_id in enumerate(ids):
                     trace = self._trace(req_id)
                     trace.last_version = self.version
                     if trace.selected:
-                        self._chosen.append((i, trace))
-                self._last_selected = bool(self._chosen)
+                        selected.append((i, trace))
+                self._chosen_traces = [trace for _, trace in selected]
+                self._chosen_index = np.array([i for i, _ in selected], dtype=np.int64)
+                self._chosen_prompt = np.array([t.prompt_len for t in self._chosen_traces], dtype=np.int64)
+                self._last_selected = bool(selected)
+                self._decoding = None
             if not (self._last_selected and self._region_handles):
                 self._fwd = IDLE
                 return
-            layout = read_forward_rows(self.runner)
-            members: list[Member] = []
-            first = 0
-            for i, trace in self._chosen:  # the batch's selected requests, in batch order
-                a, b = layout.rows(i)
-                decode = layout.case(i, trace.prompt_len) == "engine_decode"
-                members.append(Member(trace, i, len(members), first, b - a, decode, None))
-                first += b - a
-            if not members:
-                self._fwd = IDLE
-                return
-            rows = np.concatenate([np.arange(*layout.rows(m.index)) for m in members])
             positions = _positions_arg(args, kwargs)
+            decoding = self._decoding
+            if (
+                decoding is not None
+                and positions is not None
+                and positions.numel() >= n
+                and int(self.runner.query_start_loc.np[n]) == n
+            ):
+                # The same batch, every request decoding one row again: the last forward's rows.
+                self._fwd = StepRows(
+                    decoding.layout,
+                    decoding.members,
+                    decoding.index,
+                    decoding.logits_index,
+                    positions.index_select(0, decoding.index),
+                )
+                if self._graph_regions and self._taps is not None:
+                    self._taps.set_rows(decoding.rows, same=True)
+                return
+            layout = read_forward_rows(self.runner)
+            chosen = self._chosen_index
+            picked = layout.select(chosen, self._chosen_prompt)
+            rows = picked.rows
+            members = [
+                Member(trace, i, k, first, count, decode, None)
+                for k, (trace, i, first, count, decode) in enumerate(
+                    zip(
+                        self._chosen_traces,
+                        chosen.tolist(),
+                        picked.firsts.tolist(),
+                        picked.counts.tolist(),
+                        picked.decode.tolist(),
+                        strict=True,
+                    )
+                )
+            ]
             if positions is not None and positions.numel() < layout.num_tokens:
                 positions = None
             device = positions.device if positions is not None else torch.device("cpu")
@@ -417,14 +464,23 @@ class EngineCapture:
                 layout,
                 members,
                 index,
-                torch.tensor([m.index for m in members], dtype=torch.long, device=device),
+                torch.from_numpy(chosen).to(device),
                 positions.index_select(0, index) if positions is not None else None,
             )
             if self._graph_regions and self._taps is not None:
                 self._taps.set_rows(rows)
+            # every request one row and every selected one decoding: the next forward of this batch
+            # repeats these rows (members hold nothing of a forward's own: shared by the steps)
+            one_each = layout.num_tokens == len(layout.req_ids)
+            self._decoding = (
+                _Decoding(layout, members, index, self._fwd.logits_index, rows)
+                if positions is not None and one_each and bool(picked.decode.all())
+                else None
+            )
         except Exception as exc:
             self._fail("layout", exc)
             self._fwd = None
+            self._decoding = None
 
     def _graph_hook(
         self, i: int, spec: RegionSpec, module: nn.Module
@@ -462,11 +518,22 @@ class EngineCapture:
             else:
                 first, second = output, None
             if stage is not None:  # a CPU engine: the op reads the host's selection
-                tap_rows(first, second, stage, ident, slot, stageable)
+                if not taps.hold(first, second, slot, stageable):  # held: one op at the forward's end
+                    tap_rows(first, second, stage, ident, slot, stageable)
             else:
                 record_rows(first, second, index, count, ints, floats, ladder)
 
         return hook
+
+    def _split_stageable(self) -> tuple[list[int], list[int]]:
+        """The graph regions whose rows a CPU forward stages, and the others (kept while the graph
+        regions stay the same)."""
+        key = tuple(self._graph_regions)
+        split = self._split
+        if split is None or split[0] != key:
+            staged = [i for i in key if self._stageable(self.specs[i])]
+            split = self._split = (key, staged, [i for i in key if i not in staged])
+        return split[1], split[2]
 
     @staticmethod
     def _stageable(spec: RegionSpec) -> bool:

@@ -61,6 +61,7 @@ class StepRows:
     printed_bits: tuple[int, ...] = ()
     printed_regions: list[int] = field(default_factory=list)
     pending: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # logits, and odd shapes
+    host_positions: np.ndarray | None = None  # ``positions`` on the host, once kept (a CPU engine)
 
     @property
     def selected_rows(self) -> int:
@@ -153,9 +154,7 @@ class PrintBuffer:
             return
         step.members = kept
         if step.positions is not None and step.positions.device.type == "cpu":
-            host = step.positions.numpy()
-            for member in kept:
-                member.positions = host[member.first : member.first + member.count].astype(np.int64)
+            step.host_positions = step.positions.numpy()
             step.positions = None
         self._steps.append(step)
         staged = [step.stage] if step.stage is not None else []
@@ -176,34 +175,37 @@ class PrintBuffer:
         steps = [s for s in steps if any(self.book.live(m.trace) for m in s.members)]
         if not steps:
             return
-        # Chunks to fingerprint, grouped by (dtype, width, logits?): (step, tensor, [(region, row offset)]).
+        # Chunks to fingerprint, grouped by (dtype, width, logits?): (step, tensor, [(region, slot)]):
+        # a chunk holds its regions' rows one after another, a row count (``unit``) each.
         groups: dict[
             tuple[torch.dtype, int, bool], list[tuple[int, torch.Tensor, list[tuple[int, int]]]]
         ] = {}
         for k, step in enumerate(steps):
             if step.stage is not None and step.filled:
-                n = step.selected_rows
                 stage = step.stage.reshape(-1, step.stage.shape[-1])
-                entries = [(region, self._slots[region] * n) for region in step.filled]
+                entries = [(region, self._slots[region]) for region in step.filled]
                 groups.setdefault((stage.dtype, int(stage.shape[-1]), False), []).append((k, stage, entries))
             for region, rows in step.pending:
                 key = (rows.dtype, int(rows.shape[-1]), self.logits[region])
                 groups.setdefault(key, []).append((k, rows, [(region, 0)]))
         tensors: dict[str, torch.Tensor] = {}
-        # per step: per group: (regions, row offsets in the group's concatenation)
-        where: list[dict[int, tuple[list[int], list[int]]]] = [{} for _ in steps]
+        # per step, per group: where its rows lie (_Filed)
+        where: list[dict[int, _Filed]] = [{} for _ in steps]
         bits: list[tuple[int, ...]] = []
-        for g, items in enumerate(groups.values()):
+        for g, (key, items) in enumerate(groups.items()):
             stacked = torch.cat([rows for _, rows, _ in items]) if len(items) > 1 else items[0][1]
             prints = self.fingerprinter(stacked)
             bits.append(prints.ladder_bits)
             tensors.update(device_tensors([prints], prefix=f"g{g}."))
             base = 0
             for k, rows, entries in items:
-                regions, offsets = where[k].setdefault(g, ([], []))
-                for region, offset in entries:
-                    regions.append(region)
-                    offsets.append(base + offset)
+                unit = int(rows.shape[0]) if key[2] else steps[k].selected_rows
+                filed = where[k].get(g)
+                if filed is None:
+                    filed = where[k][g] = _Filed(base, unit, key[2])
+                first = (base - filed.base) // max(unit, 1)
+                for region, slot in entries:
+                    filed.add(region, first + slot)
                 base += int(rows.shape[0])
         # Steps fingerprinted inside the graph: their rows concatenated per ladder, no pass here.
         printed: dict[tuple[int, ...], list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
@@ -215,10 +217,9 @@ class PrintBuffer:
             base = 0
             for k, ints, _ in items_p:
                 n = int(ints.shape[1])
-                regions, offsets = where[k].setdefault(g, ([], []))
+                filed = where[k].setdefault(g, _Filed(base, n, False))
                 for region in steps[k].printed_regions:
-                    regions.append(region)
-                    offsets.append(base + self._slots[region] * n)
+                    filed.add(region, self._slots[region])
                 base += int(ints.shape[0]) * n
             for name, parts in (("ints", [i for _, i, _ in items_p]), ("floats", [f for _, _, f in items_p])):
                 flat = [t.reshape(-1, t.shape[-1]) for t in parts]
@@ -229,30 +230,61 @@ class PrintBuffer:
         host = to_host(tensors)  # the flush's one device-to-host transfer
         blocks = [host_rows(host, [bits[g]], prefix=f"g{g}.")[0] for g in range(len(groups))]
         blocks += [slot_rows(host[f"p{j}.ints"], host[f"p{j}.floats"], b) for j, b in enumerate(printed)]
-        logits_group = [key[2] for key in groups] + [False] * len(printed)
         self.counters.fingerprinted_forwards += len(steps)
+        filed_rows = 0
+        interned: dict[tuple[tuple[int, ...], tuple[int, ...], bool], int] = {}
         for k, step in enumerate(steps):
-            filed = [
-                (g, tuple(group_regions), np.asarray(group_offsets, dtype=np.int64))
-                for g, (group_regions, group_offsets) in where[k].items()
-            ]
+            filed_k = [(blocks[g], filed, filed.seal(interned)) for g, filed in where[k].items()]
+            positions_k = step.host_positions if step.host_positions is not None else host.get(f"pos{k}")
             for member in step.members:
-                if not self.book.live(member.trace):
+                trace = member.trace
+                if not self.book.live(trace):
                     continue
                 positions = member.positions
                 if positions is None:
-                    positions = host[f"pos{k}"][member.first : member.first + member.count].astype(np.int64)
-                for g, filed_regions, filed_offsets in filed:
-                    logits = logits_group[g]
-                    member.trace.pieces.append(
-                        Piece(
-                            blocks[g],
-                            filed_regions,
-                            filed_offsets,
-                            member.row if logits else member.first,
-                            1 if logits else member.count,
-                            positions[-1:] if logits else positions,
-                            member.decode,
+                    assert positions_k is not None
+                    positions = positions_k[member.first : member.first + member.count]
+                rows = positions.tolist()
+                if not member.decode and rows:
+                    trace.prefill_positions.add(int(rows[-1]))
+                for block, filed, sig in filed_k:
+                    piece_key = (id(block), sig)
+                    piece = trace.pieces.get(piece_key)
+                    if piece is None:
+                        piece = trace.pieces[piece_key] = Piece(
+                            block, filed.regions_key, np.asarray(filed.mults, dtype=np.int64)
                         )
-                    )
-                    self.counters.rows += (1 if logits else member.count) * len(filed_regions)
+                    if filed.logits:  # one row per request: its last position
+                        piece.add(filed.base + member.row, filed.unit, rows[-1:], member.decode)
+                        filed_rows += len(filed.regions)
+                    else:
+                        piece.add(filed.base + member.first, filed.unit, rows, member.decode)
+                        filed_rows += member.count * len(filed.regions)
+        self.counters.rows += filed_rows
+
+
+@dataclass
+class _Filed:
+    """Where one forward's rows lie in one fingerprinted group: region ``regions[i]``'s rows start at
+    ``base + mults[i] * unit`` (``unit``: the forward's selected rows, or its logits rows), a
+    request's at its first row among them (its logits row)."""
+
+    base: int
+    unit: int
+    logits: bool
+    regions: list[int] = field(default_factory=list)
+    mults: list[int] = field(default_factory=list)
+    regions_key: tuple[int, ...] = ()
+    key: tuple[tuple[int, ...], tuple[int, ...], bool] = ((), (), False)
+
+    def add(self, region: int, mult: int) -> None:
+        """Region ``region``'s rows start ``mult`` units past ``base``."""
+        self.regions.append(region)
+        self.mults.append(mult)
+
+    def seal(self, interned: dict[tuple[tuple[int, ...], tuple[int, ...], bool], int]) -> int:
+        """Every region added: the keys a request's piece of these rows is filed under, and their
+        number in ``interned`` (a cheap dict key per request)."""
+        self.regions_key = tuple(self.regions)
+        self.key = (self.regions_key, tuple(self.mults), self.logits)
+        return interned.setdefault(self.key, len(interned))

@@ -38,16 +38,31 @@ def external_id(req_id: str) -> str:
 
 @dataclass
 class Piece:
-    """One request's rows of one forward within a block: region ``regions[k]``'s rows are
-    ``offsets[k] + start + arange(count)``."""
+    """One request's rows in one block for one set of regions, over the forwards of one flush:
+    per row ``j`` (in forward order) region ``regions[k]``'s row of the block is
+    ``starts[j] + mults[k] * strides[j]``, at position ``positions[j]``, decoded or not. Filed a
+    forward at a time into lists (:meth:`add`), gathered when the request is drained."""
 
     block: HostRows
     regions: tuple[int, ...]
-    offsets: np.ndarray  # int64 [len(regions)]
-    start: int
-    count: int
-    positions: np.ndarray  # int64 [count]
-    decode: bool
+    mults: np.ndarray  # int64 [len(regions)]
+    starts: list[int] = field(default_factory=list)
+    strides: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    decode: list[bool] = field(default_factory=list)
+
+    def add(self, start: int, stride: int, positions: list[int], decode: bool) -> None:
+        """One forward's rows: ``len(positions)`` rows from ``start``."""
+        count = len(positions)
+        if count == 1:
+            self.starts.append(start)
+            self.strides.append(stride)
+            self.decode.append(decode)
+        else:
+            self.starts.extend(range(start, start + count))
+            self.strides.extend([stride] * count)
+            self.decode.extend([decode] * count)
+        self.positions.extend(positions)
 
 
 @dataclass
@@ -63,7 +78,8 @@ class RequestTrace:
     selected: bool
     first_version: str | None
     last_version: str | None
-    pieces: list[Piece] = field(default_factory=list)
+    pieces: dict[tuple[int, int], Piece] = field(default_factory=dict)  # by block and rows filed
+    prefill_positions: set[int] = field(default_factory=set)  # last position of each prefill forward
     rows: int = 0  # fingerprint rows reserved for this request (filed or still pending)
     finished: bool = False
     truncated: bool = False
@@ -71,51 +87,57 @@ class RequestTrace:
 
 def payload(trace: RequestTrace, region_names: Sequence[str]) -> tuple[RequestRecord, int]:
     """One request's record for the driver, and how many recomputed rows it dropped: per region and
-    case, positions sorted, arrays as little-endian bytes; each piece group gathered with one fancy
-    index per field."""
+    case, positions sorted, arrays as little-endian bytes; each piece gathered with one fancy index
+    per field, and the positions of the regions that share their pieces sorted once."""
     recomputed = 0
-    # Gather each (block, regions) group of pieces with one fancy index per field.
-    grouped: dict[tuple[int, tuple[int, ...]], list[Piece]] = {}
-    for piece in trace.pieces:
-        grouped.setdefault((id(piece.block), piece.regions), []).append(piece)
-    per_region: dict[int, list[tuple[np.ndarray, np.ndarray, dict[str, np.ndarray], tuple[int, ...]]]] = {}
-    for pieces in grouped.values():
-        block, regions = pieces[0].block, pieces[0].regions
-        rows = np.concatenate(
-            [p.offsets[:, None] + (p.start + np.arange(p.count, dtype=np.int64))[None, :] for p in pieces],
-            axis=1,
-        )  # [regions, total]
-        positions = np.concatenate([p.positions for p in pieces])
-        decode = np.concatenate([np.full(p.count, p.decode) for p in pieces])
+    # per region: its parts (positions, decode, one row of the piece's gathered arrays), by piece
+    per_region: dict[int, list[tuple[int, dict[str, np.ndarray], int]]] = {}
+    gathered: list[tuple[np.ndarray, np.ndarray, dict[str, np.ndarray], tuple[int, ...]]] = []
+    for g, piece in enumerate(trace.pieces.values()):
+        block = piece.block
+        starts = np.asarray(piece.starts, dtype=np.int64)
+        strides = np.asarray(piece.strides, dtype=np.int64)
+        rows = starts[None, :] + piece.mults[:, None] * strides[None, :]  # [regions, rows]
         arrays = {name: getattr(block, name)[rows] for name in ROW_FIELDS}
-        for k, region in enumerate(regions):
-            per_region.setdefault(region, []).append(
-                (positions, decode, {name: a[k] for name, a in arrays.items()}, block.ladder_bits)
-            )
+        positions = np.asarray(piece.positions, dtype=np.int64)
+        gathered.append((positions, np.asarray(piece.decode, dtype=bool), arrays, block.ladder_bits))
+        for k, region in enumerate(piece.regions):
+            per_region.setdefault(region, []).append((g, arrays, k))
+    # Regions with the same pieces share their positions: their order, cases and recomputed rows once.
+    orders: dict[tuple[int, ...], tuple[list[tuple[bool, np.ndarray]], np.ndarray, int]] = {}
     prints = []
     for region, parts in per_region.items():
-        positions = np.concatenate([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]
-        decode = np.concatenate([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
+        key = tuple(g for g, _, _ in parts)
+        if key not in orders:
+            positions = np.concatenate([gathered[g][0] for g in key]) if len(key) > 1 else gathered[key[0]][0]
+            decode = np.concatenate([gathered[g][1] for g in key]) if len(key) > 1 else gathered[key[0]][1]
+            # A preempted request recomputes positions it already had: keep the latest computation
+            # of each (np.unique over the reversed order finds last occurrences, sorted by position).
+            _, first_in_reversed = np.unique(positions[::-1], return_index=True)
+            keep = positions.size - 1 - first_in_reversed
+            cases = [(d, keep[decode[keep] == d]) for d in (False, True)]
+            orders[key] = (
+                [(d, rows) for d, rows in cases if rows.size],
+                positions,
+                positions.size - keep.size,
+            )
+        cases, positions, dropped = orders[key]
+        recomputed += dropped
         arrays = {
-            name: np.concatenate([p[2][name] for p in parts]) if len(parts) > 1 else parts[0][2][name]
+            name: np.concatenate([a[name][k] for _, a, k in parts])
+            if len(parts) > 1
+            else parts[0][1][name][parts[0][2]]
             for name in ROW_FIELDS
         }
-        # A preempted request recomputes positions it already had: keep the latest computation
-        # of each (np.unique over the reversed order finds last occurrences, sorted by position).
-        _, first_in_reversed = np.unique(positions[::-1], return_index=True)
-        keep = positions.size - 1 - first_in_reversed
-        recomputed += int(positions.size - keep.size)
-        for case_decode in (False, True):
-            rows = keep[decode[keep] == case_decode]
-            if rows.size == 0:
-                continue
+        bits = [int(b) for b in gathered[key[0]][3]]
+        for case_decode, rows in cases:
             prints.append(
                 RegionPrints(
                     region=region_names[region],
                     case="engine_decode" if case_decode else "engine_prefill",
-                    ladder_bits=[int(b) for b in parts[0][3]],
+                    ladder_bits=bits,
                     positions=positions[rows].astype("<i4").tobytes(),
-                    **{name: np.ascontiguousarray(arrays[name][rows]).tobytes() for name in ROW_FIELDS},
+                    **{name: arrays[name][rows].tobytes() for name in ROW_FIELDS},
                 )
             )
     body = RequestRecord(
@@ -126,11 +148,7 @@ def payload(trace: RequestTrace, region_names: Sequence[str]) -> tuple[RequestRe
         top_p=trace.top_p,
         selected=trace.selected,
         truncated=trace.truncated,
-        # A forward files a piece per row-width group, logits holding only its last row: so count
-        # distinct last positions.
-        prefill_forwards=len({int(p.positions[-1]) for p in trace.pieces if not p.decode and p.count})
-        if trace.selected
-        else None,
+        prefill_forwards=len(trace.prefill_positions) if trace.selected else None,
         first_version=trace.first_version,
         last_version=trace.last_version,
         prints=prints,
@@ -238,6 +256,7 @@ class RequestBook:
         self._buffered_rows -= trace.rows
         trace.rows = 0
         trace.pieces.clear()
+        trace.prefill_positions.clear()
         siblings = self._by_ext.get(trace.ext_id, [])
         if trace.req_id in siblings:
             siblings.remove(trace.req_id)

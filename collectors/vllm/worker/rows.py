@@ -57,6 +57,33 @@ class ForwardRows:
         a, b = self.rows(i)
         return "engine_decode" if b - a == 1 and int(self.computed[i]) >= prompt_len else "engine_prefill"
 
+    def select(self, indices: np.ndarray, prompt_lens: np.ndarray) -> Selected:
+        """Requests ``indices`` (batch order, int64) with these prompt lengths, at once: their flat
+        rows concatenated, each one's first row among them and count, and whether it decodes
+        (:meth:`case`)."""
+        starts = self.query_start[indices]
+        counts = self.query_start[indices + 1] - starts
+        firsts = np.cumsum(counts) - counts
+        total = int(counts.sum())
+        if total == indices.size:  # one row each (decode steps): the rows are their starts
+            rows = starts.copy()
+        else:
+            rows = np.repeat(starts - firsts, counts) + np.arange(total, dtype=np.int64)
+        decode = (counts == 1) & (self.computed[indices] >= prompt_lens)
+        return Selected(rows, firsts, counts, decode)
+
+
+@dataclass(frozen=True)
+class Selected:
+    """The selected requests of a forward (:meth:`ForwardRows.select`): ``rows`` int64 [total]
+    their flat rows, concatenated in batch order; per request ``firsts``/``counts`` (its rows are
+    ``rows[firsts[k]:firsts[k] + counts[k]]``) and ``decode``."""
+
+    rows: np.ndarray
+    firsts: np.ndarray
+    counts: np.ndarray
+    decode: np.ndarray
+
 
 def read_forward_rows(runner: Any) -> ForwardRows:
     """The layout of the forward ``runner`` is about to run (read between its input preparation and
@@ -64,6 +91,6 @@ def read_forward_rows(runner: Any) -> ForwardRows:
     batch = runner.input_batch
     n = int(batch.num_reqs)
     req_ids: Sequence[str] = batch.req_ids[:n]
-    query_start = np.asarray(runner.query_start_loc.np[: n + 1], dtype=np.int64).copy()
-    computed = np.asarray(batch.num_computed_tokens_cpu[:n], dtype=np.int64).copy()
-    return ForwardRows(tuple(str(r) for r in req_ids), query_start, computed)
+    query_start = np.array(runner.query_start_loc.np[: n + 1], dtype=np.int64)
+    computed = np.array(batch.num_computed_tokens_cpu[:n], dtype=np.int64)
+    return ForwardRows(tuple(map(str, req_ids)), query_start, computed)
