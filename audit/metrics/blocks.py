@@ -565,7 +565,7 @@ class TokenBlocks:
         self.offsets = np.asarray(offsets, dtype=np.int64)
         self.finite_only = finite_only
         self.n_samples = self.offsets.size - 1
-        self._bounds = _block_bounds(self.offsets, BLOCK_TOKENS if block_tokens is None else block_tokens)
+        self._bounds = block_bounds(self.offsets, BLOCK_TOKENS if block_tokens is None else block_tokens)
         self._done: dict[Request, np.ndarray] = {}
         self._lock = threading.Lock()
         self._recording: list[Request] | None = None
@@ -747,7 +747,7 @@ class TokenBlocks:
         return math.sqrt(m2 / (n - ddof)) if n > ddof and m2 >= 0 else math.nan
 
 
-def _block_bounds(offsets: np.ndarray, block_tokens: int) -> list[int]:
+def block_bounds(offsets: np.ndarray, block_tokens: int) -> list[int]:
     """Sample indices ``0 = b_0 < b_1 < ... = n`` cutting the samples into runs of about
     ``block_tokens`` tokens (a longer sample is a block of its own)."""
     n = offsets.size - 1

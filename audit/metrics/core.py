@@ -34,7 +34,7 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 import pandas as pd
-from isoaudit.audit.metrics.blocks import Key, Request, TokenBlocks
+from isoaudit.audit.metrics.blocks import Key, Request, TokenBlocks, block_bounds
 from isoaudit.audit.metrics.families import LOG_RATIO_BOUND, PARAMETRIC, TokenView
 from isoaudit.audit.metrics.keys import (
     LENGTH_BUCKETS,
@@ -270,7 +270,7 @@ def per_sample_stats(
     ``extra`` lists, on ``threads`` threads."""
     if blocks is not None and blocks.all_finite and entropies[0] is None and entropies[1] is None:
         return _block_stats(blocks, clip_eps, extra, threads)
-    bounds = _blocks(offsets, BLOCK_TOKENS if block_tokens is None else block_tokens)
+    bounds = block_bounds(offsets, BLOCK_TOKENS if block_tokens is None else block_tokens)
     if len(bounds) <= 2:
         return segment_stats(t32, r32, offsets, clip_eps, entropies)
 
@@ -349,18 +349,6 @@ def _block_stats(
     sums = {name: blocks.get(*request) for name, request in requests.items()}
     no_entropy = (np.zeros(n), np.zeros(n, dtype=np.int64))
     return _assemble(blocks.lengths, blocks.lengths, sums, [no_entropy, no_entropy])
-
-
-def _blocks(offsets: np.ndarray, block_tokens: int) -> list[int]:
-    """Sample indices ``0 = b_0 < b_1 < ... = n`` cutting the samples into runs of about
-    ``block_tokens`` tokens (a longer sample is a block of its own)."""
-    n = offsets.size - 1
-    bounds = [0]
-    while bounds[-1] < n:
-        start = bounds[-1]
-        cut = int(np.searchsorted(offsets, offsets[start] + block_tokens, side="right")) - 1
-        bounds.append(min(max(cut, start + 1), n))
-    return bounds
 
 
 def segment_stats(

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from isoaudit.audit import compare as compare_module
 from isoaudit.audit.compare import StepOutcome, compare_samples
 from isoaudit.audit.metrics import blocks, core
+from isoaudit.audit.metrics.blocks import block_bounds
 from isoaudit.audit.metrics.families import LOG_RATIO_BOUND
 from isoaudit.audit.records import SampleLogprobs
 
@@ -80,9 +81,9 @@ def test_a_delta_past_the_bound_in_one_block_decides_rho_for_every_block() -> No
 
 def test_blocks_cut_at_sample_boundaries() -> None:
     offsets = np.array([0, 5, 5, 20, 21, 60, 61])
-    assert core._blocks(offsets, 10) == [0, 2, 3, 4, 5, 6]
-    assert core._blocks(offsets, 1000) == [0, 6]
-    assert core._blocks(np.array([0]), 10) == [0]
+    assert block_bounds(offsets, 10) == [0, 2, 3, 4, 5, 6]
+    assert block_bounds(offsets, 1000) == [0, 6]
+    assert block_bounds(np.array([0]), 10) == [0]
 
 
 def varied_step(seed: int, n: int) -> tuple[list[tuple[SampleLogprobs, SampleLogprobs]], dict[str, Any]]:
