@@ -237,10 +237,10 @@ class GraphTaps:
                     break
                 torch.index_select(x, 0, rows, out=outs[slot])  # the selected rows only are read
                 if b >= 0:
-                    residual = xs[b]
-                    if residual.dim() != 2 or residual.shape[1] != width or residual.dtype != dtype:
+                    added = xs[b]
+                    if added.dim() != 2 or added.shape[1] != width or added.dtype != dtype:
                         break
-                    outs[slot].add_(residual.index_select(0, rows))  # added after selection
+                    outs[slot].add_(added.index_select(0, rows))  # the residual, added after selection
             else:
                 self.picked = picked
                 return
