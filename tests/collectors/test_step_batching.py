@@ -124,14 +124,10 @@ def test_every_grouping_gives_each_region_its_own_fingerprints(load, layout: str
             _host_equal(got, want, f"group_bytes={size} {region}")
 
 
-def test_records_are_built_as_model_construct_builds_them() -> None:
-    gen = np.random.default_rng(0)
-    fields = {
-        "run_id": "r",
-        "step": 3,
-        "side": "trainer",
-        "case": "trainer_fwd",
-        "sample_key": "0" * 32,
+def _region_row(gen: np.random.Generator, sample_key: str) -> dict:
+    """One sample's fingerprint fields of one region: four positions, random values."""
+    return {
+        "sample_key": sample_key,
         "region": "layers.0.mlp",
         "forward_index": 0,
         "positions": np.arange(4, dtype=np.int32),
@@ -141,6 +137,17 @@ def test_records_are_built_as_model_construct_builds_them() -> None:
         "sketch": gen.standard_normal((4, 16)).astype(np.float32),
         "l2": gen.random(4).astype(np.float32),
         "maxabs": gen.random(4).astype(np.float32),
+    }
+
+
+def test_records_are_built_as_model_construct_builds_them() -> None:
+    gen = np.random.default_rng(0)
+    fields = {
+        "run_id": "r",
+        "step": 3,
+        "side": "trainer",
+        "case": "trainer_fwd",
+        **_region_row(gen, "0" * 32),
     }
     build = Construct(RegionFingerprints, _PRINT_NAMES)
     for _ in range(2):  # the first is checked against model_construct, the second is not
@@ -171,22 +178,7 @@ def test_prefilled_records_are_built_as_model_construct_builds_them() -> None:
     call gives, and ``fingerprint_records`` gives the same records validated or not."""
     gen = np.random.default_rng(1)
     shared = {"run_id": "r", "step": 3, "side": "trainer", "case": "trainer_fwd"}
-    rows = []
-    for i in range(3):
-        rows.append(
-            {
-                "sample_key": f"{i:032x}",
-                "region": "layers.0.mlp",
-                "forward_index": 0,
-                "positions": np.arange(4, dtype=np.int32),
-                "digest": gen.integers(0, 2**63, 4).astype(np.uint64),
-                "ladder_bits": [6, 4, 2, 0],
-                "ladder": gen.integers(0, 2**63, (4, 4)).astype(np.uint64),
-                "sketch": gen.standard_normal((4, 16)).astype(np.float32),
-                "l2": gen.random(4).astype(np.float32),
-                "maxabs": gen.random(4).astype(np.float32),
-            }
-        )
+    rows = [_region_row(gen, f"{i:032x}") for i in range(3)]
     build = Construct(RegionFingerprints, _PRINT_NAMES)
     start = build.prefilled(shared)
     assert start is not None and list(start) == list(RegionFingerprints.model_fields)
