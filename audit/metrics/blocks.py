@@ -19,6 +19,8 @@ from __future__ import annotations
 import math
 import os
 import threading
+import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from functools import cached_property
@@ -26,23 +28,51 @@ from typing import Any
 
 import numpy as np
 
-#: Tokens per block: whole samples up to about this many tokens are measured together.
-BLOCK_TOKENS = 1 << 15
+#: Tokens per block: whole samples up to about this many tokens are measured together (64k tokens:
+#: a block's live float64 quantities, about 8 of 512 KiB, fit a core's 4 MiB L2; twice that does not).
+BLOCK_TOKENS = 1 << 16
 #: The most threads a pass takes.
 MOST_THREADS = 4
 
 
+class _OwnLoad:
+    """This process's CPU use, in busy cores, over about the last minute: the share of the load
+    average that is its own work, not other jobs'."""
+
+    WINDOW_S = 60.0
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._samples: deque[tuple[float, float]] = deque(
+            [(time.monotonic(), time.process_time())], maxlen=256
+        )
+
+    def __call__(self) -> float:
+        with self._lock:
+            now = (time.monotonic(), time.process_time())
+            self._samples.append(now)
+            while len(self._samples) > 2 and now[0] - self._samples[1][0] >= self.WINDOW_S:
+                self._samples.popleft()
+            wall, cpu = self._samples[0]
+            return (now[1] - cpu) / (now[0] - wall) if now[0] - wall >= 1.0 else 0.0
+
+
+_own_load = _OwnLoad()
+
+
 def idle_threads(most: int = MOST_THREADS) -> int:
-    """Threads for a pass over a step's blocks: as many as the machine has cores not busy (its
-    1-minute load average), at most ``most``, at least 1. Blocks on a second thread pay off only
-    on a core of their own: on busy cores they wait on each other's interpreter lock and cache
-    (a pass at load 3 on 2 cores: 0.27–0.31 s on one thread, 0.42–0.47 s on two)."""
+    """Threads for a pass over a step's blocks: as many as the machine has cores not busy with other
+    jobs (its 1-minute load average less this process's own CPU use over about the last minute),
+    at most ``most``, at least 1. Blocks on a second thread pay off only on a core of their own: on
+    busy cores they wait on each other's interpreter lock and cache (a pass at load 3 on 2 cores:
+    0.27–0.31 s on one thread, 0.42–0.47 s on two)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     try:
         busy = os.getloadavg()[0]
     except OSError:  # no load average here: one thread, which never loses
         return 1
-    return max(1, min(most, cores, int(cores - busy + 0.5)))
+    others = max(0.0, busy - _own_load())
+    return max(1, min(most, cores, int(cores - others + 0.5)))
 
 
 Key = str | tuple[Any, ...]

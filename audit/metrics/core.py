@@ -34,7 +34,7 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 import pandas as pd
-from isoaudit.audit.metrics.blocks import Key, Request, TokenBlocks, block_bounds
+from isoaudit.audit.metrics.blocks import BLOCK_TOKENS, Key, Request, TokenBlocks, block_bounds
 from isoaudit.audit.metrics.families import LOG_RATIO_BOUND, PARAMETRIC, TokenView
 from isoaudit.audit.metrics.keys import (
     LENGTH_BUCKETS,
@@ -240,11 +240,6 @@ def check_inputs(
     if (np.diff(o) < 0).any():
         raise ValueError(f"offsets: decreasing at sample {int(np.flatnonzero(np.diff(o) < 0)[0])}")
     return t.astype(np.float32, copy=False), r.astype(np.float32, copy=False), o
-
-
-#: Tokens per block of :func:`per_sample_stats`: whole samples up to about this many tokens are
-#: measured together, so that the pass's float64 temporaries stay in cache (a step's arrays do not).
-BLOCK_TOKENS = 1 << 15
 
 
 def per_sample_stats(

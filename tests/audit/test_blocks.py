@@ -5,6 +5,8 @@ counts and extremes exactly, the sums within rounding."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 from isoaudit.audit.frameworks.base import STANDARD
@@ -87,3 +89,26 @@ def test_a_quantity_found_constant_where_the_sides_agree_is(name: str) -> None:
 def test_a_quantity_of_the_logprobs_themselves_is_not_constant() -> None:
     for name in ("t", "r", "exp_t", "exp_r", "core_pr", "nemo_js"):
         assert at_agreeing(name) is None, name
+
+
+def test_own_load_counts_this_process_busy_cores() -> None:
+    own = blocks._OwnLoad()
+    started = time.monotonic()
+    while time.monotonic() - started < 1.2:  # one core busy for over a second
+        sum(range(1000))
+    assert 0.7 < own() <= 1.05
+    idle = blocks._OwnLoad()
+    time.sleep(1.1)
+    assert idle() < 0.2
+
+
+@pytest.mark.parametrize(
+    ("load", "own", "threads"), [(1.0, 1.0, 2), (2.0, 1.0, 1), (1.0, 0.0, 1), (0.1, 0.0, 2)]
+)
+def test_idle_threads_leaves_this_process_own_load_out(
+    load: float, own: float, threads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(blocks.os, "sched_getaffinity", lambda _: {0, 1}, raising=False)
+    monkeypatch.setattr(blocks.os, "getloadavg", lambda: (load, load, load))
+    monkeypatch.setattr(blocks, "_own_load", lambda: own)
+    assert blocks.idle_threads() == threads
