@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
@@ -112,7 +113,10 @@ def pick_rollout(engine: Engine, policy: torch.nn.Module, model_dir: Path) -> Ro
     """vLLM when asked (or, for ``auto``, when it is installed), else the reference engine."""
     if engine == "vllm" or (engine == "auto" and vllm_available()):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        # The demo's table is what a newcomer reads: vLLM's warnings about a tiny random model on a
+        # CPU (a weight-load note at every sync, tuning hints, deprecations) would bury it.
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+        warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm\.")
         return VllmRollout(model_dir)
     return ReferenceRollout(policy)
 
