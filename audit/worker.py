@@ -295,6 +295,8 @@ class ComparisonWorker:
             try:
                 busy = self.run_once(self.run_id) > 0 or (self.run_id is None and self.backfill() > 0)
                 self.store.apply_due_retention()  # each project's retention policy, once an hour
+                if not busy:  # the saves leave SQLite's log to now, off the comparisons' path
+                    self.store.checkpoint()
             except Exception:
                 log.exception("comparison pass failed")
                 busy = False

@@ -146,12 +146,38 @@ def make_engine(url: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S)
     if url.startswith("sqlite"):
         engine = create_engine(url, json_serializer=json_text)
         event.listen(engine, "connect", _sqlite_pragmas(timeout_s))
+        event.listen(engine, "checkin", _checkpoint_again)
         return engine
     connect_args = {"connect_timeout": max(1, round(timeout_s))} if url.startswith("postgresql") else {}
     engine = create_engine(url, connect_args=connect_args, pool_pre_ping=True, json_serializer=json_text)
     if engine.dialect.name == "postgresql" and engine.dialect.driver == "psycopg":
         event.listen(engine, "connect", _tolerant_loaders)
     return engine
+
+
+#: SQLite's own threshold for a checkpoint at commit (pages of the write-ahead log).
+WAL_AUTOCHECKPOINT_PAGES = 1000
+
+
+def defer_wal_checkpoint(session: Session) -> None:
+    """On SQLite, let this session's commit leave the write-ahead log as it is, however long (the
+    commit that passes SQLite's threshold otherwise copies the whole log into the database file
+    inside it): for writes on a latency path, whose owner checkpoints when idle
+    (:meth:`~audit.db.store.Store.checkpoint`). The connection's own threshold comes back when it
+    returns to the pool. Nothing on other databases."""
+    connection = session.connection()
+    if connection.dialect.name != "sqlite":
+        return
+    connection.exec_driver_sql("PRAGMA wal_autocheckpoint=0")
+    connection.info["checkpoint_deferred"] = True
+
+
+def _checkpoint_again(dbapi_connection: DBAPIConnection, record: ConnectionPoolEntry) -> None:
+    """A connection back in the pool checkpoints at commit again (see :func:`defer_wal_checkpoint`)."""
+    if record.info.pop("checkpoint_deferred", False):
+        cursor = dbapi_connection.cursor()
+        cursor.execute(f"PRAGMA wal_autocheckpoint={WAL_AUTOCHECKPOINT_PAGES}")
+        cursor.close()
 
 
 def _tolerant_loaders(dbapi_connection: DBAPIConnection, _record: ConnectionPoolEntry) -> None:

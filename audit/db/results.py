@@ -9,7 +9,7 @@ from datetime import datetime
 from typing import Any, TypeVar
 
 from isoaudit.audit.compare import StepOutcome
-from isoaudit.audit.db.engine import Part, table_of
+from isoaudit.audit.db.engine import Part, defer_wal_checkpoint, table_of
 from isoaudit.audit.db.ingest import copy_rows, driver_of
 from isoaudit.audit.db.models import (
     Base,
@@ -87,8 +87,10 @@ class Results(Part):
         compared from the queue (those queued again after the claim read them stay). Returns the
         steps saved; nothing is written for the others. ``arrived``: when each step's latest sample was
         stored, as its samples were read (:meth:`~audit.db.records.Records.samples_and_arrivals`);
-        read here for the others."""
+        read here for the others. On SQLite the commit leaves the write-ahead log to the worker's
+        idle checkpoint (:meth:`~audit.db.store.Store.checkpoint`)."""
         with self.sessions.begin() as session:
+            defer_wal_checkpoint(session)
             facts = _step_facts(session, [(o.run_id, o.step) for o in outcomes], arrived or {})
             held = release(session, worker, [(c.run_id, c.step) for c in claims])
             mine = [o for o in outcomes if (o.run_id, o.step) in held]

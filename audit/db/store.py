@@ -70,6 +70,15 @@ class Store(Ingest, Runs, Records, Queue, Results, Control, Steps, Retention):
         except SQLAlchemyError as exc:
             raise StoreUnavailable(f"database: {type(exc).__name__}") from exc
 
+    def checkpoint(self) -> None:
+        """On SQLite, copy what the write-ahead log holds into the database file as far as no reader
+        needs it (a passive checkpoint: it waits on no one); for a writer that defers its
+        checkpoints to idle time (:func:`~audit.db.engine.defer_wal_checkpoint`). Nothing on other
+        databases."""
+        if self.dialect == "sqlite":
+            with translated_errors(), self.engine.connect() as connection:
+                connection.exec_driver_sql("PRAGMA wal_checkpoint(PASSIVE)")
+
     def dispose(self) -> None:
         """Close the pooled connections."""
         self.engine.dispose()

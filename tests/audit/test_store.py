@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import time
+
 import numpy as np
 import pytest
 from isoaudit.audit.db import ForbiddenRun, Store
+from isoaudit.audit.db.engine import WAL_AUTOCHECKPOINT_PAGES, defer_wal_checkpoint
 from isoaudit.audit.db.models import ManifestRow, RunRow, SampleRow
 from isoaudit.audit.records import RuntimeFacts
+from isoaudit.audit.worker import ComparisonWorker
 from sqlalchemy import func, select
 
 from tests import factories
@@ -298,3 +303,37 @@ def test_an_unreachable_database_raises_store_unavailable():
     with pytest.raises(StoreUnavailable) as caught:
         Store("postgresql://nobody@127.0.0.1:1/none", timeout_s=1)
     assert isinstance(caught.value, StoreError) and caught.value.__cause__ is not None
+
+
+@pytest.mark.parametrize("deferred", [False, True], ids=["at commit", "deferred"])
+def test_a_deferred_commit_leaves_the_log_to_the_idle_checkpoint(tmp_path, deferred: bool):
+    """SQLite copies a long write-ahead log into the database file inside the commit that passes its
+    threshold; a deferred commit leaves it to :meth:`Store.checkpoint`, and its connection
+    checkpoints at commit again once back in the pool."""
+    path = tmp_path / "wal.db"
+    store = Store(f"sqlite:///{path}")
+    blob = os.urandom(6 << 20)  # 1,500 pages of the log: past SQLite's 1,000
+    try:
+        with store.sessions.begin() as session:
+            if deferred:
+                defer_wal_checkpoint(session)
+            connection = session.connection()
+            raw = connection.connection.dbapi_connection
+            connection.exec_driver_sql("CREATE TABLE scratch (b BLOB)")
+            connection.exec_driver_sql("INSERT INTO scratch VALUES (?)", (blob,))
+        assert (path.stat().st_size < 1 << 20) is deferred
+        assert raw.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == WAL_AUTOCHECKPOINT_PAGES
+        store.checkpoint()
+        assert path.stat().st_size >= 6 << 20
+    finally:
+        store.dispose()
+
+
+def test_the_worker_checkpoints_when_it_is_idle(store: Store, monkeypatch):
+    calls = []
+    monkeypatch.setattr(store, "checkpoint", lambda: calls.append(True))
+    with ComparisonWorker(store, interval=0.05):
+        deadline = time.monotonic() + 10
+        while not calls and time.monotonic() < deadline:
+            time.sleep(0.02)
+    assert calls
