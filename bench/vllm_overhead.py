@@ -17,12 +17,13 @@ variant across detach and attach. So every configuration is first attached once 
 small untimed step, and times the next one, and the bench checks that no recompile happened in
 the timed rounds. Targets: logprobs-only at most 3% slower, one-in-8 fingerprints at most 10%.
 
-    python bench/vllm_overhead.py [--rounds 7] [--prompts 32] [--max-tokens 64] [--eager]
+    python bench/vllm_overhead.py [--rounds 7] [--prompts 32] [--max-tokens 64] [--eager] [--profile DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import os
 import statistics
 import sys
@@ -45,6 +46,11 @@ def main() -> int:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument(
         "--eager", action="store_true", help="enforce_eager=True instead of vLLM's compilation"
+    )
+    parser.add_argument(
+        "--profile",
+        default=None,
+        help="write cProfile stats of each configuration's timed rounds here (<name>.prof)",
     )
     args = parser.parse_args()
 
@@ -94,7 +100,11 @@ def main() -> int:
         compiles = {"count": 0}
         taps: dict[str, Any] = {}
 
-        def timed(fingerprint: object | None, attach: bool, step: int) -> tuple[float, float]:
+        profiles: dict[str, cProfile.Profile] = {}
+
+        def timed(
+            fingerprint: object | None, attach: bool, step: int, name: str | None = None
+        ) -> tuple[float, float]:
             handle = (
                 cv.attach(
                     llm, run="bench", sink=MemorySink(keep=False, validate=False), fingerprint=fingerprint
@@ -112,10 +122,15 @@ def main() -> int:
                 if graph.get("compiles", 0) > compiles["count"]:
                     compiles["count"] = int(graph["compiles"])
                     recompiles.append(float(graph["recompile_s"]))
+            profile = profiles.setdefault(name, cProfile.Profile()) if args.profile and name else None
             start, cpu = time.perf_counter(), time.process_time()
+            if profile is not None:
+                profile.enable()
             outputs = llm.generate(prompts, params, use_tqdm=False)
             if handle is not None:
                 handle.record_step(2 * step + 1, outputs)
+            if profile is not None:
+                profile.disable()
             elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
             if handle is not None:
                 stats = handle.stats()
@@ -135,9 +150,12 @@ def main() -> int:
         for r in range(args.rounds):
             order = list(configs) if r % 2 == 0 else list(reversed(configs))
             for name in order:
-                wall, cpu = timed(*configs[name], step=r)
+                wall, cpu = timed(*configs[name], step=r, name=name)
                 rates[name].append(wall)
                 cpu_rates[name].append(cpu)
+        for name, profile in profiles.items():
+            Path(args.profile).mkdir(parents=True, exist_ok=True)
+            profile.dump_stats(Path(args.profile) / f"{name}.prof")
         base, median_base = max(rates["none"]), statistics.median(rates["none"])
         cpu_base = max(cpu_rates["none"])
         compilation = llm.llm_engine.vllm_config.compilation_config
