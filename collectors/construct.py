@@ -7,7 +7,8 @@ Building is all this does: the records are checked at the store's boundary
 from __future__ import annotations
 
 from collections import deque
-from functools import lru_cache, partial
+from collections.abc import Iterator
+from functools import lru_cache
 from itertools import repeat
 from typing import Any, Generic, TypeVar
 
@@ -17,7 +18,11 @@ M = TypeVar("M", bound=BaseModel)
 
 _IMMUTABLE = (type(None), bool, int, float, str, bytes)
 _set = object.__setattr__
-_consume = partial(deque, maxlen=0)  # runs an iterator to its end, keeping nothing
+
+
+def _consume(iterator: Iterator[Any]) -> None:
+    """Run ``iterator`` to its end, keeping nothing."""
+    deque(iterator, maxlen=0)
 
 
 def _slot_setter(cls: type, name: str) -> Any:
