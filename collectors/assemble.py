@@ -104,13 +104,14 @@ def fingerprint_records(
 ) -> list[RegionFingerprints]:
     """One record per (sample, region call), rows cut from the forward's flattened rows."""
     rows, cols = batch.shape
-    positions = [np.arange(span.length, dtype=np.int32) for span in batch.spans]
     lengths = [span.length for span in batch.spans]
-    starts: dict[int, list[int]] = {}  # per distinct row_index (all regions of a forward share one)
+    positions = [np.arange(length, dtype=np.int32) for length in lengths]
+    cuts: dict[int, list[slice]] = {}  # per distinct row_index (all regions of a forward share one)
     build = constructor(RegionFingerprints, _PRINT_NAMES)
     shared = {"run_id": run_id, "step": step, "side": side, "case": case}
     # a thousand records a step: each a copy of its region's fields with the sample's set, built
-    # without pydantic's per-record default resolution (or validated, when asked)
+    # without pydantic's per-record default resolution (or validated, when asked); each field's
+    # rows cut for every sample at once (a map over the samples' slices)
     common = None if validate else build.prefilled(shared)
     many: list[dict[str, Any]] = []
     append = many.append
@@ -121,25 +122,33 @@ def fingerprint_records(
                 f"prints[{region!r}]: {len(host)} rows where the forward fingerprinted {expected}"
             )
         key = id(host.row_index)
-        if key not in starts:
-            starts[key] = [
-                _first_row(host.row_index, batch.flat_start(i), span.length, region)
-                for i, span in enumerate(batch.spans)
-            ]
-        digest, ladder, sketch, l2, maxabs = host.digest, host.ladder, host.sketch, host.l2, host.maxabs
+        cut = cuts.get(key)
+        if cut is None:
+            cut = cuts[key] = []
+            for i, span in enumerate(batch.spans):
+                a = _first_row(host.row_index, batch.flat_start(i), span.length, region)
+                cut.append(slice(a, a + span.length))
         bits = host.ladder_bits
         base = {**(shared if common is None else common), "region": region, "forward_index": forward_index}
-        for i, (a, length) in enumerate(zip(starts[key], lengths, strict=True)):
-            b = a + length
+        for key_of_sample, sample_positions, digest, ladder, sketch, l2, maxabs in zip(
+            keys,
+            positions,
+            map(host.digest.__getitem__, cut),
+            map(host.ladder.__getitem__, cut),
+            map(host.sketch.__getitem__, cut),
+            map(host.l2.__getitem__, cut),
+            map(host.maxabs.__getitem__, cut),
+            strict=True,
+        ):
             fields = base.copy()
-            fields["sample_key"] = keys[i]
-            fields["positions"] = positions[i]
-            fields["digest"] = digest[a:b]
+            fields["sample_key"] = key_of_sample
+            fields["positions"] = sample_positions
+            fields["digest"] = digest
             fields["ladder_bits"] = list(bits)
-            fields["ladder"] = ladder[a:b]
-            fields["sketch"] = sketch[a:b]
-            fields["l2"] = l2[a:b]
-            fields["maxabs"] = maxabs[a:b]
+            fields["ladder"] = ladder
+            fields["sketch"] = sketch
+            fields["l2"] = l2
+            fields["maxabs"] = maxabs
             append(fields)
     if validate:
         return [RegionFingerprints(**fields) for fields in many]

@@ -38,6 +38,7 @@ from isoaudit.collectors.counting import Counters, LogOnce
 from isoaudit.collectors.environment import process_environment, with_runtime
 from isoaudit.collectors.manifest import ContractArg, ContractSource, ManifestTracker
 from isoaudit.collectors.sinks.base import Sink
+from pydantic import BaseModel
 
 log = logging.getLogger("isoaudit.collectors")
 
@@ -150,6 +151,8 @@ class Collector(ABC):
         self._heap_held = False
         self._detach_hooks: list[Callable[[], None]] = []
         self._fact_providers: list[Callable[[], Mapping[str, Any]]] = []
+        self._environment_json = _JsonOfLast()
+        self._canary_json = _JsonOfLast()
 
     def _begin(self, regions: list[str], unobserved: dict[str, str]) -> None:
         """Hooks are in place: freeze the heap the job holds now (:mod:`~isoaudit.collectors.heap`:
@@ -409,10 +412,10 @@ class Collector(ABC):
             self.mode_report,
             self.weight_version,
             self.weight_digest,
-            hash(frozenset(self.weight_tensor_digests.items())),
-            environment.model_dump_json() if environment is not None else None,
-            self.canary.model_dump_json() if self.canary is not None else None,
-            hash(frozenset(self.effective_weight_tensor_digests.items())),
+            dict(self.weight_tensor_digests),
+            self._environment_json(environment),
+            self._canary_json(self.canary),
+            dict(self.effective_weight_tensor_digests),
         )
         if signature is not None and key == self._manifest_key:
             return
@@ -454,6 +457,23 @@ class Collector(ABC):
                         report.applied,
                     )
         self.guarded("manifest", self.publish)
+
+
+class _JsonOfLast:
+    """A record's JSON, remembered for the last record asked: a manifest check every step compares
+    the environment and the canary, which change rarely, and then as new objects."""
+
+    def __init__(self) -> None:
+        self._last: tuple[BaseModel | None, str | None] = (None, None)
+
+    def __call__(self, record: BaseModel | None) -> str | None:
+        if record is None:
+            return None
+        last, dumped = self._last
+        if record is not last:
+            dumped = record.model_dump_json()
+            self._last = (record, dumped)
+        return dumped
 
 
 class _SendHooks:

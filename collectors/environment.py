@@ -4,9 +4,9 @@ Versions come from the installed distributions' metadata (``importlib.metadata``
 imported to read one) and from torch, which every collector has loaded already (CUDA, cuDNN, NCCL
 and, when a GPU is used, the driver). Backends and flags are torch's global switches and
 isoaudit's kernel configuration (from the side's runtime facts), read at each manifest build (a
-few attribute reads). Environment
-variables are read from an explicit allow-list (names, and prefixes narrowed by keywords), never
-anything that can hold a secret.
+few attribute reads). Environment variables are read from an explicit allow-list (names, and
+prefixes narrowed by keywords), never anything that can hold a secret. What is read is turned into
+an :class:`Environment` once per state: a manifest check that finds nothing changed builds nothing.
 """
 
 from __future__ import annotations
@@ -115,8 +115,23 @@ def allowed_env_name(name: str) -> bool:
 
 def environment_pins(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The allow-listed environment variables set in ``environ`` (this process's by default)."""
-    environ = os.environ if environ is None else environ
+    if environ is None:
+        return dict(_process_pins(_environ_key()))
     return {name: environ[name] for name in sorted(n for n in environ if allowed_env_name(n))}
+
+
+def _environ_key() -> tuple[tuple[Any, Any], ...]:
+    """This process's environment variables as a key, read cheaply: ``os.environ``'s own store
+    where it has one (its items undecoded), else its decoded items."""
+    raw = getattr(os.environ, "_data", None)
+    return tuple(raw.items()) if isinstance(raw, dict) else tuple(os.environ.items())
+
+
+@lru_cache(maxsize=8)
+def _process_pins(key: tuple[tuple[Any, Any], ...]) -> tuple[tuple[str, str], ...]:
+    """The allow-listed variables of this process's environment, which ``key`` is
+    (:func:`_environ_key`), remembered per key: every step's manifest check reads them."""
+    return tuple(environment_pins(dict(os.environ)).items())
 
 
 def _distribution_version(names: tuple[str, ...]) -> str | None:
@@ -220,15 +235,27 @@ def torch_flags() -> dict[str, Any]:
 
 def process_environment(*, batch_invariant: bool | None = None) -> Environment:
     """This process's environment: versions, backends, flags and pins (see the module's docstring).
-    ``batch_invariant``: an engine's own batch-invariant switch, where it has one (vLLM's)."""
+    ``batch_invariant``: an engine's own batch-invariant switch, where it has one (vLLM's).
+
+    Built once per state of what it reads (every step's manifest check asks for it): while nothing
+    changed, the same object, to be read and not modified."""
     flags = torch_flags()
     if batch_invariant is not None:
         flags["batch_invariant"] = bool(batch_invariant)
+    return _environment(tuple(torch_backends().items()), tuple(flags.items()), _process_pins(_environ_key()))
+
+
+@lru_cache(maxsize=16)
+def _environment(
+    backends: tuple[tuple[str, Any], ...],
+    flags: tuple[tuple[str, Any], ...],
+    env: tuple[tuple[str, str], ...],
+) -> Environment:
     return Environment(
         versions={**library_versions(), **gpu_versions()},
-        backends=torch_backends(),
-        flags=flags,
-        env=environment_pins(),
+        backends=dict(backends),
+        flags=dict(flags),
+        env=dict(env),
     )
 
 

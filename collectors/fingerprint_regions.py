@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 import torch
 from isoaudit.collectors.fingerprints import (
@@ -87,6 +88,81 @@ def table_values(regions: Sequence[Region]) -> list[int]:
     return values
 
 
+@dataclass(frozen=True)
+class RegionsPlan:
+    """How :func:`run_plan` fingerprints a list of regions laid out one way (their rows' shapes,
+    strides, dtypes and devices, and their slots): which go alone, which are listed in the table,
+    and one launch per :func:`groups` entry. It depends on nothing else, so a caller whose layout
+    repeats (a compiled forward, step after step) works it out once."""
+
+    alone: tuple[tuple[int, int, tuple[int, ...]], ...]  # (region, slot, rungs), one by one
+    fused: tuple[int, ...]  # the regions listed in the table, in its order
+    row_strides: tuple[int, ...]  # of each fused region's rows, in table order
+    slots: tuple[int, ...]  # of each fused region, in table order
+    #: per group: (first table row, regions, rows each, width, dtype, rungs)
+    launches: tuple[tuple[int, int, int, int, torch.dtype, tuple[int, ...]], ...]
+
+    def table_values(self, addresses: Sequence[int]) -> list[int]:
+        """The kernel's table rows, flattened, for the fused regions' data ``addresses``."""
+        values = [0] * (TABLE_WIDTH * len(self.fused))
+        values[0::TABLE_WIDTH] = addresses
+        values[1::TABLE_WIDTH] = self.row_strides
+        values[2::TABLE_WIDTH] = self.slots
+        return values
+
+
+def plan_regions(regions: Sequence[Region], impl: str | None = None) -> RegionsPlan:
+    """The :class:`RegionsPlan` of ``regions`` (``impl``: as for :func:`fused_rows`)."""
+    fused = groups(regions, impl)
+    index = {id(region): i for i, region in enumerate(regions)}
+    ordered = [index[id(r)] for members in fused.values() for r in members]
+    listed = set(ordered)
+    launches = []
+    start = 0
+    for (dtype, hidden, bits), members in fused.items():
+        launches.append((start, len(members), int(members[0].rows.shape[0]), hidden, dtype, bits))
+        start += len(members)
+    return RegionsPlan(
+        alone=tuple((i, r.slot, r.bits) for i, r in enumerate(regions) if i not in listed),
+        fused=tuple(ordered),
+        row_strides=tuple(int(regions[i].rows.stride(0)) for i in ordered),
+        slots=tuple(regions[i].slot for i in ordered),
+        launches=tuple(launches),
+    )
+
+
+def run_plan(
+    plan: RegionsPlan,
+    rows: Sequence[torch.Tensor],
+    ints: torch.Tensor,
+    floats: torch.Tensor,
+    table: torch.Tensor | None = None,
+    write_table: bool = True,
+) -> list[int]:
+    """Fingerprint the regions ``plan`` was worked out for, whose rows are ``rows`` now (in the
+    plan's order; one left alone may be given in any shape :func:`fingerprint_rows_into` takes),
+    as :func:`fingerprint_regions_into` does."""
+    for i, slot, bits in plan.alone:
+        fingerprint_rows_into(rows[i], ints[slot], floats[slot], bits)
+    if not plan.fused:
+        return []
+    from isoaudit.kernels.fingerprint import fingerprint_regions
+
+    values = plan.table_values([rows[i].data_ptr() for i in plan.fused])
+    device = rows[plan.fused[0]].device
+    if table is None:
+        host = torch.tensor(values, dtype=torch.int64)
+        if device.type == "cuda":
+            host = host.pin_memory()
+        table = host.to(device, non_blocking=True).reshape(-1, TABLE_WIDTH)
+    elif write_table:
+        table.reshape(-1)[: len(values)].copy_(torch.tensor(values, dtype=torch.int64))
+    for start, count, n, hidden, dtype, bits in plan.launches:
+        weights, sketch, masks = _constants(hidden, device, _format(dtype), bits)
+        fingerprint_regions(table[start:], count, n, hidden, dtype, weights, sketch, masks, ints, floats)
+    return values
+
+
 def fingerprint_regions_into(
     regions: Sequence[Region],
     ints: torch.Tensor,
@@ -105,34 +181,8 @@ def fingerprint_regions_into(
     unwritten (a launch captured into a CUDA graph reads it at replay: the caller writes the
     returned values into it after the capture). ``impl``: as for :func:`fused_rows`. Returns the
     table's values, flattened (empty: nothing was fused)."""
-    fused = groups(regions, impl)
-    alone = [r for r in regions if not fused_rows(r.rows, impl)]
-    for region in alone:
-        fingerprint_rows_into(region.rows, ints[region.slot], floats[region.slot], region.bits)
-    ordered = [r for members in fused.values() for r in members]
-    if not ordered:
-        return []
-    from isoaudit.kernels.fingerprint import fingerprint_regions
-
-    values = table_values(ordered)
-    device = ordered[0].rows.device
-    if table is None:
-        host = torch.tensor(values, dtype=torch.int64)
-        if device.type == "cuda":
-            host = host.pin_memory()
-        table = host.to(device, non_blocking=True).reshape(-1, TABLE_WIDTH)
-    elif write_table:
-        table.reshape(-1)[: len(values)].copy_(torch.tensor(values, dtype=torch.int64))
-    start = 0
-    for (dtype, hidden, bits), members in fused.items():
-        fmt = _format(dtype)
-        weights, sketch, masks = _constants(hidden, device, fmt, bits)
-        n = int(members[0].rows.shape[0])
-        fingerprint_regions(
-            table[start:], len(members), n, hidden, dtype, weights, sketch, masks, ints, floats
-        )
-        start += len(members)
-    return values
+    plan = plan_regions(regions, impl)
+    return run_plan(plan, [r.rows for r in regions], ints, floats, table, write_table)
 
 
 @dataclass
@@ -192,12 +242,61 @@ def _fingerprint_regions_op(
     xs: Sequence[torch.Tensor], slots: Sequence[int], ints: torch.Tensor, floats: torch.Tensor
 ) -> None:
     """Fingerprint ``xs[k]`` (rows = leading dims flattened; its dtype's default ladder) into slot
-    ``slots[k]`` of ``ints``/``floats`` ([slots, rows, width]); the table is built per call."""
-    regions = []
-    for x, slot in zip(xs, slots, strict=True):
-        rows = x.detach().reshape(-1, x.shape[-1]) if x.dim() else x.detach().reshape(1, 1)
-        regions.append(Region(int(slot), rows, default_ladder_bits(x.dtype)))
-    fingerprint_regions_into(regions, ints, floats)
+    ``slots[k]`` of ``ints``/``floats`` ([slots, rows, width]); the table is built per call, the
+    plan once per layout of ``xs`` (:class:`_OpPlan`)."""
+    key = (
+        *map(_size, xs),
+        *map(_stride, xs),
+        *map(_dtype, xs),
+        *map(_device, xs),
+        *slots,
+    )
+    found = _OP_PLANS.get(key)
+    if found is None:
+        found = _OP_PLANS[key] = _OpPlan.of(xs, slots)
+        while len(_OP_PLANS) > _MAX_OP_PLANS:  # the oldest layout goes
+            del _OP_PLANS[next(iter(_OP_PLANS))]
+    found.run(xs, ints, floats)
+
+
+def _rows_of(x: torch.Tensor) -> torch.Tensor:
+    """``x``'s rows: leading dims flattened (a scalar: one row of one)."""
+    return x.detach().reshape(-1, x.shape[-1]) if x.dim() else x.detach().reshape(1, 1)
+
+
+@dataclass(frozen=True)
+class _OpPlan:
+    """The op's :class:`RegionsPlan` for one layout of its inputs, and which fused inputs' rows are
+    a copy (a reshape that cannot view them): the others are read where the input lies, so a
+    step's call reads their addresses and reshapes nothing."""
+
+    plan: RegionsPlan
+    copied: tuple[int, ...]
+
+    @classmethod
+    def of(cls, xs: Sequence[torch.Tensor], slots: Sequence[int], impl: str | None = None) -> _OpPlan:
+        """The plan of inputs laid out as ``xs`` (``impl``: as for :func:`fused_rows`)."""
+        regions = [
+            Region(int(slot), _rows_of(x), default_ladder_bits(x.dtype))
+            for x, slot in zip(xs, slots, strict=True)
+        ]
+        plan = plan_regions(regions, impl)
+        copied = tuple(i for i in plan.fused if regions[i].rows.data_ptr() != xs[i].data_ptr())
+        return cls(plan, copied)
+
+    def run(self, xs: Sequence[torch.Tensor], ints: torch.Tensor, floats: torch.Tensor) -> None:
+        """The op's work on ``xs``, laid out as this plan's inputs were."""
+        rows = list(xs)
+        for i in self.copied:  # rows a reshape could not view: made again each call
+            rows[i] = _rows_of(xs[i])
+        run_plan(self.plan, rows, ints, floats)
+
+
+#: Plans by layout of the op's inputs (shapes, strides, dtypes, devices, slots): a batch shape each.
+_OP_PLANS: dict[tuple[object, ...], _OpPlan] = {}
+_MAX_OP_PLANS = 64
+_size, _stride = torch.Tensor.size, torch.Tensor.stride
+_dtype, _device = attrgetter("dtype"), attrgetter("device")
 
 
 _lib.impl("fingerprint_regions_", _fingerprint_regions_op, "CompositeExplicitAutograd")

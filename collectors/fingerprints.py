@@ -125,10 +125,8 @@ class RowSpan(RowFingerprints):
     def __init__(self, parent: RowFingerprints, start: int, stop: int) -> None:  # noqa: D107
         if isinstance(parent, RowSpan):  # a span of a span: one level, on the group itself
             start, stop, parent = parent.start + start, parent.start + stop, parent.parent
-        object.__setattr__(self, "parent", parent)
-        object.__setattr__(self, "start", int(start))
-        object.__setattr__(self, "stop", int(stop))
-        object.__setattr__(self, "ladder_bits", parent.ladder_bits)
+        # frozen: set in the instance's dict directly, all at once (hundreds of spans a step)
+        vars(self).update(parent=parent, start=int(start), stop=int(stop), ladder_bits=parent.ladder_bits)
 
     def __getattr__(self, name: str) -> Any:
         # only called for what the instance lacks: the five tensors, until first read
@@ -529,9 +527,21 @@ def unpack_prints(
         for g in range(layout.groups)
     ]
     out = []
+    new = HostRows.__new__
     for (group, a, b), bits in zip(layout.spans, layout.ladder_bits, strict=True):
         digest, ladder, sketch, l2, maxabs = groups[group]
-        out.append(HostRows(digest[a:b], ladder[a:b], sketch[a:b], l2[a:b], maxabs[a:b], bits, row_index))
+        # HostRows(...) without the frozen dataclass's seven object.__setattr__ (hundreds a step)
+        rows = new(HostRows)
+        vars(rows).update(
+            digest=digest[a:b],
+            ladder=ladder[a:b],
+            sketch=sketch[a:b],
+            l2=l2[a:b],
+            maxabs=maxabs[a:b],
+            ladder_bits=bits,
+            row_index=row_index,
+        )
+        out.append(rows)
     return out
 
 

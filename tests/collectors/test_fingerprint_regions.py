@@ -108,6 +108,42 @@ def test_the_op_equals_the_per_region_path_on_the_cpu() -> None:
     assert _bits_equal(got.ints, want.ints) and _bits_equal(got.floats, want.floats)
 
 
+def test_the_ops_plan_serves_every_call_of_its_layout() -> None:
+    """The op works its plan out once per layout of its inputs: later calls with other values (a
+    region whose rows a reshape cannot view among them, copied each call) write the buffers
+    bit for bit as the plan made afresh does; fused under Triton's interpreter where it runs."""
+    from isoaudit.collectors import fingerprint_regions as fr
+
+    g = torch.Generator().manual_seed(5)
+
+    def inputs() -> list[torch.Tensor]:
+        a = torch.randn(2, 3, 96, generator=g)
+        b = torch.randn(3, 2, 96, generator=g).transpose(0, 1)  # [2, 3, 96]: its rows are a copy
+        c = torch.randn(2, 3, 40, generator=g)
+        return [a, b, c, a[..., :40] * 2]
+
+    slots = [2, 0, 4, 1]
+    first = inputs()
+    impl = "triton" if HAVE_TRITON and use_triton(first[0]) else None
+    plan = fr._OpPlan.of(first, slots, impl)
+    if impl is not None:
+        assert sorted(plan.plan.fused) == [0, 1, 2, 3] and plan.copied == (1,)
+    for xs in (first, inputs()):
+        got, want = FingerprintBuffers(5, 6, "cpu"), FingerprintBuffers(5, 6, "cpu")
+        plan.run(xs, got.ints, got.floats)
+        fresh = [Region(s, fr._rows_of(x), FP32) for x, s in zip(xs, slots, strict=True)]
+        fingerprint_regions_into(fresh, want.ints, want.floats, impl=impl)
+        assert _bits_equal(got.ints, want.ints) and _bits_equal(got.floats, want.floats)
+    before = len(fr._OP_PLANS)
+    for xs in (inputs(), inputs()):  # the registered op: one plan for both calls
+        got, want = FingerprintBuffers(5, 6, "cpu"), FingerprintBuffers(5, 6, "cpu")
+        torch.ops.isoaudit.fingerprint_regions_(xs, slots, got.ints, got.floats)
+        for x, slot in zip(xs, slots, strict=True):
+            want.write(slot, x)
+        assert _bits_equal(got.ints, want.ints) and _bits_equal(got.floats, want.floats)
+    assert len(fr._OP_PLANS) == min(before + 1, fr._MAX_OP_PLANS)
+
+
 def test_held_regions_learn_mutation_and_respect_the_cap() -> None:
     held = HeldRegions(max_bytes=3 * 4 * 8)  # three [2, 4] fp32 regions
     xs = [torch.randn(2, 4) for _ in range(4)]

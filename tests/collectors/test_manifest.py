@@ -66,3 +66,38 @@ def test_manifest_after_the_switch_reports_the_fp32_head(load: Callable[[str], t
         kernels.disable()
     seen = [(m.runtime.remediation, m.runtime.lm_head_dtype) for m in sink.of_kind("manifest")]
     assert seen[0] == ("native", "bfloat16") and seen[-1] == ("invariant", "float32")
+
+
+def test_an_unchanged_environment_is_built_once_and_a_pin_set_mid_run_is_sent(
+    load: Callable[[str], torch.nn.Module], monkeypatch
+) -> None:
+    """Every step's manifest check reads the environment: while nothing in it changed the same
+    object comes back (nothing is built), and an allow-listed variable set mid-run, or a torch
+    switch flipped, is a new environment and a new manifest naming it."""
+    from isoaudit.collectors.environment import process_environment
+
+    monkeypatch.delenv("NCCL_ALGO", raising=False)
+    first = process_environment()
+    assert process_environment() is first and process_environment(batch_invariant=True) is not first
+    model = load("qwen3")
+    sink = MemorySink()
+    handle = attach(model, run="r", sink=sink, strict=True)
+    try:
+        handle.begin_step(0)
+        assert sink.flush(30)
+        sent = len(sink.of_kind("manifest"))
+        handle.begin_step(1)  # nothing changed: nothing sent
+        assert sink.flush(30) and len(sink.of_kind("manifest")) == sent
+        monkeypatch.setenv("NCCL_ALGO", "Tree")
+        assert process_environment() is not first and process_environment().env["NCCL_ALGO"] == "Tree"
+        handle.begin_step(2)
+        assert sink.flush(30)
+        manifests = sink.of_kind("manifest")
+        assert len(manifests) == sent + 1 and manifests[-1].environment.env["NCCL_ALGO"] == "Tree"
+        monkeypatch.delenv("NCCL_ALGO")
+        assert process_environment() is first  # the earlier state's environment again
+        handle.begin_step(3)
+        assert sink.flush(30)
+        assert "NCCL_ALGO" not in sink.of_kind("manifest")[-1].environment.env
+    finally:
+        handle.detach()
