@@ -225,9 +225,11 @@ def _step_metrics(tokens: _Tokens, lags: list[np.ndarray], clip_eps: float) -> d
     return _with_lag_figures(metrics, tokens, lags)
 
 
-def _measure_step(pairs: Sequence[Pair], clip_eps: float) -> tuple[list[dict[str, Any]], StepFigures]:
-    """One pass over a step's tokens (``pairs`` in :func:`in_step_order`): each sample's metrics
-    (policy lag included) and the step's figures."""
+def _measure_step(
+    pairs: Sequence[Pair], clip_eps: float, threads: int
+) -> tuple[list[dict[str, Any]], StepFigures]:
+    """One pass over a step's tokens (``pairs`` in :func:`in_step_order`) on ``threads`` threads:
+    each sample's metrics (policy lag included) and the step's figures."""
     tokens = _Tokens.of(pairs)
     blocks = TokenBlocks(tokens.trainer, tokens.rollout, tokens.offsets)
     frame, metrics = sample_and_step_metrics(
@@ -240,7 +242,7 @@ def _measure_step(pairs: Sequence[Pair], clip_eps: float) -> tuple[list[dict[str
         blocks=blocks,
         # the frameworks' figures of StepOutcome.of and the dashboard's position bins, in the same pass
         also=[*FRAMEWORK_REDUCTIONS, *POSITION_REDUCTIONS],
-        threads=idle_threads(),
+        threads=threads,
     )
     lags = _lags(pairs)
     figures = StepFigures(tuple(pairs), clip_eps, _with_lag_figures(metrics, tokens, lags), blocks)
@@ -270,12 +272,14 @@ def compare_samples(
     *,
     clip_eps: float = 0.2,
     policy: OffPolicy | None = None,
+    threads: int | None = None,
 ) -> list[SampleComparison]:
     """Compare many (trainer, rollout) pairs at once, of one step or several: token metrics
     vectorised (a step of :data:`ONE_PASS_TOKENS` or more with its figures, handed on to
     :func:`step_summary`), grids for the samples that have fingerprints (keyed by sample_key; or a
     function returning them, called once the tokens are measured), then a diagnosis of each. ``policy`` is the run's declared off-policy design
-    (``off_policy_of(run.config)``). Results come in the order of ``pairs``."""
+    (``off_policy_of(run.config)``). ``threads``: the token pass's (default: the idle cores,
+    :func:`~audit.metrics.blocks.idle_threads`). Results come in the order of ``pairs``."""
     if not pairs:
         return []
     for trainer, rollout in pairs:
@@ -290,7 +294,9 @@ def compare_samples(
             small += indices
             continue
         ordered = sorted(indices, key=lambda i: pairs[i][0].sample_key or "")  # as in_step_order
-        rows, figures = _measure_step([pairs[i] for i in ordered], clip_eps)
+        rows, figures = _measure_step(
+            [pairs[i] for i in ordered], clip_eps, idle_threads() if threads is None else threads
+        )
         measured.update((i, (row, figures)) for i, row in zip(ordered, rows, strict=True))
     if small:
         rows = _measure_samples([pairs[i] for i in small], clip_eps)

@@ -137,17 +137,18 @@ class ComparisonWorker:
         claims = [c for c in claims if c.sample_keys]
         steps = [(c.run_id, c.step) for c in claims]
         samples, arrived = self.store.samples_and_arrivals(steps)
-        if idle_threads() < 2 or not self.store.threads_share_the_database:
+        idle = idle_threads()
+        if idle < 2 or not self.store.threads_share_the_database:
             done: Future[dict[tuple[str, int], list[RegionFingerprints]]] = Future()
             done.set_result(self.store.fingerprints_of_steps(steps))
-            return self._compare_read(claims, samples, arrived, _Later(done))
+            return self._compare_read(claims, samples, arrived, _Later(done), idle)
         # With a core idle, the fingerprints are read on a thread while the samples' tokens are
         # measured (the read waits on the database, numpy releases the interpreter lock in its
-        # loops); on busy cores the two would only take turns (a pass at load 2.7: 0.46 s against
-        # 0.44 s one after the other).
+        # loops), the read on a core of its own: the token pass takes the others (on 2 cores, a
+        # second thread of the pass beside the read made the pass 0.32-0.36 s against 0.26 s).
         with ThreadPoolExecutor(1, thread_name_prefix="isoaudit-read") as reader:
             reading = reader.submit(self.store.fingerprints_of_steps, steps)
-            return self._compare_read(claims, samples, arrived, _Later(reading))
+            return self._compare_read(claims, samples, arrived, _Later(reading), idle - 1)
 
     def _compare_read(
         self,
@@ -155,6 +156,7 @@ class ComparisonWorker:
         samples: dict[tuple[str, int], list[SampleLogprobs]],
         arrived: dict[tuple[str, int], datetime],
         prints: _Later,
+        threads: int,
     ) -> int:
         runs = sorted({c.run_id for c in claims})
         manifests = {
@@ -169,14 +171,14 @@ class ComparisonWorker:
             mine = [c for c in claims if c.run_id == run]
             try:  # one comparison over the run's whole batch: the per-sample metrics are vectorised
                 computed += self._compare_steps(
-                    mine, samples, prints, manifests[run], policies[run], frameworks[run]
+                    mine, samples, prints, manifests[run], policies[run], frameworks[run], threads
                 )
             except Exception:  # find the bad step: compare them one by one
                 prints.get()  # a failed read is the database's trouble, not the steps': it raises here
                 for claim in mine:
                     try:
                         computed += self._compare_steps(
-                            [claim], samples, prints, manifests[run], policies[run], frameworks[run]
+                            [claim], samples, prints, manifests[run], policies[run], frameworks[run], threads
                         )
                     except Exception:  # stays claimed until the lease runs out, then is tried again
                         self.failures += 1
@@ -218,8 +220,10 @@ class ComparisonWorker:
         manifests: tuple[list[Manifest], list[Manifest]],
         policy: OffPolicy | None,
         framework: Declaration | None = None,
+        threads: int = 1,
     ) -> list[tuple[StepClaim, StepOutcome]]:
-        """Compare the claimed samples of some steps of one run in one call, then each step's outcome."""
+        """Compare the claimed samples of some steps of one run in one call (the token pass on
+        ``threads`` threads), then each step's outcome."""
         pairs = {(c.run_id, c.step): pair_by_key(samples[(c.run_id, c.step)]) for c in claims}
         todo = [
             pairs[(c.run_id, c.step)][k]
@@ -233,7 +237,7 @@ class ComparisonWorker:
             return [
                 x
                 for c in claims
-                for x in self._compare_steps([c], samples, prints, manifests, policy, framework)
+                for x in self._compare_steps([c], samples, prints, manifests, policy, framework, threads)
             ]
 
         def fingerprints() -> dict[str, tuple[Sequence[RegionFingerprints], Sequence[RegionFingerprints]]]:
@@ -246,7 +250,9 @@ class ComparisonWorker:
                         by_key[record.sample_key][0 if record.side == "trainer" else 1].append(record)
             return dict(by_key)
 
-        comparisons = compare_samples(todo, fingerprints, manifests, clip_eps=self.clip_eps, policy=policy)
+        comparisons = compare_samples(
+            todo, fingerprints, manifests, clip_eps=self.clip_eps, policy=policy, threads=threads
+        )
         per_step: dict[tuple[str, int], list[SampleComparison]] = defaultdict(list)
         for comparison in comparisons:
             per_step[(comparison.run_id, comparison.step)].append(comparison)
