@@ -144,8 +144,8 @@ class ComparisonWorker:
             return self._compare_read(claims, samples, arrived, _Later(done), idle)
         # With a core idle, the fingerprints are read on a thread while the samples' tokens are
         # measured (the read waits on the database, numpy releases the interpreter lock in its
-        # loops), the read on a core of its own: the token pass takes the others (on 2 cores, a
-        # second thread of the pass beside the read made the pass 0.32-0.36 s against 0.26 s).
+        # loops), the read on a core of its own: the token pass takes the others (a second thread
+        # of the pass on the read's core only takes turns with it).
         with ThreadPoolExecutor(1, thread_name_prefix="isoaudit-read") as reader:
             reading = reader.submit(self.store.fingerprints_of_steps, steps)
             return self._compare_read(claims, samples, arrived, _Later(reading), idle - 1)
@@ -219,8 +219,8 @@ class ComparisonWorker:
         prints: _Later,
         manifests: tuple[list[Manifest], list[Manifest]],
         policy: OffPolicy | None,
-        framework: Declaration | None = None,
-        threads: int = 1,
+        framework: Declaration | None,
+        threads: int,
     ) -> list[tuple[StepClaim, StepOutcome]]:
         """Compare the claimed samples of some steps of one run in one call (the token pass on
         ``threads`` threads), then each step's outcome."""

@@ -80,14 +80,6 @@ def groups(regions: Sequence[Region], impl: str | None = None) -> dict[GroupKey,
     return out
 
 
-def table_values(regions: Sequence[Region]) -> list[int]:
-    """The kernel's table rows for ``regions``, flattened: (address, row stride, slot) each."""
-    values: list[int] = []
-    for region in regions:
-        values += (region.rows.data_ptr(), region.rows.stride(0), region.slot)
-    return values
-
-
 @dataclass(frozen=True)
 class RegionsPlan:
     """How :func:`run_plan` fingerprints a list of regions laid out one way (their rows' shapes,

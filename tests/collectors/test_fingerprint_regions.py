@@ -12,7 +12,7 @@ from isoaudit.collectors.fingerprint_regions import (
     Region,
     fingerprint_regions_into,
     groups,
-    table_values,
+    plan_regions,
 )
 from isoaudit.collectors.fingerprints import (
     FLOAT_WIDTH,
@@ -56,7 +56,10 @@ def test_groups_by_dtype_width_and_ladder_and_builds_the_table() -> None:
     found = groups(regions, impl="triton")
     assert [(k[1], [r.slot for r in v]) for k, v in found.items()] == [(96, [4, 2]), (40, [0, 3])]
     assert groups(regions) == {}  # the CPU without forcing: no kernel, every region alone
-    values = table_values(found[(torch.float32, 96, FP32)])
+    plan = plan_regions(regions, impl="triton")  # the 96-wide group is listed first
+    values = plan.table_values([regions[i].rows.data_ptr() for i in plan.fused])[
+        : 3 * len(found[(torch.float32, 96, FP32)])
+    ]
     assert values == [regions[0].rows.data_ptr(), 96, 4, regions[2].rows.data_ptr(), 192, 2]
 
 
