@@ -18,9 +18,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime
 from typing import Any
 
-from isoaudit.audit.compare import SampleComparison, StepOutcome, compare_samples
+from isoaudit.audit.compare import ONE_PASS_TOKENS, SampleComparison, StepOutcome, compare_samples
 from isoaudit.audit.db import StepClaim, Store
 from isoaudit.audit.frameworks import Declaration, declaration_of
+from isoaudit.audit.metrics.block_pool import BlockPool, measuring_in
 from isoaudit.audit.metrics.blocks import idle_threads
 from isoaudit.audit.quantization_growth import note_growth
 from isoaudit.audit.records import Manifest, OffPolicy, RegionFingerprints, SampleLogprobs, off_policy_of
@@ -92,8 +93,13 @@ class ComparisonWorker:
         max_pairs: int = 1024,
         name: str | None = None,
         run_id: str | None = None,
+        processes: int = 1,
     ) -> None:
         self.store = store
+        #: processes measuring a step's token blocks beside the worker's thread when a core is idle
+        #: (audit.metrics.block_pool; started at the first step big enough; 0: none)
+        self.processes = processes
+        self._pool: BlockPool | None = None
         self.run_id = run_id
         self.on_step = on_step
         self.interval = interval
@@ -138,17 +144,27 @@ class ComparisonWorker:
         steps = [(c.run_id, c.step) for c in claims]
         samples, arrived = self.store.samples_and_arrivals(steps)
         idle = idle_threads()
-        if idle < 2 or not self.store.threads_share_the_database:
-            done: Future[dict[tuple[str, int], list[RegionFingerprints]]] = Future()
-            done.set_result(self.store.fingerprints_of_steps(steps))
-            return self._compare_read(claims, samples, arrived, _Later(done), idle)
-        # With a core idle, the fingerprints are read on a thread while the samples' tokens are
-        # measured (the read waits on the database, numpy releases the interpreter lock in its
-        # loops), the read on a core of its own: the token pass takes the others (a second thread
-        # of the pass on the read's core only takes turns with it).
-        with ThreadPoolExecutor(1, thread_name_prefix="isoaudit-read") as reader:
-            reading = reader.submit(self.store.fingerprints_of_steps, steps)
-            return self._compare_read(claims, samples, arrived, _Later(reading), idle - 1)
+        tokens = sum(s.logprobs.size for step in samples.values() for s in step)
+        pool = self._block_pool() if idle > 1 and tokens >= 2 * ONE_PASS_TOKENS else None
+        with measuring_in(pool):
+            if idle < 2 or not self.store.threads_share_the_database:
+                done: Future[dict[tuple[str, int], list[RegionFingerprints]]] = Future()
+                done.set_result(self.store.fingerprints_of_steps(steps))
+                return self._compare_read(claims, samples, arrived, _Later(done), idle)
+            # With a core idle, the fingerprints are read on a thread while the samples' tokens are
+            # measured (the read waits on the database, numpy releases the interpreter lock in its
+            # loops). A second thread of the pass only takes turns with the read on the interpreter
+            # lock, so without the pool's processes the pass takes the cores the read leaves.
+            with ThreadPoolExecutor(1, thread_name_prefix="isoaudit-read") as reader:
+                reading = reader.submit(self.store.fingerprints_of_steps, steps)
+                lanes = idle if pool is not None else idle - 1
+                return self._compare_read(claims, samples, arrived, _Later(reading), lanes)
+
+    def _block_pool(self) -> BlockPool | None:
+        """The processes measuring token blocks, started on first use (None: ``processes`` is 0)."""
+        if self.processes > 0 and self._pool is None:
+            self._pool = BlockPool(self.processes)
+        return self._pool
 
     def _compare_read(
         self,
@@ -295,6 +311,13 @@ class ComparisonWorker:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout)
+        self.close_pool()
+
+    def close_pool(self) -> None:
+        """Stop the block-measuring processes (started again by the next big step)."""
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
 
     def _loop(self) -> None:
         while not self._stop.is_set():

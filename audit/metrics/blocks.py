@@ -27,6 +27,7 @@ from functools import cached_property
 from typing import Any
 
 import numpy as np
+from isoaudit.audit.metrics.block_pool import active_pool
 
 #: Tokens per block: whole samples up to about this many tokens are measured together (64k tokens:
 #: a block's live float64 quantities, about 8 of 512 KiB, fit a core's 4 MiB L2; twice that does not).
@@ -197,6 +198,17 @@ def _exp_r(b: Block) -> np.ndarray:
     return out
 
 
+def _core_pr(b: Block) -> np.ndarray:
+    """e^r as e^t (1 + expm1(−Δ)): e^t itself, bit for bit, where the sides agree (expm1(−0.0) is
+    −0.0, and 1 + −0.0 is 1), computed on the differing tokens only there."""
+    where = b.differing
+    if where is None:
+        return np.multiply(b["exp_t"], np.add(1.0, b["em1n"]))
+    out = b["exp_t"].copy()
+    out[where] *= np.add(1.0, np.expm1(np.negative(b["d"][where])))
+    return out
+
+
 def _d(b: Block) -> np.ndarray:
     return np.subtract(b.t, b.r)
 
@@ -327,7 +339,7 @@ QUANTITIES: dict[str, Callable[[Block], np.ndarray]] = {
     "mismatch": _mismatch,
     "em1p": lambda b: _of_d(b, np.expm1),
     "em1n": lambda b: _of_d(b, lambda d: np.expm1(np.negative(d))),
-    "core_pr": lambda b: np.multiply(b["exp_t"], np.add(1.0, b["em1n"])),  # e^r, exactly e^t where equal
+    "core_pr": _core_pr,  # e^r, exactly e^t where equal
     "core_dp": lambda b: np.abs(np.subtract(b["exp_t"], b["core_pr"])),
     "core_rho": lambda b: np.add(1.0, b["em1p"]),
     "core_k3": lambda b: np.subtract(b["em1p"], b["d"]),
@@ -632,62 +644,74 @@ class TokenBlocks:
         return Block(t, r, lengths, (self.trainer[a:b], self.rollout[a:b]), self.all_finite)
 
     def measure(self, requests: Iterable[Request], threads: int = 1) -> None:
-        """Measure every request not measured yet, in one pass over the blocks (on ``threads``
-        threads: each block's reductions are those of one thread)."""
+        """Measure every request not measured yet, in one pass over the blocks, on ``threads``
+        lanes: with a :class:`~audit.metrics.block_pool.BlockPool` active in this context
+        (:func:`~audit.metrics.block_pool.measuring_in`), some blocks go to its processes; without
+        one, to threads (each block's reductions are those of one lane either way: the same bits)."""
         with self._lock:
             todo = list(dict.fromkeys(q for q in requests if q not in self._done))
             if not todo:
                 return
-
-            # a request's quantity is dropped from the block after its last request: fewer live
-            # arrays, so that the block's working set stays in cache
-            last = {key: i for i, (_, key) in enumerate(todo)}
-            for i, (how, _) in enumerate(todo):
-                if not isinstance(how, str) and how[0] == "cm":  # a co-moment reads its other quantity
-                    last[how[1]] = max(last.get(how[1], i), i)
-
-            split = [how in _SPLIT and at_agreeing(key) is not None for how, key in todo]
-
-            def run(bounds: tuple[int, int]) -> list[np.ndarray | _Kept]:
-                out: list[np.ndarray | _Kept] = []
-                with np.errstate(all="ignore"):
-                    block = self._block(*bounds)
-                    for i, (how, key) in enumerate(todo):
-                        out.append(_reduce(block, how, key, split[i]))
-                        if last[key] == i and isinstance(key, tuple):
-                            block.memo.pop(key, None)
-                    agreeing = block.agreeing
-                    left = agreeing[1] if agreeing is not None else np.zeros(block.lengths.size, np.int64)
-                out.append(left)
-                out.append(block.lengths - left)
-                return out
-
             spans = list(zip(self._bounds[:-1], self._bounds[1:], strict=True))
-            if threads > 1 and len(spans) > 1:
-                with ThreadPoolExecutor(min(threads, len(spans))) as pool:
-                    parts = list(pool.map(run, spans))
+            pool = active_pool() if threads > 1 and len(spans) > 1 else None
+            if pool is not None:
+                parts = pool.measure(self, spans, todo)
+            elif threads > 1 and len(spans) > 1:
+                with ThreadPoolExecutor(min(threads, len(spans))) as threaded:
+                    parts = list(threaded.map(lambda span: self.measure_spans([span], todo)[0], spans))
             else:
-                parts = [run(span) for span in spans]
-            nonempty = np.diff(self.offsets) > 0
-            if self.finite_only:
-                nonempty = self.lengths > 0
-            left = np.concatenate([_array(p[-2]) for p in parts]) if parts else np.zeros(0, np.int64)
-            kept = np.concatenate([_array(p[-1]) for p in parts]) if parts else np.zeros(0, np.int64)
-            for i, (how, key) in enumerate(todo):
-                pieces = [p[i] for p in parts]
-                found = np.concatenate([_array(x) for x in pieces]) if parts else np.zeros(0)
-                if any(isinstance(piece, _Kept) for piece in pieces):  # samples that mostly agree
-                    sums = np.concatenate([_kept_sums(x) for x in pieces])
-                    assert isinstance(how, str)
-                    found = _combine(how, found, sums, kept, left, at_agreeing(key))
-                if _segmented(how):  # one value a segment
-                    values = found
-                else:  # one value a sample: the empty ones' are the reduction's own
-                    fill = -1 if how == "first" else _FILL.get(how if isinstance(how, str) else "", 0)
-                    values = np.full(self.n_samples, fill, dtype=found.dtype)
-                    values[nonempty] = found
-                values.setflags(write=False)
-                self._done[(how, key)] = values
+                parts = self.measure_spans(spans, todo)
+            self._keep(todo, parts)
+
+    def measure_spans(self, spans: list[tuple[int, int]], todo: list[Request]) -> list[list[Any]]:
+        """Each block's reductions of ``todo`` (blocks ``spans``, as sample ranges), then how many
+        tokens each of its samples left out (:attr:`Block.agreeing`) and kept: what :meth:`measure`
+        combines."""
+        # a request's quantity is dropped from the block after its last request: fewer live
+        # arrays, so that the block's working set stays in cache
+        last = {key: i for i, (_, key) in enumerate(todo)}
+        for i, (how, _) in enumerate(todo):
+            if not isinstance(how, str) and how[0] == "cm":  # a co-moment reads its other quantity
+                last[how[1]] = max(last.get(how[1], i), i)
+        split = [how in _SPLIT and at_agreeing(key) is not None for how, key in todo]
+        parts: list[list[Any]] = []
+        for bounds in spans:
+            out: list[Any] = []
+            with np.errstate(all="ignore"):
+                block = self._block(*bounds)
+                for i, (how, key) in enumerate(todo):
+                    out.append(_reduce(block, how, key, split[i]))
+                    if last[key] == i and isinstance(key, tuple):
+                        block.memo.pop(key, None)
+                agreeing = block.agreeing
+                left = agreeing[1] if agreeing is not None else np.zeros(block.lengths.size, np.int64)
+            out.append(left)
+            out.append(block.lengths - left)
+            parts.append(out)
+        return parts
+
+    def _keep(self, todo: list[Request], parts: list[list[Any]]) -> None:
+        """Each request's per-sample values from the blocks' ``parts`` (:meth:`measure_spans`)."""
+        nonempty = np.diff(self.offsets) > 0
+        if self.finite_only:
+            nonempty = self.lengths > 0
+        left = np.concatenate([_array(p[-2]) for p in parts]) if parts else np.zeros(0, np.int64)
+        kept = np.concatenate([_array(p[-1]) for p in parts]) if parts else np.zeros(0, np.int64)
+        for i, (how, key) in enumerate(todo):
+            pieces = [p[i] for p in parts]
+            found = np.concatenate([_array(x) for x in pieces]) if parts else np.zeros(0)
+            if any(isinstance(piece, _Kept) for piece in pieces):  # samples that mostly agree
+                sums = np.concatenate([_kept_sums(x) for x in pieces])
+                assert isinstance(how, str)
+                found = _combine(how, found, sums, kept, left, at_agreeing(key))
+            if _segmented(how):  # one value a segment
+                values = found
+            else:  # one value a sample: the empty ones' are the reduction's own
+                fill = -1 if how == "first" else _FILL.get(how if isinstance(how, str) else "", 0)
+                values = np.full(self.n_samples, fill, dtype=found.dtype)
+                values[nonempty] = found
+            values.setflags(write=False)
+            self._done[(how, key)] = values
 
     def get(self, how: Reduction, key: Key) -> np.ndarray:
         """The per-sample reduction ``how`` of ``key`` (measured now if it was not)."""

@@ -202,3 +202,39 @@ def test_a_failed_fingerprint_read_on_a_thread_saves_nothing(store: Store, monke
     assert worker.failures == 1 and store.sample_results("run-1", 0) == []
     monkeypatch.undo()  # the database is back: the released claims are taken again
     assert ComparisonWorker(store).run_once() == 3
+
+
+def test_a_big_step_measured_with_the_block_pool_stores_the_same(database_url: str, monkeypatch) -> None:
+    """A step of more than two blocks, its tokens measured partly in the worker's block-pool process
+    when a core is idle, stores what one thread stores; ``stop`` ends the process."""
+    from isoaudit.audit import worker as worker_module
+    from isoaudit.audit.db.models import Base
+
+    monkeypatch.setattr(worker_module, "idle_threads", lambda: 2)
+    outcomes = []
+    for processes in (0, 1):
+        store = Store(database_url)
+        try:
+            with store.sessions.begin() as session:  # a fresh database for each way
+                for table in reversed(Base.metadata.sorted_tables):
+                    session.execute(table.delete())
+            rng = np.random.default_rng(7)
+            for i in range(6):  # 6 x 30k tokens: three blocks
+                trainer = factories.sample("trainer", seed=i, n_completion=30_000)
+                noise = (rng.random(30_000) < 0.3) * rng.normal(0, 1e-2, 30_000)
+                rollout_lp = np.minimum(trainer.logprobs + noise, 0).astype(np.float32)
+                store.ingest(
+                    [trainer, factories.sample("rollout", seed=i, n_completion=30_000, logprobs=rollout_lp)]
+                )
+            worker = ComparisonWorker(store, processes=processes)
+            assert worker.run_once() == 6
+            assert (worker._pool is not None) == (processes == 1)
+            if worker._pool is not None:
+                assert worker._pool.failures == 0, worker._pool.last_failure
+                assert worker._pool.blocks > 0
+            worker.stop()
+            assert worker._pool is None
+            outcomes.append(stored_outcome(store))
+        finally:
+            store.dispose()
+    assert outcomes[0] == outcomes[1] and len(outcomes[0]) == 6

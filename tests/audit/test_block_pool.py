@@ -1,0 +1,88 @@
+"""Token blocks measured in other processes (``audit.metrics.block_pool``): the same bits as one
+lane, whatever happens to the pool's processes, and nothing left behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import numpy as np
+import pytest
+from isoaudit.audit.metrics.block_pool import BlockPool, active_pool, measuring_in
+from isoaudit.audit.metrics.blocks import TokenBlocks
+
+from tests.audit.test_blocks import bits, every_reduction, mixed_step
+
+
+@pytest.fixture(scope="module")
+def pool_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("blocks")
+
+
+def measured_in(
+    pool: BlockPool | None, t: np.ndarray, r: np.ndarray, o: np.ndarray, **kwargs: object
+) -> dict:
+    requests = every_reduction(t, r, o).keys()
+    blocks = TokenBlocks(t, r, o, block_tokens=600, **kwargs)  # type: ignore[arg-type]
+    with measuring_in(pool):
+        blocks.measure(requests, threads=2)
+    return bits(blocks._done)
+
+
+def test_a_pool_gives_the_bits_of_one_lane_and_leaves_no_file(pool_dir: Path) -> None:
+    t, r, o = mixed_step(3)
+    one_lane = bits(every_reduction(t, r, o))
+    with BlockPool(1, directory=str(pool_dir)) as pool:
+        assert measured_in(pool, t, r, o) == one_lane
+        assert pool.failures == 0, pool.last_failure
+        assert pool.blocks > 0
+    with BlockPool(2, directory=str(pool_dir)) as pool:  # three lanes
+        assert measured_in(pool, t, r, o) == one_lane
+        assert pool.failures == 0, pool.last_failure
+    assert list(pool_dir.iterdir()) == []
+
+
+def test_tokens_that_are_not_finite_go_to_the_pool_as_they_are(pool_dir: Path) -> None:
+    t, r, o = mixed_step(4)
+    r[[5, 900, 2500]] = [-np.inf, np.nan, -np.inf]
+    requests = every_reduction(t, r, o).keys()
+    alone = TokenBlocks(t, r, o, finite_only=True)
+    alone.measure(requests)
+    with BlockPool(1, directory=str(pool_dir)) as pool:
+        assert measured_in(pool, t, r, o, finite_only=True) == bits(alone._done)
+        assert pool.failures == 0, pool.last_failure
+
+
+def test_a_killed_process_costs_the_pool_its_share_not_the_pass(pool_dir: Path) -> None:
+    t, r, o = mixed_step(5)
+    one_lane = bits(every_reduction(t, r, o))
+    with BlockPool(1, directory=str(pool_dir)) as pool:
+        assert measured_in(pool, t, r, o) == one_lane
+        executor = pool._executor
+        assert executor is not None
+        for pid in list(executor._processes):  # the pool's process dies between passes
+            os.kill(pid, signal.SIGKILL)
+        assert measured_in(pool, t, r, o) == one_lane  # measured here instead
+        assert pool.failures == 1 and pool.last_failure is not None
+        assert measured_in(pool, t, r, o) == one_lane  # a fresh process took over
+        assert pool.failures == 1, pool.last_failure
+    assert list(pool_dir.iterdir()) == []
+
+
+def test_a_closed_pool_measures_here(pool_dir: Path) -> None:
+    t, r, o = mixed_step(6)
+    pool = BlockPool(1, directory=str(pool_dir))
+    pool.close()
+    assert measured_in(pool, t, r, o) == bits(every_reduction(t, r, o))
+    assert pool.failures == 1 and "closed" in (pool.last_failure or "")
+
+
+def test_a_pool_is_used_only_where_it_is_made_active(pool_dir: Path) -> None:
+    assert active_pool() is None
+    with BlockPool(1, directory=str(pool_dir)) as pool:
+        with measuring_in(pool):
+            assert active_pool() is pool
+        assert active_pool() is None
+    with pytest.raises(ValueError, match="processes"):
+        BlockPool(0)
