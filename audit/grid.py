@@ -204,8 +204,8 @@ def _origins(state: np.ndarray, regions: list[str], positions: np.ndarray) -> li
             inputs_agree = np.ones(row.shape, bool)
         else:
             inputs_agree = previous_ok
-        for c in np.flatnonzero((row == DIFFERS) & inputs_agree):
-            found.append((regions[r], int(positions[c])))
+        region = regions[r]
+        found.extend((region, p) for p in positions[(row == DIFFERS) & inputs_agree].tolist())
         if (row != NOT_OBSERVED).any():
             # A region observed nowhere says nothing: keep judging inputs by the last one that was.
             previous_ok = np.logical_and.accumulate(row == EQUAL)
