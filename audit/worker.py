@@ -145,7 +145,7 @@ class ComparisonWorker:
         samples, arrived = self.store.samples_and_arrivals(steps)
         idle = idle_threads()
         tokens = sum(s.logprobs.size for step in samples.values() for s in step)
-        pool = self._block_pool() if idle > 1 and tokens >= 2 * ONE_PASS_TOKENS else None
+        pool = self.block_pool() if idle > 1 and tokens >= 2 * ONE_PASS_TOKENS else None
         with measuring_in(pool):
             if idle < 2 or not self.store.threads_share_the_database:
                 done: Future[dict[tuple[str, int], list[RegionFingerprints]]] = Future()
@@ -160,7 +160,7 @@ class ComparisonWorker:
                 lanes = idle if pool is not None else idle - 1
                 return self._compare_read(claims, samples, arrived, _Later(reading), lanes)
 
-    def _block_pool(self) -> BlockPool | None:
+    def block_pool(self) -> BlockPool | None:
         """The processes measuring token blocks, started on first use (None: ``processes`` is 0)."""
         if self.processes > 0 and self._pool is None:
             self._pool = BlockPool(self.processes)

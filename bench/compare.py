@@ -255,6 +255,7 @@ def against_read_back(kind: str, pairs, prints, repeat: int) -> dict[str, list[f
             calls = Timed(store, DATABASE_CALLS)
             stored_step(store, f"{RUN}-warm-up", pairs[:2], {})  # first-call costs are not per step
             worker.run_once(f"{RUN}-warm-up")
+            worker.block_pool()  # its processes started, as a serving worker's are after its first big step
             for i in range(repeat):
                 run_id = f"{RUN}-{i}"
                 stored_step(store, run_id, pairs, prints)
@@ -271,6 +272,7 @@ def against_read_back(kind: str, pairs, prints, repeat: int) -> dict[str, list[f
                 out["worker cpu"].append(time.process_time() - cpu)
                 out["database"].append(sum(calls.seconds.values()))
         finally:
+            worker.close_pool()
             store.dispose()
             db.close()
     return out

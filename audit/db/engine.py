@@ -126,13 +126,26 @@ def json_text(value: Any) -> str:
 
 
 def _nonfinite(value: Any) -> bool:
-    """Whether a JSON value holds a NaN or an infinity."""
-    if isinstance(value, float):
-        return not math.isfinite(value)
-    if isinstance(value, dict):
-        return any(_nonfinite(v) for v in value.values())
-    if isinstance(value, list | tuple):
-        return any(_nonfinite(v) for v in value)
+    """Whether a JSON value holds a NaN or an infinity (a walk without recursion: a step's results
+    are tens of thousands of values, most of them in flat dicts)."""
+    todo = [value]
+    while todo:
+        item = todo.pop()
+        kind = type(item)
+        if kind is dict:
+            todo.extend(item.values())
+        elif kind is float:
+            if not math.isfinite(item):
+                return True
+        elif kind is list or kind is tuple:
+            todo.extend(item)
+        elif isinstance(item, float):
+            if not math.isfinite(item):
+                return True
+        elif isinstance(item, dict):
+            todo.extend(item.values())
+        elif isinstance(item, list | tuple):
+            todo.extend(item)
     return False
 
 
