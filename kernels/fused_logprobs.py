@@ -156,6 +156,14 @@ def _chunks(t: int, v: int, rows: int | None, slab: int | None) -> tuple[int, in
     return r, max(BLOCK_V, min(slab, cdiv(v, BLOCK_V) * BLOCK_V))
 
 
+def one_slab(t: int, v: int) -> bool:
+    """Whether the default chunking keeps a head of ``t`` rows over a vocabulary of ``v`` whole (one
+    row block, one slab): its fp32 logits fit within :data:`SLAB_BYTES`, so holding them costs no
+    more than one slab of the chunked path."""
+    r, s = _chunks(t, v, None, None)
+    return r >= t and s >= v
+
+
 def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` of two model-dtype operands accumulated and returned in fp32."""
     try:
@@ -333,4 +341,4 @@ def native_chunked_token_logprobs(
     return _forward(_Native(), h, weight, tokens.reshape(-1).to(torch.int64), r, s)[0]
 
 
-__all__ = ["BLOCK_V", "Lanes", "fused_token_logprobs", "native_chunked_token_logprobs"]
+__all__ = ["BLOCK_V", "Lanes", "fused_token_logprobs", "native_chunked_token_logprobs", "one_slab"]
