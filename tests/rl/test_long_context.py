@@ -4,6 +4,8 @@ forward, micro-batched updates, and a long-context job end to end on the CPU."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -180,3 +182,32 @@ def test_a_long_context_job_runs_on_the_cpu(small_slabs: None) -> None:
         assert all(torch.isfinite(torch.tensor([f.entropy, f.clip_fraction])).all() for f in figures)
         if mode == "invariant":
             assert figures[-1].mode == "invariant" and figures[-1].exact_fraction == 1.0
+
+
+def test_the_gpu_bench_runs_its_long_context_loop_on_the_cpu() -> None:
+    """bench/rl_loop_gpu.py's own loop (both sides, the phase ratios), tiny, with long prompts."""
+    import subprocess
+    import sys
+
+    bench = Path(__file__).resolve().parents[2] / "bench" / "rl_loop_gpu.py"
+    cmd = [sys.executable, str(bench), "--device", "cpu", "--layers", "1", "--prompt-len", "64"]
+    cmd += [
+        "--prompts",
+        "1",
+        "--group",
+        "2",
+        "--max-new",
+        "3",
+        "--steps",
+        "1",
+        "--warmup",
+        "1",
+        "--micro-batch",
+        "1",
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "update micro-batch: 1 sample(s)" in done.stdout
+    for phase in ("generation", "training", "step"):
+        assert any(line.startswith(phase) and "x " in line for line in done.stdout.splitlines())
+    assert "invariant: applied invariant" in done.stdout and "exact ['1.0000', '1.0000']" in done.stdout
