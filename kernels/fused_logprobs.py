@@ -17,7 +17,8 @@ ones. :mod:`isoaudit.kernels.logprobs` computes every invariant log-sum-exp (the
 log-softmax too) through the same lane kernels, whole rows being one slab.
 
 :func:`native_chunked_token_logprobs` is the stock arithmetic (bf16 lm_head, ``torch.logsumexp``)
-under the same chunking, the fair baseline for a trainer that chunks its own head.
+under the same chunking, the fair baseline for a trainer that chunks its own head; the native
+``dispatch.token_logprobs`` takes it once a head outgrows one slab (:func:`one_slab`).
 """
 
 from __future__ import annotations
