@@ -3,6 +3,8 @@
     python bench/rl_loop_gpu.py [--steps 3] [--prompts 16] [--group 4] [--max-new 256] [--json out.json]
     python bench/rl_loop_gpu.py --fp8    # remediated = ``invariant-fp8``: FP8 rollouts, FP8 recompute
     python bench/rl_loop_gpu.py --prompt-len 8192 --prompts 2 --group 4 --max-new 1024   # long context
+    python bench/rl_loop_gpu.py --prompt-len 8192 --micro-batch 2 ...   # samples per backward
+    python bench/rl_loop_gpu.py --device cpu --layers 1 ...   # a tiny model on the CPU (structure, not figures)
 
 A random Qwen3-shaped ~0.5B bf16 policy (24 layers, hidden 896, 14/2 heads of 64, MLP 4,864,
 vocab 151,936, tied embeddings: 0.60B parameters), the reference engine over its own copy of the
@@ -13,7 +15,16 @@ the engine batched over its cache with CUDA-graph decode) and remediated (the se
 to ``invariant``: both sides on :mod:`kernels`, the same CUDA-graph decode). Printed per phase
 (generation, training, full step): native s, remediated s, overhead %; and the mismatch each run's
 loop saw (the trainer's recompute against the engine's logprobs). The first ``--warmup`` steps
-(compilation, graph capture) are left out of the timings. Needs CUDA.
+(compilation, graph capture) are left out of the timings. Each side's peak GPU memory (the
+allocator's, over its whole run) is printed beside its times. Needs CUDA for figures; ``--device
+cpu`` runs the same loop with a tiny random Qwen3 (hidden 32, vocab 2,048) to check its structure.
+
+Both sides' heads are chunked alike: the invariant head is fused over row blocks and vocabulary
+slabs (:mod:`isoaudit.kernels.fused_logprobs`), the native one takes the same blocks and slabs once
+its fp32 logits outgrow one slab; HF's own logits are kept for one position (no collector here
+fingerprints), and the entropies are built a block of rows at a time. With ``--prompt-len`` each
+update runs in micro-batches of ``--micro-batch`` samples (default: as many as fit in
+:data:`LONG_MICRO_TOKENS` tokens, at least one), their gradients accumulated, on both sides.
 
 The task's tokenizer here is a character one (the model's vocabulary is far larger than any local
 tokenizer's): prompt characters map to their code points, and a sampled id decodes to a digit when
@@ -37,9 +48,22 @@ from common import qwen3_05b  # noqa: E402
 from isoaudit.collectors.rl.job import JobConfig, run_job  # noqa: E402
 from isoaudit.collectors.rl.rollout import ReferenceRollout  # noqa: E402
 from isoaudit.collectors.sessions import MemoryDestination, Session  # noqa: E402
+from isoaudit.kernels import fused_logprobs  # noqa: E402
 
 import isoaudit  # noqa: E402
 from isoaudit import kernels  # noqa: E402
+
+#: Tokens per micro-batch of a long-context update by default: the backward's activations of a
+#: 0.5B model's 24 layers at that length stay well inside one 80 GB GPU.
+LONG_MICRO_TOKENS = 16_384
+
+
+def micro_batch(args: argparse.Namespace) -> int | None:
+    """Samples per forward and backward of an update: ``--micro-batch``, else with ``--prompt-len``
+    as many as :data:`LONG_MICRO_TOKENS` holds (at least one), else the whole batch (None)."""
+    if args.micro_batch is not None or args.prompt_len is None:
+        return args.micro_batch
+    return max(1, LONG_MICRO_TOKENS // (args.prompt_len + args.max_new))
 
 
 class CharTokenizer:
@@ -63,8 +87,25 @@ class LogprobsOnlyRollout(ReferenceRollout):
         return self.collector
 
 
+def make_policy(args: argparse.Namespace) -> torch.nn.Module:
+    """The ~0.5B bf16 policy on CUDA; a tiny fp32 one on the CPU."""
+    if args.device == "cuda":
+        return qwen3_05b(args.layers)
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.Qwen3Config(
+        vocab_size=2048, hidden_size=32, intermediate_size=64, num_hidden_layers=args.layers,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True,
+    )  # fmt: skip
+    return transformers.Qwen3ForCausalLM(config)
+
+
 def run_mode(mode: str, args: argparse.Namespace) -> dict:
-    policy = qwen3_05b(args.layers)
+    cuda = args.device == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    policy = make_policy(args)
     rollout = LogprobsOnlyRollout(policy, max_len=max(16, args.prompt_len or 0) + args.max_new + 8)
     config = JobConfig(
         steps=args.warmup + args.steps,
@@ -76,6 +117,7 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
         trainer_regions=None,
         seed=0,
         prompt_len=args.prompt_len,
+        micro_batch=micro_batch(args),
     )
     with kernels.disable():
         with isoaudit.session(f"rl-loop-gpu-{mode}", destination=MemoryDestination(), report=False) as audit:
@@ -106,15 +148,18 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
         "mismatch_mean_abs": [f.mismatch_mean_abs for f in figures],
         "exact_fraction": [f.exact_fraction for f in figures],
         "reward_mean": [f.reward_mean for f in figures],
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
     }
     rollout.engine.clear_graphs()
     del policy, rollout
-    torch.cuda.empty_cache()
+    if cuda:
+        torch.cuda.empty_cache()
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--prompts", type=int, default=16)
@@ -128,25 +173,44 @@ def main() -> None:
         "--prompt-len", type=int, default=None, help="long context: every prompt brought to this many tokens"
     )
     ap.add_argument(
+        "--micro-batch",
+        type=int,
+        default=None,
+        help="samples per forward and backward of an update (default: the whole batch; with --prompt-len, "
+        f"as many as {LONG_MICRO_TOKENS} tokens hold)",
+    )
+    ap.add_argument(
         "--fp8",
         action="store_true",
         help="remediate in the invariant-fp8 mode (every linear in W8A8 on both sides) instead of invariant",
     )
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("bench/rl_loop_gpu.py needs CUDA")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("bench/rl_loop_gpu.py needs CUDA (--device cpu: a tiny model, structure only)")
+    where = torch.cuda.get_device_name() if args.device == "cuda" else "cpu (tiny model)"
     print(
-        f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}; {args.prompts} prompts x group "
+        f"device: {where}  torch {torch.__version__}; {args.prompts} prompts x group "
         f"{args.group}, {args.max_new} new tokens, prompts of {args.prompt_len or '~16'} tokens, {args.layers} layers, {args.updates} update(s)/step",
+        flush=True,
+    )
+    print(
+        f"update micro-batch: {micro_batch(args) or 'whole batch'} sample(s); both heads in blocks of "
+        f"{fused_logprobs.ROWS} rows and slabs within {fused_logprobs.SLAB_BYTES >> 20} MiB of fp32 logits "
+        "(native: once its logits outgrow one slab)",
         flush=True,
     )
     remediated = "invariant-fp8" if args.fp8 else "invariant"
     rows = {mode: run_mode(mode, args) for mode in ("native", remediated)}
     nat, inv = rows["native"], rows[remediated]
-    print("\nphase        native s   remediated s   overhead")
+    print("\nphase        native s   remediated s   ratio    overhead")
     for phase in ("generation_s", "training_s", "step_s"):
-        over = (inv[phase] / nat[phase] - 1) * 100
-        print(f"{phase[:-2]:<12} {nat[phase]:8.3f}   {inv[phase]:12.3f}   {over:+7.1f}%")
+        ratio = inv[phase] / nat[phase]
+        print(
+            f"{phase[:-2]:<12} {nat[phase]:8.3f}   {inv[phase]:12.3f}   {ratio:5.3f}x   {(ratio - 1) * 100:+7.1f}%"
+        )
+    if args.device == "cuda":
+        ratio = inv["peak_gib"] / nat["peak_gib"]
+        print(f"{'peak GiB':<12} {nat['peak_gib']:8.2f}   {inv['peak_gib']:12.2f}   {ratio:5.3f}x")
     for mode, r in rows.items():
         print(
             f"{mode}: applied {r['applied']}, graphed decode {r['graphed_decode']}, mismatch mean |d| per step "

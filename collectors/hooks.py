@@ -24,6 +24,7 @@ the per-region op at its tap instead.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -175,6 +176,7 @@ class ForwardCapture:
         #: element size, summed over regions); regions past it are written at their tap
         self.max_held_bytes = max_held_bytes
         _compiled_models_see_hooks()
+        _ATTACHED.setdefault(model, weakref.WeakSet()).add(self)
         self._handles.append(model.register_forward_pre_hook(self._open, with_kwargs=True))
         self._handles.append(model.register_forward_hook(self._close, always_call=True))
         for slot, spec in enumerate(self.specs):
@@ -193,7 +195,7 @@ class ForwardCapture:
         if self._depth > 1:  # a nested call of the root (rare) belongs to the outer capture
             return
         try:
-            fingerprinting = self.force if self.force is not None else bool(self.should_fingerprint())
+            fingerprinting = self._due()
             input_ids = _first_tensor(args, kwargs, "input_ids")
             rows = self._rows(input_ids, kwargs.get("attention_mask")) if fingerprinting else None
             self.current = Capture(input_ids, fingerprinting and bool(self.specs), rows)
@@ -472,6 +474,14 @@ class ForwardCapture:
 
     # ---------------------------------------------------------------- control
 
+    def _due(self) -> bool:
+        return self.force if self.force is not None else bool(self.should_fingerprint())
+
+    def fingerprints_next(self) -> bool:
+        """Whether the next top-level forward will be fingerprinted (its region hooks then read
+        every row of their outputs, the lm_head's logits among them)."""
+        return self.attached and bool(self.specs) and self._due()
+
     def take(self) -> Capture | None:
         """Hand over the last capture (and forget it, so its tensors can be freed)."""
         capture, self.last = self.last, None
@@ -492,6 +502,16 @@ class ForwardCapture:
     @property
     def attached(self) -> bool:
         return bool(self._handles)
+
+
+#: The captures hooked on each model (weakly held: a model or a capture dropped leaves nothing).
+_ATTACHED: weakref.WeakKeyDictionary[nn.Module, weakref.WeakSet[ForwardCapture]] = weakref.WeakKeyDictionary()
+
+
+def fingerprints_next_forward(model: nn.Module) -> bool:
+    """Whether a capture hooked on ``model`` will fingerprint its next top-level forward: a caller
+    that would trim the forward's output (HF's ``logits_to_keep``) keeps it whole then."""
+    return any(capture.fingerprints_next() for capture in list(_ATTACHED.get(model, ())))
 
 
 def _compiled_models_see_hooks() -> None:

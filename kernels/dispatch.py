@@ -21,6 +21,7 @@ from . import attention as _attn
 from . import cpu as _cpu
 from . import elementwise as _ew
 from . import fp8 as _fp8
+from . import fused_logprobs as _fused
 from . import gdn as _gdn
 from . import gdn_cpu as _gdn_cpu
 from . import gemm as _gemm
@@ -280,14 +281,25 @@ def _native_decode(
 
 
 def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """log p(token | row) for each row of hidden: fp32 invariant path, or the stock bf16 lm_head."""
+    """log p(token | row) for each row of hidden: fp32 invariant path, or the stock bf16 lm_head.
+
+    Natively, a head whose fp32 logits outgrow one slab of the fused path
+    (:func:`~isoaudit.kernels.fused_logprobs.one_slab`) runs under that path's row blocks and
+    vocabulary slabs (:func:`~isoaudit.kernels.fused_logprobs.native_chunked_token_logprobs`): the
+    memory of a trainer that chunks its head, and the same chunking as the invariant side, so the
+    two compare fairly. Its values may differ from the whole head's in the last bits (one
+    ``logsumexp`` per slab, combined with ``logaddexp``); smaller heads keep the whole-head
+    ``log_softmax``."""
     if _ENABLED:
         if _on_cpu(hidden):
             return _cpu.token_logprobs(hidden, weight, tokens)
         if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
             return _lp.token_logprobs_autograd(hidden, weight, tokens)
         return _lp.token_logprobs(hidden, weight, tokens)
-    logits = F.linear(hidden.reshape(-1, hidden.shape[-1]), weight).float()
+    h = hidden.reshape(-1, hidden.shape[-1])
+    if not _fused.one_slab(h.shape[0], weight.shape[0]):
+        return _fused.native_chunked_token_logprobs(h, weight, tokens)
+    logits = F.linear(h, weight).float()
     return torch.log_softmax(logits, -1).gather(1, tokens.reshape(-1, 1).long())[:, 0]
 
 

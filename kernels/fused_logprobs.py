@@ -17,7 +17,8 @@ ones. :mod:`isoaudit.kernels.logprobs` computes every invariant log-sum-exp (the
 log-softmax too) through the same lane kernels, whole rows being one slab.
 
 :func:`native_chunked_token_logprobs` is the stock arithmetic (bf16 lm_head, ``torch.logsumexp``)
-under the same chunking, the fair baseline for a trainer that chunks its own head.
+under the same chunking, the fair baseline for a trainer that chunks its own head; the native
+``dispatch.token_logprobs`` takes it once a head outgrows one slab (:func:`one_slab`).
 """
 
 from __future__ import annotations
@@ -154,6 +155,14 @@ def _chunks(t: int, v: int, rows: int | None, slab: int | None) -> tuple[int, in
     if slab % BLOCK_V:
         raise ValueError(f"slab: {slab} columns is not a multiple of BLOCK_V ({BLOCK_V})")
     return r, max(BLOCK_V, min(slab, cdiv(v, BLOCK_V) * BLOCK_V))
+
+
+def one_slab(t: int, v: int) -> bool:
+    """Whether the default chunking keeps a head of ``t`` rows over a vocabulary of ``v`` whole (one
+    row block, one slab): its fp32 logits fit within :data:`SLAB_BYTES`, so holding them costs no
+    more than one slab of the chunked path."""
+    r, s = _chunks(t, v, None, None)
+    return r >= t and s >= v
 
 
 def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -333,4 +342,4 @@ def native_chunked_token_logprobs(
     return _forward(_Native(), h, weight, tokens.reshape(-1).to(torch.int64), r, s)[0]
 
 
-__all__ = ["BLOCK_V", "Lanes", "fused_token_logprobs", "native_chunked_token_logprobs"]
+__all__ = ["BLOCK_V", "Lanes", "fused_token_logprobs", "native_chunked_token_logprobs", "one_slab"]

@@ -39,6 +39,7 @@ class _Replicated:
 
     def __init__(self, policy: torch.nn.Module) -> None:
         self.ddp = torch.nn.parallel.DistributedDataParallel(policy)
+        self.module = policy  # what DDP wraps: where the trainer collector hooks
         self.lm_head = policy.lm_head
 
     def __call__(self, **inputs: torch.Tensor) -> Any:

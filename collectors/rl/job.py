@@ -50,13 +50,18 @@ class JobConfig:
     #: Long-context jobs (retrieval, multi-turn history): every prompt is brought to this many
     #: tokens by a fixed filler document placed before the task (None: the task's prompt alone).
     prompt_len: int | None = None
+    #: Samples per forward and backward of an update, their gradients accumulated before the
+    #: optimizer's step (None: the whole batch at once). A long-context batch's activations for the
+    #: backward outgrow a GPU; the loss stays the mean over all the batch's tokens.
+    micro_batch: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("steps", "prompts", "group", "max_new", "updates", "sample_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be at least 1, got {getattr(self, name)}")
-        if self.prompt_len is not None and self.prompt_len < 1:
-            raise ValueError(f"prompt_len: must be at least 1 (or None), got {self.prompt_len}")
+        for name in ("prompt_len", "micro_batch"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be at least 1 (or None), got {getattr(self, name)}")
         if self.group < 2:
             raise ValueError(f"group: GRPO compares completions within a group; need >= 2, got {self.group}")
         if not self.temperature > 0:
@@ -133,16 +138,12 @@ def run_job(
         token_advantages = (
             grpo.group_advantages(reward, config.group).repeat_interleave(torch.tensor(lengths)).to(device)
         )
+        parts = _micro_batches(batch, prompts, completions, config.micro_batch, pad, config.temperature)
         clip = []
         for _ in range(config.updates):
-            new = grpo.policy_logprobs(policy, batch)
-            loss = grpo.clipped_loss(
-                new.logprobs.float(), old.logprobs.float(), token_advantages, config.clip_eps
-            )
             optimizer.zero_grad(set_to_none=True)
-            loss.loss.backward()
+            clip.append(_accumulate(policy, parts, old.logprobs.float(), token_advantages, config.clip_eps))
             optimizer.step()
-            clip.append(loss.clip_fraction)
         version = step + 1
         rollout.sync(policy, version)
         audit.weights_changed(version)
@@ -175,6 +176,59 @@ def run_job(
         if on_step is not None:
             on_step(row)
     return figures
+
+
+def _micro_batches(
+    batch: StepBatch,
+    prompts: list[list[int]],
+    completions: list[list[int]],
+    size: int | None,
+    pad: int,
+    temperature: float,
+) -> list[tuple[StepBatch, int, int]]:
+    """(batch, first token, end token) per micro-batch of ``size`` samples, the tokens counted in
+    sample order (the old logprobs' and advantages' layout); the whole batch when ``size`` covers it."""
+    n = len(prompts)
+    if size is None or size >= n:
+        return [(batch, 0, sum(len(c) for c in completions))]
+    parts, first = [], 0
+    for lo in range(0, n, size):
+        hi = min(lo + size, n)
+        part = StepBatch.padded(
+            prompts[lo:hi],
+            completions[lo:hi],
+            pad_token_id=pad,
+            temperature=temperature,
+            device=batch.input_ids.device,
+        )
+        end = first + sum(len(c) for c in completions[lo:hi])
+        parts.append((part, first, end))
+        first = end
+    return parts
+
+
+def _accumulate(
+    policy: nn.Module,
+    parts: list[tuple[StepBatch, int, int]],
+    old_logprobs: torch.Tensor,
+    token_advantages: torch.Tensor,
+    clip_eps: float,
+) -> float:
+    """One update's gradients, micro-batch by micro-batch: each part's clipped loss weighted by its
+    share of the tokens, so the sum is the whole batch's token mean. Returns the clip fraction."""
+    total = parts[-1][2]
+    clipped = 0.0
+    for part, first, end in parts:
+        if end == first and len(parts) > 1:
+            continue  # no completion tokens: nothing to learn from
+        new = grpo.policy_logprobs(policy, part)
+        loss = grpo.clipped_loss(
+            new.logprobs.float(), old_logprobs[first:end], token_advantages[first:end], clip_eps
+        )
+        share = (end - first) / total if total else 1.0
+        (loss.loss * share).backward()
+        clipped += loss.clip_fraction * share
+    return clipped
 
 
 #: The filler document of long-context prompts: plain prose, so any tokenizer encodes it.
