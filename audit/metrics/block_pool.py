@@ -4,12 +4,18 @@
 A pass over a step's blocks is a few hundred numpy calls per block, each on about 64k tokens, with
 Python between them: threads of one process take turns on the interpreter lock at every call, so a
 second thread does not shorten the pass. A second *process* does. :class:`BlockPool` keeps
-``processes`` of them started (forkserver: nothing of the caller's threads or locks is inherited);
-:meth:`BlockPool.measure` hands them the last samples of the step, whose tokens they read from a
-memory-mapped file, while the caller measures the first ones. Each block is measured by the same
-code wherever it runs (:meth:`~audit.metrics.blocks.TokenBlocks.measure_spans`), so the result is
-the same bits. A pool that fails (a process killed, a file that cannot be written) never fails
-the pass: the caller measures those blocks itself, and the pool counts and logs it.
+``processes`` of them started; :meth:`BlockPool.measure` hands them the last samples of the step,
+whose tokens they read from a memory-mapped file, while the caller measures the first ones. Each
+block is measured by the same code wherever it runs
+(:meth:`~audit.metrics.blocks.TokenBlocks.measure_spans`), so the result is the same bits.
+
+The processes are plain ``python -c`` children importing this module alone, talking over a pipe
+each (:class:`multiprocessing.connection.Connection`): ``multiprocessing``'s own spawn and
+forkserver start methods import the caller's ``__main__`` script in every child, which inside a
+user's training script (the embedded worker runs there) would run the script again. A child exits
+when its pipe closes (its parent gone). A pool that fails (a process killed, stuck or busy, a file
+that cannot be written) never fails the pass: the caller measures those blocks itself, and the pool
+counts and logs it, then starts a fresh process.
 
 A pool is used only where it is made active (:func:`measuring_in`): the comparison worker does,
 around its comparisons; a library caller of :func:`~audit.compare.compare_samples` starts no process.
@@ -17,16 +23,18 @@ around its comparisons; a library caller of :func:`~audit.compare.compare_sample
 
 from __future__ import annotations
 
+import json
 import logging
-import multiprocessing
 import os
+import subprocess
+import sys
 import tempfile
 import threading
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Future, ProcessPoolExecutor
 from contextlib import contextmanager
 from contextvars import ContextVar
 from itertools import pairwise
+from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -36,8 +44,45 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("isoaudit.metrics")
 
-#: The most seconds a pool's share of a pass may take before the caller measures it itself.
+#: The most seconds a process's share of a pass may take before the caller measures it itself.
 TIMEOUT_S = 120.0
+#: The parent's ``sys.path``, handed to a child so that it imports the same isoaudit.
+_PATH_ENV = "ISOAUDIT_BLOCK_POOL_PATH"
+
+
+class _Child:
+    """One measuring process and its two pipe ends."""
+
+    def __init__(self) -> None:
+        to_child, from_parent = os.pipe()
+        to_parent, from_child = os.pipe()
+        code = (
+            "import json, os, sys; sys.path[:0] = json.loads(os.environ.pop('ISOAUDIT_BLOCK_POOL_PATH')); "
+            f"from isoaudit.audit.metrics.block_pool import serve; serve({to_child}, {from_child})"
+        )
+        env = {**os.environ, _PATH_ENV: json.dumps([p for p in sys.path if p])}
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-c", code],
+                pass_fds=(to_child, from_child),
+                env=env,
+                stdin=subprocess.DEVNULL,
+            )
+        finally:
+            os.close(to_child)
+            os.close(from_child)
+        self.send = Connection(from_parent, readable=False)
+        self.receive = Connection(to_parent, writable=False)
+        self.lock = threading.Lock()  # one job at a time
+
+    def close(self) -> None:
+        for end in (self.send, self.receive):
+            end.close()
+        try:
+            self.process.wait(5)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
 
 
 class BlockPool:
@@ -52,25 +97,36 @@ class BlockPool:
         self.directory = directory or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
         #: blocks its processes measured
         self.blocks = 0
-        #: passes whose pool share the caller measured itself (the pool failed), and why the last did
+        #: shares of a pass the caller measured itself (a process failed or was busy), and why the last
         self.failures = 0
         self.last_failure: str | None = None
         self._lock = threading.Lock()
-        self._executor: ProcessPoolExecutor | None = None
-        self._warm: Future[None] | None = None
-        self._start()
+        self._closed = False
+        self._children: list[_Child | None] = [None] * processes
+        for i in range(processes):
+            self._children[i] = self._start()
 
-    def _start(self) -> None:
-        context = multiprocessing.get_context("forkserver")
-        self._executor = ProcessPoolExecutor(self.processes, mp_context=context)
-        self._warm = self._executor.submit(_import_blocks)  # the first pass pays no import
+    def _start(self) -> _Child | None:
+        try:
+            return _Child()
+        except OSError as exc:
+            self._failed(exc)
+            return None
+
+    @property
+    def pids(self) -> list[int]:
+        """The processes' ids (those running)."""
+        return [c.process.pid for c in self._children if c is not None]
 
     def close(self) -> None:
-        """Stop the processes (a pass under way finishes first)."""
+        """Stop the processes (a pass under way finishes its share first)."""
         with self._lock:
-            if self._executor is not None:
-                self._executor.shutdown(wait=True, cancel_futures=True)
-                self._executor = None
+            self._closed = True
+            children, self._children = self._children, [None] * self.processes
+        for child in children:
+            if child is not None:
+                with child.lock:
+                    child.close()
 
     def __enter__(self) -> BlockPool:
         return self
@@ -81,91 +137,103 @@ class BlockPool:
     def measure(
         self, blocks: TokenBlocks, spans: Sequence[tuple[int, int]], todo: list[Request]
     ) -> list[list[Any]]:
-        """``blocks.measure_spans(spans, todo)``, the last blocks (the pool's share of the tokens,
-        ``processes / (processes + 1)``) measured by the pool's processes, the others here, at
-        the same time."""
+        """``blocks.measure_spans(spans, todo)``, the last blocks (the processes' share of the
+        tokens, ``processes / (processes + 1)``) measured by the pool's processes, the others here,
+        at the same time."""
         shares = _cut(blocks.offsets, spans, self.processes + 1)
         mine = list(spans[: shares[1]])
         theirs = [list(spans[a:b]) for a, b in pairwise(shares[1:])]
-        pending: list[tuple[list[tuple[int, int]], Future[list[list[Any]]] | None]] = []
+        sent: list[tuple[list[tuple[int, int]], int | None]] = []
         paths: list[str] = []
         try:
-            for part in theirs:
-                future = None
-                if part:
-                    future, path = self._submit(blocks, part, todo)
-                    if path is not None:
-                        paths.append(path)
-                pending.append((part, future))
+            for i, part in enumerate(theirs):
+                sent.append((part, i if part and self._send(i, blocks, part, todo, paths) else None))
             parts = blocks.measure_spans(mine, todo)
-            for part, future in pending:
-                parts += self._collect(blocks, part, todo, future)
+            while sent:
+                part, index = sent.pop(0)
+                parts += self._receive(index, blocks, part, todo)
             return parts
         finally:
+            for _, index in sent:  # an error here before their answers came: those processes are replaced
+                if index is not None:
+                    child = self._children[index]
+                    if child is not None:
+                        child.lock.release()
+                        self._replace(index, child, RuntimeError("the pass stopped before its answer came"))
             for path in paths:
                 _remove(path)
 
-    def _submit(
-        self, blocks: TokenBlocks, part: list[tuple[int, int]], todo: list[Request]
-    ) -> tuple[Future[list[list[Any]]] | None, str | None]:
-        """Write ``part``'s tokens to a file and hand them to a process (None: the pool failed)."""
+    def _send(
+        self, i: int, blocks: TokenBlocks, part: list[tuple[int, int]], todo: list[Request], paths: list[str]
+    ) -> bool:
+        """Write ``part``'s tokens to a file and hand them to process ``i``; False: it cannot take them
+        (closed, failed or busy with another caller's pass), its blocks are measured here."""
+        with self._lock:
+            child = None if self._closed else self._children[i]
+            if child is None and not self._closed:
+                child = self._children[i] = self._start()
+        if child is None or not child.lock.acquire(blocking=False):
+            self._failed(RuntimeError("the pool is closed" if self._closed else f"process {i} is not free"))
+            return False
         lo, hi = part[0][0], part[-1][1]
         a, b = int(blocks.offsets[lo]), int(blocks.offsets[hi])
-        path = None
         try:
-            with self._lock:
-                if self._executor is None:
-                    raise RuntimeError("the pool is closed")
-                dtype = np.result_type(blocks.trainer.dtype, blocks.rollout.dtype)
-                fd, path = tempfile.mkstemp(prefix="isoaudit-blocks-", dir=self.directory)
-                os.close(fd)
-                tokens = np.lib.format.open_memmap(path, "w+", dtype, (2, b - a))
-                tokens[0] = blocks.trainer[a:b]
-                tokens[1] = blocks.rollout[a:b]
-                tokens.flush()
-                del tokens
-                offsets = blocks.offsets[lo : hi + 1] - a
-                rebased = [(x - lo, y - lo) for x, y in part]
-                future = self._executor.submit(
-                    _measure_file, path, offsets, blocks.finite_only, blocks.all_finite, rebased, todo
-                )
-            return future, path
+            dtype = np.result_type(blocks.trainer.dtype, blocks.rollout.dtype)
+            fd, path = tempfile.mkstemp(prefix="isoaudit-blocks-", suffix=".npy", dir=self.directory)
+            os.close(fd)
+            paths.append(path)
+            tokens = np.lib.format.open_memmap(path, "w+", dtype, (2, b - a))
+            tokens[0] = blocks.trainer[a:b]
+            tokens[1] = blocks.rollout[a:b]
+            tokens.flush()
+            del tokens
+            offsets = blocks.offsets[lo : hi + 1] - a
+            rebased = [(x - lo, y - lo) for x, y in part]
+            child.send.send(
+                ("measure", (path, offsets, blocks.finite_only, blocks.all_finite, rebased, todo))
+            )
+            return True
         except Exception as exc:  # noqa: BLE001 — a pool's trouble is the pool's: measured here instead
-            self._failed(exc)
-            self._restart()
-            return None, path
+            child.lock.release()
+            self._replace(i, child, exc)
+            return False
 
-    def _collect(
-        self,
-        blocks: TokenBlocks,
-        part: list[tuple[int, int]],
-        todo: list[Request],
-        future: Future[list[list[Any]]] | None,
+    def _receive(
+        self, i: int | None, blocks: TokenBlocks, part: list[tuple[int, int]], todo: list[Request]
     ) -> list[list[Any]]:
         if not part:
             return []
-        if future is not None:
+        if i is not None:
+            child = self._children[i]
+            assert child is not None  # set when sent, replaced only under its lock
             try:
-                parts = future.result(TIMEOUT_S)
-                self.blocks += len(parts)
-                return parts
+                if not child.receive.poll(TIMEOUT_S):
+                    raise TimeoutError(f"process {i} took over {TIMEOUT_S:.0f} s")
+                status, value = child.receive.recv()
+                if status != "ok":
+                    raise RuntimeError(f"process {i}: {value}")
+                self.blocks += len(value)
+                child.lock.release()
+                return list(value)
             except Exception as exc:  # noqa: BLE001 — a killed or stuck process: measured here
-                self._failed(exc)
-                self._restart()
+                child.lock.release()
+                self._replace(i, child, exc)
         return blocks.measure_spans(part, todo)
+
+    def _replace(self, i: int, child: _Child, exc: BaseException) -> None:
+        """Process ``i`` failed: counted, stopped, and a fresh one started for the next pass."""
+        self._failed(exc)
+        with child.lock:
+            child.process.kill()
+            child.close()
+        with self._lock:
+            if self._children[i] is child:
+                self._children[i] = None if self._closed else self._start()
 
     def _failed(self, exc: BaseException) -> None:
         self.failures += 1
         self.last_failure = f"{type(exc).__name__}: {exc}"
-        log.warning("block pool failed (%s); its blocks were measured in this process", self.last_failure)
-
-    def _restart(self) -> None:
-        """A broken pool (a process died) is replaced, so the next pass has processes again."""
-        with self._lock:
-            if self._executor is None:
-                return
-            self._executor.shutdown(wait=False, cancel_futures=True)
-            self._start()
+        log.warning("block pool: %s; those blocks were measured in this process", self.last_failure)
 
 
 def _cut(offsets: np.ndarray, spans: Sequence[tuple[int, int]], lanes: int) -> list[int]:
@@ -180,25 +248,32 @@ def _cut(offsets: np.ndarray, spans: Sequence[tuple[int, int]], lanes: int) -> l
     return [*cuts, len(spans)]
 
 
-def _import_blocks() -> None:
-    import isoaudit.audit.metrics.blocks  # noqa: F401 — warms a new process
-
-
-def _measure_file(
-    path: str,
-    offsets: np.ndarray,
-    finite_only: bool,
-    all_finite: bool,
-    spans: list[tuple[int, int]],
-    todo: list[Request],
-) -> list[list[Any]]:
-    """In a pool process: the blocks ``spans`` of the tokens in ``path`` (rows trainer, rollout)."""
+def serve(receive_fd: int, send_fd: int) -> None:
+    """A pool process's loop: each job's blocks measured and sent back, until the pipe closes."""
     from isoaudit.audit.metrics.blocks import TokenBlocks
 
-    tokens = np.load(path, mmap_mode="r")
-    blocks = TokenBlocks(tokens[0], tokens[1], offsets, finite_only=finite_only)
-    blocks.__dict__["all_finite"] = all_finite  # the step's, not this share's: the same Block choices
-    return blocks.measure_spans(spans, todo)
+    receive = Connection(receive_fd, writable=False)
+    send = Connection(send_fd, readable=False)
+    while True:
+        try:
+            kind, job = receive.recv()
+        except (EOFError, OSError):  # the parent closed the pool or is gone
+            return
+        if kind != "measure":
+            continue
+        path, offsets, finite_only, all_finite, spans, todo = job
+        try:
+            tokens = np.load(path, mmap_mode="r")
+            blocks = TokenBlocks(tokens[0], tokens[1], offsets, finite_only=finite_only)
+            blocks.__dict__["all_finite"] = all_finite  # the step's, not this share's: the same choices
+            reply: tuple[str, Any] = ("ok", blocks.measure_spans(spans, todo))
+            del blocks, tokens
+        except Exception as exc:  # noqa: BLE001 — reported to the parent, which measures it itself
+            reply = ("error", f"{type(exc).__name__}: {exc}")
+        try:
+            send.send(reply)
+        except (BrokenPipeError, OSError):
+            return
 
 
 def _remove(path: str) -> None:

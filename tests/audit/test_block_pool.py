@@ -59,9 +59,7 @@ def test_a_killed_process_costs_the_pool_its_share_not_the_pass(pool_dir: Path) 
     one_lane = bits(every_reduction(t, r, o))
     with BlockPool(1, directory=str(pool_dir)) as pool:
         assert measured_in(pool, t, r, o) == one_lane
-        executor = pool._executor
-        assert executor is not None
-        for pid in list(executor._processes):  # the pool's process dies between passes
+        for pid in pool.pids:  # the pool's process dies between passes
             os.kill(pid, signal.SIGKILL)
         assert measured_in(pool, t, r, o) == one_lane  # measured here instead
         assert pool.failures == 1 and pool.last_failure is not None
@@ -86,3 +84,42 @@ def test_a_pool_is_used_only_where_it_is_made_active(pool_dir: Path) -> None:
         assert active_pool() is None
     with pytest.raises(ValueError, match="processes"):
         BlockPool(0)
+
+
+def test_a_stuck_process_is_replaced(pool_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from isoaudit.audit.metrics import block_pool
+
+    t, r, o = mixed_step(7)
+    one_lane = bits(every_reduction(t, r, o))
+    monkeypatch.setattr(block_pool, "TIMEOUT_S", 0.5)
+    with BlockPool(1, directory=str(pool_dir)) as pool:
+        (stuck,) = pool.pids
+        os.kill(stuck, signal.SIGSTOP)
+        assert measured_in(pool, t, r, o) == one_lane
+        assert pool.failures == 1 and "TimeoutError" in (pool.last_failure or "")
+        assert pool.pids != [stuck]
+        monkeypatch.setattr(block_pool, "TIMEOUT_S", 120.0)  # the fresh process may still be importing
+        assert measured_in(pool, t, r, o) == one_lane and pool.failures == 1
+
+
+def test_a_script_without_a_main_guard_runs_once(tmp_path: Path) -> None:
+    """The pool's processes import isoaudit alone, never the caller's script (multiprocessing's
+    spawn and forkserver would run an unguarded training script again in each child)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import numpy as np\n"
+        "from isoaudit.audit.metrics.block_pool import BlockPool, measuring_in\n"
+        "from isoaudit.audit.metrics.blocks import TokenBlocks\n"
+        "print('job ran', flush=True)\n"
+        "t = -np.random.default_rng(0).random(3000).astype(np.float32)\n"
+        "blocks = TokenBlocks(t, t * 1.001, np.array([0, 1000, 2000, 3000]), block_tokens=1000)\n"
+        "with BlockPool(1) as pool, measuring_in(pool):\n"
+        "    blocks.measure([('sum', 'd')], threads=2)\n"
+        "    assert pool.blocks > 0 and pool.failures == 0, pool.last_failure\n"
+    )
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("job ran") == 1
