@@ -26,6 +26,7 @@ _ENV: dict[str, str] = {
     "run_worker": "ISOAUDIT_RUN_WORKER",
     "worker_interval_s": "ISOAUDIT_WORKER_INTERVAL_S",
     "worker_lease_s": "ISOAUDIT_WORKER_LEASE_S",
+    "worker_processes": "ISOAUDIT_WORKER_PROCESSES",
     "alert_rules_file": "ISOAUDIT_ALERT_RULES",
     "default_alert_rules": "ISOAUDIT_DEFAULT_ALERT_RULES",
     "webhook_url": "ISOAUDIT_ALERT_WEBHOOK_URL",
@@ -64,6 +65,12 @@ class Settings(BaseModel):
         gt=0,
         description="how long a comparison worker holds the steps it claimed: another replica's "
         "worker retakes them after this if it died",
+    )
+    worker_processes: int = Field(
+        default=1,
+        ge=0,
+        description="processes measuring a large step's tokens beside the comparison worker when a "
+        "core is idle (0: none; audit.metrics.block_pool)",
     )
     alert_rules_file: str | None = Field(default=None, description="YAML rules loaded at start-up")
     default_alert_rules: bool = Field(default=True, description="install the default kl_k3 rules at start-up")

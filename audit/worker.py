@@ -93,11 +93,12 @@ class ComparisonWorker:
         max_pairs: int = 1024,
         name: str | None = None,
         run_id: str | None = None,
-        processes: int = 1,
+        processes: int = 0,
     ) -> None:
         self.store = store
         #: processes measuring a step's token blocks beside the worker's thread when a core is idle
-        #: (audit.metrics.block_pool; started at the first step big enough; 0: none)
+        #: (audit.metrics.block_pool; started at the first step big enough, stopped by ``stop`` or
+        #: ``close_pool``; 0: none, the default of a worker made for one ``run_once``)
         self.processes = processes
         self._pool: BlockPool | None = None
         self.run_id = run_id

@@ -242,7 +242,7 @@ def read_back(store: Store, run_id: str) -> tuple[float, float]:
     return middle - started, done - middle
 
 
-def against_read_back(kind: str, pairs, prints, repeat: int) -> dict[str, list[float]]:
+def against_read_back(kind: str, pairs, prints, repeat: int, processes: int = 1) -> dict[str, list[float]]:
     """Per repeat, on a fresh copy of the step on one database: the read-back's seconds (samples,
     fingerprints), the worker's whole pass and its database calls (:data:`DATABASE_CALLS`)."""
     names = ("samples", "fingerprints", "worker", "database", "read cpu", "worker cpu")
@@ -251,7 +251,7 @@ def against_read_back(kind: str, pairs, prints, repeat: int) -> dict[str, list[f
         db = Database(kind, Path(tmp))
         store = Store(db.url)
         try:
-            worker = ComparisonWorker(store, max_pairs=max(1024, len(pairs)))
+            worker = ComparisonWorker(store, max_pairs=max(1024, len(pairs)), processes=processes)
             calls = Timed(store, DATABASE_CALLS)
             stored_step(store, f"{RUN}-warm-up", pairs[:2], {})  # first-call costs are not per step
             worker.run_once(f"{RUN}-warm-up")
@@ -327,6 +327,11 @@ def main() -> None:
     parser.add_argument("--no-loop", action="store_true", help="skip the per-token Python loop")
     parser.add_argument("--in-process", action="store_true", help="the worker's calls in memory, no database")
     parser.add_argument("--databases", default="sqlite,postgres", help="with the database: which ones")
+    parser.add_argument(
+        "--processes",
+        default="1",
+        help="the worker's block-pool processes (audit.metrics.block_pool), comma-separated to time each",
+    )
     args = parser.parse_args()
 
     pairs = make_step(args.samples, args.tokens, args.prompt_len, args.differing)
@@ -337,7 +342,9 @@ def main() -> None:
     )
     if not args.in_process:
         for kind in args.databases.split(","):
-            report(kind, against_read_back(kind, pairs, prints, args.repeat))
+            for processes in [int(p) for p in args.processes.split(",")]:
+                label = f"{kind}/p{processes}" if "," in args.processes else kind
+                report(label, against_read_back(kind, pairs, prints, args.repeat, processes))
         return
     with tempfile.TemporaryDirectory() as tmp:
         sides = {"ours": (compare_module, summaries_module)}

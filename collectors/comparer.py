@@ -192,6 +192,7 @@ class SessionComparer:
                     interval=settings.worker_interval_s,
                     lease_s=settings.worker_lease_s,
                     run_id=self.run_id,
+                    processes=0,  # in the job's own process: it starts none
                 ).start()
                 return
             except Exception:

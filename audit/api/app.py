@@ -49,6 +49,7 @@ def create_app(
                 on_step=compose_steps(alert_engine.evaluate, trackers.on_step if trackers else None),
                 interval=settings.worker_interval_s,
                 lease_s=settings.worker_lease_s,
+                processes=settings.worker_processes,
             ).start()
             alert_engine.start()  # the outbox goes out from where comparison runs
         app.state.worker = worker

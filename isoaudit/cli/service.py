@@ -161,6 +161,7 @@ def worker(
         interval=settings.worker_interval_s,
         lease_s=settings.worker_lease_s,
         run_id=run,
+        processes=settings.worker_processes,
     )
     where = store.engine.url.render_as_string()
     if once:
