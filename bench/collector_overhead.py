@@ -657,6 +657,8 @@ def main() -> None:
     if args.dtype is None:
         args.dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
     if args.scenario == "graphs":
+        if args.threads:
+            torch.set_num_threads(args.threads)
         result = run_graphs(args)
         engine, trainer = result["engine"], result["compiled_trainer"]
         print(f"device {result['device_name']}  model {result['model']}  {result['dtype']}")

@@ -188,7 +188,7 @@ class ForwardCapture:
     def _open(self, _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if torch.compiler.is_compiling():  # traced: the region hooks hold rows, nothing else
             self.compiled_seen = True  # replayed by every compiled call: buffers from the next step
-            self._pending, self._pending_bytes, self._flushed = [], 0, False
+            self._pending, self._pending_bytes, self._flushed = None, 0, False
             return
         self._flushed = False
         self._depth += 1
@@ -347,9 +347,10 @@ class ForwardCapture:
             ):
                 target.buffers.write(slot, rows, bits)
             else:
-                if self._pending is None:  # a compiled region under an eager root
-                    self._pending = []
-                self._pending.append((slot, tensor))  # the tap itself: the op views its rows
+                # the tap itself (the op views its rows), in a new list: a list that existed
+                # before this frame and was appended to here would have to be rebuilt after the
+                # graph, every held tap an extra output of it
+                self._pending = [*(self._pending or ()), (slot, tensor)]
                 self._pending_bytes += size
             target.bits[slot] = bits
             if slot == self.last_slot:  # the op inside this graph: no held row leaves it

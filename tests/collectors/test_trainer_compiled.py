@@ -223,3 +223,53 @@ def test_compiled_training_steps_with_every_region_through_the_op(mode: str) -> 
     if eager is not None:
         for (ra, _), (rb, _) in zip(eager, watched, strict=True):
             _assert_equal_prints(ra, rb)
+
+
+def _graphs_of(model: torch.nn.Module, steps: int, *, collect: bool) -> list[tuple[int, int]]:
+    """Compile ``model`` (as a trainer does: not fullgraph) and run ``steps`` forwards and
+    backwards; per graph Dynamo made, (outputs, fingerprint op calls)."""
+    graphs: list[tuple[int, int]] = []
+
+    def backend(gm: torch.fx.GraphModule, _inputs: list) -> object:
+        output = next(n for n in gm.graph.nodes if n.op == "output")
+        ops = sum(1 for n in gm.graph.nodes if "isoaudit" in str(n.target))
+        graphs.append((len(output.args[0]), ops))
+        return gm.forward
+
+    collector = attach(model, run="c", sink=MemorySink(), async_transfer=False) if collect else None
+    fn = torch.compile(model, backend=backend)
+    try:
+        for step in range(steps):
+            batch = _batch(step)
+            if collector is not None:
+                collector.begin_step(step, batch)
+            logits = fn(**batch.model_inputs()).logits
+            if collector is not None:
+                collector.record_step(step, batch, logprobs=None)
+            logits.float().mean().backward()
+    finally:
+        if collector is not None:
+            collector.detach()
+    return graphs
+
+
+def test_held_regions_never_leave_the_compiled_graph() -> None:
+    """The taps hold their regions for the one multi-region op inside the model's graph: with
+    every region fingerprinted the compiled forward is one graph, without a break, whose outputs
+    are those of the graph without a collector (a held tap returned from it would be one more
+    output per region, each with its runtime wrapper and a tangent in the backward)."""
+    base = _model(torch.float32)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    try:
+        plain = _graphs_of(copy.deepcopy(base), 2, collect=False)
+        torch._dynamo.reset()
+        watched = _graphs_of(copy.deepcopy(base), 3, collect=True)
+        breaks = dict(torch._dynamo.utils.counters["graph_break"])
+    finally:
+        torch._dynamo.reset()
+    assert not breaks
+    assert len(plain) == 1
+    # the first call traces the hooks without buffers; the next, with them, calls the op once
+    assert len(watched) == 2 and watched[-1][1] == 1
+    assert watched[-1][0] == plain[0][0]
