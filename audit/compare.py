@@ -127,6 +127,28 @@ Pair = tuple[SampleLogprobs, SampleLogprobs]
 Fingerprints = dict[str, tuple[Sequence[RegionFingerprints], Sequence[RegionFingerprints]]]
 
 
+@dataclass(frozen=True)
+class ComparedPrints:
+    """Fingerprint records by sample_key with each key's grid already compared (the worker does it
+    on the thread that reads them, beside the token pass): :func:`compare_samples` takes the grids
+    as they are."""
+
+    records: Fingerprints
+    grids: dict[str, RegionGrid | None]
+
+    @classmethod
+    def of(cls, records: Fingerprints) -> ComparedPrints:
+        """The records with their grids; a key whose grid fails is left to :func:`compare_samples`,
+        which raises for its step (so that one bad step fails alone, as without)."""
+        grids: dict[str, RegionGrid | None] = {}
+        for key, sides in records.items():
+            try:
+                grids[key] = compare_fingerprints(*sides)
+            except Exception:  # noqa: BLE001, S112 — compared again, and raised, on the comparison's path
+                continue
+        return cls(records, grids)
+
+
 def in_step_order(pairs: Sequence[Pair]) -> list[Pair]:
     """A step's pairs by sample_key: the order its figures are summed in, so that they do not depend
     on the order a caller happens to hold the samples in (float sums do)."""
@@ -267,7 +289,7 @@ ONE_PASS_TOKENS = 1 << 16
 
 def compare_samples(
     pairs: Sequence[Pair],
-    fingerprints: Fingerprints | Callable[[], Fingerprints] | None = None,
+    fingerprints: Fingerprints | ComparedPrints | Callable[[], Fingerprints | ComparedPrints] | None = None,
     manifests: tuple[Sequence[Manifest], Sequence[Manifest]] = ((), ()),
     *,
     clip_eps: float = 0.2,
@@ -276,9 +298,10 @@ def compare_samples(
 ) -> list[SampleComparison]:
     """Compare many (trainer, rollout) pairs at once, of one step or several: token metrics
     vectorised (a step of :data:`ONE_PASS_TOKENS` or more with its figures, handed on to
-    :func:`step_summary`), grids for the samples that have fingerprints (keyed by sample_key; or a
-    function returning them, called once the tokens are measured), then a diagnosis of each. ``policy`` is the run's declared off-policy design
-    (``off_policy_of(run.config)``). ``threads``: the token pass's (default: the idle cores,
+    :func:`step_summary`), grids for the samples that have fingerprints (keyed by sample_key, or
+    :class:`ComparedPrints` with their grids; or a function returning either, called once the
+    tokens are measured), then a diagnosis of each. ``policy`` is the run's declared off-policy
+    design (``off_policy_of(run.config)``). ``threads``: the token pass's (default: the idle cores,
     :func:`~audit.metrics.blocks.idle_threads`). Results come in the order of ``pairs``."""
     if not pairs:
         return []
@@ -303,13 +326,15 @@ def compare_samples(
         measured.update((i, (row, None)) for i, row in zip(small, rows, strict=True))
     if callable(fingerprints):  # read meanwhile (the worker's fingerprint read overlaps the token pass)
         fingerprints = fingerprints()
-    fingerprints = fingerprints or {}
+    if not isinstance(fingerprints, ComparedPrints):
+        fingerprints = ComparedPrints(fingerprints or {}, {})
     results = []
     for index, (trainer, rollout) in enumerate(pairs):
         assert trainer.sample_key is not None  # set by validation (audit.records), compared by check_pair
         metrics, shared = measured[index]
-        prints = fingerprints.get(trainer.sample_key, ((), ()))
-        grid = compare_fingerprints(*prints)
+        prints = fingerprints.records.get(trainer.sample_key, ((), ()))
+        key = trainer.sample_key
+        grid = fingerprints.grids[key] if key in fingerprints.grids else compare_fingerprints(*prints)
         diagnosis = diagnose(
             trainer, rollout, metrics, grid, manifests[0], manifests[1], prints, policy=policy
         )

@@ -13,12 +13,18 @@ import secrets
 import socket
 import threading
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime
 from typing import Any
 
-from isoaudit.audit.compare import ONE_PASS_TOKENS, SampleComparison, StepOutcome, compare_samples
+from isoaudit.audit.compare import (
+    ONE_PASS_TOKENS,
+    ComparedPrints,
+    SampleComparison,
+    StepOutcome,
+    compare_samples,
+)
 from isoaudit.audit.db import StepClaim, Store
 from isoaudit.audit.frameworks import Declaration, declaration_of
 from isoaudit.audit.metrics.block_pool import BlockPool, measuring_in
@@ -45,13 +51,31 @@ def pair_by_key(samples: list[SampleLogprobs]) -> dict[str, tuple[SampleLogprobs
 
 
 class _Later:
-    """A read running on another thread, waited for where it is first needed."""
+    """The claimed steps' fingerprints, read and compared (:class:`ComparedPrints`, per step) on
+    another thread, waited for where they are first needed."""
 
-    def __init__(self, reading: Future[dict[tuple[str, int], list[RegionFingerprints]]]) -> None:
+    def __init__(self, reading: Future[dict[tuple[str, int], ComparedPrints]]) -> None:
         self.reading = reading
 
-    def get(self) -> dict[tuple[str, int], list[RegionFingerprints]]:
+    def get(self) -> dict[tuple[str, int], ComparedPrints]:
         return self.reading.result()
+
+
+def _claimed_prints(
+    records: dict[tuple[str, int], list[RegionFingerprints]], claims: list[StepClaim]
+) -> dict[tuple[str, int], ComparedPrints]:
+    """Each claimed step's fingerprint records of its claimed samples, by key, with their grids."""
+    out = {}
+    for claim in claims:
+        wanted = set(claim.sample_keys)
+        by_key: dict[str, tuple[list[RegionFingerprints], list[RegionFingerprints]]] = defaultdict(
+            lambda: ([], [])
+        )
+        for record in records.get((claim.run_id, claim.step), ()):
+            if record.sample_key in wanted:
+                by_key[record.sample_key][0 if record.side == "trainer" else 1].append(record)
+        out[(claim.run_id, claim.step)] = ComparedPrints.of(dict(by_key))
+    return out
 
 
 def _declaration(run_id: str, config: Mapping[str, Any]) -> Declaration | None:
@@ -149,17 +173,23 @@ class ComparisonWorker:
         pool = self.block_pool() if idle > 1 and tokens >= 2 * ONE_PASS_TOKENS else None
         with measuring_in(pool):
             if idle < 2 or not self.store.threads_share_the_database:
-                done: Future[dict[tuple[str, int], list[RegionFingerprints]]] = Future()
-                done.set_result(self.store.fingerprints_of_steps(steps))
+                done: Future[dict[tuple[str, int], ComparedPrints]] = Future()
+                done.set_result(self._read_prints(steps, claims))
                 return self._compare_read(claims, samples, arrived, _Later(done), idle)
-            # With a core idle, the fingerprints are read on a thread while the samples' tokens are
-            # measured (the read waits on the database, numpy releases the interpreter lock in its
-            # loops). A second thread of the pass only takes turns with the read on the interpreter
-            # lock, so without the pool's processes the pass takes the cores the read leaves.
+            # With a core idle, the fingerprints are read and their grids compared on a thread while
+            # the samples' tokens are measured (the read waits on the database, numpy releases the
+            # interpreter lock in its loops). A second thread of the pass only takes turns with the
+            # read on the interpreter lock, so without the pool's processes the pass takes the cores
+            # the read leaves.
             with ThreadPoolExecutor(1, thread_name_prefix="isoaudit-read") as reader:
-                reading = reader.submit(self.store.fingerprints_of_steps, steps)
+                reading = reader.submit(self._read_prints, steps, claims)
                 lanes = idle if pool is not None else idle - 1
                 return self._compare_read(claims, samples, arrived, _Later(reading), lanes)
+
+    def _read_prints(
+        self, steps: list[tuple[str, int]], claims: list[StepClaim]
+    ) -> dict[tuple[str, int], ComparedPrints]:
+        return _claimed_prints(self.store.fingerprints_of_steps(steps), claims)
 
     def block_pool(self) -> BlockPool | None:
         """The processes measuring token blocks, started on first use (None: ``processes`` is 0)."""
@@ -257,15 +287,14 @@ class ComparisonWorker:
                 for x in self._compare_steps([c], samples, prints, manifests, policy, framework, threads)
             ]
 
-        def fingerprints() -> dict[str, tuple[Sequence[RegionFingerprints], Sequence[RegionFingerprints]]]:
-            by_key: dict[str, tuple[list[RegionFingerprints], list[RegionFingerprints]]] = defaultdict(
-                lambda: ([], [])
+        def fingerprints() -> ComparedPrints:
+            read = [prints.get()[(claim.run_id, claim.step)] for claim in claims]
+            if len(read) == 1:
+                return read[0]
+            return ComparedPrints(  # the claims' keys differ (checked above)
+                {k: v for one in read for k, v in one.records.items()},
+                {k: v for one in read for k, v in one.grids.items()},
             )
-            for claim in claims:
-                for record in prints.get()[(claim.run_id, claim.step)]:
-                    if (record.run_id, record.step, record.sample_key) in wanted:
-                        by_key[record.sample_key][0 if record.side == "trainer" else 1].append(record)
-            return dict(by_key)
 
         comparisons = compare_samples(
             todo, fingerprints, manifests, clip_eps=self.clip_eps, policy=policy, threads=threads

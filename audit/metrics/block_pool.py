@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -97,6 +98,8 @@ class BlockPool:
         self.directory = directory or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
         #: blocks its processes measured
         self.blocks = 0
+        #: the caller's share of a pass's tokens (the processes share the rest), balanced pass by pass
+        self.caller_share = 1 / (processes + 1)
         #: shares of a pass the caller measured itself (a process failed or was busy), and why the last
         self.failures = 0
         self.last_failure: str | None = None
@@ -137,10 +140,11 @@ class BlockPool:
     def measure(
         self, blocks: TokenBlocks, spans: Sequence[tuple[int, int]], todo: list[Request]
     ) -> list[list[Any]]:
-        """``blocks.measure_spans(spans, todo)``, the last blocks (the processes' share of the
-        tokens, ``processes / (processes + 1)``) measured by the pool's processes, the others here,
-        at the same time."""
-        shares = _cut(blocks.offsets, spans, self.processes + 1)
+        """``blocks.measure_spans(spans, todo)``, the last blocks measured by the pool's processes,
+        the first ones here, at the same time. The caller's share of the tokens
+        (:attr:`caller_share`) follows the lanes' speeds in the passes before: a caller that also
+        reads the fingerprints on a thread measures fewer tokens a second than a process."""
+        shares = _cut(blocks.offsets, spans, self.caller_share, self.processes)
         mine = list(spans[: shares[1]])
         theirs = [list(spans[a:b]) for a, b in pairwise(shares[1:])]
         sent: list[tuple[list[tuple[int, int]], int | None]] = []
@@ -148,10 +152,14 @@ class BlockPool:
         try:
             for i, part in enumerate(theirs):
                 sent.append((part, i if part and self._send(i, blocks, part, todo, paths) else None))
+            started = time.perf_counter()
             parts = blocks.measure_spans(mine, todo)
+            here = time.perf_counter() - started
+            elsewhere: list[float] = []
             while sent:
                 part, index = sent.pop(0)
-                parts += self._receive(index, blocks, part, todo)
+                parts += self._receive(index, blocks, part, todo, elsewhere)
+            self._balance(_tokens(blocks, mine), here, [_tokens(blocks, p) for p in theirs], elsewhere)
             return parts
         finally:
             for _, index in sent:  # an error here before their answers came: those processes are replaced
@@ -162,6 +170,18 @@ class BlockPool:
                         self._replace(index, child, RuntimeError("the pass stopped before its answer came"))
             for path in paths:
                 _remove(path)
+
+    def _balance(self, mine: int, here: float, theirs: list[int], elsewhere: list[float]) -> None:
+        """Move :attr:`caller_share` halfway to the share that would have ended every lane of this
+        pass at once, from each lane's tokens a second (a pass with a failed process says nothing)."""
+        if len(elsewhere) != len(theirs) or not mine or here <= 0 or any(t <= 0 for t in elsewhere):
+            return
+        rate_here = mine / here
+        rates = [n / t for n, t in zip(theirs, elsewhere, strict=True) if n]
+        if not rates:
+            return
+        balanced = rate_here / (rate_here + sum(rates) / len(rates) * self.processes)
+        self.caller_share = min(0.9, max(0.1, (self.caller_share + balanced) / 2))
 
     def _send(
         self, i: int, blocks: TokenBlocks, part: list[tuple[int, int]], todo: list[Request], paths: list[str]
@@ -199,8 +219,15 @@ class BlockPool:
             return False
 
     def _receive(
-        self, i: int | None, blocks: TokenBlocks, part: list[tuple[int, int]], todo: list[Request]
+        self,
+        i: int | None,
+        blocks: TokenBlocks,
+        part: list[tuple[int, int]],
+        todo: list[Request],
+        seconds: list[float],
     ) -> list[list[Any]]:
+        """Process ``i``'s answer for ``part`` (its seconds appended to ``seconds``), or ``part``
+        measured here if it failed."""
         if not part:
             return []
         if i is not None:
@@ -212,9 +239,11 @@ class BlockPool:
                 status, value = child.receive.recv()
                 if status != "ok":
                     raise RuntimeError(f"process {i}: {value}")
-                self.blocks += len(value)
+                parts, took = value
+                self.blocks += len(parts)
+                seconds.append(took)
                 child.lock.release()
-                return list(value)
+                return list(parts)
             except Exception as exc:  # noqa: BLE001 — a killed or stuck process: measured here
                 child.lock.release()
                 self._replace(i, child, exc)
@@ -236,16 +265,21 @@ class BlockPool:
         log.warning("block pool: %s; those blocks were measured in this process", self.last_failure)
 
 
-def _cut(offsets: np.ndarray, spans: Sequence[tuple[int, int]], lanes: int) -> list[int]:
-    """Span indices ``0 = c_0 <= c_1 <= ... <= c_lanes = len(spans)`` cutting the blocks into
-    ``lanes`` runs of about equal tokens."""
+def _cut(offsets: np.ndarray, spans: Sequence[tuple[int, int]], first: float, others: int) -> list[int]:
+    """Span indices ``0 = c_0 <= c_1 <= ... <= c_(others+1) = len(spans)`` cutting the blocks into a
+    first run of about ``first`` of the tokens and ``others`` runs sharing the rest equally."""
     ends = np.array([offsets[hi] - offsets[spans[0][0]] for _, hi in spans], dtype=np.int64)
     total = int(ends[-1]) if ends.size else 0
+    bounds = [first + (1 - first) * k / others for k in range(others)]
     cuts = [0]
-    for lane in range(1, lanes):
-        cuts.append(max(cuts[-1], int(np.searchsorted(ends, total * lane / lanes, side="left")) + 1))
+    for bound in bounds:
+        cuts.append(max(cuts[-1], int(np.searchsorted(ends, total * bound, side="left")) + 1))
     cuts = [min(c, len(spans)) for c in cuts]
     return [*cuts, len(spans)]
+
+
+def _tokens(blocks: TokenBlocks, part: list[tuple[int, int]]) -> int:
+    return int(blocks.offsets[part[-1][1]] - blocks.offsets[part[0][0]]) if part else 0
 
 
 def serve(receive_fd: int, send_fd: int) -> None:
@@ -266,7 +300,9 @@ def serve(receive_fd: int, send_fd: int) -> None:
             tokens = np.load(path, mmap_mode="r")
             blocks = TokenBlocks(tokens[0], tokens[1], offsets, finite_only=finite_only)
             blocks.__dict__["all_finite"] = all_finite  # the step's, not this share's: the same choices
-            reply: tuple[str, Any] = ("ok", blocks.measure_spans(spans, todo))
+            started = time.perf_counter()
+            parts = blocks.measure_spans(spans, todo)
+            reply: tuple[str, Any] = ("ok", (parts, time.perf_counter() - started))
             del blocks, tokens
         except Exception as exc:  # noqa: BLE001 — reported to the parent, which measures it itself
             reply = ("error", f"{type(exc).__name__}: {exc}")

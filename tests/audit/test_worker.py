@@ -238,3 +238,27 @@ def test_a_big_step_measured_with_the_block_pool_stores_the_same(database_url: s
         finally:
             store.dispose()
     assert outcomes[0] == outcomes[1] and len(outcomes[0]) == 6
+
+
+def test_a_step_whose_grid_fails_fails_alone(store: Store, monkeypatch) -> None:
+    """The grids are compared on the reader thread beside the token pass; one that raises there is
+    compared again on the comparison's path, where it fails its step alone, as the other steps save."""
+    from isoaudit.audit import compare as compare_module
+    from isoaudit.audit import worker as worker_module
+
+    monkeypatch.setattr(worker_module, "idle_threads", lambda: 2)  # the read (and grids) on a thread
+    ingest_step(store, step=0)
+    ingest_step(store, step=1)
+    original = compare_module.compare_fingerprints
+
+    def broken_at_step_1(trainer, rollout):
+        if trainer and trainer[0].step == 1:
+            raise ValueError("a malformed fingerprint record")
+        return original(trainer, rollout)
+
+    monkeypatch.setattr(compare_module, "compare_fingerprints", broken_at_step_1)
+    worker = ComparisonWorker(store)
+    assert worker.run_once() == 3
+    assert worker.failures == 1
+    assert {r.step for r in store.step_results("run-1")} == {0}
+    assert any(r.first_divergence_region == "layers.1.mlp" for r in store.sample_results("run-1", 0))
