@@ -17,6 +17,7 @@ read-back, at most 3 s a step; printed on the least and the median of the repeat
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.util
 import math
 import statistics
@@ -256,6 +257,7 @@ def against_read_back(kind: str, pairs, prints, repeat: int, processes: int = 1)
             stored_step(store, f"{RUN}-warm-up", pairs[:2], {})  # first-call costs are not per step
             worker.run_once(f"{RUN}-warm-up")
             worker.block_pool()  # its processes started, as a serving worker's are after its first big step
+            gc.freeze()  # start-up's objects out of the collector's passes, as `isoaudit worker` does
             for i in range(repeat):
                 run_id = f"{RUN}-{i}"
                 stored_step(store, run_id, pairs, prints)

@@ -75,8 +75,38 @@ class _Child:
         self.send = Connection(from_parent, readable=False)
         self.receive = Connection(to_parent, writable=False)
         self.lock = threading.Lock()  # one job at a time
+        #: the tokens handed over, rows trainer and rollout, a memory-mapped file both processes keep
+        #: mapped (grown when a share outgrows it): a fresh file a pass cost its page faults each time
+        self.tokens: np.memmap | None = None
+        #: the file's path while it is still on disk (removed once the child has it mapped)
+        self.path: str | None = None
+
+    def buffer(self, directory: str, dtype: np.dtype, n: int) -> np.memmap:
+        """The shared tokens, room for ``n`` a row of ``dtype``."""
+        if self.tokens is None or self.tokens.dtype != dtype or self.tokens.shape[1] < n:
+            self._unlink()
+            capacity = max(n + n // 4, 1)
+            fd, path = tempfile.mkstemp(prefix="isoaudit-blocks-", dir=directory)
+            try:
+                os.ftruncate(fd, 2 * capacity * dtype.itemsize)
+            finally:
+                os.close(fd)
+            self.path = path
+            self.tokens = np.memmap(path, dtype, "r+", shape=(2, capacity))
+        return self.tokens
+
+    def mapped(self) -> None:
+        """The child answered: it has the file mapped, so the path can go (no file outlives both)."""
+        self._unlink()
+
+    def _unlink(self) -> None:
+        if self.path is not None:
+            _remove(self.path)
+            self.path = None
 
     def close(self) -> None:
+        self._unlink()
+        self.tokens = None
         for end in (self.send, self.receive):
             end.close()
         try:
@@ -148,10 +178,9 @@ class BlockPool:
         mine = list(spans[: shares[1]])
         theirs = [list(spans[a:b]) for a, b in pairwise(shares[1:])]
         sent: list[tuple[list[tuple[int, int]], int | None]] = []
-        paths: list[str] = []
         try:
             for i, part in enumerate(theirs):
-                sent.append((part, i if part and self._send(i, blocks, part, todo, paths) else None))
+                sent.append((part, i if part and self._send(i, blocks, part, todo) else None))
             started = time.perf_counter()
             parts = blocks.measure_spans(mine, todo)
             here = time.perf_counter() - started
@@ -168,8 +197,6 @@ class BlockPool:
                     if child is not None:
                         child.lock.release()
                         self._replace(index, child, RuntimeError("the pass stopped before its answer came"))
-            for path in paths:
-                _remove(path)
 
     def _balance(self, mine: int, here: float, theirs: list[int], elsewhere: list[float]) -> None:
         """Move :attr:`caller_share` halfway to the share that would have ended every lane of this
@@ -183,11 +210,9 @@ class BlockPool:
         balanced = rate_here / (rate_here + sum(rates) / len(rates) * self.processes)
         self.caller_share = min(0.9, max(0.1, (self.caller_share + balanced) / 2))
 
-    def _send(
-        self, i: int, blocks: TokenBlocks, part: list[tuple[int, int]], todo: list[Request], paths: list[str]
-    ) -> bool:
-        """Write ``part``'s tokens to a file and hand them to process ``i``; False: it cannot take them
-        (closed, failed or busy with another caller's pass), its blocks are measured here."""
+    def _send(self, i: int, blocks: TokenBlocks, part: list[tuple[int, int]], todo: list[Request]) -> bool:
+        """Write ``part``'s tokens where process ``i`` reads them and hand it the blocks; False: it
+        cannot take them (closed, failed or busy with another caller's pass), they are measured here."""
         with self._lock:
             child = None if self._closed else self._children[i]
             if child is None and not self._closed:
@@ -198,19 +223,14 @@ class BlockPool:
         lo, hi = part[0][0], part[-1][1]
         a, b = int(blocks.offsets[lo]), int(blocks.offsets[hi])
         try:
-            dtype = np.result_type(blocks.trainer.dtype, blocks.rollout.dtype)
-            fd, path = tempfile.mkstemp(prefix="isoaudit-blocks-", suffix=".npy", dir=self.directory)
-            os.close(fd)
-            paths.append(path)
-            tokens = np.lib.format.open_memmap(path, "w+", dtype, (2, b - a))
-            tokens[0] = blocks.trainer[a:b]
-            tokens[1] = blocks.rollout[a:b]
-            tokens.flush()
-            del tokens
+            tokens = child.buffer(self.directory, np.result_type(blocks.trainer, blocks.rollout), b - a)
+            tokens[0, : b - a] = blocks.trainer[a:b]
+            tokens[1, : b - a] = blocks.rollout[a:b]
             offsets = blocks.offsets[lo : hi + 1] - a
             rebased = [(x - lo, y - lo) for x, y in part]
+            where = (child.path, tokens.dtype.str, tokens.shape[1], b - a)
             child.send.send(
-                ("measure", (path, offsets, blocks.finite_only, blocks.all_finite, rebased, todo))
+                ("measure", (where, offsets, blocks.finite_only, blocks.all_finite, rebased, todo))
             )
             return True
         except Exception as exc:  # noqa: BLE001 — a pool's trouble is the pool's: measured here instead
@@ -239,8 +259,9 @@ class BlockPool:
                 status, value = child.receive.recv()
                 if status != "ok":
                     raise RuntimeError(f"process {i}: {value}")
-                parts, took = value
-                self.blocks += len(parts)
+                parts, took, count = value
+                child.mapped()
+                self.blocks += count
                 seconds.append(took)
                 child.lock.release()
                 return list(parts)
@@ -284,10 +305,11 @@ def _tokens(blocks: TokenBlocks, part: list[tuple[int, int]]) -> int:
 
 def serve(receive_fd: int, send_fd: int) -> None:
     """A pool process's loop: each job's blocks measured and sent back, until the pipe closes."""
-    from isoaudit.audit.metrics.blocks import TokenBlocks
+    from isoaudit.audit.metrics.blocks import TokenBlocks, merge_parts
 
     receive = Connection(receive_fd, writable=False)
     send = Connection(send_fd, readable=False)
+    mapped: tuple[str | None, np.memmap | None] = (None, None)
     while True:
         try:
             kind, job = receive.recv()
@@ -295,15 +317,18 @@ def serve(receive_fd: int, send_fd: int) -> None:
             return
         if kind != "measure":
             continue
-        path, offsets, finite_only, all_finite, spans, todo = job
+        (path, dtype, capacity, n), offsets, finite_only, all_finite, spans, todo = job
         try:
-            tokens = np.load(path, mmap_mode="r")
-            blocks = TokenBlocks(tokens[0], tokens[1], offsets, finite_only=finite_only)
-            blocks.__dict__["all_finite"] = all_finite  # the step's, not this share's: the same choices
+            if path is not None and path != mapped[0]:  # a new file (the first, or a larger one)
+                mapped = (path, np.memmap(path, np.dtype(dtype), "r", shape=(2, capacity)))
+            tokens = mapped[1]
+            assert tokens is not None, "no tokens were handed over"
             started = time.perf_counter()
-            parts = blocks.measure_spans(spans, todo)
-            reply: tuple[str, Any] = ("ok", (parts, time.perf_counter() - started))
-            del blocks, tokens
+            blocks = TokenBlocks(tokens[0, :n], tokens[1, :n], offsets, finite_only=finite_only)
+            blocks.__dict__["all_finite"] = all_finite  # the step's, not this share's: the same choices
+            parts = merge_parts(blocks.measure_spans(spans, todo))  # one array a request to send
+            reply: tuple[str, Any] = ("ok", (parts, time.perf_counter() - started, len(spans)))
+            del blocks
         except Exception as exc:  # noqa: BLE001 — reported to the parent, which measures it itself
             reply = ("error", f"{type(exc).__name__}: {exc}")
         try:

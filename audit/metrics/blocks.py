@@ -480,6 +480,23 @@ def _kept_sums(piece: np.ndarray | _Kept) -> np.ndarray:
     return np.zeros(piece.values.size if isinstance(piece, _Kept) else piece.size)
 
 
+def merge_parts(parts: list[list[Any]]) -> list[list[Any]]:
+    """Consecutive blocks' parts (:meth:`TokenBlocks.measure_spans`) as the one part of a block
+    holding all their samples, which :meth:`TokenBlocks.measure` combines as it would the blocks
+    one by one: one array a request instead of one a block (a pool process sends one)."""
+    if len(parts) < 2:
+        return parts
+    merged: list[Any] = []
+    for i in range(len(parts[0])):
+        pieces = [p[i] for p in parts]
+        values = np.concatenate([_array(x) for x in pieces])
+        if any(isinstance(x, _Kept) for x in pieces):
+            merged.append(_Kept(values, np.concatenate([_kept_sums(x) for x in pieces])))
+        else:
+            merged.append(values)
+    return [merged]
+
+
 def _combine(
     how: str, values: np.ndarray, sums: np.ndarray, kept: np.ndarray, left: np.ndarray, constant: Any
 ) -> np.ndarray:

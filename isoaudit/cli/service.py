@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import signal
 from typing import Annotated
 
@@ -170,6 +171,9 @@ def worker(
         stop = threading.Event()
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda *_: stop.set())
+        # What start-up made (imports, the store, the rules) lives as long as the process: frozen,
+        # the collector's full passes no longer scan it (a step's comparison made them 50-90 ms).
+        gc.freeze()
         comparison.start()
         console.print(f"comparison worker {comparison.name} on {where}" + (f", run {run}" if run else ""))
         tell_parent_ready()
