@@ -23,6 +23,7 @@ around its comparisons; a library caller of :func:`~audit.compare.compare_sample
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -88,9 +89,14 @@ class _Child:
             capacity = max(n + n // 4, 1)
             fd, path = tempfile.mkstemp(prefix="isoaudit-blocks-", dir=directory)
             try:
-                os.ftruncate(fd, 2 * capacity * dtype.itemsize)
-            finally:
+                # reserved, not only sized: a page of a sparse file that a full /dev/shm cannot back
+                # would kill this process with SIGBUS when written; a full one fails here instead
+                _reserve(fd, 2 * capacity * dtype.itemsize)
+            except OSError:
                 os.close(fd)
+                _remove(path)
+                raise
+            os.close(fd)
             self.path = path
             self.tokens = np.memmap(path, dtype, "r+", shape=(2, capacity))
         return self.tokens
@@ -224,6 +230,11 @@ class BlockPool:
         a, b = int(blocks.offsets[lo]), int(blocks.offsets[hi])
         try:
             tokens = child.buffer(self.directory, np.result_type(blocks.trainer, blocks.rollout), b - a)
+        except OSError as exc:  # no room for the tokens (a full /dev/shm): the process is fine
+            child.lock.release()
+            self._failed(exc)
+            return False
+        try:
             tokens[0, : b - a] = blocks.trainer[a:b]
             tokens[1, : b - a] = blocks.rollout[a:b]
             offsets = blocks.offsets[lo : hi + 1] - a
@@ -335,6 +346,18 @@ def serve(receive_fd: int, send_fd: int) -> None:
             send.send(reply)
         except (BrokenPipeError, OSError):
             return
+
+
+def _reserve(fd: int, size: int) -> None:
+    """The file ``fd`` made ``size`` bytes with its space allocated (ENOSPC raised where there is
+    none), where the platform can; else sized, after a check of the free space."""
+    if hasattr(os, "posix_fallocate"):
+        os.posix_fallocate(fd, 0, size)
+        return
+    free = os.fstatvfs(fd)
+    if free.f_bavail * free.f_frsize < size:
+        raise OSError(errno.ENOSPC, f"{size} bytes for the tokens do not fit in the pool's directory")
+    os.ftruncate(fd, size)
 
 
 def _remove(path: str) -> None:

@@ -123,3 +123,29 @@ def test_a_script_without_a_main_guard_runs_once(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("job ran") == 1
+
+
+def test_no_room_for_the_tokens_costs_the_share_not_the_process(
+    pool_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A directory too full for the tokens (a small /dev/shm) fails the reservation, never a write
+    into the mapping (SIGBUS); the blocks are measured here and the process stays."""
+    import errno
+
+    from isoaudit.audit.metrics import block_pool
+
+    t, r, o = mixed_step(8)
+    one_lane = bits(every_reduction(t, r, o))
+
+    def full(fd: int, size: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with BlockPool(1, directory=str(pool_dir)) as pool:
+        before = pool.pids
+        monkeypatch.setattr(block_pool, "_reserve", full)
+        assert measured_in(pool, t, r, o) == one_lane
+        assert pool.failures == 1 and "No space" in (pool.last_failure or "")
+        assert pool.pids == before
+        monkeypatch.undo()
+        assert measured_in(pool, t, r, o) == one_lane and pool.failures == 1 and pool.blocks > 0
+    assert list(pool_dir.iterdir()) == []
