@@ -111,6 +111,12 @@ class _Staging:
         self.used += n
 
 
+def _copied(view: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of ``view``, always a copy (``contiguous()`` of a view that already is
+    one, a single row say, would share the storage the next step writes)."""
+    return view.clone(memory_format=torch.contiguous_format)
+
+
 class _CompiledTarget:
     """Where compiled forwards write: the buffers of one batch shape, and the rungs each region
     slot was written with (``None``: not written since :meth:`ForwardCapture.prepare_compiled`)."""
@@ -382,11 +388,12 @@ class ForwardCapture:
         target = self.compiled_target
         if target is None or all(b is None for b in target.bits) or tuple(input_ids.shape) != target.shape:
             return None
-        # a copy (the next step writes the same storage), viewed as one group per ladder: each
-        # region is a span of its group, so the step's transfer sends a few tensors, not 5 per region
+        # one group per ladder, each region a span of its group, so the step's transfer sends a
+        # few tensors, not 5 per region; each field a contiguous copy (the next step writes the
+        # same storage), which is also the layout the transfer sends: copied once, not twice
         rows = target.buffers.rows
-        ints = target.buffers.ints.clone().reshape(-1, target.buffers.ints.shape[-1])
-        floats = target.buffers.floats.clone().reshape(-1, FLOAT_WIDTH)
+        ints = target.buffers.ints.reshape(-1, target.buffers.ints.shape[-1])
+        floats = target.buffers.floats.reshape(-1, FLOAT_WIDTH)
         capture = Capture(input_ids, fingerprinting=True, logits=target.logits, complete=True)
         target.logits = None
         groups: dict[tuple[int, ...], RowFingerprints] = {}
@@ -397,8 +404,8 @@ class ForwardCapture:
             if group is None:
                 r = len(bits)
                 group = groups[bits] = RowFingerprints(
-                    ints[:, 0], ints[:, 1 : 1 + r], floats[:, : FLOAT_WIDTH - 2], floats[:, FLOAT_WIDTH - 2],
-                    floats[:, FLOAT_WIDTH - 1], bits,
+                    _copied(ints[:, 0]), _copied(ints[:, 1 : 1 + r]), _copied(floats[:, : FLOAT_WIDTH - 2]),
+                    _copied(floats[:, FLOAT_WIDTH - 2]), _copied(floats[:, FLOAT_WIDTH - 1]), bits,
                 )  # fmt: skip
             capture.prints[(self.specs[slot].name, 0)] = group.span(slot * rows, (slot + 1) * rows)
         target.bits = [None] * len(self.specs)
