@@ -157,11 +157,7 @@ def fingerprint_records(
             append(fields)
     if validate:
         return [RegionFingerprints(**fields) for fields in many]
-    return (
-        build.complete_all(many, share_fields_set=True)
-        if common is not None
-        else [build(fields) for fields in many]
-    )
+    return build.complete_all(many) if common is not None else [build(fields) for fields in many]
 
 
 def _first_row(row_index: np.ndarray | None, flat_start: int, length: int, region: str) -> int:

@@ -111,10 +111,8 @@ class Construct(Generic[M]):
                 return slow
         return record
 
-    def complete_all(self, many: list[dict[str, Any]], *, share_fields_set: bool = False) -> list[M]:
-        """:meth:`complete` of each of ``many``, in order. ``share_fields_set``: the records after
-        the first share one fields-set (records that are read, never assigned to: a set per record
-        is a thousand more objects a step for the garbage collector to track and walk)."""
+    def complete_all(self, many: list[dict[str, Any]]) -> list[M]:
+        """:meth:`complete` of each of ``many``, in order."""
         if not many:
             return []
         first = self.complete(many[0])
@@ -126,12 +124,7 @@ class Construct(Generic[M]):
         out = list(map(self.cls.__new__, repeat(self.cls, n)))
         set_dict, set_fields, set_extra, set_private = self._setters
         _consume(map(set_dict, out, rest))
-        fields_sets = (
-            repeat(self._fields_set.copy(), n)
-            if share_fields_set
-            else map(set.copy, repeat(self._fields_set, n))
-        )
-        _consume(map(set_fields, out, fields_sets))
+        _consume(map(set_fields, out, map(set.copy, repeat(self._fields_set, n))))
         _consume(map(set_extra, out, repeat(None, n)))
         _consume(map(set_private, out, repeat(None, n)))
         return [first, *out]
