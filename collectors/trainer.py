@@ -433,11 +433,11 @@ class TrainerCollector(Collector):
             # a helper stuck on max_inflight + 1 steps: this one is built and sent here
             if not self._pipeline.push(pending, room=self.max_inflight + 1, timeout=PUT_TIMEOUT):
                 self._send_finished([(pending, self._pipeline.build_now(pending))])
-            self._step_boundary()
+            self._step_boundary(publish=False)
             return StepReport(step, [], -1, own, [], deferred=True)
         self._pipeline.push(pending, room=self.max_inflight + 1, timeout=PUT_TIMEOUT)
         sent = self._send_finished(self._pipeline.take(self.max_inflight))
-        self._step_boundary()
+        self._step_boundary(publish=False)
         mine = sent.get(id(pending))
         if mine is not None:
             records = mine.records if self.keep_records else []
