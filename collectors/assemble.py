@@ -115,6 +115,9 @@ def fingerprint_records(
     common = None if validate else build.prefilled(shared)
     many: list[dict[str, Any]] = []
     append = many.append
+    # one ladder_bits list per ladder for the whole step, shared by its records (records are read,
+    # never modified): a list per record would be a thousand more objects for the collector to track
+    bit_lists: dict[tuple[int, ...], list[int]] = {}
     for (region, forward_index), host in prints.items():
         expected = rows * cols if host.row_index is None else host.row_index.size
         if len(host) != expected:
@@ -128,7 +131,9 @@ def fingerprint_records(
             for i, span in enumerate(batch.spans):
                 a = _first_row(host.row_index, batch.flat_start(i), span.length, region)
                 cut.append(slice(a, a + span.length))
-        bits = host.ladder_bits
+        bits = bit_lists.get(host.ladder_bits)
+        if bits is None:
+            bits = bit_lists[host.ladder_bits] = list(host.ladder_bits)
         base = {**(shared if common is None else common), "region": region, "forward_index": forward_index}
         for key_of_sample, sample_positions, digest, ladder, sketch, l2, maxabs in zip(
             keys,
@@ -144,7 +149,7 @@ def fingerprint_records(
             fields["sample_key"] = key_of_sample
             fields["positions"] = sample_positions
             fields["digest"] = digest
-            fields["ladder_bits"] = list(bits)
+            fields["ladder_bits"] = bits
             fields["ladder"] = ladder
             fields["sketch"] = sketch
             fields["l2"] = l2

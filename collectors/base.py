@@ -440,9 +440,12 @@ class Collector(ABC):
                 out.append(manifest)
                 self.counters.manifests += 1
 
-    def _step_boundary(self) -> None:
+    def _step_boundary(self, *, publish: bool = True) -> None:
         """Where a new mode may take effect: apply the control channel's desired mode if it is new,
-        then publish the manifests if anything changed. Never raises (unless ``strict``)."""
+        then publish the manifests if anything changed. ``publish=False``: only if the mode
+        changed here (for a side whose every step checks its manifests before its records anyway).
+        Never raises (unless ``strict``)."""
+        before = self.mode_report
         control = self.guarded("control", self.control.desired) if self.control is not None else None
         if control is not None and control.version != self._control_version:
             self._control_version = control.version
@@ -456,7 +459,8 @@ class Collector(ABC):
                         control.version,
                         report.applied,
                     )
-        self.guarded("manifest", self.publish)
+        if publish or self.mode_report != before:
+            self.guarded("manifest", self.publish)
 
 
 class _JsonOfLast:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -141,6 +141,61 @@ class RowSpan(RowFingerprints):
 
     def __repr__(self) -> str:
         return f"RowSpan(rows {self.start}:{self.stop} of {len(self.parent)}, ladder_bits={self.ladder_bits})"
+
+
+RegionKey = tuple[str, int]
+
+
+@dataclass(frozen=True)
+class SpanPlan:
+    """Where each region's rows lie among a few groups' rows (:class:`SpanPrints`): the same for
+    every step of one batch shape and the same rungs, so it is built once and reused."""
+
+    keys: tuple[RegionKey, ...]  # the regions, in order
+    groups: tuple[tuple[int, ...], ...]  # each group's rungs
+    spans: tuple[tuple[int, int, int], ...]  # per region: (group, start, stop)
+    ladder_bits: tuple[tuple[int, ...], ...]  # per region: its rungs (its group's)
+    rows: int  # rows of every span
+
+
+class SpanPrints(MutableMapping[RegionKey, RowFingerprints]):
+    """The prints of many regions as :class:`RowSpan`\\ s of a few groups, laid out by a
+    :class:`SpanPlan`: a mapping region → prints like any other, whose spans are made only when
+    read. :func:`pack_prints` sends the groups without making them: a step with every region
+    fingerprinted has hundreds of regions, and a Python object apiece costs host time each step.
+    Modified, it is a plain mapping from then on."""
+
+    def __init__(self, groups: Sequence[RowFingerprints], plan: SpanPlan) -> None:
+        self.groups = tuple(groups)
+        self.plan: SpanPlan | None = plan
+        self._spans: dict[RegionKey, RowFingerprints] | None = None
+
+    def _made(self) -> dict[RegionKey, RowFingerprints]:
+        if self._spans is None:
+            assert self.plan is not None
+            groups = self.groups
+            self._spans = {
+                key: RowSpan(groups[g], a, b)
+                for key, (g, a, b) in zip(self.plan.keys, self.plan.spans, strict=True)
+            }
+        return self._spans
+
+    def __getitem__(self, key: RegionKey) -> RowFingerprints:
+        return self._made()[key]
+
+    def __setitem__(self, key: RegionKey, value: RowFingerprints) -> None:
+        self._made()[key] = value
+        self.plan = None
+
+    def __delitem__(self, key: RegionKey) -> None:
+        del self._made()[key]
+        self.plan = None
+
+    def __iter__(self) -> Iterator[RegionKey]:
+        return iter(self.plan.keys if self.plan is not None else self._made())
+
+    def __len__(self) -> int:
+        return len(self.plan.keys) if self.plan is not None else len(self._made())
 
 
 def _check_ladder(ladder_bits: Sequence[int] | None, fmt: _Format) -> tuple[int, ...]:
@@ -485,12 +540,24 @@ class PrintsLayout:
 
 
 def pack_prints(
-    prints: Sequence[RowFingerprints], prefix: str = ""
+    prints: Sequence[RowFingerprints] | Mapping[Any, RowFingerprints], prefix: str = ""
 ) -> tuple[dict[str, torch.Tensor], PrintsLayout]:
-    """The tensors of ``prints`` keyed for one transfer, each group sent once: the spans of one
-    group (:class:`RowSpan`, as the hooks make them) add no tensor, so a step's hundreds of regions
-    travel as a few groups' five fields. :func:`unpack_prints` cuts them apart on the host."""
-    tensors: dict[str, torch.Tensor] = {}
+    """The tensors of ``prints`` (or of a mapping's values, in order) keyed for one transfer, each
+    group sent once: the spans of one group (:class:`RowSpan`, as the hooks make them) add no
+    tensor, so a step's hundreds of regions travel as a few groups' five fields; a
+    :class:`SpanPrints` is packed from its plan, no span made. :func:`unpack_prints` cuts them
+    apart on the host."""
+    if isinstance(prints, SpanPrints) and prints.plan is not None:
+        plan = prints.plan
+        tensors = {
+            f"{prefix}{g}.{name}": getattr(group, name)
+            for g, group in enumerate(prints.groups)
+            for name in ROW_FIELDS
+        }
+        return tensors, PrintsLayout(prefix, len(prints.groups), plan.spans, plan.ladder_bits)
+    if isinstance(prints, Mapping):
+        prints = list(prints.values())
+    tensors = {}
     group_of: dict[int, int] = {}
     keep: list[RowFingerprints] = []  # the ids above stay valid while these live
     spans = []

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +34,10 @@ from isoaudit.collectors.fingerprint_op import FingerprintBuffers
 from isoaudit.collectors.fingerprint_regions import record_regions
 from isoaudit.collectors.fingerprints import (
     FLOAT_WIDTH,
+    RegionKey,
     RowFingerprints,
+    SpanPlan,
+    SpanPrints,
     default_ladder_bits,
     fingerprint_rows,
 )
@@ -56,7 +59,7 @@ class Capture:
     input_ids: torch.Tensor | None
     fingerprinting: bool
     rows: torch.Tensor | None = None  # flat indices of the rows fingerprinted (None: every row)
-    prints: dict[tuple[str, int], RowFingerprints] = field(default_factory=dict)
+    prints: MutableMapping[RegionKey, RowFingerprints] = field(default_factory=dict)
     logits: torch.Tensor | None = None
     complete: bool = False
 
@@ -111,15 +114,42 @@ class _Staging:
         self.used += n
 
 
+def _copied(view: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of ``view``, always a copy (``contiguous()`` of a view that already is
+    one, a single row say, would share the storage the next step writes)."""
+    return view.clone(memory_format=torch.contiguous_format)
+
+
 class _CompiledTarget:
     """Where compiled forwards write: the buffers of one batch shape, and the rungs each region
     slot was written with (``None``: not written since :meth:`ForwardCapture.prepare_compiled`)."""
 
-    def __init__(self, shape: tuple[int, ...], slots: int, rows: int, device: torch.device) -> None:
+    def __init__(self, shape: tuple[int, ...], names: Sequence[str], rows: int, device: torch.device) -> None:
         self.shape = shape
-        self.buffers = FingerprintBuffers(slots, rows, device)
-        self.bits: list[tuple[int, ...] | None] = [None] * slots
+        self.names = tuple(names)
+        self.buffers = FingerprintBuffers(len(self.names), rows, device)
+        self.bits: list[tuple[int, ...] | None] = [None] * len(self.names)
         self.logits: torch.Tensor | None = None
+        self._plans: dict[tuple[tuple[int, ...] | None, ...], SpanPlan] = {}
+
+    def plan(self) -> SpanPlan:
+        """Where the regions written (``bits``) lie in the buffers' rows, grouped by rungs: one
+        group per ladder, each region the rows of its slot (made once per set of rungs written)."""
+        written = tuple(self.bits)
+        plan = self._plans.get(written)
+        if plan is None:
+            rows = self.buffers.rows
+            groups: dict[tuple[int, ...], int] = {}
+            keys, spans, ladders = [], [], []
+            for slot, bits in enumerate(written):
+                if bits is not None:
+                    keys.append((self.names[slot], 0))
+                    spans.append((groups.setdefault(bits, len(groups)), slot * rows, (slot + 1) * rows))
+                    ladders.append(bits)
+            plan = self._plans[written] = SpanPlan(
+                tuple(keys), tuple(groups), tuple(spans), tuple(ladders), rows
+            )
+        return plan
 
 
 class ForwardCapture:
@@ -370,7 +400,9 @@ class ForwardCapture:
             rows = 1
             for d in input_shape:
                 rows *= int(d)
-            target = self._targets[key] = _CompiledTarget(key[0], len(self.specs), rows, key[1])
+            target = self._targets[key] = _CompiledTarget(
+                key[0], [spec.name for spec in self.specs], rows, key[1]
+            )
         target.bits = [None] * len(self.specs)
         target.logits = None
         self.compiled_target = target
@@ -380,27 +412,33 @@ class ForwardCapture:
         the next step writes the same storage), or None when none ran since
         :meth:`prepare_compiled`."""
         target = self.compiled_target
-        if target is None or all(b is None for b in target.bits) or tuple(input_ids.shape) != target.shape:
+        if (
+            target is None
+            or target.bits.count(None) == len(target.bits)
+            or tuple(input_ids.shape) != target.shape
+        ):
             return None
-        # a copy (the next step writes the same storage), viewed as one group per ladder: each
-        # region is a span of its group, so the step's transfer sends a few tensors, not 5 per region
-        rows = target.buffers.rows
-        ints = target.buffers.ints.clone().reshape(-1, target.buffers.ints.shape[-1])
-        floats = target.buffers.floats.clone().reshape(-1, FLOAT_WIDTH)
+        # one group per ladder, each region a span of its group (the plan of this shape and these
+        # rungs, made once), so the step's transfer sends a few tensors, not 5 per region; each
+        # field a contiguous copy (the next step writes the same storage), which is also the
+        # layout the transfer sends: copied once, not twice
+        plan = target.plan()
+        ints = target.buffers.ints.reshape(-1, target.buffers.ints.shape[-1])
+        floats = target.buffers.floats.reshape(-1, FLOAT_WIDTH)
+        groups = [
+            RowFingerprints(
+                _copied(ints[:, 0]),
+                _copied(ints[:, 1 : 1 + len(bits)]),
+                _copied(floats[:, : FLOAT_WIDTH - 2]),
+                _copied(floats[:, FLOAT_WIDTH - 2]),
+                _copied(floats[:, FLOAT_WIDTH - 1]),
+                bits,
+            )  # fmt: skip
+            for bits in plan.groups
+        ]
         capture = Capture(input_ids, fingerprinting=True, logits=target.logits, complete=True)
+        capture.prints = SpanPrints(groups, plan)
         target.logits = None
-        groups: dict[tuple[int, ...], RowFingerprints] = {}
-        for slot, bits in enumerate(target.bits):
-            if bits is None:
-                continue
-            group = groups.get(bits)
-            if group is None:
-                r = len(bits)
-                group = groups[bits] = RowFingerprints(
-                    ints[:, 0], ints[:, 1 : 1 + r], floats[:, : FLOAT_WIDTH - 2], floats[:, FLOAT_WIDTH - 2],
-                    floats[:, FLOAT_WIDTH - 1], bits,
-                )  # fmt: skip
-            capture.prints[(self.specs[slot].name, 0)] = group.span(slot * rows, (slot + 1) * rows)
         target.bits = [None] * len(self.specs)
         return capture
 

@@ -43,7 +43,7 @@ from isoaudit.collectors.batch_probe import (
 from isoaudit.collectors.canary import canary_tokens, model_canary, vocab_of
 from isoaudit.collectors.control import ControlChannel
 from isoaudit.collectors.distribution import distribution_rows
-from isoaudit.collectors.fingerprints import PrintsLayout, pack_prints, unpack_prints
+from isoaudit.collectors.fingerprints import PrintsLayout, SpanPrints, pack_prints, unpack_prints
 from isoaudit.collectors.held_weights import module_digests
 from isoaudit.collectors.hooks import Capture, ForwardCapture
 from isoaudit.collectors.layout import StepBatch
@@ -407,7 +407,7 @@ class TrainerCollector(Collector):
         if prints and capture is not None and capture.rows is not None:
             tensors["rows"] = capture.rows
         # the prints travel as a few groups, not region by region
-        packed, prints_layout = pack_prints(list(prints.values()), prefix="p")
+        packed, prints_layout = pack_prints(prints, prefix="p")
         tensors.update(packed)
         self.counters.steps += 1
         if own:
@@ -433,11 +433,11 @@ class TrainerCollector(Collector):
             # a helper stuck on max_inflight + 1 steps: this one is built and sent here
             if not self._pipeline.push(pending, room=self.max_inflight + 1, timeout=PUT_TIMEOUT):
                 self._send_finished([(pending, self._pipeline.build_now(pending))])
-            self._step_boundary()
+            self._step_boundary(publish=False)
             return StepReport(step, [], -1, own, [], deferred=True)
         self._pipeline.push(pending, room=self.max_inflight + 1, timeout=PUT_TIMEOUT)
         sent = self._send_finished(self._pipeline.take(self.max_inflight))
-        self._step_boundary()
+        self._step_boundary(publish=False)
         mine = sent.get(id(pending))
         if mine is not None:
             records = mine.records if self.keep_records else []
@@ -510,9 +510,12 @@ class TrainerCollector(Collector):
         records += fp_records
         return BuiltStep(keys, len(fp_records), records)
 
-    def _prints_of(self, capture: Capture, batch: StepBatch) -> dict[tuple[str, int], Any]:
+    def _prints_of(self, capture: Capture, batch: StepBatch) -> Mapping[tuple[str, int], Any]:
         rows, cols = batch.shape
         expected = rows * cols if capture.rows is None else int(capture.rows.numel())
+        prints = capture.prints
+        if isinstance(prints, SpanPrints) and prints.plan is not None and prints.plan.rows == expected:
+            return prints  # every region as many rows as the forward's
         out = {}
         for key, fp in capture.prints.items():
             if len(fp) != expected:
