@@ -230,10 +230,11 @@ def test_ctrl_c_stops_the_wait_and_the_summary_names_what_is_left(url: str, tmp_
     script.write_text(
         textwrap.dedent(
             f"""
-            import sys
+            import faulthandler, signal, sys
             import isoaudit
             from tests.collectors.test_session_compares import job
 
+            faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks where it hangs
             sys.executable = "/nonexistent/python"  # the comparer process cannot start
             with isoaudit.session("patient", database_url={url!r}, compare_timeout=120) as audit:
                 job(audit)
@@ -257,7 +258,16 @@ def test_ctrl_c_stops_the_wait_and_the_summary_names_what_is_left(url: str, tmp_
                 break
         started = time.monotonic()
         process.send_signal(signal.SIGINT)
-        out, err = process.communicate(timeout=30)
+        try:
+            out, err = process.communicate(timeout=30)
+        except subprocess.TimeoutExpired:  # say where every thread of the job waits
+            process.send_signal(signal.SIGUSR1)
+            time.sleep(1)
+            process.kill()
+            _, err = process.communicate()
+            raise AssertionError(
+                f"the job did not end 30 s after Ctrl-C; its threads:\n{err[-6000:]}"
+            ) from None
         assert time.monotonic() - started < 15  # not the 120 s of compare_timeout
         assert process.returncode == 0 and out.strip() == "closed"
         assert "stopped waiting for the comparison" in err
