@@ -223,6 +223,14 @@ def test_the_comparer_dies_with_a_killed_job(url: str, tmp_path: Path) -> None:
             process.kill()
 
 
+def _ctrl_c_as_from_a_shell() -> None:
+    """The job's SIGINT as a shell starts it: default and unblocked. In the whole suite the test
+    process had SIGINT ignored or blocked by the time this test ran (a dump showed the job's wait
+    going on after Ctrl-C), which a child inherits."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 def test_ctrl_c_stops_the_wait_and_the_summary_names_what_is_left(url: str, tmp_path: Path) -> None:
     """A closing job whose comparer cannot run waits up to ``compare_timeout``; Ctrl-C during that
     wait ends it at once, and the summary still says what is left and the command for it."""
@@ -250,6 +258,7 @@ def test_ctrl_c_stops_the_wait_and_the_summary_names_what_is_left(url: str, tmp_
         stderr=subprocess.PIPE,
         env={**os.environ, "PYTHONPATH": str(root)},
         text=True,
+        preexec_fn=_ctrl_c_as_from_a_shell,
     )
     try:
         assert process.stderr is not None
