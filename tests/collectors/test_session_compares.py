@@ -224,9 +224,9 @@ def test_the_comparer_dies_with_a_killed_job(url: str, tmp_path: Path) -> None:
 
 
 def _ctrl_c_as_from_a_shell() -> None:
-    """The job's SIGINT as a shell starts it: default and unblocked. In the whole suite the test
-    process had SIGINT ignored or blocked by the time this test ran (a dump showed the job's wait
-    going on after Ctrl-C), which a child inherits."""
+    """The job's SIGINT as an interactive shell starts it: default and unblocked. A test run started
+    in the background by a non-interactive shell (``make test &``, some CI runners) has SIGINT
+    ignored, which every child inherits across exec; the job would never see the Ctrl-C."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
