@@ -247,6 +247,20 @@ def compare_step(store: Store, engine: AlertEngine, step: int, *, mismatch: bool
     assert ComparisonWorker(store, on_step=engine.evaluate).run_once() > 0
 
 
+def held_report(store: Store, manager: Alertmanager, ends: list[datetime]) -> str:
+    """What a failed hold shows: the outbox row that re-posts, every alert Alertmanager holds (any
+    state) and the endsAt values seen, against the clock."""
+    with store.sessions() as session:
+        rows = [
+            (row.status, row.event, row.next_attempt_at, row.claimed_until, row.attempts_log[-2:])
+            for row in session.scalars(select(NoticeOutboxRow))
+        ]
+    return (
+        f"now {datetime.now(UTC).isoformat()}; endsAt seen {[e.isoformat() for e in ends[-5:]]}; "
+        f"outbox {rows}; alertmanager {manager.alerts()}"
+    )
+
+
 def active(manager: Alertmanager) -> list[dict[str, Any]]:
     return [a for a in manager.alerts(alertname="kl_spike") if a["status"]["state"] == "active"]
 
@@ -261,7 +275,9 @@ def test_a_firing_alert_is_active_in_alertmanager_stays_so_by_reposts_and_resolv
         with engine_for(store, channel) as engine:
             compare_step(store, engine, 0, mismatch=True)
             fired_s = wait_for(lambda: active(manager), 20, "the alert to be active in Alertmanager")
-            [alert] = active(manager)
+            now_active = active(manager)
+            assert len(now_active) == 1, held_report(store, manager, [])
+            [alert] = now_active
             labels, annotations = alert["labels"], alert["annotations"]
             assert labels == {
                 "alertname": "kl_spike",
@@ -284,7 +300,9 @@ def test_a_firing_alert_is_active_in_alertmanager_stays_so_by_reposts_and_resolv
             ends, rows = [parse(alert["endsAt"])], set()
             held = time.monotonic()
             while time.monotonic() - held < 3 * channel.ends_after_s:
-                [alert] = active(manager)  # never gone, never two
+                now_active = active(manager)
+                assert len(now_active) == 1, held_report(store, manager, ends)  # never gone, never two
+                [alert] = now_active
                 ends.append(parse(alert["endsAt"]))
                 rows.add(outbox_rows(store))
                 time.sleep(0.2)
