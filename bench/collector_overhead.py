@@ -32,7 +32,8 @@ baseline. Targets on the CPU with a tiny model: logprobs <= 3 %, with fingerprin
   without a collector (two copies of one model, interleaved, warm-up left out), its ratio against
   the 1.10 target, ``record_step``'s host time and the syncs a step makes, and the recompile a
   switch to the invariant kernels costs. With ``--background``, a third copy whose collector
-  builds its records the other way (on its helper thread or on the training thread).
+  builds its records the other way (on its helper thread or on the training thread). With
+  ``--without-distribution``, one more copy without the distribution's top-k and sketch.
 
     python bench/collector_overhead.py --scenario graphs --device cuda --model 0.5b   # the H200
     python bench/collector_overhead.py --scenario graphs --hidden 64 --rounds 3        # CPU check
@@ -460,6 +461,8 @@ def run_compiled_trainer(args: argparse.Namespace) -> dict[str, Any]:
     if args.background:
         name = "compiled+fingerprints+" + ("background" if other else "inline")
         configs.append((name, config(True, background_records=other)))
+    if args.without_distribution:  # what the distribution's top-k and sketch cost of the above
+        configs.append(("compiled+fingerprints-distribution", config(True, distribution_k=0)))
     record_s: dict[str, list[float]] = {name: [] for name, which in configs if which[3] is not None}
     host_s: dict[str, list[float]] = {name: [] for name, _ in configs}
     times: dict[str, list[float]] = {name: [] for name, _ in configs}
@@ -637,6 +640,12 @@ def main() -> None:
         action="store_true",
         help="also time fingerprints with the records built the other way: trainer scenario, on "
         "the helper thread; graphs, the opposite of the collector's default (background_records)",
+    )
+    parser.add_argument(
+        "--without-distribution",
+        action="store_true",
+        help="graphs/trainer: also time every region fingerprinted without the distribution's top-k "
+        "and sketch (distribution_k=0)",
     )
     parser.add_argument("--json", default=None, help="also write the result here")
     parser.add_argument("--scenario", default="trainer", choices=["trainer", "graphs"])
