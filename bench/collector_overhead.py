@@ -534,7 +534,7 @@ def run_compiled_trainer(args: argparse.Namespace) -> dict[str, Any]:
     kernels.disable()
     for name, profile in profiles.items():
         Path(args.profile).mkdir(parents=True, exist_ok=True)
-        profile.dump_stats(Path(args.profile) / f"{name}.prof")
+        profile.dump_stats(Path(args.profile) / f"{name.replace('+', '_')}.prof")
     step_ms = {name: 1e3 * statistics.median(t) for name, t in times.items()}
     ratio = step_ms["compiled+fingerprints"] / step_ms["compiled"]
     return {
