@@ -22,15 +22,14 @@ once, never raised (unless ``strict=True``, for tests).
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
 import torch
-from isoaudit.audit.records import Case, Record, Run, RuntimeFacts
-from isoaudit.collectors.assemble import fingerprint_records, keys_for, sample_records, sequence_tokens
+from isoaudit.audit.records import Case, Record, Run, RuntimeFacts, expand_blocks
+from isoaudit.collectors.assemble import fingerprint_blocks, keys_for, sample_records, sequence_tokens
 from isoaudit.collectors.base import Collector, CollectorCounters, ModeReport
 from isoaudit.collectors.batch_probe import (
     PROBE_COUNTERS,
@@ -440,7 +439,8 @@ class TrainerCollector(Collector):
         self._step_boundary(publish=False)
         mine = sent.get(id(pending))
         if mine is not None:
-            records = mine.records if self.keep_records else []
+            # as the store keeps them: each block of fingerprints as its per-sample records
+            records = expand_blocks(mine.records) if self.keep_records else []
             return StepReport(step, mine.keys, mine.n_fingerprint_records, own, records)
         return StepReport(step, [], -1, own, [], deferred=True)
 
@@ -488,27 +488,21 @@ class TrainerCollector(Collector):
         attach_trainer_probe(samples, host)
         records += samples
         row_index = host["rows"].astype(np.int64) if pending.compacted else None
-        host_prints = list(zip(pending.keys, unpack_prints(host, pending.layout, row_index), strict=True))
-        # On the helper thread, a slice of regions at a time with a pause between: each pause hands
-        # the interpreter lock to the training thread should it wait for it (to launch its
-        # backward, say), which otherwise waits for the switch interval (5 ms by default).
-        size = REGIONS_PER_SLICE if self._pipeline.on_helper() else max(1, len(host_prints))
-        fp_records: list[Record] = []
-        for start in range(0, len(host_prints), size):
-            if start:
-                time.sleep(HELPER_PAUSE_S)
-            fp_records += fingerprint_records(
-                run_id=self.run.run_id,
-                step=step,
-                side="trainer",
-                case=self.case,
-                batch=batch,
-                keys=keys,
-                prints=dict(host_prints[start : start + size]),
-                validate=self.validate,
-            )
-        records += fp_records
-        return BuiltStep(keys, len(fp_records), records)
+        prints = dict(zip(pending.keys, unpack_prints(host, pending.layout, row_index), strict=True))
+        # one record per region call with every sample's rows: a step with every region
+        # fingerprinted is a hundred-odd objects, not a thousand (host time the training step pays)
+        blocks = fingerprint_blocks(
+            run_id=self.run.run_id,
+            step=step,
+            side="trainer",
+            case=self.case,
+            batch=batch,
+            keys=keys,
+            prints=prints,
+            validate=self.validate,
+        )
+        records += blocks
+        return BuiltStep(keys, len(blocks) * len(keys), records)
 
     def _prints_of(self, capture: Capture, batch: StepBatch) -> Mapping[tuple[str, int], Any]:
         rows, cols = batch.shape
@@ -550,10 +544,6 @@ class TrainerCollector(Collector):
 #: How long flush/detach wait for steps being built, and a step for room in the pipeline (s).
 FINISH_TIMEOUT = 60.0
 PUT_TIMEOUT = 1.0
-#: The helper thread builds a step's fingerprint records this many regions (times the samples) at a
-#: time, and sleeps this long between slices (the shortest sleep Linux gives is about 50 us).
-REGIONS_PER_SLICE = 8
-HELPER_PAUSE_S = 1e-5
 
 
 def _reraise(exc: BaseException) -> None:

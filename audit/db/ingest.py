@@ -25,7 +25,9 @@ from isoaudit.audit.records import (
     Manifest,
     Record,
     RecordError,
+    RecordOfAnyKind,
     RegionFingerprints,
+    RegionFingerprintsBlock,
     Rejection,
     Run,
     SampleLogprobs,
@@ -90,7 +92,7 @@ class Ingest(Part):
         database that does not answer raises :class:`StoreUnavailable`, a race lost to a concurrent
         writer :class:`StoreConflict`; nothing of the batch is stored then, and sending it again is safe."""
         result = IngestResult()
-        batch: list[Run | Manifest | SampleLogprobs | RegionFingerprints | StepStats] = []
+        batch: list[RecordOfAnyKind] = []
         for index, item in enumerate(records):
             try:
                 batch.append(validate_record(item))
@@ -103,6 +105,9 @@ class Ingest(Part):
         manifests = [r for r in batch if isinstance(r, Manifest)]
         samples = [r for r in batch if isinstance(r, SampleLogprobs)]
         prints = [r for r in batch if isinstance(r, RegionFingerprints)]
+        for block in batch:  # a collector's columnar form, kept as the records it stands for
+            if isinstance(block, RegionFingerprintsBlock):
+                prints += block.samples()
         stats = [r for r in batch if isinstance(r, StepStats)]
         with translated_errors(), self.sessions.begin() as session:
             self._ensure_runs(session, runs, {r.run_id for r in batch}, project, result)

@@ -12,7 +12,15 @@ from dataclasses import asdict, dataclass
 from typing import Annotated, Any
 
 from isoaudit.audit.records.checks import RecordError, record_error
-from isoaudit.audit.records.kinds import Manifest, Record, RegionFingerprints, Run, SampleLogprobs, StepStats
+from isoaudit.audit.records.kinds import (
+    Manifest,
+    Record,
+    RegionFingerprints,
+    RegionFingerprintsBlock,
+    Run,
+    SampleLogprobs,
+    StepStats,
+)
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 
@@ -31,8 +39,8 @@ class Rejection:
 
 
 #: A record of any kind, as :func:`validate_record` returns it.
-RecordOfAnyKind = Run | Manifest | SampleLogprobs | RegionFingerprints | StepStats
-_KIND_CLASSES = (Run, Manifest, SampleLogprobs, RegionFingerprints, StepStats)
+RecordOfAnyKind = Run | Manifest | SampleLogprobs | RegionFingerprints | RegionFingerprintsBlock | StepStats
+_KIND_CLASSES = (Run, Manifest, SampleLogprobs, RegionFingerprints, RegionFingerprintsBlock, StepStats)
 #: The same, told apart by its ``kind`` tag (a batch's records).
 AnyRecord = Annotated[RecordOfAnyKind, Field(discriminator="kind")]
 #: The kind tags, in the order of :data:`RecordOfAnyKind`.

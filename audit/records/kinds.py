@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Annotated, Any, Final, Literal, get_args
 
@@ -571,6 +572,123 @@ class RegionFingerprints(Record):
             raise RecordError("ladder", f"{self.ladder.shape[1]} rungs but ladder_bits names {len(bits)}")
         check_distinct_positions(positions, "positions")
         return self
+
+
+class RegionFingerprintsBlock(Record):
+    """One region call's fingerprints for every sample of a step at once: the columnar form a
+    collector sends, one record per region call where :class:`RegionFingerprints` is one per sample
+    and region call (a step with every region fingerprinted is a thousand of those, each a Python
+    object the training process would build). The rows of ``sample_keys[i]`` are the next
+    ``lengths[i]`` rows of every row field, in order; the store keeps the block as the per-sample
+    records it stands for (:meth:`samples`), so reading it back gives :class:`RegionFingerprints`."""
+
+    kind: Literal["fingerprints_block"] = "fingerprints_block"
+    run_id: RunId
+    step: Step
+    side: Side
+    case: Case
+    region: str = REGION.field(description="canonical region name, e.g. layers.2.mlp")
+    forward_index: int = COUNT32.field(default=0, description="which call of the region, when it runs twice")
+    sample_keys: list[SampleKey] = Field(description="the samples, in the order of their rows")
+    lengths: Int32Array
+    positions: Int32Array
+    digest: UInt64Array
+    ladder_bits: list[int] = Field(default_factory=list, description="mantissa bits kept at each ladder rung")
+    ladder: UInt64Matrix
+    sketch: Float32Matrix
+    l2: Float32Array
+    maxabs: Float32Array
+
+    @model_validator(mode="after")
+    def _check(self) -> RegionFingerprintsBlock:
+        return self.checked()
+
+    def checked(self) -> RegionFingerprintsBlock:
+        """The block's own fields (as :meth:`RegionFingerprints.checked` would check one record
+        holding all its rows), ``lengths`` matching ``sample_keys`` and the rows, and every sample's
+        positions distinct and non-negative."""
+        positions = INT32_VECTOR.check(self.positions, "positions")
+        self._whole(positions.size).checked()
+        keys = self.sample_keys
+        if type(keys) is not list or not keys:
+            raise RecordError("sample_keys", "expected a non-empty list of sample keys")
+        for i, key in enumerate(keys):
+            SAMPLE_KEY.check(key, f"sample_keys[{i}]")
+        if len(set(keys)) != len(keys):
+            raise RecordError("sample_keys", "a sample named twice")
+        lengths = INT32_VECTOR.check(self.lengths, "lengths")
+        if lengths.size != len(keys):
+            raise RecordError("lengths", f"{lengths.size} lengths for {len(keys)} sample keys")
+        check_non_negative(lengths, "lengths", "length")
+        if int(lengths.sum(dtype=np.int64)) != positions.size:
+            raise RecordError("lengths", f"add up to {int(lengths.sum())} rows, not {positions.size}")
+        start = 0
+        for length in lengths.tolist():
+            check_distinct_positions(positions[start : start + length], "positions")
+            start += length
+        return self
+
+    def _whole(self, rows: int) -> RegionFingerprints:
+        """The block's ``rows`` rows as one record, to check the fields a record of one sample has
+        (its positions stand in: a block's need only be distinct within each sample)."""
+        return RegionFingerprints.model_construct(
+            schema_version=self.schema_version,
+            run_id=self.run_id,
+            step=self.step,
+            side=self.side,
+            case=self.case,
+            sample_key=self.sample_keys[0] if self.sample_keys else "",
+            region=self.region,
+            forward_index=self.forward_index,
+            positions=np.arange(rows, dtype=np.int32),
+            digest=self.digest,
+            ladder_bits=self.ladder_bits,
+            ladder=self.ladder,
+            sketch=self.sketch,
+            l2=self.l2,
+            maxabs=self.maxabs,
+        )
+
+    def samples(self) -> list[RegionFingerprints]:
+        """The per-sample records the block stands for (row views of its arrays, not copies)."""
+        shared = {
+            "run_id": self.run_id,
+            "step": self.step,
+            "side": self.side,
+            "case": self.case,
+            "region": self.region,
+            "forward_index": self.forward_index,
+            "ladder_bits": self.ladder_bits,
+        }
+        out = []
+        start = 0
+        for key, length in zip(self.sample_keys, np.asarray(self.lengths).tolist(), strict=True):
+            rows = slice(start, start + length)
+            start += length
+            out.append(
+                RegionFingerprints.model_construct(
+                    **shared,
+                    sample_key=key,
+                    positions=self.positions[rows],
+                    digest=self.digest[rows],
+                    ladder=self.ladder[rows],
+                    sketch=self.sketch[rows],
+                    l2=self.l2[rows],
+                    maxabs=self.maxabs[rows],
+                )
+            )
+        return out
+
+
+def expand_blocks(records: Sequence[Record]) -> list[Record]:
+    """``records`` with each :class:`RegionFingerprintsBlock` replaced by its per-sample records."""
+    out: list[Record] = []
+    for record in records:
+        if isinstance(record, RegionFingerprintsBlock):
+            out += record.samples()
+        else:
+            out.append(record)
+    return out
 
 
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]

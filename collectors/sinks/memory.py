@@ -1,7 +1,8 @@
 """A sink that keeps records in memory: tests, benchmarks, and notebooks that compare in-process.
 
 It checks every record as the store would (:func:`isoaudit.audit.records.validate_record`): an invalid one
-is refused and counted, the rest of its batch kept, so what a test sees here is what would be stored.
+is refused and counted, the rest of its batch kept, and keeps a block of fingerprints as the
+per-sample records it stands for, so what a test sees here is what would be stored.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Unpack
 
-from isoaudit.audit.records import Record, RecordError, Rejection, record_kind, validate_record
+from isoaudit.audit.records import Record, RecordError, Rejection, expand_blocks, record_kind, validate_record
 from isoaudit.collectors.sinks.base import Sink, SinkOptions, _Item
 
 
@@ -35,9 +36,9 @@ class MemorySink(Sink):
                 except RecordError as exc:
                     rejected.append(Rejection(index, record_kind(record), exc.field, str(exc)))
             records = kept
-        if self.keep:
+        if self.keep:  # as the store keeps them: a block as its per-sample records
             with self._lock:
-                self.records.extend(records)
+                self.records.extend(expand_blocks(records))
         return self._rejected(rejected)
 
     def of_kind(self, kind: str) -> list[Any]:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from isoaudit.audit.fingerprints import ROW_FIELDS
-from isoaudit.audit.records import Record, RegionFingerprints
+from isoaudit.audit.records import Record, RegionFingerprints, expand_blocks
 from isoaudit.collectors.assemble import _PRINT_NAMES
 from isoaudit.collectors.construct import Construct, constructor
 from isoaudit.collectors.fingerprints import (
@@ -228,6 +228,52 @@ def test_fingerprint_records_equal_validated_or_not(load) -> None:
         assert list(vars(fast)) == list(vars(checked)) and fast.checked() is fast
 
 
+@pytest.mark.parametrize("padding", ["right", "left"])
+@pytest.mark.parametrize("compacted", [True, False])
+def test_a_block_stands_for_the_per_sample_records(load, padding: str, compacted: bool) -> None:
+    """``fingerprint_blocks`` gives one record per region call whose per-sample records are
+    ``fingerprint_records``' (same order, same bytes), validated or not, whether the samples'
+    rows are adjacent among the fingerprinted rows (padding skipped) or not (padding between)."""
+    from isoaudit.collectors.assemble import (
+        fingerprint_blocks,
+        fingerprint_records,
+        keys_for,
+        sequence_tokens,
+    )
+
+    model = load("qwen3")
+    batch = make_batch(padding)
+    prints = _prints_by_grouping(model, batch, 64 << 20)
+    rows = prints["rows"].numpy()
+    if compacted:
+        host = {key: dataclasses.replace(value, row_index=rows) for key, value in prints["prints"].items()}
+    else:  # as if every row of the padded batch were fingerprinted: padding rows between samples
+
+        def spread(array: np.ndarray) -> np.ndarray:
+            out = np.full((batch.input_ids.numel(), *array.shape[1:]), 7, dtype=array.dtype)
+            out[rows] = array
+            return out
+
+        host = {
+            key: dataclasses.replace(
+                value,
+                **{
+                    name: spread(getattr(value, name))
+                    for name in ("digest", "ladder", "sketch", "l2", "maxabs")
+                },
+            )
+            for key, value in prints["prints"].items()
+        }
+    keys = keys_for(batch, sequence_tokens(batch, batch.input_ids.numpy()))
+    args = {"run_id": "r", "step": 1, "side": "trainer", "case": "trainer_fwd", "batch": batch, "keys": keys}
+    want = fingerprint_records(prints=host, validate=False, **args)
+    for validate in (False, True):
+        blocks = fingerprint_blocks(prints=host, validate=validate, **args)
+        assert len(blocks) == len(host) and all(b.checked() is b for b in blocks)
+        got = expand_blocks(blocks)
+        assert [r.model_dump_json() for r in got] == [r.model_dump_json() for r in want]
+
+
 def test_a_pipeline_started_late_builds_the_steps_already_waiting() -> None:
     """``start`` hands the helper thread the steps queued before it: they are built there, and
     handed back in order with those pushed after."""
@@ -419,31 +465,6 @@ def test_records_built_in_the_background_equal_those_built_inline(load) -> None:
     assert got[True] and got[True] == got[False]
     steps = [r[1] for r in got[True]]
     assert steps == sorted(steps) and set(steps) == set(range(len(batches)))
-
-
-def test_the_helper_builds_in_slices_of_regions_the_same_records(load, monkeypatch) -> None:
-    """The helper thread builds a step's fingerprint records a slice of regions at a time (pausing
-    between slices): the same records, in the same order, as one pass on the training thread."""
-    import isoaudit.collectors.trainer as trainer_module
-
-    monkeypatch.setattr(trainer_module, "REGIONS_PER_SLICE", 3)
-    model = load("qwen3")
-    batch = make_batch("left")
-    got = {}
-    for background in (False, True):
-        sink = MemorySink()
-        handle = attach(model, run="r", sink=sink, strict=True, background_records=background)
-        assert len(handle.regions) > 2 * trainer_module.REGIONS_PER_SLICE
-        with torch.no_grad():
-            model(**batch.model_inputs())
-        handle.record_step(0, batch)
-        assert handle.flush(30)
-        handle.detach()
-        got[background] = [
-            (r.sample_key, r.region, r.forward_index) for r in sink.records if r.kind == "fingerprints"
-        ]
-        got[background, "all"] = _comparable(sink.records)
-    assert got[True] == got[False] and got[True, "all"] == got[False, "all"]
 
 
 def test_a_failed_background_build_is_counted_and_raised_only_when_strict(load) -> None:
