@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
-from isoaudit.audit.records import Manifest, RegionFingerprints, Run, SampleLogprobs
+from isoaudit.audit.records import Manifest, RegionFingerprints, RegionFingerprintsBlock, Run, SampleLogprobs
 
 
 def sample(
@@ -56,6 +56,30 @@ def fingerprints(
         sketch=rng.standard_normal((n, 16)).astype(np.float32),
         l2=rng.random(n).astype(np.float32),
         maxabs=rng.random(n).astype(np.float32),
+    )
+
+
+def fingerprints_block(
+    records: list[SampleLogprobs], region: str = "embed", case: str = "trainer_fwd", *, seed: int = 0
+) -> RegionFingerprintsBlock:
+    """One region's fingerprints for ``records`` (samples of one run, step and side) in one block:
+    sample i's rows are those :func:`fingerprints` gives it with ``seed + i``."""
+    parts = [fingerprints(r, region, case, seed=seed + i) for i, r in enumerate(records)]
+    return RegionFingerprintsBlock(
+        run_id=records[0].run_id,
+        step=records[0].step,
+        side=records[0].side,
+        case=case,
+        region=region,
+        sample_keys=[p.sample_key for p in parts],
+        lengths=np.array([p.positions.size for p in parts], dtype=np.int32),
+        positions=np.concatenate([p.positions for p in parts]),
+        digest=np.concatenate([p.digest for p in parts]),
+        ladder_bits=[6, 4, 2, 0],
+        ladder=np.concatenate([p.ladder for p in parts]),
+        sketch=np.concatenate([p.sketch for p in parts]),
+        l2=np.concatenate([p.l2 for p in parts]),
+        maxabs=np.concatenate([p.maxabs for p in parts]),
     )
 
 

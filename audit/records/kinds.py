@@ -574,6 +574,10 @@ class RegionFingerprints(Record):
         return self
 
 
+#: The most samples one block of fingerprints names.
+MAX_BLOCK_SAMPLES: Final = 65_536
+
+
 class RegionFingerprintsBlock(Record):
     """One region call's fingerprints for every sample of a step at once: the columnar form a
     collector sends, one record per region call where :class:`RegionFingerprints` is one per sample
@@ -589,7 +593,9 @@ class RegionFingerprintsBlock(Record):
     case: Case
     region: str = REGION.field(description="canonical region name, e.g. layers.2.mlp")
     forward_index: int = COUNT32.field(default=0, description="which call of the region, when it runs twice")
-    sample_keys: list[SampleKey] = Field(description="the samples, in the order of their rows")
+    sample_keys: list[SampleKey] = Field(
+        max_length=MAX_BLOCK_SAMPLES, description="the samples, in the order of their rows"
+    )
     lengths: Int32Array
     positions: Int32Array
     digest: UInt64Array
@@ -607,8 +613,6 @@ class RegionFingerprintsBlock(Record):
         """The block's own fields (as :meth:`RegionFingerprints.checked` would check one record
         holding all its rows), ``lengths`` matching ``sample_keys`` and the rows, and every sample's
         positions distinct and non-negative."""
-        positions = INT32_VECTOR.check(self.positions, "positions")
-        self._whole(positions.size).checked()
         keys = self.sample_keys
         if type(keys) is not list or not keys:
             raise RecordError("sample_keys", "expected a non-empty list of sample keys")
@@ -616,6 +620,8 @@ class RegionFingerprintsBlock(Record):
             SAMPLE_KEY.check(key, f"sample_keys[{i}]")
         if len(set(keys)) != len(keys):
             raise RecordError("sample_keys", "a sample named twice")
+        positions = INT32_VECTOR.check(self.positions, "positions")
+        self._whole(positions.size).checked()
         lengths = INT32_VECTOR.check(self.lengths, "lengths")
         if lengths.size != len(keys):
             raise RecordError("lengths", f"{lengths.size} lengths for {len(keys)} sample keys")
@@ -637,7 +643,7 @@ class RegionFingerprintsBlock(Record):
             step=self.step,
             side=self.side,
             case=self.case,
-            sample_key=self.sample_keys[0] if self.sample_keys else "",
+            sample_key=self.sample_keys[0],
             region=self.region,
             forward_index=self.forward_index,
             positions=np.arange(rows, dtype=np.int32),

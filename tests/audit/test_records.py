@@ -8,7 +8,13 @@ import json
 import numpy as np
 import pytest
 from isoaudit.audit.arrays import MAX_ARRAY_ELEMENTS
-from isoaudit.audit.records import Batch, RegionFingerprints, SampleLogprobs, sample_key
+from isoaudit.audit.records import (
+    Batch,
+    RegionFingerprints,
+    RegionFingerprintsBlock,
+    SampleLogprobs,
+    sample_key,
+)
 from pydantic import ValidationError
 
 from tests import factories
@@ -104,6 +110,64 @@ def test_fingerprints_round_trip_matrices():
     assert (again.sketch == record.sketch).all() and again.digest.dtype == np.uint64
 
 
+def _two_samples() -> list[SampleLogprobs]:
+    return [factories.sample(seed=1), factories.sample(seed=2, n_completion=3)]
+
+
+def test_a_block_round_trips_and_stands_for_its_samples_records():
+    samples = _two_samples()
+    block = factories.fingerprints_block(samples)
+    again = validate_record(json.loads(block.model_dump_json()))
+    assert isinstance(again, RegionFingerprintsBlock) and again.lengths.tolist() == block.lengths.tolist()
+    want = [factories.fingerprints(s, seed=i) for i, s in enumerate(samples)]
+    got = again.samples()
+    assert [r.model_dump(mode="json") for r in got] == [r.model_dump(mode="json") for r in want]
+    assert all(r.checked() is r for r in got)
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        (lambda b: b.update(lengths=np.array([1], np.int32)), "lengths"),  # one length for two keys
+        (lambda b: b.update(lengths=np.array([2, 2], np.int32)), "lengths"),  # not the rows' count
+        (lambda b: b.update(lengths=np.array([-1, 1 + b["positions"].size], np.int32)), "lengths"),
+        (lambda b: b.update(sample_keys=[b["sample_keys"][0]] * 2), "sample_keys"),
+        (lambda b: b.update(sample_keys=[]), "sample_keys"),
+        (lambda b: b.update(sample_keys=["not a key", b["sample_keys"][1]]), "sample_keys[0]"),
+        (lambda b: b.update(l2=b["l2"][:-1]), "l2"),
+        (lambda b: b.update(positions=np.zeros_like(b["positions"])), "positions"),  # repeated in a sample
+        (lambda b: b.update(ladder=b["ladder"][:, :2]), "ladder"),
+    ],
+)
+def test_a_bad_block_names_the_field(change, field):
+    body = dict(factories.fingerprints_block(_two_samples()))
+    change(body)
+    with pytest.raises(RecordError) as exc:
+        validate_record(RegionFingerprintsBlock.model_construct(**body))
+    assert exc.value.field == field, exc.value
+
+
+def test_a_block_is_stored_as_the_records_it_stands_for(tmp_path):
+    """Read back, a block is its per-sample records; sent again, it stores nothing twice."""
+    from isoaudit.audit.db import Store
+
+    samples = _two_samples()
+    store = Store(f"sqlite:///{tmp_path / 'blocks.db'}")
+    try:
+        block = factories.fingerprints_block(samples, "layers.0.mlp")
+        result = store.ingest([factories.run(), *samples, block])
+        assert result.stored["fingerprints"] == 2 and not result.rejected
+        again = store.ingest([block])
+        assert again.duplicates["fingerprints"] == 2 and not again.stored["fingerprints"]
+        stored = store.fingerprints("run-1", 0)
+        want = {r.sample_key: r for r in block.samples()}
+        assert sorted(r.sample_key for r in stored) == sorted(want)
+        for record in stored:
+            assert record.model_dump(mode="json") == want[record.sample_key].model_dump(mode="json")
+    finally:
+        store.dispose()
+
+
 def test_batch_is_discriminated_by_kind():
     s = factories.sample()
     batch = Batch.model_validate(
@@ -133,6 +197,7 @@ def valid_dicts() -> dict[str, dict]:
     return {
         "sample": s.model_dump(mode="json"),
         "fingerprints": factories.fingerprints(s).model_dump(mode="json"),
+        "fingerprints_block": factories.fingerprints_block([s]).model_dump(mode="json"),
         "run": factories.run(config={"lr": 1e-6}).model_dump(mode="json"),
         "manifest": factories.manifest(regions=["embed"]).model_dump(mode="json"),
     }
