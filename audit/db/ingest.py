@@ -61,7 +61,9 @@ class ForbiddenRun(StoreError):
 @dataclass
 class IngestResult:
     """What one batch did, per record kind: stored, already there (``duplicates``), and refused
-    (``rejected``, one :class:`Rejection` per record, naming its index in the batch and the field)."""
+    (``rejected``, one :class:`Rejection` per record, naming its index in the batch and the field).
+    A fingerprints block is kept as the per-sample records it stands for, counted under
+    ``fingerprints``, one per sample."""
 
     stored: Counter[str] = field(default_factory=Counter)
     duplicates: Counter[str] = field(default_factory=Counter)
