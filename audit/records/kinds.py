@@ -657,7 +657,7 @@ class RegionFingerprintsBlock(Record):
 
     def samples(self) -> list[RegionFingerprints]:
         """The per-sample records the block stands for (row views of its arrays, not copies)."""
-        shared = {
+        shared: dict[str, Any] = {
             "run_id": self.run_id,
             "step": self.step,
             "side": self.side,
