@@ -62,6 +62,7 @@ from isoaudit.audit.records.kinds import (
     Timestamp,
     WeightSpan,
     check_weight_spans,
+    count_records,
     expand_blocks,
     off_policy_of,
     sample_key,
@@ -128,5 +129,6 @@ __all__ = [
     "utc_timestamp",
     "utcnow",
     "validate_record",
+    "count_records",
     "expand_blocks",
 ]

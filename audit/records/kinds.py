@@ -686,6 +686,12 @@ class RegionFingerprintsBlock(Record):
         return out
 
 
+def count_records(records: Sequence[Record]) -> int:
+    """How many records ``records`` stand for as the store keeps them: a
+    :class:`RegionFingerprintsBlock` one per sample, any other record one."""
+    return sum(len(r.sample_keys) if isinstance(r, RegionFingerprintsBlock) else 1 for r in records)
+
+
 def expand_blocks(records: Sequence[Record]) -> list[Record]:
     """``records`` with each :class:`RegionFingerprintsBlock` replaced by its per-sample records."""
     out: list[Record] = []

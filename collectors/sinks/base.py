@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypedDict
 
-from isoaudit.audit.records import AnyRecord, Batch, Record
+from isoaudit.audit.records import AnyRecord, Batch, Record, count_records
 from isoaudit.collectors.control import Control
 from isoaudit.collectors.counting import Counters, LogOnce
 from isoaudit.collectors.sinks.spool import Spool
@@ -108,7 +108,7 @@ class _Item:
         if parts:
             self.n = sum(p.n for p in parts)
         else:
-            self.n = len(records) if records is not None else n
+            self.n = count_records(records) if records is not None else n
 
     @classmethod
     def merged(cls, parts: list[_Item]) -> _Item:
@@ -226,21 +226,21 @@ class Sink(ABC):
         try:
             records = list(records)
             for start in range(0, len(records), self._max_batch):
-                chunk = records[start : start + self._max_batch]
+                item = _Item(records[start : start + self._max_batch])
                 if self._stop.is_set():
-                    self._drop(len(chunk), "closed", "isoaudit %s is closed: records dropped")
+                    self._drop(item.n, "closed", "isoaudit %s is closed: records dropped")
                     continue
                 with self._cond:
-                    self._outstanding += len(chunk)
+                    self._outstanding += item.n
                 try:
-                    self._queue.put_nowait(_Item(chunk))
-                    self._add("queued", len(chunk))
+                    self._queue.put_nowait(item)
+                    self._add("queued", item.n)
                 except queue.Full:
                     with self._cond:
-                        self._outstanding -= len(chunk)
+                        self._outstanding -= item.n
                         self._cond.notify_all()
                     self._drop(
-                        len(chunk),
+                        item.n,
                         "full",
                         "isoaudit %s queue is full: dropping records (see counters.dropped)",
                     )
@@ -531,20 +531,28 @@ class Sink(ABC):
     def _add(self, counter: str, n: int) -> None:
         self.counters.add(counter, n)
 
-    def _rejected(self, rejections: Sequence[Any]) -> int:
+    def _rejected(self, rejections: Sequence[Any], records: Sequence[Record] = ()) -> int:
         """Count records the destination refused one by one (the rest of their batch was stored) and
         warn once per field, naming it: a collector bug, or data the job should look at. Returns
-        how many."""
+        how many, as :attr:`_Item.n` counts them (``records``: the batch the rejections' indices
+        name; a refused block of fingerprints counts its samples)."""
         if not rejections:
             return 0
-        self._add("rejected", len(rejections))
+        refused = 0
+        for rejection in rejections:
+            index = (
+                rejection.get("index") if isinstance(rejection, dict) else getattr(rejection, "index", None)
+            )
+            known = isinstance(index, int) and 0 <= index < len(records)
+            refused += count_records([records[index]]) if known else 1
+        self._add("rejected", refused)
         for rejection in rejections:
             field = _get(rejection, "field") or "record"
             message = _get(rejection, "message") or "invalid"
             self._warn_once(
                 f"rejected:{field}", f"isoaudit %s: destination rejected a record: {message} (counted)", None
             )
-        return len(rejections)
+        return refused
 
     def _control(self, control: Control) -> None:
         if self.on_control is not None:

@@ -80,7 +80,7 @@ class DirectSink(Sink):
         except (StoreError, ValidationError, ValueError) as exc:
             raise DeliveryError(str(exc), retry=False) from exc
         self._add("duplicates", sum(result.duplicates.values()))
-        return self._rejected(result.rejected)
+        return self._rejected(result.rejected, item.records)
 
     def _close_destination(self) -> None:
         if self._owns_store:

@@ -71,7 +71,8 @@ class HttpSink(Sink):
         control = body.get("control")
         if isinstance(control, dict) and "mode" in control:
             self._control(Control.model_validate({"version": 0, **control}))
-        return self._rejected(body.get("rejected") or ())
+        rejected = body.get("rejected") or ()
+        return self._rejected(rejected, item.records if rejected else ())
 
     def _close_destination(self) -> None:
         self._client.close()

@@ -39,7 +39,7 @@ class MemorySink(Sink):
         if self.keep:  # as the store keeps them: a block as its per-sample records
             with self._lock:
                 self.records.extend(expand_blocks(records))
-        return self._rejected(rejected)
+        return self._rejected(rejected, item.records)
 
     def of_kind(self, kind: str) -> list[Any]:
         with self._lock:

@@ -6,10 +6,11 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from isoaudit.audit.db import Store
-from isoaudit.audit.records import Record
+from isoaudit.audit.records import Record, RegionFingerprintsBlock
 from isoaudit.collectors.layout import StepBatch
 from isoaudit.collectors.sinks import DirectSink, MemorySink, Spool
 from isoaudit.collectors.sinks.base import DeliveryError, Sink, _Item, decode_batch, encode_batch
@@ -204,3 +205,18 @@ def test_direct_sink_spools_until_the_database_is_upgraded(blank_database_url: s
     upgrade(blank_database_url)
     assert sink.flush(30) and sink.counters.replayed == 2 and sink.counters.dropped == 0
     sink.close()
+
+
+def test_a_block_counts_as_the_records_it_stands_for_sent_or_rejected() -> None:
+    """A fingerprints block of two samples is two records in every counter, kept or refused."""
+    samples = [factories.sample(seed=1), factories.sample(seed=2)]
+    good = factories.fingerprints_block(samples)
+    bad = RegionFingerprintsBlock.model_construct(**{**dict(good), "lengths": np.array([1, 1], np.int32)})
+    sink = MemorySink()
+    try:
+        sink.send([*samples, good, bad])
+        assert sink.flush(5)
+        assert sink.counters.queued == 6 and sink.counters.rejected == 2 and sink.counters.sent == 4
+        assert len(sink.of_kind("fingerprints")) == 2 and sink.of_kind("fingerprints_block") == []
+    finally:
+        sink.close()

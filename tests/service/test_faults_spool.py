@@ -75,17 +75,6 @@ def identity(record: object) -> tuple[object, ...] | None:
     return (*key, body.hexdigest())
 
 
-def wire_records(records: list[object]) -> int:
-    """How many records the sink carried for a step's ``records`` (as the store keeps them): the
-    fingerprints of one region call travel as one block for all of the step's samples."""
-    blocks = {
-        (r.step, r.side, r.case, r.region, r.forward_index)
-        for r in records
-        if isinstance(r, RegionFingerprints)
-    }
-    return len(blocks) + sum(not isinstance(r, RegionFingerprints) for r in records)
-
-
 def stored_identities(store: Store, run_id: str) -> Counter[tuple[object, ...]]:
     found: Counter[tuple[object, ...]] = Counter()
     for step in store.steps(run_id):
@@ -223,7 +212,7 @@ def test_spool_disk_full_drops_counted_says_so_once_and_keeps_the_step_time(
     missing = {step for step, ids in sent.items() if not ids & stored}
     assert whole | missing == set(sent), f"steps stored in part: {set(sent) - whole - missing}"
     side = summary.sides["trainer"]
-    dropped_records = sum(wire_records(loop.sent[step]) for step in missing)
+    dropped_records = sum(len(loop.sent[step]) for step in missing)
     assert missing and missing <= set(fault), (missing, side)
     assert side.dropped == dropped_records, (side, dropped_records)  # every missing record counted
     assert side.spooled > 0 and f"dropped {side.dropped}" in str(summary)
