@@ -29,9 +29,13 @@ def test_the_planted_change_over_http(store: Store, api: httpx.Client, other_tok
     sides = api.get("/v1/runs/env-b/environment-diff", params={"sides": True, "step": 0}).json()
     assert sides["diffs"][0]["title"] == "trainer → rollout" and sides["n_changes"] >= 3
     assert api.get("/v1/runs/env-b/environment-diff", params={"against": "env-a@x"}).status_code == 422
-    assert api.get("/v1/runs/env-b/environment-diff", params={"step": 9}).status_code == 404
+    missing = api.get("/v1/runs/env-b/environment-diff", params={"step": 9})
+    assert missing.status_code == 404 and missing.json()["detail"].startswith("step: ")
     with httpx.Client(
         base_url=str(api.base_url), headers={"Authorization": f"Bearer {other_token}"}
     ) as other:
         assert other.get("/v1/runs/env-b/environment-diff").status_code == 404  # another project's run
-    assert api.get("/v1/runs/env-b/environment-diff", params={"against": "nope"}).status_code == 404
+    unknown = api.get("/v1/runs/env-b/environment-diff", params={"against": "nope"})
+    assert unknown.status_code == 404 and unknown.json()["detail"].startswith("against: ")
+    no_step = api.get("/v1/runs/env-b/environment-diff", params={"against": "env-b@9"})
+    assert no_step.status_code == 404 and no_step.json()["detail"].startswith("against: ")

@@ -70,8 +70,9 @@ def environment_changes(
             raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"against: no run {other.run_id!r}")
     try:
         report = environment_diff(store, Point(run_id, step), other, sides=sides)
-    except UnknownPoint as exc:
-        raise HTTPException(status.HTTP_404_NOT_FOUND, detail=str(exc)) from None
+    except UnknownPoint as exc:  # the field that named it: the other run, or this run's step
+        field = "against" if other is not None and exc.point == other else "step"
+        raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"{field}: {exc}") from None
     except ValueError as exc:
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_ENTITY, detail=f"sides: {exc}") from None
     return EnvironmentDiffOut.model_validate(report.as_dict())

@@ -134,17 +134,22 @@ class EnvironmentReport:
 
 
 class UnknownPoint(LookupError):
-    """A run or step a diff names is not in the store; the message says which and what exists."""
+    """A run or step a diff names is not in the store; the message says which and what exists,
+    ``point`` is the one not found."""
+
+    def __init__(self, message: str, point: Point) -> None:
+        super().__init__(message)
+        self.point = point
 
 
 def _manifests_at(store: Store, point: Point) -> tuple[dict[str, Manifest | None], list[Manifest]]:
     if store.get_run(point.run_id) is None:
-        raise UnknownPoint(f"no run {point.run_id!r} in the store (`isoaudit runs list` shows them)")
+        raise UnknownPoint(f"no run {point.run_id!r} in the store (`isoaudit runs list` shows them)", point)
     manifests = store.manifests(point.run_id)
     if point.step is None:
         return {side: manifest_at(manifests, side, None) for side in SIDES}, manifests
     if not step_times(store, point.run_id, [point.step]):
-        raise UnknownPoint(f"run {point.run_id!r} has no records of step {point.step}")
+        raise UnknownPoint(f"run {point.run_id!r} has no records of step {point.step}", point)
     at = manifests_of_steps(store, point.run_id, [point.step], manifests)
     return {side: at[(point.step, side)] for side in SIDES}, manifests
 
