@@ -543,8 +543,10 @@ class Sink(ABC):
             index = (
                 rejection.get("index") if isinstance(rejection, dict) else getattr(rejection, "index", None)
             )
-            known = isinstance(index, int) and 0 <= index < len(records)
-            refused += count_records([records[index]]) if known else 1
+            if isinstance(index, int) and 0 <= index < len(records):
+                refused += count_records([records[index]])
+            else:
+                refused += 1
         self._add("rejected", refused)
         for rejection in rejections:
             field = _get(rejection, "field") or "record"
