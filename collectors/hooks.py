@@ -130,15 +130,16 @@ class _CompiledTarget:
         self.buffers = FingerprintBuffers(len(self.names), rows, device)
         self.bits: list[tuple[int, ...] | None] = [None] * len(self.names)
         self.logits: torch.Tensor | None = None
-        self._plans: dict[tuple[tuple[int, ...] | None, ...], SpanPlan] = {}
+        self._plans: dict[tuple[tuple[tuple[int, ...] | None, ...], int], SpanPlan] = {}
 
-    def plan(self) -> SpanPlan:
-        """Where the regions written (``bits``) lie in the buffers' rows, grouped by rungs: one
-        group per ladder, each region the rows of its slot (made once per set of rungs written)."""
+    def plan(self, rows: int | None = None) -> SpanPlan:
+        """Where the regions written (``bits``) lie in the groups' rows, grouped by rungs: one
+        group per ladder, each region the rows of its slot, ``rows`` of them (default: every row
+        of the buffers; made once per set of rungs written and row count)."""
         written = tuple(self.bits)
-        plan = self._plans.get(written)
+        rows = self.buffers.rows if rows is None else rows
+        plan = self._plans.get((written, rows))
         if plan is None:
-            rows = self.buffers.rows
             groups: dict[tuple[int, ...], int] = {}
             keys, spans, ladders = [], [], []
             for slot, bits in enumerate(written):
@@ -146,7 +147,7 @@ class _CompiledTarget:
                     keys.append((self.names[slot], 0))
                     spans.append((groups.setdefault(bits, len(groups)), slot * rows, (slot + 1) * rows))
                     ladders.append(bits)
-            plan = self._plans[written] = SpanPlan(
+            plan = self._plans[(written, rows)] = SpanPlan(
                 tuple(keys), tuple(groups), tuple(spans), tuple(ladders), rows
             )
         return plan
@@ -421,22 +422,34 @@ class ForwardCapture:
         # one group per ladder, each region a span of its group (the plan of this shape and these
         # rungs, made once), so the step's transfer sends a few tensors, not 5 per region; each
         # field a contiguous copy (the next step writes the same storage), which is also the
-        # layout the transfer sends: copied once, not twice
-        plan = target.plan()
+        # layout the transfer sends: copied once, not twice. With the real rows known
+        # (``begin_step``'s batch), the copy is a gather of those rows of every slot: padding never
+        # leaves the device, and each sample's rows lie side by side on the host
         ints = target.buffers.ints.reshape(-1, target.buffers.ints.shape[-1])
         floats = target.buffers.floats.reshape(-1, FLOAT_WIDTH)
+        real = self.row_hint[1] if self.row_hint is not None and self.row_hint[0] == target.shape else None
+        if real is None:
+            plan, pick = target.plan(), _copied
+        else:
+            plan = target.plan(int(real.numel()))
+            slots = torch.arange(len(target.names), device=ints.device)
+            take = (slots[:, None] * target.buffers.rows + to_device(real, ints.device)[None, :]).reshape(-1)
+
+            def pick(view: torch.Tensor) -> torch.Tensor:
+                return view.index_select(0, take)
+
         groups = [
             RowFingerprints(
-                _copied(ints[:, 0]),
-                _copied(ints[:, 1 : 1 + len(bits)]),
-                _copied(floats[:, : FLOAT_WIDTH - 2]),
-                _copied(floats[:, FLOAT_WIDTH - 2]),
-                _copied(floats[:, FLOAT_WIDTH - 1]),
+                pick(ints[:, 0]),
+                pick(ints[:, 1 : 1 + len(bits)]),
+                pick(floats[:, : FLOAT_WIDTH - 2]),
+                pick(floats[:, FLOAT_WIDTH - 2]),
+                pick(floats[:, FLOAT_WIDTH - 1]),
                 bits,
             )  # fmt: skip
             for bits in plan.groups
         ]
-        capture = Capture(input_ids, fingerprinting=True, logits=target.logits, complete=True)
+        capture = Capture(input_ids, rows=real, fingerprinting=True, logits=target.logits, complete=True)
         capture.prints = SpanPrints(groups, plan)
         target.logits = None
         target.bits = [None] * len(self.specs)
