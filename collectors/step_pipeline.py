@@ -75,10 +75,6 @@ class StepPipeline(Generic[T]):
         """Does a helper thread build the steps (and is it still running)?"""
         return self._thread is not None and self._thread.is_alive()
 
-    def on_helper(self) -> bool:
-        """Is the caller the helper thread?"""
-        return self._thread is not None and threading.current_thread() is self._thread
-
     def start(self) -> None:
         """Start the helper thread (if none was started): it builds the steps waiting and those
         pushed from now on."""
