@@ -517,6 +517,19 @@ class SampleLogprobs(Record):
         return self.token_ids[self.prompt_len :]
 
 
+def _check_row_fields(record: RegionFingerprints | RegionFingerprintsBlock, rows: int) -> None:
+    """Each row field of fingerprints an array of its kind with ``rows`` rows (a matrix may be
+    empty when there are none)."""
+    for name, rule in (("digest", UINT64_VECTOR), ("l2", FLOAT32_VECTOR), ("maxabs", FLOAT32_VECTOR)):
+        array = rule.check(getattr(record, name), name)
+        if array.shape[0] != rows:
+            raise RecordError(name, f"{array.shape[0]} rows for {rows} positions")
+    for name, rule in (("ladder", UINT64_MATRIX), ("sketch", FLOAT32_MATRIX)):
+        array = rule.check(getattr(record, name), name)
+        if array.shape[0] != rows and rows:
+            raise RecordError(name, f"{array.shape[0]} rows for {rows} positions")
+
+
 class RegionFingerprints(Record):
     """Per-token-row fingerprints of one region's output for one sample (``audit.fingerprints``).
 
@@ -557,14 +570,7 @@ class RegionFingerprints(Record):
         COUNT32.check(self.forward_index, "forward_index")
         positions = INT32_VECTOR.check(self.positions, "positions")
         rows = positions.size
-        for name, rule in (("digest", UINT64_VECTOR), ("l2", FLOAT32_VECTOR), ("maxabs", FLOAT32_VECTOR)):
-            array = rule.check(getattr(self, name), name)
-            if array.shape[0] != rows:
-                raise RecordError(name, f"{array.shape[0]} rows for {rows} positions")
-        for name, rule in (("ladder", UINT64_MATRIX), ("sketch", FLOAT32_MATRIX)):
-            array = rule.check(getattr(self, name), name)
-            if array.shape[0] != rows and rows:
-                raise RecordError(name, f"{array.shape[0]} rows for {rows} positions")
+        _check_row_fields(self, rows)
         bits = self.ladder_bits
         if type(bits) is not list or not all(type(b) is int and 0 <= b <= 64 for b in bits):
             raise RecordError("ladder_bits", "expected a list of integers in 0..64")
@@ -610,9 +616,10 @@ class RegionFingerprintsBlock(Record):
         return self.checked()
 
     def checked(self) -> RegionFingerprintsBlock:
-        """The block's own fields (as :meth:`RegionFingerprints.checked` would check one record
-        holding all its rows), ``lengths`` matching ``sample_keys`` and the rows, and every sample's
-        positions distinct and non-negative."""
+        """``sample_keys`` and ``lengths`` matching each other and the rows, then each sample's
+        record as :meth:`RegionFingerprints.checked` checks it (its positions distinct and
+        non-negative among its own)."""
+        _check_schema_version(self)
         keys = self.sample_keys
         if type(keys) is not list or not keys:
             raise RecordError("sample_keys", "expected a non-empty list of sample keys")
@@ -621,39 +628,16 @@ class RegionFingerprintsBlock(Record):
         if len(set(keys)) != len(keys):
             raise RecordError("sample_keys", "a sample named twice")
         positions = INT32_VECTOR.check(self.positions, "positions")
-        self._whole(positions.size).checked()
         lengths = INT32_VECTOR.check(self.lengths, "lengths")
         if lengths.size != len(keys):
             raise RecordError("lengths", f"{lengths.size} lengths for {len(keys)} sample keys")
         check_non_negative(lengths, "lengths", "length")
         if int(lengths.sum(dtype=np.int64)) != positions.size:
             raise RecordError("lengths", f"add up to {int(lengths.sum())} rows, not {positions.size}")
-        start = 0
-        for length in lengths.tolist():
-            check_distinct_positions(positions[start : start + length], "positions")
-            start += length
+        _check_row_fields(self, positions.size)  # the whole block's rows: no sample's cut short
+        for sample in self.samples():  # each sample's rows as its own record would be checked
+            sample.checked()
         return self
-
-    def _whole(self, rows: int) -> RegionFingerprints:
-        """The block's ``rows`` rows as one record, to check the fields a record of one sample has
-        (its positions stand in: a block's need only be distinct within each sample)."""
-        return RegionFingerprints.model_construct(
-            schema_version=self.schema_version,
-            run_id=self.run_id,
-            step=self.step,
-            side=self.side,
-            case=self.case,
-            sample_key=self.sample_keys[0],
-            region=self.region,
-            forward_index=self.forward_index,
-            positions=np.arange(rows, dtype=np.int32),
-            digest=self.digest,
-            ladder_bits=self.ladder_bits,
-            ladder=self.ladder,
-            sketch=self.sketch,
-            l2=self.l2,
-            maxabs=self.maxabs,
-        )
 
     def samples(self) -> list[RegionFingerprints]:
         """The per-sample records the block stands for (row views of its arrays, not copies)."""
