@@ -15,6 +15,11 @@ from the bf16 master; E4M3 activations per token in groups of 128 with fp32 scal
   last one adds them (small M, :func:`plan`): the same adds either way;
 * bias in fp32, one rounding to the output dtype.
 
+The E4M3 activations are the quantizer kernel's output, or, for calls of at most
+:data:`FUSE_MAX_M` rows (decode), the same values computed inside the GEMM as each 128-K block of
+the unquantized activation is read (``FUSED_QUANT``: one launch, the quantizer's own Triton code,
+``fp8_quant._quantize_rows``), so the choice changes no bit.
+
 The split span depends on (N, K) only; the tile (BLOCK_M, BLOCK_N, warps, stages, program order,
 lagged promotion: :class:`Fp8Tile`) follows M through one table (:data:`TILE_TABLE`,
 :func:`pick_tile`), since it changes where each element is computed, never its adds: every
@@ -30,18 +35,20 @@ treated as the identity, ``dx = g @ W``, ``dW = g.T @ x`` in the master dtype.
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import dataclass
-from functools import cache, lru_cache
+from functools import cache, lru_cache, partial
 from typing import Any
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ._triton import HAVE_TRITON, CachedLauncher, cdiv, jit, resolve, tl, triton
+from ._triton import HAVE_TRITON, CachedLauncher, as_rows, cdiv, jit, resolve, tl, triton
 from .fp8_quant import FP8, GROUP, quantize_act, quantize_act_reference, quantize_per_tensor, quantize_weight
 from .gemm import _device_traits
 
 if HAVE_TRITON:
+    from .fp8_quant import _quantize_rows  # the activation arithmetic, shared with the quantizer
 
     @triton.jit
     def _fp8_block(
@@ -49,10 +56,15 @@ if HAVE_TRITON:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         EVEN_K: tl.constexpr,
+        FUSED_QUANT: tl.constexpr,
+        A_FP8: tl.constexpr,
     ):  # fmt: skip
         """Block ``kb``'s MMA from zero and its promotion factors ``sa[m] * sb[n // 128]`` (fp32).
         A tile at most 128 wide lies in one weight block column: one ``sb`` for the tile, the
-        factors one column (the same products, BLOCK_N times fewer multiplies)."""
+        factors one column (the same products, BLOCK_N times fewer multiplies). FUSED_QUANT:
+        ``a_rows`` are the unquantized activation's rows, and the block (one activation group per
+        row) is quantized here by the quantizer's own arithmetic (``_quantize_rows``: E4M3 if
+        A_FP8, else the fp32 values before the cast), its scales the ``sa`` (``sa_rows`` unread)."""
         k0 = kb * BLOCK_K
         if EVEN_K:  # K a multiple of 128: no K mask (the same values)
             x = tl.load(a_rows + (k0 + offs_k)[None, :], mask=m_ok[:, None], other=0.0)
@@ -61,8 +73,11 @@ if HAVE_TRITON:
             k_ok = (k0 + offs_k) < K
             x = tl.load(a_rows + (k0 + offs_k)[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(b_rows + (k0 + offs_k)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if FUSED_QUANT:  # masked K and rows load zeros: amax unchanged, q = 0
+            x, sa = _quantize_rows(x.to(tl.float32), A_FP8)
+        else:
+            sa = tl.load(sa_rows + kb, mask=m_ok, other=0.0)
         part = tl.dot(x, tl.trans(w), out_dtype=tl.float32)
-        sa = tl.load(sa_rows + kb, mask=m_ok, other=0.0)
         # One return: Triton's code generator refuses returns of different shapes in one function,
         # even where a constexpr decides which one runs.
         if BLOCK_N <= BLOCK_K:
@@ -81,6 +96,8 @@ if HAVE_TRITON:
         SPAN_BLOCKS: tl.constexpr,
         LAG: tl.constexpr,
         EVEN_K: tl.constexpr,
+        FUSED_QUANT: tl.constexpr,
+        A_FP8: tl.constexpr,
     ):  # fmt: skip
         """The fp32 sum over K blocks [kb_lo, kb_hi) of one tile (kb_lo < kb_hi): each block's MMA
         from zero, scaled, added in ascending order. SPAN_BLOCKS > 0: the running sum restarts at
@@ -102,10 +119,10 @@ if HAVE_TRITON:
             total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if LAG:
             part, scale = _fp8_block(a_rows, b_rows, sa_rows, sb_rows, sb_tile, m_ok, n_ok, offs_k, K, kb_lo,
-                              BLOCK_N, BLOCK_K, EVEN_K)  # fmt: skip
+                              BLOCK_N, BLOCK_K, EVEN_K, FUSED_QUANT, A_FP8)  # fmt: skip
             for kb in range(kb_lo + 1, kb_hi):
                 nxt, nxt_scale = _fp8_block(a_rows, b_rows, sa_rows, sb_rows, sb_tile, m_ok, n_ok, offs_k, K, kb,
-                                  BLOCK_N, BLOCK_K, EVEN_K)  # fmt: skip
+                                  BLOCK_N, BLOCK_K, EVEN_K, FUSED_QUANT, A_FP8)  # fmt: skip
                 acc = acc + part * scale  # block kb - 1
                 if SPAN_BLOCKS > 0:
                     if kb % SPAN_BLOCKS == 0:
@@ -119,7 +136,7 @@ if HAVE_TRITON:
         else:
             for kb in range(kb_lo, kb_hi):
                 part, scale = _fp8_block(a_rows, b_rows, sa_rows, sb_rows, sb_tile, m_ok, n_ok, offs_k, K, kb,
-                                  BLOCK_N, BLOCK_K, EVEN_K)  # fmt: skip
+                                  BLOCK_N, BLOCK_K, EVEN_K, FUSED_QUANT, A_FP8)  # fmt: skip
                 acc = acc + part * scale
                 if SPAN_BLOCKS > 0:
                     if ((kb + 1) % SPAN_BLOCKS == 0) | (kb + 1 >= kb_hi):
@@ -155,7 +172,11 @@ if HAVE_TRITON:
         SPLIT_GRID: tl.constexpr,
         LAG: tl.constexpr,
         EVEN_K: tl.constexpr,
+        FUSED_QUANT: tl.constexpr,
+        A_FP8: tl.constexpr,
     ):  # fmt: skip
+        # FUSED_QUANT: ``a`` is the unquantized activation, quantized block by block as it is read
+        # (the quantizer's bits; ``a_s`` unread).
         # Program (tile, span): tiles in grouped order (which program runs a tile, not its sums).
         tile = tl.program_id(0)
         num_m = tl.cdiv(M, BLOCK_M)
@@ -169,7 +190,7 @@ if HAVE_TRITON:
         if not SPLIT_GRID:
             acc = _fp8_span(
                 a, a_s, b, b_s, M, N, K, stride_am, stride_asm, stride_bn, stride_bsn, pid_m, pid_n, 0, kbs,
-                BLOCK_M, BLOCK_N, BLOCK_K, SPAN_BLOCKS, LAG, EVEN_K,
+                BLOCK_M, BLOCK_N, BLOCK_K, SPAN_BLOCKS, LAG, EVEN_K, FUSED_QUANT, A_FP8,
             )  # fmt: skip
             _fp8_store(c, acc, bias_ptr, M, N, stride_cm, pid_m, pid_n, HAS_BIAS, BLOCK_M, BLOCK_N)
         else:
@@ -180,6 +201,7 @@ if HAVE_TRITON:
             acc = _fp8_span(
                 a, a_s, b, b_s, M, N, K, stride_am, stride_asm, stride_bn, stride_bsn, pid_m, pid_n,
                 lo, tl.minimum(lo + SPAN_BLOCKS, kbs), BLOCK_M, BLOCK_N, BLOCK_K, 0, LAG, EVEN_K,
+                FUSED_QUANT, A_FP8,
             )  # fmt: skip
             spans = tl.cdiv(kbs, SPAN_BLOCKS)
             tiles = num_m * num_n
@@ -375,11 +397,29 @@ class _Plan(tuple):
         return super().__new__(cls, fields)
 
 
+#: Calls of at most this many rows quantize their activations inside the GEMM (``FUSED_QUANT``: one
+#: launch, no E4M3 copy of the activations in memory; every column tile's programs quantize the
+#: row blocks they read, redundant work that costs little at decode sizes); larger calls run the
+#: quantizer kernel once and the GEMM on its output. Either way every element's operands are the
+#: quantizer's bits, so the choice changes no bit of the result.
+FUSE_MAX_M = 256
+
+
 @lru_cache(maxsize=8192)
-def plan(m: int, n: int, k: int, has_bias: bool, device: torch.device, config: Fp8Config | None) -> _Plan:
+def plan(
+    m: int,
+    n: int,
+    k: int,
+    has_bias: bool,
+    device: torch.device,
+    config: Fp8Config | None,
+    fused: bool = False,
+) -> _Plan:
     """The launch of one (m, n, k) call: ``config`` if given, else the weight's split with the
     policy's tile for M (:func:`pick_tile`); the split spans as programs for at most
-    :data:`SPLIT_GRID_MAX_M` rows, else summed in turn (the same adds, the same bits)."""
+    :data:`SPLIT_GRID_MAX_M` rows, else summed in turn (the same adds, the same bits). ``fused``:
+    the activation arrives unquantized and each block is quantized as it is read (E4M3 on CUDA;
+    under the interpreter the fp32 values before the cast, as :func:`quantize_act` gives there)."""
     cfg = config or pick_tile(m, n, k, _device_traits(device)[1]).with_split(weight_split(n, k))
     tiles = cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n)
     span_blocks = cfg.k_split // GROUP if cfg.k_split else 0
@@ -395,6 +435,8 @@ def plan(m: int, n: int, k: int, has_bias: bool, device: torch.device, config: F
         SPLIT_GRID=split_grid,
         LAG=cfg.lag and k > 0,
         EVEN_K=k % GROUP == 0,
+        FUSED_QUANT=fused,
+        A_FP8=fused and device.type == "cuda",
     )
     scratch = (spans * tiles * cfg.block_m * cfg.block_n, tiles) if split_grid else None
     grid = (tiles, spans if split_grid else 1, 1)
@@ -461,46 +503,93 @@ def _split_scratch(sizes: tuple[int, int], device: torch.device) -> tuple[torch.
 
 def w8a8_gemm(
     xq: torch.Tensor,
-    xs: torch.Tensor,
+    xs: torch.Tensor | None,
     wq: torch.Tensor,
     ws: torch.Tensor,
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
     impl: str | None = None,
     config: Fp8Config | None = None,
+    *,
+    fused_quant: bool = False,
 ) -> torch.Tensor:
     """``dq(xq) @ dq(wq).T + bias`` for quantized (M, K) activations and an (N, K) weight: the
     Triton kernel on CUDA (or the interpreter), :func:`w8a8_reference` elsewhere. Under the
     interpreter the operands may be fp32 holding E4M3 values (the interpreter's own fp8 handling is
-    no reference)."""
+    no reference).
+
+    ``fused_quant=True``: ``xq`` is the unquantized (M, K) activation (bf16, fp16 or fp32) and
+    ``xs`` is not read (None will do); the kernel quantizes each 128-K block of each row as it
+    reads it, with :func:`quantize_act`'s arithmetic, so the result is that of ``quantize_act``
+    followed by this GEMM, bit for bit, in one launch. On CUDA the weight must be E4M3; under the
+    interpreter the activation's values are the fp32 ones before the E4M3 cast (as
+    ``quantize_act(impl="triton")`` returns them on the CPU)."""
     if resolve(impl, xq) == "torch":
+        if fused_quant:
+            xq, xs = quantize_act_reference(xq)
+        if xs is None:
+            raise ValueError("w8a8_gemm: xs is needed unless fused_quant=True")
         return w8a8_reference(xq, xs, wq, ws, bias, out_dtype, config.k_split if config else None)
-    m, k = xq.shape
-    n = wq.shape[0]
-    out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
-    if m == 0:
-        return out
-    p = plan(m, n, k, bias is not None, xq.device, config)
-    grid, constexprs, options, scratch = p
-    if scratch:
-        partials, counters = _split_scratch(scratch, xq.device)
-    else:
-        partials, counters = out, out
-    bias_arg = bias if bias is not None else out
-    sa, sas, sw, sws = xq.stride(0), xs.stride(0), wq.stride(0), ws.stride(0)
+    if fused_quant:
+        if xq.is_cuda and wq.dtype != FP8:
+            raise ValueError(f"w8a8_gemm(fused_quant=True): the weight must be E4M3 on CUDA, not {wq.dtype}")
+        xs = xq
+    elif xs is None:
+        raise ValueError("w8a8_gemm: xs is needed unless fused_quant=True")
     if xq.stride(1) != 1 or wq.stride(1) != 1 or xs.stride(1) != 1 or ws.stride(1) != 1:
         raise ValueError("w8a8_gemm: operands and scales need unit inner strides")
-    ptrs = (xq.data_ptr(), xs.data_ptr(), wq.data_ptr(), ws.data_ptr(), out.data_ptr(), bias_arg.data_ptr())
-    align = 0
-    for i, ptr in enumerate(ptrs):
-        align |= (ptr % 16 == 0) << i
-    key = (p, sa, sas, sw, sws, xq.dtype, wq.dtype, out_dtype, align)
-    sizes = (m, n, k, sa, sas, sw, sws, n)
-    if xq.is_cuda and _LAUNCH.launch_cached(
-        key, grid, (*ptrs, *sizes, partials.data_ptr(), counters.data_ptr())
-    ):
+    return _launch(xq, xs, wq, ws, bias, out_dtype, config, fused_quant)
+
+
+def _launch(
+    a: torch.Tensor,
+    a_s: torch.Tensor,
+    wq: torch.Tensor,
+    ws: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    config: Fp8Config | None,
+    fused: bool,
+) -> torch.Tensor:
+    """One GEMM launch on operands with unit inner strides (the callers' to ensure): a cached
+    launch when the key is known, else Triton's (which fills the cache). ``fused``: ``a`` is the
+    unquantized activation and ``a_s`` is ``a`` (not read). Each pointer and stride is read once."""
+    m, k = a.shape
+    n = wq.shape[0]
+    dev = a.device
+    out = torch.empty((m, n), dtype=out_dtype, device=dev)
+    if m == 0:
         return out
-    _LAUNCH(key, grid, (xq, xs, wq, ws, out, bias_arg, *sizes, partials, counters), constexprs, **options)
+    p = plan(m, n, k, bias is not None, dev, config, fused)
+    grid, constexprs, options, scratch = p
+    po = out.data_ptr()
+    if scratch:
+        partials, counters = _split_scratch(scratch, dev)
+        pp, pc = partials.data_ptr(), counters.data_ptr()
+    else:
+        partials, counters, pp, pc = out, out, po, po
+    pa, pas, pw, pws = a.data_ptr(), a_s.data_ptr(), wq.data_ptr(), ws.data_ptr()
+    if bias is not None:
+        bias_arg, pb, bias_dtype = bias, bias.data_ptr(), bias.dtype
+    else:
+        bias_arg, pb, bias_dtype = out, po, None
+    sa, sas, sw, sws = a.stride(0), 0 if fused else a_s.stride(0), wq.stride(0), ws.stride(0)
+    # What Triton specialises the runtime arguments on: the plan fixes n, k and the constexprs; the
+    # strides, the dtypes (the bias's is loaded and widened in the kernel) and the pointers' 16-byte
+    # alignment complete it (m is not specialised).
+    align = (
+        (pa % 16 == 0)
+        | (pas % 16 == 0) << 1
+        | (pw % 16 == 0) << 2
+        | (pws % 16 == 0) << 3
+        | (po % 16 == 0) << 4
+        | (pb % 16 == 0) << 5
+    )
+    key = (p, sa, sas, sw, sws, a.dtype, wq.dtype, out_dtype, bias_dtype, align)
+    sizes = (m, n, k, sa, sas, sw, sws, n)
+    if a.is_cuda and _LAUNCH.launch_cached(key, grid, (pa, pas, pw, pws, po, pb, *sizes, pp, pc)):
+        return out
+    _LAUNCH(key, grid, (a, a_s, wq, ws, out, bias_arg, *sizes, partials, counters), constexprs, **options)
     return out
 
 
@@ -524,17 +613,38 @@ class Fp8Weight:
 
 
 _WEIGHTS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # master tensor (by identity) -> Fp8Weight
+# The same entries by ``id(master)``, each with a weak reference to its master: a lookup is one
+# dict get and one dereference (a WeakIdKeyDictionary get builds a reference object per call). An
+# entry leaves when its master dies (the reference's callback); ``is`` guards a reused id.
+_BY_ID: dict[int, tuple[weakref.ref, Fp8Weight]] = {}
+
+
+def _forget(ref: weakref.ref, key: int) -> None:
+    hit = _BY_ID.get(key)
+    if hit is not None and hit[0] is ref:
+        del _BY_ID[key]
 
 
 def fp8_weight(master: torch.Tensor) -> Fp8Weight:
-    """The cached E4M3 copy of ``master`` (quantized on first use, refreshed when it changes; no
-    refresh check under CUDA-graph capture, where the graph reuses the buffers)."""
-    hit = _WEIGHTS.get(master)
-    if hit is None:
-        hit = _WEIGHTS[master] = Fp8Weight(master)
-    elif not (master.is_cuda and torch.cuda.is_current_stream_capturing()):
-        hit.refresh(master)
-    return hit
+    """The cached E4M3 copy of ``master`` (quantized on first use, re-made when the master's
+    version or storage changed; never under CUDA-graph capture, where the graph reuses the
+    buffers). A call on an unchanged master reads its version and data pointer, nothing else."""
+    key = id(master)
+    hit = _BY_ID.get(key)
+    if hit is not None and hit[0]() is master:
+        entry = hit[1]
+        if (master._version != entry.version or master.data_ptr() != entry.ptr) and not (
+            master.is_cuda and torch._C._cuda_isCurrentStreamCapturing()
+        ):
+            entry.refresh(master)
+        return entry
+    entry = _WEIGHTS.get(master)
+    if entry is None:
+        entry = _WEIGHTS[master] = Fp8Weight(master)
+    elif not (master.is_cuda and torch._C._cuda_isCurrentStreamCapturing()):
+        entry.refresh(master)
+    _BY_ID[key] = (weakref.ref(master, partial(_forget, key=key)), entry)
+    return entry
 
 
 def refresh_fp8_weights() -> int:
@@ -572,10 +682,30 @@ def _per_tensor_operands(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _forward(
-    x: torch.Tensor, entry: Fp8Weight, bias: torch.Tensor | None, out_dtype: torch.dtype, impl: str | None
+    x: torch.Tensor,
+    entry: Fp8Weight,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    impl: str | None,
+    fuse_quant: bool | None = None,
 ) -> torch.Tensor:
-    """Quantize ``x`` per token group and multiply: the two Triton kernels on CUDA; on the CPU the
-    torch references (``impl="triton"``: the GEMM under the interpreter, fp32 operands)."""
+    """Quantize ``x`` per token group and multiply. On CUDA: at most :data:`FUSE_MAX_M` rows (or
+    ``fuse_quant=True``) one launch of the GEMM quantizing as it reads, else the quantizer kernel
+    then the GEMM (the same bits). On the CPU the torch references (``impl="triton"``: the GEMM
+    under the interpreter on the reference quantizer's E4M3 values, fp32 operands)."""
+    if x.is_cuda and impl != "torch" and _ACT_SCALING == "group":
+        k = x.shape[-1]
+        a = as_rows(x, k)
+        if a.stride(1) != 1:
+            a = a.contiguous()
+        m = a.shape[0]
+        if m <= FUSE_MAX_M if fuse_quant is None else fuse_quant:
+            # the weight's copy is made contiguous by Fp8Weight: no stride checks on it
+            y = _launch(a, a, entry.q, entry.scale, bias, out_dtype, None, True)
+        else:
+            xq, xs = quantize_act(a)
+            y = _launch(xq, xs, entry.q, entry.scale, bias, out_dtype, None, False)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[1])
     n = entry.q.shape[0]
     if _ACT_SCALING == "tensor":
         xq, xs = _per_tensor_operands(x)
@@ -583,9 +713,6 @@ def _forward(
             y = w8a8_gemm(xq, xs, entry.q, entry.scale, bias, out_dtype)
         else:
             y = w8a8_reference(xq, xs, entry.q, entry.scale, bias, out_dtype)
-    elif x.is_cuda and impl != "torch":
-        xq, xs = quantize_act(x)
-        y = w8a8_gemm(xq, xs, entry.q, entry.scale, bias, out_dtype)
     else:
         xq, xs = quantize_act_reference(x)
         if impl == "triton":
@@ -599,10 +726,10 @@ class _Fp8Linear(torch.autograd.Function):
     """Forward in W8A8; backward straight-through in the master dtype (bf16)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, out_dtype, impl):
+    def forward(ctx, x, weight, bias, out_dtype, impl, fuse_quant):
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        return _forward(x, fp8_weight(weight), bias, out_dtype or x.dtype, impl)
+        return _forward(x, fp8_weight(weight), bias, out_dtype or x.dtype, impl, fuse_quant)
 
     @staticmethod
     def backward(ctx, grad):
@@ -613,7 +740,7 @@ class _Fp8Linear(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             gw = (g2.T @ x.reshape(-1, x.shape[-1]).to(weight.dtype)).to(weight.dtype)
         gb = g2.sum(0).to(weight.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return gx, gw, gb, None, None
+        return gx, gw, gb, None, None, None
 
 
 def fp8_linear(
@@ -622,18 +749,23 @@ def fp8_linear(
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     impl: str | None = None,
+    *,
+    fuse_quant: bool | None = None,
 ) -> torch.Tensor:
     """``F.linear`` in invariant W8A8 (activations per token group, the master's 128×128 E4M3
     blocks), differentiable straight-through to ``weight`` and ``x`` in their own dtype. CUDA runs
-    the Triton kernels; the CPU the torch references (batch-invariant too: exact block sums), or
-    with ``impl="triton"`` the GEMM under the interpreter."""
+    the Triton kernels: at most :data:`FUSE_MAX_M` rows one launch that quantizes the activation
+    inside the GEMM, more rows the quantizer kernel then the GEMM (``fuse_quant`` forces either;
+    the bits are the same). The CPU runs the torch references (batch-invariant too: exact block
+    sums), or with ``impl="triton"`` the GEMM under the interpreter."""
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        return _Fp8Linear.apply(x, weight, bias, out_dtype, impl)
-    return _forward(x, fp8_weight(weight), bias, out_dtype or x.dtype, impl)
+        return _Fp8Linear.apply(x, weight, bias, out_dtype, impl, fuse_quant)
+    return _forward(x, fp8_weight(weight), bias, out_dtype or x.dtype, impl, fuse_quant)
 
 
 __all__ = [
     "FP8",
+    "FUSE_MAX_M",
     "TILE_CANDIDATES",
     "TILE_TABLE",
     "Fp8Config",

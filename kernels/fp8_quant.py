@@ -18,7 +18,9 @@ kernel on CUDA or under the interpreter):
 Dequantized, ``q * scale`` (fp32) is what the FP8 GEMM multiplies. In Triton the divisions are
 ``div_rn`` (Triton's plain ``/`` on fp32 is an approximate division on CUDA) and the cast is
 ``fp_downcast_rounding="rtne"``; ``test_fp8_quant.py`` checks the kernel's bits against this
-module's torch reference.
+module's torch reference. The activation arithmetic is written once in Triton (``_quantize_rows``):
+the quantizer kernel calls it, and so does the W8A8 GEMM where it quantizes the activation as it
+reads it (:mod:`isoaudit.kernels.fp8`).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from functools import cache
 
 import torch
 
-from ._triton import HAVE_TRITON, CachedLauncher, cdiv, interpreting, jit, tl
+from ._triton import HAVE_TRITON, CachedLauncher, cdiv, interpreting, jit, tl, triton
 
 #: The E4M3 element type both sides store (torch's ``float8_e4m3fn``; Triton's ``float8e4nv``).
 FP8 = torch.float8_e4m3fn
@@ -105,6 +107,21 @@ def dequantize_weight(q: torch.Tensor, scale: torch.Tensor, block: int = GROUP) 
 
 if HAVE_TRITON:
 
+    @triton.jit
+    def _quantize_rows(v, OUT_FP8: tl.constexpr):
+        """One 128-wide group of each row of ``v`` ([rows, GROUP] fp32, zeros where masked: a zero
+        does not change amax) quantized: ``(q, scale)``, q E4M3 (``OUT_FP8``) or the fp32 values
+        before the cast (the interpreter, whose fp8 cast is not the hardware's), scale [rows] fp32.
+        The one statement of the activation arithmetic in Triton: the quantizer kernel and the
+        GEMM's fused quantization (:mod:`isoaudit.kernels.fp8`) both call it."""
+        amax = tl.max(tl.abs(v), axis=1)
+        scale = tl.math.div_rn(tl.maximum(amax, 2.0**-40), 448.0)
+        y = tl.math.div_rn(v, scale[:, None])
+        y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+        if OUT_FP8:
+            y = y.to(tl.float8e4nv, fp_downcast_rounding="rtne")
+        return y, scale
+
     @jit(do_not_specialize=["M"])
     def _act_quant_kernel(
         x,
@@ -127,12 +144,7 @@ if HAVE_TRITON:
         v = tl.load(x + rows[:, None].to(tl.int64) * stride_xm + cols[None, :], mask=ok, other=0.0).to(
             tl.float32
         )
-        amax = tl.max(tl.abs(v), axis=1)
-        scale = tl.math.div_rn(tl.maximum(amax, 2.0**-40), 448.0)
-        y = tl.math.div_rn(v, scale[:, None])
-        y = tl.minimum(tl.maximum(y, -448.0), 448.0)
-        if OUT_FP8:
-            y = y.to(tl.float8e4nv, fp_downcast_rounding="rtne")
+        y, scale = _quantize_rows(v, OUT_FP8)
         tl.store(q + rows[:, None].to(tl.int64) * stride_qm + cols[None, :], y, mask=ok)
         tl.store(s + rows.to(tl.int64) * stride_sm + tl.program_id(1), scale, mask=rows < M)
 

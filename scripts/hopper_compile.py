@@ -38,8 +38,10 @@ def compile_for_sm90(
 
 
 def fp8_cases() -> list[tuple[str, Any]]:
-    """Every FP8 tile candidate, unsplit, split as programs and split summed in turn (ragged K)."""
-    from isoaudit.kernels import fp8
+    """Every FP8 tile candidate, unsplit, split as programs and split summed in turn (ragged K),
+    each on quantized operands and with the activation quantized inside the GEMM (bf16 in); and
+    the activation quantizer kernel."""
+    from isoaudit.kernels import fp8, fp8_quant
 
     cases = []
     for tile in fp8.TILE_CANDIDATES:
@@ -48,12 +50,21 @@ def fp8_cases() -> list[tuple[str, Any]]:
             "split-grid": (True, 8, True),
             "split-in-turn ragged-K": (False, 8, False),
         }.items():
-            constexprs = dict(
-                HAS_BIAS=True, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=fp8.GROUP,
-                GROUP_M=tile.group_m, SPAN_BLOCKS=span, SPLIT_GRID=split_grid, LAG=tile.lag, EVEN_K=even,
-            )  # fmt: skip
-            options = dict(num_warps=tile.num_warps, num_stages=tile.num_stages)
-            cases.append((f"fp8 {tile} {variant}", (fp8._w8a8_kernel, FP8_ARGS, constexprs, options)))
+            for fused in (False, True):
+                constexprs = dict(
+                    HAS_BIAS=True, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=fp8.GROUP,
+                    GROUP_M=tile.group_m, SPAN_BLOCKS=span, SPLIT_GRID=split_grid, LAG=tile.lag, EVEN_K=even,
+                    FUSED_QUANT=fused, A_FP8=fused,
+                )  # fmt: skip
+                options = dict(num_warps=tile.num_warps, num_stages=tile.num_stages)
+                args = dict(FP8_ARGS, a="*bf16", a_s="*bf16") if fused else FP8_ARGS
+                name = f"fp8 {tile} {variant}{' fused-quant' if fused else ''}"
+                cases.append((name, (fp8._w8a8_kernel, args, constexprs, options)))
+    for rows in (1, 4):
+        act = dict(x="*bf16", q="*fp8e4nv", s="*fp32", M="i32", K="i32", stride_xm="i32", stride_qm="i32",
+                   stride_sm="i32")  # fmt: skip
+        constexprs = dict(GROUP_K=fp8.GROUP, ROWS=rows, OUT_FP8=True)
+        cases.append((f"fp8 act quant ROWS={rows}", (fp8_quant._act_quant_kernel, act, constexprs, {})))
     return cases
 
 
