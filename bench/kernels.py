@@ -1599,24 +1599,62 @@ def bench_fp8() -> None:
 
 
 def bench_fp8_host() -> None:
-    """Host microseconds per call of the whole invariant linear (quantize + GEMM, cached launches)
-    at M = 1, beside ``F.linear`` and ``torch._scaled_mm`` (eager only)."""
+    """Host microseconds per call at M = 1 (cached launches, no sync; eager only): the invariant
+    linear as it runs at decode (the activation quantizer fused into the GEMM: one launch), the
+    same linear with the quantizer kernel then the GEMM (``fuse_quant=False``: the baseline, same
+    run), the GEMM alone on pre-quantized operands, ``F.linear`` and ``torch._scaled_mm``. The
+    fused and unfused results are checked equal bit for bit first."""
     from isoaudit.kernels import fp8 as F8
+    from isoaudit.kernels.bits import bits_equal
 
     for n, k in ((896, 896), (4096, 4096)):
         ws, blocks, rowwise, x, (xq, xs), (xr, sx) = _fp8_operands(n, k, 1)
         w, (wr, sw) = ws[0], rowwise[0]
-        F8.fp8_linear(x, w)
+        same = bits_equal(F8.fp8_linear(x, w), F8.fp8_linear(x, w, fuse_quant=False))
         nat = host_us(lambda: F.linear(x, w))
         smm = host_us(_scaled_mm_fn(xr, sx, wr, sw))
-        ours = host_us(lambda: F8.fp8_linear(x, w))
+        fused = host_us(lambda: F8.fp8_linear(x, w))
+        unfused = host_us(lambda: F8.fp8_linear(x, w, fuse_quant=False))
         gemm_only = host_us(lambda: F8.w8a8_gemm(xq, xs, *blocks[0]))
         print(
             f"[host] fp8 linear M=1 N={n} K={k}: F.linear {nat:.1f} us  _scaled_mm {smm:.1f} us  "
-            f"invariant linear (quant + GEMM) {ours:.1f} us  (GEMM alone {gemm_only:.1f} us)  target <= 25 us",
+            f"invariant linear, fused quant (one launch) {fused:.1f} us  unfused (quant + GEMM) "
+            f"{unfused:.1f} us  (GEMM alone {gemm_only:.1f} us)  target <= 25 us: "
+            f"{'met' if fused <= 25.0 else 'MISSED'}; fused bits == unfused: {'yes' if same else 'NO'}",
             flush=True,
         )
-        record("host us/call fp8 linear", f"M=1 N={n} K={k}", nat / 1e3, ours / 1e3, 25.0 / nat)
+        record("host us/call fp8 linear", f"M=1 N={n} K={k}", nat / 1e3, fused / 1e3, 25.0 / nat)
+        record("host us/call fp8 unfused", f"M=1 N={n} K={k}", nat / 1e3, unfused / 1e3)
+
+
+#: ``fp8_fused``'s row counts: both sides of ``FUSE_MAX_M`` (256).
+FP8_FUSED_MS = (1, 16, 64, 128, 256, 512, 2048)
+FP8_FUSED_SHAPES = [(1152, 896), (4864, 896), (896, 4864), (4096, 4096), (28672, 4096), (4096, 14336)]
+
+
+def bench_fp8_fused() -> None:
+    """Device time (use @graph) of the invariant linear with the activation quantizer fused into
+    the GEMM against the quantizer kernel then the GEMM, per M on both sides of ``FUSE_MAX_M``
+    (what the threshold trades: the fused GEMM quantizes each row block once per column tile),
+    weights cycled past L2, bf16 in and out; each pair checked equal bit for bit."""
+    from isoaudit.kernels import fp8 as F8
+    from isoaudit.kernels.bits import bits_equal
+
+    print(f"    FUSE_MAX_M = {F8.FUSE_MAX_M}", flush=True)
+    for n, k in FP8_FUSED_SHAPES:
+        ws = _weight_copies(n, k)
+        x = torch.randn(max(FP8_FUSED_MS), k, device="cuda").bfloat16()
+        for m in FP8_FUSED_MS:
+            shape = f"M={m} N={n} K={k}"
+            same = bits_equal(
+                F8.fp8_linear(x[:m], ws[0], fuse_quant=True), F8.fp8_linear(x[:m], ws[0], fuse_quant=False)
+            )
+            fused = [lambda w=w: F8.fp8_linear(x[:m], w, fuse_quant=True) for w in ws]
+            unfused = [lambda w=w: F8.fp8_linear(x[:m], w, fuse_quant=False) for w in ws]
+            t_unfused, t_fused = bench_pair(unfused, fused)
+            record("fp8 fused vs unfused quant", shape, t_unfused, t_fused)
+            if not same:
+                print(f"    {shape}: FUSED BITS DIFFER from quantize + GEMM", flush=True)
 
 
 #: ``--only all``: every figure this bench reports, each under the timing it is judged by (device
