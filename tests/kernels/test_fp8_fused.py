@@ -169,19 +169,27 @@ GPU_MS = (1, 2, 7, 16, 64, 255, 256, 257, 2048)
 def test_fused_equals_quantize_then_gemm_gpu(n: int, k: int) -> None:
     """On CUDA, bf16 in: the fused GEMM equals ``quantize_act`` + the unfused GEMM bit for bit at
     every M (both sides of FUSE_MAX_M and of the split grid's 128), fp32 and bf16 out, with a bias
-    (bf16 and fp32: its dtype is part of the launch key) and without."""
+    and without; the same bias values in bf16 and in fp32 give the same bits (the bias's dtype is
+    part of the launch key: a launch compiled for the other would misread it)."""
     x, w, b = _inputs(max(GPU_MS), n, k, "cuda", seed=n + k)
     wq, ws = quantize_weight(w)
+    b16 = b.bfloat16()
+    b32 = b16.float()  # the same values: the kernel widens either to fp32
     differ = []
     for m in GPU_MS:
         xq, xs = quantize_act(x[:m])
-        for bias in (b, b.bfloat16(), None):
-            for odt in (torch.float32, torch.bfloat16):
+        for odt in (torch.float32, torch.bfloat16):
+            outs = {}
+            for bias in (b32, b16, None):
                 fused = F8.w8a8_gemm(x[:m], None, wq, ws, bias, odt, fused_quant=True)
                 unfused = F8.w8a8_gemm(xq, xs, wq, ws, bias, odt)
+                name = f"M={m} bias={None if bias is None else bias.dtype} out={odt}"
+                outs[None if bias is None else bias.dtype] = fused
                 if not bits_equal(fused, unfused):
-                    differ.append(f"M={m} bias={None if bias is None else bias.dtype} out={odt}")
-    assert not differ, f"N={n} K={k}: fused differs from quantize + GEMM: {differ}"
+                    differ.append(name)
+            if not bits_equal(outs[torch.float32], outs[torch.bfloat16]):
+                differ.append(f"M={m} out={odt}: fp32 bias != the same bias in bf16")
+    assert not differ, f"N={n} K={k}: {differ}"
 
 
 @gpu
