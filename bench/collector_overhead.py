@@ -5,7 +5,7 @@ Configurations, interleaved in rounds so drift and noise hit all of them alike:
 * ``baseline``: no collector.
 * ``logprobs``: collector with no regions; the trainer hands it the logprobs it computed.
 * ``logprobs+fingerprints``: every canonical region fingerprinted at ``sample_every=1`` (the
-  collector's defaults: on CUDA the records are built on its helper thread).
+  collector's defaults: the records built on the training thread).
 * ``collector-logprobs`` (extra): no regions, and the collector computes the logprobs itself.
 * ``fingerprints+background`` (with ``--background``): as ``logprobs+fingerprints``, the records
   built on the collector's helper thread (``background_records=True``).
@@ -32,7 +32,7 @@ baseline. Targets on the CPU with a tiny model: logprobs <= 3 %, with fingerprin
   without a collector (two copies of one model, interleaved, warm-up left out), its ratio against
   the 1.10 target, ``record_step``'s host time and the syncs a step makes, and the recompile a
   switch to the invariant kernels costs. With ``--background``, a third copy whose collector
-  builds its records the other way (on its helper thread or on the training thread). With
+  builds its records on its helper thread (``background_records=True``). With
   ``--without-distribution``, one more copy without the distribution's top-k and sketch.
 
     python bench/collector_overhead.py --scenario graphs --device cuda --model 0.5b   # the H200
@@ -179,7 +179,7 @@ def _attach(model, sink, config: dict[str, Any] | None):
         sink=sink,
         regions=config["regions"],
         sample_every=1,
-        background_records=config.get("background"),  # None: the collector's default
+        background_records=bool(config.get("background")),
     )
 
 
@@ -426,9 +426,8 @@ def run_compiled_trainer(args: argparse.Namespace) -> dict[str, Any]:
 
     Every configuration trains its own copy of one model (the same weights), compiled once, in
     interleaved rounds; the compile and ``--warmup`` steps of each are left out of every figure.
-    ``compiled+fingerprints`` runs the collector's defaults; with ``--background`` one more copy
-    runs the other way of building records (the helper thread where the default builds them on
-    the training thread, and the reverse)."""
+    ``compiled+fingerprints`` runs the collector's defaults (records built on the training
+    thread); with ``--background`` one more copy builds them on the collector's helper thread."""
     import copy
 
     from isoaudit.collectors.control import FixedControl
@@ -456,11 +455,8 @@ def run_compiled_trainer(args: argparse.Namespace) -> dict[str, Any]:
 
     watched = config(True, control=control)
     configs = [("compiled", config(False)), ("compiled+fingerprints", watched)]
-    # the collector's default: records built on its helper thread where the copy is asynchronous
-    other = not (cuda and watched[3].async_transfer)
-    if args.background:
-        name = "compiled+fingerprints+" + ("background" if other else "inline")
-        configs.append((name, config(True, background_records=other)))
+    if args.background:  # the collector's default builds records on the training thread
+        configs.append(("compiled+fingerprints+background", config(True, background_records=True)))
     if args.without_distribution:  # what the distribution's top-k and sketch cost of the above
         configs.append(("compiled+fingerprints-distribution", config(True, distribution_k=0)))
     record_s: dict[str, list[float]] = {name: [] for name, which in configs if which[3] is not None}
@@ -638,8 +634,8 @@ def main() -> None:
     parser.add_argument(
         "--background",
         action="store_true",
-        help="also time fingerprints with the records built the other way: trainer scenario, on "
-        "the helper thread; graphs, the opposite of the collector's default (background_records)",
+        help="also time fingerprints with the records built on the collector's helper thread "
+        "(background_records=True)",
     )
     parser.add_argument(
         "--without-distribution",

@@ -119,13 +119,13 @@ class TrainerCollector(Collector):
     ``async_transfer``: on CUDA, let each step's arrays travel to the host while the training step
     goes on; their records are built at a later ``record_step`` (at most ``max_inflight`` steps
     behind), or at ``flush``/``detach``. Off, ``record_step`` waits for the copy.
-    ``background_records``: a helper thread waits for each step's copy and builds its records,
-    mostly while the training thread is in the backward; the training thread only sends them, at
-    its next ``record_step`` or ``flush``. Reports are then always deferred. ``None`` (the default):
-    from the first step whose copy travels asynchronously (a CUDA model with ``async_transfer``)
-    on, unless ``keep_records`` asks for each step's records in its report: building a step with
-    every region fingerprinted (about a thousand records) would otherwise be host time between the
-    forward and the backward.
+    ``background_records``: a helper thread waits for each step's copy and builds its records; the
+    training thread only sends them, at its next ``record_step`` or ``flush``. Reports are then
+    always deferred. Off (the default), the records of a step whose copy landed are built on the
+    training thread at a later ``record_step``: the helper's Python holds the interpreter lock
+    while it works, so in a host-bound step (a compiled trainer queues its kernels faster than the
+    GPU runs them only when nothing else takes the lock) it costs the step as much or more than
+    building inline (``bench/collector_overhead.py --scenario graphs --background``).
     ``distribution_k``: on fingerprinted steps (every ``sample_every``-th), record per completion
     position the top-k of the distribution its logprob comes from and its full-vocabulary sketch
     (:mod:`isoaudit.audit.distribution`); 0: never. ``batch_probe``: on fingerprinted steps, recompute
@@ -155,7 +155,7 @@ class TrainerCollector(Collector):
         async_transfer: bool = True,
         max_inflight: int = 2,
         weight_digests: bool = True,
-        background_records: bool | None = None,
+        background_records: bool = False,
         distribution_k: int = 8,
         batch_probe: ProbeArg = "auto",
     ) -> None:
@@ -182,8 +182,6 @@ class TrainerCollector(Collector):
         self.async_transfer = async_transfer
         self.max_inflight = max_inflight
         self.background_records = background_records
-        #: start the helper thread at the first step whose copy travels asynchronously
-        self._background_auto = background_records is None and not keep_records
         self._pipeline: StepPipeline[_StepInFlight] = StepPipeline(
             self._build, _copy_landed, background=bool(background_records)
         )
@@ -424,9 +422,6 @@ class TrainerCollector(Collector):
             sampling=transforms,
             distribution="dk_sketch" in tensors,
         )
-        if self._background_auto and pending.copy.travelling:
-            self._background_auto = False
-            self._pipeline.start()
         if self._pipeline.background:
             self._send_finished(self._pipeline.take(None))  # earlier steps, built meanwhile
             # a helper stuck on max_inflight + 1 steps: this one is built and sent here
