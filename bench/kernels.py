@@ -1600,20 +1600,21 @@ def bench_fp8() -> None:
 
 def bench_fp8_host() -> None:
     """Host microseconds per call at M = 1 (cached launches, no sync; eager only): the invariant
-    linear as it runs at decode (the activation quantizer fused into the GEMM: one launch), the
-    same linear with the quantizer kernel then the GEMM (``fuse_quant=False``: the baseline, same
-    run), the GEMM alone on pre-quantized operands, ``F.linear`` and ``torch._scaled_mm``. The
-    fused and unfused results are checked equal bit for bit first."""
+    linear with the activation quantizer fused into the GEMM (``fuse_quant=True``: one launch;
+    not the default, see ``fp8.FUSE_MAX_M``), the same linear with the quantizer kernel then the
+    GEMM (``fuse_quant=False``: the default path, same run), the GEMM alone on pre-quantized
+    operands, ``F.linear`` and ``torch._scaled_mm``. The fused and unfused results are checked
+    equal bit for bit first."""
     from isoaudit.kernels import fp8 as F8
     from isoaudit.kernels.bits import bits_equal
 
     for n, k in ((896, 896), (4096, 4096)):
         ws, blocks, rowwise, x, (xq, xs), (xr, sx) = _fp8_operands(n, k, 1)
         w, (wr, sw) = ws[0], rowwise[0]
-        same = bits_equal(F8.fp8_linear(x, w), F8.fp8_linear(x, w, fuse_quant=False))
+        same = bits_equal(F8.fp8_linear(x, w, fuse_quant=True), F8.fp8_linear(x, w, fuse_quant=False))
         nat = host_us(lambda: F.linear(x, w))
         smm = host_us(_scaled_mm_fn(xr, sx, wr, sw))
-        fused = host_us(lambda: F8.fp8_linear(x, w))
+        fused = host_us(lambda: F8.fp8_linear(x, w, fuse_quant=True))
         unfused = host_us(lambda: F8.fp8_linear(x, w, fuse_quant=False))
         gemm_only = host_us(lambda: F8.w8a8_gemm(xq, xs, *blocks[0]))
         print(
@@ -1627,15 +1628,15 @@ def bench_fp8_host() -> None:
         record("host us/call fp8 unfused", f"M=1 N={n} K={k}", nat / 1e3, unfused / 1e3)
 
 
-#: ``fp8_fused``'s row counts: both sides of ``FUSE_MAX_M`` (256).
+#: ``fp8_fused``'s row counts: decode to prefill sizes.
 FP8_FUSED_MS = (1, 16, 64, 128, 256, 512, 2048)
 FP8_FUSED_SHAPES = [(1152, 896), (4864, 896), (896, 4864), (4096, 4096), (28672, 4096), (4096, 14336)]
 
 
 def bench_fp8_fused() -> None:
     """Device time (use @graph) of the invariant linear with the activation quantizer fused into
-    the GEMM against the quantizer kernel then the GEMM, per M on both sides of ``FUSE_MAX_M``
-    (what the threshold trades: the fused GEMM quantizes each row block once per column tile),
+    the GEMM (``fuse_quant=True``) against the quantizer kernel then the GEMM, per M (what a
+    ``FUSE_MAX_M`` above 0 would trade: the fused GEMM quantizes each row block once per column tile),
     weights cycled past L2, bf16 in and out; each pair checked equal bit for bit."""
     from isoaudit.kernels import fp8 as F8
     from isoaudit.kernels.bits import bits_equal

@@ -15,10 +15,12 @@ from the bf16 master; E4M3 activations per token in groups of 128 with fp32 scal
   last one adds them (small M, :func:`plan`): the same adds either way;
 * bias in fp32, one rounding to the output dtype.
 
-The E4M3 activations are the quantizer kernel's output, or, for calls of at most
-:data:`FUSE_MAX_M` rows (decode), the same values computed inside the GEMM as each 128-K block of
-the unquantized activation is read (``FUSED_QUANT``: one launch, the quantizer's own Triton code,
-``fp8_quant._quantize_rows``), so the choice changes no bit.
+The E4M3 activations are the quantizer kernel's output, or, where a call asks for it
+(``fuse_quant=True``), the same values computed inside the GEMM as each 128-K block of the
+unquantized activation is read (``FUSED_QUANT``: one launch, the quantizer's own Triton code,
+``fp8_quant._quantize_rows``), so the choice changes no bit. The fused kernel is an opt-in, not the
+default (:data:`FUSE_MAX_M` is 0): on the H100 it is slower on the device than the quantizer kernel
+then the GEMM at every M measured (1 to 2048), though it saves a launch's host time.
 
 The split span depends on (N, K) only; the tile (BLOCK_M, BLOCK_N, warps, stages, program order,
 lagged promotion: :class:`Fp8Tile`) follows M through one table (:data:`TILE_TABLE`,
@@ -397,12 +399,15 @@ class _Plan(tuple):
         return super().__new__(cls, fields)
 
 
-#: Calls of at most this many rows quantize their activations inside the GEMM (``FUSED_QUANT``: one
-#: launch, no E4M3 copy of the activations in memory; every column tile's programs quantize the
-#: row blocks they read, redundant work that costs little at decode sizes); larger calls run the
-#: quantizer kernel once and the GEMM on its output. Either way every element's operands are the
-#: quantizer's bits, so the choice changes no bit of the result.
-FUSE_MAX_M = 256
+#: Calls of at most this many rows (and at least one) quantize their activations inside the GEMM
+#: by default (``FUSED_QUANT``: one launch, no E4M3 copy of the activations in memory); larger calls
+#: run the quantizer kernel once and the GEMM on its output. 0: no call fuses unless it passes
+#: ``fuse_quant=True``. The fused kernel saves host time (one launch: 24.5 against 52.7 us a call at
+#: M = 1 on 896x896, H100) but costs device time at every M measured: in CUDA graphs on the H100 it
+#: took 3.3-12x the two launches' time on 1152x896 (M = 1 to 256) and 8.5x on 4096x4096 at M = 1,
+#: so it stays an opt-in. Either way every element's operands are the quantizer's bits, so the
+#: choice changes no bit of the result.
+FUSE_MAX_M = 0
 
 
 @lru_cache(maxsize=8192)
@@ -689,9 +694,9 @@ def _forward(
     impl: str | None,
     fuse_quant: bool | None = None,
 ) -> torch.Tensor:
-    """Quantize ``x`` per token group and multiply. On CUDA: at most :data:`FUSE_MAX_M` rows (or
-    ``fuse_quant=True``) one launch of the GEMM quantizing as it reads, else the quantizer kernel
-    then the GEMM (the same bits). On the CPU the torch references (``impl="triton"``: the GEMM
+    """Quantize ``x`` per token group and multiply. On CUDA: the quantizer kernel then the GEMM;
+    ``fuse_quant=True`` (or a call of at most :data:`FUSE_MAX_M` rows, none by default) one launch
+    of the GEMM quantizing as it reads (the same bits). On the CPU the torch references (``impl="triton"``: the GEMM
     under the interpreter on the reference quantizer's E4M3 values, fp32 operands)."""
     if x.is_cuda and impl != "torch" and _ACT_SCALING == "group":
         k = x.shape[-1]
@@ -699,7 +704,7 @@ def _forward(
         if a.stride(1) != 1:
             a = a.contiguous()
         m = a.shape[0]
-        if m <= FUSE_MAX_M if fuse_quant is None else fuse_quant:
+        if fuse_quant if fuse_quant is not None else 0 < m <= FUSE_MAX_M:
             # the weight's copy is made contiguous by Fp8Weight: no stride checks on it
             y = _launch(a, a, entry.q, entry.scale, bias, out_dtype, None, True)
         else:
@@ -754,10 +759,11 @@ def fp8_linear(
 ) -> torch.Tensor:
     """``F.linear`` in invariant W8A8 (activations per token group, the master's 128×128 E4M3
     blocks), differentiable straight-through to ``weight`` and ``x`` in their own dtype. CUDA runs
-    the Triton kernels: at most :data:`FUSE_MAX_M` rows one launch that quantizes the activation
-    inside the GEMM, more rows the quantizer kernel then the GEMM (``fuse_quant`` forces either;
-    the bits are the same). The CPU runs the torch references (batch-invariant too: exact block
-    sums), or with ``impl="triton"`` the GEMM under the interpreter."""
+    the Triton kernels: the quantizer kernel then the GEMM, or with ``fuse_quant=True`` one launch
+    that quantizes the activation inside the GEMM (the same bits; fewer host microseconds, more
+    device time: see :data:`FUSE_MAX_M`, 0, so ``fuse_quant=None`` does not fuse). The CPU runs
+    the torch references (batch-invariant too: exact block sums), or with ``impl="triton"`` the
+    GEMM under the interpreter."""
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return _Fp8Linear.apply(x, weight, bias, out_dtype, impl, fuse_quant)
     return _forward(x, fp8_weight(weight), bias, out_dtype or x.dtype, impl, fuse_quant)
