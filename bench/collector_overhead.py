@@ -109,23 +109,94 @@ def train_step(
     step: int,
     pass_logprobs: bool,
     record_s: list[float] | None = None,
+    phases: dict[str, float] | None = None,
 ):
     """One training step; ``record_s``: gets the host seconds ``record_step`` took (it runs between
-    the forward and the backward, so its host time adds to the step's unless the device is behind)."""
+    the forward and the backward, so its host time adds to the step's unless the device is behind).
+    ``phases``: gets each phase's host seconds added under its name (begin_step, forward, logprobs,
+    record_step, backward, optimizer)."""
+    clock = _PhaseClock(phases)
     if collector is not None:
         collector.begin_step(step, batch)  # with the batch: padding rows are skipped on any device
+    clock.lap("begin_step")
     logits = model(**batch.model_inputs()).logits
+    clock.lap("forward")
     logprobs = torch.log_softmax(logits[:, :-1].float() / TEMPERATURE, dim=-1)
     logprobs = logprobs.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)  # [rows, cols-1]
+    clock.lap("logprobs")
     if collector is not None:
         t0 = time.perf_counter()
         collector.record_step(step, batch, logprobs=logprobs.detach() if pass_logprobs else None)
         if record_s is not None:
             record_s.append(time.perf_counter() - t0)
+    clock.lap("record_step")
     loss = -(logprobs * mask).sum() / mask.sum()
     loss.backward()
+    clock.lap("backward")
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    clock.lap("optimizer")
+
+
+class _PhaseClock:
+    """Host seconds between laps, added into ``into`` under each lap's name (nothing when None)."""
+
+    def __init__(self, into: dict[str, float] | None) -> None:
+        self.into = into
+        self.last = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        if self.into is not None:
+            now = time.perf_counter()
+            self.into[name] = self.into.get(name, 0.0) + now - self.last
+            self.last = now
+
+
+#: What ``--phases`` times inside the collector: (where, attribute) pairs wrapped for the timed steps.
+COLLECTOR_PHASES = (
+    ("capture", "take_compiled"),
+    ("trainer", "processed_logprob_rows"),
+    ("trainer", "distribution_rows"),
+    ("trainer", "pack_prints"),
+    ("trainer", "HostCopy"),
+    ("trainer", "unpack_prints"),
+    ("trainer", "fingerprint_blocks"),
+    ("trainer", "sample_records"),
+    ("collector", "_manifests"),
+    ("collector", "_step_boundary"),
+    ("pipeline", "_build"),
+    ("regions_op", "run"),
+)
+
+
+def time_collector_phases(collector, into: dict[str, float]) -> None:
+    """Wrap :data:`COLLECTOR_PHASES` so each call's host seconds add up in ``into`` (a bench-only
+    instrument: a few perf_counter calls per phase, no profiler's per-call overhead)."""
+    from isoaudit.collectors import fingerprint_regions
+    from isoaudit.collectors import trainer as trainer_module
+
+    owners = {
+        "capture": collector._capture,
+        "trainer": trainer_module,
+        "collector": collector,
+        "pipeline": collector._pipeline,
+        "regions_op": fingerprint_regions._OpPlan,  # the multi-region op's work, inside the forward
+    }
+    for where, name in COLLECTOR_PHASES:
+        owner = owners[where]
+        inner = getattr(owner, name)
+        if getattr(inner, "_timed", False):
+            continue
+
+        def timed(*args, _inner=inner, _name=name, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return _inner(*args, **kwargs)
+            finally:
+                into[_name] = into.get(_name, 0.0) + time.perf_counter() - t0
+
+        timed._timed = True  # type: ignore[attr-defined]
+        setattr(owner, name, timed)
 
 
 def completion_mask(batch: StepBatch) -> torch.Tensor:
@@ -464,6 +535,9 @@ def run_compiled_trainer(args: argparse.Namespace) -> dict[str, Any]:
     times: dict[str, list[float]] = {name: [] for name, _ in configs}
     # --profile: the host's Python time of each configuration's timed steps (compiles excluded)
     profiles = {name: cProfile.Profile() for name, _ in configs} if args.profile else {}
+    # --phases: host seconds per phase of the step and inside the collector, summed over timed steps
+    phases: dict[str, dict[str, float]] = {name: {} for name, _ in configs} if args.phases else {}
+    inside: dict[str, dict[str, float]] = {name: {} for name, _ in configs} if args.phases else {}
 
     def step(which: tuple[Any, Any, Any, Any], n: int, name: str | None = None) -> float:
         """One step, timed from an idle device to an idle device; ``name``: kept under it."""
@@ -474,7 +548,7 @@ def run_compiled_trainer(args: argparse.Namespace) -> dict[str, Any]:
         if profile is not None:
             profile.enable()
         t0 = time.perf_counter()
-        train_step(compiled, optimizer, batch, mask, col, n, True, spent)
+        train_step(compiled, optimizer, batch, mask, col, n, True, spent, phases.get(name) if name else None)
         queued = time.perf_counter()
         if profile is not None:
             profile.disable()
@@ -490,6 +564,9 @@ def run_compiled_trainer(args: argparse.Namespace) -> dict[str, Any]:
     for n in range(args.warmup + 1):  # compile each (the collector's graph: the second call)
         for _, which in configs:
             step(which, n)
+    for name, which in configs:
+        if args.phases and which[3] is not None:
+            time_collector_phases(which[3], inside[name])
     n = args.warmup + 1
     for round_ in range(args.rounds):
         shift = round_ % len(configs)
@@ -497,6 +574,22 @@ def run_compiled_trainer(args: argparse.Namespace) -> dict[str, Any]:
             for _ in range(args.steps):
                 n += 1
                 step(which, n, name)
+    inside = {name: dict(spent) for name, spent in inside.items()}  # the timed steps' only
+    if args.phases:  # printed now too: what follows (syncs, a switch's recompile) takes a while
+        steps = {name: len(t) for name, t in times.items()}
+        early = {
+            name: {k: round(1e3 * v / steps[name], 3) for k, v in spent.items()}
+            for name, spent in phases.items()
+        }
+        print(f"timed phases (host ms per step): {json.dumps(early)}", flush=True)
+        print(
+            f"timed collector parts (host ms per step): {json.dumps({n: {k: round(1e3 * v / steps[n], 3) for k, v in d.items()} for n, d in inside.items()})}",
+            flush=True,
+        )
+        print(
+            f"timed step ms (median): {json.dumps({n: round(1e3 * statistics.median(t), 3) for n, t in times.items()})}",
+            flush=True,
+        )
     syncs: dict[str, int] | None = None
     if cuda:  # one more step each: what it makes the host wait for
         syncs = {}
@@ -550,6 +643,16 @@ def run_compiled_trainer(args: argparse.Namespace) -> dict[str, Any]:
         "own_forwards": own,
         "collector_errors": errors,
         "recompile_s_after_switch": first - statistics.median(steady),
+        # --phases: host ms per timed step of each phase, and of the collector's parts inside them
+        "phase_host_ms": {
+            name: {phase: 1e3 * t / len(times[name]) for phase, t in spent.items()}
+            for name, spent in phases.items()
+        },
+        "collector_host_ms": {
+            name: {part: 1e3 * t / len(times[name]) for part, t in spent.items()}
+            for name, spent in inside.items()
+            if spent
+        },
     }
 
 
@@ -613,6 +716,11 @@ def print_trainer(trainer: dict[str, Any]) -> None:
     print(
         f"  regions on the per-region op (written in place after their tap): {trainer['regions_on_the_per_region_op']}"
     )
+    for name, spent in trainer.get("phase_host_ms", {}).items():
+        print(f"  host ms per step, {name}: " + "  ".join(f"{k} {v:.2f}" for k, v in spent.items()))
+        inside = trainer["collector_host_ms"].get(name)
+        if inside:
+            print("    inside the collector: " + "  ".join(f"{k} {v:.2f}" for k, v in inside.items()))
 
 
 def main() -> None:
@@ -655,6 +763,12 @@ def main() -> None:
         "--profile",
         default=None,
         help="graphs/trainer: write cProfile stats of each configuration's timed steps here",
+    )
+    parser.add_argument(
+        "--phases",
+        action="store_true",
+        help="graphs/trainer: host time per step of each phase (forward, record_step, backward, ...) "
+        "and of the collector's parts (a perf_counter around each; no profiler)",
     )
     parser.add_argument("--new", type=int, default=128, help="graphs: decode steps timed per generate")
     parser.add_argument("--check-new", type=int, default=16, help="graphs: tokens of the bitwise check")
