@@ -6,6 +6,16 @@ this catches what both refuse. Run it without TRITON_INTERPRET (the interpreter 
 helper functions differently at import):
 
     python scripts/hopper_compile.py
+    python scripts/hopper_compile.py --stats [--dump DIR]
+
+The FP8 cases are compiled as the runtime specialises a launch on the model shapes: pointers and
+N, K, the row strides divisible by 16 (``tt.divisibility``; without it the loads are not
+vectorised and the K loop is not pipelined, which no launch on those shapes sees), the
+activation-scale and weight-scale strides (ceil(K / 128)) not. ``--stats`` compiles the decode
+launches of the 0.5B MLP-down and 8B shapes' tile, fused and not, and prints what their code is
+made of (PTX and SASS instruction counts: the MMA, the async copies, ``div.rn.f32`` and its
+expansion, local memory, registers, shared memory); ``--dump`` writes each one's TTGIR, PTX and
+SASS.
 """
 
 from __future__ import annotations
@@ -21,10 +31,23 @@ FP8_ARGS = dict(
 )  # fmt: skip
 
 
+#: The FP8 kernel's arguments a launch on the model shapes sees divisible by 16 (K a multiple of
+#: 128); a ragged K leaves K and the row strides of A and B out.
+FP8_ALIGNED = ("a", "a_s", "b", "b_s", "c", "bias_ptr", "partials", "counters", "N", "K", "stride_am", "stride_bn",
+               "stride_cm")  # fmt: skip
+FP8_ALIGNED_RAGGED_K = tuple(n for n in FP8_ALIGNED if n not in ("K", "stride_am", "stride_bn"))
+
+
 def compile_for_sm90(
-    kernel: Any, signature: dict[str, str], constexprs: dict[str, Any], **options: Any
-) -> None:
-    """Compile ``kernel`` (an isoaudit lazy kernel) for sm_90 with these argument types."""
+    kernel: Any,
+    signature: dict[str, str],
+    constexprs: dict[str, Any],
+    aligned: tuple[str, ...] = (),
+    **options: Any,
+) -> Any:
+    """Compile ``kernel`` (an isoaudit lazy kernel) for sm_90 with these argument types, the
+    ``aligned`` arguments specialised as divisible by 16 (as Triton's launcher specialises them);
+    returns Triton's compiled kernel (``.asm``: ttgir, ptx, cubin)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -32,9 +55,29 @@ def compile_for_sm90(
     fn = kernel.built()
     full = {**signature, **dict.fromkeys(constexprs, "constexpr")}
     fixed = {(fn.arg_names.index(name),): value for name, value in constexprs.items()}
-    triton.compile(
-        ASTSource(fn=fn, signature=full, constexprs=fixed), target=GPUTarget("cuda", 90, 32), options=options
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    return triton.compile(
+        ASTSource(fn=fn, signature=full, constexprs=fixed, attrs=attrs),
+        target=GPUTarget("cuda", 90, 32),
+        options=options,
     )
+
+
+def fp8_case(
+    tile: Any, *, split_grid: bool, span: int, even: bool, fused: bool
+) -> tuple[Any, dict[str, str], dict[str, Any], tuple[str, ...], dict[str, Any]]:
+    """(kernel, signature, constexprs, aligned, options) of one W8A8 launch: bf16 activation in
+    where ``fused``, else E4M3."""
+    from isoaudit.kernels import fp8
+
+    constexprs = dict(
+        HAS_BIAS=True, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=fp8.GROUP, GROUP_M=tile.group_m,
+        SPAN_BLOCKS=span, SPLIT_GRID=split_grid, LAG=tile.lag, EVEN_K=even, FUSED_QUANT=fused, A_FP8=fused,
+    )  # fmt: skip
+    options = dict(num_warps=tile.num_warps, num_stages=tile.num_stages)
+    args = dict(FP8_ARGS, a="*bf16", a_s="*bf16") if fused else FP8_ARGS
+    aligned = FP8_ALIGNED if even else FP8_ALIGNED_RAGGED_K
+    return fp8._w8a8_kernel, args, constexprs, aligned, options
 
 
 def fp8_cases() -> list[tuple[str, Any]]:
@@ -51,20 +94,13 @@ def fp8_cases() -> list[tuple[str, Any]]:
             "split-in-turn ragged-K": (False, 8, False),
         }.items():
             for fused in (False, True):
-                constexprs = dict(
-                    HAS_BIAS=True, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=fp8.GROUP,
-                    GROUP_M=tile.group_m, SPAN_BLOCKS=span, SPLIT_GRID=split_grid, LAG=tile.lag, EVEN_K=even,
-                    FUSED_QUANT=fused, A_FP8=fused,
-                )  # fmt: skip
-                options = dict(num_warps=tile.num_warps, num_stages=tile.num_stages)
-                args = dict(FP8_ARGS, a="*bf16", a_s="*bf16") if fused else FP8_ARGS
                 name = f"fp8 {tile} {variant}{' fused-quant' if fused else ''}"
-                cases.append((name, (fp8._w8a8_kernel, args, constexprs, options)))
+                cases.append((name, fp8_case(tile, split_grid=split_grid, span=span, even=even, fused=fused)))
     for rows in (1, 4):
         act = dict(x="*bf16", q="*fp8e4nv", s="*fp32", M="i32", K="i32", stride_xm="i32", stride_qm="i32",
                    stride_sm="i32")  # fmt: skip
         constexprs = dict(GROUP_K=fp8.GROUP, ROWS=rows, OUT_FP8=True)
-        cases.append((f"fp8 act quant ROWS={rows}", (fp8_quant._act_quant_kernel, act, constexprs, {})))
+        cases.append((f"fp8 act quant ROWS={rows}", (fp8_quant._act_quant_kernel, act, constexprs, (), {})))
     return cases
 
 
@@ -91,13 +127,102 @@ def fingerprint_cases() -> list[tuple[str, Any]]:
     return cases
 
 
+#: What ``--stats`` counts: (label, PTX or SASS, regular expression).
+STATS = (
+    ("wgmma", "ptx", r"wgmma\.mma_async"),
+    ("mma.sync", "ptx", r"\bmma\.sync"),
+    ("cp.async", "ptx", r"cp\.async\.(?:ca|cg)"),
+    ("tma", "ptx", r"cp\.async\.bulk\.tensor"),
+    ("div.rn.f32", "ptx", r"div\.rn\.f32"),
+    ("ld/st.local", "ptx", r"(?:ld|st)\.local"),
+    ("SASS", "sass", r"^\s+/\*[0-9a-f]{4,}\*/\s"),
+    ("GMMA", "sass", r"[QH]GMMA\."),
+    ("FCHK", "sass", r"\bFCHK\b"),
+    ("MUFU.RCP", "sass", r"MUFU\.RCP\b"),
+    ("CALL", "sass", r"\bCALL\."),
+    ("BSSY", "sass", r"\bBSSY\b"),
+    ("LDGSTS", "sass", r"\bLDGSTS\b"),
+    ("LDS", "sass", r"\bLDS(?:M)?\b"),
+    ("STS", "sass", r"\bSTS\b"),
+    ("SHFL", "sass", r"\bSHFL\."),
+    ("BAR", "sass", r"\bBAR\."),
+)
+
+
+def stats_cases() -> list[tuple[str, Any]]:
+    """The decode launches of two weights, fused and not: 1152x896 (no split) and 4096x4096 (the
+    weight's split as programs), each at M = 1 and M = 64 with the tile ``pick_tile`` gives."""
+    from isoaudit.kernels import fp8
+
+    cases = []
+    for n, k in ((1152, 896), (4096, 4096)):
+        span = fp8.weight_split(n, k) // fp8.GROUP
+        for m in (1, 64):
+            tile = fp8.pick_tile(m, n, k, 132)
+            common = dict(split_grid=span > 0, span=span, even=k % fp8.GROUP == 0)
+            label = f"{n}x{k} M={m} {tile.tag}"
+            cases.append((f"{label} unfused", fp8_case(tile, fused=False, **common)))
+            cases.append((f"{label} fused", fp8_case(tile, fused=True, **common)))
+    return cases
+
+
+def print_stats(dump: str | None) -> int:
+    """Compile :func:`stats_cases` and print a table of their instruction counts."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton.backends.nvidia as nv
+
+    cuobjdump = os.path.join(os.path.dirname(nv.__file__), "bin", "cuobjdump")
+    rows = []
+    for name, (kernel, signature, constexprs, aligned, options) in stats_cases():
+        compiled = compile_for_sm90(kernel, signature, constexprs, aligned, **options)
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(compiled.asm["cubin"])
+            f.flush()
+            sass = subprocess.run(
+                [cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True
+            ).stdout
+            usage = subprocess.run(
+                [cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True, check=True
+            ).stdout
+        text = {"ptx": compiled.asm["ptx"], "sass": sass}
+        counts = [len(re.findall(rx, text[src], re.M)) for _, src, rx in STATS]
+        regs = re.search(r"REG:(\d+)", usage)
+        stack = re.search(r"STACK:(\d+)", usage)
+        rows.append((name, counts, regs.group(1) if regs else "?", stack.group(1) if stack else "?",
+                     compiled.metadata.shared))  # fmt: skip
+        if dump:
+            os.makedirs(dump, exist_ok=True)
+            base = os.path.join(dump, re.sub(r"[^A-Za-z0-9.]+", "_", name).strip("_"))
+            for ext, body in (("ttgir", compiled.asm["ttgir"]), ("ptx", compiled.asm["ptx"]), ("sass", sass)):
+                with open(f"{base}.{ext}", "w") as out:
+                    out.write(body)
+    width = max(len(r[0]) for r in rows)
+    print(" " * width, *(f"{label:>11}" for label, _, _ in STATS), f"{'regs':>5} {'stack':>5} {'smem':>6}")
+    for name, counts, regs, stack, smem in rows:
+        print(f"{name:<{width}}", *(f"{c:>11}" for c in counts), f"{regs:>5} {stack:>5} {smem:>6}")
+    return 0
+
+
 def main() -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--stats", action="store_true", help="instruction counts of the FP8 decode launches")
+    ap.add_argument("--dump", default=None, help="with --stats: write each launch's TTGIR, PTX and SASS here")
+    args = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("hopper_compile: unset TRITON_INTERPRET (the interpreter cannot build cubins)")
+    if args.stats:
+        return print_stats(args.dump)
     failed = 0
-    for name, (kernel, signature, constexprs, options) in fp8_cases() + fingerprint_cases():
+    for name, case in fp8_cases() + fingerprint_cases():
+        kernel, signature, constexprs, *rest = case
+        aligned, options = rest if len(rest) == 2 else ((), rest[0])
         try:
-            compile_for_sm90(kernel, signature, constexprs, **options)
+            compile_for_sm90(kernel, signature, constexprs, aligned, **options)
             print(f"ok   {name}", flush=True)
         except Exception as exc:  # noqa: BLE001 - every refusal is reported, then the exit code says so
             failed += 1
