@@ -19,8 +19,10 @@ The E4M3 activations are the quantizer kernel's output, or, where a call asks fo
 (``fuse_quant=True``), the same values computed inside the GEMM as each 128-K block of the
 unquantized activation is read (``FUSED_QUANT``: one launch, the quantizer's own Triton code,
 ``fp8_quant._quantize_rows``), so the choice changes no bit. The fused kernel is an opt-in, not the
-default (:data:`FUSE_MAX_M` is 0): on the H100 it is slower on the device than the quantizer kernel
-then the GEMM at every M measured (1 to 2048), though it saves a launch's host time.
+default (:data:`FUSE_MAX_M` is 0): as first written it was slower on the H100's device than the
+quantizer kernel then the GEMM at every M measured (1 to 2048), though it saves a launch's host
+time; the kernel as it is now (a call of fewer rows than its tile quantizes only
+:func:`quant_rows` rows, zeros stay off ``div_rn``'s slow path) has no GPU figure yet.
 
 The split span depends on (N, K) only; the tile (BLOCK_M, BLOCK_N, warps, stages, program order,
 lagged promotion: :class:`Fp8Tile`) follows M through one table (:data:`TILE_TABLE`,
@@ -45,7 +47,7 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ._triton import HAVE_TRITON, CachedLauncher, as_rows, cdiv, jit, resolve, tl, triton
+from ._triton import HAVE_TRITON, CachedLauncher, as_rows, cdiv, jit, next_power_of_2, resolve, tl, triton
 from .fp8_quant import FP8, GROUP, quantize_act, quantize_act_reference, quantize_per_tensor, quantize_weight
 from .gemm import _device_traits
 
@@ -54,29 +56,43 @@ if HAVE_TRITON:
 
     @triton.jit
     def _fp8_block(
-        a_rows, b_rows, sa_rows, sb_rows, sb_tile, m_ok, n_ok, offs_k, K, kb,
+        a_rows, b_rows, sa_rows, sb_rows, sb_tile, a_ok, m_ok, n_ok, offs_k, K, kb,
+        BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         EVEN_K: tl.constexpr,
         FUSED_QUANT: tl.constexpr,
         A_FP8: tl.constexpr,
+        QUANT_M: tl.constexpr,
     ):  # fmt: skip
         """Block ``kb``'s MMA from zero and its promotion factors ``sa[m] * sb[n // 128]`` (fp32).
         A tile at most 128 wide lies in one weight block column: one ``sb`` for the tile, the
         factors one column (the same products, BLOCK_N times fewer multiplies). FUSED_QUANT:
         ``a_rows`` are the unquantized activation's rows, and the block (one activation group per
         row) is quantized here by the quantizer's own arithmetic (``_quantize_rows``: E4M3 if
-        A_FP8, else the fp32 values before the cast), its scales the ``sa`` (``sa_rows`` unread)."""
+        A_FP8, else the fp32 values before the cast), its scales the ``sa`` (``sa_rows`` unread).
+        QUANT_M < BLOCK_M (fused, a call of fewer rows than the tile): ``a_rows`` / ``a_ok`` are
+        the tile's first QUANT_M rows, the only ones quantized, and the MMA's BLOCK_M-row operand
+        repeats them (row r holds row r % QUANT_M): rows r < M are their own, the rest are
+        never stored, and an MMA row's sums read that row alone."""
+        tl.static_assert(FUSED_QUANT or QUANT_M == BLOCK_M)
         k0 = kb * BLOCK_K
         if EVEN_K:  # K a multiple of 128: no K mask (the same values)
-            x = tl.load(a_rows + (k0 + offs_k)[None, :], mask=m_ok[:, None], other=0.0)
+            x = tl.load(a_rows + (k0 + offs_k)[None, :], mask=a_ok[:, None], other=0.0)
             w = tl.load(b_rows + (k0 + offs_k)[None, :], mask=n_ok[:, None], other=0.0)
         else:
             k_ok = (k0 + offs_k) < K
-            x = tl.load(a_rows + (k0 + offs_k)[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            x = tl.load(a_rows + (k0 + offs_k)[None, :], mask=a_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(b_rows + (k0 + offs_k)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         if FUSED_QUANT:  # masked K and rows load zeros: amax unchanged, q = 0
             x, sa = _quantize_rows(x.to(tl.float32), A_FP8)
+            if QUANT_M < BLOCK_M:
+                # A gather, not broadcast + reshape: with the reshape Triton 3.6 computes the
+                # quantizer in the MMA operand's layout, each thread dividing 32 to 64 elements
+                # where the gather leaves it about QUANT_M (``hopper_compile.py --stats``).
+                rep = tl.arange(0, BLOCK_M) % QUANT_M
+                x = tl.gather(x, tl.broadcast_to(rep[:, None], (BLOCK_M, BLOCK_K)), 0)
+                sa = tl.gather(sa, rep, 0)
         else:
             sa = tl.load(sa_rows + kb, mask=m_ok, other=0.0)
         part = tl.dot(x, tl.trans(w), out_dtype=tl.float32)
@@ -100,18 +116,22 @@ if HAVE_TRITON:
         EVEN_K: tl.constexpr,
         FUSED_QUANT: tl.constexpr,
         A_FP8: tl.constexpr,
+        QUANT_M: tl.constexpr,
     ):  # fmt: skip
         """The fp32 sum over K blocks [kb_lo, kb_hi) of one tile (kb_lo < kb_hi): each block's MMA
         from zero, scaled, added in ascending order. SPAN_BLOCKS > 0: the running sum restarts at
         every span of that many blocks and the span sums are added in order to a total (0 + p0 +
         p1 + ...). LAG: block kb's MMA is issued before block kb-1's promotion (the MMA can run
-        while the previous block is scaled and added); the same adds in the same order."""
+        while the previous block is scaled and added); the same adds in the same order. QUANT_M:
+        the activation rows read (BLOCK_M, or fewer: see ``_fp8_block``)."""
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
+        offs_a = pid_m * BLOCK_M + tl.arange(0, QUANT_M)
         m_ok = offs_m < M
+        a_ok = offs_a < M
         n_ok = offs_n < N
-        a_rows = a + offs_m[:, None].to(tl.int64) * stride_am
+        a_rows = a + offs_a[:, None].to(tl.int64) * stride_am
         b_rows = b + offs_n[:, None].to(tl.int64) * stride_bn
         sa_rows = a_s + offs_m.to(tl.int64) * stride_asm
         sb_rows = b_s + (offs_n // BLOCK_K).to(tl.int64) * stride_bsn
@@ -120,11 +140,11 @@ if HAVE_TRITON:
         if SPAN_BLOCKS > 0:
             total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if LAG:
-            part, scale = _fp8_block(a_rows, b_rows, sa_rows, sb_rows, sb_tile, m_ok, n_ok, offs_k, K, kb_lo,
-                              BLOCK_N, BLOCK_K, EVEN_K, FUSED_QUANT, A_FP8)  # fmt: skip
+            part, scale = _fp8_block(a_rows, b_rows, sa_rows, sb_rows, sb_tile, a_ok, m_ok, n_ok, offs_k, K, kb_lo,
+                              BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, FUSED_QUANT, A_FP8, QUANT_M)  # fmt: skip
             for kb in range(kb_lo + 1, kb_hi):
-                nxt, nxt_scale = _fp8_block(a_rows, b_rows, sa_rows, sb_rows, sb_tile, m_ok, n_ok, offs_k, K, kb,
-                                  BLOCK_N, BLOCK_K, EVEN_K, FUSED_QUANT, A_FP8)  # fmt: skip
+                nxt, nxt_scale = _fp8_block(a_rows, b_rows, sa_rows, sb_rows, sb_tile, a_ok, m_ok, n_ok, offs_k, K, kb,
+                                  BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, FUSED_QUANT, A_FP8, QUANT_M)  # fmt: skip
                 acc = acc + part * scale  # block kb - 1
                 if SPAN_BLOCKS > 0:
                     if kb % SPAN_BLOCKS == 0:
@@ -137,8 +157,8 @@ if HAVE_TRITON:
                 total = total + acc
         else:
             for kb in range(kb_lo, kb_hi):
-                part, scale = _fp8_block(a_rows, b_rows, sa_rows, sb_rows, sb_tile, m_ok, n_ok, offs_k, K, kb,
-                                  BLOCK_N, BLOCK_K, EVEN_K, FUSED_QUANT, A_FP8)  # fmt: skip
+                part, scale = _fp8_block(a_rows, b_rows, sa_rows, sb_rows, sb_tile, a_ok, m_ok, n_ok, offs_k, K, kb,
+                                  BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, FUSED_QUANT, A_FP8, QUANT_M)  # fmt: skip
                 acc = acc + part * scale
                 if SPAN_BLOCKS > 0:
                     if ((kb + 1) % SPAN_BLOCKS == 0) | (kb + 1 >= kb_hi):
@@ -176,9 +196,11 @@ if HAVE_TRITON:
         EVEN_K: tl.constexpr,
         FUSED_QUANT: tl.constexpr,
         A_FP8: tl.constexpr,
+        QUANT_M: tl.constexpr,
     ):  # fmt: skip
         # FUSED_QUANT: ``a`` is the unquantized activation, quantized block by block as it is read
-        # (the quantizer's bits; ``a_s`` unread).
+        # (the quantizer's bits; ``a_s`` unread); QUANT_M < BLOCK_M: only the tile's first QUANT_M
+        # rows are read and quantized (M <= QUANT_M).
         # Program (tile, span): tiles in grouped order (which program runs a tile, not its sums).
         tile = tl.program_id(0)
         num_m = tl.cdiv(M, BLOCK_M)
@@ -192,7 +214,7 @@ if HAVE_TRITON:
         if not SPLIT_GRID:
             acc = _fp8_span(
                 a, a_s, b, b_s, M, N, K, stride_am, stride_asm, stride_bn, stride_bsn, pid_m, pid_n, 0, kbs,
-                BLOCK_M, BLOCK_N, BLOCK_K, SPAN_BLOCKS, LAG, EVEN_K, FUSED_QUANT, A_FP8,
+                BLOCK_M, BLOCK_N, BLOCK_K, SPAN_BLOCKS, LAG, EVEN_K, FUSED_QUANT, A_FP8, QUANT_M,
             )  # fmt: skip
             _fp8_store(c, acc, bias_ptr, M, N, stride_cm, pid_m, pid_n, HAS_BIAS, BLOCK_M, BLOCK_N)
         else:
@@ -203,7 +225,7 @@ if HAVE_TRITON:
             acc = _fp8_span(
                 a, a_s, b, b_s, M, N, K, stride_am, stride_asm, stride_bn, stride_bsn, pid_m, pid_n,
                 lo, tl.minimum(lo + SPAN_BLOCKS, kbs), BLOCK_M, BLOCK_N, BLOCK_K, 0, LAG, EVEN_K,
-                FUSED_QUANT, A_FP8,
+                FUSED_QUANT, A_FP8, QUANT_M,
             )  # fmt: skip
             spans = tl.cdiv(kbs, SPAN_BLOCKS)
             tiles = num_m * num_n
@@ -403,11 +425,23 @@ class _Plan(tuple):
 #: by default (``FUSED_QUANT``: one launch, no E4M3 copy of the activations in memory); larger calls
 #: run the quantizer kernel once and the GEMM on its output. 0: no call fuses unless it passes
 #: ``fuse_quant=True``. The fused kernel saves host time (one launch: 24.5 against 52.7 us a call at
-#: M = 1 on 896x896, H100) but costs device time at every M measured: in CUDA graphs on the H100 it
-#: took 3.3-12x the two launches' time on 1152x896 (M = 1 to 256) and 8.5x on 4096x4096 at M = 1,
-#: so it stays an opt-in. Either way every element's operands are the quantizer's bits, so the
-#: choice changes no bit of the result.
+#: M = 1 on 896x896, H100) but, as first written (every program quantizing its tile's 64 rows, the
+#: masked ones through ``div_rn``'s slow path), cost device time at every M measured: in CUDA graphs
+#: on the H100 3.3-12x the two launches' time on 1152x896 (M = 1 to 256), 8.5x on 4096x4096 at
+#: M = 1. It now quantizes only :func:`quant_rows` rows and keeps zeros off the slow path; that
+#: kernel has no GPU figure yet, so fusing stays an opt-in. Either way every element's operands are
+#: the quantizer's bits, so the choice changes no bit of the result.
 FUSE_MAX_M = 0
+
+
+def quant_rows(m: int, block_m: int) -> int:
+    """The activation rows a fused program reads and quantizes per 128-K block: its tile's
+    ``block_m``, or for a call of fewer rows than that the least power of two >= M, at least 2
+    (the MMA's operand repeats them). Decode calls quantize 2 to 32 rows instead of 64
+    masked-mostly ones; each row's quantization and MMA sums are its own, so this changes no bit.
+    (One row of bf16 is 2 bytes a thread, too little for ``cp.async``: Triton then loads it
+    in the K loop, unpipelined; two rows are copied ahead like the weight.)"""
+    return block_m if m >= block_m else min(block_m, next_power_of_2(max(m, 2)))
 
 
 @lru_cache(maxsize=8192)
@@ -424,7 +458,8 @@ def plan(
     policy's tile for M (:func:`pick_tile`); the split spans as programs for at most
     :data:`SPLIT_GRID_MAX_M` rows, else summed in turn (the same adds, the same bits). ``fused``:
     the activation arrives unquantized and each block is quantized as it is read (E4M3 on CUDA;
-    under the interpreter the fp32 values before the cast, as :func:`quantize_act` gives there)."""
+    under the interpreter the fp32 values before the cast, as :func:`quantize_act` gives there),
+    :func:`quant_rows` of the tile's rows (QUANT_M)."""
     cfg = config or pick_tile(m, n, k, _device_traits(device)[1]).with_split(weight_split(n, k))
     tiles = cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n)
     span_blocks = cfg.k_split // GROUP if cfg.k_split else 0
@@ -442,6 +477,7 @@ def plan(
         EVEN_K=k % GROUP == 0,
         FUSED_QUANT=fused,
         A_FP8=fused and device.type == "cuda",
+        QUANT_M=quant_rows(m, cfg.block_m) if fused else cfg.block_m,
     )
     scratch = (spans * tiles * cfg.block_m * cfg.block_n, tiles) if split_grid else None
     grid = (tiles, spans if split_grid else 1, 1)

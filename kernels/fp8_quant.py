@@ -113,10 +113,23 @@ if HAVE_TRITON:
         does not change amax) quantized: ``(q, scale)``, q E4M3 (``OUT_FP8``) or the fp32 values
         before the cast (the interpreter, whose fp8 cast is not the hardware's), scale [rows] fp32.
         The one statement of the activation arithmetic in Triton: the quantizer kernel and the
-        GEMM's fused quantization (:mod:`isoaudit.kernels.fp8`) both call it."""
+        GEMM's fused quantization (:mod:`isoaudit.kernels.fp8`) both call it.
+
+        A zero (a masked row or column, or a zero of the data) is not divided: it is its own
+        quotient, since IEEE division gives ±0 / s = ±0 for every s > 0, +inf included, and the
+        scale here is >= 2^-40 / 448 or NaN (where ``maximum`` propagates a NaN amax; a NaN scale
+        divides every element, zeros too, as before), so the bits are ``div_rn``'s for every
+        input. A zero divides 1 by the scale instead, because of what zeros cost on sm_90:
+        ``div_rn`` is MUFU.RCP, FCHK and five FFMA per element, plus a slow subroutine (a CALL)
+        where FCHK objects, and a zero row's elements (dividend 0, divisor the floor scale) take
+        it: on the H100 the fused GEMM's device time grew in step with its tile's zero rows, and
+        FCHK is the only branch in its SASS that depends on the data. (Replacing the divisor by 1
+        as well would not depend on which of the two operands FCHK objects to, but the 64-row
+        fused tile then needs more than 255 registers and spills.)"""
         amax = tl.max(tl.abs(v), axis=1)
         scale = tl.math.div_rn(tl.maximum(amax, 2.0**-40), 448.0)
-        y = tl.math.div_rn(v, scale[:, None])
+        nz = (v != 0.0) | (scale != scale)[:, None]
+        y = tl.where(nz, tl.math.div_rn(tl.where(nz, v, 1.0), scale[:, None]), v)
         y = tl.minimum(tl.maximum(y, -448.0), 448.0)
         if OUT_FP8:
             y = y.to(tl.float8e4nv, fp_downcast_rounding="rtne")

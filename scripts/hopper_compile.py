@@ -64,15 +64,16 @@ def compile_for_sm90(
 
 
 def fp8_case(
-    tile: Any, *, split_grid: bool, span: int, even: bool, fused: bool
+    tile: Any, *, split_grid: bool, span: int, even: bool, fused: bool, quant_m: int | None = None
 ) -> tuple[Any, dict[str, str], dict[str, Any], tuple[str, ...], dict[str, Any]]:
     """(kernel, signature, constexprs, aligned, options) of one W8A8 launch: bf16 activation in
-    where ``fused``, else E4M3."""
+    where ``fused`` (its first ``quant_m`` rows quantized, default the tile's), else E4M3."""
     from isoaudit.kernels import fp8
 
     constexprs = dict(
         HAS_BIAS=True, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=fp8.GROUP, GROUP_M=tile.group_m,
         SPAN_BLOCKS=span, SPLIT_GRID=split_grid, LAG=tile.lag, EVEN_K=even, FUSED_QUANT=fused, A_FP8=fused,
+        QUANT_M=quant_m or tile.block_m,
     )  # fmt: skip
     options = dict(num_warps=tile.num_warps, num_stages=tile.num_stages)
     args = dict(FP8_ARGS, a="*bf16", a_s="*bf16") if fused else FP8_ARGS
@@ -82,8 +83,9 @@ def fp8_case(
 
 def fp8_cases() -> list[tuple[str, Any]]:
     """Every FP8 tile candidate, unsplit, split as programs and split summed in turn (ragged K),
-    each on quantized operands and with the activation quantized inside the GEMM (bf16 in); and
-    the activation quantizer kernel."""
+    each on quantized operands and with the activation quantized inside the GEMM (bf16 in; and
+    for the split grid of the 64-row tiles, the decode launches that quantize only 2 or 16 of the
+    tile's rows); and the activation quantizer kernel."""
     from isoaudit.kernels import fp8, fp8_quant
 
     cases = []
@@ -93,9 +95,12 @@ def fp8_cases() -> list[tuple[str, Any]]:
             "split-grid": (True, 8, True),
             "split-in-turn ragged-K": (False, 8, False),
         }.items():
-            for fused in (False, True):
+            quant = [None] + ([2, 16] if split_grid and tile.block_m == 64 else [])
+            for fused, quant_m in [(False, None)] + [(True, q) for q in quant]:
                 name = f"fp8 {tile} {variant}{' fused-quant' if fused else ''}"
-                cases.append((name, fp8_case(tile, split_grid=split_grid, span=span, even=even, fused=fused)))
+                name += f" QUANT_M={quant_m}" if quant_m else ""
+                cases.append((name, fp8_case(tile, split_grid=split_grid, span=span, even=even, fused=fused,
+                                             quant_m=quant_m)))  # fmt: skip
     for rows in (1, 4):
         act = dict(x="*bf16", q="*fp8e4nv", s="*fp32", M="i32", K="i32", stride_xm="i32", stride_qm="i32",
                    stride_sm="i32")  # fmt: skip
@@ -162,7 +167,10 @@ def stats_cases() -> list[tuple[str, Any]]:
             common = dict(split_grid=span > 0, span=span, even=k % fp8.GROUP == 0)
             label = f"{n}x{k} M={m} {tile.tag}"
             cases.append((f"{label} unfused", fp8_case(tile, fused=False, **common)))
-            cases.append((f"{label} fused", fp8_case(tile, fused=True, **common)))
+            cases.append((f"{label} fused, {tile.block_m} rows", fp8_case(tile, fused=True, **common)))
+            q = fp8.quant_rows(m, tile.block_m)
+            if q != tile.block_m:
+                cases.append((f"{label} fused, {q} rows", fp8_case(tile, fused=True, quant_m=q, **common)))
     return cases
 
 

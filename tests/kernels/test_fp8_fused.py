@@ -113,21 +113,36 @@ def test_fused_rows_equal_unfused_batch_rows_interpreter() -> None:
 
 
 def test_plan_carries_the_fused_choice() -> None:
-    """The fused plan differs from the unfused one only in FUSED_QUANT and A_FP8 (E4M3 on CUDA,
-    the fp32 values before the cast under the interpreter); tile, split and grid are the same."""
+    """The fused plan differs from the unfused one only in FUSED_QUANT, A_FP8 (E4M3 on CUDA, the
+    fp32 values before the cast under the interpreter) and QUANT_M (the activation rows a program
+    quantizes: at M = 1 two rows, not the tile's 64); tile, split and grid are the same."""
     cfg = F8.Fp8Config(64, 64, 4, 4, 640)
     for dev, fp8 in ((torch.device("cpu"), False), (torch.device("cuda"), True)):
         plain = F8.plan(1, 896, 4864, True, dev, cfg)
         fused = F8.plan(1, 896, 4864, True, dev, cfg, True)
         assert fused is F8.plan(1, 896, 4864, True, dev, cfg, True)  # cached
-        assert plain[1]["FUSED_QUANT"] is False and plain[1]["A_FP8"] is False
-        assert fused[1]["FUSED_QUANT"] is True and fused[1]["A_FP8"] is fp8
-        rest = {k: v for k, v in fused[1].items() if k not in ("FUSED_QUANT", "A_FP8")}
-        assert rest == {k: v for k, v in plain[1].items() if k not in ("FUSED_QUANT", "A_FP8")}
+        assert plain[1]["FUSED_QUANT"] is False and plain[1]["A_FP8"] is False and plain[1]["QUANT_M"] == 64
+        assert fused[1]["FUSED_QUANT"] is True and fused[1]["A_FP8"] is fp8 and fused[1]["QUANT_M"] == 2
+        own = ("FUSED_QUANT", "A_FP8", "QUANT_M")
+        rest = {k: v for k, v in fused[1].items() if k not in own}
+        assert rest == {k: v for k, v in plain[1].items() if k not in own}
         assert (fused[0], fused[2], fused[3]) == (plain[0], plain[2], plain[3])
     # off by default: the fused kernel costs more device time than the two launches at every M
     # measured on the H100, so only ``fuse_quant=True`` fuses
     assert F8.FUSE_MAX_M == 0
+
+
+def test_quant_rows() -> None:
+    """A fused program quantizes the least power of two >= M rows, at least 2, when M is under its
+    tile's rows (the MMA operand repeats them), else the tile's rows."""
+    assert [F8.quant_rows(m, 64) for m in (1, 2, 3, 5, 16, 17, 33, 63, 64, 65, 300)] == [
+        2, 2, 4, 8, 16, 32, 64, 64, 64, 64, 64,
+    ]  # fmt: skip
+    assert [F8.quant_rows(m, 128) for m in (1, 64, 65, 127, 128, 129)] == [2, 64, 128, 128, 128, 128]
+    for m in (1, 3, 64):
+        assert (
+            F8.plan(m, 96, 520, False, torch.device("cpu"), F8.Fp8Config(128, 64, 8, 4))[1]["QUANT_M"] == 128
+        )
 
 
 def test_torch_impl_fused_is_quantize_then_reference() -> None:
