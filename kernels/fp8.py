@@ -18,11 +18,10 @@ from the bf16 master; E4M3 activations per token in groups of 128 with fp32 scal
 The E4M3 activations are the quantizer kernel's output, or, where a call asks for it
 (``fuse_quant=True``), the same values computed inside the GEMM as each 128-K block of the
 unquantized activation is read (``FUSED_QUANT``: one launch, the quantizer's own Triton code,
-``fp8_quant._quantize_rows``), so the choice changes no bit. The fused kernel is an opt-in, not the
-default (:data:`FUSE_MAX_M` is 0): as first written it was slower on the H100's device than the
-quantizer kernel then the GEMM at every M measured (1 to 2048), though it saves a launch's host
-time; the kernel as it is now (a call of fewer rows than its tile quantizes only
-:func:`quant_rows` rows, zeros stay off ``div_rn``'s slow path) has no GPU figure yet.
+``fp8_quant._quantize_rows``), so the choice changes no bit. The fused kernel is an opt-in
+(:data:`FUSE_MAX_M` is 0): it saves a launch's host time, and a call of fewer rows than its tile
+quantizes only :func:`quant_rows` rows, but its device time against the two launches decides
+where it becomes the default (docs/kernels.md).
 
 The split span depends on (N, K) only; the tile (BLOCK_M, BLOCK_N, warps, stages, program order,
 lagged promotion: :class:`Fp8Tile`) follows M through one table (:data:`TILE_TABLE`,
@@ -424,13 +423,9 @@ class _Plan(tuple):
 #: Calls of at most this many rows (and at least one) quantize their activations inside the GEMM
 #: by default (``FUSED_QUANT``: one launch, no E4M3 copy of the activations in memory); larger calls
 #: run the quantizer kernel once and the GEMM on its output. 0: no call fuses unless it passes
-#: ``fuse_quant=True``. The fused kernel saves host time (one launch: 24.5 against 52.7 us a call at
-#: M = 1 on 896x896, H100) but, as first written (every program quantizing its tile's 64 rows, the
-#: masked ones through ``div_rn``'s slow path), cost device time at every M measured: in CUDA graphs
-#: on the H100 3.3-12x the two launches' time on 1152x896 (M = 1 to 256), 8.5x on 4096x4096 at
-#: M = 1. It now quantizes only :func:`quant_rows` rows and keeps zeros off the slow path; that
-#: kernel has no GPU figure yet, so fusing stays an opt-in. Either way every element's operands are
-#: the quantizer's bits, so the choice changes no bit of the result.
+#: ``fuse_quant=True``, until the fused kernel's device time is measured at or below the two
+#: launches' (docs/kernels.md has the figures). Either way every element's operands are the
+#: quantizer's bits, so the choice changes no bit of the result.
 FUSE_MAX_M = 0
 
 
