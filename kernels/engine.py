@@ -229,8 +229,10 @@ class RolloutEngine:
             # E4M3 copies of weights changed since the last call (a weight sync), re-made in place
             # before any decode graph replays over them
             from .fp8 import refresh_fp8_weights
+            from .fp8_grouped import refresh_fp8_experts
 
             refresh_fp8_weights()
+            refresh_fp8_experts()
         gen = torch.Generator(device=dev).manual_seed(seed)
         graphed = self.bucketed()
         slots = bucket(n, self.buckets) if graphed else n

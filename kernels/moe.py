@@ -40,6 +40,8 @@ import torch
 
 from . import cpu as _cpu
 from . import dispatch, moe_router
+from . import fp8 as _fp8
+from . import fp8_grouped as _fp8g
 from . import gemm as _gemm
 from ._triton import HAVE_TRITON, interpreting
 from .moe_grouped import grouped_config, grouped_glu, grouped_linear, grouped_scatter, sort_groups
@@ -224,16 +226,28 @@ def expert_ffn(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> to
 
 
 def _use_grouped(x: torch.Tensor) -> bool:
-    """The grouped kernel where the kernels run Triton: CUDA, or CPU tensors sent to the Triton
-    modules under the interpreter (``dispatch.set_cpu_impl("triton")``, TRITON_INTERPRET=1);
-    ``ISOAUDIT_MOE_GROUPED=0`` turns it off. Not in the ``invariant-fp8`` mode: there each expert's
-    rows go through :func:`expert_ffn`, whose linears are the invariant W8A8 linear (no FP8 grouped
-    GEMM yet: one quantize + GEMM launch pair per expert and projection)."""
+    """The (bf16) grouped kernel where the kernels run Triton: CUDA, or CPU tensors sent to the
+    Triton modules under the interpreter (``dispatch.set_cpu_impl("triton")``, TRITON_INTERPRET=1);
+    ``ISOAUDIT_MOE_GROUPED=0`` turns it off. Not in the ``invariant-fp8`` mode (:func:`_use_fp8_grouped`)."""
     if not (dispatch.is_enabled() and HAVE_TRITON) or os.environ.get("ISOAUDIT_MOE_GROUPED", "1") == "0":
         return False
     if dispatch.is_fp8():
         return False
     return x.is_cuda or (interpreting() and not dispatch._on_cpu(x))
+
+
+def _use_fp8_grouped(x: torch.Tensor) -> bool:
+    """The ``invariant-fp8`` mode's FP8 grouped GEMM (:mod:`isoaudit.kernels.fp8_grouped`): one
+    launch per projection on CUDA, the torch reference per group on the CPU, each row with the bits
+    of the per-expert W8A8 linear. ``ISOAUDIT_MOE_GROUPED=0`` turns it off (each expert's rows then
+    go through :func:`expert_ffn`, whose linears are the W8A8 linear), and so does the per-tensor
+    activation scaling (``fp8.set_act_scaling("tensor")``, whose scale is the batch's)."""
+    if (
+        not (dispatch.is_enabled() and dispatch.is_fp8())
+        or os.environ.get("ISOAUDIT_MOE_GROUPED", "1") == "0"
+    ):
+        return False
+    return _fp8._ACT_SCALING == "group" and (HAVE_TRITON or not x.is_cuda)
 
 
 _VIEWS: dict[int, tuple[weakref.ref, list[torch.Tensor]]] = {}
@@ -262,8 +276,12 @@ def grouped_ffn(
 ) -> torch.Tensor:
     """SwiGLU experts on grouped rows: rows ``offsets[g]:offsets[g+1]`` through expert
     ``experts[g]``. On CUDA with the kernels on, one grouped-GEMM launch per projection
-    (:mod:`isoaudit.kernels.moe_grouped`); else each group through :func:`expert_ffn`. Either way a row's
-    bits depend on the row and its expert only."""
+    (:mod:`isoaudit.kernels.moe_grouped`; in the ``invariant-fp8`` mode the FP8 grouped GEMM of
+    :mod:`isoaudit.kernels.fp8_grouped`, also on the CPU as its torch reference); else each group
+    through :func:`expert_ffn`. Either way a row's bits depend on the row and its expert only."""
+    if _use_fp8_grouped(x):
+        g, u = _fp8g.fp8_grouped_linear(x, gate_up, experts, offsets).chunk(2, dim=-1)
+        return _fp8g.fp8_grouped_linear(dispatch.silu(g) * u, down, experts, offsets)
     if _use_grouped(x):
         g, u = grouped_linear(x, gate_up, experts, offsets).chunk(2, dim=-1)
         return grouped_linear(dispatch.silu(g) * u, down, experts, offsets)
@@ -363,9 +381,11 @@ def expert_outputs(
 
 def _fast(*ts: torch.Tensor) -> bool:
     """The host-sync-free path (one rank, no capacity, forward only, grouped kernel, at most
-    :data:`isoaudit.kernels.moe_router.MAX_EXPERTS` experts): ``ISOAUDIT_MOE_FAST=0`` restores the
-    host-table path."""
-    if os.environ.get("ISOAUDIT_MOE_FAST", "1") == "0" or not _use_grouped(ts[0]):
+    :data:`isoaudit.kernels.moe_router.MAX_EXPERTS` experts; in the ``invariant-fp8`` mode on CUDA
+    only): ``ISOAUDIT_MOE_FAST=0`` restores the host-table path."""
+    if os.environ.get("ISOAUDIT_MOE_FAST", "1") == "0":
+        return False
+    if not (_use_fp8_grouped(ts[0]) and ts[0].is_cuda) and not _use_grouped(ts[0]):
         return False
     if ts[1].shape[0] > moe_router.MAX_EXPERTS:
         return False
@@ -380,7 +400,11 @@ def _expert_outputs_fast(
     the gate-up GEMM reading each sorted row from its token with SiLU(g) * u in its epilogue,
     and the down GEMM storing each row back at its (token, slot) place. The same tiles and the
     same roundings, so the same bits, as the host-table path. ``ISOAUDIT_MOE_GLU=0``: the SiLU
-    product as its own launch after the GEMM."""
+    product as its own launch after the GEMM. In the ``invariant-fp8`` mode:
+    :func:`isoaudit.kernels.fp8_grouped.expert_outputs_fast` (sort, gather-quantize, gate-up GEMM,
+    SiLU * up, quantize, down GEMM scattering back: six launches, no host read)."""
+    if dispatch.is_fp8():
+        return _fp8g.expert_outputs_fast(x, flat, k, gate_up, down)
     bm1 = grouped_config(gate_up.shape[1], gate_up.shape[2], gate_up.dtype)[0]
     bm2 = grouped_config(down.shape[1], down.shape[2], down.dtype)[0]
     perm, groups = sort_groups(flat, gate_up.shape[0], (bm1, bm2))

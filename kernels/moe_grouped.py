@@ -448,6 +448,19 @@ def grouped_glu(
         return out
     gu = torch.empty(s, n2, dtype=x.dtype, device=x.device)
     _launch_dev(x, gate_up, gu, groups, perm, n2, bm, bn, bk, warps, stages, gather=top_k)
+    return silu_mul(gu, out)
+
+
+def silu_mul(gu: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """(S, N): ``silu(gu[:, :N]) * gu[:, N:]`` of an (S, 2N) gate-up output with unit inner
+    stride, one launch, the roundings of ``dispatch.silu(g) * u`` (SiLU in fp32 as
+    :mod:`isoaudit.kernels.elementwise` computes it, rounded to gu's dtype, then torch's multiply)."""
+    s, n2 = gu.shape
+    n = n2 // 2
+    if out is None:
+        out = torch.empty(s, n, dtype=gu.dtype, device=gu.device)
+    if s == 0 or n == 0:
+        return out
     block = min(1024, next_power_of_2(n))
     key = (gu.dtype, n, gu.stride(0), block, aligned(gu, out), gu.device)
     _LAUNCH_SILU_MUL(

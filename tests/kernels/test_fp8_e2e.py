@@ -128,8 +128,9 @@ def _moe_pair(model, prompts, new, chunk=None, fp8=True) -> dict:
 
 
 def test_qwen3_moe_fp8_cpu() -> None:
-    """A Qwen3-MoE in the FP8 mode: attention and expert projections in W8A8 (the experts one by
-    one through the FP8 linear), the fp32 router as in ``invariant``; rollout = trainer bitwise."""
+    """A Qwen3-MoE in the FP8 mode: attention and expert projections in W8A8 (the experts through
+    the FP8 grouped GEMM's torch reference), the fp32 router as in ``invariant``; rollout = trainer
+    bitwise."""
     from .test_moe_e2e import hf_moe
 
     model = hf_moe("qwen3_moe", 2, 128, 8, 2, 256, torch.float32, "cpu")
