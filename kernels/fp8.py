@@ -39,12 +39,12 @@ from __future__ import annotations
 
 import os
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache, lru_cache, partial
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from ._triton import HAVE_TRITON, CachedLauncher, as_rows, cdiv, jit, next_power_of_2, resolve, tl, triton
 from .fp8_quant import FP8, GROUP, quantize_act, quantize_act_reference, quantize_per_tensor, quantize_weight
@@ -648,50 +648,85 @@ class Fp8Weight:
             self.version, self.ptr = master._version, master.data_ptr()
 
 
-_WEIGHTS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # master tensor (by identity) -> Fp8Weight
-# The same entries by ``id(master)``, each with a weak reference to its master: a lookup is one
-# dict get and one dereference (a WeakIdKeyDictionary get builds a reference object per call). An
-# entry leaves when its master dies (the reference's callback); ``is`` guards a reused id.
-_BY_ID: dict[int, tuple[weakref.ref, Fp8Weight]] = {}
+class _Refreshable(Protocol):
+    """A copy made from a master tensor that knows the master's version and storage it was made
+    from (:class:`Fp8Weight`, :class:`isoaudit.kernels.fp8_grouped.Fp8Experts`)."""
+
+    version: int
+    ptr: int
+
+    def refresh(self, master: torch.Tensor) -> None: ...
 
 
-def _forget(ref: weakref.ref, key: int) -> None:
-    hit = _BY_ID.get(key)
-    if hit is not None and hit[0] is ref:
-        del _BY_ID[key]
+E = TypeVar("E", bound=_Refreshable)
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    return t.is_cuda and torch._C._cuda_isCurrentStreamCapturing()
+
+
+class MasterCache(Generic[E]):
+    """Copies made from master tensors (``make(master)``), found by the master's identity: a lookup
+    is one dict get, one weak-reference call and the master's version and data pointer compared
+    (a ``WeakIdKeyDictionary`` get builds a reference object per call). A copy is re-made in place
+    (``refresh``) when its master's data changed (an optimizer step or a weight sync bumps the
+    version), never under CUDA-graph capture, where the graph reuses its buffers. An entry leaves
+    when its master dies; ``is`` guards a reused id."""
+
+    def __init__(self, make: Callable[[torch.Tensor], E]) -> None:
+        self._make = make
+        self._by_id: dict[int, tuple[weakref.ref, E]] = {}
+
+    def __contains__(self, key: int) -> bool:
+        """Is there an entry for the master whose ``id`` is ``key``?"""
+        return key in self._by_id
+
+    def get(self, master: torch.Tensor) -> E:
+        """The copy of ``master``: made on first use, refreshed if the master changed."""
+        key = id(master)
+        hit = self._by_id.get(key)
+        if hit is not None and hit[0]() is master:
+            entry = hit[1]
+            if (master._version != entry.version or master.data_ptr() != entry.ptr) and not _capturing(
+                master
+            ):
+                entry.refresh(master)
+            return entry
+        entry = self._make(master)
+        self._by_id[key] = (weakref.ref(master, partial(self._forget, key=key)), entry)
+        return entry
+
+    def refresh_all(self) -> int:
+        """Re-make every copy whose master changed (a weight sync before replaying decode graphs);
+        returns how many were re-made."""
+        n = 0
+        for ref, entry in list(self._by_id.values()):
+            master = ref()
+            if master is not None and (master._version != entry.version or master.data_ptr() != entry.ptr):
+                entry.refresh(master)
+                n += 1
+        return n
+
+    def _forget(self, ref: weakref.ref, key: int) -> None:
+        hit = self._by_id.get(key)
+        if hit is not None and hit[0] is ref:
+            del self._by_id[key]
+
+
+_WEIGHTS: MasterCache[Fp8Weight] = MasterCache(Fp8Weight)
 
 
 def fp8_weight(master: torch.Tensor) -> Fp8Weight:
     """The cached E4M3 copy of ``master`` (quantized on first use, re-made when the master's
     version or storage changed; never under CUDA-graph capture, where the graph reuses the
     buffers). A call on an unchanged master reads its version and data pointer, nothing else."""
-    key = id(master)
-    hit = _BY_ID.get(key)
-    if hit is not None and hit[0]() is master:
-        entry = hit[1]
-        if (master._version != entry.version or master.data_ptr() != entry.ptr) and not (
-            master.is_cuda and torch._C._cuda_isCurrentStreamCapturing()
-        ):
-            entry.refresh(master)
-        return entry
-    entry = _WEIGHTS.get(master)
-    if entry is None:
-        entry = _WEIGHTS[master] = Fp8Weight(master)
-    elif not (master.is_cuda and torch._C._cuda_isCurrentStreamCapturing()):
-        entry.refresh(master)
-    _BY_ID[key] = (weakref.ref(master, partial(_forget, key=key)), entry)
-    return entry
+    return _WEIGHTS.get(master)
 
 
 def refresh_fp8_weights() -> int:
     """Re-quantize every cached weight whose master changed (a weight sync before replaying decode
     graphs); returns how many were re-made."""
-    n = 0
-    for master, entry in list(_WEIGHTS.items()):
-        if master._version != entry.version or master.data_ptr() != entry.ptr:
-            entry.refresh(master)
-            n += 1
-    return n
+    return _WEIGHTS.refresh_all()
 
 
 #: How activations are scaled: "group" (per token, per 128 of K: the invariant quantizer) or

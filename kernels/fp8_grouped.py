@@ -36,8 +36,7 @@ straight-through in the master dtype, per group, as :func:`isoaudit.kernels.fp8.
 
 from __future__ import annotations
 
-import weakref
-from functools import lru_cache, partial
+from functools import lru_cache
 
 import torch
 
@@ -53,10 +52,10 @@ from ._triton import (
     resolve,
     tl,
 )
-from .fp8 import Fp8Tile, w8a8_reference, weight_split
+from .fp8 import Fp8Tile, MasterCache, w8a8_reference, weight_split
 from .fp8_quant import FP8, GROUP, quantize_act, quantize_act_reference, quantize_weight
 from .gemm import _device_traits
-from .moe_grouped import _tile_table, silu_mul, sort_groups
+from .moe_grouped import _Grouped, _tile_table, silu_mul, sort_groups
 
 if HAVE_TRITON:
     from .fp8 import _fp8_span  # the W8A8 kernel's per-tile arithmetic
@@ -190,46 +189,20 @@ class Fp8Experts:
         self.version, self.ptr = master._version, master.data_ptr()
 
 
-# master (by id) -> (weak reference to it, its copy); an entry leaves when its master dies
-_EXPERTS: dict[int, tuple[weakref.ref, Fp8Experts]] = {}
-
-
-def _forget(ref: weakref.ref, key: int) -> None:
-    hit = _EXPERTS.get(key)
-    if hit is not None and hit[0] is ref:
-        del _EXPERTS[key]
-
-
-def _capturing(t: torch.Tensor) -> bool:
-    return t.is_cuda and torch._C._cuda_isCurrentStreamCapturing()
+_EXPERTS: MasterCache[Fp8Experts] = MasterCache(Fp8Experts)
 
 
 def fp8_experts(master: torch.Tensor) -> Fp8Experts:
     """The cached E4M3 copy of an (E, N, K) expert master, found by the master's identity (one dict
     get, its version and data pointer compared); quantized on first use, re-made in place when the
     master changed, never under CUDA-graph capture."""
-    key = id(master)
-    hit = _EXPERTS.get(key)
-    if hit is not None and hit[0]() is master:
-        entry = hit[1]
-        if (master._version != entry.version or master.data_ptr() != entry.ptr) and not _capturing(master):
-            entry.refresh(master)
-        return entry
-    entry = Fp8Experts(master)
-    _EXPERTS[key] = (weakref.ref(master, partial(_forget, key=key)), entry)
-    return entry
+    return _EXPERTS.get(master)
 
 
 def refresh_fp8_experts() -> int:
     """Re-quantize every cached expert copy whose master changed (a weight sync before replaying
     decode graphs); returns how many were re-made."""
-    n = 0
-    for ref, entry in list(_EXPERTS.values()):
-        master = ref()
-        if master is not None and (master._version != entry.version or master.data_ptr() != entry.ptr):
-            entry.refresh(master)
-            n += 1
-    return n
+    return _EXPERTS.refresh_all()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -438,9 +411,10 @@ def _forward(x: torch.Tensor, master: torch.Tensor, experts: list[int], offsets:
     return fp8_grouped_gemm(xq, xs, entry.q, entry.scale, experts, offsets, x.dtype, impl="torch")
 
 
-class _Fp8Grouped(torch.autograd.Function):
+class _Fp8Grouped(_Grouped):
     """Forward in W8A8 (the grouped kernel); backward straight-through in the master dtype, per
-    group, as :func:`isoaudit.kernels.fp8.fp8_linear`'s (correct, not invariant: the contract is the
+    group (:class:`~isoaudit.kernels.moe_grouped._Grouped`'s, as
+    :func:`isoaudit.kernels.fp8.fp8_linear`'s: correct, not invariant: the contract is the
     forward's bits)."""
 
     @staticmethod
@@ -448,22 +422,6 @@ class _Fp8Grouped(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.groups = (experts, offsets)
         return _forward(x, weight, experts, offsets)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        experts, offsets = ctx.groups
-        gx = torch.zeros_like(x) if ctx.needs_input_grad[0] else None
-        gw = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
-        for i, e in enumerate(experts):
-            lo, hi = offsets[i], offsets[i + 1]
-            if hi > lo:
-                g2 = grad[lo:hi].to(weight.dtype)
-                if gx is not None:
-                    gx[lo:hi] = (g2 @ weight[e]).to(x.dtype)
-                if gw is not None:
-                    gw[e] += (g2.T @ x[lo:hi].to(weight.dtype)).to(weight.dtype)
-        return gx, gw, None, None
 
 
 def fp8_grouped_linear(

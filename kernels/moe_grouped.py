@@ -138,6 +138,8 @@ class _Grouped(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
+        """Per group in the weight's dtype (``x`` and the gradient cast to it where they differ, as
+        a straight-through FP8 forward's are): ``dx = g @ W_e``, ``dW_e += g.T @ x``."""
         x, weight = ctx.saved_tensors
         experts, offsets = ctx.groups
         gx = torch.zeros_like(x) if ctx.needs_input_grad[0] else None
@@ -145,10 +147,11 @@ class _Grouped(torch.autograd.Function):
         for i, e in enumerate(experts):
             lo, hi = offsets[i], offsets[i + 1]
             if hi > lo:
+                g2 = g[lo:hi].to(weight.dtype)
                 if gx is not None:
-                    gx[lo:hi] = (g[lo:hi] @ weight[e]).to(x.dtype)
+                    gx[lo:hi] = (g2 @ weight[e]).to(x.dtype)
                 if gw is not None:
-                    gw[e] += (g[lo:hi].T @ x[lo:hi]).to(weight.dtype)
+                    gw[e] += (g2.T @ x[lo:hi].to(weight.dtype)).to(weight.dtype)
         return gx, gw, None, None
 
 

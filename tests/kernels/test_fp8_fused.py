@@ -161,7 +161,7 @@ def test_weight_lookup_by_identity() -> None:
     copy after an in-place change or a new storage, and the entry gone once the master is."""
     w = torch.randn(256, 256).bfloat16()
     e = F8.fp8_weight(w)
-    assert F8.fp8_weight(w) is e and id(w) in F8._BY_ID
+    assert F8.fp8_weight(w) is e and id(w) in F8._WEIGHTS
     q0 = e.q.clone()
     w.mul_(-1.0)
     assert F8.fp8_weight(w) is e and not torch.equal(e.q.view(torch.uint8), q0.view(torch.uint8))
@@ -172,7 +172,7 @@ def test_weight_lookup_by_identity() -> None:
     key = id(w)
     del w, e
     gc.collect()
-    assert key not in F8._BY_ID
+    assert key not in F8._WEIGHTS
 
 
 # ---------------------------------------------------------------------------------------- CUDA
