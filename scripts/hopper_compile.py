@@ -109,6 +109,52 @@ def fp8_cases() -> list[tuple[str, Any]]:
     return cases
 
 
+def fp8_grouped_cases() -> list[tuple[str, Any]]:
+    """The FP8 grouped GEMM of MoE experts for every FP8 tile candidate, with the host's tile table
+    and with the device table (and its scatter back to routing order), unsplit, split and ragged;
+    and its gather-quantizer."""
+    from isoaudit.kernels import fp8, fp8_grouped
+
+    args = dict(
+        a="*fp8e4nv", a_s="*fp32", b="*fp8e4nv", b_s="*fp32", c="*bf16", table="*i32", idx="*i32",
+        n_groups="i32", N="i32", K="i32", stride_am="i32", stride_asm="i32", stride_be="i32",
+        stride_bn="i32", stride_bse="i32", stride_bsn="i32", stride_cm="i32",
+    )  # fmt: skip
+    aligned = ("a", "a_s", "b", "b_s", "c", "table", "idx", "N", "stride_am", "stride_bn", "stride_cm")
+    cases = []
+    for tile in fp8.TILE_CANDIDATES:
+        for table, (device, scatter) in {
+            "host table": (False, False),
+            "device table": (True, False),
+            "device table scatter": (True, True),
+        }.items():
+            for variant, (span, even) in {
+                "plain": (0, True),
+                "split": (4, True),
+                "ragged-K": (5, False),
+            }.items():
+                constexprs = dict(
+                    BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=fp8.GROUP, SPAN_BLOCKS=span,
+                    LAG=tile.lag, EVEN_K=even, DEVICE_TABLE=device, E_P2=64, SCATTER=scatter,
+                )  # fmt: skip
+                options = dict(num_warps=tile.num_warps, num_stages=tile.num_stages)
+                kernel = fp8_grouped._fp8_grouped_kernel
+                cases.append(
+                    (f"fp8 grouped {tile} {table} {variant}", (kernel, args, constexprs, aligned, options))
+                )
+    gather = dict(x="*bf16", idx="*i32", q="*fp8e4nv", s="*fp32", S="i32", K="i32", stride_xm="i32",
+                  stride_sm="i32")  # fmt: skip
+    for rows in (1, 4):
+        constexprs = dict(TOPK=8, GROUP_K=fp8.GROUP, ROWS=rows, OUT_FP8=True)
+        cases.append(
+            (
+                f"fp8 grouped gather-quant ROWS={rows}",
+                (fp8_grouped._gather_quant_kernel, gather, constexprs, (), {}),
+            )
+        )
+    return cases
+
+
 def fingerprint_cases() -> list[tuple[str, Any]]:
     """Both fingerprint kernels (one region, many regions) for bf16, fp16 and fp32 rows."""
     from isoaudit.kernels import fingerprint as fp
@@ -226,7 +272,7 @@ def main() -> int:
     if args.stats:
         return print_stats(args.dump)
     failed = 0
-    for name, case in fp8_cases() + fingerprint_cases():
+    for name, case in fp8_cases() + fp8_grouped_cases() + fingerprint_cases():
         kernel, signature, constexprs, *rest = case
         aligned, options = rest if len(rest) == 2 else ((), rest[0])
         try:
