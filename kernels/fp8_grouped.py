@@ -53,7 +53,7 @@ from ._triton import (
     tl,
 )
 from .fp8 import Fp8Tile, MasterCache, w8a8_reference, weight_split
-from .fp8_quant import FP8, GROUP, quantize_act, quantize_act_reference, quantize_weight
+from .fp8_quant import FP8, GROUP, _rows_per_program, quantize_act, quantize_act_reference, quantize_weight
 from .gemm import _device_traits
 from .moe_grouped import _Grouped, _tile_table, silu_mul, sort_groups
 
@@ -386,7 +386,7 @@ def gather_quant(x: torch.Tensor, perm: torch.Tensor, top_k: int) -> tuple[torch
     if s == 0 or k == 0:
         return q, sc
     x = _unit_rows(x)
-    rows = 4 if k >= 2048 else 1  # the quantizer kernel's rows per program
+    rows = _rows_per_program(k)  # as the quantizer kernel
     key = (x.dtype, k, x.stride(0), top_k, rows, aligned(x, perm, q, sc), fp8, x.device)
     cx = dict(TOPK=top_k, GROUP_K=GROUP, ROWS=rows, OUT_FP8=fp8)
     _GATHER(
