@@ -44,7 +44,7 @@ demo: $(VENV)/.base
 	$(VENV)/bin/isoaudit demo
 
 test: $(VENV)/.test
-	ISOAUDIT_TEST_POSTGRES_URL=$(PG_URL) $(PY) -m pytest -q
+	ISOAUDIT_TEST_POSTGRES_URL=$(PG_URL) $(PY) -m pytest -q --durations=30
 
 test-fast: $(VENV)/.test
 	ISOAUDIT_TEST_POSTGRES_URL=$(PG_URL) $(PY) -m pytest -q -m "not slow and not vllm and not browser"

@@ -166,7 +166,9 @@ class Outbox:
         if isinstance(row, datetime):  # the head waits for its backoff
             return min(self.poll_s, (row - now).total_seconds())
         notice = Notice.from_record(row.notice)
-        payload = channel.payload(notice, now)
+        # The payload's clock is read after the take: a slow database must not age what it says
+        # (Alertmanager's endsAt counts from it).
+        payload = channel.payload(notice, self.now())
         attempt = row.attempts + 1
         at, started = datetime.now(UTC), time.monotonic()
         outcome, retry = channel.attempt(payload)
