@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -240,6 +241,15 @@ class HFCausalLM:
         return self._layers(
             ids, positions, rows, self._offsets(b, ids.device), positions, positions + 1, None, None, cache
         )
+
+    def decode_capturable(self) -> bool:
+        """Whether :meth:`decode` may be captured in a CUDA graph in the current mode: on CUDA (a
+        dense decoder's step reads nothing on the host in either mode)."""
+        return self.lm_head_weight.is_cuda
+
+    def decoded(self, positions: np.ndarray, live: np.ndarray) -> None:
+        """Called by the engine after each decode step (eager or replayed) with row i's absolute
+        position and whether it was a request's real token: nothing to file for a dense decoder."""
 
     def _rows(self, b: int, dev: torch.device) -> torch.Tensor:
         key = ("rows", b, dev)

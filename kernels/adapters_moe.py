@@ -14,17 +14,20 @@ and gives each experts module an :class:`ExpertSlots` child: the per-slot expert
 (``layers.i.experts``, one row a token: its k outputs in slot order), computed inside the
 invariant experts with the kernels on, and by HF's own experts implementation when a hook asks for
 them with the kernels off. :class:`HFMoECausalLM` is :class:`isoaudit.kernels.adapters.HFCausalLM`
-for these families, tagging its tokens (trainer: batch row and position; engine: slot and position).
+for these families, tagging its tokens (trainer: batch row and position; engine: slot and position);
+its decode step records routing into a device buffer, so the engine can replay it from a CUDA graph
+where the MoE layers read nothing on the host (kernels on, the host-sync-free experts).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn as nn
 
-from . import moe
+from . import dispatch, moe
 from .adapters import HFCausalLM, _rmsnorm_forward, family_classes
 
 _FAMILIES = [("qwen3_moe", "Qwen3Moe"), ("mixtral", "Mixtral")]
@@ -171,16 +174,63 @@ def instrument(model: nn.Module) -> int:
 
 
 class HFMoECausalLM(HFCausalLM):
-    """:class:`HFCausalLM` for HF's MoE families, its tokens tagged for routing traces."""
+    """:class:`HFCausalLM` for HF's MoE families, its tokens tagged for routing traces.
 
-    # The MoE dispatch reads routed counts on the host, so the decode step cannot be captured in a
-    # CUDA graph: the engine runs ``step`` for every decode step instead.
-    decode = None  # type: ignore[assignment]  # no graph-captured decode step (see above)
+    :meth:`decode` routes every MoE layer's selected experts into a device buffer of its batch size
+    (:class:`isoaudit.kernels.moe.StepRoutes`), never through a host copy, and :meth:`decoded` files
+    them in the active traces after the step, so a replayed CUDA graph's routing is recorded as
+    :meth:`step`'s is. :meth:`decode_capturable` says when the whole step is free of host reads."""
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__(model)
         if instrument(model) == 0:
             raise ValueError("model: no Qwen3-MoE / Mixtral sparse MoE block found")
+        self._top_k = {i: int(block.gate.top_k) for i, block in moe_blocks(model)}
+        self._step_routes: dict[tuple[int, torch.device], moe.StepRoutes] = {}
+
+    def decode_capturable(self) -> bool:
+        """On CUDA, with the kernels on and every MoE layer's router, experts and combine on the
+        host-sync-free path (:func:`isoaudit.kernels.moe.host_sync_free`): not in the native mode
+        (HF's experts find their tokens with ``nonzero``), with ``ISOAUDIT_MOE_FAST=0``, on the
+        per-expert paths (``ISOAUDIT_MOE_GROUPED=0``, per-tensor FP8 activation scales) or with more
+        experts than the one-launch router takes (:data:`isoaudit.kernels.moe_router.MAX_EXPERTS`)."""
+        if not (super().decode_capturable() and dispatch.is_enabled()):
+            return False
+        return all(
+            moe.host_sync_free(block.experts.gate_up_proj, block.experts.down_proj)
+            for _, block in moe_blocks(self.model)
+        )
+
+    @torch.no_grad()
+    def decode(
+        self, ids: torch.Tensor, positions: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> torch.Tensor:
+        """:meth:`HFCausalLM.decode` (one token per cache slot, :meth:`step`'s arithmetic per token)
+        with every MoE layer's selected experts written into this batch size's
+        :class:`~isoaudit.kernels.moe.StepRoutes` buffer (on the device: inside a CUDA graph too);
+        the engine calls :meth:`decoded` after the step to file them."""
+        with self._routes(ids.shape[0], ids.device).recording():
+            return super().decode(ids, positions, cache)
+
+    def decoded(self, positions: np.ndarray, live: np.ndarray) -> None:
+        """After a decode step of ``len(positions)`` rows (eager or replayed): its routing to the
+        active traces, from one host copy of the step's buffer, row i tagged (slot i,
+        ``positions[i]``) as :meth:`step` tags its tokens. Only ``live`` rows (requests' real
+        tokens) are filed: padding slots and the positions finished requests re-run are not tokens
+        the packed steps compute, so the traces hold what an eager generation's do."""
+        routes = self._step_routes.get((len(positions), self.lm_head_weight.device))
+        if routes is None:
+            return
+        rows = torch.from_numpy(np.flatnonzero(live))
+        routes.flush(rows, torch.from_numpy(positions.astype(np.int64))[rows], rows)
+
+    def _routes(self, rows: int, device: torch.device) -> moe.StepRoutes:
+        """The decode routing buffer of ``rows`` slots, made once (graphs captured over it write
+        into it at every replay)."""
+        key = (rows, device)
+        if key not in self._step_routes:
+            self._step_routes[key] = moe.StepRoutes(self._top_k, rows, device)
+        return self._step_routes[key]
 
     @torch.no_grad()
     def step(

@@ -11,11 +11,17 @@ against it means something:
 
 * while some prompt is still being prefilled, each step packs every live request's pending tokens
   (prompt chunks and single decode tokens) into one flat batch;
-* on CUDA with a model that has ``decode`` (:class:`~isoaudit.kernels.adapters.HFCausalLM`), once every
-  prompt is in the cache, all requests decode together, one row per cache slot, the batch padded
-  to a size bucket, the step (the whole model, fp32 logits, log-softmax and the logits at the
-  temperature) replayed from a CUDA graph captured once per bucket and mode (elsewhere, or with
-  ``cuda_graphs=False``, the packed steps go on with the live requests);
+* on CUDA with a model that has ``decode`` (:class:`~isoaudit.kernels.adapters.HFCausalLM`,
+  :class:`~isoaudit.kernels.adapters_moe.HFMoECausalLM`) and says it is capturable in the current
+  mode (``decode_capturable()``: an MoE model's is when the kernels are on and its experts take the
+  host-sync-free path), once every prompt is in the cache, all requests decode together, one row
+  per cache slot, the batch padded to a size bucket, the step (the whole model, fp32 logits,
+  log-softmax and the logits at the temperature) replayed from a CUDA graph captured once per
+  bucket and mode (elsewhere, or with ``cuda_graphs=False``, the packed steps go on with the live
+  requests; ``bucketed_decode=True`` runs the bucketed step eagerly instead);
+* after each bucketed step the model's ``decoded(positions, live)`` hears which rows were real
+  and at which positions (an MoE model files the step's routing, which the step wrote into a
+  device buffer, in the active routing traces);
 * sampled tokens and logprobs stay on the device; the host reads them once, at the end.
 
 With the kernels on, the graph computes the same bits as the eager step (the kernels are
@@ -43,6 +49,11 @@ from . import dispatch
 
 
 class EngineModel(Protocol):
+    """What the engine runs. Optional, for the bucketed decode: ``decode(ids, positions, cache)``
+    (one token per cache slot, :meth:`step`'s bits per token), ``decode_capturable()`` (whether
+    that step may be captured in a CUDA graph in the current mode; absent: yes) and
+    ``decoded(positions, live)`` (told after each bucketed step which rows were real, where)."""
+
     @property
     def lm_head_weight(self) -> torch.Tensor: ...  # read only (HFCausalLM's is a property)
 
@@ -175,9 +186,15 @@ class RolloutEngine:
         self.replays = 0
 
     def graphed(self) -> bool:
-        """Whether decode steps replay CUDA graphs (else they run eagerly)."""
+        """Whether decode steps replay CUDA graphs (else they run eagerly): CUDA, a model with
+        ``decode`` that, where it has ``decode_capturable()``, says the step is capturable in the
+        current mode (else it decodes eagerly, in packed steps or, with ``bucketed_decode``, in a
+        bucket)."""
         m = self.model
-        return self.cuda_graphs and self.model.lm_head_weight.is_cuda and callable(getattr(m, "decode", None))
+        if not (self.cuda_graphs and m.lm_head_weight.is_cuda and callable(getattr(m, "decode", None))):
+            return False
+        capturable = getattr(m, "decode_capturable", None)
+        return not callable(capturable) or bool(capturable())
 
     def bucketed(self) -> bool:
         """Whether decode runs every request together in a bucket (graphed or not)."""
@@ -296,19 +313,22 @@ class RolloutEngine:
             g.pos.fill_(self.max_len - 1)
             g.ids[:n] = state.last
             observer = self._observer
-            if observer is not None:  # the same positions, known on the host
-                base_h = np.array([len(prompts[i]) + state.count[i] - 1 for i in range(n)], dtype=np.int64)
-                left_h = np.array(left, dtype=np.int64)
-                pos_h = np.full(slots, self.max_len - 1, dtype=np.int64)
-                live_h = np.zeros(slots, dtype=bool)
+            decoded = getattr(self.model, "decoded", None)
+            # the same positions, known on the host
+            base_h = np.array([len(prompts[i]) + state.count[i] - 1 for i in range(n)], dtype=np.int64)
+            left_h = np.array(left, dtype=np.int64)
+            pos_h = np.full(slots, self.max_len - 1, dtype=np.int64)
+            live_h = np.zeros(slots, dtype=bool)
             for s in range(steps):
                 # A request that is done repeats its last position (harmless: its slot is its own).
                 g.pos[:n] = base + last_step.clamp(max=s)
                 logp, scaled = g()
                 self.replays += g.graph is not None
+                pos_h[:n] = base_h + np.minimum(np.maximum(left_h - 1, 0), s)
+                live_h[:n] = left_h > s
+                if callable(decoded):
+                    decoded(pos_h.copy(), live_h.copy())
                 if observer is not None:
-                    pos_h[:n] = base_h + np.minimum(np.maximum(left_h - 1, 0), s)
-                    live_h[:n] = left_h > s
                     observer.replayed(slots, pos_h.copy(), live_h.copy())
                 tok = _sample(scaled[:n], None, n, gen)
                 state.tokens[rows_all, cols + s] = tok

@@ -52,11 +52,13 @@ __all__ = [
     "RouteCall",
     "Routing",
     "RoutingTrace",
+    "StepRoutes",
     "agreement",
     "combine",
     "expert_outputs",
     "expert_outputs_distributed",
     "grouped_ffn",
+    "host_sync_free",
     "run_experts",
     "moe_layer",
     "route",
@@ -392,6 +394,16 @@ def _fast(*ts: torch.Tensor) -> bool:
     return not (torch.is_grad_enabled() and any(t.requires_grad for t in ts))
 
 
+def host_sync_free(gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """Whether a forward (no-grad) MoE layer over these experts, on their device and in the current
+    mode, reads nothing on the host: the router's one launch, the experts' host-sync-free path
+    (:func:`_fast`) and the combine. What decides whether a decode step over the layer can be
+    captured in a CUDA graph (on CUDA); on the CPU it holds under the Triton interpreter only.
+    Its routing is then recorded through a :class:`StepRoutes` buffer, not :func:`record`'s copy."""
+    with torch.no_grad():
+        return _fast(gate_up.new_empty(0, gate_up.shape[-1]), gate_up, down)
+
+
 def _expert_outputs_fast(
     x: torch.Tensor, flat: torch.Tensor, k: int, gate_up: torch.Tensor, down: torch.Tensor
 ) -> torch.Tensor:
@@ -606,7 +618,13 @@ def tokens(seq: torch.Tensor, pos: torch.Tensor) -> Iterator[None]:
 
 
 def record(layer: int | None, experts: torch.Tensor) -> None:
-    """Add one call's selected experts (T, k) to the active traces (no-op when none is active)."""
+    """Add one call's selected experts (T, k) to the active traces (no-op when none is active).
+    Inside :meth:`StepRoutes.recording` (a decode step), a numbered layer's experts go to that
+    buffer instead, on the device: no host read, whether or not a trace is active."""
+    steps = _STEP_ROUTES.get()
+    if steps is not None and layer is not None:
+        steps.write(layer, experts)
+        return
     traces = _TRACES.get()
     if not traces:
         return
@@ -614,15 +632,77 @@ def record(layer: int | None, experts: torch.Tensor) -> None:
         for tr in traces:
             tr.unlabelled += 1
         return
-    top = int(experts.max()) if experts.numel() else 0
-    small = experts.detach().to("cpu", torch.int16 if top > 255 else torch.uint8)
     tags = _TOKENS.get()
     seq = pos = None
     if tags is not None and tags[0].numel() == experts.shape[0]:
         seq, pos = (t.detach().to("cpu", torch.int64, copy=True) for t in tags)  # callers reuse buffers
+    _append(traces, layer, experts.detach().cpu(), seq, pos)
+
+
+def _append(
+    traces: Sequence[RoutingTrace],
+    layer: int,
+    experts: torch.Tensor,
+    seq: torch.Tensor | None,
+    pos: torch.Tensor | None,
+) -> None:
+    """One :class:`RouteCall` of host ``experts`` (T, k), stored in the smallest dtype that holds
+    them, appended to every trace."""
+    top = int(experts.max()) if experts.numel() else 0
+    small = experts.to(torch.int16 if top > 255 else torch.uint8)
     call = RouteCall(int(layer), small, seq, pos)
     for tr in traces:
         tr.calls.append(call)
+
+
+class StepRoutes:
+    """The selected experts of one decode step, every MoE layer's in one preallocated device
+    buffer ``(layers, rows, max k)``: what a CUDA-graph-captured decode records routing into, since
+    a replay runs no Python (so no :func:`record` host copy). Inside :meth:`recording` each
+    numbered layer's :func:`record` call copies its (rows, k) experts into the buffer (an op a
+    capture records, repeated by every replay); after the step, :meth:`flush` appends the step's
+    :class:`RouteCall` objects to the active traces from one host copy of the buffer. A model
+    keeps one per decode batch size, made before the first capture and kept as long as the
+    graphs that write into it."""
+
+    def __init__(self, top_k: Mapping[int, int], rows: int, device: torch.device) -> None:
+        self.layers = sorted(top_k)
+        self.top_k = [top_k[layer] for layer in self.layers]
+        self._index = {layer: i for i, layer in enumerate(self.layers)}
+        width = max(self.top_k, default=0)
+        self.buffer = torch.zeros(len(self.layers), rows, width, dtype=torch.int64, device=device)
+
+    def write(self, layer: int, experts: torch.Tensor) -> None:
+        """Copy layer ``layer``'s selected experts (rows, k) into its part of the buffer."""
+        i = self._index.get(layer)
+        if i is None:
+            raise KeyError(f"layer {layer}: not one of this step's MoE layers {self.layers}")
+        self.buffer[i, :, : self.top_k[i]].copy_(experts)
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[None]:
+        """Send the numbered layers' :func:`record` calls inside the block to this buffer."""
+        reset = _STEP_ROUTES.set(self)
+        try:
+            yield
+        finally:
+            _STEP_ROUTES.reset(reset)
+
+    def flush(self, seq: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor) -> None:
+        """Append the last step's routing of buffer rows ``rows`` to the active traces (no-op, and
+        no host read, when none is active): one :class:`RouteCall` per layer, in layer order (the
+        order the step called them), row ``rows[j]`` tagged as token ``(seq[j], pos[j])``."""
+        traces = _TRACES.get()
+        if not traces:
+            return
+        host = self.buffer.cpu()  # the step's one host read
+        for i, layer in enumerate(self.layers):
+            _append(traces, layer, host[i, rows, : self.top_k[i]], seq, pos)
+
+
+_STEP_ROUTES: contextvars.ContextVar[StepRoutes | None] = contextvars.ContextVar(
+    "moe_step_routes", default=None
+)
 
 
 def agreement(a: RoutingTrace, b: RoutingTrace, layers: Sequence[int] | None = None) -> dict[int, float]:

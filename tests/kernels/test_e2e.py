@@ -113,6 +113,7 @@ def run_pair(
         "mean_abs_delta": float(delta.mean()),
         "max_abs_delta": float(delta.max()),
         "exact_fraction": float((delta == 0).float().mean()),
+        "replays": eng.replays,  # decode steps replayed from a CUDA graph
     }
 
 

@@ -153,3 +153,29 @@ def test_qwen3_moe_fp8_gpu() -> None:
         _report(f"qwen3_moe-4L-bf16 invariant-fp8 chunk={chunk}", res)
         assert res["mean_abs_delta"] == 0.0 and res["exact_fraction"] == 1.0
         assert res["routing_agreement_min"] == 1.0
+
+
+@gpu
+def test_qwen3_moe_fp8_graphs_gpu() -> None:
+    """A Qwen3-MoE rollout in the FP8 mode decoded in CUDA graphs (the adapter itself, no tracing
+    wrapper: the engine captures its decode, experts through the FP8 grouped GEMM's host-sync-free
+    path) against the trainer's FP8 recompute: every logprob bit for bit, graphs replayed. With
+    per-tensor activation scales the experts leave that path: nothing is captured, and rollout and
+    trainer disagree."""
+    from .test_moe_e2e import hf_moe
+
+    model = hf_moe("qwen3_moe", 4, 256, 16, 4, 1024, torch.bfloat16, "cuda")
+    prompts, new = _requests(1024, LENS, NEW)
+    for chunk in (None, 16):
+        res = run_pair(model, True, prompts, new, chunk, fp8=True)
+        _report(f"qwen3_moe-4L-bf16 invariant-fp8 graphs chunk={chunk}", res)
+        assert res["replays"] > 0
+        assert res["mean_abs_delta"] == 0.0 and res["exact_fraction"] == 1.0
+    _trainer_batch_invariant(model, 1024)
+    prev = F8.set_act_scaling("tensor")
+    try:
+        res = run_pair(model, True, prompts, new, None, fp8=True)
+    finally:
+        F8.set_act_scaling(prev)
+    _report("qwen3_moe-4L-bf16 fp8 per-tensor activation scales", res)
+    assert res["replays"] == 0 and res["mean_abs_delta"] > 0
