@@ -140,6 +140,54 @@ def test_graphed_decode_fingerprints_equal_eager_and_replay_gpu() -> None:
         _assert_same_records(a, b)
 
 
+def _tiny_moe(dev: str, dtype: torch.dtype, layers: int = 2, hidden: int = 64, vocab: int = 256):
+    pytest.importorskip("transformers")
+    from tests.kernels.test_moe_e2e import hf_moe
+
+    return hf_moe("qwen3_moe", layers, hidden, 8, 2, vocab, dtype, dev)
+
+
+MOE_REGIONS = {"layers.1.router", "layers.1.experts", "layers.1.combine"}
+
+
+def test_moe_bucketed_decode_fingerprints_equal_the_packed_hooks() -> None:
+    """Kernels on, a Qwen3-MoE: the bucketed decode fingerprints every region, the router, the
+    per-slot expert outputs and the combine included, with the packed eager steps' rows and bits,
+    and samples the same tokens."""
+    model = _tiny_moe("cpu", torch.float32)
+    with kernels.enable():
+        eng, _, bucketed = _run(model, {"bucketed_decode": True}, observe=True)
+        _, _, packed = _run(model, {}, observe=False)
+    (done_b, recs_b), (done_p, recs_p) = bucketed[0], packed[0]
+    assert [c.tokens for c in done_b] == [c.tokens for c in done_p]
+    assert [c.logprobs for c in done_b] == [c.logprobs for c in done_p]
+    assert eng.graph_keys == [(4, "invariant")]
+    assert {r.region for r in recs_b if r.case == "engine_decode"} >= MOE_REGIONS
+    _assert_same_records(recs_b, recs_p, exact_sketch=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_moe_graphed_decode_fingerprints_equal_eager_gpu() -> None:
+    """Kernels on, a bf16 Qwen3-MoE: every region, the MoE ones included, fingerprinted inside the
+    captured decode, bit for bit the eager packed steps' fingerprints, tokens and logprobs."""
+    model = _tiny_moe("cuda", torch.bfloat16, layers=4, hidden=256, vocab=1024)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 1024, (n,), generator=gen).tolist() for n in (3, 17, 40, 64, 65)]
+    new = [30, 12, 40, 25, 33]
+    with kernels.enable():
+        eng, _, graphed = _run(model, {}, observe=True, prompts=prompts, new=new, seeds=(1, 2))
+        assert eng.graphed() and eng.replays >= 2 * (max(new) - 1) and len(eng.captures) == 1
+        _, _, eager = _run(
+            model, {"cuda_graphs": False}, observe=False, prompts=prompts, new=new, seeds=(1, 2)
+        )
+    for (da, a), (db, b) in zip(graphed, eager, strict=True):
+        assert [c.tokens for c in da] == [c.tokens for c in db]
+        assert [c.logprobs for c in da] == [c.logprobs for c in db]
+        assert {r.region for r in a if r.case == "engine_decode"} >= {"layers.3.router", "layers.3.combine"}
+        _assert_same_records(a, b)
+
+
 def test_a_mode_switch_rebuilds_the_decode_step_and_the_manifest_says_so() -> None:
     """The collector at the engine's step boundary: a switch drops the captured step, the next
     decode builds it again in the new mode (with the fingerprints inside), and records stay
