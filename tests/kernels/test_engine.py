@@ -5,6 +5,7 @@ bucket with the same bits as the eager step (kernels on)."""
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -140,6 +141,31 @@ def test_decode_is_step_per_token() -> None:
     assert torch.equal(stepped, decoded)
     for (ka, va), (kb, vb) in zip(cache_a, cache_b, strict=True):
         assert torch.equal(ka, kb) and torch.equal(va, vb)
+
+
+class _CudaLike:
+    """A model whose head reads as a CUDA tensor (what ``graphed()`` checks first), with a decode
+    step that may say whether it is capturable."""
+
+    def __init__(self, capturable: bool | None) -> None:
+        self.lm_head_weight = SimpleNamespace(is_cuda=True)
+        if capturable is not None:
+            self.decode_capturable = lambda: capturable
+
+    def decode(self, ids, positions, cache):  # never run here
+        raise AssertionError
+
+
+@pytest.mark.parametrize("capturable", [True, False, None])
+def test_graphed_asks_the_model_whether_its_decode_is_capturable(capturable: bool | None) -> None:
+    """A model that says its decode is not capturable in the current mode (an MoE model natively)
+    is not graphed; one that does not say is (a dense decoder); ``cuda_graphs=False`` never is,
+    and with ``bucketed_decode`` the uncapturable decode still runs bucketed, eagerly."""
+    model = _CudaLike(capturable)
+    assert RolloutEngine(model).graphed() is (capturable is not False)
+    assert not RolloutEngine(model, cuda_graphs=False).graphed()
+    assert RolloutEngine(model, bucketed_decode=True).bucketed()
+    assert RolloutEngine(model).bucketed() is (capturable is not False)
 
 
 @gpu
