@@ -520,8 +520,17 @@ def _combine(
 
 #: Keys found to take one value on every token whose sides agree bitwise: that value (None: not so).
 _AT_AGREEING: dict[Key, Any] = {}
-#: Logprobs on which :func:`at_agreeing` tries a quantity (both sides equal).
-_PROBE = np.array([-1.0, -2.5, -0.125, -7.0, -1e-6, -30.0], dtype=np.float32)
+#: Logprobs on which :func:`at_agreeing` tries a quantity (both sides equal): a few thousand, spread
+#: over the range logprobs take, fixed by a seed. A quantity that depends on the logprob through a
+#: rounding (``log(exp(t))`` is ``t`` for most ``t``, not all, and which ones depends on the CPU's
+#: math library) shows it on some of them on any machine; a handful of round values can all land
+#: exactly and pass such a quantity off as constant.
+_PROBE = np.concatenate(
+    [
+        -np.random.default_rng(20261207).exponential(3.0, 4096),
+        [-1.0, -2.5, -0.125, -7.0, -1e-6, -30.0, -0.0, -1e-30, -80.0],
+    ]
+).astype(np.float32)
 
 
 def at_agreeing(key: Key) -> float | bool | None:

@@ -37,10 +37,10 @@ from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.support import expected_conditions as EC  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
-#: The README's snippet runs a tiny float32 Qwen3 against isoaudit's reference engine: their logprobs
-#: differ in the last bits of some tokens (KL ~1e-14, far under the default kl_k3 rules, which are
-#: sized for real models), so the job's environment names a rules file, as README's configuration
-#: table says (ISOAUDIT_ALERT_RULES), with a rule that fires on any token whose bits differ.
+#: The README's snippet runs a tiny float32 Qwen3 against isoaudit's reference engine (serving a copy
+#: with a planted fault, see PREAMBLE): their logprobs differ slightly, far under the default kl_k3
+#: rules (sized for real models), so the job's environment names a rules file, as README's
+#: configuration table says (ISOAUDIT_ALERT_RULES), with a rule that fires on any token whose bits differ.
 RULES = """\
 rules:
   - name: any_bitwise_mismatch
@@ -51,14 +51,22 @@ rules:
 """
 
 #: What the snippet expects to exist: the policy, the engine, prompts, lengths and the step count.
+#: The engine serves its own copy of the policy with one weight 0.1 % off (a planted fault): on some
+#: CPUs the HF forward and the engine's packed steps agree bit for bit, and the run must have a
+#: divergence to show on every machine.
 PREAMBLE = """\
+import copy
 import numpy as np
+import torch
 from isoaudit.collectors.tiny_models import load_tiny_model
 from isoaudit.kernels.adapters import HFCausalLM
 from isoaudit.kernels.engine import RolloutEngine
 
 policy, _ = load_tiny_model({model!r})
-engine = RolloutEngine(HFCausalLM(policy), max_len=64)
+served = copy.deepcopy(policy)
+with torch.no_grad():
+    served.model.layers[1].mlp.down_proj.weight[0, 0] *= 1.001
+engine = RolloutEngine(HFCausalLM(served), max_len=64)
 rng = np.random.default_rng(0)
 prompts = [rng.integers(3, 500, n).tolist() for n in (5, 9, 3)]
 max_new = [4, 6, 2]
