@@ -4,13 +4,14 @@
 # the part goes on after a failure, so one call always returns what it measured.
 #
 # Usage, on the device machine from the checkout's root (wheels in .whl/, see device_tests.sh):
-#   bash scripts/gpu_pending.sh bits        # gpu tests of the kernels not yet run on a GPU (~8 min)
+#   bash scripts/gpu_pending.sh bits        # gpu tests of the FP8 kernels not yet run on a GPU (~9 min)
+#   bash scripts/gpu_pending.sh graphs      # MoE decode in CUDA graphs; fused logprobs, split policy (~9 min)
 #   bash scripts/gpu_pending.sh trainer     # the compiled trainer's overhead with its phase split (~7 min)
 #   bash scripts/gpu_pending.sh kernels     # FP8 fused/host/MoE, decode GEMMs, fused logprobs memory (~9 min)
 #   bash scripts/gpu_pending.sh steps       # GRPO steps: --fp8, and the long-context one (~9 min)
 # Logs go to $OUT/<part>.log when $OUT is set (the device tool brings it back), else to stdout.
 set -u
-part=${1:?usage: gpu_pending.sh bits|trainer|kernels|steps}
+part=${1:?usage: gpu_pending.sh bits|graphs|trainer|kernels|steps}
 log=${OUT:+$OUT/$part.log}
 log=${log:-/dev/stdout}
 rm -rf /tmp/isoaudit-site  # install this checkout, not a previous call's
@@ -26,8 +27,12 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >>"$log" 2>&1
 case $part in
   bits)
     run fp8-grouped-fused 240 pytest -m gpu tests/kernels/test_fp8_grouped.py tests/kernels/test_fp8_fused.py
-    run fp8-e2e 150 pytest -m gpu tests/kernels/test_fp8_e2e.py
-    run moe-graph-decode 150 pytest -m gpu tests/kernels/test_moe_e2e.py tests/kernels/test_moe_graph_decode.py
+    run fp8-e2e 300 pytest -m gpu tests/kernels/test_fp8_e2e.py
+    ;;
+  graphs)
+    run moe-graph-decode 300 pytest -m gpu tests/kernels/test_moe_graph_decode.py tests/kernels/test_moe_e2e.py \
+      tests/collectors/test_engine_graph_prints.py
+    run logprobs-gemm 240 pytest -m gpu tests/kernels/test_fused_logprobs.py tests/kernels/test_logprobs.py tests/kernels/test_gemm.py
     ;;
   trainer)
     run trainer-phases 540 python bench/collector_overhead.py --scenario graphs --device cuda --model 0.5b \
@@ -43,7 +48,7 @@ case $part in
     run rl-loop-long 270 python bench/rl_loop_gpu.py --prompt-len 8192
     ;;
   *)
-    echo "gpu_pending.sh: no part named '$part' (bits, trainer, kernels, steps)" >&2
+    echo "gpu_pending.sh: no part named '$part' (bits, graphs, trainer, kernels, steps)" >&2
     exit 2
     ;;
 esac
