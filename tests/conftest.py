@@ -17,21 +17,18 @@ if not os.environ.get("CUDA_VISIBLE_DEVICES") and not os.path.exists("/dev/nvidi
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-# Under the interpreter tl.dot is numpy's matmul. OpenBLAS's Haswell and Zen sgemm kernels (what it
-# picks on an AMD EPYC) round a row differently by where the row sits in the block, which breaks the
-# kernel tests' "a row's bits depend on that row alone" (measured: the MoE grouping and attention
-# merge tests fail); its SkylakeX kernel does not. Pin that one where the CPU has AVX-512, before
-# anything loads numpy, over any other choice in the environment (this workplace sets Haswell).
-def _has_avx512() -> bool:
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            return any(line.startswith("flags") and " avx512f" in line for line in cpuinfo)
-    except OSError:
-        return False
+def pytest_configure(config: pytest.Config) -> None:
+    """Under the interpreter, ``tl.dot`` computes each output element alone, the same bits on every
+    machine (:mod:`tests.triton_interpreter`)."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        try:
+            import triton.runtime.interpreter  # noqa: F401
+        except ImportError:  # no Triton: the kernel tests skip
+            return
+        from tests import triton_interpreter
 
+        triton_interpreter.install()
 
-if _has_avx512():
-    os.environ["OPENBLAS_CORETYPE"] = "SkylakeX"
 
 if TYPE_CHECKING:
     from isoaudit.audit.db import Store
