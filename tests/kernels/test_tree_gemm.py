@@ -25,6 +25,13 @@ tree_gemm_mod = importlib.import_module(
 )  # the package exports a function of that name
 
 
+def assert_fp32_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """The same tree in fp32 by another code (the torch reference against the interpreter, whose
+    ``tl.dot`` rounds each leaf's sum once): each leaf's sum rounds differently, so the results agree
+    to a few units in the last place of the output's scale, not of each (possibly cancelling) element."""
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=2.0**-20 * float(want.abs().max()))
+
+
 def test_plan_is_exact() -> None:
     p = tree_plan(k=11008, leaf=256, tp=8)
     assert (p.n_leaves, p.group_leaves, p.slots, p.slots_per_rank) == (43, 6, 64, 8)
@@ -52,7 +59,7 @@ def test_tp_invariant_cpu(dev: str, k: int, tma: bool, monkeypatch: pytest.Monke
     ref = tree_gemm(x, w, leaf=leaf, tp=1, impl="triton")
     for tp in (2, 4, 8):
         assert bits_equal(tree_gemm(x, w, leaf=leaf, tp=tp, impl="triton"), ref), f"tp={tp}"
-    torch.testing.assert_close(ref, tree_gemm(x, w, leaf=leaf, tp=1, impl="torch"), rtol=1e-5, atol=1e-5)
+    assert_fp32_close(ref, tree_gemm(x, w, leaf=leaf, tp=1, impl="torch"))
     # One group per program (its roots then added in torch) is the same tree: the same bits.
     monkeypatch.setattr(tree_gemm_mod, "MAX_PROGRAM_SLOTS", tree_plan(k, leaf).group_slots)
     assert bits_equal(tree_gemm(x, w, leaf=leaf, tp=1, impl="triton"), ref)
@@ -116,9 +123,7 @@ def test_gemm_path_is_the_tree_cpu(
     for tp in _tps(max_tp):
         assert bits_equal(tree_gemm(x, w, leaf=leaf, tp=tp, impl="triton", max_tp=max_tp), ref), f"tp={tp}"
     assert bits_equal(tree_gemm(x[:3], w, leaf=leaf, tp=1, impl="triton", max_tp=max_tp), ref[:3])
-    torch.testing.assert_close(
-        ref, tree_gemm(x, w, leaf=leaf, impl="torch", max_tp=max_tp), rtol=1e-5, atol=1e-5
-    )
+    assert_fp32_close(ref, tree_gemm(x, w, leaf=leaf, impl="torch", max_tp=max_tp))
 
 
 @gpu
