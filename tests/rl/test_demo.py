@@ -29,7 +29,7 @@ pytestmark = pytest.mark.slow
 
 def demo_command(work: Path, steps: int, remediate_at: int) -> tuple[list[str], dict[str, str]]:
     """`isoaudit demo` on the reference engine, tiny, over ``work/demo.db``, and its environment."""
-    env = {**os.environ, "ISOAUDIT_DATABASE_URL": f"sqlite:///{work / 'demo.db'}"}
+    env = {**os.environ, "ISOAUDIT_DATABASE_URL": f"sqlite:///{work / 'demo.db'}", "PYTHONFAULTHANDLER": "1"}
     env.pop("TRITON_INTERPRET", None)  # the demo's CPU kernels need no Triton interpreter
     # The console script from a folder outside the checkout, as a user runs it: `python -m` from
     # the checkout would find our packages first whatever else is installed.
@@ -167,7 +167,17 @@ def test_the_demo_rule_never_judges_another_projects_runs(store: Store) -> None:
 
 def test_ctrl_c_ends_the_demo_with_its_rule_disabled(tmp_path: Path) -> None:
     cmd, env = demo_command(tmp_path, 200, 150)
-    demo = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    # Ctrl-C's default action in the demo, whatever this process inherited: a shell that starts a job
+    # in the background without job control (CI under nohup ... &) has it ignore SIGINT, and so would
+    # the demo, which would then never see the Ctrl-C.
+    demo = subprocess.Popen(
+        cmd,
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     store: Store | None = None
     try:
         deadline = time.monotonic() + 600
@@ -184,7 +194,16 @@ def test_ctrl_c_ends_the_demo_with_its_rule_disabled(tmp_path: Path) -> None:
         rule = get_rule_row(store, DEMO_RULE_NAME)
         assert rule is not None and rule.enabled
         demo.send_signal(signal.SIGINT)  # what Ctrl-C in its terminal sends
-        demo.wait(120)
+        interrupted = time.monotonic()
+        try:
+            demo.wait(120)
+            print(f"\ndemo: ended {time.monotonic() - interrupted:.1f} s after Ctrl-C")
+        except subprocess.TimeoutExpired:  # where it hangs: every thread's stack (PYTHONFAULTHANDLER)
+            demo.send_signal(signal.SIGABRT)
+            out = demo.communicate(timeout=60)[0] or b""
+            raise AssertionError(
+                f"the demo did not end within 120 s of Ctrl-C:\n{out.decode()[-8000:]}"
+            ) from None
         rule = get_rule_row(store, DEMO_RULE_NAME)
         assert rule is not None and not rule.enabled
     finally:
