@@ -5,8 +5,10 @@ refuses fails here, before a GPU run. The Triton installed here may be newer tha
 this catches what both refuse. Run it without TRITON_INTERPRET (the interpreter decorates the
 helper functions differently at import):
 
-    python scripts/hopper_compile.py
+    python scripts/hopper_compile.py [--jobs N]
     python scripts/hopper_compile.py --stats [--dump DIR]
+
+The cases compile in ``--jobs`` processes (default: one a core; the compiler is single-threaded).
 
 The FP8 cases are compiled as the runtime specialises a launch on the model shapes: pointers and
 N, K, the row strides divisible by 16 (``tt.divisibility``; without it the loads are not
@@ -20,8 +22,11 @@ SASS.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import sys
+from concurrent.futures import ProcessPoolExecutor
+from functools import cache
 from typing import Any
 
 FP8_ARGS = dict(
@@ -266,23 +271,43 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--stats", action="store_true", help="instruction counts of the FP8 decode launches")
     ap.add_argument("--dump", default=None, help="with --stats: write each launch's TTGIR, PTX and SASS here")
+    ap.add_argument(
+        "--jobs", type=int, default=os.cpu_count() or 1, help="compiler processes (default: one a core)"
+    )
     args = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("hopper_compile: unset TRITON_INTERPRET (the interpreter cannot build cubins)")
     if args.stats:
         return print_stats(args.dump)
     failed = 0
-    for name, case in fp8_cases() + fp8_grouped_cases() + fingerprint_cases():
-        kernel, signature, constexprs, *rest = case
-        aligned, options = rest if len(rest) == 2 else ((), rest[0])
-        try:
-            compile_for_sm90(kernel, signature, constexprs, aligned, **options)
-            print(f"ok   {name}", flush=True)
-        except Exception as exc:  # noqa: BLE001 - every refusal is reported, then the exit code says so
-            failed += 1
-            print(f"FAIL {name}: {str(exc).strip().splitlines()[-1][:400]}", flush=True)
+    jobs = max(1, args.jobs)
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        for name, error in pool.map(compile_case, range(len(all_cases())), chunksize=4):
+            if error is None:
+                print(f"ok   {name}", flush=True)
+            else:
+                failed += 1
+                print(f"FAIL {name}: {error}", flush=True)
     print(f"{failed} failed")
     return 1 if failed else 0
+
+
+@cache
+def all_cases() -> list[tuple[str, Any]]:
+    """Every case :func:`main` compiles, in its order (each worker process makes its own list)."""
+    return fp8_cases() + fp8_grouped_cases() + fingerprint_cases()
+
+
+def compile_case(index: int) -> tuple[str, str | None]:
+    """Compile case ``index`` of :func:`all_cases`: its name and None, or the compiler's last line."""
+    name, case = all_cases()[index]
+    kernel, signature, constexprs, *rest = case
+    aligned, options = rest if len(rest) == 2 else ((), rest[0])
+    try:
+        compile_for_sm90(kernel, signature, constexprs, aligned, **options)
+        return name, None
+    except Exception as exc:  # noqa: BLE001 - every refusal is reported, then the exit code says so
+        return name, str(exc).strip().splitlines()[-1][:400]
 
 
 if __name__ == "__main__":
