@@ -184,9 +184,16 @@ def fingerprint_blocks(
     if not batch.spans or not prints:
         return []
     rows, cols = batch.shape
-    lengths = np.array([span.length for span in batch.spans], dtype=np.int32)
+    # Token-identical samples (a GRPO group's equal completions) share their derived key: a block
+    # names each sample once, so it keeps the first one's rows, as the store keeps the first
+    # SampleLogprobs of a key (one sample named twice would refuse the whole block).
+    first: dict[str, int] = {}
+    for i, key in enumerate(keys):
+        first.setdefault(key, i)
+    kept = list(first.values())  # ascending: each key's first sample
+    lengths = np.array([batch.spans[i].length for i in kept], dtype=np.int32)
     positions = np.concatenate([np.arange(n, dtype=np.int32) for n in lengths.tolist()])
-    sample_keys = list(keys)
+    sample_keys = [keys[i] for i in kept]
     takes: dict[int, slice | np.ndarray] = {}  # per distinct row_index (all regions of a forward share one)
     build = constructor(RegionFingerprintsBlock, _BLOCK_NAMES)
     shared = {"run_id": run_id, "step": step, "side": side, "case": case}
@@ -204,8 +211,7 @@ def fingerprint_blocks(
         take = takes.get(key)
         if take is None:
             starts = [
-                _first_row(host.row_index, batch.flat_start(i), span.length, region)
-                for i, span in enumerate(batch.spans)
+                _first_row(host.row_index, batch.flat_start(i), batch.spans[i].length, region) for i in kept
             ]
             adjacent = all(a + n == b for a, n, b in zip(starts, lengths.tolist(), starts[1:], strict=False))
             take = takes[key] = (

@@ -274,6 +274,37 @@ def test_a_block_stands_for_the_per_sample_records(load, padding: str, compacted
         assert [r.model_dump_json() for r in got] == [r.model_dump_json() for r in want]
 
 
+def test_a_block_names_token_identical_samples_once(load) -> None:
+    """Samples whose tokens are equal (a GRPO group's equal completions) share their derived key: a
+    block keeps the first one's rows, as the store keeps a key's first SampleLogprobs, instead of
+    naming the sample twice (which the record refuses, losing the region's whole step)."""
+    from isoaudit.collectors.assemble import (
+        fingerprint_blocks,
+        fingerprint_records,
+        keys_for,
+        sequence_tokens,
+    )
+
+    model = load("qwen3")
+    batch = make_batch("right")
+    prints = _prints_by_grouping(model, batch, 64 << 20)
+    host = {
+        key: dataclasses.replace(value, row_index=prints["rows"].numpy())
+        for key, value in prints["prints"].items()
+    }
+    keys = keys_for(batch, sequence_tokens(batch, batch.input_ids.numpy()))
+    keys[2] = keys[0]  # sample 2 named as sample 0, as equal tokens name it
+    args = {"run_id": "r", "step": 1, "side": "trainer", "case": "trainer_fwd", "batch": batch, "keys": keys}
+    n = batch.num_samples
+    want = [r for i, r in enumerate(fingerprint_records(prints=host, validate=False, **args)) if i % n != 2]
+    for validate in (False, True):
+        blocks = fingerprint_blocks(prints=host, validate=validate, **args)
+        assert all(
+            b.checked() is b and b.sample_keys == [k for i, k in enumerate(keys) if i != 2] for b in blocks
+        )
+        assert [r.model_dump_json() for r in expand_blocks(blocks)] == [r.model_dump_json() for r in want]
+
+
 def test_a_pipeline_started_late_builds_the_steps_already_waiting() -> None:
     """``start`` hands the helper thread the steps queued before it: they are built there, and
     handed back in order with those pushed after."""
