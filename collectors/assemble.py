@@ -188,8 +188,8 @@ def fingerprint_blocks(
     # names each sample once, so it keeps the first one's rows, as the store keeps the first
     # SampleLogprobs of a key (one sample named twice would refuse the whole block).
     first: dict[str, int] = {}
-    for i, key in enumerate(keys):
-        first.setdefault(key, i)
+    for i, sample in enumerate(keys):
+        first.setdefault(sample, i)
     kept = list(first.values())  # ascending: each key's first sample
     lengths = np.array([batch.spans[i].length for i in kept], dtype=np.int32)
     positions = np.concatenate([np.arange(n, dtype=np.int32) for n in lengths.tolist()])
