@@ -60,13 +60,19 @@ def test_qwen3_fp8_cpu(dev: str) -> None:
         with kernels.enable():
             b = _trainer_rows(model, prompts)
     assert not bits_equal(a, b)
-    prev = F8.set_act_scaling("tensor")
-    try:
-        res = run_pair(model, True, prompts, new, None, fp8=True)
-    finally:
-        F8.set_act_scaling(prev)
+    res = _per_tensor_pair(model, prompts, new)
     _report("qwen3-cpu-fp32 fp8 per-tensor activation scales", res)
     assert res["mean_abs_delta"] > 0
+
+
+def _per_tensor_pair(model: torch.nn.Module, prompts: list[list[int]], new: list[int]) -> dict:
+    """The FP8 rollout/recompute pair with per-tensor dynamic activation scales (the batch-mate
+    dependence the per-token groups remove), the scaling restored after."""
+    prev = F8.set_act_scaling("tensor")
+    try:
+        return run_pair(model, True, prompts, new, None, fp8=True)
+    finally:
+        F8.set_act_scaling(prev)
 
 
 @gpu
@@ -79,11 +85,7 @@ def test_hf_fp8_gpu(family: str, layers: int, hidden: int) -> None:
         _report(f"{family}-{layers}L-h{hidden}-bf16 invariant-fp8 chunk={chunk}", res)
         assert res["mean_abs_delta"] == 0.0 and res["exact_fraction"] == 1.0
     _trainer_batch_invariant(model, 1024)
-    prev = F8.set_act_scaling("tensor")
-    try:
-        res = run_pair(model, True, prompts, new, None, fp8=True)
-    finally:
-        F8.set_act_scaling(prev)
+    res = _per_tensor_pair(model, prompts, new)
     _report(f"{family}-{layers}L-h{hidden}-bf16 fp8 per-tensor activation scales", res)
     assert res["mean_abs_delta"] > 0
 
@@ -172,10 +174,6 @@ def test_qwen3_moe_fp8_graphs_gpu() -> None:
         assert res["replays"] > 0
         assert res["mean_abs_delta"] == 0.0 and res["exact_fraction"] == 1.0
     _trainer_batch_invariant(model, 1024)
-    prev = F8.set_act_scaling("tensor")
-    try:
-        res = run_pair(model, True, prompts, new, None, fp8=True)
-    finally:
-        F8.set_act_scaling(prev)
+    res = _per_tensor_pair(model, prompts, new)
     _report("qwen3_moe-4L-bf16 fp8 per-tensor activation scales", res)
     assert res["replays"] == 0 and res["mean_abs_delta"] > 0
