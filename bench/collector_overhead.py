@@ -473,6 +473,15 @@ def run_engine_graphs(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _kernel_table(fn: Any, rows: int) -> str:
+    """``fn()``'s device time by kernel name, the ``rows`` largest (torch.profiler's table)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+    return prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=70)
+
+
 def _syncs_during(fn: Any) -> int:
     """Device synchronisations ``fn()`` makes (what ``torch.cuda.set_sync_debug_mode("warn")``
     reports)."""
@@ -589,6 +598,17 @@ def run_compiled_trainer(args: argparse.Namespace) -> dict[str, Any]:
         print(
             f"timed step ms (median): {json.dumps({n: round(1e3 * statistics.median(t), 3) for n, t in times.items()})}",
             flush=True,
+        )
+    if args.kernels and cuda:  # one more step each under the profiler: where the device time goes
+        for name, which in configs:
+            n += 1
+            print(
+                f"device time by kernel, {name}:\n{_kernel_table(lambda w=which, n=n: step(w, n), args.kernels)}"
+            )
+        stats = torch.cuda.memory_stats()  # a retry frees the allocator's cache: a device sync
+        print(
+            f"allocator: peak {stats['allocated_bytes.all.peak'] / 2**30:.1f} GiB, "
+            f"retries {stats['num_alloc_retries']}, cudaMalloc calls {stats.get('num_device_alloc', 'n/a')}"
         )
     syncs: dict[str, int] | None = None
     if cuda:  # one more step each: what it makes the host wait for
@@ -769,6 +789,13 @@ def main() -> None:
         action="store_true",
         help="graphs/trainer: host time per step of each phase (forward, record_step, backward, ...) "
         "and of the collector's parts (a perf_counter around each; no profiler)",
+    )
+    parser.add_argument(
+        "--kernels",
+        type=int,
+        default=0,
+        help="graphs/trainer on CUDA: print the N kernels of most device time in one step of each "
+        "configuration (torch.profiler)",
     )
     parser.add_argument("--new", type=int, default=128, help="graphs: decode steps timed per generate")
     parser.add_argument("--check-new", type=int, default=16, help="graphs: tokens of the bitwise check")
