@@ -623,13 +623,17 @@ def run_compiled_trainer(args: argparse.Namespace) -> dict[str, Any]:
             )
             sync()
     own = watched[3].counters.own_forwards
-    # a switch to the invariant kernels: the next compiled step recompiles (Dynamo guards on it)
-    control.set("invariant")
-    n += 1
-    first = step(watched, n)
-    steady = [step(watched, n + 1 + i) for i in range(args.steps)]
-    control.set("native")
-    step(watched, n + 10)
+    recompile = float("nan")
+    if (
+        not args.no_switch
+    ):  # a switch to the invariant kernels: the next step recompiles (Dynamo guards on it)
+        control.set("invariant")
+        n += 1
+        first = step(watched, n)
+        steady = [step(watched, n + 1 + i) for i in range(args.steps)]
+        recompile = first - statistics.median(steady)
+        control.set("native")
+        step(watched, n + 10)
     mutated = sorted(watched[3]._capture.mutated)  # regions left on the per-region op
     errors = 0
     background = {}
@@ -662,7 +666,7 @@ def run_compiled_trainer(args: argparse.Namespace) -> dict[str, Any]:
         "regions_on_the_per_region_op": mutated,
         "own_forwards": own,
         "collector_errors": errors,
-        "recompile_s_after_switch": first - statistics.median(steady),
+        "recompile_s_after_switch": recompile,
         # --phases: host ms per timed step of each phase, and of the collector's parts inside them
         "phase_host_ms": {
             name: {phase: 1e3 * t / len(times[name]) for phase, t in spent.items()}
@@ -796,6 +800,9 @@ def main() -> None:
         default=0,
         help="graphs/trainer on CUDA: print the N kernels of most device time in one step of each "
         "configuration (torch.profiler)",
+    )
+    parser.add_argument(
+        "--no-switch", action="store_true", help="graphs/trainer: leave out timing a mode switch's recompile"
     )
     parser.add_argument("--new", type=int, default=128, help="graphs: decode steps timed per generate")
     parser.add_argument("--check-new", type=int, default=16, help="graphs: tokens of the bitwise check")
