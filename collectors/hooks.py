@@ -203,8 +203,8 @@ class ForwardCapture:
         self.last_slot: int | None = None
         self._firing: int | None = None  # the last slot fired in the open eager forward
         self._flushed = False  # this compiled forward's op ran at the last region's tap
-        #: bound on the activation bytes a compiled forward holds for its end (rows x width x
-        #: element size, summed over regions); regions past it are written at their tap
+        #: bound on the activation bytes a compiled forward holds for the multi-region op (rows x
+        #: width x element size, summed over regions): reaching it calls the op on what is held
         self.max_held_bytes = max_held_bytes
         _compiled_models_see_hooks()
         _ATTACHED.setdefault(model, weakref.WeakSet()).add(self)
@@ -352,9 +352,11 @@ class ForwardCapture:
         self, spec: RegionSpec, slot: int, module: nn.Module, inputs: Any, output: Any
     ) -> None:
         """A region inside a traced forward: every row held for the multi-region op, which the
-        last region to fire (:attr:`last_slot`) calls in this graph (a region seen written in place
-        after its tap, or any before the order is known: the per-region op now), into its slot
-        (rows are picked on the host after the step). No try/except: Dynamo traces this."""
+        last region to fire (:attr:`last_slot`) calls in this graph, into its slot (rows are picked
+        on the host after the step). The held rows stay under :attr:`max_held_bytes`: a region that
+        would pass it first sends what is held through the op at its own tap. The per-region op
+        takes a region seen written in place after its tap, one larger than the cap alone, and
+        any before the order is known. No try/except: Dynamo traces this."""
         target = self.compiled_target
         if target is None:
             return
@@ -370,14 +372,13 @@ class ForwardCapture:
                 return
             bits = default_ladder_bits(rows.dtype)
             size = rows.numel() * rows.element_size()
-            if (
-                self.last_slot is None
-                or self._flushed
-                or slot in self.mutated
-                or self._pending_bytes + size > self.max_held_bytes
-            ):
+            if self.last_slot is None or self._flushed or slot in self.mutated or size > self.max_held_bytes:
                 target.buffers.write(slot, rows, bits)
             else:
+                if self._pending_bytes + size > self.max_held_bytes:
+                    # the cap reached: what is held goes through the op here, and holding starts
+                    # anew (a long batch's regions in a few launches, none of them alone)
+                    self._flush_compiled()
                 # the tap itself (the op views its rows), in a new list: a list that existed
                 # before this frame and was appended to here would have to be rebuilt after the
                 # graph, every held tap an extra output of it

@@ -40,14 +40,20 @@ def _batch(seed: int) -> StepBatch:
     return StepBatch.padded(prompts, completions, temperature=TEMPERATURE)  # one shape every step
 
 
-def _train(model: torch.nn.Module, forward, steps: int, *, control=None, mutated: set | None = None):
+def _train(
+    model: torch.nn.Module, forward, steps: int, *, control=None, mutated: set | None = None,
+    held_cap: int | None = None,
+):  # fmt: skip
     """A few real steps (forward, logprobs, loss, backward); each step's records and grads
-    (``mutated``: filled with the region slots the hooks found written in place after their tap)."""
+    (``mutated``: filled with the region slots the hooks found written in place after their tap;
+    ``held_cap``: the compiled forward's bound on held activation bytes)."""
     sink = MemorySink()
     collector = attach(
         model, run="c", sink=sink, keep_records=True, strict=True, async_transfer=False,
         control=control,
     )  # fmt: skip
+    if held_cap is not None:
+        collector._capture.max_held_bytes = held_cap
     out = []
     try:
         for step in range(steps):
@@ -225,18 +231,22 @@ def test_compiled_training_steps_with_every_region_through_the_op(mode: str) -> 
             _assert_equal_prints(ra, rb)
 
 
-def _graphs_of(model: torch.nn.Module, steps: int, *, collect: bool) -> list[tuple[int, int]]:
+def _graphs_of(
+    model: torch.nn.Module, steps: int, *, collect: bool, held_cap: int | None = None, op: str = "isoaudit"
+) -> list[tuple[int, int]]:
     """Compile ``model`` (as a trainer does: not fullgraph) and run ``steps`` forwards and
-    backwards; per graph Dynamo made, (outputs, fingerprint op calls)."""
+    backwards; per graph Dynamo made, (outputs, calls of ops whose name holds ``op``)."""
     graphs: list[tuple[int, int]] = []
 
     def backend(gm: torch.fx.GraphModule, _inputs: list) -> object:
         output = next(n for n in gm.graph.nodes if n.op == "output")
-        ops = sum(1 for n in gm.graph.nodes if "isoaudit" in str(n.target))
+        ops = sum(1 for n in gm.graph.nodes if op in str(n.target))
         graphs.append((len(output.args[0]), ops))
         return gm.forward
 
     collector = attach(model, run="c", sink=MemorySink(), async_transfer=False) if collect else None
+    if collector is not None and held_cap is not None:
+        collector._capture.max_held_bytes = held_cap
     fn = torch.compile(model, backend=backend)
     try:
         for step in range(steps):
@@ -273,3 +283,37 @@ def test_held_regions_never_leave_the_compiled_graph() -> None:
     # the first call traces the hooks without buffers; the next, with them, calls the op once
     assert len(watched) == 2 and watched[-1][1] == 1
     assert watched[-1][0] == plain[0][0]
+
+
+#: A held-bytes cap that the tiny model's regions (33 rows: 8 KiB each at width 64, 17 at 128, 33
+#: for the logits) pass every few regions.
+SMALL_CAP = 40 << 10
+
+
+def test_regions_past_the_held_cap_go_through_the_op_in_parts() -> None:
+    """A batch whose regions pass the held-bytes cap: the held rows go through the multi-region op
+    each time the cap is reached (several calls in the one graph, none of the per-region op), and
+    every fingerprint still equals the eager steps' bit for bit."""
+    base = _model(torch.float32)
+    torch._dynamo.reset()
+    try:
+        multi = _graphs_of(
+            copy.deepcopy(base), 3, collect=True, held_cap=SMALL_CAP, op="fingerprint_regions_"
+        )
+        torch._dynamo.reset()
+        alone = _graphs_of(copy.deepcopy(base), 3, collect=True, held_cap=SMALL_CAP, op="fingerprint_rows_")
+        torch._dynamo.reset()
+        eager_model = _model(torch.float32)  # invariant mode: the compiled activations are eager's
+        eager = _train(eager_model, eager_model, 2, control=FixedControl("c", "invariant"))
+        compiled_model = copy.deepcopy(eager_model)
+        compiled = _train(
+            compiled_model, torch.compile(compiled_model, fullgraph=True), 2,
+            control=FixedControl("c", "invariant"), held_cap=SMALL_CAP,
+        )  # fmt: skip
+    finally:
+        kernels.disable()
+        torch._dynamo.reset()
+    assert multi[-1][1] > 1 and alone[-1][1] == 0
+    for (ra, _), (rb, _) in zip(eager, compiled, strict=True):
+        assert ra.n_fingerprint_records == rb.n_fingerprint_records > 0
+        _assert_equal_prints(ra, rb)
