@@ -175,17 +175,19 @@ def processed_logprob_rows(
     predict = to_device(torch.from_numpy(predict_rows), device)
     target_index = to_device(torch.from_numpy(target_rows), device)
     targets = to_device(input_ids.reshape(-1), device).index_select(0, target_index)
-    rows = flat.index_select(0, predict).float()
+    # a fresh gather, scaled in place: a [targets, vocab] fp32 tensor less, one pass less over it
+    scaled = flat.index_select(0, predict).float()
     temps = np.where(temperature > 0, temperature, 1.0)
     if temps.size == 0 or bool(np.all(temps == temps[0])):
         scale = float(temps[0]) if temps.size else 1.0
-        scaled = rows / scale if scale != 1.0 else rows
+        if scale != 1.0:
+            scaled.div_(scale)
     else:
         per_token = to_device(torch.from_numpy(temps[sample_of_token].astype(np.float32)), device)
-        scaled = rows / per_token[:, None]
+        scaled.div_(per_token[:, None])
     if top_k is not None or top_p is not None or min_p is not None:
         sampled = scaled.gather(1, targets[:, None])
-        scaled = truncate(  # rows is a fresh gather: masking it in place touches no caller tensor
+        scaled = truncate(  # a fresh gather: masking it in place touches no caller tensor
             scaled,
             np.asarray(sample_of_token),
             top_k=top_k,
