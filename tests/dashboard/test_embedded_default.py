@@ -32,6 +32,11 @@ if not (os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER)):
 pytest.importorskip("selenium")
 
 from selenium import webdriver  # noqa: E402
+from selenium.common.exceptions import (  # noqa: E402
+    NoSuchElementException,
+    StaleElementReferenceException,
+    TimeoutException,
+)
 from selenium.webdriver.chrome.service import Service  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.support import expected_conditions as EC  # noqa: E402
@@ -113,6 +118,25 @@ def browser() -> Iterator[webdriver.Chrome]:
 
 def _wait(driver: webdriver.Chrome, timeout: float = 30) -> WebDriverWait:
     return WebDriverWait(driver, timeout, poll_frequency=0.2)
+
+
+def _text_when(driver: webdriver.Chrome, css: str, *parts: str) -> str:
+    """The text of the element at ``css`` once it holds every one of ``parts``, read whole at each
+    poll: a live page redraws it (a run just written ticks), and an element found on one poll may
+    be gone by the next read."""
+    seen = [""]
+
+    def holds(d: webdriver.Chrome) -> str | bool:
+        try:
+            seen[0] = d.find_element(By.CSS_SELECTOR, css).text
+        except (NoSuchElementException, StaleElementReferenceException):  # not drawn yet, or redrawn
+            return False
+        return seen[0] if all(part in seen[0] for part in parts) else False
+
+    try:
+        return _wait(driver).until(holds)
+    except TimeoutException as exc:
+        raise AssertionError(f"{css}: expected {parts}, last read {seen[0]!r}") from exc
 
 
 def _screenshot(driver: webdriver.Chrome, name: str) -> None:
@@ -237,10 +261,10 @@ def test_pages_say_when_steps_wait_with_no_worker(tmp_path: Path, browser: webdr
     try:
         with serving(create_app(store, live_interval_ms=500, stalled_after_s=1.0)) as base:
             driver.get(base + urls.RUNS)
-            banner = _wait(driver).until(
-                EC.presence_of_element_located((By.CSS_SELECTOR, f"#{runs.BACKLOG}.alert"))
+            # the run is live (just written): the list's tick redraws the banner, so read it whole
+            _text_when(
+                driver, f"#{runs.BACKLOG}.alert", "3 steps (9 samples) have both sides stored", command
             )
-            assert "3 steps (9 samples) have both sides stored" in banner.text and command in banner.text
             _screenshot(driver, "runs-waiting")
 
             driver.get(base + urls.run_path("grpo-7"))
