@@ -624,9 +624,8 @@ def run_compiled_trainer(args: argparse.Namespace) -> dict[str, Any]:
             sync()
     own = watched[3].counters.own_forwards
     recompile = float("nan")
-    if (
-        not args.no_switch
-    ):  # a switch to the invariant kernels: the next step recompiles (Dynamo guards on it)
+    # a switch to the invariant kernels: the next step recompiles (Dynamo guards on it)
+    if not args.no_switch:
         control.set("invariant")
         n += 1
         first = step(watched, n)

@@ -33,7 +33,7 @@ def _dot(self: Any, a: Any, b: Any, d: Any, input_precision: Any, max_num_imprec
     b64 = np.swapaxes(b_data.astype(np.float64), -1, -2)[..., None, :, :]  # [..., 1, N, K]
     total = np.zeros((*a_data.shape[:-1], b_data.shape[-1]), dtype=np.float64)
     for k in range(0, a_data.shape[-1], _K_CHUNK):  # each element's own products, a chunk at a time
-        products = np.ascontiguousarray(a64[..., k : k + _K_CHUNK] * b64[..., k : k + _K_CHUNK])
+        products = a64[..., k : k + _K_CHUNK] * b64[..., k : k + _K_CHUNK]  # a new C-ordered array
         total += products.sum(axis=-1)  # the same order for every element: a contiguous row each
     out = total.astype(d.data.dtype) + d.data
     return interpreter.TensorHandle(out, d.dtype.scalar)
