@@ -474,12 +474,17 @@ def run_engine_graphs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _kernel_table(fn: Any, rows: int) -> str:
-    """``fn()``'s device time by kernel name, the ``rows`` largest (torch.profiler's table)."""
+    """``fn()``'s time by kernel or op name, the ``rows`` largest by device time and then the ``rows``
+    largest by host time (torch.profiler's tables)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
-    return prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=70)
+    averages = prof.key_averages()
+    return "\n".join(
+        averages.table(sort_by=key, row_limit=rows, max_name_column_width=70)
+        for key in ("self_cuda_time_total", "self_cpu_time_total")
+    )
 
 
 def _syncs_during(fn: Any) -> int:

@@ -36,7 +36,8 @@ case $part in
     ;;
   trainer)
     run trainer-bench-shape 250 python bench/collector_overhead.py --scenario graphs --device cuda --model 0.5b \
-      --part trainer --rounds 3 --phases --no-switch
+      --part trainer --rounds 3 --phases --no-switch --kernels 30
+    run fingerprint-kernel 60 python bench/fingerprints.py
     run trainer-rl-shape 280 python bench/collector_overhead.py --scenario graphs --device cuda --model 0.5b \
       --part trainer --rounds 2 --phases --no-switch --prompt 256 --completion 1024 --kernels 20 \
       --without-distribution
