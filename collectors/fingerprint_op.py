@@ -40,7 +40,13 @@ OP_NAME = "isoaudit::fingerprint_rows_"
 INT_WIDTH = max(packed_width(fmt.ladder_bits) for fmt in FORMATS.values())
 
 
-@torch.library.custom_op(OP_NAME, mutates_args=("ints", "floats"), device_types=None)
+# Registered through ``torch.library.Library`` rather than ``custom_op``: a compiled forward calls
+# it once per region too large to hold, and this dispatch costs a few microseconds where
+# ``custom_op``'s wrapper costs tens on a CPU (hundreds of microseconds of host time a step).
+_lib = torch.library.Library("isoaudit", "FRAGMENT")
+_lib.define("fingerprint_rows_(Tensor x, Tensor(a!) ints, Tensor(b!) floats, int[] ladder_bits) -> ()")
+
+
 def fingerprint_rows_(
     x: torch.Tensor, ints: torch.Tensor, floats: torch.Tensor, ladder_bits: Sequence[int]
 ) -> None:
@@ -50,7 +56,10 @@ def fingerprint_rows_(
     fingerprint_rows_into(x, ints, floats, ladder_bits)
 
 
-@fingerprint_rows_.register_fake
+_lib.impl("fingerprint_rows_", fingerprint_rows_, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake(OP_NAME)
 def _fingerprint_rows_fake(
     x: torch.Tensor, ints: torch.Tensor, floats: torch.Tensor, ladder_bits: Sequence[int]
 ) -> None:
@@ -62,10 +71,7 @@ def _fingerprint_rows_fake(
 INDEX_OP_NAME = "isoaudit::fingerprint_index_rows_"
 
 
-# Registered through ``torch.library.Library`` rather than ``custom_op``: the taps call it once per
-# region per forward, often with nothing selected, and this dispatch costs a few microseconds where
-# ``custom_op``'s wrapper costs about 25 on a CPU.
-_lib = torch.library.Library("isoaudit", "FRAGMENT")
+# The same registration: the taps call it once per region per forward, often with nothing selected.
 _lib.define(
     "fingerprint_index_rows_(Tensor x, Tensor? residual, Tensor index, Tensor? count, "
     "Tensor(a!) ints, Tensor(b!) floats, int[] ladder_bits) -> ()"

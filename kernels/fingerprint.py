@@ -22,6 +22,7 @@ they may differ from cuBLAS's sums in the last bits (relative 1e-6), as two BLAS
 
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 from typing import NamedTuple
 
@@ -57,6 +58,79 @@ if HAVE_TRITON:
 
     @triton.jit
     def _fingerprint_tile(
+        base, row_ok, w_ptr, p_ptr, m_ptr, hidden,
+        R: tl.constexpr, KIND: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, SK: tl.constexpr,
+    ):  # fmt: skip
+        """Every field of ``BLOCK_R`` rows (``base``: each row's first element, as the integer view;
+        ``row_ok``: which rows are real): (digest, ladder, sketch, L2, max-abs). The one definition
+        of a row's arithmetic: every kernel here calls it, so they give the same bits.
+
+        Every sum is a tensor-core dot, so a slab costs a few matrix instructions, not a product
+        and a reduction per element and field. The integer sums are exact int8 dots: a value
+        ``y`` (the sign-extended bit pattern) is cut into 7-bit planes ``a_p`` (the top one
+        signed), each weight ``w`` into ten 7-bit chunks ``c_b``, and ``sum_j y_j w_j = sum_(p,b)
+        2**(7(p+b)) sum_j a_(j,p) c_(j,b)`` modulo 2**64; a slab's ``sum_j`` fits int32 and the
+        slabs add up in int64. A rung (``y & m``) is the digest less the sum over the cleared low
+        bits ``y & ~m``, whose planes are the low ones only. The float sums are fp32 dots in
+        ``tf32x3`` (three tensor-core products, about fp32 accuracy) in a fixed order."""
+        P: tl.constexpr = 3 if KIND != 2 else 5  # 7-bit planes of a 16- or 32-bit pattern
+        LOW: tl.constexpr = (7 + 6) // 7 if KIND == 0 else ((10 + 6) // 7 if KIND == 1 else (23 + 6) // 7)
+        chunk = tl.arange(0, 16)  # a weight's 7-bit chunks in columns 0..9, zeros after
+        chunk_shift = tl.minimum(chunk * 7, 63)
+        dig = tl.zeros((BLOCK_R, 16), tl.int64)
+        low = tl.zeros((R * BLOCK_R, 16), tl.int64)
+        # the bits each rung clears, as an int32 mask of the low bits (a kept rung: none)
+        lmask = (~tl.load(m_ptr + tl.arange(0, R))).to(tl.int32)
+        ones = tl.full((BLOCK_H, SK), 1.0, tl.float32)
+        sq_acc = tl.zeros((BLOCK_R, SK), tl.float32)
+        sketch = tl.zeros((BLOCK_R, SK), tl.float32)
+        amax = tl.zeros((BLOCK_R, BLOCK_H), tl.int32)  # |x| as bit patterns, reduced at the end
+        sk_cols = tl.arange(0, SK)
+        for h0 in range(0, hidden, BLOCK_H):
+            cols = h0 + tl.arange(0, BLOCK_H)
+            col_ok = cols < hidden
+            ok = row_ok[:, None] & col_ok[None, :]
+            xi = tl.load(base[:, None] + cols[None, :], mask=ok, other=0)
+            w = tl.load(w_ptr + cols, mask=col_ok, other=0)
+            c = tl.where(chunk[None, :] < 10, (w[:, None] >> chunk_shift[None, :]) & 0x7F, 0).to(tl.int8)
+            y = xi.to(tl.int32)  # sign-extends the bit pattern
+            for p in tl.static_range(P):
+                if p == P - 1:
+                    a = (y >> (7 * p)).to(tl.int8)  # the top plane, signed
+                else:
+                    a = ((y >> (7 * p)) & 0x7F).to(tl.int8)
+                dig += tl.dot(a, c, out_dtype=tl.int32).to(tl.int64) << (7 * p)
+            cleared = tl.reshape(y[None, :, :] & lmask[:, None, None], (R * BLOCK_R, BLOCK_H))
+            for p in tl.static_range(LOW):
+                a = ((cleared >> (7 * p)) & 0x7F).to(tl.int8)
+                low += tl.dot(a, c, out_dtype=tl.int32).to(tl.int64) << (7 * p)
+            if KIND == 0:
+                xf = (y << 16).to(tl.float32, bitcast=True)  # bf16 -> fp32 exactly
+                amax = tl.maximum(amax, y & 0x7FFF)
+            elif KIND == 1:
+                xf = xi.to(tl.float16, bitcast=True).to(tl.float32)
+                amax = tl.maximum(amax, y & 0x7FFF)
+            else:
+                xf = xi.to(tl.float32, bitcast=True)
+                amax = tl.maximum(amax, xi & 0x7FFFFFFF)
+            sq_acc = tl.dot(xf * xf, ones, sq_acc, input_precision="tf32x3")
+            proj = tl.load(p_ptr + cols[:, None] * SK + sk_cols[None, :], mask=col_ok[:, None], other=0.0)
+            sketch = tl.dot(xf, proj, sketch, input_precision="tf32x3")
+        digest = tl.sum(dig << chunk_shift[None, :], 1)  # columns 10..15 hold zeros
+        low_sums = tl.sum(tl.reshape(low << chunk_shift[None, :], (R, BLOCK_R, 16)), 2)
+        ladder = digest[:, None] - tl.trans(low_sums)
+        amax = tl.max(amax, 1)
+        if KIND == 0:
+            maxabs = (amax << 16).to(tl.float32, bitcast=True)
+        elif KIND == 1:
+            maxabs = amax.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        else:
+            maxabs = amax.to(tl.float32, bitcast=True)
+        sq = tl.sum(tl.where(sk_cols[None, :] == 0, sq_acc, 0.0), 1)  # column 0 (plus zeros: exact)
+        return digest, ladder, sketch, tl.sqrt_rn(sq), maxabs
+
+    @triton.jit
+    def _fingerprint_tile_fma(
         base, row_ok, w_ptr, p_ptr, m_ptr, hidden,
         R: tl.constexpr, KIND: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, SK: tl.constexpr,
     ):  # fmt: skip
@@ -139,6 +213,7 @@ if HAVE_TRITON:
     def _fingerprint_kernel(
         x_ptr, w_ptr, p_ptr, m_ptr, int_ptr, flt_ptr, n_rows, hidden, stride_x, stride_i, stride_f,
         R: tl.constexpr, KIND: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, SK: tl.constexpr,
+        TILE: tl.constexpr = 0,
     ):  # fmt: skip
         """KIND 0: bf16 (int16 view), 1: fp16 (int16 view), 2: fp32 (int32 view). Output rows:
         int64 (digest, R rungs) every ``stride_i``; float32 (16 sketch values, L2, max-abs) every
@@ -146,9 +221,14 @@ if HAVE_TRITON:
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         row_ok = rows < n_rows
         base = x_ptr + rows.to(tl.int64) * stride_x
-        digest, ladder, sketch, l2, maxabs = _fingerprint_tile(
-            base, row_ok, w_ptr, p_ptr, m_ptr, hidden, R, KIND, BLOCK_R, BLOCK_H, SK
-        )
+        if TILE == 0:
+            digest, ladder, sketch, l2, maxabs = _fingerprint_tile(
+                base, row_ok, w_ptr, p_ptr, m_ptr, hidden, R, KIND, BLOCK_R, BLOCK_H, SK
+            )
+        else:
+            digest, ladder, sketch, l2, maxabs = _fingerprint_tile_fma(
+                base, row_ok, w_ptr, p_ptr, m_ptr, hidden, R, KIND, BLOCK_R, BLOCK_H, SK
+            )
         int_row = int_ptr + rows.to(tl.int64) * stride_i
         flt_row = flt_ptr + rows.to(tl.int64) * stride_f
         _store_tile(int_row, flt_row, row_ok, digest, ladder, sketch, l2, maxabs, R, SK)
@@ -157,6 +237,7 @@ if HAVE_TRITON:
     def _fingerprint_regions_kernel(
         table_ptr, w_ptr, p_ptr, m_ptr, int_ptr, flt_ptr, n_rows, hidden, slot_i, stride_i, slot_f, stride_f,
         R: tl.constexpr, KIND: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, SK: tl.constexpr,
+        TILE: tl.constexpr = 0,
     ):  # fmt: skip
         """Many regions of one dtype and width in one launch: program (i, g) takes row block i of
         region g, whose table row (int64) is (data address, row stride in elements, output slot);
@@ -173,9 +254,14 @@ if HAVE_TRITON:
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         row_ok = rows < n_rows
         base = x_ptr + rows.to(tl.int64) * stride_x
-        digest, ladder, sketch, l2, maxabs = _fingerprint_tile(
-            base, row_ok, w_ptr, p_ptr, m_ptr, hidden, R, KIND, BLOCK_R, BLOCK_H, SK
-        )
+        if TILE == 0:
+            digest, ladder, sketch, l2, maxabs = _fingerprint_tile(
+                base, row_ok, w_ptr, p_ptr, m_ptr, hidden, R, KIND, BLOCK_R, BLOCK_H, SK
+            )
+        else:
+            digest, ladder, sketch, l2, maxabs = _fingerprint_tile_fma(
+                base, row_ok, w_ptr, p_ptr, m_ptr, hidden, R, KIND, BLOCK_R, BLOCK_H, SK
+            )
         int_row = int_ptr + slot * slot_i + rows.to(tl.int64) * stride_i
         flt_row = flt_ptr + slot * slot_f + rows.to(tl.int64) * stride_f
         _store_tile(int_row, flt_row, row_ok, digest, ladder, sketch, l2, maxabs, R, SK)
@@ -266,7 +352,7 @@ def fingerprint_rows(
         proj = sketch.contiguous()
         si, sf = ints.stride(0), floats.stride(0)
         args = (xi, weights, proj, masks, ints, floats, n, hidden, xi.stride(0), si, sf)
-        cx = dict(R=r_pad, KIND=kind, BLOCK_R=BLOCK_R, BLOCK_H=BLOCK_H, SK=SKETCH_DIM)
+        cx = dict(R=r_pad, KIND=kind, BLOCK_R=BLOCK_R, BLOCK_H=BLOCK_H, SK=SKETCH_DIM, TILE=_tile())
         key = (
             kind,
             r_pad,
@@ -276,9 +362,15 @@ def fingerprint_rows(
             sf,
             aligned(xi, weights, proj, masks, ints, floats),
             dev,
+            cx["TILE"],
         )
         _LAUNCH(key, (cdiv(n, BLOCK_R), 1, 1), args, cx, num_warps=WARPS)
     return fields
+
+
+def _tile() -> int:
+    """0: the tensor-core tile; 1 (``ISOAUDIT_FINGERPRINT_TILE=fma``): the FMA one it replaces."""
+    return 1 if os.environ.get("ISOAUDIT_FINGERPRINT_TILE") == "fma" else 0
 
 
 def _padded(masks: torch.Tensor, r_pad: int) -> torch.Tensor:
@@ -342,8 +434,8 @@ def fingerprint_regions(
     kind = _KIND[dtype]
     strides = (ints.stride(0), ints.stride(1), floats.stride(0), floats.stride(1))
     args = (table, weights, proj, masks, ints, floats, n_rows, hidden, *strides)
-    cx = dict(R=r_pad, KIND=kind, BLOCK_R=BLOCK_R, BLOCK_H=BLOCK_H, SK=SKETCH_DIM)
-    key = (kind, r_pad, hidden, strides, aligned(table, weights, proj, masks, ints, floats), table.device)
+    cx = dict(R=r_pad, KIND=kind, BLOCK_R=BLOCK_R, BLOCK_H=BLOCK_H, SK=SKETCH_DIM, TILE=_tile())
+    key = (kind, r_pad, hidden, strides, aligned(table, weights, proj, masks, ints, floats), table.device, cx["TILE"])
     _LAUNCH_REGIONS(key, (cdiv(n_rows, BLOCK_R), count, 1), args, cx, num_warps=WARPS)
 
 
