@@ -13,6 +13,7 @@ are a compiled trainer step's regions at 8 x 128 and 8 x 1,280 tokens of a 0.5B 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -66,24 +67,68 @@ def parse_shape(text: str) -> tuple[int, int, torch.dtype]:
     return rows, width, getattr(torch, dtype)
 
 
+def regions_case(text: str, device: torch.device) -> tuple[str, Callable[[], object]]:
+    """``COUNTxROWSxWIDTH:DTYPE[+...]``: that many regions of that shape through one call of the
+    multi-region kernel (as a compiled forward's op makes), as (label, call)."""
+    from isoaudit.collectors.fingerprint_op import FingerprintBuffers
+    from isoaudit.collectors.fingerprint_regions import Region, fingerprint_regions_into
+    from isoaudit.collectors.fingerprints import default_ladder_bits
+
+    regions = []
+    for part in text.split("+"):
+        count, rest = part.split("x", 1)
+        rows, width, dtype = parse_shape(rest)
+        for _ in range(int(count)):
+            x = torch.randn(rows, width, device=device).to(dtype)
+            regions.append(Region(len(regions), x, default_ladder_bits(dtype)))
+    buffers = FingerprintBuffers(len(regions), regions[0].rows.shape[0], device)
+    return f"{len(regions)} regions {text}", lambda: fingerprint_regions_into(regions, buffers.ints, buffers.floats)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default=DEFAULT_SHAPES, help="comma-separated ROWSxWIDTH:DTYPE")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument(
+        "--regions",
+        default="96x1024x896:bfloat16+24x1024x4864:bfloat16",
+        help="'+'-joined COUNTxROWSxWIDTH:DTYPE: one multi-region call over them ('' for none)",
+    )
+    parser.add_argument(
+        "--tiles", default="mma", help="comma-separated ISOAUDIT_FINGERPRINT_TILE[:BLOCK_H[:WARPS]] to time"
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
     print(f"fingerprint_rows on {device} (torch threads {torch.get_num_threads()}):")
+    cases = []
     for text in args.shapes.split(","):
         rows, width, dtype = parse_shape(text)
         x = torch.randn(rows, width, device=device).to(dtype)
-        base = timed(lambda x=x: x.float().sum(-1), device, args.repeats)
-        fingerprint = timed(lambda x=x: fingerprint_rows(x), device, args.repeats)
-        print(
-            f"  [{rows}, {width}] {str(dtype).removeprefix('torch.')}: {fingerprint * 1e6:.0f} us; "
-            f"x.float().sum(-1) {base * 1e6:.0f} us; ratio {fingerprint / base:.2f}x",
-            flush=True,
-        )
+        label = f"[{rows}, {width}] {str(dtype).removeprefix('torch.')}"
+        cases.append((label, lambda x=x: fingerprint_rows(x), lambda x=x: x.float().sum(-1)))
+    if args.regions:
+        label, call = regions_case(args.regions, device)
+        cases.append((label, call, None))
+    for tile in args.tiles.split(","):
+        name, *rest = tile.split(":")
+        os.environ["ISOAUDIT_FINGERPRINT_TILE"] = name
+        for var, value in zip(("ISOAUDIT_FINGERPRINT_BLOCK_H", "ISOAUDIT_FINGERPRINT_WARPS"), rest, strict=False):
+            os.environ[var] = value
+        print(f" tile {tile}:")
+        for label, call, read in cases:
+            fingerprint = timed(call, device, args.repeats)
+            if read is None:
+                print(f"  {label}: {fingerprint * 1e6:.0f} us", flush=True)
+                continue
+            base = timed(read, device, args.repeats)
+            print(
+                f"  {label}: {fingerprint * 1e6:.0f} us; x.float().sum(-1) {base * 1e6:.0f} us; "
+                f"ratio {fingerprint / base:.2f}x",
+                flush=True,
+            )
+        for var in ("ISOAUDIT_FINGERPRINT_BLOCK_H", "ISOAUDIT_FINGERPRINT_WARPS"):
+            os.environ.pop(var, None)
 
 
 if __name__ == "__main__":
