@@ -82,7 +82,9 @@ def regions_case(text: str, device: torch.device) -> tuple[str, Callable[[], obj
             x = torch.randn(rows, width, device=device).to(dtype)
             regions.append(Region(len(regions), x, default_ladder_bits(dtype)))
     buffers = FingerprintBuffers(len(regions), regions[0].rows.shape[0], device)
-    return f"{len(regions)} regions {text}", lambda: fingerprint_regions_into(regions, buffers.ints, buffers.floats)
+    return f"{len(regions)} regions {text}", lambda: fingerprint_regions_into(
+        regions, buffers.ints, buffers.floats
+    )
 
 
 def main() -> None:
@@ -113,7 +115,9 @@ def main() -> None:
     for tile in args.tiles.split(","):
         name, *rest = tile.split(":")
         os.environ["ISOAUDIT_FINGERPRINT_TILE"] = name
-        for var, value in zip(("ISOAUDIT_FINGERPRINT_BLOCK_H", "ISOAUDIT_FINGERPRINT_WARPS"), rest, strict=False):
+        for var, value in zip(
+            ("ISOAUDIT_FINGERPRINT_BLOCK_H", "ISOAUDIT_FINGERPRINT_WARPS"), rest, strict=False
+        ):
             os.environ[var] = value
         print(f" tile {tile}:")
         for label, call, read in cases:

@@ -138,7 +138,7 @@ def run_plan(
         fingerprint_rows_into(rows[i], ints[slot], floats[slot], bits)
     if not plan.fused:
         return []
-    from isoaudit.kernels.fingerprint import fingerprint_regions
+    from isoaudit.kernels.fingerprint import fingerprint_regions, rows_aligned
 
     values = plan.table_values([rows[i].data_ptr() for i in plan.fused])
     device = rows[plan.fused[0]].device
@@ -151,7 +151,15 @@ def run_plan(
         table.reshape(-1)[: len(values)].copy_(torch.tensor(values, dtype=torch.int64))
     for start, count, n, hidden, dtype, bits in plan.launches:
         weights, sketch, masks = _constants(hidden, device, _format(dtype), bits)
-        fingerprint_regions(table[start:], count, n, hidden, dtype, weights, sketch, masks, ints, floats)
+        stop = start + count
+        aligned = rows_aligned(
+            values[TABLE_WIDTH * start : TABLE_WIDTH * stop : TABLE_WIDTH],
+            plan.row_strides[start:stop],
+            dtype,
+        )
+        fingerprint_regions(
+            table[start:], count, n, hidden, dtype, weights, sketch, masks, ints, floats, aligned
+        )
     return values
 
 

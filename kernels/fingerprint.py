@@ -23,6 +23,7 @@ they may differ from cuBLAS's sums in the last bits (relative 1e-6), as two BLAS
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from functools import lru_cache
 from typing import NamedTuple
 
@@ -194,7 +195,7 @@ if HAVE_TRITON:
     def _fingerprint_regions_kernel(
         table_ptr, w_ptr, p_ptr, m_ptr, int_ptr, flt_ptr, n_rows, hidden, slot_i, stride_i, slot_f, stride_f,
         R: tl.constexpr, KIND: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, SK: tl.constexpr,
-        TILE: tl.constexpr = 0,
+        TILE: tl.constexpr = 0, ALIGNED: tl.constexpr = False,
     ):  # fmt: skip
         """Many regions of one dtype and width in one launch: program (i, g) takes row block i of
         region g, whose table row (int64) is (data address, row stride in elements, output slot);
@@ -208,6 +209,9 @@ if HAVE_TRITON:
             x_ptr = addr.to(tl.pointer_type(tl.int32))
         else:
             x_ptr = addr.to(tl.pointer_type(tl.int16))
+        if ALIGNED:  # every address 16-byte aligned, every row stride a multiple of 16 bytes: vector loads
+            x_ptr = tl.multiple_of(x_ptr, 16)
+            stride_x = tl.multiple_of(stride_x, 4 if KIND == 2 else 8)
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         row_ok = rows < n_rows
         base = x_ptr + rows.to(tl.int64) * stride_x
@@ -362,6 +366,7 @@ def fingerprint_regions(
     masks: torch.Tensor,
     ints: torch.Tensor,
     floats: torch.Tensor,
+    aligned_rows: bool = False,
 ) -> None:
     """Fingerprint ``count`` regions in one launch: each ``n_rows`` rows of ``hidden`` elements of
     ``dtype`` with unit column stride, listed in ``table`` (int64 ``[>= count, 3]`` on the
@@ -373,7 +378,9 @@ def fingerprint_regions(
     The table is read when the kernel runs, not at the call: a launch captured into a CUDA graph
     may be given a table whose rows are written after the capture (the addresses are the graph's).
     The caller keeps every listed tensor alive until the kernel has run. ``weights``/``sketch``/
-    ``masks`` as for :func:`fingerprint_rows` (of ``hidden``), on the table's device."""
+    ``masks`` as for :func:`fingerprint_rows` (of ``hidden``), on the table's device. ``aligned_rows``:
+    every listed address is a multiple of 16 bytes and every row stride of 16 bytes (the kernel
+    then loads 16 bytes at a time; the caller checks, as :func:`rows_aligned` does)."""
     if dtype not in _INT_VIEW:
         raise TypeError(f"dtype: {dtype} is not fused; expected one of {sorted(map(str, _INT_VIEW))}")
     if (
@@ -399,9 +406,35 @@ def fingerprint_regions(
     kind = _KIND[dtype]
     strides = (ints.stride(0), ints.stride(1), floats.stride(0), floats.stride(1))
     args = (table, weights, proj, masks, ints, floats, n_rows, hidden, *strides)
-    cx = dict(R=r_pad, KIND=kind, BLOCK_R=BLOCK_R, BLOCK_H=_block_h(), SK=SKETCH_DIM, TILE=_tile())
-    key = (kind, r_pad, hidden, strides, aligned(table, weights, proj, masks, ints, floats), table.device, cx["TILE"], cx["BLOCK_H"], _warps())
+    cx = dict(
+        R=r_pad,
+        KIND=kind,
+        BLOCK_R=BLOCK_R,
+        BLOCK_H=_block_h(),
+        SK=SKETCH_DIM,
+        TILE=_tile(),
+        ALIGNED=aligned_rows,
+    )
+    key = (
+        kind,
+        r_pad,
+        hidden,
+        strides,
+        aligned(table, weights, proj, masks, ints, floats),
+        table.device,
+        cx["TILE"],
+        cx["BLOCK_H"],
+        _warps(),
+        cx["ALIGNED"],
+    )
     _LAUNCH_REGIONS(key, (cdiv(n_rows, BLOCK_R), count, 1), args, cx, num_warps=_warps())
+
+
+def rows_aligned(addresses: Sequence[int], row_strides: Sequence[int], dtype: torch.dtype) -> bool:
+    """Whether rows at ``addresses`` (bytes) with ``row_strides`` (elements of ``dtype``) all start
+    on 16-byte boundaries: what :func:`fingerprint_regions`'s ``aligned_rows`` promises."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return all(a % 16 == 0 for a in addresses) and all(s * size % 16 == 0 for s in row_strides)
 
 
 def _fields(ints: torch.Tensor, floats: torch.Tensor, r: int) -> Fingerprints:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from isoaudit.kernels.fingerprint import TABLE_WIDTH, fingerprint_regions, fingerprint_rows
+from isoaudit.kernels.fingerprint import TABLE_WIDTH, fingerprint_regions, fingerprint_rows, rows_aligned
 
 from .conftest import bits_equal, gpu, needs_triton
 from .test_fingerprint import _inputs
@@ -54,6 +54,21 @@ def _check(dev: str, dtype: torch.dtype, n: int, hidden: int) -> None:
     for untouched in (2,):  # a slot no region names keeps what it held
         assert bool((ints[untouched] == 7).all()) and bool((floats[untouched] == 7.0).all())
     assert bool((ints[..., -1] == 7).all()) and bool((floats[..., -1] == 7.0).all())  # past the buffers' rows
+    # told the rows are 16-byte aligned (they are: the offset view starts 8 elements in), the
+    # kernel loads them 16 bytes at a time and gives the same bits
+    assert rows_aligned([x.data_ptr() for x in xs], [x.stride(0) for x in xs], dtype)
+    again_ints, again_floats = torch.full_like(ints, 7), torch.full_like(floats, 7.0)
+    fingerprint_regions(
+        table, len(xs), n, hidden, dtype, weights, sketch, masks, again_ints, again_floats, True
+    )
+    assert bits_equal(again_ints, ints) and bits_equal(again_floats, floats)
+
+
+def test_rows_aligned() -> None:
+    assert rows_aligned([4096, 4096 + 32], [896, 4864], torch.bfloat16)
+    assert not rows_aligned([4096, 4096 + 6], [896, 896], torch.bfloat16)  # an address 6 bytes in
+    assert not rows_aligned([4096], [900 + 1], torch.bfloat16)  # a row stride of 1802 bytes
+    assert rows_aligned([4096], [4], torch.float32) and not rows_aligned([4096], [2], torch.float32)
 
 
 @pytest.mark.parametrize("n,hidden", [(5, 200), (17, 128)])  # partial row block / slab, and exact ones
