@@ -5,15 +5,15 @@
 For each ``ROWSxWIDTH:DTYPE`` prints the time of the collector's ``fingerprint_rows(x)`` (digest +
 ladder + sketch + l2 + maxabs; on CUDA the fused pass of ``isoaudit.kernels.fingerprint``,
 ``ISOAUDIT_FINGERPRINT_TRITON=0`` for the torch path) and of a plain ``x.float().sum(-1)`` over
-the same tensor (one read, what any reduction costs at least), and their ratio. The default shapes
-are a compiled trainer step's regions at 8 x 128 and 8 x 1,280 tokens of a 0.5B model (hidden
-896, MLP 4,864, the fp32 logits of a 151,936 vocabulary).
+the same tensor (one read, what any reduction costs at least), and their ratio; then the same for
+``--regions``, many regions through one call of the multi-region kernel. The default shapes are a
+compiled trainer step's regions at 8 x 128 and 8 x 1,280 tokens of a 0.5B model (hidden 896, MLP
+4,864, the fp32 logits of a 151,936 vocabulary).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -67,9 +67,10 @@ def parse_shape(text: str) -> tuple[int, int, torch.dtype]:
     return rows, width, getattr(torch, dtype)
 
 
-def regions_case(text: str, device: torch.device) -> tuple[str, Callable[[], object]]:
+def regions_case(text: str, device: torch.device) -> tuple[str, Callable[[], object], Callable[[], object]]:
     """``COUNTxROWSxWIDTH:DTYPE[+...]``: that many regions of that shape through one call of the
-    multi-region kernel (as a compiled forward's op makes), as (label, call)."""
+    multi-region kernel (as a compiled forward's op makes), as (label, call, a plain read of each
+    region)."""
     from isoaudit.collectors.fingerprint_op import FingerprintBuffers
     from isoaudit.collectors.fingerprint_regions import Region, fingerprint_regions_into
     from isoaudit.collectors.fingerprints import default_ladder_bits
@@ -82,8 +83,10 @@ def regions_case(text: str, device: torch.device) -> tuple[str, Callable[[], obj
             x = torch.randn(rows, width, device=device).to(dtype)
             regions.append(Region(len(regions), x, default_ladder_bits(dtype)))
     buffers = FingerprintBuffers(len(regions), regions[0].rows.shape[0], device)
-    return f"{len(regions)} regions {text}", lambda: fingerprint_regions_into(
-        regions, buffers.ints, buffers.floats
+    return (
+        f"{len(regions)} regions {text}",
+        lambda: fingerprint_regions_into(regions, buffers.ints, buffers.floats),
+        lambda: [region.rows.float().sum(-1) for region in regions],
     )
 
 
@@ -97,42 +100,25 @@ def main() -> None:
         default="96x1024x896:bfloat16+24x1024x4864:bfloat16",
         help="'+'-joined COUNTxROWSxWIDTH:DTYPE: one multi-region call over them ('' for none)",
     )
-    parser.add_argument(
-        "--tiles", default="mma", help="comma-separated ISOAUDIT_FINGERPRINT_TILE[:BLOCK_H[:WARPS]] to time"
-    )
     args = parser.parse_args()
     device = torch.device(args.device)
     print(f"fingerprint_rows on {device} (torch threads {torch.get_num_threads()}):")
-    cases = []
+    cases: list[tuple[str, Callable[[], object], Callable[[], object]]] = []
     for text in args.shapes.split(","):
         rows, width, dtype = parse_shape(text)
         x = torch.randn(rows, width, device=device).to(dtype)
         label = f"[{rows}, {width}] {str(dtype).removeprefix('torch.')}"
         cases.append((label, lambda x=x: fingerprint_rows(x), lambda x=x: x.float().sum(-1)))
     if args.regions:
-        label, call = regions_case(args.regions, device)
-        cases.append((label, call, None))
-    for tile in args.tiles.split(","):
-        name, *rest = tile.split(":")
-        os.environ["ISOAUDIT_FINGERPRINT_TILE"] = name
-        for var, value in zip(
-            ("ISOAUDIT_FINGERPRINT_BLOCK_H", "ISOAUDIT_FINGERPRINT_WARPS"), rest, strict=False
-        ):
-            os.environ[var] = value
-        print(f" tile {tile}:")
-        for label, call, read in cases:
-            fingerprint = timed(call, device, args.repeats)
-            if read is None:
-                print(f"  {label}: {fingerprint * 1e6:.0f} us", flush=True)
-                continue
-            base = timed(read, device, args.repeats)
-            print(
-                f"  {label}: {fingerprint * 1e6:.0f} us; x.float().sum(-1) {base * 1e6:.0f} us; "
-                f"ratio {fingerprint / base:.2f}x",
-                flush=True,
-            )
-        for var in ("ISOAUDIT_FINGERPRINT_BLOCK_H", "ISOAUDIT_FINGERPRINT_WARPS"):
-            os.environ.pop(var, None)
+        cases.append(regions_case(args.regions, device))
+    for label, call, read in cases:
+        fingerprint = timed(call, device, args.repeats)
+        base = timed(read, device, args.repeats)
+        print(
+            f"  {label}: {fingerprint * 1e6:.0f} us; x.float().sum(-1) {base * 1e6:.0f} us; "
+            f"ratio {fingerprint / base:.2f}x",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

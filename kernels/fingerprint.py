@@ -22,7 +22,6 @@ they may differ from cuBLAS's sums in the last bits (relative 1e-6), as two BLAS
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from functools import lru_cache
 from typing import NamedTuple
@@ -61,101 +60,66 @@ if HAVE_TRITON:
     def _fingerprint_tile(
         base, row_ok, w_ptr, p_ptr, m_ptr, hidden,
         R: tl.constexpr, KIND: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, SK: tl.constexpr,
-        TILE: tl.constexpr = 0,
     ):  # fmt: skip
         """Every field of ``BLOCK_R`` rows (``base``: each row's first element, as the integer view;
         ``row_ok``: which rows are real): (digest, ladder, sketch, L2, max-abs). The one definition
-        of a row's arithmetic: every kernel here calls it, so they give the same bits.
-
-        TILE bit 0 clear: the integer sums as exact int8 dots. A value ``y`` (the sign-extended
-        bit pattern) is cut into 7-bit planes ``a_p`` (the top one signed), each weight ``w``
-        into ten 7-bit chunks ``c_b``, and ``sum_j y_j w_j = sum_(p,b) 2**(7(p+b)) sum_j a_(j,p)
-        c_(j,b)`` modulo 2**64; a slab's ``sum_j`` fits int32 and the slabs add up in int64. A
-        rung (``y & m``) is the digest less the sum over the cleared low bits ``y & ~m``, whose
-        planes are the low ones only. Bit 0 set: products and reductions per element.
-        TILE bit 1 clear: the float sums as fp32 dots in ``tf32x3``; set: ``ieee`` (FMA) dots."""
-        INT_MMA: tl.constexpr = (TILE % 2) == 0
-        FLOAT_TC: tl.constexpr = (TILE // 2) % 2 == 0
-        P: tl.constexpr = 3 if KIND != 2 else 5  # 7-bit planes of a 16- or 32-bit pattern
-        LOW: tl.constexpr = 2 if KIND == 1 else (4 if KIND == 2 else 1)  # planes a rung can clear
-        chunk = tl.arange(0, 16)  # a weight's 7-bit chunks in columns 0..9, zeros after
-        chunk_shift = tl.minimum(chunk * 7, 63)
-        dig = tl.zeros((BLOCK_R, 16), tl.int64)
-        low = tl.zeros((R * BLOCK_R, 16), tl.int64)
-        lmask = (~tl.load(m_ptr + tl.arange(0, R))).to(tl.int32)  # the bits each rung clears
+        of a row's arithmetic: every kernel here calls it, so they give the same bits."""
+        sk_cols = tl.arange(0, SK)
+        # Each 64-bit weight w = (hi + b) * 2**32 + lo_s, lo_s its low word read as signed: then
+        # x * w = x * lo_s + 2**32 * (x * (hi + b)) mod 2**64, one widening 32-bit product and one
+        # wrapping 32-bit product instead of a 64-bit one; the sums wrap the same way.
         dig_lo = tl.zeros((BLOCK_R,), tl.int64)
         dig_hi = tl.zeros((BLOCK_R,), tl.int32)
         r_idx = tl.arange(0, R)
         lad_lo = tl.zeros((BLOCK_R, R), tl.int64)
         lad_hi = tl.zeros((BLOCK_R, R), tl.int32)
-        ones = tl.full((BLOCK_H, SK), 1.0, tl.float32)
+        # Sums of squares through a dot with ones: a dot's fp32 products are added in ascending
+        # column order whatever the register layout, where ``tl.sum``'s tree follows the layout
+        # the compiler picks for the load (which differs with what it knows of the address: a
+        # pointer argument's alignment, a table's address). Each slab is summed from zero and the
+        # slab sums added in turn: rounding grows with BLOCK_H + slabs, not with the width.
         sq_acc = tl.zeros((BLOCK_R, SK), tl.float32)
+        ones = tl.full((BLOCK_H, SK), 1.0, tl.float32)
         sketch = tl.zeros((BLOCK_R, SK), tl.float32)
-        amax = tl.zeros((BLOCK_R, BLOCK_H), tl.int32)  # |x| as bit patterns, reduced at the end
-        sk_cols = tl.arange(0, SK)
+        amax = tl.zeros((BLOCK_R,), tl.int32)  # the largest |x| as a bit pattern
         for h0 in range(0, hidden, BLOCK_H):
             cols = h0 + tl.arange(0, BLOCK_H)
             col_ok = cols < hidden
             ok = row_ok[:, None] & col_ok[None, :]
             xi = tl.load(base[:, None] + cols[None, :], mask=ok, other=0)
             w = tl.load(w_ptr + cols, mask=col_ok, other=0)
-            y = xi.to(tl.int32)  # sign-extends the bit pattern
-            if INT_MMA:
-                c = tl.where(chunk[None, :] < 10, (w[:, None] >> chunk_shift[None, :]) & 0x7F, 0).to(tl.int8)
-                for p in tl.static_range(P):
-                    if p == P - 1:
-                        a = (y >> (7 * p)).to(tl.int8)  # the top plane, signed
-                    else:
-                        a = ((y >> (7 * p)) & 0x7F).to(tl.int8)
-                    dig += tl.dot(a, c, out_dtype=tl.int32).to(tl.int64) << (7 * p)
-                cleared = tl.reshape(y[None, :, :] & lmask[:, None, None], (R * BLOCK_R, BLOCK_H))
-                for p in tl.static_range(LOW):
-                    a = ((cleared >> (7 * p)) & 0x7F).to(tl.int8)
-                    low += tl.dot(a, c, out_dtype=tl.int32).to(tl.int64) << (7 * p)
-            else:
-                # w = (hi + b) * 2**32 + lo_s, lo_s its low word read as signed: one widening and
-                # one wrapping 32-bit product per element instead of a 64-bit one
-                w_lo = w.to(tl.int32)
-                w_hi = ((w - w_lo.to(tl.int64)) >> 32).to(tl.int32)
-                dig_lo += tl.sum(y.to(tl.int64) * w_lo.to(tl.int64)[None, :], 1)
-                dig_hi += tl.sum(y * w_hi[None, :], 1)
-                for r in tl.static_range(R):
-                    m = tl.load(m_ptr + r).to(tl.int32)
-                    xm = y & m
-                    lo = tl.sum(xm.to(tl.int64) * w_lo.to(tl.int64)[None, :], 1)
-                    hi = tl.sum(xm * w_hi[None, :], 1)
-                    lad_lo += tl.where(r_idx[None, :] == r, lo[:, None], 0)
-                    lad_hi += tl.where(r_idx[None, :] == r, hi[:, None], 0)
+            w_lo = w.to(tl.int32)  # truncates: the low word, as signed
+            w_hi = ((w - w_lo.to(tl.int64)) >> 32).to(tl.int32)
+            x32 = xi.to(tl.int32)  # sign-extends the bit pattern
+            dig_lo += tl.sum(x32.to(tl.int64) * w_lo.to(tl.int64)[None, :], 1)
+            dig_hi += tl.sum(x32 * w_hi[None, :], 1)
+            for r in tl.static_range(R):
+                m = tl.load(m_ptr + r).to(tl.int32)  # all high bits set: its low word keeps the sign
+                xm = x32 & m
+                lo = tl.sum(xm.to(tl.int64) * w_lo.to(tl.int64)[None, :], 1)
+                hi = tl.sum(xm * w_hi[None, :], 1)
+                lad_lo += tl.where(r_idx[None, :] == r, lo[:, None], 0)
+                lad_hi += tl.where(r_idx[None, :] == r, hi[:, None], 0)
             if KIND == 0:
-                xf = (y << 16).to(tl.float32, bitcast=True)  # bf16 -> fp32 exactly
-                amax = tl.maximum(amax, y & 0x7FFF)
+                xf = (xi.to(tl.int32) << 16).to(tl.float32, bitcast=True)  # bf16 -> fp32 exactly
+                amax = tl.maximum(amax, tl.max(xi.to(tl.int32) & 0x7FFF, 1))
             elif KIND == 1:
                 xf = xi.to(tl.float16, bitcast=True).to(tl.float32)
-                amax = tl.maximum(amax, y & 0x7FFF)
+                amax = tl.maximum(amax, tl.max(xi.to(tl.int32) & 0x7FFF, 1))
             else:
                 xf = xi.to(tl.float32, bitcast=True)
-                amax = tl.maximum(amax, xi & 0x7FFFFFFF)
-            proj = tl.load(p_ptr + cols[:, None] * SK + sk_cols[None, :], mask=col_ok[:, None], other=0.0)
-            if FLOAT_TC:
-                sq_acc = tl.dot(xf * xf, ones, sq_acc, input_precision="tf32x3")
-                sketch = tl.dot(xf, proj, sketch, input_precision="tf32x3")
-            else:
-                sq_acc += tl.dot(xf * xf, ones, input_precision="ieee")  # a slab's sum, then the slabs'
-                sketch = tl.dot(xf, proj, sketch, input_precision="ieee")
-        if INT_MMA:
-            digest = tl.sum(dig << chunk_shift[None, :], 1)  # columns 10..15 hold zeros
-            low_sums = tl.sum(tl.reshape(low << chunk_shift[None, :], (R, BLOCK_R, 16)), 2)
-            ladder = digest[:, None] - tl.trans(low_sums)
-        else:
-            digest = dig_lo + (dig_hi.to(tl.int64) << 32)
-            ladder = lad_lo + (lad_hi.to(tl.int64) << 32)
-        amax = tl.max(amax, 1)
+                amax = tl.maximum(amax, tl.max(xi & 0x7FFFFFFF, 1))
+            sq_acc += tl.dot(xf * xf, ones, input_precision="ieee")  # a slab's sum, then the slabs'
+            p = tl.load(p_ptr + cols[:, None] * SK + sk_cols[None, :], mask=col_ok[:, None], other=0.0)
+            sketch = tl.dot(xf, p, sketch, input_precision="ieee")
         if KIND == 0:
             maxabs = (amax << 16).to(tl.float32, bitcast=True)
         elif KIND == 1:
             maxabs = amax.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
         else:
             maxabs = amax.to(tl.float32, bitcast=True)
+        digest = dig_lo + (dig_hi.to(tl.int64) << 32)
+        ladder = lad_lo + (lad_hi.to(tl.int64) << 32)
         sq = tl.sum(tl.where(sk_cols[None, :] == 0, sq_acc, 0.0), 1)  # column 0 (plus zeros: exact)
         return digest, ladder, sketch, tl.sqrt_rn(sq), maxabs
 
@@ -176,7 +140,6 @@ if HAVE_TRITON:
     def _fingerprint_kernel(
         x_ptr, w_ptr, p_ptr, m_ptr, int_ptr, flt_ptr, n_rows, hidden, stride_x, stride_i, stride_f,
         R: tl.constexpr, KIND: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, SK: tl.constexpr,
-        TILE: tl.constexpr = 0,
     ):  # fmt: skip
         """KIND 0: bf16 (int16 view), 1: fp16 (int16 view), 2: fp32 (int32 view). Output rows:
         int64 (digest, R rungs) every ``stride_i``; float32 (16 sketch values, L2, max-abs) every
@@ -185,7 +148,7 @@ if HAVE_TRITON:
         row_ok = rows < n_rows
         base = x_ptr + rows.to(tl.int64) * stride_x
         digest, ladder, sketch, l2, maxabs = _fingerprint_tile(
-            base, row_ok, w_ptr, p_ptr, m_ptr, hidden, R, KIND, BLOCK_R, BLOCK_H, SK, TILE
+            base, row_ok, w_ptr, p_ptr, m_ptr, hidden, R, KIND, BLOCK_R, BLOCK_H, SK
         )
         int_row = int_ptr + rows.to(tl.int64) * stride_i
         flt_row = flt_ptr + rows.to(tl.int64) * stride_f
@@ -195,7 +158,7 @@ if HAVE_TRITON:
     def _fingerprint_regions_kernel(
         table_ptr, w_ptr, p_ptr, m_ptr, int_ptr, flt_ptr, n_rows, hidden, slot_i, stride_i, slot_f, stride_f,
         R: tl.constexpr, KIND: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, SK: tl.constexpr,
-        TILE: tl.constexpr = 0, ALIGNED: tl.constexpr = False,
+        ALIGNED: tl.constexpr = False,
     ):  # fmt: skip
         """Many regions of one dtype and width in one launch: program (i, g) takes row block i of
         region g, whose table row (int64) is (data address, row stride in elements, output slot);
@@ -216,7 +179,7 @@ if HAVE_TRITON:
         row_ok = rows < n_rows
         base = x_ptr + rows.to(tl.int64) * stride_x
         digest, ladder, sketch, l2, maxabs = _fingerprint_tile(
-            base, row_ok, w_ptr, p_ptr, m_ptr, hidden, R, KIND, BLOCK_R, BLOCK_H, SK, TILE
+            base, row_ok, w_ptr, p_ptr, m_ptr, hidden, R, KIND, BLOCK_R, BLOCK_H, SK
         )
         int_row = int_ptr + slot * slot_i + rows.to(tl.int64) * stride_i
         flt_row = flt_ptr + slot * slot_f + rows.to(tl.int64) * stride_f
@@ -308,7 +271,7 @@ def fingerprint_rows(
         proj = sketch.contiguous()
         si, sf = ints.stride(0), floats.stride(0)
         args = (xi, weights, proj, masks, ints, floats, n, hidden, xi.stride(0), si, sf)
-        cx = dict(R=r_pad, KIND=kind, BLOCK_R=BLOCK_R, BLOCK_H=_block_h(), SK=SKETCH_DIM, TILE=_tile())
+        cx = dict(R=r_pad, KIND=kind, BLOCK_R=BLOCK_R, BLOCK_H=BLOCK_H, SK=SKETCH_DIM)
         key = (
             kind,
             r_pad,
@@ -318,28 +281,9 @@ def fingerprint_rows(
             sf,
             aligned(xi, weights, proj, masks, ints, floats),
             dev,
-            cx["TILE"],
-            cx["BLOCK_H"],
-            _warps(),
         )
-        _LAUNCH(key, (cdiv(n, BLOCK_R), 1, 1), args, cx, num_warps=_warps())
+        _LAUNCH(key, (cdiv(n, BLOCK_R), 1, 1), args, cx, num_warps=WARPS)
     return fields
-
-
-_TILES = {"mma": 0, "int-fma": 1, "float-fma": 2, "fma": 3}
-
-
-def _tile() -> int:
-    """``ISOAUDIT_FINGERPRINT_TILE``: mma (default), int-fma, float-fma or fma (the tile's TILE)."""
-    return _TILES[os.environ.get("ISOAUDIT_FINGERPRINT_TILE", "mma")]
-
-
-def _block_h() -> int:
-    return int(os.environ.get("ISOAUDIT_FINGERPRINT_BLOCK_H", BLOCK_H))
-
-
-def _warps() -> int:
-    return int(os.environ.get("ISOAUDIT_FINGERPRINT_WARPS", WARPS))
 
 
 def _padded(masks: torch.Tensor, r_pad: int) -> torch.Tensor:
@@ -406,34 +350,16 @@ def fingerprint_regions(
     kind = _KIND[dtype]
     strides = (ints.stride(0), ints.stride(1), floats.stride(0), floats.stride(1))
     args = (table, weights, proj, masks, ints, floats, n_rows, hidden, *strides)
-    cx = dict(
-        R=r_pad,
-        KIND=kind,
-        BLOCK_R=BLOCK_R,
-        BLOCK_H=_block_h(),
-        SK=SKETCH_DIM,
-        TILE=_tile(),
-        ALIGNED=aligned_rows,
-    )
-    key = (
-        kind,
-        r_pad,
-        hidden,
-        strides,
-        aligned(table, weights, proj, masks, ints, floats),
-        table.device,
-        cx["TILE"],
-        cx["BLOCK_H"],
-        _warps(),
-        cx["ALIGNED"],
-    )
-    _LAUNCH_REGIONS(key, (cdiv(n_rows, BLOCK_R), count, 1), args, cx, num_warps=_warps())
+    cx = dict(R=r_pad, KIND=kind, BLOCK_R=BLOCK_R, BLOCK_H=BLOCK_H, SK=SKETCH_DIM, ALIGNED=aligned_rows)
+    tensors = aligned(table, weights, proj, masks, ints, floats)
+    key = (kind, r_pad, hidden, strides, tensors, table.device, aligned_rows)
+    _LAUNCH_REGIONS(key, (cdiv(n_rows, BLOCK_R), count, 1), args, cx, num_warps=WARPS)
 
 
 def rows_aligned(addresses: Sequence[int], row_strides: Sequence[int], dtype: torch.dtype) -> bool:
     """Whether rows at ``addresses`` (bytes) with ``row_strides`` (elements of ``dtype``) all start
     on 16-byte boundaries: what :func:`fingerprint_regions`'s ``aligned_rows`` promises."""
-    size = torch.empty((), dtype=dtype).element_size()
+    size = dtype.itemsize
     return all(a % 16 == 0 for a in addresses) and all(s * size % 16 == 0 for s in row_strides)
 
 
