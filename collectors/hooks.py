@@ -23,6 +23,7 @@ the per-region op at its tap instead.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import weakref
 from collections.abc import Callable, MutableMapping, Sequence
@@ -153,6 +154,106 @@ class _CompiledTarget:
         return plan
 
 
+class _CompiledForward:
+    """What a compiled forward's hooks read and write (Dynamo traces every method here): the
+    buffers of this step's batch shape, the rows held for the multi-region op, and what eager
+    forwards taught (which region fires last, which are written in place after their tap). It
+    holds nothing of the model, so the global that reaches it does not keep one alive."""
+
+    def __init__(self, max_held_bytes: int) -> None:
+        #: the buffers compiled forwards write into this step (None: they fingerprint nothing)
+        self.target: _CompiledTarget | None = None
+        #: a compiled forward ran through these hooks (buffers are allocated only then)
+        self.seen = False
+        #: region slots whose output an eager forward saw written in place after the tap: compiled
+        #: forwards fingerprint them at their tap, the others together at the forward's end
+        self.mutated: set[int] = set()
+        #: the region slot whose hook fires last in an eager forward (None: no eager forward yet):
+        #: a compiled forward calls the multi-region op at that region's tap, inside its own graph
+        self.last_slot: int | None = None
+        #: bound on the activation bytes a compiled forward holds for the multi-region op (rows x
+        #: width x element size, summed over regions): reaching it calls the op on what is held
+        self.max_held_bytes = max_held_bytes
+        self.pending: list[tuple[int, torch.Tensor]] | None = None  # held (slot, tap) pairs
+        self.pending_bytes = 0
+        self.flushed = False  # this forward's op ran at the last region's tap
+
+    def open(self) -> None:
+        self.seen = True  # replayed by every compiled call: buffers from the next step
+        self.pending, self.pending_bytes, self.flushed = None, 0, False
+
+    def close(self, output: Any) -> None:
+        if self.target is not None:  # the logits, for the collector's logprobs and distribution
+            self.target.logits = _logits_of(output)
+        self.flush()
+
+    def flush(self) -> None:
+        """The rows this forward's region hooks held, through the multi-region op at once."""
+        pending, self.pending, self.pending_bytes = self.pending, None, 0
+        target = self.target
+        if pending and target is not None:
+            rows = [r for _, r in pending]
+            record_regions(rows, [slot for slot, _ in pending], target.buffers.ints, target.buffers.floats)
+
+    def region(self, slot: int, name: str, tap: Tap, module: nn.Module, inputs: Any, output: Any) -> None:
+        """A region inside a traced forward: every row held for the multi-region op, which the
+        last region to fire (:attr:`last_slot`) calls in this graph, into its slot (rows are picked
+        on the host after the step). The held rows stay under :attr:`max_held_bytes`: a region that
+        would pass it first sends what is held through the op at its own tap. The per-region op
+        takes a region seen written in place after its tap, one larger than the cap alone, and
+        any before the order is known. No try/except: Dynamo traces this."""
+        target = self.target
+        if target is None:
+            return
+        with torch.no_grad():
+            if name == "logits" and dispatch.is_enabled() and isinstance(module, nn.Linear):
+                tensor = _invariant_head_logits(module, inputs, None)
+            else:
+                tensor = read_tap(output, tap)
+            if tensor is None:
+                return
+            rows = tensor.reshape(-1, tensor.shape[-1])
+            if rows.shape[0] != target.buffers.rows:
+                return
+            bits = default_ladder_bits(rows.dtype)
+            size = rows.numel() * rows.element_size()
+            if self.last_slot is None or self.flushed or slot in self.mutated or size > self.max_held_bytes:
+                target.buffers.write(slot, rows, bits)
+            else:
+                if self.pending_bytes + size > self.max_held_bytes:
+                    # the cap reached: what is held goes through the op here, and holding starts
+                    # anew (a long batch's regions in a few launches, none of them alone)
+                    self.flush()
+                # the tap itself (the op views its rows), in a new list: a list that existed
+                # before this frame and was appended to here would have to be rebuilt after the
+                # graph, every held tap an extra output of it
+                self.pending = [*(self.pending or ()), (slot, tensor)]
+                self.pending_bytes += size
+            target.bits[slot] = bits
+            if slot == self.last_slot:  # the op inside this graph: no held row leaves it
+                self.flush()
+                self.flushed = True
+
+
+#: Each capture's compiled-forward state by its key: the one source every traced hook reads it from.
+_COMPILED: dict[int, _CompiledForward] = {}
+_KEYS = itertools.count()
+
+
+def _region_hook(owner: ForwardCapture, spec: RegionSpec, slot: int) -> Callable[[nn.Module, Any, Any], None]:
+    """The forward hook of region ``slot``. Traced, it reads only constants (key, slot, name, the
+    tap's name) and :data:`_COMPILED`; ``owner`` serves eager forwards only."""
+    key, name, tap_name = owner._key, spec.name, spec.tap.name
+
+    def hook(module: nn.Module, inputs: Any, output: Any) -> None:
+        if torch.compiler.is_compiling():
+            _COMPILED[key].region(slot, name, getattr(Tap, tap_name), module, inputs, output)
+            return
+        owner._eager_region(spec, slot, module, inputs, output)
+
+    return hook
+
+
 class ForwardCapture:
     """Registers the hooks; ``last`` is the most recent completed capture."""
 
@@ -187,41 +288,55 @@ class ForwardCapture:
         self._handles: list[RemovableHandle] = []
         self._logged: set[str] = set()
         self._targets: dict[tuple[tuple[int, ...], torch.device], _CompiledTarget] = {}
-        #: the buffers compiled forwards write into this step (None: they fingerprint nothing)
-        self.compiled_target: _CompiledTarget | None = None
-        #: a compiled forward ran through these hooks (buffers are allocated only then)
-        self.compiled_seen = False
-        #: region slots whose output an eager forward saw written in place after the tap: compiled
-        #: forwards fingerprint them at their tap, the others together at the forward's end
-        self.mutated: set[int] = set()
+        #: what compiled forwards read and write, reached from their hooks through one global
+        #: (:data:`_COMPILED`): Dynamo guards an object reached through many closures with a Python
+        #: identity check per pair, a millisecond of host time per call at a hundred regions
+        self.compiled = _CompiledForward(max_held_bytes)
+        self._key = next(_KEYS)
+        _COMPILED[self._key] = self.compiled
+        weakref.finalize(model, _COMPILED.pop, self._key, None)  # the state holds no model
         self._watched: set[int] = set()  # slots an eager forward has checked
         self._watching: list[tuple[int, torch.Tensor, int]] = []  # (slot, tap tensor, its version)
-        self._pending: list[tuple[int, torch.Tensor]] | None = None  # a compiled forward's held rows
-        self._pending_bytes = 0
-        #: the region slot whose hook fires last in an eager forward (None: no eager forward yet):
-        #: a compiled forward calls the multi-region op at that region's tap, inside its own graph
-        self.last_slot: int | None = None
         self._firing: int | None = None  # the last slot fired in the open eager forward
-        self._flushed = False  # this compiled forward's op ran at the last region's tap
-        #: bound on the activation bytes a compiled forward holds for the multi-region op (rows x
-        #: width x element size, summed over regions): reaching it calls the op on what is held
-        self.max_held_bytes = max_held_bytes
         _compiled_models_see_hooks()
         _ATTACHED.setdefault(model, weakref.WeakSet()).add(self)
         self._handles.append(model.register_forward_pre_hook(self._open, with_kwargs=True))
         self._handles.append(model.register_forward_hook(self._close, always_call=True))
         for slot, spec in enumerate(self.specs):
             module = model.get_submodule(spec.module)
-            self._handles.append(module.register_forward_hook(self._region_hook(spec, slot)))
+            self._handles.append(module.register_forward_hook(_region_hook(self, spec, slot)))
+
+    @property
+    def compiled_target(self) -> _CompiledTarget | None:
+        """The buffers compiled forwards write into this step (None: they fingerprint nothing)."""
+        return self.compiled.target
+
+    @property
+    def mutated(self) -> set[int]:
+        """Region slots whose output an eager forward saw written in place after the tap."""
+        return self.compiled.mutated
+
+    @property
+    def last_slot(self) -> int | None:
+        """The region slot whose hook fires last in an eager forward (None: none seen yet)."""
+        return self.compiled.last_slot
+
+    @property
+    def max_held_bytes(self) -> int:
+        """Bound on the activation bytes a compiled forward holds for the multi-region op."""
+        return self.compiled.max_held_bytes
+
+    @max_held_bytes.setter
+    def max_held_bytes(self, value: int) -> None:
+        self.compiled.max_held_bytes = value
 
     # ---------------------------------------------------------------- hooks
 
     def _open(self, _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if torch.compiler.is_compiling():  # traced: the region hooks hold rows, nothing else
-            self.compiled_seen = True  # replayed by every compiled call: buffers from the next step
-            self._pending, self._pending_bytes, self._flushed = None, 0, False
+            _COMPILED[self._key].open()
             return
-        self._flushed = False
+        self.compiled.flushed = False
         self._depth += 1
         if self._depth > 1:  # a nested call of the root (rare) belongs to the outer capture
             return
@@ -250,18 +365,15 @@ class ForwardCapture:
 
     def _close(self, _module: nn.Module, _args: tuple[Any, ...], output: Any) -> None:
         if torch.compiler.is_compiling():
-            target = self.compiled_target
-            if target is not None:  # the logits, for the collector's logprobs and distribution
-                target.logits = _logits_of(output)
-            self._flush_compiled()
+            _COMPILED[self._key].close(output)
             return
         self._depth = max(0, self._depth - 1)
         if self._depth:
             return
-        self._flush_compiled()  # compiled regions under an eager root: their op runs here
+        self.compiled.flush()  # compiled regions under an eager root: their op runs here
         self._check_watched()
         if self._firing is not None:
-            self.last_slot, self._firing = self._firing, None
+            self.compiled.last_slot, self._firing = self._firing, None
         if self.current is None:
             return
         try:
@@ -280,45 +392,43 @@ class ForwardCapture:
         finally:
             self.current = None
 
-    def _region_hook(self, spec: RegionSpec, slot: int) -> Callable[[nn.Module, Any, Any], None]:
-        def hook(_module: nn.Module, _inputs: Any, output: Any) -> None:
-            if torch.compiler.is_compiling():
-                self._compiled_region(spec, slot, _module, _inputs, output)
-                return
-            capture = self.current
-            if capture is None:
-                return
-            self._firing = slot
-            if slot not in self._watched:
-                self._watch(spec, slot, output)
-            if not capture.fingerprinting:
-                return
-            try:
-                # no_grad: nothing here may join the autograd graph (activation checkpointing counts
-                # the tensors a forward saves, and recomputation runs without these hooks).
-                with torch.no_grad():
-                    alone = spec.tap is Tap.FP32
-                    rows = None  # rows still to pick: the staging buffer gathers them itself
-                    if spec.name == "logits" and dispatch.is_enabled() and isinstance(_module, nn.Linear):
-                        tensor = _invariant_head_logits(_module, _inputs, capture.rows)
-                    elif alone or capture.rows is None:
-                        tensor = read_tap(output, spec.tap, capture.rows)  # rows picked before a cast
-                    else:
-                        tensor = read_tap(output, spec.tap)
-                        if tensor is not None and self._stages(tensor):
-                            rows = capture.rows
-                        elif tensor is not None:
-                            tensor = tensor.reshape(-1, tensor.shape[-1]).index_select(0, capture.rows)
-                    if tensor is None:
-                        return
-                    index = 0
-                    while (spec.name, index) in capture.prints:
-                        index += 1
-                    self._fingerprint(capture, (spec.name, index), tensor.detach(), alone, rows)
-            except Exception as exc:
-                self._fail(spec.name, exc)
-
-        return hook
+    def _eager_region(
+        self, spec: RegionSpec, slot: int, _module: nn.Module, _inputs: Any, output: Any
+    ) -> None:
+        """A region's hook in an eager forward: its rows fingerprinted (staged with others of its
+        width) while a capture is open."""
+        capture = self.current
+        if capture is None:
+            return
+        self._firing = slot
+        if slot not in self._watched:
+            self._watch(spec, slot, output)
+        if not capture.fingerprinting:
+            return
+        try:
+            # no_grad: nothing here may join the autograd graph (activation checkpointing counts
+            # the tensors a forward saves, and recomputation runs without these hooks).
+            with torch.no_grad():
+                alone = spec.tap is Tap.FP32
+                rows = None  # rows still to pick: the staging buffer gathers them itself
+                if spec.name == "logits" and dispatch.is_enabled() and isinstance(_module, nn.Linear):
+                    tensor = _invariant_head_logits(_module, _inputs, capture.rows)
+                elif alone or capture.rows is None:
+                    tensor = read_tap(output, spec.tap, capture.rows)  # rows picked before a cast
+                else:
+                    tensor = read_tap(output, spec.tap)
+                    if tensor is not None and self._stages(tensor):
+                        rows = capture.rows
+                    elif tensor is not None:
+                        tensor = tensor.reshape(-1, tensor.shape[-1]).index_select(0, capture.rows)
+                if tensor is None:
+                    return
+                index = 0
+                while (spec.name, index) in capture.prints:
+                    index += 1
+                self._fingerprint(capture, (spec.name, index), tensor.detach(), alone, rows)
+        except Exception as exc:
+            self._fail(spec.name, exc)
 
     def _watch(self, spec: RegionSpec, slot: int, output: Any) -> None:
         """Note the version of a region's tap in an eager forward, checked at its end
@@ -337,64 +447,15 @@ class ForwardCapture:
         for slot, tensor, version in self._watching:
             self._watched.add(slot)
             if tensor._version != version:
-                self.mutated.add(slot)
+                self.compiled.mutated.add(slot)
         self._watching.clear()
-
-    def _flush_compiled(self) -> None:
-        """The rows a compiled forward's region hooks held, through the multi-region op at once."""
-        pending, self._pending, self._pending_bytes = self._pending, None, 0
-        target = self.compiled_target
-        if pending and target is not None:
-            rows = [r for _, r in pending]
-            record_regions(rows, [slot for slot, _ in pending], target.buffers.ints, target.buffers.floats)
-
-    def _compiled_region(
-        self, spec: RegionSpec, slot: int, module: nn.Module, inputs: Any, output: Any
-    ) -> None:
-        """A region inside a traced forward: every row held for the multi-region op, which the
-        last region to fire (:attr:`last_slot`) calls in this graph, into its slot (rows are picked
-        on the host after the step). The held rows stay under :attr:`max_held_bytes`: a region that
-        would pass it first sends what is held through the op at its own tap. The per-region op
-        takes a region seen written in place after its tap, one larger than the cap alone, and
-        any before the order is known. No try/except: Dynamo traces this."""
-        target = self.compiled_target
-        if target is None:
-            return
-        with torch.no_grad():
-            if spec.name == "logits" and dispatch.is_enabled() and isinstance(module, nn.Linear):
-                tensor = _invariant_head_logits(module, inputs, None)
-            else:
-                tensor = read_tap(output, spec.tap)
-            if tensor is None:
-                return
-            rows = tensor.reshape(-1, tensor.shape[-1])
-            if rows.shape[0] != target.buffers.rows:
-                return
-            bits = default_ladder_bits(rows.dtype)
-            size = rows.numel() * rows.element_size()
-            if self.last_slot is None or self._flushed or slot in self.mutated or size > self.max_held_bytes:
-                target.buffers.write(slot, rows, bits)
-            else:
-                if self._pending_bytes + size > self.max_held_bytes:
-                    # the cap reached: what is held goes through the op here, and holding starts
-                    # anew (a long batch's regions in a few launches, none of them alone)
-                    self._flush_compiled()
-                # the tap itself (the op views its rows), in a new list: a list that existed
-                # before this frame and was appended to here would have to be rebuilt after the
-                # graph, every held tap an extra output of it
-                self._pending = [*(self._pending or ()), (slot, tensor)]
-                self._pending_bytes += size
-            target.bits[slot] = bits
-            if slot == self.last_slot:  # the op inside this graph: no held row leaves it
-                self._flush_compiled()
-                self._flushed = True
 
     def prepare_compiled(self, input_shape: tuple[int, ...], device: torch.device | None) -> None:
         """Before a step whose forward may be compiled: the buffers its region hooks write into,
         one set per batch shape and device, allocated once (``device=None``: fingerprint nothing).
         Only once a compiled forward has run through the hooks: an eager model allocates nothing."""
-        if device is None or not self.specs or not self.compiled_seen:
-            self.compiled_target = None
+        if device is None or not self.specs or not self.compiled.seen:
+            self.compiled.target = None
             return
         key = (tuple(input_shape), torch.device(device))
         target = self._targets.get(key)
@@ -407,7 +468,7 @@ class ForwardCapture:
             )
         target.bits = [None] * len(self.specs)
         target.logits = None
-        self.compiled_target = target
+        self.compiled.target = target
 
     def take_compiled(self, input_ids: torch.Tensor) -> Capture | None:
         """The capture a compiled forward over ``input_ids`` left in the buffers (a copy of them:
@@ -548,8 +609,9 @@ class ForwardCapture:
         self._staging.clear()
         self._targets.clear()
         self._watching.clear()
-        self._pending = None
-        self.compiled_target = None
+        self.compiled.pending = None
+        self.compiled.target = None
+        _COMPILED.pop(self._key, None)
         self.current = self.last = None
 
     @property

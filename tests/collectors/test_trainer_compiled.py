@@ -240,7 +240,7 @@ def _graphs_of(
 
     def backend(gm: torch.fx.GraphModule, _inputs: list) -> object:
         output = next(n for n in gm.graph.nodes if n.op == "output")
-        ops = sum(1 for n in gm.graph.nodes if op in str(n.target))
+        ops = sum(1 for n in gm.graph.nodes if n.op == "call_function" and op in str(n.target))
         graphs.append((len(output.args[0]), ops))
         return gm.forward
 
