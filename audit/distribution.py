@@ -80,15 +80,24 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
         return z ^ (z >> np.uint64(31))
 
 
-def sketch_projection(vocab: int) -> np.ndarray:
-    """The ``[vocab, SKETCH_DIM]`` float32 sign matrix ±1/√SKETCH_DIM, from a keyed hash of each
-    token id (the same on every device and side)."""
+#: The projection's entries: ±this (float32).
+SKETCH_SCALE = np.float32(1.0 / np.sqrt(SKETCH_DIM))
+
+
+def sketch_sign_bits(vocab: int) -> np.ndarray:
+    """Each token id's ``SKETCH_DIM`` signs as the bits of one int32 (bit ``c`` set: column ``c``
+    is ``+SKETCH_SCALE``), from a keyed hash of the id: the same on every device and side."""
     if vocab < 1:
         raise ValueError(f"vocab: must be >= 1, got {vocab}")
     keys = _splitmix64(np.arange(vocab, dtype=np.uint64) ^ np.uint64(SKETCH_SEED))
-    bits = (keys[:, None] >> np.arange(SKETCH_DIM, dtype=np.uint64)[None, :]) & np.uint64(1)
-    scale = np.float32(1.0 / np.sqrt(SKETCH_DIM))
-    return np.where(bits == 1, scale, -scale).astype(np.float32)
+    return (keys & np.uint64(0xFFFFFFFF)).astype(np.uint32).view(np.int32)
+
+
+def sketch_projection(vocab: int) -> np.ndarray:
+    """The ``[vocab, SKETCH_DIM]`` float32 sign matrix ±1/√SKETCH_DIM of :func:`sketch_sign_bits`."""
+    bits = sketch_sign_bits(vocab).view(np.uint32)
+    set_ = (bits[:, None] >> np.arange(SKETCH_DIM, dtype=np.uint32)[None, :]) & np.uint32(1)
+    return np.where(set_ == 1, SKETCH_SCALE, -SKETCH_SCALE).astype(np.float32)
 
 
 def sketch_hellinger(sketch_a: np.ndarray, sketch_b: np.ndarray) -> np.ndarray:

@@ -1,7 +1,8 @@
 """The device half of the full-distribution comparison (:mod:`isoaudit.audit.distribution`): from
 the full log-probability rows of the sampled positions, each position's top-k and its
 full-vocabulary sketch ``Rᵀ √p``, computed where the rows are; only ``k`` ids, ``k`` logprobs and 32
-floats per position leave the device."""
+floats per position leave the device. The sketch is one pass of
+:func:`isoaudit.kernels.distribution.sketch_rows` where Triton runs, float64 torch elsewhere."""
 
 from __future__ import annotations
 
@@ -9,23 +10,25 @@ import threading
 
 import numpy as np
 import torch
-from isoaudit.audit.distribution import SKETCH_DIM, sketch_projection
+from isoaudit.audit.distribution import SKETCH_DIM, SKETCH_SCALE, sketch_projection, sketch_sign_bits
+from isoaudit.kernels._triton import use_triton
 
 #: The float64 √p of at most this many bytes exists at once (the rows themselves are the caller's).
 CHUNK_BYTES = 256 << 20
 
-_PROJECTIONS: dict[tuple[int, str], torch.Tensor] = {}
+_PROJECTIONS: dict[tuple[int, str, bool], torch.Tensor] = {}
 _LOCK = threading.Lock()
 
 
-def _projection(vocab: int, device: torch.device) -> torch.Tensor:
-    """The sign matrix in float64 on ``device``, built once per (vocab, device)."""
-    key = (vocab, str(device))
+def _projection(vocab: int, device: torch.device, packed: bool = False) -> torch.Tensor:
+    """The sign matrix in float64 on ``device`` (``packed``: its int32 sign bits per token, as the
+    kernel reads them), built once per (vocab, device)."""
+    key = (vocab, str(device), packed)
     with _LOCK:
         found = _PROJECTIONS.get(key)
         if found is None:
-            found = torch.from_numpy(sketch_projection(vocab).astype(np.float64)).to(device)
-            _PROJECTIONS[key] = found
+            host = sketch_sign_bits(vocab) if packed else sketch_projection(vocab).astype(np.float64)
+            found = _PROJECTIONS[key] = torch.from_numpy(host).to(device)
     return found
 
 
@@ -33,7 +36,8 @@ def distribution_rows(logprob_rows: torch.Tensor, k: int) -> dict[str, torch.Ten
     """``logprob_rows``: ``[positions, vocab]`` log-probabilities (rows that sum to 1 in probability;
     -inf for tokens a sampler masked). Returns on their device ``topk_ids`` (int32 ``[n, k]``, rank
     order), ``topk_logprobs`` (float32 ``[n, k]``) and ``sketch`` (float32 ``[n, SKETCH_DIM]``,
-    summed in float64, :data:`CHUNK_BYTES` of positions at a time)."""
+    summed in float64: in one pass where Triton runs, else :data:`CHUNK_BYTES` of positions at a
+    time)."""
     if logprob_rows.dim() != 2:
         raise ValueError(f"logprob_rows: expected [positions, vocab], got shape {list(logprob_rows.shape)}")
     vocab = int(logprob_rows.shape[1])
@@ -41,6 +45,12 @@ def distribution_rows(logprob_rows: torch.Tensor, k: int) -> dict[str, torch.Ten
         raise ValueError(f"k: must be in [1, vocab={vocab}], got {k}")
     rows = logprob_rows.detach().float()
     values, ids = torch.topk(rows, k, dim=-1, sorted=True)
+    if use_triton(rows):
+        from isoaudit.kernels.distribution import sketch_rows
+
+        bits = _projection(vocab, rows.device, packed=True)
+        sketch = sketch_rows(rows, bits, float(SKETCH_SCALE))
+        return {"topk_ids": ids.to(torch.int32), "topk_logprobs": values, "sketch": sketch}
     projection = _projection(vocab, rows.device)
     sketch = torch.empty(rows.shape[0], SKETCH_DIM, dtype=torch.float32, device=rows.device)
     step = max(1, CHUNK_BYTES // (vocab * 8))  # √p in float64 a chunk of positions at a time

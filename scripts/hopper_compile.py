@@ -177,10 +177,32 @@ def fingerprint_cases() -> list[tuple[str, Any]]:
         cases.append(
             (f"fingerprint one region KIND={kind}", (fp._fingerprint_kernel, one, constexprs, options))
         )
-        cases.append(
-            (f"fingerprint regions KIND={kind}", (fp._fingerprint_regions_kernel, many, constexprs, options))
-        )
+        for aligned_rows in (False, True):
+            cases.append(
+                (
+                    f"fingerprint regions KIND={kind} ALIGNED={aligned_rows}",
+                    (fp._fingerprint_regions_kernel, many, {**constexprs, "ALIGNED": aligned_rows}, options),
+                )
+            )
     return cases
+
+
+def distribution_cases() -> list[tuple[str, Any]]:
+    """The one-pass distribution sketch (float64 exp and product) over float32 log-probabilities."""
+    from isoaudit.kernels import distribution as dist
+
+    signature = dict(
+        lp_ptr="*fp32",
+        bits_ptr="*i32",
+        out_ptr="*fp32",
+        n_rows="i32",
+        vocab="i32",
+        stride_lp="i32",
+        scale="fp32",
+    )
+    constexprs = dict(BLOCK_R=dist.BLOCK_R, BLOCK_V=dist.BLOCK_V, SK=dist.SKETCH_DIM)
+    case = (dist._sketch_kernel, signature, constexprs, ("lp_ptr", "bits_ptr", "out_ptr", "stride_lp"), {})
+    return [("distribution sketch", case)]
 
 
 #: What ``--stats`` counts: (label, PTX or SASS, regular expression).
@@ -295,7 +317,7 @@ def main() -> int:
 @cache
 def all_cases() -> list[tuple[str, Any]]:
     """Every case :func:`main` compiles, in its order (each worker process makes its own list)."""
-    return fp8_cases() + fp8_grouped_cases() + fingerprint_cases()
+    return fp8_cases() + fp8_grouped_cases() + fingerprint_cases() + distribution_cases()
 
 
 def compile_case(index: int) -> tuple[str, str | None]:
