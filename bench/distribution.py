@@ -19,8 +19,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from isoaudit.collectors.distribution import distribution_rows  # noqa: E402
+from isoaudit.collectors.distribution import distribution_rows, sketch_rows  # noqa: E402
 from isoaudit.collectors.logprobs import processed_logprob_rows, processed_logprobs  # noqa: E402
+from isoaudit.kernels._triton import use_triton  # noqa: E402
 
 from bench.fingerprints import timed  # noqa: E402
 
@@ -53,6 +54,14 @@ def main() -> None:
         f"[{n} positions, vocab {vocab}] k={args.k} on {device}: logprobs {base * 1e3:.1f} ms; "
         f"logprobs + top-k + sketch {full * 1e3:.1f} ms; ratio {full / base:.2f}x"
     )
+    if use_triton(logits):  # the sketch alone: the one-pass kernel against float64 torch
+        rows, _ = processed_logprob_rows(logits, ids, predict, target, temperature, sample_of)
+        one_pass = timed(lambda: sketch_rows(rows, "triton"), device, args.repeats)
+        chunks = timed(lambda: sketch_rows(rows, "torch"), device, args.repeats)
+        print(
+            f"  sketch alone: one pass {one_pass * 1e3:.2f} ms; float64 torch {chunks * 1e3:.2f} ms; "
+            f"ratio {one_pass / chunks:.2f}x"
+        )
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import threading
 import numpy as np
 import torch
 from isoaudit.audit.distribution import SKETCH_DIM, SKETCH_SCALE, sketch_projection, sketch_sign_bits
-from isoaudit.kernels._triton import use_triton
+from isoaudit.kernels._triton import resolve
 
 #: The float64 √p of at most this many bytes exists at once (the rows themselves are the caller's).
 CHUNK_BYTES = 256 << 20
@@ -36,8 +36,7 @@ def distribution_rows(logprob_rows: torch.Tensor, k: int) -> dict[str, torch.Ten
     """``logprob_rows``: ``[positions, vocab]`` log-probabilities (rows that sum to 1 in probability;
     -inf for tokens a sampler masked). Returns on their device ``topk_ids`` (int32 ``[n, k]``, rank
     order), ``topk_logprobs`` (float32 ``[n, k]``) and ``sketch`` (float32 ``[n, SKETCH_DIM]``,
-    summed in float64: in one pass where Triton runs, else :data:`CHUNK_BYTES` of positions at a
-    time)."""
+    summed in float64, :func:`sketch_rows`)."""
     if logprob_rows.dim() != 2:
         raise ValueError(f"logprob_rows: expected [positions, vocab], got shape {list(logprob_rows.shape)}")
     vocab = int(logprob_rows.shape[1])
@@ -45,19 +44,25 @@ def distribution_rows(logprob_rows: torch.Tensor, k: int) -> dict[str, torch.Ten
         raise ValueError(f"k: must be in [1, vocab={vocab}], got {k}")
     rows = logprob_rows.detach().float()
     values, ids = torch.topk(rows, k, dim=-1, sorted=True)
-    if use_triton(rows):
-        from isoaudit.kernels.distribution import sketch_rows
+    return {"topk_ids": ids.to(torch.int32), "topk_logprobs": values, "sketch": sketch_rows(rows)}
 
-        bits = _projection(vocab, rows.device, packed=True)
-        sketch = sketch_rows(rows, bits, float(SKETCH_SCALE))
-        return {"topk_ids": ids.to(torch.int32), "topk_logprobs": values, "sketch": sketch}
+
+def sketch_rows(rows: torch.Tensor, impl: str | None = None) -> torch.Tensor:
+    """The float32 ``[n, SKETCH_DIM]`` sketch of float32 log-probability ``rows`` ``[n, vocab]``:
+    one pass of the kernel where Triton runs (``impl``: "triton" or "torch" forces one), else
+    float64 torch :data:`CHUNK_BYTES` of positions at a time."""
+    vocab = int(rows.shape[1])
+    if resolve(impl, rows) == "triton":
+        from isoaudit.kernels import distribution as kernel
+
+        return kernel.sketch_rows(rows, _projection(vocab, rows.device, packed=True), float(SKETCH_SCALE))
     projection = _projection(vocab, rows.device)
     sketch = torch.empty(rows.shape[0], SKETCH_DIM, dtype=torch.float32, device=rows.device)
     step = max(1, CHUNK_BYTES // (vocab * 8))  # √p in float64 a chunk of positions at a time
     for start in range(0, rows.shape[0], step):
         root = torch.exp(rows[start : start + step].double() * 0.5)  # exp(-inf) = 0
         sketch[start : start + step] = (root @ projection).float()
-    return {"topk_ids": ids.to(torch.int32), "topk_logprobs": values, "sketch": sketch}
+    return sketch
 
 
-__all__ = ["SKETCH_DIM", "distribution_rows"]
+__all__ = ["SKETCH_DIM", "distribution_rows", "sketch_rows"]
