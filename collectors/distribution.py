@@ -6,6 +6,7 @@ floats per position leave the device. The sketch is one pass of
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import numpy as np
@@ -16,7 +17,11 @@ from isoaudit.kernels._triton import resolve
 #: The float64 √p of at most this many bytes exists at once (the rows themselves are the caller's).
 CHUNK_BYTES = 256 << 20
 
+log = logging.getLogger(__name__)
+
 _PROJECTIONS: dict[tuple[int, str, bool], torch.Tensor] = {}
+#: Why the kernel failed in this process (None: it has not): the torch path serves from then on.
+_KERNEL_REFUSED: str | None = None
 _LOCK = threading.Lock()
 
 
@@ -51,11 +56,21 @@ def sketch_rows(rows: torch.Tensor, impl: str | None = None) -> torch.Tensor:
     """The float32 ``[n, SKETCH_DIM]`` sketch of float32 log-probability ``rows`` ``[n, vocab]``:
     one pass of the kernel where Triton runs (``impl``: "triton" or "torch" forces one), else
     float64 torch :data:`CHUNK_BYTES` of positions at a time."""
+    global _KERNEL_REFUSED
     vocab = int(rows.shape[1])
-    if resolve(impl, rows) == "triton":
+    if resolve(impl, rows) == "triton" and (impl is not None or _KERNEL_REFUSED is None):
         from isoaudit.kernels import distribution as kernel
 
-        return kernel.sketch_rows(rows, _projection(vocab, rows.device, packed=True), float(SKETCH_SCALE))
+        bits = _projection(vocab, rows.device, packed=True)
+        try:
+            return kernel.sketch_rows(rows, bits, float(SKETCH_SCALE))
+        except Exception as exc:  # a Triton that will not build it: the torch path from now on
+            if impl is not None:
+                raise
+            _KERNEL_REFUSED = repr(exc)
+            log.warning(
+                "isoaudit: the distribution sketch kernel failed (%s); float64 torch from now on", exc
+            )
     projection = _projection(vocab, rows.device)
     sketch = torch.empty(rows.shape[0], SKETCH_DIM, dtype=torch.float32, device=rows.device)
     step = max(1, CHUNK_BYTES // (vocab * 8))  # √p in float64 a chunk of positions at a time

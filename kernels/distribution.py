@@ -41,7 +41,7 @@ if HAVE_TRITON:
             root = tl.exp(lp.to(tl.float64) * 0.5)  # exp(-inf) = 0: masked tokens add nothing
             bits = tl.load(bits_ptr + cols, mask=col_ok, other=0)
             signs = tl.where(((bits[:, None] >> cols_sk[None, :]) & 1) == 1, scale, -scale).to(tl.float64)
-            acc = tl.dot(root, signs, acc)
+            acc = tl.dot(root, signs, acc, out_dtype=tl.float64)
         tl.store(out_ptr + rows[:, None] * SK + cols_sk[None, :], acc.to(tl.float32), mask=row_ok[:, None])
 
     _LAUNCH = CachedLauncher(_sketch_kernel)

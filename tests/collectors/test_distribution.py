@@ -202,3 +202,30 @@ def test_logprobs_only_steps_record_no_distribution(load) -> None:
     assert all(s.topk_ids is None and s.dist_sketch is None for s in off)
     with pytest.raises(ValueError, match="distribution_k"):
         attach(model, run=RUN, sink=MemorySink(), distribution_k=-1)
+
+
+def test_a_sketch_kernel_that_will_not_build_leaves_the_torch_path(monkeypatch, caplog) -> None:
+    """A Triton that refuses the one-pass kernel (a version the code was not compiled against):
+    the sketch comes from float64 torch from then on, with one warning; forced, the error shows."""
+    from isoaudit.collectors import distribution
+    from isoaudit.kernels import distribution as kernel
+
+    rows = torch.log_softmax(torch.randn(5, 300, generator=torch.Generator().manual_seed(1)), dim=-1)
+    want = distribution.sketch_rows(rows, "torch")
+    calls = []
+
+    def refuse(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("CompilationError: acc and out_dtype differ")
+
+    monkeypatch.setattr(kernel, "sketch_rows", refuse)
+    monkeypatch.setattr(distribution, "_KERNEL_REFUSED", None)
+    monkeypatch.setattr(distribution, "resolve", lambda impl, t: impl or "triton")
+    with caplog.at_level("WARNING"):
+        first = distribution.distribution_rows(rows, 4)["sketch"]
+        again = distribution.distribution_rows(rows, 4)["sketch"]
+    assert torch.equal(first, want) and torch.equal(again, want)
+    assert len(calls) == 1  # not tried again
+    assert sum("sketch kernel failed" in r.getMessage() for r in caplog.records) == 1
+    with pytest.raises(RuntimeError, match="CompilationError"):
+        distribution.sketch_rows(rows, "triton")
