@@ -6,7 +6,7 @@
 # Usage, on the device machine from the checkout's root (wheels in .whl/, see device_tests.sh):
 #   bash scripts/gpu_pending.sh bits        # gpu tests of the FP8 kernels not yet run on a GPU (~9 min)
 #   bash scripts/gpu_pending.sh graphs      # MoE decode in CUDA graphs; fused logprobs, split policy (~9 min)
-#   bash scripts/gpu_pending.sh trainer     # the compiled trainer's overhead, bench and RL-sized batches (~9 min)
+#   bash scripts/gpu_pending.sh trainer     # the sketch kernel's bits; the compiled trainer, bench and RL-sized batches (~9 min)
 #   bash scripts/gpu_pending.sh kernels     # FP8 fused/host/MoE, decode GEMMs, fused logprobs memory (~9 min)
 #   bash scripts/gpu_pending.sh steps       # GRPO steps: --fp8, and the long-context one (~9 min)
 # Logs go to $OUT/<part>.log when $OUT is set (the device tool brings it back), else to stdout.
@@ -35,16 +35,18 @@ case $part in
     run logprobs-gemm 240 pytest -m gpu tests/kernels/test_fused_logprobs.py tests/kernels/test_logprobs.py tests/kernels/test_gemm.py
     ;;
   trainer)
+    run sketch-bits 90 pytest -m gpu tests/kernels/test_distribution_sketch.py
+    run sketch-bench 40 python bench/distribution.py
     run trainer-bench-shape 250 python bench/collector_overhead.py --scenario graphs --device cuda --model 0.5b \
       --part trainer --rounds 3 --phases --no-switch --kernels 30
-    run fingerprint-kernel 60 python bench/fingerprints.py
-    run trainer-rl-shape 280 python bench/collector_overhead.py --scenario graphs --device cuda --model 0.5b \
+    run trainer-rl-shape 170 python bench/collector_overhead.py --scenario graphs --device cuda --model 0.5b \
       --part trainer --rounds 2 --phases --no-switch --prompt 256 --completion 1024 --kernels 20 \
       --without-distribution
     ;;
   kernels)
     run fp8-benches 300 python bench/kernels.py --only fp8_fused@graph,fp8_host@eager,fp8_moe@graph
     run gemm-small 120 python bench/kernels.py --only gemm_small@graph
+    run fingerprint-kernel 60 python bench/fingerprints.py
     run logprobs-memory 120 python bench/logprobs_memory.py
     ;;
   steps)
