@@ -317,3 +317,33 @@ def test_regions_past_the_held_cap_go_through_the_op_in_parts() -> None:
     for (ra, _), (rb, _) in zip(eager, compiled, strict=True):
         assert ra.n_fingerprint_records == rb.n_fingerprint_records > 0
         _assert_equal_prints(ra, rb)
+
+
+def test_the_hooks_add_no_python_guards() -> None:
+    """Dynamo checks each of a compiled forward's guards on every call; a region hook closing over
+    a shared object makes it add a Python identity check per pair of hooks (``LAMBDA_GUARD ...
+    __closure__ ... is ...``), a millisecond a call at a hundred regions. The hooks close over
+    constants and reach their state through one global: no such guard."""
+    import logging
+
+    messages: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            messages.append(record.getMessage())
+
+    keep = Keep()
+    guards_log = logging.getLogger("torch._dynamo.guards")
+    torch._logging.set_logs(guards=True)
+    guards_log.addHandler(keep)
+    try:
+        torch._dynamo.reset()
+        graphs = _graphs_of(_model(torch.float32), 2, collect=True)
+    finally:
+        guards_log.removeHandler(keep)
+        torch._logging.set_logs()
+        torch._dynamo.reset()
+    assert graphs[-1][1] == 1  # the compiled forward that calls the op was traced and guarded
+    lambdas = [line for text in messages for line in text.splitlines() if "LAMBDA_GUARD" in line]
+    assert lambdas  # the log holds the guards (the model's own include a few)
+    assert not [line for line in lambdas if "_forward_hooks" in line]
