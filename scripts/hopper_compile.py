@@ -9,6 +9,11 @@ helper functions differently at import):
     python scripts/hopper_compile.py --stats [--dump DIR]
 
 The cases compile in ``--jobs`` processes (default: one a core; the compiler is single-threaded).
+To check what the GPU image's Triton refuses (it is older than the one the tests install, and
+each release accepts different things), put its wheel first on the path:
+
+    python -m pip install --no-deps --target /tmp/triton-gpu triton==3.6.0
+    PYTHONPATH=/tmp/triton-gpu python scripts/hopper_compile.py
 
 The FP8 cases are compiled as the runtime specialises a launch on the model shapes: pointers and
 N, K, the row strides divisible by 16 (``tt.divisibility``; without it the loads are not
