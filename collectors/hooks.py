@@ -307,19 +307,9 @@ class ForwardCapture:
             self._handles.append(module.register_forward_hook(_region_hook(self, spec, slot)))
 
     @property
-    def compiled_target(self) -> _CompiledTarget | None:
-        """The buffers compiled forwards write into this step (None: they fingerprint nothing)."""
-        return self.compiled.target
-
-    @property
     def mutated(self) -> set[int]:
         """Region slots whose output an eager forward saw written in place after the tap."""
         return self.compiled.mutated
-
-    @property
-    def last_slot(self) -> int | None:
-        """The region slot whose hook fires last in an eager forward (None: none seen yet)."""
-        return self.compiled.last_slot
 
     @property
     def max_held_bytes(self) -> int:
@@ -474,7 +464,7 @@ class ForwardCapture:
         """The capture a compiled forward over ``input_ids`` left in the buffers (a copy of them:
         the next step writes the same storage), or None when none ran since
         :meth:`prepare_compiled`."""
-        target = self.compiled_target
+        target = self.compiled.target
         if (
             target is None
             or target.bits.count(None) == len(target.bits)

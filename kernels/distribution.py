@@ -16,7 +16,7 @@ import torch
 
 from ._triton import HAVE_TRITON, CachedLauncher, aligned, cdiv, jit, tl
 
-SKETCH_DIM = 32
+SKETCH_DIM = 32  # isoaudit.audit.distribution.SKETCH_DIM (kernels import nothing of ours)
 BLOCK_R, BLOCK_V, WARPS = 16, 64, 4
 
 if HAVE_TRITON:
