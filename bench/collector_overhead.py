@@ -33,7 +33,10 @@ baseline. Targets on the CPU with a tiny model: logprobs <= 3 %, with fingerprin
   the 1.10 target, ``record_step``'s host time and the syncs a step makes, and the recompile a
   switch to the invariant kernels costs. With ``--background``, a third copy whose collector
   builds its records on its helper thread (``background_records=True``). With
-  ``--without-distribution``, one more copy without the distribution's top-k and sketch.
+  ``--without-distribution``, one more copy without the distribution's top-k and sketch. The
+  baseline is compiled before any collector attaches (attaching makes Dynamo guard every module's
+  hooks from then on, which a job without isoaudit does not pay); ``--hook-guards-baseline`` adds
+  a copy without a collector compiled after, to show what those guards cost.
 
     python bench/collector_overhead.py --scenario graphs --device cuda --model 0.5b   # the H200
     python bench/collector_overhead.py --scenario graphs --hidden 64 --rounds 3        # CPU check
@@ -538,8 +541,15 @@ def run_compiled_trainer(args: argparse.Namespace) -> dict[str, Any]:
         compiled = torch.compile(model)
         return model, compiled, torch.optim.AdamW(model.parameters(), lr=1e-6), collector
 
+    # the baseline compiles before any collector attaches: attaching makes Dynamo guard module
+    # hooks from then on (hooks._compiled_models_see_hooks), which a job without isoaudit never pays
+    baseline = config(False)
+    train_step(baseline[1], baseline[2], batch, mask, None, 0, True)
+    sync()
     watched = config(True, control=control)
-    configs = [("compiled", config(False)), ("compiled+fingerprints", watched)]
+    configs = [("compiled", baseline), ("compiled+fingerprints", watched)]
+    if args.hook_guards_baseline:  # what those hook guards cost a model without a collector
+        configs.append(("compiled-hook-guards", config(False)))
     if args.background:  # the collector's default builds records on the training thread
         configs.append(("compiled+fingerprints+background", config(True, background_records=True)))
     if args.without_distribution:  # what the distribution's top-k and sketch cost of the above
@@ -778,6 +788,12 @@ def main() -> None:
         action="store_true",
         help="graphs/trainer: also time every region fingerprinted without the distribution's top-k "
         "and sketch (distribution_k=0)",
+    )
+    parser.add_argument(
+        "--hook-guards-baseline",
+        action="store_true",
+        help="graphs/trainer: one more copy without a collector, compiled after the collector attached "
+        "(Dynamo then guards module hooks): what those guards cost",
     )
     parser.add_argument("--json", default=None, help="also write the result here")
     parser.add_argument("--scenario", default="trainer", choices=["trainer", "graphs"])

@@ -1,14 +1,16 @@
-"""Forward hooks that fingerprint region outputs on the model's device during a forward.
+"""Fingerprint region outputs on the model's device during a forward.
 
-One :class:`ForwardCapture` owns every hook it registers. A root pre-hook opens a *capture* for each
-top-level forward and a root post-hook closes it, keeping a reference to the logits; region hooks
-only act while a capture is open, so activation-checkpointing recomputation during backward (which
-re-runs layers outside the root forward) is ignored. Hooks never modify outputs and never raise: a
-failure is counted and logged once, and the forward goes on.
+One :class:`ForwardCapture` owns what it installs. A root pre-hook opens a *capture* for each
+top-level forward and a root post-hook closes it, keeping a reference to the logits. Each region's
+module is *watched*: its class is swapped for a subclass (same name) whose ``__call__`` runs the
+module's own (forward and hooks) and then reports the region (:func:`_watch`); a class change is what Dynamo's type
+guards see, where a forward hook is seen only with hook guards on for every module of every
+compiled model. Regions only act while a capture is open, so activation-checkpointing
+recomputation during backward (which re-runs layers outside the root forward) is ignored. Nothing
+here modifies outputs or raises: a failure is counted and logged once, and the forward goes on.
 
-Under ``torch.compile`` Dynamo traces these hooks into the compiled graph, so there they do no
-Python bookkeeping at all: each region hook keeps the region's rows, and the hook of the region that
-fires last (learned from an eager forward) calls the multi-region fingerprint op
+Under ``torch.compile`` Dynamo traces the watched calls into the compiled graph, so there they
+do no Python bookkeeping at all: each region keeps its rows, and the region that fires last (learned from an eager forward) calls the multi-region fingerprint op
 (:mod:`isoaudit.collectors.fingerprint_regions`) once on all of them, writing each into the slot of
 its region in buffers :meth:`ForwardCapture.prepare_compiled` allocated before the step for its
 batch shape (the graph's own storage; it guards only on whether buffers are set);
@@ -45,6 +47,7 @@ from isoaudit.collectors.fingerprints import (
 from isoaudit.collectors.regions import RegionSpec, Tap, read_tap
 from isoaudit.collectors.transfer import to_device
 from isoaudit.kernels import dispatch
+from isoaudit.kernels.adapters import REGIONS_ATTRIBUTE
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
@@ -240,18 +243,81 @@ _COMPILED: dict[int, _CompiledForward] = {}
 _KEYS = itertools.count()
 
 
-def _region_hook(owner: ForwardCapture, spec: RegionSpec, slot: int) -> Callable[[nn.Module, Any, Any], None]:
-    """The forward hook of region ``slot``. Traced, it reads only constants (key, slot, name, the
-    tap's name) and :data:`_COMPILED`; ``owner`` serves eager forwards only."""
-    key, name, tap_name = owner._key, spec.name, spec.tap.name
-
-    def hook(module: nn.Module, inputs: Any, output: Any) -> None:
+def _region_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """A watched module's ``__call__`` (:func:`_watch`): the module's own call (its forward and its
+    hooks, so a hook that replaces the output is seen), then each of its regions. Traced, it reads
+    only its class's constants and :data:`_COMPILED`."""
+    cls: Any = type(self)
+    output = cls.isoaudit_call(self, *args, **kwargs)
+    for key, slot, name, tap_name in getattr(cls, REGIONS_ATTRIBUTE):
         if torch.compiler.is_compiling():
-            _COMPILED[key].region(slot, name, getattr(Tap, tap_name), module, inputs, output)
-            return
-        owner._eager_region(spec, slot, module, inputs, output)
+            _COMPILED[key].region(slot, name, getattr(Tap, tap_name), self, args, output)
+        else:
+            owner = cls.isoaudit_owners[key]
+            owner._eager_region(owner.specs[slot], slot, self, args, output)
+    return output
 
-    return hook
+
+def _watched_class(
+    base: type[nn.Module], regions: tuple[tuple[int, int, str, str], ...], owners: dict[int, ForwardCapture]
+) -> type[nn.Module]:
+    """A subclass of ``base`` (same name) whose ``__call__`` is :func:`_region_call` over
+    ``regions``. It keeps ``base.__call__`` as a function, not ``base``: a class reached from
+    several watched classes would cost a Python identity guard per pair."""
+    namespace = {
+        "__call__": _region_call,
+        "isoaudit_base": base,
+        "isoaudit_call": base.__call__,
+        "isoaudit_owners": owners,
+        REGIONS_ATTRIBUTE: regions,
+        "__module__": base.__module__,
+        "__qualname__": base.__qualname__,
+    }
+    return type(base.__name__, (base,), namespace)
+
+
+def _watch(module: nn.Module, owner: ForwardCapture, slot: int, spec: RegionSpec) -> None:
+    """Make ``module`` report region ``slot`` to ``owner`` after each call: its class becomes a
+    subclass whose ``__call__`` runs the module's own and then its regions' (every watcher's, one
+    class level however many watch it).
+
+    Not a forward hook: Dynamo guards a compiled forward on modules' hook dictionaries only with
+    ``skip_nnmodule_hook_guards`` off, which costs every compiled model in the process a guard per
+    module and call; by default it would keep running a graph traced before the hook was added. A
+    class change is seen by the type guard Dynamo checks anyway."""
+    entry = (owner._key, slot, spec.name, spec.tap.name)
+    cls: Any = _watched_in(type(module))
+    if cls is None:
+        module.__class__ = _watched_class(type(module), (entry,), {owner._key: owner})
+    elif type(module) is cls:
+        regions, owners = (*getattr(cls, REGIONS_ATTRIBUTE), entry), {**cls.isoaudit_owners, owner._key: owner}
+        module.__class__ = _watched_class(cls.isoaudit_base, regions, owners)
+    else:  # another subclass on top (FSDP2's, say): the watched class below it takes the region
+        setattr(cls, REGIONS_ATTRIBUTE, (*getattr(cls, REGIONS_ATTRIBUTE), entry))
+        cls.isoaudit_owners = {**cls.isoaudit_owners, owner._key: owner}
+
+
+def _watched_in(cls: type) -> type | None:
+    """The watched class (:func:`_watched_class`) in ``cls``'s MRO, if any."""
+    return next((c for c in cls.__mro__ if REGIONS_ATTRIBUTE in vars(c)), None)
+
+
+def _unwatch(module: nn.Module, key: int) -> None:
+    """Undo :func:`_watch` for every region of capture ``key`` on ``module``: its class back to the
+    original once no capture watches it (or, if something swapped the class again since, the
+    watched class left in place with ``key``'s regions dropped)."""
+    cls: Any = _watched_in(type(module))
+    if cls is None:
+        return
+    regions = tuple(r for r in getattr(cls, REGIONS_ATTRIBUTE) if r[0] != key)
+    owners = {k: v for k, v in cls.isoaudit_owners.items() if k != key}
+    if type(module) is not cls:  # another subclass on top (FSDP2's, say): keep the chain
+        setattr(cls, REGIONS_ATTRIBUTE, regions)
+        cls.isoaudit_owners = owners
+    elif regions:
+        module.__class__ = _watched_class(cls.isoaudit_base, regions, owners)
+    else:
+        module.__class__ = cls.isoaudit_base
 
 
 class ForwardCapture:
@@ -298,13 +364,14 @@ class ForwardCapture:
         self._watched: set[int] = set()  # slots an eager forward has checked
         self._watching: list[tuple[int, torch.Tensor, int]] = []  # (slot, tap tensor, its version)
         self._firing: int | None = None  # the last slot fired in the open eager forward
-        _compiled_models_see_hooks()
         _ATTACHED.setdefault(model, weakref.WeakSet()).add(self)
         self._handles.append(model.register_forward_pre_hook(self._open, with_kwargs=True))
         self._handles.append(model.register_forward_hook(self._close, always_call=True))
+        self._watched_modules: list[nn.Module] = []
         for slot, spec in enumerate(self.specs):
             module = model.get_submodule(spec.module)
-            self._handles.append(module.register_forward_hook(_region_hook(self, spec, slot)))
+            _watch(module, self, slot, spec)
+            self._watched_modules.append(module)
 
     @property
     def mutated(self) -> set[int]:
@@ -596,6 +663,9 @@ class ForwardCapture:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        for module in self._watched_modules:
+            _unwatch(module, self._key)
+        self._watched_modules.clear()
         self._staging.clear()
         self._targets.clear()
         self._watching.clear()
@@ -617,18 +687,6 @@ def fingerprints_next_forward(model: nn.Module) -> bool:
     """Whether a capture hooked on ``model`` will fingerprint its next top-level forward: a caller
     that would trim the forward's output (HF's ``logits_to_keep``) keeps it whole then."""
     return any(capture.fingerprints_next() for capture in list(_ATTACHED.get(model, ())))
-
-
-def _compiled_models_see_hooks() -> None:
-    """Make Dynamo guard on module hooks: by default (``skip_nnmodule_hook_guards``) a compiled
-    model keeps running graphs traced before our hooks were added, or another instance's graph of
-    the same class without them, and its regions would never reach the fingerprint op."""
-    try:
-        import torch._dynamo.config as dynamo_config
-    except Exception:  # noqa: BLE001 - a torch without Dynamo compiles nothing
-        return
-    if getattr(dynamo_config, "skip_nnmodule_hook_guards", False):
-        dynamo_config.skip_nnmodule_hook_guards = False
 
 
 def _invariant_head_logits(head: nn.Linear, inputs: Any, rows: torch.Tensor | None) -> torch.Tensor | None:

@@ -163,12 +163,23 @@ def unpatch() -> None:
                 gm[key] = fn
 
 
+#: The class attribute of a module a collector watches (its class swapped for one whose forward
+#: reports regions: ``isoaudit.collectors.hooks``): such a module must run itself, as must one
+#: with hooks, for its regions to be seen.
+REGIONS_ATTRIBUTE = "isoaudit_regions"
+
+
+def observed(module: nn.Module) -> bool:
+    """Does something watch ``module``'s own forward (its hooks, or a collector's watched class)?"""
+    return bool(module._forward_hooks or module._forward_pre_hooks or hasattr(type(module), REGIONS_ATTRIBUTE))
+
+
 def _norm(module: Any, x: torch.Tensor) -> torch.Tensor:
     """An HF RMSNorm as the engine runs it: the module itself when the kernels are on (patched to
     the invariant kernel, the trainer's op); natively the fused ``F.rms_norm``, as a rollout
     engine's fused norm kernel is (HF's module is seven separate ops); a module a collector hooked
     runs itself, so its hooks see it."""
-    if dispatch.is_enabled() or module._forward_hooks or module._forward_pre_hooks:
+    if dispatch.is_enabled() or observed(module):
         return module(x)
     return F.rms_norm(x, (x.shape[-1],), module.weight, module.variance_epsilon)
 

@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 
 from . import dispatch, moe
-from .adapters import HFCausalLM, _rmsnorm_forward, family_classes
+from .adapters import HFCausalLM, _rmsnorm_forward, family_classes, observed
 
 _FAMILIES = [("qwen3_moe", "Qwen3Moe"), ("mixtral", "Mixtral")]
 _saved: dict[str, list[tuple[type[Any], Any]]] = {}
@@ -48,7 +48,7 @@ class ExpertSlots(nn.Module):
 
 def _wants_slots(experts: nn.Module) -> ExpertSlots | None:
     slots = getattr(experts, "slots", None)
-    if isinstance(slots, ExpertSlots) and (slots._forward_hooks or slots._forward_pre_hooks):
+    if isinstance(slots, ExpertSlots) and observed(slots):
         return slots
     return None
 

@@ -35,10 +35,10 @@ case $part in
     run logprobs-gemm 240 pytest -m gpu tests/kernels/test_fused_logprobs.py tests/kernels/test_logprobs.py tests/kernels/test_gemm.py
     ;;
   trainer)
-    run sketch-bits 90 pytest -m gpu tests/kernels/test_distribution_sketch.py
-    run sketch-bench 40 python bench/distribution.py
-    run trainer-bench-shape 250 python bench/collector_overhead.py --scenario graphs --device cuda --model 0.5b \
-      --part trainer --rounds 3 --phases --no-switch --kernels 30
+    run sketch-bits 70 pytest -m gpu tests/kernels/test_distribution_sketch.py
+    run sketch-bench 30 python bench/distribution.py
+    run trainer-bench-shape 290 python bench/collector_overhead.py --scenario graphs --device cuda --model 0.5b \
+      --part trainer --rounds 3 --phases --no-switch --kernels 30 --hook-guards-baseline
     run trainer-rl-shape 170 python bench/collector_overhead.py --scenario graphs --device cuda --model 0.5b \
       --part trainer --rounds 2 --phases --no-switch --prompt 256 --completion 1024 --kernels 20 \
       --without-distribution

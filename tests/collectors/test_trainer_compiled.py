@@ -319,11 +319,12 @@ def test_regions_past_the_held_cap_go_through_the_op_in_parts() -> None:
         _assert_equal_prints(ra, rb)
 
 
-def test_the_hooks_add_no_python_guards() -> None:
-    """Dynamo checks each of a compiled forward's guards on every call; a region hook closing over
-    a shared object makes it add a Python identity check per pair of hooks (``LAMBDA_GUARD ...
-    __closure__ ... is ...``), a millisecond a call at a hundred regions. The hooks close over
-    constants and reach their state through one global: no such guard."""
+def test_watching_adds_no_guard_per_hook() -> None:
+    """Dynamo checks each of a compiled forward's guards on every call. Forward hooks on the
+    regions would need Dynamo's hook guards turned on (a dictionary check per module and hook, a
+    millisecond a call at a hundred regions, on every compiled model of the process), and a region
+    hook closing over a shared object adds a Python identity check per pair of hooks. Watched
+    classes need neither: Dynamo's hook guards stay off and nothing guards a module's hooks."""
     import logging
 
     messages: list[str] = []
@@ -344,6 +345,43 @@ def test_the_hooks_add_no_python_guards() -> None:
         torch._logging.set_logs()
         torch._dynamo.reset()
     assert graphs[-1][1] == 1  # the compiled forward that calls the op was traced and guarded
-    lambdas = [line for text in messages for line in text.splitlines() if "LAMBDA_GUARD" in line]
-    assert lambdas  # the log holds the guards (the model's own include a few)
-    assert not [line for line in lambdas if "_forward_hooks" in line]
+    assert torch._dynamo.config.skip_nnmodule_hook_guards  # Dynamo's default, left alone
+    lines = [line for text in messages for line in text.splitlines()]
+    assert [line for line in lines if "LAMBDA_GUARD" in line]  # the log holds the guards
+    assert not [line for line in lines if "._forward_hooks" in line or "._forward_pre_hooks" in line]
+    assert not [line for line in lines if "LAMBDA_GUARD" in line and "__closure__" in line]
+
+
+def test_a_model_compiled_before_the_collector_attaches_is_traced_again() -> None:
+    """A job may compile (and run) its model, or another copy of the same class, before attaching:
+    Dynamo, whose default skips guards on empty hook dictionaries, would keep running those graphs
+    without the regions. The watched classes fail their type guards, so the next call traces the
+    regions in; a copy compiled without a collector keeps its own graph, and detaching gives each
+    module its class back."""
+    model = _model(torch.float32)
+    other = copy.deepcopy(model)
+    classes = {name: type(m) for name, m in model.named_modules()}
+    torch._dynamo.reset()
+    try:
+        compiled, other_fn = torch.compile(model), torch.compile(other)
+        for fn in (compiled, other_fn):  # both traced and run before any collector exists
+            fn(**_batch(9).model_inputs()).logits.float().mean().backward()
+        sink = MemorySink()
+        collector = attach(model, run="c", sink=sink, keep_records=True, strict=True, async_transfer=False)
+        reports = []
+        for step in range(3):
+            batch = _batch(step)
+            other_fn(**batch.model_inputs()).logits.float().mean().backward()  # interleaved
+            collector.begin_step(step, batch)
+            logits = compiled(**batch.model_inputs()).logits
+            reports.append(collector.record_step(step, batch, logprobs=None))
+            logits.float().mean().backward()
+        collector.detach()
+        assert {name: type(m) for name, m in model.named_modules()} == classes
+        assert {name: type(m) for name, m in other.named_modules()} == classes
+        compiled(**_batch(0).model_inputs())  # detached: traced again without the regions
+    finally:
+        torch._dynamo.reset()
+    assert all(r.n_fingerprint_records > 0 for r in reports)
+    assert not [r.step for r in reports[1:] if r.own_forward]  # the compiled graph's op recorded them
+    assert collector.stats()["hook_errors"] == 0
