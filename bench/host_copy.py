@@ -52,7 +52,9 @@ def timed(fn, steps: int, hold: int) -> list[float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--regions", type=int, default=123)
     parser.add_argument("--rows", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=40)
@@ -76,7 +78,12 @@ def main() -> None:
         return torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors.values()]).cpu()
 
     results = {}
-    for name, fn in (("HostCopy", copy), ("pack on device", packed), ("pinned buffer", pinned), ("cat + .cpu()", plain)):
+    for name, fn in (
+        ("HostCopy", copy),
+        ("pack on device", packed),
+        ("pinned buffer", pinned),
+        ("cat + .cpu()", plain),
+    ):
         timed(fn, 5, args.hold)  # warm: allocator caches
         results[name] = 1e6 * statistics.median(timed(fn, args.steps, args.hold))
     print(f"{torch.cuda.get_device_name()}: {size / 2**20:.1f} MiB a step, results kept {args.hold} steps")

@@ -290,7 +290,10 @@ def _watch(module: nn.Module, owner: ForwardCapture, slot: int, spec: RegionSpec
     if cls is None:
         module.__class__ = _watched_class(type(module), (entry,), {owner._key: owner})
     elif type(module) is cls:
-        regions, owners = (*getattr(cls, REGIONS_ATTRIBUTE), entry), {**cls.isoaudit_owners, owner._key: owner}
+        regions, owners = (
+            (*getattr(cls, REGIONS_ATTRIBUTE), entry),
+            {**cls.isoaudit_owners, owner._key: owner},
+        )
         module.__class__ = _watched_class(cls.isoaudit_base, regions, owners)
     else:  # another subclass on top (FSDP2's, say): the watched class below it takes the region
         setattr(cls, REGIONS_ATTRIBUTE, (*getattr(cls, REGIONS_ATTRIBUTE), entry))

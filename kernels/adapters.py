@@ -171,7 +171,9 @@ REGIONS_ATTRIBUTE = "isoaudit_regions"
 
 def observed(module: nn.Module) -> bool:
     """Does something watch ``module``'s own forward (its hooks, or a collector's watched class)?"""
-    return bool(module._forward_hooks or module._forward_pre_hooks or hasattr(type(module), REGIONS_ATTRIBUTE))
+    return bool(
+        module._forward_hooks or module._forward_pre_hooks or hasattr(type(module), REGIONS_ATTRIBUTE)
+    )
 
 
 def _norm(module: Any, x: torch.Tensor) -> torch.Tensor:
