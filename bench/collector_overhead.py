@@ -34,9 +34,7 @@ baseline. Targets on the CPU with a tiny model: logprobs <= 3 %, with fingerprin
   switch to the invariant kernels costs. With ``--background``, a third copy whose collector
   builds its records on its helper thread (``background_records=True``). With
   ``--without-distribution``, one more copy without the distribution's top-k and sketch. The
-  baseline is compiled before any collector attaches (attaching makes Dynamo guard every module's
-  hooks from then on, which a job without isoaudit does not pay); ``--hook-guards-baseline`` adds
-  a copy without a collector compiled after, to show what those guards cost.
+  baseline is compiled before any collector attaches, as in a job without isoaudit.
 
     python bench/collector_overhead.py --scenario graphs --device cuda --model 0.5b   # the H200
     python bench/collector_overhead.py --scenario graphs --hidden 64 --rounds 3        # CPU check
@@ -541,15 +539,13 @@ def run_compiled_trainer(args: argparse.Namespace) -> dict[str, Any]:
         compiled = torch.compile(model)
         return model, compiled, torch.optim.AdamW(model.parameters(), lr=1e-6), collector
 
-    # the baseline compiles before any collector attaches: attaching makes Dynamo guard module
-    # hooks from then on (hooks._compiled_models_see_hooks), which a job without isoaudit never pays
+    # the baseline compiles before any collector attaches, as a job without isoaudit does: a
+    # collector attached later must still get its regions into the graph (the watched classes)
     baseline = config(False)
     train_step(baseline[1], baseline[2], batch, mask, None, 0, True)
     sync()
     watched = config(True, control=control)
     configs = [("compiled", baseline), ("compiled+fingerprints", watched)]
-    if args.hook_guards_baseline:  # what those hook guards cost a model without a collector
-        configs.append(("compiled-hook-guards", config(False)))
     if args.background:  # the collector's default builds records on the training thread
         configs.append(("compiled+fingerprints+background", config(True, background_records=True)))
     if args.without_distribution:  # what the distribution's top-k and sketch cost of the above
@@ -788,12 +784,6 @@ def main() -> None:
         action="store_true",
         help="graphs/trainer: also time every region fingerprinted without the distribution's top-k "
         "and sketch (distribution_k=0)",
-    )
-    parser.add_argument(
-        "--hook-guards-baseline",
-        action="store_true",
-        help="graphs/trainer: one more copy without a collector, compiled after the collector attached "
-        "(Dynamo then guards module hooks): what those guards cost",
     )
     parser.add_argument("--json", default=None, help="also write the result here")
     parser.add_argument("--scenario", default="trainer", choices=["trainer", "graphs"])

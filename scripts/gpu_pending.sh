@@ -38,7 +38,7 @@ case $part in
     run sketch-bits 70 pytest -m gpu tests/kernels/test_distribution_sketch.py
     run sketch-bench 30 python bench/distribution.py
     run trainer-bench-shape 290 python bench/collector_overhead.py --scenario graphs --device cuda --model 0.5b \
-      --part trainer --rounds 3 --phases --no-switch --kernels 30 --hook-guards-baseline
+      --part trainer --rounds 3 --phases --no-switch --kernels 30
     run trainer-rl-shape 170 python bench/collector_overhead.py --scenario graphs --device cuda --model 0.5b \
       --part trainer --rounds 2 --phases --no-switch --prompt 256 --completion 1024 --kernels 20 \
       --without-distribution
