@@ -28,7 +28,7 @@ from isoaudit.collectors.layout import StepBatch
 from isoaudit.collectors.regions import resolve_regions
 from isoaudit.collectors.sinks import MemorySink
 from isoaudit.collectors.trainer import attach
-from isoaudit.collectors.transfer import HostCopy, to_device, to_host
+from isoaudit.collectors.transfer import HostCopy, PinnedPool, to_device, to_host
 from pydantic import Field
 
 from tests.collectors.conftest import random_samples
@@ -354,6 +354,50 @@ def test_fresh_cpu_tensors_are_viewed_others_copied() -> None:
     host = copy.result()
     assert np.shares_memory(host["p0"], mine.numpy()) and not np.shares_memory(host["ids"], theirs.numpy())
     assert to_device(mine, torch.device("cpu")) is mine
+
+
+def test_a_pinned_buffer_is_reused_once_every_view_of_it_is_gone() -> None:
+    """A step's copy lands in a pooled buffer (a fresh pinned one waits for the device): it comes
+    back when the records' last view of it dies, never while one still reads it."""
+    import gc
+
+    pool = PinnedPool(keep=1)
+    buffer = torch.arange(16, dtype=torch.uint8)  # as pool.take(10) gives it: 16 bytes, 10 used
+    host = pool.lend(buffer, 10)
+    view = host[2:6].view(np.uint16)  # as a record keeps it
+    del host
+    gc.collect()
+    assert pool._free.get(16) is None  # a view still reads it: not back yet
+    assert view.tolist() == [0x0302, 0x0504]
+    del view
+    gc.collect()
+    assert pool.take(10) is buffer and pool.allocated == 0  # back, and given out again
+    pool.lend(torch.zeros(16, dtype=torch.uint8), 16)  # dropped at once
+    pool.lend(torch.zeros(16, dtype=torch.uint8), 16)
+    gc.collect()
+    assert len(pool._free[16]) == 1  # at most ``keep`` kept
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_step_copy_reuses_its_pinned_buffer() -> None:
+    """Steady steps make no new pinned buffer once their records are gone."""
+    import gc
+
+    from isoaudit.collectors.transfer import PINNED
+
+    tensors = {"p0": torch.randn(1000, 37, device="cuda"), "lp": torch.randn(77, device="cuda")}
+    for _ in range(3):
+        host = HostCopy(tensors).result()
+        np.testing.assert_array_equal(host["p0"], tensors["p0"].cpu().numpy())
+        del host
+        gc.collect()
+    made = PINNED.allocated
+    for _ in range(5):
+        host = HostCopy(tensors).result()
+        del host
+        gc.collect()
+    assert PINNED.allocated == made
 
 
 @pytest.mark.gpu
