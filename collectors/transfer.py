@@ -43,16 +43,19 @@ def _warn_sync_fallback(exc: BaseException) -> None:
 
 
 class PinnedPool:
-    """Pinned host buffers kept for reuse, at most ``keep`` per size (rounded up to a power of two).
+    """Pinned host buffers kept for reuse: at most ``keep`` per size (rounded up to a power of two)
+    and ``max_bytes`` in all, so batch shapes that vary step to step keep no more than that pinned.
 
     Each step's copy lands in a pinned buffer, and a fresh one costs a ``cudaHostAlloc``, which
     waits for the device (1.6 ms a step measured on an H100 host, the bench shape's step) whenever
     the caching host allocator has none free; the step's records hold numpy views of the buffer
     until the sink delivers them. A buffer taken here comes back when the last view of its host
-    array is gone (:meth:`lend`), or is simply freed when the pool already keeps ``keep``."""
+    array is gone (:meth:`lend`), or is simply freed when the pool is full."""
 
-    def __init__(self, keep: int = 4) -> None:
+    def __init__(self, keep: int = 4, max_bytes: int = 256 << 20) -> None:
         self.keep = keep
+        self.max_bytes = max_bytes
+        self.kept_bytes = 0
         self._free: dict[int, list[torch.Tensor]] = {}
         self._lock = threading.Lock()
         self.allocated = 0  # buffers made (the rest were reused)
@@ -63,6 +66,7 @@ class PinnedPool:
         with self._lock:
             free = self._free.get(size)
             if free:
+                self.kept_bytes -= size
                 return free.pop()
         self.allocated += 1
         return torch.empty(size, dtype=torch.uint8, pin_memory=True)
@@ -75,10 +79,12 @@ class PinnedPool:
         return array
 
     def _give_back(self, buffer: torch.Tensor) -> None:
+        size = buffer.numel()
         with self._lock:
-            free = self._free.setdefault(buffer.numel(), [])
-            if len(free) < self.keep:
+            free = self._free.setdefault(size, [])
+            if len(free) < self.keep and self.kept_bytes + size <= self.max_bytes:
                 free.append(buffer)
+                self.kept_bytes += size
 
 
 #: The pool every :class:`HostCopy` takes its pinned buffer from.

@@ -375,7 +375,12 @@ def test_a_pinned_buffer_is_reused_once_every_view_of_it_is_gone() -> None:
     pool.lend(torch.zeros(16, dtype=torch.uint8), 16)  # dropped at once
     pool.lend(torch.zeros(16, dtype=torch.uint8), 16)
     gc.collect()
-    assert len(pool._free[16]) == 1  # at most ``keep`` kept
+    assert len(pool._free[16]) == 1 and pool.kept_bytes == 16  # at most ``keep`` kept
+    small = PinnedPool(keep=4, max_bytes=40)
+    for _ in range(3):
+        small.lend(torch.zeros(16, dtype=torch.uint8), 16)
+    gc.collect()
+    assert len(small._free[16]) == 2 and small.kept_bytes == 32  # at most ``max_bytes`` kept
 
 
 @pytest.mark.gpu
