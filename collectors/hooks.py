@@ -289,15 +289,14 @@ def _watch(module: nn.Module, owner: ForwardCapture, slot: int, spec: RegionSpec
     cls: Any = _watched_in(type(module))
     if cls is None:
         module.__class__ = _watched_class(type(module), (entry,), {owner._key: owner})
-    elif type(module) is cls:
-        regions, owners = (
-            (*getattr(cls, REGIONS_ATTRIBUTE), entry),
-            {**cls.isoaudit_owners, owner._key: owner},
-        )
-        module.__class__ = _watched_class(cls.isoaudit_base, regions, owners)
+        return
+    base, regions = cls.isoaudit_base, (*getattr(cls, REGIONS_ATTRIBUTE), entry)
+    owners = {**cls.isoaudit_owners, owner._key: owner}
+    if type(module) is cls:
+        module.__class__ = _watched_class(base, regions, owners)
     else:  # another subclass on top (FSDP2's, say): the watched class below it takes the region
-        setattr(cls, REGIONS_ATTRIBUTE, (*getattr(cls, REGIONS_ATTRIBUTE), entry))
-        cls.isoaudit_owners = {**cls.isoaudit_owners, owner._key: owner}
+        setattr(cls, REGIONS_ATTRIBUTE, regions)
+        cls.isoaudit_owners = owners
 
 
 def _watched_in(cls: type) -> type | None:
@@ -312,15 +311,16 @@ def _unwatch(module: nn.Module, key: int) -> None:
     cls: Any = _watched_in(type(module))
     if cls is None:
         return
+    base = cls.isoaudit_base
     regions = tuple(r for r in getattr(cls, REGIONS_ATTRIBUTE) if r[0] != key)
     owners = {k: v for k, v in cls.isoaudit_owners.items() if k != key}
     if type(module) is not cls:  # another subclass on top (FSDP2's, say): keep the chain
         setattr(cls, REGIONS_ATTRIBUTE, regions)
         cls.isoaudit_owners = owners
     elif regions:
-        module.__class__ = _watched_class(cls.isoaudit_base, regions, owners)
+        module.__class__ = _watched_class(base, regions, owners)
     else:
-        module.__class__ = cls.isoaudit_base
+        module.__class__ = base
 
 
 class ForwardCapture:
