@@ -43,8 +43,9 @@ def _slot_setter(cls: type, name: str) -> Any:
 class Construct(Generic[M]):
     """``cls.model_construct(**values)`` for calls that always give the same field names, at a
     fraction of its cost: a step with every region fingerprinted builds about a thousand records,
-    and ``model_construct`` resolves every field's default for each. Here the defaults are resolved
-    once and each record is the template's dict updated with the values.
+    and ``model_construct`` resolves every field's default for each (a ``default_factory`` through
+    ``inspect.signature``, each time). Here the defaults are resolved once and each record is the
+    template's dict updated with the values, a factory's default made fresh for each record.
 
     The first record is also built by ``model_construct`` and compared (dict, fields set, extras):
     if they differ (another pydantic, a model with a post-init or a mutable default), every record
@@ -56,6 +57,8 @@ class Construct(Generic[M]):
         self._template: dict[str, Any] | None = {}
         self._checked = False
         self._fields_set = set(names)  # copied into each record
+        #: fields whose default is a fresh object per record (``default_factory`` without arguments)
+        self._factories: list[tuple[str, Any]] = []
         self._setters = tuple(
             _slot_setter(cls, slot)
             for slot in ("__dict__", "__pydantic_fields_set__", "__pydantic_extra__", "__pydantic_private__")
@@ -75,6 +78,9 @@ class Construct(Generic[M]):
                 self._template[name] = None  # its place in field order; every call sets it
             elif info.default_factory is None and not info.is_required() and type(info.default) in _IMMUTABLE:
                 self._template[name] = info.default
+            elif info.default_factory is not None and not getattr(info, "default_factory_takes_validated_data", True):
+                self._template[name] = None  # its place in field order; a fresh value per record
+                self._factories.append((name, info.default_factory))
             else:  # a fresh default per record, or a missing required field: model_construct's way
                 self._template = None
                 return
@@ -102,6 +108,8 @@ class Construct(Generic[M]):
         constructor set (the caller's promise: nothing checks it but the first record)."""
         if self._template is None:
             return self.cls.model_construct(**{name: fields[name] for name in self.names})
+        for name, factory in self._factories:
+            fields[name] = factory()
         record = self._new(fields)
         if not self._checked:
             self._checked = True
@@ -121,6 +129,9 @@ class Construct(Generic[M]):
         # each step of the records at once, for all of them (the loops run in C, not bytecode)
         rest = many[1:]
         n = len(rest)
+        for name, factory in self._factories:
+            for fields in rest:
+                fields[name] = factory()
         out = list(map(self.cls.__new__, repeat(self.cls, n)))
         set_dict, set_fields, set_extra, set_private = self._setters
         _consume(map(set_dict, out, rest))

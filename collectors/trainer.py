@@ -215,7 +215,9 @@ class TrainerCollector(Collector):
         self._next_step = step
         coerced = StepBatch.coerce(batch) if batch is not None else None
         self._capture.row_hint = _row_hint(coerced) if coerced is not None else None
-        self._step_boundary()  # a new remediation mode takes effect before this step's forward
+        # a new remediation mode takes effect before this step's forward; the manifests go out
+        # with the step's records (record_step checks them first), or now if the mode changed
+        self._step_boundary(publish=False)
         # a compiled forward fingerprints through the op into buffers of this batch's shape
         due = coerced is not None and bool(self.resolved.specs) and self._fingerprint_due()
         param = next(self.model.parameters(), None) if due else None

@@ -168,9 +168,18 @@ def test_records_are_built_as_model_construct_builds_them() -> None:
         tags: list[str] = Field(default_factory=list)
 
     made = Construct(WithFactory, frozenset({"name"}))
-    assert made._template is None  # a fresh default per record: model_construct does it
     a, b = made({"name": "x"}), made({"name": "y"})
+    assert made._template is not None  # a factory without arguments: the fast path, fresh each time
     assert a.tags == [] and a.tags is not b.tags
+    assert a.model_dump_json() == WithFactory.model_construct(name="x").model_dump_json()
+
+    class WithDataFactory(Record):
+        name: str
+        label: str = Field(default_factory=lambda data: data["name"].upper())
+
+    told = Construct(WithDataFactory, frozenset({"name"}))
+    assert told._template is None  # a factory of the validated data: model_construct does it
+    assert told({"name": "x"}).label == "X"
 
 
 def test_prefilled_records_are_built_as_model_construct_builds_them() -> None:
@@ -194,10 +203,12 @@ def test_prefilled_records_are_built_as_model_construct_builds_them() -> None:
         name: str
         tags: list[str] = Field(default_factory=list)
 
-    slow = Construct(WithFactory, frozenset({"name"}))
-    assert slow.prefilled({}) is None  # no fast path: the records are model_construct's
-    made = slow.complete_all([{"name": "x"}, {"name": "y"}])
-    assert [m.name for m in made] == ["x", "y"] and made[0].tags is not made[1].tags
+    fresh = Construct(WithFactory, frozenset({"name"}))
+    start = fresh.prefilled({})
+    assert start is not None  # one dict copied per record: each still gets its own default
+    made = fresh.complete_all([{**start, "name": "x"}, {**start, "name": "y"}, {**start, "name": "z"}])
+    assert [m.name for m in made] == ["x", "y", "z"]
+    assert len({id(m.tags) for m in made}) == 3 and all(m.tags == [] for m in made)
 
 
 def test_fingerprint_records_equal_validated_or_not(load) -> None:
