@@ -78,7 +78,9 @@ class Construct(Generic[M]):
                 self._template[name] = None  # its place in field order; every call sets it
             elif info.default_factory is None and not info.is_required() and type(info.default) in _IMMUTABLE:
                 self._template[name] = info.default
-            elif info.default_factory is not None and not getattr(info, "default_factory_takes_validated_data", True):
+            elif info.default_factory is not None and not getattr(
+                info, "default_factory_takes_validated_data", True
+            ):
                 self._template[name] = None  # its place in field order; a fresh value per record
                 self._factories.append((name, info.default_factory))
             else:  # a fresh default per record, or a missing required field: model_construct's way

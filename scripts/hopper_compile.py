@@ -199,13 +199,13 @@ def distribution_cases() -> list[tuple[str, Any]]:
     signature = dict(
         lp_ptr="*fp32",
         bits_ptr="*i32",
-        out_ptr="*fp32",
+        out_ptr="*fp64",
         n_rows="i32",
         vocab="i32",
         stride_lp="i32",
         scale="fp32",
     )
-    constexprs = dict(BLOCK_R=dist.BLOCK_R, BLOCK_V=dist.BLOCK_V, SK=dist.SKETCH_DIM)
+    constexprs = dict(BLOCK_R=dist.BLOCK_R, BLOCK_V=dist.BLOCK_V, SK=dist.SKETCH_DIM, CHUNK=dist.CHUNK_V)
     case = (dist._sketch_kernel, signature, constexprs, ("lp_ptr", "bits_ptr", "out_ptr", "stride_lp"), {})
     return [("distribution sketch", case)]
 

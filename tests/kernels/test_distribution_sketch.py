@@ -26,12 +26,13 @@ def _host_sketch(rows: torch.Tensor) -> np.ndarray:
     return (np.exp(lp * 0.5) @ sketch_projection(lp.shape[1]).astype(np.float64)).astype(np.float32)
 
 
-def _check(dev: str, n: int, vocab: int) -> None:
+def _check(dev: str, n: int, vocab: int, chunk: int | None = None) -> None:
     wide = _rows(n, vocab + 3).to(dev)
     rows = wide[:, :vocab]  # a row stride wider than the rows
     rows = torch.log_softmax(rows, dim=-1)[:, :vocab].contiguous()[:, :vocab]
     bits = torch.from_numpy(sketch_sign_bits(vocab)).to(dev)
-    got = sketch_rows(rows, bits, float(SKETCH_SCALE)).cpu().numpy()
+    options = {} if chunk is None else {"chunk": chunk}
+    got = sketch_rows(rows, bits, float(SKETCH_SCALE), **options).cpu().numpy()
     want = _host_sketch(rows)
     # float64 sums in another order: the same float32 but where one lies within a float64
     # rounding of a float32 boundary
@@ -42,6 +43,12 @@ def _check(dev: str, n: int, vocab: int) -> None:
 @pytest.mark.parametrize("n,vocab", [(5, 200), (33, 64), (16, 1000)])  # ragged rows / slabs, exact ones
 def test_sketch_is_the_hosts_float64_sketch(dev: str, n: int, vocab: int) -> None:
     _check(dev, n, vocab)
+
+
+@pytest.mark.parametrize("n,vocab,chunk", [(5, 200, 64), (33, 1000, 128), (17, 1024, 256)])
+def test_a_vocabulary_split_in_chunks_is_the_same_sketch(dev: str, n: int, vocab: int, chunk: int) -> None:
+    """Chunks of the vocabulary (ragged last one included) summed at the end: the same sketch."""
+    _check(dev, n, vocab, chunk)
 
 
 def test_strided_rows_and_no_rows(dev: str) -> None:
@@ -59,6 +66,8 @@ def test_rejects_bad_arguments(dev: str) -> None:
         sketch_rows(rows.double(), bits, 0.5)
     with pytest.raises(ValueError, match=r"sign_bits: expected int32 \[64\]"):
         sketch_rows(rows, bits[:10], 0.5)
+    with pytest.raises(ValueError, match="chunk: expected a positive multiple of 64"):
+        sketch_rows(rows, bits, 0.5, chunk=100)
 
 
 @gpu
