@@ -130,17 +130,19 @@ def run_plan(
     floats: torch.Tensor,
     table: torch.Tensor | None = None,
     write_table: bool = True,
+    values: list[int] | None = None,
 ) -> list[int]:
     """Fingerprint the regions ``plan`` was worked out for, whose rows are ``rows`` now (in the
     plan's order; one left alone may be given in any shape :func:`fingerprint_rows_into` takes),
-    as :func:`fingerprint_regions_into` does."""
+    as :func:`fingerprint_regions_into` does (``values``: the table's, when the caller has them)."""
     for i, slot, bits in plan.alone:
         fingerprint_rows_into(rows[i], ints[slot], floats[slot], bits)
     if not plan.fused:
         return []
     from isoaudit.kernels.fingerprint import fingerprint_regions, rows_aligned
 
-    values = plan.table_values([rows[i].data_ptr() for i in plan.fused])
+    if values is None:
+        values = plan.table_values([rows[i].data_ptr() for i in plan.fused])
     device = rows[plan.fused[0]].device
     if table is None:
         host = torch.tensor(values, dtype=torch.int64)
@@ -264,14 +266,20 @@ def _rows_of(x: torch.Tensor) -> torch.Tensor:
     return x.detach().reshape(-1, x.shape[-1]) if x.dim() else x.detach().reshape(1, 1)
 
 
-@dataclass(frozen=True)
 class _OpPlan:
-    """The op's :class:`RegionsPlan` for one layout of its inputs, and which fused inputs' rows are
-    a copy (a reshape that cannot view them): the others are read where the input lies, so a
-    step's call reads their addresses and reshapes nothing."""
+    """The op's :class:`RegionsPlan` for one layout of its inputs, which fused inputs' rows are a
+    copy (a reshape that cannot view them; the others are read where the input lies, so a step's
+    call reads their addresses and reshapes nothing), and the kernel's table on the device: a
+    compiled step's activations tend to land at the same addresses every step, so the table is
+    copied over only when they moved, from a pinned buffer of its own."""
 
-    plan: RegionsPlan
-    copied: tuple[int, ...]
+    def __init__(self, plan: RegionsPlan, copied: tuple[int, ...]) -> None:
+        self.plan = plan
+        self.copied = copied
+        self._values: list[int] | None = None  # what the device table holds
+        self._table: torch.Tensor | None = None
+        self._host: torch.Tensor | None = None
+        self._event: torch.cuda.Event | None = None  # the last copy from _host, queued
 
     @classmethod
     def of(cls, xs: Sequence[torch.Tensor], slots: Sequence[int], impl: str | None = None) -> _OpPlan:
@@ -289,7 +297,28 @@ class _OpPlan:
         rows = list(xs)
         for i in self.copied:  # rows a reshape could not view: made again each call
             rows[i] = _rows_of(xs[i])
-        run_plan(self.plan, rows, ints, floats)
+        table, values = None, None
+        if self.plan.fused:
+            device = rows[self.plan.fused[0]].device
+            if device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
+                values = self.plan.table_values([rows[i].data_ptr() for i in self.plan.fused])
+                table = self._device_table(values, device)
+        run_plan(self.plan, rows, ints, floats, table, write_table=False, values=values)
+
+    def _device_table(self, values: list[int], device: torch.device) -> torch.Tensor:
+        """The device table holding ``values`` (copied only if it held others)."""
+        if self._table is None or self._host is None:
+            self._table = torch.empty(len(values), dtype=torch.int64, device=device)
+            self._host = torch.empty(len(values), dtype=torch.int64, pin_memory=True)
+        if values != self._values:
+            if self._event is not None:
+                self._event.synchronize()  # the last copy has left the pinned buffer (long since)
+            self._host.numpy()[:] = values
+            self._table.copy_(self._host, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+            self._values = values
+        return self._table.reshape(-1, TABLE_WIDTH)
 
 
 #: Plans by layout of the op's inputs (shapes, strides, dtypes, devices, slots): a batch shape each.

@@ -147,6 +147,33 @@ def test_the_ops_plan_serves_every_call_of_its_layout() -> None:
     assert len(fr._OP_PLANS) == min(before + 1, fr._MAX_OP_PLANS)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_ops_device_table_is_copied_only_when_the_rows_moved() -> None:
+    """On CUDA the op keeps its table on the device: the same rows again reuse it, rows elsewhere
+    rewrite it, and every call's slots are the per-region path's bit for bit."""
+    from isoaudit.collectors import fingerprint_regions as fr
+
+    g = torch.Generator(device="cuda").manual_seed(6)
+    slots = [1, 0, 2]
+
+    def inputs() -> list[torch.Tensor]:
+        return [torch.randn(4, 5, 96, generator=g, device="cuda", dtype=torch.bfloat16) for _ in slots]
+
+    first = inputs()
+    plan = fr._OpPlan.of(first, slots, "triton")
+    copies = []
+    for xs in (first, first, inputs(), inputs()):
+        got, want = FingerprintBuffers(3, 20, "cuda"), FingerprintBuffers(3, 20, "cuda")
+        event = plan._event
+        plan.run(xs, got.ints, got.floats)
+        copies.append(plan._event is not event)
+        for x, slot in zip(xs, slots, strict=True):
+            want.write(slot, x)
+        assert _bits_equal(got.ints, want.ints) and _bits_equal(got.floats, want.floats)
+    assert copies == [True, False, True, True]
+
+
 def test_held_regions_learn_mutation_and_respect_the_cap() -> None:
     held = HeldRegions(max_bytes=3 * 4 * 8)  # three [2, 4] fp32 regions
     xs = [torch.randn(2, 4) for _ in range(4)]
