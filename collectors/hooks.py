@@ -135,6 +135,20 @@ class _CompiledTarget:
         self.bits: list[tuple[int, ...] | None] = [None] * len(self.names)
         self.logits: torch.Tensor | None = None
         self._plans: dict[tuple[tuple[tuple[int, ...] | None, ...], int], SpanPlan] = {}
+        self._take: tuple[torch.Tensor, torch.Tensor] | None = None  # (real rows, their flat index)
+
+    def take_index(self, real: torch.Tensor) -> torch.Tensor:
+        """The flat buffer rows of ``real`` (the batch's real rows, on the host) in every slot,
+        slot after slot, on the buffers' device: made again only when the real rows change (a
+        training loop's batches often keep one layout)."""
+        kept = self._take
+        if kept is not None and kept[0].shape == real.shape and torch.equal(kept[0], real):
+            return kept[1]
+        device = self.buffers.ints.device
+        slots = torch.arange(len(self.names), device=device)
+        take = (slots[:, None] * self.buffers.rows + to_device(real, device)[None, :]).reshape(-1)
+        self._take = (real.clone(), take)
+        return take
 
     def plan(self, rows: int | None = None) -> SpanPlan:
         """Where the regions written (``bits``) lie in the groups' rows, grouped by rungs: one
@@ -554,8 +568,7 @@ class ForwardCapture:
             plan, pick = target.plan(), _copied
         else:
             plan = target.plan(int(real.numel()))
-            slots = torch.arange(len(target.names), device=ints.device)
-            take = (slots[:, None] * target.buffers.rows + to_device(real, ints.device)[None, :]).reshape(-1)
+            take = target.take_index(real)
 
             def pick(view: torch.Tensor) -> torch.Tensor:
                 return view.index_select(0, take)

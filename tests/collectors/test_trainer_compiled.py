@@ -42,7 +42,7 @@ def _batch(seed: int) -> StepBatch:
 
 def _train(
     model: torch.nn.Module, forward, steps: int, *, control=None, mutated: set | None = None,
-    held_cap: int | None = None,
+    held_cap: int | None = None, batch_of=None,
 ):  # fmt: skip
     """A few real steps (forward, logprobs, loss, backward); each step's records and grads
     (``mutated``: filled with the region slots the hooks found written in place after their tap;
@@ -57,7 +57,7 @@ def _train(
     out = []
     try:
         for step in range(steps):
-            batch = _batch(step)
+            batch = (batch_of or _batch)(step)
             collector.begin_step(step, batch)
             logits = forward(**batch.model_inputs()).logits
             lp = torch.log_softmax(logits[:, :-1].float() / TEMPERATURE, dim=-1)
@@ -121,6 +121,38 @@ def test_compiled_trainer_records_every_region_through_the_op(dtype: torch.dtype
     assert not mutated  # every region through the one multi-region op at the forward's end
     regions = {r.region for r in compiled[-1][0].records if r.kind == "fingerprints"}
     assert {"embed", "layers.0.attn", "layers.1.out", "final_norm", "logits"} <= regions
+
+
+def test_batches_of_one_shape_with_other_real_rows_record_their_own_rows() -> None:
+    """Steps whose batches share a shape but not their padding: each compiled step gathers its own
+    real rows from the buffers (the gather index is kept only while the rows stay the same), and
+    its fingerprints equal the eager step's bit for bit."""
+
+    def batch_of(step: int) -> StepBatch:
+        gen = torch.Generator().manual_seed(step)
+        tail = (2, 1)[step % 2]  # one sample shorter every other step: the same [3, 9] shape
+        prompts = [torch.randint(4, 256, (n,), generator=gen).tolist() for n in (5, 3, 6)]
+        completions = [torch.randint(4, 256, (n,), generator=gen).tolist() for n in (4, 6, tail)]
+        return StepBatch.padded(prompts, completions, temperature=TEMPERATURE)
+
+    eager_model = _model(torch.float32)
+    compiled_model = copy.deepcopy(eager_model)
+    torch._dynamo.reset()
+    invariant = FixedControl("c", "invariant")  # the same arithmetic compiled and eager
+    try:
+        eager = _train(eager_model, eager_model, 4, control=invariant, batch_of=batch_of)
+        compiled = _train(
+            compiled_model, torch.compile(compiled_model), 4, control=invariant, batch_of=batch_of
+        )
+    finally:
+        kernels.disable()
+        torch._dynamo.reset()
+    assert batch_of(0).input_ids.shape == batch_of(1).input_ids.shape
+    for step, ((ra, _), (rb, _)) in enumerate(zip(eager, compiled, strict=True)):
+        assert ra.n_fingerprint_records == rb.n_fingerprint_records > 0
+        _assert_equal_prints(ra, rb)
+        if step >= 1:
+            assert not rb.own_forward
 
 
 def test_a_switch_recompiles_and_the_next_step_runs_the_new_mode() -> None:
