@@ -6,12 +6,13 @@
 # Usage, on the device machine from the checkout's root (wheels in .whl/, see device_tests.sh):
 #   bash scripts/gpu_pending.sh bits        # gpu tests of the FP8 kernels not yet run on a GPU (~9 min)
 #   bash scripts/gpu_pending.sh graphs      # MoE decode in CUDA graphs; fused logprobs, split policy (~9 min)
-#   bash scripts/gpu_pending.sh trainer     # the sketch kernel's bits; the compiled trainer, bench and RL-sized batches (~9 min)
+#   bash scripts/gpu_pending.sh trainer     # the trainer's new GPU tests; the compiled trainer at the bench shape (~8 min)
+#   bash scripts/gpu_pending.sh rl          # the compiled trainer at RL-sized batches (~8 min)
 #   bash scripts/gpu_pending.sh kernels     # FP8 fused/host/MoE, decode GEMMs, fused logprobs memory (~9 min)
 #   bash scripts/gpu_pending.sh steps       # GRPO steps: --fp8, and the long-context one (~9 min)
 # Logs go to $OUT/<part>.log when $OUT is set (the device tool brings it back), else to stdout.
 set -u
-part=${1:?usage: gpu_pending.sh bits|graphs|trainer|kernels|steps}
+part=${1:?usage: gpu_pending.sh bits|graphs|trainer|rl|kernels|steps}
 log=${OUT:+$OUT/$part.log}
 log=${log:-/dev/stdout}
 rm -rf /tmp/isoaudit-site  # install this checkout, not a previous call's
@@ -35,12 +36,16 @@ case $part in
     run logprobs-gemm 240 pytest -m gpu tests/kernels/test_fused_logprobs.py tests/kernels/test_logprobs.py tests/kernels/test_gemm.py
     ;;
   trainer)
-    run sketch-bits 70 pytest -m gpu tests/kernels/test_distribution_sketch.py
+    run trainer-bits 90 pytest -m gpu tests/kernels/test_distribution_sketch.py \
+      tests/collectors/test_fingerprint_regions.py tests/collectors/test_step_batching.py
     run sketch-bench 30 python bench/distribution.py
-    run trainer-bench-shape 290 python bench/collector_overhead.py --scenario graphs --device cuda --model 0.5b \
-      --part trainer --rounds 3 --phases --no-switch --kernels 30
-    run trainer-rl-shape 170 python bench/collector_overhead.py --scenario graphs --device cuda --model 0.5b \
-      --part trainer --rounds 2 --phases --no-switch --prompt 256 --completion 1024 --kernels 20 \
+    run host-copy 40 python bench/host_copy.py
+    run trainer-bench-shape 300 python bench/collector_overhead.py --scenario graphs --device cuda --model 0.5b \
+      --part trainer --rounds 6 --phases --no-switch --kernels 30
+    ;;
+  rl)
+    run trainer-rl-shape 420 python bench/collector_overhead.py --scenario graphs --device cuda --model 0.5b \
+      --part trainer --rounds 3 --phases --no-switch --prompt 256 --completion 1024 --kernels 20 \
       --without-distribution
     ;;
   kernels)
@@ -54,7 +59,7 @@ case $part in
     run rl-loop-long 270 python bench/rl_loop_gpu.py --prompt-len 8192
     ;;
   *)
-    echo "gpu_pending.sh: no part named '$part' (bits, graphs, trainer, kernels, steps)" >&2
+    echo "gpu_pending.sh: no part named '$part' (bits, graphs, trainer, rl, kernels, steps)" >&2
     exit 2
     ;;
 esac
