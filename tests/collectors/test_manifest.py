@@ -71,9 +71,10 @@ def test_manifest_after_the_switch_reports_the_fp32_head(load: Callable[[str], t
 def test_an_unchanged_environment_is_built_once_and_a_pin_set_mid_run_is_sent(
     load: Callable[[str], torch.nn.Module], monkeypatch
 ) -> None:
-    """Every step's manifest check reads the environment: while nothing in it changed the same
-    object comes back (nothing is built), and an allow-listed variable set mid-run, or a torch
-    switch flipped, is a new environment and a new manifest naming it."""
+    """Every step's manifest check (``record_step``'s, before the step's records) reads the
+    environment: while nothing in it changed the same object comes back (nothing is built), and an
+    allow-listed variable set mid-run, or a torch switch flipped, is a new environment and a new
+    manifest naming it. ``begin_step`` sends one only when the mode changed."""
     from isoaudit.collectors.environment import process_environment
 
     monkeypatch.delenv("NCCL_ALGO", raising=False)
@@ -82,21 +83,27 @@ def test_an_unchanged_environment_is_built_once_and_a_pin_set_mid_run_is_sent(
     model = load("qwen3")
     sink = MemorySink()
     handle = attach(model, run="r", sink=sink, strict=True)
+    batch = make_batch("packed", n=2)
     try:
         handle.begin_step(0)
+        handle.record_step(0, batch)
         assert sink.flush(30)
         sent = len(sink.of_kind("manifest"))
         handle.begin_step(1)  # nothing changed: nothing sent
+        handle.record_step(1, batch)
         assert sink.flush(30) and len(sink.of_kind("manifest")) == sent
         monkeypatch.setenv("NCCL_ALGO", "Tree")
         assert process_environment() is not first and process_environment().env["NCCL_ALGO"] == "Tree"
         handle.begin_step(2)
+        assert sink.flush(30) and len(sink.of_kind("manifest")) == sent  # no mode change: not yet
+        handle.record_step(2, batch)
         assert sink.flush(30)
         manifests = sink.of_kind("manifest")
         assert len(manifests) == sent + 1 and manifests[-1].environment.env["NCCL_ALGO"] == "Tree"
         monkeypatch.delenv("NCCL_ALGO")
         assert process_environment() is first  # the earlier state's environment again
         handle.begin_step(3)
+        handle.record_step(3, batch)
         assert sink.flush(30)
         assert "NCCL_ALGO" not in sink.of_kind("manifest")[-1].environment.env
     finally:
