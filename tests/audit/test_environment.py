@@ -84,7 +84,11 @@ def test_a_trainer_manifest_carries_its_environment(tmp_path: Path) -> None:
         assert env.backends["isoaudit.kernels"] == "native"
         torch.use_deterministic_algorithms(True)  # a switch flipped mid-run: a new manifest names it
         try:
+            from isoaudit.collectors.layout import StepBatch
+
             handle.begin_step(1)
+            batch = StepBatch.padded([[5, 6, 7]], [[8, 9]], temperature=0.7)
+            handle.record_step(1, batch)  # the manifests are checked before the step's records
         finally:
             torch.use_deterministic_algorithms(False)
         assert sink.flush(30)
