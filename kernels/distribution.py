@@ -41,8 +41,11 @@ if HAVE_TRITON:
         cols_sk = tl.arange(0, SK)
         acc = tl.zeros((BLOCK_R, SK), tl.float64)
         base = lp_ptr + rows.to(tl.int64) * stride_lp
-        for v0 in range(0, CHUNK, BLOCK_V):
-            cols = chunk * CHUNK + v0 + tl.arange(0, BLOCK_V)
+        start = chunk * CHUNK
+        for v0 in range(
+            start, tl.minimum(start + CHUNK, vocab), BLOCK_V
+        ):  # a short vocabulary: its slabs only
+            cols = v0 + tl.arange(0, BLOCK_V)
             col_ok = cols < vocab
             ok = row_ok[:, None] & col_ok[None, :]
             lp = tl.load(base[:, None] + cols[None, :], mask=ok, other=float("-inf"))
