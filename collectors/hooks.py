@@ -3,14 +3,15 @@
 One :class:`ForwardCapture` owns what it installs. A root pre-hook opens a *capture* for each
 top-level forward and a root post-hook closes it, keeping a reference to the logits. Each region's
 module is *watched*: its class is swapped for a subclass (same name) whose ``__call__`` runs the
-module's own (forward and hooks) and then reports the region (:func:`_watch`); a class change is what Dynamo's type
-guards see, where a forward hook is seen only with hook guards on for every module of every
-compiled model. Regions only act while a capture is open, so activation-checkpointing
+module's own (forward and hooks) and then reports the region (:func:`_watch`); Dynamo's type guards
+see a class change, where a forward hook is seen only with hook guards on for every module of
+every compiled model. Regions only act while a capture is open, so activation-checkpointing
 recomputation during backward (which re-runs layers outside the root forward) is ignored. Nothing
 here modifies outputs or raises: a failure is counted and logged once, and the forward goes on.
 
-Under ``torch.compile`` Dynamo traces the watched calls into the compiled graph, so there they
-do no Python bookkeeping at all: each region keeps its rows, and the region that fires last (learned from an eager forward) calls the multi-region fingerprint op
+Under ``torch.compile`` Dynamo traces the watched calls into the compiled graph, so there they do
+no Python bookkeeping at all: each region keeps its rows, and the region that fires last (learned
+from an eager forward) calls the multi-region fingerprint op
 (:mod:`isoaudit.collectors.fingerprint_regions`) once on all of them, writing each into the slot of
 its region in buffers :meth:`ForwardCapture.prepare_compiled` allocated before the step for its
 batch shape (the graph's own storage; it guards only on whether buffers are set);

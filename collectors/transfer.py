@@ -47,8 +47,8 @@ class PinnedPool:
     and ``max_bytes`` in all, so batch shapes that vary step to step keep no more than that pinned.
 
     Each step's copy lands in a pinned buffer, and a fresh one costs a ``cudaHostAlloc``, which
-    waits for the device (1.6 ms a step measured on an H100 host, the bench shape's step) whenever
-    the caching host allocator has none free; the step's records hold numpy views of the buffer
+    waits for the device, whenever the caching host allocator has none free; the step's records
+    hold numpy views of the buffer
     until the sink delivers them. A buffer taken here comes back when the last view of its host
     array is gone (:meth:`lend`), or is simply freed when the pool is full."""
 
