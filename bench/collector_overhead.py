@@ -44,10 +44,12 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import json
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -110,12 +112,12 @@ def train_step(
     step: int,
     pass_logprobs: bool,
     record_s: list[float] | None = None,
-    phases: dict[str, float] | None = None,
+    phases: dict[str, list[float]] | None = None,
 ):
     """One training step; ``record_s``: gets the host seconds ``record_step`` took (it runs between
     the forward and the backward, so its host time adds to the step's unless the device is behind).
-    ``phases``: gets each phase's host seconds added under its name (begin_step, forward, logprobs,
-    record_step, backward, optimizer)."""
+    ``phases``: gets each phase's host seconds appended under its name (begin_step, forward,
+    logprobs, record_step, backward, optimizer)."""
     clock = _PhaseClock(phases)
     if collector is not None:
         collector.begin_step(step, batch)  # with the batch: padding rows are skipped on any device
@@ -139,18 +141,44 @@ def train_step(
     clock.lap("optimizer")
 
 
-class _PhaseClock:
-    """Host seconds between laps, added into ``into`` under each lap's name (nothing when None)."""
+class _GcClock:
+    """Host seconds Python's cyclic collector ran, by generation, added into ``into`` (``gc0``,
+    ``gc1``, ``gc2``; None: not counted): a collection runs inside whichever phase allocated past
+    the threshold, so the phases' times include it."""
 
-    def __init__(self, into: dict[str, float] | None) -> None:
+    def __init__(self) -> None:
+        self.into: dict[str, float] | None = None
+        self._started = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        elif self.into is not None:
+            name = f"gc{info['generation']}"
+            self.into[name] = self.into.get(name, 0.0) + time.perf_counter() - self._started
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._callback)
+
+
+class _PhaseClock:
+    """Host seconds between laps, appended to ``into`` under each lap's name, and the training
+    thread's own CPU seconds in them under ``<name> cpu`` (nothing when None): a phase whose wall
+    time passes its CPU time waited (for a lock, the device, or autograd's device thread, where a
+    CUDA backward runs)."""
+
+    def __init__(self, into: dict[str, list[float]] | None) -> None:
         self.into = into
         self.last = time.perf_counter()
+        self.last_cpu = time.thread_time()
 
     def lap(self, name: str) -> None:
         if self.into is not None:
-            now = time.perf_counter()
-            self.into[name] = self.into.get(name, 0.0) + now - self.last
-            self.last = now
+            now, cpu = time.perf_counter(), time.thread_time()
+            self.into.setdefault(name, []).append(now - self.last)
+            self.into.setdefault(f"{name} cpu", []).append(cpu - self.last_cpu)
+            self.last, self.last_cpu = now, cpu
 
 
 #: What ``--phases`` times inside the collector: (where, attribute) pairs wrapped for the timed steps.
@@ -488,6 +516,13 @@ def _kernel_table(fn: Any, rows: int) -> str:
     )
 
 
+def _device_calls() -> dict[str, int]:
+    """cudaMalloc and cudaFree calls the caching allocator made so far (a cudaFree waits for the
+    device)."""
+    stats = torch.cuda.memory_stats()
+    return {"cudaMalloc": stats.get("num_device_alloc", 0), "cudaFree": stats.get("num_device_free", 0)}
+
+
 def _syncs_during(fn: Any) -> int:
     """Device synchronisations ``fn()`` makes (what ``torch.cuda.set_sync_debug_mode("warn")``
     reports)."""
@@ -556,8 +591,11 @@ def run_compiled_trainer(args: argparse.Namespace) -> dict[str, Any]:
     # --profile: the host's Python time of each configuration's timed steps (compiles excluded)
     profiles = {name: cProfile.Profile() for name, _ in configs} if args.profile else {}
     # --phases: host seconds per phase of the step and inside the collector, summed over timed steps
-    phases: dict[str, dict[str, float]] = {name: {} for name, _ in configs} if args.phases else {}
+    phases: dict[str, dict[str, list[float]]] = {name: {} for name, _ in configs} if args.phases else {}
+    # the caching allocator's cudaMalloc and cudaFree calls during each configuration's timed steps
+    device_calls: dict[str, dict[str, int]] = {name: {"cudaMalloc": 0, "cudaFree": 0} for name, _ in configs}
     inside: dict[str, dict[str, float]] = {name: {} for name, _ in configs} if args.phases else {}
+    collections = _GcClock()  # --phases: how much of each phase was Python's cyclic collector
 
     def step(which: tuple[Any, Any, Any, Any], n: int, name: str | None = None) -> float:
         """One step, timed from an idle device to an idle device; ``name``: kept under it."""
@@ -567,13 +605,19 @@ def run_compiled_trainer(args: argparse.Namespace) -> dict[str, Any]:
         profile = profiles.get(name) if name is not None else None
         if profile is not None:
             profile.enable()
+        collections.into = inside.get(name) if name is not None else None
+        before = _device_calls() if cuda and name is not None else None
         t0 = time.perf_counter()
         train_step(compiled, optimizer, batch, mask, col, n, True, spent, phases.get(name) if name else None)
         queued = time.perf_counter()
+        collections.into = None
         if profile is not None:
             profile.disable()
         sync()
         elapsed = time.perf_counter() - t0
+        if before is not None and name is not None:
+            for call, count in _device_calls().items():
+                device_calls[name][call] += count - before[call]
         if name is not None:
             times[name].append(elapsed)
             host_s[name].append(queued - t0)
@@ -598,12 +642,13 @@ def run_compiled_trainer(args: argparse.Namespace) -> dict[str, Any]:
     if args.phases:  # printed now too: what follows (syncs, a switch's recompile) takes a while
         steps = {name: len(t) for name, t in times.items()}
         early = {
-            name: {k: round(1e3 * v / steps[name], 3) for k, v in spent.items()}
+            name: {k: round(1e3 * statistics.median(v), 3) for k, v in spent.items()}
             for name, spent in phases.items()
         }
-        print(f"timed phases (host ms per step): {json.dumps(early)}", flush=True)
+        print(f"timed phases (host ms per step, median): {json.dumps(early)}", flush=True)
+        print(f"threads alive: {sorted(t.name for t in threading.enumerate())}", flush=True)
         print(
-            f"timed collector parts (host ms per step): {json.dumps({n: {k: round(1e3 * v / steps[n], 3) for k, v in d.items()} for n, d in inside.items()})}",
+            f"timed collector parts (host ms per step, mean): {json.dumps({n: {k: round(1e3 * v / steps[n], 3) for k, v in d.items()} for n, d in inside.items()})}",
             flush=True,
         )
         print(
@@ -654,6 +699,7 @@ def run_compiled_trainer(args: argparse.Namespace) -> dict[str, Any]:
             errors += col.counters.errors + col.stats()["hook_errors"]
             col.detach()
     sink.close()
+    collections.close()
     kernels.disable()
     for name, profile in profiles.items():
         Path(args.profile).mkdir(parents=True, exist_ok=True)
@@ -679,9 +725,15 @@ def run_compiled_trainer(args: argparse.Namespace) -> dict[str, Any]:
         "recompile_s_after_switch": recompile,
         # --phases: host ms per timed step of each phase, and of the collector's parts inside them
         "phase_host_ms": {
-            name: {phase: 1e3 * t / len(times[name]) for phase, t in spent.items()}
+            name: {phase: 1e3 * statistics.median(t) for phase, t in spent.items()}
             for name, spent in phases.items()
         },
+        # the slowest step's phases: a one-off (a pinned allocation, a collection) shows here
+        "phase_host_ms_max": {
+            name: {phase: 1e3 * max(t) for phase, t in spent.items() if not phase.endswith(" cpu")}
+            for name, spent in phases.items()
+        },
+        "device_allocator_calls": device_calls if cuda else None,
         "collector_host_ms": {
             name: {part: 1e3 * t / len(times[name]) for part, t in spent.items()}
             for name, spent in inside.items()
@@ -751,10 +803,15 @@ def print_trainer(trainer: dict[str, Any]) -> None:
         f"  regions on the per-region op (written in place after their tap): {trainer['regions_on_the_per_region_op']}"
     )
     for name, spent in trainer.get("phase_host_ms", {}).items():
-        print(f"  host ms per step, {name}: " + "  ".join(f"{k} {v:.2f}" for k, v in spent.items()))
+        print(f"  host ms per step (median), {name}: " + "  ".join(f"{k} {v:.2f}" for k, v in spent.items()))
+        slowest = trainer["phase_host_ms_max"][name]
+        print("    the slowest step's: " + "  ".join(f"{k} {v:.2f}" for k, v in slowest.items()))
+        calls = (trainer.get("device_allocator_calls") or {}).get(name)
+        if calls is not None:
+            print(f"    allocator in the timed steps: {calls['cudaMalloc']} cudaMalloc, {calls['cudaFree']} cudaFree")
         inside = trainer["collector_host_ms"].get(name)
         if inside:
-            print("    inside the collector: " + "  ".join(f"{k} {v:.2f}" for k, v in inside.items()))
+            print("    inside the collector (mean): " + "  ".join(f"{k} {v:.2f}" for k, v in inside.items()))
 
 
 def main() -> None:
