@@ -51,6 +51,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -516,6 +517,35 @@ def _kernel_table(fn: Any, rows: int) -> str:
     )
 
 
+#: The device sleep :func:`_waits_during` queues ahead of a step (cycles: about 60 ms at 1.7 GHz).
+WAIT_PROBE_CYCLES = 100_000_000
+
+
+def _waits_during(fn: Callable[[dict[str, list[float]]], None]) -> str:
+    """Where the host waits for the device in ``fn``: a long device sleep is queued first, so the
+    first call that waits for the device (a synchronising copy, an event's or a stream's
+    synchronize, a pinned allocation) absorbs it; the Python functions of most own time under
+    cProfile, and each phase's host time, name it."""
+    import io
+    import pstats
+
+    torch.cuda.synchronize()
+    torch.cuda._sleep(WAIT_PROBE_CYCLES)
+    profile = cProfile.Profile()
+    phases: dict[str, list[float]] = {}
+    profile.enable()
+    started = time.perf_counter()
+    fn(phases)
+    host = time.perf_counter() - started
+    profile.disable()
+    torch.cuda.synchronize()
+    out = io.StringIO()
+    pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(8)
+    lines = [line for line in out.getvalue().splitlines() if line.strip()][-9:]
+    laps = "  ".join(f"{k} {1e3 * v[0]:.1f}" for k, v in phases.items() if not k.endswith(" cpu"))
+    return f"  host {1e3 * host:.1f} ms until queued; phases (ms): {laps}\n" + "\n".join(lines)
+
+
 def _device_calls() -> dict[str, int]:
     """cudaMalloc and cudaFree calls the caching allocator made so far (a cudaFree waits for the
     device)."""
@@ -655,6 +685,13 @@ def run_compiled_trainer(args: argparse.Namespace) -> dict[str, Any]:
             f"timed step ms (median): {json.dumps({n: round(1e3 * statistics.median(t), 3) for n, t in times.items()})}",
             flush=True,
         )
+    if args.find_waits and cuda:  # one more step each behind a queued device sleep: who waits for it
+        for name, (_, compiled, optimizer, col) in configs:
+            n += 1
+            print(
+                f"host waits for the device, {name}:\n{_waits_during(lambda ph, c=compiled, o=optimizer, col=col, n=n: train_step(c, o, batch, mask, col, n, True, None, ph))}"
+            )
+            sync()
     if args.kernels and cuda:  # one more step each under the profiler: where the device time goes
         for name, which in configs:
             n += 1
@@ -808,7 +845,9 @@ def print_trainer(trainer: dict[str, Any]) -> None:
         print("    the slowest step's: " + "  ".join(f"{k} {v:.2f}" for k, v in slowest.items()))
         calls = (trainer.get("device_allocator_calls") or {}).get(name)
         if calls is not None:
-            print(f"    allocator in the timed steps: {calls['cudaMalloc']} cudaMalloc, {calls['cudaFree']} cudaFree")
+            print(
+                f"    allocator in the timed steps: {calls['cudaMalloc']} cudaMalloc, {calls['cudaFree']} cudaFree"
+            )
         inside = trainer["collector_host_ms"].get(name)
         if inside:
             print("    inside the collector (mean): " + "  ".join(f"{k} {v:.2f}" for k, v in inside.items()))
@@ -867,6 +906,12 @@ def main() -> None:
         default=0,
         help="graphs/trainer on CUDA: print the N kernels of most device time in one step of each "
         "configuration (torch.profiler)",
+    )
+    parser.add_argument(
+        "--find-waits",
+        action="store_true",
+        help="graphs/trainer on CUDA: one more step of each configuration behind a queued device "
+        "sleep, under cProfile: the call that waits for the device shows the sleep as its own time",
     )
     parser.add_argument(
         "--no-switch", action="store_true", help="graphs/trainer: leave out timing a mode switch's recompile"
