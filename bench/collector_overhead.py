@@ -189,7 +189,6 @@ COLLECTOR_PHASES = (
     ("trainer", "distribution_rows"),
     ("trainer", "pack_prints"),
     ("trainer", "HostCopy"),
-    ("trainer", "unpack_prints"),
     ("trainer", "fingerprint_blocks"),
     ("trainer", "sample_records"),
     ("collector", "_manifests"),

@@ -8,7 +8,7 @@ layout (:class:`isoaudit.collectors.layout.StepBatch`), and this module cuts the
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -22,7 +22,7 @@ from isoaudit.audit.records import (
     sample_key,
 )
 from isoaudit.collectors.construct import constructor
-from isoaudit.collectors.fingerprints import HostRows
+from isoaudit.collectors.fingerprints import HostFields, HostRows, PackedHostPrints, host_groups
 from isoaudit.collectors.layout import StepBatch
 
 
@@ -174,13 +174,14 @@ def fingerprint_blocks(
     case: Case,
     batch: StepBatch,
     keys: Sequence[str],
-    prints: Mapping[tuple[str, int], HostRows],
+    prints: Mapping[tuple[str, int], HostRows] | PackedHostPrints,
     validate: bool = True,
 ) -> list[RegionFingerprintsBlock]:
     """One record per region call with every sample's rows (:class:`RegionFingerprintsBlock`):
     what :func:`fingerprint_records` gives, in a tenth of the Python objects or less (a region's
     rows for all samples are one slice of its arrays when the samples' rows are adjacent, one
-    gather otherwise)."""
+    gather otherwise). ``prints`` left packed (:class:`PackedHostPrints`) are sliced once per
+    field, straight from their group's arrays."""
     if not batch.spans or not prints:
         return []
     rows, cols = batch.shape
@@ -201,18 +202,16 @@ def fingerprint_blocks(
     common = None if validate else build.prefilled(shared)
     bit_lists: dict[tuple[int, ...], list[int]] = {}  # one ladder_bits list per ladder, shared
     many: list[dict[str, Any]] = []
-    for (region, forward_index), host in prints.items():
-        expected = rows * cols if host.row_index is None else host.row_index.size
-        if len(host) != expected:
+    for (region, forward_index), fields, start, stop, ladder_bits, row_index in _region_rows(prints):
+        expected = rows * cols if row_index is None else row_index.size
+        if stop - start != expected:
             raise ValueError(
-                f"prints[{region!r}]: {len(host)} rows where the forward fingerprinted {expected}"
+                f"prints[{region!r}]: {stop - start} rows where the forward fingerprinted {expected}"
             )
-        key = id(host.row_index)
+        key = id(row_index)
         take = takes.get(key)
         if take is None:
-            starts = [
-                _first_row(host.row_index, batch.flat_start(i), batch.spans[i].length, region) for i in kept
-            ]
+            starts = [_first_row(row_index, batch.flat_start(i), batch.spans[i].length, region) for i in kept]
             adjacent = all(a + n == b for a, n, b in zip(starts, lengths.tolist(), starts[1:], strict=False))
             take = takes[key] = (
                 slice(starts[0], starts[0] + positions.size)
@@ -221,22 +220,42 @@ def fingerprint_blocks(
                     [np.arange(a, a + n) for a, n in zip(starts, lengths.tolist(), strict=True)]
                 )
             )
-        bits = bit_lists.get(host.ladder_bits)
+        # the region's rows start at ``start`` of its arrays: one slice (or gather) per field
+        at = slice(start + take.start, start + take.stop) if isinstance(take, slice) else take + start
+        bits = bit_lists.get(ladder_bits)
         if bits is None:
-            bits = bit_lists[host.ladder_bits] = list(host.ladder_bits)
-        fields = (shared if common is None else common).copy()
-        fields["region"] = region
-        fields["forward_index"] = forward_index
-        fields["digest"] = host.digest[take]
-        fields["ladder_bits"] = bits
-        fields["ladder"] = host.ladder[take]
-        fields["sketch"] = host.sketch[take]
-        fields["l2"] = host.l2[take]
-        fields["maxabs"] = host.maxabs[take]
-        many.append(fields)
+            bits = bit_lists[ladder_bits] = list(ladder_bits)
+        digest, ladder, sketch, l2, maxabs = fields
+        entry = (shared if common is None else common).copy()
+        entry["region"] = region
+        entry["forward_index"] = forward_index
+        entry["digest"] = digest[at]
+        entry["ladder_bits"] = bits
+        entry["ladder"] = ladder[at]
+        entry["sketch"] = sketch[at]
+        entry["l2"] = l2[at]
+        entry["maxabs"] = maxabs[at]
+        many.append(entry)
     if validate:
-        return [RegionFingerprintsBlock(**fields) for fields in many]
-    return build.complete_all(many) if common is not None else [build(fields) for fields in many]
+        return [RegionFingerprintsBlock(**entry) for entry in many]
+    return build.complete_all(many) if common is not None else [build(entry) for entry in many]
+
+
+def _region_rows(
+    prints: Mapping[tuple[str, int], HostRows] | PackedHostPrints,
+) -> Iterator[tuple[tuple[str, int], HostFields, int, int, tuple[int, ...], np.ndarray | None]]:
+    """Each region call's (key, arrays, first row, row stop, rungs, row index): its rows are
+    ``start:stop`` of the arrays (a packed group's, or its own :class:`HostRows`')."""
+    if isinstance(prints, PackedHostPrints):
+        groups = host_groups(prints.host, prints.layout)
+        for key, (group, start, stop), bits in zip(
+            prints.keys, prints.layout.spans, prints.layout.ladder_bits, strict=True
+        ):
+            yield key, groups[group], start, stop, bits, prints.row_index
+        return
+    for key, host in prints.items():
+        fields = (host.digest, host.ladder, host.sketch, host.l2, host.maxabs)
+        yield key, fields, 0, len(host), host.ladder_bits, host.row_index
 
 
 def _first_row(row_index: np.ndarray | None, flat_start: int, length: int, region: str) -> int:

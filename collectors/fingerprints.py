@@ -577,13 +577,15 @@ def pack_prints(
     return tensors, layout
 
 
-def unpack_prints(
-    host: dict[str, np.ndarray], layout: PrintsLayout, row_index: np.ndarray | None = None
-) -> list[HostRows]:
-    """The :class:`HostRows` of :func:`pack_prints`'s prints once their tensors landed, in order:
-    row slices of their group's arrays (contiguous, no copy)."""
+#: One group's (or one print's) row arrays on the host, in :data:`ROW_FIELDS` order, typed as the
+#: records store them: digest, ladder (uint64), sketch, l2, maxabs (float32).
+HostFields = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+
+
+def host_groups(host: dict[str, np.ndarray], layout: PrintsLayout) -> list[HostFields]:
+    """The row arrays of each group :func:`pack_prints` sent, once they landed."""
     prefix = layout.prefix
-    groups = [
+    return [
         (
             host[f"{prefix}{g}.digest"].view(np.uint64),
             host[f"{prefix}{g}.ladder"].view(np.uint64),
@@ -593,6 +595,30 @@ def unpack_prints(
         )
         for g in range(layout.groups)
     ]
+
+
+@dataclass(frozen=True)
+class PackedHostPrints:
+    """:func:`pack_prints`'s prints on the host, left packed: ``keys[i]`` names print ``i``,
+    whose rows are ``layout.spans[i]`` of its group's arrays (``row_index``: the flat row of each
+    row, ``None``: every row of the forward). What :func:`unpack_prints` would cut into one
+    :class:`HostRows` per print, for a reader that slices each print once anyway."""
+
+    host: dict[str, np.ndarray]
+    layout: PrintsLayout
+    keys: Sequence[tuple[str, int]]
+    row_index: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
+def unpack_prints(
+    host: dict[str, np.ndarray], layout: PrintsLayout, row_index: np.ndarray | None = None
+) -> list[HostRows]:
+    """The :class:`HostRows` of :func:`pack_prints`'s prints once their tensors landed, in order:
+    row slices of their group's arrays (contiguous, no copy)."""
+    groups = host_groups(host, layout)
     out = []
     new = HostRows.__new__
     for (group, a, b), bits in zip(layout.spans, layout.ladder_bits, strict=True):

@@ -42,7 +42,7 @@ from isoaudit.collectors.batch_probe import (
 from isoaudit.collectors.canary import canary_tokens, model_canary, vocab_of
 from isoaudit.collectors.control import ControlChannel
 from isoaudit.collectors.distribution import distribution_rows
-from isoaudit.collectors.fingerprints import PrintsLayout, SpanPrints, pack_prints, unpack_prints
+from isoaudit.collectors.fingerprints import PackedHostPrints, PrintsLayout, SpanPrints, pack_prints
 from isoaudit.collectors.held_weights import module_digests
 from isoaudit.collectors.hooks import Capture, ForwardCapture
 from isoaudit.collectors.layout import StepBatch
@@ -485,7 +485,7 @@ class TrainerCollector(Collector):
         attach_trainer_probe(samples, host)
         records += samples
         row_index = host["rows"].astype(np.int64) if pending.compacted else None
-        prints = dict(zip(pending.keys, unpack_prints(host, pending.layout, row_index), strict=True))
+        prints = PackedHostPrints(host, pending.layout, pending.keys, row_index)
         # one record per region call with every sample's rows: a step with every region
         # fingerprinted is a hundred-odd objects, not a thousand (host time the training step pays)
         blocks = fingerprint_blocks(

@@ -17,6 +17,7 @@ from isoaudit.audit.records import Record, RegionFingerprints, expand_blocks
 from isoaudit.collectors.assemble import _PRINT_NAMES
 from isoaudit.collectors.construct import Construct, constructor
 from isoaudit.collectors.fingerprints import (
+    PackedHostPrints,
     RowSpan,
     fingerprint_rows,
     pack_prints,
@@ -92,10 +93,13 @@ def _prints_by_grouping(model, batch: StepBatch, group_bytes: int) -> dict:
     assert taken.rows is not None  # padding was skipped, so rows were gathered
     keys = list(taken.prints)
     tensors, layout = pack_prints(list(taken.prints.values()))
+    host = to_host(tensors)
     return {
         "rows": taken.rows,
         "groups": layout.groups,
-        "prints": dict(zip(keys, unpack_prints(to_host(tensors), layout), strict=True)),
+        "prints": dict(zip(keys, unpack_prints(host, layout), strict=True)),
+        # the same prints left packed, each region's rows a span of its group's arrays
+        "packed": PackedHostPrints(host, layout, keys, taken.rows.numpy()),
     }
 
 
@@ -244,7 +248,8 @@ def test_fingerprint_records_equal_validated_or_not(load) -> None:
 def test_a_block_stands_for_the_per_sample_records(load, padding: str, compacted: bool) -> None:
     """``fingerprint_blocks`` gives one record per region call whose per-sample records are
     ``fingerprint_records``' (same order, same bytes), validated or not, whether the samples'
-    rows are adjacent among the fingerprinted rows (padding skipped) or not (padding between)."""
+    rows are adjacent among the fingerprinted rows (padding skipped) or not (padding between),
+    and from the prints left packed as from the prints cut apart."""
     from isoaudit.collectors.assemble import (
         fingerprint_blocks,
         fingerprint_records,
@@ -283,6 +288,9 @@ def test_a_block_stands_for_the_per_sample_records(load, padding: str, compacted
         assert len(blocks) == len(host) and all(b.checked() is b for b in blocks)
         got = expand_blocks(blocks)
         assert [r.model_dump_json() for r in got] == [r.model_dump_json() for r in want]
+        if compacted:  # the collector's form: packed groups, each region a span of rows in one
+            packed = fingerprint_blocks(prints=prints["packed"], validate=validate, **args)
+            assert [r.model_dump_json() for r in expand_blocks(packed)] == [r.model_dump_json() for r in want]
 
 
 def test_a_block_names_token_identical_samples_once(load) -> None:
@@ -314,6 +322,8 @@ def test_a_block_names_token_identical_samples_once(load) -> None:
             b.checked() is b and b.sample_keys == [k for i, k in enumerate(keys) if i != 2] for b in blocks
         )
         assert [r.model_dump_json() for r in expand_blocks(blocks)] == [r.model_dump_json() for r in want]
+        packed = fingerprint_blocks(prints=prints["packed"], validate=validate, **args)
+        assert [r.model_dump_json() for r in expand_blocks(packed)] == [r.model_dump_json() for r in want]
 
 
 def test_a_pipeline_started_late_builds_the_steps_already_waiting() -> None:
