@@ -6,7 +6,7 @@
 # Usage, on the device machine from the checkout's root (wheels in .whl/, see device_tests.sh):
 #   bash scripts/gpu_pending.sh bits        # gpu tests of the FP8 kernels not yet run on a GPU (~9 min)
 #   bash scripts/gpu_pending.sh graphs      # MoE decode in CUDA graphs; fused logprobs, split policy (~9 min)
-#   bash scripts/gpu_pending.sh trainer     # the trainer's new GPU tests; the compiled trainer at the bench shape (~8 min)
+#   bash scripts/gpu_pending.sh trainer     # the compiled trainer at the bench shape: phases, who waits for the device (~8 min)
 #   bash scripts/gpu_pending.sh rl          # the compiled trainer at RL-sized batches (~8 min)
 #   bash scripts/gpu_pending.sh kernels     # FP8 fused/host/MoE, decode GEMMs, fused logprobs memory (~9 min)
 #   bash scripts/gpu_pending.sh steps       # GRPO steps: --fp8, and the long-context one (~9 min)
@@ -36,12 +36,9 @@ case $part in
     run logprobs-gemm 240 pytest -m gpu tests/kernels/test_fused_logprobs.py tests/kernels/test_logprobs.py tests/kernels/test_gemm.py
     ;;
   trainer)
-    run trainer-bits 90 pytest -m gpu tests/kernels/test_distribution_sketch.py \
-      tests/collectors/test_fingerprint_regions.py tests/collectors/test_step_batching.py
-    run sketch-bench 30 python bench/distribution.py
-    run host-copy 40 python bench/host_copy.py
-    run trainer-bench-shape 300 python bench/collector_overhead.py --scenario graphs --device cuda --model 0.5b \
-      --part trainer --rounds 6 --phases --no-switch --kernels 30
+    run trainer-bench-shape 360 python bench/collector_overhead.py --scenario graphs --device cuda --model 0.5b \
+      --part trainer --rounds 8 --phases --no-switch --find-waits
+    run trainer-bits 90 pytest -m gpu tests/collectors/test_step_batching.py
     ;;
   rl)
     run trainer-rl-shape 420 python bench/collector_overhead.py --scenario graphs --device cuda --model 0.5b \
