@@ -619,7 +619,7 @@ def run_compiled_trainer(args: argparse.Namespace) -> dict[str, Any]:
     times: dict[str, list[float]] = {name: [] for name, _ in configs}
     # --profile: the host's Python time of each configuration's timed steps (compiles excluded)
     profiles = {name: cProfile.Profile() for name, _ in configs} if args.profile else {}
-    # --phases: host seconds per phase of the step and inside the collector, summed over timed steps
+    # --phases: host seconds of each phase in each timed step, and of the collector's parts summed
     phases: dict[str, dict[str, list[float]]] = {name: {} for name, _ in configs} if args.phases else {}
     # the caching allocator's cudaMalloc and cudaFree calls during each configuration's timed steps
     device_calls: dict[str, dict[str, int]] = {name: {"cudaMalloc": 0, "cudaFree": 0} for name, _ in configs}
@@ -635,7 +635,7 @@ def run_compiled_trainer(args: argparse.Namespace) -> dict[str, Any]:
         if profile is not None:
             profile.enable()
         collections.into = inside.get(name) if name is not None else None
-        before = _device_calls() if cuda and name is not None else None
+        before = _device_calls() if cuda and args.phases and name is not None else None
         t0 = time.perf_counter()
         train_step(compiled, optimizer, batch, mask, col, n, True, spent, phases.get(name) if name else None)
         queued = time.perf_counter()
@@ -769,7 +769,7 @@ def run_compiled_trainer(args: argparse.Namespace) -> dict[str, Any]:
             name: {phase: 1e3 * max(t) for phase, t in spent.items() if not phase.endswith(" cpu")}
             for name, spent in phases.items()
         },
-        "device_allocator_calls": device_calls if cuda else None,
+        "device_allocator_calls": device_calls if cuda and args.phases else None,
         "collector_host_ms": {
             name: {part: 1e3 * t / len(times[name]) for part, t in spent.items()}
             for name, spent in inside.items()

@@ -506,6 +506,22 @@ def device_tensors(prints: Sequence[RowFingerprints], prefix: str = "") -> dict[
     return out
 
 
+#: One group's (or one print's) row arrays on the host, in :data:`ROW_FIELDS` order, typed as the
+#: records store them: digest, ladder (uint64), sketch, l2, maxabs (float32).
+HostFields = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+
+
+def _host_fields(host: dict[str, np.ndarray], key: str) -> HostFields:
+    """The row arrays sent under ``key`` (``<key>.digest`` and the rest), typed as records store them."""
+    return (
+        host[f"{key}.digest"].view(np.uint64),
+        host[f"{key}.ladder"].view(np.uint64),
+        host[f"{key}.sketch"],
+        host[f"{key}.l2"],
+        host[f"{key}.maxabs"],
+    )
+
+
 def host_rows(
     host: dict[str, np.ndarray],
     ladder_bits: Sequence[tuple[int, ...]],
@@ -515,15 +531,7 @@ def host_rows(
     """The :class:`HostRows` of :func:`device_tensors` ``(prints, prefix)`` once they landed
     (``ladder_bits``: of each of those prints, in order)."""
     return [
-        HostRows(
-            digest=host[f"{prefix}{i}.digest"].view(np.uint64),
-            ladder=host[f"{prefix}{i}.ladder"].view(np.uint64),
-            sketch=host[f"{prefix}{i}.sketch"],
-            l2=host[f"{prefix}{i}.l2"],
-            maxabs=host[f"{prefix}{i}.maxabs"],
-            ladder_bits=tuple(bits),
-            row_index=row_index,
-        )
+        HostRows(*_host_fields(host, f"{prefix}{i}"), ladder_bits=tuple(bits), row_index=row_index)
         for i, bits in enumerate(ladder_bits)
     ]
 
@@ -577,24 +585,9 @@ def pack_prints(
     return tensors, layout
 
 
-#: One group's (or one print's) row arrays on the host, in :data:`ROW_FIELDS` order, typed as the
-#: records store them: digest, ladder (uint64), sketch, l2, maxabs (float32).
-HostFields = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
-
-
 def host_groups(host: dict[str, np.ndarray], layout: PrintsLayout) -> list[HostFields]:
     """The row arrays of each group :func:`pack_prints` sent, once they landed."""
-    prefix = layout.prefix
-    return [
-        (
-            host[f"{prefix}{g}.digest"].view(np.uint64),
-            host[f"{prefix}{g}.ladder"].view(np.uint64),
-            host[f"{prefix}{g}.sketch"],
-            host[f"{prefix}{g}.l2"],
-            host[f"{prefix}{g}.maxabs"],
-        )
-        for g in range(layout.groups)
-    ]
+    return [_host_fields(host, f"{layout.prefix}{g}") for g in range(layout.groups)]
 
 
 @dataclass(frozen=True)
