@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import uuid
@@ -85,6 +86,28 @@ def store(database_url: str) -> Iterator[Store]:
     store = Store(database_url)
     yield store
     store.dispose()
+
+
+@pytest.fixture
+def steady_heap() -> Iterator[None]:
+    """Keep full garbage collections short while the test runs, as in a deployed process.
+
+    By the time the service and monitoring tests run, this process has imported torch, vLLM,
+    transformers and Dash and kept what earlier tests left: well over a million tracked objects. A
+    full collection walks them all with every thread stopped, over a second on a loaded core, and
+    lands wherever an allocation makes it due; a background thread (the outbox, the server, the
+    sink) then misses a deadline that no deployed process, holding a fraction of that, would.
+    What exists before the test is moved out of the walk (``gc.freeze()``, what each attached
+    collector does, :mod:`isoaudit.collectors.heap`) and moved back afterwards, unless the heap
+    was frozen already."""
+    gc.collect(1)  # the young generations: what the last test dropped is not frozen with the rest
+    frozen_before = gc.get_freeze_count() > 0
+    gc.freeze()
+    try:
+        yield
+    finally:
+        if not frozen_before:
+            gc.unfreeze()
 
 
 @contextmanager

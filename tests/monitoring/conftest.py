@@ -82,6 +82,12 @@ class Service:
         return reply.text
 
 
+@pytest.fixture(autouse=True)
+def _steady_heap(steady_heap: None) -> None:
+    """Every test here times background threads: full collections of this test process's heap
+    stay out of their way (``steady_heap``)."""
+
+
 @pytest.fixture
 def service(store: Store, tmp_path: Path) -> Iterator[Service]:
     """alpha: ``run-a`` (3 steps, both rules firing, invariant kernels desired and reported, engine

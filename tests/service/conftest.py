@@ -13,6 +13,12 @@ from isoaudit.audit.db import Store
 from isoaudit.audit.settings import Settings
 
 
+@pytest.fixture(autouse=True)
+def _steady_heap(steady_heap: None) -> None:
+    """Every test here times background threads: full collections of this test process's heap
+    stay out of their way (``steady_heap``)."""
+
+
 @pytest.fixture
 def server(store: Store) -> Iterator[LiveServer]:
     """The API on ``store`` (no background worker: tests drive comparisons themselves)."""

@@ -123,6 +123,7 @@ class Loop:
         self.collector_s: dict[int, float] = {}  # inside the collector's calls: begin + record
         # The same less the time the training thread waited for a CPU: on a loaded machine, what
         # the job and the collector themselves cost.
+        self.collector_own_s: dict[int, float] = {}
         self.step_own_s: dict[int, float] = {}
         self.record_own_s: dict[int, float] = {}
 
@@ -134,7 +135,7 @@ class Loop:
             started, waited = time.perf_counter(), cpu_wait_s()
             if self.trainer is not None:
                 self.trainer.begin_step(step, batch)
-            begun = time.perf_counter()
+            begun, waited_in_begin = time.perf_counter(), cpu_wait_s()
             logits = self.model(**batch.model_inputs()).logits
             logits.float().logsumexp(-1).mean().backward()
             self.optimizer.step()
@@ -144,6 +145,8 @@ class Loop:
             done, waited_after = time.perf_counter(), cpu_wait_s()
             self.step_s[step], self.record_s[step] = done - started, done - recording
             self.collector_s[step] = (begun - started) + (done - recording)
+            waited_in_collector = (waited_in_begin - waited) + (waited_after - waited_before_record)
+            self.collector_own_s[step] = self.collector_s[step] - waited_in_collector
             self.step_own_s[step] = done - started - (waited_after - waited)
             self.record_own_s[step] = done - recording - (waited_after - waited_before_record)
             if report is not None:
@@ -241,7 +244,8 @@ def test_spool_disk_full_drops_counted_says_so_once_and_keeps_the_step_time(
         f"step p50 {wall_ok:.1f} ms healthy (service up on the same cores) vs {wall_down:.1f} ms disk full "
         f"(x{wall_down / wall_ok:.2f}) vs {alone:.1f} ms without isoaudit; less the waits for a CPU "
         f"{ok:.1f} vs {down:.1f} ms (x{down / ok:.2f}); max {loop.max_ms(fault):.1f} ms (in the collector's "
-        f"calls {loop.max_ms(fault, loop.collector_s):.1f} ms); record_step p50 less the waits for a CPU "
+        f"calls {loop.max_ms(fault, loop.collector_s):.1f} ms, less the waits for a CPU "
+        f"{loop.max_ms(fault, loop.collector_own_s):.1f} ms); record_step p50 less the waits for a CPU "
         f"{ok_rec:.1f} vs {down_rec:.1f} ms; "
         f"sink.send during the outage: max {1e3 * fault_sends[-1]:.2f} ms over {len(fault_sends)} calls; "
         f"{summary}"
@@ -249,9 +253,10 @@ def test_spool_disk_full_drops_counted_says_so_once_and_keeps_the_step_time(
     assert down <= 1.5 * ok + 5, (ok, down)
     assert down_rec <= 1.5 * ok_rec + 5, (ok_rec, down_rec)
     # Never waits on the disk, the dead service or a backoff: not in its own calls (begin_step,
-    # record_step: the control poll and the send), and no step of the outage is held for a second
+    # record_step: the control poll and the send; their time less the waits for a CPU, which
+    # another process on the machine decides), and no step of the outage is held for a second
     # (one may be, once: a 2-core machine can stall a process that long, which a wait would not
     # limit itself to).
-    assert loop.max_ms(fault, loop.collector_s) < 1000, loop.collector_s
+    assert loop.max_ms(fault, loop.collector_own_s) < 1000, (loop.collector_own_s, loop.collector_s)
     assert sorted(loop.step_s[s] for s in fault)[-2] < 1.0, loop.step_s
     assert len(fault_sends) >= len(fault) and fault_sends[-1] < 0.1, fault_sends[-5:]
