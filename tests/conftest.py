@@ -17,6 +17,15 @@ import pytest
 if not os.environ.get("CUDA_VISIBLE_DEVICES") and not os.path.exists("/dev/nvidia0"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+#: The suites that test the product as a user runs it on a CPU (the service, its monitoring, the
+#: dashboard, the framework integrations, the RL demo, the trackers, the CLI and the README): their
+#: kernels take the torch path a CPU user gets. The interpreter stays on for the suites that test
+#: the Triton kernels' structure (kernels, collectors, vllm, audit); under it the collector's own
+#: kernels take many times the torch path's time, which timing tests would measure instead of the
+#: collector.
+USERS_CPU_SUITES = ("service", "monitoring", "dashboard", "integrations", "rl", "trackers")
+USERS_CPU_MODULES = ("test_readme.py", "test_cli.py", "test_cli_errors.py", "test_installed_layout.py")
+
 
 def pytest_configure(config: pytest.Config) -> None:
     """Under the interpreter, ``tl.dot`` computes each output element alone, the same bits on every
@@ -86,6 +95,27 @@ def store(database_url: str) -> Iterator[Store]:
     store = Store(database_url)
     yield store
     store.dispose()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _kernels_as_users_run_them(request: pytest.FixtureRequest) -> Iterator[None]:
+    """The torch path for CPU tensors in the modules of :data:`USERS_CPU_SUITES` and
+    :data:`USERS_CPU_MODULES`, from before their module-scoped fixtures (an engine, a model) run.
+    The variable is read at each kernel call (``kernels._triton.use_triton``); helper functions
+    decorated under the interpreter at import are then never called."""
+    relative = request.path.relative_to(request.config.rootpath / "tests").parts
+    if len(relative) == 1:  # a module at the top of tests/
+        users = relative[0] in USERS_CPU_MODULES
+    else:
+        users = relative[0] in USERS_CPU_SUITES
+    if not users or os.environ.get("TRITON_INTERPRET") != "1":
+        yield
+        return
+    os.environ["TRITON_INTERPRET"] = "0"
+    try:
+        yield
+    finally:
+        os.environ["TRITON_INTERPRET"] = "1"
 
 
 @pytest.fixture
