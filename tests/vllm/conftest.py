@@ -78,6 +78,12 @@ def engine(path: Path, *, processes: bool = False, **overrides: Any) -> Iterator
         # says so): keep the raw linear weights vLLM-CPU's packing removes, whatever was imported first
         keep_raw_weights()
     llm = None
+    # What the suite holds leaves the collector's walk while the engine starts and runs: starting
+    # one allocates enough to bring several full collections due, each walking every object the
+    # suite's process holds (``steady_heap`` in tests/conftest.py says why that is long).
+    gc.collect(1)
+    frozen_before = gc.get_freeze_count() > 0
+    gc.freeze()
     try:
         with flask_proxies_bound():  # the dashboard tests import Dash in this process
             llm = LLM(model=str(path), **kwargs)
@@ -103,7 +109,8 @@ def engine(path: Path, *, processes: bool = False, **overrides: Any) -> Iterator
             envs.disable_envs_cache()
             torch.set_num_threads = set_threads
             torch.set_num_threads(threads)
-            gc.unfreeze()
+            if not frozen_before:  # ours and the engine core's freeze
+                gc.unfreeze()
 
 
 def prompts_of(lengths: Sequence[int], seed: int = 0) -> list[list[int]]:
