@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import os
 import sys
 import uuid
@@ -127,17 +126,16 @@ def steady_heap() -> Iterator[None]:
     full collection walks them all with every thread stopped, over a second on a loaded core, and
     lands wherever an allocation makes it due; a background thread (the outbox, the server, the
     sink) then misses a deadline that no deployed process, holding a fraction of that, would.
-    What exists before the test is moved out of the walk (``gc.freeze()``, what each attached
-    collector does, :mod:`isoaudit.collectors.heap`) and moved back afterwards, unless the heap
-    was frozen already."""
-    gc.collect(1)  # the young generations: what the last test dropped is not frozen with the rest
-    frozen_before = gc.get_freeze_count() > 0
-    gc.freeze()
+    What exists before the test is moved out of the walk for its duration, as an attached
+    collector does in a job (:func:`isoaudit.collectors.heap.hold`, released afterwards)."""
+    from isoaudit.collectors import heap
+
+    held = heap.hold()
     try:
         yield
     finally:
-        if not frozen_before:
-            gc.unfreeze()
+        if held:
+            heap.release()
 
 
 @contextmanager

@@ -60,6 +60,7 @@ def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def engine(path: Path, *, processes: bool = False, **overrides: Any) -> Iterator[Any]:
     """A ``vllm.LLM`` in this process (``processes=False``) or in worker processes with the isoaudit
     worker extension; shut down on exit."""
+    from isoaudit.collectors import heap
     from isoaudit.collectors.vllm import EXTENSION
     from isoaudit.collectors.vllm.worker.remediation import keep_raw_weights
     from vllm import LLM, envs
@@ -81,9 +82,7 @@ def engine(path: Path, *, processes: bool = False, **overrides: Any) -> Iterator
     # What the suite holds leaves the collector's walk while the engine starts and runs: starting
     # one allocates enough to bring several full collections due, each walking every object the
     # suite's process holds (``steady_heap`` in tests/conftest.py says why that is long).
-    gc.collect(1)
-    frozen_before = gc.get_freeze_count() > 0
-    gc.freeze()
+    held = heap.hold()
     try:
         with flask_proxies_bound():  # the dashboard tests import Dash in this process
             llm = LLM(model=str(path), **kwargs)
@@ -109,8 +108,8 @@ def engine(path: Path, *, processes: bool = False, **overrides: Any) -> Iterator
             envs.disable_envs_cache()
             torch.set_num_threads = set_threads
             torch.set_num_threads(threads)
-            if not frozen_before:  # ours and the engine core's freeze
-                gc.unfreeze()
+            if held:  # unfreezes ours and the engine core's freeze, unless another holder's
+                heap.release()
 
 
 def prompts_of(lengths: Sequence[int], seed: int = 0) -> list[list[int]]:
