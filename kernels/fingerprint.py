@@ -18,6 +18,12 @@ L2 are fp32 sums whose order this kernel fixes (both through fp32 dots, never tf
 ascending, slab after slab): a row gets the same bits whatever the row count, its position or the
 kernel (one region or many) that reads it, but
 they may differ from cuBLAS's sums in the last bits (relative 1e-6), as two BLAS libraries do.
+
+Rows wider than :data:`WIDE_ROW` (a vocabulary's logits) are split into fixed column chunks of
+:data:`CHUNK_H`, one program per chunk and row block, so a thousand rows of 151,936 logits keep
+every SM busy; a second launch adds each row's chunk sums in ascending chunk order (the integer
+fields wrap as before, so they are unchanged; sketch and L2 are then sums of chunk sums, an order
+fixed by the width alone).
 """
 
 from __future__ import annotations
@@ -37,6 +43,16 @@ SKETCH_DIM = 16
 _INT_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 _KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 BLOCK_R, BLOCK_H, WARPS = 16, 128, 4
+#: Rows wider than ``WIDE_ROW`` columns (a vocabulary's logits) are summed in chunks of ``CHUNK_H``
+#: columns, one program each, and the chunks' sums added in ascending order. The split depends on
+#: the width alone, never on the rows; one program walking 151,936 columns per 16 rows leaves most
+#: SMs idle at a trainer's thousand rows.
+WIDE_ROW, CHUNK_H = 32768, 8192
+
+
+def column_chunks(hidden: int) -> int:
+    """How many column chunks a row of ``hidden`` elements is summed in (0: whole, in one program)."""
+    return cdiv(hidden, CHUNK_H) if hidden > WIDE_ROW else 0
 
 
 class Fingerprints(NamedTuple):
@@ -61,9 +77,11 @@ if HAVE_TRITON:
         base, row_ok, w_ptr, p_ptr, m_ptr, hidden,
         R: tl.constexpr, KIND: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, SK: tl.constexpr,
     ):  # fmt: skip
-        """Every field of ``BLOCK_R`` rows (``base``: each row's first element, as the integer view;
-        ``row_ok``: which rows are real): (digest, ladder, sketch, L2, max-abs). The one definition
-        of a row's arithmetic: every kernel here calls it, so they give the same bits."""
+        """The sums of ``BLOCK_R`` rows over ``hidden`` columns (``base``: each row's first element,
+        as the integer view; ``row_ok``: which rows are real): (digest, ladder, sketch, sum of
+        squares, largest |x| as a bit pattern). The one definition of a row's arithmetic: every
+        kernel here calls it, on a whole row or on one of its column chunks, so they give the same
+        bits."""
         sk_cols = tl.arange(0, SK)
         # Each 64-bit weight w = (hi + b) * 2**32 + lo_s, lo_s its low word read as signed: then
         # x * w = x * lo_s + 2**32 * (x * (hi + b)) mod 2**64, one widening 32-bit product and one
@@ -112,16 +130,21 @@ if HAVE_TRITON:
             sq_acc += tl.dot(xf * xf, ones, input_precision="ieee")  # a slab's sum, then the slabs'
             p = tl.load(p_ptr + cols[:, None] * SK + sk_cols[None, :], mask=col_ok[:, None], other=0.0)
             sketch = tl.dot(xf, p, sketch, input_precision="ieee")
+        digest = dig_lo + (dig_hi.to(tl.int64) << 32)
+        ladder = lad_lo + (lad_hi.to(tl.int64) << 32)
+        sq = tl.sum(tl.where(sk_cols[None, :] == 0, sq_acc, 0.0), 1)  # column 0 (plus zeros: exact)
+        return digest, ladder, sketch, sq, amax
+
+    @triton.jit
+    def _finish(sq, amax, KIND: tl.constexpr):
+        """(L2, max-abs) from a row's sum of squares and its largest |x| as a bit pattern."""
         if KIND == 0:
             maxabs = (amax << 16).to(tl.float32, bitcast=True)
         elif KIND == 1:
             maxabs = amax.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
         else:
             maxabs = amax.to(tl.float32, bitcast=True)
-        digest = dig_lo + (dig_hi.to(tl.int64) << 32)
-        ladder = lad_lo + (lad_hi.to(tl.int64) << 32)
-        sq = tl.sum(tl.where(sk_cols[None, :] == 0, sq_acc, 0.0), 1)  # column 0 (plus zeros: exact)
-        return digest, ladder, sketch, tl.sqrt_rn(sq), maxabs
+        return tl.sqrt_rn(sq), maxabs
 
     @triton.jit
     def _store_tile(
@@ -136,34 +159,92 @@ if HAVE_TRITON:
         tl.store(flt_row + SK, l2, mask=row_ok)
         tl.store(flt_row + SK + 1, maxabs, mask=row_ok)
 
+    @triton.jit
+    def _row_sums(
+        base, row_ok, w_ptr, p_ptr, m_ptr, hidden, part_i, part_f, n_rows, part_rows,
+        R: tl.constexpr, KIND: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, SK: tl.constexpr,
+        CHUNK: tl.constexpr,
+    ):  # fmt: skip
+        """The whole rows' sums (``CHUNK`` 0), or (``CHUNK`` > 0) the sums of column chunk
+        ``program_id(2)`` written to the partials at row ``part_rows`` of the chunk's ``n_rows``
+        (:func:`_store_partial`); returns the whole rows' (digest, ladder, sketch, L2, max-abs),
+        meaningless when chunked."""
+        if CHUNK == 0:
+            digest, ladder, sketch, sq, amax = _fingerprint_tile(
+                base, row_ok, w_ptr, p_ptr, m_ptr, hidden, R, KIND, BLOCK_R, BLOCK_H, SK
+            )
+        else:
+            start = tl.program_id(2) * CHUNK
+            span = tl.minimum(hidden - start, CHUNK)
+            digest, ladder, sketch, sq, amax = _fingerprint_tile(
+                base + start,
+                row_ok,
+                w_ptr + start,
+                p_ptr + start * SK,
+                m_ptr,
+                span,
+                R,
+                KIND,
+                BLOCK_R,
+                BLOCK_H,
+                SK,
+            )
+            at = tl.program_id(2).to(tl.int64) * n_rows + part_rows.to(tl.int64)
+            _store_partial(part_i, part_f, at, row_ok, digest, ladder, sketch, sq, amax, R, SK)
+        l2, maxabs = _finish(sq, amax, KIND)
+        return digest, ladder, sketch, l2, maxabs
+
+    @triton.jit
+    def _store_partial(
+        part_i, part_f, at, row_ok, digest, ladder, sketch, sq, amax, R: tl.constexpr, SK: tl.constexpr
+    ):
+        """A column chunk's sums at partial row ``at``: int64 (digest, R rungs, largest |x| bits)
+        and float32 (SK sketch values, sum of squares)."""
+        r_idx = tl.arange(0, R)
+        sk_cols = tl.arange(0, SK)
+        int_row = part_i + at * (R + 2)
+        flt_row = part_f + at * (SK + 1)
+        tl.store(int_row, digest, mask=row_ok)
+        tl.store(int_row[:, None] + 1 + r_idx[None, :], ladder, mask=row_ok[:, None])
+        tl.store(int_row + 1 + R, amax.to(tl.int64), mask=row_ok)
+        tl.store(flt_row[:, None] + sk_cols[None, :], sketch, mask=row_ok[:, None])
+        tl.store(flt_row + SK, sq, mask=row_ok)
+
     @jit(do_not_specialize=["n_rows"])
     def _fingerprint_kernel(
-        x_ptr, w_ptr, p_ptr, m_ptr, int_ptr, flt_ptr, n_rows, hidden, stride_x, stride_i, stride_f,
+        x_ptr, w_ptr, p_ptr, m_ptr, int_ptr, flt_ptr, part_i, part_f, n_rows, hidden, stride_x, stride_i, stride_f,
         R: tl.constexpr, KIND: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, SK: tl.constexpr,
+        CHUNK: tl.constexpr = 0,
     ):  # fmt: skip
         """KIND 0: bf16 (int16 view), 1: fp16 (int16 view), 2: fp32 (int32 view). Output rows:
         int64 (digest, R rungs) every ``stride_i``; float32 (16 sketch values, L2, max-abs) every
-        ``stride_f`` (a caller's preallocated buffers may be wider than the fields)."""
+        ``stride_f`` (a caller's preallocated buffers may be wider than the fields). ``CHUNK`` > 0:
+        program (i, 0, c) writes column chunk c's sums to the partials, which
+        :func:`_combine_kernel` adds into the rows."""
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         row_ok = rows < n_rows
         base = x_ptr + rows.to(tl.int64) * stride_x
-        digest, ladder, sketch, l2, maxabs = _fingerprint_tile(
-            base, row_ok, w_ptr, p_ptr, m_ptr, hidden, R, KIND, BLOCK_R, BLOCK_H, SK
-        )
-        int_row = int_ptr + rows.to(tl.int64) * stride_i
-        flt_row = flt_ptr + rows.to(tl.int64) * stride_f
-        _store_tile(int_row, flt_row, row_ok, digest, ladder, sketch, l2, maxabs, R, SK)
+        digest, ladder, sketch, l2, maxabs = _row_sums(
+            base, row_ok, w_ptr, p_ptr, m_ptr, hidden, part_i, part_f, n_rows, rows,
+            R, KIND, BLOCK_R, BLOCK_H, SK, CHUNK,
+        )  # fmt: skip
+        if CHUNK == 0:
+            int_row = int_ptr + rows.to(tl.int64) * stride_i
+            flt_row = flt_ptr + rows.to(tl.int64) * stride_f
+            _store_tile(int_row, flt_row, row_ok, digest, ladder, sketch, l2, maxabs, R, SK)
 
     @jit(do_not_specialize=["n_rows"])
     def _fingerprint_regions_kernel(
-        table_ptr, w_ptr, p_ptr, m_ptr, int_ptr, flt_ptr, n_rows, hidden, slot_i, stride_i, slot_f, stride_f,
+        table_ptr, w_ptr, p_ptr, m_ptr, int_ptr, flt_ptr, part_i, part_f, n_rows, hidden,
+        slot_i, stride_i, slot_f, stride_f,
         R: tl.constexpr, KIND: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, SK: tl.constexpr,
-        ALIGNED: tl.constexpr = False,
+        ALIGNED: tl.constexpr = False, CHUNK: tl.constexpr = 0,
     ):  # fmt: skip
         """Many regions of one dtype and width in one launch: program (i, g) takes row block i of
         region g, whose table row (int64) is (data address, row stride in elements, output slot);
         slot ``s``'s output rows start at ``int_ptr + s * slot_i`` and ``flt_ptr + s * slot_f``.
-        Each row block through :func:`_fingerprint_tile`: the bits of :func:`_fingerprint_kernel`."""
+        Each row block through :func:`_fingerprint_tile`: the bits of :func:`_fingerprint_kernel`
+        (chunked alike: region g's partials are chunks ``g * chunks ...``)."""
         g = tl.program_id(1)
         addr = tl.load(table_ptr + 3 * g)
         stride_x = tl.load(table_ptr + 3 * g + 1)
@@ -178,15 +259,58 @@ if HAVE_TRITON:
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         row_ok = rows < n_rows
         base = x_ptr + rows.to(tl.int64) * stride_x
-        digest, ladder, sketch, l2, maxabs = _fingerprint_tile(
-            base, row_ok, w_ptr, p_ptr, m_ptr, hidden, R, KIND, BLOCK_R, BLOCK_H, SK
-        )
-        int_row = int_ptr + slot * slot_i + rows.to(tl.int64) * stride_i
-        flt_row = flt_ptr + slot * slot_f + rows.to(tl.int64) * stride_f
-        _store_tile(int_row, flt_row, row_ok, digest, ladder, sketch, l2, maxabs, R, SK)
+        part_rows = (g * tl.num_programs(2)).to(tl.int64) * n_rows + rows  # region g's chunk 0 first
+        digest, ladder, sketch, l2, maxabs = _row_sums(
+            base, row_ok, w_ptr, p_ptr, m_ptr, hidden, part_i, part_f, n_rows, part_rows,
+            R, KIND, BLOCK_R, BLOCK_H, SK, CHUNK,
+        )  # fmt: skip
+        if CHUNK == 0:
+            int_row = int_ptr + slot * slot_i + rows.to(tl.int64) * stride_i
+            flt_row = flt_ptr + slot * slot_f + rows.to(tl.int64) * stride_f
+            _store_tile(int_row, flt_row, row_ok, digest, ladder, sketch, l2, maxabs, R, SK)
+
+    @jit(do_not_specialize=["n_rows"])
+    def _combine_kernel(
+        table_ptr, part_i, part_f, int_ptr, flt_ptr, n_rows, chunks, slot_i, stride_i, slot_f, stride_f,
+        R: tl.constexpr, KIND: tl.constexpr, BLOCK_R: tl.constexpr, SK: tl.constexpr, REGIONS: tl.constexpr,
+    ):  # fmt: skip
+        """Rows ``[program_id(0) * BLOCK_R, +BLOCK_R)`` of region ``program_id(1)``: its chunks'
+        sums added in ascending chunk order (integers wrap; the float sums start from chunk 0's, so
+        a single chunk keeps its bits), finished and stored as :func:`_store_tile` does. With
+        ``REGIONS`` the output slot is the region's table row's, else 0."""
+        g = tl.program_id(1)
+        if REGIONS:
+            slot = tl.load(table_ptr + 3 * g + 2)
+        else:
+            slot = g.to(tl.int64) * 0
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        row_ok = rows < n_rows
+        r_idx = tl.arange(0, R)
+        sk_cols = tl.arange(0, SK)
+        at = (g * chunks).to(tl.int64) * n_rows + rows.to(tl.int64)
+        int_row = part_i + at * (R + 2)
+        flt_row = part_f + at * (SK + 1)
+        digest = tl.load(int_row, mask=row_ok, other=0)
+        ladder = tl.load(int_row[:, None] + 1 + r_idx[None, :], mask=row_ok[:, None], other=0)
+        amax = tl.load(int_row + 1 + R, mask=row_ok, other=0)
+        sketch = tl.load(flt_row[:, None] + sk_cols[None, :], mask=row_ok[:, None], other=0.0)
+        sq = tl.load(flt_row + SK, mask=row_ok, other=0.0)
+        for _c in range(1, chunks):
+            int_row += n_rows * (R + 2)
+            flt_row += n_rows * (SK + 1)
+            digest += tl.load(int_row, mask=row_ok, other=0)
+            ladder += tl.load(int_row[:, None] + 1 + r_idx[None, :], mask=row_ok[:, None], other=0)
+            amax = tl.maximum(amax, tl.load(int_row + 1 + R, mask=row_ok, other=0))
+            sketch += tl.load(flt_row[:, None] + sk_cols[None, :], mask=row_ok[:, None], other=0.0)
+            sq += tl.load(flt_row + SK, mask=row_ok, other=0.0)
+        l2, maxabs = _finish(sq, amax.to(tl.int32), KIND)
+        out_i = int_ptr + slot * slot_i + rows.to(tl.int64) * stride_i
+        out_f = flt_ptr + slot * slot_f + rows.to(tl.int64) * stride_f
+        _store_tile(out_i, out_f, row_ok, digest, ladder, sketch, l2, maxabs, R, SK)
 
     _LAUNCH = CachedLauncher(_fingerprint_kernel)
     _LAUNCH_REGIONS = CachedLauncher(_fingerprint_regions_kernel)
+    _LAUNCH_COMBINE = CachedLauncher(_combine_kernel)
 
 
 def fingerprint_reference(
@@ -270,8 +394,17 @@ def fingerprint_rows(
         kind = _KIND[x.dtype]
         proj = sketch.contiguous()
         si, sf = ints.stride(0), floats.stride(0)
-        args = (xi, weights, proj, masks, ints, floats, n, hidden, xi.stride(0), si, sf)
-        cx = dict(R=r_pad, KIND=kind, BLOCK_R=BLOCK_R, BLOCK_H=BLOCK_H, SK=SKETCH_DIM)
+        chunks = column_chunks(hidden)
+        part_i, part_f = _partials(1, chunks, n, r_pad, dev) if chunks else (ints, floats)
+        args = (xi, weights, proj, masks, ints, floats, part_i, part_f, n, hidden, xi.stride(0), si, sf)
+        cx = dict(
+            R=r_pad,
+            KIND=kind,
+            BLOCK_R=BLOCK_R,
+            BLOCK_H=BLOCK_H,
+            SK=SKETCH_DIM,
+            CHUNK=CHUNK_H if chunks else 0,
+        )
         key = (
             kind,
             r_pad,
@@ -279,11 +412,46 @@ def fingerprint_rows(
             xi.stride(0),
             si,
             sf,
-            aligned(xi, weights, proj, masks, ints, floats),
+            aligned(xi, weights, proj, masks, ints, floats, part_i, part_f),
             dev,
         )
-        _LAUNCH(key, (cdiv(n, BLOCK_R), 1, 1), args, cx, num_warps=WARPS)
+        _LAUNCH(key, (cdiv(n, BLOCK_R), 1, max(chunks, 1)), args, cx, num_warps=WARPS)
+        if chunks:
+            _combine(ints, ints, floats, part_i, part_f, n, chunks, 1, (0, si, 0, sf), r_pad, kind, False)
     return fields
+
+
+def _partials(
+    count: int, chunks: int, n_rows: int, r_pad: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The column chunks' sums of ``count`` regions: int64 ``[count * chunks * n_rows, R' + 2]``
+    (digest, rungs, largest |x| bits) and float32 ``[..., 17]`` (sketch, sum of squares)."""
+    rows = count * chunks * n_rows
+    return (
+        torch.empty(rows, r_pad + 2, dtype=torch.int64, device=device),
+        torch.empty(rows, SKETCH_DIM + 1, dtype=torch.float32, device=device),
+    )
+
+
+def _combine(
+    table: torch.Tensor,
+    ints: torch.Tensor,
+    floats: torch.Tensor,
+    part_i: torch.Tensor,
+    part_f: torch.Tensor,
+    n_rows: int,
+    chunks: int,
+    count: int,
+    strides: tuple[int, int, int, int],
+    r_pad: int,
+    kind: int,
+    regions: bool,
+) -> None:
+    """Add each region's column chunks into its output rows (:func:`_combine_kernel`)."""
+    args = (table, part_i, part_f, ints, floats, n_rows, chunks, *strides)
+    cx = dict(R=r_pad, KIND=kind, BLOCK_R=BLOCK_R, SK=SKETCH_DIM, REGIONS=regions)
+    key = (kind, r_pad, chunks, strides, regions, aligned(table, part_i, part_f, ints, floats), ints.device)
+    _LAUNCH_COMBINE(key, (cdiv(n_rows, BLOCK_R), count, 1), args, cx, num_warps=WARPS)
 
 
 def _padded(masks: torch.Tensor, r_pad: int) -> torch.Tensor:
@@ -349,11 +517,18 @@ def fingerprint_regions(
     proj = sketch.contiguous()
     kind = _KIND[dtype]
     strides = (ints.stride(0), ints.stride(1), floats.stride(0), floats.stride(1))
-    args = (table, weights, proj, masks, ints, floats, n_rows, hidden, *strides)
-    cx = dict(R=r_pad, KIND=kind, BLOCK_R=BLOCK_R, BLOCK_H=BLOCK_H, SK=SKETCH_DIM, ALIGNED=aligned_rows)
-    tensors = aligned(table, weights, proj, masks, ints, floats)
+    chunks = column_chunks(hidden)
+    part_i, part_f = _partials(count, chunks, n_rows, r_pad, table.device) if chunks else (ints, floats)
+    args = (table, weights, proj, masks, ints, floats, part_i, part_f, n_rows, hidden, *strides)
+    cx = dict(
+        R=r_pad, KIND=kind, BLOCK_R=BLOCK_R, BLOCK_H=BLOCK_H, SK=SKETCH_DIM, ALIGNED=aligned_rows,
+        CHUNK=CHUNK_H if chunks else 0,
+    )  # fmt: skip
+    tensors = aligned(table, weights, proj, masks, ints, floats, part_i, part_f)
     key = (kind, r_pad, hidden, strides, tensors, table.device, aligned_rows)
-    _LAUNCH_REGIONS(key, (cdiv(n_rows, BLOCK_R), count, 1), args, cx, num_warps=WARPS)
+    _LAUNCH_REGIONS(key, (cdiv(n_rows, BLOCK_R), count, max(chunks, 1)), args, cx, num_warps=WARPS)
+    if chunks:
+        _combine(table, ints, floats, part_i, part_f, n_rows, chunks, count, strides, r_pad, kind, True)
 
 
 def rows_aligned(addresses: Sequence[int], row_strides: Sequence[int], dtype: torch.dtype) -> bool:

@@ -47,6 +47,18 @@ def test_fp32_matches_definition(dev: str, hidden: int) -> None:
     _check(*_inputs(70, hidden, torch.float32, dev, (16, 10, 7, 4, 0)))
 
 
+def test_wide_rows_are_summed_in_column_chunks(dev: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows past the width threshold (a vocabulary's logits) go through the column-chunked launch
+    and its combine: the same definition, and still independent of the row count. The threshold
+    and chunk are lowered here so the interpreter walks few columns (3 chunks, the last partial)."""
+    from isoaudit.kernels import fingerprint as kernel
+
+    monkeypatch.setattr(kernel, "WIDE_ROW", 256)
+    monkeypatch.setattr(kernel, "CHUNK_H", 2 * BLOCK_H)
+    assert kernel.column_chunks(700) == 3 and kernel.column_chunks(256) == 0
+    _check(*_inputs(40, 700, torch.float32, dev, (16, 10, 7, 4, 0)))
+
+
 def test_bf16_integer_fields(dev: str) -> None:
     """bf16 read as int16 and widened by shifts only (the interpreter's bf16 casts are not used)."""
     _check(*_inputs(40, 136, torch.bfloat16, dev, (6, 4, 2)))  # 3 rungs: padded to 4 inside
@@ -68,6 +80,16 @@ def test_rejects_bad_arguments(dev: str) -> None:
 def test_gpu_matches_definition(dtype: torch.dtype, hidden: int) -> None:
     rungs = {torch.bfloat16: (6, 4, 2, 0), torch.float16: (8, 6, 4, 2, 0), torch.float32: (16, 10, 7, 4, 0)}
     _check(*_inputs(1030, hidden, dtype, "cuda", rungs[dtype]))
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_wide_rows_match_definition(dtype: torch.dtype) -> None:
+    """A 151,936-entry vocabulary's rows: summed in column chunks on the GPU."""
+    from isoaudit.kernels.fingerprint import column_chunks
+
+    assert column_chunks(151936) > 1
+    _check(*_inputs(200, 151936, dtype, "cuda", (6, 4, 2, 0)))
 
 
 @gpu

@@ -78,6 +78,16 @@ def test_regions_equal_the_per_region_kernel(dev: str, n: int, hidden: int) -> N
     _check(dev, torch.float32, n, hidden)
 
 
+def test_wide_regions_equal_the_per_region_kernel(dev: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regions past the width threshold: each region's column chunks combined into its slot, the
+    per-region kernel's bits (threshold and chunk lowered so the interpreter walks few columns)."""
+    from isoaudit.kernels import fingerprint as kernel
+
+    monkeypatch.setattr(kernel, "WIDE_ROW", 128)
+    monkeypatch.setattr(kernel, "CHUNK_H", 128)
+    _check(dev, torch.float32, 5, 300)
+
+
 def test_rejects_bad_arguments(dev: str) -> None:
     xs, slots, weights, sketch, masks = _regions(dev, torch.float32, 4, 64)
     ints = torch.zeros(6, 4, 5, dtype=torch.int64, device=dev)
@@ -95,6 +105,6 @@ def test_rejects_bad_arguments(dev: str) -> None:
 
 @gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("n,hidden", [(8, 896), (37, 200), (1024, 896)])
+@pytest.mark.parametrize("n,hidden", [(8, 896), (37, 200), (1024, 896), (40, 151936)])
 def test_regions_equal_the_per_region_kernel_gpu(dtype: torch.dtype, n: int, hidden: int) -> None:
     _check("cuda", dtype, n, hidden)
