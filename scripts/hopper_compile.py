@@ -166,27 +166,52 @@ def fp8_grouped_cases() -> list[tuple[str, Any]]:
 
 
 def fingerprint_cases() -> list[tuple[str, Any]]:
-    """Both fingerprint kernels (one region, many regions) for bf16, fp16 and fp32 rows."""
+    """Both fingerprint kernels (one region, many regions), whole rows and column-chunked, for
+    bf16, fp16 and fp32 rows, and the chunks' combine."""
     from isoaudit.kernels import fingerprint as fp
 
     shared = dict(
-        w_ptr="*i64", p_ptr="*fp32", m_ptr="*i64", int_ptr="*i64", flt_ptr="*fp32", n_rows="i32", hidden="i32"
-    )
+        w_ptr="*i64", p_ptr="*fp32", m_ptr="*i64", int_ptr="*i64", flt_ptr="*fp32", part_i="*i64",
+        part_f="*fp32", n_rows="i32", hidden="i32",
+    )  # fmt: skip
     one_tail = dict(stride_x="i32", stride_i="i32", stride_f="i32")
     many = dict(table_ptr="*i64", **shared, slot_i="i32", stride_i="i32", slot_f="i32", stride_f="i32")
+    combine = dict(
+        table_ptr="*i64", part_i="*i64", part_f="*fp32", int_ptr="*i64", flt_ptr="*fp32", n_rows="i32",
+        chunks="i32", slot_i="i32", stride_i="i32", slot_f="i32", stride_f="i32",
+    )  # fmt: skip
     cases = []
+    options = dict(num_warps=fp.WARPS)
     for kind, view in ((0, "*i16"), (1, "*i16"), (2, "*i32")):
-        constexprs = dict(R=4, KIND=kind, BLOCK_R=fp.BLOCK_R, BLOCK_H=fp.BLOCK_H, SK=fp.SKETCH_DIM)
-        options = dict(num_warps=fp.WARPS)
-        one = dict(x_ptr=view, **shared, **one_tail)
-        cases.append(
-            (f"fingerprint one region KIND={kind}", (fp._fingerprint_kernel, one, constexprs, options))
-        )
-        for aligned_rows in (False, True):
+        for chunk in (0, fp.CHUNK_H):
+            constexprs = dict(
+                R=4, KIND=kind, BLOCK_R=fp.BLOCK_R, BLOCK_H=fp.BLOCK_H, SK=fp.SKETCH_DIM, CHUNK=chunk
+            )
+            one = dict(x_ptr=view, **shared, **one_tail)
             cases.append(
                 (
-                    f"fingerprint regions KIND={kind} ALIGNED={aligned_rows}",
-                    (fp._fingerprint_regions_kernel, many, {**constexprs, "ALIGNED": aligned_rows}, options),
+                    f"fingerprint one region KIND={kind} CHUNK={chunk}",
+                    (fp._fingerprint_kernel, one, constexprs, options),
+                )
+            )
+            for aligned_rows in (False, True):
+                cases.append(
+                    (
+                        f"fingerprint regions KIND={kind} ALIGNED={aligned_rows} CHUNK={chunk}",
+                        (
+                            fp._fingerprint_regions_kernel,
+                            many,
+                            {**constexprs, "ALIGNED": aligned_rows},
+                            options,
+                        ),
+                    )
+                )
+        for regions in (False, True):
+            constexprs = dict(R=4, KIND=kind, BLOCK_R=fp.BLOCK_R, SK=fp.SKETCH_DIM, REGIONS=regions)
+            cases.append(
+                (
+                    f"fingerprint combine KIND={kind} REGIONS={regions}",
+                    (fp._combine_kernel, combine, constexprs, options),
                 )
             )
     return cases
