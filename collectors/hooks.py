@@ -119,12 +119,6 @@ class _Staging:
         self.used += n
 
 
-def _copied(view: torch.Tensor) -> torch.Tensor:
-    """A contiguous copy of ``view``, always a copy (``contiguous()`` of a view that already is
-    one, a single row say, would share the storage the next step writes)."""
-    return view.clone(memory_format=torch.contiguous_format)
-
-
 class _CompiledTarget:
     """Where compiled forwards write: the buffers of one batch shape, and the rungs each region
     slot was written with (``None``: not written since :meth:`ForwardCapture.prepare_compiled`)."""
@@ -135,41 +129,53 @@ class _CompiledTarget:
         self.buffers = FingerprintBuffers(len(self.names), rows, device)
         self.bits: list[tuple[int, ...] | None] = [None] * len(self.names)
         self.logits: torch.Tensor | None = None
-        self._plans: dict[tuple[tuple[tuple[int, ...] | None, ...], int], SpanPlan] = {}
-        self._take: tuple[torch.Tensor, torch.Tensor] | None = None  # (real rows, their flat index)
+        # per (rungs written, rows): the plan and each group's slots, in the order of its rows
+        self._plans: dict[
+            tuple[tuple[tuple[int, ...] | None, ...], int], tuple[SpanPlan, tuple[tuple[int, ...], ...]]
+        ] = {}
+        # per group's slots: (real rows or None, the flat buffer rows to take)
+        self._take: dict[tuple[int, ...], tuple[torch.Tensor | None, torch.Tensor]] = {}
 
-    def take_index(self, real: torch.Tensor) -> torch.Tensor:
-        """The flat buffer rows of ``real`` (the batch's real rows, on the host) in every slot,
-        slot after slot, on the buffers' device: made again only when the real rows change (a
-        training loop's batches often keep one layout)."""
-        kept = self._take
-        if kept is not None and kept[0].shape == real.shape and torch.equal(kept[0], real):
-            return kept[1]
+    def take_index(self, slots: tuple[int, ...], real: torch.Tensor | None) -> torch.Tensor:
+        """The flat buffer rows of ``real`` (the batch's real rows, on the host; ``None``: every
+        row) in each of ``slots``, slot after slot, on the buffers' device: made again only when
+        the real rows change (a training loop's batches often keep one layout)."""
+        kept = self._take.get(slots)
+        if kept is not None:
+            was = kept[0]
+            if (was is None and real is None) or (
+                was is not None and real is not None and was.shape == real.shape and torch.equal(was, real)
+            ):
+                return kept[1]
         device = self.buffers.ints.device
-        slots = torch.arange(len(self.names), device=device)
-        take = (slots[:, None] * self.buffers.rows + to_device(real, device)[None, :]).reshape(-1)
-        self._take = (real.clone(), take)
+        rows = self.buffers.rows
+        picked = torch.tensor(slots, device=device)
+        within = torch.arange(rows, device=device) if real is None else to_device(real, device)
+        take = (picked[:, None] * rows + within[None, :]).reshape(-1)
+        self._take[slots] = (None if real is None else real.clone(), take)
         return take
 
-    def plan(self, rows: int | None = None) -> SpanPlan:
+    def plan(self, rows: int | None = None) -> tuple[SpanPlan, tuple[tuple[int, ...], ...]]:
         """Where the regions written (``bits``) lie in the groups' rows, grouped by rungs: one
-        group per ladder, each region the rows of its slot, ``rows`` of them (default: every row
-        of the buffers; made once per set of rungs written and row count)."""
+        group per ladder holding its own regions' slots only, each region ``rows`` rows (default:
+        every row of the buffers) at its place among them; and each group's slots (made once per
+        set of rungs written and row count)."""
         written = tuple(self.bits)
         rows = self.buffers.rows if rows is None else rows
-        plan = self._plans.get((written, rows))
-        if plan is None:
-            groups: dict[tuple[int, ...], int] = {}
+        made = self._plans.get((written, rows))
+        if made is None:
+            groups: dict[tuple[int, ...], list[int]] = {}
             keys, spans, ladders = [], [], []
             for slot, bits in enumerate(written):
                 if bits is not None:
+                    members = groups.setdefault(bits, [])
                     keys.append((self.names[slot], 0))
-                    spans.append((groups.setdefault(bits, len(groups)), slot * rows, (slot + 1) * rows))
+                    spans.append((list(groups).index(bits), len(members) * rows, (len(members) + 1) * rows))
                     ladders.append(bits)
-            plan = self._plans[(written, rows)] = SpanPlan(
-                tuple(keys), tuple(groups), tuple(spans), tuple(ladders), rows
-            )
-        return plan
+                    members.append(slot)
+            plan = SpanPlan(tuple(keys), tuple(groups), tuple(spans), tuple(ladders), rows)
+            made = self._plans[(written, rows)] = (plan, tuple(tuple(members) for members in groups.values()))
+        return made
 
 
 class _CompiledForward:
@@ -558,33 +564,27 @@ class ForwardCapture:
             return None
         # one group per ladder, each region a span of its group (the plan of this shape and these
         # rungs, made once), so the step's transfer sends a few tensors, not 5 per region; each
-        # field a contiguous copy (the next step writes the same storage), which is also the
-        # layout the transfer sends: copied once, not twice. With the real rows known
-        # (``begin_step``'s batch), the copy is a gather of those rows of every slot: padding never
-        # leaves the device, and each sample's rows lie side by side on the host
+        # field a gather of the group's own slots into a contiguous copy (the next step writes
+        # the same storage), which is also the layout the transfer sends: copied once, not twice.
+        # With the real rows known (``begin_step``'s batch), only those rows of each slot: padding
+        # never leaves the device, and each sample's rows lie side by side on the host
         ints = target.buffers.ints.reshape(-1, target.buffers.ints.shape[-1])
         floats = target.buffers.floats.reshape(-1, FLOAT_WIDTH)
         real = self.row_hint[1] if self.row_hint is not None and self.row_hint[0] == target.shape else None
-        if real is None:
-            plan, pick = target.plan(), _copied
-        else:
-            plan = target.plan(int(real.numel()))
-            take = target.take_index(real)
-
-            def pick(view: torch.Tensor) -> torch.Tensor:
-                return view.index_select(0, take)
-
-        groups = [
-            RowFingerprints(
-                pick(ints[:, 0]),
-                pick(ints[:, 1 : 1 + len(bits)]),
-                pick(floats[:, : FLOAT_WIDTH - 2]),
-                pick(floats[:, FLOAT_WIDTH - 2]),
-                pick(floats[:, FLOAT_WIDTH - 1]),
-                bits,
-            )  # fmt: skip
-            for bits in plan.groups
-        ]
+        plan, slots_of = target.plan(None if real is None else int(real.numel()))
+        groups = []
+        for bits, slots in zip(plan.groups, slots_of, strict=True):
+            take = target.take_index(slots, real)  # this group's slots only: each row copied once
+            groups.append(
+                RowFingerprints(
+                    ints[:, 0].index_select(0, take),
+                    ints[:, 1 : 1 + len(bits)].index_select(0, take),
+                    floats[:, : FLOAT_WIDTH - 2].index_select(0, take),
+                    floats[:, FLOAT_WIDTH - 2].index_select(0, take),
+                    floats[:, FLOAT_WIDTH - 1].index_select(0, take),
+                    bits,
+                )  # fmt: skip
+            )
         capture = Capture(input_ids, rows=real, fingerprinting=True, logits=target.logits, complete=True)
         capture.prints = SpanPrints(groups, plan)
         target.logits = None

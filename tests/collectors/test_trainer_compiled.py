@@ -123,6 +123,47 @@ def test_compiled_trainer_records_every_region_through_the_op(dtype: torch.dtype
     assert {"embed", "layers.0.attn", "layers.1.out", "final_norm", "logits"} <= regions
 
 
+def test_each_ladder_group_copies_its_own_regions_rows_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bf16 model has regions of two dtypes, so two ladders and two groups: each group gathers
+    the rows of its own regions' slots, never every slot's (the step's copy to the host carries
+    each region's rows once), and the records still equal the eager step's bit for bit."""
+    from isoaudit.collectors.hooks import ForwardCapture
+
+    taken: list[list[tuple[int, int]]] = []
+    take = ForwardCapture.take_compiled
+
+    def spy(self, input_ids):
+        capture = take(self, input_ids)
+        if capture is not None:
+            plan = capture.prints.plan
+            members = [sum(1 for g, _, _ in plan.spans if g == i) for i in range(len(plan.groups))]
+            taken.append(
+                [
+                    (len(group.digest), n * plan.rows)
+                    for group, n in zip(capture.prints.groups, members, strict=True)
+                ]
+            )
+        return capture
+
+    monkeypatch.setattr(ForwardCapture, "take_compiled", spy)
+    eager_model = _model(torch.bfloat16)
+    compiled_model = copy.deepcopy(eager_model)
+    torch._dynamo.reset()
+    invariant = FixedControl("c", "invariant")
+    try:
+        eager = _train(eager_model, eager_model, 2, control=invariant)
+        compiled = _train(compiled_model, torch.compile(compiled_model), 2, control=invariant)
+    finally:
+        kernels.disable()
+        torch._dynamo.reset()
+    assert taken and all(len(groups) == 2 for groups in taken)  # bf16 regions, and fp32 ones
+    for groups in taken:
+        for rows, own in groups:
+            assert rows == own  # its regions' rows, not every region's
+    for (ra, _), (rb, _) in zip(eager, compiled, strict=True):
+        _assert_equal_prints(ra, rb)
+
+
 def test_batches_of_one_shape_with_other_real_rows_record_their_own_rows() -> None:
     """Steps whose batches share a shape but not their padding: each compiled step gathers its own
     real rows from the buffers (the gather index is kept only while the rows stay the same), and
