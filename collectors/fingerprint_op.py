@@ -44,16 +44,23 @@ INT_WIDTH = max(packed_width(fmt.ladder_bits) for fmt in FORMATS.values())
 # it once per region too large to hold, and this dispatch costs a few microseconds where
 # ``custom_op``'s wrapper costs tens on a CPU (hundreds of microseconds of host time a step).
 _lib = torch.library.Library("isoaudit", "FRAGMENT")
-_lib.define("fingerprint_rows_(Tensor x, Tensor(a!) ints, Tensor(b!) floats, int[] ladder_bits) -> ()")
+_lib.define(
+    "fingerprint_rows_(Tensor x, Tensor(a!) ints, Tensor(b!) floats, int[] ladder_bits, bool as_float32=False) -> ()"
+)
 
 
 def fingerprint_rows_(
-    x: torch.Tensor, ints: torch.Tensor, floats: torch.Tensor, ladder_bits: Sequence[int]
+    x: torch.Tensor,
+    ints: torch.Tensor,
+    floats: torch.Tensor,
+    ladder_bits: Sequence[int],
+    as_float32: bool = False,
 ) -> None:
     """Write the fingerprints of every row of ``x`` ([..., hidden], rows = leading dims flattened)
     into ``ints`` (int64 ``[n, >= 1 + R']``: digest, then the ``R`` rungs of ``ladder_bits``) and
-    ``floats`` (float32 ``[n, >= 18]``: 16 sketch values, L2, max-abs). No host sync."""
-    fingerprint_rows_into(x, ints, floats, ladder_bits)
+    ``floats`` (float32 ``[n, >= 18]``: 16 sketch values, L2, max-abs). No host sync.
+    ``as_float32``: those of ``x.float()``, with no fp32 copy made."""
+    fingerprint_rows_into(x, ints, floats, ladder_bits, as_float32)
 
 
 _lib.impl("fingerprint_rows_", fingerprint_rows_, "CompositeExplicitAutograd")
@@ -61,7 +68,11 @@ _lib.impl("fingerprint_rows_", fingerprint_rows_, "CompositeExplicitAutograd")
 
 @torch.library.register_fake(OP_NAME)
 def _fingerprint_rows_fake(
-    x: torch.Tensor, ints: torch.Tensor, floats: torch.Tensor, ladder_bits: Sequence[int]
+    x: torch.Tensor,
+    ints: torch.Tensor,
+    floats: torch.Tensor,
+    ladder_bits: Sequence[int],
+    as_float32: bool = False,
 ) -> None:
     """Shapes only: the op writes its buffers in place and returns nothing."""
     return None
@@ -148,12 +159,17 @@ def record_rows(
 
 
 def record(
-    x: torch.Tensor, ints: torch.Tensor, floats: torch.Tensor, ladder_bits: Sequence[int] | None = None
+    x: torch.Tensor,
+    ints: torch.Tensor,
+    floats: torch.Tensor,
+    ladder_bits: Sequence[int] | None = None,
+    as_float32: bool = False,
 ) -> None:
     """Call the op on ``x`` (detached: a fingerprint never joins the autograd graph); ``ladder_bits``
-    defaults to the dtype's ladder."""
-    bits = list(default_ladder_bits(x.dtype) if ladder_bits is None else ladder_bits)
-    torch.ops.isoaudit.fingerprint_rows_(x.detach(), ints, floats, bits)
+    defaults to the dtype's ladder (fp32's with ``as_float32``: the fields of ``x.float()``)."""
+    dtype = torch.float32 if as_float32 else x.dtype
+    bits = list(default_ladder_bits(dtype) if ladder_bits is None else ladder_bits)
+    torch.ops.isoaudit.fingerprint_rows_(x.detach(), ints, floats, bits, as_float32)
 
 
 @dataclass(frozen=True)
@@ -188,9 +204,12 @@ class FingerprintBuffers:
         """Slot ``slot``'s ``(ints, floats)`` row buffers, as :func:`record` takes them."""
         return self.ints[slot], self.floats[slot]
 
-    def write(self, slot: int, x: torch.Tensor, ladder_bits: Sequence[int] | None = None) -> None:
-        """Fingerprint ``x``'s rows (exactly :attr:`rows` of them) into slot ``slot``."""
-        record(x, self.ints[slot], self.floats[slot], ladder_bits)
+    def write(
+        self, slot: int, x: torch.Tensor, ladder_bits: Sequence[int] | None = None, as_float32: bool = False
+    ) -> None:
+        """Fingerprint ``x``'s rows (exactly :attr:`rows` of them) into slot ``slot`` (``as_float32``:
+        those of ``x.float()``, no copy made)."""
+        record(x, self.ints[slot], self.floats[slot], ladder_bits, as_float32)
 
     def write_rows(
         self,

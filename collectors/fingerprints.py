@@ -376,13 +376,21 @@ FLOAT_WIDTH = SKETCH_DIM + 2
 
 
 def fingerprint_rows_into(
-    x: torch.Tensor, ints: torch.Tensor, floats: torch.Tensor, ladder_bits: Sequence[int] | None = None
+    x: torch.Tensor,
+    ints: torch.Tensor,
+    floats: torch.Tensor,
+    ladder_bits: Sequence[int] | None = None,
+    as_float32: bool = False,
 ) -> RowFingerprints:
     """:func:`fingerprint_rows` written into preallocated row buffers, with no host sync and no
     allocation the caller sees: ``ints`` int64 ``[n, >= packed_width(bits)]`` (digest, rungs),
     ``floats`` float32 ``[n, >= FLOAT_WIDTH]`` (sketch, L2, max-abs), both with unit column stride.
-    The same bits as :func:`fingerprint_rows` of the same rows; returns the fields as views."""
-    fmt = _format(x.dtype)
+    The same bits as :func:`fingerprint_rows` of the same rows; returns the fields as views.
+    ``as_float32``: the fields of ``x.float()`` for bf16/fp16 ``x`` (the kernel widens each element
+    as it reads it: no fp32 copy of a vocabulary's logits), ``ladder_bits`` then fp32's."""
+    if as_float32 and x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"x: as_float32 widens bf16, fp16 or fp32 rows exactly, not {x.dtype}")
+    fmt = _format(torch.float32 if as_float32 else x.dtype)
     bits = _check_ladder(ladder_bits, fmt)
     hidden = int(x.shape[-1]) if x.dim() else 1
     rows = x.detach().reshape(-1, hidden)
@@ -412,9 +420,10 @@ def fingerprint_rows_into(
     if device.type == "cuda":
         triton_pass = _triton_pass()
         if triton_pass is not None and triton_pass.supported(rows):
-            triton_pass.fingerprint_rows(rows, *_constants(hidden, device, fmt, bits), out=(ints, floats))
+            constants = _constants(hidden, device, fmt, bits)
+            triton_pass.fingerprint_rows(rows, *constants, out=(ints, floats), as_float32=as_float32)
             return out
-    _fill(rows, fmt, bits, out)
+    _fill(rows.float() if as_float32 else rows, fmt, bits, out)
     return out
 
 

@@ -232,18 +232,25 @@ class _CompiledForward:
         with torch.no_grad():
             if name == "logits" and dispatch.is_enabled() and isinstance(module, nn.Linear):
                 tensor = _invariant_head_logits(module, inputs, None)
-            else:
-                tensor = read_tap(output, tap)
+            else:  # an fp32 tap's cast is left to the op where it goes alone (below)
+                tensor = read_tap(output, Tap.FIRST if tap is Tap.FP32 else tap)
             if tensor is None:
                 return
             rows = tensor.reshape(-1, tensor.shape[-1])
             if rows.shape[0] != target.buffers.rows:
                 return
-            bits = default_ladder_bits(rows.dtype)
-            size = rows.numel() * rows.element_size()
+            widen = tap is Tap.FP32 and rows.dtype in (torch.bfloat16, torch.float16)
+            if tap is Tap.FP32 and not widen and rows.dtype != torch.float32:
+                rows = tensor = rows.float()  # fp64, say: a rounding cast, made as the eager path makes it
+            bits = default_ladder_bits(torch.float32 if widen else rows.dtype)
+            size = rows.numel() * (4 if widen else rows.element_size())
             if self.last_slot is None or self.flushed or slot in self.mutated or size > self.max_held_bytes:
-                target.buffers.write(slot, rows, bits)
+                # alone (a vocabulary's logits, say): an fp32 tap's rows are widened as the kernel
+                # reads them, the fields of their fp32 copy without one
+                target.buffers.write(slot, rows, bits, as_float32=widen)
             else:
+                if widen:
+                    tensor = rows = rows.float()  # held with the other fp32 rows of the forward
                 if self.pending_bytes + size > self.max_held_bytes:
                     # the cap reached: what is held goes through the op here, and holding starts
                     # anew (a long batch's regions in a few launches, none of them alone)

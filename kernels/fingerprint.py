@@ -42,6 +42,9 @@ SKETCH_DIM = 16
 # count), so a row's float sums have one order.
 _INT_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 _KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+#: KIND of bf16/fp16 rows fingerprinted as their (exact) fp32 values: the fields of ``x.float()``,
+#: read at the rows' own width, with no fp32 copy made (a vocabulary's logits, canonically fp32)
+_KIND_AS_FP32 = {torch.bfloat16: 3, torch.float16: 4, torch.float32: 2}
 BLOCK_R, BLOCK_H, WARPS = 16, 128, 4
 #: Rows wider than ``WIDE_ROW`` columns (a vocabulary's logits) are summed in chunks of ``CHUNK_H``
 #: columns, one program each, and the chunks' sums added in ascending order. The split depends on
@@ -108,7 +111,12 @@ if HAVE_TRITON:
             w = tl.load(w_ptr + cols, mask=col_ok, other=0)
             w_lo = w.to(tl.int32)  # truncates: the low word, as signed
             w_hi = ((w - w_lo.to(tl.int64)) >> 32).to(tl.int32)
-            x32 = xi.to(tl.int32)  # sign-extends the bit pattern
+            if KIND == 3:  # bf16 read as its fp32 value: the fp32 bit pattern, exactly
+                x32 = xi.to(tl.int32) << 16
+            elif KIND == 4:  # fp16 read as its fp32 value (exact), then its fp32 bit pattern
+                x32 = xi.to(tl.float16, bitcast=True).to(tl.float32).to(tl.int32, bitcast=True)
+            else:
+                x32 = xi.to(tl.int32)  # sign-extends the bit pattern
             dig_lo += tl.sum(x32.to(tl.int64) * w_lo.to(tl.int64)[None, :], 1)
             dig_hi += tl.sum(x32 * w_hi[None, :], 1)
             for r in tl.static_range(R):
@@ -124,9 +132,9 @@ if HAVE_TRITON:
             elif KIND == 1:
                 xf = xi.to(tl.float16, bitcast=True).to(tl.float32)
                 amax = tl.maximum(amax, tl.max(xi.to(tl.int32) & 0x7FFF, 1))
-            else:
-                xf = xi.to(tl.float32, bitcast=True)
-                amax = tl.maximum(amax, tl.max(xi & 0x7FFFFFFF, 1))
+            else:  # fp32 bit patterns (read, or widened above)
+                xf = x32.to(tl.float32, bitcast=True)
+                amax = tl.maximum(amax, tl.max(x32 & 0x7FFFFFFF, 1))
             sq_acc += tl.dot(xf * xf, ones, input_precision="ieee")  # a slab's sum, then the slabs'
             p = tl.load(p_ptr + cols[:, None] * SK + sk_cols[None, :], mask=col_ok[:, None], other=0.0)
             sketch = tl.dot(xf, p, sketch, input_precision="ieee")
@@ -339,9 +347,11 @@ def fingerprint_rows(
     masks: torch.Tensor,
     impl: str | None = None,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    as_float32: bool = False,
 ) -> Fingerprints:
     """Fingerprint every row of ``x`` ([..., hidden], bf16/fp16/fp32; rows = leading dims
-    flattened) in one pass on x's device.
+    flattened) in one pass on x's device. ``as_float32``: the fields of ``x.float()`` (``masks``
+    then fp32's), each element widened as it is read, so no fp32 copy is made.
 
     ``weights``: int64 [hidden], the odd digest weights (uint64 bit patterns); ``sketch``: float32
     [hidden, 16], the projection; ``masks``: int64 [R], one bit mask per ladder rung (``-(1 << (m -
@@ -369,7 +379,7 @@ def fingerprint_rows(
     if out is not None:
         _check_out(out, x, r_pad)
     if resolve(impl, x) == "torch":
-        got = fingerprint_reference(x, weights, sketch, masks)
+        got = fingerprint_reference(x.float() if as_float32 else x, weights, sketch, masks)
         if out is None:
             return got
         fields = _fields(*out, r)
@@ -391,7 +401,7 @@ def fingerprint_rows(
     if n:
         masks = _padded(masks, r_pad)
         xi = rows.view(_INT_VIEW[x.dtype])
-        kind = _KIND[x.dtype]
+        kind = (_KIND_AS_FP32 if as_float32 else _KIND)[x.dtype]
         proj = sketch.contiguous()
         si, sf = ints.stride(0), floats.stride(0)
         chunks = column_chunks(hidden)

@@ -123,10 +123,15 @@ def test_compiled_trainer_records_every_region_through_the_op(dtype: torch.dtype
     assert {"embed", "layers.0.attn", "layers.1.out", "final_norm", "logits"} <= regions
 
 
-def test_each_ladder_group_copies_its_own_regions_rows_only(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("held_cap", [None, 1024])
+def test_each_ladder_group_copies_its_own_regions_rows_only(
+    monkeypatch: pytest.MonkeyPatch, held_cap: int | None
+) -> None:
     """A bf16 model has regions of two dtypes, so two ladders and two groups: each group gathers
     the rows of its own regions' slots, never every slot's (the step's copy to the host carries
-    each region's rows once), and the records still equal the eager step's bit for bit."""
+    each region's rows once), and the records still equal the eager step's bit for bit. With a
+    cap below every region, each goes alone through the per-region op: the bf16 logits then
+    widened to fp32 as the kernel reads them (no fp32 copy), the same bits."""
     from isoaudit.collectors.hooks import ForwardCapture
 
     taken: list[list[tuple[int, int]]] = []
@@ -152,7 +157,9 @@ def test_each_ladder_group_copies_its_own_regions_rows_only(monkeypatch: pytest.
     invariant = FixedControl("c", "invariant")
     try:
         eager = _train(eager_model, eager_model, 2, control=invariant)
-        compiled = _train(compiled_model, torch.compile(compiled_model), 2, control=invariant)
+        compiled = _train(
+            compiled_model, torch.compile(compiled_model), 2, control=invariant, held_cap=held_cap
+        )
     finally:
         kernels.disable()
         torch._dynamo.reset()
@@ -162,6 +169,60 @@ def test_each_ladder_group_copies_its_own_regions_rows_only(monkeypatch: pytest.
             assert rows == own  # its regions' rows, not every region's
     for (ra, _), (rb, _) in zip(eager, compiled, strict=True):
         _assert_equal_prints(ra, rb)
+
+
+def test_compiled_bf16_logits_alone_are_fingerprinted_as_their_float32_copy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Native bf16, every region alone through the per-region op (a cap below every region): the
+    logits region, canonically fp32, is widened as the kernel reads the bf16 logits (the op is
+    handed them in bf16: no fp32 copy), and its records equal the fingerprints of the compiled
+    forward's own logits cast to fp32."""
+    from isoaudit.collectors import fingerprint_op
+    from isoaudit.collectors.fingerprints import fingerprint_rows
+
+    handed: list[tuple[torch.dtype, bool]] = []
+    into = fingerprint_op.fingerprint_rows_into
+
+    def spy(x, ints, floats, ladder_bits=None, as_float32=False):
+        if x.shape[-1] == 256:  # the vocabulary: the logits region
+            handed.append((x.dtype, as_float32))
+        return into(x, ints, floats, ladder_bits, as_float32)
+
+    monkeypatch.setattr(fingerprint_op, "fingerprint_rows_into", spy)
+    model = _model(torch.bfloat16)
+    torch._dynamo.reset()
+    sink = MemorySink()
+    collector = attach(model, run="c", sink=sink, keep_records=True, strict=True, async_transfer=False)
+    collector._capture.max_held_bytes = 1024
+    compiled = torch.compile(model)
+    try:
+        for step in range(3):
+            batch = _batch(step)
+            collector.begin_step(step, batch)
+            logits = compiled(**batch.model_inputs()).logits
+            report = collector.record_step(step, batch)
+        assert report is not None and not report.own_forward
+        prints = fingerprint_rows(logits.detach().reshape(-1, logits.shape[-1]).float())
+        want = {name: getattr(prints, name).cpu().numpy() for name in ROW_FIELDS}
+        seen = 0
+        for record in report.records:
+            if record.kind != "fingerprints" or record.region != "logits":
+                continue
+            sample = report.sample_keys.index(record.sample_key)
+            rows = batch.flat_start(sample) + np.asarray(record.positions)
+            for name in ROW_FIELDS:
+                got, expected = (
+                    np.ascontiguousarray(getattr(record, name)),
+                    np.ascontiguousarray(want[name][rows]),
+                )
+                assert got.shape == expected.shape and got.tobytes() == expected.tobytes(), name
+            seen += 1
+        assert seen == batch.num_samples
+        assert handed and set(handed) == {(torch.bfloat16, True)}
+    finally:
+        collector.detach()
+        torch._dynamo.reset()
 
 
 def test_batches_of_one_shape_with_other_real_rows_record_their_own_rows() -> None:

@@ -59,6 +59,28 @@ def test_wide_rows_are_summed_in_column_chunks(dev: str, monkeypatch: pytest.Mon
     _check(*_inputs(40, 700, torch.float32, dev, (16, 10, 7, 4, 0)))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hidden", [200, 700])
+def test_rows_read_as_float32_equal_their_float32_copy(
+    dev: str, dtype: torch.dtype, hidden: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``as_float32``: bf16/fp16 rows fingerprinted as their fp32 values, widened in registers,
+    are the fields of their fp32 copy bit for bit (whole rows, and column-chunked at 700)."""
+    from isoaudit.kernels import fingerprint as kernel
+
+    monkeypatch.setattr(kernel, "WIDE_ROW", 256)
+    monkeypatch.setattr(kernel, "CHUNK_H", 2 * BLOCK_H)
+    x, weights, sketch, masks = _inputs(40, hidden, torch.float32, dev, (16, 10, 7, 4, 0))
+    low = x.to(dtype)
+    low[1, :3] = torch.tensor([float("inf"), -0.0, -1e-7]).to(dtype)  # inf, a signed zero, a subnormal
+    got = fingerprint_rows(low, weights, sketch, masks, impl="triton", as_float32=True)
+    want = fingerprint_rows(low.float(), weights, sketch, masks, impl="triton")
+    for a, b in zip(got, want, strict=True):
+        assert bits_equal(a, b)
+    reference = fingerprint_rows(low, weights, sketch, masks, impl="torch", as_float32=True)
+    assert bits_equal(reference.digest, want.digest) and bits_equal(reference.ladder, want.ladder)
+
+
 def test_bf16_integer_fields(dev: str) -> None:
     """bf16 read as int16 and widened by shifts only (the interpreter's bf16 casts are not used)."""
     _check(*_inputs(40, 136, torch.bfloat16, dev, (6, 4, 2)))  # 3 rungs: padded to 4 inside
@@ -90,6 +112,17 @@ def test_gpu_wide_rows_match_definition(dtype: torch.dtype) -> None:
 
     assert column_chunks(151936) > 1
     _check(*_inputs(200, 151936, dtype, "cuda", (6, 4, 2, 0)))
+
+
+@gpu
+def test_gpu_logits_read_as_float32_equal_their_float32_copy() -> None:
+    """bf16 logits of a 151,936-entry vocabulary widened in registers: their fp32 copy's bits."""
+    x, weights, sketch, masks = _inputs(300, 151936, torch.float32, "cuda", (16, 10, 7, 4, 0))
+    low = x.bfloat16()
+    got = fingerprint_rows(low, weights, sketch, masks, as_float32=True)
+    want = fingerprint_rows(low.float(), weights, sketch, masks)
+    for a, b in zip(got, want, strict=True):
+        assert bits_equal(a, b)
 
 
 @gpu
