@@ -407,14 +407,8 @@ def fingerprint_rows(
         chunks = column_chunks(hidden)
         part_i, part_f = _partials(1, chunks, n, r_pad, dev) if chunks else (ints, floats)
         args = (xi, weights, proj, masks, ints, floats, part_i, part_f, n, hidden, xi.stride(0), si, sf)
-        cx = dict(
-            R=r_pad,
-            KIND=kind,
-            BLOCK_R=BLOCK_R,
-            BLOCK_H=BLOCK_H,
-            SK=SKETCH_DIM,
-            CHUNK=CHUNK_H if chunks else 0,
-        )
+        chunk = CHUNK_H if chunks else 0
+        cx = dict(R=r_pad, KIND=kind, BLOCK_R=BLOCK_R, BLOCK_H=BLOCK_H, SK=SKETCH_DIM, CHUNK=chunk)
         key = (
             kind,
             r_pad,
