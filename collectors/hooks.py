@@ -239,17 +239,18 @@ class _CompiledForward:
             rows = tensor.reshape(-1, tensor.shape[-1])
             if rows.shape[0] != target.buffers.rows:
                 return
-            widen = tap is Tap.FP32 and rows.dtype in (torch.bfloat16, torch.float16)
-            if tap is Tap.FP32 and not widen and rows.dtype != torch.float32:
-                rows = tensor = rows.float()  # fp64, say: a rounding cast, made as the eager path makes it
-            bits = default_ladder_bits(torch.float32 if widen else rows.dtype)
-            size = rows.numel() * (4 if widen else rows.element_size())
+            fp32_tap = tap is Tap.FP32  # fingerprinted as fp32, whatever the rows' dtype
+            bits = default_ladder_bits(torch.float32 if fp32_tap else rows.dtype)
+            size = rows.numel() * (4 if fp32_tap else rows.element_size())
             if self.last_slot is None or self.flushed or slot in self.mutated or size > self.max_held_bytes:
-                # alone (a vocabulary's logits, say): an fp32 tap's rows are widened as the kernel
-                # reads them, the fields of their fp32 copy without one
+                # alone (a vocabulary's logits, say): bf16/fp16 rows of an fp32 tap are widened as
+                # the kernel reads them, the fields of their fp32 copy without one
+                widen = fp32_tap and rows.dtype in (torch.bfloat16, torch.float16)
+                if fp32_tap and not widen:
+                    rows = rows.float()  # fp64, say: the rounding cast the eager path makes
                 target.buffers.write(slot, rows, bits, as_float32=widen)
             else:
-                if widen:
+                if fp32_tap:
                     tensor = rows = rows.float()  # held with the other fp32 rows of the forward
                 if self.pending_bytes + size > self.max_held_bytes:
                     # the cap reached: what is held goes through the op here, and holding starts

@@ -185,18 +185,9 @@ if HAVE_TRITON:
             start = tl.program_id(2) * CHUNK
             span = tl.minimum(hidden - start, CHUNK)
             digest, ladder, sketch, sq, amax = _fingerprint_tile(
-                base + start,
-                row_ok,
-                w_ptr + start,
-                p_ptr + start * SK,
-                m_ptr,
-                span,
-                R,
-                KIND,
-                BLOCK_R,
-                BLOCK_H,
-                SK,
-            )
+                base + start, row_ok, w_ptr + start, p_ptr + start * SK, m_ptr, span,
+                R, KIND, BLOCK_R, BLOCK_H, SK,
+            )  # fmt: skip
             at = tl.program_id(2).to(tl.int64) * n_rows + part_rows.to(tl.int64)
             _store_partial(part_i, part_f, at, row_ok, digest, ladder, sketch, sq, amax, R, SK)
         l2, maxabs = _finish(sq, amax, KIND)
@@ -290,7 +281,7 @@ if HAVE_TRITON:
         if REGIONS:
             slot = tl.load(table_ptr + 3 * g + 2)
         else:
-            slot = g.to(tl.int64) * 0
+            slot = 0
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         row_ok = rows < n_rows
         r_idx = tl.arange(0, R)
@@ -524,10 +515,10 @@ def fingerprint_regions(
     chunks = column_chunks(hidden)
     part_i, part_f = _partials(count, chunks, n_rows, r_pad, table.device) if chunks else (ints, floats)
     args = (table, weights, proj, masks, ints, floats, part_i, part_f, n_rows, hidden, *strides)
+    chunk = CHUNK_H if chunks else 0
     cx = dict(
-        R=r_pad, KIND=kind, BLOCK_R=BLOCK_R, BLOCK_H=BLOCK_H, SK=SKETCH_DIM, ALIGNED=aligned_rows,
-        CHUNK=CHUNK_H if chunks else 0,
-    )  # fmt: skip
+        R=r_pad, KIND=kind, BLOCK_R=BLOCK_R, BLOCK_H=BLOCK_H, SK=SKETCH_DIM, ALIGNED=aligned_rows, CHUNK=chunk
+    )
     tensors = aligned(table, weights, proj, masks, ints, floats, part_i, part_f)
     key = (kind, r_pad, hidden, strides, tensors, table.device, aligned_rows)
     _LAUNCH_REGIONS(key, (cdiv(n_rows, BLOCK_R), count, max(chunks, 1)), args, cx, num_warps=WARPS)
